@@ -1,0 +1,180 @@
+/* ddp core: status codes, the thread-local last error, rank-prefixed logging,
+ * allocation hooks, arenas for per-step temporaries, a seeded RNG, time and
+ * environment parameters. Every other layer builds on this one. */
+#ifndef DDP_CORE_H
+#define DDP_CORE_H
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- Status codes -------------------------------------------------------
+ * Library functions return ddp_status: 0 on success, a negative code on
+ * failure. The detail ("conv2d: input (8,3,28,28) has 3 channels, weight
+ * expects 1") is in the calling thread's last-error message. */
+#define DDP_STATUS_TABLE(X)                                             \
+  X(OK, 0, "success")                                                   \
+  X(ERR_INVALID, -1, "invalid argument")                                \
+  X(ERR_SHAPE, -2, "shape mismatch")                                    \
+  X(ERR_NOMEM, -3, "out of memory")                                     \
+  X(ERR_IO, -4, "input/output error")                                   \
+  X(ERR_FORMAT, -5, "malformed data")                                   \
+  X(ERR_TIMEOUT, -6, "timed out")                                       \
+  X(ERR_CLOSED, -7, "connection closed")                                \
+  X(ERR_PEER, -8, "peer failed")                                        \
+  X(ERR_NOTFOUND, -9, "not found")                                      \
+  X(ERR_UNSUPPORTED, -10, "not supported")                              \
+  X(ERR_STATE, -11, "invalid state")                                    \
+  X(ERR_ADDRINUSE, -12, "address already in use")                       \
+  X(ERR_AUTH, -13, "authentication failed")                             \
+  X(ERR_ABORTED, -14, "aborted")                                        \
+  X(ERR_SYS, -15, "system call failed")                                 \
+  X(ERR_RANGE, -16, "value out of range")                               \
+  X(ERR_INTERNAL, -17, "internal error")
+
+typedef enum ddp_status {
+#define DDP__STATUS_ENUM(name, code, msg) DDP_##name = code,
+  DDP_STATUS_TABLE(DDP__STATUS_ENUM)
+#undef DDP__STATUS_ENUM
+} ddp_status;
+
+/* The fixed message of a status ("timed out"); never NULL. */
+const char *ddp_strerror(ddp_status status);
+/* The symbolic name of a status ("DDP_ERR_TIMEOUT"); never NULL. */
+const char *ddp_status_name(ddp_status status);
+
+/* Records a detailed message for the calling thread and returns status, so
+ * callers write `return ddp_error(DDP_ERR_SHAPE, "linear: ...", ...)`. */
+ddp_status ddp_error(ddp_status status, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+/* Prepends "context: " to the calling thread's last message and returns status;
+ * used to leave a trail as an error propagates upward. */
+ddp_status ddp_error_wrap(ddp_status status, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+/* The calling thread's last detailed message ("" if none). Valid until the next
+ * ddp call on this thread. */
+const char *ddp_last_error(void);
+void ddp_clear_error(void);
+
+/* Propagates a failing status to the caller (NCCL's one-line check). */
+#define DDP_TRY(expr)                          \
+  do {                                         \
+    ddp_status ddp__s = (expr);                \
+    if (ddp__s != DDP_OK) return ddp__s;       \
+  } while (0)
+
+/* A broken invariant inside ddp (never a user mistake): abort with file:line. */
+#define DDP_ASSERT(cond)                                                   \
+  do {                                                                     \
+    if (!(cond)) ddp__assert_fail(#cond, __FILE__, __LINE__, __func__);    \
+  } while (0)
+_Noreturn void ddp__assert_fail(const char *cond, const char *file, int line,
+                                const char *func);
+
+/* ---- Logging -------------------------------------------------------------
+ * Lines go to stderr as "[ddp rank 3] W message". The threshold comes from
+ * DDP_LOG_LEVEL (debug, info, warn, error, off; default warn), read once. */
+typedef enum ddp_log_level {
+  DDP_LOG_DEBUG = 0,
+  DDP_LOG_INFO = 1,
+  DDP_LOG_WARN = 2,
+  DDP_LOG_ERROR = 3,
+  DDP_LOG_OFF = 4,
+} ddp_log_level;
+
+void ddp_log(ddp_log_level level, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+void ddp_log_set_level(ddp_log_level level);
+ddp_log_level ddp_log_get_level(void);
+/* The rank shown in the prefix; -1 (the default, unless RANK is set) hides it. */
+void ddp_log_set_rank(int rank);
+
+#define DDP_DEBUG(...) ddp_log(DDP_LOG_DEBUG, __VA_ARGS__)
+#define DDP_INFO(...) ddp_log(DDP_LOG_INFO, __VA_ARGS__)
+#define DDP_WARN(...) ddp_log(DDP_LOG_WARN, __VA_ARGS__)
+
+/* ---- Allocation ----------------------------------------------------------
+ * All of ddp's heap memory goes through these hooks, so tests can count
+ * allocations (the steady-state training step must make none) and inject
+ * failures. ddp_alloc returns NULL on failure (it never aborts); memory is
+ * aligned to 64 bytes. ddp_free accepts NULL. */
+typedef struct ddp_alloc_hooks {
+  void *(*alloc)(size_t bytes, void *user);   /* 64-byte aligned or NULL */
+  void (*free)(void *ptr, void *user);
+  void *user;
+} ddp_alloc_hooks;
+
+void *ddp_alloc(size_t bytes);
+void *ddp_calloc(size_t count, size_t size); /* zeroed; NULL on overflow */
+void ddp_free(void *ptr);
+char *ddp_strdup(const char *s);
+/* Installs hooks (NULL restores the default aligned malloc). Not thread-safe
+ * against concurrent allocation: install before starting work. */
+void ddp_set_alloc_hooks(const ddp_alloc_hooks *hooks);
+/* Number of ddp_alloc calls so far in this process (all threads). */
+uint64_t ddp_alloc_count(void);
+
+/* ---- Arenas --------------------------------------------------------------
+ * A bump allocator for one step's temporaries (activations, their gradients,
+ * the tape). ddp_arena_reset() keeps the memory: after a first step has
+ * grown the arena to its high-water mark, later steps allocate nothing. */
+typedef struct ddp_arena_chunk ddp_arena_chunk;
+typedef struct ddp_arena {
+  ddp_arena_chunk *head;     /* chunk being filled (newest) */
+  size_t used_total;         /* bytes handed out since the last reset */
+  size_t high_water;         /* largest used_total seen */
+  size_t min_chunk;          /* size of a new chunk, at least */
+} ddp_arena;
+
+void ddp_arena_init(ddp_arena *arena, size_t initial_bytes);
+/* Returns `bytes` of memory aligned to 64, or NULL (with last error) when the
+ * allocator fails. Memory is not zeroed. */
+void *ddp_arena_alloc(ddp_arena *arena, size_t bytes);
+void *ddp_arena_calloc(ddp_arena *arena, size_t bytes);
+/* Forgets every allocation. If the last cycle needed more than one chunk, they
+ * are merged into one chunk of the high-water size (one allocation), so the
+ * next identical cycle fits without allocating. */
+void ddp_arena_reset(ddp_arena *arena);
+void ddp_arena_free(ddp_arena *arena);
+
+/* ---- Random numbers ------------------------------------------------------
+ * xoshiro256** seeded through splitmix64: fast, reproducible across machines,
+ * its state a plain value that checkpoints can save. */
+typedef struct ddp_rng {
+  uint64_t s[4];
+} ddp_rng;
+
+void ddp_rng_seed(ddp_rng *rng, uint64_t seed);
+uint64_t ddp_rng_next(ddp_rng *rng);
+/* Uniform in [0, 1) with 24 random bits. */
+float ddp_rng_uniform(ddp_rng *rng);
+/* Uniform in [lo, hi). */
+float ddp_rng_uniform_range(ddp_rng *rng, float lo, float hi);
+/* Standard normal (Box-Muller). */
+float ddp_rng_normal(ddp_rng *rng);
+/* Uniform integer in [0, n); n > 0. Unbiased (rejection). */
+uint64_t ddp_rng_below(ddp_rng *rng, uint64_t n);
+
+/* ---- Time ---------------------------------------------------------------- */
+/* Monotonic clock in nanoseconds. */
+int64_t ddp_time_ns(void);
+/* Monotonic clock in seconds. */
+double ddp_time_s(void);
+
+/* ---- Environment parameters ---------------------------------------------- */
+/* The variable's value, or `fallback` when unset or empty. */
+const char *ddp_env_str(const char *name, const char *fallback);
+/* Parses the variable as a decimal integer into *out; `fallback` when unset.
+ * A malformed value is an error naming the variable and the value. */
+ddp_status ddp_env_int(const char *name, int64_t fallback, int64_t *out);
+/* Like ddp_env_int, for a floating-point number of seconds or similar. */
+ddp_status ddp_env_double(const char *name, double fallback, double *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DDP_CORE_H */

@@ -1,0 +1,8 @@
+/* ddp: distributed data-parallel training in C. Include this for everything. */
+#ifndef DDP_H
+#define DDP_H
+
+#include "ddp/core.h"
+#include "ddp/tensor.h"
+
+#endif /* DDP_H */

@@ -1,0 +1,203 @@
+/* ddp tensors and autograd: dense contiguous tensors with a device field, ops
+ * with forward and backward, and the tape that records them.
+ *
+ * The model of use (one training step):
+ *
+ *   ddp_tape_reset(tape);                      // forget last step, keep memory
+ *   ddp_conv2d(tape, x, w, b, 1, 2, &y);       // ops allocate outputs from the tape
+ *   ...
+ *   ddp_cross_entropy(tape, logits, labels, &loss);
+ *   ddp_backward(tape, loss);                  // grads accumulate (+=) into leaves
+ *
+ * Outputs of ops live in the tape's arena until the next ddp_tape_reset, so
+ * after the first step a step allocates nothing. Leaf tensors (parameters,
+ * inputs) are owned by whoever made them; their `grad` buffers too.
+ * Every op validates its inputs and returns DDP_ERR_SHAPE / DDP_ERR_INVALID
+ * with a message naming the op and the shapes; it never aborts. */
+#ifndef DDP_TENSOR_H
+#define DDP_TENSOR_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ddp/core.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Element types. Compute is float32; labels are int64; the others exist for
+ * communication and checkpoints. The values are stable (they go on the wire). */
+typedef enum ddp_dtype {
+  DDP_FLOAT32 = 0,
+  DDP_FLOAT64 = 1,
+  DDP_INT32 = 2,
+  DDP_INT64 = 3,
+  DDP_FLOAT16 = 4,
+  DDP_BFLOAT16 = 5,
+  DDP_UINT8 = 6,
+  DDP_DTYPE_COUNT
+} ddp_dtype;
+
+size_t ddp_dtype_size(ddp_dtype dtype);
+const char *ddp_dtype_name(ddp_dtype dtype); /* "float32", ... */
+
+typedef enum ddp_device_type {
+  DDP_DEVICE_CPU = 0,
+  DDP_DEVICE_CUDA = 1,
+  DDP_DEVICE_TYPE_COUNT
+} ddp_device_type;
+
+typedef struct ddp_device {
+  ddp_device_type type;
+  int32_t index; /* GPU ordinal; 0 for the CPU */
+} ddp_device;
+
+#define DDP_CPU ((ddp_device){DDP_DEVICE_CPU, 0})
+#define DDP_MAX_DIMS 6
+
+/* Tensor flags. */
+#define DDP_TENSOR_REQUIRES_GRAD 0x1u /* backward computes a gradient for it */
+#define DDP_TENSOR_PARAM 0x2u         /* a module parameter: grad hooks fire for it */
+#define DDP_TENSOR_OWNS_DATA 0x4u     /* ddp_tensor_destroy frees data and the struct */
+#define DDP_TENSOR_OWNS_GRAD 0x8u     /* grad was allocated by ddp_tensor_ensure_grad */
+
+/* A dense, contiguous, row-major tensor. `data` holds numel elements of dtype
+ * on `device`. `grad` (float32, same shape) is NULL until backward needs it,
+ * except for parameters, whose grad is a view into the model's flat gradient
+ * buffer. Gradients accumulate: backward adds into grad. */
+typedef struct ddp_tensor {
+  ddp_dtype dtype;
+  ddp_device device;
+  int32_t ndim;
+  int64_t shape[DDP_MAX_DIMS];
+  int64_t numel;
+  void *data;
+  float *grad;
+  uint32_t flags;
+  int32_t param_index; /* position in the owning model's parameter list; -1 if none */
+  /* Autograd bookkeeping, owned by the tape: */
+  int32_t node;        /* index of the tape node that produced it; -1 for leaves */
+  int32_t pending;     /* backward contributions still due this step (leaves) */
+} ddp_tensor;
+
+static inline float *ddp_tensor_f32(const ddp_tensor *t) { return (float *)t->data; }
+static inline int64_t *ddp_tensor_i64(const ddp_tensor *t) { return (int64_t *)t->data; }
+
+/* Initialises a caller-held tensor as a view over caller-owned memory (no
+ * allocation; use it to feed each step's batch). Fails on a bad shape. */
+ddp_status ddp_tensor_wrap(ddp_tensor *t, ddp_dtype dtype, int ndim, const int64_t *shape,
+                           void *data);
+/* Allocates a zeroed CPU tensor on the heap; free with ddp_tensor_destroy. */
+ddp_status ddp_tensor_create(ddp_tensor **out, ddp_dtype dtype, int ndim, const int64_t *shape);
+/* Frees a tensor from ddp_tensor_create (and its grad if it owns it). NULL ok. */
+void ddp_tensor_destroy(ddp_tensor *t);
+/* Allocates t->grad (zeroed, heap, owned by t) if it has none. A wrapped
+ * tensor's grad is released with ddp_tensor_free_grad. */
+ddp_status ddp_tensor_ensure_grad(ddp_tensor *t);
+void ddp_tensor_free_grad(ddp_tensor *t);
+/* Writes "(8,3,28,28)" into buf; returns buf. Handy in error messages. */
+const char *ddp_tensor_shape_str(const ddp_tensor *t, char *buf, size_t bytes);
+#define DDP_SHAPE_STR_BYTES 96
+bool ddp_tensor_same_shape(const ddp_tensor *a, const ddp_tensor *b);
+
+/* ---- The tape ------------------------------------------------------------ */
+typedef struct ddp_tape ddp_tape;
+
+/* Called when a parameter's gradient is final for this backward pass: every op
+ * that used the parameter has added its contribution. Runs on the thread that
+ * calls ddp_backward, in the order gradients become final. */
+typedef void (*ddp_grad_hook_fn)(ddp_tensor *param, void *user);
+
+/* Creates a tape whose arena starts with `arena_bytes` (it grows as needed
+ * during the first step). Destroy with ddp_tape_destroy (NULL ok). */
+ddp_status ddp_tape_create(ddp_tape **out, size_t arena_bytes);
+void ddp_tape_destroy(ddp_tape *tape);
+/* Starts a new step: forgets the recorded ops and every tensor the tape
+ * allocated. Keeps the memory, so identical steps do not allocate. */
+void ddp_tape_reset(ddp_tape *tape);
+/* With grad disabled (evaluation, torch.no_grad) ops record nothing. */
+void ddp_tape_set_grad_enabled(ddp_tape *tape, bool enabled);
+bool ddp_tape_grad_enabled(const ddp_tape *tape);
+/* Installs the hook fired for each DDP_TENSOR_PARAM leaf (NULL removes it). */
+void ddp_tape_set_grad_hook(ddp_tape *tape, ddp_grad_hook_fn fn, void *user);
+/* Number of ops recorded since the last reset. */
+int ddp_tape_num_nodes(const ddp_tape *tape);
+
+/* Allocates a tensor (zeroed data) in the tape's arena; valid until reset. */
+ddp_status ddp_tape_tensor(ddp_tape *tape, ddp_dtype dtype, int ndim, const int64_t *shape,
+                           ddp_tensor **out);
+/* Scratch memory from the tape's arena, valid until the next reset. */
+void *ddp_tape_scratch(ddp_tape *tape, size_t bytes);
+
+/* Runs backward from a scalar (numel 1) float32 loss: seeds d(loss) = 1, walks
+ * the recorded ops in reverse, accumulates into leaves' grads (allocating a
+ * leaf's grad from the heap if it requires grad and has none), and fires the
+ * grad hook for each parameter as its gradient becomes final. */
+ddp_status ddp_backward(ddp_tape *tape, ddp_tensor *loss);
+
+/* ---- Ops ---------------------------------------------------------------
+ * All take float32 tensors on one device unless said otherwise, write a new
+ * tape-owned tensor to *out, and record themselves when grad is enabled and
+ * an input requires grad. Shapes in comments: (N, C, H, W) and so on. */
+
+/* a (M, K) @ b (K, N) -> (M, N). */
+ddp_status ddp_matmul(ddp_tape *tape, ddp_tensor *a, ddp_tensor *b, ddp_tensor **out);
+/* x (N, in) , weight (out, in), bias (out) or NULL -> (N, out); y = x W^T + b. */
+ddp_status ddp_linear(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_tensor *bias,
+                      ddp_tensor **out);
+/* x (N, C, H, W), weight (O, C, KH, KW), bias (O) or NULL -> (N, O, H', W'),
+ * H' = (H + 2*padding - KH) / stride + 1. Zero padding, dilation 1, groups 1. */
+ddp_status ddp_conv2d(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_tensor *bias,
+                      int stride, int padding, ddp_tensor **out);
+/* x (N, C, H, W) -> (N, C, H', W'), H' = (H - kernel) / stride + 1 (floor,
+ * no padding). stride 0 means stride = kernel. Ties pick the first maximum. */
+ddp_status ddp_max_pool2d(ddp_tape *tape, ddp_tensor *x, int kernel, int stride,
+                          ddp_tensor **out);
+/* Batch normalisation over (N, C, H, W) or (N, C), per channel C.
+ * weight, bias: (C) or NULL (affine=False). running_mean, running_var: (C) or
+ * NULL (track_running_stats=False). Training: normalise with the batch's mean
+ * and biased variance; update running_mean = (1-m)*running_mean + m*mean and
+ * running_var with the unbiased variance, as PyTorch does; increment
+ * *num_batches_tracked when not NULL. Eval: normalise with the running stats. */
+ddp_status ddp_batch_norm(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_tensor *bias,
+                          ddp_tensor *running_mean, ddp_tensor *running_var,
+                          int64_t *num_batches_tracked, bool training, float momentum,
+                          float eps, ddp_tensor **out);
+ddp_status ddp_relu(ddp_tape *tape, ddp_tensor *x, ddp_tensor **out);
+ddp_status ddp_sigmoid(ddp_tape *tape, ddp_tensor *x, ddp_tensor **out);
+ddp_status ddp_tanh(ddp_tape *tape, ddp_tensor *x, ddp_tensor **out);
+/* Inverted dropout: in training, zero each element with probability p and scale
+ * the rest by 1/(1-p); identity when !training or p == 0. */
+ddp_status ddp_dropout(ddp_tape *tape, ddp_tensor *x, float p, bool training, ddp_rng *rng,
+                       ddp_tensor **out);
+/* Channel dropout: zero whole (n, c) feature maps of (N, C, H, W); for other
+ * ranks it behaves as PyTorch's F.dropout2d does (see docs/tensor.md). */
+ddp_status ddp_dropout2d(ddp_tape *tape, ddp_tensor *x, float p, bool training, ddp_rng *rng,
+                         ddp_tensor **out);
+/* Same data, new shape (one entry may be -1). The output is a view: it shares
+ * x's data (ops never write their inputs in place) but has its own grad. */
+ddp_status ddp_reshape(ddp_tape *tape, ddp_tensor *x, int ndim, const int64_t *shape,
+                       ddp_tensor **out);
+/* Flattens dims [start_dim, ndim) into one: (N, C, H, W), 1 -> (N, C*H*W). */
+ddp_status ddp_flatten(ddp_tape *tape, ddp_tensor *x, int start_dim, ddp_tensor **out);
+/* Elementwise a + b, same shapes. */
+ddp_status ddp_add(ddp_tape *tape, ddp_tensor *a, ddp_tensor *b, ddp_tensor **out);
+/* log_softmax over the last dim of (N, C). */
+ddp_status ddp_log_softmax(ddp_tape *tape, ddp_tensor *x, ddp_tensor **out);
+
+/* Losses, mean reduction, scalar output (shape ()). */
+/* mean((input - target)^2) over all elements; same shapes. */
+ddp_status ddp_mse_loss(ddp_tape *tape, ddp_tensor *input, ddp_tensor *target, ddp_tensor **out);
+/* logits (N, C) float32, target (N) int64 class indices in [0, C). */
+ddp_status ddp_cross_entropy(ddp_tape *tape, ddp_tensor *logits, ddp_tensor *target,
+                             ddp_tensor **out);
+/* log_probs (N, C), target (N) int64: -mean(log_probs[i, target[i]]). */
+ddp_status ddp_nll_loss(ddp_tape *tape, ddp_tensor *log_probs, ddp_tensor *target,
+                        ddp_tensor **out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DDP_TENSOR_H */

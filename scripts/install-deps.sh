@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs the Debian packages ddp needs, only those missing (apt-get update runs
+# only when something must be installed). Groups: build (compiler, CMake,
+# OpenBLAS, zlib, cmocka), data (Fashion-MNIST), test (extra tools the test
+# suite uses). Usage: scripts/install-deps.sh [build] [data] [test]
+set -euo pipefail
+
+declare -A GROUPS_PKGS=(
+  [build]="build-essential cmake pkg-config libopenblas-dev zlib1g-dev libcmocka-dev"
+  [data]="dataset-fashion-mnist"
+  [test]="python3 iproute2 procps"
+)
+
+want=()
+for group in "${@:-build}"; do
+  pkgs=${GROUPS_PKGS[$group]:-}
+  if [ -z "$pkgs" ]; then
+    echo "install-deps: unknown group '$group' (expected: ${!GROUPS_PKGS[*]})" >&2
+    exit 2
+  fi
+  for p in $pkgs; do
+    if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+      want+=("$p")
+    fi
+  done
+done
+
+[ ${#want[@]} -eq 0 ] && exit 0
+SUDO=""
+[ "$(id -u)" -ne 0 ] && SUDO="sudo"
+echo "install-deps: installing ${want[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${want[@]}" >/dev/null

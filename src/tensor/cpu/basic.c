@@ -1,0 +1,39 @@
+/* CPU basic kernels: plain loops the compiler vectorises. */
+#include <string.h>
+
+#include "tensor/kernels_basic.h"
+
+static void cpu_copy(float *dst, const float *src, int64_t n) {
+  memcpy(dst, src, (size_t)n * sizeof(float));
+}
+
+static void cpu_fill(float *dst, float value, int64_t n) {
+  for (int64_t i = 0; i < n; i++) dst[i] = value;
+}
+
+static void cpu_add(float *restrict y, const float *a, const float *b, int64_t n) {
+  for (int64_t i = 0; i < n; i++) y[i] = a[i] + b[i];
+}
+
+static void cpu_axpy(float *restrict y, float alpha, const float *restrict x, int64_t n) {
+  for (int64_t i = 0; i < n; i++) y[i] += alpha * x[i];
+}
+
+static double cpu_sum_squares(const float *x, int64_t n) {
+  double s = 0;
+  for (int64_t i = 0; i < n; i++) s += (double)x[i] * x[i];
+  return s;
+}
+
+static void cpu_scale(float *x, float alpha, int64_t n) {
+  for (int64_t i = 0; i < n; i++) x[i] *= alpha;
+}
+
+const ddp__basic_kernels ddp__cpu_basic_kernels = {
+    .copy = cpu_copy,
+    .fill = cpu_fill,
+    .add = cpu_add,
+    .axpy = cpu_axpy,
+    .sum_squares = cpu_sum_squares,
+    .scale = cpu_scale,
+};

@@ -1,0 +1,199 @@
+/* The autograd tape: a list of recorded ops walked in reverse by backward, and
+ * the arena that holds one step's tensors. Node and leaf lists are heap arrays
+ * that only grow, so after the first step nothing here allocates. */
+#include <string.h>
+
+#include "tensor/tape.h"
+
+struct ddp_tape {
+  ddp_arena arena;
+  ddp__node *nodes;
+  int n_nodes, cap_nodes;
+  ddp_tensor **leaves; /* leaves with pending contributions, to clear on reset */
+  int n_leaves, cap_leaves;
+  bool grad_enabled;
+  bool backward_done; /* a second backward would double-count intermediates */
+  ddp_grad_hook_fn hook;
+  void *hook_user;
+};
+
+ddp_status ddp_tape_create(ddp_tape **out, size_t arena_bytes) {
+  ddp_tape *t = ddp_calloc(1, sizeof *t);
+  if (!t) return ddp_error(DDP_ERR_NOMEM, "tape: out of memory");
+  ddp_arena_init(&t->arena, arena_bytes);
+  t->grad_enabled = true;
+  *out = t;
+  return DDP_OK;
+}
+
+void ddp_tape_destroy(ddp_tape *tape) {
+  if (!tape) return;
+  ddp_tape_reset(tape);
+  ddp_arena_free(&tape->arena);
+  ddp_free(tape->nodes);
+  ddp_free(tape->leaves);
+  ddp_free(tape);
+}
+
+void ddp_tape_reset(ddp_tape *tape) {
+  /* Leaves outlive the tape: clear what this step left on them. */
+  for (int i = 0; i < tape->n_leaves; i++) tape->leaves[i]->pending = 0;
+  tape->n_leaves = 0;
+  tape->n_nodes = 0;
+  tape->backward_done = false;
+  ddp_arena_reset(&tape->arena);
+}
+
+void ddp_tape_set_grad_enabled(ddp_tape *tape, bool enabled) { tape->grad_enabled = enabled; }
+bool ddp_tape_grad_enabled(const ddp_tape *tape) { return tape->grad_enabled; }
+
+void ddp_tape_set_grad_hook(ddp_tape *tape, ddp_grad_hook_fn fn, void *user) {
+  tape->hook = fn;
+  tape->hook_user = user;
+}
+
+int ddp_tape_num_nodes(const ddp_tape *tape) { return tape->n_nodes; }
+
+ddp_arena *ddp__tape_arena(ddp_tape *tape) { return &tape->arena; }
+
+void *ddp_tape_scratch(ddp_tape *tape, size_t bytes) {
+  return ddp_arena_alloc(&tape->arena, bytes);
+}
+
+ddp_status ddp__tape_output(ddp_tape *tape, const char *op, ddp_dtype dtype, int ndim,
+                            const int64_t *shape, ddp_tensor **out) {
+  ddp_tensor *t = ddp_arena_alloc(&tape->arena, sizeof *t);
+  if (!t) return ddp_error(DDP_ERR_NOMEM, "%s: cannot allocate the output", op);
+  ddp_status s = ddp_tensor_wrap(t, dtype, ndim, shape, NULL);
+  if (s != DDP_OK) return ddp_error_wrap(s, "%s", op);
+  t->data = ddp_arena_alloc(&tape->arena, (size_t)t->numel * ddp_dtype_size(dtype));
+  if (!t->data)
+    return ddp_error(DDP_ERR_NOMEM, "%s: cannot allocate an output of %lld elements", op,
+                     (long long)t->numel);
+  *out = t;
+  return DDP_OK;
+}
+
+ddp_status ddp__tape_view(ddp_tape *tape, const char *op, ddp_tensor *x, int ndim,
+                          const int64_t *shape, ddp_tensor **out) {
+  ddp_tensor *t = ddp_arena_alloc(&tape->arena, sizeof *t);
+  if (!t) return ddp_error(DDP_ERR_NOMEM, "%s: cannot allocate the output", op);
+  ddp_status s = ddp_tensor_wrap(t, x->dtype, ndim, shape, x->data);
+  if (s != DDP_OK) return ddp_error_wrap(s, "%s", op);
+  t->device = x->device;
+  *out = t;
+  return DDP_OK;
+}
+
+ddp_status ddp_tape_tensor(ddp_tape *tape, ddp_dtype dtype, int ndim, const int64_t *shape,
+                           ddp_tensor **out) {
+  DDP_TRY(ddp__tape_output(tape, "tape_tensor", dtype, ndim, shape, out));
+  memset((*out)->data, 0, (size_t)(*out)->numel * ddp_dtype_size(dtype));
+  return DDP_OK;
+}
+
+bool ddp__tape_wants_grad(const ddp_tape *tape, int n_inputs, ddp_tensor *const *inputs) {
+  if (!tape->grad_enabled) return false;
+  for (int i = 0; i < n_inputs; i++)
+    if (inputs[i] && (inputs[i]->flags & DDP_TENSOR_REQUIRES_GRAD)) return true;
+  return false;
+}
+
+/* Grows a heap array to hold at least `need` elements. */
+static ddp_status grow(void **array, int *cap, int need, size_t elem) {
+  if (need <= *cap) return DDP_OK;
+  int fresh = *cap ? *cap * 2 : 64;
+  while (fresh < need) fresh *= 2;
+  void *p = ddp_alloc((size_t)fresh * elem);
+  if (!p) return ddp_error(DDP_ERR_NOMEM, "tape: cannot grow to %d entries", fresh);
+  if (*array) memcpy(p, *array, (size_t)*cap * elem);
+  ddp_free(*array);
+  *array = p;
+  *cap = fresh;
+  return DDP_OK;
+}
+
+ddp_status ddp__tape_record(ddp_tape *tape, const char *op, ddp__backward_fn backward,
+                            ddp_tensor *out, int n_inputs, ddp_tensor *const *inputs,
+                            void *ctx) {
+  DDP_ASSERT(n_inputs <= DDP__NODE_MAX_INPUTS);
+  DDP_TRY(grow((void **)&tape->nodes, &tape->cap_nodes, tape->n_nodes + 1, sizeof(ddp__node)));
+  ddp__node *node = &tape->nodes[tape->n_nodes];
+  node->op = op;
+  node->backward = backward;
+  node->out = out;
+  node->n_inputs = n_inputs;
+  node->ctx = ctx;
+  for (int i = 0; i < n_inputs; i++) {
+    ddp_tensor *in = inputs[i];
+    node->in[i] = in;
+    if (in && in->node < 0 && (in->flags & DDP_TENSOR_REQUIRES_GRAD)) {
+      if (in->pending++ == 0) {
+        DDP_TRY(grow((void **)&tape->leaves, &tape->cap_leaves, tape->n_leaves + 1,
+                     sizeof(ddp_tensor *)));
+        tape->leaves[tape->n_leaves++] = in;
+      }
+    }
+  }
+  out->flags |= DDP_TENSOR_REQUIRES_GRAD;
+  out->node = tape->n_nodes++;
+  return DDP_OK;
+}
+
+float *ddp__tape_grad(ddp_tape *tape, ddp_tensor *t, ddp_status *status) {
+  if (!t || !(t->flags & DDP_TENSOR_REQUIRES_GRAD)) return NULL;
+  if (t->grad) return t->grad;
+  if (t->node < 0) {
+    ddp_status s = ddp_tensor_ensure_grad(t);
+    if (s != DDP_OK) *status = s;
+    return t->grad;
+  }
+  t->grad = ddp_arena_calloc(&tape->arena, (size_t)t->numel * sizeof(float));
+  if (!t->grad)
+    *status = ddp_error(DDP_ERR_NOMEM, "backward: cannot allocate a gradient of %lld elements",
+                        (long long)t->numel);
+  return t->grad;
+}
+
+ddp_status ddp__backward_from(ddp_tape *tape, ddp_tensor *out, const float *seed) {
+  if (!(out->flags & DDP_TENSOR_REQUIRES_GRAD) || out->node < 0)
+    return ddp_error(DDP_ERR_STATE,
+                     "backward: the loss does not depend on anything that requires grad "
+                     "(was it computed with grad disabled?)");
+  if (tape->backward_done)
+    return ddp_error(DDP_ERR_STATE,
+                     "backward: already ran on this tape; call ddp_tape_reset before the next step");
+  tape->backward_done = true;
+  ddp_status s = DDP_OK;
+  float *g = ddp__tape_grad(tape, out, &s);
+  if (!g) return s;
+  for (int64_t i = 0; i < out->numel; i++) g[i] += seed[i];
+
+  for (int i = out->node; i >= 0; i--) {
+    ddp__node *node = &tape->nodes[i];
+    if (node->out->grad) {
+      s = node->backward(tape, node);
+      if (s != DDP_OK) return ddp_error_wrap(s, "backward of %s (op #%d)", node->op, i);
+    }
+    /* A leaf's gradient is final once every op that used it has run. */
+    for (int j = 0; j < node->n_inputs; j++) {
+      ddp_tensor *in = node->in[j];
+      if (!in || in->node >= 0 || !(in->flags & DDP_TENSOR_REQUIRES_GRAD)) continue;
+      if (--in->pending == 0 && (in->flags & DDP_TENSOR_PARAM) && tape->hook)
+        tape->hook(in, tape->hook_user);
+    }
+  }
+  /* Ops recorded after `out` never reach it; their leaves' counts are
+   * cleared on reset. */
+  return DDP_OK;
+}
+
+ddp_status ddp_backward(ddp_tape *tape, ddp_tensor *loss) {
+  if (loss->numel != 1 || loss->dtype != DDP_FLOAT32) {
+    char buf[DDP_SHAPE_STR_BYTES];
+    return ddp_error(DDP_ERR_SHAPE, "backward: the loss must be one float32 value, got %s %s",
+                     ddp_dtype_name(loss->dtype), ddp_tensor_shape_str(loss, buf, sizeof buf));
+  }
+  static const float one = 1.0f;
+  return ddp__backward_from(tape, loss, &one);
+}

@@ -1,0 +1,54 @@
+/* Internal contract between the tape and the ops that record on it.
+ *
+ * An op, after validating its inputs:
+ *   1. allocates its output with ddp__tape_output();
+ *   2. computes the forward through the device's kernel table;
+ *   3. if ddp__tape_wants_grad() says so, saves what backward needs (in tape
+ *      scratch memory) and calls ddp__tape_record().
+ * Its backward function reads node->out->grad (d loss / d out) and, for each
+ * input that requires grad, adds d loss / d input into ddp__tape_grad(tape, in).
+ * Gradients always accumulate (+=): an input may feed several ops. */
+#ifndef DDP__TENSOR_TAPE_H
+#define DDP__TENSOR_TAPE_H
+
+#include "ddp/tensor.h"
+
+#define DDP__NODE_MAX_INPUTS 5
+
+typedef struct ddp__node ddp__node;
+typedef ddp_status (*ddp__backward_fn)(ddp_tape *tape, ddp__node *node);
+
+struct ddp__node {
+  const char *op;             /* "conv2d": names the op in errors and traces */
+  ddp__backward_fn backward;
+  ddp_tensor *out;
+  int n_inputs;
+  ddp_tensor *in[DDP__NODE_MAX_INPUTS]; /* NULL entries allowed (absent bias) */
+  void *ctx;                  /* op-specific saved state, tape scratch memory */
+};
+
+/* Allocates an op's output (struct and data, data not zeroed) in the tape's
+ * arena on `like`'s device. Returns DDP_ERR_NOMEM with a message naming `op`. */
+ddp_status ddp__tape_output(ddp_tape *tape, const char *op, ddp_dtype dtype, int ndim,
+                            const int64_t *shape, ddp_tensor **out);
+/* An output that shares `data` with an input (reshape/flatten views). */
+ddp_status ddp__tape_view(ddp_tape *tape, const char *op, ddp_tensor *x, int ndim,
+                          const int64_t *shape, ddp_tensor **out);
+/* True when grad is enabled and any of the (possibly NULL) inputs requires it. */
+bool ddp__tape_wants_grad(const ddp_tape *tape, int n_inputs, ddp_tensor *const *inputs);
+/* Records a node producing `out` from `inputs`; marks `out` as requiring grad.
+ * `ctx` must live in tape scratch memory (or be NULL). */
+ddp_status ddp__tape_record(ddp_tape *tape, const char *op, ddp__backward_fn backward,
+                            ddp_tensor *out, int n_inputs, ddp_tensor *const *inputs, void *ctx);
+/* The gradient buffer to accumulate into for `t`, creating it zeroed when
+ * absent (tape scratch for intermediates, heap for leaves). NULL when `t` is
+ * NULL or does not require grad; callers skip that input. On allocation
+ * failure returns NULL and sets *status. */
+float *ddp__tape_grad(ddp_tape *tape, ddp_tensor *t, ddp_status *status);
+/* Backward from any tensor with the given seed gradient (numel floats). Used by
+ * ddp_backward (seed 1) and by gradient checks (random projections). */
+ddp_status ddp__backward_from(ddp_tape *tape, ddp_tensor *out, const float *seed);
+/* The tape's arena (scratch memory for kernels; reset with the tape). */
+ddp_arena *ddp__tape_arena(ddp_tape *tape);
+
+#endif /* DDP__TENSOR_TAPE_H */

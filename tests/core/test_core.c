@@ -1,0 +1,152 @@
+/* core: status table, last error, arenas, RNG, allocation hooks, env parsing. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include "ddp/core.h"
+
+static void test_status_table(void **state) {
+  (void)state;
+  assert_string_equal(ddp_strerror(DDP_OK), "success");
+  assert_string_equal(ddp_strerror(DDP_ERR_TIMEOUT), "timed out");
+  assert_string_equal(ddp_status_name(DDP_ERR_SHAPE), "DDP_ERR_SHAPE");
+  assert_string_equal(ddp_strerror((ddp_status)-999), "unknown status");
+}
+
+static void test_last_error_and_wrap(void **state) {
+  (void)state;
+  ddp_clear_error();
+  assert_string_equal(ddp_last_error(), "");
+  ddp_status s = ddp_error(DDP_ERR_SHAPE, "linear: x is (%d,%d)", 8, 3);
+  assert_int_equal(s, DDP_ERR_SHAPE);
+  assert_string_equal(ddp_last_error(), "linear: x is (8,3)");
+  s = ddp_error_wrap(s, "layer %s", "fc");
+  assert_int_equal(s, DDP_ERR_SHAPE);
+  assert_string_equal(ddp_last_error(), "layer fc: linear: x is (8,3)");
+}
+
+static void test_arena_reuses_memory(void **state) {
+  (void)state;
+  ddp_arena a;
+  ddp_arena_init(&a, 4096);
+  /* First cycle needs several chunks. */
+  for (int i = 0; i < 100; i++) {
+    char *p = ddp_arena_alloc(&a, 1000);
+    assert_non_null(p);
+    assert_int_equal((uintptr_t)p % 64, 0);
+    memset(p, i, 1000);
+  }
+  ddp_arena_reset(&a);
+  uint64_t before = ddp_alloc_count();
+  for (int cycle = 0; cycle < 5; cycle++) {
+    for (int i = 0; i < 100; i++) assert_non_null(ddp_arena_alloc(&a, 1000));
+    ddp_arena_reset(&a);
+  }
+  assert_int_equal(ddp_alloc_count(), before); /* steady state: no allocation */
+  ddp_arena_free(&a);
+}
+
+static void test_rng_reproducible_and_uniform(void **state) {
+  (void)state;
+  ddp_rng a, b;
+  ddp_rng_seed(&a, 42);
+  ddp_rng_seed(&b, 42);
+  for (int i = 0; i < 100; i++) assert_true(ddp_rng_next(&a) == ddp_rng_next(&b));
+  /* Mean of U[0,1) over 1e5 draws is 0.5 within 5 sigma (sigma = 0.29/316). */
+  double sum = 0, sq = 0;
+  for (int i = 0; i < 100000; i++) {
+    float u = ddp_rng_uniform(&a);
+    assert_true(u >= 0.0f && u < 1.0f);
+    sum += u;
+  }
+  assert_true(sum / 100000 > 0.5 - 0.0046 && sum / 100000 < 0.5 + 0.0046);
+  sum = 0;
+  for (int i = 0; i < 100000; i++) {
+    double z = ddp_rng_normal(&a);
+    sum += z;
+    sq += z * z;
+  }
+  assert_true(sum / 100000 < 0.016 && sum / 100000 > -0.016);
+  assert_true(sq / 100000 > 0.98 && sq / 100000 < 1.02);
+  for (int i = 0; i < 1000; i++) assert_true(ddp_rng_below(&a, 7) < 7);
+}
+
+static int counted;
+static void *counting_alloc(size_t bytes, void *user) {
+  (void)user;
+  counted++;
+  void *p = NULL;
+  return posix_memalign(&p, 64, bytes ? bytes : 64) == 0 ? p : NULL;
+}
+static void counting_free(void *p, void *user) {
+  (void)user;
+  free(p);
+}
+static void *failing_alloc(size_t bytes, void *user) {
+  (void)bytes;
+  (void)user;
+  return NULL;
+}
+
+static void test_alloc_hooks(void **state) {
+  (void)state;
+  ddp_alloc_hooks h = {counting_alloc, counting_free, NULL};
+  ddp_set_alloc_hooks(&h);
+  counted = 0;
+  void *p = ddp_alloc(100);
+  assert_non_null(p);
+  assert_int_equal((uintptr_t)p % 64, 0);
+  ddp_free(p);
+  ddp_free(NULL);
+  assert_int_equal(counted, 1);
+  ddp_alloc_hooks fail = {failing_alloc, counting_free, NULL};
+  ddp_set_alloc_hooks(&fail);
+  ddp_arena a;
+  ddp_arena_init(&a, 64);
+  assert_null(ddp_arena_alloc(&a, 10)); /* failure is a value, not an abort */
+  assert_non_null(strstr(ddp_last_error(), "arena"));
+  ddp_set_alloc_hooks(NULL);
+  ddp_arena_free(&a);
+}
+
+static void test_env_parsing(void **state) {
+  (void)state;
+  int64_t v;
+  unsetenv("DDP_TEST_X");
+  assert_int_equal(ddp_env_int("DDP_TEST_X", 7, &v), DDP_OK);
+  assert_int_equal(v, 7);
+  setenv("DDP_TEST_X", "123", 1);
+  assert_int_equal(ddp_env_int("DDP_TEST_X", 7, &v), DDP_OK);
+  assert_int_equal(v, 123);
+  setenv("DDP_TEST_X", "12x", 1);
+  assert_int_equal(ddp_env_int("DDP_TEST_X", 7, &v), DDP_ERR_INVALID);
+  assert_non_null(strstr(ddp_last_error(), "DDP_TEST_X=\"12x\""));
+  double d;
+  setenv("DDP_TEST_X", "2.5", 1);
+  assert_int_equal(ddp_env_double("DDP_TEST_X", 0, &d), DDP_OK);
+  assert_true(d == 2.5);
+  assert_string_equal(ddp_env_str("DDP_TEST_UNSET_Y", "fb"), "fb");
+}
+
+static void test_log_level(void **state) {
+  (void)state;
+  ddp_log_set_level(DDP_LOG_ERROR);
+  assert_int_equal(ddp_log_get_level(), DDP_LOG_ERROR);
+  ddp_log_set_rank(3);
+  DDP_WARN("this line is filtered out");
+  ddp_log_set_level(DDP_LOG_WARN);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_status_table),       cmocka_unit_test(test_last_error_and_wrap),
+      cmocka_unit_test(test_arena_reuses_memory), cmocka_unit_test(test_rng_reproducible_and_uniform),
+      cmocka_unit_test(test_alloc_hooks),         cmocka_unit_test(test_env_parsing),
+      cmocka_unit_test(test_log_level),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
