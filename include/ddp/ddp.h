@@ -4,5 +4,6 @@
 
 #include "ddp/core.h"
 #include "ddp/tensor.h"
+#include "ddp/store.h"
 
 #endif /* DDP_H */
