@@ -1,13 +1,61 @@
-/* Dense kernels: gemm, linear, convolution, pooling. Layout NCHW, row-major. */
+/* Dense kernels: gemm, linear, convolution, pooling. Layout NCHW, row-major.
+ * Kernels take raw pointers and sizes; the op layer (ops_dense.c, ops_conv.c)
+ * has validated every shape before calling. Gradient outputs accumulate (+=),
+ * and a NULL gradient pointer means "not wanted": the kernel skips that work.
+ * Scratch memory comes from the arena argument (the tape's, reset each step),
+ * so a steady-state step allocates nothing. Kernels never change the BLAS
+ * thread count; the caller owns that (openblas_set_num_threads). */
 #ifndef DDP__TENSOR_KERNELS_DENSE_H
 #define DDP__TENSOR_KERNELS_DENSE_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "ddp/core.h"
 
+/* The geometry of one 2-D convolution, all sizes in elements:
+ * x (n, c, h, w), weight (o, c, kh, kw), y (n, o, oh, ow),
+ * oh = (h + 2*pad - kh) / stride + 1, likewise ow. */
+typedef struct ddp__conv2d_geom {
+  int64_t n, c, h, w;
+  int64_t o, kh, kw;
+  int64_t stride, pad;
+  int64_t oh, ow;
+} ddp__conv2d_geom;
+
 typedef struct ddp__dense_kernels {
-  int reserved; /* the dense-ops work fills this table */
+  /* c (m, n) = alpha * op(a) @ op(b) + beta * c, row-major. op(a) is (m, k):
+   * a is stored (m, k) with row stride lda, or (k, m) when trans_a. Likewise b
+   * is (k, n), or stored (n, k) when trans_b. Any size may be 0. */
+  void (*gemm)(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+               const float *a, int64_t lda, const float *b, int64_t ldb, float beta, float *c,
+               int64_t ldc);
+  /* y (rows, out) = x (rows, in) @ w^T + b; w (out, in), b (out) or NULL. */
+  void (*linear_forward)(float *y, const float *x, const float *w, const float *b, int64_t rows,
+                         int64_t in, int64_t out);
+  /* From dy (rows, out): dx (rows, in) += dy @ w, dw (out, in) += dy^T @ x,
+   * db (out) += column sums of dy. Each of dx, dw, db may be NULL. */
+  void (*linear_backward)(float *dx, float *dw, float *db, const float *dy, const float *x,
+                          const float *w, int64_t rows, int64_t in, int64_t out);
+  /* y (n, o, oh, ow) = conv(x, w) + b; b (o) or NULL. Fails only when the
+   * arena cannot supply scratch (DDP_ERR_NOMEM). */
+  ddp_status (*conv2d_forward)(float *y, const float *x, const float *w, const float *b,
+                               const ddp__conv2d_geom *g, ddp_arena *arena);
+  /* From dy (n, o, oh, ow): dx (n, c, h, w) +=, dw (o, c, kh, kw) +=,
+   * db (o) +=. Each of dx, dw, db may be NULL (skipped). */
+  ddp_status (*conv2d_backward)(float *dx, float *dw, float *db, const float *dy,
+                                const float *x, const float *w, const ddp__conv2d_geom *g,
+                                ddp_arena *arena);
+  /* Max pooling without padding over `planes` (= N*C) planes of (h, w):
+   * y (planes, oh, ow). argmax (planes, oh, ow), or NULL when not needed,
+   * receives each window's maximum's index within its (h, w) plane; ties go
+   * to the first maximum in row-major window order, NaN wins (as PyTorch). */
+  void (*max_pool2d_forward)(float *y, int32_t *argmax, const float *x, int64_t planes,
+                             int64_t h, int64_t w, int64_t kernel, int64_t stride, int64_t oh,
+                             int64_t ow);
+  /* dx (planes, h, w) += dy scattered to the argmax positions. */
+  void (*max_pool2d_backward)(float *dx, const float *dy, const int32_t *argmax, int64_t planes,
+                              int64_t h, int64_t w, int64_t oh, int64_t ow);
 } ddp__dense_kernels;
 
 extern const ddp__dense_kernels ddp__cpu_dense_kernels;

@@ -1,0 +1,23 @@
+/* CPU dense kernels, split by subject: gemm and linear (cpu/dense.c),
+ * convolution (cpu/conv.c), pooling (cpu/pool.c). cpu/dense.c assembles them
+ * into ddp__cpu_dense_kernels. */
+#ifndef DDP__TENSOR_CPU_DENSE_H
+#define DDP__TENSOR_CPU_DENSE_H
+
+#include "tensor/kernels_dense.h"
+
+void ddp__cpu_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                   const float *a, int64_t lda, const float *b, int64_t ldb, float beta,
+                   float *c, int64_t ldc);
+ddp_status ddp__cpu_conv2d_forward(float *y, const float *x, const float *w, const float *b,
+                                   const ddp__conv2d_geom *g, ddp_arena *arena);
+ddp_status ddp__cpu_conv2d_backward(float *dx, float *dw, float *db, const float *dy,
+                                    const float *x, const float *w, const ddp__conv2d_geom *g,
+                                    ddp_arena *arena);
+void ddp__cpu_max_pool2d_forward(float *y, int32_t *argmax, const float *x, int64_t planes,
+                                 int64_t h, int64_t w, int64_t kernel, int64_t stride,
+                                 int64_t oh, int64_t ow);
+void ddp__cpu_max_pool2d_backward(float *dx, const float *dy, const int32_t *argmax,
+                                  int64_t planes, int64_t h, int64_t w, int64_t oh, int64_t ow);
+
+#endif

@@ -1,0 +1,77 @@
+/* conv2d: validation, the forward through the dense kernel table, and a
+ * backward that computes only the gradients that are wanted (a first layer's
+ * input is data: its dx, a third of the layer's backward, is skipped). */
+#include "tensor/kernels.h"
+#include "tensor/tape.h"
+
+#define SHAPE(t, buf) ((t) ? ddp_tensor_shape_str((t), (buf), sizeof(buf)) : "NULL")
+
+static ddp_status conv2d_backward(ddp_tape *tape, ddp__node *node) {
+  const ddp__kernels *k = ddp__kernels_for(node->out->device);
+  const ddp__conv2d_geom *g = node->ctx;
+  ddp_tensor *x = node->in[0], *w = node->in[1], *b = node->in[2];
+  ddp_status s = DDP_OK;
+  float *dx = ddp__tape_grad(tape, x, &s);
+  float *dw = s == DDP_OK ? ddp__tape_grad(tape, w, &s) : NULL;
+  float *db = s == DDP_OK ? ddp__tape_grad(tape, b, &s) : NULL;
+  if (s != DDP_OK) return s;
+  return k->dense->conv2d_backward(dx, dw, db, node->out->grad, x->data, w->data, g,
+                                   ddp__tape_arena(tape));
+}
+
+ddp_status ddp_conv2d(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_tensor *bias,
+                      int stride, int padding, ddp_tensor **out) {
+  char sx[DDP_SHAPE_STR_BYTES], sw[DDP_SHAPE_STR_BYTES], sb[DDP_SHAPE_STR_BYTES];
+  if (!tape || !out) return ddp_error(DDP_ERR_INVALID, "conv2d: tape or out is NULL");
+  if (!x || !weight)
+    return ddp_error(DDP_ERR_INVALID, "conv2d: %s is NULL (input %s, weight %s)",
+                     x ? "weight" : "input", SHAPE(x, sx), SHAPE(weight, sw));
+  ddp_tensor *in[3] = {x, weight, bias};
+  const ddp__kernels *k;
+  DDP_TRY(ddp__kernels_check("conv2d", 3, in, &k));
+  if (x->ndim != 4)
+    return ddp_error(DDP_ERR_SHAPE, "conv2d: input %s must be 4-D (N, C, H, W)", SHAPE(x, sx));
+  if (weight->ndim != 4)
+    return ddp_error(DDP_ERR_SHAPE, "conv2d: weight %s must be 4-D (O, C, KH, KW)",
+                     SHAPE(weight, sw));
+  if (x->shape[1] != weight->shape[1])
+    return ddp_error(DDP_ERR_SHAPE, "conv2d: input %s has %lld channels but weight %s expects %lld",
+                     SHAPE(x, sx), (long long)x->shape[1], SHAPE(weight, sw),
+                     (long long)weight->shape[1]);
+  if (bias && (bias->ndim != 1 || bias->shape[0] != weight->shape[0]))
+    return ddp_error(DDP_ERR_SHAPE, "conv2d: bias %s does not match weight %s: expected (%lld)",
+                     SHAPE(bias, sb), SHAPE(weight, sw), (long long)weight->shape[0]);
+  if (stride <= 0)
+    return ddp_error(DDP_ERR_INVALID, "conv2d: stride must be positive, got %d", stride);
+  if (padding < 0)
+    return ddp_error(DDP_ERR_INVALID, "conv2d: padding must be non-negative, got %d", padding);
+  ddp__conv2d_geom g = {
+      .n = x->shape[0], .c = x->shape[1], .h = x->shape[2], .w = x->shape[3],
+      .o = weight->shape[0], .kh = weight->shape[2], .kw = weight->shape[3],
+      .stride = stride, .pad = padding,
+  };
+  if (g.kh <= 0 || g.kw <= 0 || g.c <= 0)
+    return ddp_error(DDP_ERR_SHAPE, "conv2d: weight %s is empty", SHAPE(weight, sw));
+  const int64_t ph = g.h + 2 * g.pad, pw = g.w + 2 * g.pad;
+  if (g.kh > ph || g.kw > pw)
+    return ddp_error(DDP_ERR_SHAPE,
+                     "conv2d: kernel %lldx%lld is larger than the padded input %lldx%lld "
+                     "(input %s, padding %d)",
+                     (long long)g.kh, (long long)g.kw, (long long)ph, (long long)pw,
+                     SHAPE(x, sx), padding);
+  g.oh = (ph - g.kh) / g.stride + 1;
+  g.ow = (pw - g.kw) / g.stride + 1;
+  int64_t shape[4] = {g.n, g.o, g.oh, g.ow};
+  ddp_tensor *y;
+  DDP_TRY(ddp__tape_output(tape, "conv2d", DDP_FLOAT32, 4, shape, &y));
+  DDP_TRY(k->dense->conv2d_forward(y->data, x->data, weight->data, bias ? bias->data : NULL, &g,
+                                   ddp__tape_arena(tape)));
+  if (ddp__tape_wants_grad(tape, 3, in)) {
+    ddp__conv2d_geom *saved = ddp_tape_scratch(tape, sizeof *saved);
+    if (!saved) return ddp_error(DDP_ERR_NOMEM, "conv2d: cannot allocate the saved geometry");
+    *saved = g;
+    DDP_TRY(ddp__tape_record(tape, "conv2d", conv2d_backward, y, 3, in, saved));
+  }
+  *out = y;
+  return DDP_OK;
+}

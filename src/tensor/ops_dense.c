@@ -1,0 +1,184 @@
+/* Dense ops: matmul, linear and max_pool2d (conv2d is in ops_conv.c). Each
+ * validates its arguments with a message naming the op and the shapes,
+ * computes through the device's dense kernel table, and records a backward
+ * that accumulates into the gradients of the inputs that require grad. */
+#include "tensor/kernels.h"
+#include "tensor/tape.h"
+
+#define SHAPE(t, buf) ((t) ? ddp_tensor_shape_str((t), (buf), sizeof(buf)) : "NULL")
+
+/* ---- matmul: a (M, K) @ b (K, N) -> (M, N) ---- */
+
+static ddp_status matmul_backward(ddp_tape *tape, ddp__node *node) {
+  const ddp__kernels *k = ddp__kernels_for(node->out->device);
+  ddp_tensor *a = node->in[0], *b = node->in[1];
+  const int64_t m = a->shape[0], inner = a->shape[1], n = b->shape[1];
+  const float *dy = node->out->grad; /* (M, N) */
+  ddp_status s = DDP_OK;
+  float *da = ddp__tape_grad(tape, a, &s);
+  if (s != DDP_OK) return s;
+  if (da) /* da (M, K) += dy (M, N) @ b^T (N, K) */
+    k->dense->gemm(false, true, m, inner, n, 1.0f, dy, n, b->data, n, 1.0f, da, inner);
+  float *db = ddp__tape_grad(tape, b, &s);
+  if (s != DDP_OK) return s;
+  if (db) /* db (K, N) += a^T (K, M) @ dy (M, N) */
+    k->dense->gemm(true, false, inner, n, m, 1.0f, a->data, inner, dy, n, 1.0f, db, n);
+  return DDP_OK;
+}
+
+ddp_status ddp_matmul(ddp_tape *tape, ddp_tensor *a, ddp_tensor *b, ddp_tensor **out) {
+  char sa[DDP_SHAPE_STR_BYTES], sb[DDP_SHAPE_STR_BYTES];
+  if (!tape || !out) return ddp_error(DDP_ERR_INVALID, "matmul: tape or out is NULL");
+  if (!a || !b)
+    return ddp_error(DDP_ERR_INVALID, "matmul: %s is NULL (a %s, b %s)", a ? "b" : "a",
+                     SHAPE(a, sa), SHAPE(b, sb));
+  ddp_tensor *in[2] = {a, b};
+  const ddp__kernels *k;
+  DDP_TRY(ddp__kernels_check("matmul", 2, in, &k));
+  if (a->ndim != 2 || b->ndim != 2)
+    return ddp_error(DDP_ERR_SHAPE, "matmul: expects 2-D tensors, got a %s and b %s",
+                     SHAPE(a, sa), SHAPE(b, sb));
+  if (a->shape[1] != b->shape[0])
+    return ddp_error(DDP_ERR_SHAPE,
+                     "matmul: a %s and b %s cannot be multiplied (%lld columns vs %lld rows)",
+                     SHAPE(a, sa), SHAPE(b, sb), (long long)a->shape[1], (long long)b->shape[0]);
+  const int64_t m = a->shape[0], inner = a->shape[1], n = b->shape[1];
+  int64_t shape[2] = {m, n};
+  ddp_tensor *y;
+  DDP_TRY(ddp__tape_output(tape, "matmul", DDP_FLOAT32, 2, shape, &y));
+  k->dense->gemm(false, false, m, n, inner, 1.0f, a->data, inner, b->data, n, 0.0f, y->data, n);
+  if (ddp__tape_wants_grad(tape, 2, in))
+    DDP_TRY(ddp__tape_record(tape, "matmul", matmul_backward, y, 2, in, NULL));
+  *out = y;
+  return DDP_OK;
+}
+
+/* ---- linear: x (*, in), weight (out, in), bias (out) -> (*, out) ---- */
+
+static ddp_status linear_backward(ddp_tape *tape, ddp__node *node) {
+  const ddp__kernels *k = ddp__kernels_for(node->out->device);
+  ddp_tensor *x = node->in[0], *w = node->in[1], *b = node->in[2];
+  const int64_t in = w->shape[1], outf = w->shape[0];
+  int64_t rows = 1; /* every dimension of x but the last */
+  for (int i = 0; i < x->ndim - 1; i++) rows *= x->shape[i];
+  ddp_status s = DDP_OK;
+  float *dx = ddp__tape_grad(tape, x, &s);
+  float *dw = s == DDP_OK ? ddp__tape_grad(tape, w, &s) : NULL;
+  float *db = s == DDP_OK ? ddp__tape_grad(tape, b, &s) : NULL;
+  if (s != DDP_OK) return s;
+  k->dense->linear_backward(dx, dw, db, node->out->grad, x->data, w->data, rows, in, outf);
+  return DDP_OK;
+}
+
+ddp_status ddp_linear(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_tensor *bias,
+                      ddp_tensor **out) {
+  char sx[DDP_SHAPE_STR_BYTES], sw[DDP_SHAPE_STR_BYTES], sb[DDP_SHAPE_STR_BYTES];
+  if (!tape || !out) return ddp_error(DDP_ERR_INVALID, "linear: tape or out is NULL");
+  if (!x || !weight)
+    return ddp_error(DDP_ERR_INVALID, "linear: %s is NULL (input %s, weight %s)",
+                     x ? "weight" : "input", SHAPE(x, sx), SHAPE(weight, sw));
+  ddp_tensor *in[3] = {x, weight, bias};
+  const ddp__kernels *k;
+  DDP_TRY(ddp__kernels_check("linear", 3, in, &k));
+  if (weight->ndim != 2)
+    return ddp_error(DDP_ERR_SHAPE, "linear: weight %s must be 2-D (out_features, in_features)",
+                     SHAPE(weight, sw));
+  const int64_t outf = weight->shape[0], inf = weight->shape[1];
+  if (x->ndim < 1)
+    return ddp_error(DDP_ERR_SHAPE, "linear: input %s must have at least 1 dimension",
+                     SHAPE(x, sx));
+  if (x->shape[x->ndim - 1] != inf)
+    return ddp_error(DDP_ERR_SHAPE,
+                     "linear: input %s has %lld features but weight %s expects %lld",
+                     SHAPE(x, sx), (long long)x->shape[x->ndim - 1], SHAPE(weight, sw),
+                     (long long)inf);
+  if (bias && (bias->ndim != 1 || bias->shape[0] != outf))
+    return ddp_error(DDP_ERR_SHAPE, "linear: bias %s does not match weight %s: expected (%lld)",
+                     SHAPE(bias, sb), SHAPE(weight, sw), (long long)outf);
+  int64_t shape[DDP_MAX_DIMS], rows = 1;
+  for (int i = 0; i < x->ndim - 1; i++) {
+    shape[i] = x->shape[i];
+    rows *= x->shape[i];
+  }
+  shape[x->ndim - 1] = outf;
+  ddp_tensor *y;
+  DDP_TRY(ddp__tape_output(tape, "linear", DDP_FLOAT32, x->ndim, shape, &y));
+  k->dense->linear_forward(y->data, x->data, weight->data, bias ? bias->data : NULL, rows, inf,
+                           outf);
+  if (ddp__tape_wants_grad(tape, 3, in))
+    DDP_TRY(ddp__tape_record(tape, "linear", linear_backward, y, 3, in, NULL));
+  *out = y;
+  return DDP_OK;
+}
+
+/* ---- max_pool2d: x (N, C, H, W) or (C, H, W) -> (..., H', W') ---- */
+
+typedef struct pool_ctx {
+  int32_t *argmax; /* (planes, H', W'): index of each window's max in its plane */
+  int64_t planes, h, w;
+} pool_ctx;
+
+static ddp_status max_pool2d_backward(ddp_tape *tape, ddp__node *node) {
+  const ddp__kernels *k = ddp__kernels_for(node->out->device);
+  const pool_ctx *ctx = node->ctx;
+  ddp_tensor *y = node->out;
+  ddp_status s = DDP_OK;
+  float *dx = ddp__tape_grad(tape, node->in[0], &s);
+  if (s != DDP_OK) return s;
+  if (dx)
+    k->dense->max_pool2d_backward(dx, y->grad, ctx->argmax, ctx->planes, ctx->h, ctx->w,
+                                  y->shape[y->ndim - 2], y->shape[y->ndim - 1]);
+  return DDP_OK;
+}
+
+ddp_status ddp_max_pool2d(ddp_tape *tape, ddp_tensor *x, int kernel, int stride,
+                          ddp_tensor **out) {
+  char sx[DDP_SHAPE_STR_BYTES];
+  if (!tape || !out) return ddp_error(DDP_ERR_INVALID, "max_pool2d: tape or out is NULL");
+  if (!x) return ddp_error(DDP_ERR_INVALID, "max_pool2d: input is NULL");
+  const ddp__kernels *k;
+  DDP_TRY(ddp__kernels_check("max_pool2d", 1, &x, &k));
+  if (x->ndim != 4 && x->ndim != 3)
+    return ddp_error(DDP_ERR_SHAPE, "max_pool2d: input %s must be 4-D (N, C, H, W) or 3-D",
+                     SHAPE(x, sx));
+  if (kernel <= 0)
+    return ddp_error(DDP_ERR_INVALID, "max_pool2d: kernel size must be positive, got %d",
+                     kernel);
+  if (stride < 0)
+    return ddp_error(DDP_ERR_INVALID, "max_pool2d: stride must be positive (or 0 for the "
+                     "kernel size), got %d", stride);
+  if (stride == 0) stride = kernel;
+  const int64_t h = x->shape[x->ndim - 2], w = x->shape[x->ndim - 1];
+  if (kernel > h || kernel > w)
+    return ddp_error(DDP_ERR_SHAPE,
+                     "max_pool2d: kernel %dx%d is larger than the input plane %lldx%lld "
+                     "(input %s)",
+                     kernel, kernel, (long long)h, (long long)w, SHAPE(x, sx));
+  if (h * w > INT32_MAX)
+    return ddp_error(DDP_ERR_SHAPE, "max_pool2d: input plane %lldx%lld is too large",
+                     (long long)h, (long long)w);
+  const int64_t oh = (h - kernel) / stride + 1, ow = (w - kernel) / stride + 1;
+  const int64_t planes = x->numel / (h * w); /* h, w >= kernel >= 1 */
+  int64_t shape[4];
+  for (int i = 0; i < x->ndim - 2; i++) shape[i] = x->shape[i];
+  shape[x->ndim - 2] = oh;
+  shape[x->ndim - 1] = ow;
+  ddp_tensor *y;
+  DDP_TRY(ddp__tape_output(tape, "max_pool2d", DDP_FLOAT32, x->ndim, shape, &y));
+  pool_ctx *ctx = NULL;
+  if (ddp__tape_wants_grad(tape, 1, &x)) {
+    ctx = ddp_tape_scratch(tape, sizeof *ctx);
+    if (ctx) ctx->argmax = ddp_tape_scratch(tape, (size_t)y->numel * sizeof(int32_t));
+    if (!ctx || !ctx->argmax)
+      return ddp_error(DDP_ERR_NOMEM, "max_pool2d: cannot allocate the argmax of %s",
+                       SHAPE(y, sx));
+    ctx->planes = planes;
+    ctx->h = h;
+    ctx->w = w;
+  }
+  k->dense->max_pool2d_forward(y->data, ctx ? ctx->argmax : NULL, x->data, planes, h, w, kernel,
+                               stride, oh, ow);
+  if (ctx) DDP_TRY(ddp__tape_record(tape, "max_pool2d", max_pool2d_backward, y, 1, &x, ctx));
+  *out = y;
+  return DDP_OK;
+}

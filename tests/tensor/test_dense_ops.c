@@ -1,0 +1,560 @@
+/* Dense ops (matmul, linear, conv2d, max_pool2d): forward against naive loops
+ * in double, backward against central finite differences and against naive
+ * backward loops at the ConvNet's shapes, error codes and messages, and no
+ * allocation in a steady-state step. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include "support/gradcheck.h"
+#include "tensor/tape.h"
+
+/* ---- naive references (double accumulation, direct loops) ---- */
+
+static void ref_matmul(float *y, const float *a, const float *b, int64_t m, int64_t k,
+                       int64_t n) {
+  for (int64_t i = 0; i < m; i++)
+    for (int64_t j = 0; j < n; j++) {
+      double s = 0;
+      for (int64_t l = 0; l < k; l++) s += (double)a[i * k + l] * b[l * n + j];
+      y[i * n + j] = (float)s;
+    }
+}
+
+typedef struct conv_cfg {
+  int64_t n, c, h, w, o, kh, kw;
+  int stride, pad;
+  bool bias;
+} conv_cfg;
+
+static int64_t conv_out(int64_t size, int64_t k, int stride, int pad) {
+  return (size + 2 * pad - k) / stride + 1;
+}
+
+static void ref_conv(float *y, const float *x, const float *w, const float *b,
+                     const conv_cfg *q) {
+  int64_t oh = conv_out(q->h, q->kh, q->stride, q->pad), ow = conv_out(q->w, q->kw, q->stride, q->pad);
+  for (int64_t n = 0; n < q->n; n++)
+    for (int64_t o = 0; o < q->o; o++)
+      for (int64_t i = 0; i < oh; i++)
+        for (int64_t j = 0; j < ow; j++) {
+          double s = b ? b[o] : 0.0;
+          for (int64_t c = 0; c < q->c; c++)
+            for (int64_t a = 0; a < q->kh; a++)
+              for (int64_t e = 0; e < q->kw; e++) {
+                int64_t ih = i * q->stride - q->pad + a, iw = j * q->stride - q->pad + e;
+                if (ih < 0 || ih >= q->h || iw < 0 || iw >= q->w) continue;
+                s += (double)x[((n * q->c + c) * q->h + ih) * q->w + iw] *
+                     w[((o * q->c + c) * q->kh + a) * q->kw + e];
+              }
+          y[((n * q->o + o) * oh + i) * ow + j] = (float)s;
+        }
+}
+
+/* dx, dw, db from dy by direct loops (each may be NULL). */
+static void ref_conv_backward(double *dx, double *dw, double *db, const float *dy, const float *x,
+                              const float *w, const conv_cfg *q) {
+  int64_t oh = conv_out(q->h, q->kh, q->stride, q->pad), ow = conv_out(q->w, q->kw, q->stride, q->pad);
+  for (int64_t n = 0; n < q->n; n++)
+    for (int64_t o = 0; o < q->o; o++)
+      for (int64_t i = 0; i < oh; i++)
+        for (int64_t j = 0; j < ow; j++) {
+          double g = dy[((n * q->o + o) * oh + i) * ow + j];
+          if (db) db[o] += g;
+          for (int64_t c = 0; c < q->c; c++)
+            for (int64_t a = 0; a < q->kh; a++)
+              for (int64_t e = 0; e < q->kw; e++) {
+                int64_t ih = i * q->stride - q->pad + a, iw = j * q->stride - q->pad + e;
+                if (ih < 0 || ih >= q->h || iw < 0 || iw >= q->w) continue;
+                int64_t xi = ((n * q->c + c) * q->h + ih) * q->w + iw;
+                int64_t wi = ((o * q->c + c) * q->kh + a) * q->kw + e;
+                if (dx) dx[xi] += g * w[wi];
+                if (dw) dw[wi] += g * x[xi];
+              }
+        }
+}
+
+static void ref_pool(float *y, int64_t *arg, const float *x, int64_t planes, int64_t h,
+                     int64_t w, int k, int s) {
+  int64_t oh = (h - k) / s + 1, ow = (w - k) / s + 1;
+  for (int64_t p = 0; p < planes; p++)
+    for (int64_t i = 0; i < oh; i++)
+      for (int64_t j = 0; j < ow; j++) {
+        int64_t best = -1;
+        for (int64_t a = 0; a < k; a++)
+          for (int64_t b = 0; b < k; b++) {
+            int64_t at = p * h * w + (i * s + a) * w + j * s + b;
+            if (best < 0 || x[at] > x[best]) best = at;
+          }
+        y[(p * oh + i) * ow + j] = x[best];
+        if (arg) arg[(p * oh + i) * ow + j] = best;
+      }
+}
+
+static float *to_float(const double *d, int64_t n) {
+  float *f = ddp_alloc((size_t)n * sizeof(float) + 4);
+  for (int64_t i = 0; i < n; i++) f[i] = (float)d[i];
+  return f;
+}
+
+static ddp_tape *new_tape(void) {
+  ddp_tape *tape;
+  assert_int_equal(ddp_tape_create(&tape, 1 << 16), DDP_OK);
+  return tape;
+}
+
+/* ---- matmul ---- */
+
+static ddp_status matmul_fn(ddp_tape *tape, ddp_tensor **in, void *user, ddp_tensor **out) {
+  (void)user;
+  return ddp_matmul(tape, in[0], in[1], out);
+}
+
+static void test_matmul(void **state) {
+  (void)state;
+  const int64_t dims[][3] = {{5, 7, 3}, {1, 4, 6}, {33, 17, 9}};
+  for (int t = 0; t < 3; t++) {
+    int64_t m = dims[t][0], k = dims[t][1], n = dims[t][2];
+    int64_t sa[2] = {m, k}, sb[2] = {k, n};
+    ddp_tensor *in[2] = {gradcheck_random(2, sa, -1, 1, 10 + t, true),
+                         gradcheck_random(2, sb, -1, 1, 20 + t, true)};
+    ddp_tape *tape = new_tape();
+    ddp_tensor *y;
+    assert_int_equal(ddp_matmul(tape, in[0], in[1], &y), DDP_OK);
+    assert_int_equal(y->ndim, 2);
+    assert_int_equal(y->shape[0], m);
+    assert_int_equal(y->shape[1], n);
+    float *ref = ddp_alloc((size_t)(m * n) * sizeof(float));
+    ref_matmul(ref, in[0]->data, in[1]->data, m, k, n);
+    assert_int_equal(allclose("matmul forward", y->data, ref, m * n, 1e-5, 1e-5), 0);
+    ddp_free(ref);
+    ddp_tape_destroy(tape);
+    if (m * k < 200)
+      assert_int_equal(gradcheck("matmul", matmul_fn, in, 2, NULL, 1e-2, 1e-3, 1e-3), 0);
+    ddp_tensor_destroy(in[0]);
+    ddp_tensor_destroy(in[1]);
+  }
+}
+
+/* ---- linear ---- */
+
+static ddp_status linear_fn(ddp_tape *tape, ddp_tensor **in, void *user, ddp_tensor **out) {
+  (void)user;
+  return ddp_linear(tape, in[0], in[1], in[2], out);
+}
+
+static void test_linear(void **state) {
+  (void)state;
+  /* x (2, 3, 5): linear accepts any leading dimensions, as PyTorch does. */
+  const int64_t sx3[3] = {2, 3, 5}, sw[2] = {4, 5}, sb[1] = {4};
+  for (int with_bias = 0; with_bias < 2; with_bias++) {
+    ddp_tensor *in[3] = {gradcheck_random(3, sx3, -1, 1, 31, true),
+                         gradcheck_random(2, sw, -1, 1, 32, true),
+                         with_bias ? gradcheck_random(1, sb, -1, 1, 33, true) : NULL};
+    ddp_tape *tape = new_tape();
+    ddp_tensor *y;
+    assert_int_equal(ddp_linear(tape, in[0], in[1], in[2], &y), DDP_OK);
+    assert_int_equal(y->ndim, 3);
+    assert_int_equal(y->shape[2], 4);
+    /* reference: y = x @ W^T + b with explicit loops */
+    float ref[24];
+    const float *x = in[0]->data, *w = in[1]->data;
+    for (int r = 0; r < 6; r++)
+      for (int o = 0; o < 4; o++) {
+        double s = with_bias ? ((float *)in[2]->data)[o] : 0.0;
+        for (int i = 0; i < 5; i++) s += (double)x[r * 5 + i] * w[o * 5 + i];
+        ref[r * 4 + o] = (float)s;
+      }
+    assert_int_equal(allclose("linear forward", y->data, ref, 24, 1e-5, 1e-5), 0);
+    ddp_tape_destroy(tape);
+    assert_int_equal(gradcheck("linear", linear_fn, in, 3, NULL, 1e-2, 1e-3, 1e-3), 0);
+    for (int i = 0; i < 3; i++) ddp_tensor_destroy(in[i]);
+  }
+}
+
+/* ---- conv2d ---- */
+
+static ddp_status conv_fn(ddp_tape *tape, ddp_tensor **in, void *user, ddp_tensor **out) {
+  const conv_cfg *q = user;
+  return ddp_conv2d(tape, in[0], in[1], in[2], q->stride, q->pad, out);
+}
+
+static const conv_cfg conv_shapes[] = {
+    /* n, c, h, w, o, kh, kw, stride, pad, bias */
+    {2, 3, 7, 6, 4, 3, 3, 1, 1, true},   /* same-size, non-square input */
+    {2, 3, 7, 6, 4, 3, 2, 2, 0, false},  /* stride 2, non-square kernel, no bias */
+    {1, 1, 9, 8, 3, 5, 5, 1, 2, true},   /* conv1-like: C = 1, k5 p2, batch 1 */
+    {3, 2, 8, 9, 2, 5, 5, 2, 2, true},   /* stride 2, padding 2 */
+    {2, 4, 5, 5, 3, 1, 1, 1, 0, true},   /* 1x1: the im2col-free path */
+    {1, 2, 10, 7, 3, 3, 3, 3, 1, false}, /* stride 3 */
+    {2, 2, 3, 3, 2, 5, 5, 1, 1, true},   /* kernel exactly fills the padded input */
+    {1, 3, 4, 4, 2, 1, 1, 2, 1, true},   /* 1x1 but strided and padded: im2col */
+};
+
+static void make_conv_inputs(const conv_cfg *q, ddp_tensor **in, uint64_t seed, bool x_grad) {
+  int64_t sx[4] = {q->n, q->c, q->h, q->w}, sw[4] = {q->o, q->c, q->kh, q->kw}, sb[1] = {q->o};
+  in[0] = gradcheck_random(4, sx, -1, 1, seed, x_grad);
+  in[1] = gradcheck_random(4, sw, -1, 1, seed + 1, true);
+  in[2] = q->bias ? gradcheck_random(1, sb, -1, 1, seed + 2, true) : NULL;
+}
+
+static void test_conv2d_forward(void **state) {
+  (void)state;
+  for (size_t t = 0; t < sizeof conv_shapes / sizeof *conv_shapes; t++) {
+    const conv_cfg *q = &conv_shapes[t];
+    ddp_tensor *in[3];
+    make_conv_inputs(q, in, 100 + 10 * t, false);
+    ddp_tape *tape = new_tape();
+    ddp_tensor *y;
+    assert_int_equal(ddp_conv2d(tape, in[0], in[1], in[2], q->stride, q->pad, &y), DDP_OK);
+    int64_t oh = conv_out(q->h, q->kh, q->stride, q->pad), ow = conv_out(q->w, q->kw, q->stride, q->pad);
+    assert_int_equal(y->ndim, 4);
+    assert_int_equal(y->shape[0], q->n);
+    assert_int_equal(y->shape[1], q->o);
+    assert_int_equal(y->shape[2], oh);
+    assert_int_equal(y->shape[3], ow);
+    float *ref = ddp_alloc((size_t)y->numel * sizeof(float));
+    ref_conv(ref, in[0]->data, in[1]->data, in[2] ? in[2]->data : NULL, q);
+    char label[64];
+    snprintf(label, sizeof label, "conv2d forward shape %zu", t);
+    assert_int_equal(allclose(label, y->data, ref, y->numel, 1e-5, 1e-5), 0);
+    ddp_free(ref);
+    ddp_tape_destroy(tape);
+    for (int i = 0; i < 3; i++) ddp_tensor_destroy(in[i]);
+  }
+}
+
+static void test_conv2d_gradcheck(void **state) {
+  (void)state;
+  for (size_t t = 0; t < sizeof conv_shapes / sizeof *conv_shapes; t++) {
+    const conv_cfg *q = &conv_shapes[t];
+    ddp_tensor *in[3];
+    make_conv_inputs(q, in, 200 + 10 * t, true);
+    char label[64];
+    snprintf(label, sizeof label, "conv2d shape %zu", t);
+    assert_int_equal(gradcheck(label, conv_fn, in, 3, (void *)q, 1e-2, 2e-3, 1e-3), 0);
+    for (int i = 0; i < 3; i++) ddp_tensor_destroy(in[i]);
+  }
+}
+
+/* Backward at the ConvNet's shapes (batch 2) against direct loops; also
+ * checks that an input that does not require grad gets no gradient while
+ * the weight's is unchanged, and that gradients accumulate into existing
+ * values. */
+static void check_conv_backward(const conv_cfg *q, bool x_grad) {
+  ddp_tensor *in[3];
+  make_conv_inputs(q, in, 300, x_grad);
+  ddp_tape *tape = new_tape();
+  ddp_tensor *y;
+  assert_int_equal(ddp_conv2d(tape, in[0], in[1], in[2], q->stride, q->pad, &y), DDP_OK);
+  float *dy = ddp_alloc((size_t)y->numel * sizeof(float));
+  ddp_rng rng;
+  ddp_rng_seed(&rng, 77);
+  for (int64_t i = 0; i < y->numel; i++) dy[i] = ddp_rng_uniform_range(&rng, -1, 1);
+  /* Pre-existing gradient values must be added to, not overwritten. */
+  for (int i = 0; i < 3; i++) {
+    if (!in[i] || !(in[i]->flags & DDP_TENSOR_REQUIRES_GRAD)) continue;
+    assert_int_equal(ddp_tensor_ensure_grad(in[i]), DDP_OK);
+    for (int64_t j = 0; j < in[i]->numel; j++) in[i]->grad[j] = 0.5f;
+  }
+  assert_int_equal(ddp__backward_from(tape, y, dy), DDP_OK);
+  double *dx = ddp_calloc((size_t)in[0]->numel, sizeof(double));
+  double *dw = ddp_calloc((size_t)in[1]->numel, sizeof(double));
+  double *db = ddp_calloc((size_t)q->o, sizeof(double));
+  ref_conv_backward(dx, dw, db, dy, in[0]->data, in[1]->data, q);
+  for (int64_t j = 0; j < in[1]->numel; j++) dw[j] += 0.5;
+  for (int64_t j = 0; j < q->o; j++) db[j] += 0.5;
+  for (int64_t j = 0; j < in[0]->numel; j++) dx[j] += 0.5;
+  float *f = to_float(dw, in[1]->numel);
+  assert_int_equal(allclose("conv2d dweight", in[1]->grad, f, in[1]->numel, 1e-4, 1e-4), 0);
+  ddp_free(f);
+  f = to_float(db, q->o);
+  assert_int_equal(allclose("conv2d dbias", in[2]->grad, f, q->o, 1e-4, 1e-4), 0);
+  ddp_free(f);
+  if (x_grad) {
+    f = to_float(dx, in[0]->numel);
+    assert_int_equal(allclose("conv2d dinput", in[0]->grad, f, in[0]->numel, 1e-4, 1e-4), 0);
+    ddp_free(f);
+  } else {
+    assert_null(in[0]->grad);
+  }
+  ddp_free(dx);
+  ddp_free(dw);
+  ddp_free(db);
+  ddp_free(dy);
+  ddp_tape_destroy(tape);
+  for (int i = 0; i < 3; i++) ddp_tensor_destroy(in[i]);
+}
+
+static void test_conv2d_backward_convnet_shapes(void **state) {
+  (void)state;
+  const conv_cfg conv1 = {2, 1, 28, 28, 16, 5, 5, 1, 2, true};
+  const conv_cfg conv2 = {2, 16, 14, 14, 32, 5, 5, 1, 2, true};
+  check_conv_backward(&conv1, false); /* first layer: input is data */
+  check_conv_backward(&conv1, true);
+  check_conv_backward(&conv2, true);
+}
+
+/* ---- max_pool2d ---- */
+
+typedef struct pool_cfg {
+  int kernel, stride;
+} pool_cfg;
+
+static ddp_status pool_fn(ddp_tape *tape, ddp_tensor **in, void *user, ddp_tensor **out) {
+  const pool_cfg *q = user;
+  return ddp_max_pool2d(tape, in[0], q->kernel, q->stride, out);
+}
+
+/* Distinct values at least 0.01 apart in a shuffled order, so finite
+ * differences with eps 1e-3 never cross a tie. */
+static ddp_tensor *distinct_tensor(int ndim, const int64_t *shape, uint64_t seed) {
+  ddp_tensor *t = gradcheck_random(ndim, shape, 0, 1, seed, true);
+  float *d = t->data;
+  for (int64_t i = 0; i < t->numel; i++) d[i] = 0.01f * (float)i - 1.0f;
+  ddp_rng rng;
+  ddp_rng_seed(&rng, seed);
+  for (int64_t i = t->numel - 1; i > 0; i--) {
+    int64_t j = (int64_t)ddp_rng_below(&rng, (uint64_t)i + 1);
+    float tmp = d[i];
+    d[i] = d[j];
+    d[j] = tmp;
+  }
+  return t;
+}
+
+static void test_max_pool2d(void **state) {
+  (void)state;
+  const struct {
+    int64_t shape[4];
+    int ndim;
+    pool_cfg q;
+  } cases[] = {
+      {{2, 3, 6, 6}, 4, {2, 2}},  {{2, 3, 7, 5}, 4, {2, 2}}, /* floor mode drops the edge */
+      {{1, 2, 7, 7}, 4, {3, 2}},  {{1, 2, 5, 6}, 4, {3, 1}}, /* overlapping windows */
+      {{3, 6, 5}, 3, {2, 0}},                                 /* 3-D, stride 0 = kernel */
+      {{1, 1, 4, 4}, 4, {4, 4}},
+  };
+  for (size_t t = 0; t < sizeof cases / sizeof *cases; t++) {
+    ddp_tensor *x = distinct_tensor(cases[t].ndim, cases[t].shape, 400 + t);
+    int k = cases[t].q.kernel, s = cases[t].q.stride ? cases[t].q.stride : k;
+    ddp_tape *tape = new_tape();
+    ddp_tensor *y;
+    assert_int_equal(ddp_max_pool2d(tape, x, k, cases[t].q.stride, &y), DDP_OK);
+    int64_t h = x->shape[x->ndim - 2], w = x->shape[x->ndim - 1];
+    assert_int_equal(y->shape[y->ndim - 2], (h - k) / s + 1);
+    assert_int_equal(y->shape[y->ndim - 1], (w - k) / s + 1);
+    float *ref = ddp_alloc((size_t)y->numel * sizeof(float));
+    ref_pool(ref, NULL, x->data, x->numel / (h * w), h, w, k, s);
+    assert_int_equal(allclose("max_pool2d forward", y->data, ref, y->numel, 0, 0), 0);
+    ddp_free(ref);
+    ddp_tape_destroy(tape);
+    char label[64];
+    snprintf(label, sizeof label, "max_pool2d case %zu", t);
+    assert_int_equal(gradcheck(label, pool_fn, &x, 1, (void *)&cases[t].q, 1e-3, 1e-3, 1e-3), 0);
+    ddp_tensor_destroy(x);
+  }
+}
+
+/* Ties: the gradient goes to the first maximum in row-major window order
+ * (PyTorch's CPU kernel), once per window. */
+static void test_max_pool2d_ties(void **state) {
+  (void)state;
+  int64_t shape[4] = {1, 1, 4, 4};
+  float data[16] = {1, 1, 0, 2,  /* window (0,0): all 1 -> index 0 */
+                    1, 1, 2, 0,  /* window (0,1): 2 at (0,3) and (1,2) -> (0,3) */
+                    3, 0, 5, 5,  /* window (1,0): 3 at (2,0) and (3,1) -> (2,0) */
+                    0, 3, 5, 5}; /* window (1,1): all 5 -> (2,2) */
+  ddp_tensor x;
+  assert_int_equal(ddp_tensor_wrap(&x, DDP_FLOAT32, 4, shape, data), DDP_OK);
+  x.flags |= DDP_TENSOR_REQUIRES_GRAD;
+  ddp_tape *tape = new_tape();
+  ddp_tensor *y;
+  assert_int_equal(ddp_max_pool2d(tape, &x, 2, 2, &y), DDP_OK);
+  const float want_y[4] = {1, 2, 3, 5};
+  assert_memory_equal(y->data, want_y, sizeof want_y);
+  const float seed[4] = {1, 2, 3, 4};
+  assert_int_equal(ddp__backward_from(tape, y, seed), DDP_OK);
+  const float want_dx[16] = {1, 0, 0, 2, 0, 0, 0, 0, 3, 0, 4, 0, 0, 0, 0, 0};
+  assert_memory_equal(x.grad, want_dx, sizeof want_dx);
+  /* Overlapping windows (kernel 2, stride 1) sharing one max both route to it. */
+  ddp_tape_reset(tape);
+  memset(x.grad, 0, 16 * sizeof(float));
+  float seed9[9] = {1, 1, 1, 1, 1, 1, 1, 1, 1};
+  assert_int_equal(ddp_max_pool2d(tape, &x, 2, 1, &y), DDP_OK);
+  assert_int_equal(y->numel, 9);
+  assert_int_equal(ddp__backward_from(tape, y, seed9), DDP_OK);
+  /* windows whose max is 5 at (2,2): (1,1),(1,2),(2,1),(2,2) -> 4 */
+  assert_true(x.grad[10] == 4.0f);
+  ddp_tensor_free_grad(&x);
+  ddp_tape_destroy(tape);
+}
+
+/* ---- errors ---- */
+
+static void expect_error(ddp_status got, ddp_status want, const char *text) {
+  assert_int_equal(got, want);
+  if (!strstr(ddp_last_error(), text)) {
+    fprintf(stderr, "last error \"%s\" lacks \"%s\"\n", ddp_last_error(), text);
+    fail();
+  }
+}
+
+static void test_errors(void **state) {
+  (void)state;
+  ddp_tape *tape = new_tape();
+  ddp_tensor *y = NULL;
+  int64_t sx[4] = {8, 3, 28, 28}, sw[4] = {16, 1, 5, 5}, sw3[4] = {16, 3, 5, 5};
+  ddp_tensor *x = gradcheck_random(4, sx, -1, 1, 1, false);
+  ddp_tensor *w1 = gradcheck_random(4, sw, -1, 1, 2, false);
+  ddp_tensor *w3 = gradcheck_random(4, sw3, -1, 1, 3, false);
+  int64_t s2[2] = {3, 4}, s2b[2] = {5, 6}, s1[1] = {7}, s16[1] = {16};
+  ddp_tensor *m34 = gradcheck_random(2, s2, -1, 1, 4, false);
+  ddp_tensor *m56 = gradcheck_random(2, s2b, -1, 1, 5, false);
+  ddp_tensor *v7 = gradcheck_random(1, s1, -1, 1, 6, false);
+  ddp_tensor *b16 = gradcheck_random(1, s16, -1, 1, 7, false);
+  ddp_tensor *ints;
+  assert_int_equal(ddp_tensor_create(&ints, DDP_INT64, 4, sx), DDP_OK);
+
+  /* conv2d */
+  expect_error(ddp_conv2d(tape, x, w1, NULL, 1, 2, &y), DDP_ERR_SHAPE,
+               "conv2d: input (8,3,28,28) has 3 channels but weight (16,1,5,5) expects 1");
+  expect_error(ddp_conv2d(tape, NULL, w1, NULL, 1, 0, &y), DDP_ERR_INVALID, "conv2d: input is NULL");
+  expect_error(ddp_conv2d(tape, x, NULL, NULL, 1, 0, &y), DDP_ERR_INVALID, "conv2d: weight is NULL");
+  expect_error(ddp_conv2d(tape, m34, w3, NULL, 1, 0, &y), DDP_ERR_SHAPE,
+               "conv2d: input (3,4) must be 4-D");
+  expect_error(ddp_conv2d(tape, x, m34, NULL, 1, 0, &y), DDP_ERR_SHAPE,
+               "conv2d: weight (3,4) must be 4-D");
+  expect_error(ddp_conv2d(tape, x, w3, v7, 1, 0, &y), DDP_ERR_SHAPE,
+               "conv2d: bias (7) does not match weight (16,3,5,5)");
+  expect_error(ddp_conv2d(tape, x, w3, NULL, 0, 0, &y), DDP_ERR_INVALID,
+               "conv2d: stride must be positive, got 0");
+  expect_error(ddp_conv2d(tape, x, w3, NULL, -2, 0, &y), DDP_ERR_INVALID,
+               "conv2d: stride must be positive, got -2");
+  expect_error(ddp_conv2d(tape, x, w3, NULL, 1, -1, &y), DDP_ERR_INVALID,
+               "conv2d: padding must be non-negative, got -1");
+  expect_error(ddp_conv2d(tape, ints, w3, NULL, 1, 0, &y), DDP_ERR_INVALID,
+               "conv2d: argument 0 is int64, expected float32");
+  int64_t tiny[4] = {1, 3, 2, 3};
+  ddp_tensor *xt = gradcheck_random(4, tiny, -1, 1, 8, false);
+  expect_error(ddp_conv2d(tape, xt, w3, NULL, 1, 1, &y), DDP_ERR_SHAPE,
+               "conv2d: kernel 5x5 is larger than the padded input 4x5 (input (1,3,2,3), padding 1)");
+  assert_int_equal(ddp_conv2d(tape, xt, w3, b16, 1, 2, &y), DDP_OK); /* 6x7 padded: fits */
+
+  /* linear */
+  expect_error(ddp_linear(tape, m34, m56, NULL, &y), DDP_ERR_SHAPE,
+               "linear: input (3,4) has 4 features but weight (5,6) expects 6");
+  expect_error(ddp_linear(tape, NULL, m56, NULL, &y), DDP_ERR_INVALID, "linear: input is NULL");
+  expect_error(ddp_linear(tape, m34, v7, NULL, &y), DDP_ERR_SHAPE,
+               "linear: weight (7) must be 2-D");
+  int64_t s54[2] = {5, 4};
+  ddp_tensor *w54 = gradcheck_random(2, s54, -1, 1, 9, false);
+  expect_error(ddp_linear(tape, m34, w54, v7, &y), DDP_ERR_SHAPE,
+               "linear: bias (7) does not match weight (5,4): expected (5)");
+  assert_int_equal(ddp_linear(tape, m34, w54, NULL, &y), DDP_OK);
+
+  /* matmul */
+  expect_error(ddp_matmul(tape, m34, m56, &y), DDP_ERR_SHAPE,
+               "matmul: a (3,4) and b (5,6) cannot be multiplied (4 columns vs 5 rows)");
+  expect_error(ddp_matmul(tape, m34, v7, &y), DDP_ERR_SHAPE,
+               "matmul: expects 2-D tensors, got a (3,4) and b (7)");
+  expect_error(ddp_matmul(tape, m34, NULL, &y), DDP_ERR_INVALID, "matmul: b is NULL");
+  int64_t si[2] = {4, 2};
+  ddp_tensor *ints2;
+  assert_int_equal(ddp_tensor_create(&ints2, DDP_INT32, 2, si), DDP_OK);
+  expect_error(ddp_matmul(tape, m34, ints2, &y), DDP_ERR_INVALID,
+               "matmul: argument 1 is int32, expected float32");
+
+  /* max_pool2d */
+  expect_error(ddp_max_pool2d(tape, m34, 2, 2, &y), DDP_ERR_SHAPE,
+               "max_pool2d: input (3,4) must be 4-D (N, C, H, W) or 3-D");
+  expect_error(ddp_max_pool2d(tape, xt, 3, 2, &y), DDP_ERR_SHAPE,
+               "max_pool2d: kernel 3x3 is larger than the input plane 2x3 (input (1,3,2,3))");
+  expect_error(ddp_max_pool2d(tape, x, 0, 2, &y), DDP_ERR_INVALID,
+               "max_pool2d: kernel size must be positive, got 0");
+  expect_error(ddp_max_pool2d(tape, x, 2, -1, &y), DDP_ERR_INVALID,
+               "max_pool2d: stride must be positive");
+  expect_error(ddp_max_pool2d(tape, NULL, 2, 2, &y), DDP_ERR_INVALID, "max_pool2d: input is NULL");
+  expect_error(ddp_max_pool2d(tape, ints, 2, 2, &y), DDP_ERR_INVALID,
+               "max_pool2d: argument 0 is int64, expected float32");
+
+  ddp_tensor *all[] = {x, w1, w3, m34, m56, v7, b16, ints, xt, w54, ints2};
+  for (size_t i = 0; i < sizeof all / sizeof *all; i++) ddp_tensor_destroy(all[i]);
+  ddp_tape_destroy(tape);
+}
+
+/* No grad wanted: nothing is recorded and no argmax is kept. */
+static void test_no_grad_records_nothing(void **state) {
+  (void)state;
+  const conv_cfg q = {2, 3, 6, 6, 4, 3, 3, 1, 1, true};
+  ddp_tensor *in[3];
+  make_conv_inputs(&q, in, 500, false);
+  in[1]->flags &= ~DDP_TENSOR_REQUIRES_GRAD;
+  in[2]->flags &= ~DDP_TENSOR_REQUIRES_GRAD;
+  ddp_tape *tape = new_tape();
+  ddp_tensor *y, *p;
+  assert_int_equal(ddp_conv2d(tape, in[0], in[1], in[2], 1, 1, &y), DDP_OK);
+  assert_int_equal(ddp_max_pool2d(tape, y, 2, 2, &p), DDP_OK);
+  assert_int_equal(ddp_tape_num_nodes(tape), 0);
+  in[1]->flags |= DDP_TENSOR_REQUIRES_GRAD;
+  ddp_tape_set_grad_enabled(tape, false);
+  assert_int_equal(ddp_conv2d(tape, in[0], in[1], in[2], 1, 1, &y), DDP_OK);
+  assert_int_equal(ddp_tape_num_nodes(tape), 0);
+  ddp_tape_destroy(tape);
+  for (int i = 0; i < 3; i++) ddp_tensor_destroy(in[i]);
+}
+
+/* A ConvNet-shaped step (conv, pool, conv, pool, linear, backward) allocates
+ * nothing once the tape's arena has grown to its high-water mark. */
+static void test_steady_state_no_alloc(void **state) {
+  (void)state;
+  int64_t sx[4] = {4, 1, 28, 28}, sw1[4] = {16, 1, 5, 5}, sb1[1] = {16}, sw2[4] = {32, 16, 5, 5},
+          sb2[1] = {32}, sfw[2] = {10, 1568}, sfb[1] = {10};
+  ddp_tensor *x = gradcheck_random(4, sx, 0, 1, 1, false);
+  ddp_tensor *p[6] = {gradcheck_random(4, sw1, -.2f, .2f, 2, true),
+                      gradcheck_random(1, sb1, -.2f, .2f, 3, true),
+                      gradcheck_random(4, sw2, -.05f, .05f, 4, true),
+                      gradcheck_random(1, sb2, -.05f, .05f, 5, true),
+                      gradcheck_random(2, sfw, -.02f, .02f, 6, true),
+                      gradcheck_random(1, sfb, -.02f, .02f, 7, true)};
+  ddp_tape *tape = new_tape();
+  float seed[40];
+  for (int i = 0; i < 40; i++) seed[i] = (float)(i % 7) - 3.0f;
+  uint64_t before = 0;
+  for (int step = 0; step < 4; step++) {
+    if (step == 3) before = ddp_alloc_count();
+    ddp_tape_reset(tape);
+    ddp_tensor *a, *b, *c, *d, *f, *y;
+    assert_int_equal(ddp_conv2d(tape, x, p[0], p[1], 1, 2, &a), DDP_OK);
+    assert_int_equal(ddp_max_pool2d(tape, a, 2, 2, &b), DDP_OK);
+    assert_int_equal(ddp_conv2d(tape, b, p[2], p[3], 1, 2, &c), DDP_OK);
+    assert_int_equal(ddp_max_pool2d(tape, c, 2, 2, &d), DDP_OK);
+    assert_int_equal(ddp_flatten(tape, d, 1, &f), DDP_OK);
+    assert_int_equal(ddp_linear(tape, f, p[4], p[5], &y), DDP_OK);
+    assert_int_equal(ddp__backward_from(tape, y, seed), DDP_OK);
+  }
+  assert_int_equal(ddp_alloc_count() - before, 0);
+  ddp_tape_destroy(tape);
+  ddp_tensor_destroy(x);
+  for (int i = 0; i < 6; i++) ddp_tensor_destroy(p[i]);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_matmul),
+      cmocka_unit_test(test_linear),
+      cmocka_unit_test(test_conv2d_forward),
+      cmocka_unit_test(test_conv2d_gradcheck),
+      cmocka_unit_test(test_conv2d_backward_convnet_shapes),
+      cmocka_unit_test(test_max_pool2d),
+      cmocka_unit_test(test_max_pool2d_ties),
+      cmocka_unit_test(test_errors),
+      cmocka_unit_test(test_no_grad_records_nothing),
+      cmocka_unit_test(test_steady_state_no_alloc),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
