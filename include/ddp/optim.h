@@ -1,0 +1,198 @@
+/* ddp optim: optimizers (SGD, Adam, Adadelta) and learning-rate schedules
+ * (StepLR) that reproduce PyTorch 1.13's single-tensor implementations in
+ * float32, operation for operation (docs/optim.md has the formulas).
+ *
+ * Parameters and gradients live in flat float32 buffers of the same layout,
+ * so an optimizer is one loop over n floats:
+ *
+ *   ddp_optim_options o = ddp_optim_defaults(DDP_OPTIM_ADAM);
+ *   o.lr = 1e-3;
+ *   o.weight_decay = 1e-4;
+ *   ddp_optimizer *opt;
+ *   DDP_TRY(ddp_optimizer_create(&opt, &o, params, grads, n));
+ *   ddp_step_lr_options so = ddp_step_lr_defaults(30);   // every 30 epochs
+ *   ddp_scheduler *sched;
+ *   DDP_TRY(ddp_scheduler_create_step_lr(&sched, opt, &so));
+ *   for (epoch...) { for (batch...) { ...backward...; ddp_optimizer_step(opt); }
+ *                    ddp_scheduler_step(sched); }
+ *
+ * The optimizer's state (momentum buffers, Adam's moments, ...) is a set of
+ * flat float32 arrays parallel to the parameters, named as in PyTorch's
+ * optimizer.state[p], so a checkpoint can write and read them directly. */
+#ifndef DDP_OPTIM_H
+#define DDP_OPTIM_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ddp/core.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- Options -------------------------------------------------------------- */
+
+typedef enum ddp_optim_kind {
+  DDP_OPTIM_SGD = 0,
+  DDP_OPTIM_ADAM = 1,
+  DDP_OPTIM_ADADELTA = 2,
+  DDP_OPTIM_KIND_COUNT
+} ddp_optim_kind;
+
+/* An optimizer's hyperparameters, PyTorch's constructor arguments. Start from
+ * ddp_optim_defaults(kind) and change fields; only the member of the union
+ * that matches `kind` is read. Caller-owned; the optimizer keeps a copy. */
+typedef struct ddp_optim_options {
+  ddp_optim_kind kind;
+  double lr;           /* learning rate, >= 0 */
+  double weight_decay; /* L2 penalty added to the gradient (not AdamW), >= 0 */
+  bool maximize;       /* ascend instead of descend (negates the gradient) */
+  union {
+    struct {
+      double momentum;  /* >= 0; 0 disables the momentum buffer */
+      double dampening; /* not applied on the first step, as in PyTorch */
+      bool nesterov;    /* requires momentum > 0 and dampening == 0 */
+    } sgd;
+    struct {
+      double beta1, beta2; /* each in [0, 1) */
+      double eps;          /* >= 0, added after the bias-corrected sqrt */
+      bool amsgrad;
+    } adam;
+    struct {
+      double rho; /* in [0, 1] */
+      double eps; /* >= 0 */
+    } adadelta;
+  };
+  uint64_t reserved[4]; /* zero */
+} ddp_optim_options;
+
+/* PyTorch's defaults for `kind`: SGD lr 1e-3 (PyTorch 1.13 has no default
+ * and requires one; 2.x uses 1e-3), momentum 0, dampening 0; Adam lr 1e-3,
+ * betas (0.9, 0.999), eps 1e-8; Adadelta lr 1.0, rho 0.9, eps 1e-6; weight
+ * decay 0 and maximize false for all. An unknown kind gives SGD's. */
+ddp_optim_options ddp_optim_defaults(ddp_optim_kind kind);
+/* "sgd", "adam", "adadelta"; "unknown" otherwise. Never NULL. */
+const char *ddp_optim_kind_name(ddp_optim_kind kind);
+
+/* ---- Optimizer ------------------------------------------------------------ */
+
+typedef struct ddp_optimizer ddp_optimizer;
+
+/* Creates an optimizer that updates params[0..n) from grads[0..n). The
+ * buffers stay the caller's and must outlive the optimizer; every state
+ * buffer is allocated here, so ddp_optimizer_step never allocates.
+ * Bad options return DDP_ERR_INVALID with a message naming the optimizer and
+ * the option ("sgd: nesterov momentum requires momentum > 0 and dampening =
+ * 0"); out of memory returns DDP_ERR_NOMEM. *out is NULL on failure. */
+ddp_status ddp_optimizer_create(ddp_optimizer **out, const ddp_optim_options *options,
+                                float *params, const float *grads, size_t n);
+/* Frees the optimizer and its state; accepts NULL. */
+void ddp_optimizer_destroy(ddp_optimizer *opt);
+
+/* One update of params from the current grads, as PyTorch's optimizer.step().
+ * Makes no allocation. Fails only for a NULL optimizer. */
+ddp_status ddp_optimizer_step(ddp_optimizer *opt);
+
+/* The learning rate used by the next step (PyTorch's param_groups[0]["lr"]).
+ * Schedulers set it; a negative or NaN lr is DDP_ERR_INVALID. */
+ddp_status ddp_optimizer_set_lr(ddp_optimizer *opt, double lr);
+double ddp_optimizer_get_lr(const ddp_optimizer *opt);
+/* The options it was created with (lr as set since). Valid until destroy. */
+const ddp_optim_options *ddp_optimizer_options(const ddp_optimizer *opt);
+/* Steps taken (for Adam, the "step" state, which a load replaces). */
+int64_t ddp_optimizer_step_count(const ddp_optimizer *opt);
+/* Number of floats in the parameter buffer. */
+size_t ddp_optimizer_numel(const ddp_optimizer *opt);
+
+/* ---- State, for checkpoints -------------------------------------------------
+ * Entries by kind, in this order (PyTorch's keys of optimizer.state[p]):
+ *   SGD       momentum_buffer                      (only when momentum != 0)
+ *   Adam      step, exp_avg, exp_avg_sq, max_exp_avg_sq (the last with amsgrad)
+ *   Adadelta  square_avg, acc_delta
+ * A buffer has n floats laid out like the parameters; a scalar ("step", a
+ * float32 in PyTorch too) has one float and shape () — PyTorch keeps one
+ * per parameter tensor, all equal. PyTorch's state is empty until the first
+ * step; here the arrays always exist (zero) and ddp_optimizer_has_state says
+ * whether they hold state yet, so a checkpoint writer can skip them as
+ * PyTorch's state_dict would. A step or a load makes it true. */
+typedef struct ddp_optim_state {
+  const char *name; /* static string, PyTorch's key: "exp_avg" */
+  float *data;      /* numel floats, owned by the optimizer, valid until destroy */
+  size_t numel;     /* n for a buffer, 1 for a scalar */
+  bool is_scalar;   /* shape () rather than the parameters' layout */
+} ddp_optim_state;
+
+/* Number of state entries this optimizer has (fixed at create). */
+size_t ddp_optimizer_state_count(const ddp_optimizer *opt);
+/* Entry `index` (< state_count) into *out; DDP_ERR_RANGE otherwise. */
+ddp_status ddp_optimizer_state_get(ddp_optimizer *opt, size_t index, ddp_optim_state *out);
+/* Entry by name into *out; DDP_ERR_NOTFOUND (message lists the names) if the
+ * optimizer has no such entry (e.g. "max_exp_avg_sq" without amsgrad). */
+ddp_status ddp_optimizer_state_find(ddp_optimizer *opt, const char *name, ddp_optim_state *out);
+/* Copies numel floats into the entry `name` and marks the state present.
+ * numel must be the entry's (n, or 1 for a scalar): DDP_ERR_SHAPE otherwise.
+ * A checkpoint loads every entry; one left out keeps its current values.
+ * Loading Adam's "step" also sets ddp_optimizer_step_count. */
+ddp_status ddp_optimizer_state_load(ddp_optimizer *opt, const char *name, const float *data,
+                                    size_t numel);
+/* Whether the state holds values from a step or a load (PyTorch's state is
+ * non-empty). Before that, the first SGD step copies the gradient into the
+ * momentum buffer instead of decaying it. */
+bool ddp_optimizer_has_state(const ddp_optimizer *opt);
+
+/* ---- Learning-rate schedules -------------------------------------------- */
+
+typedef struct ddp_scheduler ddp_scheduler;
+
+/* StepLR: decays the lr by gamma every step_size epochs. */
+typedef struct ddp_step_lr_options {
+  int64_t step_size;  /* epochs between decays, > 0 */
+  double gamma;       /* multiplicative factor */
+  int64_t last_epoch; /* -1 to start fresh; >= 0 to resume (needs base_lr) */
+  double base_lr;     /* PyTorch's initial_lr; read only when last_epoch >= 0 */
+  uint64_t reserved[2];
+} ddp_step_lr_options;
+
+/* step_size as given, gamma 0.1, last_epoch -1, base_lr NaN. */
+ddp_step_lr_options ddp_step_lr_defaults(int64_t step_size);
+
+/* Creates a StepLR driving `opt` (which must outlive it) and takes PyTorch's
+ * initial step: last_epoch becomes last_epoch + 1. Fresh (last_epoch -1), the
+ * base lr is the optimizer's lr; resuming, it is options->base_lr, and the
+ * initial step applies the decay due at the new epoch, as PyTorch does.
+ * Bad options are DDP_ERR_INVALID naming "steplr" and the option. */
+ddp_status ddp_scheduler_create_step_lr(ddp_scheduler **out, ddp_optimizer *opt,
+                                        const ddp_step_lr_options *options);
+/* Accepts NULL. Leaves the optimizer's lr as it is. */
+void ddp_scheduler_destroy(ddp_scheduler *sched);
+
+/* Advances one epoch, in PyTorch's chainable form: lr *= gamma when the new
+ * epoch is a non-zero multiple of step_size, else unchanged, so an lr set by
+ * hand in between is kept. Call after the epoch's optimizer steps. */
+ddp_status ddp_scheduler_step(ddp_scheduler *sched);
+/* Jumps to `epoch` in closed form, lr = base_lr * gamma^floor(epoch /
+ * step_size) (PyTorch's deprecated step(epoch)). */
+ddp_status ddp_scheduler_step_to(ddp_scheduler *sched, int64_t epoch);
+/* The lr the last step set (PyTorch's get_last_lr()[0]). */
+double ddp_scheduler_get_last_lr(const ddp_scheduler *sched);
+
+/* The scheduler's state_dict: what a resumed job needs besides the
+ * optimizer's lr (which PyTorch keeps in the optimizer's param_groups). */
+typedef struct ddp_scheduler_state {
+  int64_t last_epoch;
+  int64_t step_count; /* PyTorch's _step_count: steps including the initial one */
+  double base_lr;     /* base_lrs[0] */
+  double last_lr;     /* _last_lr[0] */
+} ddp_scheduler_state;
+
+void ddp_scheduler_state_get(const ddp_scheduler *sched, ddp_scheduler_state *out);
+/* Replaces the state (PyTorch's load_state_dict); the optimizer's lr is not
+ * touched. A negative base_lr or last_epoch < -1 is DDP_ERR_INVALID. */
+ddp_status ddp_scheduler_state_load(ddp_scheduler *sched, const ddp_scheduler_state *state);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DDP_OPTIM_H */

@@ -1,0 +1,256 @@
+/* The optimizer object: option validation (PyTorch's constructor checks),
+ * state allocation and naming for checkpoints, the lr, and dispatch of a step
+ * to the per-algorithm loop. */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "optim/optim_internal.h"
+
+static const char *const kind_names[DDP_OPTIM_KIND_COUNT] = {"sgd", "adam", "adadelta"};
+
+const char *ddp_optim_kind_name(ddp_optim_kind kind) {
+  if ((unsigned)kind >= DDP_OPTIM_KIND_COUNT) return "unknown";
+  return kind_names[kind];
+}
+
+ddp_optim_options ddp_optim_defaults(ddp_optim_kind kind) {
+  ddp_optim_options o;
+  memset(&o, 0, sizeof o);
+  switch (kind) {
+    case DDP_OPTIM_ADAM:
+      o.kind = DDP_OPTIM_ADAM;
+      o.lr = 1e-3;
+      o.adam.beta1 = 0.9;
+      o.adam.beta2 = 0.999;
+      o.adam.eps = 1e-8;
+      break;
+    case DDP_OPTIM_ADADELTA:
+      o.kind = DDP_OPTIM_ADADELTA;
+      o.lr = 1.0;
+      o.adadelta.rho = 0.9;
+      o.adadelta.eps = 1e-6;
+      break;
+    default:
+      o.kind = DDP_OPTIM_SGD;
+      o.lr = 1e-3;
+      break;
+  }
+  return o;
+}
+
+/* `!(x >= 0)` so that NaN is rejected too. */
+static ddp_status check_nonneg(const char *opt, const char *name, double x) {
+  if (!(x >= 0.0)) return ddp_error(DDP_ERR_INVALID, "%s: %s = %g must be >= 0", opt, name, x);
+  return DDP_OK;
+}
+
+static ddp_status check_unit(const char *opt, const char *name, double x, bool closed) {
+  if (!(x >= 0.0) || !(closed ? x <= 1.0 : x < 1.0))
+    return ddp_error(DDP_ERR_INVALID, "%s: %s = %g must be in [0, 1%s", opt, name, x,
+                     closed ? "]" : ")");
+  return DDP_OK;
+}
+
+/* PyTorch 1.13's constructor checks, with messages naming the option. */
+static ddp_status validate(const ddp_optim_options *o) {
+  const char *name = ddp_optim_kind_name(o->kind);
+  DDP_TRY(check_nonneg(name, "lr", o->lr));
+  DDP_TRY(check_nonneg(name, "weight_decay", o->weight_decay));
+  switch (o->kind) {
+    case DDP_OPTIM_SGD:
+      DDP_TRY(check_nonneg(name, "momentum", o->sgd.momentum));
+      if (!isfinite(o->sgd.dampening))
+        return ddp_error(DDP_ERR_INVALID, "sgd: dampening = %g must be finite", o->sgd.dampening);
+      if (o->sgd.nesterov && (o->sgd.momentum <= 0.0 || o->sgd.dampening != 0.0))
+        return ddp_error(DDP_ERR_INVALID,
+                         "sgd: nesterov momentum requires momentum > 0 and dampening = 0 "
+                         "(momentum = %g, dampening = %g)",
+                         o->sgd.momentum, o->sgd.dampening);
+      return DDP_OK;
+    case DDP_OPTIM_ADAM:
+      DDP_TRY(check_nonneg(name, "eps", o->adam.eps));
+      DDP_TRY(check_unit(name, "betas[0]", o->adam.beta1, false));
+      DDP_TRY(check_unit(name, "betas[1]", o->adam.beta2, false));
+      return DDP_OK;
+    case DDP_OPTIM_ADADELTA:
+      DDP_TRY(check_unit(name, "rho", o->adadelta.rho, true));
+      DDP_TRY(check_nonneg(name, "eps", o->adadelta.eps));
+      return DDP_OK;
+    default:
+      return ddp_error(DDP_ERR_INVALID, "optim: unknown optimizer kind %d", (int)o->kind);
+  }
+}
+
+/* The state layout of an optimizer with these options: names in PyTorch's
+ * order, scalars flagged. Returns the number of entries. */
+static size_t state_layout(const ddp_optim_options *o, const char *names[DDP__OPTIM_MAX_STATE],
+                           bool scalar[DDP__OPTIM_MAX_STATE]) {
+  size_t k = 0;
+  memset(scalar, 0, DDP__OPTIM_MAX_STATE * sizeof *scalar);
+  switch (o->kind) {
+    case DDP_OPTIM_SGD:
+      if (o->sgd.momentum != 0.0) names[k++] = "momentum_buffer";
+      break;
+    case DDP_OPTIM_ADAM:
+      scalar[k] = true;
+      names[k++] = "step";
+      names[k++] = "exp_avg";
+      names[k++] = "exp_avg_sq";
+      if (o->adam.amsgrad) names[k++] = "max_exp_avg_sq";
+      break;
+    case DDP_OPTIM_ADADELTA:
+      names[k++] = "square_avg";
+      names[k++] = "acc_delta";
+      break;
+    default:
+      break;
+  }
+  return k;
+}
+
+ddp_status ddp_optimizer_create(ddp_optimizer **out, const ddp_optim_options *options,
+                                float *params, const float *grads, size_t n) {
+  if (!out) return ddp_error(DDP_ERR_INVALID, "optim: out is NULL");
+  *out = NULL;
+  if (!options) return ddp_error(DDP_ERR_INVALID, "optim: options is NULL");
+  DDP_TRY(validate(options));
+  const char *name = ddp_optim_kind_name(options->kind);
+  if (!params) return ddp_error(DDP_ERR_INVALID, "%s: params is NULL", name);
+  if (!grads) return ddp_error(DDP_ERR_INVALID, "%s: grads is NULL", name);
+  if (n == 0) return ddp_error(DDP_ERR_INVALID, "%s: empty parameter buffer (n = 0)", name);
+
+  const char *names[DDP__OPTIM_MAX_STATE];
+  bool scalar[DDP__OPTIM_MAX_STATE];
+  size_t count = state_layout(options, names, scalar);
+  size_t buffers = 0;
+  for (size_t i = 0; i < count; i++) buffers += !scalar[i];
+
+  ddp_optimizer *opt = ddp_calloc(1, sizeof *opt);
+  if (!opt) return ddp_error(DDP_ERR_NOMEM, "%s: out of memory for the optimizer", name);
+  opt->options = *options;
+  opt->params = params;
+  opt->grads = grads;
+  opt->n = n;
+  if (buffers) {
+    opt->state_mem = ddp_calloc(buffers, n * sizeof(float));
+    if (!opt->state_mem) {
+      ddp_free(opt);
+      return ddp_error(DDP_ERR_NOMEM, "%s: out of memory for %zu state buffers of %zu floats",
+                       name, buffers, n);
+    }
+  }
+  float *next = opt->state_mem;
+  for (size_t i = 0; i < count; i++) {
+    ddp_optim_state *s = &opt->state[i];
+    s->name = names[i];
+    s->is_scalar = scalar[i];
+    if (scalar[i]) {
+      s->data = &opt->step_scalar;
+      s->numel = 1;
+    } else {
+      s->data = next;
+      s->numel = n;
+      next += n;
+    }
+  }
+  opt->state_count = count;
+  *out = opt;
+  return DDP_OK;
+}
+
+void ddp_optimizer_destroy(ddp_optimizer *opt) {
+  if (!opt) return;
+  ddp_free(opt->state_mem);
+  ddp_free(opt);
+}
+
+ddp_status ddp_optimizer_step(ddp_optimizer *opt) {
+  if (!opt) return ddp_error(DDP_ERR_INVALID, "optim: step on a NULL optimizer");
+  switch (opt->options.kind) {
+    case DDP_OPTIM_SGD: ddp__sgd_step(opt); break;
+    case DDP_OPTIM_ADAM: ddp__adam_step(opt); break;
+    case DDP_OPTIM_ADADELTA: ddp__adadelta_step(opt); break;
+    default: DDP_ASSERT(!"optimizer kind validated at create");
+  }
+  opt->has_state = true;
+  opt->steps++;
+  return DDP_OK;
+}
+
+ddp_status ddp_optimizer_set_lr(ddp_optimizer *opt, double lr) {
+  if (!opt) return ddp_error(DDP_ERR_INVALID, "optim: set_lr on a NULL optimizer");
+  DDP_TRY(check_nonneg(ddp_optim_kind_name(opt->options.kind), "lr", lr));
+  opt->options.lr = lr;
+  return DDP_OK;
+}
+
+double ddp_optimizer_get_lr(const ddp_optimizer *opt) { return opt->options.lr; }
+
+const ddp_optim_options *ddp_optimizer_options(const ddp_optimizer *opt) {
+  return &opt->options;
+}
+
+int64_t ddp_optimizer_step_count(const ddp_optimizer *opt) { return opt->steps; }
+
+size_t ddp_optimizer_numel(const ddp_optimizer *opt) { return opt->n; }
+
+size_t ddp_optimizer_state_count(const ddp_optimizer *opt) { return opt->state_count; }
+
+bool ddp_optimizer_has_state(const ddp_optimizer *opt) { return opt->has_state; }
+
+ddp_optim_state *ddp__optim_state(ddp_optimizer *opt, const char *name) {
+  for (size_t i = 0; i < opt->state_count; i++)
+    if (strcmp(opt->state[i].name, name) == 0) return &opt->state[i];
+  return NULL;
+}
+
+ddp_status ddp_optimizer_state_get(ddp_optimizer *opt, size_t index, ddp_optim_state *out) {
+  if (index >= opt->state_count)
+    return ddp_error(DDP_ERR_RANGE, "%s: state index %zu out of range (%zu entries)",
+                     ddp_optim_kind_name(opt->options.kind), index, opt->state_count);
+  *out = opt->state[index];
+  return DDP_OK;
+}
+
+/* "exp_avg, exp_avg_sq" into buf, for messages. */
+static const char *state_names(const ddp_optimizer *opt, char *buf, size_t size) {
+  size_t used = 0;
+  buf[0] = '\0';
+  for (size_t i = 0; i < opt->state_count && used < size; i++) {
+    int w = snprintf(buf + used, size - used, "%s%s", i ? ", " : "", opt->state[i].name);
+    if (w < 0) break;
+    used += (size_t)w;
+  }
+  return opt->state_count ? buf : "none";
+}
+
+ddp_status ddp_optimizer_state_find(ddp_optimizer *opt, const char *name, ddp_optim_state *out) {
+  const char *kind = ddp_optim_kind_name(opt->options.kind);
+  ddp_optim_state *s = name ? ddp__optim_state(opt, name) : NULL;
+  if (!s) {
+    char buf[128];
+    return ddp_error(DDP_ERR_NOTFOUND, "%s: no state named '%s' (this optimizer has: %s)", kind,
+                     name ? name : "(null)", state_names(opt, buf, sizeof buf));
+  }
+  *out = *s;
+  return DDP_OK;
+}
+
+ddp_status ddp_optimizer_state_load(ddp_optimizer *opt, const char *name, const float *data,
+                                    size_t numel) {
+  ddp_optim_state s;
+  DDP_TRY(ddp_optimizer_state_find(opt, name, &s));
+  const char *kind = ddp_optim_kind_name(opt->options.kind);
+  if (!data) return ddp_error(DDP_ERR_INVALID, "%s: state '%s': data is NULL", kind, name);
+  if (numel != s.numel)
+    return ddp_error(DDP_ERR_SHAPE, "%s: state '%s' has %zu floats, got %zu", kind, name,
+                     s.numel, numel);
+  if (s.is_scalar && !(isfinite(data[0]) && data[0] >= 0.0f && data[0] == floorf(data[0])))
+    return ddp_error(DDP_ERR_INVALID, "%s: state '%s' = %g is not a step count", kind, name,
+                     (double)data[0]);
+  memmove(s.data, data, numel * sizeof(float));
+  if (s.is_scalar) opt->steps = (int64_t)data[0];
+  opt->has_state = true;
+  return DDP_OK;
+}
