@@ -5,5 +5,6 @@
 #include "ddp/core.h"
 #include "ddp/tensor.h"
 #include "ddp/store.h"
+#include "ddp/optim.h"
 
 #endif /* DDP_H */
