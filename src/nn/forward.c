@@ -1,0 +1,104 @@
+/* The forward pass of a model: each module maps to one tensor op, containers
+ * run their children in order. Errors are wrapped with the module's path
+ * ("layer2.0 (Conv2d): conv2d: input (8,3,14,14) has 3 channels, ..."), so a
+ * shape mistake names the layer. Also the model's loss. */
+#include "nn/module.h"
+
+static ddp_status run_leaf(ddp_model *model, ddp_module *m, ddp_tape *tape, ddp_tensor *x,
+                           ddp_tensor **out) {
+  switch (m->kind) {
+  case DDP_MODULE_LINEAR:
+    return ddp_linear(tape, x, m->weight, m->bias, out);
+  case DDP_MODULE_CONV2D:
+    return ddp_conv2d(tape, x, m->weight, m->bias, m->stride, m->padding, out);
+  case DDP_MODULE_BATCHNORM2D:
+    return ddp_batch_norm(tape, x, m->weight, m->bias, m->running_mean, m->running_var,
+                          m->num_batches_tracked, model->training, m->momentum, m->eps, out);
+  case DDP_MODULE_RELU:
+    return ddp_relu(tape, x, out);
+  case DDP_MODULE_SIGMOID:
+    return ddp_sigmoid(tape, x, out);
+  case DDP_MODULE_TANH:
+    return ddp_tanh(tape, x, out);
+  case DDP_MODULE_MAXPOOL2D:
+    return ddp_max_pool2d(tape, x, m->kernel, m->stride, out);
+  case DDP_MODULE_DROPOUT:
+    return ddp_dropout(tape, x, m->p, model->training, &model->dropout_rng, out);
+  case DDP_MODULE_DROPOUT2D:
+    return ddp_dropout2d(tape, x, m->p, model->training, &model->dropout_rng, out);
+  case DDP_MODULE_FLATTEN:
+    return ddp_flatten(tape, x, m->start_dim, out);
+  case DDP_MODULE_LOGSOFTMAX:
+    return ddp_log_softmax(tape, x, out);
+  default:
+    return ddp_error(DDP_ERR_INTERNAL, "nn: module kind %d has no forward", (int)m->kind);
+  }
+}
+
+ddp_status ddp__module_forward(ddp_model *model, ddp_module *m, ddp_tape *tape, ddp_tensor *x,
+                               ddp_tensor **out) {
+  if (m->kind != DDP_MODULE_SEQUENTIAL) {
+    ddp_status s = run_leaf(model, m, tape, x, out);
+    if (s != DDP_OK)
+      return ddp_error_wrap(s, "%s (%s)", m->path, ddp__module_kind_name(m->kind));
+    return DDP_OK;
+  }
+  /* An empty Sequential is the identity, as in PyTorch. */
+  ddp_tensor *h = x;
+  for (ddp_module *c = m->first_child; c; c = c->next_sibling)
+    DDP_TRY(ddp__module_forward(model, c, tape, h, &h));
+  *out = h;
+  return DDP_OK;
+}
+
+ddp_status ddp_model_forward(ddp_model *model, ddp_tape *tape, ddp_tensor *x, ddp_tensor **out) {
+  if (!model || !tape || !x || !out)
+    return ddp_error(DDP_ERR_INVALID, "nn: forward: model, tape, input and out must not be NULL");
+  if (!model->finalized)
+    return ddp_error(DDP_ERR_STATE, "nn: forward: the model is not finalized "
+                                    "(call ddp_model_finalize after adding modules)");
+  ddp_status s = DDP_OK;
+  if (model->forward_order) {
+    ddp_tensor *h = x;
+    for (int i = 0; i < model->n_forward && s == DDP_OK; i++)
+      s = ddp__module_forward(model, model->forward_order[i], tape, h, &h);
+    *out = h;
+  } else {
+    s = ddp__module_forward(model, model->root, tape, x, out);
+  }
+  if (s != DDP_OK) return ddp_error_wrap(s, "%s forward", model->name);
+  return DDP_OK;
+}
+
+ddp_status ddp_model_loss(ddp_model *model, ddp_tape *tape, ddp_tensor *output,
+                          ddp_tensor *target, ddp_tensor **loss) {
+  ddp_status s;
+  switch (model->loss) {
+  case DDP_LOSS_MSE:
+    s = ddp_mse_loss(tape, output, target, loss);
+    break;
+  case DDP_LOSS_CROSS_ENTROPY:
+    s = ddp_cross_entropy(tape, output, target, loss);
+    break;
+  case DDP_LOSS_NLL:
+    s = ddp_nll_loss(tape, output, target, loss);
+    break;
+  default:
+    return ddp_error(DDP_ERR_STATE, "nn: loss: the model (%s) has no loss kind; call "
+                                    "ddp_model_set_loss", model->name);
+  }
+  if (s != DDP_OK) return ddp_error_wrap(s, "%s loss (%s)", model->name, ddp_loss_name(model->loss));
+  return DDP_OK;
+}
+
+void ddp_model_set_loss(ddp_model *model, ddp_loss_kind kind) { model->loss = kind; }
+ddp_loss_kind ddp_model_loss_kind(const ddp_model *model) { return model->loss; }
+
+const char *ddp_loss_name(ddp_loss_kind kind) {
+  switch (kind) {
+  case DDP_LOSS_MSE: return "mse";
+  case DDP_LOSS_CROSS_ENTROPY: return "cross_entropy";
+  case DDP_LOSS_NLL: return "nll";
+  default: return "none";
+  }
+}

@@ -1,0 +1,88 @@
+/* Internal layout of models and modules, shared by the nn layer's files
+ * (module.c builds and lays out the tree, forward.c runs it, models.c holds
+ * the seeds' builders). */
+#ifndef DDP__NN_MODULE_H
+#define DDP__NN_MODULE_H
+
+#include "ddp/nn.h"
+
+struct ddp_module {
+  ddp_module_kind kind;
+  char *name;  /* attribute name in the parent ("layer1", "0"); "" for the root */
+  char *path;  /* dotted prefix of its state ("layer1.0"); "" for the root */
+  ddp_module *parent, *first_child, *last_child, *next_sibling;
+  int n_children;
+
+  /* Configuration (which fields mean something depends on kind). */
+  int64_t in_features;  /* Linear in, Conv2d in_channels, BatchNorm2d num_features */
+  int64_t out_features; /* Linear out, Conv2d out_channels */
+  int kernel, stride, padding;
+  bool has_bias;
+  float p;              /* dropout probability */
+  int start_dim;        /* Flatten */
+  float momentum, eps;  /* BatchNorm2d */
+
+  /* State, set by ddp_model_finalize (views into the model's flat buffers). */
+  ddp_tensor *weight, *bias;             /* parameters or NULL */
+  ddp_tensor *running_mean, *running_var; /* float buffers or NULL */
+  int64_t *num_batches_tracked;           /* counter or NULL */
+};
+
+/* What a state-dict entry refers to. */
+typedef enum {
+  DDP__STATE_PARAM,
+  DDP__STATE_BUFFER,
+  DDP__STATE_COUNTER,
+} ddp__state_kind;
+
+typedef struct ddp__state_rec {
+  char *name;
+  ddp__state_kind kind;
+  int index; /* into params, buffers or counters */
+} ddp__state_rec;
+
+#define DDP__MODEL_NAME_BYTES 32
+
+struct ddp_model {
+  ddp_module *root;
+  bool finalized;
+  bool training;
+  ddp_loss_kind loss;
+  char name[DDP__MODEL_NAME_BYTES];
+  int sample_ndim;
+  int64_t sample_shape[DDP_MAX_DIMS];
+  int64_t num_outputs;
+  ddp_rng dropout_rng;
+  /* The root's forward: these children in this order, or (NULL) all of them
+   * in registration order. */
+  ddp_module **forward_order;
+  int n_forward;
+
+  /* Parameters: tensors viewing params_flat / grads_flat, in registration order. */
+  int n_params;
+  ddp_tensor *params;
+  char **param_names; /* aliases of the state records' names */
+  int64_t *param_offsets;
+  float *params_flat, *grads_flat;
+  int64_t n_param_elems;
+
+  /* Float buffers (running stats) viewing buffers_flat; int64 counters. */
+  int n_buffers;
+  ddp_tensor *buffers;
+  float *buffers_flat;
+  int64_t n_buffer_elems;
+  int n_counters;
+  int64_t *counters;
+
+  /* The state dict, in PyTorch's order. */
+  int n_state;
+  ddp__state_rec *state;
+};
+
+/* Runs one module (recursively for containers) on x. */
+ddp_status ddp__module_forward(ddp_model *model, ddp_module *m, ddp_tape *tape, ddp_tensor *x,
+                               ddp_tensor **out);
+/* "Linear", "Conv2d", ...: the PyTorch class name of a kind. */
+const char *ddp__module_kind_name(ddp_module_kind kind);
+
+#endif /* DDP__NN_MODULE_H */

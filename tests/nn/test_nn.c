@@ -1,0 +1,517 @@
+/* The nn layer without running ops: state-dict names, shapes and order of
+ * every builder against the PyTorch fixtures, the flat-buffer layout,
+ * PyTorch's initialisation (bounds and distribution), zero_grad,
+ * clip_grad_norm against a closed form, train/eval, errors, the fixture
+ * reader's validation. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include "support/fixture.h"
+
+static const char *const FIXTURE_MODELS[] = {"toy", "headtail", "convnet", "psnet", "convnet-3"};
+#define N_FIXTURE_MODELS (int)(sizeof FIXTURE_MODELS / sizeof FIXTURE_MODELS[0])
+
+static fixture *load_fixture(const char *model) {
+  char file[64], path[1024];
+  snprintf(file, sizeof file, "model_%s.bin", model);
+  fixture *f = NULL;
+  ddp_status s = fixture_load(fixture_path(file, path, sizeof path), &f);
+  if (s != DDP_OK) fprintf(stderr, "%s\n", ddp_last_error());
+  assert_int_equal(s, DDP_OK);
+  return f;
+}
+
+/* A fixture's state-dict records: everything but the batch, the results,
+ * gradients and the after:/eval: records, in file (= state_dict) order. */
+static bool is_state_record(const char *name) {
+  static const char *const other[] = {"input", "target", "output", "loss"};
+  for (size_t i = 0; i < sizeof other / sizeof other[0]; i++)
+    if (!strcmp(name, other[i])) return false;
+  size_t n = strlen(name);
+  if (n > 5 && !strcmp(name + n - 5, ".grad")) return false;
+  return strchr(name, ':') == NULL;
+}
+
+static ddp_model *build(const char *name, const char *act, uint64_t seed) {
+  ddp_model *m = NULL;
+  ddp_status s = ddp_model_build(name, act, seed, &m);
+  if (s != DDP_OK) fprintf(stderr, "%s\n", ddp_last_error());
+  assert_int_equal(s, DDP_OK);
+  return m;
+}
+
+static void test_state_dict_matches_pytorch(void **state) {
+  (void)state;
+  for (int k = 0; k < N_FIXTURE_MODELS; k++) {
+    fixture *f = load_fixture(FIXTURE_MODELS[k]);
+    ddp_model *m = build(FIXTURE_MODELS[k], strcmp(FIXTURE_MODELS[k], "convnet-3") ? NULL : "tanh", 1);
+    int e = 0, n_params = 0;
+    for (int i = 0; i < f->count; i++) {
+      const fixture_tensor *t = &f->tensors[i];
+      if (!is_state_record(t->name)) continue;
+      ddp_state_entry entry;
+      assert_int_equal(ddp_model_state_entry(m, e, &entry), DDP_OK);
+      if (strcmp(entry.name, t->name) != 0)
+        fail_msg("%s: state entry %d is '%s', PyTorch's is '%s'", FIXTURE_MODELS[k], e,
+                 entry.name, t->name);
+      assert_int_equal(entry.dtype, t->dtype);
+      assert_int_equal(entry.ndim, t->ndim);
+      for (int d = 0; d < t->ndim; d++) assert_int_equal(entry.shape[d], t->shape[d]);
+      assert_int_equal(entry.numel, t->numel);
+      /* Parameters are exactly the entries with a gradient in the fixture. */
+      char grad[256];
+      snprintf(grad, sizeof grad, "%s.grad", t->name);
+      assert_int_equal(entry.is_param, fixture_find(f, grad) != NULL);
+      if (entry.is_param) {
+        assert_int_equal(entry.param_index, n_params);
+        assert_string_equal(ddp_model_param_name(m, n_params), t->name);
+        n_params++;
+      }
+      e++;
+    }
+    assert_int_equal(ddp_model_state_count(m), e);
+    assert_int_equal(ddp_model_num_params(m), n_params);
+    ddp_model_destroy(m);
+    fixture_free(f);
+  }
+}
+
+static void test_convnet_n_names(void **state) {
+  (void)state;
+  static const char *const acts[] = {NULL, "relu", "sigmoid", "tanh"};
+  for (int n = 2; n <= 10; n++) {
+    char name[32];
+    snprintf(name, sizeof name, "convnet-%d", n);
+    ddp_model *m = build(name, acts[n % 4], 7);
+    assert_string_equal(ddp_model_name(m), name);
+    assert_int_equal(ddp_model_num_params(m), 2 * n + 2);
+    /* Propulate's Net assigns self.fc first: PyTorch's order starts with fc. */
+    assert_string_equal(ddp_model_param_name(m, 0), "fc.weight");
+    assert_string_equal(ddp_model_param_name(m, 1), "fc.bias");
+    for (int i = 0; i < n; i++) {
+      char w[64], b[64];
+      snprintf(w, sizeof w, "conv_layers.%d.0.weight", i);
+      snprintf(b, sizeof b, "conv_layers.%d.0.bias", i);
+      assert_string_equal(ddp_model_param_name(m, 2 + 2 * i), w);
+      assert_string_equal(ddp_model_param_name(m, 3 + 2 * i), b);
+      ddp_tensor *t = ddp_model_param(m, 2 + 2 * i);
+      assert_int_equal(t->shape[1], i == 0 ? 1 : 10);
+    }
+    assert_int_equal(ddp_model_num_param_elements(m),
+                     10 * 9 + 10 + (n - 1) * (100 * 9 + 10) + 7840 * 10 + 10);
+    assert_int_equal(ddp_model_loss_kind(m), DDP_LOSS_NLL);
+    ddp_model_destroy(m);
+  }
+}
+
+static void test_flat_layout(void **state) {
+  (void)state;
+  const char *names[] = {"toy", "headtail", "convnet", "psnet", "convnet-4"};
+  for (int k = 0; k < 5; k++) {
+    ddp_model *m = build(names[k], NULL, 3);
+    float *p = ddp_model_params_flat(m), *g = ddp_model_grads_flat(m);
+    int64_t off = 0;
+    for (int i = 0; i < ddp_model_num_params(m); i++) {
+      ddp_tensor *t = ddp_model_param(m, i);
+      assert_int_equal(ddp_model_param_offset(m, i), off);
+      assert_ptr_equal(t->data, p + off);
+      assert_ptr_equal(t->grad, g + off);
+      assert_int_equal(t->dtype, DDP_FLOAT32);
+      assert_int_equal(t->param_index, i);
+      assert_int_equal(t->node, -1);
+      assert_true((t->flags & (DDP_TENSOR_PARAM | DDP_TENSOR_REQUIRES_GRAD)) ==
+                  (DDP_TENSOR_PARAM | DDP_TENSOR_REQUIRES_GRAD));
+      assert_false(t->flags & (DDP_TENSOR_OWNS_DATA | DDP_TENSOR_OWNS_GRAD));
+      assert_ptr_equal(ddp_model_find_param(m, ddp_model_param_name(m, i)), t);
+      off += t->numel;
+    }
+    assert_int_equal(ddp_model_num_param_elements(m), off);
+    assert_null(ddp_model_find_param(m, "nope.weight"));
+    assert_null(ddp_model_param(m, ddp_model_num_params(m)));
+    for (int64_t i = 0; i < off; i++) assert_true(g[i] == 0.0f);
+    ddp_model_destroy(m);
+  }
+  /* The convnet's numbers, by hand: conv 16*25+16, bn 16+16, conv 32*16*25+32,
+   * bn 32+32, fc 1568*10+10; buffers 2*(16+32); two counters. */
+  ddp_model *m = build("convnet", NULL, 3);
+  assert_int_equal(ddp_model_num_params(m), 10);
+  assert_int_equal(ddp_model_num_param_elements(m),
+                   416 + 32 + (12800 + 32) + 64 + 15690);
+  assert_int_equal(ddp_model_num_buffer_elements(m), 96);
+  assert_int_equal(ddp_model_num_counters(m), 2);
+  assert_int_equal(ddp_model_state_count(m), 16);
+  /* Buffers view the flat buffer in state order; counters too. */
+  ddp_state_entry e;
+  assert_int_equal(ddp_model_state_find(m, "layer2.1.running_var", &e), DDP_OK);
+  assert_ptr_equal(e.data, ddp_model_buffers_flat(m) + 16 + 16 + 32);
+  assert_false(e.is_param);
+  assert_int_equal(e.param_index, -1);
+  assert_int_equal(ddp_model_state_find(m, "layer2.1.num_batches_tracked", &e), DDP_OK);
+  assert_ptr_equal(e.data, ddp_model_counters(m) + 1);
+  assert_int_equal(e.dtype, DDP_INT64);
+  assert_int_equal(e.ndim, 0);
+  assert_int_equal(e.numel, 1);
+  assert_int_equal(ddp_model_state_find(m, "layer1.1.bogus", &e), DDP_ERR_NOTFOUND);
+  assert_non_null(strstr(ddp_last_error(), "layer1.1.bogus"));
+  assert_int_equal(ddp_model_state_entry(m, 16, &e), DDP_ERR_RANGE);
+  int64_t shape[DDP_MAX_DIMS];
+  assert_int_equal(ddp_model_sample_shape(m, shape), 3);
+  assert_int_equal(shape[0], 1);
+  assert_int_equal(shape[1], 28);
+  assert_int_equal(ddp_model_num_outputs(m), 10);
+  ddp_model_destroy(m);
+}
+
+/* Uniform(-b, b) checks: bounds, the extremes reached, mean and variance
+ * within 5 standard errors, and a 10-bin chi-square (9 dof; 40 is p < 1e-5). */
+static void check_uniform(const char *what, const float *x, int64_t n, double b) {
+  double sum = 0, sq = 0, lo = INFINITY, hi = -INFINITY;
+  int64_t bins[10] = {0};
+  for (int64_t i = 0; i < n; i++) {
+    double v = x[i];
+    if (!(v >= -b && v < b)) fail_msg("%s[%lld] = %g outside +-%g", what, (long long)i, v, b);
+    sum += v;
+    sq += v * v;
+    lo = fmin(lo, v);
+    hi = fmax(hi, v);
+    int bin = (int)((v + b) / (2 * b) * 10);
+    bins[bin > 9 ? 9 : bin]++;
+  }
+  if (lo == hi) fail_msg("%s: all %lld values equal %g", what, (long long)n, lo);
+  if (n < 500) return; /* too few for the statistics below (biases) */
+  double mean = sum / (double)n, var = sq / (double)n - mean * mean;
+  if (fabs(mean) > 5 * b / sqrt(3.0 * (double)n))
+    fail_msg("%s: mean %g is not ~0 (bound %g, n %lld)", what, mean, b, (long long)n);
+  if (fabs(var - b * b / 3) > 5 * b * b * sqrt(4.0 / 45.0 / (double)n))
+    fail_msg("%s: variance %g, uniform(+-%g) has %g", what, var, b, b * b / 3);
+  if (hi < 0.98 * b || lo > -0.98 * b) fail_msg("%s: range [%g, %g] for bound %g", what, lo, hi, b);
+  double chi2 = 0, expect = (double)n / 10;
+  for (int i = 0; i < 10; i++) chi2 += (bins[i] - expect) * (bins[i] - expect) / expect;
+  if (chi2 > 40) fail_msg("%s: chi-square %g over 10 bins (not uniform)", what, chi2);
+}
+
+static void test_init_like_pytorch(void **state) {
+  (void)state;
+  /* fan_in per weight of the convnet: 1*5*5, 16*5*5, 1568. */
+  struct { const char *model, *param; double fan_in; } cases[] = {
+      {"convnet", "layer1.0.weight", 25},   {"convnet", "layer1.0.bias", 25},
+      {"convnet", "layer2.0.weight", 400},  {"convnet", "layer2.0.bias", 400},
+      {"convnet", "fc.weight", 1568},       {"convnet", "fc.bias", 1568},
+      {"psnet", "conv1.weight", 9},         {"psnet", "conv2.weight", 288},
+      {"psnet", "fc1.weight", 9216},        {"psnet", "fc1.bias", 9216},
+      {"psnet", "fc2.weight", 128},         {"toy", "net1.weight", 10},
+      {"toy", "net2.bias", 10},             {"headtail", "head.weight", 32},
+      {"headtail", "tail.weight", 32},      {"convnet-5", "conv_layers.4.0.weight", 90},
+      {"convnet-5", "conv_layers.0.0.weight", 9}, {"convnet-5", "fc.weight", 7840},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    ddp_model *m = build(cases[i].model, NULL, 11);
+    ddp_tensor *t = ddp_model_find_param(m, cases[i].param);
+    assert_non_null(t);
+    char what[128];
+    snprintf(what, sizeof what, "%s %s", cases[i].model, cases[i].param);
+    check_uniform(what, t->data, t->numel, 1.0 / sqrt(cases[i].fan_in));
+    ddp_model_destroy(m);
+  }
+  /* BatchNorm: weight 1, bias 0, running_mean 0, running_var 1, counter 0. */
+  ddp_model *m = build("convnet", NULL, 11);
+  const char *bn[] = {"layer1.1", "layer2.1"};
+  for (int k = 0; k < 2; k++) {
+    char name[64];
+    ddp_state_entry e;
+    const char *leaf[] = {"weight", "bias", "running_mean", "running_var"};
+    const float want[] = {1, 0, 0, 1};
+    for (int j = 0; j < 4; j++) {
+      snprintf(name, sizeof name, "%s.%s", bn[k], leaf[j]);
+      assert_int_equal(ddp_model_state_find(m, name, &e), DDP_OK);
+      for (int64_t i = 0; i < e.numel; i++) assert_true(((float *)e.data)[i] == want[j]);
+    }
+    snprintf(name, sizeof name, "%s.num_batches_tracked", bn[k]);
+    assert_int_equal(ddp_model_state_find(m, name, &e), DDP_OK);
+    assert_int_equal(*(int64_t *)e.data, 0);
+  }
+  /* Same seed, same weights; another seed, other weights. */
+  ddp_model *same = build("convnet", NULL, 11), *other = build("convnet", NULL, 12);
+  int64_t n = ddp_model_num_param_elements(m);
+  assert_memory_equal(ddp_model_params_flat(m), ddp_model_params_flat(same), (size_t)n * 4);
+  assert_memory_not_equal(ddp_model_params_flat(m), ddp_model_params_flat(other), (size_t)n * 4);
+  ddp_model_destroy(m);
+  ddp_model_destroy(same);
+  ddp_model_destroy(other);
+}
+
+static void test_zero_grad(void **state) {
+  (void)state;
+  ddp_model *m = build("convnet", NULL, 5);
+  float *g = ddp_model_grads_flat(m);
+  int64_t n = ddp_model_num_param_elements(m);
+  for (int64_t i = 0; i < n; i++) g[i] = (float)(i % 7) - 3.0f;
+  ddp_model_zero_grad(m);
+  for (int64_t i = 0; i < n; i++) assert_true(g[i] == 0.0f);
+  /* Through the parameter views too. */
+  ddp_tensor *fc = ddp_model_find_param(m, "fc.bias");
+  fc->grad[3] = 5;
+  assert_true(g[ddp_model_param_offset(m, 9) + 3] == 5.0f);
+  ddp_model_zero_grad(m);
+  assert_true(fc->grad[3] == 0.0f);
+  ddp_model_destroy(m);
+}
+
+static void test_clip_grad_norm(void **state) {
+  (void)state;
+  ddp_model *m = build("toy", NULL, 5);
+  float *g = ddp_model_grads_flat(m);
+  int64_t n = ddp_model_num_param_elements(m); /* 110 + 55 = 165 */
+  assert_int_equal(n, 165);
+  /* g_i = (i % 5) - 2: sum of squares = 33 * (4+1+0+1+4) = 330. */
+  for (int64_t i = 0; i < n; i++) g[i] = (float)(i % 5) - 2.0f;
+  double norm = 0, want = sqrt(330.0);
+  /* Below the threshold: unchanged. */
+  assert_int_equal(ddp_model_clip_grad_norm(m, 100.0, &norm), DDP_OK);
+  assert_true(fabs(norm - want) < 1e-9);
+  for (int64_t i = 0; i < n; i++) assert_true(g[i] == (float)(i % 5) - 2.0f);
+  /* Above: scaled by max_norm / (norm + 1e-6), so the new norm is ~max_norm. */
+  assert_int_equal(ddp_model_clip_grad_norm(m, 2.0, &norm), DDP_OK);
+  assert_true(fabs(norm - want) < 1e-9);
+  float coef = (float)(2.0 / (want + 1e-6));
+  for (int64_t i = 0; i < n; i++) assert_true(g[i] == ((float)(i % 5) - 2.0f) * coef);
+  assert_int_equal(ddp_model_clip_grad_norm(m, 1e9, &norm), DDP_OK);
+  assert_true(fabs(norm - 2.0) < 1e-5);
+  /* max_norm 0 zeroes; bad max_norm is refused; non-finite norms leave grads. */
+  assert_int_equal(ddp_model_clip_grad_norm(m, 0.0, NULL), DDP_OK);
+  for (int64_t i = 0; i < n; i++) assert_true(g[i] == 0.0f);
+  assert_int_equal(ddp_model_clip_grad_norm(m, -1.0, NULL), DDP_ERR_INVALID);
+  assert_int_equal(ddp_model_clip_grad_norm(m, NAN, NULL), DDP_ERR_INVALID);
+  g[7] = INFINITY;
+  g[8] = 1.0f;
+  assert_int_equal(ddp_model_clip_grad_norm(m, 1.0, &norm), DDP_ERR_RANGE);
+  assert_true(isinf(norm));
+  assert_true(g[8] == 1.0f);
+  /* All-zero gradients: norm 0, nothing scaled, no division trouble. */
+  ddp_model_zero_grad(m);
+  assert_int_equal(ddp_model_clip_grad_norm(m, 1.0, &norm), DDP_OK);
+  assert_true(norm == 0.0);
+  ddp_model_destroy(m);
+}
+
+static void test_train_eval_and_loss_kinds(void **state) {
+  (void)state;
+  struct { const char *name; ddp_loss_kind loss; int64_t outputs; } cases[] = {
+      {"toy", DDP_LOSS_MSE, 5}, {"headtail", DDP_LOSS_CROSS_ENTROPY, 10},
+      {"convnet", DDP_LOSS_CROSS_ENTROPY, 10}, {"psnet", DDP_LOSS_NLL, 10},
+      {"convnet-2", DDP_LOSS_NLL, 10}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    ddp_model *m = build(cases[i].name, NULL, 1);
+    assert_true(ddp_model_is_training(m));
+    ddp_model_train(m, false);
+    assert_false(ddp_model_is_training(m));
+    ddp_model_train(m, true);
+    assert_true(ddp_model_is_training(m));
+    assert_int_equal(ddp_model_loss_kind(m), cases[i].loss);
+    assert_int_equal(ddp_model_num_outputs(m), cases[i].outputs);
+    ddp_model_destroy(m);
+  }
+  assert_string_equal(ddp_loss_name(DDP_LOSS_MSE), "mse");
+  assert_string_equal(ddp_loss_name(DDP_LOSS_CROSS_ENTROPY), "cross_entropy");
+  assert_string_equal(ddp_loss_name(DDP_LOSS_NLL), "nll");
+  /* A model without a loss kind refuses ddp_model_loss. */
+  ddp_model *m;
+  assert_int_equal(ddp_model_create(&m), DDP_OK);
+  assert_int_equal(ddp_model_finalize(m, 0), DDP_OK);
+  ddp_tensor *loss;
+  assert_int_equal(ddp_model_loss(m, NULL, NULL, NULL, &loss), DDP_ERR_STATE);
+  assert_non_null(strstr(ddp_last_error(), "ddp_model_set_loss"));
+  ddp_model_destroy(m);
+}
+
+static void expect_build_error(const char *name, const char *act, const char *needle) {
+  ddp_model *m = (ddp_model *)&m; /* must be reset to NULL */
+  assert_int_equal(ddp_model_build(name, act, 1, &m), DDP_ERR_INVALID);
+  assert_null(m);
+  if (!strstr(ddp_last_error(), needle))
+    fail_msg("building '%s' (%s): message '%s' lacks '%s'", name ? name : "NULL",
+             act ? act : "NULL", ddp_last_error(), needle);
+}
+
+static void test_bad_builder_arguments(void **state) {
+  (void)state;
+  const char *list = "toy, headtail, convnet, psnet, convnet-N (N in 2..10)";
+  expect_build_error("resnet50", NULL, list);
+  expect_build_error("resnet50", NULL, "unknown model 'resnet50'");
+  expect_build_error(NULL, NULL, list);
+  expect_build_error("", NULL, list);
+  expect_build_error("convnet-", NULL, list);
+  expect_build_error("convnet-x", NULL, list);
+  expect_build_error("convnet-3x", NULL, list);
+  expect_build_error("convnet-1", NULL, "in 2..10");
+  expect_build_error("convnet-11", NULL, "in 2..10");
+  expect_build_error("convnet-99999999999999999999", NULL, "in 2..10");
+  expect_build_error("convnet-3", "gelu", "relu, sigmoid, tanh");
+  expect_build_error("convnet-3", "Tanh", "unknown activation 'Tanh'");
+  expect_build_error("toy", "tanh", "applies only to convnet-N");
+  expect_build_error("convnet", "relu", "applies only to convnet-N");
+  /* The valid spellings. */
+  ddp_model *m = build("convnet-10", "", 1);
+  ddp_model_destroy(m);
+  m = build("psnet", "", 1);
+  ddp_model_destroy(m);
+}
+
+static void test_custom_model_errors(void **state) {
+  (void)state;
+  ddp_model *m;
+  ddp_module *seq, *lin;
+  assert_int_equal(ddp_model_create(&m), DDP_OK);
+  assert_int_equal(ddp_module_add_sequential(m, NULL, "features", &seq), DDP_OK);
+  assert_int_equal(ddp_module_add_conv2d(m, seq, NULL, 3, 8, 3, 1, 1, false, NULL), DDP_OK);
+  assert_int_equal(ddp_module_add_relu(m, seq, NULL, NULL), DDP_OK);
+  assert_int_equal(ddp_module_add_sequential(m, NULL, "features", NULL), DDP_ERR_INVALID);
+  assert_non_null(strstr(ddp_last_error(), "already has a child named 'features'"));
+  assert_int_equal(ddp_module_add_relu(m, seq, "a.b", NULL), DDP_ERR_INVALID);
+  assert_int_equal(ddp_module_add_relu(m, seq, "", NULL), DDP_ERR_INVALID);
+  assert_int_equal(ddp_module_add_linear(m, NULL, "head", 8, 0, true, &lin), DDP_ERR_INVALID);
+  assert_int_equal(ddp_module_add_linear(m, NULL, "head", 8, 4, true, &lin), DDP_OK);
+  assert_int_equal(ddp_module_add_relu(m, lin, NULL, NULL), DDP_ERR_INVALID);
+  assert_non_null(strstr(ddp_last_error(), "not a Sequential"));
+  assert_int_equal(ddp_module_add_dropout(m, NULL, NULL, 1.0f, NULL), DDP_ERR_INVALID);
+  assert_int_equal(ddp_module_add_dropout2d(m, NULL, NULL, -0.1f, NULL), DDP_ERR_INVALID);
+  assert_int_equal(ddp_module_add_maxpool2d(m, NULL, NULL, 0, 0, NULL), DDP_ERR_INVALID);
+  assert_int_equal(ddp_module_add_conv2d(m, NULL, NULL, 3, 8, 3, 0, 1, true, NULL),
+                   DDP_ERR_INVALID);
+  assert_int_equal(ddp_module_add_batchnorm2d(m, seq, NULL, 8, NULL), DDP_OK);
+  /* Forward before finalize is refused. */
+  ddp_tensor *y;
+  ddp_tensor x;
+  int64_t one = 1;
+  float v = 0;
+  assert_int_equal(ddp_tensor_wrap(&x, DDP_FLOAT32, 1, &one, &v), DDP_OK);
+  ddp_tape *tape;
+  assert_int_equal(ddp_tape_create(&tape, 1024), DDP_OK);
+  assert_int_equal(ddp_model_forward(m, tape, &x, &y), DDP_ERR_STATE);
+  assert_non_null(strstr(ddp_last_error(), "not finalized"));
+  ddp_tape_destroy(tape);
+  assert_int_equal(ddp_model_finalize(m, 9), DDP_OK);
+  assert_int_equal(ddp_model_finalize(m, 9), DDP_ERR_STATE);
+  assert_int_equal(ddp_module_add_relu(m, NULL, NULL, NULL), DDP_ERR_STATE);
+  /* Names and order: features.0.weight (no bias), features.2.*, head.*. */
+  const char *want[] = {"features.0.weight", "features.2.weight", "features.2.bias",
+                        "features.2.running_mean", "features.2.running_var",
+                        "features.2.num_batches_tracked", "head.weight", "head.bias"};
+  assert_int_equal(ddp_model_state_count(m), 8);
+  for (int i = 0; i < 8; i++) {
+    ddp_state_entry e;
+    assert_int_equal(ddp_model_state_entry(m, i, &e), DDP_OK);
+    assert_string_equal(e.name, want[i]);
+  }
+  assert_int_equal(ddp_model_num_params(m), 5);
+  assert_string_equal(ddp_model_name(m), "custom");
+  /* load_tensor: by name, shape- and dtype-checked. */
+  float w[32];
+  for (int i = 0; i < 32; i++) w[i] = (float)i;
+  int64_t s84[2] = {8, 4}, s48[2] = {4, 8};
+  assert_int_equal(ddp_model_load_tensor(m, "head.weight", DDP_FLOAT32, 2, s48, w), DDP_OK);
+  assert_true(ddp_model_find_param(m, "head.weight")->data != NULL);
+  assert_true(((float *)ddp_model_find_param(m, "head.weight")->data)[31] == 31.0f);
+  assert_int_equal(ddp_model_load_tensor(m, "head.weight", DDP_FLOAT32, 2, s84, w), DDP_ERR_SHAPE);
+  assert_non_null(strstr(ddp_last_error(), "(8,4)"));
+  assert_non_null(strstr(ddp_last_error(), "(4,8)"));
+  assert_int_equal(ddp_model_load_tensor(m, "head.weight", DDP_INT64, 2, s48, w), DDP_ERR_INVALID);
+  assert_int_equal(ddp_model_load_tensor(m, "head.w", DDP_FLOAT32, 2, s48, w), DDP_ERR_NOTFOUND);
+  int64_t nbt = 42;
+  assert_int_equal(ddp_model_load_tensor(m, "features.2.num_batches_tracked", DDP_INT64, 0, NULL,
+                                         &nbt), DDP_OK);
+  assert_int_equal(ddp_model_counters(m)[0], 42);
+  /* The description reads like PyTorch's repr. */
+  char buf[1024];
+  size_t need = ddp_model_describe(m, buf, sizeof buf);
+  assert_true(need < sizeof buf);
+  assert_non_null(strstr(buf, "(features): Sequential("));
+  assert_non_null(strstr(buf, "(0): Conv2d(3, 8, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1), bias=False)"));
+  assert_non_null(strstr(buf, "(head): Linear(in_features=8, out_features=4, bias=True)"));
+  char tiny[8];
+  assert_int_equal(ddp_model_describe(m, tiny, sizeof tiny), need);
+  assert_int_equal(strlen(tiny), 7);
+  ddp_model_destroy(m);
+  ddp_model_destroy(NULL);
+}
+
+/* Builds a fixture image in memory: one float32 record "w" of shape (2). */
+static size_t tiny_fixture(unsigned char *b) {
+  size_t n = 0;
+  memcpy(b, "DDPFIX01", 8);
+  n = 8;
+  uint32_t count = 1, reserved = 0;
+  memcpy(b + n, &count, 4);
+  memcpy(b + n + 4, &reserved, 4);
+  n += 8;
+  uint16_t len = 1;
+  memcpy(b + n, &len, 2);
+  n += 2;
+  b[n++] = 'w';
+  b[n++] = DDP_FLOAT32;
+  b[n++] = 1;
+  int64_t two = 2;
+  memcpy(b + n, &two, 8);
+  n += 8;
+  float v[2] = {1.5f, -2.0f};
+  memcpy(b + n, v, 8);
+  return n + 8;
+}
+
+static void test_fixture_reader_validates(void **state) {
+  (void)state;
+  unsigned char b[128];
+  size_t n = tiny_fixture(b);
+  fixture *f;
+  assert_int_equal(fixture_parse(b, n, "tiny", &f), DDP_OK);
+  assert_int_equal(f->count, 1);
+  assert_true(((float *)fixture_find(f, "w")->data)[1] == -2.0f);
+  assert_null(fixture_find(f, "x"));
+  fixture_free(f);
+  /* Every truncation is an error naming the offset, never a crash. */
+  for (size_t cut = 0; cut < n; cut++) {
+    assert_int_equal(fixture_parse(b, cut, "tiny", &f), DDP_ERR_FORMAT);
+    assert_null(f);
+  }
+  b[n] = 0;
+  assert_int_equal(fixture_parse(b, n + 1, "tiny", &f), DDP_ERR_FORMAT);
+  assert_non_null(strstr(ddp_last_error(), "trailing"));
+  unsigned char bad[128];
+  memcpy(bad, b, n);
+  bad[0] = 'X';
+  assert_int_equal(fixture_parse(bad, n, "tiny", &f), DDP_ERR_FORMAT);
+  assert_non_null(strstr(ddp_last_error(), "magic"));
+  memcpy(bad, b, n);
+  bad[19] = 9; /* dtype */
+  assert_int_equal(fixture_parse(bad, n, "tiny", &f), DDP_ERR_FORMAT);
+  memcpy(bad, b, n);
+  bad[20] = 7; /* ndim */
+  assert_int_equal(fixture_parse(bad, n, "tiny", &f), DDP_ERR_FORMAT);
+  memcpy(bad, b, n);
+  int64_t huge = INT64_MAX / 2;
+  memcpy(bad + 21, &huge, 8); /* shape far beyond the file */
+  assert_int_equal(fixture_parse(bad, n, "tiny", &f), DDP_ERR_FORMAT);
+  assert_int_equal(fixture_load("/nonexistent/fixture.bin", &f), DDP_ERR_IO);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_state_dict_matches_pytorch),
+      cmocka_unit_test(test_convnet_n_names),
+      cmocka_unit_test(test_flat_layout),
+      cmocka_unit_test(test_init_like_pytorch),
+      cmocka_unit_test(test_zero_grad),
+      cmocka_unit_test(test_clip_grad_norm),
+      cmocka_unit_test(test_train_eval_and_loss_kinds),
+      cmocka_unit_test(test_bad_builder_arguments),
+      cmocka_unit_test(test_custom_model_errors),
+      cmocka_unit_test(test_fixture_reader_validates),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
