@@ -4,6 +4,7 @@
 
 #include "ddp/core.h"
 #include "ddp/tensor.h"
+#include "ddp/data.h"
 #include "ddp/nn.h"
 #include "ddp/store.h"
 #include "ddp/optim.h"
