@@ -1,14 +1,89 @@
 /* Pointwise and per-channel kernels: activations, batch norm, dropout,
- * log_softmax, losses. */
+ * log_softmax, losses. Raw pointers and sizes; n counts elements. Every
+ * *_backward kernel accumulates (+=) into its gradient outputs, and a NULL
+ * gradient output means "not wanted". Scalars that live on the device (a
+ * loss, its incoming gradient) are passed as pointers. */
 #ifndef DDP__TENSOR_KERNELS_POINTWISE_H
 #define DDP__TENSOR_KERNELS_POINTWISE_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "ddp/core.h"
 
 typedef struct ddp__pointwise_kernels {
-  int reserved; /* the pointwise-ops work fills this table */
+  /* ---- activations: y = f(x); backward from y (the op's output) ---- */
+  void (*relu)(float *y, const float *x, int64_t n);
+  void (*relu_backward)(float *dx, const float *dy, const float *y, int64_t n);
+  void (*sigmoid)(float *y, const float *x, int64_t n);
+  void (*sigmoid_backward)(float *dx, const float *dy, const float *y, int64_t n);
+  void (*tanh)(float *y, const float *x, int64_t n);
+  void (*tanh_backward)(float *dx, const float *dy, const float *y, int64_t n);
+
+  /* ---- dropout. The mask has one byte per group (1 keep, 0 drop); a group
+   * is `group_size` consecutive elements (1 for dropout, a feature map for
+   * dropout2d). ---- */
+  /* mask[i] = !(ddp_rng_uniform(rng) < p), drawn in order i = 0..groups-1;
+   * p >= 1 draws nothing and zeroes the mask. */
+  void (*dropout_mask)(uint8_t *mask, int64_t groups, float p, ddp_rng *rng);
+  /* y = x * mask[group] * scale */
+  void (*dropout_apply)(float *y, const float *x, const uint8_t *mask, int64_t groups,
+                        int64_t group_size, float scale);
+  /* dx += dy * mask[group] * scale */
+  void (*dropout_backward)(float *dx, const float *dy, const uint8_t *mask, int64_t groups,
+                           int64_t group_size, float scale);
+
+  /* ---- batch norm over x (N, C, HW); per-channel vectors are (C) ---- */
+  /* Batch statistics: mean and invstd = 1/sqrt(biased var + eps). When
+   * running_mean/running_var are not NULL they are updated in place:
+   * running = (1 - momentum) * running + momentum * stat, with the unbiased
+   * variance for running_var (the biased one when N*HW == 1). */
+  ddp_status (*batch_norm_stats)(float *mean, float *invstd, float *running_mean,
+                                 float *running_var, const float *x, int64_t N, int64_t C,
+                                 int64_t HW, float momentum, float eps, ddp_arena *arena);
+  /* Evaluation statistics: mean = running_mean, invstd = 1/sqrt(running_var + eps). */
+  void (*batch_norm_running)(float *mean, float *invstd, const float *running_mean,
+                             const float *running_var, int64_t C, float eps);
+  /* y = (x - mean) * invstd * weight + bias; weight/bias NULL mean 1/0. */
+  void (*batch_norm_forward)(float *y, const float *x, const float *mean, const float *invstd,
+                             const float *weight, const float *bias, int64_t N, int64_t C,
+                             int64_t HW);
+  /* Gradients of batch_norm_forward. With batch_stats the mean and invstd
+   * are functions of x (training); without, constants (eval). */
+  ddp_status (*batch_norm_backward)(float *dx, float *dweight, float *dbias, const float *dy,
+                                    const float *x, const float *mean, const float *invstd,
+                                    const float *weight, int64_t N, int64_t C, int64_t HW,
+                                    bool batch_stats, ddp_arena *arena);
+
+  /* ---- log_softmax over rows of length C ---- */
+  void (*log_softmax)(float *y, const float *x, int64_t rows, int64_t C);
+  /* dx += dy - exp(y) * sum(dy) per row */
+  void (*log_softmax_backward)(float *dx, const float *dy, const float *y, int64_t rows,
+                               int64_t C);
+
+  /* ---- losses, mean reduction; *loss is one float; *dloss the incoming gradient ---- */
+  /* *loss = mean((input - target)^2) */
+  void (*mse_loss)(float *loss, const float *input, const float *target, int64_t n);
+  /* dinput += 2 (input - target) / n * dloss; dtarget -= the same */
+  void (*mse_loss_backward)(float *dinput, float *dtarget, const float *dloss,
+                            const float *input, const float *target, int64_t n);
+  /* *loss = -mean_i logp[i, target[i]] over logp (N, C). Returns -1, or the
+   * first sample i whose target is outside [0, C) (its value in *bad_target;
+   * *loss is then unspecified). */
+  int64_t (*nll_loss)(float *loss, const float *logp, const int64_t *target, int64_t N,
+                      int64_t C, int64_t *bad_target);
+  /* dlogp[i, target[i]] -= dloss / N */
+  void (*nll_loss_backward)(float *dlogp, const float *dloss, const int64_t *target, int64_t N,
+                            int64_t C);
+  /* log_softmax + nll fused: *loss = mean_i -log softmax(logits)[i, target[i]].
+   * Saves each row's max and log sum exp(logits - max) in stats (N, 2) for
+   * backward. Target errors as nll_loss. */
+  int64_t (*cross_entropy)(float *loss, float *stats, const float *logits,
+                           const int64_t *target, int64_t N, int64_t C, int64_t *bad_target);
+  /* dlogits += (softmax(logits) - onehot(target)) * dloss / N */
+  void (*cross_entropy_backward)(float *dlogits, const float *dloss, const float *logits,
+                                 const float *stats, const int64_t *target, int64_t N,
+                                 int64_t C);
 } ddp__pointwise_kernels;
 
 extern const ddp__pointwise_kernels ddp__cpu_pointwise_kernels;

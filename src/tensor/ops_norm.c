@@ -1,0 +1,106 @@
+/* Batch normalisation (PyTorch's F.batch_norm / BatchNorm1d / BatchNorm2d):
+ * validation, the running-statistics update, and the recorded backward. The
+ * per-channel mean and 1/std used by the forward live in tape scratch, so
+ * backward reuses them and a step allocates nothing once the arena is warm. */
+#include "tensor/kernels.h"
+#include "tensor/tape.h"
+
+typedef struct batch_norm_ctx {
+  float *mean;     /* (C) the statistics the forward normalised with */
+  float *invstd;   /* (C) 1/sqrt(var + eps) */
+  int64_t N, C, HW;
+  bool batch_stats; /* mean/invstd came from this batch (so depend on x) */
+} batch_norm_ctx;
+
+static ddp_status batch_norm_backward(ddp_tape *tape, ddp__node *node) {
+  const batch_norm_ctx *ctx = node->ctx;
+  ddp_tensor *x = node->in[0], *weight = node->in[1], *bias = node->in[2];
+  ddp_status s = DDP_OK;
+  float *dx = ddp__tape_grad(tape, x, &s);
+  float *dweight = ddp__tape_grad(tape, weight, &s);
+  float *dbias = ddp__tape_grad(tape, bias, &s);
+  if (s != DDP_OK) return s;
+  const ddp__kernels *k = ddp__kernels_for(node->out->device);
+  return k->pointwise->batch_norm_backward(dx, dweight, dbias, node->out->grad, x->data,
+                                           ctx->mean, ctx->invstd,
+                                           weight ? weight->data : NULL, ctx->N, ctx->C,
+                                           ctx->HW, ctx->batch_stats, ddp__tape_arena(tape));
+}
+
+/* A per-channel vector (weight, bias, running stats) must be (C) or NULL. */
+static ddp_status check_channel_vector(const char *name, const ddp_tensor *v,
+                                       const ddp_tensor *x) {
+  if (!v) return DDP_OK;
+  if (v->ndim == 1 && v->shape[0] == x->shape[1]) return DDP_OK;
+  char sv[DDP_SHAPE_STR_BYTES], sx[DDP_SHAPE_STR_BYTES];
+  return ddp_error(DDP_ERR_SHAPE, "batch_norm: %s has shape %s, input %s has %lld channels", name,
+                   ddp_tensor_shape_str(v, sv, sizeof sv), ddp_tensor_shape_str(x, sx, sizeof sx),
+                   (long long)x->shape[1]);
+}
+
+ddp_status ddp_batch_norm(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_tensor *bias,
+                          ddp_tensor *running_mean, ddp_tensor *running_var,
+                          int64_t *num_batches_tracked, bool training, float momentum,
+                          float eps, ddp_tensor **out) {
+  if (!tape || !out) return ddp_error(DDP_ERR_INVALID, "batch_norm: tape or out is NULL");
+  if (!x) return ddp_error(DDP_ERR_INVALID, "batch_norm: input is NULL");
+  ddp_tensor *all[5] = {x, weight, bias, running_mean, running_var};
+  const ddp__kernels *k;
+  DDP_TRY(ddp__kernels_check("batch_norm", 5, all, &k));
+  char sx[DDP_SHAPE_STR_BYTES];
+  if (x->ndim < 2)
+    return ddp_error(DDP_ERR_SHAPE, "batch_norm: input %s must be (N, C) or (N, C, H, W)",
+                     ddp_tensor_shape_str(x, sx, sizeof sx));
+  DDP_TRY(check_channel_vector("weight", weight, x));
+  DDP_TRY(check_channel_vector("bias", bias, x));
+  DDP_TRY(check_channel_vector("running_mean", running_mean, x));
+  DDP_TRY(check_channel_vector("running_var", running_var, x));
+  if (!running_mean != !running_var)
+    return ddp_error(DDP_ERR_INVALID,
+                     "batch_norm: running_mean and running_var must both be given or both NULL "
+                     "(got %s and %s)",
+                     running_mean ? "a tensor" : "NULL", running_var ? "a tensor" : "NULL");
+  if (!(eps >= 0.0f))
+    return ddp_error(DDP_ERR_RANGE, "batch_norm: eps must be >= 0, got %g", (double)eps);
+
+  int64_t N = x->shape[0], C = x->shape[1];
+  int64_t HW = 1;
+  for (int i = 2; i < x->ndim; i++) HW *= x->shape[i];
+  /* Without running statistics, eval normalises with the batch's own, like a
+   * module built with track_running_stats=False. */
+  bool batch_stats = training || !running_mean;
+  if (batch_stats && N * HW <= 1)
+    return ddp_error(DDP_ERR_SHAPE,
+                     "batch_norm: expected more than 1 value per channel when using batch "
+                     "statistics, got input %s",
+                     ddp_tensor_shape_str(x, sx, sizeof sx));
+
+  ddp_tensor *y;
+  DDP_TRY(ddp__tape_output(tape, "batch_norm", DDP_FLOAT32, x->ndim, x->shape, &y));
+  batch_norm_ctx *ctx = ddp_tape_scratch(tape, sizeof *ctx);
+  float *stats = ddp_tape_scratch(tape, (size_t)C * 2 * sizeof(float));
+  if (!ctx || !stats)
+    return ddp_error(DDP_ERR_NOMEM, "batch_norm: cannot allocate statistics for %lld channels",
+                     (long long)C);
+  *ctx = (batch_norm_ctx){.mean = stats, .invstd = stats + C, .N = N, .C = C, .HW = HW,
+                          .batch_stats = batch_stats};
+  if (batch_stats) {
+    bool update = training && running_mean;
+    DDP_TRY(k->pointwise->batch_norm_stats(ctx->mean, ctx->invstd,
+                                           update ? running_mean->data : NULL,
+                                           update ? running_var->data : NULL, x->data, N, C, HW,
+                                           momentum, eps, ddp__tape_arena(tape)));
+  } else {
+    k->pointwise->batch_norm_running(ctx->mean, ctx->invstd, running_mean->data,
+                                     running_var->data, C, eps);
+  }
+  if (training && num_batches_tracked) (*num_batches_tracked)++;
+  k->pointwise->batch_norm_forward(y->data, x->data, ctx->mean, ctx->invstd,
+                                   weight ? weight->data : NULL, bias ? bias->data : NULL, N, C,
+                                   HW);
+  ddp_tensor *in[3] = {x, weight, bias};
+  if (ddp__tape_wants_grad(tape, 3, in))
+    DDP_TRY(ddp__tape_record(tape, "batch_norm", batch_norm_backward, y, 3, in, ctx));
+  *out = y;
+  return DDP_OK;
+}
