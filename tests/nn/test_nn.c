@@ -384,7 +384,15 @@ static void test_custom_model_errors(void **state) {
   assert_int_equal(ddp_module_add_maxpool2d(m, NULL, NULL, 0, 0, NULL), DDP_ERR_INVALID);
   assert_int_equal(ddp_module_add_conv2d(m, NULL, NULL, 3, 8, 3, 0, 1, true, NULL),
                    DDP_ERR_INVALID);
-  assert_int_equal(ddp_module_add_batchnorm2d(m, seq, NULL, 8, NULL), DDP_OK);
+  ddp_module *bn;
+  assert_int_equal(ddp_module_add_batchnorm2d(m, seq, NULL, 8, &bn), DDP_OK);
+  /* The forward order takes children of the root only. */
+  ddp_module *order[2] = {seq, bn};
+  assert_int_equal(ddp_model_set_forward_order(m, 2, order), DDP_ERR_INVALID);
+  assert_non_null(strstr(ddp_last_error(), "features.2"));
+  order[1] = lin;
+  assert_int_equal(ddp_model_set_forward_order(m, 2, order), DDP_OK);
+  assert_int_equal(ddp_model_set_forward_order(m, -1, order), DDP_ERR_INVALID);
   /* Forward before finalize is refused. */
   ddp_tensor *y;
   ddp_tensor x;
