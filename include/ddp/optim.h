@@ -18,7 +18,11 @@
  *
  * The optimizer's state (momentum buffers, Adam's moments, ...) is a set of
  * flat float32 arrays parallel to the parameters, named as in PyTorch's
- * optimizer.state[p], so a checkpoint can write and read them directly. */
+ * optimizer.state[p], so a checkpoint can write and read them directly.
+ *
+ * Functions that take an optimizer or a scheduler need a valid one, except
+ * where NULL is said to be accepted or reported. One object is used by one
+ * thread at a time. */
 #ifndef DDP_OPTIM_H
 #define DDP_OPTIM_H
 
