@@ -1,0 +1,72 @@
+/* Internal pieces of the rendezvous, exposed to each other and to the tests:
+ * init-URL parsing, the environment contracts (torchrun, Slurm, MPI), Slurm's
+ * tasks-per-node lists and host identity. Not installed. */
+#ifndef DDP_RDZV_INTERNAL_H
+#define DDP_RDZV_INTERNAL_H
+
+#include <stdint.h>
+
+#include "ddp/core.h"
+#include "ddp/rendezvous.h"
+#include "ddp/store.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- Init URLs ----------------------------------------------------------- */
+typedef enum ddp__rdzv_scheme {
+  DDP__RDZV_ENV = 0,  /* env:// */
+  DDP__RDZV_TCP = 1,  /* tcp://host:port */
+  DDP__RDZV_FILE = 2, /* file:///abs/path */
+} ddp__rdzv_scheme;
+
+#define DDP__RDZV_HOST_MAX 256
+#define DDP__RDZV_PATH_MAX 4096
+
+typedef struct ddp__rdzv_url {
+  ddp__rdzv_scheme scheme;
+  char host[DDP__RDZV_HOST_MAX]; /* tcp: without IPv6 brackets */
+  int32_t port;                  /* tcp: 1..65535 */
+  char path[DDP__RDZV_PATH_MAX]; /* file: absolute path */
+  int32_t rank;                  /* ?rank=, or -1 */
+  int32_t world_size;            /* ?world_size=, or -1 */
+} ddp__rdzv_url;
+
+/* Parses an init URL strictly. NULL or "" mean "env://". Errors name the URL
+ * and what is wrong with it. */
+ddp_status ddp__rdzv_url_parse(const char *url, ddp__rdzv_url *out);
+
+/* ---- Environment contracts ----------------------------------------------
+ * Fills rank, world_size, local_rank, local_world_size (-1 where nothing says),
+ * master_addr/master_port, the sources of each, init_method, store_addr and
+ * timeout_s of *info from the options, the URL and the environment, in that
+ * order of precedence (see docs/rendezvous.md). Touches nothing else in *info
+ * and talks to no one, so tests can drive it with setenv(). */
+ddp_status ddp__rdzv_resolve(const ddp__rdzv_url *url, const ddp_rendezvous_options *opts,
+                             ddp_rendezvous_info *info);
+
+/* Expands Slurm's tasks-per-node list ("2(x3),1" -> 2,2,2,1) and returns the
+ * count of node `node_index` in *out. */
+ddp_status ddp__slurm_tasks_per_node(const char *list, int64_t node_index, int32_t *out);
+
+/* Splits "host:port" or "[v6]:port" into host and port (1..65535). `what`
+ * names the value in errors ("DDP_STORE_ADDR"). */
+ddp_status ddp__rdzv_split_hostport(const char *what, const char *s, char *host, size_t host_bytes,
+                                    int32_t *port);
+
+/* ---- Host identity -------------------------------------------------------
+ * "<hostname>/<network namespace inode>" (or DDP_HOST_ID when set): two ranks
+ * with the same identity can reach each other's shared memory and loopback. */
+ddp_status ddp__rdzv_host_id(char *out, size_t bytes);
+
+/* ---- Formatting ---------------------------------------------------------- */
+/* Writes ranks as compact ranges ("2, 5-7, 9"), at most `max_items` items and
+ * then "... (N more)". */
+void ddp__rdzv_format_ranks(const int32_t *ranks, int32_t count, int max_items, char *out,
+                            size_t bytes);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DDP_RDZV_INTERNAL_H */
