@@ -298,6 +298,7 @@ static void test_corrupted_gzip(void **state) {
 
   /* A .gz file cut in half. */
   path_of(path, sizeof path, "cut.gz");
+  free(gz);
   gzip_of_labels(path, &gz, &bytes); /* fresh copy */
   write_raw(path, gz, bytes / 2, 0);
   assert_int_equal(ddp_idx_read(path, &idx), DDP_ERR_IO);
