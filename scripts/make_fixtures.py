@@ -29,7 +29,7 @@ widens them to float32 exactly, so both sides start from identical weights.
 Format ("DDPFIX01", little-endian; read by tests/support/fixture.c):
   header: 8 bytes magic "DDPFIX01", u32 record count, u32 reserved (0)
   record: u16 name length, name bytes (no NUL), u8 dtype (ddp_dtype: 0 float32,
-          3 int64, 5 bfloat16), u8 ndim, ndim x i64 shape, raw data
+          1 float64, 3 int64, 5 bfloat16), u8 ndim, ndim x i64 shape, raw data
           (numel x dtype size bytes)
 
 Run with Debian's torch: /usr/bin/python3 scripts/make_fixtures.py

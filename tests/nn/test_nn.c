@@ -498,6 +498,17 @@ static void test_fixture_reader_validates(void **state) {
   memcpy(bad, b, n);
   bad[19] = 9; /* dtype */
   assert_int_equal(fixture_parse(bad, n, "tiny", &f), DDP_ERR_FORMAT);
+  /* The same 8 data bytes as one float64 (shape (1)): kept as float64. */
+  memcpy(bad, b, n);
+  bad[19] = DDP_FLOAT64;
+  int64_t one = 1;
+  double dv = -0.125;
+  memcpy(bad + 21, &one, 8);
+  memcpy(bad + 29, &dv, 8);
+  assert_int_equal(fixture_parse(bad, n, "tiny", &f), DDP_OK);
+  assert_int_equal(f->tensors[0].dtype, DDP_FLOAT64);
+  assert_true(*(double *)f->tensors[0].data == -0.125);
+  fixture_free(f);
   memcpy(bad, b, n);
   bad[20] = 7; /* ndim */
   assert_int_equal(fixture_parse(bad, n, "tiny", &f), DDP_ERR_FORMAT);

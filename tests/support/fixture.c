@@ -57,9 +57,9 @@ static ddp_status parse_record(cursor *c, fixture_tensor *t) {
   c->off += name_len;
   int dtype = (int)get_le(c, 1);
   int ndim = (int)get_le(c, 1);
-  if (dtype != DDP_FLOAT32 && dtype != DDP_INT64 && dtype != DDP_BFLOAT16)
+  if (dtype != DDP_FLOAT32 && dtype != DDP_FLOAT64 && dtype != DDP_INT64 && dtype != DDP_BFLOAT16)
     return ddp_error(DDP_ERR_FORMAT, "%s: record '%s' (offset %zu): dtype %d is not float32 (0), "
-                     "int64 (3) or bfloat16 (5)", c->what, t->name, start, dtype);
+                     "float64 (1), int64 (3) or bfloat16 (5)", c->what, t->name, start, dtype);
   if (ndim > DDP_MAX_DIMS)
     return ddp_error(DDP_ERR_FORMAT, "%s: record '%s' (offset %zu): %d dimensions (at most %d)",
                      c->what, t->name, start, ndim, DDP_MAX_DIMS);
@@ -81,7 +81,7 @@ static ddp_status parse_record(cursor *c, fixture_tensor *t) {
     return ddp_error(DDP_ERR_FORMAT,
                      "%s: record '%s' (offset %zu): %lld elements of %zu bytes, only %zu bytes left",
                      c->what, t->name, start, (long long)numel, elem, c->size - c->off);
-  t->dtype = dtype == DDP_INT64 ? DDP_INT64 : DDP_FLOAT32;
+  t->dtype = dtype == DDP_BFLOAT16 ? DDP_FLOAT32 : (ddp_dtype)dtype;
   size_t out_bytes = (size_t)numel * ddp_dtype_size(t->dtype);
   t->data = ddp_alloc(out_bytes ? out_bytes : 1);
   if (!t->data) return ddp_error(DDP_ERR_NOMEM, "%s: out of memory", c->what);
@@ -92,7 +92,7 @@ static ddp_status parse_record(cursor *c, fixture_tensor *t) {
   } else if (dtype == DDP_FLOAT32) {
     uint32_t *dst = t->data;
     for (int64_t i = 0; i < numel; i++) dst[i] = (uint32_t)get_le(c, 4);
-  } else {
+  } else { /* int64, float64: 8-byte words */
     uint64_t *dst = t->data;
     for (int64_t i = 0; i < numel; i++) dst[i] = get_le(c, 8);
   }

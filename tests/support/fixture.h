@@ -4,7 +4,7 @@
  * A fixture is a list of named tensors. fixture_load reads the whole file and
  * checks every length against the file before trusting it; float records
  * stored as bfloat16 are widened to float32 (exactly) so callers only ever see
- * float32 and int64 data. */
+ * float32, float64 and int64 data. */
 #ifndef DDP_TEST_FIXTURE_H
 #define DDP_TEST_FIXTURE_H
 
@@ -12,8 +12,8 @@
 
 typedef struct fixture_tensor {
   char *name;
-  ddp_dtype dtype;        /* DDP_FLOAT32 or DDP_INT64 (after widening) */
-  ddp_dtype stored_dtype; /* as in the file: DDP_FLOAT32, DDP_INT64 or DDP_BFLOAT16 */
+  ddp_dtype dtype;        /* DDP_FLOAT32, DDP_FLOAT64 or DDP_INT64 (after widening) */
+  ddp_dtype stored_dtype; /* as in the file: those, or DDP_BFLOAT16 */
   int32_t ndim;
   int64_t shape[DDP_MAX_DIMS];
   int64_t numel;
