@@ -55,17 +55,14 @@ STATE_NAMES = {
 }
 
 # The "DDPFIX01" format of scripts/make_fixtures.py, read by the shared
-# tests/support/fixture.c: dtype codes are ddp_dtype's, 0 float32 and 3 int64.
-# That reader has no float64, so the exact doubles (learning rates, options)
-# are stored as their IEEE-754 bit patterns in int64 records whose names end
-# in ".f64"; the C test reinterprets them.
+# tests/support/fixture.c: dtype codes are ddp_dtype's, 0 float32, 1 float64
+# (exact learning rates and options), 3 int64.
 MAGIC = b"DDPFIX01"
-DTYPES = {np.dtype("<f4"): 0, np.dtype("<i8"): 3}
+DTYPES = {np.dtype("<f4"): 0, np.dtype("<f8"): 1, np.dtype("<i8"): 3}
 
 
 def f64(value):
-    """A double (or array of them) as its bit pattern, for a ".f64" record."""
-    return np.asarray(value, dtype="<f8").view("<i8")
+    return np.asarray(value, dtype="<f8")
 
 
 def write_fixture(path, records):
@@ -77,7 +74,6 @@ def write_fixture(path, records):
         if not arr.flags.c_contiguous:   # (ascontiguousarray would make 0-d 1-d)
             arr = arr.copy(order="C")
         arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
-        assert not name.endswith(".f64") or arr.dtype == np.dtype("<i8"), name
         key = name.encode()
         out += struct.pack("<H", len(key)) + key
         out += struct.pack("<BB", DTYPES[arr.dtype], arr.ndim)
@@ -135,18 +131,18 @@ def run(name, kind, opts, init, grads):
     recs = [("kind", np.array(KINDS[kind], dtype="<i8"))]
     for k, v in opts.items():
         if k == "betas":
-            recs.append(("hp.beta1.f64", f64(v[0])))
-            recs.append(("hp.beta2.f64", f64(v[1])))
+            recs.append(("hp.beta1", f64(v[0])))
+            recs.append(("hp.beta2", f64(v[1])))
         else:
-            recs.append(("hp.%s.f64" % k, f64(float(v))))
+            recs.append(("hp.%s" % k, f64(float(v))))
     recs.append(("sched.step_size", np.array(SCHED["step_size"], dtype="<i8")))
-    recs.append(("sched.gamma.f64", f64(SCHED["gamma"])))
+    recs.append(("sched.gamma", f64(SCHED["gamma"])))
     recs += [
         ("params.init", init.numpy().astype("<f4")),
         ("grads", grads.numpy().astype("<f4")),
         ("params", torch.stack(after).numpy().astype("<f4")),
-        ("lr.f64", f64(lrs)),
-        ("lr.final.f64", f64(opt.param_groups[0]["lr"])),
+        ("lr", f64(lrs)),
+        ("lr.final", f64(opt.param_groups[0]["lr"])),
         ("sched.last_epoch", np.array(sched.last_epoch, dtype="<i8")),
     ]
     for sname in STATE_NAMES[kind]:

@@ -39,20 +39,10 @@ static int64_t scalar_i64(const fixture *fx, const char *name) {
   return ((const int64_t *)t->data)[0];
 }
 
-/* Element i of a ".f64" record: a double stored as its bit pattern in an
- * int64 record (the shared fixture reader has no float64). */
-static double f64_at(const fixture_tensor *t, int64_t i) {
-  double d;
-  memcpy(&d, (const int64_t *)t->data + i, sizeof d);
-  return d;
-}
-
 static double scalar_f64(const fixture *fx, const char *name) {
-  char key[128];
-  snprintf(key, sizeof key, "%s.f64", name);
-  const fixture_tensor *t = need(fx, key, DDP_INT64);
+  const fixture_tensor *t = need(fx, name, DDP_FLOAT64);
   assert_int_equal(t->numel, 1);
-  return f64_at(t, 0);
+  return ((const double *)t->data)[0];
 }
 
 static double hp(const fixture *fx, const char *name) {
@@ -158,7 +148,8 @@ static void test_matches_torch(void **state) {
   const fixture_tensor *init = need(fx, "params.init", DDP_FLOAT32);
   const fixture_tensor *grads = need(fx, "grads", DDP_FLOAT32);
   const fixture_tensor *after = need(fx, "params", DDP_FLOAT32);
-  const fixture_tensor *lrs = need(fx, "lr.f64", DDP_INT64);
+  const fixture_tensor *lrs = need(fx, "lr", DDP_FLOAT64);
+  const double *lr = lrs->data;
   const size_t n = (size_t)init->numel;
   const size_t steps = (size_t)grads->shape[0];
   assert_int_equal(grads->ndim, 2);
@@ -180,9 +171,9 @@ static void test_matches_torch(void **state) {
   uint64_t allocs = ddp_alloc_count();
   for (size_t s = 0; s < steps; s++) {
     memcpy(grad, (const float *)grads->data + s * n, n * sizeof *grad);
-    if (ddp_optimizer_get_lr(opt) != f64_at(lrs, (int64_t)s))
+    if (ddp_optimizer_get_lr(opt) != lr[s])
       fail_msg("%s step %zu: lr %.17g, torch %.17g", config, s, ddp_optimizer_get_lr(opt),
-               f64_at(lrs, (int64_t)s));
+               lr[s]);
     assert_int_equal(ddp_optimizer_step(opt), DDP_OK);
     assert_int_equal(ddp_scheduler_step(sched), DDP_OK);
     char what[96];
