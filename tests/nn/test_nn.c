@@ -246,6 +246,45 @@ static void test_init_like_pytorch(void **state) {
   ddp_model_destroy(other);
 }
 
+/* The bound we use is PyTorch's: its own initial weights (in the fixtures,
+ * made by torch.manual_seed and reset_parameters) lie within +-1/sqrt(fan_in)
+ * and reach close to it. psnet is left out: its fc1 was rounded to bfloat16. */
+static void test_pytorch_init_has_our_bounds(void **state) {
+  (void)state;
+  const char *models[] = {"toy", "headtail", "convnet", "convnet-3"};
+  int checked = 0;
+  for (int k = 0; k < 4; k++) {
+    fixture *f = load_fixture(models[k]);
+    for (int i = 0; i < f->count; i++) {
+      const fixture_tensor *w = &f->tensors[i];
+      size_t len = strlen(w->name);
+      if (!is_state_record(w->name) || w->ndim < 2 || len < 7 ||
+          strcmp(w->name + len - 7, ".weight") != 0)
+        continue;
+      double bound = 1.0 / sqrt((double)(w->numel / w->shape[0]));
+      char bias[256];
+      snprintf(bias, sizeof bias, "%.*s.bias", (int)(len - 7), w->name);
+      const fixture_tensor *b = fixture_find(f, bias);
+      assert_non_null(b);
+      const fixture_tensor *both[2] = {w, b};
+      for (int j = 0; j < 2; j++) {
+        const float *x = both[j]->data;
+        double hi = 0;
+        for (int64_t e = 0; e < both[j]->numel; e++) hi = fmax(hi, fabs((double)x[e]));
+        if (hi > bound)
+          fail_msg("%s %s: torch's max |x| %g exceeds 1/sqrt(fan_in) = %g", models[k],
+                   both[j]->name, hi, bound);
+        if (both[j]->numel >= 100 && hi < 0.95 * bound)
+          fail_msg("%s %s: torch's max |x| %g is far below %g", models[k], both[j]->name, hi,
+                   bound);
+        checked++;
+      }
+    }
+    fixture_free(f);
+  }
+  assert_int_equal(checked, 2 * (2 + 2 + 3 + 4));
+}
+
 static void test_zero_grad(void **state) {
   (void)state;
   ddp_model *m = build("convnet", NULL, 5);
@@ -525,6 +564,7 @@ int main(void) {
       cmocka_unit_test(test_convnet_n_names),
       cmocka_unit_test(test_flat_layout),
       cmocka_unit_test(test_init_like_pytorch),
+      cmocka_unit_test(test_pytorch_init_has_our_bounds),
       cmocka_unit_test(test_zero_grad),
       cmocka_unit_test(test_clip_grad_norm),
       cmocka_unit_test(test_train_eval_and_loss_kinds),
