@@ -513,6 +513,9 @@ static void test_bad_options(void **state) {
   ddp_optimizer_destroy(opt);
   ddp_optimizer_destroy(NULL);
   ddp_scheduler_destroy(NULL);
+  assert_int_equal(ddp_optimizer_step(NULL), DDP_ERR_INVALID);
+  assert_string_equal(ddp_last_error(), "optim: step on a NULL optimizer");
+  assert_int_equal(ddp_scheduler_step(NULL), DDP_ERR_INVALID);
 }
 
 /* ---- Schedules against PyTorch's values -------------------------------------------- */
