@@ -116,7 +116,8 @@ static bool parse_convnet_n(const char *name, long *n) {
   static const char prefix[] = "convnet-";
   if (strncmp(name, prefix, sizeof prefix - 1) != 0) return false;
   const char *digits = name + sizeof prefix - 1;
-  if (*digits < '0' || *digits > '9') return false;
+  /* Canonical decimal only: "convnet-03" is not a name PyTorch users type. */
+  if (*digits < '1' || *digits > '9') return false;
   char *end;
   *n = strtol(digits, &end, 10);
   return *end == '\0';

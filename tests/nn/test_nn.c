@@ -388,6 +388,9 @@ static void test_bad_builder_arguments(void **state) {
   expect_build_error("convnet-", NULL, list);
   expect_build_error("convnet-x", NULL, list);
   expect_build_error("convnet-3x", NULL, list);
+  expect_build_error("convnet-03", NULL, list);
+  expect_build_error("convnet--3", NULL, list);
+  expect_build_error("convnet-0", NULL, list);
   expect_build_error("convnet-1", NULL, "in 2..10");
   expect_build_error("convnet-11", NULL, "in 2..10");
   expect_build_error("convnet-99999999999999999999", NULL, "in 2..10");
