@@ -576,8 +576,17 @@ static void test_steady_state_does_not_allocate(void **state) {
     assert_int_equal(ddp_dropout(tape, f, 0.5f, true, &rng, &s2), DDP_OK);
     assert_int_equal(ddp_tanh(tape, s2, &l1), DDP_OK);
     assert_int_equal(ddp_sigmoid(tape, l1, &l2), DDP_OK);
-    assert_int_equal(ddp_cross_entropy(tape, l2, target, &loss), DDP_OK);
-    assert_int_equal(ddp_backward(tape, loss), DDP_OK);
+    /* BatchNorm1d on (N, F): the per-channel scratch path. */
+    ddp_tensor *n1, *lsm, *nll, *mse, *sum1, *total;
+    assert_int_equal(ddp_batch_norm(tape, l2, NULL, NULL, NULL, NULL, NULL, true, 0.1f, 1e-5f, &n1),
+                     DDP_OK);
+    assert_int_equal(ddp_cross_entropy(tape, n1, target, &loss), DDP_OK);
+    assert_int_equal(ddp_log_softmax(tape, l2, &lsm), DDP_OK);
+    assert_int_equal(ddp_nll_loss(tape, lsm, target, &nll), DDP_OK);
+    assert_int_equal(ddp_mse_loss(tape, l1, s2, &mse), DDP_OK);
+    assert_int_equal(ddp_add(tape, loss, nll, &sum1), DDP_OK);
+    assert_int_equal(ddp_add(tape, sum1, mse, &total), DDP_OK);
+    assert_int_equal(ddp_backward(tape, total), DDP_OK);
   }
   assert_int_equal(ddp_alloc_count(), allocs);
   ddp_tape_destroy(tape);
