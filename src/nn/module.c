@@ -66,10 +66,9 @@ err:
   return ddp_error(DDP_ERR_NOMEM, "model: out of memory");
 }
 
-void ddp_model_destroy(ddp_model *model) {
-  if (!model) return;
-  module_free(model->root);
-  ddp_free(model->forward_order);
+/* Frees what ddp_model_finalize laid out and returns the model to its
+ * unfinalized state (used by destroy and by a failed finalize). */
+static void free_layout(ddp_model *model) {
   for (int i = 0; i < model->n_state; i++) ddp_free(model->state[i].name);
   ddp_free(model->state);
   ddp_free(model->params);
@@ -80,6 +79,20 @@ void ddp_model_destroy(ddp_model *model) {
   ddp_free(model->buffers);
   ddp_free(model->buffers_flat);
   ddp_free(model->counters);
+  model->state = NULL;
+  model->params = model->buffers = NULL;
+  model->param_names = NULL;
+  model->param_offsets = model->counters = NULL;
+  model->params_flat = model->grads_flat = model->buffers_flat = NULL;
+  model->n_state = model->n_params = model->n_buffers = model->n_counters = 0;
+  model->n_param_elems = model->n_buffer_elems = 0;
+}
+
+void ddp_model_destroy(ddp_model *model) {
+  if (!model) return;
+  free_layout(model);
+  module_free(model->root);
+  ddp_free(model->forward_order);
   ddp_free(model);
 }
 
@@ -457,26 +470,7 @@ ddp_status ddp_model_finalize(ddp_model *model, uint64_t seed) {
   return DDP_OK;
 
 err:
-  /* Back to the unfinalized state: nothing of the layout survives. */
-  for (int i = 0; i < model->n_state; i++) ddp_free(model->state ? model->state[i].name : NULL);
-  ddp_free(model->state);
-  ddp_free(model->params);
-  ddp_free(model->param_names);
-  ddp_free(model->param_offsets);
-  ddp_free(model->params_flat);
-  ddp_free(model->grads_flat);
-  ddp_free(model->buffers);
-  ddp_free(model->buffers_flat);
-  ddp_free(model->counters);
-  model->state = NULL;
-  model->params = NULL;
-  model->param_names = NULL;
-  model->param_offsets = NULL;
-  model->params_flat = model->grads_flat = model->buffers_flat = NULL;
-  model->buffers = NULL;
-  model->counters = NULL;
-  model->n_state = model->n_params = model->n_buffers = model->n_counters = 0;
-  model->n_param_elems = model->n_buffer_elems = 0;
+  free_layout(model);
   return s;
 }
 

@@ -12,20 +12,11 @@
 #include <string.h>
 #include <cmocka.h>
 
+#include "model_fixture.h"
 #include "support/fixture.h"
 
 static const char *const FIXTURE_MODELS[] = {"toy", "headtail", "convnet", "psnet", "convnet-3"};
 #define N_FIXTURE_MODELS (int)(sizeof FIXTURE_MODELS / sizeof FIXTURE_MODELS[0])
-
-static fixture *load_fixture(const char *model) {
-  char file[64], path[1024];
-  snprintf(file, sizeof file, "model_%s.bin", model);
-  fixture *f = NULL;
-  ddp_status s = fixture_load(fixture_path(file, path, sizeof path), &f);
-  if (s != DDP_OK) fprintf(stderr, "%s\n", ddp_last_error());
-  assert_int_equal(s, DDP_OK);
-  return f;
-}
 
 /* A fixture's state-dict records: everything but the batch, the results,
  * gradients and the after:/eval: records, in file (= state_dict) order. */

@@ -15,21 +15,12 @@
 #include <string.h>
 #include <cmocka.h>
 
+#include "model_fixture.h"
 #include "support/fixture.h"
 #include "support/gradcheck.h"
 
 #define RTOL 1e-4
 #define ATOL 1e-6
-
-static fixture *load_fixture(const char *model) {
-  char file[64], path[1024];
-  snprintf(file, sizeof file, "model_%s.bin", model);
-  fixture *f = NULL;
-  ddp_status s = fixture_load(fixture_path(file, path, sizeof path), &f);
-  if (s != DDP_OK) fprintf(stderr, "%s\n", ddp_last_error());
-  assert_int_equal(s, DDP_OK);
-  return f;
-}
 
 static const fixture_tensor *need(const fixture *f, const char *name) {
   const fixture_tensor *t = fixture_find(f, name);
