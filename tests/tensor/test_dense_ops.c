@@ -11,6 +11,7 @@
 #include <cmocka.h>
 
 #include "support/gradcheck.h"
+#include "tensor/cpu/dense.h"
 #include "tensor/tape.h"
 
 /* ---- naive references (double accumulation, direct loops) ---- */
@@ -193,6 +194,9 @@ static const conv_cfg conv_shapes[] = {
     {1, 2, 10, 7, 3, 3, 3, 3, 1, false}, /* stride 3 */
     {2, 2, 3, 3, 2, 5, 5, 1, 1, true},   /* kernel exactly fills the padded input */
     {1, 3, 4, 4, 2, 1, 1, 2, 1, true},   /* 1x1 but strided and padded: im2col */
+    {2, 3, 7, 6, 4, 3, 2, 1, 1, true},   /* non-square kernel, stride 1: flipped dx */
+    {1, 2, 4, 5, 3, 2, 2, 1, 2, true},   /* padding > kernel - 1: dx by col2im */
+    {1, 2, 5, 37, 3, 3, 3, 1, 1, true},  /* rows wider than one 16-lane vector */
 };
 
 static void make_conv_inputs(const conv_cfg *q, ddp_tensor **in, uint64_t seed, bool x_grad) {
@@ -543,6 +547,21 @@ static void test_steady_state_no_alloc(void **state) {
   for (int i = 0; i < 6; i++) ddp_tensor_destroy(p[i]);
 }
 
+/* Every test runs twice: on the CPU's fastest path (AVX-512 where the CPU
+ * has it) and on the portable OpenBLAS path. */
+static int use_fast(void **state) {
+  (void)state;
+  ddp__cpu_dense_force_generic(false);
+  if (!ddp__cpu_has_avx512()) fprintf(stderr, "SKIP fast path: this CPU has no AVX-512\n");
+  return 0;
+}
+
+static int use_generic(void **state) {
+  (void)state;
+  ddp__cpu_dense_force_generic(true);
+  return 0;
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_matmul),
@@ -556,5 +575,7 @@ int main(void) {
       cmocka_unit_test(test_no_grad_records_nothing),
       cmocka_unit_test(test_steady_state_no_alloc),
   };
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  int failed = cmocka_run_group_tests_name("fast path", tests, use_fast, NULL);
+  failed += cmocka_run_group_tests_name("generic path", tests, use_generic, NULL);
+  return failed;
 }

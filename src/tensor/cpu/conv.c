@@ -9,9 +9,12 @@
  * that memory and a trip through DRAM; rebuilding is a few stores per 50
  * flops), accumulates dW over samples with beta = 1, and forms dX through
  * dcol = W^T @ dY followed by col2im. */
+#include <immintrin.h>
 #include <string.h>
 
 #include "tensor/cpu/dense.h"
+
+#define AVX512 __attribute__((target("avx512f,fma")))
 
 /* The output columns [*lo, *hi) whose input column ow*stride - pad + kw lies
  * inside [0, w); the others read zero padding. */
@@ -82,6 +85,16 @@ static bool is_pointwise(const ddp__conv2d_geom *g) {
   return g->kh == 1 && g->kw == 1 && g->stride == 1 && g->pad == 0;
 }
 
+/* db (O) += row sums of dy (O, OH*OW). */
+static void bias_grad(float *db, const float *dy, int64_t o, int64_t ohw) {
+  for (int64_t i = 0; i < o; i++) {
+    const float *row = dy + i * ohw;
+    float sum = 0.0f;
+    for (int64_t p = 0; p < ohw; p++) sum += row[p];
+    db[i] += sum;
+  }
+}
+
 static float *scratch(ddp_arena *arena, int64_t floats, ddp_status *status) {
   float *p = ddp_arena_alloc(arena, (size_t)floats * sizeof(float));
   if (!p)
@@ -90,8 +103,8 @@ static float *scratch(ddp_arena *arena, int64_t floats, ddp_status *status) {
   return p;
 }
 
-ddp_status ddp__cpu_conv2d_forward(float *y, const float *x, const float *w, const float *b,
-                                   const ddp__conv2d_geom *g, ddp_arena *arena) {
+static ddp_status forward_generic(float *y, const float *x, const float *w, const float *b,
+                                  const ddp__conv2d_geom *g, ddp_arena *arena) {
   const int64_t k = g->c * g->kh * g->kw, ohw = g->oh * g->ow, chw = g->c * g->h * g->w;
   ddp_status status = DDP_OK;
   float *col = NULL;
@@ -112,9 +125,9 @@ ddp_status ddp__cpu_conv2d_forward(float *y, const float *x, const float *w, con
   return DDP_OK;
 }
 
-ddp_status ddp__cpu_conv2d_backward(float *dx, float *dw, float *db, const float *dy,
-                                    const float *x, const float *w, const ddp__conv2d_geom *g,
-                                    ddp_arena *arena) {
+static ddp_status backward_generic(float *dx, float *dw, float *db, const float *dy,
+                                   const float *x, const float *w, const ddp__conv2d_geom *g,
+                                   ddp_arena *arena) {
   const int64_t k = g->c * g->kh * g->kw, ohw = g->oh * g->ow, chw = g->c * g->h * g->w;
   const bool pointwise = is_pointwise(g);
   ddp_status status = DDP_OK;
@@ -124,13 +137,7 @@ ddp_status ddp__cpu_conv2d_backward(float *dx, float *dw, float *db, const float
   for (int64_t n = 0; n < g->n; n++) {
     const float *xn = x + n * chw;
     const float *dyn = dy + n * g->o * ohw; /* (O, OH*OW) */
-    if (db)
-      for (int64_t o = 0; o < g->o; o++) {
-        const float *row = dyn + o * ohw;
-        float sum = 0.0f;
-        for (int64_t i = 0; i < ohw; i++) sum += row[i];
-        db[o] += sum;
-      }
+    if (db) bias_grad(db, dyn, g->o, ohw);
     if (dw) {
       if (col) im2col(col, xn, g);
       /* dw (O, K) += dy (O, OH*OW) @ col^T (OH*OW, K) */
@@ -149,4 +156,176 @@ ddp_status ddp__cpu_conv2d_backward(float *dx, float *dw, float *db, const float
     }
   }
   return DDP_OK;
+}
+
+/* ---- AVX-512 path ------------------------------------------------------
+ * The same per-sample im2col, with the gemms done by ddp__cpu_gemm_avx512
+ * and three changes that matter at the ConvNet's shapes:
+ *   - im2col for stride 1 copies each output row with one masked load and
+ *     store per 16 columns (the padding is the masked-off lanes);
+ *   - dW^T (K, O) += col (K, OH*OW) @ dy^T (OH*OW, O) per sample, so both
+ *     gemm operands are read in place, and dW += its transpose once at the end;
+ *   - for stride 1, dX is itself a stride-1 convolution of dy with the
+ *     flipped, transposed weight (C, O, KH, KW) and padding K-1-pad: one gemm
+ *     with k = O*KH*KW that accumulates straight into dx, instead of a gemm
+ *     with k = O and a scatter-add (col2im). */
+
+/* Stride-1 im2col in two steps. pad_copy writes a sample into the interior
+ * of xp (C, H+2ph, W+2pw), whose border the caller zeroed once per call;
+ * im2col_padded then copies each output row of each tap with whole 16-lane
+ * loads and stores, no masks and no bounds tests (masked stores cost ~10
+ * cycles each on AMD). Both may run up to 15 floats past their last
+ * element: xp and col are allocated with SLACK floats to spare, and the
+ * lanes a row writes past its end land on the next row, written after it. */
+#define SLACK 16
+
+static void pad_copy(float *restrict xp, const float *restrict x, int64_t c, int64_t h,
+                     int64_t w, int64_t ph, int64_t pw) {
+  const int64_t hp = h + 2 * ph, wp = w + 2 * pw;
+  for (int64_t ci = 0; ci < c; ci++)
+    for (int64_t y = 0; y < h; y++)
+      memcpy(xp + (ci * hp + y + ph) * wp + pw, x + (ci * h + y) * w, (size_t)w * sizeof(float));
+}
+
+/* col (C*KH*KW, OH*OW) from the padded xp (C, HP, WP), stride 1. */
+AVX512 static void im2col_padded(float *restrict col, const float *restrict xp, int64_t c,
+                                 int64_t hp, int64_t wp, int64_t kh, int64_t kw, int64_t oh,
+                                 int64_t ow) {
+  for (int64_t ci = 0; ci < c; ci++)
+    for (int64_t a = 0; a < kh; a++)
+      for (int64_t b = 0; b < kw; b++) {
+        float *dst = col + ((ci * kh + a) * kw + b) * oh * ow;
+        const float *src = xp + (ci * hp + a) * wp + b;
+        for (int64_t oy = 0; oy < oh; oy++, dst += ow, src += wp)
+          for (int64_t ox = 0; ox < ow; ox += 16)
+            _mm512_storeu_ps(dst + ox, _mm512_loadu_ps(src + ox));
+      }
+}
+
+/* Scratch for one sample's column matrix (and its padded copy, stride 1). */
+typedef struct col_buf {
+  float *col, *xp;
+} col_buf;
+
+static ddp_status col_init(col_buf *cb, const ddp__conv2d_geom *g, ddp_arena *arena) {
+  ddp_status status = DDP_OK;
+  const int64_t k = g->c * g->kh * g->kw, ohw = g->oh * g->ow;
+  const int64_t padded = g->c * (g->h + 2 * g->pad) * (g->w + 2 * g->pad);
+  cb->xp = NULL;
+  if (!(cb->col = scratch(arena, k * ohw + SLACK, &status))) return status;
+  if (g->stride == 1) {
+    if (!(cb->xp = scratch(arena, padded + SLACK, &status))) return status;
+    memset(cb->xp, 0, (size_t)(padded + SLACK) * sizeof(float));
+  }
+  return DDP_OK;
+}
+
+static void col_fill(col_buf *cb, const float *x, const ddp__conv2d_geom *g) {
+  if (cb->xp) {
+    pad_copy(cb->xp, x, g->c, g->h, g->w, g->pad, g->pad);
+    im2col_padded(cb->col, cb->xp, g->c, g->h + 2 * g->pad, g->w + 2 * g->pad, g->kh, g->kw,
+                  g->oh, g->ow);
+  } else {
+    im2col(cb->col, x, g);
+  }
+}
+
+/* dst (cols, rows) = src (rows, cols)^T */
+static void transpose(float *restrict dst, const float *restrict src, int64_t rows,
+                      int64_t cols) {
+  for (int64_t i0 = 0; i0 < rows; i0 += 8)
+    for (int64_t j = 0; j < cols; j++)
+      for (int64_t i = i0; i < i0 + 8 && i < rows; i++) dst[j * rows + i] = src[i * cols + j];
+}
+
+static ddp_status forward_avx512(float *y, const float *x, const float *w, const float *b,
+                                 const ddp__conv2d_geom *g, ddp_arena *arena) {
+  const int64_t k = g->c * g->kh * g->kw, ohw = g->oh * g->ow, chw = g->c * g->h * g->w;
+  col_buf cb = {NULL, NULL};
+  if (!is_pointwise(g)) DDP_TRY(col_init(&cb, g, arena));
+  for (int64_t n = 0; n < g->n; n++) {
+    const float *xn = x + n * chw;
+    if (cb.col) col_fill(&cb, xn, g);
+    /* y_n (O, OH*OW) = b + w (O, K) @ col (K, OH*OW) */
+    ddp__cpu_gemm_avx512(g->o, ohw, k, w, k, cb.col ? cb.col : xn, ohw, y + n * g->o * ohw, ohw,
+                         b, false);
+  }
+  return DDP_OK;
+}
+
+static ddp_status backward_avx512(float *dx, float *dw, float *db, const float *dy,
+                                  const float *x, const float *w, const ddp__conv2d_geom *g,
+                                  ddp_arena *arena) {
+  const int64_t k = g->c * g->kh * g->kw, ohw = g->oh * g->ow, chw = g->c * g->h * g->w;
+  const int64_t hw = g->h * g->w, kk = g->kh * g->kw;
+  const bool pointwise = is_pointwise(g);
+  /* dX as a convolution of dy needs stride 1 and padding that leaves the
+   * flipped kernel a non-negative padding. */
+  const bool dx_as_conv = g->stride == 1 && g->pad <= g->kh - 1 && g->pad <= g->kw - 1;
+  ddp_status status = DDP_OK;
+  col_buf cb = {NULL, NULL};
+  float *dyt = NULL, *dwt = NULL, *wflip = NULL, *wt = NULL, *dcol = NULL, *dyp = NULL;
+  const int64_t dph = g->kh - 1 - g->pad, dpw = g->kw - 1 - g->pad; /* dX-as-conv padding */
+  const int64_t dy_padded = g->o * (g->oh + 2 * dph) * (g->ow + 2 * dpw);
+  if (dw) {
+    if (!pointwise) DDP_TRY(col_init(&cb, g, arena));
+    if (!(dyt = scratch(arena, ohw * g->o, &status))) return status;
+    if (!(dwt = scratch(arena, k * g->o, &status))) return status;
+    memset(dwt, 0, (size_t)(k * g->o) * sizeof(float));
+  }
+  if (dx && dx_as_conv) {
+    /* wflip (C, O, KH, KW)[c][o][a][b] = w (O, C, KH, KW)[o][c][KH-1-a][KW-1-b] */
+    if (!(wflip = scratch(arena, g->c * g->o * kk, &status))) return status;
+    if (!(dcol = scratch(arena, g->o * kk * hw + SLACK, &status))) return status;
+    if (!(dyp = scratch(arena, dy_padded + SLACK, &status))) return status;
+    memset(dyp, 0, (size_t)(dy_padded + SLACK) * sizeof(float));
+    for (int64_t c = 0; c < g->c; c++)
+      for (int64_t o = 0; o < g->o; o++)
+        for (int64_t t = 0; t < kk; t++)
+          wflip[(c * g->o + o) * kk + t] = w[(o * g->c + c) * kk + (kk - 1 - t)];
+  } else if (dx) {
+    if (!(wt = scratch(arena, k * g->o, &status))) return status;
+    if (!(dcol = scratch(arena, k * ohw, &status))) return status;
+    transpose(wt, w, g->o, k);
+  }
+  for (int64_t n = 0; n < g->n; n++) {
+    const float *xn = x + n * chw;
+    const float *dyn = dy + n * g->o * ohw; /* (O, OH*OW) */
+    if (db) bias_grad(db, dyn, g->o, ohw);
+    if (dw) {
+      if (cb.col) col_fill(&cb, xn, g);
+      transpose(dyt, dyn, g->o, ohw);
+      /* dwt (K, O) += col (K, OH*OW) @ dy^T (OH*OW, O) */
+      ddp__cpu_gemm_avx512(k, g->o, ohw, cb.col ? cb.col : xn, ohw, dyt, g->o, dwt, g->o, NULL,
+                           true);
+    }
+    if (dx && dx_as_conv) {
+      /* dx_n (C, H*W) += wflip (C, O*KH*KW) @ im2col(dy_n, padding K-1-pad) */
+      pad_copy(dyp, dyn, g->o, g->oh, g->ow, dph, dpw);
+      im2col_padded(dcol, dyp, g->o, g->oh + 2 * dph, g->ow + 2 * dpw, g->kh, g->kw, g->h, g->w);
+      ddp__cpu_gemm_avx512(g->c, hw, g->o * kk, wflip, g->o * kk, dcol, hw, dx + n * chw, hw,
+                           NULL, true);
+    } else if (dx) {
+      /* dcol (K, OH*OW) = w^T (K, O) @ dy (O, OH*OW), then scatter-add */
+      ddp__cpu_gemm_avx512(k, ohw, g->o, wt, g->o, dyn, ohw, dcol, ohw, NULL, false);
+      col2im_add(dx + n * chw, dcol, g);
+    }
+  }
+  if (dw)
+    for (int64_t o = 0; o < g->o; o++)
+      for (int64_t t = 0; t < k; t++) dw[o * k + t] += dwt[t * g->o + o];
+  return DDP_OK;
+}
+
+ddp_status ddp__cpu_conv2d_forward(float *y, const float *x, const float *w, const float *b,
+                                   const ddp__conv2d_geom *g, ddp_arena *arena) {
+  if (ddp__cpu_has_avx512()) return forward_avx512(y, x, w, b, g, arena);
+  return forward_generic(y, x, w, b, g, arena);
+}
+
+ddp_status ddp__cpu_conv2d_backward(float *dx, float *dw, float *db, const float *dy,
+                                    const float *x, const float *w, const ddp__conv2d_geom *g,
+                                    ddp_arena *arena) {
+  if (ddp__cpu_has_avx512()) return backward_avx512(dx, dw, db, dy, x, w, g, arena);
+  return backward_generic(dx, dw, db, dy, x, w, g, arena);
 }

@@ -20,4 +20,16 @@ void ddp__cpu_max_pool2d_forward(float *y, int32_t *argmax, const float *x, int6
 void ddp__cpu_max_pool2d_backward(float *dx, const float *dy, const int32_t *argmax,
                                   int64_t planes, int64_t h, int64_t w, int64_t oh, int64_t ow);
 
+
+/* AVX-512 paths (cpu/gemm.c). ddp__cpu_has_avx512 is true when the CPU has
+ * AVX-512F and the generic path has not been forced (tests run both). */
+bool ddp__cpu_has_avx512(void);
+void ddp__cpu_dense_force_generic(bool generic);
+/* c (m, n) = init + a (m, k) @ b (k, n), row strides lda, ldb, ldc; init is
+ * c itself when accumulate, else row_bias[i] along row i, else 0. Only call
+ * when ddp__cpu_has_avx512(). */
+void ddp__cpu_gemm_avx512(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
+                          const float *b, int64_t ldb, float *c, int64_t ldc,
+                          const float *row_bias, bool accumulate);
+
 #endif
