@@ -9,6 +9,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <cmocka.h>
 
@@ -482,6 +483,45 @@ static void test_custom_model_errors(void **state) {
   ddp_model_destroy(NULL);
 }
 
+/* Allocation failures: the Nth allocation fails, for every N a build makes.
+ * Each must give DDP_ERR_NOMEM, *out NULL and no leak (ASan checks that). */
+static int64_t fail_at, n_allocs;
+static void *failing_alloc(size_t bytes, void *user) {
+  (void)user;
+  if (n_allocs++ == fail_at) return NULL;
+  return aligned_alloc(64, (bytes + 63) / 64 * 64);
+}
+static void plain_free(void *p, void *user) {
+  (void)user;
+  free(p);
+}
+
+static void test_build_survives_allocation_failures(void **state) {
+  (void)state;
+  const char *names[] = {"convnet", "convnet-3"};
+  ddp_alloc_hooks hooks = {failing_alloc, plain_free, NULL};
+  for (int k = 0; k < 2; k++) {
+    int failures = 0;
+    for (fail_at = 0;; fail_at++) {
+      n_allocs = 0;
+      ddp_model *m = (ddp_model *)&m;
+      ddp_set_alloc_hooks(&hooks);
+      ddp_status s = ddp_model_build(names[k], NULL, 1, &m);
+      ddp_set_alloc_hooks(NULL);
+      if (s == DDP_OK) {
+        ddp_set_alloc_hooks(&hooks); /* freed through the hooks that allocated it */
+        ddp_model_destroy(m);
+        ddp_set_alloc_hooks(NULL);
+        break;
+      }
+      assert_int_equal(s, DDP_ERR_NOMEM);
+      assert_null(m);
+      failures++;
+    }
+    assert_true(failures > 10);
+  }
+}
+
 /* Builds a fixture image in memory: one float32 record "w" of shape (2). */
 static size_t tiny_fixture(unsigned char *b) {
   size_t n = 0;
@@ -564,6 +604,7 @@ int main(void) {
       cmocka_unit_test(test_train_eval_and_loss_kinds),
       cmocka_unit_test(test_bad_builder_arguments),
       cmocka_unit_test(test_custom_model_errors),
+      cmocka_unit_test(test_build_survives_allocation_failures),
       cmocka_unit_test(test_fixture_reader_validates),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
