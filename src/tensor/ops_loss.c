@@ -103,11 +103,6 @@ static ddp_status check_classification(const char *op, const char *scores_name,
   return DDP_OK;
 }
 
-static ddp_status target_range_error(const char *op, int64_t sample, int64_t value, int64_t C) {
-  return ddp_error(DDP_ERR_RANGE, "%s: target[%lld] = %lld is out of range for %lld classes",
-                   op, (long long)sample, (long long)value, (long long)C);
-}
-
 static ddp_status nll_loss_backward(ddp_tape *tape, ddp__node *node) {
   ddp_tensor *logp = node->in[0], *target = node->in[1];
   ddp_status s = DDP_OK;
@@ -117,23 +112,6 @@ static ddp_status nll_loss_backward(ddp_tape *tape, ddp__node *node) {
         ->pointwise->nll_loss_backward(dlogp, node->out->grad, target->data, logp->shape[0],
                                        logp->shape[1]);
   return s;
-}
-
-ddp_status ddp_nll_loss(ddp_tape *tape, ddp_tensor *log_probs, ddp_tensor *target,
-                        ddp_tensor **out) {
-  const ddp__kernels *k;
-  DDP_TRY(check_classification("nll_loss", "log_probs", tape, log_probs, target, out, &k));
-  int64_t N = log_probs->shape[0], C = log_probs->shape[1];
-  ddp_tensor *y;
-  DDP_TRY(ddp__tape_output(tape, "nll_loss", DDP_FLOAT32, 0, log_probs->shape, &y));
-  int64_t bad_value = 0;
-  int64_t bad = k->pointwise->nll_loss(y->data, log_probs->data, target->data, N, C, &bad_value);
-  if (bad >= 0) return target_range_error("nll_loss", bad, bad_value, C);
-  ddp_tensor *in[2] = {log_probs, target};
-  if (ddp__tape_wants_grad(tape, 1, in))
-    DDP_TRY(ddp__tape_record(tape, "nll_loss", nll_loss_backward, y, 2, in, NULL));
-  *out = y;
-  return DDP_OK;
 }
 
 static ddp_status cross_entropy_backward(ddp_tape *tape, ddp__node *node) {
@@ -147,25 +125,47 @@ static ddp_status cross_entropy_backward(ddp_tape *tape, ddp__node *node) {
   return s;
 }
 
-ddp_status ddp_cross_entropy(ddp_tape *tape, ddp_tensor *logits, ddp_tensor *target,
-                             ddp_tensor **out) {
+/* nll_loss (fused false) and cross_entropy (fused true): one validation, one
+ * output, and for the fused loss the per-row statistics backward needs. */
+static ddp_status classification_loss(ddp_tape *tape, bool fused, ddp_tensor *scores,
+                                      ddp_tensor *target, ddp_tensor **out) {
+  const char *op = fused ? "cross_entropy" : "nll_loss";
   const ddp__kernels *k;
-  DDP_TRY(check_classification("cross_entropy", "logits", tape, logits, target, out, &k));
-  int64_t N = logits->shape[0], C = logits->shape[1];
+  DDP_TRY(check_classification(op, fused ? "logits" : "log_probs", tape, scores, target, out,
+                               &k));
+  int64_t N = scores->shape[0], C = scores->shape[1];
   ddp_tensor *y;
-  DDP_TRY(ddp__tape_output(tape, "cross_entropy", DDP_FLOAT32, 0, logits->shape, &y));
-  /* (N, 2): each row's max and log sum exp(x - max), all backward needs. */
-  float *stats = ddp_tape_scratch(tape, (size_t)N * 2 * sizeof(float));
-  if (!stats)
-    return ddp_error(DDP_ERR_NOMEM, "cross_entropy: cannot allocate %lld floats of scratch",
-                     (long long)N * 2);
-  int64_t bad_value = 0;
-  int64_t bad =
-      k->pointwise->cross_entropy(y->data, stats, logits->data, target->data, N, C, &bad_value);
-  if (bad >= 0) return target_range_error("cross_entropy", bad, bad_value, C);
-  ddp_tensor *in[2] = {logits, target};
+  DDP_TRY(ddp__tape_output(tape, op, DDP_FLOAT32, 0, scores->shape, &y));
+  float *stats = NULL;
+  int64_t bad, bad_value = 0;
+  if (fused) {
+    /* (N, 2): each row's max and log sum exp(x - max), all backward needs. */
+    stats = ddp_tape_scratch(tape, (size_t)N * 2 * sizeof(float));
+    if (!stats)
+      return ddp_error(DDP_ERR_NOMEM, "%s: cannot allocate %lld floats of scratch", op,
+                       (long long)N * 2);
+    bad = k->pointwise->cross_entropy(y->data, stats, scores->data, target->data, N, C,
+                                      &bad_value);
+  } else {
+    bad = k->pointwise->nll_loss(y->data, scores->data, target->data, N, C, &bad_value);
+  }
+  if (bad >= 0)
+    return ddp_error(DDP_ERR_RANGE, "%s: target[%lld] = %lld is out of range for %lld classes",
+                     op, (long long)bad, (long long)bad_value, (long long)C);
+  ddp_tensor *in[2] = {scores, target};
   if (ddp__tape_wants_grad(tape, 1, in))
-    DDP_TRY(ddp__tape_record(tape, "cross_entropy", cross_entropy_backward, y, 2, in, stats));
+    DDP_TRY(ddp__tape_record(tape, op, fused ? cross_entropy_backward : nll_loss_backward, y, 2,
+                             in, stats));
   *out = y;
   return DDP_OK;
+}
+
+ddp_status ddp_nll_loss(ddp_tape *tape, ddp_tensor *log_probs, ddp_tensor *target,
+                        ddp_tensor **out) {
+  return classification_loss(tape, false, log_probs, target, out);
+}
+
+ddp_status ddp_cross_entropy(ddp_tape *tape, ddp_tensor *logits, ddp_tensor *target,
+                             ddp_tensor **out) {
+  return classification_loss(tape, true, logits, target, out);
 }

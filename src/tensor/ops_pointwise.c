@@ -40,37 +40,36 @@ static ddp_status tanh_backward(ddp_tape *tape, ddp__node *node) {
                              ddp__kernels_for(node->out->device)->pointwise->tanh_backward);
 }
 
-ddp_status ddp_relu(ddp_tape *tape, ddp_tensor *x, ddp_tensor **out) {
+typedef enum activation { ACT_RELU, ACT_SIGMOID, ACT_TANH } activation;
+
+static ddp_status activation_forward(ddp_tape *tape, activation act, ddp_tensor *x,
+                                     ddp_tensor **out) {
+  static const char *const names[] = {"relu", "sigmoid", "tanh"};
+  static const ddp__backward_fn backwards[] = {relu_backward, sigmoid_backward, tanh_backward};
+  const char *op = names[act];
   const ddp__kernels *k;
   ddp_tensor *y;
-  DDP_TRY(unary_begin(tape, "relu", x, out, &k, &y));
-  k->pointwise->relu(y->data, x->data, x->numel);
+  DDP_TRY(unary_begin(tape, op, x, out, &k, &y));
+  const ddp__pointwise_kernels *pw = k->pointwise;
+  void (*kernel)(float *, const float *, int64_t) =
+      act == ACT_RELU ? pw->relu : act == ACT_SIGMOID ? pw->sigmoid : pw->tanh;
+  kernel(y->data, x->data, x->numel);
   if (ddp__tape_wants_grad(tape, 1, &x))
-    DDP_TRY(ddp__tape_record(tape, "relu", relu_backward, y, 1, &x, NULL));
+    DDP_TRY(ddp__tape_record(tape, op, backwards[act], y, 1, &x, NULL));
   *out = y;
   return DDP_OK;
+}
+
+ddp_status ddp_relu(ddp_tape *tape, ddp_tensor *x, ddp_tensor **out) {
+  return activation_forward(tape, ACT_RELU, x, out);
 }
 
 ddp_status ddp_sigmoid(ddp_tape *tape, ddp_tensor *x, ddp_tensor **out) {
-  const ddp__kernels *k;
-  ddp_tensor *y;
-  DDP_TRY(unary_begin(tape, "sigmoid", x, out, &k, &y));
-  k->pointwise->sigmoid(y->data, x->data, x->numel);
-  if (ddp__tape_wants_grad(tape, 1, &x))
-    DDP_TRY(ddp__tape_record(tape, "sigmoid", sigmoid_backward, y, 1, &x, NULL));
-  *out = y;
-  return DDP_OK;
+  return activation_forward(tape, ACT_SIGMOID, x, out);
 }
 
 ddp_status ddp_tanh(ddp_tape *tape, ddp_tensor *x, ddp_tensor **out) {
-  const ddp__kernels *k;
-  ddp_tensor *y;
-  DDP_TRY(unary_begin(tape, "tanh", x, out, &k, &y));
-  k->pointwise->tanh(y->data, x->data, x->numel);
-  if (ddp__tape_wants_grad(tape, 1, &x))
-    DDP_TRY(ddp__tape_record(tape, "tanh", tanh_backward, y, 1, &x, NULL));
-  *out = y;
-  return DDP_OK;
+  return activation_forward(tape, ACT_TANH, x, out);
 }
 
 /* ---- dropout ----

@@ -438,18 +438,24 @@ static void cpu_mse_loss_backward(float *restrict dinput, float *restrict dtarge
     for (int64_t i = 0; i < n; i++) dtarget[i] -= k * (input[i] - target[i]);
 }
 
+/* The first sample whose target is outside [0, C), or -1. */
+static int64_t first_bad_target(const int64_t *restrict target, int64_t N, int64_t C,
+                                int64_t *bad_target) {
+  for (int64_t i = 0; i < N; i++)
+    if (target[i] < 0 || target[i] >= C) {
+      *bad_target = target[i];
+      return i;
+    }
+  return -1;
+}
+
 static int64_t cpu_nll_loss(float *loss, const float *restrict logp,
                             const int64_t *restrict target, int64_t N, int64_t C,
                             int64_t *bad_target) {
+  int64_t bad = first_bad_target(target, N, C, bad_target);
+  if (bad >= 0) return bad;
   double s = 0;
-  for (int64_t i = 0; i < N; i++) {
-    int64_t t = target[i];
-    if (t < 0 || t >= C) {
-      *bad_target = t;
-      return i;
-    }
-    s += logp[i * C + t];
-  }
+  for (int64_t i = 0; i < N; i++) s += logp[i * C + target[i]];
   *loss = (float)(-s / (double)N);
   return -1;
 }
@@ -463,16 +469,13 @@ static void cpu_nll_loss_backward(float *restrict dlogp, const float *dloss,
 static int64_t cpu_cross_entropy(float *loss, float *restrict stats, const float *restrict logits,
                                  const int64_t *restrict target, int64_t N, int64_t C,
                                  int64_t *bad_target) {
+  int64_t bad = first_bad_target(target, N, C, bad_target);
+  if (bad >= 0) return bad;
   double s = 0;
   for (int64_t i = 0; i < N; i++) {
-    int64_t t = target[i];
-    if (t < 0 || t >= C) {
-      *bad_target = t;
-      return i;
-    }
     const float *xr = logits + i * C;
     row_softmax_stats(xr, C, &stats[2 * i], &stats[2 * i + 1]);
-    s += (double)stats[2 * i + 1] - (xr[t] - stats[2 * i]);
+    s += (double)stats[2 * i + 1] - (xr[target[i]] - stats[2 * i]);
   }
   *loss = (float)(s / (double)N);
   return -1;
