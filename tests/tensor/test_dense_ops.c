@@ -2,6 +2,7 @@
  * in double, backward against central finite differences and against naive
  * backward loops at the ConvNet's shapes, error codes and messages, and no
  * allocation in a steady-state step. */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -341,7 +342,7 @@ static void test_max_pool2d(void **state) {
       {{2, 3, 6, 6}, 4, {2, 2}},  {{2, 3, 7, 5}, 4, {2, 2}}, /* floor mode drops the edge */
       {{1, 2, 7, 7}, 4, {3, 2}},  {{1, 2, 5, 6}, 4, {3, 1}}, /* overlapping windows */
       {{3, 6, 5}, 3, {2, 0}},                                 /* 3-D, stride 0 = kernel */
-      {{1, 1, 4, 4}, 4, {4, 4}},
+      {{1, 1, 4, 4}, 4, {4, 4}},  {{1, 2, 6, 41}, 4, {2, 2}}, /* rows of 20 outputs */
   };
   for (size_t t = 0; t < sizeof cases / sizeof *cases; t++) {
     ddp_tensor *x = distinct_tensor(cases[t].ndim, cases[t].shape, 400 + t);
@@ -394,6 +395,17 @@ static void test_max_pool2d_ties(void **state) {
   assert_int_equal(ddp__backward_from(tape, y, seed9), DDP_OK);
   /* windows whose max is 5 at (2,2): (1,1),(1,2),(2,1),(2,2) -> 4 */
   assert_true(x.grad[10] == 4.0f);
+  ddp_tensor_free_grad(&x);
+  /* A NaN wins its window and takes the gradient, as in PyTorch. */
+  ddp_tape_reset(tape);
+  float nan_data[16] = {1, NAN, 0, 2, 5, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0};
+  assert_int_equal(ddp_tensor_wrap(&x, DDP_FLOAT32, 4, shape, nan_data), DDP_OK);
+  x.flags |= DDP_TENSOR_REQUIRES_GRAD;
+  assert_int_equal(ddp_max_pool2d(tape, &x, 2, 2, &y), DDP_OK);
+  assert_true(isnan(((float *)y->data)[0]));
+  assert_true(((float *)y->data)[1] == 2.0f);
+  assert_int_equal(ddp__backward_from(tape, y, seed), DDP_OK);
+  assert_true(x.grad[1] == 1.0f && x.grad[4] == 0.0f && x.grad[3] == 2.0f);
   ddp_tensor_free_grad(&x);
   ddp_tape_destroy(tape);
 }

@@ -1,31 +1,96 @@
 /* CPU max pooling (no padding, floor mode) and its backward. The comparison
  * is PyTorch's CPU one, `v > max || isnan(v)`: the first maximum in
  * row-major window order wins a tie, and a NaN propagates. */
+#include <immintrin.h>
 #include <math.h>
 
 #include "tensor/cpu/dense.h"
 
-/* kernel 2, stride 2: the ConvNet's pooling, unrolled. */
+/* kernel 2, stride 2 with AVX-512: 16 outputs at a time. Each pair of input
+ * rows is loaded as 32 floats and split into even and odd columns; the four
+ * candidates are compared in window order with the same rule, so results
+ * and argmax equal the scalar loop's. Rows shorter than 16 outputs use
+ * masked loads and stores (slow on AMD, but once per row). */
+__attribute__((target("avx512f"))) static void
+pool2x2_avx512(float *restrict y, int32_t *restrict argmax, const float *restrict x,
+               int64_t planes, int64_t h, int64_t w, int64_t oh, int64_t ow) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512i lane2 = _mm512_slli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                            11, 12, 13, 14, 15), 1);
+  for (int64_t p = 0; p < planes; p++) {
+    const float *xp = x + p * h * w;
+    for (int64_t i = 0; i < oh; i++) {
+      const float *r0 = xp + 2 * i * w, *r1 = r0 + w;
+      float *yr = y + (p * oh + i) * ow;
+      int32_t *ar = argmax ? argmax + (p * oh + i) * ow : NULL;
+      for (int64_t j = 0; j < ow; j += 16) {
+        const int64_t n = ow - j < 16 ? ow - j : 16; /* outputs in this step */
+        const __mmask16 out = (__mmask16)((1u << n) - 1);
+        /* inputs 2j .. 2j+2n: first vector min(16, 2n) lanes, second the rest */
+        const __mmask16 lo = 2 * n >= 16 ? 0xffff : (__mmask16)((1u << (2 * n)) - 1);
+        const __mmask16 hi = 2 * n > 16 ? (__mmask16)((1u << (2 * n - 16)) - 1) : 0;
+        const __m512 a0 = _mm512_maskz_loadu_ps(lo, r0 + 2 * j);
+        const __m512 a1 = _mm512_maskz_loadu_ps(hi, r0 + 2 * j + 16);
+        const __m512 b0 = _mm512_maskz_loadu_ps(lo, r1 + 2 * j);
+        const __m512 b1 = _mm512_maskz_loadu_ps(hi, r1 + 2 * j + 16);
+        __m512 m = _mm512_permutex2var_ps(a0, even, a1);
+        const __m512 v1 = _mm512_permutex2var_ps(a0, odd, a1);
+        const __m512 v2 = _mm512_permutex2var_ps(b0, even, b1);
+        const __m512 v3 = _mm512_permutex2var_ps(b0, odd, b1);
+        const __m512i base = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(2 * i * w + 2 * j)), lane2);
+        __m512i at = base;
+        __mmask16 t = _mm512_cmp_ps_mask(v1, m, _CMP_GT_OQ) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q);
+        m = _mm512_mask_mov_ps(m, t, v1);
+        at = _mm512_mask_mov_epi32(at, t, _mm512_add_epi32(base, _mm512_set1_epi32(1)));
+        t = _mm512_cmp_ps_mask(v2, m, _CMP_GT_OQ) | _mm512_cmp_ps_mask(v2, v2, _CMP_UNORD_Q);
+        m = _mm512_mask_mov_ps(m, t, v2);
+        at = _mm512_mask_mov_epi32(at, t, _mm512_add_epi32(base, _mm512_set1_epi32((int32_t)w)));
+        t = _mm512_cmp_ps_mask(v3, m, _CMP_GT_OQ) | _mm512_cmp_ps_mask(v3, v3, _CMP_UNORD_Q);
+        m = _mm512_mask_mov_ps(m, t, v3);
+        at = _mm512_mask_mov_epi32(at, t, _mm512_add_epi32(base, _mm512_set1_epi32((int32_t)w + 1)));
+        if (n == 16) {
+          _mm512_storeu_ps(yr + j, m);
+          if (ar) _mm512_storeu_si512(ar + j, at);
+        } else {
+          _mm512_mask_storeu_ps(yr + j, out, m);
+          if (ar) _mm512_mask_storeu_epi32(ar + j, out, at);
+        }
+      }
+    }
+  }
+}
+
+/* kernel 2, stride 2, portable: branchless selects (random data makes the
+ * branches of the generic loop mispredict about every other time). Starting
+ * from the window's first element equals starting from -inf under the rule. */
 static void pool2x2(float *restrict y, int32_t *restrict argmax, const float *restrict x,
                     int64_t planes, int64_t h, int64_t w, int64_t oh, int64_t ow) {
   for (int64_t p = 0; p < planes; p++) {
     const float *xp = x + p * h * w;
-    float *yp = y + p * oh * ow;
-    int32_t *ap = argmax ? argmax + p * oh * ow : NULL;
     for (int64_t i = 0; i < oh; i++) {
       const float *r0 = xp + 2 * i * w, *r1 = r0 + w;
+      float *yr = y + (p * oh + i) * ow;
+      int32_t *ar = argmax ? argmax + (p * oh + i) * ow : NULL;
       for (int64_t j = 0; j < ow; j++) {
-        float m = -INFINITY, v = r0[2 * j];
-        int32_t at = (int32_t)(2 * i * w + 2 * j);
-        if (v > m || isnan(v)) m = v;
+        const int32_t base = (int32_t)(2 * i * w + 2 * j);
+        float m = r0[2 * j], v;
+        int32_t at = base;
+        bool t;
         v = r0[2 * j + 1];
-        if (v > m || isnan(v)) { m = v; at = (int32_t)(2 * i * w + 2 * j + 1); }
+        t = v > m || v != v;
+        m = t ? v : m;
+        at = t ? base + 1 : at;
         v = r1[2 * j];
-        if (v > m || isnan(v)) { m = v; at = (int32_t)((2 * i + 1) * w + 2 * j); }
+        t = v > m || v != v;
+        m = t ? v : m;
+        at = t ? base + (int32_t)w : at;
         v = r1[2 * j + 1];
-        if (v > m || isnan(v)) { m = v; at = (int32_t)((2 * i + 1) * w + 2 * j + 1); }
-        yp[i * ow + j] = m;
-        if (ap) ap[i * ow + j] = at;
+        t = v > m || v != v;
+        m = t ? v : m;
+        at = t ? base + (int32_t)w + 1 : at;
+        yr[j] = m;
+        if (ar) ar[j] = at;
       }
     }
   }
@@ -35,7 +100,10 @@ void ddp__cpu_max_pool2d_forward(float *y, int32_t *argmax, const float *x, int6
                                  int64_t h, int64_t w, int64_t kernel, int64_t stride,
                                  int64_t oh, int64_t ow) {
   if (kernel == 2 && stride == 2) {
-    pool2x2(y, argmax, x, planes, h, w, oh, ow);
+    if (ddp__cpu_has_avx512())
+      pool2x2_avx512(y, argmax, x, planes, h, w, oh, ow);
+    else
+      pool2x2(y, argmax, x, planes, h, w, oh, ow);
     return;
   }
   for (int64_t p = 0; p < planes; p++) {
