@@ -478,6 +478,24 @@ static void test_batch_norm_1d_columns(void **state) {
     assert_true(fabs(s / 37) < 1e-6);
     assert_true(fabs(ss / 37 - 1.0) < 1e-5);
   }
+  /* Columns near 1000 with spread ~3: with momentum 1 the running stats are
+   * the batch mean and the unbiased variance, checked against double. */
+  ddp_tensor *xo = gradcheck_random(2, shape, 995, 1007, 62, false);
+  int64_t cs[1] = {21};
+  ddp_tensor *rm = gradcheck_random(1, cs, 0, 0, 63, false);
+  ddp_tensor *rv = gradcheck_random(1, cs, 1, 1, 64, false);
+  assert_int_equal(ddp_batch_norm(tape, xo, NULL, NULL, rm, rv, NULL, true, 1.0f, 1e-5f, &y),
+                   DDP_OK);
+  for (int c = 0; c < 21; c++) {
+    double s = 0, ss = 0;
+    for (int n = 0; n < 37; n++) s += ddp_tensor_f32(xo)[n * 21 + c];
+    for (int n = 0; n < 37; n++) ss += pow(ddp_tensor_f32(xo)[n * 21 + c] - s / 37, 2);
+    assert_true(fabs(ddp_tensor_f32(rm)[c] - s / 37) < 1e-7 * (s / 37));
+    assert_true(fabs(ddp_tensor_f32(rv)[c] - ss / 36) < 1e-6 * (ss / 36));
+  }
+  ddp_tensor_destroy(xo);
+  ddp_tensor_destroy(rm);
+  ddp_tensor_destroy(rv);
   ddp_tape_destroy(tape);
   ddp_tensor_destroy(x);
 }

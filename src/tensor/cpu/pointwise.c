@@ -178,24 +178,26 @@ static ddp_status cpu_batch_norm_stats(float *restrict mean, float *restrict inv
     if (!s) return ddp_error(DDP_ERR_NOMEM, "batch_norm: no scratch for %lld channels",
                              (long long)C);
     double *s1 = s, *s2 = s + C;
-    /* Two passes: the mean, then squared deviations from it (no cancellation). */
+    /* One pass of sums shifted by the first row, in double: with the shift
+     * a sample of the channel, var = E[d^2] - E[d]^2 loses nothing that
+     * matters in double precision. */
+    const float *shift = x;
     for (int64_t c = 0; c < C; c++) s1[c] = 0, s2[c] = 0;
     for (int64_t n = 0; n < N; n++) {
       const float *row = x + n * C;
-      for (int64_t c = 0; c < C; c++) s1[c] += row[c];
-    }
-    for (int64_t c = 0; c < C; c++) mean[c] = (float)(s1[c] / (double)count);
-    for (int64_t n = 0; n < N; n++) {
-      const float *row = x + n * C;
       for (int64_t c = 0; c < C; c++) {
-        float d = row[c] - mean[c];
+        double d = (double)row[c] - shift[c];
+        s1[c] += d;
         s2[c] += d * d;
       }
     }
     for (int64_t c = 0; c < C; c++) {
-      double var = s2[c] / (double)count;
+      double m = s1[c] / (double)count;
+      double var = s2[c] / (double)count - m * m;
+      var = var > 0 ? var : 0;
+      mean[c] = (float)(shift[c] + m);
       invstd[c] = (float)(1.0 / sqrt(var + eps));
-      running_update(running_mean, running_var, c, s1[c] / (double)count, var, count, momentum);
+      running_update(running_mean, running_var, c, shift[c] + m, var, count, momentum);
     }
     return DDP_OK;
   }
