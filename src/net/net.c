@@ -1,0 +1,286 @@
+/* Socket helpers: resolve, listen, connect with a deadline, full reads and
+ * writes with deadlines, address formatting. See net.h for the contracts. */
+#include "net/net.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+char *ddp__net_format_addr(const struct sockaddr *addr, socklen_t addr_len, char *buf,
+                           size_t buf_bytes) {
+  char host[INET6_ADDRSTRLEN] = "?";
+  uint16_t port = 0;
+  (void)addr_len;
+  if (addr->sa_family == AF_INET) {
+    const struct sockaddr_in *in = (const struct sockaddr_in *)addr;
+    inet_ntop(AF_INET, &in->sin_addr, host, sizeof host);
+    port = ntohs(in->sin_port);
+    snprintf(buf, buf_bytes, "%s:%u", host, port);
+  } else if (addr->sa_family == AF_INET6) {
+    const struct sockaddr_in6 *in6 = (const struct sockaddr_in6 *)addr;
+    inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof host);
+    port = ntohs(in6->sin6_port);
+    snprintf(buf, buf_bytes, "[%s]:%u", host, port);
+  } else {
+    snprintf(buf, buf_bytes, "(address family %d)", addr->sa_family);
+  }
+  return buf;
+}
+
+char *ddp__net_format_host_port(const char *host, uint16_t port, char *buf, size_t buf_bytes) {
+  if (strchr(host, ':'))
+    snprintf(buf, buf_bytes, "[%s]:%u", host, port);
+  else
+    snprintf(buf, buf_bytes, "%s:%u", host, port);
+  return buf;
+}
+
+int64_t ddp__net_deadline_after_ms(int64_t ms) {
+  if (ms < 0) return -1;
+  return ddp_time_ns() + ms * 1000000LL;
+}
+
+/* Milliseconds left until deadline for poll(): -1 = forever, 0 = passed. */
+static int poll_ms_left(int64_t deadline_ns) {
+  if (deadline_ns < 0) return -1;
+  int64_t left = deadline_ns - ddp_time_ns();
+  if (left <= 0) return 0;
+  int64_t ms = (left + 999999) / 1000000;
+  return ms > 1000000000 ? 1000000000 : (int)ms;
+}
+
+static ddp_status resolve(const char *host, uint16_t port, int passive, struct addrinfo **res) {
+  struct addrinfo hints;
+  memset(&hints, 0, sizeof hints);
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = passive ? AI_PASSIVE : AI_ADDRCONFIG;
+  if (!passive && host && (!strcmp(host, "127.0.0.1") || !strcmp(host, "::1")))
+    hints.ai_flags = 0; /* AI_ADDRCONFIG hides loopback-only machines' addresses */
+  char port_text[8];
+  snprintf(port_text, sizeof port_text, "%u", port);
+  int rc = getaddrinfo(host, port_text, &hints, res);
+  if (rc == EAI_ADDRFAMILY || (rc == EAI_NONAME && hints.ai_flags == AI_ADDRCONFIG)) {
+    hints.ai_flags = 0;
+    rc = getaddrinfo(host, port_text, &hints, res);
+  }
+  if (rc != 0) {
+    char where[DDP_NET_ADDR_BYTES];
+    return ddp_error(DDP_ERR_CLOSED, "cannot resolve %s: %s",
+                     ddp__net_format_host_port(host ? host : "", port, where, sizeof where),
+                     rc == EAI_SYSTEM ? strerror(errno) : gai_strerror(rc));
+  }
+  return DDP_OK;
+}
+
+ddp_status ddp__net_listen(const char *bind_addr, uint16_t port, int backlog, int *fd_out) {
+  *fd_out = -1;
+  if (!bind_addr || !*bind_addr) bind_addr = "0.0.0.0";
+  char where[DDP_NET_ADDR_BYTES];
+  ddp__net_format_host_port(bind_addr, port, where, sizeof where);
+  struct addrinfo *res = NULL;
+  ddp_status st = resolve(bind_addr, port, 1, &res);
+  if (st != DDP_OK) return ddp_error_wrap(DDP_ERR_INVALID, "cannot listen on %s", where);
+  int fd = -1, err = 0;
+  for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
+    fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol);
+    if (fd < 0) {
+      err = errno;
+      continue;
+    }
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, backlog) == 0) break;
+    err = errno;
+    close(fd);
+    fd = -1;
+  }
+  freeaddrinfo(res);
+  if (fd < 0) {
+    if (err == EADDRINUSE)
+      return ddp_error(DDP_ERR_ADDRINUSE,
+                       "cannot listen on %s: address already in use (another job or a stale "
+                       "process holds it; choose another MASTER_PORT or stop it)",
+                       where);
+    if (err == EADDRNOTAVAIL)
+      return ddp_error(DDP_ERR_INVALID,
+                       "cannot listen on %s: address not available (it is not an address of "
+                       "this machine)",
+                       where);
+    return ddp_error(err == EACCES ? DDP_ERR_INVALID : DDP_ERR_SYS, "cannot listen on %s: %s",
+                     where, strerror(err));
+  }
+  *fd_out = fd;
+  return DDP_OK;
+}
+
+uint16_t ddp__net_local_port(int fd) {
+  struct sockaddr_storage ss;
+  socklen_t len = sizeof ss;
+  if (getsockname(fd, (struct sockaddr *)&ss, &len) != 0) return 0;
+  if (ss.ss_family == AF_INET) return ntohs(((struct sockaddr_in *)&ss)->sin_port);
+  if (ss.ss_family == AF_INET6) return ntohs(((struct sockaddr_in6 *)&ss)->sin6_port);
+  return 0;
+}
+
+char *ddp__net_local_addr(int fd, char *buf, size_t buf_bytes) {
+  struct sockaddr_storage ss;
+  socklen_t len = sizeof ss;
+  if (getsockname(fd, (struct sockaddr *)&ss, &len) != 0) {
+    snprintf(buf, buf_bytes, "?");
+    return buf;
+  }
+  return ddp__net_format_addr((struct sockaddr *)&ss, len, buf, buf_bytes);
+}
+
+char *ddp__net_peer_addr(int fd, char *buf, size_t buf_bytes) {
+  struct sockaddr_storage ss;
+  socklen_t len = sizeof ss;
+  if (getpeername(fd, (struct sockaddr *)&ss, &len) != 0) {
+    snprintf(buf, buf_bytes, "?");
+    return buf;
+  }
+  return ddp__net_format_addr((struct sockaddr *)&ss, len, buf, buf_bytes);
+}
+
+ddp_status ddp__net_set_nonblocking(int fd, int nonblocking) {
+  int flags = fcntl(fd, F_GETFL, 0);
+  if (flags < 0) return ddp_error(DDP_ERR_SYS, "fcntl(F_GETFL): %s", strerror(errno));
+  flags = nonblocking ? (flags | O_NONBLOCK) : (flags & ~O_NONBLOCK);
+  if (fcntl(fd, F_SETFL, flags) < 0)
+    return ddp_error(DDP_ERR_SYS, "fcntl(F_SETFL): %s", strerror(errno));
+  return DDP_OK;
+}
+
+void ddp__net_set_nodelay(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+}
+
+ddp_status ddp__net_wait(int fd, short events, int64_t deadline_ns) {
+  struct pollfd p = {.fd = fd, .events = events};
+  for (;;) {
+    int ms = poll_ms_left(deadline_ns);
+    int rc = poll(&p, 1, ms);
+    if (rc > 0) return DDP_OK; /* readable, writable, or an error the next call reports */
+    if (rc == 0) return ddp_error(DDP_ERR_TIMEOUT, "timed out");
+    if (errno != EINTR) return ddp_error(DDP_ERR_SYS, "poll: %s", strerror(errno));
+  }
+}
+
+/* Non-blocking connect of one address, finished with poll until the deadline. */
+static ddp_status connect_one(const struct addrinfo *ai, int64_t deadline_ns, int *fd_out) {
+  char where[DDP_NET_ADDR_BYTES];
+  ddp__net_format_addr(ai->ai_addr, ai->ai_addrlen, where, sizeof where);
+  int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol);
+  if (fd < 0) return ddp_error(DDP_ERR_SYS, "connect to %s: socket: %s", where, strerror(errno));
+  int rc;
+  do rc = connect(fd, ai->ai_addr, ai->ai_addrlen);
+  while (rc != 0 && errno == EINTR);
+  int err = rc == 0 ? 0 : errno;
+  if (err == EINPROGRESS) {
+    ddp_status st = ddp__net_wait(fd, POLLOUT, deadline_ns);
+    if (st != DDP_OK) {
+      close(fd);
+      return ddp_error_wrap(st, "connect to %s", where);
+    }
+    socklen_t len = sizeof err;
+    if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
+  }
+  if (err != 0) {
+    close(fd);
+    /* Refused, reset, unreachable: the server may just not be up yet. */
+    return ddp_error(DDP_ERR_CLOSED, "connect to %s: %s", where, strerror(err));
+  }
+  ddp_status st = ddp__net_set_nonblocking(fd, 0);
+  if (st != DDP_OK) {
+    close(fd);
+    return st;
+  }
+  ddp__net_set_nodelay(fd);
+  *fd_out = fd;
+  return DDP_OK;
+}
+
+ddp_status ddp__net_connect(const char *host, uint16_t port, int64_t deadline_ns, int *fd_out) {
+  *fd_out = -1;
+  struct addrinfo *res = NULL;
+  DDP_TRY(resolve(host, port, 0, &res));
+  ddp_status st = ddp_error(DDP_ERR_CLOSED, "no address for %s", host);
+  for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
+    st = connect_one(ai, deadline_ns, fd_out);
+    if (st == DDP_OK || st == DDP_ERR_TIMEOUT) break;
+  }
+  freeaddrinfo(res);
+  return st;
+}
+
+ddp_status ddp__net_write_full(int fd, const void *buf, size_t len, int64_t deadline_ns) {
+  const char *p = buf;
+  size_t done = 0;
+  while (done < len) {
+    ssize_t n = send(fd, p + done, len - done, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n > 0) {
+      done += (size_t)n;
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      ddp_status st = ddp__net_wait(fd, POLLOUT, deadline_ns);
+      if (st == DDP_ERR_TIMEOUT)
+        return ddp_error(st, "write timed out after %zu of %zu bytes", done, len);
+      if (st != DDP_OK) return st;
+      continue;
+    }
+    int err = n < 0 ? errno : EPIPE;
+    if (err == EPIPE || err == ECONNRESET || err == ENOTCONN)
+      return ddp_error(DDP_ERR_CLOSED, "connection closed by the peer (%s) after %zu of %zu bytes written",
+                       strerror(err), done, len);
+    return ddp_error(DDP_ERR_IO, "send: %s", strerror(err));
+  }
+  return DDP_OK;
+}
+
+ddp_status ddp__net_read_some(int fd, void *buf, size_t cap, size_t *got, int64_t deadline_ns) {
+  *got = 0;
+  for (;;) {
+    ssize_t n = recv(fd, buf, cap, MSG_DONTWAIT);
+    if (n > 0) {
+      *got = (size_t)n;
+      return DDP_OK;
+    }
+    if (n == 0) return ddp_error(DDP_ERR_CLOSED, "connection closed by the peer");
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      ddp_status st = ddp__net_wait(fd, POLLIN, deadline_ns);
+      if (st != DDP_OK) return st;
+      continue;
+    }
+    if (errno == ECONNRESET || errno == ENOTCONN || errno == EPIPE)
+      return ddp_error(DDP_ERR_CLOSED, "connection reset by the peer (%s)", strerror(errno));
+    return ddp_error(DDP_ERR_IO, "recv: %s", strerror(errno));
+  }
+}
+
+ddp_status ddp__net_read_full(int fd, void *buf, size_t len, int64_t deadline_ns) {
+  char *p = buf;
+  size_t done = 0;
+  while (done < len) {
+    size_t got;
+    ddp_status st = ddp__net_read_some(fd, p + done, len - done, &got, deadline_ns);
+    if (st == DDP_ERR_TIMEOUT)
+      return ddp_error(st, "read timed out after %zu of %zu bytes", done, len);
+    if (st == DDP_ERR_CLOSED && done > 0)
+      return ddp_error(st, "connection closed by the peer after %zu of %zu bytes", done, len);
+    if (st != DDP_OK) return st;
+    done += got;
+  }
+  return DDP_OK;
+}

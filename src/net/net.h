@@ -1,0 +1,67 @@
+/* ddp net: socket helpers shared by the store and the TCP transport --
+ * resolving, listening, connecting with a deadline, full reads and writes
+ * with deadlines (EINTR, short transfers), address formatting. A leaf layer:
+ * it depends on core only. Errors are ddp_status with a message naming the
+ * address ("connect to 10.0.0.1:29500: connection refused"). */
+#ifndef DDP_NET_NET_H
+#define DDP_NET_NET_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/socket.h>
+
+#include "ddp/core.h"
+
+/* Long enough for "[ffff:...:ffff%ifname]:65535". */
+#define DDP_NET_ADDR_BYTES 96
+
+/* Formats a socket address as "1.2.3.4:5" or "[::1]:5" into buf. Returns buf. */
+char *ddp__net_format_addr(const struct sockaddr *addr, socklen_t addr_len, char *buf,
+                           size_t buf_bytes);
+/* Formats host and port the same way ("[::1]:5" when host contains ':'). */
+char *ddp__net_format_host_port(const char *host, uint16_t port, char *buf, size_t buf_bytes);
+
+/* Creates a listening TCP socket on bind_addr:port (NULL/"" -> 0.0.0.0; port 0
+ * picks a free one) with SO_REUSEADDR, close-on-exec, non-blocking, and the
+ * given backlog. *fd_out is owned by the caller. EADDRINUSE becomes
+ * DDP_ERR_ADDRINUSE with advice on what to do. */
+ddp_status ddp__net_listen(const char *bind_addr, uint16_t port, int backlog, int *fd_out);
+
+/* One connection attempt to host:port (trying each resolved address) that
+ * gives up at deadline_ns (ddp_time_ns clock). The socket returned is
+ * blocking, close-on-exec, TCP_NODELAY. Refused / unreachable / unresolved
+ * map to DDP_ERR_CLOSED (worth retrying); the deadline to DDP_ERR_TIMEOUT. */
+ddp_status ddp__net_connect(const char *host, uint16_t port, int64_t deadline_ns, int *fd_out);
+
+/* The locally bound port of a socket, 0 on error. */
+uint16_t ddp__net_local_port(int fd);
+/* The locally bound address of a socket as text. */
+char *ddp__net_local_addr(int fd, char *buf, size_t buf_bytes);
+/* The peer's address as text ("?" on error). */
+char *ddp__net_peer_addr(int fd, char *buf, size_t buf_bytes);
+
+ddp_status ddp__net_set_nonblocking(int fd, int nonblocking);
+void ddp__net_set_nodelay(int fd);
+
+/* Writes all len bytes, waiting with poll when the socket is full, until
+ * deadline_ns (< 0: no deadline). Handles EINTR and short writes; never
+ * raises SIGPIPE. DDP_ERR_CLOSED when the peer is gone, DDP_ERR_TIMEOUT at
+ * the deadline; the message says how many bytes were written. */
+ddp_status ddp__net_write_full(int fd, const void *buf, size_t len, int64_t deadline_ns);
+
+/* Reads exactly len bytes (see write_full). DDP_ERR_CLOSED on end of file
+ * before len bytes; the message says how many had arrived. */
+ddp_status ddp__net_read_full(int fd, void *buf, size_t len, int64_t deadline_ns);
+
+/* Reads what is available, at least 1 byte, at most cap; waits until then.
+ * *got = bytes read. Same errors as read_full. */
+ddp_status ddp__net_read_some(int fd, void *buf, size_t cap, size_t *got, int64_t deadline_ns);
+
+/* Waits until fd is readable (events = POLLIN) or writable (POLLOUT) or the
+ * deadline passes (DDP_ERR_TIMEOUT). Handles EINTR. */
+ddp_status ddp__net_wait(int fd, short events, int64_t deadline_ns);
+
+/* Deadline helpers: now + ms (ms < 0 -> -1, no deadline). */
+int64_t ddp__net_deadline_after_ms(int64_t ms);
+
+#endif /* DDP_NET_NET_H */

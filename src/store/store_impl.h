@@ -1,0 +1,69 @@
+/* The inside of a ddp_store handle: a table of operations that each store kind
+ * (tcp, file, mem, prefix) fills in. The public functions in store.c check
+ * arguments, resolve timeouts and name the store and the call in errors, so
+ * implementations see valid arguments and report only what went wrong
+ * ("timed out after 200 ms", "connection closed by the store"). */
+#ifndef DDP_STORE_IMPL_H
+#define DDP_STORE_IMPL_H
+
+#include "ddp/store.h"
+
+typedef struct ddp__store_ops {
+  const char *kind; /* "tcp", "file", "mem", "prefix" */
+  ddp_status (*set)(ddp_store *s, const char *key, const void *value, size_t value_bytes);
+  /* timeout_ms >= 0 here (already resolved). */
+  ddp_status (*get)(ddp_store *s, const char *key, int64_t timeout_ms, void **value,
+                    size_t *value_bytes);
+  ddp_status (*add)(ddp_store *s, const char *key, int64_t delta, int64_t *result);
+  ddp_status (*compare_set)(ddp_store *s, const char *key, const void *expected,
+                            size_t expected_bytes, const void *desired, size_t desired_bytes,
+                            void **current, size_t *current_bytes);
+  ddp_status (*wait)(ddp_store *s, const char *const *keys, size_t num_keys, int64_t timeout_ms);
+  ddp_status (*check)(ddp_store *s, const char *const *keys, size_t num_keys, int *all_exist);
+  ddp_status (*del)(ddp_store *s, const char *key, int *deleted);
+  /* Keys starting with prefix ("" for all). */
+  ddp_status (*num_keys)(ddp_store *s, const char *prefix, int64_t *count);
+  /* Full keys starting with prefix, as ddp_alloc'd strings in a ddp_alloc'd
+   * array (ddp_store_keys_free). */
+  ddp_status (*list_keys)(ddp_store *s, const char *prefix, char ***keys, size_t *count);
+  ddp_status (*append)(ddp_store *s, const char *key, const void *value, size_t value_bytes);
+  ddp_status (*multi_get)(ddp_store *s, const char *const *keys, size_t num_keys,
+                          int64_t timeout_ms, ddp_store_value *values);
+  ddp_status (*multi_set)(ddp_store *s, const char *const *keys, const ddp_store_value *values,
+                          size_t num_keys);
+  ddp_status (*clone)(ddp_store *s, ddp_store **out);
+  /* Frees the implementation (the last reference is gone). */
+  void (*destroy)(ddp_store *s);
+} ddp__store_ops;
+
+/* Embedded first in every implementation's struct. */
+struct ddp_store {
+  const ddp__store_ops *ops;
+  int refs;           /* atomic */
+  int64_t timeout_ms; /* atomic; resolved default for negative timeouts */
+  char *address;      /* for messages; owned */
+};
+
+/* Fills the common part: one reference, the options' timeout, a copy of the
+ * address. DDP_ERR_NOMEM if the copy fails. */
+ddp_status ddp__store_init(ddp_store *s, const ddp__store_ops *ops,
+                           const ddp_store_options *options, const char *address);
+/* Frees the common part (the address); implementations call it last. */
+void ddp__store_fini(ddp_store *s);
+
+/* The token the options ask for: options->token, else $DDP_STORE_TOKEN, else
+ * NULL (none); "" means none. */
+const char *ddp__store_token(const char *option_token);
+
+/* Formats a duration for messages: "200 ms", "30 s", "1.5 s". */
+void ddp__store_format_ms(int64_t ms, char *buf, size_t buf_bytes);
+
+/* The key-list helper that wait/check messages use: ["a", "b", ...] with at
+ * most a few keys shown, non-printable bytes escaped. */
+void ddp__store_format_keys(const char *const *keys, size_t num_keys, char *buf,
+                            size_t buf_bytes);
+
+/* Frees a keys array of which the first `count` entries are filled. */
+void ddp__store_free_key_array(char **keys, size_t count);
+
+#endif /* DDP_STORE_IMPL_H */
