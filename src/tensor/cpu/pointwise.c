@@ -6,7 +6,9 @@
 /* GCC 12 at -O2 uses the "very-cheap" vectoriser cost model, which leaves
  * any loop whose trip count is not a known multiple of the vector width
  * scalar (all of ours). The dynamic model vectorises them with an epilogue. */
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("vect-cost-model=dynamic")
+#endif
 
 #include <math.h>
 #include <string.h>
