@@ -1,0 +1,566 @@
+/* ddp-train: trains one of the seeds' models from the command line — the
+ * dataset, the loader, the model, the optimizer and an optional StepLR —
+ * with progress on stderr, an optional JSON-lines log and a JSON summary.
+ * Tools are the only code that calls exit(). */
+#include <cblas.h>
+#include <errno.h>
+#include <float.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ddp/ddp.h"
+#include "ddp/data.h"
+#include "ddp/nn.h"
+#include "ddp/optim.h"
+
+#define DEFAULT_DATA "/usr/share/datasets/fashion-mnist"
+
+typedef struct train_args {
+  const char *model;
+  const char *activation; /* NULL unless given */
+  const char *data;       /* DIR, "toydata" or "regression"; NULL = the model's default */
+  int64_t samples;        /* synthetic datasets' size; 0 = default */
+  int64_t epochs;
+  int64_t max_steps;      /* 0 = no limit */
+  int64_t batch_size;
+  double lr;              /* NAN = the optimizer's default */
+  const char *optimizer;
+  double momentum;
+  double weight_decay;
+  const char *scheduler;  /* NULL or "step" */
+  int64_t step_size;
+  double gamma;
+  uint64_t seed;
+  int threads;
+  int workers;
+  int64_t eval_every;     /* 0 = at the end of each epoch and of training */
+  int64_t patience;       /* 0 = never stop early */
+  const char *log_path;
+  bool json;
+} train_args;
+
+static void usage(FILE *f) {
+  fprintf(f,
+"usage: ddp-train [options]\n"
+"\n"
+"Trains one of the seeds' models on one process (PyTorch's training loop, in C).\n"
+"\n"
+"Model\n"
+"  --model NAME         toy | headtail | convnet | psnet | convnet-N (N in 2..10)\n"
+"                       (default convnet)\n"
+"  --activation NAME    relu | sigmoid | tanh, for convnet-N (default relu)\n"
+"Data\n"
+"  --data WHERE         a directory of MNIST-format IDX files (train-images-idx3-ubyte[.gz],\n"
+"                       ...), or toydata (seed 000) or regression (seed 001). Default: the\n"
+"                       model's own: " DEFAULT_DATA " for the image\n"
+"                       models, toydata for headtail, regression for toy\n"
+"  --samples N          size of a synthetic training set (toydata 1048576, regression 1024)\n"
+"  --batch-size N       samples per step (default 100)\n"
+"  --workers N          loader threads preparing batches ahead (default 1; 0 = inline)\n"
+"Training\n"
+"  --epochs N           passes over the training set (default 1)\n"
+"  --max-steps N        stop after N optimizer steps in total (default 0: no limit)\n"
+"  --optimizer NAME     sgd | adam | adadelta (default sgd)\n"
+"  --lr X               learning rate (default: sgd 0.01, adam 0.001, adadelta 1.0)\n"
+"  --momentum X         SGD momentum (default 0)\n"
+"  --weight-decay X     L2 penalty (default 0)\n"
+"  --scheduler step     StepLR: multiply the lr by --gamma every --step-size epochs\n"
+"  --step-size N        epochs between lr changes (default 1)\n"
+"  --gamma X            lr factor (default 0.1)\n"
+"  --seed N             seeds the weights, the shuffle and dropout (default 1)\n"
+"  --threads N          BLAS threads (default 1)\n"
+"Evaluation and output\n"
+"  --eval-every N       evaluate on the test set every N steps (default 0: at the end\n"
+"                       of each epoch and of training)\n"
+"  --patience K         stop after K evaluations in a row without a better test loss\n"
+"  --log FILE           one JSON object per line: per step {step, epoch, loss, lr,\n"
+"                       samples_per_s}, per evaluation {step, epoch, test_loss,\n"
+"                       test_accuracy}\n"
+"  --json               end stdout with one JSON summary line (samples_per_s, train_loss,\n"
+"                       test_loss, test_accuracy, steps, epochs, world_size)\n"
+"  -h, --help           this text\n"
+"\n"
+"Progress (loss, samples/s, ETA) goes to stderr: a bar on a terminal, a line every few\n"
+"seconds otherwise. Example:\n"
+"  ddp-train --model convnet --epochs 3 --lr 0.01 --momentum 0.9 --json\n");
+}
+
+static _Noreturn void die_usage(const char *fmt, const char *arg) {
+  fprintf(stderr, "ddp-train: ");
+  fprintf(stderr, fmt, arg);
+  fprintf(stderr, "\n(run ddp-train --help for the options)\n");
+  exit(2);
+}
+
+static _Noreturn void die(const char *what, ddp_status s) {
+  fprintf(stderr, "ddp-train: error: %s: %s\n", what,
+          ddp_last_error()[0] ? ddp_last_error() : ddp_strerror(s));
+  exit(1);
+}
+
+#define CHECK(expr, what)                \
+  do {                                   \
+    ddp_status s_ = (expr);              \
+    if (s_ != DDP_OK) die(what, s_);     \
+  } while (0)
+
+static int64_t parse_int(const char *flag, const char *v, int64_t lo) {
+  char *end;
+  errno = 0;
+  long long x = strtoll(v, &end, 10);
+  if (errno || *end || end == v || x < lo) {
+    char msg[128];
+    snprintf(msg, sizeof msg, "%s expects an integer >= %lld, got '%%s'", flag, (long long)lo);
+    die_usage(msg, v);
+  }
+  return x;
+}
+
+static double parse_double(const char *flag, const char *v) {
+  char *end;
+  errno = 0;
+  double x = strtod(v, &end);
+  if (errno || *end || end == v || !isfinite(x) || x < 0) {
+    char msg[128];
+    snprintf(msg, sizeof msg, "%s expects a non-negative number, got '%%s'", flag);
+    die_usage(msg, v);
+  }
+  return x;
+}
+
+static void parse_args(int argc, char **argv, train_args *a) {
+  *a = (train_args){.model = "convnet", .epochs = 1, .batch_size = 100, .lr = NAN,
+                    .optimizer = "sgd", .step_size = 1, .gamma = 0.1, .seed = 1,
+                    .threads = 1, .workers = 1};
+  for (int i = 1; i < argc; i++) {
+    const char *f = argv[i];
+    if (!strcmp(f, "-h") || !strcmp(f, "--help")) {
+      usage(stdout);
+      exit(0);
+    }
+    if (!strcmp(f, "--json")) {
+      a->json = true;
+      continue;
+    }
+    /* Every other option takes a value, as "--opt V" or "--opt=V". */
+    static const char *const valued[] = {
+        "--model", "--activation", "--data", "--samples", "--epochs", "--max-steps",
+        "--batch-size", "--lr", "--optimizer", "--momentum", "--weight-decay", "--scheduler",
+        "--step-size", "--gamma", "--seed", "--threads", "--workers", "--eval-every",
+        "--patience", "--log"};
+    char name[64];
+    const char *eq = strchr(f, '=');
+    size_t len = eq ? (size_t)(eq - f) : strlen(f);
+    if (len >= sizeof name) die_usage("unknown option '%s'", f);
+    memcpy(name, f, len);
+    name[len] = '\0';
+    /* Accept PyTorch-style underscores too: --batch_size. */
+    for (char *p = name; *p; p++)
+      if (*p == '_') *p = '-';
+    bool known = false;
+    for (size_t k = 0; k < sizeof valued / sizeof *valued; k++) known |= !strcmp(name, valued[k]);
+    if (!known) die_usage("unknown option '%s'", f);
+    const char *v;
+    if (eq) {
+      v = eq + 1;
+    } else {
+      if (i + 1 >= argc) die_usage("%s needs a value", f);
+      v = argv[++i];
+    }
+    if (!strcmp(name, "--model")) a->model = v;
+    else if (!strcmp(name, "--activation")) a->activation = v;
+    else if (!strcmp(name, "--data")) a->data = v;
+    else if (!strcmp(name, "--samples")) a->samples = parse_int(name, v, 1);
+    else if (!strcmp(name, "--epochs")) a->epochs = parse_int(name, v, 1);
+    else if (!strcmp(name, "--max-steps")) a->max_steps = parse_int(name, v, 0);
+    else if (!strcmp(name, "--batch-size")) a->batch_size = parse_int(name, v, 1);
+    else if (!strcmp(name, "--lr")) a->lr = parse_double(name, v);
+    else if (!strcmp(name, "--optimizer")) a->optimizer = v;
+    else if (!strcmp(name, "--momentum")) a->momentum = parse_double(name, v);
+    else if (!strcmp(name, "--weight-decay")) a->weight_decay = parse_double(name, v);
+    else if (!strcmp(name, "--scheduler")) a->scheduler = v;
+    else if (!strcmp(name, "--step-size")) a->step_size = parse_int(name, v, 1);
+    else if (!strcmp(name, "--gamma")) a->gamma = parse_double(name, v);
+    else if (!strcmp(name, "--seed")) a->seed = (uint64_t)parse_int(name, v, 0);
+    else if (!strcmp(name, "--threads")) a->threads = (int)parse_int(name, v, 1);
+    else if (!strcmp(name, "--workers")) a->workers = (int)parse_int(name, v, 0);
+    else if (!strcmp(name, "--eval-every")) a->eval_every = parse_int(name, v, 0);
+    else if (!strcmp(name, "--patience")) a->patience = parse_int(name, v, 0);
+    else if (!strcmp(name, "--log")) a->log_path = v;
+    else die_usage("unknown option '%s'", f);
+  }
+  if (a->scheduler && strcmp(a->scheduler, "step") && strcmp(a->scheduler, "none"))
+    die_usage("--scheduler expects 'step' (StepLR) or 'none', got '%s'", a->scheduler);
+  if (a->scheduler && !strcmp(a->scheduler, "none")) a->scheduler = NULL;
+}
+
+/* ---- Data ------------------------------------------------------------------ */
+
+static const char *default_data(const char *model) {
+  if (!strcmp(model, "toy")) return "regression";
+  if (!strcmp(model, "headtail")) return "toydata";
+  return DEFAULT_DATA;
+}
+
+static void open_datasets(const train_args *a, ddp_dataset **train, ddp_dataset **test) {
+  const char *data = a->data ? a->data : default_data(a->model);
+  if (!strcmp(data, "toydata")) {
+    CHECK(ddp_dataset_create_toydata(train, a->samples ? a->samples : (int64_t)1 << 20),
+          "creating toydata");
+    CHECK(ddp_dataset_create_toydata(test, 10000), "creating toydata's test set");
+  } else if (!strcmp(data, "regression")) {
+    CHECK(ddp_dataset_create_regression(train, a->samples ? a->samples : 1024, a->seed),
+          "creating the regression data");
+    CHECK(ddp_dataset_create_regression(test, 256, a->seed + 1000003),
+          "creating the regression test data");
+  } else {
+    CHECK(ddp_dataset_open_idx_dir(train, data, DDP_SPLIT_TRAIN), "loading the training set");
+    CHECK(ddp_dataset_open_idx_dir(test, data, DDP_SPLIT_TEST), "loading the test set");
+  }
+}
+
+/* Checks that the data's samples fit the model, before the first forward. */
+static void check_shapes(const ddp_model *model, const ddp_dataset *ds, const char *model_name) {
+  const ddp_dataset_info *info = ddp_dataset_get_info(ds);
+  int64_t shape[DDP_MAX_DIMS];
+  int nd = ddp_model_sample_shape(model, shape);
+  int64_t numel = 1;
+  for (int i = 0; i < nd; i++) numel *= shape[i];
+  bool classify = ddp_model_loss_kind(model) != DDP_LOSS_MSE;
+  if (nd && numel != info->input_numel) {
+    fprintf(stderr,
+            "ddp-train: error: model %s takes samples of %lld values but %s has %lld; "
+            "pick a matching --data (image models take 28x28 images)\n",
+            model_name, (long long)numel, info->name, (long long)info->input_numel);
+    exit(1);
+  }
+  if (classify != (info->target_dtype == DDP_INT64)) {
+    fprintf(stderr, "ddp-train: error: model %s needs %s targets but %s has %s\n", model_name,
+            classify ? "class-label" : "real-valued", info->name,
+            info->target_dtype == DDP_INT64 ? "class labels" : "real-valued targets");
+    exit(1);
+  }
+}
+
+/* ---- Evaluation ------------------------------------------------------------ */
+
+typedef struct eval_result {
+  double loss;     /* mean over every test sample */
+  double accuracy; /* fraction correct; NAN for regression */
+} eval_result;
+
+static eval_result evaluate(ddp_model *model, ddp_tape *tape, ddp_loader *loader) {
+  eval_result r = {0, NAN};
+  bool classify = ddp_model_loss_kind(model) != DDP_LOSS_MSE;
+  double loss_sum = 0;
+  int64_t correct = 0, seen = 0;
+  ddp_model_train(model, false);
+  ddp_tape_set_grad_enabled(tape, false);
+  CHECK(ddp_loader_start_epoch(loader, 0), "starting evaluation");
+  for (;;) {
+    ddp_batch b;
+    CHECK(ddp_loader_next(loader, &b), "loading a test batch");
+    if (b.size == 0) break;
+    ddp_tensor *out, *loss;
+    ddp_tape_reset(tape);
+    CHECK(ddp_model_forward(model, tape, &b.x, &out), "evaluating");
+    CHECK(ddp_model_loss(model, tape, out, &b.y, &loss), "evaluating the loss");
+    loss_sum += (double)ddp_tensor_f32(loss)[0] * (double)b.size;
+    if (classify) {
+      const float *o = ddp_tensor_f32(out);
+      const int64_t *y = ddp_tensor_i64(&b.y);
+      int64_t classes = out->shape[1];
+      for (int64_t i = 0; i < b.size; i++) {
+        int64_t best = 0;
+        for (int64_t c = 1; c < classes; c++)
+          if (o[i * classes + c] > o[i * classes + best]) best = c;
+        correct += best == y[i];
+      }
+    }
+    seen += b.size;
+  }
+  ddp_tape_reset(tape);
+  ddp_tape_set_grad_enabled(tape, true);
+  ddp_model_train(model, true);
+  r.loss = seen ? loss_sum / (double)seen : NAN;
+  if (classify && seen) r.accuracy = (double)correct / (double)seen;
+  return r;
+}
+
+/* ---- Output ---------------------------------------------------------------- */
+
+/* JSON has no NaN: write null. */
+static void json_number(FILE *f, const char *key, double v, bool comma) {
+  if (isfinite(v))
+    fprintf(f, "\"%s\": %.6g%s", key, v, comma ? ", " : "");
+  else
+    fprintf(f, "\"%s\": null%s", key, comma ? ", " : "");
+}
+
+typedef struct progress {
+  bool tty;
+  double last_print;
+  double started;
+  int64_t total_steps;
+} progress;
+
+static void format_eta(double seconds, char *buf, size_t n) {
+  if (!isfinite(seconds) || seconds < 0) {
+    snprintf(buf, n, "--:--");
+    return;
+  }
+  long s = (long)(seconds + 0.5);
+  if (s >= 3600)
+    snprintf(buf, n, "%ld:%02ld:%02ld", s / 3600, (s / 60) % 60, s % 60);
+  else
+    snprintf(buf, n, "%02ld:%02ld", s / 60, s % 60);
+}
+
+static void show_progress(progress *p, int64_t step, int64_t epoch, int64_t epochs, double loss,
+                          double rate, double train_seconds, bool force) {
+  double now = ddp_time_s();
+  double interval = p->tty ? 0.2 : 5.0;
+  if (!force && now - p->last_print < interval) return;
+  p->last_print = now;
+  double steps_per_s = train_seconds > 0 ? (double)step / train_seconds : 0;
+  char eta[32];
+  format_eta(steps_per_s > 0 ? (double)(p->total_steps - step) / steps_per_s : NAN, eta,
+             sizeof eta);
+  double frac = p->total_steps ? (double)step / (double)p->total_steps : 0;
+  if (p->tty) {
+    char bar[31];
+    int fill = (int)(frac * 30);
+    for (int i = 0; i < 30; i++) bar[i] = i < fill ? '#' : '.';
+    bar[30] = '\0';
+    fprintf(stderr, "\r[%s] %3.0f%% epoch %lld/%lld step %lld loss %.4f %.0f samples/s ETA %s ",
+            bar, frac * 100, (long long)epoch + 1, (long long)epochs, (long long)step, loss, rate,
+            eta);
+  } else {
+    fprintf(stderr, "epoch %lld/%lld step %lld/%lld (%.0f%%) loss %.4f %.0f samples/s ETA %s\n",
+            (long long)epoch + 1, (long long)epochs, (long long)step, (long long)p->total_steps,
+            frac * 100, loss, rate, eta);
+  }
+  fflush(stderr);
+}
+
+static void end_progress_line(progress *p) {
+  if (p->tty) fputc('\n', stderr);
+}
+
+/* ---- Training -------------------------------------------------------------- */
+
+static ddp_optim_kind optimizer_kind(const char *name) {
+  if (!strcmp(name, "sgd")) return DDP_OPTIM_SGD;
+  if (!strcmp(name, "adam")) return DDP_OPTIM_ADAM;
+  if (!strcmp(name, "adadelta")) return DDP_OPTIM_ADADELTA;
+  die_usage("--optimizer expects sgd, adam or adadelta, got '%s'", name);
+}
+
+int main(int argc, char **argv) {
+  train_args a;
+  parse_args(argc, argv, &a);
+  openblas_set_num_threads(a.threads);
+
+  ddp_model *model;
+  CHECK(ddp_model_build(a.model, a.activation, a.seed, &model), "building the model");
+  ddp_dataset *train_ds, *test_ds;
+  open_datasets(&a, &train_ds, &test_ds);
+  check_shapes(model, train_ds, a.model);
+
+  ddp_optim_kind kind = optimizer_kind(a.optimizer);
+  ddp_optim_options oo = ddp_optim_defaults(kind);
+  if (!isnan(a.lr)) oo.lr = a.lr;
+  else if (kind == DDP_OPTIM_SGD) oo.lr = 0.01;
+  oo.weight_decay = a.weight_decay;
+  if (kind == DDP_OPTIM_SGD) oo.sgd.momentum = a.momentum;
+  else if (a.momentum != 0)
+    die_usage("--momentum applies to sgd only (got --optimizer %s)", a.optimizer);
+  ddp_optimizer *opt;
+  CHECK(ddp_optimizer_create(&opt, &oo, ddp_model_params_flat(model), ddp_model_grads_flat(model),
+                             (size_t)ddp_model_num_param_elements(model)),
+        "creating the optimizer");
+  ddp_scheduler *sched = NULL;
+  if (a.scheduler) {
+    ddp_step_lr_options so = {0};
+    so.step_size = a.step_size;
+    so.gamma = a.gamma;
+    so.last_epoch = -1;
+    CHECK(ddp_scheduler_create_step_lr(&sched, opt, &so), "creating StepLR");
+  }
+
+  ddp_loader_config lc = ddp_loader_config_default();
+  lc.batch_size = a.batch_size;
+  lc.shuffle = true;
+  lc.num_workers = a.workers;
+  lc.seed = a.seed;
+  ddp_loader *train_loader, *test_loader;
+  CHECK(ddp_loader_create(&train_loader, train_ds, &lc), "creating the training loader");
+  ddp_loader_config tc = ddp_loader_config_default();
+  tc.batch_size = a.batch_size > 1000 ? a.batch_size : 1000;
+  tc.num_workers = a.workers;
+  CHECK(ddp_loader_create(&test_loader, test_ds, &tc), "creating the test loader");
+
+  ddp_tape *tape;
+  CHECK(ddp_tape_create(&tape, 16 << 20), "creating the tape");
+
+  FILE *log = NULL;
+  if (a.log_path) {
+    log = fopen(a.log_path, "w");
+    if (!log) {
+      fprintf(stderr, "ddp-train: error: cannot write the log %s: %s\n", a.log_path,
+              strerror(errno));
+      exit(1);
+    }
+  }
+
+  int64_t per_epoch = ddp_loader_num_batches(train_loader);
+  progress prog = {.tty = isatty(STDERR_FILENO), .started = ddp_time_s()};
+  prog.total_steps = a.epochs * per_epoch;
+  if (a.max_steps && a.max_steps < prog.total_steps) prog.total_steps = a.max_steps;
+
+  int64_t step = 0, samples = 0, epochs_done = 0;
+  double train_seconds = 0, best_loss = INFINITY;
+  double epoch_loss_sum = 0, all_loss_sum = 0;
+  int64_t epoch_steps = 0, evals_without_better = 0;
+  eval_result last_eval = {NAN, NAN};
+  bool evaluated_now = false, stop = false;
+  float loss_value = NAN;
+
+  for (int64_t epoch = 0; epoch < a.epochs && !stop; epoch++) {
+    CHECK(ddp_loader_start_epoch(train_loader, epoch), "starting an epoch");
+    epoch_loss_sum = 0;
+    epoch_steps = 0;
+    for (;;) {
+      if (a.max_steps && step >= a.max_steps) {
+        stop = true;
+        break;
+      }
+      double t0 = ddp_time_s();
+      ddp_batch b;
+      CHECK(ddp_loader_next(train_loader, &b), "loading a batch");
+      if (b.size == 0) break;
+      ddp_tensor *out, *loss;
+      ddp_tape_reset(tape);
+      ddp_model_zero_grad(model);
+      CHECK(ddp_model_forward(model, tape, &b.x, &out), "forward");
+      CHECK(ddp_model_loss(model, tape, out, &b.y, &loss), "loss");
+      CHECK(ddp_backward(tape, loss), "backward");
+      CHECK(ddp_optimizer_step(opt), "optimizer step");
+      train_seconds += ddp_time_s() - t0;
+      loss_value = ddp_tensor_f32(loss)[0];
+      if (!isfinite(loss_value)) {
+        fprintf(stderr, "\nddp-train: error: the loss became %f at step %lld (epoch %lld); "
+                        "try a smaller --lr\n", loss_value, (long long)step + 1, (long long)epoch + 1);
+        exit(1);
+      }
+      step++;
+      samples += b.size;
+      epoch_steps++;
+      epoch_loss_sum += loss_value;
+      all_loss_sum += loss_value;
+      double rate = train_seconds > 0 ? (double)samples / train_seconds : 0;
+      if (log) {
+        fprintf(log, "{\"step\": %lld, \"epoch\": %lld, ", (long long)step, (long long)epoch);
+        json_number(log, "loss", loss_value, true);
+        json_number(log, "lr", ddp_optimizer_get_lr(opt), true);
+        json_number(log, "samples_per_s", rate, false);
+        fputs("}\n", log);
+      }
+      show_progress(&prog, step, epoch, a.epochs, loss_value, rate, train_seconds, false);
+
+      evaluated_now = false;
+      if (a.eval_every && step % a.eval_every == 0) {
+        last_eval = evaluate(model, tape, test_loader);
+        evaluated_now = true;
+        if (log) {
+          fprintf(log, "{\"step\": %lld, \"epoch\": %lld, ", (long long)step, (long long)epoch);
+          json_number(log, "test_loss", last_eval.loss, true);
+          json_number(log, "test_accuracy", last_eval.accuracy, false);
+          fputs("}\n", log);
+        }
+        if (last_eval.loss < best_loss) {
+          best_loss = last_eval.loss;
+          evals_without_better = 0;
+        } else if (a.patience && ++evals_without_better >= a.patience) {
+          stop = true;
+          break;
+        }
+      }
+    }
+    if (epoch_steps == per_epoch) epochs_done++;
+    if (sched && epoch_steps == per_epoch) CHECK(ddp_scheduler_step(sched), "StepLR");
+    /* --eval-every 0: evaluate at the end of each epoch (and of training). */
+    if (!a.eval_every && !evaluated_now && epoch_steps > 0) {
+      last_eval = evaluate(model, tape, test_loader);
+      evaluated_now = true;
+      show_progress(&prog, step, epoch, a.epochs, loss_value,
+                    train_seconds > 0 ? (double)samples / train_seconds : 0, train_seconds, true);
+      end_progress_line(&prog);
+      fprintf(stderr, "epoch %lld: test loss %.4f", (long long)epoch + 1, last_eval.loss);
+      if (!isnan(last_eval.accuracy))
+        fprintf(stderr, ", test accuracy %.2f%%", 100 * last_eval.accuracy);
+      fputc('\n', stderr);
+      if (log) {
+        fprintf(log, "{\"step\": %lld, \"epoch\": %lld, ", (long long)step, (long long)epoch);
+        json_number(log, "test_loss", last_eval.loss, true);
+        json_number(log, "test_accuracy", last_eval.accuracy, false);
+        fputs("}\n", log);
+      }
+      if (last_eval.loss < best_loss) {
+        best_loss = last_eval.loss;
+        evals_without_better = 0;
+      } else if (a.patience && ++evals_without_better >= a.patience) {
+        stop = true;
+      }
+    }
+  }
+  /* The end of training is always evaluated. */
+  if (!evaluated_now && step > 0) {
+    last_eval = evaluate(model, tape, test_loader);
+    if (log) {
+      fprintf(log, "{\"step\": %lld, \"epoch\": %lld, ", (long long)step, (long long)epochs_done);
+      json_number(log, "test_loss", last_eval.loss, true);
+      json_number(log, "test_accuracy", last_eval.accuracy, false);
+      fputs("}\n", log);
+    }
+  }
+  end_progress_line(&prog);
+
+  double rate = train_seconds > 0 ? (double)samples / train_seconds : 0;
+  /* Mean over the last epoch's steps, or over all steps when fewer than an epoch ran. */
+  double train_loss = step < per_epoch ? all_loss_sum / (double)(step ? step : 1)
+                                       : (epoch_steps ? epoch_loss_sum / (double)epoch_steps
+                                                      : NAN);
+  double epochs_fraction = per_epoch ? (double)step / (double)per_epoch : 0;
+  fprintf(stderr, "trained %lld steps (%.2f epochs) at %.0f samples/s; test loss %.4f", (long long)step,
+          epochs_fraction, rate, last_eval.loss);
+  if (!isnan(last_eval.accuracy)) fprintf(stderr, ", test accuracy %.2f%%", 100 * last_eval.accuracy);
+  fputc('\n', stderr);
+  if (a.json) {
+    printf("{");
+    json_number(stdout, "samples_per_s", rate, true);
+    json_number(stdout, "train_loss", train_loss, true);
+    json_number(stdout, "test_loss", last_eval.loss, true);
+    json_number(stdout, "test_accuracy", last_eval.accuracy, true);
+    printf("\"steps\": %lld, ", (long long)step);
+    json_number(stdout, "epochs", epochs_fraction, true);
+    printf("\"world_size\": 1, \"model\": \"%s\", \"optimizer\": \"%s\"}\n", a.model, a.optimizer);
+  }
+  if (log && fclose(log) != 0) {
+    fprintf(stderr, "ddp-train: error: writing the log %s: %s\n", a.log_path, strerror(errno));
+    exit(1);
+  }
+
+  ddp_tape_destroy(tape);
+  ddp_loader_destroy(test_loader);
+  ddp_loader_destroy(train_loader);
+  ddp_scheduler_destroy(sched);
+  ddp_optimizer_destroy(opt);
+  ddp_dataset_destroy(test_ds);
+  ddp_dataset_destroy(train_ds);
+  ddp_model_destroy(model);
+  return 0;
+}
