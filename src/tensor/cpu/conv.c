@@ -85,12 +85,19 @@ static bool is_pointwise(const ddp__conv2d_geom *g) {
   return g->kh == 1 && g->kw == 1 && g->stride == 1 && g->pad == 0;
 }
 
-/* db (O) += row sums of dy (O, OH*OW). */
+/* db (O) += row sums of dy (O, OH*OW). Eight partial sums: a single running
+ * sum is a chain of dependent adds (4 cycles each), which made this loop
+ * cost as much as conv1's whole weight gradient. */
 static void bias_grad(float *db, const float *dy, int64_t o, int64_t ohw) {
   for (int64_t i = 0; i < o; i++) {
     const float *row = dy + i * ohw;
+    float part[8] = {0};
+    int64_t p = 0;
+    for (; p + 8 <= ohw; p += 8)
+      for (int l = 0; l < 8; l++) part[l] += row[p + l];
     float sum = 0.0f;
-    for (int64_t p = 0; p < ohw; p++) sum += row[p];
+    for (; p < ohw; p++) sum += row[p];
+    for (int l = 0; l < 8; l++) sum += part[l];
     db[i] += sum;
   }
 }
@@ -267,11 +274,15 @@ static ddp_status backward_avx512(float *dx, float *dw, float *db, const float *
   float *dyt = NULL, *dwt = NULL, *wflip = NULL, *wt = NULL, *dcol = NULL, *dyp = NULL;
   const int64_t dph = g->kh - 1 - g->pad, dpw = g->kw - 1 - g->pad; /* dX-as-conv padding */
   const int64_t dy_padded = g->o * (g->oh + 2 * dph) * (g->ow + 2 * dpw);
+  /* Few output channels: dW from dy and col directly, as dot products. */
+  const bool dw_dot = g->o < 32;
   if (dw) {
     if (!pointwise) DDP_TRY(col_init(&cb, g, arena));
-    if (!(dyt = scratch(arena, ohw * g->o, &status))) return status;
-    if (!(dwt = scratch(arena, k * g->o, &status))) return status;
-    memset(dwt, 0, (size_t)(k * g->o) * sizeof(float));
+    if (!dw_dot) {
+      if (!(dyt = scratch(arena, ohw * g->o, &status))) return status;
+      if (!(dwt = scratch(arena, k * g->o, &status))) return status;
+      memset(dwt, 0, (size_t)(k * g->o) * sizeof(float));
+    }
   }
   if (dx && dx_as_conv) {
     /* wflip (C, O, KH, KW)[c][o][a][b] = w (O, C, KH, KW)[o][c][KH-1-a][KW-1-b] */
@@ -294,10 +305,15 @@ static ddp_status backward_avx512(float *dx, float *dw, float *db, const float *
     if (db) bias_grad(db, dyn, g->o, ohw);
     if (dw) {
       if (cb.col) col_fill(&cb, xn, g);
-      transpose(dyt, dyn, g->o, ohw);
-      /* dwt (K, O) += col (K, OH*OW) @ dy^T (OH*OW, O) */
-      ddp__cpu_gemm_avx512(k, g->o, ohw, cb.col ? cb.col : xn, ohw, dyt, g->o, dwt, g->o, NULL,
-                           true);
+      const float *col = cb.col ? cb.col : xn;
+      if (dw_dot) {
+        /* dw (O, K) += dy (O, OH*OW) @ col^T */
+        ddp__cpu_gemm_nt_avx512(g->o, k, ohw, dyn, ohw, col, ohw, dw, k);
+      } else {
+        transpose(dyt, dyn, g->o, ohw);
+        /* dwt (K, O) += col (K, OH*OW) @ dy^T (OH*OW, O) */
+        ddp__cpu_gemm_avx512(k, g->o, ohw, col, ohw, dyt, g->o, dwt, g->o, NULL, true);
+      }
     }
     if (dx && dx_as_conv) {
       /* dx_n (C, H*W) += wflip (C, O*KH*KW) @ im2col(dy_n, padding K-1-pad) */
@@ -311,7 +327,7 @@ static ddp_status backward_avx512(float *dx, float *dw, float *db, const float *
       col2im_add(dx + n * chw, dcol, g);
     }
   }
-  if (dw)
+  if (dw && !dw_dot)
     for (int64_t o = 0; o < g->o; o++)
       for (int64_t t = 0; t < k; t++) dw[o * k + t] += dwt[t * g->o + o];
   return DDP_OK;

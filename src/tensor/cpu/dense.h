@@ -31,5 +31,9 @@ void ddp__cpu_dense_force_generic(bool generic);
 void ddp__cpu_gemm_avx512(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
                           const float *b, int64_t ldb, float *c, int64_t ldc,
                           const float *row_bias, bool accumulate);
+/* c (m, n) += a (m, k) @ b (n, k)^T, row strides lda, ldb, ldc. Only call
+ * when ddp__cpu_has_avx512(). */
+void ddp__cpu_gemm_nt_avx512(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
+                             const float *b, int64_t ldb, float *c, int64_t ldc);
 
 #endif

@@ -118,3 +118,69 @@ AVX512 void ddp__cpu_gemm_avx512(int64_t m, int64_t n, int64_t k, const float *a
   else
     strip(1, tail, m, k, a, lda, b + j, ldb, c + j, ldc, row_bias, accumulate);
 }
+
+/* ---- c (m, n) += a (m, k) @ b (n, k)^T: both operands run along k -------
+ * For weight gradients with few output channels (conv1: dW (16, 25) from
+ * dy (16, 784) and col (25, 784)), where the form above would need a
+ * transposed copy of dy and a 16-wide n. Each of the MD x ND outputs of a
+ * tile is a 16-lane vector of partial sums over k, reduced once at the end. */
+#define MD 4
+#define ND 6
+
+AVX512 static inline __attribute__((always_inline)) void
+tile_nt(const int md, const int nd, int64_t k, __mmask16 tail, const float *a, int64_t lda,
+        const float *b, int64_t ldb, float *c, int64_t ldc) {
+  __m512 acc[MD][ND];
+#pragma GCC unroll 4
+  for (int i = 0; i < md; i++)
+#pragma GCC unroll 6
+    for (int j = 0; j < nd; j++) acc[i][j] = _mm512_setzero_ps();
+  int64_t kk = 0;
+  for (; kk + 16 <= k; kk += 16) {
+    __m512 av[MD];
+#pragma GCC unroll 4
+    for (int i = 0; i < md; i++) av[i] = _mm512_loadu_ps(a + i * lda + kk);
+#pragma GCC unroll 6
+    for (int j = 0; j < nd; j++) {
+      __m512 bv = _mm512_loadu_ps(b + j * ldb + kk);
+#pragma GCC unroll 4
+      for (int i = 0; i < md; i++) acc[i][j] = _mm512_fmadd_ps(av[i], bv, acc[i][j]);
+    }
+  }
+  if (kk < k) {
+    __m512 av[MD];
+#pragma GCC unroll 4
+    for (int i = 0; i < md; i++) av[i] = _mm512_maskz_loadu_ps(tail, a + i * lda + kk);
+#pragma GCC unroll 6
+    for (int j = 0; j < nd; j++) {
+      __m512 bv = _mm512_maskz_loadu_ps(tail, b + j * ldb + kk);
+#pragma GCC unroll 4
+      for (int i = 0; i < md; i++) acc[i][j] = _mm512_fmadd_ps(av[i], bv, acc[i][j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < md; i++)
+#pragma GCC unroll 6
+    for (int j = 0; j < nd; j++) c[i * ldc + j] += _mm512_reduce_add_ps(acc[i][j]);
+}
+
+AVX512 void ddp__cpu_gemm_nt_avx512(int64_t m, int64_t n, int64_t k, const float *a,
+                                    int64_t lda, const float *b, int64_t ldb, float *c,
+                                    int64_t ldc) {
+  const __mmask16 tail = (__mmask16)((1u << (k % 16)) - 1);
+  int64_t i = 0;
+  for (; i + MD <= m; i += MD) {
+    int64_t j = 0;
+    for (; j + ND <= n; j += ND)
+      tile_nt(MD, ND, k, tail, a + i * lda, lda, b + j * ldb, ldb, c + i * ldc + j, ldc);
+    for (; j < n; j++)
+      tile_nt(MD, 1, k, tail, a + i * lda, lda, b + j * ldb, ldb, c + i * ldc + j, ldc);
+  }
+  for (; i < m; i++) {
+    int64_t j = 0;
+    for (; j + ND <= n; j += ND)
+      tile_nt(1, ND, k, tail, a + i * lda, lda, b + j * ldb, ldb, c + i * ldc + j, ldc);
+    for (; j < n; j++)
+      tile_nt(1, 1, k, tail, a + i * lda, lda, b + j * ldb, ldb, c + i * ldc + j, ldc);
+  }
+}
