@@ -58,32 +58,30 @@ typedef struct ddp__pointwise_kernels {
   /* ---- log_softmax over rows of length C ---- */
   void (*log_softmax)(float *y, const float *x, int64_t rows, int64_t C);
   /* dx += dy - exp(y) * sum(dy) per row */
-  void (*log_softmax_backward)(float *dx, const float *dy, const float *y, int64_t rows,
-                               int64_t C);
+  void (*log_softmax_backward)(float *dx, const float *dy, const float *y, int64_t rows, int64_t C);
 
   /* ---- losses, mean reduction; *loss is one float; *dloss the incoming gradient ---- */
   /* *loss = mean((input - target)^2) */
   void (*mse_loss)(float *loss, const float *input, const float *target, int64_t n);
   /* dinput += 2 (input - target) / n * dloss; dtarget -= the same */
-  void (*mse_loss_backward)(float *dinput, float *dtarget, const float *dloss,
-                            const float *input, const float *target, int64_t n);
+  void (*mse_loss_backward)(float *dinput, float *dtarget, const float *dloss, const float *input,
+                            const float *target, int64_t n);
   /* *loss = -mean_i logp[i, target[i]] over logp (N, C). Returns -1, or the
    * first sample i whose target is outside [0, C) (its value in *bad_target;
    * *loss is then unspecified). */
-  int64_t (*nll_loss)(float *loss, const float *logp, const int64_t *target, int64_t N,
-                      int64_t C, int64_t *bad_target);
+  int64_t (*nll_loss)(float *loss, const float *logp, const int64_t *target, int64_t N, int64_t C,
+                      int64_t *bad_target);
   /* dlogp[i, target[i]] -= dloss / N */
   void (*nll_loss_backward)(float *dlogp, const float *dloss, const int64_t *target, int64_t N,
                             int64_t C);
   /* log_softmax + nll fused: *loss = mean_i -log softmax(logits)[i, target[i]].
    * Saves each row's max and log sum exp(logits - max) in stats (N, 2) for
    * backward. Target errors as nll_loss. */
-  int64_t (*cross_entropy)(float *loss, float *stats, const float *logits,
-                           const int64_t *target, int64_t N, int64_t C, int64_t *bad_target);
+  int64_t (*cross_entropy)(float *loss, float *stats, const float *logits, const int64_t *target,
+                           int64_t N, int64_t C, int64_t *bad_target);
   /* dlogits += (softmax(logits) - onehot(target)) * dloss / N */
   void (*cross_entropy_backward)(float *dlogits, const float *dloss, const float *logits,
-                                 const float *stats, const int64_t *target, int64_t N,
-                                 int64_t C);
+                                 const float *stats, const int64_t *target, int64_t N, int64_t C);
 } ddp__pointwise_kernels;
 
 extern const ddp__pointwise_kernels ddp__cpu_pointwise_kernels;

@@ -12,8 +12,8 @@ static ddp_status log_softmax_backward(ddp_tape *tape, ddp__node *node) {
   const ddp_tensor *y = node->out;
   int64_t C = y->shape[y->ndim - 1];
   if (dx && C > 0)
-    ddp__kernels_for(y->device)->pointwise->log_softmax_backward(dx, y->grad, y->data,
-                                                                y->numel / C, C);
+    ddp__kernels_for(y->device)->pointwise->log_softmax_backward(dx, y->grad, y->data, y->numel / C,
+                                                                 C);
   return s;
 }
 
@@ -22,7 +22,8 @@ ddp_status ddp_log_softmax(ddp_tape *tape, ddp_tensor *x, ddp_tensor **out) {
   if (!x) return ddp_error(DDP_ERR_INVALID, "log_softmax: input is NULL");
   const ddp__kernels *k;
   DDP_TRY(ddp__kernels_check("log_softmax", 1, &x, &k));
-  if (x->ndim < 1) return ddp_error(DDP_ERR_SHAPE, "log_softmax: input is a scalar; expected (N, C)");
+  if (x->ndim < 1)
+    return ddp_error(DDP_ERR_SHAPE, "log_softmax: input is a scalar; expected (N, C)");
   ddp_tensor *y;
   DDP_TRY(ddp__tape_output(tape, "log_softmax", DDP_FLOAT32, x->ndim, x->shape, &y));
   int64_t C = x->shape[x->ndim - 1];
@@ -42,13 +43,12 @@ static ddp_status mse_loss_backward(ddp_tape *tape, ddp__node *node) {
   float *dtarget = ddp__tape_grad(tape, target, &s);
   if (s != DDP_OK) return s;
   ddp__kernels_for(node->out->device)
-      ->pointwise->mse_loss_backward(dinput, dtarget, node->out->grad, input->data,
-                                     target->data, input->numel);
+      ->pointwise->mse_loss_backward(dinput, dtarget, node->out->grad, input->data, target->data,
+                                     input->numel);
   return DDP_OK;
 }
 
-ddp_status ddp_mse_loss(ddp_tape *tape, ddp_tensor *input, ddp_tensor *target,
-                        ddp_tensor **out) {
+ddp_status ddp_mse_loss(ddp_tape *tape, ddp_tensor *input, ddp_tensor *target, ddp_tensor **out) {
   if (!tape || !out) return ddp_error(DDP_ERR_INVALID, "mse_loss: tape or out is NULL");
   if (!input || !target)
     return ddp_error(DDP_ERR_INVALID, "mse_loss: %s is NULL", input ? "target" : "input");
@@ -74,9 +74,9 @@ ddp_status ddp_mse_loss(ddp_tape *tape, ddp_tensor *input, ddp_tensor *target,
 
 /* ---- nll_loss and cross_entropy: (N, C) scores, (N) int64 targets ---- */
 
-static ddp_status check_classification(const char *op, const char *scores_name,
-                                       ddp_tape *tape, ddp_tensor *scores, ddp_tensor *target,
-                                       ddp_tensor **out, const ddp__kernels **k) {
+static ddp_status check_classification(const char *op, const char *scores_name, ddp_tape *tape,
+                                       ddp_tensor *scores, ddp_tensor *target, ddp_tensor **out,
+                                       const ddp__kernels **k) {
   if (!tape || !out) return ddp_error(DDP_ERR_INVALID, "%s: tape or out is NULL", op);
   if (!scores || !target)
     return ddp_error(DDP_ERR_INVALID, "%s: %s is NULL", op, scores ? "target" : scores_name);
@@ -98,8 +98,7 @@ static ddp_status check_classification(const char *op, const char *scores_name,
   if (scores->shape[0] == 0)
     return ddp_error(DDP_ERR_SHAPE, "%s: empty batch %s; the mean is undefined", op,
                      ddp_tensor_shape_str(scores, ss, sizeof ss));
-  if (!target->data)
-    return ddp_error(DDP_ERR_INVALID, "%s: target has no data", op);
+  if (!target->data) return ddp_error(DDP_ERR_INVALID, "%s: target has no data", op);
   return DDP_OK;
 }
 
@@ -131,8 +130,7 @@ static ddp_status classification_loss(ddp_tape *tape, bool fused, ddp_tensor *sc
                                       ddp_tensor *target, ddp_tensor **out) {
   const char *op = fused ? "cross_entropy" : "nll_loss";
   const ddp__kernels *k;
-  DDP_TRY(check_classification(op, fused ? "logits" : "log_probs", tape, scores, target, out,
-                               &k));
+  DDP_TRY(check_classification(op, fused ? "logits" : "log_probs", tape, scores, target, out, &k));
   int64_t N = scores->shape[0], C = scores->shape[1];
   ddp_tensor *y;
   DDP_TRY(ddp__tape_output(tape, op, DDP_FLOAT32, 0, scores->shape, &y));
@@ -144,18 +142,17 @@ static ddp_status classification_loss(ddp_tape *tape, bool fused, ddp_tensor *sc
     if (!stats)
       return ddp_error(DDP_ERR_NOMEM, "%s: cannot allocate %lld floats of scratch", op,
                        (long long)N * 2);
-    bad = k->pointwise->cross_entropy(y->data, stats, scores->data, target->data, N, C,
-                                      &bad_value);
+    bad = k->pointwise->cross_entropy(y->data, stats, scores->data, target->data, N, C, &bad_value);
   } else {
     bad = k->pointwise->nll_loss(y->data, scores->data, target->data, N, C, &bad_value);
   }
   if (bad >= 0)
-    return ddp_error(DDP_ERR_RANGE, "%s: target[%lld] = %lld is out of range for %lld classes",
-                     op, (long long)bad, (long long)bad_value, (long long)C);
+    return ddp_error(DDP_ERR_RANGE, "%s: target[%lld] = %lld is out of range for %lld classes", op,
+                     (long long)bad, (long long)bad_value, (long long)C);
   ddp_tensor *in[2] = {scores, target};
   if (ddp__tape_wants_grad(tape, 1, in))
-    DDP_TRY(ddp__tape_record(tape, op, fused ? cross_entropy_backward : nll_loss_backward, y, 2,
-                             in, stats));
+    DDP_TRY(ddp__tape_record(tape, op, fused ? cross_entropy_backward : nll_loss_backward, y, 2, in,
+                             stats));
   *out = y;
   return DDP_OK;
 }

@@ -6,8 +6,8 @@
 #include "tensor/tape.h"
 
 typedef struct batch_norm_ctx {
-  float *mean;     /* (C) the statistics the forward normalised with */
-  float *invstd;   /* (C) 1/sqrt(var + eps) */
+  float *mean;   /* (C) the statistics the forward normalised with */
+  float *invstd; /* (C) 1/sqrt(var + eps) */
   int64_t N, C, HW;
   bool batch_stats; /* mean/invstd came from this batch (so depend on x) */
 } batch_norm_ctx;
@@ -21,15 +21,14 @@ static ddp_status batch_norm_backward(ddp_tape *tape, ddp__node *node) {
   float *dbias = ddp__tape_grad(tape, bias, &s);
   if (s != DDP_OK) return s;
   const ddp__kernels *k = ddp__kernels_for(node->out->device);
-  return k->pointwise->batch_norm_backward(dx, dweight, dbias, node->out->grad, x->data,
-                                           ctx->mean, ctx->invstd,
-                                           weight ? weight->data : NULL, ctx->N, ctx->C,
-                                           ctx->HW, ctx->batch_stats, ddp__tape_arena(tape));
+  return k->pointwise->batch_norm_backward(dx, dweight, dbias, node->out->grad, x->data, ctx->mean,
+                                           ctx->invstd, weight ? weight->data : NULL, ctx->N,
+                                           ctx->C, ctx->HW, ctx->batch_stats,
+                                           ddp__tape_arena(tape));
 }
 
 /* A per-channel vector (weight, bias, running stats) must be (C) or NULL. */
-static ddp_status check_channel_vector(const char *name, const ddp_tensor *v,
-                                       const ddp_tensor *x) {
+static ddp_status check_channel_vector(const char *name, const ddp_tensor *v, const ddp_tensor *x) {
   if (!v) return DDP_OK;
   if (v->ndim == 1 && v->shape[0] == x->shape[1]) return DDP_OK;
   char sv[DDP_SHAPE_STR_BYTES], sx[DDP_SHAPE_STR_BYTES];
@@ -40,8 +39,8 @@ static ddp_status check_channel_vector(const char *name, const ddp_tensor *v,
 
 ddp_status ddp_batch_norm(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_tensor *bias,
                           ddp_tensor *running_mean, ddp_tensor *running_var,
-                          int64_t *num_batches_tracked, bool training, float momentum,
-                          float eps, ddp_tensor **out) {
+                          int64_t *num_batches_tracked, bool training, float momentum, float eps,
+                          ddp_tensor **out) {
   if (!tape || !out) return ddp_error(DDP_ERR_INVALID, "batch_norm: tape or out is NULL");
   if (!x) return ddp_error(DDP_ERR_INVALID, "batch_norm: input is NULL");
   ddp_tensor *all[5] = {x, weight, bias, running_mean, running_var};
@@ -82,8 +81,8 @@ ddp_status ddp_batch_norm(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp
   if (!ctx || !stats)
     return ddp_error(DDP_ERR_NOMEM, "batch_norm: cannot allocate statistics for %lld channels",
                      (long long)C);
-  *ctx = (batch_norm_ctx){.mean = stats, .invstd = stats + C, .N = N, .C = C, .HW = HW,
-                          .batch_stats = batch_stats};
+  *ctx = (batch_norm_ctx){
+      .mean = stats, .invstd = stats + C, .N = N, .C = C, .HW = HW, .batch_stats = batch_stats};
   if (batch_stats) {
     bool update = training && running_mean;
     DDP_TRY(k->pointwise->batch_norm_stats(ctx->mean, ctx->invstd,
@@ -91,8 +90,8 @@ ddp_status ddp_batch_norm(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp
                                            update ? running_var->data : NULL, x->data, N, C, HW,
                                            momentum, eps, ddp__tape_arena(tape)));
   } else {
-    k->pointwise->batch_norm_running(ctx->mean, ctx->invstd, running_mean->data,
-                                     running_var->data, C, eps);
+    k->pointwise->batch_norm_running(ctx->mean, ctx->invstd, running_mean->data, running_var->data,
+                                     C, eps);
   }
   if (training && num_batches_tracked) (*num_batches_tracked)++;
   k->pointwise->batch_norm_forward(y->data, x->data, ctx->mean, ctx->invstd,

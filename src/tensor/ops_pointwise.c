@@ -51,9 +51,11 @@ static ddp_status activation_forward(ddp_tape *tape, activation act, ddp_tensor 
   ddp_tensor *y;
   DDP_TRY(unary_begin(tape, op, x, out, &k, &y));
   const ddp__pointwise_kernels *pw = k->pointwise;
-  void (*kernel)(float *, const float *, int64_t) =
-      act == ACT_RELU ? pw->relu : act == ACT_SIGMOID ? pw->sigmoid : pw->tanh;
-  kernel(y->data, x->data, x->numel);
+  switch (act) {
+  case ACT_RELU: pw->relu(y->data, x->data, x->numel); break;
+  case ACT_SIGMOID: pw->sigmoid(y->data, x->data, x->numel); break;
+  case ACT_TANH: pw->tanh(y->data, x->data, x->numel); break;
+  }
   if (ddp__tape_wants_grad(tape, 1, &x))
     DDP_TRY(ddp__tape_record(tape, op, backwards[act], y, 1, &x, NULL));
   *out = y;
@@ -78,10 +80,10 @@ ddp_status ddp_tanh(ddp_tape *tape, ddp_tensor *x, ddp_tensor **out) {
  * feature map x[n, c, ...] for dropout2d. */
 
 typedef struct dropout_ctx {
-  uint8_t *mask;      /* (groups) 1 keep, 0 drop */
+  uint8_t *mask; /* (groups) 1 keep, 0 drop */
   int64_t groups;
   int64_t group_size;
-  float scale;        /* 1/(1-p); 0 when p == 1 */
+  float scale; /* 1/(1-p); 0 when p == 1 */
 } dropout_ctx;
 
 static ddp_status dropout_backward(ddp_tape *tape, ddp__node *node) {
@@ -90,8 +92,8 @@ static ddp_status dropout_backward(ddp_tape *tape, ddp__node *node) {
   float *dx = ddp__tape_grad(tape, node->in[0], &s);
   if (dx)
     ddp__kernels_for(node->out->device)
-        ->pointwise->dropout_backward(dx, node->out->grad, ctx->mask, ctx->groups,
-                                      ctx->group_size, ctx->scale);
+        ->pointwise->dropout_backward(dx, node->out->grad, ctx->mask, ctx->groups, ctx->group_size,
+                                      ctx->scale);
   return s;
 }
 
@@ -99,16 +101,15 @@ static ddp_status identity_backward(ddp_tape *tape, ddp__node *node) {
   ddp_status s = DDP_OK;
   float *dx = ddp__tape_grad(tape, node->in[0], &s);
   if (dx)
-    ddp__kernels_for(node->out->device)
-        ->basic->axpy(dx, 1.0f, node->out->grad, node->out->numel);
+    ddp__kernels_for(node->out->device)->basic->axpy(dx, 1.0f, node->out->grad, node->out->numel);
   return s;
 }
 
 /* Shared by dropout (group_size 1) and dropout2d. `groups` is 0 for an
  * empty input. */
 static ddp_status dropout_common(ddp_tape *tape, const char *op, ddp_tensor *x, float p,
-                                 bool training, ddp_rng *rng, int64_t groups,
-                                 int64_t group_size, ddp_tensor **out) {
+                                 bool training, ddp_rng *rng, int64_t groups, int64_t group_size,
+                                 ddp_tensor **out) {
   const ddp__kernels *k;
   ddp_tensor *y;
   /* Identity: a view of x (no copy), whose gradient passes straight through. */

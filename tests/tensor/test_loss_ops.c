@@ -58,8 +58,7 @@ static void test_losses_gradcheck(void **state) {
   ddp_tensor *xy[2] = {gradcheck_random(2, s, -1, 1, 3, true),
                        gradcheck_random(2, s, -1, 1, 4, true)};
   assert_int_equal(gradcheck("log_softmax", fn_log_softmax, &x, 1, NULL, 1e-2, 1e-4, 2e-3), 0);
-  assert_int_equal(gradcheck("log_softmax 3d", fn_log_softmax, &x3, 1, NULL, 1e-2, 1e-4, 2e-3),
-                   0);
+  assert_int_equal(gradcheck("log_softmax 3d", fn_log_softmax, &x3, 1, NULL, 1e-2, 1e-4, 2e-3), 0);
   assert_int_equal(gradcheck("mse_loss", fn_mse, xy, 2, NULL, 1e-2, 1e-4, 1e-3), 0);
   assert_int_equal(gradcheck("nll_loss", fn_nll, &x, 1, target, 1e-2, 1e-4, 1e-3), 0);
   assert_int_equal(gradcheck("cross_entropy", fn_cross_entropy, &x, 1, target, 1e-2, 1e-4, 2e-3),
@@ -81,12 +80,12 @@ static void test_losses_against_torch(void **state) {
   (void)state;
   float xv[12] = {1, 2, 3, -1, 0.5f, -1, 2, 0.25f, 10, -3, 0, 4};
   const float torch_log_softmax[12] = {
-      -2.4197165966033936f, -1.4197165966033936f,  -0.41971665620803833f, -4.419716835021973f,
-      -1.869279146194458f,  -3.369279146194458f,   -0.36927908658981323f, -2.119279146194458f,
-      -0.0025232164189219475f, -13.002523422241211f, -10.002523422241211f, -6.002523422241211f};
+      -2.4197165966033936f,    -1.4197165966033936f, -0.41971665620803833f, -4.419716835021973f,
+      -1.869279146194458f,     -3.369279146194458f,  -0.36927908658981323f, -2.119279146194458f,
+      -0.0025232164189219475f, -13.002523422241211f, -10.002523422241211f,  -6.002523422241211f};
   const float torch_grad[12] = {
-      0.02964894101023674f,  0.08059418201446533f,  -0.11425566673278809f, 0.004012546967715025f,
-      -0.28192174434661865f, 0.011471479199826717f, 0.23041081428527832f,  0.04003939777612686f,
+      0.02964894101023674f,  0.08059418201446533f,  -0.11425566673278809f,   0.004012546967715025f,
+      -0.28192174434661865f, 0.011471479199826717f, 0.23041081428527832f,    0.04003939777612686f,
       0.3324933350086212f,   7.51544291688333e-07f, 1.5095170056156348e-05f, -0.3325091600418091f};
   const int64_t tv[3] = {2, 0, 3};
   int64_t s[2] = {3, 4};

@@ -68,9 +68,8 @@ static void test_activations_forward(void **state) {
   ddp_tensor *x = gradcheck_random(1, shape, -30, 30, 12, false);
   float *xd = x->data;
   /* Hand-picked points: tiny, near the tanh switch, exp's clamps, extremes. */
-  const float special[] = {0.0f, -0.0f, 1e-7f, -1e-5f, 0.624f, 0.626f, -0.625f, 8.9f,
-                           -44.0f, 44.0f, 87.0f, -87.0f, 88.5f, -88.5f, 100.0f, -100.0f,
-                           1e30f, -1e30f};
+  const float special[] = {0.0f,  -0.0f, 1e-7f,  -1e-5f, 0.624f, 0.626f, -0.625f, 8.9f,  -44.0f,
+                           44.0f, 87.0f, -87.0f, 88.5f,  -88.5f, 100.0f, -100.0f, 1e30f, -1e30f};
   for (size_t i = 0; i < sizeof special / sizeof *special; i++) xd[i] = special[i];
   for (int i = 100; i < 600; i++) xd[i] = (float)(i - 350) * 0.004f; /* dense near 0 */
   ddp_tape *tape = new_tape();
@@ -341,8 +340,8 @@ typedef struct bn_args {
 static ddp_status fn_batch_norm(ddp_tape *t, ddp_tensor **in, void *u, ddp_tensor **out) {
   bn_args *a = u;
   ddp_tensor *y;
-  DDP_TRY(ddp_batch_norm(t, in[0], in[1], in[2], a->running_mean, a->running_var, NULL,
-                         a->training, a->momentum, a->eps, &y));
+  DDP_TRY(ddp_batch_norm(t, in[0], in[1], in[2], a->running_mean, a->running_var, NULL, a->training,
+                         a->momentum, a->eps, &y));
   /* A nonlinearity after it, so the training-mode terms of dx (which vanish
    * for a plain sum) are exercised by the random projection too. */
   return ddp_tanh(t, y, out);
@@ -379,7 +378,7 @@ static void test_batch_norm_gradcheck(void **state) {
   bn_gradcheck_case(2, s2, true, true, true, 43);
   bn_gradcheck_case(4, s4, false, true, false, 44);
   bn_gradcheck_case(2, s2, false, true, true, 45);
-  bn_gradcheck_case(4, s4, true, false, true, 46);  /* eval: running stats */
+  bn_gradcheck_case(4, s4, true, false, true, 46); /* eval: running stats */
   bn_gradcheck_case(2, s2, true, false, true, 47);
   bn_gradcheck_case(2, s2, true, false, false, 48); /* eval without running stats: batch stats */
 }
@@ -421,8 +420,8 @@ static void test_batch_norm_forward_and_running_stats(void **state) {
       for (int n = 0; n < N; n++)
         for (int i = 0; i < HW; i++) {
           int64_t at = (n * C + c) * HW + i;
-          double expect = (xd[at] - mean) / sqrt(var + eps) * ddp_tensor_f32(w)[c] +
-                          ddp_tensor_f32(b)[c];
+          double expect =
+              (xd[at] - mean) / sqrt(var + eps) * ddp_tensor_f32(w)[c] + ddp_tensor_f32(b)[c];
           /* The mean is a float near 1000 (ulp 6e-5); std is about 1.2. */
           assert_true(fabs(ddp_tensor_f32(y)[at] - expect) < 1e-4);
         }
@@ -450,7 +449,8 @@ static void test_batch_norm_forward_and_running_stats(void **state) {
   for (int64_t i = 0; i < x->numel; i++) {
     int c = (int)((i / HW) % C);
     double expect = (ddp_tensor_f32(x)[i] - rm_before[c]) / sqrt(rv_before[c] + (double)eps) *
-                        ddp_tensor_f32(w)[c] + ddp_tensor_f32(b)[c];
+                        ddp_tensor_f32(w)[c] +
+                    ddp_tensor_f32(b)[c];
     assert_true(fabs(ddp_tensor_f32(y)[i] - expect) < 2e-6 * fabs(expect) + 1e-5);
   }
   ddp_tensor_destroy(x);
