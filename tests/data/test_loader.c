@@ -458,6 +458,53 @@ static void test_loader_custom_sampler(void **state) {
   ddp_sampler_destroy(&ts->base); /* borrowed: the caller frees it */
 }
 
+/* ---- Allocation failures ------------------------------------------------
+ * Every allocation in turn fails; each constructor must return
+ * DDP_ERR_NOMEM with nothing leaked (AddressSanitizer's leak check in the
+ * sanitizer build) and no thread left running. */
+static int64_t allocs_left;
+
+static void *failing_alloc(size_t bytes, void *user) {
+  (void)user;
+  if (allocs_left-- <= 0) return NULL;
+  void *p = NULL;
+  return posix_memalign(&p, 64, bytes ? (bytes + 63) & ~(size_t)63 : 64) == 0 ? p : NULL;
+}
+
+static void plain_free(void *p, void *user) {
+  (void)user;
+  free(p);
+}
+
+static void test_allocation_failures(void **state) {
+  fixture *f = *state;
+  const ddp_alloc_hooks hooks = {failing_alloc, plain_free, NULL};
+  int failures = 0;
+  for (int64_t budget = 0;; budget++) {
+    allocs_left = budget;
+    ddp_set_alloc_hooks(&hooks);
+    ddp_dataset *ds = NULL;
+    ddp_loader *l = NULL;
+    ddp_status s = ddp_dataset_open_idx_dir(&ds, f->dir, DDP_SPLIT_TRAIN);
+    if (s == DDP_OK) {
+      ddp_loader_config cfg = ddp_loader_config_default();
+      cfg.batch_size = 10;
+      cfg.shuffle = true;
+      cfg.num_workers = 2;
+      s = ddp_loader_create(&l, ds, &cfg);
+      if (s == DDP_OK) s = ddp_loader_start_epoch(l, 0);
+    }
+    ddp_set_alloc_hooks(NULL);
+    ddp_loader_destroy(l);
+    ddp_dataset_destroy(ds);
+    if (s == DDP_OK) break;
+    assert_int_equal(s, DDP_ERR_NOMEM);
+    if (l) fail();
+    failures++;
+  }
+  assert_true(failures >= 8); /* dataset, labels, loader, ring, threads... */
+}
+
 int main(void) {
 #define T(name) cmocka_unit_test_setup_teardown(name, setup, teardown)
   const struct CMUnitTest tests[] = {
@@ -472,6 +519,7 @@ int main(void) {
       T(test_loader_no_allocation),
       T(test_loader_shutdown_mid_epoch),
       T(test_loader_custom_sampler),
+      T(test_allocation_failures),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
