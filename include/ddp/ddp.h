@@ -7,6 +7,7 @@
 #include "ddp/data.h"
 #include "ddp/nn.h"
 #include "ddp/store.h"
+#include "ddp/rendezvous.h"
 #include "ddp/optim.h"
 
 #endif /* DDP_H */

@@ -12,17 +12,7 @@
 #include <cmocka.h>
 
 #include "rendezvous/rdzv_internal.h"
-
-/* Every variable the contracts read: cleared before each case. */
-static const char *all_vars[] = {
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "DDP_STORE_ADDR", "DDP_TIMEOUT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_NPROCS",
-    "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
-    "SLURM_NODEID", "SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NODELIST", "SLURM_JOB_ID",
-    "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-    "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALRANKID",
-    "MPI_LOCALNRANKS", "PMI_LOCAL_RANK", "PMI_LOCAL_SIZE",
-};
+#include "rendezvous/rdzv_test_env.h"
 
 typedef struct env_case {
   const char *env; /* "NAME=value NAME=value" */
@@ -160,20 +150,9 @@ static const env_case cases[] = {
     FAIL(TR "RANK=1 WORLD_SIZE=2", "env://", -2, -1, "options.rank=-2 is negative"),
 };
 
-static void clear_env(void) {
-  for (size_t i = 0; i < sizeof all_vars / sizeof all_vars[0]; i++) unsetenv(all_vars[i]);
-}
+static void clear_env(void) { rdzv_test_clear_env(); }
 
-static void apply_env(const char *env) {
-  char buf[1024];
-  snprintf(buf, sizeof buf, "%s", env);
-  for (char *save = NULL, *tok = strtok_r(buf, " ", &save); tok; tok = strtok_r(NULL, " ", &save)) {
-    char *eq = strchr(tok, '=');
-    assert_non_null(eq);
-    *eq = '\0';
-    setenv(tok, eq + 1, 1);
-  }
-}
+static void apply_env(const char *env) { assert_int_equal(rdzv_test_apply_env(env), 0); }
 
 static ddp_status resolve(const char *url, int32_t rank, int32_t world, double timeout,
                           ddp_rendezvous_info *info) {
