@@ -157,6 +157,7 @@ static void sleep_ms(int64_t ms) {
 
 /* Connects and shakes hands, retrying until deadline_ns. */
 static ddp_status connect_retry(tcp_store *t, int64_t deadline_ns) {
+  int64_t start = ddp_time_ns();
   int64_t backoff = BACKOFF_FIRST_MS;
   char last[512] = "";
   int attempts = 0;
@@ -185,7 +186,7 @@ static ddp_status connect_retry(tcp_store *t, int64_t deadline_ns) {
     backoff = backoff * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : backoff * 2;
   }
   char ms[32];
-  ddp__store_format_ms(t->connect_timeout_ms, ms, sizeof ms);
+  ddp__store_format_ms((ddp_time_ns() - start) / 1000000LL, ms, sizeof ms);
   return ddp_error(DDP_ERR_TIMEOUT, "cannot connect within %s after %d attempts (last error: %s)",
                    ms, attempts, last[0] ? last : "timed out");
 }
