@@ -6,7 +6,8 @@
  * claim batch b only when b < released + num_slots, where `released` counts
  * the batches the consumer has handed back, so the slot it writes is never
  * the one the consumer is reading. Workers finish out of order; the consumer
- * takes batches in order, waiting for its slot to be READY. Everything shared
+ * takes batches in order, waiting for its slot to be READY (or filling it
+ * itself when no worker has claimed it yet). Everything shared
  * is guarded by one mutex; the data in a slot is handed over by its state
  * change under that mutex, and the epoch's indices are rewritten only while
  * no worker is busy. */
@@ -354,6 +355,22 @@ ddp_status ddp_loader_next(ddp_loader *l, ddp_batch *batch) {
     return DDP_OK;
   }
   loader_slot *slot = &l->slots[b % l->num_slots];
+  if (l->next_claim == b) {
+    /* No worker has started the batch we need (they are descheduled on a
+     * busy machine, or fewer than the consumer's pace): fill it here rather
+     * than wait, so workers never make the loader slower than none. */
+    l->next_claim++;
+    DDP_ASSERT(slot->state == SLOT_FREE);
+    slot->state = SLOT_FILLING;
+    slot->batch = b;
+    l->busy++;
+    pthread_mutex_unlock(&l->mu);
+    fill_slot(l, slot, b);
+    pthread_mutex_lock(&l->mu);
+    slot->state = SLOT_READY;
+    l->busy--;
+    if (l->busy == 0) pthread_cond_broadcast(&l->idle_cv);
+  }
   struct timespec ts = deadline_after_ns((int64_t)(l->cfg.timeout_s * 1e9));
   while (!(slot->state == SLOT_READY && slot->batch == b)) {
     int rc = pthread_cond_timedwait(&l->ready_cv, &l->mu, &ts);
