@@ -166,74 +166,64 @@ static ddp_status backward_generic(float *dx, float *dw, float *db, const float 
 }
 
 /* ---- AVX-512 path ------------------------------------------------------
- * The same per-sample im2col, with the gemms done by ddp__cpu_gemm_avx512
- * and three changes that matter at the ConvNet's shapes:
- *   - im2col for stride 1 copies each output row with one masked load and
- *     store per 16 columns (the padding is the masked-off lanes);
- *   - dW^T (K, O) += col (K, OH*OW) @ dy^T (OH*OW, O) per sample, so both
- *     gemm operands are read in place, and dW += its transpose once at the end;
- *   - for stride 1, dX is itself a stride-1 convolution of dy with the
- *     flipped, transposed weight (C, O, KH, KW) and padding K-1-pad: one gemm
- *     with k = O*KH*KW that accumulates straight into dx, instead of a gemm
- *     with k = O and a scatter-add (col2im). */
-
-/* Stride-1 im2col in two steps. pad_copy writes a sample into the interior
- * of xp (C, H+2ph, W+2pw), whose border the caller zeroed once per call;
- * im2col_padded then copies each output row of each tap with whole 16-lane
- * loads and stores, no masks and no bounds tests (masked stores cost ~10
- * cycles each on AMD). Both may run up to 15 floats past their last
- * element: xp and col are allocated with SLACK floats to spare, and the
- * lanes a row writes past its end land on the next row, written after it. */
+ * The gemms run on ddp__cpu_gemm*_avx512 (cpu/gemm.c), and the layout work
+ * around them is cut down, which matters as much at the ConvNet's shapes:
+ *   - stride 1 needs no column matrix at all: the forward and dX read a
+ *     zero-padded copy of the sample through per-tap offsets, one vector per
+ *     output row (rows up to 16 wide), and dW^T (K, O) accumulates
+ *     sum_p xp[off[t] + p] * dy^T[p] the same way; dW += its transpose once
+ *     at the end of the batch. Otherwise a column matrix as above.
+ *   - dX for stride 1 is itself a stride-1 convolution of dy, with the
+ *     flipped, transposed weight (C, O, KH, KW) and padding K-1-pad: one
+ *     gemm with k = O*KH*KW accumulating straight into dx, instead of a
+ *     gemm with k = O and a scatter-add (col2im).
+ *   - with few output channels (conv1: 16), dW is a set of dot products of
+ *     dy rows with column-matrix rows, needing no transposed copy of dy.
+ * Masked stores cost ~10 cycles each on AMD (Zen 5): copies use whole
+ * vectors and let a row's spare lanes spill onto the next row, which is
+ * written afterwards; buffers carry SLACK floats past their end for that. */
 #define SLACK 16
 
-static void pad_copy(float *restrict xp, const float *restrict x, int64_t c, int64_t h,
-                     int64_t w, int64_t ph, int64_t pw) {
-  const int64_t hp = h + 2 * ph, wp = w + 2 * pw;
-  for (int64_t ci = 0; ci < c; ci++)
-    for (int64_t y = 0; y < h; y++)
-      memcpy(xp + (ci * hp + y + ph) * wp + pw, x + (ci * h + y) * w, (size_t)w * sizeof(float));
-}
+/* A zero-padded copy of one sample, (C, H+2ph, W+2pw), with per-tap offsets
+ * off[(c*KH + a)*KW + b] = (c*HP + a)*WP + b. The border is zeroed once and
+ * pad_copy rewrites only the interior for each sample. */
+typedef struct padded {
+  float *xp;
+  int64_t *off;
+  int64_t c, h, w, ph, pw, hp, wp;
+} padded;
 
-/* col (C*KH*KW, OH*OW) from the padded xp (C, HP, WP), stride 1. */
-AVX512 static void im2col_padded(float *restrict col, const float *restrict xp, int64_t c,
-                                 int64_t hp, int64_t wp, int64_t kh, int64_t kw, int64_t oh,
-                                 int64_t ow) {
+static ddp_status padded_init(padded *p, int64_t c, int64_t h, int64_t w, int64_t ph,
+                              int64_t pw, int64_t kh, int64_t kw, ddp_arena *arena) {
+  ddp_status status = DDP_OK;
+  *p = (padded){.c = c, .h = h, .w = w, .ph = ph, .pw = pw, .hp = h + 2 * ph, .wp = w + 2 * pw};
+  const int64_t floats = c * p->hp * p->wp + SLACK;
+  if (!(p->xp = scratch(arena, floats, &status))) return status;
+  memset(p->xp, 0, (size_t)floats * sizeof(float));
+  p->off = ddp_arena_alloc(arena, (size_t)(c * kh * kw) * sizeof(int64_t));
+  if (!p->off) return ddp_error(DDP_ERR_NOMEM, "conv2d: cannot allocate tap offsets");
   for (int64_t ci = 0; ci < c; ci++)
     for (int64_t a = 0; a < kh; a++)
-      for (int64_t b = 0; b < kw; b++) {
-        float *dst = col + ((ci * kh + a) * kw + b) * oh * ow;
-        const float *src = xp + (ci * hp + a) * wp + b;
-        for (int64_t oy = 0; oy < oh; oy++, dst += ow, src += wp)
-          for (int64_t ox = 0; ox < ow; ox += 16)
-            _mm512_storeu_ps(dst + ox, _mm512_loadu_ps(src + ox));
-      }
-}
-
-/* Scratch for one sample's column matrix (and its padded copy, stride 1). */
-typedef struct col_buf {
-  float *col, *xp;
-} col_buf;
-
-static ddp_status col_init(col_buf *cb, const ddp__conv2d_geom *g, ddp_arena *arena) {
-  ddp_status status = DDP_OK;
-  const int64_t k = g->c * g->kh * g->kw, ohw = g->oh * g->ow;
-  const int64_t padded = g->c * (g->h + 2 * g->pad) * (g->w + 2 * g->pad);
-  cb->xp = NULL;
-  if (!(cb->col = scratch(arena, k * ohw + SLACK, &status))) return status;
-  if (g->stride == 1) {
-    if (!(cb->xp = scratch(arena, padded + SLACK, &status))) return status;
-    memset(cb->xp, 0, (size_t)(padded + SLACK) * sizeof(float));
-  }
+      for (int64_t b = 0; b < kw; b++) p->off[(ci * kh + a) * kw + b] = (ci * p->hp + a) * p->wp + b;
   return DDP_OK;
 }
 
-static void col_fill(col_buf *cb, const float *x, const ddp__conv2d_geom *g) {
-  if (cb->xp) {
-    pad_copy(cb->xp, x, g->c, g->h, g->w, g->pad, g->pad);
-    im2col_padded(cb->col, cb->xp, g->c, g->h + 2 * g->pad, g->w + 2 * g->pad, g->kh, g->kw,
-                  g->oh, g->ow);
-  } else {
-    im2col(cb->col, x, g);
+static void pad_copy(padded *p, const float *restrict x) {
+  for (int64_t ci = 0; ci < p->c; ci++)
+    for (int64_t y = 0; y < p->h; y++)
+      memcpy(p->xp + (ci * p->hp + y + p->ph) * p->wp + p->pw, x + (ci * p->h + y) * p->w,
+             (size_t)p->w * sizeof(float));
+}
+
+/* col (C*KH*KW, OH*OW) from a padded sample, stride 1: whole-vector copies. */
+AVX512 static void im2col_padded(float *restrict col, const padded *p, int64_t kh, int64_t kw,
+                                 int64_t oh, int64_t ow) {
+  for (int64_t t = 0; t < p->c * kh * kw; t++) {
+    float *dst = col + t * oh * ow;
+    const float *src = p->xp + p->off[t];
+    for (int64_t oy = 0; oy < oh; oy++, dst += ow, src += p->wp)
+      for (int64_t ox = 0; ox < ow; ox += 16)
+        _mm512_storeu_ps(dst + ox, _mm512_loadu_ps(src + ox));
   }
 }
 
@@ -245,17 +235,43 @@ static void transpose(float *restrict dst, const float *restrict src, int64_t ro
       for (int64_t i = i0; i < i0 + 8 && i < rows; i++) dst[j * rows + i] = src[i * cols + j];
 }
 
+/* Fills col for sample x: from the padded copy (stride 1) or directly. */
+static void col_fill(float *col, padded *p, const float *x, const ddp__conv2d_geom *g) {
+  if (g->stride == 1) {
+    pad_copy(p, x);
+    im2col_padded(col, p, g->kh, g->kw, g->oh, g->ow);
+  } else {
+    im2col(col, x, g);
+  }
+}
+
 static ddp_status forward_avx512(float *y, const float *x, const float *w, const float *b,
                                  const ddp__conv2d_geom *g, ddp_arena *arena) {
   const int64_t k = g->c * g->kh * g->kw, ohw = g->oh * g->ow, chw = g->c * g->h * g->w;
-  col_buf cb = {NULL, NULL};
-  if (!is_pointwise(g)) DDP_TRY(col_init(&cb, g, arena));
+  ddp_status status = DDP_OK;
+  if (is_pointwise(g)) {
+    for (int64_t n = 0; n < g->n; n++)
+      ddp__cpu_gemm_avx512(g->o, ohw, k, w, k, x + n * chw, ohw, y + n * g->o * ohw, ohw, b,
+                           false);
+    return DDP_OK;
+  }
+  padded p = {0};
+  if (g->stride == 1) DDP_TRY(padded_init(&p, g->c, g->h, g->w, g->pad, g->pad, g->kh, g->kw, arena));
+  if (g->stride == 1 && g->ow <= 16) {
+    for (int64_t n = 0; n < g->n; n++) {
+      pad_copy(&p, x + n * chw);
+      /* y_n (O, OH, OW) = b + w (O, K) @ implicit col (K, OH*OW) */
+      ddp__cpu_conv_rows_avx512(g->o, k, w, k, p.xp, p.off, p.wp, y + n * g->o * ohw, g->oh,
+                                g->ow, b, false);
+    }
+    return DDP_OK;
+  }
+  float *col = scratch(arena, k * ohw + SLACK, &status);
+  if (!col) return status;
   for (int64_t n = 0; n < g->n; n++) {
-    const float *xn = x + n * chw;
-    if (cb.col) col_fill(&cb, xn, g);
+    col_fill(col, &p, x + n * chw, g);
     /* y_n (O, OH*OW) = b + w (O, K) @ col (K, OH*OW) */
-    ddp__cpu_gemm_avx512(g->o, ohw, k, w, k, cb.col ? cb.col : xn, ohw, y + n * g->o * ohw, ohw,
-                         b, false);
+    ddp__cpu_gemm_avx512(g->o, ohw, k, w, k, col, ohw, y + n * g->o * ohw, ohw, b, false);
   }
   return DDP_OK;
 }
@@ -266,61 +282,80 @@ static ddp_status backward_avx512(float *dx, float *dw, float *db, const float *
   const int64_t k = g->c * g->kh * g->kw, ohw = g->oh * g->ow, chw = g->c * g->h * g->w;
   const int64_t hw = g->h * g->w, kk = g->kh * g->kw;
   const bool pointwise = is_pointwise(g);
-  /* dX as a convolution of dy needs stride 1 and padding that leaves the
-   * flipped kernel a non-negative padding. */
-  const bool dx_as_conv = g->stride == 1 && g->pad <= g->kh - 1 && g->pad <= g->kw - 1;
   ddp_status status = DDP_OK;
-  col_buf cb = {NULL, NULL};
-  float *dyt = NULL, *dwt = NULL, *wflip = NULL, *wt = NULL, *dcol = NULL, *dyp = NULL;
-  const int64_t dph = g->kh - 1 - g->pad, dpw = g->kw - 1 - g->pad; /* dX-as-conv padding */
-  const int64_t dy_padded = g->o * (g->oh + 2 * dph) * (g->ow + 2 * dpw);
-  /* Few output channels: dW from dy and col directly, as dot products. */
+
+  /* dW: dot products (few output channels), implicit (stride 1), or col. */
   const bool dw_dot = g->o < 32;
+  const bool dw_implicit = !dw_dot && g->stride == 1 && !pointwise;
+  padded xp = {0};
+  float *col = NULL, *dyt = NULL, *dwt = NULL;
   if (dw) {
-    if (!pointwise) DDP_TRY(col_init(&cb, g, arena));
+    if (g->stride == 1 && !pointwise)
+      DDP_TRY(padded_init(&xp, g->c, g->h, g->w, g->pad, g->pad, g->kh, g->kw, arena));
+    if (!dw_implicit && !pointwise && !(col = scratch(arena, k * ohw + SLACK, &status)))
+      return status;
     if (!dw_dot) {
       if (!(dyt = scratch(arena, ohw * g->o, &status))) return status;
       if (!(dwt = scratch(arena, k * g->o, &status))) return status;
       memset(dwt, 0, (size_t)(k * g->o) * sizeof(float));
     }
   }
+
+  /* dX: a convolution of dy with the flipped weight (stride 1 and padding
+   * <= K-1, so the flipped kernel's padding K-1-pad is >= 0), implicit when
+   * rows fit one vector; otherwise gemm + col2im. */
+  const bool dx_as_conv = g->stride == 1 && g->pad <= g->kh - 1 && g->pad <= g->kw - 1;
+  const bool dx_implicit = dx_as_conv && g->w <= 16;
+  padded dyp = {0};
+  float *wflip = NULL, *wt = NULL, *dcol = NULL;
   if (dx && dx_as_conv) {
     /* wflip (C, O, KH, KW)[c][o][a][b] = w (O, C, KH, KW)[o][c][KH-1-a][KW-1-b] */
     if (!(wflip = scratch(arena, g->c * g->o * kk, &status))) return status;
-    if (!(dcol = scratch(arena, g->o * kk * hw + SLACK, &status))) return status;
-    if (!(dyp = scratch(arena, dy_padded + SLACK, &status))) return status;
-    memset(dyp, 0, (size_t)(dy_padded + SLACK) * sizeof(float));
     for (int64_t c = 0; c < g->c; c++)
       for (int64_t o = 0; o < g->o; o++)
         for (int64_t t = 0; t < kk; t++)
           wflip[(c * g->o + o) * kk + t] = w[(o * g->c + c) * kk + (kk - 1 - t)];
+    DDP_TRY(padded_init(&dyp, g->o, g->oh, g->ow, g->kh - 1 - g->pad, g->kw - 1 - g->pad, g->kh,
+                        g->kw, arena));
+    if (!dx_implicit && !(dcol = scratch(arena, g->o * kk * hw + SLACK, &status))) return status;
   } else if (dx) {
     if (!(wt = scratch(arena, k * g->o, &status))) return status;
     if (!(dcol = scratch(arena, k * ohw, &status))) return status;
     transpose(wt, w, g->o, k);
   }
+
   for (int64_t n = 0; n < g->n; n++) {
     const float *xn = x + n * chw;
     const float *dyn = dy + n * g->o * ohw; /* (O, OH*OW) */
     if (db) bias_grad(db, dyn, g->o, ohw);
-    if (dw) {
-      if (cb.col) col_fill(&cb, xn, g);
-      const float *col = cb.col ? cb.col : xn;
+    if (dw && dw_implicit) {
+      pad_copy(&xp, xn);
+      transpose(dyt, dyn, g->o, ohw);
+      /* dwt (K, O) += implicit col (K, OH*OW) @ dy^T (OH*OW, O) */
+      ddp__cpu_conv_taps_avx512(k, g->o, xp.xp, xp.off, xp.wp, g->oh, g->ow, dyt, dwt);
+    } else if (dw) {
+      if (col) col_fill(col, &xp, xn, g);
+      const float *cn = col ? col : xn; /* (K, OH*OW) */
       if (dw_dot) {
         /* dw (O, K) += dy (O, OH*OW) @ col^T */
-        ddp__cpu_gemm_nt_avx512(g->o, k, ohw, dyn, ohw, col, ohw, dw, k);
+        ddp__cpu_gemm_nt_avx512(g->o, k, ohw, dyn, ohw, cn, ohw, dw, k);
       } else {
         transpose(dyt, dyn, g->o, ohw);
         /* dwt (K, O) += col (K, OH*OW) @ dy^T (OH*OW, O) */
-        ddp__cpu_gemm_avx512(k, g->o, ohw, col, ohw, dyt, g->o, dwt, g->o, NULL, true);
+        ddp__cpu_gemm_avx512(k, g->o, ohw, cn, ohw, dyt, g->o, dwt, g->o, NULL, true);
       }
     }
     if (dx && dx_as_conv) {
-      /* dx_n (C, H*W) += wflip (C, O*KH*KW) @ im2col(dy_n, padding K-1-pad) */
-      pad_copy(dyp, dyn, g->o, g->oh, g->ow, dph, dpw);
-      im2col_padded(dcol, dyp, g->o, g->oh + 2 * dph, g->ow + 2 * dpw, g->kh, g->kw, g->h, g->w);
-      ddp__cpu_gemm_avx512(g->c, hw, g->o * kk, wflip, g->o * kk, dcol, hw, dx + n * chw, hw,
-                           NULL, true);
+      pad_copy(&dyp, dyn);
+      if (dx_implicit) {
+        /* dx_n (C, H, W) += wflip (C, O*KH*KW) @ implicit col of padded dy */
+        ddp__cpu_conv_rows_avx512(g->c, g->o * kk, wflip, g->o * kk, dyp.xp, dyp.off, dyp.wp,
+                                  dx + n * chw, g->h, g->w, NULL, true);
+      } else {
+        im2col_padded(dcol, &dyp, g->kh, g->kw, g->h, g->w);
+        ddp__cpu_gemm_avx512(g->c, hw, g->o * kk, wflip, g->o * kk, dcol, hw, dx + n * chw, hw,
+                             NULL, true);
+      }
     } else if (dx) {
       /* dcol (K, OH*OW) = w^T (K, O) @ dy (O, OH*OW), then scatter-add */
       ddp__cpu_gemm_avx512(k, ohw, g->o, wt, g->o, dyn, ohw, dcol, ohw, NULL, false);

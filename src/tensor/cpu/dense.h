@@ -35,5 +35,17 @@ void ddp__cpu_gemm_avx512(int64_t m, int64_t n, int64_t k, const float *a, int64
  * when ddp__cpu_has_avx512(). */
 void ddp__cpu_gemm_nt_avx512(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
                              const float *b, int64_t ldb, float *c, int64_t ldc);
+/* Stride-1 convolution gemms that read a zero-padded image xp (C, HP, WP)
+ * through per-tap offsets off[t] = (c*HP + a)*WP + b instead of a column
+ * matrix. conv_rows: y (m, oh, ow) = (y if accumulate, else bias or 0) +
+ * w (m, taps; row stride ldw) @ columns of xp; needs ow <= 16 and 16 floats
+ * of slack past xp. conv_taps: dwt (taps, n) += columns^T-weighted sums,
+ * dwt[t][j] += sum over (y, x) of xp[off[t] + y*wp + x] * dyt[(y*ow + x)*n + j]. */
+void ddp__cpu_conv_rows_avx512(int64_t m, int64_t taps, const float *w, int64_t ldw,
+                               const float *xp, const int64_t *off, int64_t wp, float *y,
+                               int64_t oh, int64_t ow, const float *bias, bool accumulate);
+void ddp__cpu_conv_taps_avx512(int64_t taps, int64_t n, const float *xp, const int64_t *off,
+                               int64_t wp, int64_t oh, int64_t ow, const float *dyt,
+                               float *dwt);
 
 #endif

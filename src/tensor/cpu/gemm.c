@@ -184,3 +184,146 @@ AVX512 void ddp__cpu_gemm_nt_avx512(int64_t m, int64_t n, int64_t k, const float
       tile_nt(1, 1, k, tail, a + i * lda, lda, b + j * ldb, ldb, c + i * ldc + j, ldc);
   }
 }
+
+/* ---- implicit-im2col gemms for stride-1 convolutions --------------------
+ * Both read a zero-padded image xp (C, HP, WP) in place through per-tap
+ * offsets off[t] = (c*HP + a)*WP + b, t = (c, a, b), instead of a column
+ * matrix: im2col's ~80,000 stores per sample of conv2 cost a quarter of the
+ * gemm's time. */
+
+/* y (m, oh, ow) = bias + w (m, taps) @ B, B[t][(y, x)] = xp[off[t] + y*WP + x],
+ * for ow <= 16: one vector per output row (lanes past ow computed and
+ * dropped), a tile of 8 channels x up to 3 rows. Lanes past a row's end are
+ * stored onto the channel's next rows, which are written later; rows whose
+ * spill would leave the channel, and every row when accumulating, are stored
+ * masked. xp needs 16 floats of
+ * slack past its end. */
+AVX512 static inline __attribute__((always_inline)) void
+tile_rows(const int mr, const int nv, int64_t taps, const float *w, int64_t ldw,
+          const float *xp, const int64_t *off, int64_t wp, float *y, int64_t oh, int64_t ow,
+          int64_t oy, const float *bias, bool accumulate) {
+  __m512 acc[MR][3];
+  const __mmask16 lanes = (__mmask16)((1u << ow) - 1);
+#pragma GCC unroll 8
+  for (int r = 0; r < mr; r++)
+#pragma GCC unroll 3
+    for (int v = 0; v < nv; v++)
+      acc[r][v] = accumulate ? _mm512_maskz_loadu_ps(lanes, y + r * oh * ow + (oy + v) * ow)
+                  : bias     ? _mm512_set1_ps(bias[r])
+                             : _mm512_setzero_ps();
+  const float *xrow = xp + oy * wp;
+  for (int64_t t = 0; t < taps; t++) {
+    const float *src = xrow + off[t];
+    __m512 bv[3];
+#pragma GCC unroll 3
+    for (int v = 0; v < nv; v++) bv[v] = _mm512_loadu_ps(src + v * wp);
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++) {
+      __m512 ar = _mm512_set1_ps(w[r * ldw + t]);
+#pragma GCC unroll 3
+      for (int v = 0; v < nv; v++) acc[r][v] = _mm512_fmadd_ps(ar, bv[v], acc[r][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < mr; r++)
+#pragma GCC unroll 3
+    for (int v = 0; v < nv; v++) {
+      float *dst = y + r * oh * ow + (oy + v) * ow;
+      /* Spill only onto this channel's later rows; accumulating, not at all
+       * (the next row's head must stay intact until it is loaded). */
+      if (accumulate || (oy + v) * ow + 16 > oh * ow)
+        _mm512_mask_storeu_ps(dst, lanes, acc[r][v]);
+      else
+        _mm512_storeu_ps(dst, acc[r][v]);
+    }
+}
+
+AVX512 static inline __attribute__((always_inline)) void
+rows_block(const int nv, int64_t m, int64_t taps, const float *w, int64_t ldw, const float *xp,
+           const int64_t *off, int64_t wp, float *y, int64_t oh, int64_t ow, int64_t oy,
+           const float *bias, bool accumulate) {
+  int64_t i = 0;
+  for (; i + MR <= m; i += MR)
+    tile_rows(MR, nv, taps, w + i * ldw, ldw, xp, off, wp, y + i * oh * ow, oh, ow, oy,
+              bias ? bias + i : NULL, accumulate);
+  for (; i < m; i++)
+    tile_rows(1, nv, taps, w + i * ldw, ldw, xp, off, wp, y + i * oh * ow, oh, ow, oy,
+              bias ? bias + i : NULL, accumulate);
+}
+
+AVX512 void ddp__cpu_conv_rows_avx512(int64_t m, int64_t taps, const float *w, int64_t ldw,
+                                      const float *xp, const int64_t *off, int64_t wp, float *y,
+                                      int64_t oh, int64_t ow, const float *bias,
+                                      bool accumulate) {
+  int64_t oy = 0;
+  for (; oy + 3 <= oh; oy += 3)
+    rows_block(3, m, taps, w, ldw, xp, off, wp, y, oh, ow, oy, bias, accumulate);
+  if (oh - oy == 2)
+    rows_block(2, m, taps, w, ldw, xp, off, wp, y, oh, ow, oy, bias, accumulate);
+  else if (oh - oy == 1)
+    rows_block(1, m, taps, w, ldw, xp, off, wp, y, oh, ow, oy, bias, accumulate);
+}
+
+/* dwt (taps, n) += A @ dyt, A[t][(y, x)] = xp[off[t] + y*WP + x] for (y, x)
+ * in (oh, ow), dyt ((oh*ow), n) with row stride n: the weight gradient
+ * (transposed) without a column matrix. Tiles of 12 taps x 16*nv. */
+#define MRA 12
+AVX512 static inline __attribute__((always_inline)) void
+tile_taps(const int mr, const int nv, __mmask16 tail, const float *xp, const int64_t *off,
+          int64_t wp, int64_t oh, int64_t ow, const float *dyt, int64_t n, float *c) {
+  __m512 acc[MRA][2];
+#pragma GCC unroll 12
+  for (int r = 0; r < mr; r++)
+#pragma GCC unroll 2
+    for (int v = 0; v < nv; v++)
+      acc[r][v] = _mm512_maskz_loadu_ps(v == nv - 1 ? tail : 0xffff, c + r * n + 16 * v);
+  const float *bk = dyt;
+  for (int64_t y = 0; y < oh; y++)
+    for (int64_t x = 0; x < ow; x++, bk += n) {
+      const int64_t at = y * wp + x;
+      __m512 bv[2];
+#pragma GCC unroll 2
+      for (int v = 0; v < nv; v++)
+        bv[v] = v == nv - 1 ? _mm512_maskz_loadu_ps(tail, bk + 16 * v) : _mm512_loadu_ps(bk + 16 * v);
+#pragma GCC unroll 12
+      for (int r = 0; r < mr; r++) {
+        __m512 ar = _mm512_set1_ps(xp[off[r] + at]);
+#pragma GCC unroll 2
+        for (int v = 0; v < nv; v++) acc[r][v] = _mm512_fmadd_ps(ar, bv[v], acc[r][v]);
+      }
+    }
+#pragma GCC unroll 12
+  for (int r = 0; r < mr; r++)
+#pragma GCC unroll 2
+    for (int v = 0; v < nv; v++) {
+      if (v == nv - 1 && tail != 0xffff)
+        _mm512_mask_storeu_ps(c + r * n + 16 * v, tail, acc[r][v]);
+      else
+        _mm512_storeu_ps(c + r * n + 16 * v, acc[r][v]);
+    }
+}
+
+AVX512 static inline __attribute__((always_inline)) void
+taps_strip(const int nv, __mmask16 tail, int64_t taps, const float *xp, const int64_t *off,
+           int64_t wp, int64_t oh, int64_t ow, const float *dyt, int64_t n, float *c) {
+  int64_t t = 0;
+  for (; t + MRA <= taps; t += MRA)
+    tile_taps(MRA, nv, tail, xp, off + t, wp, oh, ow, dyt, n, c + t * n);
+  for (; t + 4 <= taps; t += 4)
+    tile_taps(4, nv, tail, xp, off + t, wp, oh, ow, dyt, n, c + t * n);
+  for (; t < taps; t++) tile_taps(1, nv, tail, xp, off + t, wp, oh, ow, dyt, n, c + t * n);
+}
+
+AVX512 void ddp__cpu_conv_taps_avx512(int64_t taps, int64_t n, const float *xp,
+                                      const int64_t *off, int64_t wp, int64_t oh, int64_t ow,
+                                      const float *dyt, float *dwt) {
+  for (int64_t j = 0; j < n; j += 32) {
+    const int64_t rest = n - j < 32 ? n - j : 32;
+    const int lanes = (int)((rest - 1) % 16 + 1);
+    const __mmask16 tail = (__mmask16)((1u << lanes) - 1);
+    if (rest > 16)
+      taps_strip(2, tail, taps, xp, off, wp, oh, ow, dyt + j, n, dwt + j);
+    else
+      taps_strip(1, tail, taps, xp, off, wp, oh, ow, dyt + j, n, dwt + j);
+  }
+}
