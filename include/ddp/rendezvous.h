@@ -102,8 +102,9 @@ typedef struct ddp_rendezvous_info {
  * and waits for all world_size ranks, so a successful return means all of
  * them are here. Errors say which address, which key, how long it waited and
  * who is missing ("timed out after 30 s waiting for workers: 3/4 joined;
- * missing ranks: 2"). On failure *out holds nothing to destroy (it is zeroed),
- * and a server this call started is stopped. */
+ * missing ranks: 2"). On success, log lines carry this rank (ddp_log_set_rank).
+ * On failure *out holds nothing to destroy (it is zeroed), and a server this
+ * call started is stopped (after up to 2 s, so the others can read why). */
 ddp_status ddp_rendezvous(const char *url, const ddp_rendezvous_options *opts,
                           ddp_rendezvous_info *out);
 

@@ -86,8 +86,9 @@ static ddp_status connect_store(ddp_rendezvous_info *info, const char *host, int
   /* The store's message nests the socket's error ("store h:p: cannot connect
    * within 30 s after 12 attempts (last error: connect to h:p: Connection
    * refused)"): keep the innermost part, which is what the user can act on. */
-  char last[512];
+  char last[512], full[512];
   snprintf(last, sizeof last, "%s", ddp_last_error());
+  memcpy(full, last, sizeof full);
   const char *inner = last, *at;
   while ((at = strstr(inner, "last error: ")) != NULL) inner = at + strlen("last error: ");
   if (inner != last) {
@@ -103,10 +104,9 @@ static ddp_status connect_store(ddp_rendezvous_info *info, const char *host, int
   if (s == DDP_ERR_TIMEOUT)
     return ddp_error(s, "rank %d cannot reach the store at %s after %g s (last error: %s); %s",
                      (int)info->rank, info->store_addr, info->timeout_s, last, hint);
-  if (s == DDP_ERR_AUTH)
-    return ddp_error(s, "rank %d: the store at %s refused our token (%s); DDP_STORE_TOKEN must be "
-                     "the same for every rank and the store",
-                     (int)info->rank, info->store_addr, last);
+  if (s == DDP_ERR_AUTH) /* the store's message names the token and the variable */
+    return ddp_error(s, "rank %d cannot use the store at %s: %s", (int)info->rank, info->store_addr,
+                     full);
   return ddp_error(s, "rank %d cannot reach the store at %s (%s); %s", (int)info->rank,
                    info->store_addr, last, hint);
 }

@@ -44,6 +44,7 @@ typedef struct rank_result {
   int32_t rank, world_size, local_rank, local_world_size, num_hosts, host_index;
   int32_t rank_host[MAX_RANKS];
   int hosted, external;
+  int64_t store_timeout_ms; /* the returned store's default timeout */
   char sources[96];
   char store_addr[DDP_RENDEZVOUS_STORE_ADDR_BYTES];
   char master[300];
@@ -123,6 +124,7 @@ static void child(const rank_spec *spec, int fd) {
     for (int r = 0; r < info.world_size && r < MAX_RANKS; r++) res.rank_host[r] = info.rank_host[r];
     res.hosted = info.server != NULL;
     res.external = info.store_is_external;
+    res.store_timeout_ms = ddp_store_timeout_ms(info.store);
     snprintf(res.sources, sizeof res.sources, "%s/%s/%s/%s/%s",
              ddp_rendezvous_source_name(info.rank_source),
              ddp_rendezvous_source_name(info.world_size_source),
@@ -219,6 +221,14 @@ static void expect_ok(const rank_result *r, int n) {
   }
 }
 
+static void expect_error(const rank_result *r, const char *who, const char *text) {
+  if (!r->reported) fail_msg("%s did not report (killed after the time limit)", who);
+  if (r->exit_status != 0) fail_msg("%s exited with wait status %#x", who, r->exit_status);
+  if (r->status == DDP_OK) fail_msg("%s succeeded; expected an error containing '%s'", who, text);
+  if (!strstr(r->error, text)) fail_msg("%s: error '%s' lacks '%s'", who, r->error, text);
+  if (getenv("DDP_TEST_VERBOSE")) fprintf(stderr, "  %s: %s\n", who, r->error);
+}
+
 /* ---- Successful rendezvous ------------------------------------------------ */
 
 static void env_world(int world) {
@@ -240,6 +250,7 @@ static void env_world(int world) {
     assert_string_equal(res[r].sources, "env/env/env/env/env");
     assert_int_equal(res[r].hosted, r == 0); /* rank 0 hosts, the others are clients */
     assert_int_equal(res[r].num_hosts, 1);   /* one machine, one network namespace */
+    assert_int_equal(res[r].store_timeout_ms, 20000); /* DDP_TIMEOUT=20 */
     char master[64];
     snprintf(master, sizeof master, "127.0.0.1:%u", port);
     assert_string_equal(res[r].store_addr, master);
@@ -342,6 +353,31 @@ static void test_external_store(void **state) {
   assert_int_equal(strncmp(v, "ddp-rdzv 1 3 ", 13), 0);
   ddp_free(v);
   ddp_store_destroy(store);
+  ddp_store_server_stop(server);
+}
+
+/* DDP_STORE_TOKEN reaches the store client: a wrong token is refused with a
+ * message that says so, the right one is let in. */
+static void test_store_token(void **state) {
+  (void)state;
+  ddp_store_server *server = NULL;
+  ddp_store_server_options so;
+  memset(&so, 0, sizeof so);
+  so.token = "s3cret";
+  assert_int_equal(ddp_store_server_start("127.0.0.1", 0, &so, &server), DDP_OK);
+  uint16_t port = ddp_store_server_port(server);
+  rank_spec specs[2];
+  rank_result res[2];
+  spec(&specs[0], "env://", "DDP_STORE_ADDR=127.0.0.1:%u RANK=0 WORLD_SIZE=1 DDP_STORE_TOKEN=wrong DDP_TIMEOUT=5", port);
+  run_ranks(1, specs, res, 15);
+  expect_error(&res[0], "rank 0", "rank 0 cannot use the store at 127.0.0.1:");
+  expect_error(&res[0], "rank 0", "token refused");
+  assert_int_equal(res[0].status, DDP_ERR_AUTH);
+  for (int r = 0; r < 2; r++)
+    spec(&specs[r], "env://", "DDP_STORE_ADDR=127.0.0.1:%u RANK=%d WORLD_SIZE=2 DDP_STORE_TOKEN=s3cret DDP_TIMEOUT=20",
+         port, r);
+  run_ranks(2, specs, res, 25);
+  expect_ok(res, 2);
   ddp_store_server_stop(server);
 }
 
@@ -462,13 +498,6 @@ static void test_server_starts_late(void **state) {
 
 /* ---- Failures ------------------------------------------------------------- */
 
-static void expect_error(const rank_result *r, const char *who, const char *text) {
-  if (!r->reported) fail_msg("%s did not report (killed after the time limit)", who);
-  if (r->exit_status != 0) fail_msg("%s exited with wait status %#x", who, r->exit_status);
-  if (r->status == DDP_OK) fail_msg("%s succeeded; expected an error containing '%s'", who, text);
-  if (!strstr(r->error, text)) fail_msg("%s: error '%s' lacks '%s'", who, r->error, text);
-  if (getenv("DDP_TEST_VERBOSE")) fprintf(stderr, "  %s: %s\n", who, r->error);
-}
 
 /* Ranks 0, 1 and 3 of 4 start; rank 2 never does. Every rank fails within
  * about the timeout, and says who is missing. */
@@ -595,6 +624,7 @@ int main(void) {
       cmocka_unit_test(test_env_world_1_no_master),
       cmocka_unit_test(test_local_rank_from_host_ids),
       cmocka_unit_test(test_external_store),
+      cmocka_unit_test(test_store_token),
       cmocka_unit_test(test_tcp_url),
       cmocka_unit_test(test_file_url),
       cmocka_unit_test(test_slurm_variables),
