@@ -81,10 +81,12 @@ static ddp_status stream_read(idx_stream *s, void *buf, size_t bytes, size_t *go
         if (zerr == Z_ERRNO)
           return ddp_error(DDP_ERR_IO, "idx: %s: read failed at offset %zu: %s", s->path,
                            s->offset + *got, strerror(errno));
+        /* zlib inflates ahead of what it hands out, so both offsets are
+         * where reading stood, not the damaged byte itself. */
         return ddp_error(DDP_ERR_IO,
-                         "idx: %s: corrupted gzip stream after %zu decompressed bytes "
-                         "(compressed offset %lld): %s",
-                         s->path, s->offset + *got, (long long)gzoffset(s->gz), msg);
+                         "idx: %s: corrupted gzip stream: %s (near compressed offset %lld; "
+                         "%zu decompressed bytes read before it)",
+                         s->path, msg, (long long)gzoffset(s->gz), s->offset + *got);
       }
       if (n == 0) {
         /* zlib reports a stream cut short as a soft error at the end. */
