@@ -5,13 +5,15 @@
  * beside OpenBLAS sgemm at the conv2 gemm shape and a square shape measured
  * in the same run, so the ratio survives a noisy machine.
  *
- *   bench_ops [runs]      (default 11) */
+ *   bench_ops [runs] [generic]   (runs default 11; "generic" forces the
+ *                                portable OpenBLAS path over AVX-512) */
 #include <cblas.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "ddp/ddp.h"
+#include "tensor/cpu/dense.h"
 #include "tensor/kernels.h"
 
 void openblas_set_num_threads(int num_threads);
@@ -187,11 +189,13 @@ static void report(const char *name, double s, double flops) {
 int main(int argc, char **argv) {
   if (argc > 1) runs = atoi(argv[1]);
   if (runs < 1) runs = 1;
+  const bool generic = argc > 2 && strcmp(argv[2], "generic") == 0;
+  ddp__cpu_dense_force_generic(generic);
   openblas_set_num_threads(1);
   K = ddp__kernels_for(DDP_CPU)->dense;
   ddp_arena_init(&arena, 4 << 20);
-  printf("dense ops, batch %d, 1 thread, median of %d runs (%s)\n", BATCH, runs,
-         openblas_get_corename());
+  printf("dense ops, batch %d, 1 thread, median of %d runs, %s path (OpenBLAS core %s)\n",
+         BATCH, runs, ddp__cpu_has_avx512() ? "AVX-512" : "generic", openblas_get_corename());
 
   conv_case c1, c2;
   conv_setup(&c1, 1, 28, 16, false, 10);

@@ -61,49 +61,11 @@ pool2x2_avx512(float *restrict y, int32_t *restrict argmax, const float *restric
   }
 }
 
-/* kernel 2, stride 2, portable: branchless selects (random data makes the
- * branches of the generic loop mispredict about every other time). Starting
- * from the window's first element equals starting from -inf under the rule. */
-static void pool2x2(float *restrict y, int32_t *restrict argmax, const float *restrict x,
-                    int64_t planes, int64_t h, int64_t w, int64_t oh, int64_t ow) {
-  for (int64_t p = 0; p < planes; p++) {
-    const float *xp = x + p * h * w;
-    for (int64_t i = 0; i < oh; i++) {
-      const float *r0 = xp + 2 * i * w, *r1 = r0 + w;
-      float *yr = y + (p * oh + i) * ow;
-      int32_t *ar = argmax ? argmax + (p * oh + i) * ow : NULL;
-      for (int64_t j = 0; j < ow; j++) {
-        const int32_t base = (int32_t)(2 * i * w + 2 * j);
-        float m = r0[2 * j], v;
-        int32_t at = base;
-        bool t;
-        v = r0[2 * j + 1];
-        t = v > m || v != v;
-        m = t ? v : m;
-        at = t ? base + 1 : at;
-        v = r1[2 * j];
-        t = v > m || v != v;
-        m = t ? v : m;
-        at = t ? base + (int32_t)w : at;
-        v = r1[2 * j + 1];
-        t = v > m || v != v;
-        m = t ? v : m;
-        at = t ? base + (int32_t)w + 1 : at;
-        yr[j] = m;
-        if (ar) ar[j] = at;
-      }
-    }
-  }
-}
-
 void ddp__cpu_max_pool2d_forward(float *y, int32_t *argmax, const float *x, int64_t planes,
                                  int64_t h, int64_t w, int64_t kernel, int64_t stride,
                                  int64_t oh, int64_t ow) {
-  if (kernel == 2 && stride == 2) {
-    if (ddp__cpu_has_avx512())
-      pool2x2_avx512(y, argmax, x, planes, h, w, oh, ow);
-    else
-      pool2x2(y, argmax, x, planes, h, w, oh, ow);
+  if (kernel == 2 && stride == 2 && ddp__cpu_has_avx512()) {
+    pool2x2_avx512(y, argmax, x, planes, h, w, oh, ow);
     return;
   }
   for (int64_t p = 0; p < planes; p++) {
