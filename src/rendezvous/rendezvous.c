@@ -478,6 +478,7 @@ static void linger(ddp_rendezvous_info *info) {
 
 ddp_status ddp_rendezvous(const char *url, const ddp_rendezvous_options *opts,
                           ddp_rendezvous_info *out) {
+  if (!out) return ddp_error(DDP_ERR_INVALID, "ddp_rendezvous: out is NULL");
   memset(out, 0, sizeof *out);
   double start = ddp_time_s();
   ddp__rdzv_url parsed;
