@@ -198,6 +198,8 @@ static const conv_cfg conv_shapes[] = {
     {2, 3, 7, 6, 4, 3, 2, 1, 1, true},   /* non-square kernel, stride 1: flipped dx */
     {1, 2, 4, 5, 3, 2, 2, 1, 2, true},   /* padding > kernel - 1: dx by col2im */
     {1, 2, 5, 37, 3, 3, 3, 1, 1, true},  /* rows wider than one 16-lane vector */
+    {2, 2, 5, 4, 33, 3, 3, 1, 1, true},  /* O >= 32: dW^T through a transposed dy */
+    {1, 2, 6, 5, 32, 3, 3, 2, 1, false}, /* the same, strided (explicit columns) */
 };
 
 static void make_conv_inputs(const conv_cfg *q, ddp_tensor **in, uint64_t seed, bool x_grad) {

@@ -8,7 +8,11 @@
  * rebuilds col instead of saving it from forward (saving would cost N times
  * that memory and a trip through DRAM; rebuilding is a few stores per 50
  * flops), accumulates dW over samples with beta = 1, and forms dX through
- * dcol = W^T @ dY followed by col2im. */
+ * dcol = W^T @ dY followed by col2im.
+ *
+ * Two implementations: the generic one (OpenBLAS, any CPU) first, then the
+ * AVX-512 one, used when the CPU has it, which keeps the per-sample scheme
+ * but mostly does without the column matrix (see its comment below). */
 #include <immintrin.h>
 #include <string.h>
 
