@@ -2,13 +2,15 @@
 # Installs the Debian packages ddp needs, only those missing (apt-get update runs
 # only when something must be installed). Groups: build (compiler, CMake,
 # OpenBLAS, zlib, cmocka), data (Fashion-MNIST), test (extra tools the test
-# suite uses). Usage: scripts/install-deps.sh [build] [data] [test]
+# suite uses), fuzz (clang with libFuzzer, for scripts/fuzz.sh).
+# Usage: scripts/install-deps.sh [build] [data] [test] [fuzz]
 set -euo pipefail
 
 declare -A GROUPS_PKGS=(
   [build]="build-essential cmake pkg-config libopenblas-dev zlib1g-dev libcmocka-dev"
   [data]="dataset-fashion-mnist"
   [test]="python3 iproute2 procps"
+  [fuzz]="clang"
 )
 
 want=()
