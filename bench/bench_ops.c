@@ -165,10 +165,18 @@ static void gemm_run(void *p) {
                 g->b, g->n, 0.0f, g->c, g->n);
 }
 
-static double gemm_gflops(int m, int n, int k, int reps) {
+/* ddp's own AVX-512 kernel on the same operands: the ceiling the
+ * convolutions work against (no im2col, operands hot in cache). */
+static void own_gemm_run(void *p) {
+  gemm_case *g = p;
+  for (int r = 0; r < g->reps; r++)
+    ddp__cpu_gemm_avx512(g->m, g->n, g->k, g->a, g->k, g->b, g->n, g->c, g->n, NULL, false);
+}
+
+static double gemm_gflops(int m, int n, int k, int reps, bool own) {
   gemm_case g = {m, n, k, reps, randn((int64_t)m * k, 1, 1), randn((int64_t)k * n, 2, 1),
                  randn((int64_t)m * n, 3, 1)};
-  double s = median_s(gemm_run, &g);
+  double s = median_s(own ? own_gemm_run : gemm_run, &g);
   ddp_free(g.a);
   ddp_free(g.b);
   ddp_free(g.c);
@@ -238,10 +246,13 @@ int main(int argc, char **argv) {
   printf("%-26s %8.3f ms  %7.1f GFLOP/s  (%.0f samples/s for the dense part alone)\n",
          "dense total", total_s * 1e3, flops / total_s / 1e9, BATCH / total_s);
 
-  printf("reference sgemm 32x196x400 x%d (conv2 forward's gemm): %.1f GFLOP/s\n", BATCH,
-         gemm_gflops(32, 196, 400, BATCH));
-  printf("reference sgemm 512x512x512:                       %.1f GFLOP/s\n",
-         gemm_gflops(512, 512, 512, 4));
+  printf("reference OpenBLAS sgemm 32x196x400 x%d (conv2 forward's gemm): %.1f GFLOP/s\n",
+         BATCH, gemm_gflops(32, 196, 400, BATCH, false));
+  printf("reference OpenBLAS sgemm 512x512x512:                       %.1f GFLOP/s\n",
+         gemm_gflops(512, 512, 512, 4, false));
+  if (ddp__cpu_has_avx512())
+    printf("ddp AVX-512 gemm 32x196x400 x%d, operands in cache:           %.1f GFLOP/s\n", BATCH,
+           gemm_gflops(32, 196, 400, BATCH, true));
 
   conv_free(&c1);
   conv_free(&c2);
