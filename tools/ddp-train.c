@@ -350,6 +350,29 @@ static void end_progress_line(progress *p) {
   if (p->tty) fputc('\n', stderr);
 }
 
+/* Early stopping: --patience K evaluations in a row without a better test loss. */
+typedef struct patience {
+  int64_t limit; /* 0 = never stop */
+  int64_t without_better;
+  double best_loss;
+} patience;
+
+/* Logs an evaluation and returns true when patience has run out. */
+static bool record_eval(patience *p, FILE *log, eval_result r, int64_t step, int64_t epoch) {
+  if (log) {
+    fprintf(log, "{\"step\": %lld, \"epoch\": %lld, ", (long long)step, (long long)epoch);
+    json_number(log, "test_loss", r.loss, true);
+    json_number(log, "test_accuracy", r.accuracy, false);
+    fputs("}\n", log);
+  }
+  if (r.loss < p->best_loss) {
+    p->best_loss = r.loss;
+    p->without_better = 0;
+    return false;
+  }
+  return p->limit && ++p->without_better >= p->limit;
+}
+
 /* ---- Training -------------------------------------------------------------- */
 
 static ddp_optim_kind optimizer_kind(const char *name) {
@@ -422,9 +445,10 @@ int main(int argc, char **argv) {
   if (a.max_steps && a.max_steps < prog.total_steps) prog.total_steps = a.max_steps;
 
   int64_t step = 0, samples = 0, epochs_done = 0;
-  double train_seconds = 0, best_loss = INFINITY;
+  double train_seconds = 0;
   double epoch_loss_sum = 0, all_loss_sum = 0;
-  int64_t epoch_steps = 0, evals_without_better = 0;
+  int64_t epoch_steps = 0;
+  patience pat = {.limit = a.patience, .best_loss = INFINITY};
   eval_result last_eval = {NAN, NAN};
   bool evaluated_now = false, stop = false;
   float loss_value = NAN;
@@ -475,16 +499,7 @@ int main(int argc, char **argv) {
       if (a.eval_every && step % a.eval_every == 0) {
         last_eval = evaluate(model, tape, test_loader);
         evaluated_now = true;
-        if (log) {
-          fprintf(log, "{\"step\": %lld, \"epoch\": %lld, ", (long long)step, (long long)epoch);
-          json_number(log, "test_loss", last_eval.loss, true);
-          json_number(log, "test_accuracy", last_eval.accuracy, false);
-          fputs("}\n", log);
-        }
-        if (last_eval.loss < best_loss) {
-          best_loss = last_eval.loss;
-          evals_without_better = 0;
-        } else if (a.patience && ++evals_without_better >= a.patience) {
+        if (record_eval(&pat, log, last_eval, step, epoch)) {
           stop = true;
           break;
         }
@@ -503,29 +518,13 @@ int main(int argc, char **argv) {
       if (!isnan(last_eval.accuracy))
         fprintf(stderr, ", test accuracy %.2f%%", 100 * last_eval.accuracy);
       fputc('\n', stderr);
-      if (log) {
-        fprintf(log, "{\"step\": %lld, \"epoch\": %lld, ", (long long)step, (long long)epoch);
-        json_number(log, "test_loss", last_eval.loss, true);
-        json_number(log, "test_accuracy", last_eval.accuracy, false);
-        fputs("}\n", log);
-      }
-      if (last_eval.loss < best_loss) {
-        best_loss = last_eval.loss;
-        evals_without_better = 0;
-      } else if (a.patience && ++evals_without_better >= a.patience) {
-        stop = true;
-      }
+      if (record_eval(&pat, log, last_eval, step, epoch)) stop = true;
     }
   }
   /* The end of training is always evaluated. */
   if (!evaluated_now && step > 0) {
     last_eval = evaluate(model, tape, test_loader);
-    if (log) {
-      fprintf(log, "{\"step\": %lld, \"epoch\": %lld, ", (long long)step, (long long)epochs_done);
-      json_number(log, "test_loss", last_eval.loss, true);
-      json_number(log, "test_accuracy", last_eval.accuracy, false);
-      fputs("}\n", log);
-    }
+    record_eval(&pat, log, last_eval, step, epochs_done);
   }
   end_progress_line(&prog);
 
