@@ -194,9 +194,9 @@ AVX512 void ddp__cpu_gemm_nt_avx512(int64_t m, int64_t n, int64_t k, const float
 /* y (m, oh, ow) = bias + w (m, taps) @ B, B[t][(y, x)] = xp[off[t] + y*WP + x],
  * for ow <= 16: one vector per output row (lanes past ow computed and
  * dropped), a tile of 8 channels x up to 3 rows. Lanes past a row's end are
- * stored onto the channel's next rows, which are written later; rows whose
- * spill would leave the channel, and every row when accumulating, are stored
- * masked. xp needs 16 floats of
+ * stored onto the channel's next rows: garbage that those rows overwrite
+ * later, or (accumulating) the values already there. Only rows whose spill
+ * would leave the channel pay for masked stores. xp needs 16 floats of
  * slack past its end. */
 AVX512 static inline __attribute__((always_inline)) void
 tile_rows(const int mr, const int nv, int64_t taps, const float *w, int64_t ldw,
@@ -204,13 +204,20 @@ tile_rows(const int mr, const int nv, int64_t taps, const float *w, int64_t ldw,
           int64_t oy, const float *bias, bool accumulate) {
   __m512 acc[MR][3];
   const __mmask16 lanes = (__mmask16)((1u << ow) - 1);
+  /* Rows whose 16 lanes stay inside the channel may be read and written
+   * whole (the spare lanes cover later rows of the same channel). */
+  bool fits[3];
+#pragma GCC unroll 3
+  for (int v = 0; v < nv; v++) fits[v] = (oy + v) * ow + 16 <= oh * ow;
 #pragma GCC unroll 8
   for (int r = 0; r < mr; r++)
 #pragma GCC unroll 3
-    for (int v = 0; v < nv; v++)
-      acc[r][v] = accumulate ? _mm512_maskz_loadu_ps(lanes, y + r * oh * ow + (oy + v) * ow)
-                  : bias     ? _mm512_set1_ps(bias[r])
-                             : _mm512_setzero_ps();
+    for (int v = 0; v < nv; v++) {
+      const float *row = y + r * oh * ow + (oy + v) * ow;
+      acc[r][v] = !accumulate ? (bias ? _mm512_set1_ps(bias[r]) : _mm512_setzero_ps())
+                  : fits[v]   ? _mm512_loadu_ps(row)
+                              : _mm512_maskz_loadu_ps(lanes, row);
+    }
   const float *xrow = xp + oy * wp;
   for (int64_t t = 0; t < taps; t++) {
     const float *src = xrow + off[t];
@@ -229,11 +236,11 @@ tile_rows(const int mr, const int nv, int64_t taps, const float *w, int64_t ldw,
 #pragma GCC unroll 3
     for (int v = 0; v < nv; v++) {
       float *dst = y + r * oh * ow + (oy + v) * ow;
-      /* Spill only onto this channel's later rows; accumulating, not at all
-       * (the next row's head must stay intact until it is loaded). */
-      if (accumulate || (oy + v) * ow + 16 > oh * ow)
+      if (!fits[v])
         _mm512_mask_storeu_ps(dst, lanes, acc[r][v]);
-      else
+      else if (accumulate) /* the spare lanes write back what is there */
+        _mm512_storeu_ps(dst, _mm512_mask_mov_ps(_mm512_loadu_ps(dst), lanes, acc[r][v]));
+      else /* the spare lanes' garbage is overwritten by the later rows */
         _mm512_storeu_ps(dst, acc[r][v]);
     }
 }
