@@ -526,6 +526,34 @@ static void test_no_grad_records_nothing(void **state) {
   for (int i = 0; i < 3; i++) ddp_tensor_destroy(in[i]);
 }
 
+/* Empty batches and an empty inner dimension work, as in PyTorch. */
+static void test_empty(void **state) {
+  (void)state;
+  ddp_tape *tape = new_tape();
+  int64_t sx[4] = {0, 2, 5, 5}, sw[4] = {3, 2, 3, 3}, sb[1] = {3};
+  ddp_tensor *x = gradcheck_random(4, sx, -1, 1, 1, true);
+  ddp_tensor *w = gradcheck_random(4, sw, -1, 1, 2, true);
+  ddp_tensor *b = gradcheck_random(1, sb, -1, 1, 3, true);
+  ddp_tensor *y, *p;
+  assert_int_equal(ddp_conv2d(tape, x, w, b, 1, 1, &y), DDP_OK);
+  assert_int_equal(y->numel, 0);
+  assert_int_equal(y->shape[1], 3);
+  assert_int_equal(ddp_max_pool2d(tape, y, 2, 2, &p), DDP_OK);
+  assert_int_equal(p->numel, 0);
+  assert_int_equal(ddp__backward_from(tape, p, NULL), DDP_OK);
+  for (int i = 0; i < 9; i++) assert_true(w->grad[i] == 0.0f);
+  int64_t sa[2] = {2, 0}, sbm[2] = {0, 3};
+  ddp_tensor *a = gradcheck_random(2, sa, -1, 1, 4, false);
+  ddp_tensor *bm = gradcheck_random(2, sbm, -1, 1, 5, false);
+  ddp_tape_reset(tape);
+  assert_int_equal(ddp_matmul(tape, a, bm, &y), DDP_OK);
+  assert_int_equal(y->numel, 6);
+  for (int i = 0; i < 6; i++) assert_true(((float *)y->data)[i] == 0.0f);
+  ddp_tensor *all[] = {x, w, b, a, bm};
+  for (int i = 0; i < 5; i++) ddp_tensor_destroy(all[i]);
+  ddp_tape_destroy(tape);
+}
+
 /* A ConvNet-shaped step (conv, pool, conv, pool, linear, backward) allocates
  * nothing once the tape's arena has grown to its high-water mark. */
 static void test_steady_state_no_alloc(void **state) {
@@ -587,6 +615,7 @@ int main(void) {
       cmocka_unit_test(test_max_pool2d_ties),
       cmocka_unit_test(test_errors),
       cmocka_unit_test(test_no_grad_records_nothing),
+      cmocka_unit_test(test_empty),
       cmocka_unit_test(test_steady_state_no_alloc),
   };
   int failed = cmocka_run_group_tests_name("fast path", tests, use_fast, NULL);
