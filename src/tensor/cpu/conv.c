@@ -114,78 +114,6 @@ static float *scratch(ddp_arena *arena, int64_t floats, ddp_status *status) {
   return p;
 }
 
-static ddp_status forward_generic(float *y, const float *x, const float *w, const float *b,
-                                  const ddp__conv2d_geom *g, ddp_arena *arena) {
-  const int64_t k = g->c * g->kh * g->kw, ohw = g->oh * g->ow, chw = g->c * g->h * g->w;
-  ddp_status status = DDP_OK;
-  float *col = NULL;
-  if (!is_pointwise(g) && !(col = scratch(arena, k * ohw, &status))) return status;
-  for (int64_t n = 0; n < g->n; n++) {
-    const float *xn = x + n * chw;
-    float *yn = y + n * g->o * ohw; /* (O, OH*OW) */
-    if (col) im2col(col, xn, g);
-    if (b)
-      for (int64_t o = 0; o < g->o; o++) {
-        float *row = yn + o * ohw;
-        for (int64_t i = 0; i < ohw; i++) row[i] = b[o];
-      }
-    /* yn (O, OH*OW) (+)= w (O, K) @ col (K, OH*OW) */
-    ddp__cpu_gemm(false, false, g->o, ohw, k, 1.0f, w, k, col ? col : xn, ohw, b ? 1.0f : 0.0f,
-                  yn, ohw);
-  }
-  return DDP_OK;
-}
-
-static ddp_status backward_generic(float *dx, float *dw, float *db, const float *dy,
-                                   const float *x, const float *w, const ddp__conv2d_geom *g,
-                                   ddp_arena *arena) {
-  const int64_t k = g->c * g->kh * g->kw, ohw = g->oh * g->ow, chw = g->c * g->h * g->w;
-  const bool pointwise = is_pointwise(g);
-  ddp_status status = DDP_OK;
-  float *col = NULL, *dcol = NULL;
-  if (dw && !pointwise && !(col = scratch(arena, k * ohw, &status))) return status;
-  if (dx && !pointwise && !(dcol = scratch(arena, k * ohw, &status))) return status;
-  for (int64_t n = 0; n < g->n; n++) {
-    const float *xn = x + n * chw;
-    const float *dyn = dy + n * g->o * ohw; /* (O, OH*OW) */
-    if (db) bias_grad(db, dyn, g->o, ohw);
-    if (dw) {
-      if (col) im2col(col, xn, g);
-      /* dw (O, K) += dy (O, OH*OW) @ col^T (OH*OW, K) */
-      ddp__cpu_gemm(false, true, g->o, k, ohw, 1.0f, dyn, ohw, col ? col : xn, ohw, 1.0f, dw, k);
-    }
-    if (dx) {
-      float *dxn = dx + n * chw;
-      if (pointwise) {
-        /* dx (C, H*W) += w^T (C, O) @ dy (O, H*W) */
-        ddp__cpu_gemm(true, false, k, ohw, g->o, 1.0f, w, k, dyn, ohw, 1.0f, dxn, ohw);
-      } else {
-        /* dcol (K, OH*OW) = w^T (K, O) @ dy (O, OH*OW), then scatter-add. */
-        ddp__cpu_gemm(true, false, k, ohw, g->o, 1.0f, w, k, dyn, ohw, 0.0f, dcol, ohw);
-        col2im_add(dxn, dcol, g);
-      }
-    }
-  }
-  return DDP_OK;
-}
-
-/* ---- AVX-512 path ------------------------------------------------------
- * The gemms run on ddp__cpu_gemm*_avx512 (cpu/gemm.c), and the layout work
- * around them is cut down, which matters as much at the ConvNet's shapes:
- *   - stride 1 needs no column matrix at all: the forward and dX read a
- *     zero-padded copy of the sample through per-tap offsets, one vector per
- *     output row (rows up to 16 wide), and dW^T (K, O) accumulates
- *     sum_p xp[off[t] + p] * dy^T[p] the same way; dW += its transpose once
- *     at the end of the batch. Otherwise a column matrix as above.
- *   - dX for stride 1 is itself a stride-1 convolution of dy, with the
- *     flipped, transposed weight (C, O, KH, KW) and padding K-1-pad: one
- *     gemm with k = O*KH*KW accumulating straight into dx, instead of a
- *     gemm with k = O and a scatter-add (col2im).
- *   - with few output channels (conv1: 16), dW is a set of dot products of
- *     dy rows with column-matrix rows, needing no transposed copy of dy.
- * Masked stores cost ~10 cycles each on AMD (Zen 5): copies use whole
- * vectors and let a row's spare lanes spill onto the next row, which is
- * written afterwards; buffers carry SLACK floats past their end for that. */
 #define SLACK 16
 
 /* A zero-padded copy of one sample, (C, H+2ph, W+2pw), with per-tap offsets
@@ -219,6 +147,143 @@ static void pad_copy(padded *p, const float *restrict x) {
              (size_t)p->w * sizeof(float));
 }
 
+/* col (C*KH*KW, OH*OW) from a padded sample, stride 1, in plain loops. */
+static void im2col_padded_portable(float *restrict col, const padded *p, int64_t kh, int64_t kw,
+                                   int64_t oh, int64_t ow) {
+  for (int64_t t = 0; t < p->c * kh * kw; t++) {
+    float *dst = col + t * oh * ow;
+    const float *src = p->xp + p->off[t];
+    for (int64_t oy = 0; oy < oh; oy++, dst += ow, src += p->wp)
+      for (int64_t ox = 0; ox < ow; ox++) dst[ox] = src[ox];
+  }
+}
+
+/* Fills col for sample x: from the padded copy (stride 1) or directly. */
+static void col_fill_portable(float *col, padded *p, const float *x, const ddp__conv2d_geom *g) {
+  if (g->stride == 1) {
+    pad_copy(p, x);
+    im2col_padded_portable(col, p, g->kh, g->kw, g->oh, g->ow);
+  } else {
+    im2col(col, x, g);
+  }
+}
+
+/* For stride 1 and padding <= K-1, dX is a stride-1 convolution of dy with
+ * the flipped, transposed weight and padding K-1-pad (>= 0):
+ * dx[c][i][j] = sum over o, a, b of wflip[c][o][a][b] * dyp[o][i+a][j+b]. */
+static bool dx_is_conv(const ddp__conv2d_geom *g) {
+  return g->stride == 1 && g->pad <= g->kh - 1 && g->pad <= g->kw - 1;
+}
+
+/* wflip (C, O, KH, KW)[c][o][a][b] = w (O, C, KH, KW)[o][c][KH-1-a][KW-1-b],
+ * and a padded buffer for dy (O, OH, OW) with padding K-1-pad. */
+static ddp_status dx_conv_init(float **wflip, padded *dyp, const float *w,
+                               const ddp__conv2d_geom *g, ddp_arena *arena) {
+  ddp_status status = DDP_OK;
+  const int64_t kk = g->kh * g->kw;
+  float *f = scratch(arena, g->c * g->o * kk, &status);
+  if (!f) return status;
+  for (int64_t c = 0; c < g->c; c++)
+    for (int64_t o = 0; o < g->o; o++)
+      for (int64_t t = 0; t < kk; t++) f[(c * g->o + o) * kk + t] = w[(o * g->c + c) * kk + (kk - 1 - t)];
+  *wflip = f;
+  return padded_init(dyp, g->o, g->oh, g->ow, g->kh - 1 - g->pad, g->kw - 1 - g->pad, g->kh,
+                     g->kw, arena);
+}
+
+static ddp_status forward_generic(float *y, const float *x, const float *w, const float *b,
+                                  const ddp__conv2d_geom *g, ddp_arena *arena) {
+  const int64_t k = g->c * g->kh * g->kw, ohw = g->oh * g->ow, chw = g->c * g->h * g->w;
+  ddp_status status = DDP_OK;
+  float *col = NULL;
+  padded xp = {0};
+  if (!is_pointwise(g) && !(col = scratch(arena, k * ohw, &status))) return status;
+  if (col && g->stride == 1)
+    DDP_TRY(padded_init(&xp, g->c, g->h, g->w, g->pad, g->pad, g->kh, g->kw, arena));
+  for (int64_t n = 0; n < g->n; n++) {
+    const float *xn = x + n * chw;
+    float *yn = y + n * g->o * ohw; /* (O, OH*OW) */
+    if (col) col_fill_portable(col, &xp, xn, g);
+    if (b)
+      for (int64_t o = 0; o < g->o; o++) {
+        float *row = yn + o * ohw;
+        for (int64_t i = 0; i < ohw; i++) row[i] = b[o];
+      }
+    /* yn (O, OH*OW) (+)= w (O, K) @ col (K, OH*OW) */
+    ddp__cpu_gemm(false, false, g->o, ohw, k, 1.0f, w, k, col ? col : xn, ohw, b ? 1.0f : 0.0f,
+                  yn, ohw);
+  }
+  return DDP_OK;
+}
+
+static ddp_status backward_generic(float *dx, float *dw, float *db, const float *dy,
+                                   const float *x, const float *w, const ddp__conv2d_geom *g,
+                                   ddp_arena *arena) {
+  const int64_t k = g->c * g->kh * g->kw, ohw = g->oh * g->ow, chw = g->c * g->h * g->w;
+  const bool pointwise = is_pointwise(g);
+  const bool dx_as_conv = !pointwise && dx_is_conv(g);
+  const int64_t kk = g->kh * g->kw, hw = g->h * g->w;
+  ddp_status status = DDP_OK;
+  float *col = NULL, *dcol = NULL, *wflip = NULL;
+  padded xp = {0}, dyp = {0};
+  if (dw && !pointwise) {
+    if (!(col = scratch(arena, k * ohw, &status))) return status;
+    if (g->stride == 1)
+      DDP_TRY(padded_init(&xp, g->c, g->h, g->w, g->pad, g->pad, g->kh, g->kw, arena));
+  }
+  if (dx && dx_as_conv) {
+    DDP_TRY(dx_conv_init(&wflip, &dyp, w, g, arena));
+    if (!(dcol = scratch(arena, g->o * kk * hw, &status))) return status;
+  } else if (dx && !pointwise && !(dcol = scratch(arena, k * ohw, &status))) {
+    return status;
+  }
+  for (int64_t n = 0; n < g->n; n++) {
+    const float *xn = x + n * chw;
+    const float *dyn = dy + n * g->o * ohw; /* (O, OH*OW) */
+    if (db) bias_grad(db, dyn, g->o, ohw);
+    if (dw) {
+      if (col) col_fill_portable(col, &xp, xn, g);
+      /* dw (O, K) += dy (O, OH*OW) @ col^T (OH*OW, K) */
+      ddp__cpu_gemm(false, true, g->o, k, ohw, 1.0f, dyn, ohw, col ? col : xn, ohw, 1.0f, dw, k);
+    }
+    if (dx) {
+      float *dxn = dx + n * chw;
+      if (pointwise) {
+        /* dx (C, H*W) += w^T (C, O) @ dy (O, H*W) */
+        ddp__cpu_gemm(true, false, k, ohw, g->o, 1.0f, w, k, dyn, ohw, 1.0f, dxn, ohw);
+      } else if (dx_as_conv) {
+        /* dx (C, H*W) += wflip (C, O*KH*KW) @ im2col(dy padded by K-1-pad) */
+        pad_copy(&dyp, dyn);
+        im2col_padded_portable(dcol, &dyp, g->kh, g->kw, g->h, g->w);
+        ddp__cpu_gemm(false, false, g->c, hw, g->o * kk, 1.0f, wflip, g->o * kk, dcol, hw, 1.0f,
+                      dxn, hw);
+      } else {
+        /* dcol (K, OH*OW) = w^T (K, O) @ dy (O, OH*OW), then scatter-add. */
+        ddp__cpu_gemm(true, false, k, ohw, g->o, 1.0f, w, k, dyn, ohw, 0.0f, dcol, ohw);
+        col2im_add(dxn, dcol, g);
+      }
+    }
+  }
+  return DDP_OK;
+}
+
+/* ---- AVX-512 path ------------------------------------------------------
+ * The gemms run on ddp__cpu_gemm*_avx512 (cpu/gemm.c), and the layout work
+ * around them is cut down, which matters as much at the ConvNet's shapes:
+ *   - stride 1 needs no column matrix at all: the forward and dX read a
+ *     zero-padded copy of the sample through per-tap offsets, one vector per
+ *     output row (rows up to 16 wide), and dW^T (K, O) accumulates
+ *     sum_p xp[off[t] + p] * dy^T[p] the same way; dW += its transpose once
+ *     at the end of the batch. Otherwise a column matrix as above.
+ *   - dX for stride 1 is itself a stride-1 convolution of dy, with the
+ *     flipped, transposed weight (C, O, KH, KW) and padding K-1-pad: one
+ *     gemm with k = O*KH*KW accumulating straight into dx, instead of a
+ *     gemm with k = O and a scatter-add (col2im).
+ *   - with few output channels (conv1: 16), dW is a set of dot products of
+ *     dy rows with column-matrix rows, needing no transposed copy of dy.
+ * Masked stores cost ~10 cycles each on AMD (Zen 5): copies use whole
+ * vectors and let a row's spare lanes spill onto the next row, which is
+ * written afterwards; buffers carry SLACK floats past their end for that. */
 /* col (C*KH*KW, OH*OW) from a padded sample, stride 1: whole-vector copies. */
 AVX512 static void im2col_padded(float *restrict col, const padded *p, int64_t kh, int64_t kw,
                                  int64_t oh, int64_t ow) {
@@ -305,22 +370,14 @@ static ddp_status backward_avx512(float *dx, float *dw, float *db, const float *
     }
   }
 
-  /* dX: a convolution of dy with the flipped weight (stride 1 and padding
-   * <= K-1, so the flipped kernel's padding K-1-pad is >= 0), implicit when
-   * rows fit one vector; otherwise gemm + col2im. */
-  const bool dx_as_conv = g->stride == 1 && g->pad <= g->kh - 1 && g->pad <= g->kw - 1;
+  /* dX: a convolution of dy with the flipped weight, implicit when rows fit
+   * one vector; otherwise gemm + col2im. */
+  const bool dx_as_conv = dx_is_conv(g);
   const bool dx_implicit = dx_as_conv && g->w <= 16;
   padded dyp = {0};
   float *wflip = NULL, *wt = NULL, *dcol = NULL;
   if (dx && dx_as_conv) {
-    /* wflip (C, O, KH, KW)[c][o][a][b] = w (O, C, KH, KW)[o][c][KH-1-a][KW-1-b] */
-    if (!(wflip = scratch(arena, g->c * g->o * kk, &status))) return status;
-    for (int64_t c = 0; c < g->c; c++)
-      for (int64_t o = 0; o < g->o; o++)
-        for (int64_t t = 0; t < kk; t++)
-          wflip[(c * g->o + o) * kk + t] = w[(o * g->c + c) * kk + (kk - 1 - t)];
-    DDP_TRY(padded_init(&dyp, g->o, g->oh, g->ow, g->kh - 1 - g->pad, g->kw - 1 - g->pad, g->kh,
-                        g->kw, arena));
+    DDP_TRY(dx_conv_init(&wflip, &dyp, w, g, arena));
     if (!dx_implicit && !(dcol = scratch(arena, g->o * kk * hw + SLACK, &status))) return status;
   } else if (dx) {
     if (!(wt = scratch(arena, k * g->o, &status))) return status;
