@@ -8,7 +8,10 @@
  * rebuilds col instead of saving it from forward (saving would cost N times
  * that memory and a trip through DRAM; rebuilding is a few stores per 50
  * flops), accumulates dW over samples with beta = 1, and forms dX through
- * dcol = W^T @ dY followed by col2im.
+ * dcol = W^T @ dY followed by col2im, or, for stride 1, as a convolution of
+ * dY with the flipped weight (one gemm accumulating straight into dX).
+ * Stride-1 column matrices are copied from a zero-padded copy of the sample,
+ * with no bounds tests.
  *
  * Two implementations: the generic one (OpenBLAS, any CPU) first, then the
  * AVX-512 one, used when the CPU has it, which keeps the per-sample scheme
@@ -114,6 +117,8 @@ static float *scratch(ddp_arena *arena, int64_t floats, ddp_status *status) {
   return p;
 }
 
+/* Floats of room past the end of padded copies and column matrices, for
+ * the AVX-512 path's whole-vector reads and writes (see there). */
 #define SLACK 16
 
 /* A zero-padded copy of one sample, (C, H+2ph, W+2pw), with per-tap offsets
@@ -136,7 +141,8 @@ static ddp_status padded_init(padded *p, int64_t c, int64_t h, int64_t w, int64_
   if (!p->off) return ddp_error(DDP_ERR_NOMEM, "conv2d: cannot allocate tap offsets");
   for (int64_t ci = 0; ci < c; ci++)
     for (int64_t a = 0; a < kh; a++)
-      for (int64_t b = 0; b < kw; b++) p->off[(ci * kh + a) * kw + b] = (ci * p->hp + a) * p->wp + b;
+      for (int64_t b = 0; b < kw; b++)
+        p->off[(ci * kh + a) * kw + b] = (ci * p->hp + a) * p->wp + b;
   return DDP_OK;
 }
 
@@ -185,7 +191,8 @@ static ddp_status dx_conv_init(float **wflip, padded *dyp, const float *w,
   if (!f) return status;
   for (int64_t c = 0; c < g->c; c++)
     for (int64_t o = 0; o < g->o; o++)
-      for (int64_t t = 0; t < kk; t++) f[(c * g->o + o) * kk + t] = w[(o * g->c + c) * kk + (kk - 1 - t)];
+      for (int64_t t = 0; t < kk; t++)
+        f[(c * g->o + o) * kk + t] = w[(o * g->c + c) * kk + (kk - 1 - t)];
   *wflip = f;
   return padded_init(dyp, g->o, g->oh, g->ow, g->kh - 1 - g->pad, g->kw - 1 - g->pad, g->kh,
                      g->kw, arena);
