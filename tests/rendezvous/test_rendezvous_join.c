@@ -229,6 +229,61 @@ static void expect_error(const rank_result *r, const char *who, const char *text
   if (getenv("DDP_TEST_VERBOSE")) fprintf(stderr, "  %s: %s\n", who, r->error);
 }
 
+/* A launcher's store in a process of its own: the ranks are forked from this
+ * process, and forking while a server thread runs here could hand a child a
+ * lock that thread held. Returns the server's pid; *port is where it listens
+ * and *control the pipe whose closing stops it. */
+static pid_t start_store_process(const char *token, uint16_t *port, int *control) {
+  int up[2], down[2];
+  assert_int_equal(pipe(up), 0);
+  assert_int_equal(pipe(down), 0);
+  fflush(NULL);
+  pid_t pid = fork();
+  assert_true(pid >= 0);
+  if (pid == 0) {
+    alarm(60);
+    close(up[0]);
+    close(down[1]);
+    ddp_store_server_options so;
+    memset(&so, 0, sizeof so);
+    so.token = token;
+    ddp_store_server *server = NULL;
+    uint16_t p = 0;
+    if (ddp_store_server_start("127.0.0.1", 0, &so, &server) == DDP_OK)
+      p = ddp_store_server_port(server);
+    if (write(up[1], &p, sizeof p) != (ssize_t)sizeof p) p = 0;
+    close(up[1]);
+    char c;
+    while (p && read(down[0], &c, 1) < 0 && errno == EINTR) {
+    }
+    ddp_store_server_stop(server);
+    exit(0);
+  }
+  close(up[1]);
+  close(down[0]);
+  *port = 0;
+  assert_int_equal(read(up[0], port, sizeof *port), (ssize_t)sizeof *port);
+  close(up[0]);
+  assert_true(*port != 0);
+  *control = down[1];
+  return pid;
+}
+
+static void stop_store_process(pid_t pid, int control) {
+  close(control);
+  int st = 0;
+  double deadline = ddp_time_s() + 10;
+  while (waitpid(pid, &st, WNOHANG) == 0) {
+    if (ddp_time_s() > deadline) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &st, 0);
+      fail_msg("the store process did not stop");
+    }
+    usleep(10000);
+  }
+  assert_int_equal(st, 0);
+}
+
 /* ---- Successful rendezvous ------------------------------------------------ */
 
 static void env_world(int world) {
@@ -320,9 +375,9 @@ static void test_local_rank_from_host_ids(void **state) {
 /* DDP_STORE_ADDR: a launcher (this test) runs the store; every rank is a client. */
 static void test_external_store(void **state) {
   (void)state;
-  ddp_store_server *server = NULL;
-  assert_int_equal(ddp_store_server_start("127.0.0.1", 0, NULL, &server), DDP_OK);
-  uint16_t port = ddp_store_server_port(server);
+  uint16_t port;
+  int control;
+  pid_t server = start_store_process(NULL, &port, &control);
   uint16_t unused = free_port(); /* MASTER_PORT that nobody listens on: must not matter */
   rank_spec specs[3];
   rank_result res[3];
@@ -353,19 +408,16 @@ static void test_external_store(void **state) {
   assert_int_equal(strncmp(v, "ddp-rdzv 1 3 ", 13), 0);
   ddp_free(v);
   ddp_store_destroy(store);
-  ddp_store_server_stop(server);
+  stop_store_process(server, control);
 }
 
 /* DDP_STORE_TOKEN reaches the store client: a wrong token is refused with a
  * message that says so, the right one is let in. */
 static void test_store_token(void **state) {
   (void)state;
-  ddp_store_server *server = NULL;
-  ddp_store_server_options so;
-  memset(&so, 0, sizeof so);
-  so.token = "s3cret";
-  assert_int_equal(ddp_store_server_start("127.0.0.1", 0, &so, &server), DDP_OK);
-  uint16_t port = ddp_store_server_port(server);
+  uint16_t port;
+  int control;
+  pid_t server = start_store_process("s3cret", &port, &control);
   rank_spec specs[2];
   rank_result res[2];
   spec(&specs[0], "env://", "DDP_STORE_ADDR=127.0.0.1:%u RANK=0 WORLD_SIZE=1 DDP_STORE_TOKEN=wrong DDP_TIMEOUT=5", port);
@@ -378,7 +430,7 @@ static void test_store_token(void **state) {
          port, r);
   run_ranks(2, specs, res, 25);
   expect_ok(res, 2);
-  ddp_store_server_stop(server);
+  stop_store_process(server, control);
 }
 
 static void test_tcp_url(void **state) {
@@ -504,12 +556,13 @@ static void test_server_starts_late(void **state) {
 static void test_missing_rank(void **state) {
   (void)state;
   for (int external = 0; external < 2; external++) {
-    ddp_store_server *server = NULL;
-    uint16_t port = free_port();
+    pid_t server = -1;
+    int control = -1;
+    uint16_t port = free_port(), store_port;
     char extra[64] = "";
     if (external) {
-      assert_int_equal(ddp_store_server_start("127.0.0.1", 0, NULL, &server), DDP_OK);
-      snprintf(extra, sizeof extra, "DDP_STORE_ADDR=127.0.0.1:%u", ddp_store_server_port(server));
+      server = start_store_process(NULL, &store_port, &control);
+      snprintf(extra, sizeof extra, "DDP_STORE_ADDR=127.0.0.1:%u", store_port);
     }
     rank_spec specs[3];
     rank_result res[3];
@@ -529,7 +582,7 @@ static void test_missing_rank(void **state) {
       assert_true(res[i].elapsed_s < 5); /* the timeout, plus rank 0's brief linger */
     }
     assert_true(took < 10);
-    ddp_store_server_stop(server);
+    if (external) stop_store_process(server, control);
   }
 }
 
