@@ -303,12 +303,44 @@ AVX512 static void im2col_padded(float *restrict col, const padded *p, int64_t k
   }
 }
 
-/* dst (cols, rows) = src (rows, cols)^T */
-static void transpose(float *restrict dst, const float *restrict src, int64_t rows,
-                      int64_t cols) {
-  for (int64_t i0 = 0; i0 < rows; i0 += 8)
-    for (int64_t j = 0; j < cols; j++)
-      for (int64_t i = i0; i < i0 + 8 && i < rows; i++) dst[j * rows + i] = src[i * cols + j];
+/* dst (cols, rows) = src (rows, cols)^T. Blocks of 16 x 16 are transposed
+ * in registers (four rounds of unpack/shuffle); the edges go element by
+ * element. dy^T for conv2's dW (32 x 196) is 0.19 ms a batch element-wise. */
+AVX512 static void transpose(float *restrict dst, const float *restrict src, int64_t rows,
+                             int64_t cols) {
+  const int64_t rows16 = rows - rows % 16, cols16 = cols - cols % 16;
+  for (int64_t i0 = 0; i0 < rows16; i0 += 16)
+    for (int64_t j0 = 0; j0 < cols16; j0 += 16) {
+      __m512 r[16], t[16];
+      for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + (i0 + i) * cols + j0);
+      for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+      }
+      for (int i = 0; i < 16; i += 4) {
+        __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 2]);
+        __m512d c = _mm512_castps_pd(t[i + 1]), d = _mm512_castps_pd(t[i + 3]);
+        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+      }
+      /* r[4q + k] holds, in each 128-bit lane l, column 4l + k of rows
+       * 4q .. 4q+3; gather the lanes: first pairs of rows-groups, then pairs. */
+      for (int k = 0; k < 4; k++) {
+        __m512 a0 = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88);      /* lanes 0,2 | 0,2 */
+        __m512 a1 = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xdd);      /* lanes 1,3 | 1,3 */
+        __m512 b0 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88);
+        __m512 b1 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xdd);
+        t[k] = _mm512_shuffle_f32x4(a0, b0, 0x88);      /* column k */
+        t[8 + k] = _mm512_shuffle_f32x4(a0, b0, 0xdd);  /* column 8 + k */
+        t[4 + k] = _mm512_shuffle_f32x4(a1, b1, 0x88);  /* column 4 + k */
+        t[12 + k] = _mm512_shuffle_f32x4(a1, b1, 0xdd); /* column 12 + k */
+      }
+      for (int j = 0; j < 16; j++) _mm512_storeu_ps(dst + (j0 + j) * rows + i0, t[j]);
+    }
+  for (int64_t i = 0; i < rows; i++)
+    for (int64_t j = i < rows16 ? cols16 : 0; j < cols; j++) dst[j * rows + i] = src[i * cols + j];
 }
 
 /* Fills col for sample x: from the padded copy (stride 1) or directly. */
