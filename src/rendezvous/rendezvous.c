@@ -9,7 +9,6 @@
  *   rdzv/done       set once by the last rank to join: "ddp-rdzv 1 ok\n<hosts>\n
  *                   <host id>\n...<host index of rank 0> <of rank 1> ...\n", or
  *                   by a rank that found the job broken: "ddp-rdzv 1 abort\n<why>" */
-#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,6 +26,8 @@
 /* How long a duplicate waits for the first claimant's registration, to name it. */
 #define DUPLICATE_PEEK_MS 2000
 #define HOST_LINGER_S 2.0
+#define PROGRESS_MIN_S 1.0
+#define PROGRESS_MAX_S 30.0
 
 void ddp_rendezvous_info_destroy(ddp_rendezvous_info *info) {
   if (!info) return;
@@ -377,6 +378,29 @@ static const char *timeout_hint(const ddp_rendezvous_info *info) {
   }
 }
 
+/* Waits for rdzv/done until the deadline. A long wait is never silent: rank 0
+ * logs who is still missing every progress interval (a tenth of the timeout,
+ * between 1 and 30 s), so a job stuck on one absent rank says so long before
+ * the timeout. */
+static ddp_status wait_done(ddp_rendezvous_info *info, double deadline, void **done,
+                            size_t *done_bytes) {
+  double start = ddp_time_s();
+  double interval = info->timeout_s / 10;
+  if (interval < PROGRESS_MIN_S) interval = PROGRESS_MIN_S;
+  if (interval > PROGRESS_MAX_S) interval = PROGRESS_MAX_S;
+  for (;;) {
+    double now = ddp_time_s();
+    int last_slice = info->rank != 0 || now + interval >= deadline;
+    int64_t slice_ms = last_slice ? remaining_ms(deadline) : (int64_t)(interval * 1000.0);
+    ddp_status s = ddp_store_get(info->store, KEY_DONE, slice_ms, done, done_bytes);
+    if (s != DDP_ERR_TIMEOUT || last_slice) return s;
+    char missing[800];
+    describe_missing(info, missing, sizeof missing);
+    DDP_WARN("rendezvous at %s: still waiting after %.0f s (timeout %g s): %s",
+             info->store_addr, ddp_time_s() - start, info->timeout_s, missing);
+  }
+}
+
 static ddp_status join(ddp_rendezvous_info *info, double deadline) {
   ddp_store *store = info->store;
   long pid = (long)getpid();
@@ -425,7 +449,7 @@ static ddp_status join(ddp_rendezvous_info *info, double deadline) {
 
   void *done = NULL;
   size_t done_bytes = 0;
-  s = ddp_store_get(store, KEY_DONE, remaining_ms(deadline), &done, &done_bytes);
+  s = wait_done(info, deadline, &done, &done_bytes);
   if (s == DDP_ERR_TIMEOUT) {
     /* Say who is missing, and tell the ranks still waiting the same, so that
      * every rank fails with one verdict instead of a cascade of timeouts. */

@@ -34,6 +34,7 @@ typedef struct rank_spec {
   int32_t opt_rank, opt_world;
   double opt_timeout;
   int delay_ms;
+  const char *stderr_path; /* where the child's log lines go, or NULL */
 } rank_spec;
 
 /* What a child reports back through its pipe. */
@@ -97,6 +98,7 @@ static int use_store(const ddp_rendezvous_info *info) {
 
 static void child(const rank_spec *spec, int fd) {
   alarm(30); /* a hung child dies on its own as well */
+  if (spec->stderr_path && !freopen(spec->stderr_path, "w", stderr)) exit(4);
   rdzv_test_clear_env();
   rdzv_test_apply_env(spec->env);
   if (spec->delay_ms) usleep((useconds_t)spec->delay_ms * 1000);
@@ -586,6 +588,32 @@ static void test_missing_rank(void **state) {
   }
 }
 
+/* A long wait is not silent: rank 0 logs who is missing while it waits. */
+static void test_progress_while_waiting(void **state) {
+  (void)state;
+  char path[] = "/tmp/ddp-rdzv-log-XXXXXX";
+  int fd = mkstemp(path);
+  assert_true(fd >= 0);
+  close(fd);
+  rank_spec s;
+  rank_result r;
+  spec(&s, "env://", "MASTER_ADDR=127.0.0.1 MASTER_PORT=%u RANK=0 WORLD_SIZE=3 DDP_TIMEOUT=2.5",
+       free_port());
+  s.stderr_path = path;
+  run_ranks(1, &s, &r, 15);
+  expect_error(&r, "rank 0", "timed out after 2.5 s waiting for workers: 1/3 joined; missing ranks: 1-2");
+  char log[4096] = "";
+  FILE *f = fopen(path, "r");
+  assert_non_null(f);
+  size_t n = fread(log, 1, sizeof log - 1, f);
+  log[n] = '\0';
+  fclose(f);
+  unlink(path);
+  if (!strstr(log, "still waiting after 1 s (timeout 2.5 s): 1/3 joined; missing ranks: 1-2") ||
+      !strstr(log, "still waiting after 2 s"))
+    fail_msg("rank 0's log lacks the progress lines:\n%s", log);
+}
+
 /* MASTER_PORT already taken: rank 0 says so, in words a user can act on. */
 static void test_port_in_use(void **state) {
   (void)state;
@@ -684,6 +712,7 @@ int main(void) {
       cmocka_unit_test(test_mpi_variables),
       cmocka_unit_test(test_server_starts_late),
       cmocka_unit_test(test_missing_rank),
+      cmocka_unit_test(test_progress_while_waiting),
       cmocka_unit_test(test_port_in_use),
       cmocka_unit_test(test_unreachable_store),
       cmocka_unit_test(test_duplicate_rank),
