@@ -467,6 +467,10 @@ static void test_file_url(void **state) {
   rank_result res[4];
   for (int r = 0; r < 4; r++) spec(&specs[r], url, "RANK=%d WORLD_SIZE=4 DDP_TIMEOUT=20", r);
   run_ranks(4, specs, res, 25);
+  char path[160];
+  snprintf(path, sizeof path, "%s/store", dir);
+  unlink(path); /* before any assertion, so a failure leaves nothing behind */
+  rmdir(dir);
   expect_ok(res, 4);
   char addr[160];
   snprintf(addr, sizeof addr, "file://%s/store", dir);
@@ -476,10 +480,6 @@ static void test_file_url(void **state) {
     assert_string_equal(res[r].store_addr, addr);
     assert_int_equal(res[r].local_rank, r);
   }
-  char path[160];
-  snprintf(path, sizeof path, "%s/store", dir);
-  unlink(path);
-  rmdir(dir);
 }
 
 /* srun-style: SLURM_* only, rank 0's host is the first of SLURM_NODELIST. */
