@@ -9,6 +9,8 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <sys/socket.h>
+#include <sys/time.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -37,7 +39,10 @@ typedef struct tcp_store {
   uint64_t max_value_bytes;
   uint64_t max_message_bytes;
   ddp__buf out;               /* the request being sent */
-  ddp__buf in;                /* the reply body */
+  ddp__buf in;                /* the reply frame */
+  const uint8_t *body;        /* into `in`: the reply body */
+  size_t body_len;
+  int64_t recv_timeout_ms;    /* SO_RCVTIMEO now set; -1 none */
 } tcp_store;
 
 static tcp_store *as_tcp(ddp_store *s) { return (tcp_store *)s; }
@@ -47,28 +52,68 @@ static void disconnect(tcp_store *t) {
   t->fd = -1;
 }
 
-/* Sends t->out and reads one reply body into t->in; maps a non-OK reply to a
- * status with the server's message. Transport failures drop the connection. */
-static ddp_status exchange(tcp_store *t, int64_t deadline_ns, int64_t blocking_timeout_ms) {
-  ddp_status st = ddp__net_write_full(t->fd, t->out.data, t->out.len, deadline_ns);
-  uint8_t header[DDP__STORE_FRAME_HEADER];
-  if (st == DDP_OK) st = ddp__net_read_full(t->fd, header, sizeof header, deadline_ns);
-  uint32_t body = 0;
-  if (st == DDP_OK) {
-    body = ddp__load_u32(header);
-    if (body == 0 || body > t->max_message_bytes + 1024) {
-      disconnect(t);
-      return ddp_error(DDP_ERR_FORMAT, "malformed reply from the store (frame of %u bytes)", body);
+/* Sets SO_RCVTIMEO when it differs from what the socket has: a first
+ * blocking recv then waits for the reply in one system call (no poll). */
+static void set_recv_timeout(tcp_store *t, int64_t ms) {
+  if (ms == t->recv_timeout_ms) return;
+  struct timeval tv = {(time_t)(ms / 1000), (suseconds_t)((ms % 1000) * 1000)};
+  if (tv.tv_sec == 0 && tv.tv_usec == 0) tv.tv_usec = 1000; /* 0 would mean forever */
+  if (setsockopt(t->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) == 0) t->recv_timeout_ms = ms;
+}
+
+/* Reads one reply frame into t->in (t->body, t->body_len). The first read
+ * blocks in recv with the socket's receive timeout set to the call's budget;
+ * anything after it (a large reply) waits with poll until deadline_ns. */
+static ddp_status read_reply(tcp_store *t, int64_t deadline_ns, int64_t budget_ms) {
+  t->in.len = 0;
+  ddp__buf_reserve(&t->in, 4096);
+  if (t->in.failed) {
+    t->in.failed = 0;
+    return ddp_error(DDP_ERR_NOMEM, "out of memory");
+  }
+  set_recv_timeout(t, budget_ms);
+  ssize_t n = recv(t->fd, t->in.data, t->in.cap, 0);
+  if (n > 0) t->in.len = (size_t)n;
+  else if (n == 0) return ddp_error(DDP_ERR_CLOSED, "connection closed by the peer");
+  else if (errno == ECONNRESET || errno == EPIPE || errno == ENOTCONN)
+    return ddp_error(DDP_ERR_CLOSED, "connection reset by the peer");
+  else if (errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK)
+    return ddp_error(DDP_ERR_IO, "recv: %s", strerror(errno));
+  /* EINTR / EAGAIN: the poll loop below decides against the deadline. */
+  size_t want = DDP__STORE_FRAME_HEADER;
+  for (;;) {
+    if (t->in.len >= DDP__STORE_FRAME_HEADER) {
+      uint32_t body = ddp__load_u32(t->in.data);
+      if (body == 0 || body > t->max_message_bytes + 1024)
+        return ddp_error(DDP_ERR_FORMAT, "malformed reply from the store (frame of %u bytes)", body);
+      want = DDP__STORE_FRAME_HEADER + (size_t)body;
     }
-    t->in.len = 0;
-    ddp__buf_reserve(&t->in, body);
+    if (t->in.len >= want) break;
+    ddp__buf_reserve(&t->in, want - t->in.len);
     if (t->in.failed) {
       t->in.failed = 0;
-      disconnect(t);
-      return ddp_error(DDP_ERR_NOMEM, "out of memory for a reply of %u bytes", body);
+      return ddp_error(DDP_ERR_NOMEM, "out of memory for a reply of %zu bytes", want);
     }
-    st = ddp__net_read_full(t->fd, t->in.data, body, deadline_ns);
+    size_t got;
+    DDP_TRY(ddp__net_read_some(t->fd, t->in.data + t->in.len, t->in.cap - t->in.len, &got,
+                               deadline_ns));
+    t->in.len += got;
   }
+  /* One request is outstanding, so one frame arrives; more is a broken server. */
+  if (t->in.len != want)
+    return ddp_error(DDP_ERR_FORMAT, "malformed reply from the store (%zu unexpected bytes)",
+                     t->in.len - want);
+  t->body = t->in.data + DDP__STORE_FRAME_HEADER;
+  t->body_len = want - DDP__STORE_FRAME_HEADER;
+  return DDP_OK;
+}
+
+/* Sends t->out and reads the reply; maps a non-OK reply to a status with the
+ * server's message. Transport failures drop the connection. */
+static ddp_status exchange(tcp_store *t, int64_t deadline_ns, int64_t budget_ms,
+                           int64_t blocking_timeout_ms) {
+  ddp_status st = ddp__net_write_full(t->fd, t->out.data, t->out.len, deadline_ns);
+  if (st == DDP_OK) st = read_reply(t, deadline_ns, budget_ms);
   if (st != DDP_OK) {
     disconnect(t);
     if (st == DDP_ERR_TIMEOUT) {
@@ -86,10 +131,9 @@ static ddp_status exchange(tcp_store *t, int64_t deadline_ns, int64_t blocking_t
     }
     return st;
   }
-  t->in.len = body;
-  uint8_t code = t->in.data[0];
+  uint8_t code = t->body[0];
   if (code == DDP__WIRE_OK) return DDP_OK;
-  ddp__reader r = {t->in.data + 1, t->in.data + body, 0};
+  ddp__reader r = {t->body + 1, t->body + t->body_len, 0};
   ddp__slice msg = ddp__rd_bytes(&r, 4096);
   char text[600];
   snprintf(text, sizeof text, "%.*s", r.bad ? 0 : (int)msg.len,
@@ -119,8 +163,8 @@ static ddp_status handshake(tcp_store *t, int64_t deadline_ns) {
     return ddp_error(DDP_ERR_NOMEM, "out of memory");
   }
   t->max_message_bytes = DDP_STORE_MAX_MESSAGE_BYTES; /* until the server says */
-  DDP_TRY(exchange(t, deadline_ns, -1));
-  ddp__reader r = {t->in.data + 1, t->in.data + t->in.len, 0};
+  DDP_TRY(exchange(t, deadline_ns, (deadline_ns - ddp_time_ns()) / 1000000 + 1, -1));
+  ddp__reader r = {t->body + 1, t->body + t->body_len, 0};
   uint32_t version = ddp__rd_u32(&r);
   uint32_t max_key = ddp__rd_u32(&r);
   uint32_t max_keys = ddp__rd_u32(&r);
@@ -167,6 +211,7 @@ static ddp_status connect_retry(tcp_store *t, int64_t deadline_ns) {
     ddp_status st = ddp__net_connect(t->host, t->port, deadline_ns, &fd);
     if (st == DDP_OK) {
       t->fd = fd;
+      t->recv_timeout_ms = -1;
       st = handshake(t, deadline_ns);
       if (st == DDP_OK) return DDP_OK;
       disconnect(t);
@@ -217,7 +262,7 @@ static ddp_status run(tcp_store *t, int64_t blocking_timeout_ms) {
     t->out = saved;
     if (st != DDP_OK) return st;
   }
-  return exchange(t, deadline, blocking_timeout_ms);
+  return exchange(t, deadline, budget_ms, blocking_timeout_ms);
 }
 
 static void begin(tcp_store *t, uint8_t op) {
@@ -258,7 +303,7 @@ static void put_keys(tcp_store *t, const char *const *keys, size_t n) {
 
 /* The reply after its status byte. */
 static ddp__reader reply(const tcp_store *t) {
-  return (ddp__reader){t->in.data + 1, t->in.data + t->in.len, 0};
+  return (ddp__reader){t->body + 1, t->body + t->body_len, 0};
 }
 
 static ddp_status bad_reply(tcp_store *t, const char *op) {
@@ -269,7 +314,7 @@ static ddp_status bad_reply(tcp_store *t, const char *op) {
 /* Copies a length-prefixed value out of the reply. */
 static ddp_status take_value(tcp_store *t, ddp__reader *r, const char *op, void **value,
                              size_t *bytes) {
-  ddp__slice v = ddp__rd_bytes(r, t->in.len);
+  ddp__slice v = ddp__rd_bytes(r, t->body_len);
   if (r->bad) return bad_reply(t, op);
   *value = ddp__store_copy_value(v.data, v.len);
   if (!*value) return ddp_error(DDP_ERR_NOMEM, "out of memory for a value of %zu bytes", v.len);

@@ -47,6 +47,7 @@ struct waiter {
   client *c;
   uint8_t op;
   int queued;           /* in the server's wake queue */
+  uint32_t missing;     /* linked nodes: keys absent when last checked */
   int64_t deadline_ns;  /* -1: none */
   int64_t timeout_ms;
   uint32_t num_keys;
@@ -301,6 +302,7 @@ static void waiter_free(ddp_store_server *s, waiter *w) {
  * -1 when out of memory. */
 static int waiter_link_missing(ddp_store_server *s, waiter *w) {
   int missing = 0;
+  w->missing = 0;
   for (uint32_t i = 0; i < w->num_keys; i++) {
     if (key_present(s, w->keys[i])) continue;
     missing++;
@@ -313,6 +315,7 @@ static int waiter_link_missing(ddp_store_server *s, waiter *w) {
     n->next = e->waiters;
     if (n->next) n->next->prev = n;
     e->waiters = n;
+    w->missing++;
   }
   return missing;
 }
@@ -349,8 +352,16 @@ static void waiter_finish(ddp_store_server *s, waiter *w) {
   client_flush(s, c);
 }
 
-/* Re-evaluates a waiter after one of its keys was written. */
+/* Re-evaluates a waiter whose last missing key was just written: usually
+ * it is done; if a key it had seen was deleted since, it waits for that. */
 static void waiter_recheck(ddp_store_server *s, waiter *w) {
+  uint32_t i = 0;
+  while (i < w->num_keys && key_present(s, w->keys[i])) i++;
+  if (i == w->num_keys) {
+    reply_ready(s, w->c, w->op, w->keys, w->num_keys);
+    waiter_finish(s, w);
+    return;
+  }
   waiter_unlink_all(s, w);
   int missing = waiter_link_missing(s, w);
   if (missing == 0) {
@@ -373,7 +384,10 @@ static void wake(ddp_store_server *s, ddp__kv_entry *e) {
     n->entry = NULL;
     n->prev = n->next = NULL;
     waiter *w = n->w;
-    if (!w->queued && s->wake_len == s->wake_cap) {
+    /* Counting, not rechecking every key, keeps a wait on N keys O(1) per
+     * write (a rendezvous where each of N ranks waits for all N is N^2). */
+    if (w->missing) w->missing--;
+    if (w->missing == 0 && !w->queued && s->wake_len == s->wake_cap) {
       size_t cap = s->wake_cap ? s->wake_cap * 2 : 64;
       waiter **q = ddp_alloc(cap * sizeof *q);
       if (q) {
@@ -385,7 +399,7 @@ static void wake(ddp_store_server *s, ddp__kv_entry *e) {
     }
     /* Out of memory for the queue: the waiter is unlinked from this key
      * anyway, and expire() rechecks it at its deadline. */
-    if (!w->queued && s->wake_len < s->wake_cap) {
+    if (w->missing == 0 && !w->queued && s->wake_len < s->wake_cap) {
       w->queued = 1;
       s->wake_queue[s->wake_len++] = w;
     }

@@ -183,6 +183,41 @@ static void test_wait_woken_and_timeout(void **state) {
   assert_int_equal(ddp_store_wait(s, keys, 0, SHORT_MS), DDP_OK); /* no keys: at once */
 }
 
+/* A wait counts a key that is deleted before the others arrive as missing
+ * again: it ends only when all exist at once. */
+typedef struct churn {
+  ddp_store *store;
+  ddp_status st;
+  pthread_t thread;
+} churn;
+
+static void *churn_main(void *arg) {
+  churn *c = arg;
+  test_sleep_ms(100);
+  c->st = ddp_store_delete(c->store, "p1", NULL);
+  if (c->st == DDP_OK) c->st = ddp_store_set(c->store, "p2", "2", 1);
+  test_sleep_ms(200);
+  if (c->st == DDP_OK) c->st = ddp_store_set(c->store, "p1", "1", 1);
+  return NULL;
+}
+
+static void test_wait_sees_deletes(void **state) {
+  ddp_store *s = fx(state)->store;
+  assert_int_equal(ddp_store_set(s, "p1", "1", 1), DDP_OK);
+  churn c;
+  assert_int_equal(ddp_store_clone(s, &c.store), DDP_OK);
+  pthread_create(&c.thread, NULL, churn_main, &c);
+  const char *keys[] = {"p1", "p2"};
+  int64_t t0 = test_now_ms();
+  ddp_status st = ddp_store_wait(s, keys, 2, 5000);
+  int64_t took = test_now_ms() - t0;
+  pthread_join(c.thread, NULL);
+  ddp_store_destroy(c.store);
+  assert_int_equal(c.st, DDP_OK);
+  if (st != DDP_OK) fail_msg("%s", ddp_last_error());
+  assert_true(took >= 250 && took < 3000);
+}
+
 static void test_add(void **state) {
   ddp_store *s = fx(state)->store;
   int64_t r = 0;
@@ -425,6 +460,7 @@ static void test_prefix_isolation(void **state) {
   cmocka_unit_test_setup_teardown(test_get_times_out, setup, teardown),    \
   cmocka_unit_test_setup_teardown(test_get_woken_by_set, setup, teardown), \
   cmocka_unit_test_setup_teardown(test_wait_woken_and_timeout, setup, teardown), \
+  cmocka_unit_test_setup_teardown(test_wait_sees_deletes, setup, teardown), \
   cmocka_unit_test_setup_teardown(test_add, setup, teardown),              \
   cmocka_unit_test_setup_teardown(test_compare_set, setup, teardown),      \
   cmocka_unit_test_setup_teardown(test_check_and_delete, setup, teardown), \

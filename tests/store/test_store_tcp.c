@@ -199,7 +199,7 @@ static int expect_closed(int fd) {
 /* The well-behaved client that must not notice anything. */
 typedef struct steady {
   ddp_store *store;
-  volatile int stop;
+  int stop; /* atomic */
   int ops;
   ddp_status st;
   pthread_t thread;
@@ -208,7 +208,7 @@ typedef struct steady {
 static void *steady_main(void *arg) {
   steady *s = arg;
   s->st = DDP_OK;
-  while (!s->stop && s->st == DDP_OK) {
+  while (!__atomic_load_n(&s->stop, __ATOMIC_RELAXED) && s->st == DDP_OK) {
     char v[32];
     int n = snprintf(v, sizeof v, "%d", s->ops);
     s->st = ddp_store_set(s->store, "steady", v, (size_t)n);
@@ -371,7 +371,7 @@ static void test_hostile_input_while_others_work(void **state) {
     ddp__buf_free(&b);
   }
 
-  good.stop = 1;
+  __atomic_store_n(&good.stop, 1, __ATOMIC_RELAXED);
   pthread_join(good.thread, NULL);
   if (good.st != DDP_OK) fail_msg("the good client failed: %s", ddp_last_error());
   assert_true(good.ops > 10);
