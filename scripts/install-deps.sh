@@ -9,7 +9,7 @@ set -euo pipefail
 declare -A GROUPS_PKGS=(
   [build]="build-essential cmake pkg-config libopenblas-dev zlib1g-dev libcmocka-dev"
   [data]="dataset-fashion-mnist"
-  [test]="python3 iproute2 procps"
+  [test]="python3 python3-numpy python3-torch iproute2 procps"
   [fuzz]="clang"
 )
 
