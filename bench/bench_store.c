@@ -6,7 +6,9 @@
  *                needs every other's address. Time from release to the last
  *                client done, including connecting.
  *   throughput   64 clients each doing synchronous set + get of a small key
- *                (16-byte values) for 2 s; total operations per second.
+ *                (16-byte values) for 2 s; total operations per second. Runs
+ *                alternate with a bare TCP echo of the same shape (the
+ *                ceiling on this machine at that moment), reported beside it.
  *
  * The server runs in this process on its own thread (as rank 0 hosts it), or
  * in a separate ddp-store process with --external HOST:PORT. Each figure is
@@ -20,7 +22,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "ddp/store.h"
 
@@ -190,6 +199,125 @@ static double throughput_once(int n, double seconds) {
   return (double)ops / took;
 }
 
+/* ---- Ceiling: a bare TCP echo ------------------------------------------------
+ * The same clients doing send + recv of a 32-byte message against an epoll
+ * loop that only echoes: what loopback TCP and the scheduler allow on this
+ * machine at the moment, the reference the store's throughput is a fraction
+ * of (each store operation is one such round trip plus the store's work). */
+
+typedef struct echo_ctx {
+  int listen_fd;
+  int stop_fd; /* eventfd */
+  uint16_t port;
+} echo_ctx;
+
+static void *echo_server(void *arg) {
+  echo_ctx *e = arg;
+  int ep = epoll_create1(EPOLL_CLOEXEC);
+  struct epoll_event ev = {.events = EPOLLIN, .data.fd = e->listen_fd};
+  epoll_ctl(ep, EPOLL_CTL_ADD, e->listen_fd, &ev);
+  struct epoll_event sev = {.events = EPOLLIN, .data.fd = e->stop_fd};
+  epoll_ctl(ep, EPOLL_CTL_ADD, e->stop_fd, &sev);
+  struct epoll_event evs[256];
+  char buf[4096];
+  for (;;) {
+    int n = epoll_wait(ep, evs, 256, -1);
+    for (int i = 0; i < n; i++) {
+      int fd = evs[i].data.fd;
+      if (fd == e->stop_fd) {
+        close(ep);
+        return NULL;
+      }
+      if (fd == e->listen_fd) {
+        int c = accept4(fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (c < 0) continue;
+        int one = 1;
+        setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        struct epoll_event ce = {.events = EPOLLIN, .data.fd = c};
+        epoll_ctl(ep, EPOLL_CTL_ADD, c, &ce);
+        continue;
+      }
+      ssize_t r = recv(fd, buf, sizeof buf, 0);
+      if (r <= 0 || send(fd, buf, (size_t)r, MSG_NOSIGNAL) < 0) close(fd);
+    }
+  }
+}
+
+typedef struct echo_client {
+  uint16_t port;
+  double seconds;
+  uint64_t ops;
+  pthread_t thread;
+} echo_client;
+
+static void *echo_client_main(void *arg) {
+  echo_client *c = arg;
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(c->port)};
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  int one = 1;
+  if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
+    perror("bench_store: echo connect");
+    exit(1);
+  }
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  char msg[32] = {0};
+  wait_go();
+  double end = ddp_time_s() + c->seconds;
+  uint64_t ops = 0;
+  while (ops & 63 || ddp_time_s() < end) {
+    if (send(fd, msg, sizeof msg, MSG_NOSIGNAL) != (ssize_t)sizeof msg) break;
+    size_t got = 0;
+    while (got < sizeof msg) {
+      ssize_t r = recv(fd, msg + got, sizeof msg - got, 0);
+      if (r <= 0) break;
+      got += (size_t)r;
+    }
+    ops++;
+  }
+  c->ops = ops;
+  close(fd);
+  return NULL;
+}
+
+static double echo_once(int n, double seconds) {
+  echo_ctx e;
+  e.listen_fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET};
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof sa;
+  if (bind(e.listen_fd, (struct sockaddr *)&sa, sizeof sa) != 0 || listen(e.listen_fd, 4096) != 0 ||
+      getsockname(e.listen_fd, (struct sockaddr *)&sa, &len) != 0) {
+    perror("bench_store: echo listen");
+    exit(1);
+  }
+  e.port = ntohs(sa.sin_port);
+  e.stop_fd = eventfd(0, EFD_CLOEXEC);
+  pthread_t server;
+  pthread_create(&server, NULL, echo_server, &e);
+  echo_client *c = calloc((size_t)n, sizeof *c);
+  reset_barrier();
+  for (int i = 0; i < n; i++) {
+    c[i] = (echo_client){.port = e.port, .seconds = seconds};
+    pthread_create(&c[i].thread, NULL, echo_client_main, &c[i]);
+  }
+  release_when_ready(n);
+  double t0 = ddp_time_s();
+  uint64_t ops = 0;
+  for (int i = 0; i < n; i++) {
+    pthread_join(c[i].thread, NULL);
+    ops += c[i].ops;
+  }
+  double took = ddp_time_s() - t0;
+  uint64_t one = 1;
+  if (write(e.stop_fd, &one, sizeof one) != sizeof one) perror("bench_store: eventfd");
+  pthread_join(server, NULL);
+  close(e.stop_fd);
+  close(e.listen_fd);
+  free(c);
+  return (double)ops / took;
+}
+
 static void raise_fd_limit(int need) {
   struct rlimit rl;
   if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return;
@@ -251,12 +379,20 @@ int main(int argc, char **argv) {
            clients, clients, where, t[runs / 2], t[0], t[runs - 1], runs);
   }
   if (!strcmp(mode, "all") || !strcmp(mode, "throughput")) {
-    double t[99];
-    for (int r = 0; r < runs; r++) t[r] = throughput_once(tp_clients, seconds);
+    /* Interleave store and echo runs so both see the same machine load. */
+    double t[99], e[99];
+    for (int r = 0; r < runs; r++) {
+      t[r] = throughput_once(tp_clients, seconds);
+      e[r] = echo_once(tp_clients, seconds);
+    }
     qsort(t, (size_t)runs, sizeof t[0], cmp_double);
+    qsort(e, (size_t)runs, sizeof e[0], cmp_double);
     printf("throughput: %d clients, synchronous set+get of 16-byte values for %.1f s, %s: "
            "median %.0f ops/s (min %.0f, max %.0f, %d runs)\n",
            tp_clients, seconds, where, t[runs / 2], t[0], t[runs - 1], runs);
+    printf("ceiling: %d clients, bare TCP echo round trips (32 bytes) on loopback: "
+           "median %.0f round trips/s (min %.0f, max %.0f); store/ceiling = %.2f\n",
+           tp_clients, e[runs / 2], e[0], e[runs - 1], t[runs / 2] / e[runs / 2]);
   }
   fflush(stdout);
   ddp_store_server_stop(server);
