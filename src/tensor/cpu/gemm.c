@@ -1,4 +1,6 @@
-/* A small-matrix sgemm for the convolution kernels, in AVX-512 intrinsics.
+/* AVX-512 kernels for the convolutions (cpu/conv.c): a small-matrix sgemm,
+ * its dot-product form for thin weight gradients, and two implicit-im2col
+ * variants that read a padded image through tap offsets.
  *
  * Why not OpenBLAS here: the convolutions' gemms are small (conv2 of the
  * ConvNet: 32 x 196 x 400 per sample) and OpenBLAS's generic x86-64 builds
@@ -7,7 +9,8 @@
  * needs no packing: A is read in place (row stride lda; each of its MR rows
  * is a stream the L1 cache serves), B rows are contiguous along n, and a tile
  * of MR x (16 * NV) outputs lives in registers for the whole k loop. The
- * last vector of a row uses masked loads and stores, so any n works.
+ * last vector of a row uses masked loads and stores, so any n works (masked
+ * stores are slow on AMD, ~10 cycles, so only a true tail uses one).
  *
  * Compiled for AVX-512 through target attributes and used only when the CPU
  * has it (ddp__cpu_has_avx512); the build itself stays portable. */
