@@ -197,7 +197,9 @@ static const conv_cfg conv_shapes[] = {
     {1, 3, 4, 4, 2, 1, 1, 2, 1, true},   /* 1x1 but strided and padded: im2col */
     {2, 3, 7, 6, 4, 3, 2, 1, 1, true},   /* non-square kernel, stride 1: flipped dx */
     {1, 2, 4, 5, 3, 2, 2, 1, 2, true},   /* padding > kernel - 1: dx by col2im */
-    {1, 2, 5, 37, 3, 3, 3, 1, 1, true},  /* rows wider than one 16-lane vector */
+    {1, 2, 5, 37, 3, 3, 3, 1, 1, true},  /* rows wider than two 16-lane vectors */
+    {2, 2, 6, 20, 9, 3, 3, 1, 1, true},  /* rows of two vectors */
+    {1, 3, 4, 19, 2, 3, 3, 1, 0, false}, /* rows of 17: one lane in the second vector */
     {2, 2, 5, 4, 33, 3, 3, 1, 1, true},  /* O >= 32: dW^T through a transposed dy */
     {1, 2, 6, 5, 32, 3, 3, 2, 1, false}, /* the same, strided (explicit columns) */
 };

@@ -278,8 +278,8 @@ static ddp_status backward_generic(float *dx, float *dw, float *db, const float 
  * The gemms run on ddp__cpu_gemm*_avx512 (cpu/gemm.c), and the layout work
  * around them is cut down, which matters as much at the ConvNet's shapes:
  *   - stride 1 needs no column matrix at all: the forward and dX read a
- *     zero-padded copy of the sample through per-tap offsets, one vector per
- *     output row (rows up to 16 wide), and dW^T (K, O) accumulates
+ *     zero-padded copy of the sample through per-tap offsets, one or two
+ *     vectors per output row (rows up to 32 wide), and dW^T (K, O) accumulates
  *     sum_p xp[off[t] + p] * dy^T[p] the same way; dW += its transpose once
  *     at the end of the batch. Otherwise a column matrix as above.
  *   - dX for stride 1 is itself a stride-1 convolution of dy, with the
@@ -365,7 +365,7 @@ static ddp_status forward_avx512(float *y, const float *x, const float *w, const
   }
   padded p = {0};
   if (g->stride == 1) DDP_TRY(padded_init(&p, g->c, g->h, g->w, g->pad, g->pad, g->kh, g->kw, arena));
-  if (g->stride == 1 && g->ow <= 16) {
+  if (g->stride == 1 && g->ow <= 32) {
     for (int64_t n = 0; n < g->n; n++) {
       pad_copy(&p, x + n * chw);
       /* y_n (O, OH, OW) = b + w (O, K) @ implicit col (K, OH*OW) */
@@ -409,10 +409,10 @@ static ddp_status backward_avx512(float *dx, float *dw, float *db, const float *
     }
   }
 
-  /* dX: a convolution of dy with the flipped weight, implicit when rows fit
-   * one vector; otherwise gemm + col2im. */
+  /* dX: a convolution of dy with the flipped weight (implicit when rows fit
+   * two vectors, else through a column matrix), or gemm + col2im. */
   const bool dx_as_conv = dx_is_conv(g);
-  const bool dx_implicit = dx_as_conv && g->w <= 16;
+  const bool dx_implicit = dx_as_conv && g->w <= 32;
   padded dyp = {0};
   float *wflip = NULL, *wt = NULL, *dcol = NULL;
   if (dx && dx_as_conv) {

@@ -38,7 +38,7 @@ void ddp__cpu_gemm_nt_avx512(int64_t m, int64_t n, int64_t k, const float *a, in
 /* Stride-1 convolution gemms that read a zero-padded image xp (C, HP, WP)
  * through per-tap offsets off[t] = (c*HP + a)*WP + b instead of a column
  * matrix. conv_rows: y (m, oh, ow) = (y if accumulate, else bias or 0) +
- * w (m, taps; row stride ldw) @ columns of xp; needs ow <= 16 and 16 floats
+ * w (m, taps; row stride ldw) @ columns of xp; needs ow <= 32 and 16 floats
  * of slack past xp. conv_taps: dwt (taps, n) += columns^T-weighted sums,
  * dwt[t][j] += sum over (y, x) of xp[off[t] + y*wp + x] * dyt[(y*ow + x)*n + j]. */
 void ddp__cpu_conv_rows_avx512(int64_t m, int64_t taps, const float *w, int64_t ldw,

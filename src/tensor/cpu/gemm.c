@@ -195,38 +195,43 @@ AVX512 void ddp__cpu_gemm_nt_avx512(int64_t m, int64_t n, int64_t k, const float
  * gemm's time. */
 
 /* y (m, oh, ow) = bias + w (m, taps) @ B, B[t][(y, x)] = xp[off[t] + y*WP + x],
- * for ow <= 16: one vector per output row (lanes past ow computed and
- * dropped), a tile of 8 channels x up to 3 rows. Lanes past a row's end are
- * stored onto the channel's next rows: garbage that those rows overwrite
- * later, or (accumulating) the values already there. Only rows whose spill
- * would leave the channel pay for masked stores. xp needs 16 floats of
- * slack past its end. */
+ * for ow <= 32. Each output row is vr = 1 or 2 vectors (lanes past ow are
+ * computed and dropped); a tile is 8 channels x nv vectors: up to 3 rows
+ * when vr = 1, one row when vr = 2. Lanes past a row's end are stored onto
+ * the channel's next rows: garbage that those rows overwrite later, or
+ * (accumulating) the values already there. Only vectors whose spill would
+ * leave the channel pay for masked stores. xp needs 16 floats of slack. */
 AVX512 static inline __attribute__((always_inline)) void
-tile_rows(const int mr, const int nv, int64_t taps, const float *w, int64_t ldw,
+tile_rows(const int mr, const int vr, const int nv, int64_t taps, const float *w, int64_t ldw,
           const float *xp, const int64_t *off, int64_t wp, float *y, int64_t oh, int64_t ow,
           int64_t oy, const float *bias, bool accumulate) {
   __m512 acc[MR][3];
-  const __mmask16 lanes = (__mmask16)((1u << ow) - 1);
-  /* Rows whose 16 lanes stay inside the channel may be read and written
-   * whole (the spare lanes cover later rows of the same channel). */
-  bool fits[3];
+  /* vector v covers row oy + v/vr, columns 16*(v%vr) onwards */
+  int64_t at[3];
+  __mmask16 lanes[3];
+  bool fits[3]; /* its 16 lanes stay inside the channel: read and write whole */
 #pragma GCC unroll 3
-  for (int v = 0; v < nv; v++) fits[v] = (oy + v) * ow + 16 <= oh * ow;
+  for (int v = 0; v < nv; v++) {
+    const int64_t col = 16 * (v % vr), n = ow - col < 16 ? ow - col : 16;
+    at[v] = (oy + v / vr) * ow + col;
+    lanes[v] = (__mmask16)((1u << n) - 1);
+    fits[v] = at[v] + 16 <= oh * ow;
+  }
 #pragma GCC unroll 8
   for (int r = 0; r < mr; r++)
 #pragma GCC unroll 3
     for (int v = 0; v < nv; v++) {
-      const float *row = y + r * oh * ow + (oy + v) * ow;
+      const float *src = y + r * oh * ow + at[v];
       acc[r][v] = !accumulate ? (bias ? _mm512_set1_ps(bias[r]) : _mm512_setzero_ps())
-                  : fits[v]   ? _mm512_loadu_ps(row)
-                              : _mm512_maskz_loadu_ps(lanes, row);
+                  : fits[v]   ? _mm512_loadu_ps(src)
+                              : _mm512_maskz_loadu_ps(lanes[v], src);
     }
   const float *xrow = xp + oy * wp;
   for (int64_t t = 0; t < taps; t++) {
     const float *src = xrow + off[t];
     __m512 bv[3];
 #pragma GCC unroll 3
-    for (int v = 0; v < nv; v++) bv[v] = _mm512_loadu_ps(src + v * wp);
+    for (int v = 0; v < nv; v++) bv[v] = _mm512_loadu_ps(src + (v / vr) * wp + 16 * (v % vr));
 #pragma GCC unroll 8
     for (int r = 0; r < mr; r++) {
       __m512 ar = _mm512_set1_ps(w[r * ldw + t]);
@@ -238,26 +243,26 @@ tile_rows(const int mr, const int nv, int64_t taps, const float *w, int64_t ldw,
   for (int r = 0; r < mr; r++)
 #pragma GCC unroll 3
     for (int v = 0; v < nv; v++) {
-      float *dst = y + r * oh * ow + (oy + v) * ow;
+      float *dst = y + r * oh * ow + at[v];
       if (!fits[v])
-        _mm512_mask_storeu_ps(dst, lanes, acc[r][v]);
+        _mm512_mask_storeu_ps(dst, lanes[v], acc[r][v]);
       else if (accumulate) /* the spare lanes write back what is there */
-        _mm512_storeu_ps(dst, _mm512_mask_mov_ps(_mm512_loadu_ps(dst), lanes, acc[r][v]));
+        _mm512_storeu_ps(dst, _mm512_mask_mov_ps(_mm512_loadu_ps(dst), lanes[v], acc[r][v]));
       else /* the spare lanes' garbage is overwritten by the later rows */
         _mm512_storeu_ps(dst, acc[r][v]);
     }
 }
 
 AVX512 static inline __attribute__((always_inline)) void
-rows_block(const int nv, int64_t m, int64_t taps, const float *w, int64_t ldw, const float *xp,
-           const int64_t *off, int64_t wp, float *y, int64_t oh, int64_t ow, int64_t oy,
-           const float *bias, bool accumulate) {
+rows_block(const int vr, const int nv, int64_t m, int64_t taps, const float *w, int64_t ldw,
+           const float *xp, const int64_t *off, int64_t wp, float *y, int64_t oh, int64_t ow,
+           int64_t oy, const float *bias, bool accumulate) {
   int64_t i = 0;
   for (; i + MR <= m; i += MR)
-    tile_rows(MR, nv, taps, w + i * ldw, ldw, xp, off, wp, y + i * oh * ow, oh, ow, oy,
+    tile_rows(MR, vr, nv, taps, w + i * ldw, ldw, xp, off, wp, y + i * oh * ow, oh, ow, oy,
               bias ? bias + i : NULL, accumulate);
   for (; i < m; i++)
-    tile_rows(1, nv, taps, w + i * ldw, ldw, xp, off, wp, y + i * oh * ow, oh, ow, oy,
+    tile_rows(1, vr, nv, taps, w + i * ldw, ldw, xp, off, wp, y + i * oh * ow, oh, ow, oy,
               bias ? bias + i : NULL, accumulate);
 }
 
@@ -265,13 +270,18 @@ AVX512 void ddp__cpu_conv_rows_avx512(int64_t m, int64_t taps, const float *w, i
                                       const float *xp, const int64_t *off, int64_t wp, float *y,
                                       int64_t oh, int64_t ow, const float *bias,
                                       bool accumulate) {
+  if (ow > 16) { /* two vectors a row, a row a tile */
+    for (int64_t oy = 0; oy < oh; oy++)
+      rows_block(2, 2, m, taps, w, ldw, xp, off, wp, y, oh, ow, oy, bias, accumulate);
+    return;
+  }
   int64_t oy = 0;
   for (; oy + 3 <= oh; oy += 3)
-    rows_block(3, m, taps, w, ldw, xp, off, wp, y, oh, ow, oy, bias, accumulate);
+    rows_block(1, 3, m, taps, w, ldw, xp, off, wp, y, oh, ow, oy, bias, accumulate);
   if (oh - oy == 2)
-    rows_block(2, m, taps, w, ldw, xp, off, wp, y, oh, ow, oy, bias, accumulate);
+    rows_block(1, 2, m, taps, w, ldw, xp, off, wp, y, oh, ow, oy, bias, accumulate);
   else if (oh - oy == 1)
-    rows_block(1, m, taps, w, ldw, xp, off, wp, y, oh, ow, oy, bias, accumulate);
+    rows_block(1, 1, m, taps, w, ldw, xp, off, wp, y, oh, ow, oy, bias, accumulate);
 }
 
 /* dwt (taps, n) += A @ dyt, A[t][(y, x)] = xp[off[t] + y*WP + x] for (y, x)
