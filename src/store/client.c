@@ -52,18 +52,18 @@ static void disconnect(tcp_store *t) {
   t->fd = -1;
 }
 
-/* Sets SO_RCVTIMEO when it differs from what the socket has: a first
- * blocking recv then waits for the reply in one system call (no poll). */
+/* Sets the socket's receive timeout (SO_RCVTIMEO). */
 static void set_recv_timeout(tcp_store *t, int64_t ms) {
-  if (ms == t->recv_timeout_ms) return;
   struct timeval tv = {(time_t)(ms / 1000), (suseconds_t)((ms % 1000) * 1000)};
   if (tv.tv_sec == 0 && tv.tv_usec == 0) tv.tv_usec = 1000; /* 0 would mean forever */
-  if (setsockopt(t->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) == 0) t->recv_timeout_ms = ms;
+  t->recv_timeout_ms = setsockopt(t->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) == 0 ? ms : -1;
 }
 
-/* Reads one reply frame into t->in (t->body, t->body_len). The first read
- * blocks in recv with the socket's receive timeout set to the call's budget;
- * anything after it (a large reply) waits with poll until deadline_ns. */
+/* Reads one reply frame into t->in (t->body, t->body_len). When the call's
+ * budget is the handle's default timeout -- every non-blocking call -- the
+ * first read is one blocking recv, the socket's receive timeout (set at
+ * connect) bounding it; otherwise, and for anything after it (a large reply),
+ * poll waits until deadline_ns. */
 static ddp_status read_reply(tcp_store *t, int64_t deadline_ns, int64_t budget_ms) {
   t->in.len = 0;
   ddp__buf_reserve(&t->in, 4096);
@@ -71,15 +71,16 @@ static ddp_status read_reply(tcp_store *t, int64_t deadline_ns, int64_t budget_m
     t->in.failed = 0;
     return ddp_error(DDP_ERR_NOMEM, "out of memory");
   }
-  set_recv_timeout(t, budget_ms);
-  ssize_t n = recv(t->fd, t->in.data, t->in.cap, 0);
-  if (n > 0) t->in.len = (size_t)n;
-  else if (n == 0) return ddp_error(DDP_ERR_CLOSED, "connection closed by the peer");
-  else if (errno == ECONNRESET || errno == EPIPE || errno == ENOTCONN)
-    return ddp_error(DDP_ERR_CLOSED, "connection reset by the peer");
-  else if (errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK)
-    return ddp_error(DDP_ERR_IO, "recv: %s", strerror(errno));
-  /* EINTR / EAGAIN: the poll loop below decides against the deadline. */
+  if (budget_ms == t->recv_timeout_ms) {
+    ssize_t n = recv(t->fd, t->in.data, t->in.cap, 0);
+    if (n > 0) t->in.len = (size_t)n;
+    else if (n == 0) return ddp_error(DDP_ERR_CLOSED, "connection closed by the peer");
+    else if (errno == ECONNRESET || errno == EPIPE || errno == ENOTCONN)
+      return ddp_error(DDP_ERR_CLOSED, "connection reset by the peer");
+    else if (errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK)
+      return ddp_error(DDP_ERR_IO, "recv: %s", strerror(errno));
+    /* EINTR / EAGAIN: the poll loop below decides against the deadline. */
+  }
   size_t want = DDP__STORE_FRAME_HEADER;
   for (;;) {
     if (t->in.len >= DDP__STORE_FRAME_HEADER) {
@@ -249,8 +250,8 @@ static ddp_status run(tcp_store *t, int64_t blocking_timeout_ms) {
     return ddp_error(DDP_ERR_RANGE, "request of %zu bytes exceeds the store's message limit of %" PRIu64,
                      t->out.len, t->max_message_bytes);
   int64_t start = ddp_time_ns();
-  int64_t budget_ms = blocking_timeout_ms >= 0 ? blocking_timeout_ms + CLIENT_GRACE_MS
-                                               : ddp_store_timeout_ms(&t->base);
+  int64_t default_ms = ddp_store_timeout_ms(&t->base);
+  int64_t budget_ms = blocking_timeout_ms >= 0 ? blocking_timeout_ms + CLIENT_GRACE_MS : default_ms;
   int64_t deadline = start + budget_ms * 1000000LL;
   if (t->fd < 0) {
     /* Reconnect within both the call's and the connect timeout. */
@@ -262,6 +263,7 @@ static ddp_status run(tcp_store *t, int64_t blocking_timeout_ms) {
     t->out = saved;
     if (st != DDP_OK) return st;
   }
+  if (t->recv_timeout_ms != default_ms) set_recv_timeout(t, default_ms);
   return exchange(t, deadline, budget_ms, blocking_timeout_ms);
 }
 
