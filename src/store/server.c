@@ -81,6 +81,7 @@ struct ddp_store_server {
   char token[DDP_STORE_MAX_TOKEN_BYTES + 1];
   int has_token;
   ddp_store_limits limits;
+  ddp_store_limits hello_limits; /* before the handshake: frames of a hello only */
   int64_t handshake_timeout_ms;
   ddp__kv_table table;
   client *clients;
@@ -688,7 +689,10 @@ static void client_process(ddp_store_server *s, client *c) {
     size_t used = 0;
     uint8_t status = 0;
     char err[256];
-    ddp__parse_result r = ddp__store_parse_request(c->in.data + off, c->in.len - off, &s->limits,
+    /* Until a client has shaken hands it may send a hello and nothing
+     * bigger, so strangers cannot make the server buffer large frames. */
+    const ddp_store_limits *limits = c->authed ? &s->limits : &s->hello_limits;
+    ddp__parse_result r = ddp__store_parse_request(c->in.data + off, c->in.len - off, limits,
                                                    &req, &used, &status, err, sizeof err);
     if (r == DDP__PARSE_MORE) break;
     if (r == DDP__PARSE_ERROR) {
@@ -848,6 +852,8 @@ ddp_status ddp_store_server_create(const char *bind_addr, uint16_t port,
   s->listen_fd = s->epoll_fd = s->wake_fd = s->spare_fd = -1;
   s->next_deadline_ns = -1;
   ddp__store_limits_resolve(options ? &options->limits : NULL, &s->limits);
+  s->hello_limits = s->limits;
+  s->hello_limits.max_message_bytes = 1 + 4 + 4 + 4 + DDP_STORE_MAX_TOKEN_BYTES;
   s->handshake_timeout_ms =
       options && options->handshake_timeout_ms > 0 ? options->handshake_timeout_ms : 10000;
   const char *token = options ? options->token : NULL;

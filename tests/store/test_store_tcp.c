@@ -266,6 +266,14 @@ static void test_hostile_input_while_others_work(void **state) {
     raw_send(fd, http, strlen(http));
     expect_closed(fd); /* "GET " reads as a 542 MB frame: over the limit */
   }
+  /* 3b. Before the handshake nothing bigger than a hello is buffered: a
+   *     64 KiB frame is refused as soon as its header arrives. */
+  {
+    int fd = raw_connect(port);
+    uint8_t header[5] = {0x00, 0x00, 0x01, 0x00, DDP__OP_HELLO};
+    raw_send(fd, header, sizeof header);
+    assert_int_equal(expect_closed(fd), DDP__WIRE_TOO_LARGE);
+  }
   /* 4. After the handshake: a frame header announcing 4 GB. */
   {
     int fd = raw_connect(port);
