@@ -150,6 +150,32 @@ static void test_address_in_use(void **state) {
   ddp_store_server_stop(a);
 }
 
+static void test_ipv6_loopback(void **state) {
+  (void)state;
+  ddp_store_server *server = NULL;
+  ddp_store_server_options so = {.token = ""};
+  if (ddp_store_server_start("::1", 0, &so, &server) != DDP_OK) {
+    print_message("SKIP: no IPv6 loopback here (%s)\n", ddp_last_error());
+    skip();
+  }
+  uint16_t port = ddp_store_server_port(server);
+  char want[64];
+  snprintf(want, sizeof want, "[::1]:%u", port);
+  assert_string_equal(ddp_store_server_address(server), want);
+  ddp_store_options o = {.timeout_ms = 5000, .token = ""};
+  ddp_store *st = NULL;
+  assert_int_equal(ddp_store_tcp_connect("::1", port, &o, &st), DDP_OK);
+  assert_string_equal(ddp_store_address(st), want);
+  assert_int_equal(ddp_store_set(st, "v6", "yes", 3), DDP_OK);
+  void *v;
+  size_t n;
+  assert_int_equal(ddp_store_get(st, "v6", 0, &v, &n), DDP_OK);
+  assert_memory_equal(v, "yes", 3);
+  ddp_free(v);
+  ddp_store_destroy(st);
+  ddp_store_server_stop(server);
+}
+
 /* ---- Hostile input ------------------------------------------------------- */
 
 static int raw_connect(uint16_t port) {
@@ -667,6 +693,7 @@ int main(void) {
       cmocka_unit_test(test_connect_retries_until_server_starts),
       cmocka_unit_test(test_connect_timeout_names_address),
       cmocka_unit_test(test_address_in_use),
+      cmocka_unit_test(test_ipv6_loopback),
       cmocka_unit_test(test_hostile_input_while_others_work),
       cmocka_unit_test(test_pipelined_requests),
       cmocka_unit_test(test_limits_are_clear_errors),
