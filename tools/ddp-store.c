@@ -156,6 +156,7 @@ int main(int argc, char **argv) {
         errno = 0;
         timeout_s = strtod(next, &end);
         if (errno || *end || !(timeout_s >= 0)) die_usage("bad --timeout \"%s\"", next);
+        if (timeout_s > 1e9) timeout_s = 1e9; /* ~31 years: "forever" */
       }
     } else if (!strcmp(a, "--")) {
       for (i++; i < argc && nargs < 64; i++) args[nargs++] = argv[i];

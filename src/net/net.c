@@ -44,6 +44,7 @@ char *ddp__net_format_host_port(const char *host, uint16_t port, char *buf, size
 
 int64_t ddp__net_deadline_after_ms(int64_t ms) {
   if (ms < 0) return -1;
+  if (ms > (INT64_MAX / 2) / 1000000LL) return -1; /* centuries: no deadline */
   return ddp_time_ns() + ms * 1000000LL;
 }
 

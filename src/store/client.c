@@ -595,8 +595,9 @@ ddp_status ddp_store_tcp_connect(const char *host, uint16_t port, const ddp_stor
     ddp_free(t);
     return ddp_error(DDP_ERR_NOMEM, "out of memory");
   }
-  t->connect_timeout_ms = options && options->connect_timeout_ms > 0 ? options->connect_timeout_ms
-                                                                      : t->base.timeout_ms;
+  t->connect_timeout_ms = options && options->connect_timeout_ms > 0
+                              ? ddp__store_clamp_ms(options->connect_timeout_ms)
+                              : t->base.timeout_ms;
   ddp_status st = connect_retry(t, ddp_time_ns() + t->connect_timeout_ms * 1000000LL);
   if (st != DDP_OK) {
     st = ddp_error_wrap(st, "store %s", address);

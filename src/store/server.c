@@ -449,8 +449,8 @@ static void start_blocking(ddp_store_server *s, client *c, const ddp__store_requ
   w->c = c;
   w->op = req->op;
   w->num_keys = n;
-  w->timeout_ms = req->timeout_ms;
-  w->deadline_ns = req->timeout_ms < 0 ? -1 : ddp_time_ns() + req->timeout_ms * 1000000LL;
+  w->timeout_ms = ddp__store_clamp_ms(req->timeout_ms); /* a client's 2^63 must not overflow */
+  w->deadline_ns = w->timeout_ms < 0 ? -1 : ddp_time_ns() + w->timeout_ms * 1000000LL;
   w->next = s->waiters;
   if (w->next) w->next->prev = w;
   s->waiters = w;
@@ -855,7 +855,8 @@ ddp_status ddp_store_server_create(const char *bind_addr, uint16_t port,
   s->hello_limits = s->limits;
   s->hello_limits.max_message_bytes = 1 + 4 + 4 + 4 + DDP_STORE_MAX_TOKEN_BYTES;
   s->handshake_timeout_ms =
-      options && options->handshake_timeout_ms > 0 ? options->handshake_timeout_ms : 10000;
+      options && options->handshake_timeout_ms > 0 ? ddp__store_clamp_ms(options->handshake_timeout_ms)
+                                                   : 10000;
   const char *token = options ? options->token : NULL;
   if (!token) token = ddp_env_str("DDP_STORE_TOKEN", NULL);
   ddp_status st;

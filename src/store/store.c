@@ -23,7 +23,7 @@ ddp_status ddp__store_init(ddp_store *s, const ddp__store_ops *ops,
                            const ddp_store_options *options, const char *address) {
   s->ops = ops;
   s->refs = 1;
-  s->timeout_ms = options && options->timeout_ms > 0 ? options->timeout_ms
+  s->timeout_ms = options && options->timeout_ms > 0 ? ddp__store_clamp_ms(options->timeout_ms)
                                                       : ddp_store_default_timeout_ms();
   s->address = ddp_strdup(address);
   if (!s->address) return ddp_error(DDP_ERR_NOMEM, "out of memory");
@@ -164,7 +164,8 @@ static ddp_status check_keys(const ddp_store *s, const char *op, const char *con
 }
 
 static int64_t resolve_timeout(const ddp_store *s, int64_t timeout_ms) {
-  return timeout_ms < 0 ? __atomic_load_n(&s->timeout_ms, __ATOMIC_RELAXED) : timeout_ms;
+  return timeout_ms < 0 ? __atomic_load_n(&s->timeout_ms, __ATOMIC_RELAXED)
+                        : ddp__store_clamp_ms(timeout_ms);
 }
 
 #define CHECK_STORE(s, op)                                                   \
@@ -382,6 +383,7 @@ int64_t ddp_store_timeout_ms(const ddp_store *s) {
 }
 
 void ddp_store_set_timeout_ms(ddp_store *s, int64_t timeout_ms) {
-  __atomic_store_n(&s->timeout_ms, timeout_ms > 0 ? timeout_ms : ddp_store_default_timeout_ms(),
+  __atomic_store_n(&s->timeout_ms,
+                   timeout_ms > 0 ? ddp__store_clamp_ms(timeout_ms) : ddp_store_default_timeout_ms(),
                    __ATOMIC_RELAXED);
 }

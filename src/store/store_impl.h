@@ -44,6 +44,13 @@ struct ddp_store {
   char *address;      /* for messages; owned */
 };
 
+/* Timeouts are clamped to this (about 35 years) so that deadlines in
+ * nanoseconds cannot overflow. */
+#define DDP__STORE_MAX_TIMEOUT_MS (1LL << 40)
+static inline int64_t ddp__store_clamp_ms(int64_t ms) {
+  return ms > DDP__STORE_MAX_TIMEOUT_MS ? DDP__STORE_MAX_TIMEOUT_MS : ms;
+}
+
 /* Fills the common part: one reference, the options' timeout, a copy of the
  * address. DDP_ERR_NOMEM if the copy fails. */
 ddp_status ddp__store_init(ddp_store *s, const ddp__store_ops *ops,

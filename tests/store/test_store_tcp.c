@@ -487,6 +487,40 @@ static void test_limits_are_clear_errors(void **state) {
   ddp_store_server_stop(server);
 }
 
+/* Timeouts near INT64_MAX (from the API or from a client on the wire) mean
+ * "a very long time", never an overflowed deadline. */
+static void test_huge_timeouts(void **state) {
+  (void)state;
+  ddp_store_server *server = start_server(NULL);
+  uint16_t port = ddp_store_server_port(server);
+  ddp_store *st = connect_to(port, NULL, INT64_MAX);
+  delayed_set d = {.delay_ms = 100, .keys = {"late"}, .values = {"1"}, .num_keys = 1};
+  assert_int_equal(delayed_set_start(&d, st), DDP_OK);
+  void *v;
+  size_t n;
+  assert_int_equal(ddp_store_get(st, "late", INT64_MAX, &v, &n), DDP_OK);
+  assert_int_equal(delayed_set_join(&d), DDP_OK);
+  ddp_free(v);
+  int fd = raw_connect(port);
+  raw_hello(fd, NULL);
+  ddp__buf b = {0};
+  size_t at = ddp__buf_frame_begin(&b);
+  ddp__buf_u8(&b, DDP__OP_GET);
+  ddp__buf_i64(&b, INT64_MAX);
+  ddp__buf_bytes(&b, "never", 5);
+  ddp__buf_frame_end(&b, at);
+  raw_send(fd, b.data, b.len);
+  ddp__buf_free(&b);
+  ddp_store_server_stats stats = stats_eventually(server, 2, 1); /* st and the raw client */
+  assert_int_equal(stats.clients, 2);
+  assert_int_equal(stats.waiters, 1);
+  close(fd);
+  stats = stats_eventually(server, 1, 0);
+  assert_int_equal(stats.waiters, 0);
+  ddp_store_destroy(st);
+  ddp_store_server_stop(server);
+}
+
 /* ---- Processes dying ------------------------------------------------------ */
 
 static const char *store_tool(char *buf, size_t cap) {
@@ -697,6 +731,7 @@ int main(void) {
       cmocka_unit_test(test_hostile_input_while_others_work),
       cmocka_unit_test(test_pipelined_requests),
       cmocka_unit_test(test_limits_are_clear_errors),
+      cmocka_unit_test(test_huge_timeouts),
       cmocka_unit_test(test_server_killed_fails_waits_fast),
       cmocka_unit_test(test_client_killed_server_carries_on),
       cmocka_unit_test(test_many_clients_rendezvous),
