@@ -65,6 +65,7 @@ struct client {
   uint32_t events;          /* epoll interest now */
   int64_t hello_deadline_ns;
   ddp__buf in, out;
+  size_t out_sent;          /* bytes of `out` already written */
   waiter *waiter;
   client *prev, *next;      /* all clients */
   client *resume_next;
@@ -111,8 +112,9 @@ static void set_deadline(ddp_store_server *s, int64_t deadline_ns) {
 static void update_events(ddp_store_server *s, client *c) {
   if (c->dead) return;
   uint32_t want = EPOLLRDHUP;
-  if (!c->waiter && c->out.len < OUT_HIGH_WATER) want |= EPOLLIN;
-  if (c->out.len) want |= EPOLLOUT;
+  size_t pending = c->out.len - c->out_sent;
+  if (!c->waiter && pending < OUT_HIGH_WATER) want |= EPOLLIN;
+  if (pending) want |= EPOLLOUT;
   if (want == c->events) return;
   struct epoll_event ev = {.events = want, .data.ptr = c};
   epoll_ctl(s->epoll_fd, EPOLL_CTL_MOD, c->fd, &ev);
@@ -156,11 +158,18 @@ static void free_dead(ddp_store_server *s) {
 
 /* Writes what the socket takes now. Returns -1 if the client was dropped. */
 static int client_flush(ddp_store_server *s, client *c) {
-  size_t done = 0;
-  while (done < c->out.len) {
-    ssize_t n = send(c->fd, c->out.data + done, c->out.len - done, MSG_NOSIGNAL | MSG_DONTWAIT);
+  if (c->out.failed) {
+    /* A reply could not be built (out of memory): the stream is broken. */
+    ddp_log(DDP_LOG_WARN, "store server %s: out of memory replying to %s; dropping it",
+            s->address, c->addr);
+    client_drop(s, c, 1);
+    return -1;
+  }
+  while (c->out_sent < c->out.len) {
+    ssize_t n = send(c->fd, c->out.data + c->out_sent, c->out.len - c->out_sent,
+                     MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n > 0) {
-      done += (size_t)n;
+      c->out_sent += (size_t)n;
       continue;
     }
     if (n < 0 && errno == EINTR) continue;
@@ -170,10 +179,16 @@ static int client_flush(ddp_store_server *s, client *c) {
     client_drop(s, c, 1);
     return -1;
   }
-  ddp__buf_consume(&c->out, done);
-  if (c->out.len == 0 && c->out.cap > (1u << 20)) ddp__buf_free(&c->out);
+  if (c->out_sent == c->out.len) {
+    c->out.len = c->out_sent = 0;
+    if (c->out.cap > (1u << 20)) ddp__buf_free(&c->out); /* after a big value */
+  } else if (c->out_sent >= (1u << 20)) {
+    /* Compact now and then, not on every partial write of a big reply. */
+    ddp__buf_consume(&c->out, c->out_sent);
+    c->out_sent = 0;
+  }
   /* Output dropped below the high-water mark with requests still buffered. */
-  if (c->backpressured && c->out.len < OUT_HIGH_WATER && !c->resume) {
+  if (c->backpressured && c->out.len - c->out_sent < OUT_HIGH_WATER && !c->resume) {
     c->backpressured = 0;
     c->resume = 1;
     c->resume_next = s->resume_list;
@@ -684,7 +699,7 @@ static void handle(ddp_store_server *s, client *c, const ddp__store_request *req
  * long as it is not blocked and its output is not backed up. */
 static void client_process(ddp_store_server *s, client *c) {
   size_t off = 0;
-  while (!c->dead && !c->waiter && c->out.len < OUT_HIGH_WATER && off < c->in.len) {
+  while (!c->dead && !c->waiter && c->out.len - c->out_sent < OUT_HIGH_WATER && off < c->in.len) {
     ddp__store_request req;
     size_t used = 0;
     uint8_t status = 0;
@@ -704,10 +719,10 @@ static void client_process(ddp_store_server *s, client *c) {
     off += used;
   }
   if (c->dead) return;
-  if (c->out.len >= OUT_HIGH_WATER) c->backpressured = 1;
+  if (c->out.len - c->out_sent >= OUT_HIGH_WATER) c->backpressured = 1;
   ddp__buf_consume(&c->in, off);
   if (c->in.len == 0 && c->in.cap > (1u << 20)) ddp__buf_free(&c->in); /* after a big value */
-  if (c->out.len) client_flush(s, c);
+  if (c->out.len > c->out_sent || c->out.failed) client_flush(s, c);
   else update_events(s, c);
 }
 

@@ -467,6 +467,50 @@ static void test_pipelined_requests(void **state) {
   ddp_store_server_stop(server);
 }
 
+/* A client that pipelines large gets and reads slowly: the server stops
+ * reading it while 4 MiB of replies wait, resumes as they drain, and every
+ * reply arrives whole and in order. */
+static void test_slow_reader_backpressure(void **state) {
+  (void)state;
+  ddp_store_server *server = start_server(NULL);
+  uint16_t port = ddp_store_server_port(server);
+  ddp_store *st = connect_to(port, NULL, 10000);
+  const size_t big = 4u << 20;
+  uint8_t *value = malloc(big);
+  for (size_t i = 0; i < big; i++) value[i] = (uint8_t)(i * 7 + 3);
+  assert_int_equal(ddp_store_set(st, "big", value, big), DDP_OK);
+  int fd = raw_connect(port);
+  raw_hello(fd, NULL);
+  ddp__buf b = {0};
+  enum { N = 8 };
+  for (int i = 0; i < N; i++) {
+    size_t at = ddp__buf_frame_begin(&b);
+    ddp__buf_u8(&b, DDP__OP_GET);
+    ddp__buf_i64(&b, 1000);
+    ddp__buf_bytes(&b, "big", 3);
+    ddp__buf_frame_end(&b, at);
+  }
+  raw_send(fd, b.data, b.len);
+  ddp__buf_free(&b);
+  test_sleep_ms(200); /* let the server fill the socket and stop */
+  /* Meanwhile another client is served normally. */
+  assert_int_equal(ddp_store_set(st, "other", "1", 1), DDP_OK);
+  const size_t reply = 4 + 1 + 4 + big;
+  uint8_t *buf = malloc(reply);
+  for (int i = 0; i < N; i++) {
+    assert_int_equal(ddp__net_read_full(fd, buf, reply, ddp_time_ns() + 10000000000LL), DDP_OK);
+    assert_int_equal(ddp__load_u32(buf), reply - 4);
+    assert_int_equal(buf[4], DDP__WIRE_OK);
+    assert_int_equal(ddp__load_u32(buf + 5), big);
+    assert_memory_equal(buf + 9, value, big);
+  }
+  close(fd);
+  free(buf);
+  free(value);
+  ddp_store_destroy(st);
+  ddp_store_server_stop(server);
+}
+
 static void test_limits_are_clear_errors(void **state) {
   (void)state;
   ddp_store_server_options so = {.token = ""};
@@ -730,6 +774,7 @@ int main(void) {
       cmocka_unit_test(test_ipv6_loopback),
       cmocka_unit_test(test_hostile_input_while_others_work),
       cmocka_unit_test(test_pipelined_requests),
+      cmocka_unit_test(test_slow_reader_backpressure),
       cmocka_unit_test(test_limits_are_clear_errors),
       cmocka_unit_test(test_huge_timeouts),
       cmocka_unit_test(test_server_killed_fails_waits_fast),
