@@ -41,8 +41,9 @@ static const char usage[] =
     "Client options:\n"
     "  --addr HOST:PORT  the server (default: $DDP_STORE_ADDR, else\n"
     "                    127.0.0.1:29500; IPv6 as [::1]:29500)\n"
-    "  --timeout S       seconds to wait for keys and to connect (default:\n"
-    "                    $DDP_TIMEOUT, else 1800); fractions allowed\n"
+    "  --timeout S       seconds to wait for keys (default: $DDP_TIMEOUT, else\n"
+    "                    1800; fractions allowed; 0 = do not wait) and to\n"
+    "                    connect (at least 1 s)\n"
     "  --token T         the server's token (default: $DDP_STORE_TOKEN)\n"
     "\n"
     "Exit status: 0 on success, 1 when the operation fails (timed out, server\n"
@@ -189,8 +190,13 @@ int main(int argc, char **argv) {
   uint16_t server_port;
   parse_addr(addr, host, sizeof host, &server_port);
   ddp_store_options opts = {.token = token};
-  if (timeout_s >= 0) opts.timeout_ms = opts.connect_timeout_ms = (int64_t)(timeout_s * 1000 + 0.5);
-  if (timeout_s == 0) opts.timeout_ms = opts.connect_timeout_ms = 1; /* "now" */
+  if (timeout_s >= 0) {
+    /* --timeout bounds the wait of get / wait (passed to them below);
+     * connecting and the other calls get at least a second, so --timeout 0
+     * asks "is it there now?" rather than failing to connect. */
+    int64_t ms = (int64_t)(timeout_s * 1000 + 0.5);
+    opts.timeout_ms = opts.connect_timeout_ms = ms > 1000 ? ms : 1000;
+  }
   ddp_store *store;
   if (ddp_store_tcp_connect(host, server_port, &opts, &store) != DDP_OK) die_store();
   int64_t wait_ms = timeout_s >= 0 ? (int64_t)(timeout_s * 1000 + 0.5) : -1;
