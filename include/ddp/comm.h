@@ -1,0 +1,214 @@
+/* ddp comm: process groups and collectives on CPU (torch.distributed with the
+ * gloo backend, and what ddp does better): allreduce, broadcast, reduce,
+ * allgather, gather, scatter, reduce_scatter, all_to_all, barriers,
+ * point-to-point, and variable-size byte collectives, each in a blocking and
+ * an async form. docs/comm.md has the algorithms, transports and failure
+ * semantics.
+ *
+ * The model of use (PyTorch's init_process_group + all_reduce):
+ *
+ *   ddp_process_group *pg;
+ *   DDP_TRY(ddp_init_process_group("env://", NULL, NULL, &pg));   // rendezvous + connect
+ *   DDP_TRY(ddp_allreduce(pg, grads, n, DDP_FLOAT32, DDP_REDUCE_AVG));
+ *   ddp_process_group_destroy(pg);
+ *
+ * Transports are chosen per pair of ranks from what the rendezvous learned:
+ * ranks that are threads of one process share memory directly ("threads"),
+ * ranks of one host (same hostname and network namespace, or the same
+ * DDP_HOST_ID) use shared memory ("shm"), others TCP ("tcp").
+ *
+ * Every group has one progress thread that runs queued operations in
+ * submission order; a blocking call issued while the queue is empty runs on
+ * the caller's thread (same order, no hand-off cost).
+ *
+ * Failure: every operation has a timeout (DDP_TIMEOUT seconds, default 1800,
+ * or ddp_process_group_options.timeout_s). A peer's death (its connection
+ * closed, its shared-memory heartbeat lost) fails every pending and later
+ * operation on the group within 5 s with DDP_ERR_PEER and a message naming
+ * the rank, its host and the operation ("allreduce #118: rank 3 (node2) died
+ * (connection closed)"). Errors are sticky: once a group has failed, every
+ * call returns the same status and message. */
+#ifndef DDP_COMM_H
+#define DDP_COMM_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ddp/core.h"
+#include "ddp/rendezvous.h"
+#include "ddp/store.h"
+#include "ddp/tensor.h" /* ddp_dtype */
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Reductions. AVG is SUM divided by the group size, for floating types only.
+ * float16 and bfloat16 accumulate in float32 within one reduction step and
+ * are rounded to their type when stored (docs/comm.md says where). */
+typedef enum ddp_reduce_op {
+  DDP_REDUCE_SUM = 0,
+  DDP_REDUCE_AVG = 1,
+  DDP_REDUCE_MIN = 2,
+  DDP_REDUCE_MAX = 3,
+  DDP_REDUCE_PRODUCT = 4,
+  DDP_REDUCE_OP_COUNT
+} ddp_reduce_op;
+
+const char *ddp_reduce_op_name(ddp_reduce_op op); /* "sum", "avg", ... */
+
+typedef struct ddp_process_group ddp_process_group;
+
+/* Options for creating a group. Zero-initialise ({0}) for the defaults;
+ * NULL wherever options are taken means all defaults. */
+typedef struct ddp_process_group_options {
+  /* Default timeout of every operation, seconds; <= 0: $DDP_TIMEOUT, 1800
+   * when unset (PyTorch's default). */
+  double timeout_s;
+  /* "auto" (NULL) picks per pair as described above; "tcp" forces TCP for
+   * every pair (tests, debugging). */
+  const char *transport;
+  uint64_t reserved[8];
+} ddp_process_group_options;
+
+/* Rendezvous through `init_url` (env://, tcp://host:port, file:///path; see
+ * rendezvous.h; `rdzv` carries init_process_group's rank= and world_size=,
+ * NULL for none), then connects every pair. On success *out is the world
+ * group; destroy it with ddp_process_group_destroy. */
+ddp_status ddp_init_process_group(const char *init_url, const ddp_rendezvous_options *rdzv,
+                                  const ddp_process_group_options *options,
+                                  ddp_process_group **out);
+
+/* Builds a group of `world_size` ranks meeting in `store` (borrowed for the
+ * call; the group takes a reference with ddp_store_retain). Every rank calls
+ * it with the same store contents and its own rank. Ranks that are threads of
+ * one process may pass one shared store (e.g. ddp_store_mem_create): this is
+ * the single-process multi-replica mode. */
+ddp_status ddp_process_group_create(ddp_store *store, int rank, int world_size,
+                                    const ddp_process_group_options *options,
+                                    ddp_process_group **out);
+
+/* A subgroup of `parent` with the listed parent ranks (torch.distributed.
+ * new_group). Collective over the parent: every parent rank calls it with
+ * the same list, and ranks outside the list get *out == NULL. */
+ddp_status ddp_process_group_new(ddp_process_group *parent, int n, const int *ranks,
+                                 ddp_process_group **out);
+/* MPI_Comm_split: ranks with equal `color` form a group, ordered by `key`
+ * (ties by parent rank); color < 0 gives *out == NULL. Collective over the
+ * parent. A world of 8 splits into four groups of 2 that run side by side. */
+ddp_status ddp_process_group_split(ddp_process_group *parent, int color, int key,
+                                   ddp_process_group **out);
+
+int ddp_process_group_rank(const ddp_process_group *pg);
+int ddp_process_group_size(const ddp_process_group *pg);
+/* The transport used towards `peer`: "self", "threads", "shm" or "tcp". */
+const char *ddp_process_group_transport(const ddp_process_group *pg, int peer);
+
+/* Waits for queued operations, then closes the group's connections and
+ * frees it. Not collective: peers see the connection close. NULL ok. */
+void ddp_process_group_destroy(ddp_process_group *pg);
+/* Fails every pending and later operation with DDP_ERR_ABORTED, wakes every
+ * waiter and releases the transports; the group must still be destroyed.
+ * Safe to call from any thread (e.g. a watchdog). */
+void ddp_process_group_abort(ddp_process_group *pg);
+
+/* ---- Work handles ---------------------------------------------------------
+ * An async operation returns a work handle. The buffers passed to it must
+ * stay valid and untouched until the work completes. Free every handle with
+ * ddp_work_free (after completion; freeing an unfinished handle waits). */
+typedef struct ddp_work ddp_work;
+
+/* Waits for completion, at most timeout_s seconds (< 0: the group's
+ * timeout). Returns the operation's status (DDP_ERR_TIMEOUT if it did not
+ * finish in time; the operation itself then fails the group). */
+ddp_status ddp_work_wait(ddp_work *work, double timeout_s);
+/* True when the work has finished; its status in *status when not NULL. */
+bool ddp_work_test(ddp_work *work, ddp_status *status);
+void ddp_work_free(ddp_work *work);
+
+/* ---- Collectives ----------------------------------------------------------
+ * `count` counts elements of `dtype`. Each has a blocking form and an
+ * `_async` form that returns a work handle in *work. Arguments are checked on
+ * the calling rank (DDP_ERR_INVALID naming the call); a mismatch between
+ * ranks (different counts) is caught in DDP_DEBUG=detail mode, which checks
+ * every operation's fingerprint across the group. */
+
+/* In place: buf (count) becomes the reduction of every rank's buf. */
+ddp_status ddp_allreduce(ddp_process_group *pg, void *buf, size_t count, ddp_dtype dtype,
+                         ddp_reduce_op op);
+ddp_status ddp_allreduce_async(ddp_process_group *pg, void *buf, size_t count, ddp_dtype dtype,
+                               ddp_reduce_op op, ddp_work **work);
+/* buf (count) on every rank becomes root's. */
+ddp_status ddp_broadcast(ddp_process_group *pg, void *buf, size_t count, ddp_dtype dtype,
+                         int root);
+ddp_status ddp_broadcast_async(ddp_process_group *pg, void *buf, size_t count, ddp_dtype dtype,
+                               int root, ddp_work **work);
+/* root's buf (count) becomes the reduction; other ranks' buf is unchanged. */
+ddp_status ddp_reduce(ddp_process_group *pg, void *buf, size_t count, ddp_dtype dtype,
+                      ddp_reduce_op op, int root);
+ddp_status ddp_reduce_async(ddp_process_group *pg, void *buf, size_t count, ddp_dtype dtype,
+                            ddp_reduce_op op, int root, ddp_work **work);
+/* recv (size * count) gets every rank's send (count), in rank order. */
+ddp_status ddp_allgather(ddp_process_group *pg, const void *send, void *recv, size_t count,
+                         ddp_dtype dtype);
+ddp_status ddp_allgather_async(ddp_process_group *pg, const void *send, void *recv,
+                               size_t count, ddp_dtype dtype, ddp_work **work);
+/* root's recv (size * count) gets every rank's send (count); recv may be
+ * NULL on other ranks. */
+ddp_status ddp_gather(ddp_process_group *pg, const void *send, void *recv, size_t count,
+                      ddp_dtype dtype, int root);
+ddp_status ddp_gather_async(ddp_process_group *pg, const void *send, void *recv, size_t count,
+                            ddp_dtype dtype, int root, ddp_work **work);
+/* Each rank's recv (count) gets block `rank` of root's send (size * count);
+ * send may be NULL on other ranks. */
+ddp_status ddp_scatter(ddp_process_group *pg, const void *send, void *recv, size_t count,
+                       ddp_dtype dtype, int root);
+ddp_status ddp_scatter_async(ddp_process_group *pg, const void *send, void *recv, size_t count,
+                             ddp_dtype dtype, int root, ddp_work **work);
+/* recv (count) on rank r gets block r of the reduction of every rank's send
+ * (size * count). */
+ddp_status ddp_reduce_scatter(ddp_process_group *pg, const void *send, void *recv, size_t count,
+                              ddp_dtype dtype, ddp_reduce_op op);
+ddp_status ddp_reduce_scatter_async(ddp_process_group *pg, const void *send, void *recv,
+                                    size_t count, ddp_dtype dtype, ddp_reduce_op op,
+                                    ddp_work **work);
+/* Block j of rank i's send (size * count) lands in block i of rank j's recv. */
+ddp_status ddp_all_to_all(ddp_process_group *pg, const void *send, void *recv, size_t count,
+                          ddp_dtype dtype);
+ddp_status ddp_all_to_all_async(ddp_process_group *pg, const void *send, void *recv,
+                                size_t count, ddp_dtype dtype, ddp_work **work);
+ddp_status ddp_barrier(ddp_process_group *pg);
+ddp_status ddp_barrier_async(ddp_process_group *pg, ddp_work **work);
+/* A barrier through the store that names the ranks that did not arrive
+ * within timeout_s ("monitored barrier: ranks 2, 5 did not arrive within
+ * 30 s"); with wait_all false, rank 0 reports the first missing rank only. */
+ddp_status ddp_monitored_barrier(ddp_process_group *pg, double timeout_s, bool wait_all);
+
+/* ---- Point to point ------------------------------------------------------
+ * Messages between a pair are matched in order per tag. */
+ddp_status ddp_send(ddp_process_group *pg, const void *buf, size_t count, ddp_dtype dtype,
+                    int dst, int tag);
+ddp_status ddp_recv(ddp_process_group *pg, void *buf, size_t count, ddp_dtype dtype, int src,
+                    int tag);
+ddp_status ddp_isend(ddp_process_group *pg, const void *buf, size_t count, ddp_dtype dtype,
+                     int dst, int tag, ddp_work **work);
+ddp_status ddp_irecv(ddp_process_group *pg, void *buf, size_t count, ddp_dtype dtype, int src,
+                     int tag, ddp_work **work);
+
+/* ---- Variable-size byte collectives (what object collectives build on) ---
+ * Results are allocated with ddp_alloc and freed by the caller. */
+
+/* Every rank contributes `bytes` bytes (may differ per rank); *out receives
+ * one ddp_alloc'd block with all contributions in rank order and lens[r]
+ * (size entries, caller-allocated) their lengths. */
+ddp_status ddp_allgather_bytes(ddp_process_group *pg, const void *data, size_t bytes,
+                               void **out, size_t *lens);
+/* On root, (*data, *bytes) is the input; on the others both are outputs
+ * (*data ddp_alloc'd). */
+ddp_status ddp_broadcast_bytes(ddp_process_group *pg, void **data, size_t *bytes, int root);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DDP_COMM_H */

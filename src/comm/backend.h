@@ -1,0 +1,123 @@
+/* The contract between the process-group layer (src/comm/group.c, work.c,
+ * collectives.c: validation, ordering, the progress thread, timeouts, sticky
+ * errors, debug fingerprints) and a backend (the algorithms and transports
+ * that move bytes). As in gloo, algorithms and transports know nothing of
+ * queues or work handles: a backend op runs one collective to completion on
+ * the calling thread, or fails.
+ *
+ * Backends (chosen per group from the ranks' identities, exchanged through
+ * the group's store; docs/comm.md):
+ *   local  — every rank on one host: ranks read and reduce straight from each
+ *            other's buffers. Two memory providers: "threads" (ranks are
+ *            threads of one process: plain pointers) and "shm" (processes:
+ *            shared-memory segments / cross-memory attach), src/comm/local*.c
+ *   tcp    — otherwise: a pair (socket) per peer; pipelined segmented ring
+ *            for large messages, recursive halving-doubling for small ones,
+ *            src/comm/tcp*.c
+ *   self   — a group of one: copies (src/comm/self.c)
+ *
+ * Rules every backend keeps:
+ *   - Every wait checks ctx->deadline_ns (DDP_ERR_TIMEOUT, naming ctx->op and
+ *     ctx->seq and the peer waited for) and ctx->aborted (DDP_ERR_ABORTED).
+ *   - A peer's death is detected independently of the deadline (closed
+ *     socket, lost heartbeat) within 5 s and reported as DDP_ERR_PEER with
+ *     "rank R (host) died (why)" in the message.
+ *   - Ops are called in the same order on every rank (the group layer
+ *     guarantees it), one at a time per backend (never concurrently).
+ *   - abort() may be called from any thread while an op runs: it must make
+ *     that op return promptly.
+ *   - count == 0 is valid and completes (still synchronising where the
+ *     collective implies it, e.g. barrier). */
+#ifndef DDP__COMM_BACKEND_H
+#define DDP__COMM_BACKEND_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ddp/comm.h"
+
+typedef struct ddp__backend ddp__backend;
+
+/* Per-operation context, filled by the group layer. */
+typedef struct ddp__op_ctx {
+  const char *op;          /* "allreduce", "broadcast", ... for messages */
+  uint64_t seq;            /* the group's operation number, from 1 */
+  int64_t deadline_ns;     /* ddp_time_ns() after which waits give up */
+  atomic_bool *aborted;    /* set by ddp_process_group_abort */
+  int tag;                 /* point-to-point only */
+} ddp__op_ctx;
+
+typedef struct ddp__backend_ops {
+  const char *name; /* "local", "tcp", "self" */
+  ddp_status (*allreduce)(ddp__backend *b, const ddp__op_ctx *ctx, void *buf, size_t count,
+                          ddp_dtype dtype, ddp_reduce_op op);
+  ddp_status (*broadcast)(ddp__backend *b, const ddp__op_ctx *ctx, void *buf, size_t count,
+                          ddp_dtype dtype, int root);
+  ddp_status (*reduce)(ddp__backend *b, const ddp__op_ctx *ctx, void *buf, size_t count,
+                       ddp_dtype dtype, ddp_reduce_op op, int root);
+  ddp_status (*allgather)(ddp__backend *b, const ddp__op_ctx *ctx, const void *send, void *recv,
+                          size_t count, ddp_dtype dtype);
+  ddp_status (*gather)(ddp__backend *b, const ddp__op_ctx *ctx, const void *send, void *recv,
+                       size_t count, ddp_dtype dtype, int root);
+  ddp_status (*scatter)(ddp__backend *b, const ddp__op_ctx *ctx, const void *send, void *recv,
+                        size_t count, ddp_dtype dtype, int root);
+  ddp_status (*reduce_scatter)(ddp__backend *b, const ddp__op_ctx *ctx, const void *send,
+                               void *recv, size_t count, ddp_dtype dtype, ddp_reduce_op op);
+  ddp_status (*all_to_all)(ddp__backend *b, const ddp__op_ctx *ctx, const void *send, void *recv,
+                           size_t count, ddp_dtype dtype);
+  ddp_status (*barrier)(ddp__backend *b, const ddp__op_ctx *ctx);
+  /* Point to point: bytes, matched in order per (peer, tag). */
+  ddp_status (*send)(ddp__backend *b, const ddp__op_ctx *ctx, const void *buf, size_t bytes,
+                     int dst);
+  ddp_status (*recv)(ddp__backend *b, const ddp__op_ctx *ctx, void *buf, size_t bytes, int src);
+  /* The transport towards `peer`: "self", "threads", "shm", "tcp". */
+  const char *(*transport)(const ddp__backend *b, int peer);
+  /* Makes a running op return promptly; thread-safe; idempotent. */
+  void (*abort)(ddp__backend *b);
+  /* Releases everything (after abort or when idle). */
+  void (*destroy)(ddp__backend *b);
+} ddp__backend_ops;
+
+struct ddp__backend {
+  const ddp__backend_ops *ops;
+};
+
+/* What a backend constructor needs to know about its group. */
+typedef struct ddp__backend_config {
+  ddp_store *store;   /* the group's own namespace (a prefix store); borrowed */
+  int rank;
+  int size;
+  /* Per rank (size entries): host index (ranks with equal values share a
+   * host) and process index (equal values: threads of one process). */
+  const int32_t *host_of;
+  const int32_t *process_of;
+  const char *const *host_names; /* per rank, for messages */
+  int64_t timeout_ns;            /* for connecting */
+  bool force_tcp;
+} ddp__backend_config;
+
+ddp_status ddp__backend_self_create(const ddp__backend_config *cfg, ddp__backend **out);
+ddp_status ddp__backend_local_create(const ddp__backend_config *cfg, ddp__backend **out);
+ddp_status ddp__backend_tcp_create(const ddp__backend_config *cfg, ddp__backend **out);
+
+/* ---- Reduction kernels (src/comm/reduce.c), shared by every backend ----- */
+
+/* dst[i] = dst[i] op src[i] for count elements. float16 / bfloat16 compute
+ * in float32 and round once when stored. AVG reduces as SUM (the caller
+ * finishes with ddp__reduce_scale). */
+void ddp__reduce_into(void *dst, const void *src, size_t count, ddp_dtype dtype,
+                      ddp_reduce_op op);
+/* dst[i] = a[i] op b[i] (out of place; dst may alias a or b). */
+void ddp__reduce_pair(void *dst, const void *a, const void *b, size_t count, ddp_dtype dtype,
+                      ddp_reduce_op op);
+/* For AVG: dst[i] /= divisor (floating types). */
+void ddp__reduce_scale(void *dst, size_t count, ddp_dtype dtype, int divisor);
+/* float16 / bfloat16 <-> float32, round to nearest even. */
+float ddp__half_to_float(uint16_t h);
+uint16_t ddp__float_to_half(float f);
+float ddp__bf16_to_float(uint16_t h);
+uint16_t ddp__float_to_bf16(float f);
+
+#endif /* DDP__COMM_BACKEND_H */
