@@ -502,8 +502,11 @@ static void expire(ddp_store_server *s, int64_t now) {
       char missing[300], t[32];
       missing_keys_text(s, w, missing, sizeof missing);
       ddp__store_format_ms(w->timeout_ms, t, sizeof t);
-      ddp__store_encode_error(&w->c->out, DDP__WIRE_TIMEOUT, "timed out after %s (missing %s)", t,
-                              missing);
+      if (w->op == DDP__OP_GET) /* the caller's message names its one key */
+        ddp__store_encode_error(&w->c->out, DDP__WIRE_TIMEOUT, "timed out after %s", t);
+      else
+        ddp__store_encode_error(&w->c->out, DDP__WIRE_TIMEOUT, "timed out after %s (missing %s)",
+                                t, missing);
       waiter_finish(s, w);
     } else if (w->deadline_ns > now) {
       set_deadline(s, w->deadline_ns);
