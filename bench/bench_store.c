@@ -165,7 +165,8 @@ static void *tp_main(void *arg) {
     t->st = ddp_store_set(s, key, value, 16);
     void *got = NULL;
     size_t bytes;
-    if (t->st == DDP_OK) t->st = ddp_store_get(s, key, 1000, &got, &bytes);
+    /* The handle's default timeout, as PyTorch's get(key) uses its store's. */
+    if (t->st == DDP_OK) t->st = ddp_store_get(s, key, -1, &got, &bytes);
     if (t->st == DDP_OK && (bytes != 16 || memcmp(got, value, 16))) t->st = DDP_ERR_INTERNAL;
     ddp_free(got);
     ops += 2;

@@ -250,7 +250,11 @@ static ddp_status run(tcp_store *t, int64_t blocking_timeout_ms) {
     return ddp_error(DDP_ERR_RANGE, "request of %zu bytes exceeds the store's message limit of %" PRIu64,
                      t->out.len, t->max_message_bytes);
   int64_t start = ddp_time_ns();
-  int64_t default_ms = ddp_store_timeout_ms(&t->base);
+  /* Every call's reply may take its timeout plus the grace; a call with the
+   * handle's default timeout (all non-blocking ones, and blocking ones given
+   * a negative timeout) then matches the socket's receive timeout and reads
+   * its reply with one blocking recv. */
+  int64_t default_ms = ddp_store_timeout_ms(&t->base) + CLIENT_GRACE_MS;
   int64_t budget_ms = blocking_timeout_ms >= 0 ? blocking_timeout_ms + CLIENT_GRACE_MS : default_ms;
   int64_t deadline = start + budget_ms * 1000000LL;
   if (t->fd < 0) {
