@@ -89,6 +89,22 @@ static void fill_slot(ddp_loader *l, loader_slot *slot, int64_t batch) {
 
 /* A worker claims the next batch whose slot is free, fills it outside the
  * lock, and marks it READY. */
+
+/* Fills batch b, just claimed (next_claim moved past it), into its free slot.
+ * Called and returns with l->mu held; the filling itself runs unlocked. */
+static void fill_claimed(ddp_loader *l, loader_slot *slot, int64_t b) {
+  DDP_ASSERT(slot->state == SLOT_FREE);
+  slot->state = SLOT_FILLING;
+  slot->batch = b;
+  l->busy++;
+  pthread_mutex_unlock(&l->mu);
+  fill_slot(l, slot, b);
+  pthread_mutex_lock(&l->mu);
+  slot->state = SLOT_READY;
+  l->busy--;
+  if (l->busy == 0) pthread_cond_broadcast(&l->idle_cv);
+}
+
 static void *worker_main(void *arg) {
   ddp_loader *l = arg;
   pthread_mutex_lock(&l->mu);
@@ -96,18 +112,8 @@ static void *worker_main(void *arg) {
     if (l->claims_open && l->next_claim < l->num_batches &&
         l->next_claim < l->released + l->num_slots) {
       const int64_t b = l->next_claim++;
-      loader_slot *slot = &l->slots[b % l->num_slots];
-      DDP_ASSERT(slot->state == SLOT_FREE);
-      slot->state = SLOT_FILLING;
-      slot->batch = b;
-      l->busy++;
-      pthread_mutex_unlock(&l->mu);
-      fill_slot(l, slot, b);
-      pthread_mutex_lock(&l->mu);
-      slot->state = SLOT_READY;
-      l->busy--;
+      fill_claimed(l, &l->slots[b % l->num_slots], b);
       pthread_cond_signal(&l->ready_cv);
-      if (l->busy == 0) pthread_cond_broadcast(&l->idle_cv);
       continue;
     }
     struct timespec ts = deadline_after_ns(WORKER_WAIT_NS);
@@ -360,16 +366,7 @@ ddp_status ddp_loader_next(ddp_loader *l, ddp_batch *batch) {
      * busy machine, or fewer than the consumer's pace): fill it here rather
      * than wait, so workers never make the loader slower than none. */
     l->next_claim++;
-    DDP_ASSERT(slot->state == SLOT_FREE);
-    slot->state = SLOT_FILLING;
-    slot->batch = b;
-    l->busy++;
-    pthread_mutex_unlock(&l->mu);
-    fill_slot(l, slot, b);
-    pthread_mutex_lock(&l->mu);
-    slot->state = SLOT_READY;
-    l->busy--;
-    if (l->busy == 0) pthread_cond_broadcast(&l->idle_cv);
+    fill_claimed(l, slot, b);
   }
   struct timespec ts = deadline_after_ns((int64_t)(l->cfg.timeout_s * 1e9));
   while (!(slot->state == SLOT_READY && slot->batch == b)) {
