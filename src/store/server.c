@@ -48,6 +48,7 @@ struct waiter {
   uint8_t op;
   int queued;           /* in the server's wake queue */
   uint32_t missing;     /* linked nodes: keys absent when last checked */
+  uint64_t deletes_seen; /* the server's delete count when it was linked */
   int64_t deadline_ns;  /* -1: none */
   int64_t timeout_ms;
   uint32_t num_keys;
@@ -88,6 +89,7 @@ struct ddp_store_server {
   client *clients;
   waiter *waiters;
   int64_t next_deadline_ns; /* earliest waiter / handshake deadline, -1 none */
+  uint64_t deletes;         /* keys deleted so far (see waiter_recheck) */
   waiter **wake_queue;
   size_t wake_len, wake_cap;
   client *resume_list;
@@ -319,12 +321,14 @@ static void waiter_free(ddp_store_server *s, waiter *w) {
 static int waiter_link_missing(ddp_store_server *s, waiter *w) {
   int missing = 0;
   w->missing = 0;
+  w->deletes_seen = s->deletes;
   for (uint32_t i = 0; i < w->num_keys; i++) {
-    if (key_present(s, w->keys[i])) continue;
-    missing++;
-    wnode *n = &w->nodes[i];
+    /* One lookup: finds a present key, or makes the placeholder to wait on. */
     ddp__kv_entry *e = ddp__kv_intern(&s->table, (const char *)w->keys[i].data, w->keys[i].len);
     if (!e) return -1;
+    if (e->has_value) continue;
+    missing++;
+    wnode *n = &w->nodes[i];
     n->w = w;
     n->entry = e;
     n->prev = NULL;
@@ -371,7 +375,10 @@ static void waiter_finish(ddp_store_server *s, waiter *w) {
 /* Re-evaluates a waiter whose last missing key was just written: usually
  * it is done; if a key it had seen was deleted since, it waits for that. */
 static void waiter_recheck(ddp_store_server *s, waiter *w) {
+  /* Keys present when it was linked are present still unless something was
+   * deleted since (only delete removes a value): then no need to look. */
   uint32_t i = 0;
+  if (w->deletes_seen == s->deletes) i = w->num_keys;
   while (i < w->num_keys && key_present(s, w->keys[i])) i++;
   if (i == w->num_keys) {
     reply_ready(s, w->c, w->op, w->keys, w->num_keys);
@@ -433,9 +440,9 @@ static void wake(ddp_store_server *s, ddp__kv_entry *e) {
 static void start_blocking(ddp_store_server *s, client *c, const ddp__store_request *req) {
   const ddp__slice *keys = req->op == DDP__OP_GET ? &req->key : req->keys;
   uint32_t n = req->op == DDP__OP_GET ? 1 : req->num_keys;
-  uint32_t missing = 0;
-  for (uint32_t i = 0; i < n; i++) missing += !key_present(s, keys[i]);
-  if (missing == 0) {
+  uint32_t first_missing = 0;
+  while (first_missing < n && key_present(s, keys[first_missing])) first_missing++;
+  if (first_missing == n) {
     reply_ready(s, c, req->op, keys, n);
     return;
   }
@@ -660,6 +667,7 @@ static void handle(ddp_store_server *s, client *c, const ddp__store_request *req
     case DDP__OP_DELETE: {
       int deleted;
       ddp__kv_delete(&s->table, key, klen, &deleted);
+      s->deletes += (uint64_t)deleted;
       reply_u8(c, (uint8_t)deleted);
       break;
     }
