@@ -24,7 +24,10 @@ extern "C" {
  * Timeouts are in milliseconds: a negative timeout means the store's default
  * (ddp_store_options.timeout_ms, itself defaulting to DDP_TIMEOUT seconds,
  * 1800 as in PyTorch); 0 means "do not wait" (a blocking call whose keys are
- * missing fails at once with DDP_ERR_TIMEOUT).
+ * missing fails at once with DDP_ERR_TIMEOUT). Timeouts beyond 2^40 ms (~35
+ * years) are clamped to it. On a TCP store the server enforces the timeout of
+ * get / wait / multi_get; the client gives up 250 ms later if the server has
+ * gone silent, and at once if the connection closes (server gone).
  *
  * Errors: every call returns a ddp_status; the last-error message names the
  * store and the call, e.g.
