@@ -738,13 +738,13 @@ static void client_process(ddp_store_server *s, client *c) {
 }
 
 static void client_read(ddp_store_server *s, client *c) {
-  /* Read what the frame in progress needs (up to the limit), else a chunk. */
+  /* Read a chunk, or up to 1 MiB of a big frame in progress: memory grows
+   * with the bytes that actually arrive, not with what a header claims. */
   size_t want = READ_CHUNK;
   if (c->in.len >= DDP__STORE_FRAME_HEADER) {
     uint64_t frame = DDP__STORE_FRAME_HEADER + (uint64_t)ddp__load_u32(c->in.data);
-    if (frame <= DDP__STORE_FRAME_HEADER + s->limits.max_message_bytes && frame > c->in.len &&
-        frame - c->in.len > want)
-      want = (size_t)(frame - c->in.len);
+    if (frame > c->in.len && frame - c->in.len > want)
+      want = frame - c->in.len < (1u << 20) ? (size_t)(frame - c->in.len) : (1u << 20);
   }
   ddp__buf_reserve(&c->in, want);
   if (c->in.failed) {
