@@ -8,4 +8,4 @@ cd "$(dirname "$0")/.."
 scripts/install-deps.sh build data
 scripts/build.sh release >/dev/null
 exec build/bin/ddp-train --model convnet --data /usr/share/datasets/fashion-mnist \
-  --epochs 3 --batch-size 100 --optimizer sgd --lr 0.01 --momentum 0.9 --seed 1 "$@"
+  --epochs 3 --batch-size 100 --optimizer sgd --lr 0.01 --momentum 0.9 --seed 2 "$@"
