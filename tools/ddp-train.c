@@ -437,6 +437,7 @@ int main(int argc, char **argv) {
               strerror(errno));
       exit(1);
     }
+    setvbuf(log, NULL, _IOLBF, 0); /* one line at a time, so a reader can follow it */
   }
 
   int64_t per_epoch = ddp_loader_num_batches(train_loader);
