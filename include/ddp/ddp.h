@@ -8,6 +8,7 @@
 #include "ddp/nn.h"
 #include "ddp/store.h"
 #include "ddp/rendezvous.h"
+#include "ddp/comm.h"
 #include "ddp/optim.h"
 
 #endif /* DDP_H */

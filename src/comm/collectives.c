@@ -1,0 +1,313 @@
+/* The collectives of comm.h: argument checks (DDP_ERR_INVALID naming the
+ * call), submission through the group's queue (work.c), and running one op on
+ * the backend: its context (sequence number, deadline), the debug
+ * fingerprint check, AVG as SUM then a division, sticky errors. */
+#include <stdio.h>
+#include <string.h>
+
+#include "comm/comm_internal.h"
+
+const char *ddp__op_kind_name(ddp__op_kind kind) {
+  static const char *names[DDP__OP_KIND_COUNT] = {
+      "allreduce", "broadcast",      "reduce",     "allgather", "gather", "scatter",
+      "reduce_scatter", "all_to_all", "barrier", "send",      "recv"};
+  return (unsigned)kind < DDP__OP_KIND_COUNT ? names[kind] : "unknown-op";
+}
+
+/* ---- Running one op ------------------------------------------------------------ */
+
+static ddp_status dispatch(ddp_process_group *pg, const ddp__op_args *a, const ddp__op_ctx *ctx) {
+  ddp__backend *b = pg->backend;
+  const ddp__backend_ops *ops = b->ops;
+  /* Backends never see AVG: they sum, and the result is divided here. */
+  ddp_reduce_op rop = a->reduce_op == DDP_REDUCE_AVG ? DDP_REDUCE_SUM : a->reduce_op;
+  size_t elem = ddp_dtype_size(a->dtype);
+  switch (a->kind) {
+  case DDP__OP_ALLREDUCE: return ops->allreduce(b, ctx, a->buf, a->count, a->dtype, rop);
+  case DDP__OP_BROADCAST: return ops->broadcast(b, ctx, a->buf, a->count, a->dtype, a->root);
+  case DDP__OP_REDUCE: return ops->reduce(b, ctx, a->buf, a->count, a->dtype, rop, a->root);
+  case DDP__OP_ALLGATHER: return ops->allgather(b, ctx, a->send, a->buf, a->count, a->dtype);
+  case DDP__OP_GATHER: return ops->gather(b, ctx, a->send, a->buf, a->count, a->dtype, a->root);
+  case DDP__OP_SCATTER: return ops->scatter(b, ctx, a->send, a->buf, a->count, a->dtype, a->root);
+  case DDP__OP_REDUCE_SCATTER:
+    return ops->reduce_scatter(b, ctx, a->send, a->buf, a->count, a->dtype, rop);
+  case DDP__OP_ALL_TO_ALL: return ops->all_to_all(b, ctx, a->send, a->buf, a->count, a->dtype);
+  case DDP__OP_BARRIER: return ops->barrier(b, ctx);
+  case DDP__OP_SEND: return ops->send(b, ctx, a->send, a->count * elem, a->root);
+  case DDP__OP_RECV: return ops->recv(b, ctx, a->buf, a->count * elem, a->root);
+  default: DDP_ASSERT(!"unknown op kind");
+  }
+  return DDP_ERR_INTERNAL;
+}
+
+ddp_status ddp__op_execute(ddp_process_group *pg, const ddp__op_args *args) {
+  DDP_TRY(ddp__group_check(pg));
+  ddp__op_ctx ctx = {
+      .op = ddp__op_kind_name(args->kind),
+      .seq = args->seq,
+      .deadline_ns = ddp__deadline_after(pg->timeout_ns),
+      .aborted = &pg->aborted,
+      .tag = args->tag,
+  };
+  ddp_status st = DDP_OK;
+  if (pg->debug_detail && pg->size > 1 && ddp__op_is_collective(args->kind))
+    st = ddp__debug_check(pg, args, &ctx);
+  if (st == DDP_OK) st = dispatch(pg, args, &ctx);
+  if (st == DDP_OK && args->reduce_op == DDP_REDUCE_AVG) {
+    bool holds_result = args->kind != DDP__OP_REDUCE || args->root == pg->rank;
+    if (holds_result) ddp__reduce_scale(args->buf, args->count, args->dtype, pg->size);
+  }
+  if (st != DDP_OK) {
+    ddp__group_fail(pg, st, ddp_last_error());
+    return ddp__group_check(pg);
+  }
+  return DDP_OK;
+}
+
+/* ---- Argument checks ------------------------------------------------------------ */
+
+/* The call's name for messages: "allreduce" or "allreduce_async". */
+typedef struct call {
+  const char *name;
+  bool async;
+} call;
+
+#define CALL_NAME_BYTES 40
+static const char *call_name(const call *c, char *buf) {
+  snprintf(buf, CALL_NAME_BYTES, "%s%s", c->name, c->async ? "_async" : "");
+  return buf;
+}
+
+/* pg, sticky error, work pointer, dtype, and that blocks * count elements
+ * fit in size_t bytes. */
+static ddp_status check_common(ddp_process_group *pg, const call *c, ddp_dtype dtype, size_t count,
+                               size_t blocks, ddp_work **work) {
+  char n[CALL_NAME_BYTES];
+  if (work) *work = NULL;
+  if (!pg) return ddp_error(DDP_ERR_INVALID, "%s: process group is NULL", call_name(c, n));
+  DDP_TRY(ddp__group_check(pg));
+  if (c->async && !work) return ddp_error(DDP_ERR_INVALID, "%s: work is NULL", call_name(c, n));
+  if ((unsigned)dtype > DDP_BFLOAT16)
+    return ddp_error(DDP_ERR_INVALID, "%s: dtype %d is not one of float32, float64, int32, int64, float16, bfloat16",
+                     call_name(c, n), (int)dtype);
+  size_t elem = ddp_dtype_size(dtype);
+  if (count > SIZE_MAX / elem / blocks)
+    return ddp_error(DDP_ERR_INVALID, "%s: count %zu of %s is too large", call_name(c, n), count,
+                     ddp_dtype_name(dtype));
+  return DDP_OK;
+}
+
+static ddp_status check_reduce_op(const call *c, ddp_dtype dtype, ddp_reduce_op op) {
+  char n[CALL_NAME_BYTES];
+  if ((unsigned)op >= DDP_REDUCE_OP_COUNT)
+    return ddp_error(DDP_ERR_INVALID, "%s: reduce op %d is not one of sum, avg, min, max, product",
+                     call_name(c, n), (int)op);
+  if (op == DDP_REDUCE_AVG && (dtype == DDP_INT32 || dtype == DDP_INT64))
+    return ddp_error(DDP_ERR_INVALID, "%s: avg is for floating types, not %s (use sum and divide)",
+                     call_name(c, n), ddp_dtype_name(dtype));
+  return DDP_OK;
+}
+
+static ddp_status check_root(const ddp_process_group *pg, const call *c, int root) {
+  char n[CALL_NAME_BYTES];
+  if (root < 0 || root >= pg->size)
+    return ddp_error(DDP_ERR_INVALID, "%s: root %d is not a rank of the group (size %d)",
+                     call_name(c, n), root, pg->size);
+  return DDP_OK;
+}
+
+static ddp_status check_buf(const call *c, const char *what, const void *p, size_t count) {
+  char n[CALL_NAME_BYTES];
+  if (!p && count > 0)
+    return ddp_error(DDP_ERR_INVALID, "%s: %s is NULL with count %zu", call_name(c, n), what, count);
+  return DDP_OK;
+}
+
+/* ---- Public operations ------------------------------------------------------------ */
+
+static ddp_status do_allreduce(ddp_process_group *pg, void *buf, size_t count, ddp_dtype dtype,
+                               ddp_reduce_op op, ddp_work **work, bool async) {
+  call c = {"allreduce", async};
+  DDP_TRY(check_common(pg, &c, dtype, count, 1, work));
+  DDP_TRY(check_reduce_op(&c, dtype, op));
+  DDP_TRY(check_buf(&c, "buf", buf, count));
+  ddp__op_args a = {.kind = DDP__OP_ALLREDUCE, .buf = buf, .count = count, .dtype = dtype,
+                    .reduce_op = op};
+  return ddp__submit(pg, &a, work);
+}
+
+ddp_status ddp_allreduce(ddp_process_group *pg, void *buf, size_t count, ddp_dtype dtype,
+                         ddp_reduce_op op) {
+  return do_allreduce(pg, buf, count, dtype, op, NULL, false);
+}
+
+ddp_status ddp_allreduce_async(ddp_process_group *pg, void *buf, size_t count, ddp_dtype dtype,
+                               ddp_reduce_op op, ddp_work **work) {
+  return do_allreduce(pg, buf, count, dtype, op, work, true);
+}
+
+static ddp_status do_broadcast(ddp_process_group *pg, void *buf, size_t count, ddp_dtype dtype,
+                               int root, ddp_work **work, bool async) {
+  call c = {"broadcast", async};
+  DDP_TRY(check_common(pg, &c, dtype, count, 1, work));
+  DDP_TRY(check_root(pg, &c, root));
+  DDP_TRY(check_buf(&c, "buf", buf, count));
+  ddp__op_args a = {.kind = DDP__OP_BROADCAST, .buf = buf, .count = count, .dtype = dtype,
+                    .root = root};
+  return ddp__submit(pg, &a, work);
+}
+
+ddp_status ddp_broadcast(ddp_process_group *pg, void *buf, size_t count, ddp_dtype dtype,
+                         int root) {
+  return do_broadcast(pg, buf, count, dtype, root, NULL, false);
+}
+
+ddp_status ddp_broadcast_async(ddp_process_group *pg, void *buf, size_t count, ddp_dtype dtype,
+                               int root, ddp_work **work) {
+  return do_broadcast(pg, buf, count, dtype, root, work, true);
+}
+
+static ddp_status do_reduce(ddp_process_group *pg, void *buf, size_t count, ddp_dtype dtype,
+                            ddp_reduce_op op, int root, ddp_work **work, bool async) {
+  call c = {"reduce", async};
+  DDP_TRY(check_common(pg, &c, dtype, count, 1, work));
+  DDP_TRY(check_reduce_op(&c, dtype, op));
+  DDP_TRY(check_root(pg, &c, root));
+  DDP_TRY(check_buf(&c, "buf", buf, count));
+  ddp__op_args a = {.kind = DDP__OP_REDUCE, .buf = buf, .count = count, .dtype = dtype,
+                    .reduce_op = op, .root = root};
+  return ddp__submit(pg, &a, work);
+}
+
+ddp_status ddp_reduce(ddp_process_group *pg, void *buf, size_t count, ddp_dtype dtype,
+                      ddp_reduce_op op, int root) {
+  return do_reduce(pg, buf, count, dtype, op, root, NULL, false);
+}
+
+ddp_status ddp_reduce_async(ddp_process_group *pg, void *buf, size_t count, ddp_dtype dtype,
+                            ddp_reduce_op op, int root, ddp_work **work) {
+  return do_reduce(pg, buf, count, dtype, op, root, work, true);
+}
+
+static ddp_status do_allgather(ddp_process_group *pg, const void *send, void *recv, size_t count,
+                               ddp_dtype dtype, ddp_work **work, bool async) {
+  call c = {"allgather", async};
+  DDP_TRY(check_common(pg, &c, dtype, count, pg ? (size_t)pg->size : 1, work));
+  DDP_TRY(check_buf(&c, "send", send, count));
+  DDP_TRY(check_buf(&c, "recv", recv, count));
+  ddp__op_args a = {.kind = DDP__OP_ALLGATHER, .send = send, .buf = recv, .count = count,
+                    .dtype = dtype};
+  return ddp__submit(pg, &a, work);
+}
+
+ddp_status ddp_allgather(ddp_process_group *pg, const void *send, void *recv, size_t count,
+                         ddp_dtype dtype) {
+  return do_allgather(pg, send, recv, count, dtype, NULL, false);
+}
+
+ddp_status ddp_allgather_async(ddp_process_group *pg, const void *send, void *recv,
+                               size_t count, ddp_dtype dtype, ddp_work **work) {
+  return do_allgather(pg, send, recv, count, dtype, work, true);
+}
+
+static ddp_status do_gather(ddp_process_group *pg, const void *send, void *recv, size_t count,
+                            ddp_dtype dtype, int root, ddp_work **work, bool async) {
+  call c = {"gather", async};
+  DDP_TRY(check_common(pg, &c, dtype, count, pg ? (size_t)pg->size : 1, work));
+  DDP_TRY(check_root(pg, &c, root));
+  DDP_TRY(check_buf(&c, "send", send, count));
+  if (pg->rank == root) DDP_TRY(check_buf(&c, "recv (on the root)", recv, count));
+  ddp__op_args a = {.kind = DDP__OP_GATHER, .send = send, .buf = recv, .count = count,
+                    .dtype = dtype, .root = root};
+  return ddp__submit(pg, &a, work);
+}
+
+ddp_status ddp_gather(ddp_process_group *pg, const void *send, void *recv, size_t count,
+                      ddp_dtype dtype, int root) {
+  return do_gather(pg, send, recv, count, dtype, root, NULL, false);
+}
+
+ddp_status ddp_gather_async(ddp_process_group *pg, const void *send, void *recv, size_t count,
+                            ddp_dtype dtype, int root, ddp_work **work) {
+  return do_gather(pg, send, recv, count, dtype, root, work, true);
+}
+
+static ddp_status do_scatter(ddp_process_group *pg, const void *send, void *recv, size_t count,
+                             ddp_dtype dtype, int root, ddp_work **work, bool async) {
+  call c = {"scatter", async};
+  DDP_TRY(check_common(pg, &c, dtype, count, pg ? (size_t)pg->size : 1, work));
+  DDP_TRY(check_root(pg, &c, root));
+  if (pg->rank == root) DDP_TRY(check_buf(&c, "send (on the root)", send, count));
+  DDP_TRY(check_buf(&c, "recv", recv, count));
+  ddp__op_args a = {.kind = DDP__OP_SCATTER, .send = send, .buf = recv, .count = count,
+                    .dtype = dtype, .root = root};
+  return ddp__submit(pg, &a, work);
+}
+
+ddp_status ddp_scatter(ddp_process_group *pg, const void *send, void *recv, size_t count,
+                       ddp_dtype dtype, int root) {
+  return do_scatter(pg, send, recv, count, dtype, root, NULL, false);
+}
+
+ddp_status ddp_scatter_async(ddp_process_group *pg, const void *send, void *recv, size_t count,
+                             ddp_dtype dtype, int root, ddp_work **work) {
+  return do_scatter(pg, send, recv, count, dtype, root, work, true);
+}
+
+static ddp_status do_reduce_scatter(ddp_process_group *pg, const void *send, void *recv,
+                                    size_t count, ddp_dtype dtype, ddp_reduce_op op,
+                                    ddp_work **work, bool async) {
+  call c = {"reduce_scatter", async};
+  DDP_TRY(check_common(pg, &c, dtype, count, pg ? (size_t)pg->size : 1, work));
+  DDP_TRY(check_reduce_op(&c, dtype, op));
+  DDP_TRY(check_buf(&c, "send", send, count));
+  DDP_TRY(check_buf(&c, "recv", recv, count));
+  ddp__op_args a = {.kind = DDP__OP_REDUCE_SCATTER, .send = send, .buf = recv, .count = count,
+                    .dtype = dtype, .reduce_op = op};
+  return ddp__submit(pg, &a, work);
+}
+
+ddp_status ddp_reduce_scatter(ddp_process_group *pg, const void *send, void *recv, size_t count,
+                              ddp_dtype dtype, ddp_reduce_op op) {
+  return do_reduce_scatter(pg, send, recv, count, dtype, op, NULL, false);
+}
+
+ddp_status ddp_reduce_scatter_async(ddp_process_group *pg, const void *send, void *recv,
+                                    size_t count, ddp_dtype dtype, ddp_reduce_op op,
+                                    ddp_work **work) {
+  return do_reduce_scatter(pg, send, recv, count, dtype, op, work, true);
+}
+
+static ddp_status do_all_to_all(ddp_process_group *pg, const void *send, void *recv, size_t count,
+                                ddp_dtype dtype, ddp_work **work, bool async) {
+  call c = {"all_to_all", async};
+  DDP_TRY(check_common(pg, &c, dtype, count, pg ? (size_t)pg->size : 1, work));
+  DDP_TRY(check_buf(&c, "send", send, count));
+  DDP_TRY(check_buf(&c, "recv", recv, count));
+  ddp__op_args a = {.kind = DDP__OP_ALL_TO_ALL, .send = send, .buf = recv, .count = count,
+                    .dtype = dtype};
+  return ddp__submit(pg, &a, work);
+}
+
+ddp_status ddp_all_to_all(ddp_process_group *pg, const void *send, void *recv, size_t count,
+                          ddp_dtype dtype) {
+  return do_all_to_all(pg, send, recv, count, dtype, NULL, false);
+}
+
+ddp_status ddp_all_to_all_async(ddp_process_group *pg, const void *send, void *recv,
+                                size_t count, ddp_dtype dtype, ddp_work **work) {
+  return do_all_to_all(pg, send, recv, count, dtype, work, true);
+}
+
+static ddp_status do_barrier(ddp_process_group *pg, ddp_work **work, bool async) {
+  call c = {"barrier", async};
+  DDP_TRY(check_common(pg, &c, DDP_INT32, 0, 1, work));
+  ddp__op_args a = {.kind = DDP__OP_BARRIER, .dtype = DDP_INT32};
+  return ddp__submit(pg, &a, work);
+}
+
+ddp_status ddp_barrier(ddp_process_group *pg) { return do_barrier(pg, NULL, false); }
+
+ddp_status ddp_barrier_async(ddp_process_group *pg, ddp_work **work) {
+  return do_barrier(pg, work, true);
+}

@@ -1,0 +1,142 @@
+/* Internals of the process-group layer shared by its files: the group
+ * object, the description of one queued operation, the queue and progress
+ * thread (work.c), sticky errors (group.c), running one op against the
+ * backend (collectives.c) and debug fingerprints (debug.c). Not installed. */
+#ifndef DDP__COMM_INTERNAL_H
+#define DDP__COMM_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "comm/backend.h"
+#include "ddp/comm.h"
+
+/* The operations the queue can hold. */
+typedef enum ddp__op_kind {
+  DDP__OP_ALLREDUCE = 0,
+  DDP__OP_BROADCAST,
+  DDP__OP_REDUCE,
+  DDP__OP_ALLGATHER,
+  DDP__OP_GATHER,
+  DDP__OP_SCATTER,
+  DDP__OP_REDUCE_SCATTER,
+  DDP__OP_ALL_TO_ALL,
+  DDP__OP_BARRIER,
+  DDP__OP_SEND,
+  DDP__OP_RECV,
+  DDP__OP_KIND_COUNT
+} ddp__op_kind;
+
+/* "allreduce", "send", ... */
+const char *ddp__op_kind_name(ddp__op_kind kind);
+/* Collectives (every rank takes part) versus point-to-point. */
+static inline bool ddp__op_is_collective(ddp__op_kind kind) {
+  return kind != DDP__OP_SEND && kind != DDP__OP_RECV;
+}
+
+/* One operation's arguments, as the user gave them (after validation). */
+typedef struct ddp__op_args {
+  ddp__op_kind kind;
+  const void *send; /* allgather, gather, scatter, reduce_scatter, all_to_all, send */
+  void *buf;        /* in place ops' buffer, or the receive buffer */
+  size_t count;     /* elements of dtype */
+  ddp_dtype dtype;
+  ddp_reduce_op reduce_op;
+  int root;         /* root, or the peer of send / recv */
+  int tag;
+  uint64_t seq;     /* collectives: the group's collective number; p2p: own counter */
+} ddp__op_args;
+
+struct ddp_work {
+  ddp_process_group *pg;
+  ddp_work *next;   /* queue or free-list link */
+  ddp__op_args args;
+  ddp_status status;
+  bool done;        /* under pg->mu */
+  bool queued;      /* in the queue, not yet taken by the progress thread */
+  bool orphaned;    /* freed by its owner before it finished: recycled on completion */
+  ddp_work *all_next; /* every work of the group, for destroy */
+};
+
+struct ddp_process_group {
+  int rank;
+  int size;
+  ddp_store *store;        /* this group's namespace (a prefix store); owned */
+  ddp__backend *backend;
+  int32_t *host_of;        /* (size) */
+  int32_t *process_of;     /* (size) */
+  char **host_names;       /* (size) strings in one block with the pointers */
+  int64_t timeout_ns;      /* default per-operation timeout */
+  bool force_tcp;          /* options.transport "tcp"; subgroups inherit it */
+  bool debug_detail;       /* DDP_DEBUG=detail: fingerprints checked */
+  ddp_rendezvous_info *rdzv; /* ddp_init_process_group's; destroyed last */
+
+  atomic_bool aborted;
+  /* Sticky error: set once under err_mu, then read lock-free after `failed`. */
+  pthread_mutex_t err_mu;
+  atomic_bool failed;
+  ddp_status err_status;
+  char err_msg[1024];
+
+  /* Queue and progress thread (work.c). */
+  pthread_mutex_t mu;
+  pthread_cond_t work_cv;  /* the progress thread waits for work / the executor */
+  pthread_cond_t done_cv;  /* waiters wait for completions */
+  ddp_work *head, *tail;   /* queued, in submission order */
+  size_t queued;
+  bool busy;               /* an op runs (inline or on the progress thread) */
+  bool stopping;
+  bool thread_started;
+  pthread_t thread;
+  ddp_work *free_works;    /* pool */
+  ddp_work *all_works;     /* every work allocated (all_next) */
+  uint64_t next_seq;       /* collectives issued so far */
+  uint64_t next_p2p_seq;
+  uint64_t subgroups;      /* subgroups created from this group (ids) */
+  uint64_t monitored_barriers;
+};
+
+/* ---- group.c -------------------------------------------------------------- */
+/* Records the group's first failure (status + the calling thread's last
+ * error); later calls keep the first. */
+void ddp__group_fail(ddp_process_group *pg, ddp_status status, const char *msg);
+/* When the group has failed: sets the calling thread's last error to the
+ * sticky message and returns the sticky status; else DDP_OK. */
+ddp_status ddp__group_check(ddp_process_group *pg);
+
+/* ---- work.c --------------------------------------------------------------- */
+ddp_status ddp__queue_init(ddp_process_group *pg);
+/* Waits (bounded) for queued work, stops the progress thread, frees the pool. */
+void ddp__queue_destroy(ddp_process_group *pg);
+/* Runs `args` in submission order: inline when nothing is queued or running
+ * and `work` is NULL (blocking call); otherwise queued. With work != NULL,
+ * *work receives the handle (async). Sets args->seq. */
+ddp_status ddp__submit(ddp_process_group *pg, ddp__op_args *args, ddp_work **work);
+/* Waits until every operation submitted so far has finished (bounded). */
+ddp_status ddp__queue_drain(ddp_process_group *pg);
+/* Fails every queued (not running) work with the sticky error and wakes
+ * every waiter. */
+void ddp__queue_fail_all(ddp_process_group *pg);
+
+/* ---- collectives.c -------------------------------------------------------- */
+/* Runs one operation on the backend on the calling thread (debug check,
+ * backend call, AVG scaling); on failure records the sticky error. */
+ddp_status ddp__op_execute(ddp_process_group *pg, const ddp__op_args *args);
+
+/* ---- debug.c -------------------------------------------------------------- */
+/* DDP_DEBUG=detail: exchanges this collective's fingerprint and fails with a
+ * message naming the diverging rank when ranks disagree. */
+ddp_status ddp__debug_check(ddp_process_group *pg, const ddp__op_args *args,
+                            const ddp__op_ctx *ctx);
+/* "allreduce(count=10, float32, sum)" */
+void ddp__op_describe(const ddp__op_args *args, int group_size, char *out, size_t bytes);
+
+/* Deadline helper: now + ns, saturating. */
+static inline int64_t ddp__deadline_after(int64_t ns) {
+  int64_t now = ddp_time_ns();
+  return ns > INT64_MAX - now ? INT64_MAX : now + ns;
+}
+
+#endif /* DDP__COMM_INTERNAL_H */

@@ -1,0 +1,305 @@
+/* Work handles, the per-group operation queue and its progress thread.
+ *
+ * Operations run one at a time on the backend, in submission order. A
+ * blocking call issued while nothing is queued or running runs inline on the
+ * caller's thread (no hand-off); anything else is queued for the group's
+ * progress thread, started on first use. Work objects come from a per-group
+ * pool, so the steady state allocates nothing. Every wait is bounded: a
+ * running op gives up at its own deadline (the backend's rule), so a queued
+ * op finishes within (ops ahead of it + 1) timeouts. */
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "comm/comm_internal.h"
+
+/* Slack added to derived bounds, for the backend to notice its deadline. */
+#define SLACK_NS (5LL * 1000000000LL)
+
+static void timespec_at(struct timespec *ts, int64_t ns) {
+  ts->tv_sec = (time_t)(ns / 1000000000LL);
+  ts->tv_nsec = (long)(ns % 1000000000LL);
+}
+
+/* Waits on cv until signalled or deadline; false once the deadline passed. */
+static bool cond_wait_until(pthread_cond_t *cv, pthread_mutex_t *mu, int64_t deadline_ns) {
+  if (ddp_time_ns() >= deadline_ns) return false;
+  struct timespec ts;
+  timespec_at(&ts, deadline_ns);
+  pthread_cond_timedwait(cv, mu, &ts);
+  return true;
+}
+
+/* The bound on waiting for a work submitted now, with `ahead` ops before it. */
+static int64_t queue_deadline(const ddp_process_group *pg, size_t ahead) {
+  int64_t per = pg->timeout_ns;
+  int64_t total = per > (INT64_MAX - SLACK_NS) / (int64_t)(ahead + 2) ? INT64_MAX - SLACK_NS
+                                                                     : per * (int64_t)(ahead + 1);
+  return ddp__deadline_after(total + SLACK_NS);
+}
+
+/* ---- Pool ------------------------------------------------------------------ */
+
+/* Every work ever allocated for the group is on pg->all_works (linked
+ * through all_next), so destroy frees the ones the user never freed. Under
+ * pg->mu. */
+static ddp_work *work_get(ddp_process_group *pg) {
+  ddp_work *w = pg->free_works;
+  if (w) {
+    pg->free_works = w->next;
+  } else {
+    w = ddp_calloc(1, sizeof *w);
+    if (!w) return NULL;
+    w->all_next = pg->all_works;
+    pg->all_works = w;
+  }
+  memset(&w->args, 0, sizeof w->args);
+  w->pg = pg;
+  w->next = NULL;
+  w->status = DDP_OK;
+  w->done = false;
+  w->queued = false;
+  w->orphaned = false;
+  return w;
+}
+
+static void work_put(ddp_process_group *pg, ddp_work *w) {
+  w->next = pg->free_works;
+  pg->free_works = w;
+}
+
+/* Marks w finished (under pg->mu) and recycles it if its owner let go. */
+static void work_finish(ddp_process_group *pg, ddp_work *w, ddp_status status) {
+  w->status = status;
+  w->done = true;
+  w->queued = false;
+  if (w->orphaned) work_put(pg, w);
+  pthread_cond_broadcast(&pg->done_cv);
+}
+
+/* ---- Progress thread -------------------------------------------------------- */
+
+static void *progress_main(void *arg) {
+  ddp_process_group *pg = arg;
+  pthread_mutex_lock(&pg->mu);
+  for (;;) {
+    while (!pg->stopping && (pg->head == NULL || pg->busy))
+      cond_wait_until(&pg->work_cv, &pg->mu, ddp__deadline_after(1000000000LL));
+    if (pg->head == NULL || pg->busy) break; /* stopping, nothing left to run */
+    ddp_work *w = pg->head;
+    pg->head = w->next;
+    if (!pg->head) pg->tail = NULL;
+    pg->queued--;
+    w->queued = false;
+    pg->busy = true;
+    pthread_mutex_unlock(&pg->mu);
+    ddp_status st = ddp__op_execute(pg, &w->args);
+    pthread_mutex_lock(&pg->mu);
+    pg->busy = false;
+    work_finish(pg, w, st);
+  }
+  pthread_mutex_unlock(&pg->mu);
+  return NULL;
+}
+
+static ddp_status ensure_thread(ddp_process_group *pg) {
+  if (pg->thread_started) return DDP_OK;
+  int rc = pthread_create(&pg->thread, NULL, progress_main, pg);
+  if (rc != 0)
+    return ddp_error(DDP_ERR_SYS, "process group (rank %d of %d): cannot start the progress thread: %s",
+                     pg->rank, pg->size, strerror(rc));
+  char name[16];
+  snprintf(name, sizeof name, "ddp-pg-r%d", pg->rank);
+  pthread_setname_np(pg->thread, name);
+  pg->thread_started = true;
+  return DDP_OK;
+}
+
+/* ---- Queue ------------------------------------------------------------------ */
+
+ddp_status ddp__queue_init(ddp_process_group *pg) {
+  pthread_condattr_t attr;
+  if (pthread_condattr_init(&attr) != 0) return ddp_error(DDP_ERR_SYS, "process group: condattr");
+  pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+  pthread_mutex_init(&pg->mu, NULL);
+  pthread_cond_init(&pg->work_cv, &attr);
+  pthread_cond_init(&pg->done_cv, &attr);
+  pthread_condattr_destroy(&attr);
+  return DDP_OK;
+}
+
+/* The message of a failed work: the group's sticky error when there is one. */
+static ddp_status work_error(ddp_process_group *pg, ddp_status status) {
+  ddp_status sticky = ddp__group_check(pg);
+  if (sticky != DDP_OK) return sticky;
+  return ddp_error(status, "process group (rank %d of %d): operation failed: %s", pg->rank,
+                   pg->size, ddp_strerror(status));
+}
+
+/* Gives up on `w` after a wait ran out: the group fails with a timeout naming
+ * the op, and the running op is aborted so that nothing waits on it. */
+static ddp_status wait_timed_out(ddp_process_group *pg, const ddp__op_args *args, double waited_s) {
+  char msg[256];
+  snprintf(msg, sizeof msg, "%s #%llu (rank %d of %d) did not complete within %.3g s",
+           ddp__op_kind_name(args->kind), (unsigned long long)args->seq, pg->rank, pg->size,
+           waited_s);
+  ddp__group_fail(pg, DDP_ERR_TIMEOUT, msg);
+  atomic_store(&pg->aborted, true);
+  if (pg->backend && pg->backend->ops->abort) pg->backend->ops->abort(pg->backend);
+  ddp__queue_fail_all(pg);
+  return ddp__group_check(pg);
+}
+
+ddp_status ddp__submit(ddp_process_group *pg, ddp__op_args *args, ddp_work **work) {
+  pthread_mutex_lock(&pg->mu);
+  bool collective = ddp__op_is_collective(args->kind);
+  if (!work && pg->head == NULL && !pg->busy) {
+    args->seq = collective ? ++pg->next_seq : ++pg->next_p2p_seq;
+    pg->busy = true;
+    pthread_mutex_unlock(&pg->mu);
+    ddp_status st = ddp__op_execute(pg, args);
+    pthread_mutex_lock(&pg->mu);
+    pg->busy = false;
+    if (pg->head) pthread_cond_signal(&pg->work_cv);
+    pthread_mutex_unlock(&pg->mu);
+    return st;
+  }
+  ddp_work *w = work_get(pg);
+  ddp_status st = w ? ensure_thread(pg) : DDP_ERR_NOMEM;
+  if (st != DDP_OK) {
+    if (w) work_put(pg, w);
+    pthread_mutex_unlock(&pg->mu);
+    return st == DDP_ERR_NOMEM ? ddp_error(st, "%s: cannot allocate a work handle",
+                                           ddp__op_kind_name(args->kind))
+                               : st;
+  }
+  args->seq = collective ? ++pg->next_seq : ++pg->next_p2p_seq;
+  w->args = *args;
+  w->queued = true;
+  size_t ahead = pg->queued + (pg->busy ? 1 : 0);
+  if (pg->tail)
+    pg->tail->next = w;
+  else
+    pg->head = w;
+  pg->tail = w;
+  pg->queued++;
+  pthread_cond_signal(&pg->work_cv);
+  if (work) {
+    *work = w;
+    pthread_mutex_unlock(&pg->mu);
+    return DDP_OK;
+  }
+  /* A blocking call behind queued work: wait for its turn and its result. */
+  int64_t start = ddp_time_ns(), deadline = queue_deadline(pg, ahead);
+  while (!w->done && cond_wait_until(&pg->done_cv, &pg->mu, deadline)) {
+  }
+  if (!w->done) {
+    w->orphaned = true;
+    pthread_mutex_unlock(&pg->mu);
+    return wait_timed_out(pg, args, (double)(ddp_time_ns() - start) / 1e9);
+  }
+  st = w->status;
+  work_put(pg, w);
+  pthread_mutex_unlock(&pg->mu);
+  return st == DDP_OK ? DDP_OK : work_error(pg, st);
+}
+
+ddp_status ddp__queue_drain(ddp_process_group *pg) {
+  pthread_mutex_lock(&pg->mu);
+  int64_t deadline = queue_deadline(pg, pg->queued);
+  while ((pg->head || pg->busy) && cond_wait_until(&pg->done_cv, &pg->mu, deadline)) {
+  }
+  bool idle = !pg->head && !pg->busy;
+  pthread_mutex_unlock(&pg->mu);
+  if (!idle)
+    return ddp_error(DDP_ERR_TIMEOUT, "process group (rank %d of %d): queued operations did not finish in time",
+                     pg->rank, pg->size);
+  return DDP_OK;
+}
+
+void ddp__queue_fail_all(ddp_process_group *pg) {
+  pthread_mutex_lock(&pg->mu);
+  ddp_status st = atomic_load(&pg->failed) ? pg->err_status : DDP_ERR_ABORTED;
+  for (ddp_work *w = pg->head, *next; w; w = next) {
+    next = w->next;
+    w->next = NULL;
+    work_finish(pg, w, st);
+  }
+  pg->head = pg->tail = NULL;
+  pg->queued = 0;
+  pthread_cond_broadcast(&pg->done_cv);
+  pthread_cond_broadcast(&pg->work_cv);
+  pthread_mutex_unlock(&pg->mu);
+}
+
+void ddp__queue_destroy(ddp_process_group *pg) {
+  if (ddp__queue_drain(pg) != DDP_OK) {
+    DDP_WARN("%s; aborting them", ddp_last_error());
+    ddp_process_group_abort(pg);
+    ddp__queue_drain(pg);
+  }
+  pthread_mutex_lock(&pg->mu);
+  pg->stopping = true;
+  pthread_cond_broadcast(&pg->work_cv);
+  bool started = pg->thread_started;
+  pthread_mutex_unlock(&pg->mu);
+  if (started) pthread_join(pg->thread, NULL);
+  for (ddp_work *w = pg->all_works, *next; w; w = next) {
+    next = w->all_next;
+    ddp_free(w);
+  }
+  pg->all_works = NULL;
+  pg->free_works = NULL;
+  pthread_cond_destroy(&pg->work_cv);
+  pthread_cond_destroy(&pg->done_cv);
+  pthread_mutex_destroy(&pg->mu);
+}
+
+/* ---- Public work API ------------------------------------------------------- */
+
+ddp_status ddp_work_wait(ddp_work *work, double timeout_s) {
+  if (!work) return ddp_error(DDP_ERR_INVALID, "work_wait: work is NULL");
+  ddp_process_group *pg = work->pg;
+  int64_t timeout_ns = timeout_s < 0 ? pg->timeout_ns
+                       : timeout_s > 9e9 ? INT64_MAX / 2
+                                         : (int64_t)(timeout_s * 1e9);
+  int64_t start = ddp_time_ns(), deadline = ddp__deadline_after(timeout_ns);
+  pthread_mutex_lock(&pg->mu);
+  while (!work->done && cond_wait_until(&pg->done_cv, &pg->mu, deadline)) {
+  }
+  bool done = work->done;
+  ddp_status st = work->status;
+  ddp__op_args args = work->args;
+  pthread_mutex_unlock(&pg->mu);
+  if (!done) return wait_timed_out(pg, &args, (double)(ddp_time_ns() - start) / 1e9);
+  return st == DDP_OK ? DDP_OK : work_error(pg, st);
+}
+
+bool ddp_work_test(ddp_work *work, ddp_status *status) {
+  if (!work) {
+    if (status) *status = ddp_error(DDP_ERR_INVALID, "work_test: work is NULL");
+    return true;
+  }
+  ddp_process_group *pg = work->pg;
+  pthread_mutex_lock(&pg->mu);
+  bool done = work->done;
+  ddp_status st = work->status;
+  pthread_mutex_unlock(&pg->mu);
+  if (status) *status = done && st != DDP_OK ? work_error(pg, st) : DDP_OK;
+  return done;
+}
+
+void ddp_work_free(ddp_work *work) {
+  if (!work) return;
+  ddp_process_group *pg = work->pg;
+  pthread_mutex_lock(&pg->mu);
+  int64_t deadline = queue_deadline(pg, pg->queued);
+  while (!work->done && cond_wait_until(&pg->done_cv, &pg->mu, deadline)) {
+  }
+  if (work->done)
+    work_put(pg, work);
+  else
+    work->orphaned = true; /* the progress thread recycles it */
+  pthread_mutex_unlock(&pg->mu);
+}
