@@ -1,0 +1,599 @@
+/* The local backend: collectives between ranks of one host, reading and
+ * reducing straight from each other's buffers (plain pointers between
+ * threads, cross-memory attach between processes; local_mem in local.h).
+ *
+ * Every collective is op number n (counted alike on every rank). A rank's
+ * progress is its flag, (n << 32) | step:
+ *   STEP_START   its buffer addresses (or its slot) for op n are published;
+ *   2 + c        (large allreduce) segment c of its slice is reduced;
+ *   STEP_DONE    it has finished reading everyone else's buffers.
+ * Small messages go through per-rank slots in the region (double-buffered by
+ * n's parity: before writing slot n%2 a rank waits until every peer started
+ * op n-1, hence finished reading slot n%2 in op n-2). Large ones are read in
+ * place and end with every rank waiting for every STEP_DONE, since peers may
+ * still be reading its buffers. */
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "comm/local.h"
+#include "ddp/tensor.h"
+
+#define STEP_START 1u
+#define STEP_DONE 0xfffffff0u
+
+static inline uint64_t flag_value(uint64_t n, uint32_t step) { return (n << 32) | step; }
+
+static ddp__local_backend *as_local(ddp__backend *b) { return (ddp__local_backend *)b; }
+
+/* ---- The region ---------------------------------------------------------- */
+
+static size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+size_t ddp__local_region_bytes(int size) {
+  size_t n = (size_t)size;
+  size_t ctl = align_up(sizeof(ddp__local_region), 128);
+  size_t slots = ctl + n * sizeof(ddp__local_ctl);
+  size_t chans = slots + n * 2 * DDP__LOCAL_SLOT_BYTES;
+  size_t stage = align_up(chans + n * n * sizeof(ddp__local_p2p_chan), 4096);
+  size_t result = stage + n * 2 * DDP__LOCAL_CHUNK_BYTES;
+  return result + 2 * DDP__LOCAL_CHUNK_BYTES;
+}
+
+void ddp__local_region_init(ddp__local_region *reg, int size, uint64_t nonce) {
+  size_t n = (size_t)size;
+  reg->magic = DDP__LOCAL_MAGIC;
+  reg->version = DDP__LOCAL_VERSION;
+  reg->size = (uint32_t)size;
+  reg->nonce = nonce;
+  reg->total_bytes = ddp__local_region_bytes(size);
+  reg->ctl_off = align_up(sizeof(ddp__local_region), 128);
+  reg->slot_off = reg->ctl_off + n * sizeof(ddp__local_ctl);
+  reg->chan_off = reg->slot_off + n * 2 * DDP__LOCAL_SLOT_BYTES;
+  reg->stage_off = align_up(reg->chan_off + n * n * sizeof(ddp__local_p2p_chan), 4096);
+  reg->result_off = reg->stage_off + n * 2 * DDP__LOCAL_CHUNK_BYTES;
+}
+
+/* ---- Op framing ---------------------------------------------------------- */
+
+/* Starts op n: waits until every peer has started op n-1 (so nobody still
+ * reads this rank's slot of parity n%2). */
+static ddp_status op_begin(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t *n) {
+  /* After a failure the region no longer describes this rank's op: touch
+   * nothing, repeat the error. */
+  DDP_TRY(ddp__local_check_failed(b));
+  *n = ++b->op_number;
+  if (*n > 1) return ddp__local_wait_all(b, ctx, flag_value(*n - 1, STEP_START));
+  return DDP_OK;
+}
+
+static ddp__local_ctl *my_ctl(ddp__local_backend *b) { return ddp__local_ctl_of(b->reg, b->rank); }
+
+/* Publishes this rank's buffers for op n and posts STEP_START. */
+static void op_publish(ddp__local_backend *b, uint64_t n, const void *a0, const void *a1) {
+  ddp__local_ctl *c = my_ctl(b);
+  c->addr[0] = (uint64_t)(uintptr_t)a0;
+  c->addr[1] = (uint64_t)(uintptr_t)a1;
+  ddp__local_post(b, &c->flag, flag_value(n, STEP_START));
+}
+
+static uint64_t peer_addr(ddp__local_backend *b, int q, int i) {
+  return ddp__local_ctl_of(b->reg, q)->addr[i];
+}
+
+/* Posts STEP_DONE and waits for everyone's. */
+static ddp_status op_finish(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t n) {
+  ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, STEP_DONE));
+  return ddp__local_wait_all(b, ctx, flag_value(n, STEP_DONE));
+}
+
+static ddp_status fail(ddp__local_backend *b, const ddp__op_ctx *ctx, ddp_status st) {
+  return ddp__local_fail(b, ctx, st);
+}
+
+/* A provider error reaching rank q, as the op's error (a dead peer named
+ * the way the waits name it). */
+static ddp_status mem_error(ddp__local_backend *b, const ddp__op_ctx *ctx, ddp_status st, int q) {
+  const char *op = ctx && ctx->op ? ctx->op : "op";
+  unsigned long long seq = ctx ? ctx->seq : 0;
+  b->blame = q;
+  ddp__local_ctl *c = ddp__local_ctl_of(b->reg, q);
+  int32_t blame = atomic_load(&c->blame);
+  if (atomic_load(&c->state) != DDP__LOCAL_ACTIVE) {
+    /* The peer failed during this op and let go of its buffers (or exited):
+     * name the rank it blamed. */
+    if (blame >= 0 && blame < b->size && blame != b->rank) {
+      b->blame = blame;
+      st = ddp_error(DDP_ERR_PEER, "%s #%llu: rank %d (%s) died or failed (reported by rank %d)",
+                     op, seq, blame, b->host_names[blame], q);
+    } else {
+      st = ddp_error(DDP_ERR_PEER, "%s #%llu: rank %d (%s) failed", op, seq, q,
+                     b->host_names[q]);
+    }
+  } else if (st == DDP_ERR_PEER) {
+    char why[160];
+    snprintf(why, sizeof why, "%s", ddp_last_error());
+    st = ddp_error(DDP_ERR_PEER, "%s #%llu: rank %d (%s) died (%s)", op, seq, q,
+                   b->host_names[q], why);
+  } else {
+    st = ddp_error_wrap(st, "%s #%llu: rank %d (%s)", op, seq, q, b->host_names[q]);
+  }
+  return fail(b, ctx, st);
+}
+
+#define MEM_TRY(q, expr)                                       \
+  do {                                                         \
+    ddp_status mem__s = (expr);                                \
+    if (mem__s != DDP_OK) return mem_error(b, ctx, mem__s, q); \
+  } while (0)
+
+static ddp_status mem_read(ddp__local_backend *b, int q, uint64_t addr, void *dst, size_t bytes) {
+  if (!bytes) return DDP_OK;
+  if (q == b->rank) {
+    memmove(dst, (const void *)(uintptr_t)addr, bytes);
+    return DDP_OK;
+  }
+  return b->mem->ops->read(b->mem, q, addr, dst, bytes);
+}
+
+/* Elements per slice of `count` split over `size` ranks: slice q is
+ * [lo(q), lo(q + 1)), boundaries on 64-byte multiples. */
+static size_t slice_lo(size_t count, int size, int q, size_t esize) {
+  if (q >= size) return count;
+  size_t align = esize < 64 ? 64 / esize : 1;
+  size_t lo = (size_t)((unsigned __int128)count * (unsigned)q / (unsigned)size);
+  lo -= lo % align;
+  return lo;
+}
+
+/* ---- Collectives ----------------------------------------------------------- */
+
+/* Small collectives go through the slots: every rank copies in, every rank
+ * reads what it needs. Decided from arguments equal on every rank. */
+static bool use_slots(const ddp__local_backend *b, size_t slot_bytes, size_t read_bytes) {
+  return slot_bytes <= DDP__LOCAL_SLOT_BYTES && read_bytes <= 256u * 1024u;
+}
+
+/* dst (count) := the reduction, in rank order, of every rank's slot of op n
+ * at byte offset `off`. Rank order makes every rank's result bitwise equal. */
+static void reduce_slots(ddp__local_backend *b, uint64_t n, size_t off, void *dst, size_t count,
+                         ddp_dtype dtype, ddp_reduce_op op) {
+  if (b->size == 1) {
+    memmove(dst, ddp__local_slot_of(b->reg, 0, n) + off, count * ddp_dtype_size(dtype));
+  } else {
+    ddp__reduce_pair(dst, ddp__local_slot_of(b->reg, 0, n) + off,
+                     ddp__local_slot_of(b->reg, 1, n) + off, count, dtype, op);
+    for (int q = 2; q < b->size; q++)
+      ddp__reduce_into(dst, ddp__local_slot_of(b->reg, q, n) + off, count, dtype, op);
+  }
+  if (op == DDP_REDUCE_AVG) ddp__reduce_scale(dst, count, dtype, b->size);
+}
+
+/* dst (count elements) := own op every peer's (count) at byte offset `off`
+ * of their published buffer addr[which]; own data already in dst when
+ * `dst_is_own`, else read from own addr. Segment-sized (views fit scratch). */
+static ddp_status reduce_segment(ddp__local_backend *b, const ddp__op_ctx *ctx, int which,
+                                 size_t off, void *dst, bool dst_is_own, size_t count,
+                                 ddp_dtype dtype, ddp_reduce_op op) {
+  size_t bytes = count * ddp_dtype_size(dtype);
+  if (!dst_is_own) memmove(dst, (const char *)(uintptr_t)peer_addr(b, b->rank, which) + off, bytes);
+  for (int i = 1; i < b->size; i++) {
+    int q = (b->rank + i) % b->size;
+    const void *v = NULL;
+    MEM_TRY(q, b->mem->ops->view(b->mem, q, peer_addr(b, q, which) + off, bytes, b->scratch[0], &v));
+    ddp__reduce_into(dst, v, count, dtype, op);
+  }
+  if (op == DDP_REDUCE_AVG) ddp__reduce_scale(dst, count, dtype, b->size);
+  return DDP_OK;
+}
+
+/* Large allreduce through the region's staging, for processes (where
+ * reading a peer's buffer in place costs a cross-memory copy at about half
+ * memcpy speed). Chunk k of the buffer: every rank copies it into its
+ * staging[k % 2] and posts 2 + 2k; rank r reduces sub-slice r of the chunk
+ * from every rank's staging into result[k % 2] and posts 3 + 2k; every
+ * rank copies the whole result chunk into its buffer. A chunk's copies stay
+ * in cache, so memory sees about one read and one write of the buffer.
+ * Double buffering is safe without further waits: a rank stages chunk k
+ * after waiting for everyone's 3 + 2(k-1), so nobody still reads its
+ * staging[k % 2] from chunk k-2; and it writes result[k % 2] after
+ * everyone's 2 + 2k, posted after they copied chunk k-2 out of it. Peers
+ * never read this rank's buffer, so no final barrier is needed. */
+static ddp_status allreduce_staged(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t n,
+                                   void *buf, size_t count, ddp_dtype dtype, ddp_reduce_op op) {
+  size_t esize = ddp_dtype_size(dtype);
+  size_t chunk = DDP__LOCAL_CHUNK_BYTES / esize;
+  ddp__local_region *reg = b->reg;
+  ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, STEP_START));
+  uint32_t k = 0;
+  for (size_t at = 0; at < count; at += chunk, k++) {
+    size_t len = count - at < chunk ? count - at : chunk;
+    char *mine = (char *)buf + at * esize;
+    memcpy(ddp__local_stage_of(reg, b->rank, k), mine, len * esize);
+    ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, 2 + 2 * k));
+    DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, 2 + 2 * k)));
+    size_t lo = slice_lo(len, b->size, b->rank, esize);
+    size_t hi = slice_lo(len, b->size, b->rank + 1, esize);
+    if (hi > lo) {
+      size_t off = lo * esize;
+      uint8_t *dst = ddp__local_result_of(reg, k) + off;
+      if (b->size == 1) {
+        memcpy(dst, ddp__local_stage_of(reg, 0, k) + off, (hi - lo) * esize);
+      } else {
+        ddp__reduce_pair(dst, ddp__local_stage_of(reg, 0, k) + off,
+                         ddp__local_stage_of(reg, 1, k) + off, hi - lo, dtype, op);
+        for (int q = 2; q < b->size; q++)
+          ddp__reduce_into(dst, ddp__local_stage_of(reg, q, k) + off, hi - lo, dtype, op);
+      }
+      if (op == DDP_REDUCE_AVG) ddp__reduce_scale(dst, hi - lo, dtype, b->size);
+    }
+    ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, 3 + 2 * k));
+    DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, 3 + 2 * k)));
+    memcpy(mine, ddp__local_result_of(reg, k), len * esize);
+  }
+  return DDP_OK;
+}
+
+static ddp_status local_allreduce(ddp__backend *base, const ddp__op_ctx *ctx, void *buf,
+                                  size_t count, ddp_dtype dtype, ddp_reduce_op op) {
+  ddp__local_backend *b = as_local(base);
+  size_t esize = ddp_dtype_size(dtype), bytes = count * esize;
+  uint64_t n;
+  DDP_TRY(op_begin(b, ctx, &n));
+  if (use_slots(b, bytes, bytes * (size_t)(b->size - 1))) {
+    if (bytes) memcpy(ddp__local_slot_of(b->reg, b->rank, n), buf, bytes);
+    op_publish(b, n, buf, NULL);
+    DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+    if (bytes) reduce_slots(b, n, 0, buf, count, dtype, op);
+    return DDP_OK;
+  }
+  if (b->mem->needs_scratch) return allreduce_staged(b, ctx, n, buf, count, dtype, op);
+  /* Reduce-scatter: this rank reduces its slice from every peer's buffer
+   * into its own, a segment at a time, posting each; then allgather: it
+   * copies every peer's reduced slice out of that peer's buffer as its
+   * segments are posted. Each input byte is read once, each output byte
+   * written once (plus the slice's own accumulation). */
+  op_publish(b, n, buf, NULL);
+  DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+  size_t seg = DDP__LOCAL_SEGMENT_BYTES / esize;
+  size_t lo = slice_lo(count, b->size, b->rank, esize);
+  size_t hi = slice_lo(count, b->size, b->rank + 1, esize);
+  uint32_t c = 0;
+  for (size_t at = lo; at < hi; at += seg, c++) {
+    size_t len = hi - at < seg ? hi - at : seg;
+    DDP_TRY(reduce_segment(b, ctx, 0, at * esize, (char *)buf + at * esize, true, len, dtype, op));
+    ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, 2 + c));
+  }
+  for (int i = 1; i < b->size; i++) {
+    int q = (b->rank + i) % b->size;
+    size_t qlo = slice_lo(count, b->size, q, esize);
+    size_t qhi = slice_lo(count, b->size, q + 1, esize);
+    uint32_t qc = 0;
+    for (size_t at = qlo; at < qhi; at += seg, qc++) {
+      size_t len = qhi - at < seg ? qhi - at : seg;
+      DDP_TRY(ddp__local_wait_flag(b, ctx, q, flag_value(n, 2 + qc)));
+      MEM_TRY(q, mem_read(b, q, peer_addr(b, q, 0) + at * esize, (char *)buf + at * esize,
+                       len * esize));
+    }
+  }
+  return op_finish(b, ctx, n);
+}
+
+static ddp_status local_broadcast(ddp__backend *base, const ddp__op_ctx *ctx, void *buf,
+                                  size_t count, ddp_dtype dtype, int root) {
+  ddp__local_backend *b = as_local(base);
+  size_t bytes = count * ddp_dtype_size(dtype);
+  uint64_t n;
+  DDP_TRY(op_begin(b, ctx, &n));
+  if (use_slots(b, bytes, bytes)) {
+    if (b->rank == root && bytes) memcpy(ddp__local_slot_of(b->reg, root, n), buf, bytes);
+    op_publish(b, n, buf, NULL);
+    if (b->rank == root) return DDP_OK;
+    DDP_TRY(ddp__local_wait_flag(b, ctx, root, flag_value(n, STEP_START)));
+    if (bytes) memcpy(buf, ddp__local_slot_of(b->reg, root, n), bytes);
+    return DDP_OK;
+  }
+  op_publish(b, n, buf, NULL);
+  if (b->rank == root) {
+    ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, STEP_DONE));
+    return ddp__local_wait_all(b, ctx, flag_value(n, STEP_DONE));
+  }
+  DDP_TRY(ddp__local_wait_flag(b, ctx, root, flag_value(n, STEP_START)));
+  MEM_TRY(root, mem_read(b, root, peer_addr(b, root, 0), buf, bytes));
+  ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, STEP_DONE));
+  return DDP_OK;
+}
+
+static ddp_status local_reduce(ddp__backend *base, const ddp__op_ctx *ctx, void *buf,
+                               size_t count, ddp_dtype dtype, ddp_reduce_op op, int root) {
+  ddp__local_backend *b = as_local(base);
+  size_t esize = ddp_dtype_size(dtype), bytes = count * esize;
+  uint64_t n;
+  DDP_TRY(op_begin(b, ctx, &n));
+  if (use_slots(b, bytes, bytes * (size_t)(b->size - 1))) {
+    if (bytes) memcpy(ddp__local_slot_of(b->reg, b->rank, n), buf, bytes);
+    op_publish(b, n, buf, NULL);
+    if (b->rank != root) return DDP_OK;
+    DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+    if (bytes) reduce_slots(b, n, 0, buf, count, dtype, op);
+    return DDP_OK;
+  }
+  /* Every rank reduces its slice (own first, in scratch) and writes it into
+   * root's buffer: only rank q ever touches slice q, in any buffer. */
+  op_publish(b, n, buf, NULL);
+  DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+  size_t seg = DDP__LOCAL_SEGMENT_BYTES / esize;
+  size_t lo = slice_lo(count, b->size, b->rank, esize);
+  size_t hi = slice_lo(count, b->size, b->rank + 1, esize);
+  for (size_t at = lo; at < hi; at += seg) {
+    size_t len = hi - at < seg ? hi - at : seg;
+    if (b->rank == root) {
+      DDP_TRY(reduce_segment(b, ctx, 0, at * esize, (char *)buf + at * esize, true, len, dtype,
+                             op));
+    } else {
+      void *acc = b->scratch[1];
+      DDP_TRY(reduce_segment(b, ctx, 0, at * esize, acc, false, len, dtype, op));
+      MEM_TRY(root, b->mem->ops->write(b->mem, root, peer_addr(b, root, 0) + at * esize, acc,
+                                 len * esize));
+    }
+  }
+  return op_finish(b, ctx, n);
+}
+
+static ddp_status local_allgather(ddp__backend *base, const ddp__op_ctx *ctx, const void *send,
+                                  void *recv, size_t count, ddp_dtype dtype) {
+  ddp__local_backend *b = as_local(base);
+  size_t bytes = count * ddp_dtype_size(dtype);
+  uint64_t n;
+  DDP_TRY(op_begin(b, ctx, &n));
+  if (use_slots(b, bytes, bytes * (size_t)b->size)) {
+    if (bytes) memcpy(ddp__local_slot_of(b->reg, b->rank, n), send, bytes);
+    op_publish(b, n, send, recv);
+    DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+    for (int q = 0; q < b->size && bytes; q++)
+      memcpy((char *)recv + (size_t)q * bytes, ddp__local_slot_of(b->reg, q, n), bytes);
+    return DDP_OK;
+  }
+  op_publish(b, n, send, recv);
+  DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+  memmove((char *)recv + (size_t)b->rank * bytes, send, bytes);
+  for (int i = 1; i < b->size; i++) {
+    int q = (b->rank + i) % b->size;
+    MEM_TRY(q, mem_read(b, q, peer_addr(b, q, 0), (char *)recv + (size_t)q * bytes, bytes));
+  }
+  return op_finish(b, ctx, n);
+}
+
+static ddp_status local_gather(ddp__backend *base, const ddp__op_ctx *ctx, const void *send,
+                               void *recv, size_t count, ddp_dtype dtype, int root) {
+  ddp__local_backend *b = as_local(base);
+  size_t bytes = count * ddp_dtype_size(dtype);
+  uint64_t n;
+  DDP_TRY(op_begin(b, ctx, &n));
+  if (use_slots(b, bytes, bytes * (size_t)b->size)) {
+    if (bytes) memcpy(ddp__local_slot_of(b->reg, b->rank, n), send, bytes);
+    op_publish(b, n, send, recv);
+    if (b->rank != root) return DDP_OK;
+    DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+    for (int q = 0; q < b->size && bytes; q++)
+      memcpy((char *)recv + (size_t)q * bytes, ddp__local_slot_of(b->reg, q, n), bytes);
+    return DDP_OK;
+  }
+  op_publish(b, n, send, recv);
+  if (b->rank != root) {
+    /* Root reads this rank's send: keep it until root is done. */
+    ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, STEP_DONE));
+    return ddp__local_wait_flag(b, ctx, root, flag_value(n, STEP_DONE));
+  }
+  DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+  memmove((char *)recv + (size_t)root * bytes, send, bytes);
+  for (int i = 1; i < b->size; i++) {
+    int q = (b->rank + i) % b->size;
+    MEM_TRY(q, mem_read(b, q, peer_addr(b, q, 0), (char *)recv + (size_t)q * bytes, bytes));
+  }
+  ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, STEP_DONE));
+  return DDP_OK;
+}
+
+static ddp_status local_scatter(ddp__backend *base, const ddp__op_ctx *ctx, const void *send,
+                                void *recv, size_t count, ddp_dtype dtype, int root) {
+  ddp__local_backend *b = as_local(base);
+  size_t bytes = count * ddp_dtype_size(dtype);
+  size_t all = bytes * (size_t)b->size;
+  uint64_t n;
+  DDP_TRY(op_begin(b, ctx, &n));
+  if (use_slots(b, all, bytes)) {
+    if (b->rank == root && all) memcpy(ddp__local_slot_of(b->reg, root, n), send, all);
+    op_publish(b, n, send, recv);
+    if (b->rank != root) DDP_TRY(ddp__local_wait_flag(b, ctx, root, flag_value(n, STEP_START)));
+    if (bytes)
+      memmove(recv, ddp__local_slot_of(b->reg, root, n) + (size_t)b->rank * bytes, bytes);
+    return DDP_OK;
+  }
+  op_publish(b, n, send, recv);
+  if (b->rank == root) {
+    memmove(recv, (const char *)send + (size_t)root * bytes, bytes);
+    ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, STEP_DONE));
+    return ddp__local_wait_all(b, ctx, flag_value(n, STEP_DONE));
+  }
+  DDP_TRY(ddp__local_wait_flag(b, ctx, root, flag_value(n, STEP_START)));
+  MEM_TRY(root, mem_read(b, root, peer_addr(b, root, 0) + (size_t)b->rank * bytes, recv, bytes));
+  ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, STEP_DONE));
+  return DDP_OK;
+}
+
+static ddp_status local_reduce_scatter(ddp__backend *base, const ddp__op_ctx *ctx,
+                                       const void *send, void *recv, size_t count,
+                                       ddp_dtype dtype, ddp_reduce_op op) {
+  ddp__local_backend *b = as_local(base);
+  size_t esize = ddp_dtype_size(dtype), bytes = count * esize;
+  size_t all = bytes * (size_t)b->size;
+  uint64_t n;
+  DDP_TRY(op_begin(b, ctx, &n));
+  if (use_slots(b, all, all)) {
+    if (all) memcpy(ddp__local_slot_of(b->reg, b->rank, n), send, all);
+    op_publish(b, n, send, recv);
+    DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+    if (bytes) reduce_slots(b, n, (size_t)b->rank * bytes, recv, count, dtype, op);
+    return DDP_OK;
+  }
+  op_publish(b, n, send, recv);
+  DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+  size_t seg = DDP__LOCAL_SEGMENT_BYTES / esize;
+  for (size_t at = 0; at < count; at += seg) {
+    size_t len = count - at < seg ? count - at : seg;
+    DDP_TRY(reduce_segment(b, ctx, 0, (size_t)b->rank * bytes + at * esize,
+                           (char *)recv + at * esize, false, len, dtype, op));
+  }
+  return op_finish(b, ctx, n);
+}
+
+static ddp_status local_all_to_all(ddp__backend *base, const ddp__op_ctx *ctx, const void *send,
+                                   void *recv, size_t count, ddp_dtype dtype) {
+  ddp__local_backend *b = as_local(base);
+  size_t bytes = count * ddp_dtype_size(dtype);
+  size_t all = bytes * (size_t)b->size;
+  uint64_t n;
+  DDP_TRY(op_begin(b, ctx, &n));
+  if (use_slots(b, all, all)) {
+    if (all) memcpy(ddp__local_slot_of(b->reg, b->rank, n), send, all);
+    op_publish(b, n, send, recv);
+    DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+    for (int q = 0; q < b->size && bytes; q++)
+      memcpy((char *)recv + (size_t)q * bytes,
+             ddp__local_slot_of(b->reg, q, n) + (size_t)b->rank * bytes, bytes);
+    return DDP_OK;
+  }
+  op_publish(b, n, send, recv);
+  DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+  for (int i = 0; i < b->size; i++) {
+    int q = (b->rank + i) % b->size;
+    MEM_TRY(q, mem_read(b, q, peer_addr(b, q, 0) + (size_t)b->rank * bytes,
+                     (char *)recv + (size_t)q * bytes, bytes));
+  }
+  return op_finish(b, ctx, n);
+}
+
+static ddp_status local_barrier(ddp__backend *base, const ddp__op_ctx *ctx) {
+  ddp__local_backend *b = as_local(base);
+  uint64_t n;
+  DDP_TRY(op_begin(b, ctx, &n));
+  op_publish(b, n, NULL, NULL);
+  return ddp__local_wait_all(b, ctx, flag_value(n, STEP_START));
+}
+
+/* ---- Lifecycle ------------------------------------------------------------- */
+
+static const char *local_transport(const ddp__backend *base, int peer) {
+  const ddp__local_backend *b = (const ddp__local_backend *)base;
+  if (peer == b->rank) return "self";
+  return b->mem->ops->transport(b->mem, peer);
+}
+
+static void local_abort(ddp__backend *base) {
+  ddp__local_backend *b = as_local(base);
+  atomic_store(&b->aborted, true);
+  ddp__local_wake_all(b);
+}
+
+static void free_backend(ddp__local_backend *b) {
+  if (b->host_names)
+    for (int q = 0; q < b->size; q++) ddp_free(b->host_names[q]);
+  ddp_free(b->host_names);
+  ddp_free(b->seen);
+  ddp_free(b->p2p_next_send);
+  ddp_free(b->p2p_next_recv);
+  ddp_free(b->scratch[0]);
+  ddp_free(b->scratch[1]);
+  ddp_free(b);
+}
+
+static void local_destroy(ddp__backend *base) {
+  if (!base) return;
+  ddp__local_backend *b = as_local(base);
+  if (b->mem) {
+    ddp__local_ctl *c = my_ctl(b);
+    uint32_t active = DDP__LOCAL_ACTIVE;
+    atomic_compare_exchange_strong(&c->state, &active, DDP__LOCAL_LEFT);
+    ddp__local_wake_all(b);
+    b->mem->ops->destroy(b->mem);
+  }
+  free_backend(b);
+}
+
+static const ddp__backend_ops local_ops = {
+    .name = "local",
+    .allreduce = local_allreduce,
+    .broadcast = local_broadcast,
+    .reduce = local_reduce,
+    .allgather = local_allgather,
+    .gather = local_gather,
+    .scatter = local_scatter,
+    .reduce_scatter = local_reduce_scatter,
+    .all_to_all = local_all_to_all,
+    .barrier = local_barrier,
+    .send = ddp__local_send,
+    .recv = ddp__local_recv,
+    .transport = local_transport,
+    .abort = local_abort,
+    .destroy = local_destroy,
+};
+
+/* Ranks of this host that compete for its cores. */
+static int online_cpus(void) {
+  long n = sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? (int)n : 1;
+}
+
+ddp_status ddp__backend_local_create(const ddp__backend_config *cfg, ddp__backend **out) {
+  *out = NULL;
+  if (!cfg || cfg->size < 1 || cfg->size > DDP__LOCAL_MAX_RANKS || cfg->rank < 0 ||
+      cfg->rank >= cfg->size || !cfg->store)
+    return ddp_error(DDP_ERR_INVALID, "local backend: bad configuration (rank %d of %d)",
+                     cfg ? cfg->rank : -1, cfg ? cfg->size : 0);
+  bool one_process = true;
+  for (int q = 0; q < cfg->size; q++) {
+    if (cfg->host_of && cfg->host_of[q] != cfg->host_of[cfg->rank])
+      return ddp_error(DDP_ERR_INVALID, "local backend: rank %d is on another host", q);
+    if (cfg->process_of && cfg->process_of[q] != cfg->process_of[0]) one_process = false;
+  }
+  ddp__local_backend *b = ddp_calloc(1, sizeof *b);
+  if (!b) return ddp_error(DDP_ERR_NOMEM, "local backend: out of memory");
+  b->base.ops = &local_ops;
+  b->rank = cfg->rank;
+  b->size = cfg->size;
+  atomic_init(&b->aborted, false);
+  b->blame = -1;
+  size_t n = (size_t)cfg->size;
+  b->seen = ddp_calloc(n, sizeof *b->seen);
+  b->p2p_next_send = ddp_calloc(n, sizeof *b->p2p_next_send);
+  b->p2p_next_recv = ddp_calloc(n, sizeof *b->p2p_next_recv);
+  b->host_names = ddp_calloc(n, sizeof *b->host_names);
+  b->scratch[0] = ddp_alloc(DDP__LOCAL_SEGMENT_BYTES);
+  b->scratch[1] = ddp_alloc(DDP__LOCAL_SEGMENT_BYTES);
+  if (!b->seen || !b->p2p_next_send || !b->p2p_next_recv || !b->host_names || !b->scratch[0] ||
+      !b->scratch[1]) {
+    free_backend(b);
+    return ddp_error(DDP_ERR_NOMEM, "local backend: out of memory");
+  }
+  for (size_t q = 0; q < n; q++) {
+    const char *h = cfg->host_names && cfg->host_names[q] ? cfg->host_names[q] : "local";
+    b->host_names[q] = ddp_strdup(h);
+    if (!b->host_names[q]) {
+      free_backend(b);
+      return ddp_error(DDP_ERR_NOMEM, "local backend: out of memory");
+    }
+  }
+  ddp_status st = one_process ? ddp__local_threads_create(cfg, &b->mem)
+                              : ddp__local_shm_create(cfg, &b->mem);
+  if (st != DDP_OK) {
+    free_backend(b);
+    return st;
+  }
+  b->reg = b->mem->region;
+  /* Spin about 20 us before sleeping when every rank can have a core; barely
+   * at all when they outnumber the cores (the peer needs ours to progress). */
+  b->spin_iters = cfg->size <= online_cpus() ? 2000 : 20;
+  *out = &b->base;
+  return DDP_OK;
+}

@@ -1,0 +1,209 @@
+/* The local backend's internals: the shared region every rank of one host
+ * maps (per-rank control blocks, small-message slots, point-to-point
+ * channels), the memory-provider interface (how a rank reaches a peer's user
+ * buffers: plain pointers for threads, cross-memory attach for processes)
+ * and the waits (spin, then futex). Algorithms are in local.c, point to point
+ * in local_p2p.c, waits in local_sync.c, providers in local_threads.c and
+ * local_shm.c. docs/comm.md, "Local backend", describes the whole. */
+#ifndef DDP__COMM_LOCAL_H
+#define DDP__COMM_LOCAL_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "comm/backend.h"
+
+#define DDP__LOCAL_MAGIC 0x4c434f4c50444444ull /* "DDDPLOCL" */
+#define DDP__LOCAL_VERSION 1u
+#define DDP__LOCAL_MAX_RANKS 256
+
+/* Bytes per rank and parity of the small-message slots (collectives whose
+ * data fits go through them: one copy in, every rank reads all). */
+#define DDP__LOCAL_SLOT_BYTES (64u * 1024u)
+/* Point-to-point: descriptors per ordered pair, and the payload carried
+ * inline (eagerly: the send returns at once); bigger messages are read
+ * straight from the sender's buffer (the send returns once received). */
+#define DDP__LOCAL_P2P_SLOTS 8u
+#define DDP__LOCAL_P2P_INLINE 4096u
+/* Large allreduce between processes goes through staging in the region, a
+ * chunk of this many bytes at a time (double-buffered): per rank a staging
+ * area of 2 chunks, and a shared result area of 2 chunks. Small enough that
+ * a chunk's staged copies stay in cache. */
+#define DDP__LOCAL_CHUNK_BYTES (512u * 1024u)
+/* Large collectives move data in segments of this many bytes (the scratch
+ * a cross-memory read lands in stays in L2). */
+#define DDP__LOCAL_SEGMENT_BYTES (256u * 1024u)
+
+/* A monotonically increasing 64-bit value that others wait on. `wake` changes
+ * on every post and is the futex word; `sleepers` counts waiters in the
+ * futex so that a post makes a system call only when someone sleeps. */
+typedef struct ddp__local_word {
+  _Atomic uint64_t value;
+  _Atomic uint32_t wake;
+  _Atomic uint32_t sleepers;
+} ddp__local_word;
+
+/* Rank states in the control block. */
+enum {
+  DDP__LOCAL_ACTIVE = 0,
+  DDP__LOCAL_FAILED = 1,  /* an op failed on that rank (timeout, peer) */
+  DDP__LOCAL_ABORTED = 2, /* ddp_process_group_abort */
+  DDP__LOCAL_LEFT = 3,    /* destroyed its backend */
+};
+
+/* One per rank, on its own cache lines. `flag` orders a rank's progress:
+ * (op number << 32) | step, see local.c. */
+typedef struct ddp__local_ctl {
+  ddp__local_word flag;
+  uint64_t addr[2];            /* this op's buffers (send/recv or buf), in its own address space */
+  _Atomic uint32_t state;      /* DDP__LOCAL_* */
+  int32_t pid;                 /* the rank's process */
+  _Atomic uint64_t failed_seq; /* the op (ctx->seq) that failed, for messages */
+  _Atomic uint32_t cma_ok;     /* 1: process_vm_readv from every peer works, 2: not */
+  _Atomic int32_t blame;       /* when failed because of a peer: that rank, else -1 */
+  uint8_t pad[128 - sizeof(ddp__local_word) - 16 - 8 - 8 - 4 - 4];
+} ddp__local_ctl;
+_Static_assert(sizeof(ddp__local_ctl) == 128, "control block is two cache lines");
+
+/* One message descriptor of a point-to-point channel. */
+typedef struct ddp__local_p2p_slot {
+  ddp__local_word posted;   /* message id + 1 once the descriptor is valid */
+  ddp__local_word consumed; /* message id + 1 once the receiver is done */
+  int32_t tag;
+  uint32_t is_inline;
+  uint64_t bytes;
+  uint64_t addr; /* sender's buffer when not inline */
+  uint8_t pad[8];
+  uint8_t data[DDP__LOCAL_P2P_INLINE];
+} ddp__local_p2p_slot;
+_Static_assert(sizeof(ddp__local_p2p_slot) == 64 + DDP__LOCAL_P2P_INLINE, "descriptor header is one cache line");
+
+typedef struct ddp__local_p2p_chan {
+  ddp__local_p2p_slot slot[DDP__LOCAL_P2P_SLOTS];
+} ddp__local_p2p_chan;
+
+/* The region's header; ctl[size], slots[size][2][SLOT_BYTES],
+ * chan[size * size] (chan[src * size + dst]), stage[size][2][CHUNK_BYTES]
+ * and result[2][CHUNK_BYTES] follow at the offsets below. */
+typedef struct ddp__local_region {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t size;
+  uint64_t nonce;
+  uint64_t total_bytes;
+  _Atomic uint32_t attached; /* ranks that mapped it */
+  _Atomic uint32_t refs;     /* threads provider: ranks still holding it */
+  uint64_t ctl_off, slot_off, chan_off, stage_off, result_off;
+} ddp__local_region;
+
+size_t ddp__local_region_bytes(int size);
+/* Fills the header of a zeroed region of ddp__local_region_bytes(size). */
+void ddp__local_region_init(ddp__local_region *reg, int size, uint64_t nonce);
+static inline ddp__local_ctl *ddp__local_ctl_of(ddp__local_region *reg, int rank) {
+  return (ddp__local_ctl *)((char *)reg + reg->ctl_off) + rank;
+}
+static inline uint8_t *ddp__local_slot_of(ddp__local_region *reg, int rank, uint64_t parity) {
+  return (uint8_t *)reg + reg->slot_off +
+         ((size_t)rank * 2 + (size_t)(parity & 1)) * DDP__LOCAL_SLOT_BYTES;
+}
+static inline uint8_t *ddp__local_stage_of(ddp__local_region *reg, int rank, uint64_t parity) {
+  return (uint8_t *)reg + reg->stage_off +
+         ((size_t)rank * 2 + (size_t)(parity & 1)) * DDP__LOCAL_CHUNK_BYTES;
+}
+static inline uint8_t *ddp__local_result_of(ddp__local_region *reg, uint64_t parity) {
+  return (uint8_t *)reg + reg->result_off + (size_t)(parity & 1) * DDP__LOCAL_CHUNK_BYTES;
+}
+static inline ddp__local_p2p_chan *ddp__local_chan_of(ddp__local_region *reg, int src,
+                                                      int dst) {
+  return (ddp__local_p2p_chan *)((char *)reg + reg->chan_off) + (size_t)src * reg->size + dst;
+}
+
+/* ---- Memory providers -----------------------------------------------------
+ * How a rank reaches its peers: the region (found through the group's store)
+ * and peers' user buffers. Addresses are the peer's own (uint64_t). */
+typedef struct ddp__local_mem ddp__local_mem;
+typedef struct ddp__local_mem_ops {
+  const char *name; /* "threads" or "shm" */
+  /* dst (local) := bytes at addr in peer's memory. */
+  ddp_status (*read)(ddp__local_mem *m, int peer, uint64_t addr, void *dst, size_t bytes);
+  /* bytes at addr in peer's memory := src (local). */
+  ddp_status (*write)(ddp__local_mem *m, int peer, uint64_t addr, const void *src, size_t bytes);
+  /* *out := a local pointer to bytes at addr in peer's memory: the address
+   * itself when directly visible, else a copy in `scratch` (>= bytes). */
+  ddp_status (*view)(ddp__local_mem *m, int peer, uint64_t addr, size_t bytes, void *scratch,
+                     const void **out);
+  /* An active rank (state DDP__LOCAL_ACTIVE: ranks that left or failed are
+   * not asked about) whose process is gone (-1: none), with the reason in
+   * why ("process 1234 is gone"). Cheap enough to call every few ms.
+   * Errors of read/write/view for a dead peer are DDP_ERR_PEER with the
+   * same reason as their message. */
+  int (*find_dead)(ddp__local_mem *m, char *why, size_t why_bytes);
+  /* The transport name towards peer ("threads" or "shm"). */
+  const char *(*transport)(const ddp__local_mem *m, int peer);
+  /* Unmaps / releases the region (not collective). */
+  void (*destroy)(ddp__local_mem *m);
+} ddp__local_mem_ops;
+
+struct ddp__local_mem {
+  const ddp__local_mem_ops *ops;
+  ddp__local_region *region;
+  bool shared_futex; /* the region is shared between processes */
+  bool needs_scratch; /* view() may copy */
+};
+
+/* Both attach every rank of cfg (collective: returns once all have attached,
+ * or fails after cfg->timeout_ns). */
+ddp_status ddp__local_threads_create(const ddp__backend_config *cfg, ddp__local_mem **out);
+ddp_status ddp__local_shm_create(const ddp__backend_config *cfg, ddp__local_mem **out);
+
+/* ---- The backend object -------------------------------------------------- */
+typedef struct ddp__local_backend {
+  ddp__backend base;
+  ddp__local_mem *mem;
+  ddp__local_region *reg;
+  int rank, size;
+  uint64_t op_number;      /* collectives run so far (same on every rank) */
+  uint64_t *seen;          /* [size] last observed value of each rank's flag */
+  uint64_t *p2p_next_send; /* [size] next message id towards each rank */
+  uint64_t *p2p_next_recv; /* [size] oldest message id not yet received from each rank */
+  char **host_names;       /* [size] for messages */
+  void *scratch[2];        /* SEGMENT_BYTES each, when the provider needs them */
+  atomic_bool aborted;
+  int spin_iters;          /* before sleeping; small when oversubscribed */
+  int blame;               /* the peer behind the last error, -1 if none */
+  ddp_status failed;       /* sticky: the first op error, DDP_OK while none */
+  char failed_msg[320];
+} ddp__local_backend;
+
+/* ---- Waits (local_sync.c) ------------------------------------------------ */
+
+/* Sets w->value (release) and wakes sleepers. */
+void ddp__local_post(ddp__local_backend *b, ddp__local_word *w, uint64_t value);
+/* Waits until w->value >= target: spins, then sleeps in the futex; gives up
+ * on the deadline, abort, or when any peer has failed, left or died.
+ * `peer` is the rank that will post w (for messages). */
+ddp_status ddp__local_wait(ddp__local_backend *b, const ddp__op_ctx *ctx, ddp__local_word *w,
+                           uint64_t target, int peer);
+/* Waits until rank q's flag >= target (uses and updates b->seen). */
+ddp_status ddp__local_wait_flag(ddp__local_backend *b, const ddp__op_ctx *ctx, int q,
+                                uint64_t target);
+/* Every other rank's flag >= target. */
+ddp_status ddp__local_wait_all(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t target);
+/* DDP_OK, or the sticky error of an earlier op (message restored). */
+ddp_status ddp__local_check_failed(ddp__local_backend *b);
+/* Wakes every sleeper on the region (abort). */
+void ddp__local_wake_all(ddp__local_backend *b);
+/* Marks this rank failed (so waiting peers fail fast), remembers the error
+ * (every later op returns it) and returns st. */
+ddp_status ddp__local_fail(ddp__local_backend *b, const ddp__op_ctx *ctx, ddp_status st);
+
+/* ---- Point to point (local_p2p.c) ---------------------------------------- */
+ddp_status ddp__local_send(ddp__backend *b, const ddp__op_ctx *ctx, const void *buf,
+                           size_t bytes, int dst);
+ddp_status ddp__local_recv(ddp__backend *b, const ddp__op_ctx *ctx, void *buf, size_t bytes,
+                           int src);
+
+#endif /* DDP__COMM_LOCAL_H */

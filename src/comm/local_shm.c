@@ -1,0 +1,304 @@
+/* The local backend's "shm" memory provider: ranks are processes of one
+ * host. Rank 0 creates a POSIX shared-memory segment holding the region and
+ * publishes its name through the group's store; the last rank to map it
+ * unlinks it, so nothing is left in /dev/shm even if a rank is killed later.
+ * Peers' user buffers are read and written with cross-memory attach
+ * (process_vm_readv / process_vm_writev: one copy, by the kernel, straight
+ * between the two processes' buffers). A pidfd per peer process tells a
+ * waiter within milliseconds that a peer died. */
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "comm/local.h"
+#include "ddp/store.h"
+
+#define SEGMENT_KEY "local/shm"
+
+typedef struct shm_mem {
+  ddp__local_mem base;
+  size_t bytes;
+  int rank, size;
+  int32_t *pid;     /* [size] */
+  int *pidfd;       /* [size] -1: same process, or no pidfd (kill(pid, 0) then) */
+  char name[64];
+} shm_mem;
+
+static shm_mem *as_shm(ddp__local_mem *m) { return (shm_mem *)m; }
+
+/* One cross-memory copy, looping over partial transfers. */
+static ddp_status cma_copy(shm_mem *s, int peer, uint64_t addr, void *local, size_t bytes,
+                           bool write) {
+  pid_t pid = s->pid[peer];
+  if (pid == getpid()) {
+    if (!bytes) return DDP_OK;
+    if (write)
+      memcpy((void *)(uintptr_t)addr, local, bytes);
+    else
+      memcpy(local, (const void *)(uintptr_t)addr, bytes);
+    return DDP_OK;
+  }
+  size_t done = 0;
+  while (done < bytes) {
+    struct iovec l = {(char *)local + done, bytes - done};
+    struct iovec r = {(void *)(uintptr_t)(addr + done), bytes - done};
+    ssize_t n = write ? process_vm_writev(pid, &l, 1, &r, 1, 0)
+                      : process_vm_readv(pid, &l, 1, &r, 1, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      int e = n < 0 ? errno : EFAULT;
+      if (e == ESRCH) return ddp_error(DDP_ERR_PEER, "process %d is gone", (int)pid);
+      return ddp_error(DDP_ERR_SYS, "%s %zu bytes at 0x%" PRIx64 " of rank %d (process %d): %s",
+                       write ? "process_vm_writev of" : "process_vm_readv of", bytes - done,
+                       addr + done, peer, (int)pid, strerror(e));
+    }
+    done += (size_t)n;
+  }
+  return DDP_OK;
+}
+
+static ddp_status shm_read(ddp__local_mem *m, int peer, uint64_t addr, void *dst, size_t bytes) {
+  return cma_copy(as_shm(m), peer, addr, dst, bytes, false);
+}
+
+static ddp_status shm_write(ddp__local_mem *m, int peer, uint64_t addr, const void *src,
+                            size_t bytes) {
+  return cma_copy(as_shm(m), peer, addr, (void *)src, bytes, true);
+}
+
+static ddp_status shm_view(ddp__local_mem *m, int peer, uint64_t addr, size_t bytes,
+                           void *scratch, const void **out) {
+  shm_mem *s = as_shm(m);
+  if (s->pid[peer] == getpid()) {
+    *out = (const void *)(uintptr_t)addr;
+    return DDP_OK;
+  }
+  *out = scratch;
+  return cma_copy(s, peer, addr, scratch, bytes, false);
+}
+
+static int shm_find_dead(ddp__local_mem *m, char *why, size_t why_bytes) {
+  shm_mem *s = as_shm(m);
+  for (int q = 0; q < s->size; q++) {
+    if (q == s->rank || s->pid[q] == getpid()) continue;
+    if (atomic_load(&ddp__local_ctl_of(s->base.region, q)->state) != DDP__LOCAL_ACTIVE) continue;
+    bool dead;
+    if (s->pidfd[q] >= 0) {
+      struct pollfd p = {s->pidfd[q], POLLIN, 0};
+      dead = poll(&p, 1, 0) > 0;
+    } else {
+      dead = kill(s->pid[q], 0) != 0 && errno == ESRCH;
+    }
+    if (dead) {
+      snprintf(why, why_bytes, "process %d is gone", (int)s->pid[q]);
+      return q;
+    }
+  }
+  return -1;
+}
+
+static const char *shm_transport(const ddp__local_mem *m, int peer) {
+  const shm_mem *s = (const shm_mem *)m;
+  return s->pid[peer] == getpid() ? "threads" : "shm";
+}
+
+static void shm_destroy(ddp__local_mem *m) {
+  if (!m) return;
+  shm_mem *s = as_shm(m);
+  if (s->base.region) munmap(s->base.region, s->bytes);
+  if (s->pidfd)
+    for (int q = 0; q < s->size; q++)
+      if (s->pidfd[q] >= 0) close(s->pidfd[q]);
+  ddp_free(s->pidfd);
+  ddp_free(s->pid);
+  ddp_free(s);
+}
+
+static const ddp__local_mem_ops shm_ops = {
+    .name = "shm",
+    .read = shm_read,
+    .write = shm_write,
+    .view = shm_view,
+    .find_dead = shm_find_dead,
+    .transport = shm_transport,
+    .destroy = shm_destroy,
+};
+
+/* Waits (polling with short sleeps) until every rank's `field` is set. */
+static ddp_status wait_all_ranks(ddp__local_region *reg, int size, int64_t deadline,
+                                 bool (*ready)(ddp__local_region *, int), const char *what) {
+  for (;;) {
+    int missing = -1;
+    for (int q = 0; q < size && missing < 0; q++)
+      if (!ready(reg, q)) missing = q;
+    if (missing < 0) return DDP_OK;
+    if (ddp_time_ns() >= deadline)
+      return ddp_error(DDP_ERR_TIMEOUT, "local backend: rank %d did not %s in time", missing,
+                       what);
+    struct timespec ts = {0, 100 * 1000};
+    nanosleep(&ts, NULL);
+  }
+}
+
+static bool has_attached(ddp__local_region *reg, int q) {
+  return ddp__local_ctl_of(reg, q)->addr[0] != 0 && atomic_load(&reg->attached) >= reg->size;
+}
+
+static bool has_probed(ddp__local_region *reg, int q) {
+  return atomic_load(&ddp__local_ctl_of(reg, q)->cma_ok) != 0;
+}
+
+/* Maps the segment: rank 0 creates it and publishes its name. */
+static ddp_status map_segment(const ddp__backend_config *cfg, shm_mem *s, int64_t timeout_ms) {
+  int fd = -1;
+  if (cfg->rank == 0) {
+    uint64_t nonce = (uint64_t)ddp_time_ns() ^ ((uint64_t)getpid() << 20) ^ (uintptr_t)s;
+    snprintf(s->name, sizeof s->name, "/ddp-local-%d-%016" PRIx64, (int)getpid(), nonce);
+    fd = shm_open(s->name, O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0)
+      return ddp_error(DDP_ERR_SYS, "local backend: shm_open(\"%s\"): %s", s->name,
+                       strerror(errno));
+    if (ftruncate(fd, (off_t)s->bytes) != 0) {
+      int e = errno;
+      close(fd);
+      shm_unlink(s->name);
+      return ddp_error(DDP_ERR_SYS, "local backend: sizing \"%s\" to %zu bytes: %s", s->name,
+                       s->bytes, strerror(e));
+    }
+    void *p = mmap(NULL, s->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) {
+      int e = errno;
+      shm_unlink(s->name);
+      return ddp_error(DDP_ERR_SYS, "local backend: mapping \"%s\": %s", s->name, strerror(e));
+    }
+    s->base.region = p;
+    ddp__local_region_init(p, cfg->size, nonce);
+    ddp_status st = ddp_store_set(cfg->store, SEGMENT_KEY, s->name, strlen(s->name));
+    if (st != DDP_OK) {
+      shm_unlink(s->name);
+      return ddp_error_wrap(st, "local backend: publishing the shared-memory segment");
+    }
+    return DDP_OK;
+  }
+  void *value = NULL;
+  size_t value_bytes = 0;
+  ddp_status st = ddp_store_get(cfg->store, SEGMENT_KEY, timeout_ms, &value, &value_bytes);
+  if (st != DDP_OK)
+    return ddp_error_wrap(st, "local backend: rank %d waiting for rank 0's segment", cfg->rank);
+  if (value_bytes == 0 || value_bytes >= sizeof s->name) {
+    ddp_free(value);
+    return ddp_error(DDP_ERR_FORMAT, "local backend: malformed segment name");
+  }
+  memcpy(s->name, value, value_bytes + 1);
+  ddp_free(value);
+  fd = shm_open(s->name, O_RDWR, 0600);
+  if (fd < 0)
+    return ddp_error(DDP_ERR_SYS, "local backend: shm_open(\"%s\"): %s", s->name,
+                     strerror(errno));
+  struct stat sb;
+  if (fstat(fd, &sb) != 0 || (size_t)sb.st_size != s->bytes) {
+    close(fd);
+    return ddp_error(DDP_ERR_FORMAT, "local backend: segment \"%s\" has %lld bytes, expected %zu",
+                     s->name, (long long)sb.st_size, s->bytes);
+  }
+  void *p = mmap(NULL, s->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED)
+    return ddp_error(DDP_ERR_SYS, "local backend: mapping \"%s\": %s", s->name, strerror(errno));
+  s->base.region = p;
+  ddp__local_region *reg = p;
+  if (reg->magic != DDP__LOCAL_MAGIC || reg->version != DDP__LOCAL_VERSION ||
+      reg->size != (uint32_t)cfg->size)
+    return ddp_error(DDP_ERR_FORMAT, "local backend: segment \"%s\" is not a %d-rank region",
+                     s->name, cfg->size);
+  return DDP_OK;
+}
+
+ddp_status ddp__local_shm_create(const ddp__backend_config *cfg, ddp__local_mem **out) {
+  *out = NULL;
+  int64_t timeout_ms = cfg->timeout_ns > 0 ? cfg->timeout_ns / 1000000 : -1;
+  int64_t deadline = ddp_time_ns() + (cfg->timeout_ns > 0 ? cfg->timeout_ns : INT64_MAX / 2);
+  shm_mem *s = ddp_calloc(1, sizeof *s);
+  if (!s) return ddp_error(DDP_ERR_NOMEM, "local backend: out of memory");
+  s->base.ops = &shm_ops;
+  s->base.shared_futex = true;
+  s->base.needs_scratch = true;
+  s->rank = cfg->rank;
+  s->size = cfg->size;
+  s->bytes = ddp__local_region_bytes(cfg->size);
+  s->pid = ddp_calloc((size_t)cfg->size, sizeof *s->pid);
+  s->pidfd = ddp_calloc((size_t)cfg->size, sizeof *s->pidfd);
+  ddp_status st = DDP_OK;
+  if (!s->pid || !s->pidfd) {
+    st = ddp_error(DDP_ERR_NOMEM, "local backend: out of memory");
+    goto err;
+  }
+  for (int q = 0; q < cfg->size; q++) s->pidfd[q] = -1;
+
+  st = map_segment(cfg, s, timeout_ms);
+  if (st != DDP_OK) goto err;
+  ddp__local_region *reg = s->base.region;
+  ddp__local_ctl *me = ddp__local_ctl_of(reg, cfg->rank);
+  me->pid = (int32_t)getpid();
+  /* addr[0] until the first op: where this process mapped the region, so
+   * peers can check that cross-memory attach reaches it. */
+  me->addr[0] = (uint64_t)(uintptr_t)reg;
+  if (atomic_fetch_add(&reg->attached, 1) + 1 == (uint32_t)cfg->size) shm_unlink(s->name);
+  st = wait_all_ranks(reg, cfg->size, deadline, has_attached, "map the shared-memory segment");
+  if (st != DDP_OK) {
+    shm_unlink(s->name); /* whoever gives up removes it; ENOENT is fine */
+    goto err;
+  }
+
+  /* Peers' processes: a pidfd each (death shows as readable), and a probe
+   * read of their mapping's magic through cross-memory attach. */
+  bool cma_ok = true;
+  int cma_errno = 0, cma_peer = -1;
+  for (int q = 0; q < cfg->size; q++) {
+    ddp__local_ctl *c = ddp__local_ctl_of(reg, q);
+    s->pid[q] = c->pid;
+    if (q == cfg->rank || c->pid == getpid()) continue;
+#ifdef SYS_pidfd_open
+    s->pidfd[q] = (int)syscall(SYS_pidfd_open, (pid_t)c->pid, 0);
+#endif
+    uint64_t magic = 0;
+    struct iovec l = {&magic, sizeof magic};
+    struct iovec r = {(void *)(uintptr_t)c->addr[0], sizeof magic};
+    if (process_vm_readv(c->pid, &l, 1, &r, 1, 0) != (ssize_t)sizeof magic ||
+        magic != DDP__LOCAL_MAGIC) {
+      if (cma_ok) cma_errno = errno, cma_peer = q;
+      cma_ok = false;
+    }
+  }
+  atomic_store(&me->cma_ok, cma_ok ? 1u : 2u);
+  st = wait_all_ranks(reg, cfg->size, deadline, has_probed, "finish attaching");
+  if (st != DDP_OK) goto err;
+  for (int q = 0; q < cfg->size; q++)
+    if (atomic_load(&ddp__local_ctl_of(reg, q)->cma_ok) != 1) {
+      /* TODO: a staging fallback through the segment; until then the group
+       * layer can fall back to TCP on DDP_ERR_UNSUPPORTED. */
+      st = ddp_error(DDP_ERR_UNSUPPORTED,
+                     "local backend: cross-memory attach (process_vm_readv) between ranks is "
+                     "not permitted here (rank %d reading rank %d: %s); "
+                     "see /proc/sys/kernel/yama/ptrace_scope",
+                     cma_ok ? q : cfg->rank, cma_ok ? -1 : cma_peer,
+                     cma_ok ? "failed on that rank" : strerror(cma_errno));
+      goto err;
+    }
+  *out = &s->base;
+  return DDP_OK;
+err:
+  shm_destroy(&s->base);
+  return st;
+}

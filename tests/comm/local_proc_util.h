@@ -1,0 +1,130 @@
+/* Running local-backend ranks as real processes: a store server in a
+ * process of its own (so no rank is forked from a process with a server
+ * thread), and ranks forked from the test, each with an alarm, connecting
+ * to it and creating the backend with one process per rank. Every child is
+ * reaped; none outlives its test. */
+#ifndef DDP_TESTS_COMM_LOCAL_PROC_UTIL_H
+#define DDP_TESTS_COMM_LOCAL_PROC_UTIL_H
+
+#include <dirent.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "comm/backend.h"
+#include "ddp/store.h"
+
+typedef struct lp_server {
+  pid_t pid;
+  uint16_t port;
+} lp_server;
+
+static inline int lp_server_start(lp_server *s) {
+  int fds[2];
+  if (pipe(fds) != 0) return -1;
+  s->pid = fork();
+  if (s->pid < 0) return -1;
+  if (s->pid == 0) {
+    close(fds[0]);
+    alarm(600);
+    ddp_store_server *srv = NULL;
+    if (ddp_store_server_create("127.0.0.1", 0, NULL, &srv) != DDP_OK) _exit(1);
+    uint16_t port = ddp_store_server_port(srv);
+    if (write(fds[1], &port, sizeof port) != (ssize_t)sizeof port) _exit(1);
+    close(fds[1]);
+    ddp_store_server_run(srv);
+    _exit(0);
+  }
+  close(fds[1]);
+  ssize_t n = read(fds[0], &s->port, sizeof s->port);
+  close(fds[0]);
+  return n == (ssize_t)sizeof s->port ? 0 : -1;
+}
+
+static inline void lp_server_stop(lp_server *s) {
+  if (s->pid > 0) {
+    kill(s->pid, SIGKILL);
+    waitpid(s->pid, NULL, 0);
+    s->pid = 0;
+  }
+}
+
+/* In a child: connects to the server and creates rank `rank` of `size`
+ * under the store prefix `prefix`. Exits the child on failure. */
+static inline ddp__backend *lp_child_backend(const lp_server *s, const char *prefix, int rank,
+                                             int size, ddp_store **store_out) {
+  ddp_store_options o = {.timeout_ms = 30000};
+  ddp_store *base = NULL, *store = NULL;
+  if (ddp_store_tcp_connect("127.0.0.1", s->port, &o, &base) != DDP_OK ||
+      ddp_store_prefix(base, prefix, &store) != DDP_OK) {
+    fprintf(stderr, "rank %d: store: %s\n", rank, ddp_last_error());
+    _exit(10);
+  }
+  ddp_store_destroy(base);
+  int32_t host_of[64] = {0}, process_of[64];
+  for (int q = 0; q < size; q++) process_of[q] = q;
+  ddp__backend_config cfg = {.store = store, .rank = rank, .size = size, .host_of = host_of,
+                             .process_of = process_of, .host_names = NULL,
+                             .timeout_ns = 30 * 1000000000LL};
+  ddp__backend *b = NULL;
+  if (ddp__backend_local_create(&cfg, &b) != DDP_OK) {
+    fprintf(stderr, "rank %d of %d: create: %s\n", rank, size, ddp_last_error());
+    _exit(11);
+  }
+  *store_out = store;
+  return b;
+}
+
+/* Forks `size` ranks running body(rank, size, arg) -> exit code, each under
+ * an alarm of alarm_s. pids[] (size entries) receives the children. */
+static inline void lp_spawn(int size, int alarm_s, int (*body)(int, int, void *), void *arg,
+                            pid_t *pids) {
+  fflush(stdout);
+  fflush(stderr);
+  for (int r = 0; r < size; r++) {
+    pids[r] = fork();
+    if (pids[r] == 0) {
+      alarm((unsigned)alarm_s);
+      _exit(body(r, size, arg));
+    }
+  }
+}
+
+/* Reaps every child; returns how many did not exit with status 0 (printing
+ * each). */
+static inline int lp_reap(int size, const pid_t *pids) {
+  int bad = 0;
+  for (int r = 0; r < size; r++) {
+    int status = 0;
+    if (pids[r] <= 0 || waitpid(pids[r], &status, 0) != pids[r]) {
+      bad++;
+      continue;
+    }
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) continue;
+    bad++;
+    if (WIFSIGNALED(status))
+      fprintf(stderr, "rank %d: killed by signal %d\n", r, WTERMSIG(status));
+    else
+      fprintf(stderr, "rank %d: exit status %d\n", r, WEXITSTATUS(status));
+  }
+  return bad;
+}
+
+/* Segments in /dev/shm created by the local backend in process pid. */
+static inline int lp_count_segments(pid_t pid) {
+  char prefix[64];
+  snprintf(prefix, sizeof prefix, "ddp-local-%d-", (int)pid);
+  DIR *d = opendir("/dev/shm");
+  if (!d) return 0;
+  int n = 0;
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL)
+    if (strncmp(e->d_name, prefix, strlen(prefix)) == 0) n++;
+  closedir(d);
+  return n;
+}
+
+#endif /* DDP_TESTS_COMM_LOCAL_PROC_UTIL_H */

@@ -1,0 +1,155 @@
+/* local backend, "shm" provider: ranks as real processes (fork), meeting
+ * through a store server. Every op x dtype x world 1..8 x counts 0, 1, not
+ * divisible by the world and up to 1 MiB against closed-form values; a rank
+ * killed with SIGKILL in a loop of allreduces fails every other rank within
+ * 5 s with DDP_ERR_PEER naming it; nothing is left in /dev/shm. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <cmocka.h>
+
+#include "comm/local_proc_util.h"
+#include "comm/local_test_util.h"
+
+static lp_server server;
+
+static int setup(void **state) {
+  (void)state;
+  return lp_server_start(&server);
+}
+
+static int teardown(void **state) {
+  (void)state;
+  lp_server_stop(&server);
+  return 0;
+}
+
+static int matrix_rank(int rank, int size, void *arg) {
+  char prefix[32];
+  snprintf(prefix, sizeof prefix, "matrix%d/", size);
+  ddp_store *store = NULL;
+  ddp__backend *b = lp_child_backend(&server, prefix, rank, size, &store);
+  if (size > 1 && strcmp(b->ops->transport(b, (rank + 1) % size), "shm") != 0) {
+    fprintf(stderr, "rank %d: transport %s\n", rank, b->ops->transport(b, (rank + 1) % size));
+    return 3;
+  }
+  lt_matrix m = {.rank = rank, .size = size, .b = b};
+  atomic_init(&m.aborted, false);
+  size_t counts[3] = {0, 1, 7 * (size_t)size + 3};
+  m.counts = counts;
+  m.num_counts = 3;
+  lt_run_matrix(&m);
+  for (size_t d = 0; d < LT_NUM_DTYPES && !m.failures; d++) {
+    size_t count = (1u << 20) / ddp_dtype_size(lt_dtypes[d]) / (size_t)size + 3;
+    lt_run_case(&m, lt_dtypes[d], count, (int)d);
+  }
+  b->ops->destroy(b);
+  ddp_store_destroy(store);
+  if (m.failures) {
+    fprintf(stderr, "world %d: %d failures; first: %s\n", size, m.failures, m.err);
+    return 1;
+  }
+  return 0;
+}
+
+static void test_matrix(void **state) {
+  (void)state;
+  pid_t pids[8];
+  for (int size = 1; size <= 8; size++) {
+    lp_spawn(size, 60, matrix_rank, NULL, pids);
+    if (lp_reap(size, pids) != 0) fail_msg("world %d failed (see stderr)", size);
+    assert_int_equal(lp_count_segments(pids[0]), 0);
+  }
+}
+
+/* Kill test: ranks loop allreduces of `count` floats; the parent kills the
+ * last rank; the others must fail with DDP_ERR_PEER naming it. Exit codes:
+ * 0 right error, 2 wrong error, 3 no error. */
+static size_t kill_count;
+static int kill_rank(int rank, int size, void *arg) {
+  char prefix[32];
+  snprintf(prefix, sizeof prefix, "kill%zu/", kill_count);
+  ddp_store *store = NULL;
+  ddp__backend *b = lp_child_backend(&server, prefix, rank, size, &store);
+  float *buf = ddp_calloc(kill_count, sizeof *buf);
+  atomic_bool ab;
+  atomic_init(&ab, false);
+  char victim[32];
+  snprintf(victim, sizeof victim, "rank %d (local) died", size - 1);
+  int64_t stop = ddp_time_ns() + 20 * 1000000000LL;
+  for (uint64_t k = 1; ddp_time_ns() < stop; k++) {
+    ddp__op_ctx ctx = lt_ctx("allreduce", k, &ab, 60.0);
+    ddp_status st = b->ops->allreduce(b, &ctx, buf, kill_count, DDP_FLOAT32, DDP_REDUCE_SUM);
+    if (st == DDP_OK) continue;
+    int code = st == DDP_ERR_PEER && strstr(ddp_last_error(), victim) ? 0 : 2;
+    if (code) fprintf(stderr, "rank %d: %s: %s\n", rank, ddp_status_name(st), ddp_last_error());
+    /* Sticky: the next op fails too. */
+    ctx = lt_ctx("barrier", k + 1, &ab, 60.0);
+    if (b->ops->barrier(b, &ctx) == DDP_OK) code = 4;
+    b->ops->destroy(b);
+    ddp_store_destroy(store);
+    ddp_free(buf);
+    return code;
+  }
+  return 3;
+}
+
+static void run_kill(size_t count, int size) {
+  kill_count = count;
+  pid_t pids[8];
+  lp_spawn(size, 60, kill_rank, NULL, pids);
+  struct timespec ts = {0, 300 * 1000000L};
+  nanosleep(&ts, NULL);
+  kill(pids[size - 1], SIGKILL);
+  int64_t killed_at = ddp_time_ns();
+  int status = 0;
+  waitpid(pids[size - 1], &status, 0);
+  int bad = 0;
+  double slowest = 0;
+  for (int r = 0; r < size - 1; r++) {
+    while (waitpid(pids[r], &status, WNOHANG) == 0) {
+      if (ddp_time_ns() - killed_at > 10 * 1000000000LL) {
+        kill(pids[r], SIGKILL);
+        waitpid(pids[r], &status, 0);
+        fprintf(stderr, "rank %d still running 10 s after the kill\n", r);
+        bad++;
+        break;
+      }
+      struct timespec s = {0, 1000000L};
+      nanosleep(&s, NULL);
+    }
+    double t = (double)(ddp_time_ns() - killed_at) * 1e-9;
+    if (t > slowest) slowest = t;
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      fprintf(stderr, "rank %d: status %d\n", r, status);
+      bad++;
+    }
+  }
+  printf("kill (count %zu, %d ranks): every rank failed within %.3f s\n", count, size, slowest);
+  assert_int_equal(bad, 0);
+  assert_true(slowest < 5.0);
+  assert_int_equal(lp_count_segments(pids[0]), 0);
+}
+
+static void test_kill_small(void **state) {
+  (void)state;
+  run_kill(2, 4);
+}
+
+static void test_kill_large(void **state) {
+  (void)state;
+  run_kill(1 << 18, 4);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_matrix),
+      cmocka_unit_test(test_kill_small),
+      cmocka_unit_test(test_kill_large),
+  };
+  return cmocka_run_group_tests(tests, setup, teardown);
+}

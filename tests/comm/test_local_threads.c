@@ -1,0 +1,247 @@
+/* local backend, "threads" provider: ranks as threads of one process, each
+ * with its own backend over one in-process store. Every op x dtype x world
+ * 1..8 x counts 0, 1, a count not divisible by the world and up to 1 MiB
+ * against closed-form values (local_test_util.h); abort wakes a blocked op
+ * and its peer fails fast naming the aborted rank; a missing peer times out
+ * naming the rank waited for; many small allreduces in a row stay in step. */
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <cmocka.h>
+
+#include "comm/local_test_util.h"
+#include "ddp/store.h"
+
+typedef struct rank_thread {
+  pthread_t thread;
+  ddp_store *store;
+  int rank, size;
+  int32_t host_of[8], process_of[8];
+  ddp__backend *b;
+  ddp_status create_status;
+  char create_err[256];
+  lt_matrix m;
+  void (*body)(struct rank_thread *);
+} rank_thread;
+
+static ddp_status create_backend(ddp_store *store, int rank, int size, int32_t *host_of,
+                                 int32_t *process_of, ddp__backend **out) {
+  for (int q = 0; q < size; q++) host_of[q] = process_of[q] = 0;
+  ddp__backend_config cfg = {.store = store, .rank = rank, .size = size, .host_of = host_of,
+                             .process_of = process_of, .host_names = NULL,
+                             .timeout_ns = 30 * 1000000000LL};
+  return ddp__backend_local_create(&cfg, out);
+}
+
+static void *rank_main(void *arg) {
+  rank_thread *t = arg;
+  t->create_status = create_backend(t->store, t->rank, t->size, t->host_of, t->process_of, &t->b);
+  if (t->create_status != DDP_OK) {
+    snprintf(t->create_err, sizeof t->create_err, "%s", ddp_last_error());
+    return NULL;
+  }
+  t->body(t);
+  return NULL;
+}
+
+/* Runs body on `size` rank threads; returns once all have finished (bodies
+ * destroy nothing: backends are destroyed here). */
+static void run_ranks(int size, void (*body)(rank_thread *), rank_thread *t) {
+  ddp_store *store = NULL;
+  assert_int_equal(ddp_store_mem_create(NULL, &store), DDP_OK);
+  for (int r = 0; r < size; r++) {
+    memset(&t[r], 0, sizeof t[r]);
+    t[r].store = store;
+    t[r].rank = r;
+    t[r].size = size;
+    t[r].body = body;
+    assert_int_equal(pthread_create(&t[r].thread, NULL, rank_main, &t[r]), 0);
+  }
+  for (int r = 0; r < size; r++) pthread_join(t[r].thread, NULL);
+  for (int r = 0; r < size; r++) {
+    if (t[r].create_status != DDP_OK) fail_msg("rank %d: create: %s", r, t[r].create_err);
+    assert_string_equal(t[r].b->ops->transport(t[r].b, (r + 1) % size),
+                        size == 1 ? "self" : "threads");
+  }
+  for (int r = 0; r < size; r++) t[r].b->ops->destroy(t[r].b);
+  ddp_store_destroy(store);
+}
+
+static size_t g_counts[4];
+static size_t g_num_counts;
+
+static void matrix_body(rank_thread *t) {
+  t->m.counts = g_counts;
+  t->m.num_counts = g_num_counts;
+  t->m.rank = t->rank;
+  t->m.size = t->size;
+  t->m.b = t->b;
+  atomic_init(&t->m.aborted, false);
+  lt_run_matrix(&t->m);
+}
+
+static void test_matrix(void **state) {
+  (void)state;
+  rank_thread t[8];
+  for (int size = 1; size <= 8; size++) {
+    /* 0, 1, and a count not divisible by the world; the large counts
+     * (which depend on the dtype) are test_matrix_large's. */
+    g_counts[0] = 0;
+    g_counts[1] = 1;
+    g_counts[2] = 7 * (size_t)size + 3;
+    g_num_counts = 3;
+    run_ranks(size, matrix_body, t);
+    for (int r = 0; r < size; r++)
+      if (t[r].m.failures) fail_msg("world %d: %d failures; first: %s", size, t[r].m.failures, t[r].m.err);
+  }
+}
+
+/* The large pass: count = 1 MiB / element size / world + 3 per dtype. */
+static void large_body(rank_thread *t) {
+  t->m.rank = t->rank;
+  t->m.size = t->size;
+  t->m.b = t->b;
+  atomic_init(&t->m.aborted, false);
+  for (size_t d = 0; d < LT_NUM_DTYPES; d++) {
+    size_t count = (1u << 20) / ddp_dtype_size(lt_dtypes[d]) / (size_t)t->size + 3;
+    lt_run_case(&t->m, lt_dtypes[d], count, (int)d);
+  }
+}
+
+static void test_matrix_large(void **state) {
+  (void)state;
+  rank_thread t[8];
+  for (int size = 1; size <= 8; size++) {
+    run_ranks(size, large_body, t);
+    for (int r = 0; r < size; r++)
+      if (t[r].m.failures) fail_msg("world %d: %d failures; first: %s", size, t[r].m.failures, t[r].m.err);
+  }
+}
+
+/* 20,000 8-byte allreduces: the slots' double buffering keeps ranks in step. */
+static void many_body(rank_thread *t) {
+  atomic_bool ab;
+  atomic_init(&ab, false);
+  for (int k = 0; k < 20000; k++) {
+    double v[1] = {(double)(t->rank + k)};
+    ddp__op_ctx ctx = lt_ctx("allreduce", (uint64_t)k + 1, &ab, 30.0);
+    ddp_status st = t->b->ops->allreduce(t->b, &ctx, v, 1, DDP_FLOAT64, DDP_REDUCE_SUM);
+    double want = (double)t->size * k + (double)t->size * (t->size - 1) / 2.0;
+    if (st != DDP_OK || v[0] != want) {
+      t->m.failures++;
+      snprintf(t->m.err, sizeof t->m.err, "rank %d, allreduce %d: %s, got %g want %g", t->rank, k,
+               ddp_status_name(st), v[0], want);
+      return;
+    }
+  }
+}
+
+static void test_many_small(void **state) {
+  (void)state;
+  rank_thread t[8];
+  int sizes[] = {2, 3, 8};
+  for (int s = 0; s < 3; s++) {
+    run_ranks(sizes[s], many_body, t);
+    for (int r = 0; r < sizes[s]; r++)
+      if (t[r].m.failures) fail_msg("%s", t[r].m.err);
+  }
+}
+
+/* Rank 0 blocks in an allreduce that rank 1 never joins; another thread
+ * aborts rank 0's backend after 200 ms. */
+static rank_thread *abort_target;
+static void *aborter(void *arg) {
+  (void)arg;
+  struct timespec ts = {0, 200 * 1000000L};
+  nanosleep(&ts, NULL);
+  abort_target->b->ops->abort(abort_target->b);
+  return NULL;
+}
+
+static _Atomic int abort_phase;
+static void abort_body(rank_thread *t) {
+  atomic_bool ab;
+  atomic_init(&ab, false);
+  float v[4096] = {0};
+  if (t->rank == 0) {
+    pthread_t th;
+    abort_target = t;
+    pthread_create(&th, NULL, aborter, NULL);
+    int64_t t0 = ddp_time_ns();
+    ddp__op_ctx ctx = lt_ctx("allreduce", 1, &ab, 60.0);
+    ddp_status st = t->b->ops->allreduce(t->b, &ctx, v, 4096, DDP_FLOAT32, DDP_REDUCE_SUM);
+    double waited = (double)(ddp_time_ns() - t0) * 1e-9;
+    pthread_join(th, NULL);
+    if (st != DDP_ERR_ABORTED || waited > 1.0 || !strstr(ddp_last_error(), "allreduce #1")) {
+      t->m.failures++;
+      snprintf(t->m.err, sizeof t->m.err, "rank 0: %s after %.3f s: %s", ddp_status_name(st),
+               waited, ddp_last_error());
+    }
+    atomic_store(&abort_phase, 1);
+  } else {
+    while (atomic_load(&abort_phase) == 0) {
+      struct timespec ts = {0, 1000000L};
+      nanosleep(&ts, NULL);
+    }
+    /* Rank 0 had posted its part of allreduce #1 before it blocked, so
+     * that one may complete here; the next op fails fast, naming rank 0. */
+    ddp__op_ctx ctx = lt_ctx("allreduce", 1, &ab, 60.0);
+    t->b->ops->allreduce(t->b, &ctx, v, 4096, DDP_FLOAT32, DDP_REDUCE_SUM);
+    int64_t t0 = ddp_time_ns();
+    ctx = lt_ctx("barrier", 2, &ab, 60.0);
+    ddp_status st = t->b->ops->barrier(t->b, &ctx);
+    double waited = (double)(ddp_time_ns() - t0) * 1e-9;
+    if (st != DDP_ERR_PEER || waited > 1.0 || !strstr(ddp_last_error(), "barrier #2: rank 0 (local) aborted")) {
+      t->m.failures++;
+      snprintf(t->m.err, sizeof t->m.err, "rank 1: %s after %.3f s: %s", ddp_status_name(st),
+               waited, ddp_last_error());
+    }
+  }
+}
+
+static void test_abort_wakes(void **state) {
+  (void)state;
+  rank_thread t[2];
+  atomic_store(&abort_phase, 0);
+  run_ranks(2, abort_body, t);
+  for (int r = 0; r < 2; r++)
+    if (t[r].m.failures) fail_msg("%s", t[r].m.err);
+}
+
+/* Rank 1 of 3 never calls: rank 0's barrier times out naming a rank. */
+static void timeout_body(rank_thread *t) {
+  if (t->rank != 0) return;
+  atomic_bool ab;
+  atomic_init(&ab, false);
+  ddp__op_ctx ctx = lt_ctx("barrier", 7, &ab, 0.2);
+  int64_t t0 = ddp_time_ns();
+  ddp_status st = t->b->ops->barrier(t->b, &ctx);
+  double waited = (double)(ddp_time_ns() - t0) * 1e-9;
+  if (st != DDP_ERR_TIMEOUT || waited < 0.19 || waited > 1.0 ||
+      !strstr(ddp_last_error(), "barrier #7: timed out waiting for rank")) {
+    t->m.failures++;
+    snprintf(t->m.err, sizeof t->m.err, "%s after %.3f s: %s", ddp_status_name(st), waited,
+             ddp_last_error());
+  }
+}
+
+static void test_timeout(void **state) {
+  (void)state;
+  rank_thread t[3];
+  run_ranks(3, timeout_body, t);
+  if (t[0].m.failures) fail_msg("%s", t[0].m.err);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_matrix),    cmocka_unit_test(test_matrix_large),
+      cmocka_unit_test(test_many_small), cmocka_unit_test(test_abort_wakes),
+      cmocka_unit_test(test_timeout),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
