@@ -19,8 +19,7 @@ const char *ddp__op_kind_name(ddp__op_kind kind) {
 static ddp_status dispatch(ddp_process_group *pg, const ddp__op_args *a, const ddp__op_ctx *ctx) {
   ddp__backend *b = pg->backend;
   const ddp__backend_ops *ops = b->ops;
-  /* Backends never see AVG: they sum, and the result is divided here. */
-  ddp_reduce_op rop = a->reduce_op == DDP_REDUCE_AVG ? DDP_REDUCE_SUM : a->reduce_op;
+  ddp_reduce_op rop = a->reduce_op;
   size_t elem = ddp_dtype_size(a->dtype);
   switch (a->kind) {
   case DDP__OP_ALLREDUCE: return ops->allreduce(b, ctx, a->buf, a->count, a->dtype, rop);
@@ -53,10 +52,6 @@ ddp_status ddp__op_execute(ddp_process_group *pg, const ddp__op_args *args) {
   if (pg->debug_detail && pg->size > 1 && ddp__op_is_collective(args->kind))
     st = ddp__debug_check(pg, args, &ctx);
   if (st == DDP_OK) st = dispatch(pg, args, &ctx);
-  if (st == DDP_OK && args->reduce_op == DDP_REDUCE_AVG) {
-    bool holds_result = args->kind != DDP__OP_REDUCE || args->root == pg->rank;
-    if (holds_result) ddp__reduce_scale(args->buf, args->count, args->dtype, pg->size);
-  }
   if (st != DDP_OK) {
     ddp__group_fail(pg, st, ddp_last_error());
     return ddp__group_check(pg);
