@@ -1,0 +1,170 @@
+/* Internals of the tcp backend shared by its files: the backend object, the
+ * pairs (one socket per peer), the frame format and the transfer engine that
+ * moves several framed messages at once (tcp_pairs.c), and the collective
+ * algorithms built on it (tcp_algorithms.c). Not installed. */
+#ifndef DDP__COMM_TCP_H
+#define DDP__COMM_TCP_H
+
+#include <poll.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "comm/backend.h"
+#include "net/net.h"
+
+/* Every message on a pair is a frame: a 16-byte header, then `bytes` bytes.
+ * Collectives send COLL frames (matched by order, since every rank runs the
+ * same collectives in the same order); send/recv send P2P frames (matched in
+ * order per tag; others wait in the pair's unexpected queue). BYE (bytes =
+ * the pair's session id) is the last frame a rank sends: on destroy, so a
+ * peer can tell a clean exit from a crash when the connection closes, or at
+ * once when an op fails, with tag = 1 + the rank it blames (0: none), so the
+ * ranks still waiting learn which rank died even when their own connection
+ * to it has not closed yet (its FIN may sit behind unread data). */
+#define DDP__TCP_MAGIC 0x44505400u /* "\0TPD": low byte is the kind */
+enum { DDP__TCP_COLL = 1, DDP__TCP_P2P = 2, DDP__TCP_BYE = 3 };
+
+typedef struct ddp__tcp_header {
+  uint32_t magic_kind; /* DDP__TCP_MAGIC | kind */
+  uint32_t tag;        /* P2P: the user's tag */
+  uint64_t bytes;      /* payload bytes (BYE: the session id) */
+} ddp__tcp_header;
+
+/* A P2P message that arrived before its recv was posted. */
+typedef struct ddp__tcp_msg {
+  struct ddp__tcp_msg *next;
+  uint32_t tag;
+  size_t bytes;
+  unsigned char *data; /* ddp_alloc'd (NULL when bytes == 0) */
+} ddp__tcp_msg;
+
+typedef struct ddp__tcp_pair {
+  int fd;                          /* -1 for self */
+  int rank;                        /* the peer */
+  char addr[DDP_NET_ADDR_BYTES];   /* "10.99.0.2:41234", its published address */
+  const char *host;                /* cfg->host_names[rank] or NULL */
+  uint64_t session;                /* agreed in the handshake; BYE carries it */
+  /* Receive side: a header being read, then a payload owned by an op or by
+   * the unexpected queue. */
+  unsigned char hdr_buf[sizeof(ddp__tcp_header)];
+  size_t hdr_got;
+  bool have_hdr;                   /* hdr is complete, its payload not yet taken */
+  ddp__tcp_header hdr;
+  ddp__tcp_msg *draining;          /* unexpected P2P payload being read */
+  size_t drain_got;
+  ddp__tcp_msg *unexp_head, *unexp_tail;
+  bool peer_left;                  /* its stream ended with BYE: a clean exit */
+  bool bye_seen;                   /* closed after BYE, frames before it still unread */
+  int left_cause;                  /* the BYE's cause: the rank it blamed, or -1 */
+  bool send_open;                  /* a frame is partly sent (nothing may cut in) */
+  bool bye_sent;
+} ddp__tcp_pair;
+
+/* One framed transfer posted to the engine. Transfers towards one peer in one
+ * direction run in the order posted. */
+typedef struct ddp__tcp_xfer {
+  int peer;
+  bool is_send;
+  uint32_t kind, tag;
+  /* send: the payload; recv: its destination (COPY) or the reduction's
+   * destination (REDUCE, where received bytes go through the scratch piece
+   * buffer and are reduced into dst as they arrive). */
+  const void *src;
+  void *dst;
+  size_t bytes;
+  bool reduce;
+  ddp_dtype dtype;
+  ddp_reduce_op op;
+  int after;      /* index of a transfer (same run) that must finish first, or -1 */
+  /* progress */
+  size_t done;
+  size_t reduced;
+  unsigned char tail[8]; /* REDUCE: bytes of a partly received element */
+  bool started; /* send: header out; recv: header matched */
+  unsigned char hdr[sizeof(ddp__tcp_header)];
+  size_t hdr_sent;
+  bool finished;
+} ddp__tcp_xfer;
+
+typedef struct ddp__tcp_backend {
+  ddp__backend base;
+  int rank, size;
+  ddp__tcp_pair *pairs;    /* size entries; pairs[rank] is self */
+  int wake_fd;             /* eventfd: abort writes it */
+  atomic_bool aborted;
+  struct pollfd *pfds;     /* size + 1, reused by every wait */
+  int *pfd_owner;          /* pair of each pollfd (-1: the wake fd); size + 1
+                            * entries, then the engine's act_send[size] and
+                            * act_recv[size] */
+  unsigned char *piece;    /* scratch for reduce-on-arrival, piece_bytes */
+  size_t piece_bytes;
+  unsigned char *scratch;  /* whole-message scratch, grown on demand */
+  size_t scratch_bytes;
+  ddp__tcp_xfer *xfers;    /* room for xfer_cap transfers, grown on demand */
+  int xfer_cap;
+  /* Sticky failure: once a pair failed, every later op fails the same way. */
+  ddp_status failed;
+  bool failed_left;        /* the failure is a peer that left cleanly (a weaker blame) */
+  int failed_peer;         /* the rank the failure blames, or -1 */
+  char failed_msg[512];
+  char local_addr[DDP_NET_ADDR_BYTES];
+} ddp__tcp_backend;
+
+/* Size of the pieces in which received data is reduced (and the segment of
+ * pipelined chains). */
+#define DDP__TCP_PIECE_BYTES (256u * 1024u)
+
+/* ---- tcp_pairs.c ---------------------------------------------------------- */
+
+/* Listens, publishes this rank's address in cfg->store, connects the full
+ * mesh (lower rank connects to higher; handshake checks the ranks, the group
+ * size and the listener's nonce), until cfg->timeout_ns. */
+ddp_status ddp__tcp_connect_mesh(ddp__tcp_backend *b, const ddp__backend_config *cfg);
+/* Sends BYE on every pair (best effort), drains and closes the sockets. */
+void ddp__tcp_close_pairs(ddp__tcp_backend *b);
+
+/* Runs the n transfers to completion, overlapping them all; fails on the
+ * deadline, abort, or any peer closing (whether or not it is one of the
+ * transfers' peers). */
+ddp_status ddp__tcp_run(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_xfer *x, int n);
+
+/* Fills a transfer (x is zeroed first). */
+void ddp__tcp_post_send(ddp__tcp_xfer *x, int peer, const void *src, size_t bytes);
+void ddp__tcp_post_recv(ddp__tcp_xfer *x, int peer, void *dst, size_t bytes);
+void ddp__tcp_post_recv_reduce(ddp__tcp_xfer *x, int peer, void *dst, size_t bytes,
+                               ddp_dtype dtype, ddp_reduce_op op);
+
+/* Point to point (tcp.c's send/recv use these). */
+ddp_status ddp__tcp_send_p2p(ddp__tcp_backend *b, const ddp__op_ctx *ctx, const void *buf,
+                             size_t bytes, int dst);
+ddp_status ddp__tcp_recv_p2p(ddp__tcp_backend *b, const ddp__op_ctx *ctx, void *buf,
+                             size_t bytes, int src);
+
+/* A scratch buffer of at least `bytes` (grown once, kept). NULL + error. */
+void *ddp__tcp_scratch(ddp__tcp_backend *b, size_t bytes);
+/* The backend's transfer array with room for n (grown once, kept). */
+ddp__tcp_xfer *ddp__tcp_xfers(ddp__tcp_backend *b, int n);
+
+/* ---- tcp_algorithms.c ----------------------------------------------------- */
+
+ddp_status ddp__tcp_allreduce(ddp__backend *be, const ddp__op_ctx *ctx, void *buf, size_t count,
+                              ddp_dtype dtype, ddp_reduce_op op);
+ddp_status ddp__tcp_broadcast(ddp__backend *be, const ddp__op_ctx *ctx, void *buf, size_t count,
+                              ddp_dtype dtype, int root);
+ddp_status ddp__tcp_reduce(ddp__backend *be, const ddp__op_ctx *ctx, void *buf, size_t count,
+                           ddp_dtype dtype, ddp_reduce_op op, int root);
+ddp_status ddp__tcp_allgather(ddp__backend *be, const ddp__op_ctx *ctx, const void *send,
+                              void *recv, size_t count, ddp_dtype dtype);
+ddp_status ddp__tcp_gather(ddp__backend *be, const ddp__op_ctx *ctx, const void *send,
+                           void *recv, size_t count, ddp_dtype dtype, int root);
+ddp_status ddp__tcp_scatter(ddp__backend *be, const ddp__op_ctx *ctx, const void *send,
+                            void *recv, size_t count, ddp_dtype dtype, int root);
+ddp_status ddp__tcp_reduce_scatter(ddp__backend *be, const ddp__op_ctx *ctx, const void *send,
+                                   void *recv, size_t count, ddp_dtype dtype, ddp_reduce_op op);
+ddp_status ddp__tcp_all_to_all(ddp__backend *be, const ddp__op_ctx *ctx, const void *send,
+                               void *recv, size_t count, ddp_dtype dtype);
+ddp_status ddp__tcp_barrier(ddp__backend *be, const ddp__op_ctx *ctx);
+
+#endif /* DDP__COMM_TCP_H */
