@@ -140,8 +140,7 @@ static inline uint32_t ddp__load_u32(const uint8_t *p) {
   return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
-/* Encodes the request frame of the single-key / key-list ops (the client's
- * half). */
+/* Appends a HELLO request frame (magic, version, token; NULL = none). */
 void ddp__store_encode_hello(ddp__buf *b, const char *token);
 
 /* Encodes an error reply: code + message. */
