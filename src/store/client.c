@@ -194,12 +194,6 @@ static uint64_t jitter_next(void) {
   return ddp_rng_next(&rng);
 }
 
-static void sleep_ms(int64_t ms) {
-  struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
-  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
-  }
-}
-
 /* Connects and shakes hands, retrying until deadline_ns. */
 static ddp_status connect_retry(tcp_store *t, int64_t deadline_ns) {
   int64_t start = ddp_time_ns();
@@ -228,7 +222,7 @@ static ddp_status connect_retry(tcp_store *t, int64_t deadline_ns) {
     if (sleep > left_ms) sleep = left_ms;
     if (attempts == 1 || attempts % 20 == 0)
       DDP_DEBUG("store %s: not reachable yet (%s); retrying", t->base.address, last);
-    sleep_ms(sleep);
+    ddp__store_sleep_ms(sleep);
     backoff = backoff * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : backoff * 2;
   }
   char ms[32];

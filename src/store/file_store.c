@@ -46,12 +46,6 @@ typedef struct file_store {
 
 static file_store *as_file(ddp_store *s) { return (file_store *)s; }
 
-static void sleep_ms(int64_t ms) {
-  struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
-  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
-  }
-}
-
 /* Takes the whole-file lock (an open-file-description lock, so that two
  * handles in one process exclude each other too), polling until deadline. */
 static ddp_status lock_file(file_store *f, int64_t deadline_ns) {
@@ -63,7 +57,7 @@ static ddp_status lock_file(file_store *f, int64_t deadline_ns) {
       return ddp_error(DDP_ERR_IO, "cannot lock %s: %s", f->path, strerror(errno));
     if (ddp_time_ns() >= deadline_ns)
       return ddp_error(DDP_ERR_TIMEOUT, "timed out waiting for the lock on %s", f->path);
-    sleep_ms(nap);
+    ddp__store_sleep_ms(nap);
     nap = nap * 2 > POLL_MAX_MS ? POLL_MAX_MS : nap * 2;
   }
 }
@@ -231,19 +225,12 @@ static ddp_status await_keys(file_store *f, const char *const *keys, size_t n, i
     if (miss == n) return DDP_OK;
     end(f, DDP_OK);
     int64_t left_ms = (deadline - ddp_time_ns()) / 1000000LL;
-    if (left_ms <= 0) {
-      char t[32], list[256];
-      ddp__store_format_ms(timeout_ms, t, sizeof t);
-      if (n == 1) return ddp_error(DDP_ERR_TIMEOUT, "timed out after %s", t);
-      ddp__store_format_keys(keys + miss, 1, list, sizeof list);
-      return ddp_error(DDP_ERR_TIMEOUT, "timed out after %s (missing %s and maybe others)", t,
-                       list);
-    }
+    if (left_ms <= 0) return ddp__store_keys_timeout(timeout_ms, keys, n, miss);
     /* Sleep, but wake early if the file grows. */
     int64_t slept = 0, step = nap < left_ms ? nap : left_ms;
     struct stat sb;
     while (slept < step) {
-      sleep_ms(1);
+      ddp__store_sleep_ms(1);
       slept++;
       if (fstat(f->fd, &sb) == 0 && (uint64_t)sb.st_size != f->offset) break;
     }
@@ -360,22 +347,7 @@ static ddp_status file_num_keys(ddp_store *s, const char *prefix, int64_t *count
 static ddp_status file_list_keys(ddp_store *s, const char *prefix, char ***keys, size_t *count) {
   file_store *f = as_file(s);
   DDP_TRY(begin(f));
-  size_t plen = strlen(prefix);
-  size_t n = ddp__kv_count_prefix(&f->table, prefix, plen), i = 0, b = 0;
-  char **out = ddp_calloc(n ? n : 1, sizeof *out);
-  if (!out) return end(f, ddp_error(DDP_ERR_NOMEM, "out of memory"));
-  for (ddp__kv_entry *e = ddp__kv_next(&f->table, &b, NULL); e; e = ddp__kv_next(&f->table, &b, e)) {
-    if (!e->has_value || e->key_len < plen || memcmp(e->key, prefix, plen)) continue;
-    out[i] = ddp_strdup(e->key);
-    if (!out[i]) {
-      ddp__store_free_key_array(out, i);
-      return end(f, ddp_error(DDP_ERR_NOMEM, "out of memory"));
-    }
-    i++;
-  }
-  *keys = out;
-  *count = i;
-  return end(f, DDP_OK);
+  return end(f, ddp__kv_list_prefix(&f->table, prefix, strlen(prefix), keys, count));
 }
 
 static ddp_status file_append(ddp_store *s, const char *key, const void *v, size_t n) {

@@ -45,16 +45,8 @@ static size_t first_missing(const mem_store *m, const char *const *keys, size_t 
 static ddp_status await_keys(mem_store *m, const char *const *keys, size_t n, int64_t timeout_ms) {
   int64_t deadline = ddp_time_ns() + timeout_ms * 1000000LL;
   size_t miss;
-  while ((miss = first_missing(m, keys, n)) < n) {
-    if (!wait_until(m, deadline)) {
-      char t[32];
-      ddp__store_format_ms(timeout_ms, t, sizeof t);
-      if (n == 1) return ddp_error(DDP_ERR_TIMEOUT, "timed out after %s", t);
-      char list[256];
-      ddp__store_format_keys(keys + miss, 1, list, sizeof list);
-      return ddp_error(DDP_ERR_TIMEOUT, "timed out after %s (missing %s and maybe others)", t, list);
-    }
-  }
+  while ((miss = first_missing(m, keys, n)) < n)
+    if (!wait_until(m, deadline)) return ddp__store_keys_timeout(timeout_ms, keys, n, miss);
   return DDP_OK;
 }
 
@@ -148,26 +140,10 @@ static ddp_status mem_num_keys(ddp_store *s, const char *prefix, int64_t *count)
 
 static ddp_status mem_list_keys(ddp_store *s, const char *prefix, char ***keys, size_t *count) {
   mem_store *m = as_mem(s);
-  size_t plen = strlen(prefix);
   pthread_mutex_lock(&m->mu);
-  size_t n = ddp__kv_count_prefix(&m->table, prefix, plen), i = 0, b = 0;
-  char **out = ddp_calloc(n ? n : 1, sizeof *out);
-  ddp_status st = out ? DDP_OK : ddp_error(DDP_ERR_NOMEM, "out of memory for %zu keys", n);
-  for (ddp__kv_entry *e = ddp__kv_next(&m->table, &b, NULL); e && st == DDP_OK;
-       e = ddp__kv_next(&m->table, &b, e)) {
-    if (!e->has_value || e->key_len < plen || memcmp(e->key, prefix, plen)) continue;
-    out[i] = ddp_strdup(e->key);
-    if (!out[i]) st = ddp_error(DDP_ERR_NOMEM, "out of memory");
-    else i++;
-  }
+  ddp_status st = ddp__kv_list_prefix(&m->table, prefix, strlen(prefix), keys, count);
   pthread_mutex_unlock(&m->mu);
-  if (st != DDP_OK) {
-    ddp__store_free_key_array(out, i);
-    return st;
-  }
-  *keys = out;
-  *count = i;
-  return DDP_OK;
+  return st;
 }
 
 static ddp_status mem_append(ddp_store *s, const char *key, const void *value, size_t bytes) {

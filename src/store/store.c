@@ -1,8 +1,10 @@
 /* The public store API: argument checks, timeout defaults, and errors that
  * name the store and the call, in front of each implementation's ops. */
+#include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 #include "store/store_impl.h"
 
@@ -92,6 +94,21 @@ void ddp__store_format_keys(const char *const *keys, size_t num_keys, char *buf,
     at += (size_t)snprintf(buf + at, buf_bytes - at, ", ... (%zu keys)", num_keys);
   if (at < buf_bytes - 1) buf[at++] = ']';
   buf[at < buf_bytes ? at : buf_bytes - 1] = '\0';
+}
+
+ddp_status ddp__store_keys_timeout(int64_t timeout_ms, const char *const *keys, size_t n,
+                                   size_t miss) {
+  char t[32], list[256];
+  ddp__store_format_ms(timeout_ms, t, sizeof t);
+  if (n == 1) return ddp_error(DDP_ERR_TIMEOUT, "timed out after %s", t);
+  ddp__store_format_keys(keys + miss, 1, list, sizeof list);
+  return ddp_error(DDP_ERR_TIMEOUT, "timed out after %s (missing %s and maybe others)", t, list);
+}
+
+void ddp__store_sleep_ms(int64_t ms) {
+  struct timespec ts = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000L};
+  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+  }
 }
 
 void ddp__store_free_key_array(char **keys, size_t count) {

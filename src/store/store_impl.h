@@ -70,6 +70,15 @@ void ddp__store_format_ms(int64_t ms, char *buf, size_t buf_bytes);
 void ddp__store_format_keys(const char *const *keys, size_t num_keys, char *buf,
                             size_t buf_bytes);
 
+/* The DDP_ERR_TIMEOUT of a local blocking call (mem, file): "timed out
+ * after 200 ms", plus "(missing "k" and maybe others)" when it waited for
+ * several keys; keys[miss] is one still missing. */
+ddp_status ddp__store_keys_timeout(int64_t timeout_ms, const char *const *keys, size_t n,
+                                   size_t miss);
+
+/* Sleeps ms milliseconds (EINTR resumes the sleep). */
+void ddp__store_sleep_ms(int64_t ms);
+
 /* Frees a keys array of which the first `count` entries are filled. */
 void ddp__store_free_key_array(char **keys, size_t count);
 

@@ -261,6 +261,26 @@ size_t ddp__kv_count_prefix(const ddp__kv_table *t, const char *prefix, size_t p
   return n;
 }
 
+ddp_status ddp__kv_list_prefix(const ddp__kv_table *t, const char *prefix, size_t prefix_len,
+                               char ***keys, size_t *count) {
+  size_t n = ddp__kv_count_prefix(t, prefix, prefix_len), i = 0, b = 0;
+  char **out = ddp_calloc(n ? n : 1, sizeof *out);
+  if (!out) return ddp_error(DDP_ERR_NOMEM, "out of memory for %zu keys", n);
+  for (ddp__kv_entry *e = ddp__kv_next(t, &b, NULL); e; e = ddp__kv_next(t, &b, e)) {
+    if (!e->has_value || e->key_len < prefix_len || memcmp(e->key, prefix, prefix_len)) continue;
+    out[i] = ddp_strdup(e->key);
+    if (!out[i]) {
+      for (size_t j = 0; j < i; j++) ddp_free(out[j]);
+      ddp_free(out);
+      return ddp_error(DDP_ERR_NOMEM, "out of memory");
+    }
+    i++;
+  }
+  *keys = out;
+  *count = i;
+  return DDP_OK;
+}
+
 ddp__kv_entry *ddp__kv_next(const ddp__kv_table *t, size_t *bucket, ddp__kv_entry *prev) {
   if (prev && prev->next) return prev->next;
   size_t b = prev ? *bucket + 1 : *bucket;

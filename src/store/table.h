@@ -69,6 +69,10 @@ void ddp__kv_delete(ddp__kv_table *t, const char *key, size_t key_len, int *dele
 
 /* Keys that exist and start with prefix (prefix_len 0: all). */
 size_t ddp__kv_count_prefix(const ddp__kv_table *t, const char *prefix, size_t prefix_len);
+/* The keys that exist and start with prefix, as ddp_alloc'd strings in a
+ * ddp_alloc'd array (free with ddp__store_free_key_array). */
+ddp_status ddp__kv_list_prefix(const ddp__kv_table *t, const char *prefix, size_t prefix_len,
+                               char ***keys, size_t *count);
 /* Iteration over all entries (placeholders included): start with *bucket = 0
  * and prev = NULL; returns NULL at the end. The table must not change. */
 ddp__kv_entry *ddp__kv_next(const ddp__kv_table *t, size_t *bucket, ddp__kv_entry *prev);
