@@ -1,0 +1,203 @@
+/* The correctness matrix through the public API: every operation x dtype x
+ * world of 1..8 ranks (threads of this process) x counts 0, 1, one not
+ * divisible by the world size, and 1 MiB of data, against closed forms.
+ * The backend comes from $DDP_TEST_TRANSPORT (unset: local; "tcp": TCP over
+ * loopback), so each backend runs the same matrix; SKIP when the backend is
+ * not built.
+ *
+ * Rank r contributes (r + 1) * (i % 7 + 1) to element i of a reduction
+ * (PRODUCT: 2 where i % 3 == r % 3, else 1), and r * 8 + (i % 5) to data
+ * that is moved; every expected value is a small integer or half-integer,
+ * exact in every dtype including bfloat16, whatever the order of the
+ * reduction. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include "comm/comm_test_util.h"
+
+#define MIB (1u << 20)
+
+static double contrib(int r, size_t i, ddp_reduce_op op) {
+  if (op == DDP_REDUCE_PRODUCT) return (i % 3) == (size_t)(r % 3) ? 2.0 : 1.0;
+  return (double)(r + 1) * (double)(i % 7 + 1);
+}
+
+static double expected(ddp_reduce_op op, int P, size_t i) {
+  double k = (double)(i % 7 + 1);
+  switch (op) {
+  case DDP_REDUCE_SUM: return (double)P * (P + 1) / 2.0 * k;
+  case DDP_REDUCE_AVG: return (double)(P + 1) / 2.0 * k;
+  case DDP_REDUCE_MIN: return k;
+  case DDP_REDUCE_MAX: return (double)P * k;
+  case DDP_REDUCE_PRODUCT: {
+    int ranks = 0;
+    for (int r = 0; r < P; r++) ranks += (i % 3) == (size_t)(r % 3);
+    return ldexp(1.0, ranks);
+  }
+  default: return NAN;
+  }
+}
+
+static double code(int r, size_t i) { return (double)(r * 8 + (int)(i % 5)); }
+static double code2(int from, int to, size_t i) { return (double)(from * 8 + to + (int)(i % 5)); }
+
+#define JUNK (-3.0)
+
+typedef struct rank_bufs {
+  char *a, *b; /* MIB + slack each */
+} rank_bufs;
+
+/* The counts for a dtype: total elements of the in-place ops, and of one
+ * rank's block for the blocked ops. */
+static void counts_for(ddp_dtype dt, int P, size_t *plain, size_t *block) {
+  size_t es = ddp_dtype_size(dt);
+  plain[0] = 0, plain[1] = 1, plain[2] = 13 * (size_t)P + 1, plain[3] = MIB / es;
+  block[0] = 0, block[1] = 1, block[2] = 13 * (size_t)P + 1, block[3] = MIB / es / (size_t)P;
+}
+
+#define FOR_I(n) for (size_t i = 0; i < (n); i++)
+
+static void run_dtype(ct_rank *self, ddp_dtype dt, char *a, char *b) {
+  ddp_process_group *pg = self->pg;
+  int P = ddp_process_group_size(pg), r = self->rank;
+  const char *dn = ddp_dtype_name(dt);
+  size_t plain[4], block[4];
+  counts_for(dt, P, plain, block);
+  for (int c = 0; c < 4; c++) {
+    size_t n = plain[c], m = block[c];
+    /* allreduce, every op */
+    for (int op = 0; op < DDP_REDUCE_OP_COUNT; op++) {
+      if (op == DDP_REDUCE_AVG && !ct_is_float(dt)) continue;
+      FOR_I(n) ct_set(a, dt, i, contrib(r, i, (ddp_reduce_op)op));
+      CT_OK(self, ddp_allreduce(pg, a, n, dt, (ddp_reduce_op)op));
+      FOR_I(n) CT_CHECK(self, ct_get(a, dt, i) == expected((ddp_reduce_op)op, P, i),
+                        "allreduce %s %s n=%zu [%zu] = %g, want %g", dn,
+                        ddp_reduce_op_name((ddp_reduce_op)op), n, i, ct_get(a, dt, i),
+                        expected((ddp_reduce_op)op, P, i));
+    }
+    /* reduce to a middle root: SUM and MAX (AVG for floats); others unchanged */
+    int root = P / 2;
+    ddp_reduce_op rops[3] = {DDP_REDUCE_SUM, DDP_REDUCE_MAX, ct_is_float(dt) ? DDP_REDUCE_AVG : DDP_REDUCE_MIN};
+    for (int k = 0; k < 3; k++) {
+      FOR_I(n) ct_set(a, dt, i, contrib(r, i, rops[k]));
+      CT_OK(self, ddp_reduce(pg, a, n, dt, rops[k], root));
+      FOR_I(n) {
+        double want = r == root ? expected(rops[k], P, i) : contrib(r, i, rops[k]);
+        CT_CHECK(self, ct_get(a, dt, i) == want, "reduce %s %s root %d n=%zu [%zu] = %g, want %g",
+                 dn, ddp_reduce_op_name(rops[k]), root, n, i, ct_get(a, dt, i), want);
+      }
+    }
+    /* broadcast from the last rank */
+    FOR_I(n) ct_set(a, dt, i, r == P - 1 ? code(r, i) : JUNK);
+    CT_OK(self, ddp_broadcast(pg, a, n, dt, P - 1));
+    FOR_I(n) CT_CHECK(self, ct_get(a, dt, i) == code(P - 1, i), "broadcast %s n=%zu [%zu] = %g", dn,
+                      n, i, ct_get(a, dt, i));
+    /* allgather */
+    FOR_I(m) ct_set(a, dt, i, code(r, i));
+    FOR_I(m * (size_t)P) ct_set(b, dt, i, JUNK);
+    CT_OK(self, ddp_allgather(pg, a, b, m, dt));
+    for (int q = 0; q < P; q++)
+      FOR_I(m) CT_CHECK(self, ct_get(b, dt, (size_t)q * m + i) == code(q, i),
+                        "allgather %s m=%zu block %d [%zu] = %g", dn, m, q, i,
+                        ct_get(b, dt, (size_t)q * m + i));
+    /* gather to rank (P-1)/2 */
+    int groot = (P - 1) / 2;
+    FOR_I(m * (size_t)P) ct_set(b, dt, i, JUNK);
+    CT_OK(self, ddp_gather(pg, a, r == groot ? b : NULL, m, dt, groot));
+    if (r == groot)
+      for (int q = 0; q < P; q++)
+        FOR_I(m) CT_CHECK(self, ct_get(b, dt, (size_t)q * m + i) == code(q, i),
+                          "gather %s m=%zu block %d [%zu] = %g", dn, m, q, i,
+                          ct_get(b, dt, (size_t)q * m + i));
+    /* scatter from rank P/2: block q of the root's send is code2(root, q) */
+    int sroot = P / 2;
+    if (r == sroot)
+      for (int q = 0; q < P; q++) FOR_I(m) ct_set(b, dt, (size_t)q * m + i, code2(sroot, q, i));
+    FOR_I(m) ct_set(a, dt, i, JUNK);
+    CT_OK(self, ddp_scatter(pg, r == sroot ? b : NULL, a, m, dt, sroot));
+    FOR_I(m) CT_CHECK(self, ct_get(a, dt, i) == code2(sroot, r, i), "scatter %s m=%zu [%zu] = %g", dn,
+                      m, i, ct_get(a, dt, i));
+    /* reduce_scatter: SUM and MAX over the whole send; block r lands here */
+    ddp_reduce_op sops[2] = {DDP_REDUCE_SUM, DDP_REDUCE_MAX};
+    for (int k = 0; k < 2; k++) {
+      FOR_I(m * (size_t)P) ct_set(b, dt, i, contrib(r, i, sops[k]));
+      FOR_I(m) ct_set(a, dt, i, JUNK);
+      CT_OK(self, ddp_reduce_scatter(pg, b, a, m, dt, sops[k]));
+      FOR_I(m) CT_CHECK(self, ct_get(a, dt, i) == expected(sops[k], P, (size_t)r * m + i),
+                        "reduce_scatter %s %s m=%zu [%zu] = %g, want %g", dn,
+                        ddp_reduce_op_name(sops[k]), m, i, ct_get(a, dt, i),
+                        expected(sops[k], P, (size_t)r * m + i));
+    }
+    /* all_to_all: block q of rank r's send goes to block r of rank q's recv */
+    for (int q = 0; q < P; q++) FOR_I(m) ct_set(b, dt, (size_t)q * m + i, code2(r, q, i));
+    FOR_I(m * (size_t)P) ct_set(a, dt, i, JUNK);
+    CT_OK(self, ddp_all_to_all(pg, b, a, m, dt));
+    for (int q = 0; q < P; q++)
+      FOR_I(m) CT_CHECK(self, ct_get(a, dt, (size_t)q * m + i) == code2(q, r, i),
+                        "all_to_all %s m=%zu block %d [%zu] = %g", dn, m, q, i,
+                        ct_get(a, dt, (size_t)q * m + i));
+    /* point to point around the ring (P > 1): even ranks send first, odd
+     * ranks receive first (operations run one at a time, and a large send
+     * may wait for its receiver) */
+    if (P > 1) {
+      int next = (r + 1) % P, prev = (r + P - 1) % P;
+      FOR_I(n) ct_set(a, dt, i, code(r, i));
+      FOR_I(n) ct_set(b, dt, i, JUNK);
+      if (r % 2 == 0) {
+        CT_OK(self, ddp_send(pg, a, n, dt, next, c));
+        CT_OK(self, ddp_recv(pg, b, n, dt, prev, c));
+      } else {
+        CT_OK(self, ddp_recv(pg, b, n, dt, prev, c));
+        CT_OK(self, ddp_send(pg, a, n, dt, next, c));
+      }
+      FOR_I(n) CT_CHECK(self, ct_get(b, dt, i) == code(prev, i), "recv %s n=%zu [%zu] = %g", dn, n,
+                        i, ct_get(b, dt, i));
+    }
+  }
+  CT_OK(self, ddp_barrier(pg));
+}
+
+static void body_matrix(ct_rank *self) {
+  char *a = malloc(MIB + 4096), *b = malloc(MIB + 4096);
+  for (size_t d = 0; d < CT_NUM_DTYPES; d++) {
+    run_dtype(self, ct_dtypes[d], a, b);
+    if (atomic_load(&self->world->failures)) break;
+  }
+  free(a);
+  free(b);
+}
+
+static void run_world(int P) {
+  int r = ct_run(P, 60, body_matrix, NULL);
+  if (r == 2) {
+    print_message("SKIP: the backend for a world of %d is not built\n", P);
+    skip();
+  }
+  assert_int_equal(r, 0);
+}
+
+#define WORLD_TEST(P) \
+  static void test_world_##P(void **state) { run_world(P); }
+WORLD_TEST(1)
+WORLD_TEST(2)
+WORLD_TEST(3)
+WORLD_TEST(4)
+WORLD_TEST(5)
+WORLD_TEST(6)
+WORLD_TEST(7)
+WORLD_TEST(8)
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_world_1), cmocka_unit_test(test_world_2), cmocka_unit_test(test_world_3),
+      cmocka_unit_test(test_world_4), cmocka_unit_test(test_world_5), cmocka_unit_test(test_world_6),
+      cmocka_unit_test(test_world_7), cmocka_unit_test(test_world_8),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
