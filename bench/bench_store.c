@@ -383,9 +383,10 @@ int main(int argc, char **argv) {
     double t[99];
     for (int r = 0; r < runs; r++) t[r] = rendezvous_once(clients, r);
     qsort(t, (size_t)runs, sizeof t[0], cmp_double);
-    printf("rendezvous: %d clients (connect + add + set + wait for all %d keys), %s: "
-           "median %.3f s (min %.3f, max %.3f, %d runs)\n",
-           clients, clients, where, t[runs / 2], t[0], t[runs - 1], runs);
+    printf(
+        "rendezvous: %d clients (connect + add + set + wait for all %d keys), %s: "
+        "median %.3f s (min %.3f, max %.3f, %d runs)\n",
+        clients, clients, where, t[runs / 2], t[0], t[runs - 1], runs);
   }
   if (!strcmp(mode, "all") || !strcmp(mode, "throughput")) {
     /* Interleave store and echo runs so both see the same machine load. */
@@ -396,13 +397,14 @@ int main(int argc, char **argv) {
     }
     qsort(t, (size_t)runs, sizeof t[0], cmp_double);
     qsort(e, (size_t)runs, sizeof e[0], cmp_double);
-    printf("throughput: %d clients, synchronous set+get of 16-byte values for %.1f s, %s: "
-           "median %.0f ops/s (min %.0f, max %.0f, %d runs; slowest set+get %.1f ms)\n",
-           tp_clients, seconds, where, t[runs / 2], t[0], t[runs - 1], runs,
-           slowest_pair_s * 1e3);
-    printf("ceiling: %d clients, bare TCP echo round trips (32 bytes) on loopback: "
-           "median %.0f round trips/s (min %.0f, max %.0f); store/ceiling = %.2f\n",
-           tp_clients, e[runs / 2], e[0], e[runs - 1], t[runs / 2] / e[runs / 2]);
+    printf(
+        "throughput: %d clients, synchronous set+get of 16-byte values for %.1f s, %s: "
+        "median %.0f ops/s (min %.0f, max %.0f, %d runs; slowest set+get %.1f ms)\n",
+        tp_clients, seconds, where, t[runs / 2], t[0], t[runs - 1], runs, slowest_pair_s * 1e3);
+    printf(
+        "ceiling: %d clients, bare TCP echo round trips (32 bytes) on loopback: "
+        "median %.0f round trips/s (min %.0f, max %.0f); store/ceiling = %.2f\n",
+        tp_clients, e[runs / 2], e[0], e[runs - 1], t[runs / 2] / e[runs / 2]);
   }
   fflush(stdout);
   ddp_store_server_stop(server);

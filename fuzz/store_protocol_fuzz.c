@@ -17,8 +17,8 @@
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
-#define CHECK(cond) \
-  do {              \
+#define CHECK(cond)       \
+  do {                    \
     if (!(cond)) abort(); \
   } while (0)
 
@@ -44,7 +44,9 @@ static void apply(ddp__kv_table *t, const ddp__store_request *r) {
   int deleted;
   switch (r->op) {
     case DDP__OP_SET: ddp__kv_set(t, key, r->key.len, r->value.data, r->value.len, NULL); break;
-    case DDP__OP_APPEND: ddp__kv_append(t, key, r->key.len, r->value.data, r->value.len, NULL); break;
+    case DDP__OP_APPEND:
+      ddp__kv_append(t, key, r->key.len, r->value.data, r->value.len, NULL);
+      break;
     case DDP__OP_ADD: ddp__kv_add(t, key, r->key.len, r->integer, &sum, NULL); break;
     case DDP__OP_COMPARE_SET:
       if (ddp__kv_compare_set(t, key, r->key.len, r->value.data, r->value.len, r->desired.data,
@@ -58,9 +60,7 @@ static void apply(ddp__kv_table *t, const ddp__store_request *r) {
                     r->values[i].len, NULL);
       break;
     case DDP__OP_NUM_KEYS:
-    case DDP__OP_LIST_KEYS:
-      CHECK(ddp__kv_count_prefix(t, key, r->key.len) <= t->num_values);
-      break;
+    case DDP__OP_LIST_KEYS: CHECK(ddp__kv_count_prefix(t, key, r->key.len) <= t->num_values); break;
     default: break;
   }
 }
@@ -98,7 +98,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     CHECK(used - DDP__STORE_FRAME_HEADER <= lim.max_message_bytes);
     const uint8_t *frame = data + off;
     switch (req.op) {
-      case DDP__OP_SET: case DDP__OP_APPEND: case DDP__OP_GET: case DDP__OP_ADD:
+      case DDP__OP_SET:
+      case DDP__OP_APPEND:
+      case DDP__OP_GET:
+      case DDP__OP_ADD:
       case DDP__OP_DELETE:
         check_key(&req.key, &lim, frame, used);
         check_value(&req.value, &lim, frame, used);
@@ -108,7 +111,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         check_value(&req.value, &lim, frame, used);
         check_value(&req.desired, &lim, frame, used);
         break;
-      case DDP__OP_WAIT: case DDP__OP_CHECK: case DDP__OP_MULTI_GET: case DDP__OP_MULTI_SET:
+      case DDP__OP_WAIT:
+      case DDP__OP_CHECK:
+      case DDP__OP_MULTI_GET:
+      case DDP__OP_MULTI_SET:
         CHECK(req.num_keys <= lim.max_keys_per_call);
         for (uint32_t i = 0; i < req.num_keys; i++) {
           check_key(&req.keys[i], &lim, frame, used);
@@ -116,7 +122,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         }
         break;
       case DDP__OP_HELLO: CHECK(req.key.len <= DDP_STORE_MAX_TOKEN_BYTES); break;
-      case DDP__OP_NUM_KEYS: case DDP__OP_LIST_KEYS: CHECK(req.key.len <= lim.max_key_bytes); break;
+      case DDP__OP_NUM_KEYS:
+      case DDP__OP_LIST_KEYS: CHECK(req.key.len <= lim.max_key_bytes); break;
       case DDP__OP_PING: break;
       default: CHECK(0 && "parser accepted an unknown opcode");
     }

@@ -177,7 +177,7 @@ int main(int argc, char **argv) {
   struct {
     const char *name;
     int min_args, max_args;
-  } cmds[] = {{"set", 2, 2}, {"get", 1, 1}, {"add", 2, 2},
+  } cmds[] = {{"set", 2, 2},   {"get", 1, 1},    {"add", 2, 2},
               {"wait", 1, 64}, {"delete", 1, 1}, {"keys", 0, 0}};
   int known = -1;
   for (int i = 0; i < (int)(sizeof cmds / sizeof cmds[0]); i++)

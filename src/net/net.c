@@ -35,10 +35,8 @@ char *ddp__net_format_addr(const struct sockaddr *addr, socklen_t addr_len, char
 }
 
 char *ddp__net_format_host_port(const char *host, uint16_t port, char *buf, size_t buf_bytes) {
-  if (strchr(host, ':'))
-    snprintf(buf, buf_bytes, "[%s]:%u", host, port);
-  else
-    snprintf(buf, buf_bytes, "%s:%u", host, port);
+  if (strchr(host, ':')) snprintf(buf, buf_bytes, "[%s]:%u", host, port);
+  else snprintf(buf, buf_bytes, "%s:%u", host, port);
   return buf;
 }
 
@@ -242,7 +240,8 @@ ddp_status ddp__net_write_full(int fd, const void *buf, size_t len, int64_t dead
     }
     int err = n < 0 ? errno : EPIPE;
     if (err == EPIPE || err == ECONNRESET || err == ENOTCONN)
-      return ddp_error(DDP_ERR_CLOSED, "connection closed by the peer (%s) after %zu of %zu bytes written",
+      return ddp_error(DDP_ERR_CLOSED,
+                       "connection closed by the peer (%s) after %zu of %zu bytes written",
                        strerror(err), done, len);
     return ddp_error(DDP_ERR_IO, "send: %s", strerror(err));
   }

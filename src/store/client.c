@@ -30,19 +30,19 @@ typedef struct tcp_store {
   pthread_mutex_t mu;
   char *host;
   uint16_t port;
-  char *token;                /* NULL: none */
+  char *token; /* NULL: none */
   int64_t connect_timeout_ms;
-  int fd;                     /* -1: not connected */
+  int fd; /* -1: not connected */
   /* The server's limits, from its hello reply. */
   uint32_t max_key_bytes;
   uint32_t max_keys_per_call;
   uint64_t max_value_bytes;
   uint64_t max_message_bytes;
-  ddp__buf out;               /* the request being sent */
-  ddp__buf in;                /* the reply frame */
-  const uint8_t *body;        /* into `in`: the reply body */
+  ddp__buf out;        /* the request being sent */
+  ddp__buf in;         /* the reply frame */
+  const uint8_t *body; /* into `in`: the reply body */
   size_t body_len;
-  int64_t recv_timeout_ms;    /* SO_RCVTIMEO now set; -1 none */
+  int64_t recv_timeout_ms; /* SO_RCVTIMEO now set; -1 none */
 } tcp_store;
 
 static tcp_store *as_tcp(ddp_store *s) { return (tcp_store *)s; }
@@ -86,7 +86,8 @@ static ddp_status read_reply(tcp_store *t, int64_t deadline_ns, int64_t budget_m
     if (t->in.len >= DDP__STORE_FRAME_HEADER) {
       uint32_t body = ddp__load_u32(t->in.data);
       if (body == 0 || body > t->max_message_bytes + 1024)
-        return ddp_error(DDP_ERR_FORMAT, "malformed reply from the store (frame of %u bytes)", body);
+        return ddp_error(DDP_ERR_FORMAT, "malformed reply from the store (frame of %u bytes)",
+                         body);
       want = DDP__STORE_FRAME_HEADER + (size_t)body;
     }
     if (t->in.len >= want) break;
@@ -119,9 +120,9 @@ static ddp_status exchange(tcp_store *t, int64_t deadline_ns, int64_t budget_ms,
     disconnect(t);
     if (st == DDP_ERR_TIMEOUT) {
       char ms[32];
-      ddp__store_format_ms(blocking_timeout_ms >= 0 ? blocking_timeout_ms
-                                                    : ddp_store_timeout_ms(&t->base),
-                           ms, sizeof ms);
+      ddp__store_format_ms(
+          blocking_timeout_ms >= 0 ? blocking_timeout_ms : ddp_store_timeout_ms(&t->base), ms,
+          sizeof ms);
       return ddp_error(st, "timed out after %s (no reply from the store)", ms);
     }
     if (st == DDP_ERR_CLOSED) {
@@ -241,7 +242,8 @@ static ddp_status run(tcp_store *t, int64_t blocking_timeout_ms) {
     return ddp_error(DDP_ERR_NOMEM, "out of memory encoding the request");
   }
   if (t->out.len - DDP__STORE_FRAME_HEADER > t->max_message_bytes)
-    return ddp_error(DDP_ERR_RANGE, "request of %zu bytes exceeds the store's message limit of %" PRIu64,
+    return ddp_error(DDP_ERR_RANGE,
+                     "request of %zu bytes exceeds the store's message limit of %" PRIu64,
                      t->out.len, t->max_message_bytes);
   int64_t start = ddp_time_ns();
   /* Every call's reply may take its timeout plus the grace; a call with the
@@ -322,12 +324,12 @@ static ddp_status take_value(tcp_store *t, ddp__reader *r, const char *op, void 
   return DDP_OK;
 }
 
-#define LOCKED(t, expr)                 \
-  do {                                  \
-    pthread_mutex_lock(&(t)->mu);       \
-    ddp_status locked_st_ = (expr);     \
-    pthread_mutex_unlock(&(t)->mu);     \
-    return locked_st_;                  \
+#define LOCKED(t, expr)             \
+  do {                              \
+    pthread_mutex_lock(&(t)->mu);   \
+    ddp_status locked_st_ = (expr); \
+    pthread_mutex_unlock(&(t)->mu); \
+    return locked_st_;              \
   } while (0)
 
 static ddp_status do_set(tcp_store *t, uint8_t op, const char *key, const void *v, size_t n) {
@@ -502,13 +504,13 @@ static ddp_status do_multi_get(tcp_store *t, const char *const *keys, size_t n, 
   return DDP_OK;
 }
 
-static ddp_status tcp_multi_get(ddp_store *s, const char *const *keys, size_t n,
-                                int64_t timeout_ms, ddp_store_value *values) {
+static ddp_status tcp_multi_get(ddp_store *s, const char *const *keys, size_t n, int64_t timeout_ms,
+                                ddp_store_value *values) {
   LOCKED(as_tcp(s), do_multi_get(as_tcp(s), keys, n, timeout_ms, values));
 }
 
-static ddp_status do_multi_set(tcp_store *t, const char *const *keys,
-                               const ddp_store_value *values, size_t n) {
+static ddp_status do_multi_set(tcp_store *t, const char *const *keys, const ddp_store_value *values,
+                               size_t n) {
   DDP_TRY(keys_ok(t, keys, n));
   for (size_t i = 0; i < n; i++) DDP_TRY(limits_ok(t, keys[i], values[i].bytes));
   begin(t, DDP__OP_MULTI_SET);

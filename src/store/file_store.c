@@ -35,13 +35,13 @@
 
 typedef struct file_store {
   ddp_store base;
-  pthread_mutex_t mu;  /* one operation at a time on this handle */
+  pthread_mutex_t mu; /* one operation at a time on this handle */
   char *path;
   int fd;
   ddp__kv_table table; /* the log's state up to `offset` */
   uint64_t offset;
-  ddp__buf rec;        /* records being written */
-  ddp__buf scratch;    /* bytes being read */
+  ddp__buf rec;     /* records being written */
+  ddp__buf scratch; /* bytes being read */
 } file_store;
 
 static file_store *as_file(ddp_store *s) { return (file_store *)s; }
@@ -111,7 +111,8 @@ static ddp_status apply_records(file_store *f, const uint8_t *buf, size_t len, s
   while (r.p < r.end) {
     uint8_t type = *r.p++;
     ddp__slice key = {NULL, 0}, value = {NULL, 0};
-    int ok = type == REC_SET || type == REC_DELETE ? field(&r, DDP_STORE_MAX_KEY_BYTES * 2, &key) : -1;
+    int ok =
+        type == REC_SET || type == REC_DELETE ? field(&r, DDP_STORE_MAX_KEY_BYTES * 2, &key) : -1;
     if (ok == 1 && key.len == 0) ok = -1;
     if (ok == 1 && type == REC_SET) ok = field(&r, DDP_STORE_MAX_VALUE_BYTES, &value);
     if (ok == 0) return DDP_OK;
@@ -154,8 +155,10 @@ static ddp_status refresh(file_store *f) {
   DDP_TRY(apply_records(f, f->scratch.data, len, &used));
   f->offset += used;
   if (used < len) {
-    ddp_log(DDP_LOG_WARN, "file store %s: cutting off a partial record at offset %" PRIu64
-            " (a writer died mid-write)", f->path, f->offset);
+    ddp_log(DDP_LOG_WARN,
+            "file store %s: cutting off a partial record at offset %" PRIu64
+            " (a writer died mid-write)",
+            f->path, f->offset);
     if (ftruncate(f->fd, (off_t)f->offset) != 0)
       return ddp_error(DDP_ERR_IO, "truncate %s: %s", f->path, strerror(errno));
   }
@@ -270,7 +273,8 @@ static ddp_status file_add(ddp_store *s, const char *key, int64_t delta, int64_t
     }
   }
   if (__builtin_add_overflow(cur, delta, &sum))
-    return end(f, ddp_error(DDP_ERR_RANGE, "%" PRId64 " + %" PRId64 " overflows int64", cur, delta));
+    return end(f,
+               ddp_error(DDP_ERR_RANGE, "%" PRId64 " + %" PRId64 " overflows int64", cur, delta));
   char text[24];
   int len = snprintf(text, sizeof text, "%" PRId64, sum);
   rec_set(f, key, strlen(key), text, (size_t)len);
@@ -383,7 +387,8 @@ static ddp_status file_multi_set(ddp_store *s, const char *const *keys,
                                  const ddp_store_value *values, size_t n) {
   file_store *f = as_file(s);
   DDP_TRY(begin(f));
-  for (size_t i = 0; i < n; i++) rec_set(f, keys[i], strlen(keys[i]), values[i].data, values[i].bytes);
+  for (size_t i = 0; i < n; i++)
+    rec_set(f, keys[i], strlen(keys[i]), values[i].data, values[i].bytes);
   return end(f, commit(f)); /* one write under the lock: all or nothing for readers */
 }
 
@@ -430,8 +435,7 @@ static ddp_status init_file(file_store *f) {
     DDP_TRY(pwrite_full(f, FILE_MAGIC, FILE_MAGIC_BYTES, 0));
   } else {
     char magic[FILE_MAGIC_BYTES] = {0};
-    if (sb.st_size < FILE_MAGIC_BYTES ||
-        pread_full(f, magic, FILE_MAGIC_BYTES, 0) != DDP_OK ||
+    if (sb.st_size < FILE_MAGIC_BYTES || pread_full(f, magic, FILE_MAGIC_BYTES, 0) != DDP_OK ||
         memcmp(magic, FILE_MAGIC, FILE_MAGIC_BYTES) != 0)
       return ddp_error(DDP_ERR_FORMAT,
                        "%s is not a ddp file store (it does not start with \"DDPFSv1\"); "

@@ -87,8 +87,8 @@ static ddp_status mem_add(ddp_store *s, const char *key, int64_t delta, int64_t 
 }
 
 static ddp_status mem_compare_set(ddp_store *s, const char *key, const void *expected,
-                                  size_t expected_bytes, const void *desired,
-                                  size_t desired_bytes, void **current, size_t *current_bytes) {
+                                  size_t expected_bytes, const void *desired, size_t desired_bytes,
+                                  void **current, size_t *current_bytes) {
   mem_store *m = as_mem(s);
   pthread_mutex_lock(&m->mu);
   const uint8_t *r;
@@ -154,8 +154,8 @@ static ddp_status mem_append(ddp_store *s, const char *key, const void *value, s
   return st;
 }
 
-static ddp_status mem_multi_get(ddp_store *s, const char *const *keys, size_t n,
-                                int64_t timeout_ms, ddp_store_value *values) {
+static ddp_status mem_multi_get(ddp_store *s, const char *const *keys, size_t n, int64_t timeout_ms,
+                                ddp_store_value *values) {
   mem_store *m = as_mem(s);
   pthread_mutex_lock(&m->mu);
   ddp_status st = await_keys(m, keys, n, timeout_ms);

@@ -27,13 +27,20 @@ void ddp__store_limits_resolve(const ddp_store_limits *in, ddp_store_limits *out
 
 const char *ddp__store_op_name(unsigned op) {
   static const char *names[DDP__OP_MAX_] = {
-      [DDP__OP_HELLO] = "hello",         [DDP__OP_SET] = "set",
-      [DDP__OP_GET] = "get",             [DDP__OP_ADD] = "add",
-      [DDP__OP_COMPARE_SET] = "compare_set", [DDP__OP_WAIT] = "wait",
-      [DDP__OP_CHECK] = "check",         [DDP__OP_DELETE] = "delete",
-      [DDP__OP_NUM_KEYS] = "num_keys",   [DDP__OP_LIST_KEYS] = "list_keys",
-      [DDP__OP_APPEND] = "append",       [DDP__OP_MULTI_GET] = "multi_get",
-      [DDP__OP_MULTI_SET] = "multi_set", [DDP__OP_PING] = "ping",
+      [DDP__OP_HELLO] = "hello",
+      [DDP__OP_SET] = "set",
+      [DDP__OP_GET] = "get",
+      [DDP__OP_ADD] = "add",
+      [DDP__OP_COMPARE_SET] = "compare_set",
+      [DDP__OP_WAIT] = "wait",
+      [DDP__OP_CHECK] = "check",
+      [DDP__OP_DELETE] = "delete",
+      [DDP__OP_NUM_KEYS] = "num_keys",
+      [DDP__OP_LIST_KEYS] = "list_keys",
+      [DDP__OP_APPEND] = "append",
+      [DDP__OP_MULTI_GET] = "multi_get",
+      [DDP__OP_MULTI_SET] = "multi_set",
+      [DDP__OP_PING] = "ping",
   };
   if (op < DDP__OP_MAX_ && names[op]) return names[op];
   return "unknown op";
@@ -279,9 +286,9 @@ void ddp__store_request_free(ddp__store_request *req) {
 }
 
 ddp__parse_result ddp__store_parse_request(const uint8_t *buf, size_t len,
-                                           const ddp_store_limits *limits,
-                                           ddp__store_request *req, size_t *consumed,
-                                           uint8_t *wire_status, char *err, size_t err_bytes) {
+                                           const ddp_store_limits *limits, ddp__store_request *req,
+                                           size_t *consumed, uint8_t *wire_status, char *err,
+                                           size_t err_bytes) {
   memset(req, 0, sizeof *req);
   *consumed = 0;
   parse_ctx c = {.limits = limits, .err = err, .err_bytes = err_bytes};
@@ -333,25 +340,15 @@ ddp__parse_result ddp__store_parse_request(const uint8_t *buf, size_t len,
       req->timeout_ms = p_i64(&c, "timeout");
       p_key_list(&c, req, 0);
       break;
-    case DDP__OP_CHECK:
-      p_key_list(&c, req, 0);
-      break;
-    case DDP__OP_DELETE:
-      req->key = p_key(&c);
-      break;
+    case DDP__OP_CHECK: p_key_list(&c, req, 0); break;
+    case DDP__OP_DELETE: req->key = p_key(&c); break;
     case DDP__OP_NUM_KEYS:
     case DDP__OP_LIST_KEYS:
       req->key = p_bytes(&c, limits->max_key_bytes, DDP__WIRE_TOO_LARGE, "prefix");
       break;
-    case DDP__OP_MULTI_SET:
-      p_key_list(&c, req, 1);
-      break;
-    case DDP__OP_PING:
-      req->integer = p_i64(&c, "nonce");
-      break;
-    default:
-      fail(&c, DDP__WIRE_MALFORMED, "unknown opcode %u", req->op);
-      break;
+    case DDP__OP_MULTI_SET: p_key_list(&c, req, 1); break;
+    case DDP__OP_PING: req->integer = p_i64(&c, "nonce"); break;
+    default: fail(&c, DDP__WIRE_MALFORMED, "unknown opcode %u", req->op); break;
   }
   if (!c.failed && c.r.p != c.r.end)
     fail(&c, DDP__WIRE_MALFORMED, "%s message has %zu trailing bytes", ddp__store_op_name(req->op),

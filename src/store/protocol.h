@@ -12,7 +12,7 @@
 
 #define DDP__STORE_MAGIC 0x53504444u /* "DDPS" as little-endian bytes */
 #define DDP__STORE_VERSION 1u
-#define DDP__STORE_FRAME_HEADER 4u   /* u32 body length */
+#define DDP__STORE_FRAME_HEADER 4u /* u32 body length */
 
 /* Request opcodes: the first byte of a request body. */
 typedef enum ddp__store_op {
@@ -59,16 +59,16 @@ typedef struct ddp__slice {
  * ddp__store_request_free). */
 typedef struct ddp__store_request {
   uint8_t op;
-  int64_t timeout_ms;   /* GET, WAIT, MULTI_GET */
-  int64_t integer;      /* ADD: delta; PING: nonce */
-  uint32_t magic;       /* HELLO */
-  uint32_t version;     /* HELLO */
-  ddp__slice key;       /* single-key ops; NUM_KEYS/LIST_KEYS: prefix; HELLO: token */
-  ddp__slice value;     /* SET, APPEND: value; COMPARE_SET: expected */
-  ddp__slice desired;   /* COMPARE_SET */
-  uint32_t num_keys;    /* WAIT, CHECK, MULTI_GET, MULTI_SET */
+  int64_t timeout_ms; /* GET, WAIT, MULTI_GET */
+  int64_t integer;    /* ADD: delta; PING: nonce */
+  uint32_t magic;     /* HELLO */
+  uint32_t version;   /* HELLO */
+  ddp__slice key;     /* single-key ops; NUM_KEYS/LIST_KEYS: prefix; HELLO: token */
+  ddp__slice value;   /* SET, APPEND: value; COMPARE_SET: expected */
+  ddp__slice desired; /* COMPARE_SET */
+  uint32_t num_keys;  /* WAIT, CHECK, MULTI_GET, MULTI_SET */
   ddp__slice *keys;
-  ddp__slice *values;   /* MULTI_SET */
+  ddp__slice *values; /* MULTI_SET */
 } ddp__store_request;
 
 /* Limits with zeros replaced by the defaults (and clamped to what the frame
@@ -88,9 +88,9 @@ typedef enum ddp__parse_result {
  * On DONE the caller frees *req with ddp__store_request_free. On ERROR
  * nothing needs freeing. limits must be resolved. */
 ddp__parse_result ddp__store_parse_request(const uint8_t *buf, size_t len,
-                                           const ddp_store_limits *limits,
-                                           ddp__store_request *req, size_t *consumed,
-                                           uint8_t *wire_status, char *err, size_t err_bytes);
+                                           const ddp_store_limits *limits, ddp__store_request *req,
+                                           size_t *consumed, uint8_t *wire_status, char *err,
+                                           size_t err_bytes);
 void ddp__store_request_free(ddp__store_request *req);
 
 /* Names for messages: "get", "multi_set", ... ("op 77" for unknown). */

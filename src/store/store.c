@@ -26,7 +26,7 @@ ddp_status ddp__store_init(ddp_store *s, const ddp__store_ops *ops,
   s->ops = ops;
   s->refs = 1;
   s->timeout_ms = options && options->timeout_ms > 0 ? ddp__store_clamp_ms(options->timeout_ms)
-                                                      : ddp_store_default_timeout_ms();
+                                                     : ddp_store_default_timeout_ms();
   s->address = ddp_strdup(address);
   if (!s->address) return ddp_error(DDP_ERR_NOMEM, "out of memory");
   return DDP_OK;
@@ -43,12 +43,9 @@ const char *ddp__store_token(const char *option_token) {
 }
 
 void ddp__store_format_ms(int64_t ms, char *buf, size_t buf_bytes) {
-  if (ms < 1000)
-    snprintf(buf, buf_bytes, "%" PRId64 " ms", ms);
-  else if (ms % 1000 == 0)
-    snprintf(buf, buf_bytes, "%" PRId64 " s", ms / 1000);
-  else
-    snprintf(buf, buf_bytes, "%.3g s", (double)ms / 1000.0);
+  if (ms < 1000) snprintf(buf, buf_bytes, "%" PRId64 " ms", ms);
+  else if (ms % 1000 == 0) snprintf(buf, buf_bytes, "%" PRId64 " s", ms / 1000);
+  else snprintf(buf, buf_bytes, "%.3g s", (double)ms / 1000.0);
 }
 
 /* Appends "key" in quotes, escaping what would garble a log line. */
@@ -76,8 +73,7 @@ static size_t quote(char *buf, size_t at, size_t cap, const char *key) {
   return at < cap ? at : cap - 1;
 }
 
-void ddp__store_format_keys(const char *const *keys, size_t num_keys, char *buf,
-                            size_t buf_bytes) {
+void ddp__store_format_keys(const char *const *keys, size_t num_keys, char *buf, size_t buf_bytes) {
   const size_t show = 4;
   size_t at = 0;
   if (buf_bytes < 8) {
@@ -142,8 +138,8 @@ static void calln(char *buf, size_t cap, const char *op, const char *const *keys
 
 static ddp_status check_key(const ddp_store *s, const char *op, const char *key) {
   if (!key || !*key)
-    return ddp_error(DDP_ERR_INVALID, "store %s: %s: the key is %s", s ? s->address : "(null)",
-                     op, key ? "empty" : "NULL");
+    return ddp_error(DDP_ERR_INVALID, "store %s: %s: the key is %s", s ? s->address : "(null)", op,
+                     key ? "empty" : "NULL");
   size_t len = strlen(key);
   if (len > DDP_STORE_MAX_KEY_BYTES) {
     char call[160];
@@ -159,8 +155,8 @@ static ddp_status check_value(const ddp_store *s, const char *op, const char *ke
   char call[160];
   if (!value && bytes) {
     call1(call, sizeof call, op, key);
-    return ddp_error(DDP_ERR_INVALID, "store %s: %s: value is NULL but %zu bytes long",
-                     s->address, call, bytes);
+    return ddp_error(DDP_ERR_INVALID, "store %s: %s: value is NULL but %zu bytes long", s->address,
+                     call, bytes);
   }
   if (bytes > DDP_STORE_MAX_VALUE_BYTES) {
     call1(call, sizeof call, op, key);
@@ -185,8 +181,8 @@ static int64_t resolve_timeout(const ddp_store *s, int64_t timeout_ms) {
                         : ddp__store_clamp_ms(timeout_ms);
 }
 
-#define CHECK_STORE(s, op)                                                   \
-  do {                                                                       \
+#define CHECK_STORE(s, op)                                                       \
+  do {                                                                           \
     if (!(s)) return ddp_error(DDP_ERR_INVALID, "store: %s: store is NULL", op); \
   } while (0)
 
@@ -234,8 +230,8 @@ ddp_status ddp_store_add(ddp_store *s, const char *key, int64_t delta, int64_t *
 }
 
 ddp_status ddp_store_compare_set(ddp_store *s, const char *key, const void *expected,
-                                 size_t expected_bytes, const void *desired,
-                                 size_t desired_bytes, void **current, size_t *current_bytes) {
+                                 size_t expected_bytes, const void *desired, size_t desired_bytes,
+                                 void **current, size_t *current_bytes) {
   if (current) *current = NULL;
   if (current_bytes) *current_bytes = 0;
   CHECK_STORE(s, "compare_set");
@@ -244,8 +240,8 @@ ddp_status ddp_store_compare_set(ddp_store *s, const char *key, const void *expe
   DDP_TRY(check_value(s, "compare_set", key, desired, desired_bytes));
   void *cur = NULL;
   size_t cur_bytes = 0;
-  ddp_status st =
-      s->ops->compare_set(s, key, expected, expected_bytes, desired, desired_bytes, &cur, &cur_bytes);
+  ddp_status st = s->ops->compare_set(s, key, expected, expected_bytes, desired, desired_bytes,
+                                      &cur, &cur_bytes);
   if (st != DDP_OK) {
     char call[160];
     call1(call, sizeof call, "compare_set", key);
@@ -269,8 +265,7 @@ ddp_status ddp_store_wait(ddp_store *s, const char *const *keys, size_t num_keys
   return fail(s, st, call);
 }
 
-ddp_status ddp_store_check(ddp_store *s, const char *const *keys, size_t num_keys,
-                           int *all_exist) {
+ddp_status ddp_store_check(ddp_store *s, const char *const *keys, size_t num_keys, int *all_exist) {
   CHECK_STORE(s, "check");
   DDP_TRY(check_keys(s, "check", keys, num_keys));
   if (!all_exist)
@@ -358,8 +353,8 @@ void ddp_store_values_free(ddp_store_value *values, size_t count) {
   }
 }
 
-ddp_status ddp_store_multi_set(ddp_store *s, const char *const *keys,
-                               const ddp_store_value *values, size_t num_keys) {
+ddp_status ddp_store_multi_set(ddp_store *s, const char *const *keys, const ddp_store_value *values,
+                               size_t num_keys) {
   CHECK_STORE(s, "multi_set");
   DDP_TRY(check_keys(s, "multi_set", keys, num_keys));
   if (num_keys && !values)
@@ -400,7 +395,8 @@ int64_t ddp_store_timeout_ms(const ddp_store *s) {
 }
 
 void ddp_store_set_timeout_ms(ddp_store *s, int64_t timeout_ms) {
-  __atomic_store_n(&s->timeout_ms,
-                   timeout_ms > 0 ? ddp__store_clamp_ms(timeout_ms) : ddp_store_default_timeout_ms(),
-                   __ATOMIC_RELAXED);
+  __atomic_store_n(
+      &s->timeout_ms,
+      timeout_ms > 0 ? ddp__store_clamp_ms(timeout_ms) : ddp_store_default_timeout_ms(),
+      __ATOMIC_RELAXED);
 }

@@ -67,8 +67,7 @@ void ddp__store_format_ms(int64_t ms, char *buf, size_t buf_bytes);
 
 /* The key-list helper that wait/check messages use: ["a", "b", ...] with at
  * most a few keys shown, non-printable bytes escaped. */
-void ddp__store_format_keys(const char *const *keys, size_t num_keys, char *buf,
-                            size_t buf_bytes);
+void ddp__store_format_keys(const char *const *keys, size_t num_keys, char *buf, size_t buf_bytes);
 
 /* The DDP_ERR_TIMEOUT of a local blocking call (mem, file): "timed out
  * after 200 ms", plus "(missing "k" and maybe others)" when it waited for

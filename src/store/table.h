@@ -15,22 +15,22 @@
 typedef struct ddp__kv_entry {
   struct ddp__kv_entry *next; /* hash chain */
   uint64_t hash;
-  uint8_t *value;             /* value_len bytes + a NUL; NULL when absent */
+  uint8_t *value; /* value_len bytes + a NUL; NULL when absent */
   size_t value_len;
   size_t value_cap;
   int has_value;
-  void *waiters;              /* the server's list of blocked clients */
+  void *waiters; /* the server's list of blocked clients */
   size_t key_len;
-  char key[];                 /* key_len bytes + NUL */
+  char key[]; /* key_len bytes + NUL */
 } ddp__kv_entry;
 
 typedef struct ddp__kv_table {
   ddp__kv_entry **buckets;
-  size_t num_buckets;         /* a power of two */
-  size_t num_entries;         /* including placeholders */
-  size_t num_values;          /* keys that exist */
-  uint64_t bytes;             /* keys + values held */
-  uint64_t max_bytes;         /* 0: unlimited; else writes beyond fail */
+  size_t num_buckets; /* a power of two */
+  size_t num_entries; /* including placeholders */
+  size_t num_values;  /* keys that exist */
+  uint64_t bytes;     /* keys + values held */
+  uint64_t max_bytes; /* 0: unlimited; else writes beyond fail */
   uint64_t seed;
 } ddp__kv_table;
 

@@ -56,7 +56,7 @@ static int run_tool(char *out, size_t out_cap, char *err, size_t err_cap, const 
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
-#define RUN(...)                                                         \
+#define RUN(...) \
   run_tool(out, sizeof out, err, sizeof err, (const char *const[]){__VA_ARGS__, NULL})
 
 static int setup(void **state) {
@@ -160,9 +160,21 @@ static void test_cli_help_and_errors(void **state) {
   (void)state;
   char out[8192], err[1024];
   assert_int_equal(RUN("--help"), 0);
-  const char *documented[] = {"serve", "--port", "--bind", "--token", "set", "get", "add",
-                              "wait", "delete", "keys", "--addr", "--timeout",
-                              "listening on HOST:PORT", "DDP_STORE_ADDR", "DDP_STORE_TOKEN",
+  const char *documented[] = {"serve",
+                              "--port",
+                              "--bind",
+                              "--token",
+                              "set",
+                              "get",
+                              "add",
+                              "wait",
+                              "delete",
+                              "keys",
+                              "--addr",
+                              "--timeout",
+                              "listening on HOST:PORT",
+                              "DDP_STORE_ADDR",
+                              "DDP_STORE_TOKEN",
                               "Exit status"};
   for (size_t i = 0; i < sizeof documented / sizeof documented[0]; i++)
     if (!strstr(out, documented[i])) fail_msg("--help does not mention %s", documented[i]);

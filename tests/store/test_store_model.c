@@ -26,7 +26,7 @@ typedef struct model {
 } model;
 
 static const char *key_name(int i) {
-  static const char *names[NKEYS] = {"a", "b", "c", "d", "e", "f",
+  static const char *names[NKEYS] = {"a",   "b",   "c",   "d", "e",       "f",
                                      "g/1", "g/2", "g/3", "h", "counter", "x"};
   return names[i];
 }
@@ -93,9 +93,7 @@ static void run_ops(ddp_store *s, uint64_t seed) {
         m.len[k] = vl;
         m.present[k] = 1;
         break;
-      case 1: /* get */
-        expect_get(s, &m, k);
-        break;
+      case 1: /* get */ expect_get(s, &m, k); break;
       case 2: { /* add */
         int64_t delta = (int64_t)ddp_rng_below(&rng, 21) - 10, got = 0, cur;
         ddp_status st = ddp_store_add(s, key, delta, &got);
@@ -224,8 +222,7 @@ static void run_ops(ddp_store *s, uint64_t seed) {
         ddp_store_keys_free(keys, n);
         break;
       }
-      default: /* get of a random key */
-        expect_get(s, &m, (int)ddp_rng_below(&rng, NKEYS));
+      default: /* get of a random key */ expect_get(s, &m, (int)ddp_rng_below(&rng, NKEYS));
     }
   }
   for (int k = 0; k < NKEYS; k++) expect_get(s, &m, k);
@@ -238,7 +235,8 @@ static void test_tcp_matches_model(void **state) {
   assert_int_equal(ddp_store_server_start("127.0.0.1", 0, &so, &server), DDP_OK);
   ddp_store_options o = {.timeout_ms = 10000, .token = ""};
   ddp_store *s;
-  assert_int_equal(ddp_store_tcp_connect("127.0.0.1", ddp_store_server_port(server), &o, &s), DDP_OK);
+  assert_int_equal(ddp_store_tcp_connect("127.0.0.1", ddp_store_server_port(server), &o, &s),
+                   DDP_OK);
   run_ops(s, 7);
   ddp_store_destroy(s);
   ddp_store_server_stop(server);

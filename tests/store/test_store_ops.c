@@ -41,7 +41,8 @@ static int setup_tcp(void **state) {
     return -1;
   }
   ddp_store_options o = {.timeout_ms = 10000, .token = ""};
-  if (ddp_store_tcp_connect("127.0.0.1", ddp_store_server_port(f->server), &o, &f->store) != DDP_OK) {
+  if (ddp_store_tcp_connect("127.0.0.1", ddp_store_server_port(f->server), &o, &f->store) !=
+      DDP_OK) {
     fprintf(stderr, "%s\n", ddp_last_error());
     return -1;
   }
@@ -156,8 +157,8 @@ static void test_get_woken_by_set(void **state) {
   assert_int_equal(n, 2);
   assert_memory_equal(v, "v1", 2);
   ddp_free(v);
-  assert_true(took >= 100);   /* it did block */
-  assert_true(took < 2000);   /* and was woken, not timed out */
+  assert_true(took >= 100); /* it did block */
+  assert_true(took < 2000); /* and was woken, not timed out */
 }
 
 static void test_wait_woken_and_timeout(void **state) {
@@ -455,20 +456,20 @@ static void test_prefix_isolation(void **state) {
   ddp_store_destroy(other);
 }
 
-#define SUITE(setup)                                                       \
-  cmocka_unit_test_setup_teardown(test_set_get, setup, teardown),          \
-  cmocka_unit_test_setup_teardown(test_get_times_out, setup, teardown),    \
-  cmocka_unit_test_setup_teardown(test_get_woken_by_set, setup, teardown), \
-  cmocka_unit_test_setup_teardown(test_wait_woken_and_timeout, setup, teardown), \
-  cmocka_unit_test_setup_teardown(test_wait_sees_deletes, setup, teardown), \
-  cmocka_unit_test_setup_teardown(test_add, setup, teardown),              \
-  cmocka_unit_test_setup_teardown(test_compare_set, setup, teardown),      \
-  cmocka_unit_test_setup_teardown(test_check_and_delete, setup, teardown), \
-  cmocka_unit_test_setup_teardown(test_num_keys_and_list_keys, setup, teardown), \
-  cmocka_unit_test_setup_teardown(test_append, setup, teardown),           \
-  cmocka_unit_test_setup_teardown(test_multi_get_set, setup, teardown),    \
-  cmocka_unit_test_setup_teardown(test_concurrent_add, setup, teardown),   \
-  cmocka_unit_test_setup_teardown(test_bad_arguments, setup, teardown)
+#define SUITE(setup)                                                                 \
+  cmocka_unit_test_setup_teardown(test_set_get, setup, teardown),                    \
+      cmocka_unit_test_setup_teardown(test_get_times_out, setup, teardown),          \
+      cmocka_unit_test_setup_teardown(test_get_woken_by_set, setup, teardown),       \
+      cmocka_unit_test_setup_teardown(test_wait_woken_and_timeout, setup, teardown), \
+      cmocka_unit_test_setup_teardown(test_wait_sees_deletes, setup, teardown),      \
+      cmocka_unit_test_setup_teardown(test_add, setup, teardown),                    \
+      cmocka_unit_test_setup_teardown(test_compare_set, setup, teardown),            \
+      cmocka_unit_test_setup_teardown(test_check_and_delete, setup, teardown),       \
+      cmocka_unit_test_setup_teardown(test_num_keys_and_list_keys, setup, teardown), \
+      cmocka_unit_test_setup_teardown(test_append, setup, teardown),                 \
+      cmocka_unit_test_setup_teardown(test_multi_get_set, setup, teardown),          \
+      cmocka_unit_test_setup_teardown(test_concurrent_add, setup, teardown),         \
+      cmocka_unit_test_setup_teardown(test_bad_arguments, setup, teardown)
 
 int main(int argc, char **argv) {
   /* argv[1] picks one kind (ctest runs each as its own test). */
@@ -484,9 +485,12 @@ int main(int argc, char **argv) {
   };
   int failed = 0;
   int all = !strcmp(kind, "all");
-  if (all || !strcmp(kind, "mem")) failed += cmocka_run_group_tests_name("store mem", mem, NULL, NULL);
-  if (all || !strcmp(kind, "tcp")) failed += cmocka_run_group_tests_name("store tcp", tcp, NULL, NULL);
-  if (all || !strcmp(kind, "file")) failed += cmocka_run_group_tests_name("store file", file, NULL, NULL);
+  if (all || !strcmp(kind, "mem"))
+    failed += cmocka_run_group_tests_name("store mem", mem, NULL, NULL);
+  if (all || !strcmp(kind, "tcp"))
+    failed += cmocka_run_group_tests_name("store tcp", tcp, NULL, NULL);
+  if (all || !strcmp(kind, "file"))
+    failed += cmocka_run_group_tests_name("store file", file, NULL, NULL);
   if (all || !strcmp(kind, "prefix"))
     failed += cmocka_run_group_tests_name("store prefix", prefix, NULL, NULL);
   return failed ? 1 : 0;

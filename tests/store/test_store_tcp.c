@@ -392,7 +392,8 @@ static void test_hostile_input_while_others_work(void **state) {
     ddp__buf_bytes(&b, "value", 5);
     ddp__buf_frame_end(&b, at);
     int flips = 1 + (int)ddp_rng_below(&rng, 4);
-    for (int i = 0; i < flips; i++) b.data[ddp_rng_below(&rng, b.len)] ^= (uint8_t)(1u << ddp_rng_below(&rng, 8));
+    for (int i = 0; i < flips; i++)
+      b.data[ddp_rng_below(&rng, b.len)] ^= (uint8_t)(1u << ddp_rng_below(&rng, 8));
     raw_send(fd, b.data, b.len);
     shutdown(fd, SHUT_WR);
     /* The server replies and/or closes; either way the connection ends
@@ -445,7 +446,8 @@ static void test_pipelined_requests(void **state) {
   /* 1 timeout reply + 3 ping replies (4 + 1 + 8 bytes each). */
   while (have < 3 * 13 + 5) {
     assert_int_equal(ddp__net_read_some(fd, reply + have, sizeof reply - have, &got,
-                                        ddp_time_ns() + 2000000000LL), DDP_OK);
+                                        ddp_time_ns() + 2000000000LL),
+                     DDP_OK);
     have += got;
   }
   assert_true(test_now_ms() - t0 >= 90);
@@ -453,8 +455,9 @@ static void test_pipelined_requests(void **state) {
   size_t off = 4 + ddp__load_u32(reply);
   for (int i = 0; i < 3; i++) {
     if (off + 13 > have) {
-      assert_int_equal(ddp__net_read_full(fd, reply + have, off + 13 - have,
-                                          ddp_time_ns() + 2000000000LL), DDP_OK);
+      assert_int_equal(
+          ddp__net_read_full(fd, reply + have, off + 13 - have, ddp_time_ns() + 2000000000LL),
+          DDP_OK);
       have = off + 13;
     }
     assert_int_equal(ddp__load_u32(reply + off), 9);
@@ -521,7 +524,8 @@ static void test_limits_are_clear_errors(void **state) {
   char big[2000];
   memset(big, 'v', sizeof big);
   assert_int_equal(ddp_store_set(st, "k", big, sizeof big), DDP_ERR_RANGE);
-  assert_non_null(strstr(ddp_last_error(), "value of 2000 bytes exceeds the store's limit of 1000"));
+  assert_non_null(
+      strstr(ddp_last_error(), "value of 2000 bytes exceeds the store's limit of 1000"));
   assert_int_equal(ddp_store_set(st, "a_key_longer_than_16", "v", 1), DDP_ERR_RANGE);
   assert_non_null(strstr(ddp_last_error(), "exceeds the store's limit of 16"));
   /* Appends cannot grow a value past the limit either... the server's table
