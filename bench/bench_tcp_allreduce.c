@@ -1,14 +1,16 @@
-/* Allreduce over the tcp backend alone (float32 sum), in the style of
+/* Allreduce over TCP through the public API (float32 sum), in the style of
  * nccl-tests: size, count, time, algbw and busbw (= algbw * 2(P-1)/P).
  *
  *   bench_tcp_allreduce --nproc 2 [-b 8] [-e 64M] [-f 4] [-n 20] [-w 5] [-c 1] [--json]
  *       P ranks on this host over loopback (a store process and P rank
- *       processes, forked here);
+ *       processes, forked here; the group is created with transport "tcp");
  *   bench_tcp_allreduce --rank R --world P --store HOST:PORT [--serve] [...]
  *       one rank of a world spread over hosts (or network namespaces); the
- *       rank given --serve hosts the store on HOST:PORT. Every rank counts
- *       as its own host: the tcp backend listens on the address that routes
- *       to the store (or DDP_COMM_ADDR / DDP_SOCKET_IFNAME).
+ *       rank given --serve hosts the store on HOST:PORT. The group picks the
+ *       transport itself (tcp between hosts: different hostnames, network
+ *       namespaces or DDP_HOST_ID), and the tcp backend listens on the
+ *       address that routes to the store (or DDP_COMM_ADDR /
+ *       DDP_SOCKET_IFNAME).
  * Rank 0 prints the table; --json prints one object per size instead. Used
  * by tests/comm/test_tcp_netns.sh. Until ddp-bench drives process groups,
  * this is the tcp transport's benchmark (BENCHMARKS.md). */
@@ -20,7 +22,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "comm/backend.h"
+#include "ddp/comm.h"
 #include "ddp/store.h"
 
 typedef struct opts {
@@ -48,34 +50,26 @@ static void usage(void) {
 }
 
 static int run_rank(const opts *o, int rank, int world) {
-  ddp_store *base = NULL, *store = NULL;
+  ddp_store *store = NULL;
   ddp_store_server *server = NULL;
+  ddp_process_group *pg = NULL;
+  float *buf = NULL;
   ddp_status st;
   if (o->serve) {
     st = ddp_store_server_start(o->store_host, o->store_port, NULL, &server);
     if (st != DDP_OK) goto fail;
   }
   ddp_store_options so = {.timeout_ms = 60000};
-  st = ddp_store_tcp_connect(o->store_host, o->store_port, &so, &base);
+  st = ddp_store_tcp_connect(o->store_host, o->store_port, &so, &store);
   if (st != DDP_OK) goto fail;
-  st = ddp_store_prefix(base, "bench_tcp/", &store);
+  /* Local runs force tcp (one host would pick shared memory); spread runs
+   * let the group choose, so the transport printed is what users get. */
+  ddp_process_group_options po = {.timeout_s = 120, .transport = o->nproc ? "tcp" : NULL};
+  st = ddp_process_group_create(store, rank, world, &po, &pg);
   if (st != DDP_OK) goto fail;
-  int32_t host_of[256], process_of[256];
-  for (int r = 0; r < world && r < 256; r++) {
-    host_of[r] = o->nproc ? 0 : r;
-    process_of[r] = r;
-  }
-  ddp__backend_config cfg = {.store = store, .rank = rank, .size = world, .host_of = host_of,
-                             .process_of = process_of, .timeout_ns = 60 * 1000000000LL,
-                             .force_tcp = true};
-  ddp__backend *b = NULL;
-  st = ddp__backend_tcp_create(&cfg, &b);
-  if (st != DDP_OK) goto fail;
-  atomic_bool aborted;
-  atomic_init(&aborted, false);
-  float *buf = ddp_alloc(o->max_bytes + 64);
-  uint64_t seq = 0;
-  const char *transport = b->ops->transport(b, (rank + 1) % world);
+  buf = ddp_alloc(o->max_bytes + 64);
+  if (!buf) goto fail;
+  const char *transport = ddp_process_group_transport(pg, (rank + 1) % world);
   if (rank == 0 && !o->json)
     printf("# tcp allreduce, %d ranks, float32 sum, transport %s\n"
            "#%11s %12s %10s %10s %10s %6s\n",
@@ -91,31 +85,23 @@ static int run_rank(const opts *o, int rank, int world) {
     double t = 0;
     for (int it = 0; it < o->warmup + o->iters; it++) {
       if (it == o->warmup) {
-        ddp__op_ctx c = {.op = "barrier", .seq = ++seq,
-                         .deadline_ns = ddp_time_ns() + 60000000000LL, .aborted = &aborted};
-        st = b->ops->barrier(b, &c);
+        st = ddp_barrier(pg);
         if (st != DDP_OK) goto fail;
         t = ddp_time_s();
       }
-      ddp__op_ctx c = {.op = "allreduce", .seq = ++seq,
-                       .deadline_ns = ddp_time_ns() + 120000000000LL, .aborted = &aborted};
-      st = b->ops->allreduce(b, &c, buf, count, DDP_FLOAT32, DDP_REDUCE_SUM);
+      st = ddp_allreduce(pg, buf, count, DDP_FLOAT32, DDP_REDUCE_SUM);
       if (st != DDP_OK) goto fail;
     }
     double us = (ddp_time_s() - t) / o->iters * 1e6;
     if (o->check) {
       for (size_t i = 0; i < count; i++) buf[i] = (float)(rank + 1);
-      ddp__op_ctx c = {.op = "allreduce", .seq = ++seq,
-                       .deadline_ns = ddp_time_ns() + 120000000000LL, .aborted = &aborted};
-      st = b->ops->allreduce(b, &c, buf, count, DDP_FLOAT32, DDP_REDUCE_SUM);
+      st = ddp_allreduce(pg, buf, count, DDP_FLOAT32, DDP_REDUCE_SUM);
       if (st != DDP_OK) goto fail;
       for (size_t i = 0; i < count && !bad; i++) bad = buf[i] != (float)(world * (world + 1) / 2);
     }
     /* The slowest rank's time is the collective's. */
     double worst = us;
-    ddp__op_ctx c = {.op = "allreduce", .seq = ++seq, .deadline_ns = ddp_time_ns() + 60000000000LL,
-                     .aborted = &aborted};
-    st = b->ops->allreduce(b, &c, &worst, 1, DDP_FLOAT64, DDP_REDUCE_MAX);
+    st = ddp_allreduce(pg, &worst, 1, DDP_FLOAT64, DDP_REDUCE_MAX);
     if (st != DDP_OK) goto fail;
     double algbw = (double)count * 4 / (worst * 1e-6) / 1e9;
     double busbw = algbw * 2.0 * (world - 1) / world;
@@ -140,9 +126,8 @@ static int run_rank(const opts *o, int rank, int world) {
     bytes = next <= bytes ? bytes + 4 : next > o->max_bytes ? o->max_bytes : next;
   }
   ddp_free(buf);
-  b->ops->destroy(b);
+  ddp_process_group_destroy(pg);
   ddp_store_destroy(store);
-  ddp_store_destroy(base);
   ddp_store_server_stop(server);
   return 0;
 fail:

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Between hosts: two network namespaces joined by a veth pair (10.99.0.1/24
 # and 10.99.0.2/24), both ends shaped to 1 Gbit/s with tbf, one rank in each
-# (rank 0 also hosts the store), a 64 MiB float32 allreduce over the tcp
-# backend a few times. Passes when busbw >= 90% of the shaped rate, the
-# results are right and the transport between the ranks is "tcp".
+# (rank 0 also hosts the store), a 64 MiB float32 allreduce a few times
+# through the public API (bench_tcp_allreduce: ddp_process_group_create with
+# the transport left to the group, which sees two hosts). Passes when busbw
+# >= 90% of the shaped rate, the results are right and the group's
+# transport between the ranks is "tcp".
 # Needs root and `ip netns`; otherwise SKIP (exit 77). Names carry this
 # shell's PID, so parallel runs do not collide; every namespace and process
 # is removed on every path.
