@@ -234,6 +234,106 @@ static ddp_status allreduce_staged(ddp__local_backend *b, const ddp__op_ctx *ctx
   return DDP_OK;
 }
 
+/* ---- Streaming through staging (processes) --------------------------------
+ * Every rank streams `bytes` bytes of its own (only rank `only` when >= 0)
+ * through its staging chunks; after each chunk is staged everywhere, each
+ * rank consumes the parts it needs from the ranks' staging. Same waits as
+ * allreduce_staged; peers never read a rank's own buffers. */
+typedef struct stream_args {
+  ddp__local_backend *b;
+  void *dst;       /* the op's output */
+  size_t block;    /* bytes per rank block (count * esize) */
+  ddp_dtype dtype;
+  ddp_reduce_op op;
+  int root;
+} stream_args;
+
+/* Consumes [off, off + len) of rank q's stream, staged at p. */
+typedef void (*stream_consume_fn)(stream_args *a, int q, size_t off, const uint8_t *p, size_t len);
+
+static ddp_status stream_all(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t n,
+                             const void *src, size_t bytes, int only, stream_consume_fn consume,
+                             stream_args *a) {
+  ddp__local_region *reg = b->reg;
+  uint32_t k = 0;
+  for (size_t at = 0; at < bytes; at += DDP__LOCAL_CHUNK_BYTES, k++) {
+    size_t len = bytes - at < DDP__LOCAL_CHUNK_BYTES ? bytes - at : DDP__LOCAL_CHUNK_BYTES;
+    if (only < 0 || only == b->rank)
+      memcpy(ddp__local_stage_of(reg, b->rank, k), (const char *)src + at, len);
+    ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, 2 + 2 * k));
+    if (only >= 0)
+      DDP_TRY(ddp__local_wait_flag(b, ctx, only, flag_value(n, 2 + 2 * k)));
+    else
+      DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, 2 + 2 * k)));
+    for (int q = 0; q < b->size; q++)
+      if (only < 0 || q == only) consume(a, q, at, ddp__local_stage_of(reg, q, k), len);
+    ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, 3 + 2 * k));
+    DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, 3 + 2 * k)));
+  }
+  return DDP_OK;
+}
+
+/* The part of [off, off + len) inside block `blk` of a stream of blocks:
+ * false when empty, else *from (stream offset) and *n (bytes). */
+static bool block_part(size_t off, size_t len, size_t block, int blk, size_t *from, size_t *n) {
+  size_t lo = block * (size_t)blk, hi = lo + block;
+  size_t a = off > lo ? off : lo, e = off + len < hi ? off + len : hi;
+  if (a >= e) return false;
+  *from = a;
+  *n = e - a;
+  return true;
+}
+
+static void consume_copy_root(stream_args *a, int q, size_t off, const uint8_t *p, size_t len) {
+  if (a->b->rank != a->root) memcpy((char *)a->dst + off, p, len);
+}
+
+static void consume_gather_all(stream_args *a, int q, size_t off, const uint8_t *p, size_t len) {
+  memcpy((char *)a->dst + (size_t)q * a->block + off, p, len);
+}
+
+static void consume_gather_root(stream_args *a, int q, size_t off, const uint8_t *p, size_t len) {
+  if (a->b->rank == a->root) consume_gather_all(a, q, off, p, len);
+}
+
+static void consume_my_block(stream_args *a, int q, size_t off, const uint8_t *p, size_t len) {
+  size_t from, n;
+  int r = a->b->rank;
+  if (!block_part(off, len, a->block, r, &from, &n)) return;
+  memcpy((char *)a->dst + (from - a->block * (size_t)r), p + (from - off), n);
+}
+
+static void consume_all_to_all(stream_args *a, int q, size_t off, const uint8_t *p, size_t len) {
+  size_t from, n;
+  int r = a->b->rank;
+  if (!block_part(off, len, a->block, r, &from, &n)) return;
+  memcpy((char *)a->dst + (size_t)q * a->block + (from - a->block * (size_t)r), p + (from - off),
+         n);
+}
+
+/* dst (n bytes) := q == 0 ? p : dst op p, then AVG's division after the last
+ * rank: the reduction in rank order. */
+static void reduce_step(stream_args *a, int q, void *dst, const uint8_t *p, size_t n) {
+  size_t esize = ddp_dtype_size(a->dtype), count = n / esize;
+  if (q == 0)
+    memcpy(dst, p, n);
+  else
+    ddp__reduce_into(dst, p, count, a->dtype, a->op);
+  if (q == a->b->size - 1 && a->op == DDP_REDUCE_AVG)
+    ddp__reduce_scale(dst, count, a->dtype, a->b->size);
+}
+
+static void consume_reduce_root(stream_args *a, int q, size_t off, const uint8_t *p, size_t len) {
+  if (a->b->rank == a->root) reduce_step(a, q, (char *)a->dst + off, p, len);
+}
+
+static void consume_reduce_block(stream_args *a, int q, size_t off, const uint8_t *p, size_t len) {
+  size_t from, n;
+  int r = a->b->rank;
+  if (!block_part(off, len, a->block, r, &from, &n)) return;
+  reduce_step(a, q, (char *)a->dst + (from - a->block * (size_t)r), p + (from - off), n);
+}
+
 static ddp_status local_allreduce(ddp__backend *base, const ddp__op_ctx *ctx, void *buf,
                                   size_t count, ddp_dtype dtype, ddp_reduce_op op) {
   ddp__local_backend *b = as_local(base);
@@ -247,7 +347,7 @@ static ddp_status local_allreduce(ddp__backend *base, const ddp__op_ctx *ctx, vo
     if (bytes) reduce_slots(b, n, 0, buf, count, dtype, op);
     return DDP_OK;
   }
-  if (b->mem->needs_scratch) return allreduce_staged(b, ctx, n, buf, count, dtype, op);
+  if (b->mem->staged) return allreduce_staged(b, ctx, n, buf, count, dtype, op);
   /* Reduce-scatter: this rank reduces its slice from every peer's buffer
    * into its own, a segment at a time, posting each; then allgather: it
    * copies every peer's reduced slice out of that peer's buffer as its
@@ -294,6 +394,10 @@ static ddp_status local_broadcast(ddp__backend *base, const ddp__op_ctx *ctx, vo
     return DDP_OK;
   }
   op_publish(b, n, buf, NULL);
+  if (b->mem->staged) {
+    stream_args a = {.b = b, .dst = buf, .root = root};
+    return stream_all(b, ctx, n, buf, bytes, root, consume_copy_root, &a);
+  }
   if (b->rank == root) {
     ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, STEP_DONE));
     return ddp__local_wait_all(b, ctx, flag_value(n, STEP_DONE));
@@ -318,9 +422,13 @@ static ddp_status local_reduce(ddp__backend *base, const ddp__op_ctx *ctx, void 
     if (bytes) reduce_slots(b, n, 0, buf, count, dtype, op);
     return DDP_OK;
   }
+  op_publish(b, n, buf, NULL);
+  if (b->mem->staged) {
+    stream_args a = {.b = b, .dst = buf, .dtype = dtype, .op = op, .root = root};
+    return stream_all(b, ctx, n, buf, bytes, -1, consume_reduce_root, &a);
+  }
   /* Every rank reduces its slice (own first, in scratch) and writes it into
    * root's buffer: only rank q ever touches slice q, in any buffer. */
-  op_publish(b, n, buf, NULL);
   DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
   size_t seg = DDP__LOCAL_SEGMENT_BYTES / esize;
   size_t lo = slice_lo(count, b->size, b->rank, esize);
@@ -355,6 +463,10 @@ static ddp_status local_allgather(ddp__backend *base, const ddp__op_ctx *ctx, co
     return DDP_OK;
   }
   op_publish(b, n, send, recv);
+  if (b->mem->staged) {
+    stream_args a = {.b = b, .dst = recv, .block = bytes};
+    return stream_all(b, ctx, n, send, bytes, -1, consume_gather_all, &a);
+  }
   DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
   memmove((char *)recv + (size_t)b->rank * bytes, send, bytes);
   for (int i = 1; i < b->size; i++) {
@@ -380,6 +492,10 @@ static ddp_status local_gather(ddp__backend *base, const ddp__op_ctx *ctx, const
     return DDP_OK;
   }
   op_publish(b, n, send, recv);
+  if (b->mem->staged) {
+    stream_args a = {.b = b, .dst = recv, .block = bytes, .root = root};
+    return stream_all(b, ctx, n, send, bytes, -1, consume_gather_root, &a);
+  }
   if (b->rank != root) {
     /* Root reads this rank's send: keep it until root is done. */
     ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, STEP_DONE));
@@ -411,6 +527,10 @@ static ddp_status local_scatter(ddp__backend *base, const ddp__op_ctx *ctx, cons
     return DDP_OK;
   }
   op_publish(b, n, send, recv);
+  if (b->mem->staged) {
+    stream_args a = {.b = b, .dst = recv, .block = bytes, .root = root};
+    return stream_all(b, ctx, n, send, all, root, consume_my_block, &a);
+  }
   if (b->rank == root) {
     memmove(recv, (const char *)send + (size_t)root * bytes, bytes);
     ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, STEP_DONE));
@@ -438,6 +558,10 @@ static ddp_status local_reduce_scatter(ddp__backend *base, const ddp__op_ctx *ct
     return DDP_OK;
   }
   op_publish(b, n, send, recv);
+  if (b->mem->staged) {
+    stream_args a = {.b = b, .dst = recv, .block = bytes, .dtype = dtype, .op = op};
+    return stream_all(b, ctx, n, send, all, -1, consume_reduce_block, &a);
+  }
   DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
   size_t seg = DDP__LOCAL_SEGMENT_BYTES / esize;
   for (size_t at = 0; at < count; at += seg) {
@@ -465,6 +589,10 @@ static ddp_status local_all_to_all(ddp__backend *base, const ddp__op_ctx *ctx, c
     return DDP_OK;
   }
   op_publish(b, n, send, recv);
+  if (b->mem->staged) {
+    stream_args a = {.b = b, .dst = recv, .block = bytes};
+    return stream_all(b, ctx, n, send, all, -1, consume_all_to_all, &a);
+  }
   DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
   for (int i = 0; i < b->size; i++) {
     int q = (b->rank + i) % b->size;

@@ -151,7 +151,12 @@ struct ddp__local_mem {
   const ddp__local_mem_ops *ops;
   ddp__local_region *region;
   bool shared_futex; /* the region is shared between processes */
-  bool needs_scratch; /* view() may copy */
+  /* Peers' buffers are not directly addressable (processes): large
+   * collectives go through the region's staging instead of reading them. */
+  bool staged;
+  /* read/write/view work (cross-memory attach, or one process); when false
+   * large point-to-point messages go through the channel in pieces. */
+  bool can_read_peers;
 };
 
 /* Both attach every rank of cfg (collective: returns once all have attached,

@@ -2,10 +2,11 @@
  * host. Rank 0 creates a POSIX shared-memory segment holding the region and
  * publishes its name through the group's store; the last rank to map it
  * unlinks it, so nothing is left in /dev/shm even if a rank is killed later.
- * Peers' user buffers are read and written with cross-memory attach
- * (process_vm_readv / process_vm_writev: one copy, by the kernel, straight
- * between the two processes' buffers). A pidfd per peer process tells a
- * waiter within milliseconds that a peer died. */
+ * Collectives go through staging areas in the segment (local.c); large
+ * point-to-point messages are read straight from the sender's buffer with
+ * cross-memory attach (process_vm_readv: one copy, by the kernel) where it
+ * is permitted. A pidfd per peer process tells a waiter within
+ * milliseconds that a peer died. */
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -233,7 +234,7 @@ ddp_status ddp__local_shm_create(const ddp__backend_config *cfg, ddp__local_mem 
   if (!s) return ddp_error(DDP_ERR_NOMEM, "local backend: out of memory");
   s->base.ops = &shm_ops;
   s->base.shared_futex = true;
-  s->base.needs_scratch = true;
+  s->base.staged = true;
   s->rank = cfg->rank;
   s->size = cfg->size;
   s->bytes = ddp__local_region_bytes(cfg->size);
@@ -281,21 +282,22 @@ ddp_status ddp__local_shm_create(const ddp__backend_config *cfg, ddp__local_mem 
       cma_ok = false;
     }
   }
+  /* DDP_LOCAL_NO_CMA=1 behaves as if it were refused (tests, debugging). */
+  const char *no_cma = ddp_env_str("DDP_LOCAL_NO_CMA", "0");
+  if (strcmp(no_cma, "0") != 0 && cma_ok) cma_ok = false, cma_errno = EPERM, cma_peer = -1;
   atomic_store(&me->cma_ok, cma_ok ? 1u : 2u);
   st = wait_all_ranks(reg, cfg->size, deadline, has_probed, "finish attaching");
   if (st != DDP_OK) goto err;
+  /* Cross-memory attach only for point to point's large messages: without
+   * it they go through the channel in pieces (collectives never need it). */
+  s->base.can_read_peers = true;
   for (int q = 0; q < cfg->size; q++)
-    if (atomic_load(&ddp__local_ctl_of(reg, q)->cma_ok) != 1) {
-      /* TODO: a staging fallback through the segment; until then the group
-       * layer can fall back to TCP on DDP_ERR_UNSUPPORTED. */
-      st = ddp_error(DDP_ERR_UNSUPPORTED,
-                     "local backend: cross-memory attach (process_vm_readv) between ranks is "
-                     "not permitted here (rank %d reading rank %d: %s); "
-                     "see /proc/sys/kernel/yama/ptrace_scope",
-                     cma_ok ? q : cfg->rank, cma_ok ? -1 : cma_peer,
-                     cma_ok ? "failed on that rank" : strerror(cma_errno));
-      goto err;
-    }
+    if (atomic_load(&ddp__local_ctl_of(reg, q)->cma_ok) != 1) s->base.can_read_peers = false;
+  if (!s->base.can_read_peers)
+    DDP_INFO("local backend: cross-memory attach between ranks is not permitted here (%s); "
+             "large point-to-point messages go through shared memory in pieces",
+             cma_ok ? "on another rank" : strerror(cma_errno));
+  (void)cma_peer;
   *out = &s->base;
   return DDP_OK;
 err:

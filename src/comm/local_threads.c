@@ -126,7 +126,8 @@ ddp_status ddp__local_threads_create(const ddp__backend_config *cfg, ddp__local_
   m->base.ops = &threads_ops;
   m->base.region = reg;
   m->base.shared_futex = false;
-  m->base.needs_scratch = false;
+  m->base.staged = false;
+  m->base.can_read_peers = true;
   *out = &m->base;
   return DDP_OK;
 }
