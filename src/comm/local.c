@@ -209,22 +209,26 @@ static ddp_status allreduce_staged(ddp__local_backend *b, const ddp__op_ctx *ctx
   for (size_t at = 0; at < count; at += chunk, k++) {
     size_t len = count - at < chunk ? count - at : chunk;
     char *mine = (char *)buf + at * esize;
-    memcpy(ddp__local_stage_of(reg, b->rank, k), mine, len * esize);
-    ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, 2 + 2 * k));
-    DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, 2 + 2 * k)));
+    /* Stage all but this rank's own sub-slice (only it reads that, from
+     * its buffer). */
     size_t lo = slice_lo(len, b->size, b->rank, esize);
     size_t hi = slice_lo(len, b->size, b->rank + 1, esize);
+    uint8_t *stage = ddp__local_stage_of(reg, b->rank, k);
+    memcpy(stage, mine, lo * esize);
+    memcpy(stage + hi * esize, mine + hi * esize, (len - hi) * esize);
+    ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, 2 + 2 * k));
+    DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, 2 + 2 * k)));
     if (hi > lo) {
       size_t off = lo * esize;
       uint8_t *dst = ddp__local_result_of(reg, k) + off;
+#define SRC(q) ((q) == b->rank ? (const uint8_t *)mine + off : ddp__local_stage_of(reg, q, k) + off)
       if (b->size == 1) {
-        memcpy(dst, ddp__local_stage_of(reg, 0, k) + off, (hi - lo) * esize);
+        memcpy(dst, SRC(0), (hi - lo) * esize);
       } else {
-        ddp__reduce_pair(dst, ddp__local_stage_of(reg, 0, k) + off,
-                         ddp__local_stage_of(reg, 1, k) + off, hi - lo, dtype, op);
-        for (int q = 2; q < b->size; q++)
-          ddp__reduce_into(dst, ddp__local_stage_of(reg, q, k) + off, hi - lo, dtype, op);
+        ddp__reduce_pair(dst, SRC(0), SRC(1), hi - lo, dtype, op);
+        for (int q = 2; q < b->size; q++) ddp__reduce_into(dst, SRC(q), hi - lo, dtype, op);
       }
+#undef SRC
       if (op == DDP_REDUCE_AVG) ddp__reduce_scale(dst, hi - lo, dtype, b->size);
     }
     ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, 3 + 2 * k));
@@ -468,7 +472,9 @@ static ddp_status local_allgather(ddp__backend *base, const ddp__op_ctx *ctx, co
     return stream_all(b, ctx, n, send, bytes, -1, consume_gather_all, &a);
   }
   DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
-  memmove((char *)recv + (size_t)b->rank * bytes, send, bytes);
+  /* (In place, send is that block already: peers are reading it.) */
+  if ((char *)recv + (size_t)b->rank * bytes != (const char *)send)
+    memmove((char *)recv + (size_t)b->rank * bytes, send, bytes);
   for (int i = 1; i < b->size; i++) {
     int q = (b->rank + i) % b->size;
     MEM_TRY(q, mem_read(b, q, peer_addr(b, q, 0), (char *)recv + (size_t)q * bytes, bytes));

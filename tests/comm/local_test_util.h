@@ -174,6 +174,16 @@ static void lt_run_case(lt_matrix *m, ddp_dtype dt, size_t count, int round) {
              P, dn, count, j, got, want);
     if (got != want) break;
   }
+  /* allgather in place: send is this rank's block of recv */
+  memset(recv, 0xee, n_all * es);
+  for (size_t i = 0; i < count; i++) lt_set(recv + (size_t)r * count * es, dt, i, lt_contrib(r, i, 0));
+  LT_CALL(m, "allgather", o->allgather(b, ctxp, recv + (size_t)r * count * es, recv, count, dt));
+  for (size_t j = 0; j < n_all; j++) {
+    double got = lt_get(recv, dt, j), want = lt_contrib((int)(j / count), j % count, 0);
+    LT_CHECK(m, got == want, "rank %d of %d: allgather in place %s count %zu: [%zu] = %g, expected %g",
+             r, P, dn, count, j, got, want);
+    if (got != want) break;
+  }
   /* gather to root */
   memset(recv, 0xee, n_all * es);
   LT_CALL(m, "gather", o->gather(b, ctxp, send, r == root ? recv : NULL, count, dt, root));
