@@ -113,6 +113,36 @@ static inline int lp_reap(int size, const pid_t *pids) {
   return bad;
 }
 
+/* A pipe on which each rank reports that it is up (one byte), so a test
+ * kills ranks only once every rank is past creation, however loaded the
+ * machine. */
+static int lp_ready_pipe[2] = {-1, -1};
+
+static inline void lp_ready_open(void) {
+  if (pipe(lp_ready_pipe) != 0) lp_ready_pipe[0] = lp_ready_pipe[1] = -1;
+}
+
+static inline void lp_ready_signal(void) {
+  char c = 1;
+  if (lp_ready_pipe[1] >= 0 && write(lp_ready_pipe[1], &c, 1) != 1) _exit(12);
+}
+
+/* Waits (at most 60 s) for n ranks' bytes; closes the pipe. 0 on success. */
+static inline int lp_ready_wait(int n) {
+  int got = 0;
+  int64_t deadline = ddp_time_ns() + 60 * 1000000000LL;
+  close(lp_ready_pipe[1]);
+  while (got < n && ddp_time_ns() < deadline) {
+    char c;
+    ssize_t r = read(lp_ready_pipe[0], &c, 1);
+    if (r == 1) got++;
+    else if (r == 0) break;
+  }
+  close(lp_ready_pipe[0]);
+  lp_ready_pipe[0] = lp_ready_pipe[1] = -1;
+  return got == n ? 0 : -1;
+}
+
 /* Segments in /dev/shm created by the local backend in process pid. */
 static inline int lp_count_segments(pid_t pid) {
   char prefix[64];

@@ -172,9 +172,12 @@ static int kill_rank(int rank, int size, void *arg) {
   ddp_process_group *pg = NULL;
   if (ddp_process_group_create(store, rank, size, &o, &pg) != DDP_OK) return 10;
   float v[1024] = {0};
-  for (;;) {
+  for (int k = 0;; k++) {
     ddp_status st = ddp_allreduce(pg, v, 1024, DDP_FLOAT32, DDP_REDUCE_SUM);
-    if (st == DDP_OK) continue;
+    if (st == DDP_OK) {
+      if (k == 0) lp_ready_signal();
+      continue;
+    }
     int code = st == DDP_ERR_PEER && strstr(ddp_last_error(), "rank 2") ? 0 : 2;
     if (code) fprintf(stderr, "rank %d: %s: %s\n", rank, ddp_status_name(st), ddp_last_error());
     /* Sticky: the same error again. */
@@ -189,8 +192,10 @@ static void test_kill(void **state) {
   (void)state;
   assert_int_equal(lp_server_start(&server), 0);
   pid_t pids[3];
+  lp_ready_open();
   lp_spawn(3, 30, kill_rank, NULL, pids);
-  struct timespec ts = {0, 400 * 1000000L};
+  if (lp_ready_wait(3) != 0) fprintf(stderr, "ranks did not all start\n");
+  struct timespec ts = {0, 200 * 1000000L};
   nanosleep(&ts, NULL);
   kill(pids[2], SIGKILL);
   int64_t killed = ddp_time_ns();

@@ -100,7 +100,10 @@ static int kill_rank(int rank, int size, void *arg) {
   for (uint64_t k = 1; ddp_time_ns() < stop; k++) {
     ddp__op_ctx ctx = lt_ctx("allreduce", k, &ab, 60.0);
     ddp_status st = b->ops->allreduce(b, &ctx, buf, kill_count, DDP_FLOAT32, DDP_REDUCE_SUM);
-    if (st == DDP_OK) continue;
+    if (st == DDP_OK) {
+      if (k == 1) lp_ready_signal();
+      continue;
+    }
     int code = st == DDP_ERR_PEER && strstr(ddp_last_error(), victim) ? 0 : 2;
     if (code) fprintf(stderr, "rank %d: %s: %s\n", rank, ddp_status_name(st), ddp_last_error());
     /* Sticky: the next op fails too. */
@@ -117,8 +120,11 @@ static int kill_rank(int rank, int size, void *arg) {
 static void run_kill(size_t count, int size) {
   kill_count = count;
   pid_t pids[8];
+  lp_ready_open();
   lp_spawn(size, 60, kill_rank, NULL, pids);
-  struct timespec ts = {0, 300 * 1000000L};
+  /* Every rank has completed an allreduce; then let them loop a while. */
+  if (lp_ready_wait(size) != 0) fprintf(stderr, "ranks did not all start\n");
+  struct timespec ts = {0, 200 * 1000000L};
   nanosleep(&ts, NULL);
   kill(pids[size - 1], SIGKILL);
   int64_t killed_at = ddp_time_ns();
