@@ -135,14 +135,29 @@ static ddp_status choose_address(const ddp__backend_config *cfg, char *host, siz
 
 /* Socket buffers: DDP_SOCKET_BUFFER bytes each way when set (0: the
  * kernel's autotuning), else 4 MiB, clamped by the kernel to
- * net.core.[rw]mem_max. */
-static void set_buffers(int fd) {
+ * net.core.[rw]mem_max. Keepalive probes after DDP_SOCKET_KEEPALIVE seconds
+ * of silence (default 3; 0 turns them off), then every second, 3 times: a
+ * peer host that vanished without closing (power loss, a partition) fails
+ * the connection in about 6 s. A live peer's kernel answers probes whatever
+ * its process is doing, so a rank busy computing is never mistaken for a
+ * dead one. */
+static void set_socket_options(int fd) {
   int64_t bytes = 4 << 20;
   if (ddp_env_int("DDP_SOCKET_BUFFER", bytes, &bytes) != DDP_OK) bytes = 4 << 20;
-  if (bytes <= 0) return;
-  int v = bytes > (1 << 30) ? 1 << 30 : (int)bytes;
-  setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, sizeof v);
-  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &v, sizeof v);
+  if (bytes > 0) {
+    int v = bytes > (1 << 30) ? 1 << 30 : (int)bytes;
+    setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, sizeof v);
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &v, sizeof v);
+  }
+  int64_t idle = 3;
+  if (ddp_env_int("DDP_SOCKET_KEEPALIVE", idle, &idle) != DDP_OK) idle = 3;
+  if (idle > 0) {
+    int on = 1, idle_s = idle > 3600 ? 3600 : (int)idle, interval_s = 1, probes = 3;
+    setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof on);
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle_s, sizeof idle_s);
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval_s, sizeof interval_s);
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof probes);
+  }
 }
 
 /* ---- Handshake ------------------------------------------------------------- */
@@ -341,7 +356,7 @@ ddp_status ddp__tcp_connect_mesh(ddp__tcp_backend *b, const ddp__backend_config 
     if (peer == b->rank) continue;
     st = ddp__net_set_nonblocking(b->pairs[peer].fd, 1);
     if (st != DDP_OK) goto out;
-    set_buffers(b->pairs[peer].fd);
+    set_socket_options(b->pairs[peer].fd);
   }
 out:
   close(listen_fd);
@@ -464,7 +479,9 @@ static ssize_t pair_recv(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_p
     if (errno == EAGAIN || errno == EWOULDBLOCK) return IO_BLOCKED;
     char why[96];
     snprintf(why, sizeof why, "connection %s",
-             errno == ECONNRESET ? "reset" : strerror(errno));
+             errno == ECONNRESET  ? "reset"
+             : errno == ETIMEDOUT ? "timed out: its host stopped answering"
+                                  : strerror(errno));
     peer_died(b, ctx, p->rank, why);
     return IO_ERROR;
   }
