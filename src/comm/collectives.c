@@ -39,12 +39,13 @@ static ddp_status dispatch(ddp_process_group *pg, const ddp__op_args *a, const d
   return DDP_ERR_INTERNAL;
 }
 
-ddp_status ddp__op_execute(ddp_process_group *pg, const ddp__op_args *args) {
+ddp_status ddp__op_execute(ddp_process_group *pg, ddp__op_args *args) {
+  args->seq = ddp__op_is_collective(args->kind) ? ++pg->next_seq : ++pg->next_p2p_seq;
   DDP_TRY(ddp__group_check(pg));
   ddp__op_ctx ctx = {
       .op = ddp__op_kind_name(args->kind),
       .seq = args->seq,
-      .deadline_ns = ddp__deadline_after(pg->timeout_ns),
+      .deadline_ns = ddp__deadline_after_coarse(pg->timeout_ns),
       .aborted = &pg->aborted,
       .tag = args->tag,
   };

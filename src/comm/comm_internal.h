@@ -9,6 +9,7 @@
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <time.h>
 
 #include "comm/backend.h"
 #include "ddp/comm.h"
@@ -85,14 +86,20 @@ struct ddp_process_group {
   pthread_cond_t work_cv;  /* the progress thread waits for work / the executor */
   pthread_cond_t done_cv;  /* waiters wait for completions */
   ddp_work *head, *tail;   /* queued, in submission order */
-  size_t queued;
-  bool busy;               /* an op runs (inline or on the progress thread) */
+  /* Queued + running operations, plus DDP__INLINE_BIT while a blocking call
+   * runs inline: a blocking call may run inline only by swapping 0 for the
+   * bit (no lock on that path); the progress thread runs nothing while the
+   * bit is set. */
+  atomic_uint_fast64_t active;
+  atomic_int drainers;     /* threads waiting for active to reach 0 */
   bool stopping;
   bool thread_started;
   pthread_t thread;
   ddp_work *free_works;    /* pool */
   ddp_work *all_works;     /* every work allocated (all_next) */
-  uint64_t next_seq;       /* collectives issued so far */
+  /* Operations executed so far; only the executing thread touches them
+   * (one at a time), so numbers follow execution order = submission order. */
+  uint64_t next_seq;       /* collectives */
   uint64_t next_p2p_seq;
   uint64_t subgroups;      /* subgroups created from this group (ids) */
   uint64_t monitored_barriers;
@@ -110,9 +117,11 @@ ddp_status ddp__group_check(ddp_process_group *pg);
 ddp_status ddp__queue_init(ddp_process_group *pg);
 /* Waits (bounded) for queued work, stops the progress thread, frees the pool. */
 void ddp__queue_destroy(ddp_process_group *pg);
+#define DDP__INLINE_BIT (UINT64_C(1) << 62)
+
 /* Runs `args` in submission order: inline when nothing is queued or running
  * and `work` is NULL (blocking call); otherwise queued. With work != NULL,
- * *work receives the handle (async). Sets args->seq. */
+ * *work receives the handle (async). */
 ddp_status ddp__submit(ddp_process_group *pg, ddp__op_args *args, ddp_work **work);
 /* Waits until every operation submitted so far has finished (bounded). */
 ddp_status ddp__queue_drain(ddp_process_group *pg);
@@ -121,9 +130,10 @@ ddp_status ddp__queue_drain(ddp_process_group *pg);
 void ddp__queue_fail_all(ddp_process_group *pg);
 
 /* ---- collectives.c -------------------------------------------------------- */
-/* Runs one operation on the backend on the calling thread (debug check,
- * backend call, AVG scaling); on failure records the sticky error. */
-ddp_status ddp__op_execute(ddp_process_group *pg, const ddp__op_args *args);
+/* Runs one operation on the backend on the calling thread (numbering it in
+ * args->seq, debug check, backend call); on failure records the sticky
+ * error. Called by one thread at a time per group. */
+ddp_status ddp__op_execute(ddp_process_group *pg, ddp__op_args *args);
 
 /* ---- debug.c -------------------------------------------------------------- */
 /* DDP_DEBUG=detail: exchanges this collective's fingerprint and fails with a
@@ -136,6 +146,17 @@ void ddp__op_describe(const ddp__op_args *args, int group_size, char *out, size_
 /* Deadline helper: now + ns, saturating. */
 static inline int64_t ddp__deadline_after(int64_t ns) {
   int64_t now = ddp_time_ns();
+  return ns > INT64_MAX - now ? INT64_MAX : now + ns;
+}
+
+/* The same on CLOCK_MONOTONIC's coarse reading (the same clock, read from
+ * the last tick: at most a few ms behind, so the deadline is at most that
+ * early). Every operation computes one; where the precise clock costs
+ * ~100 ns (no vDSO), the coarse one costs ~5. */
+static inline int64_t ddp__deadline_after_coarse(int64_t ns) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+  int64_t now = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
   return ns > INT64_MAX - now ? INT64_MAX : now + ns;
 }
 

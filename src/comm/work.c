@@ -80,23 +80,27 @@ static void work_finish(ddp_process_group *pg, ddp_work *w, ddp_status status) {
 
 /* ---- Progress thread -------------------------------------------------------- */
 
+static bool inline_running(ddp_process_group *pg) {
+  return (atomic_load(&pg->active) & DDP__INLINE_BIT) != 0;
+}
+
 static void *progress_main(void *arg) {
   ddp_process_group *pg = arg;
   pthread_mutex_lock(&pg->mu);
   for (;;) {
-    while (!pg->stopping && (pg->head == NULL || pg->busy))
+    while (!pg->stopping && (pg->head == NULL || inline_running(pg)))
       cond_wait_until(&pg->work_cv, &pg->mu, ddp__deadline_after(1000000000LL));
-    if (pg->head == NULL || pg->busy) break; /* stopping, nothing left to run */
+    if (pg->head == NULL || inline_running(pg)) break; /* stopping, nothing left to run */
     ddp_work *w = pg->head;
     pg->head = w->next;
     if (!pg->head) pg->tail = NULL;
-    pg->queued--;
     w->queued = false;
-    pg->busy = true;
+    ddp__op_args args = w->args;
     pthread_mutex_unlock(&pg->mu);
-    ddp_status st = ddp__op_execute(pg, &w->args);
+    ddp_status st = ddp__op_execute(pg, &args);
     pthread_mutex_lock(&pg->mu);
-    pg->busy = false;
+    w->args.seq = args.seq;
+    atomic_fetch_sub(&pg->active, 1);
     work_finish(pg, w, st);
   }
   pthread_mutex_unlock(&pg->mu);
@@ -126,6 +130,8 @@ ddp_status ddp__queue_init(ddp_process_group *pg) {
   pthread_cond_init(&pg->work_cv, &attr);
   pthread_cond_init(&pg->done_cv, &attr);
   pthread_condattr_destroy(&attr);
+  atomic_init(&pg->active, 0);
+  atomic_init(&pg->drainers, 0);
   return DDP_OK;
 }
 
@@ -141,9 +147,10 @@ static ddp_status work_error(ddp_process_group *pg, ddp_status status) {
  * the op, and the running op is aborted so that nothing waits on it. */
 static ddp_status wait_timed_out(ddp_process_group *pg, const ddp__op_args *args, double waited_s) {
   char msg[256];
-  snprintf(msg, sizeof msg, "%s #%llu (rank %d of %d) did not complete within %.3g s",
-           ddp__op_kind_name(args->kind), (unsigned long long)args->seq, pg->rank, pg->size,
-           waited_s);
+  char num[32] = " (still queued)";
+  if (args->seq) snprintf(num, sizeof num, " #%llu", (unsigned long long)args->seq);
+  snprintf(msg, sizeof msg, "%s%s (rank %d of %d) did not complete within %.3g s",
+           ddp__op_kind_name(args->kind), num, pg->rank, pg->size, waited_s);
   ddp__group_fail(pg, DDP_ERR_TIMEOUT, msg);
   atomic_store(&pg->aborted, true);
   if (pg->backend && pg->backend->ops->abort) pg->backend->ops->abort(pg->backend);
@@ -151,20 +158,31 @@ static ddp_status wait_timed_out(ddp_process_group *pg, const ddp__op_args *args
   return ddp__group_check(pg);
 }
 
+/* Operations ahead of a new one (queued or running). */
+static size_t ops_ahead(ddp_process_group *pg) {
+  uint64_t a = atomic_load(&pg->active);
+  return (size_t)(a & ~DDP__INLINE_BIT) + ((a & DDP__INLINE_BIT) ? 1 : 0);
+}
+
 ddp_status ddp__submit(ddp_process_group *pg, ddp__op_args *args, ddp_work **work) {
-  pthread_mutex_lock(&pg->mu);
-  bool collective = ddp__op_is_collective(args->kind);
-  if (!work && pg->head == NULL && !pg->busy) {
-    args->seq = collective ? ++pg->next_seq : ++pg->next_p2p_seq;
-    pg->busy = true;
-    pthread_mutex_unlock(&pg->mu);
-    ddp_status st = ddp__op_execute(pg, args);
-    pthread_mutex_lock(&pg->mu);
-    pg->busy = false;
-    if (pg->head) pthread_cond_signal(&pg->work_cv);
-    pthread_mutex_unlock(&pg->mu);
-    return st;
+  if (!work) {
+    /* The fast path: nothing queued or running, so run here, now. */
+    uint_fast64_t idle = 0;
+    if (atomic_compare_exchange_strong(&pg->active, &idle, DDP__INLINE_BIT)) {
+      ddp_status st = ddp__op_execute(pg, args);
+      uint_fast64_t left = atomic_fetch_sub(&pg->active, DDP__INLINE_BIT) - DDP__INLINE_BIT;
+      if (left != 0 || atomic_load(&pg->drainers) != 0) {
+        /* Work was queued meanwhile (the progress thread waits for the bit
+         * to clear), or someone waits for the group to go idle. */
+        pthread_mutex_lock(&pg->mu);
+        pthread_cond_broadcast(&pg->work_cv);
+        pthread_cond_broadcast(&pg->done_cv);
+        pthread_mutex_unlock(&pg->mu);
+      }
+      return st;
+    }
   }
+  pthread_mutex_lock(&pg->mu);
   ddp_work *w = work_get(pg);
   ddp_status st = w ? ensure_thread(pg) : DDP_ERR_NOMEM;
   if (st != DDP_OK) {
@@ -174,16 +192,15 @@ ddp_status ddp__submit(ddp_process_group *pg, ddp__op_args *args, ddp_work **wor
                                            ddp__op_kind_name(args->kind))
                                : st;
   }
-  args->seq = collective ? ++pg->next_seq : ++pg->next_p2p_seq;
   w->args = *args;
   w->queued = true;
-  size_t ahead = pg->queued + (pg->busy ? 1 : 0);
+  size_t ahead = ops_ahead(pg);
+  atomic_fetch_add(&pg->active, 1);
   if (pg->tail)
     pg->tail->next = w;
   else
     pg->head = w;
   pg->tail = w;
-  pg->queued++;
   pthread_cond_signal(&pg->work_cv);
   if (work) {
     *work = w;
@@ -196,8 +213,9 @@ ddp_status ddp__submit(ddp_process_group *pg, ddp__op_args *args, ddp_work **wor
   }
   if (!w->done) {
     w->orphaned = true;
+    ddp__op_args copy = w->args;
     pthread_mutex_unlock(&pg->mu);
-    return wait_timed_out(pg, args, (double)(ddp_time_ns() - start) / 1e9);
+    return wait_timed_out(pg, &copy, (double)(ddp_time_ns() - start) / 1e9);
   }
   st = w->status;
   work_put(pg, w);
@@ -207,10 +225,12 @@ ddp_status ddp__submit(ddp_process_group *pg, ddp__op_args *args, ddp_work **wor
 
 ddp_status ddp__queue_drain(ddp_process_group *pg) {
   pthread_mutex_lock(&pg->mu);
-  int64_t deadline = queue_deadline(pg, pg->queued);
-  while ((pg->head || pg->busy) && cond_wait_until(&pg->done_cv, &pg->mu, deadline)) {
+  atomic_fetch_add(&pg->drainers, 1);
+  int64_t deadline = queue_deadline(pg, ops_ahead(pg));
+  while (atomic_load(&pg->active) != 0 && cond_wait_until(&pg->done_cv, &pg->mu, deadline)) {
   }
-  bool idle = !pg->head && !pg->busy;
+  bool idle = atomic_load(&pg->active) == 0;
+  atomic_fetch_sub(&pg->drainers, 1);
   pthread_mutex_unlock(&pg->mu);
   if (!idle)
     return ddp_error(DDP_ERR_TIMEOUT, "process group (rank %d of %d): queued operations did not finish in time",
@@ -224,10 +244,10 @@ void ddp__queue_fail_all(ddp_process_group *pg) {
   for (ddp_work *w = pg->head, *next; w; w = next) {
     next = w->next;
     w->next = NULL;
+    atomic_fetch_sub(&pg->active, 1);
     work_finish(pg, w, st);
   }
   pg->head = pg->tail = NULL;
-  pg->queued = 0;
   pthread_cond_broadcast(&pg->done_cv);
   pthread_cond_broadcast(&pg->work_cv);
   pthread_mutex_unlock(&pg->mu);
@@ -294,7 +314,7 @@ void ddp_work_free(ddp_work *work) {
   if (!work) return;
   ddp_process_group *pg = work->pg;
   pthread_mutex_lock(&pg->mu);
-  int64_t deadline = queue_deadline(pg, pg->queued);
+  int64_t deadline = queue_deadline(pg, ops_ahead(pg));
   while (!work->done && cond_wait_until(&pg->done_cv, &pg->mu, deadline)) {
   }
   if (work->done)

@@ -13,6 +13,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 #include <cmocka.h>
 
@@ -42,6 +45,28 @@ static void body_basic(ct_rank *self) {
   CT_OK(self, ddp_allreduce(pg, v, 3, DDP_FLOAT64, DDP_REDUCE_SUM));
   CT_CHECK(self, v[0] == n * (n - 1) / 2.0 && v[1] == n && v[2] == -v[0], "sum %g %g %g", v[0], v[1], v[2]);
   CT_OK(self, ddp_barrier(pg));
+  /* The steady state allocates nothing, on any rank: blocking calls run
+   * inline, async ones reuse pooled work objects. */
+  float g[64] = {0};
+  ddp_work *w[4];
+  for (int warm = 0; warm < 2; warm++) {
+    ct_sync(self);
+    uint64_t before = ddp_alloc_count();
+    ct_sync(self);
+    for (int it = 0; it < 50; it++) {
+      CT_OK(self, ddp_allreduce(pg, g, 64, DDP_FLOAT32, DDP_REDUCE_SUM));
+      for (int k = 0; k < 4; k++) CT_OK(self, ddp_allreduce_async(pg, g, 64, DDP_FLOAT32, DDP_REDUCE_SUM, &w[k]));
+      for (int k = 0; k < 4; k++) {
+        CT_OK(self, ddp_work_wait(w[k], -1));
+        ddp_work_free(w[k]);
+      }
+    }
+    ct_sync(self);
+    uint64_t allocs = ddp_alloc_count() - before;
+    ct_sync(self);
+    if (warm == 1) CT_CHECK(self, allocs == 0, "%llu allocations in 250 steady-state allreduces",
+                            (unsigned long long)allocs);
+  }
 }
 
 static void test_create_and_allreduce(void **state) {
@@ -348,6 +373,78 @@ static void body_p2p_bytes(ct_rank *self) {
 
 static void test_p2p_and_bytes(void **state) { run(5, 20, body_p2p_bytes, NULL); }
 
+/* ---- ddp_init_process_group over a tcp:// rendezvous ------------------------------ */
+
+typedef struct init_rank {
+  int rank, size;
+  uint16_t port;
+  pthread_barrier_t *barrier;
+  char error[512];
+} init_rank;
+
+static uint16_t free_port(void) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t len = sizeof a;
+  if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof a) != 0 ||
+      getsockname(fd, (struct sockaddr *)&a, &len) != 0)
+    abort();
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+/* Each rank: rendezvous at tcp://127.0.0.1:port (rank 0 hosts the store),
+ * an allreduce, then destroy; rank 0 destroys last, as its group owns the
+ * store server the others were connected to. */
+static void *init_rank_main(void *arg) {
+  init_rank *ir = arg;
+  char url[64];
+  snprintf(url, sizeof url, "tcp://127.0.0.1:%u", (unsigned)ir->port);
+  ddp_rendezvous_options ro;
+  ddp_rendezvous_options_init(&ro);
+  ro.rank = ir->rank;
+  ro.world_size = ir->size;
+  ro.timeout_s = 20;
+  ddp_process_group_options po = {.timeout_s = 20, .transport = ct_transport()};
+  ddp_process_group *pg = NULL;
+  if (ddp_init_process_group(url, &ro, &po, &pg) != DDP_OK) {
+    snprintf(ir->error, sizeof ir->error, "init: %s", ddp_last_error());
+  } else {
+    int64_t v = ir->rank + 1;
+    if (ddp_allreduce(pg, &v, 1, DDP_INT64, DDP_REDUCE_SUM) != DDP_OK)
+      snprintf(ir->error, sizeof ir->error, "allreduce: %s", ddp_last_error());
+    else if (v != (int64_t)ir->size * (ir->size + 1) / 2)
+      snprintf(ir->error, sizeof ir->error, "sum %lld", (long long)v);
+    else if (ddp_process_group_size(pg) != ir->size || ddp_process_group_rank(pg) != ir->rank)
+      snprintf(ir->error, sizeof ir->error, "rank/size %d/%d", ddp_process_group_rank(pg),
+               ddp_process_group_size(pg));
+  }
+  pthread_barrier_wait(ir->barrier);
+  if (ir->rank != 0) ddp_process_group_destroy(pg);
+  pthread_barrier_wait(ir->barrier);
+  if (ir->rank == 0) ddp_process_group_destroy(pg);
+  return NULL;
+}
+
+static void test_init_process_group_tcp_url(void **state) {
+  enum { N = 3 };
+  pthread_barrier_t barrier;
+  pthread_barrier_init(&barrier, NULL, N);
+  init_rank ranks[N];
+  pthread_t threads[N];
+  uint16_t port = free_port();
+  for (int r = 0; r < N; r++) {
+    ranks[r] = (init_rank){.rank = r, .size = N, .port = port, .barrier = &barrier};
+    pthread_create(&threads[r], NULL, init_rank_main, &ranks[r]);
+  }
+  for (int r = 0; r < N; r++) pthread_join(threads[r], NULL);
+  pthread_barrier_destroy(&barrier);
+  for (int r = 0; r < N; r++) {
+    if (strstr(ranks[r].error, "not built yet")) skip();
+    if (ranks[r].error[0]) fail_msg("rank %d: %s", r, ranks[r].error);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_create_and_allreduce),
@@ -359,6 +456,7 @@ int main(void) {
       cmocka_unit_test(test_debug_detail_mismatch),
       cmocka_unit_test(test_monitored_barrier_names_missing),
       cmocka_unit_test(test_p2p_and_bytes),
+      cmocka_unit_test(test_init_process_group_tcp_url),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
