@@ -53,9 +53,10 @@ static inline void lp_server_stop(lp_server *s) {
 }
 
 /* In a child: connects to the server and creates rank `rank` of `size`
- * under the store prefix `prefix`. Exits the child on failure. */
-static inline ddp__backend *lp_child_backend(const lp_server *s, const char *prefix, int rank,
-                                             int size, ddp_store **store_out) {
+ * under the store prefix `prefix`, ranks being `per_process` threads of
+ * each process (rank / per_process is the process). Exits on failure. */
+static inline ddp__backend *lp_backend(const lp_server *s, const char *prefix, int rank, int size,
+                                       int per_process, ddp_store **store_out) {
   ddp_store_options o = {.timeout_ms = 30000};
   ddp_store *base = NULL, *store = NULL;
   if (ddp_store_tcp_connect("127.0.0.1", s->port, &o, &base) != DDP_OK ||
@@ -65,7 +66,7 @@ static inline ddp__backend *lp_child_backend(const lp_server *s, const char *pre
   }
   ddp_store_destroy(base);
   int32_t host_of[64] = {0}, process_of[64];
-  for (int q = 0; q < size; q++) process_of[q] = q;
+  for (int q = 0; q < size; q++) process_of[q] = q / per_process;
   ddp__backend_config cfg = {.store = store, .rank = rank, .size = size, .host_of = host_of,
                              .process_of = process_of, .host_names = NULL,
                              .timeout_ns = 30 * 1000000000LL};
@@ -76,6 +77,12 @@ static inline ddp__backend *lp_child_backend(const lp_server *s, const char *pre
   }
   *store_out = store;
   return b;
+}
+
+/* One process per rank. */
+static inline ddp__backend *lp_child_backend(const lp_server *s, const char *prefix, int rank,
+                                             int size, ddp_store **store_out) {
+  return lp_backend(s, prefix, rank, size, 1, store_out);
 }
 
 /* Forks `size` ranks running body(rank, size, arg) -> exit code, each under

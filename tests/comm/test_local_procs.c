@@ -3,7 +3,9 @@
  * divisible by the world and up to 1 MiB against closed-form values; a rank
  * killed with SIGKILL in a loop of allreduces fails every other rank within
  * 5 s with DDP_ERR_PEER naming it; nothing is left in /dev/shm. The matrix
- * again as where cross-memory attach is refused. */
+ * again as where cross-memory attach is refused, and with 2 processes of 2
+ * threads each. */
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -80,6 +82,67 @@ static void test_matrix_without_cma(void **state) {
     if (lp_reap(sizes[s], pids) != 0) fail_msg("world %d failed (see stderr)", sizes[s]);
     assert_int_equal(lp_count_segments(pids[0]), 0);
   }
+}
+
+/* Mixed: 2 processes x 2 threads = 4 ranks (transport "threads" inside a
+ * process, "shm" between them). */
+typedef struct mixed_thread {
+  pthread_t thread;
+  int rank;
+  lt_matrix m;
+} mixed_thread;
+
+static void *mixed_main(void *arg) {
+  mixed_thread *t = arg;
+  ddp_store *store = NULL;
+  ddp__backend *b = lp_backend(&server, "mixed/", t->rank, 4, 2, &store);
+  const char *want[4] = {"threads", "threads", "shm", "shm"};
+  int peer = t->rank ^ 1, far = (t->rank + 2) % 4;
+  if (strcmp(b->ops->transport(b, peer), want[0]) != 0 ||
+      strcmp(b->ops->transport(b, far), want[2]) != 0) {
+    t->m.failures++;
+    snprintf(t->m.err, sizeof t->m.err, "rank %d: transports %s, %s", t->rank,
+             b->ops->transport(b, peer), b->ops->transport(b, far));
+  }
+  t->m.rank = t->rank;
+  t->m.size = 4;
+  t->m.b = b;
+  atomic_init(&t->m.aborted, false);
+  size_t counts[3] = {0, 1, 31};
+  t->m.counts = counts;
+  t->m.num_counts = 3;
+  lt_run_matrix(&t->m);
+  for (size_t d = 0; d < LT_NUM_DTYPES && !t->m.failures; d++)
+    lt_run_case(&t->m, lt_dtypes[d], (1u << 18) / ddp_dtype_size(lt_dtypes[d]) + 3, (int)d);
+  b->ops->destroy(b);
+  ddp_store_destroy(store);
+  return NULL;
+}
+
+static int mixed_process(int proc, int nproc, void *arg) {
+  mixed_thread t[2];
+  memset(t, 0, sizeof t);
+  for (int i = 0; i < 2; i++) {
+    t[i].rank = proc * 2 + i;
+    pthread_create(&t[i].thread, NULL, mixed_main, &t[i]);
+  }
+  int bad = 0;
+  for (int i = 0; i < 2; i++) {
+    pthread_join(t[i].thread, NULL);
+    if (t[i].m.failures) {
+      fprintf(stderr, "%s\n", t[i].m.err);
+      bad = 1;
+    }
+  }
+  return bad;
+}
+
+static void test_mixed_threads_and_processes(void **state) {
+  (void)state;
+  pid_t pids[2];
+  lp_spawn(2, 60, mixed_process, NULL, pids);
+  if (lp_reap(2, pids) != 0) fail_msg("mixed world failed (see stderr)");
+  assert_int_equal(lp_count_segments(pids[0]), 0);
 }
 
 /* Kill test: ranks loop allreduces of `count` floats; the parent kills the
@@ -171,6 +234,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_matrix),
       cmocka_unit_test(test_matrix_without_cma),
+      cmocka_unit_test(test_mixed_threads_and_processes),
       cmocka_unit_test(test_kill_small),
       cmocka_unit_test(test_kill_large),
   };
