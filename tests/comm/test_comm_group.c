@@ -244,6 +244,32 @@ static void test_work_wait_timeout_fails_group(void **state) {
   run(2, 30, body_work_wait_timeout, NULL);
 }
 
+/* A handle waited for with timeout < 0 is not given up on before its turn:
+ * three queued allreduces each take 0.3 s (rank 1 comes late to each), 0.9 s
+ * in all with a group timeout of 0.6 s. */
+static void body_wait_default_behind_queue(ct_rank *self) {
+  float v[3] = {1, 2, 3};
+  if (self->rank == 0) {
+    ddp_work *w[3];
+    for (int k = 0; k < 3; k++)
+      CT_OK(self, ddp_allreduce_async(self->pg, &v[k], 1, DDP_FLOAT32, DDP_REDUCE_SUM, &w[k]));
+    CT_OK(self, ddp_work_wait(w[2], -1));
+    for (int k = 0; k < 3; k++) {
+      CT_CHECK(self, v[k] == 2 * (k + 1), "v[%d] = %g", k, v[k]);
+      ddp_work_free(w[k]);
+    }
+  } else {
+    for (int k = 0; k < 3; k++) {
+      usleep(300000);
+      CT_OK(self, ddp_allreduce(self->pg, &v[k], 1, DDP_FLOAT32, DDP_REDUCE_SUM));
+    }
+  }
+}
+
+static void test_wait_default_waits_for_its_turn(void **state) {
+  run(2, 0.6, body_wait_default_behind_queue, NULL);
+}
+
 /* ---- Debug mode --------------------------------------------------------------- */
 
 static void body_mismatch(ct_rank *self) {
@@ -453,6 +479,7 @@ int main(void) {
       cmocka_unit_test(test_timeout_is_sticky),
       cmocka_unit_test(test_abort_wakes_blocked_op),
       cmocka_unit_test(test_work_wait_timeout_fails_group),
+      cmocka_unit_test(test_wait_default_waits_for_its_turn),
       cmocka_unit_test(test_debug_detail_mismatch),
       cmocka_unit_test(test_monitored_barrier_names_missing),
       cmocka_unit_test(test_p2p_and_bytes),
