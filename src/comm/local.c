@@ -728,6 +728,7 @@ ddp_status ddp__backend_local_create(const ddp__backend_config *cfg, ddp__backen
   /* Spin about 20 us before sleeping when every rank can have a core; barely
    * at all when they outnumber the cores (the peer needs ours to progress). */
   b->spin_iters = cfg->size <= online_cpus() ? 2000 : 20;
+  b->yield_iters = 16;
   *out = &b->base;
   return DDP_OK;
 }

@@ -178,6 +178,7 @@ typedef struct ddp__local_backend {
   void *scratch[2];        /* SEGMENT_BYTES each, when the provider needs them */
   atomic_bool aborted;
   int spin_iters;          /* before sleeping; small when oversubscribed */
+  int yield_iters;         /* sched_yield calls after spinning, before sleeping */
   int blame;               /* the peer behind the last error, -1 if none */
   ddp_status failed;       /* sticky: the first op error, DDP_OK while none */
   char failed_msg[320];

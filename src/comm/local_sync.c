@@ -1,6 +1,6 @@
-/* The local backend's waits: spin briefly, then sleep in a futex on the
- * word's `wake` counter, so ranks that outnumber the cores do not starve each
- * other. Every sleep is bounded (a few ms), and each wake-up checks the
+/* The local backend's waits: spin briefly, yield a few times, then sleep in
+ * a futex on the word's `wake` counter, so ranks that outnumber the cores do
+ * not starve each other. Every sleep is bounded (a few ms), and each wake-up checks the
  * deadline, abort, and the other ranks' states and processes, so a dead or
  * failed peer fails the wait within milliseconds whatever the timeout. */
 #include <errno.h>
@@ -128,6 +128,12 @@ ddp_status ddp__local_wait(ddp__local_backend *b, const ddp__op_ctx *ctx, ddp__l
   if (atomic_load_explicit(&w->value, memory_order_acquire) >= target) return DDP_OK;
   for (int i = 0; i < b->spin_iters; i++) {
     cpu_relax();
+    if (atomic_load_explicit(&w->value, memory_order_acquire) >= target) return DDP_OK;
+  }
+  /* Then yield a few times: on a busy machine the peer may be waiting for
+   * this core, and a yield hands it over without a futex round trip. */
+  for (int i = 0; i < b->yield_iters; i++) {
+    sched_yield();
     if (atomic_load_explicit(&w->value, memory_order_acquire) >= target) return DDP_OK;
   }
   int64_t deadline = ctx ? ctx->deadline_ns : 0;
