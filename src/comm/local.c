@@ -61,7 +61,7 @@ void ddp__local_region_init(ddp__local_region *reg, int size, uint64_t nonce) {
 static ddp_status op_begin(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t *n) {
   /* After a failure the region no longer describes this rank's op: touch
    * nothing, repeat the error. */
-  DDP_TRY(ddp__local_check_failed(b));
+  DDP_TRY(ddp__local_check_failed(b, ctx));
   *n = ++b->op_number;
   if (*n > 1) return ddp__local_wait_all(b, ctx, flag_value(*n - 1, STEP_START));
   return DDP_OK;
@@ -627,6 +627,9 @@ static const char *local_transport(const ddp__backend *base, int peer) {
 static void local_abort(ddp__backend *base) {
   ddp__local_backend *b = as_local(base);
   atomic_store(&b->aborted, true);
+  /* Peers fail fast (naming this rank) even if no op is running here. */
+  uint32_t active = DDP__LOCAL_ACTIVE;
+  atomic_compare_exchange_strong(&my_ctl(b)->state, &active, DDP__LOCAL_ABORTED);
   ddp__local_wake_all(b);
 }
 

@@ -198,8 +198,9 @@ ddp_status ddp__local_wait_flag(ddp__local_backend *b, const ddp__op_ctx *ctx, i
                                 uint64_t target);
 /* Every other rank's flag >= target. */
 ddp_status ddp__local_wait_all(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t target);
-/* DDP_OK, or the sticky error of an earlier op (message restored). */
-ddp_status ddp__local_check_failed(ddp__local_backend *b);
+/* DDP_OK, or the sticky error of an earlier op (message restored), or
+ * DDP_ERR_ABORTED once aborted: an op that cannot run touches nothing. */
+ddp_status ddp__local_check_failed(ddp__local_backend *b, const ddp__op_ctx *ctx);
 /* Wakes every sleeper on the region (abort). */
 void ddp__local_wake_all(ddp__local_backend *b);
 /* Marks this rank failed (so waiting peers fail fast), remembers the error

@@ -43,7 +43,7 @@ static ddp_status post_one(ddp__local_backend *b, const ddp__op_ctx *ctx, int ds
 ddp_status ddp__local_send(ddp__backend *base, const ddp__op_ctx *ctx, const void *buf,
                            size_t bytes, int dst) {
   ddp__local_backend *b = as_local(base);
-  DDP_TRY(ddp__local_check_failed(b));
+  DDP_TRY(ddp__local_check_failed(b, ctx));
   uint64_t id;
   if (bytes <= DDP__LOCAL_P2P_INLINE) return post_one(b, ctx, dst, INLINE, bytes, buf, bytes, &id);
   if (!b->mem->can_read_peers) {
@@ -79,7 +79,7 @@ static ddp_status recv_pieces(ddp__local_backend *b, const ddp__op_ctx *ctx, int
 ddp_status ddp__local_recv(ddp__backend *base, const ddp__op_ctx *ctx, void *buf, size_t bytes,
                            int src) {
   ddp__local_backend *b = as_local(base);
-  DDP_TRY(ddp__local_check_failed(b));
+  DDP_TRY(ddp__local_check_failed(b, ctx));
   ddp__local_p2p_chan *ch = ddp__local_chan_of(b->reg, src, b->rank);
   int tag = ctx ? ctx->tag : 0;
   uint64_t first = b->p2p_next_recv[src];

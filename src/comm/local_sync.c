@@ -77,7 +77,12 @@ ddp_status ddp__local_fail(ddp__local_backend *b, const ddp__op_ctx *ctx, ddp_st
   return st;
 }
 
-ddp_status ddp__local_check_failed(ddp__local_backend *b) {
+ddp_status ddp__local_check_failed(ddp__local_backend *b, const ddp__op_ctx *ctx) {
+  if (b->failed == DDP_OK && is_aborted(b, ctx)) {
+    b->blame = -1;
+    ddp__local_fail(b, ctx,
+                    ddp_error(DDP_ERR_ABORTED, "%s #%llu: aborted", op_name(ctx), op_seq(ctx)));
+  }
   if (b->failed == DDP_OK) return DDP_OK;
   return ddp_error(b->failed, "%s", b->failed_msg);
 }

@@ -213,6 +213,48 @@ static void test_abort_wakes(void **state) {
     if (t[r].m.failures) fail_msg("%s", t[r].m.err);
 }
 
+/* Rank 0 aborts while idle; rank 1's next op fails at once naming it, and
+ * rank 0's own next op reports the abort. */
+static _Atomic int idle_phase;
+static void idle_abort_body(rank_thread *t) {
+  atomic_bool ab;
+  atomic_init(&ab, false);
+  if (t->rank == 0) {
+    t->b->ops->abort(t->b);
+    atomic_store(&idle_phase, 1);
+    ddp__op_ctx ctx = lt_ctx("barrier", 1, &ab, 60.0);
+    ddp_status st = t->b->ops->barrier(t->b, &ctx);
+    if (st != DDP_ERR_ABORTED) {
+      t->m.failures++;
+      snprintf(t->m.err, sizeof t->m.err, "rank 0: %s: %s", ddp_status_name(st), ddp_last_error());
+    }
+    return;
+  }
+  while (atomic_load(&idle_phase) == 0) {
+    struct timespec ts = {0, 1000000L};
+    nanosleep(&ts, NULL);
+  }
+  int64_t t0 = ddp_time_ns();
+  ddp__op_ctx ctx = lt_ctx("allreduce", 1, &ab, 60.0);
+  float v[100000] = {0};
+  ddp_status st = t->b->ops->allreduce(t->b, &ctx, v, 100000, DDP_FLOAT32, DDP_REDUCE_SUM);
+  double waited = (double)(ddp_time_ns() - t0) * 1e-9;
+  if (st != DDP_ERR_PEER || waited > 1.0 || !strstr(ddp_last_error(), "rank 0 (local) aborted")) {
+    t->m.failures++;
+    snprintf(t->m.err, sizeof t->m.err, "rank %d: %s after %.3f s: %s", t->rank,
+             ddp_status_name(st), waited, ddp_last_error());
+  }
+}
+
+static void test_abort_idle(void **state) {
+  (void)state;
+  rank_thread t[3];
+  atomic_store(&idle_phase, 0);
+  run_ranks(3, idle_abort_body, t);
+  for (int r = 0; r < 3; r++)
+    if (t[r].m.failures) fail_msg("%s", t[r].m.err);
+}
+
 /* Rank 1 of 3 never calls: rank 0's barrier times out naming a rank. */
 static void timeout_body(rank_thread *t) {
   if (t->rank != 0) return;
@@ -241,6 +283,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_matrix),    cmocka_unit_test(test_matrix_large),
       cmocka_unit_test(test_many_small), cmocka_unit_test(test_abort_wakes),
+      cmocka_unit_test(test_abort_idle),
       cmocka_unit_test(test_timeout),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
