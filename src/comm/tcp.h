@@ -20,9 +20,10 @@
  * order per tag; others wait in the pair's unexpected queue). BYE (bytes =
  * the pair's session id) is the last frame a rank sends: on destroy, so a
  * peer can tell a clean exit from a crash when the connection closes, or at
- * once when an op fails, with tag = 1 + the rank it blames (0: none), so the
- * ranks still waiting learn which rank died even when their own connection
- * to it has not closed yet (its FIN may sit behind unread data). */
+ * once when an op fails, with tag = 1 + the rank it blames (0: none; bit 31
+ * set when that rank left cleanly rather than died), so the ranks still
+ * waiting learn which rank failed even when their own connection to it has
+ * not closed yet (its FIN may sit behind unread data). */
 #define DDP__TCP_MAGIC 0x44505400u /* "\0TPD": low byte is the kind */
 enum { DDP__TCP_COLL = 1, DDP__TCP_P2P = 2, DDP__TCP_BYE = 3 };
 
@@ -58,6 +59,7 @@ typedef struct ddp__tcp_pair {
   bool peer_left;                  /* its stream ended with BYE: a clean exit */
   bool bye_seen;                   /* closed after BYE, frames before it still unread */
   int left_cause;                  /* the BYE's cause: the rank it blamed, or -1 */
+  bool cause_left;                 /* ... which had left cleanly (not died) */
   bool send_open;                  /* a frame is partly sent (nothing may cut in) */
   bool bye_sent;
 } ddp__tcp_pair;

@@ -372,6 +372,7 @@ out:
 static void send_bye(ddp__tcp_backend *b, ddp__tcp_pair *p) {
   if (p->fd < 0 || p->bye_sent || p->send_open) return;
   uint32_t cause = b->failed && b->failed_peer >= 0 ? (uint32_t)b->failed_peer + 1 : 0;
+  if (cause && b->failed_left) cause |= 1u << 31;
   ddp__tcp_header bye = {DDP__TCP_MAGIC | DDP__TCP_BYE, cause, p->session};
   if (send(p->fd, &bye, sizeof bye, MSG_NOSIGNAL | MSG_DONTWAIT) == (ssize_t)sizeof bye)
     p->bye_sent = true;
@@ -433,10 +434,18 @@ static ddp_status peer_died(ddp__tcp_backend *b, const ddp__op_ctx *ctx, int pee
 /* p left with a BYE that blames another rank: that rank is the failure. */
 static ddp_status peer_reported(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_pair *p) {
   char d[160], d2[160];
-  fail(b, ctx, DDP_ERR_PEER, "%s died (reported by %s)",
-       peer_desc(b, p->left_cause, d, sizeof d), peer_desc(b, p->rank, d2, sizeof d2));
+  fail(b, ctx, DDP_ERR_PEER, "%s %s (reported by %s)",
+       peer_desc(b, p->left_cause, d, sizeof d),
+       p->cause_left ? "left the group (destroyed it) before this operation finished" : "died",
+       peer_desc(b, p->rank, d2, sizeof d2));
   b->failed_peer = p->left_cause;
+  b->failed_left = p->cause_left; /* a rank that left may be hiding one that died */
   return b->failed;
+}
+
+static void parse_bye_cause(ddp__tcp_pair *p, uint32_t tag) {
+  p->left_cause = (int)(tag & 0x7fffffffu) - 1;
+  p->cause_left = (tag >> 31) != 0;
 }
 
 static bool blames_other(const ddp__tcp_backend *b, const ddp__tcp_pair *p) {
@@ -457,7 +466,7 @@ static bool stream_ends_with_bye(ddp__tcp_pair *p) {
     ddp__tcp_header h;
     memcpy(&h, tmp + n - sizeof h, sizeof h);
     bye = h.magic_kind == (DDP__TCP_MAGIC | DDP__TCP_BYE) && h.bytes == p->session;
-    if (bye) p->left_cause = (int)h.tag - 1;
+    if (bye) parse_bye_cause(p, h.tag);
   }
   ddp_free(tmp);
   return bye;
@@ -514,7 +523,7 @@ static int read_header(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_pai
   }
   if (kind == DDP__TCP_BYE) {
     p->peer_left = true;
-    p->left_cause = (int)p->hdr.tag - 1;
+    parse_bye_cause(p, p->hdr.tag);
     return IO_BLOCKED;
   }
   p->have_hdr = true;

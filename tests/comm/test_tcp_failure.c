@@ -2,7 +2,8 @@
  * is SIGKILLed during a loop of allreduces and every other rank fails with
  * DDP_ERR_PEER naming it within 5 s (whatever it was waiting for); abort()
  * from another thread wakes a blocked op; the deadline names the rank
- * waited for; errors are sticky. */
+ * waited for; errors are sticky; mismatched counts are named with both
+ * sizes; a rank that destroys its backend early is named as having left. */
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -161,6 +162,67 @@ static void test_deadline_names_peer(void **state) {
   run_stuck(2, DDP_ERR_TIMEOUT, "rank 1 (", 2.0);
 }
 
+/* ---- Mismatched calls and a rank that leaves --------------------------------- */
+
+/* Rank 0 allreduces 100 floats, rank 1 200: both fail saying who sent how
+ * many bytes. */
+static void mismatch_rank(int rank, int size, ddp__backend *b, tt_result *res, void *arg) {
+  atomic_bool aborted;
+  atomic_init(&aborted, false);
+  float buf[200] = {0};
+  ddp__op_ctx c = tt_ctx("allreduce", 3, &aborted, 20);
+  res->status = b->ops->allreduce(b, &c, buf, rank == 0 ? 100 : 200, DDP_FLOAT32, DDP_REDUCE_SUM);
+  snprintf(res->msg, sizeof res->msg, "%s", ddp_last_error());
+}
+
+static void test_mismatched_counts(void **state) {
+  tt_world w;
+  assert_int_equal(tt_spawn(&w, 2, mismatch_rank, NULL, 30), 0);
+  char err[1024];
+  if (tt_wait(&w, 40, err, sizeof err)) fail_msg("%s", err);
+  const char *want[2] = {"rank 1 (localhost, 127.0.0.1:", "rank 0 (localhost, 127.0.0.1:"};
+  const char *sizes[2] = {"sent 800 bytes where this rank expects 400",
+                          "sent 400 bytes where this rank expects 800"};
+  for (int r = 0; r < 2; r++) {
+    tt_result *res = &w.results[r];
+    if (res->status != DDP_ERR_INVALID || !strstr(res->msg, want[r]) ||
+        !strstr(res->msg, sizes[r]) || !strstr(res->msg, "allreduce #3"))
+      fail_msg("rank %d: %s: %s", r, ddp_status_name(res->status), res->msg);
+    print_message("rank %d: %s\n", r, res->msg);
+  }
+  tt_release(&w);
+}
+
+/* Rank 2 destroys its backend at once; the others' allreduce fails naming
+ * it as having left (directly, or reported by the rank that saw it). */
+static void leaver_rank(int rank, int size, ddp__backend *b, tt_result *res, void *arg) {
+  if (rank == 2) return;
+  atomic_bool aborted;
+  atomic_init(&aborted, false);
+  float buf[4] = {1, 2, 3, 4};
+  ddp__op_ctx c = tt_ctx("allreduce", 1, &aborted, 20);
+  int64_t t0 = ddp_time_ns();
+  res->status = b->ops->allreduce(b, &c, buf, 4, DDP_FLOAT32, DDP_REDUCE_SUM);
+  res->t_ns = ddp_time_ns() - t0;
+  snprintf(res->msg, sizeof res->msg, "%s", ddp_last_error());
+}
+
+static void test_peer_left(void **state) {
+  tt_world w;
+  assert_int_equal(tt_spawn(&w, 3, leaver_rank, NULL, 30), 0);
+  char err[1024];
+  if (tt_wait(&w, 40, err, sizeof err)) fail_msg("%s", err);
+  for (int r = 0; r < 2; r++) {
+    tt_result *res = &w.results[r];
+    if (res->status != DDP_ERR_PEER || !strstr(res->msg, "rank 2 (") ||
+        !strstr(res->msg, "left the group"))
+      fail_msg("rank %d: %s: %s", r, ddp_status_name(res->status), res->msg);
+    if (res->t_ns > 5000000000LL) fail_msg("rank %d took %.1f s", r, (double)res->t_ns / 1e9);
+    print_message("rank %d: %s\n", r, res->msg);
+  }
+  tt_release(&w);
+}
+
 static int setup(void **state) { return tt_start_store(); }
 static int teardown(void **state) {
   tt_stop_store();
@@ -172,6 +234,7 @@ int main(void) {
       cmocka_unit_test(test_kill_one_of_4),       cmocka_unit_test(test_kill_one_of_7),
       cmocka_unit_test(test_kill_rank0_of_3),     cmocka_unit_test(test_abort_wakes_op),
       cmocka_unit_test(test_abort_flag_wakes_op), cmocka_unit_test(test_deadline_names_peer),
+      cmocka_unit_test(test_mismatched_counts),   cmocka_unit_test(test_peer_left),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }
