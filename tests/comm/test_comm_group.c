@@ -69,9 +69,25 @@ static void body_basic(ct_rank *self) {
   }
 }
 
+/* A second group of the same ranks on the same store (its own namespace,
+ * pg/<n>/), used interleaved with the first. */
+static void body_two_groups(ct_rank *self) {
+  ddp_process_group *second = NULL;
+  CT_OK(self, ddp_process_group_create(self->world->store, self->rank, self->world->size,
+                                       &self->world->options, &second));
+  for (int it = 0; it < 20; it++) {
+    int32_t a = self->rank, b = 1;
+    CT_OK(self, ddp_allreduce(self->pg, &a, 1, DDP_INT32, DDP_REDUCE_MAX));
+    CT_OK(self, ddp_allreduce(second, &b, 1, DDP_INT32, DDP_REDUCE_SUM));
+    CT_CHECK(self, a == self->world->size - 1 && b == self->world->size, "%d %d", a, b);
+  }
+  ddp_process_group_destroy(second);
+}
+
 static void test_create_and_allreduce(void **state) {
   run(4, 20, body_basic, NULL);
   run(3, 20, body_basic, NULL);
+  run(3, 20, body_two_groups, NULL);
 }
 
 /* ---- Subgroups ------------------------------------------------------------------- */
