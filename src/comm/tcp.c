@@ -1,6 +1,7 @@
 /* The tcp backend's table: construction (connect the mesh), the op entry
  * points, point-to-point, transport names, abort and destroy. Pairs and the
- * transfer engine are in tcp_pairs.c, the collectives in tcp_algorithms.c. */
+ * transfer engine are in tcp_pairs.c and tcp_engine.c, the collectives in
+ * tcp_algorithms.c. */
 #include <stdint.h>
 #include <string.h>
 #include <sys/eventfd.h>

@@ -1,7 +1,8 @@
 /* Internals of the tcp backend shared by its files: the backend object, the
- * pairs (one socket per peer), the frame format and the transfer engine that
- * moves several framed messages at once (tcp_pairs.c), and the collective
- * algorithms built on it (tcp_algorithms.c). Not installed. */
+ * pairs (one socket per peer, connected by tcp_pairs.c), the frame format
+ * and the transfer engine that moves several framed messages at once
+ * (tcp_engine.c), and the collective algorithms built on it
+ * (tcp_algorithms.c). Not installed. */
 #ifndef DDP__COMM_TCP_H
 #define DDP__COMM_TCP_H
 
@@ -124,6 +125,9 @@ typedef struct ddp__tcp_backend {
  * mesh (lower rank connects to higher; handshake checks the ranks, the group
  * size and the listener's nonce), until cfg->timeout_ns. */
 ddp_status ddp__tcp_connect_mesh(ddp__tcp_backend *b, const ddp__backend_config *cfg);
+
+/* ---- tcp_engine.c --------------------------------------------------------- */
+
 /* Sends BYE on every pair (best effort), drains and closes the sockets. */
 void ddp__tcp_close_pairs(ddp__tcp_backend *b);
 

@@ -1,5 +1,5 @@
 /* The tcp backend's collectives, written as schedules of framed transfers
- * that the engine (tcp_pairs.c) runs overlapped:
+ * that the engine (tcp_engine.c) runs overlapped:
  *   allreduce       recursive doubling (up to 8 KiB), halving-doubling (up
  *                   to 512 KiB; for both, non-power-of-two sizes fold the
  *                   extra ranks in first and out last), else a pipelined
