@@ -1,8 +1,9 @@
 /* Helpers for the process-group tests: a world of ranks as threads of this
  * process meeting in one in-process store (each thread creates its own
  * group through the public API), a thread-safe CHECK that records the first
- * failure (cmocka's asserts must stay on the main thread), and element
- * access for every comm dtype. */
+ * failure (cmocka's asserts must stay on the main thread). Element access
+ * and closed forms are local_test_util.h's (lt_*), shared with the backend
+ * tests. */
 #ifndef DDP_TESTS_COMM_TEST_UTIL_H
 #define DDP_TESTS_COMM_TEST_UTIL_H
 
@@ -15,6 +16,7 @@
 #include <string.h>
 
 #include "comm/backend.h"
+#include "comm/local_test_util.h"
 #include "ddp/ddp.h"
 
 #define CT_MAX_RANKS 16
@@ -131,39 +133,5 @@ static inline int ct_run(int size, double timeout_s, void (*body)(ct_rank *), vo
 
 /* Every rank of the world waits here (not through the group). */
 static inline void ct_sync(ct_rank *self) { pthread_barrier_wait(&self->world->barrier); }
-
-/* ---- Elements ---------------------------------------------------------------- */
-
-static const ddp_dtype ct_dtypes[] = {DDP_FLOAT32, DDP_FLOAT64, DDP_INT32,
-                                      DDP_INT64,   DDP_FLOAT16, DDP_BFLOAT16};
-#define CT_NUM_DTYPES 6
-
-static inline void ct_set(void *buf, ddp_dtype dt, size_t i, double v) {
-  switch (dt) {
-  case DDP_FLOAT32: ((float *)buf)[i] = (float)v; break;
-  case DDP_FLOAT64: ((double *)buf)[i] = v; break;
-  case DDP_INT32: ((int32_t *)buf)[i] = (int32_t)v; break;
-  case DDP_INT64: ((int64_t *)buf)[i] = (int64_t)v; break;
-  case DDP_FLOAT16: ((uint16_t *)buf)[i] = ddp__float_to_half((float)v); break;
-  case DDP_BFLOAT16: ((uint16_t *)buf)[i] = ddp__float_to_bf16((float)v); break;
-  default: abort();
-  }
-}
-
-static inline double ct_get(const void *buf, ddp_dtype dt, size_t i) {
-  switch (dt) {
-  case DDP_FLOAT32: return ((const float *)buf)[i];
-  case DDP_FLOAT64: return ((const double *)buf)[i];
-  case DDP_INT32: return ((const int32_t *)buf)[i];
-  case DDP_INT64: return (double)((const int64_t *)buf)[i];
-  case DDP_FLOAT16: return ddp__half_to_float(((const uint16_t *)buf)[i]);
-  case DDP_BFLOAT16: return ddp__bf16_to_float(((const uint16_t *)buf)[i]);
-  default: abort();
-  }
-}
-
-static inline bool ct_is_float(ddp_dtype dt) {
-  return dt == DDP_FLOAT32 || dt == DDP_FLOAT64 || dt == DDP_FLOAT16 || dt == DDP_BFLOAT16;
-}
 
 #endif

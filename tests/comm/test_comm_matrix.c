@@ -10,7 +10,6 @@
  * that is moved; every expected value is a small integer or half-integer,
  * exact in every dtype including bfloat16, whatever the order of the
  * reduction. */
-#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -23,29 +22,8 @@
 
 #define MIB (1u << 20)
 
-static double contrib(int r, size_t i, ddp_reduce_op op) {
-  if (op == DDP_REDUCE_PRODUCT) return (i % 3) == (size_t)(r % 3) ? 2.0 : 1.0;
-  return (double)(r + 1) * (double)(i % 7 + 1);
-}
-
-static double expected(ddp_reduce_op op, int P, size_t i) {
-  double k = (double)(i % 7 + 1);
-  switch (op) {
-  case DDP_REDUCE_SUM: return (double)P * (P + 1) / 2.0 * k;
-  case DDP_REDUCE_AVG: return (double)(P + 1) / 2.0 * k;
-  case DDP_REDUCE_MIN: return k;
-  case DDP_REDUCE_MAX: return (double)P * k;
-  case DDP_REDUCE_PRODUCT: {
-    int ranks = 0;
-    for (int r = 0; r < P; r++) ranks += (i % 3) == (size_t)(r % 3);
-    return ldexp(1.0, ranks);
-  }
-  default: return NAN;
-  }
-}
-
-static double code(int r, size_t i) { return (double)(r * 8 + (int)(i % 5)); }
-static double code2(int from, int to, size_t i) { return (double)(from * 8 + to + (int)(i % 5)); }
+/* Closed forms: lt_contrib / lt_expected / lt_code from local_test_util.h. */
+static double code(int r, size_t i) { return lt_code(r, 0, i); }
 
 #define JUNK (-3.0)
 
@@ -73,82 +51,82 @@ static void run_dtype(ct_rank *self, ddp_dtype dt, char *a, char *b) {
     size_t n = plain[c], m = block[c];
     /* allreduce, every op */
     for (int op = 0; op < DDP_REDUCE_OP_COUNT; op++) {
-      if (op == DDP_REDUCE_AVG && !ct_is_float(dt)) continue;
-      FOR_I(n) ct_set(a, dt, i, contrib(r, i, (ddp_reduce_op)op));
+      if (op == DDP_REDUCE_AVG && !lt_is_float(dt)) continue;
+      FOR_I(n) lt_set(a, dt, i, lt_contrib(r, i, (ddp_reduce_op)op));
       CT_OK(self, ddp_allreduce(pg, a, n, dt, (ddp_reduce_op)op));
-      FOR_I(n) CT_CHECK(self, ct_get(a, dt, i) == expected((ddp_reduce_op)op, P, i),
+      FOR_I(n) CT_CHECK(self, lt_get(a, dt, i) == lt_expected((ddp_reduce_op)op, P, i),
                         "allreduce %s %s n=%zu [%zu] = %g, want %g", dn,
-                        ddp_reduce_op_name((ddp_reduce_op)op), n, i, ct_get(a, dt, i),
-                        expected((ddp_reduce_op)op, P, i));
+                        ddp_reduce_op_name((ddp_reduce_op)op), n, i, lt_get(a, dt, i),
+                        lt_expected((ddp_reduce_op)op, P, i));
     }
     /* reduce to a middle root: SUM and MAX (AVG for floats); others unchanged */
     int root = P / 2;
-    ddp_reduce_op rops[3] = {DDP_REDUCE_SUM, DDP_REDUCE_MAX, ct_is_float(dt) ? DDP_REDUCE_AVG : DDP_REDUCE_MIN};
+    ddp_reduce_op rops[3] = {DDP_REDUCE_SUM, DDP_REDUCE_MAX, lt_is_float(dt) ? DDP_REDUCE_AVG : DDP_REDUCE_MIN};
     for (int k = 0; k < 3; k++) {
-      FOR_I(n) ct_set(a, dt, i, contrib(r, i, rops[k]));
+      FOR_I(n) lt_set(a, dt, i, lt_contrib(r, i, rops[k]));
       CT_OK(self, ddp_reduce(pg, a, n, dt, rops[k], root));
       FOR_I(n) {
-        double want = r == root ? expected(rops[k], P, i) : contrib(r, i, rops[k]);
-        CT_CHECK(self, ct_get(a, dt, i) == want, "reduce %s %s root %d n=%zu [%zu] = %g, want %g",
-                 dn, ddp_reduce_op_name(rops[k]), root, n, i, ct_get(a, dt, i), want);
+        double want = r == root ? lt_expected(rops[k], P, i) : lt_contrib(r, i, rops[k]);
+        CT_CHECK(self, lt_get(a, dt, i) == want, "reduce %s %s root %d n=%zu [%zu] = %g, want %g",
+                 dn, ddp_reduce_op_name(rops[k]), root, n, i, lt_get(a, dt, i), want);
       }
     }
     /* broadcast from the last rank */
-    FOR_I(n) ct_set(a, dt, i, r == P - 1 ? code(r, i) : JUNK);
+    FOR_I(n) lt_set(a, dt, i, r == P - 1 ? code(r, i) : JUNK);
     CT_OK(self, ddp_broadcast(pg, a, n, dt, P - 1));
-    FOR_I(n) CT_CHECK(self, ct_get(a, dt, i) == code(P - 1, i), "broadcast %s n=%zu [%zu] = %g", dn,
-                      n, i, ct_get(a, dt, i));
+    FOR_I(n) CT_CHECK(self, lt_get(a, dt, i) == code(P - 1, i), "broadcast %s n=%zu [%zu] = %g", dn,
+                      n, i, lt_get(a, dt, i));
     /* allgather */
-    FOR_I(m) ct_set(a, dt, i, code(r, i));
-    FOR_I(m * (size_t)P) ct_set(b, dt, i, JUNK);
+    FOR_I(m) lt_set(a, dt, i, code(r, i));
+    FOR_I(m * (size_t)P) lt_set(b, dt, i, JUNK);
     CT_OK(self, ddp_allgather(pg, a, b, m, dt));
     for (int q = 0; q < P; q++)
-      FOR_I(m) CT_CHECK(self, ct_get(b, dt, (size_t)q * m + i) == code(q, i),
+      FOR_I(m) CT_CHECK(self, lt_get(b, dt, (size_t)q * m + i) == code(q, i),
                         "allgather %s m=%zu block %d [%zu] = %g", dn, m, q, i,
-                        ct_get(b, dt, (size_t)q * m + i));
+                        lt_get(b, dt, (size_t)q * m + i));
     /* gather to rank (P-1)/2 */
     int groot = (P - 1) / 2;
-    FOR_I(m * (size_t)P) ct_set(b, dt, i, JUNK);
+    FOR_I(m * (size_t)P) lt_set(b, dt, i, JUNK);
     CT_OK(self, ddp_gather(pg, a, r == groot ? b : NULL, m, dt, groot));
     if (r == groot)
       for (int q = 0; q < P; q++)
-        FOR_I(m) CT_CHECK(self, ct_get(b, dt, (size_t)q * m + i) == code(q, i),
+        FOR_I(m) CT_CHECK(self, lt_get(b, dt, (size_t)q * m + i) == code(q, i),
                           "gather %s m=%zu block %d [%zu] = %g", dn, m, q, i,
-                          ct_get(b, dt, (size_t)q * m + i));
-    /* scatter from rank P/2: block q of the root's send is code2(root, q) */
+                          lt_get(b, dt, (size_t)q * m + i));
+    /* scatter from rank P/2: block q of the root's send is lt_code(root, q) */
     int sroot = P / 2;
     if (r == sroot)
-      for (int q = 0; q < P; q++) FOR_I(m) ct_set(b, dt, (size_t)q * m + i, code2(sroot, q, i));
-    FOR_I(m) ct_set(a, dt, i, JUNK);
+      for (int q = 0; q < P; q++) FOR_I(m) lt_set(b, dt, (size_t)q * m + i, lt_code(sroot, q, i));
+    FOR_I(m) lt_set(a, dt, i, JUNK);
     CT_OK(self, ddp_scatter(pg, r == sroot ? b : NULL, a, m, dt, sroot));
-    FOR_I(m) CT_CHECK(self, ct_get(a, dt, i) == code2(sroot, r, i), "scatter %s m=%zu [%zu] = %g", dn,
-                      m, i, ct_get(a, dt, i));
+    FOR_I(m) CT_CHECK(self, lt_get(a, dt, i) == lt_code(sroot, r, i), "scatter %s m=%zu [%zu] = %g", dn,
+                      m, i, lt_get(a, dt, i));
     /* reduce_scatter: SUM and MAX over the whole send; block r lands here */
     ddp_reduce_op sops[2] = {DDP_REDUCE_SUM, DDP_REDUCE_MAX};
     for (int k = 0; k < 2; k++) {
-      FOR_I(m * (size_t)P) ct_set(b, dt, i, contrib(r, i, sops[k]));
-      FOR_I(m) ct_set(a, dt, i, JUNK);
+      FOR_I(m * (size_t)P) lt_set(b, dt, i, lt_contrib(r, i, sops[k]));
+      FOR_I(m) lt_set(a, dt, i, JUNK);
       CT_OK(self, ddp_reduce_scatter(pg, b, a, m, dt, sops[k]));
-      FOR_I(m) CT_CHECK(self, ct_get(a, dt, i) == expected(sops[k], P, (size_t)r * m + i),
+      FOR_I(m) CT_CHECK(self, lt_get(a, dt, i) == lt_expected(sops[k], P, (size_t)r * m + i),
                         "reduce_scatter %s %s m=%zu [%zu] = %g, want %g", dn,
-                        ddp_reduce_op_name(sops[k]), m, i, ct_get(a, dt, i),
-                        expected(sops[k], P, (size_t)r * m + i));
+                        ddp_reduce_op_name(sops[k]), m, i, lt_get(a, dt, i),
+                        lt_expected(sops[k], P, (size_t)r * m + i));
     }
     /* all_to_all: block q of rank r's send goes to block r of rank q's recv */
-    for (int q = 0; q < P; q++) FOR_I(m) ct_set(b, dt, (size_t)q * m + i, code2(r, q, i));
-    FOR_I(m * (size_t)P) ct_set(a, dt, i, JUNK);
+    for (int q = 0; q < P; q++) FOR_I(m) lt_set(b, dt, (size_t)q * m + i, lt_code(r, q, i));
+    FOR_I(m * (size_t)P) lt_set(a, dt, i, JUNK);
     CT_OK(self, ddp_all_to_all(pg, b, a, m, dt));
     for (int q = 0; q < P; q++)
-      FOR_I(m) CT_CHECK(self, ct_get(a, dt, (size_t)q * m + i) == code2(q, r, i),
+      FOR_I(m) CT_CHECK(self, lt_get(a, dt, (size_t)q * m + i) == lt_code(q, r, i),
                         "all_to_all %s m=%zu block %d [%zu] = %g", dn, m, q, i,
-                        ct_get(a, dt, (size_t)q * m + i));
+                        lt_get(a, dt, (size_t)q * m + i));
     /* point to point around the ring (P > 1): even ranks send first, odd
      * ranks receive first (operations run one at a time, and a large send
      * may wait for its receiver) */
     if (P > 1) {
       int next = (r + 1) % P, prev = (r + P - 1) % P;
-      FOR_I(n) ct_set(a, dt, i, code(r, i));
-      FOR_I(n) ct_set(b, dt, i, JUNK);
+      FOR_I(n) lt_set(a, dt, i, code(r, i));
+      FOR_I(n) lt_set(b, dt, i, JUNK);
       if (r % 2 == 0) {
         CT_OK(self, ddp_send(pg, a, n, dt, next, c));
         CT_OK(self, ddp_recv(pg, b, n, dt, prev, c));
@@ -156,8 +134,8 @@ static void run_dtype(ct_rank *self, ddp_dtype dt, char *a, char *b) {
         CT_OK(self, ddp_recv(pg, b, n, dt, prev, c));
         CT_OK(self, ddp_send(pg, a, n, dt, next, c));
       }
-      FOR_I(n) CT_CHECK(self, ct_get(b, dt, i) == code(prev, i), "recv %s n=%zu [%zu] = %g", dn, n,
-                        i, ct_get(b, dt, i));
+      FOR_I(n) CT_CHECK(self, lt_get(b, dt, i) == code(prev, i), "recv %s n=%zu [%zu] = %g", dn, n,
+                        i, lt_get(b, dt, i));
     }
   }
   CT_OK(self, ddp_barrier(pg));
@@ -165,8 +143,8 @@ static void run_dtype(ct_rank *self, ddp_dtype dt, char *a, char *b) {
 
 static void body_matrix(ct_rank *self) {
   char *a = malloc(MIB + 4096), *b = malloc(MIB + 4096);
-  for (size_t d = 0; d < CT_NUM_DTYPES; d++) {
-    run_dtype(self, ct_dtypes[d], a, b);
+  for (size_t d = 0; d < LT_NUM_DTYPES; d++) {
+    run_dtype(self, lt_dtypes[d], a, b);
     if (atomic_load(&self->world->failures)) break;
   }
   free(a);
