@@ -7,8 +7,11 @@
 #ifndef DDP_TESTS_COMM_TCP_TEST_UTIL_H
 #define DDP_TESTS_COMM_TCP_TEST_UTIL_H
 
+#include <setjmp.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,6 +19,8 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+
+#include <cmocka.h>
 
 #include "comm/backend.h"
 #include "ddp/store.h"
@@ -189,6 +194,22 @@ static inline int tt_wait(tt_world *w, int timeout_s, char *err, size_t err_byte
     }
   }
   return bad;
+}
+
+/* Spawns a world of `size` ranks running fn (each with an alarm of
+ * timeout_s), reaps it, and fails the test naming the first rank that did
+ * not exit cleanly. The results stay in w until tt_release. */
+static inline void tt_run(tt_world *w, int size, tt_rank_fn fn, void *arg, int timeout_s) {
+  assert_int_equal(tt_spawn(w, size, fn, arg, timeout_s), 0);
+  char err[1024];
+  if (tt_wait(w, timeout_s + 10, err, sizeof err)) fail_msg("world of %d: %s", size, err);
+}
+
+/* cmocka group setup / teardown: the store process. */
+static inline int tt_setup(void **state) { return tt_start_store(); }
+static inline int tt_teardown(void **state) {
+  tt_stop_store();
+  return 0;
 }
 
 static inline void tt_release(tt_world *w) {

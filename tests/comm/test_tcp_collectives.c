@@ -6,12 +6,6 @@
  * and about 1 MiB (the ring). Then 64 MiB float32 allreduce, broadcast and
  * allgather at 2, 3 and 8 ranks, and point-to-point messages interleaved
  * with collectives. */
-#include <setjmp.h>
-#include <stdarg.h>
-#include <stddef.h>
-#include <stdint.h>
-#include <cmocka.h>
-
 #include "comm/local_test_util.h"
 #include "comm/tcp_test_util.h"
 
@@ -31,10 +25,7 @@ static void matrix_rank(int rank, int size, ddp__backend *b, tt_result *res, voi
 
 static void run_matrix(int size) {
   tt_world w;
-  assert_int_equal(tt_spawn(&w, size, matrix_rank, NULL, 100), 0);
-  char err[1024];
-  int bad = tt_wait(&w, 110, err, sizeof err);
-  if (bad) fail_msg("world of %d: %s", size, err);
+  tt_run(&w, size, matrix_rank, NULL, 100);
   tt_release(&w);
 }
 
@@ -107,9 +98,7 @@ static void big_rank(int rank, int size, ddp__backend *b, tt_result *res, void *
 
 static void run_big(int size) {
   tt_world w;
-  assert_int_equal(tt_spawn(&w, size, big_rank, NULL, 100), 0);
-  char err[1024];
-  if (tt_wait(&w, 110, err, sizeof err)) fail_msg("world of %d: %s", size, err);
+  tt_run(&w, size, big_rank, NULL, 100);
   tt_release(&w);
 }
 
@@ -179,16 +168,8 @@ static void p2p_rank(int rank, int size, ddp__backend *b, tt_result *res, void *
 
 static void test_p2p_between_collectives(void **state) {
   tt_world w;
-  assert_int_equal(tt_spawn(&w, 2, p2p_rank, NULL, 30), 0);
-  char err[1024];
-  if (tt_wait(&w, 40, err, sizeof err)) fail_msg("%s", err);
+  tt_run(&w, 2, p2p_rank, NULL, 30);
   tt_release(&w);
-}
-
-static int setup(void **state) { return tt_start_store(); }
-static int teardown(void **state) {
-  tt_stop_store();
-  return 0;
 }
 
 int main(void) {
@@ -200,5 +181,5 @@ int main(void) {
       cmocka_unit_test(test_64mib_2),     cmocka_unit_test(test_64mib_3),
       cmocka_unit_test(test_64mib_8),     cmocka_unit_test(test_p2p_between_collectives),
   };
-  return cmocka_run_group_tests(tests, setup, teardown);
+  return cmocka_run_group_tests(tests, tt_setup, tt_teardown);
 }

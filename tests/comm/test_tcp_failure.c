@@ -5,11 +5,6 @@
  * waited for; errors are sticky; mismatched counts are named with both
  * sizes; a rank that destroys its backend early is named as having left. */
 #include <pthread.h>
-#include <setjmp.h>
-#include <stdarg.h>
-#include <stddef.h>
-#include <stdint.h>
-#include <cmocka.h>
 
 #include "comm/tcp_test_util.h"
 
@@ -137,9 +132,7 @@ static void stuck_rank(int rank, int size, ddp__backend *b, tt_result *res, void
 
 static void run_stuck(int mode, ddp_status want, const char *want_text, double max_s) {
   tt_world w;
-  assert_int_equal(tt_spawn(&w, 2, stuck_rank, &mode, 30), 0);
-  char err[1024];
-  if (tt_wait(&w, 40, err, sizeof err)) fail_msg("%s", err);
+  tt_run(&w, 2, stuck_rank, &mode, 30);
   tt_result *res = &w.results[0];
   if (res->status != want)
     fail_msg("status %s, expected %s: %s", ddp_status_name(res->status), ddp_status_name(want),
@@ -177,9 +170,7 @@ static void mismatch_rank(int rank, int size, ddp__backend *b, tt_result *res, v
 
 static void test_mismatched_counts(void **state) {
   tt_world w;
-  assert_int_equal(tt_spawn(&w, 2, mismatch_rank, NULL, 30), 0);
-  char err[1024];
-  if (tt_wait(&w, 40, err, sizeof err)) fail_msg("%s", err);
+  tt_run(&w, 2, mismatch_rank, NULL, 30);
   const char *want[2] = {"rank 1 (localhost, 127.0.0.1:", "rank 0 (localhost, 127.0.0.1:"};
   const char *sizes[2] = {"sent 800 bytes where this rank expects 400",
                           "sent 400 bytes where this rank expects 800"};
@@ -209,9 +200,7 @@ static void leaver_rank(int rank, int size, ddp__backend *b, tt_result *res, voi
 
 static void test_peer_left(void **state) {
   tt_world w;
-  assert_int_equal(tt_spawn(&w, 3, leaver_rank, NULL, 30), 0);
-  char err[1024];
-  if (tt_wait(&w, 40, err, sizeof err)) fail_msg("%s", err);
+  tt_run(&w, 3, leaver_rank, NULL, 30);
   for (int r = 0; r < 2; r++) {
     tt_result *res = &w.results[r];
     if (res->status != DDP_ERR_PEER || !strstr(res->msg, "rank 2 (") ||
@@ -223,11 +212,6 @@ static void test_peer_left(void **state) {
   tt_release(&w);
 }
 
-static int setup(void **state) { return tt_start_store(); }
-static int teardown(void **state) {
-  tt_stop_store();
-  return 0;
-}
 
 int main(void) {
   const struct CMUnitTest tests[] = {
@@ -236,5 +220,5 @@ int main(void) {
       cmocka_unit_test(test_abort_flag_wakes_op), cmocka_unit_test(test_deadline_names_peer),
       cmocka_unit_test(test_mismatched_counts),   cmocka_unit_test(test_peer_left),
   };
-  return cmocka_run_group_tests(tests, setup, teardown);
+  return cmocka_run_group_tests(tests, tt_setup, tt_teardown);
 }
