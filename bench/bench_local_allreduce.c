@@ -3,7 +3,8 @@
  * threads of one process -- over a size sweep, in the style of nccl-tests:
  * size, time per op, algorithm bandwidth (size / time), bus bandwidth
  * (algbw * 2 (N-1) / N), and memory efficiency: size / (time x the memcpy
- * rate one rank reaches while all N copy at once), measured here first.
+ * rate one rank reaches while all N copy that size at once, measured right
+ * after each size).
  * 100% would mean the allreduce costs one memcpy of the buffer per rank.
  *
  *   bench_local_allreduce [-n ranks] [-b min_bytes] [-e max_bytes] [-f factor]
@@ -77,20 +78,14 @@ static void run_rank(int rank) {
   float *copy = ddp_alloc(max_count * 4 + 64);
   for (size_t i = 0; i < max_count; i++) buf[i] = copy[i] = 1.0f;
 
-  /* The memcpy rate of one rank while every rank copies at once. */
-  ddp__op_ctx c = ctx_for("barrier", ++seq, &ab);
-  check(b->ops->barrier(b, &c), rank, "barrier");
-  int reps = 20;
-  int64_t t0 = ddp_time_ns();
-  for (int k = 0; k < reps; k++) memcpy(k % 2 ? buf : copy, k % 2 ? copy : buf, max_count * 4);
-  double copy_rate = (double)(max_count * 4) * reps / ((double)(ddp_time_ns() - t0) * 1e-9);
-  c = ctx_for("barrier", ++seq, &ab);
-  check(b->ops->barrier(b, &c), rank, "barrier");
+  ddp__op_ctx c;
+  int64_t t0;
   if (rank == 0) {
-    printf("# local backend, %d ranks as %s; memcpy %.2f GB/s per rank with all copying (%zu B)\n",
-           g.ranks, g.threads ? "threads" : "processes", copy_rate * 1e-9, max_count * 4);
-    printf("# %12s %12s %10s %10s %10s %8s\n", "size(B)", "count", "time(us)", "algbw", "busbw",
-           "memeff");
+    printf("# local backend, %d ranks as %s; memeff = size / (time x memcpy rate of one rank\n"
+           "# while all copy the same size at once, measured right after each size)\n",
+           g.ranks, g.threads ? "threads" : "processes");
+    printf("# %12s %12s %10s %10s %10s %10s %8s\n", "size(B)", "count", "time(us)", "algbw",
+           "busbw", "memcpy", "memeff");
   }
   for (size_t bytes = g.min_bytes; bytes <= g.max_bytes; bytes *= (size_t)g.factor) {
     size_t count = bytes / 4;
@@ -107,13 +102,20 @@ static void run_rank(int rank) {
       check(b->ops->allreduce(b, &c, buf, count, DDP_FLOAT32, DDP_REDUCE_SUM), rank, "allreduce");
     }
     double t = (double)(ddp_time_ns() - t0) * 1e-9 / iters;
+    /* The memcpy rate of one rank while every rank copies `bytes` at once,
+     * in the same go (the machine's load drifts). */
+    c = ctx_for("barrier", ++seq, &ab);
+    check(b->ops->barrier(b, &c), rank, "barrier");
+    int64_t c0 = ddp_time_ns();
+    for (int k = 0; k < iters; k++) memcpy(copy, buf, bytes);
+    double copy_rate = (double)bytes * iters / ((double)(ddp_time_ns() - c0) * 1e-9);
     /* Keep values bounded (each op multiplies by the world size). */
     for (size_t i = 0; i < count; i++) buf[i] = 1.0f;
     if (rank == 0) {
       double algbw = (double)bytes / t;
       double busbw = algbw * 2.0 * (g.ranks - 1) / g.ranks;
-      printf("  %12zu %12zu %10.2f %10.3f %10.3f %7.1f%%\n", bytes, count, t * 1e6, algbw * 1e-9,
-             busbw * 1e-9, 100.0 * (double)bytes / (t * copy_rate));
+      printf("  %12zu %12zu %10.2f %10.3f %10.3f %10.3f %7.1f%%\n", bytes, count, t * 1e6,
+             algbw * 1e-9, busbw * 1e-9, copy_rate * 1e-9, 100.0 * (double)bytes / (t * copy_rate));
       fflush(stdout);
     }
     if (bytes == 0) break;

@@ -30,14 +30,23 @@ static ddp__local_backend *as_local(ddp__backend *b) { return (ddp__local_backen
 
 static size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
+size_t ddp__local_chunk_bytes(int size) {
+  size_t chunk = DDP__LOCAL_STAGED_BYTES / (size_t)size;
+  chunk -= chunk % (64u << 10);
+  if (chunk < DDP__LOCAL_CHUNK_MIN) chunk = DDP__LOCAL_CHUNK_MIN;
+  if (chunk > DDP__LOCAL_CHUNK_MAX) chunk = DDP__LOCAL_CHUNK_MAX;
+  return chunk;
+}
+
 size_t ddp__local_region_bytes(int size) {
   size_t n = (size_t)size;
   size_t ctl = align_up(sizeof(ddp__local_region), 128);
   size_t slots = ctl + n * sizeof(ddp__local_ctl);
   size_t chans = slots + n * 2 * DDP__LOCAL_SLOT_BYTES;
   size_t stage = align_up(chans + n * n * sizeof(ddp__local_p2p_chan), 4096);
-  size_t result = stage + n * 2 * DDP__LOCAL_CHUNK_BYTES;
-  return result + 2 * DDP__LOCAL_CHUNK_BYTES;
+  size_t chunk = ddp__local_chunk_bytes(size);
+  size_t result = stage + n * 2 * chunk;
+  return result + 2 * chunk;
 }
 
 void ddp__local_region_init(ddp__local_region *reg, int size, uint64_t nonce) {
@@ -51,7 +60,8 @@ void ddp__local_region_init(ddp__local_region *reg, int size, uint64_t nonce) {
   reg->slot_off = reg->ctl_off + n * sizeof(ddp__local_ctl);
   reg->chan_off = reg->slot_off + n * 2 * DDP__LOCAL_SLOT_BYTES;
   reg->stage_off = align_up(reg->chan_off + n * n * sizeof(ddp__local_p2p_chan), 4096);
-  reg->result_off = reg->stage_off + n * 2 * DDP__LOCAL_CHUNK_BYTES;
+  reg->chunk_bytes = ddp__local_chunk_bytes(size);
+  reg->result_off = reg->stage_off + n * 2 * reg->chunk_bytes;
 }
 
 /* ---- Op framing ---------------------------------------------------------- */
@@ -202,7 +212,7 @@ static ddp_status reduce_segment(ddp__local_backend *b, const ddp__op_ctx *ctx, 
 static ddp_status allreduce_staged(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t n,
                                    void *buf, size_t count, ddp_dtype dtype, ddp_reduce_op op) {
   size_t esize = ddp_dtype_size(dtype);
-  size_t chunk = DDP__LOCAL_CHUNK_BYTES / esize;
+  size_t chunk = b->reg->chunk_bytes / esize;
   ddp__local_region *reg = b->reg;
   ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, STEP_START));
   uint32_t k = 0;
@@ -260,8 +270,9 @@ static ddp_status stream_all(ddp__local_backend *b, const ddp__op_ctx *ctx, uint
                              stream_args *a) {
   ddp__local_region *reg = b->reg;
   uint32_t k = 0;
-  for (size_t at = 0; at < bytes; at += DDP__LOCAL_CHUNK_BYTES, k++) {
-    size_t len = bytes - at < DDP__LOCAL_CHUNK_BYTES ? bytes - at : DDP__LOCAL_CHUNK_BYTES;
+  size_t chunk = reg->chunk_bytes;
+  for (size_t at = 0; at < bytes; at += chunk, k++) {
+    size_t len = bytes - at < chunk ? bytes - at : chunk;
     if (only < 0 || only == b->rank)
       memcpy(ddp__local_stage_of(reg, b->rank, k), (const char *)src + at, len);
     ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, 2 + 2 * k));

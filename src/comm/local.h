@@ -17,7 +17,7 @@
 #include "comm/backend.h"
 
 #define DDP__LOCAL_MAGIC 0x4c434f4c50444444ull /* "DDDPLOCL" */
-#define DDP__LOCAL_VERSION 1u
+#define DDP__LOCAL_VERSION 2u
 #define DDP__LOCAL_MAX_RANKS 256
 
 /* Bytes per rank and parity of the small-message slots (collectives whose
@@ -28,11 +28,16 @@
  * straight from the sender's buffer (the send returns once received). */
 #define DDP__LOCAL_P2P_SLOTS 8u
 #define DDP__LOCAL_P2P_INLINE 4096u
-/* Large allreduce between processes goes through staging in the region, a
- * chunk of this many bytes at a time (double-buffered): per rank a staging
- * area of 2 chunks, and a shared result area of 2 chunks. Small enough that
- * a chunk's staged copies stay in cache. */
-#define DDP__LOCAL_CHUNK_BYTES (512u * 1024u)
+/* Large collectives between processes go through staging in the region, a
+ * chunk at a time (double-buffered): per rank a staging area of 2 chunks,
+ * and a shared result area of 2 chunks. Every rank's chunk together stays
+ * in cache (about DDP__LOCAL_STAGED_BYTES), and chunks are as big as that
+ * allows, since each costs two synchronisations (which a loaded machine
+ * turns into sleeps): 2 MiB for 2 ranks, 512 KiB for 8 (measured best
+ * among 256 KiB .. 4 MiB chunks with 2 ranks). */
+#define DDP__LOCAL_STAGED_BYTES (4u << 20)
+#define DDP__LOCAL_CHUNK_MIN (256u << 10)
+#define DDP__LOCAL_CHUNK_MAX (2u << 20)
 /* Large collectives move data in segments of this many bytes (the scratch
  * a cross-memory read lands in stays in L2). */
 #define DDP__LOCAL_SEGMENT_BYTES (256u * 1024u)
@@ -97,9 +102,11 @@ typedef struct ddp__local_region {
   _Atomic uint32_t attached; /* ranks that mapped it */
   _Atomic uint32_t refs;     /* threads provider: ranks still holding it */
   uint64_t ctl_off, slot_off, chan_off, stage_off, result_off;
+  uint64_t chunk_bytes; /* staging chunk, ddp__local_chunk_bytes(size) */
 } ddp__local_region;
 
 size_t ddp__local_region_bytes(int size);
+size_t ddp__local_chunk_bytes(int size);
 /* Fills the header of a zeroed region of ddp__local_region_bytes(size). */
 void ddp__local_region_init(ddp__local_region *reg, int size, uint64_t nonce);
 static inline ddp__local_ctl *ddp__local_ctl_of(ddp__local_region *reg, int rank) {
@@ -111,10 +118,10 @@ static inline uint8_t *ddp__local_slot_of(ddp__local_region *reg, int rank, uint
 }
 static inline uint8_t *ddp__local_stage_of(ddp__local_region *reg, int rank, uint64_t parity) {
   return (uint8_t *)reg + reg->stage_off +
-         ((size_t)rank * 2 + (size_t)(parity & 1)) * DDP__LOCAL_CHUNK_BYTES;
+         ((size_t)rank * 2 + (size_t)(parity & 1)) * reg->chunk_bytes;
 }
 static inline uint8_t *ddp__local_result_of(ddp__local_region *reg, uint64_t parity) {
-  return (uint8_t *)reg + reg->result_off + (size_t)(parity & 1) * DDP__LOCAL_CHUNK_BYTES;
+  return (uint8_t *)reg + reg->result_off + (size_t)(parity & 1) * reg->chunk_bytes;
 }
 static inline ddp__local_p2p_chan *ddp__local_chan_of(ddp__local_region *reg, int src,
                                                       int dst) {
