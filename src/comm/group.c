@@ -158,8 +158,12 @@ static ddp_status gather_keys(ddp_store *store, const char *fmt, int size, int64
   if (st == DDP_ERR_TIMEOUT) {
     char list[512];
     missing_ranks(store, fmt, size, list, sizeof list);
-    st = ddp_error(DDP_ERR_TIMEOUT, "%s: timed out after %.3g s waiting for ranks %s to arrive (store %s)",
-                   who, (double)timeout_ns / 1e9, list, ddp_store_address(store));
+    if (list[0])
+      st = ddp_error(DDP_ERR_TIMEOUT, "%s: timed out after %.3g s waiting for ranks %s to arrive (store %s)",
+                     who, (double)timeout_ns / 1e9, list, ddp_store_address(store));
+    else
+      st = ddp_error(DDP_ERR_TIMEOUT, "%s: timed out after %.3g s waiting for the other ranks, who all arrived just after (store %s is slow or its handle is busy)",
+                     who, (double)timeout_ns / 1e9, ddp_store_address(store));
   } else if (st != DDP_OK) {
     st = ddp_error_wrap(st, "%s", who);
   }
@@ -341,8 +345,14 @@ ddp_status ddp_process_group_create(ddp_store *store, int rank, int world_size,
   ddp_status st = ddp_store_add(store, key, 1, &n);
   if (st != DDP_OK) return ddp_error_wrap(st, "process group (rank %d of %d)", rank, world_size);
   snprintf(prefix, sizeof prefix, "pg/%" PRId64 "/", n);
-  ddp_store *ns = NULL;
-  DDP_TRY(ddp_store_prefix(store, prefix, &ns));
+  /* A handle of the group's own (for TCP its own connection): threads that
+   * share one store handle would otherwise queue their blocking waits behind
+   * each other's on its single connection. */
+  ddp_store *view = NULL, *ns = NULL;
+  DDP_TRY(ddp_store_prefix(store, prefix, &view));
+  st = ddp_store_clone(view, &ns);
+  ddp_store_destroy(view);
+  if (st != DDP_OK) return ddp_error_wrap(st, "process group (rank %d of %d)", rank, world_size);
   return group_build(ns, rank, world_size, &set, NULL, out);
 }
 

@@ -101,9 +101,11 @@ static inline const char *ct_transport(void) {
   return t && *t ? t : NULL;
 }
 
-/* Runs body on `size` rank threads. Returns 0 when every rank passed, 1 on
- * a failure (printed), 2 when no backend could be created (SKIP). */
-static inline int ct_run(int size, double timeout_s, void (*body)(ct_rank *), void *user) {
+/* Runs body on `size` rank threads meeting in `store` (NULL: a new
+ * in-process store). Returns 0 when every rank passed, 1 on a failure
+ * (printed), 2 when no backend could be created (SKIP). */
+static inline int ct_run_on(ddp_store *store, int size, double timeout_s, void (*body)(ct_rank *),
+                            void *user) {
   ct_world *w = calloc(1, sizeof *w);
   w->size = size;
   w->options.timeout_s = timeout_s;
@@ -113,7 +115,10 @@ static inline int ct_run(int size, double timeout_s, void (*body)(ct_rank *), vo
   pthread_mutex_init(&w->mu, NULL);
   pthread_barrier_init(&w->barrier, NULL, (unsigned)size);
   ddp_store_options so = {.timeout_ms = (int64_t)(timeout_s * 1000) + 5000};
-  if (ddp_store_mem_create(&so, &w->store) != DDP_OK) abort();
+  if (store)
+    w->store = ddp_store_retain(store);
+  else if (ddp_store_mem_create(&so, &w->store) != DDP_OK)
+    abort();
   pthread_t threads[CT_MAX_RANKS];
   for (int r = 0; r < size; r++) {
     w->ranks[r] = (ct_rank){.world = w, .rank = r};
@@ -129,6 +134,10 @@ static inline int ct_run(int size, double timeout_s, void (*body)(ct_rank *), vo
   pthread_mutex_destroy(&w->mu);
   free(w);
   return result;
+}
+
+static inline int ct_run(int size, double timeout_s, void (*body)(ct_rank *), void *user) {
+  return ct_run_on(NULL, size, timeout_s, body, user);
 }
 
 /* Every rank of the world waits here (not through the group). */

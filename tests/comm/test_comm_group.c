@@ -84,6 +84,22 @@ static void body_two_groups(ct_rank *self) {
   ddp_process_group_destroy(second);
 }
 
+/* Rank threads sharing one handle on a TCP store: each group takes its own
+ * connection, so one rank's blocking wait does not hold up another's set. */
+static void test_threads_share_a_tcp_store_handle(void **state) {
+  ddp_store_server *server = NULL;
+  ddp_store_server_options so = {.token = ""};
+  assert_int_equal(ddp_store_server_start("127.0.0.1", 0, &so, &server), DDP_OK);
+  ddp_store_options o = {.timeout_ms = 10000, .token = ""};
+  ddp_store *store = NULL;
+  assert_int_equal(ddp_store_tcp_connect("127.0.0.1", ddp_store_server_port(server), &o, &store), DDP_OK);
+  int r = ct_run_on(store, 3, 10, body_basic, NULL);
+  ddp_store_destroy(store);
+  ddp_store_server_stop(server);
+  if (r == 2) skip();
+  assert_int_equal(r, 0);
+}
+
 static void test_create_and_allreduce(void **state) {
   run(4, 20, body_basic, NULL);
   run(3, 20, body_basic, NULL);
@@ -490,6 +506,7 @@ static void test_init_process_group_tcp_url(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_create_and_allreduce),
+      cmocka_unit_test(test_threads_share_a_tcp_store_handle),
       cmocka_unit_test(test_split_four_pairs_side_by_side),
       cmocka_unit_test(test_async_in_submission_order),
       cmocka_unit_test(test_timeout_is_sticky),
