@@ -23,6 +23,8 @@
 /* Bytes per rank and parity of the small-message slots (collectives whose
  * data fits go through them: one copy in, every rank reads all). */
 #define DDP__LOCAL_SLOT_BYTES (64u * 1024u)
+/* Between processes only data up to this size takes the slots. */
+#define DDP__LOCAL_STAGED_SLOT_LIMIT (8u * 1024u)
 /* Point-to-point: descriptors per ordered pair, and the payload carried
  * inline (eagerly: the send returns at once); bigger messages are read
  * straight from the sender's buffer (the send returns once received). */
