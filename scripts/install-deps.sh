@@ -2,8 +2,9 @@
 # Installs the Debian packages ddp needs, only those missing (apt-get update runs
 # only when something must be installed). Groups: build (compiler, CMake,
 # OpenBLAS, zlib, cmocka), data (Fashion-MNIST), test (extra tools the test
-# suite uses), fuzz (clang with libFuzzer, for scripts/fuzz.sh).
-# Usage: scripts/install-deps.sh [build] [data] [test] [fuzz]
+# suite uses), fuzz (clang with libFuzzer, for scripts/fuzz.sh), mpi (Open MPI,
+# for the reference in scripts/bench-collectives.sh).
+# Usage: scripts/install-deps.sh [build] [data] [test] [fuzz] [mpi]
 set -euo pipefail
 
 declare -A GROUPS_PKGS=(
@@ -11,6 +12,7 @@ declare -A GROUPS_PKGS=(
   [data]="dataset-fashion-mnist"
   [test]="python3 python3-numpy python3-torch iproute2 procps"
   [fuzz]="clang"
+  [mpi]="openmpi-bin libopenmpi-dev"
 )
 
 want=()
