@@ -136,16 +136,46 @@ static const ddp__local_mem_ops shm_ops = {
 };
 
 /* Waits (polling with short sleeps) until every rank's `field` is set. */
+/* Whether process pid has exited (a zombie counts as exited). */
+static bool process_gone(pid_t pid) {
+#ifdef SYS_pidfd_open
+  int fd = (int)syscall(SYS_pidfd_open, pid, 0);
+  if (fd >= 0) {
+    struct pollfd p = {fd, POLLIN, 0};
+    bool gone = poll(&p, 1, 0) > 0;
+    close(fd);
+    return gone;
+  }
+  if (errno == ESRCH) return true;
+#endif
+  return kill(pid, 0) != 0 && errno == ESRCH;
+}
+
+/* Waits (polling with short sleeps) until ready(q) for every rank; fails
+ * early when a rank that has attached dies meanwhile. */
 static ddp_status wait_all_ranks(ddp__local_region *reg, int size, int64_t deadline,
                                  bool (*ready)(ddp__local_region *, int), const char *what) {
+  int64_t next_check = ddp_time_ns() + 20 * 1000000LL;
   for (;;) {
     int missing = -1;
     for (int q = 0; q < size && missing < 0; q++)
       if (!ready(reg, q)) missing = q;
     if (missing < 0) return DDP_OK;
-    if (ddp_time_ns() >= deadline)
+    int64_t now = ddp_time_ns();
+    if (now >= deadline)
       return ddp_error(DDP_ERR_TIMEOUT, "local backend: rank %d did not %s in time", missing,
                        what);
+    if (now >= next_check) {
+      next_check = now + 20 * 1000000LL;
+      for (int q = 0; q < size; q++) {
+        pid_t pid = ddp__local_ctl_of(reg, q)->pid;
+        if (pid > 0 && pid != getpid() && process_gone(pid))
+          return ddp_error(DDP_ERR_PEER,
+                           "local backend: rank %d died (process %d is gone) while the group "
+                           "was being created",
+                           q, (int)pid);
+      }
+    }
     struct timespec ts = {0, 100 * 1000};
     nanosleep(&ts, NULL);
   }
