@@ -8,6 +8,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 #include <cmocka.h>
@@ -281,6 +282,44 @@ static void test_kernels_nan_inf_and_wrap(void **state) {
   assert_true(ma[0] == INT64_MIN);
 }
 
+/* Random bit patterns (NaN, Inf, subnormals included) through the kernels
+ * (vector bodies and tails) against one element at a time through the
+ * exhaustively tested conversions; a NaN result only has to be NaN. */
+static void test_kernels_16bit_random_patterns(void **state) {
+  enum { N = 1037 };
+  uint16_t a[N + 1], b[N + 1], d[N + 1];
+  uint64_t x = 0x2545f4914f6cdd1dull;
+  for (int t = 0; t < 2; t++) {
+    ddp_dtype dt = t ? DDP_BFLOAT16 : DDP_FLOAT16;
+    float (*to_f)(uint16_t) = t ? ddp__bf16_to_float : ddp__half_to_float;
+    uint16_t (*from_f)(float) = t ? ddp__float_to_bf16 : ddp__float_to_half;
+    for (int op = 0; op < DDP_REDUCE_OP_COUNT; op++) {
+      for (int i = 0; i <= N; i++) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        a[i] = (uint16_t)x;
+        b[i] = (uint16_t)(x >> 16);
+        if (i % 5 == 0) b[i] = (uint16_t)(a[i] ^ 0x0100); /* near values: sums cancel, products round */
+      }
+      ddp__reduce_pair(d + 1, a + 1, b + 1, N, dt, (ddp_reduce_op)op);
+      for (int i = 1; i <= N; i++) {
+        float p = to_f(a[i]), q = to_f(b[i]), r;
+        switch (op) {
+        case DDP_REDUCE_SUM:
+        case DDP_REDUCE_AVG: r = p + q; break;
+        case DDP_REDUCE_PRODUCT: r = p * q; break;
+        case DDP_REDUCE_MIN: r = (p < q || p != p) ? p : q; break;
+        default: r = (p > q || p != p) ? p : q; break;
+        }
+        uint16_t want = from_f(r);
+        bool want_nan = isnan(to_f(want)), got_nan = isnan(to_f(d[i]));
+        if (want_nan != got_nan || (!want_nan && d[i] != want))
+          fail_msg("%s %s: 0x%04x op 0x%04x = 0x%04x, want 0x%04x", ddp_dtype_name(dt),
+                   ddp_reduce_op_name((ddp_reduce_op)op), a[i], b[i], d[i], want);
+      }
+    }
+  }
+}
+
 static void test_scale(void **state) {
   /* A sum of 7 equal values averages back to exactly that value. */
   float f[5] = {7 * 0.1f, 7 * 3.0f, -7.0f, 0, 7 * 1e-3f};
@@ -309,6 +348,7 @@ int main(void) {
       cmocka_unit_test(test_bf16_all),
       cmocka_unit_test(test_kernels_closed_form),
       cmocka_unit_test(test_kernels_nan_inf_and_wrap),
+      cmocka_unit_test(test_kernels_16bit_random_patterns),
       cmocka_unit_test(test_scale),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
