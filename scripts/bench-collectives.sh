@@ -23,16 +23,17 @@ mkdir -p "$out"
 command -v mpicc >/dev/null || { echo "no mpicc: scripts/install-deps.sh mpi" >&2; exit 1; }
 mpicc -O2 "$refs/mpi_allreduce.c" -o "$out/mpi_allreduce"
 
-# Sizes and ddp-bench iterations per size (about as many as the references run).
+# Sizes, and ddp-bench's timed iterations per size: mpi_allreduce.c's (gloo's
+# script runs min(200, 64 MiB / size), at least 3).
 sizes=(8 65536 262144 1048576 4194304 16777216 67108864)
-declare -A iters=([8]=20000 [65536]=2000 [262144]=500 [1048576]=200 [4194304]=50
-  [16777216]=20 [67108864]=10)
+declare -A iters=([8]=2000 [65536]=2000 [262144]=200 [1048576]=200 [4194304]=10
+  [16777216]=10 [67108864]=10)
 list=$(IFS=,; echo "${sizes[*]}")
 
 run_ddp() {
   for s in "${sizes[@]}"; do
     local n=${iters[$s]}
-    "$bench" allreduce --nproc 2 -b "$s" -e "$s" -n "$n" -w $((n / 10 + 2)) -c 1 --json
+    "$bench" allreduce --nproc 2 -b "$s" -e "$s" -n "$n" -w 5 -c 1 --json
   done >>"$out/ddp.jsonl"
 }
 run_gloo() {

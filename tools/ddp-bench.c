@@ -112,6 +112,8 @@ typedef struct bench_opts {
 
 static bench_opts g_opts;
 
+enum { BENCH_OK = 0, BENCH_WRONG = 1, BENCH_FAILED = 2, BENCH_USAGE = 3 };
+
 /* ---- Values and closed forms ---------------------------------------------
  * Rank r contributes (r + 1) * (i % 7 + 1) to element i of a reduction
  * (PRODUCT: 2 where i % 3 == r % 3, else 1); blocks that are moved rather
@@ -407,12 +409,20 @@ static size_t next_size(const bench_opts *o, size_t bytes) {
   return next > bytes ? next : bytes + 1;
 }
 
-/* Runs the whole sweep on one rank of `pg`; rank 0 prints. Returns 0, 1 on
- * an error (message on stderr) or when a row had wrong elements. */
+/* Runs the whole sweep on one rank of `pg`; rank 0 prints. Returns
+ * BENCH_OK, BENCH_WRONG when a row had wrong elements (every rank sees the
+ * total), BENCH_FAILED on an error (message on stderr) or BENCH_USAGE when
+ * -r or the op does not fit the launched world. */
 static int bench_rank(const bench_opts *o, ddp_process_group *pg) {
   int r = ddp_process_group_rank(pg), P = ddp_process_group_size(pg);
   int shared = 0, failed = 0;
   const char *transport = group_transport(pg, &shared);
+  if (o->root >= P || (o->op == OP_SENDRECV && P < 2)) {
+    if (r == 0)
+      fprintf(stderr, "ddp-bench: %s in a world of %d ranks\n",
+              o->root >= P ? "-r is not a rank" : "sendrecv needs at least 2 ranks", P);
+    return BENCH_USAGE;
+  }
   size_t slack = 64;
   rank_bufs b = {ddp_alloc(o->max_bytes + slack), ddp_alloc(o->max_bytes + slack),
                  ddp_alloc(o->max_bytes + slack)};
@@ -421,7 +431,7 @@ static int bench_rank(const bench_opts *o, ddp_process_group *pg) {
   ddp_status st = DDP_OK;
   if (!b.send || !b.recv || !b.copy) {
     fprintf(stderr, "ddp-bench: rank %d: out of memory for 3 x %zu bytes\n", r, o->max_bytes);
-    failed = 1;
+    failed = BENCH_FAILED;
     goto done;
   }
   memset(b.copy, 0, o->max_bytes);
@@ -458,12 +468,12 @@ static int bench_rank(const bench_opts *o, ddp_process_group *pg) {
     if (st != DDP_OK) {
       fprintf(stderr, "ddp-bench: rank %d: %s %zu bytes (%s): %s\n", r, op_names[o->op], size,
               stage, ddp_last_error());
-      failed = 1;
+      failed = BENCH_FAILED;
       goto done;
     }
     double algbw = t > 0 ? (double)size / t * 1e-9 : 0, busbw = algbw * busbw_factor(o->op, P);
     if (r == 0) print_row(o, P, transport, size, count, t * 1e6, algbw, busbw, wrong, memeff);
-    if (wrong) failed = 1;
+    if (wrong) failed = BENCH_WRONG;
     busbw_sum += busbw;
     rows++;
     if (o->op == OP_BARRIER || bytes >= o->max_bytes) break;
@@ -503,7 +513,7 @@ static void *thread_main(void *arg) {
   }
   t->result = bench_rank(&g_opts, pg);
   /* A rank that failed aborts, so the others fail instead of waiting. */
-  if (t->result) ddp_process_group_abort(pg);
+  if (t->result == BENCH_FAILED) ddp_process_group_abort(pg);
   ddp_process_group_destroy(pg);
   return NULL;
 }
@@ -523,7 +533,7 @@ static int run_threads(int n) {
   }
   for (int r = 0; r < started; r++) {
     pthread_join(threads[r], NULL);
-    failed |= ranks[r].result;
+    failed |= ranks[r].result != BENCH_OK;
   }
   free(ranks);
   free(threads);
@@ -548,7 +558,7 @@ static int proc_rank(int rank, int n, uint16_t port) {
   int result = bench_rank(&g_opts, pg);
   ddp_process_group_destroy(pg);
   ddp_store_destroy(store);
-  return result;
+  return result != BENCH_OK;
 }
 
 static void *server_main(void *arg) {
@@ -660,9 +670,9 @@ static int run_launched(void) {
   }
   int result = bench_rank(&g_opts, pg);
   /* Rank 0 may host the store: the others finish first. */
-  if (!result) ddp_barrier(pg);
+  if (result != BENCH_FAILED) ddp_barrier(pg);
   ddp_process_group_destroy(pg);
-  return result;
+  return result == BENCH_OK ? 0 : result == BENCH_USAGE ? 2 : 1;
 }
 
 /* ---- Arguments ----------------------------------------------------------- */
