@@ -14,6 +14,7 @@
  * still be reading its buffers. */
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "comm/local.h"
@@ -85,6 +86,44 @@ static void op_publish(ddp__local_backend *b, uint64_t n, const void *a0, const 
   c->addr[0] = (uint64_t)(uintptr_t)a0;
   c->addr[1] = (uint64_t)(uintptr_t)a1;
   ddp__local_post(b, &c->flag, flag_value(n, STEP_START));
+}
+
+/* op_publish for ops whose peers read this rank's buffers in place
+ * (threads): if this op fails, ddp__local_fail lingers until they stop. */
+static void op_expose(ddp__local_backend *b, uint64_t n, const void *a0, const void *a1) {
+  if (!b->mem->staged) b->exposed_op = n;
+  op_publish(b, n, a0, a1);
+}
+
+void ddp__local_linger(ddp__local_backend *b) {
+  uint64_t n = b->op_number;
+  if (b->mem->staged || n == 0 || b->exposed_op != n) return;
+  b->exposed_op = 0;
+  int64_t deadline = ddp_time_ns() + 2000000000LL;
+  for (;;) {
+    bool reading = false;
+    for (int q = 0; q < b->size && !reading; q++) {
+      if (q == b->rank) continue;
+      ddp__local_ctl *c = ddp__local_ctl_of(b->reg, q);
+      uint64_t f = atomic_load(&c->flag.value);
+      /* A peer that has not started op n checks this rank's state first
+       * (peers_active) and will not read. */
+      reading = atomic_load(&c->state) == DDP__LOCAL_ACTIVE &&
+                f >= flag_value(n, STEP_START) && f < flag_value(n, STEP_DONE);
+    }
+    if (!reading || ddp_time_ns() >= deadline) return;
+    struct timespec ts = {0, 100 * 1000};
+    nanosleep(&ts, NULL);
+  }
+}
+
+/* Before reading peers' buffers in place: every peer is still running (one
+ * that failed or aborted may have returned and let go of its buffers). */
+static ddp_status peers_active(ddp__local_backend *b, const ddp__op_ctx *ctx) {
+  for (int q = 0; q < b->size; q++)
+    if (q != b->rank && atomic_load(&ddp__local_ctl_of(b->reg, q)->state) != DDP__LOCAL_ACTIVE)
+      return ddp__local_wait_flag(b, ctx, q, UINT64_MAX); /* reports q's state */
+  return DDP_OK;
 }
 
 static uint64_t peer_addr(ddp__local_backend *b, int q, int i) {
@@ -372,8 +411,9 @@ static ddp_status local_allreduce(ddp__backend *base, const ddp__op_ctx *ctx, vo
    * copies every peer's reduced slice out of that peer's buffer as its
    * segments are posted. Each input byte is read once, each output byte
    * written once (plus the slice's own accumulation). */
-  op_publish(b, n, buf, NULL);
+  op_expose(b, n, buf, NULL);
   DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+  DDP_TRY(peers_active(b, ctx));
   size_t seg = DDP__LOCAL_SEGMENT_BYTES / esize;
   size_t lo = slice_lo(count, b->size, b->rank, esize);
   size_t hi = slice_lo(count, b->size, b->rank + 1, esize);
@@ -412,7 +452,7 @@ static ddp_status local_broadcast(ddp__backend *base, const ddp__op_ctx *ctx, vo
     if (bytes) memcpy(buf, ddp__local_slot_of(b->reg, root, n), bytes);
     return DDP_OK;
   }
-  op_publish(b, n, buf, NULL);
+  op_expose(b, n, buf, NULL);
   if (b->mem->staged) {
     stream_args a = {.b = b, .dst = buf, .root = root};
     return stream_all(b, ctx, n, buf, bytes, root, consume_copy_root, &a);
@@ -422,6 +462,7 @@ static ddp_status local_broadcast(ddp__backend *base, const ddp__op_ctx *ctx, vo
     return ddp__local_wait_all(b, ctx, flag_value(n, STEP_DONE));
   }
   DDP_TRY(ddp__local_wait_flag(b, ctx, root, flag_value(n, STEP_START)));
+  DDP_TRY(peers_active(b, ctx));
   MEM_TRY(root, mem_read(b, root, peer_addr(b, root, 0), buf, bytes));
   ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, STEP_DONE));
   return DDP_OK;
@@ -441,7 +482,7 @@ static ddp_status local_reduce(ddp__backend *base, const ddp__op_ctx *ctx, void 
     if (bytes) reduce_slots(b, n, 0, buf, count, dtype, op);
     return DDP_OK;
   }
-  op_publish(b, n, buf, NULL);
+  op_expose(b, n, buf, NULL);
   if (b->mem->staged) {
     stream_args a = {.b = b, .dst = buf, .dtype = dtype, .op = op, .root = root};
     return stream_all(b, ctx, n, buf, bytes, -1, consume_reduce_root, &a);
@@ -449,6 +490,7 @@ static ddp_status local_reduce(ddp__backend *base, const ddp__op_ctx *ctx, void 
   /* Every rank reduces its slice (own first, in scratch) and writes it into
    * root's buffer: only rank q ever touches slice q, in any buffer. */
   DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+  DDP_TRY(peers_active(b, ctx));
   size_t seg = DDP__LOCAL_SEGMENT_BYTES / esize;
   size_t lo = slice_lo(count, b->size, b->rank, esize);
   size_t hi = slice_lo(count, b->size, b->rank + 1, esize);
@@ -481,12 +523,13 @@ static ddp_status local_allgather(ddp__backend *base, const ddp__op_ctx *ctx, co
       memcpy((char *)recv + (size_t)q * bytes, ddp__local_slot_of(b->reg, q, n), bytes);
     return DDP_OK;
   }
-  op_publish(b, n, send, recv);
+  op_expose(b, n, send, recv);
   if (b->mem->staged) {
     stream_args a = {.b = b, .dst = recv, .block = bytes};
     return stream_all(b, ctx, n, send, bytes, -1, consume_gather_all, &a);
   }
   DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+  DDP_TRY(peers_active(b, ctx));
   /* (In place, send is that block already: peers are reading it.) */
   if ((char *)recv + (size_t)b->rank * bytes != (const char *)send)
     memmove((char *)recv + (size_t)b->rank * bytes, send, bytes);
@@ -512,7 +555,7 @@ static ddp_status local_gather(ddp__backend *base, const ddp__op_ctx *ctx, const
       memcpy((char *)recv + (size_t)q * bytes, ddp__local_slot_of(b->reg, q, n), bytes);
     return DDP_OK;
   }
-  op_publish(b, n, send, recv);
+  op_expose(b, n, send, recv);
   if (b->mem->staged) {
     stream_args a = {.b = b, .dst = recv, .block = bytes, .root = root};
     return stream_all(b, ctx, n, send, bytes, -1, consume_gather_root, &a);
@@ -523,6 +566,7 @@ static ddp_status local_gather(ddp__backend *base, const ddp__op_ctx *ctx, const
     return ddp__local_wait_flag(b, ctx, root, flag_value(n, STEP_DONE));
   }
   DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+  DDP_TRY(peers_active(b, ctx));
   memmove((char *)recv + (size_t)root * bytes, send, bytes);
   for (int i = 1; i < b->size; i++) {
     int q = (b->rank + i) % b->size;
@@ -547,7 +591,7 @@ static ddp_status local_scatter(ddp__backend *base, const ddp__op_ctx *ctx, cons
       memmove(recv, ddp__local_slot_of(b->reg, root, n) + (size_t)b->rank * bytes, bytes);
     return DDP_OK;
   }
-  op_publish(b, n, send, recv);
+  op_expose(b, n, send, recv);
   if (b->mem->staged) {
     stream_args a = {.b = b, .dst = recv, .block = bytes, .root = root};
     return stream_all(b, ctx, n, send, all, root, consume_my_block, &a);
@@ -558,6 +602,7 @@ static ddp_status local_scatter(ddp__backend *base, const ddp__op_ctx *ctx, cons
     return ddp__local_wait_all(b, ctx, flag_value(n, STEP_DONE));
   }
   DDP_TRY(ddp__local_wait_flag(b, ctx, root, flag_value(n, STEP_START)));
+  DDP_TRY(peers_active(b, ctx));
   MEM_TRY(root, mem_read(b, root, peer_addr(b, root, 0) + (size_t)b->rank * bytes, recv, bytes));
   ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, STEP_DONE));
   return DDP_OK;
@@ -578,12 +623,13 @@ static ddp_status local_reduce_scatter(ddp__backend *base, const ddp__op_ctx *ct
     if (bytes) reduce_slots(b, n, (size_t)b->rank * bytes, recv, count, dtype, op);
     return DDP_OK;
   }
-  op_publish(b, n, send, recv);
+  op_expose(b, n, send, recv);
   if (b->mem->staged) {
     stream_args a = {.b = b, .dst = recv, .block = bytes, .dtype = dtype, .op = op};
     return stream_all(b, ctx, n, send, all, -1, consume_reduce_block, &a);
   }
   DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+  DDP_TRY(peers_active(b, ctx));
   size_t seg = DDP__LOCAL_SEGMENT_BYTES / esize;
   for (size_t at = 0; at < count; at += seg) {
     size_t len = count - at < seg ? count - at : seg;
@@ -609,12 +655,13 @@ static ddp_status local_all_to_all(ddp__backend *base, const ddp__op_ctx *ctx, c
              ddp__local_slot_of(b->reg, q, n) + (size_t)b->rank * bytes, bytes);
     return DDP_OK;
   }
-  op_publish(b, n, send, recv);
+  op_expose(b, n, send, recv);
   if (b->mem->staged) {
     stream_args a = {.b = b, .dst = recv, .block = bytes};
     return stream_all(b, ctx, n, send, all, -1, consume_all_to_all, &a);
   }
   DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+  DDP_TRY(peers_active(b, ctx));
   for (int i = 0; i < b->size; i++) {
     int q = (b->rank + i) % b->size;
     MEM_TRY(q, mem_read(b, q, peer_addr(b, q, 0) + (size_t)b->rank * bytes,

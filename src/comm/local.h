@@ -189,6 +189,7 @@ typedef struct ddp__local_backend {
   int spin_iters;          /* before sleeping; small when oversubscribed */
   int yield_iters;         /* sched_yield calls after spinning, before sleeping */
   int blame;               /* the peer behind the last error, -1 if none */
+  uint64_t exposed_op;     /* the last op whose buffers peers read in place (threads) */
   ddp_status failed;       /* sticky: the first op error, DDP_OK while none */
   char failed_msg[320];
 } ddp__local_backend;
@@ -207,6 +208,10 @@ ddp_status ddp__local_wait_flag(ddp__local_backend *b, const ddp__op_ctx *ctx, i
                                 uint64_t target);
 /* Every other rank's flag >= target. */
 ddp_status ddp__local_wait_all(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t target);
+/* After this rank failed during an op whose buffers peers read in place:
+ * waits (at most 2 s) until every peer has finished the op or stopped, so
+ * the caller may free its buffers once the op returns. local.c. */
+void ddp__local_linger(ddp__local_backend *b);
 /* DDP_OK, or the sticky error of an earlier op (message restored), or
  * DDP_ERR_ABORTED once aborted: an op that cannot run touches nothing. */
 ddp_status ddp__local_check_failed(ddp__local_backend *b, const ddp__op_ctx *ctx);

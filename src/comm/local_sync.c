@@ -74,6 +74,7 @@ ddp_status ddp__local_fail(ddp__local_backend *b, const ddp__op_ctx *ctx, ddp_st
     atomic_fetch_add(&me->flag.wake, 1);
     futex_wake(b, &me->flag.wake);
   }
+  ddp__local_linger(b);
   return st;
 }
 
