@@ -10,7 +10,7 @@ epochs=${1:-3}
 data=/usr/share/datasets/fashion-mnist
 [ -d "$data" ] || { echo "check-accuracy: SKIP: $data missing (apt-get install dataset-fashion-mnist)"; exit 77; }
 args=(--epochs "$epochs" --batch-size 100 --lr 0.01 --momentum 0.9 --seed 2)
-ours=$(build/bin/ddp-train --model convnet --data "$data" "${args[@]}" --json 2>/dev/null | tail -n 1)
+ours=$("${DDP_BIN_DIR:-build/bin}"/ddp-train --model convnet --data "$data" "${args[@]}" --json 2>/dev/null | tail -n 1)
 echo "ddp:   $ours"
 acc() { /usr/bin/python3 -c 'import json,sys; print(json.loads(sys.argv[1])["test_accuracy"])' "$1"; }
 a=$(acc "$ours")
