@@ -1,17 +1,18 @@
-/* The local backend: collectives between ranks of one host, reading and
- * reducing straight from each other's buffers (plain pointers between
- * threads, cross-memory attach between processes; local_mem in local.h).
+/* The local backend: collectives between ranks of one host, and the
+ * backend's lifecycle. Between threads, ranks read and reduce straight from
+ * each other's buffers (plain pointers); between processes, large
+ * collectives go through staging in the shared segment (local_staged.c).
  *
  * Every collective is op number n (counted alike on every rank). A rank's
  * progress is its flag, (n << 32) | step:
- *   STEP_START   its buffer addresses (or its slot) for op n are published;
- *   2 + c        (large allreduce) segment c of its slice is reduced;
- *   STEP_DONE    it has finished reading everyone else's buffers.
+ *   START  its buffer addresses (or its slot) for op n are published;
+ *   2 + c  (large allreduce) segment c of its slice is reduced;
+ *   DONE   it has finished reading everyone else's buffers.
  * Small messages go through per-rank slots in the region (double-buffered by
  * n's parity: before writing slot n%2 a rank waits until every peer started
- * op n-1, hence finished reading slot n%2 in op n-2). Large ones are read in
- * place and end with every rank waiting for every STEP_DONE, since peers may
- * still be reading its buffers. */
+ * op n-1, hence finished reading slot n%2 in op n-2). Large ones between
+ * threads are read in place and end with every rank waiting for every DONE,
+ * since peers may still be reading its buffers. */
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -19,11 +20,6 @@
 
 #include "comm/local.h"
 #include "ddp/tensor.h"
-
-#define STEP_START 1u
-#define STEP_DONE 0xfffffff0u
-
-static inline uint64_t flag_value(uint64_t n, uint32_t step) { return (n << 32) | step; }
 
 static ddp__local_backend *as_local(ddp__backend *b) { return (ddp__local_backend *)b; }
 
@@ -74,18 +70,16 @@ static ddp_status op_begin(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64
    * nothing, repeat the error. */
   DDP_TRY(ddp__local_check_failed(b, ctx));
   *n = ++b->op_number;
-  if (*n > 1) return ddp__local_wait_all(b, ctx, flag_value(*n - 1, STEP_START));
+  if (*n > 1) return ddp__local_wait_all(b, ctx, ddp__local_flag(*n - 1, DDP__LOCAL_STEP_START));
   return DDP_OK;
 }
 
-static ddp__local_ctl *my_ctl(ddp__local_backend *b) { return ddp__local_ctl_of(b->reg, b->rank); }
-
-/* Publishes this rank's buffers for op n and posts STEP_START. */
+/* Publishes this rank's buffers for op n and posts DDP__LOCAL_STEP_START. */
 static void op_publish(ddp__local_backend *b, uint64_t n, const void *a0, const void *a1) {
-  ddp__local_ctl *c = my_ctl(b);
+  ddp__local_ctl *c = ddp__local_my_ctl(b);
   c->addr[0] = (uint64_t)(uintptr_t)a0;
   c->addr[1] = (uint64_t)(uintptr_t)a1;
-  ddp__local_post(b, &c->flag, flag_value(n, STEP_START));
+  ddp__local_post(b, &c->flag, ddp__local_flag(n, DDP__LOCAL_STEP_START));
 }
 
 /* op_publish for ops whose peers read this rank's buffers in place
@@ -109,7 +103,7 @@ void ddp__local_linger(ddp__local_backend *b) {
       /* A peer that has not started op n checks this rank's state first
        * (peers_active) and will not read. */
       reading = atomic_load(&c->state) == DDP__LOCAL_ACTIVE &&
-                f >= flag_value(n, STEP_START) && f < flag_value(n, STEP_DONE);
+                f >= ddp__local_flag(n, DDP__LOCAL_STEP_START) && f < ddp__local_flag(n, DDP__LOCAL_STEP_DONE);
     }
     if (!reading || ddp_time_ns() >= deadline) return;
     struct timespec ts = {0, 100 * 1000};
@@ -130,10 +124,10 @@ static uint64_t peer_addr(ddp__local_backend *b, int q, int i) {
   return ddp__local_ctl_of(b->reg, q)->addr[i];
 }
 
-/* Posts STEP_DONE and waits for everyone's. */
+/* Posts DDP__LOCAL_STEP_DONE and waits for everyone's. */
 static ddp_status op_finish(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t n) {
-  ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, STEP_DONE));
-  return ddp__local_wait_all(b, ctx, flag_value(n, STEP_DONE));
+  ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, DDP__LOCAL_STEP_DONE));
+  return ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_DONE));
 }
 
 static ddp_status fail(ddp__local_backend *b, const ddp__op_ctx *ctx, ddp_status st) {
@@ -185,16 +179,6 @@ static ddp_status mem_read(ddp__local_backend *b, int q, uint64_t addr, void *ds
   return b->mem->ops->read(b->mem, q, addr, dst, bytes);
 }
 
-/* Elements per slice of `count` split over `size` ranks: slice q is
- * [lo(q), lo(q + 1)), boundaries on 64-byte multiples. */
-static size_t slice_lo(size_t count, int size, int q, size_t esize) {
-  if (q >= size) return count;
-  size_t align = esize < 64 ? 64 / esize : 1;
-  size_t lo = (size_t)((unsigned __int128)count * (unsigned)q / (unsigned)size);
-  lo -= lo % align;
-  return lo;
-}
-
 /* ---- Collectives ----------------------------------------------------------- */
 
 /* Small collectives go through the slots: every rank copies in, every rank
@@ -240,158 +224,6 @@ static ddp_status reduce_segment(ddp__local_backend *b, const ddp__op_ctx *ctx, 
   return DDP_OK;
 }
 
-/* Large allreduce through the region's staging, for processes (where
- * reading a peer's buffer in place costs a cross-memory copy at about half
- * memcpy speed). Chunk k of the buffer: every rank copies it into its
- * staging[k % 2] and posts 2 + 2k; rank r reduces sub-slice r of the chunk
- * from every rank's staging into result[k % 2] and posts 3 + 2k; every
- * rank copies the whole result chunk into its buffer. A chunk's copies stay
- * in cache, so memory sees about one read and one write of the buffer.
- * Double buffering is safe without further waits: a rank stages chunk k
- * after waiting for everyone's 3 + 2(k-1), so nobody still reads its
- * staging[k % 2] from chunk k-2; and it writes result[k % 2] after
- * everyone's 2 + 2k, posted after they copied chunk k-2 out of it. Peers
- * never read this rank's buffer, so no final barrier is needed. */
-static ddp_status allreduce_staged(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t n,
-                                   void *buf, size_t count, ddp_dtype dtype, ddp_reduce_op op) {
-  size_t esize = ddp_dtype_size(dtype);
-  size_t chunk = b->reg->chunk_bytes / esize;
-  ddp__local_region *reg = b->reg;
-  ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, STEP_START));
-  uint32_t k = 0;
-  for (size_t at = 0; at < count; at += chunk, k++) {
-    size_t len = count - at < chunk ? count - at : chunk;
-    char *mine = (char *)buf + at * esize;
-    /* Stage all but this rank's own sub-slice (only it reads that, from
-     * its buffer). */
-    size_t lo = slice_lo(len, b->size, b->rank, esize);
-    size_t hi = slice_lo(len, b->size, b->rank + 1, esize);
-    uint8_t *stage = ddp__local_stage_of(reg, b->rank, k);
-    memcpy(stage, mine, lo * esize);
-    memcpy(stage + hi * esize, mine + hi * esize, (len - hi) * esize);
-    ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, 2 + 2 * k));
-    DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, 2 + 2 * k)));
-    if (hi > lo) {
-      size_t off = lo * esize;
-      uint8_t *dst = ddp__local_result_of(reg, k) + off;
-#define SRC(q) ((q) == b->rank ? (const uint8_t *)mine + off : ddp__local_stage_of(reg, q, k) + off)
-      if (b->size == 1) {
-        memcpy(dst, SRC(0), (hi - lo) * esize);
-      } else {
-        ddp__reduce_pair(dst, SRC(0), SRC(1), hi - lo, dtype, op);
-        for (int q = 2; q < b->size; q++) ddp__reduce_into(dst, SRC(q), hi - lo, dtype, op);
-      }
-#undef SRC
-      if (op == DDP_REDUCE_AVG) ddp__reduce_scale(dst, hi - lo, dtype, b->size);
-    }
-    ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, 3 + 2 * k));
-    DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, 3 + 2 * k)));
-    memcpy(mine, ddp__local_result_of(reg, k), len * esize);
-  }
-  return DDP_OK;
-}
-
-/* ---- Streaming through staging (processes) --------------------------------
- * Every rank streams `bytes` bytes of its own (only rank `only` when >= 0)
- * through its staging chunks; after each chunk is staged everywhere, each
- * rank consumes the parts it needs from the ranks' staging. Same waits as
- * allreduce_staged; peers never read a rank's own buffers. */
-typedef struct stream_args {
-  ddp__local_backend *b;
-  void *dst;       /* the op's output */
-  size_t block;    /* bytes per rank block (count * esize) */
-  ddp_dtype dtype;
-  ddp_reduce_op op;
-  int root;
-} stream_args;
-
-/* Consumes [off, off + len) of rank q's stream, staged at p. */
-typedef void (*stream_consume_fn)(stream_args *a, int q, size_t off, const uint8_t *p, size_t len);
-
-static ddp_status stream_all(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t n,
-                             const void *src, size_t bytes, int only, stream_consume_fn consume,
-                             stream_args *a) {
-  ddp__local_region *reg = b->reg;
-  uint32_t k = 0;
-  size_t chunk = reg->chunk_bytes;
-  for (size_t at = 0; at < bytes; at += chunk, k++) {
-    size_t len = bytes - at < chunk ? bytes - at : chunk;
-    if (only < 0 || only == b->rank)
-      memcpy(ddp__local_stage_of(reg, b->rank, k), (const char *)src + at, len);
-    ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, 2 + 2 * k));
-    if (only >= 0)
-      DDP_TRY(ddp__local_wait_flag(b, ctx, only, flag_value(n, 2 + 2 * k)));
-    else
-      DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, 2 + 2 * k)));
-    for (int q = 0; q < b->size; q++)
-      if (only < 0 || q == only) consume(a, q, at, ddp__local_stage_of(reg, q, k), len);
-    ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, 3 + 2 * k));
-    DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, 3 + 2 * k)));
-  }
-  return DDP_OK;
-}
-
-/* The part of [off, off + len) inside block `blk` of a stream of blocks:
- * false when empty, else *from (stream offset) and *n (bytes). */
-static bool block_part(size_t off, size_t len, size_t block, int blk, size_t *from, size_t *n) {
-  size_t lo = block * (size_t)blk, hi = lo + block;
-  size_t a = off > lo ? off : lo, e = off + len < hi ? off + len : hi;
-  if (a >= e) return false;
-  *from = a;
-  *n = e - a;
-  return true;
-}
-
-static void consume_copy_root(stream_args *a, int q, size_t off, const uint8_t *p, size_t len) {
-  if (a->b->rank != a->root) memcpy((char *)a->dst + off, p, len);
-}
-
-static void consume_gather_all(stream_args *a, int q, size_t off, const uint8_t *p, size_t len) {
-  memcpy((char *)a->dst + (size_t)q * a->block + off, p, len);
-}
-
-static void consume_gather_root(stream_args *a, int q, size_t off, const uint8_t *p, size_t len) {
-  if (a->b->rank == a->root) consume_gather_all(a, q, off, p, len);
-}
-
-static void consume_my_block(stream_args *a, int q, size_t off, const uint8_t *p, size_t len) {
-  size_t from, n;
-  int r = a->b->rank;
-  if (!block_part(off, len, a->block, r, &from, &n)) return;
-  memcpy((char *)a->dst + (from - a->block * (size_t)r), p + (from - off), n);
-}
-
-static void consume_all_to_all(stream_args *a, int q, size_t off, const uint8_t *p, size_t len) {
-  size_t from, n;
-  int r = a->b->rank;
-  if (!block_part(off, len, a->block, r, &from, &n)) return;
-  memcpy((char *)a->dst + (size_t)q * a->block + (from - a->block * (size_t)r), p + (from - off),
-         n);
-}
-
-/* dst (n bytes) := q == 0 ? p : dst op p, then AVG's division after the last
- * rank: the reduction in rank order. */
-static void reduce_step(stream_args *a, int q, void *dst, const uint8_t *p, size_t n) {
-  size_t esize = ddp_dtype_size(a->dtype), count = n / esize;
-  if (q == 0)
-    memcpy(dst, p, n);
-  else
-    ddp__reduce_into(dst, p, count, a->dtype, a->op);
-  if (q == a->b->size - 1 && a->op == DDP_REDUCE_AVG)
-    ddp__reduce_scale(dst, count, a->dtype, a->b->size);
-}
-
-static void consume_reduce_root(stream_args *a, int q, size_t off, const uint8_t *p, size_t len) {
-  if (a->b->rank == a->root) reduce_step(a, q, (char *)a->dst + off, p, len);
-}
-
-static void consume_reduce_block(stream_args *a, int q, size_t off, const uint8_t *p, size_t len) {
-  size_t from, n;
-  int r = a->b->rank;
-  if (!block_part(off, len, a->block, r, &from, &n)) return;
-  reduce_step(a, q, (char *)a->dst + (from - a->block * (size_t)r), p + (from - off), n);
-}
-
 static ddp_status local_allreduce(ddp__backend *base, const ddp__op_ctx *ctx, void *buf,
                                   size_t count, ddp_dtype dtype, ddp_reduce_op op) {
   ddp__local_backend *b = as_local(base);
@@ -401,36 +233,36 @@ static ddp_status local_allreduce(ddp__backend *base, const ddp__op_ctx *ctx, vo
   if (use_slots(b, bytes, bytes * (size_t)(b->size - 1))) {
     if (bytes) memcpy(ddp__local_slot_of(b->reg, b->rank, n), buf, bytes);
     op_publish(b, n, buf, NULL);
-    DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+    DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
     if (bytes) reduce_slots(b, n, 0, buf, count, dtype, op);
     return DDP_OK;
   }
-  if (b->mem->staged) return allreduce_staged(b, ctx, n, buf, count, dtype, op);
+  if (b->mem->staged) return ddp__local_staged_allreduce(b, ctx, n, buf, count, dtype, op);
   /* Reduce-scatter: this rank reduces its slice from every peer's buffer
    * into its own, a segment at a time, posting each; then allgather: it
    * copies every peer's reduced slice out of that peer's buffer as its
    * segments are posted. Each input byte is read once, each output byte
    * written once (plus the slice's own accumulation). */
   op_expose(b, n, buf, NULL);
-  DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+  DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
   DDP_TRY(peers_active(b, ctx));
   size_t seg = DDP__LOCAL_SEGMENT_BYTES / esize;
-  size_t lo = slice_lo(count, b->size, b->rank, esize);
-  size_t hi = slice_lo(count, b->size, b->rank + 1, esize);
+  size_t lo = ddp__local_slice_lo(count, b->size, b->rank, esize);
+  size_t hi = ddp__local_slice_lo(count, b->size, b->rank + 1, esize);
   uint32_t c = 0;
   for (size_t at = lo; at < hi; at += seg, c++) {
     size_t len = hi - at < seg ? hi - at : seg;
     DDP_TRY(reduce_segment(b, ctx, 0, at * esize, (char *)buf + at * esize, true, len, dtype, op));
-    ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, 2 + c));
+    ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, 2 + c));
   }
   for (int i = 1; i < b->size; i++) {
     int q = (b->rank + i) % b->size;
-    size_t qlo = slice_lo(count, b->size, q, esize);
-    size_t qhi = slice_lo(count, b->size, q + 1, esize);
+    size_t qlo = ddp__local_slice_lo(count, b->size, q, esize);
+    size_t qhi = ddp__local_slice_lo(count, b->size, q + 1, esize);
     uint32_t qc = 0;
     for (size_t at = qlo; at < qhi; at += seg, qc++) {
       size_t len = qhi - at < seg ? qhi - at : seg;
-      DDP_TRY(ddp__local_wait_flag(b, ctx, q, flag_value(n, 2 + qc)));
+      DDP_TRY(ddp__local_wait_flag(b, ctx, q, ddp__local_flag(n, 2 + qc)));
       MEM_TRY(q, mem_read(b, q, peer_addr(b, q, 0) + at * esize, (char *)buf + at * esize,
                        len * esize));
     }
@@ -448,23 +280,22 @@ static ddp_status local_broadcast(ddp__backend *base, const ddp__op_ctx *ctx, vo
     if (b->rank == root && bytes) memcpy(ddp__local_slot_of(b->reg, root, n), buf, bytes);
     op_publish(b, n, buf, NULL);
     if (b->rank == root) return DDP_OK;
-    DDP_TRY(ddp__local_wait_flag(b, ctx, root, flag_value(n, STEP_START)));
+    DDP_TRY(ddp__local_wait_flag(b, ctx, root, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
     if (bytes) memcpy(buf, ddp__local_slot_of(b->reg, root, n), bytes);
     return DDP_OK;
   }
   op_expose(b, n, buf, NULL);
   if (b->mem->staged) {
-    stream_args a = {.b = b, .dst = buf, .root = root};
-    return stream_all(b, ctx, n, buf, bytes, root, consume_copy_root, &a);
+    return ddp__local_staged_broadcast(b, ctx, n, buf, bytes, root);
   }
   if (b->rank == root) {
-    ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, STEP_DONE));
-    return ddp__local_wait_all(b, ctx, flag_value(n, STEP_DONE));
+    ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, DDP__LOCAL_STEP_DONE));
+    return ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_DONE));
   }
-  DDP_TRY(ddp__local_wait_flag(b, ctx, root, flag_value(n, STEP_START)));
+  DDP_TRY(ddp__local_wait_flag(b, ctx, root, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
   DDP_TRY(peers_active(b, ctx));
   MEM_TRY(root, mem_read(b, root, peer_addr(b, root, 0), buf, bytes));
-  ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, STEP_DONE));
+  ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, DDP__LOCAL_STEP_DONE));
   return DDP_OK;
 }
 
@@ -478,22 +309,21 @@ static ddp_status local_reduce(ddp__backend *base, const ddp__op_ctx *ctx, void 
     if (bytes) memcpy(ddp__local_slot_of(b->reg, b->rank, n), buf, bytes);
     op_publish(b, n, buf, NULL);
     if (b->rank != root) return DDP_OK;
-    DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+    DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
     if (bytes) reduce_slots(b, n, 0, buf, count, dtype, op);
     return DDP_OK;
   }
   op_expose(b, n, buf, NULL);
   if (b->mem->staged) {
-    stream_args a = {.b = b, .dst = buf, .dtype = dtype, .op = op, .root = root};
-    return stream_all(b, ctx, n, buf, bytes, -1, consume_reduce_root, &a);
+    return ddp__local_staged_reduce(b, ctx, n, buf, count, dtype, op, root);
   }
   /* Every rank reduces its slice (own first, in scratch) and writes it into
    * root's buffer: only rank q ever touches slice q, in any buffer. */
-  DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+  DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
   DDP_TRY(peers_active(b, ctx));
   size_t seg = DDP__LOCAL_SEGMENT_BYTES / esize;
-  size_t lo = slice_lo(count, b->size, b->rank, esize);
-  size_t hi = slice_lo(count, b->size, b->rank + 1, esize);
+  size_t lo = ddp__local_slice_lo(count, b->size, b->rank, esize);
+  size_t hi = ddp__local_slice_lo(count, b->size, b->rank + 1, esize);
   for (size_t at = lo; at < hi; at += seg) {
     size_t len = hi - at < seg ? hi - at : seg;
     if (b->rank == root) {
@@ -518,17 +348,16 @@ static ddp_status local_allgather(ddp__backend *base, const ddp__op_ctx *ctx, co
   if (use_slots(b, bytes, bytes * (size_t)b->size)) {
     if (bytes) memcpy(ddp__local_slot_of(b->reg, b->rank, n), send, bytes);
     op_publish(b, n, send, recv);
-    DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+    DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
     for (int q = 0; q < b->size && bytes; q++)
       memcpy((char *)recv + (size_t)q * bytes, ddp__local_slot_of(b->reg, q, n), bytes);
     return DDP_OK;
   }
   op_expose(b, n, send, recv);
   if (b->mem->staged) {
-    stream_args a = {.b = b, .dst = recv, .block = bytes};
-    return stream_all(b, ctx, n, send, bytes, -1, consume_gather_all, &a);
+    return ddp__local_staged_allgather(b, ctx, n, send, recv, bytes);
   }
-  DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+  DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
   DDP_TRY(peers_active(b, ctx));
   /* (In place, send is that block already: peers are reading it.) */
   if ((char *)recv + (size_t)b->rank * bytes != (const char *)send)
@@ -550,29 +379,28 @@ static ddp_status local_gather(ddp__backend *base, const ddp__op_ctx *ctx, const
     if (bytes) memcpy(ddp__local_slot_of(b->reg, b->rank, n), send, bytes);
     op_publish(b, n, send, recv);
     if (b->rank != root) return DDP_OK;
-    DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+    DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
     for (int q = 0; q < b->size && bytes; q++)
       memcpy((char *)recv + (size_t)q * bytes, ddp__local_slot_of(b->reg, q, n), bytes);
     return DDP_OK;
   }
   op_expose(b, n, send, recv);
   if (b->mem->staged) {
-    stream_args a = {.b = b, .dst = recv, .block = bytes, .root = root};
-    return stream_all(b, ctx, n, send, bytes, -1, consume_gather_root, &a);
+    return ddp__local_staged_gather(b, ctx, n, send, recv, bytes, root);
   }
   if (b->rank != root) {
     /* Root reads this rank's send: keep it until root is done. */
-    ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, STEP_DONE));
-    return ddp__local_wait_flag(b, ctx, root, flag_value(n, STEP_DONE));
+    ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, DDP__LOCAL_STEP_DONE));
+    return ddp__local_wait_flag(b, ctx, root, ddp__local_flag(n, DDP__LOCAL_STEP_DONE));
   }
-  DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+  DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
   DDP_TRY(peers_active(b, ctx));
   memmove((char *)recv + (size_t)root * bytes, send, bytes);
   for (int i = 1; i < b->size; i++) {
     int q = (b->rank + i) % b->size;
     MEM_TRY(q, mem_read(b, q, peer_addr(b, q, 0), (char *)recv + (size_t)q * bytes, bytes));
   }
-  ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, STEP_DONE));
+  ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, DDP__LOCAL_STEP_DONE));
   return DDP_OK;
 }
 
@@ -586,25 +414,24 @@ static ddp_status local_scatter(ddp__backend *base, const ddp__op_ctx *ctx, cons
   if (use_slots(b, all, bytes)) {
     if (b->rank == root && all) memcpy(ddp__local_slot_of(b->reg, root, n), send, all);
     op_publish(b, n, send, recv);
-    if (b->rank != root) DDP_TRY(ddp__local_wait_flag(b, ctx, root, flag_value(n, STEP_START)));
+    if (b->rank != root) DDP_TRY(ddp__local_wait_flag(b, ctx, root, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
     if (bytes)
       memmove(recv, ddp__local_slot_of(b->reg, root, n) + (size_t)b->rank * bytes, bytes);
     return DDP_OK;
   }
   op_expose(b, n, send, recv);
   if (b->mem->staged) {
-    stream_args a = {.b = b, .dst = recv, .block = bytes, .root = root};
-    return stream_all(b, ctx, n, send, all, root, consume_my_block, &a);
+    return ddp__local_staged_scatter(b, ctx, n, send, recv, bytes, root);
   }
   if (b->rank == root) {
     memmove(recv, (const char *)send + (size_t)root * bytes, bytes);
-    ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, STEP_DONE));
-    return ddp__local_wait_all(b, ctx, flag_value(n, STEP_DONE));
+    ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, DDP__LOCAL_STEP_DONE));
+    return ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_DONE));
   }
-  DDP_TRY(ddp__local_wait_flag(b, ctx, root, flag_value(n, STEP_START)));
+  DDP_TRY(ddp__local_wait_flag(b, ctx, root, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
   DDP_TRY(peers_active(b, ctx));
   MEM_TRY(root, mem_read(b, root, peer_addr(b, root, 0) + (size_t)b->rank * bytes, recv, bytes));
-  ddp__local_post(b, &my_ctl(b)->flag, flag_value(n, STEP_DONE));
+  ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, DDP__LOCAL_STEP_DONE));
   return DDP_OK;
 }
 
@@ -619,16 +446,15 @@ static ddp_status local_reduce_scatter(ddp__backend *base, const ddp__op_ctx *ct
   if (use_slots(b, all, all)) {
     if (all) memcpy(ddp__local_slot_of(b->reg, b->rank, n), send, all);
     op_publish(b, n, send, recv);
-    DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+    DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
     if (bytes) reduce_slots(b, n, (size_t)b->rank * bytes, recv, count, dtype, op);
     return DDP_OK;
   }
   op_expose(b, n, send, recv);
   if (b->mem->staged) {
-    stream_args a = {.b = b, .dst = recv, .block = bytes, .dtype = dtype, .op = op};
-    return stream_all(b, ctx, n, send, all, -1, consume_reduce_block, &a);
+    return ddp__local_staged_reduce_scatter(b, ctx, n, send, recv, count, dtype, op);
   }
-  DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+  DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
   DDP_TRY(peers_active(b, ctx));
   size_t seg = DDP__LOCAL_SEGMENT_BYTES / esize;
   for (size_t at = 0; at < count; at += seg) {
@@ -649,7 +475,7 @@ static ddp_status local_all_to_all(ddp__backend *base, const ddp__op_ctx *ctx, c
   if (use_slots(b, all, all)) {
     if (all) memcpy(ddp__local_slot_of(b->reg, b->rank, n), send, all);
     op_publish(b, n, send, recv);
-    DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+    DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
     for (int q = 0; q < b->size && bytes; q++)
       memcpy((char *)recv + (size_t)q * bytes,
              ddp__local_slot_of(b->reg, q, n) + (size_t)b->rank * bytes, bytes);
@@ -657,10 +483,9 @@ static ddp_status local_all_to_all(ddp__backend *base, const ddp__op_ctx *ctx, c
   }
   op_expose(b, n, send, recv);
   if (b->mem->staged) {
-    stream_args a = {.b = b, .dst = recv, .block = bytes};
-    return stream_all(b, ctx, n, send, all, -1, consume_all_to_all, &a);
+    return ddp__local_staged_all_to_all(b, ctx, n, send, recv, bytes);
   }
-  DDP_TRY(ddp__local_wait_all(b, ctx, flag_value(n, STEP_START)));
+  DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
   DDP_TRY(peers_active(b, ctx));
   for (int i = 0; i < b->size; i++) {
     int q = (b->rank + i) % b->size;
@@ -675,7 +500,7 @@ static ddp_status local_barrier(ddp__backend *base, const ddp__op_ctx *ctx) {
   uint64_t n;
   DDP_TRY(op_begin(b, ctx, &n));
   op_publish(b, n, NULL, NULL);
-  return ddp__local_wait_all(b, ctx, flag_value(n, STEP_START));
+  return ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_START));
 }
 
 /* ---- Lifecycle ------------------------------------------------------------- */
@@ -691,7 +516,7 @@ static void local_abort(ddp__backend *base) {
   atomic_store(&b->aborted, true);
   /* Peers fail fast (naming this rank) even if no op is running here. */
   uint32_t active = DDP__LOCAL_ACTIVE;
-  atomic_compare_exchange_strong(&my_ctl(b)->state, &active, DDP__LOCAL_ABORTED);
+  atomic_compare_exchange_strong(&ddp__local_my_ctl(b)->state, &active, DDP__LOCAL_ABORTED);
   ddp__local_wake_all(b);
 }
 
@@ -711,7 +536,7 @@ static void local_destroy(ddp__backend *base) {
   if (!base) return;
   ddp__local_backend *b = as_local(base);
   if (b->mem) {
-    ddp__local_ctl *c = my_ctl(b);
+    ddp__local_ctl *c = ddp__local_my_ctl(b);
     uint32_t active = DDP__LOCAL_ACTIVE;
     atomic_compare_exchange_strong(&c->state, &active, DDP__LOCAL_LEFT);
     ddp__local_wake_all(b);

@@ -221,6 +221,48 @@ void ddp__local_wake_all(ddp__local_backend *b);
  * (every later op returns it) and returns st. */
 ddp_status ddp__local_fail(ddp__local_backend *b, const ddp__op_ctx *ctx, ddp_status st);
 
+/* ---- Op framing (shared by local.c and local_staged.c) ------------------- */
+
+/* A rank's flag: (op number << 32) | step. */
+#define DDP__LOCAL_STEP_START 1u
+#define DDP__LOCAL_STEP_DONE 0xfffffff0u
+static inline uint64_t ddp__local_flag(uint64_t n, uint32_t step) { return (n << 32) | step; }
+static inline ddp__local_ctl *ddp__local_my_ctl(ddp__local_backend *b) {
+  return ddp__local_ctl_of(b->reg, b->rank);
+}
+/* Elements per slice of `count` split over `size` ranks: slice q is
+ * [lo(q), lo(q + 1)), boundaries on 64-byte multiples. */
+static inline size_t ddp__local_slice_lo(size_t count, int size, int q, size_t esize) {
+  if (q >= size) return count;
+  size_t align = esize < 64 ? 64 / esize : 1;
+  size_t lo = (size_t)((unsigned __int128)count * (unsigned)q / (unsigned)size);
+  lo -= lo % align;
+  return lo;
+}
+
+/* ---- Staged collectives between processes (local_staged.c) ---------------
+ * Called for op n after its START is posted (op_publish); data moves only
+ * through the region's staging chunks, never through peers' buffers. */
+ddp_status ddp__local_staged_allreduce(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t n,
+                                       void *buf, size_t count, ddp_dtype dtype,
+                                       ddp_reduce_op op);
+ddp_status ddp__local_staged_broadcast(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t n,
+                                       void *buf, size_t bytes, int root);
+ddp_status ddp__local_staged_reduce(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t n,
+                                    void *buf, size_t count, ddp_dtype dtype, ddp_reduce_op op,
+                                    int root);
+ddp_status ddp__local_staged_allgather(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t n,
+                                       const void *send, void *recv, size_t bytes);
+ddp_status ddp__local_staged_gather(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t n,
+                                    const void *send, void *recv, size_t bytes, int root);
+ddp_status ddp__local_staged_scatter(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t n,
+                                     const void *send, void *recv, size_t bytes, int root);
+ddp_status ddp__local_staged_reduce_scatter(ddp__local_backend *b, const ddp__op_ctx *ctx,
+                                            uint64_t n, const void *send, void *recv,
+                                            size_t count, ddp_dtype dtype, ddp_reduce_op op);
+ddp_status ddp__local_staged_all_to_all(ddp__local_backend *b, const ddp__op_ctx *ctx,
+                                        uint64_t n, const void *send, void *recv, size_t bytes);
+
 /* ---- Point to point (local_p2p.c) ---------------------------------------- */
 ddp_status ddp__local_send(ddp__backend *b, const ddp__op_ctx *ctx, const void *buf,
                            size_t bytes, int dst);

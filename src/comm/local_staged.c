@@ -1,0 +1,211 @@
+/* The local backend's collectives between processes: data moves only
+ * through staging chunks in the shared segment (per rank two chunks, plus
+ * two shared result chunks; ddp__local_chunk_bytes), never through peers'
+ * buffers, which a process can reach only by cross-memory attach at about
+ * half memcpy speed. A chunk's copies stay in cache, so memory sees about
+ * one read and one write of each rank's buffer. Called by local.c for op n
+ * once its START is posted. */
+#include <string.h>
+
+#include "comm/local.h"
+#include "ddp/tensor.h"
+
+/* Large allreduce through the region's staging, for processes (where
+ * reading a peer's buffer in place costs a cross-memory copy at about half
+ * memcpy speed). Chunk k of the buffer: every rank copies it into its
+ * staging[k % 2] and posts 2 + 2k; rank r reduces sub-slice r of the chunk
+ * from every rank's staging into result[k % 2] and posts 3 + 2k; every
+ * rank copies the whole result chunk into its buffer. A chunk's copies stay
+ * in cache, so memory sees about one read and one write of the buffer.
+ * Double buffering is safe without further waits: a rank stages chunk k
+ * after waiting for everyone's 3 + 2(k-1), so nobody still reads its
+ * staging[k % 2] from chunk k-2; and it writes result[k % 2] after
+ * everyone's 2 + 2k, posted after they copied chunk k-2 out of it. Peers
+ * never read this rank's buffer, so no final barrier is needed. */
+ddp_status ddp__local_staged_allreduce(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t n,
+                                       void *buf, size_t count, ddp_dtype dtype,
+                                       ddp_reduce_op op) {
+  size_t esize = ddp_dtype_size(dtype);
+  size_t chunk = b->reg->chunk_bytes / esize;
+  ddp__local_region *reg = b->reg;
+  ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, DDP__LOCAL_STEP_START));
+  uint32_t k = 0;
+  for (size_t at = 0; at < count; at += chunk, k++) {
+    size_t len = count - at < chunk ? count - at : chunk;
+    char *mine = (char *)buf + at * esize;
+    /* Stage all but this rank's own sub-slice (only it reads that, from
+     * its buffer). */
+    size_t lo = ddp__local_slice_lo(len, b->size, b->rank, esize);
+    size_t hi = ddp__local_slice_lo(len, b->size, b->rank + 1, esize);
+    uint8_t *stage = ddp__local_stage_of(reg, b->rank, k);
+    memcpy(stage, mine, lo * esize);
+    memcpy(stage + hi * esize, mine + hi * esize, (len - hi) * esize);
+    ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, 2 + 2 * k));
+    DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, 2 + 2 * k)));
+    if (hi > lo) {
+      size_t off = lo * esize;
+      uint8_t *dst = ddp__local_result_of(reg, k) + off;
+#define SRC(q) ((q) == b->rank ? (const uint8_t *)mine + off : ddp__local_stage_of(reg, q, k) + off)
+      if (b->size == 1) {
+        memcpy(dst, SRC(0), (hi - lo) * esize);
+      } else {
+        ddp__reduce_pair(dst, SRC(0), SRC(1), hi - lo, dtype, op);
+        for (int q = 2; q < b->size; q++) ddp__reduce_into(dst, SRC(q), hi - lo, dtype, op);
+      }
+#undef SRC
+      if (op == DDP_REDUCE_AVG) ddp__reduce_scale(dst, hi - lo, dtype, b->size);
+    }
+    ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, 3 + 2 * k));
+    DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, 3 + 2 * k)));
+    memcpy(mine, ddp__local_result_of(reg, k), len * esize);
+  }
+  return DDP_OK;
+}
+
+/* ---- Streaming through staging (processes) --------------------------------
+ * Every rank streams `bytes` bytes of its own (only rank `only` when >= 0)
+ * through its staging chunks; after each chunk is staged everywhere, each
+ * rank consumes the parts it needs from the ranks' staging. Same waits as
+ * ddp__local_staged_allreduce; peers never read a rank's own buffers. */
+typedef struct stream_args {
+  ddp__local_backend *b;
+  void *dst;       /* the op's output */
+  size_t block;    /* bytes per rank block (count * esize) */
+  ddp_dtype dtype;
+  ddp_reduce_op op;
+  int root;
+} stream_args;
+
+/* Consumes [off, off + len) of rank q's stream, staged at p. */
+typedef void (*stream_consume_fn)(stream_args *a, int q, size_t off, const uint8_t *p, size_t len);
+
+static ddp_status stream_all(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t n,
+                             const void *src, size_t bytes, int only, stream_consume_fn consume,
+                             stream_args *a) {
+  ddp__local_region *reg = b->reg;
+  uint32_t k = 0;
+  size_t chunk = reg->chunk_bytes;
+  for (size_t at = 0; at < bytes; at += chunk, k++) {
+    size_t len = bytes - at < chunk ? bytes - at : chunk;
+    if (only < 0 || only == b->rank)
+      memcpy(ddp__local_stage_of(reg, b->rank, k), (const char *)src + at, len);
+    ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, 2 + 2 * k));
+    if (only >= 0)
+      DDP_TRY(ddp__local_wait_flag(b, ctx, only, ddp__local_flag(n, 2 + 2 * k)));
+    else
+      DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, 2 + 2 * k)));
+    for (int q = 0; q < b->size; q++)
+      if (only < 0 || q == only) consume(a, q, at, ddp__local_stage_of(reg, q, k), len);
+    ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, 3 + 2 * k));
+    DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, 3 + 2 * k)));
+  }
+  return DDP_OK;
+}
+
+/* The part of [off, off + len) inside block `blk` of a stream of blocks:
+ * false when empty, else *from (stream offset) and *n (bytes). */
+static bool block_part(size_t off, size_t len, size_t block, int blk, size_t *from, size_t *n) {
+  size_t lo = block * (size_t)blk, hi = lo + block;
+  size_t a = off > lo ? off : lo, e = off + len < hi ? off + len : hi;
+  if (a >= e) return false;
+  *from = a;
+  *n = e - a;
+  return true;
+}
+
+static void consume_copy_root(stream_args *a, int q, size_t off, const uint8_t *p, size_t len) {
+  if (a->b->rank != a->root) memcpy((char *)a->dst + off, p, len);
+}
+
+static void consume_gather_all(stream_args *a, int q, size_t off, const uint8_t *p, size_t len) {
+  memcpy((char *)a->dst + (size_t)q * a->block + off, p, len);
+}
+
+static void consume_gather_root(stream_args *a, int q, size_t off, const uint8_t *p, size_t len) {
+  if (a->b->rank == a->root) consume_gather_all(a, q, off, p, len);
+}
+
+static void consume_my_block(stream_args *a, int q, size_t off, const uint8_t *p, size_t len) {
+  size_t from, n;
+  int r = a->b->rank;
+  if (!block_part(off, len, a->block, r, &from, &n)) return;
+  memcpy((char *)a->dst + (from - a->block * (size_t)r), p + (from - off), n);
+}
+
+static void consume_all_to_all(stream_args *a, int q, size_t off, const uint8_t *p, size_t len) {
+  size_t from, n;
+  int r = a->b->rank;
+  if (!block_part(off, len, a->block, r, &from, &n)) return;
+  memcpy((char *)a->dst + (size_t)q * a->block + (from - a->block * (size_t)r), p + (from - off),
+         n);
+}
+
+/* dst (n bytes) := q == 0 ? p : dst op p, then AVG's division after the last
+ * rank: the reduction in rank order. */
+static void reduce_step(stream_args *a, int q, void *dst, const uint8_t *p, size_t n) {
+  size_t esize = ddp_dtype_size(a->dtype), count = n / esize;
+  if (q == 0)
+    memcpy(dst, p, n);
+  else
+    ddp__reduce_into(dst, p, count, a->dtype, a->op);
+  if (q == a->b->size - 1 && a->op == DDP_REDUCE_AVG)
+    ddp__reduce_scale(dst, count, a->dtype, a->b->size);
+}
+
+static void consume_reduce_root(stream_args *a, int q, size_t off, const uint8_t *p, size_t len) {
+  if (a->b->rank == a->root) reduce_step(a, q, (char *)a->dst + off, p, len);
+}
+
+static void consume_reduce_block(stream_args *a, int q, size_t off, const uint8_t *p, size_t len) {
+  size_t from, n;
+  int r = a->b->rank;
+  if (!block_part(off, len, a->block, r, &from, &n)) return;
+  reduce_step(a, q, (char *)a->dst + (from - a->block * (size_t)r), p + (from - off), n);
+}
+
+/* ---- The collectives ------------------------------------------------------ */
+
+ddp_status ddp__local_staged_broadcast(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t n,
+                                       void *buf, size_t bytes, int root) {
+  stream_args a = {.b = b, .dst = buf, .root = root};
+  return stream_all(b, ctx, n, buf, bytes, root, consume_copy_root, &a);
+}
+
+ddp_status ddp__local_staged_reduce(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t n,
+                                    void *buf, size_t count, ddp_dtype dtype, ddp_reduce_op op,
+                                    int root) {
+  stream_args a = {.b = b, .dst = buf, .dtype = dtype, .op = op, .root = root};
+  return stream_all(b, ctx, n, buf, count * ddp_dtype_size(dtype), -1, consume_reduce_root, &a);
+}
+
+ddp_status ddp__local_staged_allgather(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t n,
+                                       const void *send, void *recv, size_t bytes) {
+  stream_args a = {.b = b, .dst = recv, .block = bytes};
+  return stream_all(b, ctx, n, send, bytes, -1, consume_gather_all, &a);
+}
+
+ddp_status ddp__local_staged_gather(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t n,
+                                    const void *send, void *recv, size_t bytes, int root) {
+  stream_args a = {.b = b, .dst = recv, .block = bytes, .root = root};
+  return stream_all(b, ctx, n, send, bytes, -1, consume_gather_root, &a);
+}
+
+ddp_status ddp__local_staged_scatter(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t n,
+                                     const void *send, void *recv, size_t bytes, int root) {
+  stream_args a = {.b = b, .dst = recv, .block = bytes, .root = root};
+  return stream_all(b, ctx, n, send, bytes * (size_t)b->size, root, consume_my_block, &a);
+}
+
+ddp_status ddp__local_staged_reduce_scatter(ddp__local_backend *b, const ddp__op_ctx *ctx,
+                                            uint64_t n, const void *send, void *recv,
+                                            size_t count, ddp_dtype dtype, ddp_reduce_op op) {
+  size_t bytes = count * ddp_dtype_size(dtype);
+  stream_args a = {.b = b, .dst = recv, .block = bytes, .dtype = dtype, .op = op};
+  return stream_all(b, ctx, n, send, bytes * (size_t)b->size, -1, consume_reduce_block, &a);
+}
+
+ddp_status ddp__local_staged_all_to_all(ddp__local_backend *b, const ddp__op_ctx *ctx,
+                                        uint64_t n, const void *send, void *recv, size_t bytes) {
+  stream_args a = {.b = b, .dst = recv, .block = bytes};
+  return stream_all(b, ctx, n, send, bytes * (size_t)b->size, -1, consume_all_to_all, &a);
+}
