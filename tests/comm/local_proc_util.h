@@ -52,6 +52,21 @@ static inline void lp_server_stop(lp_server *s) {
   }
 }
 
+/* The test program's server, started and stopped around its tests by the
+ * cmocka group fixtures below. */
+static lp_server lp_the_server;
+
+static inline int lp_group_setup(void **state) {
+  (void)state;
+  return lp_server_start(&lp_the_server);
+}
+
+static inline int lp_group_teardown(void **state) {
+  (void)state;
+  lp_server_stop(&lp_the_server);
+  return 0;
+}
+
 /* In a child: connects to the server and creates rank `rank` of `size`
  * under the store prefix `prefix`, ranks being `per_process` threads of
  * each process (rank / per_process is the process). Exits on failure. */

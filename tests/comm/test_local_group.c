@@ -126,12 +126,11 @@ static void test_threads(void **state) {
   }
 }
 
-static lp_server server;
 
 static ddp_store *child_store(const char *prefix) {
   ddp_store_options o = {.timeout_ms = 30000};
   ddp_store *base = NULL, *store = NULL;
-  if (ddp_store_tcp_connect("127.0.0.1", server.port, &o, &base) != DDP_OK ||
+  if (ddp_store_tcp_connect("127.0.0.1", lp_the_server.port, &o, &base) != DDP_OK ||
       ddp_store_prefix(base, prefix, &store) != DDP_OK)
     _exit(10);
   ddp_store_destroy(base);
@@ -150,19 +149,19 @@ static int proc_rank(int rank, int size, void *arg) {
 
 static void test_processes(void **state) {
   (void)state;
-  assert_int_equal(lp_server_start(&server), 0);
+  assert_int_equal(lp_server_start(&lp_the_server), 0);
   int sizes[] = {2, 4};
   for (int s = 0; s < 2; s++) {
     pid_t pids[8];
     lp_spawn(sizes[s], 60, proc_rank, NULL, pids);
     int bad = lp_reap(sizes[s], pids);
     if (bad) {
-      lp_server_stop(&server);
+      lp_server_stop(&lp_the_server);
       fail_msg("world %d failed (see stderr)", sizes[s]);
     }
     assert_int_equal(lp_count_segments(pids[0]), 0);
   }
-  lp_server_stop(&server);
+  lp_server_stop(&lp_the_server);
 }
 
 /* Three processes loop ddp_allreduce; rank 2 is killed. */
@@ -190,7 +189,7 @@ static int kill_rank(int rank, int size, void *arg) {
 
 static void test_kill(void **state) {
   (void)state;
-  assert_int_equal(lp_server_start(&server), 0);
+  assert_int_equal(lp_server_start(&lp_the_server), 0);
   pid_t pids[3];
   lp_ready_open();
   lp_spawn(3, 30, kill_rank, NULL, pids);
@@ -202,7 +201,7 @@ static void test_kill(void **state) {
   int bad = lp_reap(2, pids);
   double took = (double)(ddp_time_ns() - killed) * 1e-9;
   waitpid(pids[2], NULL, 0);
-  lp_server_stop(&server);
+  lp_server_stop(&lp_the_server);
   printf("ddp_allreduce: both survivors failed %.3f s after the kill\n", took);
   assert_int_equal(bad, 0);
   assert_true(took < 5.0);

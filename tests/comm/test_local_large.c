@@ -14,24 +14,11 @@
 
 #define BYTES (64u << 20)
 
-static lp_server server;
-
-static int setup(void **state) {
-  (void)state;
-  return lp_server_start(&server);
-}
-
-static int teardown(void **state) {
-  (void)state;
-  lp_server_stop(&server);
-  return 0;
-}
-
 static int large_rank(int rank, int size, void *arg) {
   char prefix[32];
   snprintf(prefix, sizeof prefix, "large%d/", size);
   ddp_store *store = NULL;
-  ddp__backend *b = lp_child_backend(&server, prefix, rank, size, &store);
+  ddp__backend *b = lp_child_backend(&lp_the_server, prefix, rank, size, &store);
   atomic_bool ab;
   atomic_init(&ab, false);
   size_t count = BYTES / sizeof(float);
@@ -100,5 +87,5 @@ int main(void) {
       cmocka_unit_test(test_3),
       cmocka_unit_test(test_8),
   };
-  return cmocka_run_group_tests(tests, setup, teardown);
+  return cmocka_run_group_tests(tests, lp_group_setup, lp_group_teardown);
 }

@@ -18,26 +18,13 @@
 #include "comm/local_proc_util.h"
 #include "comm/local_test_util.h"
 
-static lp_server server;
-
-static int setup(void **state) {
-  (void)state;
-  return lp_server_start(&server);
-}
-
-static int teardown(void **state) {
-  (void)state;
-  lp_server_stop(&server);
-  return 0;
-}
-
 static int matrix_rank(int rank, int size, void *arg) {
   char prefix[32];
   /* arg non-NULL: as where cross-memory attach is refused. */
   if (arg) setenv("DDP_LOCAL_NO_CMA", "1", 1);
   snprintf(prefix, sizeof prefix, "matrix%d%s/", size, arg ? "nocma" : "");
   ddp_store *store = NULL;
-  ddp__backend *b = lp_child_backend(&server, prefix, rank, size, &store);
+  ddp__backend *b = lp_child_backend(&lp_the_server, prefix, rank, size, &store);
   if (size > 1 && strcmp(b->ops->transport(b, (rank + 1) % size), "shm") != 0) {
     fprintf(stderr, "rank %d: transport %s\n", rank, b->ops->transport(b, (rank + 1) % size));
     return 3;
@@ -95,7 +82,7 @@ typedef struct mixed_thread {
 static void *mixed_main(void *arg) {
   mixed_thread *t = arg;
   ddp_store *store = NULL;
-  ddp__backend *b = lp_backend(&server, "mixed/", t->rank, 4, 2, &store);
+  ddp__backend *b = lp_backend(&lp_the_server, "mixed/", t->rank, 4, 2, &store);
   const char *want[4] = {"threads", "threads", "shm", "shm"};
   int peer = t->rank ^ 1, far = (t->rank + 2) % 4;
   if (strcmp(b->ops->transport(b, peer), want[0]) != 0 ||
@@ -153,7 +140,7 @@ static int kill_rank(int rank, int size, void *arg) {
   char prefix[32];
   snprintf(prefix, sizeof prefix, "kill%zu/", kill_count);
   ddp_store *store = NULL;
-  ddp__backend *b = lp_child_backend(&server, prefix, rank, size, &store);
+  ddp__backend *b = lp_child_backend(&lp_the_server, prefix, rank, size, &store);
   float *buf = ddp_calloc(kill_count, sizeof *buf);
   atomic_bool ab;
   atomic_init(&ab, false);
@@ -238,5 +225,5 @@ int main(void) {
       cmocka_unit_test(test_kill_small),
       cmocka_unit_test(test_kill_large),
   };
-  return cmocka_run_group_tests(tests, setup, teardown);
+  return cmocka_run_group_tests(tests, lp_group_setup, lp_group_teardown);
 }
