@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,6 +35,10 @@ static const char usage[] =
     "                    torchrun sets them, or Slurm's / Open MPI's variables\n"
     "  --transport T     auto (default: shared memory on one host) or tcp\n"
     "  --timeout S       every operation's timeout, seconds (default 300)\n"
+    "  --bind core|none  core: pin rank r to the r-th CPU this process may use\n"
+    "                    (modulo their number; launched ranks use LOCAL_RANK), as\n"
+    "                    mpirun binds 2 ranks by default; none (default): leave the\n"
+    "                    placement to the scheduler, as torchrun does\n"
     "\n"
     "Sizes and operation (nccl-tests' flags):\n"
     "  -b, --minbytes B  smallest size (default 8); suffixes K, M, G (x1024)\n"
@@ -106,6 +111,7 @@ typedef struct bench_opts {
   double step_factor;
   int root, iters, warmup, check, json;
   int nproc, threads;
+  int bind; /* pin each rank to a CPU of its own */
   const char *transport; /* NULL: auto */
   double timeout_s;
 } bench_opts;
@@ -367,10 +373,10 @@ static const char *group_transport(ddp_process_group *pg, int *shared) {
 
 static void print_header(const bench_opts *o, int P, const char *transport, int shared) {
   if (o->json) return;
-  printf("# ddp-bench %s: %d ranks (%s, transport %s), %s, %s, root %d, %d iterations "
+  printf("# ddp-bench %s: %d ranks (%s%s, transport %s), %s, %s, root %d, %d iterations "
          "after %d warm-up, check %s\n",
          op_names[o->op], P, o->threads ? "threads" : o->nproc ? "processes" : "launched",
-         transport, ddp_dtype_name(o->dtype), ddp_reduce_op_name(o->redop), o->root, o->iters,
+         o->bind ? ", one CPU each" : "", transport, ddp_dtype_name(o->dtype), ddp_reduce_op_name(o->redop), o->root, o->iters,
          o->warmup, o->check ? "on" : "off");
   if (shared)
     printf("# memeff = P x size / (time x aggregate memcpy rate of P ranks copying size bytes at "
@@ -495,6 +501,23 @@ static ddp_process_group_options group_options(const bench_opts *o) {
   return po;
 }
 
+/* Pins the calling thread to the `index`-th CPU of those it may run on
+ * (modulo their number). A failure is reported and the rank runs unpinned. */
+static void bind_to_cpu(int index) {
+  cpu_set_t allowed, one;
+  if (sched_getaffinity(0, sizeof allowed, &allowed) != 0 || CPU_COUNT(&allowed) == 0) return;
+  int want = index % CPU_COUNT(&allowed), seen = 0;
+  for (int cpu = 0; cpu < CPU_SETSIZE; cpu++) {
+    if (!CPU_ISSET(cpu, &allowed) || seen++ != want) continue;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    if (sched_setaffinity(0, sizeof one, &one) != 0)
+      fprintf(stderr, "ddp-bench: rank %d: cannot bind to CPU %d: %s\n", index, cpu,
+              strerror(errno));
+    return;
+  }
+}
+
 /* ---- --threads N: ranks as threads of this process ----------------------- */
 
 typedef struct thread_rank {
@@ -505,6 +528,7 @@ typedef struct thread_rank {
 static void *thread_main(void *arg) {
   thread_rank *t = arg;
   ddp_process_group *pg = NULL;
+  if (g_opts.bind) bind_to_cpu(t->rank);
   ddp_process_group_options po = group_options(&g_opts);
   if (ddp_process_group_create(t->store, t->rank, t->size, &po, &pg) != DDP_OK) {
     fprintf(stderr, "ddp-bench: rank %d: %s\n", t->rank, ddp_last_error());
@@ -549,6 +573,7 @@ static int proc_rank(int rank, int n, uint16_t port) {
   ddp_store_options so = {.timeout_ms = (int64_t)(g_opts.timeout_s * 1000)};
   ddp_process_group_options po = group_options(&g_opts);
   ddp_log_set_rank(rank);
+  if (g_opts.bind) bind_to_cpu(rank);
   if (ddp_store_tcp_connect("127.0.0.1", port, &so, &store) != DDP_OK ||
       ddp_process_group_create(store, rank, n, &po, &pg) != DDP_OK) {
     fprintf(stderr, "ddp-bench: rank %d: %s\n", rank, ddp_last_error());
@@ -664,6 +689,12 @@ static int run_procs(int n) {
 static int run_launched(void) {
   ddp_process_group *pg = NULL;
   ddp_process_group_options po = group_options(&g_opts);
+  if (g_opts.bind) {
+    int64_t local_rank = 0;
+    if (ddp_env_int("LOCAL_RANK", -1, &local_rank) != DDP_OK || local_rank < 0)
+      ddp_env_int("RANK", 0, &local_rank);
+    bind_to_cpu(local_rank >= 0 ? (int)local_rank : 0);
+  }
   if (ddp_init_process_group("env://", NULL, &po, &pg) != DDP_OK) {
     fprintf(stderr, "ddp-bench: %s\n", ddp_last_error());
     return 1;
@@ -777,6 +808,10 @@ static void parse_args(int argc, char **argv, bench_opts *o) {
     else if (!strcmp(a, "--transport")) {
       if (!strcmp(v, "tcp")) o->transport = "tcp";
       else if (strcmp(v, "auto") != 0) die_usage("unknown transport \"%s\" (auto or tcp)", v);
+    } else if (!strcmp(a, "--bind")) {
+      if (!strcmp(v, "core")) o->bind = 1;
+      else if (!strcmp(v, "none")) o->bind = 0;
+      else die_usage("unknown --bind \"%s\" (core or none)", v);
     } else if (!strcmp(a, "--timeout")) {
       char *end;
       errno = 0;
