@@ -83,6 +83,31 @@ timeout 60 "$bench" allreduce --nproc 2 -b 8 -e 64 -f 2 -n 2 -w 1 >"$tmp/table" 
 [ "$(grep -c '^ ' "$tmp/table")" = 4 ] || fail "expected 4 rows: $(cat "$tmp/table")"
 grep -q 'busbw' "$tmp/table" || fail "no header: $(cat "$tmp/table")"
 
+# A rank killed mid-run: the others fail naming it, and the parent reaps
+# everyone and exits 1 within seconds, naming the killed rank.
+if command -v pgrep >/dev/null; then
+  "$bench" allreduce --nproc 3 -b 64K -e 64K -n 100000000 -c 0 --timeout 60 >"$tmp/out" 2>"$tmp/err" &
+  parent=$!
+  victim=""
+  for _ in $(seq 100); do
+    victim=$(pgrep -P "$parent" | sed -n 2p)
+    [ -n "$victim" ] && grep -q . "$tmp/out" 2>/dev/null && break
+    sleep 0.1
+  done
+  [ -n "$victim" ] || { kill -9 "$parent"; fail "no rank processes under ddp-bench"; }
+  sleep 0.5
+  kill -9 "$victim"
+  start=$SECONDS
+  wait "$parent"
+  rc=$?
+  [ $rc = 1 ] || fail "after a rank was killed ddp-bench exited $rc, not 1"
+  [ $((SECONDS - start)) -le 20 ] || fail "ddp-bench took $((SECONDS - start)) s to notice a dead rank"
+  grep -q "killed by signal 9" "$tmp/err" || fail "the killed rank is not named: $(cat "$tmp/err")"
+  echo "ok: a killed rank fails the run ($((SECONDS - start)) s)"
+else
+  echo "SKIP (part): no pgrep to find the rank processes"
+fi
+
 # Bad usage: exit 2 and a message.
 bad() {
   "$bench" "$@" >"$tmp/out" 2>"$tmp/err"
