@@ -15,7 +15,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "comm/backend.h" /* float16 / bfloat16 conversions */
+#include "comm/pattern.h" /* element access by dtype, the closed-form value pattern */
 #include "ddp/ddp.h"
 
 static const char usage[] =
@@ -127,51 +127,6 @@ enum { BENCH_OK = 0, BENCH_WRONG = 1, BENCH_FAILED = 2, BENCH_USAGE = 3 };
  * or half-integer, exact in every dtype at small world sizes; float16 and
  * bfloat16 round once per reduction step at large ones, hence a tolerance. */
 
-static void elem_set(void *buf, ddp_dtype dt, size_t i, double v) {
-  switch (dt) {
-    case DDP_FLOAT32: ((float *)buf)[i] = (float)v; break;
-    case DDP_FLOAT64: ((double *)buf)[i] = v; break;
-    case DDP_INT32: ((int32_t *)buf)[i] = (int32_t)v; break;
-    case DDP_INT64: ((int64_t *)buf)[i] = (int64_t)v; break;
-    case DDP_FLOAT16: ((uint16_t *)buf)[i] = ddp__float_to_half((float)v); break;
-    case DDP_BFLOAT16: ((uint16_t *)buf)[i] = ddp__float_to_bf16((float)v); break;
-    default: break;
-  }
-}
-
-static double elem_get(const void *buf, ddp_dtype dt, size_t i) {
-  switch (dt) {
-    case DDP_FLOAT32: return ((const float *)buf)[i];
-    case DDP_FLOAT64: return ((const double *)buf)[i];
-    case DDP_INT32: return ((const int32_t *)buf)[i];
-    case DDP_INT64: return (double)((const int64_t *)buf)[i];
-    case DDP_FLOAT16: return ddp__half_to_float(((const uint16_t *)buf)[i]);
-    case DDP_BFLOAT16: return ddp__bf16_to_float(((const uint16_t *)buf)[i]);
-    default: return NAN;
-  }
-}
-
-static double contrib(int r, size_t i, ddp_reduce_op redop) {
-  if (redop == DDP_REDUCE_PRODUCT) return i % 3 == (size_t)(r % 3) ? 2.0 : 1.0;
-  return (double)(r + 1) * (double)(i % 7 + 1);
-}
-
-/* The reduction of contrib over ranks 0..P-1. */
-static double reduced(ddp_reduce_op redop, int P, size_t i) {
-  double k = (double)(i % 7 + 1);
-  switch (redop) {
-    case DDP_REDUCE_SUM: return (double)P * (P + 1) / 2.0 * k;
-    case DDP_REDUCE_AVG: return (double)(P + 1) / 2.0 * k;
-    case DDP_REDUCE_MIN: return k;
-    case DDP_REDUCE_MAX: return (double)P * k;
-    case DDP_REDUCE_PRODUCT: {
-      int m = (int)(i % 3);
-      return ldexp(1.0, m < P ? (P - m + 2) / 3 : 0);
-    }
-    default: return NAN;
-  }
-}
-
 static double code(int from, int to, size_t i) {
   return (double)(((size_t)from * 131 + (size_t)to * 17 + i) % 97);
 }
@@ -179,12 +134,12 @@ static double code(int from, int to, size_t i) {
 /* Whether element i of buf holds `want` once rounded to the dtype (within
  * the rounding of `steps` reduction steps for float16 / bfloat16). */
 static int elem_ok(const void *buf, ddp_dtype dt, size_t i, double want, int steps) {
-  double got = elem_get(buf, dt, i);
+  double got = ddp__elem_get(buf, dt, i);
   if (dt == DDP_INT32) want = (double)(int32_t)(int64_t)want; /* wraps as the op does */
   if (dt == DDP_FLOAT16 || dt == DDP_BFLOAT16 || dt == DDP_FLOAT32) {
     uint64_t tmp = 0;
-    elem_set(&tmp, dt, 0, want); /* what `want` becomes in this dtype */
-    want = elem_get(&tmp, dt, 0);
+    ddp__elem_set(&tmp, dt, 0, want); /* what `want` becomes in this dtype */
+    want = ddp__elem_get(&tmp, dt, 0);
   }
   if (got == want) return 1;
   double eps = dt == DDP_FLOAT16 ? 0x1p-10 : dt == DDP_BFLOAT16 ? 0x1p-7 : 0;
@@ -234,31 +189,31 @@ static void fill(const bench_opts *o, const rank_bufs *b, int r, int P, size_t c
   switch (o->op) {
     case OP_ALLREDUCE:
     case OP_REDUCE:
-      for (size_t i = 0; i < count; i++) elem_set(b->send, dt, i, contrib(r, i, o->redop));
+      for (size_t i = 0; i < count; i++) ddp__elem_set(b->send, dt, i, ddp__pattern_contrib(r, i, o->redop));
       break;
     case OP_BROADCAST:
       for (size_t i = 0; i < count; i++)
-        elem_set(b->send, dt, i, r == o->root ? code(o->root, 0, i) : -1.0);
+        ddp__elem_set(b->send, dt, i, r == o->root ? code(o->root, 0, i) : -1.0);
       break;
     case OP_ALLGATHER:
     case OP_GATHER:
-      for (size_t i = 0; i < count; i++) elem_set(b->send, dt, i, code(r, 0, i));
-      for (size_t i = 0; i < count * (size_t)P; i++) elem_set(b->recv, dt, i, -1.0);
+      for (size_t i = 0; i < count; i++) ddp__elem_set(b->send, dt, i, code(r, 0, i));
+      for (size_t i = 0; i < count * (size_t)P; i++) ddp__elem_set(b->recv, dt, i, -1.0);
       break;
     case OP_REDUCE_SCATTER:
       for (size_t i = 0; i < count * (size_t)P; i++)
-        elem_set(b->send, dt, i, contrib(r, i, o->redop));
-      for (size_t i = 0; i < count; i++) elem_set(b->recv, dt, i, -1.0);
+        ddp__elem_set(b->send, dt, i, ddp__pattern_contrib(r, i, o->redop));
+      for (size_t i = 0; i < count; i++) ddp__elem_set(b->recv, dt, i, -1.0);
       break;
     case OP_SCATTER:
     case OP_ALLTOALL:
       for (int q = 0; q < P; q++)
-        for (size_t i = 0; i < count; i++) elem_set(b->send, dt, (size_t)q * count + i, code(r, q, i));
-      for (size_t i = 0; i < count * (size_t)P; i++) elem_set(b->recv, dt, i, -1.0);
+        for (size_t i = 0; i < count; i++) ddp__elem_set(b->send, dt, (size_t)q * count + i, code(r, q, i));
+      for (size_t i = 0; i < count * (size_t)P; i++) ddp__elem_set(b->recv, dt, i, -1.0);
       break;
     case OP_SENDRECV:
-      for (size_t i = 0; i < count; i++) elem_set(b->send, dt, i, code(r, next, i));
-      for (size_t i = 0; i < count; i++) elem_set(b->recv, dt, i, -1.0);
+      for (size_t i = 0; i < count; i++) ddp__elem_set(b->send, dt, i, code(r, next, i));
+      for (size_t i = 0; i < count; i++) ddp__elem_set(b->recv, dt, i, -1.0);
       break;
     default: break;
   }
@@ -273,12 +228,12 @@ static int64_t count_wrong(const bench_opts *o, const rank_bufs *b, int r, int P
   switch (o->op) {
     case OP_ALLREDUCE:
       for (size_t i = 0; i < count; i++)
-        wrong += !elem_ok(b->send, dt, i, reduced(o->redop, P, i), steps);
+        wrong += !elem_ok(b->send, dt, i, ddp__pattern_reduced(o->redop, P, i), steps);
       break;
     case OP_REDUCE:
       for (size_t i = 0; i < count; i++)
         wrong += !elem_ok(b->send, dt, i,
-                          r == o->root ? reduced(o->redop, P, i) : contrib(r, i, o->redop), steps);
+                          r == o->root ? ddp__pattern_reduced(o->redop, P, i) : ddp__pattern_contrib(r, i, o->redop), steps);
       break;
     case OP_BROADCAST:
       for (size_t i = 0; i < count; i++) wrong += !elem_ok(b->send, dt, i, code(o->root, 0, i), 0);
@@ -292,7 +247,7 @@ static int64_t count_wrong(const bench_opts *o, const rank_bufs *b, int r, int P
       break;
     case OP_REDUCE_SCATTER:
       for (size_t i = 0; i < count; i++)
-        wrong += !elem_ok(b->recv, dt, i, reduced(o->redop, P, (size_t)r * count + i), steps);
+        wrong += !elem_ok(b->recv, dt, i, ddp__pattern_reduced(o->redop, P, (size_t)r * count + i), steps);
       break;
     case OP_SCATTER:
       for (size_t i = 0; i < count; i++) wrong += !elem_ok(b->recv, dt, i, code(o->root, r, i), 0);

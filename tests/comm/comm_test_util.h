@@ -2,8 +2,8 @@
  * process meeting in one in-process store (each thread creates its own
  * group through the public API), a thread-safe CHECK that records the first
  * failure (cmocka's asserts must stay on the main thread). Element access
- * and closed forms are local_test_util.h's (lt_*), shared with the backend
- * tests. */
+ * and closed forms are src/comm/pattern.h's, shared with the backend tests
+ * and ddp-bench. */
 #ifndef DDP_TESTS_COMM_TEST_UTIL_H
 #define DDP_TESTS_COMM_TEST_UTIL_H
 

@@ -14,62 +14,12 @@
 #include <string.h>
 
 #include "comm/backend.h"
+#include "comm/pattern.h"
 #include "ddp/tensor.h"
 
 static const ddp_dtype lt_dtypes[] = {DDP_FLOAT32, DDP_FLOAT64, DDP_INT32,
                                       DDP_INT64,   DDP_FLOAT16, DDP_BFLOAT16};
 #define LT_NUM_DTYPES (sizeof lt_dtypes / sizeof lt_dtypes[0])
-
-static inline void lt_set(void *buf, ddp_dtype dt, size_t i, double v) {
-  switch (dt) {
-    case DDP_FLOAT32: ((float *)buf)[i] = (float)v; break;
-    case DDP_FLOAT64: ((double *)buf)[i] = v; break;
-    case DDP_INT32: ((int32_t *)buf)[i] = (int32_t)v; break;
-    case DDP_INT64: ((int64_t *)buf)[i] = (int64_t)v; break;
-    case DDP_FLOAT16: ((uint16_t *)buf)[i] = ddp__float_to_half((float)v); break;
-    case DDP_BFLOAT16: ((uint16_t *)buf)[i] = ddp__float_to_bf16((float)v); break;
-    default: break;
-  }
-}
-
-static inline double lt_get(const void *buf, ddp_dtype dt, size_t i) {
-  switch (dt) {
-    case DDP_FLOAT32: return ((const float *)buf)[i];
-    case DDP_FLOAT64: return ((const double *)buf)[i];
-    case DDP_INT32: return ((const int32_t *)buf)[i];
-    case DDP_INT64: return (double)((const int64_t *)buf)[i];
-    case DDP_FLOAT16: return ddp__half_to_float(((const uint16_t *)buf)[i]);
-    case DDP_BFLOAT16: return ddp__bf16_to_float(((const uint16_t *)buf)[i]);
-    default: return NAN;
-  }
-}
-
-static inline const char *lt_op_name(int op) {
-  static const char *const names[] = {"sum", "avg", "min", "max", "product"};
-  return op >= 0 && op < DDP_REDUCE_OP_COUNT ? names[op] : "?";
-}
-
-static inline double lt_contrib(int r, size_t i, ddp_reduce_op op) {
-  if (op == DDP_REDUCE_PRODUCT) return (i % 3) == (size_t)(r % 3) ? 2.0 : 1.0;
-  return (double)(r + 1) * (double)(i % 7 + 1);
-}
-
-/* The reduction over ranks 0..P-1 of lt_contrib, in closed form. */
-static inline double lt_expected(ddp_reduce_op op, int P, size_t i) {
-  double k = (double)(i % 7 + 1);
-  switch (op) {
-    case DDP_REDUCE_SUM: return (double)P * (P + 1) / 2.0 * k;
-    case DDP_REDUCE_AVG: return (double)(P + 1) / 2.0 * k;
-    case DDP_REDUCE_MIN: return k;
-    case DDP_REDUCE_MAX: return (double)P * k;
-    case DDP_REDUCE_PRODUCT: {
-      int m = (int)(i % 3);
-      int ranks = m < P ? (P - m + 2) / 3 : 0;
-      return ldexp(1.0, ranks);
-    }
-    default: return NAN;
-  }
-}
 
 /* all_to_all: what rank r puts in the block for rank q. */
 static inline double lt_code(int r, int q, size_t i) { return (double)(r * 8 + q + (int)(i % 5)); }
@@ -133,21 +83,21 @@ static void lt_run_case(lt_matrix *m, ddp_dtype dt, size_t count, int round) {
   /* allreduce, every op */
   for (int op = 0; op < DDP_REDUCE_OP_COUNT; op++) {
     if (op == DDP_REDUCE_AVG && !lt_is_float(dt)) continue;
-    for (size_t i = 0; i < count; i++) lt_set(buf, dt, i, lt_contrib(r, i, op));
+    for (size_t i = 0; i < count; i++) ddp__elem_set(buf, dt, i, ddp__pattern_contrib(r, i, op));
     LT_CALL(m, "allreduce", o->allreduce(b, ctxp, buf, count, dt, op));
     for (size_t i = 0; i < count; i++) {
-      double got = lt_get(buf, dt, i), want = lt_expected(op, P, i);
+      double got = ddp__elem_get(buf, dt, i), want = ddp__pattern_reduced(op, P, i);
       LT_CHECK(m, got == want, "rank %d of %d: allreduce %s %s count %zu: [%zu] = %g, expected %g",
-               r, P, lt_op_name(op), dn, count, i, got, want);
+               r, P, ddp_reduce_op_name((ddp_reduce_op)op), dn, count, i, got, want);
       if (got != want) break;
     }
   }
   /* broadcast */
   int root = round % P;
-  for (size_t i = 0; i < count; i++) lt_set(buf, dt, i, r == root ? lt_contrib(r, i, 0) : -1);
+  for (size_t i = 0; i < count; i++) ddp__elem_set(buf, dt, i, r == root ? ddp__pattern_contrib(r, i, 0) : -1);
   LT_CALL(m, "broadcast", o->broadcast(b, ctxp, buf, count, dt, root));
   for (size_t i = 0; i < count; i++) {
-    double got = lt_get(buf, dt, i), want = lt_contrib(root, i, 0);
+    double got = ddp__elem_get(buf, dt, i), want = ddp__pattern_contrib(root, i, 0);
     LT_CHECK(m, got == want, "rank %d of %d: broadcast %s count %zu root %d: [%zu] = %g, expected %g",
              r, P, dn, count, root, i, got, want);
     if (got != want) break;
@@ -155,31 +105,31 @@ static void lt_run_case(lt_matrix *m, ddp_dtype dt, size_t count, int round) {
   /* reduce (SUM; MAX on odd rounds) to root P-1-root */
   int rroot = P - 1 - root;
   ddp_reduce_op rop = round % 2 ? DDP_REDUCE_MAX : DDP_REDUCE_SUM;
-  for (size_t i = 0; i < count; i++) lt_set(buf, dt, i, lt_contrib(r, i, rop));
+  for (size_t i = 0; i < count; i++) ddp__elem_set(buf, dt, i, ddp__pattern_contrib(r, i, rop));
   LT_CALL(m, "reduce", o->reduce(b, ctxp, buf, count, dt, rop, rroot));
   for (size_t i = 0; i < count; i++) {
-    double got = lt_get(buf, dt, i);
-    double want = r == rroot ? lt_expected(rop, P, i) : lt_contrib(r, i, rop);
+    double got = ddp__elem_get(buf, dt, i);
+    double want = r == rroot ? ddp__pattern_reduced(rop, P, i) : ddp__pattern_contrib(r, i, rop);
     LT_CHECK(m, got == want, "rank %d of %d: reduce %s %s count %zu root %d: [%zu] = %g, expected %g",
-             r, P, lt_op_name(rop), dn, count, rroot, i, got, want);
+             r, P, ddp_reduce_op_name((ddp_reduce_op)rop), dn, count, rroot, i, got, want);
     if (got != want) break;
   }
   /* allgather */
-  for (size_t i = 0; i < count; i++) lt_set(send, dt, i, lt_contrib(r, i, 0));
+  for (size_t i = 0; i < count; i++) ddp__elem_set(send, dt, i, ddp__pattern_contrib(r, i, 0));
   memset(recv, 0xee, n_all * es);
   LT_CALL(m, "allgather", o->allgather(b, ctxp, send, recv, count, dt));
   for (size_t j = 0; j < n_all; j++) {
-    double got = lt_get(recv, dt, j), want = lt_contrib((int)(j / count), j % count, 0);
+    double got = ddp__elem_get(recv, dt, j), want = ddp__pattern_contrib((int)(j / count), j % count, 0);
     LT_CHECK(m, got == want, "rank %d of %d: allgather %s count %zu: [%zu] = %g, expected %g", r,
              P, dn, count, j, got, want);
     if (got != want) break;
   }
   /* allgather in place: send is this rank's block of recv */
   memset(recv, 0xee, n_all * es);
-  for (size_t i = 0; i < count; i++) lt_set(recv + (size_t)r * count * es, dt, i, lt_contrib(r, i, 0));
+  for (size_t i = 0; i < count; i++) ddp__elem_set(recv + (size_t)r * count * es, dt, i, ddp__pattern_contrib(r, i, 0));
   LT_CALL(m, "allgather", o->allgather(b, ctxp, recv + (size_t)r * count * es, recv, count, dt));
   for (size_t j = 0; j < n_all; j++) {
-    double got = lt_get(recv, dt, j), want = lt_contrib((int)(j / count), j % count, 0);
+    double got = ddp__elem_get(recv, dt, j), want = ddp__pattern_contrib((int)(j / count), j % count, 0);
     LT_CHECK(m, got == want, "rank %d of %d: allgather in place %s count %zu: [%zu] = %g, expected %g",
              r, P, dn, count, j, got, want);
     if (got != want) break;
@@ -188,38 +138,38 @@ static void lt_run_case(lt_matrix *m, ddp_dtype dt, size_t count, int round) {
   memset(recv, 0xee, n_all * es);
   LT_CALL(m, "gather", o->gather(b, ctxp, send, r == root ? recv : NULL, count, dt, root));
   for (size_t j = 0; r == root && j < n_all; j++) {
-    double got = lt_get(recv, dt, j), want = lt_contrib((int)(j / count), j % count, 0);
+    double got = ddp__elem_get(recv, dt, j), want = ddp__pattern_contrib((int)(j / count), j % count, 0);
     LT_CHECK(m, got == want, "rank %d of %d: gather %s count %zu root %d: [%zu] = %g, expected %g",
              r, P, dn, count, root, j, got, want);
     if (got != want) break;
   }
-  /* scatter from rroot: block q element i = lt_contrib(q, i) */
-  for (size_t j = 0; j < n_all; j++) lt_set(send, dt, j, lt_contrib((int)(j / count), j % count, 0));
+  /* scatter from rroot: block q element i = ddp__pattern_contrib(q, i) */
+  for (size_t j = 0; j < n_all; j++) ddp__elem_set(send, dt, j, ddp__pattern_contrib((int)(j / count), j % count, 0));
   memset(recv, 0xee, count * es);
   LT_CALL(m, "scatter",
           o->scatter(b, ctxp, r == rroot ? send : NULL, recv, count, dt, rroot));
   for (size_t i = 0; i < count; i++) {
-    double got = lt_get(recv, dt, i), want = lt_contrib(r, i, 0);
+    double got = ddp__elem_get(recv, dt, i), want = ddp__pattern_contrib(r, i, 0);
     LT_CHECK(m, got == want, "rank %d of %d: scatter %s count %zu root %d: [%zu] = %g, expected %g",
              r, P, dn, count, rroot, i, got, want);
     if (got != want) break;
   }
-  /* reduce_scatter SUM: send element j = lt_contrib(r, j) */
-  for (size_t j = 0; j < n_all; j++) lt_set(send, dt, j, lt_contrib(r, j, 0));
+  /* reduce_scatter SUM: send element j = ddp__pattern_contrib(r, j) */
+  for (size_t j = 0; j < n_all; j++) ddp__elem_set(send, dt, j, ddp__pattern_contrib(r, j, 0));
   memset(recv, 0xee, count * es);
   LT_CALL(m, "reduce_scatter", o->reduce_scatter(b, ctxp, send, recv, count, dt, DDP_REDUCE_SUM));
   for (size_t i = 0; i < count; i++) {
-    double got = lt_get(recv, dt, i), want = lt_expected(DDP_REDUCE_SUM, P, (size_t)r * count + i);
+    double got = ddp__elem_get(recv, dt, i), want = ddp__pattern_reduced(DDP_REDUCE_SUM, P, (size_t)r * count + i);
     LT_CHECK(m, got == want, "rank %d of %d: reduce_scatter %s count %zu: [%zu] = %g, expected %g",
              r, P, dn, count, i, got, want);
     if (got != want) break;
   }
   /* all_to_all */
-  for (size_t j = 0; j < n_all; j++) lt_set(send, dt, j, lt_code(r, (int)(j / count), j % count));
+  for (size_t j = 0; j < n_all; j++) ddp__elem_set(send, dt, j, lt_code(r, (int)(j / count), j % count));
   memset(recv, 0xee, n_all * es);
   LT_CALL(m, "all_to_all", o->all_to_all(b, ctxp, send, recv, count, dt));
   for (size_t j = 0; j < n_all; j++) {
-    double got = lt_get(recv, dt, j), want = lt_code((int)(j / count), r, j % count);
+    double got = ddp__elem_get(recv, dt, j), want = lt_code((int)(j / count), r, j % count);
     LT_CHECK(m, got == want, "rank %d of %d: all_to_all %s count %zu: [%zu] = %g, expected %g", r,
              P, dn, count, j, got, want);
     if (got != want) break;
@@ -234,8 +184,8 @@ static void lt_run_case(lt_matrix *m, ddp_dtype dt, size_t count, int round) {
     size_t bytes = count * es;
     bool eager = bytes <= 4096;
     for (size_t i = 0; i < count; i++) {
-      lt_set(send, dt, i, lt_contrib(r, i, 0));
-      lt_set(send + bytes, dt, i, lt_code(r, 0, i));
+      ddp__elem_set(send, dt, i, ddp__pattern_contrib(r, i, 0));
+      ddp__elem_set(send + bytes, dt, i, lt_code(r, 0, i));
     }
     for (int phase = 0; phase < 2; phase++) {
       bool do_send = eager ? phase == 0 : (phase == 0) == (r % 2 == 0);
@@ -260,8 +210,8 @@ static void lt_run_case(lt_matrix *m, ddp_dtype dt, size_t count, int round) {
           LT_CHECK(m, st == DDP_OK, "rank %d: recv: %s", r, ddp_last_error());
           if (st != DDP_OK) break;
           for (size_t i = 0; i < count; i++) {
-            double got = lt_get(recv, dt, i);
-            double want = tag == 1 ? lt_contrib(prev, i, 0) : lt_code(prev, 0, i);
+            double got = ddp__elem_get(recv, dt, i);
+            double want = tag == 1 ? ddp__pattern_contrib(prev, i, 0) : lt_code(prev, 0, i);
             LT_CHECK(m, got == want, "rank %d of %d: recv %s count %zu tag %d: [%zu] = %g, expected %g",
                      r, P, dn, count, tag, i, got, want);
             if (got != want) break;

@@ -22,7 +22,7 @@
 
 #define MIB (1u << 20)
 
-/* Closed forms: lt_contrib / lt_expected / lt_code from local_test_util.h. */
+/* Closed forms: ddp__pattern_contrib / _reduced (src/comm/pattern.h) and lt_code (local_test_util.h). */
 static double code(int r, size_t i) { return lt_code(r, 0, i); }
 
 #define JUNK (-3.0)
@@ -52,81 +52,81 @@ static void run_dtype(ct_rank *self, ddp_dtype dt, char *a, char *b) {
     /* allreduce, every op */
     for (int op = 0; op < DDP_REDUCE_OP_COUNT; op++) {
       if (op == DDP_REDUCE_AVG && !lt_is_float(dt)) continue;
-      FOR_I(n) lt_set(a, dt, i, lt_contrib(r, i, (ddp_reduce_op)op));
+      FOR_I(n) ddp__elem_set(a, dt, i, ddp__pattern_contrib(r, i, (ddp_reduce_op)op));
       CT_OK(self, ddp_allreduce(pg, a, n, dt, (ddp_reduce_op)op));
-      FOR_I(n) CT_CHECK(self, lt_get(a, dt, i) == lt_expected((ddp_reduce_op)op, P, i),
+      FOR_I(n) CT_CHECK(self, ddp__elem_get(a, dt, i) == ddp__pattern_reduced((ddp_reduce_op)op, P, i),
                         "allreduce %s %s n=%zu [%zu] = %g, want %g", dn,
-                        ddp_reduce_op_name((ddp_reduce_op)op), n, i, lt_get(a, dt, i),
-                        lt_expected((ddp_reduce_op)op, P, i));
+                        ddp_reduce_op_name((ddp_reduce_op)op), n, i, ddp__elem_get(a, dt, i),
+                        ddp__pattern_reduced((ddp_reduce_op)op, P, i));
     }
     /* reduce to a middle root: SUM and MAX (AVG for floats); others unchanged */
     int root = P / 2;
     ddp_reduce_op rops[3] = {DDP_REDUCE_SUM, DDP_REDUCE_MAX, lt_is_float(dt) ? DDP_REDUCE_AVG : DDP_REDUCE_MIN};
     for (int k = 0; k < 3; k++) {
-      FOR_I(n) lt_set(a, dt, i, lt_contrib(r, i, rops[k]));
+      FOR_I(n) ddp__elem_set(a, dt, i, ddp__pattern_contrib(r, i, rops[k]));
       CT_OK(self, ddp_reduce(pg, a, n, dt, rops[k], root));
       FOR_I(n) {
-        double want = r == root ? lt_expected(rops[k], P, i) : lt_contrib(r, i, rops[k]);
-        CT_CHECK(self, lt_get(a, dt, i) == want, "reduce %s %s root %d n=%zu [%zu] = %g, want %g",
-                 dn, ddp_reduce_op_name(rops[k]), root, n, i, lt_get(a, dt, i), want);
+        double want = r == root ? ddp__pattern_reduced(rops[k], P, i) : ddp__pattern_contrib(r, i, rops[k]);
+        CT_CHECK(self, ddp__elem_get(a, dt, i) == want, "reduce %s %s root %d n=%zu [%zu] = %g, want %g",
+                 dn, ddp_reduce_op_name(rops[k]), root, n, i, ddp__elem_get(a, dt, i), want);
       }
     }
     /* broadcast from the last rank */
-    FOR_I(n) lt_set(a, dt, i, r == P - 1 ? code(r, i) : JUNK);
+    FOR_I(n) ddp__elem_set(a, dt, i, r == P - 1 ? code(r, i) : JUNK);
     CT_OK(self, ddp_broadcast(pg, a, n, dt, P - 1));
-    FOR_I(n) CT_CHECK(self, lt_get(a, dt, i) == code(P - 1, i), "broadcast %s n=%zu [%zu] = %g", dn,
-                      n, i, lt_get(a, dt, i));
+    FOR_I(n) CT_CHECK(self, ddp__elem_get(a, dt, i) == code(P - 1, i), "broadcast %s n=%zu [%zu] = %g", dn,
+                      n, i, ddp__elem_get(a, dt, i));
     /* allgather */
-    FOR_I(m) lt_set(a, dt, i, code(r, i));
-    FOR_I(m * (size_t)P) lt_set(b, dt, i, JUNK);
+    FOR_I(m) ddp__elem_set(a, dt, i, code(r, i));
+    FOR_I(m * (size_t)P) ddp__elem_set(b, dt, i, JUNK);
     CT_OK(self, ddp_allgather(pg, a, b, m, dt));
     for (int q = 0; q < P; q++)
-      FOR_I(m) CT_CHECK(self, lt_get(b, dt, (size_t)q * m + i) == code(q, i),
+      FOR_I(m) CT_CHECK(self, ddp__elem_get(b, dt, (size_t)q * m + i) == code(q, i),
                         "allgather %s m=%zu block %d [%zu] = %g", dn, m, q, i,
-                        lt_get(b, dt, (size_t)q * m + i));
+                        ddp__elem_get(b, dt, (size_t)q * m + i));
     /* gather to rank (P-1)/2 */
     int groot = (P - 1) / 2;
-    FOR_I(m * (size_t)P) lt_set(b, dt, i, JUNK);
+    FOR_I(m * (size_t)P) ddp__elem_set(b, dt, i, JUNK);
     CT_OK(self, ddp_gather(pg, a, r == groot ? b : NULL, m, dt, groot));
     if (r == groot)
       for (int q = 0; q < P; q++)
-        FOR_I(m) CT_CHECK(self, lt_get(b, dt, (size_t)q * m + i) == code(q, i),
+        FOR_I(m) CT_CHECK(self, ddp__elem_get(b, dt, (size_t)q * m + i) == code(q, i),
                           "gather %s m=%zu block %d [%zu] = %g", dn, m, q, i,
-                          lt_get(b, dt, (size_t)q * m + i));
+                          ddp__elem_get(b, dt, (size_t)q * m + i));
     /* scatter from rank P/2: block q of the root's send is lt_code(root, q) */
     int sroot = P / 2;
     if (r == sroot)
-      for (int q = 0; q < P; q++) FOR_I(m) lt_set(b, dt, (size_t)q * m + i, lt_code(sroot, q, i));
-    FOR_I(m) lt_set(a, dt, i, JUNK);
+      for (int q = 0; q < P; q++) FOR_I(m) ddp__elem_set(b, dt, (size_t)q * m + i, lt_code(sroot, q, i));
+    FOR_I(m) ddp__elem_set(a, dt, i, JUNK);
     CT_OK(self, ddp_scatter(pg, r == sroot ? b : NULL, a, m, dt, sroot));
-    FOR_I(m) CT_CHECK(self, lt_get(a, dt, i) == lt_code(sroot, r, i), "scatter %s m=%zu [%zu] = %g", dn,
-                      m, i, lt_get(a, dt, i));
+    FOR_I(m) CT_CHECK(self, ddp__elem_get(a, dt, i) == lt_code(sroot, r, i), "scatter %s m=%zu [%zu] = %g", dn,
+                      m, i, ddp__elem_get(a, dt, i));
     /* reduce_scatter: SUM and MAX over the whole send; block r lands here */
     ddp_reduce_op sops[2] = {DDP_REDUCE_SUM, DDP_REDUCE_MAX};
     for (int k = 0; k < 2; k++) {
-      FOR_I(m * (size_t)P) lt_set(b, dt, i, lt_contrib(r, i, sops[k]));
-      FOR_I(m) lt_set(a, dt, i, JUNK);
+      FOR_I(m * (size_t)P) ddp__elem_set(b, dt, i, ddp__pattern_contrib(r, i, sops[k]));
+      FOR_I(m) ddp__elem_set(a, dt, i, JUNK);
       CT_OK(self, ddp_reduce_scatter(pg, b, a, m, dt, sops[k]));
-      FOR_I(m) CT_CHECK(self, lt_get(a, dt, i) == lt_expected(sops[k], P, (size_t)r * m + i),
+      FOR_I(m) CT_CHECK(self, ddp__elem_get(a, dt, i) == ddp__pattern_reduced(sops[k], P, (size_t)r * m + i),
                         "reduce_scatter %s %s m=%zu [%zu] = %g, want %g", dn,
-                        ddp_reduce_op_name(sops[k]), m, i, lt_get(a, dt, i),
-                        lt_expected(sops[k], P, (size_t)r * m + i));
+                        ddp_reduce_op_name(sops[k]), m, i, ddp__elem_get(a, dt, i),
+                        ddp__pattern_reduced(sops[k], P, (size_t)r * m + i));
     }
     /* all_to_all: block q of rank r's send goes to block r of rank q's recv */
-    for (int q = 0; q < P; q++) FOR_I(m) lt_set(b, dt, (size_t)q * m + i, lt_code(r, q, i));
-    FOR_I(m * (size_t)P) lt_set(a, dt, i, JUNK);
+    for (int q = 0; q < P; q++) FOR_I(m) ddp__elem_set(b, dt, (size_t)q * m + i, lt_code(r, q, i));
+    FOR_I(m * (size_t)P) ddp__elem_set(a, dt, i, JUNK);
     CT_OK(self, ddp_all_to_all(pg, b, a, m, dt));
     for (int q = 0; q < P; q++)
-      FOR_I(m) CT_CHECK(self, lt_get(a, dt, (size_t)q * m + i) == lt_code(q, r, i),
+      FOR_I(m) CT_CHECK(self, ddp__elem_get(a, dt, (size_t)q * m + i) == lt_code(q, r, i),
                         "all_to_all %s m=%zu block %d [%zu] = %g", dn, m, q, i,
-                        lt_get(a, dt, (size_t)q * m + i));
+                        ddp__elem_get(a, dt, (size_t)q * m + i));
     /* point to point around the ring (P > 1): even ranks send first, odd
      * ranks receive first (operations run one at a time, and a large send
      * may wait for its receiver) */
     if (P > 1) {
       int next = (r + 1) % P, prev = (r + P - 1) % P;
-      FOR_I(n) lt_set(a, dt, i, code(r, i));
-      FOR_I(n) lt_set(b, dt, i, JUNK);
+      FOR_I(n) ddp__elem_set(a, dt, i, code(r, i));
+      FOR_I(n) ddp__elem_set(b, dt, i, JUNK);
       if (r % 2 == 0) {
         CT_OK(self, ddp_send(pg, a, n, dt, next, c));
         CT_OK(self, ddp_recv(pg, b, n, dt, prev, c));
@@ -134,8 +134,8 @@ static void run_dtype(ct_rank *self, ddp_dtype dt, char *a, char *b) {
         CT_OK(self, ddp_recv(pg, b, n, dt, prev, c));
         CT_OK(self, ddp_send(pg, a, n, dt, next, c));
       }
-      FOR_I(n) CT_CHECK(self, lt_get(b, dt, i) == code(prev, i), "recv %s n=%zu [%zu] = %g", dn, n,
-                        i, lt_get(b, dt, i));
+      FOR_I(n) CT_CHECK(self, ddp__elem_get(b, dt, i) == code(prev, i), "recv %s n=%zu [%zu] = %g", dn, n,
+                        i, ddp__elem_get(b, dt, i));
     }
   }
   CT_OK(self, ddp_barrier(pg));

@@ -27,11 +27,11 @@ static int large_rank(int rank, int size, void *arg) {
   if (!buf || !recv) return 5;
   int bad = 0;
 
-  for (size_t i = 0; i < count; i++) buf[i] = (float)lt_contrib(rank, i, DDP_REDUCE_SUM);
+  for (size_t i = 0; i < count; i++) buf[i] = (float)ddp__pattern_contrib(rank, i, DDP_REDUCE_SUM);
   ddp__op_ctx ctx = lt_ctx("allreduce", 1, &ab, 60.0);
   ddp_status st = b->ops->allreduce(b, &ctx, buf, count, DDP_FLOAT32, DDP_REDUCE_SUM);
   for (size_t i = 0; st == DDP_OK && i < count; i++)
-    if (buf[i] != (float)lt_expected(DDP_REDUCE_SUM, size, i)) {
+    if (buf[i] != (float)ddp__pattern_reduced(DDP_REDUCE_SUM, size, i)) {
       fprintf(stderr, "rank %d of %d: allreduce [%zu] = %g\n", rank, size, i, buf[i]);
       bad = 1;
       break;
@@ -50,11 +50,11 @@ static int large_rank(int rank, int size, void *arg) {
     }
 
   size_t per = count / (size_t)size;
-  for (size_t i = 0; st == DDP_OK && i < per; i++) buf[i] = (float)lt_contrib(rank, i, 0);
+  for (size_t i = 0; st == DDP_OK && i < per; i++) buf[i] = (float)ddp__pattern_contrib(rank, i, 0);
   ctx = lt_ctx("allgather", 3, &ab, 60.0);
   if (st == DDP_OK) st = b->ops->allgather(b, &ctx, buf, recv, per, DDP_FLOAT32);
   for (size_t j = 0; st == DDP_OK && j < per * (size_t)size; j++)
-    if (recv[j] != (float)lt_contrib((int)(j / per), j % per, 0)) {
+    if (recv[j] != (float)ddp__pattern_contrib((int)(j / per), j % per, 0)) {
       fprintf(stderr, "rank %d of %d: allgather [%zu] = %g\n", rank, size, j, recv[j]);
       bad = 1;
       break;
