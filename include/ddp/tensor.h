@@ -125,9 +125,6 @@ void ddp_tape_set_grad_hook(ddp_tape *tape, ddp_grad_hook_fn fn, void *user);
 /* Number of ops recorded since the last reset. */
 int ddp_tape_num_nodes(const ddp_tape *tape);
 
-/* Allocates a tensor (zeroed data) in the tape's arena; valid until reset. */
-ddp_status ddp_tape_tensor(ddp_tape *tape, ddp_dtype dtype, int ndim, const int64_t *shape,
-                           ddp_tensor **out);
 /* Scratch memory from the tape's arena, valid until the next reset. */
 void *ddp_tape_scratch(ddp_tape *tape, size_t bytes);
 

@@ -4,7 +4,6 @@
 #include "tensor/kernels.h"
 #include "tensor/tape.h"
 
-#define SHAPE(t, buf) ((t) ? ddp_tensor_shape_str((t), (buf), sizeof(buf)) : "NULL")
 
 static ddp_status conv2d_backward(ddp_tape *tape, ddp__node *node) {
   const ddp__kernels *k = ddp__kernels_for(node->out->device);
@@ -25,22 +24,22 @@ ddp_status ddp_conv2d(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_ten
   if (!tape || !out) return ddp_error(DDP_ERR_INVALID, "conv2d: tape or out is NULL");
   if (!x || !weight)
     return ddp_error(DDP_ERR_INVALID, "conv2d: %s is NULL (input %s, weight %s)",
-                     x ? "weight" : "input", SHAPE(x, sx), SHAPE(weight, sw));
+                     x ? "weight" : "input", DDP__SHAPE(x, sx), DDP__SHAPE(weight, sw));
   ddp_tensor *in[3] = {x, weight, bias};
   const ddp__kernels *k;
   DDP_TRY(ddp__kernels_check("conv2d", 3, in, &k));
   if (x->ndim != 4)
-    return ddp_error(DDP_ERR_SHAPE, "conv2d: input %s must be 4-D (N, C, H, W)", SHAPE(x, sx));
+    return ddp_error(DDP_ERR_SHAPE, "conv2d: input %s must be 4-D (N, C, H, W)", DDP__SHAPE(x, sx));
   if (weight->ndim != 4)
     return ddp_error(DDP_ERR_SHAPE, "conv2d: weight %s must be 4-D (O, C, KH, KW)",
-                     SHAPE(weight, sw));
+                     DDP__SHAPE(weight, sw));
   if (x->shape[1] != weight->shape[1])
     return ddp_error(DDP_ERR_SHAPE, "conv2d: input %s has %lld channels but weight %s expects %lld",
-                     SHAPE(x, sx), (long long)x->shape[1], SHAPE(weight, sw),
+                     DDP__SHAPE(x, sx), (long long)x->shape[1], DDP__SHAPE(weight, sw),
                      (long long)weight->shape[1]);
   if (bias && (bias->ndim != 1 || bias->shape[0] != weight->shape[0]))
     return ddp_error(DDP_ERR_SHAPE, "conv2d: bias %s does not match weight %s: expected (%lld)",
-                     SHAPE(bias, sb), SHAPE(weight, sw), (long long)weight->shape[0]);
+                     DDP__SHAPE(bias, sb), DDP__SHAPE(weight, sw), (long long)weight->shape[0]);
   if (stride <= 0)
     return ddp_error(DDP_ERR_INVALID, "conv2d: stride must be positive, got %d", stride);
   if (padding < 0)
@@ -51,14 +50,14 @@ ddp_status ddp_conv2d(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_ten
       .stride = stride, .pad = padding,
   };
   if (g.kh <= 0 || g.kw <= 0 || g.c <= 0)
-    return ddp_error(DDP_ERR_SHAPE, "conv2d: weight %s is empty", SHAPE(weight, sw));
+    return ddp_error(DDP_ERR_SHAPE, "conv2d: weight %s is empty", DDP__SHAPE(weight, sw));
   const int64_t ph = g.h + 2 * g.pad, pw = g.w + 2 * g.pad;
   if (g.kh > ph || g.kw > pw)
     return ddp_error(DDP_ERR_SHAPE,
                      "conv2d: kernel %lldx%lld is larger than the padded input %lldx%lld "
                      "(input %s, padding %d)",
                      (long long)g.kh, (long long)g.kw, (long long)ph, (long long)pw,
-                     SHAPE(x, sx), padding);
+                     DDP__SHAPE(x, sx), padding);
   g.oh = (ph - g.kh) / g.stride + 1;
   g.ow = (pw - g.kw) / g.stride + 1;
   int64_t shape[4] = {g.n, g.o, g.oh, g.ow};

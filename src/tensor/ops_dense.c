@@ -5,7 +5,6 @@
 #include "tensor/kernels.h"
 #include "tensor/tape.h"
 
-#define SHAPE(t, buf) ((t) ? ddp_tensor_shape_str((t), (buf), sizeof(buf)) : "NULL")
 
 /* ---- matmul: a (M, K) @ b (K, N) -> (M, N) ---- */
 
@@ -31,17 +30,17 @@ ddp_status ddp_matmul(ddp_tape *tape, ddp_tensor *a, ddp_tensor *b, ddp_tensor *
   if (!tape || !out) return ddp_error(DDP_ERR_INVALID, "matmul: tape or out is NULL");
   if (!a || !b)
     return ddp_error(DDP_ERR_INVALID, "matmul: %s is NULL (a %s, b %s)", a ? "b" : "a",
-                     SHAPE(a, sa), SHAPE(b, sb));
+                     DDP__SHAPE(a, sa), DDP__SHAPE(b, sb));
   ddp_tensor *in[2] = {a, b};
   const ddp__kernels *k;
   DDP_TRY(ddp__kernels_check("matmul", 2, in, &k));
   if (a->ndim != 2 || b->ndim != 2)
     return ddp_error(DDP_ERR_SHAPE, "matmul: expects 2-D tensors, got a %s and b %s",
-                     SHAPE(a, sa), SHAPE(b, sb));
+                     DDP__SHAPE(a, sa), DDP__SHAPE(b, sb));
   if (a->shape[1] != b->shape[0])
     return ddp_error(DDP_ERR_SHAPE,
                      "matmul: a %s and b %s cannot be multiplied (%lld columns vs %lld rows)",
-                     SHAPE(a, sa), SHAPE(b, sb), (long long)a->shape[1], (long long)b->shape[0]);
+                     DDP__SHAPE(a, sa), DDP__SHAPE(b, sb), (long long)a->shape[1], (long long)b->shape[0]);
   const int64_t m = a->shape[0], inner = a->shape[1], n = b->shape[1];
   int64_t shape[2] = {m, n};
   ddp_tensor *y;
@@ -76,25 +75,25 @@ ddp_status ddp_linear(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_ten
   if (!tape || !out) return ddp_error(DDP_ERR_INVALID, "linear: tape or out is NULL");
   if (!x || !weight)
     return ddp_error(DDP_ERR_INVALID, "linear: %s is NULL (input %s, weight %s)",
-                     x ? "weight" : "input", SHAPE(x, sx), SHAPE(weight, sw));
+                     x ? "weight" : "input", DDP__SHAPE(x, sx), DDP__SHAPE(weight, sw));
   ddp_tensor *in[3] = {x, weight, bias};
   const ddp__kernels *k;
   DDP_TRY(ddp__kernels_check("linear", 3, in, &k));
   if (weight->ndim != 2)
     return ddp_error(DDP_ERR_SHAPE, "linear: weight %s must be 2-D (out_features, in_features)",
-                     SHAPE(weight, sw));
+                     DDP__SHAPE(weight, sw));
   const int64_t outf = weight->shape[0], inf = weight->shape[1];
   if (x->ndim < 1)
     return ddp_error(DDP_ERR_SHAPE, "linear: input %s must have at least 1 dimension",
-                     SHAPE(x, sx));
+                     DDP__SHAPE(x, sx));
   if (x->shape[x->ndim - 1] != inf)
     return ddp_error(DDP_ERR_SHAPE,
                      "linear: input %s has %lld features but weight %s expects %lld",
-                     SHAPE(x, sx), (long long)x->shape[x->ndim - 1], SHAPE(weight, sw),
+                     DDP__SHAPE(x, sx), (long long)x->shape[x->ndim - 1], DDP__SHAPE(weight, sw),
                      (long long)inf);
   if (bias && (bias->ndim != 1 || bias->shape[0] != outf))
     return ddp_error(DDP_ERR_SHAPE, "linear: bias %s does not match weight %s: expected (%lld)",
-                     SHAPE(bias, sb), SHAPE(weight, sw), (long long)outf);
+                     DDP__SHAPE(bias, sb), DDP__SHAPE(weight, sw), (long long)outf);
   int64_t shape[DDP_MAX_DIMS], rows = 1;
   for (int i = 0; i < x->ndim - 1; i++) {
     shape[i] = x->shape[i];
@@ -140,7 +139,7 @@ ddp_status ddp_max_pool2d(ddp_tape *tape, ddp_tensor *x, int kernel, int stride,
   DDP_TRY(ddp__kernels_check("max_pool2d", 1, &x, &k));
   if (x->ndim != 4 && x->ndim != 3)
     return ddp_error(DDP_ERR_SHAPE, "max_pool2d: input %s must be 4-D (N, C, H, W) or 3-D",
-                     SHAPE(x, sx));
+                     DDP__SHAPE(x, sx));
   if (kernel <= 0)
     return ddp_error(DDP_ERR_INVALID, "max_pool2d: kernel size must be positive, got %d",
                      kernel);
@@ -153,7 +152,7 @@ ddp_status ddp_max_pool2d(ddp_tape *tape, ddp_tensor *x, int kernel, int stride,
     return ddp_error(DDP_ERR_SHAPE,
                      "max_pool2d: kernel %dx%d is larger than the input plane %lldx%lld "
                      "(input %s)",
-                     kernel, kernel, (long long)h, (long long)w, SHAPE(x, sx));
+                     kernel, kernel, (long long)h, (long long)w, DDP__SHAPE(x, sx));
   if (h * w > INT32_MAX)
     return ddp_error(DDP_ERR_SHAPE, "max_pool2d: input plane %lldx%lld is too large",
                      (long long)h, (long long)w);
@@ -171,7 +170,7 @@ ddp_status ddp_max_pool2d(ddp_tape *tape, ddp_tensor *x, int kernel, int stride,
     if (ctx) ctx->argmax = ddp_tape_scratch(tape, (size_t)y->numel * sizeof(int32_t));
     if (!ctx || !ctx->argmax)
       return ddp_error(DDP_ERR_NOMEM, "max_pool2d: cannot allocate the argmax of %s",
-                       SHAPE(y, sx));
+                       DDP__SHAPE(y, sx));
     ctx->planes = planes;
     ctx->h = h;
     ctx->w = w;

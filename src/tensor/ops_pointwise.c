@@ -97,14 +97,6 @@ static ddp_status dropout_backward(ddp_tape *tape, ddp__node *node) {
   return s;
 }
 
-static ddp_status identity_backward(ddp_tape *tape, ddp__node *node) {
-  ddp_status s = DDP_OK;
-  float *dx = ddp__tape_grad(tape, node->in[0], &s);
-  if (dx)
-    ddp__kernels_for(node->out->device)->basic->axpy(dx, 1.0f, node->out->grad, node->out->numel);
-  return s;
-}
-
 /* Shared by dropout (group_size 1) and dropout2d. `groups` is 0 for an
  * empty input. */
 static ddp_status dropout_common(ddp_tape *tape, const char *op, ddp_tensor *x, float p,
@@ -113,14 +105,8 @@ static ddp_status dropout_common(ddp_tape *tape, const char *op, ddp_tensor *x, 
   const ddp__kernels *k;
   ddp_tensor *y;
   /* Identity: a view of x (no copy), whose gradient passes straight through. */
-  if (!training || p == 0.0f || x->numel == 0) {
-    DDP_TRY(ddp__kernels_check(op, 1, &x, &k));
-    DDP_TRY(ddp__tape_view(tape, op, x, x->ndim, x->shape, &y));
-    if (ddp__tape_wants_grad(tape, 1, &x))
-      DDP_TRY(ddp__tape_record(tape, op, identity_backward, y, 1, &x, NULL));
-    *out = y;
-    return DDP_OK;
-  }
+  if (!training || p == 0.0f || x->numel == 0)
+    return ddp__tape_make_view(tape, op, x, x->ndim, x->shape, out);
   if (!rng && p < 1.0f)
     return ddp_error(DDP_ERR_INVALID, "%s: training with p = %g needs an rng, got NULL", op,
                      (double)p);

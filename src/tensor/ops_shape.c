@@ -47,8 +47,8 @@ static ddp_status view_backward(ddp_tape *tape, ddp__node *node) {
   return s;
 }
 
-static ddp_status make_view(ddp_tape *tape, const char *op, ddp_tensor *x, int ndim,
-                            const int64_t *shape, ddp_tensor **out) {
+ddp_status ddp__tape_make_view(ddp_tape *tape, const char *op, ddp_tensor *x, int ndim,
+                              const int64_t *shape, ddp_tensor **out) {
   const ddp__kernels *k;
   DDP_TRY(ddp__kernels_check(op, 1, &x, &k));
   ddp_tensor *y;
@@ -89,7 +89,7 @@ ddp_status ddp_reshape(ddp_tape *tape, ddp_tensor *x, int ndim, const int64_t *s
     return ddp_error(DDP_ERR_SHAPE, "reshape: %s has %lld elements, the new shape %lld",
                      ddp_tensor_shape_str(x, sx, sizeof sx), (long long)x->numel,
                      (long long)known);
-  return make_view(tape, "reshape", x, ndim, resolved, out);
+  return ddp__tape_make_view(tape, "reshape", x, ndim, resolved, out);
 }
 
 ddp_status ddp_flatten(ddp_tape *tape, ddp_tensor *x, int start_dim, ddp_tensor **out) {
@@ -103,5 +103,5 @@ ddp_status ddp_flatten(ddp_tape *tape, ddp_tensor *x, int start_dim, ddp_tensor 
   for (int i = 0; i < start_dim; i++) shape[i] = x->shape[i];
   for (int i = start_dim; i < x->ndim; i++) rest *= x->shape[i];
   shape[start_dim] = rest;
-  return make_view(tape, "flatten", x, start_dim + 1, shape, out);
+  return ddp__tape_make_view(tape, "flatten", x, start_dim + 1, shape, out);
 }

@@ -85,13 +85,6 @@ ddp_status ddp__tape_view(ddp_tape *tape, const char *op, ddp_tensor *x, int ndi
   return DDP_OK;
 }
 
-ddp_status ddp_tape_tensor(ddp_tape *tape, ddp_dtype dtype, int ndim, const int64_t *shape,
-                           ddp_tensor **out) {
-  DDP_TRY(ddp__tape_output(tape, "tape_tensor", dtype, ndim, shape, out));
-  memset((*out)->data, 0, (size_t)(*out)->numel * ddp_dtype_size(dtype));
-  return DDP_OK;
-}
-
 bool ddp__tape_wants_grad(const ddp_tape *tape, int n_inputs, ddp_tensor *const *inputs) {
   if (!tape->grad_enabled) return false;
   for (int i = 0; i < n_inputs; i++)

@@ -34,6 +34,13 @@ ddp_status ddp__tape_output(ddp_tape *tape, const char *op, ddp_dtype dtype, int
 /* An output that shares `data` with an input (reshape/flatten views). */
 ddp_status ddp__tape_view(ddp_tape *tape, const char *op, ddp_tensor *x, int ndim,
                           const int64_t *shape, ddp_tensor **out);
+/* A view op complete: checks x, makes the view (ddp__tape_view) and records a
+ * backward that passes the gradient straight through. Reshape, flatten and
+ * the identity cases of other ops (dropout in eval) are this. */
+ddp_status ddp__tape_make_view(ddp_tape *tape, const char *op, ddp_tensor *x, int ndim,
+                              const int64_t *shape, ddp_tensor **out);
+/* "(8,3,28,28)" for t, or "NULL"; buf is a char array of DDP_SHAPE_STR_BYTES. */
+#define DDP__SHAPE(t, buf) ((t) ? ddp_tensor_shape_str((t), (buf), sizeof(buf)) : "NULL")
 /* True when grad is enabled and any of the (possibly NULL) inputs requires it. */
 bool ddp__tape_wants_grad(const ddp_tape *tape, int n_inputs, ddp_tensor *const *inputs);
 /* Records a node producing `out` from `inputs`; marks `out` as requiring grad.
