@@ -1,7 +1,8 @@
 /* The collectives of comm.h: argument checks (DDP_ERR_INVALID naming the
  * call), submission through the group's queue (work.c), and running one op on
  * the backend: its context (sequence number, deadline), the debug
- * fingerprint check, AVG as SUM then a division, sticky errors. */
+ * fingerprint check, sticky errors. AVG goes to the backend as AVG: each
+ * backend divides (ddp__reduce_scale) while the data is still in its cache. */
 #include <stdio.h>
 #include <string.h>
 

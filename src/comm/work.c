@@ -284,11 +284,10 @@ ddp_status ddp_work_wait(ddp_work *work, double timeout_s) {
   /* < 0: the operation's own deadline governs (the group's timeout from when
    * it starts); the wait is bounded by the ops ahead of it, so a handle
    * queued behind others is not given up on before its turn. */
-  int64_t timeout_ns = timeout_s < 0 ? 0
-                       : timeout_s > 9e9 ? INT64_MAX / 2
-                                         : (int64_t)(timeout_s * 1e9);
   int64_t start = ddp_time_ns();
-  int64_t deadline = timeout_s < 0 ? queue_deadline(pg, ops_ahead(pg)) : ddp__deadline_after(timeout_ns);
+  int64_t deadline =
+      timeout_s < 0 ? queue_deadline(pg, ops_ahead(pg))
+                    : ddp__deadline_after(timeout_s > 9e9 ? INT64_MAX / 2 : (int64_t)(timeout_s * 1e9));
   pthread_mutex_lock(&pg->mu);
   while (!work->done && cond_wait_until(&pg->done_cv, &pg->mu, deadline)) {
   }

@@ -40,12 +40,6 @@ char *ddp__net_format_host_port(const char *host, uint16_t port, char *buf, size
   return buf;
 }
 
-int64_t ddp__net_deadline_after_ms(int64_t ms) {
-  if (ms < 0) return -1;
-  if (ms > (INT64_MAX / 2) / 1000000LL) return -1; /* centuries: no deadline */
-  return ddp_time_ns() + ms * 1000000LL;
-}
-
 /* Milliseconds left until deadline for poll(): -1 = forever, 0 = passed. */
 static int poll_ms_left(int64_t deadline_ns) {
   if (deadline_ns < 0) return -1;

@@ -61,7 +61,4 @@ ddp_status ddp__net_read_some(int fd, void *buf, size_t cap, size_t *got, int64_
  * deadline passes (DDP_ERR_TIMEOUT). Handles EINTR. */
 ddp_status ddp__net_wait(int fd, short events, int64_t deadline_ns);
 
-/* Deadline helpers: now + ms (ms < 0 -> -1, no deadline). */
-int64_t ddp__net_deadline_after_ms(int64_t ms);
-
 #endif /* DDP_NET_NET_H */

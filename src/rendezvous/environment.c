@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "net/net.h"
 #include "rendezvous/rdzv_internal.h"
 
 #define DEFAULT_TIMEOUT_S 1800.0
@@ -131,13 +132,6 @@ static ddp_status resolve_timeout(const ddp_rendezvous_options *opts, double *ou
                      getenv("DDP_TIMEOUT"));
   *out = t;
   return DDP_OK;
-}
-
-static void format_hostport(char *out, size_t bytes, const char *host, int32_t port) {
-  if (strchr(host, ':'))
-    snprintf(out, bytes, "[%s]:%d", host, (int)port);
-  else
-    snprintf(out, bytes, "%s:%d", host, (int)port);
 }
 
 /* MASTER_ADDR / MASTER_PORT for env://, with the launcher-specific fallbacks. */
@@ -299,7 +293,8 @@ ddp_status ddp__rdzv_resolve(const ddp__rdzv_url *url, const ddp_rendezvous_opti
       snprintf(info->master_addr, sizeof info->master_addr, "%s", url->host);
       info->master_port = url->port;
       info->master_source = DDP_RENDEZVOUS_SOURCE_URL;
-      format_hostport(info->store_addr, sizeof info->store_addr, url->host, url->port);
+      ddp__net_format_host_port(url->host, (uint16_t)url->port, info->store_addr,
+                                  sizeof info->store_addr);
       break;
     case DDP__RDZV_FILE:
       snprintf(info->store_addr, sizeof info->store_addr, "file://%s", url->path);
@@ -313,7 +308,8 @@ ddp_status ddp__rdzv_resolve(const ddp__rdzv_url *url, const ddp_rendezvous_opti
         snprintf(what, sizeof what, "environment variable DDP_STORE_ADDR=\"%.*s\"",
                  DDP_RENDEZVOUS_ADDR_BYTES, ext);
         DDP_TRY(ddp__rdzv_split_hostport(what, ext, host, sizeof host, &port));
-        format_hostport(info->store_addr, sizeof info->store_addr, host, port);
+        ddp__net_format_host_port(host, (uint16_t)port, info->store_addr,
+                                  sizeof info->store_addr);
         info->store_is_external = 1;
         /* MASTER_* stay informational here: a PyTorch-style rank 0 may use them. */
         if (ddp_env_str("MASTER_ADDR", NULL) && ddp_env_str("MASTER_PORT", NULL) &&
@@ -325,8 +321,8 @@ ddp_status ddp__rdzv_resolve(const ddp__rdzv_url *url, const ddp_rendezvous_opti
         }
       } else {
         DDP_TRY(resolve_master(c, info));
-        format_hostport(info->store_addr, sizeof info->store_addr, info->master_addr,
-                        info->master_port);
+        ddp__net_format_host_port(info->master_addr, (uint16_t)info->master_port,
+                                  info->store_addr, sizeof info->store_addr);
       }
       break;
     }

@@ -93,7 +93,7 @@ ddp__parse_result ddp__store_parse_request(const uint8_t *buf, size_t len,
                                            size_t err_bytes);
 void ddp__store_request_free(ddp__store_request *req);
 
-/* Names for messages: "get", "multi_set", ... ("op 77" for unknown). */
+/* Names for messages: "get", "multi_set", ... ("unknown op" for others). */
 const char *ddp__store_op_name(unsigned op);
 
 /* ---- Encoding ------------------------------------------------------------
