@@ -82,6 +82,23 @@ static void op_publish(ddp__local_backend *b, uint64_t n, const void *a0, const 
   ddp__local_post(b, &c->flag, ddp__local_flag(n, DDP__LOCAL_STEP_START));
 }
 
+/* Small messages: this rank's `bytes` of src (none when src is NULL) go into
+ * its slot of op n, then op n's buffers are published and START posted. */
+static void slot_put(ddp__local_backend *b, uint64_t n, const void *src, size_t bytes,
+                     const void *a0, const void *a1) {
+  if (src && bytes) memcpy(ddp__local_slot_of(b->reg, b->rank, n), src, bytes);
+  op_publish(b, n, a0, a1);
+}
+
+/* Waits until every rank, or rank q, has posted op n's START. */
+static ddp_status wait_start_all(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t n) {
+  return ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_START));
+}
+
+static ddp_status wait_start_of(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t n, int q) {
+  return ddp__local_wait_flag(b, ctx, q, ddp__local_flag(n, DDP__LOCAL_STEP_START));
+}
+
 /* op_publish for ops whose peers read this rank's buffers in place
  * (threads): if this op fails, ddp__local_fail lingers until they stop. */
 static void op_expose(ddp__local_backend *b, uint64_t n, const void *a0, const void *a1) {
@@ -231,9 +248,8 @@ static ddp_status local_allreduce(ddp__backend *base, const ddp__op_ctx *ctx, vo
   uint64_t n;
   DDP_TRY(op_begin(b, ctx, &n));
   if (use_slots(b, bytes, bytes * (size_t)(b->size - 1))) {
-    if (bytes) memcpy(ddp__local_slot_of(b->reg, b->rank, n), buf, bytes);
-    op_publish(b, n, buf, NULL);
-    DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
+    slot_put(b, n, buf, bytes, buf, NULL);
+    DDP_TRY(wait_start_all(b, ctx, n));
     if (bytes) reduce_slots(b, n, 0, buf, count, dtype, op);
     return DDP_OK;
   }
@@ -244,7 +260,7 @@ static ddp_status local_allreduce(ddp__backend *base, const ddp__op_ctx *ctx, vo
    * segments are posted. Each input byte is read once, each output byte
    * written once (plus the slice's own accumulation). */
   op_expose(b, n, buf, NULL);
-  DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
+  DDP_TRY(wait_start_all(b, ctx, n));
   DDP_TRY(peers_active(b, ctx));
   size_t seg = DDP__LOCAL_SEGMENT_BYTES / esize;
   size_t lo = ddp__local_slice_lo(count, b->size, b->rank, esize);
@@ -277,10 +293,9 @@ static ddp_status local_broadcast(ddp__backend *base, const ddp__op_ctx *ctx, vo
   uint64_t n;
   DDP_TRY(op_begin(b, ctx, &n));
   if (use_slots(b, bytes, bytes)) {
-    if (b->rank == root && bytes) memcpy(ddp__local_slot_of(b->reg, root, n), buf, bytes);
-    op_publish(b, n, buf, NULL);
+    slot_put(b, n, b->rank == root ? buf : NULL, bytes, buf, NULL);
     if (b->rank == root) return DDP_OK;
-    DDP_TRY(ddp__local_wait_flag(b, ctx, root, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
+    DDP_TRY(wait_start_of(b, ctx, n, root));
     if (bytes) memcpy(buf, ddp__local_slot_of(b->reg, root, n), bytes);
     return DDP_OK;
   }
@@ -292,7 +307,7 @@ static ddp_status local_broadcast(ddp__backend *base, const ddp__op_ctx *ctx, vo
     ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, DDP__LOCAL_STEP_DONE));
     return ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_DONE));
   }
-  DDP_TRY(ddp__local_wait_flag(b, ctx, root, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
+  DDP_TRY(wait_start_of(b, ctx, n, root));
   DDP_TRY(peers_active(b, ctx));
   MEM_TRY(root, mem_read(b, root, peer_addr(b, root, 0), buf, bytes));
   ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, DDP__LOCAL_STEP_DONE));
@@ -306,10 +321,9 @@ static ddp_status local_reduce(ddp__backend *base, const ddp__op_ctx *ctx, void 
   uint64_t n;
   DDP_TRY(op_begin(b, ctx, &n));
   if (use_slots(b, bytes, bytes * (size_t)(b->size - 1))) {
-    if (bytes) memcpy(ddp__local_slot_of(b->reg, b->rank, n), buf, bytes);
-    op_publish(b, n, buf, NULL);
+    slot_put(b, n, buf, bytes, buf, NULL);
     if (b->rank != root) return DDP_OK;
-    DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
+    DDP_TRY(wait_start_all(b, ctx, n));
     if (bytes) reduce_slots(b, n, 0, buf, count, dtype, op);
     return DDP_OK;
   }
@@ -319,7 +333,7 @@ static ddp_status local_reduce(ddp__backend *base, const ddp__op_ctx *ctx, void 
   }
   /* Every rank reduces its slice (own first, in scratch) and writes it into
    * root's buffer: only rank q ever touches slice q, in any buffer. */
-  DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
+  DDP_TRY(wait_start_all(b, ctx, n));
   DDP_TRY(peers_active(b, ctx));
   size_t seg = DDP__LOCAL_SEGMENT_BYTES / esize;
   size_t lo = ddp__local_slice_lo(count, b->size, b->rank, esize);
@@ -346,9 +360,8 @@ static ddp_status local_allgather(ddp__backend *base, const ddp__op_ctx *ctx, co
   uint64_t n;
   DDP_TRY(op_begin(b, ctx, &n));
   if (use_slots(b, bytes, bytes * (size_t)b->size)) {
-    if (bytes) memcpy(ddp__local_slot_of(b->reg, b->rank, n), send, bytes);
-    op_publish(b, n, send, recv);
-    DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
+    slot_put(b, n, send, bytes, send, recv);
+    DDP_TRY(wait_start_all(b, ctx, n));
     for (int q = 0; q < b->size && bytes; q++)
       memcpy((char *)recv + (size_t)q * bytes, ddp__local_slot_of(b->reg, q, n), bytes);
     return DDP_OK;
@@ -357,7 +370,7 @@ static ddp_status local_allgather(ddp__backend *base, const ddp__op_ctx *ctx, co
   if (b->mem->staged) {
     return ddp__local_staged_allgather(b, ctx, n, send, recv, bytes);
   }
-  DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
+  DDP_TRY(wait_start_all(b, ctx, n));
   DDP_TRY(peers_active(b, ctx));
   /* (In place, send is that block already: peers are reading it.) */
   if ((char *)recv + (size_t)b->rank * bytes != (const char *)send)
@@ -376,10 +389,9 @@ static ddp_status local_gather(ddp__backend *base, const ddp__op_ctx *ctx, const
   uint64_t n;
   DDP_TRY(op_begin(b, ctx, &n));
   if (use_slots(b, bytes, bytes * (size_t)b->size)) {
-    if (bytes) memcpy(ddp__local_slot_of(b->reg, b->rank, n), send, bytes);
-    op_publish(b, n, send, recv);
+    slot_put(b, n, send, bytes, send, recv);
     if (b->rank != root) return DDP_OK;
-    DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
+    DDP_TRY(wait_start_all(b, ctx, n));
     for (int q = 0; q < b->size && bytes; q++)
       memcpy((char *)recv + (size_t)q * bytes, ddp__local_slot_of(b->reg, q, n), bytes);
     return DDP_OK;
@@ -393,7 +405,7 @@ static ddp_status local_gather(ddp__backend *base, const ddp__op_ctx *ctx, const
     ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, DDP__LOCAL_STEP_DONE));
     return ddp__local_wait_flag(b, ctx, root, ddp__local_flag(n, DDP__LOCAL_STEP_DONE));
   }
-  DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
+  DDP_TRY(wait_start_all(b, ctx, n));
   DDP_TRY(peers_active(b, ctx));
   memmove((char *)recv + (size_t)root * bytes, send, bytes);
   for (int i = 1; i < b->size; i++) {
@@ -412,9 +424,8 @@ static ddp_status local_scatter(ddp__backend *base, const ddp__op_ctx *ctx, cons
   uint64_t n;
   DDP_TRY(op_begin(b, ctx, &n));
   if (use_slots(b, all, bytes)) {
-    if (b->rank == root && all) memcpy(ddp__local_slot_of(b->reg, root, n), send, all);
-    op_publish(b, n, send, recv);
-    if (b->rank != root) DDP_TRY(ddp__local_wait_flag(b, ctx, root, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
+    slot_put(b, n, b->rank == root ? send : NULL, all, send, recv);
+    if (b->rank != root) DDP_TRY(wait_start_of(b, ctx, n, root));
     if (bytes)
       memmove(recv, ddp__local_slot_of(b->reg, root, n) + (size_t)b->rank * bytes, bytes);
     return DDP_OK;
@@ -428,7 +439,7 @@ static ddp_status local_scatter(ddp__backend *base, const ddp__op_ctx *ctx, cons
     ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, DDP__LOCAL_STEP_DONE));
     return ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_DONE));
   }
-  DDP_TRY(ddp__local_wait_flag(b, ctx, root, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
+  DDP_TRY(wait_start_of(b, ctx, n, root));
   DDP_TRY(peers_active(b, ctx));
   MEM_TRY(root, mem_read(b, root, peer_addr(b, root, 0) + (size_t)b->rank * bytes, recv, bytes));
   ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, DDP__LOCAL_STEP_DONE));
@@ -444,9 +455,8 @@ static ddp_status local_reduce_scatter(ddp__backend *base, const ddp__op_ctx *ct
   uint64_t n;
   DDP_TRY(op_begin(b, ctx, &n));
   if (use_slots(b, all, all)) {
-    if (all) memcpy(ddp__local_slot_of(b->reg, b->rank, n), send, all);
-    op_publish(b, n, send, recv);
-    DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
+    slot_put(b, n, send, all, send, recv);
+    DDP_TRY(wait_start_all(b, ctx, n));
     if (bytes) reduce_slots(b, n, (size_t)b->rank * bytes, recv, count, dtype, op);
     return DDP_OK;
   }
@@ -454,7 +464,7 @@ static ddp_status local_reduce_scatter(ddp__backend *base, const ddp__op_ctx *ct
   if (b->mem->staged) {
     return ddp__local_staged_reduce_scatter(b, ctx, n, send, recv, count, dtype, op);
   }
-  DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
+  DDP_TRY(wait_start_all(b, ctx, n));
   DDP_TRY(peers_active(b, ctx));
   size_t seg = DDP__LOCAL_SEGMENT_BYTES / esize;
   for (size_t at = 0; at < count; at += seg) {
@@ -473,9 +483,8 @@ static ddp_status local_all_to_all(ddp__backend *base, const ddp__op_ctx *ctx, c
   uint64_t n;
   DDP_TRY(op_begin(b, ctx, &n));
   if (use_slots(b, all, all)) {
-    if (all) memcpy(ddp__local_slot_of(b->reg, b->rank, n), send, all);
-    op_publish(b, n, send, recv);
-    DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
+    slot_put(b, n, send, all, send, recv);
+    DDP_TRY(wait_start_all(b, ctx, n));
     for (int q = 0; q < b->size && bytes; q++)
       memcpy((char *)recv + (size_t)q * bytes,
              ddp__local_slot_of(b->reg, q, n) + (size_t)b->rank * bytes, bytes);
@@ -485,7 +494,7 @@ static ddp_status local_all_to_all(ddp__backend *base, const ddp__op_ctx *ctx, c
   if (b->mem->staged) {
     return ddp__local_staged_all_to_all(b, ctx, n, send, recv, bytes);
   }
-  DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_START)));
+  DDP_TRY(wait_start_all(b, ctx, n));
   DDP_TRY(peers_active(b, ctx));
   for (int i = 0; i < b->size; i++) {
     int q = (b->rank + i) % b->size;
@@ -500,7 +509,7 @@ static ddp_status local_barrier(ddp__backend *base, const ddp__op_ctx *ctx) {
   uint64_t n;
   DDP_TRY(op_begin(b, ctx, &n));
   op_publish(b, n, NULL, NULL);
-  return ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_START));
+  return wait_start_all(b, ctx, n);
 }
 
 /* ---- Lifecycle ------------------------------------------------------------- */
