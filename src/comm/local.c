@@ -212,15 +212,20 @@ static bool use_slots(const ddp__local_backend *b, size_t slot_bytes, size_t rea
  * at byte offset `off`. Rank order makes every rank's result bitwise equal. */
 static void reduce_slots(ddp__local_backend *b, uint64_t n, size_t off, void *dst, size_t count,
                          ddp_dtype dtype, ddp_reduce_op op) {
-  if (b->size == 1) {
-    memmove(dst, ddp__local_slot_of(b->reg, 0, n) + off, count * ddp_dtype_size(dtype));
+  const void *src[DDP__LOCAL_MAX_RANKS];
+  for (int q = 0; q < b->size; q++) src[q] = ddp__local_slot_of(b->reg, q, n) + off;
+  ddp__local_reduce_ranks(dst, src, b->size, count, dtype, op);
+}
+
+void ddp__local_reduce_ranks(void *dst, const void *const *src, int size, size_t count,
+                             ddp_dtype dtype, ddp_reduce_op op) {
+  if (size == 1) {
+    memmove(dst, src[0], count * ddp_dtype_size(dtype));
   } else {
-    ddp__reduce_pair(dst, ddp__local_slot_of(b->reg, 0, n) + off,
-                     ddp__local_slot_of(b->reg, 1, n) + off, count, dtype, op);
-    for (int q = 2; q < b->size; q++)
-      ddp__reduce_into(dst, ddp__local_slot_of(b->reg, q, n) + off, count, dtype, op);
+    ddp__reduce_pair(dst, src[0], src[1], count, dtype, op);
+    for (int q = 2; q < size; q++) ddp__reduce_into(dst, src[q], count, dtype, op);
   }
-  if (op == DDP_REDUCE_AVG) ddp__reduce_scale(dst, count, dtype, b->size);
+  if (op == DDP_REDUCE_AVG) ddp__reduce_scale(dst, count, dtype, size);
 }
 
 /* dst (count elements) := own op every peer's (count) at byte offset `off`

@@ -197,6 +197,10 @@ typedef struct ddp__local_backend {
 /* ---- Waits (local_sync.c) ------------------------------------------------ */
 
 /* Sets w->value (release) and wakes sleepers. */
+/* dst (count) := the reduction of src[0..size) in rank order (so every rank's
+ * result is bitwise equal), finished for AVG. dst may alias one source. */
+void ddp__local_reduce_ranks(void *dst, const void *const *src, int size, size_t count,
+                             ddp_dtype dtype, ddp_reduce_op op);
 void ddp__local_post(ddp__local_backend *b, ddp__local_word *w, uint64_t value);
 /* Waits until w->value >= target: spins, then sleeps in the futex; gives up
  * on the deadline, abort, or when any peer has failed, left or died.

@@ -44,16 +44,10 @@ ddp_status ddp__local_staged_allreduce(ddp__local_backend *b, const ddp__op_ctx 
     DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, 2 + 2 * k)));
     if (hi > lo) {
       size_t off = lo * esize;
-      uint8_t *dst = ddp__local_result_of(reg, k) + off;
-#define SRC(q) ((q) == b->rank ? (const uint8_t *)mine + off : ddp__local_stage_of(reg, q, k) + off)
-      if (b->size == 1) {
-        memcpy(dst, SRC(0), (hi - lo) * esize);
-      } else {
-        ddp__reduce_pair(dst, SRC(0), SRC(1), hi - lo, dtype, op);
-        for (int q = 2; q < b->size; q++) ddp__reduce_into(dst, SRC(q), hi - lo, dtype, op);
-      }
-#undef SRC
-      if (op == DDP_REDUCE_AVG) ddp__reduce_scale(dst, hi - lo, dtype, b->size);
+      const void *src[DDP__LOCAL_MAX_RANKS];
+      for (int q = 0; q < b->size; q++)
+        src[q] = q == b->rank ? (const uint8_t *)mine + off : ddp__local_stage_of(reg, q, k) + off;
+      ddp__local_reduce_ranks(ddp__local_result_of(reg, k) + off, src, b->size, hi - lo, dtype, op);
     }
     ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, 3 + 2 * k));
     DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, 3 + 2 * k)));
