@@ -307,6 +307,11 @@ typedef struct progress {
   int64_t total_steps;
 } progress;
 
+/* Training throughput so far (0 before any timed step). */
+static double per_second(int64_t count, double seconds) {
+  return seconds > 0 ? (double)count / seconds : 0;
+}
+
 static void format_eta(double seconds, char *buf, size_t n) {
   if (!isfinite(seconds) || seconds < 0) {
     snprintf(buf, n, "--:--");
@@ -325,7 +330,7 @@ static void show_progress(progress *p, int64_t step, int64_t epoch, int64_t epoc
   double interval = p->tty ? 0.2 : 5.0;
   if (!force && now - p->last_print < interval) return;
   p->last_print = now;
-  double steps_per_s = train_seconds > 0 ? (double)step / train_seconds : 0;
+  double steps_per_s = per_second(step, train_seconds);
   char eta[32];
   format_eta(steps_per_s > 0 ? (double)(p->total_steps - step) / steps_per_s : NAN, eta,
              sizeof eta);
@@ -486,7 +491,7 @@ int main(int argc, char **argv) {
       epoch_steps++;
       epoch_loss_sum += loss_value;
       all_loss_sum += loss_value;
-      double rate = train_seconds > 0 ? (double)samples / train_seconds : 0;
+      double rate = per_second(samples, train_seconds);
       if (log) {
         fprintf(log, "{\"step\": %lld, \"epoch\": %lld, ", (long long)step, (long long)epoch);
         json_number(log, "loss", loss_value, true);
@@ -513,7 +518,7 @@ int main(int argc, char **argv) {
       last_eval = evaluate(model, tape, test_loader);
       evaluated_now = true;
       show_progress(&prog, step, epoch, a.epochs, loss_value,
-                    train_seconds > 0 ? (double)samples / train_seconds : 0, train_seconds, true);
+                    per_second(samples, train_seconds), train_seconds, true);
       end_progress_line(&prog);
       fprintf(stderr, "epoch %lld: test loss %.4f", (long long)epoch + 1, last_eval.loss);
       if (!isnan(last_eval.accuracy))
@@ -529,7 +534,7 @@ int main(int argc, char **argv) {
   }
   end_progress_line(&prog);
 
-  double rate = train_seconds > 0 ? (double)samples / train_seconds : 0;
+  double rate = per_second(samples, train_seconds);
   /* Mean over the last epoch's steps, or over all steps when fewer than an epoch ran. */
   double train_loss = step < per_epoch ? all_loss_sum / (double)(step ? step : 1)
                                        : (epoch_steps ? epoch_loss_sum / (double)epoch_steps

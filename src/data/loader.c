@@ -79,10 +79,17 @@ static struct timespec deadline_after_ns(int64_t ns) {
   return ts;
 }
 
+/* Batch b's first position in the epoch's order (*first) and its size (the
+ * last batch may be short). */
+static int64_t batch_rows(const ddp_loader *l, int64_t b, int64_t *first) {
+  *first = b * l->cfg.batch_size;
+  int64_t count = l->num_samples - *first;
+  return count < l->cfg.batch_size ? count : l->cfg.batch_size;
+}
+
 static void fill_slot(ddp_loader *l, loader_slot *slot, int64_t batch) {
-  const int64_t first = batch * l->cfg.batch_size;
-  int64_t count = l->num_samples - first;
-  if (count > l->cfg.batch_size) count = l->cfg.batch_size;
+  int64_t first;
+  const int64_t count = batch_rows(l, batch, &first);
   ddp__dataset_gather(l->ds, l->indices + first, count, l->lut, l->mean, l->std, slot->x,
                       slot->y);
 }
@@ -305,9 +312,8 @@ out:
 
 static ddp_status make_views(ddp_loader *l, loader_slot *slot, int64_t b, ddp_batch *batch) {
   const ddp_dataset_info *info = ddp_dataset_get_info(l->ds);
-  const int64_t first = b * l->cfg.batch_size;
-  int64_t size = l->num_samples - first;
-  if (size > l->cfg.batch_size) size = l->cfg.batch_size;
+  int64_t first;
+  const int64_t size = batch_rows(l, b, &first);
   int64_t shape[DDP_MAX_DIMS];
   shape[0] = size;
   for (int d = 0; d < info->input_ndim; d++) shape[1 + d] = info->input_shape[d];
