@@ -429,12 +429,17 @@ static ddp_status tcp_check(ddp_store *s, const char *const *keys, size_t n, int
   LOCKED(as_tcp(s), do_check(as_tcp(s), keys, n, all));
 }
 
-static ddp_status do_del(tcp_store *t, const char *key, int *deleted) {
+/* A request of one key (or prefix) answered at once (no waiting). */
+static ddp_status do_key_op(tcp_store *t, uint8_t op, const char *key) {
   DDP_TRY(limits_ok(t, key, 0));
-  begin(t, DDP__OP_DELETE);
+  begin(t, op);
   put_key(t, key);
   finish(t);
-  DDP_TRY(run(t, -1));
+  return run(t, -1);
+}
+
+static ddp_status do_del(tcp_store *t, const char *key, int *deleted) {
+  DDP_TRY(do_key_op(t, DDP__OP_DELETE, key));
   ddp__reader r = reply(t);
   *deleted = ddp__rd_u8(&r) != 0;
   return r.bad ? bad_reply(t, "delete") : DDP_OK;
@@ -445,11 +450,7 @@ static ddp_status tcp_del(ddp_store *s, const char *key, int *deleted) {
 }
 
 static ddp_status do_num_keys(tcp_store *t, const char *prefix, int64_t *count) {
-  DDP_TRY(limits_ok(t, prefix, 0));
-  begin(t, DDP__OP_NUM_KEYS);
-  put_key(t, prefix);
-  finish(t);
-  DDP_TRY(run(t, -1));
+  DDP_TRY(do_key_op(t, DDP__OP_NUM_KEYS, prefix));
   ddp__reader r = reply(t);
   *count = ddp__rd_i64(&r);
   return r.bad ? bad_reply(t, "num_keys") : DDP_OK;
@@ -460,11 +461,7 @@ static ddp_status tcp_num_keys(ddp_store *s, const char *prefix, int64_t *count)
 }
 
 static ddp_status do_list_keys(tcp_store *t, const char *prefix, char ***keys, size_t *count) {
-  DDP_TRY(limits_ok(t, prefix, 0));
-  begin(t, DDP__OP_LIST_KEYS);
-  put_key(t, prefix);
-  finish(t);
-  DDP_TRY(run(t, -1));
+  DDP_TRY(do_key_op(t, DDP__OP_LIST_KEYS, prefix));
   ddp__reader r = reply(t);
   uint32_t n = ddp__rd_u32(&r);
   if (r.bad || (uint64_t)n * 4 > (uint64_t)(r.end - r.p)) return bad_reply(t, "list_keys");
