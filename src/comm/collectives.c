@@ -63,60 +63,53 @@ ddp_status ddp__op_execute(ddp_process_group *pg, ddp__op_args *args) {
 
 /* ---- Argument checks ------------------------------------------------------------ */
 
-/* The call's name for messages: "allreduce" or "allreduce_async". */
-typedef struct call {
-  const char *name;
-  bool async;
-} call;
-
-#define CALL_NAME_BYTES 40
-static const char *call_name(const call *c, char *buf) {
-  snprintf(buf, CALL_NAME_BYTES, "%s%s", c->name, c->async ? "_async" : "");
+const char *ddp__call_name(const ddp__call *c, char *buf) {
+  snprintf(buf, DDP__CALL_NAME_BYTES, "%s%s", c->name, c->async ? "_async" : "");
   return buf;
 }
 
 /* pg, sticky error, work pointer, dtype, and that blocks * count elements
  * fit in size_t bytes. */
-static ddp_status check_common(ddp_process_group *pg, const call *c, ddp_dtype dtype, size_t count,
+ddp_status ddp__check_common(ddp_process_group *pg, const ddp__call *c, ddp_dtype dtype, size_t count,
                                size_t blocks, ddp_work **work) {
-  char n[CALL_NAME_BYTES];
+  char n[DDP__CALL_NAME_BYTES];
   if (work) *work = NULL;
-  if (!pg) return ddp_error(DDP_ERR_INVALID, "%s: process group is NULL", call_name(c, n));
+  if (!pg) return ddp_error(DDP_ERR_INVALID, "%s: process group is NULL", ddp__call_name(c, n));
   DDP_TRY(ddp__group_check(pg));
-  if (c->async && !work) return ddp_error(DDP_ERR_INVALID, "%s: work is NULL", call_name(c, n));
+  if (c->async && !work) return ddp_error(DDP_ERR_INVALID, "%s: work is NULL", ddp__call_name(c, n));
   if ((unsigned)dtype > DDP_BFLOAT16)
     return ddp_error(DDP_ERR_INVALID, "%s: dtype %d is not one of float32, float64, int32, int64, float16, bfloat16",
-                     call_name(c, n), (int)dtype);
+                     ddp__call_name(c, n), (int)dtype);
   size_t elem = ddp_dtype_size(dtype);
   if (count > SIZE_MAX / elem / blocks)
-    return ddp_error(DDP_ERR_INVALID, "%s: count %zu of %s is too large", call_name(c, n), count,
+    return ddp_error(DDP_ERR_INVALID, "%s: count %zu of %s is too large", ddp__call_name(c, n), count,
                      ddp_dtype_name(dtype));
   return DDP_OK;
 }
 
-static ddp_status check_reduce_op(const call *c, ddp_dtype dtype, ddp_reduce_op op) {
-  char n[CALL_NAME_BYTES];
+static ddp_status check_reduce_op(const ddp__call *c, ddp_dtype dtype, ddp_reduce_op op) {
+  char n[DDP__CALL_NAME_BYTES];
   if ((unsigned)op >= DDP_REDUCE_OP_COUNT)
     return ddp_error(DDP_ERR_INVALID, "%s: reduce op %d is not one of sum, avg, min, max, product",
-                     call_name(c, n), (int)op);
+                     ddp__call_name(c, n), (int)op);
   if (op == DDP_REDUCE_AVG && (dtype == DDP_INT32 || dtype == DDP_INT64))
     return ddp_error(DDP_ERR_INVALID, "%s: avg is for floating types, not %s (use sum and divide)",
-                     call_name(c, n), ddp_dtype_name(dtype));
+                     ddp__call_name(c, n), ddp_dtype_name(dtype));
   return DDP_OK;
 }
 
-static ddp_status check_root(const ddp_process_group *pg, const call *c, int root) {
-  char n[CALL_NAME_BYTES];
+static ddp_status check_root(const ddp_process_group *pg, const ddp__call *c, int root) {
+  char n[DDP__CALL_NAME_BYTES];
   if (root < 0 || root >= pg->size)
     return ddp_error(DDP_ERR_INVALID, "%s: root %d is not a rank of the group (size %d)",
-                     call_name(c, n), root, pg->size);
+                     ddp__call_name(c, n), root, pg->size);
   return DDP_OK;
 }
 
-static ddp_status check_buf(const call *c, const char *what, const void *p, size_t count) {
-  char n[CALL_NAME_BYTES];
+ddp_status ddp__check_buf(const ddp__call *c, const char *what, const void *p, size_t count) {
+  char n[DDP__CALL_NAME_BYTES];
   if (!p && count > 0)
-    return ddp_error(DDP_ERR_INVALID, "%s: %s is NULL with count %zu", call_name(c, n), what, count);
+    return ddp_error(DDP_ERR_INVALID, "%s: %s is NULL with count %zu", ddp__call_name(c, n), what, count);
   return DDP_OK;
 }
 
@@ -124,10 +117,10 @@ static ddp_status check_buf(const call *c, const char *what, const void *p, size
 
 static ddp_status do_allreduce(ddp_process_group *pg, void *buf, size_t count, ddp_dtype dtype,
                                ddp_reduce_op op, ddp_work **work, bool async) {
-  call c = {"allreduce", async};
-  DDP_TRY(check_common(pg, &c, dtype, count, 1, work));
+  ddp__call c = {"allreduce", async};
+  DDP_TRY(ddp__check_common(pg, &c, dtype, count, 1, work));
   DDP_TRY(check_reduce_op(&c, dtype, op));
-  DDP_TRY(check_buf(&c, "buf", buf, count));
+  DDP_TRY(ddp__check_buf(&c, "buf", buf, count));
   ddp__op_args a = {.kind = DDP__OP_ALLREDUCE, .buf = buf, .count = count, .dtype = dtype,
                     .reduce_op = op};
   return ddp__submit(pg, &a, work);
@@ -145,10 +138,10 @@ ddp_status ddp_allreduce_async(ddp_process_group *pg, void *buf, size_t count, d
 
 static ddp_status do_broadcast(ddp_process_group *pg, void *buf, size_t count, ddp_dtype dtype,
                                int root, ddp_work **work, bool async) {
-  call c = {"broadcast", async};
-  DDP_TRY(check_common(pg, &c, dtype, count, 1, work));
+  ddp__call c = {"broadcast", async};
+  DDP_TRY(ddp__check_common(pg, &c, dtype, count, 1, work));
   DDP_TRY(check_root(pg, &c, root));
-  DDP_TRY(check_buf(&c, "buf", buf, count));
+  DDP_TRY(ddp__check_buf(&c, "buf", buf, count));
   ddp__op_args a = {.kind = DDP__OP_BROADCAST, .buf = buf, .count = count, .dtype = dtype,
                     .root = root};
   return ddp__submit(pg, &a, work);
@@ -166,11 +159,11 @@ ddp_status ddp_broadcast_async(ddp_process_group *pg, void *buf, size_t count, d
 
 static ddp_status do_reduce(ddp_process_group *pg, void *buf, size_t count, ddp_dtype dtype,
                             ddp_reduce_op op, int root, ddp_work **work, bool async) {
-  call c = {"reduce", async};
-  DDP_TRY(check_common(pg, &c, dtype, count, 1, work));
+  ddp__call c = {"reduce", async};
+  DDP_TRY(ddp__check_common(pg, &c, dtype, count, 1, work));
   DDP_TRY(check_reduce_op(&c, dtype, op));
   DDP_TRY(check_root(pg, &c, root));
-  DDP_TRY(check_buf(&c, "buf", buf, count));
+  DDP_TRY(ddp__check_buf(&c, "buf", buf, count));
   ddp__op_args a = {.kind = DDP__OP_REDUCE, .buf = buf, .count = count, .dtype = dtype,
                     .reduce_op = op, .root = root};
   return ddp__submit(pg, &a, work);
@@ -188,10 +181,10 @@ ddp_status ddp_reduce_async(ddp_process_group *pg, void *buf, size_t count, ddp_
 
 static ddp_status do_allgather(ddp_process_group *pg, const void *send, void *recv, size_t count,
                                ddp_dtype dtype, ddp_work **work, bool async) {
-  call c = {"allgather", async};
-  DDP_TRY(check_common(pg, &c, dtype, count, pg ? (size_t)pg->size : 1, work));
-  DDP_TRY(check_buf(&c, "send", send, count));
-  DDP_TRY(check_buf(&c, "recv", recv, count));
+  ddp__call c = {"allgather", async};
+  DDP_TRY(ddp__check_common(pg, &c, dtype, count, pg ? (size_t)pg->size : 1, work));
+  DDP_TRY(ddp__check_buf(&c, "send", send, count));
+  DDP_TRY(ddp__check_buf(&c, "recv", recv, count));
   ddp__op_args a = {.kind = DDP__OP_ALLGATHER, .send = send, .buf = recv, .count = count,
                     .dtype = dtype};
   return ddp__submit(pg, &a, work);
@@ -209,11 +202,11 @@ ddp_status ddp_allgather_async(ddp_process_group *pg, const void *send, void *re
 
 static ddp_status do_gather(ddp_process_group *pg, const void *send, void *recv, size_t count,
                             ddp_dtype dtype, int root, ddp_work **work, bool async) {
-  call c = {"gather", async};
-  DDP_TRY(check_common(pg, &c, dtype, count, pg ? (size_t)pg->size : 1, work));
+  ddp__call c = {"gather", async};
+  DDP_TRY(ddp__check_common(pg, &c, dtype, count, pg ? (size_t)pg->size : 1, work));
   DDP_TRY(check_root(pg, &c, root));
-  DDP_TRY(check_buf(&c, "send", send, count));
-  if (pg->rank == root) DDP_TRY(check_buf(&c, "recv (on the root)", recv, count));
+  DDP_TRY(ddp__check_buf(&c, "send", send, count));
+  if (pg->rank == root) DDP_TRY(ddp__check_buf(&c, "recv (on the root)", recv, count));
   ddp__op_args a = {.kind = DDP__OP_GATHER, .send = send, .buf = recv, .count = count,
                     .dtype = dtype, .root = root};
   return ddp__submit(pg, &a, work);
@@ -231,11 +224,11 @@ ddp_status ddp_gather_async(ddp_process_group *pg, const void *send, void *recv,
 
 static ddp_status do_scatter(ddp_process_group *pg, const void *send, void *recv, size_t count,
                              ddp_dtype dtype, int root, ddp_work **work, bool async) {
-  call c = {"scatter", async};
-  DDP_TRY(check_common(pg, &c, dtype, count, pg ? (size_t)pg->size : 1, work));
+  ddp__call c = {"scatter", async};
+  DDP_TRY(ddp__check_common(pg, &c, dtype, count, pg ? (size_t)pg->size : 1, work));
   DDP_TRY(check_root(pg, &c, root));
-  if (pg->rank == root) DDP_TRY(check_buf(&c, "send (on the root)", send, count));
-  DDP_TRY(check_buf(&c, "recv", recv, count));
+  if (pg->rank == root) DDP_TRY(ddp__check_buf(&c, "send (on the root)", send, count));
+  DDP_TRY(ddp__check_buf(&c, "recv", recv, count));
   ddp__op_args a = {.kind = DDP__OP_SCATTER, .send = send, .buf = recv, .count = count,
                     .dtype = dtype, .root = root};
   return ddp__submit(pg, &a, work);
@@ -254,11 +247,11 @@ ddp_status ddp_scatter_async(ddp_process_group *pg, const void *send, void *recv
 static ddp_status do_reduce_scatter(ddp_process_group *pg, const void *send, void *recv,
                                     size_t count, ddp_dtype dtype, ddp_reduce_op op,
                                     ddp_work **work, bool async) {
-  call c = {"reduce_scatter", async};
-  DDP_TRY(check_common(pg, &c, dtype, count, pg ? (size_t)pg->size : 1, work));
+  ddp__call c = {"reduce_scatter", async};
+  DDP_TRY(ddp__check_common(pg, &c, dtype, count, pg ? (size_t)pg->size : 1, work));
   DDP_TRY(check_reduce_op(&c, dtype, op));
-  DDP_TRY(check_buf(&c, "send", send, count));
-  DDP_TRY(check_buf(&c, "recv", recv, count));
+  DDP_TRY(ddp__check_buf(&c, "send", send, count));
+  DDP_TRY(ddp__check_buf(&c, "recv", recv, count));
   ddp__op_args a = {.kind = DDP__OP_REDUCE_SCATTER, .send = send, .buf = recv, .count = count,
                     .dtype = dtype, .reduce_op = op};
   return ddp__submit(pg, &a, work);
@@ -277,10 +270,10 @@ ddp_status ddp_reduce_scatter_async(ddp_process_group *pg, const void *send, voi
 
 static ddp_status do_all_to_all(ddp_process_group *pg, const void *send, void *recv, size_t count,
                                 ddp_dtype dtype, ddp_work **work, bool async) {
-  call c = {"all_to_all", async};
-  DDP_TRY(check_common(pg, &c, dtype, count, pg ? (size_t)pg->size : 1, work));
-  DDP_TRY(check_buf(&c, "send", send, count));
-  DDP_TRY(check_buf(&c, "recv", recv, count));
+  ddp__call c = {"all_to_all", async};
+  DDP_TRY(ddp__check_common(pg, &c, dtype, count, pg ? (size_t)pg->size : 1, work));
+  DDP_TRY(ddp__check_buf(&c, "send", send, count));
+  DDP_TRY(ddp__check_buf(&c, "recv", recv, count));
   ddp__op_args a = {.kind = DDP__OP_ALL_TO_ALL, .send = send, .buf = recv, .count = count,
                     .dtype = dtype};
   return ddp__submit(pg, &a, work);
@@ -297,8 +290,8 @@ ddp_status ddp_all_to_all_async(ddp_process_group *pg, const void *send, void *r
 }
 
 static ddp_status do_barrier(ddp_process_group *pg, ddp_work **work, bool async) {
-  call c = {"barrier", async};
-  DDP_TRY(check_common(pg, &c, DDP_INT32, 0, 1, work));
+  ddp__call c = {"barrier", async};
+  DDP_TRY(ddp__check_common(pg, &c, DDP_INT32, 0, 1, work));
   ddp__op_args a = {.kind = DDP__OP_BARRIER, .dtype = DDP_INT32};
   return ddp__submit(pg, &a, work);
 }

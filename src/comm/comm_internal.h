@@ -160,4 +160,21 @@ static inline int64_t ddp__deadline_after_coarse(int64_t ns) {
   return ns > INT64_MAX - now ? INT64_MAX : now + ns;
 }
 
+/* ---- Argument checks shared by collectives.c and p2p.c ----------------- */
+
+/* The call's name for messages: "allreduce", or "allreduce_async" when async. */
+typedef struct ddp__call {
+  const char *name;
+  bool async;
+} ddp__call;
+
+#define DDP__CALL_NAME_BYTES 40
+const char *ddp__call_name(const ddp__call *c, char *buf);
+/* pg, its sticky error, the work pointer (async calls), dtype, and that
+ * blocks * count elements fit in size_t bytes. Clears *work first. */
+ddp_status ddp__check_common(ddp_process_group *pg, const ddp__call *c, ddp_dtype dtype,
+                             size_t count, size_t blocks, ddp_work **work);
+/* `what` may be NULL only with count 0. */
+ddp_status ddp__check_buf(const ddp__call *c, const char *what, const void *p, size_t count);
+
 #endif /* DDP__COMM_INTERNAL_H */

@@ -6,24 +6,16 @@
 
 static ddp_status do_p2p(ddp_process_group *pg, ddp__op_kind kind, const char *name, void *buf,
                          size_t count, ddp_dtype dtype, int peer, int tag, ddp_work **work) {
-  if (work) *work = NULL;
-  if (!pg) return ddp_error(DDP_ERR_INVALID, "%s: process group is NULL", name);
-  DDP_TRY(ddp__group_check(pg));
+  ddp__call c = {name, false}; /* isend / irecv check their work pointer themselves */
+  DDP_TRY(ddp__check_common(pg, &c, dtype, count, 1, work));
   const char *peer_name = kind == DDP__OP_SEND ? "dst" : "src";
-  if ((unsigned)dtype > DDP_BFLOAT16)
-    return ddp_error(DDP_ERR_INVALID, "%s: dtype %d is not one of float32, float64, int32, int64, float16, bfloat16",
-                     name, (int)dtype);
-  if (count > SIZE_MAX / ddp_dtype_size(dtype))
-    return ddp_error(DDP_ERR_INVALID, "%s: count %zu of %s is too large", name, count,
-                     ddp_dtype_name(dtype));
   if (peer < 0 || peer >= pg->size)
     return ddp_error(DDP_ERR_INVALID, "%s: %s %d is not a rank of the group (size %d)", name,
                      peer_name, peer, pg->size);
   if (peer == pg->rank)
     return ddp_error(DDP_ERR_INVALID, "%s: %s %d is this rank (a rank cannot %s itself)", name,
                      peer_name, peer, kind == DDP__OP_SEND ? "send to" : "receive from");
-  if (!buf && count > 0)
-    return ddp_error(DDP_ERR_INVALID, "%s: buf is NULL with count %zu", name, count);
+  DDP_TRY(ddp__check_buf(&c, "buf", buf, count));
   ddp__op_args a = {.kind = kind, .count = count, .dtype = dtype, .root = peer, .tag = tag};
   if (kind == DDP__OP_SEND)
     a.send = buf;
