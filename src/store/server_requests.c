@@ -366,8 +366,7 @@ static void do_list_keys(ddp_store_server *s, client *c, ddp__slice prefix) {
   size_t b = 0;
   for (ddp__kv_entry *e = ddp__kv_next(&s->table, &b, NULL); e;
        e = ddp__kv_next(&s->table, &b, e)) {
-    if (!e->has_value || e->key_len < prefix.len || memcmp(e->key, prefix.data, prefix.len))
-      continue;
+    if (!ddp__kv_entry_matches(e, (const char *)prefix.data, prefix.len)) continue;
     ddp__buf_bytes(&c->out, e->key, e->key_len);
     n++;
   }

@@ -186,15 +186,22 @@ static int64_t resolve_timeout(const ddp_store *s, int64_t timeout_ms) {
     if (!(s)) return ddp_error(DDP_ERR_INVALID, "store: %s: store is NULL", op); \
   } while (0)
 
-ddp_status ddp_store_set(ddp_store *s, const char *key, const void *value, size_t value_bytes) {
-  CHECK_STORE(s, "set");
-  DDP_TRY(check_key(s, "set", key));
-  DDP_TRY(check_value(s, "set", key, value, value_bytes));
-  ddp_status st = s->ops->set(s, key, value, value_bytes);
+/* set and append: the same checks and error trail around a different op. */
+static ddp_status put_value(ddp_store *s, const char *op,
+                            ddp_status (*put)(ddp_store *, const char *, const void *, size_t),
+                            const char *key, const void *value, size_t value_bytes) {
+  CHECK_STORE(s, op);
+  DDP_TRY(check_key(s, op, key));
+  DDP_TRY(check_value(s, op, key, value, value_bytes));
+  ddp_status st = put(s, key, value, value_bytes);
   if (st == DDP_OK) return st;
   char call[160];
-  call1(call, sizeof call, "set", key);
+  call1(call, sizeof call, op, key);
   return fail(s, st, call);
+}
+
+ddp_status ddp_store_set(ddp_store *s, const char *key, const void *value, size_t value_bytes) {
+  return put_value(s, "set", s ? s->ops->set : NULL, key, value, value_bytes);
 }
 
 ddp_status ddp_store_get(ddp_store *s, const char *key, int64_t timeout_ms, void **value,
@@ -318,14 +325,7 @@ ddp_status ddp_store_list_keys(ddp_store *s, char ***keys, size_t *count) {
 void ddp_store_keys_free(char **keys, size_t count) { ddp__store_free_key_array(keys, count); }
 
 ddp_status ddp_store_append(ddp_store *s, const char *key, const void *value, size_t value_bytes) {
-  CHECK_STORE(s, "append");
-  DDP_TRY(check_key(s, "append", key));
-  DDP_TRY(check_value(s, "append", key, value, value_bytes));
-  ddp_status st = s->ops->append(s, key, value, value_bytes);
-  if (st == DDP_OK) return st;
-  char call[160];
-  call1(call, sizeof call, "append", key);
-  return fail(s, st, call);
+  return put_value(s, "append", s ? s->ops->append : NULL, key, value, value_bytes);
 }
 
 ddp_status ddp_store_multi_get(ddp_store *s, const char *const *keys, size_t num_keys,

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "store/protocol.h"
+#include "store/store_impl.h" /* ddp__store_free_key_array */
 
 static uint64_t hash_key(uint64_t seed, const char *key, size_t len) {
   uint64_t h = 1469598103934665603ull ^ seed; /* FNV-1a, then a 64-bit finaliser */
@@ -257,7 +258,7 @@ size_t ddp__kv_count_prefix(const ddp__kv_table *t, const char *prefix, size_t p
   if (prefix_len == 0) return t->num_values;
   size_t n = 0, b = 0;
   for (ddp__kv_entry *e = ddp__kv_next(t, &b, NULL); e; e = ddp__kv_next(t, &b, e))
-    if (e->has_value && e->key_len >= prefix_len && !memcmp(e->key, prefix, prefix_len)) n++;
+    if (ddp__kv_entry_matches(e, prefix, prefix_len)) n++;
   return n;
 }
 
@@ -267,11 +268,10 @@ ddp_status ddp__kv_list_prefix(const ddp__kv_table *t, const char *prefix, size_
   char **out = ddp_calloc(n ? n : 1, sizeof *out);
   if (!out) return ddp_error(DDP_ERR_NOMEM, "out of memory for %zu keys", n);
   for (ddp__kv_entry *e = ddp__kv_next(t, &b, NULL); e; e = ddp__kv_next(t, &b, e)) {
-    if (!e->has_value || e->key_len < prefix_len || memcmp(e->key, prefix, prefix_len)) continue;
+    if (!ddp__kv_entry_matches(e, prefix, prefix_len)) continue;
     out[i] = ddp_strdup(e->key);
     if (!out[i]) {
-      for (size_t j = 0; j < i; j++) ddp_free(out[j]);
-      ddp_free(out);
+      ddp__store_free_key_array(out, i);
       return ddp_error(DDP_ERR_NOMEM, "out of memory");
     }
     i++;

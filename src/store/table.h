@@ -5,7 +5,9 @@
 #ifndef DDP_STORE_TABLE_H
 #define DDP_STORE_TABLE_H
 
+#include <stdbool.h>
 #include <stddef.h>
+#include <string.h>
 #include <stdint.h>
 
 #include "ddp/core.h"
@@ -23,6 +25,12 @@ typedef struct ddp__kv_entry {
   size_t key_len;
   char key[]; /* key_len bytes + NUL */
 } ddp__kv_entry;
+
+/* True when e holds a value and its key starts with prefix (prefix_len bytes). */
+static inline bool ddp__kv_entry_matches(const ddp__kv_entry *e, const char *prefix,
+                                         size_t prefix_len) {
+  return e->has_value && e->key_len >= prefix_len && !memcmp(e->key, prefix, prefix_len);
+}
 
 typedef struct ddp__kv_table {
   ddp__kv_entry **buckets;
