@@ -164,14 +164,22 @@ static void im2col_padded_portable(float *restrict col, const padded *p, int64_t
   }
 }
 
-/* Fills col for sample x: from the padded copy (stride 1) or directly. */
-static void col_fill_portable(float *col, padded *p, const float *x, const ddp__conv2d_geom *g) {
-  if (g->stride == 1) {
-    pad_copy(p, x);
-    im2col_padded_portable(col, p, g->kh, g->kw, g->oh, g->ow);
-  } else {
+AVX512 static void im2col_padded(float *restrict col, const padded *p, int64_t kh, int64_t kw,
+                                 int64_t oh, int64_t ow);
+
+/* Fills col for sample x: from the padded copy (stride 1; whole-vector
+ * copies on the AVX-512 path, which leaves SLACK room for them) or directly. */
+static void col_fill(float *col, padded *p, const float *x, const ddp__conv2d_geom *g,
+                     bool avx512) {
+  if (g->stride != 1) {
     im2col(col, x, g);
+    return;
   }
+  pad_copy(p, x);
+  if (avx512)
+    im2col_padded(col, p, g->kh, g->kw, g->oh, g->ow);
+  else
+    im2col_padded_portable(col, p, g->kh, g->kw, g->oh, g->ow);
 }
 
 /* For stride 1 and padding <= K-1, dX is a stride-1 convolution of dy with
@@ -210,7 +218,7 @@ static ddp_status forward_generic(float *y, const float *x, const float *w, cons
   for (int64_t n = 0; n < g->n; n++) {
     const float *xn = x + n * chw;
     float *yn = y + n * g->o * ohw; /* (O, OH*OW) */
-    if (col) col_fill_portable(col, &xp, xn, g);
+    if (col) col_fill(col, &xp, xn, g, false);
     if (b)
       for (int64_t o = 0; o < g->o; o++) {
         float *row = yn + o * ohw;
@@ -249,7 +257,7 @@ static ddp_status backward_generic(float *dx, float *dw, float *db, const float 
     const float *dyn = dy + n * g->o * ohw; /* (O, OH*OW) */
     if (db) bias_grad(db, dyn, g->o, ohw);
     if (dw) {
-      if (col) col_fill_portable(col, &xp, xn, g);
+      if (col) col_fill(col, &xp, xn, g, false);
       /* dw (O, K) += dy (O, OH*OW) @ col^T (OH*OW, K) */
       ddp__cpu_gemm(false, true, g->o, k, ohw, 1.0f, dyn, ohw, col ? col : xn, ohw, 1.0f, dw, k);
     }
@@ -343,16 +351,6 @@ AVX512 static void transpose(float *restrict dst, const float *restrict src, int
     for (int64_t j = i < rows16 ? cols16 : 0; j < cols; j++) dst[j * rows + i] = src[i * cols + j];
 }
 
-/* Fills col for sample x: from the padded copy (stride 1) or directly. */
-static void col_fill(float *col, padded *p, const float *x, const ddp__conv2d_geom *g) {
-  if (g->stride == 1) {
-    pad_copy(p, x);
-    im2col_padded(col, p, g->kh, g->kw, g->oh, g->ow);
-  } else {
-    im2col(col, x, g);
-  }
-}
-
 static ddp_status forward_avx512(float *y, const float *x, const float *w, const float *b,
                                  const ddp__conv2d_geom *g, ddp_arena *arena) {
   const int64_t k = g->c * g->kh * g->kw, ohw = g->oh * g->ow, chw = g->c * g->h * g->w;
@@ -377,7 +375,7 @@ static ddp_status forward_avx512(float *y, const float *x, const float *w, const
   float *col = scratch(arena, k * ohw + SLACK, &status);
   if (!col) return status;
   for (int64_t n = 0; n < g->n; n++) {
-    col_fill(col, &p, x + n * chw, g);
+    col_fill(col, &p, x + n * chw, g, true);
     /* y_n (O, OH*OW) = b + w (O, K) @ col (K, OH*OW) */
     ddp__cpu_gemm_avx512(g->o, ohw, k, w, k, col, ohw, y + n * g->o * ohw, ohw, b, false);
   }
@@ -434,7 +432,7 @@ static ddp_status backward_avx512(float *dx, float *dw, float *db, const float *
       /* dwt (K, O) += implicit col (K, OH*OW) @ dy^T (OH*OW, O) */
       ddp__cpu_conv_taps_avx512(k, g->o, xp.xp, xp.off, xp.wp, g->oh, g->ow, dyt, dwt);
     } else if (dw) {
-      if (col) col_fill(col, &xp, xn, g);
+      if (col) col_fill(col, &xp, xn, g, true);
       const float *cn = col ? col : xn; /* (K, OH*OW) */
       if (dw_dot) {
         /* dw (O, K) += dy (O, OH*OW) @ col^T */
