@@ -258,13 +258,13 @@ static ddp_status local_allreduce(ddp__backend *base, const ddp__op_ctx *ctx, vo
     if (bytes) reduce_slots(b, n, 0, buf, count, dtype, op);
     return DDP_OK;
   }
+  op_expose(b, n, buf, NULL);
   if (b->mem->staged) return ddp__local_staged_allreduce(b, ctx, n, buf, count, dtype, op);
   /* Reduce-scatter: this rank reduces its slice from every peer's buffer
    * into its own, a segment at a time, posting each; then allgather: it
    * copies every peer's reduced slice out of that peer's buffer as its
    * segments are posted. Each input byte is read once, each output byte
    * written once (plus the slice's own accumulation). */
-  op_expose(b, n, buf, NULL);
   DDP_TRY(wait_start_all(b, ctx, n));
   DDP_TRY(peers_active(b, ctx));
   size_t seg = DDP__LOCAL_SEGMENT_BYTES / esize;

@@ -28,7 +28,6 @@ ddp_status ddp__local_staged_allreduce(ddp__local_backend *b, const ddp__op_ctx 
   size_t esize = ddp_dtype_size(dtype);
   size_t chunk = b->reg->chunk_bytes / esize;
   ddp__local_region *reg = b->reg;
-  ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, DDP__LOCAL_STEP_START));
   uint32_t k = 0;
   for (size_t at = 0; at < count; at += chunk, k++) {
     size_t len = count - at < chunk ? count - at : chunk;
