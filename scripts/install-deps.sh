@@ -2,9 +2,13 @@
 # Installs the Debian packages ddp needs, only those missing (apt-get update runs
 # only when something must be installed). Groups: build (compiler, CMake,
 # OpenBLAS, zlib, cmocka), data (Fashion-MNIST), test (extra tools the test
-# suite uses), fuzz (clang with libFuzzer, for scripts/fuzz.sh), mpi (Open MPI,
-# for the reference in scripts/bench-collectives.sh).
-# Usage: scripts/install-deps.sh [build] [data] [test] [fuzz] [mpi]
+# suite uses), fuzz (clang with libFuzzer, for scripts/fuzz.sh), mpi (Open MPI:
+# mpirun for tests/launch/test_mpirun.sh, the reference in
+# scripts/bench-collectives.sh), slurm (Debian's Slurm 22.05 controller, node
+# daemon and client commands, for the single-node test cluster of
+# scripts/slurm-cluster.sh; the packages' systemd units start only when
+# /etc/slurm/slurm.conf exists, which nothing here writes).
+# Usage: scripts/install-deps.sh [build] [data] [test] [fuzz] [mpi] [slurm]
 set -euo pipefail
 
 declare -A GROUPS_PKGS=(
@@ -13,6 +17,7 @@ declare -A GROUPS_PKGS=(
   [test]="python3 python3-numpy python3-torch iproute2 procps"
   [fuzz]="clang"
   [mpi]="openmpi-bin libopenmpi-dev"
+  [slurm]="slurmctld slurmd slurm-client"
 )
 
 want=()

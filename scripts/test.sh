@@ -5,7 +5,7 @@
 # build only. Exits non-zero when anything fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/install-deps.sh build data test
+scripts/install-deps.sh build data test mpi slurm
 
 scripts/build.sh release
 scripts/build.sh sanitize
