@@ -419,11 +419,17 @@ int main(int argc, char **argv) {
     CHECK(ddp_scheduler_create_step_lr(&sched, opt, &so), "creating StepLR");
   }
 
+  /* PyTorch's DistributedSampler (one replica for now): each epoch is
+   * torch.randperm(N) from a generator seeded with --seed + epoch. */
+  ddp_distributed_sampler_options so = ddp_distributed_sampler_defaults(1, 0);
+  so.seed = a.seed;
+  ddp_sampler *train_sampler;
+  CHECK(ddp_sampler_create_distributed(&train_sampler, ddp_dataset_size(train_ds), &so),
+        "creating the sampler");
   ddp_loader_config lc = ddp_loader_config_default();
   lc.batch_size = a.batch_size;
-  lc.shuffle = true;
+  lc.sampler = train_sampler;
   lc.num_workers = a.workers;
-  lc.seed = a.seed;
   ddp_loader *train_loader, *test_loader;
   CHECK(ddp_loader_create(&train_loader, train_ds, &lc), "creating the training loader");
   ddp_loader_config tc = ddp_loader_config_default();
@@ -562,6 +568,7 @@ int main(int argc, char **argv) {
   ddp_tape_destroy(tape);
   ddp_loader_destroy(test_loader);
   ddp_loader_destroy(train_loader);
+  ddp_sampler_destroy(train_sampler);
   ddp_scheduler_destroy(sched);
   ddp_optimizer_destroy(opt);
   ddp_dataset_destroy(test_ds);

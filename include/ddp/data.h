@@ -171,10 +171,58 @@ struct ddp_sampler {
 
 /* 0, 1, ..., num_samples - 1 every epoch. */
 ddp_status ddp_sampler_create_sequential(ddp_sampler **out, int64_t num_samples);
-/* A uniformly random permutation of [0, num_samples), drawn with ddp_rng
- * seeded with seed + epoch (Fisher-Yates): the same seed and epoch give the
- * same order on every run and machine, another epoch another order. */
+/* PyTorch's RandomSampler(data, generator=g) with g = torch.Generator() and
+ * g.manual_seed(seed) done once, iterated once per epoch: index for index
+ * the order PyTorch 1.13 gives in epoch e. (Each pass of RandomSampler draws
+ * two randperms from g, the second for a remainder of zero elements; ddp
+ * skips over that one too. RandomSampler without a generator seeds a fresh
+ * one per pass from torch's global generator; ddp takes the seed
+ * explicitly.) Any epoch may be asked for in any order: the next one in
+ * order continues the stream, a jump skips 2 e (num_samples - 1) outputs. */
 ddp_status ddp_sampler_create_random(ddp_sampler **out, int64_t num_samples, uint64_t seed);
+
+/* torch.randperm(n, generator=torch.Generator().manual_seed(seed)) into
+ * out[0..n): the MT19937 generator of PyTorch's CPU generator (which uses
+ * the low 32 bits of the seed) and randperm's shuffle of torch 1.13. */
+ddp_status ddp_randperm(int64_t n, uint64_t seed, int64_t *out);
+
+/* ---- Distributed samplers ----------------------------------------------------
+ * torch.utils.data.distributed.DistributedSampler, index order included:
+ * each epoch takes the whole order (torch.randperm(N) from a generator seeded
+ * with seed + epoch when shuffling, else 0..N-1), pads it by repeating it
+ * from the start up to total_size = length * num_replicas (as often as
+ * needed, so also when N < num_replicas) or, with drop_last, cuts it to
+ * total_size, and gives rank the elements rank, rank + num_replicas, ...
+ * length is ceil(N / num_replicas), or with drop_last (when N is not
+ * divisible) ceil((N - num_replicas) / num_replicas), 0 when N < num_replicas.
+ * Every rank has the same length, so ranks take the same number of steps.
+ * The epoch comes from ddp_sampler_set_epoch (the loader's start_epoch calls
+ * it), as sampler.set_epoch(epoch) does in PyTorch: without it every epoch
+ * would repeat the same order. */
+typedef struct ddp_distributed_sampler_options {
+  int64_t num_replicas; /* world size, >= 1 */
+  int64_t rank;         /* in [0, num_replicas) */
+  bool shuffle;         /* default true, as in PyTorch */
+  uint64_t seed;        /* default 0; the same on every rank */
+  bool drop_last;       /* default false: pad instead */
+  int64_t reserved[4];
+} ddp_distributed_sampler_options;
+
+/* The options for (num_replicas, rank) with PyTorch's defaults. */
+ddp_distributed_sampler_options ddp_distributed_sampler_defaults(int64_t num_replicas,
+                                                                 int64_t rank);
+/* Allocates the order of num_samples indices once (shuffle only), so filling
+ * an epoch allocates nothing. Bad options are DDP_ERR_INVALID naming them. */
+ddp_status ddp_sampler_create_distributed(ddp_sampler **out, int64_t num_samples,
+                                          const ddp_distributed_sampler_options *options);
+/* For evaluation: rank gets rank, rank + num_replicas, ... < num_samples, in
+ * order, with no padding and nothing dropped, so across the ranks every
+ * sample is visited exactly once and sums reduced over ranks count the test
+ * set once. Lengths differ by at most one between ranks (ceil((num_samples -
+ * rank) / num_replicas)): an evaluation loop must not run a collective per
+ * batch, only once at the end (or use join). */
+ddp_status ddp_sampler_create_distributed_eval(ddp_sampler **out, int64_t num_samples,
+                                               int64_t num_replicas, int64_t rank);
 void ddp_sampler_set_epoch(ddp_sampler *sampler, int64_t epoch);
 int64_t ddp_sampler_length(const ddp_sampler *sampler);
 ddp_status ddp_sampler_fill(ddp_sampler *sampler, int64_t *indices);

@@ -1,9 +1,10 @@
 /* Samplers: the order in which an epoch visits a dataset. Each kind is a
  * table of functions (ddp_sampler_ops) behind the ddp_sampler handle; the
- * distributed sampler plugs in the same way. */
+ * distributed ones (sampler_distributed.c) plug in the same way. */
 #include <string.h>
 
 #include "ddp/data.h"
+#include "data/torch_random.h"
 
 void ddp_sampler_set_epoch(ddp_sampler *sampler, int64_t epoch) {
   if (sampler->ops->set_epoch) sampler->ops->set_epoch(sampler, epoch);
@@ -20,12 +21,17 @@ void ddp_sampler_destroy(ddp_sampler *sampler) {
 }
 
 /* ---- Sequential and random ------------------------------------------------
- * Both keep the dataset size; random also the seed and the epoch. */
+ * Both keep the dataset size; random also its seed and a generator it keeps
+ * between epochs (see random_fill). */
 typedef struct simple_sampler {
   ddp_sampler base;
   int64_t num_samples;
   uint64_t seed;
   int64_t epoch;
+  /* The generator as it stands before epoch gen_epoch's permutation: a
+   * training loop's next epoch continues from it instead of replaying. */
+  ddp__mt19937 gen;
+  int64_t gen_epoch;
 } simple_sampler;
 
 static void simple_set_epoch(ddp_sampler *sampler, int64_t epoch) {
@@ -44,19 +50,29 @@ static ddp_status sequential_fill(ddp_sampler *sampler, int64_t *indices) {
   return DDP_OK;
 }
 
-/* Fisher-Yates from the identity with ddp_rng seeded by seed + epoch: every
- * permutation equally likely, the same one for the same seed and epoch. */
+/* PyTorch's RandomSampler(data, generator=g) with g = torch.Generator() seeded
+ * once with `seed`: each pass draws torch.randperm(n, generator=g) from the
+ * same generator. A pass of torch 1.13's RandomSampler.__iter__ draws two
+ * randperms: one per whole multiple of num_samples (here exactly one) and
+ * one more for the remainder, num_samples % n = 0 of whose elements it
+ * yields; a DataLoader runs the iterator to its end, so both are drawn.
+ * One randperm uses n - 1 outputs, so epoch e's order is the randperm that
+ * starts 2 e (n - 1) outputs into the stream. Jumping to any epoch costs a
+ * discard of that many outputs (cheap; whole blocks skip the tempering); the
+ * next epoch in order costs one discarded randperm's worth. */
 static ddp_status random_fill(ddp_sampler *sampler, int64_t *indices) {
-  const simple_sampler *s = (const simple_sampler *)sampler;
-  ddp_rng rng;
-  ddp_rng_seed(&rng, s->seed + (uint64_t)s->epoch);
-  for (int64_t i = 0; i < s->num_samples; i++) indices[i] = i;
-  for (int64_t i = s->num_samples - 1; i > 0; i--) {
-    int64_t j = (int64_t)ddp_rng_below(&rng, (uint64_t)i + 1);
-    int64_t t = indices[i];
-    indices[i] = indices[j];
-    indices[j] = t;
+  simple_sampler *s = (simple_sampler *)sampler;
+  if (s->epoch < 0)
+    return ddp_error(DDP_ERR_INVALID, "sampler random: epoch %lld < 0", (long long)s->epoch);
+  if (s->epoch < s->gen_epoch) {
+    ddp__mt19937_seed(&s->gen, s->seed);
+    s->gen_epoch = 0;
   }
+  uint64_t per_perm = s->num_samples > 1 ? (uint64_t)(s->num_samples - 1) : 0;
+  ddp__mt19937_discard(&s->gen, (uint64_t)(s->epoch - s->gen_epoch) * 2 * per_perm);
+  ddp__torch_randperm(&s->gen, s->num_samples, indices);
+  ddp__mt19937_discard(&s->gen, per_perm); /* the remainder's randperm */
+  s->gen_epoch = s->epoch + 1;
   return DDP_OK;
 }
 
@@ -87,6 +103,7 @@ static ddp_status simple_create(ddp_sampler **out, const ddp_sampler_ops *ops,
   s->base.ops = ops;
   s->num_samples = num_samples;
   s->seed = seed;
+  ddp__mt19937_seed(&s->gen, seed);
   *out = &s->base;
   return DDP_OK;
 }
@@ -97,4 +114,12 @@ ddp_status ddp_sampler_create_sequential(ddp_sampler **out, int64_t num_samples)
 
 ddp_status ddp_sampler_create_random(ddp_sampler **out, int64_t num_samples, uint64_t seed) {
   return simple_create(out, &random_ops, num_samples, seed);
+}
+
+ddp_status ddp_randperm(int64_t n, uint64_t seed, int64_t *out) {
+  if (n < 0) return ddp_error(DDP_ERR_INVALID, "randperm: n %lld < 0", (long long)n);
+  ddp__mt19937 mt;
+  ddp__mt19937_seed(&mt, seed);
+  ddp__torch_randperm(&mt, n, out);
+  return DDP_OK;
 }

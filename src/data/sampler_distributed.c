@@ -1,0 +1,148 @@
+/* Distributed samplers: each rank's share of an epoch. The training one is
+ * PyTorch's torch.utils.data.distributed.DistributedSampler, index order
+ * included; the evaluation one visits every sample exactly once across the
+ * ranks (no padding), so metrics reduced over ranks count the test set once. */
+#include <string.h>
+
+#include "ddp/data.h"
+#include "data/torch_random.h"
+
+typedef struct dist_sampler {
+  ddp_sampler base;
+  int64_t num_samples;  /* N: the dataset's size */
+  int64_t replicas;     /* R */
+  int64_t rank;
+  bool shuffle;
+  bool drop_last;
+  bool pad;             /* false for the evaluation sampler */
+  uint64_t seed;
+  int64_t epoch;
+  int64_t length;       /* this rank's indices per epoch */
+  int64_t *order;       /* N: the epoch's full order (shuffle only), owned */
+} dist_sampler;
+
+static void dist_set_epoch(ddp_sampler *sampler, int64_t epoch) {
+  ((dist_sampler *)sampler)->epoch = epoch;
+}
+
+static int64_t dist_length(const ddp_sampler *sampler) {
+  return ((const dist_sampler *)sampler)->length;
+}
+
+static void dist_destroy(ddp_sampler *sampler) {
+  dist_sampler *s = (dist_sampler *)sampler;
+  ddp_free(s->order);
+  ddp_free(s);
+}
+
+/* DistributedSampler.__iter__: the full order (randperm from a generator
+ * seeded with seed + epoch, or 0..N-1), extended to total_size by repeating
+ * it from the start (as many times as needed, also when the padding exceeds
+ * N) or cut to total_size with drop_last, then every R-th element from rank.
+ * Position j of the extended list is order[j % N], so rank's k-th index is
+ * order[(rank + k R) % N]. The evaluation sampler stops at N instead. */
+static ddp_status dist_fill(ddp_sampler *sampler, int64_t *indices) {
+  dist_sampler *s = (dist_sampler *)sampler;
+  if (s->shuffle) {
+    ddp__mt19937 mt;
+    ddp__mt19937_seed(&mt, s->seed + (uint64_t)s->epoch);
+    ddp__torch_randperm(&mt, s->num_samples, s->order);
+  }
+  for (int64_t k = 0; k < s->length; k++) {
+    int64_t j = (s->rank + k * s->replicas) % s->num_samples;
+    indices[k] = s->shuffle ? s->order[j] : j;
+  }
+  return DDP_OK;
+}
+
+static const ddp_sampler_ops distributed_ops = {
+    .name = "distributed",
+    .set_epoch = dist_set_epoch,
+    .length = dist_length,
+    .fill = dist_fill,
+    .destroy = dist_destroy,
+};
+
+static const ddp_sampler_ops distributed_eval_ops = {
+    .name = "distributed-eval",
+    .set_epoch = dist_set_epoch,
+    .length = dist_length,
+    .fill = dist_fill,
+    .destroy = dist_destroy,
+};
+
+ddp_distributed_sampler_options ddp_distributed_sampler_defaults(int64_t num_replicas,
+                                                                 int64_t rank) {
+  ddp_distributed_sampler_options o;
+  memset(&o, 0, sizeof o);
+  o.num_replicas = num_replicas;
+  o.rank = rank;
+  o.shuffle = true;
+  o.seed = 0;
+  o.drop_last = false;
+  return o;
+}
+
+/* PyTorch's num_samples: with drop_last and N not divisible by R,
+ * ceil((N - R) / R) (the tail is dropped so every rank gets as many), else
+ * ceil(N / R) (the tail is padded). */
+static int64_t per_rank(int64_t n, int64_t r, bool drop_last) {
+  if (drop_last && n % r != 0) {
+    /* ceil((n - r) / r) for n - r possibly negative: floor division + 1,
+     * and 0 when n < r (math.ceil of a value in (-1, 0) is 0). */
+    if (n < r) return 0;
+    return (n - r + r - 1) / r;
+  }
+  return (n + r - 1) / r;
+}
+
+static ddp_status create(ddp_sampler **out, const ddp_sampler_ops *ops, int64_t num_samples,
+                         const ddp_distributed_sampler_options *o, bool pad) {
+  *out = NULL;
+  if (num_samples < 0)
+    return ddp_error(DDP_ERR_INVALID, "sampler %s: num_samples %lld < 0", ops->name,
+                     (long long)num_samples);
+  if (o->num_replicas < 1)
+    return ddp_error(DDP_ERR_INVALID, "sampler %s: num_replicas %lld < 1", ops->name,
+                     (long long)o->num_replicas);
+  if (o->rank < 0 || o->rank >= o->num_replicas)
+    return ddp_error(DDP_ERR_INVALID,
+                     "sampler %s: invalid rank %lld, rank should be in the interval [0, %lld]",
+                     ops->name, (long long)o->rank, (long long)o->num_replicas - 1);
+  dist_sampler *s = ddp_calloc(1, sizeof *s);
+  if (!s) return ddp_error(DDP_ERR_NOMEM, "sampler %s: cannot allocate", ops->name);
+  s->base.ops = ops;
+  s->num_samples = num_samples;
+  s->replicas = o->num_replicas;
+  s->rank = o->rank;
+  s->shuffle = o->shuffle;
+  s->drop_last = o->drop_last;
+  s->pad = pad;
+  s->seed = o->seed;
+  if (pad)
+    s->length = per_rank(num_samples, s->replicas, s->drop_last);
+  else /* ranks rank, rank + R, ... below N */
+    s->length = num_samples > s->rank ? (num_samples - s->rank + s->replicas - 1) / s->replicas : 0;
+  if (s->shuffle && num_samples > 0) {
+    s->order = ddp_alloc((size_t)num_samples * sizeof *s->order);
+    if (!s->order) {
+      ddp_free(s);
+      return ddp_error(DDP_ERR_NOMEM, "sampler %s: cannot allocate the order of %lld samples",
+                       ops->name, (long long)num_samples);
+    }
+  }
+  *out = &s->base;
+  return DDP_OK;
+}
+
+ddp_status ddp_sampler_create_distributed(ddp_sampler **out, int64_t num_samples,
+                                          const ddp_distributed_sampler_options *options) {
+  return create(out, &distributed_ops, num_samples, options, true);
+}
+
+ddp_status ddp_sampler_create_distributed_eval(ddp_sampler **out, int64_t num_samples,
+                                               int64_t num_replicas, int64_t rank) {
+  ddp_distributed_sampler_options o = ddp_distributed_sampler_defaults(num_replicas, rank);
+  o.shuffle = false;
+  return create(out, &distributed_eval_ops, num_samples, &o, false);
+}
