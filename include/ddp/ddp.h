@@ -10,5 +10,6 @@
 #include "ddp/rendezvous.h"
 #include "ddp/comm.h"
 #include "ddp/optim.h"
+#include "ddp/parallel.h"
 
 #endif /* DDP_H */

@@ -174,6 +174,15 @@ ddp_tensor *ddp_model_find_param(ddp_model *model, const char *name);
 float *ddp_model_params_flat(ddp_model *model);
 float *ddp_model_grads_flat(ddp_model *model);
 int64_t ddp_model_num_param_elements(const ddp_model *model); /* floats in each flat buffer */
+/* Re-lays out the flat buffers: parameter order[k] is placed k-th, its data
+ * and gradient moved along (order: a permutation of 0..num_params-1,
+ * DDP_ERR_INVALID otherwise). The flat allocations keep their addresses;
+ * each parameter tensor's data / grad and ddp_model_param_offset change, its
+ * index and name do not. Data parallelism calls it once, after the first
+ * iteration, to make buckets contiguous in gradient-ready order; anything
+ * holding per-parameter state laid out like the flat buffers (an optimizer:
+ * ddp_optimizer_relayout) must move with it. Allocates a temporary. */
+ddp_status ddp_model_relayout(ddp_model *model, const int *order);
 /* Float buffers (BN running_mean, running_var) in one allocation, in
  * state-dict order; num_batches_tracked counters (one int64 per BN) in another.
  * DDP broadcasts these from rank 0. */

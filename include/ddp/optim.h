@@ -146,6 +146,17 @@ ddp_status ddp_optimizer_state_load(ddp_optimizer *opt, const char *name, const 
  * momentum buffer instead of decaying it. */
 bool ddp_optimizer_has_state(const ddp_optimizer *opt);
 
+/* Moves the per-parameter state when the flat layout of params and grads
+ * changes (ddp_model_relayout): in every state buffer, segment i of
+ * lengths[i] floats moves from old_offsets[i] to new_offsets[i]. The segments
+ * must tile [0, n) before and after (checked: bounds and total length,
+ * DDP_ERR_RANGE otherwise). Scalars ("step") stay. The params and grads
+ * themselves are the caller's to move. Allocates a temporary of n floats;
+ * not for the steady state. */
+ddp_status ddp_optimizer_relayout(ddp_optimizer *opt, size_t n_segments,
+                                  const int64_t *old_offsets, const int64_t *new_offsets,
+                                  const int64_t *lengths);
+
 /* ---- Learning-rate schedules -------------------------------------------- */
 
 typedef struct ddp_scheduler ddp_scheduler;

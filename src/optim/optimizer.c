@@ -254,3 +254,38 @@ ddp_status ddp_optimizer_state_load(ddp_optimizer *opt, const char *name, const 
   opt->has_state = true;
   return DDP_OK;
 }
+
+ddp_status ddp_optimizer_relayout(ddp_optimizer *opt, size_t n_segments,
+                                  const int64_t *old_offsets, const int64_t *new_offsets,
+                                  const int64_t *lengths) {
+  if (!opt) return ddp_error(DDP_ERR_INVALID, "optimizer relayout: optimizer is NULL");
+  int64_t n = (int64_t)opt->n, total = 0;
+  for (size_t i = 0; i < n_segments; i++) {
+    if (lengths[i] < 0 || old_offsets[i] < 0 || new_offsets[i] < 0 ||
+        old_offsets[i] + lengths[i] > n || new_offsets[i] + lengths[i] > n)
+      return ddp_error(DDP_ERR_RANGE,
+                       "optimizer relayout: segment %zu (%lld floats from %lld to %lld) is "
+                       "outside the %lld parameters", i, (long long)lengths[i],
+                       (long long)old_offsets[i], (long long)new_offsets[i], (long long)n);
+    total += lengths[i];
+  }
+  if (total != n)
+    return ddp_error(DDP_ERR_RANGE,
+                     "optimizer relayout: the segments cover %lld floats, the optimizer has %lld",
+                     (long long)total, (long long)n);
+  bool any = false;
+  for (size_t k = 0; k < opt->state_count; k++) any |= !opt->state[k].is_scalar;
+  if (!any || n == 0) return DDP_OK;
+  float *tmp = ddp_alloc((size_t)n * sizeof(float));
+  if (!tmp) return ddp_error(DDP_ERR_NOMEM, "optimizer relayout: cannot allocate %lld floats",
+                             (long long)n);
+  for (size_t k = 0; k < opt->state_count; k++) {
+    ddp_optim_state *st = &opt->state[k];
+    if (st->is_scalar) continue;
+    memcpy(tmp, st->data, (size_t)n * sizeof(float));
+    for (size_t i = 0; i < n_segments; i++)
+      memcpy(st->data + new_offsets[i], tmp + old_offsets[i], (size_t)lengths[i] * sizeof(float));
+  }
+  ddp_free(tmp);
+  return DDP_OK;
+}

@@ -1,0 +1,181 @@
+/* ddp parallel: data parallelism (PyTorch's DistributedDataParallel). A
+ * wrapper over a model and a process group that keeps the replicas equal:
+ * parameters and buffers are broadcast from rank 0 at construction, and
+ * gradients are averaged across ranks in buckets whose allreduces start while
+ * backward is still running. docs/parallel.md has the rules.
+ *
+ * The model of use (one replica per rank):
+ *
+ *   ddp_dp_options o = ddp_dp_defaults();
+ *   ddp_dp *dp;
+ *   DDP_TRY(ddp_dp_create(&dp, model, pg, &o));   // collective: checks shapes, broadcasts
+ *   ddp_dp_set_optimizer(dp, opt);                // its state follows a relayout
+ *   for (each batch) {
+ *     ddp_model_zero_grad(model);
+ *     ddp_tape_reset(tape);
+ *     DDP_TRY(ddp_dp_forward(dp, tape, x, &out));  // buffers from rank 0, join bookkeeping
+ *     DDP_TRY(ddp_model_loss(model, tape, out, y, &loss));
+ *     DDP_TRY(ddp_dp_backward(dp, tape, loss));    // backward + bucketed async allreduce
+ *     DDP_TRY(ddp_optimizer_step(opt));             // grads are the average over ranks
+ *   }
+ *   ddp_dp_destroy(dp);
+ *
+ * Every rank must make the same sequence of ddp_dp_* calls (they issue
+ * collectives on the group). A dp is used by one thread at a time. */
+#ifndef DDP_PARALLEL_H
+#define DDP_PARALLEL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ddp/comm.h"
+#include "ddp/core.h"
+#include "ddp/nn.h"
+#include "ddp/optim.h"
+#include "ddp/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct ddp_dp ddp_dp;
+
+/* A bucket: a contiguous range of the model's flat gradient buffer holding
+ * whole parameters (a view, no copy). What a communication hook sees. */
+typedef struct ddp_dp_bucket {
+  int index;           /* 0 is the first launched (the last layers' gradients) */
+  float *grads;        /* numel floats inside ddp_model_grads_flat(model) */
+  size_t numel;
+  int64_t offset;      /* of grads in the flat buffer, floats */
+  int n_params;        /* parameters in the bucket, in bucket order ... */
+  const int *params;   /* ... their ddp_model_param indices (owned by the dp) */
+  double divisor;      /* this iteration's averaging divisor (world size, see join) */
+  void *scratch;       /* 2 * numel bytes owned by the dp, for a compressed copy */
+} ddp_dp_bucket;
+
+/* A communication hook (PyTorch's register_comm_hook): `launch` starts the
+ * reduction of bucket->grads over pg and returns its work handle in *work
+ * (NULL when it completed inside launch); after that work has completed,
+ * `finish` (may be NULL) must leave bucket->grads holding the average over
+ * ranks, i.e. the sum divided by bucket->divisor. launch runs inside
+ * backward on the caller's thread; both run once per bucket per synced
+ * backward, in bucket order. Return a status; an error fails the backward. */
+typedef struct ddp_dp_comm_hook {
+  ddp_status (*launch)(void *state, ddp_process_group *pg, ddp_dp_bucket *bucket,
+                       ddp_work **work);
+  ddp_status (*finish)(void *state, ddp_dp_bucket *bucket);
+  void *state; /* passed through; the caller's */
+} ddp_dp_comm_hook;
+
+/* Built-in hooks (torch.distributed.algorithms.ddp_comm_hooks.default_hooks). */
+typedef enum ddp_dp_hook_kind {
+  DDP_DP_HOOK_ALLREDUCE = 0, /* float32 sum, then divide (the default) */
+  DDP_DP_HOOK_FP16 = 1,      /* divide, compress to float16, sum, decompress */
+  DDP_DP_HOOK_BF16 = 2,      /* the same with bfloat16 */
+  DDP_DP_HOOK_KIND_COUNT
+} ddp_dp_hook_kind;
+
+/* Options, PyTorch's DistributedDataParallel arguments. */
+typedef struct ddp_dp_options {
+  double bucket_cap_mb;        /* bucket size cap in MiB (25); the first bucket is 1 MiB */
+  double first_bucket_mb;      /* 1 (PyTorch's dist._DEFAULT_FIRST_BUCKET_BYTES) */
+  bool broadcast_buffers;      /* buffers (BN running stats) from rank 0 at each forward (true) */
+  bool find_unused_parameters; /* parameters without a gradient are reduced as they are (false) */
+  bool relayout;               /* re-lay out buffers in observed ready order once (true) */
+  uint64_t reserved[8];        /* zero */
+} ddp_dp_options;
+
+ddp_dp_options ddp_dp_defaults(void);
+
+/* Wraps `model` (finalized) for data parallelism over `pg`. Collective: every
+ * rank calls it. Checks that every rank has the same parameters (number and
+ * shapes; DDP_ERR_SHAPE naming the first parameter that differs and the rank,
+ * the same message on every rank), then broadcasts parameters, buffers and
+ * BN counters from rank 0. Allocates every buffer the steady state needs.
+ * model and pg are borrowed and must outlive the dp. *out NULL on failure. */
+ddp_status ddp_dp_create(ddp_dp **out, ddp_model *model, ddp_process_group *pg,
+                         const ddp_dp_options *options);
+/* Frees the dp (waits for nothing: call after the last backward). NULL ok. */
+void ddp_dp_destroy(ddp_dp *dp);
+
+/* The optimizer whose state must follow a relayout of the flat buffers (its
+ * params and grads must be the model's flat buffers). NULL detaches. Only
+ * optimizers attached here stay consistent after the first iteration. */
+void ddp_dp_set_optimizer(ddp_dp *dp, ddp_optimizer *opt);
+
+/* Installs a built-in hook, or a user hook (copied; NULL restores the
+ * default). Every rank must install the same one, before a backward. */
+ddp_status ddp_dp_set_comm_hook(ddp_dp *dp, ddp_dp_hook_kind kind);
+ddp_status ddp_dp_set_comm_hook_fn(ddp_dp *dp, const ddp_dp_comm_hook *hook);
+
+/* no_sync (gradient accumulation): while true, backward only accumulates
+ * gradients locally; the first backward after setting it false reduces the
+ * accumulated sums. */
+void ddp_dp_set_no_sync(ddp_dp *dp, bool no_sync);
+
+/* ---- One iteration ---------------------------------------------------- */
+
+/* What runs before the forward (PyTorch's _pre_forward): the join
+ * bookkeeping when join is enabled, then the buffer broadcast when
+ * broadcast_buffers. ddp_dp_forward calls it; call it yourself if you run the
+ * model's forward another way. */
+ddp_status ddp_dp_pre_forward(ddp_dp *dp);
+/* ddp_dp_pre_forward, then ddp_model_forward. */
+ddp_status ddp_dp_forward(ddp_dp *dp, ddp_tape *tape, ddp_tensor *x, ddp_tensor **out);
+
+/* Backward with gradient reduction: ddp_dp_prepare_backward, ddp_backward,
+ * ddp_dp_finalize_backward. On return (DDP_OK) every gradient is the average
+ * over ranks (or, under no_sync, the local accumulation). */
+ddp_status ddp_dp_backward(ddp_dp *dp, ddp_tape *tape, ddp_tensor *loss);
+/* The two halves, for a loop that calls ddp_backward itself: prepare
+ * installs the dp's grad hook on `tape` (replacing any other); finalize waits
+ * for every bucket (the group's timeout), averages, checks for parameters
+ * that got no gradient (DDP_ERR_STATE naming the first one unless
+ * find_unused_parameters), removes the hook and, after the first synced
+ * iteration, re-lays out the buffers if the ready order asks for it. */
+ddp_status ddp_dp_prepare_backward(ddp_dp *dp, ddp_tape *tape);
+ddp_status ddp_dp_finalize_backward(ddp_dp *dp);
+
+/* ---- Join: uneven inputs (torch.distributed.algorithms.Join) -----------
+ * Every rank calls ddp_dp_join_enable before its loop. From then on each
+ * pre_forward also counts the ranks still training (one small allgather).
+ * A rank that runs out of data calls ddp_dp_join: it shadows the others'
+ * collectives (buffer broadcasts, zero-filled bucket allreduces) until every
+ * rank has joined, then every rank takes the final parameters and buffers
+ * from the last rank to join. Gradients are divided by the initial world
+ * size when divide_by_initial_world_size (PyTorch's default), else by the
+ * number of ranks still training in that iteration. */
+ddp_status ddp_dp_join_enable(ddp_dp *dp, bool divide_by_initial_world_size);
+ddp_status ddp_dp_join(ddp_dp *dp);
+
+/* ---- Introspection ------------------------------------------------------ */
+
+int ddp_dp_num_buckets(const ddp_dp *dp);
+/* Bucket `index` (its params, offset, numel); NULL out of range. Valid until
+ * the next relayout. */
+const ddp_dp_bucket *ddp_dp_bucket_get(const ddp_dp *dp, int index);
+
+/* What the last synced backward did, per bucket (for tests and traces). */
+typedef struct ddp_dp_bucket_trace {
+  int64_t ready_ns;       /* ddp_time_ns() when its last gradient became final */
+  int64_t launch_ns;      /* when its reduction was launched */
+  int params_not_ready;   /* model parameters still without a final grad at launch */
+  int hook_calls_before;  /* grad hooks fired before the launch, this backward */
+} ddp_dp_bucket_trace;
+
+typedef struct ddp_dp_trace {
+  int64_t backward_start_ns, backward_end_ns; /* around ddp_backward in ddp_dp_backward */
+  int64_t finalize_end_ns;
+  int n_buckets;
+  const ddp_dp_bucket_trace *buckets; /* n_buckets entries, owned by the dp */
+  bool relaid_out;                    /* a relayout has happened */
+  int64_t iterations;                 /* synced backwards so far */
+} ddp_dp_trace;
+
+void ddp_dp_get_trace(const ddp_dp *dp, ddp_dp_trace *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DDP_PARALLEL_H */

@@ -1,0 +1,75 @@
+/* The built-in communication hooks (PyTorch's default_hooks): the float32
+ * allreduce, and float16 / bfloat16 compression.
+ *
+ * Where the division happens. float32: the sum first, then one division by
+ * the divisor (a correctly rounded quotient of the exactly reduced sum; for a
+ * power-of-two world the division is exact, so the result is the sum's
+ * rounding only). Dividing first would round every addend once more.
+ * float16 / bfloat16: divide before compressing, as PyTorch's
+ * fp16_compress_hook does, so the sum of W gradients stays within the half
+ * range (65504 for float16); g / W is computed in float32 and rounded once. */
+#include "comm/backend.h" /* ddp__float_to_half and friends */
+#include "parallel/dp_internal.h"
+
+static ddp_status allreduce_launch(void *state, ddp_process_group *pg, ddp_dp_bucket *bucket,
+                                   ddp_work **work) {
+  (void)state;
+  return ddp_allreduce_async(pg, bucket->grads, bucket->numel, DDP_FLOAT32, DDP_REDUCE_SUM, work);
+}
+
+static ddp_status allreduce_finish(void *state, ddp_dp_bucket *bucket) {
+  (void)state;
+  float d = (float)bucket->divisor;
+  if (d == 1.0f) return DDP_OK;
+  float *g = bucket->grads;
+  for (size_t i = 0; i < bucket->numel; i++) g[i] /= d;
+  return DDP_OK;
+}
+
+static ddp_status fp16_launch(void *state, ddp_process_group *pg, ddp_dp_bucket *bucket,
+                              ddp_work **work) {
+  (void)state;
+  float d = (float)bucket->divisor;
+  uint16_t *h = bucket->scratch;
+  const float *g = bucket->grads;
+  for (size_t i = 0; i < bucket->numel; i++) h[i] = ddp__float_to_half(g[i] / d);
+  return ddp_allreduce_async(pg, h, bucket->numel, DDP_FLOAT16, DDP_REDUCE_SUM, work);
+}
+
+static ddp_status fp16_finish(void *state, ddp_dp_bucket *bucket) {
+  (void)state;
+  const uint16_t *h = bucket->scratch;
+  float *g = bucket->grads;
+  for (size_t i = 0; i < bucket->numel; i++) g[i] = ddp__half_to_float(h[i]);
+  return DDP_OK;
+}
+
+static ddp_status bf16_launch(void *state, ddp_process_group *pg, ddp_dp_bucket *bucket,
+                              ddp_work **work) {
+  (void)state;
+  float d = (float)bucket->divisor;
+  uint16_t *h = bucket->scratch;
+  const float *g = bucket->grads;
+  for (size_t i = 0; i < bucket->numel; i++) h[i] = ddp__float_to_bf16(g[i] / d);
+  return ddp_allreduce_async(pg, h, bucket->numel, DDP_BFLOAT16, DDP_REDUCE_SUM, work);
+}
+
+static ddp_status bf16_finish(void *state, ddp_dp_bucket *bucket) {
+  (void)state;
+  const uint16_t *h = bucket->scratch;
+  float *g = bucket->grads;
+  for (size_t i = 0; i < bucket->numel; i++) g[i] = ddp__bf16_to_float(h[i]);
+  return DDP_OK;
+}
+
+ddp_dp_comm_hook ddp__dp_builtin_hook(ddp_dp *dp, ddp_dp_hook_kind kind) {
+  ddp_dp_comm_hook h = {allreduce_launch, allreduce_finish, dp};
+  if (kind == DDP_DP_HOOK_FP16) {
+    h.launch = fp16_launch;
+    h.finish = fp16_finish;
+  } else if (kind == DDP_DP_HOOK_BF16) {
+    h.launch = bf16_launch;
+    h.finish = bf16_finish;
+  }
+  return h;
+}
