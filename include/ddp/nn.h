@@ -228,6 +228,18 @@ void ddp_model_seed_dropout(ddp_model *model, uint64_t seed);
 /* The dropout generator itself (checkpoints save its state). */
 ddp_rng *ddp_model_dropout_rng(ddp_model *model);
 
+/* SyncBatchNorm for the whole model (PyTorch's
+ * SyncBatchNorm.convert_sync_batchnorm): every BatchNorm2d computes its
+ * training-mode statistics over all participants' batches through `sync`
+ * (see ddp_sync_batch_norm; copied, sync->user borrowed until the model is
+ * destroyed or unsynced). NULL makes them plain BatchNorm2d again. Names,
+ * parameters, buffers and the state dict do not change, so checkpoints are
+ * the same either way. Every participant must set it alike: its forward and
+ * backward are collectives then. The nn layer is below comm; parallel.h's
+ * ddp_model_convert_sync_batchnorm wires a process group in. */
+void ddp_model_set_batch_norm_sync(ddp_model *model, const ddp_batch_norm_sync *sync);
+bool ddp_model_batch_norm_synced(const ddp_model *model);
+
 /* Zeroes the whole flat gradient buffer (optimizer.zero_grad(set_to_none=False)). */
 void ddp_model_zero_grad(ddp_model *model);
 

@@ -175,6 +175,21 @@ typedef struct ddp_dp_trace {
 
 void ddp_dp_get_trace(const ddp_dp *dp, ddp_dp_trace *out);
 
+/* ---- SyncBatchNorm ---------------------------------------------------------
+ * The batch-norm sync over a process group: allreduce_sum is a blocking
+ * ddp_allreduce(group, buf, count, DDP_FLOAT64, DDP_REDUCE_SUM), with the
+ * group's timeout and sticky errors. The group is borrowed: it must outlive
+ * every forward and backward that uses the returned value. */
+ddp_batch_norm_sync ddp_batch_norm_sync_for_group(ddp_process_group *group);
+
+/* torch.nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group): every
+ * BatchNorm2d of `model` becomes a SyncBatchNorm over `group` (borrowed, as
+ * above); NULL turns them back into BatchNorm2d. Parameter and buffer names
+ * and the state dict are unchanged (docs/nn.md). Call it on every rank of
+ * the group, before or after ddp_dp_create: the forward and backward of a
+ * synced model are collectives over it. */
+ddp_status ddp_model_convert_sync_batchnorm(ddp_model *model, ddp_process_group *group);
+
 #ifdef __cplusplus
 }
 #endif

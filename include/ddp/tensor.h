@@ -162,6 +162,41 @@ ddp_status ddp_batch_norm(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp
                           ddp_tensor *running_mean, ddp_tensor *running_var,
                           int64_t *num_batches_tracked, bool training, float momentum,
                           float eps, ddp_tensor **out);
+/* How a synchronized batch norm sums its per-channel statistics across the
+ * replicas that share one batch (the ranks of a process group). The tensor
+ * layer knows nothing of process groups: the layer that does fills this in
+ * (parallel.h: ddp_batch_norm_sync_for_group), and a test can sum across
+ * threads with anything else.
+ * allreduce_sum sums buf[0..count) elementwise over every participant, in
+ * place, and returns DDP_OK or a status with the last-error message set. It
+ * is a collective: every participant calls it the same number of times, in
+ * the same order, with the same count, so it must not be skipped on one
+ * rank; it may block (with the group's timeout) and is called on the thread
+ * that runs the op or the backward. */
+typedef struct ddp_batch_norm_sync {
+  ddp_status (*allreduce_sum)(void *user, double *buf, size_t count);
+  void *user; /* borrowed; must outlive every forward and backward using it */
+} ddp_batch_norm_sync;
+
+/* SyncBatchNorm: ddp_batch_norm whose training-mode statistics are those of
+ * every participant's batch together, as if the batches were concatenated.
+ * The forward sums each channel's sum, sum of squares and element count
+ * across participants in one allreduce_sum call (2C + 1 doubles) and
+ * normalises with the global mean and biased variance; the running stats
+ * are updated with the global mean and unbiased variance (count of all
+ * ranks), identically on every rank. The backward adds this rank's share to
+ * dweight and dbias (sum them across ranks, as data parallelism does, to get
+ * the concatenated batch's) and, when the input needs a gradient, sums the
+ * per-channel sum(dy) and sum(dy * (x - mean)) across participants in one
+ * call (2C doubles), so dx is this rank's slice of the concatenated batch's.
+ * Ranks may hold different batch sizes, even 0, as long as all together hold
+ * more than one value per channel. In evaluation it is ddp_batch_norm and
+ * does not communicate; sync NULL is ddp_batch_norm too. */
+ddp_status ddp_sync_batch_norm(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight,
+                               ddp_tensor *bias, ddp_tensor *running_mean,
+                               ddp_tensor *running_var, int64_t *num_batches_tracked,
+                               bool training, float momentum, float eps,
+                               const ddp_batch_norm_sync *sync, ddp_tensor **out);
 ddp_status ddp_relu(ddp_tape *tape, ddp_tensor *x, ddp_tensor **out);
 ddp_status ddp_sigmoid(ddp_tape *tape, ddp_tensor *x, ddp_tensor **out);
 ddp_status ddp_tanh(ddp_tape *tape, ddp_tensor *x, ddp_tensor **out);

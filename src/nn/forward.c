@@ -12,8 +12,9 @@ static ddp_status run_leaf(ddp_model *model, ddp_module *m, ddp_tape *tape, ddp_
   case DDP_MODULE_CONV2D:
     return ddp_conv2d(tape, x, m->weight, m->bias, m->stride, m->padding, out);
   case DDP_MODULE_BATCHNORM2D:
-    return ddp_batch_norm(tape, x, m->weight, m->bias, m->running_mean, m->running_var,
-                          m->num_batches_tracked, model->training, m->momentum, m->eps, out);
+    return ddp_sync_batch_norm(tape, x, m->weight, m->bias, m->running_mean, m->running_var,
+                               m->num_batches_tracked, model->training, m->momentum, m->eps,
+                               model->bn_synced ? &model->bn_sync : NULL, out);
   case DDP_MODULE_RELU:
     return ddp_relu(tape, x, out);
   case DDP_MODULE_SIGMOID:

@@ -597,6 +597,12 @@ void ddp_model_seed_dropout(ddp_model *model, uint64_t seed) {
 }
 ddp_rng *ddp_model_dropout_rng(ddp_model *model) { return &model->dropout_rng; }
 
+void ddp_model_set_batch_norm_sync(ddp_model *model, const ddp_batch_norm_sync *sync) {
+  model->bn_synced = sync != NULL;
+  model->bn_sync = sync ? *sync : (ddp_batch_norm_sync){0};
+}
+bool ddp_model_batch_norm_synced(const ddp_model *model) { return model->bn_synced; }
+
 void ddp_model_zero_grad(ddp_model *model) {
   if (model->grads_flat)
     memset(model->grads_flat, 0, (size_t)model->n_param_elems * sizeof(float));
@@ -640,7 +646,7 @@ static void emit(text *t, const char *fmt, ...) {
   if (n > 0) t->len += (size_t)n;
 }
 
-static void describe(text *t, const ddp_module *m, int depth) {
+static void describe(text *t, const ddp_module *m, int depth, bool model_synced) {
   emit(t, "%*s", 2 * depth, "");
   if (depth > 0) emit(t, "(%s): ", m->name);
   const char *kind = ddp__module_kind_name(m->kind);
@@ -655,8 +661,9 @@ static void describe(text *t, const ddp_module *m, int depth) {
          m->stride, m->padding, m->padding, m->has_bias ? "" : ", bias=False");
     break;
   case DDP_MODULE_BATCHNORM2D:
-    emit(t, "BatchNorm2d(%lld, eps=%g, momentum=%g, affine=True, track_running_stats=True)\n",
-         (long long)m->in_features, (double)m->eps, (double)m->momentum);
+    emit(t, "%s(%lld, eps=%g, momentum=%g, affine=True, track_running_stats=True)\n",
+         model_synced ? "SyncBatchNorm" : "BatchNorm2d", (long long)m->in_features,
+         (double)m->eps, (double)m->momentum);
     break;
   case DDP_MODULE_MAXPOOL2D:
     emit(t, "MaxPool2d(kernel_size=%d, stride=%d)\n", m->kernel, m->stride);
@@ -673,7 +680,8 @@ static void describe(text *t, const ddp_module *m, int depth) {
     break;
   case DDP_MODULE_SEQUENTIAL:
     emit(t, "%s(\n", depth == 0 ? "Model" : kind);
-    for (const ddp_module *c = m->first_child; c; c = c->next_sibling) describe(t, c, depth + 1);
+    for (const ddp_module *c = m->first_child; c; c = c->next_sibling)
+      describe(t, c, depth + 1, model_synced);
     emit(t, "%*s)\n", 2 * depth, "");
     break;
   default:
@@ -685,6 +693,6 @@ static void describe(text *t, const ddp_module *m, int depth) {
 size_t ddp_model_describe(const ddp_model *model, char *buf, size_t bytes) {
   text t = {buf, bytes, 0};
   if (buf && bytes) buf[0] = '\0';
-  describe(&t, model->root, 0);
+  describe(&t, model->root, 0, model->bn_synced);
   return t.len;
 }

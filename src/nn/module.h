@@ -53,6 +53,9 @@ struct ddp_model {
   int64_t sample_shape[DDP_MAX_DIMS];
   int64_t num_outputs;
   ddp_rng dropout_rng;
+  /* SyncBatchNorm: BatchNorm2d modules synchronize through bn_sync when set. */
+  bool bn_synced;
+  ddp_batch_norm_sync bn_sync;
   /* The root's forward: these children in this order, or (NULL) all of them
    * in registration order. */
   ddp_module **forward_order;

@@ -54,6 +54,28 @@ typedef struct ddp__pointwise_kernels {
                                     const float *x, const float *mean, const float *invstd,
                                     const float *weight, int64_t N, int64_t C, int64_t HW,
                                     bool batch_stats, ddp_arena *arena);
+  /* ---- synchronized batch norm: the same maths in phases, so that the
+   * per-channel sums can be summed across ranks between them. Sums are
+   * double, in host memory (they go through the caller's reduction). ---- */
+  /* sums (2C): [c] = sum of x over channel c, [C + c] = sum of x^2. */
+  void (*batch_norm_sums)(double *sums, const float *x, int64_t N, int64_t C, int64_t HW);
+  /* From sums summed over every rank and the total count (> 1): mean,
+   * invstd and, when not NULL, the running update (as batch_norm_stats). */
+  void (*batch_norm_stats_from_sums)(float *mean, float *invstd, float *running_mean,
+                                     float *running_var, const double *sums, int64_t count,
+                                     int64_t C, float momentum, float eps);
+  /* This rank's backward sums (2C): [c] = sum(dy), [C + c] = sum(dy * (x - mean));
+   * and from them dweight += sum(dy * (x - mean)) * invstd, dbias += sum(dy)
+   * (this rank's share; NULL: not wanted). */
+  void (*batch_norm_backward_reduce)(double *sums, float *dweight, float *dbias, const float *dy,
+                                     const float *x, const float *mean, const float *invstd,
+                                     int64_t N, int64_t C, int64_t HW);
+  /* dx += the training-mode input gradient, from sums summed over every rank
+   * and the total count. */
+  ddp_status (*batch_norm_backward_dx)(float *dx, const float *dy, const float *x,
+                                       const float *mean, const float *invstd, const float *weight,
+                                       const double *sums, int64_t count, int64_t N, int64_t C,
+                                       int64_t HW, ddp_arena *arena);
 
   /* ---- log_softmax over rows of length C ---- */
   void (*log_softmax)(float *y, const float *x, int64_t rows, int64_t C);

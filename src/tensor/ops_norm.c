@@ -1,5 +1,6 @@
-/* Batch normalisation (PyTorch's F.batch_norm / BatchNorm1d / BatchNorm2d):
- * validation, the running-statistics update, and the recorded backward. The
+/* Batch normalisation (PyTorch's F.batch_norm / BatchNorm1d / BatchNorm2d,
+ * and SyncBatchNorm's statistics across ranks): validation, the
+ * running-statistics update, and the recorded backward. The
  * per-channel mean and 1/std used by the forward live in tape scratch, so
  * backward reuses them and a step allocates nothing once the arena is warm. */
 #include "tensor/kernels.h"
@@ -10,7 +11,42 @@ typedef struct batch_norm_ctx {
   float *invstd; /* (C) 1/sqrt(var + eps) */
   int64_t N, C, HW;
   bool batch_stats; /* mean/invstd came from this batch (so depend on x) */
+  /* Synchronized: the statistics are those of every rank's batch together
+   * (count elements per channel in all), and backward sums its two
+   * per-channel sums across the ranks through `sync` (a copy, so the
+   * caller's struct need not outlive the forward). */
+  bool synced;
+  ddp_batch_norm_sync sync;
+  int64_t count;
 } batch_norm_ctx;
+
+/* The synchronized backward (PyTorch's SyncBatchNorm.backward): this rank's
+ * sums of dy and dy * (x - mean) give its share of dweight and dbias (data
+ * parallelism averages those like any gradient); summed across ranks they
+ * give dx as if the batches were one. Only when dx is wanted do the ranks
+ * reduce: every rank records the same graph, so all of them do or none. */
+static ddp_status sync_batch_norm_backward(ddp_tape *tape, ddp__node *node, float *dx,
+                                           float *dweight, float *dbias) {
+  const batch_norm_ctx *ctx = node->ctx;
+  ddp_tensor *x = node->in[0], *weight = node->in[1];
+  const ddp__kernels *k = ddp__kernels_for(node->out->device);
+  int64_t C = ctx->C;
+  double *sums = ddp_arena_alloc(ddp__tape_arena(tape), (size_t)C * 2 * sizeof(double));
+  if (!sums)
+    return ddp_error(DDP_ERR_NOMEM, "sync_batch_norm backward: no scratch for %lld channels",
+                     (long long)C);
+  k->pointwise->batch_norm_backward_reduce(sums, dweight, dbias, node->out->grad, x->data,
+                                           ctx->mean, ctx->invstd, ctx->N, C, ctx->HW);
+  if (!dx) return DDP_OK;
+  ddp_status s = ctx->sync.allreduce_sum(ctx->sync.user, sums, (size_t)C * 2);
+  if (s != DDP_OK)
+    return ddp_error_wrap(s, "sync_batch_norm backward: summing %lld channels' gradient sums "
+                             "across ranks", (long long)C);
+  return k->pointwise->batch_norm_backward_dx(dx, node->out->grad, x->data, ctx->mean,
+                                              ctx->invstd, weight ? weight->data : NULL, sums,
+                                              ctx->count, ctx->N, C, ctx->HW,
+                                              ddp__tape_arena(tape));
+}
 
 static ddp_status batch_norm_backward(ddp_tape *tape, ddp__node *node) {
   const batch_norm_ctx *ctx = node->ctx;
@@ -20,11 +56,45 @@ static ddp_status batch_norm_backward(ddp_tape *tape, ddp__node *node) {
   float *dweight = ddp__tape_grad(tape, weight, &s);
   float *dbias = ddp__tape_grad(tape, bias, &s);
   if (s != DDP_OK) return s;
+  if (ctx->synced) return sync_batch_norm_backward(tape, node, dx, dweight, dbias);
   const ddp__kernels *k = ddp__kernels_for(node->out->device);
   return k->pointwise->batch_norm_backward(dx, dweight, dbias, node->out->grad, x->data, ctx->mean,
                                            ctx->invstd, weight ? weight->data : NULL, ctx->N,
                                            ctx->C, ctx->HW, ctx->batch_stats,
                                            ddp__tape_arena(tape));
+}
+
+/* The synchronized forward's statistics: this rank's per-channel sum and sum
+ * of squares and its element count, packed into one buffer (2C + 1 doubles)
+ * and summed across ranks in one reduction; then mean, invstd and the
+ * running update from the totals. */
+static ddp_status sync_batch_norm_stats(ddp_tape *tape, const ddp__kernels *k, batch_norm_ctx *ctx,
+                                        const ddp_tensor *x, float *running_mean,
+                                        float *running_var, float momentum, float eps) {
+  int64_t C = ctx->C;
+  double *sums = ddp_tape_scratch(tape, (size_t)(2 * C + 1) * sizeof(double));
+  if (!sums)
+    return ddp_error(DDP_ERR_NOMEM, "sync_batch_norm: no scratch for %lld channels",
+                     (long long)C);
+  k->pointwise->batch_norm_sums(sums, x->data, ctx->N, C, ctx->HW);
+  sums[2 * C] = (double)(ctx->N * ctx->HW);
+  ddp_status s = ctx->sync.allreduce_sum(ctx->sync.user, sums, (size_t)(2 * C + 1));
+  if (s != DDP_OK)
+    return ddp_error_wrap(s, "sync_batch_norm: summing %lld channels' statistics across ranks",
+                          (long long)C);
+  /* Counts are integers far below 2^53, so the double sum is exact. Every
+   * rank sees the same total, so every rank fails here together. */
+  ctx->count = (int64_t)sums[2 * C];
+  if (ctx->count <= 1) {
+    char sx[DDP_SHAPE_STR_BYTES];
+    return ddp_error(DDP_ERR_SHAPE,
+                     "sync_batch_norm: expected more than 1 value per channel across all ranks "
+                     "when training, got %lld in all (this rank's input %s)",
+                     (long long)ctx->count, ddp_tensor_shape_str(x, sx, sizeof sx));
+  }
+  k->pointwise->batch_norm_stats_from_sums(ctx->mean, ctx->invstd, running_mean, running_var,
+                                           sums, ctx->count, C, momentum, eps);
+  return DDP_OK;
 }
 
 /* A per-channel vector (weight, bias, running stats) must be (C) or NULL. */
@@ -41,8 +111,19 @@ ddp_status ddp_batch_norm(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp
                           ddp_tensor *running_mean, ddp_tensor *running_var,
                           int64_t *num_batches_tracked, bool training, float momentum, float eps,
                           ddp_tensor **out) {
+  return ddp_sync_batch_norm(tape, x, weight, bias, running_mean, running_var,
+                             num_batches_tracked, training, momentum, eps, NULL, out);
+}
+
+ddp_status ddp_sync_batch_norm(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight,
+                               ddp_tensor *bias, ddp_tensor *running_mean,
+                               ddp_tensor *running_var, int64_t *num_batches_tracked,
+                               bool training, float momentum, float eps,
+                               const ddp_batch_norm_sync *sync, ddp_tensor **out) {
   if (!tape || !out) return ddp_error(DDP_ERR_INVALID, "batch_norm: tape or out is NULL");
   if (!x) return ddp_error(DDP_ERR_INVALID, "batch_norm: input is NULL");
+  if (sync && !sync->allreduce_sum)
+    return ddp_error(DDP_ERR_INVALID, "sync_batch_norm: the sync has no allreduce_sum function");
   ddp_tensor *all[5] = {x, weight, bias, running_mean, running_var};
   const ddp__kernels *k;
   DDP_TRY(ddp__kernels_check("batch_norm", 5, all, &k));
@@ -68,7 +149,11 @@ ddp_status ddp_batch_norm(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp
   /* Without running statistics, eval normalises with the batch's own, like a
    * module built with track_running_stats=False. */
   bool batch_stats = training || !running_mean;
-  if (batch_stats && N * HW <= 1)
+  /* As PyTorch's SyncBatchNorm: synchronized in training only; evaluation
+   * is plain batch norm. A rank's batch may hold one value per channel, or
+   * none, when the ranks together hold more (checked after the reduction). */
+  bool synced = sync && training;
+  if (batch_stats && !synced && N * HW <= 1)
     return ddp_error(DDP_ERR_SHAPE,
                      "batch_norm: expected more than 1 value per channel when using batch "
                      "statistics, got input %s",
@@ -81,10 +166,20 @@ ddp_status ddp_batch_norm(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp
   if (!ctx || !stats)
     return ddp_error(DDP_ERR_NOMEM, "batch_norm: cannot allocate statistics for %lld channels",
                      (long long)C);
-  *ctx = (batch_norm_ctx){
-      .mean = stats, .invstd = stats + C, .N = N, .C = C, .HW = HW, .batch_stats = batch_stats};
-  if (batch_stats) {
-    bool update = training && running_mean;
+  *ctx = (batch_norm_ctx){.mean = stats,
+                         .invstd = stats + C,
+                         .N = N,
+                         .C = C,
+                         .HW = HW,
+                         .batch_stats = batch_stats,
+                         .synced = synced,
+                         .sync = synced ? *sync : (ddp_batch_norm_sync){0},
+                         .count = N * HW};
+  bool update = training && running_mean;
+  if (synced) {
+    DDP_TRY(sync_batch_norm_stats(tape, k, ctx, x, update ? running_mean->data : NULL,
+                                  update ? running_var->data : NULL, momentum, eps));
+  } else if (batch_stats) {
     DDP_TRY(k->pointwise->batch_norm_stats(ctx->mean, ctx->invstd,
                                            update ? running_mean->data : NULL,
                                            update ? running_var->data : NULL, x->data, N, C, HW,
@@ -99,7 +194,8 @@ ddp_status ddp_batch_norm(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp
                                    HW);
   ddp_tensor *in[3] = {x, weight, bias};
   if (ddp__tape_wants_grad(tape, 3, in))
-    DDP_TRY(ddp__tape_record(tape, "batch_norm", batch_norm_backward, y, 3, in, ctx));
+    DDP_TRY(ddp__tape_record(tape, synced ? "sync_batch_norm" : "batch_norm", batch_norm_backward,
+                             y, 3, in, ctx));
   *out = y;
   return DDP_OK;
 }

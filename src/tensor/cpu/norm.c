@@ -119,19 +119,90 @@ void ddp__cpu_batch_norm_forward(float *restrict y, const float *restrict x,
  *   dbias = sum(dy), dweight = sum(dy * xhat)
  *   training: dx = weight * invstd * (dy - sum(dy) / M - xhat * sum(dy * xhat) / M)
  *   eval:     dx = weight * invstd * dy
- * The dx loop is one pass: dx += k_dy * dy + k_x * (x - mean) + k_0. */
+ * The dx loop is one pass: dx += k_dy * dy + k_x * (x - mean) + k_0.
+ * The backward is two phases, sums then dx; the plain kernel runs them per
+ * channel (a channel's planes stay in cache between the two), the
+ * synchronized one runs each over all channels with the cross-rank
+ * reduction of the sums between them. */
 static void bn_dx_coefficients(float *k_dy, float *k_x, float *k_0, double sum_dy,
-                               double sum_dy_xmu, float invstd, float weight, int64_t count,
+                               double sum_dy_xmu, float invstd, float weight, double count,
                                bool batch_stats) {
   double a = (double)weight * invstd;
   double kx = 0, k0 = 0;
   if (batch_stats) {
-    kx = -a * (double)invstd * invstd * sum_dy_xmu / (double)count;
-    k0 = -a * sum_dy / (double)count;
+    kx = -a * (double)invstd * invstd * sum_dy_xmu / count;
+    k0 = -a * sum_dy / count;
   }
   *k_dy = (float)a;
   *k_x = (float)kx;
   *k_0 = (float)k0;
+}
+
+/* (N, C) input: sdy[c] = sum(dy), sdyx[c] = sum(dy * (x - mean)), row by row. */
+static void rows_backward_sums(double *restrict sdy, double *restrict sdyx,
+                               const float *restrict dy, const float *restrict x,
+                               const float *restrict mean, int64_t N, int64_t C) {
+  for (int64_t c = 0; c < C; c++) sdy[c] = 0, sdyx[c] = 0;
+  for (int64_t n = 0; n < N; n++) {
+    const float *g = dy + n * C, *row = x + n * C;
+    for (int64_t c = 0; c < C; c++) {
+      sdy[c] += g[c];
+      sdyx[c] += g[c] * (row[c] - mean[c]);
+    }
+  }
+}
+
+/* (N, C) input: dx += kdy * dy + kx * (x - mean) + k0 with per-channel k (C each). */
+static void rows_dx(float *restrict dx, const float *restrict dy, const float *restrict x,
+                    const float *restrict mean, const float *restrict kdy,
+                    const float *restrict kx, const float *restrict k0, int64_t N, int64_t C) {
+  for (int64_t n = 0; n < N; n++) {
+    const float *g = dy + n * C, *row = x + n * C;
+    float *d = dx + n * C;
+    for (int64_t c = 0; c < C; c++) d[c] += kdy[c] * g[c] + kx[c] * (row[c] - mean[c]) + k0[c];
+  }
+}
+
+/* (N, C, HW) input, channel c: the two sums of rows_backward_sums. */
+static void channel_backward_sums(double *sdy_out, double *sdyx_out, const float *restrict dy,
+                                  const float *restrict x, float m, int64_t N, int64_t C,
+                                  int64_t HW, int64_t c) {
+  double sdy = 0, sdyx = 0;
+  for (int64_t n = 0; n < N; n++) {
+    const float *g = dy + (n * C + c) * HW, *plane = x + (n * C + c) * HW;
+    float a1[LANES] = {0}, a2[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= HW; i += LANES)
+      for (int j = 0; j < LANES; j++) {
+        a1[j] += g[i + j];
+        a2[j] += g[i + j] * (plane[i + j] - m);
+      }
+    for (; i < HW; i++) {
+      sdy += g[i];
+      sdyx += g[i] * (plane[i] - m);
+    }
+    for (int j = 0; j < LANES; j++) sdy += a1[j], sdyx += a2[j];
+  }
+  *sdy_out = sdy;
+  *sdyx_out = sdyx;
+}
+
+/* (N, C, HW) input, channel c: dx += kdy * dy + kx * (x - m) + k0. */
+static void channel_dx(float *restrict dx, const float *restrict dy, const float *restrict x,
+                       float m, float kdy, float kx, float k0, int64_t N, int64_t C, int64_t HW,
+                       int64_t c) {
+  for (int64_t n = 0; n < N; n++) {
+    const float *g = dy + (n * C + c) * HW, *plane = x + (n * C + c) * HW;
+    float *d = dx + (n * C + c) * HW;
+    for (int64_t i = 0; i < HW; i++) d[i] += kdy * g[i] + kx * (plane[i] - m) + k0;
+  }
+}
+
+/* dbias += sum(dy), dweight += sum(dy * (x - mean)) * invstd from one channel's sums. */
+static void add_affine_grads(float *dweight, float *dbias, int64_t c, double sdy, double sdyx,
+                             float invstd) {
+  if (dbias) dbias[c] += (float)sdy;
+  if (dweight) dweight[c] += (float)(sdyx * invstd);
 }
 
 ddp_status ddp__cpu_batch_norm_backward(float *restrict dx, float *restrict dweight,
@@ -140,7 +211,7 @@ ddp_status ddp__cpu_batch_norm_backward(float *restrict dx, float *restrict dwei
                                         const float *restrict invstd, const float *restrict weight,
                                         int64_t N, int64_t C, int64_t HW, bool batch_stats,
                                         ddp_arena *arena) {
-  int64_t count = N * HW;
+  double count = (double)(N * HW);
   if (HW == 1) {
     double *s = ddp_arena_alloc(arena, (size_t)C * 2 * sizeof(double));
     float *k = ddp_arena_alloc(arena, (size_t)C * 3 * sizeof(float));
@@ -148,59 +219,120 @@ ddp_status ddp__cpu_batch_norm_backward(float *restrict dx, float *restrict dwei
       return ddp_error(DDP_ERR_NOMEM, "batch_norm backward: no scratch for %lld channels",
                        (long long)C);
     double *sdy = s, *sdyx = s + C;
-    for (int64_t c = 0; c < C; c++) sdy[c] = 0, sdyx[c] = 0;
-    for (int64_t n = 0; n < N; n++) {
-      const float *g = dy + n * C, *row = x + n * C;
-      for (int64_t c = 0; c < C; c++) {
-        sdy[c] += g[c];
-        sdyx[c] += g[c] * (row[c] - mean[c]);
-      }
-    }
+    rows_backward_sums(sdy, sdyx, dy, x, mean, N, C);
     /* Per-channel coefficients as three unit-stride vectors for the row loop. */
     float *kdy = k, *kx = k + C, *k0 = k + 2 * C;
     for (int64_t c = 0; c < C; c++) {
-      if (dbias) dbias[c] += (float)sdy[c];
-      if (dweight) dweight[c] += (float)(sdyx[c] * invstd[c]);
+      add_affine_grads(dweight, dbias, c, sdy[c], sdyx[c], invstd[c]);
       bn_dx_coefficients(&kdy[c], &kx[c], &k0[c], sdy[c], sdyx[c], invstd[c],
                          weight ? weight[c] : 1.0f, count, batch_stats);
     }
-    if (!dx) return DDP_OK;
-    for (int64_t n = 0; n < N; n++) {
-      const float *g = dy + n * C, *row = x + n * C;
-      float *d = dx + n * C;
-      for (int64_t c = 0; c < C; c++) d[c] += kdy[c] * g[c] + kx[c] * (row[c] - mean[c]) + k0[c];
-    }
+    if (dx) rows_dx(dx, dy, x, mean, kdy, kx, k0, N, C);
     return DDP_OK;
   }
   for (int64_t c = 0; c < C; c++) {
-    float m = mean[c];
-    double sdy = 0, sdyx = 0;
-    for (int64_t n = 0; n < N; n++) {
-      const float *g = dy + (n * C + c) * HW, *plane = x + (n * C + c) * HW;
-      float a1[LANES] = {0}, a2[LANES] = {0};
-      int64_t i = 0;
-      for (; i + LANES <= HW; i += LANES)
-        for (int j = 0; j < LANES; j++) {
-          a1[j] += g[i + j];
-          a2[j] += g[i + j] * (plane[i + j] - m);
-        }
-      for (; i < HW; i++) {
-        sdy += g[i];
-        sdyx += g[i] * (plane[i] - m);
-      }
-      for (int j = 0; j < LANES; j++) sdy += a1[j], sdyx += a2[j];
-    }
-    if (dbias) dbias[c] += (float)sdy;
-    if (dweight) dweight[c] += (float)(sdyx * invstd[c]);
+    double sdy, sdyx;
+    channel_backward_sums(&sdy, &sdyx, dy, x, mean[c], N, C, HW, c);
+    add_affine_grads(dweight, dbias, c, sdy, sdyx, invstd[c]);
     if (!dx) continue;
     float kdy, kx, k0;
     bn_dx_coefficients(&kdy, &kx, &k0, sdy, sdyx, invstd[c], weight ? weight[c] : 1.0f, count,
                        batch_stats);
-    for (int64_t n = 0; n < N; n++) {
-      const float *g = dy + (n * C + c) * HW, *plane = x + (n * C + c) * HW;
-      float *d = dx + (n * C + c) * HW;
-      for (int64_t i = 0; i < HW; i++) d[i] += kdy * g[i] + kx * (plane[i] - m) + k0;
-    }
+    channel_dx(dx, dy, x, mean[c], kdy, kx, k0, N, C, HW, c);
   }
+  return DDP_OK;
+}
+
+/* ---- synchronized batch norm: the phases apart ---- */
+
+void ddp__cpu_batch_norm_sums(double *restrict sums, const float *restrict x, int64_t N, int64_t C,
+                              int64_t HW) {
+  double *s1 = sums, *s2 = sums + C;
+  if (HW == 1) {
+    for (int64_t c = 0; c < C; c++) s1[c] = 0, s2[c] = 0;
+    for (int64_t n = 0; n < N; n++) {
+      const float *row = x + n * C;
+      for (int64_t c = 0; c < C; c++) {
+        double v = row[c];
+        s1[c] += v;
+        s2[c] += v * v;
+      }
+    }
+    return;
+  }
+  /* Double lanes: x^2 of a float is exact in double, and the sums feed a
+   * difference (E[x^2] - E[x]^2) that float lanes would leave too coarse. */
+  enum { DLANES = 8 };
+  for (int64_t c = 0; c < C; c++) {
+    double a1[DLANES] = {0}, a2[DLANES] = {0};
+    double t1 = 0, t2 = 0;
+    for (int64_t n = 0; n < N; n++) {
+      const float *plane = x + (n * C + c) * HW;
+      int64_t i = 0;
+      for (; i + DLANES <= HW; i += DLANES)
+        for (int j = 0; j < DLANES; j++) {
+          double v = plane[i + j];
+          a1[j] += v;
+          a2[j] += v * v;
+        }
+      for (; i < HW; i++) {
+        double v = plane[i];
+        t1 += v;
+        t2 += v * v;
+      }
+    }
+    for (int j = 0; j < DLANES; j++) t1 += a1[j], t2 += a2[j];
+    s1[c] = t1;
+    s2[c] = t2;
+  }
+}
+
+void ddp__cpu_batch_norm_stats_from_sums(float *restrict mean, float *restrict invstd,
+                                         float *running_mean, float *running_var,
+                                         const double *restrict sums, int64_t count, int64_t C,
+                                         float momentum, float eps) {
+  for (int64_t c = 0; c < C; c++) {
+    double m = sums[c] / (double)count;
+    double var = sums[C + c] / (double)count - m * m;
+    var = var > 0 ? var : 0;
+    mean[c] = (float)m;
+    invstd[c] = (float)(1.0 / sqrt(var + eps));
+    running_update(running_mean, running_var, c, m, var, count, momentum);
+  }
+}
+
+void ddp__cpu_batch_norm_backward_reduce(double *restrict sums, float *restrict dweight,
+                                         float *restrict dbias, const float *restrict dy,
+                                         const float *restrict x, const float *restrict mean,
+                                         const float *restrict invstd, int64_t N, int64_t C,
+                                         int64_t HW) {
+  double *sdy = sums, *sdyx = sums + C;
+  if (HW == 1)
+    rows_backward_sums(sdy, sdyx, dy, x, mean, N, C);
+  else
+    for (int64_t c = 0; c < C; c++)
+      channel_backward_sums(&sdy[c], &sdyx[c], dy, x, mean[c], N, C, HW, c);
+  for (int64_t c = 0; c < C; c++) add_affine_grads(dweight, dbias, c, sdy[c], sdyx[c], invstd[c]);
+}
+
+ddp_status ddp__cpu_batch_norm_backward_dx(float *restrict dx, const float *restrict dy,
+                                           const float *restrict x, const float *restrict mean,
+                                           const float *restrict invstd,
+                                           const float *restrict weight,
+                                           const double *restrict sums, int64_t count, int64_t N,
+                                           int64_t C, int64_t HW, ddp_arena *arena) {
+  float *k = ddp_arena_alloc(arena, (size_t)C * 3 * sizeof(float));
+  if (!k)
+    return ddp_error(DDP_ERR_NOMEM, "sync_batch_norm backward: no scratch for %lld channels",
+                     (long long)C);
+  float *kdy = k, *kx = k + C, *k0 = k + 2 * C;
+  for (int64_t c = 0; c < C; c++)
+    bn_dx_coefficients(&kdy[c], &kx[c], &k0[c], sums[c], sums[C + c], invstd[c],
+                       weight ? weight[c] : 1.0f, (double)count, true);
+  if (HW == 1) {
+    rows_dx(dx, dy, x, mean, kdy, kx, k0, N, C);
+    return DDP_OK;
+  }
+  for (int64_t c = 0; c < C; c++) channel_dx(dx, dy, x, mean[c], kdy[c], kx[c], k0[c], N, C, HW, c);
   return DDP_OK;
 }
