@@ -152,6 +152,7 @@ static inline void dpt_batch(const char *model, int step, int64_t first, int64_t
 typedef struct dpt_cfg {
   const char *model; /* "toy", "convnet" */
   bool eval;         /* BatchNorm with running statistics (model.eval()) */
+  bool sync_bn;      /* the data-parallel ranks convert BatchNorm to SyncBatchNorm */
   int world;         /* ranks of the data-parallel run */
   int batch;         /* rows per rank per micro-step */
   int steps;         /* optimizer steps */

@@ -6,6 +6,8 @@
  * rank 0. The ranks start from different seeds (and perturbed BN buffers),
  * so the construction-time broadcast is what makes them agree. Shown for
  * toy, for the ConvNet with BatchNorm in eval mode (running statistics), for
+ * the ConvNet in training mode with SyncBatchNorm (statistics over all ranks'
+ * rows, so the same as the single run's batch statistics), for
  * gradient accumulation through no_sync (2 micro-steps under no_sync + 1
  * synced = one step on the concatenated batch), and with small buckets. */
 #include <setjmp.h>
@@ -30,6 +32,7 @@ static void eq_body(dpt_rank *self) {
   /* Each rank starts elsewhere: the broadcast from rank 0 must fix it. */
   float *buf = ddp_model_buffers_flat(model);
   for (int64_t i = 0; i < ddp_model_num_buffer_elements(model); i++) buf[i] += (float)self->rank;
+  if (c->cfg.sync_bn) DPT_OK(self, ddp_model_convert_sync_batchnorm(model, self->pg));
   ddp_dp_options o = ddp_dp_defaults();
   o.bucket_cap_mb = c->cfg.bucket_cap_mb;
   if (c->cfg.bucket_cap_mb < 1) o.first_bucket_mb = c->cfg.bucket_cap_mb;
@@ -102,6 +105,25 @@ static void test_convnet_eval_world3_small_buckets(void **state) {
   run_case(c);
 }
 
+/* In training mode plain BatchNorm normalises each rank's rows alone (as in
+ * PyTorch, legitimately different); SyncBatchNorm normalises over all W*B
+ * rows, which are exactly the single run's batch. */
+static void test_convnet_sync_bn_world2(void **state) {
+  (void)state;
+  dpt_cfg c = dpt_defaults("convnet", 2);
+  c.sync_bn = true;
+  run_case(c);
+}
+
+static void test_convnet_sync_bn_world3_small_buckets(void **state) {
+  (void)state;
+  dpt_cfg c = dpt_defaults("convnet", 3);
+  c.sync_bn = true;
+  c.batch = 3;
+  c.bucket_cap_mb = 0.02; /* bucket allreduces interleave with SyncBN's in backward */
+  run_case(c);
+}
+
 static void test_toy_no_sync_accumulation(void **state) {
   (void)state;
   dpt_cfg c = dpt_defaults("toy", 2);
@@ -126,6 +148,8 @@ int main(void) {
       cmocka_unit_test(test_toy_world3),
       cmocka_unit_test(test_convnet_eval_world2),
       cmocka_unit_test(test_convnet_eval_world3_small_buckets),
+      cmocka_unit_test(test_convnet_sync_bn_world2),
+      cmocka_unit_test(test_convnet_sync_bn_world3_small_buckets),
       cmocka_unit_test(test_toy_no_sync_accumulation),
       cmocka_unit_test(test_convnet_eval_no_sync_accumulation),
   };
