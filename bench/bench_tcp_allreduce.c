@@ -11,8 +11,11 @@
  *       namespaces or DDP_HOST_ID), and the tcp backend listens on the
  *       address that routes to the store (or DDP_COMM_ADDR /
  *       DDP_SOCKET_IFNAME).
- * Rank 0 prints the table; --json prints one object per size instead. Used
- * by tests/comm/test_tcp_netns.sh. Until ddp-bench drives process groups,
+ * Rank 0 prints the table; --json prints one object per size instead.
+ * --counters: at the end every rank prints one JSON object with its
+ * transport towards each rank and what each transport carried
+ * (ddp_process_group_counters). Used by tests/comm/test_tcp_netns.sh and
+ * test_hier_netns.sh. Until ddp-bench drives process groups,
  * this is the tcp transport's benchmark (BENCHMARKS.md). */
 #include <signal.h>
 #include <stdatomic.h>
@@ -26,7 +29,7 @@
 #include "ddp/store.h"
 
 typedef struct opts {
-  int nproc, rank, world, serve, check, json, iters, warmup;
+  int nproc, rank, world, serve, check, json, counters, iters, warmup;
   size_t min_bytes, max_bytes;
   double factor;
   char store_host[256];
@@ -46,7 +49,8 @@ static void usage(void) {
   fprintf(stderr,
           "usage: bench_tcp_allreduce (--nproc P | --rank R --world P --store HOST:PORT "
           "[--serve])\n"
-          "       [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-c 0|1] [--json]\n");
+          "       [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] [-c 0|1] [--json]\n"
+          "       [--counters]\n");
 }
 
 static int run_rank(const opts *o, int rank, int world) {
@@ -125,6 +129,18 @@ static int run_rank(const opts *o, int rank, int world) {
     size_t next = (size_t)((double)bytes * o->factor);
     bytes = next <= bytes ? bytes + 4 : next > o->max_bytes ? o->max_bytes : next;
   }
+  if (o->counters) {
+    ddp_comm_counters c;
+    ddp_process_group_counters(pg, &c);
+    printf("{\"rank\":%d,\"transports\":\"", rank);
+    for (int q = 0; q < world; q++)
+      printf("%s%s", q ? "," : "", ddp_process_group_transport(pg, q));
+    printf("\",\"tcp_bytes_sent\":%llu,\"tcp_bytes_received\":%llu,\"shm_bytes\":%llu,"
+           "\"threads_bytes\":%llu}\n",
+           (unsigned long long)c.tcp_bytes_sent, (unsigned long long)c.tcp_bytes_received,
+           (unsigned long long)c.shm_bytes, (unsigned long long)c.threads_bytes);
+    fflush(stdout);
+  }
   ddp_free(buf);
   ddp_process_group_destroy(pg);
   ddp_store_destroy(store);
@@ -142,6 +158,7 @@ int main(int argc, char **argv) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!strcmp(a, "--json")) { o.json = 1; continue; }
     if (!strcmp(a, "--serve")) { o.serve = 1; continue; }
+    if (!strcmp(a, "--counters")) { o.counters = 1; continue; }
     if (!v) { usage(); return 2; }
     i++;
     if (!strcmp(a, "--nproc")) o.nproc = atoi(v);

@@ -105,6 +105,27 @@ int ddp_process_group_size(const ddp_process_group *pg);
 /* The transport used towards `peer`: "self", "threads", "shm" or "tcp". */
 const char *ddp_process_group_transport(const ddp_process_group *pg, int peer);
 
+/* What the group's transports carried on this rank since it was created:
+ * evidence of which pairs went over shared memory and which over TCP. */
+typedef struct ddp_comm_counters {
+  /* Bytes this rank wrote to / read from TCP sockets (frames: 16-byte
+   * headers and payloads). */
+  uint64_t tcp_bytes_sent;
+  uint64_t tcp_bytes_received;
+  /* Payload bytes of this rank's operations that ran over shared memory
+   * between processes ("shm") or between threads of this process
+   * ("threads"): per op, what this rank contributed plus what it received
+   * (an allreduce of n bytes counts 2n, a send or recv of n bytes n). */
+  uint64_t shm_bytes;
+  uint64_t threads_bytes;
+  uint64_t reserved[12];
+} ddp_comm_counters;
+
+/* Fills *out (zeroed first). Safe from any thread, also while operations
+ * run (the figures then lag by at most the running op). With
+ * DDP_LOG_LEVEL=info (or debug), destroying a group logs them. */
+ddp_status ddp_process_group_counters(const ddp_process_group *pg, ddp_comm_counters *out);
+
 /* Waits for queued operations, then closes the group's connections and
  * frees it. Not collective: peers see the connection close. NULL ok. */
 void ddp_process_group_destroy(ddp_process_group *pg);

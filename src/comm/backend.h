@@ -14,6 +14,12 @@
  *   tcp    — otherwise: a pair (socket) per peer; pipelined segmented ring
  *            for large messages, recursive halving-doubling for small ones,
  *            src/comm/tcp*.c
+ *   hier   — ranks on several hosts, some of them co-located: per host a
+ *            local backend (shared memory), and a tcp backend connecting
+ *            only ranks of different hosts; collectives compose the two
+ *            (local reduce -> tcp among one rank per host -> local
+ *            broadcast, ...), point-to-point picks per pair,
+ *            src/comm/hier.c
  *   self   — a group of one: copies (src/comm/self.c)
  *
  * Rules every backend keeps:
@@ -74,6 +80,9 @@ typedef struct ddp__backend_ops {
   ddp_status (*recv)(ddp__backend *b, const ddp__op_ctx *ctx, void *buf, size_t bytes, int src);
   /* The transport towards `peer`: "self", "threads", "shm", "tcp". */
   const char *(*transport)(const ddp__backend *b, int peer);
+  /* Adds what this backend's transports carried so far to *acc (NULL: the
+   * backend keeps no counters). Thread-safe (relaxed reads). */
+  void (*counters)(const ddp__backend *b, ddp_comm_counters *acc);
   /* Makes a running op return promptly; thread-safe; idempotent. */
   void (*abort)(ddp__backend *b);
   /* Releases everything (after abort or when idle). */
@@ -96,11 +105,21 @@ typedef struct ddp__backend_config {
   const char *const *host_names; /* per rank, for messages */
   int64_t timeout_ns;            /* for connecting */
   bool force_tcp;
+  /* tcp: leave pairs on one host (equal host_of) unconnected (hier.c). */
+  bool skip_colocated;
+  /* When the backend serves part of a larger group (hier.c's per-host local
+   * backend): the group rank of each of its ranks (size entries), and the
+   * group's size and host names (borrowed; they outlive the backend), so
+   * messages and blame name group ranks. NULL / 0: the backend is the group. */
+  const int *group_ranks;
+  int group_size;
+  const char *const *group_host_names;
 } ddp__backend_config;
 
 ddp_status ddp__backend_self_create(const ddp__backend_config *cfg, ddp__backend **out);
 ddp_status ddp__backend_local_create(const ddp__backend_config *cfg, ddp__backend **out);
 ddp_status ddp__backend_tcp_create(const ddp__backend_config *cfg, ddp__backend **out);
+ddp_status ddp__backend_hier_create(const ddp__backend_config *cfg, ddp__backend **out);
 
 /* ---- Reduction kernels (src/comm/reduce.c), shared by every backend ----- */
 

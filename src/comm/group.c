@@ -297,12 +297,22 @@ static ddp_status group_build(ddp_store *ns, int rank, int size, const group_set
         .timeout_ns = set->timeout_ns,
         .force_tcp = set->force_tcp,
     };
-    bool one_host = true;
-    for (int r = 0; r < size; r++) one_host = one_host && pg->host_of[r] == pg->host_of[0];
+    /* Per pair: co-located ranks share memory, others use TCP. One host:
+     * local; one rank per host: tcp; both kinds of pairs: hier (a local
+     * backend per host composed with tcp between hosts). */
+    bool one_host = true, colocated = false;
+    for (int r = 0; r < size; r++) {
+      one_host = one_host && pg->host_of[r] == pg->host_of[0];
+      for (int q = 0; q < r && !colocated; q++) colocated = pg->host_of[q] == pg->host_of[r];
+    }
     if (size == 1)
       st = ddp__backend_self_create(&cfg, &pg->backend);
-    else if (one_host && !set->force_tcp)
+    else if (set->force_tcp)
+      st = ddp__backend_tcp_create(&cfg, &pg->backend);
+    else if (one_host)
       st = ddp__backend_local_create(&cfg, &pg->backend);
+    else if (colocated)
+      st = ddp__backend_hier_create(&cfg, &pg->backend);
     else
       st = ddp__backend_tcp_create(&cfg, &pg->backend);
     if (st != DDP_OK) {
@@ -562,9 +572,26 @@ void ddp_process_group_abort(ddp_process_group *pg) {
   ddp__queue_fail_all(pg);
 }
 
+ddp_status ddp_process_group_counters(const ddp_process_group *pg, ddp_comm_counters *out) {
+  if (!out) return ddp_error(DDP_ERR_INVALID, "process_group_counters: out is NULL");
+  memset(out, 0, sizeof *out);
+  if (!pg) return ddp_error(DDP_ERR_INVALID, "process_group_counters: pg is NULL");
+  if (pg->backend && pg->backend->ops->counters) pg->backend->ops->counters(pg->backend, out);
+  return DDP_OK;
+}
+
 void ddp_process_group_destroy(ddp_process_group *pg) {
   if (!pg) return;
   ddp__queue_destroy(pg);
+  if (pg->backend && pg->backend->ops->counters && ddp_log_get_level() <= DDP_LOG_INFO) {
+    ddp_comm_counters c;
+    ddp_process_group_counters(pg, &c);
+    DDP_INFO("process group (rank %d of %d, backend %s): tcp %llu bytes sent, %llu received; "
+              "shm %llu bytes; threads %llu bytes",
+              pg->rank, pg->size, pg->backend->ops->name, (unsigned long long)c.tcp_bytes_sent,
+              (unsigned long long)c.tcp_bytes_received, (unsigned long long)c.shm_bytes,
+              (unsigned long long)c.threads_bytes);
+  }
   if (pg->backend) pg->backend->ops->destroy(pg->backend);
   ddp_store_destroy(pg->store);
   ddp_free(pg->host_of);

@@ -156,27 +156,28 @@ static ddp_status fail(ddp__local_backend *b, const ddp__op_ctx *ctx, ddp_status
 static ddp_status mem_error(ddp__local_backend *b, const ddp__op_ctx *ctx, ddp_status st, int q) {
   const char *op = ctx && ctx->op ? ctx->op : "op";
   unsigned long long seq = ctx ? ctx->seq : 0;
-  b->blame = q;
+  b->blame = ddp__local_group_rank(b, q);
   ddp__local_ctl *c = ddp__local_ctl_of(b->reg, q);
   int32_t blame = atomic_load(&c->blame);
   if (atomic_load(&c->state) != DDP__LOCAL_ACTIVE) {
     /* The peer failed during this op and let go of its buffers (or exited):
      * name the rank it blamed. */
-    if (blame >= 0 && blame < b->size && blame != b->rank) {
+    if (ddp__local_blame_valid(b, blame)) {
       b->blame = blame;
       st = ddp_error(DDP_ERR_PEER, "%s #%llu: rank %d (%s) died or failed (reported by rank %d)",
-                     op, seq, blame, b->host_names[blame], q);
+                     op, seq, blame, ddp__local_group_host(b, blame), ddp__local_group_rank(b, q));
     } else {
-      st = ddp_error(DDP_ERR_PEER, "%s #%llu: rank %d (%s) failed", op, seq, q,
-                     b->host_names[q]);
+      st = ddp_error(DDP_ERR_PEER, "%s #%llu: rank %d (%s) failed", op, seq,
+                     ddp__local_group_rank(b, q), b->host_names[q]);
     }
   } else if (st == DDP_ERR_PEER) {
     char why[160];
     snprintf(why, sizeof why, "%s", ddp_last_error());
-    st = ddp_error(DDP_ERR_PEER, "%s #%llu: rank %d (%s) died (%s)", op, seq, q,
-                   b->host_names[q], why);
+    st = ddp_error(DDP_ERR_PEER, "%s #%llu: rank %d (%s) died (%s)", op, seq,
+                   ddp__local_group_rank(b, q), b->host_names[q], why);
   } else {
-    st = ddp_error_wrap(st, "%s #%llu: rank %d (%s)", op, seq, q, b->host_names[q]);
+    st = ddp_error_wrap(st, "%s #%llu: rank %d (%s)", op, seq, ddp__local_group_rank(b, q),
+                        b->host_names[q]);
   }
   return fail(b, ctx, st);
 }
@@ -252,6 +253,7 @@ static ddp_status local_allreduce(ddp__backend *base, const ddp__op_ctx *ctx, vo
   size_t esize = ddp_dtype_size(dtype), bytes = count * esize;
   uint64_t n;
   DDP_TRY(op_begin(b, ctx, &n));
+  ddp__local_count(b, 2 * bytes);
   if (use_slots(b, bytes, bytes * (size_t)(b->size - 1))) {
     slot_put(b, n, buf, bytes, buf, NULL);
     DDP_TRY(wait_start_all(b, ctx, n));
@@ -297,6 +299,7 @@ static ddp_status local_broadcast(ddp__backend *base, const ddp__op_ctx *ctx, vo
   size_t bytes = count * ddp_dtype_size(dtype);
   uint64_t n;
   DDP_TRY(op_begin(b, ctx, &n));
+  ddp__local_count(b, bytes);
   if (use_slots(b, bytes, bytes)) {
     slot_put(b, n, b->rank == root ? buf : NULL, bytes, buf, NULL);
     if (b->rank == root) return DDP_OK;
@@ -325,6 +328,7 @@ static ddp_status local_reduce(ddp__backend *base, const ddp__op_ctx *ctx, void 
   size_t esize = ddp_dtype_size(dtype), bytes = count * esize;
   uint64_t n;
   DDP_TRY(op_begin(b, ctx, &n));
+  ddp__local_count(b, b->rank == root ? 2 * bytes : bytes);
   if (use_slots(b, bytes, bytes * (size_t)(b->size - 1))) {
     slot_put(b, n, buf, bytes, buf, NULL);
     if (b->rank != root) return DDP_OK;
@@ -364,6 +368,7 @@ static ddp_status local_allgather(ddp__backend *base, const ddp__op_ctx *ctx, co
   size_t bytes = count * ddp_dtype_size(dtype);
   uint64_t n;
   DDP_TRY(op_begin(b, ctx, &n));
+  ddp__local_count(b, bytes * (1 + (size_t)b->size));
   if (use_slots(b, bytes, bytes * (size_t)b->size)) {
     slot_put(b, n, send, bytes, send, recv);
     DDP_TRY(wait_start_all(b, ctx, n));
@@ -393,6 +398,7 @@ static ddp_status local_gather(ddp__backend *base, const ddp__op_ctx *ctx, const
   size_t bytes = count * ddp_dtype_size(dtype);
   uint64_t n;
   DDP_TRY(op_begin(b, ctx, &n));
+  ddp__local_count(b, b->rank == root ? bytes * (1 + (size_t)b->size) : bytes);
   if (use_slots(b, bytes, bytes * (size_t)b->size)) {
     slot_put(b, n, send, bytes, send, recv);
     if (b->rank != root) return DDP_OK;
@@ -428,6 +434,7 @@ static ddp_status local_scatter(ddp__backend *base, const ddp__op_ctx *ctx, cons
   size_t all = bytes * (size_t)b->size;
   uint64_t n;
   DDP_TRY(op_begin(b, ctx, &n));
+  ddp__local_count(b, b->rank == root ? all + bytes : bytes);
   if (use_slots(b, all, bytes)) {
     slot_put(b, n, b->rank == root ? send : NULL, all, send, recv);
     if (b->rank != root) DDP_TRY(wait_start_of(b, ctx, n, root));
@@ -459,6 +466,7 @@ static ddp_status local_reduce_scatter(ddp__backend *base, const ddp__op_ctx *ct
   size_t all = bytes * (size_t)b->size;
   uint64_t n;
   DDP_TRY(op_begin(b, ctx, &n));
+  ddp__local_count(b, all + bytes);
   if (use_slots(b, all, all)) {
     slot_put(b, n, send, all, send, recv);
     DDP_TRY(wait_start_all(b, ctx, n));
@@ -487,6 +495,7 @@ static ddp_status local_all_to_all(ddp__backend *base, const ddp__op_ctx *ctx, c
   size_t all = bytes * (size_t)b->size;
   uint64_t n;
   DDP_TRY(op_begin(b, ctx, &n));
+  ddp__local_count(b, 2 * all);
   if (use_slots(b, all, all)) {
     slot_put(b, n, send, all, send, recv);
     DDP_TRY(wait_start_all(b, ctx, n));
@@ -519,6 +528,26 @@ static ddp_status local_barrier(ddp__backend *base, const ddp__op_ctx *ctx) {
 
 /* ---- Lifecycle ------------------------------------------------------------- */
 
+const char *ddp__local_group_host(const ddp__local_backend *b, int group_rank) {
+  if (b->group_host_names && group_rank >= 0 && group_rank < b->group_size)
+    return b->group_host_names[group_rank] ? b->group_host_names[group_rank] : "?";
+  for (int q = 0; q < b->size; q++)
+    if (b->group_rank[q] == group_rank) return b->host_names[q];
+  return "?";
+}
+
+int ddp__local_blamed(const ddp__backend *base) {
+  ddp__local_backend *b = (ddp__local_backend *)base;
+  return atomic_load(&ddp__local_my_ctl(b)->blame);
+}
+
+void ddp__local_fail_external(ddp__backend *base, ddp_status st, int blame) {
+  ddp__local_backend *b = as_local(base);
+  if (b->failed != DDP_OK) return;
+  b->blame = blame;
+  ddp__local_fail(b, NULL, st);
+}
+
 static const char *local_transport(const ddp__backend *base, int peer) {
   const ddp__local_backend *b = (const ddp__local_backend *)base;
   if (peer == b->rank) return "self";
@@ -543,6 +572,7 @@ static void free_backend(ddp__local_backend *b) {
   ddp_free(b->p2p_next_recv);
   ddp_free(b->scratch[0]);
   ddp_free(b->scratch[1]);
+  ddp_free(b->group_rank);
   ddp_free(b);
 }
 
@@ -559,6 +589,15 @@ static void local_destroy(ddp__backend *base) {
   free_backend(b);
 }
 
+static void local_counters(const ddp__backend *base, ddp_comm_counters *acc) {
+  const ddp__local_backend *b = (const ddp__local_backend *)base;
+  uint64_t moved = atomic_load_explicit(&b->moved, memory_order_relaxed);
+  if (strcmp(b->mem->ops->name, "threads") == 0)
+    acc->threads_bytes += moved;
+  else
+    acc->shm_bytes += moved;
+}
+
 static const ddp__backend_ops local_ops = {
     .name = "local",
     .allreduce = local_allreduce,
@@ -573,6 +612,7 @@ static const ddp__backend_ops local_ops = {
     .send = ddp__local_send,
     .recv = ddp__local_recv,
     .transport = local_transport,
+    .counters = local_counters,
     .abort = local_abort,
     .destroy = local_destroy,
 };
@@ -607,14 +647,18 @@ ddp_status ddp__backend_local_create(const ddp__backend_config *cfg, ddp__backen
   b->p2p_next_send = ddp_calloc(n, sizeof *b->p2p_next_send);
   b->p2p_next_recv = ddp_calloc(n, sizeof *b->p2p_next_recv);
   b->host_names = ddp_calloc(n, sizeof *b->host_names);
+  b->group_rank = ddp_calloc(n, sizeof *b->group_rank);
   b->scratch[0] = ddp_alloc(DDP__LOCAL_SEGMENT_BYTES);
   b->scratch[1] = ddp_alloc(DDP__LOCAL_SEGMENT_BYTES);
-  if (!b->seen || !b->p2p_next_send || !b->p2p_next_recv || !b->host_names || !b->scratch[0] ||
+  if (!b->seen || !b->p2p_next_send || !b->p2p_next_recv || !b->host_names || !b->group_rank || !b->scratch[0] ||
       !b->scratch[1]) {
     free_backend(b);
     return ddp_error(DDP_ERR_NOMEM, "local backend: out of memory");
   }
+  b->group_size = cfg->group_ranks ? cfg->group_size : cfg->size;
+  b->group_host_names = cfg->group_ranks ? cfg->group_host_names : NULL;
   for (size_t q = 0; q < n; q++) {
+    b->group_rank[q] = cfg->group_ranks ? cfg->group_ranks[q] : (int)q;
     const char *h = cfg->host_names && cfg->host_names[q] ? cfg->host_names[q] : "local";
     b->host_names[q] = ddp_strdup(h);
     if (!b->host_names[q]) {

@@ -188,11 +188,42 @@ typedef struct ddp__local_backend {
   atomic_bool aborted;
   int spin_iters;          /* before sleeping; small when oversubscribed */
   int yield_iters;         /* sched_yield calls after spinning, before sleeping */
-  int blame;               /* the peer behind the last error, -1 if none */
+  int blame;               /* the peer behind the last error (a group rank), -1 if none */
+  /* Group ranks of this backend's ranks (identity unless it serves one host
+   * of a larger group, hier.c), the group's size and host names (borrowed,
+   * NULL: host_names), for messages and blame. */
+  int *group_rank;
+  int group_size;
+  const char *const *group_host_names;
+  _Atomic uint64_t moved;  /* payload bytes of this rank's ops (counters) */
   uint64_t exposed_op;     /* the last op whose buffers peers read in place (threads) */
   ddp_status failed;       /* sticky: the first op error, DDP_OK while none */
   char failed_msg[320];
 } ddp__local_backend;
+
+/* ---- Group ranks, blame and counters ----------------------------------- */
+
+static inline int ddp__local_group_rank(const ddp__local_backend *b, int q) {
+  return q >= 0 && q < b->size ? b->group_rank[q] : q;
+}
+/* A blame (a group rank) that names some other rank. */
+static inline bool ddp__local_blame_valid(const ddp__local_backend *b, int32_t blame) {
+  return blame >= 0 && blame < b->group_size && blame != b->group_rank[b->rank];
+}
+/* The host of a group rank, for messages. local.c. */
+const char *ddp__local_group_host(const ddp__local_backend *b, int group_rank);
+/* Adds an op's payload to the counters (one writer: the op's thread). */
+static inline void ddp__local_count(ddp__local_backend *b, size_t bytes) {
+  atomic_store_explicit(&b->moved,
+                        atomic_load_explicit(&b->moved, memory_order_relaxed) + bytes,
+                        memory_order_relaxed);
+}
+/* hier.c's hooks: the group rank this rank's failure blames (-1: none), and
+ * failing the backend because of an error found elsewhere (the TCP part of
+ * the group): peers waiting here fail at once, naming group rank `blame`.
+ * The message is the calling thread's last error. */
+int ddp__local_blamed(const ddp__backend *b);
+void ddp__local_fail_external(ddp__backend *b, ddp_status st, int blame);
 
 /* ---- Waits (local_sync.c) ------------------------------------------------ */
 

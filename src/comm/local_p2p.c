@@ -44,6 +44,7 @@ ddp_status ddp__local_send(ddp__backend *base, const ddp__op_ctx *ctx, const voi
                            size_t bytes, int dst) {
   ddp__local_backend *b = as_local(base);
   DDP_TRY(ddp__local_check_failed(b, ctx));
+  ddp__local_count(b, bytes);
   uint64_t id;
   if (bytes <= DDP__LOCAL_P2P_INLINE) return post_one(b, ctx, dst, INLINE, bytes, buf, bytes, &id);
   if (!b->mem->can_read_peers) {
@@ -80,6 +81,7 @@ ddp_status ddp__local_recv(ddp__backend *base, const ddp__op_ctx *ctx, void *buf
                            int src) {
   ddp__local_backend *b = as_local(base);
   DDP_TRY(ddp__local_check_failed(b, ctx));
+  ddp__local_count(b, bytes);
   ddp__local_p2p_chan *ch = ddp__local_chan_of(b->reg, src, b->rank);
   int tag = ctx ? ctx->tag : 0;
   uint64_t first = b->p2p_next_recv[src];
@@ -91,7 +93,7 @@ ddp_status ddp__local_recv(ddp__backend *base, const ddp__op_ctx *ctx, void *buf
                     "%s #%llu: recv from rank %d with tag %d: the %u messages before it, with "
                     "other tags, have not been received (receive them first)",
                     ctx && ctx->op ? ctx->op : "recv", (unsigned long long)(ctx ? ctx->seq : 0),
-                    src, tag, DDP__LOCAL_P2P_SLOTS));
+                    ddp__local_group_rank(b, src), tag, DDP__LOCAL_P2P_SLOTS));
     ddp__local_p2p_slot *s = &ch->slot[id % DDP__LOCAL_P2P_SLOTS];
     if (atomic_load_explicit(&s->consumed.value, memory_order_acquire) >= id + 1) continue;
     DDP_TRY(ddp__local_wait(b, ctx, &s->posted, id + 1, src));
@@ -104,7 +106,7 @@ ddp_status ddp__local_recv(ddp__backend *base, const ddp__op_ctx *ctx, void *buf
                      "%s #%llu: recv of %zu bytes from rank %d with tag %d matched a send of "
                      "%llu bytes",
                      ctx && ctx->op ? ctx->op : "recv", (unsigned long long)(ctx ? ctx->seq : 0),
-                     bytes, src, tag, (unsigned long long)sent);
+                     bytes, ddp__local_group_rank(b, src), tag, (unsigned long long)sent);
       if (kind == PIECES) {
         /* Take the pieces anyway, so later messages can be received. */
         ddp__local_post(b, &s->consumed, id + 1);
@@ -120,9 +122,9 @@ ddp_status ddp__local_recv(ddp__backend *base, const ddp__op_ctx *ctx, void *buf
     } else {
       st = b->mem->ops->read(b->mem, src, s->addr, buf, bytes);
       if (st != DDP_OK) {
-        b->blame = src;
+        b->blame = ddp__local_group_rank(b, src);
         st = ddp_error_wrap(st, "%s #%llu: rank %d", ctx && ctx->op ? ctx->op : "recv",
-                            (unsigned long long)(ctx ? ctx->seq : 0), src);
+                            (unsigned long long)(ctx ? ctx->seq : 0), b->blame);
       }
     }
     if (kind != PIECES) ddp__local_post(b, &s->consumed, id + 1);

@@ -99,9 +99,9 @@ static ddp_status check_peers(ddp__local_backend *b, const ddp__op_ctx *ctx, int
     char why[128] = "";
     int dead = b->mem->ops->find_dead(b->mem, why, sizeof why);
     if (dead >= 0) {
-      b->blame = dead;
+      b->blame = ddp__local_group_rank(b, dead);
       return ddp_error(DDP_ERR_PEER, "%s #%llu: rank %d (%s) died (%s)", op_name(ctx),
-                       op_seq(ctx), dead, host_of(b, dead), why);
+                       op_seq(ctx), b->blame, host_of(b, dead), why);
     }
   }
   for (int q = 0; q < b->size; q++) {
@@ -113,18 +113,19 @@ static ddp_status check_peers(ddp__local_backend *b, const ddp__op_ctx *ctx, int
                       : state == DDP__LOCAL_LEFT  ? "left the group (destroyed its backend)"
                                                   : "failed";
     int32_t blame = atomic_load(&c->blame);
-    if (state == DDP__LOCAL_FAILED && blame >= 0 && blame < b->size && blame != b->rank) {
+    if (state == DDP__LOCAL_FAILED && ddp__local_blame_valid(b, blame)) {
       b->blame = blame;
       return ddp_error(DDP_ERR_PEER, "%s #%llu: rank %d (%s) died or failed (reported by rank %d)",
-                       op_name(ctx), op_seq(ctx), blame, host_of(b, blame), q);
+                       op_name(ctx), op_seq(ctx), blame, ddp__local_group_host(b, blame),
+                       ddp__local_group_rank(b, q));
     }
-    b->blame = q;
+    b->blame = ddp__local_group_rank(b, q);
     if (state == DDP__LOCAL_FAILED)
       return ddp_error(DDP_ERR_PEER, "%s #%llu: rank %d (%s) failed (its op #%llu failed)",
-                       op_name(ctx), op_seq(ctx), q, host_of(b, q),
+                       op_name(ctx), op_seq(ctx), b->blame, host_of(b, q),
                        (unsigned long long)atomic_load(&c->failed_seq));
-    return ddp_error(DDP_ERR_PEER, "%s #%llu: rank %d (%s) %s", op_name(ctx), op_seq(ctx), q,
-                     host_of(b, q), why);
+    return ddp_error(DDP_ERR_PEER, "%s #%llu: rank %d (%s) %s", op_name(ctx), op_seq(ctx),
+                     b->blame, host_of(b, q), why);
   }
   return DDP_OK;
 }
@@ -157,7 +158,7 @@ ddp_status ddp__local_wait(ddp__local_backend *b, const ddp__op_ctx *ctx, ddp__l
       return ddp__local_fail(
           b, ctx,
           ddp_error(DDP_ERR_TIMEOUT, "%s #%llu: timed out waiting for rank %d (%s)",
-                    op_name(ctx), op_seq(ctx), peer, host_of(b, peer)));
+                    op_name(ctx), op_seq(ctx), ddp__local_group_rank(b, peer), host_of(b, peer)));
     }
     bool check_processes = now >= next_liveness;
     if (check_processes) next_liveness = now + LIVENESS_PERIOD_NS;

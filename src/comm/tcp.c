@@ -14,7 +14,7 @@ static ddp__tcp_backend *as_tcp(ddp__backend *be) { return (ddp__tcp_backend *)b
 static ddp_status tcp_send(ddp__backend *be, const ddp__op_ctx *ctx, const void *buf,
                            size_t bytes, int dst) {
   ddp__tcp_backend *b = as_tcp(be);
-  if (dst < 0 || dst >= b->size || dst == b->rank)
+  if (dst < 0 || dst >= b->size || dst == b->rank || b->pairs[dst].fd < 0)
     return ddp_error(DDP_ERR_INVALID, "%s: tcp backend: cannot send to rank %d", ctx->op, dst);
   return ddp__tcp_send_p2p(b, ctx, buf, bytes, dst);
 }
@@ -22,7 +22,7 @@ static ddp_status tcp_send(ddp__backend *be, const ddp__op_ctx *ctx, const void 
 static ddp_status tcp_recv(ddp__backend *be, const ddp__op_ctx *ctx, void *buf, size_t bytes,
                            int src) {
   ddp__tcp_backend *b = as_tcp(be);
-  if (src < 0 || src >= b->size || src == b->rank)
+  if (src < 0 || src >= b->size || src == b->rank || b->pairs[src].fd < 0)
     return ddp_error(DDP_ERR_INVALID, "%s: tcp backend: cannot receive from rank %d", ctx->op,
                      src);
   return ddp__tcp_recv_p2p(b, ctx, buf, bytes, src);
@@ -71,6 +71,12 @@ static void tcp_destroy(ddp__backend *be) {
   ddp_free(b);
 }
 
+static void tcp_counters(const ddp__backend *be, ddp_comm_counters *acc) {
+  const ddp__tcp_backend *b = (const ddp__tcp_backend *)be;
+  acc->tcp_bytes_sent += atomic_load_explicit(&b->bytes_sent, memory_order_relaxed);
+  acc->tcp_bytes_received += atomic_load_explicit(&b->bytes_received, memory_order_relaxed);
+}
+
 static const ddp__backend_ops tcp_ops = {
     .name = "tcp",
     .allreduce = ddp__tcp_allreduce,
@@ -85,6 +91,7 @@ static const ddp__backend_ops tcp_ops = {
     .send = tcp_send,
     .recv = tcp_recv,
     .transport = tcp_transport,
+    .counters = tcp_counters,
     .abort = tcp_abort,
     .destroy = tcp_destroy,
 };
@@ -97,8 +104,8 @@ ddp_status ddp__backend_tcp_create(const ddp__backend_config *cfg, ddp__backend 
   ddp__tcp_backend *b = ddp_calloc(1, sizeof *b);
   if (!b) return ddp_error(DDP_ERR_NOMEM, "tcp backend: no memory");
   b->base.ops = &tcp_ops;
-  b->rank = cfg->rank;
-  b->size = cfg->size;
+  b->rank = b->vrank = cfg->rank;
+  b->size = b->vsize = cfg->size;
   b->wake_fd = -1;
   b->failed_peer = -1;
   atomic_init(&b->aborted, false);

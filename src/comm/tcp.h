@@ -86,6 +86,7 @@ typedef struct ddp__tcp_xfer {
   size_t reduced;
   unsigned char tail[8]; /* REDUCE: bytes of a partly received element */
   bool started; /* send: header out; recv: header matched */
+  bool mapped;  /* peer translated through the backend's view (ddp__tcp_run) */
   unsigned char hdr[sizeof(ddp__tcp_header)];
   size_t hdr_sent;
   bool finished;
@@ -94,6 +95,17 @@ typedef struct ddp__tcp_xfer {
 typedef struct ddp__tcp_backend {
   ddp__backend base;
   int rank, size;
+  /* What the collectives (tcp_algorithms.c) run over: the whole group
+   * (vrank = rank, vsize = size, view = NULL), or, set by the hierarchical
+   * backend for one op, a subset of its ranks (one per host): view[i] is the
+   * group rank of member i and vrank this rank's index. The engine maps
+   * transfers' peers through the view; messages name group ranks. */
+  int vrank, vsize;
+  const int *view;
+  /* Bytes written to and read from the sockets (frames: headers and
+   * payloads), for ddp_process_group_counters. Written by the op's thread
+   * only; read from any thread. */
+  _Atomic uint64_t bytes_sent, bytes_received;
   ddp__tcp_pair *pairs;    /* size entries; pairs[rank] is self */
   int wake_fd;             /* eventfd: abort writes it */
   atomic_bool aborted;
@@ -119,11 +131,26 @@ typedef struct ddp__tcp_backend {
  * pipelined chains). */
 #define DDP__TCP_PIECE_BYTES (256u * 1024u)
 
+/* The hierarchical backend's hooks (src/comm/hier.c). */
+/* Runs the collectives over the members view[0..n) (group ranks, one of them
+ * this rank) until ddp__tcp_view_clear. */
+void ddp__tcp_view_set(ddp__tcp_backend *b, int n, const int *view);
+void ddp__tcp_view_clear(ddp__tcp_backend *b);
+/* Records a failure found outside this backend (by the shared-memory part
+ * of the group) as the sticky error, blaming group rank `blame` (-1: none),
+ * and says BYE to every peer with that cause, so ranks waiting on this one
+ * over TCP fail at once naming it. The message is the calling thread's last
+ * error. */
+void ddp__tcp_fail_external(ddp__tcp_backend *b, ddp_status st, int blame);
+
 /* ---- tcp_pairs.c ---------------------------------------------------------- */
 
 /* Listens, publishes this rank's address in cfg->store, connects the full
  * mesh (lower rank connects to higher; handshake checks the ranks, the group
- * size and the listener's nonce), until cfg->timeout_ns. */
+ * size and the listener's nonce), until cfg->timeout_ns. With
+ * cfg->skip_colocated, pairs on one host (equal cfg->host_of) stay
+ * unconnected (fd -1): the hierarchical backend moves their bytes through
+ * shared memory. */
 ddp_status ddp__tcp_connect_mesh(ddp__tcp_backend *b, const ddp__backend_config *cfg);
 
 /* ---- tcp_engine.c --------------------------------------------------------- */

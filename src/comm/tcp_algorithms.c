@@ -124,7 +124,7 @@ static ddp_status ring_run(ddp__tcp_backend *b, const ddp__op_ctx *ctx, const ri
 static ddp_status fold_in(ddp__tcp_backend *b, const ddp__op_ctx *ctx, void *buf, size_t bytes,
                           ddp_dtype dtype, ddp_reduce_op op, int *pof2_out, int *rem_out,
                           int *vrank_out) {
-  int p = b->size, rank = b->rank;
+  int p = b->vsize, rank = b->vrank;
   ddp__tcp_xfer *x = b->xfers;
   int pof2 = 1;
   while (pof2 * 2 <= p) pof2 *= 2;
@@ -142,7 +142,7 @@ static ddp_status fold_in(ddp__tcp_backend *b, const ddp__op_ctx *ctx, void *buf
 
 static ddp_status fold_out(ddp__tcp_backend *b, const ddp__op_ctx *ctx, void *buf, size_t bytes,
                            int rem) {
-  int rank = b->rank;
+  int rank = b->vrank;
   if (rank >= 2 * rem) return DDP_OK;
   ddp__tcp_xfer *x = b->xfers;
   if (rank % 2 == 0)
@@ -223,7 +223,7 @@ ddp_status ddp__tcp_allreduce(ddp__backend *be, const ddp__op_ctx *ctx, void *bu
                               ddp_dtype dtype, ddp_reduce_op op) {
   ddp__tcp_backend *b = as_tcp(be);
   DDP_TRY(sticky(b));
-  int p = b->size;
+  int p = b->vsize;
   if (p == 1 || count == 0) return DDP_OK; /* AVG over one rank: unchanged */
   size_t esize = ddp_dtype_size(dtype);
   size_t bytes = count * esize;
@@ -232,9 +232,9 @@ ddp_status ddp__tcp_allreduce(ddp__backend *be, const ddp__op_ctx *ctx, void *bu
   } else if (bytes <= HALVING_BYTES) {
     DDP_TRY(allreduce_halving(b, ctx, buf, count, dtype, op));
   } else {
-    ring_plan r = {.work = buf, .count = count, .esize = esize, .p = p, .rank = b->rank,
-                   .nseg = segments_for(part_off(count, p, 1), esize), .rs_first = b->rank,
-                   .ag_first = mod(b->rank + 1, p), .dtype = dtype, .op = op};
+    ring_plan r = {.work = buf, .count = count, .esize = esize, .p = p, .rank = b->vrank,
+                   .nseg = segments_for(part_off(count, p, 1), esize), .rs_first = b->vrank,
+                   .ag_first = mod(b->vrank + 1, p), .dtype = dtype, .op = op};
     DDP_TRY(ring_run(b, ctx, &r));
   }
   if (op == DDP_REDUCE_AVG) ddp__reduce_scale(buf, count, dtype, p);
@@ -247,10 +247,10 @@ ddp_status ddp__tcp_broadcast(ddp__backend *be, const ddp__op_ctx *ctx, void *bu
                               ddp_dtype dtype, int root) {
   ddp__tcp_backend *b = as_tcp(be);
   DDP_TRY(sticky(b));
-  int p = b->size;
+  int p = b->vsize;
   if (p == 1 || count == 0) return DDP_OK;
   size_t esize = ddp_dtype_size(dtype), bytes = count * esize;
-  int vrank = mod(b->rank - root, p);
+  int vrank = mod(b->vrank - root, p);
   if (bytes <= SMALL_BYTES) {
     /* Binomial tree: receive from the parent, then send to every child at once. */
     ddp__tcp_xfer *x = b->xfers;
@@ -274,7 +274,7 @@ ddp_status ddp__tcp_broadcast(ddp__backend *be, const ddp__op_ctx *ctx, void *bu
   ddp__tcp_xfer *x = ddp__tcp_xfers(b, 2 * nseg);
   if (!x) return DDP_ERR_NOMEM;
   int n = 0;
-  int prev = mod(b->rank - 1, p), next = mod(b->rank + 1, p);
+  int prev = mod(b->vrank - 1, p), next = mod(b->vrank + 1, p);
   if (vrank > 0)
     for (int j = 0; j < nseg; j++) {
       size_t s0 = part_off(count, nseg, j), s1 = part_off(count, nseg, j + 1);
@@ -294,10 +294,10 @@ ddp_status ddp__tcp_reduce(ddp__backend *be, const ddp__op_ctx *ctx, void *buf, 
                            ddp_dtype dtype, ddp_reduce_op op, int root) {
   ddp__tcp_backend *b = as_tcp(be);
   DDP_TRY(sticky(b));
-  int p = b->size;
+  int p = b->vsize;
   if (p == 1 || count == 0) return DDP_OK;
   size_t esize = ddp_dtype_size(dtype), bytes = count * esize;
-  int vrank = mod(b->rank - root, p);
+  int vrank = mod(b->vrank - root, p);
   /* Non-roots reduce into a copy: their buffer stays as it was. */
   char *acc = buf;
   if (vrank != 0) {
@@ -325,7 +325,7 @@ ddp_status ddp__tcp_reduce(ddp__backend *be, const ddp__op_ctx *ctx, void *buf, 
     ddp__tcp_xfer *x = ddp__tcp_xfers(b, 2 * nseg);
     if (!x) return DDP_ERR_NOMEM;
     int n = 0;
-    int from = mod(b->rank + 1, p), to = mod(b->rank - 1, p);
+    int from = mod(b->vrank + 1, p), to = mod(b->vrank - 1, p);
     if (vrank < p - 1)
       for (int j = 0; j < nseg; j++) {
         size_t s0 = part_off(count, nseg, j), s1 = part_off(count, nseg, j + 1);
@@ -351,16 +351,16 @@ ddp_status ddp__tcp_allgather(ddp__backend *be, const ddp__op_ctx *ctx, const vo
                               void *recv, size_t count, ddp_dtype dtype) {
   ddp__tcp_backend *b = as_tcp(be);
   DDP_TRY(sticky(b));
-  int p = b->size;
+  int p = b->vsize;
   size_t esize = ddp_dtype_size(dtype), bytes = count * esize;
-  char *own = (char *)recv + (size_t)b->rank * bytes;
+  char *own = (char *)recv + (size_t)b->vrank * bytes;
   if (bytes && own != send) memmove(own, send, bytes);
   if (p == 1 || count == 0) return DDP_OK;
   /* The ring over blocks of `count`: chunk c of the p-chunk split of
    * p * count elements is exactly block c. */
   ring_plan r = {.work = recv, .count = count * (size_t)p, .esize = esize, .p = p,
-                 .rank = b->rank, .nseg = segments_for(count, esize), .rs_first = -1,
-                 .ag_first = b->rank, .dtype = dtype};
+                 .rank = b->vrank, .nseg = segments_for(count, esize), .rs_first = -1,
+                 .ag_first = b->vrank, .dtype = dtype};
   return ring_run(b, ctx, &r);
 }
 
@@ -368,7 +368,7 @@ ddp_status ddp__tcp_reduce_scatter(ddp__backend *be, const ddp__op_ctx *ctx, con
                                    void *recv, size_t count, ddp_dtype dtype, ddp_reduce_op op) {
   ddp__tcp_backend *b = as_tcp(be);
   DDP_TRY(sticky(b));
-  int p = b->size;
+  int p = b->vsize;
   size_t esize = ddp_dtype_size(dtype), bytes = count * esize;
   if (p == 1 || count == 0) {
     if (bytes && recv != send) memmove(recv, send, bytes);
@@ -380,10 +380,10 @@ ddp_status ddp__tcp_reduce_scatter(ddp__backend *be, const ddp__op_ctx *ctx, con
   if (!work) return DDP_ERR_NOMEM;
   memcpy(work, send, bytes * (size_t)p);
   ring_plan r = {.work = work, .first_send = send, .count = count * (size_t)p, .esize = esize,
-                 .p = p, .rank = b->rank, .nseg = segments_for(count, esize),
-                 .rs_first = mod(b->rank - 1, p), .ag_first = -1, .dtype = dtype, .op = op};
+                 .p = p, .rank = b->vrank, .nseg = segments_for(count, esize),
+                 .rs_first = mod(b->vrank - 1, p), .ag_first = -1, .dtype = dtype, .op = op};
   DDP_TRY(ring_run(b, ctx, &r));
-  memcpy(recv, work + (size_t)b->rank * bytes, bytes);
+  memcpy(recv, work + (size_t)b->vrank * bytes, bytes);
   if (op == DDP_REDUCE_AVG) ddp__reduce_scale(recv, count, dtype, p);
   return DDP_OK;
 }
@@ -392,11 +392,11 @@ ddp_status ddp__tcp_gather(ddp__backend *be, const ddp__op_ctx *ctx, const void 
                            void *recv, size_t count, ddp_dtype dtype, int root) {
   ddp__tcp_backend *b = as_tcp(be);
   DDP_TRY(sticky(b));
-  int p = b->size;
+  int p = b->vsize;
   size_t bytes = count * ddp_dtype_size(dtype);
   ddp__tcp_xfer *x = b->xfers;
   int n = 0;
-  if (b->rank == root) {
+  if (b->vrank == root) {
     char *own = (char *)recv + (size_t)root * bytes;
     if (bytes && own != send) memmove(own, send, bytes);
     for (int r = 0; r < p; r++)
@@ -412,11 +412,11 @@ ddp_status ddp__tcp_scatter(ddp__backend *be, const ddp__op_ctx *ctx, const void
                             void *recv, size_t count, ddp_dtype dtype, int root) {
   ddp__tcp_backend *b = as_tcp(be);
   DDP_TRY(sticky(b));
-  int p = b->size;
+  int p = b->vsize;
   size_t bytes = count * ddp_dtype_size(dtype);
   ddp__tcp_xfer *x = b->xfers;
   int n = 0;
-  if (b->rank == root) {
+  if (b->vrank == root) {
     const char *own = (const char *)send + (size_t)root * bytes;
     if (bytes && own != recv) memmove(recv, own, bytes);
     for (int r = 0; r < p; r++)
@@ -433,18 +433,18 @@ ddp_status ddp__tcp_all_to_all(ddp__backend *be, const ddp__op_ctx *ctx, const v
                                void *recv, size_t count, ddp_dtype dtype) {
   ddp__tcp_backend *b = as_tcp(be);
   DDP_TRY(sticky(b));
-  int p = b->size;
+  int p = b->vsize;
   size_t bytes = count * ddp_dtype_size(dtype);
   const char *s = send;
   char *d = recv;
-  if (bytes) memmove(d + (size_t)b->rank * bytes, s + (size_t)b->rank * bytes, bytes);
+  if (bytes) memmove(d + (size_t)b->vrank * bytes, s + (size_t)b->vrank * bytes, bytes);
   if (p == 1 || count == 0) return DDP_OK;
   /* Every pair at once: sockets progress independently, so the order of
    * peers does not matter (ring-shifted all the same, to spread load). */
   ddp__tcp_xfer *x = b->xfers;
   int n = 0;
   for (int k = 1; k < p; k++) {
-    int to = mod(b->rank + k, p), from = mod(b->rank - k, p);
+    int to = mod(b->vrank + k, p), from = mod(b->vrank - k, p);
     ddp__tcp_post_send(&x[n++], to, s + (size_t)to * bytes, bytes);
     ddp__tcp_post_recv(&x[n++], from, d + (size_t)from * bytes, bytes);
   }
@@ -454,13 +454,13 @@ ddp_status ddp__tcp_all_to_all(ddp__backend *be, const ddp__op_ctx *ctx, const v
 ddp_status ddp__tcp_barrier(ddp__backend *be, const ddp__op_ctx *ctx) {
   ddp__tcp_backend *b = as_tcp(be);
   DDP_TRY(sticky(b));
-  int p = b->size;
+  int p = b->vsize;
   ddp__tcp_xfer *x = b->xfers;
   /* Dissemination: after round k every rank has heard (transitively) from
    * 2^(k+1) ranks. */
   for (int dist = 1; dist < p; dist <<= 1) {
-    ddp__tcp_post_send(&x[0], mod(b->rank + dist, p), NULL, 0);
-    ddp__tcp_post_recv(&x[1], mod(b->rank - dist, p), NULL, 0);
+    ddp__tcp_post_send(&x[0], mod(b->vrank + dist, p), NULL, 0);
+    ddp__tcp_post_recv(&x[1], mod(b->vrank - dist, p), NULL, 0);
     DDP_TRY(ddp__tcp_run(b, ctx, x, 2));
   }
   return DDP_OK;

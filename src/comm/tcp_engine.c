@@ -130,7 +130,12 @@ static ssize_t pair_recv(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_p
                          size_t cap, bool mid_frame) {
   for (;;) {
     ssize_t n = recv(p->fd, buf, cap, MSG_DONTWAIT);
-    if (n > 0) return n;
+    if (n > 0) {
+      atomic_store_explicit(&b->bytes_received,
+                            atomic_load_explicit(&b->bytes_received, memory_order_relaxed) + (uint64_t)n,
+                            memory_order_relaxed);
+      return n;
+    }
     if (n == 0) {
       peer_died(b, ctx, p->rank,
                 mid_frame ? "connection closed in the middle of a message" : "connection closed");
@@ -300,6 +305,9 @@ static int progress_send(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_x
       return IO_ERROR;
     }
     size_t sent = (size_t)n;
+    atomic_store_explicit(&b->bytes_sent,
+                          atomic_load_explicit(&b->bytes_sent, memory_order_relaxed) + (uint64_t)n,
+                          memory_order_relaxed);
     size_t h = sizeof x->hdr - x->hdr_sent;
     if (sent < h) {
       x->hdr_sent += sent;
@@ -451,6 +459,15 @@ static ddp_status run(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_xfer
 
 ddp_status ddp__tcp_run(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_xfer *x, int n) {
   if (b->failed) return ddp_error(b->failed, "%s", b->failed_msg);
+  for (int i = 0; i < n; i++) {
+    /* Collectives over a view post member indices; the engine works on
+     * group ranks. */
+    if (b->view && !x[i].mapped) x[i].peer = b->view[x[i].peer];
+    x[i].mapped = true;
+    if (b->pairs[x[i].peer].fd < 0)
+      return ddp_error(DDP_ERR_STATE, "%s #%llu: tcp backend: no connection to rank %d (it is on this host)",
+                       ctx->op ? ctx->op : "op", (unsigned long long)ctx->seq, x[i].peer);
+  }
   ddp_status st = run(b, ctx, x, n);
   if (st != DDP_OK) {
     /* Tell every peer now, naming the cause: ranks waiting on this one, or
@@ -506,7 +523,7 @@ static ddp_status run(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_xfer
      * hang-ups (and P2P messages, drained eagerly), plus the abort eventfd. */
     int nfds = 0;
     for (int r = 0; r < size; r++) {
-      if (r == b->rank) continue;
+      if (r == b->rank || b->pairs[r].fd < 0) continue; /* pairs on this host: not connected */
       ddp__tcp_pair *p = &b->pairs[r];
       short ev = 0;
       /* (A pending header of another kind waits for a later op: no POLLIN.) */
@@ -581,4 +598,31 @@ void *ddp__tcp_scratch(ddp__tcp_backend *b, size_t bytes) {
   }
   b->scratch_bytes = bytes;
   return b->scratch;
+}
+
+/* ---- The hierarchical backend's hooks -------------------------------------- */
+
+void ddp__tcp_view_set(ddp__tcp_backend *b, int n, const int *view) {
+  b->view = view;
+  b->vsize = n;
+  b->vrank = -1;
+  for (int i = 0; i < n; i++)
+    if (view[i] == b->rank) b->vrank = i;
+  DDP_ASSERT(b->vrank >= 0);
+}
+
+void ddp__tcp_view_clear(ddp__tcp_backend *b) {
+  b->view = NULL;
+  b->vsize = b->size;
+  b->vrank = b->rank;
+}
+
+void ddp__tcp_fail_external(ddp__tcp_backend *b, ddp_status st, int blame) {
+  if (b->failed) return;
+  snprintf(b->failed_msg, sizeof b->failed_msg, "%s", ddp_last_error());
+  b->failed = st;
+  b->failed_peer = blame >= 0 && blame < b->size ? blame : -1;
+  b->failed_left = false;
+  for (int r = 0; r < b->size; r++)
+    if (r != b->rank) send_bye(b, &b->pairs[r]);
 }

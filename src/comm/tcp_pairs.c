@@ -249,13 +249,14 @@ static ddp_status connect_peer(ddp__tcp_backend *b, ddp_store *store, int peer,
 /* Accepts until every lower rank has connected with a valid hello; strays
  * (bad magic, wrong nonce, a rank already connected) are dropped. */
 static ddp_status accept_peers(ddp__tcp_backend *b, int listen_fd, uint64_t nonce,
-                               int64_t deadline_ns) {
-  int missing = b->rank;
+                               int64_t deadline_ns, const bool *wanted) {
+  int missing = 0;
+  for (int q = 0; q < b->rank; q++) missing += wanted[q];
   while (missing > 0) {
     ddp_status st = ddp__net_wait(listen_fd, POLLIN, deadline_ns);
     if (st != DDP_OK) {
       int first = 0;
-      while (first < b->rank && b->pairs[first].fd >= 0) first++;
+      while (first < b->rank && (!wanted[first] || b->pairs[first].fd >= 0)) first++;
       return ddp_error(st, "tcp backend: rank %d: %d lower rank(s) did not connect (rank %d "
                            "first) within the timeout",
                        b->rank, missing, first);
@@ -276,7 +277,7 @@ static ddp_status accept_peers(ddp__tcp_backend *b, int listen_fd, uint64_t nonc
     ddp__net_peer_addr(fd, peer_addr, sizeof peer_addr);
     if (ddp__net_read_full(fd, &h, sizeof h, hello_deadline) != DDP_OK ||
         h.magic != HELLO_MAGIC || h.nonce != nonce || h.to != b->rank || h.size != b->size ||
-        h.from < 0 || h.from >= b->rank || b->pairs[h.from].fd >= 0) {
+        h.from < 0 || h.from >= b->rank || !wanted[h.from] || b->pairs[h.from].fd >= 0) {
       DDP_WARN("tcp backend: rank %d: dropped a connection from %s that is not a peer of this "
                "group (bad or stale handshake)",
                b->rank, peer_addr);
@@ -307,12 +308,20 @@ ddp_status ddp__tcp_connect_mesh(ddp__tcp_backend *b, const ddp__backend_config 
   int64_t deadline_ns = ddp_time_ns() + timeout_ns;
   char host[DDP_NET_ADDR_BYTES];
   DDP_TRY(choose_address(cfg, host, sizeof host));
+  /* The pairs to connect: all, or (hier.c) only those on different hosts. */
+  bool *wanted = ddp_calloc((size_t)b->size, sizeof *wanted);
+  if (!wanted) return ddp_error(DDP_ERR_NOMEM, "tcp backend: out of memory");
+  for (int q = 0; q < b->size; q++)
+    wanted[q] = q != b->rank && !(cfg->skip_colocated && cfg->host_of &&
+                                  cfg->host_of[q] == cfg->host_of[b->rank]);
   int listen_fd = -1;
   ddp_status st = ddp__net_listen(host, 0, b->size + 16, &listen_fd);
-  if (st != DDP_OK)
+  if (st != DDP_OK) {
+    ddp_free(wanted);
     return ddp_error_wrap(st, "tcp backend: rank %d (DDP_COMM_ADDR / DDP_SOCKET_IFNAME choose "
                               "the address)",
                           b->rank);
+  }
   uint16_t port = ddp__net_local_port(listen_fd);
   ddp__net_format_host_port(host, port, b->local_addr, sizeof b->local_addr);
   snprintf(b->pairs[b->rank].addr, sizeof b->pairs[b->rank].addr, "%s", b->local_addr);
@@ -331,12 +340,14 @@ ddp_status ddp__tcp_connect_mesh(ddp__tcp_backend *b, const ddp__backend_config 
    * queues them in the backlog), so nobody waits on a rank that is itself
    * still connecting; the answers are read last. */
   for (int peer = b->rank + 1; peer < b->size; peer++) {
+    if (!wanted[peer]) continue;
     st = connect_peer(b, cfg->store, peer, deadline_ns);
     if (st != DDP_OK) goto out;
   }
-  st = accept_peers(b, listen_fd, nonce, deadline_ns);
+  st = accept_peers(b, listen_fd, nonce, deadline_ns, wanted);
   if (st != DDP_OK) goto out;
   for (int peer = b->rank + 1; peer < b->size; peer++) {
+    if (!wanted[peer]) continue;
     ddp__tcp_pair *p = &b->pairs[peer];
     hello h;
     st = ddp__net_read_full(p->fd, &h, sizeof h, deadline_ns);
@@ -352,12 +363,13 @@ ddp_status ddp__tcp_connect_mesh(ddp__tcp_backend *b, const ddp__backend_config 
     }
   }
   for (int peer = 0; peer < b->size; peer++) {
-    if (peer == b->rank) continue;
+    if (!wanted[peer]) continue;
     st = ddp__net_set_nonblocking(b->pairs[peer].fd, 1);
     if (st != DDP_OK) goto out;
     set_socket_options(b->pairs[peer].fd);
   }
 out:
   close(listen_fd);
+  ddp_free(wanted);
   return st;
 }
