@@ -57,9 +57,10 @@ void ddp_rendezvous_options_init(ddp_rendezvous_options *opts);
  * Ownership: the info owns `store`, `server` and `rank_host`; release them all
  * with ddp_rendezvous_info_destroy. On the rank that hosts the store (rank 0
  * without DDP_STORE_ADDR, for env:// and tcp://) `server` is the running store
- * server: destroying the info stops it, which disconnects every other rank's
- * store, so rank 0 must destroy its info last (after a final barrier, as in
- * PyTorch where rank 0's exit takes the TCPStore with it). To keep the store
+ * server: destroying the info waits until the other ranks have disconnected
+ * (at most 2 s), then stops it, which disconnects anyone left; so rank 0
+ * should still destroy its info last (after a final barrier, as in PyTorch
+ * where rank 0's exit takes the TCPStore with it). To keep the store
  * beyond the info, ddp_store_retain(info->store) first; to keep the server,
  * move it out (copy the pointer, set info->server = NULL) and stop it later
  * with ddp_store_server_stop. */
@@ -108,8 +109,9 @@ typedef struct ddp_rendezvous_info {
 ddp_status ddp_rendezvous(const char *url, const ddp_rendezvous_options *opts,
                           ddp_rendezvous_info *out);
 
-/* Destroys the store, stops the server if this rank hosts it, frees rank_host
- * and zeroes *info. Accepts NULL and a zeroed info. */
+/* Destroys the store, stops the server if this rank hosts it (after waiting
+ * up to 2 s for the other ranks to disconnect), frees rank_host and zeroes
+ * *info. Accepts NULL and a zeroed info. */
 void ddp_rendezvous_info_destroy(ddp_rendezvous_info *info);
 
 /* ---- Slurm hostlists ------------------------------------------------------

@@ -29,8 +29,11 @@
 #define PROGRESS_MIN_S 1.0
 #define PROGRESS_MAX_S 30.0
 
+static void linger(ddp_rendezvous_info *info);
+
 void ddp_rendezvous_info_destroy(ddp_rendezvous_info *info) {
   if (!info) return;
+  if (info->server) linger(info);
   ddp_store_destroy(info->store);
   ddp_store_server_stop(info->server);
   ddp_free(info->rank_host);
@@ -485,9 +488,12 @@ static ddp_status join(ddp_rendezvous_info *info, double deadline) {
   return s;
 }
 
-/* A failing rank that hosts the store keeps it up briefly, until the others
- * have read the verdict it published and hung up, so they fail with the
- * reason rather than with "connection closed". */
+/* The rank that hosts the store keeps it up briefly (at most HOST_LINGER_S),
+ * until the others have hung up: after a failed join, so they read the
+ * verdict it published rather than "connection closed"; after a good run, so
+ * a peer still reading the release of a final (monitored) barrier, or
+ * destroying its group a moment later, does not lose the store under it
+ * (programs under srun and mpirun failed that way at exit). */
 static void linger(ddp_rendezvous_info *info) {
   ddp_store_destroy(info->store);
   info->store = NULL;
@@ -519,8 +525,7 @@ ddp_status ddp_rendezvous(const char *url, const ddp_rendezvous_options *opts,
   }
   if (s == DDP_OK) s = join(out, start + out->timeout_s);
   if (s) {
-    if (out->server) linger(out);
-    ddp_rendezvous_info_destroy(out);
+    ddp_rendezvous_info_destroy(out); /* lingers if this rank hosts the store */
     return s;
   }
   ddp_log_set_rank(out->rank);
