@@ -5,6 +5,7 @@
 #                                          LOCALID/STEP_NODELIST alone, master
 #                                          port 15000 + SLURM_JOB_ID % 20000
 #   sbatch --wait job.sh (srun inside)   : the same from a batch job script
+#   sbatch examples/slurm/job.sbatch     : the example, DDP_LAUNCH=srun
 #   sbatch --wait ddprun --nproc-per-node 2 (no --nnodes/--node-rank): ddprun
 #                                          derives the world from the allocation
 #                                          (only once ddprun is built)
@@ -71,26 +72,49 @@ job=$(sed -n 's/^job \([0-9]*\)$/\1/p' "$tmp/srun.out")
 check_ok "$tmp/srun.out" 4 "$job"
 echo "srun -n 4: 4 ranks rendezvoused from SLURM_* and reduced right ($((SECONDS - t)) s)"
 
-# ---- sbatch --wait with a job script ---------------------------------------
+# ---- batch jobs, submitted together (each sbatch --wait polls every 2 s) ---
+# sbatch has no --immediate: `timeout` bounds each wait, --time and the
+# partition's MaxTime bound each job, and `down` cancels whatever is left.
+# submit NAME [sbatch args...]: sbatch --wait in the background, the job's
+# output in $tmp/NAME-<jobid>.out, sbatch's in $tmp/NAME.sbatch.{out,err}.
+declare -A sbatch_pid
+submit() {
+  local name=$1
+  shift
+  (cd "$src" && exec timeout 90 sbatch --wait --parsable --time=2 \
+    --output="$tmp/$name-%j.out" "$@") >"$tmp/$name.sbatch.out" 2>"$tmp/$name.sbatch.err" &
+  sbatch_pid[$name]=$!
+}
+# collect NAME N WHAT: the job exited 0 and all N ranks printed their ok line.
+collect() {
+  local name=$1 n=$2 what=$3 rc job out
+  wait "${sbatch_pid[$name]}"
+  rc=$?
+  job=$(head -1 "$tmp/$name.sbatch.out" | cut -d';' -f1)
+  out="$tmp/$name-$job.out"
+  [ $rc = 0 ] || fail "$what: sbatch --wait exited $rc: $(cat "$tmp/$name.sbatch.err" "$out" 2>/dev/null)"
+  [ -f "$out" ] || fail "$what: no job output $out"
+  check_ok "$out" "$n" "$job"
+  echo "$what: job $job, $n ranks rendezvoused and reduced right ($((SECONDS - t)) s)"
+}
 t=$SECONDS
+
+# A job script of our own: srun inside the allocation starts the 4 workers.
 cat >"$tmp/job.sh" <<EOF
 #!/bin/bash
 #SBATCH --job-name=ddp-test
 #SBATCH --ntasks=4
-#SBATCH --time=2
-#SBATCH --output=$tmp/job-%j.out
 echo "batch job \$SLURM_JOB_ID on \$SLURM_JOB_NODELIST, \$SLURM_NTASKS tasks"
 srun "$worker" --source slurm --world 4 --local-world 4
 EOF
-# sbatch has no --immediate: the timeout bounds the wait, the partition's
-# MaxTime and --time bound the job, and `down` cancels whatever is left.
-timeout 90 sbatch --wait --parsable "$tmp/job.sh" >"$tmp/sbatch.out" 2>"$tmp/sbatch.err"
-rc=$?
-job=$(head -1 "$tmp/sbatch.out" | cut -d';' -f1)
-out="$tmp/job-$job.out"
-[ $rc = 0 ] || fail "sbatch --wait exited $rc: $(cat "$tmp/sbatch.err" "$out" 2>/dev/null)"
-[ -f "$out" ] || fail "no job output $out"
-check_ok "$out" 4 "$job"
-echo "sbatch --wait: job $job, 4 ranks rendezvoused and reduced right ($((SECONDS - t)) s)"
+submit job "$tmp/job.sh"
+
+# The example as a user submits it, with this cluster's limits on the command
+# line (one node, 2 minutes) and the worker as its program; no launcher.
+DDP_LAUNCH=srun submit example_srun --nodes=1 --ntasks-per-node=4 --cpus-per-task=1 \
+  examples/slurm/job.sbatch "$worker" --source slurm --world 4 --local-world 4
+
+collect job 4 "sbatch --wait job.sh (srun inside)"
+collect example_srun 4 "examples/slurm/job.sbatch, DDP_LAUNCH=srun"
 
 echo "PASS (all cases in $((SECONDS - t0)) s, cluster bring-up included)"
