@@ -162,12 +162,14 @@ typedef struct ddp_dp_bucket_trace {
   int64_t launch_ns;      /* when its reduction was launched */
   int params_not_ready;   /* model parameters still without a final grad at launch */
   int hook_calls_before;  /* grad hooks fired before the launch, this backward */
+  int first_param;        /* the bucket as it was then (a relayout rebuilds buckets): */
+  size_t numel;           /* its first parameter and size */
 } ddp_dp_bucket_trace;
 
 typedef struct ddp_dp_trace {
   int64_t backward_start_ns, backward_end_ns; /* around ddp_backward in ddp_dp_backward */
   int64_t finalize_end_ns;
-  int n_buckets;
+  int n_buckets;                      /* as they were during that backward */
   const ddp_dp_bucket_trace *buckets; /* n_buckets entries, owned by the dp */
   bool relaid_out;                    /* a relayout has happened */
   int64_t iterations;                 /* synced backwards so far */

@@ -181,6 +181,8 @@ static void launch_bucket(ddp_dp *dp, int b) {
   tr->launch_ns = ddp_time_ns();
   tr->params_not_ready = dp->n_params - dp->n_ready;
   tr->hook_calls_before = dp->hook_calls;
+  tr->first_param = bucket->params[0];
+  tr->numel = bucket->numel;
   bucket->divisor = dp->divisor;
   dp->works[b] = NULL;
   if (dp->launch_error != DDP_OK) return;
@@ -223,6 +225,7 @@ void ddp__dp_arm(ddp_dp *dp, bool syncing) {
   dp->n_ready_order = 0;
   dp->next_launch = 0;
   dp->hook_calls = 0;
+  dp->traced_buckets = dp->n_buckets;
   dp->launch_error = DDP_OK;
   for (int i = 0; i < dp->n_params; i++) dp->param_ready[i] = false;
   for (int b = 0; b < dp->n_buckets; b++) {
@@ -339,7 +342,7 @@ void ddp_dp_get_trace(const ddp_dp *dp, ddp_dp_trace *out) {
   out->backward_start_ns = dp->backward_start_ns;
   out->backward_end_ns = dp->backward_end_ns;
   out->finalize_end_ns = dp->finalize_end_ns;
-  out->n_buckets = dp->n_buckets;
+  out->n_buckets = dp->traced_buckets;
   out->buckets = dp->trace;
   out->relaid_out = dp->relaid_out;
   out->iterations = dp->iterations;

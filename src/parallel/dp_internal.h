@@ -37,6 +37,7 @@ struct ddp_dp {
   ddp_work **works;    /* (n_params) per bucket, NULL when none is in flight */
   int next_launch;     /* buckets [0, next_launch) have been launched */
   int hook_calls;
+  int traced_buckets;      /* n_buckets when this backward began (for the trace) */
   ddp_status launch_error; /* first launch failure inside the grad hook */
   int *ready_order;        /* (n_params) parameters in the order they became ready */
   int n_ready_order;
