@@ -115,6 +115,20 @@ static ddp_status connect_store(ddp_rendezvous_info *info, const char *host, int
                    info->store_addr, last, hint);
 }
 
+/* A launcher's store outlives one attempt of the job (ddprun restarts the
+ * group in the same store): DDP_STORE_PREFIX, which the launcher sets per
+ * attempt, gives each attempt's rendezvous and groups their own keys. */
+static ddp_status scope_store(ddp_rendezvous_info *info) {
+  const char *prefix = ddp_env_str("DDP_STORE_PREFIX", NULL);
+  if (!prefix) return DDP_OK;
+  ddp_store *scoped = NULL;
+  ddp_status s = ddp_store_prefix(info->store, prefix, &scoped);
+  ddp_store_destroy(info->store);
+  info->store = scoped;
+  if (s) return ddp_error_wrap(s, "DDP_STORE_PREFIX=\"%s\"", prefix);
+  return DDP_OK;
+}
+
 static ddp_status open_store(const ddp__rdzv_url *url, ddp_rendezvous_info *info) {
   ddp_store_options so = {0};
   so.timeout_ms = (int64_t)(info->timeout_s * 1000.0);
@@ -129,7 +143,8 @@ static ddp_status open_store(const ddp__rdzv_url *url, ddp_rendezvous_info *info
     char host[DDP_RENDEZVOUS_ADDR_BYTES];
     int32_t port;
     DDP_TRY(ddp__rdzv_split_hostport("DDP_STORE_ADDR", info->store_addr, host, sizeof host, &port));
-    return connect_store(info, host, port, &so);
+    DDP_TRY(connect_store(info, host, port, &so));
+    return scope_store(info);
   }
   if (info->rank == 0) return host_store(info, &so);
   return connect_store(info, info->master_addr, info->master_port, &so);

@@ -1,0 +1,134 @@
+/* ddp launch: starting and supervising the worker processes of a job, as
+ * torchrun (ddprun) and torch.multiprocessing.spawn (ddp_spawn) do. The
+ * launcher hosts ddp's store, gives every worker torchrun's environment
+ * (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ... and DDP_STORE_ADDR), tears
+ * the whole group down when one worker fails, prints which worker failed
+ * first and why, and restarts the group when asked. docs/launch.md has the
+ * options, the variables and the summary's format. */
+#ifndef DDP_LAUNCH_H
+#define DDP_LAUNCH_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ddp/core.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum ddp_launch_rdzv_backend {
+  DDP_LAUNCH_RDZV_STATIC = 0, /* node ranks given (--node-rank) */
+  DDP_LAUNCH_RDZV_C10D = 1,   /* node ranks by order of arrival at the store */
+} ddp_launch_rdzv_backend;
+
+#define DDP_LAUNCH_HOST_BYTES 256
+#define DDP_LAUNCH_ID_BYTES 128
+#define DDP_LAUNCH_PATH_BYTES 4096
+#define DDP_LAUNCH_SPEC_BYTES 256
+
+/* What ddprun's command line says (torchrun's options). Caller-allocated;
+ * fill with ddp_launch_config_init, then ddp_launch_parse_args (or set the
+ * fields directly). `program` and `args` borrow from argv. */
+typedef struct ddp_launch_config {
+  int32_t nproc_per_node;  /* workers on this node, >= 1 */
+  int32_t nnodes;          /* nodes of the job, >= 1 */
+  int32_t node_rank;       /* this node's rank; -1: not given (0, or by arrival with c10d) */
+  int32_t nodes_given;     /* 1: --nnodes or --node-rank was on the command line */
+  char master_addr[DDP_LAUNCH_HOST_BYTES]; /* "" : not given */
+  int32_t master_port;     /* 0: not given (one node: a free port; several: 29500) */
+  char rdzv_endpoint[DDP_LAUNCH_HOST_BYTES + 8]; /* "host[:port]"; "": not given */
+  char rdzv_id[DDP_LAUNCH_ID_BYTES];             /* TORCHELASTIC_RUN_ID; "none" by default */
+  ddp_launch_rdzv_backend rdzv_backend;
+  int32_t standalone;      /* --standalone: one node, a random run id, a free port */
+  int32_t max_restarts;    /* restarts of the whole group after a failure, >= 0 */
+  double monitor_interval_s; /* how often the node agents look at the store (> 0) */
+  double grace_s;            /* SIGTERM -> SIGKILL when stopping workers (>= 0) */
+  double rdzv_timeout_s;     /* how long nodes wait for each other (> 0) */
+  double job_timeout_s;      /* the whole job, every attempt; <= 0: no limit */
+  char log_dir[DDP_LAUNCH_PATH_BYTES]; /* "": none (a temporary one for --redirects/--tee) */
+  /* --redirects / --tee: "3", or per local rank "0:1,1:2"; 1 stdout, 2 stderr,
+   * 3 both, 0 none. Redirected streams go to the log dir only; teed ones to
+   * the log dir and the console. */
+  char redirects[DDP_LAUNCH_SPEC_BYTES];
+  char tee[DDP_LAUNCH_SPEC_BYTES];
+  /* --local-ranks-filter "0,2": only these local ranks' output reaches the
+   * console ("" : all). Their output still reaches the log dir and the tails. */
+  char local_ranks_filter[DDP_LAUNCH_SPEC_BYTES];
+  int32_t no_python;       /* execute the program directly even if it ends in .py */
+  int32_t module;          /* -m: run the program as a Python module (python -m) */
+  int32_t pass_local_rank; /* give the program --local-rank=N (torch.distributed.launch) */
+  int32_t help;            /* --help was given */
+  int32_t tail_lines;      /* lines of each worker's output kept for the summary */
+  const char *program;
+  char *const *args;       /* program arguments after the program */
+  int32_t num_args;
+  uint64_t reserved[8];
+} ddp_launch_config;
+
+/* The defaults: one worker on one node, static rendezvous, no restarts,
+ * monitor every 0.1 s, 10 s grace, 900 s node rendezvous timeout, run id "none". */
+void ddp_launch_config_init(ddp_launch_config *cfg);
+
+/* Parses ddprun's command line (argv[0] is the tool's name) into *cfg, which
+ * must hold the defaults. Every option has both spellings (--nproc-per-node and
+ * --nproc_per_node) and both forms (--opt VALUE and --opt=VALUE). Options end
+ * at the program, whose arguments are left untouched. Errors name the option
+ * and the value ("--nnodes 1:2: elastic membership (MIN:MAX) is not supported
+ * ..."). --help sets cfg->help and returns DDP_OK without a program. */
+ddp_status ddp_launch_parse_args(int argc, char *const *argv, ddp_launch_config *cfg);
+
+/* Inside a Slurm allocation (SLURM_JOB_ID, SLURM_NNODES, SLURM_NODEID and
+ * SLURM_JOB_NODELIST (or SLURM_NODELIST) all in `envp`, a NULL-terminated
+ * "NAME=VALUE" table such as environ) and with neither --nnodes nor
+ * --node-rank given, sets nnodes, node_rank and (unless given) master_addr =
+ * the first host of the node list. *applied is 1 when it did. A variable that
+ * is present but malformed is an error naming it. */
+ddp_status ddp_launch_apply_slurm(ddp_launch_config *cfg, char *const *envp, int *applied);
+
+/* Runs the job on this node: hosts or joins the store, starts the workers,
+ * supervises them, restarts the group up to max_restarts times, and returns
+ * when it is over. *exit_code: 0 when every worker of the last attempt
+ * exited 0; 1 when the job failed (the summary went to stderr); 128+signal
+ * when ddprun was stopped by SIGINT, SIGTERM or SIGHUP. The return value is
+ * an error only when the launch itself failed (bad configuration, the store,
+ * the node rendezvous): then *exit_code is 1 and the message says why. */
+ddp_status ddp_launch_run(const ddp_launch_config *cfg, int *exit_code);
+
+/* ---- ddp_spawn: torch.multiprocessing.spawn ------------------------------
+ * Forks `nprocs` workers of the calling program; each runs fn(rank, arg) with
+ * torchrun's environment set (so ddp_init_process_group("env://") works, and
+ * meets in a store this process hosts), and exits with fn's return value.
+ * The caller is supervised like ddprun's workers: the first failure (non-zero
+ * return, a signal) stops the others and prints the summary on stderr.
+ *
+ * The workers are forked, not executed: they see a copy of the caller's memory
+ * at the call (as mp.spawn's "fork" start method), and only the calling thread.
+ * While it runs, ddp_spawn handles SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGUSR1
+ * and SIGUSR2 (forwarding them to the workers) and restores the caller's
+ * handlers before returning. Not reentrant: one ddp_spawn per process at a time. */
+typedef int (*ddp_spawn_fn)(int rank, void *arg);
+
+typedef struct ddp_spawn_options {
+  double timeout_s;      /* the whole job; <= 0: no limit */
+  double grace_s;        /* SIGTERM -> SIGKILL; < 0: the default (10 s) */
+  int32_t max_restarts;  /* restarts of the whole group after a failure */
+  int32_t tail_lines;    /* lines of output kept per worker for the summary; 0: 10 */
+  int32_t quiet;         /* 1: do not print the summary (the error still says who failed) */
+  uint32_t reserved32;
+  uint64_t reserved[8];
+} ddp_spawn_options;
+
+void ddp_spawn_options_init(ddp_spawn_options *opts);
+
+/* Returns DDP_OK when every worker returned 0. Otherwise DDP_ERR_PEER (a
+ * worker failed: the message names the first, "rank 2 (pid 4711) exited with
+ * code 3"), DDP_ERR_TIMEOUT (timeout_s passed), DDP_ERR_ABORTED (a SIGINT,
+ * SIGTERM or SIGHUP arrived), or the error that kept it from starting.
+ * Every worker is gone when it returns. opts may be NULL. */
+ddp_status ddp_spawn(int32_t nprocs, ddp_spawn_fn fn, void *arg, const ddp_spawn_options *opts);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DDP_LAUNCH_H */

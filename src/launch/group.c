@@ -1,0 +1,324 @@
+/* The supervised group of workers on one node: fork them (each its own
+ * process group, killed with the supervisor), watch them through one poll(2)
+ * on their output pipes and the signal pipe, and stop them all (signal,
+ * grace period, SIGKILL) when one fails or the job is stopped. */
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "launch/launch_internal.h"
+
+extern char **environ;
+
+#define REAP_LIMIT_S 5.0 /* after SIGKILL: how long the kernel may take */
+
+static int64_t wall_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* ---- The child side ---------------------------------------------------------- */
+
+/* Runs in the child between fork and exec (or fn): only async-signal-safe
+ * calls until exec, except on the fn path where the child is a copy of the
+ * caller anyway. Never returns. */
+static _Noreturn void child_main(const ddp__worker_spec *spec, int32_t rank, pid_t parent,
+                                 int out_fd, int err_fd) {
+  setpgid(0, 0);
+  /* Die with the supervisor, even when it is SIGKILLed. The parent may have
+   * died between fork and prctl: then getppid() is no longer the parent. */
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (getppid() != parent) _exit(128 + SIGKILL);
+  struct sigaction dfl;
+  memset(&dfl, 0, sizeof dfl);
+  dfl.sa_handler = SIG_DFL;
+  sigemptyset(&dfl.sa_mask);
+  const int sigs[] = {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2, SIGPIPE, SIGQUIT};
+  for (size_t i = 0; i < sizeof sigs / sizeof sigs[0]; i++) sigaction(sigs[i], &dfl, NULL);
+  sigset_t none;
+  sigemptyset(&none);
+  sigprocmask(SIG_SETMASK, &none, NULL);
+  if (dup2(out_fd, 1) < 0 || dup2(err_fd, 2) < 0) _exit(127);
+  close(out_fd);
+  close(err_fd);
+  if (spec->fn) {
+    environ = spec->envp;
+    int rc = spec->fn((int)rank, spec->arg);
+    fflush(NULL);
+    _exit(rc & 0xff);
+  }
+  execvpe(spec->argv[0], spec->argv, spec->envp);
+  /* Only async-signal-safe calls here: write the reason by hand. */
+  const char *why = strerror(errno);
+  const char *parts[] = {"ddprun: cannot execute ", spec->argv[0], ": ", why, "\n"};
+  for (int i = 0; i < 5; i++) {
+    ssize_t rc = write(2, parts[i], strlen(parts[i]));
+    (void)rc;
+  }
+  _exit(errno == ENOENT ? 127 : 126);
+}
+
+/* ---- Starting ---------------------------------------------------------------- */
+
+static int open_log(const char *path) {
+  if (!path[0]) return -1;
+  return open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_APPEND, 0644);
+}
+
+ddp_status ddp__group_start(ddp__group *g, int32_t n, int32_t rank_offset,
+                            const ddp__worker_spec *specs, int32_t tail_lines) {
+  g->n = 0;
+  g->first_failure = -1;
+  g->num_failures = 0;
+  g->stop_signal = 0;
+  g->stopping = 0;
+  g->start_wall_ms = wall_ms();
+  g->workers = ddp_calloc((size_t)n, sizeof *g->workers);
+  if (!g->workers) return ddp_error(DDP_ERR_NOMEM, "launch: out of memory for %d workers", (int)n);
+  fflush(NULL); /* forked workers must not write the supervisor's buffered output again */
+  pid_t self = getpid();
+  for (int32_t i = 0; i < n; i++) {
+    ddp__worker *w = &g->workers[i];
+    w->local_rank = i;
+    w->rank = rank_offset + i;
+    w->out.fd = w->err.fd = w->out.log_fd = w->err.log_fd = -1;
+    w->out.console_fd = specs[i].show[0] ? 1 : -1;
+    w->err.console_fd = specs[i].show[1] ? 2 : -1;
+    g->n = i + 1;
+    ddp_status s = ddp__tail_init(&w->tail, tail_lines);
+    if (s) goto fail;
+    for (int k = 0; k < 2; k++) {
+      ddp__stream *st = k ? &w->err : &w->out;
+      st->log_fd = open_log(specs[i].log_path[k]);
+      if (specs[i].log_path[k][0] && st->log_fd < 0) {
+        s = ddp_error(DDP_ERR_IO, "launch: cannot create the log file %s for local rank %d: %s",
+                      specs[i].log_path[k], (int)i, strerror(errno));
+        goto fail;
+      }
+    }
+    int out_pipe[2], err_pipe[2];
+    if (pipe2(out_pipe, O_CLOEXEC) != 0) {
+      s = ddp_error(DDP_ERR_SYS, "launch: pipe2: %s", strerror(errno));
+      goto fail;
+    }
+    if (pipe2(err_pipe, O_CLOEXEC) != 0) {
+      s = ddp_error(DDP_ERR_SYS, "launch: pipe2: %s", strerror(errno));
+      close(out_pipe[0]);
+      close(out_pipe[1]);
+      goto fail;
+    }
+    pid_t pid = fork();
+    if (pid == 0) child_main(&specs[i], w->rank, self, out_pipe[1], err_pipe[1]);
+    close(out_pipe[1]);
+    close(err_pipe[1]);
+    w->out.fd = out_pipe[0];
+    w->err.fd = err_pipe[0];
+    fcntl(w->out.fd, F_SETFL, O_NONBLOCK);
+    fcntl(w->err.fd, F_SETFL, O_NONBLOCK);
+    if (pid < 0) {
+      s = ddp_error(DDP_ERR_SYS, "launch: fork for local rank %d: %s", (int)i, strerror(errno));
+      goto fail;
+    }
+    /* Also from the parent, so a signal sent at once reaches the group. */
+    setpgid(pid, pid);
+    w->pid = pid;
+    w->state = DDP__WORKER_RUNNING;
+    continue;
+  fail:
+    g->stopping = 1;
+    ddp__group_stop(g, SIGKILL, 0);
+    return s;
+  }
+  return DDP_OK;
+}
+
+/* ---- Watching ---------------------------------------------------------------- */
+
+static void mark_exited(ddp__group *g, ddp__worker *w, int status) {
+  w->state = DDP__WORKER_EXITED;
+  w->status = status;
+  w->exit_s = ddp_time_s();
+  w->exit_wall_ms = wall_ms();
+  /* Kill what the worker left behind in its process group (a shell's
+   * children, a Python worker's helpers): the group id stays valid until its
+   * last member is gone, so this cannot hit an unrelated process. */
+  kill(-w->pid, SIGKILL);
+  ddp__stream_finish(&w->out, &w->tail);
+  ddp__stream_finish(&w->err, &w->tail);
+  int ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  if (!ok && !g->stopping) {
+    w->failed = 1;
+    g->num_failures++;
+    if (g->first_failure < 0) g->first_failure = w->local_rank;
+  }
+}
+
+/* Reaps every worker that has exited; returns how many are still running. */
+static int32_t reap(ddp__group *g) {
+  int32_t running = 0;
+  for (int32_t i = 0; i < g->n; i++) {
+    ddp__worker *w = &g->workers[i];
+    if (w->state != DDP__WORKER_RUNNING) continue;
+    int status;
+    pid_t r = waitpid(w->pid, &status, WNOHANG);
+    if (r == w->pid) {
+      mark_exited(g, w, status);
+    } else if (r < 0 && errno == ECHILD) {
+      /* Someone else reaped it (a SIGCHLD set to SIG_IGN in the caller):
+       * its status is lost; count it as a failure with status -1. */
+      mark_exited(g, w, -1);
+    } else {
+      running++;
+    }
+  }
+  return running;
+}
+
+static void signal_all(ddp__group *g, int sig) {
+  for (int32_t i = 0; i < g->n; i++)
+    if (g->workers[i].state == DDP__WORKER_RUNNING) kill(-g->workers[i].pid, sig);
+}
+
+/* One round of poll: output, signals, exits. Returns the forwarded stopping
+ * signal (SIGINT, SIGTERM, SIGHUP) if one arrived, else 0. */
+static int wait_round(ddp__group *g, double timeout_s) {
+  struct pollfd *fds = NULL;
+  ddp__stream **who = NULL;
+  size_t cap = 1 + 2 * (size_t)g->n;
+  fds = ddp_calloc(cap, sizeof *fds);
+  who = ddp_calloc(cap, sizeof *who);
+  size_t nfds = 0;
+  if (fds && who) {
+    fds[nfds].fd = ddp__signals_fd();
+    fds[nfds++].events = POLLIN;
+    for (int32_t i = 0; i < g->n; i++) {
+      ddp__worker *w = &g->workers[i];
+      ddp__stream *st[2] = {&w->out, &w->err};
+      for (int k = 0; k < 2; k++) {
+        if (st[k]->fd < 0) continue;
+        who[nfds] = st[k];
+        fds[nfds].fd = st[k]->fd;
+        fds[nfds++].events = POLLIN;
+      }
+    }
+    int ms = timeout_s <= 0 ? 0 : (int)(timeout_s * 1000.0 + 0.999);
+    if (poll(fds, nfds, ms) > 0) {
+      for (size_t i = 1; i < nfds; i++) {
+        if (!fds[i].revents) continue;
+        for (int32_t k = 0; k < g->n; k++) {
+          ddp__worker *w = &g->workers[k];
+          if (who[i] == &w->out || who[i] == &w->err) ddp__stream_pump(who[i], &w->tail);
+        }
+      }
+    }
+  } else {
+    /* Out of memory for the poll set: fall back to sleeping between reaps. */
+    struct timespec ts = {0, 10 * 1000 * 1000};
+    nanosleep(&ts, NULL);
+  }
+  ddp_free(fds);
+  ddp_free(who);
+  int stop = 0, sigs[64];
+  int n = ddp__signals_take(sigs, 64);
+  for (int i = 0; i < n; i++) {
+    switch (sigs[i]) {
+      case SIGCHLD:
+        break;
+      case SIGUSR1:
+      case SIGUSR2:
+        signal_all(g, sigs[i]);
+        break;
+      default: /* SIGINT, SIGTERM, SIGHUP: forward, then the job stops */
+        signal_all(g, sigs[i]);
+        if (!stop) stop = sigs[i];
+        break;
+    }
+  }
+  reap(g);
+  return stop;
+}
+
+ddp__event ddp__group_monitor(ddp__group *g, double deadline_s) {
+  double next_poll = ddp_time_s() + g->monitor_interval_s;
+  for (;;) {
+    double now = ddp_time_s();
+    double wait = g->monitor_interval_s;
+    if (deadline_s > 0 && deadline_s - now < wait) wait = deadline_s - now;
+    int sig = wait_round(g, wait);
+    if (sig) {
+      g->stop_signal = sig;
+      return DDP__EVENT_SIGNAL;
+    }
+    if (g->first_failure >= 0) return DDP__EVENT_FAILED;
+    int32_t running = 0;
+    for (int32_t i = 0; i < g->n; i++) running += g->workers[i].state == DDP__WORKER_RUNNING;
+    if (running == 0) return DDP__EVENT_DONE;
+    now = ddp_time_s();
+    if (deadline_s > 0 && now >= deadline_s) return DDP__EVENT_TIMEOUT;
+    if (g->poll_hook && now >= next_poll) {
+      next_poll = now + g->monitor_interval_s;
+      int r = g->poll_hook(g->poll_ctx);
+      if (r > 0) return DDP__EVENT_EXTERNAL;
+      if (r < 0) return DDP__EVENT_ERROR;
+    }
+  }
+}
+
+/* ---- Stopping ---------------------------------------------------------------- */
+
+static int32_t count_running(const ddp__group *g) {
+  int32_t running = 0;
+  for (int32_t i = 0; i < g->n; i++) running += g->workers[i].state == DDP__WORKER_RUNNING;
+  return running;
+}
+
+void ddp__group_stop(ddp__group *g, int sig, double grace_s) {
+  g->stopping = 1;
+  if (!g->workers) return;
+  reap(g);
+  if (count_running(g) > 0 && sig != SIGKILL) {
+    signal_all(g, sig ? sig : SIGTERM);
+    double until = ddp_time_s() + (grace_s > 0 ? grace_s : 0);
+    while (count_running(g) > 0 && ddp_time_s() < until) {
+      int again = wait_round(g, until - ddp_time_s() < 0.05 ? until - ddp_time_s() : 0.05);
+      if (again) signal_all(g, again); /* a second Ctrl-C is forwarded too */
+    }
+  }
+  if (count_running(g) > 0) {
+    signal_all(g, SIGKILL);
+    double until = ddp_time_s() + REAP_LIMIT_S;
+    while (count_running(g) > 0 && ddp_time_s() < until) wait_round(g, 0.02);
+    for (int32_t i = 0; i < g->n; i++) {
+      ddp__worker *w = &g->workers[i];
+      if (w->state != DDP__WORKER_RUNNING) continue;
+      fprintf(stderr, "ddprun: warning: local rank %d (pid %ld) is still there %g s after SIGKILL "
+              "(stuck in the kernel?); giving up on it\n", (int)w->local_rank, (long)w->pid, REAP_LIMIT_S);
+      w->state = DDP__WORKER_EXITED;
+      w->status = -1;
+      ddp__stream_finish(&w->out, &w->tail);
+      ddp__stream_finish(&w->err, &w->tail);
+    }
+  }
+}
+
+void ddp__group_free(ddp__group *g) {
+  if (!g || !g->workers) return;
+  for (int32_t i = 0; i < g->n; i++) {
+    ddp__worker *w = &g->workers[i];
+    ddp__stream_finish(&w->out, &w->tail);
+    ddp__stream_finish(&w->err, &w->tail);
+    ddp__tail_free(&w->tail);
+  }
+  ddp_free(g->workers);
+  g->workers = NULL;
+  g->n = 0;
+}

@@ -1,0 +1,241 @@
+/* Internal pieces of the launch layer, shared by ddprun's path (run.c) and
+ * ddp_spawn (spawn.c): signal plumbing, worker output, the worker
+ * environment, the supervised group of workers, the failure summary and the
+ * node agent (store hosting, node rendezvous, restart agreement). Not
+ * installed. */
+#ifndef DDP_LAUNCH_INTERNAL_H
+#define DDP_LAUNCH_INTERNAL_H
+
+#include <stdint.h>
+#include <stdio.h>
+#include <sys/types.h>
+
+#include "ddp/core.h"
+#include "ddp/launch.h"
+#include "ddp/store.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DDP__LAUNCH_DEFAULT_GRACE_S 10.0
+#define DDP__LAUNCH_DEFAULT_TAIL 10
+#define DDP__LAUNCH_MULTI_NODE_PORT 29500 /* torchrun's default master port */
+#define DDP__LAUNCH_C10D_PORT 29400       /* torchrun's default c10d endpoint port */
+
+/* ---- Signals (signals.c) --------------------------------------------------
+ * A self-pipe: handlers for SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGUSR1 and
+ * SIGUSR2 write the signal's number to a pipe that the supervision loop
+ * polls, so nothing but write(2) runs in a handler. install saves the
+ * previous handlers; restore puts them back and closes the pipe. */
+ddp_status ddp__signals_install(void);
+void ddp__signals_restore(void);
+int ddp__signals_fd(void);
+/* Reads the pending signal numbers (at most max) without blocking. */
+int ddp__signals_take(int *signals, int max);
+
+/* ---- Output (output.c) ----------------------------------------------------
+ * A worker's stdout or stderr arrives through a pipe; complete lines are
+ * copied to the console (unless filtered or redirected) and to its log file,
+ * and the last lines of both streams are kept for the failure summary. */
+typedef struct ddp__tail {
+  char **lines;     /* ring of `cap` ddp_alloc'd lines (NULL = empty slot) */
+  int32_t cap;
+  int32_t next;     /* slot the next line goes to */
+  int64_t total;    /* lines seen */
+} ddp__tail;
+
+typedef struct ddp__stream {
+  int fd;           /* read end of the pipe; -1 when closed */
+  int console_fd;   /* 1 or 2, or -1 when not shown */
+  int log_fd;       /* log file, or -1 */
+  size_t partial_len;
+  char partial[2048]; /* a line not yet complete (longer lines are cut) */
+} ddp__stream;
+
+ddp_status ddp__tail_init(ddp__tail *tail, int32_t cap);
+void ddp__tail_free(ddp__tail *tail);
+/* Reads what is available on stream->fd; closes it at end of file. */
+void ddp__stream_pump(ddp__stream *stream, ddp__tail *tail);
+/* Emits a partial last line (at exit) and closes the fds. */
+void ddp__stream_finish(ddp__stream *stream, ddp__tail *tail);
+
+/* Parses a --redirects/--tee value ("3", "0:1,1:2") for local_rank: 0 none,
+ * 1 stdout, 2 stderr, 3 both. */
+ddp_status ddp__std_spec_for(const char *option, const char *spec, int32_t local_rank, int *out);
+/* Whether local_rank's output reaches the console under --local-ranks-filter. */
+ddp_status ddp__filter_allows(const char *spec, int32_t local_rank, int *out);
+
+/* ---- The worker environment (worker_env.c) --------------------------------- */
+typedef struct ddp__world {
+  int32_t world_size;
+  int32_t rank_offset;      /* global rank of this node's local rank 0 */
+  int32_t nproc;            /* workers on this node */
+  int32_t nnodes;
+  int32_t node_rank;
+  char master_addr[DDP_LAUNCH_HOST_BYTES];
+  int32_t master_port;
+  char store_addr[DDP_LAUNCH_HOST_BYTES + 8]; /* DDP_STORE_ADDR */
+  char run_id[DDP_LAUNCH_ID_BYTES];
+  int32_t max_restarts;
+} ddp__world;
+
+/* A NULL-terminated "NAME=VALUE" table: `base` (such as environ) without the
+ * variables the launcher owns, then torchrun's variables for this worker,
+ * DDP_STORE_ADDR and DDP_STORE_PREFIX (per attempt). OMP_NUM_THREADS=1 is
+ * added when base lacks it and nproc > 1, as torchrun does. One ddp_alloc'd
+ * block: free with ddp_free. */
+ddp_status ddp__worker_env(char *const *base, const ddp__world *world, int32_t local_rank,
+                           int32_t restart_count, char ***out);
+
+/* ---- The supervised group (group.c) ---------------------------------------- */
+typedef struct ddp__worker_spec {
+  char **envp;            /* owned by the caller until start returns */
+  char **argv;            /* exec: program and arguments; NULL with fn */
+  ddp_spawn_fn fn;        /* spawn: run fn(rank, arg) instead of exec */
+  void *arg;
+  int32_t show[2];        /* stdout, stderr: 1 to copy to the console */
+  char log_path[2][DDP_LAUNCH_PATH_BYTES]; /* "" : no log file */
+} ddp__worker_spec;
+
+typedef enum ddp__worker_state {
+  DDP__WORKER_IDLE = 0,
+  DDP__WORKER_RUNNING = 1,
+  DDP__WORKER_EXITED = 2,
+} ddp__worker_state;
+
+typedef struct ddp__worker {
+  int32_t local_rank;
+  int32_t rank;
+  pid_t pid;
+  ddp__worker_state state;
+  int status;             /* waitpid status once exited */
+  int failed;             /* 1: it failed on its own (before the group was stopped) */
+  int64_t exit_wall_ms;   /* CLOCK_REALTIME of the exit, ms */
+  double exit_s;          /* monotonic */
+  ddp__stream out, err;
+  ddp__tail tail;         /* both streams, interleaved as read */
+} ddp__worker;
+
+typedef enum ddp__event {
+  DDP__EVENT_DONE = 0,     /* every worker exited 0 */
+  DDP__EVENT_FAILED = 1,   /* a worker failed: group.first_failure */
+  DDP__EVENT_SIGNAL = 2,   /* SIGINT/SIGTERM/SIGHUP arrived: group.stop_signal */
+  DDP__EVENT_TIMEOUT = 3,  /* the deadline passed */
+  DDP__EVENT_EXTERNAL = 4, /* the poll hook asked to stop (another node failed) */
+  DDP__EVENT_ERROR = 5,    /* the poll hook failed (the store is gone) */
+} ddp__event;
+
+typedef struct ddp__group {
+  int32_t n;
+  ddp__worker *workers;
+  int32_t first_failure;   /* index of the first failed worker, -1 */
+  int32_t num_failures;    /* failures before the stop */
+  int stop_signal;         /* signal that made the group stop, 0 */
+  int stopping;            /* 1 once stop has begun: later exits are not failures */
+  double monitor_interval_s;
+  int64_t start_wall_ms;
+  /* Called at most every monitor_interval_s while running: > 0 stops the
+   * group (DDP__EVENT_EXTERNAL), < 0 is an error (DDP__EVENT_ERROR). */
+  int (*poll_hook)(void *ctx);
+  void *poll_ctx;
+} ddp__group;
+
+/* Forks the n workers of `specs` (rank = rank_offset + index). Each worker is
+ * its own process group, dies with SIGKILL when the supervisor dies
+ * (PR_SET_PDEATHSIG, checked against the race with getppid), has its stdout
+ * and stderr on pipes, and default signal dispositions. On failure the
+ * workers already started are killed and reaped. */
+ddp_status ddp__group_start(ddp__group *group, int32_t n, int32_t rank_offset,
+                            const ddp__worker_spec *specs, int32_t tail_lines);
+/* Supervises until an event (see ddp__event), relaying output and forwarding
+ * SIGUSR1/SIGUSR2 (and the stopping signals, before returning SIGNAL).
+ * deadline_s: monotonic seconds, <= 0 for none. */
+ddp__event ddp__group_monitor(ddp__group *group, double deadline_s);
+/* Stops every worker still running: `sig` (0: SIGTERM) to each worker's
+ * process group, up to grace_s for them to exit, then SIGKILL; reaps them
+ * (waiting at most 5 s more for the kernel) and drains their output. */
+void ddp__group_stop(ddp__group *group, int sig, double grace_s);
+void ddp__group_free(ddp__group *group);
+
+/* ---- Failure summary (summary.c) ------------------------------------------- */
+/* "exited with code 3" / "killed by signal 9 (SIGKILL)". */
+void ddp__describe_status(int status, char *buf, size_t bytes);
+/* "SIGKILL" (or "SIG<n>"). */
+const char *ddp__signal_name(int sig, char *buf, size_t bytes);
+/* Writes the failure summary of a stopped group to `f` (see docs/launch.md):
+ * `headline` says what happens next ("restarting: attempt 2 of 3"). */
+void ddp__summary_print(FILE *f, const char *tool, const ddp__group *group, const char *host,
+                        int32_t attempt, const char *headline);
+/* One line naming the first failure, for errors and the store:
+ * "rank 3 (local rank 3, pid 4711) on host h: killed by signal 9 (SIGKILL)". */
+void ddp__summary_first(const ddp__group *group, const char *host, char *buf, size_t bytes);
+
+/* ---- Slurm (slurm.c) ------------------------------------------------------- */
+/* The value of `name` in a "NAME=VALUE" table, or NULL (empty counts as unset). */
+const char *ddp__envp_get(char *const *envp, const char *name);
+
+/* ---- Node agent (agent.c) -------------------------------------------------- */
+typedef struct ddp__agent {
+  ddp_store_server *server; /* hosted here, or NULL */
+  ddp_store *store;         /* agent keys, prefixed "ddprun/<run id>/"; NULL on one node */
+  ddp__world world;
+  char host[DDP_LAUNCH_HOST_BYTES];
+  char store_prefix[DDP_LAUNCH_ID_BYTES + 16];
+  double rdzv_timeout_s;
+  double monitor_interval_s;
+  int32_t attempt;          /* the attempt being polled */
+  char remote_failure[512]; /* another node's first failure, when it stopped us */
+} ddp__agent;
+
+/* Hosts the store (one node: on a port of its own on 127.0.0.1; several: at
+ * the rendezvous endpoint) or joins it, agrees on node ranks and the world,
+ * and fills agent->world. */
+ddp_status ddp__agent_open(const ddp_launch_config *cfg, ddp__agent *agent);
+/* The group's poll hook: > 0 when another node declared `attempt` failed. */
+int ddp__agent_poll(void *agent);
+/* Ends an attempt on this node: publishes this node's failure (when
+ * `failure` is non-NULL), waits for every node to end it (monitoring the
+ * store; deadline_s as in monitor), and says whether any node failed. */
+ddp_status ddp__agent_end_attempt(ddp__agent *agent, int32_t attempt, const char *failure,
+                                  double deadline_s, int *any_failed);
+/* Waits (bounded) until every node has read the outcome, then stops the
+ * store when hosted here. Accepts a zeroed agent. */
+void ddp__agent_close(ddp__agent *agent);
+
+/* ---- Attempts and restarts (supervise.c) ------------------------------------ */
+typedef struct ddp__job {
+  const char *tool;            /* "ddprun" or "ddp_spawn", for messages */
+  ddp__agent *agent;
+  int32_t max_restarts;
+  int32_t tail_lines;
+  int32_t quiet;               /* no summary */
+  double grace_s;
+  double monitor_interval_s;
+  double deadline_s;           /* monotonic; <= 0: none */
+  /* Fills the agent->world.nproc specs of attempt `attempt`; free_specs
+   * releases what it allocated (also after a failed make_specs). */
+  ddp_status (*make_specs)(void *ctx, int32_t attempt, ddp__worker_spec *specs);
+  void (*free_specs)(void *ctx, ddp__worker_spec *specs);
+  void *ctx;
+  char failure[640];           /* out: the job's first failure, "" when none */
+} ddp__job;
+
+/* Runs attempts until one succeeds, restarts are used up, a stopping signal
+ * arrives or the deadline passes. *exit_code: 0 success, 1 failure or
+ * timeout, 128+signal when stopped by a signal. *event: how the last attempt
+ * ended. Returns an error when the job could not be run (start, store). The
+ * caller installs the signal pipe first. */
+ddp_status ddp__job_run(ddp__job *job, int *exit_code, ddp__event *event);
+
+/* A free TCP port on this host (bound and released: another process may take
+ * it before the worker does, as with torchrun). */
+ddp_status ddp__free_port(const char *bind_addr, int32_t *port);
+
+/* The store prefix of attempt `attempt`'s workers. */
+void ddp__attempt_prefix(const char *run_id, int32_t attempt, char *buf, size_t bytes);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DDP_LAUNCH_INTERNAL_H */

@@ -1,0 +1,89 @@
+/* ddp_spawn: torch.multiprocessing.spawn in C. The calling process hosts the
+ * store and supervises forked workers that run fn(rank, arg) with torchrun's
+ * environment, exactly as ddprun's workers on one node. */
+#include <stdio.h>
+#include <string.h>
+
+#include "launch/launch_internal.h"
+
+extern char **environ;
+
+typedef struct spawn_ctx {
+  ddp__agent *agent;
+  ddp_spawn_fn fn;
+  void *arg;
+} spawn_ctx;
+
+void ddp_spawn_options_init(ddp_spawn_options *opts) {
+  memset(opts, 0, sizeof *opts);
+  opts->grace_s = DDP__LAUNCH_DEFAULT_GRACE_S;
+  opts->tail_lines = DDP__LAUNCH_DEFAULT_TAIL;
+}
+
+static ddp_status make_fn_specs(void *ctx_, int32_t attempt, ddp__worker_spec *specs) {
+  spawn_ctx *ctx = ctx_;
+  for (int32_t i = 0; i < ctx->agent->world.nproc; i++) {
+    DDP_TRY(ddp__worker_env(environ, &ctx->agent->world, i, attempt, &specs[i].envp));
+    specs[i].fn = ctx->fn;
+    specs[i].arg = ctx->arg;
+    specs[i].show[0] = specs[i].show[1] = 1;
+  }
+  return DDP_OK;
+}
+
+static void free_fn_specs(void *ctx_, ddp__worker_spec *specs) {
+  spawn_ctx *ctx = ctx_;
+  for (int32_t i = 0; i < ctx->agent->world.nproc; i++) {
+    ddp_free(specs[i].envp);
+    specs[i].envp = NULL;
+  }
+}
+
+ddp_status ddp_spawn(int32_t nprocs, ddp_spawn_fn fn, void *arg, const ddp_spawn_options *opts_in) {
+  ddp_spawn_options opts;
+  if (opts_in)
+    opts = *opts_in;
+  else
+    ddp_spawn_options_init(&opts);
+  if (nprocs < 1 || !fn)
+    return ddp_error(DDP_ERR_INVALID, "ddp_spawn: nprocs=%d must be >= 1 and fn non-NULL", (int)nprocs);
+  if (opts.max_restarts < 0) return ddp_error(DDP_ERR_INVALID, "ddp_spawn: max_restarts=%d is negative", (int)opts.max_restarts);
+  ddp_launch_config cfg;
+  ddp_launch_config_init(&cfg);
+  cfg.nproc_per_node = nprocs;
+  cfg.max_restarts = opts.max_restarts;
+  snprintf(cfg.rdzv_id, sizeof cfg.rdzv_id, "spawn");
+  double start = ddp_time_s();
+  DDP_TRY(ddp__signals_install());
+  ddp__agent agent;
+  ddp_status st = ddp__agent_open(&cfg, &agent);
+  if (st) {
+    ddp__signals_restore();
+    return ddp_error_wrap(st, "ddp_spawn");
+  }
+  spawn_ctx ctx = {.agent = &agent, .fn = fn, .arg = arg};
+  ddp__job job = {
+      .tool = "ddp_spawn",
+      .agent = &agent,
+      .max_restarts = opts.max_restarts,
+      .tail_lines = opts.tail_lines > 0 ? opts.tail_lines : DDP__LAUNCH_DEFAULT_TAIL,
+      .quiet = opts.quiet,
+      .grace_s = opts.grace_s >= 0 ? opts.grace_s : DDP__LAUNCH_DEFAULT_GRACE_S,
+      .monitor_interval_s = cfg.monitor_interval_s,
+      .deadline_s = opts.timeout_s > 0 ? start + opts.timeout_s : 0,
+      .make_specs = make_fn_specs,
+      .free_specs = free_fn_specs,
+      .ctx = &ctx,
+  };
+  int code;
+  ddp__event ev;
+  st = ddp__job_run(&job, &code, &ev);
+  ddp__agent_close(&agent);
+  ddp__signals_restore();
+  if (st) return ddp_error_wrap(st, "ddp_spawn");
+  if (code == 0) return DDP_OK;
+  if (ev == DDP__EVENT_TIMEOUT)
+    return ddp_error(DDP_ERR_TIMEOUT, "ddp_spawn: the %d workers did not finish within %g s", (int)nprocs, opts.timeout_s);
+  if (ev == DDP__EVENT_SIGNAL) return ddp_error(DDP_ERR_ABORTED, "ddp_spawn: %s", job.failure);
+  return ddp_error(DDP_ERR_PEER, "ddp_spawn: %s", job.failure);
+}

@@ -1,0 +1,120 @@
+/* Attempts and restarts: start the node's workers, watch them, and when one
+ * fails (or another node's did) stop the rest, print the summary, agree with
+ * the other nodes, and start the whole group again while restarts are left.
+ * Shared by ddprun (run.c) and ddp_spawn (spawn.c). */
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "launch/launch_internal.h"
+
+/* A failure published with this prefix stops every node without a restart
+ * (a signal to one ddprun, a job timeout). */
+#define STOP_MARK "stop: "
+
+static void stop_and_describe(ddp__job *job, ddp__group *g, int32_t attempt, ddp__event ev, char *failure,
+                              size_t bytes) {
+  ddp__agent *a = job->agent;
+  char signame[32];
+  switch (ev) {
+    case DDP__EVENT_FAILED:
+      ddp__group_stop(g, SIGTERM, job->grace_s);
+      ddp__summary_first(g, a->host, failure, bytes);
+      break;
+    case DDP__EVENT_SIGNAL:
+      ddp__group_stop(g, g->stop_signal, job->grace_s);
+      snprintf(failure, bytes, STOP_MARK "node %d (%s) received %s", (int)a->world.node_rank, a->host,
+               ddp__signal_name(g->stop_signal, signame, sizeof signame));
+      break;
+    case DDP__EVENT_TIMEOUT:
+      ddp__group_stop(g, SIGTERM, job->grace_s);
+      snprintf(failure, bytes, STOP_MARK "node %d (%s): the job timeout passed during attempt %d",
+               (int)a->world.node_rank, a->host, (int)attempt);
+      break;
+    case DDP__EVENT_EXTERNAL:
+      ddp__group_stop(g, SIGTERM, job->grace_s);
+      failure[0] = '\0'; /* the other node's failure is the verdict */
+      break;
+    case DDP__EVENT_ERROR:
+      ddp__group_stop(g, SIGTERM, job->grace_s);
+      snprintf(failure, bytes, STOP_MARK "node %d (%s) lost the job's store", (int)a->world.node_rank, a->host);
+      break;
+    case DDP__EVENT_DONE:
+      failure[0] = '\0';
+      break;
+  }
+}
+
+ddp_status ddp__job_run(ddp__job *job, int *exit_code, ddp__event *event) {
+  ddp__agent *a = job->agent;
+  int32_t n = a->world.nproc;
+  *exit_code = 1;
+  *event = DDP__EVENT_FAILED;
+  job->failure[0] = '\0';
+  ddp__worker_spec *specs = ddp_calloc((size_t)n, sizeof *specs);
+  if (!specs) return ddp_error(DDP_ERR_NOMEM, "%s: out of memory for %d workers", job->tool, (int)n);
+  ddp_status st = DDP_OK;
+  for (int32_t attempt = 0;; attempt++) {
+    a->attempt = attempt;
+    memset(specs, 0, (size_t)n * sizeof *specs);
+    st = job->make_specs(job->ctx, attempt, specs);
+    ddp__group g;
+    memset(&g, 0, sizeof g);
+    g.monitor_interval_s = job->monitor_interval_s;
+    g.poll_hook = a->store ? ddp__agent_poll : NULL;
+    g.poll_ctx = a;
+    if (st == DDP_OK) st = ddp__group_start(&g, n, a->world.rank_offset, specs, job->tail_lines);
+    job->free_specs(job->ctx, specs);
+    if (st) {
+      ddp__group_free(&g);
+      break;
+    }
+    ddp__event ev = ddp__group_monitor(&g, job->deadline_s);
+    char failure[sizeof job->failure];
+    stop_and_describe(job, &g, attempt, ev, failure, sizeof failure);
+    int restart_left = attempt < job->max_restarts;
+    int any_failed = 0;
+    ddp_status agreed = ddp__agent_end_attempt(a, attempt, ev == DDP__EVENT_DONE || !failure[0] ? NULL : failure,
+                                               job->deadline_s, &any_failed);
+    if (ev != DDP__EVENT_DONE && ev != DDP__EVENT_EXTERNAL) any_failed = 1;
+    const char *remote = a->remote_failure;
+    int stop_all = strncmp(failure, STOP_MARK, strlen(STOP_MARK)) == 0 ||
+                   strncmp(remote, STOP_MARK, strlen(STOP_MARK)) == 0 || agreed != DDP_OK;
+    int again = any_failed && restart_left && !stop_all;
+    if (ev == DDP__EVENT_FAILED && !job->quiet) {
+      char headline[160];
+      if (again)
+        snprintf(headline, sizeof headline, "restarting the group (restart %d of %d)", (int)attempt + 1,
+                 (int)job->max_restarts);
+      else
+        snprintf(headline, sizeof headline, "the job failed%s", job->max_restarts ? " (no restarts left)" : "");
+      ddp__summary_print(stderr, job->tool, &g, a->host, attempt, headline);
+    } else if (any_failed && remote[0] && !job->quiet) {
+      fprintf(stderr, "%s: node %d stopped its workers: %s%s\n", job->tool, (int)a->world.node_rank,
+              strncmp(remote, STOP_MARK, strlen(STOP_MARK)) == 0 ? "" : "another node failed: ", remote);
+      if (again)
+        fprintf(stderr, "%s: restarting the group (restart %d of %d)\n", job->tool, (int)attempt + 1,
+                (int)job->max_restarts);
+    }
+    if (!job->failure[0]) snprintf(job->failure, sizeof job->failure, "%s", failure[0] ? failure : remote);
+    ddp__group_free(&g);
+    *event = ev;
+    if (agreed != DDP_OK) {
+      st = agreed;
+      break;
+    }
+    if (!any_failed) {
+      *exit_code = 0;
+      job->failure[0] = '\0';
+      break;
+    }
+    if (ev == DDP__EVENT_SIGNAL) {
+      *exit_code = 128 + g.stop_signal;
+      break;
+    }
+    if (!again) break;
+    job->failure[0] = '\0'; /* a new attempt: its failure is the one to report */
+  }
+  ddp_free(specs);
+  return st;
+}

@@ -1,0 +1,266 @@
+#!/usr/bin/env bash
+# ddprun end to end, one case per CTest test (the argument names it):
+#   barrier   8 workers rendezvous through ddprun's store (env://), check their
+#             torchrun environment, pass a barrier and an allreduce; exit 0
+#   env       every torchrun variable, as each worker sees it (via env(1))
+#   sigkill   one worker SIGKILLs itself: all workers are gone within the grace
+#             period (their pids are dead), ddprun exits 1, and the summary names
+#             that rank first with SIGKILL; with --max-restarts 1 the job restarts
+#             (TORCHELASTIC_RESTART_COUNT=1) and completes
+#   orphans   ddprun SIGKILLed: no worker survives it (PR_SET_PDEATHSIG)
+#   signals   SIGUSR1 reaches every worker and they go on; SIGTERM to ddprun
+#             reaches every worker, which exit; ddprun exits 128+15
+#   port      one node, no --master-port: a free MASTER_PORT, different from
+#             DDP_STORE_ADDR's port, and the same for every worker
+#   nodes     two ddprun on this host as 2 nodes, static (--node-rank) and c10d
+#   usage     --nnodes 1:2 is refused with a message; bad options exit 2; --help
+#   torch     a PyTorch DDP script (gloo, env://) unchanged under ddprun
+#             --nproc-per-node 2 with Debian's torch (SKIP without it)
+set -uo pipefail
+skip() { echo "SKIP: $*"; exit 77; }
+fail() { echo "FAIL: $*"; exit 1; }
+
+case_name=${1:?usage: test_ddprun.sh CASE}
+bin=${DDP_BIN_DIR:?set DDP_BIN_DIR to the build bin directory}
+ddprun=$bin/ddprun
+worker=$bin/../tests/launch_worker
+here=$(cd "$(dirname "$0")" && pwd)
+[ -x "$ddprun" ] || fail "$ddprun is not built"
+[ -x "$worker" ] || fail "$worker is not built"
+tmp=$(mktemp -d)
+started=()
+cleanup() {
+  for p in "${started[@]}"; do kill -KILL "$p" 2>/dev/null; done
+  # Workers that a failing case left behind (their pids are in pid files).
+  for f in "$tmp"/pids/pid.* "$tmp"/pids*/pid.*; do
+    [ -f "$f" ] && kill -KILL "$(cat "$f")" 2>/dev/null
+  done
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+mkdir -p "$tmp/pids"
+
+alive() { kill -0 "$1" 2>/dev/null && [ "$(ps -o stat= -p "$1" 2>/dev/null | cut -c1)" != Z ]; }
+all_dead() { # DIR: every pid in DIR/pid.* is gone
+  for f in "$1"/pid.*; do
+    [ -f "$f" ] || continue
+    alive "$(cat "$f")" && return 1
+  done
+  return 0
+}
+wait_for_files() { # DIR COUNT SECONDS
+  local end=$((SECONDS + $3))
+  while [ "$(ls "$1" | grep -c '^pid\.')" -lt "$2" ]; do
+    [ $SECONDS -ge $end ] && return 1
+    sleep 0.05
+  done
+}
+
+case "$case_name" in
+barrier)
+  timeout 30 "$ddprun" --nproc-per-node 8 "$worker" --nproc 8 --nnodes 1 >"$tmp/out" 2>"$tmp/err"
+  rc=$?
+  [ $rc -eq 0 ] || { cat "$tmp/out" "$tmp/err"; fail "ddprun exited $rc"; }
+  for r in 0 1 2 3 4 5 6 7; do
+    grep -q "^launch_worker rank $r/8 local $r/8 node 0/1 restart 0 pid [0-9]* ok$" "$tmp/out" ||
+      { cat "$tmp/out" "$tmp/err"; fail "rank $r did not report passing the barrier"; }
+  done
+  # The underscore spelling and --opt=value work the same.
+  timeout 30 "$ddprun" --nproc_per_node=3 "$worker" --nproc 3 >"$tmp/out" 2>&1 || { cat "$tmp/out"; fail "--nproc_per_node=3"; }
+  [ "$(grep -c ' ok$' "$tmp/out")" -eq 3 ] || fail "--nproc_per_node=3 did not run 3 workers"
+  # --pass-local-rank: the worker checks --local-rank=N against LOCAL_RANK.
+  timeout 30 "$ddprun" --nproc-per-node 2 --pass-local-rank "$worker" --no-init >"$tmp/out" 2>&1 ||
+    { cat "$tmp/out"; fail "--pass-local-rank"; }
+  ;;
+env)
+  timeout 30 env -u OMP_NUM_THREADS "$ddprun" --nproc-per-node 3 --max-restarts 2 --rdzv-id myjob /usr/bin/env >"$tmp/out" 2>&1 ||
+    { cat "$tmp/out"; fail "ddprun env exited $?"; }
+  for v in MASTER_ADDR=127.0.0.1 WORLD_SIZE=3 LOCAL_WORLD_SIZE=3 GROUP_RANK=0 GROUP_WORLD_SIZE=1 \
+      ROLE_WORLD_SIZE=3 ROLE_NAME=default TORCHELASTIC_RESTART_COUNT=0 TORCHELASTIC_MAX_RESTARTS=2 \
+      TORCHELASTIC_RUN_ID=myjob TORCHELASTIC_USE_AGENT_STORE=False OMP_NUM_THREADS=1 \
+      DDP_STORE_PREFIX=ddprun/myjob/attempt/0/; do
+    [ "$(grep -c "^$v\$" "$tmp/out")" -eq 3 ] || { cat "$tmp/out"; fail "$v is not in every worker's environment"; }
+  done
+  for r in 0 1 2; do
+    for v in RANK=$r LOCAL_RANK=$r ROLE_RANK=$r; do
+      [ "$(grep -c "^$v\$" "$tmp/out")" -eq 1 ] || fail "$v: not exactly one worker"
+    done
+  done
+  [ "$(grep -c '^MASTER_PORT=[0-9][0-9]*$' "$tmp/out")" -eq 3 ] || fail "MASTER_PORT missing"
+  [ "$(grep -c '^DDP_STORE_ADDR=127.0.0.1:[0-9][0-9]*$' "$tmp/out")" -eq 3 ] || fail "DDP_STORE_ADDR missing"
+  # A user's OMP_NUM_THREADS is kept; one worker gets none added (torchrun's rule).
+  OMP_NUM_THREADS=4 timeout 30 "$ddprun" --nproc-per-node 2 /usr/bin/env >"$tmp/out" 2>&1
+  [ "$(grep -c '^OMP_NUM_THREADS=4$' "$tmp/out")" -eq 2 ] || fail "the user's OMP_NUM_THREADS was not kept"
+  timeout 30 env -u OMP_NUM_THREADS "$ddprun" /usr/bin/env >"$tmp/out" 2>&1
+  grep -q '^OMP_NUM_THREADS=' "$tmp/out" && fail "OMP_NUM_THREADS set for a single worker"
+  # Inherited launcher variables are replaced, not duplicated.
+  RANK=99 WORLD_SIZE=99 timeout 30 "$ddprun" --nproc-per-node 2 /usr/bin/env >"$tmp/out" 2>&1
+  grep -q '^RANK=99$' "$tmp/out" && fail "an inherited RANK reached a worker"
+  [ "$(grep -c '^WORLD_SIZE=2$' "$tmp/out")" -eq 2 ] || fail "WORLD_SIZE not replaced"
+  ;;
+sigkill)
+  grace=3
+  start=$(date +%s.%N)
+  timeout 60 "$ddprun" --nproc-per-node 4 --grace-period $grace "$worker" --die-rank 2 --die-how kill --hang \
+    --pidfile "$tmp/pids" >"$tmp/out" 2>"$tmp/err"
+  rc=$?
+  end=$(date +%s.%N)
+  [ $rc -eq 1 ] || { cat "$tmp/err"; fail "ddprun exited $rc after a worker was SIGKILLed (expected 1)"; }
+  [ "$(ls "$tmp/pids" | grep -c '^pid\.')" -eq 4 ] || fail "not every worker wrote its pid"
+  all_dead "$tmp/pids" || fail "a worker outlived ddprun"
+  # The other workers hang (pause) and take SIGTERM's default action: gone
+  # well within the grace period.
+  awk -v a="$start" -v b="$end" -v g=$grace 'BEGIN { exit !(b - a < g) }' ||
+    fail "ddprun took $(awk -v a="$start" -v b="$end" 'BEGIN { print b - a }') s (grace $grace s)"
+  grep -q 'first failure: rank 2 (local rank 2) on host .*: killed by signal 9 (SIGKILL)' "$tmp/err" ||
+    { cat "$tmp/err"; fail "the summary does not name rank 2 first with SIGKILL"; }
+  grep -q 'ddprun:   | launch_worker: rank 2 dies now (kill)' "$tmp/err" || { cat "$tmp/err"; fail "no tail of rank 2's output"; }
+  grep -q 'the job failed' "$tmp/err" || fail "no verdict"
+  grep -q 'first failure: rank [013]' "$tmp/err" && fail "another rank named first"
+  # With a restart: attempt 0 fails, attempt 1 completes.
+  rm -f "$tmp/pids"/pid.*
+  timeout 60 "$ddprun" --nproc-per-node 4 --max-restarts 1 --grace-period $grace "$worker" --die-rank 2 --hang \
+    >"$tmp/out" 2>"$tmp/err"
+  rc=$?
+  [ $rc -eq 0 ] || { cat "$tmp/out" "$tmp/err"; fail "the restarted job exited $rc"; }
+  grep -q 'restarting the group (restart 1 of 1)' "$tmp/err" || { cat "$tmp/err"; fail "no restart announced"; }
+  [ "$(grep -c ' restart 1 pid [0-9]* ok$' "$tmp/out")" -eq 4 ] || { cat "$tmp/out"; fail "attempt 1 did not complete on 4 workers"; }
+  # A failure in every attempt: restarts run out, exit 1.
+  timeout 60 "$ddprun" --nproc-per-node 2 --max-restarts 1 --grace-period 1 "$worker" --die-rank 1 --die-how exit \
+    --die-attempt -1 --hang >"$tmp/out" 2>"$tmp/err"
+  rc=$?
+  [ $rc -eq 1 ] || { cat "$tmp/err"; fail "a job failing in every attempt exited $rc (expected 1)"; }
+  grep -q 'the job failed (no restarts left)' "$tmp/err" || { cat "$tmp/err"; fail "no final verdict"; }
+  [ "$(grep -c 'failure summary' "$tmp/err")" -eq 2 ] || fail "expected one summary per attempt"
+  ;;
+orphans)
+  "$ddprun" --nproc-per-node 4 "$worker" --no-init --sleep 60 --pidfile "$tmp/pids" >"$tmp/out" 2>&1 &
+  started+=($!)
+  wait_for_files "$tmp/pids" 4 20 || fail "the workers did not start"
+  kill -KILL "${started[0]}"
+  wait "${started[0]}" 2>/dev/null
+  end=$((SECONDS + 5))
+  until all_dead "$tmp/pids"; do
+    [ $SECONDS -ge $end ] && fail "workers survived ddprun's SIGKILL: $(cat "$tmp"/pids/pid.* | tr '\n' ' ')"
+    sleep 0.05
+  done
+  ;;
+signals)
+  cat >"$tmp/w.sh" <<'SH'
+#!/usr/bin/env bash
+trap 'echo "rank $RANK got USR1"' USR1
+trap 'echo "rank $RANK got TERM"; exit 0' TERM
+echo $$ >"$1/pid.$RANK"
+for i in $(seq 600); do sleep 0.1; done
+SH
+  chmod +x "$tmp/w.sh"
+  "$ddprun" --nproc-per-node 3 --grace-period 5 "$tmp/w.sh" "$tmp/pids" >"$tmp/out" 2>"$tmp/err" &
+  pid=$!
+  started+=($pid)
+  wait_for_files "$tmp/pids" 3 20 || fail "the workers did not start"
+  sleep 0.3 # the traps are set before the pid files are written; let bash settle
+  kill -USR1 $pid
+  end=$((SECONDS + 10))
+  until [ "$(grep -c 'got USR1' "$tmp/out")" -eq 3 ]; do
+    [ $SECONDS -ge $end ] && { cat "$tmp/out"; fail "SIGUSR1 did not reach every worker"; }
+    sleep 0.05
+  done
+  alive $pid || fail "ddprun stopped after SIGUSR1"
+  kill -TERM $pid
+  timeout 20 tail --pid=$pid -f /dev/null
+  wait $pid
+  rc=$?
+  [ $rc -eq 143 ] || { cat "$tmp/err"; fail "ddprun exited $rc after SIGTERM (expected 143)"; }
+  [ "$(grep -c 'got TERM' "$tmp/out")" -eq 3 ] || { cat "$tmp/out"; fail "SIGTERM did not reach every worker"; }
+  all_dead "$tmp/pids" || fail "a worker survived"
+  ;;
+port)
+  timeout 30 "$ddprun" --nproc-per-node 2 /usr/bin/env >"$tmp/a" 2>&1 || fail "ddprun env"
+  timeout 30 "$ddprun" --nproc-per-node 2 /usr/bin/env >"$tmp/b" 2>&1 || fail "ddprun env"
+  p=$(grep -m1 '^MASTER_PORT=' "$tmp/a" | cut -d= -f2)
+  s=$(grep -m1 '^DDP_STORE_ADDR=' "$tmp/a" | sed 's/.*://')
+  [ "$(grep -c "^MASTER_PORT=$p\$" "$tmp/a")" -eq 2 ] || fail "the workers disagree on MASTER_PORT"
+  [ "$p" != 29500 ] || fail "one node without --master-port used 29500 instead of a free port"
+  [ "$p" != "$s" ] || fail "MASTER_PORT is the store's port"
+  # A port in use is not chosen: hold one, and ask for it explicitly too.
+  /usr/bin/python3 - "$p" <<'PY' || fail "the chosen MASTER_PORT $p is not free after the job"
+import socket, sys
+s = socket.socket(); s.bind(("0.0.0.0", int(sys.argv[1]))); s.close()
+PY
+  timeout 30 "$ddprun" --master-port 31234 --nproc-per-node 2 /usr/bin/env >"$tmp/c" 2>&1
+  [ "$(grep -c '^MASTER_PORT=31234$' "$tmp/c")" -eq 2 ] || fail "--master-port 31234 not passed on"
+  ;;
+nodes)
+  for backend in static c10d; do
+    port=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+    if [ $backend = static ]; then
+      args=(--nnodes 2 --master-addr 127.0.0.1 --master-port "$port")
+      a0=(--node-rank 0); a1=(--node-rank 1)
+    else
+      args=(--nnodes 2 --rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$port" --rdzv-id c10dtest)
+      a0=(); a1=()
+    fi
+    timeout 60 "$ddprun" "${args[@]}" "${a1[@]}" --nproc-per-node 3 --rdzv-timeout 30 "$worker" --nproc 3 --nnodes 2 \
+      >"$tmp/n1" 2>&1 &
+    n1=$!
+    started+=($n1)
+    timeout 60 "$ddprun" "${args[@]}" "${a0[@]}" --nproc-per-node 3 --rdzv-timeout 30 "$worker" --nproc 3 --nnodes 2 \
+      >"$tmp/n0" 2>&1
+    rc0=$?
+    wait $n1
+    rc1=$?
+    [ $rc0 -eq 0 ] && [ $rc1 -eq 0 ] || { cat "$tmp/n0" "$tmp/n1"; fail "$backend: the nodes exited $rc0 and $rc1"; }
+    cat "$tmp/n0" "$tmp/n1" >"$tmp/all"
+    for r in 0 1 2 3 4 5; do
+      grep -q "^launch_worker rank $r/6 local $((r % 3))/3 node $((r / 3))/2 restart 0" "$tmp/all" ||
+        { cat "$tmp/all"; fail "$backend: rank $r missing or with the wrong local rank / node"; }
+    done
+    # The node ranks are whole: each node's workers share one node rank.
+    [ "$(grep -o 'node [01]/2' "$tmp/n0" | sort -u | wc -l)" -eq 1 ] || fail "$backend: node 0's workers disagree"
+  done
+  # A worker failing on one node stops the other node too, and both restart.
+  port=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  args=(--nnodes 2 --master-port "$port" --nproc-per-node 2 --max-restarts 1 --grace-period 2 --rdzv-timeout 30)
+  timeout 60 "$ddprun" "${args[@]}" --node-rank 1 "$worker" --die-rank 3 --hang >"$tmp/n1" 2>&1 &
+  n1=$!
+  started+=($n1)
+  timeout 60 "$ddprun" "${args[@]}" --node-rank 0 "$worker" --die-rank 3 --hang >"$tmp/n0" 2>&1
+  rc0=$?
+  wait $n1
+  rc1=$?
+  [ $rc0 -eq 0 ] && [ $rc1 -eq 0 ] || { cat "$tmp/n0" "$tmp/n1"; fail "restart across nodes: exited $rc0 and $rc1"; }
+  grep -q 'another node failed: rank 3' "$tmp/n0" || { cat "$tmp/n0"; fail "node 0 does not name node 1's failure"; }
+  [ "$(cat "$tmp/n0" "$tmp/n1" | grep -c ' restart 1 pid [0-9]* ok$')" -eq 4 ] || fail "attempt 1 not complete"
+  ;;
+usage)
+  "$ddprun" --nnodes 1:2 "$worker" >"$tmp/out" 2>&1
+  rc=$?
+  [ $rc -eq 2 ] || fail "--nnodes 1:2 exited $rc (expected 2)"
+  grep -q 'elastic membership (MIN:MAX nodes) is not supported' "$tmp/out" || { cat "$tmp/out"; fail "no clear message for --nnodes 1:2"; }
+  "$ddprun" --bogus "$worker" >"$tmp/out" 2>&1; [ $? -eq 2 ] || fail "--bogus not refused"
+  grep -q 'unknown option --bogus' "$tmp/out" || fail "--bogus: no message"
+  "$ddprun" --nproc-per-node zero "$worker" >"$tmp/out" 2>&1; [ $? -eq 2 ] || fail "--nproc-per-node zero not refused"
+  "$ddprun" >"$tmp/out" 2>&1; [ $? -eq 2 ] || fail "no program not refused"
+  "$ddprun" --help >"$tmp/out" || fail "--help exited $?"
+  for word in --nproc-per-node --nnodes --node-rank --master-addr --master-port --rdzv-endpoint --rdzv-id \
+      --rdzv-backend --standalone --max-restarts --monitor-interval --log-dir --redirects --tee \
+      --local-ranks-filter --no-python --pass-local-rank --grace-period SLURM; do
+    grep -q -- "$word" "$tmp/out" || fail "--help does not mention $word"
+  done
+  # A program that cannot be executed is a failure with a reason.
+  timeout 30 "$ddprun" "$tmp/no-such-program" >"$tmp/out" 2>&1; [ $? -eq 1 ] || fail "a missing program did not fail the job"
+  grep -q 'cannot execute' "$tmp/out" || { cat "$tmp/out"; fail "no reason for the missing program"; }
+  ;;
+torch)
+  py=/usr/bin/python3
+  [ -x $py ] && $py -c 'import torch, torch.distributed' 2>/dev/null || skip "no PyTorch at $py"
+  PYTHON=$py timeout 120 "$ddprun" --nproc-per-node 2 "$here/torch_ddp_check.py" >"$tmp/out" 2>&1
+  rc=$?
+  [ $rc -eq 0 ] || { cat "$tmp/out"; fail "the PyTorch DDP script exited $rc under ddprun"; }
+  for r in 0 1; do
+    grep -q "^torch_ddp_check rank $r/2 ok" "$tmp/out" || { cat "$tmp/out"; fail "rank $r did not finish"; }
+  done
+  ;;
+*) fail "unknown case $case_name" ;;
+esac
+echo "PASS: $case_name"
