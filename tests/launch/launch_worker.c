@@ -9,11 +9,14 @@
  *   --hang                   the other ranks then sleep (to be stopped)
  *   --sleep S                sleep S seconds before exiting
  *   --pidfile DIR            write DIR/pid.<rank>
- *   --no-init                skip the process group (environment checks only) */
+ *   --no-init                skip the process group (environment checks only)
+ *   --print-time             print "past_barrier <unix time, s>" after the barrier
+ *                            (scripts/bench-launch.sh) */
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "ddp/ddp.h"
@@ -49,7 +52,7 @@ int main(int argc, char **argv) {
   long nproc = -1, nnodes = -1, die_rank = -1, die_attempt = 0;
   const char *die_how = "kill", *pidfile = NULL;
   double sleep_s = 0;
-  int hang = 0, init = 1;
+  int hang = 0, init = 1, print_time = 0;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--nproc") && i + 1 < argc) nproc = atol(argv[++i]);
     else if (!strcmp(argv[i], "--nnodes") && i + 1 < argc) nnodes = atol(argv[++i]);
@@ -60,6 +63,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--pidfile") && i + 1 < argc) pidfile = argv[++i];
     else if (!strcmp(argv[i], "--hang")) hang = 1;
     else if (!strcmp(argv[i], "--no-init")) init = 0;
+    else if (!strcmp(argv[i], "--print-time")) print_time = 1;
     else if (!strncmp(argv[i], "--local-rank=", 13)) expect_eq("--local-rank", atol(argv[i] + 13), env_long("LOCAL_RANK"));
     else {
       fprintf(stderr, "launch_worker: unknown argument %s\n", argv[i]);
@@ -111,6 +115,11 @@ int main(int argc, char **argv) {
     if (ddp_barrier(pg) != DDP_OK) {
       fprintf(stderr, "launch_worker: barrier: %s\n", ddp_last_error());
       return 5;
+    }
+    if (print_time) {
+      struct timespec ts;
+      clock_gettime(CLOCK_REALTIME, &ts);
+      printf("past_barrier %.6f\n", (double)ts.tv_sec + ts.tv_nsec * 1e-9);
     }
     /* Every rank contributes rank+1: the sum is world*(world+1)/2. */
     double x = (double)rank + 1;
