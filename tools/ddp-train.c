@@ -1,7 +1,10 @@
 /* ddp-train: trains one of the seeds' models from the command line — the
  * dataset, the loader, the model, the optimizer and an optional StepLR —
  * with progress on stderr, an optional JSON-lines log and a JSON summary.
- * Tools are the only code that calls exit(). */
+ * Under a launcher (ddprun, torchrun's variables, srun, mpirun) it trains
+ * data-parallel: tools/train/world.c joins the group, the DDP wrapper
+ * averages gradients, and rank 0 reports. Tools are the only code that calls
+ * exit(). */
 #include <cblas.h>
 #include <errno.h>
 #include <float.h>
@@ -15,6 +18,8 @@
 #include "ddp/data.h"
 #include "ddp/nn.h"
 #include "ddp/optim.h"
+#include "ddp/parallel.h"
+#include "train/world.h"
 
 #define DEFAULT_DATA "/usr/share/datasets/fashion-mnist"
 
@@ -35,7 +40,9 @@ typedef struct train_args {
   double gamma;
   uint64_t seed;
   int threads;
-  int workers;
+  int workers;            /* -1 = automatic (see default_workers) */
+  bool sync_bn;
+  const char *dump_state; /* NULL unless given */
   int64_t eval_every;     /* 0 = at the end of each epoch and of training */
   int64_t patience;       /* 0 = never stop early */
   const char *log_path;
@@ -59,7 +66,8 @@ static void usage(FILE *f) {
 "                       models, toydata for headtail, regression for toy\n"
 "  --samples N          size of a synthetic training set (toydata 1048576, regression 1024)\n"
 "  --batch-size N       samples per step (default 100)\n"
-"  --workers N          loader threads preparing batches ahead (default 1; 0 = inline)\n"
+"  --workers N          loader threads preparing batches ahead (0 = inline; default 1, or\n"
+"                       0 when the ranks on this host already fill its cores)\n"
 "Training\n"
 "  --epochs N           passes over the training set (default 1)\n"
 "  --max-steps N        stop after N optimizer steps in total (default 0: no limit)\n"
@@ -71,7 +79,12 @@ static void usage(FILE *f) {
 "  --step-size N        epochs between lr changes (default 1)\n"
 "  --gamma X            lr factor (default 0.1)\n"
 "  --seed N             seeds the weights, the shuffle and dropout (default 1)\n"
-"  --threads N          BLAS threads (default 1)\n"
+"  --threads N          BLAS threads per process (default 1)\n"
+"Data parallel (automatic under ddprun, torchrun's variables, srun or mpirun)\n"
+"  --sync-bn            BatchNorm statistics over the whole global batch (SyncBatchNorm)\n"
+"  --dump-state PATH    after training, write every state-dict tensor as text lines\n"
+"                       'name numel v0 v1 ...' to PATH ({rank} in PATH: every rank writes\n"
+"                       its own file; otherwise rank 0 only). For comparing runs\n"
 "Evaluation and output\n"
 "  --eval-every N       evaluate on the test set every N steps (default 0: at the end\n"
 "                       of each epoch and of training)\n"
@@ -85,7 +98,12 @@ static void usage(FILE *f) {
 "\n"
 "Progress (loss, samples/s, ETA) goes to stderr: a bar on a terminal, a line every few\n"
 "seconds otherwise. Example:\n"
-"  ddp-train --model convnet --epochs 3 --lr 0.01 --momentum 0.9 --json\n");
+"  ddp-train --model convnet --epochs 3 --lr 0.01 --momentum 0.9 --json\n"
+"\n"
+"Under a launcher every rank trains on its shard of each epoch (DistributedSampler);\n"
+"--batch-size is per rank, gradients are averaged over the ranks, the test set is split\n"
+"without padding, and rank 0 prints losses, accuracy and samples/s of all ranks:\n"
+"  ddprun --nproc-per-node 2 ddp-train --model convnet --epochs 3 --momentum 0.9\n");
 }
 
 static _Noreturn void die_usage(const char *fmt, const char *arg) {
@@ -95,8 +113,11 @@ static _Noreturn void die_usage(const char *fmt, const char *arg) {
   exit(2);
 }
 
+/* "rank R: " in messages once data-parallel (set by main), "" otherwise. */
+static char rank_tag[32];
+
 static _Noreturn void die(const char *what, ddp_status s) {
-  fprintf(stderr, "ddp-train: error: %s: %s\n", what,
+  fprintf(stderr, "ddp-train: %serror: %s: %s\n", rank_tag, what,
           ddp_last_error()[0] ? ddp_last_error() : ddp_strerror(s));
   exit(1);
 }
@@ -134,7 +155,7 @@ static double parse_double(const char *flag, const char *v) {
 static void parse_args(int argc, char **argv, train_args *a) {
   *a = (train_args){.model = "convnet", .epochs = 1, .batch_size = 100, .lr = NAN,
                     .optimizer = "sgd", .step_size = 1, .gamma = 0.1, .seed = 1,
-                    .threads = 1, .workers = 1};
+                    .threads = 1, .workers = -1};
   for (int i = 1; i < argc; i++) {
     const char *f = argv[i];
     if (!strcmp(f, "-h") || !strcmp(f, "--help")) {
@@ -145,12 +166,16 @@ static void parse_args(int argc, char **argv, train_args *a) {
       a->json = true;
       continue;
     }
+    if (!strcmp(f, "--sync-bn") || !strcmp(f, "--sync_bn")) {
+      a->sync_bn = true;
+      continue;
+    }
     /* Every other option takes a value, as "--opt V" or "--opt=V". */
     static const char *const valued[] = {
         "--model", "--activation", "--data", "--samples", "--epochs", "--max-steps",
         "--batch-size", "--lr", "--optimizer", "--momentum", "--weight-decay", "--scheduler",
         "--step-size", "--gamma", "--seed", "--threads", "--workers", "--eval-every",
-        "--patience", "--log"};
+        "--patience", "--log", "--dump-state"};
     char name[64];
     const char *eq = strchr(f, '=');
     size_t len = eq ? (size_t)(eq - f) : strlen(f);
@@ -190,6 +215,7 @@ static void parse_args(int argc, char **argv, train_args *a) {
     else if (!strcmp(name, "--eval-every")) a->eval_every = parse_int(name, v, 0);
     else if (!strcmp(name, "--patience")) a->patience = parse_int(name, v, 0);
     else if (!strcmp(name, "--log")) a->log_path = v;
+    else if (!strcmp(name, "--dump-state")) a->dump_state = v;
     else die_usage("unknown option '%s'", f);
   }
   if (a->scheduler && strcmp(a->scheduler, "step") && strcmp(a->scheduler, "none"))
@@ -252,7 +278,11 @@ typedef struct eval_result {
   double accuracy; /* fraction correct; NAN for regression */
 } eval_result;
 
-static eval_result evaluate(ddp_model *model, ddp_tape *tape, ddp_loader *loader) {
+/* Every rank evaluates its part of the test set (the evaluation sampler: no
+ * padding), then the sums are reduced once, so the result counts every test
+ * sample exactly once and is the same on every rank. */
+static eval_result evaluate(ddp_model *model, ddp_tape *tape, ddp_loader *loader,
+                            const train_world *world) {
   eval_result r = {0, NAN};
   bool classify = ddp_model_loss_kind(model) != DDP_LOSS_MSE;
   double loss_sum = 0;
@@ -285,8 +315,10 @@ static eval_result evaluate(ddp_model *model, ddp_tape *tape, ddp_loader *loader
   ddp_tape_reset(tape);
   ddp_tape_set_grad_enabled(tape, true);
   ddp_model_train(model, true);
-  r.loss = seen ? loss_sum / (double)seen : NAN;
-  if (classify && seen) r.accuracy = (double)correct / (double)seen;
+  double sums[3] = {loss_sum, (double)correct, (double)seen}; /* exact in float64 */
+  CHECK(train_world_sum(world, sums, 3), "reducing the test metrics over the ranks");
+  r.loss = sums[2] > 0 ? sums[0] / sums[2] : NAN;
+  if (classify && sums[2] > 0) r.accuracy = sums[1] / sums[2];
   return r;
 }
 
@@ -301,6 +333,7 @@ static void json_number(FILE *f, const char *key, double v, bool comma) {
 }
 
 typedef struct progress {
+  bool quiet; /* ranks other than 0 */
   bool tty;
   double last_print;
   double started;
@@ -326,6 +359,7 @@ static void format_eta(double seconds, char *buf, size_t n) {
 
 static void show_progress(progress *p, int64_t step, int64_t epoch, int64_t epochs, double loss,
                           double rate, double train_seconds, bool force) {
+  if (p->quiet) return;
   double now = ddp_time_s();
   double interval = p->tty ? 0.2 : 5.0;
   if (!force && now - p->last_print < interval) return;
@@ -352,7 +386,7 @@ static void show_progress(progress *p, int64_t step, int64_t epoch, int64_t epoc
 }
 
 static void end_progress_line(progress *p) {
-  if (p->tty) fputc('\n', stderr);
+  if (p->tty && !p->quiet) fputc('\n', stderr);
 }
 
 /* Early stopping: --patience K evaluations in a row without a better test loss. */
@@ -387,16 +421,61 @@ static ddp_optim_kind optimizer_kind(const char *name) {
   die_usage("--optimizer expects sgd, adam or adadelta, got '%s'", name);
 }
 
+/* Writes every state-dict tensor as a line "name numel v0 v1 ..." (%.9g:
+ * float32 round-trips) to a temporary name, then renames it. With "{rank}" in
+ * `pattern` every rank writes its own file, otherwise rank 0 only. */
+static void dump_state(const ddp_model *model, const char *pattern, int rank) {
+  const char *mark = strstr(pattern, "{rank}");
+  if (!mark && rank != 0) return;
+  char path[4096], tmp[4200];
+  if (mark)
+    snprintf(path, sizeof path, "%.*s%d%s", (int)(mark - pattern), pattern, rank, mark + 6);
+  else
+    snprintf(path, sizeof path, "%s", pattern);
+  snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
+  FILE *f = fopen(tmp, "w");
+  if (!f) {
+    fprintf(stderr, "ddp-train: %serror: cannot write %s: %s\n", rank_tag, tmp, strerror(errno));
+    exit(1);
+  }
+  for (int i = 0; i < ddp_model_state_count(model); i++) {
+    ddp_state_entry e;
+    CHECK(ddp_model_state_entry(model, i, &e), "listing the state dict");
+    fprintf(f, "%s %lld", e.name, (long long)e.numel);
+    for (int64_t k = 0; k < e.numel; k++) {
+      if (e.dtype == DDP_INT64) fprintf(f, " %lld", (long long)((const int64_t *)e.data)[k]);
+      else fprintf(f, " %.9g", (double)((const float *)e.data)[k]);
+    }
+    fputc('\n', f);
+  }
+  if (fflush(f) != 0 || fsync(fileno(f)) != 0 || fclose(f) != 0 || rename(tmp, path) != 0) {
+    fprintf(stderr, "ddp-train: %serror: writing %s: %s\n", rank_tag, path, strerror(errno));
+    exit(1);
+  }
+}
+
 int main(int argc, char **argv) {
   train_args a;
   parse_args(argc, argv, &a);
   openblas_set_num_threads(a.threads);
+
+  /* Data parallel when a launcher says so (tools/train/world.c). */
+  train_world world;
+  CHECK(train_world_init(&world), "starting data-parallel training");
+  if (world.pg) snprintf(rank_tag, sizeof rank_tag, "rank %d: ", world.rank);
+  bool lead = world.rank == 0; /* prints progress, the log and the summary */
+  /* Loader threads only where cores are left over: with as many ranks on
+   * this host as cores, a loader thread per rank would steal compute. */
+  if (a.workers < 0) a.workers = 2 * world.local_size <= train_world_cpus() ? 1 : 0;
 
   ddp_model *model;
   CHECK(ddp_model_build(a.model, a.activation, a.seed, &model), "building the model");
   ddp_dataset *train_ds, *test_ds;
   open_datasets(&a, &train_ds, &test_ds);
   check_shapes(model, train_ds, a.model);
+  /* SyncBatchNorm needs a group; with one process it is BatchNorm itself. */
+  if (a.sync_bn && world.pg)
+    CHECK(ddp_model_convert_sync_batchnorm(model, world.pg), "converting to SyncBatchNorm");
 
   ddp_optim_kind kind = optimizer_kind(a.optimizer);
   ddp_optim_options oo = ddp_optim_defaults(kind);
@@ -418,10 +497,19 @@ int main(int argc, char **argv) {
     so.last_epoch = -1;
     CHECK(ddp_scheduler_create_step_lr(&sched, opt, &so), "creating StepLR");
   }
+  /* The DDP wrapper: rank 0's parameters everywhere, gradients averaged. */
+  ddp_dp *dp = NULL;
+  if (world.pg) {
+    ddp_dp_options dpo = ddp_dp_defaults();
+    CHECK(ddp_dp_create(&dp, model, world.pg, &dpo), "wrapping the model for data parallelism");
+    ddp_dp_set_optimizer(dp, opt);
+  }
 
-  /* PyTorch's DistributedSampler (one replica for now): each epoch is
-   * torch.randperm(N) from a generator seeded with --seed + epoch. */
-  ddp_distributed_sampler_options so = ddp_distributed_sampler_defaults(1, 0);
+  /* PyTorch's DistributedSampler: each epoch is torch.randperm(N) from a
+   * generator seeded with --seed + epoch, padded to a multiple of the world
+   * size (drop_last false) and dealt out to the ranks in turn; the test set
+   * is dealt out without padding. */
+  ddp_distributed_sampler_options so = ddp_distributed_sampler_defaults(world.size, world.rank);
   so.seed = a.seed;
   ddp_sampler *train_sampler;
   CHECK(ddp_sampler_create_distributed(&train_sampler, ddp_dataset_size(train_ds), &so),
@@ -432,16 +520,21 @@ int main(int argc, char **argv) {
   lc.num_workers = a.workers;
   ddp_loader *train_loader, *test_loader;
   CHECK(ddp_loader_create(&train_loader, train_ds, &lc), "creating the training loader");
+  ddp_sampler *test_sampler;
+  CHECK(ddp_sampler_create_distributed_eval(&test_sampler, ddp_dataset_size(test_ds), world.size,
+                                            world.rank),
+        "creating the test sampler");
   ddp_loader_config tc = ddp_loader_config_default();
   tc.batch_size = a.batch_size > 1000 ? a.batch_size : 1000;
   tc.num_workers = a.workers;
+  tc.sampler = test_sampler;
   CHECK(ddp_loader_create(&test_loader, test_ds, &tc), "creating the test loader");
 
   ddp_tape *tape;
   CHECK(ddp_tape_create(&tape, 16 << 20), "creating the tape");
 
   FILE *log = NULL;
-  if (a.log_path) {
+  if (a.log_path && lead) {
     log = fopen(a.log_path, "w");
     if (!log) {
       fprintf(stderr, "ddp-train: error: cannot write the log %s: %s\n", a.log_path,
@@ -452,7 +545,7 @@ int main(int argc, char **argv) {
   }
 
   int64_t per_epoch = ddp_loader_num_batches(train_loader);
-  progress prog = {.tty = isatty(STDERR_FILENO), .started = ddp_time_s()};
+  progress prog = {.quiet = !lead, .tty = isatty(STDERR_FILENO), .started = ddp_time_s()};
   prog.total_steps = a.epochs * per_epoch;
   if (a.max_steps && a.max_steps < prog.total_steps) prog.total_steps = a.max_steps;
 
@@ -481,19 +574,28 @@ int main(int argc, char **argv) {
       ddp_tensor *out, *loss;
       ddp_tape_reset(tape);
       ddp_model_zero_grad(model);
-      CHECK(ddp_model_forward(model, tape, &b.x, &out), "forward");
+      if (dp) CHECK(ddp_dp_forward(dp, tape, &b.x, &out), "forward");
+      else CHECK(ddp_model_forward(model, tape, &b.x, &out), "forward");
       CHECK(ddp_model_loss(model, tape, out, &b.y, &loss), "loss");
-      CHECK(ddp_backward(tape, loss), "backward");
+      /* The loss of the global batch: its reduction runs while backward does. */
+      double loss_sums[2] = {(double)ddp_tensor_f32(loss)[0] * (double)b.size, (double)b.size};
+      ddp_work *loss_work;
+      CHECK(train_world_sum_start(&world, loss_sums, 2, &loss_work), "reducing the loss");
+      if (dp) CHECK(ddp_dp_backward(dp, tape, loss), "backward");
+      else CHECK(ddp_backward(tape, loss), "backward");
       CHECK(ddp_optimizer_step(opt), "optimizer step");
+      CHECK(train_world_sum_finish(&loss_work), "reducing the loss");
       train_seconds += ddp_time_s() - t0;
-      loss_value = ddp_tensor_f32(loss)[0];
-      if (!isfinite(loss_value)) {
-        fprintf(stderr, "\nddp-train: error: the loss became %f at step %lld (epoch %lld); "
-                        "try a smaller --lr\n", loss_value, (long long)step + 1, (long long)epoch + 1);
+      loss_value = (float)(loss_sums[0] / loss_sums[1]);
+      if (!isfinite(loss_value)) { /* the same value on every rank: all stop here */
+        if (lead)
+          fprintf(stderr, "\nddp-train: error: the loss became %f at step %lld (epoch %lld); "
+                          "try a smaller --lr\n", loss_value, (long long)step + 1,
+                  (long long)epoch + 1);
         exit(1);
       }
       step++;
-      samples += b.size;
+      samples += (int64_t)loss_sums[1]; /* every rank's samples */
       epoch_steps++;
       epoch_loss_sum += loss_value;
       all_loss_sum += loss_value;
@@ -509,7 +611,7 @@ int main(int argc, char **argv) {
 
       evaluated_now = false;
       if (a.eval_every && step % a.eval_every == 0) {
-        last_eval = evaluate(model, tape, test_loader);
+        last_eval = evaluate(model, tape, test_loader, &world);
         evaluated_now = true;
         if (record_eval(&pat, log, last_eval, step, epoch)) {
           stop = true;
@@ -521,21 +623,23 @@ int main(int argc, char **argv) {
     if (sched && epoch_steps == per_epoch) CHECK(ddp_scheduler_step(sched), "StepLR");
     /* --eval-every 0: evaluate at the end of each epoch (and of training). */
     if (!a.eval_every && !evaluated_now && epoch_steps > 0) {
-      last_eval = evaluate(model, tape, test_loader);
+      last_eval = evaluate(model, tape, test_loader, &world);
       evaluated_now = true;
       show_progress(&prog, step, epoch, a.epochs, loss_value,
                     per_second(samples, train_seconds), train_seconds, true);
       end_progress_line(&prog);
-      fprintf(stderr, "epoch %lld: test loss %.4f", (long long)epoch + 1, last_eval.loss);
-      if (!isnan(last_eval.accuracy))
-        fprintf(stderr, ", test accuracy %.2f%%", 100 * last_eval.accuracy);
-      fputc('\n', stderr);
+      if (lead) {
+        fprintf(stderr, "epoch %lld: test loss %.4f", (long long)epoch + 1, last_eval.loss);
+        if (!isnan(last_eval.accuracy))
+          fprintf(stderr, ", test accuracy %.2f%%", 100 * last_eval.accuracy);
+        fputc('\n', stderr);
+      }
       if (record_eval(&pat, log, last_eval, step, epoch)) stop = true;
     }
   }
   /* The end of training is always evaluated. */
   if (!evaluated_now && step > 0) {
-    last_eval = evaluate(model, tape, test_loader);
+    last_eval = evaluate(model, tape, test_loader, &world);
     record_eval(&pat, log, last_eval, step, epochs_done);
   }
   end_progress_line(&prog);
@@ -546,11 +650,16 @@ int main(int argc, char **argv) {
                                        : (epoch_steps ? epoch_loss_sum / (double)epoch_steps
                                                       : NAN);
   double epochs_fraction = per_epoch ? (double)step / (double)per_epoch : 0;
-  fprintf(stderr, "trained %lld steps (%.2f epochs) at %.0f samples/s; test loss %.4f", (long long)step,
-          epochs_fraction, rate, last_eval.loss);
-  if (!isnan(last_eval.accuracy)) fprintf(stderr, ", test accuracy %.2f%%", 100 * last_eval.accuracy);
-  fputc('\n', stderr);
-  if (a.json) {
+  if (lead) {
+    fprintf(stderr, "trained %lld steps (%.2f epochs) at %.0f samples/s", (long long)step,
+            epochs_fraction, rate);
+    if (world.size > 1) fprintf(stderr, " on %d ranks", world.size);
+    fprintf(stderr, "; test loss %.4f", last_eval.loss);
+    if (!isnan(last_eval.accuracy))
+      fprintf(stderr, ", test accuracy %.2f%%", 100 * last_eval.accuracy);
+    fputc('\n', stderr);
+  }
+  if (a.json && lead) {
     printf("{");
     json_number(stdout, "samples_per_s", rate, true);
     json_number(stdout, "train_loss", train_loss, true);
@@ -558,21 +667,27 @@ int main(int argc, char **argv) {
     json_number(stdout, "test_accuracy", last_eval.accuracy, true);
     printf("\"steps\": %lld, ", (long long)step);
     json_number(stdout, "epochs", epochs_fraction, true);
-    printf("\"world_size\": 1, \"model\": \"%s\", \"optimizer\": \"%s\"}\n", a.model, a.optimizer);
+    printf("\"world_size\": %d, \"model\": \"%s\", \"optimizer\": \"%s\"}\n", world.size, a.model,
+           a.optimizer);
   }
   if (log && fclose(log) != 0) {
     fprintf(stderr, "ddp-train: error: writing the log %s: %s\n", a.log_path, strerror(errno));
     exit(1);
   }
 
+  if (a.dump_state) dump_state(model, a.dump_state, world.rank);
+
+  ddp_dp_destroy(dp);
   ddp_tape_destroy(tape);
   ddp_loader_destroy(test_loader);
   ddp_loader_destroy(train_loader);
+  ddp_sampler_destroy(test_sampler);
   ddp_sampler_destroy(train_sampler);
   ddp_scheduler_destroy(sched);
   ddp_optimizer_destroy(opt);
   ddp_dataset_destroy(test_ds);
   ddp_dataset_destroy(train_ds);
   ddp_model_destroy(model);
+  train_world_destroy(&world);
   return 0;
 }

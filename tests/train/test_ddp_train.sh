@@ -14,7 +14,7 @@ py() { /usr/bin/python3 -c "$@"; }
 help=$("$bin" --help)
 for flag in --model --activation --data --epochs --max-steps --batch-size --lr --optimizer \
             --momentum --weight-decay --scheduler --step-size --gamma --seed --threads --workers \
-            --eval-every --patience --log --json --help; do
+            --eval-every --patience --log --json --sync-bn --dump-state --help; do
   check "--help documents $flag" 'grep -q -- "$flag" <<<"$help"'
 done
 

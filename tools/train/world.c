@@ -1,0 +1,81 @@
+/* ddp-train's process group: detection of a launcher from the environment,
+ * env:// init, and the float64 sums the trainer reduces (docs/training.md,
+ * "Data parallel"). */
+#include "train/world.h"
+
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* A variable holding an integer above one. Malformed values are left to the
+ * rendezvous, which names them; here they only mean "asked". */
+static bool above_one(const char *name) {
+  const char *v = getenv(name);
+  if (!v || !*v) return false;
+  char *end;
+  long n = strtol(v, &end, 10);
+  return *end != '\0' || n > 1;
+}
+
+const char *train_world_requested(void) {
+  const char *v = getenv("DDP_STORE_ADDR");
+  if (v && *v) return "DDP_STORE_ADDR";
+  static const char *const sizes[] = {"WORLD_SIZE", "SLURM_STEP_NUM_TASKS",
+                                      "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"};
+  for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++)
+    if (above_one(sizes[i])) return sizes[i];
+  return NULL;
+}
+
+ddp_status train_world_sum_start(const train_world *w, double *values, int n, ddp_work **work) {
+  *work = NULL;
+  if (!w->pg || w->size == 1) return DDP_OK;
+  return ddp_allreduce_async(w->pg, values, (size_t)n, DDP_FLOAT64, DDP_REDUCE_SUM, work);
+}
+
+ddp_status train_world_sum_finish(ddp_work **work) {
+  if (!*work) return DDP_OK;
+  ddp_status s = ddp_work_wait(*work, -1);
+  ddp_work_free(*work);
+  *work = NULL;
+  return s;
+}
+
+int train_world_cpus(void) {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+  long n = sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? (int)n : 1;
+}
+
+ddp_status train_world_init(train_world *w) {
+  *w = (train_world){.rank = 0, .size = 1, .local_size = 1};
+  w->source = train_world_requested();
+  if (!w->source) return DDP_OK;
+  ddp_status s = ddp_init_process_group("env://", NULL, NULL, &w->pg);
+  if (s != DDP_OK)
+    return ddp_error_wrap(s, "joining the process group (%s is set, so ddp-train trains "
+                             "data-parallel)", w->source);
+  w->rank = ddp_process_group_rank(w->pg);
+  w->size = ddp_process_group_size(w->pg);
+  int64_t local = w->size;
+  if (ddp_env_int("LOCAL_WORLD_SIZE", w->size, &local) != DDP_OK || local < 1) local = w->size;
+  w->local_size = (int)local;
+  ddp_log_set_rank(w->rank);
+  return DDP_OK;
+}
+
+ddp_status train_world_sum(const train_world *w, double *values, int n) {
+  if (!w->pg || w->size == 1) return DDP_OK;
+  return ddp_allreduce(w->pg, values, (size_t)n, DDP_FLOAT64, DDP_REDUCE_SUM);
+}
+
+void train_world_destroy(train_world *w) {
+  if (!w->pg) return;
+  /* Rank 0 may host the store the others still talk to: leave together. A
+   * failed barrier (a peer already gone) changes nothing here. */
+  (void)ddp_barrier(w->pg);
+  ddp_process_group_destroy(w->pg);
+  w->pg = NULL;
+}

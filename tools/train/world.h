@@ -1,0 +1,51 @@
+/* The data-parallel side of ddp-train: whether the environment asks for
+ * several processes, the process group, and the few reductions the trainer
+ * needs (loss, accuracy and counts summed over ranks). Kept apart from
+ * ddp-train.c so the training loop reads the same with one rank or many. */
+#ifndef DDP_TOOLS_TRAIN_WORLD_H
+#define DDP_TOOLS_TRAIN_WORLD_H
+
+#include <stdbool.h>
+#include <stdio.h>
+
+#include "ddp/ddp.h"
+
+typedef struct train_world {
+  ddp_process_group *pg; /* NULL: one process, no collectives */
+  int rank;              /* 0 when pg is NULL */
+  int size;              /* 1 when pg is NULL */
+  int local_size;        /* ranks on this host (LOCAL_WORLD_SIZE, else size) */
+  const char *source;    /* the variable that asked for data parallelism, or NULL */
+} train_world;
+
+/* The name of the variable that asks for data parallelism, NULL when none
+ * does: a ddp launcher's store (DDP_STORE_ADDR), or a world size above one
+ * from torchrun's (WORLD_SIZE), an srun step's (SLURM_STEP_NUM_TASKS) or an
+ * MPI launcher's variables (OMPI_COMM_WORLD_SIZE, PMI_SIZE). A sbatch
+ * script's own environment (SLURM_NTASKS without a step) is not asking:
+ * there ddp-train runs as one process unless started with srun or ddprun. */
+const char *train_world_requested(void);
+
+/* Fills *w for one process, or, when train_world_requested(), joins the
+ * process group (env://) and fills rank and size. Errors carry
+ * ddp_last_error(). */
+ddp_status train_world_init(train_world *w);
+
+/* Sums values[0..n) over the ranks in place (float64); nothing with one
+ * process. Collective: every rank calls it at the same point. */
+ddp_status train_world_sum(const train_world *w, double *values, int n);
+
+/* The same, overlapping other work: starts the sum (values must stay put)
+ * and sets *work (NULL with one process); train_world_sum_finish waits for it
+ * (the group's timeout) and frees it. */
+ddp_status train_world_sum_start(const train_world *w, double *values, int n, ddp_work **work);
+ddp_status train_world_sum_finish(ddp_work **work);
+
+/* Logical CPUs this process may run on (sched_getaffinity), at least 1. */
+int train_world_cpus(void);
+
+/* Waits for every rank (so rank 0, which may host the store, leaves last)
+ * and frees the group. Safe on a single-process world. */
+void train_world_destroy(train_world *w);
+
+#endif /* DDP_TOOLS_TRAIN_WORLD_H */
