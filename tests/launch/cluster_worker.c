@@ -8,6 +8,8 @@
  *
  *   ok rank 2/4 local 2/4 source slurm master vm:16234 host 0/1 sum 10
  *
+ * (with " run <TORCHELASTIC_RUN_ID>" appended under ddprun).
+ *
  * Usage: cluster_worker --source env|slurm|mpi --world N [--local-world N]
  * (what the test expects; --local-world is checked when given). */
 #include <stdio.h>
@@ -96,11 +98,14 @@ static int run(ddp_rendezvous_info *info, const char *source, int world, int loc
   }
   /* No rank tears down its transport while a peer may still read from it. */
   if (!bad && ddp_barrier(pg) != DDP_OK) bad = fail(ddp_last_error());
+  /* Under ddprun, its run id ("slurm-<job id>" when it read the allocation). */
+  const char *run_id = getenv("TORCHELASTIC_RUN_ID");
   if (!bad)
-    printf("ok rank %d/%d local %d/%d source %s master %s:%d host %d/%d sum %g\n", (int)info->rank,
-           (int)info->world_size, (int)info->local_rank, (int)info->local_world_size, got,
-           info->master_addr, (int)info->master_port, (int)info->host_index, (int)info->num_hosts,
-           x[0]);
+    printf("ok rank %d/%d local %d/%d source %s master %s:%d host %d/%d sum %g%s%s\n",
+           (int)info->rank, (int)info->world_size, (int)info->local_rank,
+           (int)info->local_world_size, got, info->master_addr, (int)info->master_port,
+           (int)info->host_index, (int)info->num_hosts, x[0], run_id ? " run " : "",
+           run_id ? run_id : "");
   fflush(stdout);
   if (bad) ddp_process_group_abort(pg);
   ddp_process_group_destroy(pg);

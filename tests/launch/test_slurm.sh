@@ -8,7 +8,7 @@
 #   sbatch examples/slurm/job.sbatch     : the example, DDP_LAUNCH=srun
 #   sbatch --wait ddprun --nproc-per-node 2 (no --nnodes/--node-rank): ddprun
 #                                          derives the world from the allocation
-#                                          (only once ddprun is built)
+#   examples/slurm/job.sbatch            : DDP_LAUNCH=ddprun and seed as well
 # Every worker checks its rank's source and an allreduce against a closed
 # form and exits non-zero otherwise; this script checks the exit codes and
 # that every rank printed its "ok" line. SKIP (77) when not root or Slurm
@@ -22,6 +22,7 @@ src=${DDP_SOURCE_DIR:?set DDP_SOURCE_DIR to the source tree}
 worker=${DDP_TEST_BIN_DIR:?set DDP_TEST_BIN_DIR to the build tests directory}/cluster_worker
 ddprun=${DDP_BIN_DIR:?set DDP_BIN_DIR to the build bin directory}/ddprun
 [ -x "$worker" ] || fail "$worker is not built"
+[ -x "$ddprun" ] || fail "$ddprun is not built"
 [ "$(id -u)" = 0 ] || skip "needs root to run slurmd"
 
 tmp=$(mktemp -d)
@@ -47,14 +48,23 @@ eval "$("$src/scripts/slurm-cluster.sh" env "$cluster")"
 host=$(hostname -s)
 echo "cluster up in $((SECONDS - t0)) s ($cluster)"
 
-# check_ok FILE N JOBID: N distinct "ok rank r/N" lines, master host:port as
-# Slurm's contract says (the first node, 15000 + job id mod 20000).
+# check_ok FILE N KIND JOBID: N distinct "ok rank r/N" lines, each showing
+# what KIND of launch must give:
+#   slurm   source slurm, master <first node>:<15000 + job id % 20000>
+#   ddprun  source env (ddprun's RANK...), run id slurm-<job id>: ddprun read
+#           the allocation (it was given no --nnodes / --node-rank)
+#   seed    source env, master <first node>:<15000 + job id % 20000>, which
+#           job.sbatch passed to launch.sh and launch.sh to ddprun
 check_ok() {
-  local file=$1 n=$2 job=$3 r want_port
-  want_port=$((15000 + job % 20000))
+  local file=$1 n=$2 kind=$3 job=$4 r want
+  case "$kind" in
+    slurm) want=" source slurm master $host:$((15000 + job % 20000)) " ;;
+    ddprun) want=" source env .* run slurm-$job\$" ;;
+    seed) want=" source env master $host:$((15000 + job % 20000)) " ;;
+  esac
   for r in $(seq 0 $((n - 1))); do
-    grep -q "^ok rank $r/$n .* master $host:$want_port " "$file" ||
-      fail "no 'ok rank $r/$n ... master $host:$want_port' line in: $(cat "$file")"
+    grep -q "^ok rank $r/$n .*$want" "$file" ||
+      fail "no 'ok rank $r/$n ...$want' line in: $(cat "$file")"
   done
   [ "$(grep -c '^ok rank' "$file")" = "$n" ] || fail "expected $n ok lines: $(cat "$file")"
 }
@@ -69,7 +79,7 @@ rc=$?
 [ $rc = 0 ] || fail "srun exited $rc: $(cat "$tmp/srun.out" "$tmp/srun.err")"
 job=$(sed -n 's/^job \([0-9]*\)$/\1/p' "$tmp/srun.out")
 [ -n "$job" ] || fail "no job id in the srun output: $(cat "$tmp/srun.out")"
-check_ok "$tmp/srun.out" 4 "$job"
+check_ok "$tmp/srun.out" 4 slurm "$job"
 echo "srun -n 4: 4 ranks rendezvoused from SLURM_* and reduced right ($((SECONDS - t)) s)"
 
 # ---- batch jobs, submitted together (each sbatch --wait polls every 2 s) ---
@@ -85,16 +95,17 @@ submit() {
     --output="$tmp/$name-%j.out" "$@") >"$tmp/$name.sbatch.out" 2>"$tmp/$name.sbatch.err" &
   sbatch_pid[$name]=$!
 }
-# collect NAME N WHAT: the job exited 0 and all N ranks printed their ok line.
+# collect NAME N KIND WHAT: the job exited 0 and all N ranks printed their
+# ok line (check_ok's KIND).
 collect() {
-  local name=$1 n=$2 what=$3 rc job out
+  local name=$1 n=$2 kind=$3 what=$4 rc job out
   wait "${sbatch_pid[$name]}"
   rc=$?
   job=$(head -1 "$tmp/$name.sbatch.out" | cut -d';' -f1)
   out="$tmp/$name-$job.out"
   [ $rc = 0 ] || fail "$what: sbatch --wait exited $rc: $(cat "$tmp/$name.sbatch.err" "$out" 2>/dev/null)"
   [ -f "$out" ] || fail "$what: no job output $out"
-  check_ok "$out" "$n" "$job"
+  check_ok "$out" "$n" "$kind" "$job"
   echo "$what: job $job, $n ranks rendezvoused and reduced right ($((SECONDS - t)) s)"
 }
 t=$SECONDS
@@ -114,7 +125,27 @@ submit job "$tmp/job.sh"
 DDP_LAUNCH=srun submit example_srun --nodes=1 --ntasks-per-node=4 --cpus-per-task=1 \
   examples/slurm/job.sbatch "$worker" --source slurm --world 4 --local-world 4
 
-collect job 4 "sbatch --wait job.sh (srun inside)"
-collect example_srun 4 "examples/slurm/job.sbatch, DDP_LAUNCH=srun"
+# ddprun in the batch step itself, with no --nnodes / --node-rank: it must
+# derive one node, node rank 0 and the master from SLURM_* (run id slurm-<job>).
+cat >"$tmp/ddprun_job.sh" <<EOF
+#!/bin/bash
+#SBATCH --job-name=ddp-test-ddprun
+#SBATCH --ntasks=1
+#SBATCH --cpus-per-task=2
+"$ddprun" --nproc-per-node 2 "$worker" --source env --world 2 --local-world 2
+EOF
+submit ddprun "$tmp/ddprun_job.sh"
+# The example's two ddprun paths (DDP_BIN: where the example finds ddprun): srun starts one ddprun per node (default),
+# and seed 000's loop of launch.sh with the world spelled out.
+for mode in ddprun seed; do
+  DDP_LAUNCH=$mode DDP_BIN=$(dirname "$ddprun") submit "example_$mode" --nodes=1 --ntasks-per-node=1 --cpus-per-task=2 \
+    examples/slurm/job.sbatch "$worker" --source env --world 2 --local-world 2
+done
+
+collect job 4 slurm "sbatch --wait job.sh (srun inside)"
+collect example_srun 4 slurm "examples/slurm/job.sbatch, DDP_LAUNCH=srun"
+collect ddprun 2 ddprun "sbatch: ddprun --nproc-per-node 2, world from SLURM_*"
+collect example_ddprun 2 ddprun "examples/slurm/job.sbatch, DDP_LAUNCH=ddprun (srun ddprun)"
+collect example_seed 2 seed "examples/slurm/job.sbatch, DDP_LAUNCH=seed (launch.sh)"
 
 echo "PASS (all cases in $((SECONDS - t0)) s, cluster bring-up included)"
