@@ -145,7 +145,9 @@ ddp_status ddp_dp_finalize_backward(ddp_dp *dp);
  * rank has joined, then every rank takes the final parameters and buffers
  * from the last rank to join. Gradients are divided by the initial world
  * size when divide_by_initial_world_size (PyTorch's default), else by the
- * number of ranks still training in that iteration. */
+ * number of ranks still training in that iteration. A model converted to
+ * SyncBatchNorm cannot join (DDP_ERR_UNSUPPORTED from both calls, as
+ * PyTorch documents: a joined rank cannot shadow SyncBN's collectives). */
 ddp_status ddp_dp_join_enable(ddp_dp *dp, bool divide_by_initial_world_size);
 ddp_status ddp_dp_join(ddp_dp *dp);
 

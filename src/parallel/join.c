@@ -31,8 +31,20 @@ ddp_status ddp__dp_join_count(ddp_dp *dp, bool training, bool syncing, int *n_tr
   return DDP_OK;
 }
 
+/* SyncBatchNorm's forward and backward are collectives of their own that a
+ * joined rank cannot shadow (it would have to run the layers' reductions
+ * with zero counts); PyTorch's DDP join documents the same limitation. */
+static ddp_status refuse_sync_batchnorm(ddp_dp *dp, const char *call) {
+  if (!ddp_model_batch_norm_synced(dp->model)) return DDP_OK;
+  return ddp_error(DDP_ERR_UNSUPPORTED,
+                   "ddp: %s: join does not support SyncBatchNorm (a joined rank cannot shadow "
+                   "its collectives); give every rank the same number of batches, or convert "
+                   "back with ddp_model_convert_sync_batchnorm(model, NULL)", call);
+}
+
 ddp_status ddp_dp_join_enable(ddp_dp *dp, bool divide_by_initial_world_size) {
   if (dp->armed) return ddp_error(DDP_ERR_STATE, "ddp: join_enable during a backward");
+  DDP_TRY(refuse_sync_batchnorm(dp, "join_enable"));
   dp->join_enabled = true;
   dp->join_divide_initial = divide_by_initial_world_size;
   return DDP_OK;
@@ -60,6 +72,7 @@ ddp_status ddp_dp_join(ddp_dp *dp) {
     return ddp_error(DDP_ERR_STATE, "ddp: join without join_enable (every rank must call "
                                     "ddp_dp_join_enable before its loop)");
   if (dp->armed) return ddp_error(DDP_ERR_STATE, "ddp: join during a backward");
+  DDP_TRY(refuse_sync_batchnorm(dp, "join"));
   bool last_joiner = true;
   for (;;) {
     int n_training, n_syncing, highest;

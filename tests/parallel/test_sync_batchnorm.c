@@ -649,6 +649,36 @@ static void test_step_allocates_nothing(void **state) {
   assert_int_equal(c.allocations, 0);
 }
 
+/* Join (uneven inputs) cannot shadow SyncBatchNorm's collectives: both
+ * join calls refuse a synced model with an error that says what to do. */
+static void join_rank(ct_rank *self) {
+  ddp_model *model;
+  CT_OK(self, ddp_model_build("convnet", NULL, 1, &model));
+  ddp_dp_options o = ddp_dp_defaults();
+  ddp_dp *dp;
+  CT_OK(self, ddp_dp_create(&dp, model, self->pg, &o));
+  CT_OK(self, ddp_model_convert_sync_batchnorm(model, self->pg));
+  ddp_status s = ddp_dp_join_enable(dp, true);
+  CT_CHECK(self, s == DDP_ERR_UNSUPPORTED, "join_enable on a synced model: %s",
+           ddp_status_name(s));
+  CT_CHECK(self, strstr(ddp_last_error(), "SyncBatchNorm"), "message: %s", ddp_last_error());
+  /* Unsynced it is accepted; synced again, join itself refuses. */
+  CT_OK(self, ddp_model_convert_sync_batchnorm(model, NULL));
+  CT_OK(self, ddp_dp_join_enable(dp, true));
+  CT_OK(self, ddp_model_convert_sync_batchnorm(model, self->pg));
+  s = ddp_dp_join(dp);
+  CT_CHECK(self, s == DDP_ERR_UNSUPPORTED, "join on a synced model: %s", ddp_status_name(s));
+  ddp_dp_destroy(dp);
+  ddp_model_destroy(model);
+}
+
+static void test_join_refuses_sync_batchnorm(void **state) {
+  (void)state;
+  int rc = ct_run(2, TIMEOUT_S, join_rank, NULL);
+  if (rc == 2) skip();
+  assert_int_equal(rc, 0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_two_ranks_equal),
@@ -662,6 +692,7 @@ int main(void) {
       cmocka_unit_test(test_convnet_two_ranks),
       cmocka_unit_test(test_convnet_three_ranks),
       cmocka_unit_test(test_step_allocates_nothing),
+      cmocka_unit_test(test_join_refuses_sync_batchnorm),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
