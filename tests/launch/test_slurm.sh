@@ -9,6 +9,9 @@
 #   sbatch --wait ddprun --nproc-per-node 2 (no --nnodes/--node-rank): ddprun
 #                                          derives the world from the allocation
 #   examples/slurm/job.sbatch            : DDP_LAUNCH=ddprun and seed as well
+#   the example training for real        : ddp-train --model convnet, 20 steps
+#                                          at world 2 under ddprun and under
+#                                          srun: same final train_loss
 # Every worker checks its rank's source and an allreduce against a closed
 # form and exits non-zero otherwise; this script checks the exit codes and
 # that every rank printed its "ok" line. SKIP (77) when not root or Slurm
@@ -142,10 +145,36 @@ for mode in ddprun seed; do
     examples/slurm/job.sbatch "$worker" --source env --world 2 --local-world 2
 done
 
+# Real training through the example: ddp-train (data-parallel) for 20 steps
+# at world 2, once under ddprun and once under plain srun.
+train=(build/bin/ddp-train --model convnet --epochs 1 --max-steps 20 --json)
+[ -n "${DDP_BIN_DIR:-}" ] && train[0]=$DDP_BIN_DIR/ddp-train
+DDP_LAUNCH=ddprun DDP_BIN=$(dirname "$ddprun") submit train_ddprun --nodes=1 \
+  --ntasks-per-node=1 --cpus-per-task=2 examples/slurm/job.sbatch "${train[@]}"
+DDP_LAUNCH=srun submit train_srun --nodes=1 --ntasks-per-node=2 --cpus-per-task=1 \
+  examples/slurm/job.sbatch "${train[@]}"
+
 collect job 4 slurm "sbatch --wait job.sh (srun inside)"
 collect example_srun 4 slurm "examples/slurm/job.sbatch, DDP_LAUNCH=srun"
 collect ddprun 2 ddprun "sbatch: ddprun --nproc-per-node 2, world from SLURM_*"
 collect example_ddprun 2 ddprun "examples/slurm/job.sbatch, DDP_LAUNCH=ddprun (srun ddprun)"
 collect example_seed 2 seed "examples/slurm/job.sbatch, DDP_LAUNCH=seed (launch.sh)"
+
+# The two training jobs: both exited 0, trained at world 2 for 20 steps, and
+# ended with the same loss (same seed, same shards: the launcher must not
+# change the training).
+loss=()
+for name in train_ddprun train_srun; do
+  wait "${sbatch_pid[$name]}" || fail "$name: sbatch --wait failed: $(cat "$tmp/$name".* 2>/dev/null)"
+  job=$(head -1 "$tmp/$name.sbatch.out" | cut -d';' -f1)
+  line=$(grep '"world_size"' "$tmp/$name-$job.out" | tail -1)
+  grep -q '"world_size": 2' <<<"$line" && grep -q '"steps": 20' <<<"$line" ||
+    fail "$name: no world-2, 20-step summary: $(cat "$tmp/$name-$job.out")"
+  loss+=("$(sed -n 's/.*"train_loss": \([^,]*\),.*/\1/p' <<<"$line")")
+done
+[ -n "${loss[0]}" ] && [ "${loss[0]}" = "${loss[1]}" ] ||
+  fail "train_loss differs between ddprun (${loss[0]}) and srun (${loss[1]})"
+echo "examples/slurm/job.sbatch ddp-train --model convnet, 20 steps at world 2:" \
+  "train_loss ${loss[0]} under ddprun and srun ($((SECONDS - t)) s)"
 
 echo "PASS (all cases in $((SECONDS - t0)) s, cluster bring-up included)"
