@@ -56,7 +56,7 @@ printf "ddprun   : all %d past the barrier in %.4f s (median), exited in %.4f s\
 if [ $have_torch = 1 ]; then
   t_bar=$(cut -d' ' -f1 "$tmp/torch" | median)
   t_exit=$(cut -d' ' -f2 "$tmp/torch" | median)
-  version=$("$venv/bin/python" -c 'import torch; print(torch.__version__)')
+  version=$("$venv/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null)
   printf "torchrun : all %d past the barrier in %.4f s (median), exited in %.4f s (torch %s)\n" "$nproc" "$t_bar" "$t_exit" "$version"
   awk -v a="$t_bar" -v b="$d_bar" -v c="$t_exit" -v d="$d_exit" \
     'BEGIN { printf "ratio    : ddprun %.1fx faster to the barrier, %.1fx faster to exit\n", a / b, c / d }'
