@@ -1,6 +1,7 @@
 /* ddprun: the launcher (torchrun's options): starts nproc-per-node workers on
  * this node, hosts ddp's store for them, supervises and restarts them.
  * Everything but the command line and exit() lives in src/launch/. */
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -81,6 +82,9 @@ int main(int argc, char **argv) {
     fprintf(stderr, "ddprun: %s\n", ddp_last_error());
     return 2;
   }
+  /* A console that goes away (ddprun ... | head) must not kill the job; the
+   * workers get SIGPIPE's default action back before they start. */
+  signal(SIGPIPE, SIG_IGN);
   int code = 1;
   if (ddp_launch_run(&cfg, &code) != DDP_OK) {
     fprintf(stderr, "ddprun: %s\n", ddp_last_error());

@@ -153,11 +153,14 @@ ddp_status ddp_launch_run(const ddp_launch_config *cfg_in, int *exit_code) {
   double start = ddp_time_s();
   exec_ctx ctx = {.cfg = &cfg};
   DDP_TRY(log_root(&cfg, ctx.log_root, sizeof ctx.log_root));
-  DDP_TRY(ddp__signals_install());
+  /* The signal pipe only once the nodes have met: until then SIGINT keeps
+   * its default action, so Ctrl-C ends a node rendezvous at once (there are
+   * no workers yet to stop). */
   ddp__agent agent;
-  ddp_status st = ddp__agent_open(&cfg, &agent);
+  DDP_TRY(ddp__agent_open(&cfg, &agent));
+  ddp_status st = ddp__signals_install();
   if (st) {
-    ddp__signals_restore();
+    ddp__agent_close(&agent);
     return st;
   }
   ctx.agent = &agent;

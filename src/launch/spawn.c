@@ -54,12 +54,13 @@ ddp_status ddp_spawn(int32_t nprocs, ddp_spawn_fn fn, void *arg, const ddp_spawn
   cfg.max_restarts = opts.max_restarts;
   snprintf(cfg.rdzv_id, sizeof cfg.rdzv_id, "spawn");
   double start = ddp_time_s();
-  DDP_TRY(ddp__signals_install());
   ddp__agent agent;
   ddp_status st = ddp__agent_open(&cfg, &agent);
+  if (st) return ddp_error_wrap(st, "ddp_spawn");
+  st = ddp__signals_install();
   if (st) {
-    ddp__signals_restore();
-    return ddp_error_wrap(st, "ddp_spawn");
+    ddp__agent_close(&agent);
+    return st;
   }
   spawn_ctx ctx = {.agent = &agent, .fn = fn, .arg = arg};
   ddp__job job = {

@@ -13,6 +13,8 @@
 #   port      one node, no --master-port: a free MASTER_PORT, different from
 #             DDP_STORE_ADDR's port, and the same for every worker
 #   nodes     two ddprun on this host as 2 nodes, static (--node-rank) and c10d
+#   logs      --log-dir with --redirects, --tee and --local-ranks-filter: what
+#             reaches the console and what the log files hold
 #   usage     --nnodes 1:2 is refused with a message; bad options exit 2; --help
 #   torch     a PyTorch DDP script (gloo, env://) unchanged under ddprun
 #             --nproc-per-node 2 with Debian's torch (SKIP without it)
@@ -231,6 +233,28 @@ nodes)
   [ $rc0 -eq 0 ] && [ $rc1 -eq 0 ] || { cat "$tmp/n0" "$tmp/n1"; fail "restart across nodes: exited $rc0 and $rc1"; }
   grep -q 'another node failed: rank 3' "$tmp/n0" || { cat "$tmp/n0"; fail "node 0 does not name node 1's failure"; }
   [ "$(cat "$tmp/n0" "$tmp/n1" | grep -c ' restart 1 pid [0-9]* ok$')" -eq 4 ] || fail "attempt 1 not complete"
+  ;;
+logs)
+  cat >"$tmp/w.sh" <<'SH'
+#!/usr/bin/env bash
+echo "out of $LOCAL_RANK"
+echo "err of $LOCAL_RANK" >&2
+SH
+  chmod +x "$tmp/w.sh"
+  # Local rank 0: stdout redirected (file only); rank 1: stderr teed; rank 2:
+  # filtered off the console. Every stream lands in its log file.
+  timeout 30 "$ddprun" --nproc-per-node 3 --rdzv-id logjob --log-dir "$tmp/logs" --redirects 0:1 --tee 1:2 \
+    --local-ranks-filter 0,1 "$tmp/w.sh" >"$tmp/out" 2>"$tmp/err" || { cat "$tmp/err"; fail "ddprun exited $?"; }
+  grep -q 'out of 0' "$tmp/out" && fail "local rank 0's redirected stdout reached the console"
+  grep -q 'err of 0' "$tmp/err" || fail "local rank 0's stderr did not reach the console"
+  grep -q 'out of 1' "$tmp/out" && grep -q 'err of 1' "$tmp/err" || fail "local rank 1's output is missing from the console"
+  grep -q 'of 2' "$tmp/out" "$tmp/err" && fail "local rank 2 is filtered but reached the console"
+  for r in 0 1 2; do
+    for s in out err; do
+      f="$tmp/logs/logjob/attempt_0/$r/std$s.log"
+      [ "$(cat "$f" 2>/dev/null)" = "$s of $r" ] || fail "$f does not hold '$s of $r'"
+    done
+  done
   ;;
 usage)
   "$ddprun" --nnodes 1:2 "$worker" >"$tmp/out" 2>&1
