@@ -11,6 +11,7 @@
 #include <fcntl.h>
 #include <inttypes.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
@@ -36,6 +37,66 @@ typedef struct shm_mem {
 } shm_mem;
 
 static shm_mem *as_shm(ddp__local_mem *m) { return (shm_mem *)m; }
+
+/* ---- One mapping per segment and process ----------------------------------
+ * Ranks that are threads of one process (a world of processes x threads)
+ * share one mapping of their group's segment instead of mapping it once
+ * each. Besides saving address space, it keeps their synchronisation
+ * visible to ThreadSanitizer: with two mappings, a rank's release store
+ * through one and its peer's acquire load through the other are different
+ * addresses, so the peer's later read of the rank's user buffer (a large
+ * point-to-point message) looked like a race. The kernel orders the two
+ * mappings' accesses alike; only the tool could not see it. */
+typedef struct mapping {
+  struct mapping *next;
+  char name[64];
+  void *addr;
+  size_t bytes;
+  int refs;
+} mapping;
+
+static pthread_mutex_t mappings_mu = PTHREAD_MUTEX_INITIALIZER;
+static mapping *mappings;
+
+/* Under mappings_mu: this process's mapping of `name`, with one more ref. */
+static void *mapping_find(const char *name, size_t bytes) {
+  for (mapping *m = mappings; m; m = m->next)
+    if (strcmp(m->name, name) == 0 && m->bytes == bytes) {
+      m->refs++;
+      return m->addr;
+    }
+  return NULL;
+}
+
+/* Under mappings_mu: records a fresh mapping (one ref). On failure to record
+ * it the mapping still works, unshared. */
+static void mapping_add(const char *name, void *addr, size_t bytes) {
+  mapping *m = ddp_calloc(1, sizeof *m);
+  if (!m) return;
+  snprintf(m->name, sizeof m->name, "%s", name);
+  m->addr = addr;
+  m->bytes = bytes;
+  m->refs = 1;
+  m->next = mappings;
+  mappings = m;
+}
+
+static void mapping_release(void *addr, size_t bytes) {
+  pthread_mutex_lock(&mappings_mu);
+  bool last = true;
+  for (mapping **pm = &mappings; *pm; pm = &(*pm)->next) {
+    mapping *m = *pm;
+    if (m->addr != addr) continue;
+    last = --m->refs == 0;
+    if (last) {
+      *pm = m->next;
+      ddp_free(m);
+    }
+    break;
+  }
+  if (last) munmap(addr, bytes);
+  pthread_mutex_unlock(&mappings_mu);
+}
 
 /* One cross-memory copy, looping over partial transfers. */
 static ddp_status cma_copy(shm_mem *s, int peer, uint64_t addr, void *local, size_t bytes,
@@ -116,7 +177,7 @@ static const char *shm_transport(const ddp__local_mem *m, int peer) {
 static void shm_destroy(ddp__local_mem *m) {
   if (!m) return;
   shm_mem *s = as_shm(m);
-  if (s->base.region) munmap(s->base.region, s->bytes);
+  if (s->base.region) mapping_release(s->base.region, s->bytes);
   if (s->pidfd)
     for (int q = 0; q < s->size; q++)
       if (s->pidfd[q] >= 0) close(s->pidfd[q]);
@@ -215,6 +276,9 @@ static ddp_status map_segment(const ddp__backend_config *cfg, shm_mem *s, int64_
     }
     s->base.region = p;
     ddp__local_region_init(p, cfg->size, nonce);
+    pthread_mutex_lock(&mappings_mu);
+    mapping_add(s->name, p, s->bytes);
+    pthread_mutex_unlock(&mappings_mu);
     ddp_status st = ddp_store_set(cfg->store, SEGMENT_KEY, s->name, strlen(s->name));
     if (st != DDP_OK) {
       shm_unlink(s->name);
@@ -233,20 +297,33 @@ static ddp_status map_segment(const ddp__backend_config *cfg, shm_mem *s, int64_
   }
   memcpy(s->name, value, value_bytes + 1);
   ddp_free(value);
-  fd = shm_open(s->name, O_RDWR, 0600);
-  if (fd < 0)
-    return ddp_error(DDP_ERR_SYS, "local backend: shm_open(\"%s\"): %s", s->name,
-                     strerror(errno));
-  struct stat sb;
-  if (fstat(fd, &sb) != 0 || (size_t)sb.st_size != s->bytes) {
+  /* A rank of this process mapped it already: share that mapping. */
+  pthread_mutex_lock(&mappings_mu);
+  void *p = mapping_find(s->name, s->bytes);
+  if (!p) {
+    fd = shm_open(s->name, O_RDWR, 0600);
+    if (fd < 0) {
+      pthread_mutex_unlock(&mappings_mu);
+      return ddp_error(DDP_ERR_SYS, "local backend: shm_open(\"%s\"): %s", s->name,
+                       strerror(errno));
+    }
+    struct stat sb;
+    if (fstat(fd, &sb) != 0 || (size_t)sb.st_size != s->bytes) {
+      close(fd);
+      pthread_mutex_unlock(&mappings_mu);
+      return ddp_error(DDP_ERR_FORMAT, "local backend: segment \"%s\" has %lld bytes, expected %zu",
+                       s->name, (long long)sb.st_size, s->bytes);
+    }
+    p = mmap(NULL, s->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);
-    return ddp_error(DDP_ERR_FORMAT, "local backend: segment \"%s\" has %lld bytes, expected %zu",
-                     s->name, (long long)sb.st_size, s->bytes);
+    if (p == MAP_FAILED) {
+      pthread_mutex_unlock(&mappings_mu);
+      return ddp_error(DDP_ERR_SYS, "local backend: mapping \"%s\": %s", s->name,
+                       strerror(errno));
+    }
+    mapping_add(s->name, p, s->bytes);
   }
-  void *p = mmap(NULL, s->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
-  if (p == MAP_FAILED)
-    return ddp_error(DDP_ERR_SYS, "local backend: mapping \"%s\": %s", s->name, strerror(errno));
+  pthread_mutex_unlock(&mappings_mu);
   s->base.region = p;
   ddp__local_region *reg = p;
   if (reg->magic != DDP__LOCAL_MAGIC || reg->version != DDP__LOCAL_VERSION ||
