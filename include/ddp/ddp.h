@@ -10,6 +10,7 @@
 #include "ddp/rendezvous.h"
 #include "ddp/comm.h"
 #include "ddp/optim.h"
+#include "ddp/io.h"
 #include "ddp/launch.h"
 #include "ddp/parallel.h"
 

@@ -1,0 +1,177 @@
+/* ddp io: safetensors files and checkpoints.
+ *
+ * safetensors (Hugging Face's public format): an 8-byte little-endian header
+ * length N, N bytes of JSON header {name: {"dtype", "shape", "data_offsets":
+ * [begin, end]}, optional "__metadata__": {str: str}}, then the tensors' raw
+ * little-endian bytes; offsets count from the start of the data section,
+ * and the tensors tile it (no gaps, no overlap). docs/io.md has the details.
+ *
+ * A checkpoint is two safetensors files (docs/io.md "Checkpoints"):
+ *   PATH                      the model's state dict, exactly PyTorch's
+ *                             model.state_dict() (names, shapes, dtypes), so
+ *                             torch loads it with load_state_dict(strict=True);
+ *   ddp_checkpoint_train_path(PATH)  the training state: optimizer state,
+ *                             step, epoch, position in the epoch, RNG states,
+ *                             sampler seed, lr scheduler.
+ * Every write goes to a temporary file in the same directory, is fsynced and
+ * renamed over the old file, and the directory is fsynced: a failed or
+ * interrupted save leaves the previous file whole. Every read validates the
+ * whole file before anything is copied into a model or optimizer, and errors
+ * name the file, the byte offset and the tensor.
+ *
+ * Typical use (rank 0 writes, every rank loads after a barrier):
+ *
+ *   ddp_train_state ts = {.step = step, .epoch = epoch, ...};
+ *   if (rank == 0) DDP_TRY(ddp_checkpoint_save(path, model, opt, sched, &ts, meta, n_meta));
+ *   ddp_barrier(pg);
+ *   DDP_TRY(ddp_checkpoint_load(path, model, opt, sched, &ts, meta, n_meta)); */
+#ifndef DDP_IO_H
+#define DDP_IO_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ddp/core.h"
+#include "ddp/nn.h"
+#include "ddp/optim.h"
+#include "ddp/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- safetensors files ------------------------------------------------------ */
+
+/* A string pair for "__metadata__" (both borrowed by whoever passes them). */
+typedef struct ddp_kv {
+  const char *key;
+  const char *value;
+} ddp_kv;
+
+/* One tensor to write: row-major, little-endian host data (borrowed). */
+typedef struct ddp_safetensors_entry {
+  const char *name;
+  ddp_dtype dtype;
+  int32_t ndim;                 /* 0 for a scalar (shape []) */
+  int64_t shape[DDP_MAX_DIMS];
+  const void *data;             /* numel * ddp_dtype_size(dtype) bytes */
+} ddp_safetensors_entry;
+
+/* Writes the tensors (data in the given order) and metadata to `path`
+ * atomically: `path`.tmp.<pid> in the same directory, written, fsynced,
+ * renamed over `path`, then the directory fsynced. Names must be unique,
+ * non-empty and not "__metadata__"; dtypes float32, float64, int32, int64,
+ * float16, bfloat16 or uint8. On failure the temporary file is removed, the
+ * file at `path` (if any) is untouched, and the message names the path, the
+ * step (create, write, fsync, rename) and strerror. */
+ddp_status ddp_safetensors_write(const char *path, const ddp_safetensors_entry *entries,
+                                 size_t count, const ddp_kv *metadata, size_t metadata_count);
+
+/* A file read into memory and validated. Opaque; ddp_safetensors_free. */
+typedef struct ddp_safetensors ddp_safetensors;
+
+/* One tensor of a read file. data points into the file's image (valid until
+ * ddp_safetensors_free) and may be unaligned: copy it with memcpy. */
+typedef struct ddp_safetensors_tensor {
+  const char *name;
+  ddp_dtype dtype;
+  int32_t ndim;
+  int64_t shape[DDP_MAX_DIMS];
+  int64_t numel;
+  size_t bytes;
+  const void *data;
+  uint64_t file_offset;        /* where the data starts in the file */
+} ddp_safetensors_tensor;
+
+/* Reads and validates `path`: the header length against the file size (and
+ * a 100 MiB cap, the reference implementation's), the header's JSON syntax,
+ * every entry (dtype name, shape of non-negative integers, data_offsets
+ * [begin, end] with end - begin = numel * dtype size), the entries tiling the
+ * data section exactly (an overlap, a gap or an offset past the end is an
+ * error naming both tensors or the range), metadata values strings.
+ * DDP_ERR_NOTFOUND (no such file), DDP_ERR_IO (cannot read), DDP_ERR_FORMAT
+ * ("safetensors: PATH: ... at offset N (tensor NAME)"), DDP_ERR_UNSUPPORTED
+ * for a valid dtype ddp has no type for (BOOL, I8, U16, F8_*...).
+ * The caller frees *out (NULL on failure). */
+ddp_status ddp_safetensors_read(const char *path, ddp_safetensors **out);
+void ddp_safetensors_free(ddp_safetensors *st);
+size_t ddp_safetensors_count(const ddp_safetensors *st);
+/* Tensor `index` in header order; DDP_ERR_RANGE past the end. */
+ddp_status ddp_safetensors_get(const ddp_safetensors *st, size_t index,
+                               ddp_safetensors_tensor *out);
+/* By name; DDP_ERR_NOTFOUND naming the file and the tensor. */
+ddp_status ddp_safetensors_find(const ddp_safetensors *st, const char *name,
+                                ddp_safetensors_tensor *out);
+/* The metadata value for key, or NULL. */
+const char *ddp_safetensors_metadata(const ddp_safetensors *st, const char *key);
+const char *ddp_safetensors_path(const ddp_safetensors *st);
+/* The dtype's safetensors name ("F32", "I64", ...). */
+const char *ddp_safetensors_dtype_name(ddp_dtype dtype);
+
+/* ---- Model state dicts ------------------------------------------------------ */
+
+/* Writes the model's state dict (ddp_model_state_entry order: PyTorch's
+ * state_dict() order, names without any "module." prefix, num_batches_tracked
+ * as an int64 scalar) atomically to `path`, with metadata "format": "pt",
+ * "ddp.model": ddp_model_name(model) and the caller's pairs. */
+ddp_status ddp_model_save(const ddp_model *model, const char *path, const ddp_kv *metadata,
+                          size_t metadata_count);
+/* load_state_dict(strict=True) from `path`: every entry of the model must be
+ * in the file with the same dtype and shape, and nothing else may be (a
+ * "module." prefix, as DistributedDataParallel's state_dict has, is
+ * accepted and stripped). Everything is checked before any tensor is copied,
+ * so on error the model is unchanged; the message lists the missing and
+ * unexpected names (as PyTorch does) or the mismatched shape with both
+ * shapes. */
+ddp_status ddp_model_load(ddp_model *model, const char *path);
+/* The same from a file already read. */
+ddp_status ddp_model_load_from(ddp_model *model, const ddp_safetensors *st);
+
+/* ---- Checkpoints: model + training state ------------------------------------ */
+
+/* Where the run stood when it was saved. */
+typedef struct ddp_train_state {
+  int64_t step;             /* optimizer steps since the start of training */
+  int64_t epoch;            /* the epoch to continue (the one in progress) */
+  int64_t epoch_batches;    /* batches of `epoch` already consumed (0: at its start) */
+  uint64_t sampler_seed;    /* the distributed sampler's seed */
+  int64_t world_size;       /* ranks that trained (the sampler's num_replicas) */
+  int64_t reserved[8];
+} ddp_train_state;
+
+/* PATH's training-state file: PATH with a final ".safetensors" replaced by
+ * ".train.safetensors", or ".train.safetensors" appended when PATH has no
+ * such suffix. Written into buf (NUL-terminated); DDP_ERR_RANGE if it does
+ * not fit. */
+ddp_status ddp_checkpoint_train_path(const char *path, char *buf, size_t bytes);
+
+/* Saves the model to `path` and the training state beside it: `opt`'s state
+ * in PyTorch's optimizer.state_dict() layout flattened to names
+ * ("optimizer.state.<param index>.<key>", shaped like the parameter;
+ * omitted before the first step, as PyTorch's is empty), its lr, `sched`'s
+ * state (NULL: none), `ts`, and the model's dropout generator. `metadata`
+ * goes into both files (the run's options, which ddp_checkpoint_load
+ * compares). Both files get the same "ddp.checkpoint_id"; both temporary
+ * files are complete and fsynced before either is renamed, so a failed save
+ * leaves the previous pair whole. opt and sched may be NULL. */
+ddp_status ddp_checkpoint_save(const char *path, const ddp_model *model, ddp_optimizer *opt,
+                               const ddp_scheduler *sched, const ddp_train_state *ts,
+                               const ddp_kv *metadata, size_t metadata_count);
+
+/* Loads a checkpoint written by ddp_checkpoint_save into a model, optimizer
+ * and scheduler built with the same options. Refused (DDP_ERR_INVALID naming
+ * the key and both values) when a metadata pair of `expect` differs from the
+ * saved one or is missing from it, and when the two files come from
+ * different saves (their checkpoint ids differ: a save interrupted between
+ * its two renames). Both files are read and validated completely before
+ * anything is copied: on error model, opt, sched and *ts are unchanged.
+ * opt / sched NULL skip their parts (a file that has them is fine). */
+ddp_status ddp_checkpoint_load(const char *path, ddp_model *model, ddp_optimizer *opt,
+                               ddp_scheduler *sched, ddp_train_state *ts, const ddp_kv *expect,
+                               size_t expect_count);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DDP_IO_H */
