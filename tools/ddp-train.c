@@ -9,6 +9,7 @@
 #include <errno.h>
 #include <float.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -47,6 +48,9 @@ typedef struct train_args {
   int64_t patience;       /* 0 = never stop early */
   const char *log_path;
   bool json;
+  const char *save_path;   /* --save: checkpoint at the end (and every save_every steps) */
+  int64_t save_every;      /* 0 = only at the end */
+  const char *resume_path; /* --resume: continue from this checkpoint */
 } train_args;
 
 static void usage(FILE *f) {
@@ -94,6 +98,16 @@ static void usage(FILE *f) {
 "                       test_accuracy}\n"
 "  --json               end stdout with one JSON summary line (samples_per_s, train_loss,\n"
 "                       test_loss, test_accuracy, steps, epochs, world_size)\n"
+"Checkpoints (safetensors; docs/io.md)\n"
+"  --save PATH          at the end of training write the model's state dict to PATH (loads\n"
+"                       into PyTorch with load_state_dict(strict=True)) and the training\n"
+"                       state (optimizer, scheduler, step, epoch, RNG) beside it, in\n"
+"                       PATH's .train.safetensors (PATH.safetensors -> PATH.train.safetensors);\n"
+"                       rank 0 writes\n"
+"  --save-every N       also save every N optimizer steps (default 0: only at the end)\n"
+"  --resume PATH        continue the run saved in PATH exactly where it stopped: the step\n"
+"                       count continues (--max-steps and --epochs count from the start of\n"
+"                       training); model, optimizer and data options must be the same\n"
 "  -h, --help           this text\n"
 "\n"
 "Progress (loss, samples/s, ETA) goes to stderr: a bar on a terminal, a line every few\n"
@@ -175,7 +189,7 @@ static void parse_args(int argc, char **argv, train_args *a) {
         "--model", "--activation", "--data", "--samples", "--epochs", "--max-steps",
         "--batch-size", "--lr", "--optimizer", "--momentum", "--weight-decay", "--scheduler",
         "--step-size", "--gamma", "--seed", "--threads", "--workers", "--eval-every",
-        "--patience", "--log", "--dump-state"};
+        "--patience", "--log", "--dump-state", "--save", "--save-every", "--resume"};
     char name[64];
     const char *eq = strchr(f, '=');
     size_t len = eq ? (size_t)(eq - f) : strlen(f);
@@ -216,11 +230,15 @@ static void parse_args(int argc, char **argv, train_args *a) {
     else if (!strcmp(name, "--patience")) a->patience = parse_int(name, v, 0);
     else if (!strcmp(name, "--log")) a->log_path = v;
     else if (!strcmp(name, "--dump-state")) a->dump_state = v;
+    else if (!strcmp(name, "--save")) a->save_path = v;
+    else if (!strcmp(name, "--save-every")) a->save_every = parse_int(name, v, 0);
+    else if (!strcmp(name, "--resume")) a->resume_path = v;
     else die_usage("unknown option '%s'", f);
   }
   if (a->scheduler && strcmp(a->scheduler, "step") && strcmp(a->scheduler, "none"))
     die_usage("--scheduler expects 'step' (StepLR) or 'none', got '%s'", a->scheduler);
   if (a->scheduler && !strcmp(a->scheduler, "none")) a->scheduler = NULL;
+  if (a->save_every && !a->save_path) die_usage("%s needs --save PATH", "--save-every");
 }
 
 /* ---- Data ------------------------------------------------------------------ */
@@ -454,6 +472,85 @@ static void dump_state(const ddp_model *model, const char *pattern, int rank) {
   }
 }
 
+/* ---- Checkpoints ----------------------------------------------------------- */
+
+/* The options a resumed run must share with the saved one (everything that
+ * decides the model, the data order or the update), recorded as metadata in
+ * both checkpoint files and compared by ddp_checkpoint_load. --epochs,
+ * --max-steps, evaluation, logging and thread counts may change. */
+typedef struct run_meta {
+  char values[16][64];
+  ddp_kv kv[16];
+  size_t n;
+} run_meta;
+
+static void meta_add(run_meta *m, const char *key, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void meta_add(run_meta *m, const char *key, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(m->values[m->n], sizeof m->values[m->n], fmt, ap);
+  va_end(ap);
+  m->kv[m->n] = (ddp_kv){key, m->values[m->n]};
+  m->n++;
+}
+
+static void run_meta_init(run_meta *m, const train_args *a, const ddp_optim_options *oo) {
+  m->n = 0;
+  meta_add(m, "ddp-train.model", "%s", a->model);
+  meta_add(m, "ddp-train.activation", "%s", a->activation ? a->activation : "");
+  meta_add(m, "ddp-train.data", "%s", a->data ? a->data : default_data(a->model));
+  meta_add(m, "ddp-train.samples", "%lld", (long long)a->samples);
+  meta_add(m, "ddp-train.batch_size", "%lld", (long long)a->batch_size);
+  meta_add(m, "ddp-train.seed", "%llu", (unsigned long long)a->seed);
+  meta_add(m, "ddp-train.optimizer", "%s", a->optimizer);
+  meta_add(m, "ddp-train.lr", "%.17g", oo->lr);
+  meta_add(m, "ddp-train.momentum", "%.17g", a->momentum);
+  meta_add(m, "ddp-train.weight_decay", "%.17g", a->weight_decay);
+  meta_add(m, "ddp-train.scheduler", "%s", a->scheduler ? a->scheduler : "none");
+  meta_add(m, "ddp-train.step_size", "%lld", (long long)a->step_size);
+  meta_add(m, "ddp-train.gamma", "%.17g", a->gamma);
+  meta_add(m, "ddp-train.sync_bn", "%d", (int)a->sync_bn);
+}
+
+/* Rank 0 writes the checkpoint; every rank waits at a barrier until it is
+ * on disk, so none can go on (exit, or load it) before. */
+static void save_checkpoint(const train_args *a, const run_meta *meta, const train_world *world,
+                            ddp_model *model, ddp_optimizer *opt, ddp_scheduler *sched,
+                            int64_t step, int64_t epoch, int64_t epoch_batches) {
+  ddp_train_state ts = {.step = step, .epoch = epoch, .epoch_batches = epoch_batches,
+                        .sampler_seed = a->seed, .world_size = world->size};
+  if (world->rank == 0)
+    CHECK(ddp_checkpoint_save(a->save_path, model, opt, sched, &ts, meta->kv, meta->n),
+          "saving the checkpoint (the previous one, if any, is intact)");
+  if (world->pg) CHECK(ddp_barrier(world->pg), "waiting for rank 0 to save the checkpoint");
+}
+
+/* Loads --resume into model, opt and sched (every rank reads the files) and
+ * returns where training continues. A checkpoint taken mid-epoch by another
+ * number of ranks is refused: the epoch's order depends on the world size. */
+static ddp_train_state resume(const train_args *a, const run_meta *meta, const train_world *world,
+                              ddp_model *model, ddp_optimizer *opt, ddp_scheduler *sched,
+                              int64_t per_epoch) {
+  ddp_train_state start = {.world_size = world->size};
+  if (!a->resume_path) return start;
+  CHECK(ddp_checkpoint_load(a->resume_path, model, opt, sched, &start, meta->kv, meta->n),
+        "resuming");
+  if (start.world_size != world->size && start.epoch_batches > 0) {
+    fprintf(stderr, "ddp-train: %serror: %s was saved by %lld ranks in the middle of epoch %lld; "
+                    "this run has %d ranks, which split that epoch differently (resume with "
+                    "%lld ranks, or from a checkpoint taken at the end of an epoch)\n",
+            rank_tag, a->resume_path, (long long)start.world_size, (long long)start.epoch + 1,
+            world->size, (long long)start.world_size);
+    exit(1);
+  }
+  if (world->rank == 0)
+    fprintf(stderr, "resuming %s at step %lld (epoch %lld, batch %lld of %lld)\n",
+            a->resume_path, (long long)start.step, (long long)start.epoch + 1,
+            (long long)start.epoch_batches, (long long)per_epoch);
+  return start;
+}
+
 int main(int argc, char **argv) {
   train_args a;
   parse_args(argc, argv, &a);
@@ -549,19 +646,36 @@ int main(int argc, char **argv) {
   prog.total_steps = a.epochs * per_epoch;
   if (a.max_steps && a.max_steps < prog.total_steps) prog.total_steps = a.max_steps;
 
-  int64_t step = 0, samples = 0, epochs_done = 0;
+  run_meta meta;
+  run_meta_init(&meta, &a, &oo);
+  /* Where training starts: the beginning, or where the checkpoint stopped. */
+  ddp_train_state start = resume(&a, &meta, &world, model, opt, sched, per_epoch);
+  int64_t step = start.step, samples = 0, epochs_done = start.epoch;
+  /* The position a checkpoint records: the epoch in progress and the batches
+   * of it consumed; (next epoch, 0) once an epoch's end is processed. */
+  int64_t pos_epoch = start.epoch, pos_batches = start.epoch_batches;
   double train_seconds = 0;
   double epoch_loss_sum = 0, all_loss_sum = 0;
-  int64_t epoch_steps = 0;
+  int64_t epoch_steps = 0;   /* batches of this epoch consumed (also before a resume) */
+  int64_t epoch_losses = 0;  /* of those, steps run by this process */
   patience pat = {.limit = a.patience, .best_loss = INFINITY};
   eval_result last_eval = {NAN, NAN};
   bool evaluated_now = false, stop = false;
   float loss_value = NAN;
 
-  for (int64_t epoch = 0; epoch < a.epochs && !stop; epoch++) {
+  for (int64_t epoch = start.epoch; epoch < a.epochs && !stop; epoch++) {
     CHECK(ddp_loader_start_epoch(train_loader, epoch), "starting an epoch");
     epoch_loss_sum = 0;
     epoch_steps = 0;
+    epoch_losses = 0;
+    /* Resuming in the middle of an epoch: the same order (seed + epoch), less
+     * the batches the saved run already consumed. */
+    for (int64_t k = 0; epoch == start.epoch && k < start.epoch_batches; k++) {
+      ddp_batch b;
+      CHECK(ddp_loader_next(train_loader, &b), "skipping to the resumed batch");
+      if (b.size == 0) break;
+      epoch_steps++;
+    }
     for (;;) {
       if (a.max_steps && step >= a.max_steps) {
         stop = true;
@@ -597,6 +711,9 @@ int main(int argc, char **argv) {
       step++;
       samples += (int64_t)loss_sums[1]; /* every rank's samples */
       epoch_steps++;
+      epoch_losses++;
+      pos_epoch = epoch;
+      pos_batches = epoch_steps;
       epoch_loss_sum += loss_value;
       all_loss_sum += loss_value;
       double rate = per_second(samples, train_seconds);
@@ -608,6 +725,8 @@ int main(int argc, char **argv) {
         fputs("}\n", log);
       }
       show_progress(&prog, step, epoch, a.epochs, loss_value, rate, train_seconds, false);
+      if (a.save_every && step % a.save_every == 0)
+        save_checkpoint(&a, &meta, &world, model, opt, sched, step, epoch, epoch_steps);
 
       evaluated_now = false;
       if (a.eval_every && step % a.eval_every == 0) {
@@ -619,10 +738,14 @@ int main(int argc, char **argv) {
         }
       }
     }
-    if (epoch_steps == per_epoch) epochs_done++;
-    if (sched && epoch_steps == per_epoch) CHECK(ddp_scheduler_step(sched), "StepLR");
+    if (epoch_steps == per_epoch) {
+      epochs_done++;
+      if (sched) CHECK(ddp_scheduler_step(sched), "StepLR");
+      pos_epoch = epoch + 1;
+      pos_batches = 0;
+    }
     /* --eval-every 0: evaluate at the end of each epoch (and of training). */
-    if (!a.eval_every && !evaluated_now && epoch_steps > 0) {
+    if (!a.eval_every && !evaluated_now && epoch_losses > 0) {
       last_eval = evaluate(model, tape, test_loader, &world);
       evaluated_now = true;
       show_progress(&prog, step, epoch, a.epochs, loss_value,
@@ -638,6 +761,9 @@ int main(int argc, char **argv) {
     }
   }
   /* The end of training is always evaluated. */
+  if (a.save_path)
+    save_checkpoint(&a, &meta, &world, model, opt, sched, step, pos_epoch, pos_batches);
+  int64_t steps_run = step - start.step;
   if (!evaluated_now && step > 0) {
     last_eval = evaluate(model, tape, test_loader, &world);
     record_eval(&pat, log, last_eval, step, epochs_done);
@@ -646,8 +772,8 @@ int main(int argc, char **argv) {
 
   double rate = per_second(samples, train_seconds);
   /* Mean over the last epoch's steps, or over all steps when fewer than an epoch ran. */
-  double train_loss = step < per_epoch ? all_loss_sum / (double)(step ? step : 1)
-                                       : (epoch_steps ? epoch_loss_sum / (double)epoch_steps
+  double train_loss = steps_run < per_epoch ? all_loss_sum / (double)(steps_run ? steps_run : 1)
+                                       : (epoch_losses ? epoch_loss_sum / (double)epoch_losses
                                                       : NAN);
   double epochs_fraction = per_epoch ? (double)step / (double)per_epoch : 0;
   if (lead) {

@@ -105,12 +105,19 @@ static ddp_status sync_dir(const char *path) {
   return DDP_OK;
 }
 
-ddp_status ddp__atomic_commit(ddp__atomic_file *f) {
+ddp_status ddp__atomic_rename(ddp__atomic_file *f) {
   DDP_ASSERT(f->finished);
   if (rename(f->tmp, f->path) != 0)
     return ddp_error(DDP_ERR_IO, "%s: renaming %s over it: %s", f->path, f->tmp, strerror(errno));
   ddp_free(f->tmp);
   f->tmp = NULL; /* nothing left to remove */
+  return DDP_OK;
+}
+
+ddp_status ddp__atomic_sync_dir(const char *path) { return sync_dir(path); }
+
+ddp_status ddp__atomic_commit(ddp__atomic_file *f) {
+  DDP_TRY(ddp__atomic_rename(f));
   return sync_dir(f->path);
 }
 

@@ -172,18 +172,29 @@ ddp_status ddp_checkpoint_save(const char *path, const ddp_model *model_c, ddp_o
   if (s == DDP_OK)
     s = ddp__safetensors_write_temp(&model_file, path, model_entries, (size_t)n_model, meta,
                                     n_meta);
+  /* The model's temporary file, named in the training state so that a load
+   * can roll forward a save interrupted between its two renames. */
+  const char *pending = "";
+  if (s == DDP_OK) {
+    const char *slash = strrchr(model_file.tmp, '/');
+    pending = slash ? slash + 1 : model_file.tmp;
+  }
   const ddp_kv train_fixed[] = {{"ddp.kind", "training-state"},
                                 {"ddp.model", ddp_model_name(model)},
                                 {"ddp.optimizer", opt ? ddp_optim_kind_name(ddp_optimizer_options(opt)->kind) : "none"},
-                                {"ddp.checkpoint_id", id}};
-  if (s == DDP_OK) s = merge_meta(meta, &n_meta, train_fixed, 4, metadata, metadata_count);
+                                {"ddp.checkpoint_id", id},
+                                {"ddp.model_pending", pending}};
+  if (s == DDP_OK) s = merge_meta(meta, &n_meta, train_fixed, 5, metadata, metadata_count);
   if (s == DDP_OK)
     s = ddp__safetensors_write_temp(&train_file, train_path, te.e, te.count, meta, n_meta);
-  /* Both complete and synced: now replace the old pair. The training state
-   * goes first; a crash between the renames leaves two files whose ids
-   * differ, which a load refuses by name. */
-  if (s == DDP_OK) s = ddp__atomic_commit(&train_file);
-  if (s == DDP_OK) s = ddp__atomic_commit(&model_file);
+  /* Both complete and synced: now replace the old pair, training state
+   * first, then one directory fsync. A crash between the two renames leaves
+   * the new training state beside the old model and the new model still in
+   * its temporary file, which the training state names: a load rolls
+   * forward from it (docs/io.md, "Atomicity"). */
+  if (s == DDP_OK) s = ddp__atomic_rename(&train_file);
+  if (s == DDP_OK) s = ddp__atomic_rename(&model_file);
+  if (s == DDP_OK) s = ddp__atomic_sync_dir(path);
   ddp__atomic_abort(&train_file);
   ddp__atomic_abort(&model_file);
   free_train_entries(&te);
@@ -345,6 +356,40 @@ static ddp_status check_train_state(const ddp_safetensors *st, ddp_model *model,
   return DDP_OK;
 }
 
+/* Reads the model file of the pair; when it is missing or from another save
+ * and the training state names a pending model file (the save was cut
+ * between its renames) with the training state's id, reads that one. */
+static ddp_status read_model_file(const char *path, const ddp_safetensors *train_st,
+                                  ddp_safetensors **out) {
+  ddp_status s = ddp_safetensors_read(path, out);
+  if (s != DDP_OK && s != DDP_ERR_NOTFOUND) return s;
+  const char *tid = ddp_safetensors_metadata(train_st, "ddp.checkpoint_id");
+  const char *mid = s == DDP_OK ? ddp_safetensors_metadata(*out, "ddp.checkpoint_id") : NULL;
+  const char *pending = ddp_safetensors_metadata(train_st, "ddp.model_pending");
+  if ((mid && tid && !strcmp(mid, tid)) || !tid || !pending || !pending[0] || strchr(pending, '/'))
+    return s;
+  char alt[4096];
+  const char *slash = strrchr(path, '/');
+  snprintf(alt, sizeof alt, "%.*s%s", slash ? (int)(slash - path + 1) : 0, path, pending);
+  ddp_safetensors *st;
+  if (ddp_safetensors_read(alt, &st) != DDP_OK) {
+    if (s != DDP_OK) ddp_safetensors_read(path, out); /* restore the NOTFOUND message */
+    return s;
+  }
+  const char *pid = ddp_safetensors_metadata(st, "ddp.checkpoint_id");
+  if (!pid || strcmp(pid, tid)) {
+    ddp_safetensors_free(st);
+    if (s != DDP_OK) return ddp_safetensors_read(path, out);
+    return DDP_OK;
+  }
+  DDP_WARN("checkpoint: %s: the save that wrote %s was interrupted before renaming the model "
+           "file; loading the model from %s (the next save replaces %s)", path,
+           ddp_safetensors_path(train_st), alt, path);
+  ddp_safetensors_free(s == DDP_OK ? *out : NULL);
+  *out = st;
+  return DDP_OK;
+}
+
 static ddp_status check_metadata(const ddp_safetensors *model_st, const ddp_safetensors *train_st,
                                  const ddp_model *model, const ddp_kv *expect,
                                  size_t expect_count) {
@@ -384,8 +429,16 @@ ddp_status ddp_checkpoint_load(const char *path, ddp_model *model, ddp_optimizer
   ddp_safetensors *model_st = NULL, *train_st = NULL;
   pending p;
   memset(&p, 0, sizeof p);
-  ddp_status s = ddp_safetensors_read(path, &model_st);
-  if (s == DDP_OK) s = ddp_safetensors_read(train_path, &train_st);
+  ddp_status s = ddp_safetensors_read(train_path, &train_st);
+  if (s == DDP_ERR_NOTFOUND) {
+    if (access(path, F_OK) != 0) /* neither file: name the one the user gave */
+      s = ddp_safetensors_read(path, &model_st);
+    else
+      s = ddp_error(DDP_ERR_NOTFOUND, "checkpoint: %s has no training state beside it (%s does "
+                    "not exist): a model-only state dict (ddp_model_save, PyTorch) can be loaded "
+                    "but not resumed", path, train_path);
+  }
+  if (s == DDP_OK) s = read_model_file(path, train_st, &model_st);
   if (s == DDP_OK) s = check_metadata(model_st, train_st, model, expect, expect_count);
   if (s == DDP_OK) s = ddp__model_state_check(model, model_st);
   if (s == DDP_OK) s = check_train_state(train_st, model, opt, sched, &p);

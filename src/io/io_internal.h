@@ -30,6 +30,10 @@ ddp_status ddp__atomic_finish(ddp__atomic_file *f);
 /* Renames the finished temporary file over the path and fsyncs the
  * directory. */
 ddp_status ddp__atomic_commit(ddp__atomic_file *f);
+/* The two halves of commit, for renaming several files back to back before
+ * one directory fsync (a checkpoint's pair). */
+ddp_status ddp__atomic_rename(ddp__atomic_file *f);
+ddp_status ddp__atomic_sync_dir(const char *path);
 /* Closes and removes the temporary file if it is still there, frees the
  * names. Safe after commit and on a zeroed struct. */
 void ddp__atomic_abort(ddp__atomic_file *f);

@@ -394,6 +394,33 @@ static void test_failed_save_keeps_previous(void **state) {
   assert_int_equal(ddp_checkpoint_load(path, b.model, b.opt, b.sched, &got, NULL, 0), DDP_ERR_FORMAT);
   assert_non_null(strstr(ddp_last_error(), "come from different saves"));
   assert_int_equal(got.step, 1); /* untouched */
+  /* A save killed between its two renames: the new training state beside the
+   * old model, the new model still in its temporary file. The load rolls
+   * forward from that file (the training state names it). */
+  size_t m2_size;
+  unsigned char *m2 = slurp(path, &m2_size);
+  char pending[600];
+  snprintf(pending, sizeof pending, "%s.tmp.%ld", path, (long)getpid());
+  assert_int_equal(ddp_checkpoint_save(path, a.model, a.opt, a.sched, &ts, NULL, 0), DDP_OK);
+  unsigned char *m3 = slurp(path, &m2_size);
+  spit(pending, m3, m2_size);
+  spit(path, m2, m2_size); /* an older model file (same size: same model) */
+  run c = make_run(5);
+  assert_int_equal(ddp_checkpoint_load(path, c.model, c.opt, c.sched, &got, NULL, 0), DDP_OK);
+  assert_memory_equal(ddp_model_params_flat(c.model), ddp_model_params_flat(a.model),
+                      (size_t)ddp_model_num_param_elements(a.model) * sizeof(float));
+  unlink(path); /* and with no model file at all (the very first save cut short) */
+  free_run(&c);
+  c = make_run(6);
+  assert_int_equal(ddp_checkpoint_load(path, c.model, c.opt, c.sched, &got, NULL, 0), DDP_OK);
+  assert_memory_equal(ddp_model_params_flat(c.model), ddp_model_params_flat(a.model),
+                      (size_t)ddp_model_num_param_elements(a.model) * sizeof(float));
+  free_run(&c);
+  unlink(pending);
+  assert_int_equal(ddp_checkpoint_load(path, b.model, b.opt, b.sched, &got, NULL, 0), DDP_ERR_NOTFOUND);
+  spit(path, m3, m2_size);
+  free(m2);
+  free(m3);
   /* A truncated training state is refused naming it. */
   spit(train_path, t_old, t_size / 2);
   assert_int_equal(ddp_checkpoint_load(path, b.model, b.opt, b.sched, &got, NULL, 0), DDP_ERR_FORMAT);
