@@ -206,17 +206,18 @@ void ddp__agent_close(ddp__agent *agent);
 /* ---- Attempts and restarts (supervise.c) ------------------------------------ */
 typedef struct ddp__job {
   const char *tool;            /* "ddprun" or "ddp_spawn", for messages */
-  ddp__agent *agent;
+  ddp__agent *agent;           /* set by ddp__job_launch */
   int32_t max_restarts;
   int32_t tail_lines;
   int32_t quiet;               /* no summary */
   double grace_s;
   double monitor_interval_s;
   double deadline_s;           /* monotonic; <= 0: none */
-  /* Fills the agent->world.nproc specs of attempt `attempt`; free_specs
-   * releases what it allocated (also after a failed make_specs). */
-  ddp_status (*make_specs)(void *ctx, int32_t attempt, ddp__worker_spec *specs);
-  void (*free_specs)(void *ctx, ddp__worker_spec *specs);
+  /* Fills the world->nproc specs of attempt `attempt`; free_specs releases
+   * what it allocated (also after a failed make_specs). */
+  ddp_status (*make_specs)(void *ctx, const ddp__world *world, int32_t attempt,
+                           ddp__worker_spec *specs);
+  void (*free_specs)(void *ctx, const ddp__world *world, ddp__worker_spec *specs);
   void *ctx;
   char failure[640];           /* out: the job's first failure, "" when none */
 } ddp__job;
@@ -227,6 +228,14 @@ typedef struct ddp__job {
  * ended. Returns an error when the job could not be run (start, store). The
  * caller installs the signal pipe first. */
 ddp_status ddp__job_run(ddp__job *job, int *exit_code, ddp__event *event);
+
+/* The whole of a job on this node, for ddprun and ddp_spawn alike: opens the
+ * node agent for cfg (store, node rendezvous), installs the signal pipe once
+ * the nodes have met (before, Ctrl-C keeps its default action and ends a
+ * node rendezvous at once), runs the attempts, closes the agent and restores
+ * the signal handlers. job->deadline_s counts from the call. */
+ddp_status ddp__job_launch(const ddp_launch_config *cfg, ddp__job *job, double timeout_s,
+                           int *exit_code, ddp__event *event);
 
 /* A free TCP port on this host (bound and released: another process may take
  * it before the worker does, as with torchrun). */

@@ -16,7 +16,6 @@ extern char **environ;
 
 typedef struct exec_ctx {
   const ddp_launch_config *cfg;
-  ddp__agent *agent;
   char log_root[DDP_LAUNCH_PATH_BYTES]; /* "" : no log files */
 } exec_ctx;
 
@@ -69,9 +68,9 @@ static char **make_argv(const ddp_launch_config *cfg, int32_t local_rank) {
   return argv;
 }
 
-static void free_exec_specs(void *ctx_, ddp__worker_spec *specs) {
-  exec_ctx *ctx = ctx_;
-  for (int32_t i = 0; i < ctx->agent->world.nproc; i++) {
+static void free_exec_specs(void *ctx, const ddp__world *world, ddp__worker_spec *specs) {
+  (void)ctx;
+  for (int32_t i = 0; i < world->nproc; i++) {
     ddp_free(specs[i].envp);
     if (specs[i].argv) {
       size_t k = 0;
@@ -83,12 +82,13 @@ static void free_exec_specs(void *ctx_, ddp__worker_spec *specs) {
   }
 }
 
-static ddp_status make_exec_specs(void *ctx_, int32_t attempt, ddp__worker_spec *specs) {
+static ddp_status make_exec_specs(void *ctx_, const ddp__world *world, int32_t attempt,
+                                  ddp__worker_spec *specs) {
   exec_ctx *ctx = ctx_;
   const ddp_launch_config *cfg = ctx->cfg;
-  for (int32_t i = 0; i < ctx->agent->world.nproc; i++) {
+  for (int32_t i = 0; i < world->nproc; i++) {
     ddp__worker_spec *s = &specs[i];
-    DDP_TRY(ddp__worker_env(environ, &ctx->agent->world, i, attempt, &s->envp));
+    DDP_TRY(ddp__worker_env(environ, world, i, attempt, &s->envp));
     s->argv = make_argv(cfg, i);
     if (!s->argv) return ddp_error(DDP_ERR_NOMEM, "ddprun: out of memory for a command line");
     int redirect, tee, shown;
@@ -150,38 +150,22 @@ ddp_status ddp_launch_run(const ddp_launch_config *cfg_in, int *exit_code) {
     cfg.node_rank = 0;
     random_run_id(cfg.rdzv_id, sizeof cfg.rdzv_id);
   }
-  double start = ddp_time_s();
   exec_ctx ctx = {.cfg = &cfg};
   DDP_TRY(log_root(&cfg, ctx.log_root, sizeof ctx.log_root));
-  /* The signal pipe only once the nodes have met: until then SIGINT keeps
-   * its default action, so Ctrl-C ends a node rendezvous at once (there are
-   * no workers yet to stop). */
-  ddp__agent agent;
-  DDP_TRY(ddp__agent_open(&cfg, &agent));
-  ddp_status st = ddp__signals_install();
-  if (st) {
-    ddp__agent_close(&agent);
-    return st;
-  }
-  ctx.agent = &agent;
   ddp__job job = {
       .tool = "ddprun",
-      .agent = &agent,
       .max_restarts = cfg.max_restarts,
       .tail_lines = cfg.tail_lines,
       .grace_s = cfg.grace_s,
       .monitor_interval_s = cfg.monitor_interval_s,
-      .deadline_s = cfg.job_timeout_s > 0 ? start + cfg.job_timeout_s : 0,
       .make_specs = make_exec_specs,
       .free_specs = free_exec_specs,
       .ctx = &ctx,
   };
   ddp__event ev;
-  st = ddp__job_run(&job, exit_code, &ev);
+  ddp_status st = ddp__job_launch(&cfg, &job, cfg.job_timeout_s, exit_code, &ev);
   if (st == DDP_OK && ev == DDP__EVENT_TIMEOUT)
     fprintf(stderr, "ddprun: the job timeout (--job-timeout %g s) passed; the workers were stopped\n",
             cfg.job_timeout_s);
-  ddp__agent_close(&agent);
-  ddp__signals_restore();
   return st;
 }

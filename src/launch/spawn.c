@@ -9,7 +9,6 @@
 extern char **environ;
 
 typedef struct spawn_ctx {
-  ddp__agent *agent;
   ddp_spawn_fn fn;
   void *arg;
 } spawn_ctx;
@@ -20,10 +19,11 @@ void ddp_spawn_options_init(ddp_spawn_options *opts) {
   opts->tail_lines = DDP__LAUNCH_DEFAULT_TAIL;
 }
 
-static ddp_status make_fn_specs(void *ctx_, int32_t attempt, ddp__worker_spec *specs) {
+static ddp_status make_fn_specs(void *ctx_, const ddp__world *world, int32_t attempt,
+                                ddp__worker_spec *specs) {
   spawn_ctx *ctx = ctx_;
-  for (int32_t i = 0; i < ctx->agent->world.nproc; i++) {
-    DDP_TRY(ddp__worker_env(environ, &ctx->agent->world, i, attempt, &specs[i].envp));
+  for (int32_t i = 0; i < world->nproc; i++) {
+    DDP_TRY(ddp__worker_env(environ, world, i, attempt, &specs[i].envp));
     specs[i].fn = ctx->fn;
     specs[i].arg = ctx->arg;
     specs[i].show[0] = specs[i].show[1] = 1;
@@ -31,9 +31,9 @@ static ddp_status make_fn_specs(void *ctx_, int32_t attempt, ddp__worker_spec *s
   return DDP_OK;
 }
 
-static void free_fn_specs(void *ctx_, ddp__worker_spec *specs) {
-  spawn_ctx *ctx = ctx_;
-  for (int32_t i = 0; i < ctx->agent->world.nproc; i++) {
+static void free_fn_specs(void *ctx, const ddp__world *world, ddp__worker_spec *specs) {
+  (void)ctx;
+  for (int32_t i = 0; i < world->nproc; i++) {
     ddp_free(specs[i].envp);
     specs[i].envp = NULL;
   }
@@ -53,34 +53,21 @@ ddp_status ddp_spawn(int32_t nprocs, ddp_spawn_fn fn, void *arg, const ddp_spawn
   cfg.nproc_per_node = nprocs;
   cfg.max_restarts = opts.max_restarts;
   snprintf(cfg.rdzv_id, sizeof cfg.rdzv_id, "spawn");
-  double start = ddp_time_s();
-  ddp__agent agent;
-  ddp_status st = ddp__agent_open(&cfg, &agent);
-  if (st) return ddp_error_wrap(st, "ddp_spawn");
-  st = ddp__signals_install();
-  if (st) {
-    ddp__agent_close(&agent);
-    return st;
-  }
-  spawn_ctx ctx = {.agent = &agent, .fn = fn, .arg = arg};
+  spawn_ctx ctx = {.fn = fn, .arg = arg};
   ddp__job job = {
       .tool = "ddp_spawn",
-      .agent = &agent,
       .max_restarts = opts.max_restarts,
       .tail_lines = opts.tail_lines > 0 ? opts.tail_lines : DDP__LAUNCH_DEFAULT_TAIL,
       .quiet = opts.quiet,
       .grace_s = opts.grace_s >= 0 ? opts.grace_s : DDP__LAUNCH_DEFAULT_GRACE_S,
       .monitor_interval_s = cfg.monitor_interval_s,
-      .deadline_s = opts.timeout_s > 0 ? start + opts.timeout_s : 0,
       .make_specs = make_fn_specs,
       .free_specs = free_fn_specs,
       .ctx = &ctx,
   };
   int code;
   ddp__event ev;
-  st = ddp__job_run(&job, &code, &ev);
-  ddp__agent_close(&agent);
-  ddp__signals_restore();
+  ddp_status st = ddp__job_launch(&cfg, &job, opts.timeout_s, &code, &ev);
   if (st) return ddp_error_wrap(st, "ddp_spawn");
   if (code == 0) return DDP_OK;
   if (ev == DDP__EVENT_TIMEOUT)

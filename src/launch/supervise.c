@@ -57,14 +57,14 @@ ddp_status ddp__job_run(ddp__job *job, int *exit_code, ddp__event *event) {
   for (int32_t attempt = 0;; attempt++) {
     a->attempt = attempt;
     memset(specs, 0, (size_t)n * sizeof *specs);
-    st = job->make_specs(job->ctx, attempt, specs);
+    st = job->make_specs(job->ctx, &a->world, attempt, specs);
     ddp__group g;
     memset(&g, 0, sizeof g);
     g.monitor_interval_s = job->monitor_interval_s;
     g.poll_hook = a->store ? ddp__agent_poll : NULL;
     g.poll_ctx = a;
     if (st == DDP_OK) st = ddp__group_start(&g, n, a->world.rank_offset, specs, job->tail_lines);
-    job->free_specs(job->ctx, specs);
+    job->free_specs(job->ctx, &a->world, specs);
     if (st) {
       ddp__group_free(&g);
       break;
@@ -116,5 +116,24 @@ ddp_status ddp__job_run(ddp__job *job, int *exit_code, ddp__event *event) {
     job->failure[0] = '\0'; /* a new attempt: its failure is the one to report */
   }
   ddp_free(specs);
+  return st;
+}
+
+ddp_status ddp__job_launch(const ddp_launch_config *cfg, ddp__job *job, double timeout_s,
+                           int *exit_code, ddp__event *event) {
+  *exit_code = 1;
+  *event = DDP__EVENT_FAILED;
+  double start = ddp_time_s();
+  ddp__agent agent;
+  DDP_TRY(ddp__agent_open(cfg, &agent));
+  ddp_status st = ddp__signals_install();
+  if (st == DDP_OK) {
+    job->agent = &agent;
+    job->deadline_s = timeout_s > 0 ? start + timeout_s : 0;
+    st = ddp__job_run(job, exit_code, event);
+    job->agent = NULL;
+    ddp__signals_restore();
+  }
+  ddp__agent_close(&agent);
   return st;
 }
