@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Data-parallel training speed, ddp against PyTorch DDP, measured in the same
+# go: seed 001's ConvNet on Fashion-MNIST, batch 100 per rank, one thread per
+# rank, SGD lr 0.01 momentum 0.9, at world 1 and world 2.
+#   ddp:     ddprun --nproc-per-node W ddp-train --model convnet --max-steps S ... --json
+#   PyTorch: /usr/bin/python3 torch_ddp_convnet.py --world W --steps S (gloo)
+# Both report samples/s of all ranks together. Rounds alternate the order of
+# the two sides (and of the worlds); each figure is the median of its rounds.
+# Prints the ratio ddp / PyTorch per world and each side's scaling efficiency
+# (world-2 samples/s / (2 x world-1 samples/s)), with the machine's load.
+#   scripts/bench-ddp.sh [rounds=5] [steps=200]
+# Env: DDP_SHARED_DIR (where refs/ is; default ../shared), BENCH_WORLDS ("1 2").
+# Needs build/bin/{ddprun,ddp-train} (scripts/build.sh), python3-torch and the
+# Fashion-MNIST package (scripts/install-deps.sh data).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rounds=${1:-5}
+steps=${2:-200}
+worlds=(${BENCH_WORLDS:-1 2})
+ref=${DDP_SHARED_DIR:-../shared}/refs/torch_ddp_convnet.py
+die() { echo "bench-ddp: $*" >&2; exit 2; }
+[ -x build/bin/ddprun ] && [ -x build/bin/ddp-train ] || die "build first (scripts/build.sh)"
+[ -f "$ref" ] || die "$ref not found (set DDP_SHARED_DIR to the folder holding refs/)"
+/usr/bin/python3 -c "import torch" 2>/dev/null || die "needs python3-torch (apt-get install python3-torch)"
+cores=$(nproc)
+for w in "${worlds[@]}"; do
+  [ "$w" -le "$cores" ] || echo "bench-ddp: note: world $w on $cores cores oversubscribes" >&2
+done
+
+ddp_run() { # W -> samples/s
+  timeout 900 build/bin/ddprun --nproc-per-node "$1" build/bin/ddp-train --model convnet \
+    --batch-size 100 --threads 1 --lr 0.01 --momentum 0.9 --seed 1 --max-steps "$steps" --json \
+    2>/dev/null | tail -n 1 | sed -n 's/.*"samples_per_s": \([0-9.e+]*\).*/\1/p'
+}
+torch_run() { # W -> samples/s
+  timeout 900 /usr/bin/python3 "$ref" --world "$1" --steps "$steps" --threads 1 --batch 100 \
+    --port $((20000 + RANDOM % 20000)) 2>/dev/null | sed -n 's/.*samples_per_s=\([0-9.]*\).*/\1/p'
+}
+median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
+
+declare -A runs
+echo "load before: $(uptime | sed 's/.*load average/load average/')" >&2
+for r in $(seq "$rounds"); do
+  for w in "${worlds[@]}"; do
+    if (( (r + w) % 2 )); then order=(ddp torch); else order=(torch ddp); fi
+    for side in "${order[@]}"; do
+      v=$("${side}_run" "$w")
+      [ -n "$v" ] || die "round $r: the $side run at world $w gave no figure"
+      runs[$side.$w]+="$v "
+      echo "round $r world $w: $side $v samples/s" >&2
+    done
+  done
+done
+echo "load after: $(uptime | sed 's/.*load average/load average/')" >&2
+
+declare -A med
+for key in "${!runs[@]}"; do med[$key]=$(median ${runs[$key]}); done
+echo "ConvNet on Fashion-MNIST, batch 100 per rank, 1 thread per rank, $steps steps, median of $rounds rounds ($cores cores)"
+printf '%-6s %14s %14s %8s\n' world "ddp samples/s" "torch samples/s" ratio
+for w in "${worlds[@]}"; do
+  awk -v w="$w" -v o="${med[ddp.$w]}" -v t="${med[torch.$w]}" \
+    'BEGIN { printf "%-6s %14.0f %14.0f %7.2fx\n", w, o, t, o / t }'
+done
+if [ -n "${med[ddp.1]:-}" ] && [ -n "${med[ddp.2]:-}" ]; then
+  awk -v o1="${med[ddp.1]}" -v o2="${med[ddp.2]}" -v t1="${med[torch.1]}" -v t2="${med[torch.2]}" \
+    'BEGIN { printf "scaling efficiency 1 -> 2: ddp %.1f%%, torch %.1f%%\n", 100 * o2 / (2 * o1), 100 * t2 / (2 * t1) }'
+fi
