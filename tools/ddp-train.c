@@ -51,6 +51,7 @@ typedef struct train_args {
   const char *save_path;   /* --save: checkpoint at the end (and every save_every steps) */
   int64_t save_every;      /* 0 = only at the end */
   const char *resume_path; /* --resume: continue from this checkpoint */
+  const char *init_path;   /* --init: start from this state dict */
 } train_args;
 
 static void usage(FILE *f) {
@@ -73,7 +74,7 @@ static void usage(FILE *f) {
 "  --workers N          loader threads preparing batches ahead (0 = inline; default 1, or\n"
 "                       0 when the ranks on this host already fill its cores)\n"
 "Training\n"
-"  --epochs N           passes over the training set (default 1)\n"
+"  --epochs N           passes over the training set (default 1; 0 = only evaluate)\n"
 "  --max-steps N        stop after N optimizer steps in total (default 0: no limit)\n"
 "  --optimizer NAME     sgd | adam | adadelta (default sgd)\n"
 "  --lr X               learning rate (default: sgd 0.01, adam 0.001, adadelta 1.0)\n"
@@ -108,6 +109,10 @@ static void usage(FILE *f) {
 "  --resume PATH        continue the run saved in PATH exactly where it stopped: the step\n"
 "                       count continues (--max-steps and --epochs count from the start of\n"
 "                       training); model, optimizer and data options must be the same\n"
+"  --init PATH          start from the model state dict in PATH instead of a fresh\n"
+"                       initialisation (a safetensors file from --save or from PyTorch's\n"
+"                       state_dict(); a 'module.' prefix is accepted); with --epochs 0 this\n"
+"                       evaluates a saved model\n"
 "  -h, --help           this text\n"
 "\n"
 "Progress (loss, samples/s, ETA) goes to stderr: a bar on a terminal, a line every few\n"
@@ -189,7 +194,7 @@ static void parse_args(int argc, char **argv, train_args *a) {
         "--model", "--activation", "--data", "--samples", "--epochs", "--max-steps",
         "--batch-size", "--lr", "--optimizer", "--momentum", "--weight-decay", "--scheduler",
         "--step-size", "--gamma", "--seed", "--threads", "--workers", "--eval-every",
-        "--patience", "--log", "--dump-state", "--save", "--save-every", "--resume"};
+        "--patience", "--log", "--dump-state", "--save", "--save-every", "--resume", "--init"};
     char name[64];
     const char *eq = strchr(f, '=');
     size_t len = eq ? (size_t)(eq - f) : strlen(f);
@@ -213,7 +218,7 @@ static void parse_args(int argc, char **argv, train_args *a) {
     else if (!strcmp(name, "--activation")) a->activation = v;
     else if (!strcmp(name, "--data")) a->data = v;
     else if (!strcmp(name, "--samples")) a->samples = parse_int(name, v, 1);
-    else if (!strcmp(name, "--epochs")) a->epochs = parse_int(name, v, 1);
+    else if (!strcmp(name, "--epochs")) a->epochs = parse_int(name, v, 0);
     else if (!strcmp(name, "--max-steps")) a->max_steps = parse_int(name, v, 0);
     else if (!strcmp(name, "--batch-size")) a->batch_size = parse_int(name, v, 1);
     else if (!strcmp(name, "--lr")) a->lr = parse_double(name, v);
@@ -233,12 +238,16 @@ static void parse_args(int argc, char **argv, train_args *a) {
     else if (!strcmp(name, "--save")) a->save_path = v;
     else if (!strcmp(name, "--save-every")) a->save_every = parse_int(name, v, 0);
     else if (!strcmp(name, "--resume")) a->resume_path = v;
+    else if (!strcmp(name, "--init")) a->init_path = v;
     else die_usage("unknown option '%s'", f);
   }
   if (a->scheduler && strcmp(a->scheduler, "step") && strcmp(a->scheduler, "none"))
     die_usage("--scheduler expects 'step' (StepLR) or 'none', got '%s'", a->scheduler);
   if (a->scheduler && !strcmp(a->scheduler, "none")) a->scheduler = NULL;
   if (a->save_every && !a->save_path) die_usage("%s needs --save PATH", "--save-every");
+  if (a->init_path && a->resume_path)
+    die_usage("%s: --resume restores the model already; give one of --init and --resume",
+              "--init");
 }
 
 /* ---- Data ------------------------------------------------------------------ */
@@ -567,6 +576,7 @@ int main(int argc, char **argv) {
 
   ddp_model *model;
   CHECK(ddp_model_build(a.model, a.activation, a.seed, &model), "building the model");
+  if (a.init_path) CHECK(ddp_model_load(model, a.init_path), "loading --init");
   ddp_dataset *train_ds, *test_ds;
   open_datasets(&a, &train_ds, &test_ds);
   check_shapes(model, train_ds, a.model);
@@ -764,7 +774,7 @@ int main(int argc, char **argv) {
   if (a.save_path)
     save_checkpoint(&a, &meta, &world, model, opt, sched, step, pos_epoch, pos_batches);
   int64_t steps_run = step - start.step;
-  if (!evaluated_now && step > 0) {
+  if (!evaluated_now && (step > 0 || a.epochs == 0)) {
     last_eval = evaluate(model, tape, test_loader, &world);
     record_eval(&pat, log, last_eval, step, epochs_done);
   }
@@ -772,9 +782,10 @@ int main(int argc, char **argv) {
 
   double rate = per_second(samples, train_seconds);
   /* Mean over the last epoch's steps, or over all steps when fewer than an epoch ran. */
-  double train_loss = steps_run < per_epoch ? all_loss_sum / (double)(steps_run ? steps_run : 1)
-                                       : (epoch_losses ? epoch_loss_sum / (double)epoch_losses
-                                                      : NAN);
+  double train_loss = steps_run == 0          ? NAN
+                      : steps_run < per_epoch ? all_loss_sum / (double)steps_run
+                      : epoch_losses          ? epoch_loss_sum / (double)epoch_losses
+                                              : NAN;
   double epochs_fraction = per_epoch ? (double)step / (double)per_epoch : 0;
   if (lead) {
     fprintf(stderr, "trained %lld steps (%.2f epochs) at %.0f samples/s", (long long)step,
