@@ -50,4 +50,9 @@ ddp_status ddp__safetensors_write_temp(ddp__atomic_file *f, const char *path,
                                        const ddp_safetensors_entry *entries, size_t count,
                                        const ddp_kv *metadata, size_t metadata_count);
 
+/* ddp_safetensors_read on an image in memory (copied); `name` stands for
+ * the path in messages. For the fuzzer and tests. */
+ddp_status ddp__safetensors_from_bytes(const char *name, const void *bytes, size_t size,
+                                       ddp_safetensors **out);
+
 #endif /* DDP_IO_INTERNAL_H */

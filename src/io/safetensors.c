@@ -445,6 +445,25 @@ ddp_status ddp_safetensors_read(const char *path, ddp_safetensors **out) {
   return DDP_OK;
 }
 
+ddp_status ddp__safetensors_from_bytes(const char *name, const void *bytes, size_t size,
+                                       ddp_safetensors **out) {
+  *out = NULL;
+  ddp_safetensors *st = ddp_calloc(1, sizeof *st);
+  if (!st || !(st->path = ddp_strdup(name)) || !(st->image = ddp_alloc(size ? size : 1))) {
+    ddp_safetensors_free(st);
+    return ddp_error(DDP_ERR_NOMEM, "safetensors: %s: cannot allocate", name);
+  }
+  if (size) memcpy(st->image, bytes, size);
+  st->size = size;
+  ddp_status s = parse(st);
+  if (s != DDP_OK) {
+    ddp_safetensors_free(st);
+    return s;
+  }
+  *out = st;
+  return DDP_OK;
+}
+
 size_t ddp_safetensors_count(const ddp_safetensors *st) { return st->count; }
 
 const char *ddp_safetensors_path(const ddp_safetensors *st) { return st->path; }

@@ -1,4 +1,4 @@
-/* Helpers for the io tests: a scratch directory, whole-file reads and
+/* Helpers for the io tests (include after cmocka.h): a scratch directory, whole-file reads and
  * writes, and a model's state as one byte string to compare. Tests only. */
 #ifndef DDP_TEST_IO_UTIL_H
 #define DDP_TEST_IO_UTIL_H
@@ -9,16 +9,21 @@
 #include <string.h>
 
 #include "ddp/ddp.h"
+#include "data/idx_files.h"
 
-static inline void scratch_make(char *dir, size_t bytes) {
-  snprintf(dir, bytes, "/tmp/ddp-io-test-XXXXXX");
-  if (!mkdtemp(dir)) abort();
+/* A fresh scratch directory per test (tests/data's tmpdir helpers). */
+static char dir[256];
+
+static int setup(void **state) {
+  (void)state;
+  tmpdir_make(dir, sizeof dir);
+  return 0;
 }
 
-static inline void scratch_remove(const char *dir) {
-  char cmd[512];
-  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-  if (system(cmd) != 0) fprintf(stderr, "cannot remove %s\n", dir);
+static int teardown(void **state) {
+  (void)state;
+  tmpdir_remove(dir);
+  return 0;
 }
 
 /* Number of entries in dir other than . and .. */

@@ -20,20 +20,6 @@
 #include "io/io_internal.h"
 #include "io/io_test_util.h"
 
-static char dir[256];
-
-static int setup(void **state) {
-  (void)state;
-  scratch_make(dir, sizeof dir);
-  return 0;
-}
-
-static int teardown(void **state) {
-  (void)state;
-  scratch_remove(dir);
-  return 0;
-}
-
 static ddp_model *build(const char *name, uint64_t seed) {
   ddp_model *m;
   if (ddp_model_build(name, NULL, seed, &m) != DDP_OK) fail_msg("%s", ddp_last_error());

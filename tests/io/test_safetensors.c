@@ -75,20 +75,6 @@ static void test_json(void **state) {
 
 /* ---- A file made by hand from the spec ------------------------------------------ */
 
-static char dir[256];
-
-static int setup(void **state) {
-  (void)state;
-  scratch_make(dir, sizeof dir);
-  return 0;
-}
-
-static int teardown(void **state) {
-  (void)state;
-  scratch_remove(dir);
-  return 0;
-}
-
 /* header + data into a file; header length written as given. */
 static void make_file(const char *path, uint64_t header_len, const char *header, const void *data,
                       size_t data_len) {
