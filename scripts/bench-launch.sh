@@ -34,9 +34,9 @@ measure() { # OUT CMD...
   "$@" >"$out" 2>"$out.err" || { cat "$out.err" >&2; echo "bench-launch: $* failed" >&2; exit 1; }
   t1=$(date +%s.%N)
   local n
-  n=$(grep -c '^past_barrier ' "$out")
+  n=$(grep -o 'past_barrier [0-9.]*' "$out" | wc -l)
   [ "$n" -eq "$nproc" ] || { cat "$out" "$out.err" >&2; echo "bench-launch: $n of $nproc workers passed the barrier" >&2; exit 1; }
-  awk -v t0="$t0" -v t1="$t1" '/^past_barrier / { if ($2 > m) m = $2 } END { printf "%.4f %.4f\n", m - t0, t1 - t0 }' "$out"
+  grep -o 'past_barrier [0-9.]*' "$out" | awk -v t0="$t0" -v t1="$t1" '{ if ($2 > m) m = $2 } END { printf "%.4f %.4f\n", m - t0, t1 - t0 }'
 }
 median() { sort -g | awk '{ a[NR] = $1 } END { print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2 }'; }
 
