@@ -9,6 +9,7 @@
  *   node/claim/<r>     add()ed by the node claiming static rank r (2: a duplicate)
  *   node/arrivals      add()ed by each c10d node: its rank is the count - 1
  *   node/<r>           "<nproc> <hostname>"
+ *   node/<r>/beat      add()ed by node r at every poll: the others see it alive
  *   master             "<port> <addr>": MASTER_PORT and MASTER_ADDR, by node 0
  *   attempt/<n>/failed the first failure of attempt n, "rank 3 ... : killed by ..."
  *   attempt/<n>/ended  add()ed by each node whose workers of attempt n are gone
@@ -27,6 +28,9 @@
 #include "net/net.h"
 
 #define CLOSE_LINGER_S 10.0
+/* A node silent this long while the others wait for it is gone (bounded by
+ * --rdzv-timeout, so tests can make it short). */
+#define SILENCE_LIMIT_S 30.0
 
 ddp_status ddp__free_port(const char *bind_addr, int32_t *port) {
   int fd;
@@ -238,6 +242,10 @@ static ddp_status open_multi(const ddp_launch_config *cfg, ddp__agent *a) {
   ddp_store_destroy(base);
   if (s) return s;
   w->nnodes = cfg->nnodes;
+  a->beats = ddp_calloc((size_t)cfg->nnodes, sizeof *a->beats);
+  a->beat_seen_s = ddp_calloc((size_t)cfg->nnodes, sizeof *a->beat_seen_s);
+  if (!a->beats || !a->beat_seen_s) return ddp_error(DDP_ERR_NOMEM, "launch: out of memory for %d nodes", (int)cfg->nnodes);
+  a->silence_limit_s = cfg->rdzv_timeout_s < SILENCE_LIMIT_S ? cfg->rdzv_timeout_s : SILENCE_LIMIT_S;
   DDP_TRY(claim_rank(cfg, a));
   DDP_TRY(learn_world(cfg, a));
   DDP_TRY(agree_master(cfg, a, host, port));
@@ -254,13 +262,37 @@ ddp_status ddp__agent_open(const ddp_launch_config *cfg, ddp__agent *a) {
   w->max_restarts = cfg->max_restarts;
   snprintf(w->run_id, sizeof w->run_id, "%s", cfg->rdzv_id);
   ddp_status s = cfg->nnodes == 1 ? open_single(cfg, a) : open_multi(cfg, a);
-  if (s) {
-    ddp_store_destroy(a->store);
-    ddp_store_server_stop(a->server);
-    a->store = NULL;
-    a->server = NULL;
-  }
+  if (s) ddp__agent_close(a);
   return s;
+}
+
+static ddp_status beat(ddp__agent *a) {
+  char key[64];
+  snprintf(key, sizeof key, "node/%d/beat", (int)a->world.node_rank);
+  return ddp_store_add(a->store, key, 1, NULL);
+}
+
+/* Reads every other node's beat count; a node whose count has not moved for
+ * silence_limit_s is gone: an error naming it. */
+static ddp_status check_beats(ddp__agent *a) {
+  double now = ddp_time_s();
+  for (int32_t r = 0; r < a->world.nnodes; r++) {
+    if (r == a->world.node_rank) continue;
+    char key[64];
+    int64_t count;
+    snprintf(key, sizeof key, "node/%d/beat", (int)r);
+    DDP_TRY(ddp_store_add(a->store, key, 0, &count));
+    if (count != a->beats[r] || a->beat_seen_s[r] == 0) {
+      a->beats[r] = count;
+      a->beat_seen_s[r] = now;
+    } else if (now - a->beat_seen_s[r] > a->silence_limit_s) {
+      return ddp_error(DDP_ERR_PEER,
+                       "node %d has been silent for %.0f s while node %d waits for it to end attempt "
+                       "%d: its ddprun died or hangs (its workers die with it)",
+                       (int)r, now - a->beat_seen_s[r], (int)a->world.node_rank, (int)a->attempt);
+    }
+  }
+  return DDP_OK;
 }
 
 static void attempt_key(char *buf, size_t bytes, int32_t attempt, const char *what) {
@@ -274,7 +306,7 @@ int ddp__agent_poll(void *ctx) {
   attempt_key(key, sizeof key, a->attempt, "failed");
   const char *keys[] = {key};
   int exists = 0;
-  if (ddp_store_check(a->store, keys, 1, &exists) != DDP_OK) return -1;
+  if (beat(a) != DDP_OK || ddp_store_check(a->store, keys, 1, &exists) != DDP_OK) return -1;
   return exists;
 }
 
@@ -295,10 +327,14 @@ ddp_status ddp__agent_end_attempt(ddp__agent *a, int32_t attempt, const char *fa
   /* Other nodes may still be running their workers: wait in slices, so that a
    * SIGINT or SIGTERM to this ddprun (left in the signal pipe) ends the wait. */
   const char *keys[] = {closed};
+  memset(a->beat_seen_s, 0, (size_t)a->world.nnodes * sizeof *a->beat_seen_s);
   for (;;) {
-    ddp_status s = ddp_store_wait(a->store, keys, 1, 500);
+    ddp_status s = beat(a);
+    if (s == DDP_OK) s = ddp_store_wait(a->store, keys, 1, 500);
     if (s == DDP_OK) break;
-    if (s != DDP_ERR_TIMEOUT)
+    if (s == DDP_ERR_TIMEOUT) s = check_beats(a);
+    if (s == DDP_ERR_PEER) return s;
+    if (s != DDP_OK)
       return ddp_error_wrap(s, "node %d waiting for the other nodes to end attempt %d", (int)a->world.node_rank,
                             (int)attempt);
     int sigs[16], n = ddp__signals_take(sigs, 16);
@@ -320,12 +356,13 @@ ddp_status ddp__agent_end_attempt(ddp__agent *a, int32_t attempt, const char *fa
     ddp_clear_error();
   }
   DDP_TRY(ddp_store_add(a->store, read, 1, &count));
+  a->read_outcome = 1;
   return DDP_OK;
 }
 
 void ddp__agent_close(ddp__agent *a) {
   if (!a) return;
-  if (a->server && a->store) {
+  if (a->server && a->store && a->read_outcome) {
     /* The store dies with this process: let every node read the outcome of
      * the last attempt first (bounded, in case a node is gone). */
     char read[64];
@@ -339,6 +376,10 @@ void ddp__agent_close(ddp__agent *a) {
   }
   ddp_store_destroy(a->store);
   ddp_store_server_stop(a->server);
+  ddp_free(a->beats);
+  ddp_free(a->beat_seen_s);
   a->store = NULL;
   a->server = NULL;
+  a->beats = NULL;
+  a->beat_seen_s = NULL;
 }

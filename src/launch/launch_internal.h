@@ -185,14 +185,22 @@ typedef struct ddp__agent {
   double rdzv_timeout_s;
   double monitor_interval_s;
   int32_t attempt;          /* the attempt being polled */
+  int32_t read_outcome;     /* 1 once this node read an attempt's outcome */
   char remote_failure[512]; /* another node's first failure, when it stopped us */
+  /* Liveness of the other nodes while waiting for them: each agent add()s to
+   * node/<r>/beat at every poll; a node whose count stays still for
+   * silence_limit_s is declared gone (its ddprun died or hangs). */
+  int64_t *beats;           /* last count seen per node */
+  double *beat_seen_s;      /* when it last changed (monotonic) */
+  double silence_limit_s;
 } ddp__agent;
 
 /* Hosts the store (one node: on a port of its own on 127.0.0.1; several: at
  * the rendezvous endpoint) or joins it, agrees on node ranks and the world,
  * and fills agent->world. */
 ddp_status ddp__agent_open(const ddp_launch_config *cfg, ddp__agent *agent);
-/* The group's poll hook: > 0 when another node declared `attempt` failed. */
+/* The group's poll hook: beats, and > 0 when another node declared `attempt`
+ * failed; < 0 when the store is gone. */
 int ddp__agent_poll(void *agent);
 /* Ends an attempt on this node: publishes this node's failure (when
  * `failure` is non-NULL), waits for every node to end it (monitoring the

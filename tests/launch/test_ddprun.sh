@@ -12,7 +12,10 @@
 #             reaches every worker, which exit; ddprun exits 128+15
 #   port      one node, no --master-port: a free MASTER_PORT, different from
 #             DDP_STORE_ADDR's port, and the same for every worker
-#   nodes     two ddprun on this host as 2 nodes, static (--node-rank) and c10d
+#   nodes     two ddprun on this host as 2 nodes, static (--node-rank) and c10d;
+#             a failure on one node restarts both (static and c10d); a node's
+#             ddprun SIGKILLed: the other gives up on it (exit 1), and when it
+#             was the store's host the other stops its workers (exit 1)
 #   logs      --log-dir with --redirects, --tee and --local-ranks-filter: what
 #             reaches the console and what the log files hold
 #   usage     --nnodes 1:2 is refused with a message; bad options exit 2; --help
@@ -31,11 +34,19 @@ here=$(cd "$(dirname "$0")" && pwd)
 [ -x "$worker" ] || fail "$worker is not built"
 tmp=$(mktemp -d)
 started=()
+# Kills pid only while it is still one of ours (its command line names
+# ddprun, launch_worker or this test's scripts): a pid from a pid file may
+# have been reused by another process since.
+kill_ours() {
+  local cmd
+  cmd=$(tr '\0' ' ' <"/proc/$1/cmdline" 2>/dev/null) || return 0
+  case "$cmd" in *ddprun*|*launch_worker*|*"$tmp"*) kill -KILL "$1" 2>/dev/null ;; esac
+}
 cleanup() {
-  for p in "${started[@]}"; do kill -KILL "$p" 2>/dev/null; done
+  for p in "${started[@]}"; do kill_ours "$p"; done
   # Workers that a failing case left behind (their pids are in pid files).
-  for f in "$tmp"/pids/pid.* "$tmp"/pids*/pid.*; do
-    [ -f "$f" ] && kill -KILL "$(cat "$f")" 2>/dev/null
+  for f in "$tmp"/pids*/pid.*; do
+    [ -f "$f" ] && kill_ours "$(cat "$f")"
   done
   rm -rf "$tmp"
 }
@@ -233,6 +244,58 @@ nodes)
   [ $rc0 -eq 0 ] && [ $rc1 -eq 0 ] || { cat "$tmp/n0" "$tmp/n1"; fail "restart across nodes: exited $rc0 and $rc1"; }
   grep -q 'another node failed: rank 3' "$tmp/n0" || { cat "$tmp/n0"; fail "node 0 does not name node 1's failure"; }
   [ "$(cat "$tmp/n0" "$tmp/n1" | grep -c ' restart 1 pid [0-9]* ok$')" -eq 4 ] || fail "attempt 1 not complete"
+  # The same with c10d ranks: the failing rank's node is whichever arrived second.
+  port=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  args=(--nnodes 2 --rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$port" --nproc-per-node 2 --max-restarts 1
+        --grace-period 2 --rdzv-timeout 30)
+  timeout 60 "$ddprun" "${args[@]}" "$worker" --die-rank 1 --hang >"$tmp/n1" 2>&1 &
+  n1=$!
+  started+=($n1)
+  timeout 60 "$ddprun" "${args[@]}" "$worker" --die-rank 1 --hang >"$tmp/n0" 2>&1
+  rc0=$?
+  wait $n1
+  rc1=$?
+  [ $rc0 -eq 0 ] && [ $rc1 -eq 0 ] || { cat "$tmp/n0" "$tmp/n1"; fail "c10d restart across nodes: exited $rc0 and $rc1"; }
+  [ "$(cat "$tmp/n0" "$tmp/n1" | grep -c ' restart 1 pid [0-9]* ok$')" -eq 4 ] || fail "c10d: attempt 1 not complete"
+  # A node's ddprun SIGKILLed: its workers die with it, and the other node
+  # does not wait for it forever (silent for --rdzv-timeout 3 s: exit 1).
+  port=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  args=(--nnodes 2 --master-port "$port" --nproc-per-node 2 --rdzv-timeout 3)
+  mkdir -p "$tmp/pids1"
+  "$ddprun" "${args[@]}" --node-rank 1 "$worker" --no-init --sleep 60 --pidfile "$tmp/pids1" >"$tmp/n1" 2>&1 &
+  n1=$!
+  started+=($n1)
+  timeout 60 "$ddprun" "${args[@]}" --node-rank 0 "$worker" --no-init >"$tmp/n0" 2>&1 &
+  n0=$!
+  started+=($n0)
+  wait_for_files "$tmp/pids1" 2 20 || { cat "$tmp/n0" "$tmp/n1"; fail "node 1's workers did not start"; }
+  kill -KILL $n1
+  t=$SECONDS
+  wait $n0
+  rc0=$?
+  [ $rc0 -eq 1 ] || { cat "$tmp/n0"; fail "node 0 exited $rc0 after node 1's ddprun was SIGKILLed (expected 1)"; }
+  [ $((SECONDS - t)) -le 15 ] || fail "node 0 took $((SECONDS - t)) s to give up on node 1"
+  grep -q 'node 1 has been silent' "$tmp/n0" || { cat "$tmp/n0"; fail "node 0 does not say node 1 went silent"; }
+  end=$((SECONDS + 5))
+  until all_dead "$tmp/pids1"; do [ $SECONDS -ge $end ] && fail "node 1's workers outlived its ddprun"; sleep 0.05; done
+  # The store's host (node 0) SIGKILLed: node 1 stops its workers and exits 1.
+  port=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  args=(--nnodes 2 --master-port "$port" --nproc-per-node 2 --rdzv-timeout 10 --grace-period 2)
+  mkdir -p "$tmp/pids2"
+  "$ddprun" "${args[@]}" --node-rank 0 "$worker" --no-init --sleep 60 >"$tmp/n0" 2>&1 &
+  n0=$!
+  started+=($n0)
+  timeout 60 "$ddprun" "${args[@]}" --node-rank 1 "$worker" --no-init --sleep 60 --pidfile "$tmp/pids2" >"$tmp/n1" 2>&1 &
+  n1=$!
+  started+=($n1)
+  wait_for_files "$tmp/pids2" 2 20 || { cat "$tmp/n0" "$tmp/n1"; fail "node 1's workers did not start"; }
+  kill -KILL $n0
+  t=$SECONDS
+  wait $n1
+  rc1=$?
+  [ $rc1 -eq 1 ] || { cat "$tmp/n1"; fail "node 1 exited $rc1 after the store's host was SIGKILLed (expected 1)"; }
+  [ $((SECONDS - t)) -le 10 ] || fail "node 1 took $((SECONDS - t)) s to notice"
+  all_dead "$tmp/pids2" || fail "node 1's workers survived"
   ;;
 logs)
   cat >"$tmp/w.sh" <<'SH'
