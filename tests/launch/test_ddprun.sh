@@ -11,14 +11,16 @@
 #   signals   SIGUSR1 reaches every worker and they go on; SIGTERM to ddprun
 #             reaches every worker, which exit; ddprun exits 128+15
 #   port      one node, no --master-port: a free MASTER_PORT, different from
-#             DDP_STORE_ADDR's port, and the same for every worker
+#             DDP_STORE_ADDR's port, and the same for every worker; --master-port
+#             passed on; --standalone (random run id), --nproc-per-node auto
 #   nodes     two ddprun on this host as 2 nodes, static (--node-rank) and c10d;
 #             a failure on one node restarts both (static and c10d); a node's
 #             ddprun SIGKILLed: the other gives up on it (exit 1), and when it
 #             was the store's host the other stops its workers (exit 1)
 #   logs      --log-dir with --redirects, --tee and --local-ranks-filter: what
 #             reaches the console and what the log files hold
-#   usage     --nnodes 1:2 is refused with a message; bad options exit 2; --help
+#   usage     --nnodes 1:2 is refused with a message; bad options exit 2; --help;
+#             -m and .py run with $PYTHON; a missing program fails with a reason
 #   torch     a PyTorch DDP script (gloo, env://) unchanged under ddprun
 #             --nproc-per-node 2 with Debian's torch (SKIP without it)
 set -uo pipefail
@@ -202,6 +204,12 @@ s = socket.socket(); s.bind(("0.0.0.0", int(sys.argv[1]))); s.close()
 PY
   timeout 30 "$ddprun" --master-port 31234 --nproc-per-node 2 /usr/bin/env >"$tmp/c" 2>&1
   [ "$(grep -c '^MASTER_PORT=31234$' "$tmp/c")" -eq 2 ] || fail "--master-port 31234 not passed on"
+  # --standalone: a random run id and a free port; auto here (no GPU) = the CPUs.
+  timeout 30 "$ddprun" --standalone --nproc-per-node auto /usr/bin/env >"$tmp/d" 2>&1 || fail "--standalone"
+  n=$(nproc)
+  [ "$(grep -c "^LOCAL_WORLD_SIZE=$n\$" "$tmp/d")" -eq "$n" ] || ls /dev/nvidia0 2>/dev/null ||
+    fail "--nproc-per-node auto did not start $n workers on a host without GPUs"
+  [ "$(grep '^TORCHELASTIC_RUN_ID=standalone-' "$tmp/d" | sort -u | wc -l)" -eq 1 ] || fail "--standalone: no single random run id"
   ;;
 nodes)
   for backend in static c10d; do
@@ -334,6 +342,12 @@ usage)
       --local-ranks-filter --no-python --pass-local-rank --grace-period SLURM; do
     grep -q -- "$word" "$tmp/out" || fail "--help does not mention $word"
   done
+  # -m runs a Python module ($PYTHON -u -m NAME); a .py runs with $PYTHON.
+  PYTHON=/usr/bin/python3 timeout 30 "$ddprun" --nproc-per-node 2 -m site >"$tmp/out" 2>&1 || fail "-m site exited $?"
+  [ "$(grep -c '^sys.path = \[' "$tmp/out")" -eq 2 ] || { cat "$tmp/out"; fail "-m site did not run in 2 workers"; }
+  printf 'import os, sys\nprint("py", os.environ["RANK"], sys.executable)\n' >"$tmp/p.py"
+  PYTHON=/usr/bin/python3 timeout 30 "$ddprun" --nproc-per-node 2 "$tmp/p.py" >"$tmp/out" 2>&1 || fail ".py exited $?"
+  [ "$(grep -c '^py [01] /usr/bin/python3$' "$tmp/out")" -eq 2 ] || { cat "$tmp/out"; fail ".py did not run with \$PYTHON"; }
   # A program that cannot be executed is a failure with a reason.
   timeout 30 "$ddprun" "$tmp/no-such-program" >"$tmp/out" 2>&1; [ $? -eq 1 ] || fail "a missing program did not fail the job"
   grep -q 'cannot execute' "$tmp/out" || { cat "$tmp/out"; fail "no reason for the missing program"; }
