@@ -44,7 +44,8 @@ static int ends_with(const char *s, const char *suffix) {
 /* The worker's argv: [python -u [-m]] program [--local-rank=N] args... */
 static char **make_argv(const ddp_launch_config *cfg, int32_t local_rank) {
   int python = cfg->module || (!cfg->no_python && ends_with(cfg->program, ".py"));
-  size_t n = (size_t)cfg->num_args + 6;
+  /* python, -u, -m, program, --local-rank=N, the args, NULL, the flag's buffer */
+  size_t n = (size_t)cfg->num_args + 7;
   char **argv = ddp_calloc(n, sizeof *argv);
   char *flag = ddp_alloc(32);
   if (!argv || !flag) {

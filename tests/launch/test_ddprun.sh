@@ -348,6 +348,16 @@ usage)
   printf 'import os, sys\nprint("py", os.environ["RANK"], sys.executable)\n' >"$tmp/p.py"
   PYTHON=/usr/bin/python3 timeout 30 "$ddprun" --nproc-per-node 2 "$tmp/p.py" >"$tmp/out" 2>&1 || fail ".py exited $?"
   [ "$(grep -c '^py [01] /usr/bin/python3$' "$tmp/out")" -eq 2 ] || { cat "$tmp/out"; fail ".py did not run with \$PYTHON"; }
+  # -m with --pass-local-rank: the longest command line ddprun builds
+  # ($PYTHON -u -m NAME --local-rank=N ARGS); it once overran its argv array.
+  printf 'import sys\nprint("argv", " ".join(sys.argv[1:]))\n' >"$tmp/argmod.py"
+  PYTHONPATH=$tmp PYTHON=/usr/bin/python3 timeout 30 "$ddprun" --nproc-per-node 2 --pass-local-rank \
+    -m argmod a b >"$tmp/out" 2>&1
+  rc=$?
+  [ $rc -eq 0 ] || { cat "$tmp/out"; fail "-m with --pass-local-rank exited $rc"; }
+  for r in 0 1; do
+    grep -q "^argv --local-rank=$r a b\$" "$tmp/out" || { cat "$tmp/out"; fail "-m --pass-local-rank: no --local-rank=$r a b"; }
+  done
   # A program that cannot be executed is a failure with a reason.
   timeout 30 "$ddprun" "$tmp/no-such-program" >"$tmp/out" 2>&1; [ $? -eq 1 ] || fail "a missing program did not fail the job"
   grep -q 'cannot execute' "$tmp/out" || { cat "$tmp/out"; fail "no reason for the missing program"; }
