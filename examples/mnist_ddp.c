@@ -4,11 +4,11 @@
  * DistributedSampler, printing every 100 steps on rank 0 as the seed does:
  *
  *   build/bin/ddprun --nproc-per-node 2 build/bin/mnist_ddp [--epochs 2]
- *       [--lr 1e-4] [--max-steps N] [--data DIR]
+ *       [--lr 1e-4] [--max-steps N] [--data DIR] [--eval-samples N]
  *
  * DIR holds MNIST-format IDX files (default Fashion-MNIST; real MNIST works
- * the same). After training it evaluates on the test set split over the
- * ranks without padding, reduces loss, correct and count, and checks that
+ * the same). After training it evaluates on the test set (its first N samples
+ * with --eval-samples) split over the ranks without padding, reduces loss, correct and count, and checks that
  * every test sample was counted once and that the training loss fell. */
 #include <math.h>
 #include <stdio.h>
@@ -31,7 +31,7 @@
   } while (0)
 
 typedef struct options {
-  int64_t epochs, max_steps;
+  int64_t epochs, max_steps, eval_samples; /* eval_samples 0: the whole test set */
   double lr;
   const char *data;
 } options;
@@ -43,10 +43,12 @@ static options parse(int argc, char **argv) {
     else if (!strcmp(argv[i], "--max-steps")) o.max_steps = atoll(argv[i + 1]);
     else if (!strcmp(argv[i], "--lr")) o.lr = atof(argv[i + 1]);
     else if (!strcmp(argv[i], "--data")) o.data = argv[i + 1];
+    else if (!strcmp(argv[i], "--eval-samples")) o.eval_samples = atoll(argv[i + 1]);
     else break;
   }
-  if (argc % 2 == 0 || o.epochs < 1 || o.max_steps < 0 || !(o.lr > 0)) {
-    fprintf(stderr, "usage: mnist_ddp [--epochs E] [--lr X] [--max-steps N] [--data DIR]\n");
+  if (argc % 2 == 0 || o.epochs < 1 || o.max_steps < 0 || o.eval_samples < 0 || !(o.lr > 0)) {
+    fprintf(stderr, "usage: mnist_ddp [--epochs E] [--lr X] [--max-steps N] [--data DIR] "
+                    "[--eval-samples N]\n");
     exit(2);
   }
   return o;
@@ -109,7 +111,9 @@ int main(int argc, char **argv) {
   ddp_sampler *train_sampler, *test_sampler;
   ddp_distributed_sampler_options so = ddp_distributed_sampler_defaults(world, rank);
   CHECK(ddp_sampler_create_distributed(&train_sampler, ddp_dataset_size(train), &so));
-  CHECK(ddp_sampler_create_distributed_eval(&test_sampler, ddp_dataset_size(test), world, rank));
+  int64_t test_n = ddp_dataset_size(test);
+  if (o.eval_samples && o.eval_samples < test_n) test_n = o.eval_samples;
+  CHECK(ddp_sampler_create_distributed_eval(&test_sampler, test_n, world, rank));
   ddp_loader_config lc = ddp_loader_config_default(); /* batch_size=100, num_workers=0 */
   lc.batch_size = 100;
   lc.sampler = train_sampler;
@@ -159,7 +163,7 @@ int main(int argc, char **argv) {
   double sums[3];
   evaluate(model, tape, test_loader, pg, sums);
   double last_mean = loss_count ? loss_sum / (double)loss_count : NAN;
-  bool counted_once = sums[2] == (double)ddp_dataset_size(test);
+  bool counted_once = sums[2] == (double)test_n;
   bool ok = counted_once && isfinite(last_mean) && last_mean < first_loss;
   if (rank == 0) {
     printf("Training complete in: %.1f s (%lld steps of %d x 100 samples)\n", seconds,

@@ -71,13 +71,38 @@ PY
 echo "ok toy: 2x8 == 1x16 over 2 epochs, replicas identical, metrics reduced"
 
 # --- ConvNet with SyncBatchNorm: 2 ranks x 50 == 1 rank x 100, 10 steps ----------
-data=/usr/share/datasets/fashion-mnist
-if [ -e "$data/t10k-labels-idx1-ubyte.gz" ] || [ -e "$data/t10k-labels-idx1-ubyte" ]; then
-  # Plain SGD here: on real images, with momentum 0.9, the rounding differences
-  # of summing the batch in another order grow past the tolerance after ~5
-  # steps in this model (seen as a sudden jump, as from a flipped near-tie in
-  # max pooling); tests/parallel shows momentum with the ConvNet on smooth data.
-  conv=(--model convnet --max-steps 10 --seed 2 --lr 0.01 --sync-bn --json)
+# Fashion-MNIST with a test set of its first 1000 images, so that the runs'
+# final evaluations stay short under ASan (the training set is the real one:
+# the trajectories below are the ones described in docs/training.md).
+fashion=/usr/share/datasets/fashion-mnist
+data=$tmp/fashion-small
+if [ -e "$fashion/t10k-labels-idx1-ubyte.gz" ] && "$py" - "$fashion" "$data" <<'PY'
+import gzip, os, struct, sys
+src, dst = sys.argv[1:]
+os.makedirs(dst)
+for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"):
+    os.symlink(f"{src}/{name}.gz", f"{dst}/{name}.gz")
+for name, keep in (("t10k-images-idx3-ubyte", 1000), ("t10k-labels-idx1-ubyte", 1000)):
+    raw = gzip.open(f"{src}/{name}.gz").read()
+    ndim = raw[3]
+    dims = list(struct.unpack(f">{ndim}I", raw[4:4 + 4 * ndim]))
+    per = 1
+    for d in dims[1:]:
+        per *= d
+    dims[0] = keep
+    head = raw[:4] + struct.pack(f">{ndim}I", *dims)
+    body = raw[4 + 4 * ndim: 4 + 4 * ndim + keep * per]
+    open(f"{dst}/{name}", "wb").write(head + body)
+PY
+then
+  # Plain SGD, 10 steps: the two runs sum the batch in different orders, and
+  # when a pre-activation lands within that rounding of zero, ReLU (and the
+  # max pooling after it) routes its gradient differently in the two runs: a
+  # discrete jump, not a drift. Here none happens in 10 steps (observed max
+  # error 2e-7 against a bound of 1e-6); with momentum 0.9, or on other data,
+  # one does after 5-8 steps (docs/training.md). tests/parallel shows the
+  # momentum case on synthetic data.
+  conv=(--model convnet --data "$data" --max-steps 10 --seed 2 --lr 0.01 --sync-bn --json)
   world 2 conv "${conv[@]}" --batch-size 50 --dump-state "$tmp/conv.{rank}"
   "$bin" "${conv[@]}" --batch-size 100 --dump-state "$tmp/conv.single" \
     >"$tmp/conv.single.out" 2>/dev/null || fail "single convnet run"
@@ -86,13 +111,13 @@ if [ -e "$data/t10k-labels-idx1-ubyte.gz" ] || [ -e "$data/t10k-labels-idx1-ubyt
   "$py" - "$tmp/conv.out.0" "$tmp/conv.single.out" <<'PY' || fail "convnet: test metrics differ"
 import json, sys
 a, b = (json.loads(open(p).read().splitlines()[-1]) for p in sys.argv[1:])
-# Every test sample counted once: the accuracy is a count out of 10000.
-assert abs(a["test_accuracy"] - b["test_accuracy"]) <= 2e-4, (a, b)
+# Every test sample counted once: the accuracy is a count out of 1000.
+assert abs(a["test_accuracy"] - b["test_accuracy"]) <= 2e-3, (a, b)
 assert abs(a["test_loss"] - b["test_loss"]) <= 1e-3 * b["test_loss"], (a, b)
 assert a["world_size"] == 2 and a["steps"] == 10 and a["samples_per_s"] > 0
 PY
   echo "ok convnet --sync-bn: 2x50 == 1x100 over 10 steps, test metrics equal"
 else
-  echo "note: $data not installed, the ConvNet case is not run (install-deps.sh data)"
+  echo "note: $fashion not installed, the ConvNet case is not run (install-deps.sh data)"
 fi
 echo "all passed"
