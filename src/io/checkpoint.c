@@ -192,9 +192,21 @@ ddp_status ddp_checkpoint_save(const char *path, const ddp_model *model_c, ddp_o
    * the new training state beside the old model and the new model still in
    * its temporary file, which the training state names: a load rolls
    * forward from it (docs/io.md, "Atomicity"). */
+  bool train_renamed = false;
   if (s == DDP_OK) s = ddp__atomic_rename(&train_file);
+  if (s == DDP_OK) train_renamed = true;
   if (s == DDP_OK) s = ddp__atomic_rename(&model_file);
   if (s == DDP_OK) s = ddp__atomic_sync_dir(path);
+  if (s != DDP_OK && train_renamed && model_file.tmp) {
+    /* The model's rename failed after the training state's succeeded: the
+     * old pair is gone, and the new model's temporary file (which the new
+     * training state names) is what a load rolls forward from. Keep it. */
+    (void)ddp__atomic_sync_dir(path);
+    ddp_free(model_file.tmp);
+    model_file.tmp = NULL;
+    s = ddp_error_wrap(s, "the model stays in its temporary file, from which loading %s rolls "
+                          "forward", path);
+  }
   ddp__atomic_abort(&train_file);
   ddp__atomic_abort(&model_file);
   free_train_entries(&te);

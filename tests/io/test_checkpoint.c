@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include <sys/stat.h>
 #include <cmocka.h>
 
 #include "ddp/ddp.h"
@@ -417,6 +418,39 @@ static void test_failed_save_keeps_previous(void **state) {
   free_run(&b);
 }
 
+/* A save whose second rename (the model's) fails after the first (the
+ * training state's) succeeded: the new training state already replaced the
+ * old one, so the only consistent checkpoint left is the new one, whose
+ * model is still in its temporary file. That file must survive the failed
+ * save, and a load rolls forward from it. (Here the rename fails because a
+ * directory stands at the model's path.) */
+static void test_failed_model_rename_rolls_forward(void **state) {
+  (void)state;
+  char path[512], train_path[512];
+  snprintf(path, sizeof path, "%s/ck.safetensors", dir);
+  ddp_checkpoint_train_path(path, train_path, sizeof train_path);
+  run a = make_run(1);
+  advance(&a);
+  ddp_train_state ts = {.step = 7, .world_size = 1};
+  assert_int_equal(mkdir(path, 0755), 0);
+  char inside[600];
+  snprintf(inside, sizeof inside, "%s/keep", path); /* non-empty: rename cannot replace it */
+  spit(inside, "x", 1);
+  assert_int_not_equal(ddp_checkpoint_save(path, a.model, a.opt, a.sched, &ts, NULL, 0), DDP_OK);
+  assert_non_null(strstr(ddp_last_error(), "saving checkpoint"));
+  assert_non_null(strstr(ddp_last_error(), "rolls forward"));
+  unlink(inside);
+  assert_int_equal(rmdir(path), 0);
+  run b = make_run(2);
+  ddp_train_state got;
+  assert_int_equal(ddp_checkpoint_load(path, b.model, b.opt, b.sched, &got, NULL, 0), DDP_OK);
+  assert_int_equal(got.step, 7);
+  assert_memory_equal(ddp_model_params_flat(b.model), ddp_model_params_flat(a.model),
+                      (size_t)ddp_model_num_param_elements(a.model) * sizeof(float));
+  free_run(&a);
+  free_run(&b);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_convnet_state_dict, setup, teardown),
@@ -424,6 +458,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_corruption, setup, teardown),
       cmocka_unit_test_setup_teardown(test_train_state_roundtrip, setup, teardown),
       cmocka_unit_test_setup_teardown(test_failed_save_keeps_previous, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_failed_model_rename_rolls_forward, setup, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
