@@ -26,7 +26,7 @@ expect() { # NAME PATTERN [COUNT]
 }
 
 names=("$@")
-[ ${#names[@]} -gt 0 ] || names=(ddp_basic toydata_ddp mnist_ddp)
+[ ${#names[@]} -gt 0 ] || names=(ddp_basic toydata_ddp mnist_ddp ddp_checkpoint)
 for name in "${names[@]}"; do
   case $name in
   ddp_basic)
