@@ -265,7 +265,7 @@ ddp_status ddp_optimizer_relayout(ddp_optimizer *opt, size_t n_segments,
         old_offsets[i] + lengths[i] > n || new_offsets[i] + lengths[i] > n)
       return ddp_error(DDP_ERR_RANGE,
                        "optimizer relayout: segment %zu (%lld floats from %lld to %lld) is "
-                       "outside the %lld parameters", i, (long long)lengths[i],
+                       "outside the optimizer's %lld floats", i, (long long)lengths[i],
                        (long long)old_offsets[i], (long long)new_offsets[i], (long long)n);
     total += lengths[i];
   }

@@ -73,6 +73,19 @@ ddp_status ddp__dp_maybe_relayout(ddp_dp *dp) {
    * ready parameter is last in the buffer as before (and the bucket order
    * keeps decreasing offsets). */
   ddp_model *m = dp->model;
+  /* An attached optimizer must cover the whole flat buffers to follow the
+   * move. Checked before anything moves: failing after the model's relayout
+   * would leave the buckets describing the old layout. Every rank attaches
+   * the same kind of optimizer, so every rank fails here together. */
+  int64_t elems = ddp_model_num_param_elements(m);
+  if (dp->opt && ddp_optimizer_numel(dp->opt) != (size_t)elems) {
+    ddp_free(msg);
+    return ddp_error(DDP_ERR_INVALID,
+                     "ddp (rank %d): relayout: the attached optimizer covers %zu floats, the "
+                     "model's %d parameters %lld; attach an optimizer over the model's whole "
+                     "flat buffers (ddp_dp_set_optimizer), or create the wrapper with relayout "
+                     "= false", dp->rank, ddp_optimizer_numel(dp->opt), n, (long long)elems);
+  }
   int64_t *seg = ddp_alloc((size_t)n * 3 * sizeof(int64_t));
   int *layout = ddp_alloc((size_t)n * sizeof(int));
   if (!seg || !layout) {

@@ -364,6 +364,59 @@ static void test_relayout_keeps_training_equivalent(void **state) {
   ddp_model_destroy(c.reference);
 }
 
+/* An attached optimizer that does not cover the model's whole flat buffers
+ * (here: only the last parameter) cannot follow a relayout. The relayout is
+ * refused before anything moves: the error names the sizes, and the
+ * model's layout stays the one the buckets were built for. */
+static void partial_optimizer_body(dpt_rank *self) {
+  ddp_model *m;
+  DPT_OK(self, ddp_model_build("convnet-2", NULL, 100, &m));
+  ddp_dp_options o = ddp_dp_defaults();
+  o.bucket_cap_mb = o.first_bucket_mb = 0.002;
+  ddp_dp *dp;
+  ddp_status s = ddp_dp_create(&dp, m, self->pg, &o);
+  if (s != DDP_OK) ddp_model_destroy(m);
+  DPT_OK(self, s);
+  int n = ddp_model_num_params(m);
+  int64_t before[64];
+  for (int i = 0; i < n && i < 64; i++) before[i] = ddp_model_param_offset(m, i);
+  int64_t off = ddp_model_param_offset(m, n - 1), len = ddp_model_param(m, n - 1)->numel;
+  ddp_optim_options oo = ddp_optim_defaults(DDP_OPTIM_SGD);
+  ddp_optimizer *opt = NULL;
+  ddp_tape *tape = NULL;
+  s = ddp_optimizer_create(&opt, &oo, ddp_model_params_flat(m) + off,
+                           ddp_model_grads_flat(m) + off, (size_t)len);
+  if (s == DDP_OK) s = ddp_tape_create(&tape, 1 << 20);
+  if (s == DDP_OK) ddp_dp_set_optimizer(dp, opt);
+  float *xbuf = malloc(4 * 784 * sizeof(float)), *ybuf = malloc(4 * 8 * 5);
+  ddp_tensor x, y, *out, *loss;
+  dpt_batch("convnet-2", 0, self->rank, self->world->size, 4, xbuf, ybuf, &x, &y);
+  if (s == DDP_OK) s = ddp_dp_forward(dp, tape, &x, &out);
+  if (s == DDP_OK) s = ddp_model_loss(m, tape, out, &y, &loss);
+  ddp_status bs = s == DDP_OK ? ddp_dp_backward(dp, tape, loss) : s;
+  char msg[512];
+  snprintf(msg, sizeof msg, "%s", ddp_last_error());
+  bool unmoved = true;
+  for (int i = 0; i < n && i < 64; i++) unmoved &= ddp_model_param_offset(m, i) == before[i];
+  ddp_dp_trace t;
+  ddp_dp_get_trace(dp, &t);
+  free(xbuf);
+  free(ybuf);
+  ddp_tape_destroy(tape);
+  ddp_optimizer_destroy(opt);
+  ddp_dp_destroy(dp);
+  ddp_model_destroy(m);
+  DPT_OK(self, s);
+  DPT_CHECK(self, bs == DDP_ERR_INVALID, "backward gave %s: %s", ddp_status_name(bs), msg);
+  DPT_CHECK(self, strstr(msg, "optimizer") && strstr(msg, "relayout"), "message: %s", msg);
+  DPT_CHECK(self, unmoved && !t.relaid_out, "the model was relaid out anyway (%s)", msg);
+}
+
+static void test_relayout_refuses_partial_optimizer(void **state) {
+  (void)state;
+  assert_int_equal(dpt_run(2, 30, partial_optimizer_body, NULL), 0);
+}
+
 /* ddp_model_relayout and ddp_optimizer_relayout on their own: every
  * parameter, gradient and momentum buffer keeps its values by name. */
 static void test_model_and_optimizer_relayout(void **state) {
@@ -554,6 +607,7 @@ int main(void) {
       cmocka_unit_test(test_relayout_convnet2),
       cmocka_unit_test(test_relayout_keeps_training_equivalent),
       cmocka_unit_test(test_model_and_optimizer_relayout),
+      cmocka_unit_test(test_relayout_refuses_partial_optimizer),
       cmocka_unit_test(test_join_uneven_inputs_divide_by_initial_world_size),
       cmocka_unit_test(test_join_uneven_inputs_divide_by_active_ranks),
   };
