@@ -40,7 +40,7 @@ typedef struct train_args {
   int64_t step_size;
   double gamma;
   uint64_t seed;
-  int threads;
+  int threads;             /* 0 = $OMP_NUM_THREADS, else 1 */
   int workers;            /* -1 = automatic (see default_workers) */
   bool sync_bn;
   const char *dump_state; /* NULL unless given */
@@ -84,7 +84,8 @@ static void usage(FILE *f) {
 "  --step-size N        epochs between lr changes (default 1)\n"
 "  --gamma X            lr factor (default 0.1)\n"
 "  --seed N             seeds the weights, the shuffle and dropout (default 1)\n"
-"  --threads N          BLAS threads per process (default 1)\n"
+"  --threads N          BLAS threads per process (default: $OMP_NUM_THREADS if set, else 1;\n"
+"                       ddprun sets OMP_NUM_THREADS=1 for several workers)\n"
 "Data parallel (automatic under ddprun, torchrun's variables, srun or mpirun)\n"
 "  --sync-bn            BatchNorm statistics over the whole global batch (SyncBatchNorm)\n"
 "  --dump-state PATH    after training, write every state-dict tensor as text lines\n"
@@ -174,7 +175,7 @@ static double parse_double(const char *flag, const char *v) {
 static void parse_args(int argc, char **argv, train_args *a) {
   *a = (train_args){.model = "convnet", .epochs = 1, .batch_size = 100, .lr = NAN,
                     .optimizer = "sgd", .step_size = 1, .gamma = 0.1, .seed = 1,
-                    .threads = 1, .workers = -1};
+                    .threads = 0, .workers = -1};
   for (int i = 1; i < argc; i++) {
     const char *f = argv[i];
     if (!strcmp(f, "-h") || !strcmp(f, "--help")) {
@@ -563,6 +564,15 @@ static ddp_train_state resume(const train_args *a, const run_meta *meta, const t
 int main(int argc, char **argv) {
   train_args a;
   parse_args(argc, argv, &a);
+  if (a.threads == 0) { /* PyTorch's intra-op threads follow OMP_NUM_THREADS too */
+    int64_t omp = 1;
+    if (ddp_env_int("OMP_NUM_THREADS", 1, &omp) != DDP_OK || omp < 1) {
+      fprintf(stderr, "ddp-train: error: OMP_NUM_THREADS='%s' is not a positive integer; "
+                      "unset it or pass --threads N\n", getenv("OMP_NUM_THREADS"));
+      exit(2);
+    }
+    a.threads = (int)omp;
+  }
   openblas_set_num_threads(a.threads);
 
   /* Data parallel when a launcher says so (tools/train/world.c). */
