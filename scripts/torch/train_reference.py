@@ -45,6 +45,23 @@ class ConvNet(nn.Module):  # seed 001's ConvNet
         return self.fc(x.reshape(x.size(0), -1))
 
 
+def save_safetensors(state, path):
+    """Writes a state dict by the safetensors spec (8-byte little-endian header
+    length, JSON header, raw little-endian tensors); Debian has no package."""
+    names = {torch.float32: "F32", torch.int64: "I64"}
+    header, blobs, offset = {}, [], 0
+    for name, t in state.items():
+        raw = t.detach().contiguous().numpy().tobytes()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path + ".tmp", "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head + b"".join(blobs))
+    os.replace(path + ".tmp", path)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="convnet", choices=["convnet"])
@@ -55,6 +72,8 @@ def main():
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--save-init", metavar="PATH",
+                   help="write the initial state dict as safetensors (for ddp-train --init PATH)")
     a = p.parse_args()
 
     torch.set_num_threads(a.threads)
@@ -63,11 +82,18 @@ def main():
     ys = torch.from_numpy(read_idx(find(a.data, "train-labels-idx1-ubyte")).astype(np.int64))
     xt = torch.from_numpy(read_idx(find(a.data, "t10k-images-idx3-ubyte")).astype(np.float32) / 255.0).unsqueeze(1)
     yt = torch.from_numpy(read_idx(find(a.data, "t10k-labels-idx1-ubyte")).astype(np.int64))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=a.batch_size, shuffle=True)
+    # The order ddp-train walks: DistributedSampler with one replica, seeded
+    # with --seed, set_epoch(e) each epoch (torch.randperm from seed + e).
+    ds = torch.utils.data.TensorDataset(xs, ys)
+    sampler = torch.utils.data.distributed.DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=a.seed)
+    loader = torch.utils.data.DataLoader(ds, batch_size=a.batch_size, sampler=sampler)
     model = ConvNet()
+    if a.save_init:
+        save_safetensors(model.state_dict(), a.save_init)
     opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.momentum)
     losses, t_train = [], 0.0
-    for _ in range(a.epochs):
+    for epoch in range(a.epochs):
+        sampler.set_epoch(epoch)
         model.train()
         losses = []
         t0 = time.perf_counter()
