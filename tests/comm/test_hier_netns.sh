@@ -40,6 +40,11 @@ cleanup() {
 }
 trap cleanup EXIT
 trap 'exit 1' INT TERM
+# A run killed outright (SIGKILL, e.g. by a test timeout) cannot clean up:
+# remove namespaces of earlier runs whose shell is gone.
+for ns in $(ip netns list 2>/dev/null | sed -n 's/^\(ddph[AB]\([0-9][0-9]*\)\)\b.*/\1/p'); do
+  kill -0 "${ns#ddph?}" 2>/dev/null || ip netns del "$ns" 2>/dev/null
+done
 
 ip netns add "$nsA" 2>"$tmp/err" || skip "ip netns add failed: $(cat "$tmp/err")"
 ip netns add "$nsB" || fail "ip netns add $nsB"

@@ -3,9 +3,15 @@
 # and 10.99.0.2/24), both ends shaped to 1 Gbit/s with tbf, one rank in each
 # (rank 0 also hosts the store), a 64 MiB float32 allreduce a few times
 # through the public API (bench_tcp_allreduce: ddp_process_group_create with
-# the transport left to the group, which sees two hosts). Passes when busbw
-# >= 90% of the shaped rate, the results are right and the group's
-# transport between the ranks is "tcp".
+# the transport left to the group, which sees two hosts). Passes when the
+# results are right, the group's transport between the ranks is "tcp" and
+# busbw >= 90% of the shaped rate in the best of up to DDP_NETNS_ROUNDS
+# (default 4) measurement rounds: the claim is what the link can carry, and
+# on a loaded machine a rank can lose its CPU for a whole round. Every round
+# is printed; rounds stop at the first that reaches the bar.
+# Under a sanitizer build (DDP_SANITIZER set by CMake: ASan, TSan) rates say
+# nothing about the transport, so one round runs, its correctness is checked
+# and the bandwidth assertion is skipped with the reason printed.
 # Needs root and `ip netns`; otherwise SKIP (exit 77). Names carry this
 # shell's PID, so parallel runs do not collide; every namespace and process
 # is removed on every path.
@@ -22,6 +28,9 @@ bench=${DDP_BIN_DIR:?set DDP_BIN_DIR to the build bin directory}/bench_tcp_allre
 rate_mbit=${DDP_NETNS_RATE_MBIT:-1000}
 bytes=${DDP_NETNS_BYTES:-64M}
 iters=${DDP_NETNS_ITERS:-3}
+rounds=${DDP_NETNS_ROUNDS:-4}
+sanitizer=${DDP_SANITIZER:-}
+[ -n "$sanitizer" ] && rounds=1
 id=$$
 nsA=ddpA$id nsB=ddpB$id vA=ddpa$id vB=ddpb$id
 tmp=$(mktemp -d)
@@ -35,6 +44,11 @@ cleanup() {
 }
 trap cleanup EXIT
 trap 'exit 1' INT TERM
+# A run killed outright (SIGKILL, e.g. by a test timeout) cannot clean up:
+# remove namespaces of earlier runs whose shell is gone.
+for ns in $(ip netns list 2>/dev/null | sed -n 's/^\(ddp[AB]\([0-9][0-9]*\)\)\b.*/\1/p'); do
+  kill -0 "${ns#ddp?}" 2>/dev/null || ip netns del "$ns" 2>/dev/null
+done
 
 ip netns add "$nsA" 2>"$tmp/err" || skip "ip netns add failed: $(cat "$tmp/err")"
 ip netns add "$nsB" || fail "ip netns add $nsB"
@@ -70,17 +84,15 @@ measure() {
 }
 field() { sed -n "s/.*\"$1\":\"\{0,1\}\([^,\"}]*\).*/\1/p" <<<"$2"; }
 
-# The shaped link is the bottleneck, but on a loaded machine a rank can lose
-# its CPU for a while: the better of two measurements counts.
-best=0
-for attempt in 1 2; do
-  measure $attempt
+for round in $(seq 1 "$rounds"); do
+  measure "$round"
   line=$(grep '"op":"allreduce"' "$tmp/out0" | tail -1)
   [ -n "$line" ] || fail "no result line from rank 0"
   transport=$(field transport "$line") busbw=$(field busbw "$line") check=$(field check "$line")
   [ "$transport" = tcp ] || fail "transport between the namespaces is '$transport', not tcp"
   [ "$check" = true ] || fail "wrong allreduce results"
   # busbw in GB/s (1e9 bytes); the shaped rate in the same unit.
+  printf 'round %d of %d: ' "$round" "$rounds"
   if awk -v b="$busbw" -v r="$rate_mbit" 'BEGIN {
       line = r * 1e6 / 8 / 1e9; pct = 100 * b / line;
       printf "busbw %.4f GB/s = %.1f%% of the %d Mbit/s shaped rate (%.4f GB/s)\n", b, pct, r, line;
@@ -88,5 +100,10 @@ for attempt in 1 2; do
     echo "PASS"
     exit 0
   fi
+  if [ -n "$sanitizer" ]; then
+    echo "bandwidth not asserted: built with the $sanitizer sanitizer, whose slowdown makes rates meaningless; results and transport checked"
+    echo "PASS"
+    exit 0
+  fi
 done
-fail "busbw below 90% of the shaped rate"
+fail "busbw below 90% of the shaped rate in every one of $rounds rounds"
