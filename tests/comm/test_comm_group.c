@@ -277,8 +277,10 @@ static void test_work_wait_timeout_fails_group(void **state) {
 }
 
 /* A handle waited for with timeout < 0 is not given up on before its turn:
- * three queued allreduces each take 0.3 s (rank 1 comes late to each), 0.9 s
- * in all with a group timeout of 0.6 s. */
+ * three queued allreduces each take 0.75 s (rank 1 comes late to each),
+ * 2.25 s in all with a group timeout of 1.5 s. (The timeout also bounds the
+ * group's creation, which under ThreadSanitizer on a loaded machine took
+ * more than 0.6 s, the figure this test used before.) */
 static void body_wait_default_behind_queue(ct_rank *self) {
   float v[3] = {1, 2, 3};
   if (self->rank == 0) {
@@ -292,14 +294,14 @@ static void body_wait_default_behind_queue(ct_rank *self) {
     }
   } else {
     for (int k = 0; k < 3; k++) {
-      usleep(300000);
+      usleep(750000);
       CT_OK(self, ddp_allreduce(self->pg, &v[k], 1, DDP_FLOAT32, DDP_REDUCE_SUM));
     }
   }
 }
 
 static void test_wait_default_waits_for_its_turn(void **state) {
-  run(2, 0.6, body_wait_default_behind_queue, NULL);
+  run(2, 1.5, body_wait_default_behind_queue, NULL);
 }
 
 /* ---- Debug mode --------------------------------------------------------------- */
