@@ -189,23 +189,29 @@ static void hook_body(dpt_rank *self) {
   float *local = calloc(n, 4), *f32 = calloc(n, 4), *f16 = calloc(n, 4), *b16 = calloc(n, 4),
         *user = calloc(n, 4);
   ddp_dp_comm_hook uh = {user_launch, user_finish, &c->calls};
-  if ((s = one_backward(m, NULL, c->model, self->rank, W, local)) == DDP_OK &&
-      (s = one_backward(m, dp, c->model, self->rank, W, f32)) == DDP_OK &&
+  /* This rank's local maximum is published before the reduced backwards:
+   * every rank needs every rank's contribution to them, so each write here
+   * happens before every rank's reads below. (Written after them, as it
+   * once was, a fast rank could read a slow rank's entry before it was set:
+   * ThreadSanitizer found that race.) */
+  if ((s = one_backward(m, NULL, c->model, self->rank, W, local)) == DDP_OK) {
+    float mx = 0;
+    for (size_t i = 0; i < n; i++) mx = fmaxf(mx, fabsf(local[i]));
+    c->local_max[self->rank] = mx;
+  }
+  if (s == DDP_OK && (s = one_backward(m, dp, c->model, self->rank, W, f32)) == DDP_OK &&
       (s = ddp_dp_set_comm_hook(dp, DDP_DP_HOOK_FP16)) == DDP_OK &&
       (s = one_backward(m, dp, c->model, self->rank, W, f16)) == DDP_OK &&
       (s = ddp_dp_set_comm_hook(dp, DDP_DP_HOOK_BF16)) == DDP_OK &&
       (s = one_backward(m, dp, c->model, self->rank, W, b16)) == DDP_OK &&
       (s = ddp_dp_set_comm_hook_fn(dp, &uh)) == DDP_OK)
     s = one_backward(m, dp, c->model, self->rank, W, user);
-  float mx = 0;
-  for (size_t i = 0; i < n; i++) mx = fmaxf(mx, fabsf(local[i]));
-  c->local_max[self->rank] = mx;
   int buckets = ddp_dp_num_buckets(dp);
   ddp_dp_destroy(dp);
   ddp_model_destroy(m);
   if (s == DDP_OK) {
-    /* Wait for every rank's local maximum (they were all written before
-     * the reduced backwards, which every rank needed). */
+    /* Every rank's local maximum (all written before the reduced
+     * backwards, which every rank needed). */
     float M = 0;
     for (int r = 0; r < W; r++) M = fmaxf(M, c->local_max[r]);
     /* Each rank's g/W rounds once to the half type, the sum once more:
