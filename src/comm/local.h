@@ -67,7 +67,7 @@ typedef struct ddp__local_ctl {
   ddp__local_word flag;
   uint64_t addr[2];            /* this op's buffers (send/recv or buf), in its own address space */
   _Atomic uint32_t state;      /* DDP__LOCAL_* */
-  int32_t pid;                 /* the rank's process */
+  _Atomic int32_t pid;         /* the rank's process (atomic: peers poll it while it is set) */
   _Atomic uint64_t failed_seq; /* the op (ctx->seq) that failed, for messages */
   _Atomic uint32_t cma_ok;     /* 1: process_vm_readv from every peer works, 2: not */
   _Atomic int32_t blame;       /* when failed because of a peer: that rank, else -1 */

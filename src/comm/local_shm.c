@@ -229,7 +229,7 @@ static ddp_status wait_all_ranks(ddp__local_region *reg, int size, int64_t deadl
     if (now >= next_check) {
       next_check = now + 20 * 1000000LL;
       for (int q = 0; q < size; q++) {
-        pid_t pid = ddp__local_ctl_of(reg, q)->pid;
+        pid_t pid = atomic_load_explicit(&ddp__local_ctl_of(reg, q)->pid, memory_order_relaxed);
         if (pid > 0 && pid != getpid() && process_gone(pid))
           return ddp_error(DDP_ERR_PEER,
                            "local backend: rank %d died (process %d is gone) while the group "
@@ -242,8 +242,16 @@ static ddp_status wait_all_ranks(ddp__local_region *reg, int size, int64_t deadl
   }
 }
 
+/* Every rank increments `attached` after writing its pid and addr[0], and
+ * an acquire load that reads the last increment synchronises with every
+ * rank's (increments extend each other's release sequences), so after it
+ * both fields of every rank may be read plainly. (Polling a peer's addr[0]
+ * or pid before that point would race with the peer writing them; the
+ * liveness check in wait_all_ranks reads pid atomically for that reason, a
+ * race ThreadSanitizer found with 2 processes x 2 threads.) */
 static bool has_attached(ddp__local_region *reg, int q) {
-  return ddp__local_ctl_of(reg, q)->addr[0] != 0 && atomic_load(&reg->attached) >= reg->size;
+  (void)q;
+  return atomic_load_explicit(&reg->attached, memory_order_acquire) >= reg->size;
 }
 
 static bool has_probed(ddp__local_region *reg, int q) {
@@ -358,7 +366,7 @@ ddp_status ddp__local_shm_create(const ddp__backend_config *cfg, ddp__local_mem 
   if (st != DDP_OK) goto err;
   ddp__local_region *reg = s->base.region;
   ddp__local_ctl *me = ddp__local_ctl_of(reg, cfg->rank);
-  me->pid = (int32_t)getpid();
+  atomic_store_explicit(&me->pid, (int32_t)getpid(), memory_order_relaxed);
   /* addr[0] until the first op: where this process mapped the region, so
    * peers can check that cross-memory attach reaches it. */
   me->addr[0] = (uint64_t)(uintptr_t)reg;
@@ -375,15 +383,15 @@ ddp_status ddp__local_shm_create(const ddp__backend_config *cfg, ddp__local_mem 
   int cma_errno = 0, cma_peer = -1;
   for (int q = 0; q < cfg->size; q++) {
     ddp__local_ctl *c = ddp__local_ctl_of(reg, q);
-    s->pid[q] = c->pid;
-    if (q == cfg->rank || c->pid == getpid()) continue;
+    s->pid[q] = atomic_load_explicit(&c->pid, memory_order_relaxed);
+    if (q == cfg->rank || s->pid[q] == getpid()) continue;
 #ifdef SYS_pidfd_open
-    s->pidfd[q] = (int)syscall(SYS_pidfd_open, (pid_t)c->pid, 0);
+    s->pidfd[q] = (int)syscall(SYS_pidfd_open, (pid_t)s->pid[q], 0);
 #endif
     uint64_t magic = 0;
     struct iovec l = {&magic, sizeof magic};
     struct iovec r = {(void *)(uintptr_t)c->addr[0], sizeof magic};
-    if (process_vm_readv(c->pid, &l, 1, &r, 1, 0) != (ssize_t)sizeof magic ||
+    if (process_vm_readv(s->pid[q], &l, 1, &r, 1, 0) != (ssize_t)sizeof magic ||
         magic != DDP__LOCAL_MAGIC) {
       if (cma_ok) cma_errno = errno, cma_peer = q;
       cma_ok = false;

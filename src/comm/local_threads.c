@@ -102,7 +102,7 @@ ddp_status ddp__local_threads_create(const ddp__backend_config *cfg, ddp__local_
       return ddp_error(DDP_ERR_STATE, "local backend: rank 0's threads region is not valid");
   }
   ddp__local_ctl *me = ddp__local_ctl_of(reg, cfg->rank);
-  me->pid = (int32_t)getpid();
+  atomic_store_explicit(&me->pid, (int32_t)getpid(), memory_order_relaxed);
   atomic_fetch_add(&reg->attached, 1);
 
   /* Every rank attached (so rank 0 never frees a region someone may still
