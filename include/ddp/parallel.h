@@ -119,9 +119,14 @@ void ddp_dp_set_no_sync(ddp_dp *dp, bool no_sync);
 /* What runs before the forward (PyTorch's _pre_forward): the join
  * bookkeeping when join is enabled, then the buffer broadcast when
  * broadcast_buffers. ddp_dp_forward calls it; call it yourself if you run the
- * model's forward another way. */
+ * model's forward another way (it assumes a backward follows; evaluate
+ * with ddp_model_forward, or ddp_dp_forward on a tape with gradients off). */
 ddp_status ddp_dp_pre_forward(ddp_dp *dp);
-/* ddp_dp_pre_forward, then ddp_model_forward. */
+/* ddp_dp_pre_forward, then ddp_model_forward. On a tape with gradients off
+ * (ddp_tape_set_grad_enabled false, PyTorch's torch.no_grad()) the forward is
+ * an evaluation: no backward is expected, ranks that joined shadow no
+ * gradient allreduce for it, and the next forward does not broadcast
+ * buffers (PyTorch's require_forward_param_sync). */
 ddp_status ddp_dp_forward(ddp_dp *dp, ddp_tape *tape, ddp_tensor *x, ddp_tensor **out);
 
 /* Backward with gradient reduction: ddp_dp_prepare_backward, ddp_backward,

@@ -148,7 +148,13 @@ ddp_status ddp__dp_broadcast_state(ddp_dp *dp, int root, bool params) {
 ddp_status ddp__dp_join_count(ddp_dp *dp, bool training, bool syncing, int *n_training,
                               int *n_syncing, int *highest_training);
 
-ddp_status ddp_dp_pre_forward(ddp_dp *dp) {
+/* grad_enabled: whether a backward may follow this forward (PyTorch's
+ * torch.is_grad_enabled()). Only then does this rank count as syncing in
+ * join's census, so a joined rank shadows no gradient allreduce for an
+ * evaluation forward; and, as PyTorch's require_forward_param_sync, only
+ * then does the next forward broadcast buffers. */
+static ddp_status pre_forward(ddp_dp *dp, bool grad_enabled) {
+  bool syncing = grad_enabled && !dp->no_sync;
   if (dp->armed)
     return ddp_error(DDP_ERR_STATE, "ddp: forward while a backward is unfinished "
                                     "(call ddp_dp_finalize_backward first)");
@@ -156,7 +162,7 @@ ddp_status ddp_dp_pre_forward(ddp_dp *dp) {
   dp->buffer_root = 0;
   if (dp->join_enabled) {
     int n_training, n_syncing, highest;
-    DDP_TRY(ddp__dp_join_count(dp, true, !dp->no_sync, &n_training, &n_syncing, &highest));
+    DDP_TRY(ddp__dp_join_count(dp, true, syncing, &n_training, &n_syncing, &highest));
     if (!dp->join_divide_initial) dp->divisor = n_training;
     dp->buffer_root = highest; /* PyTorch's _find_common_rank over the ranks still training */
   }
@@ -164,12 +170,14 @@ ddp_status ddp_dp_pre_forward(ddp_dp *dp) {
     ddp_status s = ddp__dp_broadcast_state(dp, dp->buffer_root, false);
     if (s != DDP_OK) return ddp_error_wrap(s, "ddp: broadcasting buffers in forward");
   }
-  dp->forward_param_sync = !dp->no_sync;
+  dp->forward_param_sync = syncing;
   return DDP_OK;
 }
 
+ddp_status ddp_dp_pre_forward(ddp_dp *dp) { return pre_forward(dp, true); }
+
 ddp_status ddp_dp_forward(ddp_dp *dp, ddp_tape *tape, ddp_tensor *x, ddp_tensor **out) {
-  DDP_TRY(ddp_dp_pre_forward(dp));
+  DDP_TRY(pre_forward(dp, ddp_tape_grad_enabled(tape)));
   return ddp_model_forward(dp->model, tape, x, out);
 }
 

@@ -603,6 +603,101 @@ static void test_join_uneven_inputs_divide_by_active_ranks(void **state) {
   run_join(false);
 }
 
+/* An evaluation forward through ddp_dp_forward with gradients off (the tape's
+ * grad mode, PyTorch's torch.no_grad()) is followed by no backward: a rank
+ * that has joined must not shadow a gradient allreduce for it. Rank 1 has no
+ * data and joins at once; rank 0 trains, evaluates through the wrapper,
+ * trains again, then joins. Before the fix rank 1 shadowed the evaluation as
+ * a synced iteration and the ranks' collectives no longer matched. Both end
+ * with the same model as a single rank doing rank 0's two steps alone
+ * (divided by the initial world size, so gradients are halved). */
+typedef struct join_eval_case {
+  ddp_model *reference;
+} join_eval_case;
+
+static ddp_status join_eval_step(ddp_model *m, ddp_dp *dp, ddp_tape *tape, ddp_optimizer *opt,
+                                 int t, float *xbuf, float *ybuf) {
+  ddp_tensor x, y, *out, *loss;
+  dpt_batch("toy", t, 0, 1, 4, xbuf, ybuf, &x, &y);
+  ddp_model_zero_grad(m);
+  ddp_tape_reset(tape);
+  DDP_TRY(dp ? ddp_dp_forward(dp, tape, &x, &out) : ddp_model_forward(m, tape, &x, &out));
+  DDP_TRY(ddp_model_loss(m, tape, out, &y, &loss));
+  if (dp) {
+    DDP_TRY(ddp_dp_backward(dp, tape, loss));
+  } else {
+    DDP_TRY(ddp_backward(tape, loss));
+    float *g = ddp_model_grads_flat(m);
+    for (int64_t i = 0; i < ddp_model_num_param_elements(m); i++) g[i] *= 0.5f;
+  }
+  return ddp_optimizer_step(opt);
+}
+
+static void join_eval_body(dpt_rank *self) {
+  join_eval_case *c = self->world->user;
+  ddp_model *m;
+  DPT_OK(self, ddp_model_build("toy", NULL, 100, &m));
+  ddp_dp *dp;
+  ddp_status s = ddp_dp_create(&dp, m, self->pg, NULL);
+  if (s != DDP_OK) ddp_model_destroy(m);
+  DPT_OK(self, s);
+  ddp_optim_options oo = ddp_optim_defaults(DDP_OPTIM_SGD);
+  oo.lr = 0.05;
+  ddp_optimizer *opt = NULL;
+  ddp_tape *tape = NULL;
+  s = ddp_optimizer_create(&opt, &oo, ddp_model_params_flat(m), ddp_model_grads_flat(m),
+                           (size_t)ddp_model_num_param_elements(m));
+  if (s == DDP_OK) s = ddp_tape_create(&tape, 1 << 16);
+  if (s == DDP_OK) ddp_dp_set_optimizer(dp, opt);
+  if (s == DDP_OK) s = ddp_dp_join_enable(dp, true);
+  float xbuf[4 * 10], ybuf[4 * 5];
+  if (self->rank == 0) {
+    if (s == DDP_OK) s = join_eval_step(m, dp, tape, opt, 0, xbuf, ybuf);
+    if (s == DDP_OK) { /* evaluation: no gradients, no backward */
+      ddp_tensor x, y, *out;
+      dpt_batch("toy", 1, 0, 1, 4, xbuf, ybuf, &x, &y);
+      ddp_tape_reset(tape);
+      ddp_tape_set_grad_enabled(tape, false);
+      s = ddp_dp_forward(dp, tape, &x, &out);
+      ddp_tape_set_grad_enabled(tape, true);
+    }
+    if (s == DDP_OK) s = join_eval_step(m, dp, tape, opt, 2, xbuf, ybuf);
+  }
+  if (s == DDP_OK) s = ddp_dp_join(dp);
+  char msg[512] = "";
+  if (s != DDP_OK) snprintf(msg, sizeof msg, "%s", ddp_last_error());
+  bool close = s == DDP_OK && dpt_params_close(m, c->reference, 1e-5, msg, sizeof msg);
+  ddp_tape_destroy(tape);
+  ddp_optimizer_destroy(opt);
+  ddp_dp_destroy(dp);
+  ddp_model_destroy(m);
+  DPT_CHECK(self, s == DDP_OK, "%s", msg);
+  DPT_CHECK(self, close, "vs rank 0's steps alone: %s", msg);
+}
+
+static void test_join_skips_evaluation_forward(void **state) {
+  (void)state;
+  join_eval_case c;
+  assert_int_equal(ddp_model_build("toy", NULL, 100, &c.reference), DDP_OK);
+  ddp_optim_options oo = ddp_optim_defaults(DDP_OPTIM_SGD);
+  oo.lr = 0.05;
+  ddp_optimizer *opt;
+  ddp_tape *tape;
+  ddp_model *m = c.reference;
+  assert_int_equal(ddp_optimizer_create(&opt, &oo, ddp_model_params_flat(m),
+                                        ddp_model_grads_flat(m),
+                                        (size_t)ddp_model_num_param_elements(m)),
+                   DDP_OK);
+  assert_int_equal(ddp_tape_create(&tape, 1 << 16), DDP_OK);
+  float xbuf[4 * 10], ybuf[4 * 5];
+  assert_int_equal(join_eval_step(m, NULL, tape, opt, 0, xbuf, ybuf), DDP_OK);
+  assert_int_equal(join_eval_step(m, NULL, tape, opt, 2, xbuf, ybuf), DDP_OK);
+  ddp_tape_destroy(tape);
+  ddp_optimizer_destroy(opt);
+  assert_int_equal(dpt_run(2, 5, join_eval_body, &c), 0);
+  ddp_model_destroy(c.reference);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_shape_mismatch_names_param_and_rank),
@@ -616,6 +711,7 @@ int main(void) {
       cmocka_unit_test(test_relayout_refuses_partial_optimizer),
       cmocka_unit_test(test_join_uneven_inputs_divide_by_initial_world_size),
       cmocka_unit_test(test_join_uneven_inputs_divide_by_active_ranks),
+      cmocka_unit_test(test_join_skips_evaluation_forward),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
