@@ -532,7 +532,7 @@ static void save_checkpoint(const train_args *a, const run_meta *meta, const tra
                         .sampler_seed = a->seed, .world_size = world->size};
   if (world->rank == 0)
     CHECK(ddp_checkpoint_save(a->save_path, model, opt, sched, &ts, meta->kv, meta->n),
-          "saving the checkpoint (the previous one, if any, is intact)");
+          "saving the checkpoint");
   if (world->pg) CHECK(ddp_barrier(world->pg), "waiting for rank 0 to save the checkpoint");
 }
 
