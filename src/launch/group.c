@@ -150,7 +150,9 @@ ddp_status ddp__group_start(ddp__group *g, int32_t n, int32_t rank_offset,
 
 /* ---- Watching ---------------------------------------------------------------- */
 
-static void mark_exited(ddp__group *g, ddp__worker *w, int status) {
+/* Records a worker's exit (at reap, on the monotonic clock) and drains its
+ * output; whether it counts as a failure is decided per batch by reap(). */
+static void mark_exited(ddp__worker *w, int status) {
   w->state = DDP__WORKER_EXITED;
   w->status = status;
   w->exit_s = ddp_time_s();
@@ -161,32 +163,71 @@ static void mark_exited(ddp__group *g, ddp__worker *w, int status) {
   kill(-w->pid, SIGKILL);
   ddp__stream_finish(&w->out, &w->tail);
   ddp__stream_finish(&w->err, &w->tail);
-  int ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-  if (!ok && !g->stopping) {
-    w->failed = 1;
-    g->num_failures++;
-    if (g->first_failure < 0) g->first_failure = w->local_rank;
-  }
 }
 
-/* Reaps every worker that has exited; returns how many are still running. */
+/* The rank another worker's last output says died ("rank 3 (host) died",
+ * "rank 3 (host) died or failed (reported by rank 0)", "rank 3 died (process
+ * 4711 is gone)": the comm layer's wording for a dead peer), or -1. Lines
+ * are read newest first; a "rank N" naming the worker itself is skipped
+ * ("launch_worker: rank 0: barrier: rank 3 ... died"). */
+int32_t ddp__worker_blamed_rank(const ddp__worker *w) {
+  const ddp__tail *t = &w->tail;
+  int32_t kept = t->total < t->cap ? (int32_t)t->total : t->cap;
+  for (int32_t i = kept - 1; i >= 0; i--) {
+    const char *line = t->lines[(t->next - kept + i + t->cap) % t->cap];
+    if (!line) continue;
+    for (const char *p = strstr(line, "rank "); p; p = strstr(p + 5, "rank ")) {
+      char *end;
+      long r = strtol(p + 5, &end, 10);
+      if (end == p + 5 || r < 0 || r == w->rank) continue;
+      if (strstr(end, " died")) return (int32_t)r;
+    }
+  }
+  return -1;
+}
+
+/* Whether a is a likelier cause than b, of two failures reaped in one batch
+ * (the kernel keeps no exit time, so within a batch the order is unknown):
+ * a worker whose output names a dead peer is a consequence, not a cause; a
+ * worker killed by a signal died abruptly, where one that noticed a failure
+ * exits with a code; then the lower local rank. See docs/launch.md. */
+static int likelier_cause(const ddp__worker *a, const ddp__worker *b) {
+  int ca = ddp__worker_blamed_rank(a) >= 0, cb = ddp__worker_blamed_rank(b) >= 0;
+  if (ca != cb) return cb;
+  int sa = a->status != -1 && WIFSIGNALED(a->status), sb = b->status != -1 && WIFSIGNALED(b->status);
+  if (sa != sb) return sa;
+  return a->local_rank < b->local_rank;
+}
+
+/* Reaps every worker that has exited, as one batch; returns how many are
+ * still running. A cause is a zombie before any peer can notice it died, so
+ * it is reaped in the same batch as its consequences or an earlier one; the
+ * batch's failures are ranked by likelier_cause. */
 static int32_t reap(ddp__group *g) {
   int32_t running = 0;
+  ddp__worker *best = NULL;
   for (int32_t i = 0; i < g->n; i++) {
     ddp__worker *w = &g->workers[i];
     if (w->state != DDP__WORKER_RUNNING) continue;
     int status;
     pid_t r = waitpid(w->pid, &status, WNOHANG);
     if (r == w->pid) {
-      mark_exited(g, w, status);
+      mark_exited(w, status);
     } else if (r < 0 && errno == ECHILD) {
       /* Someone else reaped it (a SIGCHLD set to SIG_IGN in the caller):
        * its status is lost; count it as a failure with status -1. */
-      mark_exited(g, w, -1);
+      mark_exited(w, -1);
     } else {
       running++;
+      continue;
     }
+    int ok = w->status != -1 && WIFEXITED(w->status) && WEXITSTATUS(w->status) == 0;
+    if (ok || g->stopping) continue;
+    w->failed = 1;
+    g->num_failures++;
+    if (!best || likelier_cause(w, best)) best = w;
   }
+  if (best && g->first_failure < 0) g->first_failure = best->local_rank;
   return running;
 }
 
@@ -219,7 +260,11 @@ static int wait_round(ddp__group *g, double timeout_s) {
     }
     int ms = timeout_s <= 0 ? 0 : (int)(timeout_s * 1000.0 + 0.999);
     if (poll(fds, nfds, ms) > 0) {
+      /* Exits first (a SIGCHLD byte woke us, or a dead worker's pipes hung
+       * up): their times are taken now, not after the others' output. */
+      reap(g);
       for (size_t i = 1; i < nfds; i++) {
+        if (who[i]->fd < 0) continue; /* drained by reap */
         if (!fds[i].revents) continue;
         for (int32_t k = 0; k < g->n; k++) {
           ddp__worker *w = &g->workers[k];

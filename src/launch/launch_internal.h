@@ -157,6 +157,11 @@ ddp__event ddp__group_monitor(ddp__group *group, double deadline_s);
  * (waiting at most 5 s more for the kernel) and drains their output. */
 void ddp__group_stop(ddp__group *group, int sig, double grace_s);
 void ddp__group_free(ddp__group *group);
+/* The peer rank a worker's last output says died, in the comm layer's
+ * wording ("rank 3 (host) died ..."), or -1: such a worker failed as a
+ * consequence, and is not named first when a cause exited in the same reap
+ * batch (docs/launch.md, "Which failure is first"). */
+int32_t ddp__worker_blamed_rank(const ddp__worker *w);
 
 /* ---- Failure summary (summary.c) ------------------------------------------- */
 /* "exited with code 3" / "killed by signal 9 (SIGKILL)". */

@@ -11,7 +11,15 @@
  *   --pidfile DIR            write DIR/pid.<rank>
  *   --no-init                skip the process group (environment checks only)
  *   --print-time             print "past_barrier <unix time, s>" after the barrier
- *                            (scripts/bench-launch.sh) */
+ *                            (scripts/bench-launch.sh)
+ *   --spew-rank R --spew MB  rank R first prints MB megabytes to stdout, lines
+ *                            "spew <i> <padding>" numbered from 0
+ *   --spew-exit C            then rank R exits with code C at once
+ *   --freeze-launcher MS     the dying rank first stops its launcher (SIGSTOP to
+ *                            its parent) and has a helper resume it MS ms later, so
+ *                            the deaths its own causes reach the launcher in one batch
+ *   --check-final            a failing final barrier prints the error and exits 7
+ *                            (the ranks that outlive a dead peer fail visibly) */
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -52,7 +60,10 @@ int main(int argc, char **argv) {
   long nproc = -1, nnodes = -1, die_rank = -1, die_attempt = 0;
   const char *die_how = "kill", *pidfile = NULL;
   double sleep_s = 0;
-  int hang = 0, init = 1, print_time = 0;
+  int hang = 0, init = 1, print_time = 0, check_final = 0;
+  long spew_rank = -1, spew_exit = -1;
+  double spew_mb = 0;
+  long freeze_ms = 0;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--nproc") && i + 1 < argc) nproc = atol(argv[++i]);
     else if (!strcmp(argv[i], "--nnodes") && i + 1 < argc) nnodes = atol(argv[++i]);
@@ -64,6 +75,11 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--hang")) hang = 1;
     else if (!strcmp(argv[i], "--no-init")) init = 0;
     else if (!strcmp(argv[i], "--print-time")) print_time = 1;
+    else if (!strcmp(argv[i], "--check-final")) check_final = 1;
+    else if (!strcmp(argv[i], "--freeze-launcher") && i + 1 < argc) freeze_ms = atol(argv[++i]);
+    else if (!strcmp(argv[i], "--spew-rank") && i + 1 < argc) spew_rank = atol(argv[++i]);
+    else if (!strcmp(argv[i], "--spew") && i + 1 < argc) spew_mb = atof(argv[++i]);
+    else if (!strcmp(argv[i], "--spew-exit") && i + 1 < argc) spew_exit = atol(argv[++i]);
     else if (!strncmp(argv[i], "--local-rank=", 13)) expect_eq("--local-rank", atol(argv[i] + 13), env_long("LOCAL_RANK"));
     else {
       fprintf(stderr, "launch_worker: unknown argument %s\n", argv[i]);
@@ -104,6 +120,22 @@ int main(int argc, char **argv) {
     }
   }
   if (fails) return 3;
+  if (rank == spew_rank && spew_mb > 0) {
+    /* 100-byte lines: "spew <i> " padded with x to 99 characters. */
+    long lines = (long)(spew_mb * 1e6 / 100.0);
+    char line[128];
+    for (long i = 0; i < lines; i++) {
+      int n = snprintf(line, sizeof line, "spew %ld ", i);
+      memset(line + n, 'x', (size_t)(99 - n));
+      line[99] = '\n';
+      fwrite(line, 1, 100, stdout);
+    }
+    fflush(stdout);
+    if (spew_exit >= 0) {
+      fprintf(stderr, "launch_worker: rank %ld spewed %ld lines, exits %ld\n", rank, lines, spew_exit);
+      return (int)spew_exit;
+    }
+  }
   if (init) {
     ddp_process_group *pg = NULL;
     if (ddp_init_process_group("env://", NULL, NULL, &pg) != DDP_OK) {
@@ -133,6 +165,16 @@ int main(int argc, char **argv) {
     fflush(stdout);
     if (rank == die_rank && (die_attempt < 0 || restart == die_attempt)) {
       fprintf(stderr, "launch_worker: rank %ld dies now (%s)\n", rank, die_how);
+      if (freeze_ms > 0) {
+        pid_t launcher = getppid();
+        pid_t helper = fork();
+        if (helper == 0) {
+          usleep((useconds_t)(freeze_ms * 1000));
+          kill(launcher, SIGCONT);
+          _exit(0);
+        }
+        if (helper > 0) kill(launcher, SIGSTOP);
+      }
       if (!strcmp(die_how, "exit")) return 3;
       raise(!strcmp(die_how, "segv") ? SIGSEGV : SIGKILL);
     }
@@ -141,7 +183,11 @@ int main(int argc, char **argv) {
     }
     if (sleep_s > 0) usleep((useconds_t)(sleep_s * 1e6));
     /* Rank 0 of a job with no launcher hosts the store: a final barrier. */
-    ddp_barrier(pg);
+    if (ddp_barrier(pg) != DDP_OK && check_final) {
+      fprintf(stderr, "launch_worker: rank %ld: final barrier: %s\n", rank, ddp_last_error());
+      fflush(stderr);
+      return 7;
+    }
     ddp_process_group_destroy(pg);
   } else {
     printf("launch_worker rank %ld/%ld local %ld/%ld node %ld/%ld restart %ld pid %ld ok\n", rank, world, local,

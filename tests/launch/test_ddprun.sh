@@ -21,6 +21,17 @@
 #             reaches the console and what the log files hold
 #   usage     --nnodes 1:2 is refused with a message; bad options exit 2; --help;
 #             -m and .py run with $PYTHON; a missing program fails with a reason
+#   console   ddprun's stdout a FIFO whose reader never reads (or is stopped):
+#             a worker printing megabytes then failing still gets the job torn
+#             down within the grace period (exit 1); SIGTERM still ends ddprun
+#             promptly (143); a reader stopped for a while sees the oldest
+#             output dropped with a notice and the newest kept, while the log
+#             file under --log-dir holds every line
+#   order     rank 3 (not the lowest) SIGKILLs itself and the others fail from
+#             the comm error within milliseconds: the summary names rank 3
+#             first, every time over several runs; rank 3 stops ddprun for
+#             300 ms as it dies (--freeze-launcher), so all four deaths reach
+#             ddprun in one batch, as on a loaded machine
 #   torch     a PyTorch DDP script (gloo, env://) unchanged under ddprun
 #             --nproc-per-node 2 with Debian's torch (SKIP without it)
 set -uo pipefail
@@ -361,6 +372,84 @@ usage)
   # A program that cannot be executed is a failure with a reason.
   timeout 30 "$ddprun" "$tmp/no-such-program" >"$tmp/out" 2>&1; [ $? -eq 1 ] || fail "a missing program did not fail the job"
   grep -q 'cannot execute' "$tmp/out" || { cat "$tmp/out"; fail "no reason for the missing program"; }
+  ;;
+console)
+  mkfifo "$tmp/fifo"
+  # A reader that holds the FIFO open and never reads it (killed at the end:
+  # a child of this shell, so its pid is ours while it runs).
+  sleep 100 <"$tmp/fifo" >/dev/null 2>&1 &
+  holder=$!
+  trap 'kill -KILL $holder 2>/dev/null; cleanup' EXIT
+  grace=2
+  start=$(date +%s.%N)
+  timeout 30 "$ddprun" --nproc-per-node 3 --grace-period $grace --log-dir "$tmp/logs" --rdzv-id c1 \
+    "$worker" --no-init --sleep 60 --spew-rank 1 --spew 4 --spew-exit 3 --pidfile "$tmp/pids" \
+    >"$tmp/fifo" 2>"$tmp/err"
+  rc=$?
+  end=$(date +%s.%N)
+  [ $rc -eq 1 ] || { cat "$tmp/err"; fail "ddprun exited $rc with a console that does not read (expected 1; 124: it stalled)"; }
+  all_dead "$tmp/pids" || fail "a worker outlived ddprun"
+  awk -v a="$start" -v b="$end" -v g=$grace 'BEGIN { exit !(b - a < g + 3) }' ||
+    fail "ddprun took $(awk -v a="$start" -v b="$end" 'BEGIN { print b - a }') s (grace $grace s)"
+  grep -q 'first failure: rank 1 (local rank 1).*exited with code 3' "$tmp/err" ||
+    { cat "$tmp/err"; fail "the summary does not name rank 1"; }
+  log=$tmp/logs/c1/attempt_0/1/stdout.log
+  [ "$(wc -l <"$log")" -eq 40000 ] || fail "the log file holds $(wc -l <"$log") lines, not all 40000"
+  [ "$(tail -n1 "$log" | cut -d' ' -f2)" = 39999 ] || fail "the log file's last line is not spew 39999"
+  # SIGTERM while the console is full: ddprun ends promptly with 128+15.
+  rm -f "$tmp/pids"/pid.*
+  timeout 30 "$ddprun" --nproc-per-node 2 --grace-period $grace "$worker" --no-init --sleep 60 \
+    --spew-rank 0 --spew 4 --pidfile "$tmp/pids" >"$tmp/fifo" 2>"$tmp/err" &
+  pid=$!
+  started+=($pid)
+  wait_for_files "$tmp/pids" 2 20 || fail "the workers did not start"
+  sleep 1
+  t0=$(date +%s.%N)
+  kill -TERM $pid
+  wait $pid
+  rc=$?
+  t1=$(date +%s.%N)
+  [ $rc -eq 143 ] || { cat "$tmp/err"; fail "ddprun exited $rc after SIGTERM with a full console (expected 143)"; }
+  awk -v a="$t0" -v b="$t1" -v g=$grace 'BEGIN { exit !(b - a < g + 3) }' || fail "ddprun took too long after SIGTERM"
+  all_dead "$tmp/pids" || fail "a worker outlived ddprun"
+  # A reader stopped while rank 0 prints 4 MB, resumed while the job runs:
+  # the first lines, a notice of what was dropped, and the newest lines.
+  cat "$tmp/fifo" >"$tmp/console" &
+  reader=$!
+  started+=($reader)
+  kill -STOP $reader
+  timeout 30 "$ddprun" --nproc-per-node 2 "$worker" --no-init --sleep 3 --spew-rank 0 --spew 4 \
+    >"$tmp/fifo" 2>"$tmp/err" &
+  pid=$!
+  started+=($pid)
+  sleep 1.5
+  kill -CONT $reader
+  wait $pid
+  rc=$?
+  wait $reader
+  [ $rc -eq 0 ] || { cat "$tmp/err"; fail "ddprun exited $rc (expected 0)"; }
+  grep -q "^spew 0 x" "$tmp/console" || fail "the first line is not on the console"
+  grep -q "^spew 39999 x" "$tmp/console" || fail "the newest line is not on the console"
+  grep -Eq "^\[ddprun: [0-9]+ bytes of rank 0's output dropped: the console is not reading\]$" "$tmp/console" ||
+    { head -c 300 "$tmp/console"; fail "no drop notice on the console"; }
+  [ "$(grep -c ' ok$' "$tmp/console")" -eq 2 ] || fail "a worker's last line is missing"
+  # Every line that reached the console is whole.
+  bad=$(grep -Evc "^(spew [0-9]+ x+|\[ddprun: .*\]|launch_worker .* ok)$" "$tmp/console")
+  [ "$bad" -eq 0 ] || { grep -Ev "^(spew [0-9]+ x+|\[ddprun: .*\]|launch_worker .* ok)$" "$tmp/console" | head -3; fail "$bad broken lines on the console"; }
+  ;;
+order)
+  for i in 1 2 3 4 5; do
+    timeout 60 "$ddprun" --nproc-per-node 4 --grace-period 3 "$worker" --die-rank 3 --die-how kill --check-final \
+      --freeze-launcher 300 \
+      >"$tmp/out" 2>"$tmp/err"
+    rc=$?
+    [ $rc -eq 1 ] || { cat "$tmp/err"; fail "run $i: ddprun exited $rc (expected 1)"; }
+    grep -q 'first failure: rank 3 (local rank 3) on host .*: killed by signal 9 (SIGKILL)' "$tmp/err" ||
+      { cat "$tmp/err"; fail "run $i: the summary does not name rank 3 first"; }
+    # The batch really held the others' failures (else this proves nothing).
+    [ "$(grep -c 'also failed: rank [012] .*exited with code 7' "$tmp/err")" -eq 3 ] ||
+      { cat "$tmp/err"; fail "run $i: the other ranks did not fail from the comm error before ddprun resumed"; }
+  done
   ;;
 torch)
   py=/usr/bin/python3
