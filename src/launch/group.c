@@ -19,6 +19,10 @@
 extern char **environ;
 
 #define REAP_LIMIT_S 5.0 /* after SIGKILL: how long the kernel may take */
+/* Once the workers are gone, how long the console may take nothing before
+ * what still waits for it is dropped (a reader that is slow but reading gets
+ * everything). */
+#define DRAIN_STALL_S 2.0
 
 static int64_t wall_ms(void) {
   struct timespec ts;
@@ -89,8 +93,14 @@ ddp_status ddp__group_start(ddp__group *g, int32_t n, int32_t rank_offset,
   g->stop_signal = 0;
   g->stopping = 0;
   g->start_wall_ms = wall_ms();
+  g->console[0].fd = g->console[1].fd = -1;
   g->workers = ddp_calloc((size_t)n, sizeof *g->workers);
   if (!g->workers) return ddp_error(DDP_ERR_NOMEM, "launch: out of memory for %d workers", (int)n);
+  int shown[2] = {0, 0};
+  for (int32_t i = 0; i < n; i++)
+    for (int k = 0; k < 2; k++) shown[k] |= specs[i].show[k] != 0;
+  for (int k = 0; k < 2; k++)
+    if (shown[k]) ddp__console_open(&g->console[k], k + 1);
   fflush(NULL); /* forked workers must not write the supervisor's buffered output again */
   pid_t self = getpid();
   for (int32_t i = 0; i < n; i++) {
@@ -98,8 +108,9 @@ ddp_status ddp__group_start(ddp__group *g, int32_t n, int32_t rank_offset,
     w->local_rank = i;
     w->rank = rank_offset + i;
     w->out.fd = w->err.fd = w->out.log_fd = w->err.log_fd = -1;
-    w->out.console_fd = specs[i].show[0] ? 1 : -1;
-    w->err.console_fd = specs[i].show[1] ? 2 : -1;
+    w->out.console = specs[i].show[0] ? &g->console[0] : NULL;
+    w->err.console = specs[i].show[1] ? &g->console[1] : NULL;
+    w->out.rank = w->err.rank = w->rank;
     g->n = i + 1;
     ddp_status s = ddp__tail_init(&w->tail, tail_lines);
     if (s) goto fail;
@@ -231,6 +242,59 @@ static int32_t reap(ddp__group *g) {
   return running;
 }
 
+/* ---- The console ------------------------------------------------------------ */
+
+/* Offers every stream's waiting output to the console, the stream whose line
+ * is half written first. */
+static void flush_consoles(ddp__group *g) {
+  for (int k = 0; k < 2; k++)
+    if (g->console[k].busy) ddp__stream_flush(g->console[k].busy);
+  for (int32_t i = 0; i < g->n; i++) {
+    ddp__stream_flush(&g->workers[i].out);
+    ddp__stream_flush(&g->workers[i].err);
+  }
+}
+
+/* Whether output waits for console k (then poll asks when it can take more). */
+static void consoles_waiting(const ddp__group *g, int waiting[2]) {
+  waiting[0] = waiting[1] = 0;
+  for (int32_t i = 0; i < g->n; i++) {
+    const ddp__stream *st[2] = {&g->workers[i].out, &g->workers[i].err};
+    for (int k = 0; k < 2; k++) {
+      const ddp__stream *s = st[k];
+      if (!s->console || s->console->fd < 0) continue;
+      if (s->pend_len > 0 || s->dropped > 0 || s->notice_len > 0) waiting[s->console == &g->console[1]] = 1;
+    }
+  }
+}
+
+/* Once the workers are gone: gives the console their last output while it
+ * takes some within DRAIN_STALL_S, then drops the rest with a notice. */
+static void drain_consoles(ddp__group *g) {
+  double last = ddp_time_s();
+  for (;;) {
+    size_t before = 0, after = 0;
+    for (int32_t i = 0; i < g->n; i++) before += g->workers[i].out.pend_len + g->workers[i].err.pend_len;
+    flush_consoles(g);
+    int waiting[2];
+    consoles_waiting(g, waiting);
+    if (!waiting[0] && !waiting[1]) return;
+    for (int32_t i = 0; i < g->n; i++) after += g->workers[i].out.pend_len + g->workers[i].err.pend_len;
+    double now = ddp_time_s();
+    if (after < before) last = now;
+    if (now - last > DRAIN_STALL_S) break;
+    struct pollfd p[2];
+    nfds_t n = 0;
+    for (int k = 0; k < 2; k++)
+      if (waiting[k]) p[n++] = (struct pollfd){.fd = g->console[k].fd, .events = POLLOUT};
+    poll(p, n, 20);
+  }
+  for (int32_t i = 0; i < g->n; i++) {
+    ddp__stream_discard(&g->workers[i].out);
+    ddp__stream_discard(&g->workers[i].err);
+  }
+}
+
 static void signal_all(ddp__group *g, int sig) {
   for (int32_t i = 0; i < g->n; i++)
     if (g->workers[i].state == DDP__WORKER_RUNNING) kill(-g->workers[i].pid, sig);
@@ -241,13 +305,22 @@ static void signal_all(ddp__group *g, int sig) {
 static int wait_round(ddp__group *g, double timeout_s) {
   struct pollfd *fds = NULL;
   ddp__stream **who = NULL;
-  size_t cap = 1 + 2 * (size_t)g->n;
+  size_t cap = 3 + 2 * (size_t)g->n;
   fds = ddp_calloc(cap, sizeof *fds);
   who = ddp_calloc(cap, sizeof *who);
   size_t nfds = 0;
   if (fds && who) {
     fds[nfds].fd = ddp__signals_fd();
     fds[nfds++].events = POLLIN;
+    size_t first_stream = 1;
+    int waiting[2];
+    consoles_waiting(g, waiting);
+    for (int k = 0; k < 2; k++) {
+      if (!waiting[k]) continue;
+      fds[nfds].fd = g->console[k].fd;
+      fds[nfds++].events = POLLOUT;
+      first_stream++;
+    }
     for (int32_t i = 0; i < g->n; i++) {
       ddp__worker *w = &g->workers[i];
       ddp__stream *st[2] = {&w->out, &w->err};
@@ -263,7 +336,7 @@ static int wait_round(ddp__group *g, double timeout_s) {
       /* Exits first (a SIGCHLD byte woke us, or a dead worker's pipes hung
        * up): their times are taken now, not after the others' output. */
       reap(g);
-      for (size_t i = 1; i < nfds; i++) {
+      for (size_t i = first_stream; i < nfds; i++) {
         if (who[i]->fd < 0) continue; /* drained by reap */
         if (!fds[i].revents) continue;
         for (int32_t k = 0; k < g->n; k++) {
@@ -279,6 +352,7 @@ static int wait_round(ddp__group *g, double timeout_s) {
   }
   ddp_free(fds);
   ddp_free(who);
+  flush_consoles(g);
   int stop = 0, sigs[64];
   int n = ddp__signals_take(sigs, 64);
   for (int i = 0; i < n; i++) {
@@ -360,6 +434,7 @@ void ddp__group_stop(ddp__group *g, int sig, double grace_s) {
       ddp__stream_finish(&w->err, &w->tail);
     }
   }
+  drain_consoles(g); /* their last words come before the summary */
 }
 
 void ddp__group_free(ddp__group *g) {
@@ -368,8 +443,16 @@ void ddp__group_free(ddp__group *g) {
     ddp__worker *w = &g->workers[i];
     ddp__stream_finish(&w->out, &w->tail);
     ddp__stream_finish(&w->err, &w->tail);
+  }
+  drain_consoles(g);
+  for (int32_t i = 0; i < g->n; i++) {
+    ddp__worker *w = &g->workers[i];
+    ddp__stream_discard(&w->out);
+    ddp__stream_discard(&w->err);
     ddp__tail_free(&w->tail);
   }
+  ddp__console_close(&g->console[0]);
+  ddp__console_close(&g->console[1]);
   ddp_free(g->workers);
   g->workers = NULL;
   g->n = 0;

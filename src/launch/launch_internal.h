@@ -45,13 +45,56 @@ typedef struct ddp__tail {
   int64_t total;    /* lines seen */
 } ddp__tail;
 
-typedef struct ddp__stream {
+/* Where the workers' output is shown: ddprun's stdout or stderr, written so
+ * that supervision never waits on it (a console that stops reading -- a full
+ * pipe, a stopped pager, a terminal on Ctrl-S -- must not stop ddprun from
+ * tearing a failed job down or from handling a signal). A pipe, FIFO or
+ * terminal is written through a non-blocking reopen of /proc/self/fd/N (its
+ * own open file description: the shell's stays blocking), a socket with
+ * MSG_DONTWAIT, a regular file or block device plainly (those never wait on
+ * a reader); when the reopen fails, poll(2) with a zero timeout guards
+ * writes of at most PIPE_BUF bytes. */
+typedef struct ddp__stream ddp__stream;
+typedef struct ddp__console {
+  int fd;             /* -1: not shown, or the console went away */
+  int owned;          /* fd is our reopen: close it */
+  int kind;           /* how fd is written (output.c) */
+  ddp__stream *busy;  /* the stream whose line is half written: the others wait */
+} ddp__console;
+
+/* Per stream, what the console has not taken yet: up to
+ * DDP__CONSOLE_BUFFER bytes of whole lines; when a new line does not fit
+ * the oldest lines are dropped, and the console gets one line "[ddprun: N
+ * bytes of rank R's output dropped: the console is not reading]" in their
+ * place. Log files get every line, written as before. */
+#define DDP__CONSOLE_BUFFER (64 * 1024)
+
+struct ddp__stream {
   int fd;           /* read end of the pipe; -1 when closed */
-  int console_fd;   /* 1 or 2, or -1 when not shown */
+  ddp__console *console; /* NULL when not shown */
   int log_fd;       /* log file, or -1 */
+  int32_t rank;     /* for the drop notice */
   size_t partial_len;
   char partial[2048]; /* a line not yet complete (longer lines are cut) */
-} ddp__stream;
+  char *pend;       /* DDP__CONSOLE_BUFFER bytes, allocated on first use */
+  size_t pend_len;  /* bytes waiting */
+  size_t pend_sent; /* of them, bytes of the first line already written */
+  uint64_t dropped; /* bytes dropped, not yet announced */
+  char notice[160];
+  size_t notice_len, notice_sent; /* a notice being written */
+};
+
+void ddp__console_open(ddp__console *c, int fd);
+void ddp__console_close(ddp__console *c);
+/* Writes what the stream has waiting as far as the console takes it now;
+ * returns 1 while something is still waiting. */
+int ddp__stream_flush(ddp__stream *stream);
+/* Gives up on what is waiting (announcing it as dropped, if the console
+ * takes the notice now) and frees the buffer. */
+void ddp__stream_discard(ddp__stream *stream);
+/* Writes buf to fd (ddprun's own messages, such as the failure summary)
+ * while the console takes it, giving up after stall_s without progress. */
+void ddp__console_write_bounded(int fd, const char *buf, size_t len, double stall_s);
 
 ddp_status ddp__tail_init(ddp__tail *tail, int32_t cap);
 void ddp__tail_free(ddp__tail *tail);
@@ -129,6 +172,7 @@ typedef enum ddp__event {
 typedef struct ddp__group {
   int32_t n;
   ddp__worker *workers;
+  ddp__console console[2]; /* ddprun's stdout and stderr */
   int32_t first_failure;   /* index of the first failed worker, -1 */
   int32_t num_failures;    /* failures before the stop */
   int stop_signal;         /* signal that made the group stop, 0 */

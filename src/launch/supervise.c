@@ -4,6 +4,7 @@
  * Shared by ddprun (run.c) and ddp_spawn (spawn.c). */
 #include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "launch/launch_internal.h"
@@ -43,6 +44,25 @@ static void stop_and_describe(ddp__job *job, ddp__group *g, int32_t attempt, ddp
       failure[0] = '\0';
       break;
   }
+}
+
+/* The summary goes to stderr without waiting on a console that stopped
+ * reading (DRAIN limit as for the workers' output): composed in memory,
+ * then written while stderr takes it. */
+static void print_summary(const char *tool, const ddp__group *g, const char *host, int32_t attempt,
+                          const char *headline) {
+  char *text = NULL;
+  size_t len = 0;
+  FILE *mem = open_memstream(&text, &len);
+  if (!mem) {
+    ddp__summary_print(stderr, tool, g, host, attempt, headline);
+    return;
+  }
+  ddp__summary_print(mem, tool, g, host, attempt, headline);
+  fclose(mem);
+  fflush(stderr);
+  ddp__console_write_bounded(2, text, len, 2.0);
+  free(text); /* open_memstream's buffer comes from malloc */
 }
 
 ddp_status ddp__job_run(ddp__job *job, int *exit_code, ddp__event *event) {
@@ -88,7 +108,7 @@ ddp_status ddp__job_run(ddp__job *job, int *exit_code, ddp__event *event) {
                  (int)job->max_restarts);
       else
         snprintf(headline, sizeof headline, "the job failed%s", job->max_restarts ? " (no restarts left)" : "");
-      ddp__summary_print(stderr, job->tool, &g, a->host, attempt, headline);
+      print_summary(job->tool, &g, a->host, attempt, headline);
     } else if (any_failed && remote[0] && !job->quiet) {
       fprintf(stderr, "%s: node %d stopped its workers: %s%s\n", job->tool, (int)a->world.node_rank,
               strncmp(remote, STOP_MARK, strlen(STOP_MARK)) == 0 ? "" : "another node failed: ", remote);

@@ -399,7 +399,7 @@ console)
   # SIGTERM while the console is full: ddprun ends promptly with 128+15.
   rm -f "$tmp/pids"/pid.*
   timeout 30 "$ddprun" --nproc-per-node 2 --grace-period $grace "$worker" --no-init --sleep 60 \
-    --spew-rank 0 --spew 4 --pidfile "$tmp/pids" >"$tmp/fifo" 2>"$tmp/err" &
+    --spew-rank 0 --spew 4 --pidfile "$tmp/pids" >"$tmp/fifo" 2>"$tmp/err" &  # the same never-read FIFO
   pid=$!
   started+=($pid)
   wait_for_files "$tmp/pids" 2 20 || fail "the workers did not start"
@@ -414,15 +414,24 @@ console)
   all_dead "$tmp/pids" || fail "a worker outlived ddprun"
   # A reader stopped while rank 0 prints 4 MB, resumed while the job runs:
   # the first lines, a notice of what was dropped, and the newest lines.
-  cat "$tmp/fifo" >"$tmp/console" &
+  mkfifo "$tmp/fifo2"
+  cat "$tmp/fifo2" >"$tmp/console" &
   reader=$!
   started+=($reader)
-  kill -STOP $reader
-  timeout 30 "$ddprun" --nproc-per-node 2 "$worker" --no-init --sleep 3 --spew-rank 0 --spew 4 \
-    >"$tmp/fifo" 2>"$tmp/err" &
+  timeout 30 "$ddprun" --nproc-per-node 2 --log-dir "$tmp/logs" --rdzv-id c3 "$worker" --no-init --sleep 6 \
+    --spew-rank 0 --spew 4 >"$tmp/fifo2" 2>"$tmp/err" &
   pid=$!
   started+=($pid)
-  sleep 1.5
+  # Stopped once both ends are open (stopped sooner, it would block the open).
+  until [ -n "$(ls -l /proc/$reader/fd 2>/dev/null | grep fifo2)" ]; do sleep 0.01; done
+  kill -STOP $reader
+  # Resume the reader once rank 0 has printed everything (its log is whole).
+  log=$tmp/logs/c3/attempt_0/0/stdout.log
+  end=$((SECONDS + 20))
+  until [ -f "$log" ] && [ "$(wc -l <"$log")" -ge 40000 ]; do
+    [ $SECONDS -ge $end ] && { kill -CONT $reader; fail "rank 0 did not print its 4 MB within 20 s"; }
+    sleep 0.1
+  done
   kill -CONT $reader
   wait $pid
   rc=$?
