@@ -313,7 +313,10 @@ nodes)
   wait $n1
   rc1=$?
   [ $rc1 -eq 1 ] || { cat "$tmp/n1"; fail "node 1 exited $rc1 after the store's host was SIGKILLed (expected 1)"; }
-  [ $((SECONDS - t)) -le 10 ] || fail "node 1 took $((SECONDS - t)) s to notice"
+  # The store client keeps reconnecting for up to --rdzv-timeout (10 s) before
+  # it calls the store lost, then the grace period (2 s) runs: 15 s is that
+  # with a margin for a loaded machine (11 s has been seen).
+  [ $((SECONDS - t)) -le 15 ] || fail "node 1 took $((SECONDS - t)) s to notice"
   all_dead "$tmp/pids2" || fail "node 1's workers survived"
   ;;
 logs)
