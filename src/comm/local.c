@@ -13,6 +13,7 @@
  * op n-1, hence finished reading slot n%2 in op n-2). Large ones between
  * threads are read in place and end with every rank waiting for every DONE,
  * since peers may still be reading its buffers. */
+#include <sched.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -617,10 +618,37 @@ static const ddp__backend_ops local_ops = {
     .destroy = local_destroy,
 };
 
-/* Ranks of this host that compete for its cores. */
 static int online_cpus(void) {
   long n = sysconf(_SC_NPROCESSORS_ONLN);
   return n > 0 ? (int)n : 1;
+}
+
+void ddp__local_publish_cpus(ddp__local_ctl *ctl) {
+  memset(ctl->cpus, 0, sizeof ctl->cpus);
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return;
+  uint64_t words[DDP__LOCAL_CPU_WORDS] = {0};
+  for (int c = 0; c < CPU_SETSIZE; c++) {
+    if (!CPU_ISSET(c, &set)) continue;
+    if (c >= DDP__LOCAL_CPU_WORDS * 64) return; /* unknown: all zero */
+    words[c / 64] |= 1ull << (c % 64);
+  }
+  memcpy(ctl->cpus, words, sizeof words);
+}
+
+int ddp__local_shared_cpus(ddp__local_region *reg, int size) {
+  int online = online_cpus();
+  uint64_t all[DDP__LOCAL_CPU_WORDS] = {0};
+  for (int q = 0; q < size; q++) {
+    const uint64_t *m = ddp__local_ctl_of(reg, q)->cpus;
+    uint64_t any = 0;
+    for (int w = 0; w < DDP__LOCAL_CPU_WORDS; w++) any |= m[w], all[w] |= m[w];
+    if (!any) return online;
+  }
+  int n = 0;
+  for (int w = 0; w < DDP__LOCAL_CPU_WORDS; w++) n += __builtin_popcountll(all[w]);
+  return n < online ? n : online;
 }
 
 ddp_status ddp__backend_local_create(const ddp__backend_config *cfg, ddp__backend **out) {
@@ -674,8 +702,17 @@ ddp_status ddp__backend_local_create(const ddp__backend_config *cfg, ddp__backen
   }
   b->reg = b->mem->region;
   /* Spin about 20 us before sleeping when every rank can have a core; barely
-   * at all when they outnumber the cores (the peer needs ours to progress). */
-  b->spin_iters = cfg->size <= online_cpus() ? 2000 : 20;
+   * at all when they outnumber the CPUs they may run on together (the union
+   * of their affinity masks: `taskset -c 0` on 2 ranks, or more ranks than
+   * the host has), since the peer then needs this CPU to make progress.
+   * Waits shorten long spins themselves when they find ranks stacked on one
+   * core by the scheduler (local_sync.c). */
+  b->host_cpus = ddp__local_shared_cpus(b->reg, cfg->size);
+  b->spin_long = cfg->size <= b->host_cpus ? DDP__LOCAL_SPIN_LONG : DDP__LOCAL_SPIN_SHORT;
+  b->spin_iters = b->spin_long;
+  if (b->spin_long < DDP__LOCAL_SPIN_LONG && cfg->rank == 0)
+    DDP_INFO("local backend: %d ranks may use %d CPUs together; waits spin briefly, then sleep",
+             cfg->size, b->host_cpus);
   b->yield_iters = 16;
   *out = &b->base;
   return DDP_OK;

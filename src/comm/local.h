@@ -17,7 +17,7 @@
 #include "comm/backend.h"
 
 #define DDP__LOCAL_MAGIC 0x4c434f4c50444444ull /* "DDDPLOCL" */
-#define DDP__LOCAL_VERSION 2u
+#define DDP__LOCAL_VERSION 3u
 #define DDP__LOCAL_MAX_RANKS 256
 
 /* Bytes per rank and parity of the small-message slots (collectives whose
@@ -53,6 +53,14 @@ typedef struct ddp__local_word {
   _Atomic uint32_t sleepers;
 } ddp__local_word;
 
+/* Spins before yielding: long while ranks seem to have a CPU each, short
+ * when they share CPUs (local.c, local_sync.c). */
+#define DDP__LOCAL_SPIN_LONG 2000
+#define DDP__LOCAL_SPIN_SHORT 20
+
+/* Words of a rank's CPU mask in its control block (512 CPUs). */
+#define DDP__LOCAL_CPU_WORDS 8
+
 /* Rank states in the control block. */
 enum {
   DDP__LOCAL_ACTIVE = 0,
@@ -71,7 +79,11 @@ typedef struct ddp__local_ctl {
   _Atomic uint64_t failed_seq; /* the op (ctx->seq) that failed, for messages */
   _Atomic uint32_t cma_ok;     /* 1: process_vm_readv from every peer works, 2: not */
   _Atomic int32_t blame;       /* when failed because of a peer: that rank, else -1 */
-  uint8_t pad[128 - sizeof(ddp__local_word) - 16 - 8 - 8 - 4 - 4];
+  /* The CPUs this rank may run on (sched_getaffinity of its thread, bit c
+   * of word c / 64), written before it counts itself attached; all zero
+   * when unknown (a CPU numbered DDP__LOCAL_CPU_WORDS * 64 or above). */
+  uint64_t cpus[DDP__LOCAL_CPU_WORDS];
+  uint8_t pad[128 - sizeof(ddp__local_word) - 16 - 8 - 8 - 4 - 4 - 8 * DDP__LOCAL_CPU_WORDS];
 } ddp__local_ctl;
 _Static_assert(sizeof(ddp__local_ctl) == 128, "control block is two cache lines");
 
@@ -168,6 +180,14 @@ struct ddp__local_mem {
   bool can_read_peers;
 };
 
+/* Records the calling thread's CPU affinity in ctl->cpus (providers call it
+ * before counting the rank attached). local.c. */
+void ddp__local_publish_cpus(ddp__local_ctl *ctl);
+/* How many distinct CPUs the ranks of the region may run on together (the
+ * union of their masks, capped by the online CPUs); the online count when
+ * any mask is unknown. Call once every rank has attached. local.c. */
+int ddp__local_shared_cpus(ddp__local_region *reg, int size);
+
 /* Both attach every rank of cfg (collective: returns once all have attached,
  * or fails after cfg->timeout_ns). */
 ddp_status ddp__local_threads_create(const ddp__backend_config *cfg, ddp__local_mem **out);
@@ -186,7 +206,11 @@ typedef struct ddp__local_backend {
   char **host_names;       /* [size] for messages */
   void *scratch[2];        /* SEGMENT_BYTES each, when the provider needs them */
   atomic_bool aborted;
-  int spin_iters;          /* before sleeping; small when oversubscribed */
+  int spin_iters;          /* spins before yielding now (local_sync.c adapts it) */
+  int spin_long;           /* spins when ranks seem to have a CPU each, else SHORT */
+  uint32_t yield_streak;   /* waits in a row that ended in the yield phase */
+  uint32_t short_waits;    /* waits since spins were shortened (probe period) */
+  int host_cpus;           /* CPUs the ranks may use together (ddp__local_shared_cpus) */
   int yield_iters;         /* sched_yield calls after spinning, before sleeping */
   int blame;               /* the peer behind the last error (a group rank), -1 if none */
   /* Group ranks of this backend's ranks (identity unless it serves one host

@@ -242,10 +242,10 @@ static ddp_status wait_all_ranks(ddp__local_region *reg, int size, int64_t deadl
   }
 }
 
-/* Every rank increments `attached` after writing its pid and addr[0], and
+/* Every rank increments `attached` after writing its pid, addr[0] and cpus, and
  * an acquire load that reads the last increment synchronises with every
  * rank's (increments extend each other's release sequences), so after it
- * both fields of every rank may be read plainly. (Polling a peer's addr[0]
+ * these fields of every rank may be read plainly. (Polling a peer's addr[0]
  * or pid before that point would race with the peer writing them; the
  * liveness check in wait_all_ranks reads pid atomically for that reason, a
  * race ThreadSanitizer found with 2 processes x 2 threads.) */
@@ -370,6 +370,7 @@ ddp_status ddp__local_shm_create(const ddp__backend_config *cfg, ddp__local_mem 
   /* addr[0] until the first op: where this process mapped the region, so
    * peers can check that cross-memory attach reaches it. */
   me->addr[0] = (uint64_t)(uintptr_t)reg;
+  ddp__local_publish_cpus(me);
   if (atomic_fetch_add(&reg->attached, 1) + 1 == (uint32_t)cfg->size) shm_unlink(s->name);
   st = wait_all_ranks(reg, cfg->size, deadline, has_attached, "map the shared-memory segment");
   if (st != DDP_OK) {

@@ -130,18 +130,54 @@ static ddp_status check_peers(ddp__local_backend *b, const ddp__op_ctx *ctx, int
   return DDP_OK;
 }
 
+/* Adaptive spinning. Ranks that the scheduler stacks on one core (unpinned
+ * ranks on a machine where something else keeps the other cores busy) look
+ * like ranks with a core each to the affinity check in local.c, but every
+ * wait then spins in vain, since the peer cannot run until this rank stops:
+ * such waits end in the yield phase, right after handing the core over.
+ * After STACKED_STREAK waits in a row ended there, waits spin only
+ * DDP__LOCAL_SPIN_SHORT times; every PROBE_PERIOD waits one long spin
+ * probes whether that is still so (a wait that succeeds while spinning
+ * restores long spins; one that ends in the yield phase again keeps them
+ * short). Waits that end in the futex (a peer busy computing) say nothing
+ * about cores and change nothing. */
+#define STACKED_STREAK 8u
+#define PROBE_PERIOD 256u
+
+static void spin_adapt_before(ddp__local_backend *b) {
+  if (b->spin_iters < b->spin_long && ++b->short_waits >= PROBE_PERIOD) {
+    b->spin_iters = b->spin_long;
+    b->short_waits = 0;
+    b->yield_streak = STACKED_STREAK - 1;
+  }
+}
+
+static void spin_adapt_after_yield(ddp__local_backend *b) {
+  if (b->spin_iters > DDP__LOCAL_SPIN_SHORT && ++b->yield_streak >= STACKED_STREAK) {
+    b->spin_iters = DDP__LOCAL_SPIN_SHORT;
+    b->short_waits = 0;
+  }
+}
+
 ddp_status ddp__local_wait(ddp__local_backend *b, const ddp__op_ctx *ctx, ddp__local_word *w,
                            uint64_t target, int peer) {
   if (atomic_load_explicit(&w->value, memory_order_acquire) >= target) return DDP_OK;
+  spin_adapt_before(b);
   for (int i = 0; i < b->spin_iters; i++) {
     cpu_relax();
-    if (atomic_load_explicit(&w->value, memory_order_acquire) >= target) return DDP_OK;
+    if (atomic_load_explicit(&w->value, memory_order_acquire) >= target) {
+      b->yield_streak = 0;
+      return DDP_OK;
+    }
   }
   /* Then yield a few times: on a busy machine the peer may be waiting for
    * this core, and a yield hands it over without a futex round trip. */
   for (int i = 0; i < b->yield_iters; i++) {
     sched_yield();
-    if (atomic_load_explicit(&w->value, memory_order_acquire) >= target) return DDP_OK;
+    if (atomic_load_explicit(&w->value, memory_order_acquire) >= target) {
+      spin_adapt_after_yield(b);
+      return DDP_OK;
+    }
   }
   int64_t deadline = ctx ? ctx->deadline_ns : 0;
   int64_t next_liveness = 0;

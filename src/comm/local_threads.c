@@ -103,6 +103,7 @@ ddp_status ddp__local_threads_create(const ddp__backend_config *cfg, ddp__local_
   }
   ddp__local_ctl *me = ddp__local_ctl_of(reg, cfg->rank);
   atomic_store_explicit(&me->pid, (int32_t)getpid(), memory_order_relaxed);
+  ddp__local_publish_cpus(me);
   atomic_fetch_add(&reg->attached, 1);
 
   /* Every rank attached (so rank 0 never frees a region someone may still

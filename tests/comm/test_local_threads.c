@@ -3,8 +3,11 @@
  * 1..8 x counts 0, 1, a count not divisible by the world and up to 1 MiB
  * against closed-form values (local_test_util.h); abort wakes a blocked op
  * and its peer fails fast naming the aborted rank; a missing peer times out
- * naming the rank waited for; many small allreduces in a row stay in step. */
+ * naming the rank waited for; many small allreduces in a row stay in step;
+ * waits spin only briefly when the ranks share fewer CPUs than there are
+ * ranks (their affinity masks together). */
 #include <pthread.h>
+#include <sched.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -12,8 +15,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 #include <cmocka.h>
 
+#include "comm/local.h"
 #include "comm/local_test_util.h"
 #include "ddp/store.h"
 
@@ -26,6 +31,9 @@ typedef struct rank_thread {
   ddp_status create_status;
   char create_err[256];
   lt_matrix m;
+  /* test_shared_cpus: the backend's CPU count and long spin at creation,
+   * its current spin after the allreduces */
+  int host_cpus, spin_long, spin_after;
   void (*body)(struct rank_thread *);
 } rank_thread;
 
@@ -38,8 +46,22 @@ static ddp_status create_backend(ddp_store *store, int rank, int size, int32_t *
   return ddp__backend_local_create(&cfg, out);
 }
 
+/* >= 0: every rank thread pins itself to this CPU before creating its
+ * backend (g_pin_cpu), or after (g_stack_cpu; test_shared_cpus). */
+static int g_pin_cpu = -1, g_stack_cpu = -1;
+
 static void *rank_main(void *arg) {
   rank_thread *t = arg;
+  if (g_pin_cpu >= 0) {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(g_pin_cpu, &one);
+    if (pthread_setaffinity_np(pthread_self(), sizeof one, &one) != 0) {
+      t->create_status = DDP_ERR_SYS;
+      snprintf(t->create_err, sizeof t->create_err, "cannot pin to CPU %d", g_pin_cpu);
+      return NULL;
+    }
+  }
   t->create_status = create_backend(t->store, t->rank, t->size, t->host_of, t->process_of, &t->b);
   if (t->create_status != DDP_OK) {
     snprintf(t->create_err, sizeof t->create_err, "%s", ddp_last_error());
@@ -279,12 +301,106 @@ static void test_timeout(void **state) {
   if (t[0].m.failures) fail_msg("%s", t[0].m.err);
 }
 
+/* Waits spin only briefly when the ranks may use fewer CPUs together than
+ * there are ranks (docs/comm.md, "Waits"): the union of their affinity
+ * masks counts, not the host's CPU count; and when ranks that had a CPU
+ * each are stacked on one later. Each case also runs allreduces. */
+static void shared_cpus_body(rank_thread *t) {
+  ddp__local_backend *lb = (ddp__local_backend *)t->b;
+  t->m.rank = t->rank;
+  t->m.size = t->size;
+  t->host_cpus = lb->host_cpus;
+  t->spin_long = lb->spin_long;
+  if (g_stack_cpu >= 0) {
+    /* Stacked after creation, as the scheduler may do: the affinity check
+     * saw separate CPUs, the waits must find out. */
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(g_stack_cpu, &one);
+    if (pthread_setaffinity_np(pthread_self(), sizeof one, &one) != 0) {
+      t->m.failures++;
+      snprintf(t->m.err, sizeof t->m.err, "cannot pin to CPU %d", g_stack_cpu);
+      return;
+    }
+  }
+  atomic_bool ab;
+  atomic_init(&ab, false);
+  for (int k = 0; k < 200; k++) {
+    double v[1] = {1.0};
+    ddp__op_ctx ctx = lt_ctx("allreduce", (uint64_t)k + 1, &ab, 30.0);
+    ddp_status st = t->b->ops->allreduce(t->b, &ctx, v, 1, DDP_FLOAT64, DDP_REDUCE_SUM);
+    if (st != DDP_OK || v[0] != t->size) {
+      t->m.failures++;
+      snprintf(t->m.err, sizeof t->m.err, "rank %d: allreduce %d: %s, got %g", t->rank, k,
+               ddp_status_name(st), v[0]);
+      return;
+    }
+  }
+  t->spin_after = lb->spin_iters;
+}
+
+static void test_shared_cpus(void **state) {
+  (void)state;
+  cpu_set_t mine;
+  CPU_ZERO(&mine);
+  assert_int_equal(sched_getaffinity(0, sizeof mine, &mine), 0);
+  int first = -1;
+  for (int c = 0; c < CPU_SETSIZE && first < 0; c++)
+    if (CPU_ISSET(c, &mine)) first = c;
+  long online = sysconf(_SC_NPROCESSORS_ONLN);
+  int usable = CPU_COUNT(&mine) < online ? CPU_COUNT(&mine) : (int)online;
+  rank_thread t[8];
+  /* 2 ranks pinned to one CPU: 1 CPU between them, brief spins. */
+  g_pin_cpu = first;
+  run_ranks(2, shared_cpus_body, t);
+  g_pin_cpu = -1;
+  for (int r = 0; r < 2; r++) {
+    if (t[r].m.failures) fail_msg("pinned: %s", t[r].m.err);
+    assert_int_equal(t[r].host_cpus, 1);
+    assert_int_equal(t[r].spin_long, DDP__LOCAL_SPIN_SHORT);
+    assert_int_equal(t[r].spin_after, DDP__LOCAL_SPIN_SHORT);
+  }
+  /* Unpinned: the CPUs this process may use; spins are long only when
+   * every rank can have one. */
+  int sizes[] = {2, 8};
+  for (int s = 0; s < 2; s++) {
+    run_ranks(sizes[s], shared_cpus_body, t);
+    for (int r = 0; r < sizes[s]; r++) {
+      if (t[r].m.failures) fail_msg("unpinned: %s", t[r].m.err);
+      assert_int_equal(t[r].host_cpus, usable);
+      assert_int_equal(t[r].spin_long,
+                       sizes[s] <= usable ? DDP__LOCAL_SPIN_LONG : DDP__LOCAL_SPIN_SHORT);
+    }
+  }
+  /* 2 ranks that had a CPU each when created, then stacked on one: after
+   * 200 allreduces their waits spin briefly (each wait ended right after a
+   * yield handed the CPU to the peer). */
+  if (usable < 2) {
+    print_message("SKIP (stacked case): this process may use only %d CPU\n", usable);
+    return;
+  }
+  g_stack_cpu = first;
+  run_ranks(2, shared_cpus_body, t);
+  g_stack_cpu = -1;
+  for (int r = 0; r < 2; r++) {
+    if (t[r].m.failures) fail_msg("stacked: %s", t[r].m.err);
+    assert_int_equal(t[r].spin_long, DDP__LOCAL_SPIN_LONG);
+    assert_int_equal(t[r].spin_after, DDP__LOCAL_SPIN_SHORT);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_matrix),    cmocka_unit_test(test_matrix_large),
       cmocka_unit_test(test_many_small), cmocka_unit_test(test_abort_wakes),
       cmocka_unit_test(test_abort_idle),
       cmocka_unit_test(test_timeout),
+      cmocka_unit_test(test_shared_cpus),
   };
+  /* DDP_TEST_FILTER / DDP_TEST_SKIP: run only the tests matching, or skip
+   * those matching, a cmocka pattern (* and ?); the ThreadSanitizer subset
+   * runs part of this program that way (tests/comm/CMakeLists.txt). */
+  if (getenv("DDP_TEST_FILTER")) cmocka_set_test_filter(getenv("DDP_TEST_FILTER"));
+  if (getenv("DDP_TEST_SKIP")) cmocka_set_skip_filter(getenv("DDP_TEST_SKIP"));
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
