@@ -2,13 +2,17 @@
 # The whole test suite, from a fresh Debian machine: installs what it needs,
 # builds the release and the sanitizer (ASan + UBSan) builds, and runs every
 # test in both. Tests labelled "slow" (long training runs) run in the release
-# build only. Exits non-zero when anything fails.
+# build only. Then a ThreadSanitizer build runs the tests labelled "tsan":
+# the threaded ones, with small sizes (about a minute on 2 cores; see
+# docs/comm.md, "ThreadSanitizer"); any report fails the test that caused it.
+# Exits non-zero when anything fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh build data test mpi slurm
 
 scripts/build.sh release
 scripts/build.sh sanitize
+scripts/build.sh tsan
 
 jobs=$(nproc)
 echo "== release build: all tests =="
@@ -17,3 +21,9 @@ echo "== sanitizer build (ASan + UBSan): all tests but the slow ones =="
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 (cd build-asan && ctest --output-on-failure -j "$jobs" -LE slow)
+echo "== ThreadSanitizer build: the tests labelled tsan =="
+# halt_on_error: a report ends the process at once with exit code 66, so a
+# forked rank that would leave through _exit (skipping TSan's exit check)
+# still fails its test.
+export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
+(cd build-tsan && ctest --output-on-failure -j "$jobs" -L tsan)

@@ -225,5 +225,10 @@ int main(void) {
       cmocka_unit_test(test_kill_small),
       cmocka_unit_test(test_kill_large),
   };
+  /* DDP_TEST_FILTER / DDP_TEST_SKIP: run only the tests matching, or skip
+   * those matching, a cmocka pattern (* and ?); the ThreadSanitizer subset
+   * runs part of this program that way (tests/comm/CMakeLists.txt). */
+  if (getenv("DDP_TEST_FILTER")) cmocka_set_test_filter(getenv("DDP_TEST_FILTER"));
+  if (getenv("DDP_TEST_SKIP")) cmocka_set_skip_filter(getenv("DDP_TEST_SKIP"));
   return cmocka_run_group_tests(tests, lp_group_setup, lp_group_teardown);
 }

@@ -93,15 +93,17 @@ for round in $(seq 1 "$rounds"); do
   [ "$check" = true ] || fail "wrong allreduce results"
   # busbw in GB/s (1e9 bytes); the shaped rate in the same unit.
   printf 'round %d of %d: ' "$round" "$rounds"
-  if awk -v b="$busbw" -v r="$rate_mbit" 'BEGIN {
+  reached=0
+  awk -v b="$busbw" -v r="$rate_mbit" 'BEGIN {
       line = r * 1e6 / 8 / 1e9; pct = 100 * b / line;
       printf "busbw %.4f GB/s = %.1f%% of the %d Mbit/s shaped rate (%.4f GB/s)\n", b, pct, r, line;
-      exit !(pct >= 90) }'; then
+      exit !(pct >= 90) }' && reached=1
+  if [ -n "$sanitizer" ]; then
+    echo "bandwidth not asserted: built with the $sanitizer sanitizer, whose slowdown makes rates meaningless; results and transport checked"
     echo "PASS"
     exit 0
   fi
-  if [ -n "$sanitizer" ]; then
-    echo "bandwidth not asserted: built with the $sanitizer sanitizer, whose slowdown makes rates meaningless; results and transport checked"
+  if [ $reached = 1 ]; then
     echo "PASS"
     exit 0
   fi
