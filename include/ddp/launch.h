@@ -98,12 +98,18 @@ ddp_status ddp_launch_run(const ddp_launch_config *cfg, int *exit_code);
 /* ---- ddp_spawn: torch.multiprocessing.spawn ------------------------------
  * Forks `nprocs` workers of the calling program; each runs fn(rank, arg) with
  * torchrun's environment set (so ddp_init_process_group("env://") works, and
- * meets in a store this process hosts), and exits with fn's return value.
+ * meets in a store served by a child process that ddp_spawn forks first and
+ * stops last), and exits with fn's return value.
  * The caller is supervised like ddprun's workers: the first failure (non-zero
  * return, a signal) stops the others and prints the summary on stderr.
  *
  * The workers are forked, not executed: they see a copy of the caller's memory
  * at the call (as mp.spawn's "fork" start method), and only the calling thread.
+ * So the caller must be single-threaded when it calls ddp_spawn (as with
+ * mp.spawn's fork method): a worker forked while another thread held a lock
+ * (malloc's, stdio's) would wait on it forever (DDP_LOG_LEVEL=debug notes
+ * other threads; OpenBLAS's idle pool stops itself around fork, so it is
+ * safe). The workers hold none of the store server's fds.
  * While it runs, ddp_spawn handles SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGUSR1
  * and SIGUSR2 (forwarding them to the workers) and restores the caller's
  * handlers before returning. Not reentrant: one ddp_spawn per process at a time. */
@@ -124,7 +130,9 @@ void ddp_spawn_options_init(ddp_spawn_options *opts);
 /* Returns DDP_OK when every worker returned 0. Otherwise DDP_ERR_PEER (a
  * worker failed: the message names the first, "rank 2 (pid 4711) exited with
  * code 3"), DDP_ERR_TIMEOUT (timeout_s passed), DDP_ERR_ABORTED (a SIGINT,
- * SIGTERM or SIGHUP arrived), or the error that kept it from starting.
+ * SIGTERM or SIGHUP arrived), DDP_ERR_CLOSED (the store's process died: the
+ * message names it, "the store server process (pid 4712, 127.0.0.1:41234)
+ * killed by signal 9 (SIGKILL)"), or the error that kept it from starting.
  * Every worker is gone when it returns. opts may be NULL. */
 ddp_status ddp_spawn(int32_t nprocs, ddp_spawn_fn fn, void *arg, const ddp_spawn_options *opts);
 

@@ -88,9 +88,9 @@ static ddp_status split_endpoint(const char *what, const char *text, int32_t def
 
 static ddp_status open_single(const ddp_launch_config *cfg, ddp__agent *a) {
   ddp__world *w = &a->world;
-  ddp_status s = ddp_store_server_start("127.0.0.1", 0, NULL, &a->server);
+  ddp_status s = ddp__store_proc_start("127.0.0.1", 0, &a->server);
   if (s) return ddp_error_wrap(s, "ddprun cannot host its store on 127.0.0.1");
-  ddp__net_format_host_port("127.0.0.1", ddp_store_server_port(a->server), w->store_addr,
+  ddp__net_format_host_port("127.0.0.1", a->server.port, w->store_addr,
                             sizeof w->store_addr);
   snprintf(w->master_addr, sizeof w->master_addr, "%s", cfg->master_addr[0] ? cfg->master_addr : "127.0.0.1");
   w->master_port = cfg->master_port;
@@ -178,7 +178,7 @@ static ddp_status agree_master(const ddp_launch_config *cfg, ddp__agent *a, cons
                                int32_t endpoint_port) {
   ddp__world *w = &a->world;
   if (w->node_rank == 0) {
-    const char *addr = cfg->master_addr[0] ? cfg->master_addr : a->server ? endpoint_host : a->host;
+    const char *addr = cfg->master_addr[0] ? cfg->master_addr : a->server.pid > 0 ? endpoint_host : a->host;
     int32_t port = cfg->master_port;
     /* The store holds the endpoint's port; MASTER_PORT must be another one,
      * free for a PyTorch rank 0 to host its own store on. */
@@ -221,7 +221,7 @@ static ddp_status open_multi(const ddp_launch_config *cfg, ddp__agent *a) {
                                           : "0.0.0.0";
   int host_it = cfg->rdzv_backend == DDP_LAUNCH_RDZV_STATIC ? cfg->node_rank <= 0 : is_local(host);
   if (host_it) {
-    ddp_status s = ddp_store_server_start(bind, (uint16_t)port, NULL, &a->server);
+    ddp_status s = ddp__store_proc_start(bind, (uint16_t)port, &a->server);
     if (s == DDP_ERR_ADDRINUSE && cfg->rdzv_backend == DDP_LAUNCH_RDZV_C10D) {
       ddp_clear_error(); /* another node of this host got there first */
     } else if (s) {
@@ -233,7 +233,7 @@ static ddp_status open_multi(const ddp_launch_config *cfg, ddp__agent *a) {
   so.timeout_ms = (int64_t)(a->rdzv_timeout_s * 1000.0);
   so.connect_timeout_ms = so.timeout_ms;
   ddp_store *base = NULL;
-  ddp_status s = ddp_store_tcp_connect(a->server ? (strcmp(bind, "::") == 0 || strcmp(bind, "::1") == 0 ? "::1" : "127.0.0.1") : host,
+  ddp_status s = ddp_store_tcp_connect(a->server.pid > 0 ? (strcmp(bind, "::") == 0 || strcmp(bind, "::1") == 0 ? "::1" : "127.0.0.1") : host,
                                        (uint16_t)port, &so, &base);
   if (s) return ddp_error_wrap(s, "ddprun cannot reach the job's store at %s (is node 0's ddprun running?)", w->store_addr);
   char prefix[DDP_LAUNCH_ID_BYTES + 16];
@@ -262,6 +262,11 @@ ddp_status ddp__agent_open(const ddp_launch_config *cfg, ddp__agent *a) {
   w->max_restarts = cfg->max_restarts;
   snprintf(w->run_id, sizeof w->run_id, "%s", cfg->rdzv_id);
   ddp_status s = cfg->nnodes == 1 ? open_single(cfg, a) : open_multi(cfg, a);
+  if (s && a->server.pid > 0 && ddp__store_proc_exited(&a->server)) {
+    char what[256];
+    ddp__store_proc_describe(&a->server, what, sizeof what);
+    s = ddp_error_wrap(s, "%s", what);
+  }
   if (s) ddp__agent_close(a);
   return s;
 }
@@ -362,7 +367,7 @@ ddp_status ddp__agent_end_attempt(ddp__agent *a, int32_t attempt, const char *fa
 
 void ddp__agent_close(ddp__agent *a) {
   if (!a) return;
-  if (a->server && a->store && a->read_outcome) {
+  if (a->server.pid > 0 && a->store && a->read_outcome) {
     /* The store dies with this process: let every node read the outcome of
      * the last attempt first (bounded, in case a node is gone). */
     char read[64];
@@ -375,11 +380,11 @@ void ddp__agent_close(ddp__agent *a) {
     }
   }
   ddp_store_destroy(a->store);
-  ddp_store_server_stop(a->server);
+  ddp__store_proc_stop(&a->server); /* last: the workers are gone, every node has read */
   ddp_free(a->beats);
   ddp_free(a->beat_seen_s);
   a->store = NULL;
-  a->server = NULL;
+  a->server.pid = 0;
   a->beats = NULL;
   a->beat_seen_s = NULL;
 }

@@ -217,6 +217,9 @@ static int likelier_cause(const ddp__worker *a, const ddp__worker *b) {
 static int32_t reap(ddp__group *g) {
   int32_t running = 0;
   ddp__worker *best = NULL;
+  /* The store first: when it died, workers failing on their store calls in
+   * this batch are its consequences (the job fails naming the store). */
+  if (g->store && !g->store_died && !g->stopping && ddp__store_proc_exited(g->store)) g->store_died = 1;
   for (int32_t i = 0; i < g->n; i++) {
     ddp__worker *w = &g->workers[i];
     if (w->state != DDP__WORKER_RUNNING) continue;
@@ -384,6 +387,7 @@ ddp__event ddp__group_monitor(ddp__group *g, double deadline_s) {
       g->stop_signal = sig;
       return DDP__EVENT_SIGNAL;
     }
+    if (g->store_died) return DDP__EVENT_STORE;
     if (g->first_failure >= 0) return DDP__EVENT_FAILED;
     int32_t running = 0;
     for (int32_t i = 0; i < g->n; i++) running += g->workers[i].state == DDP__WORKER_RUNNING;

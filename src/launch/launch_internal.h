@@ -167,7 +167,38 @@ typedef enum ddp__event {
   DDP__EVENT_TIMEOUT = 3,  /* the deadline passed */
   DDP__EVENT_EXTERNAL = 4, /* the poll hook asked to stop (another node failed) */
   DDP__EVENT_ERROR = 5,    /* the poll hook failed (the store is gone) */
+  DDP__EVENT_STORE = 6,    /* the store server process hosted here died */
 } ddp__event;
+
+/* ---- The store server's process (store_proc.c) -----------------------------
+ * The job's store is served by a child of the supervisor, forked before any
+ * worker while the supervisor is single-threaded; the supervisor keeps no
+ * copy of the server's fds (workers forked later inherit none), watches the
+ * child like a worker (SIGCHLD, reap) and stops it last. */
+typedef struct ddp__store_proc {
+  pid_t pid;    /* 0: none hosted here */
+  int exited;   /* 1 once reaped */
+  int status;   /* waitpid status once exited; -1 when lost */
+  uint16_t port; /* as bound */
+  char address[96];  /* "HOST:PORT" as bound (DDP_NET_ADDR_BYTES) */
+} ddp__store_proc;
+
+/* Binds a store server on bind_addr:port (0: a free port) in this process,
+ * then forks the child that serves it: its own process group, named
+ * "ddp-store", SIGKILLed when the supervisor dies (PR_SET_PDEATHSIG),
+ * SIGTERM ends it. The caller must be single-threaded. Bind errors as
+ * ddp_store_server_create's (DDP_ERR_ADDRINUSE ...). */
+ddp_status ddp__store_proc_start(const char *bind_addr, uint16_t port, ddp__store_proc *proc);
+/* Reaps it if it has exited (WNOHANG); 1 once it is gone. */
+int ddp__store_proc_exited(ddp__store_proc *proc);
+/* "the store server process (pid 4711, 127.0.0.1:41234) killed by signal 9
+ * (SIGKILL)" (or "exited with code 1", "is running"). */
+void ddp__store_proc_describe(const ddp__store_proc *proc, char *buf, size_t bytes);
+/* SIGTERM, up to 2 s, SIGKILL, reaped (at most 5 s more). Accepts one that
+ * is gone or was never started. */
+void ddp__store_proc_stop(ddp__store_proc *proc);
+/* Threads of this process (/proc/self/status), -1 when unknown. */
+int32_t ddp__thread_count(void);
 
 typedef struct ddp__group {
   int32_t n;
@@ -183,6 +214,12 @@ typedef struct ddp__group {
    * group (DDP__EVENT_EXTERNAL), < 0 is an error (DDP__EVENT_ERROR). */
   int (*poll_hook)(void *ctx);
   void *poll_ctx;
+  /* The store server process hosted on this node, or NULL: reaped with the
+   * workers (first, in each batch: a worker failing because the store went
+   * away is its consequence) and its death ends the group
+   * (DDP__EVENT_STORE). */
+  ddp__store_proc *store;
+  int store_died;
 } ddp__group;
 
 /* Forks the n workers of `specs` (rank = rank_offset + index). Each worker is
@@ -226,7 +263,7 @@ const char *ddp__envp_get(char *const *envp, const char *name);
 
 /* ---- Node agent (agent.c) -------------------------------------------------- */
 typedef struct ddp__agent {
-  ddp_store_server *server; /* hosted here, or NULL */
+  ddp__store_proc server;   /* the store's process, when hosted here (pid > 0) */
   ddp_store *store;         /* agent keys, prefixed "ddprun/<run id>/"; NULL on one node */
   ddp__world world;
   char host[DDP_LAUNCH_HOST_BYTES];

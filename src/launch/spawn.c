@@ -1,6 +1,9 @@
-/* ddp_spawn: torch.multiprocessing.spawn in C. The calling process hosts the
- * store and supervises forked workers that run fn(rank, arg) with torchrun's
- * environment, exactly as ddprun's workers on one node. */
+/* ddp_spawn: torch.multiprocessing.spawn in C. The calling process forks the
+ * store's process (store_proc.c) and supervises forked workers that run
+ * fn(rank, arg) with torchrun's environment, exactly as ddprun's workers on
+ * one node. The caller must be single-threaded, as with mp.spawn's fork
+ * start method: a worker is a fork without exec, and a lock another thread
+ * held at the fork (malloc's, stdio's) stays held in the worker forever. */
 #include <stdio.h>
 #include <string.h>
 
@@ -48,6 +51,14 @@ ddp_status ddp_spawn(int32_t nprocs, ddp_spawn_fn fn, void *arg, const ddp_spawn
   if (nprocs < 1 || !fn)
     return ddp_error(DDP_ERR_INVALID, "ddp_spawn: nprocs=%d must be >= 1 and fn non-NULL", (int)nprocs);
   if (opts.max_restarts < 0) return ddp_error(DDP_ERR_INVALID, "ddp_spawn: max_restarts=%d is negative", (int)opts.max_restarts);
+  /* Only a debug note: a library's idle pool that stops itself around fork
+   * (OpenBLAS's threads, through pthread_atfork) is a thread here too. */
+  int32_t threads = ddp__thread_count();
+  if (threads > 1)
+    DDP_DEBUG("ddp_spawn: the calling process has %d threads; its workers are forked without exec, and one "
+              "forked while another thread holds a lock (malloc's, stdio's) deadlocks. Call ddp_spawn before "
+              "starting threads (or run the program under ddprun)",
+              (int)threads);
   ddp_launch_config cfg;
   ddp_launch_config_init(&cfg);
   cfg.nproc_per_node = nprocs;

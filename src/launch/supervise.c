@@ -40,6 +40,14 @@ static void stop_and_describe(ddp__job *job, ddp__group *g, int32_t attempt, ddp
       ddp__group_stop(g, SIGTERM, job->grace_s);
       snprintf(failure, bytes, STOP_MARK "node %d (%s) lost the job's store", (int)a->world.node_rank, a->host);
       break;
+    case DDP__EVENT_STORE: {
+      ddp__group_stop(g, SIGTERM, job->grace_s);
+      char what[256];
+      ddp__store_proc_describe(&a->server, what, sizeof what);
+      snprintf(failure, bytes, STOP_MARK "node %d (%s): %s during attempt %d; the job cannot go on without its store",
+               (int)a->world.node_rank, a->host, what, (int)attempt);
+      break;
+    }
     case DDP__EVENT_DONE:
       failure[0] = '\0';
       break;
@@ -83,6 +91,7 @@ ddp_status ddp__job_run(ddp__job *job, int *exit_code, ddp__event *event) {
     g.monitor_interval_s = job->monitor_interval_s;
     g.poll_hook = a->store ? ddp__agent_poll : NULL;
     g.poll_ctx = a;
+    g.store = a->server.pid > 0 ? &a->server : NULL;
     if (st == DDP_OK) st = ddp__group_start(&g, n, a->world.rank_offset, specs, job->tail_lines);
     job->free_specs(job->ctx, &a->world, specs);
     if (st) {
@@ -92,6 +101,14 @@ ddp_status ddp__job_run(ddp__job *job, int *exit_code, ddp__event *event) {
     ddp__event ev = ddp__group_monitor(&g, job->deadline_s);
     char failure[sizeof job->failure];
     stop_and_describe(job, &g, attempt, ev, failure, sizeof failure);
+    if (ev == DDP__EVENT_STORE) {
+      /* Nothing to agree on: the other nodes lose the store too. */
+      snprintf(job->failure, sizeof job->failure, "%s", failure);
+      ddp__group_free(&g);
+      *event = ev;
+      st = ddp_error(DDP_ERR_CLOSED, "%s", failure + strlen(STOP_MARK));
+      break;
+    }
     int restart_left = attempt < job->max_restarts;
     int any_failed = 0;
     ddp_status agreed = ddp__agent_end_attempt(a, attempt, ev == DDP__EVENT_DONE || !failure[0] ? NULL : failure,

@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include "store/server_impl.h"
+#include "store/server_fork.h"
 #include "store/store_impl.h"
 
 #define READ_CHUNK (64 * 1024)
@@ -414,6 +415,37 @@ void ddp_store_server_stop(ddp_store_server *s) {
   ddp_store_server_shutdown(s);
   if (s->has_thread) pthread_join(s->thread, NULL);
   while (s->clients) client_drop(s, s->clients, 0);
+  free_dead(s);
+  ddp__kv_free(&s->table);
+  ddp_free(s->wake_queue);
+  close(s->listen_fd);
+  close(s->epoll_fd);
+  close(s->wake_fd);
+  if (s->spare_fd >= 0) close(s->spare_fd);
+  ddp_free(s);
+}
+
+/* The fds of a forked server are shared objects (one epoll instance, one
+ * eventfd, one listening socket, one socket per client): closing this
+ * process's copies leaves them to the other process, where epoll_ctl(DEL),
+ * a write to the eventfd or a shutdown would reach into the other copy. So
+ * nothing but close(2) and free here. */
+void ddp__store_server_forget(ddp_store_server *s) {
+  if (!s) return;
+  if (s->running || s->has_thread) {
+    ddp_log(DDP_LOG_ERROR, "store server %s: ddp__store_server_forget on a running server; ignored",
+            s->address);
+    return;
+  }
+  while (s->clients) {
+    client *c = s->clients;
+    s->clients = c->next;
+    if (c->waiter) ddp__store_server_cancel_waiter(s, c->waiter);
+    close(c->fd);
+    ddp__buf_free(&c->in);
+    ddp__buf_free(&c->out);
+    ddp_free(c);
+  }
   free_dead(s);
   ddp__kv_free(&s->table);
   ddp_free(s->wake_queue);
