@@ -41,7 +41,13 @@ static int worker(int rank, void *arg) {
     fprintf(stderr, "rank %d: failing on purpose\n", rank);
     return 3;
   }
-  if (rc == 0 && ddp_barrier(pg) != DDP_OK) rc = 1; /* the others wait here and get stopped */
+  /* The others wait here and see rank fail_rank die (or get stopped). Their
+   * error names the dead rank, which tells the supervisor they failed as a
+   * consequence when all exits reach it at once (docs/launch.md). */
+  if (rc == 0 && ddp_barrier(pg) != DDP_OK) {
+    fprintf(stderr, "rank %d: barrier: %s\n", rank, ddp_last_error());
+    rc = 1;
+  }
   ddp_process_group_destroy(pg);
   return rc;
 }

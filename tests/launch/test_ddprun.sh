@@ -7,7 +7,11 @@
 #             period (their pids are dead), ddprun exits 1, and the summary names
 #             that rank first with SIGKILL; with --max-restarts 1 the job restarts
 #             (TORCHELASTIC_RESTART_COUNT=1) and completes
-#   orphans   ddprun SIGKILLed: no worker survives it (PR_SET_PDEATHSIG)
+#   orphans   ddprun SIGKILLed: no worker survives it, nor the store's process
+#             (PR_SET_PDEATHSIG)
+#   store     the store's process (ddprun's child "ddp-store") SIGKILLed while
+#             the workers run: ddprun stops them and exits 1 naming that process
+#             and its signal; no worker survives
 #   signals   SIGUSR1 reaches every worker and they go on; SIGTERM to ddprun
 #             reaches every worker, which exit; ddprun exits 128+15
 #   port      one node, no --master-port: a free MASTER_PORT, different from
@@ -53,7 +57,7 @@ started=()
 # have been reused by another process since.
 kill_ours() {
   local cmd
-  cmd=$(tr '\0' ' ' <"/proc/$1/cmdline" 2>/dev/null) || return 0
+  cmd=$(tr '\0' ' ' 2>/dev/null <"/proc/$1/cmdline") || return 0
   case "$cmd" in *ddprun*|*launch_worker*|*"$tmp"*) kill -KILL "$1" 2>/dev/null ;; esac
 }
 cleanup() {
@@ -164,13 +168,31 @@ orphans)
   "$ddprun" --nproc-per-node 4 "$worker" --no-init --sleep 60 --pidfile "$tmp/pids" >"$tmp/out" 2>&1 &
   started+=($!)
   wait_for_files "$tmp/pids" 4 20 || fail "the workers did not start"
+  store=$(pgrep -P "${started[0]}" -x ddp-store) || fail "ddprun has no child named ddp-store"
+  echo "$store" >"$tmp/pids/pid.store"
   kill -KILL "${started[0]}"
   wait "${started[0]}" 2>/dev/null
   end=$((SECONDS + 5))
   until all_dead "$tmp/pids"; do
-    [ $SECONDS -ge $end ] && fail "workers survived ddprun's SIGKILL: $(cat "$tmp"/pids/pid.* | tr '\n' ' ')"
+    [ $SECONDS -ge $end ] && fail "workers or the store survived ddprun's SIGKILL: $(cat "$tmp"/pids/pid.* | tr '\n' ' ')"
     sleep 0.05
   done
+  ;;
+store)
+  "$ddprun" --nproc-per-node 3 --grace-period 2 "$worker" --no-init --sleep 60 --pidfile "$tmp/pids" >"$tmp/out" 2>"$tmp/err" &
+  pid=$!
+  started+=($pid)
+  wait_for_files "$tmp/pids" 3 20 || fail "the workers did not start"
+  store=$(pgrep -P $pid -x ddp-store) || fail "ddprun has no child named ddp-store"
+  started+=($store)
+  kill -KILL "$store"
+  timeout 20 tail --pid=$pid -f /dev/null
+  wait $pid
+  rc=$?
+  [ $rc -eq 1 ] || { cat "$tmp/err"; fail "ddprun exited $rc after its store's process was killed (expected 1)"; }
+  grep -q "^ddprun: node 0 (.*): the store server process (pid $store, 127\.0\.0\.1:[0-9]*) killed by signal 9 (SIGKILL) during attempt 0; the job cannot go on without its store$" "$tmp/err" ||
+    { cat "$tmp/err"; fail "ddprun's error does not name its store's process"; }
+  all_dead "$tmp/pids" || fail "workers survived: $(cat "$tmp"/pids/pid.* | tr '\n' ' ')"
   ;;
 signals)
   cat >"$tmp/w.sh" <<'SH'

@@ -11,6 +11,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <cmocka.h>
 
@@ -258,6 +263,126 @@ static int sleeper(int rank, void *arg) {
   return 0;
 }
 
+/* ---- The store's process and the workers' fds ---------------------------------- */
+
+/* The inode of the TCP socket listening on `port` (/proc/net/tcp, tcp6), 0. */
+static unsigned long listening_inode(int port) {
+  const char *files[] = {"/proc/net/tcp", "/proc/net/tcp6"};
+  for (int f = 0; f < 2; f++) {
+    FILE *in = fopen(files[f], "r");
+    if (!in) continue;
+    char line[512];
+    unsigned long found = 0;
+    while (!found && fgets(line, sizeof line, in)) {
+      char local[80], remote[80];
+      unsigned st, lport;
+      unsigned long inode;
+      if (sscanf(line, " %*d: %79s %79s %x %*s %*s %*s %*s %*s %lu", local, remote, &st, &inode) != 4) continue;
+      const char *colon = strrchr(local, ':');
+      if (colon && sscanf(colon + 1, "%x", &lport) == 1 && (int)lport == port && st == 0x0A) found = inode;
+    }
+    fclose(in);
+    if (found) return found;
+  }
+  return 0;
+}
+
+/* Whether process `pid` holds socket inode `inode` among its fds. */
+static int holds_socket(pid_t pid, unsigned long inode) {
+  char dir[64], want[64];
+  snprintf(dir, sizeof dir, "/proc/%ld/fd", (long)pid);
+  snprintf(want, sizeof want, "socket:[%lu]", inode);
+  DIR *d = opendir(dir);
+  if (!d) return -1;
+  int held = 0;
+  struct dirent *e;
+  while (!held && (e = readdir(d))) {
+    char path[320], target[128];
+    snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+    ssize_t n = readlink(path, target, sizeof target - 1);
+    if (n <= 0) continue;
+    target[n] = '\0';
+    held = strcmp(target, want) == 0;
+  }
+  closedir(d);
+  return held;
+}
+
+/* Sockets of this process whose local port is `port` (the listening socket
+ * or a connection accepted by a server there). */
+static int sockets_on_port(int port) {
+  int count = 0;
+  for (int fd = 0; fd < 1024; fd++) {
+    struct sockaddr_storage a;
+    socklen_t len = sizeof a;
+    if (getsockname(fd, (struct sockaddr *)&a, &len) != 0) continue;
+    int p = a.ss_family == AF_INET    ? ntohs(((struct sockaddr_in *)&a)->sin_port)
+            : a.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&a)->sin6_port)
+                                      : -1;
+    count += p == port;
+  }
+  return count;
+}
+
+/* The child of `parent` named "ddp-store" (/proc/PID/stat), or 0. */
+static pid_t store_child_of(pid_t parent) {
+  DIR *d = opendir("/proc");
+  pid_t found = 0;
+  struct dirent *e;
+  while (d && !found && (e = readdir(d))) {
+    char path[300], line[512], comm[64];
+    long pid, ppid;
+    snprintf(path, sizeof path, "/proc/%s/stat", e->d_name);
+    FILE *f = fopen(path, "r");
+    if (!f) continue;
+    if (fgets(line, sizeof line, f) && sscanf(line, "%ld (%63[^)]) %*c %ld", &pid, comm, &ppid) == 3 &&
+        ppid == parent && strcmp(comm, "ddp-store") == 0)
+      found = (pid_t)pid;
+    fclose(f);
+  }
+  if (d) closedir(d);
+  return found;
+}
+
+/* A worker that checks, after its rendezvous (so the store has accepted
+ * connections), that the store's listening socket belongs to the ddp-store
+ * process beside it and that it holds no socket of the server: neither the
+ * listening socket nor an accepted connection. */
+static int fd_worker(int rank, void *arg) {
+  (void)arg;
+  ddp_process_group *pg;
+  if (ddp_init_process_group("env://", NULL, NULL, &pg) != DDP_OK) return 11;
+  int rc = ddp_barrier(pg) == DDP_OK ? 0 : 12;
+  const char *addr = getenv("DDP_STORE_ADDR");
+  const char *colon = addr ? strrchr(addr, ':') : NULL;
+  int port = colon ? atoi(colon + 1) : 0;
+  unsigned long inode = listening_inode(port);
+  pid_t store = store_child_of(getppid());
+  if (!rc && (port <= 0 || inode == 0)) rc = 20;                  /* no listening socket found */
+  if (!rc && store <= 0) rc = 21;                                 /* no ddp-store beside us */
+  if (!rc && holds_socket(store, inode) != 1) rc = 22;            /* it does not serve the port */
+  if (!rc && holds_socket(getpid(), inode) != 0) rc = 23;         /* we inherited it */
+  if (!rc && holds_socket(getppid(), inode) != 0) rc = 24;        /* the supervisor kept it */
+  if (!rc && sockets_on_port(port) != 0) rc = 25;                 /* a server-side socket */
+  if (rc) fprintf(stderr, "fd worker %d: check %d failed (store %s, pid %ld, inode %lu)\n", rank, rc,
+                  addr ? addr : "?", (long)store, inode);
+  if (!rc && ddp_barrier(pg) != DDP_OK) rc = 15;
+  ddp_process_group_destroy(pg);
+  return rc;
+}
+
+static void test_spawn_store_process(void **state) {
+  (void)state;
+  ddp_spawn_options o;
+  ddp_spawn_options_init(&o);
+  o.timeout_s = 30;
+  assert_int_equal(ddp_spawn(3, fd_worker, NULL, &o), DDP_OK);
+  /* The store's process was reaped: no child is left, not even a zombie. */
+  errno = 0;
+  assert_int_equal(waitpid(-1, NULL, WNOHANG), -1);
+  assert_int_equal(errno, ECHILD);
+}
+
 static void test_spawn_timeout(void **state) {
   (void)state;
   ddp_spawn_options o;
@@ -275,7 +400,7 @@ int main(void) {
       cmocka_unit_test(test_options_spellings), cmocka_unit_test(test_options_refused),
       cmocka_unit_test(test_slurm_derivation),  cmocka_unit_test(test_worker_env),
       cmocka_unit_test(test_spawn_ok),          cmocka_unit_test(test_spawn_failure),
-      cmocka_unit_test(test_spawn_timeout),
+      cmocka_unit_test(test_spawn_timeout),     cmocka_unit_test(test_spawn_store_process),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
