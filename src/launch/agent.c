@@ -1,5 +1,6 @@
 /* The node agent: where the job's store lives and how the nodes of a job find
- * each other. One node: ddprun hosts the store on a free port of 127.0.0.1.
+ * each other. The store is served by a child process (store_proc.c). One
+ * node: ddprun hosts the store on a free port of 127.0.0.1.
  * Several: the node that hosts the rendezvous endpoint (node 0 with static
  * ranks, the endpoint's own host with c10d) runs the store there; every node
  * claims a node rank (given, or by arrival with c10d), publishes its worker
