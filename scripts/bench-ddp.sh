@@ -8,6 +8,11 @@
 # the two sides (and of the worlds); each figure is the median of its rounds.
 # Prints the ratio ddp / PyTorch per world and each side's scaling efficiency
 # (world-2 samples/s / (2 x world-1 samples/s)), with the machine's load.
+# Each round also runs two independent world-1 ddp trainings side by side
+# ("pair"): their summed samples/s is what two processes get from this
+# machine with no communication at all (shared caches, memory bandwidth,
+# the hypervisor), the ceiling for any world-2 run; the script prints each
+# side's world 2 against it too.
 #   scripts/bench-ddp.sh [rounds=5] [steps=200]
 # Env: DDP_SHARED_DIR (where refs/ is; default ../shared), BENCH_WORLDS ("1 2").
 # Needs build/bin/{ddprun,ddp-train} (scripts/build.sh), python3-torch and the
@@ -36,6 +41,15 @@ torch_run() { # W -> samples/s
   timeout 900 /usr/bin/python3 "$ref" --world "$1" --steps "$steps" --threads 1 --batch 100 \
     --port $((20000 + RANDOM % 20000)) 2>/dev/null | sed -n 's/.*samples_per_s=\([0-9.]*\).*/\1/p'
 }
+pair_run() { # -> summed samples/s of two independent world-1 ddp runs at once
+  local a b
+  ddp_run 1 >"$pair_tmp.a" &
+  ddp_run 1 >"$pair_tmp.b"
+  wait
+  a=$(cat "$pair_tmp.a"); b=$(cat "$pair_tmp.b")
+  [ -n "$a" ] && [ -n "$b" ] && awk -v a="$a" -v b="$b" 'BEGIN { print a + b }'
+}
+pair_tmp=$(mktemp); trap 'rm -f "$pair_tmp" "$pair_tmp".a "$pair_tmp".b' EXIT
 median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
 
 declare -A runs
@@ -50,6 +64,12 @@ for r in $(seq "$rounds"); do
       echo "round $r world $w: $side $v samples/s" >&2
     done
   done
+  if [[ " ${worlds[*]} " == *" 2 "* ]]; then
+    v=$(pair_run)
+    [ -n "$v" ] || die "round $r: the independent pair gave no figure"
+    runs[pair]+="$v "
+    echo "round $r: two independent world-1 ddp runs at once: $v samples/s together" >&2
+  fi
 done
 echo "load after: $(uptime | sed 's/.*load average/load average/')" >&2
 
@@ -64,4 +84,6 @@ done
 if [ -n "${med[ddp.1]:-}" ] && [ -n "${med[ddp.2]:-}" ]; then
   awk -v o1="${med[ddp.1]}" -v o2="${med[ddp.2]}" -v t1="${med[torch.1]}" -v t2="${med[torch.2]}" \
     'BEGIN { printf "scaling efficiency 1 -> 2: ddp %.1f%%, torch %.1f%%\n", 100 * o2 / (2 * o1), 100 * t2 / (2 * t1) }'
+  awk -v o1="${med[ddp.1]}" -v o2="${med[ddp.2]}" -v t2="${med[torch.2]}" -v p="${med[pair]}" \
+    'BEGIN { printf "machine ceiling (two independent world-1 runs at once): %.0f samples/s = %.1f%% of 2 x world 1; world 2 reaches ddp %.1f%%, torch %.1f%% of it\n", p, 100 * p / (2 * o1), 100 * o2 / p, 100 * t2 / p }'
 fi

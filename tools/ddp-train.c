@@ -711,14 +711,15 @@ int main(int argc, char **argv) {
       if (dp) CHECK(ddp_dp_forward(dp, tape, &b.x, &out), "forward");
       else CHECK(ddp_model_forward(model, tape, &b.x, &out), "forward");
       CHECK(ddp_model_loss(model, tape, out, &b.y, &loss), "loss");
-      /* The loss of the global batch: its reduction runs while backward does. */
       double loss_sums[2] = {(double)ddp_tensor_f32(loss)[0] * (double)b.size, (double)b.size};
-      ddp_work *loss_work;
-      CHECK(train_world_sum_start(&world, loss_sums, 2, &loss_work), "reducing the loss");
       if (dp) CHECK(ddp_dp_backward(dp, tape, loss), "backward");
       else CHECK(ddp_backward(tape, loss), "backward");
       CHECK(ddp_optimizer_step(opt), "optimizer step");
-      CHECK(train_world_sum_finish(&loss_work), "reducing the loss");
+      /* The loss of the global batch, reduced on this thread after the step:
+       * the ranks have just met in the gradients' allreduce, so it waits for
+       * no one, whereas an async reduction during backward handed to the
+       * progress thread cost 2-3% of a world-2 step (BENCHMARKS.md). */
+      CHECK(train_world_sum(&world, loss_sums, 2), "reducing the loss");
       train_seconds += ddp_time_s() - t0;
       loss_value = (float)(loss_sums[0] / loss_sums[1]);
       if (!isfinite(loss_value)) { /* the same value on every rank: all stop here */

@@ -52,6 +52,12 @@ typedef struct ddp_dp_bucket {
   const int *params;   /* ... their ddp_model_param indices (owned by the dp) */
   double divisor;      /* this iteration's averaging divisor (world size, see join) */
   void *scratch;       /* 2 * numel bytes owned by the dp, for a compressed copy */
+  bool last;           /* launched last in this backward: every gradient is final, so
+                        * nothing is left to overlap its reduction with; the
+                        * built-in hooks then reduce it on the calling thread
+                        * (blocking, *work NULL) instead of handing it to the
+                        * group's progress thread, which would compete with this
+                        * rank's compute for its core */
 } ddp_dp_bucket;
 
 /* A communication hook (PyTorch's register_comm_hook): `launch` starts the

@@ -192,6 +192,7 @@ static void launch_bucket(ddp_dp *dp, int b) {
   tr->first_param = bucket->params[0];
   tr->numel = bucket->numel;
   bucket->divisor = dp->divisor;
+  bucket->last = b == dp->n_buckets - 1; /* launched in index order: all are ready */
   dp->works[b] = NULL;
   if (dp->launch_error != DDP_OK) return;
   /* A group of one has nothing to reduce; the default hook's average is the

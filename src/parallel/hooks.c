@@ -7,14 +7,29 @@
  * rounding only). Dividing first would round every addend once more.
  * float16 / bfloat16: divide before compressing, as PyTorch's
  * fp16_compress_hook does, so the sum of W gradients stays within the half
- * range (65504 for float16); g / W is computed in float32 and rounded once. */
+ * range (65504 for float16); g / W is computed in float32 and rounded once.
+ *
+ * The last bucket of a backward is reduced on the calling thread (blocking):
+ * nothing is left to overlap it with, and handing it to the progress thread
+ * costs a wake-up on a core this rank's compute is using (measured: world-2
+ * ConvNet training 5-6% faster with it, BENCHMARKS.md "Data parallel"). */
 #include "comm/backend.h" /* ddp__float_to_half and friends */
 #include "parallel/dp_internal.h"
+
+/* Sums buf over pg: async, or at once on this thread for the last bucket. */
+static ddp_status reduce(ddp_process_group *pg, ddp_dp_bucket *bucket, void *buf, ddp_dtype dtype,
+                         ddp_work **work) {
+  if (bucket->last) {
+    *work = NULL;
+    return ddp_allreduce(pg, buf, bucket->numel, dtype, DDP_REDUCE_SUM);
+  }
+  return ddp_allreduce_async(pg, buf, bucket->numel, dtype, DDP_REDUCE_SUM, work);
+}
 
 static ddp_status allreduce_launch(void *state, ddp_process_group *pg, ddp_dp_bucket *bucket,
                                    ddp_work **work) {
   (void)state;
-  return ddp_allreduce_async(pg, bucket->grads, bucket->numel, DDP_FLOAT32, DDP_REDUCE_SUM, work);
+  return reduce(pg, bucket, bucket->grads, DDP_FLOAT32, work);
 }
 
 static ddp_status allreduce_finish(void *state, ddp_dp_bucket *bucket) {
@@ -33,7 +48,7 @@ static ddp_status fp16_launch(void *state, ddp_process_group *pg, ddp_dp_bucket 
   uint16_t *h = bucket->scratch;
   const float *g = bucket->grads;
   for (size_t i = 0; i < bucket->numel; i++) h[i] = ddp__float_to_half(g[i] / d);
-  return ddp_allreduce_async(pg, h, bucket->numel, DDP_FLOAT16, DDP_REDUCE_SUM, work);
+  return reduce(pg, bucket, h, DDP_FLOAT16, work);
 }
 
 static ddp_status fp16_finish(void *state, ddp_dp_bucket *bucket) {
@@ -51,7 +66,7 @@ static ddp_status bf16_launch(void *state, ddp_process_group *pg, ddp_dp_bucket 
   uint16_t *h = bucket->scratch;
   const float *g = bucket->grads;
   for (size_t i = 0; i < bucket->numel; i++) h[i] = ddp__float_to_bf16(g[i] / d);
-  return ddp_allreduce_async(pg, h, bucket->numel, DDP_BFLOAT16, DDP_REDUCE_SUM, work);
+  return reduce(pg, bucket, h, DDP_BFLOAT16, work);
 }
 
 static ddp_status bf16_finish(void *state, ddp_dp_bucket *bucket) {

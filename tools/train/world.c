@@ -28,20 +28,6 @@ const char *train_world_requested(void) {
   return NULL;
 }
 
-ddp_status train_world_sum_start(const train_world *w, double *values, int n, ddp_work **work) {
-  *work = NULL;
-  if (!w->pg || w->size == 1) return DDP_OK;
-  return ddp_allreduce_async(w->pg, values, (size_t)n, DDP_FLOAT64, DDP_REDUCE_SUM, work);
-}
-
-ddp_status train_world_sum_finish(ddp_work **work) {
-  if (!*work) return DDP_OK;
-  ddp_status s = ddp_work_wait(*work, -1);
-  ddp_work_free(*work);
-  *work = NULL;
-  return s;
-}
-
 int train_world_cpus(void) {
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);

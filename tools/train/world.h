@@ -35,12 +35,6 @@ ddp_status train_world_init(train_world *w);
  * process. Collective: every rank calls it at the same point. */
 ddp_status train_world_sum(const train_world *w, double *values, int n);
 
-/* The same, overlapping other work: starts the sum (values must stay put)
- * and sets *work (NULL with one process); train_world_sum_finish waits for it
- * (the group's timeout) and frees it. */
-ddp_status train_world_sum_start(const train_world *w, double *values, int n, ddp_work **work);
-ddp_status train_world_sum_finish(ddp_work **work);
-
 /* Logical CPUs this process may run on (sched_getaffinity), at least 1. */
 int train_world_cpus(void);
 
