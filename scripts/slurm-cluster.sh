@@ -33,7 +33,8 @@ usage() {
 free_port() {
   local taken=" $* " p tries
   for tries in $(seq 1 200); do
-    p=$((20000 + (RANDOM * 32768 + RANDOM) % 40000))
+    # below the ephemeral range (32768-60999), so no connect() takes it meanwhile
+    p=$((10000 + (RANDOM * 32768 + RANDOM) % 22000))
     case "$taken" in *" $p "*) continue ;; esac
     if ! ss -Htln "sport = :$p" 2>/dev/null | grep -q .; then
       echo "$p"

@@ -22,14 +22,8 @@ unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR DDP_STORE_ADDR SLU
   SLURM_JOB_ID PMI_RANK PMIX_RANK
 export DDP_TIMEOUT=30
 
-free_port() {
-  local p
-  for _ in $(seq 1 100); do
-    p=$((20000 + (RANDOM * 32768 + RANDOM) % 40000))
-    ss -Htln "sport = :$p" | grep -q . || { echo "$p"; return 0; }
-  done
-  return 1
-}
+. "$(dirname "$0")/../support/free_port.sh"
+free_port() { ddp_free_port; }
 
 # Root may run mpirun only when asked to; --oversubscribe: 4 ranks on 2 cores.
 mpi=(mpirun --allow-run-as-root --oversubscribe -np 4 -x MASTER_PORT -x DDP_TIMEOUT)

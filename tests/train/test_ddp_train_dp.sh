@@ -24,14 +24,8 @@ unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT DDP_ST
   SLURM_PROCID SLURM_STEP_NUM_TASKS OMPI_COMM_WORLD_SIZE PMI_SIZE
 export DDP_TIMEOUT=60
 
-free_port() {
-  local p
-  for _ in $(seq 1 100); do
-    p=$((20000 + (RANDOM * 32768 + RANDOM) % 40000))
-    ss -Htln "sport = :$p" | grep -q . || { echo "$p"; return 0; }
-  done
-  return 1
-}
+. "$(dirname "$0")/../support/free_port.sh"
+free_port() { ddp_free_port; }
 
 # world N TAG ARGS...: N ranks of ddp-train; rank r's stdout/stderr in TAG.out.r / TAG.err.r.
 world() {

@@ -92,8 +92,10 @@ set -e
 # mid-epoch 2-rank checkpoint is refused (the epoch's split differs).
 unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT DDP_STORE_ADDR
 export DDP_TIMEOUT=60
+. "$here/../support/free_port.sh"
 world2() {
-  local port=$((20000 + (RANDOM * 32768 + RANDOM) % 40000)) r rc=0 wp=()
+  local port r rc=0 wp=()
+  port=$(ddp_free_port) || { echo "FAIL: no free port"; exit 1; }
   for r in 0 1; do
     MASTER_ADDR=127.0.0.1 MASTER_PORT=$port WORLD_SIZE=2 RANK=$r LOCAL_RANK=$r \
       LOCAL_WORLD_SIZE=2 timeout 60 "$bin" "$@" 2>"dp.err.$r" >/dev/null &
