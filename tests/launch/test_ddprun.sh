@@ -48,6 +48,7 @@ bin=${DDP_BIN_DIR:?set DDP_BIN_DIR to the build bin directory}
 ddprun=$bin/ddprun
 worker=$bin/../tests/launch_worker
 here=$(cd "$(dirname "$0")" && pwd)
+. "$here/../support/free_port.sh"
 [ -x "$ddprun" ] || fail "$ddprun is not built"
 [ -x "$worker" ] || fail "$worker is not built"
 tmp=$(mktemp -d)
@@ -247,7 +248,7 @@ PY
   ;;
 nodes)
   for backend in static c10d; do
-    port=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+    port=$(ddp_free_port)
     if [ $backend = static ]; then
       args=(--nnodes 2 --master-addr 127.0.0.1 --master-port "$port")
       a0=(--node-rank 0); a1=(--node-rank 1)
@@ -274,7 +275,7 @@ nodes)
     [ "$(grep -o 'node [01]/2' "$tmp/n0" | sort -u | wc -l)" -eq 1 ] || fail "$backend: node 0's workers disagree"
   done
   # A worker failing on one node stops the other node too, and both restart.
-  port=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  port=$(ddp_free_port)
   args=(--nnodes 2 --master-port "$port" --nproc-per-node 2 --max-restarts 1 --grace-period 2 --rdzv-timeout 30)
   timeout 60 "$ddprun" "${args[@]}" --node-rank 1 "$worker" --die-rank 3 --hang >"$tmp/n1" 2>&1 &
   n1=$!
@@ -287,7 +288,7 @@ nodes)
   grep -q 'another node failed: rank 3' "$tmp/n0" || { cat "$tmp/n0"; fail "node 0 does not name node 1's failure"; }
   [ "$(cat "$tmp/n0" "$tmp/n1" | grep -c ' restart 1 pid [0-9]* ok$')" -eq 4 ] || fail "attempt 1 not complete"
   # The same with c10d ranks: the failing rank's node is whichever arrived second.
-  port=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  port=$(ddp_free_port)
   args=(--nnodes 2 --rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$port" --nproc-per-node 2 --max-restarts 1
         --grace-period 2 --rdzv-timeout 30)
   timeout 60 "$ddprun" "${args[@]}" "$worker" --die-rank 1 --hang >"$tmp/n1" 2>&1 &
@@ -301,7 +302,7 @@ nodes)
   [ "$(cat "$tmp/n0" "$tmp/n1" | grep -c ' restart 1 pid [0-9]* ok$')" -eq 4 ] || fail "c10d: attempt 1 not complete"
   # A node's ddprun SIGKILLed: its workers die with it, and the other node
   # does not wait for it forever (silent for --rdzv-timeout 3 s: exit 1).
-  port=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  port=$(ddp_free_port)
   args=(--nnodes 2 --master-port "$port" --nproc-per-node 2 --rdzv-timeout 3)
   mkdir -p "$tmp/pids1"
   "$ddprun" "${args[@]}" --node-rank 1 "$worker" --no-init --sleep 60 --pidfile "$tmp/pids1" >"$tmp/n1" 2>&1 &
@@ -321,7 +322,7 @@ nodes)
   end=$((SECONDS + 5))
   until all_dead "$tmp/pids1"; do [ $SECONDS -ge $end ] && fail "node 1's workers outlived its ddprun"; sleep 0.05; done
   # The store's host (node 0) SIGKILLed: node 1 stops its workers and exits 1.
-  port=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  port=$(ddp_free_port)
   args=(--nnodes 2 --master-port "$port" --nproc-per-node 2 --rdzv-timeout 10 --grace-period 2)
   mkdir -p "$tmp/pids2"
   "$ddprun" "${args[@]}" --node-rank 0 "$worker" --no-init --sleep 60 >"$tmp/n0" 2>&1 &
