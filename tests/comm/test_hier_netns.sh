@@ -27,37 +27,17 @@ bench=${DDP_BIN_DIR:?set DDP_BIN_DIR to the build bin directory}/bench_tcp_allre
 [ -x "$bench" ] || fail "$bench is not built"
 
 bytes=${DDP_NETNS_BYTES:-16M}
-id=$$
-nsA=ddphA$id nsB=ddphB$id vA=ddpha$id vB=ddphb$id
 tmp=$(mktemp -d)
+. "$(dirname "$0")/../support/netns_pair.sh"
 pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
-  ip netns del "$nsA" 2>/dev/null
-  ip netns del "$nsB" 2>/dev/null
-  ip link del "$vA" 2>/dev/null
+  netns_pair_down
   rm -rf "$tmp"
 }
 trap cleanup EXIT
 trap 'exit 1' INT TERM
-# A run killed outright (SIGKILL, e.g. by a test timeout) cannot clean up:
-# remove namespaces of earlier runs whose shell is gone.
-for ns in $(ip netns list 2>/dev/null | sed -n 's/^\(ddph[AB]\([0-9][0-9]*\)\)\b.*/\1/p'); do
-  kill -0 "${ns#ddph?}" 2>/dev/null || ip netns del "$ns" 2>/dev/null
-done
-
-ip netns add "$nsA" 2>"$tmp/err" || skip "ip netns add failed: $(cat "$tmp/err")"
-ip netns add "$nsB" || fail "ip netns add $nsB"
-ip link add "$vA" type veth peer name "$vB" || skip "cannot create a veth pair"
-ip link set "$vA" netns "$nsA" && ip link set "$vB" netns "$nsB" || fail "moving the veth ends"
-ip -n "$nsA" addr add 10.98.0.1/24 dev "$vA" && ip -n "$nsB" addr add 10.98.0.2/24 dev "$vB" ||
-  fail "addresses"
-for ns in "$nsA" "$nsB"; do ip -n "$ns" link set lo up || fail "lo up in $ns"; done
-ip -n "$nsA" link set "$vA" up && ip -n "$nsB" link set "$vB" up || fail "veth up"
-for pair in "$nsA:$vA" "$nsB:$vB"; do
-  ip netns exec "${pair%%:*}" tc qdisc add dev "${pair##*:}" root tbf rate 1000mbit \
-    burst 256kb latency 20ms 2>"$tmp/err" || skip "tc tbf unavailable: $(cat "$tmp/err")"
-done
+netns_pair_up ddph 10.98.0 1000
 
 store=10.98.0.1:29611
 common=(--world 4 --store "$store" -b "$bytes" -e "$bytes" -n 3 -w 1 -c 1 --json --counters)

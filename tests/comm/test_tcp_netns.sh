@@ -31,39 +31,17 @@ iters=${DDP_NETNS_ITERS:-3}
 rounds=${DDP_NETNS_ROUNDS:-4}
 sanitizer=${DDP_SANITIZER:-}
 [ -n "$sanitizer" ] && rounds=1
-id=$$
-nsA=ddpA$id nsB=ddpB$id vA=ddpa$id vB=ddpb$id
 tmp=$(mktemp -d)
+. "$(dirname "$0")/../support/netns_pair.sh"
 pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
-  ip netns del "$nsA" 2>/dev/null
-  ip netns del "$nsB" 2>/dev/null # deleting a namespace removes its veth end
-  ip link del "$vA" 2>/dev/null
+  netns_pair_down
   rm -rf "$tmp"
 }
 trap cleanup EXIT
 trap 'exit 1' INT TERM
-# A run killed outright (SIGKILL, e.g. by a test timeout) cannot clean up:
-# remove namespaces of earlier runs whose shell is gone.
-for ns in $(ip netns list 2>/dev/null | sed -n 's/^\(ddp[AB]\([0-9][0-9]*\)\)\b.*/\1/p'); do
-  kill -0 "${ns#ddp?}" 2>/dev/null || ip netns del "$ns" 2>/dev/null
-done
-
-ip netns add "$nsA" 2>"$tmp/err" || skip "ip netns add failed: $(cat "$tmp/err")"
-ip netns add "$nsB" || fail "ip netns add $nsB"
-ip link add "$vA" type veth peer name "$vB" || skip "cannot create a veth pair"
-ip link set "$vA" netns "$nsA" && ip link set "$vB" netns "$nsB" || fail "moving the veth ends"
-ip -n "$nsA" addr add 10.99.0.1/24 dev "$vA" && ip -n "$nsB" addr add 10.99.0.2/24 dev "$vB" ||
-  fail "addresses"
-for ns in "$nsA" "$nsB"; do ip -n "$ns" link set lo up || fail "lo up in $ns"; done
-ip -n "$nsA" link set "$vA" up && ip -n "$nsB" link set "$vB" up || fail "veth up"
-# 1 Gbit/s each way. The bucket holds a few 64 KiB GSO packets (smaller
-# would split them and cost CPU, not rate); 20 ms of queue.
-for pair in "$nsA:$vA" "$nsB:$vB"; do
-  ip netns exec "${pair%%:*}" tc qdisc add dev "${pair##*:}" root tbf rate "${rate_mbit}mbit" \
-    burst 256kb latency 20ms 2>"$tmp/err" || skip "tc tbf unavailable: $(cat "$tmp/err")"
-done
+netns_pair_up ddp 10.99.0 "$rate_mbit"
 
 port=29511
 common=(--world 2 -b "$bytes" -e "$bytes" -n "$iters" -w 1 -c 1 --json)
