@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "comm/backend.h"
@@ -177,6 +178,39 @@ static inline int lp_count_segments(pid_t pid) {
     if (strncmp(e->d_name, prefix, strlen(prefix)) == 0) n++;
   closedir(d);
   return n;
+}
+
+/* After rank `victim` of n forked ranks was SIGKILLed at killed_at
+ * (ddp_time_ns()): reaps the victim and every other rank, each of which must
+ * exit 0 (its test body saw the failure it expected). A rank still running
+ * 10 s after the kill is SIGKILLed and counted. Returns the number of bad
+ * ranks; *slowest gets the latest exit, in seconds after the kill. */
+static inline int lp_reap_after_kill(const pid_t *pids, int n, int victim, int64_t killed_at,
+                                     double *slowest) {
+  int status = 0, bad = 0;
+  waitpid(pids[victim], &status, 0);
+  *slowest = 0;
+  for (int r = 0; r < n; r++) {
+    if (r == victim) continue;
+    while (waitpid(pids[r], &status, WNOHANG) == 0) {
+      if (ddp_time_ns() - killed_at > 10 * 1000000000LL) {
+        kill(pids[r], SIGKILL);
+        waitpid(pids[r], &status, 0);
+        fprintf(stderr, "rank %d still running 10 s after the kill\n", r);
+        bad++;
+        break;
+      }
+      struct timespec s = {0, 1000000L};
+      nanosleep(&s, NULL);
+    }
+    double t = (double)(ddp_time_ns() - killed_at) * 1e-9;
+    if (t > *slowest) *slowest = t;
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      fprintf(stderr, "rank %d: status %d\n", r, status);
+      bad++;
+    }
+  }
+  return bad;
 }
 
 #endif /* DDP_TESTS_COMM_LOCAL_PROC_UTIL_H */

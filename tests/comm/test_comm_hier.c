@@ -248,30 +248,8 @@ static void run_kill(const layout *l, int victim, size_t count) {
   nanosleep(&ts, NULL);
   kill(pids[victim], SIGKILL);
   int64_t killed_at = ddp_time_ns();
-  int status = 0;
-  waitpid(pids[victim], &status, 0);
-  int bad = 0;
-  double slowest = 0;
-  for (int r = 0; r < l->size; r++) {
-    if (r == victim) continue;
-    while (waitpid(pids[r], &status, WNOHANG) == 0) {
-      if (ddp_time_ns() - killed_at > 10 * 1000000000LL) {
-        kill(pids[r], SIGKILL);
-        waitpid(pids[r], &status, 0);
-        fprintf(stderr, "rank %d still running 10 s after the kill\n", r);
-        bad++;
-        break;
-      }
-      struct timespec s = {0, 1000000L};
-      nanosleep(&s, NULL);
-    }
-    double t = (double)(ddp_time_ns() - killed_at) * 1e-9;
-    if (t > slowest) slowest = t;
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-      fprintf(stderr, "rank %d: status %d\n", r, status);
-      bad++;
-    }
-  }
+  double slowest;
+  int bad = lp_reap_after_kill(pids, l->size, victim, killed_at, &slowest);
   printf("kill rank %d of %s (count %zu): every rank failed within %.3f s\n", victim, l->name,
          count, slowest);
   assert_int_equal(bad, 0);
