@@ -132,6 +132,19 @@ ddp_status ddp__queue_init(ddp_process_group *pg) {
   pthread_condattr_destroy(&attr);
   atomic_init(&pg->active, 0);
   atomic_init(&pg->drainers, 0);
+  /* Two works in the pool from the start: the common steady state of a
+   * training loop is one async op in flight (e.g. the loss's allreduce) while
+   * a blocking one (the DDP wrapper reduces its last bucket inline) finds it
+   * still running and queues behind it. Grown on demand, the pool would
+   * reach that depth the first time the timing allows, possibly mid-training
+   * (test_train_dp_alloc saw one allocation there under ASan). */
+  ddp_work *w[2] = {NULL, NULL};
+  pthread_mutex_lock(&pg->mu);
+  for (int i = 0; i < 2; i++) w[i] = work_get(pg);
+  for (int i = 0; i < 2; i++)
+    if (w[i]) work_put(pg, w[i]);
+  pthread_mutex_unlock(&pg->mu);
+  if (!w[0] || !w[1]) return ddp_error(DDP_ERR_NOMEM, "process group: cannot allocate work handles");
   return DDP_OK;
 }
 

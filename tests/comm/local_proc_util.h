@@ -11,6 +11,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -103,8 +105,12 @@ static inline ddp__backend *lp_child_backend(const lp_server *s, const char *pre
 
 /* Forks `size` ranks running body(rank, size, arg) -> exit code, each under
  * an alarm of alarm_s. pids[] (size entries) receives the children. */
+/* When the latest lp_spawn began (CLOCK_REALTIME, as file times are). */
+static struct timespec lp_spawned_at;
+
 static inline void lp_spawn(int size, int alarm_s, int (*body)(int, int, void *), void *arg,
                             pid_t *pids) {
+  clock_gettime(CLOCK_REALTIME, &lp_spawned_at);
   fflush(stdout);
   fflush(stderr);
   for (int r = 0; r < size; r++) {
@@ -174,8 +180,18 @@ static inline int lp_count_segments(pid_t pid) {
   if (!d) return 0;
   int n = 0;
   struct dirent *e;
-  while ((e = readdir(d)) != NULL)
-    if (strncmp(e->d_name, prefix, strlen(prefix)) == 0) n++;
+  while ((e = readdir(d)) != NULL) {
+    if (strncmp(e->d_name, prefix, strlen(prefix)) != 0) continue;
+    /* Pids recycle (pid_max is 32768 here): a segment left by a SIGKILLed
+     * process of an earlier test that had this pid is older than the spawn
+     * and not this rank's. */
+    struct stat st;
+    if (fstatat(dirfd(d), e->d_name, &st, 0) == 0 &&
+        (st.st_mtim.tv_sec < lp_spawned_at.tv_sec ||
+         (st.st_mtim.tv_sec == lp_spawned_at.tv_sec && st.st_mtim.tv_nsec < lp_spawned_at.tv_nsec)))
+      continue;
+    n++;
+  }
   closedir(d);
   return n;
 }
