@@ -2,9 +2,10 @@
 # Data-parallel training speed, ddp against PyTorch DDP, measured in the same
 # go: seed 001's ConvNet on Fashion-MNIST, batch 100 per rank, one thread per
 # rank, SGD lr 0.01 momentum 0.9, at world 1 and world 2.
-#   ddp:     ddprun --nproc-per-node W ddp-train --model convnet --max-steps S ... --json
+#   ddp:     ddprun --nproc-per-node W ddp-train --model convnet --max-steps S+10 ... --json
 #   PyTorch: /usr/bin/python3 torch_ddp_convnet.py --world W --steps S (gloo)
-# Both report samples/s of all ranks together. Rounds alternate the order of
+# Both report samples/s of all ranks together over S steps after 10 warm-up
+# steps (ddp-train's steady_samples_per_s; the reference's own warm-up). Rounds alternate the order of
 # the two sides (and of the worlds); each figure is the median of its rounds.
 # Prints the ratio ddp / PyTorch per world and each side's scaling efficiency
 # (world-2 samples/s / (2 x world-1 samples/s)), with the machine's load.
@@ -34,8 +35,8 @@ done
 
 ddp_run() { # W -> samples/s
   timeout 900 build/bin/ddprun --nproc-per-node "$1" build/bin/ddp-train --model convnet \
-    --batch-size 100 --threads 1 --lr 0.01 --momentum 0.9 --seed 1 --max-steps "$steps" --json \
-    2>/dev/null | tail -n 1 | sed -n 's/.*"samples_per_s": \([0-9.e+]*\).*/\1/p'
+    --batch-size 100 --threads 1 --lr 0.01 --momentum 0.9 --seed 1 --max-steps $((steps + 10)) \
+    --json 2>/dev/null | tail -n 1 | sed -n 's/.*"steady_samples_per_s": \([0-9.e+]*\).*/\1/p'
 }
 torch_run() { # W -> samples/s
   timeout 900 /usr/bin/python3 "$ref" --world "$1" --steps "$steps" --threads 1 --batch 100 \
@@ -52,7 +53,7 @@ pair_run() { # -> summed samples/s of two independent world-1 ddp runs at once
 pair_tmp=$(mktemp); trap 'rm -f "$pair_tmp" "$pair_tmp".a "$pair_tmp".b' EXIT
 median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
 
-declare -A runs
+declare -A runs last
 echo "load before: $(uptime | sed 's/.*load average/load average/')" >&2
 for r in $(seq "$rounds"); do
   for w in "${worlds[@]}"; do
@@ -61,9 +62,17 @@ for r in $(seq "$rounds"); do
       v=$("${side}_run" "$w")
       [ -n "$v" ] || die "round $r: the $side run at world $w gave no figure"
       runs[$side.$w]+="$v "
+      last[$side.$w]=$v
       echo "round $r world $w: $side $v samples/s" >&2
     done
   done
+  if [[ " ${worlds[*]} " == *" 1 "* && " ${worlds[*]} " == *" 2 "* ]]; then
+    # This round's own efficiency: its two worlds ran minutes apart at most,
+    # so slow drifts of the machine cancel.
+    for side in ddp torch; do
+      runs[eff.$side]+="$(awk -v a="${last[$side.1]}" -v b="${last[$side.2]}" 'BEGIN { print 100 * b / (2 * a) }') "
+    done
+  fi
   if [[ " ${worlds[*]} " == *" 2 "* ]]; then
     v=$(pair_run)
     [ -n "$v" ] || die "round $r: the independent pair gave no figure"
@@ -84,6 +93,7 @@ done
 if [ -n "${med[ddp.1]:-}" ] && [ -n "${med[ddp.2]:-}" ]; then
   awk -v o1="${med[ddp.1]}" -v o2="${med[ddp.2]}" -v t1="${med[torch.1]}" -v t2="${med[torch.2]}" \
     'BEGIN { printf "scaling efficiency 1 -> 2: ddp %.1f%%, torch %.1f%%\n", 100 * o2 / (2 * o1), 100 * t2 / (2 * t1) }'
+  echo "scaling efficiency, median of the rounds' own: ddp ${med[eff.ddp]}%, torch ${med[eff.torch]}% (rounds: ddp ${runs[eff.ddp]}; torch ${runs[eff.torch]})"
   awk -v o1="${med[ddp.1]}" -v o2="${med[ddp.2]}" -v t2="${med[torch.2]}" -v p="${med[pair]}" \
     'BEGIN { printf "machine ceiling (two independent world-1 runs at once): %.0f samples/s = %.1f%% of 2 x world 1; world 2 reaches ddp %.1f%%, torch %.1f%% of it\n", p, 100 * p / (2 * o1), 100 * o2 / p, 100 * t2 / p }'
 fi

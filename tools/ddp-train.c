@@ -23,6 +23,9 @@
 #include "train/world.h"
 
 #define DEFAULT_DATA "/usr/share/datasets/fashion-mnist"
+/* Steps left out of steady_samples_per_s, as PyTorch's reference script
+ * leaves out its 10 warm-up steps. */
+#define WARMUP_STEPS 10
 
 typedef struct train_args {
   const char *model;
@@ -98,7 +101,8 @@ static void usage(FILE *f) {
 "  --log FILE           one JSON object per line: per step {step, epoch, loss, lr,\n"
 "                       samples_per_s}, per evaluation {step, epoch, test_loss,\n"
 "                       test_accuracy}\n"
-"  --json               end stdout with one JSON summary line (samples_per_s, train_loss,\n"
+"  --json               end stdout with one JSON summary line (samples_per_s,\n"
+"                       steady_samples_per_s (without the first 10 steps), train_loss,\n"
 "                       test_loss, test_accuracy, steps, epochs, world_size)\n"
 "Checkpoints (safetensors; docs/io.md)\n"
 "  --save PATH          at the end of training write the model's state dict to PATH (loads\n"
@@ -675,6 +679,11 @@ int main(int argc, char **argv) {
    * of it consumed; (next epoch, 0) once an epoch's end is processed. */
   int64_t pos_epoch = start.epoch, pos_batches = start.epoch_batches;
   double train_seconds = 0;
+  /* The same rate without this process's first WARMUP_STEPS steps (first
+   * touch of the activations, the one-time bucket relayout): what PyTorch's
+   * reference script times, after its 10 warm-up steps. */
+  double steady_seconds = 0;
+  int64_t steady_samples = 0, steps_here = 0;
   double epoch_loss_sum = 0, all_loss_sum = 0;
   int64_t epoch_steps = 0;   /* batches of this epoch consumed (also before a resume) */
   int64_t epoch_losses = 0;  /* of those, steps run by this process */
@@ -720,7 +729,8 @@ int main(int argc, char **argv) {
        * no one, whereas an async reduction during backward handed to the
        * progress thread cost 2-3% of a world-2 step (BENCHMARKS.md). */
       CHECK(train_world_sum(&world, loss_sums, 2), "reducing the loss");
-      train_seconds += ddp_time_s() - t0;
+      double step_seconds = ddp_time_s() - t0;
+      train_seconds += step_seconds;
       loss_value = (float)(loss_sums[0] / loss_sums[1]);
       if (!isfinite(loss_value)) { /* the same value on every rank: all stop here */
         if (lead)
@@ -731,6 +741,10 @@ int main(int argc, char **argv) {
       }
       step++;
       samples += (int64_t)loss_sums[1]; /* every rank's samples */
+      if (++steps_here > WARMUP_STEPS) {
+        steady_seconds += step_seconds;
+        steady_samples += (int64_t)loss_sums[1];
+      }
       epoch_steps++;
       epoch_losses++;
       pos_epoch = epoch;
@@ -810,6 +824,8 @@ int main(int argc, char **argv) {
   if (a.json && lead) {
     printf("{");
     json_number(stdout, "samples_per_s", rate, true);
+    json_number(stdout, "steady_samples_per_s",
+                steady_samples ? per_second(steady_samples, steady_seconds) : NAN, true);
     json_number(stdout, "train_loss", train_loss, true);
     json_number(stdout, "test_loss", last_eval.loss, true);
     json_number(stdout, "test_accuracy", last_eval.accuracy, true);

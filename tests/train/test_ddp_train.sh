@@ -50,7 +50,7 @@ assert len(evals)==3 and all(set(r)=={\"step\",\"epoch\",\"test_loss\",\"test_ac
 json=$("$bin" --model toy --data regression --samples 160 --batch-size 16 --epochs 5 --max-steps 25 \
         --scheduler step --step-size 1 --gamma 0.5 --lr 0.1 --log "$tmp/d.jsonl" --json 2>/dev/null | tail -n 1)
 check "--max-steps stops at 25 and --json reports it" \
-  'py "import json,sys; r=json.loads(sys.argv[1]); assert r[\"steps\"]==25 and abs(r[\"epochs\"]-2.5)<1e-9 and r[\"world_size\"]==1 and r[\"samples_per_s\"]>0" "$json"'
+  'py "import json,sys; r=json.loads(sys.argv[1]); assert r[\"steps\"]==25 and abs(r[\"epochs\"]-2.5)<1e-9 and r[\"world_size\"]==1 and r[\"samples_per_s\"]>0 and r[\"steady_samples_per_s\"]>0" "$json"'
 check "StepLR halves the lr each epoch" \
   'py "import json,sys
 rs=[json.loads(l) for l in open(sys.argv[1]) if \"lr\" in l]

@@ -109,6 +109,8 @@ a, b = (json.loads(open(p).read().splitlines()[-1]) for p in sys.argv[1:])
 assert abs(a["test_accuracy"] - b["test_accuracy"]) <= 2e-3, (a, b)
 assert abs(a["test_loss"] - b["test_loss"]) <= 1e-3 * b["test_loss"], (a, b)
 assert a["world_size"] == 2 and a["steps"] == 10 and a["samples_per_s"] > 0
+# Ten steps are all warm-up: no steady-state rate to report.
+assert a["steady_samples_per_s"] is None, a
 PY
   echo "ok convnet --sync-bn: 2x50 == 1x100 over 10 steps, test metrics equal"
 else
