@@ -94,20 +94,20 @@ static void conv_fwd(void *arg) {
 
 static void conv_bwd(void *arg) {
   conv_case *c = arg;
-  if (K->conv2d_backward(c->dx, c->dw, c->db, c->dy, c->x, c->w, &c->g, &arena) != DDP_OK)
+  if (K->conv2d_backward(c->dx, c->dw, c->db, c->dy, c->x, c->w, &c->g, false, &arena) != DDP_OK)
     abort();
 }
 
 /* The parts of backward alone, to see where its time goes (not in the total). */
 static void conv_bwd_dw(void *arg) {
   conv_case *c = arg;
-  if (K->conv2d_backward(NULL, c->dw, c->db, c->dy, c->x, c->w, &c->g, &arena) != DDP_OK)
+  if (K->conv2d_backward(NULL, c->dw, c->db, c->dy, c->x, c->w, &c->g, false, &arena) != DDP_OK)
     abort();
 }
 
 static void conv_bwd_dx(void *arg) {
   conv_case *c = arg;
-  if (K->conv2d_backward(c->dx, NULL, NULL, c->dy, c->x, c->w, &c->g, &arena) != DDP_OK)
+  if (K->conv2d_backward(c->dx, NULL, NULL, c->dy, c->x, c->w, &c->g, false, &arena) != DDP_OK)
     abort();
 }
 
@@ -132,7 +132,7 @@ static void pool_fwd(void *p) {
 
 static void pool_bwd(void *p) {
   pool_case *c = p;
-  K->max_pool2d_backward(c->dx, c->dy, c->arg, c->planes, c->hw, c->hw, c->hw / 2, c->hw / 2);
+  K->max_pool2d_backward(c->dx, c->dy, c->arg, c->planes, c->hw, c->hw, c->hw / 2, c->hw / 2, false);
 }
 
 /* ---- linear ---- */

@@ -41,11 +41,12 @@ typedef struct ddp__dense_kernels {
    * arena cannot supply scratch (DDP_ERR_NOMEM). */
   ddp_status (*conv2d_forward)(float *y, const float *x, const float *w, const float *b,
                                const ddp__conv2d_geom *g, ddp_arena *arena);
-  /* From dy (n, o, oh, ow): dx (n, c, h, w) +=, dw (o, c, kh, kw) +=,
-   * db (o) +=. Each of dx, dw, db may be NULL (skipped). */
+  /* From dy (n, o, oh, ow): dx (n, c, h, w) += (= when !dx_accumulate: dx
+   * is a fresh buffer, ddp__tape_grad_out), dw (o, c, kh, kw) +=, db (o) +=.
+   * Each of dx, dw, db may be NULL (skipped). */
   ddp_status (*conv2d_backward)(float *dx, float *dw, float *db, const float *dy,
                                 const float *x, const float *w, const ddp__conv2d_geom *g,
-                                ddp_arena *arena);
+                                bool dx_accumulate, ddp_arena *arena);
   /* Max pooling without padding over `planes` (= N*C) planes of (h, w):
    * y (planes, oh, ow). argmax (planes, oh, ow), or NULL when not needed,
    * receives each window's maximum's index within its (h, w) plane; ties go
@@ -53,9 +54,10 @@ typedef struct ddp__dense_kernels {
   void (*max_pool2d_forward)(float *y, int32_t *argmax, const float *x, int64_t planes,
                              int64_t h, int64_t w, int64_t kernel, int64_t stride, int64_t oh,
                              int64_t ow);
-  /* dx (planes, h, w) += dy scattered to the argmax positions. */
+  /* dx (planes, h, w) += dy scattered to the argmax positions; with
+   * !accumulate dx is first set to zero (a fresh buffer). */
   void (*max_pool2d_backward)(float *dx, const float *dy, const int32_t *argmax, int64_t planes,
-                              int64_t h, int64_t w, int64_t oh, int64_t ow);
+                              int64_t h, int64_t w, int64_t oh, int64_t ow, bool accumulate);
 } ddp__dense_kernels;
 
 extern const ddp__dense_kernels ddp__cpu_dense_kernels;

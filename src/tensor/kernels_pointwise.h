@@ -1,7 +1,9 @@
 /* Pointwise and per-channel kernels: activations, batch norm, dropout,
  * log_softmax, losses. Raw pointers and sizes; n counts elements. Every
- * *_backward kernel accumulates (+=) into its gradient outputs, and a NULL
- * gradient output means "not wanted". Scalars that live on the device (a
+ * *_backward kernel accumulates (+=) into its gradient outputs, except that
+ * those taking `accumulate` assign (=) the input gradient when it is false
+ * (a fresh buffer, ddp__tape_grad_out); a NULL gradient output means "not
+ * wanted". Scalars that live on the device (a
  * loss, its incoming gradient) are passed as pointers. */
 #ifndef DDP__TENSOR_KERNELS_POINTWISE_H
 #define DDP__TENSOR_KERNELS_POINTWISE_H
@@ -14,11 +16,12 @@
 typedef struct ddp__pointwise_kernels {
   /* ---- activations: y = f(x); backward from y (the op's output) ---- */
   void (*relu)(float *y, const float *x, int64_t n);
-  void (*relu_backward)(float *dx, const float *dy, const float *y, int64_t n);
+  void (*relu_backward)(float *dx, const float *dy, const float *y, int64_t n, bool accumulate);
   void (*sigmoid)(float *y, const float *x, int64_t n);
-  void (*sigmoid_backward)(float *dx, const float *dy, const float *y, int64_t n);
+  void (*sigmoid_backward)(float *dx, const float *dy, const float *y, int64_t n,
+                           bool accumulate);
   void (*tanh)(float *y, const float *x, int64_t n);
-  void (*tanh_backward)(float *dx, const float *dy, const float *y, int64_t n);
+  void (*tanh_backward)(float *dx, const float *dy, const float *y, int64_t n, bool accumulate);
 
   /* ---- dropout. The mask has one byte per group (1 keep, 0 drop); a group
    * is `group_size` consecutive elements (1 for dropout, a feature map for
@@ -49,11 +52,12 @@ typedef struct ddp__pointwise_kernels {
                              const float *weight, const float *bias, int64_t N, int64_t C,
                              int64_t HW);
   /* Gradients of batch_norm_forward. With batch_stats the mean and invstd
-   * are functions of x (training); without, constants (eval). */
+   * are functions of x (training); without, constants (eval). dx is
+   * assigned when !accumulate. */
   ddp_status (*batch_norm_backward)(float *dx, float *dweight, float *dbias, const float *dy,
                                     const float *x, const float *mean, const float *invstd,
                                     const float *weight, int64_t N, int64_t C, int64_t HW,
-                                    bool batch_stats, ddp_arena *arena);
+                                    bool batch_stats, bool accumulate, ddp_arena *arena);
   /* ---- synchronized batch norm: the same maths in phases, so that the
    * per-channel sums can be summed across ranks between them. Sums are
    * double, in host memory (they go through the caller's reduction). ---- */
@@ -70,12 +74,12 @@ typedef struct ddp__pointwise_kernels {
   void (*batch_norm_backward_reduce)(double *sums, float *dweight, float *dbias, const float *dy,
                                      const float *x, const float *mean, const float *invstd,
                                      int64_t N, int64_t C, int64_t HW);
-  /* dx += the training-mode input gradient, from sums summed over every rank
-   * and the total count. */
+  /* dx += (= when !accumulate) the training-mode input gradient, from sums
+   * summed over every rank and the total count. */
   ddp_status (*batch_norm_backward_dx)(float *dx, const float *dy, const float *x,
                                        const float *mean, const float *invstd, const float *weight,
                                        const double *sums, int64_t count, int64_t N, int64_t C,
-                                       int64_t HW, ddp_arena *arena);
+                                       int64_t HW, bool accumulate, ddp_arena *arena);
 
   /* ---- log_softmax over rows of length C ---- */
   void (*log_softmax)(float *y, const float *x, int64_t rows, int64_t C);

@@ -10,12 +10,13 @@ static ddp_status conv2d_backward(ddp_tape *tape, ddp__node *node) {
   const ddp__conv2d_geom *g = node->ctx;
   ddp_tensor *x = node->in[0], *w = node->in[1], *b = node->in[2];
   ddp_status s = DDP_OK;
-  float *dx = ddp__tape_grad(tape, x, &s);
+  bool dx_accumulate;
+  float *dx = ddp__tape_grad_out(tape, x, &dx_accumulate, &s);
   float *dw = s == DDP_OK ? ddp__tape_grad(tape, w, &s) : NULL;
   float *db = s == DDP_OK ? ddp__tape_grad(tape, b, &s) : NULL;
   if (s != DDP_OK) return s;
   return k->dense->conv2d_backward(dx, dw, db, node->out->grad, x->data, w->data, g,
-                                   ddp__tape_arena(tape));
+                                   dx_accumulate, ddp__tape_arena(tape));
 }
 
 ddp_status ddp_conv2d(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_tensor *bias,

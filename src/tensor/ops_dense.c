@@ -122,11 +122,12 @@ static ddp_status max_pool2d_backward(ddp_tape *tape, ddp__node *node) {
   const pool_ctx *ctx = node->ctx;
   ddp_tensor *y = node->out;
   ddp_status s = DDP_OK;
-  float *dx = ddp__tape_grad(tape, node->in[0], &s);
+  bool accumulate;
+  float *dx = ddp__tape_grad_out(tape, node->in[0], &accumulate, &s);
   if (s != DDP_OK) return s;
   if (dx)
     k->dense->max_pool2d_backward(dx, y->grad, ctx->argmax, ctx->planes, ctx->h, ctx->w,
-                                  y->shape[y->ndim - 2], y->shape[y->ndim - 1]);
+                                  y->shape[y->ndim - 2], y->shape[y->ndim - 1], accumulate);
   return DDP_OK;
 }
 

@@ -26,7 +26,7 @@ typedef struct batch_norm_ctx {
  * give dx as if the batches were one. Only when dx is wanted do the ranks
  * reduce: every rank records the same graph, so all of them do or none. */
 static ddp_status sync_batch_norm_backward(ddp_tape *tape, ddp__node *node, float *dx,
-                                           float *dweight, float *dbias) {
+                                           bool dx_accumulate, float *dweight, float *dbias) {
   const batch_norm_ctx *ctx = node->ctx;
   ddp_tensor *x = node->in[0], *weight = node->in[1];
   const ddp__kernels *k = ddp__kernels_for(node->out->device);
@@ -44,7 +44,7 @@ static ddp_status sync_batch_norm_backward(ddp_tape *tape, ddp__node *node, floa
                              "across ranks", (long long)C);
   return k->pointwise->batch_norm_backward_dx(dx, node->out->grad, x->data, ctx->mean,
                                               ctx->invstd, weight ? weight->data : NULL, sums,
-                                              ctx->count, ctx->N, C, ctx->HW,
+                                              ctx->count, ctx->N, C, ctx->HW, dx_accumulate,
                                               ddp__tape_arena(tape));
 }
 
@@ -52,15 +52,17 @@ static ddp_status batch_norm_backward(ddp_tape *tape, ddp__node *node) {
   const batch_norm_ctx *ctx = node->ctx;
   ddp_tensor *x = node->in[0], *weight = node->in[1], *bias = node->in[2];
   ddp_status s = DDP_OK;
-  float *dx = ddp__tape_grad(tape, x, &s);
+  bool dx_accumulate;
+  float *dx = ddp__tape_grad_out(tape, x, &dx_accumulate, &s);
   float *dweight = ddp__tape_grad(tape, weight, &s);
   float *dbias = ddp__tape_grad(tape, bias, &s);
   if (s != DDP_OK) return s;
-  if (ctx->synced) return sync_batch_norm_backward(tape, node, dx, dweight, dbias);
+  if (ctx->synced)
+    return sync_batch_norm_backward(tape, node, dx, dx_accumulate, dweight, dbias);
   const ddp__kernels *k = ddp__kernels_for(node->out->device);
   return k->pointwise->batch_norm_backward(dx, dweight, dbias, node->out->grad, x->data, ctx->mean,
                                            ctx->invstd, weight ? weight->data : NULL, ctx->N,
-                                           ctx->C, ctx->HW, ctx->batch_stats,
+                                           ctx->C, ctx->HW, ctx->batch_stats, dx_accumulate,
                                            ddp__tape_arena(tape));
 }
 

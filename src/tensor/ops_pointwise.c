@@ -15,13 +15,15 @@ static ddp_status unary_begin(ddp_tape *tape, const char *op, ddp_tensor *x, ddp
 
 /* ---- activations ---- */
 
-typedef void (*activation_backward_fn)(float *dx, const float *dy, const float *y, int64_t n);
+typedef void (*activation_backward_fn)(float *dx, const float *dy, const float *y, int64_t n,
+                                       bool accumulate);
 
 static ddp_status activation_backward(ddp_tape *tape, ddp__node *node,
                                       activation_backward_fn kernel) {
   ddp_status s = DDP_OK;
-  float *dx = ddp__tape_grad(tape, node->in[0], &s);
-  if (dx) kernel(dx, node->out->grad, node->out->data, node->out->numel);
+  bool accumulate;
+  float *dx = ddp__tape_grad_out(tape, node->in[0], &accumulate, &s);
+  if (dx) kernel(dx, node->out->grad, node->out->data, node->out->numel, accumulate);
   return s;
 }
 

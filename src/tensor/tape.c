@@ -1,6 +1,7 @@
 /* The autograd tape: a list of recorded ops walked in reverse by backward, and
  * the arena that holds one step's tensors. Node and leaf lists are heap arrays
  * that only grow, so after the first step nothing here allocates. */
+#include <math.h>
 #include <string.h>
 
 #include "tensor/tape.h"
@@ -145,6 +146,23 @@ float *ddp__tape_grad(ddp_tape *tape, ddp_tensor *t, ddp_status *status) {
   if (!t->grad)
     *status = ddp_error(DDP_ERR_NOMEM, "backward: cannot allocate a gradient of %lld elements",
                         (long long)t->numel);
+  return t->grad;
+}
+
+float *ddp__tape_grad_out(ddp_tape *tape, ddp_tensor *t, bool *accumulate, ddp_status *status) {
+  *accumulate = true;
+  if (!t || !(t->flags & DDP_TENSOR_REQUIRES_GRAD)) return NULL;
+  if (t->grad || t->node < 0) return ddp__tape_grad(tape, t, status);
+  t->grad = ddp_arena_alloc(&tape->arena, (size_t)t->numel * sizeof(float));
+  if (!t->grad) {
+    *status = ddp_error(DDP_ERR_NOMEM, "backward: cannot allocate a gradient of %lld elements",
+                        (long long)t->numel);
+    return NULL;
+  }
+#ifdef DDP_POISON_FRESH_GRADS
+  for (int64_t i = 0; i < t->numel; i++) t->grad[i] = NAN;
+#endif
+  *accumulate = false;
   return t->grad;
 }
 

@@ -7,7 +7,9 @@
  *      scratch memory) and calls ddp__tape_record().
  * Its backward function reads node->out->grad (d loss / d out) and, for each
  * input that requires grad, adds d loss / d input into ddp__tape_grad(tape, in).
- * Gradients always accumulate (+=): an input may feed several ops. */
+ * Gradients accumulate (+=): an input may feed several ops. An op that writes
+ * every element of an input's gradient may take it from ddp__tape_grad_out
+ * instead and assign when it is the first to write it. */
 #ifndef DDP__TENSOR_TAPE_H
 #define DDP__TENSOR_TAPE_H
 
@@ -52,6 +54,17 @@ ddp_status ddp__tape_record(ddp_tape *tape, const char *op, ddp__backward_fn bac
  * NULL or does not require grad; callers skip that input. On allocation
  * failure returns NULL and sets *status. */
 float *ddp__tape_grad(ddp_tape *tape, ddp_tensor *t, ddp_status *status);
+/* The gradient buffer for `t` of an op that can write all of it. When `t` is
+ * an intermediate whose gradient no other op has written yet, the buffer is
+ * new tape scratch that is NOT zeroed, and *accumulate is false: the op must
+ * assign every element (=), which saves zeroing the buffer and reading it
+ * back, the largest memory traffic of a convolutional backward. Otherwise
+ * (a leaf's persistent gradient, or one already written by another consumer)
+ * *accumulate is true and the op adds (+=) as with ddp__tape_grad. NULL as
+ * for ddp__tape_grad. Debug builds (DDP_POISON_FRESH_GRADS) fill a new
+ * buffer with NaN, so an element the op fails to write shows in every
+ * gradient test. */
+float *ddp__tape_grad_out(ddp_tape *tape, ddp_tensor *t, bool *accumulate, ddp_status *status);
 /* Backward from any tensor with the given seed gradient (numel floats). Used by
  * ddp_backward (seed 1) and by gradient checks (random projections). */
 ddp_status ddp__backward_from(ddp_tape *tape, ddp_tensor *out, const float *seed);

@@ -1,4 +1,5 @@
 /* The tape: backward through add/reshape/flatten against finite differences,
+ * backward into fresh (unzeroed) gradient buffers,
  * grad hooks firing once per parameter when final, no-grad mode, errors. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -35,6 +36,53 @@ static void test_shape_ops_gradcheck(void **state) {
   /* d/db is 2 everywhere projected: check the analytic value exactly too. */
   ddp_tensor_destroy(in[0]);
   ddp_tensor_destroy(in[1]);
+}
+
+/* Backward into fresh gradient buffers (ddp__tape_grad_out): every op that
+ * assigns its input's gradient when it is the first to write it, each once
+ * as the first writer and once accumulating behind another consumer, on an
+ * odd plane (7x7: pooling leaves the last row and column without a window,
+ * whose gradient must still be 0). Debug builds fill fresh buffers with NaN,
+ * so an element an op fails to assign fails the check there.
+ *   a = tanh(x); c = conv2d(a, w, pad 1); b = batch_norm(c) (or synchronized
+ *   through a group of one); r = relu(b); p = max_pool2d(r)
+ *   s = sigmoid(a); q = max_pool2d(s); out = p + q
+ * a feeds conv2d and sigmoid (sigmoid's backward runs first and assigns,
+ * conv2d's accumulates); the others each feed one op. */
+static ddp_status sum_nothing(void *user, double *buf, size_t count) {
+  (void)user, (void)buf, (void)count; /* a group of one: the sum is the buffer */
+  return DDP_OK;
+}
+
+static ddp_status fresh_chain(ddp_tape *tape, ddp_tensor **in, void *user, ddp_tensor **out) {
+  const ddp_batch_norm_sync *sync = user;
+  ddp_tensor *a, *c, *b, *r, *p, *s, *q;
+  DDP_TRY(ddp_tanh(tape, in[0], &a));
+  DDP_TRY(ddp_conv2d(tape, a, in[1], NULL, 1, 1, &c));
+  DDP_TRY(ddp_sync_batch_norm(tape, c, in[2], in[3], NULL, NULL, NULL, true, 0.1f, 1e-5f, sync,
+                              &b));
+  DDP_TRY(ddp_relu(tape, b, &r));
+  DDP_TRY(ddp_max_pool2d(tape, r, 2, 2, &p));
+  DDP_TRY(ddp_sigmoid(tape, a, &s));
+  DDP_TRY(ddp_max_pool2d(tape, s, 2, 2, &q));
+  return ddp_add(tape, p, q, out);
+}
+
+static void test_fresh_gradients_gradcheck(void **state) {
+  (void)state;
+  int64_t sx[4] = {3, 2, 7, 7}, sw[4] = {2, 2, 3, 3}, sc[1] = {2};
+  const ddp_batch_norm_sync one = {sum_nothing, NULL};
+  for (int synced = 0; synced < 2; synced++) {
+    ddp_tensor *in[4] = {gradcheck_random(4, sx, -1, 1, 41, true),
+                         gradcheck_random(4, sw, -0.5f, 0.5f, 42, true),
+                         gradcheck_random(1, sc, 0.5f, 1.5f, 43, true),
+                         gradcheck_random(1, sc, -0.5f, 0.5f, 44, true)};
+    assert_int_equal(gradcheck(synced ? "fresh gradients, sync batch norm" : "fresh gradients",
+                               fresh_chain, in, 4, synced ? (void *)&one : NULL, 1e-3, 1e-3,
+                               1e-2),
+                     0);
+    for (int i = 0; i < 4; i++) ddp_tensor_destroy(in[i]);
+  }
 }
 
 static int hook_calls[2];
@@ -129,6 +177,7 @@ static void test_shape_errors_name_op_and_shapes(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_shape_ops_gradcheck),
+      cmocka_unit_test(test_fresh_gradients_gradcheck),
       cmocka_unit_test(test_grad_hook_fires_once_when_final),
       cmocka_unit_test(test_no_grad_records_nothing),
       cmocka_unit_test(test_shape_errors_name_op_and_shapes),

@@ -233,7 +233,7 @@ static ddp_status forward_generic(float *y, const float *x, const float *w, cons
 
 static ddp_status backward_generic(float *dx, float *dw, float *db, const float *dy,
                                    const float *x, const float *w, const ddp__conv2d_geom *g,
-                                   ddp_arena *arena) {
+                                   bool dx_accumulate, ddp_arena *arena) {
   const int64_t k = g->c * g->kh * g->kw, ohw = g->oh * g->ow, chw = g->c * g->h * g->w;
   const bool pointwise = is_pointwise(g);
   const bool dx_as_conv = !pointwise && dx_is_conv(g);
@@ -263,18 +263,20 @@ static ddp_status backward_generic(float *dx, float *dw, float *db, const float 
     }
     if (dx) {
       float *dxn = dx + n * chw;
+      const float beta = dx_accumulate ? 1.0f : 0.0f;
       if (pointwise) {
         /* dx (C, H*W) += w^T (C, O) @ dy (O, H*W) */
-        ddp__cpu_gemm(true, false, k, ohw, g->o, 1.0f, w, k, dyn, ohw, 1.0f, dxn, ohw);
+        ddp__cpu_gemm(true, false, k, ohw, g->o, 1.0f, w, k, dyn, ohw, beta, dxn, ohw);
       } else if (dx_as_conv) {
         /* dx (C, H*W) += wflip (C, O*KH*KW) @ im2col(dy padded by K-1-pad) */
         pad_copy(&dyp, dyn);
         im2col_padded_portable(dcol, &dyp, g->kh, g->kw, g->h, g->w);
-        ddp__cpu_gemm(false, false, g->c, hw, g->o * kk, 1.0f, wflip, g->o * kk, dcol, hw, 1.0f,
+        ddp__cpu_gemm(false, false, g->c, hw, g->o * kk, 1.0f, wflip, g->o * kk, dcol, hw, beta,
                       dxn, hw);
       } else {
         /* dcol (K, OH*OW) = w^T (K, O) @ dy (O, OH*OW), then scatter-add. */
         ddp__cpu_gemm(true, false, k, ohw, g->o, 1.0f, w, k, dyn, ohw, 0.0f, dcol, ohw);
+        if (!dx_accumulate) memset(dxn, 0, (size_t)chw * sizeof(float));
         col2im_add(dxn, dcol, g);
       }
     }
@@ -384,7 +386,7 @@ static ddp_status forward_avx512(float *y, const float *x, const float *w, const
 
 static ddp_status backward_avx512(float *dx, float *dw, float *db, const float *dy,
                                   const float *x, const float *w, const ddp__conv2d_geom *g,
-                                  ddp_arena *arena) {
+                                  bool dx_accumulate, ddp_arena *arena) {
   const int64_t k = g->c * g->kh * g->kw, ohw = g->oh * g->ow, chw = g->c * g->h * g->w;
   const int64_t hw = g->h * g->w, kk = g->kh * g->kw;
   const bool pointwise = is_pointwise(g);
@@ -448,15 +450,16 @@ static ddp_status backward_avx512(float *dx, float *dw, float *db, const float *
       if (dx_implicit) {
         /* dx_n (C, H, W) += wflip (C, O*KH*KW) @ implicit col of padded dy */
         ddp__cpu_conv_rows_avx512(g->c, g->o * kk, wflip, g->o * kk, dyp.xp, dyp.off, dyp.wp,
-                                  dx + n * chw, g->h, g->w, NULL, true);
+                                  dx + n * chw, g->h, g->w, NULL, dx_accumulate);
       } else {
         im2col_padded(dcol, &dyp, g->kh, g->kw, g->h, g->w);
         ddp__cpu_gemm_avx512(g->c, hw, g->o * kk, wflip, g->o * kk, dcol, hw, dx + n * chw, hw,
-                             NULL, true);
+                             NULL, dx_accumulate);
       }
     } else if (dx) {
       /* dcol (K, OH*OW) = w^T (K, O) @ dy (O, OH*OW), then scatter-add */
       ddp__cpu_gemm_avx512(k, ohw, g->o, wt, g->o, dyn, ohw, dcol, ohw, NULL, false);
+      if (!dx_accumulate) memset(dx + n * chw, 0, (size_t)chw * sizeof(float));
       col2im_add(dx + n * chw, dcol, g);
     }
   }
@@ -474,7 +477,8 @@ ddp_status ddp__cpu_conv2d_forward(float *y, const float *x, const float *w, con
 
 ddp_status ddp__cpu_conv2d_backward(float *dx, float *dw, float *db, const float *dy,
                                     const float *x, const float *w, const ddp__conv2d_geom *g,
-                                    ddp_arena *arena) {
-  if (ddp__cpu_has_avx512()) return backward_avx512(dx, dw, db, dy, x, w, g, arena);
-  return backward_generic(dx, dw, db, dy, x, w, g, arena);
+                                    bool dx_accumulate, ddp_arena *arena) {
+  if (ddp__cpu_has_avx512())
+    return backward_avx512(dx, dw, db, dy, x, w, g, dx_accumulate, arena);
+  return backward_generic(dx, dw, db, dy, x, w, g, dx_accumulate, arena);
 }

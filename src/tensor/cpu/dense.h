@@ -13,12 +13,13 @@ ddp_status ddp__cpu_conv2d_forward(float *y, const float *x, const float *w, con
                                    const ddp__conv2d_geom *g, ddp_arena *arena);
 ddp_status ddp__cpu_conv2d_backward(float *dx, float *dw, float *db, const float *dy,
                                     const float *x, const float *w, const ddp__conv2d_geom *g,
-                                    ddp_arena *arena);
+                                    bool dx_accumulate, ddp_arena *arena);
 void ddp__cpu_max_pool2d_forward(float *y, int32_t *argmax, const float *x, int64_t planes,
                                  int64_t h, int64_t w, int64_t kernel, int64_t stride,
                                  int64_t oh, int64_t ow);
 void ddp__cpu_max_pool2d_backward(float *dx, const float *dy, const int32_t *argmax,
-                                  int64_t planes, int64_t h, int64_t w, int64_t oh, int64_t ow);
+                                  int64_t planes, int64_t h, int64_t w, int64_t oh, int64_t ow,
+                                  bool accumulate);
 
 
 /* AVX-512 paths (cpu/gemm.c). ddp__cpu_has_avx512 is true when the CPU has

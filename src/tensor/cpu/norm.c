@@ -152,14 +152,17 @@ static void rows_backward_sums(double *restrict sdy, double *restrict sdyx,
   }
 }
 
-/* (N, C) input: dx += kdy * dy + kx * (x - mean) + k0 with per-channel k (C each). */
+/* (N, C) input: dx += kdy * dy + kx * (x - mean) + k0 with per-channel k (C
+ * each); = instead of += when !accumulate. */
 static void rows_dx(float *restrict dx, const float *restrict dy, const float *restrict x,
                     const float *restrict mean, const float *restrict kdy,
-                    const float *restrict kx, const float *restrict k0, int64_t N, int64_t C) {
+                    const float *restrict kx, const float *restrict k0, int64_t N, int64_t C,
+                    bool accumulate) {
   for (int64_t n = 0; n < N; n++) {
     const float *g = dy + n * C, *row = x + n * C;
     float *d = dx + n * C;
-    for (int64_t c = 0; c < C; c++) d[c] += kdy[c] * g[c] + kx[c] * (row[c] - mean[c]) + k0[c];
+    for (int64_t c = 0; c < C; c++)
+      d[c] = (accumulate ? d[c] : 0.0f) + kdy[c] * g[c] + kx[c] * (row[c] - mean[c]) + k0[c];
   }
 }
 
@@ -187,14 +190,18 @@ static void channel_backward_sums(double *sdy_out, double *sdyx_out, const float
   *sdyx_out = sdyx;
 }
 
-/* (N, C, HW) input, channel c: dx += kdy * dy + kx * (x - m) + k0. */
+/* (N, C, HW) input, channel c: dx += kdy * dy + kx * (x - m) + k0; = instead
+ * of += when !accumulate (one loop each, so assigning never reads dx). */
 static void channel_dx(float *restrict dx, const float *restrict dy, const float *restrict x,
                        float m, float kdy, float kx, float k0, int64_t N, int64_t C, int64_t HW,
-                       int64_t c) {
+                       int64_t c, bool accumulate) {
   for (int64_t n = 0; n < N; n++) {
     const float *g = dy + (n * C + c) * HW, *plane = x + (n * C + c) * HW;
     float *d = dx + (n * C + c) * HW;
-    for (int64_t i = 0; i < HW; i++) d[i] += kdy * g[i] + kx * (plane[i] - m) + k0;
+    if (accumulate)
+      for (int64_t i = 0; i < HW; i++) d[i] += kdy * g[i] + kx * (plane[i] - m) + k0;
+    else
+      for (int64_t i = 0; i < HW; i++) d[i] = kdy * g[i] + kx * (plane[i] - m) + k0;
   }
 }
 
@@ -210,7 +217,7 @@ ddp_status ddp__cpu_batch_norm_backward(float *restrict dx, float *restrict dwei
                                         const float *restrict x, const float *restrict mean,
                                         const float *restrict invstd, const float *restrict weight,
                                         int64_t N, int64_t C, int64_t HW, bool batch_stats,
-                                        ddp_arena *arena) {
+                                        bool accumulate, ddp_arena *arena) {
   double count = (double)(N * HW);
   if (HW == 1) {
     double *s = ddp_arena_alloc(arena, (size_t)C * 2 * sizeof(double));
@@ -227,7 +234,7 @@ ddp_status ddp__cpu_batch_norm_backward(float *restrict dx, float *restrict dwei
       bn_dx_coefficients(&kdy[c], &kx[c], &k0[c], sdy[c], sdyx[c], invstd[c],
                          weight ? weight[c] : 1.0f, count, batch_stats);
     }
-    if (dx) rows_dx(dx, dy, x, mean, kdy, kx, k0, N, C);
+    if (dx) rows_dx(dx, dy, x, mean, kdy, kx, k0, N, C, accumulate);
     return DDP_OK;
   }
   for (int64_t c = 0; c < C; c++) {
@@ -238,7 +245,7 @@ ddp_status ddp__cpu_batch_norm_backward(float *restrict dx, float *restrict dwei
     float kdy, kx, k0;
     bn_dx_coefficients(&kdy, &kx, &k0, sdy, sdyx, invstd[c], weight ? weight[c] : 1.0f, count,
                        batch_stats);
-    channel_dx(dx, dy, x, mean[c], kdy, kx, k0, N, C, HW, c);
+    channel_dx(dx, dy, x, mean[c], kdy, kx, k0, N, C, HW, c, accumulate);
   }
   return DDP_OK;
 }
@@ -320,7 +327,8 @@ ddp_status ddp__cpu_batch_norm_backward_dx(float *restrict dx, const float *rest
                                            const float *restrict invstd,
                                            const float *restrict weight,
                                            const double *restrict sums, int64_t count, int64_t N,
-                                           int64_t C, int64_t HW, ddp_arena *arena) {
+                                           int64_t C, int64_t HW, bool accumulate,
+                                           ddp_arena *arena) {
   float *k = ddp_arena_alloc(arena, (size_t)C * 3 * sizeof(float));
   if (!k)
     return ddp_error(DDP_ERR_NOMEM, "sync_batch_norm backward: no scratch for %lld channels",
@@ -330,9 +338,10 @@ ddp_status ddp__cpu_batch_norm_backward_dx(float *restrict dx, const float *rest
     bn_dx_coefficients(&kdy[c], &kx[c], &k0[c], sums[c], sums[C + c], invstd[c],
                        weight ? weight[c] : 1.0f, (double)count, true);
   if (HW == 1) {
-    rows_dx(dx, dy, x, mean, kdy, kx, k0, N, C);
+    rows_dx(dx, dy, x, mean, kdy, kx, k0, N, C, accumulate);
     return DDP_OK;
   }
-  for (int64_t c = 0; c < C; c++) channel_dx(dx, dy, x, mean[c], kdy[c], kx[c], k0[c], N, C, HW, c);
+  for (int64_t c = 0; c < C; c++)
+    channel_dx(dx, dy, x, mean[c], kdy[c], kx[c], k0[c], N, C, HW, c, accumulate);
   return DDP_OK;
 }

@@ -28,13 +28,21 @@ static void cpu_relu(float *restrict y, const float *restrict x, int64_t n) {
   for (int64_t i = 0; i < n; i++) y[i] = x[i] < 0.0f ? 0.0f : x[i];
 }
 
+/* The activations' backward: dx += g (accumulate) or dx = g, one loop each
+ * so the assigning one never reads dx. */
+#define ACTIVATION_BACKWARD(dx, n, accumulate, g)               \
+  do {                                                          \
+    if (accumulate)                                             \
+      for (int64_t i = 0; i < (n); i++) (dx)[i] += (g);         \
+    else                                                        \
+      for (int64_t i = 0; i < (n); i++) (dx)[i] = (g);          \
+  } while (0)
+
 static void cpu_relu_backward(float *restrict dx, const float *restrict dy, const float *restrict y,
-                              int64_t n) {
-  /* y > 0 exactly where x > 0: the gradient is 0 at x <= 0. */
-  for (int64_t i = 0; i < n; i++) {
-    float g = dy[i]; /* loaded unconditionally: a select, not a masked load */
-    dx[i] += y[i] > 0.0f ? g : 0.0f;
-  }
+                              int64_t n, bool accumulate) {
+  /* y > 0 exactly where x > 0: the gradient is 0 at x <= 0. dy is loaded
+   * unconditionally: a select, not a masked load. */
+  ACTIVATION_BACKWARD(dx, n, accumulate, y[i] > 0.0f ? dy[i] : 0.0f);
 }
 
 static void cpu_sigmoid(float *restrict y, const float *restrict x, int64_t n) {
@@ -42,8 +50,8 @@ static void cpu_sigmoid(float *restrict y, const float *restrict x, int64_t n) {
 }
 
 static void cpu_sigmoid_backward(float *restrict dx, const float *restrict dy,
-                                 const float *restrict y, int64_t n) {
-  for (int64_t i = 0; i < n; i++) dx[i] += dy[i] * y[i] * (1.0f - y[i]);
+                                 const float *restrict y, int64_t n, bool accumulate) {
+  ACTIVATION_BACKWARD(dx, n, accumulate, dy[i] * y[i] * (1.0f - y[i]));
 }
 
 static void cpu_tanh(float *restrict y, const float *restrict x, int64_t n) {
@@ -51,8 +59,8 @@ static void cpu_tanh(float *restrict y, const float *restrict x, int64_t n) {
 }
 
 static void cpu_tanh_backward(float *restrict dx, const float *restrict dy, const float *restrict y,
-                              int64_t n) {
-  for (int64_t i = 0; i < n; i++) dx[i] += dy[i] * (1.0f - y[i] * y[i]);
+                              int64_t n, bool accumulate) {
+  ACTIVATION_BACKWARD(dx, n, accumulate, dy[i] * (1.0f - y[i] * y[i]));
 }
 
 /* ---- dropout ---- */

@@ -77,7 +77,7 @@ void ddp__cpu_batch_norm_forward(float *y, const float *x, const float *mean, co
 ddp_status ddp__cpu_batch_norm_backward(float *dx, float *dweight, float *dbias, const float *dy,
                                         const float *x, const float *mean, const float *invstd,
                                         const float *weight, int64_t N, int64_t C, int64_t HW,
-                                        bool batch_stats, ddp_arena *arena);
+                                        bool batch_stats, bool accumulate, ddp_arena *arena);
 void ddp__cpu_batch_norm_sums(double *sums, const float *x, int64_t N, int64_t C, int64_t HW);
 void ddp__cpu_batch_norm_stats_from_sums(float *mean, float *invstd, float *running_mean,
                                          float *running_var, const double *sums, int64_t count,
@@ -88,7 +88,8 @@ void ddp__cpu_batch_norm_backward_reduce(double *sums, float *dweight, float *db
 ddp_status ddp__cpu_batch_norm_backward_dx(float *dx, const float *dy, const float *x,
                                            const float *mean, const float *invstd,
                                            const float *weight, const double *sums, int64_t count,
-                                           int64_t N, int64_t C, int64_t HW, ddp_arena *arena);
+                                           int64_t N, int64_t C, int64_t HW, bool accumulate,
+                                           ddp_arena *arena);
 
 /* cpu/loss.c */
 void ddp__cpu_log_softmax(float *y, const float *x, int64_t rows, int64_t C);

@@ -3,6 +3,7 @@
  * row-major window order wins a tie, and a NaN propagates. */
 #include <immintrin.h>
 #include <math.h>
+#include <string.h>
 
 #include "tensor/cpu/dense.h"
 
@@ -90,11 +91,16 @@ void ddp__cpu_max_pool2d_forward(float *y, int32_t *argmax, const float *x, int6
 }
 
 void ddp__cpu_max_pool2d_backward(float *dx, const float *dy, const int32_t *argmax,
-                                  int64_t planes, int64_t h, int64_t w, int64_t oh, int64_t ow) {
+                                  int64_t planes, int64_t h, int64_t w, int64_t oh, int64_t ow,
+                                  bool accumulate) {
   for (int64_t p = 0; p < planes; p++) {
     float *dxp = dx + p * h * w;
     const float *dyp = dy + p * oh * ow;
     const int32_t *ap = argmax + p * oh * ow;
+    /* A fresh gradient is zeroed a plane at a time, right before the
+     * scatter, so the plane is still in cache when the scatter writes it;
+     * zeroing the whole buffer first sends it to memory and back. */
+    if (!accumulate) memset(dxp, 0, (size_t)(h * w) * sizeof(float));
     for (int64_t i = 0; i < oh * ow; i++) dxp[ap[i]] += dyp[i];
   }
 }
