@@ -152,6 +152,11 @@ ddp_status ddp_conv2d(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_ten
  * no padding). stride 0 means stride = kernel. Ties pick the first maximum. */
 ddp_status ddp_max_pool2d(ddp_tape *tape, ddp_tensor *x, int kernel, int stride,
                           ddp_tensor **out);
+/* ddp_max_pool2d(relu(x)) as one op, without materialising relu(x): the
+ * same values (a window whose max is -0.0 may give -0.0 for +0.0) and
+ * gradients. nn runs a Sequential's ReLU followed by MaxPool2d through it. */
+ddp_status ddp_relu_max_pool2d(ddp_tape *tape, ddp_tensor *x, int kernel, int stride,
+                               ddp_tensor **out);
 /* Batch normalisation over (N, C, H, W) or (N, C), per channel C.
  * weight, bias: (C) or NULL (affine=False). running_mean, running_var: (C) or
  * NULL (track_running_stats=False). Training: normalise with the batch's mean
@@ -197,6 +202,19 @@ ddp_status ddp_sync_batch_norm(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight
                                ddp_tensor *running_var, int64_t *num_batches_tracked,
                                bool training, float momentum, float eps,
                                const ddp_batch_norm_sync *sync, ddp_tensor **out);
+/* ddp_max_pool2d(ddp_relu(ddp_sync_batch_norm(x, ...)), kernel, stride) as
+ * one op for 4-D x: the normalised values are computed inside the pooling
+ * and never stored, so the block reads x twice (statistics, pooling) and
+ * writes only the pooled output. The same values, gradients, running
+ * statistics and cross-rank sums as the three ops (a window whose max is
+ * -0.0 may give -0.0 for +0.0). nn runs a Sequential's BatchNorm2d, ReLU,
+ * MaxPool2d through it. */
+ddp_status ddp_batch_norm_relu_max_pool2d(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight,
+                                          ddp_tensor *bias, ddp_tensor *running_mean,
+                                          ddp_tensor *running_var, int64_t *num_batches_tracked,
+                                          bool training, float momentum, float eps,
+                                          const ddp_batch_norm_sync *sync, int kernel, int stride,
+                                          ddp_tensor **out);
 ddp_status ddp_relu(ddp_tape *tape, ddp_tensor *x, ddp_tensor **out);
 ddp_status ddp_sigmoid(ddp_tape *tape, ddp_tensor *x, ddp_tensor **out);
 ddp_status ddp_tanh(ddp_tape *tape, ddp_tensor *x, ddp_tensor **out);

@@ -46,8 +46,34 @@ ddp_status ddp__module_forward(ddp_model *model, ddp_module *m, ddp_tape *tape, 
   }
   /* An empty Sequential is the identity, as in PyTorch. */
   ddp_tensor *h = x;
-  for (ddp_module *c = m->first_child; c; c = c->next_sibling)
+  for (ddp_module *c = m->first_child; c; c = c->next_sibling) {
+    ddp_module *next = c->next_sibling;
+    ddp_module *third = next ? next->next_sibling : NULL;
+    if (c->kind == DDP_MODULE_BATCHNORM2D && next && next->kind == DDP_MODULE_RELU && third &&
+        third->kind == DDP_MODULE_MAXPOOL2D && h->ndim == 4) {
+      /* BatchNorm2d, ReLU, MaxPool2d: one op that stores neither the
+       * normalised nor the rectified values (ddp_batch_norm_relu_max_pool2d). */
+      ddp_status s = ddp_batch_norm_relu_max_pool2d(
+          tape, h, c->weight, c->bias, c->running_mean, c->running_var, c->num_batches_tracked,
+          model->training, c->momentum, c->eps, model->bn_synced ? &model->bn_sync : NULL,
+          third->kernel, third->stride, &h);
+      if (s != DDP_OK)
+        return ddp_error_wrap(s, "%s, %s and %s (BatchNorm2d, ReLU, MaxPool2d)", c->path,
+                              next->path, third->path);
+      c = third;
+      continue;
+    }
+    if (c->kind == DDP_MODULE_RELU && next && next->kind == DDP_MODULE_MAXPOOL2D) {
+      /* ReLU then MaxPool2d: one op that never writes relu's output (the
+       * same values and gradients; ddp_relu_max_pool2d). */
+      ddp_status s = ddp_relu_max_pool2d(tape, h, next->kernel, next->stride, &h);
+      if (s != DDP_OK)
+        return ddp_error_wrap(s, "%s and %s (ReLU, MaxPool2d)", c->path, next->path);
+      c = next;
+      continue;
+    }
     DDP_TRY(ddp__module_forward(model, c, tape, h, &h));
+  }
   *out = h;
   return DDP_OK;
 }

@@ -23,6 +23,15 @@ typedef struct ddp__conv2d_geom {
   int64_t oh, ow;
 } ddp__conv2d_geom;
 
+/* A per-channel affine map applied to the input of max pooling (batch
+ * norm's normalisation, fused): plane p is channel p % channels, and its
+ * values are (x - center[c]) * scale[c] + shift[c], in that order of
+ * operations (batch_norm_forward's, so the results are bitwise the same). */
+typedef struct ddp__pool_affine {
+  const float *center, *scale, *shift;
+  int64_t channels;
+} ddp__pool_affine;
+
 typedef struct ddp__dense_kernels {
   /* c (m, n) = alpha * op(a) @ op(b) + beta * c, row-major. op(a) is (m, k):
    * a is stored (m, k) with row stride lda, or (k, m) when trans_a. Likewise b
@@ -50,14 +59,19 @@ typedef struct ddp__dense_kernels {
   /* Max pooling without padding over `planes` (= N*C) planes of (h, w):
    * y (planes, oh, ow). argmax (planes, oh, ow), or NULL when not needed,
    * receives each window's maximum's index within its (h, w) plane; ties go
-   * to the first maximum in row-major window order, NaN wins (as PyTorch). */
+   * to the first maximum in row-major window order, NaN wins (as PyTorch).
+   * With relu, y = relu(max) (= the max pooling of relu(x); argmax stays
+   * that of x). With affine (or NULL), x is mapped by it first. */
   void (*max_pool2d_forward)(float *y, int32_t *argmax, const float *x, int64_t planes,
                              int64_t h, int64_t w, int64_t kernel, int64_t stride, int64_t oh,
-                             int64_t ow);
+                             int64_t ow, bool relu, const ddp__pool_affine *affine);
   /* dx (planes, h, w) += dy scattered to the argmax positions; with
-   * !accumulate dx is first set to zero (a fresh buffer). */
+   * !accumulate dx is first set to zero (a fresh buffer). relu_y, when not
+   * NULL, is the forward's relu output y: only windows with y > 0 pass
+   * their gradient (relu's backward, fused). */
   void (*max_pool2d_backward)(float *dx, const float *dy, const int32_t *argmax, int64_t planes,
-                              int64_t h, int64_t w, int64_t oh, int64_t ow, bool accumulate);
+                              int64_t h, int64_t w, int64_t oh, int64_t ow, const float *relu_y,
+                              bool accumulate);
 } ddp__dense_kernels;
 
 extern const ddp__dense_kernels ddp__cpu_dense_kernels;

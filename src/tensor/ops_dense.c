@@ -3,6 +3,7 @@
  * computes through the device's dense kernel table, and records a backward
  * that accumulates into the gradients of the inputs that require grad. */
 #include "tensor/kernels.h"
+#include "tensor/ops_fused.h"
 #include "tensor/tape.h"
 
 
@@ -110,11 +111,17 @@ ddp_status ddp_linear(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_ten
   return DDP_OK;
 }
 
-/* ---- max_pool2d: x (N, C, H, W) or (C, H, W) -> (..., H', W') ---- */
+/* ---- max_pool2d: x (N, C, H, W) or (C, H, W) -> (..., H', W') ----
+ * and relu_max_pool2d, max_pool2d(relu(x)) in one pass: pooling x and then
+ * applying relu to each window's max gives the same values (relu is
+ * monotone and keeps NaN; a window whose max is -0.0 gives -0.0 where
+ * pooling relu(x) may give +0.0) and the same gradient, without writing,
+ * keeping and reading back relu(x), four times the pooled output's size. */
 
 typedef struct pool_ctx {
   int32_t *argmax; /* (planes, H', W'): index of each window's max in its plane */
   int64_t planes, h, w;
+  bool relu;
 } pool_ctx;
 
 static ddp_status max_pool2d_backward(ddp_tape *tape, ddp__node *node) {
@@ -127,35 +134,38 @@ static ddp_status max_pool2d_backward(ddp_tape *tape, ddp__node *node) {
   if (s != DDP_OK) return s;
   if (dx)
     k->dense->max_pool2d_backward(dx, y->grad, ctx->argmax, ctx->planes, ctx->h, ctx->w,
-                                  y->shape[y->ndim - 2], y->shape[y->ndim - 1], accumulate);
+                                  y->shape[y->ndim - 2], y->shape[y->ndim - 1],
+                                  ctx->relu ? y->data : NULL, accumulate);
   return DDP_OK;
 }
 
-ddp_status ddp_max_pool2d(ddp_tape *tape, ddp_tensor *x, int kernel, int stride,
-                          ddp_tensor **out) {
+/* Pools x, reading its values from `data` (x->data, or the input of a fused
+ * batch norm whose output x is never written) through `affine` (or NULL). */
+static ddp_status pool_forward(ddp_tape *tape, const char *op, bool relu, ddp_tensor *x,
+                               const float *data, const ddp__pool_affine *affine, int kernel,
+                               int stride, ddp_tensor **out) {
   char sx[DDP_SHAPE_STR_BYTES];
-  if (!tape || !out) return ddp_error(DDP_ERR_INVALID, "max_pool2d: tape or out is NULL");
-  if (!x) return ddp_error(DDP_ERR_INVALID, "max_pool2d: input is NULL");
+  if (!tape || !out) return ddp_error(DDP_ERR_INVALID, "%s: tape or out is NULL", op);
+  if (!x) return ddp_error(DDP_ERR_INVALID, "%s: input is NULL", op);
   const ddp__kernels *k;
-  DDP_TRY(ddp__kernels_check("max_pool2d", 1, &x, &k));
+  DDP_TRY(ddp__kernels_check(op, 1, &x, &k));
   if (x->ndim != 4 && x->ndim != 3)
-    return ddp_error(DDP_ERR_SHAPE, "max_pool2d: input %s must be 4-D (N, C, H, W) or 3-D",
+    return ddp_error(DDP_ERR_SHAPE, "%s: input %s must be 4-D (N, C, H, W) or 3-D", op,
                      DDP__SHAPE(x, sx));
   if (kernel <= 0)
-    return ddp_error(DDP_ERR_INVALID, "max_pool2d: kernel size must be positive, got %d",
-                     kernel);
+    return ddp_error(DDP_ERR_INVALID, "%s: kernel size must be positive, got %d", op, kernel);
   if (stride < 0)
-    return ddp_error(DDP_ERR_INVALID, "max_pool2d: stride must be positive (or 0 for the "
-                     "kernel size), got %d", stride);
+    return ddp_error(DDP_ERR_INVALID, "%s: stride must be positive (or 0 for the "
+                     "kernel size), got %d", op, stride);
   if (stride == 0) stride = kernel;
   const int64_t h = x->shape[x->ndim - 2], w = x->shape[x->ndim - 1];
   if (kernel > h || kernel > w)
     return ddp_error(DDP_ERR_SHAPE,
-                     "max_pool2d: kernel %dx%d is larger than the input plane %lldx%lld "
+                     "%s: kernel %dx%d is larger than the input plane %lldx%lld "
                      "(input %s)",
-                     kernel, kernel, (long long)h, (long long)w, DDP__SHAPE(x, sx));
+                     op, kernel, kernel, (long long)h, (long long)w, DDP__SHAPE(x, sx));
   if (h * w > INT32_MAX)
-    return ddp_error(DDP_ERR_SHAPE, "max_pool2d: input plane %lldx%lld is too large",
+    return ddp_error(DDP_ERR_SHAPE, "%s: input plane %lldx%lld is too large", op,
                      (long long)h, (long long)w);
   const int64_t oh = (h - kernel) / stride + 1, ow = (w - kernel) / stride + 1;
   const int64_t planes = x->numel / (h * w); /* h, w >= kernel >= 1 */
@@ -164,21 +174,41 @@ ddp_status ddp_max_pool2d(ddp_tape *tape, ddp_tensor *x, int kernel, int stride,
   shape[x->ndim - 2] = oh;
   shape[x->ndim - 1] = ow;
   ddp_tensor *y;
-  DDP_TRY(ddp__tape_output(tape, "max_pool2d", DDP_FLOAT32, x->ndim, shape, &y));
+  DDP_TRY(ddp__tape_output(tape, op, DDP_FLOAT32, x->ndim, shape, &y));
   pool_ctx *ctx = NULL;
   if (ddp__tape_wants_grad(tape, 1, &x)) {
     ctx = ddp_tape_scratch(tape, sizeof *ctx);
     if (ctx) ctx->argmax = ddp_tape_scratch(tape, (size_t)y->numel * sizeof(int32_t));
     if (!ctx || !ctx->argmax)
-      return ddp_error(DDP_ERR_NOMEM, "max_pool2d: cannot allocate the argmax of %s",
+      return ddp_error(DDP_ERR_NOMEM, "%s: cannot allocate the argmax of %s", op,
                        DDP__SHAPE(y, sx));
     ctx->planes = planes;
     ctx->h = h;
     ctx->w = w;
+    ctx->relu = relu;
   }
-  k->dense->max_pool2d_forward(y->data, ctx ? ctx->argmax : NULL, x->data, planes, h, w, kernel,
-                               stride, oh, ow);
-  if (ctx) DDP_TRY(ddp__tape_record(tape, "max_pool2d", max_pool2d_backward, y, 1, &x, ctx));
+  k->dense->max_pool2d_forward(y->data, ctx ? ctx->argmax : NULL, data, planes, h, w, kernel,
+                               stride, oh, ow, relu, affine);
+  if (ctx) DDP_TRY(ddp__tape_record(tape, op, max_pool2d_backward, y, 1, &x, ctx));
   *out = y;
   return DDP_OK;
+}
+
+ddp_status ddp_max_pool2d(ddp_tape *tape, ddp_tensor *x, int kernel, int stride,
+                          ddp_tensor **out) {
+  return pool_forward(tape, "max_pool2d", false, x, x ? x->data : NULL, NULL, kernel, stride,
+                      out);
+}
+
+ddp_status ddp_relu_max_pool2d(ddp_tape *tape, ddp_tensor *x, int kernel, int stride,
+                               ddp_tensor **out) {
+  return pool_forward(tape, "relu_max_pool2d", true, x, x ? x->data : NULL, NULL, kernel, stride,
+                      out);
+}
+
+ddp_status ddp__relu_max_pool2d_affine(ddp_tape *tape, ddp_tensor *x, const float *data,
+                                       const ddp__pool_affine *affine, int kernel, int stride,
+                                       ddp_tensor **out) {
+  return pool_forward(tape, "batch_norm_relu_max_pool2d", true, x, data, affine, kernel, stride,
+                      out);
 }

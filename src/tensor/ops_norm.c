@@ -4,6 +4,7 @@
  * per-channel mean and 1/std used by the forward live in tape scratch, so
  * backward reuses them and a step allocates nothing once the arena is warm. */
 #include "tensor/kernels.h"
+#include "tensor/ops_fused.h"
 #include "tensor/tape.h"
 
 typedef struct batch_norm_ctx {
@@ -117,11 +118,17 @@ ddp_status ddp_batch_norm(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp
                              num_batches_tracked, training, momentum, eps, NULL, out);
 }
 
-ddp_status ddp_sync_batch_norm(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight,
-                               ddp_tensor *bias, ddp_tensor *running_mean,
-                               ddp_tensor *running_var, int64_t *num_batches_tracked,
-                               bool training, float momentum, float eps,
-                               const ddp_batch_norm_sync *sync, ddp_tensor **out) {
+/* The forward up to writing y: validation, y (allocated, or with
+ * !materialize a view of x's data standing for the output that a fused
+ * consumer computes itself), the statistics (summed across ranks when
+ * synced), the running update and the context backward needs. */
+static ddp_status batch_norm_prepare(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight,
+                                     ddp_tensor *bias, ddp_tensor *running_mean,
+                                     ddp_tensor *running_var, int64_t *num_batches_tracked,
+                                     bool training, float momentum, float eps,
+                                     const ddp_batch_norm_sync *sync, bool materialize,
+                                     const ddp__kernels **kernels, ddp_tensor **out,
+                                     batch_norm_ctx **context) {
   if (!tape || !out) return ddp_error(DDP_ERR_INVALID, "batch_norm: tape or out is NULL");
   if (!x) return ddp_error(DDP_ERR_INVALID, "batch_norm: input is NULL");
   if (sync && !sync->allreduce_sum)
@@ -162,7 +169,10 @@ ddp_status ddp_sync_batch_norm(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight
                      ddp_tensor_shape_str(x, sx, sizeof sx));
 
   ddp_tensor *y;
-  DDP_TRY(ddp__tape_output(tape, "batch_norm", DDP_FLOAT32, x->ndim, x->shape, &y));
+  if (materialize)
+    DDP_TRY(ddp__tape_output(tape, "batch_norm", DDP_FLOAT32, x->ndim, x->shape, &y));
+  else
+    DDP_TRY(ddp__tape_view(tape, "batch_norm", x, x->ndim, x->shape, &y));
   batch_norm_ctx *ctx = ddp_tape_scratch(tape, sizeof *ctx);
   float *stats = ddp_tape_scratch(tape, (size_t)C * 2 * sizeof(float));
   if (!ctx || !stats)
@@ -191,13 +201,69 @@ ddp_status ddp_sync_batch_norm(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight
                                      C, eps);
   }
   if (training && num_batches_tracked) (*num_batches_tracked)++;
-  k->pointwise->batch_norm_forward(y->data, x->data, ctx->mean, ctx->invstd,
-                                   weight ? weight->data : NULL, bias ? bias->data : NULL, N, C,
-                                   HW);
+  *kernels = k;
+  *out = y;
+  *context = ctx;
+  return DDP_OK;
+}
+
+/* Records the backward (batch_norm_backward reads y's gradient, never y). */
+static ddp_status batch_norm_record(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight,
+                                    ddp_tensor *bias, ddp_tensor *y, batch_norm_ctx *ctx) {
   ddp_tensor *in[3] = {x, weight, bias};
-  if (ddp__tape_wants_grad(tape, 3, in))
-    DDP_TRY(ddp__tape_record(tape, synced ? "sync_batch_norm" : "batch_norm", batch_norm_backward,
-                             y, 3, in, ctx));
+  if (!ddp__tape_wants_grad(tape, 3, in)) return DDP_OK;
+  return ddp__tape_record(tape, ctx->synced ? "sync_batch_norm" : "batch_norm",
+                          batch_norm_backward, y, 3, in, ctx);
+}
+
+ddp_status ddp_sync_batch_norm(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight,
+                               ddp_tensor *bias, ddp_tensor *running_mean,
+                               ddp_tensor *running_var, int64_t *num_batches_tracked,
+                               bool training, float momentum, float eps,
+                               const ddp_batch_norm_sync *sync, ddp_tensor **out) {
+  const ddp__kernels *k;
+  ddp_tensor *y;
+  batch_norm_ctx *ctx;
+  DDP_TRY(batch_norm_prepare(tape, x, weight, bias, running_mean, running_var,
+                             num_batches_tracked, training, momentum, eps, sync, true, &k, &y,
+                             &ctx));
+  k->pointwise->batch_norm_forward(y->data, x->data, ctx->mean, ctx->invstd,
+                                   weight ? weight->data : NULL, bias ? bias->data : NULL, ctx->N,
+                                   ctx->C, ctx->HW);
+  DDP_TRY(batch_norm_record(tape, x, weight, bias, y, ctx));
   *out = y;
   return DDP_OK;
+}
+
+ddp_status ddp_batch_norm_relu_max_pool2d(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight,
+                                          ddp_tensor *bias, ddp_tensor *running_mean,
+                                          ddp_tensor *running_var, int64_t *num_batches_tracked,
+                                          bool training, float momentum, float eps,
+                                          const ddp_batch_norm_sync *sync, int kernel, int stride,
+                                          ddp_tensor **out) {
+  char sx[DDP_SHAPE_STR_BYTES];
+  if (x && x->ndim != 4)
+    return ddp_error(DDP_ERR_SHAPE,
+                     "batch_norm_relu_max_pool2d: input %s must be 4-D (N, C, H, W)",
+                     DDP__SHAPE(x, sx));
+  const ddp__kernels *k;
+  ddp_tensor *y;
+  batch_norm_ctx *ctx;
+  DDP_TRY(batch_norm_prepare(tape, x, weight, bias, running_mean, running_var,
+                             num_batches_tracked, training, momentum, eps, sync, false, &k, &y,
+                             &ctx));
+  /* batch_norm_forward's per-channel factor, computed the same way. */
+  int64_t C = ctx->C;
+  float *affine = ddp_tape_scratch(tape, (size_t)C * 2 * sizeof(float));
+  if (!affine)
+    return ddp_error(DDP_ERR_NOMEM, "batch_norm_relu_max_pool2d: no scratch for %lld channels",
+                     (long long)C);
+  const float *w = weight ? weight->data : NULL, *b = bias ? bias->data : NULL;
+  for (int64_t c = 0; c < C; c++) {
+    affine[c] = ctx->invstd[c] * (w ? w[c] : 1.0f);
+    affine[C + c] = b ? b[c] : 0.0f;
+  }
+  const ddp__pool_affine map = {ctx->mean, affine, affine + C, C};
+  DDP_TRY(batch_norm_record(tape, x, weight, bias, y, ctx));
+  return ddp__relu_max_pool2d_affine(tape, y, x->data, &map, kernel, stride, out);
 }

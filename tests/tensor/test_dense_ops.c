@@ -1,4 +1,4 @@
-/* Dense ops (matmul, linear, conv2d, max_pool2d): forward against naive loops
+/* Dense ops (matmul, linear, conv2d, max_pool2d and the fused pools): forward against naive loops
  * in double, backward against central finite differences and against naive
  * backward loops at the ConvNet's shapes, error codes and messages, and no
  * allocation in a steady-state step. */
@@ -336,19 +336,22 @@ static ddp_tensor *distinct_tensor(int ndim, const int64_t *shape, uint64_t seed
   return t;
 }
 
+static const struct {
+  int64_t shape[4];
+  int ndim;
+  pool_cfg q;
+} pool_cases[] = {
+    {{2, 3, 6, 6}, 4, {2, 2}},  {{2, 3, 7, 5}, 4, {2, 2}}, /* floor mode drops the edge */
+    {{1, 2, 7, 7}, 4, {3, 2}},  {{1, 2, 5, 6}, 4, {3, 1}}, /* overlapping windows */
+    {{3, 6, 5}, 3, {2, 0}},                                 /* 3-D, stride 0 = kernel */
+    {{1, 1, 4, 4}, 4, {4, 4}},  {{1, 2, 6, 41}, 4, {2, 2}}, /* rows of 20 outputs */
+};
+#define N_POOL_CASES (sizeof pool_cases / sizeof *pool_cases)
+
 static void test_max_pool2d(void **state) {
   (void)state;
-  const struct {
-    int64_t shape[4];
-    int ndim;
-    pool_cfg q;
-  } cases[] = {
-      {{2, 3, 6, 6}, 4, {2, 2}},  {{2, 3, 7, 5}, 4, {2, 2}}, /* floor mode drops the edge */
-      {{1, 2, 7, 7}, 4, {3, 2}},  {{1, 2, 5, 6}, 4, {3, 1}}, /* overlapping windows */
-      {{3, 6, 5}, 3, {2, 0}},                                 /* 3-D, stride 0 = kernel */
-      {{1, 1, 4, 4}, 4, {4, 4}},  {{1, 2, 6, 41}, 4, {2, 2}}, /* rows of 20 outputs */
-  };
-  for (size_t t = 0; t < sizeof cases / sizeof *cases; t++) {
+  const __typeof__(pool_cases[0]) *cases = pool_cases;
+  for (size_t t = 0; t < N_POOL_CASES; t++) {
     ddp_tensor *x = distinct_tensor(cases[t].ndim, cases[t].shape, 400 + t);
     int k = cases[t].q.kernel, s = cases[t].q.stride ? cases[t].q.stride : k;
     ddp_tape *tape = new_tape();
@@ -366,6 +369,135 @@ static void test_max_pool2d(void **state) {
     snprintf(label, sizeof label, "max_pool2d case %zu", t);
     assert_int_equal(gradcheck(label, pool_fn, &x, 1, (void *)&cases[t].q, 1e-3, 1e-3, 1e-3), 0);
     ddp_tensor_destroy(x);
+  }
+}
+
+/* relu_max_pool2d against max_pool2d(relu(x)) run as two ops: equal values
+ * and bitwise-equal gradients (the same windows pass the same seed values
+ * in the same order), on data with negative and all-negative windows, ties
+ * at zero, -0.0 and NaN; and against finite differences. */
+static ddp_status relu_pool_fn(ddp_tape *tape, ddp_tensor **in, void *user, ddp_tensor **out) {
+  const pool_cfg *q = user;
+  return ddp_relu_max_pool2d(tape, in[0], q->kernel, q->stride, out);
+}
+
+static void test_relu_max_pool2d(void **state) {
+  (void)state;
+  for (size_t t = 0; t < N_POOL_CASES; t++) {
+    const pool_cfg *q = &pool_cases[t].q;
+    ddp_tensor *x = distinct_tensor(pool_cases[t].ndim, pool_cases[t].shape, 500 + t);
+    float *d = x->data;
+    /* distinct_tensor spans [-1, 0.01 numel - 1): push a third of the values
+     * below zero so whole windows are negative, and plant the edge cases. */
+    for (int64_t i = 0; i < x->numel; i++) d[i] -= 0.004f * (float)x->numel;
+    d[0] = 0.0f, d[1] = -0.0f, d[x->numel / 2] = NAN, d[x->numel - 1] = 0.0f;
+    ddp_tensor *y[2], *r;
+    ddp_tape *tapes[2] = {new_tape(), new_tape()};
+    assert_int_equal(ddp_relu_max_pool2d(tapes[0], x, q->kernel, q->stride, &y[0]), DDP_OK);
+    assert_int_equal(ddp_relu(tapes[1], x, &r), DDP_OK);
+    assert_int_equal(ddp_max_pool2d(tapes[1], r, q->kernel, q->stride, &y[1]), DDP_OK);
+    assert_int_equal(y[0]->numel, y[1]->numel);
+    const float *a = y[0]->data, *b = y[1]->data;
+    for (int64_t i = 0; i < y[0]->numel; i++)
+      assert_true(a[i] == b[i] || (isnan(a[i]) && isnan(b[i])));
+    float *seed = ddp_alloc((size_t)y[0]->numel * sizeof(float));
+    for (int64_t i = 0; i < y[0]->numel; i++) seed[i] = 0.5f + 0.25f * (float)(i % 7);
+    float *grads[2];
+    for (int k = 0; k < 2; k++) {
+      assert_int_equal(ddp__backward_from(tapes[k], y[k], seed), DDP_OK);
+      grads[k] = ddp_alloc((size_t)x->numel * sizeof(float));
+      memcpy(grads[k], x->grad, (size_t)x->numel * sizeof(float));
+      ddp_tensor_free_grad(x);
+    }
+    for (int64_t i = 0; i < x->numel; i++) assert_true(grads[0][i] == grads[1][i]);
+    for (int k = 0; k < 2; k++) ddp_free(grads[k]), ddp_tape_destroy(tapes[k]);
+    ddp_free(seed);
+    ddp_tensor_destroy(x);
+    /* Away from the kink at 0 and from NaN, finite differences agree. */
+    x = distinct_tensor(pool_cases[t].ndim, pool_cases[t].shape, 600 + t);
+    char label[64];
+    snprintf(label, sizeof label, "relu_max_pool2d case %zu", t);
+    assert_int_equal(gradcheck(label, relu_pool_fn, &x, 1, (void *)q, 1e-3, 1e-3, 1e-3), 0);
+    ddp_tensor_destroy(x);
+  }
+}
+
+/* batch_norm_relu_max_pool2d against batch_norm, relu and max_pool2d run as
+ * three ops: equal outputs, bitwise-equal gradients of x, weight and bias,
+ * equal running statistics and batch counts; in training and evaluation,
+ * plain and synchronized (a group of one), with and without the affine
+ * parameters, on odd planes (7x7: 2x2 windows leave an edge, 3x3 ones
+ * overlap) and wide ones. */
+static ddp_status sum_in_place(void *user, double *buf, size_t count) {
+  (void)user, (void)buf, (void)count; /* a group of one */
+  return DDP_OK;
+}
+
+static void test_batch_norm_relu_max_pool2d(void **state) {
+  (void)state;
+  const ddp_batch_norm_sync one = {sum_in_place, NULL};
+  int64_t sc[1] = {4};
+  for (int variant = 0; variant < 24; variant++) {
+    bool training = variant & 1, synced = variant & 2, affine = !(variant & 4);
+    /* 3x3 windows on 7x7: the portable loop; 2x2: the AVX-512 one, on 7x7
+     * (masked rows) and on rows of 40 (20 outputs: both vector halves). */
+    int shape_kind = variant >> 3, kernel = shape_kind == 1 ? 3 : 2;
+    int64_t sx[4] = {3, 4, 7, 7};
+    if (shape_kind == 2) sx[0] = 2, sx[2] = 6, sx[3] = 40;
+    ddp_tensor *x = gradcheck_random(4, sx, -2, 2, 700 + variant, true);
+    ddp_tensor *w = affine ? gradcheck_random(1, sc, -1.5f, 1.5f, 710, true) : NULL;
+    ddp_tensor *b = affine ? gradcheck_random(1, sc, -0.5f, 0.5f, 711, true) : NULL;
+    ddp_tensor *rm[2], *rv[2], *y[2];
+    int64_t tracked[2] = {5, 5};
+    ddp_tape *tapes[2] = {new_tape(), new_tape()};
+    for (int k = 0; k < 2; k++) {
+      rm[k] = gradcheck_random(1, sc, -0.2f, 0.2f, 720, false);
+      rv[k] = gradcheck_random(1, sc, 0.5f, 1.5f, 721, false);
+    }
+    const ddp_batch_norm_sync *sync = synced ? &one : NULL;
+    assert_int_equal(ddp_batch_norm_relu_max_pool2d(tapes[0], x, w, b, rm[0], rv[0], &tracked[0],
+                                                    training, 0.1f, 1e-5f, sync, kernel, 2,
+                                                    &y[0]),
+                     DDP_OK);
+    ddp_tensor *n, *r;
+    assert_int_equal(ddp_sync_batch_norm(tapes[1], x, w, b, rm[1], rv[1], &tracked[1], training,
+                                         0.1f, 1e-5f, sync, &n),
+                     DDP_OK);
+    assert_int_equal(ddp_relu(tapes[1], n, &r), DDP_OK);
+    assert_int_equal(ddp_max_pool2d(tapes[1], r, kernel, 2, &y[1]), DDP_OK);
+    assert_int_equal(y[0]->numel, y[1]->numel);
+    const float *ya = y[0]->data, *yb = y[1]->data;
+    for (int64_t i = 0; i < y[0]->numel; i++) assert_true(ya[i] == yb[i]);
+    assert_memory_equal(rm[0]->data, rm[1]->data, 4 * sizeof(float));
+    assert_memory_equal(rv[0]->data, rv[1]->data, 4 * sizeof(float));
+    assert_int_equal(tracked[0], tracked[1]);
+    float *seed = ddp_alloc((size_t)y[0]->numel * sizeof(float));
+    for (int64_t i = 0; i < y[0]->numel; i++) seed[i] = 0.25f + 0.125f * (float)(i % 9);
+    ddp_tensor *params[3] = {x, w, b};
+    float *grads[2][3] = {{NULL}};
+    for (int k = 0; k < 2; k++) {
+      assert_int_equal(ddp__backward_from(tapes[k], y[k], seed), DDP_OK);
+      for (int p = 0; p < 3; p++) {
+        if (!params[p]) continue;
+        size_t bytes = (size_t)params[p]->numel * sizeof(float);
+        grads[k][p] = ddp_alloc(bytes);
+        memcpy(grads[k][p], params[p]->grad, bytes);
+        ddp_tensor_free_grad(params[p]);
+      }
+    }
+    for (int p = 0; p < 3; p++) {
+      if (!params[p]) continue;
+      assert_memory_equal(grads[0][p], grads[1][p], (size_t)params[p]->numel * sizeof(float));
+      ddp_free(grads[0][p]);
+      ddp_free(grads[1][p]);
+    }
+    ddp_free(seed);
+    for (int k = 0; k < 2; k++) {
+      ddp_tape_destroy(tapes[k]);
+      ddp_tensor_destroy(rm[k]);
+      ddp_tensor_destroy(rv[k]);
+    }
+    for (int p = 0; p < 3; p++) ddp_tensor_destroy(params[p]);
   }
 }
 
@@ -615,6 +747,8 @@ int main(void) {
       cmocka_unit_test(test_conv2d_backward_convnet_shapes),
       cmocka_unit_test(test_max_pool2d),
       cmocka_unit_test(test_max_pool2d_ties),
+      cmocka_unit_test(test_relu_max_pool2d),
+      cmocka_unit_test(test_batch_norm_relu_max_pool2d),
       cmocka_unit_test(test_errors),
       cmocka_unit_test(test_no_grad_records_nothing),
       cmocka_unit_test(test_empty),

@@ -45,8 +45,8 @@ static void test_shape_ops_gradcheck(void **state) {
  * whose gradient must still be 0). Debug builds fill fresh buffers with NaN,
  * so an element an op fails to assign fails the check there.
  *   a = tanh(x); c = conv2d(a, w, pad 1); b = batch_norm(c) (or synchronized
- *   through a group of one); r = relu(b); p = max_pool2d(r)
- *   s = sigmoid(a); q = max_pool2d(s); out = p + q
+ *   through a group of one); p = relu_max_pool2d(b)
+ *   s = sigmoid(a); r = relu(s); q = max_pool2d(r); out = p + q
  * a feeds conv2d and sigmoid (sigmoid's backward runs first and assigns,
  * conv2d's accumulates); the others each feed one op. */
 static ddp_status sum_nothing(void *user, double *buf, size_t count) {
@@ -61,10 +61,10 @@ static ddp_status fresh_chain(ddp_tape *tape, ddp_tensor **in, void *user, ddp_t
   DDP_TRY(ddp_conv2d(tape, a, in[1], NULL, 1, 1, &c));
   DDP_TRY(ddp_sync_batch_norm(tape, c, in[2], in[3], NULL, NULL, NULL, true, 0.1f, 1e-5f, sync,
                               &b));
-  DDP_TRY(ddp_relu(tape, b, &r));
-  DDP_TRY(ddp_max_pool2d(tape, r, 2, 2, &p));
+  DDP_TRY(ddp_relu_max_pool2d(tape, b, 2, 2, &p));
   DDP_TRY(ddp_sigmoid(tape, a, &s));
-  DDP_TRY(ddp_max_pool2d(tape, s, 2, 2, &q));
+  DDP_TRY(ddp_relu(tape, s, &r));
+  DDP_TRY(ddp_max_pool2d(tape, r, 2, 2, &q));
   return ddp_add(tape, p, q, out);
 }
 
