@@ -1,7 +1,8 @@
 /* Dense kernels: gemm, linear, convolution, pooling. Layout NCHW, row-major.
  * Kernels take raw pointers and sizes; the op layer (ops_dense.c, ops_conv.c)
- * has validated every shape before calling. Gradient outputs accumulate (+=),
- * and a NULL gradient pointer means "not wanted": the kernel skips that work.
+ * has validated every shape before calling. Gradient outputs accumulate (+=)
+ * unless an `accumulate` flag says to assign (a fresh buffer), and a NULL
+ * gradient pointer means "not wanted": the kernel skips that work.
  * Scratch memory comes from the arena argument (the tape's, reset each step),
  * so a steady-state step allocates nothing. Kernels never change the BLAS
  * thread count; the caller owns that (openblas_set_num_threads). */

@@ -1,7 +1,8 @@
 /* Dense ops: matmul, linear and max_pool2d (conv2d is in ops_conv.c). Each
  * validates its arguments with a message naming the op and the shapes,
  * computes through the device's dense kernel table, and records a backward
- * that accumulates into the gradients of the inputs that require grad. */
+ * that accumulates into the gradients of the inputs that require grad (or
+ * assigns, when it is first to write a fresh one: ddp__tape_grad_out). */
 #include "tensor/kernels.h"
 #include "tensor/ops_fused.h"
 #include "tensor/tape.h"
@@ -139,8 +140,9 @@ static ddp_status max_pool2d_backward(ddp_tape *tape, ddp__node *node) {
   return DDP_OK;
 }
 
-/* Pools x, reading its values from `data` (x->data, or the input of a fused
- * batch norm whose output x is never written) through `affine` (or NULL). */
+/* Pools x, reading its values from `data` (NULL: x's own; otherwise the
+ * input of a fused batch norm whose output x is never written) through
+ * `affine` (or NULL). */
 static ddp_status pool_forward(ddp_tape *tape, const char *op, bool relu, ddp_tensor *x,
                                const float *data, const ddp__pool_affine *affine, int kernel,
                                int stride, ddp_tensor **out) {
@@ -187,8 +189,8 @@ static ddp_status pool_forward(ddp_tape *tape, const char *op, bool relu, ddp_te
     ctx->w = w;
     ctx->relu = relu;
   }
-  k->dense->max_pool2d_forward(y->data, ctx ? ctx->argmax : NULL, data, planes, h, w, kernel,
-                               stride, oh, ow, relu, affine);
+  k->dense->max_pool2d_forward(y->data, ctx ? ctx->argmax : NULL, data ? data : x->data, planes,
+                               h, w, kernel, stride, oh, ow, relu, affine);
   if (ctx) DDP_TRY(ddp__tape_record(tape, op, max_pool2d_backward, y, 1, &x, ctx));
   *out = y;
   return DDP_OK;
@@ -196,14 +198,12 @@ static ddp_status pool_forward(ddp_tape *tape, const char *op, bool relu, ddp_te
 
 ddp_status ddp_max_pool2d(ddp_tape *tape, ddp_tensor *x, int kernel, int stride,
                           ddp_tensor **out) {
-  return pool_forward(tape, "max_pool2d", false, x, x ? x->data : NULL, NULL, kernel, stride,
-                      out);
+  return pool_forward(tape, "max_pool2d", false, x, NULL, NULL, kernel, stride, out);
 }
 
 ddp_status ddp_relu_max_pool2d(ddp_tape *tape, ddp_tensor *x, int kernel, int stride,
                                ddp_tensor **out) {
-  return pool_forward(tape, "relu_max_pool2d", true, x, x ? x->data : NULL, NULL, kernel, stride,
-                      out);
+  return pool_forward(tape, "relu_max_pool2d", true, x, NULL, NULL, kernel, stride, out);
 }
 
 ddp_status ddp__relu_max_pool2d_affine(ddp_tape *tape, ddp_tensor *x, const float *data,

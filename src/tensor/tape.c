@@ -134,6 +134,17 @@ ddp_status ddp__tape_record(ddp_tape *tape, const char *op, ddp__backward_fn bac
   return DDP_OK;
 }
 
+/* An intermediate's gradient in tape memory, zeroed or not. */
+static float *new_intermediate_grad(ddp_tape *tape, ddp_tensor *t, bool zeroed,
+                                    ddp_status *status) {
+  size_t bytes = (size_t)t->numel * sizeof(float);
+  t->grad = zeroed ? ddp_arena_calloc(&tape->arena, bytes) : ddp_arena_alloc(&tape->arena, bytes);
+  if (!t->grad)
+    *status = ddp_error(DDP_ERR_NOMEM, "backward: cannot allocate a gradient of %lld elements",
+                        (long long)t->numel);
+  return t->grad;
+}
+
 float *ddp__tape_grad(ddp_tape *tape, ddp_tensor *t, ddp_status *status) {
   if (!t || !(t->flags & DDP_TENSOR_REQUIRES_GRAD)) return NULL;
   if (t->grad) return t->grad;
@@ -142,23 +153,14 @@ float *ddp__tape_grad(ddp_tape *tape, ddp_tensor *t, ddp_status *status) {
     if (s != DDP_OK) *status = s;
     return t->grad;
   }
-  t->grad = ddp_arena_calloc(&tape->arena, (size_t)t->numel * sizeof(float));
-  if (!t->grad)
-    *status = ddp_error(DDP_ERR_NOMEM, "backward: cannot allocate a gradient of %lld elements",
-                        (long long)t->numel);
-  return t->grad;
+  return new_intermediate_grad(tape, t, true, status);
 }
 
 float *ddp__tape_grad_out(ddp_tape *tape, ddp_tensor *t, bool *accumulate, ddp_status *status) {
   *accumulate = true;
   if (!t || !(t->flags & DDP_TENSOR_REQUIRES_GRAD)) return NULL;
   if (t->grad || t->node < 0) return ddp__tape_grad(tape, t, status);
-  t->grad = ddp_arena_alloc(&tape->arena, (size_t)t->numel * sizeof(float));
-  if (!t->grad) {
-    *status = ddp_error(DDP_ERR_NOMEM, "backward: cannot allocate a gradient of %lld elements",
-                        (long long)t->numel);
-    return NULL;
-  }
+  if (!new_intermediate_grad(tape, t, false, status)) return NULL;
 #ifdef DDP_POISON_FRESH_GRADS
   for (int64_t i = 0; i < t->numel; i++) t->grad[i] = NAN;
 #endif
