@@ -71,8 +71,8 @@ typedef struct ddp__dense_kernels {
    * NULL, is the forward's relu output y: only windows with y > 0 pass
    * their gradient (relu's backward, fused). */
   void (*max_pool2d_backward)(float *dx, const float *dy, const int32_t *argmax, int64_t planes,
-                              int64_t h, int64_t w, int64_t oh, int64_t ow, const float *relu_y,
-                              bool accumulate);
+                              int64_t h, int64_t w, int64_t kernel, int64_t stride, int64_t oh,
+                              int64_t ow, const float *relu_y, bool accumulate);
 } ddp__dense_kernels;
 
 extern const ddp__dense_kernels ddp__cpu_dense_kernels;

@@ -13,6 +13,24 @@
 
 #include "ddp/core.h"
 
+/* The gradient reaching batch norm's output, for its backward kernels:
+ * dense, (N, C, HW); or, when batch norm feeds a fused relu and max
+ * pooling (batch_norm_relu_max_pool2d), the pooling's, from which the
+ * dense one follows: zero except at each window's argmax, which receives
+ * the window's gradient where its pooled output is positive (summed where
+ * windows overlap), exactly as max_pool2d_backward scatters it. The
+ * kernels then scatter one (n, c) plane at a time into `scratch` (in
+ * cache) and never write, keep or read back the dense gradient, four
+ * times the pooled one's size. */
+typedef struct ddp__bn_grad {
+  const float *dense; /* (N, C, HW); NULL: pooled */
+  /* pooled: (N, C, oh, ow) each; planes of h x w (h * w = HW) */
+  const float *pooled, *pooled_y;
+  const int32_t *argmax;
+  int64_t h, w, kernel, stride, oh, ow;
+  float *scratch; /* pooled: HW floats, or N * C when HW == 1 */
+} ddp__bn_grad;
+
 typedef struct ddp__pointwise_kernels {
   /* ---- activations: y = f(x); backward from y (the op's output) ---- */
   void (*relu)(float *y, const float *x, int64_t n);
@@ -54,8 +72,8 @@ typedef struct ddp__pointwise_kernels {
   /* Gradients of batch_norm_forward. With batch_stats the mean and invstd
    * are functions of x (training); without, constants (eval). dx is
    * assigned when !accumulate. */
-  ddp_status (*batch_norm_backward)(float *dx, float *dweight, float *dbias, const float *dy,
-                                    const float *x, const float *mean, const float *invstd,
+  ddp_status (*batch_norm_backward)(float *dx, float *dweight, float *dbias,
+                                    const ddp__bn_grad *dy, const float *x, const float *mean, const float *invstd,
                                     const float *weight, int64_t N, int64_t C, int64_t HW,
                                     bool batch_stats, bool accumulate, ddp_arena *arena);
   /* ---- synchronized batch norm: the same maths in phases, so that the
@@ -71,12 +89,12 @@ typedef struct ddp__pointwise_kernels {
   /* This rank's backward sums (2C): [c] = sum(dy), [C + c] = sum(dy * (x - mean));
    * and from them dweight += sum(dy * (x - mean)) * invstd, dbias += sum(dy)
    * (this rank's share; NULL: not wanted). */
-  void (*batch_norm_backward_reduce)(double *sums, float *dweight, float *dbias, const float *dy,
-                                     const float *x, const float *mean, const float *invstd,
+  void (*batch_norm_backward_reduce)(double *sums, float *dweight, float *dbias,
+                                     const ddp__bn_grad *dy, const float *x, const float *mean, const float *invstd,
                                      int64_t N, int64_t C, int64_t HW);
   /* dx += (= when !accumulate) the training-mode input gradient, from sums
    * summed over every rank and the total count. */
-  ddp_status (*batch_norm_backward_dx)(float *dx, const float *dy, const float *x,
+  ddp_status (*batch_norm_backward_dx)(float *dx, const ddp__bn_grad *dy, const float *x,
                                        const float *mean, const float *invstd, const float *weight,
                                        const double *sums, int64_t count, int64_t N, int64_t C,
                                        int64_t HW, bool accumulate, ddp_arena *arena);

@@ -121,7 +121,7 @@ ddp_status ddp_linear(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_ten
 
 typedef struct pool_ctx {
   int32_t *argmax; /* (planes, H', W'): index of each window's max in its plane */
-  int64_t planes, h, w;
+  int64_t planes, h, w, kernel, stride;
   bool relu;
 } pool_ctx;
 
@@ -135,17 +135,19 @@ static ddp_status max_pool2d_backward(ddp_tape *tape, ddp__node *node) {
   if (s != DDP_OK) return s;
   if (dx)
     k->dense->max_pool2d_backward(dx, y->grad, ctx->argmax, ctx->planes, ctx->h, ctx->w,
-                                  y->shape[y->ndim - 2], y->shape[y->ndim - 1],
+                                  ctx->kernel, ctx->stride, y->shape[y->ndim - 2], y->shape[y->ndim - 1],
                                   ctx->relu ? y->data : NULL, accumulate);
   return DDP_OK;
 }
 
-/* Pools x, reading its values from `data` (NULL: x's own; otherwise the
- * input of a fused batch norm whose output x is never written) through
- * `affine` (or NULL). */
-static ddp_status pool_forward(ddp_tape *tape, const char *op, bool relu, ddp_tensor *x,
+/* Validates, allocates y and computes it, pooling x whose values are read
+ * from `data` (NULL: x's own; otherwise the input of a fused batch norm
+ * whose output x is never written) through `affine` (or NULL); with
+ * `argmax` not NULL, also each window's argmax (tape scratch) for the
+ * backward. Records nothing. */
+static ddp_status pool_compute(ddp_tape *tape, const char *op, bool relu, ddp_tensor *x,
                                const float *data, const ddp__pool_affine *affine, int kernel,
-                               int stride, ddp_tensor **out) {
+                               int stride, ddp_tensor **out, int32_t **argmax) {
   char sx[DDP_SHAPE_STR_BYTES];
   if (!tape || !out) return ddp_error(DDP_ERR_INVALID, "%s: tape or out is NULL", op);
   if (!x) return ddp_error(DDP_ERR_INVALID, "%s: input is NULL", op);
@@ -177,38 +179,59 @@ static ddp_status pool_forward(ddp_tape *tape, const char *op, bool relu, ddp_te
   shape[x->ndim - 1] = ow;
   ddp_tensor *y;
   DDP_TRY(ddp__tape_output(tape, op, DDP_FLOAT32, x->ndim, shape, &y));
-  pool_ctx *ctx = NULL;
-  if (ddp__tape_wants_grad(tape, 1, &x)) {
-    ctx = ddp_tape_scratch(tape, sizeof *ctx);
-    if (ctx) ctx->argmax = ddp_tape_scratch(tape, (size_t)y->numel * sizeof(int32_t));
-    if (!ctx || !ctx->argmax)
+  int32_t *at = NULL;
+  if (argmax) {
+    at = ddp_tape_scratch(tape, (size_t)y->numel * sizeof(int32_t));
+    if (!at)
       return ddp_error(DDP_ERR_NOMEM, "%s: cannot allocate the argmax of %s", op,
                        DDP__SHAPE(y, sx));
-    ctx->planes = planes;
-    ctx->h = h;
-    ctx->w = w;
-    ctx->relu = relu;
+    *argmax = at;
   }
-  k->dense->max_pool2d_forward(y->data, ctx ? ctx->argmax : NULL, data ? data : x->data, planes,
-                               h, w, kernel, stride, oh, ow, relu, affine);
-  if (ctx) DDP_TRY(ddp__tape_record(tape, op, max_pool2d_backward, y, 1, &x, ctx));
+  k->dense->max_pool2d_forward(y->data, at, data ? data : x->data, planes, h, w, kernel, stride,
+                               oh, ow, relu, affine);
+  *out = y;
+  return DDP_OK;
+}
+
+/* max_pool2d and relu_max_pool2d: computes, and records the backward when
+ * x wants a gradient. */
+static ddp_status pool_forward(ddp_tape *tape, const char *op, bool relu, ddp_tensor *x,
+                               int kernel, int stride, ddp_tensor **out) {
+  const bool wants = tape && x && ddp__tape_wants_grad(tape, 1, &x);
+  int32_t *argmax = NULL;
+  ddp_tensor *y;
+  DDP_TRY(pool_compute(tape, op, relu, x, NULL, NULL, kernel, stride, &y,
+                       wants ? &argmax : NULL));
+  if (wants) {
+    pool_ctx *ctx = ddp_tape_scratch(tape, sizeof *ctx);
+    if (!ctx) return ddp_error(DDP_ERR_NOMEM, "%s: cannot allocate its backward's context", op);
+    const int64_t h = x->shape[x->ndim - 2], w = x->shape[x->ndim - 1];
+    *ctx = (pool_ctx){.argmax = argmax,
+                      .planes = x->numel / (h * w),
+                      .h = h,
+                      .w = w,
+                      .kernel = kernel,
+                      .stride = stride ? stride : kernel, /* as pool_compute */
+                      .relu = relu};
+    DDP_TRY(ddp__tape_record(tape, op, max_pool2d_backward, y, 1, &x, ctx));
+  }
   *out = y;
   return DDP_OK;
 }
 
 ddp_status ddp_max_pool2d(ddp_tape *tape, ddp_tensor *x, int kernel, int stride,
                           ddp_tensor **out) {
-  return pool_forward(tape, "max_pool2d", false, x, NULL, NULL, kernel, stride, out);
+  return pool_forward(tape, "max_pool2d", false, x, kernel, stride, out);
 }
 
 ddp_status ddp_relu_max_pool2d(ddp_tape *tape, ddp_tensor *x, int kernel, int stride,
                                ddp_tensor **out) {
-  return pool_forward(tape, "relu_max_pool2d", true, x, NULL, NULL, kernel, stride, out);
+  return pool_forward(tape, "relu_max_pool2d", true, x, kernel, stride, out);
 }
 
 ddp_status ddp__relu_max_pool2d_affine(ddp_tape *tape, ddp_tensor *x, const float *data,
                                        const ddp__pool_affine *affine, int kernel, int stride,
-                                       ddp_tensor **out) {
-  return pool_forward(tape, "batch_norm_relu_max_pool2d", true, x, data, affine, kernel, stride,
-                      out);
+                                       ddp_tensor **out, int32_t **argmax) {
+  return pool_compute(tape, "batch_norm_relu_max_pool2d", true, x, data, affine, kernel, stride,
+                      out, argmax);
 }

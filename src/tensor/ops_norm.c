@@ -26,31 +26,34 @@ typedef struct batch_norm_ctx {
  * parallelism averages those like any gradient); summed across ranks they
  * give dx as if the batches were one. Only when dx is wanted do the ranks
  * reduce: every rank records the same graph, so all of them do or none. */
-static ddp_status sync_batch_norm_backward(ddp_tape *tape, ddp__node *node, float *dx,
-                                           bool dx_accumulate, float *dweight, float *dbias) {
-  const batch_norm_ctx *ctx = node->ctx;
-  ddp_tensor *x = node->in[0], *weight = node->in[1];
-  const ddp__kernels *k = ddp__kernels_for(node->out->device);
+static ddp_status sync_batch_norm_backward(ddp_tape *tape, const ddp__kernels *k,
+                                           const batch_norm_ctx *ctx, const ddp__bn_grad *dy,
+                                           const ddp_tensor *x, const ddp_tensor *weight,
+                                           float *dx, bool dx_accumulate, float *dweight,
+                                           float *dbias) {
   int64_t C = ctx->C;
   double *sums = ddp_arena_alloc(ddp__tape_arena(tape), (size_t)C * 2 * sizeof(double));
   if (!sums)
     return ddp_error(DDP_ERR_NOMEM, "sync_batch_norm backward: no scratch for %lld channels",
                      (long long)C);
-  k->pointwise->batch_norm_backward_reduce(sums, dweight, dbias, node->out->grad, x->data,
-                                           ctx->mean, ctx->invstd, ctx->N, C, ctx->HW);
+  k->pointwise->batch_norm_backward_reduce(sums, dweight, dbias, dy, x->data, ctx->mean,
+                                           ctx->invstd, ctx->N, C, ctx->HW);
   if (!dx) return DDP_OK;
   ddp_status s = ctx->sync.allreduce_sum(ctx->sync.user, sums, (size_t)C * 2);
   if (s != DDP_OK)
     return ddp_error_wrap(s, "sync_batch_norm backward: summing %lld channels' gradient sums "
                              "across ranks", (long long)C);
-  return k->pointwise->batch_norm_backward_dx(dx, node->out->grad, x->data, ctx->mean,
-                                              ctx->invstd, weight ? weight->data : NULL, sums,
-                                              ctx->count, ctx->N, C, ctx->HW, dx_accumulate,
+  return k->pointwise->batch_norm_backward_dx(dx, dy, x->data, ctx->mean, ctx->invstd,
+                                              weight ? weight->data : NULL, sums, ctx->count,
+                                              ctx->N, C, ctx->HW, dx_accumulate,
                                               ddp__tape_arena(tape));
 }
 
-static ddp_status batch_norm_backward(ddp_tape *tape, ddp__node *node) {
-  const batch_norm_ctx *ctx = node->ctx;
+/* Batch norm's backward for `node` (inputs x, weight, bias) from the
+ * gradient dy of batch norm's output: node's output's own, or, fused, the
+ * pooling's that follows it. */
+static ddp_status batch_norm_backward_from(ddp_tape *tape, ddp__node *node,
+                                           const batch_norm_ctx *ctx, const ddp__bn_grad *dy) {
   ddp_tensor *x = node->in[0], *weight = node->in[1], *bias = node->in[2];
   ddp_status s = DDP_OK;
   bool dx_accumulate;
@@ -58,13 +61,19 @@ static ddp_status batch_norm_backward(ddp_tape *tape, ddp__node *node) {
   float *dweight = ddp__tape_grad(tape, weight, &s);
   float *dbias = ddp__tape_grad(tape, bias, &s);
   if (s != DDP_OK) return s;
-  if (ctx->synced)
-    return sync_batch_norm_backward(tape, node, dx, dx_accumulate, dweight, dbias);
   const ddp__kernels *k = ddp__kernels_for(node->out->device);
-  return k->pointwise->batch_norm_backward(dx, dweight, dbias, node->out->grad, x->data, ctx->mean,
+  if (ctx->synced)
+    return sync_batch_norm_backward(tape, k, ctx, dy, x, weight, dx, dx_accumulate, dweight,
+                                    dbias);
+  return k->pointwise->batch_norm_backward(dx, dweight, dbias, dy, x->data, ctx->mean,
                                            ctx->invstd, weight ? weight->data : NULL, ctx->N,
                                            ctx->C, ctx->HW, ctx->batch_stats, dx_accumulate,
                                            ddp__tape_arena(tape));
+}
+
+static ddp_status batch_norm_backward(ddp_tape *tape, ddp__node *node) {
+  const ddp__bn_grad dy = {.dense = node->out->grad};
+  return batch_norm_backward_from(tape, node, node->ctx, &dy);
 }
 
 /* The synchronized forward's statistics: this rank's per-channel sum and sum
@@ -235,6 +244,41 @@ ddp_status ddp_sync_batch_norm(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight
   return DDP_OK;
 }
 
+/* batch_norm_relu_max_pool2d records one node, from x, weight and bias to
+ * the pooled output: its backward is batch norm's, given the pooling's
+ * gradient (ddp__bn_grad), so the gradient of the normalised values is
+ * never stored. */
+typedef struct bn_pool_ctx {
+  const batch_norm_ctx *bn;
+  const int32_t *argmax; /* (N, C, oh, ow): each window's max's index in its plane */
+  int64_t h, w;          /* batch norm's planes */
+  int64_t kernel, stride;
+} bn_pool_ctx;
+
+static ddp_status batch_norm_relu_max_pool2d_backward(ddp_tape *tape, ddp__node *node) {
+  const bn_pool_ctx *ctx = node->ctx;
+  const ddp_tensor *y = node->out;
+  const batch_norm_ctx *bn = ctx->bn;
+  /* One plane of the normalised values' gradient at a time; all of them
+   * for 1x1 planes, which batch norm's kernels take as rows. */
+  const int64_t floats = bn->HW == 1 ? bn->N * bn->C : bn->HW;
+  float *scratch = ddp_arena_alloc(ddp__tape_arena(tape), (size_t)floats * sizeof(float));
+  if (!scratch)
+    return ddp_error(DDP_ERR_NOMEM, "batch_norm_relu_max_pool2d backward: no scratch for a "
+                     "%lldx%lld plane", (long long)ctx->h, (long long)ctx->w);
+  const ddp__bn_grad dy = {.pooled = y->grad,
+                           .pooled_y = y->data,
+                           .argmax = ctx->argmax,
+                           .h = ctx->h,
+                           .w = ctx->w,
+                           .kernel = ctx->kernel,
+                           .stride = ctx->stride,
+                           .oh = y->shape[2],
+                           .ow = y->shape[3],
+                           .scratch = scratch};
+  return batch_norm_backward_from(tape, node, bn, &dy);
+}
+
 ddp_status ddp_batch_norm_relu_max_pool2d(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight,
                                           ddp_tensor *bias, ddp_tensor *running_mean,
                                           ddp_tensor *running_var, int64_t *num_batches_tracked,
@@ -247,11 +291,11 @@ ddp_status ddp_batch_norm_relu_max_pool2d(ddp_tape *tape, ddp_tensor *x, ddp_ten
                      "batch_norm_relu_max_pool2d: input %s must be 4-D (N, C, H, W)",
                      DDP__SHAPE(x, sx));
   const ddp__kernels *k;
-  ddp_tensor *y;
+  ddp_tensor *normalised, *y;
   batch_norm_ctx *ctx;
   DDP_TRY(batch_norm_prepare(tape, x, weight, bias, running_mean, running_var,
-                             num_batches_tracked, training, momentum, eps, sync, false, &k, &y,
-                             &ctx));
+                             num_batches_tracked, training, momentum, eps, sync, false, &k,
+                             &normalised, &ctx));
   /* batch_norm_forward's per-channel factor, computed the same way. */
   int64_t C = ctx->C;
   float *affine = ddp_tape_scratch(tape, (size_t)C * 2 * sizeof(float));
@@ -264,6 +308,27 @@ ddp_status ddp_batch_norm_relu_max_pool2d(ddp_tape *tape, ddp_tensor *x, ddp_ten
     affine[C + c] = b ? b[c] : 0.0f;
   }
   const ddp__pool_affine map = {ctx->mean, affine, affine + C, C};
-  DDP_TRY(batch_norm_record(tape, x, weight, bias, y, ctx));
-  return ddp__relu_max_pool2d_affine(tape, y, x->data, &map, kernel, stride, out);
+  ddp_tensor *in[3] = {x, weight, bias};
+  const bool wants = ddp__tape_wants_grad(tape, 3, in);
+  int32_t *argmax = NULL;
+  DDP_TRY(ddp__relu_max_pool2d_affine(tape, normalised, x->data, &map, kernel, stride, &y,
+                                      wants ? &argmax : NULL));
+  if (wants) {
+    bn_pool_ctx *pc = ddp_tape_scratch(tape, sizeof *pc);
+    if (!pc)
+      return ddp_error(DDP_ERR_NOMEM,
+                       "batch_norm_relu_max_pool2d: cannot allocate its backward's context");
+    *pc = (bn_pool_ctx){.bn = ctx,
+                        .argmax = argmax,
+                        .h = x->shape[2],
+                        .w = x->shape[3],
+                        .kernel = kernel,
+                        .stride = stride ? stride : kernel}; /* as pool_compute */
+    DDP_TRY(ddp__tape_record(tape,
+                             ctx->synced ? "sync_batch_norm_relu_max_pool2d"
+                                         : "batch_norm_relu_max_pool2d",
+                             batch_norm_relu_max_pool2d_backward, y, 3, in, pc));
+  }
+  *out = y;
+  return DDP_OK;
 }

@@ -8,6 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <cmocka.h>
 
@@ -427,7 +428,7 @@ static void test_relu_max_pool2d(void **state) {
  * equal running statistics and batch counts; in training and evaluation,
  * plain and synchronized (a group of one), with and without the affine
  * parameters, on odd planes (7x7: 2x2 windows leave an edge, 3x3 ones
- * overlap) and wide ones. */
+ * overlap), wide ones and 1x1 ones. */
 static ddp_status sum_in_place(void *user, double *buf, size_t count) {
   (void)user, (void)buf, (void)count; /* a group of one */
   return DDP_OK;
@@ -437,13 +438,16 @@ static void test_batch_norm_relu_max_pool2d(void **state) {
   (void)state;
   const ddp_batch_norm_sync one = {sum_in_place, NULL};
   int64_t sc[1] = {4};
-  for (int variant = 0; variant < 24; variant++) {
+  for (int variant = 0; variant < 32; variant++) {
     bool training = variant & 1, synced = variant & 2, affine = !(variant & 4);
     /* 3x3 windows on 7x7: the portable loop; 2x2: the AVX-512 one, on 7x7
-     * (masked rows) and on rows of 40 (20 outputs: both vector halves). */
-    int shape_kind = variant >> 3, kernel = shape_kind == 1 ? 3 : 2;
+     * (masked rows) and on rows of 40 (20 outputs: both vector halves);
+     * 1x1 windows on 1x1 planes, which batch norm takes as (N, C) rows. */
+    int shape_kind = variant >> 3;
+    int kernel = shape_kind == 1 ? 3 : shape_kind == 3 ? 1 : 2;
     int64_t sx[4] = {3, 4, 7, 7};
     if (shape_kind == 2) sx[0] = 2, sx[2] = 6, sx[3] = 40;
+    if (shape_kind == 3) sx[0] = 5, sx[2] = 1, sx[3] = 1;
     ddp_tensor *x = gradcheck_random(4, sx, -2, 2, 700 + variant, true);
     ddp_tensor *w = affine ? gradcheck_random(1, sc, -1.5f, 1.5f, 710, true) : NULL;
     ddp_tensor *b = affine ? gradcheck_random(1, sc, -0.5f, 0.5f, 711, true) : NULL;
@@ -498,6 +502,63 @@ static void test_batch_norm_relu_max_pool2d(void **state) {
       ddp_tensor_destroy(rv[k]);
     }
     for (int p = 0; p < 3; p++) ddp_tensor_destroy(params[p]);
+  }
+}
+
+/* max_pool2d's backward kernel into a fresh buffer, against a scatter
+ * written here: dx zeroed, then each window's gradient (0 where relu_y is
+ * not positive) added at its argmax. Bitwise, so -0.0 gradients must come
+ * out +0.0 and NaN outputs must block theirs. Cases: rows of one step with
+ * an odd last column and row (2x2's whole-vector stores, whose spill must
+ * be overwritten and never leave the buffer: ASan checks the exact-size
+ * buffers), rows of two steps (20 windows), overlapping 3x3 windows, one
+ * plane and many, with and without relu. Runs on both kernel paths. */
+static void test_max_pool2d_backward_fresh(void **state) {
+  (void)state;
+  static const struct {
+    int64_t planes, h, w;
+    int k, s;
+  } cases[] = {{1, 28, 28, 2, 2}, {5, 7, 7, 2, 2},  {3, 14, 14, 2, 2}, {2, 9, 40, 2, 2},
+               {4, 7, 9, 3, 2},   {1, 2, 2, 2, 2},  {6, 5, 33, 2, 2},  {2, 8, 8, 3, 3}};
+  for (size_t t = 0; t < sizeof cases / sizeof cases[0]; t++) {
+    const int64_t planes = cases[t].planes, h = cases[t].h, w = cases[t].w;
+    const int k = cases[t].k, st = cases[t].s;
+    const int64_t oh = (h - k) / st + 1, ow = (w - k) / st + 1, outs = planes * oh * ow;
+    const int64_t sx[1] = {planes * h * w}, sy[1] = {outs};
+    ddp_tensor *x = gradcheck_random(1, sx, -1, 1, 900 + t, false);
+    ddp_tensor *dy = gradcheck_random(1, sy, -1, 1, 950 + t, false);
+    float *y = ddp_alloc((size_t)outs * sizeof(float));
+    int64_t *arg64 = ddp_alloc((size_t)outs * sizeof(int64_t));
+    int32_t *arg = ddp_alloc((size_t)outs * sizeof(int32_t));
+    ref_pool(y, arg64, x->data, planes, h, w, k, st);
+    for (int64_t o = 0; o < outs; o++) {
+      arg[o] = (int32_t)(arg64[o] % (h * w));
+      if (o % 5 == 0) y[o] = -y[o]; /* some windows closed by relu */
+      if (o % 11 == 3) ((float *)dy->data)[o] = -0.0f;
+      if (o % 13 == 7) y[o] = NAN;
+    }
+    for (int relu = 0; relu < 2; relu++) {
+      float *want = ddp_alloc((size_t)sx[0] * sizeof(float));
+      float *got = malloc((size_t)sx[0] * sizeof(float)); /* exact size, unlike ddp_alloc */
+      assert_non_null(got);
+      memset(want, 0, (size_t)sx[0] * sizeof(float));
+      for (int64_t o = 0; o < outs; o++) {
+        const float g = ((const float *)dy->data)[o];
+        want[(o / (oh * ow)) * h * w + arg[o]] += relu && !(y[o] > 0.0f) ? 0.0f : g;
+      }
+      for (int64_t i = 0; i < sx[0]; i++) got[i] = NAN; /* a fresh buffer's garbage */
+      ddp__cpu_max_pool2d_backward(got, dy->data, arg, planes, h, w, k, st, oh, ow,
+                                   relu ? y : NULL, false);
+      if (memcmp(got, want, (size_t)sx[0] * sizeof(float)) != 0)
+        fail_msg("case %zu (relu %d): the fresh backward differs from the scatter", t, relu);
+      ddp_free(want);
+      free(got);
+    }
+    ddp_free(y);
+    ddp_free(arg64);
+    ddp_free(arg);
+    ddp_tensor_destroy(x);
+    ddp_tensor_destroy(dy);
   }
 }
 
@@ -747,6 +808,7 @@ int main(void) {
       cmocka_unit_test(test_conv2d_backward_convnet_shapes),
       cmocka_unit_test(test_max_pool2d),
       cmocka_unit_test(test_max_pool2d_ties),
+      cmocka_unit_test(test_max_pool2d_backward_fresh),
       cmocka_unit_test(test_relu_max_pool2d),
       cmocka_unit_test(test_batch_norm_relu_max_pool2d),
       cmocka_unit_test(test_errors),

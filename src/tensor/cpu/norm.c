@@ -1,4 +1,5 @@
 /* CPU batch-norm kernels (see cpu/pointwise.h). */
+#include "tensor/cpu/dense.h"
 #include "tensor/cpu/pointwise.h"
 
 /* ---- batch norm ----
@@ -138,6 +139,55 @@ static void bn_dx_coefficients(float *k_dy, float *k_x, float *k_0, double sum_d
   *k_0 = (float)k0;
 }
 
+/* Plane (n, c) of the gradient: the dense one's, or the pooled one
+ * scattered into dy->scratch by max pooling's own backward (so the values,
+ * and the order in which overlapping windows add up, are the composed
+ * ops'). Valid until the next call. */
+static const float *grad_plane(const ddp__bn_grad *dy, int64_t n, int64_t C, int64_t HW,
+                               int64_t c) {
+  const int64_t p = n * C + c;
+  if (dy->dense) return dy->dense + p * HW;
+  const int64_t at = p * dy->oh * dy->ow;
+  ddp__cpu_max_pool2d_backward(dy->scratch, dy->pooled + at, dy->argmax + at, 1, dy->h, dy->w,
+                               dy->kernel, dy->stride, dy->oh, dy->ow, dy->pooled_y + at, false);
+  return dy->scratch;
+}
+
+/* Asks the cache for the lines of [p, p + bytes). */
+static void prefetch_range(const void *p, size_t bytes) {
+  const uintptr_t line = 64, end = (uintptr_t)p + bytes;
+  for (uintptr_t a = (uintptr_t)p & ~(line - 1); a < end; a += line)
+    __builtin_prefetch((const void *)a);
+}
+
+/* Starts loading plane (n, c) of x and of the gradient (the dense one, or
+ * the pooled one's three arrays). The channel-major walk reads a short
+ * chunk of each array and then jumps C planes on, which the hardware
+ * prefetchers pick up late; the kernels ask for the next plane while they
+ * work on this one. */
+static void prefetch_plane(const ddp__bn_grad *dy, const float *x, int64_t n, int64_t C,
+                           int64_t HW, int64_t c) {
+  const int64_t p = n * C + c;
+  prefetch_range(x + p * HW, (size_t)HW * sizeof(float));
+  if (dy->dense) {
+    prefetch_range(dy->dense + p * HW, (size_t)HW * sizeof(float));
+    return;
+  }
+  const int64_t ohw = dy->oh * dy->ow;
+  prefetch_range(dy->pooled + p * ohw, (size_t)ohw * sizeof(float));
+  prefetch_range(dy->pooled_y + p * ohw, (size_t)ohw * sizeof(float));
+  prefetch_range(dy->argmax + p * ohw, (size_t)ohw * sizeof(int32_t));
+}
+
+/* The whole gradient of an (N, C) input (HW == 1), dense: a pooled one is
+ * scattered into dy->scratch (N * C floats; its windows are 1x1). */
+static const float *grad_rows(const ddp__bn_grad *dy, int64_t N, int64_t C) {
+  if (dy->dense) return dy->dense;
+  ddp__cpu_max_pool2d_backward(dy->scratch, dy->pooled, dy->argmax, N * C, 1, 1, dy->kernel,
+                               dy->stride, dy->oh, dy->ow, dy->pooled_y, false);
+  return dy->scratch;
+}
+
 /* (N, C) input: sdy[c] = sum(dy), sdyx[c] = sum(dy * (x - mean)), row by row. */
 static void rows_backward_sums(double *restrict sdy, double *restrict sdyx,
                                const float *restrict dy, const float *restrict x,
@@ -167,12 +217,13 @@ static void rows_dx(float *restrict dx, const float *restrict dy, const float *r
 }
 
 /* (N, C, HW) input, channel c: the two sums of rows_backward_sums. */
-static void channel_backward_sums(double *sdy_out, double *sdyx_out, const float *restrict dy,
+static void channel_backward_sums(double *sdy_out, double *sdyx_out, const ddp__bn_grad *dy,
                                   const float *restrict x, float m, int64_t N, int64_t C,
                                   int64_t HW, int64_t c) {
   double sdy = 0, sdyx = 0;
   for (int64_t n = 0; n < N; n++) {
-    const float *g = dy + (n * C + c) * HW, *plane = x + (n * C + c) * HW;
+    if (n + 1 < N) prefetch_plane(dy, x, n + 1, C, HW, c);
+    const float *g = grad_plane(dy, n, C, HW, c), *plane = x + (n * C + c) * HW;
     float a1[LANES] = {0}, a2[LANES] = {0};
     int64_t i = 0;
     for (; i + LANES <= HW; i += LANES)
@@ -192,11 +243,11 @@ static void channel_backward_sums(double *sdy_out, double *sdyx_out, const float
 
 /* (N, C, HW) input, channel c: dx += kdy * dy + kx * (x - m) + k0; = instead
  * of += when !accumulate (one loop each, so assigning never reads dx). */
-static void channel_dx(float *restrict dx, const float *restrict dy, const float *restrict x,
+static void channel_dx(float *restrict dx, const ddp__bn_grad *dy, const float *restrict x,
                        float m, float kdy, float kx, float k0, int64_t N, int64_t C, int64_t HW,
                        int64_t c, bool accumulate) {
   for (int64_t n = 0; n < N; n++) {
-    const float *g = dy + (n * C + c) * HW, *plane = x + (n * C + c) * HW;
+    const float *g = grad_plane(dy, n, C, HW, c), *plane = x + (n * C + c) * HW;
     float *d = dx + (n * C + c) * HW;
     if (accumulate)
       for (int64_t i = 0; i < HW; i++) d[i] += kdy * g[i] + kx * (plane[i] - m) + k0;
@@ -213,7 +264,7 @@ static void add_affine_grads(float *dweight, float *dbias, int64_t c, double sdy
 }
 
 ddp_status ddp__cpu_batch_norm_backward(float *restrict dx, float *restrict dweight,
-                                        float *restrict dbias, const float *restrict dy,
+                                        float *restrict dbias, const ddp__bn_grad *dy,
                                         const float *restrict x, const float *restrict mean,
                                         const float *restrict invstd, const float *restrict weight,
                                         int64_t N, int64_t C, int64_t HW, bool batch_stats,
@@ -226,7 +277,8 @@ ddp_status ddp__cpu_batch_norm_backward(float *restrict dx, float *restrict dwei
       return ddp_error(DDP_ERR_NOMEM, "batch_norm backward: no scratch for %lld channels",
                        (long long)C);
     double *sdy = s, *sdyx = s + C;
-    rows_backward_sums(sdy, sdyx, dy, x, mean, N, C);
+    const float *g = grad_rows(dy, N, C);
+    rows_backward_sums(sdy, sdyx, g, x, mean, N, C);
     /* Per-channel coefficients as three unit-stride vectors for the row loop. */
     float *kdy = k, *kx = k + C, *k0 = k + 2 * C;
     for (int64_t c = 0; c < C; c++) {
@@ -234,7 +286,7 @@ ddp_status ddp__cpu_batch_norm_backward(float *restrict dx, float *restrict dwei
       bn_dx_coefficients(&kdy[c], &kx[c], &k0[c], sdy[c], sdyx[c], invstd[c],
                          weight ? weight[c] : 1.0f, count, batch_stats);
     }
-    if (dx) rows_dx(dx, dy, x, mean, kdy, kx, k0, N, C, accumulate);
+    if (dx) rows_dx(dx, g, x, mean, kdy, kx, k0, N, C, accumulate);
     return DDP_OK;
   }
   for (int64_t c = 0; c < C; c++) {
@@ -309,20 +361,20 @@ void ddp__cpu_batch_norm_stats_from_sums(float *restrict mean, float *restrict i
 }
 
 void ddp__cpu_batch_norm_backward_reduce(double *restrict sums, float *restrict dweight,
-                                         float *restrict dbias, const float *restrict dy,
+                                         float *restrict dbias, const ddp__bn_grad *dy,
                                          const float *restrict x, const float *restrict mean,
                                          const float *restrict invstd, int64_t N, int64_t C,
                                          int64_t HW) {
   double *sdy = sums, *sdyx = sums + C;
   if (HW == 1)
-    rows_backward_sums(sdy, sdyx, dy, x, mean, N, C);
+    rows_backward_sums(sdy, sdyx, grad_rows(dy, N, C), x, mean, N, C);
   else
     for (int64_t c = 0; c < C; c++)
       channel_backward_sums(&sdy[c], &sdyx[c], dy, x, mean[c], N, C, HW, c);
   for (int64_t c = 0; c < C; c++) add_affine_grads(dweight, dbias, c, sdy[c], sdyx[c], invstd[c]);
 }
 
-ddp_status ddp__cpu_batch_norm_backward_dx(float *restrict dx, const float *restrict dy,
+ddp_status ddp__cpu_batch_norm_backward_dx(float *restrict dx, const ddp__bn_grad *dy,
                                            const float *restrict x, const float *restrict mean,
                                            const float *restrict invstd,
                                            const float *restrict weight,
@@ -338,7 +390,7 @@ ddp_status ddp__cpu_batch_norm_backward_dx(float *restrict dx, const float *rest
     bn_dx_coefficients(&kdy[c], &kx[c], &k0[c], sums[c], sums[C + c], invstd[c],
                        weight ? weight[c] : 1.0f, (double)count, true);
   if (HW == 1) {
-    rows_dx(dx, dy, x, mean, kdy, kx, k0, N, C, accumulate);
+    rows_dx(dx, grad_rows(dy, N, C), x, mean, kdy, kx, k0, N, C, accumulate);
     return DDP_OK;
   }
   for (int64_t c = 0; c < C; c++)

@@ -74,8 +74,8 @@ void ddp__cpu_batch_norm_running(float *mean, float *invstd, const float *runnin
 void ddp__cpu_batch_norm_forward(float *y, const float *x, const float *mean, const float *invstd,
                                  const float *weight, const float *bias, int64_t N, int64_t C,
                                  int64_t HW);
-ddp_status ddp__cpu_batch_norm_backward(float *dx, float *dweight, float *dbias, const float *dy,
-                                        const float *x, const float *mean, const float *invstd,
+ddp_status ddp__cpu_batch_norm_backward(float *dx, float *dweight, float *dbias,
+                                        const ddp__bn_grad *dy, const float *x, const float *mean, const float *invstd,
                                         const float *weight, int64_t N, int64_t C, int64_t HW,
                                         bool batch_stats, bool accumulate, ddp_arena *arena);
 void ddp__cpu_batch_norm_sums(double *sums, const float *x, int64_t N, int64_t C, int64_t HW);
@@ -83,9 +83,10 @@ void ddp__cpu_batch_norm_stats_from_sums(float *mean, float *invstd, float *runn
                                          float *running_var, const double *sums, int64_t count,
                                          int64_t C, float momentum, float eps);
 void ddp__cpu_batch_norm_backward_reduce(double *sums, float *dweight, float *dbias,
-                                         const float *dy, const float *x, const float *mean,
-                                         const float *invstd, int64_t N, int64_t C, int64_t HW);
-ddp_status ddp__cpu_batch_norm_backward_dx(float *dx, const float *dy, const float *x,
+                                         const ddp__bn_grad *dy, const float *x,
+                                         const float *mean, const float *invstd, int64_t N,
+                                         int64_t C, int64_t HW);
+ddp_status ddp__cpu_batch_norm_backward_dx(float *dx, const ddp__bn_grad *dy, const float *x,
                                            const float *mean, const float *invstd,
                                            const float *weight, const double *sums, int64_t count,
                                            int64_t N, int64_t C, int64_t HW, bool accumulate,

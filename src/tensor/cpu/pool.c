@@ -113,9 +113,92 @@ void ddp__cpu_max_pool2d_forward(float *y, int32_t *argmax, const float *x, int6
   }
 }
 
+/* Backward of kernel 2, stride 2 into a fresh dx with AVX-512: the windows
+ * do not overlap, so each of a window's four elements is written once, 16
+ * windows a step, with no zeroing first and no read-modify-write: the
+ * window's gradient g at its argmax, 0 at the other three. g is written as
+ * 0 + g, what the scalar loop adds into a zeroed buffer (-0.0 becomes
+ * +0.0), so both paths give the same bits. Elements no window covers (an
+ * odd last row or column) are zeroed.
+ * A row of fewer than 16 windows (14 and 7 in the ConvNet) would need
+ * masked loads and stores, slow on AMD. Where the buffers go on far enough
+ * the kernel loads and stores whole vectors instead: the extra lanes read
+ * the next row's windows, and the extra stores land on elements further on
+ * in dx (this row's uncovered columns, the next rows), each of which the
+ * walk writes again, with its own value, afterwards. */
+__attribute__((target("avx512f"))) static void
+unpool2x2_avx512(float *restrict dx, const float *restrict dy, const int32_t *restrict argmax,
+                 int64_t planes, int64_t h, int64_t w, int64_t oh, int64_t ow,
+                 const float *restrict relu_y) {
+  const __m512 zero = _mm512_setzero_ps();
+  const __m512i lane2 = _mm512_slli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                            11, 12, 13, 14, 15), 1);
+  /* a and b interleaved: [a0 b0 .. a7 b7], then [a8 b8 .. a15 b15] */
+  const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+  const __m512i right = _mm512_set1_epi32(1), below = _mm512_set1_epi32((int32_t)w),
+                below_right = _mm512_set1_epi32((int32_t)w + 1);
+  const float *const dx_end = dx + planes * h * w;
+  const int64_t windows = planes * oh * ow;
+  for (int64_t p = 0; p < planes; p++) {
+    float *dxp = dx + p * h * w;
+    for (int64_t i = 0; i < oh; i++) {
+      float *r0 = dxp + 2 * i * w, *r1 = r0 + w;
+      const int64_t row = (p * oh + i) * ow; /* this output row's windows */
+      for (int64_t j = 0; j < ow; j += 16) {
+        /* only for rows of one step: a second step's extra stores would
+         * land on the next row's elements already written */
+        const bool whole = ow < 16 && row + 16 <= windows && r1 + 32 <= dx_end;
+        /* windows in this step, or 16 when whole vectors are safe */
+        const int64_t n = whole || ow - j >= 16 ? 16 : ow - j;
+        const __mmask16 out = (__mmask16)((1u << n) - 1);
+        const __mmask16 lo = 2 * n >= 16 ? 0xffff : (__mmask16)((1u << (2 * n)) - 1);
+        const __mmask16 hi = 2 * n > 16 ? (__mmask16)((1u << (2 * n - 16)) - 1) : 0;
+        __m512 g = _mm512_maskz_loadu_ps(out, dy + row + j);
+        if (relu_y) {
+          const __m512 y = _mm512_maskz_loadu_ps(out, relu_y + row + j);
+          g = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(y, zero, _CMP_GT_OQ), g);
+        }
+        g = _mm512_add_ps(zero, g);
+        /* each window's argmax relative to its top-left element */
+        const __m512i corner =
+            _mm512_add_epi32(_mm512_set1_epi32((int32_t)(2 * i * w + 2 * j)), lane2);
+        const __m512i at =
+            _mm512_sub_epi32(_mm512_maskz_loadu_epi32(out, argmax + row + j), corner);
+        const __m512 v00 = _mm512_maskz_mov_ps(_mm512_cmpeq_epi32_mask(at, _mm512_setzero_si512()), g);
+        const __m512 v01 = _mm512_maskz_mov_ps(_mm512_cmpeq_epi32_mask(at, right), g);
+        const __m512 v10 = _mm512_maskz_mov_ps(_mm512_cmpeq_epi32_mask(at, below), g);
+        const __m512 v11 = _mm512_maskz_mov_ps(_mm512_cmpeq_epi32_mask(at, below_right), g);
+        const __m512 t0 = _mm512_permutex2var_ps(v00, first, v01);
+        const __m512 t1 = _mm512_permutex2var_ps(v00, second, v01);
+        const __m512 b0 = _mm512_permutex2var_ps(v10, first, v11);
+        const __m512 b1 = _mm512_permutex2var_ps(v10, second, v11);
+        if (n == 16) {
+          _mm512_storeu_ps(r0 + 2 * j, t0);
+          _mm512_storeu_ps(r0 + 2 * j + 16, t1);
+          _mm512_storeu_ps(r1 + 2 * j, b0);
+          _mm512_storeu_ps(r1 + 2 * j + 16, b1);
+        } else {
+          _mm512_mask_storeu_ps(r0 + 2 * j, lo, t0);
+          _mm512_mask_storeu_ps(r0 + 2 * j + 16, hi, t1);
+          _mm512_mask_storeu_ps(r1 + 2 * j, lo, b0);
+          _mm512_mask_storeu_ps(r1 + 2 * j + 16, hi, b1);
+        }
+      }
+      for (int64_t b = 2 * ow; b < w; b++) r0[b] = 0.0f, r1[b] = 0.0f;
+    }
+    if (2 * oh < h) memset(dxp + 2 * oh * w, 0, (size_t)((h - 2 * oh) * w) * sizeof(float));
+  }
+}
+
 void ddp__cpu_max_pool2d_backward(float *dx, const float *dy, const int32_t *argmax,
-                                  int64_t planes, int64_t h, int64_t w, int64_t oh, int64_t ow,
-                                  const float *relu_y, bool accumulate) {
+                                  int64_t planes, int64_t h, int64_t w, int64_t kernel,
+                                  int64_t stride, int64_t oh, int64_t ow, const float *relu_y,
+                                  bool accumulate) {
+  if (!accumulate && kernel == 2 && stride == 2 && ddp__cpu_has_avx512()) {
+    unpool2x2_avx512(dx, dy, argmax, planes, h, w, oh, ow, relu_y);
+    return;
+  }
   for (int64_t p = 0; p < planes; p++) {
     float *dxp = dx + p * h * w;
     const float *dyp = dy + p * oh * ow;
