@@ -8,6 +8,13 @@
  * passes); for HW == 1 ((N, C) input, BatchNorm1d) row by row, vectorising
  * across channels with per-channel double accumulators from the arena. */
 
+/* Asks the cache for the lines of [p, p + bytes). */
+static void prefetch_range(const void *p, size_t bytes) {
+  const uintptr_t line = 64, end = (uintptr_t)p + bytes;
+  for (uintptr_t a = (uintptr_t)p & ~(line - 1); a < end; a += line)
+    __builtin_prefetch((const void *)a);
+}
+
 static void running_update(float *running_mean, float *running_var, int64_t c, double mean,
                            double var, int64_t count, float momentum) {
   if (!running_mean) return;
@@ -51,7 +58,11 @@ ddp_status ddp__cpu_batch_norm_stats(float *restrict mean, float *restrict invst
   }
   for (int64_t c = 0; c < C; c++) {
     double s1 = 0;
-    for (int64_t n = 0; n < N; n++) s1 += sum_f32(x + (n * C + c) * HW, HW);
+    for (int64_t n = 0; n < N; n++) {
+      /* the next plane of the channel, C planes on (see prefetch_plane) */
+      if (n + 1 < N) prefetch_range(x + ((n + 1) * C + c) * HW, (size_t)HW * sizeof(float));
+      s1 += sum_f32(x + (n * C + c) * HW, HW);
+    }
     double m = s1 / (double)count;
     float mf = (float)m;
     double s2 = 0;
@@ -153,13 +164,6 @@ static const float *grad_plane(const ddp__bn_grad *dy, int64_t n, int64_t C, int
   return dy->scratch;
 }
 
-/* Asks the cache for the lines of [p, p + bytes). */
-static void prefetch_range(const void *p, size_t bytes) {
-  const uintptr_t line = 64, end = (uintptr_t)p + bytes;
-  for (uintptr_t a = (uintptr_t)p & ~(line - 1); a < end; a += line)
-    __builtin_prefetch((const void *)a);
-}
-
 /* Starts loading plane (n, c) of x and of the gradient (the dense one, or
  * the pooled one's three arrays). The channel-major walk reads a short
  * chunk of each array and then jumps C planes on, which the hardware
@@ -242,11 +246,14 @@ static void channel_backward_sums(double *sdy_out, double *sdyx_out, const ddp__
 }
 
 /* (N, C, HW) input, channel c: dx += kdy * dy + kx * (x - m) + k0; = instead
- * of += when !accumulate (one loop each, so assigning never reads dx). */
+ * of += when !accumulate (one loop each, so assigning never reads dx).
+ * `prefetch` when the channel is not in cache already (the synchronized
+ * kernel's dx phase comes after every channel's sums). */
 static void channel_dx(float *restrict dx, const ddp__bn_grad *dy, const float *restrict x,
                        float m, float kdy, float kx, float k0, int64_t N, int64_t C, int64_t HW,
-                       int64_t c, bool accumulate) {
+                       int64_t c, bool accumulate, bool prefetch) {
   for (int64_t n = 0; n < N; n++) {
+    if (prefetch && n + 1 < N) prefetch_plane(dy, x, n + 1, C, HW, c);
     const float *g = grad_plane(dy, n, C, HW, c), *plane = x + (n * C + c) * HW;
     float *d = dx + (n * C + c) * HW;
     if (accumulate)
@@ -297,7 +304,8 @@ ddp_status ddp__cpu_batch_norm_backward(float *restrict dx, float *restrict dwei
     float kdy, kx, k0;
     bn_dx_coefficients(&kdy, &kx, &k0, sdy, sdyx, invstd[c], weight ? weight[c] : 1.0f, count,
                        batch_stats);
-    channel_dx(dx, dy, x, mean[c], kdy, kx, k0, N, C, HW, c, accumulate);
+    /* no prefetch: the sums have just brought the channel into cache */
+    channel_dx(dx, dy, x, mean[c], kdy, kx, k0, N, C, HW, c, accumulate, false);
   }
   return DDP_OK;
 }
@@ -327,6 +335,7 @@ void ddp__cpu_batch_norm_sums(double *restrict sums, const float *restrict x, in
     double t1 = 0, t2 = 0;
     for (int64_t n = 0; n < N; n++) {
       const float *plane = x + (n * C + c) * HW;
+      if (n + 1 < N) prefetch_range(plane + C * HW, (size_t)HW * sizeof(float));
       int64_t i = 0;
       for (; i + DLANES <= HW; i += DLANES)
         for (int j = 0; j < DLANES; j++) {
@@ -394,6 +403,6 @@ ddp_status ddp__cpu_batch_norm_backward_dx(float *restrict dx, const ddp__bn_gra
     return DDP_OK;
   }
   for (int64_t c = 0; c < C; c++)
-    channel_dx(dx, dy, x, mean[c], kdy[c], kx[c], k0[c], N, C, HW, c, accumulate);
+    channel_dx(dx, dy, x, mean[c], kdy[c], kx[c], k0[c], N, C, HW, c, accumulate, true);
   return DDP_OK;
 }
