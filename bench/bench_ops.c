@@ -134,7 +134,7 @@ static void pool_fwd(void *p) {
 static void pool_bwd(void *p) {
   pool_case *c = p;
   K->max_pool2d_backward(c->dx, c->dy, c->arg, c->planes, c->hw, c->hw, 2, 2, c->hw / 2,
-                         c->hw / 2, c->y, false);
+                         c->hw / 2, false);
 }
 
 /* ---- linear ---- */

@@ -61,18 +61,19 @@ typedef struct ddp__dense_kernels {
    * y (planes, oh, ow). argmax (planes, oh, ow), or NULL when not needed,
    * receives each window's maximum's index within its (h, w) plane; ties go
    * to the first maximum in row-major window order, NaN wins (as PyTorch).
-   * With relu, y = relu(max) (= the max pooling of relu(x); argmax stays
-   * that of x). With affine (or NULL), x is mapped by it first. */
+   * With relu, y = relu(max) (= the max pooling of relu(x)) and argmax is
+   * that of x, or -1 where relu closes the window (y not > 0: relu's
+   * backward, fused, passes nothing there). With affine (or NULL), x is
+   * mapped by it first. */
   void (*max_pool2d_forward)(float *y, int32_t *argmax, const float *x, int64_t planes,
                              int64_t h, int64_t w, int64_t kernel, int64_t stride, int64_t oh,
                              int64_t ow, bool relu, const ddp__pool_affine *affine);
-  /* dx (planes, h, w) += dy scattered to the argmax positions; with
-   * !accumulate dx is first set to zero (a fresh buffer). relu_y, when not
-   * NULL, is the forward's relu output y: only windows with y > 0 pass
-   * their gradient (relu's backward, fused). */
+  /* dx (planes, h, w) += dy scattered to the argmax positions (windows of
+   * argmax -1 pass nothing); with !accumulate dx is first set to zero (a
+   * fresh buffer). kernel and stride are the forward's. */
   void (*max_pool2d_backward)(float *dx, const float *dy, const int32_t *argmax, int64_t planes,
                               int64_t h, int64_t w, int64_t kernel, int64_t stride, int64_t oh,
-                              int64_t ow, const float *relu_y, bool accumulate);
+                              int64_t ow, bool accumulate);
 } ddp__dense_kernels;
 
 extern const ddp__dense_kernels ddp__cpu_dense_kernels;

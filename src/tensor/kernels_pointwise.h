@@ -17,7 +17,7 @@
  * dense, (N, C, HW); or, when batch norm feeds a fused relu and max
  * pooling (batch_norm_relu_max_pool2d), the pooling's, from which the
  * dense one follows: zero except at each window's argmax, which receives
- * the window's gradient where its pooled output is positive (summed where
+ * the window's gradient unless relu closed it (argmax -1; summed where
  * windows overlap), exactly as max_pool2d_backward scatters it. The
  * kernels then scatter one (n, c) plane at a time into `scratch` (in
  * cache) and never write, keep or read back the dense gradient, four
@@ -25,7 +25,7 @@
 typedef struct ddp__bn_grad {
   const float *dense; /* (N, C, HW); NULL: pooled */
   /* pooled: (N, C, oh, ow) each; planes of h x w (h * w = HW) */
-  const float *pooled, *pooled_y;
+  const float *pooled;
   const int32_t *argmax;
   int64_t h, w, kernel, stride, oh, ow;
   float *scratch; /* pooled: HW floats, or N * C when HW == 1 */

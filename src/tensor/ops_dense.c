@@ -120,9 +120,8 @@ ddp_status ddp_linear(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_ten
  * keeping and reading back relu(x), four times the pooled output's size. */
 
 typedef struct pool_ctx {
-  int32_t *argmax; /* (planes, H', W'): index of each window's max in its plane */
+  int32_t *argmax; /* (planes, H', W'): index of each window's max in its plane, -1 if closed by relu */
   int64_t planes, h, w, kernel, stride;
-  bool relu;
 } pool_ctx;
 
 static ddp_status max_pool2d_backward(ddp_tape *tape, ddp__node *node) {
@@ -136,7 +135,7 @@ static ddp_status max_pool2d_backward(ddp_tape *tape, ddp__node *node) {
   if (dx)
     k->dense->max_pool2d_backward(dx, y->grad, ctx->argmax, ctx->planes, ctx->h, ctx->w,
                                   ctx->kernel, ctx->stride, y->shape[y->ndim - 2], y->shape[y->ndim - 1],
-                                  ctx->relu ? y->data : NULL, accumulate);
+                                  accumulate);
   return DDP_OK;
 }
 
@@ -211,8 +210,7 @@ static ddp_status pool_forward(ddp_tape *tape, const char *op, bool relu, ddp_te
                       .h = h,
                       .w = w,
                       .kernel = kernel,
-                      .stride = stride ? stride : kernel, /* as pool_compute */
-                      .relu = relu};
+                      .stride = stride ? stride : kernel}; /* as pool_compute */
     DDP_TRY(ddp__tape_record(tape, op, max_pool2d_backward, y, 1, &x, ctx));
   }
   *out = y;

@@ -267,7 +267,6 @@ static ddp_status batch_norm_relu_max_pool2d_backward(ddp_tape *tape, ddp__node 
     return ddp_error(DDP_ERR_NOMEM, "batch_norm_relu_max_pool2d backward: no scratch for a "
                      "%lldx%lld plane", (long long)ctx->h, (long long)ctx->w);
   const ddp__bn_grad dy = {.pooled = y->grad,
-                           .pooled_y = y->data,
                            .argmax = ctx->argmax,
                            .h = ctx->h,
                            .w = ctx->w,

@@ -20,8 +20,7 @@ void ddp__cpu_max_pool2d_forward(float *y, int32_t *argmax, const float *x, int6
                                  const ddp__pool_affine *affine);
 void ddp__cpu_max_pool2d_backward(float *dx, const float *dy, const int32_t *argmax,
                                   int64_t planes, int64_t h, int64_t w, int64_t kernel,
-                                  int64_t stride, int64_t oh, int64_t ow, const float *relu_y,
-                                  bool accumulate);
+                                  int64_t stride, int64_t oh, int64_t ow, bool accumulate);
 
 
 /* AVX-512 paths (cpu/gemm.c). ddp__cpu_has_avx512 is true when the CPU has

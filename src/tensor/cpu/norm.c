@@ -160,12 +160,12 @@ static const float *grad_plane(const ddp__bn_grad *dy, int64_t n, int64_t C, int
   if (dy->dense) return dy->dense + p * HW;
   const int64_t at = p * dy->oh * dy->ow;
   ddp__cpu_max_pool2d_backward(dy->scratch, dy->pooled + at, dy->argmax + at, 1, dy->h, dy->w,
-                               dy->kernel, dy->stride, dy->oh, dy->ow, dy->pooled_y + at, false);
+                               dy->kernel, dy->stride, dy->oh, dy->ow, false);
   return dy->scratch;
 }
 
 /* Starts loading plane (n, c) of x and of the gradient (the dense one, or
- * the pooled one's three arrays). The channel-major walk reads a short
+ * the pooled one's two arrays). The channel-major walk reads a short
  * chunk of each array and then jumps C planes on, which the hardware
  * prefetchers pick up late; the kernels ask for the next plane while they
  * work on this one. */
@@ -179,7 +179,6 @@ static void prefetch_plane(const ddp__bn_grad *dy, const float *x, int64_t n, in
   }
   const int64_t ohw = dy->oh * dy->ow;
   prefetch_range(dy->pooled + p * ohw, (size_t)ohw * sizeof(float));
-  prefetch_range(dy->pooled_y + p * ohw, (size_t)ohw * sizeof(float));
   prefetch_range(dy->argmax + p * ohw, (size_t)ohw * sizeof(int32_t));
 }
 
@@ -188,7 +187,7 @@ static void prefetch_plane(const ddp__bn_grad *dy, const float *x, int64_t n, in
 static const float *grad_rows(const ddp__bn_grad *dy, int64_t N, int64_t C) {
   if (dy->dense) return dy->dense;
   ddp__cpu_max_pool2d_backward(dy->scratch, dy->pooled, dy->argmax, N * C, 1, 1, dy->kernel,
-                               dy->stride, dy->oh, dy->ow, dy->pooled_y, false);
+                               dy->stride, dy->oh, dy->ow, false);
   return dy->scratch;
 }
 

@@ -3,7 +3,9 @@
  * row-major window order wins a tie, and a NaN propagates. The relu variant
  * pools x and applies relu to each window's max: relu is monotone, so that
  * equals pooling relu(x), with NaN still propagating (relu keeps NaN) and
- * the gradient reaching the same element whenever it is not zero. */
+ * the gradient reaching the same element whenever it is not zero. A window
+ * relu closes (y not > 0) gets argmax -1, so the backward blocks its
+ * gradient without reading y back. */
 #include <immintrin.h>
 #include <math.h>
 #include <string.h>
@@ -68,8 +70,13 @@ pool2x2_avx512(float *restrict y, int32_t *restrict argmax, const float *restric
         t = _mm512_cmp_ps_mask(v3, m, _CMP_GT_OQ) | _mm512_cmp_ps_mask(v3, v3, _CMP_UNORD_Q);
         m = _mm512_mask_mov_ps(m, t, v3);
         at = _mm512_mask_mov_epi32(at, t, _mm512_add_epi32(base, _mm512_set1_epi32((int32_t)w + 1)));
-        /* relu: only lanes below zero become 0 (an ordered compare keeps NaN) */
-        if (relu) m = _mm512_mask_mov_ps(m, _mm512_cmp_ps_mask(m, zero, _CMP_LT_OQ), zero);
+        /* relu: only lanes below zero become 0 (an ordered compare keeps
+         * NaN); windows whose y is not > 0 pass no gradient: argmax -1 */
+        if (relu) {
+          m = _mm512_mask_mov_ps(m, _mm512_cmp_ps_mask(m, zero, _CMP_LT_OQ), zero);
+          at = _mm512_mask_mov_epi32(_mm512_set1_epi32(-1), _mm512_cmp_ps_mask(m, zero, _CMP_GT_OQ),
+                                     at);
+        }
         if (n == 16) {
           _mm512_storeu_ps(yr + j, m);
           if (ar) _mm512_storeu_si512(ar + j, at);
@@ -107,7 +114,9 @@ void ddp__cpu_max_pool2d_forward(float *y, int32_t *argmax, const float *x, int6
               at = a * w + b;
             }
           }
-        y[(p * oh + i) * ow + j] = relu && m < 0.0f ? 0.0f : m;
+        if (relu && m < 0.0f) m = 0.0f;
+        if (relu && !(m > 0.0f)) at = -1; /* closed by relu */
+        y[(p * oh + i) * ow + j] = m;
         if (argmax) argmax[(p * oh + i) * ow + j] = (int32_t)at;
       }
   }
@@ -118,8 +127,9 @@ void ddp__cpu_max_pool2d_forward(float *y, int32_t *argmax, const float *x, int6
  * windows a step, with no zeroing first and no read-modify-write: the
  * window's gradient g at its argmax, 0 at the other three. g is written as
  * 0 + g, what the scalar loop adds into a zeroed buffer (-0.0 becomes
- * +0.0), so both paths give the same bits. Elements no window covers (an
- * odd last row or column) are zeroed.
+ * +0.0), so both paths give the same bits; a closed window (argmax -1)
+ * matches none of its four. Elements no window covers (an odd last row or
+ * column) are zeroed.
  * A row of fewer than 16 windows (14 and 7 in the ConvNet) would need
  * masked loads and stores, slow on AMD. Where the buffers go on far enough
  * the kernel loads and stores whole vectors instead: the extra lanes read
@@ -128,8 +138,7 @@ void ddp__cpu_max_pool2d_forward(float *y, int32_t *argmax, const float *x, int6
  * walk writes again, with its own value, afterwards. */
 __attribute__((target("avx512f"))) static void
 unpool2x2_avx512(float *restrict dx, const float *restrict dy, const int32_t *restrict argmax,
-                 int64_t planes, int64_t h, int64_t w, int64_t oh, int64_t ow,
-                 const float *restrict relu_y) {
+                 int64_t planes, int64_t h, int64_t w, int64_t oh, int64_t ow) {
   const __m512 zero = _mm512_setzero_ps();
   const __m512i lane2 = _mm512_slli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
                                                             11, 12, 13, 14, 15), 1);
@@ -154,12 +163,7 @@ unpool2x2_avx512(float *restrict dx, const float *restrict dy, const int32_t *re
         const __mmask16 out = (__mmask16)((1u << n) - 1);
         const __mmask16 lo = 2 * n >= 16 ? 0xffff : (__mmask16)((1u << (2 * n)) - 1);
         const __mmask16 hi = 2 * n > 16 ? (__mmask16)((1u << (2 * n - 16)) - 1) : 0;
-        __m512 g = _mm512_maskz_loadu_ps(out, dy + row + j);
-        if (relu_y) {
-          const __m512 y = _mm512_maskz_loadu_ps(out, relu_y + row + j);
-          g = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(y, zero, _CMP_GT_OQ), g);
-        }
-        g = _mm512_add_ps(zero, g);
+        const __m512 g = _mm512_add_ps(zero, _mm512_maskz_loadu_ps(out, dy + row + j));
         /* each window's argmax relative to its top-left element */
         const __m512i corner =
             _mm512_add_epi32(_mm512_set1_epi32((int32_t)(2 * i * w + 2 * j)), lane2);
@@ -193,10 +197,9 @@ unpool2x2_avx512(float *restrict dx, const float *restrict dy, const int32_t *re
 
 void ddp__cpu_max_pool2d_backward(float *dx, const float *dy, const int32_t *argmax,
                                   int64_t planes, int64_t h, int64_t w, int64_t kernel,
-                                  int64_t stride, int64_t oh, int64_t ow, const float *relu_y,
-                                  bool accumulate) {
+                                  int64_t stride, int64_t oh, int64_t ow, bool accumulate) {
   if (!accumulate && kernel == 2 && stride == 2 && ddp__cpu_has_avx512()) {
-    unpool2x2_avx512(dx, dy, argmax, planes, h, w, oh, ow, relu_y);
+    unpool2x2_avx512(dx, dy, argmax, planes, h, w, oh, ow);
     return;
   }
   for (int64_t p = 0; p < planes; p++) {
@@ -207,11 +210,7 @@ void ddp__cpu_max_pool2d_backward(float *dx, const float *dy, const int32_t *arg
      * scatter, so the plane is still in cache when the scatter writes it;
      * zeroing the whole buffer first sends it to memory and back. */
     if (!accumulate) memset(dxp, 0, (size_t)(h * w) * sizeof(float));
-    if (relu_y) {
-      const float *yp = relu_y + p * oh * ow;
-      for (int64_t i = 0; i < oh * ow; i++) dxp[ap[i]] += yp[i] > 0.0f ? dyp[i] : 0.0f;
-    } else {
-      for (int64_t i = 0; i < oh * ow; i++) dxp[ap[i]] += dyp[i];
-    }
+    for (int64_t i = 0; i < oh * ow; i++)
+      if (ap[i] >= 0) dxp[ap[i]] += dyp[i];
   }
 }
