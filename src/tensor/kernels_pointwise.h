@@ -73,7 +73,8 @@ typedef struct ddp__pointwise_kernels {
    * are functions of x (training); without, constants (eval). dx is
    * assigned when !accumulate. */
   ddp_status (*batch_norm_backward)(float *dx, float *dweight, float *dbias,
-                                    const ddp__bn_grad *dy, const float *x, const float *mean, const float *invstd,
+                                    const ddp__bn_grad *dy, const float *x, const float *mean,
+                                    const float *invstd,
                                     const float *weight, int64_t N, int64_t C, int64_t HW,
                                     bool batch_stats, bool accumulate, ddp_arena *arena);
   /* ---- synchronized batch norm: the same maths in phases, so that the
@@ -90,7 +91,8 @@ typedef struct ddp__pointwise_kernels {
    * and from them dweight += sum(dy * (x - mean)) * invstd, dbias += sum(dy)
    * (this rank's share; NULL: not wanted). */
   void (*batch_norm_backward_reduce)(double *sums, float *dweight, float *dbias,
-                                     const ddp__bn_grad *dy, const float *x, const float *mean, const float *invstd,
+                                     const ddp__bn_grad *dy, const float *x, const float *mean,
+                                     const float *invstd,
                                      int64_t N, int64_t C, int64_t HW);
   /* dx += (= when !accumulate) the training-mode input gradient, from sums
    * summed over every rank and the total count. */

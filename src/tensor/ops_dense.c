@@ -120,7 +120,9 @@ ddp_status ddp_linear(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_ten
  * keeping and reading back relu(x), four times the pooled output's size. */
 
 typedef struct pool_ctx {
-  int32_t *argmax; /* (planes, H', W'): index of each window's max in its plane, -1 if closed by relu */
+  /* (planes, H', W'): each window's max's index in its plane; -1 where
+   * relu closed the window */
+  int32_t *argmax;
   int64_t planes, h, w, kernel, stride;
 } pool_ctx;
 
@@ -134,8 +136,8 @@ static ddp_status max_pool2d_backward(ddp_tape *tape, ddp__node *node) {
   if (s != DDP_OK) return s;
   if (dx)
     k->dense->max_pool2d_backward(dx, y->grad, ctx->argmax, ctx->planes, ctx->h, ctx->w,
-                                  ctx->kernel, ctx->stride, y->shape[y->ndim - 2], y->shape[y->ndim - 1],
-                                  accumulate);
+                                  ctx->kernel, ctx->stride, y->shape[y->ndim - 2],
+                                  y->shape[y->ndim - 1], accumulate);
   return DDP_OK;
 }
 

@@ -169,7 +169,8 @@ unpool2x2_avx512(float *restrict dx, const float *restrict dy, const int32_t *re
             _mm512_add_epi32(_mm512_set1_epi32((int32_t)(2 * i * w + 2 * j)), lane2);
         const __m512i at =
             _mm512_sub_epi32(_mm512_maskz_loadu_epi32(out, argmax + row + j), corner);
-        const __m512 v00 = _mm512_maskz_mov_ps(_mm512_cmpeq_epi32_mask(at, _mm512_setzero_si512()), g);
+        const __m512 v00 =
+            _mm512_maskz_mov_ps(_mm512_cmpeq_epi32_mask(at, _mm512_setzero_si512()), g);
         const __m512 v01 = _mm512_maskz_mov_ps(_mm512_cmpeq_epi32_mask(at, right), g);
         const __m512 v10 = _mm512_maskz_mov_ps(_mm512_cmpeq_epi32_mask(at, below), g);
         const __m512 v11 = _mm512_maskz_mov_ps(_mm512_cmpeq_epi32_mask(at, below_right), g);
