@@ -120,6 +120,25 @@ static ddp_status ensure_thread(ddp_process_group *pg) {
   return DDP_OK;
 }
 
+ddp_status ddp__group_reserve_works(ddp_process_group *pg, int n) {
+  pthread_mutex_lock(&pg->mu);
+  int have = 0;
+  for (ddp_work *w = pg->all_works; w; w = w->all_next) have++;
+  ddp_status s = DDP_OK;
+  for (; have < n; have++) {
+    ddp_work *w = ddp_calloc(1, sizeof *w); /* work_get sets it up when taken */
+    if (!w) {
+      s = ddp_error(DDP_ERR_NOMEM, "process group: cannot reserve %d work handles", n);
+      break;
+    }
+    w->all_next = pg->all_works;
+    pg->all_works = w;
+    work_put(pg, w);
+  }
+  pthread_mutex_unlock(&pg->mu);
+  return s;
+}
+
 /* ---- Queue ------------------------------------------------------------------ */
 
 ddp_status ddp__queue_init(ddp_process_group *pg) {

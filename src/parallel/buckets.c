@@ -5,9 +5,14 @@
  * (consecutive parameters of dp->order sit back to back, offsets decreasing). */
 #include <string.h>
 
+#include "comm/comm_internal.h" /* ddp__group_reserve_works */
 #include "parallel/dp_internal.h"
 
 #define MIB (1024.0 * 1024.0)
+
+ddp_status ddp__dp_reserve_works(ddp_dp *dp) {
+  return ddp__group_reserve_works(dp->pg, dp->n_buckets + 2);
+}
 
 void ddp__dp_assign_buckets(ddp_dp *dp) {
   ddp_model *m = dp->model;
@@ -109,6 +114,7 @@ ddp_status ddp__dp_maybe_relayout(ddp_dp *dp) {
     for (int k = 0; k < n; k++) dp->order[k] = msg[k];
     ddp__dp_assign_buckets(dp);
     dp->relaid_out = true;
+    s = ddp__dp_reserve_works(dp);
   }
   ddp_free(layout);
   ddp_free(seg);

@@ -95,6 +95,8 @@ ddp_status ddp_dp_create(ddp_dp **out, ddp_model *model, ddp_process_group *pg,
   /* Reverse registration order: the last layers' gradients come first. */
   for (int k = 0; k < n; k++) dp->order[k] = n - 1 - k;
   ddp__dp_assign_buckets(dp);
+  s = ddp__dp_reserve_works(dp);
+  if (s != DDP_OK) goto err;
   if (!o.relayout || o.find_unused_parameters) dp->relayout_done = true;
   *out = dp;
   return DDP_OK;

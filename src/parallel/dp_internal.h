@@ -69,6 +69,9 @@ struct ddp_dp {
  * once it reaches the current limit: first_bucket_mb, then bucket_cap_mb),
  * and dp->bucket_of. Checks the contiguity invariant. */
 void ddp__dp_assign_buckets(ddp_dp *dp);
+/* Reserves the group's work handles for every bucket's allreduce in flight
+ * at once, plus the loss's and join's, so no step allocates one later. */
+ddp_status ddp__dp_reserve_works(ddp_dp *dp);
 /* After the first synced iteration: rank 0's observed ready order is
  * broadcast; if it differs from the bucket order, the model's buffers (and
  * the attached optimizer's state) are re-laid out so that it becomes the
