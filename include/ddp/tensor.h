@@ -62,6 +62,7 @@ typedef struct ddp_device {
 #define DDP_TENSOR_PARAM 0x2u         /* a module parameter: grad hooks fire for it */
 #define DDP_TENSOR_OWNS_DATA 0x4u     /* ddp_tensor_destroy frees data and the struct */
 #define DDP_TENSOR_OWNS_GRAD 0x8u     /* grad was allocated by ddp_tensor_ensure_grad */
+/* (bits from 0x100 up are the library's own bookkeeping) */
 
 /* A dense, contiguous, row-major tensor. `data` holds numel elements of dtype
  * on `device`. `grad` (float32, same shape) is NULL until backward needs it,
@@ -79,7 +80,8 @@ typedef struct ddp_tensor {
   int32_t param_index; /* position in the owning model's parameter list; -1 if none */
   /* Autograd bookkeeping, owned by the tape: */
   int32_t node;        /* index of the tape node that produced it; -1 for leaves */
-  int32_t pending;     /* backward contributions still due this step (leaves) */
+  int32_t pending;     /* backward contributions still due this step (leaves); for
+                        * intermediates, recorded consumers whose backward has not run */
 } ddp_tensor;
 
 static inline float *ddp_tensor_f32(const ddp_tensor *t) { return (float *)t->data; }

@@ -3,6 +3,7 @@
  * ("layer2.0 (Conv2d): conv2d: input (8,3,14,14) has 3 channels, ..."), so a
  * shape mistake names the layer. Also the model's loss. */
 #include "nn/module.h"
+#include "tensor/tape.h"
 
 static ddp_status run_leaf(ddp_model *model, ddp_module *m, ddp_tape *tape, ddp_tensor *x,
                            ddp_tensor **out) {
@@ -46,13 +47,18 @@ ddp_status ddp__module_forward(ddp_model *model, ddp_module *m, ddp_tape *tape, 
   }
   /* An empty Sequential is the identity, as in PyTorch. */
   ddp_tensor *h = x;
-  for (ddp_module *c = m->first_child; c; c = c->next_sibling) {
+  const ddp_module *made_h = NULL; /* the child whose output h is, if any */
+  for (ddp_module *c = m->first_child; c; made_h = c, c = c->next_sibling) {
     ddp_module *next = c->next_sibling;
     ddp_module *third = next ? next->next_sibling : NULL;
     if (c->kind == DDP_MODULE_BATCHNORM2D && next && next->kind == DDP_MODULE_RELU && third &&
         third->kind == DDP_MODULE_MAXPOOL2D && h->ndim == 4) {
       /* BatchNorm2d, ReLU, MaxPool2d: one op that stores neither the
-       * normalised nor the rectified values (ddp_batch_norm_relu_max_pool2d). */
+       * normalised nor the rectified values (ddp_batch_norm_relu_max_pool2d).
+       * A convolution's output that only this block reads, and that this
+       * runner hands to no one else, may become its own gradient in
+       * backward: conv2d's backward never reads it. */
+      if (made_h && made_h->kind == DDP_MODULE_CONV2D && h != x) h->flags |= DDP__TENSOR_REUSABLE;
       ddp_status s = ddp_batch_norm_relu_max_pool2d(
           tape, h, c->weight, c->bias, c->running_mean, c->running_var, c->num_batches_tracked,
           model->training, c->momentum, c->eps, model->bn_synced ? &model->bn_sync : NULL,

@@ -71,7 +71,8 @@ typedef struct ddp__pointwise_kernels {
                              int64_t HW);
   /* Gradients of batch_norm_forward. With batch_stats the mean and invstd
    * are functions of x (training); without, constants (eval). dx is
-   * assigned when !accumulate. */
+   * assigned when !accumulate, and may then be x itself (each element is
+   * read before its gradient is written: ddp__tape_grad_reusing_data). */
   ddp_status (*batch_norm_backward)(float *dx, float *dweight, float *dbias,
                                     const ddp__bn_grad *dy, const float *x, const float *mean,
                                     const float *invstd,
@@ -95,7 +96,7 @@ typedef struct ddp__pointwise_kernels {
                                      const float *invstd,
                                      int64_t N, int64_t C, int64_t HW);
   /* dx += (= when !accumulate) the training-mode input gradient, from sums
-   * summed over every rank and the total count. */
+   * summed over every rank and the total count. dx may be x, as above. */
   ddp_status (*batch_norm_backward_dx)(float *dx, const ddp__bn_grad *dy, const float *x,
                                        const float *mean, const float *invstd, const float *weight,
                                        const double *sums, int64_t count, int64_t N, int64_t C,

@@ -51,13 +51,15 @@ static ddp_status sync_batch_norm_backward(ddp_tape *tape, const ddp__kernels *k
 
 /* Batch norm's backward for `node` (inputs x, weight, bias) from the
  * gradient dy of batch norm's output: node's output's own, or, fused, the
- * pooling's that follows it. */
+ * pooling's that follows it. The kernels read each element of x before
+ * they write its gradient, so dx may take over x's data when the tape
+ * allows (ddp__tape_grad_reusing_data). */
 static ddp_status batch_norm_backward_from(ddp_tape *tape, ddp__node *node,
                                            const batch_norm_ctx *ctx, const ddp__bn_grad *dy) {
   ddp_tensor *x = node->in[0], *weight = node->in[1], *bias = node->in[2];
   ddp_status s = DDP_OK;
   bool dx_accumulate;
-  float *dx = ddp__tape_grad_out(tape, x, &dx_accumulate, &s);
+  float *dx = ddp__tape_grad_reusing_data(tape, x, &dx_accumulate, &s);
   float *dweight = ddp__tape_grad(tape, weight, &s);
   float *dbias = ddp__tape_grad(tape, bias, &s);
   if (s != DDP_OK) return s;

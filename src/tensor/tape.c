@@ -127,6 +127,8 @@ ddp_status ddp__tape_record(ddp_tape *tape, const char *op, ddp__backward_fn bac
                      sizeof(ddp_tensor *)));
         tape->leaves[tape->n_leaves++] = in;
       }
+    } else if (in && in->node >= 0) {
+      in->pending++; /* an intermediate lives in the arena: no reset needed */
     }
   }
   out->flags |= DDP_TENSOR_REQUIRES_GRAD;
@@ -168,6 +170,17 @@ float *ddp__tape_grad_out(ddp_tape *tape, ddp_tensor *t, bool *accumulate, ddp_s
   return t->grad;
 }
 
+float *ddp__tape_grad_reusing_data(ddp_tape *tape, ddp_tensor *t, bool *accumulate,
+                                   ddp_status *status) {
+  if (t && !t->grad && t->node >= 0 && (t->flags & DDP__TENSOR_REUSABLE) &&
+      (t->flags & DDP_TENSOR_REQUIRES_GRAD) && t->dtype == DDP_FLOAT32 && t->pending == 1) {
+    *accumulate = false;
+    t->grad = t->data;
+    return t->grad;
+  }
+  return ddp__tape_grad_out(tape, t, accumulate, status);
+}
+
 ddp_status ddp__backward_from(ddp_tape *tape, ddp_tensor *out, const float *seed) {
   if (!(out->flags & DDP_TENSOR_REQUIRES_GRAD) || out->node < 0)
     return ddp_error(DDP_ERR_STATE,
@@ -191,6 +204,7 @@ ddp_status ddp__backward_from(ddp_tape *tape, ddp_tensor *out, const float *seed
     /* A leaf's gradient is final once every op that used it has run. */
     for (int j = 0; j < node->n_inputs; j++) {
       ddp_tensor *in = node->in[j];
+      if (in && in->node >= 0) in->pending--;
       if (!in || in->node >= 0 || !(in->flags & DDP_TENSOR_REQUIRES_GRAD)) continue;
       if (--in->pending == 0 && (in->flags & DDP_TENSOR_PARAM) && tape->hook)
         tape->hook(in, tape->hook_user);

@@ -65,6 +65,20 @@ float *ddp__tape_grad(ddp_tape *tape, ddp_tensor *t, ddp_status *status);
  * buffer with NaN, so an element the op fails to write shows in every
  * gradient test. */
 float *ddp__tape_grad_out(ddp_tape *tape, ddp_tensor *t, bool *accumulate, ddp_status *status);
+/* Marks an intermediate whose data nothing reads once its last consumer's
+ * backward begins: its producer's backward never reads it (conv2d's) and
+ * whoever made it keeps it to itself (nn's layer runner, for a
+ * convolution's output it passes on to batch norm). Such a tensor's
+ * gradient may take over its data (ddp__tape_grad_reusing_data). */
+#define DDP__TENSOR_REUSABLE 0x100u
+/* ddp__tape_grad_out for an op that reads t's data only element by
+ * element, each before writing that element's gradient: when t is marked
+ * DDP__TENSOR_REUSABLE and this op is the last of its consumers to run
+ * backward, the gradient is t's own data (*accumulate false; the op
+ * assigns in place), which saves a new buffer of t's size and the memory
+ * traffic of filling it. */
+float *ddp__tape_grad_reusing_data(ddp_tape *tape, ddp_tensor *t, bool *accumulate,
+                                   ddp_status *status);
 /* Backward from any tensor with the given seed gradient (numel floats). Used by
  * ddp_backward (seed 1) and by gradient checks (random projections). */
 ddp_status ddp__backward_from(ddp_tape *tape, ddp_tensor *out, const float *seed);

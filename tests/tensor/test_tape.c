@@ -1,5 +1,6 @@
 /* The tape: backward through add/reshape/flatten against finite differences,
- * backward into fresh (unzeroed) gradient buffers,
+ * backward into fresh (unzeroed) gradient buffers and into a tensor's own
+ * data,
  * grad hooks firing once per parameter when final, no-grad mode, errors. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -82,6 +83,94 @@ static void test_fresh_gradients_gradcheck(void **state) {
                                1e-2),
                      0);
     for (int i = 0; i < 4; i++) ddp_tensor_destroy(in[i]);
+  }
+}
+
+/* A gradient that takes over its tensor's data (ddp__tape_grad_reusing_data):
+ *   c = conv2d(x, w, pad 1), marked DDP__TENSOR_REUSABLE as nn marks it;
+ *   p = batch_norm_relu_max_pool2d(c) (plain, or synchronized through a
+ *   group of one); out = p, or with a second consumer of c recorded before
+ *   the block, out = p + max_pool2d(conv2d(c, v)) (1x1 kernel), or one
+ *   recorded after it whose output the loss never uses (out = a view of p
+ *   recorded after it, so backward passes it).
+ * Alone, or behind the unused consumer (its backward is skipped, but it
+ * still counts until its turn has passed), the block is c's only writer
+ * and last consumer: c's gradient must be c's own memory. With the second
+ * convolution recorded first, its backward runs after the block's and
+ * reads c for v's gradient: the block must leave c's data alone. Either
+ * way every gradient is bitwise the unmarked run's, and finite
+ * differences agree. */
+typedef struct reuse_cfg {
+  const ddp_batch_norm_sync *sync;
+  bool mark;
+  int second; /* 0: none; 1: recorded before the block; 2: after it, unused */
+  ddp_tensor *c; /* out: the convolution's output of the last run */
+} reuse_cfg;
+
+static ddp_status reuse_chain(ddp_tape *tape, ddp_tensor **in, void *user, ddp_tensor **out) {
+  reuse_cfg *cfg = user;
+  ddp_tensor *c, *r = NULL, *p, *q;
+  DDP_TRY(ddp_conv2d(tape, in[0], in[1], NULL, 1, 1, &c));
+  if (cfg->mark) c->flags |= DDP__TENSOR_REUSABLE;
+  if (cfg->second == 1) DDP_TRY(ddp_conv2d(tape, c, in[4], NULL, 1, 0, &r));
+  DDP_TRY(ddp_batch_norm_relu_max_pool2d(tape, c, in[2], in[3], NULL, NULL, NULL, true, 0.1f,
+                                         1e-5f, cfg->sync, 2, 2, &p));
+  cfg->c = c;
+  if (cfg->second == 2) DDP_TRY(ddp_conv2d(tape, c, in[4], NULL, 1, 0, &r));
+  if (cfg->second == 2) return ddp_reshape(tape, p, p->ndim, p->shape, out);
+  if (cfg->second == 0) {
+    *out = p;
+    return DDP_OK;
+  }
+  DDP_TRY(ddp_max_pool2d(tape, r, 2, 2, &q));
+  return ddp_add(tape, p, q, out);
+}
+
+static void test_gradient_takes_over_data(void **state) {
+  (void)state;
+  int64_t sx[4] = {3, 2, 8, 8}, sw[4] = {3, 2, 3, 3}, sv[4] = {3, 3, 1, 1}, sc[1] = {3};
+  const ddp_batch_norm_sync one = {sum_nothing, NULL};
+  for (int variant = 0; variant < 6; variant++) {
+    const bool synced = variant & 1;
+    const int second = variant >> 1;
+    ddp_tensor *in[5] = {gradcheck_random(4, sx, -1, 1, 51, true),
+                         gradcheck_random(4, sw, -0.5f, 0.5f, 52, true),
+                         gradcheck_random(1, sc, 0.5f, 1.5f, 53, true),
+                         gradcheck_random(1, sc, -0.5f, 0.5f, 54, true),
+                         gradcheck_random(4, sv, -0.5f, 0.5f, 55, true)};
+    const int n_in = second == 1 ? 5 : 4; /* v gets a gradient when used */
+    float *grads[2][5];
+    for (int mark = 0; mark < 2; mark++) {
+      reuse_cfg cfg = {synced ? &one : NULL, mark, second, NULL};
+      ddp_tape *tape;
+      assert_int_equal(ddp_tape_create(&tape, 1 << 16), DDP_OK);
+      ddp_tensor *out;
+      assert_int_equal(reuse_chain(tape, in, &cfg, &out), DDP_OK);
+      float *seed = ddp_alloc((size_t)out->numel * sizeof(float));
+      for (int64_t i = 0; i < out->numel; i++) seed[i] = 0.5f - 0.125f * (float)(i % 7);
+      assert_int_equal(ddp__backward_from(tape, out, seed), DDP_OK);
+      if (mark && second != 1)
+        assert_ptr_equal(cfg.c->grad, cfg.c->data);
+      else
+        assert_ptr_not_equal(cfg.c->grad, cfg.c->data);
+      for (int i = 0; i < n_in; i++) {
+        grads[mark][i] = ddp_alloc((size_t)in[i]->numel * sizeof(float));
+        memcpy(grads[mark][i], in[i]->grad, (size_t)in[i]->numel * sizeof(float));
+        ddp_tensor_free_grad(in[i]);
+      }
+      ddp_free(seed);
+      ddp_tape_destroy(tape);
+    }
+    for (int i = 0; i < n_in; i++) {
+      assert_memory_equal(grads[0][i], grads[1][i], (size_t)in[i]->numel * sizeof(float));
+      ddp_free(grads[0][i]);
+      ddp_free(grads[1][i]);
+    }
+    reuse_cfg marked = {synced ? &one : NULL, true, second, NULL};
+    assert_int_equal(gradcheck("gradient taking over data", reuse_chain, in, n_in, &marked, 1e-3,
+                               1e-3, 1e-2),
+                     0);
+    for (int i = 0; i < 5; i++) ddp_tensor_destroy(in[i]);
   }
 }
 
@@ -178,6 +267,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_shape_ops_gradcheck),
       cmocka_unit_test(test_fresh_gradients_gradcheck),
+      cmocka_unit_test(test_gradient_takes_over_data),
       cmocka_unit_test(test_grad_hook_fires_once_when_final),
       cmocka_unit_test(test_no_grad_records_nothing),
       cmocka_unit_test(test_shape_errors_name_op_and_shapes),

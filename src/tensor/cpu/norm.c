@@ -206,8 +206,8 @@ static void rows_backward_sums(double *restrict sdy, double *restrict sdyx,
 }
 
 /* (N, C) input: dx += kdy * dy + kx * (x - mean) + k0 with per-channel k (C
- * each); = instead of += when !accumulate. */
-static void rows_dx(float *restrict dx, const float *restrict dy, const float *restrict x,
+ * each); = instead of += when !accumulate. dx may be x itself. */
+static void rows_dx(float *dx, const float *restrict dy, const float *x,
                     const float *restrict mean, const float *restrict kdy,
                     const float *restrict kx, const float *restrict k0, int64_t N, int64_t C,
                     bool accumulate) {
@@ -244,21 +244,36 @@ static void channel_backward_sums(double *sdy_out, double *sdyx_out, const ddp__
   *sdyx_out = sdyx;
 }
 
+/* One plane of dx = kdy * dy + kx * (x - m) + k0, assigned; in place when
+ * the gradient took over x's data (the same arithmetic: bitwise equal). */
+static void plane_dx(float *restrict d, const float *restrict g, const float *restrict x,
+                     float m, float kdy, float kx, float k0, int64_t HW) {
+  for (int64_t i = 0; i < HW; i++) d[i] = kdy * g[i] + kx * (x[i] - m) + k0;
+}
+
+static void plane_dx_in_place(float *restrict xd, const float *restrict g, float m, float kdy,
+                              float kx, float k0, int64_t HW) {
+  for (int64_t i = 0; i < HW; i++) xd[i] = kdy * g[i] + kx * (xd[i] - m) + k0;
+}
+
 /* (N, C, HW) input, channel c: dx += kdy * dy + kx * (x - m) + k0; = instead
- * of += when !accumulate (one loop each, so assigning never reads dx).
- * `prefetch` when the channel is not in cache already (the synchronized
- * kernel's dx phase comes after every channel's sums). */
-static void channel_dx(float *restrict dx, const ddp__bn_grad *dy, const float *restrict x,
-                       float m, float kdy, float kx, float k0, int64_t N, int64_t C, int64_t HW,
-                       int64_t c, bool accumulate, bool prefetch) {
+ * of += when !accumulate (one loop each, so assigning never reads dx). dx
+ * may be x itself (assigned in place). `prefetch` when the channel is not
+ * in cache already (the synchronized kernel's dx phase comes after every
+ * channel's sums). */
+static void channel_dx(float *dx, const ddp__bn_grad *dy, const float *x, float m, float kdy,
+                       float kx, float k0, int64_t N, int64_t C, int64_t HW, int64_t c,
+                       bool accumulate, bool prefetch) {
   for (int64_t n = 0; n < N; n++) {
     if (prefetch && n + 1 < N) prefetch_plane(dy, x, n + 1, C, HW, c);
     const float *g = grad_plane(dy, n, C, HW, c), *plane = x + (n * C + c) * HW;
     float *d = dx + (n * C + c) * HW;
     if (accumulate)
       for (int64_t i = 0; i < HW; i++) d[i] += kdy * g[i] + kx * (plane[i] - m) + k0;
+    else if (d == plane)
+      plane_dx_in_place(d, g, m, kdy, kx, k0, HW);
     else
-      for (int64_t i = 0; i < HW; i++) d[i] = kdy * g[i] + kx * (plane[i] - m) + k0;
+      plane_dx(d, g, plane, m, kdy, kx, k0, HW);
   }
 }
 
@@ -269,9 +284,9 @@ static void add_affine_grads(float *dweight, float *dbias, int64_t c, double sdy
   if (dweight) dweight[c] += (float)(sdyx * invstd);
 }
 
-ddp_status ddp__cpu_batch_norm_backward(float *restrict dx, float *restrict dweight,
+ddp_status ddp__cpu_batch_norm_backward(float *dx, float *restrict dweight,
                                         float *restrict dbias, const ddp__bn_grad *dy,
-                                        const float *restrict x, const float *restrict mean,
+                                        const float *x, const float *restrict mean,
                                         const float *restrict invstd, const float *restrict weight,
                                         int64_t N, int64_t C, int64_t HW, bool batch_stats,
                                         bool accumulate, ddp_arena *arena) {
@@ -382,8 +397,8 @@ void ddp__cpu_batch_norm_backward_reduce(double *restrict sums, float *restrict 
   for (int64_t c = 0; c < C; c++) add_affine_grads(dweight, dbias, c, sdy[c], sdyx[c], invstd[c]);
 }
 
-ddp_status ddp__cpu_batch_norm_backward_dx(float *restrict dx, const ddp__bn_grad *dy,
-                                           const float *restrict x, const float *restrict mean,
+ddp_status ddp__cpu_batch_norm_backward_dx(float *dx, const ddp__bn_grad *dy,
+                                           const float *x, const float *restrict mean,
                                            const float *restrict invstd,
                                            const float *restrict weight,
                                            const double *restrict sums, int64_t count, int64_t N,
