@@ -2,7 +2,7 @@
 # Data-parallel training speed, ddp against PyTorch DDP, measured in the same
 # go: seed 001's ConvNet on Fashion-MNIST, batch 100 per rank, one thread per
 # rank, SGD lr 0.01 momentum 0.9, at world 1 and world 2.
-#   ddp:     ddprun --nproc-per-node W ddp-train --model convnet --max-steps S+10 ... --json
+#   ddp:     ddprun --nproc-per-node W ddp-train --model convnet --workers 0 --max-steps S+10 ... --json
 #   PyTorch: /usr/bin/python3 torch_ddp_convnet.py --world W --steps S (gloo)
 # Both report samples/s of all ranks together over S steps after 10 warm-up
 # steps (ddp-train's steady_samples_per_s; the reference's own warm-up). Rounds alternate the order of
@@ -33,10 +33,14 @@ for w in "${worlds[@]}"; do
   [ "$w" -le "$cores" ] || echo "bench-ddp: note: world $w on $cores cores oversubscribes" >&2
 done
 
+# --workers 0: batches are gathered inline at every world, as the reference's
+# DataLoader (num_workers=0) does. ddp-train's default gives world 1 a loader
+# thread on the core world 2 needs for its second rank (and the pair below
+# two threads each on two cores), which would compare unlike work.
 ddp_run() { # W -> samples/s
   timeout 900 build/bin/ddprun --nproc-per-node "$1" build/bin/ddp-train --model convnet \
-    --batch-size 100 --threads 1 --lr 0.01 --momentum 0.9 --seed 1 --max-steps $((steps + 10)) \
-    --json 2>/dev/null | tail -n 1 | sed -n 's/.*"steady_samples_per_s": \([0-9.e+]*\).*/\1/p'
+    --batch-size 100 --threads 1 --workers 0 --lr 0.01 --momentum 0.9 --seed 1 \
+    --max-steps $((steps + 10)) --json 2>/dev/null | tail -n 1 | sed -n 's/.*"steady_samples_per_s": \([0-9.e+]*\).*/\1/p'
 }
 torch_run() { # W -> samples/s
   timeout 900 /usr/bin/python3 "$ref" --world "$1" --steps "$steps" --threads 1 --batch 100 \
