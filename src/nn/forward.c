@@ -78,6 +78,12 @@ ddp_status ddp__module_forward(ddp_model *model, ddp_module *m, ddp_tape *tape, 
       c = next;
       continue;
     }
+    /* A pooling's output that only this convolution reads, and that this
+     * runner hands to no one else: max pooling's backward never reads its
+     * output (relu-closed windows are marked in the argmax), so conv2d's
+     * dx may overwrite it. */
+    if (c->kind == DDP_MODULE_CONV2D && made_h && made_h->kind == DDP_MODULE_MAXPOOL2D && h != x)
+      h->flags |= DDP__TENSOR_REUSABLE;
     DDP_TRY(ddp__module_forward(model, c, tape, h, &h));
   }
   *out = h;

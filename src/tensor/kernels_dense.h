@@ -53,7 +53,9 @@ typedef struct ddp__dense_kernels {
                                const ddp__conv2d_geom *g, ddp_arena *arena);
   /* From dy (n, o, oh, ow): dx (n, c, h, w) += (= when !dx_accumulate: dx
    * is a fresh buffer, ddp__tape_grad_out), dw (o, c, kh, kw) +=, db (o) +=.
-   * Each of dx, dw, db may be NULL (skipped). */
+   * Each of dx, dw, db may be NULL (skipped). With !dx_accumulate dx may be
+   * x itself: sample n's input is read (copied, or used for dw) before
+   * sample n's dx is written, and no later sample reads it. */
   ddp_status (*conv2d_backward)(float *dx, float *dw, float *db, const float *dy,
                                 const float *x, const float *w, const ddp__conv2d_geom *g,
                                 bool dx_accumulate, ddp_arena *arena);

@@ -11,7 +11,9 @@ static ddp_status conv2d_backward(ddp_tape *tape, ddp__node *node) {
   ddp_tensor *x = node->in[0], *w = node->in[1], *b = node->in[2];
   ddp_status s = DDP_OK;
   bool dx_accumulate;
-  float *dx = ddp__tape_grad_out(tape, x, &dx_accumulate, &s);
+  /* The kernels read each sample's input before writing its dx, so dx may
+   * take over x's data (ddp__tape_grad_reusing_data). */
+  float *dx = ddp__tape_grad_reusing_data(tape, x, &dx_accumulate, &s);
   float *dw = s == DDP_OK ? ddp__tape_grad(tape, w, &s) : NULL;
   float *db = s == DDP_OK ? ddp__tape_grad(tape, b, &s) : NULL;
   if (s != DDP_OK) return s;

@@ -10,6 +10,7 @@
 #include <cmocka.h>
 
 #include "support/gradcheck.h"
+#include "tensor/cpu/dense.h"
 #include "tensor/tape.h"
 
 /* f(a, b) = flatten(reshape(a + b, (2, 3, 2)), 1) + flatten(...) of b again:
@@ -174,6 +175,70 @@ static void test_gradient_takes_over_data(void **state) {
   }
 }
 
+/* A convolution's dx taking over its input's data, as nn's runner allows
+ * for a pooling's output: c = conv2d(x, w) and p = the batch-norm block of
+ * c, both marked; out = conv2d(p, u, pad 1). p's gradient is written over
+ * p by the second convolution (each sample's input read before its dx is
+ * written), c's over c by the block; every gradient is bitwise the
+ * unmarked run's, on both kernel paths. */
+static ddp_status conv_reuse_chain(ddp_tape *tape, ddp_tensor **in, void *user,
+                                   ddp_tensor **out) {
+  ddp_tensor **made = user; /* c and p of the last run, or NULL not to mark */
+  ddp_tensor *c, *p;
+  DDP_TRY(ddp_conv2d(tape, in[0], in[1], NULL, 1, 1, &c));
+  DDP_TRY(ddp_batch_norm_relu_max_pool2d(tape, c, in[2], in[3], NULL, NULL, NULL, true, 0.1f,
+                                         1e-5f, NULL, 2, 2, &p));
+  if (made) {
+    c->flags |= DDP__TENSOR_REUSABLE;
+    p->flags |= DDP__TENSOR_REUSABLE;
+    made[0] = c, made[1] = p;
+  }
+  return ddp_conv2d(tape, p, in[4], NULL, 1, 1, out);
+}
+
+static void test_conv_gradient_takes_over_input(void **state) {
+  (void)state;
+  /* u: 32 outputs, so the AVX-512 dW takes its implicit path, reading a padded copy */
+  int64_t sx[4] = {3, 2, 8, 8}, sw[4] = {3, 2, 3, 3}, su[4] = {32, 3, 3, 3}, sc[1] = {3};
+  for (int generic = 0; generic < 2; generic++) {
+    ddp__cpu_dense_force_generic(generic);
+    ddp_tensor *in[5] = {gradcheck_random(4, sx, -1, 1, 61, true),
+                         gradcheck_random(4, sw, -0.5f, 0.5f, 62, true),
+                         gradcheck_random(1, sc, 0.5f, 1.5f, 63, true),
+                         gradcheck_random(1, sc, -0.5f, 0.5f, 64, true),
+                         gradcheck_random(4, su, -0.5f, 0.5f, 65, true)};
+    float *grads[2][5];
+    for (int mark = 0; mark < 2; mark++) {
+      ddp_tensor *made[2] = {NULL, NULL};
+      ddp_tape *tape;
+      assert_int_equal(ddp_tape_create(&tape, 1 << 16), DDP_OK);
+      ddp_tensor *out;
+      assert_int_equal(conv_reuse_chain(tape, in, mark ? made : NULL, &out), DDP_OK);
+      float *seed = ddp_alloc((size_t)out->numel * sizeof(float));
+      for (int64_t i = 0; i < out->numel; i++) seed[i] = 0.25f - 0.0625f * (float)(i % 9);
+      assert_int_equal(ddp__backward_from(tape, out, seed), DDP_OK);
+      if (mark) {
+        assert_ptr_equal(made[0]->grad, made[0]->data);
+        assert_ptr_equal(made[1]->grad, made[1]->data);
+      }
+      for (int i = 0; i < 5; i++) {
+        grads[mark][i] = ddp_alloc((size_t)in[i]->numel * sizeof(float));
+        memcpy(grads[mark][i], in[i]->grad, (size_t)in[i]->numel * sizeof(float));
+        ddp_tensor_free_grad(in[i]);
+      }
+      ddp_free(seed);
+      ddp_tape_destroy(tape);
+    }
+    for (int i = 0; i < 5; i++) {
+      assert_memory_equal(grads[0][i], grads[1][i], (size_t)in[i]->numel * sizeof(float));
+      ddp_free(grads[0][i]);
+      ddp_free(grads[1][i]);
+      ddp_tensor_destroy(in[i]);
+    }
+  }
+  ddp__cpu_dense_force_generic(false);
+}
+
 static int hook_calls[2];
 static int hook_order[4], n_order;
 static void count_hook(ddp_tensor *p, void *user) {
@@ -268,6 +333,7 @@ int main(void) {
       cmocka_unit_test(test_shape_ops_gradcheck),
       cmocka_unit_test(test_fresh_gradients_gradcheck),
       cmocka_unit_test(test_gradient_takes_over_data),
+      cmocka_unit_test(test_conv_gradient_takes_over_input),
       cmocka_unit_test(test_grad_hook_fires_once_when_final),
       cmocka_unit_test(test_no_grad_records_nothing),
       cmocka_unit_test(test_shape_errors_name_op_and_shapes),
