@@ -135,7 +135,9 @@ void ddp__cpu_batch_norm_forward(float *restrict y, const float *restrict x,
  * The backward is two phases, sums then dx; the plain kernel runs them per
  * channel (a channel's planes stay in cache between the two), the
  * synchronized one runs each over all channels with the cross-rank
- * reduction of the sums between them. */
+ * reduction of the sums between them. A pooled gradient (ddp__bn_grad) is
+ * scattered into its plane of scratch again in each phase: remaking a
+ * plane in cache costs less than keeping the dense gradient. */
 static void bn_dx_coefficients(float *k_dy, float *k_x, float *k_0, double sum_dy,
                                double sum_dy_xmu, float invstd, float weight, double count,
                                bool batch_stats) {
