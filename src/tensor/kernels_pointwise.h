@@ -75,9 +75,9 @@ typedef struct ddp__pointwise_kernels {
    * read before its gradient is written: ddp__tape_grad_reusing_data). */
   ddp_status (*batch_norm_backward)(float *dx, float *dweight, float *dbias,
                                     const ddp__bn_grad *dy, const float *x, const float *mean,
-                                    const float *invstd,
-                                    const float *weight, int64_t N, int64_t C, int64_t HW,
-                                    bool batch_stats, bool accumulate, ddp_arena *arena);
+                                    const float *invstd, const float *weight, int64_t N,
+                                    int64_t C, int64_t HW, bool batch_stats, bool accumulate,
+                                    ddp_arena *arena);
   /* ---- synchronized batch norm: the same maths in phases, so that the
    * per-channel sums can be summed across ranks between them. Sums are
    * double, in host memory (they go through the caller's reduction). ---- */
@@ -93,8 +93,7 @@ typedef struct ddp__pointwise_kernels {
    * (this rank's share; NULL: not wanted). */
   void (*batch_norm_backward_reduce)(double *sums, float *dweight, float *dbias,
                                      const ddp__bn_grad *dy, const float *x, const float *mean,
-                                     const float *invstd,
-                                     int64_t N, int64_t C, int64_t HW);
+                                     const float *invstd, int64_t N, int64_t C, int64_t HW);
   /* dx += (= when !accumulate) the training-mode input gradient, from sums
    * summed over every rank and the total count. dx may be x, as above. */
   ddp_status (*batch_norm_backward_dx)(float *dx, const ddp__bn_grad *dy, const float *x,

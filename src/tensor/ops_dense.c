@@ -162,7 +162,7 @@ static ddp_status pool_compute(ddp_tape *tape, const char *op, bool relu, ddp_te
   if (stride < 0)
     return ddp_error(DDP_ERR_INVALID, "%s: stride must be positive (or 0 for the "
                      "kernel size), got %d", op, stride);
-  if (stride == 0) stride = kernel;
+  stride = ddp__pool_stride(kernel, stride);
   const int64_t h = x->shape[x->ndim - 2], w = x->shape[x->ndim - 1];
   if (kernel > h || kernel > w)
     return ddp_error(DDP_ERR_SHAPE,
@@ -212,7 +212,7 @@ static ddp_status pool_forward(ddp_tape *tape, const char *op, bool relu, ddp_te
                       .h = h,
                       .w = w,
                       .kernel = kernel,
-                      .stride = stride ? stride : kernel}; /* as pool_compute */
+                      .stride = ddp__pool_stride(kernel, stride)};
     DDP_TRY(ddp__tape_record(tape, op, max_pool2d_backward, y, 1, &x, ctx));
   }
   *out = y;

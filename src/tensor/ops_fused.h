@@ -7,6 +7,10 @@
 #include "tensor/kernels.h"
 #include "tensor/tape.h"
 
+/* Max pooling's stride: 0 stands for the kernel size, as PyTorch's None.
+ * (Validated by the pooling: negative strides are refused there.) */
+static inline int ddp__pool_stride(int kernel, int stride) { return stride ? stride : kernel; }
+
 /* relu_max_pool2d of x, whose values are read from `data` (x's shape)
  * mapped through `affine`: x is batch norm's output, never written, data
  * its input. Validates like ddp_relu_max_pool2d and computes y and, when

@@ -324,7 +324,7 @@ ddp_status ddp_batch_norm_relu_max_pool2d(ddp_tape *tape, ddp_tensor *x, ddp_ten
                         .h = x->shape[2],
                         .w = x->shape[3],
                         .kernel = kernel,
-                        .stride = stride ? stride : kernel}; /* as pool_compute */
+                        .stride = ddp__pool_stride(kernel, stride)};
     DDP_TRY(ddp__tape_record(tape,
                              ctx->synced ? "sync_batch_norm_relu_max_pool2d"
                                          : "batch_norm_relu_max_pool2d",

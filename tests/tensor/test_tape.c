@@ -127,6 +127,30 @@ static ddp_status reuse_chain(ddp_tape *tape, ddp_tensor **in, void *user, ddp_t
   return ddp_add(tape, p, q, out);
 }
 
+/* Backward from `out` with a fixed seed, then the gradients of in[0..n)
+ * copied into grads[k][i] and cleared from the tensors for the next run. */
+static void backward_taking_grads(ddp_tape *tape, ddp_tensor *out, ddp_tensor **in, int n,
+                                  float **grads) {
+  float *seed = ddp_alloc((size_t)out->numel * sizeof(float));
+  for (int64_t i = 0; i < out->numel; i++) seed[i] = 0.5f - 0.125f * (float)(i % 7);
+  assert_int_equal(ddp__backward_from(tape, out, seed), DDP_OK);
+  ddp_free(seed);
+  for (int i = 0; i < n; i++) {
+    grads[i] = ddp_alloc((size_t)in[i]->numel * sizeof(float));
+    memcpy(grads[i], in[i]->grad, (size_t)in[i]->numel * sizeof(float));
+    ddp_tensor_free_grad(in[i]);
+  }
+}
+
+/* The unmarked run's gradients (grads[0]) equal the marked run's bitwise. */
+static void assert_same_grads(float *grads[2][5], ddp_tensor **in, int n) {
+  for (int i = 0; i < n; i++) {
+    assert_memory_equal(grads[0][i], grads[1][i], (size_t)in[i]->numel * sizeof(float));
+    ddp_free(grads[0][i]);
+    ddp_free(grads[1][i]);
+  }
+}
+
 static void test_gradient_takes_over_data(void **state) {
   (void)state;
   int64_t sx[4] = {3, 2, 8, 8}, sw[4] = {3, 2, 3, 3}, sv[4] = {3, 3, 1, 1}, sc[1] = {3};
@@ -147,26 +171,14 @@ static void test_gradient_takes_over_data(void **state) {
       assert_int_equal(ddp_tape_create(&tape, 1 << 16), DDP_OK);
       ddp_tensor *out;
       assert_int_equal(reuse_chain(tape, in, &cfg, &out), DDP_OK);
-      float *seed = ddp_alloc((size_t)out->numel * sizeof(float));
-      for (int64_t i = 0; i < out->numel; i++) seed[i] = 0.5f - 0.125f * (float)(i % 7);
-      assert_int_equal(ddp__backward_from(tape, out, seed), DDP_OK);
+      backward_taking_grads(tape, out, in, n_in, grads[mark]);
       if (mark && second != 1)
         assert_ptr_equal(cfg.c->grad, cfg.c->data);
       else
         assert_ptr_not_equal(cfg.c->grad, cfg.c->data);
-      for (int i = 0; i < n_in; i++) {
-        grads[mark][i] = ddp_alloc((size_t)in[i]->numel * sizeof(float));
-        memcpy(grads[mark][i], in[i]->grad, (size_t)in[i]->numel * sizeof(float));
-        ddp_tensor_free_grad(in[i]);
-      }
-      ddp_free(seed);
       ddp_tape_destroy(tape);
     }
-    for (int i = 0; i < n_in; i++) {
-      assert_memory_equal(grads[0][i], grads[1][i], (size_t)in[i]->numel * sizeof(float));
-      ddp_free(grads[0][i]);
-      ddp_free(grads[1][i]);
-    }
+    assert_same_grads(grads, in, n_in);
     reuse_cfg marked = {synced ? &one : NULL, true, second, NULL};
     assert_int_equal(gradcheck("gradient taking over data", reuse_chain, in, n_in, &marked, 1e-3,
                                1e-3, 1e-2),
@@ -214,27 +226,15 @@ static void test_conv_gradient_takes_over_input(void **state) {
       assert_int_equal(ddp_tape_create(&tape, 1 << 16), DDP_OK);
       ddp_tensor *out;
       assert_int_equal(conv_reuse_chain(tape, in, mark ? made : NULL, &out), DDP_OK);
-      float *seed = ddp_alloc((size_t)out->numel * sizeof(float));
-      for (int64_t i = 0; i < out->numel; i++) seed[i] = 0.25f - 0.0625f * (float)(i % 9);
-      assert_int_equal(ddp__backward_from(tape, out, seed), DDP_OK);
+      backward_taking_grads(tape, out, in, 5, grads[mark]);
       if (mark) {
         assert_ptr_equal(made[0]->grad, made[0]->data);
         assert_ptr_equal(made[1]->grad, made[1]->data);
       }
-      for (int i = 0; i < 5; i++) {
-        grads[mark][i] = ddp_alloc((size_t)in[i]->numel * sizeof(float));
-        memcpy(grads[mark][i], in[i]->grad, (size_t)in[i]->numel * sizeof(float));
-        ddp_tensor_free_grad(in[i]);
-      }
-      ddp_free(seed);
       ddp_tape_destroy(tape);
     }
-    for (int i = 0; i < 5; i++) {
-      assert_memory_equal(grads[0][i], grads[1][i], (size_t)in[i]->numel * sizeof(float));
-      ddp_free(grads[0][i]);
-      ddp_free(grads[1][i]);
-      ddp_tensor_destroy(in[i]);
-    }
+    assert_same_grads(grads, in, 5);
+    for (int i = 0; i < 5; i++) ddp_tensor_destroy(in[i]);
   }
   ddp__cpu_dense_force_generic(false);
 }

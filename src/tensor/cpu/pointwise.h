@@ -76,9 +76,9 @@ void ddp__cpu_batch_norm_forward(float *y, const float *x, const float *mean, co
                                  int64_t HW);
 ddp_status ddp__cpu_batch_norm_backward(float *dx, float *dweight, float *dbias,
                                         const ddp__bn_grad *dy, const float *x, const float *mean,
-                                        const float *invstd,
-                                        const float *weight, int64_t N, int64_t C, int64_t HW,
-                                        bool batch_stats, bool accumulate, ddp_arena *arena);
+                                        const float *invstd, const float *weight, int64_t N,
+                                        int64_t C, int64_t HW, bool batch_stats, bool accumulate,
+                                        ddp_arena *arena);
 void ddp__cpu_batch_norm_sums(double *sums, const float *x, int64_t N, int64_t C, int64_t HW);
 void ddp__cpu_batch_norm_stats_from_sums(float *mean, float *invstd, float *running_mean,
                                          float *running_var, const double *sums, int64_t count,
