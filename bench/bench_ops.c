@@ -150,7 +150,7 @@ static void lin_fwd(void *p) {
 
 static void lin_bwd(void *p) {
   lin_case *c = p;
-  K->linear_backward(c->dx, c->dw, c->db, c->dy, c->x, c->w, BATCH, 1568, 10);
+  K->linear_backward(c->dx, false, c->dw, c->db, c->dy, c->x, c->w, BATCH, 1568, 10);
 }
 
 /* ---- reference sgemm ---- */

@@ -37,6 +37,21 @@ static ddp_status run_leaf(ddp_model *model, ddp_module *m, ddp_tape *tape, ddp_
   }
 }
 
+/* The leaf module that produces m's output: m itself, or for a Sequential
+ * its last child's (NULL for an empty one, whose output is its input). */
+static const ddp_module *last_leaf(const ddp_module *m) {
+  while (m && m->kind == DDP_MODULE_SEQUENTIAL) m = m->last_child;
+  return m;
+}
+
+/* The leaf module that first reads m's input (NULL for an empty Sequential). */
+static const ddp_module *first_leaf(const ddp_module *m) {
+  while (m && m->kind == DDP_MODULE_SEQUENTIAL) m = m->first_child;
+  return m;
+}
+
+static bool is_kind(const ddp_module *m, ddp_module_kind kind) { return m && m->kind == kind; }
+
 ddp_status ddp__module_forward(ddp_model *model, ddp_module *m, ddp_tape *tape, ddp_tensor *x,
                                ddp_tensor **out) {
   if (m->kind != DDP_MODULE_SEQUENTIAL) {
@@ -58,7 +73,7 @@ ddp_status ddp__module_forward(ddp_model *model, ddp_module *m, ddp_tape *tape, 
        * A convolution's output that only this block reads, and that this
        * runner hands to no one else, may become its own gradient in
        * backward: conv2d's backward never reads it. */
-      if (made_h && made_h->kind == DDP_MODULE_CONV2D && h != x) h->flags |= DDP__TENSOR_REUSABLE;
+      if (is_kind(last_leaf(made_h), DDP_MODULE_CONV2D) && h != x) h->flags |= DDP__TENSOR_REUSABLE;
       ddp_status s = ddp_batch_norm_relu_max_pool2d(
           tape, h, c->weight, c->bias, c->running_mean, c->running_var, c->num_batches_tracked,
           model->training, c->momentum, c->eps, model->bn_synced ? &model->bn_sync : NULL,
@@ -80,9 +95,13 @@ ddp_status ddp__module_forward(ddp_model *model, ddp_module *m, ddp_tape *tape, 
     }
     /* A pooling's output that only this convolution reads, and that this
      * runner hands to no one else: max pooling's backward never reads its
-     * output (relu-closed windows are marked in the argmax), so conv2d's
-     * dx may overwrite it. */
-    if (c->kind == DDP_MODULE_CONV2D && made_h && made_h->kind == DDP_MODULE_MAXPOOL2D && h != x)
+     * output (nor do its fused forms'; relu-closed windows are marked in
+     * the argmax), so conv2d's dx may overwrite it. Either may sit at the
+     * edge of a nested Sequential (the ConvNet's layer1 ends with the
+     * pooling and layer2 starts with the convolution): a Sequential hands
+     * its input to its first child only. */
+    if (is_kind(first_leaf(c), DDP_MODULE_CONV2D) && is_kind(last_leaf(made_h), DDP_MODULE_MAXPOOL2D) &&
+        h != x)
       h->flags |= DDP__TENSOR_REUSABLE;
     DDP_TRY(ddp__module_forward(model, c, tape, h, &h));
   }

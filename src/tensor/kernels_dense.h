@@ -43,10 +43,11 @@ typedef struct ddp__dense_kernels {
   /* y (rows, out) = x (rows, in) @ w^T + b; w (out, in), b (out) or NULL. */
   void (*linear_forward)(float *y, const float *x, const float *w, const float *b, int64_t rows,
                          int64_t in, int64_t out);
-  /* From dy (rows, out): dx (rows, in) += dy @ w, dw (out, in) += dy^T @ x,
+  /* From dy (rows, out): dx (rows, in) += dy @ w (= when !dx_accumulate:
+   * dx is a fresh buffer, ddp__tape_grad_out), dw (out, in) += dy^T @ x,
    * db (out) += column sums of dy. Each of dx, dw, db may be NULL. */
-  void (*linear_backward)(float *dx, float *dw, float *db, const float *dy, const float *x,
-                          const float *w, int64_t rows, int64_t in, int64_t out);
+  void (*linear_backward)(float *dx, bool dx_accumulate, float *dw, float *db, const float *dy,
+                          const float *x, const float *w, int64_t rows, int64_t in, int64_t out);
   /* y (n, o, oh, ow) = conv(x, w) + b; b (o) or NULL. Fails only when the
    * arena cannot supply scratch (DDP_ERR_NOMEM). */
   ddp_status (*conv2d_forward)(float *y, const float *x, const float *w, const float *b,

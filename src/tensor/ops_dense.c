@@ -63,11 +63,13 @@ static ddp_status linear_backward(ddp_tape *tape, ddp__node *node) {
   int64_t rows = 1; /* every dimension of x but the last */
   for (int i = 0; i < x->ndim - 1; i++) rows *= x->shape[i];
   ddp_status s = DDP_OK;
-  float *dx = ddp__tape_grad(tape, x, &s);
+  bool dx_accumulate;
+  float *dx = ddp__tape_grad_out(tape, x, &dx_accumulate, &s);
   float *dw = s == DDP_OK ? ddp__tape_grad(tape, w, &s) : NULL;
   float *db = s == DDP_OK ? ddp__tape_grad(tape, b, &s) : NULL;
   if (s != DDP_OK) return s;
-  k->dense->linear_backward(dx, dw, db, node->out->grad, x->data, w->data, rows, in, outf);
+  k->dense->linear_backward(dx, dx_accumulate, dw, db, node->out->grad, x->data, w->data, rows,
+                            in, outf);
   return DDP_OK;
 }
 

@@ -39,8 +39,19 @@ ddp_status ddp_add(ddp_tape *tape, ddp_tensor *a, ddp_tensor *b, ddp_tensor **ou
 
 /* ---- reshape / flatten: views whose backward passes the gradient through ---- */
 
+/* The view's gradient has the input's elements in the input's order, so
+ * when this view is the input's only consumer left to run backward and no
+ * gradient of the input exists yet, the input's gradient IS the view's: it
+ * is handed over, not copied (a reshape before a linear layer would
+ * otherwise cost a zeroed buffer and an add of its size every step). */
 static ddp_status view_backward(ddp_tape *tape, ddp__node *node) {
   const ddp__kernels *k = ddp__kernels_for(node->out->device);
+  ddp_tensor *x = node->in[0];
+  if (x->node >= 0 && !x->grad && x->pending == 1 && (x->flags & DDP_TENSOR_REQUIRES_GRAD) &&
+      x->dtype == DDP_FLOAT32) {
+    x->grad = node->out->grad;
+    return DDP_OK;
+  }
   ddp_status s = DDP_OK;
   float *dx = ddp__tape_grad(tape, node->in[0], &s);
   if (dx) k->basic->axpy(dx, 1.0f, node->out->grad, node->out->numel);

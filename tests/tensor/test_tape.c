@@ -1,11 +1,12 @@
 /* The tape: backward through add/reshape/flatten against finite differences,
  * backward into fresh (unzeroed) gradient buffers and into a tensor's own
- * data,
+ * data, a view's gradient handed over to its input,
  * grad hooks firing once per parameter when final, no-grad mode, errors. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 #include <cmocka.h>
 
@@ -307,6 +308,68 @@ static void test_no_grad_records_nothing(void **state) {
   ddp_tensor_destroy(w);
 }
 
+/* A view hands its gradient over to its input (no copy) when it is the
+ * input's only consumer left: s = tanh(x), r = reshape(s), out = r, or with
+ * linear(flatten(.)) between, as a classifier's head has it (linear's dx
+ * is a fresh buffer it assigns). With a second consumer of s recorded
+ * before the view, q = sigmoid(s) and out = r + reshape(q), whose backward
+ * runs after the view's and adds into s's gradient, the view must not hand
+ * over: r's gradient must stay the seed. Values against the closed forms
+ * ds = dr (+ sigmoid'(s) dq) and dx = (1 - tanh^2) ds. */
+static void test_view_hands_gradient_over(void **state) {
+  (void)state;
+  int64_t sx[2] = {2, 3}, s32[2] = {3, 2}, sw[2] = {4, 6};
+  for (int variant = 0; variant < 3; variant++) {
+    ddp_tensor *x = gradcheck_random(2, sx, -1, 1, 61, true);
+    ddp_tensor *w = gradcheck_random(2, sw, -1, 1, 62, false);
+    ddp_tape *tape;
+    assert_int_equal(ddp_tape_create(&tape, 1 << 14), DDP_OK);
+    ddp_tensor *s, *r, *q = NULL, *rq, *out;
+    assert_int_equal(ddp_tanh(tape, x, &s), DDP_OK);
+    if (variant == 2) assert_int_equal(ddp_sigmoid(tape, s, &q), DDP_OK);
+    if (variant == 1) {
+      assert_int_equal(ddp_flatten(tape, s, 0, &r), DDP_OK); /* (6) */
+      int64_t row[2] = {1, 6};
+      ddp_tensor *r2;
+      assert_int_equal(ddp_reshape(tape, r, 2, row, &r2), DDP_OK);
+      assert_int_equal(ddp_linear(tape, r2, w, NULL, &out), DDP_OK); /* (1, 4) */
+    } else {
+      assert_int_equal(ddp_reshape(tape, s, 2, s32, &r), DDP_OK);
+      out = r;
+      if (variant == 2) {
+        assert_int_equal(ddp_reshape(tape, q, 2, s32, &rq), DDP_OK);
+        assert_int_equal(ddp_add(tape, r, rq, &out), DDP_OK);
+      }
+    }
+    float seed[6];
+    for (int64_t i = 0; i < out->numel; i++) seed[i] = 0.5f - 0.25f * (float)i;
+    assert_int_equal(ddp__backward_from(tape, out, seed), DDP_OK);
+    if (variant == 2)
+      assert_ptr_not_equal(s->grad, r->grad);
+    else
+      assert_ptr_equal(s->grad, r->grad);
+    for (int64_t i = 0; i < 6; i++) {
+      double dr = seed[i];
+      if (variant == 1) { /* d out / d r2 = seed @ w */
+        dr = 0;
+        for (int j = 0; j < 4; j++) dr += (double)seed[j] * ((const float *)w->data)[j * 6 + i];
+      }
+      double ds = dr;
+      if (variant == 2) {
+        assert_float_equal(r->grad[i], seed[i], 0); /* untouched by sigmoid's backward */
+        double sig = 1 / (1 + exp(-(double)((const float *)s->data)[i]));
+        ds += sig * (1 - sig) * seed[i];
+      }
+      assert_float_equal(s->grad[i], ds, 1e-6);
+      double t = tanh((double)((const float *)x->data)[i]);
+      assert_float_equal(x->grad[i], (1 - t * t) * ds, 1e-6);
+    }
+    ddp_tape_destroy(tape);
+    ddp_tensor_destroy(x);
+    ddp_tensor_destroy(w);
+  }
+}
+
 static void test_shape_errors_name_op_and_shapes(void **state) {
   (void)state;
   int64_t s1[2] = {2, 3}, s2[2] = {3, 2};
@@ -334,6 +397,7 @@ int main(void) {
       cmocka_unit_test(test_fresh_gradients_gradcheck),
       cmocka_unit_test(test_gradient_takes_over_data),
       cmocka_unit_test(test_conv_gradient_takes_over_input),
+      cmocka_unit_test(test_view_hands_gradient_over),
       cmocka_unit_test(test_grad_hook_fires_once_when_final),
       cmocka_unit_test(test_no_grad_records_nothing),
       cmocka_unit_test(test_shape_errors_name_op_and_shapes),

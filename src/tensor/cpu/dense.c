@@ -34,10 +34,12 @@ static void cpu_linear_forward(float *y, const float *x, const float *w, const f
   ddp__cpu_gemm(false, true, rows, out, in, 1.0f, x, in, w, in, b ? 1.0f : 0.0f, y, out);
 }
 
-static void cpu_linear_backward(float *dx, float *dw, float *db, const float *dy, const float *x,
-                                const float *w, int64_t rows, int64_t in, int64_t out) {
-  if (dx) /* dx (rows, in) += dy (rows, out) @ w (out, in) */
-    ddp__cpu_gemm(false, false, rows, in, out, 1.0f, dy, out, w, in, 1.0f, dx, in);
+static void cpu_linear_backward(float *dx, bool dx_accumulate, float *dw, float *db,
+                                const float *dy, const float *x, const float *w, int64_t rows,
+                                int64_t in, int64_t out) {
+  if (dx) /* dx (rows, in) (+)= dy (rows, out) @ w (out, in) */
+    ddp__cpu_gemm(false, false, rows, in, out, 1.0f, dy, out, w, in, dx_accumulate ? 1.0f : 0.0f,
+                  dx, in);
   if (dw) /* dw (out, in) += dy^T (out, rows) @ x (rows, in) */
     ddp__cpu_gemm(true, false, out, in, rows, 1.0f, dy, out, x, in, 1.0f, dw, in);
   if (db)
