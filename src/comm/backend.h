@@ -53,6 +53,13 @@ typedef struct ddp__op_ctx {
   int64_t deadline_ns;     /* ddp_time_ns() after which waits give up */
   atomic_bool *aborted;    /* set by ddp_process_group_abort */
   int tag;                 /* point-to-point only */
+  /* The thread that needs the result is blocked in this op (a blocking
+   * call run inline on it): nothing else of this process is waiting for
+   * the CPU the op runs on, so a backend may spin longer before it sleeps
+   * (a sleeping rank wakes tens of microseconds late on a VM). False for
+   * ops on the progress thread, which may share a core with the caller's
+   * ongoing work (backward, overlapped with bucket allreduces). */
+  bool caller_blocked;
 } ddp__op_ctx;
 
 typedef struct ddp__backend_ops {

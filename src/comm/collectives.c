@@ -40,7 +40,7 @@ static ddp_status dispatch(ddp_process_group *pg, const ddp__op_args *a, const d
   return DDP_ERR_INTERNAL;
 }
 
-ddp_status ddp__op_execute(ddp_process_group *pg, ddp__op_args *args) {
+ddp_status ddp__op_execute(ddp_process_group *pg, ddp__op_args *args, bool caller_blocked) {
   args->seq = ddp__op_is_collective(args->kind) ? ++pg->next_seq : ++pg->next_p2p_seq;
   DDP_TRY(ddp__group_check(pg));
   ddp__op_ctx ctx = {
@@ -49,6 +49,7 @@ ddp_status ddp__op_execute(ddp_process_group *pg, ddp__op_args *args) {
       .deadline_ns = ddp__deadline_after_coarse(pg->timeout_ns),
       .aborted = &pg->aborted,
       .tag = args->tag,
+      .caller_blocked = caller_blocked,
   };
   ddp_status st = DDP_OK;
   if (pg->debug_detail && pg->size > 1 && ddp__op_is_collective(args->kind))

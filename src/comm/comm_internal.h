@@ -138,8 +138,9 @@ void ddp__queue_fail_all(ddp_process_group *pg);
 /* ---- collectives.c -------------------------------------------------------- */
 /* Runs one operation on the backend on the calling thread (numbering it in
  * args->seq, debug check, backend call); on failure records the sticky
- * error. Called by one thread at a time per group. */
-ddp_status ddp__op_execute(ddp_process_group *pg, ddp__op_args *args);
+ * error. Called by one thread at a time per group. caller_blocked: the op
+ * runs inline on the thread that waits for it (ddp__op_ctx). */
+ddp_status ddp__op_execute(ddp_process_group *pg, ddp__op_args *args, bool caller_blocked);
 
 /* ---- debug.c -------------------------------------------------------------- */
 /* DDP_DEBUG=detail: exchanges this collective's fingerprint and fails with a

@@ -57,6 +57,13 @@ typedef struct ddp__local_word {
  * when they share CPUs (local.c, local_sync.c). */
 #define DDP__LOCAL_SPIN_LONG 2000
 #define DDP__LOCAL_SPIN_SHORT 20
+/* How long a wait keeps spinning, past the spins above, while the op's
+ * caller is blocked in it (ddp__op_ctx.caller_blocked) and ranks have a CPU
+ * each: a peer a few hundred microseconds behind (one rank's step hit by an
+ * interrupt) is then met awake instead of through a futex wake-up, which
+ * on a VM costs tens of microseconds more. 2 ms covers nearly all such
+ * lags of a training step; longer waits (rank 0 evaluating) sleep. */
+#define DDP__LOCAL_SPIN_BLOCKED_NS 2000000
 
 /* Words of a rank's CPU mask in its control block (512 CPUs). */
 #define DDP__LOCAL_CPU_WORDS 8
@@ -212,6 +219,7 @@ typedef struct ddp__local_backend {
   uint32_t short_waits;    /* waits since spins were shortened (probe period) */
   int host_cpus;           /* CPUs the ranks may use together (ddp__local_shared_cpus) */
   int yield_iters;         /* sched_yield calls after spinning, before sleeping */
+  uint64_t waits_slept;    /* waits that reached the futex phase (for tests) */
   int blame;               /* the peer behind the last error (a group rank), -1 if none */
   /* Group ranks of this backend's ranks (identity unless it serves one host
    * of a larger group, hier.c), the group's size and host names (borrowed,

@@ -159,6 +159,21 @@ static void spin_adapt_after_yield(ddp__local_backend *b) {
   }
 }
 
+/* Spins up to DDP__LOCAL_SPIN_BLOCKED_NS more (only called while ranks have
+ * a CPU each and the caller is blocked in the op); true once w reached
+ * target. Reads the clock every 64 pauses, and stops early on abort. */
+static bool spin_blocked(ddp__local_backend *b, const ddp__op_ctx *ctx, ddp__local_word *w,
+                         uint64_t target) {
+  const int64_t until = ddp_time_ns() + DDP__LOCAL_SPIN_BLOCKED_NS;
+  for (;;) {
+    for (int i = 0; i < 64; i++) {
+      cpu_relax();
+      if (atomic_load_explicit(&w->value, memory_order_acquire) >= target) return true;
+    }
+    if (ddp_time_ns() >= until || is_aborted(b, ctx)) return false;
+  }
+}
+
 ddp_status ddp__local_wait(ddp__local_backend *b, const ddp__op_ctx *ctx, ddp__local_word *w,
                            uint64_t target, int peer) {
   if (atomic_load_explicit(&w->value, memory_order_acquire) >= target) return DDP_OK;
@@ -169,6 +184,11 @@ ddp_status ddp__local_wait(ddp__local_backend *b, const ddp__op_ctx *ctx, ddp__l
       b->yield_streak = 0;
       return DDP_OK;
     }
+  }
+  if (ctx && ctx->caller_blocked && b->spin_iters == DDP__LOCAL_SPIN_LONG &&
+      spin_blocked(b, ctx, w, target)) {
+    b->yield_streak = 0;
+    return DDP_OK;
   }
   /* Then yield a few times: on a busy machine the peer may be waiting for
    * this core, and a yield hands it over without a futex round trip. */
@@ -181,6 +201,7 @@ ddp_status ddp__local_wait(ddp__local_backend *b, const ddp__op_ctx *ctx, ddp__l
   }
   int64_t deadline = ctx ? ctx->deadline_ns : 0;
   int64_t next_liveness = 0;
+  b->waits_slept++;
   for (;;) {
     if (is_aborted(b, ctx)) {
       b->blame = -1;

@@ -97,7 +97,7 @@ static void *progress_main(void *arg) {
     w->queued = false;
     ddp__op_args args = w->args;
     pthread_mutex_unlock(&pg->mu);
-    ddp_status st = ddp__op_execute(pg, &args);
+    ddp_status st = ddp__op_execute(pg, &args, false);
     pthread_mutex_lock(&pg->mu);
     w->args.seq = args.seq;
     atomic_fetch_sub(&pg->active, 1);
@@ -201,7 +201,7 @@ ddp_status ddp__submit(ddp_process_group *pg, ddp__op_args *args, ddp_work **wor
     /* The fast path: nothing queued or running, so run here, now. */
     uint_fast64_t idle = 0;
     if (atomic_compare_exchange_strong(&pg->active, &idle, DDP__INLINE_BIT)) {
-      ddp_status st = ddp__op_execute(pg, args);
+      ddp_status st = ddp__op_execute(pg, args, true);
       uint_fast64_t left = atomic_fetch_sub(&pg->active, DDP__INLINE_BIT) - DDP__INLINE_BIT;
       if (left != 0 || atomic_load(&pg->drainers) != 0) {
         /* Work was queued meanwhile (the progress thread waits for the bit

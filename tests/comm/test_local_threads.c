@@ -5,7 +5,9 @@
  * and its peer fails fast naming the aborted rank; a missing peer times out
  * naming the rank waited for; many small allreduces in a row stay in step;
  * waits spin only briefly when the ranks share fewer CPUs than there are
- * ranks (their affinity masks together). */
+ * ranks (their affinity masks together); a wait whose caller is blocked in
+ * the op meets a peer 500 us late spinning, one on behalf of a caller that
+ * is not (the progress thread) sleeps. */
 #include <pthread.h>
 #include <sched.h>
 #include <setjmp.h>
@@ -34,6 +36,8 @@ typedef struct rank_thread {
   /* test_shared_cpus: the backend's CPU count and long spin at creation,
    * its current spin after the allreduces */
   int host_cpus, spin_long, spin_after;
+  /* test_blocked_caller_spins: waits that slept, with and without caller_blocked */
+  int slept_blocked, slept_not;
   void (*body)(struct rank_thread *);
 } rank_thread;
 
@@ -389,6 +393,59 @@ static void test_shared_cpus(void **state) {
   }
 }
 
+/* Rank 1 arrives LATE_NS after rank 0 at each of ROUNDS allreduces (a busy
+ * wait, as a rank still computing); rank 0's ops say caller_blocked for the
+ * first ROUNDS, not for the next ROUNDS. Rank 0 counts the waits that went
+ * to sleep in each half. */
+enum { BLOCKED_ROUNDS = 20 };
+#define LATE_NS 500000
+
+static void late_peer_body(rank_thread *t) {
+  ddp__local_backend *lb = (ddp__local_backend *)t->b;
+  atomic_bool ab;
+  atomic_init(&ab, false);
+  for (int k = 0; k < 2 * BLOCKED_ROUNDS; k++) {
+    if (k == BLOCKED_ROUNDS) t->slept_blocked = (int)lb->waits_slept;
+    if (t->rank == 1) {
+      int64_t until = ddp_time_ns() + LATE_NS;
+      while (ddp_time_ns() < until) {
+      }
+    }
+    double v[1] = {1.0};
+    ddp__op_ctx ctx = lt_ctx("allreduce", (uint64_t)k + 1, &ab, 30.0);
+    ctx.caller_blocked = k < BLOCKED_ROUNDS;
+    ddp_status st = t->b->ops->allreduce(t->b, &ctx, v, 1, DDP_FLOAT64, DDP_REDUCE_SUM);
+    if (st != DDP_OK || v[0] != 2.0) {
+      t->m.failures++;
+      snprintf(t->m.err, sizeof t->m.err, "rank %d: allreduce %d: %s, got %g", t->rank, k,
+               ddp_status_name(st), v[0]);
+      return;
+    }
+  }
+  t->slept_not = (int)lb->waits_slept - t->slept_blocked;
+}
+
+static void test_blocked_caller_spins(void **state) {
+  (void)state;
+  cpu_set_t mine;
+  CPU_ZERO(&mine);
+  assert_int_equal(sched_getaffinity(0, sizeof mine, &mine), 0);
+  if (CPU_COUNT(&mine) < 2 || sysconf(_SC_NPROCESSORS_ONLN) < 2) {
+    print_message("SKIP: this process may use only one CPU; waits never spin long there\n");
+    return;
+  }
+  rank_thread t[2];
+  run_ranks(2, late_peer_body, t);
+  for (int r = 0; r < 2; r++)
+    if (t[r].m.failures) fail_msg("%s", t[r].m.err);
+  const int slept_blocked = t[0].slept_blocked, slept_not = t[0].slept_not;
+  print_message("rank 0's waits that slept: %d of %d with the caller blocked, %d of %d without\n",
+                slept_blocked, BLOCKED_ROUNDS, slept_not, BLOCKED_ROUNDS);
+  /* Some slack both ways for a busy machine (a peer descheduled for 2 ms). */
+  assert_true(slept_blocked <= BLOCKED_ROUNDS / 4);
+  assert_true(slept_not >= BLOCKED_ROUNDS * 3 / 4);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_matrix),    cmocka_unit_test(test_matrix_large),
@@ -396,6 +453,7 @@ int main(void) {
       cmocka_unit_test(test_abort_idle),
       cmocka_unit_test(test_timeout),
       cmocka_unit_test(test_shared_cpus),
+      cmocka_unit_test(test_blocked_caller_spins),
   };
   /* DDP_TEST_FILTER / DDP_TEST_SKIP: run only the tests matching, or skip
    * those matching, a cmocka pattern (* and ?); the ThreadSanitizer subset
