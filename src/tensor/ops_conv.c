@@ -2,6 +2,7 @@
  * backward that computes only the gradients that are wanted (a first layer's
  * input is data: its dx, a third of the layer's backward, is skipped). */
 #include "tensor/kernels.h"
+#include "tensor/ops_fused.h"
 #include "tensor/tape.h"
 
 
@@ -19,6 +20,17 @@ static ddp_status conv2d_backward(ddp_tape *tape, ddp__node *node) {
   if (s != DDP_OK) return s;
   return k->dense->conv2d_backward(dx, dw, db, node->out->grad, x->data, w->data, g,
                                    dx_accumulate, ddp__tape_arena(tape));
+}
+
+const ddp__conv2d_geom *ddp__conv2d_foldable(ddp_tape *tape, const ddp_tensor *t) {
+  if (!t || t->node < 0) return NULL;
+  const ddp__node *node = ddp__tape_node(tape, t);
+  if (node->backward != conv2d_backward) return NULL;
+  const ddp_tensor *x = node->in[0], *w = node->in[1];
+  if ((x->flags & DDP_TENSOR_REQUIRES_GRAD) || !(w->flags & DDP_TENSOR_REQUIRES_GRAD))
+    return NULL;
+  const ddp__conv2d_geom *g = node->ctx;
+  return g->stride == 1 && g->oh * g->ow > 1 ? g : NULL;
 }
 
 ddp_status ddp_conv2d(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_tensor *bias,

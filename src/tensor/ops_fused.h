@@ -1,6 +1,7 @@
 /* What the fused ops share across the op files: batch_norm_relu_max_pool2d
  * (ops_norm.c) computes batch norm's statistics and then this pooling
- * (ops_dense.c), and records one node for both. */
+ * (ops_dense.c), and records one node for both; its backward may also do
+ * the convolution's before it (ops_conv.c). */
 #ifndef DDP__TENSOR_OPS_FUSED_H
 #define DDP__TENSOR_OPS_FUSED_H
 
@@ -20,5 +21,15 @@ static inline int ddp__pool_stride(int kernel, int stride) { return stride ? str
 ddp_status ddp__relu_max_pool2d_affine(ddp_tape *tape, ddp_tensor *x, const float *data,
                                        const ddp__pool_affine *affine, int kernel, int stride,
                                        ddp_tensor **out, int32_t **argmax);
+
+/* When intermediate `t` is the output of a stride-1 conv2d (more than one
+ * output element per plane) whose input needs no gradient and whose weight
+ * does: the convolution's geometry, else NULL. Its backward then only
+ * turns t's gradient into dw and db, which batch norm's backward can do
+ * itself, plane by plane, without t's gradient ever being stored
+ * (batch_norm_backward_conv); the conv2d node then finds no gradient and
+ * is skipped. The caller must own t (DDP__TENSOR_REUSABLE: no one else
+ * reads it or its gradient). */
+const ddp__conv2d_geom *ddp__conv2d_foldable(ddp_tape *tape, const ddp_tensor *t);
 
 #endif

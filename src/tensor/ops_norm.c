@@ -255,7 +255,31 @@ typedef struct bn_pool_ctx {
   const int32_t *argmax; /* (N, C, oh, ow): each window's max's index in its plane */
   int64_t h, w;          /* batch norm's planes */
   int64_t kernel, stride;
+  /* x is a convolution's output that only this block reads, whose
+   * backward may be folded in (ddp__conv2d_foldable) */
+  bool fold_conv;
 } bn_pool_ctx;
+
+/* Batch norm's backward with the convolution that made x folded in: dx
+ * goes plane by plane into the convolution's dw and db (in cache), and x
+ * gets no gradient, so the convolution's node is skipped. */
+static ddp_status backward_folding_conv(ddp_tape *tape, ddp__node *node,
+                                        const batch_norm_ctx *ctx, const ddp__bn_grad *dy) {
+  ddp_tensor *x = node->in[0], *weight = node->in[1], *bias = node->in[2];
+  const ddp__conv2d_geom *g = ddp__conv2d_foldable(tape, x);
+  const ddp__node *conv = ddp__tape_node(tape, x);
+  ddp_status s = DDP_OK;
+  float *dweight = ddp__tape_grad(tape, weight, &s);
+  float *dbias = ddp__tape_grad(tape, bias, &s);
+  float *conv_dw = ddp__tape_grad(tape, conv->in[1], &s);
+  float *conv_db = ddp__tape_grad(tape, conv->in[2], &s);
+  if (s != DDP_OK) return s;
+  const ddp__kernels *k = ddp__kernels_for(node->out->device);
+  return k->pointwise->batch_norm_backward_conv(
+      dweight, dbias, dy, x->data, ctx->mean, ctx->invstd, weight ? weight->data : NULL, ctx->N,
+      ctx->C, ctx->HW, ctx->batch_stats, g, conv->in[0]->data, conv_dw, conv_db,
+      ddp__tape_arena(tape));
+}
 
 static ddp_status batch_norm_relu_max_pool2d_backward(ddp_tape *tape, ddp__node *node) {
   const bn_pool_ctx *ctx = node->ctx;
@@ -277,6 +301,11 @@ static ddp_status batch_norm_relu_max_pool2d_backward(ddp_tape *tape, ddp__node 
                            .oh = y->shape[2],
                            .ow = y->shape[3],
                            .scratch = scratch};
+  /* Folding needs this block to be the only contributor to x's gradient:
+   * the last of x's consumers to run, none before it having written one. */
+  const ddp_tensor *x = node->in[0];
+  if (ctx->fold_conv && !x->grad && x->pending == 1)
+    return backward_folding_conv(tape, node, bn, &dy);
   return batch_norm_backward_from(tape, node, bn, &dy);
 }
 
@@ -324,7 +353,9 @@ ddp_status ddp_batch_norm_relu_max_pool2d(ddp_tape *tape, ddp_tensor *x, ddp_ten
                         .h = x->shape[2],
                         .w = x->shape[3],
                         .kernel = kernel,
-                        .stride = ddp__pool_stride(kernel, stride)};
+                        .stride = ddp__pool_stride(kernel, stride),
+                        .fold_conv = !ctx->synced && (x->flags & DDP__TENSOR_REUSABLE) &&
+                                     ddp__conv2d_foldable(tape, x) != NULL};
     DDP_TRY(ddp__tape_record(tape,
                              ctx->synced ? "sync_batch_norm_relu_max_pool2d"
                                          : "batch_norm_relu_max_pool2d",

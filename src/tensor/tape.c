@@ -57,6 +57,8 @@ int ddp_tape_num_nodes(const ddp_tape *tape) { return tape->n_nodes; }
 
 ddp_arena *ddp__tape_arena(ddp_tape *tape) { return &tape->arena; }
 
+ddp__node *ddp__tape_node(ddp_tape *tape, const ddp_tensor *t) { return &tape->nodes[t->node]; }
+
 void *ddp_tape_scratch(ddp_tape *tape, size_t bytes) {
   return ddp_arena_alloc(&tape->arena, bytes);
 }

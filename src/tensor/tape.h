@@ -85,5 +85,8 @@ float *ddp__tape_grad_reusing_data(ddp_tape *tape, ddp_tensor *t, bool *accumula
 ddp_status ddp__backward_from(ddp_tape *tape, ddp_tensor *out, const float *seed);
 /* The tape's arena (scratch memory for kernels; reset with the tape). */
 ddp_arena *ddp__tape_arena(ddp_tape *tape);
+/* The node that produced intermediate t (t->node >= 0). Node pointers move
+ * as the tape grows: keep t->node, resolve when needed. */
+ddp__node *ddp__tape_node(ddp_tape *tape, const ddp_tensor *t);
 
 #endif /* DDP__TENSOR_TAPE_H */

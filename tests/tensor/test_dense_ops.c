@@ -349,6 +349,73 @@ static const struct {
 };
 #define N_POOL_CASES (sizeof pool_cases / sizeof *pool_cases)
 
+/* The fold kernels (cpu/conv_fold.c) on their own, with arbitrary gradient
+ * planes (through batch norm the bias's gradient is 0 but for rounding):
+ * dw[o][c][a][b] = sum dy[n][o][y][x] * xpad[n][c][y+a][x+b] and
+ * db[o] = sum dy[n][o], against the sums in double, on both paths, for row
+ * widths of one vector, two, and more, kernel heights in the sliding
+ * window and past it; adds into dw and db as given. */
+static void test_conv_fold_kernels(void **state) {
+  (void)state;
+  const struct {
+    int64_t c, h, k, pad;
+  } cases[] = {{1, 8, 5, 2}, {2, 20, 3, 1}, {1, 36, 5, 2}, {2, 12, 9, 4}, {3, 28, 5, 0}};
+  for (int generic = 0; generic < 2; generic++) {
+    ddp__cpu_dense_force_generic(generic);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+      ddp__conv2d_geom g = {.n = 3, .c = cases[i].c, .h = cases[i].h, .w = cases[i].h, .o = 2,
+                            .kh = cases[i].k, .kw = cases[i].k, .stride = 1, .pad = cases[i].pad};
+      g.oh = g.ow = g.h + 2 * g.pad - g.kh + 1;
+      const int64_t k = g.c * g.kh * g.kw, ohw = g.oh * g.ow;
+      int64_t sx[4] = {g.n, g.c, g.h, g.w}, sy[4] = {g.n, g.o, g.oh, g.ow};
+      ddp_tensor *x = gradcheck_random(4, sx, -1, 1, 81 + i, false);
+      ddp_tensor *dy = gradcheck_random(4, sy, -1, 1, 91 + i, false);
+      const float *xd = x->data, *dyd = dy->data;
+      float *dw = ddp_alloc((size_t)(g.o * k) * sizeof(float)), db[2] = {0.5f, -0.25f};
+      for (int64_t t = 0; t < g.o * k; t++) dw[t] = 0.125f * (float)(t % 3);
+      ddp_arena arena;
+      ddp_arena_init(&arena, 1 << 16);
+      ddp__conv2d_fold f;
+      assert_int_equal(ddp__cpu_conv2d_fold_init(&f, xd, &g, &arena), DDP_OK);
+      for (int64_t o = 0; o < g.o; o++) {
+        for (int64_t n = 0; n < g.n; n++) ddp__cpu_conv2d_fold_plane(&f, dyd + (n * g.o + o) * ohw, n);
+        ddp__cpu_conv2d_fold_channel(&f, dw + o * k, &db[o]);
+      }
+      for (int64_t o = 0; o < g.o; o++) {
+        double sb = o == 0 ? 0.5 : -0.25, mag = 0;
+        for (int64_t n = 0; n < g.n; n++)
+          for (int64_t p = 0; p < ohw; p++) sb += dyd[(n * g.o + o) * ohw + p], mag += fabs(dyd[(n * g.o + o) * ohw + p]);
+        if (fabs(db[o] - sb) > 1e-6 * mag + 1e-6)
+          fail_msg("case %zu (%s): db[%lld] %g, expected %g", i, generic ? "generic" : "AVX-512",
+                   (long long)o, db[o], sb);
+        for (int64_t c = 0; c < g.c; c++)
+          for (int64_t a = 0; a < g.kh; a++)
+            for (int64_t b = 0; b < g.kw; b++) {
+              const int64_t t = (c * g.kh + a) * g.kw + b;
+              double s = 0.125 * (double)((o * k + t) % 3);
+              for (int64_t n = 0; n < g.n; n++)
+                for (int64_t y = 0; y < g.oh; y++)
+                  for (int64_t xx = 0; xx < g.ow; xx++) {
+                    const int64_t iy = y + a - g.pad, ix = xx + b - g.pad;
+                    if (iy < 0 || iy >= g.h || ix < 0 || ix >= g.w) continue;
+                    s += (double)dyd[((n * g.o + o) * g.oh + y) * g.ow + xx] *
+                         xd[((n * g.c + c) * g.h + iy) * g.w + ix];
+                  }
+              if (fabs(dw[o * k + t] - s) > 1e-5 * mag + 1e-6)
+                fail_msg("case %zu (%s): dw[%lld][%lld] %g, expected %g", i,
+                         generic ? "generic" : "AVX-512", (long long)o, (long long)t,
+                         dw[o * k + t], s);
+            }
+      }
+      ddp_arena_free(&arena);
+      ddp_free(dw);
+      ddp_tensor_destroy(x);
+      ddp_tensor_destroy(dy);
+    }
+  }
+  ddp__cpu_dense_force_generic(false);
+}
+
 static void test_max_pool2d(void **state) {
   (void)state;
   const __typeof__(pool_cases[0]) *cases = pool_cases;
@@ -799,6 +866,7 @@ int main(void) {
       cmocka_unit_test(test_conv2d_forward),
       cmocka_unit_test(test_conv2d_gradcheck),
       cmocka_unit_test(test_conv2d_backward_convnet_shapes),
+      cmocka_unit_test(test_conv_fold_kernels),
       cmocka_unit_test(test_max_pool2d),
       cmocka_unit_test(test_max_pool2d_ties),
       cmocka_unit_test(test_max_pool2d_backward_fresh),

@@ -1,6 +1,7 @@
 /* The tape: backward through add/reshape/flatten against finite differences,
  * backward into fresh (unzeroed) gradient buffers and into a tensor's own
- * data, a view's gradient handed over to its input,
+ * data, a view's gradient handed over to its input, a first convolution
+ * folded into batch norm's backward,
  * grad hooks firing once per parameter when final, no-grad mode, errors. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -240,6 +241,92 @@ static void test_conv_gradient_takes_over_input(void **state) {
   ddp__cpu_dense_force_generic(false);
 }
 
+/* A first convolution folded into batch norm's backward (cpu/conv_fold.c):
+ * c = conv2d(x, w, b, pad) with x data (no gradient), marked reusable as
+ * nn marks it, then the batch-norm block. Marked, the block's backward
+ * computes w's and b's gradients itself and c gets none (the conv2d node is
+ * skipped); unmarked, conv2d's backward does it from c's gradient. The two
+ * agree within float rounding (different summation orders), on both
+ * kernel paths, for row widths of one vector, two, and more (the AVX-512
+ * path's portable fallback), kernel heights in the sliding window (3, 5)
+ * and past it (9), 1 and 2 input channels; finite differences agree with
+ * the folded run of the smallest case (the larger ones have too many
+ * pooling and relu kinks within a step of the differences: there they
+ * disagree with the unfolded run's gradient just as much). */
+typedef struct fold_cfg {
+  ddp_tensor *x;
+  int pad;
+  bool mark;
+  ddp_tensor *c; /* out: the convolution's output of the last run */
+} fold_cfg;
+
+static ddp_status fold_chain(ddp_tape *tape, ddp_tensor **in, void *user, ddp_tensor **out) {
+  fold_cfg *cfg = user;
+  ddp_tensor *c;
+  DDP_TRY(ddp_conv2d(tape, cfg->x, in[0], in[1], 1, cfg->pad, &c));
+  if (cfg->mark) c->flags |= DDP__TENSOR_REUSABLE;
+  cfg->c = c;
+  return ddp_batch_norm_relu_max_pool2d(tape, c, in[2], in[3], NULL, NULL, NULL, true, 0.1f,
+                                        1e-5f, NULL, 2, 2, out);
+}
+
+static void test_conv_folded_into_batch_norm(void **state) {
+  (void)state;
+  const struct {
+    int64_t ci, hw, k, pad;
+  } cases[] = {{1, 8, 5, 2}, {2, 20, 3, 1}, {1, 36, 5, 2}, {2, 12, 9, 4}};
+  for (int generic = 0; generic < 2; generic++) {
+    ddp__cpu_dense_force_generic(generic);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+      int64_t sx[4] = {3, cases[i].ci, cases[i].hw, cases[i].hw};
+      int64_t sw[4] = {4, cases[i].ci, cases[i].k, cases[i].k}, so[1] = {4};
+      fold_cfg cfg = {gradcheck_random(4, sx, -1, 1, 71 + i, false), (int)cases[i].pad, false,
+                      NULL};
+      ddp_tensor *in[4] = {gradcheck_random(4, sw, -0.5f, 0.5f, 72, true),
+                           gradcheck_random(1, so, -0.5f, 0.5f, 73, true),
+                           gradcheck_random(1, so, 0.5f, 1.5f, 74, true),
+                           gradcheck_random(1, so, -0.5f, 0.5f, 75, true)};
+      float *grads[2][5];
+      for (int mark = 0; mark < 2; mark++) {
+        cfg.mark = mark;
+        ddp_tape *tape;
+        assert_int_equal(ddp_tape_create(&tape, 1 << 16), DDP_OK);
+        ddp_tensor *out;
+        assert_int_equal(fold_chain(tape, in, &cfg, &out), DDP_OK);
+        backward_taking_grads(tape, out, in, 4, grads[mark]);
+        if (mark)
+          assert_null(cfg.c->grad); /* folded: no gradient of c, conv2d's node skipped */
+        else
+          assert_non_null(cfg.c->grad);
+        ddp_tape_destroy(tape);
+      }
+      for (int j = 0; j < 4; j++) {
+        /* The conv bias's gradient is 0 but for rounding (batch norm
+         * removes the mean): measure it on the weight's scale, the same
+         * sums of dx with |x| <= 1 in each term. */
+        const int ref = j == 1 ? 0 : j;
+        float scale = 0;
+        for (int64_t e = 0; e < in[ref]->numel; e++)
+          scale = fmaxf(scale, fabsf(grads[0][ref][e]));
+        for (int64_t e = 0; e < in[j]->numel; e++)
+          if (fabsf(grads[1][j][e] - grads[0][j][e]) > 1e-5f * scale + 1e-6f)
+            fail_msg("case %zu (%s path), input %d element %lld: folded %g, conv2d's %g", i,
+                     generic ? "generic" : "AVX-512", j, (long long)e, grads[1][j][e],
+                     grads[0][j][e]);
+      }
+      for (int j = 0; j < 4; j++) ddp_free(grads[0][j]), ddp_free(grads[1][j]);
+      cfg.mark = true;
+      if (i == 0)
+        assert_int_equal(gradcheck("conv2d folded into batch norm", fold_chain, in, 4, &cfg,
+                                   1e-4, 1e-2, 1e-2),
+                         0);
+      ddp_tensor_destroy(cfg.x);
+      for (int j = 0; j < 4; j++) ddp_tensor_destroy(in[j]);
+    }
+  }
+  ddp__cpu_dense_force_generic(false);
+}
+
 static int hook_calls[2];
 static int hook_order[4], n_order;
 static void count_hook(ddp_tensor *p, void *user) {
@@ -398,6 +485,7 @@ int main(void) {
       cmocka_unit_test(test_gradient_takes_over_data),
       cmocka_unit_test(test_conv_gradient_takes_over_input),
       cmocka_unit_test(test_view_hands_gradient_over),
+      cmocka_unit_test(test_conv_folded_into_batch_norm),
       cmocka_unit_test(test_grad_hook_fires_once_when_final),
       cmocka_unit_test(test_no_grad_records_nothing),
       cmocka_unit_test(test_shape_errors_name_op_and_shapes),

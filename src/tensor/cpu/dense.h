@@ -22,6 +22,25 @@ void ddp__cpu_max_pool2d_backward(float *dx, const float *dy, const int32_t *arg
                                   int64_t planes, int64_t h, int64_t w, int64_t kernel,
                                   int64_t stride, int64_t oh, int64_t ow, bool accumulate);
 
+/* A stride-1 convolution's weight and bias gradient, one output channel's
+ * gradient planes at a time (cpu/conv_fold.c), for batch norm's backward
+ * to fold in (ddp__cpu_batch_norm_backward_fold): init pads the whole
+ * input batch x (N, C, H, W) once; fold_plane adds the products of one
+ * (OH, OW) gradient plane of sample n; fold_channel adds the channel's sums
+ * into dw (C*KH*KW, that channel's row of the weight) and *db (each may be
+ * NULL) and starts the next channel from zero. Stride 1 only. */
+typedef struct ddp__conv2d_fold {
+  const ddp__conv2d_geom *g;
+  float *xp;           /* (N, C, HP, WP) zero-padded input */
+  int64_t *off;        /* [K] tap offsets (c*HP + a)*WP + b within a sample */
+  float *acc;          /* (K + 1) x 16 partial sums: the taps, then the bias */
+  int64_t hp, wp, k, sample;
+  bool avx512;         /* rows of up to 32 outputs on the AVX-512 path */
+} ddp__conv2d_fold;
+ddp_status ddp__cpu_conv2d_fold_init(ddp__conv2d_fold *f, const float *x,
+                                     const ddp__conv2d_geom *g, ddp_arena *arena);
+void ddp__cpu_conv2d_fold_plane(ddp__conv2d_fold *f, const float *dy, int64_t n);
+void ddp__cpu_conv2d_fold_channel(ddp__conv2d_fold *f, float *dw, float *db);
 
 /* AVX-512 paths (cpu/gemm.c). ddp__cpu_has_avx512 is true when the CPU has
  * AVX-512F and the generic path has not been forced (tests run both). */

@@ -326,6 +326,43 @@ ddp_status ddp__cpu_batch_norm_backward(float *dx, float *restrict dweight,
   return DDP_OK;
 }
 
+/* Batch norm's backward with the convolution that made x folded in
+ * (kernels_pointwise.h): per channel, the sums over its planes as above,
+ * then each plane's dx into `plane` (cache) and straight into the
+ * convolution's weight and bias gradient. */
+ddp_status ddp__cpu_batch_norm_backward_conv(float *restrict dweight, float *restrict dbias,
+                                             const ddp__bn_grad *dy, const float *x,
+                                             const float *restrict mean,
+                                             const float *restrict invstd,
+                                             const float *restrict weight, int64_t N, int64_t C,
+                                             int64_t HW, bool batch_stats,
+                                             const ddp__conv2d_geom *g, const float *conv_x,
+                                             float *conv_dw, float *conv_db, ddp_arena *arena) {
+  ddp__conv2d_fold f;
+  DDP_TRY(ddp__cpu_conv2d_fold_init(&f, conv_x, g, arena));
+  float *plane = ddp_arena_alloc(arena, (size_t)HW * sizeof(float));
+  if (!plane)
+    return ddp_error(DDP_ERR_NOMEM, "batch_norm backward: no scratch for a plane of %lld",
+                     (long long)HW);
+  const double count = (double)(N * HW);
+  for (int64_t c = 0; c < C; c++) {
+    double sdy, sdyx;
+    channel_backward_sums(&sdy, &sdyx, dy, x, mean[c], N, C, HW, c);
+    add_affine_grads(dweight, dbias, c, sdy, sdyx, invstd[c]);
+    float kdy, kx, k0;
+    bn_dx_coefficients(&kdy, &kx, &k0, sdy, sdyx, invstd[c], weight ? weight[c] : 1.0f, count,
+                       batch_stats);
+    for (int64_t n = 0; n < N; n++) {
+      const float *gp = grad_plane(dy, n, C, HW, c);
+      plane_dx(plane, gp, x + (n * C + c) * HW, mean[c], kdy, kx, k0, HW);
+      ddp__cpu_conv2d_fold_plane(&f, plane, n);
+    }
+    ddp__cpu_conv2d_fold_channel(&f, conv_dw ? conv_dw + c * f.k : NULL,
+                                 conv_db ? conv_db + c : NULL);
+  }
+  return DDP_OK;
+}
+
 /* ---- synchronized batch norm: the phases apart ---- */
 
 void ddp__cpu_batch_norm_sums(double *restrict sums, const float *restrict x, int64_t N, int64_t C,

@@ -121,6 +121,7 @@ const ddp__pointwise_kernels ddp__cpu_pointwise_kernels = {
     .batch_norm_running = ddp__cpu_batch_norm_running,
     .batch_norm_forward = ddp__cpu_batch_norm_forward,
     .batch_norm_backward = ddp__cpu_batch_norm_backward,
+    .batch_norm_backward_conv = ddp__cpu_batch_norm_backward_conv,
     .batch_norm_sums = ddp__cpu_batch_norm_sums,
     .batch_norm_stats_from_sums = ddp__cpu_batch_norm_stats_from_sums,
     .batch_norm_backward_reduce = ddp__cpu_batch_norm_backward_reduce,
