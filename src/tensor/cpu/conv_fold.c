@@ -54,8 +54,9 @@ ddp_status ddp__cpu_conv2d_fold_init(ddp__conv2d_fold *f, const float *x,
 /* Rows of up to two vectors (ow <= 32): masked loads of dy and of the
  * shifted input rows (masked loads are cheap on AMD, unlike masked
  * stores); lanes past ow load nothing and add nothing. TAPS taps at a
- * time, their partial sums in registers (named, so the compiler keeps them
- * there), the plane's rows re-read from L1 for each group. */
+ * time, their partial sums in registers (a fixed-size array, fully
+ * unrolled), the plane's rows re-read from L1 for each group. Used for
+ * kernels taller than the sliding window below takes. */
 #define FOLD_TAPS(TAPS)                                                                       \
   AVX512 static void fold_taps##TAPS(float *acc, const float *dy, const float *xs,            \
                                      const int64_t *off, int64_t oh, int64_t ow, int64_t wp,  \
