@@ -256,17 +256,17 @@ typedef struct bn_pool_ctx {
   int64_t h, w;          /* batch norm's planes */
   int64_t kernel, stride;
   /* x is a convolution's output that only this block reads, whose
-   * backward may be folded in (ddp__conv2d_foldable) */
-  bool fold_conv;
+   * backward may be folded in: its geometry (ddp__conv2d_foldable), or NULL */
+  const ddp__conv2d_geom *fold;
 } bn_pool_ctx;
 
 /* Batch norm's backward with the convolution that made x folded in: dx
  * goes plane by plane into the convolution's dw and db (in cache), and x
  * gets no gradient, so the convolution's node is skipped. */
 static ddp_status backward_folding_conv(ddp_tape *tape, ddp__node *node,
-                                        const batch_norm_ctx *ctx, const ddp__bn_grad *dy) {
+                                        const batch_norm_ctx *ctx, const ddp__conv2d_geom *g,
+                                        const ddp__bn_grad *dy) {
   ddp_tensor *x = node->in[0], *weight = node->in[1], *bias = node->in[2];
-  const ddp__conv2d_geom *g = ddp__conv2d_foldable(tape, x);
   const ddp__node *conv = ddp__tape_node(tape, x);
   ddp_status s = DDP_OK;
   float *dweight = ddp__tape_grad(tape, weight, &s);
@@ -304,8 +304,8 @@ static ddp_status batch_norm_relu_max_pool2d_backward(ddp_tape *tape, ddp__node 
   /* Folding needs this block to be the only contributor to x's gradient:
    * the last of x's consumers to run, none before it having written one. */
   const ddp_tensor *x = node->in[0];
-  if (ctx->fold_conv && !x->grad && x->pending == 1)
-    return backward_folding_conv(tape, node, bn, &dy);
+  if (ctx->fold && !x->grad && x->pending == 1)
+    return backward_folding_conv(tape, node, bn, ctx->fold, &dy);
   return batch_norm_backward_from(tape, node, bn, &dy);
 }
 
@@ -354,8 +354,9 @@ ddp_status ddp_batch_norm_relu_max_pool2d(ddp_tape *tape, ddp_tensor *x, ddp_ten
                         .w = x->shape[3],
                         .kernel = kernel,
                         .stride = ddp__pool_stride(kernel, stride),
-                        .fold_conv = !ctx->synced && (x->flags & DDP__TENSOR_REUSABLE) &&
-                                     ddp__conv2d_foldable(tape, x) != NULL};
+                        .fold = !ctx->synced && (x->flags & DDP__TENSOR_REUSABLE)
+                                    ? ddp__conv2d_foldable(tape, x)
+                                    : NULL};
     DDP_TRY(ddp__tape_record(tape,
                              ctx->synced ? "sync_batch_norm_relu_max_pool2d"
                                          : "batch_norm_relu_max_pool2d",

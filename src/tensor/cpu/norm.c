@@ -286,6 +286,19 @@ static void add_affine_grads(float *dweight, float *dbias, int64_t c, double sdy
   if (dweight) dweight[c] += (float)(sdyx * invstd);
 }
 
+/* (N, C, HW) input, channel c, unsynchronized: the sums, weight and bias
+ * gradients from them, and the coefficients of channel c's dx. */
+static void channel_backward(float *kdy, float *kx, float *k0, float *dweight, float *dbias,
+                             const ddp__bn_grad *dy, const float *x, const float *mean,
+                             const float *invstd, const float *weight, int64_t N, int64_t C,
+                             int64_t HW, int64_t c, bool batch_stats) {
+  double sdy, sdyx;
+  channel_backward_sums(&sdy, &sdyx, dy, x, mean[c], N, C, HW, c);
+  add_affine_grads(dweight, dbias, c, sdy, sdyx, invstd[c]);
+  bn_dx_coefficients(kdy, kx, k0, sdy, sdyx, invstd[c], weight ? weight[c] : 1.0f,
+                     (double)(N * HW), batch_stats);
+}
+
 ddp_status ddp__cpu_batch_norm_backward(float *dx, float *restrict dweight,
                                         float *restrict dbias, const ddp__bn_grad *dy,
                                         const float *x, const float *restrict mean,
@@ -313,15 +326,11 @@ ddp_status ddp__cpu_batch_norm_backward(float *dx, float *restrict dweight,
     return DDP_OK;
   }
   for (int64_t c = 0; c < C; c++) {
-    double sdy, sdyx;
-    channel_backward_sums(&sdy, &sdyx, dy, x, mean[c], N, C, HW, c);
-    add_affine_grads(dweight, dbias, c, sdy, sdyx, invstd[c]);
-    if (!dx) continue;
     float kdy, kx, k0;
-    bn_dx_coefficients(&kdy, &kx, &k0, sdy, sdyx, invstd[c], weight ? weight[c] : 1.0f, count,
-                       batch_stats);
+    channel_backward(&kdy, &kx, &k0, dweight, dbias, dy, x, mean, invstd, weight, N, C, HW, c,
+                     batch_stats);
     /* no prefetch: the sums have just brought the channel into cache */
-    channel_dx(dx, dy, x, mean[c], kdy, kx, k0, N, C, HW, c, accumulate, false);
+    if (dx) channel_dx(dx, dy, x, mean[c], kdy, kx, k0, N, C, HW, c, accumulate, false);
   }
   return DDP_OK;
 }
@@ -344,14 +353,10 @@ ddp_status ddp__cpu_batch_norm_backward_conv(float *restrict dweight, float *res
   if (!plane)
     return ddp_error(DDP_ERR_NOMEM, "batch_norm backward: no scratch for a plane of %lld",
                      (long long)HW);
-  const double count = (double)(N * HW);
   for (int64_t c = 0; c < C; c++) {
-    double sdy, sdyx;
-    channel_backward_sums(&sdy, &sdyx, dy, x, mean[c], N, C, HW, c);
-    add_affine_grads(dweight, dbias, c, sdy, sdyx, invstd[c]);
     float kdy, kx, k0;
-    bn_dx_coefficients(&kdy, &kx, &k0, sdy, sdyx, invstd[c], weight ? weight[c] : 1.0f, count,
-                       batch_stats);
+    channel_backward(&kdy, &kx, &k0, dweight, dbias, dy, x, mean, invstd, weight, N, C, HW, c,
+                     batch_stats);
     for (int64_t n = 0; n < N; n++) {
       const float *gp = grad_plane(dy, n, C, HW, c);
       plane_dx(plane, gp, x + (n * C + c) * HW, mean[c], kdy, kx, k0, HW);
