@@ -346,6 +346,7 @@ static const struct {
     {{1, 2, 7, 7}, 4, {3, 2}},  {{1, 2, 5, 6}, 4, {3, 1}}, /* overlapping windows */
     {{3, 6, 5}, 3, {2, 0}},                                 /* 3-D, stride 0 = kernel */
     {{1, 1, 4, 4}, 4, {4, 4}},  {{1, 2, 6, 41}, 4, {2, 2}}, /* rows of 20 outputs */
+    {{2, 3, 14, 14}, 4, {2, 2}}, /* the ConvNet's layer2: rows of 7, whole vectors but the last */
 };
 #define N_POOL_CASES (sizeof pool_cases / sizeof *pool_cases)
 

@@ -15,8 +15,14 @@
 /* kernel 2, stride 2 with AVX-512: 16 outputs at a time. Each pair of input
  * rows is loaded as 32 floats and split into even and odd columns; the four
  * candidates are compared in window order with the same rule, so results
- * and argmax equal the scalar loop's. Rows shorter than 16 outputs use
- * masked loads and stores (slow on AMD, but once per row). */
+ * and argmax equal the scalar loop's.
+ * A row's last step usually has fewer than 16 outputs (every step does in
+ * the ConvNet, whose rows are 14 and 7 wide), and masked stores cost ~10
+ * cycles each on AMD. Where the buffers go on far enough the kernel loads
+ * and stores whole vectors instead: the extra lanes read input further on
+ * (the next row's), and their outputs land on later elements of y and
+ * argmax, which the walk writes again, with their own values, afterwards.
+ * Only the buffers' last steps are masked. */
 __attribute__((target("avx512f"))) static void
 pool2x2_avx512(float *restrict y, int32_t *restrict argmax, const float *restrict x,
                int64_t planes, int64_t h, int64_t w, int64_t oh, int64_t ow, bool relu,
@@ -26,6 +32,8 @@ pool2x2_avx512(float *restrict y, int32_t *restrict argmax, const float *restric
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
   const __m512i lane2 = _mm512_slli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
                                                             11, 12, 13, 14, 15), 1);
+  const float *const x_end = x + planes * h * w;
+  const int64_t outputs = planes * oh * ow;
   for (int64_t p = 0; p < planes; p++) {
     const float *xp = x + p * h * w;
     __m512 center = zero, scale = zero, shift = zero;
@@ -40,15 +48,27 @@ pool2x2_avx512(float *restrict y, int32_t *restrict argmax, const float *restric
       float *yr = y + (p * oh + i) * ow;
       int32_t *ar = argmax ? argmax + (p * oh + i) * ow : NULL;
       for (int64_t j = 0; j < ow; j += 16) {
-        const int64_t n = ow - j < 16 ? ow - j : 16; /* outputs in this step */
-        const __mmask16 out = (__mmask16)((1u << n) - 1);
-        /* inputs 2j .. 2j+2n: first vector min(16, 2n) lanes, second the rest */
-        const __mmask16 lo = 2 * n >= 16 ? 0xffff : (__mmask16)((1u << (2 * n)) - 1);
-        const __mmask16 hi = 2 * n > 16 ? (__mmask16)((1u << (2 * n - 16)) - 1) : 0;
-        __m512 a0 = _mm512_maskz_loadu_ps(lo, r0 + 2 * j);
-        __m512 a1 = _mm512_maskz_loadu_ps(hi, r0 + 2 * j + 16);
-        __m512 b0 = _mm512_maskz_loadu_ps(lo, r1 + 2 * j);
-        __m512 b1 = _mm512_maskz_loadu_ps(hi, r1 + 2 * j + 16);
+        /* outputs in this step; 16 where whole vectors stay in the buffers */
+        const bool whole_in = r1 + 2 * j + 32 <= x_end;
+        const bool whole_out = (p * oh + i) * ow + j + 16 <= outputs;
+        const int64_t n = ow - j < 16 ? ow - j : 16;
+        const int64_t nin = whole_in ? 16 : n, nout = whole_out ? 16 : n;
+        const __mmask16 out = (__mmask16)((1u << nout) - 1);
+        /* inputs 2j .. 2j+2nin: first vector min(16, 2nin) lanes, second the rest */
+        const __mmask16 lo = 2 * nin >= 16 ? 0xffff : (__mmask16)((1u << (2 * nin)) - 1);
+        const __mmask16 hi = 2 * nin > 16 ? (__mmask16)((1u << (2 * nin - 16)) - 1) : 0;
+        __m512 a0, a1, b0, b1;
+        if (whole_in) {
+          a0 = _mm512_loadu_ps(r0 + 2 * j);
+          a1 = _mm512_loadu_ps(r0 + 2 * j + 16);
+          b0 = _mm512_loadu_ps(r1 + 2 * j);
+          b1 = _mm512_loadu_ps(r1 + 2 * j + 16);
+        } else {
+          a0 = _mm512_maskz_loadu_ps(lo, r0 + 2 * j);
+          a1 = _mm512_maskz_loadu_ps(hi, r0 + 2 * j + 16);
+          b0 = _mm512_maskz_loadu_ps(lo, r1 + 2 * j);
+          b1 = _mm512_maskz_loadu_ps(hi, r1 + 2 * j + 16);
+        }
         if (affine) { /* three roundings, as batch_norm_forward: no fma */
           a0 = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(a0, center), scale), shift);
           a1 = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(a1, center), scale), shift);
@@ -77,7 +97,7 @@ pool2x2_avx512(float *restrict y, int32_t *restrict argmax, const float *restric
           at = _mm512_mask_mov_epi32(_mm512_set1_epi32(-1), _mm512_cmp_ps_mask(m, zero, _CMP_GT_OQ),
                                      at);
         }
-        if (n == 16) {
+        if (nout == 16) {
           _mm512_storeu_ps(yr + j, m);
           if (ar) _mm512_storeu_si512(ar + j, at);
         } else {
