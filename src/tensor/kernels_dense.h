@@ -33,6 +33,14 @@ typedef struct ddp__pool_affine {
   int64_t channels;
 } ddp__pool_affine;
 
+/* Max pooling's argmax, one per window: where in the window its maximum
+ * is, a * kernel + b for the window's row a and column b, or -1 where relu
+ * closed the window (the fused forms). Stored in ddp__pool_arg_bytes
+ * bytes a window: one (int8_t) for kernels up to 11 x 11, four (int32_t)
+ * beyond. For the usual 2 x 2 that is a quarter of a plane index's memory,
+ * written in forward and read in backward every step. */
+static inline int64_t ddp__pool_arg_bytes(int64_t kernel) { return kernel <= 11 ? 1 : 4; }
+
 typedef struct ddp__dense_kernels {
   /* c (m, n) = alpha * op(a) @ op(b) + beta * c, row-major. op(a) is (m, k):
    * a is stored (m, k) with row stride lda, or (k, m) when trans_a. Likewise b
@@ -61,20 +69,20 @@ typedef struct ddp__dense_kernels {
                                 const float *x, const float *w, const ddp__conv2d_geom *g,
                                 bool dx_accumulate, ddp_arena *arena);
   /* Max pooling without padding over `planes` (= N*C) planes of (h, w):
-   * y (planes, oh, ow). argmax (planes, oh, ow), or NULL when not needed,
-   * receives each window's maximum's index within its (h, w) plane; ties go
-   * to the first maximum in row-major window order, NaN wins (as PyTorch).
-   * With relu, y = relu(max) (= the max pooling of relu(x)) and argmax is
-   * that of x, or -1 where relu closes the window (y not > 0: relu's
-   * backward, fused, passes nothing there). With affine (or NULL), x is
-   * mapped by it first. */
-  void (*max_pool2d_forward)(float *y, int32_t *argmax, const float *x, int64_t planes,
+   * y (planes, oh, ow). argmax (planes, oh, ow, ddp__pool_arg_bytes each),
+   * or NULL when not needed, receives where in each window its maximum is;
+   * ties go to the first maximum in row-major window order, NaN wins (as
+   * PyTorch). With relu, y = relu(max) (= the max pooling of relu(x)) and
+   * argmax is that of x, or -1 where relu closes the window (y not > 0:
+   * relu's backward, fused, passes nothing there). With affine (or NULL),
+   * x is mapped by it first. */
+  void (*max_pool2d_forward)(float *y, void *argmax, const float *x, int64_t planes,
                              int64_t h, int64_t w, int64_t kernel, int64_t stride, int64_t oh,
                              int64_t ow, bool relu, const ddp__pool_affine *affine);
   /* dx (planes, h, w) += dy scattered to the argmax positions (windows of
    * argmax -1 pass nothing); with !accumulate dx is first set to zero (a
    * fresh buffer). kernel and stride are the forward's. */
-  void (*max_pool2d_backward)(float *dx, const float *dy, const int32_t *argmax, int64_t planes,
+  void (*max_pool2d_backward)(float *dx, const float *dy, const void *argmax, int64_t planes,
                               int64_t h, int64_t w, int64_t kernel, int64_t stride, int64_t oh,
                               int64_t ow, bool accumulate);
 } ddp__dense_kernels;

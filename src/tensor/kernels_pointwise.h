@@ -27,7 +27,7 @@ typedef struct ddp__bn_grad {
   const float *dense; /* (N, C, HW); NULL: pooled */
   /* pooled: (N, C, oh, ow) each; planes of h x w (h * w = HW) */
   const float *pooled;
-  const int32_t *argmax;
+  const void *argmax; /* ddp__pool_arg_bytes(kernel) a window */
   int64_t h, w, kernel, stride, oh, ow;
   float *scratch; /* pooled: HW floats, or N * C when HW == 1 */
 } ddp__bn_grad;

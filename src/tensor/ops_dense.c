@@ -122,9 +122,9 @@ ddp_status ddp_linear(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_ten
  * keeping and reading back relu(x), four times the pooled output's size. */
 
 typedef struct pool_ctx {
-  /* (planes, H', W'): each window's max's index in its plane; -1 where
-   * relu closed the window */
-  int32_t *argmax;
+  /* (planes, H', W'): where in each window its max is; -1 where relu
+   * closed the window (ddp__pool_arg_bytes each) */
+  void *argmax;
   int64_t planes, h, w, kernel, stride;
 } pool_ctx;
 
@@ -150,7 +150,7 @@ static ddp_status max_pool2d_backward(ddp_tape *tape, ddp__node *node) {
  * backward. Records nothing. */
 static ddp_status pool_compute(ddp_tape *tape, const char *op, bool relu, ddp_tensor *x,
                                const float *data, const ddp__pool_affine *affine, int kernel,
-                               int stride, ddp_tensor **out, int32_t **argmax) {
+                               int stride, ddp_tensor **out, void **argmax) {
   char sx[DDP_SHAPE_STR_BYTES];
   if (!tape || !out) return ddp_error(DDP_ERR_INVALID, "%s: tape or out is NULL", op);
   if (!x) return ddp_error(DDP_ERR_INVALID, "%s: input is NULL", op);
@@ -182,9 +182,9 @@ static ddp_status pool_compute(ddp_tape *tape, const char *op, bool relu, ddp_te
   shape[x->ndim - 1] = ow;
   ddp_tensor *y;
   DDP_TRY(ddp__tape_output(tape, op, DDP_FLOAT32, x->ndim, shape, &y));
-  int32_t *at = NULL;
+  void *at = NULL;
   if (argmax) {
-    at = ddp_tape_scratch(tape, (size_t)y->numel * sizeof(int32_t));
+    at = ddp_tape_scratch(tape, (size_t)(y->numel * ddp__pool_arg_bytes(kernel)));
     if (!at)
       return ddp_error(DDP_ERR_NOMEM, "%s: cannot allocate the argmax of %s", op,
                        DDP__SHAPE(y, sx));
@@ -201,7 +201,7 @@ static ddp_status pool_compute(ddp_tape *tape, const char *op, bool relu, ddp_te
 static ddp_status pool_forward(ddp_tape *tape, const char *op, bool relu, ddp_tensor *x,
                                int kernel, int stride, ddp_tensor **out) {
   const bool wants = tape && x && ddp__tape_wants_grad(tape, 1, &x);
-  int32_t *argmax = NULL;
+  void *argmax = NULL;
   ddp_tensor *y;
   DDP_TRY(pool_compute(tape, op, relu, x, NULL, NULL, kernel, stride, &y,
                        wants ? &argmax : NULL));
@@ -233,7 +233,7 @@ ddp_status ddp_relu_max_pool2d(ddp_tape *tape, ddp_tensor *x, int kernel, int st
 
 ddp_status ddp__relu_max_pool2d_affine(ddp_tape *tape, ddp_tensor *x, const float *data,
                                        const ddp__pool_affine *affine, int kernel, int stride,
-                                       ddp_tensor **out, int32_t **argmax) {
+                                       ddp_tensor **out, void **argmax) {
   return pool_compute(tape, "batch_norm_relu_max_pool2d", true, x, data, affine, kernel, stride,
                       out, argmax);
 }

@@ -20,7 +20,7 @@ static inline int ddp__pool_stride(int kernel, int stride) { return stride ? str
  * hands batch norm's the pooled gradient (ddp__bn_grad). */
 ddp_status ddp__relu_max_pool2d_affine(ddp_tape *tape, ddp_tensor *x, const float *data,
                                        const ddp__pool_affine *affine, int kernel, int stride,
-                                       ddp_tensor **out, int32_t **argmax);
+                                       ddp_tensor **out, void **argmax);
 
 /* When intermediate `t` is the output of a stride-1 conv2d (more than one
  * output element per plane) whose input needs no gradient and whose weight

@@ -252,7 +252,7 @@ ddp_status ddp_sync_batch_norm(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight
  * never stored. */
 typedef struct bn_pool_ctx {
   const batch_norm_ctx *bn;
-  const int32_t *argmax; /* (N, C, oh, ow): each window's max's index in its plane */
+  const void *argmax; /* (N, C, oh, ow): where each window's max is (ddp__pool_arg_bytes) */
   int64_t h, w;          /* batch norm's planes */
   int64_t kernel, stride;
   /* x is a convolution's output that only this block reads, whose
@@ -340,7 +340,7 @@ ddp_status ddp_batch_norm_relu_max_pool2d(ddp_tape *tape, ddp_tensor *x, ddp_ten
   const ddp__pool_affine map = {ctx->mean, affine, affine + C, C};
   ddp_tensor *in[3] = {x, weight, bias};
   const bool wants = ddp__tape_wants_grad(tape, 3, in);
-  int32_t *argmax = NULL;
+  void *argmax = NULL;
   DDP_TRY(ddp__relu_max_pool2d_affine(tape, normalised, x->data, &map, kernel, stride, &y,
                                       wants ? &argmax : NULL));
   if (wants) {

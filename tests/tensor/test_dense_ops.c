@@ -580,14 +580,17 @@ static void test_batch_norm_relu_max_pool2d(void **state) {
  * column and row (2x2's whole-vector stores, whose spill must be
  * overwritten and never leave the buffer: ASan checks the exact-size
  * buffers), rows of two steps (20 windows), overlapping 3x3 windows, one
- * plane and many. Runs on both kernel paths. */
+ * plane and many, the widest one-byte argmax (11x11) and four-byte ones
+ * (12x12). The forward's argmax is checked against the reference's maxima
+ * first. Runs on both kernel paths. */
 static void test_max_pool2d_backward_fresh(void **state) {
   (void)state;
   static const struct {
     int64_t planes, h, w;
     int k, s;
   } cases[] = {{1, 28, 28, 2, 2}, {5, 7, 7, 2, 2},  {3, 14, 14, 2, 2}, {2, 9, 40, 2, 2},
-               {4, 7, 9, 3, 2},   {1, 2, 2, 2, 2},  {6, 5, 33, 2, 2},  {2, 8, 8, 3, 3}};
+               {4, 7, 9, 3, 2},   {1, 2, 2, 2, 2},  {6, 5, 33, 2, 2},  {2, 8, 8, 3, 3},
+               {2, 26, 27, 12, 7}, {3, 11, 12, 11, 1}};
   for (size_t t = 0; t < sizeof cases / sizeof cases[0]; t++) {
     const int64_t planes = cases[t].planes, h = cases[t].h, w = cases[t].w;
     const int k = cases[t].k, st = cases[t].s;
@@ -597,10 +600,30 @@ static void test_max_pool2d_backward_fresh(void **state) {
     ddp_tensor *dy = gradcheck_random(1, sy, -1, 1, 950 + t, false);
     float *y = ddp_alloc((size_t)outs * sizeof(float));
     int64_t *arg64 = ddp_alloc((size_t)outs * sizeof(int64_t));
-    int32_t *arg = ddp_alloc((size_t)outs * sizeof(int32_t));
+    /* the kernels' argmax: each max's place in its window, one byte wide
+     * up to 11x11 windows and four beyond (ddp__pool_arg_bytes), in
+     * exact-size buffers */
+    const int64_t bytes = ddp__pool_arg_bytes(k);
+    assert_int_equal(bytes, k <= 11 ? 1 : 4);
+    void *arg = malloc((size_t)(outs * bytes)), *fwd_arg = malloc((size_t)(outs * bytes));
+    assert_non_null(arg);
+    assert_non_null(fwd_arg);
+    int64_t *at = ddp_alloc((size_t)outs * sizeof(int64_t)); /* plane index, -1 closed */
     ref_pool(y, arg64, x->data, planes, h, w, k, st);
+    /* the forward's argmax: the reference's maxima, in window places */
+    ddp__cpu_max_pool2d_forward(y, fwd_arg, x->data, planes, h, w, k, st, oh, ow, false, NULL);
     for (int64_t o = 0; o < outs; o++) {
-      arg[o] = o % 5 == 0 ? -1 : (int32_t)(arg64[o] % (h * w)); /* some windows closed */
+      const int64_t pos = arg64[o] % (h * w), i = (o % (oh * ow)) / ow, j = o % ow;
+      const int32_t place = (int32_t)((pos / w - i * st) * k + pos % w - j * st);
+      const int32_t fwd = bytes == 1 ? ((int8_t *)fwd_arg)[o] : ((int32_t *)fwd_arg)[o];
+      if (fwd != place)
+        fail_msg("case %zu: window %lld's argmax %d, expected %d", t, (long long)o, fwd, place);
+      at[o] = o % 5 == 0 ? -1 : pos; /* some windows closed */
+      const int32_t code = at[o] < 0 ? -1 : place;
+      if (bytes == 1)
+        ((int8_t *)arg)[o] = (int8_t)code;
+      else
+        ((int32_t *)arg)[o] = code;
       if (o % 11 == 3) ((float *)dy->data)[o] = -0.0f;
     }
     float *want = ddp_alloc((size_t)sx[0] * sizeof(float));
@@ -608,7 +631,7 @@ static void test_max_pool2d_backward_fresh(void **state) {
     assert_non_null(got);
     memset(want, 0, (size_t)sx[0] * sizeof(float));
     for (int64_t o = 0; o < outs; o++)
-      if (arg[o] >= 0) want[(o / (oh * ow)) * h * w + arg[o]] += ((const float *)dy->data)[o];
+      if (at[o] >= 0) want[(o / (oh * ow)) * h * w + at[o]] += ((const float *)dy->data)[o];
     for (int64_t i = 0; i < sx[0]; i++) got[i] = NAN; /* a fresh buffer's garbage */
     ddp__cpu_max_pool2d_backward(got, dy->data, arg, planes, h, w, k, st, oh, ow, false);
     if (memcmp(got, want, (size_t)sx[0] * sizeof(float)) != 0)
@@ -617,7 +640,9 @@ static void test_max_pool2d_backward_fresh(void **state) {
     free(got);
     ddp_free(y);
     ddp_free(arg64);
-    ddp_free(arg);
+    ddp_free(at);
+    free(arg);
+    free(fwd_arg);
     ddp_tensor_destroy(x);
     ddp_tensor_destroy(dy);
   }

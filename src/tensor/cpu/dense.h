@@ -14,11 +14,11 @@ ddp_status ddp__cpu_conv2d_forward(float *y, const float *x, const float *w, con
 ddp_status ddp__cpu_conv2d_backward(float *dx, float *dw, float *db, const float *dy,
                                     const float *x, const float *w, const ddp__conv2d_geom *g,
                                     bool dx_accumulate, ddp_arena *arena);
-void ddp__cpu_max_pool2d_forward(float *y, int32_t *argmax, const float *x, int64_t planes,
+void ddp__cpu_max_pool2d_forward(float *y, void *argmax, const float *x, int64_t planes,
                                  int64_t h, int64_t w, int64_t kernel, int64_t stride,
                                  int64_t oh, int64_t ow, bool relu,
                                  const ddp__pool_affine *affine);
-void ddp__cpu_max_pool2d_backward(float *dx, const float *dy, const int32_t *argmax,
+void ddp__cpu_max_pool2d_backward(float *dx, const float *dy, const void *argmax,
                                   int64_t planes, int64_t h, int64_t w, int64_t kernel,
                                   int64_t stride, int64_t oh, int64_t ow, bool accumulate);
 

@@ -161,7 +161,8 @@ static const float *grad_plane(const ddp__bn_grad *dy, int64_t n, int64_t C, int
   const int64_t p = n * C + c;
   if (dy->dense) return dy->dense + p * HW;
   const int64_t at = p * dy->oh * dy->ow;
-  ddp__cpu_max_pool2d_backward(dy->scratch, dy->pooled + at, dy->argmax + at, 1, dy->h, dy->w,
+  const char *arg = (const char *)dy->argmax + at * ddp__pool_arg_bytes(dy->kernel);
+  ddp__cpu_max_pool2d_backward(dy->scratch, dy->pooled + at, arg, 1, dy->h, dy->w,
                                dy->kernel, dy->stride, dy->oh, dy->ow, false);
   return dy->scratch;
 }
@@ -181,7 +182,8 @@ static void prefetch_plane(const ddp__bn_grad *dy, const float *x, int64_t n, in
   }
   const int64_t ohw = dy->oh * dy->ow;
   prefetch_range(dy->pooled + p * ohw, (size_t)ohw * sizeof(float));
-  prefetch_range(dy->argmax + p * ohw, (size_t)ohw * sizeof(int32_t));
+  const int64_t arg_bytes = ddp__pool_arg_bytes(dy->kernel);
+  prefetch_range((const char *)dy->argmax + p * ohw * arg_bytes, (size_t)(ohw * arg_bytes));
 }
 
 /* The whole gradient of an (N, C) input (HW == 1), dense: a pooled one is

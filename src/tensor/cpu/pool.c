@@ -5,7 +5,8 @@
  * equals pooling relu(x), with NaN still propagating (relu keeps NaN) and
  * the gradient reaching the same element whenever it is not zero. A window
  * relu closes (y not > 0) gets argmax -1, so the backward blocks its
- * gradient without reading y back. */
+ * gradient without reading y back. argmax holds the max's place in its
+ * window (ddp__pool_arg_bytes wide; int8 for the AVX-512 2x2 kernels). */
 #include <immintrin.h>
 #include <math.h>
 #include <string.h>
@@ -24,14 +25,14 @@
  * argmax, which the walk writes again, with their own values, afterwards.
  * Only the buffers' last steps are masked. */
 __attribute__((target("avx512f"))) static void
-pool2x2_avx512(float *restrict y, int32_t *restrict argmax, const float *restrict x,
+pool2x2_avx512(float *restrict y, int8_t *restrict argmax, const float *restrict x,
                int64_t planes, int64_t h, int64_t w, int64_t oh, int64_t ow, bool relu,
                const ddp__pool_affine *affine) {
   const __m512 zero = _mm512_setzero_ps();
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  const __m512i lane2 = _mm512_slli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
-                                                            11, 12, 13, 14, 15), 1);
+  const __m512i one = _mm512_set1_epi32(1), two = _mm512_set1_epi32(2),
+                three = _mm512_set1_epi32(3);
   const float *const x_end = x + planes * h * w;
   const int64_t outputs = planes * oh * ow;
   for (int64_t p = 0; p < planes; p++) {
@@ -46,7 +47,7 @@ pool2x2_avx512(float *restrict y, int32_t *restrict argmax, const float *restric
     for (int64_t i = 0; i < oh; i++) {
       const float *r0 = xp + 2 * i * w, *r1 = r0 + w;
       float *yr = y + (p * oh + i) * ow;
-      int32_t *ar = argmax ? argmax + (p * oh + i) * ow : NULL;
+      int8_t *ar = argmax ? argmax + (p * oh + i) * ow : NULL;
       for (int64_t j = 0; j < ow; j += 16) {
         /* outputs in this step; 16 where whole vectors stay in the buffers */
         const bool whole_in = r1 + 2 * j + 32 <= x_end;
@@ -79,17 +80,17 @@ pool2x2_avx512(float *restrict y, int32_t *restrict argmax, const float *restric
         const __m512 v1 = _mm512_permutex2var_ps(a0, odd, a1);
         const __m512 v2 = _mm512_permutex2var_ps(b0, even, b1);
         const __m512 v3 = _mm512_permutex2var_ps(b0, odd, b1);
-        const __m512i base = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(2 * i * w + 2 * j)), lane2);
-        __m512i at = base;
+        /* the max's place in its window: 0 1 on the top row, 2 3 below */
+        __m512i at = _mm512_setzero_si512();
         __mmask16 t = _mm512_cmp_ps_mask(v1, m, _CMP_GT_OQ) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q);
         m = _mm512_mask_mov_ps(m, t, v1);
-        at = _mm512_mask_mov_epi32(at, t, _mm512_add_epi32(base, _mm512_set1_epi32(1)));
+        at = _mm512_mask_mov_epi32(at, t, one);
         t = _mm512_cmp_ps_mask(v2, m, _CMP_GT_OQ) | _mm512_cmp_ps_mask(v2, v2, _CMP_UNORD_Q);
         m = _mm512_mask_mov_ps(m, t, v2);
-        at = _mm512_mask_mov_epi32(at, t, _mm512_add_epi32(base, _mm512_set1_epi32((int32_t)w)));
+        at = _mm512_mask_mov_epi32(at, t, two);
         t = _mm512_cmp_ps_mask(v3, m, _CMP_GT_OQ) | _mm512_cmp_ps_mask(v3, v3, _CMP_UNORD_Q);
         m = _mm512_mask_mov_ps(m, t, v3);
-        at = _mm512_mask_mov_epi32(at, t, _mm512_add_epi32(base, _mm512_set1_epi32((int32_t)w + 1)));
+        at = _mm512_mask_mov_epi32(at, t, three);
         /* relu: only lanes below zero become 0 (an ordered compare keeps
          * NaN); windows whose y is not > 0 pass no gradient: argmax -1 */
         if (relu) {
@@ -99,17 +100,29 @@ pool2x2_avx512(float *restrict y, int32_t *restrict argmax, const float *restric
         }
         if (nout == 16) {
           _mm512_storeu_ps(yr + j, m);
-          if (ar) _mm512_storeu_si512(ar + j, at);
+          if (ar) _mm_storeu_si128((__m128i *)(ar + j), _mm512_cvtepi32_epi8(at));
         } else {
           _mm512_mask_storeu_ps(yr + j, out, m);
-          if (ar) _mm512_mask_storeu_epi32(ar + j, out, at);
+          if (ar) _mm512_mask_cvtepi32_storeu_epi8(ar + j, out, at);
         }
       }
     }
   }
 }
 
-void ddp__cpu_max_pool2d_forward(float *y, int32_t *argmax, const float *x, int64_t planes,
+/* argmax[i] := code, one or four bytes wide */
+static void arg_put(void *argmax, int64_t i, int64_t bytes, int32_t code) {
+  if (bytes == 1)
+    ((int8_t *)argmax)[i] = (int8_t)code;
+  else
+    ((int32_t *)argmax)[i] = code;
+}
+
+static int32_t arg_get(const void *argmax, int64_t i, int64_t bytes) {
+  return bytes == 1 ? ((const int8_t *)argmax)[i] : ((const int32_t *)argmax)[i];
+}
+
+void ddp__cpu_max_pool2d_forward(float *y, void *argmax, const float *x, int64_t planes,
                                  int64_t h, int64_t w, int64_t kernel, int64_t stride,
                                  int64_t oh, int64_t ow, bool relu,
                                  const ddp__pool_affine *affine) {
@@ -117,6 +130,7 @@ void ddp__cpu_max_pool2d_forward(float *y, int32_t *argmax, const float *x, int6
     pool2x2_avx512(y, argmax, x, planes, h, w, oh, ow, relu, affine);
     return;
   }
+  const int64_t bytes = ddp__pool_arg_bytes(kernel);
   for (int64_t p = 0; p < planes; p++) {
     const float *xp = x + p * h * w;
     const int64_t c = affine ? p % affine->channels : 0;
@@ -124,20 +138,20 @@ void ddp__cpu_max_pool2d_forward(float *y, int32_t *argmax, const float *x, int6
       for (int64_t j = 0; j < ow; j++) {
         int64_t top = i * stride, left = j * stride;
         float m = -INFINITY;
-        int64_t at = top * w + left;
-        for (int64_t a = top; a < top + kernel; a++)
-          for (int64_t b = left; b < left + kernel; b++) {
-            float v = xp[a * w + b];
+        int32_t at = 0; /* the max's place in the window */
+        for (int64_t a = 0; a < kernel; a++)
+          for (int64_t b = 0; b < kernel; b++) {
+            float v = xp[(top + a) * w + left + b];
             if (affine) v = (v - affine->center[c]) * affine->scale[c] + affine->shift[c];
             if (v > m || isnan(v)) {
               m = v;
-              at = a * w + b;
+              at = (int32_t)(a * kernel + b);
             }
           }
         if (relu && m < 0.0f) m = 0.0f;
         if (relu && !(m > 0.0f)) at = -1; /* closed by relu */
         y[(p * oh + i) * ow + j] = m;
-        if (argmax) argmax[(p * oh + i) * ow + j] = (int32_t)at;
+        if (argmax) arg_put(argmax, (p * oh + i) * ow + j, bytes, at);
       }
   }
 }
@@ -157,16 +171,14 @@ void ddp__cpu_max_pool2d_forward(float *y, int32_t *argmax, const float *x, int6
  * in dx (this row's uncovered columns, the next rows), each of which the
  * walk writes again, with its own value, afterwards. */
 __attribute__((target("avx512f"))) static void
-unpool2x2_avx512(float *restrict dx, const float *restrict dy, const int32_t *restrict argmax,
+unpool2x2_avx512(float *restrict dx, const float *restrict dy, const int8_t *restrict argmax,
                  int64_t planes, int64_t h, int64_t w, int64_t oh, int64_t ow) {
   const __m512 zero = _mm512_setzero_ps();
-  const __m512i lane2 = _mm512_slli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
-                                                            11, 12, 13, 14, 15), 1);
   /* a and b interleaved: [a0 b0 .. a7 b7], then [a8 b8 .. a15 b15] */
   const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
   const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
-  const __m512i right = _mm512_set1_epi32(1), below = _mm512_set1_epi32((int32_t)w),
-                below_right = _mm512_set1_epi32((int32_t)w + 1);
+  const __m512i right = _mm512_set1_epi32(1), below = _mm512_set1_epi32(2),
+                below_right = _mm512_set1_epi32(3);
   const float *const dx_end = dx + planes * h * w;
   const int64_t windows = planes * oh * ow;
   for (int64_t p = 0; p < planes; p++) {
@@ -184,11 +196,16 @@ unpool2x2_avx512(float *restrict dx, const float *restrict dy, const int32_t *re
         const __mmask16 lo = 2 * n >= 16 ? 0xffff : (__mmask16)((1u << (2 * n)) - 1);
         const __mmask16 hi = 2 * n > 16 ? (__mmask16)((1u << (2 * n - 16)) - 1) : 0;
         const __m512 g = _mm512_add_ps(zero, _mm512_maskz_loadu_ps(out, dy + row + j));
-        /* each window's argmax relative to its top-left element */
-        const __m512i corner =
-            _mm512_add_epi32(_mm512_set1_epi32((int32_t)(2 * i * w + 2 * j)), lane2);
-        const __m512i at =
-            _mm512_sub_epi32(_mm512_maskz_loadu_epi32(out, argmax + row + j), corner);
+        /* each window's max's place: 0 1 on the top row, 2 3 below */
+        __m128i codes;
+        if (n == 16) {
+          codes = _mm_loadu_si128((const __m128i *)(argmax + row + j));
+        } else { /* a byte-masked load would need AVX-512BW: copy the n */
+          int8_t part[16] = {0};
+          memcpy(part, argmax + row + j, (size_t)n);
+          codes = _mm_loadu_si128((const __m128i *)part);
+        }
+        const __m512i at = _mm512_cvtepi8_epi32(codes);
         const __m512 v00 =
             _mm512_maskz_mov_ps(_mm512_cmpeq_epi32_mask(at, _mm512_setzero_si512()), g);
         const __m512 v01 = _mm512_maskz_mov_ps(_mm512_cmpeq_epi32_mask(at, right), g);
@@ -216,22 +233,25 @@ unpool2x2_avx512(float *restrict dx, const float *restrict dy, const int32_t *re
   }
 }
 
-void ddp__cpu_max_pool2d_backward(float *dx, const float *dy, const int32_t *argmax,
+void ddp__cpu_max_pool2d_backward(float *dx, const float *dy, const void *argmax,
                                   int64_t planes, int64_t h, int64_t w, int64_t kernel,
                                   int64_t stride, int64_t oh, int64_t ow, bool accumulate) {
   if (!accumulate && kernel == 2 && stride == 2 && ddp__cpu_has_avx512()) {
     unpool2x2_avx512(dx, dy, argmax, planes, h, w, oh, ow);
     return;
   }
+  const int64_t bytes = ddp__pool_arg_bytes(kernel);
   for (int64_t p = 0; p < planes; p++) {
     float *dxp = dx + p * h * w;
     const float *dyp = dy + p * oh * ow;
-    const int32_t *ap = argmax + p * oh * ow;
     /* A fresh gradient is zeroed a plane at a time, right before the
      * scatter, so the plane is still in cache when the scatter writes it;
      * zeroing the whole buffer first sends it to memory and back. */
     if (!accumulate) memset(dxp, 0, (size_t)(h * w) * sizeof(float));
-    for (int64_t i = 0; i < oh * ow; i++)
-      if (ap[i] >= 0) dxp[ap[i]] += dyp[i];
+    for (int64_t i = 0; i < oh; i++)
+      for (int64_t j = 0; j < ow; j++) {
+        const int32_t at = arg_get(argmax, (p * oh + i) * ow + j, bytes);
+        if (at >= 0) dxp[(i * stride + at / kernel) * w + j * stride + at % kernel] += dyp[i * ow + j];
+      }
   }
 }
