@@ -63,7 +63,8 @@ ddp_status ddp__module_forward(ddp_model *model, ddp_module *m, ddp_tape *tape, 
   /* An empty Sequential is the identity, as in PyTorch. */
   ddp_tensor *h = x;
   const ddp_module *made_h = NULL; /* the child whose output h is, if any */
-  for (ddp_module *c = m->first_child; c; made_h = c, c = c->next_sibling) {
+  const ddp_module *made_made_h = NULL; /* the child before it, if any */
+  for (ddp_module *c = m->first_child; c; made_made_h = made_h, made_h = c, c = c->next_sibling) {
     ddp_module *next = c->next_sibling;
     ddp_module *third = next ? next->next_sibling : NULL;
     if (c->kind == DDP_MODULE_BATCHNORM2D && next && next->kind == DDP_MODULE_RELU && third &&
@@ -102,6 +103,14 @@ ddp_status ddp__module_forward(ddp_model *model, ddp_module *m, ddp_tape *tape, 
      * its input to its first child only. */
     if (is_kind(first_leaf(c), DDP_MODULE_CONV2D) && is_kind(last_leaf(made_h), DDP_MODULE_MAXPOOL2D) &&
         h != x)
+      h->flags |= DDP__TENSOR_REUSABLE;
+    /* Likewise a pooling's output flattened for a linear layer (the
+     * ConvNet's fc): linear's backward reads the flattened values (for its
+     * weight's gradient) before it writes their gradient, the flatten
+     * hands that gradient to the pooling's output as it is (a view), and
+     * the pooling's backward never reads its output. */
+    if (is_kind(first_leaf(c), DDP_MODULE_LINEAR) && is_kind(last_leaf(made_h), DDP_MODULE_FLATTEN) &&
+        is_kind(last_leaf(made_made_h), DDP_MODULE_MAXPOOL2D) && h != x)
       h->flags |= DDP__TENSOR_REUSABLE;
     DDP_TRY(ddp__module_forward(model, c, tape, h, &h));
   }

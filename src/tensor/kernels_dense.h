@@ -53,7 +53,9 @@ typedef struct ddp__dense_kernels {
                          int64_t in, int64_t out);
   /* From dy (rows, out): dx (rows, in) += dy @ w (= when !dx_accumulate:
    * dx is a fresh buffer, ddp__tape_grad_out), dw (out, in) += dy^T @ x,
-   * db (out) += column sums of dy. Each of dx, dw, db may be NULL. */
+   * db (out) += column sums of dy. Each of dx, dw, db may be NULL. With
+   * !dx_accumulate dx may be x itself: x is read (for dw) before dx is
+   * written. */
   void (*linear_backward)(float *dx, bool dx_accumulate, float *dw, float *db, const float *dy,
                           const float *x, const float *w, int64_t rows, int64_t in, int64_t out);
   /* y (n, o, oh, ow) = conv(x, w) + b; b (o) or NULL. Fails only when the

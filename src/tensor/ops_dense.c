@@ -64,7 +64,9 @@ static ddp_status linear_backward(ddp_tape *tape, ddp__node *node) {
   for (int i = 0; i < x->ndim - 1; i++) rows *= x->shape[i];
   ddp_status s = DDP_OK;
   bool dx_accumulate;
-  float *dx = ddp__tape_grad_out(tape, x, &dx_accumulate, &s);
+  /* The kernel reads all of x (for dw) before it writes dx, so dx may take
+   * over x's data (ddp__tape_grad_reusing_data). */
+  float *dx = ddp__tape_grad_reusing_data(tape, x, &dx_accumulate, &s);
   float *dw = s == DDP_OK ? ddp__tape_grad(tape, w, &s) : NULL;
   float *db = s == DDP_OK ? ddp__tape_grad(tape, b, &s) : NULL;
   if (s != DDP_OK) return s;

@@ -241,6 +241,62 @@ static void test_conv_gradient_takes_over_input(void **state) {
   ddp__cpu_dense_force_generic(false);
 }
 
+/* A linear layer's dx taking over its input's data, as nn's runner allows
+ * for a pooling's output flattened for it (the ConvNet's fc): p = the
+ * batch-norm block of conv2d(x, w), f = flatten(p) marked, out =
+ * linear(f, v, b). Linear's backward reads f for v's gradient, then writes
+ * f's gradient over f; the flatten hands it to p as it is. Every gradient
+ * is bitwise the unmarked run's, and finite differences agree. */
+static ddp_status linear_reuse_chain(ddp_tape *tape, ddp_tensor **in, void *user,
+                                     ddp_tensor **out) {
+  ddp_tensor **made = user; /* p and f of the last run, or NULL not to mark */
+  ddp_tensor *c, *p, *f;
+  DDP_TRY(ddp_conv2d(tape, in[0], in[1], NULL, 1, 1, &c));
+  DDP_TRY(ddp_batch_norm_relu_max_pool2d(tape, c, in[2], in[3], NULL, NULL, NULL, true, 0.1f,
+                                         1e-5f, NULL, 2, 2, &p));
+  DDP_TRY(ddp_flatten(tape, p, 1, &f));
+  if (made) {
+    f->flags |= DDP__TENSOR_REUSABLE;
+    made[0] = p, made[1] = f;
+  }
+  return ddp_linear(tape, f, in[4], in[5], out);
+}
+
+static void test_linear_gradient_takes_over_input(void **state) {
+  (void)state;
+  int64_t sx[4] = {3, 2, 8, 8}, sw[4] = {3, 2, 3, 3}, sc[1] = {3}, sv[2] = {5, 48}, sb[1] = {5};
+  ddp_tensor *in[6] = {gradcheck_random(4, sx, -1, 1, 71, true),
+                       gradcheck_random(4, sw, -0.5f, 0.5f, 72, true),
+                       gradcheck_random(1, sc, 0.5f, 1.5f, 73, true),
+                       gradcheck_random(1, sc, -0.5f, 0.5f, 74, true),
+                       gradcheck_random(2, sv, -0.5f, 0.5f, 75, true),
+                       gradcheck_random(1, sb, -0.5f, 0.5f, 76, true)};
+  float *grads[2][6];
+  for (int mark = 0; mark < 2; mark++) {
+    ddp_tensor *made[2] = {NULL, NULL};
+    ddp_tape *tape;
+    assert_int_equal(ddp_tape_create(&tape, 1 << 16), DDP_OK);
+    ddp_tensor *out;
+    assert_int_equal(linear_reuse_chain(tape, in, mark ? made : NULL, &out), DDP_OK);
+    backward_taking_grads(tape, out, in, 6, grads[mark]);
+    if (mark) {
+      assert_ptr_equal(made[1]->grad, made[1]->data);
+      assert_ptr_equal(made[0]->grad, made[0]->data);
+    }
+    ddp_tape_destroy(tape);
+  }
+  for (int i = 0; i < 6; i++) {
+    assert_memory_equal(grads[0][i], grads[1][i], (size_t)in[i]->numel * sizeof(float));
+    ddp_free(grads[0][i]);
+    ddp_free(grads[1][i]);
+  }
+  ddp_tensor *made[2];
+  assert_int_equal(gradcheck("linear gradient taking over data", linear_reuse_chain, in, 6, made,
+                             1e-3, 1e-3, 1e-2),
+                   0);
+  for (int i = 0; i < 6; i++) ddp_tensor_destroy(in[i]);
+}
+
 /* A first convolution folded into batch norm's backward (cpu/conv_fold.c):
  * c = conv2d(x, w, b, pad) with x data (no gradient), marked reusable as
  * nn marks it, then the batch-norm block. Marked, the block's backward
@@ -484,6 +540,7 @@ int main(void) {
       cmocka_unit_test(test_fresh_gradients_gradcheck),
       cmocka_unit_test(test_gradient_takes_over_data),
       cmocka_unit_test(test_conv_gradient_takes_over_input),
+      cmocka_unit_test(test_linear_gradient_takes_over_input),
       cmocka_unit_test(test_view_hands_gradient_over),
       cmocka_unit_test(test_conv_folded_into_batch_norm),
       cmocka_unit_test(test_grad_hook_fires_once_when_final),

@@ -37,11 +37,12 @@ static void cpu_linear_forward(float *y, const float *x, const float *w, const f
 static void cpu_linear_backward(float *dx, bool dx_accumulate, float *dw, float *db,
                                 const float *dy, const float *x, const float *w, int64_t rows,
                                 int64_t in, int64_t out) {
+  /* dw before dx: dx may be x's own memory (see the table's contract) */
+  if (dw) /* dw (out, in) += dy^T (out, rows) @ x (rows, in) */
+    ddp__cpu_gemm(true, false, out, in, rows, 1.0f, dy, out, x, in, 1.0f, dw, in);
   if (dx) /* dx (rows, in) (+)= dy (rows, out) @ w (out, in) */
     ddp__cpu_gemm(false, false, rows, in, out, 1.0f, dy, out, w, in, dx_accumulate ? 1.0f : 0.0f,
                   dx, in);
-  if (dw) /* dw (out, in) += dy^T (out, rows) @ x (rows, in) */
-    ddp__cpu_gemm(true, false, out, in, rows, 1.0f, dy, out, x, in, 1.0f, dw, in);
   if (db)
     for (int64_t r = 0; r < rows; r++) {
       const float *row = dy + r * out;
