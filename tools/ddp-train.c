@@ -531,9 +531,12 @@ static void run_meta_init(run_meta *m, const train_args *a, const ddp_optim_opti
  * on disk, so none can go on (exit, or load it) before. */
 static void save_checkpoint(const train_args *a, const run_meta *meta, const train_world *world,
                             ddp_model *model, ddp_optimizer *opt, ddp_scheduler *sched,
-                            int64_t step, int64_t epoch, int64_t epoch_batches) {
+                            int64_t step, int64_t epoch, int64_t epoch_batches,
+                            const patience *pat) {
   ddp_train_state ts = {.step = step, .epoch = epoch, .epoch_batches = epoch_batches,
-                        .sampler_seed = a->seed, .world_size = world->size};
+                        .sampler_seed = a->seed, .world_size = world->size,
+                        .best_test_loss = pat->best_loss,
+                        .evals_without_better = pat->without_better};
   if (world->rank == 0)
     CHECK(ddp_checkpoint_save(a->save_path, model, opt, sched, &ts, meta->kv, meta->n),
           "saving the checkpoint");
@@ -546,7 +549,7 @@ static void save_checkpoint(const train_args *a, const run_meta *meta, const tra
 static ddp_train_state resume(const train_args *a, const run_meta *meta, const train_world *world,
                               ddp_model *model, ddp_optimizer *opt, ddp_scheduler *sched,
                               int64_t per_epoch) {
-  ddp_train_state start = {.world_size = world->size};
+  ddp_train_state start = {.world_size = world->size, .best_test_loss = INFINITY};
   if (!a->resume_path) return start;
   CHECK(ddp_checkpoint_load(a->resume_path, model, opt, sched, &start, meta->kv, meta->n),
         "resuming");
@@ -687,7 +690,10 @@ int main(int argc, char **argv) {
   double epoch_loss_sum = 0, all_loss_sum = 0;
   int64_t epoch_steps = 0;   /* batches of this epoch consumed (also before a resume) */
   int64_t epoch_losses = 0;  /* of those, steps run by this process */
-  patience pat = {.limit = a.patience, .best_loss = INFINITY};
+  /* Early stopping goes on from where a resumed run left it. */
+  patience pat = {.limit = a.patience,
+                  .best_loss = start.best_test_loss,
+                  .without_better = start.evals_without_better};
   eval_result last_eval = {NAN, NAN};
   bool evaluated_now = false, stop = false;
   float loss_value = NAN;
@@ -760,9 +766,6 @@ int main(int argc, char **argv) {
         fputs("}\n", log);
       }
       show_progress(&prog, step, epoch, a.epochs, loss_value, rate, train_seconds, false);
-      if (a.save_every && step % a.save_every == 0)
-        save_checkpoint(&a, &meta, &world, model, opt, sched, step, epoch, epoch_steps);
-
       evaluated_now = false;
       if (a.eval_every && step % a.eval_every == 0) {
         last_eval = evaluate(model, tape, test_loader, &world);
@@ -772,6 +775,11 @@ int main(int argc, char **argv) {
           break;
         }
       }
+      /* After this step's evaluation, which a resumed run does not repeat:
+       * the checkpoint's early-stopping position counts it. (Evaluation
+       * changes nothing else that is saved.) */
+      if (a.save_every && step % a.save_every == 0)
+        save_checkpoint(&a, &meta, &world, model, opt, sched, step, epoch, epoch_steps, &pat);
     }
     if (epoch_steps == per_epoch) {
       epochs_done++;
@@ -792,12 +800,17 @@ int main(int argc, char **argv) {
           fprintf(stderr, ", test accuracy %.2f%%", 100 * last_eval.accuracy);
         fputc('\n', stderr);
       }
-      if (record_eval(&pat, log, last_eval, step, epoch)) stop = true;
+      /* Stopped mid-epoch (--max-steps): this evaluation is the end of
+       * training's, which a run going on would not make here, so the
+       * checkpoint's early-stopping position leaves it out. */
+      patience after_stop = pat;
+      if (record_eval(epoch_steps == per_epoch ? &pat : &after_stop, log, last_eval, step, epoch))
+        stop = true;
     }
   }
   /* The end of training is always evaluated. */
   if (a.save_path)
-    save_checkpoint(&a, &meta, &world, model, opt, sched, step, pos_epoch, pos_batches);
+    save_checkpoint(&a, &meta, &world, model, opt, sched, step, pos_epoch, pos_batches, &pat);
   int64_t steps_run = step - start.step;
   if (!evaluated_now && (step > 0 || a.epochs == 0)) {
     last_eval = evaluate(model, tape, test_loader, &world);

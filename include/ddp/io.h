@@ -137,7 +137,13 @@ typedef struct ddp_train_state {
   int64_t epoch_batches;    /* batches of `epoch` already consumed (0: at its start) */
   uint64_t sampler_seed;    /* the distributed sampler's seed */
   int64_t world_size;       /* ranks that trained (the sampler's num_replicas) */
-  int64_t reserved[8];
+  /* Early stopping's position (ddp-train --patience): the lowest test loss
+   * so far (INFINITY before the first evaluation) and the evaluations since
+   * it was reached (0 and 0 from callers without early stopping).
+   * Checkpoints written without them load as INFINITY, 0. */
+  double best_test_loss;
+  int64_t evals_without_better;
+  int64_t reserved[6];
 } ddp_train_state;
 
 /* PATH's training-state file: PATH with a final ".safetensors" replaced by

@@ -33,7 +33,7 @@ typedef struct train_entries {
   size_t names_used, names_cap;
   /* Scalars are written from here (the entries point at them). */
   int64_t i64[16];
-  double f64[4];
+  double f64[8];
   int n_i64, n_f64;
 } train_entries;
 
@@ -67,7 +67,7 @@ static void add_i64(train_entries *t, const char *name, int64_t v) {
 }
 
 static void add_f64(train_entries *t, const char *name, double v) {
-  DDP_ASSERT(t->n_f64 < 4);
+  DDP_ASSERT(t->n_f64 < 8);
   t->f64[t->n_f64] = v;
   add(t, name, DDP_FLOAT64, 0, NULL, &t->f64[t->n_f64++]);
 }
@@ -91,6 +91,8 @@ static ddp_status build_train_entries(train_entries *t, ddp_model *model, ddp_op
   add_i64(t, "train.epoch_batches", ts->epoch_batches);
   add_i64(t, "train.sampler_seed", (int64_t)ts->sampler_seed);
   add_i64(t, "train.world_size", ts->world_size);
+  add_f64(t, "train.best_test_loss", ts->best_test_loss);
+  add_i64(t, "train.evals_without_better", ts->evals_without_better);
   /* The dropout generator (xoshiro256** state words, as int64 bits). */
   const ddp_rng *rng = ddp_model_dropout_rng(model);
   static const int64_t four[1] = {4};
@@ -341,6 +343,18 @@ static ddp_status check_train_state(const ddp_safetensors *st, ddp_model *model,
   DDP_TRY(get_scalar(st, "train.sampler_seed", DDP_INT64, &seed));
   DDP_TRY(get_scalar(st, "train.world_size", DDP_INT64, &p->ts.world_size));
   p->ts.sampler_seed = (uint64_t)seed;
+  /* Early stopping's position, absent from checkpoints of older versions. */
+  ddp_safetensors_tensor es;
+  p->ts.best_test_loss = INFINITY;
+  p->ts.evals_without_better = 0;
+  if (ddp_safetensors_find(st, "train.best_test_loss", &es) == DDP_OK)
+    DDP_TRY(get_scalar(st, "train.best_test_loss", DDP_FLOAT64, &p->ts.best_test_loss));
+  if (ddp_safetensors_find(st, "train.evals_without_better", &es) == DDP_OK)
+    DDP_TRY(get_scalar(st, "train.evals_without_better", DDP_INT64, &p->ts.evals_without_better));
+  if (isnan(p->ts.best_test_loss) || p->ts.evals_without_better < 0)
+    return ddp_error(DDP_ERR_FORMAT, "checkpoint: %s: impossible early-stopping position: best "
+                     "test loss %g, %lld evaluations since", path, p->ts.best_test_loss,
+                     (long long)p->ts.evals_without_better);
   if (p->ts.step < 0 || p->ts.epoch < 0 || p->ts.epoch_batches < 0 || p->ts.world_size < 1)
     return ddp_error(DDP_ERR_FORMAT, "checkpoint: %s: impossible position: step %lld, epoch %lld, "
                      "batch %lld, world size %lld", path, (long long)p->ts.step,

@@ -7,6 +7,7 @@
 #  - psnet (dropout, Adam) on a 100-image Fashion-MNIST subset: stopped
 #    mid-epoch + resume (the dropout generator and Adam's step are restored);
 #  - 2 ranks (rank 0 saves, both load): stopped mid-epoch + resume = straight;
+#  - early stopping (--patience) goes on from the saved position;
 #  - a resume with another --lr or from a corrupted checkpoint fails clearly.
 # Compares the saved safetensors files' tensors byte for byte (st_compare.py).
 set -euo pipefail
@@ -66,10 +67,40 @@ for attempt in 1 2 3; do
   check "checkpoint every 7 steps survives kill -9 (try $attempt, step $k_step)" '[ $((k_step % 7)) -eq 0 ]'
   check "killed + resumed = straight, 40 steps after the kill (try $attempt)" 'both_same k2 k3'
 done
+# Early stopping goes on from where it was: with lr 0 the test loss never
+# improves after the first evaluation, so --patience 3 --eval-every 2 stops
+# at step 8, also when stopped at step 5 (two evaluations, one without
+# improvement) and resumed. A checkpoint taken by --save-every counts the
+# evaluation of its own step, which the resumed run does not repeat
+# (killed + resumed = straight, training state byte for byte).
+es=(--model headtail --data toydata --samples 2000 --batch-size 100 --lr 0 --eval-every 2
+    --workers 0)
+"$bin" "${es[@]}" --epochs 50 --patience 3 --save e.safetensors 2>/dev/null
+"$bin" "${es[@]}" --epochs 50 --patience 3 --max-steps 5 --save e1.safetensors 2>/dev/null
+check "stopped at step 5: 1 evaluation without improvement saved" \
+  '[ "$(get e1.train.safetensors train.evals_without_better)" = 1 ]'
+out=$("$bin" "${es[@]}" --epochs 50 --patience 3 --resume e1.safetensors --save e2.safetensors \
+      --json 2>/dev/null | tail -n 1)
+check "--patience: stopped + resumed stops at step 8, as straight" \
+  'grep -q "\"steps\": 8," <<<"$out" && both_same e e2'
+rm -f ke.*
+"$bin" "${es[@]}" --epochs 500 --patience 1000 --save-every 4 --save ke.safetensors 2>/dev/null &
+pids+=($!)
+for _ in $(seq 1 500); do [ -e ke.train.safetensors ] && break; sleep 0.01; done
+sleep 0.0$((RANDOM % 10))
+kill -9 "${pids[-1]}" 2>/dev/null || true
+wait "${pids[-1]}" 2>/dev/null || true
+ke_step=$(get ke.train.safetensors train.step)
+"$bin" "${es[@]}" --epochs 500 --patience 1000 --max-steps $((ke_step + 6)) --save ke2.safetensors \
+  --resume ke.safetensors 2>/dev/null
+"$bin" "${es[@]}" --epochs 500 --patience 1000 --max-steps $((ke_step + 6)) --save ke3.safetensors \
+  2>/dev/null
+check "--save-every with evaluations: killed (step $ke_step) + resumed = straight" 'both_same ke2 ke3'
+
 # kill -9 can leave the killed save's temporary files (PATH.tmp.<its pid>);
 # nothing else may be left behind.
 check "no temporary files but the killed saves'" \
-  '! ls "$tmp" | grep "\.tmp\." | grep -v "^k\.\(train\.\)\?safetensors\.tmp\.[0-9]*$"'
+  '! ls "$tmp" | grep "\.tmp\." | grep -v "^ke\?\.\(train\.\)\?safetensors\.tmp\.[0-9]*$"'
 
 # Refusals.
 set +e
