@@ -1,12 +1,15 @@
 /* The local backend's "shm" memory provider: ranks are processes of one
  * host. Rank 0 creates a POSIX shared-memory segment holding the region and
  * publishes its name through the group's store; the last rank to map it
- * unlinks it, so nothing is left in /dev/shm even if a rank is killed later.
+ * unlinks it, so nothing is left in /dev/shm even if a rank is killed later;
+ * a kill before then leaves it, and ddprun removes what its dead workers
+ * left (ddp__local_shm_remove_orphans).
  * Collectives go through staging areas in the segment (local.c); large
  * point-to-point messages are read straight from the sender's buffer with
  * cross-memory attach (process_vm_readv: one copy, by the kernel) where it
  * is permitted. A pidfd per peer process tells a waiter within
  * milliseconds that a peer died. */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -258,12 +261,36 @@ static bool has_probed(ddp__local_region *reg, int q) {
   return atomic_load(&ddp__local_ctl_of(reg, q)->cma_ok) != 0;
 }
 
+/* The name of a segment rank 0 of process pid creates. */
+#define SEGMENT_NAME_FORMAT "/ddp-local-%d-%016" PRIx64
+
+int ddp__local_shm_remove_orphans(int pid) {
+  char prefix[48];
+  int len = snprintf(prefix, sizeof prefix, "ddp-local-%d-", pid);
+  DIR *d = opendir("/dev/shm"); /* where glibc's shm_open keeps them */
+  if (!d) return 0;
+  int removed = 0;
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL) {
+    /* the prefix, then exactly 16 hex digits (another pid's name differs
+     * before the dash; an unrelated file does not match) */
+    if (strncmp(e->d_name, prefix, (size_t)len) != 0) continue;
+    const char *nonce = e->d_name + len;
+    if (strlen(nonce) != 16 || strspn(nonce, "0123456789abcdef") != 16) continue;
+    char name[sizeof e->d_name + 1];
+    snprintf(name, sizeof name, "/%s", e->d_name);
+    if (shm_unlink(name) == 0) removed++;
+  }
+  closedir(d);
+  return removed;
+}
+
 /* Maps the segment: rank 0 creates it and publishes its name. */
 static ddp_status map_segment(const ddp__backend_config *cfg, shm_mem *s, int64_t timeout_ms) {
   int fd = -1;
   if (cfg->rank == 0) {
     uint64_t nonce = (uint64_t)ddp_time_ns() ^ ((uint64_t)getpid() << 20) ^ (uintptr_t)s;
-    snprintf(s->name, sizeof s->name, "/ddp-local-%d-%016" PRIx64, (int)getpid(), nonce);
+    snprintf(s->name, sizeof s->name, SEGMENT_NAME_FORMAT, (int)getpid(), nonce);
     fd = shm_open(s->name, O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0)
       return ddp_error(DDP_ERR_SYS, "local backend: shm_open(\"%s\"): %s", s->name,

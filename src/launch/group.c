@@ -14,6 +14,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "comm/local.h"
 #include "launch/launch_internal.h"
 
 extern char **environ;
@@ -172,6 +173,12 @@ static void mark_exited(ddp__worker *w, int status) {
    * children, a Python worker's helpers): the group id stays valid until its
    * last member is gone, so this cannot hit an unrelated process. */
   kill(-w->pid, SIGKILL);
+  /* A worker killed while its group was being set up may leave the local
+   * backend's shared-memory segment in /dev/shm (named after its pid). */
+  int segments = ddp__local_shm_remove_orphans((int)w->pid);
+  if (segments > 0)
+    fprintf(stderr, "ddprun: removed %d shared-memory segment%s that worker pid %d left in "
+                    "/dev/shm\n", segments, segments == 1 ? "" : "s", (int)w->pid);
   ddp__stream_finish(&w->out, &w->tail);
   ddp__stream_finish(&w->err, &w->tail);
 }

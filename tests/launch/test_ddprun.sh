@@ -37,6 +37,9 @@
 #             300 ms as it dies (--freeze-launcher), so all four deaths reach
 #             ddprun in one batch, as on a loaded machine (longer when the
 #             others are too slow to fail within it, e.g. under ASan)
+#   segments  shared-memory segments that dead workers left in /dev/shm (a
+#             kill during the local backend's setup) are removed, with a
+#             notice; another process's and look-alike names stay
 #   torch     a PyTorch DDP script (gloo, env://) unchanged under ddprun
 #             --nproc-per-node 2 with Debian's torch (SKIP without it)
 set -uo pipefail
@@ -496,6 +499,35 @@ order)
       echo "run $i: the other ranks had not failed within the ${freeze} ms freeze; not counted, freeze doubled"
       [ $freeze -lt 4800 ] && freeze=$((freeze * 2))
     fi
+  done
+  ;;
+segments)
+  # Each worker leaves a segment named as the local backend names rank 0's
+  # (as a rank SIGKILLed while its group is set up does); worker 1 then
+  # SIGKILLs itself and ddprun tears the job down. Both segments must be
+  # gone; one named after a live process that is no worker of this job
+  # (this shell) stays, and so does a name that only looks alike.
+  decoy=/dev/shm/ddp-local-$$-00000000deadbeef
+  lookalike=/dev/shm/ddp-local-$$-notanonce
+  : >"$decoy"; : >"$lookalike"
+  mkdir -p "$tmp/pids"
+  timeout 60 "$ddprun" --nproc-per-node 2 --grace-period 2 /bin/sh -c '
+    echo $$ >"$0/pid.$LOCAL_RANK"
+    : >/dev/shm/ddp-local-$$-0123456789abcdef
+    if [ "$LOCAL_RANK" = 1 ]; then kill -KILL $$; fi
+    sleep 30' "$tmp/pids" >"$tmp/out" 2>"$tmp/err"
+  rc=$?
+  left=$(ls /dev/shm | grep -c -- '-0123456789abcdef$')
+  for f in "$tmp"/pids/pid.*; do rm -f "/dev/shm/ddp-local-$(cat "$f")-0123456789abcdef"; done
+  decoy_kept=0; [ -e "$decoy" ] && [ -e "$lookalike" ] && decoy_kept=1
+  rm -f "$decoy" "$lookalike"
+  [ $rc -eq 1 ] || { cat "$tmp/err"; fail "ddprun exited $rc (expected 1)"; }
+  [ "$(ls "$tmp/pids" | grep -c '^pid\.')" -eq 2 ] || fail "not every worker wrote its pid"
+  [ "$left" -eq 0 ] || { ls -la /dev/shm; fail "$left segments of dead workers left in /dev/shm"; }
+  [ $decoy_kept -eq 1 ] || fail "a segment that was no dead worker's was removed"
+  for r in 0 1; do
+    grep -q "removed 1 shared-memory segment that worker pid $(cat "$tmp/pids/pid.$r") left" "$tmp/err" ||
+      { cat "$tmp/err"; fail "no notice of worker $r's segment"; }
   done
   ;;
 torch)
