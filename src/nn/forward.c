@@ -109,7 +109,8 @@ ddp_status ddp__module_forward(ddp_model *model, ddp_module *m, ddp_tape *tape, 
      * weight's gradient) before it writes their gradient, the flatten
      * hands that gradient to the pooling's output as it is (a view), and
      * the pooling's backward never reads its output. */
-    if (is_kind(first_leaf(c), DDP_MODULE_LINEAR) && is_kind(last_leaf(made_h), DDP_MODULE_FLATTEN) &&
+    if (is_kind(first_leaf(c), DDP_MODULE_LINEAR) &&
+        is_kind(last_leaf(made_h), DDP_MODULE_FLATTEN) &&
         is_kind(last_leaf(made_made_h), DDP_MODULE_MAXPOOL2D) && h != x)
       h->flags |= DDP__TENSOR_REUSABLE;
     DDP_TRY(ddp__module_forward(model, c, tape, h, &h));

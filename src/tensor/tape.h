@@ -69,8 +69,8 @@ float *ddp__tape_grad_out(ddp_tape *tape, ddp_tensor *t, bool *accumulate, ddp_s
  * backward begins: its producer's backward never reads it (conv2d's, max
  * pooling's) and whoever made it keeps it to itself (nn's layer runner, for
  * a convolution's output it passes on to batch norm and a pooling's it
- * passes on to a convolution, or, flattened, to a linear layer). Such a tensor's gradient may take over its
- * data (ddp__tape_grad_reusing_data). */
+ * passes on to a convolution, or, flattened, to a linear layer). Such a
+ * tensor's gradient may take over its data (ddp__tape_grad_reusing_data). */
 #define DDP__TENSOR_REUSABLE 0x100u
 /* ddp__tape_grad_out for an op that reads t's data only element by
  * element, each before writing that element's gradient: when t is marked

@@ -251,7 +251,8 @@ void ddp__cpu_max_pool2d_backward(float *dx, const float *dy, const void *argmax
     for (int64_t i = 0; i < oh; i++)
       for (int64_t j = 0; j < ow; j++) {
         const int32_t at = arg_get(argmax, (p * oh + i) * ow + j, bytes);
-        if (at >= 0) dxp[(i * stride + at / kernel) * w + j * stride + at % kernel] += dyp[i * ow + j];
+        if (at >= 0)
+          dxp[(i * stride + at / kernel) * w + j * stride + at % kernel] += dyp[i * ow + j];
       }
   }
 }
