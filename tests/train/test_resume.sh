@@ -24,6 +24,20 @@ same() { "$py" "$here/st_compare.py" "$1" "$2"; }
 both_same() { same "$1.safetensors" "$2.safetensors" && same "$1.train.safetensors" "$2.train.safetensors"; }
 get() { "$py" "$here/st_compare.py" --get "$1" "$2"; }
 
+# killed_at_random PREFIX ARGS...: runs ddp-train ARGS --save PREFIX.safetensors
+# until its first checkpoint exists, then SIGKILLs it at an arbitrary moment
+# (no clean-up runs) and waits for it.
+killed_at_random() {
+  local prefix=$1; shift
+  rm -f "$prefix".*
+  "$bin" "$@" --save "$prefix.safetensors" 2>/dev/null &
+  pids+=($!)
+  for _ in $(seq 1 500); do [ -e "$prefix.train.safetensors" ] && break; sleep 0.01; done
+  sleep 0.0$((RANDOM % 10))
+  kill -9 "${pids[-1]}" 2>/dev/null || true
+  wait "${pids[-1]}" 2>/dev/null || true
+}
+
 toy=(--model toy --batch-size 16 --lr 0.05 --momentum 0.9 --scheduler step --gamma 0.5
      --seed 3 --workers 1)
 cd "$tmp"
@@ -53,13 +67,8 @@ check "--max-steps counts from the start (resumed 37 -> 50 = straight 50)" \
 # run's time, so kills often land inside one; one landing between the pair's
 # renames is rolled forward from the model's temporary file. Three tries.
 for attempt in 1 2 3; do
-  rm -f k.* k2.* k3.*
-  "$bin" "${toy[@]}" --epochs 200 --save-every 7 --save k.safetensors 2>/dev/null &
-  pids+=($!)
-  for _ in $(seq 1 500); do [ -e k.train.safetensors ] && break; sleep 0.01; done
-  sleep 0.0$((RANDOM % 10))
-  kill -9 "${pids[-1]}" 2>/dev/null || true
-  wait "${pids[-1]}" 2>/dev/null || true
+  rm -f k2.* k3.*
+  killed_at_random k "${toy[@]}" --epochs 200 --save-every 7
   k_step=$(get k.train.safetensors train.step)
   "$bin" "${toy[@]}" --epochs 200 --max-steps $((k_step + 40)) --save k2.safetensors \
     --resume k.safetensors 2>/dev/null
@@ -83,13 +92,7 @@ out=$("$bin" "${es[@]}" --epochs 50 --patience 3 --resume e1.safetensors --save 
       --json 2>/dev/null | tail -n 1)
 check "--patience: stopped + resumed stops at step 8, as straight" \
   'grep -q "\"steps\": 8," <<<"$out" && both_same e e2'
-rm -f ke.*
-"$bin" "${es[@]}" --epochs 500 --patience 1000 --save-every 4 --save ke.safetensors 2>/dev/null &
-pids+=($!)
-for _ in $(seq 1 500); do [ -e ke.train.safetensors ] && break; sleep 0.01; done
-sleep 0.0$((RANDOM % 10))
-kill -9 "${pids[-1]}" 2>/dev/null || true
-wait "${pids[-1]}" 2>/dev/null || true
+killed_at_random ke "${es[@]}" --epochs 500 --patience 1000 --save-every 4
 ke_step=$(get ke.train.safetensors train.step)
 "$bin" "${es[@]}" --epochs 500 --patience 1000 --max-steps $((ke_step + 6)) --save ke2.safetensors \
   --resume ke.safetensors 2>/dev/null
