@@ -787,8 +787,12 @@ int main(int argc, char **argv) {
       pos_epoch = epoch + 1;
       pos_batches = 0;
     }
-    /* --eval-every 0: evaluate at the end of each epoch (and of training). */
-    if (!a.eval_every && !evaluated_now && epoch_losses > 0) {
+    /* --eval-every 0: evaluate at the end of each epoch (and of training),
+     * also when this run resumed exactly there (from a --save-every
+     * checkpoint of the epoch's last step, taken before this evaluation),
+     * as the run that saved it went on to do. */
+    const bool epoch_end = epoch_steps == per_epoch && per_epoch > 0;
+    if (!a.eval_every && !evaluated_now && (epoch_losses > 0 || epoch_end)) {
       last_eval = evaluate(model, tape, test_loader, &world);
       evaluated_now = true;
       show_progress(&prog, step, epoch, a.epochs, loss_value,
@@ -804,7 +808,7 @@ int main(int argc, char **argv) {
        * training's, which a run going on would not make here, so the
        * checkpoint's early-stopping position leaves it out. */
       patience after_stop = pat;
-      if (record_eval(epoch_steps == per_epoch ? &pat : &after_stop, log, last_eval, step, epoch))
+      if (record_eval(epoch_end ? &pat : &after_stop, log, last_eval, step, epoch))
         stop = true;
     }
   }

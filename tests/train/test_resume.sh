@@ -99,11 +99,23 @@ ke_step=$(get ke.train.safetensors train.step)
 "$bin" "${es[@]}" --epochs 500 --patience 1000 --max-steps $((ke_step + 6)) --save ke3.safetensors \
   2>/dev/null
 check "--save-every with evaluations: killed (step $ke_step) + resumed = straight" 'both_same ke2 ke3'
+# Evaluations at the ends of epochs (20 steps) and a checkpoint every 20
+# steps: each checkpoint is an epoch's last step, taken before that epoch's
+# evaluation, which the resumed run must make as the saving run did.
+eo=(--model headtail --data toydata --samples 2000 --batch-size 100 --lr 0 --workers 0
+    --patience 1000 --epochs 500)
+killed_at_random ko "${eo[@]}" --save-every 20
+ko_step=$(get ko.train.safetensors train.step)
+"$bin" "${eo[@]}" --max-steps $((ko_step + 30)) --save ko2.safetensors --resume ko.safetensors \
+  2>/dev/null
+"$bin" "${eo[@]}" --max-steps $((ko_step + 30)) --save ko3.safetensors 2>/dev/null
+check "epoch-end evaluations: killed (step $ko_step, an epoch's end) + resumed = straight" \
+  '[ $((ko_step % 20)) -eq 0 ] && both_same ko2 ko3'
 
 # kill -9 can leave the killed save's temporary files (PATH.tmp.<its pid>);
 # nothing else may be left behind.
 check "no temporary files but the killed saves'" \
-  '! ls "$tmp" | grep "\.tmp\." | grep -v "^ke\?\.\(train\.\)\?safetensors\.tmp\.[0-9]*$"'
+  '! ls "$tmp" | grep "\.tmp\." | grep -v "^k[eo]\?\.\(train\.\)\?safetensors\.tmp\.[0-9]*$"'
 
 # Refusals.
 set +e
