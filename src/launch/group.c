@@ -31,14 +31,125 @@ static int64_t wall_ms(void) {
   return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+/* ---- The reaper ----------------------------------------------------------------
+ * PDEATHSIG kills a worker when its supervisor dies, even by SIGKILL, but not
+ * what the worker forked (a shell's children, a Python worker's helpers),
+ * which the supervisor kills, through the worker's process group, only when
+ * it lives to reap the worker. The reaper is a process of its own (its own
+ * process group, so a signal to the supervisor's spares it; named
+ * "ddprun-reaper"; SIGINT, SIGTERM and SIGHUP ignored) reading a pipe: the
+ * supervisor writes +pgid when it starts a worker and -pgid when it reaps
+ * one. At end of file (the supervisor closed it, or died) the reaper
+ * SIGKILLs the groups still listed and exits: none after a normal end. */
+
+#define REAPER_MAX_GROUPS 4096
+
+static _Noreturn void reaper_main(int fd) {
+  setpgid(0, 0);
+  prctl(PR_SET_NAME, "ddprun-reaper");
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sigemptyset(&sa.sa_mask);
+  sa.sa_handler = SIG_IGN;
+  const int ignored[] = {SIGINT, SIGTERM, SIGHUP, SIGPIPE, SIGUSR1, SIGUSR2, SIGQUIT};
+  for (size_t i = 0; i < sizeof ignored / sizeof ignored[0]; i++) sigaction(ignored[i], &sa, NULL);
+  sa.sa_handler = SIG_DFL;
+  sigaction(SIGCHLD, &sa, NULL);
+  /* Hold nothing of the supervisor's: its pipes, sockets and console. */
+  int null_fd = open("/dev/null", O_RDWR);
+  if (null_fd >= 0)
+    for (int k = 0; k < 3; k++) dup2(null_fd, k);
+  if (dup2(fd, 3) < 0) _exit(1);
+  close_range(4, ~0U, 0);
+  static int32_t groups[REAPER_MAX_GROUPS];
+  int n = 0;
+  for (;;) {
+    int32_t rec;
+    ssize_t r = read(3, &rec, sizeof rec);
+    if (r < 0 && errno == EINTR) continue;
+    if (r != (ssize_t)sizeof rec) break; /* end of file: the supervisor is gone */
+    if (rec > 0 && n < REAPER_MAX_GROUPS) {
+      groups[n++] = rec;
+    } else if (rec < 0) {
+      for (int i = 0; i < n; i++)
+        if (groups[i] == -rec) {
+          groups[i] = groups[--n];
+          break;
+        }
+    }
+  }
+  for (int i = 0; i < n; i++) kill(-groups[i], SIGKILL);
+  _exit(0);
+}
+
+/* Starts the group's reaper; without one (no pipe, no fork) the group runs
+ * as before, with a warning. */
+static void reaper_start(ddp__group *g) {
+  int p[2];
+  g->reaper_fd = -1;
+  g->reaper_pid = 0;
+  if (pipe2(p, O_CLOEXEC) != 0) {
+    fprintf(stderr, "ddprun: warning: no reaper for what workers fork (pipe2: %s)\n",
+            strerror(errno));
+    return;
+  }
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid == 0) {
+    close(p[1]);
+    reaper_main(p[0]);
+  }
+  close(p[0]);
+  if (pid < 0) {
+    fprintf(stderr, "ddprun: warning: no reaper for what workers fork (fork: %s)\n",
+            strerror(errno));
+    close(p[1]);
+    return;
+  }
+  fcntl(p[1], F_SETFL, O_NONBLOCK); /* a reaper that stopped reading never blocks us */
+  g->reaper_fd = p[1];
+  g->reaper_pid = pid;
+}
+
+/* Tells the reaper about a worker's process group: +pgid started, -pgid reaped. */
+static void reaper_tell(const ddp__group *g, int32_t rec) {
+  if (g->reaper_fd < 0) return;
+  ssize_t r = write(g->reaper_fd, &rec, sizeof rec);
+  (void)r; /* best effort: a full pipe or a dead reaper loses the record */
+}
+
+/* Ends the reaper after the workers are reaped: it has nothing left to kill
+ * and exits at end of file, which a process still holding a copy of the
+ * pipe could delay: then it is SIGKILLed after REAP_LIMIT_S. */
+static void reaper_stop(ddp__group *g) {
+  if (g->reaper_fd >= 0) close(g->reaper_fd);
+  g->reaper_fd = -1;
+  if (g->reaper_pid <= 0) return;
+  double until = ddp_time_s() + REAP_LIMIT_S;
+  while (waitpid(g->reaper_pid, NULL, WNOHANG) == 0) {
+    if (ddp_time_s() > until) {
+      kill(g->reaper_pid, SIGKILL);
+      waitpid(g->reaper_pid, NULL, 0);
+      break;
+    }
+    struct timespec ts = {0, 1000 * 1000};
+    nanosleep(&ts, NULL);
+  }
+  g->reaper_pid = 0;
+}
+
 /* ---- The child side ---------------------------------------------------------- */
 
 /* Runs in the child between fork and exec (or fn): only async-signal-safe
  * calls until exec, except on the fn path where the child is a copy of the
  * caller anyway. Never returns. */
 static _Noreturn void child_main(const ddp__worker_spec *spec, int32_t rank, pid_t parent,
-                                 int out_fd, int err_fd) {
+                                 int out_fd, int err_fd, int reaper_fd) {
   setpgid(0, 0);
+  /* Only the supervisor may hold the reaper's pipe open (exec would close
+   * it, but ddp_spawn's workers run a function, and what they fork would
+   * keep the reaper waiting). */
+  if (reaper_fd >= 0) close(reaper_fd);
   /* Die with the supervisor, even when it is SIGKILLed. The parent may have
    * died between fork and prctl: then getppid() is no longer the parent. */
   prctl(PR_SET_PDEATHSIG, SIGKILL);
@@ -103,6 +214,7 @@ ddp_status ddp__group_start(ddp__group *g, int32_t n, int32_t rank_offset,
   for (int k = 0; k < 2; k++)
     if (shown[k]) ddp__console_open(&g->console[k], k + 1);
   fflush(NULL); /* forked workers must not write the supervisor's buffered output again */
+  reaper_start(g);
   pid_t self = getpid();
   for (int32_t i = 0; i < n; i++) {
     ddp__worker *w = &g->workers[i];
@@ -136,7 +248,7 @@ ddp_status ddp__group_start(ddp__group *g, int32_t n, int32_t rank_offset,
       goto fail;
     }
     pid_t pid = fork();
-    if (pid == 0) child_main(&specs[i], w->rank, self, out_pipe[1], err_pipe[1]);
+    if (pid == 0) child_main(&specs[i], w->rank, self, out_pipe[1], err_pipe[1], g->reaper_fd);
     close(out_pipe[1]);
     close(err_pipe[1]);
     w->out.fd = out_pipe[0];
@@ -149,6 +261,7 @@ ddp_status ddp__group_start(ddp__group *g, int32_t n, int32_t rank_offset,
     }
     /* Also from the parent, so a signal sent at once reaches the group. */
     setpgid(pid, pid);
+    reaper_tell(g, (int32_t)pid);
     w->pid = pid;
     w->state = DDP__WORKER_RUNNING;
     continue;
@@ -164,7 +277,7 @@ ddp_status ddp__group_start(ddp__group *g, int32_t n, int32_t rank_offset,
 
 /* Records a worker's exit (at reap, on the monotonic clock) and drains its
  * output; whether it counts as a failure is decided per batch by reap(). */
-static void mark_exited(ddp__worker *w, int status) {
+static void mark_exited(ddp__group *g, ddp__worker *w, int status) {
   w->state = DDP__WORKER_EXITED;
   w->status = status;
   w->exit_s = ddp_time_s();
@@ -173,6 +286,7 @@ static void mark_exited(ddp__worker *w, int status) {
    * children, a Python worker's helpers): the group id stays valid until its
    * last member is gone, so this cannot hit an unrelated process. */
   kill(-w->pid, SIGKILL);
+  reaper_tell(g, -(int32_t)w->pid);
   /* A worker killed while its group was being set up may leave the local
    * backend's shared-memory segment in /dev/shm (named after its pid). */
   int segments = ddp__local_shm_remove_orphans((int)w->pid);
@@ -233,11 +347,11 @@ static int32_t reap(ddp__group *g) {
     int status;
     pid_t r = waitpid(w->pid, &status, WNOHANG);
     if (r == w->pid) {
-      mark_exited(w, status);
+      mark_exited(g, w, status);
     } else if (r < 0 && errno == ECHILD) {
       /* Someone else reaped it (a SIGCHLD set to SIG_IGN in the caller):
        * its status is lost; count it as a failure with status -1. */
-      mark_exited(w, -1);
+      mark_exited(g, w, -1);
     } else {
       running++;
       continue;
@@ -450,6 +564,7 @@ void ddp__group_stop(ddp__group *g, int sig, double grace_s) {
 
 void ddp__group_free(ddp__group *g) {
   if (!g || !g->workers) return;
+  reaper_stop(g);
   for (int32_t i = 0; i < g->n; i++) {
     ddp__worker *w = &g->workers[i];
     ddp__stream_finish(&w->out, &w->tail);

@@ -220,13 +220,20 @@ typedef struct ddp__group {
    * (DDP__EVENT_STORE). */
   ddp__store_proc *store;
   int store_died;
+  /* The reaper: a process of its own that outlives a SIGKILLed supervisor
+   * just long enough to SIGKILL the process groups of the workers it was
+   * told about (what they forked: PDEATHSIG kills only the workers). -1 /
+   * 0 when it could not be started. */
+  int reaper_fd; /* write end of its pipe */
+  pid_t reaper_pid;
 } ddp__group;
 
 /* Forks the n workers of `specs` (rank = rank_offset + index). Each worker is
  * its own process group, dies with SIGKILL when the supervisor dies
  * (PR_SET_PDEATHSIG, checked against the race with getppid), has its stdout
- * and stderr on pipes, and default signal dispositions. On failure the
- * workers already started are killed and reaped. */
+ * and stderr on pipes, and default signal dispositions; what a worker forks
+ * itself is SIGKILLed by the group's reaper process if the supervisor dies.
+ * On failure the workers already started are killed and reaped. */
 ddp_status ddp__group_start(ddp__group *group, int32_t n, int32_t rank_offset,
                             const ddp__worker_spec *specs, int32_t tail_lines);
 /* Supervises until an event (see ddp__event), relaying output and forwarding

@@ -8,7 +8,8 @@
 #             that rank first with SIGKILL; with --max-restarts 1 the job restarts
 #             (TORCHELASTIC_RESTART_COUNT=1) and completes
 #   orphans   ddprun SIGKILLed: no worker survives it, nor the store's process
-#             (PR_SET_PDEATHSIG)
+#             (PR_SET_PDEATHSIG), nor what a worker forked (ddprun's reaper),
+#             nor the reaper; a normal end leaves no reaper either
 #   store     the store's process (ddprun's child "ddp-store") SIGKILLed while
 #             the workers run: ddprun stops them and exits 1 naming that process
 #             and its signal; no worker survives
@@ -181,6 +182,36 @@ orphans)
     [ $SECONDS -ge $end ] && fail "workers or the store survived ddprun's SIGKILL: $(cat "$tmp"/pids/pid.* | tr '\n' ' ')"
     sleep 0.05
   done
+  # What the workers fork themselves dies too: ddprun's reaper SIGKILLs
+  # their process groups once ddprun is gone, and exits.
+  mkdir -p "$tmp/pids2"
+  "$ddprun" --nproc-per-node 2 /bin/sh -c '
+    "$1" --no-init --sleep 60 & echo $! >"$0/pid.child$LOCAL_RANK"
+    echo $$ >"$0/pid.$LOCAL_RANK"
+    wait' "$tmp/pids2" "$worker" >"$tmp/out" 2>&1 &
+  started+=($!)
+  wait_for_files "$tmp/pids2" 4 20 || fail "the workers and their children did not start"
+  reaper=$(pgrep -P "${started[-1]}" -x ddprun-reaper) || fail "ddprun has no child named ddprun-reaper"
+  echo "$reaper" >"$tmp/pids2/pid.reaper"
+  kill -KILL "${started[-1]}"
+  wait "${started[-1]}" 2>/dev/null
+  end=$((SECONDS + 5))
+  until all_dead "$tmp/pids2"; do
+    [ $SECONDS -ge $end ] && fail "workers' children or the reaper survived ddprun's SIGKILL: $(cat "$tmp"/pids2/pid.* | tr '\n' ' ')"
+    sleep 0.05
+  done
+  # A job that ends normally leaves no reaper behind either.
+  "$ddprun" --nproc-per-node 2 /bin/sleep 1 >"$tmp/out" 2>&1 &
+  job=$!
+  started+=($job)
+  end=$((SECONDS + 5))
+  until reaper=$(pgrep -P $job -x ddprun-reaper); do
+    [ $SECONDS -ge $end ] && fail "the normal job has no reaper"
+    sleep 0.05
+  done
+  wait $job || fail "a trivial job failed"
+  alive "$reaper" && fail "a reaper outlived a job that ended normally"
+  :
   ;;
 store)
   "$ddprun" --nproc-per-node 3 --grace-period 2 "$worker" --no-init --sleep 60 --pidfile "$tmp/pids" >"$tmp/out" 2>"$tmp/err" &
@@ -514,7 +545,11 @@ segments)
   timeout 60 "$ddprun" --nproc-per-node 2 --grace-period 2 /bin/sh -c '
     echo $$ >"$0/pid.$LOCAL_RANK"
     : >/dev/shm/ddp-local-$$-0123456789abcdef
-    if [ "$LOCAL_RANK" = 1 ]; then kill -KILL $$; fi
+    : >"$0/made.$LOCAL_RANK"
+    if [ "$LOCAL_RANK" = 1 ]; then
+      while [ ! -e "$0/made.0" ]; do sleep 0.01; done
+      kill -KILL $$
+    fi
     sleep 30' "$tmp/pids" >"$tmp/out" 2>"$tmp/err"
   rc=$?
   left=$(ls /dev/shm | grep -c -- '-0123456789abcdef$')
