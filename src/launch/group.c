@@ -55,11 +55,14 @@ static _Noreturn void reaper_main(int fd) {
   for (size_t i = 0; i < sizeof ignored / sizeof ignored[0]; i++) sigaction(ignored[i], &sa, NULL);
   sa.sa_handler = SIG_DFL;
   sigaction(SIGCHLD, &sa, NULL);
-  /* Hold nothing of the supervisor's: its pipes, sockets and console. */
+  /* Hold nothing of the supervisor's (its pipes, sockets and console): the
+   * pipe moves to fd 3 (out of 0-2 first, should the supervisor have run
+   * with one of them closed), /dev/null to 0-2, everything else closes. */
+  if (fd < 3 && (fd = fcntl(fd, F_DUPFD, 3)) < 0) _exit(1);
   int null_fd = open("/dev/null", O_RDWR);
   if (null_fd >= 0)
     for (int k = 0; k < 3; k++) dup2(null_fd, k);
-  if (dup2(fd, 3) < 0) _exit(1);
+  if (fd != 3 && dup2(fd, 3) < 0) _exit(1);
   close_range(4, ~0U, 0);
   static int32_t groups[REAPER_MAX_GROUPS];
   int n = 0;
