@@ -84,6 +84,15 @@ all_dead() { # DIR: every pid in DIR/pid.* is gone
   done
   return 0
 }
+kill_then_all_dead() { # PID DIR WHAT: SIGKILL ddprun PID; every pid in DIR/pid.* gone within 5 s
+  kill -KILL "$1"
+  wait "$1" 2>/dev/null
+  local end=$((SECONDS + 5))
+  until all_dead "$2"; do
+    [ $SECONDS -ge $end ] && fail "$3 survived ddprun's SIGKILL: $(cat "$2"/pid.* | tr '\n' ' ')"
+    sleep 0.05
+  done
+}
 wait_for_files() { # DIR COUNT SECONDS
   local end=$((SECONDS + $3))
   while [ "$(ls "$1" | grep -c '^pid\.')" -lt "$2" ]; do
@@ -175,13 +184,7 @@ orphans)
   wait_for_files "$tmp/pids" 4 20 || fail "the workers did not start"
   store=$(pgrep -P "${started[0]}" -x ddp-store) || fail "ddprun has no child named ddp-store"
   echo "$store" >"$tmp/pids/pid.store"
-  kill -KILL "${started[0]}"
-  wait "${started[0]}" 2>/dev/null
-  end=$((SECONDS + 5))
-  until all_dead "$tmp/pids"; do
-    [ $SECONDS -ge $end ] && fail "workers or the store survived ddprun's SIGKILL: $(cat "$tmp"/pids/pid.* | tr '\n' ' ')"
-    sleep 0.05
-  done
+  kill_then_all_dead "${started[0]}" "$tmp/pids" "workers or the store"
   # What the workers fork themselves dies too: ddprun's reaper SIGKILLs
   # their process groups once ddprun is gone, and exits.
   mkdir -p "$tmp/pids2"
@@ -193,13 +196,7 @@ orphans)
   wait_for_files "$tmp/pids2" 4 20 || fail "the workers and their children did not start"
   reaper=$(pgrep -P "${started[-1]}" -x ddprun-reaper) || fail "ddprun has no child named ddprun-reaper"
   echo "$reaper" >"$tmp/pids2/pid.reaper"
-  kill -KILL "${started[-1]}"
-  wait "${started[-1]}" 2>/dev/null
-  end=$((SECONDS + 5))
-  until all_dead "$tmp/pids2"; do
-    [ $SECONDS -ge $end ] && fail "workers' children or the reaper survived ddprun's SIGKILL: $(cat "$tmp"/pids2/pid.* | tr '\n' ' ')"
-    sleep 0.05
-  done
+  kill_then_all_dead "${started[-1]}" "$tmp/pids2" "workers' children or the reaper"
   # A job that ends normally leaves no reaper behind either.
   "$ddprun" --nproc-per-node 2 /bin/sleep 1 >"$tmp/out" 2>&1 &
   job=$!
