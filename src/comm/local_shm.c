@@ -261,22 +261,27 @@ static bool has_probed(ddp__local_region *reg, int q) {
   return atomic_load(&ddp__local_ctl_of(reg, q)->cma_ok) != 0;
 }
 
-/* The name of a segment rank 0 of process pid creates. */
-#define SEGMENT_NAME_FORMAT "/ddp-local-%d-%016" PRIx64
+/* A segment's name: "/" SEGMENT_PREFIX, the pid of the process that
+ * created it (rank 0's), "-", and a nonce of 16 hex digits. */
+#define SEGMENT_PREFIX "ddp-local-"
+#define SEGMENT_NAME_FORMAT "/" SEGMENT_PREFIX "%d-%016" PRIx64
+#define SEGMENT_NONCE_DIGITS 16
 
 int ddp__local_shm_remove_orphans(int pid) {
   char prefix[48];
-  int len = snprintf(prefix, sizeof prefix, "ddp-local-%d-", pid);
+  int len = snprintf(prefix, sizeof prefix, SEGMENT_PREFIX "%d-", pid);
   DIR *d = opendir("/dev/shm"); /* where glibc's shm_open keeps them */
   if (!d) return 0;
   int removed = 0;
   struct dirent *e;
   while ((e = readdir(d)) != NULL) {
-    /* the prefix, then exactly 16 hex digits (another pid's name differs
-     * before the dash; an unrelated file does not match) */
+    /* the prefix, then exactly the nonce's hex digits (another pid's name
+     * differs before the dash; an unrelated file does not match) */
     if (strncmp(e->d_name, prefix, (size_t)len) != 0) continue;
     const char *nonce = e->d_name + len;
-    if (strlen(nonce) != 16 || strspn(nonce, "0123456789abcdef") != 16) continue;
+    if (strlen(nonce) != SEGMENT_NONCE_DIGITS ||
+        strspn(nonce, "0123456789abcdef") != SEGMENT_NONCE_DIGITS)
+      continue;
     char name[sizeof e->d_name + 1];
     snprintf(name, sizeof name, "/%s", e->d_name);
     if (shm_unlink(name) == 0) removed++;

@@ -253,7 +253,7 @@ ddp_status ddp_sync_batch_norm(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight
 typedef struct bn_pool_ctx {
   const batch_norm_ctx *bn;
   const void *argmax; /* (N, C, oh, ow): where each window's max is (ddp__pool_arg_bytes) */
-  int64_t h, w;          /* batch norm's planes */
+  int64_t h, w;       /* batch norm's planes */
   int64_t kernel, stride;
   /* x is a convolution's output that only this block reads, whose
    * backward may be folded in: its geometry (ddp__conv2d_foldable), or NULL */
