@@ -127,7 +127,7 @@ typedef struct pool_case {
 static void pool_fwd(void *p) {
   pool_case *c = p;
   /* relu fused, as nn runs the ConvNet's ReLU + MaxPool2d */
-  K->max_pool2d_forward(c->y, c->arg, c->x, c->planes, c->hw, c->hw, 2, 2, c->hw / 2,
+  K->max_pool2d_forward(c->y, c->arg, NULL, c->x, c->planes, c->hw, c->hw, 2, 2, c->hw / 2,
                         c->hw / 2, true, NULL);
 }
 

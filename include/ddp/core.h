@@ -123,11 +123,19 @@ uint64_t ddp_alloc_count(void);
  * the tape). ddp_arena_reset() keeps the memory: after a first step has
  * grown the arena to its high-water mark, later steps allocate nothing. */
 typedef struct ddp_arena_chunk ddp_arena_chunk;
+/* Released blocks the arena hands out again before bumping (a few: the
+ * tape releases at most one or two per step). */
+#define DDP_ARENA_HOLES 4
 typedef struct ddp_arena {
   ddp_arena_chunk *head;     /* chunk being filled (newest) */
   size_t used_total;         /* bytes handed out since the last reset */
   size_t high_water;         /* largest used_total seen */
   size_t min_chunk;          /* size of a new chunk, at least */
+  struct {
+    char *at;
+    size_t bytes;
+  } holes[DDP_ARENA_HOLES];  /* released this cycle, not yet handed out again */
+  int n_holes;
 } ddp_arena;
 
 void ddp_arena_init(ddp_arena *arena, size_t initial_bytes);
@@ -135,6 +143,15 @@ void ddp_arena_init(ddp_arena *arena, size_t initial_bytes);
  * allocator fails. Memory is not zeroed. */
 void *ddp_arena_alloc(ddp_arena *arena, size_t bytes);
 void *ddp_arena_calloc(ddp_arena *arena, size_t bytes);
+/* Gives back `bytes` at `p` (an allocation of this cycle, or its tail)
+ * that nothing will read again before the reset: later allocations of the
+ * cycle take their memory from there first (first fit, holes in the order
+ * released), so a cycle whose
+ * large temporaries die early needs less memory than the sum of them,
+ * which keeps a step's working set in cache. With every hole in use the
+ * block is simply not reused. Allocations stay 64-byte aligned. In ASan
+ * builds the block is poisoned until handed out again. */
+void ddp_arena_release(ddp_arena *arena, void *p, size_t bytes);
 /* Forgets every allocation. If the last cycle needed more than one chunk, they
  * are merged into one chunk of the high-water size (one allocation), so the
  * next identical cycle fits without allocating. */

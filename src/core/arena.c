@@ -1,9 +1,19 @@
 /* Bump arenas for per-step temporaries. After the first cycle the arena holds
  * one chunk as large as the cycle's high-water mark, so identical cycles (the
- * steady-state training step) never allocate. */
+ * steady-state training step) never allocate. Blocks released during a
+ * cycle are handed out again first (a few holes, first fit), so the
+ * high-water mark, and with it a step's working set, counts only what is
+ * alive at once where the tape says a tensor died early. */
 #include <string.h>
 
 #include "ddp/core.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#else
+#define ASAN_POISON_MEMORY_REGION(p, n) ((void)(p), (void)(n))
+#define ASAN_UNPOISON_MEMORY_REGION(p, n) ((void)(p), (void)(n))
+#endif
 
 struct ddp_arena_chunk {
   ddp_arena_chunk *next; /* older chunk */
@@ -27,9 +37,34 @@ void ddp_arena_init(ddp_arena *arena, size_t initial_bytes) {
   arena->min_chunk = initial_bytes < 4096 ? 4096 : initial_bytes;
 }
 
-void *ddp_arena_alloc(ddp_arena *arena, size_t bytes) {
+/* Rounded up to the alignment, at least one unit. */
+static size_t aligned_size(size_t bytes) {
   size_t need = (bytes + 63) & ~(size_t)63;
-  if (need == 0) need = 64;
+  return need ? need : 64;
+}
+
+/* The front of the first released block that holds `need` bytes, or NULL. */
+static void *from_hole(ddp_arena *arena, size_t need) {
+  for (int i = 0; i < arena->n_holes; i++) {
+    if (arena->holes[i].bytes < need) continue;
+    char *p = arena->holes[i].at;
+    arena->holes[i].at += need;
+    arena->holes[i].bytes -= need;
+    if (arena->holes[i].bytes == 0) { /* used up: the later holes move down, in order */
+      arena->n_holes--;
+      memmove(&arena->holes[i], &arena->holes[i + 1],
+              (size_t)(arena->n_holes - i) * sizeof arena->holes[0]);
+    }
+    ASAN_UNPOISON_MEMORY_REGION(p, need);
+    return p;
+  }
+  return NULL;
+}
+
+void *ddp_arena_alloc(ddp_arena *arena, size_t bytes) {
+  size_t need = aligned_size(bytes);
+  void *reused = arena->n_holes ? from_hole(arena, need) : NULL;
+  if (reused) return reused;
   ddp_arena_chunk *c = arena->head;
   if (!c || c->capacity - c->used < need) {
     size_t cap = arena->min_chunk;
@@ -56,7 +91,24 @@ void *ddp_arena_calloc(ddp_arena *arena, size_t bytes) {
   return p;
 }
 
+void ddp_arena_release(ddp_arena *arena, void *p, size_t bytes) {
+  /* Whole units only: the unit holding the block's last byte may be
+   * shared with nothing else, but a partial one would misalign the next
+   * allocation taken from the hole. */
+  size_t usable = bytes & ~(size_t)63;
+  if (!p || usable == 0 || arena->n_holes == DDP_ARENA_HOLES) return;
+  ASAN_POISON_MEMORY_REGION(p, usable);
+  arena->holes[arena->n_holes].at = p;
+  arena->holes[arena->n_holes].bytes = usable;
+  arena->n_holes++;
+}
+
 void ddp_arena_reset(ddp_arena *arena) {
+  /* Holes are unpoisoned with the rest: the next cycle's allocations may
+   * fall anywhere in the chunk. */
+  for (int i = 0; i < arena->n_holes; i++)
+    ASAN_UNPOISON_MEMORY_REGION(arena->holes[i].at, arena->holes[i].bytes);
+  arena->n_holes = 0;
   ddp_arena_chunk *c = arena->head;
   if (c && c->next) {
     /* Several chunks: replace them by one that holds the whole cycle. */
@@ -74,6 +126,8 @@ void ddp_arena_reset(ddp_arena *arena) {
 }
 
 void ddp_arena_free(ddp_arena *arena) {
+  for (int i = 0; i < arena->n_holes; i++)
+    ASAN_UNPOISON_MEMORY_REGION(arena->holes[i].at, arena->holes[i].bytes);
   ddp_arena_chunk *c = arena->head;
   while (c) {
     ddp_arena_chunk *next = c->next;

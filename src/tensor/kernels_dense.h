@@ -77,10 +77,13 @@ typedef struct ddp__dense_kernels {
    * PyTorch). With relu, y = relu(max) (= the max pooling of relu(x)) and
    * argmax is that of x, or -1 where relu closes the window (y not > 0:
    * relu's backward, fused, passes nothing there). With affine (or NULL),
-   * x is mapped by it first. */
-  void (*max_pool2d_forward)(float *y, void *argmax, const float *x, int64_t planes,
-                             int64_t h, int64_t w, int64_t kernel, int64_t stride, int64_t oh,
-                             int64_t ow, bool relu, const ddp__pool_affine *affine);
+   * x is mapped by it first. argval (planes, oh, ow), or NULL, receives
+   * x's own value (before the map) at each window's max, closed windows'
+   * included. */
+  void (*max_pool2d_forward)(float *y, void *argmax, float *argval, const float *x,
+                             int64_t planes, int64_t h, int64_t w, int64_t kernel,
+                             int64_t stride, int64_t oh, int64_t ow, bool relu,
+                             const ddp__pool_affine *affine);
   /* dx (planes, h, w) += dy scattered to the argmax positions (windows of
    * argmax -1 pass nothing); with !accumulate dx is first set to zero (a
    * fresh buffer). kernel and stride are the forward's. */

@@ -79,18 +79,23 @@ typedef struct ddp__pointwise_kernels {
                                     const float *invstd, const float *weight, int64_t N,
                                     int64_t C, int64_t HW, bool batch_stats, bool accumulate,
                                     ddp_arena *arena);
-  /* batch_norm_backward (HW > 1, dx assigned) for an x that a stride-1
-   * convolution of geometry g (g->o == C) made from conv_x, when nothing
-   * but that convolution's weight and bias need dx: dx is never stored;
-   * each (n, c) plane of it goes, in cache, into conv_dw (C, g->c*KH*KW)
-   * += and conv_db (C) += (either may be NULL), which are then exactly the
-   * convolution backward's dw and db from dx. */
+  /* batch_norm_backward (HW > 1) for an x that a stride-1 convolution of
+   * geometry g (g->o == C) made from conv_x with conv_w and conv_b (or
+   * NULL), when nothing but that convolution's weight and bias need dx and
+   * x itself is no longer kept: dy is pooled, and argval holds x at each
+   * window's max (max_pool2d_forward's). dx is never formed: conv_dw (C,
+   * g->c*KH*KW) += and conv_db (C) += (either may be NULL) what the
+   * convolution's backward would compute from it. With dx = kdy dy +
+   * kx (x - mean) + k0, the dy term folds the scattered gradient planes
+   * against the input patches; the other two are affine in x = conv(conv_x),
+   * so they follow from the patches' sums and Gram matrix. */
   ddp_status (*batch_norm_backward_conv)(float *dweight, float *dbias, const ddp__bn_grad *dy,
-                                         const float *x, const float *mean, const float *invstd,
-                                         const float *weight, int64_t N, int64_t C, int64_t HW,
-                                         bool batch_stats, const ddp__conv2d_geom *g,
-                                         const float *conv_x, float *conv_dw, float *conv_db,
-                                         ddp_arena *arena);
+                                         const float *argval, const float *mean,
+                                         const float *invstd, const float *weight, int64_t N,
+                                         int64_t C, int64_t HW, bool batch_stats,
+                                         const ddp__conv2d_geom *g, const float *conv_x,
+                                         const float *conv_w, const float *conv_b,
+                                         float *conv_dw, float *conv_db, ddp_arena *arena);
   /* ---- synchronized batch norm: the same maths in phases, so that the
    * per-channel sums can be summed across ranks between them. Sums are
    * double, in host memory (they go through the caller's reduction). ---- */

@@ -149,10 +149,11 @@ static ddp_status max_pool2d_backward(ddp_tape *tape, ddp__node *node) {
  * from `data` (NULL: x's own; otherwise the input of a fused batch norm
  * whose output x is never written) through `affine` (or NULL); with
  * `argmax` not NULL, also each window's argmax (tape scratch) for the
- * backward. Records nothing. */
+ * backward, and with `argval` not NULL the data's value there (tape
+ * scratch). Records nothing. */
 static ddp_status pool_compute(ddp_tape *tape, const char *op, bool relu, ddp_tensor *x,
                                const float *data, const ddp__pool_affine *affine, int kernel,
-                               int stride, ddp_tensor **out, void **argmax) {
+                               int stride, ddp_tensor **out, void **argmax, float **argval) {
   char sx[DDP_SHAPE_STR_BYTES];
   if (!tape || !out) return ddp_error(DDP_ERR_INVALID, "%s: tape or out is NULL", op);
   if (!x) return ddp_error(DDP_ERR_INVALID, "%s: input is NULL", op);
@@ -192,8 +193,16 @@ static ddp_status pool_compute(ddp_tape *tape, const char *op, bool relu, ddp_te
                        DDP__SHAPE(y, sx));
     *argmax = at;
   }
-  k->dense->max_pool2d_forward(y->data, at, data ? data : x->data, planes, h, w, kernel, stride,
-                               oh, ow, relu, affine);
+  float *val = NULL;
+  if (argval) {
+    val = ddp_tape_scratch(tape, (size_t)y->numel * sizeof(float));
+    if (!val)
+      return ddp_error(DDP_ERR_NOMEM, "%s: cannot allocate the values at the argmax of %s", op,
+                       DDP__SHAPE(y, sx));
+    *argval = val;
+  }
+  k->dense->max_pool2d_forward(y->data, at, val, data ? data : x->data, planes, h, w, kernel,
+                               stride, oh, ow, relu, affine);
   *out = y;
   return DDP_OK;
 }
@@ -206,7 +215,7 @@ static ddp_status pool_forward(ddp_tape *tape, const char *op, bool relu, ddp_te
   void *argmax = NULL;
   ddp_tensor *y;
   DDP_TRY(pool_compute(tape, op, relu, x, NULL, NULL, kernel, stride, &y,
-                       wants ? &argmax : NULL));
+                       wants ? &argmax : NULL, NULL));
   if (wants) {
     pool_ctx *ctx = ddp_tape_scratch(tape, sizeof *ctx);
     if (!ctx) return ddp_error(DDP_ERR_NOMEM, "%s: cannot allocate its backward's context", op);
@@ -235,7 +244,7 @@ ddp_status ddp_relu_max_pool2d(ddp_tape *tape, ddp_tensor *x, int kernel, int st
 
 ddp_status ddp__relu_max_pool2d_affine(ddp_tape *tape, ddp_tensor *x, const float *data,
                                        const ddp__pool_affine *affine, int kernel, int stride,
-                                       ddp_tensor **out, void **argmax) {
+                                       ddp_tensor **out, void **argmax, float **argval) {
   return pool_compute(tape, "batch_norm_relu_max_pool2d", true, x, data, affine, kernel, stride,
-                      out, argmax);
+                      out, argmax, argval);
 }

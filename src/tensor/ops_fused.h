@@ -15,21 +15,23 @@ static inline int ddp__pool_stride(int kernel, int stride) { return stride ? str
 /* relu_max_pool2d of x, whose values are read from `data` (x's shape)
  * mapped through `affine`: x is batch norm's output, never written, data
  * its input. Validates like ddp_relu_max_pool2d and computes y and, when
- * `argmax` is not NULL, each window's argmax (tape scratch), but records
+ * `argmax` is not NULL, each window's argmax (tape scratch), and when
+ * `argval` is not NULL data's value there (tape scratch), but records
  * nothing: the caller records one node for the whole block, whose backward
  * hands batch norm's the pooled gradient (ddp__bn_grad). */
 ddp_status ddp__relu_max_pool2d_affine(ddp_tape *tape, ddp_tensor *x, const float *data,
                                        const ddp__pool_affine *affine, int kernel, int stride,
-                                       ddp_tensor **out, void **argmax);
+                                       ddp_tensor **out, void **argmax, float **argval);
 
 /* When intermediate `t` is the output of a stride-1 conv2d (more than one
  * output element per plane) whose input needs no gradient and whose weight
  * does: the convolution's geometry, else NULL. Its backward then only
  * turns t's gradient into dw and db, which batch norm's backward can do
- * itself, plane by plane, without t's gradient ever being stored
- * (batch_norm_backward_conv); the conv2d node then finds no gradient and
- * is skipped. The caller must own t (DDP__TENSOR_REUSABLE: no one else
- * reads it or its gradient). */
+ * itself without t's gradient ever being formed, and without t
+ * (batch_norm_backward_conv): the block keeps t's values at the pooling
+ * windows' maxima and releases t's memory once it has pooled it; the
+ * conv2d node then finds no gradient and is skipped. The caller must own
+ * t (DDP__TENSOR_REUSABLE: no one else reads it or its gradient). */
 const ddp__conv2d_geom *ddp__conv2d_foldable(ddp_tape *tape, const ddp_tensor *t);
 
 #endif

@@ -256,15 +256,19 @@ typedef struct bn_pool_ctx {
   int64_t h, w;       /* batch norm's planes */
   int64_t kernel, stride;
   /* x is a convolution's output that only this block reads, whose
-   * backward may be folded in: its geometry (ddp__conv2d_foldable), or NULL */
+   * backward is folded in: its geometry (ddp__conv2d_foldable), or NULL.
+   * The forward then released x's data: backward needs only argval. */
   const ddp__conv2d_geom *fold;
+  const float *argval; /* (N, C, oh, ow): x at each window's max, when folding */
 } bn_pool_ctx;
 
 /* Batch norm's backward with the convolution that made x folded in: dx
- * goes plane by plane into the convolution's dw and db (in cache), and x
- * gets no gradient, so the convolution's node is skipped. */
+ * goes straight into the convolution's dw and db without being formed,
+ * from the pooled gradient, x's values at the windows' maxima and the
+ * convolution's input and weights (x itself is gone), and x gets no
+ * gradient, so the convolution's node is skipped. */
 static ddp_status backward_folding_conv(ddp_tape *tape, ddp__node *node,
-                                        const batch_norm_ctx *ctx, const ddp__conv2d_geom *g,
+                                        const batch_norm_ctx *ctx, const bn_pool_ctx *pc,
                                         const ddp__bn_grad *dy) {
   ddp_tensor *x = node->in[0], *weight = node->in[1], *bias = node->in[2];
   const ddp__node *conv = ddp__tape_node(tape, x);
@@ -276,8 +280,9 @@ static ddp_status backward_folding_conv(ddp_tape *tape, ddp__node *node,
   if (s != DDP_OK) return s;
   const ddp__kernels *k = ddp__kernels_for(node->out->device);
   return k->pointwise->batch_norm_backward_conv(
-      dweight, dbias, dy, x->data, ctx->mean, ctx->invstd, weight ? weight->data : NULL, ctx->N,
-      ctx->C, ctx->HW, ctx->batch_stats, g, conv->in[0]->data, conv_dw, conv_db,
+      dweight, dbias, dy, pc->argval, ctx->mean, ctx->invstd, weight ? weight->data : NULL,
+      ctx->N, ctx->C, ctx->HW, ctx->batch_stats, pc->fold, conv->in[0]->data,
+      conv->in[1]->data, conv->in[2] ? conv->in[2]->data : NULL, conv_dw, conv_db,
       ddp__tape_arena(tape));
 }
 
@@ -301,12 +306,16 @@ static ddp_status batch_norm_relu_max_pool2d_backward(ddp_tape *tape, ddp__node 
                            .oh = y->shape[2],
                            .ow = y->shape[3],
                            .scratch = scratch};
+  if (!ctx->fold) return batch_norm_backward_from(tape, node, bn, &dy);
   /* Folding needs this block to be the only contributor to x's gradient:
-   * the last of x's consumers to run, none before it having written one. */
+   * the last of x's consumers to run, none before it having written one.
+   * The owner that marked x reusable promised no other op reads it. */
   const ddp_tensor *x = node->in[0];
-  if (ctx->fold && !x->grad && x->pending == 1)
-    return backward_folding_conv(tape, node, bn, ctx->fold, &dy);
-  return batch_norm_backward_from(tape, node, bn, &dy);
+  if (x->grad || x->pending != 1)
+    return ddp_error(DDP_ERR_STATE,
+                     "batch_norm_relu_max_pool2d backward: its input was marked reusable (read "
+                     "by this op alone), but another op used it too; its data is gone");
+  return backward_folding_conv(tape, node, bn, ctx, &dy);
 }
 
 ddp_status ddp_batch_norm_relu_max_pool2d(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight,
@@ -340,9 +349,18 @@ ddp_status ddp_batch_norm_relu_max_pool2d(ddp_tape *tape, ddp_tensor *x, ddp_ten
   const ddp__pool_affine map = {ctx->mean, affine, affine + C, C};
   ddp_tensor *in[3] = {x, weight, bias};
   const bool wants = ddp__tape_wants_grad(tape, 3, in);
+  /* A convolution's output that only this block reads (its owner marked
+   * it, and no op has used it yet): the convolution's backward is folded
+   * into this one's, which needs x only at the windows' maxima, so x's 5 MB
+   * in the ConvNet can go as soon as it is pooled. */
+  const ddp__conv2d_geom *fold = wants && !ctx->synced &&
+                                         (x->flags & DDP__TENSOR_REUSABLE) && x->pending == 0
+                                     ? ddp__conv2d_foldable(tape, x)
+                                     : NULL;
   void *argmax = NULL;
+  float *argval = NULL;
   DDP_TRY(ddp__relu_max_pool2d_affine(tape, normalised, x->data, &map, kernel, stride, &y,
-                                      wants ? &argmax : NULL));
+                                      wants ? &argmax : NULL, fold ? &argval : NULL));
   if (wants) {
     bn_pool_ctx *pc = ddp_tape_scratch(tape, sizeof *pc);
     if (!pc)
@@ -354,13 +372,20 @@ ddp_status ddp_batch_norm_relu_max_pool2d(ddp_tape *tape, ddp_tensor *x, ddp_ten
                         .w = x->shape[3],
                         .kernel = kernel,
                         .stride = ddp__pool_stride(kernel, stride),
-                        .fold = !ctx->synced && (x->flags & DDP__TENSOR_REUSABLE)
-                                    ? ddp__conv2d_foldable(tape, x)
-                                    : NULL};
+                        .fold = fold,
+                        .argval = argval};
     DDP_TRY(ddp__tape_record(tape,
                              ctx->synced ? "sync_batch_norm_relu_max_pool2d"
                                          : "batch_norm_relu_max_pool2d",
                              batch_norm_relu_max_pool2d_backward, y, 3, in, pc));
+  }
+  if (fold) {
+    /* Later allocations of the step (the next layers' outputs, backward's
+     * scratch) reuse x's memory, so a step's working set holds x only
+     * while it is pooled. Its pointer goes too: a use would fault rather
+     * than read another tensor's values. */
+    ddp_arena_release(ddp__tape_arena(tape), x->data, (size_t)x->numel * sizeof(float));
+    x->data = NULL;
   }
   *out = y;
   return DDP_OK;

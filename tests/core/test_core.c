@@ -5,6 +5,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#endif
 #include <cmocka.h>
 
 #include "ddp/core.h"
@@ -47,6 +50,56 @@ static void test_arena_reuses_memory(void **state) {
     ddp_arena_reset(&a);
   }
   assert_int_equal(ddp_alloc_count(), before); /* steady state: no allocation */
+  ddp_arena_free(&a);
+}
+
+/* ddp_arena_release: later allocations of the cycle come from the released
+ * block first (first fit, 64-byte aligned, from its front), larger ones
+ * from the bump pointer; the cycle's high-water mark counts the block
+ * once, so the steady state is smaller and allocates nothing; with every
+ * hole taken a release is ignored; reset forgets the holes. */
+static void test_arena_release(void **state) {
+  (void)state;
+  ddp_arena a;
+  ddp_arena_init(&a, 1 << 20);
+  size_t water[2];
+  for (int cycle = 0; cycle < 2; cycle++) {
+    char *big = ddp_arena_alloc(&a, 100000);
+    char *keep = ddp_arena_alloc(&a, 1000);
+    assert_non_null(big);
+    assert_non_null(keep);
+    memset(big, 1, 100000);
+    ddp_arena_release(&a, big, 100000);
+#if defined(__SANITIZE_ADDRESS__)
+    assert_true(__asan_address_is_poisoned(big)); /* a released block reads as an error */
+#endif
+    char *p = ddp_arena_alloc(&a, 30000), *q = ddp_arena_alloc(&a, 100);
+    assert_ptr_equal(p, big);                      /* the hole's front */
+    assert_ptr_equal(q, big + 30016);              /* 30000 rounded up to 64 */
+#if defined(__SANITIZE_ADDRESS__)
+    assert_false(__asan_address_is_poisoned(q + 99)); /* handed out again: usable */
+    assert_true(__asan_address_is_poisoned(q + 128)); /* the rest of the hole */
+#endif
+    char *r = ddp_arena_alloc(&a, 80000);          /* larger than what is left */
+    assert_true(r > keep);
+    memset(p, 2, 30000);
+    memset(q, 3, 100);
+    water[cycle] = a.high_water;
+    ddp_arena_reset(&a);
+  }
+  assert_int_equal(water[0], water[1]);
+  /* 100000 + 1000 + 80000 (rounded), not 100000 + 1000 + 30000 + 100 + 80000 */
+  assert_int_equal(water[0], 100032 + 1024 + 80000);
+  uint64_t before = ddp_alloc_count();
+  char *blocks[DDP_ARENA_HOLES + 1];
+  for (int i = 0; i <= DDP_ARENA_HOLES; i++) blocks[i] = ddp_arena_alloc(&a, 4096);
+  for (int i = 0; i <= DDP_ARENA_HOLES; i++) ddp_arena_release(&a, blocks[i], 4096);
+  assert_int_equal(a.n_holes, DDP_ARENA_HOLES); /* the last release ignored */
+  for (int i = 0; i < DDP_ARENA_HOLES; i++) assert_ptr_equal(ddp_arena_alloc(&a, 4096), blocks[i]);
+  assert_true((char *)ddp_arena_alloc(&a, 4096) > blocks[DDP_ARENA_HOLES]);
+  ddp_arena_reset(&a);
+  assert_int_equal(a.n_holes, 0);
+  assert_int_equal(ddp_alloc_count(), before);
   ddp_arena_free(&a);
 }
 
@@ -144,7 +197,8 @@ static void test_log_level(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_status_table),       cmocka_unit_test(test_last_error_and_wrap),
-      cmocka_unit_test(test_arena_reuses_memory), cmocka_unit_test(test_rng_reproducible_and_uniform),
+      cmocka_unit_test(test_arena_reuses_memory), cmocka_unit_test(test_arena_release),
+      cmocka_unit_test(test_rng_reproducible_and_uniform),
       cmocka_unit_test(test_alloc_hooks),         cmocka_unit_test(test_env_parsing),
       cmocka_unit_test(test_log_level),
   };

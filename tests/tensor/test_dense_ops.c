@@ -417,6 +417,86 @@ static void test_conv_fold_kernels(void **state) {
   ddp__cpu_dense_force_generic(false);
 }
 
+/* The patches' sums and Gram matrix (ddp__cpu_conv2d_fold_gram), against
+ * the sums over every output position in double: psum[t] = sum of tap
+ * t's input element, gram[t][u] = sum of taps t's and u's product (zero
+ * padding included). Cases: the ConvNet's conv1 (1 channel, 5x5, pad 2,
+ * 28x28, samples past one block), 2 and 3 channels (pairs of planes,
+ * negative row offsets), no padding, a 3x3 and a 9x9 kernel (column
+ * offsets in more than one pass), a plane of one row. Both paths. */
+static void test_conv_fold_gram(void **state) {
+  (void)state;
+  const struct {
+    int64_t n, c, h, w, k, pad;
+  } cases[] = {{37, 1, 28, 28, 5, 2}, {3, 2, 20, 20, 3, 1}, {2, 3, 12, 9, 5, 0},
+               {2, 2, 12, 12, 9, 4}, {4, 1, 1, 30, 1, 0}, {5, 1, 6, 7, 3, 2}};
+  for (int generic = 0; generic < 2; generic++) {
+    ddp__cpu_dense_force_generic(generic);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+      ddp__conv2d_geom g = {.n = cases[i].n, .c = cases[i].c, .h = cases[i].h, .w = cases[i].w,
+                            .o = 2, .kh = cases[i].k, .kw = cases[i].k, .stride = 1,
+                            .pad = cases[i].pad};
+      g.oh = g.h + 2 * g.pad - g.kh + 1;
+      g.ow = g.w + 2 * g.pad - g.kw + 1;
+      const int64_t k = g.c * g.kh * g.kw;
+      int64_t sx[4] = {g.n, g.c, g.h, g.w};
+      ddp_tensor *x = gradcheck_random(4, sx, -1, 1, 301 + i, false);
+      const float *xd = x->data;
+      double *gram = ddp_alloc((size_t)(k * k) * sizeof(double));
+      double *psum = ddp_alloc((size_t)k * sizeof(double));
+      double *patch = ddp_alloc((size_t)k * sizeof(double));
+      double *want = ddp_alloc((size_t)(k * k) * sizeof(double));
+      double *want_p = ddp_alloc((size_t)k * sizeof(double));
+      for (int64_t t = 0; t < k * k; t++) want[t] = 0;
+      for (int64_t t = 0; t < k; t++) want_p[t] = 0;
+      double mag = 0;
+      for (int64_t n = 0; n < g.n; n++)
+        for (int64_t y = 0; y < g.oh; y++)
+          for (int64_t xx = 0; xx < g.ow; xx++) {
+            for (int64_t c = 0; c < g.c; c++)
+              for (int64_t a = 0; a < g.kh; a++)
+                for (int64_t b = 0; b < g.kw; b++) {
+                  const int64_t iy = y + a - g.pad, ix = xx + b - g.pad;
+                  patch[(c * g.kh + a) * g.kw + b] =
+                      iy < 0 || iy >= g.h || ix < 0 || ix >= g.w
+                          ? 0.0
+                          : xd[((n * g.c + c) * g.h + iy) * g.w + ix];
+                }
+            for (int64_t t = 0; t < k; t++) {
+              want_p[t] += patch[t];
+              for (int64_t u = 0; u < k; u++) want[t * k + u] += patch[t] * patch[u];
+            }
+            mag += 1;
+          }
+      ddp_arena arena;
+      ddp_arena_init(&arena, 1 << 16);
+      ddp__conv2d_fold f;
+      assert_int_equal(ddp__cpu_conv2d_fold_init(&f, xd, &g, &arena), DDP_OK);
+      assert_int_equal(ddp__cpu_conv2d_fold_gram(&f, gram, psum, &arena), DDP_OK);
+      /* products of values in [-1, 1]: each term at most 1, float sums
+       * over blocks of samples */
+      for (int64_t t = 0; t < k; t++) {
+        if (fabs(psum[t] - want_p[t]) > 1e-5 * mag)
+          fail_msg("case %zu (%s): psum[%lld] %g, expected %g", i, generic ? "generic" : "AVX-512",
+                   (long long)t, psum[t], want_p[t]);
+        for (int64_t u = 0; u < k; u++)
+          if (fabs(gram[t * k + u] - want[t * k + u]) > 1e-5 * mag)
+            fail_msg("case %zu (%s): gram[%lld][%lld] %g, expected %g", i,
+                     generic ? "generic" : "AVX-512", (long long)t, (long long)u,
+                     gram[t * k + u], want[t * k + u]);
+      }
+      ddp_arena_free(&arena);
+      ddp_free(gram);
+      ddp_free(psum);
+      ddp_free(patch);
+      ddp_free(want);
+      ddp_free(want_p);
+      ddp_tensor_destroy(x);
+    }
+  }
+  ddp__cpu_dense_force_generic(false);
+}
+
 static void test_max_pool2d(void **state) {
   (void)state;
   const __typeof__(pool_cases[0]) *cases = pool_cases;
@@ -582,7 +662,7 @@ static void test_batch_norm_relu_max_pool2d(void **state) {
  * buffers), rows of two steps (20 windows), overlapping 3x3 windows, one
  * plane and many, the widest one-byte argmax (11x11) and four-byte ones
  * (12x12). The forward's argmax is checked against the reference's maxima
- * first. Runs on both kernel paths. */
+ * first, and its argval against x there. Runs on both kernel paths. */
 static void test_max_pool2d_backward_fresh(void **state) {
   (void)state;
   static const struct {
@@ -611,13 +691,20 @@ static void test_max_pool2d_backward_fresh(void **state) {
     int64_t *at = ddp_alloc((size_t)outs * sizeof(int64_t)); /* plane index, -1 closed */
     ref_pool(y, arg64, x->data, planes, h, w, k, st);
     /* the forward's argmax: the reference's maxima, in window places */
-    ddp__cpu_max_pool2d_forward(y, fwd_arg, x->data, planes, h, w, k, st, oh, ow, false, NULL);
+    float *argval = malloc((size_t)outs * sizeof(float)); /* exact size */
+    assert_non_null(argval);
+    ddp__cpu_max_pool2d_forward(y, fwd_arg, argval, x->data, planes, h, w, k, st, oh, ow, false,
+                                NULL);
     for (int64_t o = 0; o < outs; o++) {
       const int64_t pos = arg64[o] % (h * w), i = (o % (oh * ow)) / ow, j = o % ow;
       const int32_t place = (int32_t)((pos / w - i * st) * k + pos % w - j * st);
       const int32_t fwd = bytes == 1 ? ((int8_t *)fwd_arg)[o] : ((int32_t *)fwd_arg)[o];
       if (fwd != place)
         fail_msg("case %zu: window %lld's argmax %d, expected %d", t, (long long)o, fwd, place);
+      const float xv = ((const float *)x->data)[(o / (oh * ow)) * h * w + pos];
+      if (argval[o] != xv)
+        fail_msg("case %zu: window %lld's value at the argmax %g, expected %g", t, (long long)o,
+                 argval[o], xv);
       at[o] = o % 5 == 0 ? -1 : pos; /* some windows closed */
       const int32_t code = at[o] < 0 ? -1 : place;
       if (bytes == 1)
@@ -643,6 +730,7 @@ static void test_max_pool2d_backward_fresh(void **state) {
     ddp_free(at);
     free(arg);
     free(fwd_arg);
+    free(argval);
     ddp_tensor_destroy(x);
     ddp_tensor_destroy(dy);
   }
@@ -893,6 +981,7 @@ int main(void) {
       cmocka_unit_test(test_conv2d_gradcheck),
       cmocka_unit_test(test_conv2d_backward_convnet_shapes),
       cmocka_unit_test(test_conv_fold_kernels),
+      cmocka_unit_test(test_conv_fold_gram),
       cmocka_unit_test(test_max_pool2d),
       cmocka_unit_test(test_max_pool2d_ties),
       cmocka_unit_test(test_max_pool2d_backward_fresh),

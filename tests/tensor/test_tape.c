@@ -300,12 +300,15 @@ static void test_linear_gradient_takes_over_input(void **state) {
 /* A first convolution folded into batch norm's backward (cpu/conv_fold.c):
  * c = conv2d(x, w, b, pad) with x data (no gradient), marked reusable as
  * nn marks it, then the batch-norm block. Marked, the block's backward
- * computes w's and b's gradients itself and c gets none (the conv2d node is
- * skipped); unmarked, conv2d's backward does it from c's gradient. The two
+ * computes w's and b's gradients itself, from c's values at the pooling's
+ * maxima and the input's patches' sums (c's memory is released after the
+ * forward), and c gets none (the conv2d node is skipped); unmarked,
+ * conv2d's backward does it from c's gradient. The two
  * agree within float rounding (different summation orders), on both
  * kernel paths, for row widths of one vector, two, and more (the AVX-512
  * path's portable fallback), kernel heights in the sliding window (3, 5)
- * and past it (9), 1 and 2 input channels; finite differences agree with
+ * and past it (9), 1 and 2 input channels, batch statistics and running
+ * ones (evaluation mode, which still records); finite differences agree with
  * the folded run of the smallest case (the larger ones have too many
  * pooling and relu kinks within a step of the differences: there they
  * disagree with the unfolded run's gradient just as much). */
@@ -313,7 +316,8 @@ typedef struct fold_cfg {
   ddp_tensor *x;
   int pad;
   bool mark;
-  ddp_tensor *c; /* out: the convolution's output of the last run */
+  ddp_tensor *running[2]; /* running mean and var: evaluation mode; NULL: training */
+  ddp_tensor *c;          /* out: the convolution's output of the last run */
 } fold_cfg;
 
 static ddp_status fold_chain(ddp_tape *tape, ddp_tensor **in, void *user, ddp_tensor **out) {
@@ -322,22 +326,28 @@ static ddp_status fold_chain(ddp_tape *tape, ddp_tensor **in, void *user, ddp_te
   DDP_TRY(ddp_conv2d(tape, cfg->x, in[0], in[1], 1, cfg->pad, &c));
   if (cfg->mark) c->flags |= DDP__TENSOR_REUSABLE;
   cfg->c = c;
-  return ddp_batch_norm_relu_max_pool2d(tape, c, in[2], in[3], NULL, NULL, NULL, true, 0.1f,
-                                        1e-5f, NULL, 2, 2, out);
+  return ddp_batch_norm_relu_max_pool2d(tape, c, in[2], in[3], cfg->running[0], cfg->running[1],
+                                        NULL, !cfg->running[0], 0.1f, 1e-5f, NULL, 2, 2, out);
 }
 
 static void test_conv_folded_into_batch_norm(void **state) {
   (void)state;
   const struct {
     int64_t ci, hw, k, pad;
-  } cases[] = {{1, 8, 5, 2}, {2, 20, 3, 1}, {1, 36, 5, 2}, {2, 12, 9, 4}};
+    bool eval; /* batch norm with running statistics: dx = weight * invstd * dy */
+  } cases[] = {{1, 8, 5, 2, false}, {2, 20, 3, 1, false}, {1, 36, 5, 2, false},
+               {2, 12, 9, 4, false}, {1, 8, 5, 2, true},   {2, 20, 3, 1, true}};
   for (int generic = 0; generic < 2; generic++) {
     ddp__cpu_dense_force_generic(generic);
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
       int64_t sx[4] = {3, cases[i].ci, cases[i].hw, cases[i].hw};
       int64_t sw[4] = {4, cases[i].ci, cases[i].k, cases[i].k}, so[1] = {4};
       fold_cfg cfg = {gradcheck_random(4, sx, -1, 1, 71 + i, false), (int)cases[i].pad, false,
-                      NULL};
+                      {NULL, NULL}, NULL};
+      if (cases[i].eval) {
+        cfg.running[0] = gradcheck_random(1, so, -0.5f, 0.5f, 76, false);
+        cfg.running[1] = gradcheck_random(1, so, 0.5f, 1.5f, 77, false);
+      }
       ddp_tensor *in[4] = {gradcheck_random(4, sw, -0.5f, 0.5f, 72, true),
                            gradcheck_random(1, so, -0.5f, 0.5f, 73, true),
                            gradcheck_random(1, so, 0.5f, 1.5f, 74, true),
@@ -349,6 +359,12 @@ static void test_conv_folded_into_batch_norm(void **state) {
         assert_int_equal(ddp_tape_create(&tape, 1 << 16), DDP_OK);
         ddp_tensor *out;
         assert_int_equal(fold_chain(tape, in, &cfg, &out), DDP_OK);
+        /* folded, the block needs c only where it pools it: c's memory goes
+         * back to the arena at once, for the step's later tensors */
+        if (mark)
+          assert_null(cfg.c->data);
+        else
+          assert_non_null(cfg.c->data);
         backward_taking_grads(tape, out, in, 4, grads[mark]);
         if (mark)
           assert_null(cfg.c->grad); /* folded: no gradient of c, conv2d's node skipped */
@@ -377,6 +393,8 @@ static void test_conv_folded_into_batch_norm(void **state) {
                                    1e-4, 1e-2, 1e-2),
                          0);
       ddp_tensor_destroy(cfg.x);
+      ddp_tensor_destroy(cfg.running[0]);
+      ddp_tensor_destroy(cfg.running[1]);
       for (int j = 0; j < 4; j++) ddp_tensor_destroy(in[j]);
     }
   }

@@ -26,19 +26,27 @@
 ddp_status ddp__cpu_conv2d_fold_init(ddp__conv2d_fold *f, const float *x,
                                      const ddp__conv2d_geom *g, ddp_arena *arena) {
   const int64_t hp = g->h + 2 * g->pad, wp = g->w + 2 * g->pad, k = g->c * g->kh * g->kw;
-  const int64_t sample = g->c * hp * wp;
+  /* Samples one cache line apart beyond whole vectors: the correlations
+   * read the same element of many samples in turn, which at a stride of a
+   * power of two (4 KB for 32x32 planes) would all fall in one L1 set. */
+  const int64_t sample = (g->c * hp * wp + LANES - 1) / LANES * LANES + LANES;
   *f = (ddp__conv2d_fold){.g = g, .hp = hp, .wp = wp, .k = k, .sample = sample};
   f->avx512 = ddp__cpu_has_avx512() && g->ow <= 2 * LANES;
-  /* No slack needed: rows are read with masked loads, which touch no
-   * element past the row's last. */
-  const size_t floats = (size_t)(g->n * sample);
-  f->xp = ddp_arena_alloc(arena, floats * sizeof(float));
+  /* The planes' rows are read with masked loads, which touch no element
+   * past the row's last; the patches' correlations (fold_gram) read each
+   * plane at offsets of up to (KH - 1) WP + KW - 1 floats either way, and
+   * two vectors past that: zeros past both ends (whole vectors, so that xp
+   * stays 64-byte aligned). */
+  f->slack = ((g->kh - 1) * wp + g->kw - 1 + 2 * LANES - 1) / LANES * LANES;
+  const size_t floats = (size_t)(g->n * sample + 2 * f->slack);
+  float *base = ddp_arena_alloc(arena, floats * sizeof(float));
   f->off = ddp_arena_alloc(arena, (size_t)k * sizeof(int64_t));
   f->acc = ddp_arena_alloc(arena, (size_t)(k + 1) * LANES * sizeof(float));
-  if (!f->xp || !f->off || !f->acc)
+  if (!base || !f->off || !f->acc)
     return ddp_error(DDP_ERR_NOMEM, "conv2d (folded into batch norm): cannot allocate the padded "
                      "input (%lld samples of %lld floats)", (long long)g->n, (long long)sample);
-  memset(f->xp, 0, floats * sizeof(float));
+  memset(base, 0, floats * sizeof(float));
+  f->xp = base + f->slack;
   for (int64_t n = 0; n < g->n; n++)
     for (int64_t c = 0; c < g->c; c++)
       for (int64_t y = 0; y < g->h; y++)
@@ -193,4 +201,188 @@ void ddp__cpu_conv2d_fold_channel(ddp__conv2d_fold *f, float *dw, float *db) {
       *db += s;
     }
   }
+}
+
+/* ---- The patches' sums and Gram matrix (ddp__cpu_conv2d_fold_gram) ----
+ * Tap t = (c, a, b) at output position (y, x) reads xp[c][y + a][x + b], so
+ * for taps t and u = (c2, a2, b2) the product sums to
+ *   gram[t][u] = sum over q in the window [a, a + oh) x [b, b + ow) of
+ *                R[q],  R[q] = sum over n of xp_n[c][q] * xp_n[c2][q + d]
+ * with d = (a2 - a, b2 - b): one correlation R per channel pair and offset
+ * d serves every tap pair with that offset, through 2-D prefix sums of R.
+ * That is (2 KH - 1)(2 KW - 1) products per padded element and sample
+ * (about 41 for a 5x5 kernel, counting each symmetric pair once) instead
+ * of K(K + 1)/2 per output element (325): a small fraction of the
+ * convolution itself. R is summed over blocks of SAMPLE_BLOCK samples in
+ * float registers, and the blocks, the prefix sums and everything after
+ * in double. */
+#define SAMPLE_BLOCK 32
+/* Column offsets correlated per pass (up to 9, the unrolled kernels): a
+ * 5x5 kernel's nine share the loads of the first plane. */
+#define SHIFTS_MAX 9
+
+/* r[d][i] += sum over n of p_n[i] * q_n[i + shift + d], for d < ND and i <
+ * plane, where p_n = p + n * sample and likewise q: the sums over each
+ * block of samples in registers (float), added to r (double) per block.
+ * q_n is loaded as two vectors from i + shift on, and offset d is their
+ * concatenation shifted by d lanes (a shuffle, instead of a load that
+ * splits across cache lines). Reads up to |shift| + 2 LANES floats past
+ * either end of a plane. */
+#define SHIFTED(d) _mm512_castsi512_ps(_mm512_alignr_epi32(q1, q0, d))
+#define ADD_SHIFTED(ND, d)                                                                    \
+  if (ND > d) acc[d] = _mm512_fmadd_ps(pv, SHIFTED(d), acc[d])
+#define CORRELATE(ND)                                                                         \
+  AVX512 static void correlate##ND(double *r, const float *p, const float *q, int64_t shift,  \
+                                   int64_t n_samples, int64_t sample, int64_t plane) {        \
+    for (int64_t i = 0; i < plane; i += LANES) {                                              \
+      const __mmask16 m = plane - i >= LANES ? 0xffff : (__mmask16)((1u << (plane - i)) - 1); \
+      for (int64_t n0 = 0; n0 < n_samples; n0 += SAMPLE_BLOCK) {                              \
+        const int64_t n1 = n0 + SAMPLE_BLOCK < n_samples ? n0 + SAMPLE_BLOCK : n_samples;     \
+        __m512 acc[SHIFTS_MAX];                                                               \
+        _Pragma("GCC unroll 9") for (int d = 0; d < ND; d++) acc[d] = _mm512_setzero_ps();    \
+        for (int64_t n = n0; n < n1; n++) {                                                   \
+          const __m512 pv = _mm512_maskz_loadu_ps(m, p + n * sample + i);                     \
+          const float *qn = q + n * sample + i + shift;                                       \
+          const __m512i q0 = _mm512_castps_si512(_mm512_loadu_ps(qn));                        \
+          const __m512i q1 = _mm512_castps_si512(_mm512_loadu_ps(qn + LANES));                \
+          acc[0] = _mm512_fmadd_ps(pv, _mm512_castsi512_ps(q0), acc[0]);                      \
+          ADD_SHIFTED(ND, 1);                                                                 \
+          ADD_SHIFTED(ND, 2);                                                                 \
+          ADD_SHIFTED(ND, 3);                                                                 \
+          ADD_SHIFTED(ND, 4);                                                                 \
+          ADD_SHIFTED(ND, 5);                                                                 \
+          ADD_SHIFTED(ND, 6);                                                                 \
+          ADD_SHIFTED(ND, 7);                                                                 \
+          ADD_SHIFTED(ND, 8);                                                                 \
+        }                                                                                     \
+        _Pragma("GCC unroll 9") for (int d = 0; d < ND; d++) {                                \
+          double *rd = r + d * plane + i;                                                     \
+          const __mmask8 lo = (__mmask8)m, hi = (__mmask8)(m >> 8);                           \
+          const __m512d a = _mm512_cvtps_pd(_mm512_castps512_ps256(acc[d]));                  \
+          const __m512d b = _mm512_cvtps_pd(                                                  \
+              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[d]), 1)));         \
+          _mm512_mask_storeu_pd(rd, lo, _mm512_add_pd(_mm512_maskz_loadu_pd(lo, rd), a));     \
+          _mm512_mask_storeu_pd(rd + 8, hi, _mm512_add_pd(_mm512_maskz_loadu_pd(hi, rd + 8), b)); \
+        }                                                                                     \
+      }                                                                                       \
+    }                                                                                         \
+  }
+CORRELATE(1)
+CORRELATE(2)
+CORRELATE(3)
+CORRELATE(4)
+CORRELATE(5)
+CORRELATE(6)
+CORRELATE(7)
+CORRELATE(8)
+CORRELATE(9)
+
+static void correlate_portable(double *r, const float *p, const float *q, int64_t shift, int nd,
+                               int64_t n_samples, int64_t sample, int64_t plane) {
+  for (int d = 0; d < nd; d++)
+    for (int64_t n0 = 0; n0 < n_samples; n0 += SAMPLE_BLOCK) {
+      const int64_t n1 = n0 + SAMPLE_BLOCK < n_samples ? n0 + SAMPLE_BLOCK : n_samples;
+      for (int64_t i = 0; i < plane; i++) {
+        float s = 0.0f;
+        for (int64_t n = n0; n < n1; n++) s += p[n * sample + i] * q[n * sample + i + shift + d];
+        r[d * plane + i] += s;
+      }
+    }
+}
+
+/* r[d] (nd planes of HP x WP) = sum over samples of xp_n[c][q] *
+ * xp_n[c2][q + (da, db0 + d)], zero where the partner falls outside the
+ * plane. Flat offsets pair some elements across a row's end or a plane's;
+ * those are zeroed afterwards (no window of the taps served reaches
+ * them, but their values would round the prefix sums). */
+static void correlate(double *r, const ddp__conv2d_fold *f, int64_t c, int64_t c2, int64_t da,
+                      int64_t db0, int nd) {
+  const int64_t hp = f->hp, wp = f->wp, plane = hp * wp;
+  const int64_t shift = da * wp + db0;
+  for (int64_t i = 0; i < nd * plane; i++) r[i] = 0.0;
+  const float *p = f->xp + c * plane, *q = f->xp + c2 * plane;
+  typedef void (*correlate_fn)(double *, const float *, const float *, int64_t, int64_t,
+                               int64_t, int64_t);
+  static const correlate_fn by_count[SHIFTS_MAX + 1] = {
+      NULL, correlate1, correlate2, correlate3, correlate4, correlate5,
+      correlate6, correlate7, correlate8, correlate9};
+  if (ddp__cpu_has_avx512())
+    by_count[nd](r, p, q, shift, f->g->n, f->sample, plane);
+  else
+    correlate_portable(r, p, q, shift, nd, f->g->n, f->sample, plane);
+  /* rows y + da and columns x + db outside the plane */
+  const int64_t y0 = da < 0 ? -da : 0, y1 = da > 0 ? hp - da : hp;
+  for (int d = 0; d < nd; d++) {
+    const int64_t db = db0 + d, x0 = db < 0 ? -db : 0, x1 = db > 0 ? wp - db : wp;
+    double *rd = r + d * plane;
+    memset(rd, 0, (size_t)(y0 * wp) * sizeof(double));
+    memset(rd + y1 * wp, 0, (size_t)((hp - y1) * wp) * sizeof(double));
+    for (int64_t y = y0; y < y1; y++) {
+      for (int64_t x = 0; x < x0; x++) rd[y * wp + x] = 0.0;
+      for (int64_t x = x1; x < wp; x++) rd[y * wp + x] = 0.0;
+    }
+  }
+}
+
+/* s ((HP + 1) x (WP + 1)): s[i][j] = sum of r over rows < i, columns < j. */
+static void prefix_sums(double *s, const double *r, int64_t hp, int64_t wp) {
+  const int64_t w1 = wp + 1;
+  for (int64_t j = 0; j <= wp; j++) s[j] = 0.0;
+  for (int64_t i = 0; i < hp; i++) {
+    double row = 0.0;
+    s[(i + 1) * w1] = 0.0;
+    for (int64_t j = 0; j < wp; j++) {
+      row += r[i * wp + j];
+      s[(i + 1) * w1 + j + 1] = s[i * w1 + j + 1] + row;
+    }
+  }
+}
+
+/* The sum of r over rows [a, a + oh), columns [b, b + ow), from its prefix sums. */
+static double window_sum(const double *s, int64_t wp, int64_t a, int64_t b, int64_t oh,
+                         int64_t ow) {
+  const int64_t w1 = wp + 1;
+  return s[(a + oh) * w1 + b + ow] - s[a * w1 + b + ow] - s[(a + oh) * w1 + b] + s[a * w1 + b];
+}
+
+ddp_status ddp__cpu_conv2d_fold_gram(const ddp__conv2d_fold *f, double *gram, double *psum,
+                                     ddp_arena *arena) {
+  const ddp__conv2d_geom *g = f->g;
+  const int64_t hp = f->hp, wp = f->wp, kh = g->kh, kw = g->kw, k = f->k;
+  const int64_t plane = hp * wp;
+  double *r = ddp_arena_alloc(arena, (size_t)(SHIFTS_MAX * plane) * sizeof(double));
+  double *s = ddp_arena_alloc(arena, (size_t)((hp + 1) * (wp + 1)) * sizeof(double));
+  if (!r || !s)
+    return ddp_error(DDP_ERR_NOMEM, "conv2d (folded into batch norm): no scratch for the "
+                     "patches' sums of a %lldx%lld padded plane", (long long)hp, (long long)wp);
+  for (int64_t c = 0; c < g->c; c++) {
+    for (int64_t i = 0; i < plane; i++) r[i] = 0.0;
+    for (int64_t n = 0; n < g->n; n++) {
+      const float *p = f->xp + n * f->sample + c * plane;
+      for (int64_t i = 0; i < plane; i++) r[i] += p[i];
+    }
+    prefix_sums(s, r, hp, wp);
+    for (int64_t a = 0; a < kh; a++)
+      for (int64_t b = 0; b < kw; b++)
+        psum[(c * kh + a) * kw + b] = window_sum(s, wp, a, b, g->oh, g->ow);
+  }
+  /* Each pair of taps once, the other half by symmetry: for c2 == c the
+   * offsets (da, db) with da > 0, or da == 0 and db >= 0. */
+  for (int64_t c = 0; c < g->c; c++)
+    for (int64_t c2 = c; c2 < g->c; c2++)
+      for (int64_t da = c2 == c ? 0 : 1 - kh; da < kh; da++)
+        for (int64_t db0 = da == 0 && c2 == c ? 0 : 1 - kw; db0 < kw; db0 += SHIFTS_MAX) {
+          const int nd = (int)(kw - db0 < SHIFTS_MAX ? kw - db0 : SHIFTS_MAX);
+          correlate(r, f, c, c2, da, db0, nd);
+          for (int d = 0; d < nd; d++) {
+            const int64_t db = db0 + d;
+            prefix_sums(s, r + d * plane, hp, wp);
+            for (int64_t a = da < 0 ? -da : 0; a < kh && a + da < kh; a++)
+              for (int64_t b = db < 0 ? -db : 0; b < kw && b + db < kw; b++) {
+                const int64_t t = (c * kh + a) * kw + b, u = (c2 * kh + a + da) * kw + b + db;
+                gram[t * k + u] = gram[u * k + t] = window_sum(s, wp, a, b, g->oh, g->ow);
+              }
+          }
+        }
+  return DDP_OK;
 }

@@ -14,9 +14,9 @@ ddp_status ddp__cpu_conv2d_forward(float *y, const float *x, const float *w, con
 ddp_status ddp__cpu_conv2d_backward(float *dx, float *dw, float *db, const float *dy,
                                     const float *x, const float *w, const ddp__conv2d_geom *g,
                                     bool dx_accumulate, ddp_arena *arena);
-void ddp__cpu_max_pool2d_forward(float *y, void *argmax, const float *x, int64_t planes,
-                                 int64_t h, int64_t w, int64_t kernel, int64_t stride,
-                                 int64_t oh, int64_t ow, bool relu,
+void ddp__cpu_max_pool2d_forward(float *y, void *argmax, float *argval, const float *x,
+                                 int64_t planes, int64_t h, int64_t w, int64_t kernel,
+                                 int64_t stride, int64_t oh, int64_t ow, bool relu,
                                  const ddp__pool_affine *affine);
 void ddp__cpu_max_pool2d_backward(float *dx, const float *dy, const void *argmax,
                                   int64_t planes, int64_t h, int64_t w, int64_t kernel,
@@ -34,13 +34,23 @@ typedef struct ddp__conv2d_fold {
   float *xp;           /* (N, C, HP, WP) zero-padded input */
   int64_t *off;        /* [K] tap offsets (c*HP + a)*WP + b within a sample */
   float *acc;          /* (K + 1) x 16 partial sums: the taps, then the bias */
-  int64_t hp, wp, k, sample;
+  int64_t hp, wp, k;
+  int64_t sample;      /* floats from one sample's planes to the next's (C*HP*WP and a gap) */
+  int64_t slack;       /* zeros before and after xp, in floats */
   bool avx512;         /* rows of up to 32 outputs on the AVX-512 path */
 } ddp__conv2d_fold;
 ddp_status ddp__cpu_conv2d_fold_init(ddp__conv2d_fold *f, const float *x,
                                      const ddp__conv2d_geom *g, ddp_arena *arena);
 void ddp__cpu_conv2d_fold_plane(ddp__conv2d_fold *f, const float *dy, int64_t n);
 void ddp__cpu_conv2d_fold_channel(ddp__conv2d_fold *f, float *dw, float *db);
+/* The sums over every output position (n, y, x) of the padded input's
+ * patches, in double: psum[t] = sum of tap t's input element and
+ * gram[t * K + u] = sum of the product of taps t's and u's (K x K,
+ * symmetric), where tap t = (c, a, b) at (y, x) is xp_n[c][y + a][x + b].
+ * A folded batch norm's backward needs them for the terms of dx that are
+ * affine in x, hence in the patches. Scratch from arena. */
+ddp_status ddp__cpu_conv2d_fold_gram(const ddp__conv2d_fold *f, double *gram, double *psum,
+                                     ddp_arena *arena);
 
 /* AVX-512 paths (cpu/gemm.c). ddp__cpu_has_avx512 is true when the CPU has
  * AVX-512F and the generic path has not been forced (tests run both). */

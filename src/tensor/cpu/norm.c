@@ -1,4 +1,7 @@
 /* CPU batch-norm kernels (see cpu/pointwise.h). */
+#include <immintrin.h>
+#include <string.h>
+
 #include "tensor/cpu/dense.h"
 #include "tensor/cpu/pointwise.h"
 
@@ -337,35 +340,140 @@ ddp_status ddp__cpu_batch_norm_backward(float *dx, float *restrict dweight,
   return DDP_OK;
 }
 
+/* One plane's windows: s1 = sum of g, s2 = sum of g * (v - m), over the
+ * windows relu left open (argmax not -1). */
+static void window_sums_portable(float *s1, float *s2, const float *restrict g,
+                                 const void *argmax, int64_t arg_bytes,
+                                 const float *restrict v, float m, int64_t n) {
+  float a1 = 0.0f, a2 = 0.0f;
+  for (int64_t i = 0; i < n; i++) {
+    const int32_t at = arg_bytes == 1 ? ((const int8_t *)argmax)[i] : ((const int32_t *)argmax)[i];
+    if (at >= 0) a1 += g[i], a2 += g[i] * (v[i] - m);
+  }
+  *s1 = a1;
+  *s2 = a2;
+}
+
+/* The same for one-byte argmax, 16 windows a step: closed windows' lanes
+ * load nothing and add nothing. */
+__attribute__((target("avx512f"))) static void
+window_sums_avx512(float *s1, float *s2, const float *restrict g, const int8_t *argmax,
+                   const float *restrict v, float m, int64_t n) {
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i at = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(argmax + i)));
+    const __mmask16 open = _mm512_cmpge_epi32_mask(at, _mm512_setzero_si512());
+    const __m512 gv = _mm512_maskz_loadu_ps(open, g + i);
+    a1 = _mm512_add_ps(a1, gv);
+    a2 = _mm512_fmadd_ps(gv, _mm512_maskz_sub_ps(open, _mm512_maskz_loadu_ps(open, v + i), mv),
+                         a2);
+  }
+  float t1, t2;
+  window_sums_portable(&t1, &t2, g + i, argmax + i, 1, v + i, m, n - i);
+  *s1 = _mm512_reduce_add_ps(a1) + t1;
+  *s2 = _mm512_reduce_add_ps(a2) + t2;
+}
+
+/* Channel c's backward sums from a pooled gradient and x's values at the
+ * windows' maxima: sdy = sum(dy), sdyx = sum(dy * (x - m)), the sums
+ * channel_backward_sums takes over the scattered planes (windows sharing a
+ * max each add their own term, which the scatter would have added first). */
+static void window_backward_sums(double *sdy_out, double *sdyx_out, const ddp__bn_grad *dy,
+                                 const float *argval, float m, int64_t N, int64_t C,
+                                 int64_t c) {
+  const int64_t ohw = dy->oh * dy->ow, arg_bytes = ddp__pool_arg_bytes(dy->kernel);
+  const bool avx512 = arg_bytes == 1 && ddp__cpu_has_avx512();
+  double sdy = 0, sdyx = 0;
+  for (int64_t n = 0; n < N; n++) {
+    const int64_t p = n * C + c;
+    if (n + 1 < N) {
+      const int64_t q = p + C;
+      prefetch_range(dy->pooled + q * ohw, (size_t)ohw * sizeof(float));
+      prefetch_range(argval + q * ohw, (size_t)ohw * sizeof(float));
+      prefetch_range((const char *)dy->argmax + q * ohw * arg_bytes, (size_t)(ohw * arg_bytes));
+    }
+    const void *arg = (const char *)dy->argmax + p * ohw * arg_bytes;
+    float s1, s2;
+    if (avx512)
+      window_sums_avx512(&s1, &s2, dy->pooled + p * ohw, arg, argval + p * ohw, m, ohw);
+    else
+      window_sums_portable(&s1, &s2, dy->pooled + p * ohw, arg, arg_bytes, argval + p * ohw, m,
+                           ohw);
+    sdy += s1;
+    sdyx += s2;
+  }
+  *sdy_out = sdy;
+  *sdyx_out = sdyx;
+}
+
 /* Batch norm's backward with the convolution that made x folded in
- * (kernels_pointwise.h): per channel, the sums over its planes as above,
- * then each plane's dx into `plane` (cache) and straight into the
- * convolution's weight and bias gradient. */
+ * (kernels_pointwise.h). Per channel c, with dx = kdy dy + kx (x - m) + k0
+ * (bn_dx_coefficients, in double) and patch(n, y, x) the convolution's
+ * input taps at an output position:
+ *   conv_dw[c] += kdy * sum dy patch + kx * sum (x - m) patch + k0 * sum patch
+ *   conv_db[c] += kdy * sum dy       + kx * sum (x - m)       + k0 * count
+ * The first terms fold the scattered gradient planes (conv_fold.c). x is
+ * w[c] . patch + b[c], so sum (x - m) patch = w[c] gram + (b[c] - m) psum
+ * and sum (x - m) = w[c] . psum + count (b[c] - m), from the patches' sums
+ * (ddp__cpu_conv2d_fold_gram), with no pass over x: the forward has let x
+ * go, and batch norm's own sums come from x's values at the windows'
+ * maxima, the only places where dy is not 0. */
 ddp_status ddp__cpu_batch_norm_backward_conv(float *restrict dweight, float *restrict dbias,
-                                             const ddp__bn_grad *dy, const float *x,
+                                             const ddp__bn_grad *dy, const float *argval,
                                              const float *restrict mean,
                                              const float *restrict invstd,
                                              const float *restrict weight, int64_t N, int64_t C,
                                              int64_t HW, bool batch_stats,
                                              const ddp__conv2d_geom *g, const float *conv_x,
+                                             const float *conv_w, const float *conv_b,
                                              float *conv_dw, float *conv_db, ddp_arena *arena) {
   ddp__conv2d_fold f;
   DDP_TRY(ddp__cpu_conv2d_fold_init(&f, conv_x, g, arena));
-  float *plane = ddp_arena_alloc(arena, (size_t)HW * sizeof(float));
-  if (!plane)
-    return ddp_error(DDP_ERR_NOMEM, "batch_norm backward: no scratch for a plane of %lld",
-                     (long long)HW);
+  const int64_t k = f.k;
+  float *s1 = ddp_arena_alloc(arena, (size_t)k * sizeof(float));
+  double *gram = batch_stats ? ddp_arena_alloc(arena, (size_t)(k * k) * sizeof(double)) : NULL;
+  double *psum = batch_stats ? ddp_arena_alloc(arena, (size_t)k * sizeof(double)) : NULL;
+  if (!s1 || (batch_stats && (!gram || !psum)))
+    return ddp_error(DDP_ERR_NOMEM, "batch_norm backward (convolution folded in): no scratch "
+                     "for %lld taps", (long long)k);
+  if (batch_stats) DDP_TRY(ddp__cpu_conv2d_fold_gram(&f, gram, psum, arena));
+  const double count = (double)(N * HW);
   for (int64_t c = 0; c < C; c++) {
-    float kdy, kx, k0;
-    channel_backward(&kdy, &kx, &k0, dweight, dbias, dy, x, mean, invstd, weight, N, C, HW, c,
-                     batch_stats);
-    for (int64_t n = 0; n < N; n++) {
-      const float *gp = grad_plane(dy, n, C, HW, c);
-      plane_dx(plane, gp, x + (n * C + c) * HW, mean[c], kdy, kx, k0, HW);
-      ddp__cpu_conv2d_fold_plane(&f, plane, n);
+    double sdy, sdyx;
+    window_backward_sums(&sdy, &sdyx, dy, argval, mean[c], N, C, c);
+    add_affine_grads(dweight, dbias, c, sdy, sdyx, invstd[c]);
+    const double a = (double)(weight ? weight[c] : 1.0f) * invstd[c];
+    const double kx = batch_stats ? -a * (double)invstd[c] * invstd[c] * sdyx / count : 0.0;
+    const double k0 = batch_stats ? -a * sdy / count : 0.0;
+    /* sum dy patch and sum dy, from the scattered planes */
+    float s1_bias = 0.0f;
+    memset(s1, 0, (size_t)k * sizeof(float));
+    for (int64_t n = 0; n < N; n++)
+      ddp__cpu_conv2d_fold_plane(&f, grad_plane(dy, n, C, HW, c), n);
+    ddp__cpu_conv2d_fold_channel(&f, s1, &s1_bias);
+    const float *wc = conv_w + c * k;
+    const double bm = (conv_b ? conv_b[c] : 0.0f) - (double)mean[c];
+    if (conv_dw)
+      for (int64_t t = 0; t < k; t++) {
+        double v = a * s1[t];
+        if (batch_stats) {
+          double xm = bm * psum[t]; /* sum (x - m) patch[t] */
+          for (int64_t u = 0; u < k; u++) xm += (double)wc[u] * gram[u * k + t];
+          v += kx * xm + k0 * psum[t];
+        }
+        conv_dw[c * k + t] += (float)v;
+      }
+    if (conv_db) {
+      double v = a * s1_bias;
+      if (batch_stats) {
+        double xm = count * bm; /* sum (x - m) */
+        for (int64_t u = 0; u < k; u++) xm += (double)wc[u] * psum[u];
+        v += kx * xm + k0 * count;
+      }
+      conv_db[c] += (float)v;
     }
-    ddp__cpu_conv2d_fold_channel(&f, conv_dw ? conv_dw + c * f.k : NULL,
-                                 conv_db ? conv_db + c : NULL);
   }
   return DDP_OK;
 }

@@ -80,10 +80,11 @@ ddp_status ddp__cpu_batch_norm_backward(float *dx, float *dweight, float *dbias,
                                         int64_t C, int64_t HW, bool batch_stats, bool accumulate,
                                         ddp_arena *arena);
 ddp_status ddp__cpu_batch_norm_backward_conv(float *dweight, float *dbias, const ddp__bn_grad *dy,
-                                             const float *x, const float *mean,
+                                             const float *argval, const float *mean,
                                              const float *invstd, const float *weight, int64_t N,
                                              int64_t C, int64_t HW, bool batch_stats,
                                              const ddp__conv2d_geom *g, const float *conv_x,
+                                             const float *conv_w, const float *conv_b,
                                              float *conv_dw, float *conv_db, ddp_arena *arena);
 void ddp__cpu_batch_norm_sums(double *sums, const float *x, int64_t N, int64_t C, int64_t HW);
 void ddp__cpu_batch_norm_stats_from_sums(float *mean, float *invstd, float *running_mean,

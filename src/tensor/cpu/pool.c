@@ -6,7 +6,9 @@
  * the gradient reaching the same element whenever it is not zero. A window
  * relu closes (y not > 0) gets argmax -1, so the backward blocks its
  * gradient without reading y back. argmax holds the max's place in its
- * window (ddp__pool_arg_bytes wide; int8 for the AVX-512 2x2 kernels). */
+ * window (ddp__pool_arg_bytes wide; int8 for the AVX-512 2x2 kernels);
+ * argval, when asked for, x's own value there (before the affine map), which
+ * a folded batch norm's backward needs in place of x. */
 #include <immintrin.h>
 #include <math.h>
 #include <string.h>
@@ -25,9 +27,9 @@
  * argmax, which the walk writes again, with their own values, afterwards.
  * Only the buffers' last steps are masked. */
 __attribute__((target("avx512f"))) static void
-pool2x2_avx512(float *restrict y, int8_t *restrict argmax, const float *restrict x,
-               int64_t planes, int64_t h, int64_t w, int64_t oh, int64_t ow, bool relu,
-               const ddp__pool_affine *affine) {
+pool2x2_avx512(float *restrict y, int8_t *restrict argmax, float *restrict argval,
+               const float *restrict x, int64_t planes, int64_t h, int64_t w, int64_t oh,
+               int64_t ow, bool relu, const ddp__pool_affine *affine) {
   const __m512 zero = _mm512_setzero_ps();
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
@@ -48,6 +50,7 @@ pool2x2_avx512(float *restrict y, int8_t *restrict argmax, const float *restrict
       const float *r0 = xp + 2 * i * w, *r1 = r0 + w;
       float *yr = y + (p * oh + i) * ow;
       int8_t *ar = argmax ? argmax + (p * oh + i) * ow : NULL;
+      float *vr = argval ? argval + (p * oh + i) * ow : NULL;
       for (int64_t j = 0; j < ow; j += 16) {
         /* outputs in this step; 16 where whole vectors stay in the buffers */
         const bool whole_in = r1 + 2 * j + 32 <= x_end;
@@ -70,6 +73,8 @@ pool2x2_avx512(float *restrict y, int8_t *restrict argmax, const float *restrict
           b0 = _mm512_maskz_loadu_ps(lo, r1 + 2 * j);
           b1 = _mm512_maskz_loadu_ps(hi, r1 + 2 * j + 16);
         }
+        /* x's own values at the candidates, for argval */
+        const __m512 x0 = a0, x1 = a1, x2 = b0, x3 = b1;
         if (affine) { /* three roundings, as batch_norm_forward: no fma */
           a0 = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(a0, center), scale), shift);
           a1 = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(a1, center), scale), shift);
@@ -91,6 +96,16 @@ pool2x2_avx512(float *restrict y, int8_t *restrict argmax, const float *restrict
         t = _mm512_cmp_ps_mask(v3, m, _CMP_GT_OQ) | _mm512_cmp_ps_mask(v3, v3, _CMP_UNORD_Q);
         m = _mm512_mask_mov_ps(m, t, v3);
         at = _mm512_mask_mov_epi32(at, t, three);
+        __m512 val = zero;
+        if (vr) { /* x at the max's place: the same choices, among x's values */
+          val = _mm512_permutex2var_ps(x0, even, x1);
+          val = _mm512_mask_mov_ps(val, _mm512_cmpeq_epi32_mask(at, one),
+                                   _mm512_permutex2var_ps(x0, odd, x1));
+          val = _mm512_mask_mov_ps(val, _mm512_cmpeq_epi32_mask(at, two),
+                                   _mm512_permutex2var_ps(x2, even, x3));
+          val = _mm512_mask_mov_ps(val, _mm512_cmpeq_epi32_mask(at, three),
+                                   _mm512_permutex2var_ps(x2, odd, x3));
+        }
         /* relu: only lanes below zero become 0 (an ordered compare keeps
          * NaN); windows whose y is not > 0 pass no gradient: argmax -1 */
         if (relu) {
@@ -101,9 +116,11 @@ pool2x2_avx512(float *restrict y, int8_t *restrict argmax, const float *restrict
         if (nout == 16) {
           _mm512_storeu_ps(yr + j, m);
           if (ar) _mm_storeu_si128((__m128i *)(ar + j), _mm512_cvtepi32_epi8(at));
+          if (vr) _mm512_storeu_ps(vr + j, val);
         } else {
           _mm512_mask_storeu_ps(yr + j, out, m);
           if (ar) _mm512_mask_cvtepi32_storeu_epi8(ar + j, out, at);
+          if (vr) _mm512_mask_storeu_ps(vr + j, out, val);
         }
       }
     }
@@ -122,12 +139,12 @@ static int32_t arg_get(const void *argmax, int64_t i, int64_t bytes) {
   return bytes == 1 ? ((const int8_t *)argmax)[i] : ((const int32_t *)argmax)[i];
 }
 
-void ddp__cpu_max_pool2d_forward(float *y, void *argmax, const float *x, int64_t planes,
-                                 int64_t h, int64_t w, int64_t kernel, int64_t stride,
-                                 int64_t oh, int64_t ow, bool relu,
+void ddp__cpu_max_pool2d_forward(float *y, void *argmax, float *argval, const float *x,
+                                 int64_t planes, int64_t h, int64_t w, int64_t kernel,
+                                 int64_t stride, int64_t oh, int64_t ow, bool relu,
                                  const ddp__pool_affine *affine) {
   if (kernel == 2 && stride == 2 && ddp__cpu_has_avx512()) {
-    pool2x2_avx512(y, argmax, x, planes, h, w, oh, ow, relu, affine);
+    pool2x2_avx512(y, argmax, argval, x, planes, h, w, oh, ow, relu, affine);
     return;
   }
   const int64_t bytes = ddp__pool_arg_bytes(kernel);
@@ -137,14 +154,16 @@ void ddp__cpu_max_pool2d_forward(float *y, void *argmax, const float *x, int64_t
     for (int64_t i = 0; i < oh; i++)
       for (int64_t j = 0; j < ow; j++) {
         int64_t top = i * stride, left = j * stride;
-        float m = -INFINITY;
+        float m = -INFINITY, raw = xp[top * w + left];
         int32_t at = 0; /* the max's place in the window */
         for (int64_t a = 0; a < kernel; a++)
           for (int64_t b = 0; b < kernel; b++) {
-            float v = xp[(top + a) * w + left + b];
+            const float xv = xp[(top + a) * w + left + b];
+            float v = xv;
             if (affine) v = (v - affine->center[c]) * affine->scale[c] + affine->shift[c];
             if (v > m || isnan(v)) {
               m = v;
+              raw = xv;
               at = (int32_t)(a * kernel + b);
             }
           }
@@ -152,6 +171,7 @@ void ddp__cpu_max_pool2d_forward(float *y, void *argmax, const float *x, int64_t
         if (relu && !(m > 0.0f)) at = -1; /* closed by relu */
         y[(p * oh + i) * ow + j] = m;
         if (argmax) arg_put(argmax, (p * oh + i) * ow + j, bytes, at);
+        if (argval) argval[(p * oh + i) * ow + j] = raw;
       }
   }
 }
