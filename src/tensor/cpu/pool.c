@@ -73,39 +73,34 @@ pool2x2_avx512(float *restrict y, int8_t *restrict argmax, float *restrict argva
           b0 = _mm512_maskz_loadu_ps(lo, r1 + 2 * j);
           b1 = _mm512_maskz_loadu_ps(hi, r1 + 2 * j + 16);
         }
-        /* x's own values at the candidates, for argval */
-        const __m512 x0 = a0, x1 = a1, x2 = b0, x3 = b1;
+        /* each window's four candidates, in window order: 0 1 on the top
+         * row, 2 3 below (x's own values, kept for argval) */
+        const __m512 x0 = _mm512_permutex2var_ps(a0, even, a1);
+        const __m512 x1 = _mm512_permutex2var_ps(a0, odd, a1);
+        const __m512 x2 = _mm512_permutex2var_ps(b0, even, b1);
+        const __m512 x3 = _mm512_permutex2var_ps(b0, odd, b1);
+        __m512 m = x0, v1 = x1, v2 = x2, v3 = x3;
         if (affine) { /* three roundings, as batch_norm_forward: no fma */
-          a0 = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(a0, center), scale), shift);
-          a1 = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(a1, center), scale), shift);
-          b0 = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(b0, center), scale), shift);
-          b1 = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(b1, center), scale), shift);
+          m = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(m, center), scale), shift);
+          v1 = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(v1, center), scale), shift);
+          v2 = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(v2, center), scale), shift);
+          v3 = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(v3, center), scale), shift);
         }
-        __m512 m = _mm512_permutex2var_ps(a0, even, a1);
-        const __m512 v1 = _mm512_permutex2var_ps(a0, odd, a1);
-        const __m512 v2 = _mm512_permutex2var_ps(b0, even, b1);
-        const __m512 v3 = _mm512_permutex2var_ps(b0, odd, b1);
-        /* the max's place in its window: 0 1 on the top row, 2 3 below */
+        /* the max's place in its window, and x there */
         __m512i at = _mm512_setzero_si512();
+        __m512 val = x0;
         __mmask16 t = _mm512_cmp_ps_mask(v1, m, _CMP_GT_OQ) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q);
         m = _mm512_mask_mov_ps(m, t, v1);
         at = _mm512_mask_mov_epi32(at, t, one);
+        val = _mm512_mask_mov_ps(val, t, x1);
         t = _mm512_cmp_ps_mask(v2, m, _CMP_GT_OQ) | _mm512_cmp_ps_mask(v2, v2, _CMP_UNORD_Q);
         m = _mm512_mask_mov_ps(m, t, v2);
         at = _mm512_mask_mov_epi32(at, t, two);
+        val = _mm512_mask_mov_ps(val, t, x2);
         t = _mm512_cmp_ps_mask(v3, m, _CMP_GT_OQ) | _mm512_cmp_ps_mask(v3, v3, _CMP_UNORD_Q);
         m = _mm512_mask_mov_ps(m, t, v3);
         at = _mm512_mask_mov_epi32(at, t, three);
-        __m512 val = zero;
-        if (vr) { /* x at the max's place: the same choices, among x's values */
-          val = _mm512_permutex2var_ps(x0, even, x1);
-          val = _mm512_mask_mov_ps(val, _mm512_cmpeq_epi32_mask(at, one),
-                                   _mm512_permutex2var_ps(x0, odd, x1));
-          val = _mm512_mask_mov_ps(val, _mm512_cmpeq_epi32_mask(at, two),
-                                   _mm512_permutex2var_ps(x2, even, x3));
-          val = _mm512_mask_mov_ps(val, _mm512_cmpeq_epi32_mask(at, three),
-                                   _mm512_permutex2var_ps(x2, odd, x3));
-        }
+        val = _mm512_mask_mov_ps(val, t, x3);
         /* relu: only lanes below zero become 0 (an ordered compare keeps
          * NaN); windows whose y is not > 0 pass no gradient: argmax -1 */
         if (relu) {
