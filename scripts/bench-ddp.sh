@@ -5,8 +5,10 @@
 #   ddp:     ddprun --nproc-per-node W ddp-train --model convnet --workers 0 --max-steps S+10 ... --json
 #   PyTorch: /usr/bin/python3 torch_ddp_convnet.py --world W --steps S (gloo)
 # Both report samples/s of all ranks together over S steps after 10 warm-up
-# steps (ddp-train's steady_samples_per_s; the reference's own warm-up). Rounds alternate the order of
-# the two sides (and of the worlds); each figure is the median of its rounds.
+# steps (ddp-train's steady_samples_per_s; the reference's own warm-up).
+# Within a round each side runs its worlds back to back; the order of the
+# sides alternates every round, that of the worlds every two rounds. Each
+# figure is the median of its rounds.
 # Prints the ratio ddp / PyTorch per world and each side's scaling efficiency
 # (world-2 samples/s / (2 x world-1 samples/s)), with the machine's load.
 # Each round also runs two independent world-1 ddp trainings side by side
@@ -60,9 +62,15 @@ median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1
 declare -A runs last
 echo "load before: $(uptime | sed 's/.*load average/load average/')" >&2
 for r in $(seq "$rounds"); do
-  for w in "${worlds[@]}"; do
-    if (( (r + w) % 2 )); then order=(ddp torch); else order=(torch ddp); fi
-    for side in "${order[@]}"; do
+  # Each side runs its worlds back to back, so that a round's own
+  # efficiency compares runs seconds apart; which side goes first
+  # alternates every round, and the order of the worlds every two rounds.
+  if (( r % 2 )); then sides=(ddp torch); else sides=(torch ddp); fi
+  if (( (r + 1) / 2 % 2 )); then order=("${worlds[@]}"); else
+    order=(); for (( i = ${#worlds[@]} - 1; i >= 0; i-- )); do order+=("${worlds[i]}"); done
+  fi
+  for side in "${sides[@]}"; do
+    for w in "${order[@]}"; do
       v=$("${side}_run" "$w")
       [ -n "$v" ] || die "round $r: the $side run at world $w gave no figure"
       runs[$side.$w]+="$v "
@@ -71,8 +79,8 @@ for r in $(seq "$rounds"); do
     done
   done
   if [[ " ${worlds[*]} " == *" 1 "* && " ${worlds[*]} " == *" 2 "* ]]; then
-    # This round's own efficiency: its two worlds ran minutes apart at most,
-    # so slow drifts of the machine cancel.
+    # This round's own efficiency: each side's two worlds ran back to
+    # back, so slow drifts of the machine cancel.
     for side in ddp torch; do
       runs[eff.$side]+="$(awk -v a="${last[$side.1]}" -v b="${last[$side.2]}" 'BEGIN { print 100 * b / (2 * a) }') "
     done
