@@ -146,11 +146,11 @@ void *ddp_arena_calloc(ddp_arena *arena, size_t bytes);
 /* Gives back `bytes` at `p` (an allocation of this cycle, or its tail)
  * that nothing will read again before the reset: later allocations of the
  * cycle take their memory from there first (first fit, holes in the order
- * released), so a cycle whose
- * large temporaries die early needs less memory than the sum of them,
- * which keeps a step's working set in cache. With every hole in use the
- * block is simply not reused. Allocations stay 64-byte aligned. In ASan
- * builds the block is poisoned until handed out again. */
+ * released), so a cycle whose large temporaries die early needs less
+ * memory than the sum of them, which keeps a step's working set in cache.
+ * With every hole in use the block is simply not reused. Allocations stay
+ * 64-byte aligned. In ASan builds the block is poisoned until handed out
+ * again. */
 void ddp_arena_release(ddp_arena *arena, void *p, size_t bytes);
 /* Forgets every allocation. If the last cycle needed more than one chunk, they
  * are merged into one chunk of the high-water size (one allocation), so the

@@ -92,9 +92,8 @@ void *ddp_arena_calloc(ddp_arena *arena, size_t bytes) {
 }
 
 void ddp_arena_release(ddp_arena *arena, void *p, size_t bytes) {
-  /* Whole units only: the unit holding the block's last byte may be
-   * shared with nothing else, but a partial one would misalign the next
-   * allocation taken from the hole. */
+  /* Whole 64-byte units only, so that what is carved from the hole stays
+   * aligned (a partial last unit is simply not reused). */
   size_t usable = bytes & ~(size_t)63;
   if (!p || usable == 0 || arena->n_holes == DDP_ARENA_HOLES) return;
   ASAN_POISON_MEMORY_REGION(p, usable);
