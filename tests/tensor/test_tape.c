@@ -308,7 +308,8 @@ static void test_linear_gradient_takes_over_input(void **state) {
  * kernel paths, for row widths of one vector, two, and more (the AVX-512
  * path's portable fallback), kernel heights in the sliding window (3, 5)
  * and past it (9), 1 and 2 input channels, batch statistics and running
- * ones (evaluation mode, which still records); finite differences agree with
+ * ones (evaluation mode, which still records), 2x2 pooling and 12x12 (four
+ * bytes of argmax a window); finite differences agree with
  * the folded run of the smallest case (the larger ones have too many
  * pooling and relu kinks within a step of the differences: there they
  * disagree with the unfolded run's gradient just as much). */
@@ -317,6 +318,7 @@ typedef struct fold_cfg {
   int pad;
   bool mark;
   ddp_tensor *running[2]; /* running mean and var: evaluation mode; NULL: training */
+  int pool;               /* the pooling's kernel and stride */
   ddp_tensor *c;          /* out: the convolution's output of the last run */
 } fold_cfg;
 
@@ -327,7 +329,8 @@ static ddp_status fold_chain(ddp_tape *tape, ddp_tensor **in, void *user, ddp_te
   if (cfg->mark) c->flags |= DDP__TENSOR_REUSABLE;
   cfg->c = c;
   return ddp_batch_norm_relu_max_pool2d(tape, c, in[2], in[3], cfg->running[0], cfg->running[1],
-                                        NULL, !cfg->running[0], 0.1f, 1e-5f, NULL, 2, 2, out);
+                                        NULL, !cfg->running[0], 0.1f, 1e-5f, NULL, cfg->pool,
+                                        cfg->pool, out);
 }
 
 static void test_conv_folded_into_batch_norm(void **state) {
@@ -335,15 +338,17 @@ static void test_conv_folded_into_batch_norm(void **state) {
   const struct {
     int64_t ci, hw, k, pad;
     bool eval; /* batch norm with running statistics: dx = weight * invstd * dy */
-  } cases[] = {{1, 8, 5, 2, false}, {2, 20, 3, 1, false}, {1, 36, 5, 2, false},
-               {2, 12, 9, 4, false}, {1, 8, 5, 2, true},   {2, 20, 3, 1, true}};
+    int pool;
+  } cases[] = {{1, 8, 5, 2, false, 2},  {2, 20, 3, 1, false, 2}, {1, 36, 5, 2, false, 2},
+               {2, 12, 9, 4, false, 2}, {1, 8, 5, 2, true, 2},   {2, 20, 3, 1, true, 2},
+               {1, 24, 5, 2, false, 12}};
   for (int generic = 0; generic < 2; generic++) {
     ddp__cpu_dense_force_generic(generic);
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
       int64_t sx[4] = {3, cases[i].ci, cases[i].hw, cases[i].hw};
       int64_t sw[4] = {4, cases[i].ci, cases[i].k, cases[i].k}, so[1] = {4};
       fold_cfg cfg = {gradcheck_random(4, sx, -1, 1, 71 + i, false), (int)cases[i].pad, false,
-                      {NULL, NULL}, NULL};
+                      {NULL, NULL}, cases[i].pool, NULL};
       if (cases[i].eval) {
         cfg.running[0] = gradcheck_random(1, so, -0.5f, 0.5f, 76, false);
         cfg.running[1] = gradcheck_random(1, so, 0.5f, 1.5f, 77, false);
