@@ -40,6 +40,10 @@ typedef struct ddp__pool_affine {
  * beyond. For the usual 2 x 2 that is a quarter of a plane index's memory,
  * written in forward and read in backward every step. */
 static inline int64_t ddp__pool_arg_bytes(int64_t kernel) { return kernel <= 11 ? 1 : 4; }
+/* Window i's argmax code from an array of `bytes`-wide ones. */
+static inline int32_t ddp__pool_arg_get(const void *argmax, int64_t i, int64_t bytes) {
+  return bytes == 1 ? ((const int8_t *)argmax)[i] : ((const int32_t *)argmax)[i];
+}
 
 typedef struct ddp__dense_kernels {
   /* c (m, n) = alpha * op(a) @ op(b) + beta * c, row-major. op(a) is (m, k):

@@ -347,8 +347,7 @@ static void window_sums_portable(float *s1, float *s2, const float *restrict g,
                                  const float *restrict v, float m, int64_t n) {
   float a1 = 0.0f, a2 = 0.0f;
   for (int64_t i = 0; i < n; i++) {
-    const int32_t at = arg_bytes == 1 ? ((const int8_t *)argmax)[i] : ((const int32_t *)argmax)[i];
-    if (at >= 0) a1 += g[i], a2 += g[i] * (v[i] - m);
+    if (ddp__pool_arg_get(argmax, i, arg_bytes) >= 0) a1 += g[i], a2 += g[i] * (v[i] - m);
   }
   *s1 = a1;
   *s2 = a2;
@@ -376,40 +375,30 @@ window_sums_avx512(float *s1, float *s2, const float *restrict g, const int8_t *
   *s2 = _mm512_reduce_add_ps(a2) + t2;
 }
 
-/* Channel c's backward sums from a pooled gradient and x's values at the
- * windows' maxima: sdy = sum(dy), sdyx = sum(dy * (x - m)), the sums
- * channel_backward_sums takes over the scattered planes (windows sharing a
- * max each add their own term, which the scatter would have added first). */
-static void window_backward_sums(double *sdy_out, double *sdyx_out, const ddp__bn_grad *dy,
-                                 const float *argval, float m, int64_t N, int64_t C,
-                                 int64_t c) {
+/* Plane p's share of its channel's backward sums, from the pooled gradient
+ * and x's values at the windows' maxima: *sdy += sum(dy), *sdyx += sum(dy *
+ * (x - m)), the sums channel_backward_sums takes over the scattered planes
+ * (windows sharing a max each add their own term, which the scatter would
+ * have added first). */
+static void window_backward_sums(double *sdy, double *sdyx, const ddp__bn_grad *dy,
+                                 const float *argval, float m, int64_t p) {
   const int64_t ohw = dy->oh * dy->ow, arg_bytes = ddp__pool_arg_bytes(dy->kernel);
-  const bool avx512 = arg_bytes == 1 && ddp__cpu_has_avx512();
-  double sdy = 0, sdyx = 0;
-  /* a plane's windows are little work (the ConvNet's: 196), so the loads
-   * are asked for several planes ahead */
-  enum { AHEAD = 4 };
-  for (int64_t n = -AHEAD; n < N; n++) {
-    if (n + AHEAD < N) {
-      const int64_t q = (n + AHEAD) * C + c;
-      prefetch_range(dy->pooled + q * ohw, (size_t)ohw * sizeof(float));
-      prefetch_range(argval + q * ohw, (size_t)ohw * sizeof(float));
-      prefetch_range((const char *)dy->argmax + q * ohw * arg_bytes, (size_t)(ohw * arg_bytes));
-    }
-    if (n < 0) continue;
-    const int64_t p = n * C + c;
-    const void *arg = (const char *)dy->argmax + p * ohw * arg_bytes;
-    float s1, s2;
-    if (avx512)
-      window_sums_avx512(&s1, &s2, dy->pooled + p * ohw, arg, argval + p * ohw, m, ohw);
-    else
-      window_sums_portable(&s1, &s2, dy->pooled + p * ohw, arg, arg_bytes, argval + p * ohw, m,
-                           ohw);
-    sdy += s1;
-    sdyx += s2;
-  }
-  *sdy_out = sdy;
-  *sdyx_out = sdyx;
+  const void *arg = (const char *)dy->argmax + p * ohw * arg_bytes;
+  float s1, s2;
+  if (arg_bytes == 1 && ddp__cpu_has_avx512())
+    window_sums_avx512(&s1, &s2, dy->pooled + p * ohw, arg, argval + p * ohw, m, ohw);
+  else
+    window_sums_portable(&s1, &s2, dy->pooled + p * ohw, arg, arg_bytes, argval + p * ohw, m, ohw);
+  *sdy += s1;
+  *sdyx += s2;
+}
+
+/* Starts loading plane p's windows: gradient, argmax and x's values. */
+static void prefetch_windows(const ddp__bn_grad *dy, const float *argval, int64_t p) {
+  const int64_t ohw = dy->oh * dy->ow, arg_bytes = ddp__pool_arg_bytes(dy->kernel);
+  prefetch_range(dy->pooled + p * ohw, (size_t)ohw * sizeof(float));
+  prefetch_range(argval + p * ohw, (size_t)ohw * sizeof(float));
+  prefetch_range((const char *)dy->argmax + p * ohw * arg_bytes, (size_t)(ohw * arg_bytes));
 }
 
 /* Batch norm's backward with the convolution that made x folded in
@@ -444,19 +433,26 @@ ddp_status ddp__cpu_batch_norm_backward_conv(float *restrict dweight, float *res
                      "for %lld taps", (long long)k);
   if (batch_stats) DDP_TRY(ddp__cpu_conv2d_fold_gram(&f, gram, psum, arena));
   const double count = (double)(N * HW);
+  /* a plane's windows are little work (the ConvNet's: 196), so the loads
+   * are asked for several planes ahead */
+  enum { AHEAD = 4 };
   for (int64_t c = 0; c < C; c++) {
-    double sdy, sdyx;
-    window_backward_sums(&sdy, &sdyx, dy, argval, mean[c], N, C, c);
+    /* One pass over the channel's planes: batch norm's sums from the
+     * windows, and sum dy patch and sum dy from the scattered planes. */
+    double sdy = 0, sdyx = 0;
+    for (int64_t n = 0; n < AHEAD && n < N; n++) prefetch_windows(dy, argval, n * C + c);
+    for (int64_t n = 0; n < N; n++) {
+      if (n + AHEAD < N) prefetch_windows(dy, argval, (n + AHEAD) * C + c);
+      window_backward_sums(&sdy, &sdyx, dy, argval, mean[c], n * C + c);
+      ddp__cpu_conv2d_fold_plane(&f, grad_plane(dy, n, C, HW, c), n);
+    }
+    float s1_bias = 0.0f;
+    memset(s1, 0, (size_t)k * sizeof(float));
+    ddp__cpu_conv2d_fold_channel(&f, s1, &s1_bias);
     add_affine_grads(dweight, dbias, c, sdy, sdyx, invstd[c]);
     const double a = (double)(weight ? weight[c] : 1.0f) * invstd[c];
     const double kx = batch_stats ? -a * (double)invstd[c] * invstd[c] * sdyx / count : 0.0;
     const double k0 = batch_stats ? -a * sdy / count : 0.0;
-    /* sum dy patch and sum dy, from the scattered planes */
-    float s1_bias = 0.0f;
-    memset(s1, 0, (size_t)k * sizeof(float));
-    for (int64_t n = 0; n < N; n++)
-      ddp__cpu_conv2d_fold_plane(&f, grad_plane(dy, n, C, HW, c), n);
-    ddp__cpu_conv2d_fold_channel(&f, s1, &s1_bias);
     const float *wc = conv_w + c * k;
     const double bm = (conv_b ? conv_b[c] : 0.0f) - (double)mean[c];
     if (conv_dw)

@@ -130,9 +130,6 @@ static void arg_put(void *argmax, int64_t i, int64_t bytes, int32_t code) {
     ((int32_t *)argmax)[i] = code;
 }
 
-static int32_t arg_get(const void *argmax, int64_t i, int64_t bytes) {
-  return bytes == 1 ? ((const int8_t *)argmax)[i] : ((const int32_t *)argmax)[i];
-}
 
 void ddp__cpu_max_pool2d_forward(float *y, void *argmax, float *argval, const float *x,
                                  int64_t planes, int64_t h, int64_t w, int64_t kernel,
@@ -265,7 +262,7 @@ void ddp__cpu_max_pool2d_backward(float *dx, const float *dy, const void *argmax
     if (!accumulate) memset(dxp, 0, (size_t)(h * w) * sizeof(float));
     for (int64_t i = 0; i < oh; i++)
       for (int64_t j = 0; j < ow; j++) {
-        const int32_t at = arg_get(argmax, (p * oh + i) * ow + j, bytes);
+        const int32_t at = ddp__pool_arg_get(argmax, (p * oh + i) * ow + j, bytes);
         if (at >= 0)
           dxp[(i * stride + at / kernel) * w + j * stride + at % kernel] += dyp[i * ow + j];
       }
