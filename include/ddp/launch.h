@@ -112,7 +112,11 @@ ddp_status ddp_launch_run(const ddp_launch_config *cfg, int *exit_code);
  * safe). The workers hold none of the store server's fds.
  * While it runs, ddp_spawn handles SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGUSR1
  * and SIGUSR2 (forwarding them to the workers) and restores the caller's
- * handlers before returning. Not reentrant: one ddp_spawn per process at a time. */
+ * handlers before returning. It also makes the caller a child subreaper for
+ * the time (PR_SET_CHILD_SUBREAPER, restored after): what the workers started
+ * outside their process groups (setsid) is adopted and SIGKILLed at the end;
+ * the caller's own children from before the call are left alone (docs/launch.md).
+ * Not reentrant: one ddp_spawn per process at a time. */
 typedef int (*ddp_spawn_fn)(int rank, void *arg);
 
 typedef struct ddp_spawn_options {

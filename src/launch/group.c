@@ -217,6 +217,7 @@ ddp_status ddp__group_start(ddp__group *g, int32_t n, int32_t rank_offset,
   for (int k = 0; k < 2; k++)
     if (shown[k]) ddp__console_open(&g->console[k], k + 1);
   fflush(NULL); /* forked workers must not write the supervisor's buffered output again */
+  ddp__orphans_adopt(&g->orphans);
   reaper_start(g);
   pid_t self = getpid();
   for (int32_t i = 0; i < n; i++) {
@@ -565,9 +566,26 @@ void ddp__group_stop(ddp__group *g, int sig, double grace_s) {
   drain_consoles(g); /* their last words come before the summary */
 }
 
+/* Once the workers are reaped: what they started outside their process
+ * groups and left running goes too (orphans.c), with a notice naming it. */
+static void kill_orphans(ddp__group *g) {
+  pid_t keep[DDP__ORPHANS_MAX_KEEP];
+  int n_keep = 0;
+  for (int32_t i = 0; i < g->n && n_keep < DDP__ORPHANS_MAX_KEEP - 1; i++)
+    if (g->workers[i].pid > 0) keep[n_keep++] = g->workers[i].pid;
+  if (g->store && g->store->pid > 0) keep[n_keep++] = g->store->pid;
+  char names[256];
+  int killed = ddp__orphans_kill(&g->orphans, keep, n_keep, names, sizeof names);
+  if (killed > 0)
+    fprintf(stderr, "ddprun: killed %d process%s that the workers left running outside their "
+            "process groups (setsid or a daemon): %s\n", killed, killed == 1 ? "" : "es", names);
+  ddp__orphans_release(&g->orphans);
+}
+
 void ddp__group_free(ddp__group *g) {
   if (!g || !g->workers) return;
   reaper_stop(g);
+  kill_orphans(g);
   for (int32_t i = 0; i < g->n; i++) {
     ddp__worker *w = &g->workers[i];
     ddp__stream_finish(&w->out, &w->tail);

@@ -200,6 +200,32 @@ void ddp__store_proc_stop(ddp__store_proc *proc);
 /* Threads of this process (/proc/self/status), -1 when unknown. */
 int32_t ddp__thread_count(void);
 
+/* ---- Orphans (orphans.c) ---------------------------------------------------
+ * What a worker started outside its process group (setsid, a daemon's double
+ * fork) survives the kill of that group. While a group runs the supervisor
+ * is a child subreaper, so such a process becomes its child once orphaned;
+ * when the group ends, every child the supervisor did not have before is
+ * SIGKILLed and reaped, generation after generation. */
+#define DDP__ORPHANS_MAX_KEEP 256
+typedef struct ddp__orphans {
+  int adopting;      /* 1: subreaper set and children listed */
+  int was_subreaper; /* restored by release */
+  int n_preexisting;
+  pid_t preexisting[DDP__ORPHANS_MAX_KEEP]; /* children before the group */
+  int n_killed;
+  pid_t killed[DDP__ORPHANS_MAX_KEEP];
+} ddp__orphans;
+
+/* Becomes a child subreaper and lists the children there are now; without
+ * prctl's support or /proc nothing is adopted (kill then does nothing). */
+void ddp__orphans_adopt(ddp__orphans *orphans);
+/* SIGKILLs and reaps every child not listed at adopt nor in keep[], and what
+ * they forked, for up to 5 s; returns how many were alive, with the first
+ * few as "pid 4711 (sleep), ..." in names. */
+int ddp__orphans_kill(ddp__orphans *orphans, const pid_t *keep, int n_keep, char *names, size_t bytes);
+/* Stops being a subreaper unless the process was one before adopt. */
+void ddp__orphans_release(ddp__orphans *orphans);
+
 typedef struct ddp__group {
   int32_t n;
   ddp__worker *workers;
@@ -226,6 +252,7 @@ typedef struct ddp__group {
    * 0 when it could not be started. */
   int reaper_fd; /* write end of its pipe */
   pid_t reaper_pid;
+  ddp__orphans orphans; /* what left the workers' process groups */
 } ddp__group;
 
 /* Forks the n workers of `specs` (rank = rank_offset + index). Each worker is

@@ -9,7 +9,8 @@
 #             (TORCHELASTIC_RESTART_COUNT=1) and completes
 #   orphans   ddprun SIGKILLed: no worker survives it, nor the store's process
 #             (PR_SET_PDEATHSIG), nor what a worker forked (ddprun's reaper),
-#             nor the reaper; a normal end leaves no reaper either
+#             nor the reaper; a normal end leaves no reaper either; what a
+#             worker started with setsid is killed when the job ends
 #   store     the store's process (ddprun's child "ddp-store") SIGKILLed while
 #             the workers run: ddprun stops them and exits 1 naming that process
 #             and its signal; no worker survives
@@ -208,6 +209,23 @@ orphans)
   done
   wait $job || fail "a trivial job failed"
   alive "$reaper" && fail "a reaper outlived a job that ended normally"
+  # What leaves a worker's process group (setsid, here with a child of its
+  # own) is adopted by ddprun once orphaned and killed when the job ends;
+  # ddprun names it on stderr.
+  mkdir -p "$tmp/pids3"
+  timeout 30 "$ddprun" --nproc-per-node 2 /bin/sh -c '
+    setsid /bin/sh -c "sleep 60 & echo \$! >$0/pid.grandchild$LOCAL_RANK; echo \$\$ >$0/pid.escaped$LOCAL_RANK; wait" &
+    while [ ! -s "$0/pid.grandchild$LOCAL_RANK" ] || [ ! -s "$0/pid.escaped$LOCAL_RANK" ]; do sleep 0.05; done' \
+    "$tmp/pids3" >"$tmp/out" 2>"$tmp/err"
+  rc=$?
+  [ $rc -eq 0 ] || { cat "$tmp/out" "$tmp/err"; fail "the job whose workers setsid exited $rc"; }
+  [ "$(ls "$tmp/pids3" | grep -c '^pid\.')" -eq 4 ] || fail "not every escaped process wrote its pid"
+  all_dead "$tmp/pids3" || { ps -ef; fail "a process that left its worker's process group outlived ddprun"; }
+  grep -q '^ddprun: killed [24] processes that the workers left running outside their process groups (setsid or a daemon): pid [0-9]* (' "$tmp/err" ||
+    { cat "$tmp/err"; fail "ddprun did not name the processes it killed"; }
+  # A normal job kills nothing and says nothing of it.
+  timeout 30 "$ddprun" --nproc-per-node 2 /bin/true >"$tmp/out" 2>"$tmp/err" || fail "/bin/true under ddprun"
+  grep -q 'killed' "$tmp/err" && { cat "$tmp/err"; fail "ddprun killed something after /bin/true"; }
   :
   ;;
 store)
