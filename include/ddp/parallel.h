@@ -89,6 +89,14 @@ typedef struct ddp_dp_options {
   bool broadcast_buffers;      /* buffers (BN running stats) from rank 0 at each forward (true) */
   bool find_unused_parameters; /* parameters without a gradient are reduced as they are (false) */
   bool relayout;               /* re-lay out buffers in observed ready order once (true) */
+  /* PyTorch's static_graph (false): every iteration's backward uses the same
+   * parameters as the first's. The parameters without a gradient in the first
+   * synced backward are then reduced as they are, as with
+   * find_unused_parameters, and the relayout runs even with
+   * find_unused_parameters; a later synced backward whose set of parameters
+   * with a gradient differs fails (DDP_ERR_STATE naming the first parameter
+   * that changed). */
+  bool static_graph;
   uint64_t reserved[8];        /* zero */
 } ddp_dp_options;
 

@@ -31,6 +31,8 @@ void ddp_dp_destroy(ddp_dp *dp) {
   ddp_free(dp->bucket_pending);
   ddp_free(dp->works);
   ddp_free(dp->ready_order);
+  ddp_free(dp->got_grad);
+  ddp_free(dp->first_got_grad);
   ddp_free(dp->join_gather);
   ddp_free(dp);
 }
@@ -72,11 +74,13 @@ ddp_status ddp_dp_create(ddp_dp **out, ddp_model *model, ddp_process_group *pg,
   dp->bucket_pending = ddp_calloc(slots, sizeof(int));
   dp->works = ddp_calloc(slots, sizeof(ddp_work *));
   dp->ready_order = ddp_calloc(slots, sizeof(int));
+  dp->got_grad = ddp_calloc(slots, sizeof(bool));
+  dp->first_got_grad = ddp_calloc(slots, sizeof(bool));
   dp->join_gather = ddp_calloc((size_t)dp->world * 2, sizeof(int32_t));
   ddp_status s;
   if (!dp->order || !dp->bucket_of || !dp->buckets || !dp->trace || !dp->scratch ||
       !dp->param_ready || !dp->bucket_pending || !dp->works || !dp->ready_order ||
-      !dp->join_gather) {
+      !dp->got_grad || !dp->first_got_grad || !dp->join_gather) {
     s = ddp_error(DDP_ERR_NOMEM, "ddp: create: out of memory for %d parameters", n);
     goto err;
   }
@@ -97,7 +101,9 @@ ddp_status ddp_dp_create(ddp_dp **out, ddp_model *model, ddp_process_group *pg,
   ddp__dp_assign_buckets(dp);
   s = ddp__dp_reserve_works(dp);
   if (s != DDP_OK) goto err;
-  if (!o.relayout || o.find_unused_parameters) dp->relayout_done = true;
+  /* With parameters that may or may not get a gradient the ready order can
+   * change from one iteration to the next, unless the graph is static. */
+  if (!o.relayout || (o.find_unused_parameters && !o.static_graph)) dp->relayout_done = true;
   *out = dp;
   return DDP_OK;
 err:
@@ -226,6 +232,7 @@ static void grad_ready(ddp_tensor *param, void *user) {
   /* Parameters of another model on the same tape are not ours. */
   if (i < 0 || i >= dp->n_params || ddp_model_param(dp->model, i) != param) return;
   dp->hook_calls++;
+  dp->got_grad[i] = true;
   ddp__dp_mark_ready(dp, i);
 }
 
@@ -238,7 +245,7 @@ void ddp__dp_arm(ddp_dp *dp, bool syncing) {
   dp->hook_calls = 0;
   dp->traced_buckets = dp->n_buckets;
   dp->launch_error = DDP_OK;
-  for (int i = 0; i < dp->n_params; i++) dp->param_ready[i] = false;
+  for (int i = 0; i < dp->n_params; i++) dp->param_ready[i] = dp->got_grad[i] = false;
   for (int b = 0; b < dp->n_buckets; b++) {
     dp->bucket_pending[b] = dp->buckets[b].n_params;
     dp->works[b] = NULL;
@@ -256,7 +263,7 @@ ddp_status ddp_dp_prepare_backward(ddp_dp *dp, ddp_tape *tape) {
   /* find_unused_parameters: a parameter no recorded op uses gets no hook;
    * mark it ready now (PyTorch marks it at the end of forward) so its bucket
    * need not wait for the end of backward. Its gradient is reduced as it is. */
-  if (dp->options.find_unused_parameters)
+  if (dp->options.find_unused_parameters || dp->options.static_graph)
     for (int k = 0; k < dp->n_params; k++) {
       int i = dp->order[k];
       if (ddp_model_param(dp->model, i)->pending == 0) ddp__dp_mark_ready(dp, i);
@@ -284,6 +291,31 @@ ddp_status ddp__dp_complete(ddp_dp *dp) {
   return first;
 }
 
+/* static_graph: the first synced backward records which parameters got a
+ * gradient; every later one must give the same set. Checked once the buckets
+ * are reduced, so nothing is in flight; every rank with the same graph
+ * change fails alike. */
+static ddp_status check_static_graph(ddp_dp *dp) {
+  if (!dp->graph_recorded) {
+    memcpy(dp->first_got_grad, dp->got_grad, (size_t)dp->n_params * sizeof(bool));
+    dp->graph_recorded = true;
+    return DDP_OK;
+  }
+  for (int i = 0; i < dp->n_params; i++) {
+    if (dp->got_grad[i] == dp->first_got_grad[i]) continue;
+    return ddp_error(DDP_ERR_STATE,
+                     "ddp (rank %d): static_graph: parameter '%s' (index %d) %s in synced "
+                     "backward %lld but %s in the first; the graph changed, which "
+                     "static_graph rules out: create the wrapper without static_graph (and with "
+                     "find_unused_parameters = true if the parameters in use vary)",
+                     dp->rank, ddp_model_param_name(dp->model, i), i,
+                     dp->got_grad[i] ? "got a gradient" : "got no gradient",
+                     (long long)dp->iterations + 1,
+                     dp->first_got_grad[i] ? "got one" : "none");
+  }
+  return DDP_OK;
+}
+
 ddp_status ddp_dp_finalize_backward(ddp_dp *dp) {
   if (!dp->armed)
     return ddp_error(DDP_ERR_STATE, "ddp: finalize_backward without prepare_backward");
@@ -298,7 +330,7 @@ ddp_status ddp_dp_finalize_backward(ddp_dp *dp) {
   for (int k = 0; k < dp->n_params; k++) {
     int i = dp->order[k];
     if (dp->param_ready[i]) continue;
-    if (dp->options.find_unused_parameters) {
+    if (dp->options.find_unused_parameters || dp->options.static_graph) {
       ddp__dp_mark_ready(dp, i);
     } else {
       if (unused < 0 || i < unused) unused = i;
@@ -318,6 +350,7 @@ ddp_status ddp_dp_finalize_backward(ddp_dp *dp) {
                      n_unused > 1 ? " and others" : "");
   }
   DDP_TRY(s);
+  if (dp->options.static_graph) DDP_TRY(check_static_graph(dp));
   dp->iterations++;
   if (!dp->relayout_done) DDP_TRY(ddp__dp_maybe_relayout(dp));
   dp->finalize_end_ns = ddp_time_ns();

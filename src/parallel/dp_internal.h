@@ -41,6 +41,11 @@ struct ddp_dp {
   ddp_status launch_error; /* first launch failure inside the grad hook */
   int *ready_order;        /* (n_params) parameters in the order they became ready */
   int n_ready_order;
+  bool *got_grad;          /* (n_params) its grad hook fired in this backward */
+  /* static_graph: which parameters got a gradient in the first synced
+   * backward (got_grad then); later ones must match. */
+  bool *first_got_grad;    /* (n_params) */
+  bool graph_recorded;
 
   /* Communication hook. */
   ddp_dp_hook_kind hook_kind;

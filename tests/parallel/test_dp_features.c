@@ -1,7 +1,8 @@
 /* The DDP wrapper's options and failure messages, with ranks as threads:
  * the construction-time shape check (names the parameter and the rank, on
  * every rank), unused parameters (an error naming one; find_unused_parameters
- * trains like one process), fp16 / bf16 compression within half precision of
+ * and static_graph train like one process; static_graph refuses a changed
+ * graph and lets the relayout run with find_unused_parameters), fp16 / bf16 compression within half precision of
  * float32, a user hook, overlap (bucket 0 launched while backward still had
  * gradients to compute), the relayout (convnet-2 registers fc first but its
  * gradient is ready first) and join with uneven inputs. */
@@ -62,15 +63,21 @@ static void test_shape_mismatch_names_param_and_rank(void **state) {
 /* ---- Unused parameters ------------------------------------------------------- */
 
 /* toy plus net3 Linear(10, 5), registered last (so in bucket 0) and never
- * run by forward. */
-static ddp_status build_with_unused(ddp_model **out) {
+ * run by forward. mods (or NULL): net1, relu, net2, net3. */
+static ddp_status build_with_unused_mods(ddp_model **out, ddp_module **mods) {
   ddp_model *m;
   DDP_TRY(ddp_model_create(&m));
-  ddp_module *net1, *relu, *net2;
+  ddp_module *net1, *relu, *net2, *net3;
   ddp_module_add_linear(m, NULL, "net1", 10, 10, true, &net1);
   ddp_module_add_relu(m, NULL, "relu", &relu);
   ddp_module_add_linear(m, NULL, "net2", 10, 5, true, &net2);
-  ddp_module_add_linear(m, NULL, "net3", 10, 5, true, NULL);
+  ddp_module_add_linear(m, NULL, "net3", 10, 5, true, &net3);
+  if (mods) {
+    mods[0] = net1;
+    mods[1] = relu;
+    mods[2] = net2;
+    mods[3] = net3;
+  }
   ddp_module *order[3] = {net1, relu, net2};
   ddp_model_set_forward_order(m, 3, order);
   ddp_model_set_loss(m, DDP_LOSS_MSE);
@@ -80,8 +87,11 @@ static ddp_status build_with_unused(ddp_model **out) {
   return s;
 }
 
+static ddp_status build_with_unused(ddp_model **out) { return build_with_unused_mods(out, NULL); }
+
 typedef struct unused_case {
   bool find_unused;
+  bool static_graph; /* without find_unused: the first backward finds net3 unused */
   ddp_model *reference;
 } unused_case;
 
@@ -91,6 +101,7 @@ static void unused_body(dpt_rank *self) {
   DPT_OK(self, build_with_unused(&m));
   ddp_dp_options o = ddp_dp_defaults();
   o.find_unused_parameters = c->find_unused;
+  o.static_graph = c->static_graph;
   ddp_dp *dp;
   ddp_status s = ddp_dp_create(&dp, m, self->pg, &o);
   if (s != DDP_OK) ddp_model_destroy(m);
@@ -102,8 +113,8 @@ static void unused_body(dpt_rank *self) {
   bool close = s == DDP_OK && c->reference && dpt_params_close(m, c->reference, 1e-4, msg, sizeof msg);
   ddp_dp_destroy(dp);
   ddp_model_destroy(m);
-  if (c->find_unused) {
-    DPT_CHECK(self, s == DDP_OK, "training with find_unused_parameters: %s", msg);
+  if (c->find_unused || c->static_graph) {
+    DPT_CHECK(self, s == DDP_OK, "training with find_unused_parameters / static_graph: %s", msg);
     DPT_CHECK(self, close, "vs the single run: %s", msg);
   } else {
     DPT_CHECK(self, s == DDP_ERR_STATE, "expected DDP_ERR_STATE, got %s: %s", ddp_status_name(s), msg);
@@ -126,7 +137,108 @@ static void test_find_unused_parameters_trains_like_one_process(void **state) {
   dpt_cfg cfg = dpt_defaults("toy", 2);
   assert_int_equal(dpt_train(&cfg, c.reference, NULL, 0), DDP_OK);
   assert_int_equal(dpt_run(2, 30, unused_body, &c), 0);
+  /* static_graph finds the unused parameter in the first backward, with or
+   * without find_unused_parameters. */
+  c.find_unused = false;
+  c.static_graph = true;
+  assert_int_equal(dpt_run(2, 30, unused_body, &c), 0);
+  c.find_unused = true;
+  assert_int_equal(dpt_run(2, 30, unused_body, &c), 0);
   ddp_model_destroy(c.reference);
+}
+
+/* static_graph: a backward whose parameters in use differ from the first's
+ * fails on every rank, naming the first parameter that changed: steps 1-2
+ * run net1 -> relu -> net2 (net3 unused), step 3 net1 -> relu -> net3. With
+ * find_unused_parameters alone the same change trains on. */
+static void static_graph_body(dpt_rank *self) {
+  const bool *static_graph = self->world->user;
+  ddp_model *m;
+  ddp_module *mods[4];
+  DPT_OK(self, build_with_unused_mods(&m, mods));
+  ddp_dp_options o = ddp_dp_defaults();
+  o.find_unused_parameters = true;
+  o.static_graph = *static_graph;
+  ddp_dp *dp;
+  ddp_status s = ddp_dp_create(&dp, m, self->pg, &o);
+  if (s != DDP_OK) ddp_model_destroy(m);
+  DPT_OK(self, s);
+  dpt_cfg cfg = dpt_defaults("toy", self->world->size);
+  cfg.steps = 2;
+  s = dpt_train(&cfg, m, dp, self->rank);
+  char msg[512];
+  snprintf(msg, sizeof msg, "%s", ddp_last_error());
+  bool first_ok = s == DDP_OK;
+  ddp_module *order[3] = {mods[0], mods[1], mods[3]};
+  if (first_ok) {
+    s = ddp_model_set_forward_order(m, 3, order);
+    cfg.steps = 1;
+    if (s == DDP_OK) s = dpt_train(&cfg, m, dp, self->rank);
+    snprintf(msg, sizeof msg, "%s", ddp_last_error());
+  }
+  ddp_dp_destroy(dp);
+  ddp_model_destroy(m);
+  DPT_CHECK(self, first_ok, "the first two steps failed: %s", msg);
+  if (*static_graph) {
+    DPT_CHECK(self, s == DDP_ERR_STATE, "expected DDP_ERR_STATE, got %s: %s", ddp_status_name(s), msg);
+    DPT_CHECK(self, strstr(msg, "static_graph") &&
+                        strstr(msg, "'net2.weight' (index 2) got no gradient in synced backward 3 "
+                                    "but got one in the first"),
+              "message: %s", msg);
+    if (self->rank == 0) printf("  rank 0 reports: %s\n", msg);
+  } else {
+    DPT_CHECK(self, s == DDP_OK, "find_unused_parameters alone: %s", msg);
+  }
+}
+
+static void test_static_graph_refuses_a_changed_graph(void **state) {
+  (void)state;
+  bool static_graph = true;
+  assert_int_equal(dpt_run(2, 30, static_graph_body, &static_graph), 0);
+  static_graph = false;
+  assert_int_equal(dpt_run(2, 30, static_graph_body, &static_graph), 0);
+}
+
+/* static_graph lets the relayout run with find_unused_parameters (which
+ * alone turns it off): convnet-2's fc leads bucket 0 after the first step,
+ * and 10 steps still equal the single run. */
+static void static_relayout_body(dpt_rank *self) {
+  ddp_model *reference = self->world->user;
+  ddp_model *m;
+  DPT_OK(self, ddp_model_build("convnet-2", NULL, 100 + (uint64_t)self->rank, &m));
+  ddp_dp_options o = ddp_dp_defaults();
+  o.bucket_cap_mb = o.first_bucket_mb = 0.002;
+  o.find_unused_parameters = true;
+  o.static_graph = true;
+  ddp_dp *dp;
+  ddp_status s = ddp_dp_create(&dp, m, self->pg, &o);
+  if (s != DDP_OK) ddp_model_destroy(m);
+  DPT_OK(self, s);
+  dpt_cfg cfg = dpt_defaults("convnet-2", self->world->size);
+  s = dpt_train(&cfg, m, dp, self->rank);
+  ddp_dp_trace t;
+  ddp_dp_get_trace(dp, &t);
+  const ddp_dp_bucket *b0 = ddp_dp_bucket_get(dp, 0);
+  char first[64];
+  snprintf(first, sizeof first, "%s", b0 ? ddp_model_param_name(m, b0->params[0]) : "");
+  char msg[512] = "";
+  bool close = s == DDP_OK && dpt_params_close(m, reference, 1e-4, msg, sizeof msg);
+  ddp_dp_destroy(dp);
+  ddp_model_destroy(m);
+  DPT_OK(self, s);
+  DPT_CHECK(self, t.relaid_out, "no relayout with static_graph and find_unused_parameters");
+  DPT_CHECK(self, !strcmp(first, "fc.weight"), "bucket 0 starts with %s", first);
+  DPT_CHECK(self, close, "vs the single run: %s", msg);
+}
+
+static void test_static_graph_relayout_with_find_unused(void **state) {
+  (void)state;
+  ddp_model *reference;
+  assert_int_equal(ddp_model_build("convnet-2", NULL, 100, &reference), DDP_OK);
+  dpt_cfg cfg = dpt_defaults("convnet-2", 2);
+  assert_int_equal(dpt_train(&cfg, reference, NULL, 0), DDP_OK);
+  assert_int_equal(dpt_run(2, 60, static_relayout_body, reference), 0);
+  ddp_model_destroy(reference);
 }
 
 /* ---- Compression hooks and a user hook --------------------------------------- */
@@ -703,6 +815,8 @@ int main(void) {
       cmocka_unit_test(test_shape_mismatch_names_param_and_rank),
       cmocka_unit_test(test_unused_parameter_error_names_it),
       cmocka_unit_test(test_find_unused_parameters_trains_like_one_process),
+      cmocka_unit_test(test_static_graph_refuses_a_changed_graph),
+      cmocka_unit_test(test_static_graph_relayout_with_find_unused),
       cmocka_unit_test(test_fp16_bf16_user_hooks),
       cmocka_unit_test(test_overlap_convnet_small_buckets),
       cmocka_unit_test(test_relayout_convnet2),
