@@ -1,11 +1,22 @@
 #!/usr/bin/env bash
-# A real single-node Slurm (Debian's slurmctld and slurmd) with a generated
-# config in a private directory, for tests and for trying examples/slurm/.
+# A real Slurm (Debian's slurmctld and slurmd) with a generated config in a
+# private directory, for tests and for trying examples/slurm/: one node, or
+# several nodes on this machine, each in a network namespace of its own.
 #
-#   dir=$(scripts/slurm-cluster.sh up [--owner PID] [DIR])   # prints DIR on stdout
+#   dir=$(scripts/slurm-cluster.sh up [--owner PID] [--nodes N] [DIR])   # prints DIR
 #   eval "$(scripts/slurm-cluster.sh env DIR)"                # export SLURM_CONF=DIR/slurm.conf
-#   srun --immediate=30 -n 4 ./prog
+#   srun --immediate=30 -n 4 ./prog                            # one node
+#   scripts/slurm-cluster.sh run DIR srun --immediate=30 -N 2 -n 4 ./prog   # N nodes
 #   scripts/slurm-cluster.sh down DIR                          # stop everything, remove DIR
+#
+# --nodes N (2-8): nodes ddpn0..ddpn<N-1>, each a network namespace with its
+# own address (10.79.0.1, .2, ...; node 0 holds a bridge the others' veth
+# pairs join) and a slurmd; slurmctld runs in node 0's. Every daemon sees
+# DIR/hosts as /etc/hosts (a private mount namespace), so the node names
+# resolve in jobs as on a real cluster; `run DIR CMD...` runs CMD the same way
+# in node 0 (srun, sbatch, sinfo must run there: the nodes are not reachable
+# from this machine's own network). ddp tells the nodes apart by their
+# network namespace (docs/cluster.md), so ranks on two nodes talk TCP.
 #
 # `up` writes DIR/slurm.conf (auth/none, no accounting, no cgroups, a node
 # with 16 CPUs whatever the hardware has so 4-8 tasks run on 2 cores, free
@@ -100,10 +111,79 @@ cmd_down() {
     done
   fi
   local pids
-  pids="$(cat "$dir/slurmd.pid" "$dir/slurmctld.pid" 2>/dev/null | tr '\n' ' ')"
+  pids="$(cat "$dir"/slurmd*.pid "$dir/slurmctld.pid" 2>/dev/null | tr '\n' ' ')"
   stop_pids "$pids" 5
   stop_pids "$(cluster_pids "$dir" | tr '\n' ' ')" 2
+  # Deleting a namespace removes its veth ends (and node 0's bridge).
+  local ns
+  for ns in $(cat "$dir/netns" 2>/dev/null); do ip netns del "$ns" 2>/dev/null; done
   rm -rf "$dir"
+}
+
+# Runs "$@" in node I's network namespace with DIR/hosts as /etc/hosts.
+in_node() {
+  local dir=$1 i=$2
+  shift 2
+  local ns
+  ns=$(sed -n "$((i + 1))p" "$dir/netns")
+  [ -n "$ns" ] || die "no node $i in $dir"
+  exec nsenter --net="/run/netns/$ns" unshare --mount --propagation private \
+    sh -c 'mount --bind "$0" /etc/hosts && exec "$@"' "$dir/hosts" "$@"
+}
+
+cmd_run() {
+  local dir=${1:?run needs the cluster directory}
+  shift
+  [ $# -gt 0 ] || die "run needs a command"
+  dir=$(cd "$dir" && pwd) || die "run: no directory $1"
+  if [ ! -f "$dir/netns" ]; then
+    SLURM_CONF=$dir/slurm.conf exec "$@" # one node: nothing to enter
+  fi
+  SLURM_CONF=$dir/slurm.conf in_node "$dir" 0 "$@"
+}
+
+# Network namespaces for N nodes (see the header), named after this shell's
+# pid; their names go to DIR/netns, one a line, node 0 first; DIR/hosts gets
+# their addresses and the names ddpn<i>, with this host's name on node 0 (the
+# controller's name must be the host's). Namespaces of an earlier cluster
+# that no process is in any more (a cluster killed before its `down`) go first.
+make_nodes() {
+  local dir=$1 n=$2 host=$3 i ns br=ds$$br
+  for ns in $(ip netns list 2>/dev/null | sed -n 's/^\(ddpsl[0-9][0-9]*n[0-9]\)\b.*/\1/p'); do
+    [ -z "$(ip netns pids "$ns" 2>/dev/null)" ] && ip netns del "$ns" 2>/dev/null
+  done
+  # Namespaces made so far go again when one step fails.
+  nodes_fail() {
+    local made
+    for made in $(cat "$dir/netns"); do ip netns del "$made" 2>/dev/null; done
+    rm -f "$dir/netns"
+    cannot "$@"
+  }
+  : >"$dir/netns"
+  printf '127.0.0.1 localhost\n' >"$dir/hosts"
+  for i in $(seq 0 $((n - 1))); do
+    ns=ddpsl$$n$i
+    ip netns add "$ns" 2>"$dir/log/netns.err" || nodes_fail "ip netns add failed: $(cat "$dir/log/netns.err")"
+    echo "$ns" >>"$dir/netns"
+    ip -n "$ns" link set lo up || nodes_fail "lo up in $ns"
+    if [ "$i" = 0 ]; then
+      ip -n "$ns" link add "$br" type bridge 2>"$dir/log/netns.err" ||
+        nodes_fail "cannot create a bridge: $(cat "$dir/log/netns.err")"
+      ip -n "$ns" addr add 10.79.0.1/24 dev "$br" && ip -n "$ns" link set "$br" up ||
+        nodes_fail "bridge address"
+      printf '10.79.0.1 ddpn0 %s\n' "$host" >>"$dir/hosts"
+    else
+      local va=ds$$a$i vb=ds$$b$i first
+      first=$(head -1 "$dir/netns")
+      ip link add "$va" type veth peer name "$vb" 2>"$dir/log/netns.err" ||
+        nodes_fail "cannot create a veth pair: $(cat "$dir/log/netns.err")"
+      ip link set "$va" netns "$first" && ip link set "$vb" netns "$ns" || nodes_fail "moving veth ends"
+      ip -n "$first" link set "$va" master "$br" && ip -n "$first" link set "$va" up || nodes_fail "bridge port"
+      ip -n "$ns" addr add "10.79.0.$((i + 1))/24" dev "$vb" && ip -n "$ns" link set "$vb" up ||
+        nodes_fail "veth address"
+      printf '10.79.0.%d ddpn%d\n' $((i + 1)) "$i" >>"$dir/hosts"
+    fi
+  done
 }
 
 cmd_env() {
@@ -113,13 +193,13 @@ cmd_env() {
 }
 
 write_conf() {
-  local dir=$1 host=$2 ctld_port=$3 slurmd_port=$4
+  local dir=$1 host=$2 ctld_port=$3 slurmd_port=$4 nodes=$5
   # FirstJobId is random: ddp derives MASTER_PORT from SLURM_JOB_ID under
   # Slurm, and a fresh cluster would otherwise start every run at job 1.
   cat >"$dir/slurm.conf" <<EOF
-# Generated by scripts/slurm-cluster.sh: a one-node test cluster, no security.
+# Generated by scripts/slurm-cluster.sh: a test cluster, no security.
 ClusterName=ddptest
-SlurmctldHost=$host
+SlurmctldHost=$host$([ "$nodes" -gt 1 ] && echo "(10.79.0.1)")
 SlurmctldPort=$ctld_port
 SlurmdPort=$slurmd_port
 SlurmUser=root
@@ -128,11 +208,12 @@ SlurmdUser=root
 AuthType=auth/none
 CredType=cred/none
 StateSaveLocation=$dir/state
-SlurmdSpoolDir=$dir/spool
+# %n: the node's name, so that several slurmd on this machine keep apart.
+SlurmdSpoolDir=$dir/spool/%n
 SlurmctldPidFile=$dir/slurmctld.pid
-SlurmdPidFile=$dir/slurmd.pid
+SlurmdPidFile=$dir/slurmd-%n.pid
 SlurmctldLogFile=$dir/log/slurmctld.log
-SlurmdLogFile=$dir/log/slurmd.log
+SlurmdLogFile=$dir/log/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 # No cgroups (containers rarely allow them): tasks are tracked by process group.
@@ -157,17 +238,35 @@ MinJobAge=4
 MessageTimeout=10
 SlurmctldTimeout=30
 SlurmdTimeout=30
-NodeName=$host NodeAddr=127.0.0.1 CPUs=16 RealMemory=1000 State=UNKNOWN
-# MaxTime: no test job can outlive 10 minutes, whatever it does.
-PartitionName=debug Nodes=$host Default=YES MaxTime=10 State=UP
+$(node_lines "$host" "$nodes")
 EOF
 }
 
+# The NodeName and PartitionName lines: one node on loopback named after this
+# host, or ddpn0..ddpn<N-1> at 10.79.0.1.. (the namespaces' addresses).
+node_lines() {
+  local host=$1 nodes=$2 i
+  if [ "$nodes" = 1 ]; then
+    echo "NodeName=$host NodeAddr=127.0.0.1 CPUs=16 RealMemory=1000 State=UNKNOWN"
+  else
+    for i in $(seq 0 $((nodes - 1))); do
+      echo "NodeName=ddpn$i NodeAddr=10.79.0.$((i + 1)) CPUs=8 RealMemory=1000 State=UNKNOWN"
+    done
+  fi
+  echo "# MaxTime: no test job can outlive 10 minutes, whatever it does."
+  if [ "$nodes" = 1 ]; then
+    echo "PartitionName=debug Nodes=$host Default=YES MaxTime=10 State=UP"
+  else
+    echo "PartitionName=debug Nodes=ddpn[0-$((nodes - 1))] Default=YES MaxTime=10 State=UP"
+  fi
+}
+
 cmd_up() {
-  local owner="" dir=""
+  local owner="" dir="" nodes=1
   while [ $# -gt 0 ]; do
     case "$1" in
       --owner) owner=${2:?--owner needs a pid}; shift 2 ;;
+      --nodes) nodes=${2:?--nodes needs a count}; shift 2 ;;
       -h | --help) usage ;;
       -*) die "up: unknown option $1" ;;
       *) dir=$1; shift ;;
@@ -179,6 +278,12 @@ cmd_up() {
     command -v "$t" >/dev/null || cannot "no '$t' (scripts/install-deps.sh slurm installs it)"
   done
   command -v ss >/dev/null || cannot "no 'ss' (iproute2) to find free ports"
+  case "$nodes" in [1-8]) ;; *) die "up: --nodes must be 1 to 8, not '$nodes'" ;; esac
+  if [ "$nodes" -gt 1 ]; then
+    for t in ip nsenter unshare; do
+      command -v "$t" >/dev/null || cannot "no '$t' for the nodes' network namespaces"
+    done
+  fi
   if [ -z "$dir" ]; then
     dir=$(mktemp -d /tmp/ddp-slurm.XXXXXX) || die "mktemp failed"
   else
@@ -186,24 +291,43 @@ cmd_up() {
   fi
   dir=$(cd "$dir" && pwd)
   mkdir -p "$dir/state" "$dir/spool" "$dir/log"
-  local host ctld_port slurmd_port
+  local host ctld_port slurmd_port names i name
   host=$(hostname -s)
-  ctld_port=$(free_port) && slurmd_port=$(free_port "$ctld_port") || die "no free port found"
-  write_conf "$dir" "$host" "$ctld_port" "$slurmd_port"
+  if [ "$nodes" = 1 ]; then
+    ctld_port=$(free_port) && slurmd_port=$(free_port "$ctld_port") || die "no free port found"
+    names=$host
+  else
+    # Nothing else listens in the nodes' namespaces: Slurm's usual ports.
+    ctld_port=6817 slurmd_port=6818
+    names=$(seq -f 'ddpn%g' 0 $((nodes - 1)))
+    make_nodes "$dir" "$nodes" "$host"
+  fi
+  for name in $names; do mkdir -p "$dir/spool/$name"; done
+  write_conf "$dir" "$host" "$ctld_port" "$slurmd_port" "$nodes"
   export SLURM_CONF=$dir/slurm.conf
 
   # The marker in the daemons' environment lets `down` find their job steps.
   # -D: stay in the foreground (we hold the pid); -i: ignore old state.
-  DDP_SLURM_CLUSTER=$dir setsid slurmctld -D -i -f "$SLURM_CONF" \
-    >"$dir/log/slurmctld.out" 2>&1 </dev/null &
-  echo $! >"$dir/slurmctld.pid.start"
-  DDP_SLURM_CLUSTER=$dir setsid slurmd -D -f "$SLURM_CONF" -N "$host" \
-    >"$dir/log/slurmd.out" 2>&1 </dev/null &
-  echo $! >"$dir/slurmd.pid.start"
+  # start_daemon NODE NAME CMD...: in node NODE's namespaces when there are
+  # several nodes. The daemons write their own pid files; until they do, ours.
+  start_daemon() {
+    local node=$1 name=$2
+    shift 2
+    if [ "$nodes" = 1 ]; then
+      DDP_SLURM_CLUSTER=$dir setsid "$@" >"$dir/log/$name.out" 2>&1 </dev/null &
+    else
+      (DDP_SLURM_CLUSTER=$dir in_node "$dir" "$node" setsid "$@") >"$dir/log/$name.out" 2>&1 </dev/null &
+    fi
+    echo $! >"$dir/$name.pid.start"
+    cp "$dir/$name.pid.start" "$dir/$name.pid" 2>/dev/null
+  }
+  start_daemon 0 slurmctld slurmctld -D -i -f "$SLURM_CONF"
+  i=0
+  for name in $names; do
+    start_daemon "$i" "slurmd-$name" slurmd -D -f "$SLURM_CONF" -N "$name"
+    i=$((i + 1))
+  done
   touch "$dir/up"
-  # The daemons write their own pid files; until they do, use ours.
-  cp "$dir/slurmctld.pid.start" "$dir/slurmctld.pid" 2>/dev/null
-  cp "$dir/slurmd.pid.start" "$dir/slurmd.pid" 2>/dev/null
 
   if [ -n "$owner" ]; then
     (
@@ -215,23 +339,25 @@ cmd_up() {
     echo $! >"$dir/watchdog.pid"
   fi
 
-  local limit=${DDP_SLURM_UP_TIMEOUT:-60} start=$SECONDS state="" why=""
+  local limit=${DDP_SLURM_UP_TIMEOUT:-60} start=$SECONDS state="" why="" f
   while [ $((SECONDS - start)) -lt "$limit" ]; do
-    if ! kill -0 "$(cat "$dir/slurmctld.pid.start")" 2>/dev/null; then why="slurmctld exited"; break; fi
-    if ! kill -0 "$(cat "$dir/slurmd.pid.start")" 2>/dev/null; then why="slurmd exited"; break; fi
-    state=$(timeout 5 sinfo -h -n "$host" -o %t 2>/dev/null | head -1)
+    for f in "$dir"/*.pid.start; do
+      kill -0 "$(cat "$f")" 2>/dev/null || why="$(basename "$f" .pid.start) exited"
+    done
+    [ -n "$why" ] && break
+    # The nodes' states, each once: "idle " alone once every node is up.
+    state=$(timeout 5 "$0" run "$dir" sinfo -h -N -o %t 2>/dev/null | sort -u | tr '\n' ' ')
     case "$state" in
-      idle) echo "$dir"; return 0 ;;
-      drain* | drng | down* | fail* | inval*) why="node state is '$state'"; break ;;
+      "idle ") echo "$dir"; return 0 ;;
+      *drain* | *drng* | *down* | *fail* | *inval*) why="node states are '$state'"; break ;;
     esac
     sleep 0.2
   done
-  [ -z "$why" ] && why="node not idle after ${limit} s (state '${state:-none}')"
+  [ -z "$why" ] && why="nodes not idle after ${limit} s (states '${state:-none}')"
   {
-    echo "slurm-cluster: $why; sinfo says: $(timeout 5 sinfo -h -o '%t %E' 2>&1 | head -3)"
-    local f
-    for f in slurmctld.log slurmctld.out slurmd.log slurmd.out; do
-      [ -s "$dir/log/$f" ] && { echo "--- tail of $f"; tail -n 15 "$dir/log/$f"; }
+    echo "slurm-cluster: $why; sinfo says: $(timeout 5 "$0" run "$dir" sinfo -h -N -o '%N %t %E' 2>&1 | head -8)"
+    for f in "$dir"/log/*; do
+      [ -s "$f" ] && { echo "--- tail of ${f##*/}"; tail -n 15 "$f"; }
     done
   } >&2
   cmd_down "$dir"
@@ -242,5 +368,6 @@ case "${1:-}" in
   up) shift; cmd_up "$@" ;;
   down) shift; cmd_down "$@" ;;
   env) shift; cmd_env "$@" ;;
+  run) shift; cmd_run "$@" ;;
   *) usage ;;
 esac
