@@ -18,7 +18,16 @@
 # if this shell is killed).
 set -uo pipefail
 skip() { echo "SKIP: $*"; exit 77; }
-fail() { echo "FAIL: $*"; exit 1; }
+# On failure, also the nodes' states and the daemons' last log lines.
+fail() {
+  echo "FAIL: $*"
+  if [ -n "${cluster:-}" ] && [ -d "$cluster/log" ]; then
+    timeout 5 "$src/scripts/slurm-cluster.sh" run "$cluster" sinfo -N -o '%N %t %E' 2>&1
+    local f
+    for f in "$cluster"/log/*.log; do echo "--- tail of ${f##*/}"; tail -n 8 "$f"; done
+  fi
+  exit 1
+}
 
 src=${DDP_SOURCE_DIR:?set DDP_SOURCE_DIR to the source tree}
 tests=${DDP_TEST_BIN_DIR:?set DDP_TEST_BIN_DIR to the build tests directory}
