@@ -17,7 +17,7 @@
 #include "comm/backend.h"
 
 #define DDP__LOCAL_MAGIC 0x4c434f4c50444444ull /* "DDDPLOCL" */
-#define DDP__LOCAL_VERSION 3u
+#define DDP__LOCAL_VERSION 4u /* 4: rank 0 write-locks the segment during setup */
 #define DDP__LOCAL_MAX_RANKS 256
 
 /* Bytes per rank and parity of the small-message slots (collectives whose
@@ -206,6 +206,11 @@ ddp_status ddp__local_shm_create(const ddp__backend_config *cfg, ddp__local_mem 
  * was left by a group whose setup a kill cut short. Returns how many were
  * removed. */
 int ddp__local_shm_remove_orphans(int pid);
+/* Removes every segment of this version in /dev/shm whose creator is gone
+ * (its rank 0 holds a write lock on it until every rank has mapped it; the
+ * kernel drops the lock with the process), whoever started the processes.
+ * Rank 0 calls it before creating a segment. Returns how many were removed. */
+int ddp__local_shm_remove_abandoned(void);
 
 /* ---- The backend object -------------------------------------------------- */
 typedef struct ddp__local_backend {

@@ -36,6 +36,7 @@ typedef struct shm_mem {
   int rank, size;
   int32_t *pid;     /* [size] */
   int *pidfd;       /* [size] -1: same process, or no pidfd (kill(pid, 0) then) */
+  int lock_fd;      /* rank 0: the segment, write-locked until every rank mapped it; -1 */
   char name[64];
 } shm_mem;
 
@@ -181,6 +182,7 @@ static void shm_destroy(ddp__local_mem *m) {
   if (!m) return;
   shm_mem *s = as_shm(m);
   if (s->base.region) mapping_release(s->base.region, s->bytes);
+  if (s->lock_fd >= 0) close(s->lock_fd);
   if (s->pidfd)
     for (int q = 0; q < s->size; q++)
       if (s->pidfd[q] >= 0) close(s->pidfd[q]);
@@ -290,16 +292,87 @@ int ddp__local_shm_remove_orphans(int pid) {
   return removed;
 }
 
+/* ---- Abandoned segments ------------------------------------------------------
+ * A segment's name is unlinked once every rank has mapped it, so one stays in
+ * /dev/shm only when its group died during setup (every rank killed, or all
+ * giving up at once before the unlink). Rank 0 holds an open-file-description
+ * write lock on the segment from creation until every rank has mapped it; the
+ * kernel drops the lock when the process dies, whatever kills it and in
+ * whatever pid namespace. So a segment of ours (this version's magic) that
+ * can be write-locked has no creator left: no rank will map it any more. Rank
+ * 0 removes such segments before creating its own, under any launcher. */
+
+static bool lock_whole(int fd) {
+  struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = 0, .l_len = 0};
+  return fcntl(fd, F_OFD_SETLK, &fl) == 0;
+}
+
+/* Name after /dev/shm/: SEGMENT_PREFIX, decimal pid, "-", 16 hex digits. */
+static bool is_segment_name(const char *name) {
+  if (strncmp(name, SEGMENT_PREFIX, strlen(SEGMENT_PREFIX)) != 0) return false;
+  const char *p = name + strlen(SEGMENT_PREFIX);
+  size_t digits = strspn(p, "0123456789");
+  if (digits == 0 || p[digits] != '-') return false;
+  const char *nonce = p + digits + 1;
+  return strlen(nonce) == SEGMENT_NONCE_DIGITS &&
+         strspn(nonce, "0123456789abcdef") == SEGMENT_NONCE_DIGITS;
+}
+
+int ddp__local_shm_remove_abandoned(void) {
+  DIR *d = opendir("/dev/shm");
+  if (!d) return 0;
+  int removed = 0;
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL) {
+    if (!is_segment_name(e->d_name)) continue;
+    char name[sizeof e->d_name + 1];
+    snprintf(name, sizeof name, "/%s", e->d_name);
+    int fd = shm_open(name, O_RDWR, 0600);
+    if (fd < 0) continue; /* gone meanwhile, or another user's */
+    /* Initialised (magic and version written after the creator took its
+     * lock) and lockable: abandoned. An older ddp's segment (another
+     * version) never took the lock, so it is left alone. */
+    struct {
+      uint64_t magic;
+      uint32_t version;
+    } head = {0, 0};
+    if (lock_whole(fd) && pread(fd, &head, sizeof head, 0) == (ssize_t)sizeof head &&
+        head.magic == DDP__LOCAL_MAGIC && head.version == DDP__LOCAL_VERSION &&
+        shm_unlink(name) == 0)
+      removed++;
+    close(fd); /* drops the lock */
+  }
+  closedir(d);
+  return removed;
+}
+
 /* Maps the segment: rank 0 creates it and publishes its name. */
 static ddp_status map_segment(const ddp__backend_config *cfg, shm_mem *s, int64_t timeout_ms) {
   int fd = -1;
   if (cfg->rank == 0) {
+    int abandoned = ddp__local_shm_remove_abandoned();
+    if (abandoned > 0)
+      DDP_INFO("local backend: removed %d shared-memory segment%s in /dev/shm that a group "
+               "killed during its setup left behind", abandoned, abandoned == 1 ? "" : "s");
     uint64_t nonce = (uint64_t)ddp_time_ns() ^ ((uint64_t)getpid() << 20) ^ (uintptr_t)s;
     snprintf(s->name, sizeof s->name, SEGMENT_NAME_FORMAT, (int)getpid(), nonce);
     fd = shm_open(s->name, O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0)
       return ddp_error(DDP_ERR_SYS, "local backend: shm_open(\"%s\"): %s", s->name,
                        strerror(errno));
+    /* The lock first, the magic after: a sweeper that opened the new, empty
+     * file in between holds the lock for a moment and finds no magic. */
+    bool locked = false;
+    for (int tries = 0; tries < 1000 && !(locked = lock_whole(fd)) && errno == EAGAIN; tries++) {
+      struct timespec ts = {0, 1000 * 1000};
+      nanosleep(&ts, NULL);
+    }
+    if (!locked) {
+      int e = errno;
+      close(fd);
+      shm_unlink(s->name);
+      return ddp_error(DDP_ERR_SYS, "local backend: locking \"%s\": %s", s->name, strerror(e));
+    }
     if (ftruncate(fd, (off_t)s->bytes) != 0) {
       int e = errno;
       close(fd);
@@ -308,12 +381,13 @@ static ddp_status map_segment(const ddp__backend_config *cfg, shm_mem *s, int64_
                        s->bytes, strerror(e));
     }
     void *p = mmap(NULL, s->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
     if (p == MAP_FAILED) {
       int e = errno;
+      close(fd);
       shm_unlink(s->name);
       return ddp_error(DDP_ERR_SYS, "local backend: mapping \"%s\": %s", s->name, strerror(e));
     }
+    s->lock_fd = fd; /* held until every rank has mapped it */
     s->base.region = p;
     ddp__local_region_init(p, cfg->size, nonce);
     pthread_mutex_lock(&mappings_mu);
@@ -380,6 +454,7 @@ ddp_status ddp__local_shm_create(const ddp__backend_config *cfg, ddp__local_mem 
   shm_mem *s = ddp_calloc(1, sizeof *s);
   if (!s) return ddp_error(DDP_ERR_NOMEM, "local backend: out of memory");
   s->base.ops = &shm_ops;
+  s->lock_fd = -1;
   s->base.shared_futex = true;
   s->base.staged = true;
   s->rank = cfg->rank;
@@ -408,6 +483,10 @@ ddp_status ddp__local_shm_create(const ddp__backend_config *cfg, ddp__local_mem 
   if (st != DDP_OK) {
     shm_unlink(s->name); /* whoever gives up removes it; ENOENT is fine */
     goto err;
+  }
+  if (s->lock_fd >= 0) { /* the name is gone: nothing left to protect */
+    close(s->lock_fd);
+    s->lock_fd = -1;
   }
 
   /* Peers' processes: a pidfd each (death shows as readable), and a probe
