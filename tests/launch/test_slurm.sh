@@ -28,25 +28,8 @@ ddprun=${DDP_BIN_DIR:?set DDP_BIN_DIR to the build bin directory}/ddprun
 [ -x "$ddprun" ] || fail "$ddprun is not built"
 [ "$(id -u)" = 0 ] || skip "needs root to run slurmd"
 
-tmp=$(mktemp -d)
-cluster=""
-cleanup() {
-  [ -n "$cluster" ] && "$src/scripts/slurm-cluster.sh" down "$cluster"
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
-trap 'exit 1' INT TERM
-
-# No variables of another launcher may leak in from the caller.
-unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT DDP_STORE_ADDR \
-  GROUP_RANK SLURM_JOB_ID SLURM_PROCID SLURM_NTASKS SLURM_NODELIST SLURM_JOB_NODELIST
-export DDP_TIMEOUT=60
-
-t0=$SECONDS
-cluster=$("$src/scripts/slurm-cluster.sh" up --owner $$ "$tmp/cluster")
-rc=$?
-[ $rc = 77 ] && { cluster=""; skip "Slurm cannot run here (see the reason above)"; }
-[ $rc = 0 ] || { cluster=""; fail "slurm-cluster.sh up exited $rc"; }
+. "$src/tests/support/slurm_test_cluster.sh"
+slurm_test_cluster_up
 eval "$("$src/scripts/slurm-cluster.sh" env "$cluster")"
 host=$(hostname -s)
 echo "cluster up in $((SECONDS - t0)) s ($cluster)"

@@ -38,24 +38,8 @@ for f in "$worker" "$tests/launch_worker" "$bin/ddprun" "$bin/ddp-train"; do
 done
 [ "$(id -u)" = 0 ] || skip "needs root to run slurmd and make network namespaces"
 
-tmp=$(mktemp -d)
-cluster=""
-cleanup() {
-  [ -n "$cluster" ] && "$src/scripts/slurm-cluster.sh" down "$cluster"
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
-trap 'exit 1' INT TERM
-
-unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT DDP_STORE_ADDR \
-  GROUP_RANK SLURM_JOB_ID SLURM_PROCID SLURM_NTASKS SLURM_NODELIST SLURM_JOB_NODELIST
-export DDP_TIMEOUT=60
-
-t0=$SECONDS
-cluster=$("$src/scripts/slurm-cluster.sh" up --owner $$ --nodes 2 "$tmp/cluster")
-rc=$?
-[ $rc = 77 ] && { cluster=""; skip "a two-node Slurm cannot run here (see the reason above)"; }
-[ $rc = 0 ] || { cluster=""; fail "slurm-cluster.sh up --nodes 2 exited $rc"; }
+. "$src/tests/support/slurm_test_cluster.sh"
+slurm_test_cluster_up --nodes 2
 echo "two-node cluster up in $((SECONDS - t0)) s ($cluster)"
 # Slurm's commands work from node 0's namespace only.
 in_cluster() { "$src/scripts/slurm-cluster.sh" run "$cluster" "$@"; }
