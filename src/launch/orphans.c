@@ -79,7 +79,7 @@ typedef struct kill_ctx {
   ddp__orphans *o;
   const pid_t *keep;
   int n_keep;
-  int left;       /* children of this pass not yet known gone */
+  int seen;       /* children of this pass not kept (alive, or reaped now) */
   char *names;    /* "pid 4711 (sleep), ..." of the first few killed */
   size_t bytes;
 } kill_ctx;
@@ -108,7 +108,8 @@ static void kill_child(pid_t pid, char state, const char *comm, void *ctx_) {
     }
     o->n_killed++;
   }
-  if (waitpid(pid, NULL, WNOHANG) != pid) c->left++;
+  waitpid(pid, NULL, WNOHANG);
+  c->seen++;
 }
 
 int ddp__orphans_kill(ddp__orphans *o, const pid_t *keep, int n_keep, char *names, size_t bytes) {
@@ -117,13 +118,14 @@ int ddp__orphans_kill(ddp__orphans *o, const pid_t *keep, int n_keep, char *name
   kill_ctx c = {o, keep, n_keep, 0, names, bytes};
   double until = ddp_time_s() + ORPHANS_LIMIT_S;
   /* Each pass kills this generation; what they forked becomes our child as
-   * they die, and the next pass finds it. */
+   * they die (perhaps after the pass read its entry), so passes go on until
+   * one finds no child left to kill or reap. */
   for (;;) {
-    c.left = 0;
-    if (for_each_child(kill_child, &c) < 0 || c.left == 0) break;
+    c.seen = 0;
+    if (for_each_child(kill_child, &c) < 0 || c.seen == 0) break;
     if (ddp_time_s() > until) {
       fprintf(stderr, "ddprun: warning: %d process%s that workers left behind still there %g s "
-              "after SIGKILL; giving up on them\n", c.left, c.left == 1 ? " is" : "es are",
+              "after SIGKILL; giving up on them\n", c.seen, c.seen == 1 ? " is" : "es are",
               ORPHANS_LIMIT_S);
       break;
     }
