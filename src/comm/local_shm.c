@@ -269,6 +269,17 @@ static bool has_probed(ddp__local_region *reg, int q) {
 #define SEGMENT_NAME_FORMAT "/" SEGMENT_PREFIX "%d-%016" PRIx64
 #define SEGMENT_NONCE_DIGITS 16
 
+/* Name after /dev/shm/: SEGMENT_PREFIX, decimal pid, "-", 16 hex digits. */
+static bool is_segment_name(const char *name) {
+  if (strncmp(name, SEGMENT_PREFIX, strlen(SEGMENT_PREFIX)) != 0) return false;
+  const char *p = name + strlen(SEGMENT_PREFIX);
+  size_t digits = strspn(p, "0123456789");
+  if (digits == 0 || p[digits] != '-') return false;
+  const char *nonce = p + digits + 1;
+  return strlen(nonce) == SEGMENT_NONCE_DIGITS &&
+         strspn(nonce, "0123456789abcdef") == SEGMENT_NONCE_DIGITS;
+}
+
 int ddp__local_shm_remove_orphans(int pid) {
   char prefix[48];
   int len = snprintf(prefix, sizeof prefix, SEGMENT_PREFIX "%d-", pid);
@@ -277,13 +288,9 @@ int ddp__local_shm_remove_orphans(int pid) {
   int removed = 0;
   struct dirent *e;
   while ((e = readdir(d)) != NULL) {
-    /* the prefix, then exactly the nonce's hex digits (another pid's name
-     * differs before the dash; an unrelated file does not match) */
-    if (strncmp(e->d_name, prefix, (size_t)len) != 0) continue;
-    const char *nonce = e->d_name + len;
-    if (strlen(nonce) != SEGMENT_NONCE_DIGITS ||
-        strspn(nonce, "0123456789abcdef") != SEGMENT_NONCE_DIGITS)
-      continue;
+    /* this pid's prefix (another pid's name differs before the dash), then
+     * a whole segment name (an unrelated file does not match) */
+    if (strncmp(e->d_name, prefix, (size_t)len) != 0 || !is_segment_name(e->d_name)) continue;
     char name[sizeof e->d_name + 1];
     snprintf(name, sizeof name, "/%s", e->d_name);
     if (shm_unlink(name) == 0) removed++;
@@ -305,17 +312,6 @@ int ddp__local_shm_remove_orphans(int pid) {
 static bool lock_whole(int fd) {
   struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = 0, .l_len = 0};
   return fcntl(fd, F_OFD_SETLK, &fl) == 0;
-}
-
-/* Name after /dev/shm/: SEGMENT_PREFIX, decimal pid, "-", 16 hex digits. */
-static bool is_segment_name(const char *name) {
-  if (strncmp(name, SEGMENT_PREFIX, strlen(SEGMENT_PREFIX)) != 0) return false;
-  const char *p = name + strlen(SEGMENT_PREFIX);
-  size_t digits = strspn(p, "0123456789");
-  if (digits == 0 || p[digits] != '-') return false;
-  const char *nonce = p + digits + 1;
-  return strlen(nonce) == SEGMENT_NONCE_DIGITS &&
-         strspn(nonce, "0123456789abcdef") == SEGMENT_NONCE_DIGITS;
 }
 
 int ddp__local_shm_remove_abandoned(void) {
