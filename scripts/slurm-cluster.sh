@@ -149,7 +149,13 @@ cmd_run() {
 # that no process is in any more (a cluster killed before its `down`) go first.
 make_nodes() {
   local dir=$1 n=$2 host=$3 i ns br=ds$$br
+  # (The `up` that made one, named in it, must be gone too: while it runs,
+  # its namespaces may not have their daemons yet.)
+  local owner
   for ns in $(ip netns list 2>/dev/null | sed -n 's/^\(ddpsl[0-9][0-9]*n[0-9]\)\b.*/\1/p'); do
+    owner=${ns#ddpsl}
+    owner=${owner%n*}
+    kill -0 "$owner" 2>/dev/null && continue
     [ -z "$(ip netns pids "$ns" 2>/dev/null)" ] && ip netns del "$ns" 2>/dev/null
   done
   # Namespaces made so far go again when one step fails.
