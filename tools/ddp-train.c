@@ -99,11 +99,16 @@ static void usage(FILE *f) {
 "                       of each epoch and of training)\n"
 "  --patience K         stop after K evaluations in a row without a better test loss\n"
 "  --log FILE           one JSON object per line: per step {step, epoch, loss, lr,\n"
-"                       samples_per_s}, per evaluation {step, epoch, test_loss,\n"
-"                       test_accuracy}\n"
+"                       samples_per_s, and where the step's time went: load_ms,\n"
+"                       forward_ms, backward_compute_ms, backward_comm_ms (the\n"
+"                       communication backward did not hide, waiting for the slowest\n"
+"                       rank included), optimizer_ms, step_ms}, per evaluation {step,\n"
+"                       epoch, test_loss, test_accuracy}\n"
 "  --json               end stdout with one JSON summary line (samples_per_s,\n"
 "                       steady_samples_per_s (without the first 10 steps), train_loss,\n"
-"                       test_loss, test_accuracy, steps, epochs, world_size)\n"
+"                       test_loss, test_accuracy, steps, steady_step_phases (rank 0's\n"
+"                       mean of the per-step times above over those steps), epochs,\n"
+"                       world_size)\n"
 "Checkpoints (safetensors; docs/io.md)\n"
 "  --save PATH          at the end of training write the model's state dict to PATH (loads\n"
 "                       into PyTorch with load_state_dict(strict=True)) and the training\n"
@@ -362,6 +367,35 @@ static void json_number(FILE *f, const char *key, double v, bool comma) {
     fprintf(f, "\"%s\": %.6g%s", key, v, comma ? ", " : "");
   else
     fprintf(f, "\"%s\": null%s", key, comma ? ", " : "");
+}
+
+/* Where one step's time went, in seconds (PyTorch's DDP logging reports the
+ * same split: forward, backward compute, backward communication).
+ * backward_comm is the time from the last bucket's launch (the last
+ * gradient ready) to the end of finalize: the communication backward did not
+ * hide, including the wait for the slowest rank. The rest of the step (the
+ * loss's allreduce, bookkeeping) is step minus the parts. */
+typedef struct step_phases {
+  double load, forward, backward_compute, backward_comm, optimizer, step;
+} step_phases;
+
+static void step_phases_add(step_phases *sum, const step_phases *p) {
+  sum->load += p->load;
+  sum->forward += p->forward;
+  sum->backward_compute += p->backward_compute;
+  sum->backward_comm += p->backward_comm;
+  sum->optimizer += p->optimizer;
+  sum->step += p->step;
+}
+
+/* "load_ms": ..., one key per phase, in milliseconds (scaled by 1/n). */
+static void step_phases_json(FILE *f, const step_phases *p, double n, bool comma) {
+  json_number(f, "load_ms", 1e3 * p->load / n, true);
+  json_number(f, "forward_ms", 1e3 * p->forward / n, true);
+  json_number(f, "backward_compute_ms", 1e3 * p->backward_compute / n, true);
+  json_number(f, "backward_comm_ms", 1e3 * p->backward_comm / n, true);
+  json_number(f, "optimizer_ms", 1e3 * p->optimizer / n, true);
+  json_number(f, "step_ms", 1e3 * p->step / n, comma);
 }
 
 typedef struct progress {
@@ -687,6 +721,7 @@ int main(int argc, char **argv) {
    * reference script times, after its 10 warm-up steps. */
   double steady_seconds = 0;
   int64_t steady_samples = 0, steps_here = 0;
+  step_phases steady_phases = {0};
   double epoch_loss_sum = 0, all_loss_sum = 0;
   int64_t epoch_steps = 0;   /* batches of this epoch consumed (also before a resume) */
   int64_t epoch_losses = 0;  /* of those, steps run by this process */
@@ -720,6 +755,7 @@ int main(int argc, char **argv) {
       ddp_batch b;
       CHECK(ddp_loader_next(train_loader, &b), "loading a batch");
       if (b.size == 0) break;
+      double t_loaded = ddp_time_s();
       ddp_tensor *out, *loss;
       ddp_tape_reset(tape);
       ddp_model_zero_grad(model);
@@ -727,15 +763,35 @@ int main(int argc, char **argv) {
       else CHECK(ddp_model_forward(model, tape, &b.x, &out), "forward");
       CHECK(ddp_model_loss(model, tape, out, &b.y, &loss), "loss");
       double loss_sums[2] = {(double)ddp_tensor_f32(loss)[0] * (double)b.size, (double)b.size};
+      double t_forward = ddp_time_s();
       if (dp) CHECK(ddp_dp_backward(dp, tape, loss), "backward");
       else CHECK(ddp_backward(tape, loss), "backward");
+      double t_backward = ddp_time_s();
       CHECK(ddp_optimizer_step(opt), "optimizer step");
+      step_phases phases = {.load = t_loaded - t0,
+                            .forward = t_forward - t_loaded,
+                            .backward_compute = t_backward - t_forward,
+                            .optimizer = ddp_time_s() - t_backward};
+      if (dp) {
+        ddp_dp_trace tr;
+        ddp_dp_get_trace(dp, &tr);
+        if (tr.n_buckets > 0) {
+          /* Same clock as ddp_time_s (ddp_time_ns, monotonic). */
+          double last_launch = 1e-9 * (double)tr.buckets[tr.n_buckets - 1].launch_ns;
+          double comm = 1e-9 * (double)tr.finalize_end_ns - last_launch;
+          if (comm >= 0 && comm <= phases.backward_compute) {
+            phases.backward_comm = comm;
+            phases.backward_compute -= comm;
+          }
+        }
+      }
       /* The loss of the global batch, reduced on this thread after the step:
        * the ranks have just met in the gradients' allreduce, so it waits for
        * no one, whereas an async reduction during backward handed to the
        * progress thread cost 2-3% of a world-2 step (BENCHMARKS.md). */
       CHECK(train_world_sum(&world, loss_sums, 2), "reducing the loss");
       double step_seconds = ddp_time_s() - t0;
+      phases.step = step_seconds;
       train_seconds += step_seconds;
       loss_value = (float)(loss_sums[0] / loss_sums[1]);
       if (!isfinite(loss_value)) { /* the same value on every rank: all stop here */
@@ -750,6 +806,7 @@ int main(int argc, char **argv) {
       if (++steps_here > WARMUP_STEPS) {
         steady_seconds += step_seconds;
         steady_samples += (int64_t)loss_sums[1];
+        step_phases_add(&steady_phases, &phases);
       }
       epoch_steps++;
       epoch_losses++;
@@ -762,7 +819,8 @@ int main(int argc, char **argv) {
         fprintf(log, "{\"step\": %lld, \"epoch\": %lld, ", (long long)step, (long long)epoch);
         json_number(log, "loss", loss_value, true);
         json_number(log, "lr", ddp_optimizer_get_lr(opt), true);
-        json_number(log, "samples_per_s", rate, false);
+        json_number(log, "samples_per_s", rate, true);
+        step_phases_json(log, &phases, 1, false);
         fputs("}\n", log);
       }
       show_progress(&prog, step, epoch, a.epochs, loss_value, rate, train_seconds, false);
@@ -847,6 +905,11 @@ int main(int argc, char **argv) {
     json_number(stdout, "test_loss", last_eval.loss, true);
     json_number(stdout, "test_accuracy", last_eval.accuracy, true);
     printf("\"steps\": %lld, ", (long long)step);
+    /* Rank 0's mean step, over the steps steady_samples_per_s counts. */
+    printf("\"steady_step_phases\": {");
+    step_phases_json(stdout, &steady_phases,
+                     steps_here > WARMUP_STEPS ? (double)(steps_here - WARMUP_STEPS) : 0, false);
+    printf("}, ");
     json_number(stdout, "epochs", epochs_fraction, true);
     printf("\"world_size\": %d, \"model\": \"%s\", \"optimizer\": \"%s\"}\n", world.size, a.model,
            a.optimizer);

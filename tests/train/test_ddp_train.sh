@@ -34,7 +34,10 @@ common=(--model toy --data regression --epochs 3 --batch-size 16 --seed 5 --lr 0
 "$bin" "${common[@]}" --workers 2 --log "$tmp/b.jsonl" >/dev/null 2>&1
 strip() { py 'import json,sys
 for l in open(sys.argv[1]):
-    r = json.loads(l); r.pop("samples_per_s", None); print(json.dumps(r, sort_keys=True))' "$1"; }
+    r = json.loads(l)
+    for k in ("samples_per_s", "load_ms", "forward_ms", "backward_compute_ms", "backward_comm_ms",
+              "optimizer_ms", "step_ms"): r.pop(k, None)
+    print(json.dumps(r, sort_keys=True))' "$1"; }
 check "same seed gives the same loss curve" 'diff <(strip "$tmp/a.jsonl") <(strip "$tmp/b.jsonl") >/dev/null'
 check "a different seed gives a different curve" \
   '"$bin" "${common[@]}" --seed 6 --log "$tmp/c.jsonl" >/dev/null 2>&1; ! diff -q <(strip "$tmp/a.jsonl" 2>/dev/null) <(strip "$tmp/c.jsonl" 2>/dev/null) >/dev/null'
@@ -42,7 +45,12 @@ check "the log has per-step and per-eval records" \
   'py "import json,sys
 rs=[json.loads(l) for l in open(sys.argv[1])]
 steps=[r for r in rs if \"loss\" in r]; evals=[r for r in rs if \"test_loss\" in r]
-assert len(steps)==3*64 and all(set(r)=={\"step\",\"epoch\",\"loss\",\"lr\",\"samples_per_s\"} for r in steps)
+phases=[\"load_ms\",\"forward_ms\",\"backward_compute_ms\",\"backward_comm_ms\",\"optimizer_ms\"]
+assert len(steps)==3*64 and all(set(r)=={\"step\",\"epoch\",\"loss\",\"lr\",\"samples_per_s\",\"step_ms\"}|set(phases) for r in steps)
+# The phases are disjoint parts of the step: none negative, together within it.
+assert all(min(r[k] for k in phases)>=0 and sum(r[k] for k in phases)<=r[\"step_ms\"]*1.0001+1e-6 for r in steps)
+# One process: no communication.
+assert all(r[\"backward_comm_ms\"]==0 for r in steps)
 assert [r[\"step\"] for r in steps]==list(range(1,3*64+1))
 assert len(evals)==3 and all(set(r)=={\"step\",\"epoch\",\"test_loss\",\"test_accuracy\"} for r in evals)" "$tmp/a.jsonl"'
 

@@ -47,7 +47,7 @@ compare() { "$py" "$here/compare_state.py" "$@" || fail "compare_state $*"; }
 
 # --- toy: 2 ranks x batch 8 == 1 rank x batch 16, two epochs -------------------
 toy=(--model toy --epochs 2 --seed 3 --lr 0.05 --momentum 0.9 --json)
-world 2 toy "${toy[@]}" --batch-size 8 --dump-state "$tmp/toy.{rank}"
+world 2 toy "${toy[@]}" --batch-size 8 --dump-state "$tmp/toy.{rank}" --log "$tmp/toy.log"
 "$bin" "${toy[@]}" --batch-size 16 --dump-state "$tmp/toy.single" >"$tmp/toy.single.out" 2>/dev/null \
   || fail "single toy run"
 cmp -s "$tmp/toy.0" "$tmp/toy.1" || fail "toy: the two ranks' states differ"
@@ -62,7 +62,23 @@ a, b = (json.loads(open(p).read().splitlines()[-1]) for p in sys.argv[1:])
 for k in ("train_loss", "test_loss"):
     assert abs(a[k] - b[k]) <= 1e-4 * abs(b[k]) + 1e-6, (k, a[k], b[k])
 PY
-echo "ok toy: 2x8 == 1x16 over 2 epochs, replicas identical, metrics reduced"
+# Where the steps' time went: the summary's steady_step_phases is the mean
+# of the logged steps after the first 10; at world 2 the allreduce after the
+# last gradient takes time (backward_comm_ms > 0); the parts fit in the step.
+"$py" - "$tmp/toy.out.0" "$tmp/toy.log" <<'PY' || fail "toy: step phases"
+import json, sys
+summary = json.loads(open(sys.argv[1]).read().splitlines()[-1])["steady_step_phases"]
+steps = [r for r in map(json.loads, open(sys.argv[2])) if "loss" in r]
+parts = ["load_ms", "forward_ms", "backward_compute_ms", "backward_comm_ms", "optimizer_ms"]
+steady = steps[10:]
+for k in parts + ["step_ms"]:
+    mean = sum(r[k] for r in steady) / len(steady)
+    assert abs(summary[k] - mean) <= 1e-3 * mean + 1e-5, (k, summary[k], mean)
+assert all(min(r[k] for k in parts) >= 0 and sum(r[k] for k in parts) <= r["step_ms"] * 1.0001 + 1e-6
+           for r in steps)
+assert all(r["backward_comm_ms"] > 0 for r in steps), [r["backward_comm_ms"] for r in steps][:20]
+PY
+echo "ok toy: 2x8 == 1x16 over 2 epochs, replicas identical, metrics reduced, step phases consistent"
 
 # --- ConvNet with SyncBatchNorm: 2 ranks x 50 == 1 rank x 100, 10 steps ----------
 # Fashion-MNIST with a test set of its first 1000 images, so that the runs'
