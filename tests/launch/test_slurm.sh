@@ -57,40 +57,16 @@ check_ok() {
 
 # ---- srun -n 4 ------------------------------------------------------------
 t=$SECONDS
-# Rank 0 also prints the job id (the script cannot learn it otherwise).
-timeout 90 srun --immediate=30 --time=2 -n 4 bash -c \
-  '[ "$SLURM_PROCID" = 0 ] && echo "job $SLURM_JOB_ID"; exec "$0" "$@"' \
-  "$worker" --source slurm --world 4 --local-world 4 >"$tmp/srun.out" 2>"$tmp/srun.err"
-rc=$?
-[ $rc = 0 ] || fail "srun exited $rc: $(cat "$tmp/srun.out" "$tmp/srun.err")"
-job=$(sed -n 's/^job \([0-9]*\)$/\1/p' "$tmp/srun.out")
-[ -n "$job" ] || fail "no job id in the srun output: $(cat "$tmp/srun.out")"
+slurm_test_srun "$tmp/srun.out" -n 4 -- "$worker" --source slurm --world 4 --local-world 4
 check_ok "$tmp/srun.out" 4 slurm "$job"
 echo "srun -n 4: 4 ranks rendezvoused from SLURM_* and reduced right ($((SECONDS - t)) s)"
 
-# ---- batch jobs, submitted together (each sbatch --wait polls every 2 s) ---
-# sbatch has no --immediate: `timeout` bounds each wait, --time and the
-# partition's MaxTime bound each job, and `down` cancels whatever is left.
-# submit NAME [sbatch args...]: sbatch --wait in the background, the job's
-# output in $tmp/NAME-<jobid>.out, sbatch's in $tmp/NAME.sbatch.{out,err}.
-declare -A sbatch_pid
-submit() {
-  local name=$1
-  shift
-  (cd "$src" && exec timeout 90 sbatch --wait --parsable --time=2 \
-    --output="$tmp/$name-%j.out" "$@") >"$tmp/$name.sbatch.out" 2>"$tmp/$name.sbatch.err" &
-  sbatch_pid[$name]=$!
-}
+# ---- batch jobs, submitted together (slurm_test_submit) ----------------------
 # collect NAME N KIND WHAT: the job exited 0 and all N ranks printed their
 # ok line (check_ok's KIND).
 collect() {
-  local name=$1 n=$2 kind=$3 what=$4 rc job out
-  wait "${sbatch_pid[$name]}"
-  rc=$?
-  job=$(head -1 "$tmp/$name.sbatch.out" | cut -d';' -f1)
-  out="$tmp/$name-$job.out"
-  [ $rc = 0 ] || fail "$what: sbatch --wait exited $rc: $(cat "$tmp/$name.sbatch.err" "$out" 2>/dev/null)"
-  [ -f "$out" ] || fail "$what: no job output $out"
+  local name=$1 n=$2 kind=$3 what=$4
+  slurm_test_wait "$name"
   check_ok "$out" "$n" "$kind" "$job"
   echo "$what: job $job, $n ranks rendezvoused and reduced right ($((SECONDS - t)) s)"
 }
@@ -104,11 +80,11 @@ cat >"$tmp/job.sh" <<EOF
 echo "batch job \$SLURM_JOB_ID on \$SLURM_JOB_NODELIST, \$SLURM_NTASKS tasks"
 srun "$worker" --source slurm --world 4 --local-world 4
 EOF
-submit job "$tmp/job.sh"
+slurm_test_submit job "$tmp/job.sh"
 
 # The example as a user submits it, with this cluster's limits on the command
 # line (one node, 2 minutes) and the worker as its program; no launcher.
-DDP_LAUNCH=srun submit example_srun --nodes=1 --ntasks-per-node=4 --cpus-per-task=1 \
+DDP_LAUNCH=srun slurm_test_submit example_srun --nodes=1 --ntasks-per-node=4 --cpus-per-task=1 \
   examples/slurm/job.sbatch "$worker" --source slurm --world 4 --local-world 4
 
 # ddprun in the batch step itself, with no --nnodes / --node-rank: it must
@@ -120,11 +96,11 @@ cat >"$tmp/ddprun_job.sh" <<EOF
 #SBATCH --cpus-per-task=2
 "$ddprun" --nproc-per-node 2 "$worker" --source env --world 2 --local-world 2
 EOF
-submit ddprun "$tmp/ddprun_job.sh"
+slurm_test_submit ddprun "$tmp/ddprun_job.sh"
 # The example's two ddprun paths (DDP_BIN: where the example finds ddprun): srun starts one ddprun per node (default),
 # and seed 000's loop of launch.sh with the world spelled out.
 for mode in ddprun seed; do
-  DDP_LAUNCH=$mode DDP_BIN=$(dirname "$ddprun") submit "example_$mode" --nodes=1 --ntasks-per-node=1 --cpus-per-task=2 \
+  DDP_LAUNCH=$mode DDP_BIN=$(dirname "$ddprun") slurm_test_submit "example_$mode" --nodes=1 --ntasks-per-node=1 --cpus-per-task=2 \
     examples/slurm/job.sbatch "$worker" --source env --world 2 --local-world 2
 done
 
@@ -133,9 +109,9 @@ done
 # model: seconds even under ASan; the ConvNet takes ~12 s in release).
 train=(build/bin/ddp-train --model toy --epochs 100 --max-steps 20 --json)
 [ -n "${DDP_BIN_DIR:-}" ] && train[0]=$DDP_BIN_DIR/ddp-train
-DDP_LAUNCH=ddprun DDP_BIN=$(dirname "$ddprun") submit train_ddprun --nodes=1 \
+DDP_LAUNCH=ddprun DDP_BIN=$(dirname "$ddprun") slurm_test_submit train_ddprun --nodes=1 \
   --ntasks-per-node=1 --cpus-per-task=2 examples/slurm/job.sbatch "${train[@]}"
-DDP_LAUNCH=srun submit train_srun --nodes=1 --ntasks-per-node=2 --cpus-per-task=1 \
+DDP_LAUNCH=srun slurm_test_submit train_srun --nodes=1 --ntasks-per-node=2 --cpus-per-task=1 \
   examples/slurm/job.sbatch "${train[@]}"
 
 collect job 4 slurm "sbatch --wait job.sh (srun inside)"
@@ -145,19 +121,8 @@ collect example_ddprun 2 ddprun "examples/slurm/job.sbatch, DDP_LAUNCH=ddprun (s
 collect example_seed 2 seed "examples/slurm/job.sbatch, DDP_LAUNCH=seed (launch.sh)"
 
 # The two training jobs: both exited 0, trained at world 2 for 20 steps, and
-# ended with the same loss (same seed, same shards: the launcher must not
-# change the training).
-loss=()
-for name in train_ddprun train_srun; do
-  wait "${sbatch_pid[$name]}" || fail "$name: sbatch --wait failed: $(cat "$tmp/$name".* 2>/dev/null)"
-  job=$(head -1 "$tmp/$name.sbatch.out" | cut -d';' -f1)
-  line=$(grep '"world_size"' "$tmp/$name-$job.out" | tail -1)
-  grep -q '"world_size": 2' <<<"$line" && grep -q '"steps": 20' <<<"$line" ||
-    fail "$name: no world-2, 20-step summary: $(cat "$tmp/$name-$job.out")"
-  loss+=("$(sed -n 's/.*"train_loss": \([^,]*\),.*/\1/p' <<<"$line")")
-done
-[ -n "${loss[0]}" ] && [ "${loss[0]}" = "${loss[1]}" ] ||
-  fail "train_loss differs between ddprun (${loss[0]}) and srun (${loss[1]})"
+# ended with the same loss.
+slurm_test_same_loss 2
 echo "examples/slurm/job.sbatch ddp-train --model toy, 20 steps at world 2:" \
   "train_loss ${loss[0]} under ddprun and srun ($((SECONDS - t)) s)"
 

@@ -41,8 +41,7 @@ done
 . "$src/tests/support/slurm_test_cluster.sh"
 slurm_test_cluster_up --nodes 2
 echo "two-node cluster up in $((SECONDS - t0)) s ($cluster)"
-# Slurm's commands work from node 0's namespace only.
-in_cluster() { "$src/scripts/slurm-cluster.sh" run "$cluster" "$@"; }
+# Slurm's commands work from node 0's namespace only: slurm_test_run.
 
 # check_ok FILE N PER_NODE WANT: N distinct "ok rank r/N" lines, rank r on
 # host r / PER_NODE of 2, each matching the pattern WANT.
@@ -57,68 +56,36 @@ check_ok() {
 
 # ---- srun -N 2 -n 4, no launcher -------------------------------------------
 t=$SECONDS
-in_cluster timeout 90 srun --immediate=30 --time=2 -N 2 -n 4 --ntasks-per-node=2 bash -c \
-  '[ "$SLURM_PROCID" = 0 ] && echo "job $SLURM_JOB_ID"; exec "$0" "$@"' \
-  "$worker" --source slurm --world 4 --local-world 2 >"$tmp/srun.out" 2>"$tmp/srun.err"
-rc=$?
-[ $rc = 0 ] || fail "srun exited $rc: $(cat "$tmp/srun.out" "$tmp/srun.err")"
-job=$(sed -n 's/^job \([0-9]*\)$/\1/p' "$tmp/srun.out")
-[ -n "$job" ] || fail "no job id in the srun output: $(cat "$tmp/srun.out")"
+slurm_test_srun "$tmp/srun.out" -N 2 -n 4 --ntasks-per-node=2 -- \
+  "$worker" --source slurm --world 4 --local-world 2
 check_ok "$tmp/srun.out" 4 2 " source slurm master ddpn0:$((15000 + job % 20000))"
 echo "srun -N 2 -n 4: ranks 0-1 on ddpn0, 2-3 on ddpn1, reduced right ($((SECONDS - t)) s)"
 
-# ---- batch jobs, submitted together ------------------------------------------
-declare -A sbatch_pid
-submit() { # NAME [sbatch args...]: sbatch --wait in the background
-  local name=$1
-  shift
-  (cd "$src" && exec "$src/scripts/slurm-cluster.sh" run "$cluster" timeout 150 sbatch --wait \
-    --parsable --time=2 --output="$tmp/$name-%j.out" "$@") >"$tmp/$name.sbatch.out" \
-    2>"$tmp/$name.sbatch.err" &
-  sbatch_pid[$name]=$!
-}
-job_output() { # NAME: waits for its sbatch; sets out to the job's output file
-  local name=$1 rc job
-  wait "${sbatch_pid[$name]}"
-  rc=$?
-  job=$(head -1 "$tmp/$name.sbatch.out" | cut -d';' -f1)
-  [ $rc = 0 ] || fail "$name: sbatch --wait exited $rc: $(cat "$tmp/$name.sbatch.err" "$tmp/$name-$job.out" 2>/dev/null)"
-  out=$tmp/$name-$job.out
-  [ -f "$out" ] || fail "$name: no job output"
-}
+# ---- batch jobs, submitted together (slurm_test_submit) ----------------------
 t=$SECONDS
 # The example as written (--nodes=2), with this cluster's time limit and the
 # worker as its program, in each mode.
 for mode in ddprun seed; do
-  DDP_LAUNCH=$mode DDP_BIN=$bin NPROC_PER_NODE=2 submit "example_$mode" --cpus-per-task=2 \
+  DDP_LAUNCH=$mode DDP_BIN=$bin NPROC_PER_NODE=2 slurm_test_submit "example_$mode" --cpus-per-task=2 \
     examples/slurm/job.sbatch "$worker" --source env --world 4 --local-world 2
 done
-DDP_LAUNCH=srun submit example_srun --ntasks-per-node=2 --cpus-per-task=1 \
+DDP_LAUNCH=srun slurm_test_submit example_srun --ntasks-per-node=2 --cpus-per-task=1 \
   examples/slurm/job.sbatch "$worker" --source slurm --world 4 --local-world 2
 # Real training through the example at world 4 over the two nodes.
 train=("$bin/ddp-train" --model toy --epochs 100 --max-steps 20 --json)
-DDP_LAUNCH=ddprun DDP_BIN=$bin NPROC_PER_NODE=2 submit train_ddprun --cpus-per-task=2 \
+DDP_LAUNCH=ddprun DDP_BIN=$bin NPROC_PER_NODE=2 slurm_test_submit train_ddprun --cpus-per-task=2 \
   examples/slurm/job.sbatch "${train[@]}"
-DDP_LAUNCH=srun submit train_srun --ntasks-per-node=2 --cpus-per-task=1 \
+DDP_LAUNCH=srun slurm_test_submit train_srun --ntasks-per-node=2 --cpus-per-task=1 \
   examples/slurm/job.sbatch "${train[@]}"
 
-job_output example_ddprun
+slurm_test_wait example_ddprun
 check_ok "$out" 4 2 " source env .* run slurm-[0-9]*"
-job_output example_seed
+slurm_test_wait example_seed
 check_ok "$out" 4 2 " source env master ddpn0:"
-job_output example_srun
+slurm_test_wait example_srun
 check_ok "$out" 4 2 " source slurm master ddpn0:"
 echo "examples/slurm/job.sbatch on 2 nodes, DDP_LAUNCH=ddprun, seed and srun: 4 ranks each ($((SECONDS - t)) s)"
-loss=()
-for name in train_ddprun train_srun; do
-  job_output "$name"
-  line=$(grep '"world_size"' "$out" | tail -1)
-  grep -q '"world_size": 4' <<<"$line" && grep -q '"steps": 20' <<<"$line" ||
-    fail "$name: no world-4, 20-step summary: $(cat "$out")"
-  loss+=("$(sed -n 's/.*"train_loss": \([^,]*\),.*/\1/p' <<<"$line")")
-done
-[ -n "${loss[0]}" ] && [ "${loss[0]}" = "${loss[1]}" ] ||
-  fail "train_loss differs between ddprun (${loss[0]}) and srun (${loss[1]})"
+slurm_test_same_loss 4
 echo "ddp-train --model toy, 20 steps at world 4 on 2 nodes: train_loss ${loss[0]} under ddprun and srun"
 
 # ---- a rank dies on node 1 ---------------------------------------------------
@@ -126,7 +93,7 @@ echo "ddp-train --model toy, 20 steps at world 4 on 2 nodes: train_loss ${loss[0
 # others hang. Node 1's ddprun names rank 3 and stops; node 0's sees the other
 # node fail and stops its own workers; srun ends with a failure.
 t=$SECONDS
-in_cluster timeout 90 srun --immediate=30 --time=2 -N 2 --ntasks-per-node=1 --cpus-per-task=2 \
+slurm_test_run timeout 90 srun --immediate=30 --time=2 -N 2 --ntasks-per-node=1 --cpus-per-task=2 \
   "$bin/ddprun" --nproc-per-node 2 --grace-period 2 "$tests/launch_worker" --nproc 2 --nnodes 2 \
   --die-rank 3 --die-how kill --hang >"$tmp/die.out" 2>"$tmp/die.err"
 rc=$?
