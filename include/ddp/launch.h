@@ -114,8 +114,10 @@ ddp_status ddp_launch_run(const ddp_launch_config *cfg, int *exit_code);
  * and SIGUSR2 (forwarding them to the workers) and restores the caller's
  * handlers before returning. It also makes the caller a child subreaper for
  * the time (PR_SET_CHILD_SUBREAPER, restored after): what the workers started
- * outside their process groups (setsid) is adopted and SIGKILLed at the end;
- * the caller's own children from before the call are left alone (docs/launch.md).
+ * outside their process groups (setsid) is adopted, reaped if it exits
+ * meanwhile and SIGKILLed at the end; the caller's own children from before
+ * the call are left alone (docs/launch.md), but a child another thread of the
+ * caller forks during the call is taken for such an orphan.
  * Not reentrant: one ddp_spawn per process at a time. */
 typedef int (*ddp_spawn_fn)(int rank, void *arg);
 

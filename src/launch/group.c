@@ -370,6 +370,26 @@ static int32_t reap(ddp__group *g) {
   return running;
 }
 
+/* The children that are the group's own (workers, the store, the reaper),
+ * never taken for orphans; fills keep[DDP__ORPHANS_MAX_KEEP]. */
+static int own_children(const ddp__group *g, pid_t *keep) {
+  int n_keep = 0;
+  for (int32_t i = 0; i < g->n && n_keep < DDP__ORPHANS_MAX_KEEP - 2; i++)
+    if (g->workers[i].pid > 0) keep[n_keep++] = g->workers[i].pid;
+  if (g->store && g->store->pid > 0) keep[n_keep++] = g->store->pid;
+  if (g->reaper_pid > 0) keep[n_keep++] = g->reaper_pid;
+  return n_keep;
+}
+
+/* Whether pid is one of the group's own children (a worker, the store, the
+ * reaper), whose exit status is not the orphans' to take. */
+static int is_own_child(pid_t pid, void *ctx) {
+  const ddp__group *g = ctx;
+  for (int32_t i = 0; i < g->n; i++)
+    if (g->workers[i].pid == pid) return 1;
+  return (g->store && g->store->pid == pid) || g->reaper_pid == pid;
+}
+
 /* ---- The console ------------------------------------------------------------ */
 
 /* Offers every stream's waiting output to the console, the stream whose line
@@ -498,6 +518,9 @@ static int wait_round(ddp__group *g, double timeout_s) {
     }
   }
   reap(g);
+  /* Every round, not only after a SIGCHLD: one blocked behind a worker's
+   * exit in an earlier round may send no other (one waitid, nothing more). */
+  ddp__orphans_reap_exited(&g->orphans, is_own_child, g);
   return stop;
 }
 
@@ -570,10 +593,7 @@ void ddp__group_stop(ddp__group *g, int sig, double grace_s) {
  * groups and left running goes too (orphans.c), with a notice naming it. */
 static void kill_orphans(ddp__group *g) {
   pid_t keep[DDP__ORPHANS_MAX_KEEP];
-  int n_keep = 0;
-  for (int32_t i = 0; i < g->n && n_keep < DDP__ORPHANS_MAX_KEEP - 1; i++)
-    if (g->workers[i].pid > 0) keep[n_keep++] = g->workers[i].pid;
-  if (g->store && g->store->pid > 0) keep[n_keep++] = g->store->pid;
+  int n_keep = own_children(g, keep);
   char names[256];
   int killed = ddp__orphans_kill(&g->orphans, keep, n_keep, names, sizeof names);
   if (killed > 0)

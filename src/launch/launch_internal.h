@@ -223,6 +223,10 @@ void ddp__orphans_adopt(ddp__orphans *orphans);
  * they forked, for up to 5 s; returns how many were alive, with the first
  * few as "pid 4711 (sleep), ..." in names. */
 int ddp__orphans_kill(ddp__orphans *orphans, const pid_t *keep, int n_keep, char *names, size_t bytes);
+/* Reaps adopted children that have exited (zombies), up to 64, leaving those
+ * is_own(pid, ctx) claims and those listed at adopt to their owners; returns
+ * how many. Called in every round of supervision while the group runs. */
+int ddp__orphans_reap_exited(ddp__orphans *orphans, int (*is_own)(pid_t pid, void *ctx), void *ctx);
 /* Stops being a subreaper unless the process was one before adopt. */
 void ddp__orphans_release(ddp__orphans *orphans);
 

@@ -4,7 +4,10 @@
  * process, once orphaned, becomes the supervisor's child instead of init's,
  * and when the group ends the supervisor SIGKILLs and reaps every child it
  * did not have before the group started. Being its parent, the supervisor
- * cannot hit a reused pid: the pid stays taken until it reaps it. */
+ * cannot hit a reused pid: the pid stays taken until it reaps it. One that
+ * exits on its own while the group runs is reaped in the supervisor's next
+ * round (woken by its SIGCHLD), so a long job whose workers keep starting short-lived daemons does not
+ * pile up zombies. */
 #include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
@@ -20,6 +23,7 @@
 #include "launch/launch_internal.h"
 
 #define ORPHANS_LIMIT_S 5.0 /* SIGKILL to gone, for each generation together */
+#define ORPHANS_REAP_BATCH 64 /* exited orphans reaped per SIGCHLD at most */
 
 /* Calls fn(pid, state, comm, ctx) for every process whose parent is this
  * process (from /proc/<pid>/stat: "pid (comm) state ppid ..."; comm may hold
@@ -133,6 +137,26 @@ int ddp__orphans_kill(ddp__orphans *o, const pid_t *keep, int n_keep, char *name
     nanosleep(&ts, NULL);
   }
   return o->n_killed;
+}
+
+int ddp__orphans_reap_exited(ddp__orphans *o, int (*is_own)(pid_t pid, void *ctx), void *ctx) {
+  if (!o->adopting) return 0;
+  int reaped = 0;
+  /* waitid's WNOWAIT names an exited child without reaping it, so a worker,
+   * the store or a child the caller had before the group (whose status
+   * belongs to someone else) is left for its owner. The kernel reports the
+   * same child until it is reaped, so the first such one ends the loop:
+   * orphans behind it wait for the next SIGCHLD, or for the end. */
+  for (int i = 0; i < ORPHANS_REAP_BATCH; i++) {
+    siginfo_t info;
+    memset(&info, 0, sizeof info);
+    if (waitid(P_ALL, 0, &info, WEXITED | WNOHANG | WNOWAIT) != 0 || info.si_pid == 0) break;
+    pid_t pid = info.si_pid;
+    if (listed(o->preexisting, o->n_preexisting, pid) || is_own(pid, ctx)) break;
+    if (waitpid(pid, NULL, WNOHANG) != pid) break;
+    reaped++;
+  }
+  return reaped;
 }
 
 void ddp__orphans_release(ddp__orphans *o) {

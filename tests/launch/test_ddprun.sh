@@ -10,7 +10,8 @@
 #   orphans   ddprun SIGKILLed: no worker survives it, nor the store's process
 #             (PR_SET_PDEATHSIG), nor what a worker forked (ddprun's reaper),
 #             nor the reaper; a normal end leaves no reaper either; what a
-#             worker started with setsid is killed when the job ends
+#             worker started with setsid is killed when the job ends, or
+#             reaped as soon as it exits on its own
 #   store     the store's process (ddprun's child "ddp-store") SIGKILLed while
 #             the workers run: ddprun stops them and exits 1 naming that process
 #             and its signal; no worker survives
@@ -223,6 +224,19 @@ orphans)
   all_dead "$tmp/pids3" || { ps -ef; fail "a process that left its worker's process group outlived ddprun"; }
   grep -q '^ddprun: killed [24] processes that the workers left running outside their process groups (setsid or a daemon): pid [0-9]* (' "$tmp/err" ||
     { cat "$tmp/err"; fail "ddprun did not name the processes it killed"; }
+  # One that exits on its own while the job runs is reaped then, not left a
+  # zombie of ddprun's until the end: each worker's three setsid'd sleeps
+  # end at 0.2 s, and at 1.5 s ddprun (the workers' parent) has no zombie.
+  mkdir -p "$tmp/zombies"
+  timeout 30 "$ddprun" --nproc-per-node 2 /bin/sh -c '
+    for i in 1 2 3; do (setsid sleep 0.2 &); done
+    sleep 1.5
+    ps -o stat= --ppid $PPID | awk "/^Z/ { n++ } END { print n + 0 }" >$0/zombies.$LOCAL_RANK' "$tmp/zombies" >"$tmp/out" 2>"$tmp/err" ||
+    { cat "$tmp/out" "$tmp/err"; fail "the job whose workers setsid short-lived sleeps failed"; }
+  for r in 0 1; do
+    [ "$(cat "$tmp/zombies/zombies.$r")" = 0 ] ||
+      fail "ddprun had $(cat "$tmp/zombies/zombies.$r") zombie children 1.3 s after the workers' setsid'd sleeps ended (seen by local rank $r)"
+  done
   # A normal job kills nothing and says nothing of it.
   timeout 30 "$ddprun" --nproc-per-node 2 /bin/true >"$tmp/out" 2>"$tmp/err" || fail "/bin/true under ddprun"
   grep -q 'killed' "$tmp/err" && { cat "$tmp/err"; fail "ddprun killed something after /bin/true"; }
