@@ -102,13 +102,15 @@ static void usage(FILE *f) {
 "                       samples_per_s, and where the step's time went: load_ms,\n"
 "                       forward_ms, backward_compute_ms, backward_comm_ms (the\n"
 "                       communication backward did not hide, waiting for the slowest\n"
-"                       rank included), optimizer_ms, step_ms}, per evaluation {step,\n"
-"                       epoch, test_loss, test_accuracy}\n"
+"                       rank included), optimizer_ms, step_ms, and preempted_ms (the\n"
+"                       time the rank was ready to run while another task held its\n"
+"                       CPU)}, per evaluation {step, epoch, test_loss, test_accuracy}\n"
 "  --json               end stdout with one JSON summary line (samples_per_s,\n"
 "                       steady_samples_per_s (without the first 10 steps), train_loss,\n"
 "                       test_loss, test_accuracy, steps, steady_step_phases (rank 0's\n"
-"                       mean of the per-step times above over those steps), epochs,\n"
-"                       world_size)\n"
+"                       mean of the per-step times above over those steps),\n"
+"                       steady_preempted_ms_per_rank (every rank's mean preempted_ms),\n"
+"                       epochs, world_size)\n"
 "Checkpoints (safetensors; docs/io.md)\n"
 "  --save PATH          at the end of training write the model's state dict to PATH (loads\n"
 "                       into PyTorch with load_state_dict(strict=True)) and the training\n"
@@ -374,9 +376,13 @@ static void json_number(FILE *f, const char *key, double v, bool comma) {
  * backward_comm is the time from the last bucket's launch (the last
  * gradient ready) to the end of finalize: the communication backward did not
  * hide, including the wait for the slowest rank. The rest of the step (the
- * loss's allreduce, bookkeeping) is step minus the parts. */
+ * loss's allreduce, bookkeeping) is step minus the parts. preempted is not a
+ * part but a cause: the time in the step that this rank was ready to run and
+ * another task held its CPU (ddp_preempt_clock; NAN without schedstat). It
+ * lengthens whichever part it fell in, and at world > 1 every rank's step,
+ * since the others wait for this one in the allreduce. */
 typedef struct step_phases {
-  double load, forward, backward_compute, backward_comm, optimizer, step;
+  double load, forward, backward_compute, backward_comm, optimizer, step, preempted;
 } step_phases;
 
 static void step_phases_add(step_phases *sum, const step_phases *p) {
@@ -386,6 +392,7 @@ static void step_phases_add(step_phases *sum, const step_phases *p) {
   sum->backward_comm += p->backward_comm;
   sum->optimizer += p->optimizer;
   sum->step += p->step;
+  sum->preempted += p->preempted;
 }
 
 /* "load_ms": ..., one key per phase, in milliseconds (scaled by 1/n). */
@@ -395,7 +402,8 @@ static void step_phases_json(FILE *f, const step_phases *p, double n, bool comma
   json_number(f, "backward_compute_ms", 1e3 * p->backward_compute / n, true);
   json_number(f, "backward_comm_ms", 1e3 * p->backward_comm / n, true);
   json_number(f, "optimizer_ms", 1e3 * p->optimizer / n, true);
-  json_number(f, "step_ms", 1e3 * p->step / n, comma);
+  json_number(f, "step_ms", 1e3 * p->step / n, true);
+  json_number(f, "preempted_ms", 1e3 * p->preempted / n, comma);
 }
 
 typedef struct progress {
@@ -722,6 +730,8 @@ int main(int argc, char **argv) {
   double steady_seconds = 0;
   int64_t steady_samples = 0, steps_here = 0;
   step_phases steady_phases = {0};
+  ddp_preempt_clock preempt_clock;
+  ddp_preempt_clock_open(&preempt_clock);
   double epoch_loss_sum = 0, all_loss_sum = 0;
   int64_t epoch_steps = 0;   /* batches of this epoch consumed (also before a resume) */
   int64_t epoch_losses = 0;  /* of those, steps run by this process */
@@ -752,6 +762,7 @@ int main(int argc, char **argv) {
         break;
       }
       double t0 = ddp_time_s();
+      int64_t preempted0 = ddp_preempt_clock_ns(&preempt_clock);
       ddp_batch b;
       CHECK(ddp_loader_next(train_loader, &b), "loading a batch");
       if (b.size == 0) break;
@@ -791,7 +802,9 @@ int main(int argc, char **argv) {
        * progress thread cost 2-3% of a world-2 step (BENCHMARKS.md). */
       CHECK(train_world_sum(&world, loss_sums, 2), "reducing the loss");
       double step_seconds = ddp_time_s() - t0;
+      int64_t preempted1 = ddp_preempt_clock_ns(&preempt_clock);
       phases.step = step_seconds;
+      phases.preempted = preempted0 >= 0 && preempted1 >= 0 ? 1e-9 * (double)(preempted1 - preempted0) : NAN;
       train_seconds += step_seconds;
       loss_value = (float)(loss_sums[0] / loss_sums[1]);
       if (!isfinite(loss_value)) { /* the same value on every rank: all stop here */
@@ -879,6 +892,20 @@ int main(int argc, char **argv) {
     record_eval(&pat, log, last_eval, step, epochs_done);
   }
   end_progress_line(&prog);
+  ddp_preempt_clock_close(&preempt_clock);
+  /* Every rank's mean preempted time over its steady steps, for --json:
+   * in a synchronous step one rank's preemption stalls them all. */
+  double steady_steps = steps_here > WARMUP_STEPS ? (double)(steps_here - WARMUP_STEPS) : 0;
+  double *preempted_per_rank = NULL;
+  if (a.json) {
+    preempted_per_rank = calloc((size_t)world.size, sizeof *preempted_per_rank);
+    if (!preempted_per_rank) {
+      fprintf(stderr, "ddp-train: error: out of memory for %d ranks' figures\n", world.size);
+      exit(1);
+    }
+    preempted_per_rank[world.rank] = steady_steps > 0 ? 1e3 * steady_phases.preempted / steady_steps : NAN;
+    CHECK(train_world_sum(&world, preempted_per_rank, world.size), "gathering the ranks' preempted time");
+  }
 
   double rate = per_second(samples, train_seconds);
   /* Mean over the last epoch's steps, or over all steps when fewer than an epoch ran. */
@@ -907,9 +934,14 @@ int main(int argc, char **argv) {
     printf("\"steps\": %lld, ", (long long)step);
     /* Rank 0's mean step, over the steps steady_samples_per_s counts. */
     printf("\"steady_step_phases\": {");
-    step_phases_json(stdout, &steady_phases,
-                     steps_here > WARMUP_STEPS ? (double)(steps_here - WARMUP_STEPS) : 0, false);
+    step_phases_json(stdout, &steady_phases, steady_steps, false);
     printf("}, ");
+    printf("\"steady_preempted_ms_per_rank\": [");
+    for (int r = 0; r < world.size; r++) {
+      if (isfinite(preempted_per_rank[r])) printf("%s%.6g", r ? ", " : "", preempted_per_rank[r]);
+      else printf("%snull", r ? ", " : "");
+    }
+    printf("], ");
     json_number(stdout, "epochs", epochs_fraction, true);
     printf("\"world_size\": %d, \"model\": \"%s\", \"optimizer\": \"%s\"}\n", world.size, a.model,
            a.optimizer);
@@ -920,6 +952,7 @@ int main(int argc, char **argv) {
   }
 
   if (a.dump_state) dump_state(model, a.dump_state, world.rank);
+  free(preempted_per_rank);
 
   ddp_dp_destroy(dp);
   ddp_tape_destroy(tape);

@@ -182,6 +182,26 @@ int64_t ddp_time_ns(void);
 /* Monotonic clock in seconds. */
 double ddp_time_s(void);
 
+/* ---- Preemption ---------------------------------------------------------- */
+/* How long a thread has been kept from running while it was ready to run:
+ * runnable, its CPU held by another task (a kernel thread, a daemon, another
+ * rank, a loader thread), from Linux's schedstat. A synchronous collective
+ * waits for the slowest rank, so a rank preempted for d ms delays every rank
+ * by about d ms, whereas a process alone on a machine with an idle core
+ * rarely waits at all; ddp-train reports it per step (preempted_ms). Time the
+ * thread sleeps (in a futex, in I/O) is not counted. */
+typedef struct ddp_preempt_clock {
+  int fd; /* /proc/thread-self/schedstat, -1 without one */
+} ddp_preempt_clock;
+/* Opens the clock of the calling thread (readable from any thread after).
+ * Without schedstat (a kernel without CONFIG_SCHEDSTATS' sched_info, no
+ * /proc) the clock reads -1; nothing else can fail. */
+void ddp_preempt_clock_open(ddp_preempt_clock *clock);
+/* Nanoseconds the thread has waited for a CPU since it started; -1 without
+ * schedstat. One pread (under a microsecond): cheap enough for every step. */
+int64_t ddp_preempt_clock_ns(const ddp_preempt_clock *clock);
+void ddp_preempt_clock_close(ddp_preempt_clock *clock);
+
 /* ---- Environment parameters ---------------------------------------------- */
 /* The variable's value, or `fallback` when unset or empty. */
 const char *ddp_env_str(const char *name, const char *fallback);

@@ -1,10 +1,17 @@
-/* core: status table, last error, arenas, RNG, allocation hooks, env parsing. */
+/* core: status table, last error, arenas, RNG, allocation hooks, env parsing,
+ * the preemption clock. */
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
 #endif
@@ -185,6 +192,69 @@ static void test_env_parsing(void **state) {
   assert_string_equal(ddp_env_str("DDP_TEST_UNSET_Y", "fb"), "fb");
 }
 
+/* ---- The preemption clock ---- */
+
+static int64_t thread_cpu_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static atomic_int spinner_stop;
+
+static void *spin_until_stopped(void *arg) {
+  (void)arg;
+  while (!atomic_load_explicit(&spinner_stop, memory_order_relaxed)) {
+  }
+  return NULL;
+}
+
+/* A thread that never sleeps is, at every moment, either running or
+ * waiting for a CPU: wall time minus its CPU time (CLOCK_THREAD_CPUTIME_ID,
+ * an independent account) is what the clock must read. Sharing one CPU
+ * with two more spinning threads, it waits about two thirds of the time. */
+static void test_preempt_clock(void **state) {
+  (void)state;
+  ddp_preempt_clock c;
+  ddp_preempt_clock_open(&c);
+  if (c.fd < 0) {
+    fprintf(stderr, "test_preempt_clock: skipped: this kernel keeps no "
+                    "/proc/thread-self/schedstat\n");
+    skip();
+  }
+  cpu_set_t saved, one;
+  assert_int_equal(pthread_getaffinity_np(pthread_self(), sizeof saved, &saved), 0);
+  CPU_ZERO(&one);
+  CPU_SET(sched_getcpu(), &one);
+  assert_int_equal(pthread_setaffinity_np(pthread_self(), sizeof one, &one), 0);
+  atomic_store(&spinner_stop, 0);
+  pthread_t others[2];
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  assert_int_equal(pthread_attr_setaffinity_np(&attr, sizeof one, &one), 0);
+  for (int i = 0; i < 2; i++)
+    assert_int_equal(pthread_create(&others[i], &attr, spin_until_stopped, NULL), 0);
+  pthread_attr_destroy(&attr);
+
+  int64_t wait0 = ddp_preempt_clock_ns(&c), cpu0 = thread_cpu_ns(), wall0 = ddp_time_ns();
+  while (ddp_time_ns() - wall0 < 400 * 1000 * 1000) {
+  }
+  int64_t wait1 = ddp_preempt_clock_ns(&c), cpu1 = thread_cpu_ns(), wall1 = ddp_time_ns();
+  atomic_store(&spinner_stop, 1);
+  for (int i = 0; i < 2; i++) pthread_join(others[i], NULL);
+  pthread_setaffinity_np(pthread_self(), sizeof saved, &saved);
+  ddp_preempt_clock_close(&c);
+  assert_int_equal(ddp_preempt_clock_ns(&c), -1);
+
+  double wall = (double)(wall1 - wall0), waited = (double)(wait1 - wait0);
+  double off_cpu = wall - (double)(cpu1 - cpu0);
+  fprintf(stderr, "test_preempt_clock: %.0f ms: waited %.1f ms by the clock, %.1f ms off the CPU\n",
+          wall / 1e6, waited / 1e6, off_cpu / 1e6);
+  /* Two thirds (the CPU's time, in turn, is not), with room for slices. */
+  assert_true(waited >= 0.5 * wall);
+  assert_true(fabs(waited - off_cpu) <= 0.05 * wall + 5e6);
+}
+
 static void test_log_level(void **state) {
   (void)state;
   ddp_log_set_level(DDP_LOG_ERROR);
@@ -200,7 +270,7 @@ int main(void) {
       cmocka_unit_test(test_arena_reuses_memory), cmocka_unit_test(test_arena_release),
       cmocka_unit_test(test_rng_reproducible_and_uniform),
       cmocka_unit_test(test_alloc_hooks),         cmocka_unit_test(test_env_parsing),
-      cmocka_unit_test(test_log_level),
+      cmocka_unit_test(test_log_level),           cmocka_unit_test(test_preempt_clock),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
