@@ -15,7 +15,9 @@
 # ("pair"): their summed samples/s is what two processes get from this
 # machine with no communication at all (shared caches, memory bandwidth,
 # the hypervisor), the ceiling for any world-2 run; the script prints each
-# side's world 2 against it too.
+# side's world 2 against it too. Last, how long ddp's ranks were preempted
+# (ready to run, their CPU held by another task: the machine's daemons) per
+# step at each world: at world 2 each such wait stalls both ranks.
 #   scripts/bench-ddp.sh [rounds=5] [steps=200]
 # Env: DDP_SHARED_DIR (where refs/ is; default ../shared), BENCH_WORLDS ("1 2").
 # Needs build/bin/{ddprun,ddp-train} (scripts/build.sh), python3-torch and the
@@ -39,10 +41,17 @@ done
 # DataLoader (num_workers=0) does. ddp-train's default gives world 1 a loader
 # thread on the core world 2 needs for its second rank (and the pair below
 # two threads each on two cores), which would compare unlike work.
-ddp_run() { # W -> samples/s
+# ddp-train's summary also says how long its ranks were kept from their CPUs
+# by other tasks (steady_preempted_ms_per_rank): what the machine's daemons
+# cost a synchronous step, which every rank waits out.
+ddp_run() { # W -> "samples/s preempted_ms_all_ranks step_ms"
   timeout 900 build/bin/ddprun --nproc-per-node "$1" build/bin/ddp-train --model convnet \
     --batch-size 100 --threads 1 --workers 0 --lr 0.01 --momentum 0.9 --seed 1 \
-    --max-steps $((steps + 10)) --json 2>/dev/null | tail -n 1 | sed -n 's/.*"steady_samples_per_s": \([0-9.e+]*\).*/\1/p'
+    --max-steps $((steps + 10)) --json 2>/dev/null | tail -n 1 | /usr/bin/python3 -c '
+import json, sys
+d = json.loads(sys.stdin.read())
+p = d["steady_preempted_ms_per_rank"]
+print(d["steady_samples_per_s"], "nan" if None in p else sum(p), d["steady_step_phases"]["step_ms"])' 2>/dev/null
 }
 torch_run() { # W -> samples/s
   timeout 900 /usr/bin/python3 "$ref" --world "$1" --steps "$steps" --threads 1 --batch 100 \
@@ -53,7 +62,7 @@ pair_run() { # -> summed samples/s of two independent world-1 ddp runs at once
   ddp_run 1 >"$pair_tmp.a" &
   ddp_run 1 >"$pair_tmp.b"
   wait
-  a=$(cat "$pair_tmp.a"); b=$(cat "$pair_tmp.b")
+  a=$(cut -d' ' -f1 "$pair_tmp.a"); b=$(cut -d' ' -f1 "$pair_tmp.b")
   [ -n "$a" ] && [ -n "$b" ] && awk -v a="$a" -v b="$b" 'BEGIN { print a + b }'
 }
 pair_tmp=$(mktemp); trap 'rm -f "$pair_tmp" "$pair_tmp".a "$pair_tmp".b' EXIT
@@ -71,11 +80,17 @@ for r in $(seq "$rounds"); do
   fi
   for side in "${sides[@]}"; do
     for w in "${order[@]}"; do
-      v=$("${side}_run" "$w")
+      read -r v preempted step_ms <<<"$("${side}_run" "$w")"
       [ -n "$v" ] || die "round $r: the $side run at world $w gave no figure"
       runs[$side.$w]+="$v "
       last[$side.$w]=$v
-      echo "round $r world $w: $side $v samples/s" >&2
+      note=""
+      if [ -n "${preempted:-}" ] && [ "$preempted" != nan ]; then
+        runs[preempted.$w]+="$preempted "
+        runs[preempted_pct.$w]+="$(awk -v p="$preempted" -v s="$step_ms" 'BEGIN { print 100 * p / s }') "
+        note=" (ranks preempted $preempted ms a step of $step_ms)"
+      fi
+      echo "round $r world $w: $side $v samples/s$note" >&2
     done
   done
   if [[ " ${worlds[*]} " == *" 1 "* && " ${worlds[*]} " == *" 2 "* ]]; then
@@ -109,3 +124,8 @@ if [ -n "${med[ddp.1]:-}" ] && [ -n "${med[ddp.2]:-}" ]; then
   awk -v o1="${med[ddp.1]}" -v o2="${med[ddp.2]}" -v t2="${med[torch.2]}" -v p="${med[pair]}" \
     'BEGIN { printf "machine ceiling (two independent world-1 runs at once): %.0f samples/s = %.1f%% of 2 x world 1; world 2 reaches ddp %.1f%%, torch %.1f%% of it\n", p, 100 * p / (2 * o1), 100 * o2 / p, 100 * t2 / p }'
 fi
+for w in "${worlds[@]}"; do
+  [ -n "${med[preempted.$w]:-}" ] || continue
+  awk -v w="$w" -v p="${med[preempted.$w]}" -v q="${med[preempted_pct.$w]}" \
+    'BEGIN { printf "ddp world %s: its ranks waited for a CPU held by another task %.3f ms a step together (%.2f%% of a step; medians)\n", w, p, q }'
+done
