@@ -194,8 +194,8 @@ typedef struct ddp_preempt_clock {
   int fd; /* /proc/thread-self/schedstat, -1 without one */
 } ddp_preempt_clock;
 /* Opens the clock of the calling thread (readable from any thread after).
- * Without schedstat (a kernel without CONFIG_SCHEDSTATS' sched_info, no
- * /proc) the clock reads -1; nothing else can fail. */
+ * Without schedstat (a kernel built without CONFIG_SCHED_INFO, no /proc)
+ * the clock reads -1; nothing else can fail. */
 void ddp_preempt_clock_open(ddp_preempt_clock *clock);
 /* Nanoseconds the thread has waited for a CPU since it started; -1 without
  * schedstat. One pread (under a microsecond): cheap enough for every step. */
