@@ -804,7 +804,8 @@ int main(int argc, char **argv) {
       double step_seconds = ddp_time_s() - t0;
       int64_t preempted1 = ddp_preempt_clock_ns(&preempt_clock);
       phases.step = step_seconds;
-      phases.preempted = preempted0 >= 0 && preempted1 >= 0 ? 1e-9 * (double)(preempted1 - preempted0) : NAN;
+      phases.preempted =
+          preempted0 >= 0 && preempted1 >= 0 ? 1e-9 * (double)(preempted1 - preempted0) : NAN;
       train_seconds += step_seconds;
       loss_value = (float)(loss_sums[0] / loss_sums[1]);
       if (!isfinite(loss_value)) { /* the same value on every rank: all stop here */
@@ -903,8 +904,10 @@ int main(int argc, char **argv) {
       fprintf(stderr, "ddp-train: error: out of memory for %d ranks' figures\n", world.size);
       exit(1);
     }
-    preempted_per_rank[world.rank] = steady_steps > 0 ? 1e3 * steady_phases.preempted / steady_steps : NAN;
-    CHECK(train_world_sum(&world, preempted_per_rank, world.size), "gathering the ranks' preempted time");
+    preempted_per_rank[world.rank] =
+        steady_steps > 0 ? 1e3 * steady_phases.preempted / steady_steps : NAN;
+    CHECK(train_world_sum(&world, preempted_per_rank, world.size),
+          "gathering the ranks' preempted time");
   }
 
   double rate = per_second(samples, train_seconds);

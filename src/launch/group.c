@@ -370,17 +370,6 @@ static int32_t reap(ddp__group *g) {
   return running;
 }
 
-/* The children that are the group's own (workers, the store, the reaper),
- * never taken for orphans; fills keep[DDP__ORPHANS_MAX_KEEP]. */
-static int own_children(const ddp__group *g, pid_t *keep) {
-  int n_keep = 0;
-  for (int32_t i = 0; i < g->n && n_keep < DDP__ORPHANS_MAX_KEEP - 2; i++)
-    if (g->workers[i].pid > 0) keep[n_keep++] = g->workers[i].pid;
-  if (g->store && g->store->pid > 0) keep[n_keep++] = g->store->pid;
-  if (g->reaper_pid > 0) keep[n_keep++] = g->reaper_pid;
-  return n_keep;
-}
-
 /* Whether pid is one of the group's own children (a worker, the store, the
  * reaper), whose exit status is not the orphans' to take. */
 static int is_own_child(pid_t pid, void *ctx) {
@@ -592,10 +581,8 @@ void ddp__group_stop(ddp__group *g, int sig, double grace_s) {
 /* Once the workers are reaped: what they started outside their process
  * groups and left running goes too (orphans.c), with a notice naming it. */
 static void kill_orphans(ddp__group *g) {
-  pid_t keep[DDP__ORPHANS_MAX_KEEP];
-  int n_keep = own_children(g, keep);
   char names[256];
-  int killed = ddp__orphans_kill(&g->orphans, keep, n_keep, names, sizeof names);
+  int killed = ddp__orphans_kill(&g->orphans, is_own_child, g, names, sizeof names);
   if (killed > 0)
     fprintf(stderr, "ddprun: killed %d process%s that the workers left running outside their "
             "process groups (setsid or a daemon): %s\n", killed, killed == 1 ? "" : "es", names);

@@ -219,14 +219,18 @@ typedef struct ddp__orphans {
 /* Becomes a child subreaper and lists the children there are now; without
  * prctl's support or /proc nothing is adopted (kill then does nothing). */
 void ddp__orphans_adopt(ddp__orphans *orphans);
-/* SIGKILLs and reaps every child not listed at adopt nor in keep[], and what
- * they forked, for up to 5 s; returns how many were alive, with the first
- * few as "pid 4711 (sleep), ..." in names. */
-int ddp__orphans_kill(ddp__orphans *orphans, const pid_t *keep, int n_keep, char *names, size_t bytes);
+/* Whether a child is the caller's own (a worker, the store, the reaper):
+ * never taken for an orphan. */
+typedef int ddp__orphans_is_own(pid_t pid, void *ctx);
+/* SIGKILLs and reaps every child neither listed at adopt nor is_own(pid,
+ * ctx), and what they forked, for up to 5 s; returns how many were alive,
+ * with the first few as "pid 4711 (sleep), ..." in names. */
+int ddp__orphans_kill(ddp__orphans *orphans, ddp__orphans_is_own *is_own, void *ctx, char *names,
+                      size_t bytes);
 /* Reaps adopted children that have exited (zombies), up to 64, leaving those
  * is_own(pid, ctx) claims and those listed at adopt to their owners; returns
  * how many. Called in every round of supervision while the group runs. */
-int ddp__orphans_reap_exited(ddp__orphans *orphans, int (*is_own)(pid_t pid, void *ctx), void *ctx);
+int ddp__orphans_reap_exited(ddp__orphans *orphans, ddp__orphans_is_own *is_own, void *ctx);
 /* Stops being a subreaper unless the process was one before adopt. */
 void ddp__orphans_release(ddp__orphans *orphans);
 

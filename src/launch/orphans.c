@@ -6,8 +6,8 @@
  * did not have before the group started. Being its parent, the supervisor
  * cannot hit a reused pid: the pid stays taken until it reaps it. One that
  * exits on its own while the group runs is reaped in the supervisor's next
- * round (woken by its SIGCHLD), so a long job whose workers keep starting short-lived daemons does not
- * pile up zombies. */
+ * round (woken by its SIGCHLD), so a long job whose workers keep starting
+ * short-lived daemons does not pile up zombies. */
 #include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
@@ -81,8 +81,8 @@ void ddp__orphans_adopt(ddp__orphans *o) {
 
 typedef struct kill_ctx {
   ddp__orphans *o;
-  const pid_t *keep;
-  int n_keep;
+  ddp__orphans_is_own *is_own;
+  void *own_ctx;
   int seen;       /* children of this pass not kept (alive, or reaped now) */
   char *names;    /* "pid 4711 (sleep), ..." of the first few killed */
   size_t bytes;
@@ -97,7 +97,7 @@ static int listed(const pid_t *pids, int n, pid_t pid) {
 static void kill_child(pid_t pid, char state, const char *comm, void *ctx_) {
   kill_ctx *c = ctx_;
   ddp__orphans *o = c->o;
-  if (listed(o->preexisting, o->n_preexisting, pid) || listed(c->keep, c->n_keep, pid)) return;
+  if (listed(o->preexisting, o->n_preexisting, pid) || c->is_own(pid, c->own_ctx)) return;
   /* A zombie exited on its own: reaped, not counted. */
   if (state != 'Z' && !listed(o->killed, o->n_killed < DDP__ORPHANS_MAX_KEEP ? o->n_killed
                                                                             : DDP__ORPHANS_MAX_KEEP, pid)) {
@@ -116,10 +116,11 @@ static void kill_child(pid_t pid, char state, const char *comm, void *ctx_) {
   c->seen++;
 }
 
-int ddp__orphans_kill(ddp__orphans *o, const pid_t *keep, int n_keep, char *names, size_t bytes) {
+int ddp__orphans_kill(ddp__orphans *o, ddp__orphans_is_own *is_own, void *ctx, char *names,
+                      size_t bytes) {
   if (bytes > 0) names[0] = '\0';
   if (!o->adopting) return 0;
-  kill_ctx c = {o, keep, n_keep, 0, names, bytes};
+  kill_ctx c = {o, is_own, ctx, 0, names, bytes};
   double until = ddp_time_s() + ORPHANS_LIMIT_S;
   /* Each pass kills this generation; what they forked becomes our child as
    * they die (perhaps after the pass read its entry), so passes go on until
@@ -139,7 +140,7 @@ int ddp__orphans_kill(ddp__orphans *o, const pid_t *keep, int n_keep, char *name
   return o->n_killed;
 }
 
-int ddp__orphans_reap_exited(ddp__orphans *o, int (*is_own)(pid_t pid, void *ctx), void *ctx) {
+int ddp__orphans_reap_exited(ddp__orphans *o, ddp__orphans_is_own *is_own, void *ctx) {
   if (!o->adopting) return 0;
   int reaped = 0;
   /* waitid's WNOWAIT names an exited child without reaping it, so a worker,
