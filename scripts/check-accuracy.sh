@@ -26,10 +26,18 @@ torch_pid=""
 trap '[ -n "$torch_pid" ] && kill "$torch_pid" 2>/dev/null; rm -rf "$work"' EXIT
 acc() { /usr/bin/python3 -c 'import json,sys; print(json.loads(sys.argv[1])["test_accuracy"])' "$1"; }
 settings() { echo --epochs "$epochs" --batch-size 100 --lr 0.01 --momentum 0.9 --seed "$1"; }
+# ddp SEED ARGS...: ddp-train's --json summary line; on failure, its stderr's tail and exit.
+ddp() {
+  local seed=$1; shift
+  timeout 900 "$bin"/ddp-train --model convnet --data "$data" $(settings "$seed") "$@" --json \
+    >"$work/ddp$seed.out" 2>"$work/ddp$seed.err" ||
+    { echo "check-accuracy: ddp-train failed (seed $seed):" >&2; tail -n 20 "$work/ddp$seed.err" >&2; exit 1; }
+  tail -n 1 "$work/ddp$seed.out"
+}
 
 if ! /usr/bin/python3 -c "import torch" 2>/dev/null; then
   echo "check-accuracy: python3-torch not installed: ddp from its own initial weights, against the 88% floor only"
-  ours=$(timeout 900 "$bin"/ddp-train --model convnet --data "$data" $(settings "${seeds[0]}") --json 2>/dev/null | tail -n 1)
+  ours=$(ddp "${seeds[0]}")
   echo "ddp seed ${seeds[0]}: $ours"
   /usr/bin/python3 - "$(acc "$ours")" <<'PY'
 import sys
@@ -51,8 +59,7 @@ for seed in "${seeds[@]}"; do
   # before its first step; ddp starts from them while PyTorch trains.
   for _ in $(seq 600); do [ -e "$init" ] || ! kill -0 "$torch_pid" 2>/dev/null && break; sleep 0.1; done
   [ -e "$init" ] || { echo "check-accuracy: train_reference.py wrote no $init within 60 s:"; cat "$work/torch$seed.out"; exit 1; }
-  ours=$(timeout 900 "$bin"/ddp-train --model convnet --data "$data" $(settings "$seed") --init "$init" \
-           --json 2>/dev/null | tail -n 1)
+  ours=$(ddp "$seed" --init "$init")
   wait "$torch_pid" || { echo "check-accuracy: train_reference.py failed (seed $seed)"; exit 1; }
   torch_pid=""
   theirs=$(tail -n 1 "$work/torch$seed.out")
