@@ -58,9 +58,10 @@ for seed in "${seeds[@]}"; do
   # The reference writes its initial weights (temporary name, then rename)
   # before its first step; ddp starts from them while PyTorch trains.
   for _ in $(seq 600); do [ -e "$init" ] || ! kill -0 "$torch_pid" 2>/dev/null && break; sleep 0.1; done
-  [ -e "$init" ] || { echo "check-accuracy: train_reference.py wrote no $init within 60 s:"; cat "$work/torch$seed.out"; exit 1; }
+  [ -e "$init" ] || { echo "check-accuracy: train_reference.py (seed $seed) wrote no $init: it exited first or took over 60 s" >&2
+                      cat "$work/torch$seed.out" >&2; exit 1; }
   ours=$(ddp "$seed" --init "$init")
-  wait "$torch_pid" || { echo "check-accuracy: train_reference.py failed (seed $seed)"; exit 1; }
+  wait "$torch_pid" || { echo "check-accuracy: train_reference.py failed (seed $seed)" >&2; exit 1; }
   torch_pid=""
   theirs=$(tail -n 1 "$work/torch$seed.out")
   echo "seed $seed torch: $theirs"
