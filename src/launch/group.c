@@ -490,11 +490,12 @@ static int wait_round(ddp__group *g, double timeout_s) {
   ddp_free(fds);
   ddp_free(who);
   flush_consoles(g);
-  int stop = 0, sigs[64];
+  int stop = 0, child_exited = 0, sigs[64];
   int n = ddp__signals_take(sigs, 64);
   for (int i = 0; i < n; i++) {
     switch (sigs[i]) {
       case SIGCHLD:
+        child_exited = 1;
         break;
       case SIGUSR1:
       case SIGUSR2:
@@ -507,9 +508,9 @@ static int wait_round(ddp__group *g, double timeout_s) {
     }
   }
   reap(g);
-  /* Every round, not only after a SIGCHLD: one blocked behind a worker's
-   * exit in an earlier round may send no other (one waitid, nothing more). */
-  ddp__orphans_reap_exited(&g->orphans, is_own_child, g);
+  /* Every round, not only after a SIGCHLD: a full batch leaves the rest to
+   * the next round (one waitid when there is nothing to reap). */
+  ddp__orphans_reap_exited(&g->orphans, is_own_child, g, child_exited);
   return stop;
 }
 

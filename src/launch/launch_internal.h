@@ -227,10 +227,13 @@ typedef int ddp__orphans_is_own(pid_t pid, void *ctx);
  * with the first few as "pid 4711 (sleep), ..." in names. */
 int ddp__orphans_kill(ddp__orphans *orphans, ddp__orphans_is_own *is_own, void *ctx, char *names,
                       size_t bytes);
-/* Reaps adopted children that have exited (zombies), up to 64, leaving those
+/* Reaps adopted children that have exited (zombies), leaving those
  * is_own(pid, ctx) claims and those listed at adopt to their owners; returns
- * how many. Called in every round of supervision while the group runs. */
-int ddp__orphans_reap_exited(ddp__orphans *orphans, ddp__orphans_is_own *is_own, void *ctx);
+ * how many. Called in every round of supervision while the group runs, with
+ * child_exited 1 when the round took a SIGCHLD: then every exited orphan
+ * there is now is reaped, even behind an exited child that is not its to
+ * take; otherwise up to 64, stopping at the first such child. */
+int ddp__orphans_reap_exited(ddp__orphans *orphans, ddp__orphans_is_own *is_own, void *ctx, int child_exited);
 /* Stops being a subreaper unless the process was one before adopt. */
 void ddp__orphans_release(ddp__orphans *orphans);
 

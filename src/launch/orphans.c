@@ -5,9 +5,9 @@
  * and when the group ends the supervisor SIGKILLs and reaps every child it
  * did not have before the group started. Being its parent, the supervisor
  * cannot hit a reused pid: the pid stays taken until it reaps it. One that
- * exits on its own while the group runs is reaped in the supervisor's next
- * round (woken by its SIGCHLD), so a long job whose workers keep starting
- * short-lived daemons does not pile up zombies. */
+ * exits on its own while the group runs is reaped in the round its SIGCHLD
+ * wakes, so a long job whose workers keep starting short-lived daemons does
+ * not pile up zombies. */
 #include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
@@ -140,24 +140,46 @@ int ddp__orphans_kill(ddp__orphans *o, ddp__orphans_is_own *is_own, void *ctx, c
   return o->n_killed;
 }
 
-int ddp__orphans_reap_exited(ddp__orphans *o, ddp__orphans_is_own *is_own, void *ctx) {
+typedef struct reap_ctx {
+  ddp__orphans *o;
+  ddp__orphans_is_own *is_own;
+  void *own_ctx;
+  int reaped;
+} reap_ctx;
+
+static void reap_zombie(pid_t pid, char state, const char *comm, void *ctx_) {
+  (void)comm;
+  reap_ctx *c = ctx_;
+  if (state != 'Z' || listed(c->o->preexisting, c->o->n_preexisting, pid) || c->is_own(pid, c->own_ctx))
+    return;
+  if (waitpid(pid, NULL, WNOHANG) == pid) c->reaped++;
+}
+
+int ddp__orphans_reap_exited(ddp__orphans *o, ddp__orphans_is_own *is_own, void *ctx, int child_exited) {
   if (!o->adopting) return 0;
   int reaped = 0;
   /* waitid's WNOWAIT names an exited child without reaping it, so a worker,
    * the store or a child the caller had before the group (whose status
-   * belongs to someone else) is left for its owner. The kernel reports the
-   * same child until it is reaped, so the first such one ends the loop:
-   * orphans behind it wait for the next SIGCHLD, or for the end. */
+   * belongs to someone else) is left for its owner. It names the same child
+   * until that one is reaped, and an owner may keep its zombie for the whole
+   * run (a caller of ddp_spawn busy in it, the reaper once killed, which the
+   * group reaps at its end): the orphans behind such a child, or past a
+   * full batch, are found in /proc instead. */
   for (int i = 0; i < ORPHANS_REAP_BATCH; i++) {
     siginfo_t info;
     memset(&info, 0, sizeof info);
-    if (waitid(P_ALL, 0, &info, WEXITED | WNOHANG | WNOWAIT) != 0 || info.si_pid == 0) break;
+    if (waitid(P_ALL, 0, &info, WEXITED | WNOHANG | WNOWAIT) != 0 || info.si_pid == 0) return reaped;
     pid_t pid = info.si_pid;
     if (listed(o->preexisting, o->n_preexisting, pid) || is_own(pid, ctx)) break;
-    if (waitpid(pid, NULL, WNOHANG) != pid) break;
+    if (waitpid(pid, NULL, WNOHANG) != pid) return reaped;
     reaped++;
   }
-  return reaped;
+  /* No SIGCHLD in this round: every orphan that exited before the last one
+   * was reaped in its round, so there is nothing behind to look for. */
+  if (!child_exited) return reaped;
+  reap_ctx c = {o, is_own, ctx, 0};
+  for_each_child(reap_zombie, &c);
+  return reaped + c.reaped;
 }
 
 void ddp__orphans_release(ddp__orphans *o) {

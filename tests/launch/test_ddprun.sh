@@ -10,8 +10,10 @@
 #   orphans   ddprun SIGKILLed: no worker survives it, nor the store's process
 #             (PR_SET_PDEATHSIG), nor what a worker forked (ddprun's reaper),
 #             nor the reaper; a normal end leaves no reaper either; what a
-#             worker started with setsid is killed when the job ends, or
-#             reaped as soon as it exits on its own
+#             worker started with setsid is killed when the job ends, or,
+#             when it exits while the job runs, reaped then (polled for up to
+#             15 s), also behind a zombie that ddprun keeps (its reaper,
+#             SIGKILLed)
 #   store     the store's process (ddprun's child "ddp-store") SIGKILLed while
 #             the workers run: ddprun stops them and exits 1 naming that process
 #             and its signal; no worker survives
@@ -224,18 +226,53 @@ orphans)
   all_dead "$tmp/pids3" || { ps -ef; fail "a process that left its worker's process group outlived ddprun"; }
   grep -q '^ddprun: killed [24] processes that the workers left running outside their process groups (setsid or a daemon): pid [0-9]* (' "$tmp/err" ||
     { cat "$tmp/err"; fail "ddprun did not name the processes it killed"; }
-  # One that exits on its own while the job runs is reaped then, not left a
-  # zombie of ddprun's until the end: each worker's three setsid'd sleeps
-  # end at 0.2 s, and at 1.5 s ddprun (the workers' parent) has no zombie.
-  mkdir -p "$tmp/zombies"
-  timeout 30 "$ddprun" --nproc-per-node 2 /bin/sh -c '
-    for i in 1 2 3; do (setsid sleep 0.2 &); done
-    sleep 1.5
-    ps -o stat= --ppid $PPID | awk "/^Z/ { n++ } END { print n + 0 }" >$0/zombies.$LOCAL_RANK' "$tmp/zombies" >"$tmp/out" 2>"$tmp/err" ||
-    { cat "$tmp/out" "$tmp/err"; fail "the job whose workers setsid short-lived sleeps failed"; }
-  for r in 0 1; do
-    [ "$(cat "$tmp/zombies/zombies.$r")" = 0 ] ||
-      fail "ddprun had $(cat "$tmp/zombies/zombies.$r") zombie children 1.3 s after the workers' setsid'd sleeps ended (seen by local rank $r)"
+  # One that exits while the job runs is reaped then, not left a zombie of
+  # ddprun's until the job ends. Each worker setsids three sleeps, checks
+  # that ddprun adopted them, ends them (so it knows when they exit) and
+  # polls, while it still runs, until none is ddprun's zombie: on a loaded
+  # machine ddprun may take a while, so 15 s are given; without the reap the
+  # zombies stay until the end. Only the sleeps are counted (a worker that
+  # has just exited is ddprun's zombie for a moment, and is no orphan). With
+  # "reaper", the worker first SIGKILLs ddprun's reaper, whose zombie ddprun
+  # keeps until the group ends: it comes before the sleeps among ddprun's
+  # children, and they must not wait behind it.
+  cat >"$tmp/zombies.sh" <<'EOF'
+dir=$1 mode=$2
+mine=$dir/sleeps.$LOCAL_RANK
+ms() { echo $(( ($(date +%s%N) - start) / 1000000 )); }
+if [ "$mode" = reaper ]; then
+  reaper=$(pgrep -P $PPID -x ddprun-reaper) || { echo "ddprun has no reaper" >&2; exit 3; }
+  kill -KILL $reaper
+  start=$(date +%s%N)
+  until [ "$(ps -o stat= -p $reaper | cut -c1)" = Z ]; do
+    [ $(ms) -lt 10000 ] || { echo "the reaper is no zombie 10 s after SIGKILL" >&2; exit 3; }
+    sleep 0.05
+  done
+fi
+for i in 1 2 3; do (setsid sleep 60 & echo $! >>"$mine"); done
+sleeps=$(paste -sd, "$mine")
+# The subshells that started them are gone: ddprun is their parent now.
+[ "$(ps -o ppid= -p "$sleeps" | awk -v p=$PPID '$1 == p' | wc -l)" = 3 ] ||
+  { echo "not all of the sleeps $sleeps are ddprun's children" >&2; ps -o pid,ppid,stat,comm -p "$sleeps" >&2; exit 4; }
+kill $(cat "$mine")
+start=$(date +%s%N)
+while n=$(ps -o stat=,ppid= -p "$sleeps" | awk -v p=$PPID '$1 ~ /^Z/ && $2 == p' | wc -l); [ "$n" -gt 0 ]; do
+  [ $(ms) -lt 15000 ] || break
+  sleep 0.05
+done
+echo "$n $(ms)" >"$dir/zombies.$LOCAL_RANK"
+EOF
+  for mode in plain reaper; do
+    nproc=2
+    [ $mode = reaper ] && nproc=1
+    mkdir -p "$tmp/zombies-$mode"
+    timeout 60 "$ddprun" --nproc-per-node $nproc /bin/sh "$tmp/zombies.sh" "$tmp/zombies-$mode" $mode \
+      >"$tmp/out" 2>"$tmp/err" || { cat "$tmp/out" "$tmp/err"; fail "the job whose workers end setsid'd sleeps failed ($mode)"; }
+    for r in $(seq 0 $((nproc - 1))); do
+      read -r zombies ms <"$tmp/zombies-$mode/zombies.$r" || fail "local rank $r wrote no zombie count ($mode)"
+      [ "$zombies" = 0 ] ||
+        fail "ddprun still had $zombies of local rank $r's setsid'd sleeps as zombie children $ms ms after they exited, while the job ran ($mode)"
+    done
   done
   # A normal job kills nothing and says nothing of it.
   timeout 30 "$ddprun" --nproc-per-node 2 /bin/true >"$tmp/out" 2>"$tmp/err" || fail "/bin/true under ddprun"
