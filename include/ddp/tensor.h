@@ -43,6 +43,12 @@ typedef enum ddp_dtype {
 size_t ddp_dtype_size(ddp_dtype dtype);
 const char *ddp_dtype_name(ddp_dtype dtype); /* "float32", ... */
 
+/* The family of CPU kernels this process runs: "avx512" or "generic",
+ * from the CPU and the environment variable DDP_CPU_KERNELS
+ * (auto|generic|avx512; docs/tensor.md). Decided at the first call or the
+ * first kernel, then fixed. */
+const char *ddp_cpu_kernels(void);
+
 typedef enum ddp_device_type {
   DDP_DEVICE_CPU = 0,
   DDP_DEVICE_CUDA = 1,

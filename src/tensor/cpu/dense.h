@@ -52,8 +52,9 @@ void ddp__cpu_conv2d_fold_channel(ddp__conv2d_fold *f, float *dw, float *db);
 ddp_status ddp__cpu_conv2d_fold_gram(const ddp__conv2d_fold *f, double *gram, double *psum,
                                      ddp_arena *arena);
 
-/* AVX-512 paths (cpu/gemm.c). ddp__cpu_has_avx512 is true when the CPU has
- * AVX-512F and the generic path has not been forced (tests run both). */
+/* AVX-512 paths (cpu/gemm.c). ddp__cpu_has_avx512 (cpu/family.c) is true
+ * when the CPU has AVX-512F, DDP_CPU_KERNELS allows it, and the generic
+ * path has not been forced (tests run both). */
 bool ddp__cpu_has_avx512(void);
 void ddp__cpu_dense_force_generic(bool generic);
 /* c (m, n) = init + a (m, k) @ b (k, n), row strides lda, ldb, ldc; init is

@@ -13,32 +13,13 @@
  * stores are slow on AMD, ~10 cycles, so only a true tail uses one).
  *
  * Compiled for AVX-512 through target attributes and used only when the CPU
- * has it (ddp__cpu_has_avx512); the build itself stays portable. */
+ * has it and DDP_CPU_KERNELS allows it (ddp__cpu_has_avx512, cpu/family.c);
+ * the build itself stays portable. */
 #include <immintrin.h>
-#include <stdatomic.h>
 
 #include "tensor/cpu/dense.h"
 
 #define MR 8 /* rows of C per tile */
-
-/* Both are read by every thread that runs a kernel: relaxed atomics, since
- * a lazily filled plain cache is a data race when two threads fill it at
- * once (ThreadSanitizer, ranks as threads of one process). */
-static atomic_bool force_generic;
-
-bool ddp__cpu_has_avx512(void) {
-  static _Atomic int cached = -1;
-  int c = atomic_load_explicit(&cached, memory_order_relaxed);
-  if (c < 0) {
-    c = __builtin_cpu_supports("avx512f") ? 1 : 0;
-    atomic_store_explicit(&cached, c, memory_order_relaxed);
-  }
-  return c && !atomic_load_explicit(&force_generic, memory_order_relaxed);
-}
-
-void ddp__cpu_dense_force_generic(bool generic) {
-  atomic_store_explicit(&force_generic, generic, memory_order_relaxed);
-}
 
 #define AVX512 __attribute__((target("avx512f,fma")))
 
