@@ -39,16 +39,25 @@
  *   terms); momentum buffers 0.2; eval on 1000 test images: logits 1.9e-2,
  *   818-823 correct (torch 819), up to 10 predictions changed, loss within
  *   0.9%
- * and ddp shows the same or less (the test prints every number). The limits
- * below sit 2-5 times above that envelope. A defect in what only many steps
- * exercise (momentum, BN running stats, eval mode, the loader's pairing of
- * images and labels, the layout after updates) shows within the first few
- * steps as 1e-3 or more, where the limits are still 1e-5 to 1e-3: SGD
- * momentum 0.899 instead of 0.9 fails the loss at step 3, BN momentum 0.11
- * instead of 0.1 fails step 8's running stats and eval logits. */
-#define LOSS_RTOL_FIRST 1e-5 /* step 1 */
+ * Those variants all happen to round alike where it matters in the first
+ * eight steps; another float32 implementation need not. ddp with batch
+ * norm's mean correctly rounded (summed in double, as PyTorch sums it;
+ * issue 19) decides one ReLU or pooling near-tie the other way at step 5:
+ * its loss then departs by 4.3e-5 (steps 5-13: 3.6e-5 to 1.3e-4; 19:
+ * 1.9e-3; 31-60 up to 2.7e-2), and after step 8 the BN biases by 3.7e-3,
+ * the momentum buffers by 1.2e-2 and the logits by 6.2e-4, while the
+ * final state stays inside the limits below with room (docs/parallel.md,
+ * "How close is equal"). So the limits sit 2-3 times above the envelope
+ * of both. A defect in what only many steps exercise (momentum, BN running
+ * stats, eval mode, the loader's pairing of images and labels, the layout
+ * after updates) shows within the first few steps as 1e-3 or more, where
+ * the limits are still 3e-5 to 1e-2: SGD momentum 0.899 instead of 0.9
+ * fails the loss from step 4 on (11 checks in all), BN momentum 0.11
+ * instead of 0.1 fails step 8's running stats and eval logits (5-8 times
+ * their limits). */
+#define LOSS_RTOL_FIRST 3e-5 /* step 1 */
 #define LOSS_RTOL_GROWTH 1.32 /* per step: x10 every 8.3 steps, */
-#define LOSS_RTOL_MAX 3e-2    /* up to this (from step 30) */
+#define LOSS_RTOL_MAX 5e-2    /* up to this (from step 30) */
 #define STATE_RTOL 0.1        /* final parameters and BN buffers */
 #define SMALL_BN_BIAS_RTOL 0.5 /* layer1.1.bias */
 #define MOMENTUM_RTOL 0.5
@@ -57,12 +66,14 @@
  * (|torch| <= 3e-5) and is compared absolutely. */
 #define NOISE_MOMENTUM_ATOL 1e-4
 #define LOGIT_RTOL 5e-2
-/* After SNAPSHOT_STEP steps, before the noise has grown, the state is
- * compared tightly (ddp: at most 5e-6). */
+/* After SNAPSHOT_STEP steps, before the noise has grown much, the state is
+ * compared tightly (ddp with the rounding of PyTorch's variants: at most
+ * 5e-6; with the step-5 near-tie decided the other way: 3.7e-3, momentum
+ * 1.2e-2). */
 #define SNAPSHOT_STEP 8
 #define SNAPSHOT_PREFIX "step8:"
-#define SNAPSHOT_RTOL 1e-3
-#define SNAPSHOT_MOMENTUM_RTOL 1e-2
+#define SNAPSHOT_RTOL 1e-2
+#define SNAPSHOT_MOMENTUM_RTOL 3e-2
 #define EVAL_LOSS_RTOL 2e-2
 #define EVAL_MAX_CORRECT_DIFF 8 /* of 1000 */
 #define EVAL_MAX_FLIPS 25       /* predictions that differ from torch's */

@@ -461,6 +461,61 @@ static void test_batch_norm_forward_and_running_stats(void **state) {
   ddp_tape_destroy(tape);
 }
 
+/* The batch mean is correctly rounded to float, also over the ConvNet's
+ * 100 x 28 x 28 values per channel, and so the sign of a normalised value
+ * equal to the input's most common one (an image's plain background, the
+ * convolution's bias there) is the sign that exact arithmetic gives: ReLU
+ * then opens or closes all those positions as a float64 computation does.
+ * Issue 19: float lanes put the mean units in the last place off at this
+ * size, and the ConvNet trained on one rank took another step than on two
+ * (fails with norm.c's mean summed by sum_f32). */
+static void test_batch_norm_mean_correctly_rounded(void **state) {
+  (void)state;
+  enum { N = 100, C = 8, H = 28, W = 28, HW = H * W };
+  int64_t shape[4] = {N, C, H, W}, cs[1] = {C};
+  ddp_tensor *x = gradcheck_random(4, shape, 0.0f, 1.0f, 71, false);
+  float *xd = x->data;
+  ddp_rng rng;
+  ddp_rng_seed(&rng, 72);
+  /* Channel c's background value, on about 70% of the positions. */
+  float background[C];
+  for (int c = 0; c < C; c++) background[c] = 0.3f + 0.05f * (float)c;
+  for (int64_t i = 0; i < x->numel; i++)
+    if (ddp_rng_uniform(&rng) < 0.7f) xd[i] = background[(i / HW) % C];
+  ddp_tensor *rm = gradcheck_random(1, cs, 0, 0, 73, false);
+  ddp_tensor *rv = gradcheck_random(1, cs, 1, 1, 74, false);
+  ddp_tape *tape = new_tape();
+  ddp_tensor *y;
+  /* momentum 1: running_mean is the batch mean */
+  assert_int_equal(ddp_batch_norm(tape, x, NULL, NULL, rm, rv, NULL, true, 1.0f, 1e-5f, &y),
+                   DDP_OK);
+  for (int c = 0; c < C; c++) {
+    long double s = 0; /* 64-bit mantissa: exact to far below float's last place */
+    int64_t at_background = -1;
+    for (int n = 0; n < N; n++)
+      for (int i = 0; i < HW; i++) {
+        int64_t at = ((int64_t)n * C + c) * HW + i;
+        s += xd[at];
+        if (xd[at] == background[c]) at_background = at;
+      }
+    const long double mean = s / (N * HW);
+    const float want = (float)mean;
+    if (ddp_tensor_f32(rm)[c] != want)
+      fail_msg("channel %d: batch mean %.9g, correctly rounded %.9g", c,
+               (double)ddp_tensor_f32(rm)[c], (double)want);
+    assert_true(at_background >= 0);
+    const float yb = ddp_tensor_f32(y)[at_background];
+    const long double exact = background[c] - mean;
+    if ((exact > 0 && yb < 0) || (exact < 0 && yb > 0))
+      fail_msg("channel %d: background normalises to %g, exact sign %+d", c, (double)yb,
+               exact > 0 ? 1 : -1);
+  }
+  ddp_tensor_destroy(x);
+  ddp_tensor_destroy(rm);
+  ddp_tensor_destroy(rv);
+  ddp_tape_destroy(tape);
+}
+
 /* (N, C) input without affine: every column has mean 0, biased variance
  * var / (var + eps). */
 static void test_batch_norm_1d_columns(void **state) {
@@ -627,6 +682,7 @@ int main(void) {
       cmocka_unit_test(test_dropout2d_structure),
       cmocka_unit_test(test_batch_norm_gradcheck),
       cmocka_unit_test(test_batch_norm_forward_and_running_stats),
+      cmocka_unit_test(test_batch_norm_mean_correctly_rounded),
       cmocka_unit_test(test_batch_norm_1d_columns),
       cmocka_unit_test(test_batch_norm_errors),
       cmocka_unit_test(test_pointwise_errors),

@@ -59,12 +59,20 @@ ddp_status ddp__cpu_batch_norm_stats(float *restrict mean, float *restrict invst
     }
     return DDP_OK;
   }
+  /* The mean is summed in double lanes: it decides the sign of every
+   * normalised value that sits near it, and images hold many such values
+   * at once (a plain background makes one convolution output thousands of
+   * times). Float lanes of 784 values put the mean a few units in the last
+   * place off, enough to flip all those values' ReLU together against a
+   * correctly rounded mean: the plain and the synchronized kernels (whose
+   * sums are double) then trained the ConvNet differently from the first
+   * step on (issue 19, docs/parallel.md). */
   for (int64_t c = 0; c < C; c++) {
     double s1 = 0;
     for (int64_t n = 0; n < N; n++) {
       /* the next plane of the channel, C planes on (see prefetch_plane) */
       if (n + 1 < N) prefetch_range(x + ((n + 1) * C + c) * HW, (size_t)HW * sizeof(float));
-      s1 += sum_f32(x + (n * C + c) * HW, HW);
+      s1 += sum_f32_in_double(x + (n * C + c) * HW, HW);
     }
     double m = s1 / (double)count;
     float mf = (float)m;

@@ -65,6 +65,21 @@ static inline double sum_f32(const float *restrict x, int64_t n) {
   return s;
 }
 
+/* sum(x) over n contiguous floats in double lanes: the rounding error is
+ * about n * 2^-53 of sum|x|, far below float's last place for any plane
+ * a network holds, where sum_f32's float lanes drift by units in it. */
+static inline double sum_f32_in_double(const float *restrict x, int64_t n) {
+  enum { DLANES = 8 };
+  double acc[DLANES] = {0};
+  int64_t i = 0;
+  for (; i + DLANES <= n; i += DLANES)
+    for (int j = 0; j < DLANES; j++) acc[j] += x[i + j];
+  double s = 0;
+  for (; i < n; i++) s += x[i];
+  for (int j = 0; j < DLANES; j++) s += acc[j];
+  return s;
+}
+
 /* cpu/norm.c */
 ddp_status ddp__cpu_batch_norm_stats(float *mean, float *invstd, float *running_mean,
                                      float *running_var, const float *x, int64_t N, int64_t C,
