@@ -1,10 +1,10 @@
-/* ddp-train: trains one of the seeds' models from the command line — the
- * dataset, the loader, the model, the optimizer and an optional StepLR —
- * with progress on stderr, an optional JSON-lines log and a JSON summary.
- * Under a launcher (ddprun, torchrun's variables, srun, mpirun) it trains
- * data-parallel: tools/train/world.c joins the group, the DDP wrapper
- * averages gradients, and rank 0 reports. Tools are the only code that calls
- * exit(). */
+/* ddp-train: trains one of the seeds' models from the command line. The
+ * tool parses the options, builds the model and opens the data, and hands
+ * the run to the trainer (include/ddp/train.h: the loop, evaluation,
+ * checkpoints, the JSON-lines log); it shows progress on stderr and prints
+ * the JSON summary. Under a launcher (ddprun, torchrun's variables, srun,
+ * mpirun) it trains data-parallel: tools/train/world.c joins the group and
+ * rank 0 reports. Tools are the only code that calls exit(). */
 #include <cblas.h>
 #include <errno.h>
 #include <float.h>
@@ -20,12 +20,10 @@
 #include "ddp/nn.h"
 #include "ddp/optim.h"
 #include "ddp/parallel.h"
+#include "ddp/train.h"
 #include "train/world.h"
 
 #define DEFAULT_DATA "/usr/share/datasets/fashion-mnist"
-/* Steps left out of steady_samples_per_s, as PyTorch's reference script
- * leaves out its 10 warm-up steps. */
-#define WARMUP_STEPS 10
 
 typedef struct train_args {
   const char *model;
@@ -310,57 +308,6 @@ static void check_shapes(const ddp_model *model, const ddp_dataset *ds, const ch
   }
 }
 
-/* ---- Evaluation ------------------------------------------------------------ */
-
-typedef struct eval_result {
-  double loss;     /* mean over every test sample */
-  double accuracy; /* fraction correct; NAN for regression */
-} eval_result;
-
-/* Every rank evaluates its part of the test set (the evaluation sampler: no
- * padding), then the sums are reduced once, so the result counts every test
- * sample exactly once and is the same on every rank. */
-static eval_result evaluate(ddp_model *model, ddp_tape *tape, ddp_loader *loader,
-                            const train_world *world) {
-  eval_result r = {0, NAN};
-  bool classify = ddp_model_loss_kind(model) != DDP_LOSS_MSE;
-  double loss_sum = 0;
-  int64_t correct = 0, seen = 0;
-  ddp_model_train(model, false);
-  ddp_tape_set_grad_enabled(tape, false);
-  CHECK(ddp_loader_start_epoch(loader, 0), "starting evaluation");
-  for (;;) {
-    ddp_batch b;
-    CHECK(ddp_loader_next(loader, &b), "loading a test batch");
-    if (b.size == 0) break;
-    ddp_tensor *out, *loss;
-    ddp_tape_reset(tape);
-    CHECK(ddp_model_forward(model, tape, &b.x, &out), "evaluating");
-    CHECK(ddp_model_loss(model, tape, out, &b.y, &loss), "evaluating the loss");
-    loss_sum += (double)ddp_tensor_f32(loss)[0] * (double)b.size;
-    if (classify) {
-      const float *o = ddp_tensor_f32(out);
-      const int64_t *y = ddp_tensor_i64(&b.y);
-      int64_t classes = out->shape[1];
-      for (int64_t i = 0; i < b.size; i++) {
-        int64_t best = 0;
-        for (int64_t c = 1; c < classes; c++)
-          if (o[i * classes + c] > o[i * classes + best]) best = c;
-        correct += best == y[i];
-      }
-    }
-    seen += b.size;
-  }
-  ddp_tape_reset(tape);
-  ddp_tape_set_grad_enabled(tape, true);
-  ddp_model_train(model, true);
-  double sums[3] = {loss_sum, (double)correct, (double)seen}; /* exact in float64 */
-  CHECK(train_world_sum(world, sums, 3), "reducing the test metrics over the ranks");
-  r.loss = sums[2] > 0 ? sums[0] / sums[2] : NAN;
-  if (classify && sums[2] > 0) r.accuracy = sums[1] / sums[2];
-  return r;
-}
-
 /* ---- Output ---------------------------------------------------------------- */
 
 /* JSON has no NaN: write null. */
@@ -371,39 +318,15 @@ static void json_number(FILE *f, const char *key, double v, bool comma) {
     fprintf(f, "\"%s\": null%s", key, comma ? ", " : "");
 }
 
-/* Where one step's time went, in seconds (PyTorch's DDP logging reports the
- * same split: forward, backward compute, backward communication).
- * backward_comm is the time from the last bucket's launch (the last
- * gradient ready) to the end of finalize: the communication backward did not
- * hide, including the wait for the slowest rank. The rest of the step (the
- * loss's allreduce, bookkeeping) is step minus the parts. preempted is not a
- * part but a cause: the time in the step that this rank was ready to run and
- * another task held its CPU (ddp_preempt_clock; NAN without schedstat). It
- * lengthens whichever part it fell in, and at world > 1 every rank's step,
- * since the others wait for this one in the allreduce. */
-typedef struct step_phases {
-  double load, forward, backward_compute, backward_comm, optimizer, step, preempted;
-} step_phases;
-
-static void step_phases_add(step_phases *sum, const step_phases *p) {
-  sum->load += p->load;
-  sum->forward += p->forward;
-  sum->backward_compute += p->backward_compute;
-  sum->backward_comm += p->backward_comm;
-  sum->optimizer += p->optimizer;
-  sum->step += p->step;
-  sum->preempted += p->preempted;
-}
-
-/* "load_ms": ..., one key per phase, in milliseconds (scaled by 1/n). */
-static void step_phases_json(FILE *f, const step_phases *p, double n, bool comma) {
-  json_number(f, "load_ms", 1e3 * p->load / n, true);
-  json_number(f, "forward_ms", 1e3 * p->forward / n, true);
-  json_number(f, "backward_compute_ms", 1e3 * p->backward_compute / n, true);
-  json_number(f, "backward_comm_ms", 1e3 * p->backward_comm / n, true);
-  json_number(f, "optimizer_ms", 1e3 * p->optimizer / n, true);
-  json_number(f, "step_ms", 1e3 * p->step / n, true);
-  json_number(f, "preempted_ms", 1e3 * p->preempted / n, comma);
+/* "load_ms": ..., one key per phase, in milliseconds. */
+static void phases_json(FILE *f, const ddp_train_phases *p, bool comma) {
+  json_number(f, "load_ms", p->load_ms, true);
+  json_number(f, "forward_ms", p->forward_ms, true);
+  json_number(f, "backward_compute_ms", p->backward_compute_ms, true);
+  json_number(f, "backward_comm_ms", p->backward_comm_ms, true);
+  json_number(f, "optimizer_ms", p->optimizer_ms, true);
+  json_number(f, "step_ms", p->step_ms, true);
+  json_number(f, "preempted_ms", p->preempted_ms, comma);
 }
 
 typedef struct progress {
@@ -461,29 +384,6 @@ static void show_progress(progress *p, int64_t step, int64_t epoch, int64_t epoc
 
 static void end_progress_line(progress *p) {
   if (p->tty && !p->quiet) fputc('\n', stderr);
-}
-
-/* Early stopping: --patience K evaluations in a row without a better test loss. */
-typedef struct patience {
-  int64_t limit; /* 0 = never stop */
-  int64_t without_better;
-  double best_loss;
-} patience;
-
-/* Logs an evaluation and returns true when patience has run out. */
-static bool record_eval(patience *p, FILE *log, eval_result r, int64_t step, int64_t epoch) {
-  if (log) {
-    fprintf(log, "{\"step\": %lld, \"epoch\": %lld, ", (long long)step, (long long)epoch);
-    json_number(log, "test_loss", r.loss, true);
-    json_number(log, "test_accuracy", r.accuracy, false);
-    fputs("}\n", log);
-  }
-  if (r.loss < p->best_loss) {
-    p->best_loss = r.loss;
-    p->without_better = 0;
-    return false;
-  }
-  return p->limit && ++p->without_better >= p->limit;
 }
 
 /* ---- Training -------------------------------------------------------------- */
@@ -569,45 +469,81 @@ static void run_meta_init(run_meta *m, const train_args *a, const ddp_optim_opti
   meta_add(m, "ddp-train.sync_bn", "%d", (int)a->sync_bn);
 }
 
-/* Rank 0 writes the checkpoint; every rank waits at a barrier until it is
- * on disk, so none can go on (exit, or load it) before. */
-static void save_checkpoint(const train_args *a, const run_meta *meta, const train_world *world,
-                            ddp_model *model, ddp_optimizer *opt, ddp_scheduler *sched,
-                            int64_t step, int64_t epoch, int64_t epoch_batches,
-                            const patience *pat) {
-  ddp_train_state ts = {.step = step, .epoch = epoch, .epoch_batches = epoch_batches,
-                        .sampler_seed = a->seed, .world_size = world->size,
-                        .best_test_loss = pat->best_loss,
-                        .evals_without_better = pat->without_better};
-  if (world->rank == 0)
-    CHECK(ddp_checkpoint_save(a->save_path, model, opt, sched, &ts, meta->kv, meta->n),
-          "saving the checkpoint");
-  if (world->pg) CHECK(ddp_barrier(world->pg), "waiting for rank 0 to save the checkpoint");
+
+/* ---- Progress, through the trainer's callbacks ------------------------------ */
+
+/* What the callbacks share: the progress display, the resume notice, and
+ * the last step's figures for the forced display before an epoch's
+ * evaluation. */
+typedef struct tool_view {
+  progress prog;
+  const train_args *a;
+  bool lead;
+  int64_t epochs;
+  double last_loss, last_rate, last_train_seconds;
+  int64_t last_step;
+} tool_view;
+
+static void on_start(const ddp_train_start_info *info, void *user) {
+  tool_view *v = user;
+  v->prog.total_steps = info->total_steps;
+  if (info->resumed && v->lead)
+    fprintf(stderr, "resuming %s at step %lld (epoch %lld, batch %lld of %lld)\n",
+            v->a->resume_path, (long long)info->step, (long long)info->epoch + 1,
+            (long long)info->epoch_batches, (long long)info->steps_per_epoch);
 }
 
-/* Loads --resume into model, opt and sched (every rank reads the files) and
- * returns where training continues. A checkpoint taken mid-epoch by another
- * number of ranks is refused: the epoch's order depends on the world size. */
-static ddp_train_state resume(const train_args *a, const run_meta *meta, const train_world *world,
-                              ddp_model *model, ddp_optimizer *opt, ddp_scheduler *sched,
-                              int64_t per_epoch) {
-  ddp_train_state start = {.world_size = world->size, .best_test_loss = INFINITY};
-  if (!a->resume_path) return start;
-  CHECK(ddp_checkpoint_load(a->resume_path, model, opt, sched, &start, meta->kv, meta->n),
-        "resuming");
-  if (start.world_size != world->size && start.epoch_batches > 0) {
-    fprintf(stderr, "ddp-train: %serror: %s was saved by %lld ranks in the middle of epoch %lld; "
-                    "this run has %d ranks, which split that epoch differently (resume with "
-                    "%lld ranks, or from a checkpoint taken at the end of an epoch)\n",
-            rank_tag, a->resume_path, (long long)start.world_size, (long long)start.epoch + 1,
-            world->size, (long long)start.world_size);
-    exit(1);
+static bool on_step(const ddp_train_step_info *info, void *user) {
+  tool_view *v = user;
+  v->last_step = info->step;
+  v->last_loss = info->loss;
+  v->last_rate = info->samples_per_s;
+  v->last_train_seconds = info->train_seconds;
+  show_progress(&v->prog, info->step, info->epoch, v->epochs, info->loss, info->samples_per_s,
+                info->train_seconds, false);
+  return false;
+}
+
+/* An epoch's evaluation: the progress line brought up to date and closed,
+ * then the test figures. */
+static bool on_eval(const ddp_train_eval_info *info, void *user) {
+  tool_view *v = user;
+  if (info->kind != DDP_TRAIN_EVAL_EPOCH) return false;
+  show_progress(&v->prog, info->step, info->epoch, v->epochs, v->last_loss, v->last_rate,
+                v->last_train_seconds, true);
+  end_progress_line(&v->prog);
+  if (v->lead) {
+    fprintf(stderr, "epoch %lld: test loss %.4f", (long long)info->epoch + 1, info->test_loss);
+    if (!isnan(info->test_accuracy))
+      fprintf(stderr, ", test accuracy %.2f%%", 100 * info->test_accuracy);
+    fputc('\n', stderr);
   }
-  if (world->rank == 0)
-    fprintf(stderr, "resuming %s at step %lld (epoch %lld, batch %lld of %lld)\n",
-            a->resume_path, (long long)start.step, (long long)start.epoch + 1,
-            (long long)start.epoch_batches, (long long)per_epoch);
-  return start;
+  return false;
+}
+
+/* The --json summary line (rank 0). */
+static void print_summary(const train_args *a, const ddp_train_result *r) {
+  printf("{");
+  json_number(stdout, "samples_per_s", r->samples_per_s, true);
+  json_number(stdout, "steady_samples_per_s", r->steady_samples_per_s, true);
+  json_number(stdout, "train_loss", r->train_loss, true);
+  json_number(stdout, "test_loss", r->test_loss, true);
+  json_number(stdout, "test_accuracy", r->test_accuracy, true);
+  printf("\"steps\": %lld, ", (long long)r->steps);
+  /* Rank 0's mean step, over the steps steady_samples_per_s counts. */
+  printf("\"steady_step_phases\": {");
+  phases_json(stdout, &r->steady_phases, false);
+  printf("}, ");
+  printf("\"steady_preempted_ms_per_rank\": [");
+  for (int k = 0; k < r->world_size; k++) {
+    double v = r->steady_preempted_ms_per_rank[k];
+    if (isfinite(v)) printf("%s%.6g", k ? ", " : "", v);
+    else printf("%snull", k ? ", " : "");
+  }
+  printf("], ");
+  json_number(stdout, "epochs", r->epochs, true);
+  printf("\"world_size\": %d, \"model\": \"%s\", \"optimizer\": \"%s\"}\n", r->world_size,
+         a->model, a->optimizer);
 }
 
 int main(int argc, char **argv) {
@@ -628,10 +564,7 @@ int main(int argc, char **argv) {
   train_world world;
   CHECK(train_world_init(&world), "starting data-parallel training");
   if (world.pg) snprintf(rank_tag, sizeof rank_tag, "rank %d: ", world.rank);
-  bool lead = world.rank == 0; /* prints progress, the log and the summary */
-  /* Loader threads only where cores are left over: with as many ranks on
-   * this host as cores, a loader thread per rank would steal compute. */
-  if (a.workers < 0) a.workers = 2 * world.local_size <= train_world_cpus() ? 1 : 0;
+  bool lead = world.rank == 0; /* prints progress and the summary */
 
   ddp_model *model;
   CHECK(ddp_model_build(a.model, a.activation, a.seed, &model), "building the model");
@@ -639,332 +572,65 @@ int main(int argc, char **argv) {
   ddp_dataset *train_ds, *test_ds;
   open_datasets(&a, &train_ds, &test_ds);
   check_shapes(model, train_ds, a.model);
-  /* SyncBatchNorm needs a group; with one process it is BatchNorm itself. */
-  if (a.sync_bn && world.pg)
-    CHECK(ddp_model_convert_sync_batchnorm(model, world.pg), "converting to SyncBatchNorm");
 
+  ddp_train_options o = ddp_train_defaults();
   ddp_optim_kind kind = optimizer_kind(a.optimizer);
-  ddp_optim_options oo = ddp_optim_defaults(kind);
-  if (!isnan(a.lr)) oo.lr = a.lr;
-  else if (kind == DDP_OPTIM_SGD) oo.lr = 0.01;
-  oo.weight_decay = a.weight_decay;
-  if (kind == DDP_OPTIM_SGD) oo.sgd.momentum = a.momentum;
+  o.optim = ddp_optim_defaults(kind);
+  if (!isnan(a.lr)) o.optim.lr = a.lr;
+  else if (kind == DDP_OPTIM_SGD) o.optim.lr = 0.01;
+  o.optim.weight_decay = a.weight_decay;
+  if (kind == DDP_OPTIM_SGD) o.optim.sgd.momentum = a.momentum;
   else if (a.momentum != 0)
     die_usage("--momentum applies to sgd only (got --optimizer %s)", a.optimizer);
-  ddp_optimizer *opt;
-  CHECK(ddp_optimizer_create(&opt, &oo, ddp_model_params_flat(model), ddp_model_grads_flat(model),
-                             (size_t)ddp_model_num_param_elements(model)),
-        "creating the optimizer");
-  ddp_scheduler *sched = NULL;
+  o.epochs = a.epochs;
+  o.max_steps = a.max_steps;
+  o.batch_size = a.batch_size;
   if (a.scheduler) {
-    ddp_step_lr_options so = {0};
-    so.step_size = a.step_size;
-    so.gamma = a.gamma;
-    so.last_epoch = -1;
-    CHECK(ddp_scheduler_create_step_lr(&sched, opt, &so), "creating StepLR");
+    o.step_lr_size = a.step_size;
+    o.step_lr_gamma = a.gamma;
   }
-  /* The DDP wrapper: rank 0's parameters everywhere, gradients averaged. */
-  ddp_dp *dp = NULL;
-  if (world.pg) {
-    ddp_dp_options dpo = ddp_dp_defaults();
-    CHECK(ddp_dp_create(&dp, model, world.pg, &dpo), "wrapping the model for data parallelism");
-    ddp_dp_set_optimizer(dp, opt);
-  }
-
-  /* PyTorch's DistributedSampler: each epoch is torch.randperm(N) from a
-   * generator seeded with --seed + epoch, padded to a multiple of the world
-   * size (drop_last false) and dealt out to the ranks in turn; the test set
-   * is dealt out without padding. */
-  ddp_distributed_sampler_options so = ddp_distributed_sampler_defaults(world.size, world.rank);
-  so.seed = a.seed;
-  ddp_sampler *train_sampler;
-  CHECK(ddp_sampler_create_distributed(&train_sampler, ddp_dataset_size(train_ds), &so),
-        "creating the sampler");
-  ddp_loader_config lc = ddp_loader_config_default();
-  lc.batch_size = a.batch_size;
-  lc.sampler = train_sampler;
-  lc.num_workers = a.workers;
-  ddp_loader *train_loader, *test_loader;
-  CHECK(ddp_loader_create(&train_loader, train_ds, &lc), "creating the training loader");
-  ddp_sampler *test_sampler;
-  CHECK(ddp_sampler_create_distributed_eval(&test_sampler, ddp_dataset_size(test_ds), world.size,
-                                            world.rank),
-        "creating the test sampler");
-  ddp_loader_config tc = ddp_loader_config_default();
-  tc.batch_size = a.batch_size > 1000 ? a.batch_size : 1000;
-  tc.num_workers = a.workers;
-  tc.sampler = test_sampler;
-  CHECK(ddp_loader_create(&test_loader, test_ds, &tc), "creating the test loader");
-
-  ddp_tape *tape;
-  CHECK(ddp_tape_create(&tape, 16 << 20), "creating the tape");
-
-  FILE *log = NULL;
-  if (a.log_path && lead) {
-    log = fopen(a.log_path, "w");
-    if (!log) {
-      fprintf(stderr, "ddp-train: error: cannot write the log %s: %s\n", a.log_path,
-              strerror(errno));
-      exit(1);
-    }
-    setvbuf(log, NULL, _IOLBF, 0); /* one line at a time, so a reader can follow it */
-  }
-
-  int64_t per_epoch = ddp_loader_num_batches(train_loader);
-  progress prog = {.quiet = !lead, .tty = isatty(STDERR_FILENO), .started = ddp_time_s()};
-  prog.total_steps = a.epochs * per_epoch;
-  if (a.max_steps && a.max_steps < prog.total_steps) prog.total_steps = a.max_steps;
-
+  o.seed = a.seed;
+  o.workers = a.workers;
+  o.sync_bn = a.sync_bn;
+  o.eval_every = a.eval_every;
+  o.patience = a.patience;
+  o.log_path = a.log_path;
+  o.save_path = a.save_path;
+  o.save_every = a.save_every;
+  o.resume_path = a.resume_path;
   run_meta meta;
-  run_meta_init(&meta, &a, &oo);
-  /* Where training starts: the beginning, or where the checkpoint stopped. */
-  ddp_train_state start = resume(&a, &meta, &world, model, opt, sched, per_epoch);
-  int64_t step = start.step, samples = 0, epochs_done = start.epoch;
-  /* The position a checkpoint records: the epoch in progress and the batches
-   * of it consumed; (next epoch, 0) once an epoch's end is processed. */
-  int64_t pos_epoch = start.epoch, pos_batches = start.epoch_batches;
-  double train_seconds = 0;
-  /* The same rate without this process's first WARMUP_STEPS steps (first
-   * touch of the activations, the one-time bucket relayout): what PyTorch's
-   * reference script times, after its 10 warm-up steps. */
-  double steady_seconds = 0;
-  int64_t steady_samples = 0, steps_here = 0;
-  step_phases steady_phases = {0};
-  ddp_preempt_clock preempt_clock;
-  ddp_preempt_clock_open(&preempt_clock);
-  double epoch_loss_sum = 0, all_loss_sum = 0;
-  int64_t epoch_steps = 0;   /* batches of this epoch consumed (also before a resume) */
-  int64_t epoch_losses = 0;  /* of those, steps run by this process */
-  /* Early stopping goes on from where a resumed run left it. */
-  patience pat = {.limit = a.patience,
-                  .best_loss = start.best_test_loss,
-                  .without_better = start.evals_without_better};
-  eval_result last_eval = {NAN, NAN};
-  bool evaluated_now = false, stop = false;
-  float loss_value = NAN;
+  run_meta_init(&meta, &a, &o.optim);
+  o.checkpoint_meta = meta.kv;
+  o.checkpoint_meta_count = meta.n;
+  tool_view view = {.prog = {.quiet = !lead, .tty = isatty(STDERR_FILENO),
+                             .started = ddp_time_s()},
+                    .a = &a, .lead = lead, .epochs = a.epochs, .last_loss = NAN};
+  o.callbacks = (ddp_train_callbacks){on_start, on_step, on_eval, &view};
 
-  for (int64_t epoch = start.epoch; epoch < a.epochs && !stop; epoch++) {
-    CHECK(ddp_loader_start_epoch(train_loader, epoch), "starting an epoch");
-    epoch_loss_sum = 0;
-    epoch_steps = 0;
-    epoch_losses = 0;
-    /* Resuming in the middle of an epoch: the same order (seed + epoch), less
-     * the batches the saved run already consumed. */
-    for (int64_t k = 0; epoch == start.epoch && k < start.epoch_batches; k++) {
-      ddp_batch b;
-      CHECK(ddp_loader_next(train_loader, &b), "skipping to the resumed batch");
-      if (b.size == 0) break;
-      epoch_steps++;
-    }
-    for (;;) {
-      if (a.max_steps && step >= a.max_steps) {
-        stop = true;
-        break;
-      }
-      double t0 = ddp_time_s();
-      int64_t preempted0 = ddp_preempt_clock_ns(&preempt_clock);
-      ddp_batch b;
-      CHECK(ddp_loader_next(train_loader, &b), "loading a batch");
-      if (b.size == 0) break;
-      double t_loaded = ddp_time_s();
-      ddp_tensor *out, *loss;
-      ddp_tape_reset(tape);
-      ddp_model_zero_grad(model);
-      if (dp) CHECK(ddp_dp_forward(dp, tape, &b.x, &out), "forward");
-      else CHECK(ddp_model_forward(model, tape, &b.x, &out), "forward");
-      CHECK(ddp_model_loss(model, tape, out, &b.y, &loss), "loss");
-      double loss_sums[2] = {(double)ddp_tensor_f32(loss)[0] * (double)b.size, (double)b.size};
-      double t_forward = ddp_time_s();
-      if (dp) CHECK(ddp_dp_backward(dp, tape, loss), "backward");
-      else CHECK(ddp_backward(tape, loss), "backward");
-      double t_backward = ddp_time_s();
-      CHECK(ddp_optimizer_step(opt), "optimizer step");
-      step_phases phases = {.load = t_loaded - t0,
-                            .forward = t_forward - t_loaded,
-                            .backward_compute = t_backward - t_forward,
-                            .optimizer = ddp_time_s() - t_backward};
-      if (dp) {
-        ddp_dp_trace tr;
-        ddp_dp_get_trace(dp, &tr);
-        if (tr.n_buckets > 0) {
-          /* Same clock as ddp_time_s (ddp_time_ns, monotonic). */
-          double last_launch = 1e-9 * (double)tr.buckets[tr.n_buckets - 1].launch_ns;
-          double comm = 1e-9 * (double)tr.finalize_end_ns - last_launch;
-          if (comm >= 0 && comm <= phases.backward_compute) {
-            phases.backward_comm = comm;
-            phases.backward_compute -= comm;
-          }
-        }
-      }
-      /* The loss of the global batch, reduced on this thread after the step:
-       * the ranks have just met in the gradients' allreduce, so it waits for
-       * no one, whereas an async reduction during backward handed to the
-       * progress thread cost 2-3% of a world-2 step (BENCHMARKS.md). */
-      CHECK(train_world_sum(&world, loss_sums, 2), "reducing the loss");
-      double step_seconds = ddp_time_s() - t0;
-      int64_t preempted1 = ddp_preempt_clock_ns(&preempt_clock);
-      phases.step = step_seconds;
-      phases.preempted =
-          preempted0 >= 0 && preempted1 >= 0 ? 1e-9 * (double)(preempted1 - preempted0) : NAN;
-      train_seconds += step_seconds;
-      loss_value = (float)(loss_sums[0] / loss_sums[1]);
-      if (!isfinite(loss_value)) { /* the same value on every rank: all stop here */
-        if (lead)
-          fprintf(stderr, "\nddp-train: error: the loss became %f at step %lld (epoch %lld); "
-                          "try a smaller --lr\n", loss_value, (long long)step + 1,
-                  (long long)epoch + 1);
-        exit(1);
-      }
-      step++;
-      samples += (int64_t)loss_sums[1]; /* every rank's samples */
-      if (++steps_here > WARMUP_STEPS) {
-        steady_seconds += step_seconds;
-        steady_samples += (int64_t)loss_sums[1];
-        step_phases_add(&steady_phases, &phases);
-      }
-      epoch_steps++;
-      epoch_losses++;
-      pos_epoch = epoch;
-      pos_batches = epoch_steps;
-      epoch_loss_sum += loss_value;
-      all_loss_sum += loss_value;
-      double rate = per_second(samples, train_seconds);
-      if (log) {
-        fprintf(log, "{\"step\": %lld, \"epoch\": %lld, ", (long long)step, (long long)epoch);
-        json_number(log, "loss", loss_value, true);
-        json_number(log, "lr", ddp_optimizer_get_lr(opt), true);
-        json_number(log, "samples_per_s", rate, true);
-        step_phases_json(log, &phases, 1, false);
-        fputs("}\n", log);
-      }
-      show_progress(&prog, step, epoch, a.epochs, loss_value, rate, train_seconds, false);
-      evaluated_now = false;
-      if (a.eval_every && step % a.eval_every == 0) {
-        last_eval = evaluate(model, tape, test_loader, &world);
-        evaluated_now = true;
-        if (record_eval(&pat, log, last_eval, step, epoch)) {
-          stop = true;
-          break;
-        }
-      }
-      /* After this step's evaluation, which a resumed run does not repeat:
-       * the checkpoint's early-stopping position counts it. (Evaluation
-       * changes nothing else that is saved.) */
-      if (a.save_every && step % a.save_every == 0)
-        save_checkpoint(&a, &meta, &world, model, opt, sched, step, epoch, epoch_steps, &pat);
-    }
-    if (epoch_steps == per_epoch) {
-      epochs_done++;
-      if (sched) CHECK(ddp_scheduler_step(sched), "StepLR");
-      pos_epoch = epoch + 1;
-      pos_batches = 0;
-    }
-    /* --eval-every 0: evaluate at the end of each epoch (and of training),
-     * also when this run resumed exactly there (from a --save-every
-     * checkpoint of the epoch's last step, taken before this evaluation),
-     * as the run that saved it went on to do. */
-    const bool epoch_end = epoch_steps == per_epoch && per_epoch > 0;
-    if (!a.eval_every && !evaluated_now && (epoch_losses > 0 || epoch_end)) {
-      last_eval = evaluate(model, tape, test_loader, &world);
-      evaluated_now = true;
-      show_progress(&prog, step, epoch, a.epochs, loss_value,
-                    per_second(samples, train_seconds), train_seconds, true);
-      end_progress_line(&prog);
-      if (lead) {
-        fprintf(stderr, "epoch %lld: test loss %.4f", (long long)epoch + 1, last_eval.loss);
-        if (!isnan(last_eval.accuracy))
-          fprintf(stderr, ", test accuracy %.2f%%", 100 * last_eval.accuracy);
-        fputc('\n', stderr);
-      }
-      /* Stopped mid-epoch (--max-steps): this evaluation is the end of
-       * training's, which a run going on would not make here, so the
-       * checkpoint's early-stopping position leaves it out. */
-      patience after_stop = pat;
-      if (record_eval(epoch_end ? &pat : &after_stop, log, last_eval, step, epoch))
-        stop = true;
-    }
-  }
-  /* The end of training is always evaluated. */
-  if (a.save_path)
-    save_checkpoint(&a, &meta, &world, model, opt, sched, step, pos_epoch, pos_batches, &pat);
-  int64_t steps_run = step - start.step;
-  if (!evaluated_now && (step > 0 || a.epochs == 0)) {
-    last_eval = evaluate(model, tape, test_loader, &world);
-    record_eval(&pat, log, last_eval, step, epochs_done);
-  }
-  end_progress_line(&prog);
-  ddp_preempt_clock_close(&preempt_clock);
-  /* Every rank's mean preempted time over its steady steps, for --json:
-   * in a synchronous step one rank's preemption stalls them all. */
-  double steady_steps = steps_here > WARMUP_STEPS ? (double)(steps_here - WARMUP_STEPS) : 0;
-  double *preempted_per_rank = NULL;
-  if (a.json) {
-    preempted_per_rank = calloc((size_t)world.size, sizeof *preempted_per_rank);
-    if (!preempted_per_rank) {
-      fprintf(stderr, "ddp-train: error: out of memory for %d ranks' figures\n", world.size);
-      exit(1);
-    }
-    preempted_per_rank[world.rank] =
-        steady_steps > 0 ? 1e3 * steady_phases.preempted / steady_steps : NAN;
-    CHECK(train_world_sum(&world, preempted_per_rank, world.size),
-          "gathering the ranks' preempted time");
-  }
-
-  double rate = per_second(samples, train_seconds);
-  /* Mean over the last epoch's steps, or over all steps when fewer than an epoch ran. */
-  double train_loss = steps_run == 0          ? NAN
-                      : steps_run < per_epoch ? all_loss_sum / (double)steps_run
-                      : epoch_losses          ? epoch_loss_sum / (double)epoch_losses
-                                              : NAN;
-  double epochs_fraction = per_epoch ? (double)step / (double)per_epoch : 0;
-  if (lead) {
-    fprintf(stderr, "trained %lld steps (%.2f epochs) at %.0f samples/s", (long long)step,
-            epochs_fraction, rate);
-    if (world.size > 1) fprintf(stderr, " on %d ranks", world.size);
-    fprintf(stderr, "; test loss %.4f", last_eval.loss);
-    if (!isnan(last_eval.accuracy))
-      fprintf(stderr, ", test accuracy %.2f%%", 100 * last_eval.accuracy);
-    fputc('\n', stderr);
-  }
-  if (a.json && lead) {
-    printf("{");
-    json_number(stdout, "samples_per_s", rate, true);
-    json_number(stdout, "steady_samples_per_s",
-                steady_samples ? per_second(steady_samples, steady_seconds) : NAN, true);
-    json_number(stdout, "train_loss", train_loss, true);
-    json_number(stdout, "test_loss", last_eval.loss, true);
-    json_number(stdout, "test_accuracy", last_eval.accuracy, true);
-    printf("\"steps\": %lld, ", (long long)step);
-    /* Rank 0's mean step, over the steps steady_samples_per_s counts. */
-    printf("\"steady_step_phases\": {");
-    step_phases_json(stdout, &steady_phases, steady_steps, false);
-    printf("}, ");
-    printf("\"steady_preempted_ms_per_rank\": [");
-    for (int r = 0; r < world.size; r++) {
-      if (isfinite(preempted_per_rank[r])) printf("%s%.6g", r ? ", " : "", preempted_per_rank[r]);
-      else printf("%snull", r ? ", " : "");
-    }
-    printf("], ");
-    json_number(stdout, "epochs", epochs_fraction, true);
-    printf("\"world_size\": %d, \"model\": \"%s\", \"optimizer\": \"%s\"}\n", world.size, a.model,
-           a.optimizer);
-  }
-  if (log && fclose(log) != 0) {
-    fprintf(stderr, "ddp-train: error: writing the log %s: %s\n", a.log_path, strerror(errno));
+  ddp_trainer *trainer;
+  CHECK(ddp_trainer_create(&trainer, model, train_ds, test_ds, world.pg, &o),
+        "setting up training");
+  ddp_train_result r;
+  ddp_status s = ddp_trainer_run(trainer, &r);
+  if (s != DDP_OK) {
+    end_progress_line(&view.prog);
+    fprintf(stderr, "ddp-train: %serror: %s\n", rank_tag,
+            ddp_last_error()[0] ? ddp_last_error() : ddp_strerror(s));
     exit(1);
   }
-
+  end_progress_line(&view.prog);
+  if (lead) {
+    fprintf(stderr, "trained %lld steps (%.2f epochs) at %.0f samples/s", (long long)r.steps,
+            r.epochs, r.samples_per_s);
+    if (world.size > 1) fprintf(stderr, " on %d ranks", world.size);
+    fprintf(stderr, "; test loss %.4f", r.test_loss);
+    if (!isnan(r.test_accuracy)) fprintf(stderr, ", test accuracy %.2f%%", 100 * r.test_accuracy);
+    fputc('\n', stderr);
+  }
+  if (a.json && lead) print_summary(&a, &r);
   if (a.dump_state) dump_state(model, a.dump_state, world.rank);
-  free(preempted_per_rank);
-
-  ddp_dp_destroy(dp);
-  ddp_tape_destroy(tape);
-  ddp_loader_destroy(test_loader);
-  ddp_loader_destroy(train_loader);
-  ddp_sampler_destroy(test_sampler);
-  ddp_sampler_destroy(train_sampler);
-  ddp_scheduler_destroy(sched);
-  ddp_optimizer_destroy(opt);
+  ddp_train_result_free(&r);
+  ddp_trainer_destroy(trainer);
   ddp_dataset_destroy(test_ds);
   ddp_dataset_destroy(train_ds);
   ddp_model_destroy(model);

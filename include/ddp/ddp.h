@@ -13,5 +13,6 @@
 #include "ddp/io.h"
 #include "ddp/launch.h"
 #include "ddp/parallel.h"
+#include "ddp/train.h"
 
 #endif /* DDP_H */

@@ -5,6 +5,7 @@
 #   toydata_ddp     the sampler's shards cover the data once, the loss falls
 #   mnist_ddp       the test set is counted once over the ranks, the loss falls
 #   ddp_checkpoint  rank 0's saved parameters are what every rank loads
+#   train_api       the trainer's C API: a callback stops both ranks at step 60
 # Usage: test_examples_ddp.sh [NAME...] (default: all that are built).
 set -uo pipefail
 fail() { echo "FAIL: $*"; exit 1; }
@@ -26,7 +27,7 @@ expect() { # NAME PATTERN [COUNT]
 }
 
 names=("$@")
-[ ${#names[@]} -gt 0 ] || names=(ddp_basic toydata_ddp mnist_ddp ddp_checkpoint)
+[ ${#names[@]} -gt 0 ] || names=(ddp_basic toydata_ddp mnist_ddp ddp_checkpoint train_api)
 for name in "${names[@]}"; do
   case $name in
   ddp_basic)
@@ -43,6 +44,16 @@ for name in "${names[@]}"; do
     fi
     run mnist_ddp --max-steps 20 --lr 0.01 --eval-samples 1001
     expect mnist_ddp "over 1001 samples \(each counted once: yes\): ok$" ;;
+  train_api)
+    data=/usr/share/datasets/fashion-mnist
+    if [ ! -e "$data/t10k-labels-idx1-ubyte.gz" ] && [ ! -e "$data/t10k-labels-idx1-ubyte" ]; then
+      echo "note: $data is not installed (install-deps.sh data): train_api not run"; continue
+    fi
+    # The step callback asks to stop after 60 steps: both ranks stop there
+    # and the result says why; the ConvNet has learnt something by then.
+    run train_api 60
+    expect train_api "^step 50: loss [0-9.]+, [0-9]+ samples/s$"
+    expect train_api "^trained 60 steps on 2 rank\(s\), stopped by callback: test accuracy ([6-9][0-9]|100)\.[0-9]+%" ;;
   ddp_checkpoint)
     run ddp_checkpoint
     expect ddp_checkpoint "^rank [01]: loaded rank 0's checkpoint: .*: ok$" 2 ;;

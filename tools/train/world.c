@@ -1,9 +1,7 @@
-/* ddp-train's process group: detection of a launcher from the environment,
- * env:// init, and the float64 sums the trainer reduces (docs/training.md,
- * "Data parallel"). */
+/* ddp-train's process group: detection of a launcher from the environment
+ * and env:// init (docs/training.md, "Data parallel"). */
 #include "train/world.h"
 
-#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -28,13 +26,6 @@ const char *train_world_requested(void) {
   return NULL;
 }
 
-int train_world_cpus(void) {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
-  long n = sysconf(_SC_NPROCESSORS_ONLN);
-  return n > 0 ? (int)n : 1;
-}
-
 ddp_status train_world_init(train_world *w) {
   *w = (train_world){.rank = 0, .size = 1, .local_size = 1};
   w->source = train_world_requested();
@@ -50,11 +41,6 @@ ddp_status train_world_init(train_world *w) {
   w->local_size = (int)local;
   ddp_log_set_rank(w->rank);
   return DDP_OK;
-}
-
-ddp_status train_world_sum(const train_world *w, double *values, int n) {
-  if (!w->pg || w->size == 1) return DDP_OK;
-  return ddp_allreduce(w->pg, values, (size_t)n, DDP_FLOAT64, DDP_REDUCE_SUM);
 }
 
 void train_world_destroy(train_world *w) {

@@ -1,7 +1,6 @@
 /* The data-parallel side of ddp-train: whether the environment asks for
- * several processes, the process group, and the few reductions the trainer
- * needs (loss, accuracy and counts summed over ranks). Kept apart from
- * ddp-train.c so the training loop reads the same with one rank or many. */
+ * several processes, and the process group the trainer (include/ddp/train.h)
+ * then runs over. */
 #ifndef DDP_TOOLS_TRAIN_WORLD_H
 #define DDP_TOOLS_TRAIN_WORLD_H
 
@@ -30,13 +29,6 @@ const char *train_world_requested(void);
  * process group (env://) and fills rank and size. Errors carry
  * ddp_last_error(). */
 ddp_status train_world_init(train_world *w);
-
-/* Sums values[0..n) over the ranks in place (float64); nothing with one
- * process. Collective: every rank calls it at the same point. */
-ddp_status train_world_sum(const train_world *w, double *values, int n);
-
-/* Logical CPUs this process may run on (sched_getaffinity), at least 1. */
-int train_world_cpus(void);
 
 /* Waits for every rank (so rank 0, which may host the store, leaves last)
  * and frees the group. Safe on a single-process world. */

@@ -1,0 +1,209 @@
+/* ddp train: the training loop as a library (what ddp-train, the
+ * hyperparameter search, the pipeline and the parameter server run). A
+ * trainer borrows a model, its training and test data and, optionally, a
+ * process group (the world, a subgroup, or NULL for one process); it owns
+ * the optimizer, the lr schedule, the samplers and loaders, the
+ * data-parallel wrapper, checkpoints and the JSON-lines log. docs/train.md
+ * has the rules.
+ *
+ * The model of use:
+ *
+ *   ddp_train_options o = ddp_train_defaults();
+ *   o.epochs = 3;
+ *   o.optim.sgd.momentum = 0.9;
+ *   o.callbacks.on_step = my_step;           // progress, tracing, pruning ...
+ *   ddp_trainer *t;
+ *   DDP_TRY(ddp_trainer_create(&t, model, train_ds, test_ds, pg, &o));  // pg may be NULL
+ *   ddp_train_result r;
+ *   ddp_status s = ddp_trainer_run(t, &r);   // collective over pg
+ *   printf("%.2f%%\n", 100 * r.test_accuracy);
+ *   ddp_train_result_free(&r);
+ *   ddp_trainer_destroy(t);
+ *
+ * With a group, every rank of it creates its trainer with the same options
+ * and runs it: each trains on its shard of every epoch (PyTorch's
+ * DistributedSampler), gradients are averaged over the group while backward
+ * runs, the test set is split without padding and its metrics reduced, so
+ * every rank ends with the same result. Ranks outside the group take no
+ * part: trainers on disjoint subgroups train side by side. */
+#ifndef DDP_TRAIN_H
+#define DDP_TRAIN_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ddp/comm.h"
+#include "ddp/core.h"
+#include "ddp/data.h"
+#include "ddp/io.h"
+#include "ddp/nn.h"
+#include "ddp/optim.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct ddp_trainer ddp_trainer;
+
+/* How the model is spread over the group. AUTO: data parallel with a group,
+ * single without. The pipeline and the parameter server come as further
+ * strategies of the same loop (docs/train.md). */
+typedef enum ddp_train_strategy {
+  DDP_TRAIN_AUTO = 0,
+  DDP_TRAIN_SINGLE = 1,        /* this process alone; a group is only for the reductions */
+  DDP_TRAIN_DATA_PARALLEL = 2, /* DistributedDataParallel over the group */
+} ddp_train_strategy;
+
+/* Where one step's time went, in milliseconds (PyTorch's DDP logging splits
+ * a step the same way). backward_comm: from the last bucket's launch to the
+ * end of the gradients' reduction, the communication backward did not hide,
+ * the wait for the slowest rank included. preempted is no part but a cause:
+ * the time this rank was ready to run while another task held its CPU (NaN
+ * where the kernel has no schedstat). */
+typedef struct ddp_train_phases {
+  double load_ms, forward_ms, backward_compute_ms, backward_comm_ms, optimizer_ms, step_ms,
+      preempted_ms;
+} ddp_train_phases;
+
+/* What a step callback sees, after the step's update; the same on every
+ * rank of the group but for phases and preempted (this rank's). */
+typedef struct ddp_train_step_info {
+  int64_t step;          /* optimizer steps since the start of training (1 after the first) */
+  int64_t epoch;         /* 0-based epoch the step belongs to */
+  int64_t total_steps;   /* steps this run will make at most (epochs and max_steps) */
+  double loss;           /* the global batch's mean loss */
+  double lr;             /* the learning rate the step used */
+  double samples_per_s;  /* every rank's samples over the training time so far */
+  double train_seconds;  /* training time so far (steps only, no evaluation) */
+  ddp_train_phases phases;
+} ddp_train_step_info;
+
+typedef enum ddp_train_eval_kind {
+  DDP_TRAIN_EVAL_PERIODIC = 0, /* every eval_every steps */
+  DDP_TRAIN_EVAL_EPOCH = 1,    /* at the end of an epoch (eval_every 0), or where max_steps stopped it */
+  DDP_TRAIN_EVAL_FINAL = 2,    /* the end of training, when no other evaluation was just made */
+} ddp_train_eval_kind;
+
+/* An evaluation on the whole test set (every sample counted once over the
+ * group); the same on every rank. */
+typedef struct ddp_train_eval_info {
+  int64_t step, epoch;
+  double test_loss;     /* mean over the test samples */
+  double test_accuracy; /* fraction correct; NaN for a regression model */
+  ddp_train_eval_kind kind;
+} ddp_train_eval_info;
+
+/* Where training starts: 0, or where a resumed checkpoint stopped. */
+typedef struct ddp_train_start_info {
+  int64_t step, epoch, epoch_batches; /* the position resumed from (all 0 when fresh) */
+  int64_t steps_per_epoch;            /* batches per epoch on each rank */
+  int64_t total_steps;                /* as in ddp_train_step_info */
+  bool resumed;
+} ddp_train_start_info;
+
+/* Callbacks, all optional, called on every rank of the group in the same
+ * order. on_step and on_eval return true to stop training: the run stops
+ * after that step (or evaluation) on every rank of the group, whichever
+ * rank asked (the requests are reduced over the group), and the result
+ * says so. A callback must not call collectives on the trainer's group. */
+typedef struct ddp_train_callbacks {
+  void (*on_start)(const ddp_train_start_info *info, void *user);
+  bool (*on_step)(const ddp_train_step_info *info, void *user);
+  bool (*on_eval)(const ddp_train_eval_info *info, void *user);
+  void *user;
+} ddp_train_callbacks;
+
+/* Everything ddp-train's flags express. Start from ddp_train_defaults(). */
+typedef struct ddp_train_options {
+  int64_t epochs;          /* passes over the training set; 0 = only evaluate (1) */
+  int64_t max_steps;       /* stop after this many steps in total, 0 = no limit (0) */
+  int64_t batch_size;      /* samples per step on each rank (100) */
+  int64_t eval_batch_size; /* 0 = max(batch_size, 1000) */
+  ddp_optim_options optim; /* SGD, lr 0.01 */
+  int64_t step_lr_size;    /* > 0: StepLR, lr times step_lr_gamma every this many epochs (0) */
+  double step_lr_gamma;    /* (0.1) */
+  uint64_t seed;           /* the sampler's shuffle: torch.randperm(N) seeded seed + epoch (1) */
+  int workers;             /* loader threads; -1 = 1, or 0 when the ranks on this host (from
+                            * LOCAL_WORLD_SIZE, else the group's size) fill its CPUs (-1) */
+  ddp_train_strategy strategy;
+  bool sync_bn;            /* data parallel: convert the model's BatchNorm to SyncBatchNorm */
+  int64_t eval_every;      /* evaluate every N steps; 0 = at each epoch's end and the end (0) */
+  int64_t patience;        /* stop after this many evaluations without a better test
+                            * loss; 0 = never (0) */
+  const char *log_path;    /* JSON lines, per step and per evaluation (rank 0); NULL: none */
+  const char *save_path;   /* checkpoint at the end (rank 0 writes; docs/io.md); NULL: none */
+  int64_t save_every;      /* also every N steps (needs save_path); 0: at the end only */
+  const char *resume_path; /* continue the run saved there; NULL: start fresh */
+  /* Options a resumed run must share with the saved one, stored in both
+   * checkpoint files and compared on resume (borrowed; may be NULL). */
+  const ddp_kv *checkpoint_meta;
+  size_t checkpoint_meta_count;
+  ddp_train_callbacks callbacks;
+  uint64_t reserved[8]; /* zero */
+} ddp_train_options;
+
+/* epochs 1, batch 100, SGD lr 0.01 (no momentum), seed 1, automatic
+ * workers, evaluation at each epoch's end, no log, no checkpoints. */
+ddp_train_options ddp_train_defaults(void);
+
+/* Why the run ended. */
+typedef enum ddp_train_stop {
+  DDP_TRAIN_STOP_EPOCHS = 0,    /* every epoch ran */
+  DDP_TRAIN_STOP_MAX_STEPS = 1, /* max_steps reached */
+  DDP_TRAIN_STOP_PATIENCE = 2,  /* early stopping: patience ran out */
+  DDP_TRAIN_STOP_CALLBACK = 3,  /* a callback asked (on some rank of the group) */
+} ddp_train_stop;
+const char *ddp_train_stop_name(ddp_train_stop stop); /* "epochs", "max_steps", ... */
+
+/* What ddp-train's --json summary reports. Filled by ddp_trainer_run; free
+ * with ddp_train_result_free. NaN where a figure does not exist (no step
+ * ran, a regression model's accuracy, steady figures within the first 10
+ * steps). */
+typedef struct ddp_train_result {
+  double samples_per_s;        /* every rank's samples over the training time */
+  double steady_samples_per_s; /* the same without this process's first 10 steps */
+  double train_loss;           /* mean over the last epoch's steps (all steps if < 1 epoch) */
+  double test_loss, test_accuracy;
+  int64_t steps;               /* optimizer steps since the start of training */
+  int64_t steps_run;           /* of those, run by this call (not before a resume) */
+  double epochs;               /* steps / steps per epoch */
+  int world_size;              /* the group's size (1 without one) */
+  ddp_train_phases steady_phases;     /* this rank's mean over the steady steps */
+  double *steady_preempted_ms_per_rank; /* world_size entries, each rank's mean preempted_ms */
+  ddp_train_stop stopped;
+  uint64_t reserved[4];
+} ddp_train_result;
+
+void ddp_train_result_free(ddp_train_result *r);
+
+/* Creates a trainer over `model`, `train` and `test` (borrowed: they must
+ * outlive it) and `pg` (borrowed, may be NULL). Checks that the data fit
+ * the model, converts BatchNorm to SyncBatchNorm when asked, creates the
+ * optimizer, the schedule, the samplers and loaders and, for data
+ * parallelism, the wrapper (collective: broadcasts rank 0's parameters).
+ * Opens the log on rank 0. Bad options are DDP_ERR_INVALID naming the
+ * option; nothing is left allocated on error. */
+ddp_status ddp_trainer_create(ddp_trainer **out, ddp_model *model, ddp_dataset *train,
+                              ddp_dataset *test, ddp_process_group *pg,
+                              const ddp_train_options *options);
+
+/* Trains (from the resumed checkpoint when options->resume_path), evaluates
+ * and fills *result (also on some errors: what was reached). Collective
+ * over the group. Errors say what and where: "step 37 (epoch 1): the loss
+ * became nan; try a smaller lr", a checkpoint's file and offset, a peer
+ * that failed. Run once per trainer. */
+ddp_status ddp_trainer_run(ddp_trainer *t, ddp_train_result *result);
+
+/* The optimizer the trainer made (for its state; owned by the trainer). */
+ddp_optimizer *ddp_trainer_optimizer(ddp_trainer *t);
+
+/* Frees what the trainer made and closes the log; NULL is fine. Not
+ * collective. */
+void ddp_trainer_destroy(ddp_trainer *t);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DDP_TRAIN_H */

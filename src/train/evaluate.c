@@ -1,0 +1,64 @@
+/* Evaluation on the test set: every rank its part (the evaluation sampler
+ * deals the set out without padding), then one reduction of the sums, so
+ * the figures count every test sample once and agree on every rank. */
+#include <math.h>
+
+#include "train/train_internal.h"
+
+ddp_status ddp__train_sum(ddp_trainer *t, double *values, int n) {
+  if (!t->pg || t->size == 1) return DDP_OK;
+  return ddp_allreduce(t->pg, values, (size_t)n, DDP_FLOAT64, DDP_REDUCE_SUM);
+}
+
+/* The sums of one pass over this rank's part: loss * size, correct, seen. */
+static ddp_status local_sums(ddp_trainer *t, double sums[3]) {
+  ddp_model *model = t->model;
+  ddp_tape *tape = t->tape;
+  const bool classify = ddp_model_loss_kind(model) != DDP_LOSS_MSE;
+  double loss_sum = 0;
+  int64_t correct = 0, seen = 0;
+  DDP_TRY(ddp_loader_start_epoch(t->test_loader, 0));
+  for (;;) {
+    ddp_batch b;
+    DDP_TRY(ddp_loader_next(t->test_loader, &b));
+    if (b.size == 0) break;
+    ddp_tensor *out, *loss;
+    ddp_tape_reset(tape);
+    DDP_TRY(ddp_model_forward(model, tape, &b.x, &out));
+    DDP_TRY(ddp_model_loss(model, tape, out, &b.y, &loss));
+    loss_sum += (double)ddp_tensor_f32(loss)[0] * (double)b.size;
+    if (classify) {
+      const float *o = ddp_tensor_f32(out);
+      const int64_t *y = ddp_tensor_i64(&b.y);
+      int64_t classes = out->shape[1];
+      for (int64_t i = 0; i < b.size; i++) {
+        int64_t best = 0;
+        for (int64_t c = 1; c < classes; c++)
+          if (o[i * classes + c] > o[i * classes + best]) best = c;
+        correct += best == y[i];
+      }
+    }
+    seen += b.size;
+  }
+  sums[0] = loss_sum;
+  sums[1] = (double)correct; /* counts: exact in float64 */
+  sums[2] = (double)seen;
+  return DDP_OK;
+}
+
+ddp_status ddp__train_evaluate(ddp_trainer *t, double *loss, double *accuracy) {
+  ddp_model_train(t->model, false);
+  ddp_tape_set_grad_enabled(t->tape, false);
+  double sums[3];
+  ddp_status s = local_sums(t, sums);
+  ddp_tape_reset(t->tape);
+  ddp_tape_set_grad_enabled(t->tape, true);
+  ddp_model_train(t->model, true);
+  if (s != DDP_OK) return ddp_error_wrap(s, "evaluating on the test set");
+  s = ddp__train_sum(t, sums, 3);
+  if (s != DDP_OK) return ddp_error_wrap(s, "reducing the test metrics over the ranks");
+  const bool classify = ddp_model_loss_kind(t->model) != DDP_LOSS_MSE;
+  *loss = sums[2] > 0 ? sums[0] / sums[2] : NAN;
+  *accuracy = classify && sums[2] > 0 ? sums[1] / sums[2] : NAN;
+  return DDP_OK;
+}

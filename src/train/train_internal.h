@@ -1,0 +1,63 @@
+/* The trainer's parts (src/train/): the strategy table, evaluation, the
+ * JSON-lines log. Internal: never installed. */
+#ifndef DDP_SRC_TRAIN_INTERNAL_H
+#define DDP_SRC_TRAIN_INTERNAL_H
+
+#include <stdio.h>
+
+#include "ddp/ddp.h"
+#include "ddp/train.h"
+
+/* How a step's forward and backward go for one way of spreading the model
+ * (docs/train.md, "Strategies"). The loop around them is the same for all:
+ * loading, the loss, the optimizer, the loss's reduction, evaluation,
+ * checkpoints and callbacks. A strategy that needs a step-long object
+ * (the data-parallel wrapper) keeps it in the trainer (ddp__trainer_dp). */
+typedef struct ddp__train_strategy {
+  const char *name;
+  /* Sets up what the strategy needs (collective where it says so). */
+  ddp_status (*create)(ddp_trainer *t);
+  ddp_status (*forward)(ddp_trainer *t, ddp_tape *tape, ddp_tensor *x, ddp_tensor **out);
+  ddp_status (*backward)(ddp_trainer *t, ddp_tape *tape, ddp_tensor *loss);
+  /* Moves the communication backward did not hide from *backward_compute
+   * to *backward_comm (seconds); NULL: nothing to split. */
+  void (*split_backward)(ddp_trainer *t, double *backward_compute, double *backward_comm);
+  void (*destroy)(ddp_trainer *t);
+} ddp__train_strategy;
+
+extern const ddp__train_strategy ddp__train_single;
+extern const ddp__train_strategy ddp__train_data_parallel;
+
+/* The trainer's state shared with its parts. */
+struct ddp_trainer {
+  ddp_train_options o;
+  ddp_model *model;
+  ddp_dataset *train_ds, *test_ds;
+  ddp_process_group *pg; /* NULL: one process */
+  int rank, size;
+  const ddp__train_strategy *strategy;
+  ddp_dp *dp; /* the data-parallel strategy's wrapper */
+  ddp_optimizer *opt;
+  ddp_scheduler *sched;
+  ddp_sampler *train_sampler, *test_sampler;
+  ddp_loader *train_loader, *test_loader;
+  ddp_tape *tape;
+  FILE *log; /* rank 0's, when options.log_path */
+  bool ran;
+};
+
+/* Sums values[0..n) over the group in place (float64); nothing without one.
+ * Collective. */
+ddp_status ddp__train_sum(ddp_trainer *t, double *values, int n);
+
+/* Evaluates on the test set (every rank its part, no padding) and reduces
+ * the sums once, so every rank gets the same figures. Collective. */
+ddp_status ddp__train_evaluate(ddp_trainer *t, double *loss, double *accuracy);
+
+/* JSON lines (train_log.c): a step's record and an evaluation's. */
+void ddp__train_log_step(FILE *log, const ddp_train_step_info *s);
+void ddp__train_log_eval(FILE *log, int64_t step, int64_t epoch, double loss, double accuracy);
+/* `"key": value` with JSON's null for NaN and infinities, ", " after it when comma. */
+void ddp__train_json_number(FILE *f, const char *key, double v, bool comma);
+
+#endif

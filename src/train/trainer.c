@@ -1,0 +1,603 @@
+/* The training loop (include/ddp/train.h, docs/train.md): epochs of shuffled
+ * batches, forward and backward through the strategy, the optimizer and the
+ * lr schedule, the global batch's loss, evaluation, early stopping,
+ * checkpoints and resumption, the log, callbacks, and the figures of the
+ * result. One loop for every strategy. */
+#include <errno.h>
+#include <math.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "train/train_internal.h"
+
+/* Steps left out of the steady figures, as PyTorch's reference script
+ * leaves out its 10 warm-up steps (first touch of the activations, the
+ * wrapper's one-time bucket relayout). */
+#define WARMUP_STEPS 10
+
+ddp_train_options ddp_train_defaults(void) {
+  ddp_train_options o = {0};
+  o.epochs = 1;
+  o.batch_size = 100;
+  o.optim = ddp_optim_defaults(DDP_OPTIM_SGD);
+  o.optim.lr = 0.01;
+  o.step_lr_gamma = 0.1;
+  o.seed = 1;
+  o.workers = -1;
+  return o;
+}
+
+const char *ddp_train_stop_name(ddp_train_stop stop) {
+  switch (stop) {
+  case DDP_TRAIN_STOP_EPOCHS: return "epochs";
+  case DDP_TRAIN_STOP_MAX_STEPS: return "max_steps";
+  case DDP_TRAIN_STOP_PATIENCE: return "patience";
+  case DDP_TRAIN_STOP_CALLBACK: return "callback";
+  }
+  return "unknown";
+}
+
+void ddp_train_result_free(ddp_train_result *r) {
+  if (!r) return;
+  free(r->steady_preempted_ms_per_rank);
+  r->steady_preempted_ms_per_rank = NULL;
+}
+
+ddp_optimizer *ddp_trainer_optimizer(ddp_trainer *t) { return t->opt; }
+
+/* ---- Creation ------------------------------------------------------------ */
+
+static ddp_status check_options(const ddp_train_options *o, const ddp_process_group *pg) {
+  if (o->epochs < 0) return ddp_error(DDP_ERR_INVALID, "epochs is %lld (>= 0)", (long long)o->epochs);
+  if (o->max_steps < 0)
+    return ddp_error(DDP_ERR_INVALID, "max_steps is %lld (>= 0)", (long long)o->max_steps);
+  if (o->batch_size < 1)
+    return ddp_error(DDP_ERR_INVALID, "batch_size is %lld (>= 1)", (long long)o->batch_size);
+  if (o->eval_batch_size < 0 || o->eval_every < 0 || o->patience < 0 || o->save_every < 0 ||
+      o->step_lr_size < 0)
+    return ddp_error(DDP_ERR_INVALID, "eval_batch_size, eval_every, patience, save_every and "
+                                      "step_lr_size are counts (>= 0)");
+  if (o->workers < -1) return ddp_error(DDP_ERR_INVALID, "workers is %d (-1 or >= 0)", o->workers);
+  if (o->save_every && !o->save_path)
+    return ddp_error(DDP_ERR_INVALID, "save_every %lld needs save_path", (long long)o->save_every);
+  if (o->strategy == DDP_TRAIN_DATA_PARALLEL && !pg)
+    return ddp_error(DDP_ERR_INVALID, "the data-parallel strategy needs a process group");
+  if (o->strategy < DDP_TRAIN_AUTO || o->strategy > DDP_TRAIN_DATA_PARALLEL)
+    return ddp_error(DDP_ERR_INVALID, "unknown strategy %d", (int)o->strategy);
+  if (o->sync_bn && o->strategy == DDP_TRAIN_SINGLE && pg)
+    return ddp_error(DDP_ERR_INVALID, "sync_bn needs the data-parallel strategy");
+  return DDP_OK;
+}
+
+/* Checks that the data's samples fit the model, before the first forward. */
+static ddp_status check_shapes(const ddp_model *model, const ddp_dataset *ds) {
+  const ddp_dataset_info *info = ddp_dataset_get_info(ds);
+  int64_t shape[DDP_MAX_DIMS];
+  int nd = ddp_model_sample_shape(model, shape);
+  int64_t numel = 1;
+  for (int i = 0; i < nd; i++) numel *= shape[i];
+  bool classify = ddp_model_loss_kind(model) != DDP_LOSS_MSE;
+  if (nd && numel != info->input_numel)
+    return ddp_error(DDP_ERR_SHAPE,
+                     "the model takes samples of %lld values but %s has %lld; pick matching "
+                     "data (image models take 28x28 images)",
+                     (long long)numel, info->name, (long long)info->input_numel);
+  if (classify != (info->target_dtype == DDP_INT64))
+    return ddp_error(DDP_ERR_SHAPE, "the model needs %s targets but %s has %s",
+                     classify ? "class-label" : "real-valued", info->name,
+                     info->target_dtype == DDP_INT64 ? "class labels" : "real-valued targets");
+  return DDP_OK;
+}
+
+/* Loader threads only where cores are left over: with as many ranks on
+ * this host as cores, a loader thread per rank would steal compute. */
+static int automatic_workers(int group_size) {
+  int64_t local = group_size;
+  if (ddp_env_int("LOCAL_WORLD_SIZE", group_size, &local) != DDP_OK || local < 1)
+    local = group_size;
+  int cpus = 1;
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) {
+    cpus = CPU_COUNT(&set);
+  } else {
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    if (n > 0) cpus = (int)n;
+  }
+  return 2 * local <= cpus ? 1 : 0;
+}
+
+/* The samplers and loaders. PyTorch's DistributedSampler: each epoch is
+ * torch.randperm(N) from a generator seeded with seed + epoch, padded to a
+ * multiple of the group's size (drop_last false) and dealt out to the ranks
+ * in turn; the test set is dealt out without padding. */
+static ddp_status create_loaders(ddp_trainer *t, int workers) {
+  const ddp_train_options *o = &t->o;
+  ddp_distributed_sampler_options so = ddp_distributed_sampler_defaults(t->size, t->rank);
+  so.seed = o->seed;
+  ddp_status s = ddp_sampler_create_distributed(&t->train_sampler,
+                                                ddp_dataset_size(t->train_ds), &so);
+  if (s != DDP_OK) return ddp_error_wrap(s, "creating the sampler");
+  ddp_loader_config lc = ddp_loader_config_default();
+  lc.batch_size = o->batch_size;
+  lc.sampler = t->train_sampler;
+  lc.num_workers = workers;
+  s = ddp_loader_create(&t->train_loader, t->train_ds, &lc);
+  if (s != DDP_OK) return ddp_error_wrap(s, "creating the training loader");
+  s = ddp_sampler_create_distributed_eval(&t->test_sampler, ddp_dataset_size(t->test_ds), t->size,
+                                          t->rank);
+  if (s != DDP_OK) return ddp_error_wrap(s, "creating the test sampler");
+  ddp_loader_config tc = ddp_loader_config_default();
+  tc.batch_size = o->eval_batch_size ? o->eval_batch_size
+                  : o->batch_size > 1000 ? o->batch_size
+                                         : 1000;
+  tc.num_workers = workers;
+  tc.sampler = t->test_sampler;
+  s = ddp_loader_create(&t->test_loader, t->test_ds, &tc);
+  if (s != DDP_OK) return ddp_error_wrap(s, "creating the test loader");
+  return DDP_OK;
+}
+
+static ddp_status create_parts(ddp_trainer *t) {
+  const ddp_train_options *o = &t->o;
+  ddp_status s = check_shapes(t->model, t->train_ds);
+  if (s != DDP_OK) return s;
+  /* SyncBatchNorm needs a group; with one process it is BatchNorm itself. */
+  if (o->sync_bn && t->pg && t->strategy == &ddp__train_data_parallel) {
+    s = ddp_model_convert_sync_batchnorm(t->model, t->pg);
+    if (s != DDP_OK) return ddp_error_wrap(s, "converting to SyncBatchNorm");
+  }
+  s = ddp_optimizer_create(&t->opt, &o->optim, ddp_model_params_flat(t->model),
+                           ddp_model_grads_flat(t->model),
+                           (size_t)ddp_model_num_param_elements(t->model));
+  if (s != DDP_OK) return ddp_error_wrap(s, "creating the optimizer");
+  if (o->step_lr_size > 0) {
+    ddp_step_lr_options so = {0};
+    so.step_size = o->step_lr_size;
+    so.gamma = o->step_lr_gamma;
+    so.last_epoch = -1;
+    s = ddp_scheduler_create_step_lr(&t->sched, t->opt, &so);
+    if (s != DDP_OK) return ddp_error_wrap(s, "creating StepLR");
+  }
+  s = t->strategy->create(t);
+  if (s != DDP_OK)
+    return ddp_error_wrap(s, "setting up the %s strategy", t->strategy->name);
+  DDP_TRY(create_loaders(t, o->workers >= 0 ? o->workers : automatic_workers(t->size)));
+  s = ddp_tape_create(&t->tape, 16 << 20);
+  if (s != DDP_OK) return ddp_error_wrap(s, "creating the tape");
+  if (o->log_path && t->rank == 0) {
+    t->log = fopen(o->log_path, "w");
+    if (!t->log)
+      return ddp_error(DDP_ERR_IO, "cannot write the log %s: %s", o->log_path, strerror(errno));
+    setvbuf(t->log, NULL, _IOLBF, 0); /* one line at a time, so a reader can follow it */
+  }
+  return DDP_OK;
+}
+
+ddp_status ddp_trainer_create(ddp_trainer **out, ddp_model *model, ddp_dataset *train,
+                              ddp_dataset *test, ddp_process_group *pg,
+                              const ddp_train_options *options) {
+  if (!out || !model || !train || !test || !options)
+    return ddp_error(DDP_ERR_INVALID, "ddp_trainer_create: out, model, train, test and options "
+                                      "must not be NULL");
+  *out = NULL;
+  DDP_TRY(check_options(options, pg));
+  ddp_trainer *t = calloc(1, sizeof *t);
+  if (!t) return ddp_error(DDP_ERR_NOMEM, "ddp_trainer_create: out of memory");
+  t->o = *options;
+  t->model = model;
+  t->train_ds = train;
+  t->test_ds = test;
+  t->pg = pg;
+  t->rank = pg ? ddp_process_group_rank(pg) : 0;
+  t->size = pg ? ddp_process_group_size(pg) : 1;
+  const bool parallel = options->strategy == DDP_TRAIN_DATA_PARALLEL ||
+                        (options->strategy == DDP_TRAIN_AUTO && pg);
+  t->strategy = parallel ? &ddp__train_data_parallel : &ddp__train_single;
+  ddp_status s = create_parts(t);
+  if (s != DDP_OK) {
+    ddp_trainer_destroy(t);
+    return s;
+  }
+  *out = t;
+  return DDP_OK;
+}
+
+void ddp_trainer_destroy(ddp_trainer *t) {
+  if (!t) return;
+  if (t->strategy) t->strategy->destroy(t);
+  if (t->log) fclose(t->log);
+  ddp_tape_destroy(t->tape);
+  ddp_loader_destroy(t->test_loader);
+  ddp_loader_destroy(t->train_loader);
+  ddp_sampler_destroy(t->test_sampler);
+  ddp_sampler_destroy(t->train_sampler);
+  ddp_scheduler_destroy(t->sched);
+  ddp_optimizer_destroy(t->opt);
+  free(t);
+}
+
+/* ---- Checkpoints and early stopping --------------------------------------- */
+
+/* Early stopping: patience evaluations in a row without a better test loss. */
+typedef struct patience {
+  int64_t limit; /* 0 = never stop */
+  int64_t without_better;
+  double best_loss;
+} patience;
+
+/* Logs an evaluation and returns true when patience has run out. */
+static bool record_eval(patience *p, FILE *log, double loss, double accuracy, int64_t step,
+                        int64_t epoch) {
+  if (log) ddp__train_log_eval(log, step, epoch, loss, accuracy);
+  if (loss < p->best_loss) {
+    p->best_loss = loss;
+    p->without_better = 0;
+    return false;
+  }
+  return p->limit && ++p->without_better >= p->limit;
+}
+
+/* Rank 0 writes the checkpoint; every rank waits at a barrier until it is
+ * on disk, so none can go on (exit, or load it) before. */
+static ddp_status save_checkpoint(ddp_trainer *t, int64_t step, int64_t epoch,
+                                  int64_t epoch_batches, const patience *pat) {
+  ddp_train_state ts = {.step = step, .epoch = epoch, .epoch_batches = epoch_batches,
+                        .sampler_seed = t->o.seed, .world_size = t->size,
+                        .best_test_loss = pat->best_loss,
+                        .evals_without_better = pat->without_better};
+  if (t->rank == 0) {
+    ddp_status s = ddp_checkpoint_save(t->o.save_path, t->model, t->opt, t->sched, &ts,
+                                       t->o.checkpoint_meta, t->o.checkpoint_meta_count);
+    if (s != DDP_OK) return ddp_error_wrap(s, "saving the checkpoint");
+  }
+  if (t->pg) {
+    ddp_status s = ddp_barrier(t->pg);
+    if (s != DDP_OK) return ddp_error_wrap(s, "waiting for rank 0 to save the checkpoint");
+  }
+  return DDP_OK;
+}
+
+/* Loads resume_path into the model, optimizer and schedule (every rank reads
+ * the files) and fills where training continues. A checkpoint taken
+ * mid-epoch by another number of ranks is refused: the epoch's order
+ * depends on the group's size. */
+static ddp_status resume(ddp_trainer *t, ddp_train_state *start) {
+  *start = (ddp_train_state){.world_size = t->size, .best_test_loss = INFINITY};
+  if (!t->o.resume_path) return DDP_OK;
+  ddp_status s = ddp_checkpoint_load(t->o.resume_path, t->model, t->opt, t->sched, start,
+                                     t->o.checkpoint_meta, t->o.checkpoint_meta_count);
+  if (s != DDP_OK) return ddp_error_wrap(s, "resuming");
+  if (start->world_size != t->size && start->epoch_batches > 0)
+    return ddp_error(DDP_ERR_INVALID,
+                     "%s was saved by %lld ranks in the middle of epoch %lld; this run has %d "
+                     "ranks, which split that epoch differently (resume with %lld ranks, or "
+                     "from a checkpoint taken at the end of an epoch)",
+                     t->o.resume_path, (long long)start->world_size,
+                     (long long)start->epoch + 1, t->size, (long long)start->world_size);
+  return DDP_OK;
+}
+
+/* ---- The loop ------------------------------------------------------------ */
+
+/* Whether any rank of the group asked to stop: a callback may decide on one
+ * rank only (the search prunes on its lead), and the group must stop
+ * together. Collective when the group has more than one rank. */
+static ddp_status agree_to_stop(ddp_trainer *t, bool *stop) {
+  if (!t->pg || t->size == 1) return DDP_OK;
+  double any = *stop ? 1 : 0;
+  ddp_status s = ddp__train_sum(t, &any, 1);
+  if (s != DDP_OK) return ddp_error_wrap(s, "agreeing on a callback's stop over the ranks");
+  *stop = any > 0;
+  return DDP_OK;
+}
+
+static double per_second(int64_t count, double seconds) {
+  return seconds > 0 ? (double)count / seconds : 0;
+}
+
+static void phases_add(ddp_train_phases *sum, const ddp_train_phases *p) {
+  sum->load_ms += p->load_ms;
+  sum->forward_ms += p->forward_ms;
+  sum->backward_compute_ms += p->backward_compute_ms;
+  sum->backward_comm_ms += p->backward_comm_ms;
+  sum->optimizer_ms += p->optimizer_ms;
+  sum->step_ms += p->step_ms;
+  sum->preempted_ms += p->preempted_ms;
+}
+
+/* Everything the loop keeps between steps. Phases are in seconds while they
+ * accumulate and become milliseconds only in what callers see. */
+typedef struct run_state {
+  ddp_train_state start;
+  int64_t per_epoch, total_steps;
+  int64_t step, samples, epochs_done;
+  /* The position a checkpoint records: the epoch in progress and the
+   * batches of it consumed; (next epoch, 0) once an epoch's end is
+   * processed. */
+  int64_t pos_epoch, pos_batches;
+  double train_seconds;
+  /* The same rate without this process's first WARMUP_STEPS steps. */
+  double steady_seconds;
+  int64_t steady_samples, steps_here;
+  ddp_train_phases steady; /* seconds, summed */
+  ddp_preempt_clock preempt_clock;
+  double epoch_loss_sum, all_loss_sum;
+  int64_t epoch_steps;  /* batches of this epoch consumed (also before a resume) */
+  int64_t epoch_losses; /* of those, steps run by this process */
+  patience pat;
+  double last_loss, last_accuracy;
+  bool evaluated_now, stop;
+  ddp_train_stop stopped;
+} run_state;
+
+/* Evaluates, tells on_eval, and returns in *stop whether patience ran out
+ * or a callback asked (agreed over the group). `counts` false: the
+ * evaluation is the end of training's, made where a run going on would not
+ * make one, so early stopping's saved position leaves it out. */
+static ddp_status evaluate_now(ddp_trainer *t, run_state *r, int64_t epoch,
+                               ddp_train_eval_kind kind, bool counts, bool *stop) {
+  DDP_TRY(ddp__train_evaluate(t, &r->last_loss, &r->last_accuracy));
+  r->evaluated_now = true;
+  bool by_callback = false;
+  if (t->o.callbacks.on_eval) {
+    ddp_train_eval_info info = {.step = r->step, .epoch = epoch, .test_loss = r->last_loss,
+                                .test_accuracy = r->last_accuracy, .kind = kind};
+    by_callback = t->o.callbacks.on_eval(&info, t->o.callbacks.user);
+    DDP_TRY(agree_to_stop(t, &by_callback));
+  }
+  patience after = r->pat;
+  bool out_of_patience =
+      record_eval(counts ? &r->pat : &after, t->log, r->last_loss, r->last_accuracy, r->step, epoch);
+  *stop = out_of_patience || by_callback;
+  if (by_callback) r->stopped = DDP_TRAIN_STOP_CALLBACK;
+  else if (out_of_patience) r->stopped = DDP_TRAIN_STOP_PATIENCE;
+  return DDP_OK;
+}
+
+/* One optimizer step on the next batch; *done when the epoch has none left. */
+static ddp_status train_step(ddp_trainer *t, run_state *r, int64_t epoch, bool *done) {
+  double t0 = ddp_time_s();
+  int64_t preempted0 = ddp_preempt_clock_ns(&r->preempt_clock);
+  ddp_batch b;
+  ddp_status s = ddp_loader_next(t->train_loader, &b);
+  if (s != DDP_OK) return ddp_error_wrap(s, "loading a batch");
+  if (b.size == 0) {
+    *done = true;
+    return DDP_OK;
+  }
+  double t_loaded = ddp_time_s();
+  ddp_tensor *out, *loss;
+  ddp_tape_reset(t->tape);
+  ddp_model_zero_grad(t->model);
+  s = t->strategy->forward(t, t->tape, &b.x, &out);
+  if (s != DDP_OK) return ddp_error_wrap(s, "forward");
+  s = ddp_model_loss(t->model, t->tape, out, &b.y, &loss);
+  if (s != DDP_OK) return ddp_error_wrap(s, "loss");
+  double loss_sums[2] = {(double)ddp_tensor_f32(loss)[0] * (double)b.size, (double)b.size};
+  double t_forward = ddp_time_s();
+  s = t->strategy->backward(t, t->tape, loss);
+  if (s != DDP_OK) return ddp_error_wrap(s, "backward");
+  double t_backward = ddp_time_s();
+  s = ddp_optimizer_step(t->opt);
+  if (s != DDP_OK) return ddp_error_wrap(s, "optimizer step");
+  double load = t_loaded - t0, forward = t_forward - t_loaded,
+         backward_compute = t_backward - t_forward, backward_comm = 0,
+         optimizer = ddp_time_s() - t_backward;
+  if (t->strategy->split_backward) t->strategy->split_backward(t, &backward_compute, &backward_comm);
+  /* The loss of the global batch, reduced on this thread after the step:
+   * the ranks have just met in the gradients' allreduce, so it waits for no
+   * one, whereas an async reduction during backward handed to the progress
+   * thread cost 2-3% of a world-2 step (BENCHMARKS.md). */
+  s = ddp__train_sum(t, loss_sums, 2);
+  if (s != DDP_OK) return ddp_error_wrap(s, "reducing the loss");
+  double step_seconds = ddp_time_s() - t0;
+  int64_t preempted1 = ddp_preempt_clock_ns(&r->preempt_clock);
+  double preempted =
+      preempted0 >= 0 && preempted1 >= 0 ? 1e-9 * (double)(preempted1 - preempted0) : NAN;
+  r->train_seconds += step_seconds;
+  float loss_value = (float)(loss_sums[0] / loss_sums[1]);
+  if (!isfinite(loss_value)) /* the same value on every rank: all stop here */
+    return ddp_error(DDP_ERR_RANGE, "the loss became %f at step %lld; try a smaller learning rate",
+                     loss_value, (long long)r->step + 1);
+  r->step++;
+  r->samples += (int64_t)loss_sums[1]; /* every rank's samples */
+  const ddp_train_phases phases = {load, forward, backward_compute, backward_comm, optimizer,
+                                   step_seconds, preempted};
+  if (++r->steps_here > WARMUP_STEPS) {
+    r->steady_seconds += step_seconds;
+    r->steady_samples += (int64_t)loss_sums[1];
+    phases_add(&r->steady, &phases);
+  }
+  r->epoch_steps++;
+  r->epoch_losses++;
+  r->pos_epoch = epoch;
+  r->pos_batches = r->epoch_steps;
+  r->epoch_loss_sum += loss_value;
+  r->all_loss_sum += loss_value;
+  ddp_train_step_info info = {
+      .step = r->step, .epoch = epoch, .total_steps = r->total_steps, .loss = loss_value,
+      .lr = ddp_optimizer_get_lr(t->opt), .samples_per_s = per_second(r->samples, r->train_seconds),
+      .train_seconds = r->train_seconds,
+      .phases = {1e3 * load, 1e3 * forward, 1e3 * backward_compute, 1e3 * backward_comm,
+                 1e3 * optimizer, 1e3 * step_seconds, 1e3 * preempted}};
+  if (t->log) ddp__train_log_step(t->log, &info);
+  if (t->o.callbacks.on_step) {
+    bool stop = t->o.callbacks.on_step(&info, t->o.callbacks.user);
+    DDP_TRY(agree_to_stop(t, &stop));
+    if (stop) {
+      r->stop = true;
+      r->stopped = DDP_TRAIN_STOP_CALLBACK;
+    }
+  }
+  return DDP_OK;
+}
+
+/* One epoch: resumes mid-epoch where the checkpoint stopped, trains until
+ * the epoch or a limit ends, then the schedule and the epoch's
+ * evaluation. */
+static ddp_status train_epoch(ddp_trainer *t, run_state *r, int64_t epoch) {
+  const ddp_train_options *o = &t->o;
+  ddp_status s = ddp_loader_start_epoch(t->train_loader, epoch);
+  if (s != DDP_OK) return ddp_error_wrap(s, "starting an epoch");
+  r->epoch_loss_sum = 0;
+  r->epoch_steps = 0;
+  r->epoch_losses = 0;
+  /* Resuming in the middle of an epoch: the same order (seed + epoch), less
+   * the batches the saved run already consumed. */
+  for (int64_t k = 0; epoch == r->start.epoch && k < r->start.epoch_batches; k++) {
+    ddp_batch b;
+    s = ddp_loader_next(t->train_loader, &b);
+    if (s != DDP_OK) return ddp_error_wrap(s, "skipping to the resumed batch");
+    if (b.size == 0) break;
+    r->epoch_steps++;
+  }
+  for (;;) {
+    if (r->stop) break; /* a callback asked after the last step */
+    if (o->max_steps && r->step >= o->max_steps) {
+      r->stop = true;
+      r->stopped = DDP_TRAIN_STOP_MAX_STEPS;
+      break;
+    }
+    bool done = false;
+    DDP_TRY(train_step(t, r, epoch, &done));
+    if (done) break;
+    r->evaluated_now = false;
+    if (o->eval_every && r->step % o->eval_every == 0) {
+      bool stop;
+      DDP_TRY(evaluate_now(t, r, epoch, DDP_TRAIN_EVAL_PERIODIC, true, &stop));
+      if (stop) {
+        r->stop = true;
+        break;
+      }
+    }
+    /* After this step's evaluation, which a resumed run does not repeat:
+     * the checkpoint's early-stopping position counts it. (Evaluation
+     * changes nothing else that is saved.) */
+    if (o->save_every && r->step % o->save_every == 0)
+      DDP_TRY(save_checkpoint(t, r->step, epoch, r->epoch_steps, &r->pat));
+  }
+  if (r->epoch_steps == r->per_epoch) {
+    r->epochs_done++;
+    if (t->sched) {
+      s = ddp_scheduler_step(t->sched);
+      if (s != DDP_OK) return ddp_error_wrap(s, "StepLR");
+    }
+    r->pos_epoch = epoch + 1;
+    r->pos_batches = 0;
+  }
+  /* eval_every 0: evaluate at the end of each epoch (and of training), also
+   * when this run resumed exactly there (from a save_every checkpoint of the
+   * epoch's last step, taken before this evaluation), as the run that saved
+   * it went on to do. Stopped mid-epoch, this evaluation is the end of
+   * training's, which a run going on would not make here. */
+  const bool epoch_end = r->epoch_steps == r->per_epoch && r->per_epoch > 0;
+  if (!o->eval_every && !r->evaluated_now && (r->epoch_losses > 0 || epoch_end)) {
+    bool stop;
+    DDP_TRY(evaluate_now(t, r, epoch, DDP_TRAIN_EVAL_EPOCH, epoch_end, &stop));
+    if (stop) r->stop = true;
+  }
+  return DDP_OK;
+}
+
+/* The figures of the result, after the loop. Collective: gathers every
+ * rank's preempted time. */
+static ddp_status fill_result(ddp_trainer *t, run_state *r, ddp_train_result *res) {
+  int64_t steps_run = r->step - r->start.step;
+  double steady_steps =
+      r->steps_here > WARMUP_STEPS ? (double)(r->steps_here - WARMUP_STEPS) : 0;
+  res->samples_per_s = per_second(r->samples, r->train_seconds);
+  res->steady_samples_per_s =
+      r->steady_samples ? per_second(r->steady_samples, r->steady_seconds) : NAN;
+  /* Mean over the last epoch's steps, or over all steps when fewer than an
+   * epoch ran. */
+  res->train_loss = steps_run == 0             ? NAN
+                    : steps_run < r->per_epoch ? r->all_loss_sum / (double)steps_run
+                    : r->epoch_losses          ? r->epoch_loss_sum / (double)r->epoch_losses
+                                               : NAN;
+  res->test_loss = r->last_loss;
+  res->test_accuracy = r->last_accuracy;
+  res->steps = r->step;
+  res->steps_run = steps_run;
+  res->epochs = r->per_epoch ? (double)r->step / (double)r->per_epoch : 0;
+  res->world_size = t->size;
+  res->stopped = r->stopped;
+  const ddp_train_phases *p = &r->steady;
+  const double n = steady_steps;
+  res->steady_phases = (ddp_train_phases){1e3 * p->load_ms / n, 1e3 * p->forward_ms / n,
+                                          1e3 * p->backward_compute_ms / n,
+                                          1e3 * p->backward_comm_ms / n, 1e3 * p->optimizer_ms / n,
+                                          1e3 * p->step_ms / n, 1e3 * p->preempted_ms / n};
+  /* Every rank's mean preempted time over its steady steps: in a
+   * synchronous step one rank's preemption stalls them all. */
+  res->steady_preempted_ms_per_rank = calloc((size_t)t->size, sizeof(double));
+  if (!res->steady_preempted_ms_per_rank)
+    return ddp_error(DDP_ERR_NOMEM, "out of memory for %d ranks' figures", t->size);
+  res->steady_preempted_ms_per_rank[t->rank] =
+      steady_steps > 0 ? 1e3 * p->preempted_ms / steady_steps : NAN;
+  ddp_status s = ddp__train_sum(t, res->steady_preempted_ms_per_rank, t->size);
+  if (s != DDP_OK) return ddp_error_wrap(s, "gathering the ranks' preempted time");
+  return DDP_OK;
+}
+
+static ddp_status run(ddp_trainer *t, run_state *r, ddp_train_result *res) {
+  const ddp_train_options *o = &t->o;
+  r->per_epoch = ddp_loader_num_batches(t->train_loader);
+  r->total_steps = o->epochs * r->per_epoch;
+  if (o->max_steps && o->max_steps < r->total_steps) r->total_steps = o->max_steps;
+  /* Where training starts: the beginning, or where the checkpoint stopped. */
+  DDP_TRY(resume(t, &r->start));
+  if (o->callbacks.on_start) {
+    ddp_train_start_info info = {.step = r->start.step, .epoch = r->start.epoch,
+                                 .epoch_batches = r->start.epoch_batches,
+                                 .steps_per_epoch = r->per_epoch, .total_steps = r->total_steps,
+                                 .resumed = o->resume_path != NULL};
+    o->callbacks.on_start(&info, o->callbacks.user);
+  }
+  r->step = r->start.step;
+  r->epochs_done = r->start.epoch;
+  r->pos_epoch = r->start.epoch;
+  r->pos_batches = r->start.epoch_batches;
+  /* Early stopping goes on from where a resumed run left it. */
+  r->pat = (patience){.limit = o->patience, .best_loss = r->start.best_test_loss,
+                      .without_better = r->start.evals_without_better};
+  r->last_loss = r->last_accuracy = NAN;
+  r->stopped = DDP_TRAIN_STOP_EPOCHS;
+  for (int64_t epoch = r->start.epoch; epoch < o->epochs && !r->stop; epoch++) {
+    ddp_status s = train_epoch(t, r, epoch);
+    if (s != DDP_OK)
+      return ddp_error_wrap(s, "epoch %lld, after step %lld", (long long)epoch + 1,
+                            (long long)r->step);
+  }
+  if (o->save_path) DDP_TRY(save_checkpoint(t, r->step, r->pos_epoch, r->pos_batches, &r->pat));
+  /* The end of training is always evaluated. */
+  if (!r->evaluated_now && (r->step > 0 || o->epochs == 0)) {
+    DDP_TRY(ddp__train_evaluate(t, &r->last_loss, &r->last_accuracy));
+    record_eval(&r->pat, t->log, r->last_loss, r->last_accuracy, r->step, r->epochs_done);
+    if (o->callbacks.on_eval) {
+      ddp_train_eval_info info = {.step = r->step, .epoch = r->epochs_done,
+                                  .test_loss = r->last_loss, .test_accuracy = r->last_accuracy,
+                                  .kind = DDP_TRAIN_EVAL_FINAL};
+      (void)o->callbacks.on_eval(&info, o->callbacks.user); /* training is over: no stop */
+    }
+  }
+  DDP_TRY(fill_result(t, r, res));
+  if (t->log && fflush(t->log) != 0)
+    return ddp_error(DDP_ERR_IO, "writing the log %s: %s", o->log_path, strerror(errno));
+  return DDP_OK;
+}
+
+ddp_status ddp_trainer_run(ddp_trainer *t, ddp_train_result *result) {
+  if (!t || !result) return ddp_error(DDP_ERR_INVALID, "ddp_trainer_run: t or result is NULL");
+  *result = (ddp_train_result){.samples_per_s = NAN, .steady_samples_per_s = NAN,
+                               .train_loss = NAN, .test_loss = NAN, .test_accuracy = NAN,
+                               .world_size = t->size};
+  if (t->ran) return ddp_error(DDP_ERR_STATE, "ddp_trainer_run: this trainer has run already");
+  t->ran = true;
+  run_state r = {0};
+  ddp_preempt_clock_open(&r.preempt_clock);
+  ddp_status s = run(t, &r, result);
+  ddp_preempt_clock_close(&r.preempt_clock);
+  return s;
+}
