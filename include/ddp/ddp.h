@@ -14,5 +14,6 @@
 #include "ddp/launch.h"
 #include "ddp/parallel.h"
 #include "ddp/train.h"
+#include "ddp/hpo.h"
 
 #endif /* DDP_H */

@@ -1,0 +1,30 @@
+/* The search's parts (src/hpo/): CPython's sample and shuffle over indices,
+ * the breeding of one child. Internal: never installed. */
+#ifndef DDP_SRC_HPO_INTERNAL_H
+#define DDP_SRC_HPO_INTERNAL_H
+
+#include "ddp/ddp.h"
+#include "ddp/hpo.h"
+
+/* CPython 3.11's random.sample(population, k) over indices 0..n-1: out gets
+ * the k chosen indices in CPython's order. Scratch: pool (n entries) when
+ * ddp__pyrandom_sample_uses_pool(n, k), else taken (n flags). */
+bool ddp__pyrandom_sample_uses_pool(int64_t n, int64_t k);
+void ddp__pyrandom_sample(ddp_pyrandom *r, int64_t n, int64_t k, int64_t *out, int64_t *pool,
+                          bool *taken);
+void ddp__pyrandom_shuffle(ddp_pyrandom *r, int64_t *x, int64_t n);
+
+/* The traits' names sorted (point mutation picks among them), indices into
+ * the space. */
+const int *ddp__hpo_space_sorted(const ddp_hpo_space *space);
+/* The float-like traits (FLOAT, LOGFLOAT) in space order, and how many. */
+const int *ddp__hpo_space_intervals(const ddp_hpo_space *space, int *count);
+
+/* Breeds one child into `child` (one double per trait) from the active
+ * individuals (`n` of them, their values and losses) as Propulate's default
+ * propagator does, drawing from r. Scratch: `order` (n entries). */
+void ddp__hpo_breed(const ddp_hpo_space *space, const ddp_hpo_options *o, ddp_pyrandom *r,
+                    const double *const *values, const double *losses, int64_t n,
+                    int64_t *order, double *child);
+
+#endif
