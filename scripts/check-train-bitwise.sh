@@ -7,7 +7,11 @@
 # byte for byte, the --json summary and the --log lines without their
 # timings, and stderr without its rates. For a change that must not change
 # training (issue 21: the loop moved into src/train/).
-# Usage: scripts/check-train-bitwise.sh REV   (e.g. HEAD~1; a few minutes)
+# With SPEED_ROUNDS=N it then times both in the same go: the ConvNet, batch
+# 100 per rank, --workers 0, 10 warm-up + 150 steps, steady_samples_per_s,
+# world 1 and 2, the two sides alternating within each round (who goes
+# first alternating too); prints the medians and new / old.
+# Usage: [SPEED_ROUNDS=5] scripts/check-train-bitwise.sh REV   (e.g. HEAD~1; a few minutes)
 # Needs the current release build (scripts/build.sh) and Fashion-MNIST.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -72,4 +76,34 @@ for c in "${configs[@]}"; do
     fi
   done
 done
-exit $failed
+[ $failed = 0 ] || exit 1
+rounds=${SPEED_ROUNDS:-0}
+[ "$rounds" -gt 0 ] || exit 0
+speed() { # BIN WORLD: steady samples/s
+  timeout 600 "$ddprun" --nproc-per-node "$2" "$1" --model convnet --workers 0 --max-steps 160 \
+    --momentum 0.9 --seed 2 --json 2>/dev/null | tail -n 1 |
+    python3 -c 'import json, sys; print(json.loads(sys.stdin.read())["steady_samples_per_s"])'
+}
+declare -A runs
+for ((k = 1; k <= rounds; k++)); do
+  line="round $k:"
+  for world in 1 2; do
+    order=(old new); [ $((k % 2)) = 0 ] && order=(new old)
+    for side in "${order[@]}"; do
+      bin=$old; [ $side = new ] && bin=$new
+      v=$(speed "$bin" "$world")
+      runs[$side.$world]+="$v "
+      line+=" world $world $side $v"
+    done
+  done
+  echo "$line samples/s" >&2
+done
+for world in 1 2; do
+  python3 - "$world" "${runs[old.$world]}" "${runs[new.$world]}" <<'PY'
+import statistics, sys
+world, old, new = sys.argv[1], [float(v) for v in sys.argv[2].split()], [float(v) for v in sys.argv[3].split()]
+mo, mn = statistics.median(old), statistics.median(new)
+print(f"world {world}: old {mo:.0f} samples/s, new {mn:.0f} samples/s, new/old {mn / mo:.3f} "
+      f"(medians of {len(old)}; old {min(old):.0f}-{max(old):.0f}, new {min(new):.0f}-{max(new):.0f})")
+PY
+done
