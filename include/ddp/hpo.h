@@ -87,6 +87,21 @@ int ddp_hpo_space_find(const ddp_hpo_space *space, const char *name);
 void ddp_hpo_format(const ddp_hpo_space *space, const double *values, char *buf, size_t bytes);
 void ddp_hpo_space_destroy(ddp_hpo_space *space);
 
+/* ---- Benchmark functions ------------------------------------------------------
+ * Propulate's (its paper's and utils/benchmark_functions.py): sphere (2-D),
+ * rosenbrock (2), step (5), quartic (30), rastrigin (20), griewank (10),
+ * schwefel (10), bisphere (30), birastrigin (30), each over float traits
+ * named as Propulate names them (a..z, A1, B1, ...) with its limits. */
+typedef double (*ddp_hpo_benchmark_fn)(const double *x, int n);
+
+/* The function called name, its dimension and its search space (a spec for
+ * ddp_hpo_space_parse, written into space; any output may be NULL).
+ * DDP_ERR_NOTFOUND lists the names. quartic's function here is noiseless;
+ * ddp_hpo_quartic adds Propulate's N(0, 1) noise per term from `noise`. */
+ddp_status ddp_hpo_benchmark(const char *name, ddp_hpo_benchmark_fn *fn, int *dims, char *space,
+                             size_t space_bytes);
+double ddp_hpo_quartic(const double *x, int n, ddp_pyrandom *noise);
+
 /* ---- The search ------------------------------------------------------------- */
 
 /* Propulate's default propagator and its loop, for one worker. Defaults as
