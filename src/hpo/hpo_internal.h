@@ -20,11 +20,18 @@ const int *ddp__hpo_space_sorted(const ddp_hpo_space *space);
 /* The float-like traits (FLOAT, LOGFLOAT) in space order, and how many. */
 const int *ddp__hpo_space_intervals(const ddp_hpo_space *space, int *count);
 
-/* Breeds one child into `child` (one double per trait) from the active
- * individuals (`n` of them, their values and losses) as Propulate's default
- * propagator does, drawing from r. Scratch: `order` (n entries). */
+/* Breeds one child into `child` (one double per trait) as Propulate's
+ * default propagator does, drawing from r. `n` individuals are active;
+ * best[0..min(n, pop_size)) are the indices of the best of them by loss,
+ * the earlier of equal losses first (what Propulate's stable sort of the
+ * whole active population puts first), and values[i] is individual i's. */
 void ddp__hpo_breed(const ddp_hpo_space *space, const ddp_hpo_options *o, ddp_pyrandom *r,
-                    const double *const *values, const double *losses, int64_t n,
-                    int64_t *order, double *child);
+                    const double *const *values, int64_t n, const int64_t *best, double *child);
+
+/* Keeps best[0..*count) (capacity cap) the cap lowest losses in (loss,
+ * index) order after individual `index` with `loss` joins; indices only
+ * grow, so a newcomer goes after every equal loss. O(cap). */
+void ddp__hpo_rank_insert(int64_t *best, double *best_loss, int *count, int cap, int64_t index,
+                          double loss);
 
 #endif

@@ -35,22 +35,25 @@ static bool init_uniform(const ddp_hpo_space *s, ddp_pyrandom *r, double p, doub
   return true;
 }
 
-/* SelectMin(pop_size): the active individuals sorted by loss, stably (the
- * first of equal losses first), the best pop_size kept: order[0..k). */
-static int64_t select_min(const double *losses, int64_t n, int64_t k, int64_t *order) {
-  for (int64_t i = 0; i < n; i++) order[i] = i;
-  /* insertion sort: stable, and n is the known population */
-  for (int64_t i = 1; i < n; i++) {
-    int64_t x = order[i], j = i;
-    for (; j > 0 && losses[order[j - 1]] > losses[x]; j--) order[j] = order[j - 1];
-    order[j] = x;
-  }
-  return n < k ? n : k;
+/* SelectMin(pop_size) keeps the best pop_size of the stably sorted
+ * active population; since only those are ever read, they are kept as they
+ * come instead of sorting everything each generation (Propulate sorts its
+ * whole population per breed: its cost grows with the population). */
+void ddp__hpo_rank_insert(int64_t *best, double *best_loss, int *count, int cap, int64_t index,
+                          double loss) {
+  int at = *count;
+  while (at > 0 && best_loss[at - 1] > loss) at--; /* after every equal loss: stable */
+  if (at >= cap) return;
+  int last = *count < cap ? *count : cap - 1;
+  memmove(best + at + 1, best + at, (size_t)(last - at) * sizeof *best);
+  memmove(best_loss + at + 1, best_loss + at, (size_t)(last - at) * sizeof *best_loss);
+  best[at] = index;
+  best_loss[at] = loss;
+  if (*count < cap) (*count)++;
 }
 
 void ddp__hpo_breed(const ddp_hpo_space *s, const ddp_hpo_options *o, ddp_pyrandom *r,
-                    const double *const *values, const double *losses, int64_t n,
-                    int64_t *order, double *child) {
+                    const double *const *values, int64_t n, const int64_t *order, double *child) {
   const int traits = ddp_hpo_space_size(s);
   /* Conditional: fewer than pop_size known, a fresh individual
    * (InitUniform at probability 1, which still draws its decision). */
@@ -58,7 +61,8 @@ void ddp__hpo_breed(const ddp_hpo_space *s, const ddp_hpo_options *o, ddp_pyrand
     init_uniform(s, r, 1.0, child);
     return;
   }
-  int64_t best = select_min(losses, n, o->pop_size, order);
+  /* SelectMin(pop_size): order[0..best) (ddp__hpo_rank_insert). */
+  int64_t best = o->pop_size;
   /* SelectUniform(2): random.sample(best, 2). CPython takes its pool
    * method up to 21 candidates and its set method beyond; ddp__pyrandom_sample
    * does both (with scratch for up to 128; beyond that, the set method's two

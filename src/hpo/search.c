@@ -54,20 +54,21 @@ ddp_status ddp_hpo_search(const ddp_hpo_space *space, const ddp_hpo_options *o,
   ddp_hpo_individual *inds = calloc((size_t)n, sizeof *inds);
   double *values = calloc((size_t)(n * traits), sizeof *values);
   const double **views = calloc((size_t)n, sizeof *views);
-  double *losses = calloc((size_t)n, sizeof *losses);
-  int64_t *order = calloc((size_t)n, sizeof *order);
-  if (!inds || !values || !views || !losses || !order) {
-    free(inds), free(values), free(views), free(losses), free(order);
+  double *best_loss = calloc((size_t)o->pop_size, sizeof *best_loss);
+  int64_t *best = calloc((size_t)o->pop_size, sizeof *best);
+  if (!inds || !values || !views || !best_loss || !best) {
+    free(inds), free(values), free(views), free(best_loss), free(best);
     return ddp_error(DDP_ERR_NOMEM, "hpo: no memory for %lld individuals", (long long)n);
   }
   ddp_pyrandom rng;
   ddp_pyrandom_seed(&rng, o->seed);
+  int n_best = 0;
   for (int64_t g = 0; g < n; g++) {
     ddp_hpo_individual *ind = &inds[g];
     ind->values = values + g * traits;
     /* The active population: every individual so far (one worker, no
      * migration: nothing is ever deactivated). */
-    ddp__hpo_breed(space, o, &rng, views, losses, g, order, ind->values);
+    ddp__hpo_breed(space, o, &rng, views, g, best, ind->values);
     ind->generation = g;
     ind->active = true;
     ind->start_s = ddp_time_s();
@@ -75,12 +76,12 @@ ddp_status ddp_hpo_search(const ddp_hpo_space *space, const ddp_hpo_options *o,
     ind->end_s = ddp_time_s();
     ind->loss = isnan(loss) ? INFINITY : loss;
     views[g] = ind->values;
-    losses[g] = ind->loss;
+    ddp__hpo_rank_insert(best, best_loss, &n_best, o->pop_size, g, ind->loss);
     if (result->best < 0 || ind->loss < inds[result->best].loss) result->best = g;
   }
   free(views);
-  free(losses);
-  free(order);
+  free(best_loss);
+  free(best);
   result->individuals = inds;
   result->count = n;
   return DDP_OK;

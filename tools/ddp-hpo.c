@@ -1,0 +1,378 @@
+/* ddp-hpo: hyperparameter search from the command line (include/ddp/hpo.h,
+ * docs/hpo.md): Propulate's evolutionary algorithm over a search space, on
+ * one of Propulate's benchmark functions or on seed 002's job (a
+ * convnet-N trained per individual by the trainer). One worker on one
+ * island for now; islands and multi-rank workers come with issue 22's rest.
+ * Tools are the only code that calls exit(). */
+#include <cblas.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ddp/ddp.h"
+
+#define DEFAULT_DATA "/usr/share/datasets/fashion-mnist"
+#define CONVNET_SPACE \
+  "conv_layers=int:2:10,activation=cat:relu|sigmoid|tanh,lr=logfloat:0.0001:0.01,gamma=float:0.5:0.999"
+
+static void usage(FILE *f) {
+  fprintf(f,
+"usage: ddp-hpo [options]\n"
+"\n"
+"Searches hyperparameters with Propulate's evolutionary algorithm (one worker).\n"
+"\n"
+"Objective\n"
+"  --objective NAME     a benchmark function: sphere | rosenbrock | step | quartic |\n"
+"                       rastrigin | griewank | schwefel | bisphere | birastrigin (Propulate's,\n"
+"                       with its space), or convnet: seed 002's job, a convnet-N trained per\n"
+"                       individual on Fashion-MNIST with Adadelta and StepLR, its loss the best\n"
+"                       test loss (default sphere)\n"
+"  --space SPEC         name=int:LO:HI,name=float:LO:HI,name=logfloat:LO:HI,name=cat:A|B|C\n"
+"                       (default: the objective's own; convnet: " CONVNET_SPACE ")\n"
+"convnet's training\n"
+"  --data DIR           MNIST-format IDX files (default " DEFAULT_DATA ")\n"
+"  --epochs N           at most N epochs per individual (default 20)\n"
+"  --patience K         stop an individual after K evaluations without a better loss (5)\n"
+"  --batch-size N       (default 8, as seed 002)\n"
+"  --max-steps N        at most N steps per individual (default 0: no limit)\n"
+"Search (Propulate's defaults)\n"
+"  --generations N      evaluations (default 100)\n"
+"  --pop-size N         breeding population (default 4)\n"
+"  --crossover-prob X   a trait comes from the second parent when a draw exceeds X (0.7)\n"
+"  --mutation-prob X    point mutation (0.4)\n"
+"  --random-init-prob X a fresh random individual instead (0.1)\n"
+"  --sigma-factor X     interval mutation's sigma over the interval (0.05)\n"
+"  --seed N             the generator is CPython's random.Random(N): --seed 0 reproduces\n"
+"                       Propulate's tutorials' rank 0 (default 0)\n"
+"Output\n"
+"  --top-n K            the summary lists the K best individuals (default 3)\n"
+"  --log FILE           one JSON object per evaluation: generation, the hyperparameters,\n"
+"                       loss, start and end time (s), evaluation time\n"
+"  --json               end stdout with one JSON summary line\n"
+"  -h, --help           this text\n"
+"\n"
+"Example:\n"
+"  ddp-hpo --objective rastrigin --generations 2000 --pop-size 8 --json\n"
+"  ddp-hpo --objective convnet --generations 8 --epochs 2 --max-steps 200\n");
+}
+
+static _Noreturn void die_usage(const char *fmt, const char *arg) {
+  fprintf(stderr, "ddp-hpo: ");
+  fprintf(stderr, fmt, arg);
+  fprintf(stderr, "\n(run ddp-hpo --help for the options)\n");
+  exit(2);
+}
+
+static _Noreturn void die(const char *what, ddp_status s) {
+  fprintf(stderr, "ddp-hpo: error: %s: %s\n", what,
+          ddp_last_error()[0] ? ddp_last_error() : ddp_strerror(s));
+  exit(1);
+}
+
+#define CHECK(expr, what)            \
+  do {                               \
+    ddp_status s_ = (expr);          \
+    if (s_ != DDP_OK) die(what, s_); \
+  } while (0)
+
+typedef struct args {
+  const char *objective, *space, *data, *log_path;
+  int64_t epochs, patience, batch_size, max_steps, top_n;
+  ddp_hpo_options o;
+  bool json;
+} args;
+
+static int64_t parse_int(const char *flag, const char *v, int64_t lo) {
+  char *end;
+  errno = 0;
+  long long x = strtoll(v, &end, 10);
+  if (errno || *end || end == v || x < lo) {
+    char msg[128];
+    snprintf(msg, sizeof msg, "%s expects an integer >= %lld, got '%%s'", flag, (long long)lo);
+    die_usage(msg, v);
+  }
+  return x;
+}
+
+static double parse_prob(const char *flag, const char *v) {
+  char *end;
+  errno = 0;
+  double x = strtod(v, &end);
+  if (errno || *end || end == v || !(x >= 0 && x <= 1)) {
+    char msg[128];
+    snprintf(msg, sizeof msg, "%s expects a number in [0, 1], got '%%s'", flag);
+    die_usage(msg, v);
+  }
+  return x;
+}
+
+static void parse_args(int argc, char **argv, args *a) {
+  *a = (args){.objective = "sphere", .data = DEFAULT_DATA, .epochs = 20, .patience = 5,
+              .batch_size = 8, .top_n = 3, .o = ddp_hpo_defaults()};
+  for (int i = 1; i < argc; i++) {
+    const char *f = argv[i];
+    if (!strcmp(f, "-h") || !strcmp(f, "--help")) {
+      usage(stdout);
+      exit(0);
+    }
+    if (!strcmp(f, "--json")) {
+      a->json = true;
+      continue;
+    }
+    static const char *const valued[] = {
+        "--objective", "--space", "--data", "--epochs", "--patience", "--batch-size",
+        "--max-steps", "--generations", "--pop-size", "--crossover-prob", "--mutation-prob",
+        "--random-init-prob", "--sigma-factor", "--seed", "--top-n", "--log"};
+    char name[64];
+    const char *eq = strchr(f, '=');
+    size_t len = eq ? (size_t)(eq - f) : strlen(f);
+    if (len >= sizeof name) die_usage("unknown option '%s'", f);
+    memcpy(name, f, len);
+    name[len] = '\0';
+    for (char *p = name; *p; p++)
+      if (*p == '_') *p = '-'; /* Propulate's --pop_size spelling too */
+    bool known = false;
+    for (size_t k = 0; k < sizeof valued / sizeof *valued; k++) known |= !strcmp(name, valued[k]);
+    if (!known) die_usage("unknown option '%s'", f);
+    const char *v = eq ? eq + 1 : NULL;
+    if (!v) {
+      if (i + 1 >= argc) die_usage("%s needs a value", f);
+      v = argv[++i];
+    }
+    if (!strcmp(name, "--objective")) a->objective = v;
+    else if (!strcmp(name, "--space")) a->space = v;
+    else if (!strcmp(name, "--data")) a->data = v;
+    else if (!strcmp(name, "--epochs")) a->epochs = parse_int(name, v, 1);
+    else if (!strcmp(name, "--patience")) a->patience = parse_int(name, v, 0);
+    else if (!strcmp(name, "--batch-size")) a->batch_size = parse_int(name, v, 1);
+    else if (!strcmp(name, "--max-steps")) a->max_steps = parse_int(name, v, 0);
+    else if (!strcmp(name, "--generations")) a->o.generations = parse_int(name, v, 1);
+    else if (!strcmp(name, "--pop-size")) a->o.pop_size = (int)parse_int(name, v, 2);
+    else if (!strcmp(name, "--crossover-prob")) a->o.crossover_prob = parse_prob(name, v);
+    else if (!strcmp(name, "--mutation-prob")) a->o.mutation_prob = parse_prob(name, v);
+    else if (!strcmp(name, "--random-init-prob")) a->o.random_init_prob = parse_prob(name, v);
+    else if (!strcmp(name, "--sigma-factor")) a->o.sigma_factor = parse_prob(name, v);
+    else if (!strcmp(name, "--seed")) a->o.seed = parse_int(name, v, 0);
+    else if (!strcmp(name, "--top-n")) a->top_n = parse_int(name, v, 1);
+    else if (!strcmp(name, "--log")) a->log_path = v;
+  }
+}
+
+/* ---- Objectives ----------------------------------------------------------- */
+
+typedef struct objective {
+  const args *a;
+  ddp_hpo_benchmark_fn bench; /* NULL: convnet */
+  ddp_pyrandom quartic_noise;
+  bool quartic;
+  ddp_dataset *train, *test; /* convnet's, opened once */
+  int i_layers, i_activation, i_lr, i_gamma;
+  int64_t evaluations;
+  FILE *log;
+  double started;
+} objective;
+
+static double benchmark_loss(objective *ob, const double *v, int n) {
+  return ob->quartic ? ddp_hpo_quartic(v, n, &ob->quartic_noise) : ob->bench(v, n);
+}
+
+static bool track_best(const ddp_train_eval_info *info, void *user) {
+  double *best = user;
+  if (info->test_loss < *best) *best = info->test_loss;
+  return false;
+}
+
+/* Seed 002's ind_loss: convnet-<conv_layers> with the activation, Adadelta
+ * at lr, StepLR(1, gamma), NLL, the best test loss over the evaluations
+ * (one per epoch), early stopping after `patience` without improvement.
+ * The individual's seed is the search's and its generation. */
+static double convnet_loss(objective *ob, const ddp_hpo_space *space, const double *v) {
+  const args *a = ob->a;
+  char model_name[32];
+  snprintf(model_name, sizeof model_name, "convnet-%d", (int)v[ob->i_layers]);
+  const ddp_hpo_trait *act = ddp_hpo_space_trait(space, ob->i_activation);
+  ddp_model *model;
+  uint64_t seed = (uint64_t)a->o.seed * 1000003u + (uint64_t)ob->evaluations;
+  if (ddp_model_build(model_name, act->choices[(int)v[ob->i_activation]], seed, &model) != DDP_OK) {
+    fprintf(stderr, "ddp-hpo: %s: %s (loss inf)\n", model_name, ddp_last_error());
+    return INFINITY;
+  }
+  ddp_train_options o = ddp_train_defaults();
+  o.optim = ddp_optim_defaults(DDP_OPTIM_ADADELTA);
+  o.optim.lr = v[ob->i_lr];
+  o.step_lr_size = 1;
+  o.step_lr_gamma = v[ob->i_gamma];
+  o.epochs = a->epochs;
+  o.max_steps = a->max_steps;
+  o.batch_size = a->batch_size;
+  o.patience = a->patience;
+  o.seed = seed;
+  o.workers = 0;
+  double best = INFINITY;
+  o.callbacks.on_eval = track_best;
+  o.callbacks.user = &best;
+  ddp_trainer *t;
+  ddp_train_result r;
+  ddp_status s = ddp_trainer_create(&t, model, ob->train, ob->test, NULL, &o);
+  if (s == DDP_OK) {
+    s = ddp_trainer_run(t, &r);
+    if (s == DDP_OK) ddp_train_result_free(&r);
+    ddp_trainer_destroy(t);
+  }
+  if (s != DDP_OK) {
+    fprintf(stderr, "ddp-hpo: generation %lld (%s): %s (loss inf)\n", (long long)ob->evaluations,
+            model_name, ddp_last_error());
+    best = INFINITY;
+  }
+  ddp_model_destroy(model);
+  return best;
+}
+
+static void log_evaluation(objective *ob, const ddp_hpo_space *space, const double *v, double loss,
+                           double t0, double t1) {
+  FILE *f = ob->log;
+  fprintf(f, "{\"generation\": %lld, ", (long long)ob->evaluations);
+  for (int i = 0; i < ddp_hpo_space_size(space); i++) {
+    const ddp_hpo_trait *t = ddp_hpo_space_trait(space, i);
+    if (t->kind == DDP_HPO_CATEGORICAL) fprintf(f, "\"%s\": \"%s\", ", t->name, t->choices[(int)v[i]]);
+    else if (t->kind == DDP_HPO_INT) fprintf(f, "\"%s\": %lld, ", t->name, (long long)v[i]);
+    else fprintf(f, "\"%s\": %.17g, ", t->name, v[i]);
+  }
+  if (isfinite(loss)) fprintf(f, "\"loss\": %.17g, ", loss);
+  else fprintf(f, "\"loss\": null, ");
+  fprintf(f, "\"island\": 0, \"worker\": 0, \"start_s\": %.6f, \"end_s\": %.6f, \"eval_s\": %.6f}\n",
+          t0 - ob->started, t1 - ob->started, t1 - t0);
+}
+
+static double evaluate(const ddp_hpo_space *space, const double *v, void *user) {
+  objective *ob = user;
+  double t0 = ddp_time_s();
+  double loss = ob->bench ? benchmark_loss(ob, v, ddp_hpo_space_size(space))
+                          : convnet_loss(ob, space, v);
+  double t1 = ddp_time_s();
+  if (ob->log) log_evaluation(ob, space, v, loss, t0, t1);
+  ob->evaluations++;
+  if (!ob->bench) {
+    char buf[256];
+    ddp_hpo_format(space, v, buf, sizeof buf);
+    fprintf(stderr, "generation %lld/%lld: %s: loss %.4f (%.1f s)\n", (long long)ob->evaluations,
+            (long long)ob->a->o.generations, buf, loss, t1 - t0);
+  }
+  return loss;
+}
+
+static int need_trait(const ddp_hpo_space *s, const char *name, ddp_hpo_trait_kind a,
+                      ddp_hpo_trait_kind b) {
+  int i = ddp_hpo_space_find(s, name);
+  if (i < 0 || (ddp_hpo_space_trait(s, i)->kind != a && ddp_hpo_space_trait(s, i)->kind != b)) {
+    fprintf(stderr, "ddp-hpo: error: --objective convnet needs a trait '%s' in --space "
+                    "(default " CONVNET_SPACE ")\n", name);
+    exit(2);
+  }
+  return i;
+}
+
+int main(int argc, char **argv) {
+  args a;
+  parse_args(argc, argv, &a);
+  /* One worker for now: several ranks would each run the same search. */
+  const char *world = getenv("WORLD_SIZE");
+  if ((world && atoi(world) > 1) || getenv("DDP_STORE_ADDR")) {
+    fprintf(stderr, "ddp-hpo: error: several ranks (islands, multi-rank workers) are not built "
+                    "yet (issue 22); run one process\n");
+    return 2;
+  }
+  openblas_set_num_threads(1);
+  objective ob = {.a = &a, .started = ddp_time_s()};
+  char bench_space[4096];
+  const char *spec = a.space;
+  if (strcmp(a.objective, "convnet") != 0) {
+    int dims;
+    ddp_status s = ddp_hpo_benchmark(a.objective, &ob.bench, &dims, bench_space, sizeof bench_space);
+    if (s != DDP_OK) {
+      fprintf(stderr, "ddp-hpo: --objective: %s, or convnet\n", ddp_last_error());
+      return 2;
+    }
+    ob.quartic = !strcmp(a.objective, "quartic");
+    ddp_pyrandom_seed(&ob.quartic_noise, a.o.seed + 1000003);
+    if (!spec) spec = bench_space;
+  } else if (!spec) {
+    spec = CONVNET_SPACE;
+  }
+  ddp_hpo_space *space;
+  if (ddp_hpo_space_parse(spec, &space) != DDP_OK) {
+    fprintf(stderr, "ddp-hpo: --space: %s\n(run ddp-hpo --help for the options)\n",
+            ddp_last_error());
+    return 2;
+  }
+  if (ob.bench) {
+    for (int i = 0; i < ddp_hpo_space_size(space); i++)
+      if (ddp_hpo_space_trait(space, i)->kind != DDP_HPO_FLOAT &&
+          ddp_hpo_space_trait(space, i)->kind != DDP_HPO_LOGFLOAT)
+        die_usage("a benchmark function takes float traits only (--space '%s')", spec);
+  } else {
+    ob.i_layers = need_trait(space, "conv_layers", DDP_HPO_INT, DDP_HPO_INT);
+    ob.i_activation = need_trait(space, "activation", DDP_HPO_CATEGORICAL, DDP_HPO_CATEGORICAL);
+    ob.i_lr = need_trait(space, "lr", DDP_HPO_FLOAT, DDP_HPO_LOGFLOAT);
+    ob.i_gamma = need_trait(space, "gamma", DDP_HPO_FLOAT, DDP_HPO_LOGFLOAT);
+    CHECK(ddp_dataset_open_idx_dir(&ob.train, a.data, DDP_SPLIT_TRAIN), "loading the training set");
+    CHECK(ddp_dataset_open_idx_dir(&ob.test, a.data, DDP_SPLIT_TEST), "loading the test set");
+  }
+  if (a.log_path) {
+    ob.log = fopen(a.log_path, "w");
+    if (!ob.log) {
+      fprintf(stderr, "ddp-hpo: error: cannot write the log %s: %s\n", a.log_path, strerror(errno));
+      return 1;
+    }
+    setvbuf(ob.log, NULL, _IOLBF, 0);
+  }
+  ddp_hpo_result r;
+  double t0 = ddp_time_s();
+  CHECK(ddp_hpo_search(space, &a.o, evaluate, &ob, &r), "searching");
+  double seconds = ddp_time_s() - t0;
+
+  /* The summary, as Propulate's: the top n individuals by loss. */
+  int64_t n = r.count, top = a.top_n < n ? a.top_n : n;
+  int64_t *order = malloc((size_t)n * sizeof *order);
+  if (!order) die("the summary", DDP_ERR_NOMEM);
+  for (int64_t i = 0; i < n; i++) order[i] = i;
+  for (int64_t i = 1; i < n; i++) /* stable: the earlier of equal losses first */
+    for (int64_t j = i; j > 0 && r.individuals[order[j - 1]].loss > r.individuals[order[j]].loss; j--) {
+      int64_t x = order[j];
+      order[j] = order[j - 1];
+      order[j - 1] = x;
+    }
+  fprintf(stderr, "%lld evaluations in %.2f s (%.0f/s); top %lld on island 0:\n", (long long)n,
+          seconds, n / seconds, (long long)top);
+  for (int64_t k = 0; k < top; k++) {
+    const ddp_hpo_individual *ind = &r.individuals[order[k]];
+    char buf[1024];
+    ddp_hpo_format(space, ind->values, buf, sizeof buf);
+    fprintf(stderr, "(%lld): %s, loss %.6g, island 0, worker 0, generation %lld\n",
+            (long long)k + 1, buf, ind->loss, (long long)ind->generation);
+  }
+  if (a.json) {
+    const ddp_hpo_individual *best = &r.individuals[order[0]];
+    char buf[1024];
+    ddp_hpo_format(space, best->values, buf, sizeof buf);
+    printf("{\"evaluations\": %lld, \"seconds\": %.6g, \"evals_per_s\": %.6g, ", (long long)n,
+           seconds, n / seconds);
+    if (isfinite(best->loss)) printf("\"best_loss\": %.17g, ", best->loss);
+    else printf("\"best_loss\": null, ");
+    printf("\"best\": \"%s\", \"best_generation\": %lld, \"objective\": \"%s\"}\n", buf,
+           (long long)best->generation, a.objective);
+  }
+  free(order);
+  if (ob.log && fclose(ob.log) != 0) {
+    fprintf(stderr, "ddp-hpo: error: writing the log %s: %s\n", a.log_path, strerror(errno));
+    return 1;
+  }
+  ddp_hpo_result_free(&r);
+  ddp_hpo_space_destroy(space);
+  ddp_dataset_destroy(ob.test);
+  ddp_dataset_destroy(ob.train);
+  return 0;
+}
