@@ -32,10 +32,8 @@ int main(int argc, char **argv) {
 
   /* A launcher's variables (ddprun, torchrun, srun, mpirun) mean: join them. */
   ddp_process_group *pg = NULL;
-  const char *world = getenv("WORLD_SIZE");
-  if ((world && atoi(world) > 1) || getenv("DDP_STORE_ADDR")) {
-    if (ddp_init_process_group("env://", NULL, NULL, &pg) != DDP_OK) goto fail;
-  }
+  if (ddp_rendezvous_requested() && ddp_init_process_group("env://", NULL, NULL, &pg) != DDP_OK)
+    goto fail;
   view v = {.rank = pg ? ddp_process_group_rank(pg) : 0, .stop_after = steps};
 
   ddp_model *model = NULL;

@@ -1,9 +1,10 @@
 /* ddp-hpo: hyperparameter search from the command line (include/ddp/hpo.h,
  * docs/hpo.md): Propulate's evolutionary algorithm over a search space, on
  * one of Propulate's benchmark functions or on seed 002's job (a
- * convnet-N trained per individual by the trainer). One worker on one
- * island for now; islands and multi-rank workers come with issue 22's rest.
- * Tools are the only code that calls exit(). */
+ * convnet-N trained per individual by the trainer). Started by a launcher
+ * it searches with every rank: workers of --ranks-per-worker ranks on one
+ * island (islands and checkpoints come with issue 22's rest). Tools are the
+ * only code that calls exit(). */
 #include <cblas.h>
 #include <errno.h>
 #include <math.h>
@@ -20,9 +21,9 @@
 
 static void usage(FILE *f) {
   fprintf(f,
-"usage: ddp-hpo [options]\n"
+"usage: ddp-hpo [options]          (or under ddprun / srun / mpirun: every rank searches)\n"
 "\n"
-"Searches hyperparameters with Propulate's evolutionary algorithm (one worker).\n"
+"Searches hyperparameters with Propulate's evolutionary algorithm.\n"
 "\n"
 "Objective\n"
 "  --objective NAME     a benchmark function: sphere | rosenbrock | step | quartic |\n"
@@ -45,18 +46,26 @@ static void usage(FILE *f) {
 "  --mutation-prob X    point mutation (0.4)\n"
 "  --random-init-prob X a fresh random individual instead (0.1)\n"
 "  --sigma-factor X     interval mutation's sigma over the interval (0.05)\n"
-"  --seed N             the generator is CPython's random.Random(N): --seed 0 reproduces\n"
-"                       Propulate's tutorials' rank 0 (default 0)\n"
+"  --seed N             worker w's generator is CPython's random.Random(N + the world rank\n"
+"                       of its first rank): --seed 0 reproduces Propulate's tutorials (0)\n"
+"Workers (under a launcher)\n"
+"  --ranks-per-worker R consecutive ranks train each individual together, data-parallel\n"
+"                       (convnet); the world's size must be a multiple of R (default 1)\n"
+"  --exchange-interval S  a worker sends and takes in individuals at most every S seconds\n"
+"                       (default 0.001: every generation unless evaluations are cheaper)\n"
 "Output\n"
 "  --top-n K            the summary lists the K best individuals (default 3)\n"
 "  --log FILE           one JSON object per evaluation: generation, the hyperparameters,\n"
 "                       loss, start and end time (s), evaluation time\n"
 "  --json               end stdout with one JSON summary line\n"
 "  -h, --help           this text\n"
+"  --version            print \"ddp-hpo (ddp) VERSION\"\n"
 "\n"
+"Rank 0 prints the summary (the island's top n), writes the log and the JSON line.\n"
 "Example:\n"
 "  ddp-hpo --objective rastrigin --generations 2000 --pop-size 8 --json\n"
-"  ddp-hpo --objective convnet --generations 8 --epochs 2 --max-steps 200\n");
+"  ddprun --nproc-per-node 4 ddp-hpo --objective convnet --ranks-per-worker 2 \\\n"
+"      --generations 8 --epochs 2 --top-n 3\n");
 }
 
 static _Noreturn void die_usage(const char *fmt, const char *arg) {
@@ -118,6 +127,10 @@ static void parse_args(int argc, char **argv, args *a) {
       usage(stdout);
       exit(0);
     }
+    if (!strcmp(f, "--version")) {
+      printf("ddp-hpo (ddp) %s\n", ddp_version());
+      exit(0);
+    }
     if (!strcmp(f, "--json")) {
       a->json = true;
       continue;
@@ -125,7 +138,8 @@ static void parse_args(int argc, char **argv, args *a) {
     static const char *const valued[] = {
         "--objective", "--space", "--data", "--epochs", "--patience", "--batch-size",
         "--max-steps", "--generations", "--pop-size", "--crossover-prob", "--mutation-prob",
-        "--random-init-prob", "--sigma-factor", "--seed", "--top-n", "--log"};
+        "--random-init-prob", "--sigma-factor", "--seed", "--top-n", "--log",
+        "--ranks-per-worker", "--exchange-interval"};
     char name[64];
     const char *eq = strchr(f, '=');
     size_t len = eq ? (size_t)(eq - f) : strlen(f);
@@ -158,6 +172,13 @@ static void parse_args(int argc, char **argv, args *a) {
     else if (!strcmp(name, "--seed")) a->o.seed = parse_int(name, v, 0);
     else if (!strcmp(name, "--top-n")) a->top_n = parse_int(name, v, 1);
     else if (!strcmp(name, "--log")) a->log_path = v;
+    else if (!strcmp(name, "--ranks-per-worker")) a->o.ranks_per_worker = (int)parse_int(name, v, 1);
+    else if (!strcmp(name, "--exchange-interval")) {
+      char *end;
+      a->o.exchange_interval_s = strtod(v, &end);
+      if (*end || end == v || !(a->o.exchange_interval_s >= 0))
+        die_usage("--exchange-interval expects seconds >= 0, got '%s'", v);
+    }
   }
 }
 
@@ -170,8 +191,9 @@ typedef struct objective {
   bool quartic;
   ddp_dataset *train, *test; /* convnet's, opened once */
   int i_layers, i_activation, i_lr, i_gamma;
-  int64_t evaluations;
-  FILE *log;
+  int64_t evaluations; /* by this rank */
+  int64_t worker_rank0; /* the world rank of this rank's worker's first rank */
+  bool lead;            /* this rank is its worker's first: it reports progress */
   double started;
 } objective;
 
@@ -189,13 +211,17 @@ static bool track_best(const ddp_train_eval_info *info, void *user) {
  * at lr, StepLR(1, gamma), NLL, the best test loss over the evaluations
  * (one per epoch), early stopping after `patience` without improvement.
  * The individual's seed is the search's and its generation. */
-static double convnet_loss(objective *ob, const ddp_hpo_space *space, const double *v) {
+static double convnet_loss(objective *ob, const ddp_hpo_space *space, const double *v,
+                           ddp_process_group *worker) {
   const args *a = ob->a;
   char model_name[32];
   snprintf(model_name, sizeof model_name, "convnet-%d", (int)v[ob->i_layers]);
   const ddp_hpo_trait *act = ddp_hpo_space_trait(space, ob->i_activation);
   ddp_model *model;
-  uint64_t seed = (uint64_t)a->o.seed * 1000003u + (uint64_t)ob->evaluations;
+  /* The same on the worker's ranks: the search's seed, the worker, the
+   * generation. */
+  uint64_t seed = ((uint64_t)a->o.seed * 1000003u + (uint64_t)ob->worker_rank0) * 1000003u +
+                  (uint64_t)ob->evaluations;
   if (ddp_model_build(model_name, act->choices[(int)v[ob->i_activation]], seed, &model) != DDP_OK) {
     fprintf(stderr, "ddp-hpo: %s: %s (loss inf)\n", model_name, ddp_last_error());
     return INFINITY;
@@ -216,7 +242,7 @@ static double convnet_loss(objective *ob, const ddp_hpo_space *space, const doub
   o.callbacks.user = &best;
   ddp_trainer *t;
   ddp_train_result r;
-  ddp_status s = ddp_trainer_create(&t, model, ob->train, ob->test, NULL, &o);
+  ddp_status s = ddp_trainer_create(&t, model, ob->train, ob->test, worker, &o);
   if (s == DDP_OK) {
     s = ddp_trainer_run(t, &r);
     if (s == DDP_OK) ddp_train_result_free(&r);
@@ -231,34 +257,38 @@ static double convnet_loss(objective *ob, const ddp_hpo_space *space, const doub
   return best;
 }
 
-static void log_evaluation(objective *ob, const ddp_hpo_space *space, const double *v, double loss,
-                           double t0, double t1) {
-  FILE *f = ob->log;
-  fprintf(f, "{\"generation\": %lld, ", (long long)ob->evaluations);
+/* One JSON line per individual of the final population (rank 0). */
+static void log_individual(FILE *f, const ddp_hpo_space *space, const ddp_hpo_individual *ind,
+                           double started) {
+  fprintf(f, "{\"generation\": %lld, ", (long long)ind->generation);
+  const double *v = ind->values;
   for (int i = 0; i < ddp_hpo_space_size(space); i++) {
     const ddp_hpo_trait *t = ddp_hpo_space_trait(space, i);
-    if (t->kind == DDP_HPO_CATEGORICAL) fprintf(f, "\"%s\": \"%s\", ", t->name, t->choices[(int)v[i]]);
+    if (t->kind == DDP_HPO_CATEGORICAL)
+      fprintf(f, "\"%s\": \"%s\", ", t->name, t->choices[(int)v[i]]);
     else if (t->kind == DDP_HPO_INT) fprintf(f, "\"%s\": %lld, ", t->name, (long long)v[i]);
     else fprintf(f, "\"%s\": %.17g, ", t->name, v[i]);
   }
-  if (isfinite(loss)) fprintf(f, "\"loss\": %.17g, ", loss);
+  if (isfinite(ind->loss)) fprintf(f, "\"loss\": %.17g, ", ind->loss);
   else fprintf(f, "\"loss\": null, ");
-  fprintf(f, "\"island\": 0, \"worker\": 0, \"start_s\": %.6f, \"end_s\": %.6f, \"eval_s\": %.6f}\n",
-          t0 - ob->started, t1 - ob->started, t1 - t0);
+  fprintf(f, "\"island\": %d, \"worker\": %d, \"start_s\": %.6f, \"end_s\": %.6f, "
+             "\"eval_s\": %.6f}\n", ind->island, ind->worker, ind->start_s - started,
+          ind->end_s - started, ind->end_s - ind->start_s);
 }
 
-static double evaluate(const ddp_hpo_space *space, const double *v, void *user) {
+static double evaluate(const ddp_hpo_space *space, const double *v, ddp_process_group *worker,
+                       void *user) {
   objective *ob = user;
   double t0 = ddp_time_s();
   double loss = ob->bench ? benchmark_loss(ob, v, ddp_hpo_space_size(space))
-                          : convnet_loss(ob, space, v);
+                          : convnet_loss(ob, space, v, worker);
   double t1 = ddp_time_s();
-  if (ob->log) log_evaluation(ob, space, v, loss, t0, t1);
   ob->evaluations++;
-  if (!ob->bench) {
+  if (!ob->bench && ob->lead) {
     char buf[256];
     ddp_hpo_format(space, v, buf, sizeof buf);
-    fprintf(stderr, "generation %lld/%lld: %s: loss %.4f (%.1f s)\n", (long long)ob->evaluations,
+    fprintf(stderr, "worker %lld generation %lld/%lld: %s: loss %.4f (%.1f s)\n",
+            (long long)ob->worker_rank0 / ob->a->o.ranks_per_worker, (long long)ob->evaluations,
             (long long)ob->a->o.generations, buf, loss, t1 - t0);
   }
   return loss;
@@ -278,15 +308,28 @@ static int need_trait(const ddp_hpo_space *s, const char *name, ddp_hpo_trait_ki
 int main(int argc, char **argv) {
   args a;
   parse_args(argc, argv, &a);
-  /* One worker for now: several ranks would each run the same search. */
-  const char *world = getenv("WORLD_SIZE");
-  if ((world && atoi(world) > 1) || getenv("DDP_STORE_ADDR")) {
-    fprintf(stderr, "ddp-hpo: error: several ranks (islands, multi-rank workers) are not built "
-                    "yet (issue 22); run one process\n");
+  openblas_set_num_threads(1);
+  /* Several ranks when a launcher says so: the job's store carries the
+   * island's exchange, the world group the workers' splits. */
+  ddp_rendezvous_info job = {0};
+  ddp_process_group *world = NULL;
+  if (ddp_rendezvous_requested()) {
+    CHECK(ddp_rendezvous("env://", NULL, &job), "joining the job");
+    CHECK(ddp_process_group_create(job.store, job.rank, job.world_size, NULL, &world),
+          "connecting the ranks");
+    if (job.world_size % a.o.ranks_per_worker != 0) {
+      fprintf(stderr, "ddp-hpo: %d ranks do not split into workers of %d (--ranks-per-worker "
+                      "must divide the world's size)\n", job.world_size, a.o.ranks_per_worker);
+      return 2;
+    }
+  } else if (a.o.ranks_per_worker > 1) {
+    fprintf(stderr, "ddp-hpo: --ranks-per-worker %d needs that many ranks: start ddp-hpo with "
+                    "ddprun, srun or mpirun\n", a.o.ranks_per_worker);
     return 2;
   }
-  openblas_set_num_threads(1);
-  objective ob = {.a = &a, .started = ddp_time_s()};
+  const int rank = world ? job.rank : 0;
+  objective ob = {.a = &a, .started = ddp_time_s(), .lead = rank % a.o.ranks_per_worker == 0,
+                  .worker_rank0 = rank - rank % a.o.ranks_per_worker};
   char bench_space[4096];
   const char *spec = a.space;
   if (strcmp(a.objective, "convnet") != 0) {
@@ -321,18 +364,22 @@ int main(int argc, char **argv) {
     CHECK(ddp_dataset_open_idx_dir(&ob.train, a.data, DDP_SPLIT_TRAIN), "loading the training set");
     CHECK(ddp_dataset_open_idx_dir(&ob.test, a.data, DDP_SPLIT_TEST), "loading the test set");
   }
-  if (a.log_path) {
-    ob.log = fopen(a.log_path, "w");
-    if (!ob.log) {
+  FILE *log = NULL;
+  if (a.log_path && rank == 0) {
+    log = fopen(a.log_path, "w");
+    if (!log) {
       fprintf(stderr, "ddp-hpo: error: cannot write the log %s: %s\n", a.log_path, strerror(errno));
       return 1;
     }
-    setvbuf(ob.log, NULL, _IOLBF, 0);
   }
   ddp_hpo_result r;
   double t0 = ddp_time_s();
-  CHECK(ddp_hpo_search(space, &a.o, evaluate, &ob, &r), "searching");
+  CHECK(ddp_hpo_search_world(space, &a.o, evaluate, &ob, world, job.store, &r), "searching");
   double seconds = ddp_time_s() - t0;
+  if (rank != 0) { /* rank 0 holds the island and reports */
+    ddp_hpo_result_free(&r);
+    goto done;
+  }
 
   /* The summary, as Propulate's: the top n individuals by loss. */
   int64_t n = r.count, top = a.top_n < n ? a.top_n : n;
@@ -345,34 +392,45 @@ int main(int argc, char **argv) {
       order[j] = order[j - 1];
       order[j - 1] = x;
     }
+  if (log) {
+    for (int64_t i = 0; i < n; i++) log_individual(log, space, &r.individuals[i], ob.started);
+    if (fclose(log) != 0) {
+      fprintf(stderr, "ddp-hpo: error: writing the log %s: %s\n", a.log_path, strerror(errno));
+      return 1;
+    }
+  }
   fprintf(stderr, "%lld evaluations in %.2f s (%.0f/s); top %lld on island 0:\n", (long long)n,
           seconds, n / seconds, (long long)top);
   for (int64_t k = 0; k < top; k++) {
     const ddp_hpo_individual *ind = &r.individuals[order[k]];
     char buf[1024];
     ddp_hpo_format(space, ind->values, buf, sizeof buf);
-    fprintf(stderr, "(%lld): %s, loss %.6g, island 0, worker 0, generation %lld\n",
-            (long long)k + 1, buf, ind->loss, (long long)ind->generation);
+    fprintf(stderr, "(%lld): %s, loss %.6g, island %d, worker %d, generation %lld\n",
+            (long long)k + 1, buf, ind->loss, ind->island, ind->worker, (long long)ind->generation);
   }
   if (a.json) {
     const ddp_hpo_individual *best = &r.individuals[order[0]];
     char buf[1024];
     ddp_hpo_format(space, best->values, buf, sizeof buf);
-    printf("{\"evaluations\": %lld, \"seconds\": %.6g, \"evals_per_s\": %.6g, ", (long long)n,
-           seconds, n / seconds);
+    printf("{\"evaluations\": %lld, \"seconds\": %.6g, \"evals_per_s\": %.6g, \"workers\": %d, ",
+           (long long)n, seconds, n / seconds,
+           (world ? job.world_size : 1) / a.o.ranks_per_worker);
     if (isfinite(best->loss)) printf("\"best_loss\": %.17g, ", best->loss);
     else printf("\"best_loss\": null, ");
-    printf("\"best\": \"%s\", \"best_generation\": %lld, \"objective\": \"%s\"}\n", buf,
-           (long long)best->generation, a.objective);
+    printf("\"best\": \"%s\", \"best_worker\": %d, \"best_generation\": %lld, "
+           "\"objective\": \"%s\"}\n",
+           buf, best->worker, (long long)best->generation, a.objective);
   }
   free(order);
-  if (ob.log && fclose(ob.log) != 0) {
-    fprintf(stderr, "ddp-hpo: error: writing the log %s: %s\n", a.log_path, strerror(errno));
-    return 1;
-  }
   ddp_hpo_result_free(&r);
+done:
   ddp_hpo_space_destroy(space);
   ddp_dataset_destroy(ob.test);
   ddp_dataset_destroy(ob.train);
+  if (world) {
+    (void)ddp_barrier(world); /* rank 0 may host the store: leave together */
+    ddp_process_group_destroy(world);
+  }
+  ddp_rendezvous_info_destroy(&job);
   return 0;
 }

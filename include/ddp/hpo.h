@@ -23,7 +23,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "ddp/comm.h"
 #include "ddp/core.h"
+#include "ddp/store.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -118,14 +120,25 @@ typedef struct ddp_hpo_options {
   double random_init_prob; /* the child replaced by a fresh random individual */
   double sigma_factor;     /* interval mutation: sigma = sigma_factor * (hi - lo) */
   int64_t seed;            /* the generator is random.Random(seed + worker's first rank) */
-  uint64_t reserved[8];
+  int ranks_per_worker;    /* ranks that train each individual together (1) */
+  /* How often a worker takes in its island's new individuals and sends its
+   * own, at most (seconds; 0.001): every generation when an evaluation
+   * takes longer, as Propulate; with a free objective, the exchange does not
+   * cap the rate. */
+  double exchange_interval_s;
+  uint64_t reserved[6];
 } ddp_hpo_options;
 
 ddp_hpo_options ddp_hpo_defaults(void);
 
-/* The loss of one individual (values: one per trait). Return the loss; a
- * failed evaluation returns INFINITY (or NaN, taken as INFINITY). */
-typedef double (*ddp_hpo_objective)(const ddp_hpo_space *space, const double *values, void *user);
+/* The loss of one individual (values: one per trait). With multi-rank
+ * workers every rank of the worker calls it at once with the same values
+ * and `worker`, the worker's process group (NULL for a worker of one
+ * rank), to train together (data-parallel on that group, through the
+ * trainer); the worker's first rank's return value is the loss. A failed
+ * evaluation returns INFINITY (NaN is taken as INFINITY). */
+typedef double (*ddp_hpo_objective)(const ddp_hpo_space *space, const double *values,
+                                    ddp_process_group *worker, void *user);
 
 typedef struct ddp_hpo_individual {
   double *values; /* one per trait (owned by the result) */
@@ -150,6 +163,21 @@ typedef struct ddp_hpo_result {
  * (docs/hpo.md says where the two differ). */
 ddp_status ddp_hpo_search(const ddp_hpo_space *space, const ddp_hpo_options *options,
                           ddp_hpo_objective objective, void *user, ddp_hpo_result *result);
+
+/* The search over a world of processes: ranks_per_worker consecutive ranks
+ * form a worker (a split of `world`, made once; its first rank breeds and
+ * sends the individual to the others, all of them evaluate it), and the
+ * workers form one island: each sends what it evaluated to the others
+ * through `store` (the job's key-value store, borrowed; keys under "hpo/")
+ * and takes in what they evaluated, without waiting for anyone, as
+ * Propulate's workers do. Collective over `world` (a barrier at the start
+ * and at the end, after which every worker's first rank holds the whole
+ * island's individuals in *result; the other ranks get an empty result).
+ * The world's size must be a multiple of ranks_per_worker. */
+ddp_status ddp_hpo_search_world(const ddp_hpo_space *space, const ddp_hpo_options *options,
+                                ddp_hpo_objective objective, void *user,
+                                ddp_process_group *world, ddp_store *store,
+                                ddp_hpo_result *result);
 void ddp_hpo_result_free(ddp_hpo_result *result);
 
 #ifdef __cplusplus

@@ -109,6 +109,16 @@ typedef struct ddp_rendezvous_info {
 ddp_status ddp_rendezvous(const char *url, const ddp_rendezvous_options *opts,
                           ddp_rendezvous_info *out);
 
+/* Whether the environment asks this process to join a multi-process job:
+ * the name of the variable that does, or NULL. A ddp launcher's store
+ * (DDP_STORE_ADDR), or a world size above one from torchrun's (WORLD_SIZE),
+ * an srun step's (SLURM_STEP_NUM_TASKS) or an MPI launcher's variables
+ * (OMPI_COMM_WORLD_SIZE, PMI_SIZE). An sbatch script's own environment
+ * (SLURM_NTASKS without a step) is not asking: a tool started there runs
+ * as one process unless started with srun or ddprun. Malformed values
+ * count as asking (the rendezvous then names them). */
+const char *ddp_rendezvous_requested(void);
+
 /* Destroys the store, stops the server if this rank hosts it (after waiting
  * up to 2 s for the other ranks to disconnect), frees rank_host and zeroes
  * *info. Accepts NULL and a zeroed info. */

@@ -2,6 +2,7 @@
  * process has, from explicit options, the init URL, torchrun's variables,
  * Slurm's and Open MPI's / PMI's, in that order, each value validated with an
  * error that names the variable and its value. */
+#include <stdbool.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -328,4 +329,24 @@ ddp_status ddp__rdzv_resolve(const ddp__rdzv_url *url, const ddp_rendezvous_opti
     }
   }
   return DDP_OK;
+}
+
+/* A variable holding an integer above one. Malformed values are left to the
+ * rendezvous, which names them; here they only mean "asked". */
+static bool above_one(const char *name) {
+  const char *v = getenv(name);
+  if (!v || !*v) return false;
+  char *end;
+  long n = strtol(v, &end, 10);
+  return *end != '\0' || n > 1;
+}
+
+const char *ddp_rendezvous_requested(void) {
+  const char *v = getenv("DDP_STORE_ADDR");
+  if (v && *v) return "DDP_STORE_ADDR";
+  static const char *const sizes[] = {"WORLD_SIZE", "SLURM_STEP_NUM_TASKS",
+                                      "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"};
+  for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++)
+    if (above_one(sizes[i])) return sizes[i];
+  return NULL;
 }

@@ -6,7 +6,10 @@
 #  - on a benchmark function the summary lists the top n by loss;
 #  - --objective convnet trains each individual with the trainer (a tiny
 #    budget) and records a finite loss per generation;
-#  - mistakes are named and exit 2; several ranks are refused, saying why.
+#  - under ddprun, 2 ranks are 2 workers exchanging their individuals (rank
+#    0 reports both workers' generations), and 2 ranks as 1 worker of 2
+#    train each convnet individual together;
+#  - mistakes are named and exit 2 (1 for a broken launch environment).
 set -uo pipefail
 fail() { echo "FAIL: $*"; exit 1; }
 bin=${DDP_BIN_DIR:?}/ddp-hpo
@@ -78,8 +81,39 @@ expect_usage "lr: logfloat needs bounds > 0" --objective convnet --space "lr=log
 expect_usage "needs a trait 'conv_layers'" --objective convnet --space "x=float:0:1"
 expect_usage "float traits only" --objective sphere --space "a=int:1:3"
 expect_usage "--pop-size expects an integer >= 2" --pop-size 1
+expect_usage "needs that many ranks" --ranks-per-worker 2
 WORLD_SIZE=2 "$bin" --generations 1 >/dev/null 2>"$tmp/w.err"; rc=$?
-[ $rc = 2 ] && grep -q "several ranks" "$tmp/w.err" || fail "WORLD_SIZE=2: exit $rc: $(cat "$tmp/w.err")"
-"$bin" --help | grep -q -- "--objective NAME" || fail "--help"
-echo "ok mistakes named, several ranks refused"
+[ $rc = 1 ] && grep -q "rank is not set" "$tmp/w.err" || fail "WORLD_SIZE=2 alone: exit $rc: $(cat "$tmp/w.err")"
+"$bin" --help | grep -q -- "--ranks-per-worker R" || fail "--help"
+echo "ok mistakes named"
+
+ddprun=${DDP_BIN_DIR}/ddprun
+export DDP_TIMEOUT=60
+timeout 120 "$ddprun" --nproc-per-node 2 "$bin" --objective sphere --generations 400 --log "$tmp/w2.jsonl" --json \
+  >"$tmp/w2.out" 2>"$tmp/w2.err" || { cat "$tmp/w2.err"; fail "2 workers under ddprun"; }
+"$py" - "$tmp/w2.jsonl" "$tmp/w2.out" <<'PY' || fail "2 workers: rank 0 does not hold both workers' individuals"
+import json, sys
+log = [json.loads(l) for l in open(sys.argv[1])]
+summary = json.loads(open(sys.argv[2]).read().splitlines()[-1])
+assert summary["workers"] == 2 and summary["evaluations"] == 800, summary
+for w in (0, 1):
+    gens = [r["generation"] for r in log if r["worker"] == w]
+    assert gens == list(range(400)), (w, gens[:5], len(gens))
+    assert all(r["loss"] == r["a"] * r["a"] + r["b"] * r["b"] for r in log if r["worker"] == w)
+PY
+echo "ok 2 workers under ddprun: rank 0 holds both workers' 400 generations"
+timeout 60 "$ddprun" --nproc-per-node 3 "$bin" --ranks-per-worker 2 >/dev/null 2>"$tmp/w3.err"
+grep -q "3 ranks do not split into workers of 2" "$tmp/w3.err" || { cat "$tmp/w3.err"; fail "3 ranks, workers of 2"; }
+if [ -z "${DDP_SANITIZER:-}" ] && [ -e "$data/t10k-labels-idx1-ubyte.gz" ]; then
+  timeout 300 "$ddprun" --nproc-per-node 2 "$bin" --objective convnet --ranks-per-worker 2 --generations 2 --epochs 1 \
+    --max-steps 10 --log "$tmp/cw.jsonl" --json >"$tmp/cw.out" 2>"$tmp/cw.err" || { cat "$tmp/cw.err"; fail "a worker of 2 ranks"; }
+  "$py" - "$tmp/cw.jsonl" "$tmp/cw.out" <<'PY' || fail "a worker of 2 ranks: its evaluations"
+import json, math, sys
+log = [json.loads(l) for l in open(sys.argv[1])]
+summary = json.loads(open(sys.argv[2]).read().splitlines()[-1])
+assert summary["workers"] == 1 and len(log) == 2, (summary, log)
+assert all(r["worker"] == 0 and math.isfinite(r["loss"]) for r in log), log
+PY
+  echo "ok 1 worker of 2 ranks: 2 convnet individuals trained together"
+fi
 echo "all passed"

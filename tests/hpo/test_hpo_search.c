@@ -20,13 +20,15 @@
 #include "ddp/ddp.h"
 
 /* The objectives, computed as the fixture's Python computes them. */
-static double sphere(const ddp_hpo_space *s, const double *v, void *user) {
-  (void)s, (void)user;
+static double sphere(const ddp_hpo_space *s, const double *v, ddp_process_group *worker,
+                     void *user) {
+  (void)s, (void)user, (void)worker;
   return 0.0 + v[0] * v[0] + v[1] * v[1]; /* sum(v * v for v in values) */
 }
 
-static double mixed(const ddp_hpo_space *s, const double *v, void *user) {
-  (void)s, (void)user;
+static double mixed(const ddp_hpo_space *s, const double *v, ddp_process_group *worker,
+                    void *user) {
+  (void)s, (void)user, (void)worker;
   static const double cat_cost[3] = {0.0, 0.5, 0.25}; /* relu, sigmoid, tanh */
   double layers = (v[2] - 5) * (v[2] - 5);             /* an int's square: exact */
   return layers + pow(log10(v[1]) + 3, 2.0) + cat_cost[(int)v[0]];

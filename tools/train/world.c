@@ -6,25 +6,7 @@
 #include <string.h>
 #include <unistd.h>
 
-/* A variable holding an integer above one. Malformed values are left to the
- * rendezvous, which names them; here they only mean "asked". */
-static bool above_one(const char *name) {
-  const char *v = getenv(name);
-  if (!v || !*v) return false;
-  char *end;
-  long n = strtol(v, &end, 10);
-  return *end != '\0' || n > 1;
-}
-
-const char *train_world_requested(void) {
-  const char *v = getenv("DDP_STORE_ADDR");
-  if (v && *v) return "DDP_STORE_ADDR";
-  static const char *const sizes[] = {"WORLD_SIZE", "SLURM_STEP_NUM_TASKS",
-                                      "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"};
-  for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++)
-    if (above_one(sizes[i])) return sizes[i];
-  return NULL;
-}
+const char *train_world_requested(void) { return ddp_rendezvous_requested(); }
 
 ddp_status train_world_init(train_world *w) {
   *w = (train_world){.rank = 0, .size = 1, .local_size = 1};

@@ -18,11 +18,8 @@ typedef struct train_world {
 } train_world;
 
 /* The name of the variable that asks for data parallelism, NULL when none
- * does: a ddp launcher's store (DDP_STORE_ADDR), or a world size above one
- * from torchrun's (WORLD_SIZE), an srun step's (SLURM_STEP_NUM_TASKS) or an
- * MPI launcher's variables (OMPI_COMM_WORLD_SIZE, PMI_SIZE). A sbatch
- * script's own environment (SLURM_NTASKS without a step) is not asking:
- * there ddp-train runs as one process unless started with srun or ddprun. */
+ * does (ddp_rendezvous_requested: a launcher's store or world size; an
+ * sbatch script's own environment is not asking). */
 const char *train_world_requested(void);
 
 /* Fills *w for one process, or, when train_world_requested(), joins the
