@@ -53,6 +53,13 @@ static void usage(FILE *f) {
 "                       (convnet); the world's size must be a multiple of R (default 1)\n"
 "  --exchange-interval S  a worker sends and takes in individuals at most every S seconds\n"
 "                       (default 0.001: every generation unless evaluations are cheaper)\n"
+"  --islands I          the workers split into I islands (contiguous, as even as possible; 1)\n"
+"  --migration-prob X   each generation a worker sends emigrants to every other island with\n"
+"                       probability X / its island's size (default 0.9)\n"
+"  --num-migrants N     emigrants per island per emigration (default 1)\n"
+"  --pollination        copies of the best go, each arrival replacing its worker's worst\n"
+"                       (default, as Propulate's)\n"
+"  --real-migration     the worker's own best go and are deactivated at home\n"
 "Output\n"
 "  --top-n K            the summary lists the K best individuals (default 3)\n"
 "  --log FILE           one JSON object per evaluation: generation, the hyperparameters,\n"
@@ -135,11 +142,16 @@ static void parse_args(int argc, char **argv, args *a) {
       a->json = true;
       continue;
     }
+    if (!strcmp(f, "--pollination") || !strcmp(f, "--real-migration")) {
+      a->o.pollination = f[2] == 'p';
+      continue;
+    }
     static const char *const valued[] = {
         "--objective", "--space", "--data", "--epochs", "--patience", "--batch-size",
         "--max-steps", "--generations", "--pop-size", "--crossover-prob", "--mutation-prob",
         "--random-init-prob", "--sigma-factor", "--seed", "--top-n", "--log",
-        "--ranks-per-worker", "--exchange-interval"};
+        "--ranks-per-worker", "--exchange-interval", "--islands", "--migration-prob",
+        "--num-migrants"};
     char name[64];
     const char *eq = strchr(f, '=');
     size_t len = eq ? (size_t)(eq - f) : strlen(f);
@@ -173,6 +185,9 @@ static void parse_args(int argc, char **argv, args *a) {
     else if (!strcmp(name, "--top-n")) a->top_n = parse_int(name, v, 1);
     else if (!strcmp(name, "--log")) a->log_path = v;
     else if (!strcmp(name, "--ranks-per-worker")) a->o.ranks_per_worker = (int)parse_int(name, v, 1);
+    else if (!strcmp(name, "--islands")) a->o.islands = (int)parse_int(name, v, 1);
+    else if (!strcmp(name, "--migration-prob")) a->o.migration_prob = parse_prob(name, v);
+    else if (!strcmp(name, "--num-migrants")) a->o.num_migrants = (int)parse_int(name, v, 1);
     else if (!strcmp(name, "--exchange-interval")) {
       char *end;
       a->o.exchange_interval_s = strtod(v, &end);
@@ -399,8 +414,8 @@ int main(int argc, char **argv) {
       return 1;
     }
   }
-  fprintf(stderr, "%lld evaluations in %.2f s (%.0f/s); top %lld on island 0:\n", (long long)n,
-          seconds, n / seconds, (long long)top);
+  fprintf(stderr, "%lld individuals known on rank 0's island after %.2f s; top %lld on island 0:\n",
+          (long long)n, seconds, (long long)top);
   for (int64_t k = 0; k < top; k++) {
     const ddp_hpo_individual *ind = &r.individuals[order[k]];
     char buf[1024];
@@ -412,9 +427,13 @@ int main(int argc, char **argv) {
     const ddp_hpo_individual *best = &r.individuals[order[0]];
     char buf[1024];
     ddp_hpo_format(space, best->values, buf, sizeof buf);
-    printf("{\"evaluations\": %lld, \"seconds\": %.6g, \"evals_per_s\": %.6g, \"workers\": %d, ",
-           (long long)n, seconds, n / seconds,
-           (world ? job.world_size : 1) / a.o.ranks_per_worker);
+    /* Every worker evaluated `generations`; rank 0 knows its island's. */
+    const int workers = (world ? job.world_size : 1) / a.o.ranks_per_worker;
+    const int64_t evaluations = a.o.generations * workers;
+    printf("{\"evaluations\": %lld, \"seconds\": %.6g, \"evals_per_s\": %.6g, \"workers\": %d, "
+           "\"islands\": %d, \"known_on_island_0\": %lld, ",
+           (long long)evaluations, seconds, evaluations / seconds, workers, a.o.islands,
+           (long long)n);
     if (isfinite(best->loss)) printf("\"best_loss\": %.17g, ", best->loss);
     else printf("\"best_loss\": null, ");
     printf("\"best\": \"%s\", \"best_worker\": %d, \"best_generation\": %lld, "

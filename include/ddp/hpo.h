@@ -126,7 +126,20 @@ typedef struct ddp_hpo_options {
    * takes longer, as Propulate; with a free objective, the exchange does not
    * cap the rate. */
   double exchange_interval_s;
-  uint64_t reserved[6];
+  /* Islands (Propulate's Islands): the workers split into `islands`
+   * contiguous blocks, sizes as even as possible (the first ones one larger).
+   * Each generation a worker sends emigrants with probability
+   * migration_prob / its island's size, num_migrants to every other island
+   * (Propulate's default topology). Pollination (default, as Propulate's):
+   * copies of the best active individuals go, and each arrival replaces
+   * (deactivates) the worst active individual of the worker it is assigned
+   * to; real migration: the worker's own best active ones go and are
+   * deactivated at home. */
+  int islands;             /* 1 */
+  double migration_prob;   /* 0.9 (Propulate's tutorials) */
+  int num_migrants;        /* 1 */
+  bool pollination;        /* true */
+  uint64_t reserved[3];
 } ddp_hpo_options;
 
 ddp_hpo_options ddp_hpo_defaults(void);
@@ -143,9 +156,11 @@ typedef double (*ddp_hpo_objective)(const ddp_hpo_space *space, const double *va
 typedef struct ddp_hpo_individual {
   double *values; /* one per trait (owned by the result) */
   double loss;
-  int64_t generation; /* the worker's evaluation index */
-  int island, worker;
-  bool active;
+  int64_t generation; /* its worker's evaluation index: (worker, generation) names it */
+  int island, worker; /* where it was bred: island, and worker (0..workers-1 over the world) */
+  int current;         /* the worker of its island now responsible for it (island-local) */
+  int migration_steps; /* islands it moved through; copies differ by it */
+  bool active;         /* breeds; migration and replacement deactivate */
   double start_s, end_s; /* evaluation window (ddp_time_s) */
 } ddp_hpo_individual;
 
@@ -167,13 +182,14 @@ ddp_status ddp_hpo_search(const ddp_hpo_space *space, const ddp_hpo_options *opt
 /* The search over a world of processes: ranks_per_worker consecutive ranks
  * form a worker (a split of `world`, made once; its first rank breeds and
  * sends the individual to the others, all of them evaluate it), and the
- * workers form one island: each sends what it evaluated to the others
- * through `store` (the job's key-value store, borrowed; keys under "hpo/")
- * and takes in what they evaluated, without waiting for anyone, as
+ * workers form `islands` islands: each worker sends what it evaluated to
+ * its island's other workers through `store` (the job's key-value store,
+ * borrowed; keys under "hpo/") and takes in what they evaluated, and
+ * migrants come and go between islands, all without waiting for anyone, as
  * Propulate's workers do. Collective over `world` (a barrier at the start
- * and at the end, after which every worker's first rank holds the whole
- * island's individuals in *result; the other ranks get an empty result).
- * The world's size must be a multiple of ranks_per_worker. */
+ * and at the end, after which every worker's first rank holds its island's
+ * individuals, active and not, in *result; the other ranks get an empty
+ * result). The world's size must be a multiple of ranks_per_worker. */
 ddp_status ddp_hpo_search_world(const ddp_hpo_space *space, const ddp_hpo_options *options,
                                 ddp_hpo_objective objective, void *user,
                                 ddp_process_group *world, ddp_store *store,

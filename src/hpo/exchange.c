@@ -1,12 +1,15 @@
-/* How the workers of an island tell each other what they evaluated:
- * through the job's store. Worker w's records are keys "hpo/r/<w>/<seq>"
- * and their count is "hpo/n/<w>"; a flush sets new records and the count
- * in one atomic multi_set, and a poll reads every peer's count in one
- * multi_get and then the records it has not seen in another. Nobody waits
- * for anybody: a worker takes in whatever has arrived when it looks, as
- * Propulate's workers do with MPI's iprobe. Works across hosts (the store
- * is TCP); its cost is a few store round trips per exchange, and the
- * caller spaces exchanges out (ddp_hpo_options.exchange_interval_s). */
+/* How the workers tell each other what they evaluated, which migrants go
+ * where and what to deactivate: through the job's store. Worker w's
+ * messages are keys "hpo/r/<w>/<seq>" and their count is "hpo/n/<w>"; a
+ * flush sets new messages and the count in one atomic multi_set, and a
+ * poll reads every other worker's count in one multi_get and then the
+ * messages it has not seen in another (every worker reads every worker's
+ * messages and keeps those for its island: simple, and cheap for the tens
+ * of workers of a node; a job of hundreds would want a log per island).
+ * Nobody waits for anybody: a worker takes in whatever has arrived when it
+ * looks, as Propulate's workers do with MPI's iprobe. Works across hosts
+ * (the store is TCP); a poll costs two round trips, and the caller spaces
+ * exchanges out (ddp_hpo_options.exchange_interval_s). */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,9 +17,11 @@
 
 #include "hpo/hpo_internal.h"
 
-/* A record: magic, generation, worker, island, loss, start, end, values. */
-#define RECORD_MAGIC 0x31504844u /* "DHP1" */
-enum { RECORD_HEAD = 4 + 4 + 8 + 4 + 4 + 8 * 3 };
+/* A message: magic, kind, traits, the island it concerns, the individual
+ * (generation, birth worker and island, current, migration steps, active,
+ * loss, start, end, values). */
+#define RECORD_MAGIC 0x32504844u /* "DHP2" */
+enum { RECORD_HEAD = 4 * 4 + 8 + 4 * 5 + 8 * 3 };
 
 static size_t record_bytes(int traits) { return RECORD_HEAD + 8 * (size_t)traits; }
 
@@ -29,15 +34,14 @@ static void take(const unsigned char **p, void *v, size_t n) {
   *p += n;
 }
 
-void ddp__hpo_record_encode(const ddp_hpo_individual *ind, int traits, unsigned char *out) {
+void ddp__hpo_record_encode(const ddp__hpo_message *m, int traits, unsigned char *out) {
   unsigned char *p = out;
-  uint32_t magic = RECORD_MAGIC, n = (uint32_t)traits;
-  int32_t worker = ind->worker, island = ind->island;
-  put(&p, &magic, 4);
-  put(&p, &n, 4);
+  const ddp_hpo_individual *ind = &m->ind;
+  uint32_t head[4] = {RECORD_MAGIC, (uint32_t)m->kind, (uint32_t)traits, (uint32_t)m->island};
+  int32_t fields[5] = {ind->worker, ind->island, ind->current, ind->migration_steps, ind->active};
+  put(&p, head, sizeof head);
   put(&p, &ind->generation, 8);
-  put(&p, &worker, 4);
-  put(&p, &island, 4);
+  put(&p, fields, sizeof fields);
   put(&p, &ind->loss, 8);
   put(&p, &ind->start_s, 8);
   put(&p, &ind->end_s, 8);
@@ -45,29 +49,33 @@ void ddp__hpo_record_encode(const ddp_hpo_individual *ind, int traits, unsigned 
 }
 
 ddp_status ddp__hpo_record_decode(const void *data, size_t bytes, int traits, const char *key,
-                                  ddp_hpo_individual *ind) {
+                                  ddp__hpo_message *m) {
   if (bytes != record_bytes(traits))
-    return ddp_error(DDP_ERR_FORMAT, "hpo exchange: store key %s holds %zu bytes, a record of %d "
+    return ddp_error(DDP_ERR_FORMAT, "hpo exchange: store key %s holds %zu bytes, a message of %d "
                      "traits has %zu (another search's keys?)", key, bytes, traits,
                      record_bytes(traits));
   const unsigned char *p = data;
-  uint32_t magic, n;
-  int32_t worker, island;
-  take(&p, &magic, 4);
-  take(&p, &n, 4);
-  if (magic != RECORD_MAGIC || n != (uint32_t)traits)
-    return ddp_error(DDP_ERR_FORMAT, "hpo exchange: store key %s is no record of this search "
-                     "(magic %08x, %u traits)", key, magic, n);
+  uint32_t head[4];
+  int32_t fields[5];
+  take(&p, head, sizeof head);
+  if (head[0] != RECORD_MAGIC || head[2] != (uint32_t)traits || head[1] < DDP__HPO_EVAL ||
+      head[1] > DDP__HPO_DEACTIVATE)
+    return ddp_error(DDP_ERR_FORMAT, "hpo exchange: store key %s is no message of this search "
+                     "(magic %08x, kind %u, %u traits)", key, head[0], head[1], head[2]);
+  ddp_hpo_individual *ind = &m->ind;
+  m->kind = (int)head[1];
+  m->island = (int)head[3];
   take(&p, &ind->generation, 8);
-  take(&p, &worker, 4);
-  take(&p, &island, 4);
+  take(&p, fields, sizeof fields);
   take(&p, &ind->loss, 8);
   take(&p, &ind->start_s, 8);
   take(&p, &ind->end_s, 8);
   take(&p, ind->values, 8 * (size_t)traits);
-  ind->worker = worker;
-  ind->island = island;
-  ind->active = true;
+  ind->worker = fields[0];
+  ind->island = fields[1];
+  ind->current = fields[2];
+  ind->migration_steps = fields[3];
+  ind->active = fields[4] != 0;
   return DDP_OK;
 }
 
@@ -139,9 +147,17 @@ ddp_status ddp__hpo_exchange_create(ddp_store *store, int worker, int n_workers,
   return DDP_OK;
 }
 
-ddp_status ddp__hpo_exchange_send(ddp__hpo_exchange *x, const ddp_hpo_individual *ind) {
-  if (x->sent - x->flushed >= x->pending_cap) DDP_TRY(ddp__hpo_exchange_flush(x));
-  ddp__hpo_record_encode(ind, x->traits,
+/* Queues without flushing (a poll's callback sends, and a flush would
+ * reuse the scratch the poll is reading): the queue grows instead. */
+ddp_status ddp__hpo_exchange_send(ddp__hpo_exchange *x, const ddp__hpo_message *m) {
+  if (x->sent - x->flushed >= x->pending_cap) {
+    int64_t cap = 2 * x->pending_cap;
+    unsigned char *grown = realloc(x->pending, (size_t)cap * record_bytes(x->traits));
+    if (!grown) return ddp_error(DDP_ERR_NOMEM, "hpo exchange: out of memory");
+    x->pending = grown;
+    x->pending_cap = cap;
+  }
+  ddp__hpo_record_encode(m, x->traits,
                          x->pending + (size_t)(x->sent - x->flushed) * record_bytes(x->traits));
   x->sent++;
   return DDP_OK;
@@ -155,6 +171,7 @@ ddp_status ddp__hpo_exchange_flush(ddp__hpo_exchange *x) {
   }
   const size_t rb = record_bytes(x->traits);
   char count[32];
+  DDP_TRY(grow_scratch(x, n + 1));
   for (int64_t i = 0; i < n; i++) {
     snprintf(x->keys[i], 64, "hpo/r/%d/%" PRId64, x->worker, x->flushed + i);
     x->vals[i] = (ddp_store_value){x->pending + (size_t)i * rb, rb};
@@ -200,8 +217,8 @@ ddp_status ddp__hpo_exchange_poll(ddp__hpo_exchange *x, ddp__hpo_arrival fn, voi
   if (!count) s = ddp_error(DDP_ERR_NOMEM, "hpo exchange: out of memory");
   for (int i = 0; s == DDP_OK && i < peers; i++) s = parse_count(&x->vals[i], x->keys[i], &count[i]);
   ddp_store_values_free(x->vals, (size_t)peers);
-  ddp_hpo_individual ind;
-  double *values = malloc((size_t)x->traits * sizeof *values);
+  ddp__hpo_message msg;
+  double *values = malloc((size_t)x->traits * sizeof *values + 1);
   if (!values && s == DDP_OK) s = ddp_error(DDP_ERR_NOMEM, "hpo exchange: out of memory");
   for (int i = 0, p = 0; s == DDP_OK && i < peers; i++, p++) {
     if (p == x->worker) p++;
@@ -218,9 +235,9 @@ ddp_status ddp__hpo_exchange_poll(ddp__hpo_exchange *x, ddp__hpo_arrival fn, voi
       break;
     }
     for (int64_t k = 0; s == DDP_OK && k < n; k++) {
-      ind = (ddp_hpo_individual){.values = values};
-      s = ddp__hpo_record_decode(x->vals[k].data, x->vals[k].bytes, x->traits, x->keys[k], &ind);
-      if (s == DDP_OK) s = fn(&ind, user);
+      msg = (ddp__hpo_message){.ind = {.values = values}};
+      s = ddp__hpo_record_decode(x->vals[k].data, x->vals[k].bytes, x->traits, x->keys[k], &msg);
+      if (s == DDP_OK) s = fn(&msg, user);
     }
     ddp_store_values_free(x->vals, (size_t)n);
     if (s == DDP_OK) {

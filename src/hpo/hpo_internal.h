@@ -30,25 +30,40 @@ void ddp__hpo_breed(const ddp_hpo_space *space, const ddp_hpo_options *o, ddp_py
 
 /* Keeps best[0..*count) (capacity cap) the cap lowest losses in (loss,
  * index) order after individual `index` with `loss` joins; indices only
- * grow, so a newcomer goes after every equal loss. O(cap). */
+ * grow, so a newcomer goes after every equal loss. O(cap). (A deactivated
+ * member is replaced by rebuilding the list from the active ones.) */
 void ddp__hpo_rank_insert(int64_t *best, double *best_loss, int *count, int cap, int64_t index,
                           double loss);
 
 /* ---- The island's exchange (exchange.c) ---- */
 
 typedef struct ddp__hpo_exchange ddp__hpo_exchange;
-/* Called for each individual taken in (values valid for the call only). */
-typedef ddp_status (*ddp__hpo_arrival)(const ddp_hpo_individual *ind, void *user);
 
-/* Worker `worker` of n_workers, individuals of `traits` values, at most
- * max_pending unsent records (a send flushes when full). Publishes this
+/* What workers tell each other. */
+typedef enum ddp__hpo_kind {
+  DDP__HPO_EVAL = 1,       /* an individual evaluated on `island` */
+  DDP__HPO_MIGRANT = 2,    /* an individual going to `island` (its current: who answers for it) */
+  DDP__HPO_DEACTIVATE = 3, /* on `island`, deactivate this individual (emigrated, replaced) */
+} ddp__hpo_kind;
+
+typedef struct ddp__hpo_message {
+  int kind;   /* ddp__hpo_kind */
+  int island; /* the island it concerns */
+  ddp_hpo_individual ind;
+} ddp__hpo_message;
+
+/* Called for each message taken in (its values valid for the call only). */
+typedef ddp_status (*ddp__hpo_arrival)(const ddp__hpo_message *m, void *user);
+
+/* Worker `worker` of n_workers, individuals of `traits` values, room for
+ * max_pending unsent records at first (the queue grows). Publishes this
  * worker's count (0): create it on every worker before the first poll
  * (a barrier between). */
 ddp_status ddp__hpo_exchange_create(ddp_store *store, int worker, int n_workers, int traits,
                                     int64_t max_pending, ddp__hpo_exchange **out);
 void ddp__hpo_exchange_destroy(ddp__hpo_exchange *x);
-/* Queues an evaluated individual for the other workers. */
-ddp_status ddp__hpo_exchange_send(ddp__hpo_exchange *x, const ddp_hpo_individual *ind);
+/* Queues a message for the other workers (also from a poll's callback). */
+ddp_status ddp__hpo_exchange_send(ddp__hpo_exchange *x, const ddp__hpo_message *m);
 /* Puts the queued records in the store (one round trip). */
 ddp_status ddp__hpo_exchange_flush(ddp__hpo_exchange *x);
 /* Takes in every record the others have put in the store since the last
@@ -58,8 +73,8 @@ ddp_status ddp__hpo_exchange_poll(ddp__hpo_exchange *x, ddp__hpo_arrival fn, voi
 /* Records taken in so far, over every peer. */
 int64_t ddp__hpo_exchange_seen(const ddp__hpo_exchange *x);
 
-void ddp__hpo_record_encode(const ddp_hpo_individual *ind, int traits, unsigned char *out);
+void ddp__hpo_record_encode(const ddp__hpo_message *m, int traits, unsigned char *out);
 ddp_status ddp__hpo_record_decode(const void *data, size_t bytes, int traits, const char *key,
-                                  ddp_hpo_individual *ind);
+                                  ddp__hpo_message *m);
 
 #endif

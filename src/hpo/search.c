@@ -21,6 +21,10 @@ ddp_hpo_options ddp_hpo_defaults(void) {
   o.seed = 0;
   o.ranks_per_worker = 1;
   o.exchange_interval_s = 0.001;
+  o.islands = 1;
+  o.migration_prob = 0.9;
+  o.num_migrants = 1;
+  o.pollination = true;
   return o;
 }
 
@@ -32,6 +36,12 @@ static ddp_status check_options(const ddp_hpo_options *o) {
                      o->pop_size);
   if (o->ranks_per_worker < 1)
     return ddp_error(DDP_ERR_INVALID, "hpo: ranks_per_worker is %d (>= 1)", o->ranks_per_worker);
+  if (o->islands < 1)
+    return ddp_error(DDP_ERR_INVALID, "hpo: islands is %d (>= 1)", o->islands);
+  if (o->num_migrants < 1)
+    return ddp_error(DDP_ERR_INVALID, "hpo: num_migrants is %d (>= 1)", o->num_migrants);
+  if (!(o->migration_prob >= 0 && o->migration_prob <= 1))
+    return ddp_error(DDP_ERR_INVALID, "hpo: migration_prob is %g (in [0, 1])", o->migration_prob);
   if (!(o->exchange_interval_s >= 0))
     return ddp_error(DDP_ERR_INVALID, "hpo: exchange_interval_s is %g (>= 0)",
                      o->exchange_interval_s);
@@ -65,10 +75,16 @@ typedef struct population {
   int64_t *best;
   double *best_loss;
   int n_best;
+  int64_t n_active;
   int64_t best_overall;
+  /* Deactivations that came before their individual (Propulate's
+   * `replaced` / `emigrated` lists): retried after every poll. */
+  ddp_hpo_individual *pending_deact;
+  int64_t n_pending_deact, cap_pending_deact;
 } population;
 
 static void population_free(population *p) {
+  free(p->pending_deact);
   free(p->inds);
   free(p->values);
   free(p->views);
@@ -100,17 +116,21 @@ static void population_add(population *p) {
   ddp_hpo_individual *ind = &p->inds[p->count];
   if (isnan(ind->loss)) ind->loss = INFINITY;
   p->views[p->count] = ind->values;
-  ddp__hpo_rank_insert(p->best, p->best_loss, &p->n_best, p->pop_size, p->count, ind->loss);
+  if (ind->active) {
+    ddp__hpo_rank_insert(p->best, p->best_loss, &p->n_best, p->pop_size, p->count, ind->loss);
+    p->n_active++;
+  }
   if (p->best_overall < 0 || ind->loss < p->inds[p->best_overall].loss) p->best_overall = p->count;
   p->count++;
 }
 
-static ddp_status take_in(const ddp_hpo_individual *ind, void *user) {
-  population *p = user;
+/* A copy of *ind in the next slot (values copied). */
+static ddp_status population_append(population *p, const ddp_hpo_individual *ind) {
   ddp_hpo_individual *slot = population_next(p);
   if (!slot)
-    return ddp_error(DDP_ERR_STATE, "hpo: more individuals arrived than the island's workers "
-                     "evaluate (%lld): another search's records in the store?", (long long)p->cap);
+    return ddp_error(DDP_ERR_STATE, "hpo: more individuals arrived than this search evaluates "
+                     "and migrates (%lld): another search's messages in the store?",
+                     (long long)p->cap);
   double *values = slot->values;
   *slot = *ind;
   slot->values = values;
@@ -119,9 +139,55 @@ static ddp_status take_in(const ddp_hpo_individual *ind, void *user) {
   return DDP_OK;
 }
 
+/* SelectMin's view of the active individuals, rebuilt: after a member of
+ * it was deactivated (migration events only). O(population). */
+static void rebuild_best(population *p) {
+  p->n_best = 0;
+  for (int64_t i = 0; i < p->count; i++)
+    if (p->inds[i].active)
+      ddp__hpo_rank_insert(p->best, p->best_loss, &p->n_best, p->pop_size, i, p->inds[i].loss);
+}
+
+static void deactivate(population *p, int64_t i) {
+  if (!p->inds[i].active) return;
+  p->inds[i].active = false;
+  p->n_active--;
+  for (int k = 0; k < p->n_best; k++)
+    if (p->best[k] == i) {
+      rebuild_best(p);
+      break;
+    }
+}
+
+/* The individual (worker, generation, migration steps) among the active, or -1. */
+static int64_t find_active(const population *p, const ddp_hpo_individual *ind) {
+  for (int64_t i = p->count - 1; i >= 0; i--) {
+    const ddp_hpo_individual *q = &p->inds[i];
+    if (q->active && q->worker == ind->worker && q->generation == ind->generation &&
+        q->migration_steps == ind->migration_steps)
+      return i;
+  }
+  return -1;
+}
+
+/* The k lowest losses among the active individuals that pass `keep` (all
+ * when keep_current < 0, else those whose current is keep_current), in
+ * (loss, index) order: Propulate's SelectMin over that list. Returns how
+ * many (fewer when fewer qualify). */
+static int select_min(const population *p, int keep_current, int k, int64_t *out, double *loss) {
+  int n = 0;
+  for (int64_t i = 0; i < p->count; i++) {
+    const ddp_hpo_individual *q = &p->inds[i];
+    if (q->active && (keep_current < 0 || q->current == keep_current))
+      ddp__hpo_rank_insert(out, loss, &n, k, i, q->loss);
+  }
+  return n;
+}
+
 /* Hands the population over to *result (its first individual's values
  * pointer owns the block). */
 static void population_to_result(population *p, ddp_hpo_result *result) {
+  free(p->pending_deact);
   free(p->views);
   free(p->best);
   free(p->best_loss);
@@ -141,41 +207,189 @@ typedef struct worker_ctx {
   ddp_process_group *worker_pg; /* NULL: a worker of one rank */
   int worker, n_workers;
   int64_t world_rank; /* of the worker's first rank: the generator's seed offset */
+  /* Islands: island i holds workers [displ[i], displ[i] + count[i]). */
+  int island, island_rank; /* this worker's island and its rank there */
+  int *displ, *count;
 } worker_ctx;
 
-/* The worker's first rank: breed, evaluate with the worker, keep, send;
- * take in arrivals at most every exchange_interval_s. */
+/* Propulate's island sizes: W / I each, the first W % I one more. */
+static ddp_status island_layout(worker_ctx *w, int islands) {
+  if (islands > w->n_workers)
+    return ddp_error(DDP_ERR_INVALID, "hpo: %d islands for %d workers: every island needs one",
+                     islands, w->n_workers);
+  w->displ = calloc((size_t)islands, sizeof *w->displ);
+  w->count = calloc((size_t)islands, sizeof *w->count);
+  if (!w->displ || !w->count) return ddp_error(DDP_ERR_NOMEM, "hpo: out of memory");
+  for (int i = 0, at = 0; i < islands; i++) {
+    w->displ[i] = at;
+    w->count[i] = w->n_workers / islands + (i < w->n_workers % islands);
+    if (w->worker >= at && w->worker < at + w->count[i]) {
+      w->island = i;
+      w->island_rank = w->worker - at;
+    }
+    at += w->count[i];
+  }
+  return DDP_OK;
+}
+
+/* What a poll hands over, with where it goes. */
+typedef struct arrivals {
+  const worker_ctx *w;
+  population *pop;
+  ddp__hpo_exchange *x;
+  ddp_pyrandom *rng;
+} arrivals;
+
+static ddp_status remember_deactivation(population *p, const ddp_hpo_individual *ind) {
+  if (p->n_pending_deact == p->cap_pending_deact) {
+    int64_t cap = p->cap_pending_deact ? 2 * p->cap_pending_deact : 16;
+    ddp_hpo_individual *grown = realloc(p->pending_deact, (size_t)cap * sizeof *grown);
+    if (!grown) return ddp_error(DDP_ERR_NOMEM, "hpo: out of memory");
+    p->pending_deact = grown;
+    p->cap_pending_deact = cap;
+  }
+  ddp_hpo_individual *d = &p->pending_deact[p->n_pending_deact++];
+  *d = *ind;
+  d->values = NULL;
+  return DDP_OK;
+}
+
+/* Deactivations whose individual has arrived since. */
+static void settle_deactivations(population *p) {
+  int64_t kept = 0;
+  for (int64_t k = 0; k < p->n_pending_deact; k++) {
+    int64_t i = find_active(p, &p->pending_deact[k]);
+    if (i >= 0) deactivate(p, i);
+    else p->pending_deact[kept++] = p->pending_deact[k];
+  }
+  p->n_pending_deact = kept;
+}
+
+/* Pollination's arrival on its responsible worker: the worst active
+ * individual this worker answers for goes (SelectMax(1), the last of the
+ * highest losses as Python's sorted by -loss keeps the first of equals:
+ * the earliest), and the island's other workers are told. */
+static ddp_status replace_worst(arrivals *a) {
+  population *p = a->pop;
+  int64_t worst = -1;
+  for (int64_t i = 0; i < p->count; i++) {
+    const ddp_hpo_individual *q = &p->inds[i];
+    if (q->active && q->current == a->w->island_rank &&
+        (worst < 0 || q->loss > p->inds[worst].loss))
+      worst = i;
+  }
+  if (worst < 0) return DDP_OK;
+  ddp__hpo_message m = {.kind = DDP__HPO_DEACTIVATE, .island = a->w->island,
+                        .ind = p->inds[worst]};
+  DDP_TRY(ddp__hpo_exchange_send(a->x, &m));
+  deactivate(p, worst);
+  return DDP_OK;
+}
+
+static ddp_status take_in(const ddp__hpo_message *m, void *user) {
+  arrivals *a = user;
+  const worker_ctx *w = a->w;
+  if (m->island != w->island) return DDP_OK; /* another island's business */
+  switch (m->kind) {
+  case DDP__HPO_EVAL:
+    return population_append(a->pop, &m->ind);
+  case DDP__HPO_MIGRANT: {
+    ddp_hpo_individual in = m->ind;
+    in.migration_steps++; /* as Propulate counts it, on arrival */
+    in.active = true;
+    DDP_TRY(population_append(a->pop, &in));
+    if (w->o->pollination && in.current == w->island_rank) DDP_TRY(replace_worst(a));
+    return DDP_OK;
+  }
+  case DDP__HPO_DEACTIVATE: {
+    int64_t i = find_active(a->pop, &m->ind);
+    if (i >= 0) deactivate(a->pop, i);
+    else DDP_TRY(remember_deactivation(a->pop, &m->ind));
+    return DDP_OK;
+  }
+  }
+  return DDP_OK;
+}
+
+/* Emigration, as Propulate's Pollinator or Migrator sends: to every other
+ * island, num_migrants of the best active individuals (pollination: of all
+ * of them, copies; migration: of those this worker answers for, shuffled,
+ * and deactivated at home), each assigned to a random worker there. */
+static ddp_status send_emigrants(arrivals *a) {
+  const worker_ctx *w = a->w;
+  const ddp_hpo_options *o = w->o;
+  population *p = a->pop;
+  const int targets = o->islands - 1, per_target = o->num_migrants;
+  const int total = o->pollination ? per_target : per_target * targets;
+  int64_t chosen[256];
+  double chosen_loss[256];
+  if (total > 256)
+    return ddp_error(DDP_ERR_INVALID, "hpo: %d emigrants at once (at most 256)", total);
+  int n = select_min(p, o->pollination ? -1 : w->island_rank, total, chosen, chosen_loss);
+  /* Propulate sends only when enough are eligible. */
+  if (n < total) return DDP_OK;
+  if (!o->pollination) ddp__pyrandom_shuffle(a->rng, chosen, n);
+  int next = 0;
+  for (int target = 0; target < o->islands; target++) {
+    if (target == w->island) continue;
+    for (int k = 0; k < per_target; k++) {
+      const int64_t i = chosen[o->pollination ? k : next++];
+      ddp__hpo_message go = {.kind = DDP__HPO_MIGRANT, .island = target, .ind = p->inds[i]};
+      go.ind.current = (int)ddp_pyrandom_below(a->rng, (uint64_t)w->count[target]);
+      DDP_TRY(ddp__hpo_exchange_send(a->x, &go));
+      if (!o->pollination) { /* it leaves: gone here and on the island's other workers */
+        ddp__hpo_message gone = {.kind = DDP__HPO_DEACTIVATE, .island = w->island, .ind = p->inds[i]};
+        DDP_TRY(ddp__hpo_exchange_send(a->x, &gone));
+        deactivate(p, i);
+      }
+    }
+  }
+  return DDP_OK;
+}
+
+/* The worker's first rank: breed, evaluate with the worker, keep, tell the
+ * island; take in arrivals at most every exchange_interval_s; send
+ * emigrants with probability migration_prob / island size. */
 static ddp_status lead_loop(const worker_ctx *w, population *pop, ddp__hpo_exchange *x) {
   const ddp_hpo_options *o = w->o;
   const int traits = ddp_hpo_space_size(w->space);
   ddp_pyrandom rng;
   ddp_pyrandom_seed(&rng, o->seed + w->world_rank);
+  arrivals a = {.w = w, .pop = pop, .x = x, .rng = &rng};
+  const bool migration = o->islands > 1 && o->migration_prob > 0;
+  const double migration_prob = o->migration_prob / w->count[w->island];
   double last_exchange = ddp_time_s();
   for (int64_t g = 0; g < o->generations; g++) {
     ddp_hpo_individual *ind = population_next(pop);
     if (!ind) return ddp_error(DDP_ERR_STATE, "hpo: the population is full at generation %lld",
                                (long long)g);
-    /* The active population: everything known (no migration deactivates). */
-    ddp__hpo_breed(w->space, o, &rng, pop->views, pop->count, pop->best, ind->values);
+    ddp__hpo_breed(w->space, o, &rng, pop->views, pop->n_active, pop->best, ind->values);
     if (w->worker_pg)
       DDP_TRY(ddp_broadcast(w->worker_pg, ind->values, (size_t)traits, DDP_FLOAT64, 0));
     ind->generation = g;
     ind->worker = w->worker;
-    ind->island = 0;
+    ind->island = w->island;
+    ind->current = w->island_rank;
+    ind->migration_steps = 0;
     ind->active = true;
     ind->start_s = ddp_time_s();
     double loss = w->objective(w->space, ind->values, w->worker_pg, w->user);
     ind->end_s = ddp_time_s();
     ind->loss = loss;
     population_add(pop);
-    if (x) {
-      DDP_TRY(ddp__hpo_exchange_send(x, ind));
-      if (ind->end_s - last_exchange >= o->exchange_interval_s) {
-        int64_t got;
-        DDP_TRY(ddp__hpo_exchange_flush(x));
-        DDP_TRY(ddp__hpo_exchange_poll(x, take_in, pop, &got));
-        last_exchange = ddp_time_s();
-      }
+    if (!x) continue;
+    if (w->count[w->island] > 1) {
+      ddp__hpo_message m = {.kind = DDP__HPO_EVAL, .island = w->island, .ind = *ind};
+      DDP_TRY(ddp__hpo_exchange_send(x, &m));
+    }
+    /* Propulate draws the migration decision every generation. */
+    if (migration && ddp_pyrandom_random(&rng) < migration_prob) DDP_TRY(send_emigrants(&a));
+    if (ind->end_s - last_exchange >= o->exchange_interval_s) {
+      int64_t got;
+      DDP_TRY(ddp__hpo_exchange_flush(x));
+      DDP_TRY(ddp__hpo_exchange_poll(x, take_in, &a, &got));
+      settle_deactivations(pop);
+      last_exchange = ddp_time_s();
     }
   }
   return x ? ddp__hpo_exchange_flush(x) : DDP_OK;
@@ -222,17 +436,29 @@ ddp_status ddp_hpo_search_world(const ddp_hpo_space *space, const ddp_hpo_option
                      n_workers);
   worker_ctx w = {.space = space, .o = o, .objective = objective, .user = user,
                   .worker = rank / r, .n_workers = n_workers, .world_rank = rank - rank % r};
-  ddp_status s = DDP_OK;
+  ddp_status s = island_layout(&w, o->islands);
+  if (s != DDP_OK) {
+    free(w.displ), free(w.count);
+    return s;
+  }
   /* Workers of several ranks: a split of the world, made once. */
   if (r > 1) {
     s = ddp_process_group_split(world, w.worker, rank, &w.worker_pg);
-    if (s != DDP_OK) return ddp_error_wrap(s, "hpo: making worker %d's group", w.worker);
+    if (s != DDP_OK) {
+      free(w.displ), free(w.count);
+      return ddp_error_wrap(s, "hpo: making worker %d's group", w.worker);
+    }
   }
   const bool lead = rank % r == 0;
   population pop = {0};
   ddp__hpo_exchange *x = NULL;
   if (lead) {
-    s = population_init(&pop, ddp_hpo_space_size(space), o->pop_size, o->generations * n_workers);
+    /* Room for every individual the island's workers evaluate, and for the
+     * migrants: at most num_migrants per other island per emigration, one
+     * emigration per generation per worker. */
+    int64_t cap = o->generations * n_workers;
+    if (o->islands > 1) cap += o->generations * n_workers * (int64_t)o->num_migrants;
+    s = population_init(&pop, ddp_hpo_space_size(space), o->pop_size, cap);
     if (s == DDP_OK && n_workers > 1)
       s = ddp__hpo_exchange_create(store, w.worker, n_workers, ddp_hpo_space_size(space), 64, &x);
   }
@@ -249,11 +475,25 @@ ddp_status ddp_hpo_search_world(const ddp_hpo_space *space, const ddp_hpo_option
     if (s == DDP_OK && b != DDP_OK) s = ddp_error_wrap(b, "hpo: the end's barrier");
   }
   if (s == DDP_OK && x) {
+    /* Pollination's replacements made here are sent out and taken in
+     * once more, as Propulate's end does (its barriers between). */
     int64_t got;
-    s = ddp__hpo_exchange_poll(x, take_in, &pop, &got);
+    ddp_pyrandom unused;
+    arrivals a = {.w = &w, .pop = &pop, .x = x, .rng = &unused};
+    s = ddp__hpo_exchange_poll(x, take_in, &a, &got);
+    if (s == DDP_OK) s = ddp__hpo_exchange_flush(x);
+    ddp_status b = ddp_barrier(world);
+    if (s == DDP_OK && b != DDP_OK) s = ddp_error_wrap(b, "hpo: the end's second barrier");
+    if (s == DDP_OK) s = ddp__hpo_exchange_poll(x, take_in, &a, &got);
+    settle_deactivations(&pop);
+  } else if (world && size > 1) {
+    ddp_status b = ddp_barrier(world); /* the leads' second barrier */
+    if (s == DDP_OK && b != DDP_OK) s = ddp_error_wrap(b, "hpo: the end's second barrier");
   }
   ddp__hpo_exchange_destroy(x);
   ddp_process_group_destroy(w.worker_pg);
+  free(w.displ);
+  free(w.count);
   if (s != DDP_OK) {
     if (lead) population_free(&pop);
     return s;

@@ -131,6 +131,101 @@ static void test_exchanging_workers_share_everything(void **state) {
   for (int r = 0; r < 2; r++) ddp_hpo_result_free(&c.res[r]);
 }
 
+/* ---- islands ------------------------------------------------------------------ */
+
+/* Copies of the individual (worker, generation, migration steps) in r, and
+ * how many of them are active (pollination can bring an individual twice:
+ * a worker's best is sent again and again). Sets *one to any copy. */
+static int copies(const ddp_hpo_result *r, int worker, int64_t generation, int steps, int *active,
+                  const ddp_hpo_individual **one) {
+  int n = 0;
+  *active = 0;
+  for (int64_t i = 0; i < r->count; i++) {
+    const ddp_hpo_individual *q = &r->individuals[i];
+    if (q->worker == worker && q->generation == generation && q->migration_steps == steps) {
+      n++;
+      *active += q->active;
+      if (one) *one = q;
+    }
+  }
+  return n;
+}
+
+/* 4 workers as 2 islands of 2: each island's two workers end agreeing on
+ * every individual (its copies, and how many are active); an island holds
+ * its own workers' evaluations and migrants from the other, each a copy of
+ * an individual there one migration step earlier (real migration: which
+ * left, so is inactive there); returns the number of migrants seen. */
+static int64_t check_islands(world_case *c, bool pollination) {
+  const int64_t G = c->o.generations;
+  int64_t migrants = 0;
+  for (int island = 0; island < 2; island++) {
+    const ddp_hpo_result *a = &c->res[2 * island], *b = &c->res[2 * island + 1];
+    const ddp_hpo_result *other = &c->res[2 * (1 - island)];
+    assert_int_equal(a->count, b->count);
+    int64_t own = 0, inactive = 0, mig = 0;
+    for (int64_t i = 0; i < a->count; i++) {
+      const ddp_hpo_individual *q = &a->individuals[i], *home = NULL;
+      int act_a, act_b, act_home;
+      int n_a = copies(a, q->worker, q->generation, q->migration_steps, &act_a, NULL);
+      int n_b = copies(b, q->worker, q->generation, q->migration_steps, &act_b, NULL);
+      if (n_a != n_b || act_a != act_b)
+        fail_msg("island %d: worker %d gen %lld steps %d: %d copies (%d active) on one worker, "
+                 "%d (%d) on the other", island, q->worker, (long long)q->generation,
+                 q->migration_steps, n_a, act_a, n_b, act_b);
+      assert_true(q->loss == sphere(NULL, q->values, NULL, NULL));
+      inactive += !q->active;
+      if (q->migration_steps == 0) {
+        own++;
+        assert_int_equal(q->island, island);
+        assert_int_equal(q->worker / 2, island);
+        continue;
+      }
+      mig++;
+      assert_int_equal(q->island, q->migration_steps % 2 ? 1 - island : island);
+      if (!copies(other, q->worker, q->generation, q->migration_steps - 1, &act_home, &home))
+        fail_msg("island %d: migrant worker %d gen %lld steps %d has no origin", island, q->worker,
+                 (long long)q->generation, q->migration_steps);
+      assert_memory_equal(home->values, q->values, 2 * sizeof(double));
+      if (!pollination) {
+        int n_home = copies(other, q->worker, q->generation, q->migration_steps - 1, &act_home,
+                            NULL);
+        assert_true(act_home < n_home); /* it left: a copy there is inactive */
+      }
+    }
+    assert_int_equal(own, 2 * G);
+    /* pollination: every arrival replaced one individual of its worker */
+    if (pollination) assert_int_equal(inactive, mig);
+    migrants += mig;
+  }
+  return migrants;
+}
+
+static void run_islands(bool pollination) {
+  world_case c = {.space = SPHERE, .objective = sphere};
+  c.o = ddp_hpo_defaults();
+  c.o.generations = 300;
+  c.o.islands = 2;
+  c.o.migration_prob = 0.9;
+  c.o.pollination = pollination;
+  c.o.exchange_interval_s = 0;
+  run_world(&c, 4);
+  int64_t migrants = check_islands(&c, pollination);
+  /* 4 workers x 300 generations x 0.9 / 2: about 540 emigrations; most arrive */
+  if (migrants < 100) fail_msg("only %lld migrants over 1200 generations", (long long)migrants);
+  for (int r = 0; r < 4; r++) ddp_hpo_result_free(&c.res[r]);
+}
+
+static void test_islands_pollination(void **state) {
+  (void)state;
+  run_islands(true);
+}
+
+static void test_islands_real_migration(void **state) {
+  (void)state;
+  run_islands(false);
+}
+
 /* ---- multi-rank workers ---------------------------------------------------- */
 
 #define GENS 4
@@ -266,6 +361,8 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_isolated_workers_are_single_searches),
       cmocka_unit_test(test_exchanging_workers_share_everything),
+      cmocka_unit_test(test_islands_pollination),
+      cmocka_unit_test(test_islands_real_migration),
       cmocka_unit_test(test_multi_rank_workers_train_data_parallel),
       cmocka_unit_test(test_world_must_split),
   };
