@@ -478,7 +478,7 @@ ddp_status ddp_hpo_search_world(const ddp_hpo_space *space, const ddp_hpo_option
     /* Pollination's replacements made here are sent out and taken in
      * once more, as Propulate's end does (its barriers between). */
     int64_t got;
-    ddp_pyrandom unused;
+    ddp_pyrandom unused = {0}; /* the end sends no emigrants */
     arrivals a = {.w = &w, .pop = &pop, .x = x, .rng = &unused};
     s = ddp__hpo_exchange_poll(x, take_in, &a, &got);
     if (s == DDP_OK) s = ddp__hpo_exchange_flush(x);
