@@ -60,6 +60,14 @@ static void usage(FILE *f) {
 "  --pollination        copies of the best go, each arrival replacing its worker's worst\n"
 "                       (default, as Propulate's)\n"
 "  --real-migration     the worker's own best go and are deactivated at home\n"
+"Checkpoints\n"
+"  --checkpoint DIR     each worker journals what enters its population in DIR, committed\n"
+"                       (fsync'd, with its generator) at most every --checkpoint-interval\n"
+"                       seconds (default 1) and at the end; DIR/search.meta holds the options\n"
+"  --resume             continue the search in DIR (start one if DIR holds none); without it\n"
+"                       a DIR holding a search is refused. Under ddprun --max-restarts N a\n"
+"                       search whose rank died continues by itself\n"
+"  --eval-delay-ms N    sleep N ms in every evaluation (to watch a search, or kill one)\n"
 "Output\n"
 "  --top-n K            the summary lists the K best individuals (default 3)\n"
 "  --log FILE           one JSON object per evaluation: generation, the hyperparameters,\n"
@@ -96,7 +104,7 @@ static _Noreturn void die(const char *what, ddp_status s) {
 
 typedef struct args {
   const char *objective, *space, *data, *log_path;
-  int64_t epochs, patience, batch_size, max_steps, top_n;
+  int64_t epochs, patience, batch_size, max_steps, top_n, eval_delay_ms;
   ddp_hpo_options o;
   bool json;
 } args;
@@ -142,6 +150,10 @@ static void parse_args(int argc, char **argv, args *a) {
       a->json = true;
       continue;
     }
+    if (!strcmp(f, "--resume")) {
+      a->o.resume = true;
+      continue;
+    }
     if (!strcmp(f, "--pollination") || !strcmp(f, "--real-migration")) {
       a->o.pollination = f[2] == 'p';
       continue;
@@ -151,7 +163,7 @@ static void parse_args(int argc, char **argv, args *a) {
         "--max-steps", "--generations", "--pop-size", "--crossover-prob", "--mutation-prob",
         "--random-init-prob", "--sigma-factor", "--seed", "--top-n", "--log",
         "--ranks-per-worker", "--exchange-interval", "--islands", "--migration-prob",
-        "--num-migrants"};
+        "--num-migrants", "--checkpoint", "--checkpoint-interval", "--eval-delay-ms"};
     char name[64];
     const char *eq = strchr(f, '=');
     size_t len = eq ? (size_t)(eq - f) : strlen(f);
@@ -186,6 +198,14 @@ static void parse_args(int argc, char **argv, args *a) {
     else if (!strcmp(name, "--log")) a->log_path = v;
     else if (!strcmp(name, "--ranks-per-worker")) a->o.ranks_per_worker = (int)parse_int(name, v, 1);
     else if (!strcmp(name, "--islands")) a->o.islands = (int)parse_int(name, v, 1);
+    else if (!strcmp(name, "--checkpoint")) a->o.checkpoint_dir = v;
+    else if (!strcmp(name, "--eval-delay-ms")) a->eval_delay_ms = parse_int(name, v, 0);
+    else if (!strcmp(name, "--checkpoint-interval")) {
+      char *end;
+      a->o.checkpoint_interval_s = strtod(v, &end);
+      if (*end || end == v || !(a->o.checkpoint_interval_s >= 0))
+        die_usage("--checkpoint-interval expects seconds >= 0, got '%s'", v);
+    }
     else if (!strcmp(name, "--migration-prob")) a->o.migration_prob = parse_prob(name, v);
     else if (!strcmp(name, "--num-migrants")) a->o.num_migrants = (int)parse_int(name, v, 1);
     else if (!strcmp(name, "--exchange-interval")) {
@@ -295,6 +315,7 @@ static double evaluate(const ddp_hpo_space *space, const double *v, ddp_process_
                        void *user) {
   objective *ob = user;
   double t0 = ddp_time_s();
+  if (ob->a->eval_delay_ms) usleep((useconds_t)(ob->a->eval_delay_ms * 1000));
   double loss = ob->bench ? benchmark_loss(ob, v, ddp_hpo_space_size(space))
                           : convnet_loss(ob, space, v, worker);
   double t1 = ddp_time_s();
@@ -360,6 +381,15 @@ int main(int argc, char **argv) {
   } else if (!spec) {
     spec = CONVNET_SPACE;
   }
+  if (a.o.resume && !a.o.checkpoint_dir) die_usage("%s needs --checkpoint DIR", "--resume");
+  /* What a resumed search must share besides the search's own options. */
+  char fingerprint[8192];
+  snprintf(fingerprint, sizeof fingerprint,
+           "objective=%s\nspace=%s\ndata=%s\nepochs=%lld\npatience=%lld\nbatch_size=%lld\n"
+           "max_steps=%lld", a.objective, a.space ? a.space : "(the objective's)", a.data,
+           (long long)a.epochs, (long long)a.patience, (long long)a.batch_size,
+           (long long)a.max_steps);
+  a.o.fingerprint = fingerprint;
   ddp_hpo_space *space;
   if (ddp_hpo_space_parse(spec, &space) != DDP_OK) {
     fprintf(stderr, "ddp-hpo: --space: %s\n(run ddp-hpo --help for the options)\n",

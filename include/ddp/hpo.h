@@ -139,6 +139,18 @@ typedef struct ddp_hpo_options {
   double migration_prob;   /* 0.9 (Propulate's tutorials) */
   int num_migrants;        /* 1 */
   bool pollination;        /* true */
+  /* Checkpoints (docs/hpo.md, "Checkpoints"): each worker's first rank
+   * keeps a journal of everything that entered its population in
+   * checkpoint_dir, committed (written, fsync'd, with its generator's state)
+   * at most every checkpoint_interval_s and at the end. NULL: none. */
+  const char *checkpoint_dir;
+  double checkpoint_interval_s; /* 1.0 */
+  /* Continue the search in checkpoint_dir (or start one there if it holds
+   * none). Without it, a directory holding a search is refused. */
+  bool resume;
+  /* The caller's own options that a resumed search must share (e.g. the
+   * objective's), "key=value" lines; stored with the search's. May be NULL. */
+  const char *fingerprint;
   uint64_t reserved[3];
 } ddp_hpo_options;
 

@@ -22,6 +22,20 @@ typedef enum ddp_launch_rdzv_backend {
   DDP_LAUNCH_RDZV_C10D = 1,   /* node ranks by order of arrival at the store */
 } ddp_launch_rdzv_backend;
 
+/* Where each worker runs (--bind, docs/launch.md "Where the workers run").
+ * AUTO, the default: cores of its own for every worker when the CPUs this
+ * process may use (sched_getaffinity) number at least workers x threads per
+ * worker, spread over the packages; otherwise left to the scheduler, with a
+ * note on stderr (once per process). Under srun (SLURM_STEP_ID or
+ * SLURM_CPU_BIND set) AUTO leaves Slurm's binding as it is. */
+typedef enum ddp_launch_bind {
+  DDP_LAUNCH_BIND_AUTO = 0,
+  DDP_LAUNCH_BIND_NONE = 1,     /* the scheduler places every worker */
+  DDP_LAUNCH_BIND_CORE = 2,     /* cores of its own (hardware threads where cores are too few); an error when CPUs are too few */
+  DDP_LAUNCH_BIND_SOCKET = 3,   /* every CPU of one package, the workers spread over the packages */
+  DDP_LAUNCH_BIND_HWTHREAD = 4, /* hardware threads of its own, SMT siblings counted apart */
+} ddp_launch_bind;
+
 #define DDP_LAUNCH_HOST_BYTES 256
 #define DDP_LAUNCH_ID_BYTES 128
 #define DDP_LAUNCH_PATH_BYTES 4096
@@ -63,7 +77,11 @@ typedef struct ddp_launch_config {
   const char *program;
   char *const *args;       /* program arguments after the program */
   int32_t num_args;
-  uint64_t reserved[8];
+  int32_t bind;            /* ddp_launch_bind (--bind, --bind-to, --numa-binding); 0: AUTO */
+  int32_t report_bindings; /* --report-bindings: each worker's CPUs on stderr as it starts */
+  int32_t threads_per_worker; /* --threads N: CPUs each worker needs, and its OMP_NUM_THREADS;
+                                 0: $OMP_NUM_THREADS for the placement, else 1 */
+  uint64_t reserved[7];
 } ddp_launch_config;
 
 /* The defaults: one worker on one node, static rendezvous, no restarts,
@@ -110,6 +128,8 @@ ddp_status ddp_launch_run(const ddp_launch_config *cfg, int *exit_code);
  * (malloc's, stdio's) would wait on it forever (DDP_LOG_LEVEL=debug notes
  * other threads; OpenBLAS's idle pool stops itself around fork, so it is
  * safe). The workers hold none of the store server's fds.
+ * Each worker is placed as ddprun's are (opts->bind, ddp_launch_bind): bound
+ * in the child before fn runs, so every thread it starts inherits the CPUs.
  * While it runs, ddp_spawn handles SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGUSR1
  * and SIGUSR2 (forwarding them to the workers) and restores the caller's
  * handlers before returning. It also makes the caller a child subreaper for
@@ -127,8 +147,10 @@ typedef struct ddp_spawn_options {
   int32_t max_restarts;  /* restarts of the whole group after a failure */
   int32_t tail_lines;    /* lines of output kept per worker for the summary; 0: 10 */
   int32_t quiet;         /* 1: do not print the summary (the error still says who failed) */
-  uint32_t reserved32;
-  uint64_t reserved[8];
+  int32_t bind;          /* ddp_launch_bind; 0: AUTO (cores of its own when there are enough) */
+  int32_t report_bindings; /* 1: each worker's CPUs on stderr as it starts */
+  int32_t threads_per_worker; /* CPUs each worker needs (and its OMP_NUM_THREADS); 0: $OMP_NUM_THREADS, else 1 */
+  uint64_t reserved[7];
 } ddp_spawn_options;
 
 void ddp_spawn_options_init(ddp_spawn_options *opts);

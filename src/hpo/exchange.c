@@ -23,7 +23,8 @@
 #define RECORD_MAGIC 0x32504844u /* "DHP2" */
 enum { RECORD_HEAD = 4 * 4 + 8 + 4 * 5 + 8 * 3 };
 
-static size_t record_bytes(int traits) { return RECORD_HEAD + 8 * (size_t)traits; }
+size_t ddp__hpo_record_bytes(int traits) { return RECORD_HEAD + 8 * (size_t)traits; }
+static size_t record_bytes(int traits) { return ddp__hpo_record_bytes(traits); }
 
 static void put(unsigned char **p, const void *v, size_t n) {
   memcpy(*p, v, n); /* x86-64 and every host ddp runs on are little-endian */

@@ -73,8 +73,25 @@ ddp_status ddp__hpo_exchange_poll(ddp__hpo_exchange *x, ddp__hpo_arrival fn, voi
 /* Records taken in so far, over every peer. */
 int64_t ddp__hpo_exchange_seen(const ddp__hpo_exchange *x);
 
+size_t ddp__hpo_record_bytes(int traits);
 void ddp__hpo_record_encode(const ddp__hpo_message *m, int traits, unsigned char *out);
 ddp_status ddp__hpo_record_decode(const void *data, size_t bytes, int traits, const char *key,
                                   ddp__hpo_message *m);
+
+/* ---- Checkpoints (checkpoint.c) ---- */
+
+/* Creates dir if needed; with a search.meta there: refused unless resume,
+ * and then refused naming the first difference unless equal to `meta`
+ * (*resuming true); without one, writes `meta` (atomically). */
+ddp_status ddp__hpo_meta_check(const char *dir, const char *meta, bool resume, bool *resuming);
+
+typedef struct ddp__hpo_journal ddp__hpo_journal;
+ddp_status ddp__hpo_journal_open(const char *dir, int worker, int traits, bool resuming,
+                                 ddp__hpo_arrival replay, void *user, ddp_pyrandom *rng,
+                                 int64_t *generations_done, ddp__hpo_journal **out);
+ddp_status ddp__hpo_journal_append(ddp__hpo_journal *j, const ddp__hpo_message *m);
+ddp_status ddp__hpo_journal_commit(ddp__hpo_journal *j, int64_t generations_done,
+                                   const ddp_pyrandom *rng);
+void ddp__hpo_journal_close(ddp__hpo_journal *j);
 
 #endif

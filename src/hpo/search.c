@@ -5,6 +5,7 @@
  * plain loop; several workers exchange through the store (exchange.c);
  * a worker of several ranks trains each individual together. */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -25,6 +26,7 @@ ddp_hpo_options ddp_hpo_defaults(void) {
   o.migration_prob = 0.9;
   o.num_migrants = 1;
   o.pollination = true;
+  o.checkpoint_interval_s = 1.0;
   return o;
 }
 
@@ -42,6 +44,11 @@ static ddp_status check_options(const ddp_hpo_options *o) {
     return ddp_error(DDP_ERR_INVALID, "hpo: num_migrants is %d (>= 1)", o->num_migrants);
   if (!(o->migration_prob >= 0 && o->migration_prob <= 1))
     return ddp_error(DDP_ERR_INVALID, "hpo: migration_prob is %g (in [0, 1])", o->migration_prob);
+  if (!(o->checkpoint_interval_s >= 0))
+    return ddp_error(DDP_ERR_INVALID, "hpo: checkpoint_interval_s is %g (>= 0)",
+                     o->checkpoint_interval_s);
+  if (o->resume && !o->checkpoint_dir)
+    return ddp_error(DDP_ERR_INVALID, "hpo: resume needs a checkpoint_dir");
   if (!(o->exchange_interval_s >= 0))
     return ddp_error(DDP_ERR_INVALID, "hpo: exchange_interval_s is %g (>= 0)",
                      o->exchange_interval_s);
@@ -81,9 +88,14 @@ typedef struct population {
    * `replaced` / `emigrated` lists): retried after every poll. */
   ddp_hpo_individual *pending_deact;
   int64_t n_pending_deact, cap_pending_deact;
+  /* Evaluations known, one bit per (worker, generation): a resumed worker
+   * sends its evaluations again, and the others keep the first copy. */
+  uint8_t *seen;
+  int64_t generations;
 } population;
 
 static void population_free(population *p) {
+  free(p->seen);
   free(p->pending_deact);
   free(p->inds);
   free(p->values);
@@ -92,14 +104,17 @@ static void population_free(population *p) {
   free(p->best_loss);
 }
 
-static ddp_status population_init(population *p, int traits, int pop_size, int64_t cap) {
-  *p = (population){.traits = traits, .pop_size = pop_size, .cap = cap, .best_overall = -1};
+static ddp_status population_init(population *p, int traits, int pop_size, int64_t cap,
+                                  int workers, int64_t generations) {
+  *p = (population){.traits = traits, .pop_size = pop_size, .cap = cap, .best_overall = -1,
+                    .generations = generations};
+  p->seen = calloc((size_t)((workers * generations + 7) / 8), 1);
   p->inds = calloc((size_t)cap, sizeof *p->inds);
   p->values = calloc((size_t)(cap * traits) + 1, sizeof *p->values);
   p->views = calloc((size_t)cap, sizeof *p->views);
   p->best = calloc((size_t)pop_size, sizeof *p->best);
   p->best_loss = calloc((size_t)pop_size, sizeof *p->best_loss);
-  if (!p->inds || !p->values || !p->views || !p->best || !p->best_loss) {
+  if (!p->inds || !p->values || !p->views || !p->best || !p->best_loss || !p->seen) {
     population_free(p);
     return ddp_error(DDP_ERR_NOMEM, "hpo: no memory for %lld individuals", (long long)cap);
   }
@@ -110,6 +125,15 @@ static ddp_status population_init(population *p, int traits, int pop_size, int64
 /* The next slot; the caller fills it and calls population_add. */
 static ddp_hpo_individual *population_next(population *p) {
   return p->count < p->cap ? &p->inds[p->count] : NULL;
+}
+
+/* Whether evaluation (worker, generation) is known; marks it known. */
+static bool seen_before(population *p, const ddp_hpo_individual *ind) {
+  int64_t bit = (int64_t)ind->worker * p->generations + ind->generation;
+  if (bit < 0 || ind->generation >= p->generations) return false;
+  bool was = p->seen[bit / 8] & (1u << (bit % 8));
+  p->seen[bit / 8] |= (uint8_t)(1u << (bit % 8));
+  return was;
 }
 
 static void population_add(population *p) {
@@ -187,6 +211,7 @@ static int select_min(const population *p, int keep_current, int k, int64_t *out
 /* Hands the population over to *result (its first individual's values
  * pointer owns the block). */
 static void population_to_result(population *p, ddp_hpo_result *result) {
+  free(p->seen);
   free(p->pending_deact);
   free(p->views);
   free(p->best);
@@ -238,7 +263,13 @@ typedef struct arrivals {
   population *pop;
   ddp__hpo_exchange *x;
   ddp_pyrandom *rng;
+  ddp__hpo_journal *journal; /* NULL: no checkpoints */
 } arrivals;
+
+/* A message that changed the population goes to the journal. */
+static ddp_status journal(arrivals *a, const ddp__hpo_message *m) {
+  return a->journal ? ddp__hpo_journal_append(a->journal, m) : DDP_OK;
+}
 
 static ddp_status remember_deactivation(population *p, const ddp_hpo_individual *ind) {
   if (p->n_pending_deact == p->cap_pending_deact) {
@@ -282,6 +313,7 @@ static ddp_status replace_worst(arrivals *a) {
   ddp__hpo_message m = {.kind = DDP__HPO_DEACTIVATE, .island = a->w->island,
                         .ind = p->inds[worst]};
   DDP_TRY(ddp__hpo_exchange_send(a->x, &m));
+  DDP_TRY(journal(a, &m));
   deactivate(p, worst);
   return DDP_OK;
 }
@@ -292,15 +324,37 @@ static ddp_status take_in(const ddp__hpo_message *m, void *user) {
   if (m->island != w->island) return DDP_OK; /* another island's business */
   switch (m->kind) {
   case DDP__HPO_EVAL:
+    if (seen_before(a->pop, &m->ind)) return DDP_OK; /* sent again by a resumed worker */
+    DDP_TRY(journal(a, m));
     return population_append(a->pop, &m->ind);
   case DDP__HPO_MIGRANT: {
-    ddp_hpo_individual in = m->ind;
-    in.migration_steps++; /* as Propulate counts it, on arrival */
-    in.active = true;
-    DDP_TRY(population_append(a->pop, &in));
-    if (w->o->pollination && in.current == w->island_rank) DDP_TRY(replace_worst(a));
+    ddp__hpo_message in = *m;
+    in.ind.migration_steps++; /* as Propulate counts it, on arrival */
+    in.ind.active = true;
+    DDP_TRY(journal(a, &in));
+    DDP_TRY(population_append(a->pop, &in.ind));
+    if (w->o->pollination && in.ind.current == w->island_rank) DDP_TRY(replace_worst(a));
     return DDP_OK;
   }
+  case DDP__HPO_DEACTIVATE: {
+    DDP_TRY(journal(a, m));
+    int64_t i = find_active(a->pop, &m->ind);
+    if (i >= 0) deactivate(a->pop, i);
+    else DDP_TRY(remember_deactivation(a->pop, &m->ind));
+    return DDP_OK;
+  }
+  }
+  return DDP_OK;
+}
+
+/* Replaying a journal: each message as it entered the population then. */
+static ddp_status replay(const ddp__hpo_message *m, void *user) {
+  arrivals *a = user;
+  switch (m->kind) {
+  case DDP__HPO_EVAL:
+  case DDP__HPO_MIGRANT:
+    if (m->kind == DDP__HPO_EVAL) (void)seen_before(a->pop, &m->ind);
+    return population_append(a->pop, &m->ind);
   case DDP__HPO_DEACTIVATE: {
     int64_t i = find_active(a->pop, &m->ind);
     if (i >= 0) deactivate(a->pop, i);
@@ -340,6 +394,7 @@ static ddp_status send_emigrants(arrivals *a) {
       if (!o->pollination) { /* it leaves: gone here and on the island's other workers */
         ddp__hpo_message gone = {.kind = DDP__HPO_DEACTIVATE, .island = w->island, .ind = p->inds[i]};
         DDP_TRY(ddp__hpo_exchange_send(a->x, &gone));
+        DDP_TRY(journal(a, &gone));
         deactivate(p, i);
       }
     }
@@ -350,16 +405,16 @@ static ddp_status send_emigrants(arrivals *a) {
 /* The worker's first rank: breed, evaluate with the worker, keep, tell the
  * island; take in arrivals at most every exchange_interval_s; send
  * emigrants with probability migration_prob / island size. */
-static ddp_status lead_loop(const worker_ctx *w, population *pop, ddp__hpo_exchange *x) {
+static ddp_status lead_loop(const worker_ctx *w, population *pop, ddp__hpo_exchange *x,
+                            ddp__hpo_journal *jn, ddp_pyrandom *rng_state, int64_t first) {
   const ddp_hpo_options *o = w->o;
   const int traits = ddp_hpo_space_size(w->space);
-  ddp_pyrandom rng;
-  ddp_pyrandom_seed(&rng, o->seed + w->world_rank);
-  arrivals a = {.w = w, .pop = pop, .x = x, .rng = &rng};
+  ddp_pyrandom rng = *rng_state;
+  arrivals a = {.w = w, .pop = pop, .x = x, .rng = &rng, .journal = jn};
   const bool migration = o->islands > 1 && o->migration_prob > 0;
   const double migration_prob = o->migration_prob / w->count[w->island];
-  double last_exchange = ddp_time_s();
-  for (int64_t g = 0; g < o->generations; g++) {
+  double last_exchange = ddp_time_s(), last_commit = last_exchange;
+  for (int64_t g = first; g < o->generations; g++) {
     ddp_hpo_individual *ind = population_next(pop);
     if (!ind) return ddp_error(DDP_ERR_STATE, "hpo: the population is full at generation %lld",
                                (long long)g);
@@ -376,38 +431,97 @@ static ddp_status lead_loop(const worker_ctx *w, population *pop, ddp__hpo_excha
     double loss = w->objective(w->space, ind->values, w->worker_pg, w->user);
     ind->end_s = ddp_time_s();
     ind->loss = loss;
+    (void)seen_before(pop, ind);
+    ddp__hpo_message m = {.kind = DDP__HPO_EVAL, .island = w->island, .ind = *ind};
+    DDP_TRY(journal(&a, &m));
     population_add(pop);
-    if (!x) continue;
-    if (w->count[w->island] > 1) {
-      ddp__hpo_message m = {.kind = DDP__HPO_EVAL, .island = w->island, .ind = *ind};
-      DDP_TRY(ddp__hpo_exchange_send(x, &m));
+    if (x) {
+      if (w->count[w->island] > 1) DDP_TRY(ddp__hpo_exchange_send(x, &m));
+      /* Propulate draws the migration decision every generation. */
+      if (migration && ddp_pyrandom_random(&rng) < migration_prob) DDP_TRY(send_emigrants(&a));
+      if (ind->end_s - last_exchange >= o->exchange_interval_s) {
+        int64_t got;
+        DDP_TRY(ddp__hpo_exchange_flush(x));
+        DDP_TRY(ddp__hpo_exchange_poll(x, take_in, &a, &got));
+        settle_deactivations(pop);
+        last_exchange = ddp_time_s();
+      }
     }
-    /* Propulate draws the migration decision every generation. */
-    if (migration && ddp_pyrandom_random(&rng) < migration_prob) DDP_TRY(send_emigrants(&a));
-    if (ind->end_s - last_exchange >= o->exchange_interval_s) {
-      int64_t got;
-      DDP_TRY(ddp__hpo_exchange_flush(x));
-      DDP_TRY(ddp__hpo_exchange_poll(x, take_in, &a, &got));
-      settle_deactivations(pop);
-      last_exchange = ddp_time_s();
+    /* A commit: everything so far, and the generator as the next
+     * generation finds it. */
+    if (jn && ddp_time_s() - last_commit >= o->checkpoint_interval_s) {
+      DDP_TRY(ddp__hpo_journal_commit(jn, g + 1, &rng));
+      last_commit = ddp_time_s();
     }
   }
+  *rng_state = rng;
   return x ? ddp__hpo_exchange_flush(x) : DDP_OK;
 }
 
 /* The worker's other ranks: take each individual from the first, evaluate
  * it with the others. */
-static ddp_status follow_loop(const worker_ctx *w) {
+static ddp_status follow_loop(const worker_ctx *w, int64_t first) {
   const int traits = ddp_hpo_space_size(w->space);
   double *values = malloc((size_t)traits * sizeof *values + 1);
   if (!values) return ddp_error(DDP_ERR_NOMEM, "hpo: out of memory");
   ddp_status s = DDP_OK;
-  for (int64_t g = 0; s == DDP_OK && g < w->o->generations; g++) {
+  for (int64_t g = first; s == DDP_OK && g < w->o->generations; g++) {
     s = ddp_broadcast(w->worker_pg, values, (size_t)traits, DDP_FLOAT64, 0);
     if (s == DDP_OK) (void)w->objective(w->space, values, w->worker_pg, w->user);
   }
   free(values);
   return s;
+}
+
+/* The options a resumed search must share, as search.meta holds them. */
+static ddp_status describe(const worker_ctx *w, char *buf, size_t bytes) {
+  const ddp_hpo_options *o = w->o;
+  size_t at = 0;
+#define ADD(...)                                                                    \
+  do {                                                                              \
+    int n_ = snprintf(buf + at, bytes - at, __VA_ARGS__);                           \
+    if (n_ < 0 || (size_t)n_ >= bytes - at)                                         \
+      return ddp_error(DDP_ERR_RANGE, "hpo checkpoint: the options describe too long"); \
+    at += (size_t)n_;                                                               \
+  } while (0)
+  ADD("ddp-hpo checkpoint 1\nworkers=%d\nranks_per_worker=%d\nislands=%d\npop_size=%d\n",
+      w->n_workers, o->ranks_per_worker, o->islands, o->pop_size);
+  ADD("crossover_prob=%.17g\nmutation_prob=%.17g\nrandom_init_prob=%.17g\nsigma_factor=%.17g\n",
+      o->crossover_prob, o->mutation_prob, o->random_init_prob, o->sigma_factor);
+  ADD("seed=%lld\nmigration_prob=%.17g\nnum_migrants=%d\npollination=%d\n", (long long)o->seed,
+      o->migration_prob, o->num_migrants, (int)o->pollination);
+  for (int i = 0; i < ddp_hpo_space_size(w->space); i++) {
+    const ddp_hpo_trait *t = ddp_hpo_space_trait(w->space, i);
+    ADD("trait.%s=%d:%.17g:%.17g:%d", t->name, (int)t->kind, t->lo, t->hi, t->n_choices);
+    for (int c = 0; c < t->n_choices; c++) ADD(":%s", t->choices[c]);
+    ADD("\n");
+  }
+  if (o->fingerprint) ADD("%s\n", o->fingerprint);
+#undef ADD
+  return DDP_OK;
+}
+
+/* Rank 0 checks or starts checkpoint_dir; every rank learns the verdict. */
+static ddp_status check_directory(const worker_ctx *w, ddp_process_group *world, bool *resuming) {
+  int rank = world ? ddp_process_group_rank(world) : 0;
+  int64_t verdict[2] = {DDP_OK, 0};
+  if (rank == 0) {
+    char meta[16384];
+    ddp_status s = describe(w, meta, sizeof meta);
+    bool r = false;
+    if (s == DDP_OK) s = ddp__hpo_meta_check(w->o->checkpoint_dir, meta, w->o->resume, &r);
+    verdict[0] = s;
+    verdict[1] = r;
+  }
+  if (world && ddp_process_group_size(world) > 1) {
+    ddp_status b = ddp_broadcast(world, verdict, 2, DDP_INT64, 0);
+    if (b != DDP_OK) return ddp_error_wrap(b, "hpo: hearing rank 0 on %s", w->o->checkpoint_dir);
+  }
+  *resuming = verdict[1] != 0;
+  if (verdict[0] != DDP_OK && rank != 0)
+    return ddp_error((ddp_status)verdict[0], "hpo: rank 0 refused the checkpoint directory %s "
+                     "(its message says why)", w->o->checkpoint_dir);
+  return (ddp_status)verdict[0];
 }
 
 ddp_status ddp_hpo_search(const ddp_hpo_space *space, const ddp_hpo_options *o,
@@ -452,22 +566,48 @@ ddp_status ddp_hpo_search_world(const ddp_hpo_space *space, const ddp_hpo_option
   const bool lead = rank % r == 0;
   population pop = {0};
   ddp__hpo_exchange *x = NULL;
-  if (lead) {
+  ddp__hpo_journal *jn = NULL;
+  ddp_pyrandom rng;
+  ddp_pyrandom_seed(&rng, o->seed + w.world_rank);
+  int64_t first = 0;
+  bool resuming = false;
+  if (o->checkpoint_dir) s = check_directory(&w, world, &resuming);
+  if (lead && s == DDP_OK) {
     /* Room for every individual the island's workers evaluate, and for the
      * migrants: at most num_migrants per other island per emigration, one
      * emigration per generation per worker. */
     int64_t cap = o->generations * n_workers;
     if (o->islands > 1) cap += o->generations * n_workers * (int64_t)o->num_migrants;
-    s = population_init(&pop, ddp_hpo_space_size(space), o->pop_size, cap);
+    s = population_init(&pop, ddp_hpo_space_size(space), o->pop_size, cap, n_workers,
+                        o->generations);
+    arrivals a = {.w = &w, .pop = &pop};
+    if (s == DDP_OK && o->checkpoint_dir)
+      s = ddp__hpo_journal_open(o->checkpoint_dir, w.worker, ddp_hpo_space_size(space), resuming,
+                                replay, &a, &rng, &first, &jn);
+    if (s == DDP_OK) settle_deactivations(&pop);
     if (s == DDP_OK && n_workers > 1)
       s = ddp__hpo_exchange_create(store, w.worker, n_workers, ddp_hpo_space_size(space), 64, &x);
+    /* A resumed worker sends its evaluations again: the others may have
+     * lost those they had not committed (they keep the first copy). */
+    for (int64_t i = 0; s == DDP_OK && x && first > 0 && i < pop.count; i++) {
+      const ddp_hpo_individual *q = &pop.inds[i];
+      if (q->worker != w.worker || q->migration_steps != 0) continue;
+      ddp__hpo_message m = {.kind = DDP__HPO_EVAL, .island = w.island, .ind = *q};
+      m.ind.active = true;
+      s = ddp__hpo_exchange_send(x, &m);
+    }
+  }
+  /* A worker's other ranks start where its first resumed. */
+  if (s == DDP_OK && w.worker_pg) {
+    s = ddp_broadcast(w.worker_pg, &first, 1, DDP_INT64, 0);
+    if (s != DDP_OK) ddp_error_wrap(s, "hpo: worker %d telling its ranks where it resumed", w.worker);
   }
   /* Every count is in the store before anyone polls. */
   if (world && size > 1) {
     ddp_status b = ddp_barrier(world);
     if (s == DDP_OK && b != DDP_OK) s = ddp_error_wrap(b, "hpo: the start's barrier");
   }
-  if (s == DDP_OK) s = lead ? lead_loop(&w, &pop, x) : follow_loop(&w);
+  if (s == DDP_OK) s = lead ? lead_loop(&w, &pop, x, jn, &rng, first) : follow_loop(&w, first);
   /* The end: every worker has sent everything; the leads take the rest in,
    * so each ends with the island's whole population. */
   if (world && size > 1) {
@@ -479,17 +619,20 @@ ddp_status ddp_hpo_search_world(const ddp_hpo_space *space, const ddp_hpo_option
      * once more, as Propulate's end does (its barriers between). */
     int64_t got;
     ddp_pyrandom unused = {0}; /* the end sends no emigrants */
-    arrivals a = {.w = &w, .pop = &pop, .x = x, .rng = &unused};
+    arrivals a = {.w = &w, .pop = &pop, .x = x, .rng = &unused, .journal = jn};
     s = ddp__hpo_exchange_poll(x, take_in, &a, &got);
     if (s == DDP_OK) s = ddp__hpo_exchange_flush(x);
     ddp_status b = ddp_barrier(world);
     if (s == DDP_OK && b != DDP_OK) s = ddp_error_wrap(b, "hpo: the end's second barrier");
+    a.journal = jn;
     if (s == DDP_OK) s = ddp__hpo_exchange_poll(x, take_in, &a, &got);
     settle_deactivations(&pop);
   } else if (world && size > 1) {
     ddp_status b = ddp_barrier(world); /* the leads' second barrier */
     if (s == DDP_OK && b != DDP_OK) s = ddp_error_wrap(b, "hpo: the end's second barrier");
   }
+  if (s == DDP_OK && jn) s = ddp__hpo_journal_commit(jn, o->generations, &rng);
+  ddp__hpo_journal_close(jn);
   ddp__hpo_exchange_destroy(x);
   ddp_process_group_destroy(w.worker_pg);
   free(w.displ);

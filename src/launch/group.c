@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -157,6 +158,17 @@ static _Noreturn void child_main(const ddp__worker_spec *spec, int32_t rank, pid
    * died between fork and prctl: then getppid() is no longer the parent. */
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (getppid() != parent) _exit(128 + SIGKILL);
+  /* Where it runs (placement.c): before exec or fn, so the program's threads
+   * inherit it. A failure (a cpuset changed under us) leaves it unbound. */
+  if (spec->cpus && sched_setaffinity(0, sizeof *spec->cpus, spec->cpus) != 0) {
+    const char *why = strerror(errno);
+    const char *parts[] = {"ddprun: warning: cannot bind this worker to its CPUs (sched_setaffinity: ", why,
+                           "); it runs unbound\n"};
+    for (int i = 0; i < 3; i++) {
+      ssize_t rc = write(err_fd, parts[i], strlen(parts[i]));
+      (void)rc;
+    }
+  }
   if (spec->fn) {
     /* A forked worker of ddp_spawn gets the caller's own handlers back. */
     ddp__signals_restore();

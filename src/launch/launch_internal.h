@@ -13,6 +13,7 @@
 #include "ddp/core.h"
 #include "ddp/launch.h"
 #include "ddp/store.h"
+#include "launch/placement.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -121,12 +122,14 @@ typedef struct ddp__world {
   char store_addr[DDP_LAUNCH_HOST_BYTES + 8]; /* DDP_STORE_ADDR */
   char run_id[DDP_LAUNCH_ID_BYTES];
   int32_t max_restarts;
+  int32_t omp_threads;      /* > 0: every worker's OMP_NUM_THREADS (--threads); 0: torchrun's rule */
 } ddp__world;
 
 /* A NULL-terminated "NAME=VALUE" table: `base` (such as environ) without the
  * variables the launcher owns, then torchrun's variables for this worker,
- * DDP_STORE_ADDR and DDP_STORE_PREFIX (per attempt). OMP_NUM_THREADS=1 is
- * added when base lacks it and nproc > 1, as torchrun does. One ddp_alloc'd
+ * DDP_STORE_ADDR and DDP_STORE_PREFIX (per attempt). OMP_NUM_THREADS is
+ * world->omp_threads when that is set (replacing base's); else 1 when base
+ * lacks it and nproc > 1, as torchrun does. One ddp_alloc'd
  * block: free with ddp_free. */
 ddp_status ddp__worker_env(char *const *base, const ddp__world *world, int32_t local_rank,
                            int32_t restart_count, char ***out);
@@ -138,6 +141,7 @@ typedef struct ddp__worker_spec {
   ddp_spawn_fn fn;        /* spawn: run fn(rank, arg) instead of exec */
   void *arg;
   int32_t show[2];        /* stdout, stderr: 1 to copy to the console */
+  const cpu_set_t *cpus;  /* bind the child here before exec or fn; NULL: where it inherits */
   char log_path[2][DDP_LAUNCH_PATH_BYTES]; /* "" : no log file */
 } ddp__worker_spec;
 
@@ -358,6 +362,10 @@ typedef struct ddp__job {
                            ddp__worker_spec *specs);
   void (*free_specs)(void *ctx, const ddp__world *world, ddp__worker_spec *specs);
   void *ctx;
+  /* Where the workers run: decided by ddp__job_launch from cfg (--bind,
+   * --threads) before the first attempt; every attempt binds the same way. */
+  ddp__placement placement;
+  int32_t report_bindings;     /* each worker's CPUs on stderr as it starts */
   char failure[640];           /* out: the job's first failure, "" when none */
 } ddp__job;
 
@@ -369,7 +377,8 @@ typedef struct ddp__job {
 ddp_status ddp__job_run(ddp__job *job, int *exit_code, ddp__event *event);
 
 /* The whole of a job on this node, for ddprun and ddp_spawn alike: opens the
- * node agent for cfg (store, node rendezvous), installs the signal pipe once
+ * node agent for cfg (store, node rendezvous), decides where the workers run
+ * (cfg->bind, saying once on stderr when it leaves them unbound), installs the signal pipe once
  * the nodes have met (before, Ctrl-C keeps its default action and ends a
  * node rendezvous at once), runs the attempts, closes the agent and restores
  * the signal handlers. job->deadline_s counts from the call. */

@@ -1,7 +1,8 @@
 /* ddprun's command line: torchrun's options in both spellings
  * (--nproc-per-node and --nproc_per_node) and both forms (--opt VALUE,
  * --opt=VALUE), plus ddp's own (--grace-period, --job-timeout, --rdzv-timeout,
- * --tail-lines). Options end at the first argument that is not one: the
+ * --tail-lines, --threads) and the placement's (--bind, with mpirun's
+ * --bind-to and torchrun's --numa-binding spellings, --report-bindings). Options end at the first argument that is not one: the
  * program, whose arguments are passed on untouched. */
 #include <errno.h>
 #include <math.h>
@@ -148,6 +149,8 @@ static const option options[] = {
     {"--module", "-m", FLAG},          {"--pass-local-rank", NULL, FLAG},
     {"--grace-period", NULL, VALUE},   {"--job-timeout", NULL, VALUE},
     {"--tail-lines", NULL, VALUE},     {"--help", "-h", FLAG},
+    {"--bind", "--bind-to", VALUE},    {"--numa-binding", NULL, VALUE},
+    {"--report-bindings", NULL, FLAG}, {"--threads", NULL, VALUE},
 };
 #define NUM_OPTIONS (sizeof options / sizeof options[0])
 
@@ -214,6 +217,13 @@ static ddp_status apply(ddp_launch_config *cfg, const option *o, const char *v) 
   if (strcmp(name, "--grace-period") == 0) return seconds_value(name, v, 0, &cfg->grace_s);
   if (strcmp(name, "--job-timeout") == 0) return seconds_value(name, v, 0, &cfg->job_timeout_s);
   if (strcmp(name, "--tail-lines") == 0) return int_value(name, v, 0, 10000, &cfg->tail_lines);
+  if (strcmp(name, "--bind") == 0 || strcmp(name, "--numa-binding") == 0) {
+    ddp_launch_bind mode;
+    DDP_TRY(ddp__bind_parse(name, v, &mode));
+    cfg->bind = (int32_t)mode;
+    return DDP_OK;
+  }
+  if (strcmp(name, "--threads") == 0) return int_value(name, v, 1, DDP__MAX_CPUS, &cfg->threads_per_worker);
   return ddp_error(DDP_ERR_INTERNAL, "ddprun: option %s has no handler", name);
 }
 
@@ -238,6 +248,7 @@ ddp_status ddp_launch_parse_args(int argc, char *const *argv, ddp_launch_config 
       else if (strcmp(o->name, "--module") == 0) cfg->module = 1;
       else if (strcmp(o->name, "--pass-local-rank") == 0) cfg->pass_local_rank = 1;
       else if (strcmp(o->name, "--help") == 0) cfg->help = 1;
+      else if (strcmp(o->name, "--report-bindings") == 0) cfg->report_bindings = 1;
       continue;
     }
     if (!value) {

@@ -51,6 +51,9 @@ ddp_status ddp_spawn(int32_t nprocs, ddp_spawn_fn fn, void *arg, const ddp_spawn
   if (nprocs < 1 || !fn)
     return ddp_error(DDP_ERR_INVALID, "ddp_spawn: nprocs=%d must be >= 1 and fn non-NULL", (int)nprocs);
   if (opts.max_restarts < 0) return ddp_error(DDP_ERR_INVALID, "ddp_spawn: max_restarts=%d is negative", (int)opts.max_restarts);
+  if (opts.bind < DDP_LAUNCH_BIND_AUTO || opts.bind > DDP_LAUNCH_BIND_HWTHREAD || opts.threads_per_worker < 0)
+    return ddp_error(DDP_ERR_INVALID, "ddp_spawn: bind=%d or threads_per_worker=%d is not valid", (int)opts.bind,
+                     (int)opts.threads_per_worker);
   /* Only a debug note: a library's idle pool that stops itself around fork
    * (OpenBLAS's threads, through pthread_atfork) is a thread here too. */
   int32_t threads = ddp__thread_count();
@@ -63,6 +66,9 @@ ddp_status ddp_spawn(int32_t nprocs, ddp_spawn_fn fn, void *arg, const ddp_spawn
   ddp_launch_config_init(&cfg);
   cfg.nproc_per_node = nprocs;
   cfg.max_restarts = opts.max_restarts;
+  cfg.bind = opts.bind;
+  cfg.report_bindings = opts.report_bindings;
+  cfg.threads_per_worker = opts.threads_per_worker;
   snprintf(cfg.rdzv_id, sizeof cfg.rdzv_id, "spawn");
   spawn_ctx ctx = {.fn = fn, .arg = arg};
   ddp__job job = {

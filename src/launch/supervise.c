@@ -9,6 +9,8 @@
 
 #include "launch/launch_internal.h"
 
+extern char **environ;
+
 /* A failure published with this prefix stops every node without a restart
  * (a signal to one ddprun, a job timeout). */
 #define STOP_MARK "stop: "
@@ -73,6 +75,18 @@ static void print_summary(const char *tool, const ddp__group *g, const char *hos
   free(text); /* open_memstream's buffer comes from malloc */
 }
 
+/* --report-bindings: one line per worker as it starts, as mpirun's. */
+static void report_bindings(const ddp__job *job, const ddp__group *g) {
+  for (int32_t i = 0; i < g->n; i++) {
+    const ddp__worker *w = &g->workers[i];
+    char where[512];
+    ddp__placement_describe(&job->placement, i, where, sizeof where);
+    fprintf(stderr, "%s: rank %d (local rank %d, pid %ld) %s\n", job->tool, (int)w->rank, (int)w->local_rank,
+            (long)w->pid, where);
+  }
+  fflush(stderr);
+}
+
 ddp_status ddp__job_run(ddp__job *job, int *exit_code, ddp__event *event) {
   ddp__agent *a = job->agent;
   int32_t n = a->world.nproc;
@@ -86,6 +100,7 @@ ddp_status ddp__job_run(ddp__job *job, int *exit_code, ddp__event *event) {
     a->attempt = attempt;
     memset(specs, 0, (size_t)n * sizeof *specs);
     st = job->make_specs(job->ctx, &a->world, attempt, specs);
+    for (int32_t i = 0; i < n && job->placement.bound; i++) specs[i].cpus = &job->placement.cpus[i];
     ddp__group g;
     memset(&g, 0, sizeof g);
     g.monitor_interval_s = job->monitor_interval_s;
@@ -98,6 +113,7 @@ ddp_status ddp__job_run(ddp__job *job, int *exit_code, ddp__event *event) {
       ddp__group_free(&g);
       break;
     }
+    if (job->report_bindings) report_bindings(job, &g);
     ddp__event ev = ddp__group_monitor(&g, job->deadline_s);
     char failure[sizeof job->failure];
     stop_and_describe(job, &g, attempt, ev, failure, sizeof failure);
@@ -161,9 +177,19 @@ ddp_status ddp__job_launch(const ddp_launch_config *cfg, ddp__job *job, double t
   *exit_code = 1;
   *event = DDP__EVENT_FAILED;
   double start = ddp_time_s();
+  /* Before the node rendezvous: a --bind that cannot be met fails at once. */
+  DDP_TRY(ddp__placement_decide((ddp_launch_bind)cfg->bind, cfg->nproc_per_node, cfg->threads_per_worker, environ,
+                                &job->placement));
+  ddp__placement_note(&job->placement, job->tool, stderr);
+  job->report_bindings = cfg->report_bindings;
   ddp__agent agent;
-  DDP_TRY(ddp__agent_open(cfg, &agent));
-  ddp_status st = ddp__signals_install();
+  ddp_status st = ddp__agent_open(cfg, &agent);
+  if (st) {
+    ddp__placement_free(&job->placement);
+    return st;
+  }
+  agent.world.omp_threads = cfg->threads_per_worker;
+  st = ddp__signals_install();
   if (st == DDP_OK) {
     job->agent = &agent;
     job->deadline_s = timeout_s > 0 ? start + timeout_s : 0;
@@ -172,5 +198,6 @@ ddp_status ddp__job_launch(const ddp_launch_config *cfg, ddp__job *job, double t
     ddp__signals_restore();
   }
   ddp__agent_close(&agent);
+  ddp__placement_free(&job->placement);
   return st;
 }

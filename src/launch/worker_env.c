@@ -16,7 +16,9 @@ static const char *const owned[] = {
 #define NUM_OWNED (sizeof owned / sizeof owned[0])
 #define MAX_VALUE 512
 
-static int is_owned(const char *entry) {
+/* OMP_NUM_THREADS is the launcher's only when --threads gave it. */
+static int is_owned(const char *entry, int omp_given) {
+  if (omp_given && strncmp(entry, "OMP_NUM_THREADS=", 16) == 0) return 1;
   for (size_t i = 0; i < NUM_OWNED; i++) {
     size_t n = strlen(owned[i]);
     if (strncmp(entry, owned[i], n) == 0 && entry[n] == '=') return 1;
@@ -34,7 +36,8 @@ ddp_status ddp__worker_env(char *const *base, const ddp__world *w, int32_t local
   char prefix[DDP_LAUNCH_ID_BYTES + 64];
   ddp__attempt_prefix(w->run_id, restart_count, prefix, sizeof prefix);
   int32_t rank = w->rank_offset + local_rank;
-  int omp = w->nproc > 1 && !ddp__envp_get(base, "OMP_NUM_THREADS");
+  int omp_given = w->omp_threads > 0;
+  int omp = omp_given || (w->nproc > 1 && !ddp__envp_get(base, "OMP_NUM_THREADS"));
   /* name=value lines, formatted once into a scratch table. */
   char add[NUM_OWNED + 1][MAX_VALUE];
   size_t n_add = 0;
@@ -56,12 +59,12 @@ ddp_status ddp__worker_env(char *const *base, const ddp__world *w, int32_t local
   ADD("TORCHELASTIC_USE_AGENT_STORE=False");
   ADD("DDP_STORE_ADDR=%s", w->store_addr);
   ADD("DDP_STORE_PREFIX=%s", prefix);
-  if (omp) ADD("OMP_NUM_THREADS=1");
+  if (omp) ADD("OMP_NUM_THREADS=%d", omp_given ? (int)w->omp_threads : 1);
 #undef ADD
 
   size_t n_base = 0, bytes = 0;
   for (size_t i = 0; base && base[i]; i++) {
-    if (is_owned(base[i])) continue;
+    if (is_owned(base[i], omp_given)) continue;
     n_base++;
     bytes += strlen(base[i]) + 1;
   }
@@ -72,7 +75,7 @@ ddp_status ddp__worker_env(char *const *base, const ddp__world *w, int32_t local
   char *text = (char *)(env + slots);
   size_t k = 0;
   for (size_t i = 0; base && base[i]; i++) {
-    if (is_owned(base[i])) continue;
+    if (is_owned(base[i], omp_given)) continue;
     size_t len = strlen(base[i]) + 1;
     memcpy(text, base[i], len);
     env[k++] = text;

@@ -47,6 +47,14 @@
 #             notice; another process's and look-alike names stay
 #   torch     a PyTorch DDP script (gloo, env://) unchanged under ddprun
 #             --nproc-per-node 2 with Debian's torch (SKIP without it)
+#   bindings  where the workers run: by default two workers on CPUs (and,
+#             where there are two cores, cores) of their own, as
+#             --report-bindings says and /proc/self/status shows; --bind none
+#             and --bind-to=none leave them where ddprun may run; more
+#             workers than CPUs: unbound with exactly one note, and --bind
+#             core refused; --threads N counts N CPUs each and sets
+#             OMP_NUM_THREADS; SLURM_STEP_ID leaves Slurm's binding; under
+#             taskset -c C both run on C. SKIP with fewer than 2 CPUs
 set -uo pipefail
 skip() { echo "SKIP: $*"; exit 77; }
 fail() { echo "FAIL: $*"; exit 1; }
@@ -640,6 +648,83 @@ torch)
   for r in 0 1; do
     grep -q "^torch_ddp_check rank $r/2 ok" "$tmp/out" || { cat "$tmp/out"; fail "rank $r did not finish"; }
   done
+  ;;
+bindings)
+  # Each worker prints the CPUs the kernel lets it run on; ddprun's
+  # --report-bindings lines must say the same.
+  cpus=$(nproc) # the CPUs this process may use (its affinity mask)
+  [ "$cpus" -ge 2 ] || skip "this process may use $cpus CPU: two workers cannot have CPUs of their own"
+  [ -z "${SLURM_STEP_ID:-}${SLURM_CPU_BIND:-}" ] || skip "under srun, where Slurm's binding wins"
+  allowed() { sed -n 's/^Cpus_allowed_list:[[:space:]]*//p' "${1:-/proc/self/status}"; }
+  expand() { tr ',' '\n' <<<"$1" | while IFS=- read -r a b; do seq "$a" "${b:-$a}"; done; }
+  mine=$(allowed)
+  show='echo "worker $LOCAL_RANK cpus $(sed -n "s/^Cpus_allowed_list:[[:space:]]*//p" /proc/self/status) omp ${OMP_NUM_THREADS:-unset}"'
+  run() { # ddprun options... -> $tmp/out (workers), $tmp/err (ddprun); fails on a non-zero exit
+    timeout 30 "$ddprun" --report-bindings "$@" sh -c "$show" >"$tmp/out" 2>"$tmp/err" ||
+      { cat "$tmp/out" "$tmp/err"; fail "ddprun $* exited $?"; }
+  }
+  worker_cpus() { sed -n "s/^worker $1 cpus \([^ ]*\) .*/\1/p" "$tmp/out"; }
+  reported() { sed -n "s/^ddprun: rank $1 (local rank $1, pid [0-9]*) bound to CPUs\{0,1\} \([0-9,-]*\) (.*/\1/p" "$tmp/err"; }
+  # The default: two workers on CPUs of their own, as reported.
+  run --nproc-per-node 2
+  [ "$(grep -c ' bound to CPU' "$tmp/err")" -eq 2 ] || { cat "$tmp/err"; fail "not 2 workers reported bound"; }
+  grep -q 'note:' "$tmp/err" && { cat "$tmp/err"; fail "a note with enough CPUs"; }
+  for r in 0 1; do
+    got=$(worker_cpus $r); said=$(reported $r)
+    [ -n "$got" ] && [ "$got" = "$said" ] || { cat "$tmp/out" "$tmp/err"; fail "worker $r runs on CPUs '$got', ddprun said '$said'"; }
+  done
+  common=$(comm -12 <(expand "$(worker_cpus 0)" | sort) <(expand "$(worker_cpus 1)" | sort))
+  [ -z "$common" ] || fail "workers 0 and 1 share CPUs $common"
+  # On different cores too, where this process may use two cores (SMT
+  # siblings are one core; a 2-vCPU VM may be one core's two threads).
+  core_of() { cat "/sys/devices/system/cpu/cpu$1/topology/core_cpus_list" 2>/dev/null ||
+              cat "/sys/devices/system/cpu/cpu$1/topology/thread_siblings_list" 2>/dev/null || echo "$1"; }
+  cores=$(for c in $(expand "$mine"); do core_of "$c"; done | sort -u | wc -l)
+  if [ "$cores" -ge 2 ]; then
+    c0=$(for c in $(expand "$(worker_cpus 0)"); do core_of "$c"; done | sort -u)
+    c1=$(for c in $(expand "$(worker_cpus 1)"); do core_of "$c"; done | sort -u)
+    [ -z "$(comm -12 <(echo "$c0") <(echo "$c1"))" ] || fail "workers 0 and 1 share a core ($c0 / $c1)"
+  else
+    echo "note: CPUs $mine are one core's threads: the workers got a thread each, checked as CPUs only"
+  fi
+  # --bind none (and mpirun's spelling): unbound, where ddprun may run.
+  for opt in "--bind none" "--bind-to=none"; do
+    run $opt --nproc-per-node 2
+    for r in 0 1; do
+      [ "$(worker_cpus $r)" = "$mine" ] || { cat "$tmp/out"; fail "$opt: worker $r runs on CPUs $(worker_cpus $r), not $mine"; }
+      grep -q "^ddprun: rank $r (local rank $r, pid [0-9]*) not bound (--bind none): may run on CPUs $mine\$" "$tmp/err" ||
+        { cat "$tmp/err"; fail "$opt: rank $r not reported unbound"; }
+    done
+  done
+  # Too few CPUs: unbound, and one note however many workers.
+  n=$((cpus + 1))
+  run --nproc-per-node "$n"
+  [ "$(grep -c '^ddprun: note: .*leaving their placement to the scheduler$' "$tmp/err")" -eq 1 ] ||
+    { cat "$tmp/err"; fail "not exactly one note for $n workers on $cpus CPUs"; }
+  [ "$(grep -c " not bound ($n workers x 1 thread need $n CPUs, this process may use $cpus): may run on CPUs $mine\$" "$tmp/err")" -eq "$n" ] ||
+    { cat "$tmp/err"; fail "$n workers not reported unbound"; }
+  [ "$(grep -c "cpus $mine " "$tmp/out")" -eq "$n" ] || { cat "$tmp/out"; fail "a worker was bound with too few CPUs"; }
+  # ... but --bind core refuses, naming the numbers.
+  timeout 30 "$ddprun" --bind core --nproc-per-node "$n" true >"$tmp/out" 2>&1
+  rc=$?
+  [ $rc -eq 1 ] && grep -q -- "--bind core: $n workers x 1 thread need $n CPUs" "$tmp/out" ||
+    { cat "$tmp/out"; fail "--bind core with too few CPUs exited $rc"; }
+  # --threads N counts N CPUs per worker and sets OMP_NUM_THREADS=N.
+  run --threads "$cpus" --nproc-per-node 2
+  [ "$(grep -c "omp $cpus\$" "$tmp/out")" -eq 2 ] || { cat "$tmp/out"; fail "--threads $cpus: OMP_NUM_THREADS"; }
+  grep -q "need $((2 * cpus)) CPUs" "$tmp/err" || { cat "$tmp/err"; fail "--threads $cpus: 2 workers x $cpus did not count"; }
+  # Under srun Slurm's binding wins; the caller's own mask is the limit (taskset).
+  SLURM_STEP_ID=3 run --nproc-per-node 2
+  [ "$(grep -c "not bound (under srun: Slurm's binding (SLURM_STEP_ID=3)): may run on CPUs $mine\$" "$tmp/err")" -eq 2 ] ||
+    { cat "$tmp/err"; fail "SLURM_STEP_ID: the workers were bound"; }
+  grep -q 'note:' "$tmp/err" && fail "a note under srun"
+  if command -v taskset >/dev/null; then
+    first=$(expand "$mine" | head -n 1)
+    taskset -c "$first" "$ddprun" --report-bindings --nproc-per-node 2 sh -c "$show" >"$tmp/out" 2>"$tmp/err" ||
+      { cat "$tmp/err"; fail "taskset -c $first ddprun exited $?"; }
+    [ "$(grep -c "cpus $first " "$tmp/out")" -eq 2 ] && grep -q "this process may use 1 (CPUs $first)" "$tmp/err" ||
+      { cat "$tmp/out" "$tmp/err"; fail "under taskset -c $first"; }
+  fi
   ;;
 *) fail "unknown case $case_name" ;;
 esac
