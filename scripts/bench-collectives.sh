@@ -3,8 +3,9 @@
 # allreduce between 2 local ranks, ddp-bench (the group picks shared memory)
 # against PyTorch's gloo (refs/torch_allreduce.py) and Open MPI
 # (refs/mpi_allreduce.c), alternated for several rounds in one go. ddp-bench
-# runs twice per round: its ranks left to the scheduler (as torchrun leaves
-# them) and --bind core (one CPU each, as mpirun binds 2 ranks by default);
+# runs twice per round: its ranks left to the scheduler (--bind none, as
+# torchrun leaves them) and --bind core (one CPU each, as mpirun binds 2 ranks
+# by default, and ddp-bench's default since issue 20: scripts/bench-placement.sh);
 # then medians per size, the ratios, and the issue's targets:
 #   8 B allreduce <= 1 us; 64 KiB..64 MiB algbw >= Open MPI's at every size;
 #   64 MiB algbw >= 3x gloo's and memory efficiency >= 60 %.
@@ -38,7 +39,7 @@ run_ddp() { # [--bind core]
     "$bench" allreduce --nproc 2 -b "$s" -e "$s" -n "$n" -w 5 -c 1 --json "$@"
   done
 }
-run_ddp_free() { run_ddp >>"$out/ddp.jsonl"; }
+run_ddp_free() { run_ddp --bind none >>"$out/ddp.jsonl"; }
 run_ddp_bound() { run_ddp --bind core >>"$out/ddp-bound.jsonl"; }
 run_gloo() {
   /usr/bin/python3 "$refs/torch_allreduce.py" --world 2 --sizes "$list" \
@@ -101,14 +102,14 @@ def ratio(d, ref, s):
     return f"{tr / t:.2f}x" if s == 8 else f"{a / ar:.2f}x"
 print(f"rounds: {len(free.get(8, []))}, load average {min(load):.1f}-{max(load):.1f} "
       f"(median {st.median(load):.1f}); wrong elements: {wrong1 + wrong2}\n")
-print("| size | ddp-bench | ddp-bench --bind core | Open MPI | gloo | ddp / MPI | bound ddp / MPI | ddp / gloo |")
+print("| size | ddp-bench --bind none | ddp-bench --bind core | Open MPI | gloo | ddp / MPI | bound ddp / MPI | ddp / gloo |")
 print("|---|---|---|---|---|---|---|---|")
 for s in sorted(free):
     print(f"| {fmt(s)} | {cell(free, s, free_eff)} | {cell(bound, s, bound_eff)} | {cell(mpi, s)} "
           f"| {cell(gloo, s)} | {ratio(free, mpi, s)} | {ratio(bound, mpi, s)} | {ratio(free, gloo, s)} |")
 print("\n(Medians over the rounds: time, algbw, memory efficiency. Ratios: algbw, "
       "or at 8 B the other's time over ddp's; above 1 ddp is faster.)\n")
-print("| target | ddp-bench | ddp-bench --bind core |")
+print("| target | ddp-bench --bind none | ddp-bench --bind core |")
 print("|---|---|---|")
 def targets(d, eff):
     res = []

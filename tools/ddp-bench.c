@@ -17,6 +17,7 @@
 
 #include "comm/pattern.h" /* element access by dtype, the closed-form value pattern */
 #include "ddp/ddp.h"
+#include "launch/placement.h" /* where the ranks run, as ddprun places workers */
 
 static const char usage[] =
     "usage: ddp-bench OP [options]\n"
@@ -35,10 +36,14 @@ static const char usage[] =
     "                    torchrun sets them, or Slurm's / Open MPI's variables\n"
     "  --transport T     auto (default: shared memory on one host) or tcp\n"
     "  --timeout S       every operation's timeout, seconds (default 300)\n"
-    "  --bind core|none  core: pin rank r to the r-th CPU this process may use\n"
-    "                    (modulo their number; launched ranks use LOCAL_RANK), as\n"
-    "                    mpirun binds 2 ranks by default; none (default): leave the\n"
-    "                    placement to the scheduler, as torchrun does\n"
+    "  --bind auto|core|socket|hwthread|none  where --nproc/--threads ranks run, as\n"
+    "                    ddprun places workers: auto (default) gives each rank a\n"
+    "                    core of its own when this process may use a CPU per rank,\n"
+    "                    else leaves them to the scheduler with a note; core: the\n"
+    "                    same, an error when CPUs are too few; none: never bind.\n"
+    "                    Launched ranks are placed by their launcher; an explicit\n"
+    "                    value binds this rank to LOCAL_RANK's share of its CPUs\n"
+    "  --report-bindings print each rank's CPUs on stderr as it starts\n"
     "\n"
     "Sizes and operation (nccl-tests' flags):\n"
     "  -b, --minbytes B  smallest size (default 8); suffixes K, M, G (x1024)\n"
@@ -111,12 +116,15 @@ typedef struct bench_opts {
   double step_factor;
   int root, iters, warmup, check, json;
   int nproc, threads;
-  int bind; /* pin each rank to a CPU of its own */
+  int bind;            /* ddp_launch_bind: where the ranks run (0: auto) */
+  int report_bindings; /* each rank's CPUs on stderr */
   const char *transport; /* NULL: auto */
   double timeout_s;
 } bench_opts;
 
 static bench_opts g_opts;
+/* Where the ranks run: decided once, before any rank starts (placement.c). */
+static ddp__placement g_placement;
 
 enum { BENCH_OK = 0, BENCH_WRONG = 1, BENCH_FAILED = 2, BENCH_USAGE = 3 };
 
@@ -331,7 +339,7 @@ static void print_header(const bench_opts *o, int P, const char *transport, int 
   printf("# ddp-bench %s: %d ranks (%s%s, transport %s), %s, %s, root %d, %d iterations "
          "after %d warm-up, check %s\n",
          op_names[o->op], P, o->threads ? "threads" : o->nproc ? "processes" : "launched",
-         o->bind ? ", one CPU each" : "", transport, ddp_dtype_name(o->dtype), ddp_reduce_op_name(o->redop), o->root, o->iters,
+         g_placement.bound ? ", CPUs of their own" : "", transport, ddp_dtype_name(o->dtype), ddp_reduce_op_name(o->redop), o->root, o->iters,
          o->warmup, o->check ? "on" : "off");
   if (shared)
     printf("# memeff = P x size / (time x aggregate memcpy rate of P ranks copying size bytes at "
@@ -456,21 +464,30 @@ static ddp_process_group_options group_options(const bench_opts *o) {
   return po;
 }
 
-/* Pins the calling thread to the `index`-th CPU of those it may run on
- * (modulo their number). A failure is reported and the rank runs unpinned. */
-static void bind_to_cpu(int index) {
-  cpu_set_t allowed, one;
-  if (sched_getaffinity(0, sizeof allowed, &allowed) != 0 || CPU_COUNT(&allowed) == 0) return;
-  int want = index % CPU_COUNT(&allowed), seen = 0;
-  for (int cpu = 0; cpu < CPU_SETSIZE; cpu++) {
-    if (!CPU_ISSET(cpu, &allowed) || seen++ != want) continue;
-    CPU_ZERO(&one);
-    CPU_SET(cpu, &one);
-    if (sched_setaffinity(0, sizeof one, &one) != 0)
-      fprintf(stderr, "ddp-bench: rank %d: cannot bind to CPU %d: %s\n", index, cpu,
-              strerror(errno));
-    return;
+/* Binds the calling thread (a rank's thread, or a rank's process before it
+ * starts threads) to rank r's CPUs of the plan. A failure is reported and
+ * the rank runs unbound. */
+static void bind_rank(int r) {
+  int err = ddp__placement_apply(&g_placement, r);
+  if (err) fprintf(stderr, "ddp-bench: rank %d: cannot bind to its CPUs: %s\n", r, strerror(err));
+}
+
+static void report_binding(int r, long pid) {
+  if (!g_opts.report_bindings) return;
+  char where[512];
+  ddp__placement_describe(&g_placement, r, where, sizeof where);
+  fprintf(stderr, "ddp-bench: rank %d (%s %ld) %s\n", r, pid ? "pid" : "thread", pid ? pid : (long)r, where);
+}
+
+/* --nproc and --threads: one plan for the n ranks (1 thread each), or exit 2
+ * when --bind asks for what these CPUs cannot give. */
+static void place_ranks(int n) {
+  extern char **environ;
+  if (ddp__placement_decide((ddp_launch_bind)g_opts.bind, n, 1, environ, &g_placement) != DDP_OK) {
+    fprintf(stderr, "ddp-bench: %s\n", ddp_last_error());
+    exit(2);
   }
+  ddp__placement_note(&g_placement, "ddp-bench", stderr);
 }
 
 /* ---- --threads N: ranks as threads of this process ----------------------- */
@@ -483,7 +500,7 @@ typedef struct thread_rank {
 static void *thread_main(void *arg) {
   thread_rank *t = arg;
   ddp_process_group *pg = NULL;
-  if (g_opts.bind) bind_to_cpu(t->rank);
+  bind_rank(t->rank);
   ddp_process_group_options po = group_options(&g_opts);
   if (ddp_process_group_create(t->store, t->rank, t->size, &po, &pg) != DDP_OK) {
     fprintf(stderr, "ddp-bench: rank %d: %s\n", t->rank, ddp_last_error());
@@ -508,6 +525,7 @@ static int run_threads(int n) {
   int failed = !ranks || !threads, started = 0;
   for (int r = 0; r < n && !failed; r++, started++) {
     ranks[r] = (thread_rank){.store = store, .rank = r, .size = n};
+    report_binding(r, 0);
     if (pthread_create(&threads[r], NULL, thread_main, &ranks[r]) != 0) failed = 1;
   }
   for (int r = 0; r < started; r++) {
@@ -528,7 +546,7 @@ static int proc_rank(int rank, int n, uint16_t port) {
   ddp_store_options so = {.timeout_ms = (int64_t)(g_opts.timeout_s * 1000)};
   ddp_process_group_options po = group_options(&g_opts);
   ddp_log_set_rank(rank);
-  if (g_opts.bind) bind_to_cpu(rank);
+  bind_rank(rank);
   if (ddp_store_tcp_connect("127.0.0.1", port, &so, &store) != DDP_OK ||
       ddp_process_group_create(store, rank, n, &po, &pg) != DDP_OK) {
     fprintf(stderr, "ddp-bench: rank %d: %s\n", rank, ddp_last_error());
@@ -583,6 +601,7 @@ static int run_procs(int n) {
       failed = 1;
       break;
     }
+    report_binding(r, (long)pids[r]);
     alive++;
   }
   pthread_t thread;
@@ -644,11 +663,20 @@ static int run_procs(int n) {
 static int run_launched(void) {
   ddp_process_group *pg = NULL;
   ddp_process_group_options po = group_options(&g_opts);
-  if (g_opts.bind) {
-    int64_t local_rank = 0;
-    if (ddp_env_int("LOCAL_RANK", -1, &local_rank) != DDP_OK || local_rank < 0)
-      ddp_env_int("RANK", 0, &local_rank);
-    bind_to_cpu(local_rank >= 0 ? (int)local_rank : 0);
+  if (g_opts.bind != DDP_LAUNCH_BIND_AUTO) {
+    /* Its launcher placed it (ddprun binds by default): an explicit --bind
+     * takes LOCAL_RANK's share of the CPUs this rank may use, and says so
+     * when they are too few to share (a rank its launcher bound already). */
+    extern char **environ;
+    int64_t local_rank = 0, local_size = 1;
+    if (ddp_env_int("LOCAL_RANK", -1, &local_rank) != DDP_OK || local_rank < 0) ddp_env_int("RANK", 0, &local_rank);
+    if (ddp_env_int("LOCAL_WORLD_SIZE", 1, &local_size) != DDP_OK || local_size <= local_rank)
+      local_size = local_rank + 1;
+    if (ddp__placement_decide((ddp_launch_bind)g_opts.bind, (int32_t)local_size, 1, environ, &g_placement) != DDP_OK)
+      fprintf(stderr, "ddp-bench: rank %d: %s; it stays where its launcher put it\n", (int)local_rank,
+              ddp_last_error());
+    bind_rank((int)local_rank);
+    report_binding((int)local_rank, (long)getpid());
   }
   if (ddp_init_process_group("env://", NULL, &po, &pg) != DDP_OK) {
     fprintf(stderr, "ddp-bench: %s\n", ddp_last_error());
@@ -725,6 +753,10 @@ static void parse_args(int argc, char **argv, bench_opts *o) {
       o->json = 1;
       continue;
     }
+    if (!strcmp(a, "--report-bindings")) {
+      o->report_bindings = 1;
+      continue;
+    }
     if (a[0] != '-') {
       if (o->op != OP_COUNT) die_usage("more than one OP (\"%s\")", a);
       int op = lookup(a, op_names, OP_COUNT);
@@ -763,10 +795,10 @@ static void parse_args(int argc, char **argv, bench_opts *o) {
     else if (!strcmp(a, "--transport")) {
       if (!strcmp(v, "tcp")) o->transport = "tcp";
       else if (strcmp(v, "auto") != 0) die_usage("unknown transport \"%s\" (auto or tcp)", v);
-    } else if (!strcmp(a, "--bind")) {
-      if (!strcmp(v, "core")) o->bind = 1;
-      else if (!strcmp(v, "none")) o->bind = 0;
-      else die_usage("unknown --bind \"%s\" (core or none)", v);
+    } else if (!strcmp(a, "--bind") || !strcmp(a, "--bind-to")) {
+      ddp_launch_bind mode;
+      if (ddp__bind_parse(a, v, &mode) != DDP_OK) die_usage("%s", ddp_last_error());
+      o->bind = (int)mode;
     } else if (!strcmp(a, "--timeout")) {
       char *end;
       errno = 0;
@@ -790,6 +822,7 @@ static void parse_args(int argc, char **argv, bench_opts *o) {
 
 int main(int argc, char **argv) {
   parse_args(argc, argv, &g_opts);
+  if (g_opts.threads || g_opts.nproc) place_ranks(g_opts.threads ? g_opts.threads : g_opts.nproc);
   if (g_opts.threads) return run_threads(g_opts.threads);
   if (g_opts.nproc) return run_procs(g_opts.nproc);
   return run_launched();

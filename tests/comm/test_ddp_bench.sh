@@ -2,8 +2,9 @@
 # ddp-bench, end to end: --help names every flag; a small sweep of every op
 # at 3 processes with -c 1 --json (several dtypes and reductions, sizes not
 # divisible by the world) parses as JSON with the promised fields and counts
-# no wrong element; the same through --threads; bad flags exit 2 with a
-# message. Needs python3 for the JSON (SKIP, exit 77, without it).
+# no wrong element; the same through --threads; two ranks get a CPU each by
+# default (--report-bindings); bad flags (and --bind core with more ranks
+# than CPUs) exit 2 with a message. Needs python3 for the JSON (SKIP, exit 77, without it).
 set -uo pipefail
 skip() { echo "SKIP: $*"; exit 77; }
 fail() { echo "FAIL: $*"; exit 1; }
@@ -16,7 +17,7 @@ trap 'rm -rf "$tmp"' EXIT
 
 # --help lists every flag and every op.
 "$bench" --help >"$tmp/help" || fail "--help exited $?"
-for word in -b -e -f -i -o -d -r -n -w -c --nproc --threads --json --transport --timeout --bind --help \
+for word in -b -e -f -i -o -d -r -n -w -c --nproc --threads --json --transport --timeout --bind --report-bindings --help \
     allreduce broadcast reduce allgather gather scatter reduce_scatter alltoall barrier sendrecv \
     sum prod min max avg float half bfloat16 double int32 int64 algbw busbw memeff; do
   grep -q -- "$word" "$tmp/help" || fail "--help does not mention $word"
@@ -70,7 +71,16 @@ run sendrecv bfloat16 3 --nproc 3 -d bfloat16
 run barrier float32 3 --nproc 3
 run allreduce float32 3 --nproc 3 -b 3000000 -e 3000000 # past the staging chunks
 run allreduce float32 4 --threads 4 -o sum
-run allgather float64 2 --nproc 2 -d double --bind core
+# --bind core needs a CPU per rank (exit 2 otherwise); by default each rank
+# gets one when there are enough, as --report-bindings says.
+if [ "$(nproc)" -ge 2 ]; then
+  run allgather float64 2 --nproc 2 -d double --bind core
+  run allreduce float32 2 --nproc 2 --report-bindings
+  [ "$(grep -c '^ddp-bench: rank [01] (pid [0-9]*) bound to CPU' "$tmp/err")" -eq 2 ] ||
+    fail "--report-bindings: not two ranks bound by default ($(cat "$tmp/err"))"
+else
+  echo "note: $(nproc) CPU: --bind core and the default binding not checked"
+fi
 run reduce_scatter bfloat16 4 --threads 4 -d bfloat16 -o sum
 # shared memory gets a memory efficiency; tcp gets none
 grep -q '"memeff":[0-9]' "$tmp/out" || fail "no memeff over shared memory: $(head -1 "$tmp/out")"
@@ -130,7 +140,8 @@ bad allreduce --nproc 2 --threads 2
 bad allreduce --nproc 0
 bad broadcast --nproc 2 -r 2
 bad sendrecv --nproc 1
-bad allreduce --nproc 2 --bind socket
+bad allreduce --nproc 2 --bind tile
+bad allreduce --nproc "$(($(nproc) + 1))" --bind core # more ranks than CPUs
 bad allreduce --nproc
 echo "ok: bad usage exits 2"
 echo PASS
