@@ -39,6 +39,8 @@ static void usage(FILE *f) {
 "  --patience K         stop an individual after K evaluations without a better loss (5)\n"
 "  --batch-size N       (default 8, as seed 002)\n"
 "  --max-steps N        at most N steps per individual (default 0: no limit)\n"
+"  --train-samples N    train on the first N training images (default 0: all 60,000)\n"
+"  --val-samples N      evaluate on the first N test images (default 0: all 10,000)\n"
 "Search (Propulate's defaults)\n"
 "  --generations N      evaluations (default 100)\n"
 "  --pop-size N         breeding population (default 4)\n"
@@ -105,6 +107,7 @@ static _Noreturn void die(const char *what, ddp_status s) {
 typedef struct args {
   const char *objective, *space, *data, *log_path;
   int64_t epochs, patience, batch_size, max_steps, top_n, eval_delay_ms;
+  int64_t train_samples, val_samples; /* 0: all */
   ddp_hpo_options o;
   bool json;
 } args;
@@ -163,7 +166,8 @@ static void parse_args(int argc, char **argv, args *a) {
         "--max-steps", "--generations", "--pop-size", "--crossover-prob", "--mutation-prob",
         "--random-init-prob", "--sigma-factor", "--seed", "--top-n", "--log",
         "--ranks-per-worker", "--exchange-interval", "--islands", "--migration-prob",
-        "--num-migrants", "--checkpoint", "--checkpoint-interval", "--eval-delay-ms"};
+        "--num-migrants", "--checkpoint", "--checkpoint-interval", "--eval-delay-ms",
+        "--train-samples", "--val-samples"};
     char name[64];
     const char *eq = strchr(f, '=');
     size_t len = eq ? (size_t)(eq - f) : strlen(f);
@@ -200,6 +204,8 @@ static void parse_args(int argc, char **argv, args *a) {
     else if (!strcmp(name, "--islands")) a->o.islands = (int)parse_int(name, v, 1);
     else if (!strcmp(name, "--checkpoint")) a->o.checkpoint_dir = v;
     else if (!strcmp(name, "--eval-delay-ms")) a->eval_delay_ms = parse_int(name, v, 0);
+    else if (!strcmp(name, "--train-samples")) a->train_samples = parse_int(name, v, 0);
+    else if (!strcmp(name, "--val-samples")) a->val_samples = parse_int(name, v, 0);
     else if (!strcmp(name, "--checkpoint-interval")) {
       char *end;
       a->o.checkpoint_interval_s = strtod(v, &end);
@@ -386,9 +392,10 @@ int main(int argc, char **argv) {
   char fingerprint[8192];
   snprintf(fingerprint, sizeof fingerprint,
            "objective=%s\nspace=%s\ndata=%s\nepochs=%lld\npatience=%lld\nbatch_size=%lld\n"
-           "max_steps=%lld", a.objective, a.space ? a.space : "(the objective's)", a.data,
-           (long long)a.epochs, (long long)a.patience, (long long)a.batch_size,
-           (long long)a.max_steps);
+           "max_steps=%lld\ntrain_samples=%lld\nval_samples=%lld", a.objective,
+           a.space ? a.space : "(the objective's)", a.data, (long long)a.epochs,
+           (long long)a.patience, (long long)a.batch_size, (long long)a.max_steps,
+           (long long)a.train_samples, (long long)a.val_samples);
   a.o.fingerprint = fingerprint;
   ddp_hpo_space *space;
   if (ddp_hpo_space_parse(spec, &space) != DDP_OK) {
@@ -408,6 +415,8 @@ int main(int argc, char **argv) {
     ob.i_gamma = need_trait(space, "gamma", DDP_HPO_FLOAT, DDP_HPO_LOGFLOAT);
     CHECK(ddp_dataset_open_idx_dir(&ob.train, a.data, DDP_SPLIT_TRAIN), "loading the training set");
     CHECK(ddp_dataset_open_idx_dir(&ob.test, a.data, DDP_SPLIT_TEST), "loading the test set");
+    if (a.train_samples) CHECK(ddp_dataset_truncate(ob.train, a.train_samples), "--train-samples");
+    if (a.val_samples) CHECK(ddp_dataset_truncate(ob.test, a.val_samples), "--val-samples");
   }
   FILE *log = NULL;
   if (a.log_path && rank == 0) {

@@ -138,6 +138,10 @@ void ddp_dataset_destroy(ddp_dataset *ds);
 /* Valid while the dataset lives. */
 const ddp_dataset_info *ddp_dataset_get_info(const ddp_dataset *ds);
 int64_t ddp_dataset_size(const ddp_dataset *ds);
+/* Keeps only the first n samples (n >= 1; more than the dataset has leaves
+ * it whole): a quick run on a prefix of the data, as PyTorch's
+ * Subset(ds, range(n)). The memory stays the dataset's. */
+ddp_status ddp_dataset_truncate(ddp_dataset *ds, int64_t n);
 /* Sample i as the loader delivers it without normalisation: x gets
  * input_numel floats (uint8 pixels as v / 255.0f, as torchvision's ToTensor),
  * target gets target_numel elements of target_dtype. DDP_ERR_RANGE if i is

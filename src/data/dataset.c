@@ -33,6 +33,14 @@ const ddp_dataset_info *ddp_dataset_get_info(const ddp_dataset *ds) { return &ds
 
 int64_t ddp_dataset_size(const ddp_dataset *ds) { return ds->info.num_samples; }
 
+ddp_status ddp_dataset_truncate(ddp_dataset *ds, int64_t n) {
+  if (!ds || n < 1)
+    return ddp_error(DDP_ERR_INVALID, "ddp_dataset_truncate: %s to %lld samples (>= 1)",
+                     ds ? ds->info.name : "NULL dataset", (long long)n);
+  if (n < ds->info.num_samples) ds->info.num_samples = n;
+  return DDP_OK;
+}
+
 /* ---- IDX ----------------------------------------------------------------- */
 
 ddp_status ddp_dataset_open_idx(ddp_dataset **out, const char *images_path,

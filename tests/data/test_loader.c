@@ -505,9 +505,30 @@ static void test_allocation_failures(void **state) {
   assert_true(failures >= 8); /* dataset, labels, loader, ring, threads... */
 }
 
+/* ddp_dataset_truncate keeps the first n samples: the same samples, fewer
+ * of them; more than there are changes nothing; 0 is refused. */
+static void test_truncate(void **state) {
+  (void)state;
+  ddp_dataset *ds;
+  assert_int_equal(ddp_dataset_create_regression(&ds, 100, 5), DDP_OK);
+  float x0[10], y0[5], x[10], y[5];
+  assert_int_equal(ddp_dataset_get(ds, 9, x0, y0), DDP_OK);
+  assert_int_equal(ddp_dataset_truncate(ds, 10), DDP_OK);
+  assert_int_equal(ddp_dataset_size(ds), 10);
+  assert_int_equal(ddp_dataset_get(ds, 9, x, y), DDP_OK);
+  assert_memory_equal(x, x0, sizeof x);
+  assert_memory_equal(y, y0, sizeof y);
+  assert_int_not_equal(ddp_dataset_get(ds, 10, x, y), DDP_OK);
+  assert_int_equal(ddp_dataset_truncate(ds, 1000), DDP_OK);
+  assert_int_equal(ddp_dataset_size(ds), 10);
+  assert_int_equal(ddp_dataset_truncate(ds, 0), DDP_ERR_INVALID);
+  ddp_dataset_destroy(ds);
+}
+
 int main(void) {
 #define T(name) cmocka_unit_test_setup_teardown(name, setup, teardown)
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_truncate),
       cmocka_unit_test(test_sequential_sampler),
       cmocka_unit_test(test_random_sampler),
       cmocka_unit_test(test_random_sampler_uniform),
