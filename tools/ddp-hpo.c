@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "ddp/ddp.h"
+#include "hpo/cmd_objective.h"
 
 #define DEFAULT_DATA "/usr/share/datasets/fashion-mnist"
 #define CONVNET_SPACE \
@@ -30,7 +31,15 @@ static void usage(FILE *f) {
 "                       rastrigin | griewank | schwefel | bisphere | birastrigin (Propulate's,\n"
 "                       with its space), or convnet: seed 002's job, a convnet-N trained per\n"
 "                       individual on Fashion-MNIST with Adadelta and StepLR, its loss the best\n"
-"                       test loss (default sphere)\n"
+"                       test loss (default sphere); or cmd:PROGRAM [ARGS]: PROGRAM run per\n"
+"                       evaluation with the hyperparameters as --name value arguments (and\n"
+"                       DDP_HPO_NAME variables), its loss the last line it prints (a number or\n"
+"                       JSON with a \"loss\" field); a worker of several ranks runs it on each\n"
+"                       rank as one torchrun/ddprun job (RANK, WORLD_SIZE, MASTER_ADDR/PORT,\n"
+"                       DDP_STORE_ADDR with a prefix of its own); failures count as inf\n"
+"  --loss-key KEY       cmd:'s JSON field holding the loss (default loss; ddp-train --json:\n"
+"                       test_loss)\n"
+"  --eval-timeout S     kill a cmd: evaluation after S seconds, every rank's (default 3600)\n"
 "  --space SPEC         name=int:LO:HI,name=float:LO:HI,name=logfloat:LO:HI,name=cat:A|B|C\n"
 "                       (default: the objective's own; convnet: " CONVNET_SPACE ")\n"
 "convnet's training\n"
@@ -108,6 +117,8 @@ typedef struct args {
   const char *objective, *space, *data, *log_path;
   int64_t epochs, patience, batch_size, max_steps, top_n, eval_delay_ms;
   int64_t train_samples, val_samples; /* 0: all */
+  const char *loss_key;               /* cmd:'s JSON field */
+  double eval_timeout_s;              /* cmd: */
   ddp_hpo_options o;
   bool json;
 } args;
@@ -138,7 +149,8 @@ static double parse_prob(const char *flag, const char *v) {
 
 static void parse_args(int argc, char **argv, args *a) {
   *a = (args){.objective = "sphere", .data = DEFAULT_DATA, .epochs = 20, .patience = 5,
-              .batch_size = 8, .top_n = 3, .o = ddp_hpo_defaults()};
+              .batch_size = 8, .top_n = 3, .o = ddp_hpo_defaults(), .loss_key = "loss",
+              .eval_timeout_s = 3600};
   for (int i = 1; i < argc; i++) {
     const char *f = argv[i];
     if (!strcmp(f, "-h") || !strcmp(f, "--help")) {
@@ -167,7 +179,7 @@ static void parse_args(int argc, char **argv, args *a) {
         "--random-init-prob", "--sigma-factor", "--seed", "--top-n", "--log",
         "--ranks-per-worker", "--exchange-interval", "--islands", "--migration-prob",
         "--num-migrants", "--checkpoint", "--checkpoint-interval", "--eval-delay-ms",
-        "--train-samples", "--val-samples"};
+        "--train-samples", "--val-samples", "--loss-key", "--eval-timeout"};
     char name[64];
     const char *eq = strchr(f, '=');
     size_t len = eq ? (size_t)(eq - f) : strlen(f);
@@ -205,6 +217,13 @@ static void parse_args(int argc, char **argv, args *a) {
     else if (!strcmp(name, "--checkpoint")) a->o.checkpoint_dir = v;
     else if (!strcmp(name, "--eval-delay-ms")) a->eval_delay_ms = parse_int(name, v, 0);
     else if (!strcmp(name, "--train-samples")) a->train_samples = parse_int(name, v, 0);
+    else if (!strcmp(name, "--loss-key")) a->loss_key = v;
+    else if (!strcmp(name, "--eval-timeout")) {
+      char *end;
+      a->eval_timeout_s = strtod(v, &end);
+      if (*end || end == v || !(a->eval_timeout_s > 0))
+        die_usage("--eval-timeout expects seconds > 0, got '%s'", v);
+    }
     else if (!strcmp(name, "--val-samples")) a->val_samples = parse_int(name, v, 0);
     else if (!strcmp(name, "--checkpoint-interval")) {
       char *end;
@@ -227,7 +246,9 @@ static void parse_args(int argc, char **argv, args *a) {
 
 typedef struct objective {
   const args *a;
-  ddp_hpo_benchmark_fn bench; /* NULL: convnet */
+  ddp_hpo_benchmark_fn bench; /* NULL: convnet or cmd */
+  hpo_cmd cmd;                /* cmd: when cmd.argc > 0 */
+  const char *store_addr;     /* the job's store, for cmd:'s multi-rank runs */
   ddp_pyrandom quartic_noise;
   bool quartic;
   ddp_dataset *train, *test; /* convnet's, opened once */
@@ -322,11 +343,26 @@ static double evaluate(const ddp_hpo_space *space, const double *v, ddp_process_
   objective *ob = user;
   double t0 = ddp_time_s();
   if (ob->a->eval_delay_ms) usleep((useconds_t)(ob->a->eval_delay_ms * 1000));
-  double loss = ob->bench ? benchmark_loss(ob, v, ddp_hpo_space_size(space))
-                          : convnet_loss(ob, space, v, worker);
+  double loss;
+  if (ob->cmd.argc) {
+    hpo_cmd_eval e = {.rank = worker ? ddp_process_group_rank(worker) : 0,
+                      .size = worker ? ddp_process_group_size(worker) : 1,
+                      .worker = (int)(ob->worker_rank0 / ob->a->o.ranks_per_worker),
+                      .generation = ob->evaluations, .store_addr = ob->store_addr,
+                      .timeout_s = ob->a->eval_timeout_s};
+    if (worker) { /* the first rank picks the evaluation's MASTER_PORT */
+      int64_t port = e.rank == 0 ? hpo_cmd_free_port() : 0;
+      if (ddp_broadcast(worker, &port, 1, DDP_INT64, 0) != DDP_OK) port = 0;
+      e.master_port = (int)port;
+    }
+    loss = hpo_cmd_run(&ob->cmd, space, v, &e);
+  } else {
+    loss = ob->bench ? benchmark_loss(ob, v, ddp_hpo_space_size(space))
+                     : convnet_loss(ob, space, v, worker);
+  }
   double t1 = ddp_time_s();
   ob->evaluations++;
-  if (!ob->bench && ob->lead) {
+  if (!ob->bench && !ob->cmd.argc && ob->lead) {
     char buf[256];
     ddp_hpo_format(space, v, buf, sizeof buf);
     fprintf(stderr, "worker %lld generation %lld/%lld: %s: loss %.4f (%.1f s)\n",
@@ -374,7 +410,12 @@ int main(int argc, char **argv) {
                   .worker_rank0 = rank - rank % a.o.ranks_per_worker};
   char bench_space[4096];
   const char *spec = a.space;
-  if (strcmp(a.objective, "convnet") != 0) {
+  if (!strncmp(a.objective, "cmd:", 4)) {
+    if (hpo_cmd_parse(a.objective + 4, &ob.cmd) != DDP_OK) die_usage("%s", ddp_last_error());
+    ob.cmd.loss_key = a.loss_key;
+    ob.store_addr = job.store_addr;
+    if (!spec) die_usage("--objective %s needs --space", a.objective);
+  } else if (strcmp(a.objective, "convnet") != 0) {
     int dims;
     ddp_status s = ddp_hpo_benchmark(a.objective, &ob.bench, &dims, bench_space, sizeof bench_space);
     if (s != DDP_OK) {
@@ -408,7 +449,7 @@ int main(int argc, char **argv) {
       if (ddp_hpo_space_trait(space, i)->kind != DDP_HPO_FLOAT &&
           ddp_hpo_space_trait(space, i)->kind != DDP_HPO_LOGFLOAT)
         die_usage("a benchmark function takes float traits only (--space '%s')", spec);
-  } else {
+  } else if (!ob.cmd.argc) {
     ob.i_layers = need_trait(space, "conv_layers", DDP_HPO_INT, DDP_HPO_INT);
     ob.i_activation = need_trait(space, "activation", DDP_HPO_CATEGORICAL, DDP_HPO_CATEGORICAL);
     ob.i_lr = need_trait(space, "lr", DDP_HPO_FLOAT, DDP_HPO_LOGFLOAT);
@@ -485,6 +526,7 @@ done:
   ddp_hpo_space_destroy(space);
   ddp_dataset_destroy(ob.test);
   ddp_dataset_destroy(ob.train);
+  hpo_cmd_free(&ob.cmd);
   if (world) {
     (void)ddp_barrier(world); /* rank 0 may host the store: leave together */
     ddp_process_group_destroy(world);

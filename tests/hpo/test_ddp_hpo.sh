@@ -9,6 +9,12 @@
 #  - under ddprun, 2 ranks are 2 workers exchanging their individuals (rank
 #    0 reports both workers' generations), and 2 ranks as 1 worker of 2
 #    train each convnet individual together;
+#  - --objective cmd: runs a program per evaluation: its printed loss (a
+#    number or JSON) is the individual's; one that fails, hangs past
+#    --eval-timeout (killed with what it started) or prints no loss counts
+#    as inf with the reason on stderr, and the search goes on; a worker of 2
+#    ranks runs it on both as one ddp job (RANK, WORLD_SIZE, a store prefix of
+#    its own per evaluation), here ddp-train training data-parallel;
 #  - mistakes are named and exit 2 (1 for a broken launch environment).
 set -uo pipefail
 fail() { echo "FAIL: $*"; exit 1; }
@@ -84,7 +90,7 @@ expect_usage "--pop-size expects an integer >= 2" --pop-size 1
 expect_usage "needs that many ranks" --ranks-per-worker 2
 WORLD_SIZE=2 "$bin" --generations 1 >/dev/null 2>"$tmp/w.err"; rc=$?
 [ $rc = 1 ] && grep -q "rank is not set" "$tmp/w.err" || fail "WORLD_SIZE=2 alone: exit $rc: $(cat "$tmp/w.err")"
-"$bin" --help | grep -q -- "--ranks-per-worker R" || fail "--help"
+"$bin" --help >"$tmp/help" && grep -q -- "--ranks-per-worker R" "$tmp/help" || fail "--help"
 echo "ok mistakes named"
 
 ddprun=${DDP_BIN_DIR}/ddprun
@@ -115,5 +121,85 @@ assert summary["workers"] == 1 and len(log) == 2, (summary, log)
 assert all(r["worker"] == 0 and math.isfinite(r["loss"]) for r in log), log
 PY
   echo "ok 1 worker of 2 ranks: 2 convnet individuals trained together"
+fi
+# --- cmd: ----------------------------------------------------------------
+cat >"$tmp/loss.py" <<'PYEOF'
+import json, sys
+a = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+x, y = float(a["--a"]), float(a["--b"])
+print("chatter first")
+print(json.dumps({"loss": x * x + y * y, "other": 1}))
+PYEOF
+sphere_space="a=float:-5.12:5.12,b=float:-5.12:5.12"
+timeout 120 "$bin" --objective "cmd:$py $tmp/loss.py" --space "$sphere_space" --generations 8 --seed 0 \
+  --log "$tmp/cmd.jsonl" >/dev/null 2>"$tmp/cmd.err" || { cat "$tmp/cmd.err"; fail "cmd: search"; }
+"$py" - "$tmp/cmd.jsonl" "$fixture" <<'PY' || fail "cmd: losses are not the program's"
+import json, sys
+log = [json.loads(l) for l in open(sys.argv[1])]
+lines = open(sys.argv[2]).read().splitlines()
+start = lines.index("problem sphere 0 4 300") + 1
+assert len(log) == 8
+for r, w in zip(log, lines[start:start + 8]):
+    assert r["loss"] == r["a"] * r["a"] + r["b"] * r["b"] == float(w.split()[1]), (r, w)
+PY
+echo "ok cmd: the program's JSON loss, the sphere's individuals"
+cat >"$tmp/faulty.sh" <<'SHEOF'
+#!/bin/sh
+# --a A --b B. By the signs: (+, -) exits 3, (-, -) hangs, (+, +) prints
+# garbage when b > 1 and 1.5 otherwise. Seed 0's first 16 individuals
+# (Propulate's) hold every case: +- at 0, -- at 2, ++ with b < 1 at 3,
+# ++ with b > 1 at 9.
+case "$2" in -*) na=1 ;; *) na=0 ;; esac
+case "$4" in -*) nb=1 ;; *) nb=0 ;; esac
+[ $na = 0 ] && [ $nb = 1 ] && exit 3
+[ $na = 1 ] && [ $nb = 1 ] && sleep 31.7
+[ $na = 0 ] && [ "$(echo "$4" | cut -c1)" != 0 ] && { echo "not a number"; exit 0; }
+echo 1.5
+SHEOF
+chmod +x "$tmp/faulty.sh"
+timeout 120 "$bin" --objective "cmd:$tmp/faulty.sh" --space "$sphere_space" --generations 16 --seed 0 \
+  --eval-timeout 0.5 --log "$tmp/faulty.jsonl" >/dev/null 2>"$tmp/faulty.err" || { cat "$tmp/faulty.err"; fail "cmd: faulty search"; }
+"$py" - "$tmp/faulty.jsonl" "$tmp/faulty.err" <<'PY' || fail "cmd: failures not recorded as inf with their reasons"
+import json, sys
+log = [json.loads(l) for l in open(sys.argv[1])]
+err = open(sys.argv[2]).read()
+assert len(log) == 16, len(log)
+def kind(r):
+    if r["a"] >= 0 and r["b"] < 0: return "exit"
+    if r["a"] < 0 and r["b"] < 0: return "hang"
+    if r["a"] >= 0 and r["b"] >= 1: return "garbage"
+    return "ok"
+kinds = [kind(r) for r in log]
+for r, k in zip(log, kinds):
+    assert (r["loss"] == 1.5) if k == "ok" else (r["loss"] is None), (k, r)
+    if k == "hang":
+        assert r["eval_s"] >= 0.45, r  # killed at the timeout
+assert {"exit", "hang", "garbage", "ok"} <= set(kinds), kinds
+for text in ("exited 3", "timed out after 0.5 s", "no loss"):
+    assert text in err, text
+PY
+# The timeout kills the program's process group: its sleep too.
+! pgrep -f "sleep 31.7" >/dev/null || fail "a timed-out evaluation left its sleep running"
+echo "ok cmd: failures, a hang and garbage count as inf with their reasons; the search completed"
+if [ -z "${DDP_SANITIZER:-}" ]; then
+  cat >"$tmp/train.sh" <<SHEOF
+#!/bin/sh
+echo "\$RANK \$WORLD_SIZE \$DDP_STORE_PREFIX" >>"$tmp/env.\$RANK"
+exec ${DDP_BIN_DIR}/ddp-train --model toy --epochs 1 --workers 0 --json "\$@"
+SHEOF
+  chmod +x "$tmp/train.sh"
+  timeout 180 "$ddprun" --nproc-per-node 2 "$bin" --objective "cmd:$tmp/train.sh" --loss-key test_loss \
+    --space "lr=logfloat:0.001:0.1,momentum=float:0:0.9" --ranks-per-worker 2 --generations 2 \
+    --log "$tmp/ddp.jsonl" --json >"$tmp/ddp.out" 2>"$tmp/ddp.err" || { cat "$tmp/ddp.err"; fail "cmd: ddp-train on a worker of 2"; }
+  "$py" - "$tmp/ddp.jsonl" "$tmp/env.0" "$tmp/env.1" <<'PY' || fail "cmd: ddp-train on a worker of 2 ranks"
+import json, math, sys
+log = [json.loads(l) for l in open(sys.argv[1])]
+assert len(log) == 2 and all(r["loss"] is not None and math.isfinite(r["loss"]) for r in log), log
+e0 = [l.split() for l in open(sys.argv[2])]
+e1 = [l.split() for l in open(sys.argv[3])]
+assert [r[:2] for r in e0] == [["0", "2"]] * 2 and [r[:2] for r in e1] == [["1", "2"]] * 2, (e0, e1)
+assert e0[0][2] == e1[0][2] and e0[1][2] == e1[1][2] and e0[0][2] != e0[1][2], (e0, e1)
+PY
+  echo "ok cmd: ddp-train as one 2-rank job per evaluation, a store prefix each"
 fi
 echo "all passed"
