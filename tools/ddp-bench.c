@@ -62,6 +62,7 @@ static const char usage[] =
     "                    per row (default 1)\n"
     "  --json            one JSON object per row on stdout instead of the table\n"
     "  -h, --help        this text\n"
+    "  --version         print \"ddp-bench (ddp) VERSION\"\n"
     "\n"
     "Columns (nccl-tests' conventions, PERFORMANCE.md):\n"
     "  size     bytes of one rank's buffer; for allgather, gather (recv) and\n"
@@ -747,6 +748,10 @@ static void parse_args(int argc, char **argv, bench_opts *o) {
     const char *a = argv[i];
     if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
       fputs(usage, stdout);
+      exit(0);
+    }
+    if (!strcmp(a, "--version")) {
+      printf("ddp-bench (ddp) %s\n", ddp_version());
       exit(0);
     }
     if (!strcmp(a, "--json")) {

@@ -18,6 +18,7 @@ static const char usage[] =
     "       ddp-store wait   [--addr HOST:PORT] [--timeout S] KEY...\n"
     "       ddp-store delete [--addr HOST:PORT] KEY\n"
     "       ddp-store keys   [--addr HOST:PORT]\n"
+    "       ddp-store --version  (prints \"ddp-store (ddp) VERSION\")\n"
     "\n"
     "The ddp rendezvous key-value store (docs/store.md).\n"
     "\n"
@@ -124,6 +125,10 @@ int main(int argc, char **argv) {
   }
   if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
     fputs(usage, stdout);
+    return 0;
+  }
+  if (!strcmp(argv[1], "--version")) {
+    printf("ddp-store (ddp) %s\n", ddp_version());
     return 0;
   }
   const char *cmd = argv[1];

@@ -124,6 +124,7 @@ static void usage(FILE *f) {
 "                       state_dict(); a 'module.' prefix is accepted); with --epochs 0 this\n"
 "                       evaluates a saved model\n"
 "  -h, --help           this text\n"
+"  --version            print \"ddp-train (ddp) VERSION\"\n"
 "\n"
 "Progress (loss, samples/s, ETA) goes to stderr: a bar on a terminal, a line every few\n"
 "seconds otherwise. Example:\n"
@@ -189,6 +190,10 @@ static void parse_args(int argc, char **argv, train_args *a) {
     const char *f = argv[i];
     if (!strcmp(f, "-h") || !strcmp(f, "--help")) {
       usage(stdout);
+      exit(0);
+    }
+    if (!strcmp(f, "--version")) {
+      printf("ddp-train (ddp) %s\n", ddp_version());
       exit(0);
     }
     if (!strcmp(f, "--json")) {

@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "ddp/launch.h"
 
@@ -70,6 +71,8 @@ static const char usage[] =
     "  -t, --tee 0-3|R:N,... write them to the log files and the console\n"
     "  --local-ranks-filter R,...  only these local ranks reach the console\n"
     "  -h, --help            this text\n"
+    "  --version             print \"ddprun (ddp) VERSION\" (before PROGRAM and\n"
+    "                        before any option's separate value)\n"
     "\n"
     "When a worker fails, ddprun stops the others (SIGTERM, grace period,\n"
     "SIGKILL), prints a summary on stderr naming the first failure (rank, host,\n"
@@ -80,7 +83,20 @@ static const char usage[] =
     "Exit status: 0 when every worker exited 0; 1 when the job failed; 2 on bad\n"
     "usage; 128+N when stopped by signal N. docs/launch.md has the details.\n";
 
+/* --version among ddprun's leading options. The scan stops at the first
+ * word that is not an option (an option's separate value, or PROGRAM), so
+ * it never takes PROGRAM's own --version. */
+static int asks_version(int argc, char **argv) {
+  for (int i = 1; i < argc && argv[i][0] == '-'; i++)
+    if (strcmp(argv[i], "--version") == 0) return 1;
+  return 0;
+}
+
 int main(int argc, char **argv) {
+  if (asks_version(argc, argv)) {
+    printf("ddprun (ddp) %s\n", ddp_version());
+    return 0;
+  }
   ddp_launch_config cfg;
   ddp_launch_config_init(&cfg);
   if (ddp_launch_parse_args(argc, argv, &cfg) != DDP_OK) {

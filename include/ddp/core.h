@@ -12,6 +12,19 @@
 extern "C" {
 #endif
 
+/* ---- Version -------------------------------------------------------------
+ * The version of these headers (CMake's project version is read from these
+ * three lines) and, from ddp_version(), the version of the library a program
+ * runs with: the two differ when a program built against one release loads
+ * another's libddp.so. The soname (libddp.so.0) changes with the ABI. */
+#define DDP_VERSION_MAJOR 0
+#define DDP_VERSION_MINOR 1
+#define DDP_VERSION_PATCH 0
+
+/* The running library's version, "MAJOR.MINOR.PATCH" ("0.1.0"); static
+ * storage, never NULL. */
+const char *ddp_version(void);
+
 /* ---- Status codes -------------------------------------------------------
  * Library functions return ddp_status: 0 on success, a negative code on
  * failure. The detail ("conv2d: input (8,3,28,28) has 3 channels, weight

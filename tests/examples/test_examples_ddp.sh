@@ -6,6 +6,7 @@
 #   mnist_ddp       the test set is counted once over the ranks, the loss falls
 #   ddp_checkpoint  rank 0's saved parameters are what every rank loads
 #   train_api       the trainer's C API: a callback stops both ranks at step 60
+#   hpo_ddp         seed 002's tutorial: a search whose individuals train data-parallel
 # Usage: test_examples_ddp.sh [NAME...] (default: all that are built).
 set -uo pipefail
 fail() { echo "FAIL: $*"; exit 1; }
@@ -27,7 +28,7 @@ expect() { # NAME PATTERN [COUNT]
 }
 
 names=("$@")
-[ ${#names[@]} -gt 0 ] || names=(ddp_basic toydata_ddp mnist_ddp ddp_checkpoint train_api)
+[ ${#names[@]} -gt 0 ] || names=(ddp_basic toydata_ddp mnist_ddp ddp_checkpoint train_api hpo_ddp)
 for name in "${names[@]}"; do
   case $name in
   ddp_basic)
@@ -54,6 +55,15 @@ for name in "${names[@]}"; do
     run train_api 60
     expect train_api "^step 50: loss [0-9.]+, [0-9]+ samples/s$"
     expect train_api "^trained 60 steps on 2 rank\(s\), stopped by callback: test accuracy ([6-9][0-9]|100)\.[0-9]+%" ;;
+  hpo_ddp)
+    data=/usr/share/datasets/fashion-mnist
+    if [ ! -e "$data/t10k-labels-idx1-ubyte.gz" ] && [ ! -e "$data/t10k-labels-idx1-ubyte" ]; then
+      echo "note: $data is not installed (install-deps.sh data): hpo_ddp not run"; continue
+    fi
+    # Seed 002's tutorial: 1 worker of 2 ranks, 3 individuals, each trained
+    # data-parallel; rank 0 names the best with a finite loss.
+    run hpo_ddp 3 2
+    expect hpo_ddp "^3 individuals on island 0; best: conv_layers=[0-9]+ activation=(relu|sigmoid|tanh) lr=[0-9.e-]+ gamma=[0-9.]+, loss [0-9]+\.[0-9]+ \(worker 0, generation [0-2]\)$" ;;
   ddp_checkpoint)
     run ddp_checkpoint
     expect ddp_checkpoint "^rank [01]: loaded rank 0's checkpoint: .*: ok$" 2 ;;
