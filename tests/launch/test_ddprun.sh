@@ -660,7 +660,7 @@ bindings)
   mine=$(allowed)
   show='echo "worker $LOCAL_RANK cpus $(sed -n "s/^Cpus_allowed_list:[[:space:]]*//p" /proc/self/status) omp ${OMP_NUM_THREADS:-unset}"'
   run() { # ddprun options... -> $tmp/out (workers), $tmp/err (ddprun); fails on a non-zero exit
-    timeout 30 "$ddprun" --report-bindings "$@" sh -c "$show" >"$tmp/out" 2>"$tmp/err" ||
+    timeout 30 env -u OMP_NUM_THREADS "$ddprun" --report-bindings "$@" sh -c "$show" >"$tmp/out" 2>"$tmp/err" ||
       { cat "$tmp/out" "$tmp/err"; fail "ddprun $* exited $?"; }
   }
   worker_cpus() { sed -n "s/^worker $1 cpus \([^ ]*\) .*/\1/p" "$tmp/out"; }
@@ -705,7 +705,7 @@ bindings)
     { cat "$tmp/err"; fail "$n workers not reported unbound"; }
   [ "$(grep -c "cpus $mine " "$tmp/out")" -eq "$n" ] || { cat "$tmp/out"; fail "a worker was bound with too few CPUs"; }
   # ... but --bind core refuses, naming the numbers.
-  timeout 30 "$ddprun" --bind core --nproc-per-node "$n" true >"$tmp/out" 2>&1
+  timeout 30 env -u OMP_NUM_THREADS "$ddprun" --bind core --nproc-per-node "$n" true >"$tmp/out" 2>&1
   rc=$?
   [ $rc -eq 1 ] && grep -q -- "--bind core: $n workers x 1 thread need $n CPUs" "$tmp/out" ||
     { cat "$tmp/out"; fail "--bind core with too few CPUs exited $rc"; }
@@ -720,7 +720,7 @@ bindings)
   grep -q 'note:' "$tmp/err" && fail "a note under srun"
   if command -v taskset >/dev/null; then
     first=$(expand "$mine" | head -n 1)
-    taskset -c "$first" "$ddprun" --report-bindings --nproc-per-node 2 sh -c "$show" >"$tmp/out" 2>"$tmp/err" ||
+    timeout 30 taskset -c "$first" "$ddprun" --report-bindings --nproc-per-node 2 sh -c "$show" >"$tmp/out" 2>"$tmp/err" ||
       { cat "$tmp/err"; fail "taskset -c $first ddprun exited $?"; }
     [ "$(grep -c "cpus $first " "$tmp/out")" -eq 2 ] && grep -q "this process may use 1 (CPUs $first)" "$tmp/err" ||
       { cat "$tmp/out" "$tmp/err"; fail "under taskset -c $first"; }
