@@ -80,7 +80,9 @@ void ddp_clear_error(void);
     if (ddp__s != DDP_OK) return ddp__s;       \
   } while (0)
 
-/* A broken invariant inside ddp (never a user mistake): abort with file:line. */
+/* A broken invariant inside ddp (never a user mistake): abort with file:line.
+ * For ddp's own code and its tests (which link libddp.a): libddp.so does not
+ * export ddp__assert_fail, so a program linking it cannot use this macro. */
 #define DDP_ASSERT(cond)                                                   \
   do {                                                                     \
     if (!(cond)) ddp__assert_fail(#cond, __FILE__, __LINE__, __func__);    \
