@@ -5,21 +5,22 @@
 # barrier), measured alternately in one go; the median of RUNS runs of each
 # and their ratio. Also the wall time until the launcher exits.
 #   usage: scripts/bench-launch.sh [RUNS=7] [NPROC=8]
-# torchrun comes from a current PyTorch in a virtualenv made by hand (Debian's
-# torch 1.13 torchrun fails under Python 3.11):
-#   python3 -m venv /opt/torch-venv && /opt/torch-venv/bin/pip install torch
-# (TORCH_VENV=... to use another); without it the torchrun side is skipped.
+# torchrun is the one beside the reference environment's Python, $DDP_TORCH_PY
+# (default /opt/torch-venv/bin/python, PyTorch 2.x; scripts/install-deps.sh
+# refs builds it): Debian's torch 1.13 torchrun fails under Python 3.11.
+# Without it the torchrun side is skipped, saying so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${1:-7}
 nproc=${2:-8}
-venv=${TORCH_VENV:-/opt/torch-venv}
+py=${DDP_TORCH_PY:-/opt/torch-venv/bin/python}
+torchrun=$(dirname "$py")/torchrun
 ddprun=build/bin/ddprun
 worker=build/tests/launch_worker
 [ -x "$ddprun" ] && [ -x "$worker" ] || { echo "bench-launch: build first (scripts/build.sh release)" >&2; exit 1; }
 have_torch=1
-if ! [ -x "$venv/bin/torchrun" ] || ! "$venv/bin/python" -c 'import torch.distributed' 2>/dev/null; then
-  echo "bench-launch: no torchrun in $venv (python3 -m venv $venv && $venv/bin/pip install torch); measuring ddprun only" >&2
+if ! [ -x "$torchrun" ] || ! "$py" -c 'import torch.distributed' 2>/dev/null; then
+  echo "bench-launch: SKIP torchrun: no PyTorch 2.x torchrun beside $py (scripts/install-deps.sh refs builds it); measuring ddprun only" >&2
   have_torch=0
 fi
 tmp=$(mktemp -d)
@@ -46,7 +47,7 @@ echo "bench-launch: $nproc workers, $runs runs each, alternating; load: $(uptime
 for i in $(seq "$runs"); do
   measure "$tmp/o" timeout 60 "$ddprun" --nproc-per-node "$nproc" "$worker" --print-time >>"$tmp/ddp"
   if [ $have_torch = 1 ]; then
-    measure "$tmp/o" timeout 120 env OMP_NUM_THREADS=1 "$venv/bin/torchrun" --standalone --nproc-per-node "$nproc" \
+    measure "$tmp/o" timeout 120 env OMP_NUM_THREADS=1 "$torchrun" --standalone --nproc-per-node "$nproc" \
       bench/launch_barrier.py >>"$tmp/torch"
   fi
 done
@@ -56,7 +57,7 @@ printf "ddprun   : all %d past the barrier in %.4f s (median), exited in %.4f s\
 if [ $have_torch = 1 ]; then
   t_bar=$(cut -d' ' -f1 "$tmp/torch" | median)
   t_exit=$(cut -d' ' -f2 "$tmp/torch" | median)
-  version=$("$venv/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null)
+  version=$("$py" -c 'import torch; print(torch.__version__)' 2>/dev/null)
   printf "torchrun : all %d past the barrier in %.4f s (median), exited in %.4f s (torch %s)\n" "$nproc" "$t_bar" "$t_exit" "$version"
   awk -v a="$t_bar" -v b="$d_bar" -v c="$t_exit" -v d="$d_exit" \
     'BEGIN { printf "ratio    : ddprun %.1fx faster to the barrier, %.1fx faster to exit\n", a / b, c / d }'

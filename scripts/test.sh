@@ -12,6 +12,7 @@ scripts/install-deps.sh build data test mpi slurm
 
 scripts/build.sh release
 scripts/build.sh sanitize
+scripts/install-deps.sh refs || echo "test.sh: no reference environment (PyTorch 2.x in /opt/torch-venv); its tests will skip" >&2
 scripts/build.sh tsan
 
 jobs=$(nproc)

@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
-# Checkpoints between ddp and PyTorch (torch 1.13 at /usr/bin/python3):
+# Checkpoints between ddp and PyTorch 2.x with the safetensors package, both
+# from the reference environment: $DDP_TORCH_PY (default
+# /opt/torch-venv/bin/python; scripts/install-deps.sh refs builds it):
 #  - ddp-train --save's state dict has exactly ConvNet().state_dict()'s names,
 #    dtypes and shapes, loads with load_state_dict(strict=True), and PyTorch's
 #    test accuracy with it equals ddp-train's within 0.1 percentage point;
 #  - a state dict PyTorch saved with DDP's "module." prefix loads into ddp
 #    (ddp-train --init ... --epochs 0) with the same accuracy within 0.1 point.
-# Skips (77) without torch, numpy or Fashion-MNIST.
+# Skips (77) without that Python (PyTorch 2.x, numpy, safetensors) or
+# Fashion-MNIST.
 set -euo pipefail
 bin=${DDP_BIN_DIR:?}/ddp-train
 here=$(cd "$(dirname "$0")" && pwd)
-py=/usr/bin/python3
-[ -x "$py" ] && "$py" -c "import torch, numpy" 2>/dev/null || { echo "SKIP: no torch/numpy at $py"; exit 77; }
+py=${DDP_TORCH_PY:-/opt/torch-venv/bin/python}
+version=$("$py" -c "import numpy, safetensors, torch; print(torch.__version__)" 2>/dev/null) || version=
+case "$version" in
+[2-9].*) echo "torch $version at $py" ;;
+*) echo "SKIP: no PyTorch 2.x with numpy and safetensors at $py (scripts/install-deps.sh refs builds it; DDP_TORCH_PY to use another)"; exit 77 ;;
+esac
 [ -e /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz ] || { echo "SKIP: no Fashion-MNIST"; exit 77; }
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

@@ -1,31 +1,33 @@
 """PyTorch side of the checkpoint interop test (run by test_torch_interop.sh
-with Debian's /usr/bin/python3, which has torch 1.13 and numpy).
+with the reference environment's Python, $DDP_TORCH_PY: PyTorch 2.x, numpy
+and the safetensors package).
 
-  torch_interop.py check FILE     loads ddp's checkpoint FILE into PyTorch's
-                                  ConvNet with load_state_dict(strict=True),
-                                  after checking every tensor's name, dtype and
-                                  shape against model.state_dict(); prints the
-                                  Fashion-MNIST test accuracy
+  torch_interop.py check FILE     loads ddp's checkpoint FILE with the
+                                  safetensors package into PyTorch's ConvNet
+                                  with load_state_dict(strict=True), after
+                                  checking every tensor's name (in file order),
+                                  dtype and shape against model.state_dict();
+                                  prints the Fashion-MNIST test accuracy
   torch_interop.py write FILE     trains a PyTorch ConvNet for 20 steps, writes
                                   its state dict with DistributedDataParallel's
-                                  "module." prefix to FILE; prints its accuracy
+                                  "module." prefix to FILE with the safetensors
+                                  package; prints its accuracy
 
-safetensors is read and written by its spec (8-byte little-endian header
-length, JSON header, raw little-endian data): Debian has no safetensors
-package. The ConvNet is seed 001's (the same layers as ddp's "convnet").
+Both directions go through the safetensors package (safetensors.torch), the
+reader and writer PyTorch users have, not through a reading of the spec of
+our own. The ConvNet is seed 001's (the same layers as ddp's "convnet").
 """
 import gzip
-import json
 import struct
 import sys
 
 import numpy as np
 import torch
 import torch.nn as nn
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 DATA = "/usr/share/datasets/fashion-mnist"
-DTYPES = {"F32": (np.float32, torch.float32), "I64": (np.int64, torch.int64),
-          "F64": (np.float64, torch.float64)}
 
 
 class ConvNet(nn.Module):
@@ -64,41 +66,14 @@ def accuracy(model, split="t10k"):
     return correct / len(x)
 
 
-def read_safetensors(path):
-    raw = open(path, "rb").read()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
-    meta = header.pop("__metadata__", {})
-    data = raw[8 + n:]
-    out = {}
-    for name, e in header.items():
-        begin, end = e["data_offsets"]
-        npt, _ = DTYPES[e["dtype"]]
-        arr = np.frombuffer(data[begin:end], dtype=np.dtype(npt).newbyteorder("<"))
-        out[name] = torch.from_numpy(arr.copy().reshape(e["shape"]))
-    return out, meta
-
-
-def write_safetensors(path, tensors, meta):
-    header, blobs, offset = {"__metadata__": meta}, [], 0
-    for name, t in tensors.items():
-        code = {torch.float32: "F32", torch.int64: "I64"}[t.dtype]
-        b = t.contiguous().numpy().astype(t.numpy().dtype.newbyteorder("<")).tobytes()
-        header[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + len(b)]}
-        blobs.append(b)
-        offset += len(b)
-    h = json.dumps(header, separators=(",", ":")).encode()
-    h += b" " * ((8 - (8 + len(h)) % 8) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
-
-
 def check(path):
-    state, meta = read_safetensors(path)
+    state = load_file(path)
+    with safe_open(path, framework="pt") as f:
+        names, meta = f.offset_keys(), f.metadata() or {}
     model = ConvNet()
     want = model.state_dict()
-    if list(state) != list(want):
-        sys.exit("names differ from ConvNet().state_dict():\n  file  %s\n  torch %s" % (list(state), list(want)))
+    if names != list(want):
+        sys.exit("names differ from ConvNet().state_dict():\n  file  %s\n  torch %s" % (names, list(want)))
     for k, v in want.items():
         if state[k].dtype != v.dtype or tuple(state[k].shape) != tuple(v.shape):
             sys.exit("%s: file %s %s, torch %s %s" % (k, state[k].dtype, tuple(state[k].shape), v.dtype, tuple(v.shape)))
@@ -118,7 +93,7 @@ def write(path):
         nn.functional.cross_entropy(model(x[i * 100:(i + 1) * 100]), y[i * 100:(i + 1) * 100]).backward()
         opt.step()
     state = {"module." + k: v for k, v in model.state_dict().items()}   # as DDP's state_dict names them
-    write_safetensors(path, state, {"format": "pt"})
+    save_file(state, path, metadata={"format": "pt"})
     print("%.4f" % accuracy(model))
 
 

@@ -46,7 +46,9 @@
 #             kill during the local backend's setup) are removed, with a
 #             notice; another process's and look-alike names stay
 #   torch     a PyTorch DDP script (gloo, env://) unchanged under ddprun
-#             --nproc-per-node 2 with Debian's torch (SKIP without it)
+#             --nproc-per-node 2 with PyTorch 2.x: the reference environment's
+#             Python, $DDP_TORCH_PY (default /opt/torch-venv/bin/python, built
+#             by scripts/install-deps.sh refs; SKIP without it)
 #   bindings  where the workers run: by default two workers on CPUs (and,
 #             where there are two cores, cores) of their own, as
 #             --report-bindings says and /proc/self/status shows; --bind none
@@ -640,8 +642,12 @@ segments)
   done
   ;;
 torch)
-  py=/usr/bin/python3
-  [ -x $py ] && $py -c 'import torch, torch.distributed' 2>/dev/null || skip "no PyTorch at $py"
+  py=${DDP_TORCH_PY:-/opt/torch-venv/bin/python}
+  version=$("$py" -c 'import torch, torch.distributed; print(torch.__version__)' 2>/dev/null)
+  case "$version" in
+  [2-9].*) echo "torch $version at $py" ;;
+  *) skip "no PyTorch 2.x at $py (scripts/install-deps.sh refs builds it; DDP_TORCH_PY to use another)" ;;
+  esac
   PYTHON=$py timeout 120 "$ddprun" --nproc-per-node 2 "$here/torch_ddp_check.py" >"$tmp/out" 2>&1
   rc=$?
   [ $rc -eq 0 ] || { cat "$tmp/out"; fail "the PyTorch DDP script exited $rc under ddprun"; }
