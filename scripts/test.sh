@@ -9,10 +9,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh build data test mpi slurm
+scripts/install-deps.sh refs || echo "test.sh: no reference environment (PyTorch 2.x in /opt/torch-venv); its tests will skip" >&2
 
 scripts/build.sh release
 scripts/build.sh sanitize
-scripts/install-deps.sh refs || echo "test.sh: no reference environment (PyTorch 2.x in /opt/torch-venv); its tests will skip" >&2
 scripts/build.sh tsan
 
 jobs=$(nproc)
