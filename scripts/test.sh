@@ -5,6 +5,9 @@
 # build only. Then a ThreadSanitizer build runs the tests labelled "tsan":
 # the threaded ones, with small sizes (about a minute on 2 cores; see
 # docs/comm.md, "ThreadSanitizer"); any report fails the test that caused it.
+# Last, a portable build (no -march=native) runs the tests labelled "numeric"
+# with the generic kernels (DDP_CPU_KERNELS=generic): what a CPU without
+# AVX-512 computes (docs/tensor.md, "Kernel families").
 # Exits non-zero when anything fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +17,7 @@ scripts/install-deps.sh refs || echo "test.sh: no reference environment (PyTorch
 scripts/build.sh release
 scripts/build.sh sanitize
 scripts/build.sh tsan
+scripts/build.sh portable
 
 jobs=$(nproc)
 echo "== release build: all tests =="
@@ -32,3 +36,5 @@ export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
 # buffer the caller wrote just before (sgemm_beta zeroing linear's fresh
 # dx) as races. Our own threads stay checked.
 (cd build-tsan && OPENBLAS_NUM_THREADS=1 ctest --output-on-failure -j "$jobs" -L tsan)
+echo "== portable build, generic kernels: the tests labelled numeric =="
+(cd build-portable && DDP_CPU_KERNELS=generic ctest --output-on-failure -j "$jobs" -L numeric)
