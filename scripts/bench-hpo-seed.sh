@@ -12,11 +12,11 @@
 # the ratio is Propulate's over ddp's.
 #   scripts/bench-hpo-seed.sh [rounds=3] [generations=4] [epochs=2] [train=2000] [val=1000]
 # Needs build/bin/{ddprun,ddp-hpo}, Fashion-MNIST, Open MPI and the
-# reference environment (/opt/torch-venv, or DDP_PROPULATE_PY).
+# reference environment (/opt/torch-venv, or DDP_TORCH_PY).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3}; gens=${2:-4}; epochs=${3:-2}; train=${4:-2000}; val=${5:-1000}
-py=${DDP_PROPULATE_PY:-/opt/torch-venv/bin/python}
+py=${DDP_TORCH_PY:-/opt/torch-venv/bin/python}
 ref=${DDP_SHARED_DIR:-../shared}/refs/propulate_torch_ddp.py
 die() { echo "bench-hpo-seed: $*" >&2; exit 2; }
 [ -x build/bin/ddp-hpo ] || die "build first (scripts/build.sh)"

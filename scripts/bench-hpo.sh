@@ -8,12 +8,12 @@
 # (the search alone, not the processes' start), and the ratio is ddp / Propulate.
 #   scripts/bench-hpo.sh [rounds=5] [generations=500]
 # Needs build/bin/{ddprun,ddp-hpo}, Open MPI and the reference environment
-# (scripts/install-deps.sh refs: /opt/torch-venv, or DDP_PROPULATE_PY).
+# (scripts/install-deps.sh refs: /opt/torch-venv, or DDP_TORCH_PY).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-5}
 gens=${2:-500}
-py=${DDP_PROPULATE_PY:-/opt/torch-venv/bin/python}
+py=${DDP_TORCH_PY:-/opt/torch-venv/bin/python}
 ref=${DDP_SHARED_DIR:-../shared}/refs/propulate_sphere.py
 die() { echo "bench-hpo: $*" >&2; exit 2; }
 [ -x build/bin/ddp-hpo ] || die "build first (scripts/build.sh)"

@@ -14,12 +14,14 @@
 #   "--sync-bn --lr LR") shows what wrong data-parallel mathematics gives.
 # SEED, BATCH (per rank), LR and DDP_DATA override the defaults (2, 50,
 # 0.01, Fashion-MNIST). Needs a release build (build/bin) and a Python with
-# torch (DDP_TORCH_PY, default /usr/bin/python3). About 25 s for 10 steps.
+# torch (DDP_TORCH_PY, default the reference environment's, else Debian's
+# /usr/bin/python3). About 25 s for 10 steps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=${1:-10}; shift || true
 bin=${DDP_BIN_DIR:-build/bin}
-py=${DDP_TORCH_PY:-/usr/bin/python3}
+py=${DDP_TORCH_PY:-/opt/torch-venv/bin/python}
+[ -x "$py" ] || py=/usr/bin/python3 # Debian's PyTorch 1.13 computes the float64 steps as well
 data=${DDP_DATA:-/usr/share/datasets/fashion-mnist}
 seed=${SEED:-2}; batch=${BATCH:-50}; lr=${LR:-0.01}
 work=$(mktemp -d)
