@@ -35,6 +35,7 @@ case ${DDP_SANITIZER:-} in
 esac
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+trap 'exit 143' TERM INT # through the EXIT trap
 prefix=$tmp/prefix
 example=$src/examples/basic_training.c
 
