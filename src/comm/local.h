@@ -232,6 +232,8 @@ typedef struct ddp__local_backend {
   int host_cpus;           /* CPUs the ranks may use together (ddp__local_shared_cpus) */
   int yield_iters;         /* sched_yield calls after spinning, before sleeping */
   uint64_t waits_slept;    /* waits that reached the futex phase (for tests) */
+  uint32_t contended_skips; /* blocked waits left that skip their spin (local_sync.c) */
+  uint64_t waits_contended; /* blocked waits that skipped it because the CPU was contended (for tests) */
   int blame;               /* the peer behind the last error (a group rank), -1 if none */
   /* Group ranks of this backend's ranks (identity unless it serves one host
    * of a larger group, hier.c), the group's size and host names (borrowed,

@@ -38,6 +38,9 @@ typedef struct rank_thread {
   /* test_blocked_caller_spins: waits that slept, with and without
    * caller_blocked; blocked ops that took >= 200 us (the peer was late) */
   int slept_blocked, slept_not, long_blocked;
+  /* blocked waits that skipped their spin because this thread had been
+   * preempted while spinning (local_sync.c, "contended") */
+  int contended_blocked;
   void (*body)(struct rank_thread *);
 } rank_thread;
 
@@ -416,7 +419,10 @@ static void late_peer_body(rank_thread *t) {
   atomic_bool ab;
   atomic_init(&ab, false);
   for (int k = 0; k < 2 * BLOCKED_ROUNDS; k++) {
-    if (k == BLOCKED_ROUNDS) t->slept_blocked = (int)lb->waits_slept;
+    if (k == BLOCKED_ROUNDS) {
+      t->slept_blocked = (int)lb->waits_slept;
+      t->contended_blocked = (int)lb->waits_contended;
+    }
     if (t->rank == 1) {
       int64_t until = ddp_time_ns() + LATE_NS;
       while (ddp_time_ns() < until) {
@@ -455,16 +461,60 @@ static void test_blocked_caller_spins(void **state) {
     if (t[r].m.failures) fail_msg("%s", t[r].m.err);
   const int slept_blocked = t[0].slept_blocked, slept_not = t[0].slept_not;
   print_message("rank 0's waits that slept: %d of %d with the caller blocked (%d of them "
-                "waited >= 200 us), %d of %d without\n",
-                slept_blocked, BLOCKED_ROUNDS, t[0].long_blocked, slept_not, BLOCKED_ROUNDS);
+                "waited >= 200 us, %d skipped their spin: the CPU was contended), %d of %d without\n",
+                slept_blocked, BLOCKED_ROUNDS, t[0].long_blocked, t[0].contended_blocked, slept_not,
+                BLOCKED_ROUNDS);
   /* The peer was late (past the ~50-80 us of pause spins, where a wait
    * for a caller not blocked yields and sleeps), and the waits met it
    * spinning, where without caller_blocked the same waits sleep. Quiet:
    * 40 long, 0 and 40 asleep; with a busy loop beside it, 4-5 and 40.
-   * Slack for a busier machine (a peer descheduled past 2 ms). */
+   * Slack for a busier machine (a peer descheduled past 2 ms); waits that
+   * skipped their spin because rank 0 was preempted while spinning (a
+   * busy machine) may sleep. */
   assert_true(t[0].long_blocked >= BLOCKED_ROUNDS / 2);
-  assert_true(slept_blocked <= t[0].long_blocked / 4);
+  assert_true(slept_blocked <= t[0].long_blocked / 4 + t[0].contended_blocked);
   assert_true(slept_not >= BLOCKED_ROUNDS / 2);
+}
+
+/* A busy loop pinned to rank 0's CPU: the scheduler preempts rank 0 while
+ * it spins for its blocked caller, and later blocked waits skip that spin
+ * (local_sync.c) instead of spending rank 0's share of the CPU on it. */
+static atomic_bool g_busy_stop;
+static void *busy_main(void *arg) {
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(*(int *)arg, &one);
+  pthread_setaffinity_np(pthread_self(), sizeof one, &one);
+  const int64_t limit = ddp_time_ns() + 60 * 1000000000LL; /* never past the test's time */
+  while (!atomic_load(&g_busy_stop) && ddp_time_ns() < limit) {
+  }
+  return NULL;
+}
+
+static void test_contended_blocked_skips(void **state) {
+  (void)state;
+  cpu_set_t mine;
+  CPU_ZERO(&mine);
+  assert_int_equal(sched_getaffinity(0, sizeof mine, &mine), 0);
+  if (CPU_COUNT(&mine) < 2 || sysconf(_SC_NPROCESSORS_ONLN) < 2) {
+    print_message("SKIP: this process may use only one CPU; waits never spin long there\n");
+    return;
+  }
+  for (int c = 0, found = 0; c < CPU_SETSIZE && found < 2; c++)
+    if (CPU_ISSET(c, &mine)) g_late_cpu[found++] = c;
+  atomic_store(&g_busy_stop, false);
+  pthread_t busy;
+  assert_int_equal(pthread_create(&busy, NULL, busy_main, &g_late_cpu[0]), 0);
+  rank_thread t[2];
+  run_ranks(2, late_peer_body, t);
+  atomic_store(&g_busy_stop, true);
+  pthread_join(busy, NULL);
+  for (int r = 0; r < 2; r++)
+    if (t[r].m.failures) fail_msg("%s", t[r].m.err);
+  print_message("with a busy loop on its CPU, rank 0's blocked waits: %d skipped their spin, %d slept, "
+                "of %d\n", t[0].contended_blocked, t[0].slept_blocked, BLOCKED_ROUNDS);
+  /* Without the rule: 0 skipped (every blocked wait spins up to 2 ms). */
+  assert_true(t[0].contended_blocked >= 1);
 }
 
 int main(void) {
@@ -475,6 +525,7 @@ int main(void) {
       cmocka_unit_test(test_timeout),
       cmocka_unit_test(test_shared_cpus),
       cmocka_unit_test(test_blocked_caller_spins),
+      cmocka_unit_test(test_contended_blocked_skips),
   };
   /* DDP_TEST_FILTER / DDP_TEST_SKIP: run only the tests matching, or skip
    * those matching, a cmocka pattern (* and ?); the ThreadSanitizer subset
