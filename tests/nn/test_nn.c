@@ -161,13 +161,18 @@ static void test_flat_layout(void **state) {
 }
 
 /* Uniform(-b, b) checks: bounds, the extremes reached, mean and variance
- * within 5 standard errors, and a 10-bin chi-square (9 dof; 40 is p < 1e-5). */
+ * within 5 standard errors, and a 10-bin chi-square (9 dof; 40 is p < 1e-5).
+ * The bound is b rounded to float, as in PyTorch: its uniform_ computes
+ * from + u * (to - from) in float, so u = 0 gives exactly (float)-b, which
+ * may lie a rounding beyond -b. */
 static void check_uniform(const char *what, const float *x, int64_t n, double b) {
   double sum = 0, sq = 0, lo = INFINITY, hi = -INFINITY;
   int64_t bins[10] = {0};
+  const double b32 = (float)b;
   for (int64_t i = 0; i < n; i++) {
     double v = x[i];
-    if (!(v >= -b && v < b)) fail_msg("%s[%lld] = %g outside +-%g", what, (long long)i, v, b);
+    if (!(fabs(v) <= b32))
+      fail_msg("%s[%lld] = %.9g outside +-%.9g", what, (long long)i, v, b32);
     sum += v;
     sq += v * v;
     lo = fmin(lo, v);
@@ -236,6 +241,90 @@ static void test_init_like_pytorch(void **state) {
   ddp_model_destroy(m);
   ddp_model_destroy(same);
   ddp_model_destroy(other);
+}
+
+/* Every initialized tensor of every builder at the seeds scripts/check-init.sh
+ * trains from (1-24), against what PyTorch's reset_parameters draws: a Linear
+ * or Conv2d weight (ndim >= 2) and its bias are uniform(+-1/sqrt(fan_in)),
+ * fan_in = numel / out_features taken from the weight's shape (in * kh * kw),
+ * not from ddp's code; a BatchNorm has weight 1, bias 0, running_mean 0,
+ * running_var 1 and num_batches_tracked 0. Tensors of 500 values or more go
+ * through check_uniform one by one; the smaller ones (biases, the toy's and
+ * the first convolutions' weights) are scaled by their bound and pooled per
+ * model over the seeds, and the pool is checked as uniform(+-1), so that a
+ * bias drawn with another bound or left at zero fails too. */
+static void test_init_every_layer_every_seed(void **state) {
+  (void)state;
+  enum { N_SEEDS = 24, POOL_MAX = 16384 };
+  const char *models[4 + 9] = {"toy", "headtail", "convnet", "psnet"}; /* + convnet-2..10 */
+  char convnet_n[9][24];
+  for (int n = 2; n <= 10; n++) {
+    snprintf(convnet_n[n - 2], sizeof convnet_n[0], "convnet-%d", n);
+    models[4 + n - 2] = convnet_n[n - 2];
+  }
+  static float pool[POOL_MAX];
+  for (size_t k = 0; k < sizeof models / sizeof models[0]; k++) {
+    int64_t pooled = 0, layers = 0, batchnorms = 0;
+    for (uint64_t seed = 1; seed <= N_SEEDS; seed++) {
+      ddp_model *m = build(models[k], NULL, seed);
+      for (int i = 0; i < ddp_model_state_count(m); i++) {
+        ddp_state_entry w;
+        assert_int_equal(ddp_model_state_entry(m, i, &w), DDP_OK);
+        size_t len = strlen(w.name);
+        if (len < 7 || strcmp(w.name + len - 7, ".weight") != 0) continue;
+        char name[256];
+        ddp_state_entry b;
+        snprintf(name, sizeof name, "%.*s.bias", (int)(len - 7), w.name);
+        assert_int_equal(ddp_model_state_find(m, name, &b), DDP_OK);
+        if (w.ndim == 1) { /* BatchNorm2d */
+          const char *leaf[] = {"weight", "bias", "running_mean", "running_var"};
+          const float want[] = {1, 0, 0, 1};
+          for (int j = 0; j < 4; j++) {
+            ddp_state_entry e;
+            snprintf(name, sizeof name, "%.*s.%s", (int)(len - 7), w.name, leaf[j]);
+            assert_int_equal(ddp_model_state_find(m, name, &e), DDP_OK);
+            assert_int_equal(e.numel, w.numel);
+            for (int64_t x = 0; x < e.numel; x++)
+              if (((float *)e.data)[x] != want[j])
+                fail_msg("%s seed %llu %s[%lld] = %g, PyTorch's is %g", models[k],
+                         (unsigned long long)seed, name, (long long)x, ((float *)e.data)[x],
+                         want[j]);
+          }
+          ddp_state_entry e;
+          snprintf(name, sizeof name, "%.*s.num_batches_tracked", (int)(len - 7), w.name);
+          assert_int_equal(ddp_model_state_find(m, name, &e), DDP_OK);
+          assert_int_equal(*(int64_t *)e.data, 0);
+          batchnorms++;
+          continue;
+        }
+        double bound = 1.0 / sqrt((double)(w.numel / w.shape[0]));
+        assert_int_equal(b.ndim, 1);
+        assert_int_equal(b.numel, w.shape[0]);
+        const ddp_state_entry *both[2] = {&w, &b};
+        for (int j = 0; j < 2; j++) {
+          const float *x = both[j]->data;
+          char what[320];
+          snprintf(what, sizeof what, "%s seed %llu %s", models[k], (unsigned long long)seed,
+                   both[j]->name);
+          check_uniform(what, x, both[j]->numel, bound);
+          if (both[j]->numel >= 500) continue;
+          if (pooled + both[j]->numel > POOL_MAX) fail_msg("%s: pool too small", models[k]);
+          for (int64_t e = 0; e < both[j]->numel; e++) pool[pooled++] = (float)(x[e] / bound);
+        }
+        layers++;
+      }
+      ddp_model_destroy(m);
+    }
+    /* Every Linear/Conv2d and BatchNorm the builder has, at every seed. */
+    const char *name = models[k];
+    int64_t want_layers = !strcmp(name, "convnet") ? 3 : !strcmp(name, "psnet") ? 4
+                          : strncmp(name, "convnet-", 8) == 0 ? 1 + atoi(name + 8) : 2;
+    assert_int_equal(layers, N_SEEDS * want_layers);
+    assert_int_equal(batchnorms, N_SEEDS * (strcmp(name, "convnet") ? 0 : 2));
+    char what[64];
+    snprintf(what, sizeof what, "%s: the small tensors / bound, pooled", name);
+    check_uniform(what, pool, pooled, 1.0);
+  }
 }
 
 /* The bound we use is PyTorch's: its own initial weights (in the fixtures,
@@ -598,6 +687,7 @@ int main(void) {
       cmocka_unit_test(test_convnet_n_names),
       cmocka_unit_test(test_flat_layout),
       cmocka_unit_test(test_init_like_pytorch),
+      cmocka_unit_test(test_init_every_layer_every_seed),
       cmocka_unit_test(test_pytorch_init_has_our_bounds),
       cmocka_unit_test(test_zero_grad),
       cmocka_unit_test(test_clip_grad_norm),
