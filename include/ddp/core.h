@@ -141,8 +141,19 @@ typedef struct ddp_arena_chunk ddp_arena_chunk;
 /* Released blocks the arena hands out again before bumping (a few: the
  * tape releases at most one or two per step). */
 #define DDP_ARENA_HOLES 4
+/* Where an arena's memory comes from when it is not the host heap (a
+ * GPU's memory: src/tensor/cuda/). The chunks' bookkeeping stays on the
+ * host; `alloc` returns `bytes` (NULL with ddp_error set on failure), 64-byte
+ * aligned at least; `zero` clears memory (ddp_arena_calloc). */
+typedef struct ddp_arena_backing {
+  const char *name; /* in error messages: "cuda" */
+  void *(*alloc)(size_t bytes);
+  void (*free)(void *ptr);
+  void (*zero)(void *ptr, size_t bytes);
+} ddp_arena_backing;
 typedef struct ddp_arena {
   ddp_arena_chunk *head;     /* chunk being filled (newest) */
+  const ddp_arena_backing *backing; /* NULL: the host heap (ddp_alloc) */
   size_t used_total;         /* bytes handed out since the last reset */
   size_t high_water;         /* largest used_total seen */
   size_t min_chunk;          /* size of a new chunk, at least */
@@ -154,6 +165,11 @@ typedef struct ddp_arena {
 } ddp_arena;
 
 void ddp_arena_init(ddp_arena *arena, size_t initial_bytes);
+/* An arena whose memory comes from `backing` (kept by pointer; it must
+ * outlive the arena). Its memory may not be host-addressable: only the
+ * backing's own code touches it, and ASan does not poison it. */
+void ddp_arena_init_backed(ddp_arena *arena, size_t initial_bytes,
+                           const ddp_arena_backing *backing);
 /* Returns `bytes` of memory aligned to 64, or NULL (with last error) when the
  * allocator fails. Memory is not zeroed. */
 void *ddp_arena_alloc(ddp_arena *arena, size_t bytes);

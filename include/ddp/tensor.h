@@ -61,6 +61,40 @@ typedef struct ddp_device {
 } ddp_device;
 
 #define DDP_CPU ((ddp_device){DDP_DEVICE_CPU, 0})
+#define DDP_CUDA(i) ((ddp_device){DDP_DEVICE_CUDA, (i)})
+
+/* ---- Devices (docs/cuda.md) ----------------------------------------------
+ * A CUDA build (DDP_CUDA, the toolkit found at build time) runs everywhere:
+ * without a driver or a GPU it simply has no CUDA device. */
+/* Whether this library was built with the CUDA backend. */
+bool ddp_cuda_built(void);
+/* CUDA devices this process sees (after CUDA_VISIBLE_DEVICES); 0 without
+ * a CUDA build, a driver or a device. Never aborts. */
+int ddp_cuda_device_count(void);
+/* Why ddp_cuda_device_count() is 0 ("this build has no CUDA backend",
+ * "no CUDA device", the driver's message), or NULL when it is not. */
+const char *ddp_cuda_unavailable_reason(void);
+/* Parses "cpu", "cuda" (= cuda:0) or "cuda:N" (as torch.device). Errors
+ * name the text. Does not check that the device exists. */
+ddp_status ddp_device_parse(const char *text, ddp_device *out);
+/* "cpu" or "cuda:N" into buf; returns buf. */
+const char *ddp_device_str(ddp_device device, char *buf, size_t bytes);
+#define DDP_DEVICE_STR_BYTES 24
+static inline bool ddp_device_equal(ddp_device a, ddp_device b) {
+  return a.type == b.type && a.index == b.index;
+}
+/* DDP_OK when `device` exists in this process (the CPU always), else
+ * DDP_ERR_UNSUPPORTED (no backend) or DDP_ERR_INVALID (no such ordinal),
+ * saying which devices there are. */
+ddp_status ddp_device_check(ddp_device device);
+/* Waits until the work queued on `device` is done; reports a failed kernel
+ * or copy (asynchronous on a GPU) with the device's name. No-op on the CPU. */
+ddp_status ddp_device_synchronize(ddp_device device);
+/* The device of a rank (torchrun's LOCAL_RANK within LOCAL_WORLD_SIZE
+ * ranks on this node): cuda:(local_rank % count). With fewer devices than
+ * local ranks it says once on stderr that ranks share a device. Fails
+ * when there is no CUDA device. */
+ddp_status ddp_default_cuda_device(int local_rank, int local_world, ddp_device *out);
 #define DDP_MAX_DIMS 6
 
 /* Tensor flags. */
@@ -99,9 +133,17 @@ ddp_status ddp_tensor_wrap(ddp_tensor *t, ddp_dtype dtype, int ndim, const int64
                            void *data);
 /* Allocates a zeroed CPU tensor on the heap; free with ddp_tensor_destroy. */
 ddp_status ddp_tensor_create(ddp_tensor **out, ddp_dtype dtype, int ndim, const int64_t *shape);
+/* ddp_tensor_create on `device` (zeroed device memory from the caching
+ * allocator for a GPU). */
+ddp_status ddp_tensor_create_on(ddp_tensor **out, ddp_dtype dtype, int ndim,
+                                const int64_t *shape, ddp_device device);
+/* Copies src's elements into dst: same dtype and element count, any two
+ * devices (the shapes may differ). A copy to the host is complete on
+ * return; one to a device is queued on its stream. */
+ddp_status ddp_tensor_copy(ddp_tensor *dst, const ddp_tensor *src);
 /* Frees a tensor from ddp_tensor_create (and its grad if it owns it). NULL ok. */
 void ddp_tensor_destroy(ddp_tensor *t);
-/* Allocates t->grad (zeroed, heap, owned by t) if it has none. A wrapped
+/* Allocates t->grad (zeroed, on t's device, owned by t) if it has none. A wrapped
  * tensor's grad is released with ddp_tensor_free_grad. */
 ddp_status ddp_tensor_ensure_grad(ddp_tensor *t);
 void ddp_tensor_free_grad(ddp_tensor *t);

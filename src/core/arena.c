@@ -17,24 +17,44 @@
 
 struct ddp_arena_chunk {
   ddp_arena_chunk *next; /* older chunk */
-  size_t capacity;       /* usable bytes after the header */
+  size_t capacity;       /* usable bytes at base */
   size_t used;
+  char *base;            /* after the header (host heap), or the backing's memory */
 };
 
 #define CHUNK_HEADER 64 /* keeps the payload 64-byte aligned */
 
-static ddp_arena_chunk *chunk_new(size_t capacity) {
-  ddp_arena_chunk *c = ddp_alloc(CHUNK_HEADER + capacity);
+/* A host chunk is one allocation, header and payload; a backed one keeps
+ * its header on the host and its payload where the backing says. */
+static ddp_arena_chunk *chunk_new(const ddp_arena *arena, size_t capacity) {
+  const ddp_arena_backing *b = arena->backing;
+  ddp_arena_chunk *c = ddp_alloc(b ? sizeof *c : CHUNK_HEADER + capacity);
   if (!c) return NULL;
   c->next = NULL;
   c->capacity = capacity;
   c->used = 0;
+  c->base = b ? b->alloc(capacity) : (char *)c + CHUNK_HEADER;
+  if (!c->base) {
+    ddp_free(c);
+    return NULL;
+  }
   return c;
+}
+
+static void chunk_free(const ddp_arena *arena, ddp_arena_chunk *c) {
+  if (arena->backing) arena->backing->free(c->base);
+  ddp_free(c);
 }
 
 void ddp_arena_init(ddp_arena *arena, size_t initial_bytes) {
   memset(arena, 0, sizeof *arena);
   arena->min_chunk = initial_bytes < 4096 ? 4096 : initial_bytes;
+}
+
+void ddp_arena_init_backed(ddp_arena *arena, size_t initial_bytes,
+                           const ddp_arena_backing *backing) {
+  ddp_arena_init(arena, initial_bytes);
+  arena->backing = backing;
 }
 
 /* Rounded up to the alignment, at least one unit. */
@@ -55,7 +75,7 @@ static void *from_hole(ddp_arena *arena, size_t need) {
       memmove(&arena->holes[i], &arena->holes[i + 1],
               (size_t)(arena->n_holes - i) * sizeof arena->holes[0]);
     }
-    ASAN_UNPOISON_MEMORY_REGION(p, need);
+    if (!arena->backing) ASAN_UNPOISON_MEMORY_REGION(p, need);
     return p;
   }
   return NULL;
@@ -70,15 +90,16 @@ void *ddp_arena_alloc(ddp_arena *arena, size_t bytes) {
     size_t cap = arena->min_chunk;
     if (c && c->capacity * 2 > cap) cap = c->capacity * 2;
     if (cap < need) cap = need;
-    ddp_arena_chunk *fresh = chunk_new(cap);
+    ddp_arena_chunk *fresh = chunk_new(arena, cap);
     if (!fresh) {
-      ddp_error(DDP_ERR_NOMEM, "arena: cannot allocate a chunk of %zu bytes", cap);
+      ddp_error(DDP_ERR_NOMEM, "arena%s%s: cannot allocate a chunk of %zu bytes",
+                arena->backing ? " on " : "", arena->backing ? arena->backing->name : "", cap);
       return NULL;
     }
     fresh->next = c;
     arena->head = c = fresh;
   }
-  void *p = (char *)c + CHUNK_HEADER + c->used;
+  void *p = c->base + c->used;
   c->used += need;
   arena->used_total += need;
   if (arena->used_total > arena->high_water) arena->high_water = arena->used_total;
@@ -87,7 +108,10 @@ void *ddp_arena_alloc(ddp_arena *arena, size_t bytes) {
 
 void *ddp_arena_calloc(ddp_arena *arena, size_t bytes) {
   void *p = ddp_arena_alloc(arena, bytes);
-  if (p) memset(p, 0, bytes);
+  if (p && arena->backing)
+    arena->backing->zero(p, bytes);
+  else if (p)
+    memset(p, 0, bytes);
   return p;
 }
 
@@ -96,7 +120,7 @@ void ddp_arena_release(ddp_arena *arena, void *p, size_t bytes) {
    * aligned (a partial last unit is simply not reused). */
   size_t usable = bytes & ~(size_t)63;
   if (!p || usable == 0 || arena->n_holes == DDP_ARENA_HOLES) return;
-  ASAN_POISON_MEMORY_REGION(p, usable);
+  if (!arena->backing) ASAN_POISON_MEMORY_REGION(p, usable);
   arena->holes[arena->n_holes].at = p;
   arena->holes[arena->n_holes].bytes = usable;
   arena->n_holes++;
@@ -105,7 +129,7 @@ void ddp_arena_release(ddp_arena *arena, void *p, size_t bytes) {
 void ddp_arena_reset(ddp_arena *arena) {
   /* Holes are unpoisoned with the rest: the next cycle's allocations may
    * fall anywhere in the chunk. */
-  for (int i = 0; i < arena->n_holes; i++)
+  for (int i = 0; i < arena->n_holes && !arena->backing; i++)
     ASAN_UNPOISON_MEMORY_REGION(arena->holes[i].at, arena->holes[i].bytes);
   arena->n_holes = 0;
   ddp_arena_chunk *c = arena->head;
@@ -113,10 +137,10 @@ void ddp_arena_reset(ddp_arena *arena) {
     /* Several chunks: replace them by one that holds the whole cycle. */
     while (c) {
       ddp_arena_chunk *next = c->next;
-      ddp_free(c);
+      chunk_free(arena, c);
       c = next;
     }
-    arena->head = chunk_new(arena->high_water);
+    arena->head = chunk_new(arena, arena->high_water);
     /* On failure the next alloc simply starts a new chain. */
   } else if (c) {
     c->used = 0;
@@ -125,12 +149,12 @@ void ddp_arena_reset(ddp_arena *arena) {
 }
 
 void ddp_arena_free(ddp_arena *arena) {
-  for (int i = 0; i < arena->n_holes; i++)
+  for (int i = 0; i < arena->n_holes && !arena->backing; i++)
     ASAN_UNPOISON_MEMORY_REGION(arena->holes[i].at, arena->holes[i].bytes);
   ddp_arena_chunk *c = arena->head;
   while (c) {
     ddp_arena_chunk *next = c->next;
-    ddp_free(c);
+    chunk_free(arena, c);
     c = next;
   }
   memset(arena, 0, sizeof *arena);

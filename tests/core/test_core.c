@@ -60,6 +60,53 @@ static void test_arena_reuses_memory(void **state) {
   ddp_arena_free(&a);
 }
 
+/* A backed arena (the device arenas of src/tensor/cuda/) takes every chunk
+ * from its backing and gives each back exactly once: on reset when a
+ * cycle needed several (merged into one of the high-water size) and on
+ * free; calloc clears through the backing; the steady state calls it no
+ * more. A backing that fails makes the allocation fail with its name. */
+static int backing_allocs, backing_frees, backing_zeroes, backing_fail;
+static void *backing_alloc(size_t bytes) {
+  if (backing_fail) return NULL;
+  backing_allocs++;
+  return aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+}
+static void backing_free(void *p) { backing_frees++, free(p); }
+static void backing_zero(void *p, size_t bytes) { backing_zeroes++, memset(p, 0, bytes); }
+static const ddp_arena_backing test_backing = {"test-device", backing_alloc, backing_free,
+                                               backing_zero};
+
+static void test_arena_backed(void **state) {
+  (void)state;
+  ddp_arena a;
+  ddp_arena_init_backed(&a, 4096, &test_backing);
+  for (int i = 0; i < 20; i++) {
+    char *p = ddp_arena_alloc(&a, 1000);
+    assert_non_null(p);
+    assert_int_equal((uintptr_t)p % 64, 0);
+  }
+  int first = backing_allocs;
+  assert_true(first > 1); /* several chunks */
+  ddp_arena_reset(&a);
+  assert_int_equal(backing_frees, first);
+  assert_int_equal(backing_allocs, first + 1); /* the merged one */
+  for (int cycle = 0; cycle < 3; cycle++) {
+    for (int i = 0; i < 20; i++) assert_non_null(ddp_arena_alloc(&a, 1000));
+    ddp_arena_reset(&a);
+  }
+  assert_int_equal(backing_allocs, first + 1);
+  unsigned char *z = ddp_arena_calloc(&a, 100);
+  assert_non_null(z);
+  assert_int_equal(backing_zeroes, 1);
+  assert_int_equal(z[0] | z[99], 0);
+  backing_fail = 1;
+  assert_null(ddp_arena_alloc(&a, 1 << 20));
+  assert_non_null(strstr(ddp_last_error(), "test-device"));
+  backing_fail = 0;
+  ddp_arena_free(&a);
+  assert_int_equal(backing_frees, backing_allocs);
+}
+
 /* ddp_arena_release: later allocations of the cycle come from the released
  * block first (first fit, 64-byte aligned, from its front), larger ones
  * from the bump pointer; the cycle's high-water mark counts the block
@@ -268,6 +315,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_status_table),       cmocka_unit_test(test_last_error_and_wrap),
       cmocka_unit_test(test_arena_reuses_memory), cmocka_unit_test(test_arena_release),
+      cmocka_unit_test(test_arena_backed),
       cmocka_unit_test(test_rng_reproducible_and_uniform),
       cmocka_unit_test(test_alloc_hooks),         cmocka_unit_test(test_env_parsing),
       cmocka_unit_test(test_log_level),           cmocka_unit_test(test_preempt_clock),
