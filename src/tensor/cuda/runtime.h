@@ -61,19 +61,34 @@ cublasHandle_t ddp__cuda_cublas(void);
  * the CUDA error when a kernel or copy before it failed. */
 ddp_status ddp__cuda_synchronize(void);
 /* Turns a CUDA runtime error into a ddp error "cuda:<dev>: <what>: <CUDA's
- * name and string>"; DDP_OK for cudaSuccess. */
+ * name and string>"; DDP_OK for cudaSuccess. It also clears CUDA's
+ * per-thread last error, so ddp__cuda_synchronize does not report a
+ * handled error again (code that handles a CUDA error without this
+ * function clears it with cudaGetLastError()). DDP_ERR_NOMEM for an
+ * allocation failure, DDP_ERR_INVALID for an invalid argument,
+ * DDP_ERR_UNSUPPORTED for a missing driver or device, else DDP_ERR_IO. */
 ddp_status ddp__cuda_check(cudaError_t err, const char *what);
-/* The same for cuBLAS statuses. */
+/* The same for cuBLAS statuses ("cuda:<dev>: <what>: CUBLAS_STATUS_...:
+ * <cuBLAS's string>"). */
 ddp_status ddp__cublas_check(cublasStatus_t st, const char *what);
+/* For code that cannot return a status (void kernels, frees): when status
+ * is an error, keeps the calling thread's last error message as the
+ * current device's pending error, which the next ddp__cuda_synchronize
+ * (ddp_device_synchronize) reports, as it does a failed kernel. The first
+ * pending error is kept; later ones (usually its consequences) are not.
+ * Typical use: ddp__cuda_defer(ddp__cublas_check(st, "linear: gemm")). */
+void ddp__cuda_defer(ddp_status status);
 
 /* Device memory on the current device from the caching allocator: `bytes`
  * (may be 0: a unique non-NULL pointer), 256-byte aligned, not zeroed.
  * NULL with DDP_ERR_NOMEM set when the device is full even after the
  * cache was emptied. */
 void *ddp__cuda_malloc(size_t bytes);
-/* Returns a block from ddp__cuda_malloc to the cache (NULL ok). Work
- * already queued on the stream may still use it: the cache hands a block
- * out again only to work queued later on the same stream. */
+/* Returns a block from ddp__cuda_malloc to its device's cache (NULL ok;
+ * any current device). Work already queued on the stream may still use
+ * it: the cache hands a block out again only to work queued later on the
+ * same stream. A pointer that is not such a block becomes the current
+ * device's pending error (ddp__cuda_defer). */
 void ddp__cuda_free(void *ptr);
 /* Statistics of the current device's cache, for tests and reports. */
 typedef struct ddp__cuda_mem_stats {
@@ -84,7 +99,10 @@ typedef struct ddp__cuda_mem_stats {
 void ddp__cuda_mem_stats_get(ddp__cuda_mem_stats *out);
 
 /* An arena whose chunks are device memory of the current device (for the
- * tape's op outputs and kernels' scratch). */
+ * tape's op outputs and kernels' scratch): alloc and free are
+ * ddp__cuda_malloc/free, zero a cudaMemsetAsync on the current device's
+ * stream (its failure a pending error). The arena's user keeps its device
+ * current while it allocates and zeroes. */
 const ddp_arena_backing *ddp__cuda_arena_backing(void);
 
 /* Pinned host memory (cudaMallocHost) for transfers; ddp__cuda_free_host. */
@@ -96,6 +114,15 @@ void ddp__cuda_free_host(void *ptr);
  * kind is cudaMemcpyHostToDevice, DeviceToHost, DeviceToDevice. A copy to
  * the host waits for it (the caller reads the result next). */
 ddp_status ddp__cuda_copy(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind kind);
+/* Copies between the memory of two different devices (cudaMemcpyPeerAsync,
+ * staged by the driver when there is no peer access), ordered on both
+ * streams: it starts after the work queued on src_device's stream and
+ * before any later work on either stream, so the source may be freed
+ * (and its block reused) and the destination read by later work of
+ * either device without further synchronization. Leaves dst_device
+ * current. Returns once queued. */
+ddp_status ddp__cuda_copy_peer(void *dst, int dst_device, const void *src, int src_device,
+                               size_t bytes);
 
 /* Grid size for a 1-D launch of n elements at `block` threads a block,
  * capped so grid-stride loops cover the rest. */
