@@ -1,8 +1,11 @@
-/* Tensor descriptors: dtypes, shapes, heap tensors and caller-memory views. */
+/* Tensor descriptors: dtypes, shapes, heap and device tensors, caller-memory
+ * views, and copies between devices. Device memory goes through
+ * device_internal.h; the CPU paths stay the heap's. */
 #include <stdio.h>
 #include <string.h>
 
 #include "ddp/tensor.h"
+#include "tensor/device_internal.h"
 
 size_t ddp_dtype_size(ddp_dtype dtype) {
   switch (dtype) {
@@ -91,8 +94,46 @@ ddp_status ddp_tensor_create(ddp_tensor **out, ddp_dtype dtype, int ndim, const 
   return DDP_OK;
 }
 
+ddp_status ddp_tensor_create_on(ddp_tensor **out, ddp_dtype dtype, int ndim,
+                                const int64_t *shape, ddp_device device) {
+  if (device.type == DDP_DEVICE_CPU && device.index == 0)
+    return ddp_tensor_create(out, dtype, ndim, shape);
+  *out = NULL;
+  int64_t numel;
+  DDP_TRY(shape_numel(dtype, ndim, shape, &numel));
+  char name[DDP_DEVICE_STR_BYTES];
+  ddp_device_str(device, name, sizeof name);
+  ddp_status st = ddp_device_check(device);
+  if (st != DDP_OK)
+    return ddp_error_wrap(st, "tensor: cannot create %lld elements on %s", (long long)numel,
+                          name);
+  ddp_tensor *t = ddp_alloc(sizeof *t);
+  void *data = t ? ddp__device_calloc(device, (size_t)numel * ddp_dtype_size(dtype)) : NULL;
+  if (!t || !data) {
+    ddp_free(t);
+    return ddp_error_wrap(DDP_ERR_NOMEM, "tensor: cannot allocate %lld elements on %s",
+                          (long long)numel, name);
+  }
+  ddp_tensor_wrap(t, dtype, ndim, shape, data);
+  t->device = device;
+  t->flags |= DDP_TENSOR_OWNS_DATA;
+  *out = t;
+  return DDP_OK;
+}
+
 ddp_status ddp_tensor_ensure_grad(ddp_tensor *t) {
   if (t->grad) return DDP_OK;
+  if (t->device.type != DDP_DEVICE_CPU) {
+    t->grad = ddp__device_calloc(t->device, (size_t)t->numel * sizeof(float));
+    if (!t->grad) {
+      char name[DDP_DEVICE_STR_BYTES];
+      return ddp_error_wrap(DDP_ERR_NOMEM,
+                            "tensor: cannot allocate a gradient of %lld elements on %s",
+                            (long long)t->numel, ddp_device_str(t->device, name, sizeof name));
+    }
+    t->flags |= DDP_TENSOR_OWNS_GRAD;
+    return DDP_OK;
+  }
   t->grad = ddp_calloc((size_t)t->numel ? (size_t)t->numel : 1, sizeof(float));
   if (!t->grad)
     return ddp_error(DDP_ERR_NOMEM, "tensor: cannot allocate a gradient of %lld elements",
@@ -102,7 +143,12 @@ ddp_status ddp_tensor_ensure_grad(ddp_tensor *t) {
 }
 
 void ddp_tensor_free_grad(ddp_tensor *t) {
-  if (t->flags & DDP_TENSOR_OWNS_GRAD) ddp_free(t->grad);
+  if (t->flags & DDP_TENSOR_OWNS_GRAD) {
+    if (t->device.type == DDP_DEVICE_CPU)
+      ddp_free(t->grad);
+    else
+      ddp__device_free(t->device, t->grad);
+  }
   t->grad = NULL;
   t->flags &= ~DDP_TENSOR_OWNS_GRAD;
 }
@@ -111,7 +157,41 @@ void ddp_tensor_destroy(ddp_tensor *t) {
   if (!t) return;
   ddp_tensor_free_grad(t);
   if (t->flags & DDP_TENSOR_OWNS_DATA) {
-    ddp_free(t->data);
+    if (t->device.type == DDP_DEVICE_CPU)
+      ddp_free(t->data);
+    else
+      ddp__device_free(t->device, t->data);
     ddp_free(t);
   }
+}
+
+/* "float32 (2,3) on cuda:0" for copy errors. */
+static const char *tensor_desc(const ddp_tensor *t, char *buf, size_t bytes) {
+  char shape[128], device[DDP_DEVICE_STR_BYTES];
+  snprintf(buf, bytes, "%s %s on %s", ddp_dtype_name(t->dtype),
+           ddp_tensor_shape_str(t, shape, sizeof shape),
+           ddp_device_str(t->device, device, sizeof device));
+  return buf;
+}
+
+ddp_status ddp_tensor_copy(ddp_tensor *dst, const ddp_tensor *src) {
+  char a[192], b[192];
+  if (dst->dtype != src->dtype || dst->numel != src->numel)
+    return ddp_error(DDP_ERR_SHAPE, "tensor_copy: from %s to %s: %s", tensor_desc(src, a, sizeof a),
+                     tensor_desc(dst, b, sizeof b),
+                     dst->dtype != src->dtype ? "different dtypes" : "different element counts");
+  size_t bytes = (size_t)src->numel * ddp_dtype_size(src->dtype);
+  if (bytes == 0) return DDP_OK;
+  if (!dst->data || !src->data)
+    return ddp_error(DDP_ERR_INVALID, "tensor_copy: from %s to %s: %s has no data",
+                     tensor_desc(src, a, sizeof a), tensor_desc(dst, b, sizeof b),
+                     src->data ? "the destination" : "the source");
+  ddp_status st = ddp_device_check(src->device);
+  if (st == DDP_OK) st = ddp_device_check(dst->device);
+  if (st == DDP_OK)
+    st = ddp__device_copy(dst->device, dst->data, src->device, src->data, bytes);
+  if (st != DDP_OK)
+    return ddp_error_wrap(st, "tensor_copy: from %s to %s", tensor_desc(src, a, sizeof a),
+                          tensor_desc(dst, b, sizeof b));
+  return DDP_OK;
 }

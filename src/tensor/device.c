@@ -1,0 +1,217 @@
+/* Devices (include/ddp/tensor.h, "Devices"): names, existence, placement of
+ * ranks, and the device-neutral door to device memory (device_internal.h).
+ * The one place outside src/tensor/cuda/ that knows whether this build has
+ * the CUDA backend: every other file compiles the same in every build. */
+#include <limits.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "tensor/device_internal.h"
+#ifdef DDP_HAVE_CUDA
+#include "tensor/cuda/runtime.h"
+#endif
+
+bool ddp_cuda_built(void) {
+#ifdef DDP_HAVE_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+int ddp_cuda_device_count(void) {
+#ifdef DDP_HAVE_CUDA
+  return ddp__cuda_device_count();
+#else
+  return 0;
+#endif
+}
+
+const char *ddp_cuda_unavailable_reason(void) {
+#ifdef DDP_HAVE_CUDA
+  return ddp__cuda_unavailable_reason();
+#else
+  return "this build has no CUDA backend";
+#endif
+}
+
+/* ---- Names ---------------------------------------------------------------- */
+
+/* A decimal ordinal as torch.device reads one: digits only, no sign, no
+ * leading zero, within int32. */
+static bool parse_ordinal(const char *s, int32_t *out) {
+  if (!*s || (s[0] == '0' && s[1])) return false;
+  int64_t v = 0;
+  for (; *s; s++) {
+    if (*s < '0' || *s > '9') return false;
+    v = v * 10 + (*s - '0');
+    if (v > INT32_MAX) return false;
+  }
+  *out = (int32_t)v;
+  return true;
+}
+
+ddp_status ddp_device_parse(const char *text, ddp_device *out) {
+  if (!text) return ddp_error(DDP_ERR_INVALID, "device: no text to parse (NULL)");
+  if (!strcmp(text, "cpu")) {
+    *out = DDP_CPU;
+    return DDP_OK;
+  }
+  if (!strcmp(text, "cuda")) {
+    *out = DDP_CUDA(0);
+    return DDP_OK;
+  }
+  int32_t index;
+  if (!strncmp(text, "cuda:", 5) && parse_ordinal(text + 5, &index)) {
+    *out = DDP_CUDA(index);
+    return DDP_OK;
+  }
+  return ddp_error(DDP_ERR_INVALID, "device \"%s\": expected cpu, cuda or cuda:N", text);
+}
+
+const char *ddp_device_str(ddp_device device, char *buf, size_t bytes) {
+  switch (device.type) {
+  case DDP_DEVICE_CPU: snprintf(buf, bytes, "cpu"); break;
+  case DDP_DEVICE_CUDA: snprintf(buf, bytes, "cuda:%d", (int)device.index); break;
+  default: snprintf(buf, bytes, "device-type-%d:%d", (int)device.type, (int)device.index); break;
+  }
+  return buf;
+}
+
+ddp_status ddp_device_check(ddp_device device) {
+  char name[DDP_DEVICE_STR_BYTES];
+  ddp_device_str(device, name, sizeof name);
+  switch (device.type) {
+  case DDP_DEVICE_CPU:
+    if (device.index != 0)
+      return ddp_error(DDP_ERR_INVALID, "cpu:%d: no such device (the CPU is index 0)",
+                       (int)device.index);
+    return DDP_OK;
+  case DDP_DEVICE_CUDA: {
+    int n = ddp_cuda_device_count();
+    if (!ddp_cuda_built() || n == 0)
+      return ddp_error(DDP_ERR_UNSUPPORTED, "%s: CUDA is unavailable: %s", name,
+                       ddp_cuda_unavailable_reason());
+    if ((device.index < 0 || device.index >= n) && n == 1)
+      return ddp_error(DDP_ERR_INVALID, "%s: no such device (this process sees cuda:0 only)",
+                       name);
+    if (device.index < 0 || device.index >= n)
+      return ddp_error(DDP_ERR_INVALID,
+                       "%s: no such device (this process sees cuda:0 to cuda:%d)", name, n - 1);
+    return DDP_OK;
+  }
+  default:
+    return ddp_error(DDP_ERR_INVALID, "%s: unknown device type %d", name, (int)device.type);
+  }
+}
+
+ddp_status ddp_device_synchronize(ddp_device device) {
+  DDP_TRY(ddp_device_check(device));
+  if (device.type == DDP_DEVICE_CPU) return DDP_OK;
+#ifdef DDP_HAVE_CUDA
+  DDP_TRY(ddp__cuda_set_device(device.index));
+  return ddp__cuda_synchronize();
+#else
+  return ddp_error(DDP_ERR_INTERNAL, "device: synchronize reached a backend this build lacks");
+#endif
+}
+
+/* ---- Placement ------------------------------------------------------------ */
+
+ddp_status ddp__device_placement(int local_rank, int local_world, int device_count, int *index,
+                                 bool *shared) {
+  if (device_count < 1)
+    return ddp_error(DDP_ERR_INVALID, "device placement: %d CUDA devices", device_count);
+  if (local_world < 1 || local_rank < 0 || local_rank >= local_world)
+    return ddp_error(DDP_ERR_INVALID,
+                     "device placement: local rank %d is not one of %d local ranks", local_rank,
+                     local_world);
+  *index = local_rank % device_count;
+  *shared = local_world > device_count;
+  return DDP_OK;
+}
+
+ddp_status ddp_default_cuda_device(int local_rank, int local_world, ddp_device *out) {
+  int n = ddp_cuda_device_count();
+  if (n == 0)
+    return ddp_error(DDP_ERR_UNSUPPORTED, "default CUDA device of local rank %d: %s",
+                     local_rank, ddp_cuda_unavailable_reason());
+  int index;
+  bool shared;
+  DDP_TRY(ddp__device_placement(local_rank, local_world, n, &index, &shared));
+  static atomic_flag warned = ATOMIC_FLAG_INIT;
+  if (shared && !atomic_flag_test_and_set(&warned))
+    fprintf(stderr, "ddp: %d local ranks share %d CUDA devices\n", local_world, n);
+  *out = DDP_CUDA(index);
+  return DDP_OK;
+}
+
+/* ---- Memory --------------------------------------------------------------- */
+
+void *ddp__device_calloc(ddp_device device, size_t bytes) {
+  if (device.type == DDP_DEVICE_CPU) {
+    void *p = ddp_calloc(bytes ? bytes : 1, 1);
+    if (!p) ddp_error(DDP_ERR_NOMEM, "cpu: cannot allocate %zu bytes", bytes);
+    return p;
+  }
+#ifdef DDP_HAVE_CUDA
+  if (device.type == DDP_DEVICE_CUDA) {
+    if (ddp__cuda_set_device(device.index) != DDP_OK) return NULL;
+    void *p = ddp__cuda_malloc(bytes);
+    if (!p) return NULL;
+    ddp_status st = ddp__cuda_check(cudaMemsetAsync(p, 0, bytes, ddp__cuda_stream()),
+                                    "zeroing new memory");
+    if (st != DDP_OK) {
+      ddp__cuda_free(p);
+      return NULL;
+    }
+    return p;
+  }
+#endif
+  char name[DDP_DEVICE_STR_BYTES];
+  ddp_error(DDP_ERR_UNSUPPORTED, "%s: this build has no backend for it",
+            ddp_device_str(device, name, sizeof name));
+  return NULL;
+}
+
+void ddp__device_free(ddp_device device, void *ptr) {
+  if (!ptr) return;
+  if (device.type == DDP_DEVICE_CPU) {
+    ddp_free(ptr);
+    return;
+  }
+#ifdef DDP_HAVE_CUDA
+  if (device.type == DDP_DEVICE_CUDA) ddp__cuda_free(ptr);
+#endif
+}
+
+ddp_status ddp__device_copy(ddp_device dst_device, void *dst, ddp_device src_device,
+                            const void *src, size_t bytes) {
+  bool dst_cpu = dst_device.type == DDP_DEVICE_CPU, src_cpu = src_device.type == DDP_DEVICE_CPU;
+  if (dst_cpu && src_cpu) {
+    if (bytes && dst != src) memmove(dst, src, bytes);
+    return DDP_OK;
+  }
+#ifdef DDP_HAVE_CUDA
+  bool dst_cuda = dst_device.type == DDP_DEVICE_CUDA, src_cuda = src_device.type == DDP_DEVICE_CUDA;
+  if (dst_cuda && src_cpu) {
+    DDP_TRY(ddp__cuda_set_device(dst_device.index));
+    return ddp__cuda_copy(dst, src, bytes, cudaMemcpyHostToDevice);
+  }
+  if (dst_cpu && src_cuda) {
+    DDP_TRY(ddp__cuda_set_device(src_device.index));
+    return ddp__cuda_copy(dst, src, bytes, cudaMemcpyDeviceToHost);
+  }
+  if (dst_cuda && src_cuda) {
+    if (dst_device.index == src_device.index) {
+      DDP_TRY(ddp__cuda_set_device(dst_device.index));
+      return ddp__cuda_copy(dst, src, bytes, cudaMemcpyDeviceToDevice);
+    }
+    return ddp__cuda_copy_peer(dst, dst_device.index, src, src_device.index, bytes);
+  }
+#endif
+  char a[DDP_DEVICE_STR_BYTES], b[DDP_DEVICE_STR_BYTES];
+  return ddp_error(DDP_ERR_UNSUPPORTED, "copy from %s to %s: this build has no backend for it",
+                   ddp_device_str(src_device, a, sizeof a), ddp_device_str(dst_device, b, sizeof b));
+}
