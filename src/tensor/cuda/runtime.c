@@ -412,7 +412,8 @@ static const char *kind_name(enum cudaMemcpyKind kind) {
   case cudaMemcpyDeviceToHost: return "device to host";
   case cudaMemcpyDeviceToDevice: return "device to device";
   case cudaMemcpyHostToHost: return "host to host";
-  default: return "default";
+  case cudaMemcpyDefault: return "of the kind its pointers say";
+  default: return "of an unknown kind";
   }
 }
 
