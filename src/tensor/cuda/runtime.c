@@ -20,7 +20,10 @@
 typedef struct cuda_dev {
   int index;
   char name[16];          /* "cuda:N", in messages */
-  pthread_mutex_t lock;   /* making the state below; the pending error */
+  pthread_mutex_t lock;   /* making the state below */
+  /* Guards `pending` only: an error may be deferred while `lock` is held
+   * (a cudaFree failing in a flush inside cuBLAS's setup). */
+  pthread_mutex_t pending_lock;
   atomic_int ready;       /* stream, event and cache made */
   atomic_int cublas_state; /* 0 not tried, 1 made, -1 failed */
   cudaStream_t stream;
@@ -65,6 +68,7 @@ static void count_devices(void) {
     devices[i].index = i;
     snprintf(devices[i].name, sizeof devices[i].name, "cuda:%d", i);
     pthread_mutex_init(&devices[i].lock, NULL);
+    pthread_mutex_init(&devices[i].pending_lock, NULL);
   }
   device_count = n;
 }
@@ -167,12 +171,12 @@ static cuda_dev *current_dev(void) {
 }
 
 static void defer_on(cuda_dev *d, ddp_status status) {
-  pthread_mutex_lock(&d->lock);
+  pthread_mutex_lock(&d->pending_lock);
   if (d->pending == DDP_OK) {
     d->pending = status;
     snprintf(d->pending_msg, sizeof d->pending_msg, "%s", ddp_last_error());
   }
-  pthread_mutex_unlock(&d->lock);
+  pthread_mutex_unlock(&d->pending_lock);
 }
 
 void ddp__cuda_defer(ddp_status status) {
@@ -318,11 +322,11 @@ ddp_status ddp__cuda_synchronize(void) {
   if (!d) return ddp_error_wrap(DDP_ERR_UNSUPPORTED, "synchronize");
   ddp_status pending;
   char msg[sizeof d->pending_msg];
-  pthread_mutex_lock(&d->lock);
+  pthread_mutex_lock(&d->pending_lock);
   pending = d->pending;
   memcpy(msg, d->pending_msg, sizeof msg);
   d->pending = DDP_OK;
-  pthread_mutex_unlock(&d->lock);
+  pthread_mutex_unlock(&d->pending_lock);
   /* Wait first, so the device is idle whatever is reported. */
   ddp_status st = ddp__cuda_check(cudaStreamSynchronize(d->stream), "synchronize");
   if (pending != DDP_OK) return ddp_error(pending, "%s", msg);
