@@ -1,0 +1,282 @@
+/* CUDA log_softmax and loss kernels (see cuda/pointwise.h); cpu/loss.c is
+ * the reference: the same row statistics (max, then log of the sum of
+ * exp(x - max) taken in double), the same order of operations per element.
+ *
+ * A row of log_softmax or cross-entropy is one warp's (rows of a
+ * classifier are short: 10 classes in the seeds). The losses' sums over a
+ * batch are one block's fixed tree: a batch's outputs are small, and one
+ * block needs no second pass.
+ *
+ * Targets: nll_loss and cross_entropy must say which sample has a target
+ * outside [0, C) before anything indexes with it. The check runs on the
+ * device (the first such sample by a min-reduction) and its result comes
+ * back to the host, which waits for it: one synchronize per call, the cost
+ * of eager mode's error reporting (a captured graph would need the check
+ * elsewhere). */
+#include "tensor/cuda/pointwise.h"
+
+#include <math.h>
+
+/* Rows a block for the warp-per-row kernels. */
+#define ROWS_PER_BLOCK 8
+/* Threads of the one-block loss kernels. */
+#define LOSS_BLOCK 1024
+
+static unsigned row_blocks(int64_t rows) {
+  return (unsigned)((rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK);
+}
+
+/* One row's softmax statistics, computed by the 32 lanes of a warp (each
+ * gets the result): its max m (NaN never wins, as the CPU's comparison) and
+ * log_sum = log sum_j exp(x[j] - m), the sum in double. Callers form
+ * log-probabilities as (x - m) - log_sum. An infinite max gives log_sum 0,
+ * so the row comes out NaN / -inf as in PyTorch. */
+static __device__ void row_softmax_stats(const float *xr, int64_t C, unsigned lane, float *max,
+                                         float *log_sum) {
+  float m = -INFINITY;
+  for (int64_t j = lane; j < C; j += 32) {
+    const float v = xr[j];
+    m = v > m ? v : m;
+  }
+  m = ddp__warp_max(m);
+  *max = m;
+  *log_sum = 0.0f;
+  if (m == -INFINITY || m == INFINITY) return; /* the whole warp: m is the same in every lane */
+  double s = 0;
+  for (int64_t j = lane; j < C; j += 32) s += expf(xr[j] - m);
+  s = ddp__warp_sum(s);
+  *log_sum = (float)log(s);
+}
+
+/* ---- log_softmax ---- */
+
+static __global__ void log_softmax_kernel(float *y, const float *x, int64_t rows, int64_t C) {
+  const int64_t r = (int64_t)blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
+  const unsigned lane = threadIdx.x & 31;
+  if (r >= rows) return; /* a whole warp */
+  const float *xr = x + r * C;
+  float *yr = y + r * C;
+  float m, log_sum;
+  row_softmax_stats(xr, C, lane, &m, &log_sum);
+  for (int64_t j = lane; j < C; j += 32) yr[j] = (xr[j] - m) - log_sum;
+}
+
+/* dx += dy - exp(y) * sum(dy), the row's sum rounded to float as the CPU's. */
+static __global__ void log_softmax_backward_kernel(float *dx, const float *dy, const float *y,
+                                                   int64_t rows, int64_t C) {
+  const int64_t r = (int64_t)blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
+  const unsigned lane = threadIdx.x & 31;
+  if (r >= rows) return;
+  const float *g = dy + r * C, *yr = y + r * C;
+  float *d = dx + r * C;
+  double partial = 0;
+  for (int64_t j = lane; j < C; j += 32) partial += g[j];
+  const float s = (float)ddp__warp_sum(partial);
+  for (int64_t j = lane; j < C; j += 32) d[j] += g[j] - expf(yr[j]) * s;
+}
+
+extern "C" void ddp__cuda_log_softmax(float *y, const float *x, int64_t rows, int64_t C) {
+  if (rows <= 0 || C <= 0) return;
+  log_softmax_kernel<<<row_blocks(rows), ROWS_PER_BLOCK * 32, 0, ddp__cuda_stream()>>>(y, x,
+                                                                                       rows, C);
+}
+
+extern "C" void ddp__cuda_log_softmax_backward(float *dx, const float *dy, const float *y,
+                                               int64_t rows, int64_t C) {
+  if (rows <= 0 || C <= 0) return;
+  log_softmax_backward_kernel<<<row_blocks(rows), ROWS_PER_BLOCK * 32, 0, ddp__cuda_stream()>>>(
+      dx, dy, y, rows, C);
+}
+
+/* ---- mse ---- */
+
+/* *loss = mean((input - target)^2): each difference and square in float,
+ * as the CPU, summed in double. */
+static __global__ void mse_loss_kernel(float *loss, const float *input, const float *target,
+                                       int64_t n) {
+  double s = 0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const float d = input[i] - target[i];
+    s += (double)(d * d);
+  }
+  s = ddp__block_sum(s);
+  if (threadIdx.x == 0) *loss = (float)(s / (double)n);
+}
+
+static __global__ void mse_loss_backward_kernel(float *dinput, float *dtarget, const float *dloss,
+                                                const float *input, const float *target,
+                                                int64_t n) {
+  const float k = 2.0f * *dloss / (float)n;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+       i += (int64_t)gridDim.x * blockDim.x) {
+    const float v = k * (input[i] - target[i]);
+    if (dinput) dinput[i] += v;
+    if (dtarget) dtarget[i] -= v;
+  }
+}
+
+extern "C" void ddp__cuda_mse_loss(float *loss, const float *input, const float *target,
+                                   int64_t n) {
+  /* n == 0 gives NaN, as the CPU's 0 / 0 (the op refuses an empty input) */
+  mse_loss_kernel<<<1, LOSS_BLOCK, 0, ddp__cuda_stream()>>>(loss, input, target, n);
+}
+
+extern "C" void ddp__cuda_mse_loss_backward(float *dinput, float *dtarget, const float *dloss,
+                                            const float *input, const float *target,
+                                            int64_t n) {
+  if (n <= 0 || (!dinput && !dtarget)) return;
+  mse_loss_backward_kernel<<<ddp__cuda_blocks(n, DDP__PW_BLOCK), DDP__PW_BLOCK, 0,
+                             ddp__cuda_stream()>>>(dinput, dtarget, dloss, input, target, n);
+}
+
+/* ---- nll and cross-entropy ---- */
+
+/* The first sample whose target is outside [0, C), or N when none, in
+ * every thread of the (one) block. */
+static __device__ long long first_bad_target(const int64_t *target, int64_t N, int64_t C) {
+  long long bad = N;
+  for (int64_t i = threadIdx.x; i < N; i += blockDim.x)
+    if (target[i] < 0 || target[i] >= C) {
+      bad = i; /* this thread's first: its smallest */
+      break;
+    }
+  return ddp__block_min_i64(bad);
+}
+
+/* result[0] = the first bad sample or -1, result[1] its target. */
+static __device__ bool report_targets(long long *result, const int64_t *target, long long bad,
+                                      int64_t N) {
+  if (threadIdx.x == 0) {
+    result[0] = bad < N ? bad : -1;
+    result[1] = bad < N ? (long long)target[bad] : 0;
+  }
+  return bad < N;
+}
+
+/* *loss = -mean_i logp[i, target[i]] unless a target is bad. */
+static __global__ void nll_loss_kernel(float *loss, long long *result, const float *logp,
+                                       const int64_t *target, int64_t N, int64_t C) {
+  const long long bad = first_bad_target(target, N, C);
+  if (report_targets(result, target, bad, N)) return; /* the whole block */
+  double s = 0;
+  for (int64_t i = threadIdx.x; i < N; i += blockDim.x) s += logp[i * C + target[i]];
+  s = ddp__block_sum(s);
+  if (threadIdx.x == 0) *loss = (float)(-s / (double)N);
+}
+
+/* Each row's (max, log_sum) into stats (N, 2). */
+static __global__ void softmax_stats_kernel(float *stats, const float *logits, int64_t N,
+                                            int64_t C) {
+  const int64_t r = (int64_t)blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
+  const unsigned lane = threadIdx.x & 31;
+  if (r >= N) return;
+  float m, log_sum;
+  row_softmax_stats(logits + r * C, C, lane, &m, &log_sum);
+  if (lane == 0) stats[2 * r] = m, stats[2 * r + 1] = log_sum;
+}
+
+/* *loss = mean_i (log_sum_i - (x[i, target[i]] - max_i)) from the rows'
+ * stats, unless a target is bad. */
+static __global__ void cross_entropy_kernel(float *loss, long long *result, const float *stats,
+                                            const float *logits, const int64_t *target,
+                                            int64_t N, int64_t C) {
+  const long long bad = first_bad_target(target, N, C);
+  if (report_targets(result, target, bad, N)) return;
+  double s = 0;
+  for (int64_t i = threadIdx.x; i < N; i += blockDim.x)
+    s += (double)stats[2 * i + 1] - (logits[i * C + target[i]] - stats[2 * i]);
+  s = ddp__block_sum(s);
+  if (threadIdx.x == 0) *loss = (float)(s / (double)N);
+}
+
+/* A device buffer for the target check's result, or NULL: the caller then
+ * cannot check, the loss is NaN (all-ones bytes) and the allocation's
+ * failure is pending for the next synchronize. */
+static long long *target_result_alloc(float *loss) {
+  long long *result = (long long *)ddp__cuda_malloc(2 * sizeof(long long));
+  if (!result) {
+    ddp__cuda_defer(DDP_ERR_NOMEM);
+    cudaMemsetAsync(loss, 0xff, sizeof(float), ddp__cuda_stream());
+  }
+  return result;
+}
+
+/* Waits for the check's result: -1, or the first bad sample (its target in
+ * *bad_target). A failed copy (a fault in this or earlier work) reports
+ * no bad target; the failure is pending for the next synchronize. */
+static int64_t target_result_take(long long *result, int64_t *bad_target) {
+  long long r[2] = {-1, 0};
+  ddp_status s = ddp__cuda_copy(r, result, sizeof r, cudaMemcpyDeviceToHost);
+  if (s != DDP_OK) r[0] = -1;
+  ddp__cuda_defer(s);
+  ddp__cuda_free(result);
+  if (r[0] < 0) return -1;
+  *bad_target = (int64_t)r[1];
+  return (int64_t)r[0];
+}
+
+extern "C" int64_t ddp__cuda_nll_loss(float *loss, const float *logp, const int64_t *target,
+                                      int64_t N, int64_t C, int64_t *bad_target) {
+  long long *result = target_result_alloc(loss);
+  if (!result) return -1;
+  nll_loss_kernel<<<1, LOSS_BLOCK, 0, ddp__cuda_stream()>>>(loss, result, logp, target, N, C);
+  return target_result_take(result, bad_target);
+}
+
+static __global__ void nll_loss_backward_kernel(float *dlogp, const float *dloss,
+                                                const int64_t *target, int64_t N, int64_t C) {
+  const float g = -*dloss / (float)N;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < N;
+       i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t t = target[i];
+    if (t >= 0 && t < C) dlogp[i * C + t] += g; /* checked by the forward */
+  }
+}
+
+extern "C" void ddp__cuda_nll_loss_backward(float *dlogp, const float *dloss,
+                                            const int64_t *target, int64_t N, int64_t C) {
+  if (N <= 0) return;
+  nll_loss_backward_kernel<<<ddp__cuda_blocks(N, DDP__PW_BLOCK), DDP__PW_BLOCK, 0,
+                             ddp__cuda_stream()>>>(dlogp, dloss, target, N, C);
+}
+
+extern "C" int64_t ddp__cuda_cross_entropy(float *loss, float *stats, const float *logits,
+                                           const int64_t *target, int64_t N, int64_t C,
+                                           int64_t *bad_target) {
+  long long *result = target_result_alloc(loss);
+  if (!result) return -1;
+  cudaStream_t stream = ddp__cuda_stream();
+  /* The rows' stats do not depend on the targets, so they are formed
+   * first, in parallel; with a bad target they are left unused. */
+  if (N > 0 && C > 0)
+    softmax_stats_kernel<<<row_blocks(N), ROWS_PER_BLOCK * 32, 0, stream>>>(stats, logits, N, C);
+  cross_entropy_kernel<<<1, LOSS_BLOCK, 0, stream>>>(loss, result, stats, logits, target, N, C);
+  return target_result_take(result, bad_target);
+}
+
+/* dlogits += softmax(logits) * dloss / N, then -= dloss / N at the target
+ * (two roundings there, as the CPU's two statements). */
+static __global__ void cross_entropy_backward_kernel(float *dlogits, const float *dloss,
+                                                     const float *logits, const float *stats,
+                                                     const int64_t *target, int64_t N,
+                                                     int64_t C) {
+  const float g = *dloss / (float)N;
+  const int64_t n = N * C;
+  for (int64_t at = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; at < n;
+       at += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t i = at / C, j = at - i * C;
+    const float m = stats[2 * i], log_sum = stats[2 * i + 1];
+    float d = dlogits[at] + g * expf((logits[at] - m) - log_sum);
+    if (j == target[i]) d -= g;
+    dlogits[at] = d;
+  }
+}
+
+extern "C" void ddp__cuda_cross_entropy_backward(float *dlogits, const float *dloss,
+                                                 const float *logits, const float *stats,
+                                                 const int64_t *target, int64_t N, int64_t C) {
+  if (N <= 0 || C <= 0) return;
+  cross_entropy_backward_kernel<<<ddp__cuda_blocks(N * C, DDP__PW_BLOCK), DDP__PW_BLOCK, 0,
+                                  ddp__cuda_stream()>>>(dlogits, dloss, logits, stats, target,
+                                                        N, C);
+}
