@@ -149,30 +149,30 @@ ddp_status ddp_default_cuda_device(int local_rank, int local_world, ddp_device *
 
 /* ---- Memory --------------------------------------------------------------- */
 
-void *ddp__device_calloc(ddp_device device, size_t bytes) {
+ddp_status ddp__device_calloc(ddp_device device, size_t bytes, void **out) {
+  *out = NULL;
+  char name[DDP_DEVICE_STR_BYTES];
+  ddp_device_str(device, name, sizeof name);
   if (device.type == DDP_DEVICE_CPU) {
-    void *p = ddp_calloc(bytes ? bytes : 1, 1);
-    if (!p) ddp_error(DDP_ERR_NOMEM, "cpu: cannot allocate %zu bytes", bytes);
-    return p;
+    *out = ddp_calloc(bytes ? bytes : 1, 1);
+    return *out ? DDP_OK : ddp_error(DDP_ERR_NOMEM, "cpu: cannot allocate %zu bytes", bytes);
   }
 #ifdef DDP_HAVE_CUDA
   if (device.type == DDP_DEVICE_CUDA) {
-    if (ddp__cuda_set_device(device.index) != DDP_OK) return NULL;
+    DDP_TRY(ddp__cuda_set_device(device.index));
     void *p = ddp__cuda_malloc(bytes);
-    if (!p) return NULL;
+    if (!p) return DDP_ERR_NOMEM; /* the cache's message names the device */
     ddp_status st = ddp__cuda_check(cudaMemsetAsync(p, 0, bytes, ddp__cuda_stream()),
                                     "zeroing new memory");
     if (st != DDP_OK) {
       ddp__cuda_free(p);
-      return NULL;
+      return st;
     }
-    return p;
+    *out = p;
+    return DDP_OK;
   }
 #endif
-  char name[DDP_DEVICE_STR_BYTES];
-  ddp_error(DDP_ERR_UNSUPPORTED, "%s: this build has no backend for it",
-            ddp_device_str(device, name, sizeof name));
-  return NULL;
+  return ddp_error(DDP_ERR_UNSUPPORTED, "%s: this build has no backend for it", name);
 }
 
 void ddp__device_free(ddp_device device, void *ptr) {

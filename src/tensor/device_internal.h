@@ -19,12 +19,12 @@
 ddp_status ddp__device_placement(int local_rank, int local_world, int device_count, int *index,
                                  bool *shared);
 
-/* `bytes` of zeroed memory on `device` (which the caller has checked with
- * ddp_device_check): the heap for the CPU, the caching allocator for a
- * GPU (zeroed on its stream: later work on the device sees zeros). A
- * distinct pointer even for 0 bytes. NULL with the error set on failure.
+/* `bytes` of zeroed memory on `device` into *out: the heap for the CPU,
+ * the caching allocator for a GPU (zeroed on its stream: later work on the
+ * device sees zeros). A distinct pointer even for 0 bytes. On failure
+ * *out is NULL and the status says why (no such device, out of memory).
  * Free with ddp__device_free on the same device. */
-void *ddp__device_calloc(ddp_device device, size_t bytes);
+ddp_status ddp__device_calloc(ddp_device device, size_t bytes, void **out);
 /* Frees memory from ddp__device_calloc (NULL ok). On a GPU the memory may
  * still be in use by queued work: it is reused only by work queued later
  * on the same stream. */

@@ -108,11 +108,13 @@ ddp_status ddp_tensor_create_on(ddp_tensor **out, ddp_dtype dtype, int ndim,
     return ddp_error_wrap(st, "tensor: cannot create %lld elements on %s", (long long)numel,
                           name);
   ddp_tensor *t = ddp_alloc(sizeof *t);
-  void *data = t ? ddp__device_calloc(device, (size_t)numel * ddp_dtype_size(dtype)) : NULL;
-  if (!t || !data) {
+  if (!t) return ddp_error(DDP_ERR_NOMEM, "tensor: cannot allocate a tensor struct");
+  void *data;
+  st = ddp__device_calloc(device, (size_t)numel * ddp_dtype_size(dtype), &data);
+  if (st != DDP_OK) {
     ddp_free(t);
-    return ddp_error_wrap(DDP_ERR_NOMEM, "tensor: cannot allocate %lld elements on %s",
-                          (long long)numel, name);
+    return ddp_error_wrap(st, "tensor: cannot allocate %lld elements on %s", (long long)numel,
+                          name);
   }
   ddp_tensor_wrap(t, dtype, ndim, shape, data);
   t->device = device;
@@ -124,13 +126,14 @@ ddp_status ddp_tensor_create_on(ddp_tensor **out, ddp_dtype dtype, int ndim,
 ddp_status ddp_tensor_ensure_grad(ddp_tensor *t) {
   if (t->grad) return DDP_OK;
   if (t->device.type != DDP_DEVICE_CPU) {
-    t->grad = ddp__device_calloc(t->device, (size_t)t->numel * sizeof(float));
-    if (!t->grad) {
+    void *grad;
+    ddp_status st = ddp__device_calloc(t->device, (size_t)t->numel * sizeof(float), &grad);
+    if (st != DDP_OK) {
       char name[DDP_DEVICE_STR_BYTES];
-      return ddp_error_wrap(DDP_ERR_NOMEM,
-                            "tensor: cannot allocate a gradient of %lld elements on %s",
+      return ddp_error_wrap(st, "tensor: cannot allocate a gradient of %lld elements on %s",
                             (long long)t->numel, ddp_device_str(t->device, name, sizeof name));
     }
+    t->grad = grad;
     t->flags |= DDP_TENSOR_OWNS_GRAD;
     return DDP_OK;
   }

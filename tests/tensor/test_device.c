@@ -216,6 +216,11 @@ static void test_tensors_without_a_gpu(void **state) {
     assert_non_null(strstr(ddp_last_error(), "to float32 (15) on cuda:1"));
     assert_non_null(strstr(ddp_last_error(), "from float32 (3,5) on cpu"));
     assert_int_equal(ddp_tensor_copy(a, &fake), DDP_ERR_UNSUPPORTED);
+    /* Nor a gradient there. */
+    assert_int_equal(ddp_tensor_ensure_grad(&fake), DDP_ERR_UNSUPPORTED);
+    assert_null(fake.grad);
+    assert_false(fake.flags & DDP_TENSOR_OWNS_GRAD);
+    assert_non_null(strstr(ddp_last_error(), "gradient of 15 elements on cuda:1"));
   }
   /* A bad shape is refused before any device is asked. */
   const int64_t negative[1] = {-2};
