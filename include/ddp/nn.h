@@ -240,6 +240,17 @@ ddp_rng *ddp_model_dropout_rng(ddp_model *model);
 void ddp_model_set_batch_norm_sync(ddp_model *model, const ddp_batch_norm_sync *sync);
 bool ddp_model_batch_norm_synced(const ddp_model *model);
 
+/* Moves the model's parameters, gradients and buffers (running stats) to
+ * `device` (model.to(device)): the flat buffers are copied there and every
+ * parameter and buffer tensor views the new ones; the old ones are freed.
+ * Counters stay on the host. A no-op on the model's own device. The input
+ * of ddp_model_forward must then be on that device (ddp_to). Functions
+ * that hand out host pointers into the state (the state dict, checkpoints,
+ * data parallelism's buckets) need the model on the CPU: move it back
+ * first (they say so when it is not). */
+ddp_status ddp_model_to(ddp_model *model, ddp_device device);
+ddp_device ddp_model_device(const ddp_model *model);
+
 /* Zeroes the whole flat gradient buffer (optimizer.zero_grad(set_to_none=False)). */
 void ddp_model_zero_grad(ddp_model *model);
 

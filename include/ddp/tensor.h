@@ -284,6 +284,12 @@ ddp_status ddp_reshape(ddp_tape *tape, ddp_tensor *x, int ndim, const int64_t *s
 ddp_status ddp_flatten(ddp_tape *tape, ddp_tensor *x, int start_dim, ddp_tensor **out);
 /* Elementwise a + b, same shapes. */
 ddp_status ddp_add(ddp_tape *tape, ddp_tensor *a, ddp_tensor *b, ddp_tensor **out);
+/* x on `device` (torch's x.to(device)): a copy whose backward copies the
+ * gradient back to x's device, so one model's layers can live on several
+ * devices. Any dtype (int64 labels too; only float32 carries a gradient).
+ * On x's own device the result is x itself, as in PyTorch. Fails when the
+ * device does not exist here. */
+ddp_status ddp_to(ddp_tape *tape, ddp_tensor *x, ddp_device device, ddp_tensor **out);
 /* log_softmax over the last dim of (N, C). */
 ddp_status ddp_log_softmax(ddp_tape *tape, ddp_tensor *x, ddp_tensor **out);
 

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "nn/module.h"
+#include "tensor/kernels.h"
 
 #define NAME_MAX_BYTES 64
 
@@ -74,10 +75,14 @@ static void free_layout(ddp_model *model) {
   ddp_free(model->params);
   ddp_free(model->param_names);
   ddp_free(model->param_offsets);
-  ddp_free(model->params_flat);
-  ddp_free(model->grads_flat);
+  if (model->device.type == DDP_DEVICE_CPU) {
+    ddp_free(model->params_flat);
+    ddp_free(model->grads_flat);
+    ddp_free(model->buffers_flat);
+  }
+  for (int i = 0; i < 3; i++) ddp_tensor_destroy(model->device_flat[i]), model->device_flat[i] = NULL;
+  model->device = DDP_CPU;
   ddp_free(model->buffers);
-  ddp_free(model->buffers_flat);
   ddp_free(model->counters);
   model->state = NULL;
   model->params = model->buffers = NULL;
@@ -527,6 +532,13 @@ ddp_status ddp_model_state_entry(const ddp_model *model, int index, ddp_state_en
   if (index < 0 || index >= model->n_state)
     return ddp_error(DDP_ERR_RANGE, "nn: state entry %d out of range (the model has %d)", index,
                      model->n_state);
+  if (model->device.type != DDP_DEVICE_CPU) {
+    char dev[DDP_DEVICE_STR_BYTES];
+    return ddp_error(DDP_ERR_UNSUPPORTED,
+                     "nn: the state dict hands out host memory, and the model is on %s: move it "
+                     "to the CPU first (ddp_model_to)",
+                     ddp_device_str(model->device, dev, sizeof dev));
+  }
   const ddp__state_rec *rec = &model->state[index];
   memset(entry, 0, sizeof *entry);
   entry->name = rec->name;
@@ -604,7 +616,9 @@ void ddp_model_set_batch_norm_sync(ddp_model *model, const ddp_batch_norm_sync *
 bool ddp_model_batch_norm_synced(const ddp_model *model) { return model->bn_synced; }
 
 void ddp_model_zero_grad(ddp_model *model) {
-  if (model->grads_flat)
+  if (model->grads_flat && model->device.type != DDP_DEVICE_CPU)
+    ddp__kernels_for(model->device)->basic->fill(model->grads_flat, 0.0f, model->n_param_elems);
+  else if (model->grads_flat)
     memset(model->grads_flat, 0, (size_t)model->n_param_elems * sizeof(float));
 }
 
@@ -613,8 +627,12 @@ ddp_status ddp_model_clip_grad_norm(ddp_model *model, double max_norm, double *t
     return ddp_error(DDP_ERR_INVALID, "nn: clip_grad_norm: max_norm %g must be finite and >= 0",
                      max_norm);
   const float *g = model->grads_flat;
+  const ddp__kernels *k = ddp__kernels_for(model->device);
   double sum = 0;
-  for (int64_t i = 0; i < model->n_param_elems; i++) sum += (double)g[i] * (double)g[i];
+  if (model->device.type != DDP_DEVICE_CPU)
+    sum = k->basic->sum_squares(g, model->n_param_elems);
+  else
+    for (int64_t i = 0; i < model->n_param_elems; i++) sum += (double)g[i] * (double)g[i];
   double norm = sqrt(sum);
   if (total_norm) *total_norm = norm;
   if (!isfinite(norm))
@@ -624,7 +642,10 @@ ddp_status ddp_model_clip_grad_norm(ddp_model *model, double max_norm, double *t
   double coef = max_norm / (norm + 1e-6);
   if (coef < 1.0) {
     float c = (float)coef;
-    for (int64_t i = 0; i < model->n_param_elems; i++) model->grads_flat[i] *= c;
+    if (model->device.type != DDP_DEVICE_CPU)
+      k->basic->scale(model->grads_flat, c, model->n_param_elems);
+    else
+      for (int64_t i = 0; i < model->n_param_elems; i++) model->grads_flat[i] *= c;
   }
   return DDP_OK;
 }

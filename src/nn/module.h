@@ -80,6 +80,12 @@ struct ddp_model {
   /* The state dict, in PyTorch's order. */
   int n_state;
   ddp__state_rec *state;
+
+  /* Where params_flat, grads_flat and buffers_flat live (ddp_model_to);
+   * counters and everything else stay on the host. Off the CPU the three
+   * are the data of these device tensors, which own them. */
+  ddp_device device;
+  ddp_tensor *device_flat[3];
 };
 
 /* Runs one module (recursively for containers) on x. */

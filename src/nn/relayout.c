@@ -10,6 +10,8 @@
 ddp_status ddp_model_relayout(ddp_model *model, const int *order) {
   if (!model || !model->finalized)
     return ddp_error(DDP_ERR_STATE, "nn: relayout: the model is not finalized");
+  if (model->device.type != DDP_DEVICE_CPU)
+    return ddp_error(DDP_ERR_UNSUPPORTED, "nn: relayout: the model must be on the CPU");
   int n = model->n_params;
   if (n == 0) return DDP_OK;
   if (!order) return ddp_error(DDP_ERR_INVALID, "nn: relayout: order is NULL");

@@ -15,6 +15,8 @@ typedef struct ddp__basic_kernels {
   double (*sum_squares)(const float *x, int64_t n);
   /* x *= alpha */
   void (*scale)(float *x, float alpha, int64_t n);
+  /* y = a * b elementwise (y may be a or b) */
+  void (*mul)(float *y, const float *a, const float *b, int64_t n);
 } ddp__basic_kernels;
 
 extern const ddp__basic_kernels ddp__cpu_basic_kernels;

@@ -19,7 +19,7 @@ static ddp_status conv2d_backward(ddp_tape *tape, ddp__node *node) {
   float *db = s == DDP_OK ? ddp__tape_grad(tape, b, &s) : NULL;
   if (s != DDP_OK) return s;
   return k->dense->conv2d_backward(dx, dw, db, node->out->grad, x->data, w->data, g,
-                                   dx_accumulate, ddp__tape_arena(tape));
+                                   dx_accumulate, ddp__tape_arena_on(tape, x->device));
 }
 
 const ddp__conv2d_geom *ddp__conv2d_foldable(ddp_tape *tape, const ddp_tensor *t) {
@@ -77,9 +77,9 @@ ddp_status ddp_conv2d(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_ten
   g.ow = (pw - g.kw) / g.stride + 1;
   int64_t shape[4] = {g.n, g.o, g.oh, g.ow};
   ddp_tensor *y;
-  DDP_TRY(ddp__tape_output(tape, "conv2d", DDP_FLOAT32, 4, shape, &y));
+  DDP_TRY(ddp__tape_output(tape, "conv2d", DDP_FLOAT32, 4, shape, x->device, &y));
   DDP_TRY(k->dense->conv2d_forward(y->data, x->data, weight->data, bias ? bias->data : NULL, &g,
-                                   ddp__tape_arena(tape)));
+                                   ddp__tape_arena_on(tape, x->device)));
   if (ddp__tape_wants_grad(tape, 3, in)) {
     ddp__conv2d_geom *saved = ddp_tape_scratch(tape, sizeof *saved);
     if (!saved) return ddp_error(DDP_ERR_NOMEM, "conv2d: cannot allocate the saved geometry");

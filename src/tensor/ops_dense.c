@@ -46,7 +46,7 @@ ddp_status ddp_matmul(ddp_tape *tape, ddp_tensor *a, ddp_tensor *b, ddp_tensor *
   const int64_t m = a->shape[0], inner = a->shape[1], n = b->shape[1];
   int64_t shape[2] = {m, n};
   ddp_tensor *y;
-  DDP_TRY(ddp__tape_output(tape, "matmul", DDP_FLOAT32, 2, shape, &y));
+  DDP_TRY(ddp__tape_output(tape, "matmul", DDP_FLOAT32, 2, shape, a->device, &y));
   k->dense->gemm(false, false, m, n, inner, 1.0f, a->data, inner, b->data, n, 0.0f, y->data, n);
   if (ddp__tape_wants_grad(tape, 2, in))
     DDP_TRY(ddp__tape_record(tape, "matmul", matmul_backward, y, 2, in, NULL));
@@ -107,7 +107,7 @@ ddp_status ddp_linear(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_ten
   }
   shape[x->ndim - 1] = outf;
   ddp_tensor *y;
-  DDP_TRY(ddp__tape_output(tape, "linear", DDP_FLOAT32, x->ndim, shape, &y));
+  DDP_TRY(ddp__tape_output(tape, "linear", DDP_FLOAT32, x->ndim, shape, x->device, &y));
   k->dense->linear_forward(y->data, x->data, weight->data, bias ? bias->data : NULL, rows, inf,
                            outf);
   if (ddp__tape_wants_grad(tape, 3, in))
@@ -184,10 +184,10 @@ static ddp_status pool_compute(ddp_tape *tape, const char *op, bool relu, ddp_te
   shape[x->ndim - 2] = oh;
   shape[x->ndim - 1] = ow;
   ddp_tensor *y;
-  DDP_TRY(ddp__tape_output(tape, op, DDP_FLOAT32, x->ndim, shape, &y));
+  DDP_TRY(ddp__tape_output(tape, op, DDP_FLOAT32, x->ndim, shape, x->device, &y));
   void *at = NULL;
   if (argmax) {
-    at = ddp_tape_scratch(tape, (size_t)(y->numel * ddp__pool_arg_bytes(kernel)));
+    at = ddp__tape_scratch_on(tape, x->device, (size_t)(y->numel * ddp__pool_arg_bytes(kernel)));
     if (!at)
       return ddp_error(DDP_ERR_NOMEM, "%s: cannot allocate the argmax of %s", op,
                        DDP__SHAPE(y, sx));
@@ -195,7 +195,7 @@ static ddp_status pool_compute(ddp_tape *tape, const char *op, bool relu, ddp_te
   }
   float *val = NULL;
   if (argval) {
-    val = ddp_tape_scratch(tape, (size_t)y->numel * sizeof(float));
+    val = ddp__tape_scratch_on(tape, x->device, (size_t)y->numel * sizeof(float));
     if (!val)
       return ddp_error(DDP_ERR_NOMEM, "%s: cannot allocate the values at the argmax of %s", op,
                        DDP__SHAPE(y, sx));

@@ -25,7 +25,7 @@ ddp_status ddp_log_softmax(ddp_tape *tape, ddp_tensor *x, ddp_tensor **out) {
   if (x->ndim < 1)
     return ddp_error(DDP_ERR_SHAPE, "log_softmax: input is a scalar; expected (N, C)");
   ddp_tensor *y;
-  DDP_TRY(ddp__tape_output(tape, "log_softmax", DDP_FLOAT32, x->ndim, x->shape, &y));
+  DDP_TRY(ddp__tape_output(tape, "log_softmax", DDP_FLOAT32, x->ndim, x->shape, x->device, &y));
   int64_t C = x->shape[x->ndim - 1];
   if (C > 0) k->pointwise->log_softmax(y->data, x->data, x->numel / C, C);
   if (ddp__tape_wants_grad(tape, 1, &x))
@@ -64,7 +64,7 @@ ddp_status ddp_mse_loss(ddp_tape *tape, ddp_tensor *input, ddp_tensor *target, d
     return ddp_error(DDP_ERR_SHAPE, "mse_loss: input %s is empty; the mean is undefined",
                      ddp_tensor_shape_str(input, si, sizeof si));
   ddp_tensor *y;
-  DDP_TRY(ddp__tape_output(tape, "mse_loss", DDP_FLOAT32, 0, input->shape, &y));
+  DDP_TRY(ddp__tape_output(tape, "mse_loss", DDP_FLOAT32, 0, input->shape, input->device, &y));
   k->pointwise->mse_loss(y->data, input->data, target->data, input->numel);
   if (ddp__tape_wants_grad(tape, 2, in))
     DDP_TRY(ddp__tape_record(tape, "mse_loss", mse_loss_backward, y, 2, in, NULL));
@@ -133,12 +133,12 @@ static ddp_status classification_loss(ddp_tape *tape, bool fused, ddp_tensor *sc
   DDP_TRY(check_classification(op, fused ? "logits" : "log_probs", tape, scores, target, out, &k));
   int64_t N = scores->shape[0], C = scores->shape[1];
   ddp_tensor *y;
-  DDP_TRY(ddp__tape_output(tape, op, DDP_FLOAT32, 0, scores->shape, &y));
+  DDP_TRY(ddp__tape_output(tape, op, DDP_FLOAT32, 0, scores->shape, scores->device, &y));
   float *stats = NULL;
   int64_t bad, bad_value = 0;
   if (fused) {
     /* (N, 2): each row's max and log sum exp(x - max), all backward needs. */
-    stats = ddp_tape_scratch(tape, (size_t)N * 2 * sizeof(float));
+    stats = ddp__tape_scratch_on(tape, scores->device, (size_t)N * 2 * sizeof(float));
     if (!stats)
       return ddp_error(DDP_ERR_NOMEM, "%s: cannot allocate %lld floats of scratch", op,
                        (long long)N * 2);

@@ -46,7 +46,7 @@ static ddp_status sync_batch_norm_backward(ddp_tape *tape, const ddp__kernels *k
   return k->pointwise->batch_norm_backward_dx(dx, dy, x->data, ctx->mean, ctx->invstd,
                                               weight ? weight->data : NULL, sums, ctx->count,
                                               ctx->N, C, ctx->HW, dx_accumulate,
-                                              ddp__tape_arena(tape));
+                                              ddp__tape_arena_on(tape, x->device));
 }
 
 /* Batch norm's backward for `node` (inputs x, weight, bias) from the
@@ -70,7 +70,7 @@ static ddp_status batch_norm_backward_from(ddp_tape *tape, ddp__node *node,
   return k->pointwise->batch_norm_backward(dx, dweight, dbias, dy, x->data, ctx->mean,
                                            ctx->invstd, weight ? weight->data : NULL, ctx->N,
                                            ctx->C, ctx->HW, ctx->batch_stats, dx_accumulate,
-                                           ddp__tape_arena(tape));
+                                           ddp__tape_arena_on(tape, x->device));
 }
 
 static ddp_status batch_norm_backward(ddp_tape *tape, ddp__node *node) {
@@ -181,11 +181,11 @@ static ddp_status batch_norm_prepare(ddp_tape *tape, ddp_tensor *x, ddp_tensor *
 
   ddp_tensor *y;
   if (materialize)
-    DDP_TRY(ddp__tape_output(tape, "batch_norm", DDP_FLOAT32, x->ndim, x->shape, &y));
+    DDP_TRY(ddp__tape_output(tape, "batch_norm", DDP_FLOAT32, x->ndim, x->shape, x->device, &y));
   else
     DDP_TRY(ddp__tape_view(tape, "batch_norm", x, x->ndim, x->shape, &y));
   batch_norm_ctx *ctx = ddp_tape_scratch(tape, sizeof *ctx);
-  float *stats = ddp_tape_scratch(tape, (size_t)C * 2 * sizeof(float));
+  float *stats = ddp__tape_scratch_on(tape, x->device, (size_t)C * 2 * sizeof(float));
   if (!ctx || !stats)
     return ddp_error(DDP_ERR_NOMEM, "batch_norm: cannot allocate statistics for %lld channels",
                      (long long)C);
@@ -206,7 +206,7 @@ static ddp_status batch_norm_prepare(ddp_tape *tape, ddp_tensor *x, ddp_tensor *
     DDP_TRY(k->pointwise->batch_norm_stats(ctx->mean, ctx->invstd,
                                            update ? running_mean->data : NULL,
                                            update ? running_var->data : NULL, x->data, N, C, HW,
-                                           momentum, eps, ddp__tape_arena(tape)));
+                                           momentum, eps, ddp__tape_arena_on(tape, x->device)));
   } else {
     k->pointwise->batch_norm_running(ctx->mean, ctx->invstd, running_mean->data, running_var->data,
                                      C, eps);
@@ -283,7 +283,7 @@ static ddp_status backward_folding_conv(ddp_tape *tape, ddp__node *node,
       dweight, dbias, dy, pc->argval, ctx->mean, ctx->invstd, weight ? weight->data : NULL,
       ctx->N, ctx->C, ctx->HW, ctx->batch_stats, pc->fold, conv->in[0]->data,
       conv->in[1]->data, conv->in[2] ? conv->in[2]->data : NULL, conv_dw, conv_db,
-      ddp__tape_arena(tape));
+      ddp__tape_arena_on(tape, x->device));
 }
 
 static ddp_status batch_norm_relu_max_pool2d_backward(ddp_tape *tape, ddp__node *node) {
@@ -293,7 +293,7 @@ static ddp_status batch_norm_relu_max_pool2d_backward(ddp_tape *tape, ddp__node 
   /* One plane of the normalised values' gradient at a time; all of them
    * for 1x1 planes, which batch norm's kernels take as rows. */
   const int64_t floats = bn->HW == 1 ? bn->N * bn->C : bn->HW;
-  float *scratch = ddp_arena_alloc(ddp__tape_arena(tape), (size_t)floats * sizeof(float));
+  float *scratch = ddp__tape_scratch_on(tape, node->in[0]->device, (size_t)floats * sizeof(float));
   if (!scratch)
     return ddp_error(DDP_ERR_NOMEM, "batch_norm_relu_max_pool2d backward: no scratch for a "
                      "%lldx%lld plane", (long long)ctx->h, (long long)ctx->w);
@@ -337,14 +337,25 @@ ddp_status ddp_batch_norm_relu_max_pool2d(ddp_tape *tape, ddp_tensor *x, ddp_ten
                              &normalised, &ctx));
   /* batch_norm_forward's per-channel factor, computed the same way. */
   int64_t C = ctx->C;
-  float *affine = ddp_tape_scratch(tape, (size_t)C * 2 * sizeof(float));
+  float *affine = ddp__tape_scratch_on(tape, x->device, (size_t)C * 2 * sizeof(float));
   if (!affine)
     return ddp_error(DDP_ERR_NOMEM, "batch_norm_relu_max_pool2d: no scratch for %lld channels",
                      (long long)C);
   const float *w = weight ? weight->data : NULL, *b = bias ? bias->data : NULL;
-  for (int64_t c = 0; c < C; c++) {
-    affine[c] = ctx->invstd[c] * (w ? w[c] : 1.0f);
-    affine[C + c] = b ? b[c] : 0.0f;
+  if (x->device.type == DDP_DEVICE_CPU) {
+    for (int64_t c = 0; c < C; c++) {
+      affine[c] = ctx->invstd[c] * (w ? w[c] : 1.0f);
+      affine[C + c] = b ? b[c] : 0.0f;
+    }
+  } else { /* the same products, by the device's kernels */
+    if (w)
+      k->basic->mul(affine, ctx->invstd, w, C);
+    else
+      k->basic->copy(affine, ctx->invstd, C);
+    if (b)
+      k->basic->copy(affine + C, b, C);
+    else
+      k->basic->fill(affine + C, 0.0f, C);
   }
   const ddp__pool_affine map = {ctx->mean, affine, affine + C, C};
   ddp_tensor *in[3] = {x, weight, bias};
@@ -353,7 +364,9 @@ ddp_status ddp_batch_norm_relu_max_pool2d(ddp_tape *tape, ddp_tensor *x, ddp_ten
    * it, and no op has used it yet): the convolution's backward is folded
    * into this one's, which needs x only at the windows' maxima, so x's 5 MB
    * in the ConvNet can go as soon as it is pooled. */
+  /* (CPU only: a backend without the folded kernel keeps x.) */
   const ddp__conv2d_geom *fold = wants && !ctx->synced &&
+                                         k->pointwise->batch_norm_backward_conv &&
                                          (x->flags & DDP__TENSOR_REUSABLE) && x->pending == 0
                                      ? ddp__conv2d_foldable(tape, x)
                                      : NULL;
@@ -384,7 +397,8 @@ ddp_status ddp_batch_norm_relu_max_pool2d(ddp_tape *tape, ddp_tensor *x, ddp_ten
      * scratch) reuse x's memory, so a step's working set holds x only
      * while it is pooled. Its pointer goes too: a use would fault rather
      * than read another tensor's values. */
-    ddp_arena_release(ddp__tape_arena(tape), x->data, (size_t)x->numel * sizeof(float));
+    ddp_arena_release(ddp__tape_arena_on(tape, x->device), x->data,
+                      (size_t)x->numel * sizeof(float));
     x->data = NULL;
   }
   *out = y;

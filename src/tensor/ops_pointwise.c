@@ -10,7 +10,7 @@ static ddp_status unary_begin(ddp_tape *tape, const char *op, ddp_tensor *x, ddp
   if (!tape || !out) return ddp_error(DDP_ERR_INVALID, "%s: tape or out is NULL", op);
   if (!x) return ddp_error(DDP_ERR_INVALID, "%s: input is NULL", op);
   DDP_TRY(ddp__kernels_check(op, 1, &x, k));
-  return ddp__tape_output(tape, op, DDP_FLOAT32, x->ndim, x->shape, y);
+  return ddp__tape_output(tape, op, DDP_FLOAT32, x->ndim, x->shape, x->device, y);
 }
 
 /* ---- activations ---- */
@@ -114,7 +114,7 @@ static ddp_status dropout_common(ddp_tape *tape, const char *op, ddp_tensor *x, 
                      (double)p);
   DDP_TRY(unary_begin(tape, op, x, out, &k, &y));
   dropout_ctx *ctx = ddp_tape_scratch(tape, sizeof *ctx);
-  uint8_t *mask = ddp_tape_scratch(tape, (size_t)groups);
+  uint8_t *mask = ddp__tape_scratch_on(tape, x->device, (size_t)groups);
   if (!ctx || !mask)
     return ddp_error(DDP_ERR_NOMEM, "%s: cannot allocate a mask of %lld bytes", op,
                      (long long)groups);

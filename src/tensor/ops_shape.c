@@ -29,7 +29,7 @@ ddp_status ddp_add(ddp_tape *tape, ddp_tensor *a, ddp_tensor *b, ddp_tensor **ou
                      b ? ddp_tensor_shape_str(b, sb, sizeof sb) : "NULL");
   }
   ddp_tensor *y;
-  DDP_TRY(ddp__tape_output(tape, "add", DDP_FLOAT32, a->ndim, a->shape, &y));
+  DDP_TRY(ddp__tape_output(tape, "add", DDP_FLOAT32, a->ndim, a->shape, a->device, &y));
   k->basic->add(y->data, a->data, b->data, a->numel);
   if (ddp__tape_wants_grad(tape, 2, in))
     DDP_TRY(ddp__tape_record(tape, "add", add_backward, y, 2, in, NULL));

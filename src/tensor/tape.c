@@ -4,10 +4,19 @@
 #include <math.h>
 #include <string.h>
 
+#include "tensor/kernels.h"
 #include "tensor/tape.h"
+#ifdef DDP_HAVE_CUDA
+#include "tensor/cuda/runtime.h"
+#endif
+
+/* GPUs a tape can hold memory on (cuda:0 .. cuda:7). */
+#define TAPE_DEVICES 8
 
 struct ddp_tape {
-  ddp_arena arena;
+  ddp_arena arena;                       /* the host's */
+  ddp_arena device_arena[TAPE_DEVICES];  /* cuda:i's, when device_used[i] */
+  bool device_used[TAPE_DEVICES];
   ddp__node *nodes;
   int n_nodes, cap_nodes;
   ddp_tensor **leaves; /* leaves with pending contributions, to clear on reset */
@@ -27,9 +36,28 @@ ddp_status ddp_tape_create(ddp_tape **out, size_t arena_bytes) {
   return DDP_OK;
 }
 
+/* Resets (or frees) each device arena with its device current: their
+ * backing allocates and frees on the current device. */
+static void device_arenas_reset(ddp_tape *tape, bool free_them) {
+#ifdef DDP_HAVE_CUDA
+  for (int i = 0; i < TAPE_DEVICES; i++) {
+    if (!tape->device_used[i] || ddp__cuda_set_device(i) != DDP_OK) continue;
+    if (free_them) {
+      ddp_arena_free(&tape->device_arena[i]);
+      tape->device_used[i] = false;
+    } else {
+      ddp_arena_reset(&tape->device_arena[i]);
+    }
+  }
+#else
+  (void)tape, (void)free_them;
+#endif
+}
+
 void ddp_tape_destroy(ddp_tape *tape) {
   if (!tape) return;
   ddp_tape_reset(tape);
+  device_arenas_reset(tape, true);
   ddp_arena_free(&tape->arena);
   ddp_free(tape->nodes);
   ddp_free(tape->leaves);
@@ -43,6 +71,7 @@ void ddp_tape_reset(ddp_tape *tape) {
   tape->n_nodes = 0;
   tape->backward_done = false;
   ddp_arena_reset(&tape->arena);
+  device_arenas_reset(tape, false);
 }
 
 void ddp_tape_set_grad_enabled(ddp_tape *tape, bool enabled) { tape->grad_enabled = enabled; }
@@ -57,6 +86,33 @@ int ddp_tape_num_nodes(const ddp_tape *tape) { return tape->n_nodes; }
 
 ddp_arena *ddp__tape_arena(ddp_tape *tape) { return &tape->arena; }
 
+ddp_arena *ddp__tape_arena_on(ddp_tape *tape, ddp_device device) {
+  if (device.type == DDP_DEVICE_CPU) return &tape->arena;
+#ifdef DDP_HAVE_CUDA
+  if (device.type == DDP_DEVICE_CUDA && device.index >= 0 && device.index < TAPE_DEVICES) {
+    if (ddp__cuda_set_device(device.index) != DDP_OK) return NULL;
+    int i = device.index;
+    if (!tape->device_used[i]) {
+      /* Starts small: the first step grows it to the step's high-water mark. */
+      ddp_arena_init_backed(&tape->device_arena[i], (size_t)1 << 20, ddp__cuda_arena_backing());
+      tape->device_used[i] = true;
+    }
+    return &tape->device_arena[i];
+  }
+#endif
+  char name[DDP_DEVICE_STR_BYTES];
+  ddp_error(DDP_ERR_UNSUPPORTED, "tape: no memory on %s in this build (%s)",
+            ddp_device_str(device, name, sizeof name),
+            device.type == DDP_DEVICE_CUDA && ddp_cuda_built() ? "at most cuda:7"
+                                                               : "no backend for it");
+  return NULL;
+}
+
+void *ddp__tape_scratch_on(ddp_tape *tape, ddp_device device, size_t bytes) {
+  ddp_arena *arena = ddp__tape_arena_on(tape, device);
+  return arena ? ddp_arena_alloc(arena, bytes) : NULL;
+}
+
 ddp__node *ddp__tape_node(ddp_tape *tape, const ddp_tensor *t) { return &tape->nodes[t->node]; }
 
 void *ddp_tape_scratch(ddp_tape *tape, size_t bytes) {
@@ -64,15 +120,17 @@ void *ddp_tape_scratch(ddp_tape *tape, size_t bytes) {
 }
 
 ddp_status ddp__tape_output(ddp_tape *tape, const char *op, ddp_dtype dtype, int ndim,
-                            const int64_t *shape, ddp_tensor **out) {
+                            const int64_t *shape, ddp_device device, ddp_tensor **out) {
   ddp_tensor *t = ddp_arena_alloc(&tape->arena, sizeof *t);
   if (!t) return ddp_error(DDP_ERR_NOMEM, "%s: cannot allocate the output", op);
   ddp_status s = ddp_tensor_wrap(t, dtype, ndim, shape, NULL);
   if (s != DDP_OK) return ddp_error_wrap(s, "%s", op);
-  t->data = ddp_arena_alloc(&tape->arena, (size_t)t->numel * ddp_dtype_size(dtype));
+  t->device = device;
+  ddp_arena *arena = ddp__tape_arena_on(tape, device);
+  t->data = arena ? ddp_arena_alloc(arena, (size_t)t->numel * ddp_dtype_size(dtype)) : NULL;
   if (!t->data)
-    return ddp_error(DDP_ERR_NOMEM, "%s: cannot allocate an output of %lld elements", op,
-                     (long long)t->numel);
+    return ddp_error_wrap(DDP_ERR_NOMEM, "%s: cannot allocate an output of %lld elements", op,
+                          (long long)t->numel);
   *out = t;
   return DDP_OK;
 }
@@ -142,10 +200,11 @@ ddp_status ddp__tape_record(ddp_tape *tape, const char *op, ddp__backward_fn bac
 static float *new_intermediate_grad(ddp_tape *tape, ddp_tensor *t, bool zeroed,
                                     ddp_status *status) {
   size_t bytes = (size_t)t->numel * sizeof(float);
-  t->grad = zeroed ? ddp_arena_calloc(&tape->arena, bytes) : ddp_arena_alloc(&tape->arena, bytes);
+  ddp_arena *arena = ddp__tape_arena_on(tape, t->device);
+  t->grad = !arena ? NULL : zeroed ? ddp_arena_calloc(arena, bytes) : ddp_arena_alloc(arena, bytes);
   if (!t->grad)
-    *status = ddp_error(DDP_ERR_NOMEM, "backward: cannot allocate a gradient of %lld elements",
-                        (long long)t->numel);
+    *status = ddp_error_wrap(DDP_ERR_NOMEM, "backward: cannot allocate a gradient of %lld elements",
+                             (long long)t->numel);
   return t->grad;
 }
 
@@ -166,7 +225,8 @@ float *ddp__tape_grad_out(ddp_tape *tape, ddp_tensor *t, bool *accumulate, ddp_s
   if (t->grad || t->node < 0) return ddp__tape_grad(tape, t, status);
   if (!new_intermediate_grad(tape, t, false, status)) return NULL;
 #ifdef DDP_POISON_FRESH_GRADS
-  for (int64_t i = 0; i < t->numel; i++) t->grad[i] = NAN;
+  if (t->device.type == DDP_DEVICE_CPU)
+    for (int64_t i = 0; i < t->numel; i++) t->grad[i] = NAN;
 #endif
   *accumulate = false;
   return t->grad;
@@ -195,7 +255,20 @@ ddp_status ddp__backward_from(ddp_tape *tape, ddp_tensor *out, const float *seed
   ddp_status s = DDP_OK;
   float *g = ddp__tape_grad(tape, out, &s);
   if (!g) return s;
-  for (int64_t i = 0; i < out->numel; i++) g[i] += seed[i];
+  if (out->device.type == DDP_DEVICE_CPU) {
+    for (int64_t i = 0; i < out->numel; i++) g[i] += seed[i];
+  } else { /* the seed goes to the device, then adds there */
+    const ddp__kernels *k;
+    DDP_TRY(ddp__kernels_check("backward", 1, &out, &k));
+    ddp_tensor host, dev;
+    DDP_TRY(ddp_tensor_wrap(&host, DDP_FLOAT32, 1, &out->numel, (void *)seed));
+    DDP_TRY(ddp_tensor_wrap(&dev, DDP_FLOAT32, 1, &out->numel,
+                            ddp__tape_scratch_on(tape, out->device, (size_t)out->numel * 4)));
+    if (!dev.data) return ddp_error_wrap(DDP_ERR_NOMEM, "backward: no room for the seed");
+    dev.device = out->device;
+    DDP_TRY(ddp_tensor_copy(&dev, &host));
+    k->basic->add(g, g, dev.data, out->numel);
+  }
 
   for (int i = out->node; i >= 0; i--) {
     ddp__node *node = &tape->nodes[i];

@@ -30,9 +30,21 @@ struct ddp__node {
 };
 
 /* Allocates an op's output (struct and data, data not zeroed) in the tape's
- * arena on `like`'s device. Returns DDP_ERR_NOMEM with a message naming `op`. */
+ * arenas: the struct on the host, the data on `device` (its inputs').
+ * Returns DDP_ERR_NOMEM with a message naming `op`. */
 ddp_status ddp__tape_output(ddp_tape *tape, const char *op, ddp_dtype dtype, int ndim,
-                            const int64_t *shape, ddp_tensor **out);
+                            const int64_t *shape, ddp_device device, ddp_tensor **out);
+/* The tape's arena for memory on `device`: the host arena for the CPU (the
+ * one ddp_tape_scratch and ddp__tape_arena use), a device arena for a GPU
+ * (created on first use, reset and freed with the tape). Kernels take their
+ * scratch from the arena of the device they compute on, and an op keeps
+ * there what only kernels read (saved statistics, argmax); what the host
+ * reads (a backward's context) stays in ddp_tape_scratch. NULL, with the
+ * error set, when the device has no backend in this build. */
+ddp_arena *ddp__tape_arena_on(ddp_tape *tape, ddp_device device);
+/* Scratch memory on `device` from ddp__tape_arena_on; NULL with the error
+ * set when it cannot be had. */
+void *ddp__tape_scratch_on(ddp_tape *tape, ddp_device device, size_t bytes);
 /* An output that shares `data` with an input (reshape/flatten views). */
 ddp_status ddp__tape_view(ddp_tape *tape, const char *op, ddp_tensor *x, int ndim,
                           const int64_t *shape, ddp_tensor **out);
@@ -83,7 +95,8 @@ float *ddp__tape_grad_reusing_data(ddp_tape *tape, ddp_tensor *t, bool *accumula
 /* Backward from any tensor with the given seed gradient (numel floats). Used by
  * ddp_backward (seed 1) and by gradient checks (random projections). */
 ddp_status ddp__backward_from(ddp_tape *tape, ddp_tensor *out, const float *seed);
-/* The tape's arena (scratch memory for kernels; reset with the tape). */
+/* The tape's host arena (scratch memory for CPU kernels and host-side
+ * state; reset with the tape). */
 ddp_arena *ddp__tape_arena(ddp_tape *tape);
 /* The node that produced intermediate t (t->node >= 0). Node pointers move
  * as the tape grows: keep t->node, resolve when needed. */

@@ -29,6 +29,10 @@ static void cpu_scale(float *x, float alpha, int64_t n) {
   for (int64_t i = 0; i < n; i++) x[i] *= alpha;
 }
 
+static void cpu_mul(float *y, const float *a, const float *b, int64_t n) {
+  for (int64_t i = 0; i < n; i++) y[i] = a[i] * b[i];
+}
+
 const ddp__basic_kernels ddp__cpu_basic_kernels = {
     .copy = cpu_copy,
     .fill = cpu_fill,
@@ -36,4 +40,5 @@ const ddp__basic_kernels ddp__cpu_basic_kernels = {
     .axpy = cpu_axpy,
     .sum_squares = cpu_sum_squares,
     .scale = cpu_scale,
+    .mul = cpu_mul,
 };
