@@ -20,6 +20,11 @@
  * flat float32 arrays parallel to the parameters, named as in PyTorch's
  * optimizer.state[p], so a checkpoint can write and read them directly.
  *
+ * On a GPU (options.device = DDP_CUDA(i)), params and grads are device
+ * memory of that GPU, the state is too, and a step is one fused kernel
+ * queued on the device's compute stream, computing what the CPU computes
+ * (docs/optim.md, "On a CUDA device").
+ *
  * Functions that take an optimizer or a scheduler need a valid one, except
  * where NULL is said to be accepted or reported. One object is used by one
  * thread at a time. */
@@ -31,6 +36,7 @@
 #include <stdint.h>
 
 #include "ddp/core.h"
+#include "ddp/tensor.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -69,13 +75,17 @@ typedef struct ddp_optim_options {
       double eps; /* >= 0 */
     } adadelta;
   };
-  uint64_t reserved[4]; /* zero */
+  /* Where params, grads and the state live: DDP_CPU (the default, all
+   * zero) or DDP_CUDA(i) in a CUDA build. Taken from the reserved space. */
+  ddp_device device;
+  uint64_t reserved[3]; /* zero */
 } ddp_optim_options;
 
 /* PyTorch's defaults for `kind`: SGD lr 1e-3 (PyTorch 1.13 has no default
  * and requires one; 2.x uses 1e-3), momentum 0, dampening 0; Adam lr 1e-3,
  * betas (0.9, 0.999), eps 1e-8; Adadelta lr 1.0, rho 0.9, eps 1e-6; weight
- * decay 0 and maximize false for all. An unknown kind gives SGD's. */
+ * decay 0, maximize false and device DDP_CPU for all. An unknown kind gives
+ * SGD's. */
 ddp_optim_options ddp_optim_defaults(ddp_optim_kind kind);
 /* "sgd", "adam", "adadelta"; "unknown" otherwise. Never NULL. */
 const char *ddp_optim_kind_name(ddp_optim_kind kind);
@@ -89,14 +99,21 @@ typedef struct ddp_optimizer ddp_optimizer;
  * buffer is allocated here, so ddp_optimizer_step never allocates.
  * Bad options return DDP_ERR_INVALID with a message naming the optimizer and
  * the option ("sgd: nesterov momentum requires momentum > 0 and dampening =
- * 0"); out of memory returns DDP_ERR_NOMEM. *out is NULL on failure. */
+ * 0"); out of memory returns DDP_ERR_NOMEM. *out is NULL on failure.
+ * With a CUDA device, params and grads must be that device's memory
+ * (checked: DDP_ERR_INVALID) and the state is zeroed on its stream; a build
+ * without CUDA returns DDP_ERR_UNSUPPORTED ("this build has no CUDA
+ * backend"), a device that does not exist the error of ddp_device_check. */
 ddp_status ddp_optimizer_create(ddp_optimizer **out, const ddp_optim_options *options,
                                 float *params, const float *grads, size_t n);
 /* Frees the optimizer and its state; accepts NULL. */
 void ddp_optimizer_destroy(ddp_optimizer *opt);
 
 /* One update of params from the current grads, as PyTorch's optimizer.step().
- * Makes no allocation. Fails only for a NULL optimizer. */
+ * Makes no allocation. Fails only for a NULL optimizer. On a CUDA device
+ * the update is queued on the device's compute stream, after the work that
+ * wrote the grads, and returns at once; a failed kernel is reported by the
+ * next synchronizing call (ddp_device_synchronize). */
 ddp_status ddp_optimizer_step(ddp_optimizer *opt);
 
 /* The learning rate used by the next step (PyTorch's param_groups[0]["lr"]).
@@ -120,7 +137,13 @@ size_t ddp_optimizer_numel(const ddp_optimizer *opt);
  * per parameter tensor, all equal. PyTorch's state is empty until the first
  * step; here the arrays always exist (zero) and ddp_optimizer_has_state says
  * whether they hold state yet, so a checkpoint writer can skip them as
- * PyTorch's state_dict would. A step or a load makes it true. */
+ * PyTorch's state_dict would. A step or a load makes it true.
+ * On a CUDA device, a buffer's `data` from state_get/state_find is a host
+ * copy the call makes (waiting for the queued steps): it stays valid until
+ * destroy, but the next state_get/state_find of that entry overwrites it,
+ * and writing into it does not reach the optimizer (use state_load). Those
+ * calls can then also fail with the copy's error (naming the device); *out
+ * is filled all the same, its data holding the previous copy. */
 typedef struct ddp_optim_state {
   const char *name; /* static string, PyTorch's key: "exp_avg" */
   float *data;      /* numel floats, owned by the optimizer, valid until destroy */
@@ -152,7 +175,8 @@ bool ddp_optimizer_has_state(const ddp_optimizer *opt);
  * must tile [0, n) before and after (checked: bounds and total length,
  * DDP_ERR_RANGE otherwise). Scalars ("step") stay. The params and grads
  * themselves are the caller's to move. Allocates a temporary of n floats;
- * not for the steady state. */
+ * not for the steady state. On a CUDA device the buffers move through the
+ * host copy of the state (no allocation; one copy per segment). */
 ddp_status ddp_optimizer_relayout(ddp_optimizer *opt, size_t n_segments,
                                   const int64_t *old_offsets, const int64_t *new_offsets,
                                   const int64_t *lengths);

@@ -1,7 +1,8 @@
 /* optim: SGD, Adam and Adadelta with StepLR against PyTorch 1.13 fixtures
  * (tests/fixtures/optim_*.bin, scripts/make_optim_fixtures.py), per step and
  * in the final state; checkpoint state save -> load -> continue; option
- * errors; no allocation in the step. */
+ * errors; no allocation in the step; the device option where no GPU runs
+ * (the CPU by default, bad devices refused). */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -13,6 +14,7 @@
 #include <cmocka.h>
 
 #include "ddp/optim.h"
+#include "ddp/tensor.h"
 #include "support/fixture.h"
 
 /* ---- Fixture access --------------------------------------------------------- */
@@ -576,6 +578,48 @@ static void test_step_lr_against_torch(void **state) {
   ddp_optimizer_destroy(opt);
 }
 
+/* ---- Device ------------------------------------------------------------------- */
+
+/* options.device where no GPU runs: the CPU by default and for every kind,
+ * a bad device refused with a message before anything is allocated, and
+ * cuda:N refused by a build without CUDA (or, in a CUDA build, a device the
+ * process does not have). The GPU path itself is tests/cuda/test_cuda_optim.c. */
+static void test_device_option(void **state) {
+  (void)state;
+  /* The field took one word of the reserved space: the struct keeps its size. */
+  assert_int_equal(sizeof(ddp_device), sizeof(uint64_t));
+  float p[4] = {0}, g[4] = {0};
+  for (int kind = 0; kind < DDP_OPTIM_KIND_COUNT; kind++) {
+    ddp_optim_options o = ddp_optim_defaults((ddp_optim_kind)kind);
+    assert_true(ddp_device_equal(o.device, DDP_CPU));
+    ddp_optimizer *opt;
+    assert_int_equal(ddp_optimizer_create(&opt, &o, p, g, 4), DDP_OK);
+    assert_true(ddp_device_equal(ddp_optimizer_options(opt)->device, DDP_CPU));
+    ddp_optimizer_destroy(opt);
+  }
+
+  ddp_optim_options o = ddp_optim_defaults(DDP_OPTIM_SGD);
+  o.device = (ddp_device){DDP_DEVICE_CPU, 1};
+  expect_invalid(&o, p, g, 4, "sgd: device cpu with index 1 (the CPU is index 0)");
+  o.device = (ddp_device){(ddp_device_type)5, 0};
+  expect_invalid(&o, p, g, 4, "sgd: unknown device type 5");
+
+  ddp_optimizer *opt = (ddp_optimizer *)&opt;
+  o = ddp_optim_defaults(DDP_OPTIM_ADAM);
+#ifndef DDP_HAVE_CUDA
+  o.device = DDP_CUDA(0);
+  assert_int_equal(ddp_optimizer_create(&opt, &o, p, g, 4), DDP_ERR_UNSUPPORTED);
+  assert_null(opt);
+  assert_string_equal(ddp_last_error(), "adam: device cuda:0: this build has no CUDA backend");
+#else
+  /* The first ordinal this process lacks: ddp_device_check's error. */
+  o.device = DDP_CUDA(ddp_cuda_device_count());
+  assert_int_not_equal(ddp_optimizer_create(&opt, &o, p, g, 4), DDP_OK);
+  assert_null(opt);
+  print_message("cuda:%d refused: %s\n", o.device.index, ddp_last_error());
+#endif
+}
+
 /* ---- No allocation at scale --------------------------------------------------------- */
 
 static void test_step_allocates_nothing(void **state) {
@@ -628,6 +672,7 @@ int main(void) {
       cmocka_unit_test(test_bad_options),
       cmocka_unit_test(test_step_lr_against_torch),
       cmocka_unit_test(test_step_allocates_nothing),
+      cmocka_unit_test(test_device_option),
   };
   return cmocka_run_group_tests(tests, NULL, report_worst);
 }
