@@ -3,9 +3,13 @@
  * ../shared/refs/torch_ddp_convnet.py --world 1 prints for PyTorch.
  * Batches come from Fashion-MNIST through the loader (as PyTorch's DataLoader
  * feeds the reference), or from random data with --data synthetic.
+ * With --device cuda[:N] the model, the optimizer's state and one synthetic
+ * batch live on the GPU (scripts/torch/gpu_convnet_step.py measures
+ * PyTorch the same way): the figure is the step itself, timed between
+ * device synchronizations, the loss read back once per repeat.
  *
  *   bench_convnet [--batch 100] [--steps 150] [--warmup 10] [--repeats 3]
- *                 [--threads 1] [--data DIR|synthetic] [--json]
+ *                 [--threads 1] [--data DIR|synthetic] [--device cpu|cuda[:N]] [--json]
  *
  * scripts/bench-convnet.sh runs it beside PyTorch and prints the ratio. */
 #include <cblas.h>
@@ -39,6 +43,7 @@ int main(int argc, char **argv) {
   int threads = 1;
   bool json = false;
   const char *data = "/usr/share/datasets/fashion-mnist";
+  ddp_device device = DDP_CPU;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -49,10 +54,12 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--threads") && v) threads = atoi(argv[++i]);
     else if (!strcmp(a, "--data") && v) data = argv[++i];
     else if (!strcmp(a, "--json")) json = true;
+    else if (!strcmp(a, "--device") && v) CHECK(ddp_device_parse(argv[++i], &device), "--device");
     else {
       fprintf(stderr,
               "usage: bench_convnet [--batch 100] [--steps 150] [--warmup 10] [--repeats 3]\n"
-              "                     [--threads 1] [--data DIR|synthetic] [--json]\n");
+              "                     [--threads 1] [--data DIR|synthetic] [--device cpu|cuda[:N]]\n"
+              "                     [--json]\n");
       return !strcmp(a, "--help") ? 0 : 2;
     }
   }
@@ -62,6 +69,15 @@ int main(int argc, char **argv) {
   }
   openblas_set_num_threads(threads);
 
+  const bool on_gpu = device.type != DDP_DEVICE_CPU;
+  if (on_gpu) {
+    ddp_status s = ddp_device_check(device);
+    if (s != DDP_OK) {
+      printf("bench_convnet: skipped: %s\n", ddp_last_error());
+      return 77;
+    }
+    data = "synthetic"; /* the step alone, as the reference measures it */
+  }
   ddp_dataset *ds;
   if (!strcmp(data, "synthetic")) {
     /* Random pixels and labels with the MNIST shapes, via the idx path would
@@ -74,9 +90,11 @@ int main(int argc, char **argv) {
 
   ddp_model *model;
   CHECK(ddp_model_build("convnet", NULL, 1, &model), "building the ConvNet");
+  CHECK(ddp_model_to(model, device), "moving the model");
   ddp_optim_options oo = ddp_optim_defaults(DDP_OPTIM_SGD);
   oo.lr = 0.01;
   oo.sgd.momentum = 0.9;
+  oo.device = device;
   ddp_optimizer *opt;
   CHECK(ddp_optimizer_create(&opt, &oo, ddp_model_params_flat(model), ddp_model_grads_flat(model),
                              (size_t)ddp_model_num_param_elements(model)),
@@ -107,6 +125,13 @@ int main(int argc, char **argv) {
     ddp_tensor_wrap(&tx, DDP_FLOAT32, 4, xs, sx);
     ddp_tensor_wrap(&ty, DDP_INT64, 1, ys, sy);
   }
+  ddp_tensor *gx = NULL, *gy = NULL; /* the batch on the GPU */
+  if (on_gpu) {
+    CHECK(ddp_tensor_create_on(&gx, DDP_FLOAT32, tx.ndim, tx.shape, device), "batch on the GPU");
+    CHECK(ddp_tensor_create_on(&gy, DDP_INT64, ty.ndim, ty.shape, device), "labels on the GPU");
+    CHECK(ddp_tensor_copy(gx, &tx), "copying the batch");
+    CHECK(ddp_tensor_copy(gy, &ty), "copying the labels");
+  }
 
   double rates[64];
   float last_loss = 0;
@@ -114,9 +139,13 @@ int main(int argc, char **argv) {
   if (loader) CHECK(ddp_loader_start_epoch(loader, epoch), "starting an epoch");
   for (int64_t r = 0; r < repeats; r++) {
     double t0 = 0;
+    ddp_tensor *loss = NULL;
     for (int64_t step = 0; step < warmup + steps; step++) {
-      if (step == warmup) t0 = ddp_time_s();
-      ddp_tensor *x = &tx, *y = &ty;
+      if (step == warmup) {
+        CHECK(ddp_device_synchronize(device), "synchronizing");
+        t0 = ddp_time_s();
+      }
+      ddp_tensor *x = on_gpu ? gx : &tx, *y = on_gpu ? gy : &ty;
       ddp_batch b;
       if (loader) {
         CHECK(ddp_loader_next(loader, &b), "loading a batch");
@@ -127,30 +156,47 @@ int main(int argc, char **argv) {
         x = &b.x;
         y = &b.y;
       }
-      ddp_tensor *out, *loss;
+      ddp_tensor *out;
       ddp_tape_reset(tape);
       ddp_model_zero_grad(model);
       CHECK(ddp_model_forward(model, tape, x, &out), "forward");
       CHECK(ddp_model_loss(model, tape, out, y, &loss), "loss");
       CHECK(ddp_backward(tape, loss), "backward");
       CHECK(ddp_optimizer_step(opt), "SGD step");
-      last_loss = ddp_tensor_f32(loss)[0];
+      if (!on_gpu) last_loss = ddp_tensor_f32(loss)[0];
     }
+    CHECK(ddp_device_synchronize(device), "synchronizing");
     rates[r] = (double)(steps * batch) / (ddp_time_s() - t0);
+    if (on_gpu) { /* the last step's loss, once the timing is done */
+      int64_t one = 1;
+      ddp_tensor h, d;
+      ddp_tensor_wrap(&h, DDP_FLOAT32, 1, &one, &last_loss);
+      ddp_tensor_wrap(&d, DDP_FLOAT32, 1, &one, loss->data);
+      d.device = device;
+      CHECK(ddp_tensor_copy(&h, &d), "reading the loss");
+    }
   }
   double sorted[64];
   memcpy(sorted, rates, sizeof(double) * (size_t)repeats);
   qsort(sorted, (size_t)repeats, sizeof(double), cmp_double);
   double median = sorted[repeats / 2];
-  if (json)
-    printf("{\"bench\": \"convnet\", \"threads\": %d, \"batch\": %lld, \"steps\": %lld, "
-           "\"repeats\": %lld, \"samples_per_s\": %.1f, \"final_loss\": %.4f}\n",
-           threads, (long long)batch, (long long)steps, (long long)repeats, median, last_loss);
+  char dev[DDP_DEVICE_STR_BYTES];
+  ddp_device_str(device, dev, sizeof dev);
+  if (json) {
+    printf("{\"bench\": \"convnet\", \"device\": \"%s\", \"threads\": %d, \"batch\": %lld, "
+           "\"steps\": %lld, \"repeats\": %lld, \"samples_per_s\": %.1f, \"samples_per_s_rounds\": [",
+           dev, threads, (long long)batch, (long long)steps, (long long)repeats, median);
+    for (int64_t r = 0; r < repeats; r++) printf("%s%.1f", r ? ", " : "", rates[r]);
+    printf("], \"step_us\": %.2f, \"final_loss\": %.4f}\n", 1e6 * (double)batch / median,
+           last_loss);
+  }
   else
     printf("ddp convnet threads=%d batch=%lld steps=%lld samples_per_s=%.1f (median of %lld) "
            "final_loss=%.4f\n",
            threads, (long long)batch, (long long)steps, median, (long long)repeats, last_loss);
 
+  ddp_tensor_destroy(gx);
+  ddp_tensor_destroy(gy);
   ddp_loader_destroy(loader);
   ddp_dataset_destroy(ds);
   ddp_free(sx);

@@ -53,6 +53,7 @@ typedef struct train_args {
   int64_t save_every;      /* 0 = only at the end */
   const char *resume_path; /* --resume: continue from this checkpoint */
   const char *init_path;   /* --init: start from this state dict */
+  const char *device;      /* --device: auto, cpu, cuda, cuda:N */
 } train_args;
 
 static void usage(FILE *f) {
@@ -87,6 +88,10 @@ static void usage(FILE *f) {
 "  --seed N             seeds the weights, the shuffle and dropout (default 1)\n"
 "  --threads N          BLAS threads per process (default: $OMP_NUM_THREADS if set, else 1;\n"
 "                       ddprun sets OMP_NUM_THREADS=1 for several workers)\n"
+"  --device D           cpu | cuda | cuda:N | auto (default auto: cuda:0 when this build\n"
+"                       has CUDA and a GPU is present and training is one process, else\n"
+"                       cpu). On a GPU the whole step runs there; --save, --resume and\n"
+"                       data parallelism need the CPU for now\n"
 "Data parallel (automatic under ddprun, torchrun's variables, srun or mpirun)\n"
 "  --sync-bn            BatchNorm statistics over the whole global batch (SyncBatchNorm)\n"
 "  --dump-state PATH    after training, write every state-dict tensor as text lines\n"
@@ -209,7 +214,8 @@ static void parse_args(int argc, char **argv, train_args *a) {
         "--model", "--activation", "--data", "--samples", "--epochs", "--max-steps",
         "--batch-size", "--lr", "--optimizer", "--momentum", "--weight-decay", "--scheduler",
         "--step-size", "--gamma", "--seed", "--threads", "--workers", "--eval-every",
-        "--patience", "--log", "--dump-state", "--save", "--save-every", "--resume", "--init"};
+        "--patience", "--log", "--dump-state", "--save", "--save-every", "--resume", "--init",
+        "--device"};
     char name[64];
     const char *eq = strchr(f, '=');
     size_t len = eq ? (size_t)(eq - f) : strlen(f);
@@ -254,6 +260,7 @@ static void parse_args(int argc, char **argv, train_args *a) {
     else if (!strcmp(name, "--save-every")) a->save_every = parse_int(name, v, 0);
     else if (!strcmp(name, "--resume")) a->resume_path = v;
     else if (!strcmp(name, "--init")) a->init_path = v;
+    else if (!strcmp(name, "--device")) a->device = v;
     else die_usage("unknown option '%s'", f);
   }
   if (a->scheduler && strcmp(a->scheduler, "step") && strcmp(a->scheduler, "none"))
@@ -551,6 +558,19 @@ static void print_summary(const train_args *a, const ddp_train_result *r) {
          a->model, a->optimizer);
 }
 
+/* --device: what was asked, or for auto the first GPU when there is one and
+ * training is one process (data parallelism over GPUs needs NCCL). */
+static ddp_device choose_device(const train_args *a, const train_world *world) {
+  if (!a->device || !strcmp(a->device, "auto")) {
+    if (!world->pg && !a->save_path && !a->resume_path && ddp_cuda_device_count() > 0)
+      return DDP_CUDA(0);
+    return DDP_CPU;
+  }
+  ddp_device d;
+  if (ddp_device_parse(a->device, &d) != DDP_OK) die_usage("--device: %s", ddp_last_error());
+  return d;
+}
+
 int main(int argc, char **argv) {
   train_args a;
   parse_args(argc, argv, &a);
@@ -603,6 +623,7 @@ int main(int argc, char **argv) {
   o.save_path = a.save_path;
   o.save_every = a.save_every;
   o.resume_path = a.resume_path;
+  o.device = choose_device(&a, &world);
   run_meta meta;
   run_meta_init(&meta, &a, &o.optim);
   o.checkpoint_meta = meta.kv;
@@ -615,6 +636,10 @@ int main(int argc, char **argv) {
   ddp_trainer *trainer;
   CHECK(ddp_trainer_create(&trainer, model, train_ds, test_ds, world.pg, &o),
         "setting up training");
+  if (lead && o.device.type != DDP_DEVICE_CPU) {
+    char dev[DDP_DEVICE_STR_BYTES];
+    fprintf(stderr, "ddp-train: training on %s\n", ddp_device_str(o.device, dev, sizeof dev));
+  }
   ddp_train_result r;
   ddp_status s = ddp_trainer_run(trainer, &r);
   if (s != DDP_OK) {
@@ -633,7 +658,10 @@ int main(int argc, char **argv) {
     fputc('\n', stderr);
   }
   if (a.json && lead) print_summary(&a, &r);
-  if (a.dump_state) dump_state(model, a.dump_state, world.rank);
+  if (a.dump_state) {
+    CHECK(ddp_model_to(model, DDP_CPU), "bringing the model back to the CPU for --dump-state");
+    dump_state(model, a.dump_state, world.rank);
+  }
   ddp_train_result_free(&r);
   ddp_trainer_destroy(trainer);
   ddp_dataset_destroy(test_ds);

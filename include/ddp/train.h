@@ -140,7 +140,12 @@ typedef struct ddp_train_options {
   const ddp_kv *checkpoint_meta;
   size_t checkpoint_meta_count;
   ddp_train_callbacks callbacks;
-  uint64_t reserved[8]; /* zero */
+  /* Where the step runs: DDP_CPU (default) or DDP_CUDA(i). The trainer
+   * moves the model there (ddp_model_to) and copies each batch over; the
+   * optimizer's state lives there too. One process per device: data
+   * parallelism over GPUs (NCCL) is not there yet and is refused. */
+  ddp_device device;
+  uint64_t reserved[7]; /* zero */
 } ddp_train_options;
 
 /* epochs 1, batch 100, SGD lr 0.01 (no momentum), seed 1, automatic

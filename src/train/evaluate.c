@@ -22,13 +22,24 @@ static ddp_status local_sums(ddp_trainer *t, double sums[3]) {
     ddp_batch b;
     DDP_TRY(ddp_loader_next(t->test_loader, &b));
     if (b.size == 0) break;
-    ddp_tensor *out, *loss;
+    ddp_tensor *out, *loss, x, yd;
+    DDP_TRY(ddp__train_batch_on_device(t, &b, &x, &yd));
     ddp_tape_reset(tape);
-    DDP_TRY(ddp_model_forward(model, tape, &b.x, &out));
-    DDP_TRY(ddp_model_loss(model, tape, out, &b.y, &loss));
-    loss_sum += (double)ddp_tensor_f32(loss)[0] * (double)b.size;
+    DDP_TRY(ddp_model_forward(model, tape, &x, &out));
+    DDP_TRY(ddp_model_loss(model, tape, out, &yd, &loss));
+    float loss0;
+    DDP_TRY(ddp__train_scalar(loss, &loss0));
+    loss_sum += (double)loss0 * (double)b.size;
     if (classify) {
-      const float *o = ddp_tensor_f32(out);
+      /* On a GPU the outputs come to the host: into the test set's share
+       * of tape memory, a few KB per batch. */
+      float *host = out->device.type == DDP_DEVICE_CPU
+                        ? NULL
+                        : ddp_tape_scratch(tape, (size_t)out->numel * sizeof(float));
+      if (out->device.type != DDP_DEVICE_CPU && !host)
+        return ddp_error(DDP_ERR_NOMEM, "no room for a batch's outputs on the host");
+      const float *o;
+      DDP_TRY(ddp__train_host_view(out, host, &o));
       const int64_t *y = ddp_tensor_i64(&b.y);
       int64_t classes = out->shape[1];
       for (int64_t i = 0; i < b.size; i++) {

@@ -44,7 +44,21 @@ struct ddp_trainer {
   ddp_tape *tape;
   FILE *log; /* rank 0's, when options.log_path */
   bool ran;
+  /* On a GPU (o.device): the batch's home there, grown to the largest
+   * batch seen (device_batch.c). */
+  ddp_tensor *device_x, *device_y;
 };
+
+/* The batch b on the trainer's device: *x and *y are b's tensors on the
+ * CPU, else views of the trainer's device buffers holding a copy. */
+ddp_status ddp__train_batch_on_device(ddp_trainer *t, ddp_batch *b, ddp_tensor *x, ddp_tensor *y);
+/* The value of a one-element float32 tensor on any device (a GPU's:
+ * copied, which waits for the step to get there). */
+ddp_status ddp__train_scalar(const ddp_tensor *t, float *value);
+/* A copy of a float32 tensor's data on the host: t's own data on the CPU,
+ * else `host` (t->numel floats) filled from the device. */
+ddp_status ddp__train_host_view(const ddp_tensor *t, float *host, const float **data);
+void ddp__train_device_free(ddp_trainer *t);
 
 /* Sums values[0..n) over the group in place (float64); nothing without one.
  * Collective. */

@@ -68,6 +68,24 @@ static ddp_status check_options(const ddp_train_options *o, const ddp_process_gr
     return ddp_error(DDP_ERR_INVALID, "unknown strategy %d", (int)o->strategy);
   if (o->sync_bn && o->strategy == DDP_TRAIN_SINGLE && pg)
     return ddp_error(DDP_ERR_INVALID, "sync_bn needs the data-parallel strategy");
+  if (o->device.type != DDP_DEVICE_CPU) {
+    char name[DDP_DEVICE_STR_BYTES];
+    ddp_device_str(o->device, name, sizeof name);
+    ddp_status s = ddp_device_check(o->device); /* its message names the device */
+    if (s != DDP_OK) return s;
+    if (o->save_path || o->resume_path)
+      return ddp_error(DDP_ERR_UNSUPPORTED,
+                       "device %s: checkpoints (save_path, resume_path) are written from the "
+                       "CPU; train on the CPU to save, or save the model yourself after moving "
+                       "it back (ddp_model_to)",
+                       name);
+    if (o->strategy == DDP_TRAIN_DATA_PARALLEL || (o->strategy == DDP_TRAIN_AUTO && pg))
+      return ddp_error(DDP_ERR_UNSUPPORTED,
+                       "device %s: data parallelism over GPUs needs the NCCL backend, which ddp "
+                       "does not have yet; train one process per GPU with --strategy single, or "
+                       "on the CPU",
+                       name);
+  }
   return DDP_OK;
 }
 
@@ -148,7 +166,13 @@ static ddp_status create_parts(ddp_trainer *t) {
     s = ddp_model_convert_sync_batchnorm(t->model, t->pg);
     if (s != DDP_OK) return ddp_error_wrap(s, "converting to SyncBatchNorm");
   }
-  s = ddp_optimizer_create(&t->opt, &o->optim, ddp_model_params_flat(t->model),
+  if (o->device.type != DDP_DEVICE_CPU) {
+    s = ddp_model_to(t->model, o->device);
+    if (s != DDP_OK) return ddp_error_wrap(s, "moving the model");
+  }
+  ddp_optim_options optim = o->optim;
+  optim.device = o->device;
+  s = ddp_optimizer_create(&t->opt, &optim, ddp_model_params_flat(t->model),
                            ddp_model_grads_flat(t->model),
                            (size_t)ddp_model_num_param_elements(t->model));
   if (s != DDP_OK) return ddp_error_wrap(s, "creating the optimizer");
@@ -209,6 +233,7 @@ void ddp_trainer_destroy(ddp_trainer *t) {
   if (t->strategy) t->strategy->destroy(t);
   if (t->log) fclose(t->log);
   ddp_tape_destroy(t->tape);
+  ddp__train_device_free(t);
   ddp_loader_destroy(t->test_loader);
   ddp_loader_destroy(t->train_loader);
   ddp_sampler_destroy(t->test_sampler);
@@ -367,15 +392,21 @@ static ddp_status train_step(ddp_trainer *t, run_state *r, int64_t epoch, bool *
     *done = true;
     return DDP_OK;
   }
+  ddp_tensor x, y;
+  s = ddp__train_batch_on_device(t, &b, &x, &y);
+  if (s != DDP_OK) return ddp_error_wrap(s, "copying a batch to the device");
   double t_loaded = ddp_time_s();
   ddp_tensor *out, *loss;
   ddp_tape_reset(t->tape);
   ddp_model_zero_grad(t->model);
-  s = t->strategy->forward(t, t->tape, &b.x, &out);
+  s = t->strategy->forward(t, t->tape, &x, &out);
   if (s != DDP_OK) return ddp_error_wrap(s, "forward");
-  s = ddp_model_loss(t->model, t->tape, out, &b.y, &loss);
+  s = ddp_model_loss(t->model, t->tape, out, &y, &loss);
   if (s != DDP_OK) return ddp_error_wrap(s, "loss");
-  double loss_sums[2] = {(double)ddp_tensor_f32(loss)[0] * (double)b.size, (double)b.size};
+  float loss0;
+  s = ddp__train_scalar(loss, &loss0);
+  if (s != DDP_OK) return ddp_error_wrap(s, "reading the loss");
+  double loss_sums[2] = {(double)loss0 * (double)b.size, (double)b.size};
   double t_forward = ddp_time_s();
   s = t->strategy->backward(t, t->tape, loss);
   if (s != DDP_OK) return ddp_error_wrap(s, "backward");
