@@ -1,0 +1,440 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 26 (docs/cuda.md, "Checking on a GPU"), run on the
+# GPU machine from the repository root with .gpu-carry/ present (made here by
+# scripts/gpu-prepare.sh), in at most 5 minutes:
+#   (a) every carried CUDA test (test_cuda_*): PASS, FAIL or SKIP (exit 77);
+#   (b) the PyTorch reference step, scripts/torch/gpu_convnet_step.py, at
+#       batch 100 and 1024 (eager, deterministic cuDNN, CUDA graph);
+#   (c) ddp's own step, bench_convnet --device cuda, at the same batches, and
+#       the speed bars against PyTorch's eager step (>= 2x at 100, >= 1x at
+#       1024);
+#   (e) the ToyMpModel across devices, toy_mp_devices, when built;
+#   (d) the ConvNet trained 3 epochs on the GPU (ddp-train --device cuda) for
+#       seeds 1 2 3, against the CPU runs carried (mean within 0.5 points).
+# (d) runs last: it is the longest and gets whatever time is left.
+# Each step has its own timeout inside the whole budget (GPU_CHECK_BUDGET,
+# default 280 s), and is appended to OUTDIR/report.md as soon as it ends, its
+# output to OUTDIR/gpu-check.log and its measurements to
+# OUTDIR/results.jsonl, so a run cut short still leaves what it did. The last
+# line of report.md counts the steps passed, failed and skipped; the exit
+# status is 0 only when none failed. Where there is no GPU every GPU step
+# reports skipped.
+# Usage: bash scripts/gpu-check.sh [OUTDIR]   (default $OUT, else a new temp dir)
+#   GPU_CHECK_PYTHON (default python3) runs the PyTorch step.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+repo=$(pwd)
+t_start=$SECONDS
+budget=${GPU_CHECK_BUDGET:-280}
+py=${GPU_CHECK_PYTHON:-python3}
+carry=$repo/.gpu-carry
+
+out=${1:-${OUT:-}}
+[ -n "$out" ] || out=$(mktemp -d /tmp/gpu-check.XXXXXX)
+mkdir -p "$out" || { echo "gpu-check: cannot make $out" >&2; exit 2; }
+out=$(cd "$out" && pwd)
+report=$out/report.md
+log=$out/gpu-check.log
+results=$out/results.jsonl
+: >"$report"
+: >"$log"
+: >"$results"
+work=$(mktemp -d /tmp/gpu-check-work.XXXXXX)
+data_link=""
+cleanup() {
+  [ -n "$data_link" ] && rm -f "$data_link"
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+passed=0 failed=0 skipped=0
+# say LINE...: to the report and to stdout (the device tool's output tail).
+say() { printf '%s\n' "$@" | tee -a "$report"; }
+elapsed() { echo $((SECONDS - t_start)); }
+left() { echo $((budget - (SECONDS - t_start))); }
+# Each phase ends by its share of the budget (phase_end, seconds from the
+# start), so that one hung test cannot starve the others; time a phase
+# leaves unused goes to the next ones.
+phase_end=$budget
+phase() { phase_end=$((budget * $1 / 100)); }
+summary() {
+  say "" "Summary: $passed passed, $failed failed, $skipped skipped in $(elapsed) s (budget ${budget} s)${1:-}"
+}
+step_pid="" step_name=""
+interrupted() {
+  if [ -n "$step_pid" ]; then
+    kill -TERM "$step_pid" 2>/dev/null
+    wait "$step_pid" 2>/dev/null
+    cat "$out/step-running.log" >>"$log" 2>/dev/null && rm -f "$out/step-running.log"
+  fi
+  summary " (interrupted${step_pid:+ during $step_name})"
+  exit 130
+}
+trap interrupted INT TERM
+now() { date +%s.%N; }
+secs() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.1f", b - a}'; }
+json_str() { printf '%s' "$1" | sed 's/\\/\\\\/g; s/"/\\"/g' | tr '\n\t' '  '; }
+# jnum KEY FILE: the number after "KEY": in FILE's last line holding it.
+jnum() { grep "\"$1\"" "$2" 2>/dev/null | tail -n 1 | sed -n "s/.*\"$1\": *\([-0-9.eE+]*\).*/\1/p"; }
+
+# record NAME STATUS SECONDS DETAIL [TAILFILE]: one step's result.
+record() {
+  local name=$1 status=$2 secs=$3 detail=$4 tailfile=${5:-}
+  case $status in
+    PASS) passed=$((passed + 1)) ;;
+    FAIL) failed=$((failed + 1)) ;;
+    SKIP) skipped=$((skipped + 1)) ;;
+  esac
+  say "- **$name**: $status ($secs s)${detail:+: $detail}"
+  if [ -n "$tailfile" ] && [ -s "$tailfile" ]; then
+    {
+      echo '  ```text'
+      tail -n 12 "$tailfile" | cut -c1-300 | sed 's/^/  /'
+      echo '  ```'
+    } >>"$report"
+  fi
+  printf '{"step": "%s", "status": "%s", "seconds": %s, "detail": "%s"}\n' \
+    "$name" "$status" "$secs" "$(json_str "$detail")" >>"$results"
+}
+
+gpu_present=0
+# A test killed by its timeout still shows what it printed up to then.
+line_buffered=()
+command -v stdbuf >/dev/null && line_buffered=(stdbuf -oL -eL)
+nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && gpu_present=1
+
+# run_step NAME WANT_S CMD...: runs CMD under a timeout of WANT_S seconds, or
+# less when its phase or the budget has less left (SKIP, not run, when that
+# is under 5 s); its output goes to the log and to $work/step.out. Sets
+# step_rc, step_secs, step_status (PASS on 0, SKIP on 77 or on a failure
+# saying "no CUDA" where there is no GPU, else FAIL) and step_detail; the
+# caller records.
+run_step() {
+  local name=$1 want=$2
+  shift 2
+  local t
+  t=$(($(left) - 5))
+  [ $((phase_end - $(elapsed))) -lt "$t" ] && t=$((phase_end - $(elapsed)))
+  [ "$want" -lt "$t" ] && t=$want
+  : >"$work/step.out"
+  if [ "$t" -lt 5 ]; then
+    step_rc=-1 step_secs=0 step_status=SKIP step_detail="not run: no time left in its share of the ${budget} s budget"
+    return
+  fi
+  printf '\n===== %s (timeout %d s, at %d s) =====\n$ %s\n' "$name" "$t" "$(elapsed)" "$*" >>"$log"
+  echo "gpu-check: $name (timeout $t s)"
+  local t0
+  t0=$(now)
+  # The running step writes to $out/step-running.log: a run killed from
+  # outside leaves it there; otherwise it joins gpu-check.log. In the
+  # background, so that an interrupt reaches the trap at once.
+  step_name=$name
+  timeout -k 5 "$t" "${line_buffered[@]}" "$@" </dev/null >"$out/step-running.log" 2>&1 &
+  step_pid=$!
+  wait "$step_pid"
+  step_rc=$?
+  step_pid=""
+  step_secs=$(secs "$t0" "$(now)")
+  cat "$out/step-running.log" >>"$log"
+  mv "$out/step-running.log" "$work/step.out"
+  echo "===== $name: exit $step_rc after $step_secs s" >>"$log"
+  step_detail=""
+  case $step_rc in
+    0) step_status=PASS ;;
+    77) step_status=SKIP
+      step_detail=$(grep -v '^{' "$work/step.out" | grep -m1 -i 'no CUDA\|skip' | cut -c1-200)
+      [ -n "$step_detail" ] || step_detail=$(tail -n 1 "$work/step.out" | cut -c1-200) ;;
+    124 | 137) step_status=FAIL step_detail="timed out after $t s" ;;
+    *) step_status=FAIL step_detail="exit $step_rc" ;;
+  esac
+  if [ "$step_status" = FAIL ] && [ "$gpu_present" = 0 ] &&
+    grep -qi 'no CUDA\|CUDA driver\|no GPU' "$work/step.out"; then
+    step_status=SKIP
+    step_detail="no GPU here: $(grep -m1 -i 'no CUDA\|CUDA driver\|no GPU' "$work/step.out" | cut -c1-200)"
+  fi
+}
+# step NAME WANT_S CMD...: run_step, then record with the output's tail.
+step() {
+  local name=$1
+  run_step "$@"
+  record "$name" "$step_status" "$step_secs" "$step_detail" "$work/step.out"
+}
+
+say "# gpu-check report" "" "$(date -u +'%Y-%m-%d %H:%M:%S UTC') on $(hostname), repository at $(git rev-parse \
+  --short HEAD 2>/dev/null || echo '(no git)'), output in $out" ""
+
+# ---- The carry: unpack the bundle, find CUDA's libraries, the data.
+if [ ! -f "$carry/bundle.tar.xz" ] || [ ! -f "$carry/manifest.txt" ]; then
+  say "" "No .gpu-carry/bundle.tar.xz here: run scripts/gpu-prepare.sh first and carry .gpu-carry."
+  failed=1
+  summary ""
+  exit 1
+fi
+bundle=$work/bundle
+mkdir -p "$bundle"
+# tar -J needs the xz program, which a minimal image may lack; python's
+# tarfile reads xz itself.
+if command -v xz >/dev/null; then
+  tar -C "$bundle" -xJf "$carry/bundle.tar.xz"
+else
+  "$py" -c 'import sys, tarfile
+t = tarfile.open(sys.argv[1])
+t.extractall(sys.argv[2], **({"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}))' \
+    "$carry/bundle.tar.xz" "$bundle"
+fi || { say "" "Could not unpack $carry/bundle.tar.xz"; failed=1; summary ""; exit 1; }
+bin=$bundle/bin
+data=$carry/data/fashion-mnist
+
+# CUDA's libraries: the machine's own, found by the loader's cache, in
+# /usr/local/cuda*, or in the pip nvidia-* packages of its python3.
+cuda_dirs=()
+cuda_found=()
+cuda_missing=()
+# One python3 start (importing torch takes seconds) answers all: lines
+# "python V", "torch ...", "nvidia DIR" for the pip nvidia-* packages'
+# folders, "torchlib DIR".
+py_facts=$(timeout 120 "$py" - 2>&1 <<'PY'
+import os, sys
+print("python", sys.version.split()[0])
+try:
+    import nvidia
+    for d in nvidia.__path__:
+        print("nvidia", d)
+except ImportError:
+    pass
+try:
+    import torch
+    c = torch.cuda.is_available()
+    print("torch", torch.__version__, "CUDA", torch.version.cuda, "cuDNN", torch.backends.cudnn.version(),
+          "device", torch.cuda.get_device_name(0) if c else "none")
+    print("torchlib", os.path.join(os.path.dirname(torch.__file__), "lib"))
+except Exception as e:
+    print("torch", "unavailable:", type(e).__name__, e)
+PY
+)
+py_nvidia=$(sed -n 's/^nvidia //p' <<<"$py_facts")
+py_torch_lib=$(sed -n 's/^torchlib //p' <<<"$py_facts")
+for so in $(sed -n 's/^cuda_soname //p' "$carry/manifest.txt"); do
+  case $so in libcuda.so*) continue ;; esac # the driver's own, always the machine's
+  hit=$(ldconfig -p 2>/dev/null | awk -v s="$so" '$1 == s {print $NF; exit}')
+  if [ -z "$hit" ]; then
+    for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib \
+      /usr/local/cuda-*/lib64 /usr/local/cuda-*/lib /usr/local/cuda-*/targets/x86_64-linux/lib \
+      $py_nvidia $py_torch_lib; do
+      [ -d "$d" ] || continue
+      hit=$(find "$d/" -maxdepth 4 -name "$so" 2>/dev/null | head -n 1) # "/": through a link
+      [ -n "$hit" ] && break
+    done
+    [ -n "$hit" ] && cuda_dirs+=("$(readlink -f "$(dirname "$hit")")")
+  fi
+  if [ -n "$hit" ]; then cuda_found+=("$so -> $(readlink -f "$hit")"); else cuda_missing+=("$so"); fi
+done
+ddp_ld=$bundle/libs:$bundle/lib
+for d in "${cuda_dirs[@]}"; do
+  case ":$ddp_ld:" in *":$d:"*) ;; *) ddp_ld=$ddp_ld:$d ;; esac
+done
+ddp_ld=$ddp_ld${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# Our binaries get the carried libraries; python3 (PyTorch) keeps its own.
+ddp_env=(env LD_LIBRARY_PATH="$ddp_ld" DDP_SOURCE_DIR="$repo" DDP_BIN_DIR="$bin")
+ddp() { "${ddp_env[@]}" "$@"; }
+
+# Tests read Fashion-MNIST where Debian puts it; as root, point that path at
+# the carried copy when the machine has none.
+fm=/usr/share/datasets/fashion-mnist
+data_note="$fm exists here"
+if [ ! -e "$fm" ]; then
+  if mkdir -p "$(dirname "$fm")" 2>/dev/null && ln -s "$data" "$fm" 2>/dev/null; then
+    data_link=$fm
+    data_note="$fm linked to the carried copy for this run"
+  else
+    data_note="$fm absent and not writable: tests that read it skip"
+  fi
+fi
+
+# ---- The environment.
+{
+  echo "## Environment"
+  echo '```text'
+  echo "system: $(uname -srm); $(. /etc/os-release 2>/dev/null && echo "$PRETTY_NAME"); $(ldd --version 2>/dev/null | head -n 1)"
+  echo "cpus: $(nproc); glibc the binaries need: $(sed -n 's/^glibc_needed //p' "$carry/manifest.txt")"
+  if command -v nvidia-smi >/dev/null; then
+    echo "gpu: $(nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1 | head -n 4)"
+  else
+    echo "gpu: none (no nvidia-smi)"
+  fi
+  nvcc=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+  echo "nvcc: $([ -n "$nvcc" ] && "$nvcc" --version | tail -n 2 | tr '\n' ' ' || echo 'not found')"
+  echo "python: $(command -v "$py" || echo "$py: not found") $(sed -n 's/^python //p' <<<"$py_facts")"
+  echo "torch: $(sed -n 's/^torch //p' <<<"$py_facts")"
+  echo "carry: $(sed -n 's/^made /made /p; s/^git /git /p; s/^build /build /p' "$carry/manifest.txt" | paste -sd ';' | sed 's/;/; /g')"
+  echo "CUDA libraries found: ${cuda_found[*]:-(none needed)}"
+  [ ${#cuda_missing[@]} -gt 0 ] && echo "CUDA libraries NOT found: ${cuda_missing[*]}"
+  echo "LD_LIBRARY_PATH for ddp: $ddp_ld"
+  echo "data: $data_note"
+  probe=$(ls "$bundle"/tests/test_cuda_* 2>/dev/null | head -n 1)
+  [ -n "$probe" ] || probe=$bin/ddp-train
+  if [ -e "$probe" ]; then
+    echo "ldd $(basename "$probe"):"
+    ddp ldd "$probe" 2>&1 | sed 's/ (0x[0-9a-f]*)$//'
+  fi
+  echo '```'
+} | tee -a "$report"
+{
+  echo "===== environment"
+  nvidia-smi 2>&1
+  cat "$carry/manifest.txt"
+} >>"$log"
+
+# ---- (a) The CUDA tests, until 35% of the budget (98 s of 280).
+say "" "## (a) CUDA tests"
+# Each test may take up to 60 s, less what keeps 10 s for each one after it
+# (but never under 20 s): a hung test leaves the others their turn.
+phase 35
+tests=()
+for exe in "$bundle"/tests/test_cuda_*; do [ -x "$exe" ] && tests+=("$exe"); done
+ntests=${#tests[@]}
+for i in "${!tests[@]}"; do
+  want=$((phase_end - $(elapsed) - 10 * (ntests - i - 1)))
+  [ "$want" -gt 60 ] && want=60
+  [ "$want" -lt 20 ] && want=20
+  step "$(basename "${tests[$i]}")" "$want" "${ddp_env[@]}" "${tests[$i]}"
+done
+[ "$ntests" -gt 0 ] || record "cuda tests" SKIP 0 "no test_cuda_* carried (the build has none)"
+
+# ---- (b) PyTorch's step.
+say "" "## (b) PyTorch eager reference (TF32 off, synthetic data on the device)"
+phase 55
+if command -v "$py" >/dev/null; then
+  run_step torch_convnet_step 90 env PYTHONUNBUFFERED=1 "$py" scripts/torch/gpu_convnet_step.py \
+    --batch 100 1024 --deterministic --cuda-graph
+  grep '^{"impl": "torch"' "$work/step.out" >>"$results"
+  record torch_convnet_step "$step_status" "$step_secs" "$step_detail"
+  if grep -q '"samples_per_s_median"' "$work/step.out"; then
+    {
+      echo ""
+      echo "| variant | batch | samples/s (median) | step µs | rounds |"
+      echo "| --- | --- | --- | --- | --- |"
+      grep '"samples_per_s_median"' "$work/step.out" | sed -n \
+        's/.*"variant": "\([a-z]*\)", "batch": \([0-9]*\), "samples_per_s_rounds": \[\([^]]*\)\], "samples_per_s_median": \([0-9.]*\), "step_us_median": \([0-9.]*\).*/| \1 | \2 | \4 | \5 | \3 |/p'
+    } | tee -a "$report"
+    grep '"error"' "$work/step.out" | sed -n \
+      's/.*"variant": "\([a-z]*\)", "batch": \([0-9]*\), "error": "\(.*\)"}$/- torch \1 at batch \2 failed: \3/p' |
+      cut -c1-300 | tee -a "$report"
+  elif [ -s "$work/step.out" ]; then
+    { echo '  ```text'; tail -n 12 "$work/step.out" | sed 's/^/  /'; echo '  ```'; } >>"$report"
+  fi
+else
+  record torch_convnet_step SKIP 0 "no $py here"
+fi
+torch_sps() { # BATCH: PyTorch's eager median at BATCH, if measured
+  grep '"variant": "eager", "batch": '"$1"',' "$results" | sed -n 's/.*"samples_per_s_median": \([0-9.]*\).*/\1/p' | tail -n 1
+}
+
+# ---- (c) ddp's step, and the speed bars.
+say "" "## (c) ddp's GPU step (bench_convnet --device cuda)"
+phase 72
+if [ ! -x "$bin/bench_convnet" ]; then
+  record bench_convnet SKIP 0 "no bench_convnet carried"
+elif ! grep -q -- '--device' <<<"$(ddp "$bin/bench_convnet" --help 2>&1)"; then
+  record bench_convnet SKIP 0 "skipped: bench_convnet has no --device yet"
+else
+  graph=""
+  grep -q -- '--cuda-graph' <<<"$(ddp "$bin/bench_convnet" --help 2>&1)" && graph=1
+  for batch in 100 1024; do
+    for variant in plain ${graph:+graph}; do
+      extra=()
+      [ "$variant" = graph ] && extra=(--cuda-graph)
+      name=bench_convnet_b${batch}${graph:+_$variant}
+      run_step "$name" 40 "${ddp_env[@]}" "$bin/bench_convnet" --device cuda --data synthetic --batch "$batch" \
+        --steps 200 --warmup 20 --repeats 5 --json "${extra[@]}"
+      sps=$(jnum samples_per_s "$work/step.out")
+      if [ "$step_status" = PASS ] && [ -z "$sps" ]; then
+        step_status=FAIL step_detail="no samples_per_s in its --json output"
+      fi
+      [ -n "$sps" ] && step_detail="${step_detail:+$step_detail; }$sps samples/s"
+      [ -n "$sps" ] && printf '{"impl": "ddp", "variant": "%s", "batch": %s, "samples_per_s_median": %s}\n' \
+        "$variant" "$batch" "$sps" >>"$results"
+      record "$name" "$step_status" "$step_secs" "$step_detail" "$work/step.out"
+    done
+    # The bar: ddp's best (CUDA graph when it has one) against PyTorch eager.
+    best=$(grep '^{"impl": "ddp", "variant": "[a-z]*", "batch": '"$batch"',' "$results" |
+      sed -n 's/.*"samples_per_s_median": \([0-9.]*\).*/\1/p' | sort -g | tail -n 1)
+    theirs=$(torch_sps "$batch")
+    bar=1.0
+    [ "$batch" = 100 ] && bar=2.0
+    if [ -z "$best" ] || [ -z "$theirs" ]; then
+      record "speed_b$batch" SKIP 0 "needs both ddp's and PyTorch's figure (ddp '${best}', torch '${theirs}')"
+    else
+      ratio=$(awk -v o="$best" -v t="$theirs" 'BEGIN {printf "%.2f", o / t}')
+      st=$(awk -v r="$ratio" -v b="$bar" 'BEGIN {print (r >= b) ? "PASS" : "FAIL"}')
+      record "speed_b$batch" "$st" 0 "ddp $best / torch eager $theirs samples/s = ${ratio}x (bar ${bar}x$([ "$batch" = 100 ] && echo ', goal 5x'))"
+    fi
+  done
+fi
+
+# ---- (e) ToyMpModel across devices.
+say "" "## (e) ToyMpModel, net1 on cuda:0 and net2 on cpu (toy_mp_devices)"
+phase 78
+if [ -x "$bin/toy_mp_devices" ]; then
+  step toy_mp_devices 30 "${ddp_env[@]}" "$bin/toy_mp_devices"
+else
+  record toy_mp_devices SKIP 0 "no toy_mp_devices carried (not built yet)"
+fi
+
+# ---- (d) Training accuracy, GPU against the CPU runs carried.
+say "" "## (d) ConvNet, 3 epochs on Fashion-MNIST: GPU against CPU"
+phase 100
+settings="--model convnet --epochs 3 --batch-size 100 --lr 0.01 --momentum 0.9"
+seeds="1 2 3"
+cpu_dir=$carry/cpu-runs
+if [ -f "$cpu_dir/settings" ]; then
+  settings=$(sed -n 's/^settings //p' "$cpu_dir/settings")
+  seeds=$(sed -n 's/^seeds //p' "$cpu_dir/settings")
+  made_with=$(sed -n 's/^ddp_train_sha256 //p' "$cpu_dir/settings")
+  carried=$(sha256sum "$bin/ddp-train" 2>/dev/null | cut -d' ' -f1)
+  [ "$made_with" = "$carried" ] ||
+    say "Note: the CPU runs were made by another ddp-train than the one carried (rerun gpu-prepare.sh --cpu-runs)."
+fi
+if [ ! -x "$bin/ddp-train" ]; then
+  record accuracy SKIP 0 "no ddp-train carried"
+elif ! grep -q -- '--device' <<<"$(ddp "$bin/ddp-train" --help 2>&1)"; then
+  record accuracy SKIP 0 "skipped: ddp-train has no --device yet"
+else
+  gpu_acc=() cpu_acc=()
+  read -r -a seed_list <<<"$seeds"
+  nseeds=${#seed_list[@]}
+  nleft=$nseeds
+  for s in "${seed_list[@]}"; do
+    want=$(( ($(left) - 5) / nleft ))
+    nleft=$((nleft - 1))
+    # shellcheck disable=SC2086 # the settings are words
+    run_step "train_seed$s" "$want" "${ddp_env[@]}" "$bin/ddp-train" $settings --seed "$s" --device cuda \
+      --data "$data" --json
+    acc=$(jnum test_accuracy "$work/step.out")
+    sps=$(jnum samples_per_s "$work/step.out")
+    if [ "$step_status" = PASS ] && [ -z "$acc" ]; then
+      step_status=FAIL step_detail="no test_accuracy in its --json output"
+    fi
+    cpu=$(jnum test_accuracy "$cpu_dir/seed-$s.json")
+    [ -n "$acc" ] && step_detail="${step_detail:+$step_detail; }GPU accuracy $acc, ${sps} samples/s${cpu:+, CPU $cpu}"
+    [ -n "$acc" ] && gpu_acc+=("$acc")
+    [ -n "$acc" ] && [ -n "$cpu" ] && cpu_acc+=("$cpu")
+    grep '"test_accuracy"' "$work/step.out" | tail -n 1 | sed "s/^{/{\"impl\": \"ddp-train\", \"device\": \"cuda\", \"seed\": $s, /" >>"$results"
+    record "train_seed$s" "$step_status" "$step_secs" "$step_detail" "$work/step.out"
+  done
+  if [ ${#gpu_acc[@]} -lt "$nseeds" ]; then
+    record accuracy SKIP 0 "only ${#gpu_acc[@]} of $nseeds GPU runs finished"
+  elif [ ${#cpu_acc[@]} -lt "$nseeds" ]; then
+    record accuracy SKIP 0 "no CPU runs carried (gpu-prepare.sh --cpu-runs); GPU accuracies: ${gpu_acc[*]}"
+  else
+    verdict=$(printf '%s\n' "${gpu_acc[@]}" "--" "${cpu_acc[@]}" | awk '
+      $1 == "--" {cpu = 1; next}
+      {if (cpu) {c += $1; nc++} else {g += $1; ng++}}
+      END {d = 100 * (g / ng - c / nc); printf "%s GPU mean %.2f%%, CPU mean %.2f%%, difference %+.2f points (bar 0.5)\n",
+        (d <= 0.5 && d >= -0.5) ? "PASS" : "FAIL", 100 * g / ng, 100 * c / nc, d}')
+    record accuracy "${verdict%% *}" 0 "${verdict#* }"
+  fi
+fi
+
+summary ""
+[ "$failed" -eq 0 ]
