@@ -174,7 +174,7 @@ fi
   echo "made $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"
   echo "git $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (working tree modified)')"
   echo "build $build ($(sed -n 's/^CMAKE_BUILD_TYPE:STRING=//p' "$build/CMakeCache.txt" 2>/dev/null)," \
-    "CUDA $(grep -q 'CMAKE_CUDA_COMPILER:' "$build/CMakeCache.txt" 2>/dev/null && echo yes || echo no))"
+    "CUDA $(compgen -G "$build/CMakeFiles/*/CMakeCUDACompiler.cmake" >/dev/null && echo yes || echo no))"
   echo "glibc_needed ${glibc_needed:-unknown}"
   (cd "$b" && find bin tests lib -mindepth 1 | sort | sed 's/^/file /')
   for name in $(printf '%s\n' "${!copied[@]}" | sort); do echo "lib $name ${copied[$name]}"; done
