@@ -56,7 +56,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--json")) json = true;
     else if (!strcmp(a, "--device") && v) CHECK(ddp_device_parse(argv[++i], &device), "--device");
     else {
-      fprintf(stderr,
+      fprintf(!strcmp(a, "--help") ? stdout : stderr,
               "usage: bench_convnet [--batch 100] [--steps 150] [--warmup 10] [--repeats 3]\n"
               "                     [--threads 1] [--data DIR|synthetic] [--device cpu|cuda[:N]]\n"
               "                     [--json]\n");
