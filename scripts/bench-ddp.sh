@@ -19,7 +19,11 @@
 # (ready to run, their CPU held by another task: the machine's daemons) per
 # step at each world: at world 2 each such wait stalls both ranks.
 #   scripts/bench-ddp.sh [rounds=5] [steps=200]
-# Env: DDP_SHARED_DIR (where refs/ is; default ../shared), BENCH_WORLDS ("1 2").
+# Env: DDP_SHARED_DIR (where refs/ is; default ../shared), BENCH_WORLDS ("1 2"),
+# BENCH_DDPRUN_OPTS (ddprun options for ddp's runs, e.g. "--bind none"),
+# BENCH_DDP_COMPARE (ddprun options of a third side, "ddp-alt", run in every
+# round beside the other two and reported as ddp / ddp-alt per world: e.g.
+# BENCH_DDP_COMPARE="--bind none" weighs the default placement against none).
 # Needs build/bin/{ddprun,ddp-train} (scripts/build.sh), python3-torch and the
 # Fashion-MNIST package (scripts/install-deps.sh data).
 set -euo pipefail
@@ -45,7 +49,7 @@ done
 # by other tasks (steady_preempted_ms_per_rank): what the machine's daemons
 # cost a synchronous step, which every rank waits out.
 ddp_run() { # W -> "samples/s preempted_ms_all_ranks step_ms"
-  timeout 900 build/bin/ddprun --nproc-per-node "$1" build/bin/ddp-train --model convnet \
+  timeout 900 build/bin/ddprun ${DDPRUN_OPTS:-${BENCH_DDPRUN_OPTS:-}} --nproc-per-node "$1" build/bin/ddp-train --model convnet \
     --batch-size 100 --threads 1 --workers 0 --lr 0.01 --momentum 0.9 --seed 1 \
     --max-steps $((steps + 10)) --json 2>/dev/null | tail -n 1 | /usr/bin/python3 -c '
 import json, sys
@@ -53,6 +57,7 @@ d = json.loads(sys.stdin.read())
 p = d["steady_preempted_ms_per_rank"]
 print(d["steady_samples_per_s"], "nan" if None in p else sum(p), d["steady_step_phases"]["step_ms"])' 2>/dev/null
 }
+ddpalt_run() { DDPRUN_OPTS="$BENCH_DDP_COMPARE" ddp_run "$1"; }
 torch_run() { # W -> samples/s
   timeout 900 /usr/bin/python3 "$ref" --world "$1" --steps "$steps" --threads 1 --batch 100 \
     --port $((20000 + RANDOM % 20000)) 2>/dev/null | sed -n 's/.*samples_per_s=\([0-9.]*\).*/\1/p'
@@ -75,6 +80,9 @@ for r in $(seq "$rounds"); do
   # efficiency compares runs seconds apart; which side goes first
   # alternates every round, and the order of the worlds every two rounds.
   if (( r % 2 )); then sides=(ddp torch); else sides=(torch ddp); fi
+  if [ -n "${BENCH_DDP_COMPARE:-}" ]; then # three sides: each goes first every third round
+    all=(ddp ddpalt torch); sides=("${all[@]:$((r % 3))}" "${all[@]:0:$((r % 3))}")
+  fi
   if (( (r + 1) / 2 % 2 )); then order=("${worlds[@]}"); else
     order=(); for (( i = ${#worlds[@]} - 1; i >= 0; i-- )); do order+=("${worlds[i]}"); done
   fi
@@ -117,6 +125,13 @@ for w in "${worlds[@]}"; do
   awk -v w="$w" -v o="${med[ddp.$w]}" -v t="${med[torch.$w]}" \
     'BEGIN { printf "%-6s %14.0f %14.0f %7.2fx\n", w, o, t, o / t }'
 done
+if [ -n "${BENCH_DDP_COMPARE:-}" ]; then
+  for w in "${worlds[@]}"; do
+    awk -v w="$w" -v o="${med[ddp.$w]}" -v a="${med[ddpalt.$w]}" -v opts="${BENCH_DDPRUN_OPTS:-(defaults)}" \
+      -v alt="$BENCH_DDP_COMPARE" -v ro="${runs[ddp.$w]}" -v ra="${runs[ddpalt.$w]}" \
+      'BEGIN { printf "world %s: ddprun %s %.0f samples/s, ddprun %s %.0f samples/s: ratio %.3f (rounds: %s/ %s)\n", w, opts, o, alt, a, o / a, ro, ra }'
+  done
+fi
 if [ -n "${med[ddp.1]:-}" ] && [ -n "${med[ddp.2]:-}" ]; then
   awk -v o1="${med[ddp.1]}" -v o2="${med[ddp.2]}" -v t1="${med[torch.1]}" -v t2="${med[torch.2]}" \
     'BEGIN { printf "scaling efficiency 1 -> 2: ddp %.1f%%, torch %.1f%%\n", 100 * o2 / (2 * o1), 100 * t2 / (2 * t1) }'

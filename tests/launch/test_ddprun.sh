@@ -628,8 +628,14 @@ segments)
     fi
     sleep 30' "$tmp/pids" >"$tmp/out" 2>"$tmp/err"
   rc=$?
-  left=$(ls /dev/shm | grep -c -- '-0123456789abcdef$')
-  for f in "$tmp"/pids/pid.*; do rm -f "/dev/shm/ddp-local-$(cat "$f")-0123456789abcdef"; done
+  # Only this job's workers' segments count: one another run left behind
+  # (a test killed midway) is not this ddprun's to remove.
+  left=0
+  for f in "$tmp"/pids/pid.*; do
+    seg=/dev/shm/ddp-local-$(cat "$f")-0123456789abcdef
+    [ -e "$seg" ] && left=$((left + 1))
+    rm -f "$seg"
+  done
   decoy_kept=0; [ -e "$decoy" ] && [ -e "$lookalike" ] && decoy_kept=1
   rm -f "$decoy" "$lookalike"
   [ $rc -eq 1 ] || { cat "$tmp/err"; fail "ddprun exited $rc (expected 1)"; }
