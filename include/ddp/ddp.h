@@ -15,5 +15,6 @@
 #include "ddp/parallel.h"
 #include "ddp/train.h"
 #include "ddp/hpo.h"
+#include "ddp/tensorboard.h"
 
 #endif /* DDP_H */
