@@ -88,13 +88,87 @@ static inline bool ddp_device_equal(ddp_device a, ddp_device b) {
  * saying which devices there are. */
 ddp_status ddp_device_check(ddp_device device);
 /* Waits until the work queued on `device` is done; reports a failed kernel
- * or copy (asynchronous on a GPU) with the device's name. No-op on the CPU. */
+ * or copy (asynchronous on a GPU) with the device's name, and a loss's
+ * target out of range found on the GPU since the last synchronize
+ * (DDP_ERR_RANGE, "cuda:0: cross_entropy: target[37] = 10 is out of range
+ * for 10 classes": the GPU's losses check their targets without waiting,
+ * docs/cuda.md). No-op on the CPU. */
 ddp_status ddp_device_synchronize(ddp_device device);
 /* The device of a rank (torchrun's LOCAL_RANK within LOCAL_WORLD_SIZE
  * ranks on this node): cuda:(local_rank % count). With fewer devices than
  * local ranks it says once on stderr that ranks share a device. Fails
  * when there is no CUDA device. */
 ddp_status ddp_default_cuda_device(int local_rank, int local_world, ddp_device *out);
+
+/* Pinned (page-locked) host memory for copies to and from `device`, a GPU
+ * (PyTorch's pin_memory): copies through it are asynchronous. *out NULL
+ * on failure (DDP_ERR_UNSUPPORTED for the CPU or a build without CUDA).
+ * Free with ddp_pinned_free (NULL ok), which waits for the device: keep
+ * pinned buffers for the run, not per step. */
+ddp_status ddp_pinned_alloc(ddp_device device, size_t bytes, void **out);
+void ddp_pinned_free(void *ptr);
+/* Copies `bytes` from src on src_device to dst on dst_device, one of them
+ * a GPU and the other that GPU or the host, queued on the GPU's stream
+ * without waiting (copy_(non_blocking=True)): host memory must come from
+ * ddp_pinned_alloc (DDP_ERR_INVALID otherwise). Read a copy to the host,
+ * or rewrite a copy's source, only after ddp_device_synchronize. Allowed
+ * inside a CUDA graph capture. */
+ddp_status ddp_device_copy_async(ddp_device dst_device, void *dst, ddp_device src_device,
+                                 const void *src, size_t bytes);
+
+/* A staging area for host-to-device copies of batches: each upload copies
+ * host buffers into the next of two pinned buffers and queues their copies
+ * to the device, returning at once; a pinned buffer is refilled only after
+ * the device has copied out of it. On the CPU an upload is a memcpy.
+ * Created with ddp_device_stage_create, freed with _destroy (NULL ok;
+ * waits for the copies). */
+typedef struct ddp_device_stage ddp_device_stage;
+ddp_status ddp_device_stage_create(ddp_device device, ddp_device_stage **out);
+/* dst[i] (the stage's device) = src[i] (host memory, bytes[i]) for i < n.
+ * The sources may be reused on return; the destinations are written by
+ * the device's later work in order. */
+ddp_status ddp_device_stage_upload(ddp_device_stage *stage, int n, void *const *dst,
+                                   const void *const *src, const size_t *bytes);
+void ddp_device_stage_destroy(ddp_device_stage *stage);
+
+/* CUDA graphs (docs/cuda.md, "CUDA graphs"): the work one thread queues on
+ * a GPU between begin and end is recorded, not run, and each replay runs
+ * it again with the same kernels, arguments and addresses, one launch for
+ * the lot (a small model's step is bound by kernel launches):
+ *
+ *   for (int i = 0; i < 3; i++) step();          // warm-up: memory, handles
+ *   ddp_cuda_graph_begin(dev);
+ *   step_without_optimizer();                    // recorded
+ *   ddp_cuda_graph *g;
+ *   ddp_cuda_graph_end(dev, &g);
+ *   for (...) { refill_inputs(); ddp_cuda_graph_replay(g); optimizer_step(); }
+ *   ddp_cuda_graph_destroy(g);
+ *
+ * While capturing, the thread must not wait for the device: a
+ * synchronize, a copy to the host, a copy from pageable memory, a
+ * cudaMalloc (memory the caching allocator does not hold yet: run the
+ * step eagerly first) are refused with DDP_ERR_STATE saying so, and the
+ * capture then fails at end. Host-side effects happen once, at capture
+ * (BatchNorm's num_batches_tracked, dropout's masks): a replay does not
+ * repeat them. Whatever the captured work reads or writes must stay
+ * allocated while the graph lives (inputs are refilled in place); memory
+ * freed during the capture is kept for the graph until it is destroyed. */
+typedef struct ddp_cuda_graph ddp_cuda_graph;
+/* Starts capturing this thread's work on `device` (a GPU;
+ * DDP_ERR_UNSUPPORTED for the CPU or without CUDA). One capture per
+ * thread; DDP_ERR_STATE when this thread captures already. */
+ddp_status ddp_cuda_graph_begin(ddp_device device);
+/* Ends this thread's capture on `device` and makes the graph (*out, free
+ * with ddp_cuda_graph_destroy). When anything was refused or failed during
+ * the capture, nothing is made (*out NULL) and the first such error is
+ * returned; the device works on as before. */
+ddp_status ddp_cuda_graph_end(ddp_device device, ddp_cuda_graph **out);
+/* Queues one replay on the graph's device's stream and returns (errors in
+ * the replayed work surface at the next synchronize). */
+ddp_status ddp_cuda_graph_replay(ddp_cuda_graph *graph);
+/* Frees the graph (NULL ok) and gives its memory back to the cache; a
+ * replay still running finishes first. */
+void ddp_cuda_graph_destroy(ddp_cuda_graph *graph);
 #define DDP_MAX_DIMS 6
 
 /* Tensor flags. */

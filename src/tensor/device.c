@@ -1,5 +1,7 @@
 /* Devices (include/ddp/tensor.h, "Devices"): names, existence, placement of
- * ranks, and the device-neutral door to device memory (device_internal.h).
+ * ranks, the device-neutral door to device memory (device_internal.h),
+ * pinned memory, asynchronous copies and staging, and CUDA graphs (the
+ * public side of src/tensor/cuda/graph.c).
  * The one place outside src/tensor/cuda/ that knows whether this build has
  * the CUDA backend: every other file compiles the same in every build. */
 #include <limits.h>
@@ -214,4 +216,158 @@ ddp_status ddp__device_copy(ddp_device dst_device, void *dst, ddp_device src_dev
   char a[DDP_DEVICE_STR_BYTES], b[DDP_DEVICE_STR_BYTES];
   return ddp_error(DDP_ERR_UNSUPPORTED, "copy from %s to %s: this build has no backend for it",
                    ddp_device_str(src_device, a, sizeof a), ddp_device_str(dst_device, b, sizeof b));
+}
+
+/* ---- Pinned memory, asynchronous copies, staging ------------------------- */
+
+/* DDP_OK when `device` is a GPU this build can use; else why not, naming
+ * `what`. Leaves the device current. */
+static ddp_status need_gpu(ddp_device device, const char *what) {
+  char name[DDP_DEVICE_STR_BYTES];
+  if (device.type != DDP_DEVICE_CUDA)
+    return ddp_error(DDP_ERR_UNSUPPORTED, "%s: %s is not a GPU", what,
+                     ddp_device_str(device, name, sizeof name));
+  ddp_status s = ddp_device_check(device);
+  if (s != DDP_OK) return ddp_error_wrap(s, "%s", what);
+#ifdef DDP_HAVE_CUDA
+  return ddp__cuda_set_device(device.index);
+#else
+  return ddp_error(DDP_ERR_INTERNAL, "%s reached a backend this build lacks", what);
+#endif
+}
+
+ddp_status ddp_pinned_alloc(ddp_device device, size_t bytes, void **out) {
+  *out = NULL;
+  DDP_TRY(need_gpu(device, "pinned memory"));
+#ifdef DDP_HAVE_CUDA
+  *out = ddp__cuda_malloc_host(bytes);
+  if (*out) return DDP_OK;
+  /* Refused in a capture (it may wait), else the host is out of it. */
+  return ddp_error_wrap(ddp__cuda_capturing() >= 0 ? DDP_ERR_STATE : DDP_ERR_NOMEM,
+                        "pinned memory");
+#else
+  (void)bytes;
+  return DDP_ERR_INTERNAL;
+#endif
+}
+
+void ddp_pinned_free(void *ptr) {
+#ifdef DDP_HAVE_CUDA
+  ddp__cuda_free_host(ptr);
+#else
+  (void)ptr; /* nothing was ever allocated */
+#endif
+}
+
+ddp_status ddp_device_copy_async(ddp_device dst_device, void *dst, ddp_device src_device,
+                                 const void *src, size_t bytes) {
+  bool dst_gpu = dst_device.type == DDP_DEVICE_CUDA, src_gpu = src_device.type == DDP_DEVICE_CUDA;
+  ddp_device gpu = dst_gpu ? dst_device : src_device;
+  char a[DDP_DEVICE_STR_BYTES], b[DDP_DEVICE_STR_BYTES];
+  if (!dst_gpu && !src_gpu)
+    return ddp_error(DDP_ERR_UNSUPPORTED, "asynchronous copy from %s to %s: no GPU in it",
+                     ddp_device_str(src_device, a, sizeof a), ddp_device_str(dst_device, b, sizeof b));
+  if (dst_gpu && src_gpu && dst_device.index != src_device.index)
+    return ddp_error(DDP_ERR_UNSUPPORTED,
+                     "asynchronous copy from %s to %s: between GPUs use ddp_tensor_copy",
+                     ddp_device_str(src_device, a, sizeof a), ddp_device_str(dst_device, b, sizeof b));
+  if ((!dst_gpu && dst_device.type != DDP_DEVICE_CPU) ||
+      (!src_gpu && src_device.type != DDP_DEVICE_CPU))
+    return ddp_error(DDP_ERR_INVALID, "asynchronous copy from %s to %s: unknown device",
+                     ddp_device_str(src_device, a, sizeof a), ddp_device_str(dst_device, b, sizeof b));
+  DDP_TRY(need_gpu(gpu, "asynchronous copy"));
+#ifdef DDP_HAVE_CUDA
+  enum cudaMemcpyKind kind = dst_gpu && src_gpu ? cudaMemcpyDeviceToDevice
+                             : dst_gpu          ? cudaMemcpyHostToDevice
+                                                : cudaMemcpyDeviceToHost;
+  return ddp__cuda_copy_async(dst, src, bytes, kind);
+#else
+  (void)dst, (void)src, (void)bytes;
+  return DDP_ERR_INTERNAL;
+#endif
+}
+
+struct ddp_device_stage {
+  ddp_device device;
+#ifdef DDP_HAVE_CUDA
+  ddp__cuda_stage *cuda; /* NULL on the CPU */
+#endif
+};
+
+ddp_status ddp_device_stage_create(ddp_device device, ddp_device_stage **out) {
+  *out = NULL;
+  if (device.type != DDP_DEVICE_CPU) DDP_TRY(need_gpu(device, "staging"));
+  ddp_device_stage *stage = ddp_calloc(1, sizeof *stage);
+  if (!stage) return ddp_error(DDP_ERR_NOMEM, "staging: out of memory");
+  stage->device = device;
+#ifdef DDP_HAVE_CUDA
+  if (device.type == DDP_DEVICE_CUDA) {
+    ddp_status s = ddp__cuda_stage_create(&stage->cuda);
+    if (s != DDP_OK) {
+      ddp_free(stage);
+      return s;
+    }
+  }
+#endif
+  *out = stage;
+  return DDP_OK;
+}
+
+ddp_status ddp_device_stage_upload(ddp_device_stage *stage, int n, void *const *dst,
+                                   const void *const *src, const size_t *bytes) {
+  if (!stage || n < 0 || (n > 0 && (!dst || !src || !bytes)))
+    return ddp_error(DDP_ERR_INVALID, "staging: a NULL stage or buffer list, or n = %d", n);
+#ifdef DDP_HAVE_CUDA
+  if (stage->cuda) return ddp__cuda_stage_upload(stage->cuda, n, dst, src, bytes);
+#endif
+  for (int i = 0; i < n; i++)
+    if (bytes[i] && dst[i] != src[i]) memmove(dst[i], src[i], bytes[i]);
+  return DDP_OK;
+}
+
+void ddp_device_stage_destroy(ddp_device_stage *stage) {
+  if (!stage) return;
+#ifdef DDP_HAVE_CUDA
+  ddp__cuda_stage_destroy(stage->cuda);
+#endif
+  ddp_free(stage);
+}
+
+/* ---- CUDA graphs ----------------------------------------------------------- */
+
+ddp_status ddp_cuda_graph_begin(ddp_device device) {
+  DDP_TRY(need_gpu(device, "CUDA graph capture"));
+#ifdef DDP_HAVE_CUDA
+  return ddp__cuda_graph_begin(device.index);
+#else
+  return DDP_ERR_INTERNAL;
+#endif
+}
+
+ddp_status ddp_cuda_graph_end(ddp_device device, ddp_cuda_graph **out) {
+  if (!out) return ddp_error(DDP_ERR_INVALID, "ddp_cuda_graph_end: out is NULL");
+  *out = NULL;
+  DDP_TRY(need_gpu(device, "CUDA graph capture"));
+#ifdef DDP_HAVE_CUDA
+  return ddp__cuda_graph_end(device.index, out);
+#else
+  return DDP_ERR_INTERNAL;
+#endif
+}
+
+ddp_status ddp_cuda_graph_replay(ddp_cuda_graph *graph) {
+#ifdef DDP_HAVE_CUDA
+  return ddp__cuda_graph_replay(graph);
+#else
+  (void)graph; /* no graph can have been made */
+  return ddp_error(DDP_ERR_UNSUPPORTED, "CUDA graph replay: this build has no CUDA backend");
+#endif
+}
+
+void ddp_cuda_graph_destroy(ddp_cuda_graph *graph) {
+#ifdef DDP_HAVE_CUDA
+  ddp__cuda_graph_destroy(graph);
+#else
+  (void)graph;
+#endif
 }

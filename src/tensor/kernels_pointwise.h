@@ -132,7 +132,11 @@ typedef struct ddp__pointwise_kernels {
                             const float *target, int64_t n);
   /* *loss = -mean_i logp[i, target[i]] over logp (N, C). Returns -1, or the
    * first sample i whose target is outside [0, C) (its value in *bad_target;
-   * *loss is then unspecified). */
+   * *loss is then unspecified). A table whose device runs asynchronously
+   * may instead always return -1 and report the first bad sample, its
+   * value and C at the device's next synchronize, with *loss NaN: CUDA's
+   * does (its check must not wait for the device; docs/cuda.md). Either
+   * way no bad target is used as an index. */
   int64_t (*nll_loss)(float *loss, const float *logp, const int64_t *target, int64_t N, int64_t C,
                       int64_t *bad_target);
   /* dlogp[i, target[i]] -= dloss / N */

@@ -253,11 +253,31 @@ ddp_status ddp__backward_from(ddp_tape *tape, ddp_tensor *out, const float *seed
                      "backward: already ran on this tape; call ddp_tape_reset before the next step");
   tape->backward_done = true;
   ddp_status s = DDP_OK;
-  float *g = ddp__tape_grad(tape, out, &s);
-  if (!g) return s;
-  if (out->device.type == DDP_DEVICE_CPU) {
+  if (out->device.type != DDP_DEVICE_CPU && out->numel == 1) {
+    /* A scalar seed (ddp_backward's 1) is a kernel argument, not a copy
+     * from pageable host memory: nothing waits, and a CUDA graph can
+     * capture it. A fresh gradient is assigned (0 + seed, as the add
+     * below would give), an existing one adds a filled scratch. */
+    const ddp__kernels *k;
+    DDP_TRY(ddp__kernels_check("backward", 1, &out, &k));
+    bool accumulate;
+    float *g = ddp__tape_grad_out(tape, out, &accumulate, &s);
+    if (!g) return s;
+    if (!accumulate) {
+      k->basic->fill(g, 0.0f + seed[0], 1);
+    } else {
+      float *one = ddp__tape_scratch_on(tape, out->device, sizeof(float));
+      if (!one) return ddp_error_wrap(DDP_ERR_NOMEM, "backward: no room for the seed");
+      k->basic->fill(one, seed[0], 1);
+      k->basic->add(g, g, one, 1);
+    }
+  } else if (out->device.type == DDP_DEVICE_CPU) {
+    float *g = ddp__tape_grad(tape, out, &s);
+    if (!g) return s;
     for (int64_t i = 0; i < out->numel; i++) g[i] += seed[i];
-  } else { /* the seed goes to the device, then adds there */
+  } else { /* a seed of several values goes to the device, then adds there */
+    float *g = ddp__tape_grad(tape, out, &s);
+    if (!g) return s;
     const ddp__kernels *k;
     DDP_TRY(ddp__kernels_check("backward", 1, &out, &k));
     ddp_tensor host, dev;

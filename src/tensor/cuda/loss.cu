@@ -7,12 +7,13 @@
  * batch are one block's fixed tree: a batch's outputs are small, and one
  * block needs no second pass.
  *
- * Targets: nll_loss and cross_entropy must say which sample has a target
+ * Targets: nll_loss and cross_entropy must find a sample whose target is
  * outside [0, C) before anything indexes with it. The check runs on the
- * device (the first such sample by a min-reduction) and its result comes
- * back to the host, which waits for it: one synchronize per call, the cost
- * of eager mode's error reporting (a captured graph would need the check
- * elsewhere). */
+ * device (the first such sample by a min-reduction) and nobody waits for
+ * it: a bad target makes the loss NaN and goes into the device's
+ * target-check slot (runtime.h), which the next synchronize reports. So
+ * the kernels return -1 at once, a step has no wait in its loss, and the
+ * loss can be captured in a CUDA graph. */
 #include "tensor/cuda/pointwise.h"
 
 #include <math.h>
@@ -143,21 +144,35 @@ static __device__ long long first_bad_target(const int64_t *target, int64_t N, i
   return ddp__block_min_i64(bad);
 }
 
-/* result[0] = the first bad sample or -1, result[1] its target. */
-static __device__ bool report_targets(long long *result, const int64_t *target, long long bad,
-                                      int64_t N) {
+/* Whether a target is bad (every thread); if so, thread 0 makes the loss
+ * NaN and records the sample in the slot unless it holds an earlier
+ * report (the first bad target since the last synchronize is the one
+ * reported). One block, and the losses of a stream run one after the
+ * other, so the slot needs no atomics. */
+static __device__ bool report_targets(ddp__cuda_target_error *slot, float *loss,
+                                      const int64_t *target, long long bad, int64_t N,
+                                      int64_t C, int64_t op) {
+  if (bad >= N) return false;
   if (threadIdx.x == 0) {
-    result[0] = bad < N ? bad : -1;
-    result[1] = bad < N ? (long long)target[bad] : 0;
+    *loss = __int_as_float(0x7fffffff); /* NaN: the value is meaningless */
+    if (slot->sample < 0) {
+      slot->value = target[bad];
+      slot->classes = C;
+      slot->op = op;
+      __threadfence_system(); /* the fields before the sample that says they are set */
+      slot->sample = bad;
+    }
   }
-  return bad < N;
+  return true;
 }
 
 /* *loss = -mean_i logp[i, target[i]] unless a target is bad. */
-static __global__ void nll_loss_kernel(float *loss, long long *result, const float *logp,
-                                       const int64_t *target, int64_t N, int64_t C) {
+static __global__ void nll_loss_kernel(float *loss, ddp__cuda_target_error *slot,
+                                       const float *logp, const int64_t *target, int64_t N,
+                                       int64_t C) {
   const long long bad = first_bad_target(target, N, C);
-  if (report_targets(result, target, bad, N)) return; /* the whole block */
+  if (report_targets(slot, loss, target, bad, N, C, DDP__CUDA_TARGET_NLL))
+    return; /* the whole block */
   double s = 0;
   for (int64_t i = threadIdx.x; i < N; i += blockDim.x) s += logp[i * C + target[i]];
   s = ddp__block_sum(s);
@@ -177,11 +192,11 @@ static __global__ void softmax_stats_kernel(float *stats, const float *logits, i
 
 /* *loss = mean_i (log_sum_i - (x[i, target[i]] - max_i)) from the rows'
  * stats, unless a target is bad. */
-static __global__ void cross_entropy_kernel(float *loss, long long *result, const float *stats,
-                                            const float *logits, const int64_t *target,
-                                            int64_t N, int64_t C) {
+static __global__ void cross_entropy_kernel(float *loss, ddp__cuda_target_error *slot,
+                                            const float *stats, const float *logits,
+                                            const int64_t *target, int64_t N, int64_t C) {
   const long long bad = first_bad_target(target, N, C);
-  if (report_targets(result, target, bad, N)) return;
+  if (report_targets(slot, loss, target, bad, N, C, DDP__CUDA_TARGET_CROSS_ENTROPY)) return;
   double s = 0;
   for (int64_t i = threadIdx.x; i < N; i += blockDim.x)
     s += (double)stats[2 * i + 1] - (logits[i * C + target[i]] - stats[2 * i]);
@@ -189,38 +204,23 @@ static __global__ void cross_entropy_kernel(float *loss, long long *result, cons
   if (threadIdx.x == 0) *loss = (float)(s / (double)N);
 }
 
-/* A device buffer for the target check's result, or NULL: the caller then
- * cannot check, the loss is NaN (all-ones bytes) and the allocation's
- * failure is pending for the next synchronize. */
-static long long *target_result_alloc(float *loss) {
-  long long *result = (long long *)ddp__cuda_malloc(2 * sizeof(long long));
-  if (!result) {
-    ddp__cuda_defer(DDP_ERR_NOMEM);
-    cudaMemsetAsync(loss, 0xff, sizeof(float), ddp__cuda_stream());
-  }
-  return result;
+/* The device's target-check slot, or NULL: the kernels cannot run then
+ * (the device is unusable), and why is pending for the next synchronize. */
+static ddp__cuda_target_error *target_slot(void) {
+  ddp__cuda_target_error *slot = ddp__cuda_target_error_slot();
+  if (!slot) ddp__cuda_defer(DDP_ERR_UNSUPPORTED);
+  return slot;
 }
 
-/* Waits for the check's result: -1, or the first bad sample (its target in
- * *bad_target). A failed copy (a fault in this or earlier work) reports
- * no bad target; the failure is pending for the next synchronize. */
-static int64_t target_result_take(long long *result, int64_t *bad_target) {
-  long long r[2] = {-1, 0};
-  ddp_status s = ddp__cuda_copy(r, result, sizeof r, cudaMemcpyDeviceToHost);
-  if (s != DDP_OK) r[0] = -1;
-  ddp__cuda_defer(s);
-  ddp__cuda_free(result);
-  if (r[0] < 0) return -1;
-  *bad_target = (int64_t)r[1];
-  return (int64_t)r[0];
-}
-
+/* The kernel table's contract (kernels_pointwise.h): -1 always on CUDA; a
+ * bad target is reported by the next synchronize. *bad_target untouched. */
 extern "C" int64_t ddp__cuda_nll_loss(float *loss, const float *logp, const int64_t *target,
                                       int64_t N, int64_t C, int64_t *bad_target) {
-  long long *result = target_result_alloc(loss);
-  if (!result) return -1;
-  nll_loss_kernel<<<1, LOSS_BLOCK, 0, ddp__cuda_stream()>>>(loss, result, logp, target, N, C);
-  return target_result_take(result, bad_target);
+  (void)bad_target;
+  ddp__cuda_target_error *slot = target_slot();
+  if (!slot) return -1;
+  nll_loss_kernel<<<1, LOSS_BLOCK, 0, ddp__cuda_stream()>>>(loss, slot, logp, target, N, C);
+  return -1;
 }
 
 static __global__ void nll_loss_backward_kernel(float *dlogp, const float *dloss,
@@ -243,15 +243,16 @@ extern "C" void ddp__cuda_nll_loss_backward(float *dlogp, const float *dloss,
 extern "C" int64_t ddp__cuda_cross_entropy(float *loss, float *stats, const float *logits,
                                            const int64_t *target, int64_t N, int64_t C,
                                            int64_t *bad_target) {
-  long long *result = target_result_alloc(loss);
-  if (!result) return -1;
+  (void)bad_target;
+  ddp__cuda_target_error *slot = target_slot();
+  if (!slot) return -1;
   cudaStream_t stream = ddp__cuda_stream();
   /* The rows' stats do not depend on the targets, so they are formed
    * first, in parallel; with a bad target they are left unused. */
   if (N > 0 && C > 0)
     softmax_stats_kernel<<<row_blocks(N), ROWS_PER_BLOCK * 32, 0, stream>>>(stats, logits, N, C);
-  cross_entropy_kernel<<<1, LOSS_BLOCK, 0, stream>>>(loss, result, stats, logits, target, N, C);
-  return target_result_take(result, bad_target);
+  cross_entropy_kernel<<<1, LOSS_BLOCK, 0, stream>>>(loss, slot, stats, logits, target, N, C);
+  return -1;
 }
 
 /* dlogits += softmax(logits) * dloss / N, then -= dloss / N at the target
