@@ -7,9 +7,16 @@
  * batch live on the GPU (scripts/torch/gpu_convnet_step.py measures
  * PyTorch the same way): the figure is the step itself, timed between
  * device synchronizations, the loss read back once per repeat.
+ * With --cuda-graph as well (a GPU only), the step's zero_grad, forward,
+ * loss and backward are captured once as a CUDA graph after the warm-up
+ * steps (at least 3, eager) and replayed, the optimizer launched eagerly
+ * after each replay (its step count and lr are kernel arguments that
+ * change); BatchNorm's num_batches_tracked, a host counter the capture
+ * moved once, is put back and advanced by that much after each replay.
  *
  *   bench_convnet [--batch 100] [--steps 150] [--warmup 10] [--repeats 3]
- *                 [--threads 1] [--data DIR|synthetic] [--device cpu|cuda[:N]] [--json]
+ *                 [--threads 1] [--data DIR|synthetic] [--device cpu|cuda[:N]]
+ *                 [--cuda-graph] [--json]
  *
  * scripts/bench-convnet.sh runs it beside PyTorch and prints the ratio. */
 #include <cblas.h>
@@ -41,7 +48,7 @@ static void die(const char *what, ddp_status s) {
 int main(int argc, char **argv) {
   int64_t batch = 100, steps = 150, warmup = 10, repeats = 3;
   int threads = 1;
-  bool json = false;
+  bool json = false, cuda_graph = false;
   const char *data = "/usr/share/datasets/fashion-mnist";
   ddp_device device = DDP_CPU;
   for (int i = 1; i < argc; i++) {
@@ -54,12 +61,13 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--threads") && v) threads = atoi(argv[++i]);
     else if (!strcmp(a, "--data") && v) data = argv[++i];
     else if (!strcmp(a, "--json")) json = true;
+    else if (!strcmp(a, "--cuda-graph")) cuda_graph = true;
     else if (!strcmp(a, "--device") && v) CHECK(ddp_device_parse(argv[++i], &device), "--device");
     else {
       fprintf(!strcmp(a, "--help") ? stdout : stderr,
               "usage: bench_convnet [--batch 100] [--steps 150] [--warmup 10] [--repeats 3]\n"
               "                     [--threads 1] [--data DIR|synthetic] [--device cpu|cuda[:N]]\n"
-              "                     [--json]\n");
+              "                     [--cuda-graph] [--json]\n");
       return !strcmp(a, "--help") ? 0 : 2;
     }
   }
@@ -70,6 +78,10 @@ int main(int argc, char **argv) {
   openblas_set_num_threads(threads);
 
   const bool on_gpu = device.type != DDP_DEVICE_CPU;
+  if (cuda_graph && !on_gpu) {
+    fprintf(stderr, "bench_convnet: --cuda-graph needs --device cuda[:N]\n");
+    return 2;
+  }
   if (on_gpu) {
     ddp_status s = ddp_device_check(device);
     if (s != DDP_OK) {
@@ -133,17 +145,62 @@ int main(int argc, char **argv) {
     CHECK(ddp_tensor_copy(gy, &ty), "copying the labels");
   }
 
+  /* --cuda-graph: eager warm-up steps (the tape's arena and the caches
+   * reach their steady state, so the capture allocates nothing), then the
+   * capture of one step without the optimizer. */
+  ddp_cuda_graph *graph = NULL;
+  ddp_tensor *graph_loss = NULL;
+  int n_counters = ddp_model_num_counters(model);
+  int64_t *counters = ddp_model_counters(model);
+  int64_t counter_delta[64] = {0};
+  if (n_counters > 64) {
+    fprintf(stderr, "bench_convnet: more than 64 BatchNorm counters\n");
+    return 2;
+  }
+  if (cuda_graph) {
+    for (int64_t step = 0; step < (warmup > 3 ? warmup : 3); step++) {
+      ddp_tensor *out, *loss;
+      ddp_tape_reset(tape);
+      ddp_model_zero_grad(model);
+      CHECK(ddp_model_forward(model, tape, gx, &out), "forward");
+      CHECK(ddp_model_loss(model, tape, out, gy, &loss), "loss");
+      CHECK(ddp_backward(tape, loss), "backward");
+      CHECK(ddp_optimizer_step(opt), "SGD step");
+    }
+    CHECK(ddp_device_synchronize(device), "warming up");
+    int64_t before[64];
+    memcpy(before, counters, sizeof(int64_t) * (size_t)n_counters);
+    ddp_tape_reset(tape); /* outside: a reset may merge the arena's chunks */
+    CHECK(ddp_cuda_graph_begin(device), "beginning the capture");
+    ddp_tensor *out;
+    ddp_model_zero_grad(model);
+    CHECK(ddp_model_forward(model, tape, gx, &out), "forward (captured)");
+    CHECK(ddp_model_loss(model, tape, out, gy, &graph_loss), "loss (captured)");
+    CHECK(ddp_backward(tape, graph_loss), "backward (captured)");
+    CHECK(ddp_cuda_graph_end(device, &graph), "capturing the step");
+    for (int i = 0; i < n_counters; i++) {
+      counter_delta[i] = counters[i] - before[i];
+      counters[i] = before[i]; /* the capture ran nothing */
+    }
+  }
+
   double rates[64];
   float last_loss = 0;
   int64_t epoch = 0;
   if (loader) CHECK(ddp_loader_start_epoch(loader, epoch), "starting an epoch");
   for (int64_t r = 0; r < repeats; r++) {
     double t0 = 0;
-    ddp_tensor *loss = NULL;
+    ddp_tensor *loss = graph_loss;
     for (int64_t step = 0; step < warmup + steps; step++) {
       if (step == warmup) {
         CHECK(ddp_device_synchronize(device), "synchronizing");
         t0 = ddp_time_s();
+      }
+      if (graph) { /* the inputs stay in gx, gy: a synthetic batch */
+        CHECK(ddp_cuda_graph_replay(graph), "replaying the step");
+        for (int i = 0; i < n_counters; i++) counters[i] += counter_delta[i];
+        CHECK(ddp_optimizer_step(opt), "SGD step");
+        continue;
       }
       ddp_tensor *x = on_gpu ? gx : &tx, *y = on_gpu ? gy : &ty;
       ddp_batch b;
@@ -182,19 +239,28 @@ int main(int argc, char **argv) {
   double median = sorted[repeats / 2];
   char dev[DDP_DEVICE_STR_BYTES];
   ddp_device_str(device, dev, sizeof dev);
+  /* The convolution the CUDA backend was asked for (its switch), as given. */
+  const char *conv = on_gpu ? getenv("DDP_CUDA_CONV") : NULL;
   if (json) {
     printf("{\"bench\": \"convnet\", \"device\": \"%s\", \"threads\": %d, \"batch\": %lld, "
            "\"steps\": %lld, \"repeats\": %lld, \"samples_per_s\": %.1f, \"samples_per_s_rounds\": [",
            dev, threads, (long long)batch, (long long)steps, (long long)repeats, median);
     for (int64_t r = 0; r < repeats; r++) printf("%s%.1f", r ? ", " : "", rates[r]);
-    printf("], \"step_us\": %.2f, \"final_loss\": %.4f}\n", 1e6 * (double)batch / median,
+    printf("], \"step_us\": %.2f, \"final_loss\": %.4f", 1e6 * (double)batch / median,
            last_loss);
+    if (on_gpu) {
+      printf(", \"cuda_graph\": %s, \"DDP_CUDA_CONV\": ", cuda_graph ? "true" : "false");
+      printf(conv ? "\"%s\"" : "null", conv ? conv : "");
+    }
+    printf("}\n");
   }
   else
     printf("ddp convnet threads=%d batch=%lld steps=%lld samples_per_s=%.1f (median of %lld) "
-           "final_loss=%.4f\n",
-           threads, (long long)batch, (long long)steps, median, (long long)repeats, last_loss);
+           "final_loss=%.4f%s\n",
+           threads, (long long)batch, (long long)steps, median, (long long)repeats, last_loss,
+           cuda_graph ? " cuda_graph" : "");
 
+  ddp_cuda_graph_destroy(graph);
   ddp_tensor_destroy(gx);
   ddp_tensor_destroy(gy);
   ddp_loader_destroy(loader);

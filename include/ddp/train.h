@@ -145,7 +145,15 @@ typedef struct ddp_train_options {
    * optimizer's state lives there too. One process per device: data
    * parallelism over GPUs (NCCL) is not there yet and is refused. */
   ddp_device device;
-  uint64_t reserved[7]; /* zero */
+  /* On a GPU: after a few eager steps, capture the step of a full batch
+   * (zero_grad, forward, loss, backward) once as a CUDA graph and replay
+   * it for every full batch, the optimizer launched after it; the last,
+   * smaller batch of an epoch and evaluation run eagerly (docs/cuda.md,
+   * "CUDA graphs"). Refused (DDP_ERR_UNSUPPORTED, saying why) on the CPU,
+   * with SyncBatchNorm and with dropout. Taken from the reserved space:
+   * the struct keeps its size. (false) */
+  bool cuda_graph;
+  uint64_t reserved[6]; /* zero */
 } ddp_train_options;
 
 /* epochs 1, batch 100, SGD lr 0.01 (no momentum), seed 1, automatic

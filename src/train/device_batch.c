@@ -1,7 +1,10 @@
 /* The trainer on a GPU: batches come from the loader in host memory and are
- * copied into device buffers kept for the run (grown, never shrunk), and
- * the few values the loop reads (the loss, evaluation's outputs) come back.
- * Each copy back waits for the device, as PyTorch's loss.item() does. */
+ * copied into device buffers kept for the run (grown, never shrunk)
+ * through two pinned staging buffers in turn, asynchronously (the issue's
+ * "the loader fills pinned batches and copies them asynchronously": the
+ * host goes on queueing the step while the batch crosses), and the few
+ * values the loop reads (the loss, evaluation's outputs) come back. Each
+ * copy back waits for the device, as PyTorch's loss.item() does. */
 #include "train/train_internal.h"
 
 /* Makes *buf a device tensor of at least `numel` elements of dtype. */
@@ -19,6 +22,15 @@ static ddp_status view_as(ddp_tensor *view, const ddp_tensor *buf, const ddp_ten
   return DDP_OK;
 }
 
+ddp_status ddp__train_batch_to(ddp_trainer *t, ddp_batch *b, ddp_tensor *x, ddp_tensor *y) {
+  if (!t->stage) DDP_TRY(ddp_device_stage_create(t->o.device, &t->stage));
+  void *dst[2] = {x->data, y->data};
+  const void *src[2] = {b->x.data, b->y.data};
+  size_t bytes[2] = {(size_t)b->x.numel * ddp_dtype_size(b->x.dtype),
+                     (size_t)b->y.numel * ddp_dtype_size(b->y.dtype)};
+  return ddp_device_stage_upload(t->stage, 2, dst, src, bytes);
+}
+
 ddp_status ddp__train_batch_on_device(ddp_trainer *t, ddp_batch *b, ddp_tensor *x, ddp_tensor *y) {
   if (t->o.device.type == DDP_DEVICE_CPU) {
     *x = b->x;
@@ -29,8 +41,7 @@ ddp_status ddp__train_batch_on_device(ddp_trainer *t, ddp_batch *b, ddp_tensor *
   DDP_TRY(ensure(&t->device_y, b->y.dtype, b->y.numel, t->o.device));
   DDP_TRY(view_as(x, t->device_x, &b->x));
   DDP_TRY(view_as(y, t->device_y, &b->y));
-  DDP_TRY(ddp_tensor_copy(x, &b->x));
-  return ddp_tensor_copy(y, &b->y);
+  return ddp__train_batch_to(t, b, x, y);
 }
 
 ddp_status ddp__train_scalar(const ddp_tensor *t, float *value) {
@@ -62,6 +73,8 @@ ddp_status ddp__train_host_view(const ddp_tensor *t, float *host, const float **
 }
 
 void ddp__train_device_free(ddp_trainer *t) {
+  ddp_device_stage_destroy(t->stage); /* waits for its copies into the buffers */
+  t->stage = NULL;
   ddp_tensor_destroy(t->device_x);
   ddp_tensor_destroy(t->device_y);
   t->device_x = t->device_y = NULL;

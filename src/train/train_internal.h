@@ -45,13 +45,49 @@ struct ddp_trainer {
   FILE *log; /* rank 0's, when options.log_path */
   bool ran;
   /* On a GPU (o.device): the batch's home there, grown to the largest
-   * batch seen (device_batch.c). */
+   * batch seen, and the pinned staging its copies go through
+   * (device_batch.c). */
   ddp_tensor *device_x, *device_y;
+  ddp_device_stage *stage;
+  /* o.cuda_graph: the captured step and what it keeps (graph_step.c). */
+  struct ddp__train_graph *graph;
 };
+
+/* One eager step on `tape` from the batch (x, y) already on the device:
+ * zero_grad, forward, loss (read back: *loss), backward, optimizer. Fills
+ * the forward, backward and optimizer phases of *p, in seconds. */
+ddp_status ddp__train_eager_step(ddp_trainer *t, ddp_tape *tape, ddp_tensor *x, ddp_tensor *y,
+                                 float *loss, ddp_train_phases *p);
+
+/* ---- CUDA graphs (graph_step.c; ddp_train_options.cuda_graph) ---- */
+
+/* Whether the step can be captured and replayed correctly with these
+ * options, model and group: DDP_OK, or DDP_ERR_UNSUPPORTED saying why (the
+ * CPU, SyncBatchNorm (its collectives wait on the host), dropout with
+ * p > 0 (masks drawn on the host each step), data parallelism (hooks on
+ * the host during backward)). Pure: no device is touched, so the CPU
+ * tests it. */
+ddp_status ddp__train_graph_check(const ddp_train_options *o, const ddp_model *model,
+                                  const ddp_process_group *pg);
+/* Makes t->graph for a run with o.cuda_graph (nothing on the device yet). */
+ddp_status ddp__train_graph_create(ddp_trainer *t);
+void ddp__train_graph_destroy(ddp_trainer *t);
+/* Whether the batch goes through the graph: a full batch (o.batch_size)
+ * with o.cuda_graph. */
+bool ddp__train_graph_takes(const ddp_trainer *t, const ddp_batch *b);
+/* The step of a full batch: its first few eagerly on the graph's own tape
+ * and input buffers (warm-up), then one capture, then a replay each, the
+ * optimizer queued after it and the loss read from pinned memory once the
+ * device is done. *loss and the phases as ddp__train_eager_step (a
+ * replayed step's forward phase holds the whole device step). */
+ddp_status ddp__train_graph_step(ddp_trainer *t, ddp_batch *b, float *loss, ddp_train_phases *p);
 
 /* The batch b on the trainer's device: *x and *y are b's tensors on the
  * CPU, else views of the trainer's device buffers holding a copy. */
 ddp_status ddp__train_batch_on_device(ddp_trainer *t, ddp_batch *b, ddp_tensor *x, ddp_tensor *y);
+/* Queues the copy of b's data into x's and y's device memory (their shapes
+ * b's) through the trainer's staging; returns at once. */
+ddp_status ddp__train_batch_to(ddp_trainer *t, ddp_batch *b, ddp_tensor *x, ddp_tensor *y);
 /* The value of a one-element float32 tensor on any device (a GPU's:
  * copied, which waits for the step to get there). */
 ddp_status ddp__train_scalar(const ddp_tensor *t, float *value);

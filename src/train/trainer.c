@@ -190,6 +190,7 @@ static ddp_status create_parts(ddp_trainer *t) {
   DDP_TRY(create_loaders(t, o->workers >= 0 ? o->workers : automatic_workers(t->size)));
   s = ddp_tape_create(&t->tape, 16 << 20);
   if (s != DDP_OK) return ddp_error_wrap(s, "creating the tape");
+  if (o->cuda_graph) DDP_TRY(ddp__train_graph_create(t));
   if (o->log_path && t->rank == 0) {
     t->log = fopen(o->log_path, "w");
     if (!t->log)
@@ -207,6 +208,7 @@ ddp_status ddp_trainer_create(ddp_trainer **out, ddp_model *model, ddp_dataset *
                                       "must not be NULL");
   *out = NULL;
   DDP_TRY(check_options(options, pg));
+  if (options->cuda_graph) DDP_TRY(ddp__train_graph_check(options, model, pg));
   ddp_trainer *t = calloc(1, sizeof *t);
   if (!t) return ddp_error(DDP_ERR_NOMEM, "ddp_trainer_create: out of memory");
   t->o = *options;
@@ -232,6 +234,7 @@ void ddp_trainer_destroy(ddp_trainer *t) {
   if (!t) return;
   if (t->strategy) t->strategy->destroy(t);
   if (t->log) fclose(t->log);
+  ddp__train_graph_destroy(t);
   ddp_tape_destroy(t->tape);
   ddp__train_device_free(t);
   ddp_loader_destroy(t->test_loader);
@@ -381,6 +384,31 @@ static ddp_status evaluate_now(ddp_trainer *t, run_state *r, int64_t epoch,
   return DDP_OK;
 }
 
+ddp_status ddp__train_eager_step(ddp_trainer *t, ddp_tape *tape, ddp_tensor *x, ddp_tensor *y,
+                                 float *loss_value, ddp_train_phases *p) {
+  double t0 = ddp_time_s();
+  ddp_tensor *out, *loss;
+  ddp_tape_reset(tape);
+  ddp_model_zero_grad(t->model);
+  ddp_status s = t->strategy->forward(t, tape, x, &out);
+  if (s != DDP_OK) return ddp_error_wrap(s, "forward");
+  s = ddp_model_loss(t->model, tape, out, y, &loss);
+  if (s != DDP_OK) return ddp_error_wrap(s, "loss");
+  s = ddp__train_scalar(loss, loss_value);
+  if (s != DDP_OK) return ddp_error_wrap(s, "reading the loss");
+  double t_forward = ddp_time_s();
+  s = t->strategy->backward(t, tape, loss);
+  if (s != DDP_OK) return ddp_error_wrap(s, "backward");
+  double t_backward = ddp_time_s();
+  s = ddp_optimizer_step(t->opt);
+  if (s != DDP_OK) return ddp_error_wrap(s, "optimizer step");
+  p->forward_ms = t_forward - t0;
+  p->backward_compute_ms = t_backward - t_forward;
+  p->backward_comm_ms = 0;
+  p->optimizer_ms = ddp_time_s() - t_backward;
+  return DDP_OK;
+}
+
 /* One optimizer step on the next batch; *done when the epoch has none left. */
 static ddp_status train_step(ddp_trainer *t, run_state *r, int64_t epoch, bool *done) {
   double t0 = ddp_time_s();
@@ -392,30 +420,22 @@ static ddp_status train_step(ddp_trainer *t, run_state *r, int64_t epoch, bool *
     *done = true;
     return DDP_OK;
   }
-  ddp_tensor x, y;
-  s = ddp__train_batch_on_device(t, &b, &x, &y);
-  if (s != DDP_OK) return ddp_error_wrap(s, "copying a batch to the device");
-  double t_loaded = ddp_time_s();
-  ddp_tensor *out, *loss;
-  ddp_tape_reset(t->tape);
-  ddp_model_zero_grad(t->model);
-  s = t->strategy->forward(t, t->tape, &x, &out);
-  if (s != DDP_OK) return ddp_error_wrap(s, "forward");
-  s = ddp_model_loss(t->model, t->tape, out, &y, &loss);
-  if (s != DDP_OK) return ddp_error_wrap(s, "loss");
   float loss0;
-  s = ddp__train_scalar(loss, &loss0);
-  if (s != DDP_OK) return ddp_error_wrap(s, "reading the loss");
+  ddp_train_phases ph = {0}; /* seconds */
+  if (ddp__train_graph_takes(t, &b)) {
+    /* Loading: the loader's part here, the copy's inside. */
+    ph.load_ms = ddp_time_s() - t0;
+    DDP_TRY(ddp__train_graph_step(t, &b, &loss0, &ph));
+  } else {
+    ddp_tensor x, y;
+    s = ddp__train_batch_on_device(t, &b, &x, &y);
+    if (s != DDP_OK) return ddp_error_wrap(s, "copying a batch to the device");
+    ph.load_ms = ddp_time_s() - t0;
+    DDP_TRY(ddp__train_eager_step(t, t->tape, &x, &y, &loss0, &ph));
+  }
   double loss_sums[2] = {(double)loss0 * (double)b.size, (double)b.size};
-  double t_forward = ddp_time_s();
-  s = t->strategy->backward(t, t->tape, loss);
-  if (s != DDP_OK) return ddp_error_wrap(s, "backward");
-  double t_backward = ddp_time_s();
-  s = ddp_optimizer_step(t->opt);
-  if (s != DDP_OK) return ddp_error_wrap(s, "optimizer step");
-  double load = t_loaded - t0, forward = t_forward - t_loaded,
-         backward_compute = t_backward - t_forward, backward_comm = 0,
-         optimizer = ddp_time_s() - t_backward;
+  double load = ph.load_ms, forward = ph.forward_ms, backward_compute = ph.backward_compute_ms,
+         backward_comm = 0, optimizer = ph.optimizer_ms;
   if (t->strategy->split_backward) t->strategy->split_backward(t, &backward_compute, &backward_comm);
   /* The loss of the global batch, reduced on this thread after the step:
    * the ranks have just met in the gradients' allreduce, so it waits for no
