@@ -5,12 +5,15 @@
 #   (a) every carried CUDA test (test_cuda_*): PASS, FAIL or SKIP (exit 77);
 #   (b) the PyTorch reference step, scripts/torch/gpu_convnet_step.py, at
 #       batch 100 and 1024 (eager, deterministic cuDNN, CUDA graph);
-#   (c) ddp's own step, bench_convnet --device cuda, at the same batches, and
-#       the speed bars against PyTorch's eager step (>= 2x at 100, >= 1x at
-#       1024);
+#   (c) ddp's own step, bench_convnet --device cuda, at the same batches,
+#       eager and replayed as a CUDA graph (--cuda-graph), each with the
+#       convolution as im2col + cuBLAS and as cuDNN (DDP_CUDA_CONV), and the
+#       speed bars against PyTorch's eager step on ddp's best (>= 2x at 100,
+#       >= 1x at 1024; at 100 the goal, 5x, reported beside it);
 #   (e) the ToyMpModel across devices, toy_mp_devices, when built;
 #   (d) the ConvNet trained 3 epochs on the GPU (ddp-train --device cuda) for
-#       seeds 1 2 3, against the CPU runs carried (mean within 0.5 points).
+#       seeds 1 2 3, against the CPU runs carried (mean within 0.5 points),
+#       and seed 1 again with --cuda-graph against its eager GPU run.
 # (d) runs last: it is the longest and gets whatever time is left.
 # Each step has its own timeout inside the whole budget (GPU_CHECK_BUDGET,
 # default 280 s), and is appended to OUTDIR/report.md as soon as it ends, its
@@ -80,7 +83,7 @@ jnum() { grep "\"$1\"" "$2" 2>/dev/null | tail -n 1 | sed -n "s/.*\"$1\": *\([-0
 # record NAME STATUS SECONDS DETAIL [TAILFILE]: one step's result.
 record() {
   local name=$1 status=$2 secs=$3 detail=$4 tailfile=${5:-}
-  case $status in
+  case $status in # NOTE: a figure for information (a goal), counted nowhere
     PASS) passed=$((passed + 1)) ;;
     FAIL) failed=$((failed + 1)) ;;
     SKIP) skipped=$((skipped + 1)) ;;
@@ -340,26 +343,45 @@ elif ! grep -q -- '--device' <<<"$(ddp "$bin/bench_convnet" --help 2>&1)"; then
 else
   graph=""
   grep -q -- '--cuda-graph' <<<"$(ddp "$bin/bench_convnet" --help 2>&1)" && graph=1
+  # Each batch: eager and CUDA graph, each with both convolutions (the
+  # backend's switch, DDP_CUDA_CONV); batch 1024 with fewer steps (a step
+  # is ten times longer) to keep the eight runs within about 30 s.
   for batch in 100 1024; do
-    for variant in plain ${graph:+graph}; do
-      extra=()
-      [ "$variant" = graph ] && extra=(--cuda-graph)
-      name=bench_convnet_b${batch}${graph:+_$variant}
-      run_step "$name" 40 "${ddp_env[@]}" "$bin/bench_convnet" --device cuda --data synthetic --batch "$batch" \
-        --steps 200 --warmup 20 --repeats 5 --json "${extra[@]}"
-      sps=$(jnum samples_per_s "$work/step.out")
-      if [ "$step_status" = PASS ] && [ -z "$sps" ]; then
-        step_status=FAIL step_detail="no samples_per_s in its --json output"
-      fi
-      [ -n "$sps" ] && step_detail="${step_detail:+$step_detail; }$sps samples/s"
-      [ -n "$sps" ] && printf '{"impl": "ddp", "variant": "%s", "batch": %s, "samples_per_s_median": %s}\n' \
-        "$variant" "$batch" "$sps" >>"$results"
-      record "$name" "$step_status" "$step_secs" "$step_detail" "$work/step.out"
+    steps=200 repeats=5
+    [ "$batch" = 1024 ] && steps=100 repeats=3
+    for conv in im2col cudnn; do
+      for variant in plain ${graph:+graph}; do
+        extra=()
+        [ "$variant" = graph ] && extra=(--cuda-graph)
+        name=bench_convnet_b${batch}_${conv}${graph:+_$variant}
+        run_step "$name" 40 env DDP_CUDA_CONV="$conv" "${ddp_env[@]}" "$bin/bench_convnet" --device cuda \
+          --data synthetic --batch "$batch" --steps "$steps" --warmup 20 --repeats "$repeats" --json "${extra[@]}"
+        sps=$(jnum samples_per_s "$work/step.out")
+        # cuDNN absent from this build or machine: not ddp's step failing.
+        if [ "$step_status" = FAIL ] && [ "$conv" = cudnn ] && [ -z "$sps" ] &&
+          grep -qi 'cudnn.*\(unavailable\|not built\|not available\|not found\|without\)' "$work/step.out"; then
+          step_status=SKIP
+          step_detail="no cuDNN: $(grep -m1 -i 'cudnn' "$work/step.out" | cut -c1-200)"
+        fi
+        if [ "$step_status" = PASS ] && [ -z "$sps" ]; then
+          step_status=FAIL step_detail="no samples_per_s in its --json output"
+        fi
+        # The convolution bench_convnet reports, when it does ("conv"), else the one asked.
+        impl=$(grep '"samples_per_s"' "$work/step.out" | tail -n 1 | sed -n 's/.*"conv": *"\([^"]*\)".*/\1/p')
+        [ -n "$sps" ] && step_detail="${step_detail:+$step_detail; }$sps samples/s (DDP_CUDA_CONV=$conv${impl:+, ran $impl})"
+        [ -n "$sps" ] && printf '{"impl": "ddp", "variant": "%s", "batch": %s, "conv": "%s", "samples_per_s_median": %s}\n' \
+          "$variant" "$batch" "$conv" "$sps" >>"$results"
+        record "$name" "$step_status" "$step_secs" "$step_detail" "$work/step.out"
+      done
     done
-    # The bar: ddp's best (CUDA graph when it has one) against PyTorch eager.
-    best=$(grep '^{"impl": "ddp", "variant": "[a-z]*", "batch": '"$batch"',' "$results" |
-      sed -n 's/.*"samples_per_s_median": \([0-9.]*\).*/\1/p' | sort -g | tail -n 1)
     theirs=$(torch_sps "$batch")
+    # ddp's best per mode, then the bar on the better of the two modes.
+    best_of() { # VARIANT: ddp's best figure of that mode at this batch
+      grep '^{"impl": "ddp", "variant": "'"$1"'", "batch": '"$batch"',' "$results" |
+        sed -n 's/.*"samples_per_s_median": \([0-9.]*\).*/\1/p' | sort -g | tail -n 1
+    }
+    best_plain=$(best_of plain) best_graph=$(best_of graph)
+    best=$(printf '%s\n' "$best_plain" "$best_graph" | grep . | sort -g | tail -n 1)
     bar=1.0
     [ "$batch" = 100 ] && bar=2.0
     if [ -z "$best" ] || [ -z "$theirs" ]; then
@@ -367,7 +389,13 @@ else
     else
       ratio=$(awk -v o="$best" -v t="$theirs" 'BEGIN {printf "%.2f", o / t}')
       st=$(awk -v r="$ratio" -v b="$bar" 'BEGIN {print (r >= b) ? "PASS" : "FAIL"}')
-      record "speed_b$batch" "$st" 0 "ddp $best / torch eager $theirs samples/s = ${ratio}x (bar ${bar}x$([ "$batch" = 100 ] && echo ', goal 5x'))"
+      modes="eager ${best_plain:-none}"
+      [ -n "$graph" ] && modes="$modes, CUDA graph ${best_graph:-none}"
+      record "speed_b$batch" "$st" 0 "ddp's best $best / torch eager $theirs samples/s = ${ratio}x (bar ${bar}x; $modes)"
+      if [ "$batch" = 100 ]; then
+        goal=$(awk -v r="$ratio" 'BEGIN {print (r >= 5) ? "met" : "not met"}')
+        record goal_b100 NOTE 0 "the issue's goal, 5x PyTorch eager at batch 100: ${ratio}x, $goal"
+      fi
     fi
   done
 fi
@@ -403,7 +431,11 @@ else
   gpu_acc=() cpu_acc=()
   read -r -a seed_list <<<"$seeds"
   nseeds=${#seed_list[@]}
-  nleft=$nseeds
+  graph_seed=${seed_list[0]}
+  graph_train=""
+  grep -q -- '--cuda-graph' <<<"$(ddp "$bin/ddp-train" --help 2>&1)" && graph_train=1
+  nleft=$((nseeds + ${graph_train:-0}))
+  eager_graph_seed=""
   for s in "${seed_list[@]}"; do
     want=$(( ($(left) - 5) / nleft ))
     nleft=$((nleft - 1))
@@ -419,6 +451,7 @@ else
     [ -n "$acc" ] && step_detail="${step_detail:+$step_detail; }GPU accuracy $acc, ${sps} samples/s${cpu:+, CPU $cpu}"
     [ -n "$acc" ] && gpu_acc+=("$acc")
     [ -n "$acc" ] && [ -n "$cpu" ] && cpu_acc+=("$cpu")
+    [ "$s" = "$graph_seed" ] && eager_graph_seed=$acc
     grep '"test_accuracy"' "$work/step.out" | tail -n 1 | sed "s/^{/{\"impl\": \"ddp-train\", \"device\": \"cuda\", \"seed\": $s, /" >>"$results"
     record "train_seed$s" "$step_status" "$step_secs" "$step_detail" "$work/step.out"
   done
@@ -433,6 +466,34 @@ else
       END {d = 100 * (g / ng - c / nc); printf "%s GPU mean %.2f%%, CPU mean %.2f%%, difference %+.2f points (bar 0.5)\n",
         (d <= 0.5 && d >= -0.5) ? "PASS" : "FAIL", 100 * g / ng, 100 * c / nc, d}')
     record accuracy "${verdict%% *}" 0 "${verdict#* }"
+  fi
+  # The same training with the step replayed as a CUDA graph (its full
+  # batches; the last of each epoch and evaluation eager): the same
+  # kernels, so the eager GPU run's accuracy, ideally to the last digit.
+  if [ -z "$graph_train" ]; then
+    record "train_seed${graph_seed}_graph" SKIP 0 "skipped: ddp-train has no --cuda-graph yet"
+  else
+    s=$graph_seed
+    # shellcheck disable=SC2086 # the settings are words
+    run_step "train_seed${s}_graph" $(($(left) - 5)) "${ddp_env[@]}" "$bin/ddp-train" $settings --seed "$s" \
+      --device cuda --cuda-graph --data "$data" --json
+    acc=$(jnum test_accuracy "$work/step.out")
+    sps=$(jnum samples_per_s "$work/step.out")
+    cpu=$(jnum test_accuracy "$cpu_dir/seed-$s.json")
+    if [ "$step_status" = PASS ] && [ -z "$acc" ]; then
+      step_status=FAIL step_detail="no test_accuracy in its --json output"
+    fi
+    if [ "$step_status" = PASS ] && [ -n "$eager_graph_seed" ]; then
+      d=$(awk -v a="$acc" -v b="$eager_graph_seed" 'BEGIN {printf "%+.2f", 100 * (a - b)}')
+      step_status=$(awk -v d="$d" 'BEGIN {print (d <= 0.5 && d >= -0.5) ? "PASS" : "FAIL"}')
+      same=""
+      [ "$acc" = "$eager_graph_seed" ] && same=", identical"
+      step_detail="CUDA graph accuracy $acc, ${sps} samples/s; eager GPU $eager_graph_seed ($d points$same, bar 0.5)${cpu:+; CPU $cpu}"
+    elif [ -n "$acc" ]; then
+      step_detail="${step_detail:+$step_detail; }CUDA graph accuracy $acc, ${sps} samples/s (no eager GPU run to compare)${cpu:+; CPU $cpu}"
+    fi
+    grep '"test_accuracy"' "$work/step.out" | tail -n 1 | sed "s/^{/{\"impl\": \"ddp-train\", \"device\": \"cuda\", \"seed\": $s, /" >>"$results"
+    record "train_seed${s}_graph" "$step_status" "$step_secs" "$step_detail" "$work/step.out"
   fi
 fi
 
