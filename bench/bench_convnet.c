@@ -45,6 +45,19 @@ static void die(const char *what, ddp_status s) {
     if (s_ != DDP_OK) die(what, s_);      \
   } while (0)
 
+/* One eager step: zero_grad, forward, loss (*loss, on the tape), backward,
+ * SGD. */
+static void eager_step(ddp_model *model, ddp_tape *tape, ddp_optimizer *opt, ddp_tensor *x,
+                       ddp_tensor *y, ddp_tensor **loss) {
+  ddp_tensor *out;
+  ddp_tape_reset(tape);
+  ddp_model_zero_grad(model);
+  CHECK(ddp_model_forward(model, tape, x, &out), "forward");
+  CHECK(ddp_model_loss(model, tape, out, y, loss), "loss");
+  CHECK(ddp_backward(tape, *loss), "backward");
+  CHECK(ddp_optimizer_step(opt), "SGD step");
+}
+
 int main(int argc, char **argv) {
   int64_t batch = 100, steps = 150, warmup = 10, repeats = 3;
   int threads = 1;
@@ -158,15 +171,9 @@ int main(int argc, char **argv) {
     return 2;
   }
   if (cuda_graph) {
-    for (int64_t step = 0; step < (warmup > 3 ? warmup : 3); step++) {
-      ddp_tensor *out, *loss;
-      ddp_tape_reset(tape);
-      ddp_model_zero_grad(model);
-      CHECK(ddp_model_forward(model, tape, gx, &out), "forward");
-      CHECK(ddp_model_loss(model, tape, out, gy, &loss), "loss");
-      CHECK(ddp_backward(tape, loss), "backward");
-      CHECK(ddp_optimizer_step(opt), "SGD step");
-    }
+    ddp_tensor *loss;
+    for (int64_t step = 0; step < (warmup > 3 ? warmup : 3); step++)
+      eager_step(model, tape, opt, gx, gy, &loss);
     CHECK(ddp_device_synchronize(device), "warming up");
     int64_t before[64];
     memcpy(before, counters, sizeof(int64_t) * (size_t)n_counters);
@@ -213,13 +220,7 @@ int main(int argc, char **argv) {
         x = &b.x;
         y = &b.y;
       }
-      ddp_tensor *out;
-      ddp_tape_reset(tape);
-      ddp_model_zero_grad(model);
-      CHECK(ddp_model_forward(model, tape, x, &out), "forward");
-      CHECK(ddp_model_loss(model, tape, out, y, &loss), "loss");
-      CHECK(ddp_backward(tape, loss), "backward");
-      CHECK(ddp_optimizer_step(opt), "SGD step");
+      eager_step(model, tape, opt, x, y, &loss);
       if (!on_gpu) last_loss = ddp_tensor_f32(loss)[0];
     }
     CHECK(ddp_device_synchronize(device), "synchronizing");
