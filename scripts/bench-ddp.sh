@@ -24,8 +24,13 @@
 # BENCH_DDP_COMPARE (ddprun options of a third side, "ddp-alt", run in every
 # round beside the other two and reported as ddp / ddp-alt per world: e.g.
 # BENCH_DDP_COMPARE="--bind none" weighs the default placement against none).
-# Needs build/bin/{ddprun,ddp-train} (scripts/build.sh), python3-torch and the
-# Fashion-MNIST package (scripts/install-deps.sh data).
+# The scaling figure: every round's samples/s per side and world go to
+# BENCH_OUT/scaling.tsv (side, world, samples_per_s, round), which ddp-plot
+# draws as BENCH_OUT/scaling.svg: samples/s and efficiency against world
+# size, the sides side by side (medians as bars, each round a dot; needs
+# world 1 among the worlds). BENCH_OUT defaults to build/bench-ddp.
+# Needs build/bin/{ddprun,ddp-train,ddp-plot} (scripts/build.sh), python3-torch
+# and the Fashion-MNIST package (scripts/install-deps.sh data).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-5}
@@ -33,7 +38,12 @@ steps=${2:-200}
 worlds=(${BENCH_WORLDS:-1 2})
 ref=${DDP_SHARED_DIR:-../shared}/refs/torch_ddp_convnet.py
 die() { echo "bench-ddp: $*" >&2; exit 2; }
-[ -x build/bin/ddprun ] && [ -x build/bin/ddp-train ] || die "build first (scripts/build.sh)"
+[ -x build/bin/ddprun ] && [ -x build/bin/ddp-train ] && [ -x build/bin/ddp-plot ] ||
+  die "build first (scripts/build.sh)"
+out_dir=${BENCH_OUT:-build/bench-ddp}
+mkdir -p "$out_dir" || die "cannot create $out_dir"
+table=$out_dir/scaling.tsv
+printf 'side\tworld\tsamples_per_s\tround\n' >"$table"
 [ -f "$ref" ] || die "$ref not found (set DDP_SHARED_DIR to the folder holding refs/)"
 /usr/bin/python3 -c "import torch" 2>/dev/null || die "needs python3-torch (apt-get install python3-torch)"
 cores=$(nproc)
@@ -71,6 +81,9 @@ pair_run() { # -> summed samples/s of two independent world-1 ddp runs at once
   [ -n "$a" ] && [ -n "$b" ] && awk -v a="$a" -v b="$b" 'BEGIN { print a + b }'
 }
 pair_tmp=$(mktemp); trap 'rm -f "$pair_tmp" "$pair_tmp".a "$pair_tmp".b' EXIT
+side_name() { # the figure's name for a side
+  case $1 in ddp) echo ddp ;; torch) echo PyTorch ;; ddpalt) echo "ddp ($BENCH_DDP_COMPARE)" ;; esac
+}
 median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
 
 declare -A runs last
@@ -92,6 +105,7 @@ for r in $(seq "$rounds"); do
       [ -n "$v" ] || die "round $r: the $side run at world $w gave no figure"
       runs[$side.$w]+="$v "
       last[$side.$w]=$v
+      printf '%s\t%s\t%s\t%s\n' "$(side_name "$side")" "$w" "$v" "$r" >>"$table"
       note=""
       if [ -n "${preempted:-}" ] && [ "$preempted" != nan ]; then
         runs[preempted.$w]+="$preempted "
@@ -144,3 +158,11 @@ for w in "${worlds[@]}"; do
   awk -v w="$w" -v p="${med[preempted.$w]}" -v q="${med[preempted_pct.$w]}" \
     'BEGIN { printf "ddp world %s: its ranks waited for a CPU held by another task %.3f ms a step together (%.2f%% of a step; medians)\n", w, p, q }'
 done
+if [[ " ${worlds[*]} " == *" 1 "* ]]; then
+  build/bin/ddp-plot scaling "$table" -o "$out_dir/scaling.svg" \
+    --title "ConvNet, batch 100 per rank: median of $rounds rounds, $steps steps ($cores cores)" ||
+    die "ddp-plot could not draw $table"
+  echo "scaling figure: $out_dir/scaling.svg (from $table)"
+else
+  echo "scaling figure: none (its efficiency needs world 1 among BENCH_WORLDS); runs in $table"
+fi
