@@ -3,19 +3,11 @@
 
 #include <errno.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-static bool fail(char *err, size_t n, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static bool fail(char *err, size_t n, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(err, n, fmt, ap);
-  va_end(ap);
-  return false;
-}
+#include "plot/errors.h"
 
 /* Splits line at tabs into at most `max` fields (the line is modified; a
  * trailing newline dropped). */
@@ -104,7 +96,7 @@ static void summarize(scaling *sc) {
 bool scaling_read(scaling *sc, const char *path, char *err, size_t err_size) {
   memset(sc, 0, sizeof *sc);
   FILE *f = fopen(path, "r");
-  if (!f) return fail(err, err_size, "%s: %s", path, strerror(errno));
+  if (!f) return plot_fail(err, err_size, "%s: %s", path, strerror(errno));
   char *line = NULL;
   size_t cap = 0;
   long lineno = 0;
@@ -116,7 +108,7 @@ bool scaling_read(scaling *sc, const char *path, char *err, size_t err_size) {
     int n = split(line, fields, 64);
     if (n == 1 && !fields[0][0]) continue; /* blank */
     if (n > 64) {
-      ok = fail(err, err_size, "%s:%ld: more than 64 columns", path, lineno);
+      ok = plot_fail(err, err_size, "%s:%ld: more than 64 columns", path, lineno);
     } else if (col_side < 0) { /* the header */
       for (int i = 0; i < n; i++) {
         if (!strcmp(fields[i], "side")) col_side = i;
@@ -125,10 +117,10 @@ bool scaling_read(scaling *sc, const char *path, char *err, size_t err_size) {
       }
       n_cols = n;
       if (col_side < 0 || col_world < 0 || col_rate < 0)
-        ok = fail(err, err_size, "%s:%ld: the header must name the columns side, world and "
+        ok = plot_fail(err, err_size, "%s:%ld: the header must name the columns side, world and "
                   "samples_per_s (tab-separated)", path, lineno);
     } else if (n != n_cols) {
-      ok = fail(err, err_size, "%s:%ld: %d fields, the header has %d", path, lineno, n, n_cols);
+      ok = plot_fail(err, err_size, "%s:%ld: %d fields, the header has %d", path, lineno, n, n_cols);
     } else {
       char *world_end, *rate_end;
       long world = strtol(fields[col_world], &world_end, 10);
@@ -136,24 +128,24 @@ bool scaling_read(scaling *sc, const char *path, char *err, size_t err_size) {
       int s = side_index(sc, fields[col_side]);
       int w = world >= 1 && world <= 1 << 20 ? world_index(sc, (int)world) : -2;
       if (!*fields[col_world] || *world_end || w == -2)
-        ok = fail(err, err_size, "%s:%ld: world '%s' is not a positive integer", path, lineno,
+        ok = plot_fail(err, err_size, "%s:%ld: world '%s' is not a positive integer", path, lineno,
                   fields[col_world]);
       else if (!*fields[col_rate] || *rate_end || !isfinite(rate) || rate <= 0)
-        ok = fail(err, err_size, "%s:%ld: samples_per_s '%s' is not a positive number", path,
+        ok = plot_fail(err, err_size, "%s:%ld: samples_per_s '%s' is not a positive number", path,
                   lineno, fields[col_rate]);
       else if (!*fields[col_side])
-        ok = fail(err, err_size, "%s:%ld: an empty side", path, lineno);
+        ok = plot_fail(err, err_size, "%s:%ld: an empty side", path, lineno);
       else if (s < 0 || w < 0)
-        ok = fail(err, err_size, "%s:%ld: more than %d sides or %d worlds", path, lineno,
+        ok = plot_fail(err, err_size, "%s:%ld: more than %d sides or %d worlds", path, lineno,
                   SCALING_MAX_SIDES, SCALING_MAX_WORLDS);
       else if (!add_run(sc, s, w, rate))
-        ok = fail(err, err_size, "%s:%ld: out of memory", path, lineno);
+        ok = plot_fail(err, err_size, "%s:%ld: out of memory", path, lineno);
     }
   }
   free(line);
   fclose(f);
-  if (ok && col_side < 0) ok = fail(err, err_size, "%s: empty (no header)", path);
-  if (ok && sc->n_sides == 0) ok = fail(err, err_size, "%s: a header but no rows", path);
+  if (ok && col_side < 0) ok = plot_fail(err, err_size, "%s: empty (no header)", path);
+  if (ok && sc->n_sides == 0) ok = plot_fail(err, err_size, "%s: a header but no rows", path);
   if (!ok) {
     scaling_free(sc);
     return false;

@@ -67,48 +67,52 @@ void svg_group_end(svg *s) {
   s->depth--;
 }
 
+/* ` name="v"` with v rounded as num() does. */
+static void attr(FILE *f, const char *name, double v) {
+  fprintf(f, " %s=\"", name);
+  num(f, v);
+  fputc('"', f);
+}
+
+static void style_attr(FILE *f, const char *style) {
+  if (style) fprintf(f, " style=\"%s\"", style);
+}
+
 void svg_line(svg *s, const char *cls, double x1, double y1, double x2, double y2) {
-  fprintf(s->f, "<line class=\"%s\" x1=\"", cls);
-  num(s->f, x1);
-  fputs("\" y1=\"", s->f);
-  num(s->f, y1);
-  fputs("\" x2=\"", s->f);
-  num(s->f, x2);
-  fputs("\" y2=\"", s->f);
-  num(s->f, y2);
-  fputs("\"/>\n", s->f);
+  fprintf(s->f, "<line class=\"%s\"", cls);
+  attr(s->f, "x1", x1);
+  attr(s->f, "y1", y1);
+  attr(s->f, "x2", x2);
+  attr(s->f, "y2", y2);
+  fputs("/>\n", s->f);
 }
 
 void svg_rect(svg *s, const char *cls, double x, double y, double w, double h,
               const char *style) {
-  fprintf(s->f, "<rect class=\"%s\" x=\"", cls);
-  num(s->f, x);
-  fputs("\" y=\"", s->f);
-  num(s->f, y);
-  fputs("\" width=\"", s->f);
-  num(s->f, w);
-  fputs("\" height=\"", s->f);
-  num(s->f, h);
-  fprintf(s->f, "\"%s%s%s/>\n", style ? " style=\"" : "", style ? style : "", style ? "\"" : "");
+  fprintf(s->f, "<rect class=\"%s\"", cls);
+  attr(s->f, "x", x);
+  attr(s->f, "y", y);
+  attr(s->f, "width", w);
+  attr(s->f, "height", h);
+  style_attr(s->f, style);
+  fputs("/>\n", s->f);
 }
 
 void svg_circle(svg *s, const char *cls, double cx, double cy, double r, const char *style) {
-  fprintf(s->f, "<circle class=\"%s\" cx=\"", cls);
-  num(s->f, cx);
-  fputs("\" cy=\"", s->f);
-  num(s->f, cy);
-  fputs("\" r=\"", s->f);
-  num(s->f, r);
-  fprintf(s->f, "\"%s%s%s/>\n", style ? " style=\"" : "", style ? style : "", style ? "\"" : "");
+  fprintf(s->f, "<circle class=\"%s\"", cls);
+  attr(s->f, "cx", cx);
+  attr(s->f, "cy", cy);
+  attr(s->f, "r", r);
+  style_attr(s->f, style);
+  fputs("/>\n", s->f);
 }
 
 void svg_text(svg *s, const char *cls, double x, double y, const char *anchor, double rotate,
               const char *text) {
-  fprintf(s->f, "<text class=\"%s\" x=\"", cls);
-  num(s->f, x);
-  fputs("\" y=\"", s->f);
-  num(s->f, y);
-  fprintf(s->f, "\" text-anchor=\"%s\"", anchor);
+  fprintf(s->f, "<text class=\"%s\"", cls);
+  attr(s->f, "x", x);
+  attr(s->f, "y", y);
+  fprintf(s->f, " text-anchor=\"%s\"", anchor);
   if (rotate != 0) {
     fprintf(s->f, " transform=\"rotate(%.0f ", rotate);
     num(s->f, x);
@@ -147,7 +151,7 @@ void svg_path_close(svg *s) {
 
 void svg_path_end(svg *s, const char *cls, const char *style, const char *series) {
   fprintf(s->f, "\" class=\"%s\"", cls);
-  if (style) fprintf(s->f, " style=\"%s\"", style);
+  style_attr(s->f, style);
   if (series) {
     fputs(" data-series=\"", s->f);
     svg_escape(s->f, series);
