@@ -17,6 +17,8 @@ For every run directory ROOT/<run>:
     (step, value) list equal to the expected one, values compared as
     float32 bit patterns (and wall times where given); text events equal,
     byte for byte, to what torch.utils.tensorboard's summary.text() makes;
+    the plugin accumulator TensorBoard's web UI reads puts the same values
+    under the scalars plugin;
   - for a training run, the JSON-lines log: every step and evaluation
     record's non-null values are there at the same step under
     "<group>/<key>", the log's value being the callback's rounded to %.6g,
@@ -32,6 +34,8 @@ import struct
 import sys
 
 from tensorboard.backend.event_processing import event_accumulator as ea
+from tensorboard.backend.event_processing import plugin_event_accumulator as pea
+from tensorboard.util import tensor_util
 from tensorboard.compat.proto import event_pb2
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 from torch.utils.tensorboard import summary as torch_summary
@@ -125,6 +129,16 @@ def check_scalars(run, run_dir, want_scalars):
             if "wall" in w and e.wall_time != w["wall"]:
                 fail("%s: %s at step %d: wall time %r, expected %r" % (run, tag, e.step, e.wall_time, w["wall"]))
             count += 1
+    # What TensorBoard's web UI reads: the plugin accumulator, which moves
+    # simple_value into tensors under the scalars plugin.
+    pacc = pea.EventAccumulator(run_dir, size_guidance={"tensors": 0})
+    pacc.Reload()
+    if sorted(pacc.PluginTagToContent("scalars")) != sorted(want_scalars):
+        fail("%s: the scalars plugin sees %s" % (run, sorted(pacc.PluginTagToContent("scalars"))))
+    for tag, want in want_scalars.items():
+        got = [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in pacc.Tensors(tag)]
+        if got != [(w["step"], f32(w["value"])) for w in want]:
+            fail("%s: the scalars plugin's %s differs: %s" % (run, tag, got[:5]))
     return acc, count
 
 
