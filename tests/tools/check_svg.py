@@ -14,7 +14,6 @@ with the data point by point (so its x and y ranges too), within what the
 SVG's 1/100-pixel rounding allows. Prints a line per panel; exits 1 at the
 first difference, naming it."""
 import json
-import math
 import re
 import sys
 import xml.etree.ElementTree as ET

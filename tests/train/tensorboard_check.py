@@ -26,7 +26,6 @@ For every run directory ROOT/<run>:
 Prints one line per run; exits 1 at the first difference, naming it."""
 import glob
 import json
-import math
 import os
 import re
 import socket
