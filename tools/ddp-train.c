@@ -54,6 +54,7 @@ typedef struct train_args {
   const char *resume_path; /* --resume: continue from this checkpoint */
   const char *init_path;   /* --init: start from this state dict */
   const char *device;      /* --device: auto, cpu, cuda, cuda:N */
+  const char *tensorboard; /* --tensorboard DIR: event files there (rank 0) */
   bool cuda_graph;         /* --cuda-graph */
 } train_args;
 
@@ -105,6 +106,10 @@ static void usage(FILE *f) {
 "  --eval-every N       evaluate on the test set every N steps (default 0: at the end\n"
 "                       of each epoch and of training)\n"
 "  --patience K         stop after K evaluations in a row without a better test loss\n"
+"  --tensorboard DIR    TensorBoard event files in DIR (rank 0; SummaryWriter's naming):\n"
+"                       train/loss, train/lr, train/samples_per_s and phases/*_ms per\n"
+"                       step, test/loss and test/accuracy per evaluation, the options\n"
+"                       as text (tensorboard --logdir DIR)\n"
 "  --log FILE           one JSON object per line: per step {step, epoch, loss, lr,\n"
 "                       samples_per_s, and where the step's time went: load_ms,\n"
 "                       forward_ms, backward_compute_ms, backward_comm_ms (the\n"
@@ -223,7 +228,7 @@ static void parse_args(int argc, char **argv, train_args *a) {
         "--batch-size", "--lr", "--optimizer", "--momentum", "--weight-decay", "--scheduler",
         "--step-size", "--gamma", "--seed", "--threads", "--workers", "--eval-every",
         "--patience", "--log", "--dump-state", "--save", "--save-every", "--resume", "--init",
-        "--device"};
+        "--device", "--tensorboard"};
     char name[64];
     const char *eq = strchr(f, '=');
     size_t len = eq ? (size_t)(eq - f) : strlen(f);
@@ -269,6 +274,7 @@ static void parse_args(int argc, char **argv, train_args *a) {
     else if (!strcmp(name, "--resume")) a->resume_path = v;
     else if (!strcmp(name, "--init")) a->init_path = v;
     else if (!strcmp(name, "--device")) a->device = v;
+    else if (!strcmp(name, "--tensorboard")) a->tensorboard = v;
     else die_usage("unknown option '%s'", f);
   }
   if (a->scheduler && strcmp(a->scheduler, "step") && strcmp(a->scheduler, "none"))
@@ -642,6 +648,11 @@ int main(int argc, char **argv) {
                     .a = &a, .lead = lead, .epochs = a.epochs, .last_loss = NAN};
   o.callbacks = (ddp_train_callbacks){on_start, on_step, on_eval, &view};
 
+  /* On every rank: the trainer reduces the callbacks' stop requests over the
+   * group; only rank 0 writes. */
+  ddp_train_tensorboard *tb = NULL;
+  if (a.tensorboard)
+    CHECK(ddp_train_tensorboard_attach(&tb, &o, a.tensorboard, world.pg), "opening --tensorboard");
   ddp_trainer *trainer;
   CHECK(ddp_trainer_create(&trainer, model, train_ds, test_ds, world.pg, &o),
         "setting up training");
@@ -659,6 +670,7 @@ int main(int argc, char **argv) {
     exit(1);
   }
   end_progress_line(&view.prog);
+  CHECK(ddp_train_tensorboard_close(tb), "writing --tensorboard");
   if (lead) {
     fprintf(stderr, "trained %lld steps (%.2f epochs) at %.0f samples/s", (long long)r.steps,
             r.epochs, r.samples_per_s);

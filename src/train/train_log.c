@@ -4,9 +4,12 @@
 
 #include "train/train_internal.h"
 
+/* %.17g: a number reads back as the very value (the loss a float32, the
+ * rest doubles), so the log, TensorBoard's event files and a re-run can be
+ * compared exactly. */
 void ddp__train_json_number(FILE *f, const char *key, double v, bool comma) {
   if (isfinite(v))
-    fprintf(f, "\"%s\": %.6g%s", key, v, comma ? ", " : "");
+    fprintf(f, "\"%s\": %.17g%s", key, v, comma ? ", " : "");
   else
     fprintf(f, "\"%s\": null%s", key, comma ? ", " : "");
 }

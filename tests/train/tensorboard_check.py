@@ -21,8 +21,9 @@ For every run directory ROOT/<run>:
     under the scalars plugin;
   - for a training run, the JSON-lines log: every step and evaluation
     record's non-null values are there at the same step under
-    "<group>/<key>", the log's value being the callback's rounded to %.6g,
-    and its nulls are absent.
+    "<group>/<key>", the log's value being exactly the callback's (the log
+    prints round-trip digits), TensorBoard's the float32 of the log's, and
+    the log's nulls are absent.
 Prints one line per run; exits 1 at the first difference, naming it."""
 import glob
 import json
@@ -168,11 +169,11 @@ def check_log(run, acc, log_path, want_scalars):
                     continue
                 if where not in tb:
                     fail("%s: %s:%d: %s = %r at step %d is missing from TensorBoard" % (run, log_path, n, key, rec[key], rec["step"]))
-                if float("%.6g" % exact[where]) != rec[key]:
+                if exact[where] != rec[key]:
                     fail("%s: %s:%d: %s = %r, but the callback saw %r" % (run, log_path, n, key, rec[key], exact[where]))
-                if bits(tb[where]) != bits(f32(exact[where])):
-                    fail("%s: %s at step %d: TensorBoard %r, float32 of the step's %r is %r"
-                         % (run, tag, rec["step"], tb[where], exact[where], f32(exact[where])))
+                if bits(tb[where]) != bits(f32(rec[key])):
+                    fail("%s: %s at step %d: TensorBoard %r, float32 of the log's %r is %r"
+                         % (run, tag, rec["step"], tb[where], rec[key], f32(rec[key])))
                 seen.add(where)
     if seen != set(tb):
         fail("%s: TensorBoard has values the log does not: %s" % (run, sorted(set(tb) - seen)[:5]))
