@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "comm/comm_internal.h"
+#include "comm/flight.h"
 
 const char *ddp__op_kind_name(ddp__op_kind kind) {
   static const char *names[DDP__OP_KIND_COUNT] = {
@@ -42,19 +43,25 @@ static ddp_status dispatch(ddp_process_group *pg, const ddp__op_args *a, const d
 
 ddp_status ddp__op_execute(ddp_process_group *pg, ddp__op_args *args, bool caller_blocked) {
   args->seq = ddp__op_is_collective(args->kind) ? ++pg->next_seq : ++pg->next_p2p_seq;
-  DDP_TRY(ddp__group_check(pg));
+  ddp_status st = ddp__group_check(pg);
+  if (st != DDP_OK) {
+    if (pg->flight) ddp__flight_end(pg->flight, args, st, ddp__now_coarse_ns());
+    return st;
+  }
+  int64_t now = ddp__now_coarse_ns(); /* one reading: the deadline's and the recorder's */
   ddp__op_ctx ctx = {
       .op = ddp__op_kind_name(args->kind),
       .seq = args->seq,
-      .deadline_ns = ddp__deadline_after_coarse(pg->timeout_ns),
+      .deadline_ns = ddp__deadline_from(now, pg->timeout_ns),
       .aborted = &pg->aborted,
       .tag = args->tag,
       .caller_blocked = caller_blocked,
   };
-  ddp_status st = DDP_OK;
+  if (pg->flight) ddp__flight_start(pg->flight, args, now);
   if (pg->debug_detail && pg->size > 1 && ddp__op_is_collective(args->kind))
     st = ddp__debug_check(pg, args, &ctx);
   if (st == DDP_OK) st = dispatch(pg, args, &ctx);
+  if (pg->flight) ddp__flight_end(pg->flight, args, st, ddp__now_coarse_ns());
   if (st != DDP_OK) {
     ddp__group_fail(pg, st, ddp_last_error());
     return ddp__group_check(pg);

@@ -14,6 +14,8 @@
 #include "comm/backend.h"
 #include "ddp/comm.h"
 
+typedef struct ddp__flight ddp__flight; /* flight.h */
+
 /* The operations the queue can hold. */
 typedef enum ddp__op_kind {
   DDP__OP_ALLREDUCE = 0,
@@ -48,6 +50,7 @@ typedef struct ddp__op_args {
   int root;         /* root, or the peer of send / recv */
   int tag;
   uint64_t seq;     /* collectives: the group's collective number; p2p: own counter */
+  uint64_t flight;  /* its flight recorder record's id + 1; 0: none yet (flight.h) */
 } ddp__op_args;
 
 struct ddp_work {
@@ -73,6 +76,10 @@ struct ddp_process_group {
   bool force_tcp;          /* options.transport "tcp"; subgroups inherit it */
   bool debug_detail;       /* DDP_DEBUG=detail: fingerprints checked */
   ddp_rendezvous_info *rdzv; /* ddp_init_process_group's; destroyed last */
+  /* Its namespace in the user's store ("pg/1/", "pg/1/sub/2/c0/"), the same
+   * on every rank: how dumps of one group are matched across ranks. */
+  char name[128];
+  ddp__flight *flight;     /* the flight recorder's ring; NULL when off */
 
   atomic_bool aborted;
   /* Sticky error: set once under err_mu, then read lock-free after `failed`. */
@@ -156,14 +163,19 @@ static inline int64_t ddp__deadline_after(int64_t ns) {
   return ns > INT64_MAX - now ? INT64_MAX : now + ns;
 }
 
-/* The same on CLOCK_MONOTONIC's coarse reading (the same clock, read from
- * the last tick: at most a few ms behind, so the deadline is at most that
- * early). Every operation computes one; where the precise clock costs
- * ~100 ns (no vDSO), the coarse one costs ~5. */
-static inline int64_t ddp__deadline_after_coarse(int64_t ns) {
+/* CLOCK_MONOTONIC's coarse reading (the same clock, read from the last
+ * tick: at most a few ms behind, so a deadline from it is at most that
+ * early). Every operation reads it once, for its deadline and the flight
+ * recorder; where the precise clock costs ~100 ns (no vDSO), the coarse one
+ * costs ~5. */
+static inline int64_t ddp__now_coarse_ns(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
-  int64_t now = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+  return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* now + ns, saturating (now from either clock above). */
+static inline int64_t ddp__deadline_from(int64_t now, int64_t ns) {
   return ns > INT64_MAX - now ? INT64_MAX : now + ns;
 }
 

@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "comm/comm_internal.h"
+#include "comm/flight.h"
 #include "rendezvous/rdzv_internal.h"
 
 #define ID_MAGIC "ddp-pg 1"
@@ -27,13 +28,18 @@
 /* ---- Sticky errors ---------------------------------------------------------- */
 
 void ddp__group_fail(ddp_process_group *pg, ddp_status status, const char *msg) {
+  bool first = false;
   pthread_mutex_lock(&pg->err_mu);
   if (!atomic_load(&pg->failed)) {
     pg->err_status = status;
     snprintf(pg->err_msg, sizeof pg->err_msg, "%s", msg && *msg ? msg : ddp_strerror(status));
     atomic_store_explicit(&pg->failed, true, memory_order_release);
+    first = true;
   }
   pthread_mutex_unlock(&pg->err_mu);
+  /* A timeout or a dead peer dumps the flight recorder (err_msg no longer
+   * changes once failed is set). */
+  if (first && pg->flight) ddp__flight_on_failure(pg->flight, status, pg->err_msg);
 }
 
 ddp_status ddp__group_check(ddp_process_group *pg) {
@@ -250,11 +256,12 @@ static ddp_status resolve_settings(const ddp_process_group_options *options, gro
 }
 
 /* Builds a group on its namespace `ns` (a reference the group takes over,
- * released on failure too). `known` gives the identity tables when the caller
- * already has them (subgroups: the parent's, renumbered); NULL exchanges
- * them through ns. */
-static ddp_status group_build(ddp_store *ns, int rank, int size, const group_settings *set,
-                              identity *known, ddp_process_group **out) {
+ * released on failure too), called `name` (the namespace's prefix from the
+ * user's store). `known` gives the identity tables when the caller already
+ * has them (subgroups: the parent's, renumbered); NULL exchanges them
+ * through ns. */
+static ddp_status group_build(ddp_store *ns, const char *name, int rank, int size,
+                              const group_settings *set, identity *known, ddp_process_group **out) {
   *out = NULL;
   ddp_process_group *pg = ddp_calloc(1, sizeof *pg);
   if (!pg) {
@@ -265,6 +272,7 @@ static ddp_status group_build(ddp_store *ns, int rank, int size, const group_set
   pg->rank = rank;
   pg->size = size;
   pg->store = ns;
+  snprintf(pg->name, sizeof pg->name, "%s", name);
   pg->timeout_ns = set->timeout_ns;
   pg->force_tcp = set->force_tcp;
   pthread_mutex_init(&pg->err_mu, NULL);
@@ -318,6 +326,13 @@ static ddp_status group_build(ddp_store *ns, int rank, int size, const group_set
     if (st != DDP_OK) {
       pg->backend = NULL;
       st = ddp_error_wrap(st, "process group (rank %d of %d)", rank, size);
+    } else {
+      st = ddp__flight_open(ddp__flight_capacity_from_env(), pg->name, rank, size, pg->backend->ops->name,
+                            &pg->flight);
+      if (st != DDP_OK) {
+        pg->backend->ops->destroy(pg->backend);
+        pg->backend = NULL;
+      }
     }
   } else if (known) {
     identity_free(known);
@@ -363,7 +378,7 @@ ddp_status ddp_process_group_create(ddp_store *store, int rank, int world_size,
   st = ddp_store_clone(view, &ns);
   ddp_store_destroy(view);
   if (st != DDP_OK) return ddp_error_wrap(st, "process group (rank %d of %d)", rank, world_size);
-  return group_build(ns, rank, world_size, &set, NULL, out);
+  return group_build(ns, prefix, rank, world_size, &set, NULL, out);
 }
 
 ddp_status ddp_init_process_group(const char *init_url, const ddp_rendezvous_options *rdzv,
@@ -459,7 +474,9 @@ static ddp_status subgroup_build(ddp_process_group *parent, uint64_t k, const ch
     return st;
   }
   group_settings set = settings_of(parent);
-  return group_build(ns, index, n, &set, &id, out);
+  char name[sizeof parent->name + sizeof prefix];
+  snprintf(name, sizeof name, "%s%s", parent->name, prefix);
+  return group_build(ns, name, index, n, &set, &id, out);
 }
 
 ddp_status ddp_process_group_new(ddp_process_group *parent, int n, const int *ranks,
@@ -593,6 +610,7 @@ void ddp_process_group_destroy(ddp_process_group *pg) {
               (unsigned long long)c.threads_bytes);
   }
   if (pg->backend) pg->backend->ops->destroy(pg->backend);
+  ddp__flight_close(pg->flight);
   ddp_store_destroy(pg->store);
   ddp_free(pg->host_of);
   ddp_free(pg->process_of);

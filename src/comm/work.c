@@ -13,6 +13,7 @@
 #include <time.h>
 
 #include "comm/comm_internal.h"
+#include "comm/flight.h"
 
 /* Slack added to derived bounds, for the backend to notice its deadline. */
 #define SLACK_NS (5LL * 1000000000LL)
@@ -224,6 +225,9 @@ ddp_status ddp__submit(ddp_process_group *pg, ddp__op_args *args, ddp_work **wor
                                            ddp__op_kind_name(args->kind))
                                : st;
   }
+  /* Recorded as scheduled now, under the mutex, so the ring keeps
+   * submission order; it is numbered when it starts. */
+  if (pg->flight) ddp__flight_new(pg->flight, args, DDP__FLIGHT_SCHEDULED, ddp__now_coarse_ns());
   w->args = *args;
   w->queued = true;
   size_t ahead = ops_ahead(pg);
@@ -276,6 +280,7 @@ void ddp__queue_fail_all(ddp_process_group *pg) {
   for (ddp_work *w = pg->head, *next; w; w = next) {
     next = w->next;
     w->next = NULL;
+    if (pg->flight) ddp__flight_end(pg->flight, &w->args, st, ddp__now_coarse_ns());
     atomic_fetch_sub(&pg->active, 1);
     work_finish(pg, w, st);
   }

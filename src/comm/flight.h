@@ -1,0 +1,275 @@
+/* The flight recorder (PyTorch's NCCL flight recorder, for ddp's groups):
+ * every process group keeps its last N operations in a ring, each with its
+ * sequence number, operation, sizes, dtype, peer, state and times; on a
+ * timeout, a peer's death or SIGUSR1 the process dumps every group's ring
+ * (a JSON file per rank in DDP_DEBUG_DIR, and the store under a launcher),
+ * and a launcher or `ddp-debug flight` reads the dumps of all ranks and says
+ * who stopped where (docs/comm.md, "Flight recorder"; docs/debugging.md).
+ *
+ * Three parts:
+ *   flight.c          the ring: recording on the hot path, consistent copies
+ *   flight_dump.c     the process: registry of rings, triggers (failure,
+ *                     SIGUSR1 through a pipe and a dump thread), the JSON
+ *                     writer, the file and the store
+ *   flight_verdict.c  the verdict over the dumps of every rank
+ * The JSON reader is src/launch/flight_read.c (it uses io's parser). Not
+ * installed. */
+#ifndef DDP__COMM_FLIGHT_H
+#define DDP__COMM_FLIGHT_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "comm/comm_internal.h"
+
+#define DDP__FLIGHT_DEFAULT_SIZE 2000
+#define DDP__FLIGHT_MAX_SIZE (1 << 20)
+#define DDP__FLIGHT_NAME_BYTES 128
+#define DDP__FLIGHT_FORMAT "ddp-flight-recorder"
+#define DDP__FLIGHT_VERSION 1
+
+typedef enum ddp__flight_state {
+  DDP__FLIGHT_SCHEDULED = 1, /* queued behind other operations */
+  DDP__FLIGHT_STARTED = 2,   /* running on the backend */
+  DDP__FLIGHT_COMPLETED = 3,
+  DDP__FLIGHT_FAILED = 4,
+} ddp__flight_state;
+
+/* "scheduled", "started", "completed", "failed"; "unknown" otherwise. */
+const char *ddp__flight_state_name(int32_t state);
+/* The inverse (0 for an unknown name). */
+int32_t ddp__flight_state_of(const char *name);
+
+/* ---- The model of a dump: what a ring holds, as the writer copies it and
+ * the reader parses it back ------------------------------------------------ */
+
+/* One operation. Times are CLOCK_MONOTONIC nanoseconds read from the coarse
+ * clock (a tick: 1-4 ms), -1 when the state was never reached. */
+typedef struct ddp__flight_record {
+  uint64_t id;        /* the ring's record number, from 0 */
+  uint64_t seq;       /* collective number (collectives) or point-to-point
+                         number (send/recv); 0 while scheduled */
+  int32_t kind;       /* ddp__op_kind */
+  int32_t dtype;      /* ddp_dtype; -1 for barrier */
+  int32_t reduce_op;  /* ddp_reduce_op; -1 where the op has none */
+  int32_t root;       /* broadcast/reduce/gather/scatter; else -1 */
+  int32_t peer;       /* send/recv; else -1 */
+  int32_t tag;        /* send/recv; else 0 */
+  uint64_t count;     /* elements of dtype, as passed to the call */
+  int32_t state;      /* ddp__flight_state */
+  int32_t status;     /* ddp_status of a failed op, else 0 */
+  int64_t scheduled_ns, started_ns, ended_ns;
+} ddp__flight_record;
+
+/* One group's ring as seen by one rank. */
+typedef struct ddp__flight_group {
+  char name[DDP__FLIGHT_NAME_BYTES]; /* "pg/1/", "pg/1/sub/2/c0/": equal on every rank */
+  int32_t rank;
+  int32_t size;
+  char backend[16];
+  uint64_t recorded;  /* records ever made; more than n once the ring wrapped */
+  int64_t dump_ns;    /* the dump's time (the process's), for "waited T s" */
+  size_t n;
+  ddp__flight_record *records; /* (n) oldest first */
+} ddp__flight_group;
+
+/* One process's dump. A process with several ranks (ranks as threads) has a
+ * group entry per rank. */
+typedef struct ddp__flight_dump {
+  int32_t rank;        /* RANK of the process, -1 when unset */
+  int32_t world_size;  /* WORLD_SIZE, -1 when unset */
+  int64_t pid;
+  int32_t attempt;     /* TORCHELASTIC_RESTART_COUNT, -1 when unset */
+  uint64_t dump_number; /* 1 for the process's first dump, ... */
+  uint64_t capacity;   /* N */
+  int64_t dump_ns;     /* monotonic, the clock of the records */
+  int64_t dump_unix_ns; /* the wall clock at the same moment */
+  char host[256];
+  char run_id[128];    /* TORCHELASTIC_RUN_ID, "" when unset */
+  char reason[16];     /* "timeout", "peer", "signal", "request" */
+  char detail[512];    /* the failure's message, or what asked */
+  size_t n_groups;
+  ddp__flight_group *groups;
+} ddp__flight_dump;
+
+/* Frees what a dump holds (not the struct itself); zeroes it. NULL ok. */
+void ddp__flight_dump_free(ddp__flight_dump *dump);
+
+/* ---- The ring ---------------------------------------------------------------
+ * A slot is a seqlock: `version` is 2 id + 1 while record `id` is written
+ * and 2 id + 2 once it is consistent, so a reader on another thread (the
+ * dump) copies a slot, checks the version did not move, and otherwise
+ * skips it. Every field is an atomic written with relaxed stores: on x86 a
+ * record is a few plain stores and one locked add (the record number);
+ * nothing waits. Records are made by whoever submits (scheduled, under the
+ * group's mutex) and by the executing thread (started, ended; one at a time
+ * per group), so only the record number needs the atomic add. */
+typedef struct ddp__flight_slot {
+  _Atomic uint64_t version;
+  _Atomic uint64_t seq;
+  _Atomic uint64_t what;     /* kind | dtype << 8 | reduce_op << 16 | state << 24 | (uint32)status << 32 */
+  _Atomic uint64_t peer_tag; /* (uint32)root-or-peer | (uint32)tag << 32 */
+  _Atomic uint64_t count;
+  _Atomic int64_t scheduled_ns;
+  _Atomic int64_t started_ns;
+  _Atomic int64_t ended_ns;
+} ddp__flight_slot;
+
+struct ddp__flight {
+  ddp__flight_slot *slots; /* (mask + 1), a power of two >= capacity */
+  uint64_t mask;
+  uint64_t capacity;       /* N: a dump holds the last N records */
+  _Atomic uint64_t next_id; /* records made so far */
+  char name[DDP__FLIGHT_NAME_BYTES];
+  int32_t rank;
+  int32_t size;
+  char backend[16];
+  ddp__flight *reg_next;   /* the process's registry (flight_dump.c) */
+};
+
+/* N from DDP_FLIGHT_RECORDER_SIZE (default 2000, 0 = off; malformed or
+ * negative: a warning and the default; above 2^20: 2^20). */
+uint64_t ddp__flight_capacity_from_env(void);
+
+/* A ring of `capacity` records for the group `name` (rank of size),
+ * registered with the process (so dumps include it; the first ring also
+ * installs the SIGUSR1 handler and the dump thread). *out is NULL when
+ * capacity is 0. NOMEM when the ring cannot be allocated. Free with
+ * ddp__flight_close. */
+ddp_status ddp__flight_open(uint64_t capacity, const char *name, int32_t rank, int32_t size,
+                            const char *backend, ddp__flight **out);
+/* Unregisters (waiting for a dump that reads it) and frees. NULL ok. */
+void ddp__flight_close(ddp__flight *flight);
+
+/* Copies the last min(capacity, recorded) records, oldest first, into out
+ * (capacity entries) and returns how many; a slot being written at that
+ * moment (or overwritten meanwhile) is left out. Any thread. */
+size_t ddp__flight_snapshot(const ddp__flight *flight, ddp__flight_record *out);
+
+static inline uint64_t ddp__flight_pack_what(const ddp__op_args *a, int32_t state, ddp_status status) {
+  return (uint64_t)(uint8_t)a->kind | (uint64_t)(uint8_t)a->dtype << 8 |
+         (uint64_t)(uint8_t)a->reduce_op << 16 | (uint64_t)(uint8_t)state << 24 |
+         (uint64_t)(uint32_t)status << 32;
+}
+
+static inline void ddp__flight_begin_write(ddp__flight_slot *s, uint64_t id) {
+  atomic_store_explicit(&s->version, 2 * id + 1, memory_order_relaxed);
+  atomic_thread_fence(memory_order_release);
+}
+
+static inline void ddp__flight_end_write(ddp__flight_slot *s, uint64_t id) {
+  atomic_store_explicit(&s->version, 2 * id + 2, memory_order_release);
+}
+
+/* A new record of `a` in `state` at `now_ns`; a->flight gets its id + 1. */
+static inline void ddp__flight_new(ddp__flight *f, ddp__op_args *a, int32_t state, int64_t now_ns) {
+  uint64_t id = atomic_fetch_add_explicit(&f->next_id, 1, memory_order_relaxed);
+  ddp__flight_slot *s = &f->slots[id & f->mask];
+  ddp__flight_begin_write(s, id);
+  atomic_store_explicit(&s->seq, a->seq, memory_order_relaxed);
+  atomic_store_explicit(&s->what, ddp__flight_pack_what(a, state, DDP_OK), memory_order_relaxed);
+  atomic_store_explicit(&s->peer_tag, (uint64_t)(uint32_t)a->root | (uint64_t)(uint32_t)a->tag << 32,
+                        memory_order_relaxed);
+  atomic_store_explicit(&s->count, (uint64_t)a->count, memory_order_relaxed);
+  atomic_store_explicit(&s->scheduled_ns, now_ns, memory_order_relaxed);
+  atomic_store_explicit(&s->started_ns, state == DDP__FLIGHT_STARTED ? now_ns : -1, memory_order_relaxed);
+  atomic_store_explicit(&s->ended_ns, -1, memory_order_relaxed);
+  ddp__flight_end_write(s, id);
+  a->flight = id + 1;
+}
+
+/* The slot still holding a->flight's record, or NULL (none, or a newer record
+ * took the slot: with N below the operations in flight). */
+static inline ddp__flight_slot *ddp__flight_slot_of(ddp__flight *f, const ddp__op_args *a) {
+  if (a->flight == 0) return NULL;
+  uint64_t id = a->flight - 1;
+  ddp__flight_slot *s = &f->slots[id & f->mask];
+  return atomic_load_explicit(&s->version, memory_order_relaxed) == 2 * id + 2 ? s : NULL;
+}
+
+/* The op starts running (numbered: a->seq is set): its scheduled record
+ * becomes started, or a new record is made (a blocking call run inline). */
+static inline void ddp__flight_start(ddp__flight *f, ddp__op_args *a, int64_t now_ns) {
+  ddp__flight_slot *s = ddp__flight_slot_of(f, a);
+  if (!s) {
+    ddp__flight_new(f, a, DDP__FLIGHT_STARTED, now_ns);
+    return;
+  }
+  uint64_t id = a->flight - 1;
+  ddp__flight_begin_write(s, id);
+  atomic_store_explicit(&s->seq, a->seq, memory_order_relaxed);
+  atomic_store_explicit(&s->what, ddp__flight_pack_what(a, DDP__FLIGHT_STARTED, DDP_OK), memory_order_relaxed);
+  atomic_store_explicit(&s->started_ns, now_ns, memory_order_relaxed);
+  ddp__flight_end_write(s, id);
+}
+
+/* The op finished with `status` at now_ns. */
+static inline void ddp__flight_end(ddp__flight *f, const ddp__op_args *a, ddp_status status, int64_t now_ns) {
+  ddp__flight_slot *s = ddp__flight_slot_of(f, a);
+  if (!s) return;
+  uint64_t id = a->flight - 1;
+  int32_t state = status == DDP_OK ? DDP__FLIGHT_COMPLETED : DDP__FLIGHT_FAILED;
+  ddp__flight_begin_write(s, id);
+  atomic_store_explicit(&s->what, ddp__flight_pack_what(a, state, status), memory_order_relaxed);
+  atomic_store_explicit(&s->ended_ns, now_ns, memory_order_relaxed);
+  ddp__flight_end_write(s, id);
+}
+
+/* ---- Dumps (flight_dump.c) ------------------------------------------------- */
+
+/* The process's registry of rings, which every dump reads: open registers
+ * (the first ring also installs the SIGUSR1 handler and starts the dump
+ * thread), close unregisters, waiting for a dump that is reading it. */
+void ddp__flight_register(ddp__flight *flight);
+void ddp__flight_unregister(ddp__flight *flight);
+
+/* Dumps every ring of the process now, on the calling thread (serialised
+ * with other dumps): the JSON file in DDP_DEBUG_DIR (default ".", created
+ * if missing; written to a temporary name and renamed), then, under a
+ * launcher that gives DDP_STORE_ADDR, the store (key flight/<RANK> under
+ * DDP_STORE_PREFIX, and flight/<RANK>/dumps counted up after it). `reason`
+ * is "timeout", "peer", "signal" or "request"; `detail` says more (NULL
+ * ok). Logs one warning line naming the file. Returns DDP_OK when the file
+ * was written; errors name the path. */
+ddp_status ddp__flight_dump_now(const char *reason, const char *detail);
+/* The group layer's hook: the group's first failure was `status` (called
+ * once per group, outside its locks). A timeout or a peer's death dumps
+ * (synchronously, so a process that exits on the error has dumped first). */
+void ddp__flight_on_failure(ddp__flight *flight, ddp_status status, const char *msg);
+
+/* The file a dump of this process goes to: "<dir>/ddp-flight-rank<R>.json"
+ * (RANK set) or "<dir>/ddp-flight-pid<P>.json". */
+void ddp__flight_dump_path(const char *dir, int32_t rank, int64_t pid, char *out, size_t bytes);
+/* The dump as JSON (the format of docs/comm.md): a ddp_alloc'd,
+ * NUL-terminated text in *text (length in *len). */
+ddp_status ddp__flight_to_json(const ddp__flight_dump *dump, char **text, size_t *len);
+/* Fills *dump with this process's rings and identity (what a dump writes).
+ * Free with ddp__flight_dump_free. */
+ddp_status ddp__flight_collect(const char *reason, const char *detail, ddp__flight_dump *dump);
+
+/* ---- The verdict (flight_verdict.c) -------------------------------------- */
+
+/* Reads the dumps of a job (any order, one per process; several group
+ * entries of one group and rank: the newest dump wins) and says, per group
+ * with something to say, who stopped where: a rank that never entered the
+ * collective the others wait in ("rank 2 never entered allreduce #1812
+ * (116 KiB); ranks 0-1 waited 30 s in it"), ranks that called different
+ * collectives as the same number, ranks waiting in a collective or a
+ * send/recv, and ranks with no dump ("no dump from rank 2: <why>").
+ * world_size: the job's (ranks 0..world_size-1 expected to dump), or -1 to
+ * go by the groups' sizes alone. why_absent: per world rank, why it has no
+ * dump, or NULL (entries may be NULL). *text: ddp_alloc'd lines, each ending
+ * in '\n' ("" when there is nothing to say). */
+ddp_status ddp__flight_verdict(const ddp__flight_dump *dumps, size_t n, int32_t world_size,
+                               const char *const *why_absent, char **text);
+
+/* "allreduce #5 (8 B)" and friends, shared with ddp-debug's listing. */
+void ddp__flight_describe(const ddp__flight_record *r, char *out, size_t bytes);
+/* Bytes of one rank's buffer as passed (count x dtype size; 0 for barrier). */
+uint64_t ddp__flight_bytes(const ddp__flight_record *r);
+/* "8 B", "116 KiB", "4.0 MiB". */
+void ddp__flight_format_bytes(uint64_t bytes, char *out, size_t size);
+
+#endif /* DDP__COMM_FLIGHT_H */

@@ -1,0 +1,405 @@
+/* The flight recorder's verdict: from every rank's dump, per group, who
+ * stopped where. Collectives are numbered alike on every rank of a group, so
+ * the highest number any rank entered is where the group stands: a rank
+ * that never entered it is the one the others wait for; ranks that entered
+ * it as different collectives are a mismatch (the debug mode's wording); a
+ * rank without a dump is named as such. Point-to-point operations still
+ * running are listed with what their peer was doing. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "comm/flight.h"
+#include "rendezvous/rdzv_internal.h"
+
+#define MAX_LISTED 16
+
+uint64_t ddp__flight_bytes(const ddp__flight_record *r) {
+  if (r->dtype < 0 || r->dtype > DDP_BFLOAT16) return 0;
+  return r->count * (uint64_t)ddp_dtype_size((ddp_dtype)r->dtype);
+}
+
+void ddp__flight_format_bytes(uint64_t bytes, char *out, size_t size) {
+  static const char *units[] = {"KiB", "MiB", "GiB", "TiB"};
+  if (bytes < 1024) {
+    snprintf(out, size, "%llu B", (unsigned long long)bytes);
+    return;
+  }
+  double v = (double)bytes / 1024.0;
+  int u = 0;
+  while (v >= 1024.0 && u < 3) {
+    v /= 1024.0;
+    u++;
+  }
+  snprintf(out, size, "%.3g %s", v, units[u]);
+}
+
+static bool is_p2p(const ddp__flight_record *r) {
+  return r->kind == DDP__OP_SEND || r->kind == DDP__OP_RECV;
+}
+
+void ddp__flight_describe(const ddp__flight_record *r, char *out, size_t bytes) {
+  const char *name = ddp__op_kind_name((ddp__op_kind)r->kind);
+  char size[32];
+  ddp__flight_format_bytes(ddp__flight_bytes(r), size, sizeof size);
+  if (r->kind == DDP__OP_BARRIER)
+    snprintf(out, bytes, "%s #%llu", name, (unsigned long long)r->seq);
+  else if (is_p2p(r))
+    snprintf(out, bytes, "%s #%llu %s rank %d (%s, tag %d)", name, (unsigned long long)r->seq,
+             r->kind == DDP__OP_SEND ? "to" : "from", (int)r->peer, size, (int)r->tag);
+  else
+    snprintf(out, bytes, "%s #%llu (%s)", name, (unsigned long long)r->seq, size);
+}
+
+/* ---- Output -------------------------------------------------------------- */
+
+typedef struct out_text {
+  FILE *f;
+  const char *prefix; /* "group pg/1/sub/1/: " or "" */
+} out_text;
+
+static void ranks_text(const int32_t *ranks, int32_t n, char *out, size_t bytes) {
+  char list[256];
+  ddp__rdzv_format_ranks(ranks, n, MAX_LISTED, list, sizeof list);
+  snprintf(out, bytes, "%s %s", n == 1 ? "rank" : "ranks", list);
+}
+
+static void seconds_text(int64_t ns, char *out, size_t bytes) {
+  snprintf(out, bytes, "%.3g s", ns > 0 ? (double)ns / 1e9 : 0.0);
+}
+
+/* ---- One group ------------------------------------------------------------- */
+
+/* What one rank's ring says, for the verdict. */
+typedef struct rank_view {
+  const ddp__flight_group *group; /* NULL: no dump has this rank of the group */
+  const ddp__flight_record *last; /* the highest-numbered collective it entered */
+  const ddp__flight_record *p2p;  /* its newest send/recv that did not complete */
+} rank_view;
+
+static int64_t waited_ns(const ddp__flight_record *r, const ddp__flight_group *g) {
+  if (r->started_ns < 0) return 0;
+  int64_t end = r->ended_ns >= 0 ? r->ended_ns : g->dump_ns;
+  return end - r->started_ns;
+}
+
+static bool entered(const ddp__flight_record *r) {
+  return r->seq > 0 && (r->state == DDP__FLIGHT_STARTED || r->state == DDP__FLIGHT_COMPLETED ||
+                        r->state == DDP__FLIGHT_FAILED);
+}
+
+static void view_of(const ddp__flight_group *g, rank_view *v) {
+  v->group = g;
+  v->last = v->p2p = NULL;
+  for (size_t i = 0; i < g->n; i++) {
+    const ddp__flight_record *r = &g->records[i];
+    if (!entered(r)) continue;
+    if (is_p2p(r)) {
+      if (r->state != DDP__FLIGHT_COMPLETED) v->p2p = r;
+    } else if (!v->last || r->seq >= v->last->seq) {
+      v->last = r;
+    }
+  }
+}
+
+/* Collectives that must agree across ranks: op, count, dtype, root, reduce op. */
+static bool same_call(const ddp__flight_record *a, const ddp__flight_record *b) {
+  return a->kind == b->kind && a->count == b->count && a->dtype == b->dtype && a->root == b->root &&
+         a->reduce_op == b->reduce_op;
+}
+
+static void call_text(const ddp__flight_record *r, int32_t size, char *out, size_t bytes) {
+  ddp__op_args a;
+  memset(&a, 0, sizeof a);
+  a.kind = (ddp__op_kind)r->kind;
+  a.count = (size_t)r->count;
+  a.dtype = (ddp_dtype)(r->dtype < 0 ? 0 : r->dtype);
+  a.reduce_op = (ddp_reduce_op)(r->reduce_op < 0 ? 0 : r->reduce_op);
+  a.root = r->root;
+  ddp__op_describe(&a, size, out, bytes);
+}
+
+/* "; rank 1 was in recv #3 from rank 0 (...)": what `peer` was doing. */
+static void peer_text(const rank_view *views, int32_t size, int32_t peer, char *out, size_t bytes) {
+  char what[160];
+  if (peer < 0 || peer >= size) {
+    out[0] = '\0';
+  } else if (!views[peer].group) {
+    snprintf(out, bytes, "; no dump from rank %d", (int)peer);
+  } else if (views[peer].p2p) {
+    ddp__flight_describe(views[peer].p2p, what, sizeof what);
+    snprintf(out, bytes, "; rank %d was in %s", (int)peer, what);
+  } else if (views[peer].last && views[peer].last->state != DDP__FLIGHT_COMPLETED) {
+    ddp__flight_describe(views[peer].last, what, sizeof what);
+    snprintf(out, bytes, "; rank %d was in %s", (int)peer, what);
+  } else {
+    snprintf(out, bytes, "; rank %d was in no operation of this group", (int)peer);
+  }
+}
+
+/* The findings for one group. `views` has `size` entries; `reported_absent`
+ * marks group ranks already named as having no dump (the world's). Returns
+ * how many lines it wrote. */
+static int judge_group(out_text *o, const char *name, int32_t size, rank_view *views, const bool *reported_absent,
+                       bool quiet_when_fine) {
+  int lines = 0;
+  int32_t *list = ddp_calloc((size_t)size, sizeof *list);
+  int32_t *waiters = ddp_calloc((size_t)size, sizeof *waiters);
+  if (!list || !waiters) {
+    ddp_free(list);
+    ddp_free(waiters);
+    fprintf(o->f, "%sout of memory judging group %s\n", o->prefix, name);
+    return 1;
+  }
+  /* Ranks without a dump of this group; `unnamed`: some of them were not
+   * named already (as the world's ranks, with why). */
+  int32_t n_missing = 0;
+  bool unnamed = false;
+  for (int32_t r = 0; r < size; r++)
+    if (!views[r].group) {
+      list[n_missing++] = r;
+      unnamed = unnamed || !(reported_absent && reported_absent[r]);
+    }
+  char missing_text[320] = "";
+  if (n_missing) {
+    char ranks[300];
+    ddp__rdzv_format_ranks(list, n_missing, MAX_LISTED, ranks, sizeof ranks);
+    snprintf(missing_text, sizeof missing_text, "no dump from %s %s", n_missing == 1 ? "rank" : "ranks", ranks);
+  }
+
+  /* Where the group stands: the highest collective number any rank entered,
+   * and the call most of the ranks there made (ties: the lowest rank's). */
+  uint64_t top = 0;
+  for (int32_t r = 0; r < size; r++)
+    if (views[r].last && views[r].last->seq > top) top = views[r].last->seq;
+  const ddp__flight_record *ref = NULL;
+  int ref_votes = 0;
+  for (int32_t r = 0; r < size; r++) {
+    const ddp__flight_record *a = views[r].last;
+    if (!a || a->seq != top) continue;
+    int votes = 0;
+    for (int32_t q = 0; q < size; q++)
+      if (views[q].last && views[q].last->seq == top && same_call(a, views[q].last)) votes++;
+    if (votes > ref_votes) {
+      ref = a;
+      ref_votes = votes;
+    }
+  }
+  char text[1024], ranks[320], what[200], waited[32];
+  bool explained = false;
+  if (ref) {
+    char ref_call[160];
+    call_text(ref, size, ref_call, sizeof ref_call);
+    /* Mismatches: ranks that entered #top as another call. */
+    for (int32_t r = 0; r < size; r++) {
+      const ddp__flight_record *a = views[r].last;
+      if (!a || a->seq != top || same_call(a, ref)) continue;
+      bool first_of_kind = true;
+      for (int32_t q = 0; q < r; q++)
+        if (views[q].last && views[q].last->seq == top && same_call(views[q].last, a)) first_of_kind = false;
+      if (!first_of_kind) continue;
+      int32_t n = 0, m = 0;
+      for (int32_t q = 0; q < size; q++) {
+        const ddp__flight_record *b = views[q].last;
+        if (!b || b->seq != top) continue;
+        if (same_call(b, a)) list[n++] = q;
+        else if (same_call(b, ref)) waiters[m++] = q;
+      }
+      char odd[160], odd_ranks[320], ref_ranks[320];
+      call_text(a, size, odd, sizeof odd);
+      ranks_text(list, n, odd_ranks, sizeof odd_ranks);
+      ranks_text(waiters, m, ref_ranks, sizeof ref_ranks);
+      fprintf(o->f, "%scollective #%llu mismatch: %s called %s but %s called %s\n", o->prefix,
+              (unsigned long long)top, odd_ranks, odd, ref_ranks, ref_call);
+      lines++;
+      explained = true;
+    }
+    /* The ranks that wait in #top: entered it as the reference and did not
+     * complete it. */
+    int32_t n_wait = 0;
+    int64_t longest = 0;
+    for (int32_t r = 0; r < size; r++) {
+      const ddp__flight_record *a = views[r].last;
+      if (!a || a->seq != top || !same_call(a, ref) || a->state == DDP__FLIGHT_COMPLETED) continue;
+      waiters[n_wait++] = r;
+      int64_t w = waited_ns(a, views[r].group);
+      if (w > longest) longest = w;
+    }
+    ddp__flight_describe(ref, what, sizeof what);
+    seconds_text(longest, waited, sizeof waited);
+    char wait_text[400] = "";
+    if (n_wait) {
+      ranks_text(waiters, n_wait, ranks, sizeof ranks);
+      snprintf(wait_text, sizeof wait_text, "%s waited %s in it", ranks, waited);
+    }
+    /* Ranks behind: their last collective is older than #top. Grouped by
+     * where they are, the furthest behind first. */
+    bool *done = ddp_calloc((size_t)size, sizeof *done);
+    for (int32_t r = 0; r < size && done; r++) {
+      if (!views[r].group || done[r]) continue;
+      const ddp__flight_record *a = views[r].last;
+      uint64_t at = a ? a->seq : 0;
+      if (at >= top) continue;
+      int32_t n = 0;
+      for (int32_t q = r; q < size; q++) {
+        const ddp__flight_record *b = views[q].last;
+        if (views[q].group && !done[q] && (b ? b->seq : 0) == at) {
+          list[n++] = q;
+          done[q] = true;
+        }
+      }
+      ranks_text(list, n, ranks, sizeof ranks);
+      int len = snprintf(text, sizeof text, "%s never entered %s", ranks, what);
+      if (!explained && wait_text[0]) len += snprintf(text + len, sizeof text - (size_t)len, "; %s", wait_text);
+      if (!explained && missing_text[0])
+        snprintf(text + len, sizeof text - (size_t)len, "; %s", missing_text);
+      fprintf(o->f, "%s%s\n", o->prefix, text);
+      lines++;
+      char last[200];
+      if (a) {
+        ddp__flight_describe(a, last, sizeof last);
+        fprintf(o->f, "%s  %s: last collective %s, %s\n", o->prefix, ranks, last, ddp__flight_state_name(a->state));
+      } else {
+        fprintf(o->f, "%s  %s: no collective recorded\n", o->prefix, ranks);
+      }
+      lines++;
+      explained = true;
+    }
+    ddp_free(done);
+    if (!explained && n_wait) {
+      /* Every rank with a dump entered #top; some are still in it. */
+      int32_t n_done = 0;
+      for (int32_t r = 0; r < size; r++)
+        if (views[r].last && views[r].last->seq == top && same_call(views[r].last, ref) &&
+            views[r].last->state == DDP__FLIGHT_COMPLETED)
+          list[n_done++] = r;
+      int len = snprintf(text, sizeof text, "%s waited %s in %s", ranks, waited, what);
+      if (missing_text[0]) len += snprintf(text + len, sizeof text - (size_t)len, "; %s", missing_text);
+      if (n_done) {
+        char done_ranks[320];
+        ranks_text(list, n_done, done_ranks, sizeof done_ranks);
+        snprintf(text + len, sizeof text - (size_t)len, "; %s completed it", done_ranks);
+      } else if (!n_missing) {
+        snprintf(text + len, sizeof text - (size_t)len, "; every rank entered it and none completed it");
+      }
+      fprintf(o->f, "%s%s\n", o->prefix, text);
+      lines++;
+      explained = true;
+    }
+  }
+  /* Point-to-point operations still running, with what their peer did. */
+  for (int32_t r = 0; r < size; r++) {
+    const ddp__flight_record *p = views[r].p2p;
+    if (!p) continue;
+    char peer[256];
+    ddp__flight_describe(p, what, sizeof what);
+    seconds_text(waited_ns(p, views[r].group), waited, sizeof waited);
+    peer_text(views, size, p->peer, peer, sizeof peer);
+    fprintf(o->f, "%srank %d %s %s in %s%s\n", o->prefix, (int)r,
+            p->state == DDP__FLIGHT_FAILED ? "gave up after" : "waited", waited, what, peer);
+    lines++;
+    explained = true;
+  }
+  if (!explained && unnamed) {
+    fprintf(o->f, "%s%s\n", o->prefix, missing_text);
+    lines++;
+  } else if (!explained && !quiet_when_fine && ref) {
+    ddp__flight_describe(ref, what, sizeof what);
+    fprintf(o->f, "%sno operation was pending: every rank with a dump completed %s\n", o->prefix, what);
+    lines++;
+  }
+  ddp_free(list);
+  ddp_free(waiters);
+  return lines;
+}
+
+/* ---- All groups -------------------------------------------------------------- */
+
+static int name_cmp(const void *a, const void *b) {
+  return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+/* A group made from the world's store directly ("pg/<n>/", not a
+ * subgroup): its ranks are the processes' RANKs. */
+static bool is_root_group(const char *name) { return strstr(name, "sub/") == NULL; }
+
+ddp_status ddp__flight_verdict(const ddp__flight_dump *dumps, size_t n, int32_t world_size,
+                               const char *const *why_absent, char **text) {
+  *text = NULL;
+  if (world_size < 0)
+    for (size_t i = 0; i < n; i++)
+      if (dumps[i].world_size > world_size) world_size = dumps[i].world_size;
+  char *buf = NULL;
+  size_t size = 0;
+  FILE *f = open_memstream(&buf, &size);
+  if (!f) return ddp_error(DDP_ERR_NOMEM, "flight recorder verdict: out of memory");
+  /* The world's ranks without a dump. */
+  bool *absent = world_size > 0 ? ddp_calloc((size_t)world_size, sizeof *absent) : NULL;
+  for (int32_t r = 0; r < world_size && absent; r++) {
+    bool have = false;
+    for (size_t i = 0; i < n && !have; i++) have = dumps[i].rank == r;
+    if (have) continue;
+    absent[r] = true;
+    const char *why = why_absent ? why_absent[r] : NULL;
+    fprintf(f, "no dump from rank %d%s%s\n", (int)r, why && *why ? ": " : "", why && *why ? why : "");
+  }
+  /* Distinct group names, in order. */
+  size_t total = 0;
+  for (size_t i = 0; i < n; i++) total += dumps[i].n_groups;
+  const char **names = total ? ddp_calloc(total, sizeof *names) : NULL;
+  size_t n_names = 0;
+  for (size_t i = 0; i < n && names; i++)
+    for (size_t g = 0; g < dumps[i].n_groups; g++) {
+      const char *name = dumps[i].groups[g].name;
+      bool seen = false;
+      for (size_t k = 0; k < n_names && !seen; k++) seen = strcmp(names[k], name) == 0;
+      if (!seen) names[n_names++] = name;
+    }
+  if (n_names) qsort(names, n_names, sizeof *names, name_cmp);
+  for (size_t k = 0; k < n_names; k++) {
+    /* The group's size and each rank's newest entry. */
+    int32_t gsize = 0;
+    for (size_t i = 0; i < n; i++)
+      for (size_t g = 0; g < dumps[i].n_groups; g++)
+        if (strcmp(dumps[i].groups[g].name, names[k]) == 0 && dumps[i].groups[g].size > gsize)
+          gsize = dumps[i].groups[g].size;
+    rank_view *views = gsize > 0 ? ddp_calloc((size_t)gsize, sizeof *views) : NULL;
+    int64_t *when = gsize > 0 ? ddp_calloc((size_t)gsize, sizeof *when) : NULL;
+    if (!views || !when) {
+      ddp_free(views);
+      ddp_free(when);
+      continue;
+    }
+    for (size_t i = 0; i < n; i++)
+      for (size_t g = 0; g < dumps[i].n_groups; g++) {
+        const ddp__flight_group *gr = &dumps[i].groups[g];
+        if (strcmp(gr->name, names[k]) != 0 || gr->rank < 0 || gr->rank >= gsize) continue;
+        if (views[gr->rank].group && when[gr->rank] >= dumps[i].dump_unix_ns) continue;
+        view_of(gr, &views[gr->rank]);
+        when[gr->rank] = dumps[i].dump_unix_ns;
+      }
+    bool root = is_root_group(names[k]) && gsize == world_size;
+    char prefix[DDP__FLIGHT_NAME_BYTES + 16] = "";
+    if (n_names > 1) snprintf(prefix, sizeof prefix, "group %s: ", names[k]);
+    out_text o = {f, prefix};
+    /* Subgroups speak only when something is wrong in them. */
+    judge_group(&o, names[k], gsize, views, root ? absent : NULL, !root);
+    ddp_free(views);
+    ddp_free(when);
+  }
+  ddp_free(names);
+  ddp_free(absent);
+  if (fclose(f) != 0 || !buf) {
+    free(buf);
+    return ddp_error(DDP_ERR_NOMEM, "flight recorder verdict: out of memory");
+  }
+  char *out = ddp_alloc(size + 1);
+  if (!out) {
+    free(buf);
+    return ddp_error(DDP_ERR_NOMEM, "flight recorder verdict: out of memory");
+  }
+  memcpy(out, buf, size + 1);
+  free(buf);
+  *text = out;
+  return DDP_OK;
+}
