@@ -316,6 +316,14 @@ int ddp__agent_poll(void *ctx) {
   return exists;
 }
 
+void ddp__agent_announce_failure(ddp__agent *a, int32_t attempt, const char *failure) {
+  if (!a->store || !failure || !*failure) return;
+  char key[64];
+  attempt_key(key, sizeof key, attempt, "failed");
+  if (ddp_store_compare_set(a->store, key, "", 0, failure, strlen(failure), NULL, NULL) != DDP_OK)
+    ddp_clear_error(); /* end_attempt publishes it again and reports a lost store */
+}
+
 ddp_status ddp__agent_end_attempt(ddp__agent *a, int32_t attempt, const char *failure, double deadline_s,
                                   int *any_failed) {
   *any_failed = failure != NULL;

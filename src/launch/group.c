@@ -555,10 +555,34 @@ ddp__event ddp__group_monitor(ddp__group *g, double deadline_s) {
 
 /* ---- Stopping ---------------------------------------------------------------- */
 
+char ddp__proc_state(pid_t pid) {
+  char path[64], buf[512];
+  snprintf(path, sizeof path, "/proc/%ld/stat", (long)pid);
+  FILE *f = fopen(path, "r");
+  if (!f) return 0;
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = '\0';
+  const char *paren = strrchr(buf, ')'); /* the command may hold spaces and parentheses */
+  return paren && paren[1] == ' ' ? paren[2] : 0;
+}
+
 static int32_t count_running(const ddp__group *g) {
   int32_t running = 0;
   for (int32_t i = 0; i < g->n; i++) running += g->workers[i].state == DDP__WORKER_RUNNING;
   return running;
+}
+
+/* Whether every worker still running is stopped (SIGSTOP, a debugger): a
+ * stopped process acts on no signal but SIGKILL, so the grace period would
+ * only delay the summary. */
+static int all_running_stopped(const ddp__group *g) {
+  for (int32_t i = 0; i < g->n; i++) {
+    if (g->workers[i].state != DDP__WORKER_RUNNING) continue;
+    char st = ddp__proc_state(g->workers[i].pid);
+    if (st != 'T' && st != 't') return 0;
+  }
+  return 1;
 }
 
 void ddp__group_stop(ddp__group *g, int sig, double grace_s) {
@@ -568,7 +592,7 @@ void ddp__group_stop(ddp__group *g, int sig, double grace_s) {
   if (count_running(g) > 0 && sig != SIGKILL) {
     signal_all(g, sig ? sig : SIGTERM);
     double until = ddp_time_s() + (grace_s > 0 ? grace_s : 0);
-    while (count_running(g) > 0 && ddp_time_s() < until) {
+    while (count_running(g) > 0 && ddp_time_s() < until && !all_running_stopped(g)) {
       int again = wait_round(g, until - ddp_time_s() < 0.05 ? until - ddp_time_s() : 0.05);
       if (again) signal_all(g, again); /* a second Ctrl-C is forwarded too */
     }
@@ -620,6 +644,8 @@ void ddp__group_free(ddp__group *g) {
   }
   ddp__console_close(&g->console[0]);
   ddp__console_close(&g->console[1]);
+  ddp_free(g->flight_verdict);
+  g->flight_verdict = NULL;
   ddp_free(g->workers);
   g->workers = NULL;
   g->n = 0;

@@ -268,6 +268,9 @@ typedef struct ddp__group {
   int reaper_fd; /* write end of its pipe */
   pid_t reaper_pid;
   ddp__orphans orphans; /* what left the workers' process groups */
+  /* The flight recorder's verdict, gathered before the stop (flight_gather.c;
+   * ddp_alloc'd, freed with the group), printed in the summary. */
+  char *flight_verdict;
 } ddp__group;
 
 /* Forks the n workers of `specs` (rank = rank_offset + index). Each worker is
@@ -283,10 +286,15 @@ ddp_status ddp__group_start(ddp__group *group, int32_t n, int32_t rank_offset,
  * deadline_s: monotonic seconds, <= 0 for none. */
 ddp__event ddp__group_monitor(ddp__group *group, double deadline_s);
 /* Stops every worker still running: `sig` (0: SIGTERM) to each worker's
- * process group, up to grace_s for them to exit, then SIGKILL; reaps them
- * (waiting at most 5 s more for the kernel) and drains their output. */
+ * process group, up to grace_s for them to exit (no longer than while some
+ * of them are not stopped: a stopped worker acts on nothing but SIGKILL),
+ * then SIGKILL; reaps them (waiting at most 5 s more for the kernel) and
+ * drains their output. */
 void ddp__group_stop(ddp__group *group, int sig, double grace_s);
 void ddp__group_free(ddp__group *group);
+/* What /proc/<pid>/stat says of a process: 'R', 'S', 'D', 'T' (stopped),
+ * 't' (traced), 'Z' (exited, not reaped), ...; 0 when it is gone. */
+char ddp__proc_state(pid_t pid);
 /* The peer rank a worker's last output says died, in the comm layer's
  * wording ("rank 3 (host) died ..."), or -1: such a worker failed as a
  * consequence, and is not named first when a cause exited in the same reap
@@ -337,6 +345,11 @@ ddp_status ddp__agent_open(const ddp_launch_config *cfg, ddp__agent *agent);
 /* The group's poll hook: beats, and > 0 when another node declared `attempt`
  * failed; < 0 when the store is gone. */
 int ddp__agent_poll(void *agent);
+/* Declares `attempt` failed with `failure` now (several nodes; the first
+ * declaration stands), before this node stops its workers: the other nodes
+ * stop theirs at their next poll, asking them to dump their flight
+ * recorders while this node waits for the dumps. */
+void ddp__agent_announce_failure(ddp__agent *agent, int32_t attempt, const char *failure);
 /* Ends an attempt on this node: publishes this node's failure (when
  * `failure` is non-NULL), waits for every node to end it (monitoring the
  * store; deadline_s as in monitor), and says whether any node failed. */
@@ -345,6 +358,20 @@ ddp_status ddp__agent_end_attempt(ddp__agent *agent, int32_t attempt, const char
 /* Waits (bounded) until every node has read the outcome, then stops the
  * store when hosted here. Accepts a zeroed agent. */
 void ddp__agent_close(ddp__agent *agent);
+
+/* ---- The flight recorder (flight_gather.c) ----------------------------------
+ * Called before the group is stopped (a worker failed, the job timed out,
+ * another node failed): SIGUSR1 to each running worker that catches it (a
+ * ddp program that records), then up to 3 s for their dumps to reach the
+ * job's store (fresh ones: the per-rank dump count went up), the worker to
+ * exit or be found stopped; with `judge`, also for the other nodes' ranks,
+ * and then every rank's dump is read (the store; a local worker's file when
+ * the store lacks it) and judged (comm/flight.h). Returns the verdict, a
+ * heading line then the findings (ddp_alloc'd; the caller frees), or NULL
+ * when there is nothing to say: not judging, or no worker records. */
+char *ddp__flight_gather(ddp__group *group, const ddp__agent *agent, int32_t attempt, int judge);
+/* Writes the verdict as "<tool>: <heading>" and "<tool>:   <finding>" lines. */
+void ddp__flight_print(FILE *f, const char *tool, const char *text);
 
 /* ---- Attempts and restarts (supervise.c) ------------------------------------ */
 typedef struct ddp__job {

@@ -99,6 +99,7 @@ void ddp__summary_print(FILE *f, const char *tool, const ddp__group *g, const ch
     fprintf(f, "%s:   rank %d (local rank %d), pid %ld: %s\n", tool, (int)w->rank, (int)w->local_rank,
             (long)w->pid, how);
   }
+  if (g->flight_verdict) ddp__flight_print(f, tool, g->flight_verdict);
   fprintf(f, "%s: %s\n", tool, headline);
   fprintf(f, "%s: ===============================================\n", tool);
   fflush(f);

@@ -21,8 +21,11 @@ static void stop_and_describe(ddp__job *job, ddp__group *g, int32_t attempt, ddp
   char signame[32];
   switch (ev) {
     case DDP__EVENT_FAILED:
-      ddp__group_stop(g, SIGTERM, job->grace_s);
+      /* Other nodes hear of it now, so their workers dump while ours do. */
       ddp__summary_first(g, a->host, failure, bytes);
+      ddp__agent_announce_failure(a, attempt, failure);
+      g->flight_verdict = ddp__flight_gather(g, a, attempt, !job->quiet);
+      ddp__group_stop(g, SIGTERM, job->grace_s);
       break;
     case DDP__EVENT_SIGNAL:
       ddp__group_stop(g, g->stop_signal, job->grace_s);
@@ -30,11 +33,14 @@ static void stop_and_describe(ddp__job *job, ddp__group *g, int32_t attempt, ddp
                ddp__signal_name(g->stop_signal, signame, sizeof signame));
       break;
     case DDP__EVENT_TIMEOUT:
+      g->flight_verdict = ddp__flight_gather(g, a, attempt, !job->quiet);
       ddp__group_stop(g, SIGTERM, job->grace_s);
       snprintf(failure, bytes, STOP_MARK "node %d (%s): the job timeout passed during attempt %d",
                (int)a->world.node_rank, a->host, (int)attempt);
       break;
     case DDP__EVENT_EXTERNAL:
+      /* The failed node judges; ours only dump (into the store it reads). */
+      ddp_free(ddp__flight_gather(g, a, attempt, 0));
       ddp__group_stop(g, SIGTERM, job->grace_s);
       failure[0] = '\0'; /* the other node's failure is the verdict */
       break;
@@ -142,6 +148,8 @@ ddp_status ddp__job_run(ddp__job *job, int *exit_code, ddp__event *event) {
       else
         snprintf(headline, sizeof headline, "the job failed%s", job->max_restarts ? " (no restarts left)" : "");
       print_summary(job->tool, &g, a->host, attempt, headline);
+    } else if (ev == DDP__EVENT_TIMEOUT && g.flight_verdict && !job->quiet) {
+      ddp__flight_print(stderr, job->tool, g.flight_verdict);
     } else if (any_failed && remote[0] && !job->quiet) {
       fprintf(stderr, "%s: node %d stopped its workers: %s%s\n", job->tool, (int)a->world.node_rank,
               strncmp(remote, STOP_MARK, strlen(STOP_MARK)) == 0 ? "" : "another node failed: ", remote);
