@@ -1,5 +1,7 @@
 /* CUDA 2-D convolution (NCHW, zero padding, dilation 1, groups 1), forward
- * and backward, as im2col + cuBLAS over groups of samples.
+ * and backward: the table's entries, which send each call to cuDNN
+ * (cuda/conv_cudnn.c) or to im2col + cuBLAS over groups of samples (here),
+ * as DDP_CUDA_CONV chooses (cuda/cudnn.h), and the im2col implementation.
  *
  * The column matrix of a group of g samples is laid out side by side,
  * col (C*KH*KW, g*OH*OW): sample s's columns are col[:, s*OH*OW ...], so
@@ -23,6 +25,7 @@
  * into three. db: sums per channel over (n, oh, ow) in two fixed-order
  * stages. Scratch comes from the arena (device memory). */
 #include "tensor/cuda/kernels_cuda.h"
+#include "tensor/cuda/cudnn.h"
 #include "tensor/cuda/dense.h"
 
 /* Floats of per-call scratch a group may use: columns and permuted dy. */
@@ -228,8 +231,9 @@ static void permute(float *dyp, const float *dy, int64_t samples, const ddp__con
                                                                   p_per);
 }
 
-ddp_status ddp__cuda_conv2d_forward(float *y, const float *x, const float *w, const float *b,
-                                    const ddp__conv2d_geom *g, ddp_arena *arena) {
+ddp_status ddp__cuda_conv2d_forward_im2col(float *y, const float *x, const float *w,
+                                           const float *b, const ddp__conv2d_geom *g,
+                                           ddp_arena *arena) {
   const int64_t k = g->c * g->kh * g->kw, p_per = g->oh * g->ow, chw = g->c * g->h * g->w;
   if (g->n <= 0 || g->o <= 0 || p_per <= 0) return DDP_OK;
   cudaStream_t stream = ddp__cuda_stream();
@@ -265,9 +269,10 @@ ddp_status ddp__cuda_conv2d_forward(float *y, const float *x, const float *w, co
   return DDP_OK;
 }
 
-ddp_status ddp__cuda_conv2d_backward(float *dx, float *dw, float *db, const float *dy,
-                                     const float *x, const float *w, const ddp__conv2d_geom *g,
-                                     bool dx_accumulate, ddp_arena *arena) {
+ddp_status ddp__cuda_conv2d_backward_im2col(float *dx, float *dw, float *db, const float *dy,
+                                            const float *x, const float *w,
+                                            const ddp__conv2d_geom *g, bool dx_accumulate,
+                                            ddp_arena *arena) {
   const int64_t k = g->c * g->kh * g->kw, p_per = g->oh * g->ow, chw = g->c * g->h * g->w;
   if (g->n <= 0) return DDP_OK;
   if (db && g->o > 0 && p_per > 0) DDP_TRY(bias_grad(db, dy, g, arena));
@@ -307,4 +312,27 @@ ddp_status ddp__cuda_conv2d_backward(float *dx, float *dw, float *db, const floa
     }
   }
   return DDP_OK;
+}
+
+/* ---- The table's entries: cuDNN or im2col, per call ---------------------- */
+
+ddp_status ddp__cuda_conv2d_forward(float *y, const float *x, const float *w, const float *b,
+                                    const ddp__conv2d_geom *g, ddp_arena *arena) {
+  bool use_cudnn;
+  DDP_TRY(ddp__cuda_conv_pick(&use_cudnn));
+#ifdef DDP_HAVE_CUDNN
+  if (use_cudnn) return ddp__cudnn_conv2d_forward(y, x, w, b, g, arena);
+#endif
+  return ddp__cuda_conv2d_forward_im2col(y, x, w, b, g, arena);
+}
+
+ddp_status ddp__cuda_conv2d_backward(float *dx, float *dw, float *db, const float *dy,
+                                     const float *x, const float *w, const ddp__conv2d_geom *g,
+                                     bool dx_accumulate, ddp_arena *arena) {
+  bool use_cudnn;
+  DDP_TRY(ddp__cuda_conv_pick(&use_cudnn));
+#ifdef DDP_HAVE_CUDNN
+  if (use_cudnn) return ddp__cudnn_conv2d_backward(dx, dw, db, dy, x, w, g, dx_accumulate, arena);
+#endif
+  return ddp__cuda_conv2d_backward_im2col(dx, dw, db, dy, x, w, g, dx_accumulate, arena);
 }
