@@ -8,8 +8,10 @@
  * pooling's argmax must equal the CPU's exactly, with ties and NaN in the
  * input; reductions (sum of squares, bias and weight gradients) must give
  * the same bits when run twice. Scratch comes from a device arena. One line
- * per kernel reports the largest relative difference seen. Without a GPU:
- * skipped (exit 77). */
+ * per kernel reports the largest relative difference seen. Convolution runs
+ * every case under each implementation (cudnn.h: im2col + cuBLAS, and
+ * cuDNN where the build has it), with a line each, and times both on the
+ * ConvNet's layers (printed, not judged). Without a GPU: skipped (exit 77). */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -22,6 +24,7 @@
 #include <cmocka.h>
 
 #include "cuda/cuda_test.h"
+#include "tensor/cuda/cudnn.h"
 #include "tensor/cuda/kernels_cuda.h"
 #include "tensor/cuda/runtime.h"
 
@@ -457,9 +460,53 @@ static void conv_name(char *buf, size_t bytes, const ddp__conv2d_geom *g) {
            (long long)g->kw, (long long)g->stride, (long long)g->pad);
 }
 
+/* The implementations every convolution case runs under (cudnn.h), in
+ * this order, comparing each with the CPU computed once. */
+static const char *const conv_impls[] = {"im2col", "cudnn"};
+#define N_CONV_IMPLS (sizeof conv_impls / sizeof *conv_impls)
+
+/* Makes conv_impls[i] the convolution's implementation for what follows
+ * (ddp__cuda_conv_force) and checks that it is the one in use. */
+static void use_conv_impl(size_t i) {
+  const char *impl = conv_impls[i];
+  if (ddp__cuda_conv_force(impl) != DDP_OK)
+    fail_msg("ddp__cuda_conv_force(%s): %s", impl, ddp_last_error());
+  const char *got = ddp__cuda_conv_impl();
+  if (strcmp(got, impl) != 0) fail_msg("ddp__cuda_conv_impl() is %s with %s chosen", got, impl);
+}
+
+/* Which implementations run (run[i]): those this build has, saying so for
+ * the others; and a figure for each, named "<kernel> [<impl>]". Returns
+ * false when the build has cuDNN but it does not start on this GPU (said
+ * with cuDNN's reason): the test then runs im2col and fails at its end. */
+static bool conv_impls_setup(const char *kernel, bool *run, figure *figs, char names[][64]) {
+  bool ok = true;
+  for (size_t i = 0; i < N_CONV_IMPLS; i++) {
+    snprintf(names[i], 64, "%s [%s]", kernel, conv_impls[i]);
+    figs[i] = (figure){.kernel = names[i]};
+    const ddp_status s = ddp__cuda_conv_force(conv_impls[i]);
+    run[i] = s == DDP_OK;
+    if (s == DDP_ERR_UNSUPPORTED) {
+      printf("%s: not run: %s\n", names[i], ddp_last_error());
+    } else if (s != DDP_OK) {
+      fail_msg("ddp__cuda_conv_force(%s): %s", conv_impls[i], ddp_last_error());
+    } else if (strcmp(conv_impls[i], "cudnn") == 0 && ddp__cudnn_unavailable_reason()) {
+      printf("%s: FAILS: cuDNN is built in but does not start on cuda:0: %s\n", names[i],
+             ddp__cudnn_unavailable_reason());
+      run[i] = ok = false;
+    }
+    fflush(stdout);
+  }
+  assert_int_equal(ddp__cuda_conv_force(NULL), DDP_OK);
+  return ok;
+}
+
 static void test_conv2d_forward(void **state) {
   (void)state;
-  figure f = {.kernel = "conv2d_forward"};
+  figure figs[N_CONV_IMPLS];
+  char names[N_CONV_IMPLS][64];
+  bool run[N_CONV_IMPLS];
+  const bool all_start = conv_impls_setup("conv2d_forward", run, figs, names);
   for (size_t ci = 0; ci < N_CONVS; ci++)
     for (int with_bias = 0; with_bias < 2; with_bias++) {
       const ddp__conv2d_geom g = conv_geom(&convs[ci]);
@@ -468,22 +515,33 @@ static void test_conv2d_forward(void **state) {
       float *x = random_floats(nx, -1, 1), *w = random_floats(nw, -0.2f, 0.2f);
       float *b = random_floats(g.o, -0.5f, 0.5f), *y = fresh_floats(ny);
       float *d_x = upload(x, nx), *d_w = upload(w, nw), *d_b = upload(b, g.o);
-      float *d_y = upload(y, ny);
+      float *d_y = upload(y, ny); /* NaN: the output must not read it */
       assert_int_equal(cpu_dense->conv2d_forward(y, x, w, with_bias ? b : NULL, &g, &cpu_arena),
                        DDP_OK);
-      ddp_status s = gpu_dense->conv2d_forward(d_y, d_x, d_w, with_bias ? d_b : NULL, &g,
-                                               &gpu_arena);
-      if (s != DDP_OK) fail_msg("conv2d_forward: %s", ddp_last_error());
-      sync_ok("conv2d_forward");
-      char what[128], name[96];
+      char what[160], name[96];
       conv_name(name, sizeof name, &g);
       snprintf(what, sizeof what, "y (%s%s)", name, with_bias ? ", bias" : "");
-      compare(&f, what, d_y, y, ny);
-      reset_arenas();
-      free(x), free(w), free(b), free(y);
+      float *nan_y = fresh_floats(ny);
+      for (size_t i = 0; i < N_CONV_IMPLS; i++) {
+        if (!run[i]) continue;
+        use_conv_impl(i);
+        ddp_status s = gpu_dense->conv2d_forward(d_y, d_x, d_w, with_bias ? d_b : NULL, &g,
+                                                 &gpu_arena);
+        if (s != DDP_OK) fail_msg("%s: %s", figs[i].kernel, ddp_last_error());
+        sync_ok(figs[i].kernel);
+        compare(&figs[i], what, d_y, y, ny);
+        reset_arenas();
+        if (ddp__cuda_copy(d_y, nan_y, (size_t)ny * sizeof(float), cudaMemcpyHostToDevice) !=
+            DDP_OK)
+          fail_msg("upload: %s", ddp_last_error());
+      }
+      free(x), free(w), free(b), free(y), free(nan_y);
       ddp__cuda_free(d_x), ddp__cuda_free(d_w), ddp__cuda_free(d_b), ddp__cuda_free(d_y);
     }
-  report(&f);
+  for (size_t i = 0; i < N_CONV_IMPLS; i++)
+    if (run[i]) report(&figs[i]);
+  assert_int_equal(ddp__cuda_conv_force(NULL), DDP_OK);
+  assert_true(all_start); /* cuDNN built in and not starting: see above */
 }
 
 /* dw (O, C, KH, KW) += and db (O) += (as asked for) the exact gradients
@@ -521,91 +579,206 @@ static void conv_exact_grads(float *dw, bool want_dw, float *db, bool want_db, c
   free(sb);
 }
 
-static void conv2d_backward_case(figure *f, const ddp__conv2d_geom *g, enum dx_mode mode,
-                                 bool want_dw, bool want_db) {
+/* One backward case: the CPU once, then each implementation run[i] from
+ * the same start (fresh device copies) against it. */
+static void conv2d_backward_case(figure *figs, const bool *run, const ddp__conv2d_geom *g,
+                                 enum dx_mode mode, bool want_dw, bool want_db) {
   const int64_t nx = g->n * g->c * g->h * g->w, nw = g->o * g->c * g->kh * g->kw;
   const int64_t ny = g->n * g->o * g->oh * g->ow;
+  /* the start, kept as it is: x, w, dy, and the gradients' initial values */
   float *x = random_floats(nx, -1, 1), *w = random_floats(nw, -0.2f, 0.2f);
   float *gy = random_floats(ny, -1, 1);
-  float *gx = mode == DX_ACCUMULATE ? random_floats(nx, -1, 1) : fresh_floats(nx);
-  float *gw = random_floats(nw, -1, 1), *gb = random_floats(g->o, -1, 1);
-  float *gw0 = copy_floats(gw, nw), *gb0 = copy_floats(gb, g->o), *x0 = copy_floats(x, nx);
-  float *d_x = upload(x, nx), *d_w = upload(w, nw), *d_gy = upload(gy, ny);
-  float *d_gx = upload(gx, nx), *d_gw = upload(gw, nw), *d_gb = upload(gb, g->o);
+  float *gx0 = mode == DX_ACCUMULATE ? random_floats(nx, -1, 1) : fresh_floats(nx);
+  float *gw0 = random_floats(nw, -1, 1), *gb0 = random_floats(g->o, -1, 1);
+  /* the CPU's results */
+  float *cx = copy_floats(x, nx), *gx = copy_floats(gx0, nx);
+  float *gw = copy_floats(gw0, nw), *gb = copy_floats(gb0, g->o);
   const bool alias = mode == DX_ALIAS, acc = mode == DX_ACCUMULATE;
-  float *cpu_dx = mode == DX_NONE ? NULL : alias ? x : gx;
-  float *gpu_dx = mode == DX_NONE ? NULL : alias ? d_x : d_gx;
+  float *cpu_dx = mode == DX_NONE ? NULL : alias ? cx : gx;
   assert_int_equal(cpu_dense->conv2d_backward(cpu_dx, want_dw ? gw : NULL, want_db ? gb : NULL,
-                                              gy, x, w, g, acc, &cpu_arena),
+                                              gy, cx, w, g, acc, &cpu_arena),
                    DDP_OK);
-  ddp_status s = gpu_dense->conv2d_backward(gpu_dx, want_dw ? d_gw : NULL, want_db ? d_gb : NULL,
-                                            d_gy, d_x, d_w, g, acc, &gpu_arena);
-  if (s != DDP_OK) fail_msg("conv2d_backward: %s", ddp_last_error());
-  sync_ok("conv2d_backward");
-  char what[160], name[96], label[200];
+  float *exact_w = NULL, *exact_b = NULL; /* made when first needed */
+  char what[200], name[96], label[240], label_b[240];
   conv_name(name, sizeof name, g);
-  snprintf(what, sizeof what, "(%s, %s%s%s)", name, dx_names[mode], want_dw ? ", dw" : "",
-           want_db ? ", db" : "");
-  if (cpu_dx) {
-    snprintf(label, sizeof label, "dx %s", what);
-    compare(f, label, gpu_dx, cpu_dx, nx);
-  }
-  char label_b[200];
-  snprintf(label, sizeof label, "dw %s", what);
-  snprintf(label_b, sizeof label_b, "db %s", what);
-  const bool w_close = within(f, label, d_gw, gw, nw), b_close = within(f, label_b, d_gb, gb, g->o);
-  float *exact_w = NULL, *exact_b = NULL;
-  if (!w_close || !b_close) {
-    exact_w = copy_floats(gw0, nw), exact_b = copy_floats(gb0, g->o);
-    conv_exact_grads(exact_w, want_dw, exact_b, want_db, gy, x0, g);
-  }
-  if (w_close)
-    compare(f, label, d_gw, gw, nw);
-  else
-    compare_exact(f, label, d_gw, gw, exact_w, nw);
-  if (b_close)
-    compare(f, label_b, d_gb, gb, g->o);
-  else
-    compare_exact(f, label_b, d_gb, gb, exact_b, g->o);
-  free(exact_w), free(exact_b);
-  if (!alias) {
-    snprintf(label, sizeof label, "x %s", what);
-    compare(f, label, d_x, x, nx);
-  }
-  if (want_dw || want_db) { /* again from the same start: the same bits */
-    float *first_w = download(d_gw, nw), *first_b = download(d_gb, g->o);
-    float *d_gw2 = upload(gw0, nw), *d_gb2 = upload(gb0, g->o), *d_x0 = upload(x0, nx);
+  for (size_t i = 0; i < N_CONV_IMPLS; i++) {
+    if (!run[i]) continue;
+    use_conv_impl(i);
+    figure *f = &figs[i];
+    snprintf(what, sizeof what, "(%s, %s%s%s) [%s]", name, dx_names[mode],
+             want_dw ? ", dw" : "", want_db ? ", db" : "", conv_impls[i]);
+    float *d_x = upload(x, nx), *d_w = upload(w, nw), *d_gy = upload(gy, ny);
+    float *d_gx = upload(gx0, nx), *d_gw = upload(gw0, nw), *d_gb = upload(gb0, g->o);
+    float *gpu_dx = mode == DX_NONE ? NULL : alias ? d_x : d_gx;
+    ddp_status s = gpu_dense->conv2d_backward(gpu_dx, want_dw ? d_gw : NULL,
+                                              want_db ? d_gb : NULL, d_gy, d_x, d_w, g, acc,
+                                              &gpu_arena);
+    if (s != DDP_OK) fail_msg("conv2d_backward %s: %s", what, ddp_last_error());
+    sync_ok(f->kernel);
+    if (cpu_dx) {
+      snprintf(label, sizeof label, "dx %s", what);
+      compare(f, label, gpu_dx, cpu_dx, nx);
+    }
+    snprintf(label, sizeof label, "dw %s", what);
+    snprintf(label_b, sizeof label_b, "db %s", what);
+    const bool w_close = within(f, label, d_gw, gw, nw);
+    const bool b_close = within(f, label_b, d_gb, gb, g->o);
+    if ((!w_close || !b_close) && !exact_w) {
+      exact_w = copy_floats(gw0, nw), exact_b = copy_floats(gb0, g->o);
+      conv_exact_grads(exact_w, want_dw, exact_b, want_db, gy, x, g);
+    }
+    if (w_close)
+      compare(f, label, d_gw, gw, nw);
+    else
+      compare_exact(f, label, d_gw, gw, exact_w, nw);
+    if (b_close)
+      compare(f, label_b, d_gb, gb, g->o);
+    else
+      compare_exact(f, label_b, d_gb, gb, exact_b, g->o);
+    if (!alias) { /* x is read only */
+      snprintf(label, sizeof label, "x %s", what);
+      compare(f, label, d_x, x, nx);
+    }
+    if (want_dw || want_db) { /* again from the same start: the same bits */
+      float *first_w = download(d_gw, nw), *first_b = download(d_gb, g->o);
+      float *d_gw2 = upload(gw0, nw), *d_gb2 = upload(gb0, g->o), *d_x0 = upload(x, nx);
+      reset_arenas();
+      s = gpu_dense->conv2d_backward(NULL, want_dw ? d_gw2 : NULL, want_db ? d_gb2 : NULL,
+                                     d_gy, d_x0, d_w, g, false, &gpu_arena);
+      if (s != DDP_OK) fail_msg("conv2d_backward %s (again): %s", what, ddp_last_error());
+      sync_ok("conv2d_backward (again)");
+      float *again_w = download(d_gw2, nw), *again_b = download(d_gb2, g->o);
+      assert_memory_equal(first_w, again_w, (size_t)nw * sizeof(float));
+      assert_memory_equal(first_b, again_b, (size_t)g->o * sizeof(float));
+      free(first_w), free(first_b), free(again_w), free(again_b);
+      ddp__cuda_free(d_gw2), ddp__cuda_free(d_gb2), ddp__cuda_free(d_x0);
+    }
     reset_arenas();
-    s = gpu_dense->conv2d_backward(NULL, want_dw ? d_gw2 : NULL, want_db ? d_gb2 : NULL, d_gy,
-                                   d_x0, d_w, g, false, &gpu_arena);
-    if (s != DDP_OK) fail_msg("conv2d_backward (again): %s", ddp_last_error());
-    sync_ok("conv2d_backward (again)");
-    float *again_w = download(d_gw2, nw), *again_b = download(d_gb2, g->o);
-    assert_memory_equal(first_w, again_w, (size_t)nw * sizeof(float));
-    assert_memory_equal(first_b, again_b, (size_t)g->o * sizeof(float));
-    free(first_w), free(first_b), free(again_w), free(again_b);
-    ddp__cuda_free(d_gw2), ddp__cuda_free(d_gb2), ddp__cuda_free(d_x0);
+    ddp__cuda_free(d_x), ddp__cuda_free(d_w), ddp__cuda_free(d_gy), ddp__cuda_free(d_gx);
+    ddp__cuda_free(d_gw), ddp__cuda_free(d_gb);
   }
-  reset_arenas();
-  free(x), free(w), free(gy), free(gx), free(gw), free(gb), free(gw0), free(gb0), free(x0);
-  ddp__cuda_free(d_x), ddp__cuda_free(d_w), ddp__cuda_free(d_gy), ddp__cuda_free(d_gx);
-  ddp__cuda_free(d_gw), ddp__cuda_free(d_gb);
+  free(exact_w), free(exact_b);
+  free(x), free(w), free(gy), free(gx0), free(gw0), free(gb0);
+  free(cx), free(gx), free(gw), free(gb);
 }
 
 static void test_conv2d_backward(void **state) {
   (void)state;
-  figure f = {.kernel = "conv2d_backward"};
+  figure figs[N_CONV_IMPLS];
+  char names[N_CONV_IMPLS][64];
+  bool run[N_CONV_IMPLS];
+  const bool all_start = conv_impls_setup("conv2d_backward", run, figs, names);
   for (size_t ci = 0; ci < N_CONVS; ci++) {
     const ddp__conv2d_geom g = conv_geom(&convs[ci]);
     const bool big = g.n > 100; /* the batch of 1024: the full case only */
     for (int mode = DX_NONE; mode <= DX_ACCUMULATE; mode++)
       for (int flags = 0; flags < 4; flags++) {
         if (big && !(mode == DX_FRESH && flags == 3)) continue;
-        conv2d_backward_case(&f, &g, (enum dx_mode)mode, flags & 1, flags & 2);
+        conv2d_backward_case(figs, run, &g, (enum dx_mode)mode, flags & 1, flags & 2);
       }
-    conv2d_backward_case(&f, &g, DX_ALIAS, true, true);
+    conv2d_backward_case(figs, run, &g, DX_ALIAS, true, true);
   }
-  report(&f);
+  for (size_t i = 0; i < N_CONV_IMPLS; i++)
+    if (run[i]) report(&figs[i]);
+  assert_int_equal(ddp__cuda_conv_force(NULL), DDP_OK);
+  assert_true(all_start); /* cuDNN built in and not starting: see above */
+}
+
+/* Which implementation DDP_CUDA_CONV's default (auto) takes here: cuDNN
+ * exactly when the build has it (conv_impls_setup has checked that it
+ * starts); a name that is not an implementation is refused. */
+static void test_conv_choice(void **state) {
+  (void)state;
+  assert_int_equal(ddp__cuda_conv_force("auto"), DDP_OK);
+  const char *got = ddp__cuda_conv_impl();
+#ifdef DDP_HAVE_CUDNN
+  const char *want = "cudnn";
+#else
+  const char *want = "im2col";
+#endif
+  printf("conv2d: auto takes %s (%s)\n", got,
+         ddp__cudnn_unavailable_reason() ? ddp__cudnn_unavailable_reason() : "cuDNN starts");
+  assert_string_equal(got, want);
+  assert_int_equal(ddp__cuda_conv_force("winograd"), DDP_ERR_INVALID);
+  assert_string_equal(ddp__cuda_conv_impl(), want); /* a refused name changes nothing */
+  assert_int_equal(ddp__cuda_conv_force(NULL), DDP_OK);
+}
+
+/* One timed call on bufs: x, w, y (dy in backward), b, dx, dw, db. */
+typedef void (*conv_call)(const ddp__conv2d_geom *g, float **bufs);
+
+static void time_forward(const ddp__conv2d_geom *g, float **b) {
+  ddp_status s = gpu_dense->conv2d_forward(b[2], b[0], b[1], b[3], g, &gpu_arena);
+  if (s != DDP_OK) fail_msg("conv2d_forward: %s", ddp_last_error());
+  ddp_arena_reset(&gpu_arena);
+}
+
+static void time_backward(const ddp__conv2d_geom *g, float **b) {
+  /* the training step's call: dx fresh (no dx for a first layer), dw, db */
+  ddp_status s = gpu_dense->conv2d_backward(g->c > 1 ? b[4] : NULL, b[5], b[6], b[2], b[0],
+                                            b[1], g, false, &gpu_arena);
+  if (s != DDP_OK) fail_msg("conv2d_backward: %s", ddp_last_error());
+  ddp_arena_reset(&gpu_arena);
+}
+
+static int cmp_double(const void *a, const void *b) {
+  const double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+/* Milliseconds a call of fn takes: the median of ROUNDS timed runs of REPS
+ * calls each, between two synchronizations, after a warm-up. */
+static double time_ms(conv_call fn, const ddp__conv2d_geom *g, float **bufs) {
+  enum { REPS = 10, ROUNDS = 5 };
+  double ms[ROUNDS];
+  for (int i = 0; i < 3; i++) fn(g, bufs); /* warm-up: handles, plans, arena */
+  sync_ok("conv2d timing warm-up");
+  for (int r = 0; r < ROUNDS; r++) {
+    const int64_t t0 = ddp_time_ns();
+    for (int i = 0; i < REPS; i++) fn(g, bufs);
+    sync_ok("conv2d timing");
+    ms[r] = (double)(ddp_time_ns() - t0) / 1e6 / REPS;
+  }
+  qsort(ms, ROUNDS, sizeof *ms, cmp_double);
+  return ms[ROUNDS / 2];
+}
+
+/* Both implementations on the ConvNet's two convolutions at the batches the
+ * benchmark runs (100, 1024): the figures that decide which is faster for
+ * these sizes. Printed only: a timing is not a correctness check. */
+static void test_conv2d_timing(void **state) {
+  (void)state;
+  const ddp__conv2d_geom layers[] = {
+      {.n = 100, .c = 1, .h = 28, .w = 28, .o = 16, .kh = 5, .kw = 5, .stride = 1, .pad = 2},
+      {.n = 100, .c = 16, .h = 14, .w = 14, .o = 32, .kh = 5, .kw = 5, .stride = 1, .pad = 2},
+      {.n = 1024, .c = 1, .h = 28, .w = 28, .o = 16, .kh = 5, .kw = 5, .stride = 1, .pad = 2},
+      {.n = 1024, .c = 16, .h = 14, .w = 14, .o = 32, .kh = 5, .kw = 5, .stride = 1, .pad = 2},
+  };
+  for (size_t li = 0; li < sizeof layers / sizeof *layers; li++) {
+    const ddp__conv2d_geom g = conv_geom(&layers[li]);
+    const int64_t nx = g.n * g.c * g.h * g.w, nw = g.o * g.c * g.kh * g.kw;
+    const int64_t ny = g.n * g.o * g.oh * g.ow;
+    float *x = random_floats(nx, -1, 1), *w = random_floats(nw, -0.2f, 0.2f);
+    float *y = random_floats(ny, -1, 1), *b = random_floats(g.o, -0.5f, 0.5f);
+    /* x, w, y (dy in backward), b, dx, dw, db */
+    float *bufs[7] = {upload(x, nx), upload(w, nw), upload(y, ny), upload(b, g.o),
+                      upload(x, nx), upload(w, nw), upload(b, g.o)};
+    char name[96];
+    conv_name(name, sizeof name, &g);
+    for (size_t i = 0; i < N_CONV_IMPLS; i++) {
+      /* not in the build, or not starting: said above */
+      if (ddp__cuda_conv_force(conv_impls[i]) != DDP_OK) continue;
+      if (strcmp(conv_impls[i], "cudnn") == 0 && ddp__cudnn_unavailable_reason()) continue;
+      const double fwd = time_ms(time_forward, &g, bufs);
+      const double bwd = time_ms(time_backward, &g, bufs);
+      printf("conv2d timing [%-6s] %-34s forward %8.4f ms  backward %8.4f ms%s\n",
+             conv_impls[i], name, fwd, bwd, g.c > 1 ? "" : " (no dx)");
+      fflush(stdout);
+    }
+    free(x), free(w), free(y), free(b);
+    for (int i = 0; i < 7; i++) ddp__cuda_free(bufs[i]);
+  }
+  assert_int_equal(ddp__cuda_conv_force(NULL), DDP_OK);
 }
 
 /* ---- max pooling ---- */
@@ -781,6 +954,8 @@ int main(void) {
       cmocka_unit_test(test_linear_backward),
       cmocka_unit_test(test_conv2d_forward),
       cmocka_unit_test(test_conv2d_backward),
+      cmocka_unit_test(test_conv_choice),
+      cmocka_unit_test(test_conv2d_timing),
       cmocka_unit_test(test_max_pool2d_forward),
       cmocka_unit_test(test_max_pool2d_backward),
   };
