@@ -28,6 +28,9 @@
 #include "ddp/data.h"
 #include "ddp/nn.h"
 #include "ddp/optim.h"
+#ifdef DDP_HAVE_CUDA
+#include "tensor/cuda/cudnn.h" /* which convolution the backend runs */
+#endif
 
 static int cmp_double(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
@@ -252,6 +255,9 @@ int main(int argc, char **argv) {
     if (on_gpu) {
       printf(", \"cuda_graph\": %s, \"DDP_CUDA_CONV\": ", cuda_graph ? "true" : "false");
       printf(conv ? "\"%s\"" : "null", conv ? conv : "");
+#ifdef DDP_HAVE_CUDA
+      printf(", \"conv\": \"%s\"", ddp__cuda_conv_impl());
+#endif
     }
     printf("}\n");
   }
