@@ -21,15 +21,28 @@
 
 /* ---- Process state --------------------------------------------------------
  * Lock order: dump_mu, then reg_mu. A ring is unregistered under reg_mu, so
- * a dump never reads a freed ring. */
+ * a dump never reads a freed ring. The SIGUSR1 trigger (pipe, thread,
+ * handler) exists while the process has a ring: the last ring's close takes
+ * it down, so a process without groups has no thread of ours (ddp_spawn and
+ * fork need a single-threaded caller) and SIGUSR1 back at its default. */
 static pthread_mutex_t reg_mu = PTHREAD_MUTEX_INITIALIZER;
 static ddp__flight *reg_head;
 static pthread_mutex_t dump_mu = PTHREAD_MUTEX_INITIALIZER;
-static uint64_t dumps_made;          /* under dump_mu */
-static bool trigger_ready;           /* handler and thread set up (under reg_mu) */
-static bool handler_installed;
-static struct sigaction previous_usr1;
-static int pipe_fds[2] = {-1, -1};
+static uint64_t dumps_made; /* under dump_mu */
+/* Dumps finished, for the dump thread to see that one finished while it
+ * waited for dump_mu (written under dump_mu). */
+static atomic_uint_fast64_t dumps_done;
+
+typedef struct trigger {
+  bool ready;             /* set up (or tried) for the current rings */
+  bool handler_installed;
+  bool thread_started;
+  struct sigaction previous; /* SIGUSR1's action before ours */
+  int fds[2];             /* the pipe: read end for the thread, write end for the handler */
+  pthread_t thread;
+} trigger;
+
+static trigger trig = {.fds = {-1, -1}}; /* under reg_mu */
 /* The pipe's write end as the handler sees it: an atomic int, which a signal
  * handler may read. -1: nothing to write to. */
 static atomic_int handler_fd = -1;
@@ -47,9 +60,12 @@ static void on_sigusr1(int sig) {
   errno = saved_errno;
 }
 
-/* The dump thread: sleeps in read(2) until the handler writes, then dumps.
- * It blocks every signal, so the handler runs on another thread and never
- * interrupts a dump. */
+static ddp_status dump_locked(const char *reason, const char *detail);
+
+/* The dump thread: sleeps in read(2) until the handler writes, then dumps;
+ * returns on a 'Q' (the last ring closed) or end of file. It blocks every
+ * signal, so the handler runs on another thread and never interrupts a
+ * dump. */
 static void *dump_main(void *arg) {
   int fd = (int)(intptr_t)arg;
   sigset_t all;
@@ -59,8 +75,15 @@ static void *dump_main(void *arg) {
     char buf[64];
     ssize_t got = read(fd, buf, sizeof buf);
     if (got < 0 && errno == EINTR) continue;
-    if (got <= 0) return NULL; /* the pipe closed (a fork's child resets it) */
-    if (ddp__flight_dump_now("signal", "SIGUSR1") != DDP_OK) DDP_WARN("flight recorder: %s", ddp_last_error());
+    if (got <= 0 || memchr(buf, 'Q', (size_t)got)) return NULL;
+    /* A dump that ends while this one waits for its turn (a failure's,
+     * which a launcher's SIGUSR1 often meets) answers the signal too: no
+     * second dump for the launcher's stop to cut short. */
+    uint64_t before = atomic_load(&dumps_done);
+    pthread_mutex_lock(&dump_mu);
+    ddp_status st = atomic_load(&dumps_done) == before ? dump_locked("signal", "SIGUSR1") : DDP_OK;
+    pthread_mutex_unlock(&dump_mu);
+    if (st != DDP_OK) DDP_WARN("flight recorder: %s", ddp_last_error());
   }
 }
 
@@ -73,22 +96,20 @@ static void atfork_child(void) {
   dump_mu = fresh;
   reg_head = NULL;
   atomic_store(&handler_fd, -1);
-  if (handler_installed) sigaction(SIGUSR1, &previous_usr1, NULL);
-  handler_installed = false;
+  if (trig.handler_installed) sigaction(SIGUSR1, &trig.previous, NULL);
   for (int k = 0; k < 2; k++)
-    if (pipe_fds[k] >= 0) close(pipe_fds[k]);
-  pipe_fds[0] = pipe_fds[1] = -1;
-  trigger_ready = false;
+    if (trig.fds[k] >= 0) close(trig.fds[k]);
+  trig = (trigger){.fds = {-1, -1}};
 }
 
 static void register_atfork(void) { pthread_atfork(NULL, NULL, atfork_child); }
 
-/* Under reg_mu, once per process (per fork): the pipe, the dump thread and
- * the handler. A program that handles or ignores SIGUSR1 itself keeps it
- * (it still gets dumps on failures). Failures cost only the SIGUSR1 path. */
-static void setup_trigger(void) {
-  if (trigger_ready) return;
-  trigger_ready = true;
+/* Under reg_mu, with the first ring: the pipe, the dump thread and the
+ * handler. A program that handles or ignores SIGUSR1 itself keeps it (it
+ * still gets dumps on failures). Failures cost only the SIGUSR1 path. */
+static void trigger_up(void) {
+  if (trig.ready) return;
+  trig.ready = true;
   pthread_once(&atfork_once, register_atfork);
   struct sigaction current;
   if (sigaction(SIGUSR1, NULL, &current) != 0 || current.sa_handler != SIG_DFL ||
@@ -96,37 +117,34 @@ static void setup_trigger(void) {
     DDP_DEBUG("flight recorder: SIGUSR1 has a handler already; dumps only on failures");
     return;
   }
-  if (pipe2(pipe_fds, O_CLOEXEC) != 0) {
+  if (pipe2(trig.fds, O_CLOEXEC) != 0) {
     DDP_WARN("flight recorder: no dumps on SIGUSR1 (pipe2: %s)", strerror(errno));
+    trig.fds[0] = trig.fds[1] = -1;
     return;
   }
-  fcntl(pipe_fds[1], F_SETFL, O_NONBLOCK); /* the handler never blocks */
-  pthread_t thread;
-  pthread_attr_t attr;
-  pthread_attr_init(&attr);
-  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-  int rc = pthread_create(&thread, &attr, dump_main, (void *)(intptr_t)pipe_fds[0]);
-  pthread_attr_destroy(&attr);
+  fcntl(trig.fds[1], F_SETFL, O_NONBLOCK); /* the handler never blocks */
+  int rc = pthread_create(&trig.thread, NULL, dump_main, (void *)(intptr_t)trig.fds[0]);
   if (rc != 0) {
     DDP_WARN("flight recorder: no dumps on SIGUSR1 (cannot start its thread: %s)", strerror(rc));
-    close(pipe_fds[0]);
-    close(pipe_fds[1]);
-    pipe_fds[0] = pipe_fds[1] = -1;
+    close(trig.fds[0]);
+    close(trig.fds[1]);
+    trig.fds[0] = trig.fds[1] = -1;
     return;
   }
-  pthread_setname_np(thread, "ddp-flight");
-  atomic_store(&handler_fd, pipe_fds[1]);
+  trig.thread_started = true;
+  pthread_setname_np(trig.thread, "ddp-flight");
+  atomic_store(&handler_fd, trig.fds[1]);
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);
   sa.sa_handler = on_sigusr1;
   sigemptyset(&sa.sa_mask);
   sa.sa_flags = SA_RESTART;
-  if (sigaction(SIGUSR1, &sa, &previous_usr1) == 0) handler_installed = true;
+  if (sigaction(SIGUSR1, &sa, &trig.previous) == 0) trig.handler_installed = true;
 }
 
 void ddp__flight_register(ddp__flight *f) {
   pthread_mutex_lock(&reg_mu);
-  setup_trigger();
+  trigger_up();
   f->reg_next = reg_head;
   reg_head = f;
   pthread_mutex_unlock(&reg_mu);
@@ -139,7 +157,29 @@ void ddp__flight_unregister(ddp__flight *f) {
       *p = f->reg_next;
       break;
     }
+  /* The last ring: the trigger goes. SIGUSR1 gets its action back first;
+   * the thread is told to quit through the pipe (so a handler that already
+   * read the write end still writes into an open pipe) and joined outside
+   * reg_mu, since a dump it may be running takes reg_mu; the pipe closes
+   * after. A new ring meanwhile sets up a trigger of its own. */
+  trigger down = {.fds = {-1, -1}};
+  if (!reg_head && trig.ready) {
+    down = trig;
+    if (trig.handler_installed) sigaction(SIGUSR1, &trig.previous, NULL);
+    atomic_store(&handler_fd, -1);
+    trig = (trigger){.fds = {-1, -1}};
+  }
   pthread_mutex_unlock(&reg_mu);
+  if (down.thread_started) {
+    char quit = 'Q';
+    if (write(down.fds[1], &quit, 1) != 1) { /* a full pipe: end of file ends it too */
+      close(down.fds[1]);
+      down.fds[1] = -1;
+    }
+    pthread_join(down.thread, NULL);
+  }
+  for (int k = 0; k < 2; k++)
+    if (down.fds[k] >= 0) close(down.fds[k]);
 }
 
 /* ---- Collecting ------------------------------------------------------------ */
@@ -386,8 +426,8 @@ static bool write_store(const ddp__flight_dump *d, const char *text, size_t len)
   return st == DDP_OK;
 }
 
-ddp_status ddp__flight_dump_now(const char *reason, const char *detail) {
-  pthread_mutex_lock(&dump_mu);
+/* One dump, under dump_mu. */
+static ddp_status dump_locked(const char *reason, const char *detail) {
   ddp__flight_dump d;
   ddp_status st = ddp__flight_collect(reason, detail, &d);
   char *text = NULL;
@@ -413,6 +453,13 @@ ddp_status ddp__flight_dump_now(const char *reason, const char *detail) {
   }
   ddp_free(text);
   ddp__flight_dump_free(&d);
+  atomic_fetch_add(&dumps_done, 1);
+  return st;
+}
+
+ddp_status ddp__flight_dump_now(const char *reason, const char *detail) {
+  pthread_mutex_lock(&dump_mu);
+  ddp_status st = dump_locked(reason, detail);
   pthread_mutex_unlock(&dump_mu);
   return st;
 }
