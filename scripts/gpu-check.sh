@@ -349,7 +349,7 @@ else
   for batch in 100 1024; do
     steps=200 repeats=5
     [ "$batch" = 1024 ] && steps=100 repeats=3
-    for conv in im2col cudnn; do
+    for conv in im2col cudnn auto; do
       for variant in plain ${graph:+graph}; do
         extra=()
         [ "$variant" = graph ] && extra=(--cuda-graph)

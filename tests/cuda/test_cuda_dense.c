@@ -684,15 +684,30 @@ static void test_conv2d_backward(void **state) {
   assert_true(all_start); /* cuDNN built in and not starting: see above */
 }
 
-/* Which implementation DDP_CUDA_CONV's default (auto) takes here: cuDNN
- * exactly when the build has it (conv_impls_setup has checked that it
- * starts); a name that is not an implementation is refused. */
+/* Which implementation DDP_CUDA_CONV's default (auto) takes here: its
+ * per-pass rule over cuDNN and im2col exactly when the build has cuDNN
+ * (conv_impls_setup has checked that it starts), im2col otherwise; the
+ * rule's choices at the seeds' shapes; a name that is not an
+ * implementation is refused. */
 static void test_conv_choice(void **state) {
   (void)state;
   assert_int_equal(ddp__cuda_conv_force("auto"), DDP_OK);
   const char *got = ddp__cuda_conv_impl();
 #ifdef DDP_HAVE_CUDNN
-  const char *want = "cudnn";
+  const char *want = "auto";
+  /* the forward through cuDNN; the backward through im2col, except with dx
+   * wanted above 128 MiB of columns (ConvNet's conv2 at batch 1024) */
+  const ddp__conv2d_geom conv1 = {100, 1, 28, 28, 16, 5, 5, 1, 2, 28, 28},
+                         conv2_1024 = {1024, 16, 14, 14, 32, 5, 5, 1, 2, 14, 14};
+  bool cudnn;
+  assert_int_equal(ddp__cuda_conv_pick_pass(false, true, &conv1, &cudnn), DDP_OK);
+  assert_true(cudnn);
+  assert_int_equal(ddp__cuda_conv_pick_pass(true, false, &conv1, &cudnn), DDP_OK);
+  assert_false(cudnn);
+  assert_int_equal(ddp__cuda_conv_pick_pass(true, true, &conv2_1024, &cudnn), DDP_OK);
+  assert_true(cudnn);
+  assert_int_equal(ddp__cuda_conv_pick_pass(true, false, &conv2_1024, &cudnn), DDP_OK);
+  assert_false(cudnn);
 #else
   const char *want = "im2col";
 #endif

@@ -489,15 +489,17 @@ typedef struct trained {
 } trained;
 
 static trained train(bool cuda_graph) {
+  /* seed 001's ToyModel on its regression data (headtail on toydata
+   * diverges at any usable learning rate, on the CPU too) */
   ddp_model *model;
-  ok(ddp_model_build("headtail", NULL, 1, &model), "headtail");
+  ok(ddp_model_build("toy", NULL, 1, &model), "toy");
   ddp_dataset *tr, *te;
-  ok(ddp_dataset_create_toydata(&tr, 2048), "toydata");
-  ok(ddp_dataset_create_toydata(&te, 512), "toydata test");
+  ok(ddp_dataset_create_regression(&tr, 2048, 1), "regression data");
+  ok(ddp_dataset_create_regression(&te, 256, 1000004), "regression test data");
   ddp_train_options o = ddp_train_defaults();
   o.epochs = 2;
   o.batch_size = 100; /* 20 full batches and one of 48 an epoch */
-  o.optim.lr = 0.05;
+  o.optim.lr = 0.01;
   o.optim.sgd.momentum = 0.9;
   o.workers = 0;
   o.device = GPU;

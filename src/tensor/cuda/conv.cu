@@ -319,7 +319,7 @@ ddp_status ddp__cuda_conv2d_backward_im2col(float *dx, float *dw, float *db, con
 ddp_status ddp__cuda_conv2d_forward(float *y, const float *x, const float *w, const float *b,
                                     const ddp__conv2d_geom *g, ddp_arena *arena) {
   bool use_cudnn;
-  DDP_TRY(ddp__cuda_conv_pick(&use_cudnn));
+  DDP_TRY(ddp__cuda_conv_pick_pass(false, false, g, &use_cudnn));
 #ifdef DDP_HAVE_CUDNN
   if (use_cudnn) return ddp__cudnn_conv2d_forward(y, x, w, b, g, arena);
 #endif
@@ -330,7 +330,7 @@ ddp_status ddp__cuda_conv2d_backward(float *dx, float *dw, float *db, const floa
                                      const float *x, const float *w, const ddp__conv2d_geom *g,
                                      bool dx_accumulate, ddp_arena *arena) {
   bool use_cudnn;
-  DDP_TRY(ddp__cuda_conv_pick(&use_cudnn));
+  DDP_TRY(ddp__cuda_conv_pick_pass(true, dx != NULL, g, &use_cudnn));
 #ifdef DDP_HAVE_CUDNN
   if (use_cudnn) return ddp__cudnn_conv2d_backward(dx, dw, db, dy, x, w, g, dx_accumulate, arena);
 #endif

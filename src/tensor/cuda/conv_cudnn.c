@@ -120,11 +120,21 @@ ddp_status ddp__cuda_conv_pick(bool *use_cudnn) {
                    env_value);
 }
 
+ddp_status ddp__cuda_conv_pick_pass(bool backward, bool dx_wanted, const ddp__conv2d_geom *g,
+                                    bool *use_cudnn) {
+  DDP_TRY(ddp__cuda_conv_pick(use_cudnn));
+  if (current_choice() != CHOICE_AUTO || !*use_cudnn || !backward) return DDP_OK;
+  const double col_bytes = 4.0 * (double)g->n * (double)(g->c * g->kh * g->kw) *
+                           (double)(g->oh * g->ow);
+  *use_cudnn = dx_wanted && col_bytes > 128.0 * (1 << 20);
+  return DDP_OK;
+}
+
 const char *ddp__cuda_conv_impl(void) {
   switch (current_choice()) {
   case CHOICE_IM2COL: return "im2col";
   case CHOICE_CUDNN: return "cudnn";
-  case CHOICE_AUTO: return cudnn_usable() ? "cudnn" : "im2col";
+  case CHOICE_AUTO: return cudnn_usable() ? "auto" : "im2col";
   case CHOICE_INVALID: break;
   }
   return "invalid";

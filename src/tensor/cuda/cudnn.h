@@ -43,7 +43,8 @@ extern "C" {
 ddp_status ddp__cuda_conv_force(const char *name);
 
 /* The implementation the next convolution on the current device uses:
- * "cudnn" or "im2col" (for benchmarks to print). With auto this makes the
+ * "cudnn", "im2col", or "auto" for auto's per-pass rule with cuDNN
+ * working (ddp__cuda_conv_pick_pass) (for benchmarks to print). With auto this makes the
  * current device's cuDNN handle if it does not exist yet. With a choice
  * that fails every convolution (cudnn without cuDNN, a bad DDP_CUDA_CONV)
  * it names what was asked for ("cudnn", or "invalid"). Static strings. */
@@ -58,6 +59,17 @@ const char *ddp__cudnn_unavailable_reason(void);
  * cuDNN. Fails (the message naming the choice) when the choice cannot be
  * honoured: cudnn without a working cuDNN, a bad DDP_CUDA_CONV. */
 ddp_status ddp__cuda_conv_pick(bool *use_cudnn);
+/* The same for one pass of one geometry, where auto decides per pass from
+ * what the H100 measured (docs/cuda.md, "Convolution"): the forward through
+ * cuDNN (as fast or faster at every seed's shape: 0.04 against 0.04-0.10 ms
+ * at batch 100, 0.15-0.21 against 0.34-0.95 ms at 1024), the backward
+ * through im2col (cuDNN's deterministic backward algorithms took 2-4x
+ * longer) except when it wants dx and the im2col matrix passes 128 MiB
+ * (ConvNet's conv2 at batch 1024: 1.03 ms against 1.62). A fixed rule of the
+ * geometry, so the same run computes the same bits every time. cudnn and
+ * im2col force one implementation for both passes. */
+ddp_status ddp__cuda_conv_pick_pass(bool backward, bool dx_wanted, const ddp__conv2d_geom *g,
+                                    bool *use_cudnn);
 
 /* ---- The two implementations ------------------------------------------------
  * Each on the contract of kernels_dense.h's conv2d_forward/conv2d_backward,
