@@ -88,7 +88,7 @@ typedef struct ddp__flight_dump {
   int64_t dump_unix_ns; /* the wall clock at the same moment */
   char host[256];
   char run_id[128];    /* TORCHELASTIC_RUN_ID, "" when unset */
-  char reason[16];     /* "timeout", "peer", "signal", "request" */
+  char reason[16];     /* "timeout", "peer", "signal" */
   char detail[512];    /* the failure's message, or what asked */
   size_t n_groups;
   ddp__flight_group *groups;
@@ -230,7 +230,7 @@ void ddp__flight_unregister(ddp__flight *flight);
  * if missing; written to a temporary name and renamed), then, under a
  * launcher that gives DDP_STORE_ADDR, the store (key flight/<RANK> under
  * DDP_STORE_PREFIX, and flight/<RANK>/dumps counted up after it). `reason`
- * is "timeout", "peer", "signal" or "request"; `detail` says more (NULL
+ * is "timeout", "peer" or "signal"; `detail` says more (NULL
  * ok). Logs one warning line naming the file. Returns DDP_OK when the file
  * was written; errors name the path. */
 ddp_status ddp__flight_dump_now(const char *reason, const char *detail);

@@ -12,7 +12,8 @@
 # In both: the verdict reaches ddprun's stderr within DDP_TIMEOUT + 5 s of
 # rank 0 entering allreduce #5, ddprun exits 1, the dumps in DDP_DEBUG_DIR
 # parse as JSON (Python's json module) with the expected last records, and
-# `ddp-debug flight DIR` gives the same verdict.
+# `ddp-debug flight DIR` gives the same verdict (and answers --help,
+# --version, no command: 2, a missing path: 1).
 set -uo pipefail
 skip() { echo "SKIP: $*"; exit 77; }
 fail() { echo "FAIL: $*"; exit 1; }
@@ -114,7 +115,11 @@ print("dumps ok:", sys.argv[2:])
 PY
 fi
 
-# After the fact, from the files alone.
+# After the fact, from the files alone; the tool's own manners first.
+"$debug" --help | grep -q '^usage: ddp-debug flight' || fail "ddp-debug --help"
+"$debug" --version | grep -q '^ddp-debug (ddp) [0-9]' || fail "ddp-debug --version"
+"$debug" >/dev/null 2>&1; [ $? -eq 2 ] || fail "ddp-debug without a command should exit 2"
+"$debug" flight "$tmp/nothing-here" >/dev/null 2>&1; [ $? -eq 1 ] || fail "ddp-debug on a missing path should exit 1"
 "$debug" flight "$tmp/dumps" --world-size 3 >"$tmp/debug" 2>&1 || { cat "$tmp/debug"; fail "ddp-debug flight failed"; }
 case "$case_name" in
 skip) grep -q "  $want" "$tmp/debug" || { cat "$tmp/debug"; fail "ddp-debug's verdict differs"; } ;;
