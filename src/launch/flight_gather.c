@@ -131,6 +131,70 @@ typedef struct local_rank {
   int settled;    /* dumped since, or cannot any more */
 } local_rank;
 
+/* Why local or remote rank r left no dump, as ddprun sees it. */
+static void why_absent(const ddp__worker *wk, const local_rank *loc, char *out, size_t bytes) {
+  char how[120];
+  char st = wk ? ddp__proc_state(wk->pid) : 0;
+  if (!wk) {
+    snprintf(out, bytes, "it runs on another node; none reached the store within %g s", FLIGHT_WAIT_S);
+  } else if (wk->state == DDP__WORKER_EXITED) {
+    ddp__describe_status(wk->status, how, sizeof how);
+    snprintf(out, bytes, "it %s%s before it could dump", wk->status != -1 && WIFSIGNALED(wk->status) ? "was " : "",
+             how);
+  } else if (st == 'T' || st == 't') {
+    snprintf(out, bytes, "it is stopped (SIGSTOP, or a debugger), so it could not dump");
+  } else if (st == 'Z' || st == 0) {
+    snprintf(out, bytes, "it exited before it could dump");
+  } else if (!loc->recording) {
+    snprintf(out, bytes, "it does not record (not a ddp program, DDP_FLIGHT_RECORDER_SIZE=0, or it handles SIGUSR1 itself)");
+  } else {
+    snprintf(out, bytes, "none within %g s of SIGUSR1", FLIGHT_WAIT_S);
+  }
+}
+
+/* Reads every rank's dump (the store; a local worker's file) and returns the
+ * heading and the verdict, or NULL when no rank dumped. */
+static char *judge_dumps(const ddp__group *g, const ddp__world *w, ddp_store *store, const local_rank *loc) {
+  int32_t world = w->world_size;
+  ddp__flight_dump *dumps = ddp_calloc((size_t)world, sizeof *dumps);
+  const char **why = ddp_calloc((size_t)world, sizeof *why);
+  char(*why_buf)[200] = ddp_calloc((size_t)world, sizeof *why_buf);
+  int32_t *have = ddp_calloc((size_t)world, sizeof *have);
+  size_t n = 0;
+  for (int32_t r = 0; dumps && why && why_buf && have && r < world; r++) {
+    int32_t i = r - w->rank_offset;
+    const ddp__worker *wk = i >= 0 && i < g->n ? &g->workers[i] : NULL;
+    if (read_store_dump(store, r, &dumps[n]) || (wk && read_file_dump(wk, 0, &dumps[n]))) {
+      have[n++] = r;
+      continue;
+    }
+    why_absent(wk, wk ? &loc[i] : NULL, why_buf[r], sizeof why_buf[r]);
+    why[r] = why_buf[r];
+  }
+  char *text = NULL, *verdict = NULL;
+  /* Nothing to say for a job whose workers do not record. */
+  if (n > 0 && ddp__flight_verdict(dumps, n, world, why, &verdict) == DDP_OK) {
+    char ranks[256], path[4200];
+    ddp__rdzv_format_ranks(have, (int32_t)n, 16, ranks, sizeof ranks);
+    ddp__flight_dump_path(debug_dir(), 0, -1, path, sizeof path);
+    char *star = strstr(path, "rank0.json");
+    if (star) snprintf(star, sizeof path - (size_t)(star - path), "rank*.json");
+    size_t len = strlen(verdict) + strlen(path) + strlen(ranks) + 100;
+    text = ddp_alloc(len);
+    if (text)
+      snprintf(text, len, "flight recorder (dumps of rank%s %s of %d, in %s):\n%s", n == 1 ? "" : "s", ranks,
+               (int)world, path, verdict);
+  }
+  ddp_clear_error();
+  ddp_free(verdict);
+  for (size_t k = 0; dumps && k < n; k++) ddp__flight_dump_free(&dumps[k]);
+  ddp_free(dumps);
+  ddp_free(why);
+  ddp_free(why_buf);
+  ddp_free(have);
+  return text;
+}
+
 char *ddp__flight_gather(ddp__group *g, const ddp__agent *a, int32_t attempt, int judge) {
   if (!g->workers || g->n == 0) return NULL;
   ddp__world w = a->world;
@@ -193,63 +257,7 @@ char *ddp__flight_gather(ddp__group *g, const ddp__agent *a, int32_t attempt, in
     struct timespec ts = {0, (long)(POLL_S * 1e9)};
     nanosleep(&ts, NULL);
   }
-  char *text = NULL;
-  if (judge) {
-    ddp__flight_dump *dumps = ddp_calloc((size_t)world, sizeof *dumps);
-    const char **why = ddp_calloc((size_t)world, sizeof *why);
-    char(*why_buf)[200] = ddp_calloc((size_t)world, sizeof *why_buf);
-    size_t n = 0;
-    int32_t *have = ddp_calloc((size_t)world, sizeof *have);
-    for (int32_t r = 0; dumps && why && why_buf && have && r < world; r++) {
-      int32_t i = r - w.rank_offset;
-      const ddp__worker *wk = i >= 0 && i < g->n ? &g->workers[i] : NULL;
-      if (read_store_dump(store, r, &dumps[n]) || (wk && read_file_dump(wk, 0, &dumps[n]))) {
-        have[n++] = r;
-        continue;
-      }
-      char how[120];
-      char st = wk ? ddp__proc_state(wk->pid) : 0;
-      if (!wk)
-        snprintf(why_buf[r], sizeof why_buf[r], "it runs on another node; none reached the store within %g s", FLIGHT_WAIT_S);
-      else if (wk->state == DDP__WORKER_EXITED) {
-        ddp__describe_status(wk->status, how, sizeof how);
-        snprintf(why_buf[r], sizeof why_buf[r], "it %s%s before it could dump",
-                 wk->status != -1 && WIFSIGNALED(wk->status) ? "was " : "", how);
-      } else if (st == 'T' || st == 't')
-        snprintf(why_buf[r], sizeof why_buf[r], "it is stopped (SIGSTOP, or a debugger), so it could not dump");
-      else if (st == 'Z' || st == 0)
-        snprintf(why_buf[r], sizeof why_buf[r], "it exited before it could dump");
-      else if (!loc[i].recording)
-        snprintf(why_buf[r], sizeof why_buf[r], "it does not record (not a ddp program, DDP_FLIGHT_RECORDER_SIZE=0, or it handles SIGUSR1 itself)");
-      else
-        snprintf(why_buf[r], sizeof why_buf[r], "none within %g s of SIGUSR1", FLIGHT_WAIT_S);
-      why[r] = why_buf[r];
-    }
-    /* Nothing to say for a job whose workers do not record. */
-    if (n > 0) {
-      char *verdict = NULL;
-      if (ddp__flight_verdict(dumps, n, world, why, &verdict) == DDP_OK) {
-        char ranks[256], path[4200];
-        ddp__rdzv_format_ranks(have, (int32_t)n, 16, ranks, sizeof ranks);
-        ddp__flight_dump_path(debug_dir(), 0, -1, path, sizeof path);
-        char *star = strstr(path, "rank0.json");
-        if (star) snprintf(star, sizeof path - (size_t)(star - path), "rank*.json");
-        size_t len = strlen(verdict) + 512;
-        text = ddp_alloc(len);
-        if (text)
-          snprintf(text, len, "flight recorder (dumps of rank%s %s of %d, in %s):\n%s", n == 1 ? "" : "s", ranks,
-                   (int)world, path, verdict);
-        ddp_free(verdict);
-      } else {
-        ddp_clear_error();
-      }
-    }
-    for (size_t k = 0; dumps && k < n; k++) ddp__flight_dump_free(&dumps[k]);
-    ddp_free(dumps);
-    ddp_free(why);
-    ddp_free(why_buf);
-    ddp_free(have);
-  }
+  char *text = judge ? judge_dumps(g, &w, store, loc) : NULL;
   ddp_free(loc);
   ddp_store_destroy(store);
   return text;
