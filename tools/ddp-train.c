@@ -90,10 +90,11 @@ static void usage(FILE *f) {
 "  --seed N             seeds the weights, the shuffle and dropout (default 1)\n"
 "  --threads N          BLAS threads per process (default: $OMP_NUM_THREADS if set, else 1;\n"
 "                       ddprun sets OMP_NUM_THREADS=1 for several workers)\n"
-"  --device D           cpu | cuda | cuda:N | auto (default auto: cuda:0 when this build\n"
-"                       has CUDA and a GPU is present and training is one process, else\n"
-"                       cpu). On a GPU the whole step runs there; --save, --resume and\n"
-"                       data parallelism need the CPU for now\n"
+"  --device D           cpu | cuda | cuda:N | auto (default auto: a GPU when this build\n"
+"                       has CUDA, one is present and training is one process, else\n"
+"                       cpu; cuda and auto take cuda:(LOCAL_RANK % GPUs) under a\n"
+"                       launcher). On a GPU the whole step runs there; --save, --resume\n"
+"                       and data parallelism need the CPU for now\n"
 "  --cuda-graph         on a GPU, capture the step of a full batch once as a CUDA graph\n"
 "                       (after 3 eager steps) and replay it for every full batch: one\n"
 "                       launch instead of dozens. Not with dropout or --sync-bn\n"
@@ -573,15 +574,21 @@ static void print_summary(const train_args *a, const ddp_train_result *r) {
 }
 
 /* --device: what was asked, or for auto the first GPU when there is one and
- * training is one process (data parallelism over GPUs needs NCCL). */
+ * training is one process (data parallelism over GPUs needs NCCL). A GPU
+ * named without its index (cuda, or auto) is the rank's own under a
+ * launcher: cuda:(LOCAL_RANK % GPUs), as torchrun's users set device_ids. */
 static ddp_device choose_device(const train_args *a, const train_world *world) {
-  if (!a->device || !strcmp(a->device, "auto")) {
-    if (!world->pg && !a->save_path && !a->resume_path && ddp_cuda_device_count() > 0)
-      return DDP_CUDA(0);
+  bool automatic = !a->device || !strcmp(a->device, "auto");
+  if (automatic && (world->pg || a->save_path || a->resume_path || ddp_cuda_device_count() == 0))
     return DDP_CPU;
-  }
-  ddp_device d;
-  if (ddp_device_parse(a->device, &d) != DDP_OK) die_usage("--device: %s", ddp_last_error());
+  ddp_device d = DDP_CUDA(0);
+  if (!automatic && ddp_device_parse(a->device, &d) != DDP_OK)
+    die_usage("--device: %s", ddp_last_error());
+  int64_t local_rank, local_world;
+  if (d.type == DDP_DEVICE_CUDA && (automatic || !strcmp(a->device, "cuda")) &&
+      getenv("LOCAL_RANK") && ddp_env_int("LOCAL_RANK", 0, &local_rank) == DDP_OK &&
+      ddp_env_int("LOCAL_WORLD_SIZE", 1, &local_world) == DDP_OK && ddp_cuda_device_count() > 0)
+    CHECK(ddp_default_cuda_device((int)local_rank, (int)local_world, &d), "choosing the rank's GPU");
   return d;
 }
 
