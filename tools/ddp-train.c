@@ -92,7 +92,7 @@ static void usage(FILE *f) {
 "                       ddprun sets OMP_NUM_THREADS=1 for several workers)\n"
 "  --device D           cpu | cuda | cuda:N | auto (default auto: a GPU when this build\n"
 "                       has CUDA, one is present and training is one process, else\n"
-"                       cpu; cuda and auto take cuda:(LOCAL_RANK % GPUs) under a\n"
+"                       cpu; cuda and auto take cuda:(LOCAL_RANK %% GPUs) under a\n"
 "                       launcher). On a GPU the whole step runs there; --save, --resume\n"
 "                       and data parallelism need the CPU for now\n"
 "  --cuda-graph         on a GPU, capture the step of a full batch once as a CUDA graph\n"
