@@ -56,6 +56,8 @@ typedef struct train_args {
   const char *device;      /* --device: auto, cpu, cuda, cuda:N */
   const char *tensorboard; /* --tensorboard DIR: event files there (rank 0) */
   bool cuda_graph;         /* --cuda-graph */
+  const char *trace;       /* --trace PATH, else $DDP_TRACE_FILE (ddprun --trace) */
+  double bucket_cap_mb;    /* --bucket-cap-mb: 0 = the wrapper's default (25) */
 } train_args;
 
 static void usage(FILE *f) {
@@ -100,6 +102,9 @@ static void usage(FILE *f) {
 "                       launch instead of dozens. Not with dropout or --sync-bn\n"
 "Data parallel (automatic under ddprun, torchrun's variables, srun or mpirun)\n"
 "  --sync-bn            BatchNorm statistics over the whole global batch (SyncBatchNorm)\n"
+"  --bucket-cap-mb X    gradients are reduced in buckets of X MiB (the first 1 MiB;\n"
+"                       default 25, PyTorch's): smaller buckets overlap more of\n"
+"                       backward with communication, in more messages\n"
 "  --dump-state PATH    after training, write every state-dict tensor as text lines\n"
 "                       'name numel v0 v1 ...' to PATH ({rank} in PATH: every rank writes\n"
 "                       its own file; otherwise rank 0 only). For comparing runs\n"
@@ -118,6 +123,13 @@ static void usage(FILE *f) {
 "                       rank included), optimizer_ms, step_ms, and preempted_ms (the\n"
 "                       time the rank was ready to run while another task held its\n"
 "                       CPU)}, per evaluation {step, epoch, test_loss, test_accuracy}\n"
+"  --trace PATH         a timeline of the run as Chrome trace JSON (Perfetto,\n"
+"                       chrome://tracing): each step's load, forward, backward,\n"
+"                       optimizer and loss allreduce, each bucket's allreduce from\n"
+"                       launch to completion, the waits, evaluations. Written at\n"
+"                       the end ({rank} in PATH: every rank writes its own file,\n"
+"                       otherwise rank 0 only; ddprun --trace DIR sets\n"
+"                       DDP_TRACE_FILE for each rank and merges them)\n"
 "  --json               end stdout with one JSON summary line (samples_per_s,\n"
 "                       steady_samples_per_s (without the first 10 steps), train_loss,\n"
 "                       test_loss, test_accuracy, steps, steady_step_phases (rank 0's\n"
@@ -229,7 +241,7 @@ static void parse_args(int argc, char **argv, train_args *a) {
         "--batch-size", "--lr", "--optimizer", "--momentum", "--weight-decay", "--scheduler",
         "--step-size", "--gamma", "--seed", "--threads", "--workers", "--eval-every",
         "--patience", "--log", "--dump-state", "--save", "--save-every", "--resume", "--init",
-        "--device", "--tensorboard"};
+        "--device", "--tensorboard", "--trace", "--bucket-cap-mb"};
     char name[64];
     const char *eq = strchr(f, '=');
     size_t len = eq ? (size_t)(eq - f) : strlen(f);
@@ -276,6 +288,11 @@ static void parse_args(int argc, char **argv, train_args *a) {
     else if (!strcmp(name, "--init")) a->init_path = v;
     else if (!strcmp(name, "--device")) a->device = v;
     else if (!strcmp(name, "--tensorboard")) a->tensorboard = v;
+    else if (!strcmp(name, "--trace")) a->trace = v;
+    else if (!strcmp(name, "--bucket-cap-mb")) {
+      a->bucket_cap_mb = parse_double(name, v);
+      if (!(a->bucket_cap_mb > 0)) die_usage("--bucket-cap-mb expects MiB > 0, got '%s'", v);
+    }
     else die_usage("unknown option '%s'", f);
   }
   if (a->scheduler && strcmp(a->scheduler, "step") && strcmp(a->scheduler, "none"))
@@ -420,6 +437,17 @@ static ddp_optim_kind optimizer_kind(const char *name) {
   if (!strcmp(name, "adam")) return DDP_OPTIM_ADAM;
   if (!strcmp(name, "adadelta")) return DDP_OPTIM_ADADELTA;
   die_usage("--optimizer expects sgd, adam or adadelta, got '%s'", name);
+}
+
+/* `pattern` for this rank: "{rank}" replaced by the rank (every rank its
+ * own file); without it rank 0 only (NULL elsewhere). NULL and "" give
+ * NULL. */
+static const char *rank_path(const char *pattern, int rank, char *buf, size_t bytes) {
+  if (!pattern || !*pattern) return NULL;
+  const char *mark = strstr(pattern, "{rank}");
+  if (!mark) return rank == 0 ? pattern : NULL;
+  snprintf(buf, bytes, "%.*s%d%s", (int)(mark - pattern), pattern, rank, mark + 6);
+  return buf;
 }
 
 /* Writes every state-dict tensor as a line "name numel v0 v1 ..." (%.9g:
@@ -646,6 +674,13 @@ int main(int argc, char **argv) {
   o.resume_path = a.resume_path;
   o.device = choose_device(&a, &world);
   o.cuda_graph = a.cuda_graph;
+  o.bucket_cap_mb = a.bucket_cap_mb;
+  char trace_path[4096];
+  /* ddprun --trace gives each worker its own file in DDP_TRACE_FILE. */
+  const char *trace_env = getenv("DDP_TRACE_FILE");
+  o.trace_path = a.trace ? rank_path(a.trace, world.rank, trace_path, sizeof trace_path)
+                 : trace_env && *trace_env ? trace_env
+                                           : NULL;
   run_meta meta;
   run_meta_init(&meta, &a, &o.optim);
   o.checkpoint_meta = meta.kv;

@@ -185,6 +185,13 @@ typedef struct ddp_dp_bucket_trace {
   int hook_calls_before;  /* grad hooks fired before the launch, this backward */
   int first_param;        /* the bucket as it was then (a relayout rebuilds buckets): */
   size_t numel;           /* its first parameter and size */
+  /* When its reduction was seen complete: the launch's return for a
+   * reduction that ran on the calling thread (the last bucket's), else the
+   * return of its wait in finalize (an upper bound: it may have finished
+   * earlier on the progress thread); 0 when nothing was reduced (a group
+   * of one with the default hook). wait_start_ns: when finalize began
+   * waiting for it (0 when it did not wait). */
+  int64_t wait_start_ns, done_ns;
 } ddp_dp_bucket_trace;
 
 typedef struct ddp_dp_trace {

@@ -153,7 +153,18 @@ typedef struct ddp_train_options {
    * with SyncBatchNorm and with dropout. Taken from the reserved space:
    * the struct keeps its size. (false) */
   bool cuda_graph;
-  uint64_t reserved[6]; /* zero */
+  /* Data parallel: the wrapper's bucket cap in MiB (ddp_dp_options
+   * .bucket_cap_mb); 0 = the wrapper's default (25). Taken from the
+   * reserved space. (0) */
+  double bucket_cap_mb;
+  /* A timeline of the run: Chrome trace event JSON (Perfetto,
+   * chrome://tracing) written to this path when ddp_trainer_run returns
+   * (temporary name, then rename); every rank writes its own, so give each
+   * rank its own path. Events are kept in a buffer sized when the run
+   * starts (docs/debugging.md, "Timeline"). NULL: no tracing, which costs
+   * one branch per step. Borrowed. Taken from the reserved space. (NULL) */
+  const char *trace_path;
+  uint64_t reserved[4]; /* zero */
 } ddp_train_options;
 
 /* epochs 1, batch 100, SGD lr 0.01 (no momentum), seed 1, automatic

@@ -207,6 +207,7 @@ static void launch_bucket(ddp_dp *dp, int b) {
    * gradient itself. Other hooks still run (compression changes the values). */
   if (dp->world == 1 && dp->hook_kind == DDP_DP_HOOK_ALLREDUCE) return;
   ddp_status s = dp->hook.launch(dp->hook.state, dp->pg, bucket, &dp->works[b]);
+  if (!dp->works[b]) tr->done_ns = ddp_time_ns(); /* reduced on this thread */
   if (s != DDP_OK) {
     dp->launch_error = ddp_error_wrap(s, "ddp: launching bucket %d", b);
     dp->works[b] = NULL;
@@ -275,7 +276,9 @@ ddp_status ddp__dp_complete(ddp_dp *dp) {
   ddp_status first = dp->launch_error;
   for (int b = 0; b < dp->next_launch; b++) {
     if (dp->works[b]) {
+      dp->trace[b].wait_start_ns = ddp_time_ns();
       ddp_status s = ddp_work_wait(dp->works[b], -1);
+      dp->trace[b].done_ns = ddp_time_ns();
       ddp_work_free(dp->works[b]);
       dp->works[b] = NULL;
       if (s != DDP_OK && first == DDP_OK)

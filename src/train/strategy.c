@@ -37,6 +37,7 @@ const ddp__train_strategy ddp__train_single = {
  * parameters and buffers. */
 static ddp_status dp_create(ddp_trainer *t) {
   ddp_dp_options o = ddp_dp_defaults();
+  if (t->o.bucket_cap_mb > 0) o.bucket_cap_mb = t->o.bucket_cap_mb;
   DDP_TRY(ddp_dp_create(&t->dp, t->model, t->pg, &o));
   ddp_dp_set_optimizer(t->dp, t->opt);
   return DDP_OK;

@@ -51,6 +51,12 @@ struct ddp_trainer {
   ddp_device_stage *stage;
   /* o.cuda_graph: the captured step and what it keeps (graph_step.c). */
   struct ddp__train_graph *graph;
+  /* o.trace_path: the run's timeline (trace.c), made when the run starts
+   * and written when it returns; NULL when not tracing. */
+  struct ddp__trace *trace;
+  /* The last eager step's clock readings (ddp_time_ns): forward start,
+   * forward end (loss read), backward end, optimizer end. */
+  int64_t step_marks[4];
 };
 
 /* One eager step on `tape` from the batch (x, y) already on the device:

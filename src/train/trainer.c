@@ -10,6 +10,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "train/trace.h"
 #include "train/train_internal.h"
 
 /* Steps left out of the steady figures, as PyTorch's reference script
@@ -60,6 +61,11 @@ static ddp_status check_options(const ddp_train_options *o, const ddp_process_gr
     return ddp_error(DDP_ERR_INVALID, "eval_batch_size, eval_every, patience, save_every and "
                                       "step_lr_size are counts (>= 0)");
   if (o->workers < -1) return ddp_error(DDP_ERR_INVALID, "workers is %d (-1 or >= 0)", o->workers);
+  if (!(o->bucket_cap_mb >= 0))
+    return ddp_error(DDP_ERR_INVALID, "bucket_cap_mb is %g (> 0 MiB, or 0 for the default)",
+                     o->bucket_cap_mb);
+  if (o->trace_path && !o->trace_path[0])
+    return ddp_error(DDP_ERR_INVALID, "trace_path is empty (NULL: no trace)");
   if (o->save_every && !o->save_path)
     return ddp_error(DDP_ERR_INVALID, "save_every %lld needs save_path", (long long)o->save_every);
   if (o->strategy == DDP_TRAIN_DATA_PARALLEL && !pg)
@@ -360,13 +366,21 @@ typedef struct run_state {
   ddp_train_stop stopped;
 } run_state;
 
+/* ddp__train_evaluate, on the timeline when tracing. */
+static ddp_status evaluate_traced(ddp_trainer *t, run_state *r) {
+  int64_t t0 = t->trace ? ddp_time_ns() : 0;
+  DDP_TRY(ddp__train_evaluate(t, &r->last_loss, &r->last_accuracy));
+  if (t->trace) ddp__trace_add(t->trace, DDP__TRACE_EVALUATE, r->step, t0, ddp_time_ns());
+  return DDP_OK;
+}
+
 /* Evaluates, tells on_eval, and returns in *stop whether patience ran out
  * or a callback asked (agreed over the group). `counts` false: the
  * evaluation is the end of training's, made where a run going on would not
  * make one, so early stopping's saved position leaves it out. */
 static ddp_status evaluate_now(ddp_trainer *t, run_state *r, int64_t epoch,
                                ddp_train_eval_kind kind, bool counts, bool *stop) {
-  DDP_TRY(ddp__train_evaluate(t, &r->last_loss, &r->last_accuracy));
+  DDP_TRY(evaluate_traced(t, r));
   r->evaluated_now = true;
   bool by_callback = false;
   if (t->o.callbacks.on_eval) {
@@ -386,7 +400,7 @@ static ddp_status evaluate_now(ddp_trainer *t, run_state *r, int64_t epoch,
 
 ddp_status ddp__train_eager_step(ddp_trainer *t, ddp_tape *tape, ddp_tensor *x, ddp_tensor *y,
                                  float *loss_value, ddp_train_phases *p) {
-  double t0 = ddp_time_s();
+  int64_t t0 = ddp_time_ns();
   ddp_tensor *out, *loss;
   ddp_tape_reset(tape);
   ddp_model_zero_grad(t->model);
@@ -396,22 +410,64 @@ ddp_status ddp__train_eager_step(ddp_trainer *t, ddp_tape *tape, ddp_tensor *x, 
   if (s != DDP_OK) return ddp_error_wrap(s, "loss");
   s = ddp__train_scalar(loss, loss_value);
   if (s != DDP_OK) return ddp_error_wrap(s, "reading the loss");
-  double t_forward = ddp_time_s();
+  int64_t t_forward = ddp_time_ns();
   s = t->strategy->backward(t, tape, loss);
   if (s != DDP_OK) return ddp_error_wrap(s, "backward");
-  double t_backward = ddp_time_s();
+  int64_t t_backward = ddp_time_ns();
   s = ddp_optimizer_step(t->opt);
   if (s != DDP_OK) return ddp_error_wrap(s, "optimizer step");
-  p->forward_ms = t_forward - t0;
-  p->backward_compute_ms = t_backward - t_forward;
+  int64_t t_end = ddp_time_ns();
+  p->forward_ms = 1e-9 * (double)(t_forward - t0);
+  p->backward_compute_ms = 1e-9 * (double)(t_backward - t_forward);
   p->backward_comm_ms = 0;
-  p->optimizer_ms = ddp_time_s() - t_backward;
+  p->optimizer_ms = 1e-9 * (double)(t_end - t_backward);
+  t->step_marks[0] = t0;
+  t->step_marks[1] = t_forward;
+  t->step_marks[2] = t_backward;
+  t->step_marks[3] = t_end;
   return DDP_OK;
+}
+
+/* The timeline of step `step` (t->trace): the step from t0 to t_end, its
+ * load to t_loaded, the eager step's phases from its marks, the loss's
+ * reduction from t_loss, and under data parallelism the wrapper's own
+ * record of the backward: autograd, each bucket's reduction from launch to
+ * completion, and the waits for them. A step through a CUDA graph shows
+ * the step, its load and the loss only (its phases are not separate
+ * readings). */
+static void trace_step(ddp_trainer *t, int64_t step, bool eager, int64_t t0, int64_t t_loaded,
+                       int64_t t_loss, int64_t t_end) {
+  ddp__trace *tr = t->trace;
+  const int64_t *m = t->step_marks;
+  ddp__trace_add(tr, DDP__TRACE_STEP, step, t0, t_end);
+  ddp__trace_add(tr, DDP__TRACE_LOAD, step, t0, t_loaded);
+  if (eager) {
+    ddp__trace_add(tr, DDP__TRACE_FORWARD, step, m[0], m[1]);
+    ddp__trace_add(tr, DDP__TRACE_BACKWARD, step, m[1], m[2]);
+    ddp__trace_add(tr, DDP__TRACE_OPTIMIZER, step, m[2], m[3]);
+  }
+  ddp__trace_add(tr, DDP__TRACE_LOSS, step, t_loss, t_end);
+  if (!t->dp) return;
+  ddp_dp_trace dt;
+  ddp_dp_get_trace(t->dp, &dt);
+  ddp__trace_add(tr, DDP__TRACE_AUTOGRAD, step, dt.backward_start_ns, dt.backward_end_ns);
+  for (int b = 0; b < dt.n_buckets; b++) {
+    const ddp_dp_bucket_trace *bt = &dt.buckets[b];
+    if (!bt->done_ns) continue; /* nothing was reduced */
+    ddp__trace_add_bucket(tr, DDP__TRACE_ALLREDUCE, step, b, (int64_t)bt->numel,
+                          bt->params_not_ready, bt->launch_ns, bt->done_ns);
+    if (bt->wait_start_ns)
+      ddp__trace_add_bucket(tr, DDP__TRACE_WAIT, step, b, (int64_t)bt->numel, 0,
+                            bt->wait_start_ns, bt->done_ns);
+    else
+      ddp__trace_add_bucket(tr, DDP__TRACE_BLOCKING, step, b, (int64_t)bt->numel, 0,
+                            bt->launch_ns, bt->done_ns);
+  }
 }
 
 /* One optimizer step on the next batch; *done when the epoch has none left. */
 static ddp_status train_step(ddp_trainer *t, run_state *r, int64_t epoch, bool *done) {
-  double t0 = ddp_time_s();
+  int64_t t0 = ddp_time_ns();
   int64_t preempted0 = ddp_preempt_clock_ns(&r->preempt_clock);
   ddp_batch b;
   ddp_status s = ddp_loader_next(t->train_loader, &b);
@@ -422,15 +478,19 @@ static ddp_status train_step(ddp_trainer *t, run_state *r, int64_t epoch, bool *
   }
   float loss0;
   ddp_train_phases ph = {0}; /* seconds */
-  if (ddp__train_graph_takes(t, &b)) {
+  int64_t t_loaded;
+  const bool graph = ddp__train_graph_takes(t, &b);
+  if (graph) {
     /* Loading: the loader's part here, the copy's inside. */
-    ph.load_ms = ddp_time_s() - t0;
+    t_loaded = ddp_time_ns();
+    ph.load_ms = 1e-9 * (double)(t_loaded - t0);
     DDP_TRY(ddp__train_graph_step(t, &b, &loss0, &ph));
   } else {
     ddp_tensor x, y;
     s = ddp__train_batch_on_device(t, &b, &x, &y);
     if (s != DDP_OK) return ddp_error_wrap(s, "copying a batch to the device");
-    ph.load_ms = ddp_time_s() - t0;
+    t_loaded = ddp_time_ns();
+    ph.load_ms = 1e-9 * (double)(t_loaded - t0);
     DDP_TRY(ddp__train_eager_step(t, t->tape, &x, &y, &loss0, &ph));
   }
   double loss_sums[2] = {(double)loss0 * (double)b.size, (double)b.size};
@@ -441,9 +501,11 @@ static ddp_status train_step(ddp_trainer *t, run_state *r, int64_t epoch, bool *
    * the ranks have just met in the gradients' allreduce, so it waits for no
    * one, whereas an async reduction during backward handed to the progress
    * thread cost 2-3% of a world-2 step (BENCHMARKS.md). */
+  const int64_t t_loss = t->trace ? ddp_time_ns() : 0;
   s = ddp__train_sum(t, loss_sums, 2);
   if (s != DDP_OK) return ddp_error_wrap(s, "reducing the loss");
-  double step_seconds = ddp_time_s() - t0;
+  const int64_t t_end = ddp_time_ns();
+  double step_seconds = 1e-9 * (double)(t_end - t0);
   int64_t preempted1 = ddp_preempt_clock_ns(&r->preempt_clock);
   double preempted =
       preempted0 >= 0 && preempted1 >= 0 ? 1e-9 * (double)(preempted1 - preempted0) : NAN;
@@ -453,6 +515,7 @@ static ddp_status train_step(ddp_trainer *t, run_state *r, int64_t epoch, bool *
     return ddp_error(DDP_ERR_RANGE, "the loss became %f at step %lld; try a smaller learning rate",
                      loss_value, (long long)r->step + 1);
   r->step++;
+  if (t->trace) trace_step(t, r->step, !graph, t0, t_loaded, t_loss, t_end);
   r->samples += (int64_t)loss_sums[1]; /* every rank's samples */
   const ddp_train_phases phases = {load, forward, backward_compute, backward_comm, optimizer,
                                    step_seconds, preempted};
@@ -592,6 +655,24 @@ static ddp_status fill_result(ddp_trainer *t, run_state *r, ddp_train_result *re
   return DDP_OK;
 }
 
+/* The most events a trace keeps (48 bytes each: 96 MiB); later ones are
+ * counted as dropped. */
+#define TRACE_MAX_EVENTS ((size_t)1 << 21)
+
+/* Sizes the timeline's buffer for the whole run, so that no step
+ * allocates: per step the step, its five phases, autograd, and two events
+ * per bucket (a bucket per parameter at most); per evaluation one. */
+static ddp_status open_trace(ddp_trainer *t, run_state *r) {
+  const ddp_train_options *o = &t->o;
+  int64_t steps = r->total_steps - r->start.step + 1;
+  int64_t per_step = 8 + 2 * ((int64_t)ddp_model_num_params(t->model) + 1);
+  int64_t evals = (o->eval_every ? steps / o->eval_every : 0) + o->epochs + 2;
+  double want = (double)(steps > 0 ? steps : 0) * (double)per_step + (double)evals;
+  size_t capacity = want < (double)TRACE_MAX_EVENTS ? (size_t)want : TRACE_MAX_EVENTS;
+  ddp_status s = ddp__trace_create(&t->trace, o->trace_path, t->rank, t->size, capacity);
+  return s == DDP_OK ? DDP_OK : ddp_error_wrap(s, "tracing (trace_path)");
+}
+
 static ddp_status run(ddp_trainer *t, run_state *r, ddp_train_result *res) {
   const ddp_train_options *o = &t->o;
   r->per_epoch = ddp_loader_num_batches(t->train_loader);
@@ -599,6 +680,7 @@ static ddp_status run(ddp_trainer *t, run_state *r, ddp_train_result *res) {
   if (o->max_steps && o->max_steps < r->total_steps) r->total_steps = o->max_steps;
   /* Where training starts: the beginning, or where the checkpoint stopped. */
   DDP_TRY(resume(t, &r->start));
+  if (o->trace_path) DDP_TRY(open_trace(t, r));
   if (o->callbacks.on_start) {
     ddp_train_start_info info = {.step = r->start.step, .epoch = r->start.epoch,
                                  .epoch_batches = r->start.epoch_batches,
@@ -624,7 +706,7 @@ static ddp_status run(ddp_trainer *t, run_state *r, ddp_train_result *res) {
   if (o->save_path) DDP_TRY(save_checkpoint(t, r->step, r->pos_epoch, r->pos_batches, &r->pat));
   /* The end of training is always evaluated. */
   if (!r->evaluated_now && (r->step > 0 || o->epochs == 0)) {
-    DDP_TRY(ddp__train_evaluate(t, &r->last_loss, &r->last_accuracy));
+    DDP_TRY(evaluate_traced(t, r));
     record_eval(&r->pat, t->log, r->last_loss, r->last_accuracy, r->step, r->epochs_done);
     if (o->callbacks.on_eval) {
       ddp_train_eval_info info = {.step = r->step, .epoch = r->epochs_done,
@@ -650,5 +732,16 @@ ddp_status ddp_trainer_run(ddp_trainer *t, ddp_train_result *result) {
   ddp_preempt_clock_open(&r.preempt_clock);
   ddp_status s = run(t, &r, result);
   ddp_preempt_clock_close(&r.preempt_clock);
+  /* The timeline is written however the run ended (an error's steps are
+   * what one wants to see); a run's own error comes first. */
+  if (t->trace) {
+    char error[512] = "";
+    if (s != DDP_OK) snprintf(error, sizeof error, "%s", ddp_last_error());
+    ddp_status ws = ddp__trace_write(t->trace);
+    if (s == DDP_OK) s = ws;
+    else ddp_error(s, "%s", error); /* the run's message, not the write's */
+    ddp__trace_destroy(t->trace);
+    t->trace = NULL;
+  }
   return s;
 }
