@@ -81,7 +81,12 @@ typedef struct ddp_launch_config {
   int32_t report_bindings; /* --report-bindings: each worker's CPUs on stderr as it starts */
   int32_t threads_per_worker; /* --threads N: CPUs each worker needs, and its OMP_NUM_THREADS;
                                  0: $OMP_NUM_THREADS for the placement, else 1 */
-  uint64_t reserved[7];
+  /* --trace DIR: each worker gets DDP_TRACE_FILE=DIR/rank<N>.json, and
+   * after the job the rank files found there are merged into
+   * DIR/trace.json (docs/debugging.md, "Timeline"). NULL: none. Borrowed
+   * (from argv). Taken from the reserved space. */
+  const char *trace_dir;
+  uint64_t reserved[6];
 } ddp_launch_config;
 
 /* The defaults: one worker on one node, static rendezvous, no restarts,

@@ -154,8 +154,9 @@ typedef struct ddp_train_options {
    * the struct keeps its size. (false) */
   bool cuda_graph;
   /* Data parallel: the wrapper's bucket cap in MiB (ddp_dp_options
-   * .bucket_cap_mb); 0 = the wrapper's default (25). Taken from the
-   * reserved space. (0) */
+   * .bucket_cap_mb; the first bucket's 1 MiB too when it is smaller);
+   * 0 = the wrapper's defaults (25, first 1). Taken from the reserved
+   * space. (0) */
   double bucket_cap_mb;
   /* A timeline of the run: Chrome trace event JSON (Perfetto,
    * chrome://tracing) written to this path when ddp_trainer_run returns

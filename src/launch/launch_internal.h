@@ -110,6 +110,13 @@ ddp_status ddp__std_spec_for(const char *option, const char *spec, int32_t local
 /* Whether local_rank's output reaches the console under --local-ranks-filter. */
 ddp_status ddp__filter_allows(const char *spec, int32_t local_rank, int *out);
 
+/* ---- Timelines (trace_merge.c) ------------------------------------------------ */
+/* Merges every DIR/rank<N>.json (the trainer's timelines) into
+ * DIR/trace.json, a process per rank, times shifted onto the earliest
+ * rank's start by each file's CLOCK_REALTIME origin; *ranks: the files
+ * merged. Errors name the file and line. */
+ddp_status ddp__trace_merge(const char *dir, int *ranks);
+
 /* ---- The worker environment (worker_env.c) --------------------------------- */
 typedef struct ddp__world {
   int32_t world_size;
@@ -123,6 +130,7 @@ typedef struct ddp__world {
   char run_id[DDP_LAUNCH_ID_BYTES];
   int32_t max_restarts;
   int32_t omp_threads;      /* > 0: every worker's OMP_NUM_THREADS (--threads); 0: torchrun's rule */
+  const char *trace_dir;    /* --trace: DDP_TRACE_FILE=DIR/rank<N>.json; NULL: none */
 } ddp__world;
 
 /* A NULL-terminated "NAME=VALUE" table: `base` (such as environ) without the

@@ -151,6 +151,7 @@ static const option options[] = {
     {"--tail-lines", NULL, VALUE},     {"--help", "-h", FLAG},
     {"--bind", "--bind-to", VALUE},    {"--numa-binding", NULL, VALUE},
     {"--report-bindings", NULL, FLAG}, {"--threads", NULL, VALUE},
+    {"--trace", NULL, VALUE},
 };
 #define NUM_OPTIONS (sizeof options / sizeof options[0])
 
@@ -201,6 +202,13 @@ static ddp_status apply(ddp_launch_config *cfg, const option *o, const char *v) 
   if (strcmp(name, "--max-restarts") == 0) return int_value(name, v, 0, 1 << 20, &cfg->max_restarts);
   if (strcmp(name, "--monitor-interval") == 0) {
     DDP_TRY(seconds_value(name, v, 0.001, &cfg->monitor_interval_s));
+    return DDP_OK;
+  }
+  if (strcmp(name, "--trace") == 0) {
+    /* DDP_TRACE_FILE=DIR/rank<N>.json must fit a worker's environment line. */
+    if (!*v || strlen(v) > 400)
+      return ddp_error(DDP_ERR_INVALID, "--trace '%.40s': expected a directory of 1 to 400 bytes", v);
+    cfg->trace_dir = v;
     return DDP_OK;
   }
   if (strcmp(name, "--log-dir") == 0) return text_value(name, v, cfg->log_dir, sizeof cfg->log_dir - 64);

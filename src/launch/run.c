@@ -153,6 +153,7 @@ ddp_status ddp_launch_run(const ddp_launch_config *cfg_in, int *exit_code) {
   }
   exec_ctx ctx = {.cfg = &cfg};
   DDP_TRY(log_root(&cfg, ctx.log_root, sizeof ctx.log_root));
+  if (cfg.trace_dir) DDP_TRY(make_dirs(cfg.trace_dir));
   ddp__job job = {
       .tool = "ddprun",
       .max_restarts = cfg.max_restarts,
@@ -168,5 +169,15 @@ ddp_status ddp_launch_run(const ddp_launch_config *cfg_in, int *exit_code) {
   if (st == DDP_OK && ev == DDP__EVENT_TIMEOUT)
     fprintf(stderr, "ddprun: the job timeout (--job-timeout %g s) passed; the workers were stopped\n",
             cfg.job_timeout_s);
+  /* The ranks' timelines, whatever the job's end: a failed run's are the
+   * ones worth seeing. A merge that fails is told, not the job's failure. */
+  if (cfg.trace_dir) {
+    int ranks = 0;
+    if (ddp__trace_merge(cfg.trace_dir, &ranks) == DDP_OK)
+      fprintf(stderr, "ddprun: the timeline of %d rank%s is in %s/trace.json\n", ranks,
+              ranks == 1 ? "" : "s", cfg.trace_dir);
+    else
+      fprintf(stderr, "ddprun: --trace: %s\n", ddp_last_error());
+  }
   return st;
 }

@@ -197,6 +197,7 @@ ddp_status ddp__job_launch(const ddp_launch_config *cfg, ddp__job *job, double t
     return st;
   }
   agent.world.omp_threads = cfg->threads_per_worker;
+  agent.world.trace_dir = cfg->trace_dir;
   st = ddp__signals_install();
   if (st == DDP_OK) {
     job->agent = &agent;

@@ -11,7 +11,7 @@ static const char *const owned[] = {
     "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
     "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
     "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_USE_AGENT_STORE", "DDP_STORE_ADDR", "DDP_STORE_PREFIX",
+    "TORCHELASTIC_USE_AGENT_STORE", "DDP_STORE_ADDR", "DDP_STORE_PREFIX", "DDP_TRACE_FILE",
 };
 #define NUM_OWNED (sizeof owned / sizeof owned[0])
 #define MAX_VALUE 512
@@ -60,6 +60,7 @@ ddp_status ddp__worker_env(char *const *base, const ddp__world *w, int32_t local
   ADD("DDP_STORE_ADDR=%s", w->store_addr);
   ADD("DDP_STORE_PREFIX=%s", prefix);
   if (omp) ADD("OMP_NUM_THREADS=%d", omp_given ? (int)w->omp_threads : 1);
+  if (w->trace_dir) ADD("DDP_TRACE_FILE=%s/rank%d.json", w->trace_dir, (int)rank);
 #undef ADD
 
   size_t n_base = 0, bytes = 0;

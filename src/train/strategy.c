@@ -37,7 +37,13 @@ const ddp__train_strategy ddp__train_single = {
  * parameters and buffers. */
 static ddp_status dp_create(ddp_trainer *t) {
   ddp_dp_options o = ddp_dp_defaults();
-  if (t->o.bucket_cap_mb > 0) o.bucket_cap_mb = t->o.bucket_cap_mb;
+  /* A cap below the first bucket's 1 MiB caps that one too: the seeds'
+   * models (ConvNet's gradients are 113 KiB) would otherwise always be one
+   * bucket, whatever the cap. */
+  if (t->o.bucket_cap_mb > 0) {
+    o.bucket_cap_mb = t->o.bucket_cap_mb;
+    if (o.first_bucket_mb > o.bucket_cap_mb) o.first_bucket_mb = o.bucket_cap_mb;
+  }
   DDP_TRY(ddp_dp_create(&t->dp, t->model, t->pg, &o));
   ddp_dp_set_optimizer(t->dp, t->opt);
   return DDP_OK;
