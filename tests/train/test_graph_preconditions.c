@@ -155,9 +155,20 @@ static void test_trainer_refuses_on_the_cpu(void **state) {
 /* The option took a word of the reserved space: the struct kept its size. */
 static void test_options_layout(void **state) {
   (void)state;
-  assert_int_equal(offsetof(ddp_train_options, reserved) - offsetof(ddp_train_options, cuda_graph),
+  /* cuda_graph, then bucket_cap_mb and trace_path (issue 27), took the
+   * first slots of what was reserved[6] right after it: the struct ends
+   * where it did. */
+  assert_int_equal(offsetof(ddp_train_options, bucket_cap_mb) -
+                       offsetof(ddp_train_options, cuda_graph),
                    sizeof(uint64_t));
-  assert_int_equal(sizeof ((ddp_train_options *)0)->reserved, 6 * sizeof(uint64_t));
+  assert_int_equal(offsetof(ddp_train_options, trace_path) -
+                       offsetof(ddp_train_options, bucket_cap_mb),
+                   sizeof(uint64_t));
+  assert_int_equal(offsetof(ddp_train_options, reserved) - offsetof(ddp_train_options, cuda_graph),
+                   3 * sizeof(uint64_t));
+  assert_int_equal(sizeof ((ddp_train_options *)0)->reserved, 4 * sizeof(uint64_t));
+  assert_int_equal(sizeof(ddp_train_options),
+                   offsetof(ddp_train_options, cuda_graph) + 7 * sizeof(uint64_t));
   assert_false(ddp_train_defaults().cuda_graph);
 }
 
