@@ -102,25 +102,8 @@ echo "ok toy: 2x8 == 1x16 over 2 epochs, replicas identical, metrics reduced, st
 # the trajectories below are the ones described in docs/training.md).
 fashion=/usr/share/datasets/fashion-mnist
 data=$tmp/fashion-small
-if [ -e "$fashion/t10k-labels-idx1-ubyte.gz" ] && "$py" - "$fashion" "$data" <<'PY'
-import gzip, os, struct, sys
-src, dst = sys.argv[1:]
-os.makedirs(dst)
-for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"):
-    os.symlink(f"{src}/{name}.gz", f"{dst}/{name}.gz")
-for name, keep in (("t10k-images-idx3-ubyte", 1000), ("t10k-labels-idx1-ubyte", 1000)):
-    raw = gzip.open(f"{src}/{name}.gz").read()
-    ndim = raw[3]
-    dims = list(struct.unpack(f">{ndim}I", raw[4:4 + 4 * ndim]))
-    per = 1
-    for d in dims[1:]:
-        per *= d
-    dims[0] = keep
-    head = raw[:4] + struct.pack(f">{ndim}I", *dims)
-    body = raw[4 + 4 * ndim: 4 + 4 * ndim + keep * per]
-    open(f"{dst}/{name}", "wb").write(head + body)
-PY
-then
+if [ -e "$fashion/t10k-labels-idx1-ubyte.gz" ] &&
+  "$py" "$here/../support/fashion_small.py" "$fashion" "$data" 1000; then
   # Plain SGD, 10 steps from ddp's initial weights at seed 2. Each tensor's
   # error is measured against what training changed in it (compare_state.py
   # --init: ||a - b|| <= 1e-2 ||b - p0||), not against the tensor's size:
