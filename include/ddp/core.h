@@ -92,7 +92,8 @@ _Noreturn void ddp__assert_fail(const char *cond, const char *file, int line,
 
 /* ---- Logging -------------------------------------------------------------
  * Lines go to stderr as "[ddp rank 3] W message". The threshold comes from
- * DDP_LOG_LEVEL (debug, info, warn, error, off; default warn), read once. */
+ * DDP_LOG_LEVEL (debug, info, warn, error, off; default warn, or info when
+ * DDP_DEBUG is info or detail), read once. */
 typedef enum ddp_log_level {
   DDP_LOG_DEBUG = 0,
   DDP_LOG_INFO = 1,

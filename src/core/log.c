@@ -25,7 +25,12 @@ ddp_log_level ddp_log_get_level(void) {
   int level = atomic_load(&log_level);
   if (level < 0) {
     const char *env = getenv("DDP_LOG_LEVEL");
-    level = DDP_LOG_WARN;
+    /* DDP_DEBUG=info or detail (torch's TORCH_DISTRIBUTED_DEBUG) shows the
+     * info lines too, unless DDP_LOG_LEVEL says otherwise. */
+    const char *debug = getenv("DDP_DEBUG");
+    level = debug && (strcasecmp(debug, "info") == 0 || strcasecmp(debug, "detail") == 0)
+                ? DDP_LOG_INFO
+                : DDP_LOG_WARN;
     if (env && *env) {
       int parsed = parse_level(env);
       if (parsed >= 0)

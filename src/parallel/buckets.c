@@ -3,6 +3,7 @@
  * become ready in. A bucket is a view of the flat gradient buffer: its
  * parameters must be neighbours there, which the bucket order guarantees
  * (consecutive parameters of dp->order sit back to back, offsets decreasing). */
+#include <stdio.h>
 #include <string.h>
 
 #include "comm/comm_internal.h" /* ddp__group_reserve_works */
@@ -113,6 +114,7 @@ ddp_status ddp__dp_maybe_relayout(ddp_dp *dp) {
   if (s == DDP_OK) {
     for (int k = 0; k < n; k++) dp->order[k] = msg[k];
     ddp__dp_assign_buckets(dp);
+    ddp__dp_log_layout(dp, "re-laid out in the gradients' ready order");
     dp->relaid_out = true;
     s = ddp__dp_reserve_works(dp);
   }
@@ -121,4 +123,28 @@ ddp_status ddp__dp_maybe_relayout(ddp_dp *dp) {
   ddp_free(msg);
   if (s != DDP_OK) return ddp_error_wrap(s, "ddp: relayout");
   return DDP_OK;
+}
+
+void ddp__dp_log_layout(const ddp_dp *dp, const char *when) {
+  if (dp->rank != 0 || ddp_log_get_level() > DDP_LOG_INFO) return;
+  const ddp_dp_options *o = &dp->options;
+  DDP_INFO("ddp: wrapper %s: %d ranks, %d parameters (%lld floats) in %d buckets "
+           "(bucket_cap_mb %g, first_bucket_mb %g), find_unused_parameters %s, static_graph %s, "
+           "relayout %s",
+           when, dp->world, dp->n_params, (long long)ddp_model_num_param_elements(dp->model),
+           dp->n_buckets, o->bucket_cap_mb, o->first_bucket_mb,
+           o->find_unused_parameters ? "on" : "off", o->static_graph ? "on" : "off",
+           o->relayout ? "on" : "off");
+  for (int b = 0; b < dp->n_buckets; b++) {
+    const ddp_dp_bucket *bk = &dp->buckets[b];
+    char names[512];
+    size_t len = 0;
+    names[0] = '\0';
+    for (int j = 0; j < bk->n_params && len + 1 < sizeof names; j++)
+      len += (size_t)snprintf(names + len, sizeof names - len, "%s%s", j ? ", " : "",
+                              ddp_model_param_name(dp->model, bk->params[j]));
+    DDP_INFO("ddp:   bucket %d: %zu floats (%.1f KiB), %d parameters: %s%s", b, bk->numel,
+             (double)bk->numel * 4 / 1024, bk->n_params, names,
+             len + 1 >= sizeof names ? " ..." : "");
+  }
 }

@@ -101,6 +101,7 @@ ddp_status ddp_dp_create(ddp_dp **out, ddp_model *model, ddp_process_group *pg,
   ddp__dp_assign_buckets(dp);
   s = ddp__dp_reserve_works(dp);
   if (s != DDP_OK) goto err;
+  ddp__dp_log_layout(dp, "created");
   /* With parameters that may or may not get a gradient the ready order can
    * change from one iteration to the next, unless the graph is static. */
   if (!o.relayout || (o.find_unused_parameters && !o.static_graph)) dp->relayout_done = true;

@@ -74,6 +74,11 @@ struct ddp_dp {
  * once it reaches the current limit: first_bucket_mb, then bucket_cap_mb),
  * and dp->bucket_of. Checks the contiguity invariant. */
 void ddp__dp_assign_buckets(ddp_dp *dp);
+/* DDP_DEBUG=info or detail (or DDP_LOG_LEVEL=info): logs the wrapper's
+ * layout on rank 0, as torch's DDP logs its reducer under
+ * TORCH_DISTRIBUTED_DEBUG=INFO: the options, then each bucket's size and
+ * parameters in launch order. `when` says why ("created", "re-laid out"). */
+void ddp__dp_log_layout(const ddp_dp *dp, const char *when);
 /* Reserves the group's work handles for every bucket's allreduce in flight
  * at once, plus the loss's and join's, so no step allocates one later. */
 ddp_status ddp__dp_reserve_works(ddp_dp *dp);
