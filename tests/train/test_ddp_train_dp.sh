@@ -86,13 +86,17 @@ assert all(r["backward_comm_ms"] > 0 for r in steps), [r["backward_comm_ms"] for
 per_rank = top["steady_preempted_ms_per_rank"]
 assert len(per_rank) == 2 and per_rank[0] == summary["preempted_ms"], (per_rank, summary)
 # A rank's preempted time lies inside its steps. Rank 0's steps are logged;
-# another rank's steady steps span the same stretch of time, give or take
-# one step at either end (the ranks meet in every step's allreduce, not at
-# its edges), so its mean is bounded by rank 0's plus a longest step spread
-# over the steady steps.
+# another rank's steady steps span about the same stretch of time, give or
+# take one step at either end (the ranks meet in every step's allreduce, not
+# at its edges), and each of its steps may also cover rank 0's untimed gap
+# between two steps (the log line, the loop), which on a loaded machine is
+# as long as a toy step (0.3 ms; a CI run saw rank 1 at 0.49 ms a step
+# against rank 0's 0.34). So its mean is bounded by twice rank 0's step
+# plus a longest step spread over the steady steps: still far below what a
+# unit slip (us for ms) or a sum over steps instead of a mean would give.
 slack = max(r["step_ms"] for r in steps) / len(steady)
 assert not schedstat or 0 <= per_rank[0] <= summary["step_ms"], (per_rank, summary)
-assert not schedstat or all(0 <= v <= summary["step_ms"] + slack for v in per_rank), (per_rank, summary, slack)
+assert not schedstat or all(0 <= v <= 2 * summary["step_ms"] + slack for v in per_rank), (per_rank, summary, slack)
 PY
 echo "ok toy: 2x8 == 1x16 over 2 epochs, replicas identical, metrics reduced, step phases consistent"
 
