@@ -224,4 +224,5 @@ def main():
               (run, want["records"], count, " (and the log's)" if "log" in want else "", len(texts)))
 
 
-main()
+if __name__ == "__main__":
+    main()

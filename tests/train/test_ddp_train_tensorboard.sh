@@ -23,9 +23,11 @@ mkdir -p "$tmp/toy" "$tmp/headtail"
 run toy --model toy --epochs 3 --eval-every 20 --seed 4
 run headtail --model headtail --samples 2048 --epochs 2 --eval-every 10 --optimizer adam --lr 0.001
 for name in toy headtail; do
-  "$py" - "$tmp/$name" <<'PY' || exit 1
+  TB_CHECK_DIR=$(dirname "$0") "$py" - "$tmp/$name" <<'PY' || exit 1
 import glob, json, os, re, socket, struct, sys
 from tensorboard.backend.event_processing import event_accumulator as ea
+sys.path.insert(0, os.environ["TB_CHECK_DIR"])
+from tensorboard_check import STEP_TAGS as STEP, EVAL_TAGS as EVAL, f32  # the log's keys, their tags
 root = sys.argv[1]
 files = glob.glob(os.path.join(root, "tb", "events.out.tfevents.*"))
 if len(files) != 1:
@@ -36,13 +38,6 @@ if not re.fullmatch(r"events\.out\.tfevents\.\d+\.%s\.\d+\.\d+" % re.escape(sock
 acc = ea.EventAccumulator(os.path.join(root, "tb"), size_guidance={ea.SCALARS: 0})
 acc.Reload()
 tb = {(t, e.step): e.value for t in acc.Tags()["scalars"] for e in acc.Scalars(t)}
-f32 = lambda x: struct.unpack("<f", struct.pack("<f", x))[0]
-STEP = {"loss": "train/loss", "lr": "train/lr", "samples_per_s": "train/samples_per_s",
-        "load_ms": "phases/load_ms", "forward_ms": "phases/forward_ms",
-        "backward_compute_ms": "phases/backward_compute_ms",
-        "backward_comm_ms": "phases/backward_comm_ms", "optimizer_ms": "phases/optimizer_ms",
-        "step_ms": "phases/step_ms", "preempted_ms": "phases/preempted_ms"}
-EVAL = {"test_loss": "test/loss", "test_accuracy": "test/accuracy"}
 seen, steps, evals = set(), 0, 0
 for n, line in enumerate(open(os.path.join(root, "log.jsonl")), 1):
     rec = json.loads(line)

@@ -3,6 +3,7 @@
  * sum of squares, reduced in double along a fixed tree so that it gives the
  * same bits every run (no atomics), then copied to the host. */
 #include "tensor/cuda/kernels_cuda.h"
+#include "tensor/cuda/reduce.cuh"
 #include "tensor/cuda/runtime.h"
 
 #include <math.h>
@@ -85,25 +86,11 @@ static void cuda_scale(float *x, float alpha, int64_t n) {
  * x gives the same bits on every run. */
 #define SSQ_PARTS 1024
 
-/* The sum of v over the block (BLOCK threads), along a fixed tree: warp
- * shuffles, then the warps' sums through shared memory. Thread 0 gets it. */
-static __device__ double block_sum(double v) {
-  __shared__ double warp_sums[BLOCK / 32];
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
-  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = v;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    v = threadIdx.x < BLOCK / 32 ? warp_sums[threadIdx.x] : 0.0;
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
-  }
-  return v;
-}
-
 static __global__ void __launch_bounds__(BLOCK) ssq_parts_kernel(double *parts, const float *x,
                                                           int64_t n) {
   double s = 0.0;
   GRID_LOOP(i, n) s += (double)x[i] * (double)x[i];
-  s = block_sum(s);
+  s = ddp__block_sum(s);
   if (threadIdx.x == 0) parts[blockIdx.x] = s;
 }
 
@@ -111,7 +98,7 @@ static __global__ void __launch_bounds__(BLOCK) ssq_total_kernel(double *total, 
                                                           int64_t n_parts) {
   double s = 0.0;
   for (int64_t i = threadIdx.x; i < n_parts; i += BLOCK) s += parts[i];
-  s = block_sum(s);
+  s = ddp__block_sum(s);
   if (threadIdx.x == 0) *total = s;
 }
 

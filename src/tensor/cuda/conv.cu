@@ -27,6 +27,7 @@
 #include "tensor/cuda/kernels_cuda.h"
 #include "tensor/cuda/cudnn.h"
 #include "tensor/cuda/dense.h"
+#include "tensor/cuda/reduce.cuh"
 
 /* Floats of per-call scratch a group may use: columns and permuted dy. */
 #define SCRATCH_FLOATS ((int64_t)1 << 25)
@@ -128,18 +129,6 @@ static __global__ void __launch_bounds__(DDP__CUDA_BLOCK)
  * one thread per channel adds its parts in order into db. */
 #define DB_MAX_PARTS 64
 
-static __device__ float block_sum(float v) {
-  __shared__ float warp_sums[DDP__CUDA_BLOCK / 32];
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
-  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = v;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    v = threadIdx.x < DDP__CUDA_BLOCK / 32 ? warp_sums[threadIdx.x] : 0.0f;
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
-  }
-  return v;
-}
-
 static __global__ void __launch_bounds__(DDP__CUDA_BLOCK)
     channel_parts_kernel(float *parts, const float *dy, int64_t n, int64_t o, int64_t p_per,
                          int64_t n_parts) {
@@ -149,7 +138,7 @@ static __global__ void __launch_bounds__(DDP__CUDA_BLOCK)
   float s = 0.0f;
   for (int64_t e = lo + threadIdx.x; e < hi; e += DDP__CUDA_BLOCK)
     s += dy[((e / p_per) * o + ch) * p_per + e % p_per];
-  s = block_sum(s);
+  s = ddp__block_sum(s);
   if (threadIdx.x == 0) parts[ch * n_parts + part] = s;
 }
 

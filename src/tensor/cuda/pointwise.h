@@ -18,62 +18,7 @@
 /* Threads a block for the 1-D elementwise kernels (grid-stride loops). */
 #define DDP__PW_BLOCK 256
 
-/* ---- fixed-order reductions ----
- * All 32 lanes of a warp must call the warp forms, and every thread of the
- * block the block forms (no thread may have returned): blockDim.x is a
- * multiple of 32, at most 1024. */
-
-__device__ __forceinline__ double ddp__warp_sum(double v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-/* The larger of the two; a NaN never wins (as `v > m ? v : m` on the CPU). */
-__device__ __forceinline__ float ddp__warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) {
-    float other = __shfl_xor_sync(0xffffffffu, v, o);
-    v = other > v ? other : v;
-  }
-  return v;
-}
-
-__device__ __forceinline__ long long ddp__warp_min_i64(long long v) {
-  for (int o = 16; o > 0; o >>= 1) {
-    long long other = __shfl_xor_sync(0xffffffffu, v, o);
-    v = other < v ? other : v;
-  }
-  return v;
-}
-
-/* The block's sum of v, valid in thread 0. Ends with a barrier, so it may
- * be called again right away. */
-__device__ __forceinline__ double ddp__block_sum(double v) {
-  __shared__ double warp_part[32];
-  const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  v = ddp__warp_sum(v);
-  if (lane == 0) warp_part[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    const unsigned warps = (blockDim.x + 31) >> 5;
-    v = ddp__warp_sum(lane < warps ? warp_part[lane] : 0.0);
-  }
-  __syncthreads();
-  return v;
-}
-
-/* The block's minimum of v, valid in every thread. */
-__device__ __forceinline__ long long ddp__block_min_i64(long long v) {
-  __shared__ long long warp_part[32];
-  const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  v = ddp__warp_min_i64(v);
-  if (lane == 0) warp_part[warp] = v;
-  __syncthreads();
-  const unsigned warps = (blockDim.x + 31) >> 5;
-  long long m = warp_part[0];
-  for (unsigned w = 1; w < warps; w++) m = warp_part[w] < m ? warp_part[w] : m;
-  __syncthreads();
-  return m;
-}
+#include "tensor/cuda/reduce.cuh" /* the fixed-order reductions */
 
 /* ---- cuda/norm.cu ---- */
 extern "C" {
