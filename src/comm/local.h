@@ -234,6 +234,7 @@ typedef struct ddp__local_backend {
   uint64_t waits_slept;    /* waits that reached the futex phase (for tests) */
   uint32_t contended_skips; /* blocked waits left that skip their spin (local_sync.c) */
   uint64_t waits_contended; /* blocked waits that skipped it because the CPU was contended (for tests) */
+  uint64_t waits_spun_blocked; /* waits that spun for a blocked caller (for tests) */
   int blame;               /* the peer behind the last error (a group rank), -1 if none */
   /* Group ranks of this backend's ranks (identity unless it serves one host
    * of a larger group, hier.c), the group's size and host names (borrowed,

@@ -212,6 +212,7 @@ ddp_status ddp__local_wait(ddp__local_backend *b, const ddp__op_ctx *ctx, ddp__l
       b->waits_contended++;
     } else {
       long before = thread_preemptions();
+      b->waits_spun_blocked++;
       bool met = spin_blocked(b, ctx, w, target);
       long after = thread_preemptions();
       if (before >= 0 && after > before) b->contended_skips = CONTENDED_SKIP;

@@ -38,6 +38,8 @@ typedef struct rank_thread {
   /* test_blocked_caller_spins: waits that slept, with and without
    * caller_blocked; blocked ops that took >= 200 us (the peer was late) */
   int slept_blocked, slept_not, long_blocked;
+  /* waits that spun for a blocked caller, with and without caller_blocked */
+  int spun_blocked, spun_not;
   /* blocked waits that skipped their spin because this thread had been
    * preempted while spinning (local_sync.c, "contended") */
   int contended_blocked;
@@ -422,6 +424,7 @@ static void late_peer_body(rank_thread *t) {
     if (k == BLOCKED_ROUNDS) {
       t->slept_blocked = (int)lb->waits_slept;
       t->contended_blocked = (int)lb->waits_contended;
+      t->spun_blocked = (int)lb->waits_spun_blocked;
     }
     if (t->rank == 1) {
       int64_t until = ddp_time_ns() + LATE_NS;
@@ -442,19 +445,27 @@ static void late_peer_body(rank_thread *t) {
     }
   }
   t->slept_not = (int)lb->waits_slept - t->slept_blocked;
+  t->spun_not = (int)lb->waits_spun_blocked - t->spun_blocked;
 }
 
-static void test_blocked_caller_spins(void **state) {
-  (void)state;
+/* The two CPUs the late-peer tests pin their ranks to (g_late_cpu), the
+ * first two this process may use; false, saying SKIP, when there is one. */
+static bool pick_late_cpus(void) {
   cpu_set_t mine;
   CPU_ZERO(&mine);
   assert_int_equal(sched_getaffinity(0, sizeof mine, &mine), 0);
   if (CPU_COUNT(&mine) < 2 || sysconf(_SC_NPROCESSORS_ONLN) < 2) {
     print_message("SKIP: this process may use only one CPU; waits never spin long there\n");
-    return;
+    return false;
   }
   for (int c = 0, found = 0; c < CPU_SETSIZE && found < 2; c++)
     if (CPU_ISSET(c, &mine)) g_late_cpu[found++] = c;
+  return true;
+}
+
+static void test_blocked_caller_spins(void **state) {
+  (void)state;
+  if (!pick_late_cpus()) return;
   rank_thread t[2];
   run_ranks(2, late_peer_body, t);
   for (int r = 0; r < 2; r++)
@@ -471,9 +482,15 @@ static void test_blocked_caller_spins(void **state) {
    * Slack for a busier machine (a peer descheduled past 2 ms); waits that
    * skipped their spin because rank 0 was preempted while spinning (a
    * busy machine) may sleep. */
-  assert_true(t[0].long_blocked >= BLOCKED_ROUNDS / 2);
+  assert_true(t[0].long_blocked > 0); /* the peer was late (quiet: 40; under load, fewer) */
   assert_true(slept_blocked <= t[0].long_blocked / 4 + t[0].contended_blocked);
-  assert_true(slept_not >= BLOCKED_ROUNDS / 2);
+  /* Without caller_blocked no wait spins for a blocked caller. (Whether
+   * such a wait then sleeps depends on the machine's load: a yield on a
+   * busy CPU can last until the late peer arrives, as a CI run saw, 1 of
+   * 40 asleep; quiet, all 40 sleep. So the spins are counted, not the
+   * sleeps.) */
+  assert_true(t[0].spun_blocked > 0);
+  assert_int_equal(t[0].spun_not, 0);
 }
 
 /* A busy loop pinned to rank 0's CPU: the scheduler preempts rank 0 while
@@ -493,15 +510,7 @@ static void *busy_main(void *arg) {
 
 static void test_contended_blocked_skips(void **state) {
   (void)state;
-  cpu_set_t mine;
-  CPU_ZERO(&mine);
-  assert_int_equal(sched_getaffinity(0, sizeof mine, &mine), 0);
-  if (CPU_COUNT(&mine) < 2 || sysconf(_SC_NPROCESSORS_ONLN) < 2) {
-    print_message("SKIP: this process may use only one CPU; waits never spin long there\n");
-    return;
-  }
-  for (int c = 0, found = 0; c < CPU_SETSIZE && found < 2; c++)
-    if (CPU_ISSET(c, &mine)) g_late_cpu[found++] = c;
+  if (!pick_late_cpus()) return;
   atomic_store(&g_busy_stop, false);
   pthread_t busy;
   assert_int_equal(pthread_create(&busy, NULL, busy_main, &g_late_cpu[0]), 0);
