@@ -651,6 +651,21 @@ int ddp__local_shared_cpus(ddp__local_region *reg, int size) {
   return n < online ? n : online;
 }
 
+bool ddp__local_pinned_apart(ddp__local_region *reg, int size) {
+  uint64_t all[DDP__LOCAL_CPU_WORDS] = {0};
+  for (int q = 0; q < size; q++) {
+    const uint64_t *m = ddp__local_ctl_of(reg, q)->cpus;
+    int bits = 0;
+    for (int w = 0; w < DDP__LOCAL_CPU_WORDS; w++) {
+      bits += __builtin_popcountll(m[w]);
+      if (all[w] & m[w]) return false;
+      all[w] |= m[w];
+    }
+    if (bits != 1) return false;
+  }
+  return true;
+}
+
 ddp_status ddp__backend_local_create(const ddp__backend_config *cfg, ddp__backend **out) {
   *out = NULL;
   if (!cfg || cfg->size < 1 || cfg->size > DDP__LOCAL_MAX_RANKS || cfg->rank < 0 ||
@@ -710,6 +725,7 @@ ddp_status ddp__backend_local_create(const ddp__backend_config *cfg, ddp__backen
   b->host_cpus = ddp__local_shared_cpus(b->reg, cfg->size);
   b->spin_long = cfg->size <= b->host_cpus ? DDP__LOCAL_SPIN_LONG : DDP__LOCAL_SPIN_SHORT;
   b->spin_iters = b->spin_long;
+  b->pinned_apart = ddp__local_pinned_apart(b->reg, cfg->size);
   if (b->spin_long < DDP__LOCAL_SPIN_LONG && cfg->rank == 0)
     DDP_INFO("local backend: %d ranks may use %d CPUs together; waits spin briefly, then sleep",
              cfg->size, b->host_cpus);

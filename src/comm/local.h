@@ -230,6 +230,7 @@ typedef struct ddp__local_backend {
   uint32_t yield_streak;   /* waits in a row that ended in the yield phase */
   uint32_t short_waits;    /* waits since spins were shortened (probe period) */
   int host_cpus;           /* CPUs the ranks may use together (ddp__local_shared_cpus) */
+  bool pinned_apart;       /* each rank bound to one CPU of its own: never stacked */
   int yield_iters;         /* sched_yield calls after spinning, before sleeping */
   uint64_t waits_slept;    /* waits that reached the futex phase (for tests) */
   uint32_t contended_skips; /* blocked waits left that skip their spin (local_sync.c) */
@@ -283,6 +284,16 @@ void ddp__local_post(ddp__local_backend *b, ddp__local_word *w, uint64_t value);
 /* Waits until w->value >= target: spins, then sleeps in the futex; gives up
  * on the deadline, abort, or when any peer has failed, left or died.
  * `peer` is the rank that will post w (for messages). */
+/* True when every rank's published affinity is a single CPU and no two ranks
+ * share one (ddprun's default placement): the scheduler cannot stack them. */
+bool ddp__local_pinned_apart(ddp__local_region *reg, int size);
+
+/* The spin policy's bookkeeping after a wait that ended in the yield phase
+ * (local_sync.c). `skipped_spin`: the wait skipped its blocked spin because
+ * the CPU was contended, so ending in the yields says nothing about ranks
+ * stacked on one core. Exposed for tests of the policy. */
+void ddp__local_wait_ended_in_yield(ddp__local_backend *b, bool skipped_spin);
+
 ddp_status ddp__local_wait(ddp__local_backend *b, const ddp__op_ctx *ctx, ddp__local_word *w,
                            uint64_t target, int peer);
 /* Waits until rank q's flag >= target (uses and updates b->seen). */

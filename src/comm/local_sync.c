@@ -141,7 +141,16 @@ static ddp_status check_peers(ddp__local_backend *b, const ddp__op_ctx *ctx, int
  * probes whether that is still so (a wait that succeeds while spinning
  * restores long spins; one that ends in the yield phase again keeps them
  * short). Waits that end in the futex (a peer busy computing) say nothing
- * about cores and change nothing. */
+ * about cores and change nothing. Neither do waits that skipped their
+ * blocked spin because the CPU was contended (they reach the yields by
+ * design, whatever the placement), nor any wait of ranks bound to a CPU each
+ * (the scheduler cannot stack those). Without these two exceptions one
+ * preemption during a blocked spin could shorten a bound rank's spins for the
+ * rest of a run: the contended skips that followed ended in the yields,
+ * eight of them made spins short, short spins turned the blocked spin off
+ * and with it the countdown of the skips, so every probe fell back again,
+ * and a 2-rank allreduce ran flat at about 2 GB/s from 64 KiB up in one run
+ * of ten (issue 20). */
 #define STACKED_STREAK 8u
 #define PROBE_PERIOD 256u
 
@@ -153,7 +162,8 @@ static void spin_adapt_before(ddp__local_backend *b) {
   }
 }
 
-static void spin_adapt_after_yield(ddp__local_backend *b) {
+void ddp__local_wait_ended_in_yield(ddp__local_backend *b, bool skipped_spin) {
+  if (skipped_spin || b->pinned_apart) return;
   if (b->spin_iters > DDP__LOCAL_SPIN_SHORT && ++b->yield_streak >= STACKED_STREAK) {
     b->spin_iters = DDP__LOCAL_SPIN_SHORT;
     b->short_waits = 0;
@@ -206,10 +216,12 @@ ddp_status ddp__local_wait(ddp__local_backend *b, const ddp__op_ctx *ctx, ddp__l
       return DDP_OK;
     }
   }
+  bool skipped_spin = false;
   if (ctx && ctx->caller_blocked && b->spin_iters == DDP__LOCAL_SPIN_LONG) {
     if (b->contended_skips > 0) {
       b->contended_skips--;
       b->waits_contended++;
+      skipped_spin = true;
     } else {
       long before = thread_preemptions();
       b->waits_spun_blocked++;
@@ -227,7 +239,7 @@ ddp_status ddp__local_wait(ddp__local_backend *b, const ddp__op_ctx *ctx, ddp__l
   for (int i = 0; i < b->yield_iters; i++) {
     sched_yield();
     if (atomic_load_explicit(&w->value, memory_order_acquire) >= target) {
-      spin_adapt_after_yield(b);
+      ddp__local_wait_ended_in_yield(b, skipped_spin);
       return DDP_OK;
     }
   }

@@ -56,18 +56,22 @@ static ddp_status create_backend(ddp_store *store, int rank, int size, int32_t *
 }
 
 /* >= 0: every rank thread pins itself to this CPU before creating its
- * backend (g_pin_cpu), or after (g_stack_cpu; test_shared_cpus). */
+ * backend (g_pin_cpu), or after (g_stack_cpu; test_shared_cpus). With
+ * g_pin_apart, rank r pins itself to g_apart_cpu[r] before creating it. */
 static int g_pin_cpu = -1, g_stack_cpu = -1;
+static bool g_pin_apart;
+static int g_apart_cpu[2];
 
 static void *rank_main(void *arg) {
   rank_thread *t = arg;
-  if (g_pin_cpu >= 0) {
+  if (g_pin_cpu >= 0 || g_pin_apart) {
+    int cpu = g_pin_apart ? g_apart_cpu[t->rank] : g_pin_cpu;
     cpu_set_t one;
     CPU_ZERO(&one);
-    CPU_SET(g_pin_cpu, &one);
+    CPU_SET(cpu, &one);
     if (pthread_setaffinity_np(pthread_self(), sizeof one, &one) != 0) {
       t->create_status = DDP_ERR_SYS;
-      snprintf(t->create_err, sizeof t->create_err, "cannot pin to CPU %d", g_pin_cpu);
+      snprintf(t->create_err, sizeof t->create_err, "cannot pin to CPU %d", cpu);
       return NULL;
     }
   }
@@ -526,6 +530,59 @@ static void test_contended_blocked_skips(void **state) {
   assert_true(t[0].contended_blocked >= 1);
 }
 
+/* The spin policy after waits that ended in the yield phase (no threads: the
+ * policy's bookkeeping alone). Unbound ranks whose waits keep ending there
+ * are stacked on one core and get short spins; a wait that skipped its
+ * blocked spin because the CPU was contended, or any wait of ranks bound to
+ * a CPU each, must not shorten them (issue 20: one preemption locked a bound
+ * rank into short spins for the rest of a run). */
+static void test_spin_policy_after_yields(void **state) {
+  (void)state;
+  ddp__local_backend b;
+  memset(&b, 0, sizeof b);
+  b.spin_long = b.spin_iters = DDP__LOCAL_SPIN_LONG;
+  for (int i = 0; i < 1000; i++) ddp__local_wait_ended_in_yield(&b, true);
+  assert_int_equal(b.spin_iters, DDP__LOCAL_SPIN_LONG);
+  b.pinned_apart = true;
+  for (int i = 0; i < 1000; i++) ddp__local_wait_ended_in_yield(&b, false);
+  assert_int_equal(b.spin_iters, DDP__LOCAL_SPIN_LONG);
+  b.pinned_apart = false;
+  for (int i = 0; i < 1000 && b.spin_iters == DDP__LOCAL_SPIN_LONG; i++)
+    ddp__local_wait_ended_in_yield(&b, false);
+  assert_int_equal(b.spin_iters, DDP__LOCAL_SPIN_SHORT);
+}
+
+/* ddp__local_pinned_apart reads the masks the ranks published when they
+ * created their backends: true only for one CPU each, none shared. */
+static void pinned_apart_body(rank_thread *t) {
+  t->host_cpus = ((ddp__local_backend *)t->b)->pinned_apart;
+}
+
+static void test_pinned_apart(void **state) {
+  (void)state;
+  cpu_set_t mine;
+  CPU_ZERO(&mine);
+  assert_int_equal(sched_getaffinity(0, sizeof mine, &mine), 0);
+  int n = 0;
+  for (int c = 0; c < CPU_SETSIZE && n < 2; c++)
+    if (CPU_ISSET(c, &mine)) g_apart_cpu[n++] = c;
+  rank_thread t[2];
+  if (n == 2) {
+    g_pin_apart = true;
+    run_ranks(2, pinned_apart_body, t);
+    g_pin_apart = false;
+    for (int r = 0; r < 2; r++) assert_int_equal(t[r].host_cpus, 1);
+  } else {
+    print_message("SKIP (apart case): this process may use only one CPU\n");
+  }
+  g_pin_cpu = g_apart_cpu[0]; /* both on one CPU */
+  run_ranks(2, pinned_apart_body, t);
+  g_pin_cpu = -1;
+  for (int r = 0; r < 2; r++) assert_int_equal(t[r].host_cpus, 0);
+  run_ranks(2, pinned_apart_body, t); /* unpinned: each mask holds every usable CPU */
+  for (int r = 0; r < 2; r++) assert_int_equal(t[r].host_cpus, 0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_matrix),    cmocka_unit_test(test_matrix_large),
@@ -535,6 +592,8 @@ int main(void) {
       cmocka_unit_test(test_shared_cpus),
       cmocka_unit_test(test_blocked_caller_spins),
       cmocka_unit_test(test_contended_blocked_skips),
+      cmocka_unit_test(test_spin_policy_after_yields),
+      cmocka_unit_test(test_pinned_apart),
   };
   /* DDP_TEST_FILTER / DDP_TEST_SKIP: run only the tests matching, or skip
    * those matching, a cmocka pattern (* and ?); the ThreadSanitizer subset
