@@ -8,10 +8,14 @@
 # layout a one-sided Mann-Whitney U test of "ddp-hpo's best losses are
 # larger" and Holm's correction over all 18; passes when none is rejected at
 # 5%. Prints the table (medians, p-values) as markdown.
+# ddp-hpo runs with --exchange-interval 0 (EXCHANGE_INTERVAL), an exchange
+# every generation as Propulate does: its default (1 ms) would let a
+# microsecond objective finish its 200 generations between two exchanges,
+# which is islands without migration (docs/hpo.md, "Exchange interval").
 #   scripts/hpo-quality.sh [seeds=20] [generations=200] [functions="sphere ... birastrigin"]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-seeds=${1:-20}; gens=${2:-200}
+seeds=${1:-20}; gens=${2:-200}; interval=${EXCHANGE_INTERVAL:-0}
 functions=${3:-"sphere rosenbrock step quartic rastrigin griewank schwefel bisphere birastrigin"}
 py=${DDP_TORCH_PY:-/opt/torch-venv/bin/python}
 [ -x build/bin/ddp-hpo ] || { echo "hpo-quality: build first" >&2; exit 2; }
@@ -22,7 +26,7 @@ for f in $functions; do
   for islands in 2 1; do
     for ((s = 0; s < seeds; s++)); do
       ours=$(DDP_TIMEOUT=120 timeout 600 build/bin/ddprun --nproc-per-node 2 build/bin/ddp-hpo --objective "$f" \
-        --islands "$islands" --generations "$gens" --seed "$s" --migration-prob 0.9 --json 2>/dev/null | tail -n 1 |
+        --islands "$islands" --generations "$gens" --seed "$s" --migration-prob 0.9 --exchange-interval "$interval" --json 2>/dev/null | tail -n 1 |
         python3 -c 'import json, sys; print(json.loads(sys.stdin.read())["best_loss"])')
       theirs=$(timeout 600 mpirun --allow-run-as-root --oversubscribe -np 2 "$py" scripts/torch/propulate_bench.py \
         --function "$f" --islands "$islands" --generations "$gens" --seed "$s" 2>/dev/null | sed -n 's/^best //p')
