@@ -1,0 +1,118 @@
+/* The RPC engine's insides, shared by the files of src/rpc/ (and, through the
+ * built-in registration below, by the layers built on it: remote references,
+ * distributed autograd, the distributed optimizer). Not installed. */
+#ifndef DDP_RPC_INTERNAL_H
+#define DDP_RPC_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "ddp/rendezvous.h"
+#include "ddp/rpc.h"
+
+/* ---- Built-in functions and modules ---------------------------------------
+ * ddp's own messages (RRef fork/confirm/delete, distributed autograd's
+ * backward and cleanup, optimizer steps) are ordinary requests to functions
+ * whose names start with "__ddp." (users cannot register "__" names). A file
+ * of src/rpc/ registers them once per process with ddp__rpc_register_builtin
+ * (typically from its module's init, which runs before the agent's final init
+ * barrier, so no request can arrive for a name not yet registered). */
+ddp_status ddp__rpc_register_builtin(const char *name, ddp_rpc_handler fn, void *user);
+
+/* A module: per-agent state and hooks of a layer built on the engine. The
+ * list is ddp__rpc_modules in rpc_modules.c (add a row there). Each hook may
+ * be NULL. `slot` is the module's index there: its state lives in
+ * *ddp__rpc_module_slot(agent, slot). */
+typedef struct ddp__rpc_module {
+  const char *name; /* "rref", "dist_autograd" */
+  /* After every worker is connected, before init's final barrier; a failure
+   * fails init (on this worker; the others time out in the barrier). */
+  ddp_status (*init)(ddp_rpc_agent *agent, int slot);
+  /* At the start of ddp_rpc_shutdown, before the engine waits for this
+   * worker's outstanding calls (the module may still make calls: RRef
+   * deletes). graceful as given to shutdown. */
+  void (*before_shutdown)(ddp_rpc_agent *agent, int slot, bool graceful);
+  /* A worker's connection failed (it died); on the thread that saw it,
+   * after its pending calls were failed. Must not block. */
+  void (*worker_failed)(ddp_rpc_agent *agent, int slot, int32_t rank);
+  /* Last: the pool and the connections are gone; free the state. */
+  void (*destroy)(ddp_rpc_agent *agent, int slot);
+} ddp__rpc_module;
+
+#define DDP__RPC_MAX_MODULES 8
+extern const ddp__rpc_module *const ddp__rpc_modules[];
+extern const int ddp__rpc_num_modules;
+void **ddp__rpc_module_slot(ddp_rpc_agent *agent, int slot);
+
+/* A call to a worker by rank (no name lookup); otherwise ddp_rpc_async. */
+ddp_status ddp__rpc_async_rank(ddp_rpc_agent *agent, int32_t to, const char *fn,
+                               const ddp_rpc_message *args, double timeout_s,
+                               ddp_rpc_future **out);
+
+/* The agent whose pool runs the calling thread, or NULL. */
+ddp_rpc_agent *ddp__rpc_current_pool_agent(void);
+
+/* ---- Wire format (docs/rpc.md) ---------------------------------------------
+ * One stream connection per pair of workers carries both directions. Each
+ * frame: this header, then fn_bytes of function name (requests), then
+ * num_tensors descriptors, then payload_bytes of payload, then each tensor's
+ * data (numel x dtype size bytes). Host byte order: a peer of the other order
+ * fails the handshake on the magic. */
+#define DDP__RPC_MAGIC 0x31435044u /* "DPC1" */
+
+enum {
+  DDP__RPC_HELLO = 1,    /* connector -> acceptor; call_id = connector's rank; payload = its name */
+  DDP__RPC_REQUEST = 2,  /* call_id; fn; timeout_ms = caller's timeout */
+  DDP__RPC_REPLY = 3,    /* call_id; the result */
+  DDP__RPC_ERROR = 4,    /* call_id; status; payload = the handler's message */
+  DDP__RPC_DONE = 5,     /* graceful shutdown: "my outstanding calls are done" */
+};
+
+typedef struct ddp__rpc_frame {
+  uint32_t magic;
+  uint8_t kind;
+  uint8_t fn_bytes;
+  uint16_t reserved;
+  int32_t status;
+  uint32_t num_tensors;
+  uint64_t call_id;
+  uint64_t payload_bytes;
+  int64_t timeout_ms;
+} ddp__rpc_frame; /* 40 bytes */
+
+typedef struct ddp__rpc_tensor_desc {
+  int32_t dtype;
+  int32_t ndim;
+  int64_t shape[DDP_MAX_DIMS];
+} ddp__rpc_tensor_desc; /* 56 bytes */
+
+/* ---- Messages (message.c) ----------------------------------------------------
+ * A received message lives in one block: the block header, the tensor
+ * pointer array, the tensor descriptors, the payload and the tensors' data,
+ * each 64-byte aligned. `extra_bytes` more bytes follow the header for the
+ * caller's use (an inbound request keeps its task there). */
+typedef struct ddp__rpc_block {
+  ddp_rpc_message msg;   /* release = ddp__rpc_block_free, release_ctx = this */
+  void *extra;           /* extra_bytes, zeroed */
+  void *payload;
+  size_t total_bytes;
+} ddp__rpc_block;
+
+/* Validates descs (dtype, ndim, shapes, sizes within DDP_RPC_MAX_MESSAGE_BYTES,
+ * naming what is wrong and `who` sent it) and allocates the block. */
+ddp_status ddp__rpc_block_create(const ddp__rpc_tensor_desc *descs, uint32_t num_tensors,
+                                 uint64_t payload_bytes, size_t extra_bytes, const char *who,
+                                 ddp__rpc_block **out);
+void ddp__rpc_block_free(void *block);
+/* A deep copy of msg into one block (self calls, where the sender's memory
+ * may change after ddp_rpc_async returns). */
+ddp_status ddp__rpc_message_copy(const ddp_rpc_message *msg, size_t extra_bytes,
+                                 ddp__rpc_block **out);
+/* Checks a message to send: CPU tensors, contiguous sizes, limits. */
+ddp_status ddp__rpc_message_check(const ddp_rpc_message *msg);
+/* Bytes of tensor data of a tensor. */
+size_t ddp__rpc_tensor_bytes(const ddp_tensor *t);
+
+#endif /* DDP_RPC_INTERNAL_H */
