@@ -63,6 +63,9 @@ static const char usage[] =
     "  --grace-period S      SIGTERM -> SIGKILL when stopping workers (default 10)\n"
     "  --job-timeout S       stop the job after S seconds (default: no limit)\n"
     "  --tail-lines N        lines of output shown per failed worker (default 10)\n"
+    "  --may-fail RANKS      these global ranks (1,3-5 or all) may fail without\n"
+    "                        stopping the others: each failure is told on stderr\n"
+    "                        and the exit status counts the other ranks only\n"
     "\n"
     "Output (the console gets every worker's stdout and stderr unless told):\n"
     "  --log-dir DIR         also write DIR/RUN_ID/attempt_N/LOCAL_RANK/std{out,err}.log\n"
@@ -84,8 +87,9 @@ static const char usage[] =
     "if restarts are left. SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 are\n"
     "forwarded to the workers; workers die with ddprun, even if it is SIGKILLed.\n"
     "\n"
-    "Exit status: 0 when every worker exited 0; 1 when the job failed; 2 on bad\n"
-    "usage; 128+N when stopped by signal N. docs/launch.md has the details.\n";
+    "Exit status: 0 when every worker exited 0 (or failed under --may-fail);\n"
+    "1 when the job failed; 2 on bad usage; 128+N when stopped by signal N.\n"
+    "docs/launch.md has the details.\n";
 
 /* --version among ddprun's leading options. The scan stops at the first
  * word that is not an option (an option's separate value, or PROGRAM), so

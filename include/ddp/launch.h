@@ -86,7 +86,14 @@ typedef struct ddp_launch_config {
    * DIR/trace.json (docs/debugging.md, "Timeline"). NULL: none. Borrowed
    * (from argv). Taken from the reserved space. */
   const char *trace_dir;
-  uint64_t reserved[6];
+  /* --may-fail RANKS: these global ranks ("1,3-5", or "all") may fail (an
+   * exit code, a signal) without stopping the others: each such exit is
+   * told on stderr, and the job's result counts only the other ranks (a
+   * parameter server's trainers, issue 25). Their peers must survive the
+   * loss themselves (a process group's operations with such a rank fail).
+   * NULL: none. Borrowed (from argv). Taken from the reserved space. */
+  const char *may_fail;
+  uint64_t reserved[5];
 } ddp_launch_config;
 
 /* The defaults: one worker on one node, static rendezvous, no restarts,

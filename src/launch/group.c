@@ -374,6 +374,17 @@ static int32_t reap(ddp__group *g) {
     }
     int ok = w->status != -1 && WIFEXITED(w->status) && WEXITSTATUS(w->status) == 0;
     if (ok || g->stopping) continue;
+    if (ddp__rank_set_contains(g->may_fail, w->rank)) {
+      /* --may-fail: told now, and the others go on (a parameter server's
+       * trainer that died; its peers' transports survive it). */
+      char how[160];
+      ddp__describe_status(w->status, how, sizeof how);
+      fprintf(stderr, "ddprun: rank %d (local rank %d, pid %ld) %s; the others go on (--may-fail)\n",
+              (int)w->rank, (int)w->local_rank, (long)w->pid, how);
+      w->let_go = 1;
+      g->num_let_go++;
+      continue;
+    }
     w->failed = 1;
     g->num_failures++;
     if (!best || likelier_cause(w, best)) best = w;

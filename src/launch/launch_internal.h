@@ -166,6 +166,7 @@ typedef struct ddp__worker {
   ddp__worker_state state;
   int status;             /* waitpid status once exited */
   int failed;             /* 1: it failed on its own (before the group was stopped) */
+  int let_go;             /* 1: it failed, but --may-fail let the others go on */
   int64_t exit_wall_ms;   /* CLOCK_REALTIME of the exit, ms */
   double exit_s;          /* monotonic */
   ddp__stream out, err;
@@ -255,6 +256,8 @@ typedef struct ddp__group {
   ddp__console console[2]; /* ddprun's stdout and stderr */
   int32_t first_failure;   /* index of the first failed worker, -1 */
   int32_t num_failures;    /* failures before the stop */
+  const char *may_fail;    /* --may-fail's rank set (ddp__job's); NULL: none */
+  int32_t num_let_go;      /* failures that --may-fail let pass */
   int stop_signal;         /* signal that made the group stop, 0 */
   int stopping;            /* 1 once stop has begun: later exits are not failures */
   double monitor_interval_s;
@@ -382,8 +385,15 @@ char *ddp__flight_gather(ddp__group *group, const ddp__agent *agent, int32_t att
 void ddp__flight_print(FILE *f, const char *tool, const char *text);
 
 /* ---- Attempts and restarts (supervise.c) ------------------------------------ */
+/* ---- Sets of ranks (rank_set.c): "all" or "0,3-5" --------------------------- */
+/* DDP_OK when spec is such a set; else an error naming option and spec. */
+ddp_status ddp__rank_set_check(const char *option, const char *spec);
+/* 1 when rank is in the set (checked before; NULL is the empty set). */
+int ddp__rank_set_contains(const char *spec, int32_t rank);
+
 typedef struct ddp__job {
   const char *tool;            /* "ddprun" or "ddp_spawn", for messages */
+  const char *may_fail;        /* --may-fail: ranks whose failure stops nothing; NULL: none */
   ddp__agent *agent;           /* set by ddp__job_launch */
   int32_t max_restarts;
   int32_t tail_lines;

@@ -151,7 +151,7 @@ static const option options[] = {
     {"--tail-lines", NULL, VALUE},     {"--help", "-h", FLAG},
     {"--bind", "--bind-to", VALUE},    {"--numa-binding", NULL, VALUE},
     {"--report-bindings", NULL, FLAG}, {"--threads", NULL, VALUE},
-    {"--trace", NULL, VALUE},
+    {"--trace", NULL, VALUE},          {"--may-fail", NULL, VALUE},
 };
 #define NUM_OPTIONS (sizeof options / sizeof options[0])
 
@@ -209,6 +209,11 @@ static ddp_status apply(ddp_launch_config *cfg, const option *o, const char *v) 
     if (!*v || strlen(v) > 400)
       return ddp_error(DDP_ERR_INVALID, "--trace '%.40s': expected a directory of 1 to 400 bytes", v);
     cfg->trace_dir = v;
+    return DDP_OK;
+  }
+  if (strcmp(name, "--may-fail") == 0) {
+    DDP_TRY(ddp__rank_set_check(name, v));
+    cfg->may_fail = v;
     return DDP_OK;
   }
   if (strcmp(name, "--log-dir") == 0) return text_value(name, v, cfg->log_dir, sizeof cfg->log_dir - 64);

@@ -156,6 +156,7 @@ ddp_status ddp_launch_run(const ddp_launch_config *cfg_in, int *exit_code) {
   if (cfg.trace_dir) DDP_TRY(make_dirs(cfg.trace_dir));
   ddp__job job = {
       .tool = "ddprun",
+      .may_fail = cfg.may_fail,
       .max_restarts = cfg.max_restarts,
       .tail_lines = cfg.tail_lines,
       .grace_s = cfg.grace_s,

@@ -110,6 +110,7 @@ ddp_status ddp__job_run(ddp__job *job, int *exit_code, ddp__event *event) {
     ddp__group g;
     memset(&g, 0, sizeof g);
     g.monitor_interval_s = job->monitor_interval_s;
+    g.may_fail = job->may_fail;
     g.poll_hook = a->store ? ddp__agent_poll : NULL;
     g.poll_ctx = a;
     g.store = a->server.pid > 0 ? &a->server : NULL;
@@ -158,6 +159,7 @@ ddp_status ddp__job_run(ddp__job *job, int *exit_code, ddp__event *event) {
                 (int)job->max_restarts);
     }
     if (!job->failure[0]) snprintf(job->failure, sizeof job->failure, "%s", failure[0] ? failure : remote);
+    const int32_t let_go = g.num_let_go;
     ddp__group_free(&g);
     *event = ev;
     if (agreed != DDP_OK) {
@@ -165,6 +167,9 @@ ddp_status ddp__job_run(ddp__job *job, int *exit_code, ddp__event *event) {
       break;
     }
     if (!any_failed) {
+      if (let_go && !job->quiet)
+        fprintf(stderr, "%s: the job finished; %d worker%s failed and %s let go (--may-fail)\n", job->tool,
+                (int)let_go, let_go == 1 ? "" : "s", let_go == 1 ? "was" : "were");
       *exit_code = 0;
       job->failure[0] = '\0';
       break;

@@ -57,6 +57,11 @@
 #             core refused; --threads N counts N CPUs each and sets
 #             OMP_NUM_THREADS; SLURM_STEP_ID leaves Slurm's binding; under
 #             taskset -c C both run on C. SKIP with fewer than 2 CPUs
+#   mayfail   --may-fail 1,2: rank 1 exits 3 and rank 2 SIGKILLs itself while
+#             rank 0 goes on to finish its work: ddprun exits 0, names both on
+#             stderr as let go, and rank 0's work is done; the same job
+#             without --may-fail exits 1 and stops rank 0; --may-fail 1 alone
+#             fails on rank 2 naming it; a malformed set is refused (exit 2)
 set -uo pipefail
 skip() { echo "SKIP: $*"; exit 77; }
 fail() { echo "FAIL: $*"; exit 1; }
@@ -737,6 +742,33 @@ bindings)
     [ "$(grep -c "cpus $first " "$tmp/out")" -eq 2 ] && grep -q "this process may use 1 (CPUs $first)" "$tmp/err" ||
       { cat "$tmp/out" "$tmp/err"; fail "under taskset -c $first"; }
   fi
+  ;;
+mayfail)
+  # Rank 0 finishes 1.5 s after the others' failures; it writes done.0 only
+  # if it was not stopped.
+  job='case $RANK in 1) exit 3 ;; 2) kill -KILL $$ ;; *) sleep 1.5; touch "$0/done.$RANK" ;; esac'
+  timeout 60 "$ddprun" --nproc-per-node 3 --may-fail 1,2 sh -c "$job" "$tmp" >"$tmp/out" 2>"$tmp/err"
+  rc=$?
+  [ $rc -eq 0 ] || { cat "$tmp/err"; fail "--may-fail 1,2: ddprun exited $rc, expected 0"; }
+  [ -f "$tmp/done.0" ] || { cat "$tmp/err"; fail "--may-fail 1,2: rank 0 was stopped"; }
+  grep -q 'rank 1 (local rank 1, pid [0-9]*) exited with code 3; the others go on (--may-fail)' "$tmp/err" &&
+    grep -q 'rank 2 (local rank 2, pid [0-9]*) .*SIGKILL.*; the others go on (--may-fail)' "$tmp/err" &&
+    grep -q 'the job finished; 2 workers failed and were let go (--may-fail)' "$tmp/err" ||
+    { cat "$tmp/err"; fail "--may-fail 1,2: stderr does not name both let-go ranks"; }
+  rm -f "$tmp/done.0"
+  timeout 60 "$ddprun" --nproc-per-node 3 --grace-period 1 sh -c "$job" "$tmp" >"$tmp/out" 2>"$tmp/err"
+  rc=$?
+  [ $rc -eq 1 ] && [ ! -f "$tmp/done.0" ] || { cat "$tmp/err"; fail "without --may-fail: exit $rc (expected 1), rank 0 not stopped?"; }
+  timeout 60 "$ddprun" --nproc-per-node 3 --grace-period 1 --may-fail 1 sh -c "$job" "$tmp" >"$tmp/out" 2>"$tmp/err"
+  rc=$?
+  [ $rc -eq 1 ] && grep -q 'first failure: rank 2 ' "$tmp/err" ||
+    { cat "$tmp/err"; fail "--may-fail 1 with rank 2 killed: exit $rc, expected 1 naming rank 2 first"; }
+  for bad in 2-1 '1,,2' x -1 '1,'; do
+    "$ddprun" --nproc-per-node 2 --may-fail "$bad" true >"$tmp/out" 2>"$tmp/err"
+    rc=$?
+    [ $rc -eq 2 ] && grep -q -- "--may-fail '$bad'" "$tmp/err" ||
+      { cat "$tmp/err"; fail "--may-fail '$bad': exit $rc, expected 2 with a message naming it"; }
+  done
   ;;
 *) fail "unknown case $case_name" ;;
 esac
