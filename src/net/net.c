@@ -5,6 +5,8 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -277,4 +279,49 @@ ddp_status ddp__net_read_full(int fd, void *buf, size_t len, int64_t deadline_ns
     done += got;
   }
   return DDP_OK;
+}
+
+int ddp__net_interface_address(const char *ifname, char *host, size_t cap) {
+  struct ifaddrs *ifs = NULL;
+  if (getifaddrs(&ifs) != 0) return -1;
+  int found = -1;
+  for (int want = AF_INET; want != -1 && found != 0; want = want == AF_INET ? AF_INET6 : -1) {
+    for (struct ifaddrs *i = ifs; i; i = i->ifa_next) {
+      if (!i->ifa_addr || i->ifa_addr->sa_family != want || !(i->ifa_flags & IFF_UP)) continue;
+      if (ifname ? strcmp(i->ifa_name, ifname) != 0 : (i->ifa_flags & IFF_LOOPBACK) != 0)
+        continue;
+      const void *a = want == AF_INET ? (const void *)&((struct sockaddr_in *)i->ifa_addr)->sin_addr
+                                      : (const void *)&((struct sockaddr_in6 *)i->ifa_addr)->sin6_addr;
+      if (want == AF_INET6 && IN6_IS_ADDR_LINKLOCAL((const struct in6_addr *)a)) continue;
+      inet_ntop(want, a, host, (socklen_t)cap);
+      found = 0;
+      break;
+    }
+  }
+  freeifaddrs(ifs);
+  return found;
+}
+
+int ddp__net_route_source_address(const char *dest, char *host, size_t cap) {
+  struct addrinfo hints, *res = NULL;
+  memset(&hints, 0, sizeof hints);
+  hints.ai_socktype = SOCK_DGRAM;
+  if (getaddrinfo(dest, "9", &hints, &res) != 0) return -1;
+  int rc = -1;
+  for (struct addrinfo *ai = res; ai && rc != 0; ai = ai->ai_next) {
+    int fd = socket(ai->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    struct sockaddr_storage ss;
+    socklen_t len = sizeof ss;
+    if (connect(fd, ai->ai_addr, ai->ai_addrlen) == 0 &&
+        getsockname(fd, (struct sockaddr *)&ss, &len) == 0) {
+      const void *a = ss.ss_family == AF_INET
+                          ? (const void *)&((struct sockaddr_in *)&ss)->sin_addr
+                          : (const void *)&((struct sockaddr_in6 *)&ss)->sin6_addr;
+      if (inet_ntop(ss.ss_family, a, host, (socklen_t)cap)) rc = 0;
+    }
+    close(fd);
+  }
+  freeaddrinfo(res);
+  return rc;
 }

@@ -61,4 +61,14 @@ ddp_status ddp__net_read_some(int fd, void *buf, size_t cap, size_t *got, int64_
  * deadline passes (DDP_ERR_TIMEOUT). Handles EINTR. */
 ddp_status ddp__net_wait(int fd, short events, int64_t deadline_ns);
 
+/* The first address (IPv4 preferred, link-local IPv6 skipped) of interface
+ * `ifname` that is up, or of any non-loopback interface when ifname is NULL,
+ * as text into host. 0 when found, -1 otherwise. */
+int ddp__net_interface_address(const char *ifname, char *host, size_t cap);
+
+/* The source address the kernel would use to reach `dest` (a name or
+ * literal): connects a UDP socket (sends nothing) and reads its local
+ * address. 0 when found, -1 otherwise. */
+int ddp__net_route_source_address(const char *dest, char *host, size_t cap);
+
 #endif /* DDP_NET_NET_H */
