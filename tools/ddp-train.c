@@ -58,6 +58,11 @@ typedef struct train_args {
   bool cuda_graph;         /* --cuda-graph */
   const char *trace;       /* --trace PATH, else $DDP_TRACE_FILE (ddprun --trace) */
   double bucket_cap_mb;    /* --bucket-cap-mb: 0 = the wrapper's default (25) */
+  int64_t microbatches;    /* --microbatches M: 0 = the whole batch at once */
+  int64_t pp;              /* --pp P: pipeline stages (0 = no pipeline) */
+  const char *schedule;    /* --schedule: gpipe | 1f1b | interleaved (1f1b) */
+  int64_t virtual_stages;  /* --virtual-stages v (interleaved: 2) */
+  const char *split;       /* --split NAMES | auto (auto) */
 } train_args;
 
 static void usage(FILE *f) {
@@ -100,6 +105,17 @@ static void usage(FILE *f) {
 "  --cuda-graph         on a GPU, capture the step of a full batch once as a CUDA graph\n"
 "                       (after 3 eager steps) and replay it for every full batch: one\n"
 "                       launch instead of dozens. Not with dropout or --sync-bn\n"
+"Micro-batches and pipelines (docs/train.md, \"Pipeline\")\n"
+"  --microbatches M     split each step's batch into M micro-batches along dim 0 (uneven\n"
+"                       sizes as torch.tensor_split) and accumulate their gradients,\n"
+"                       scaled by 1/M; with --pp, the pipeline's micro-batches\n"
+"  --pp P               split the model into P pipeline stages, one rank each (under a\n"
+"                       launcher; the world is P stages x WORLD_SIZE/P replicas, ranks\n"
+"                       [k*P, (k+1)*P) forming replica k, data parallel across replicas)\n"
+"  --schedule S         gpipe | 1f1b | interleaved (default 1f1b)\n"
+"  --virtual-stages v   stages per rank for interleaved (default 2)\n"
+"  --split NAMES|auto   where stages begin: top-level module names (\"layer2\", \"a,b\")\n"
+"                       or auto (measured cost, rank 0 decides; the default)\n"
 "Data parallel (automatic under ddprun, torchrun's variables, srun or mpirun)\n"
 "  --sync-bn            BatchNorm statistics over the whole global batch (SyncBatchNorm)\n"
 "  --bucket-cap-mb X    gradients are reduced in buckets of X MiB (the first 1 MiB;\n"
@@ -241,7 +257,8 @@ static void parse_args(int argc, char **argv, train_args *a) {
         "--batch-size", "--lr", "--optimizer", "--momentum", "--weight-decay", "--scheduler",
         "--step-size", "--gamma", "--seed", "--threads", "--workers", "--eval-every",
         "--patience", "--log", "--dump-state", "--save", "--save-every", "--resume", "--init",
-        "--device", "--tensorboard", "--trace", "--bucket-cap-mb"};
+        "--device", "--tensorboard", "--trace", "--bucket-cap-mb", "--microbatches", "--pp",
+        "--schedule", "--virtual-stages", "--split"};
     char name[64];
     const char *eq = strchr(f, '=');
     size_t len = eq ? (size_t)(eq - f) : strlen(f);
@@ -289,6 +306,11 @@ static void parse_args(int argc, char **argv, train_args *a) {
     else if (!strcmp(name, "--device")) a->device = v;
     else if (!strcmp(name, "--tensorboard")) a->tensorboard = v;
     else if (!strcmp(name, "--trace")) a->trace = v;
+    else if (!strcmp(name, "--microbatches")) a->microbatches = parse_int(name, v, 1);
+    else if (!strcmp(name, "--pp")) a->pp = parse_int(name, v, 1);
+    else if (!strcmp(name, "--schedule")) a->schedule = v;
+    else if (!strcmp(name, "--virtual-stages")) a->virtual_stages = parse_int(name, v, 1);
+    else if (!strcmp(name, "--split")) a->split = v;
     else if (!strcmp(name, "--bucket-cap-mb")) {
       a->bucket_cap_mb = parse_double(name, v);
       if (!(a->bucket_cap_mb > 0)) die_usage("--bucket-cap-mb expects MiB > 0, got '%s'", v);
@@ -299,6 +321,10 @@ static void parse_args(int argc, char **argv, train_args *a) {
     die_usage("--scheduler expects 'step' (StepLR) or 'none', got '%s'", a->scheduler);
   if (a->scheduler && !strcmp(a->scheduler, "none")) a->scheduler = NULL;
   if (a->save_every && !a->save_path) die_usage("%s needs --save PATH", "--save-every");
+  if (a->microbatches > INT32_MAX) die_usage("--microbatches: %s is too many", "M");
+  if (a->pp > DDP_PIPELINE_MAX_STAGES) die_usage("--pp: at most 64 stages (%s)", "DDP_PIPELINE_MAX_STAGES");
+  if (!a->pp && (a->schedule || a->virtual_stages || a->split))
+    die_usage("%s: --schedule, --virtual-stages and --split need --pp P", "--pp");
   if (a->init_path && a->resume_path)
     die_usage("%s: --resume restores the model already; give one of --init and --resume",
               "--init");
@@ -490,8 +516,8 @@ static void dump_state(const ddp_model *model, const char *pattern, int rank) {
  * both checkpoint files and compared by ddp_checkpoint_load. --epochs,
  * --max-steps, evaluation, logging and thread counts may change. */
 typedef struct run_meta {
-  char values[16][64];
-  ddp_kv kv[16];
+  char values[20][64];
+  ddp_kv kv[20];
   size_t n;
 } run_meta;
 
@@ -522,6 +548,10 @@ static void run_meta_init(run_meta *m, const train_args *a, const ddp_optim_opti
   meta_add(m, "ddp-train.step_size", "%lld", (long long)a->step_size);
   meta_add(m, "ddp-train.gamma", "%.17g", a->gamma);
   meta_add(m, "ddp-train.sync_bn", "%d", (int)a->sync_bn);
+  /* The micro-batches decide BatchNorm's statistics and the loss's
+   * scaling; the pipeline's P, split, schedule and v do not change the
+   * update, so a run may resume with others (docs/train.md). */
+  meta_add(m, "ddp-train.microbatches", "%lld", (long long)(a->microbatches > 1 ? a->microbatches : 1));
 }
 
 
@@ -675,6 +705,8 @@ int main(int argc, char **argv) {
   o.device = choose_device(&a, &world);
   o.cuda_graph = a.cuda_graph;
   o.bucket_cap_mb = a.bucket_cap_mb;
+  o.microbatches = (int32_t)a.microbatches;
+  if (a.pp) die_usage("--pp: %s", "the trainer's pipeline strategy is not wired in yet");
   char trace_path[4096];
   /* ddprun --trace gives each worker its own file in DDP_TRACE_FILE. */
   const char *trace_env = getenv("DDP_TRACE_FILE");

@@ -39,6 +39,7 @@
 #include "ddp/io.h"
 #include "ddp/nn.h"
 #include "ddp/optim.h"
+#include "ddp/pipeline.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -114,6 +115,28 @@ typedef struct ddp_train_callbacks {
   void *user;
 } ddp_train_callbacks;
 
+/* Pipeline parallelism in the trainer (ddp_train_options.pipeline;
+ * docs/train.md, "Pipeline"). The group of G ranks is a mesh of P stages x
+ * D = G / P replicas: ranks [k*P, (k+1)*P) form replica k (a pipeline group
+ * each), and the ranks holding the same stage form its data-parallel group
+ * (both made once, by ddp_process_group_split). The sampler shards every
+ * epoch over the D replicas by replica index; every rank of a replica reads
+ * the same batches, stage 0 feeds them in and the last stage takes the
+ * targets. Each stage's gradients are averaged over its data-parallel group
+ * once per step, after the last micro-batch's backward, and its BatchNorm
+ * buffers follow the group's first replica (DDP's broadcast_buffers).
+ * sync_bn reduces batch statistics over the stage's data-parallel group.
+ * M is ddp_train_options.microbatches (>= 1). */
+typedef struct ddp_train_pipeline {
+  int32_t stages;                      /* P: ranks per pipeline, >= 2, dividing the group */
+  ddp_pipeline_schedule_kind schedule; /* GPIPE, 1F1B or INTERLEAVED */
+  int32_t virtual_stages;              /* v: stages per rank (1; interleaved >= 2) */
+  /* Where stages begin: top-level module names ("layer2", "a,b,c") or
+   * "auto"/NULL (measured cost; rank 0 decides). Borrowed. */
+  const char *split;
+  uint64_t reserved[4]; /* zero */
+} ddp_train_pipeline;
+
 /* Everything ddp-train's flags express. Start from ddp_train_defaults(). */
 typedef struct ddp_train_options {
   int64_t epochs;          /* passes over the training set; 0 = only evaluate (1) */
@@ -165,7 +188,24 @@ typedef struct ddp_train_options {
    * starts (docs/debugging.md, "Timeline"). NULL: no tracing, which costs
    * one branch per step. Borrowed. Taken from the reserved space. (NULL) */
   const char *trace_path;
-  uint64_t reserved[4]; /* zero */
+  /* Gradient accumulation: each step splits its batch along dim 0 into
+   * this many micro-batches (torch.tensor_split's sizes: the first N % M
+   * get a row more; a batch of fewer than M rows goes in N micro-batches
+   * of one), runs forward and backward on each, and scales the
+   * accumulated gradients by 1/M (a mean loss; microbatch_sum: not
+   * scaled) before the optimizer. Under data parallelism the gradients are
+   * reduced once, after the last micro-batch's backward (no_sync before).
+   * BatchNorm normalises each micro-batch with its own statistics and
+   * updates its running statistics once per micro-batch, as PyTorch does.
+   * With `pipeline` this is the pipeline's M. 0 or 1: the whole batch at
+   * once. CPU only. Taken from the reserved space. (0) */
+  int32_t microbatches;
+  bool microbatch_sum; /* gradients summed over micro-batches, not averaged (false) */
+  /* Pipeline parallelism (docs/train.md, "Pipeline"): the model split into
+   * stages over the group's ranks. NULL: no pipeline. Borrowed. Taken from
+   * the reserved space. */
+  const struct ddp_train_pipeline *pipeline;
+  uint64_t reserved[2]; /* zero */
 } ddp_train_options;
 
 /* epochs 1, batch 100, SGD lr 0.01 (no momentum), seed 1, automatic
@@ -180,6 +220,15 @@ typedef enum ddp_train_stop {
   DDP_TRAIN_STOP_CALLBACK = 3,  /* a callback asked (on some rank of the group) */
 } ddp_train_stop;
 const char *ddp_train_stop_name(ddp_train_stop stop); /* "epochs", "max_steps", ... */
+
+/* One pipeline rank's figures (ddp_pipeline_stats, over the run). */
+typedef struct ddp_train_stage_stats {
+  int32_t rank;               /* in the pipeline group (= its first stage's index) */
+  int32_t live_high_water;    /* micro-batches in flight at once */
+  double idle_fraction;       /* waiting for transfers / step time, summed over steps */
+  int64_t activation_bytes_high_water; /* activations held at once, from its arenas */
+  int64_t microbatch_activation_bytes; /* one micro-batch's forward alone */
+} ddp_train_stage_stats;
 
 /* What ddp-train's --json summary reports. Filled by ddp_trainer_run; free
  * with ddp_train_result_free. NaN where a figure does not exist (no step
@@ -197,7 +246,12 @@ typedef struct ddp_train_result {
   ddp_train_phases steady_phases;     /* this rank's mean over the steady steps */
   double *steady_preempted_ms_per_rank; /* world_size entries, each rank's mean preempted_ms */
   ddp_train_stop stopped;
-  uint64_t reserved[4];
+  /* Under a pipeline (issue 23): one entry per pipeline rank (P), as that
+   * rank of replica 0 measured it over the whole run; NULL and 0
+   * otherwise. Taken from the reserved space. */
+  const struct ddp_train_stage_stats *stages; /* owned by the result */
+  int64_t n_stages;
+  uint64_t reserved[2];
 } ddp_train_result;
 
 void ddp_train_result_free(ddp_train_result *r);

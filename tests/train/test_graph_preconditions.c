@@ -164,9 +164,17 @@ static void test_options_layout(void **state) {
   assert_int_equal(offsetof(ddp_train_options, trace_path) -
                        offsetof(ddp_train_options, bucket_cap_mb),
                    sizeof(uint64_t));
+  /* microbatches with microbatch_sum in one word, then pipeline (issue
+   * 23), took two more. */
+  assert_int_equal(offsetof(ddp_train_options, microbatches) -
+                       offsetof(ddp_train_options, trace_path),
+                   sizeof(uint64_t));
+  assert_int_equal(offsetof(ddp_train_options, pipeline) -
+                       offsetof(ddp_train_options, microbatches),
+                   sizeof(uint64_t));
   assert_int_equal(offsetof(ddp_train_options, reserved) - offsetof(ddp_train_options, cuda_graph),
-                   3 * sizeof(uint64_t));
-  assert_int_equal(sizeof ((ddp_train_options *)0)->reserved, 4 * sizeof(uint64_t));
+                   5 * sizeof(uint64_t));
+  assert_int_equal(sizeof ((ddp_train_options *)0)->reserved, 2 * sizeof(uint64_t));
   assert_int_equal(sizeof(ddp_train_options),
                    offsetof(ddp_train_options, cuda_graph) + 7 * sizeof(uint64_t));
   assert_false(ddp_train_defaults().cuda_graph);
