@@ -1,0 +1,309 @@
+/* Connections: writing a frame in one gathered send straight from the
+ * message's memory, and the reader thread of each connection, which receives
+ * frames into one block per message (tensors straight into their final
+ * memory), queues requests for the pool, completes replies, and notices a
+ * worker's death (its socket closes) at once. */
+#include <errno.h>
+#include <limits.h>
+#include <poll.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "net/net.h"
+#include "rpc/engine.h"
+
+#define RBUF_BYTES (64u * 1024u)
+#define MAX_IOV 64
+
+const char *ddp__rpc_worker_str(const ddp_rpc_agent *a, int32_t rank, char *buf, size_t bytes) {
+  if (rank >= 0 && rank < a->world)
+    snprintf(buf, bytes, "worker '%s' (rank %d)", a->workers[rank].name, rank);
+  else snprintf(buf, bytes, "rank %d", rank);
+  return buf;
+}
+
+/* ---- Writing ----------------------------------------------------------------- */
+
+/* Sends every byte of iov[0..n) (advancing it), waiting while the socket is
+ * full, until deadline_ns. */
+static ddp_status sendv_full(int fd, struct iovec *iov, int n, int64_t deadline_ns) {
+  int i = 0;
+  while (i < n) {
+    if (iov[i].iov_len == 0) {
+      i++;
+      continue;
+    }
+    struct msghdr mh;
+    memset(&mh, 0, sizeof mh);
+    mh.msg_iov = iov + i;
+    mh.msg_iovlen = (size_t)(n - i < MAX_IOV ? n - i : MAX_IOV);
+    ssize_t sent = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (sent < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        ddp_status st = ddp__net_wait(fd, POLLOUT, deadline_ns);
+        if (st == DDP_ERR_TIMEOUT) return ddp_error(st, "sending timed out (the worker does not read)");
+        if (st != DDP_OK) return st;
+        continue;
+      }
+      if (errno == EPIPE || errno == ECONNRESET || errno == ENOTCONN)
+        return ddp_error(DDP_ERR_CLOSED, "the connection is closed (%s)", strerror(errno));
+      return ddp_error(DDP_ERR_IO, "sendmsg: %s", strerror(errno));
+    }
+    size_t left = (size_t)sent;
+    while (left > 0 && i < n) {
+      size_t take = left < iov[i].iov_len ? left : iov[i].iov_len;
+      iov[i].iov_base = (char *)iov[i].iov_base + take;
+      iov[i].iov_len -= take;
+      left -= take;
+      if (iov[i].iov_len == 0) i++;
+    }
+  }
+  return DDP_OK;
+}
+
+ddp_status ddp__rpc_send_frame(ddp__rpc_conn *c, uint8_t kind, uint64_t call_id,
+                               ddp_status status, const char *fn, int64_t timeout_ms,
+                               const ddp_rpc_message *msg, int64_t deadline_ns) {
+  ddp_rpc_message empty = {0};
+  if (!msg) msg = &empty;
+  size_t fn_bytes = fn ? strlen(fn) : 0;
+  DDP_ASSERT(fn_bytes < DDP_RPC_MAX_NAME_BYTES);
+  ddp__rpc_frame h = {
+      .magic = DDP__RPC_MAGIC,
+      .kind = kind,
+      .fn_bytes = (uint8_t)fn_bytes,
+      .status = (int32_t)status,
+      .num_tensors = (uint32_t)msg->num_tensors,
+      .call_id = call_id,
+      .payload_bytes = msg->payload_bytes,
+      .timeout_ms = timeout_ms,
+  };
+  int nt = msg->num_tensors;
+  ddp__rpc_tensor_desc small_descs[8];
+  struct iovec small_iov[8 + 4];
+  ddp__rpc_tensor_desc *descs = small_descs;
+  struct iovec *iov = small_iov;
+  if (nt > 8) {
+    descs = ddp_calloc((size_t)nt, sizeof *descs);
+    iov = ddp_calloc((size_t)nt + 4, sizeof *iov);
+    if (!descs || !iov) {
+      ddp_free(descs);
+      ddp_free(iov);
+      return ddp_error(DDP_ERR_NOMEM, "rpc: cannot send a message of %d tensors", nt);
+    }
+  }
+  int n = 0;
+  iov[n++] = (struct iovec){&h, sizeof h};
+  if (fn_bytes) iov[n++] = (struct iovec){(void *)fn, fn_bytes};
+  if (nt) {
+    for (int i = 0; i < nt; i++) {
+      const ddp_tensor *t = msg->tensors[i];
+      memset(&descs[i], 0, sizeof descs[i]);
+      descs[i].dtype = (int32_t)t->dtype;
+      descs[i].ndim = t->ndim;
+      for (int k = 0; k < t->ndim; k++) descs[i].shape[k] = t->shape[k];
+    }
+    iov[n++] = (struct iovec){descs, (size_t)nt * sizeof *descs};
+  }
+  if (msg->payload_bytes) iov[n++] = (struct iovec){(void *)msg->payload, msg->payload_bytes};
+  for (int i = 0; i < nt; i++) {
+    size_t bytes = ddp__rpc_tensor_bytes(msg->tensors[i]);
+    if (bytes) iov[n++] = (struct iovec){msg->tensors[i]->data, bytes};
+  }
+  pthread_mutex_lock(&c->write_mu);
+  ddp_status st = sendv_full(c->fd, iov, n, deadline_ns);
+  pthread_mutex_unlock(&c->write_mu);
+  if (descs != small_descs) ddp_free(descs);
+  if (iov != small_iov) ddp_free(iov);
+  if (st != DDP_OK) {
+    char who[128];
+    ddp__rpc_worker_str(c->agent, c->rank, who, sizeof who);
+    ddp_status ret = ddp_error_wrap(st, "rpc: sending to %s", who);
+    char why[256];
+    snprintf(why, sizeof why, "%s", ddp_last_error());
+    /* Half a frame may be on the wire: the stream is unusable. */
+    ddp__rpc_conn_lost(c, why);
+    return ddp_error(ret, "%s", why);
+  }
+  return DDP_OK;
+}
+
+/* ---- Losing a connection -------------------------------------------------------- */
+
+void ddp__rpc_conn_lost(ddp__rpc_conn *c, const char *why) {
+  ddp_rpc_agent *a = c->agent;
+  pthread_mutex_lock(&a->mu);
+  if (c->state != DDP__RPC_CONN_OPEN) {
+    pthread_mutex_unlock(&a->mu);
+    return;
+  }
+  bool left = c->done_received || a->state == DDP__RPC_STOPPING;
+  c->state = left ? DDP__RPC_CONN_LEFT : DDP__RPC_CONN_FAILED;
+  char who[128];
+  ddp__rpc_worker_str(a, c->rank, who, sizeof who);
+  if (left) snprintf(c->error, sizeof c->error, "%s has shut down", who);
+  else snprintf(c->error, sizeof c->error, "%s is gone: %s", who, why);
+  /* Its pending calls, out of the table. */
+  ddp_rpc_future *lost = NULL;
+  for (int b = 0; b < DDP__RPC_PENDING_BUCKETS; b++)
+    for (ddp_rpc_future *f = a->pending[b], *next; f; f = next) {
+      next = f->hnext;
+      if (f->to != c->rank) continue;
+      ddp__rpc_pending_remove_locked(a, f);
+      f->hnext = lost;
+      lost = f;
+    }
+  char error[sizeof c->error];
+  memcpy(error, c->error, sizeof error);
+  pthread_cond_broadcast(&a->outstanding_cv);
+  pthread_mutex_unlock(&a->mu);
+  if (!left) ddp_log(DDP_LOG_WARN, "rpc: %s", error);
+  for (ddp_rpc_future *f = lost, *next; f; f = next) {
+    next = f->hnext;
+    char msg[640];
+    snprintf(msg, sizeof msg, "rpc to %s, function '%s': %s", who, f->fn, error);
+    ddp__rpc_future_finish(f, DDP_ERR_CLOSED, NULL, msg);
+    ddp_rpc_future_destroy(f);
+  }
+  if (!left)
+    for (int m = 0; m < ddp__rpc_num_modules; m++)
+      if (ddp__rpc_modules[m]->worker_failed) ddp__rpc_modules[m]->worker_failed(a, m, c->rank);
+}
+
+/* ---- Reading ------------------------------------------------------------------- */
+
+/* Exactly n bytes into dst: first from the buffer, then large remainders
+ * straight from the socket, small ones through the buffer. */
+static ddp_status read_exact(ddp__rpc_conn *c, void *dst, size_t n, int64_t deadline_ns) {
+  char *d = dst;
+  size_t avail = c->rlen - c->rpos;
+  size_t take = avail < n ? avail : n;
+  memcpy(d, c->rbuf + c->rpos, take);
+  c->rpos += take;
+  d += take;
+  n -= take;
+  if (n >= RBUF_BYTES / 2) return ddp__net_read_full(c->fd, d, n, deadline_ns);
+  while (n > 0) {
+    size_t got;
+    DDP_TRY(ddp__net_read_some(c->fd, c->rbuf, RBUF_BYTES, &got, deadline_ns));
+    c->rpos = 0;
+    c->rlen = got;
+    take = got < n ? got : n;
+    memcpy(d, c->rbuf, take);
+    c->rpos = take;
+    d += take;
+    n -= take;
+  }
+  return DDP_OK;
+}
+
+/* Reads the body of a REQUEST / REPLY / ERROR frame into a new block. */
+static ddp_status read_body(ddp__rpc_conn *c, const ddp__rpc_frame *h, char *fn,
+                            size_t extra_bytes, const char *who, ddp__rpc_block **out) {
+  ddp_rpc_agent *a = c->agent;
+  *out = NULL;
+  int64_t deadline = ddp_time_ns() + a->default_timeout_ns;
+  if (h->fn_bytes >= DDP_RPC_MAX_NAME_BYTES)
+    return ddp_error(DDP_ERR_FORMAT, "%s sent a function name of %u bytes", who, h->fn_bytes);
+  DDP_TRY(read_exact(c, fn, h->fn_bytes, deadline));
+  fn[h->fn_bytes] = '\0';
+  if (h->num_tensors > DDP_RPC_MAX_TENSORS)
+    return ddp_error(DDP_ERR_FORMAT, "%s sent %u tensors (at most %d)", who, h->num_tensors,
+                     DDP_RPC_MAX_TENSORS);
+  ddp__rpc_tensor_desc small[8];
+  ddp__rpc_tensor_desc *descs = small;
+  if (h->num_tensors > 8) {
+    descs = ddp_calloc(h->num_tensors, sizeof *descs);
+    if (!descs) return ddp_error(DDP_ERR_NOMEM, "rpc: out of memory reading from %s", who);
+  }
+  ddp_status st = read_exact(c, descs, h->num_tensors * sizeof *descs, deadline);
+  if (st == DDP_OK)
+    st = ddp__rpc_block_create(descs, h->num_tensors, h->payload_bytes, extra_bytes, who, out);
+  if (descs != small) ddp_free(descs);
+  if (st != DDP_OK) return st;
+  ddp__rpc_block *b = *out;
+  st = read_exact(c, b->payload, h->payload_bytes, deadline);
+  for (int32_t i = 0; st == DDP_OK && i < b->msg.num_tensors; i++)
+    st = read_exact(c, b->msg.tensors[i]->data, ddp__rpc_tensor_bytes(b->msg.tensors[i]), deadline);
+  if (st != DDP_OK) {
+    ddp__rpc_block_free(b);
+    *out = NULL;
+  }
+  return st;
+}
+
+static void *reader_main(void *arg) {
+  ddp__rpc_conn *c = arg;
+  ddp_rpc_agent *a = c->agent;
+  char who[128];
+  ddp__rpc_worker_str(a, c->rank, who, sizeof who);
+  char why[512] = "";
+  for (;;) {
+    ddp__rpc_frame h;
+    /* Between frames the reader waits without a deadline: an idle
+     * connection is normal; shutdown wakes it by shutting the socket down. */
+    ddp_status st = read_exact(c, &h, sizeof h, -1);
+    if (st != DDP_OK) {
+      snprintf(why, sizeof why, "%s", ddp_last_error());
+      break;
+    }
+    if (h.magic != DDP__RPC_MAGIC) {
+      snprintf(why, sizeof why, "%s sent a frame with magic 0x%08x (expected 0x%08x)", who,
+               h.magic, DDP__RPC_MAGIC);
+      break;
+    }
+    if (h.kind == DDP__RPC_DONE) {
+      pthread_mutex_lock(&a->mu);
+      c->done_received = true;
+      pthread_cond_broadcast(&a->outstanding_cv);
+      pthread_mutex_unlock(&a->mu);
+      continue;
+    }
+    if (h.kind != DDP__RPC_REQUEST && h.kind != DDP__RPC_REPLY && h.kind != DDP__RPC_ERROR) {
+      snprintf(why, sizeof why, "%s sent a frame of unknown kind %u", who, h.kind);
+      break;
+    }
+    char fn[DDP_RPC_MAX_NAME_BYTES];
+    ddp__rpc_block *b;
+    size_t extra = h.kind == DDP__RPC_REQUEST ? sizeof(ddp_rpc_call) : 0;
+    st = read_body(c, &h, fn, extra, who, &b);
+    if (st != DDP_OK) {
+      snprintf(why, sizeof why, "%s", ddp_last_error());
+      break;
+    }
+    if (h.kind == DDP__RPC_REQUEST) {
+      ddp_rpc_call *call = b->extra;
+      call->task.kind = DDP__RPC_TASK_REQUEST;
+      call->agent = a;
+      call->block = b;
+      call->from = c->rank;
+      call->call_id = h.call_id;
+      int64_t timeout_ms = h.timeout_ms > 0 ? h.timeout_ms : 0;
+      if (timeout_ms > INT64_MAX / 2000000) timeout_ms = INT64_MAX / 2000000;
+      call->deadline_ns = ddp_time_ns() + timeout_ms * 1000000;
+      memcpy(call->fn, fn, sizeof fn);
+      ddp__rpc_enqueue(a, &call->task);
+    } else {
+      ddp__rpc_deliver(a, c->rank, h.call_id, h.kind == DDP__RPC_REPLY ? DDP_OK : (ddp_status)h.status, b);
+    }
+  }
+  pthread_mutex_lock(&a->mu);
+  bool stopping = a->state == DDP__RPC_STOPPING;
+  pthread_mutex_unlock(&a->mu);
+  if (!stopping) ddp__rpc_conn_lost(c, why);
+  return NULL;
+}
+
+ddp_status ddp__rpc_reader_start(ddp__rpc_conn *c) {
+  c->rbuf = ddp_alloc(RBUF_BYTES);
+  if (!c->rbuf) return ddp_error(DDP_ERR_NOMEM, "rpc: cannot allocate a read buffer");
+  c->rpos = c->rlen = 0;
+  int rc = pthread_create(&c->reader, NULL, reader_main, c);
+  if (rc != 0) return ddp_error(DDP_ERR_SYS, "rpc: cannot start a reader thread: %s", strerror(rc));
+  c->reader_started = true;
+  return DDP_OK;
+}

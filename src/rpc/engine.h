@@ -1,0 +1,190 @@
+/* The engine's objects: the agent, its connections, futures and the pool's
+ * tasks. Shared by agent.c (init, shutdown), conn.c (frames, readers),
+ * pool.c (threads, timer), call.c (calls, serving) and future.c. */
+#ifndef DDP_RPC_ENGINE_H
+#define DDP_RPC_ENGINE_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "rpc/rpc_internal.h"
+
+typedef enum {
+  DDP__RPC_LINK_SELF = 0,
+  DDP__RPC_LINK_UNIX = 1,
+  DDP__RPC_LINK_TCP = 2,
+} ddp__rpc_link;
+
+typedef enum {
+  DDP__RPC_CONN_OPEN = 0,
+  DDP__RPC_CONN_LEFT = 1,   /* the worker said DONE, then closed: a graceful leave */
+  DDP__RPC_CONN_FAILED = 2, /* closed without DONE, or a broken stream */
+} ddp__rpc_conn_state;
+
+/* A connection to one worker (both directions). */
+typedef struct ddp__rpc_conn {
+  struct ddp_rpc_agent *agent;
+  int32_t rank;
+  ddp__rpc_link link;
+  int fd;                       /* -1 for self */
+  pthread_mutex_t write_mu;     /* one frame at a time */
+  pthread_t reader;
+  bool reader_started;
+  /* Under agent->mu: */
+  ddp__rpc_conn_state state;
+  bool done_received;           /* DONE arrived (graceful shutdown) */
+  char error[320];              /* why FAILED / LEFT */
+  /* The reader's buffer (reader thread only). */
+  char *rbuf;
+  size_t rpos, rlen;
+} ddp__rpc_conn;
+
+/* A pool task: an inbound request, or a future's callbacks to run. */
+typedef struct ddp__rpc_task {
+  struct ddp__rpc_task *next;
+  int kind; /* TASK_REQUEST, TASK_CALLBACKS */
+} ddp__rpc_task;
+enum { DDP__RPC_TASK_REQUEST = 1, DDP__RPC_TASK_CALLBACKS = 2 };
+
+/* An inbound request: kept in its block's extra bytes. */
+struct ddp_rpc_call {
+  ddp__rpc_task task;
+  struct ddp_rpc_agent *agent;
+  ddp__rpc_block *block;    /* the args; NULL once taken */
+  int32_t from;             /* caller's rank */
+  uint64_t call_id;
+  int64_t deadline_ns;
+  bool deferred;
+  char fn[DDP_RPC_MAX_NAME_BYTES];
+};
+
+struct ddp_rpc_reply {
+  struct ddp_rpc_agent *agent;
+  int32_t to;
+  uint64_t call_id;
+  char fn[DDP_RPC_MAX_NAME_BYTES];
+};
+
+typedef struct ddp__rpc_callback {
+  struct ddp__rpc_callback *next;
+  ddp_rpc_future_callback cb;
+  void *user;
+} ddp__rpc_callback;
+
+struct ddp_rpc_future {
+  _Atomic int refs;
+  struct ddp_rpc_agent *agent;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  _Atomic bool done;
+  ddp_status status;
+  char *error;                  /* ddp_alloc'd, "" when ok */
+  ddp_rpc_message result;
+  bool has_result;
+  ddp__rpc_callback *callbacks; /* under mu; run in order */
+  ddp__rpc_task cb_task;        /* queues the callbacks on the pool */
+  /* A pending call (under agent->mu while in the table): */
+  bool is_call;
+  bool in_table;
+  struct ddp_rpc_future *hnext;
+  uint64_t call_id;
+  int32_t to;
+  int64_t deadline_ns;
+  double timeout_s;
+  char fn[DDP_RPC_MAX_NAME_BYTES];
+};
+
+#define DDP__RPC_PENDING_BUCKETS 256
+
+typedef enum {
+  DDP__RPC_RUNNING = 0,
+  DDP__RPC_DRAINING = 1, /* graceful shutdown: serving, no new calls from this worker's user */
+  DDP__RPC_STOPPING = 2, /* pool and readers stopping */
+} ddp__rpc_agent_state;
+
+struct ddp_rpc_agent {
+  ddp_rpc_worker_info *workers; /* [world] */
+  ddp__rpc_conn *conns;         /* [world]; conns[rank] is self */
+  int32_t world;
+  int32_t rank;
+  int64_t default_timeout_ns;
+  ddp_store *store;
+  ddp_rendezvous_info rdzv;     /* when init ran a rendezvous */
+  bool have_rdzv;
+
+  pthread_mutex_t mu;
+  pthread_cond_t work_cv;       /* pool: tasks, stop; helpers: futures completing */
+  ddp__rpc_task *queue_head, *queue_tail;
+  int helpers;                  /* pool threads waiting in a helping wait */
+  ddp__rpc_agent_state state;
+  pthread_t *pool;
+  int num_threads;
+  int pool_started;
+
+  /* Pending calls by id. */
+  uint64_t next_call_id;
+  struct ddp_rpc_future *pending[DDP__RPC_PENDING_BUCKETS];
+  int64_t outstanding;          /* calls in the table */
+  pthread_cond_t outstanding_cv;/* outstanding dropped, a DONE arrived, a conn failed */
+
+  /* The timer failing calls past their deadline. */
+  pthread_t timer;
+  bool timer_started;
+  pthread_cond_t timer_cv;
+  int64_t timer_wake_ns;        /* when the timer will look next; INT64_MAX: idle */
+
+  void *module_state[DDP__RPC_MAX_MODULES];
+};
+
+/* ---- conn.c ---- */
+/* Writes one frame (header, fn, the message's descriptors, payload, tensor
+ * data, straight from their memory) under the connection's write lock,
+ * giving up at deadline_ns (the connection is then failed: half a frame
+ * cannot be taken back). */
+ddp_status ddp__rpc_send_frame(ddp__rpc_conn *c, uint8_t kind, uint64_t call_id,
+                               ddp_status status, const char *fn, int64_t timeout_ms,
+                               const ddp_rpc_message *msg, int64_t deadline_ns);
+/* Starts the reader thread of a connected conn. */
+ddp_status ddp__rpc_reader_start(ddp__rpc_conn *c);
+/* Under agent->mu: marks c failed (or left, when its DONE came first) with
+ * the reason, fails its pending calls; calls the modules' worker_failed
+ * after unlocking is the caller's job (ddp__rpc_conn_lost does all). */
+void ddp__rpc_conn_lost(ddp__rpc_conn *c, const char *why);
+/* "worker 'ps' (rank 0)" into buf. */
+const char *ddp__rpc_worker_str(const struct ddp_rpc_agent *a, int32_t rank, char *buf,
+                                size_t bytes);
+
+/* ---- pool.c ---- */
+ddp_status ddp__rpc_pool_start(struct ddp_rpc_agent *a);
+/* Stops the pool (after the queue drains) and the timer; joins them. */
+void ddp__rpc_pool_stop(struct ddp_rpc_agent *a);
+/* Under a->mu: appends a task and wakes a thread. */
+void ddp__rpc_enqueue_locked(struct ddp_rpc_agent *a, ddp__rpc_task *t);
+void ddp__rpc_enqueue(struct ddp_rpc_agent *a, ddp__rpc_task *t);
+/* Under a->mu: the timer must look at deadline_ns at the latest. */
+void ddp__rpc_timer_note_locked(struct ddp_rpc_agent *a, int64_t deadline_ns);
+/* Runs one task (on a pool thread, or a helping waiter). */
+void ddp__rpc_run_task(struct ddp_rpc_agent *a, ddp__rpc_task *t);
+
+/* ---- call.c ---- */
+/* Serves an inbound request (runs the handler, sends the reply). */
+void ddp__rpc_serve(struct ddp_rpc_agent *a, struct ddp_rpc_call *call);
+/* The reader's side of a REPLY / ERROR: completes the pending call with
+ * that id (block taken; dropped when no call waits for it). */
+void ddp__rpc_deliver(struct ddp_rpc_agent *a, int32_t from, uint64_t call_id, ddp_status status,
+                      ddp__rpc_block *block);
+/* Under a->mu: removes a pending call from the table (false if not there). */
+bool ddp__rpc_pending_remove_locked(struct ddp_rpc_agent *a, struct ddp_rpc_future *f);
+
+/* ---- future.c ---- */
+ddp_status ddp__rpc_future_new(struct ddp_rpc_agent *a, ddp_rpc_future **out);
+ddp_rpc_future *ddp__rpc_future_ref(ddp_rpc_future *f);
+/* Completes f once (later completions release `result` and return false):
+ * with result (taken; may be NULL for an error) or an error message. Wakes
+ * waiters and helpers, queues the callbacks. */
+bool ddp__rpc_future_finish(ddp_rpc_future *f, ddp_status status, ddp_rpc_message *result,
+                            const char *error);
+
+#endif /* DDP_RPC_ENGINE_H */

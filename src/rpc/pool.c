@@ -1,0 +1,145 @@
+/* The agent's threads: a pool serving requests and then-callbacks from one
+ * FIFO queue, and a timer failing calls past their deadline. */
+#include <limits.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "rpc/engine.h"
+
+void ddp__rpc_future_run_callbacks(ddp_rpc_future *f);
+
+static _Thread_local ddp_rpc_agent *pool_agent;
+
+ddp_rpc_agent *ddp__rpc_current_pool_agent(void) { return pool_agent; }
+
+void ddp__rpc_enqueue_locked(ddp_rpc_agent *a, ddp__rpc_task *t) {
+  t->next = NULL;
+  if (a->queue_tail) a->queue_tail->next = t;
+  else a->queue_head = t;
+  a->queue_tail = t;
+  /* Helpers wait on the same condition: wake them all so an idle thread or
+   * a helper takes it (a signal could go to a helper whose own future is
+   * what it waits for, and which may take the task too: either is fine). */
+  if (a->helpers > 0) pthread_cond_broadcast(&a->work_cv);
+  else pthread_cond_signal(&a->work_cv);
+}
+
+void ddp__rpc_enqueue(ddp_rpc_agent *a, ddp__rpc_task *t) {
+  pthread_mutex_lock(&a->mu);
+  ddp__rpc_enqueue_locked(a, t);
+  pthread_mutex_unlock(&a->mu);
+}
+
+void ddp__rpc_run_task(ddp_rpc_agent *a, ddp__rpc_task *t) {
+  if (t->kind == DDP__RPC_TASK_REQUEST) {
+    ddp__rpc_serve(a, (ddp_rpc_call *)t);
+  } else {
+    DDP_ASSERT(t->kind == DDP__RPC_TASK_CALLBACKS);
+    ddp_rpc_future *f = (ddp_rpc_future *)((char *)t - offsetof(ddp_rpc_future, cb_task));
+    ddp__rpc_future_run_callbacks(f);
+  }
+}
+
+static void *pool_main(void *arg) {
+  ddp_rpc_agent *a = arg;
+  pool_agent = a;
+  pthread_mutex_lock(&a->mu);
+  for (;;) {
+    ddp__rpc_task *t = a->queue_head;
+    if (t) {
+      a->queue_head = t->next;
+      if (!a->queue_head) a->queue_tail = NULL;
+      pthread_mutex_unlock(&a->mu);
+      ddp__rpc_run_task(a, t);
+      pthread_mutex_lock(&a->mu);
+      continue;
+    }
+    if (a->state == DDP__RPC_STOPPING) break;
+    /* Idle: woken by a task or the stop. */
+    pthread_cond_wait(&a->work_cv, &a->mu);
+  }
+  pthread_mutex_unlock(&a->mu);
+  return NULL;
+}
+
+void ddp__rpc_timer_note_locked(ddp_rpc_agent *a, int64_t deadline_ns) {
+  if (deadline_ns < a->timer_wake_ns) {
+    a->timer_wake_ns = deadline_ns;
+    pthread_cond_signal(&a->timer_cv);
+  }
+}
+
+/* Fails every pending call whose deadline has passed; returns the earliest
+ * deadline still pending (INT64_MAX: none). Under a->mu, released around the
+ * completions. */
+static int64_t expire_locked(ddp_rpc_agent *a) {
+  for (;;) {
+    int64_t now = ddp_time_ns(), next = INT64_MAX;
+    ddp_rpc_future *expired = NULL;
+    for (int b = 0; b < DDP__RPC_PENDING_BUCKETS && !expired; b++)
+      for (ddp_rpc_future *f = a->pending[b]; f; f = f->hnext) {
+        if (f->deadline_ns <= now) {
+          expired = f;
+          break;
+        }
+        if (f->deadline_ns < next) next = f->deadline_ns;
+      }
+    if (!expired) return next;
+    ddp__rpc_pending_remove_locked(a, expired);
+    pthread_mutex_unlock(&a->mu);
+    char msg[512];
+    snprintf(msg, sizeof msg,
+             "rpc to worker '%s' (rank %d), function '%s': timed out after %.3g s (no reply; "
+             "raise the call's timeout_s, or see whether the worker is stuck)",
+             a->workers[expired->to].name, expired->to, expired->fn, expired->timeout_s);
+    ddp__rpc_future_finish(expired, DDP_ERR_TIMEOUT, NULL, msg);
+    ddp_rpc_future_destroy(expired); /* the table's reference */
+    pthread_mutex_lock(&a->mu);
+  }
+}
+
+static void *timer_main(void *arg) {
+  ddp_rpc_agent *a = arg;
+  pthread_mutex_lock(&a->mu);
+  while (a->state != DDP__RPC_STOPPING) {
+    int64_t next = expire_locked(a);
+    if (a->state == DDP__RPC_STOPPING) break;
+    /* Sleep until the earliest deadline, at most a second (a safety net:
+     * every new earlier deadline signals). */
+    int64_t now = ddp_time_ns();
+    int64_t wake = next < now + 1000000000LL ? next : now + 1000000000LL;
+    a->timer_wake_ns = next;
+    struct timespec ts = {.tv_sec = (time_t)(wake / 1000000000), .tv_nsec = (long)(wake % 1000000000)};
+    pthread_cond_timedwait(&a->timer_cv, &a->mu, &ts);
+  }
+  pthread_mutex_unlock(&a->mu);
+  return NULL;
+}
+
+ddp_status ddp__rpc_pool_start(ddp_rpc_agent *a) {
+  a->pool = ddp_calloc((size_t)a->num_threads, sizeof *a->pool);
+  if (!a->pool) return ddp_error(DDP_ERR_NOMEM, "rpc: cannot allocate %d threads", a->num_threads);
+  for (int i = 0; i < a->num_threads; i++) {
+    int rc = pthread_create(&a->pool[i], NULL, pool_main, a);
+    if (rc != 0) return ddp_error(DDP_ERR_SYS, "rpc: cannot start pool thread %d: %s", i, strerror(rc));
+    a->pool_started++;
+  }
+  a->timer_wake_ns = INT64_MAX;
+  int rc = pthread_create(&a->timer, NULL, timer_main, a);
+  if (rc != 0) return ddp_error(DDP_ERR_SYS, "rpc: cannot start the timer thread: %s", strerror(rc));
+  a->timer_started = true;
+  return DDP_OK;
+}
+
+void ddp__rpc_pool_stop(ddp_rpc_agent *a) {
+  pthread_mutex_lock(&a->mu);
+  a->state = DDP__RPC_STOPPING;
+  pthread_cond_broadcast(&a->work_cv);
+  pthread_cond_signal(&a->timer_cv);
+  pthread_mutex_unlock(&a->mu);
+  for (int i = 0; i < a->pool_started; i++) pthread_join(a->pool[i], NULL);
+  a->pool_started = 0;
+  if (a->timer_started) pthread_join(a->timer, NULL);
+  a->timer_started = false;
+}

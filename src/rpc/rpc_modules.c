@@ -1,0 +1,14 @@
+/* The layers built on the RPC engine that keep per-agent state or serve
+ * built-in "__ddp." functions (remote references, distributed autograd, the
+ * distributed optimizer): one row each, in the order their init runs. */
+#include "rpc/rpc_internal.h"
+
+/* A placeholder keeps the array non-empty in C11; it has no hooks. */
+static const ddp__rpc_module engine_module = {.name = "engine"};
+
+const ddp__rpc_module *const ddp__rpc_modules[] = {
+    &engine_module,
+};
+const int ddp__rpc_num_modules = (int)(sizeof ddp__rpc_modules / sizeof ddp__rpc_modules[0]);
+_Static_assert(sizeof ddp__rpc_modules / sizeof ddp__rpc_modules[0] <= DDP__RPC_MAX_MODULES,
+               "more modules than DDP__RPC_MAX_MODULES");
