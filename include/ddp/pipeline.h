@@ -124,17 +124,24 @@ int ddp_pipeline_schedule_virtual_stages(const ddp_pipeline_schedule *sched);
 const ddp_pipeline_action *ddp_pipeline_schedule_actions(const ddp_pipeline_schedule *sched,
                                                          int rank, int *count);
 
-/* What the checker proved, per stage. */
+/* What the checker proved. */
 typedef struct ddp_pipeline_schedule_report {
   int n_stages;
   /* Micro-batches whose forward ran and whose backward has not, at most at
-   * once (the activations the stage holds), per stage. */
+   * once (the activations the stage holds), per stage; 0 for forward-only. */
   int live_high_water[DDP_PIPELINE_MAX_STAGES];
-  /* The bound the schedule's kind promises (M for GPipe, p - s for 1F1B,
-   * Megatron's warmup + 1 for interleaved, 1 forward-only); -1 for custom. */
+  /* The bound the kind promises per stage: M for GPipe, min(M, p - s) for
+   * 1F1B; -1 where the kind promises a bound per rank only (interleaved,
+   * custom). */
   int live_promised[DDP_PIPELINE_MAX_STAGES];
-  /* Simulated time steps (one compute action per rank per step) until all
-   * ranks finished: the critical path in units of one forward or backward. */
+  /* The same per rank (all its stages together): GPipe v * M, 1F1B
+   * min(M, p - r), interleaved min(v * M, 2 (p - r - 1) + (v - 1) p + 1)
+   * (Megatron's warmup plus one); -1 for custom. */
+  int rank_live_high_water[DDP_PIPELINE_MAX_STAGES];
+  int rank_live_promised[DDP_PIPELINE_MAX_STAGES];
+  /* Simulated rounds (each rank runs at most one forward or backward per
+   * round, a transfer takes effect the round after its producer ran) until
+   * every rank finished: the critical path in units of one compute. */
   int makespan;
   uint64_t reserved[4];
 } ddp_pipeline_schedule_report;
