@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -26,7 +27,13 @@ typedef struct published {
   char tcp_host[DDP_NET_ADDR_BYTES];
   uint16_t tcp_port;
   char unix_name[UNIX_NAME_BYTES]; /* abstract socket name, without the leading NUL */
+  int64_t pid;
+  uint64_t magic_addr; /* where pull_magic is in its memory */
 } published;
+
+/* Read by the other workers of this host through cross-memory attach to
+ * learn whether they may read this process's memory. */
+static const uint64_t pull_magic = 0x6464702d72706321ull;
 
 void **ddp__rpc_module_slot(ddp_rpc_agent *agent, int slot) {
   DDP_ASSERT(slot >= 0 && slot < DDP__RPC_MAX_MODULES);
@@ -37,6 +44,14 @@ void ddp_rpc_options_init(ddp_rpc_options *opts) {
   memset(opts, 0, sizeof *opts);
   opts->rank = -1;
   opts->world_size = -1;
+}
+
+static void init_cond(pthread_cond_t *cv) {
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(cv, &ca);
+  pthread_condattr_destroy(&ca);
 }
 
 /* ---- Addresses ----------------------------------------------------------------- */
@@ -136,18 +151,19 @@ static ddp_status unix_connect(const char *name, int *fd_out) {
 static ddp_status publish(ddp_rpc_agent *a, const published *me) {
   char key[32], value[sizeof(published) + 64];
   snprintf(key, sizeof key, "w/%d", a->rank);
-  int n = snprintf(value, sizeof value, "%s\n%s\n%s\n%u\n%s\n", me->name, me->host_id,
-                   me->tcp_host, me->tcp_port, me->unix_name);
+  int n = snprintf(value, sizeof value, "%s\n%s\n%s\n%u\n%s\n%lld\n%llu\n", me->name,
+                   me->host_id, me->tcp_host, me->tcp_port, me->unix_name, (long long)me->pid,
+                   (unsigned long long)me->magic_addr);
   return ddp_store_set(a->store, key, value, (size_t)n);
 }
 
 static ddp_status parse_published(const char *text, int32_t rank, published *p) {
   memset(p, 0, sizeof *p);
-  char *fields[5];
+  char *fields[7];
   char buf[sizeof(published) + 64];
   snprintf(buf, sizeof buf, "%s", text);
   char *s = buf;
-  for (int i = 0; i < 5; i++) {
+  for (int i = 0; i < 7; i++) {
     char *nl = strchr(s, '\n');
     if (!nl) return ddp_error(DDP_ERR_FORMAT, "rpc: rank %d's record in the store is malformed", rank);
     *nl = '\0';
@@ -162,6 +178,8 @@ static ddp_status parse_published(const char *text, int32_t rank, published *p) 
   snprintf(p->tcp_host, sizeof p->tcp_host, "%.*s", (int)sizeof p->tcp_host - 1, fields[2]);
   p->tcp_port = (uint16_t)atoi(fields[3]);
   snprintf(p->unix_name, sizeof p->unix_name, "%.*s", (int)sizeof p->unix_name - 1, fields[4]);
+  p->pid = strtoll(fields[5], NULL, 10);
+  p->magic_addr = strtoull(fields[6], NULL, 10);
   return DDP_OK;
 }
 
@@ -187,6 +205,15 @@ static ddp_status gather(ddp_rpc_agent *a, published *all, int64_t timeout_ms) {
   ddp_free(keys);
   ddp_free(key_text);
   return st;
+}
+
+/* Socket buffers of a Unix connection: 4 MiB (net.core.wmem_max's usual
+ * cap) lets a 1 MiB message go in one send instead of a dozen rounds of
+ * the sender waiting for the reader to drain 208 KiB. */
+static void unix_buffers(int fd) {
+  int bytes = 4 << 20;
+  setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof bytes);
+  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof bytes);
 }
 
 /* ---- Connecting ---------------------------------------------------------------- */
@@ -227,6 +254,7 @@ static ddp_status connect_to(ddp_rpc_agent *a, const published *peer, int32_t r,
                           link == DDP__RPC_LINK_UNIX ? "unix" : peer->tcp_host,
                           link == DDP__RPC_LINK_UNIX ? 0u : peer->tcp_port);
   }
+  if (link == DDP__RPC_LINK_UNIX) unix_buffers(fd);
   c->fd = fd;
   c->link = link;
   return DDP_OK;
@@ -280,6 +308,7 @@ static ddp_status accept_all(ddp_rpc_agent *a, int tcp_fd, int unix_fd, int64_t 
       a->conns[r].fd = fd;
       a->conns[r].link = i == 0 ? DDP__RPC_LINK_TCP : DDP__RPC_LINK_UNIX;
       if (i == 0) ddp__net_set_nodelay(fd);
+      else unix_buffers(fd);
       wanted--;
     }
   }
@@ -288,15 +317,49 @@ static ddp_status accept_all(ddp_rpc_agent *a, int tcp_fd, int unix_fd, int64_t 
 
 /* ---- Init ---------------------------------------------------------------------- */
 
-static void init_cond(pthread_cond_t *cv) {
-  pthread_condattr_t ca;
-  pthread_condattr_init(&ca);
-  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-  pthread_cond_init(cv, &ca);
-  pthread_condattr_destroy(&ca);
-}
 
 static void agent_free(ddp_rpc_agent *a);
+
+/* Which workers of this host this one can read through cross-memory attach
+ * (a test read of each one's magic), published as "p/<rank>": one '0'/'1'
+ * per rank. DDP_RPC_NO_CMA=1 says none (to measure the socket path). */
+static ddp_status publish_pulls(ddp_rpc_agent *a, const published *all) {
+  char *can = ddp_calloc((size_t)a->world + 1, 1);
+  if (!can) return ddp_error(DDP_ERR_NOMEM, "rpc init: out of memory");
+  bool off = strcmp(ddp_env_str("DDP_RPC_NO_CMA", "0"), "0") != 0;
+  for (int32_t r = 0; r < a->world; r++) {
+    can[r] = '0';
+    a->conns[r].peer_pid = (int32_t)all[r].pid;
+    if (off || a->conns[r].link != DDP__RPC_LINK_UNIX) continue;
+    uint64_t magic = 0;
+    struct iovec l = {&magic, sizeof magic};
+    struct iovec rem = {(void *)(uintptr_t)all[r].magic_addr, sizeof magic};
+    if (process_vm_readv((pid_t)all[r].pid, &l, 1, &rem, 1, 0) == (ssize_t)sizeof magic &&
+        magic == pull_magic)
+      can[r] = '1';
+  }
+  char key[32];
+  snprintf(key, sizeof key, "p/%d", a->rank);
+  ddp_status st = ddp_store_set(a->store, key, can, (size_t)a->world);
+  ddp_free(can);
+  return st;
+}
+
+/* After the barrier (every "p/" is there): may each peer read our memory? */
+static ddp_status read_pulls(ddp_rpc_agent *a) {
+  for (int32_t r = 0; r < a->world; r++) {
+    if (a->conns[r].link != DDP__RPC_LINK_UNIX) continue;
+    char key[32];
+    snprintf(key, sizeof key, "p/%d", r);
+    void *v = NULL;
+    size_t n = 0;
+    DDP_TRY(ddp_store_get(a->store, key, 0, &v, &n));
+    bool pulls = n == (size_t)a->world && ((char *)v)[a->rank] == '1';
+    atomic_store(&a->conns[r].peer_pulls, pulls);
+    ddp_free(v);
+  }
+  return DDP_OK;
+}
 
 static ddp_status barrier(ddp_rpc_agent *a, const char *what, int64_t deadline_ns) {
   char count_key[64], done_key[64];
@@ -392,12 +455,16 @@ ddp_status ddp_rpc_init(const ddp_rpc_options *opts, ddp_rpc_agent **out) {
     a->conns[r].rank = r;
     a->conns[r].fd = -1;
     pthread_mutex_init(&a->conns[r].write_mu, NULL);
+    init_cond(&a->conns[r].pulled_cv);
+    atomic_init(&a->conns[r].peer_pulls, false);
   }
 
   /* Listen (TCP on every interface, and an abstract Unix socket), publish. */
   published me;
   memset(&me, 0, sizeof me);
   snprintf(me.name, sizeof me.name, "%s", opts->name);
+  me.pid = (int64_t)getpid();
+  me.magic_addr = (uint64_t)(uintptr_t)&pull_magic;
   st = ddp__rdzv_host_id(me.host_id, sizeof me.host_id);
   if (st != DDP_OK) goto err;
   st = choose_address(base, me.tcp_host, sizeof me.tcp_host);
@@ -462,7 +529,7 @@ ddp_status ddp_rpc_init(const ddp_rpc_options *opts, ddp_rpc_agent **out) {
 
   for (int32_t r = 0; r < a->world; r++) {
     if (r == a->rank) continue;
-    st = ddp__rpc_reader_start(&a->conns[r]);
+    st = ddp__rpc_conn_prepare(&a->conns[r]);
     if (st != DDP_OK) goto err;
   }
   st = ddp__rpc_pool_start(a);
@@ -475,7 +542,11 @@ ddp_status ddp_rpc_init(const ddp_rpc_options *opts, ddp_rpc_agent **out) {
         goto err;
       }
     }
+  st = publish_pulls(a, all);
+  if (st != DDP_OK) goto err;
   st = barrier(a, "init", deadline);
+  if (st != DDP_OK) goto err;
+  st = read_pulls(a);
   if (st != DDP_OK) goto err;
   ddp_free(all);
   *out = a;
@@ -499,11 +570,10 @@ static void agent_free(ddp_rpc_agent *a) {
   pthread_mutex_lock(&a->mu);
   a->state = DDP__RPC_STOPPING;
   pthread_mutex_unlock(&a->mu);
-  /* Wake the readers (a shut-down socket reads as closed), then join. */
+  /* Wake the readers (a shut-down socket reads as closed); the threads are
+   * joined below. */
   for (int32_t r = 0; a->conns && r < a->world; r++)
     if (a->conns[r].fd >= 0) shutdown(a->conns[r].fd, SHUT_RDWR);
-  for (int32_t r = 0; a->conns && r < a->world; r++)
-    if (a->conns[r].reader_started) pthread_join(a->conns[r].reader, NULL);
   /* Calls still pending fail (a non-graceful shutdown, or calls made after
    * the graceful wait). */
   for (;;) {
@@ -526,8 +596,9 @@ static void agent_free(ddp_rpc_agent *a) {
     if (a->conns[r].fd >= 0) close(a->conns[r].fd);
     ddp_free(a->conns[r].rbuf);
     pthread_mutex_destroy(&a->conns[r].write_mu);
+    pthread_cond_destroy(&a->conns[r].pulled_cv);
   }
-  ddp_free(a->pool);
+  ddp_free(a->threads);
   ddp_free(a->conns);
   ddp_free(a->workers);
   ddp_store_destroy(a->store);

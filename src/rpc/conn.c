@@ -10,6 +10,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "net/net.h"
@@ -17,6 +18,10 @@
 
 #define RBUF_BYTES (64u * 1024u)
 #define MAX_IOV 64
+/* Tensor bytes from which a frame to a peer that can pull goes by
+ * cross-memory attach: one copy instead of two through the socket, for an
+ * acknowledgement's round trip (docs/rpc.md has the measurements). */
+#define PULL_MIN_BYTES (64u * 1024u)
 
 const char *ddp__rpc_worker_str(const ddp_rpc_agent *a, int32_t rank, char *buf, size_t bytes) {
   if (rank >= 0 && rank < a->world)
@@ -110,13 +115,44 @@ ddp_status ddp__rpc_send_frame(ddp__rpc_conn *c, uint8_t kind, uint64_t call_id,
     iov[n++] = (struct iovec){descs, (size_t)nt * sizeof *descs};
   }
   if (msg->payload_bytes) iov[n++] = (struct iovec){(void *)msg->payload, msg->payload_bytes};
-  for (int i = 0; i < nt; i++) {
-    size_t bytes = ddp__rpc_tensor_bytes(msg->tensors[i]);
-    if (bytes) iov[n++] = (struct iovec){msg->tensors[i]->data, bytes};
+  size_t tensor_bytes = 0;
+  for (int i = 0; i < nt; i++) tensor_bytes += ddp__rpc_tensor_bytes(msg->tensors[i]);
+  bool pull = atomic_load_explicit(&c->peer_pulls, memory_order_relaxed) && tensor_bytes >= PULL_MIN_BYTES;
+  uint64_t small_addrs[8], *addrs = small_addrs;
+  if (pull) {
+    if (nt > 8 && !(addrs = ddp_calloc((size_t)nt, sizeof *addrs))) pull = false;
+  }
+  if (pull) {
+    h.flags = DDP__RPC_FLAG_PULL;
+    for (int i = 0; i < nt; i++) addrs[i] = (uint64_t)(uintptr_t)msg->tensors[i]->data;
+    iov[n++] = (struct iovec){addrs, (size_t)nt * sizeof *addrs};
+  } else {
+    for (int i = 0; i < nt; i++) {
+      size_t bytes = ddp__rpc_tensor_bytes(msg->tensors[i]);
+      if (bytes) iov[n++] = (struct iovec){msg->tensors[i]->data, bytes};
+    }
   }
   pthread_mutex_lock(&c->write_mu);
+  uint64_t seq = pull ? ++c->cma_sent : 0;
   ddp_status st = sendv_full(c->fd, iov, n, deadline_ns);
   pthread_mutex_unlock(&c->write_mu);
+  if (addrs != small_addrs) ddp_free(addrs);
+  if (st == DDP_OK && pull) {
+    /* The memory must stay as it is until the peer has read it. */
+    ddp_rpc_agent *a = c->agent;
+    pthread_mutex_lock(&a->mu);
+    while (c->cma_pulled < seq && c->state == DDP__RPC_CONN_OPEN && ddp_time_ns() < deadline_ns) {
+      int64_t wake = deadline_ns;
+      struct timespec ts = {.tv_sec = (time_t)(wake / 1000000000), .tv_nsec = (long)(wake % 1000000000)};
+      pthread_cond_timedwait(&c->pulled_cv, &a->mu, &ts);
+    }
+    bool pulled = c->cma_pulled >= seq;
+    bool open = c->state == DDP__RPC_CONN_OPEN;
+    pthread_mutex_unlock(&a->mu);
+    if (!pulled)
+      st = open ? ddp_error(DDP_ERR_TIMEOUT, "the worker did not read the tensors in time")
+                : ddp_error(DDP_ERR_CLOSED, "the connection closed before the worker read the tensors");
+  }
   if (descs != small_descs) ddp_free(descs);
   if (iov != small_iov) ddp_free(iov);
   if (st != DDP_OK) {
@@ -160,6 +196,7 @@ void ddp__rpc_conn_lost(ddp__rpc_conn *c, const char *why) {
   char error[sizeof c->error];
   memcpy(error, c->error, sizeof error);
   pthread_cond_broadcast(&a->outstanding_cv);
+  pthread_cond_broadcast(&c->pulled_cv);
   pthread_mutex_unlock(&a->mu);
   if (!left) ddp_log(DDP_LOG_WARN, "rpc: %s", error);
   for (ddp_rpc_future *f = lost, *next; f; f = next) {
@@ -201,6 +238,44 @@ static ddp_status read_exact(ddp__rpc_conn *c, void *dst, size_t n, int64_t dead
   return DDP_OK;
 }
 
+/* The tensors of a frame sent for pulling: their addresses from the stream,
+ * their data straight from the sender's memory; then the acknowledgement. */
+static ddp_status pull_tensors(ddp__rpc_conn *c, ddp__rpc_block *b, const char *who,
+                               int64_t deadline) {
+  int32_t nt = b->msg.num_tensors;
+  uint64_t small[8], *addrs = small;
+  if (nt > 8 && !(addrs = ddp_calloc((size_t)nt, sizeof *addrs)))
+    return ddp_error(DDP_ERR_NOMEM, "rpc: out of memory reading from %s", who);
+  ddp_status st = read_exact(c, addrs, (size_t)nt * sizeof *addrs, deadline);
+  for (int32_t i = 0; st == DDP_OK && i < nt; i++) {
+    char *dst = b->msg.tensors[i]->data;
+    size_t bytes = ddp__rpc_tensor_bytes(b->msg.tensors[i]), done = 0;
+    while (done < bytes) {
+      struct iovec l = {dst + done, bytes - done};
+      struct iovec r = {(void *)(uintptr_t)(addrs[i] + done), bytes - done};
+      ssize_t got = process_vm_readv(c->peer_pid, &l, 1, &r, 1, 0);
+      if (got <= 0) {
+        if (got < 0 && errno == EINTR) continue;
+        st = ddp_error(DDP_ERR_IO,
+                       "cannot read tensor %d (%zu bytes) from %s's memory (process_vm_readv: "
+                       "%s)",
+                       i, bytes, who, got < 0 ? strerror(errno) : "nothing read");
+        break;
+      }
+      done += (size_t)got;
+    }
+  }
+  if (addrs != small) ddp_free(addrs);
+  if (st != DDP_OK) return st;
+  /* Acknowledge in order: the sender may reuse the memory now. */
+  ddp__rpc_frame ack = {.magic = DDP__RPC_MAGIC, .kind = DDP__RPC_PULLED, .call_id = ++c->cma_received};
+  pthread_mutex_lock(&c->write_mu);
+  struct iovec iov = {&ack, sizeof ack};
+  st = sendv_full(c->fd, &iov, 1, deadline);
+  pthread_mutex_unlock(&c->write_mu);
+  return st;
+}
+
 /* Reads the body of a REQUEST / REPLY / ERROR frame into a new block. */
 static ddp_status read_body(ddp__rpc_conn *c, const ddp__rpc_frame *h, char *fn,
                             size_t extra_bytes, const char *who, ddp__rpc_block **out) {
@@ -227,8 +302,10 @@ static ddp_status read_body(ddp__rpc_conn *c, const ddp__rpc_frame *h, char *fn,
   if (st != DDP_OK) return st;
   ddp__rpc_block *b = *out;
   st = read_exact(c, b->payload, h->payload_bytes, deadline);
-  for (int32_t i = 0; st == DDP_OK && i < b->msg.num_tensors; i++)
-    st = read_exact(c, b->msg.tensors[i]->data, ddp__rpc_tensor_bytes(b->msg.tensors[i]), deadline);
+  if (st == DDP_OK && (h->flags & DDP__RPC_FLAG_PULL)) st = pull_tensors(c, b, who, deadline);
+  else
+    for (int32_t i = 0; st == DDP_OK && i < b->msg.num_tensors; i++)
+      st = read_exact(c, b->msg.tensors[i]->data, ddp__rpc_tensor_bytes(b->msg.tensors[i]), deadline);
   if (st != DDP_OK) {
     ddp__rpc_block_free(b);
     *out = NULL;
@@ -236,8 +313,7 @@ static ddp_status read_body(ddp__rpc_conn *c, const ddp__rpc_frame *h, char *fn,
   return st;
 }
 
-static void *reader_main(void *arg) {
-  ddp__rpc_conn *c = arg;
+bool ddp__rpc_read_loop(ddp__rpc_conn *c) {
   ddp_rpc_agent *a = c->agent;
   char who[128];
   ddp__rpc_worker_str(a, c->rank, who, sizeof who);
@@ -255,6 +331,13 @@ static void *reader_main(void *arg) {
       snprintf(why, sizeof why, "%s sent a frame with magic 0x%08x (expected 0x%08x)", who,
                h.magic, DDP__RPC_MAGIC);
       break;
+    }
+    if (h.kind == DDP__RPC_PULLED) {
+      pthread_mutex_lock(&a->mu);
+      if (h.call_id > c->cma_pulled) c->cma_pulled = h.call_id;
+      pthread_cond_broadcast(&c->pulled_cv);
+      pthread_mutex_unlock(&a->mu);
+      continue;
     }
     if (h.kind == DDP__RPC_DONE) {
       pthread_mutex_lock(&a->mu);
@@ -286,7 +369,15 @@ static void *reader_main(void *arg) {
       if (timeout_ms > INT64_MAX / 2000000) timeout_ms = INT64_MAX / 2000000;
       call->deadline_ns = ddp_time_ns() + timeout_ms * 1000000;
       memcpy(call->fn, fn, sizeof fn);
-      ddp__rpc_enqueue(a, &call->task);
+      pthread_mutex_lock(&a->mu);
+      bool handed = ddp__rpc_handoff_locked(a, c);
+      if (!handed) ddp__rpc_enqueue_locked(a, &call->task);
+      pthread_mutex_unlock(&a->mu);
+      if (handed) {
+        /* Another thread reads c now: serve here, without a wake-up. */
+        ddp__rpc_serve(a, call);
+        return true;
+      }
     } else {
       ddp__rpc_deliver(a, c->rank, h.call_id, h.kind == DDP__RPC_REPLY ? DDP_OK : (ddp_status)h.status, b);
     }
@@ -295,15 +386,12 @@ static void *reader_main(void *arg) {
   bool stopping = a->state == DDP__RPC_STOPPING;
   pthread_mutex_unlock(&a->mu);
   if (!stopping) ddp__rpc_conn_lost(c, why);
-  return NULL;
+  return false;
 }
 
-ddp_status ddp__rpc_reader_start(ddp__rpc_conn *c) {
+ddp_status ddp__rpc_conn_prepare(ddp__rpc_conn *c) {
   c->rbuf = ddp_alloc(RBUF_BYTES);
   if (!c->rbuf) return ddp_error(DDP_ERR_NOMEM, "rpc: cannot allocate a read buffer");
   c->rpos = c->rlen = 0;
-  int rc = pthread_create(&c->reader, NULL, reader_main, c);
-  if (rc != 0) return ddp_error(DDP_ERR_SYS, "rpc: cannot start a reader thread: %s", strerror(rc));
-  c->reader_started = true;
   return DDP_OK;
 }

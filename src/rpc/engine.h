@@ -30,13 +30,22 @@ typedef struct ddp__rpc_conn {
   ddp__rpc_link link;
   int fd;                       /* -1 for self */
   pthread_mutex_t write_mu;     /* one frame at a time */
-  pthread_t reader;
-  bool reader_started;
+  struct ddp__rpc_conn *handoff_next; /* in the agent's list of roles to take */
+  /* Cross-memory attach (Unix links whose peer can read this process's
+   * memory): large tensors are not written to the socket; the peer reads
+   * them from here (process_vm_readv, one copy) and acknowledges each such
+   * frame in order (PULLED), after which the sender may reuse the memory. */
+  atomic_bool peer_pulls;       /* the peer can read our memory */
+  int32_t peer_pid;
+  uint64_t cma_sent;            /* frames sent for pulling (under write_mu) */
+  uint64_t cma_pulled;          /* acknowledged by the peer (under agent->mu) */
+  uint64_t cma_received;        /* frames pulled from the peer (reader only) */
+  pthread_cond_t pulled_cv;     /* cma_pulled grew or the conn ended (agent->mu) */
   /* Under agent->mu: */
   ddp__rpc_conn_state state;
   bool done_received;           /* DONE arrived (graceful shutdown) */
   char error[320];              /* why FAILED / LEFT */
-  /* The reader's buffer (reader thread only). */
+  /* The reader's buffer (the thread holding the reader role only). */
   char *rbuf;
   size_t rpos, rlen;
 } ddp__rpc_conn;
@@ -119,9 +128,17 @@ struct ddp_rpc_agent {
   ddp__rpc_task *queue_head, *queue_tail;
   int helpers;                  /* pool threads waiting in a helping wait */
   ddp__rpc_agent_state state;
-  pthread_t *pool;
-  int num_threads;
-  int pool_started;
+  /* The threads: num_threads for handlers plus one per connection, all
+   * alike: each either holds a connection's reader role or serves the
+   * queue. A reader that reads a request hands its role to an idle thread
+   * and runs the handler itself (no wake-up between reading a request and
+   * serving it); with no idle thread it queues the request instead. */
+  pthread_t *threads;
+  int num_threads;              /* for handlers (options.num_threads) */
+  int threads_started;
+  int idle;                     /* threads waiting in the pool for work */
+  int handoffs;                 /* roles waiting for an idle thread */
+  struct ddp__rpc_conn *handoff_head, *handoff_tail;
 
   /* Pending calls by id. */
   uint64_t next_call_id;
@@ -146,8 +163,12 @@ struct ddp_rpc_agent {
 ddp_status ddp__rpc_send_frame(ddp__rpc_conn *c, uint8_t kind, uint64_t call_id,
                                ddp_status status, const char *fn, int64_t timeout_ms,
                                const ddp_rpc_message *msg, int64_t deadline_ns);
-/* Starts the reader thread of a connected conn. */
-ddp_status ddp__rpc_reader_start(ddp__rpc_conn *c);
+/* Holds c's reader role on the calling thread: reads frames until it
+ * hands the role on to serve a request itself (returns true, after serving)
+ * or the connection ends (false). */
+bool ddp__rpc_read_loop(ddp__rpc_conn *c);
+/* Allocates c's read buffer (before its first read loop). */
+ddp_status ddp__rpc_conn_prepare(ddp__rpc_conn *c);
 /* Under agent->mu: marks c failed (or left, when its DONE came first) with
  * the reason, fails its pending calls; calls the modules' worker_failed
  * after unlocking is the caller's job (ddp__rpc_conn_lost does all). */
@@ -157,8 +178,13 @@ const char *ddp__rpc_worker_str(const struct ddp_rpc_agent *a, int32_t rank, cha
                                 size_t bytes);
 
 /* ---- pool.c ---- */
+/* Starts the threads (one reader per connection, num_threads more) and the timer. */
 ddp_status ddp__rpc_pool_start(struct ddp_rpc_agent *a);
-/* Stops the pool (after the queue drains) and the timer; joins them. */
+/* Under a->mu: whether an idle thread can take a reader role now; if so,
+ * queues c's role for it. */
+bool ddp__rpc_handoff_locked(struct ddp_rpc_agent *a, ddp__rpc_conn *c);
+/* Stops the threads (after the queue drains; the caller has shut the
+ * sockets down) and the timer; joins them. */
 void ddp__rpc_pool_stop(struct ddp_rpc_agent *a);
 /* Under a->mu: appends a task and wakes a thread. */
 void ddp__rpc_enqueue_locked(struct ddp_rpc_agent *a, ddp__rpc_task *t);

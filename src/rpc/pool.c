@@ -1,5 +1,8 @@
-/* The agent's threads: a pool serving requests and then-callbacks from one
- * FIFO queue, and a timer failing calls past their deadline. */
+/* The agent's threads: one per connection holding its reader role and
+ * num_threads more, all alike (a reader that reads a request hands its role
+ * to an idle thread and serves the request itself), serving requests and
+ * then-callbacks from one FIFO queue; and a timer failing calls past their
+ * deadline. */
 #include <limits.h>
 #include <stdio.h>
 #include <string.h>
@@ -41,26 +44,64 @@ void ddp__rpc_run_task(ddp_rpc_agent *a, ddp__rpc_task *t) {
   }
 }
 
-static void *pool_main(void *arg) {
-  ddp_rpc_agent *a = arg;
+bool ddp__rpc_handoff_locked(ddp_rpc_agent *a, ddp__rpc_conn *c) {
+  if (a->idle <= a->handoffs || a->state == DDP__RPC_STOPPING) return false;
+  c->handoff_next = NULL;
+  if (a->handoff_tail) a->handoff_tail->handoff_next = c;
+  else a->handoff_head = c;
+  a->handoff_tail = c;
+  a->handoffs++;
+  if (a->helpers > 0) pthread_cond_broadcast(&a->work_cv);
+  else pthread_cond_signal(&a->work_cv);
+  return true;
+}
+
+typedef struct thread_start {
+  ddp_rpc_agent *agent;
+  ddp__rpc_conn *conn; /* the reader role it starts with, or NULL */
+} thread_start;
+
+static void *thread_main(void *arg) {
+  thread_start *ts = arg;
+  ddp_rpc_agent *a = ts->agent;
+  ddp__rpc_conn *role = ts->conn;
+  ddp_free(ts);
   pool_agent = a;
-  pthread_mutex_lock(&a->mu);
   for (;;) {
-    ddp__rpc_task *t = a->queue_head;
-    if (t) {
-      a->queue_head = t->next;
-      if (!a->queue_head) a->queue_tail = NULL;
-      pthread_mutex_unlock(&a->mu);
-      ddp__rpc_run_task(a, t);
-      pthread_mutex_lock(&a->mu);
-      continue;
+    if (role) {
+      ddp__rpc_read_loop(role);
+      role = NULL;
     }
-    if (a->state == DDP__RPC_STOPPING) break;
-    /* Idle: woken by a task or the stop. */
-    pthread_cond_wait(&a->work_cv, &a->mu);
+    pthread_mutex_lock(&a->mu);
+    for (;;) {
+      /* A reader role first: a connection nobody reads delays every reply
+       * on it. */
+      if (a->handoff_head) {
+        role = a->handoff_head;
+        a->handoff_head = role->handoff_next;
+        if (!a->handoff_head) a->handoff_tail = NULL;
+        a->handoffs--;
+        break;
+      }
+      ddp__rpc_task *t = a->queue_head;
+      if (t) {
+        a->queue_head = t->next;
+        if (!a->queue_head) a->queue_tail = NULL;
+        pthread_mutex_unlock(&a->mu);
+        ddp__rpc_run_task(a, t);
+        pthread_mutex_lock(&a->mu);
+        continue;
+      }
+      if (a->state == DDP__RPC_STOPPING) break;
+      /* Idle: woken by a task, a role or the stop. */
+      a->idle++;
+      pthread_cond_wait(&a->work_cv, &a->mu);
+      a->idle--;
+    }
+    bool stop = role == NULL;
+    pthread_mutex_unlock(&a->mu);
+    if (stop) return NULL;
   }
-  pthread_mutex_unlock(&a->mu);
-  return NULL;
 }
 
 void ddp__rpc_timer_note_locked(ddp_rpc_agent *a, int64_t deadline_ns) {
@@ -118,12 +159,21 @@ static void *timer_main(void *arg) {
 }
 
 ddp_status ddp__rpc_pool_start(ddp_rpc_agent *a) {
-  a->pool = ddp_calloc((size_t)a->num_threads, sizeof *a->pool);
-  if (!a->pool) return ddp_error(DDP_ERR_NOMEM, "rpc: cannot allocate %d threads", a->num_threads);
-  for (int i = 0; i < a->num_threads; i++) {
-    int rc = pthread_create(&a->pool[i], NULL, pool_main, a);
-    if (rc != 0) return ddp_error(DDP_ERR_SYS, "rpc: cannot start pool thread %d: %s", i, strerror(rc));
-    a->pool_started++;
+  int total = a->num_threads + a->world - 1;
+  a->threads = ddp_calloc((size_t)total, sizeof *a->threads);
+  if (!a->threads) return ddp_error(DDP_ERR_NOMEM, "rpc: cannot allocate %d threads", total);
+  for (int i = 0, r = 0; i < total; i++) {
+    thread_start *ts = ddp_calloc(1, sizeof *ts);
+    if (!ts) return ddp_error(DDP_ERR_NOMEM, "rpc: cannot start thread %d", i);
+    ts->agent = a;
+    if (r == a->rank) r++;
+    if (r < a->world) ts->conn = &a->conns[r++];
+    int rc = pthread_create(&a->threads[i], NULL, thread_main, ts);
+    if (rc != 0) {
+      ddp_free(ts);
+      return ddp_error(DDP_ERR_SYS, "rpc: cannot start thread %d: %s", i, strerror(rc));
+    }
+    a->threads_started++;
   }
   a->timer_wake_ns = INT64_MAX;
   int rc = pthread_create(&a->timer, NULL, timer_main, a);
@@ -138,8 +188,8 @@ void ddp__rpc_pool_stop(ddp_rpc_agent *a) {
   pthread_cond_broadcast(&a->work_cv);
   pthread_cond_signal(&a->timer_cv);
   pthread_mutex_unlock(&a->mu);
-  for (int i = 0; i < a->pool_started; i++) pthread_join(a->pool[i], NULL);
-  a->pool_started = 0;
+  for (int i = 0; i < a->threads_started; i++) pthread_join(a->threads[i], NULL);
+  a->threads_started = 0;
   if (a->timer_started) pthread_join(a->timer, NULL);
   a->timer_started = false;
 }

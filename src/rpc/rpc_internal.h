@@ -58,7 +58,8 @@ ddp_rpc_agent *ddp__rpc_current_pool_agent(void);
  * One stream connection per pair of workers carries both directions. Each
  * frame: this header, then fn_bytes of function name (requests), then
  * num_tensors descriptors, then payload_bytes of payload, then each tensor's
- * data (numel x dtype size bytes). Host byte order: a peer of the other order
+ * data (numel x dtype size bytes), or, with DDP__RPC_FLAG_PULL, each tensor's
+ * address for the receiver to read across processes. Host byte order: a peer of the other order
  * fails the handshake on the magic. */
 #define DDP__RPC_MAGIC 0x31435044u /* "DPC1" */
 
@@ -68,13 +69,17 @@ enum {
   DDP__RPC_REPLY = 3,    /* call_id; the result */
   DDP__RPC_ERROR = 4,    /* call_id; status; payload = the handler's message */
   DDP__RPC_DONE = 5,     /* graceful shutdown: "my outstanding calls are done" */
+  DDP__RPC_PULLED = 6,   /* call_id = count of pulled frames so far (cross-memory attach) */
 };
+/* frame.flags: the tensors' data is not in the stream; num_tensors
+ * addresses (uint64) in the sender's memory follow the payload instead. */
+#define DDP__RPC_FLAG_PULL 1u
 
 typedef struct ddp__rpc_frame {
   uint32_t magic;
   uint8_t kind;
   uint8_t fn_bytes;
-  uint16_t reserved;
+  uint16_t flags;
   int32_t status;
   uint32_t num_tensors;
   uint64_t call_id;

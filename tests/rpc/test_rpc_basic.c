@@ -97,6 +97,15 @@ static void test_round_trips(void **state) {
   rt_run(3, &cfg, round_trips_fn, NULL, 60);
 }
 
+/* The same with cross-memory attach off: every tensor through the socket. */
+static void test_round_trips_no_cma(void **state) {
+  (void)state;
+  setenv("DDP_RPC_NO_CMA", "1", 1);
+  rt_config cfg = {.graceful = true};
+  rt_run(2, &cfg, round_trips_fn, NULL, 60);
+  unsetenv("DDP_RPC_NO_CMA");
+}
+
 /* The same over TCP (forced, on one host). */
 static void tcp_fn(int rank, int size, ddp_rpc_agent *a, rt_result *res, void *arg) {
   (void)arg;
@@ -387,7 +396,8 @@ static int teardown(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_round_trips),      cmocka_unit_test(test_tcp_transport),
+      cmocka_unit_test(test_round_trips),      cmocka_unit_test(test_round_trips_no_cma),
+      cmocka_unit_test(test_tcp_transport),
       cmocka_unit_test(test_worker_info),      cmocka_unit_test(test_async_many),
       cmocka_unit_test(test_nested_pool_of_one), cmocka_unit_test(test_deferred_and_self),
       cmocka_unit_test(test_duplicate_names),  cmocka_unit_test(test_init_by_url),
