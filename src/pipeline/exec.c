@@ -52,8 +52,9 @@ static ddp_status wait_xfer(ddp_pipeline *pp, ddp_work **work, const char *what,
   ddp_work_free(*work);
   *work = NULL;
   if (s == DDP_OK) return DDP_OK;
-  ddp_error_wrap(s, "%s of micro-batch %d between stage %d (rank %d) and stage %d (rank %d)",
-                 what, mb, stage, pp->rank, peer_stage, ddp__pp_rank_of(pp->p, peer_stage));
+  ddp_error_wrap(s, "%s of micro-batch %d between stage %d (rank %d) and stage %d (rank %d), "
+                 "on their two-rank channel", what, mb, stage, pp->rank, peer_stage,
+                 ddp__pp_rank_of(pp->p, peer_stage));
   return fail(pp, s, stage, is_comm_failure(s) ? peer_stage : stage);
 }
 
@@ -310,7 +311,10 @@ static ddp_status run(ddp_pipeline *pp, const ddp_pipeline_schedule *sched, run_
   int64_t t0 = ddp_time_ns();
   pp->wait_ns = 0;
   int64_t n;
-  DDP_TRY(agree_batch(pp, a, &n));
+  /* Waiting here for the other stages to start is idle time too. */
+  ddp_status agreed = agree_batch(pp, a, &n);
+  pp->wait_ns += ddp_time_ns() - t0;
+  DDP_TRY(agreed);
   /* torch.tensor_split: the first n % M micro-batches get one row more. */
   for (int mb = 0, off = 0; mb < pp->m; mb++) {
     pp->rows[mb] = n / pp->m + (mb < n % pp->m);
