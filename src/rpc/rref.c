@@ -246,7 +246,9 @@ ddp_status ddp__rref_pin(ddp_rpc_agent *agent, ddp__rref_id id, int64_t deadline
   rref_state *st = state_of(agent);
   pthread_mutex_lock(&st->mu);
   owner_ref *e = owner_find(st, id);
-  while (e && e->state == PENDING) {
+  /* A use can overtake the create (or fork) that tells the owner of the
+   * reference: the user holds it, so the owner will learn of it. Wait. */
+  while (!e || e->state == PENDING) {
     int64_t now = ddp_time_ns();
     if (now >= deadline_ns) break;
     /* The condvar runs on CLOCK_REALTIME: wait in slices, re-checking the
@@ -262,8 +264,9 @@ ddp_status ddp__rref_pin(ddp_rpc_agent *agent, ddp__rref_id id, int64_t deadline
   }
   ddp_status s = DDP_OK;
   if (!e)
-    s = ddp_error(DDP_ERR_NOTFOUND, "rref %d:%lld: worker '%s' owns no such reference (freed, "
-                  "or never created here)", id.worker, (long long)id.local, self_name(agent));
+    s = ddp_error(DDP_ERR_NOTFOUND, "rref %d:%lld: worker '%s' owns no such reference (not "
+                  "created here before the deadline, or freed)", id.worker, (long long)id.local,
+                  self_name(agent));
   else if (e->state == PENDING)
     s = ddp_error(DDP_ERR_TIMEOUT, "%s: its value is still being made (timed out waiting)",
                   e->name);
@@ -468,11 +471,29 @@ static ddp_status h_create(ddp_rpc_call *call, const ddp_rpc_message *args,
   return DDP_OK;
 }
 
+/* Fault injection for tests: DDP_RREF_TEST_FORK_DELAY_MS holds each fork
+ * request that long before the owner registers it, so that a parent's
+ * release races it (test_rref shows G2 holds). Read once. */
+static int64_t fork_delay_ms(void) {
+  static _Atomic int64_t cached = -1;
+  int64_t v = atomic_load(&cached);
+  if (v < 0) {
+    if (ddp_env_int("DDP_RREF_TEST_FORK_DELAY_MS", 0, &v) != DDP_OK || v < 0) v = 0;
+    atomic_store(&cached, v);
+  }
+  return v;
+}
+
 static ddp_status h_fork(ddp_rpc_call *call, const ddp_rpc_message *args, ddp_rpc_message *reply,
                          void *user) {
   (void)reply, (void)user;
   rref_hdr h;
   DDP_TRY(parse_hdr(args, &h, "fork"));
+  int64_t delay = fork_delay_ms();
+  if (delay > 0) {
+    struct timespec ts = {(time_t)(delay / 1000), (long)(delay % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+  }
   rref_state *st = state_of(ddp_rpc_call_agent(call));
   pthread_mutex_lock(&st->mu);
   owner_ref *e = owner_get(st, h.id, h.fn);
