@@ -6,8 +6,19 @@
 /* A placeholder keeps the array non-empty in C11; it has no hooks. */
 static const ddp__rpc_module engine_module = {.name = "engine"};
 
+/* Remote references, distributed autograd and the distributed optimizer
+ * (src/rpc/rref.c, dist_autograd.c, dist_optim.c). The optimizer comes
+ * first: at shutdown it lets go of its parameters' references before the
+ * references' module names those still held. */
+extern const ddp__rpc_module ddp__dist_optim_module;
+extern const ddp__rpc_module ddp__dist_autograd_module;
+extern const ddp__rpc_module ddp__rref_module;
+
 const ddp__rpc_module *const ddp__rpc_modules[] = {
     &engine_module,
+    &ddp__dist_optim_module,
+    &ddp__dist_autograd_module,
+    &ddp__rref_module,
 };
 const int ddp__rpc_num_modules = (int)(sizeof ddp__rpc_modules / sizeof ddp__rpc_modules[0]);
 _Static_assert(sizeof ddp__rpc_modules / sizeof ddp__rpc_modules[0] <= DDP__RPC_MAX_MODULES,
