@@ -52,8 +52,10 @@ static ddp_status wait_xfer(ddp_pipeline *pp, ddp_work **work, const char *what,
   ddp_work_free(*work);
   *work = NULL;
   if (s == DDP_OK) return DDP_OK;
-  ddp_error_wrap(s, "%s of micro-batch %d between stage %d (rank %d) and stage %d (rank %d), "
-                 "on their two-rank channel", what, mb, stage, pp->rank, peer_stage,
+  char of[32] = "";
+  if (mb >= 0) snprintf(of, sizeof of, " of micro-batch %d", mb);
+  ddp_error_wrap(s, "%s%s between stage %d (rank %d) and stage %d (rank %d), on their two-rank "
+                 "channel", what, of, stage, pp->rank, peer_stage,
                  ddp__pp_rank_of(pp->p, peer_stage));
   return fail(pp, s, stage, is_comm_failure(s) ? peer_stage : stage);
 }
@@ -61,10 +63,11 @@ static ddp_status wait_xfer(ddp_pipeline *pp, ddp_work **work, const char *what,
 /* ---- Pools ----------------------------------------------------------------------- */
 
 /* A free slot, after the transfer that last used it completed. */
-static ddp_status take_slot(ddp_pipeline *pp, pp_slot *pool, int n, int stage, int *index) {
+static ddp_status take_slot(ddp_pipeline *pp, pp_slot *pool, int n, int stage, int peer_stage,
+                            int *index) {
   for (int i = 0; i < n; i++) {
     if (pool[i].busy) continue;
-    DDP_TRY(wait_xfer(pp, &pool[i].work, "an earlier transfer", stage, -1, stage));
+    DDP_TRY(wait_xfer(pp, &pool[i].work, "an earlier send of gradients", stage, -1, peer_stage));
     pool[i].busy = true;
     *index = i;
     return DDP_OK;
@@ -219,12 +222,13 @@ static ddp_status act(ddp_pipeline *pp, run_args *a, const ddp_pipeline_action *
   int i;
   switch (x->kind) {
   case DDP_PIPELINE_RECV_ACT:
-    DDP_TRY(take_slot(pp, c->acts, c->n_acts, g, &i));
+    /* An activation slot's last transfer was the send of its gradient. */
+    DDP_TRY(take_slot(pp, c->acts, c->n_acts, g, g - 1, &i));
     c->act_of[mb] = i;
     return post(pp, false, DDP__PP_ACT, x->peer, c->acts[i].data, in_bytes, &c->acts[i].work, g,
                 mb, g - 1, "receive of activations");
   case DDP_PIPELINE_RECV_GRAD:
-    DDP_TRY(take_slot(pp, c->grads, c->n_grads, g, &i));
+    DDP_TRY(take_slot(pp, c->grads, c->n_grads, g, g + 1, &i));
     c->grad_of[mb] = i;
     return post(pp, false, DDP__PP_GRAD, x->peer, c->grads[i].data, out_bytes, &c->grads[i].work,
                 g, mb, g + 1, "receive of gradients");
@@ -260,47 +264,71 @@ static bool row_shape_is(const ddp_tensor *t, int ndim, const int64_t *shape) {
   return true;
 }
 
-/* Every rank learns the batch's rows from stage 0's input and checks the
- * last stage's target against them (one small allreduce), so a bad batch
- * fails every stage before any transfer. */
+/* Every rank learns the batch's rows from stage 0: a small header goes down
+ * the activation channels, rank 0 -> 1 -> ... -> p - 1, ahead of the step's
+ * first activation (each channel is in order), so the step needs no
+ * collective and a bad batch stops every rank before any activation moves.
+ * The header is {rows, status}; status is not DDP_OK when rank 0 refused its
+ * input, and every rank then returns that refusal (the pipeline stays
+ * usable). */
+static ddp_status refuse_input(const ddp_pipeline *pp, const run_args *a, char *why, size_t bytes) {
+  const ddp_tensor *x = a->input;
+  char have[DDP_SHAPE_STR_BYTES];
+  if (!x)
+    snprintf(why, bytes, "stage 0 (rank 0) got no input");
+  else if (x->dtype != DDP_FLOAT32 || !row_shape_is(x, pp->stage_ndim[0], pp->stage_shape[0]))
+    snprintf(why, bytes, "stage 0's input %s %s does not have the sample shape the pipeline was "
+             "set up with", ddp_dtype_name(x->dtype), ddp_tensor_shape_str(x, have, sizeof have));
+  else if (x->shape[0] < pp->m || (x->shape[0] + pp->m - 1) / pp->m > pp->max_rows)
+    snprintf(why, bytes, "a batch of %lld rows does not make %d micro-batches of 1 to %lld rows "
+             "(options.max_batch)", (long long)x->shape[0], pp->m, (long long)pp->max_rows);
+  else
+    return DDP_OK;
+  return DDP_ERR_SHAPE;
+}
+
 static ddp_status agree_batch(ddp_pipeline *pp, const run_args *a, int64_t *rows) {
-  int64_t v[3] = {0, 0, 0};
-  char mine[512] = "";
+  int64_t *h = pp->header; /* {rows, status}, sent as 4 floats' bytes */
+  char why[512] = "";
+  int first = pp->chunks[0].stage;
+  /* The last step's header may still be on its way out of this buffer. */
+  DDP_TRY(wait_xfer(pp, &pp->header_work, "an earlier send of the batch's size", first, -1,
+                    first + 1));
   if (pp->rank == 0) {
-    const ddp_tensor *x = a->input;
+    ddp_status st = refuse_input(pp, a, why, sizeof why);
+    h[0] = st == DDP_OK ? a->input->shape[0] : 0;
+    h[1] = st;
+  } else {
+    ddp_work *w = NULL;
+    DDP_TRY(post(pp, false, DDP__PP_ACT, pp->rank - 1, h, 16, &w, first, -1, first - 1,
+                 "receive of the batch's size"));
+    DDP_TRY(wait_xfer(pp, &w, "the receive of the batch's size", first, -1, first - 1));
+  }
+  if (pp->rank + 1 < pp->p) {
+    DDP_TRY(post(pp, true, DDP__PP_ACT, pp->rank + 1, h, 16, &pp->header_work, first, -1,
+                 first + 1, "send of the batch's size"));
+  }
+  if (h[1] != DDP_OK) {
+    /* The refusal travels on: every rank returns it, nothing else ran. */
+    if (pp->rank + 1 < pp->p)
+      DDP_TRY(wait_xfer(pp, &pp->header_work, "the send of the batch's size", first, -1,
+                        first + 1));
+    if (pp->rank == 0) return ddp_error((ddp_status)h[1], "pipeline: %s", why);
+    return ddp_error((ddp_status)h[1], "pipeline: stage 0 (rank 0) refused its input (its error "
+                     "says why)");
+  }
+  *rows = h[0];
+  if (ddp_pipeline_is_last(pp) && a->target &&
+      (a->target->ndim < 1 || a->target->shape[0] != h[0])) {
     char have[DDP_SHAPE_STR_BYTES];
-    if (!x)
-      snprintf(mine, sizeof mine, "stage 0 (rank 0) got no input");
-    else if (x->dtype != DDP_FLOAT32 || !row_shape_is(x, pp->stage_ndim[0], pp->stage_shape[0]))
-      snprintf(mine, sizeof mine, "stage 0's input %s %s does not have the sample shape the "
-               "pipeline was set up with", ddp_dtype_name(x->dtype),
-               ddp_tensor_shape_str(x, have, sizeof have));
-    else if (x->shape[0] < pp->m || (x->shape[0] + pp->m - 1) / pp->m > pp->max_rows)
-      snprintf(mine, sizeof mine, "a batch of %lld rows does not make %d micro-batches of 1 to "
-               "%lld rows (options.max_batch)", (long long)x->shape[0], pp->m,
-               (long long)pp->max_rows);
-    else
-      v[0] = x->shape[0];
+    ddp_error(DDP_ERR_SHAPE, "the target %s does not have the input's %lld rows",
+              ddp_tensor_shape_str(a->target, have, sizeof have), (long long)h[0]);
+    return fail(pp, DDP_ERR_SHAPE, pp->n_stages - 1, pp->n_stages - 1);
   }
-  if (ddp_pipeline_is_last(pp) && a->target) {
-    if (a->target->ndim < 1)
-      snprintf(mine, sizeof mine, "the target has no batch dimension");
-    else
-      v[1] = a->target->shape[0];
+  if (ddp_pipeline_is_last(pp) && a->training && !a->target) {
+    ddp_error(DDP_ERR_INVALID, "the last stage (rank %d) got no target", pp->rank);
+    return fail(pp, DDP_ERR_INVALID, pp->n_stages - 1, pp->n_stages - 1);
   }
-  if (ddp_pipeline_is_last(pp) && a->training && !a->target)
-    snprintf(mine, sizeof mine, "the last stage (rank %d) got no target", pp->rank);
-  if (mine[0]) v[2] = 1;
-  ddp_status s = ddp_allreduce(pp->pg, v, 3, DDP_INT64, DDP_REDUCE_MAX);
-  if (s != DDP_OK) return ddp_error_wrap(s, "pipeline: agreeing on the batch");
-  if (mine[0]) return ddp_error(DDP_ERR_SHAPE, "pipeline: %s", mine);
-  if (v[2])
-    return ddp_error(DDP_ERR_SHAPE, "pipeline: stage 0's input or the last stage's target was "
-                     "refused (their ranks say why)");
-  if (v[1] && v[1] != v[0])
-    return ddp_error(DDP_ERR_SHAPE, "pipeline: the target has %lld rows, the input %lld",
-                     (long long)v[1], (long long)v[0]);
-  *rows = v[0];
   return DDP_OK;
 }
 
@@ -311,10 +339,7 @@ static ddp_status run(ddp_pipeline *pp, const ddp_pipeline_schedule *sched, run_
   int64_t t0 = ddp_time_ns();
   pp->wait_ns = 0;
   int64_t n;
-  /* Waiting here for the other stages to start is idle time too. */
-  ddp_status agreed = agree_batch(pp, a, &n);
-  pp->wait_ns += ddp_time_ns() - t0;
-  DDP_TRY(agreed);
+  DDP_TRY(agree_batch(pp, a, &n));
   /* torch.tensor_split: the first n % M micro-batches get one row more. */
   for (int mb = 0, off = 0; mb < pp->m; mb++) {
     pp->rows[mb] = n / pp->m + (mb < n % pp->m);
@@ -371,6 +396,8 @@ ddp_status ddp_pipeline_eval(ddp_pipeline *pp, const ddp_tensor *input, const dd
 }
 
 void ddp__pp_chunks_free(ddp_pipeline *pp) {
+  ddp_work_free(pp->header_work);
+  pp->header_work = NULL;
   for (int ci = 0; ci < pp->v; ci++) {
     pp_chunk *c = &pp->chunks[ci];
     if (c->acts)

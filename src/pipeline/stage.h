@@ -65,6 +65,9 @@ struct ddp_pipeline {
   void *sync_user;
   bool failed;
   char failure[1024];
+  /* The batch-size header (exec.c, agree_batch) and its send. */
+  int64_t header[2];
+  ddp_work *header_work;
   /* This step's micro-batches. */
   int64_t *rows, *offsets; /* (M) */
   /* Stats. */
