@@ -75,9 +75,11 @@ static double effective_timeout(const ddp_rpc_agent *a, double timeout_s) {
   return timeout_s > 1e9 ? 1e9 : timeout_s;
 }
 
-ddp_status ddp__rpc_async_rank(ddp_rpc_agent *a, int32_t to, const char *fn,
-                               const ddp_rpc_message *args, double timeout_s,
-                               ddp_rpc_future **out) {
+/* Starts a call; pull_seq as ddp__rpc_send_frame_ex's (NULL: the args are
+ * free to reuse on return). */
+static ddp_status start_call(ddp_rpc_agent *a, int32_t to, const char *fn,
+                             const ddp_rpc_message *args, double timeout_s, uint64_t *pull_seq,
+                             ddp_rpc_future **out) {
   *out = NULL;
   if (!a) return ddp_error(DDP_ERR_INVALID, "rpc: NULL agent");
   if (to < 0 || to >= a->world)
@@ -139,9 +141,9 @@ ddp_status ddp__rpc_async_rank(ddp_rpc_agent *a, int32_t to, const char *fn,
   pthread_mutex_unlock(&a->mu);
 
   if (!self_block) {
-    st = ddp__rpc_send_frame(c, DDP__RPC_REQUEST, call_id, DDP_OK, fn,
-                             (int64_t)(timeout * 1000.0) + 1, args,
-                             ddp_time_ns() + a->default_timeout_ns);
+    st = ddp__rpc_send_frame_ex(c, DDP__RPC_REQUEST, call_id, DDP_OK, fn,
+                                (int64_t)(timeout * 1000.0) + 1, args,
+                                ddp_time_ns() + a->default_timeout_ns, pull_seq);
     if (st != DDP_OK) {
       /* The connection is failed now, which failed f too (if still pending). */
       char msg[512];
@@ -156,6 +158,12 @@ ddp_status ddp__rpc_async_rank(ddp_rpc_agent *a, int32_t to, const char *fn,
   }
   *out = f;
   return DDP_OK;
+}
+
+ddp_status ddp__rpc_async_rank(ddp_rpc_agent *a, int32_t to, const char *fn,
+                               const ddp_rpc_message *args, double timeout_s,
+                               ddp_rpc_future **out) {
+  return start_call(a, to, fn, args, timeout_s, NULL, out);
 }
 
 static ddp_status lookup_worker(const ddp_rpc_agent *a, const char *to, int32_t *rank) {
@@ -181,11 +189,28 @@ ddp_status ddp_rpc_async(ddp_rpc_agent *agent, const char *to, const char *fn,
 ddp_status ddp_rpc_sync(ddp_rpc_agent *agent, const char *to, const char *fn,
                         const ddp_rpc_message *args, double timeout_s, ddp_rpc_message *result) {
   if (result) memset(result, 0, sizeof *result);
+  int32_t rank = -1;
+  DDP_TRY(lookup_worker(agent, to, &rank));
+  /* The caller waits anyway: its args need not be read before the request
+   * is sent (one wake-up less for large tensors read across processes);
+   * they are by the time the reply comes, checked below. */
+  uint64_t pull_seq = 0;
   ddp_rpc_future *f;
-  DDP_TRY(ddp_rpc_async(agent, to, fn, args, timeout_s, &f));
+  DDP_TRY(start_call(agent, rank, fn, args, timeout_s, &pull_seq, &f));
   ddp_status st = ddp_rpc_future_wait(f, -1);
   if (st == DDP_OK && result) st = ddp_rpc_future_take(f, result);
   ddp_rpc_future_destroy(f);
+  if (pull_seq) {
+    char msg[1024];
+    snprintf(msg, sizeof msg, "%s", ddp_last_error());
+    ddp_status pst = ddp__rpc_wait_pulled(&agent->conns[rank], pull_seq,
+                                          ddp_time_ns() + agent->default_timeout_ns);
+    if (st == DDP_OK && pst != DDP_OK) {
+      if (result) ddp_rpc_message_free(result);
+      return pst;
+    }
+    if (st != DDP_OK) return ddp_error(st, "%s", msg);
+  }
   return st;
 }
 

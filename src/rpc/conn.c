@@ -70,9 +70,37 @@ static ddp_status sendv_full(int fd, struct iovec *iov, int n, int64_t deadline_
   return DDP_OK;
 }
 
+ddp_status ddp__rpc_wait_pulled(ddp__rpc_conn *c, uint64_t seq, int64_t deadline_ns) {
+  if (seq == 0) return DDP_OK;
+  ddp_rpc_agent *a = c->agent;
+  pthread_mutex_lock(&a->mu);
+  while (c->cma_pulled < seq && c->state == DDP__RPC_CONN_OPEN && ddp_time_ns() < deadline_ns) {
+    struct timespec ts = {.tv_sec = (time_t)(deadline_ns / 1000000000),
+                          .tv_nsec = (long)(deadline_ns % 1000000000)};
+    pthread_cond_timedwait(&c->pulled_cv, &a->mu, &ts);
+  }
+  bool pulled = c->cma_pulled >= seq;
+  bool open = c->state == DDP__RPC_CONN_OPEN;
+  pthread_mutex_unlock(&a->mu);
+  if (pulled) return DDP_OK;
+  if (!open)
+    return ddp_error(DDP_ERR_CLOSED, "the connection closed before the worker read the tensors");
+  /* It may still read them later, from memory reused by then: end it. */
+  ddp__rpc_conn_lost(c, "the worker did not read the tensors sent to it in time");
+  return ddp_error(DDP_ERR_TIMEOUT, "the worker did not read the tensors in time");
+}
+
 ddp_status ddp__rpc_send_frame(ddp__rpc_conn *c, uint8_t kind, uint64_t call_id,
                                ddp_status status, const char *fn, int64_t timeout_ms,
                                const ddp_rpc_message *msg, int64_t deadline_ns) {
+  return ddp__rpc_send_frame_ex(c, kind, call_id, status, fn, timeout_ms, msg, deadline_ns, NULL);
+}
+
+ddp_status ddp__rpc_send_frame_ex(ddp__rpc_conn *c, uint8_t kind, uint64_t call_id,
+                                  ddp_status status, const char *fn, int64_t timeout_ms,
+                                  const ddp_rpc_message *msg, int64_t deadline_ns,
+                                  uint64_t *pull_seq) {
+  if (pull_seq) *pull_seq = 0;
   ddp_rpc_message empty = {0};
   if (!msg) msg = &empty;
   size_t fn_bytes = fn ? strlen(fn) : 0;
@@ -138,20 +166,10 @@ ddp_status ddp__rpc_send_frame(ddp__rpc_conn *c, uint8_t kind, uint64_t call_id,
   pthread_mutex_unlock(&c->write_mu);
   if (addrs != small_addrs) ddp_free(addrs);
   if (st == DDP_OK && pull) {
-    /* The memory must stay as it is until the peer has read it. */
-    ddp_rpc_agent *a = c->agent;
-    pthread_mutex_lock(&a->mu);
-    while (c->cma_pulled < seq && c->state == DDP__RPC_CONN_OPEN && ddp_time_ns() < deadline_ns) {
-      int64_t wake = deadline_ns;
-      struct timespec ts = {.tv_sec = (time_t)(wake / 1000000000), .tv_nsec = (long)(wake % 1000000000)};
-      pthread_cond_timedwait(&c->pulled_cv, &a->mu, &ts);
-    }
-    bool pulled = c->cma_pulled >= seq;
-    bool open = c->state == DDP__RPC_CONN_OPEN;
-    pthread_mutex_unlock(&a->mu);
-    if (!pulled)
-      st = open ? ddp_error(DDP_ERR_TIMEOUT, "the worker did not read the tensors in time")
-                : ddp_error(DDP_ERR_CLOSED, "the connection closed before the worker read the tensors");
+    /* The memory must stay as it is until the peer has read it: wait here,
+     * or leave the wait to the caller (a sync call: its reply comes after). */
+    if (pull_seq) *pull_seq = seq;
+    else st = ddp__rpc_wait_pulled(c, seq, deadline_ns);
   }
   if (descs != small_descs) ddp_free(descs);
   if (iov != small_iov) ddp_free(iov);

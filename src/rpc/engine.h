@@ -163,6 +163,16 @@ struct ddp_rpc_agent {
 ddp_status ddp__rpc_send_frame(ddp__rpc_conn *c, uint8_t kind, uint64_t call_id,
                                ddp_status status, const char *fn, int64_t timeout_ms,
                                const ddp_rpc_message *msg, int64_t deadline_ns);
+/* The same; with pull_seq non-NULL, a frame sent for pulling returns at once
+ * with its sequence number in *pull_seq (0: not sent for pulling), and the
+ * caller must ddp__rpc_wait_pulled before reusing the message's memory. */
+ddp_status ddp__rpc_send_frame_ex(ddp__rpc_conn *c, uint8_t kind, uint64_t call_id,
+                                  ddp_status status, const char *fn, int64_t timeout_ms,
+                                  const ddp_rpc_message *msg, int64_t deadline_ns,
+                                  uint64_t *pull_seq);
+/* Waits until the peer has read frame `seq` (0: returns at once); past the
+ * deadline the connection is failed (the peer could read reused memory). */
+ddp_status ddp__rpc_wait_pulled(ddp__rpc_conn *c, uint64_t seq, int64_t deadline_ns);
 /* Holds c's reader role on the calling thread: reads frames until it
  * hands the role on to serve a request itself (returns true, after serving)
  * or the connection ends (false). */
