@@ -627,6 +627,24 @@ static void print_summary(const train_args *a, const ddp_train_result *r) {
   }
   printf("], ");
   json_number(stdout, "epochs", r->epochs, true);
+  /* Under a pipeline: each stage's idle fraction and activation
+   * high-water mark (replica 0's ranks). */
+  if (r->n_stages) {
+    printf("\"pipeline\": {\"stages\": %lld, \"microbatches\": %lld, \"schedule\": \"%s\", "
+           "\"per_stage\": [",
+           (long long)r->n_stages, (long long)a->microbatches,
+           a->schedule ? a->schedule : "1f1b");
+    for (int64_t k = 0; k < r->n_stages; k++) {
+      const ddp_train_stage_stats *st = &r->stages[k];
+      printf("%s{\"rank\": %d, ", k ? ", " : "", (int)st->rank);
+      json_number(stdout, "idle_fraction", st->idle_fraction, true);
+      printf("\"activation_bytes_high_water\": %lld, \"microbatch_activation_bytes\": %lld, "
+             "\"live_microbatches_high_water\": %d}",
+             (long long)st->activation_bytes_high_water,
+             (long long)st->microbatch_activation_bytes, (int)st->live_high_water);
+    }
+    printf("]}, ");
+  }
   printf("\"world_size\": %d, \"model\": \"%s\", \"optimizer\": \"%s\", \"cuda_graph\": %s}\n",
          r->world_size, a->model, a->optimizer, a->cuda_graph ? "true" : "false");
 }
@@ -706,7 +724,24 @@ int main(int argc, char **argv) {
   o.cuda_graph = a.cuda_graph;
   o.bucket_cap_mb = a.bucket_cap_mb;
   o.microbatches = (int32_t)a.microbatches;
-  if (a.pp) die_usage("--pp: %s", "the trainer's pipeline strategy is not wired in yet");
+  ddp_train_pipeline pipeline = {0};
+  if (a.pp) {
+    if (!world.pg || world.size % a.pp)
+      die_usage("--pp %s: the world must be P stages x D replicas: run under a launcher "
+                "with a multiple of P ranks (ddprun --nproc-per-node P ...)",
+                a.schedule ? a.schedule : "P");
+    pipeline.stages = (int32_t)a.pp;
+    pipeline.schedule = DDP_PIPELINE_1F1B;
+    if (a.schedule && ddp_pipeline_schedule_parse(a.schedule, &pipeline.schedule) != DDP_OK)
+      die_usage("--schedule: %s", ddp_last_error());
+    pipeline.virtual_stages = a.virtual_stages ? (int32_t)a.virtual_stages
+                              : pipeline.schedule == DDP_PIPELINE_INTERLEAVED ? 2
+                                                                              : 1;
+    pipeline.split = a.split;
+    o.pipeline = &pipeline;
+    if (!o.microbatches) o.microbatches = (int32_t)a.pp; /* PyTorch's tutorials: M = P at least */
+    a.microbatches = o.microbatches;
+  }
   char trace_path[4096];
   /* ddprun --trace gives each worker its own file in DDP_TRACE_FILE. */
   const char *trace_env = getenv("DDP_TRACE_FILE");

@@ -61,7 +61,7 @@ ddp_status ddp__train_evaluate(ddp_trainer *t, double *loss, double *accuracy) {
   ddp_model_train(t->model, false);
   ddp_tape_set_grad_enabled(t->tape, false);
   double sums[3];
-  ddp_status s = local_sums(t, sums);
+  ddp_status s = t->strategy->local_sums ? t->strategy->local_sums(t, sums) : local_sums(t, sums);
   ddp_tape_reset(t->tape);
   ddp_tape_set_grad_enabled(t->tape, true);
   ddp_model_train(t->model, true);

@@ -1,6 +1,6 @@
 /* The strategies of the training loop: one process alone, and data
  * parallelism over the trainer's group (PyTorch's DistributedDataParallel).
- * The pipeline and the parameter server add a table each. */
+ * The pipeline's table is in pipeline.c; the parameter server will add one. */
 #include "train/train_internal.h"
 
 /* ---- single: this process's model, plain backward ---- */
@@ -29,6 +29,8 @@ const ddp__train_strategy ddp__train_single = {
     .backward = single_backward,
     .split_backward = NULL,
     .destroy = single_destroy,
+    .step = NULL,
+    .local_sums = NULL,
 };
 
 /* ---- data parallel: the DDP wrapper over the group ---- */
@@ -85,4 +87,6 @@ const ddp__train_strategy ddp__train_data_parallel = {
     .backward = dp_backward,
     .split_backward = dp_split_backward,
     .destroy = dp_destroy,
+    .step = NULL,
+    .local_sums = NULL,
 };

@@ -23,10 +23,41 @@ typedef struct ddp__train_strategy {
    * to *backward_comm (seconds); NULL: nothing to split. */
   void (*split_backward)(ddp_trainer *t, double *backward_compute, double *backward_comm);
   void (*destroy)(ddp_trainer *t);
+  /* A strategy that runs the whole step itself (the pipeline: forwards
+   * and backwards interleaved over micro-batches) instead of forward and
+   * backward: zero_grad, the step, the optimizer; *loss the batch's mean
+   * loss where this rank computes it. NULL: the eager step. */
+  ddp_status (*step)(ddp_trainer *t, ddp_batch *b, double *loss, ddp_train_phases *p);
+  /* The evaluation's sums (loss * rows, correct, rows) of this rank's
+   * part; NULL: the model's forward on each test batch. */
+  ddp_status (*local_sums)(ddp_trainer *t, double sums[3]);
 } ddp__train_strategy;
 
 extern const ddp__train_strategy ddp__train_single;
 extern const ddp__train_strategy ddp__train_data_parallel;
+extern const ddp__train_strategy ddp__train_pipeline;
+
+/* ---- The pipeline (pipeline.c; options.pipeline) ---- */
+
+/* Whether options.pipeline fits the group and the other options. */
+ddp_status ddp__train_pipeline_check(const ddp_train_options *o, const ddp_process_group *pg);
+/* Before the optimizer: splits the group into the mesh's pipeline and
+ * data-parallel groups, builds this rank's stage from t->model and points
+ * t->step_model at it. Collective over the group. */
+ddp_status ddp__train_pipeline_prepare(ddp_trainer *t);
+/* Copies every stage's parameters and buffers into t->model on every rank
+ * (the whole trained model, with its own names). Collective. */
+ddp_status ddp__train_pipeline_gather(ddp_trainer *t);
+/* Gathers model and optimizer state and has rank 0 write the whole
+ * model's checkpoint. Collective. */
+ddp_status ddp__train_pipeline_save(ddp_trainer *t, const ddp_train_state *ts);
+/* Loads options.resume_path into the full model and takes this stage's part. */
+ddp_status ddp__train_pipeline_resume(ddp_trainer *t, ddp_train_state *start);
+/* The result's per-stage figures. Collective. */
+ddp_status ddp__train_pipeline_stats(ddp_trainer *t, ddp_train_result *res);
+/* "the mesh: rank 0 is stage 0 of replica 0, ..." into buf (for errors:
+ * a peer named by its rank is also named by its stage); returns buf. */
+const char *ddp__train_pipeline_mesh(const ddp_trainer *t, char *buf, size_t bytes);
 
 /* The trainer's state shared with its parts. */
 struct ddp_trainer {
@@ -37,6 +68,22 @@ struct ddp_trainer {
   int rank, size;
   const ddp__train_strategy *strategy;
   ddp_dp *dp; /* the data-parallel strategy's wrapper */
+  /* The model the optimizer steps: t->model, or under a pipeline this
+   * rank's stage (owned by the pipeline). */
+  ddp_model *step_model;
+  /* How the sampler shards the data: over `replicas` by `replica` (the
+   * group's size and rank, or the pipeline mesh's replicas). */
+  int replicas, replica;
+  /* The pipeline strategy (pipeline.c): this rank's stage index in its
+   * pipeline, the pipeline, its group and the stage's data-parallel group
+   * (both from splits, owned), the last stage's evaluation outputs, the
+   * unsplit model's optimizer for checkpoints, a full model's floats. */
+  int stage_rank;
+  ddp_pipeline *pp;
+  ddp_process_group *pipe_pg, *stage_dp_pg;
+  ddp_tensor *eval_out;
+  ddp_optimizer *full_opt;
+  float *gather;
   ddp_optimizer *opt;
   ddp_scheduler *sched;
   ddp_sampler *train_sampler, *test_sampler;

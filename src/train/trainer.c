@@ -44,6 +44,9 @@ void ddp_train_result_free(ddp_train_result *r) {
   if (!r) return;
   free(r->steady_preempted_ms_per_rank);
   r->steady_preempted_ms_per_rank = NULL;
+  free((void *)r->stages);
+  r->stages = NULL;
+  r->n_stages = 0;
 }
 
 ddp_optimizer *ddp_trainer_optimizer(ddp_trainer *t) { return t->opt; }
@@ -75,9 +78,7 @@ static ddp_status check_options(const ddp_train_options *o, const ddp_process_gr
                      "of the gradients has no device kernel yet); drop --microbatches or train "
                      "on the CPU",
                      (int)o->microbatches);
-  if (o->pipeline)
-    return ddp_error(DDP_ERR_UNSUPPORTED, "pipeline: the trainer's pipeline strategy is not "
-                                          "wired in yet");
+  if (o->pipeline) DDP_TRY(ddp__train_pipeline_check(o, pg));
   if (o->save_every && !o->save_path)
     return ddp_error(DDP_ERR_INVALID, "save_every %lld needs save_path", (long long)o->save_every);
   if (o->strategy == DDP_TRAIN_DATA_PARALLEL && !pg)
@@ -147,10 +148,12 @@ static int automatic_workers(int group_size) {
 /* The samplers and loaders. PyTorch's DistributedSampler: each epoch is
  * torch.randperm(N) from a generator seeded with seed + epoch, padded to a
  * multiple of the group's size (drop_last false) and dealt out to the ranks
- * in turn; the test set is dealt out without padding. */
+ * in turn; the test set is dealt out without padding. Under a pipeline the
+ * replicas take the ranks' place: every rank of a replica reads the same
+ * batches. */
 static ddp_status create_loaders(ddp_trainer *t, int workers) {
   const ddp_train_options *o = &t->o;
-  ddp_distributed_sampler_options so = ddp_distributed_sampler_defaults(t->size, t->rank);
+  ddp_distributed_sampler_options so = ddp_distributed_sampler_defaults(t->replicas, t->replica);
   so.seed = o->seed;
   ddp_status s = ddp_sampler_create_distributed(&t->train_sampler,
                                                 ddp_dataset_size(t->train_ds), &so);
@@ -161,8 +164,8 @@ static ddp_status create_loaders(ddp_trainer *t, int workers) {
   lc.num_workers = workers;
   s = ddp_loader_create(&t->train_loader, t->train_ds, &lc);
   if (s != DDP_OK) return ddp_error_wrap(s, "creating the training loader");
-  s = ddp_sampler_create_distributed_eval(&t->test_sampler, ddp_dataset_size(t->test_ds), t->size,
-                                          t->rank);
+  s = ddp_sampler_create_distributed_eval(&t->test_sampler, ddp_dataset_size(t->test_ds),
+                                          t->replicas, t->replica);
   if (s != DDP_OK) return ddp_error_wrap(s, "creating the test sampler");
   ddp_loader_config tc = ddp_loader_config_default();
   tc.batch_size = o->eval_batch_size ? o->eval_batch_size
@@ -188,11 +191,13 @@ static ddp_status create_parts(ddp_trainer *t) {
     s = ddp_model_to(t->model, o->device);
     if (s != DDP_OK) return ddp_error_wrap(s, "moving the model");
   }
+  /* The pipeline builds this rank's stage first: the optimizer steps it. */
+  if (o->pipeline) DDP_TRY(ddp__train_pipeline_prepare(t));
   ddp_optim_options optim = o->optim;
   optim.device = o->device;
-  s = ddp_optimizer_create(&t->opt, &optim, ddp_model_params_flat(t->model),
-                           ddp_model_grads_flat(t->model),
-                           (size_t)ddp_model_num_param_elements(t->model));
+  s = ddp_optimizer_create(&t->opt, &optim, ddp_model_params_flat(t->step_model),
+                           ddp_model_grads_flat(t->step_model),
+                           (size_t)ddp_model_num_param_elements(t->step_model));
   if (s != DDP_OK) return ddp_error_wrap(s, "creating the optimizer");
   if (o->step_lr_size > 0) {
     ddp_step_lr_options so = {0};
@@ -236,9 +241,14 @@ ddp_status ddp_trainer_create(ddp_trainer **out, ddp_model *model, ddp_dataset *
   t->pg = pg;
   t->rank = pg ? ddp_process_group_rank(pg) : 0;
   t->size = pg ? ddp_process_group_size(pg) : 1;
+  t->step_model = model;
+  t->replicas = t->size;
+  t->replica = t->rank;
   const bool parallel = options->strategy == DDP_TRAIN_DATA_PARALLEL ||
                         (options->strategy == DDP_TRAIN_AUTO && pg);
-  t->strategy = parallel ? &ddp__train_data_parallel : &ddp__train_single;
+  t->strategy = options->pipeline ? &ddp__train_pipeline
+                : parallel        ? &ddp__train_data_parallel
+                                  : &ddp__train_single;
   ddp_status s = create_parts(t);
   if (s != DDP_OK) {
     ddp_trainer_destroy(t);
@@ -290,10 +300,12 @@ static bool record_eval(patience *p, FILE *log, double loss, double accuracy, in
 static ddp_status save_checkpoint(ddp_trainer *t, int64_t step, int64_t epoch,
                                   int64_t epoch_batches, const patience *pat) {
   ddp_train_state ts = {.step = step, .epoch = epoch, .epoch_batches = epoch_batches,
-                        .sampler_seed = t->o.seed, .world_size = t->size,
+                        .sampler_seed = t->o.seed, .world_size = t->replicas,
                         .best_test_loss = pat->best_loss,
                         .evals_without_better = pat->without_better};
-  if (t->rank == 0) {
+  if (t->pp) {
+    DDP_TRY(ddp__train_pipeline_save(t, &ts));
+  } else if (t->rank == 0) {
     ddp_status s = ddp_checkpoint_save(t->o.save_path, t->model, t->opt, t->sched, &ts,
                                        t->o.checkpoint_meta, t->o.checkpoint_meta_count);
     if (s != DDP_OK) return ddp_error_wrap(s, "saving the checkpoint");
@@ -310,18 +322,22 @@ static ddp_status save_checkpoint(ddp_trainer *t, int64_t step, int64_t epoch,
  * mid-epoch by another number of ranks is refused: the epoch's order
  * depends on the group's size. */
 static ddp_status resume(ddp_trainer *t, ddp_train_state *start) {
-  *start = (ddp_train_state){.world_size = t->size, .best_test_loss = INFINITY};
+  *start = (ddp_train_state){.world_size = t->replicas, .best_test_loss = INFINITY};
   if (!t->o.resume_path) return DDP_OK;
-  ddp_status s = ddp_checkpoint_load(t->o.resume_path, t->model, t->opt, t->sched, start,
-                                     t->o.checkpoint_meta, t->o.checkpoint_meta_count);
+  ddp_status s = t->pp ? ddp__train_pipeline_resume(t, start)
+                       : ddp_checkpoint_load(t->o.resume_path, t->model, t->opt, t->sched, start,
+                                             t->o.checkpoint_meta, t->o.checkpoint_meta_count);
   if (s != DDP_OK) return ddp_error_wrap(s, "resuming");
-  if (start->world_size != t->size && start->epoch_batches > 0)
+  /* The data's shards: ranks, or a pipeline's replicas. */
+  if (start->world_size != t->replicas && start->epoch_batches > 0)
     return ddp_error(DDP_ERR_INVALID,
-                     "%s was saved by %lld ranks in the middle of epoch %lld; this run has %d "
-                     "ranks, which split that epoch differently (resume with %lld ranks, or "
-                     "from a checkpoint taken at the end of an epoch)",
+                     "%s was saved by %lld %s in the middle of epoch %lld; this run has %d "
+                     "%s, which split that epoch differently (resume with %lld %s, or from a "
+                     "checkpoint taken at the end of an epoch)",
                      t->o.resume_path, (long long)start->world_size,
-                     (long long)start->epoch + 1, t->size, (long long)start->world_size);
+                     t->pp ? "data-parallel replicas" : "ranks", (long long)start->epoch + 1,
+                     t->replicas, t->pp ? "replicas" : "ranks", (long long)start->world_size,
+                     t->pp ? "replicas" : "ranks");
   return DDP_OK;
 }
 
@@ -569,7 +585,17 @@ static ddp_status train_step(ddp_trainer *t, run_state *r, int64_t epoch, bool *
   ddp_train_phases ph = {0}; /* seconds */
   int64_t t_loaded;
   const bool graph = ddp__train_graph_takes(t, &b);
-  if (graph) {
+  /* Under a pipeline only the last stage has the loss: the others add
+   * nothing to the group's sums. */
+  bool counts = true;
+  if (t->strategy->step) {
+    t_loaded = ddp_time_ns();
+    ph.load_ms = 1e-9 * (double)(t_loaded - t0);
+    double loss = NAN;
+    DDP_TRY(t->strategy->step(t, &b, &loss, &ph));
+    counts = !t->pp || ddp_pipeline_is_last(t->pp);
+    loss0 = (float)loss;
+  } else if (graph) {
     /* Loading: the loader's part here, the copy's inside. */
     t_loaded = ddp_time_ns();
     ph.load_ms = 1e-9 * (double)(t_loaded - t0);
@@ -582,7 +608,7 @@ static ddp_status train_step(ddp_trainer *t, run_state *r, int64_t epoch, bool *
     ph.load_ms = 1e-9 * (double)(t_loaded - t0);
     DDP_TRY(ddp__train_eager_step(t, t->tape, &x, &y, &loss0, &ph));
   }
-  double loss_sums[2] = {(double)loss0 * (double)b.size, (double)b.size};
+  double loss_sums[2] = {counts ? (double)loss0 * (double)b.size : 0, counts ? (double)b.size : 0};
   double load = ph.load_ms, forward = ph.forward_ms, backward_compute = ph.backward_compute_ms,
          backward_comm = 0, optimizer = ph.optimizer_ms;
   if (t->strategy->split_backward) t->strategy->split_backward(t, &backward_compute, &backward_comm);
@@ -741,6 +767,7 @@ static ddp_status fill_result(ddp_trainer *t, run_state *r, ddp_train_result *re
       steady_steps > 0 ? 1e3 * p->preempted_ms / steady_steps : NAN;
   ddp_status s = ddp__train_sum(t, res->steady_preempted_ms_per_rank, t->size);
   if (s != DDP_OK) return ddp_error_wrap(s, "gathering the ranks' preempted time");
+  if (t->pp) DDP_TRY(ddp__train_pipeline_stats(t, res));
   return DDP_OK;
 }
 
@@ -788,10 +815,17 @@ static ddp_status run(ddp_trainer *t, run_state *r, ddp_train_result *res) {
   r->stopped = DDP_TRAIN_STOP_EPOCHS;
   for (int64_t epoch = r->start.epoch; epoch < o->epochs && !r->stop; epoch++) {
     ddp_status s = train_epoch(t, r, epoch);
+    if (s != DDP_OK && t->pp) { /* which rank holds which stage, for a peer's failure */
+      char mesh[512];
+      return ddp_error_wrap(s, "epoch %lld, after step %lld (%s)", (long long)epoch + 1,
+                            (long long)r->step, ddp__train_pipeline_mesh(t, mesh, sizeof mesh));
+    }
     if (s != DDP_OK)
       return ddp_error_wrap(s, "epoch %lld, after step %lld", (long long)epoch + 1,
                             (long long)r->step);
   }
+  /* Under a pipeline the caller's model gets the trained stages back. */
+  if (t->pp) DDP_TRY(ddp__train_pipeline_gather(t));
   if (o->save_path) DDP_TRY(save_checkpoint(t, r->step, r->pos_epoch, r->pos_batches, &r->pat));
   /* The end of training is always evaluated. */
   if (!r->evaluated_now && (r->step > 0 || o->epochs == 0)) {

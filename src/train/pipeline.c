@@ -1,0 +1,437 @@
+/* The pipeline strategy of the training loop (issue 23; docs/train.md,
+ * "Pipeline"): the trainer's group as a mesh of P stages x D replicas, a
+ * pipeline (include/ddp/pipeline.h) per replica, each stage's gradients
+ * averaged over its data-parallel group once per step, the step and the
+ * evaluation through the pipeline, and checkpoints of the whole model with
+ * the unsplit model's names gathered from the stages. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "train/train_internal.h"
+
+/* ---- The mesh ------------------------------------------------------------ */
+
+ddp_status ddp__train_pipeline_check(const ddp_train_options *o, const ddp_process_group *pg) {
+  const ddp_train_pipeline *p = o->pipeline;
+  if (!pg)
+    return ddp_error(DDP_ERR_INVALID, "pipeline: %d stages need a process group of a multiple "
+                                      "of %d ranks (run under ddprun)",
+                     (int)p->stages, (int)p->stages);
+  const int size = ddp_process_group_size(pg);
+  if (p->stages < 2 || size % p->stages != 0)
+    return ddp_error(DDP_ERR_INVALID,
+                     "pipeline: stages is %d; it must be >= 2 and divide the group's %d ranks "
+                     "(P stages x D replicas)",
+                     (int)p->stages, size);
+  if (o->strategy == DDP_TRAIN_SINGLE || o->strategy == DDP_TRAIN_DATA_PARALLEL)
+    return ddp_error(DDP_ERR_INVALID, "pipeline: leave strategy at DDP_TRAIN_AUTO (the pipeline "
+                                      "is its own strategy, data parallel across replicas)");
+  if (o->device.type != DDP_DEVICE_CPU || o->cuda_graph)
+    return ddp_error(DDP_ERR_UNSUPPORTED, "pipeline: stages run on the CPU for now");
+  return DDP_OK;
+}
+
+/* The step's gradient synchronisation over the stage's replicas (the
+ * pipeline calls it once, after the last micro-batch's backward): the
+ * gradients averaged, as the data-parallel wrapper averages them, and the
+ * BatchNorm buffers taken from the group's first replica, as its
+ * broadcast_buffers does before each forward. */
+static ddp_status sync_stage(void *user, ddp_model *stage) {
+  ddp_trainer *t = user;
+  ddp_status s = ddp_pipeline_allreduce_grads(t->stage_dp_pg, stage);
+  if (s != DDP_OK) return ddp_error_wrap(s, "averaging stage %d's gradients over its %d replicas",
+                                         t->stage_rank, t->replicas);
+  const int64_t nbuf = ddp_model_num_buffer_elements(stage);
+  if (nbuf > 0) {
+    s = ddp_broadcast(t->stage_dp_pg, ddp_model_buffers_flat(stage), (size_t)nbuf, DDP_FLOAT32, 0);
+    if (s != DDP_OK) return ddp_error_wrap(s, "broadcasting stage %d's buffers", t->stage_rank);
+  }
+  const int nc = ddp_model_num_counters(stage);
+  if (nc > 0) {
+    s = ddp_broadcast(t->stage_dp_pg, ddp_model_counters(stage), (size_t)nc, DDP_INT64, 0);
+    if (s != DDP_OK) return ddp_error_wrap(s, "broadcasting stage %d's counters", t->stage_rank);
+  }
+  return DDP_OK;
+}
+
+/* The stage's parameters and buffers from its data-parallel group's first
+ * replica (the wrapper's broadcast at creation): equal already when every
+ * rank built the model from the same seed, and made so when not. */
+static ddp_status broadcast_stage(ddp_trainer *t) {
+  ddp_model *m = t->step_model;
+  ddp_status s = ddp_broadcast(t->stage_dp_pg, ddp_model_params_flat(m),
+                               (size_t)ddp_model_num_param_elements(m), DDP_FLOAT32, 0);
+  if (s != DDP_OK) return s;
+  return sync_stage(t, m);
+}
+
+/* The largest batch a step or evaluation hands the pipeline. */
+static int64_t largest_batch(const ddp_train_options *o) {
+  int64_t eval = o->eval_batch_size ? o->eval_batch_size
+                 : o->batch_size > 1000 ? o->batch_size
+                                        : 1000;
+  return eval > o->batch_size ? eval : o->batch_size;
+}
+
+ddp_status ddp__train_pipeline_prepare(ddp_trainer *t) {
+  const ddp_train_options *o = &t->o;
+  const ddp_train_pipeline *p = o->pipeline;
+  const int P = p->stages;
+  t->replicas = t->size / P;
+  t->replica = t->rank / P;
+  t->stage_rank = t->rank % P;
+  /* Each made once: the pipeline group of this rank's replica, and the
+   * data-parallel group of its stage (every rank takes part in both
+   * splits: they are collective over the trainer's group). */
+  ddp_status s = ddp_process_group_split(t->pg, t->replica, t->stage_rank, &t->pipe_pg);
+  if (s != DDP_OK) return ddp_error_wrap(s, "making replica %d's pipeline group", t->replica);
+  s = ddp_process_group_split(t->pg, t->stage_rank, t->replica, &t->stage_dp_pg);
+  if (s != DDP_OK) return ddp_error_wrap(s, "making stage %d's data-parallel group", t->stage_rank);
+  ddp_pipeline_options po = ddp_pipeline_defaults();
+  po.schedule = p->schedule;
+  po.n_microbatches = o->microbatches > 1 ? o->microbatches : 1;
+  po.virtual_stages = p->virtual_stages > 0 ? p->virtual_stages : 1;
+  po.split = p->split;
+  po.grad_scale = o->microbatch_sum ? 1.0 : 0.0;
+  po.max_batch = largest_batch(o);
+  s = ddp_pipeline_create(&t->pp, t->model, t->pipe_pg, &po);
+  if (s != DDP_OK) return ddp_error_wrap(s, "rank %d (stage %d of replica %d): setting up the pipeline",
+                                         t->rank, t->stage_rank, t->replica);
+  t->step_model = ddp_pipeline_model(t->pp);
+  if (o->sync_bn && t->replicas > 1) {
+    s = ddp_model_convert_sync_batchnorm(t->step_model, t->stage_dp_pg);
+    if (s != DDP_OK) return ddp_error_wrap(s, "converting stage %d to SyncBatchNorm", t->stage_rank);
+  }
+  /* Every batch of an epoch must fill the M micro-batches: the sampler
+   * pads each replica's share to ceil(N / D), so only its last batch can
+   * be short. */
+  const int64_t per_replica = (ddp_dataset_size(t->train_ds) + t->replicas - 1) / t->replicas;
+  const int64_t last = per_replica % o->batch_size;
+  if (last && last < po.n_microbatches)
+    return ddp_error(DDP_ERR_INVALID,
+                     "pipeline: each replica's epoch of %lld samples ends with a batch of %lld, "
+                     "fewer than the %d micro-batches; pick a batch size that leaves none or "
+                     "at least %d",
+                     (long long)per_replica, (long long)last, po.n_microbatches,
+                     po.n_microbatches);
+  /* The outputs of an evaluation batch, on the last stage (sized once). */
+  if (ddp_pipeline_is_last(t->pp)) {
+    int64_t shape[DDP_MAX_DIMS + 1];
+    int nd = ddp_pipeline_output_shape(t->pp, shape + 1);
+    shape[0] = largest_batch(o);
+    s = ddp_tensor_create(&t->eval_out, DDP_FLOAT32, nd + 1, shape);
+    if (s != DDP_OK) return ddp_error_wrap(s, "the evaluation's outputs");
+  }
+  t->gather = calloc((size_t)ddp_model_num_param_elements(t->model) + 1, sizeof(float));
+  if (!t->gather) return ddp_error(DDP_ERR_NOMEM, "pipeline: out of memory for the gather buffer");
+  return DDP_OK;
+}
+
+static ddp_status pipeline_create(ddp_trainer *t) {
+  if (t->replicas > 1) {
+    ddp_status s = broadcast_stage(t);
+    if (s != DDP_OK) return ddp_error_wrap(s, "broadcasting stage %d from replica 0", t->stage_rank);
+    ddp_pipeline_set_grad_sync(t->pp, sync_stage, t);
+  }
+  ddp_pipeline_reset_stats(t->pp);
+  return DDP_OK;
+}
+
+static void pipeline_destroy(ddp_trainer *t) {
+  ddp_pipeline_destroy(t->pp);
+  t->pp = NULL;
+  t->step_model = t->model;
+  ddp_tensor_destroy(t->eval_out);
+  t->eval_out = NULL;
+  ddp_optimizer_destroy(t->full_opt);
+  t->full_opt = NULL;
+  free(t->gather);
+  t->gather = NULL;
+  ddp_process_group_destroy(t->stage_dp_pg);
+  ddp_process_group_destroy(t->pipe_pg);
+  t->stage_dp_pg = t->pipe_pg = NULL;
+}
+
+/* ---- The step and the evaluation ---------------------------------------- */
+
+static ddp_status pipeline_step(ddp_trainer *t, ddp_batch *b, double *loss, ddp_train_phases *p) {
+  const int64_t t0 = ddp_time_ns();
+  ddp_model_zero_grad(t->step_model);
+  const bool first = ddp_pipeline_is_first(t->pp), last = ddp_pipeline_is_last(t->pp);
+  ddp_status s = ddp_pipeline_step(t->pp, first ? &b->x : NULL, last ? &b->y : NULL, loss);
+  if (s != DDP_OK)
+    return ddp_error_wrap(s, "replica %d's pipeline step", t->replica);
+  const int64_t t1 = ddp_time_ns();
+  s = ddp_optimizer_step(t->opt);
+  if (s != DDP_OK) return ddp_error_wrap(s, "optimizer step");
+  const int64_t t2 = ddp_time_ns();
+  /* The pipeline interleaves forwards and backwards: its whole step is the
+   * forward phase here, and the waits for transfers are communication. */
+  ddp_pipeline_stats st;
+  ddp_pipeline_get_stats(t->pp, &st);
+  double wait = st.wait_s < 1e-9 * (double)(t1 - t0) ? st.wait_s : 1e-9 * (double)(t1 - t0);
+  p->forward_ms = 1e-9 * (double)(t1 - t0) - wait;
+  p->backward_compute_ms = 0;
+  p->backward_comm_ms = wait;
+  p->optimizer_ms = 1e-9 * (double)(t2 - t1);
+  t->step_marks[0] = t0;
+  t->step_marks[1] = t1;
+  t->step_marks[2] = t1;
+  t->step_marks[3] = t2;
+  return DDP_OK;
+}
+
+/* This replica's test sums (loss * rows, correct, rows), counted on its last
+ * stage; the other stages add zeros, so the trainer's reduction over the
+ * whole group counts every test sample once. */
+static ddp_status pipeline_local_sums(ddp_trainer *t, double sums[3]) {
+  const bool first = ddp_pipeline_is_first(t->pp), last = ddp_pipeline_is_last(t->pp);
+  const bool classify = ddp_model_loss_kind(t->model) != DDP_LOSS_MSE;
+  double loss_sum = 0;
+  int64_t correct = 0, seen = 0;
+  DDP_TRY(ddp_loader_start_epoch(t->test_loader, 0));
+  for (;;) {
+    ddp_batch b;
+    DDP_TRY(ddp_loader_next(t->test_loader, &b));
+    if (b.size == 0) break;
+    ddp_tensor out;
+    if (last) {
+      out = *t->eval_out;
+      out.shape[0] = b.size;
+      out.numel = t->eval_out->numel / t->eval_out->shape[0] * b.size;
+    }
+    double loss = NAN;
+    ddp_status s = ddp_pipeline_eval(t->pp, first ? &b.x : NULL, last ? &b.y : NULL,
+                                     last ? &out : NULL, &loss);
+    if (s != DDP_OK)
+      return ddp_error_wrap(s, "rank %d (stage %d, replica %d): pipeline evaluation", t->rank,
+                            t->stage_rank, t->replica);
+    if (!last) continue;
+    loss_sum += loss * (double)b.size;
+    if (classify) {
+      const float *o = ddp_tensor_f32(&out);
+      const int64_t *y = ddp_tensor_i64(&b.y);
+      const int64_t classes = out.shape[1];
+      for (int64_t i = 0; i < b.size; i++) {
+        int64_t best = 0;
+        for (int64_t c = 1; c < classes; c++)
+          if (o[i * classes + c] > o[i * classes + best]) best = c;
+        correct += best == y[i];
+      }
+    }
+    seen += b.size;
+  }
+  sums[0] = loss_sum;
+  sums[1] = (double)correct;
+  sums[2] = (double)seen;
+  return DDP_OK;
+}
+
+const ddp__train_strategy ddp__train_pipeline = {
+    .name = "pipeline",
+    .create = pipeline_create,
+    .forward = NULL,
+    .backward = NULL,
+    .split_backward = NULL,
+    .destroy = pipeline_destroy,
+    .step = pipeline_step,
+    .local_sums = pipeline_local_sums,
+};
+
+/* ---- The figures ---------------------------------------------------------- */
+
+/* Every pipeline rank's figures as replica 0 measured them, on every rank
+ * (a sum over the group, where the other replicas add zeros). Collective. */
+ddp_status ddp__train_pipeline_stats(ddp_trainer *t, ddp_train_result *res) {
+  const int P = t->o.pipeline->stages;
+  enum { FIELDS = 4 };
+  double *v = calloc((size_t)P * FIELDS, sizeof(double));
+  ddp_train_stage_stats *out = calloc((size_t)P, sizeof *out);
+  if (!v || !out) {
+    free(v);
+    free(out);
+    return ddp_error(DDP_ERR_NOMEM, "out of memory for %d stages' figures", P);
+  }
+  if (t->replica == 0) {
+    ddp_pipeline_stats st;
+    ddp_pipeline_get_stats(t->pp, &st);
+    double *row = v + (size_t)t->stage_rank * FIELDS;
+    row[0] = st.idle_fraction_mean;
+    row[1] = (double)st.activation_bytes_high_water;
+    row[2] = (double)st.microbatch_activation_bytes;
+    row[3] = st.live_high_water;
+  }
+  ddp_status s = ddp__train_sum(t, v, P * FIELDS);
+  if (s != DDP_OK) {
+    free(v);
+    free(out);
+    return ddp_error_wrap(s, "gathering the stages' figures");
+  }
+  for (int r = 0; r < P; r++) {
+    const double *row = v + (size_t)r * FIELDS;
+    out[r] = (ddp_train_stage_stats){.rank = r, .idle_fraction = row[0],
+                                     .activation_bytes_high_water = (int64_t)row[1],
+                                     .microbatch_activation_bytes = (int64_t)row[2],
+                                     .live_high_water = (int32_t)row[3]};
+  }
+  free(v);
+  res->stages = out;
+  res->n_stages = P;
+  return DDP_OK;
+}
+
+/* ---- The whole model: gathered for checkpoints and at the end ------------ */
+
+/* The full model's parameter (by name) that stage parameter i is. */
+static int full_index(ddp_trainer *t, int i) {
+  ddp_tensor *p = ddp_model_find_param(t->model, ddp_model_param_name(t->step_model, i));
+  DDP_ASSERT(p);
+  return p->param_index;
+}
+
+/* Sums `n` values of the full model's layout (this rank's part filled, the
+ * rest zero) over the pipeline group: x + 0 is exact, so every rank ends
+ * with every stage's values. */
+static ddp_status sum_parts(ddp_trainer *t, void *buf, size_t n, ddp_dtype dtype) {
+  return n ? ddp_allreduce(t->pipe_pg, buf, n, dtype, DDP_REDUCE_SUM) : DDP_OK;
+}
+
+/* Copies every stage's parameters, buffers and counters into the full
+ * model (t->model) on every rank of the pipeline. Collective over it. */
+static ddp_status gather_model(ddp_trainer *t) {
+  ddp_model *full = t->model, *stage = t->step_model;
+  const int64_t n = ddp_model_num_param_elements(full);
+  float *params = ddp_model_params_flat(full);
+  memset(params, 0, (size_t)n * sizeof(float));
+  for (int i = 0; i < ddp_model_num_params(stage); i++) {
+    const ddp_tensor *sp = ddp_model_param(stage, i);
+    memcpy(params + ddp_model_param_offset(full, full_index(t, i)), sp->data,
+           (size_t)sp->numel * sizeof(float));
+  }
+  DDP_TRY(sum_parts(t, params, (size_t)n, DDP_FLOAT32));
+  /* Buffers and counters by name: running statistics are float32 arrays
+   * at their entry's place, num_batches_tracked an int64 scalar. */
+  float *buffers = ddp_model_buffers_flat(full);
+  int64_t *counters = ddp_model_counters(full);
+  const int64_t nbuf = ddp_model_num_buffer_elements(full);
+  const int nc = ddp_model_num_counters(full);
+  if (nbuf) memset(buffers, 0, (size_t)nbuf * sizeof(float));
+  if (nc) memset(counters, 0, (size_t)nc * sizeof(int64_t));
+  for (int k = 0; k < ddp_model_state_count(stage); k++) {
+    ddp_state_entry se, fe;
+    DDP_TRY(ddp_model_state_entry(stage, k, &se));
+    if (se.is_param) continue;
+    DDP_TRY(ddp_model_state_find(full, se.name, &fe));
+    memcpy(fe.data, se.data, (size_t)se.numel * ddp_dtype_size(se.dtype));
+  }
+  DDP_TRY(sum_parts(t, buffers, (size_t)nbuf, DDP_FLOAT32));
+  DDP_TRY(sum_parts(t, counters, (size_t)nc, DDP_INT64));
+  return DDP_OK;
+}
+
+/* The unsplit model's optimizer, made at the first save or resume: the
+ * checkpoint's optimizer state is laid out by the full model's parameter
+ * indices, whatever the split. */
+static ddp_status full_optimizer(ddp_trainer *t) {
+  if (t->full_opt) return DDP_OK;
+  ddp_optim_options oo = *ddp_optimizer_options(t->opt);
+  ddp_status s = ddp_optimizer_create(&t->full_opt, &oo, ddp_model_params_flat(t->model),
+                                      ddp_model_grads_flat(t->model),
+                                      (size_t)ddp_model_num_param_elements(t->model));
+  return s == DDP_OK ? DDP_OK : ddp_error_wrap(s, "the unsplit model's optimizer state");
+}
+
+/* Every stage's optimizer state into the full optimizer (on every rank of
+ * the pipeline). Collective over it. */
+static ddp_status gather_optimizer(ddp_trainer *t) {
+  DDP_TRY(full_optimizer(t));
+  DDP_TRY(ddp_optimizer_set_lr(t->full_opt, ddp_optimizer_get_lr(t->opt)));
+  double has = ddp_optimizer_has_state(t->opt) ? 1 : 0;
+  DDP_TRY(ddp_allreduce(t->pipe_pg, &has, 1, DDP_FLOAT64, DDP_REDUCE_MIN));
+  if (!has) return DDP_OK; /* before the first step: PyTorch's state is empty */
+  const int64_t n = ddp_model_num_param_elements(t->model);
+  for (size_t k = 0; k < ddp_optimizer_state_count(t->opt); k++) {
+    ddp_optim_state st;
+    DDP_TRY(ddp_optimizer_state_get(t->opt, k, &st));
+    if (st.is_scalar) { /* Adam's step: the same on every stage */
+      DDP_TRY(ddp_optimizer_state_load(t->full_opt, st.name, st.data, 1));
+      continue;
+    }
+    memset(t->gather, 0, (size_t)n * sizeof(float));
+    for (int i = 0; i < ddp_model_num_params(t->step_model); i++)
+      memcpy(t->gather + ddp_model_param_offset(t->model, full_index(t, i)),
+             st.data + ddp_model_param_offset(t->step_model, i),
+             (size_t)ddp_model_param(t->step_model, i)->numel * sizeof(float));
+    DDP_TRY(sum_parts(t, t->gather, (size_t)n, DDP_FLOAT32));
+    DDP_TRY(ddp_optimizer_state_load(t->full_opt, st.name, t->gather, (size_t)n));
+  }
+  return DDP_OK;
+}
+
+ddp_status ddp__train_pipeline_gather(ddp_trainer *t) {
+  ddp_status s = gather_model(t);
+  if (s != DDP_OK) return ddp_error_wrap(s, "gathering the stages' parameters into the whole model");
+  return DDP_OK;
+}
+
+ddp_status ddp__train_pipeline_save(ddp_trainer *t, const ddp_train_state *ts) {
+  ddp_status s = gather_model(t);
+  if (s == DDP_OK) s = gather_optimizer(t);
+  if (s != DDP_OK) return ddp_error_wrap(s, "gathering the stages' parts for the checkpoint");
+  if (t->rank == 0) {
+    s = ddp_checkpoint_save(t->o.save_path, t->model, t->full_opt, t->sched, ts,
+                            t->o.checkpoint_meta, t->o.checkpoint_meta_count);
+    if (s != DDP_OK) return ddp_error_wrap(s, "saving the checkpoint");
+  }
+  return DDP_OK;
+}
+
+/* The stage's part of a checkpoint loaded into the full model and
+ * optimizer: parameters, buffers and counters by name, each optimizer
+ * buffer's segments by parameter. Not collective. */
+ddp_status ddp__train_pipeline_resume(ddp_trainer *t, ddp_train_state *start) {
+  DDP_TRY(full_optimizer(t));
+  ddp_status s = ddp_checkpoint_load(t->o.resume_path, t->model, t->full_opt, t->sched, start,
+                                     t->o.checkpoint_meta, t->o.checkpoint_meta_count);
+  if (s != DDP_OK) return ddp_error_wrap(s, "resuming");
+  ddp_model *stage = t->step_model;
+  for (int k = 0; k < ddp_model_state_count(stage); k++) {
+    ddp_state_entry se, fe;
+    DDP_TRY(ddp_model_state_entry(stage, k, &se));
+    DDP_TRY(ddp_model_state_find(t->model, se.name, &fe));
+    memcpy(se.data, fe.data, (size_t)se.numel * ddp_dtype_size(se.dtype));
+  }
+  DDP_TRY(ddp_optimizer_set_lr(t->opt, ddp_optimizer_get_lr(t->full_opt)));
+  if (!ddp_optimizer_has_state(t->full_opt)) return DDP_OK;
+  float *part = t->gather; /* the stage's layout fits: it has fewer floats */
+  for (size_t k = 0; k < ddp_optimizer_state_count(t->full_opt); k++) {
+    ddp_optim_state st;
+    DDP_TRY(ddp_optimizer_state_get(t->full_opt, k, &st));
+    if (st.is_scalar) {
+      DDP_TRY(ddp_optimizer_state_load(t->opt, st.name, st.data, 1));
+      continue;
+    }
+    for (int i = 0; i < ddp_model_num_params(stage); i++)
+      memcpy(part + ddp_model_param_offset(stage, i),
+             st.data + ddp_model_param_offset(t->model, full_index(t, i)),
+             (size_t)ddp_model_param(stage, i)->numel * sizeof(float));
+    DDP_TRY(ddp_optimizer_state_load(t->opt, st.name, part,
+                                     (size_t)ddp_model_num_param_elements(stage)));
+  }
+  return DDP_OK;
+}
+
+const char *ddp__train_pipeline_mesh(const ddp_trainer *t, char *buf, size_t bytes) {
+  const int P = t->o.pipeline->stages;
+  size_t at = (size_t)snprintf(buf, bytes, "the mesh:");
+  if (t->size > 16) {
+    snprintf(buf + (at < bytes ? at : bytes), at < bytes ? bytes - at : 0,
+             " rank r is stage r %% %d of replica r / %d", P, P);
+    return buf;
+  }
+  for (int r = 0; r < t->size && at < bytes; r++)
+    at += (size_t)snprintf(buf + at, bytes - at, "%s rank %d is stage %d of replica %d",
+                           r ? "," : "", r, r % P, r / P);
+  return buf;
+}
