@@ -203,6 +203,7 @@ static const conv_cfg conv_shapes[] = {
     {1, 3, 4, 19, 2, 3, 3, 1, 0, false}, /* rows of 17: one lane in the second vector */
     {2, 2, 5, 4, 33, 3, 3, 1, 1, true},  /* O >= 32: dW^T through a transposed dy */
     {1, 2, 6, 5, 32, 3, 3, 2, 1, false}, /* the same, strided (explicit columns) */
+    {2, 10, 6, 20, 10, 3, 3, 1, 1, true}, /* convnet-N's 10 channels: shifted copies */
 };
 
 static void make_conv_inputs(const conv_cfg *q, ddp_tensor **in, uint64_t seed, bool x_grad) {

@@ -190,7 +190,8 @@ static bool dx_is_conv(const ddp__conv2d_geom *g) {
 }
 
 /* wflip (C, O, KH, KW)[c][o][a][b] = w (O, C, KH, KW)[o][c][KH-1-a][KW-1-b],
- * and a padded buffer for dy (O, OH, OW) with padding K-1-pad. */
+ * and, unless dyp is NULL, a padded buffer for dy (O, OH, OW) with padding
+ * K-1-pad. */
 static ddp_status dx_conv_init(float **wflip, padded *dyp, const float *w,
                                const ddp__conv2d_geom *g, ddp_arena *arena) {
   ddp_status status = DDP_OK;
@@ -202,6 +203,7 @@ static ddp_status dx_conv_init(float **wflip, padded *dyp, const float *w,
       for (int64_t t = 0; t < kk; t++)
         f[(c * g->o + o) * kk + t] = w[(o * g->c + c) * kk + (kk - 1 - t)];
   *wflip = f;
+  if (!dyp) return DDP_OK;
   return padded_init(dyp, g->o, g->oh, g->ow, g->kh - 1 - g->pad, g->kw - 1 - g->pad, g->kh,
                      g->kw, arena);
 }
@@ -298,6 +300,8 @@ static ddp_status backward_generic(float *dx, float *dw, float *db, const float 
  *     gemm with k = O and a scatter-add (col2im).
  *   - with few output channels (conv1: 16), dW is a set of dot products of
  *     dy rows with column-matrix rows, needing no transposed copy of dy.
+ *   - "same" convolutions with few channels (convnet-N's 10) read shifted
+ *     copies of the sample as flat rows instead (see `shifted` below).
  * Masked stores cost ~10 cycles each on AMD (Zen 5): copies use whole
  * vectors and let a row's spare lanes spill onto the next row, which is
  * written afterwards; buffers carry SLACK floats past their end for that. */
@@ -353,6 +357,81 @@ AVX512 static void transpose(float *restrict dst, const float *restrict src, int
     for (int64_t j = i < rows16 ? cols16 : 0; j < cols; j++) dst[j * rows + i] = src[i * cols + j];
 }
 
+/* "Same" convolutions (stride 1, K = 2*pad + 1, output as large as the
+ * input) with few channels: the output's H*W positions run as one flat
+ * row, and the column matrix's row for tap (c, a, b) is a slice of one of KW
+ * shifted copies of channel c: copy_b[r][x] = x[r - pad][x + b - pad] (zero
+ * outside), with pad zero rows above and below, so that row (c, a, b) is
+ * copy_b + a*W, H*W floats long. The gemms read it through per-tap offsets
+ * (cpu/gemm.c, *_off). Against the padded rows of conv_rows: no lanes lost
+ * to rows narrower than their vectors (28 of 32 on MNIST) and no tiles of
+ * one channel (10 channels were a tile of 8 and two of 1), and the weight
+ * gradient needs no column matrix (im2col was a tenth of a convnet-10 step).
+ * Each output adds the same products in the same order as the other paths,
+ * so the results are the same bits. */
+typedef struct shifted {
+  float *buf;   /* (C, KW, H + 2*pad, W), zero where no input falls */
+  int64_t *off; /* off[(c*KH + a)*KW + b] = ((c*KW + b)*(H + 2*pad) + a)*W */
+  int64_t c, h, w, kw, pad;
+} shifted;
+
+static bool is_same(const ddp__conv2d_geom *g) {
+  return g->stride == 1 && g->kh == g->kw && g->kh == 2 * g->pad + 1 && g->oh == g->h &&
+         g->ow == g->w;
+}
+
+/* Below this many output channels (of the forward or of dX), the shifted
+ * copies; from it on, the ConvNet's paths (conv_rows, tuned at 16 and 32). */
+#define SHIFTED_MAX_CHANNELS 16
+
+static ddp_status shifted_init(shifted *s, int64_t c, int64_t h, int64_t w, int64_t k,
+                               int64_t pad, ddp_arena *arena) {
+  ddp_status status = DDP_OK;
+  const int64_t hp = h + 2 * pad, floats = c * k * hp * w + SLACK;
+  *s = (shifted){.c = c, .h = h, .w = w, .kw = k, .pad = pad};
+  if (!(s->buf = scratch(arena, floats, &status))) return status;
+  memset(s->buf, 0, (size_t)floats * sizeof(float));
+  s->off = ddp_arena_alloc(arena, (size_t)(c * k * k) * sizeof(int64_t));
+  if (!s->off) return ddp_error(DDP_ERR_NOMEM, "conv2d: cannot allocate tap offsets");
+  for (int64_t ci = 0; ci < c; ci++)
+    for (int64_t a = 0; a < k; a++)
+      for (int64_t b = 0; b < k; b++) s->off[(ci * k + a) * k + b] = ((ci * k + b) * hp + a) * w;
+  return DDP_OK;
+}
+
+/* The copies of one sample x (C, H, W); the zeros stay from shifted_init.
+ * Rows up to 32 wide go as two whole vectors each, loaded under a mask
+ * (masked-off lanes read nothing, so x - 1 is never touched) with zeros in
+ * the lanes past the row: those land on the next row's start, which is
+ * written next, or on the zero rows below (SLACK covers the last plane).
+ * A memcpy per row of 27 floats cost as much as the weight gradient's
+ * gemm's tenth. */
+AVX512 static void shifted_copy(shifted *s, const float *restrict x) {
+  const int64_t hp = s->h + 2 * s->pad, w = s->w;
+  for (int64_t ci = 0; ci < s->c; ci++)
+    for (int64_t b = 0; b < s->kw; b++) {
+      const int64_t shift = b - s->pad; /* copy column j holds input column j + shift */
+      const int64_t dst0 = shift < 0 ? -shift : 0, src0 = shift > 0 ? shift : 0;
+      const int64_t n = w - (shift < 0 ? -shift : shift);
+      float *dst = s->buf + ((ci * s->kw + b) * hp + s->pad) * w;
+      const float *src = x + ci * s->h * w;
+      if (w > 32) {
+        for (int64_t r = 0; r < s->h; r++, dst += w, src += w)
+          memcpy(dst + dst0, src + src0, (size_t)n * sizeof(float));
+        continue;
+      }
+      /* lanes [dst0, dst0 + n) of the 32 hold src[j + shift] */
+      const uint32_t valid = (uint32_t)(((uint64_t)1 << n) - 1) << dst0;
+      const __mmask16 lo = (__mmask16)valid, hi = (__mmask16)(valid >> 16);
+      for (int64_t r = 0; r < s->h; r++, dst += w, src += w) {
+        __m512 v0 = _mm512_maskz_loadu_ps(lo, src + shift);
+        __m512 v1 = _mm512_maskz_loadu_ps(hi, src + shift + 16);
+        _mm512_storeu_ps(dst, v0);
+        if (w > 16) _mm512_storeu_ps(dst + 16, v1);
+      }
+    }
+}
+
 static ddp_status forward_avx512(float *y, const float *x, const float *w, const float *b,
                                  const ddp__conv2d_geom *g, ddp_arena *arena) {
   const int64_t k = g->c * g->kh * g->kw, ohw = g->oh * g->ow, chw = g->c * g->h * g->w;
@@ -361,6 +440,17 @@ static ddp_status forward_avx512(float *y, const float *x, const float *w, const
     for (int64_t n = 0; n < g->n; n++)
       ddp__cpu_gemm_avx512(g->o, ohw, k, w, k, x + n * chw, ohw, y + n * g->o * ohw, ohw, b,
                            false);
+    return DDP_OK;
+  }
+  if (is_same(g) && g->o < SHIFTED_MAX_CHANNELS) {
+    shifted sx;
+    DDP_TRY(shifted_init(&sx, g->c, g->h, g->w, g->kw, g->pad, arena));
+    for (int64_t n = 0; n < g->n; n++) {
+      shifted_copy(&sx, x + n * chw);
+      /* y_n (O, H*W) = b + w (O, K) @ rows of the copies (K, H*W) */
+      ddp__cpu_gemm_off_avx512(g->o, ohw, k, w, k, sx.buf, sx.off, y + n * g->o * ohw, ohw, b,
+                               false);
+    }
     return DDP_OK;
   }
   padded p = {0};
@@ -395,9 +485,13 @@ static ddp_status backward_avx512(float *dx, float *dw, float *db, const float *
   /* dW: dot products (few output channels), implicit (stride 1), or col. */
   const bool dw_dot = g->o < 32;
   const bool dw_implicit = !dw_dot && g->stride == 1 && !pointwise;
+  const bool dw_shifted = dw_dot && is_same(g) && !pointwise;
   padded xp = {0};
+  shifted sx = {0};
   float *col = NULL, *dyt = NULL, *dwt = NULL;
-  if (dw) {
+  if (dw && dw_shifted) {
+    DDP_TRY(shifted_init(&sx, g->c, g->h, g->w, g->kw, g->pad, arena));
+  } else if (dw) {
     if (g->stride == 1 && !pointwise)
       DDP_TRY(padded_init(&xp, g->c, g->h, g->w, g->pad, g->pad, g->kh, g->kw, arena));
     if (!dw_implicit && !pointwise && !(col = scratch(arena, k * ohw + SLACK, &status)))
@@ -412,10 +506,17 @@ static ddp_status backward_avx512(float *dx, float *dw, float *db, const float *
   /* dX: a convolution of dy with the flipped weight (implicit when rows fit
    * two vectors, else through a column matrix), or gemm + col2im. */
   const bool dx_as_conv = dx_is_conv(g);
+  const bool dx_shifted = is_same(g) && g->c < SHIFTED_MAX_CHANNELS;
   const bool dx_implicit = dx_as_conv && g->w <= 32;
   padded dyp = {0};
+  shifted sdy = {0};
   float *wflip = NULL, *wt = NULL, *dcol = NULL;
-  if (dx && dx_as_conv) {
+  if (dx && dx_shifted) {
+    /* dX of a same convolution is a same convolution of dy (padding
+     * K-1-pad = pad) with the flipped weight (C, O*KH*KW). */
+    DDP_TRY(dx_conv_init(&wflip, NULL, w, g, arena));
+    DDP_TRY(shifted_init(&sdy, g->o, g->h, g->w, g->kw, g->pad, arena));
+  } else if (dx && dx_as_conv) {
     DDP_TRY(dx_conv_init(&wflip, &dyp, w, g, arena));
     if (!dx_implicit && !(dcol = scratch(arena, g->o * kk * hw + SLACK, &status))) return status;
   } else if (dx) {
@@ -428,7 +529,11 @@ static ddp_status backward_avx512(float *dx, float *dw, float *db, const float *
     const float *xn = x + n * chw;
     const float *dyn = dy + n * g->o * ohw; /* (O, OH*OW) */
     if (db) bias_grad(db, dyn, g->o, ohw);
-    if (dw && dw_implicit) {
+    if (dw && dw_shifted) {
+      shifted_copy(&sx, xn);
+      /* dw (O, K) += dy (O, H*W) @ (rows of the copies (K, H*W))^T */
+      ddp__cpu_gemm_nt_off_avx512(g->o, k, ohw, dyn, ohw, sx.buf, sx.off, dw, k);
+    } else if (dw && dw_implicit) {
       pad_copy(&xp, xn);
       transpose(dyt, dyn, g->o, ohw);
       /* dwt (K, O) += implicit col (K, OH*OW) @ dy^T (OH*OW, O) */
@@ -445,7 +550,12 @@ static ddp_status backward_avx512(float *dx, float *dw, float *db, const float *
         ddp__cpu_gemm_avx512(k, g->o, ohw, cn, ohw, dyt, g->o, dwt, g->o, NULL, true);
       }
     }
-    if (dx && dx_as_conv) {
+    if (dx && dx_shifted) {
+      shifted_copy(&sdy, dyn);
+      /* dx_n (C, H*W) (+)= wflip (C, O*KH*KW) @ rows of dy's copies */
+      ddp__cpu_gemm_off_avx512(g->c, hw, g->o * kk, wflip, g->o * kk, sdy.buf, sdy.off,
+                               dx + n * chw, hw, NULL, dx_accumulate);
+    } else if (dx && dx_as_conv) {
       pad_copy(&dyp, dyn);
       if (dx_implicit) {
         /* dx_n (C, H, W) += wflip (C, O*KH*KW) @ implicit col of padded dy */

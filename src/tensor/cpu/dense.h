@@ -67,6 +67,15 @@ void ddp__cpu_gemm_avx512(int64_t m, int64_t n, int64_t k, const float *a, int64
  * when ddp__cpu_has_avx512(). */
 void ddp__cpu_gemm_nt_avx512(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
                              const float *b, int64_t ldb, float *c, int64_t ldc);
+/* The same two with row kk of b at b + boff[kk] (gemm_off: b's rows run
+ * along n; gemm_nt_off: row j of b (n, k) at b + boff[j]), for
+ * convolutions that read shifted copies of the image instead of a column
+ * matrix (cpu/conv.c). */
+void ddp__cpu_gemm_off_avx512(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
+                              const float *b, const int64_t *boff, float *c, int64_t ldc,
+                              const float *row_bias, bool accumulate);
+void ddp__cpu_gemm_nt_off_avx512(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
+                                 const float *b, const int64_t *boff, float *c, int64_t ldc);
 /* Stride-1 convolution gemms that read a zero-padded image xp (C, HP, WP)
  * through per-tap offsets off[t] = (c*HP + a)*WP + b instead of a column
  * matrix. conv_rows: y (m, oh, ow) = (y if accumulate, else bias or 0) +

@@ -28,8 +28,8 @@
  * so the accumulators stay in registers. */
 AVX512 static inline __attribute__((always_inline)) void
 tile(const int mr, const int nv, __mmask16 tail, int64_t k, const float *a, int64_t lda,
-     const float *b, int64_t ldb, float *c, int64_t ldc, const float *row_bias,
-     bool accumulate) {
+     const float *b, int64_t ldb, const int64_t *boff, float *c, int64_t ldc,
+     const float *row_bias, bool accumulate) {
   __m512 acc[MR][3];
 #pragma GCC unroll 8
   for (int r = 0; r < mr; r++) {
@@ -45,7 +45,7 @@ tile(const int mr, const int nv, __mmask16 tail, int64_t k, const float *a, int6
     }
   }
   for (int64_t kk = 0; kk < k; kk++) {
-    const float *bk = b + kk * ldb;
+    const float *bk = boff ? b + boff[kk] : b + kk * ldb;
     __m512 bv[3];
 #pragma GCC unroll 3
     for (int v = 0; v < nv; v++)
@@ -74,43 +74,60 @@ tile(const int mr, const int nv, __mmask16 tail, int64_t k, const float *a, int6
 /* All rows of one column strip of width 16*nv (last vector masked). */
 AVX512 static inline __attribute__((always_inline)) void
 strip(const int nv, __mmask16 tail, int64_t m, int64_t k, const float *a, int64_t lda,
-      const float *b, int64_t ldb, float *c, int64_t ldc, const float *row_bias,
-      bool accumulate) {
+      const float *b, int64_t ldb, const int64_t *boff, float *c, int64_t ldc,
+      const float *row_bias, bool accumulate) {
   int64_t i = 0;
   for (; i + MR <= m; i += MR)
-    tile(MR, nv, tail, k, a + i * lda, lda, b, ldb, c + i * ldc, ldc,
+    tile(MR, nv, tail, k, a + i * lda, lda, b, ldb, boff, c + i * ldc, ldc,
          row_bias ? row_bias + i : NULL, accumulate);
   if (m - i >= 4) {
-    tile(4, nv, tail, k, a + i * lda, lda, b, ldb, c + i * ldc, ldc,
+    tile(4, nv, tail, k, a + i * lda, lda, b, ldb, boff, c + i * ldc, ldc,
          row_bias ? row_bias + i : NULL, accumulate);
     i += 4;
   }
   if (m - i >= 2) {
-    tile(2, nv, tail, k, a + i * lda, lda, b, ldb, c + i * ldc, ldc,
+    tile(2, nv, tail, k, a + i * lda, lda, b, ldb, boff, c + i * ldc, ldc,
          row_bias ? row_bias + i : NULL, accumulate);
     i += 2;
   }
   if (m - i >= 1)
-    tile(1, nv, tail, k, a + i * lda, lda, b, ldb, c + i * ldc, ldc,
+    tile(1, nv, tail, k, a + i * lda, lda, b, ldb, boff, c + i * ldc, ldc,
          row_bias ? row_bias + i : NULL, accumulate);
 }
 
-AVX512 void ddp__cpu_gemm_avx512(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
-                                 const float *b, int64_t ldb, float *c, int64_t ldc,
-                                 const float *row_bias, bool accumulate) {
+/* Strips of 48 columns, then the rest as one strip of 1-3 vectors. */
+AVX512 static inline __attribute__((always_inline)) void
+gemm_strips(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda, const float *b,
+            int64_t ldb, const int64_t *boff, float *c, int64_t ldc, const float *row_bias,
+            bool accumulate) {
   int64_t j = 0;
   for (; j + 48 <= n; j += 48)
-    strip(3, 0xffff, m, k, a, lda, b + j, ldb, c + j, ldc, row_bias, accumulate);
+    strip(3, 0xffff, m, k, a, lda, b + j, ldb, boff, c + j, ldc, row_bias, accumulate);
   int64_t rest = n - j;
   if (rest == 0) return;
   const int lanes = (int)((rest - 1) % 16 + 1); /* in the last vector: 1..16 */
   __mmask16 tail = (__mmask16)((1u << lanes) - 1);
   if (rest > 32)
-    strip(3, tail, m, k, a, lda, b + j, ldb, c + j, ldc, row_bias, accumulate);
+    strip(3, tail, m, k, a, lda, b + j, ldb, boff, c + j, ldc, row_bias, accumulate);
   else if (rest > 16)
-    strip(2, tail, m, k, a, lda, b + j, ldb, c + j, ldc, row_bias, accumulate);
+    strip(2, tail, m, k, a, lda, b + j, ldb, boff, c + j, ldc, row_bias, accumulate);
   else
-    strip(1, tail, m, k, a, lda, b + j, ldb, c + j, ldc, row_bias, accumulate);
+    strip(1, tail, m, k, a, lda, b + j, ldb, boff, c + j, ldc, row_bias, accumulate);
+}
+
+AVX512 void ddp__cpu_gemm_avx512(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
+                                 const float *b, int64_t ldb, float *c, int64_t ldc,
+                                 const float *row_bias, bool accumulate) {
+  gemm_strips(m, n, k, a, lda, b, ldb, NULL, c, ldc, row_bias, accumulate);
+}
+
+/* The same with row kk of b at b + boff[kk]: the shifted-copy convolution
+ * (cpu/conv.c), whose "column matrix" rows are slices of a few shifted
+ * copies of the image. */
+AVX512 void ddp__cpu_gemm_off_avx512(int64_t m, int64_t n, int64_t k, const float *a,
+                                     int64_t lda, const float *b, const int64_t *boff, float *c,
+                                     int64_t ldc, const float *row_bias, bool accumulate) {
+  gemm_strips(m, n, k, a, lda, b, 0, boff, c, ldc, row_bias, accumulate);
 }
 
 /* ---- c (m, n) += a (m, k) @ b (n, k)^T: both operands run along k -------
@@ -123,7 +140,10 @@ AVX512 void ddp__cpu_gemm_avx512(int64_t m, int64_t n, int64_t k, const float *a
 
 AVX512 static inline __attribute__((always_inline)) void
 tile_nt(const int md, const int nd, int64_t k, __mmask16 tail, const float *a, int64_t lda,
-        const float *b, int64_t ldb, float *c, int64_t ldc) {
+        const float *b, int64_t ldb, const int64_t *boff, float *c, int64_t ldc) {
+  const float *brow[ND];
+#pragma GCC unroll 6
+  for (int j = 0; j < nd; j++) brow[j] = boff ? b + boff[j] : b + j * ldb;
   __m512 acc[MD][ND];
 #pragma GCC unroll 4
   for (int i = 0; i < md; i++)
@@ -136,7 +156,10 @@ tile_nt(const int md, const int nd, int64_t k, __mmask16 tail, const float *a, i
     for (int i = 0; i < md; i++) av[i] = _mm512_loadu_ps(a + i * lda + kk);
 #pragma GCC unroll 6
     for (int j = 0; j < nd; j++) {
-      __m512 bv = _mm512_loadu_ps(b + j * ldb + kk);
+      __m512 bv = _mm512_loadu_ps(brow[j] + kk);
+      /* In a register: GCC would otherwise fold the load into each of the
+       * md FMAs, md loads where one does (the loads then bound the tile). */
+      __asm__("" : "+v"(bv));
 #pragma GCC unroll 4
       for (int i = 0; i < md; i++) acc[i][j] = _mm512_fmadd_ps(av[i], bv, acc[i][j]);
     }
@@ -147,7 +170,7 @@ tile_nt(const int md, const int nd, int64_t k, __mmask16 tail, const float *a, i
     for (int i = 0; i < md; i++) av[i] = _mm512_maskz_loadu_ps(tail, a + i * lda + kk);
 #pragma GCC unroll 6
     for (int j = 0; j < nd; j++) {
-      __m512 bv = _mm512_maskz_loadu_ps(tail, b + j * ldb + kk);
+      __m512 bv = _mm512_maskz_loadu_ps(tail, brow[j] + kk);
 #pragma GCC unroll 4
       for (int i = 0; i < md; i++) acc[i][j] = _mm512_fmadd_ps(av[i], bv, acc[i][j]);
     }
@@ -158,25 +181,40 @@ tile_nt(const int md, const int nd, int64_t k, __mmask16 tail, const float *a, i
     for (int j = 0; j < nd; j++) c[i * ldc + j] += _mm512_reduce_add_ps(acc[i][j]);
 }
 
+/* Rows of c in tiles of MD, then 2 and 1; columns in tiles of ND, then 1. */
+AVX512 static inline __attribute__((always_inline)) void
+gemm_nt_tiles(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda, const float *b,
+              int64_t ldb, const int64_t *boff, float *c, int64_t ldc) {
+  const __mmask16 tail = (__mmask16)((1u << (k % 16)) - 1);
+  int64_t i = 0;
+#define NT_ROWS(md)                                                                        \
+  do {                                                                                     \
+    int64_t j = 0;                                                                         \
+    for (; j + ND <= n; j += ND)                                                           \
+      tile_nt(md, ND, k, tail, a + i * lda, lda, boff ? b : b + j * ldb, ldb,               \
+              boff ? boff + j : NULL, c + i * ldc + j, ldc);                               \
+    for (; j < n; j++)                                                                     \
+      tile_nt(md, 1, k, tail, a + i * lda, lda, boff ? b : b + j * ldb, ldb,                \
+              boff ? boff + j : NULL, c + i * ldc + j, ldc);                               \
+  } while (0)
+  for (; i + MD <= m; i += MD) NT_ROWS(MD);
+  /* Two rows share each load of b (one row alone is bound by its loads). */
+  for (; i + 2 <= m; i += 2) NT_ROWS(2);
+  for (; i < m; i++) NT_ROWS(1);
+#undef NT_ROWS
+}
+
 AVX512 void ddp__cpu_gemm_nt_avx512(int64_t m, int64_t n, int64_t k, const float *a,
                                     int64_t lda, const float *b, int64_t ldb, float *c,
                                     int64_t ldc) {
-  const __mmask16 tail = (__mmask16)((1u << (k % 16)) - 1);
-  int64_t i = 0;
-  for (; i + MD <= m; i += MD) {
-    int64_t j = 0;
-    for (; j + ND <= n; j += ND)
-      tile_nt(MD, ND, k, tail, a + i * lda, lda, b + j * ldb, ldb, c + i * ldc + j, ldc);
-    for (; j < n; j++)
-      tile_nt(MD, 1, k, tail, a + i * lda, lda, b + j * ldb, ldb, c + i * ldc + j, ldc);
-  }
-  for (; i < m; i++) {
-    int64_t j = 0;
-    for (; j + ND <= n; j += ND)
-      tile_nt(1, ND, k, tail, a + i * lda, lda, b + j * ldb, ldb, c + i * ldc + j, ldc);
-    for (; j < n; j++)
-      tile_nt(1, 1, k, tail, a + i * lda, lda, b + j * ldb, ldb, c + i * ldc + j, ldc);
-  }
+  gemm_nt_tiles(m, n, k, a, lda, b, ldb, NULL, c, ldc);
+}
+
+/* The same with row j of b (n, k) at b + boff[j]. */
+AVX512 void ddp__cpu_gemm_nt_off_avx512(int64_t m, int64_t n, int64_t k, const float *a,
+                                        int64_t lda, const float *b, const int64_t *boff,
+                                        float *c, int64_t ldc) {
+  gemm_nt_tiles(m, n, k, a, lda, b, 0, boff, c, ldc);
 }
 
 /* ---- implicit-im2col gemms for stride-1 convolutions --------------------
