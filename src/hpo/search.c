@@ -411,7 +411,13 @@ static ddp_status lead_loop(const worker_ctx *w, population *pop, ddp__hpo_excha
   const int traits = ddp_hpo_space_size(w->space);
   ddp_pyrandom rng = *rng_state;
   arrivals a = {.w = w, .pop = pop, .x = x, .rng = &rng, .journal = jn};
-  const bool migration = o->islands > 1 && o->migration_prob > 0;
+  /* Propulate's workers draw the emigration decision every generation
+   * whenever migration_probability > 0, even on a single island or alone,
+   * where nobody is sent anything: the draw is part of the seeded sequence
+   * (skipping it made ddp's individuals part from Propulate's from the
+   * third generation on, with the tutorials' 0.9 on one island). */
+  const bool migration = o->migration_prob > 0;
+  const bool others = o->islands > 1; /* islands to send emigrants to */
   const double migration_prob = o->migration_prob / w->count[w->island];
   double last_exchange = ddp_time_s(), last_commit = last_exchange;
   for (int64_t g = first; g < o->generations; g++) {
@@ -435,10 +441,10 @@ static ddp_status lead_loop(const worker_ctx *w, population *pop, ddp__hpo_excha
     ddp__hpo_message m = {.kind = DDP__HPO_EVAL, .island = w->island, .ind = *ind};
     DDP_TRY(journal(&a, &m));
     population_add(pop);
+    if (x && w->count[w->island] > 1) DDP_TRY(ddp__hpo_exchange_send(x, &m));
+    if (migration && ddp_pyrandom_random(&rng) < migration_prob && others && x)
+      DDP_TRY(send_emigrants(&a));
     if (x) {
-      if (w->count[w->island] > 1) DDP_TRY(ddp__hpo_exchange_send(x, &m));
-      /* Propulate draws the migration decision every generation. */
-      if (migration && ddp_pyrandom_random(&rng) < migration_prob) DDP_TRY(send_emigrants(&a));
       if (ind->end_s - last_exchange >= o->exchange_interval_s) {
         int64_t got;
         DDP_TRY(ddp__hpo_exchange_flush(x));

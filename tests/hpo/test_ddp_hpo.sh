@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # ddp-hpo from the command line:
-#  - on the sphere with --seed 0 it evaluates Propulate 1.2.2's individuals
-#    in Propulate's order (its --log against tests/fixtures/hpo_propulate.txt,
+#  - on the sphere with --seed 0 (and --migration-prob 0, the fixture's
+#    Propulate option) it evaluates Propulate 1.2.2's individuals in
+#    Propulate's order (its --log against tests/fixtures/hpo_propulate.txt,
 #    exact), and --json reports the best of them;
 #  - on a benchmark function the summary lists the top n by loss;
 #  - --objective convnet trains each individual with the trainer (a tiny
@@ -26,7 +27,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 unset WORLD_SIZE DDP_STORE_ADDR
 
-timeout 60 "$bin" --objective sphere --generations 300 --pop-size 4 --seed 0 --log "$tmp/sphere.jsonl" \
+timeout 60 "$bin" --objective sphere --generations 300 --pop-size 4 --seed 0 --migration-prob 0 --log "$tmp/sphere.jsonl" \
   --json >"$tmp/sphere.out" 2>"$tmp/sphere.err" || { cat "$tmp/sphere.err"; fail "sphere search"; }
 "$py" - "$tmp/sphere.jsonl" "$fixture" "$tmp/sphere.out" <<'PY' || fail "the sphere search is not Propulate's"
 import json, sys
@@ -131,7 +132,7 @@ print("chatter first")
 print(json.dumps({"loss": x * x + y * y, "other": 1}))
 PYEOF
 sphere_space="a=float:-5.12:5.12,b=float:-5.12:5.12"
-timeout 120 "$bin" --objective "cmd:$py $tmp/loss.py" --space "$sphere_space" --generations 8 --seed 0 \
+timeout 120 "$bin" --objective "cmd:$py $tmp/loss.py" --space "$sphere_space" --generations 8 --seed 0 --migration-prob 0 \
   --log "$tmp/cmd.jsonl" >/dev/null 2>"$tmp/cmd.err" || { cat "$tmp/cmd.err"; fail "cmd: search"; }
 "$py" - "$tmp/cmd.jsonl" "$fixture" <<'PY' || fail "cmd: losses are not the program's"
 import json, sys
@@ -157,7 +158,7 @@ case "$4" in -*) nb=1 ;; *) nb=0 ;; esac
 echo 1.5
 SHEOF
 chmod +x "$tmp/faulty.sh"
-timeout 120 "$bin" --objective "cmd:$tmp/faulty.sh" --space "$sphere_space" --generations 16 --seed 0 \
+timeout 120 "$bin" --objective "cmd:$tmp/faulty.sh" --space "$sphere_space" --generations 16 --seed 0 --migration-prob 0 \
   --eval-timeout 0.5 --log "$tmp/faulty.jsonl" >/dev/null 2>"$tmp/faulty.err" || { cat "$tmp/faulty.err"; fail "cmd: faulty search"; }
 "$py" - "$tmp/faulty.jsonl" "$tmp/faulty.err" <<'PY' || fail "cmd: failures not recorded as inf with their reasons"
 import json, sys

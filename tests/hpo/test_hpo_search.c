@@ -4,7 +4,9 @@
  * order with the same losses, bit for bit, over 300 generations, on the
  * sphere (two floats) and on a mixed space (a categorical, an int, a float)
  * (tests/fixtures/hpo_propulate.txt, made by scripts/make_hpo_fixture.py
- * with Propulate from the reference environment). And the space parser
+ * with Propulate from the reference environment), and with Propulate's
+ * per-generation emigration draw on one island (migration probability 0.9,
+ * tests/hpo/propulate_migration_draw.txt). And the space parser
  * refuses what it cannot search, naming the trait. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -44,14 +46,17 @@ static const problem problems[] = {
     {"mixed", "act=cat:relu|sigmoid|tanh,lr=float:1e-4:1e-2,layers=int:2:10", mixed},
 };
 
-/* Compares the search's individuals with the fixture's block for `p`. */
-static void check_problem(FILE *f, const problem *p, long seed, int pop, long gens) {
+/* Compares the search's individuals with the fixture's block for `p`,
+ * searched with Propulate's migration_probability. */
+static void check_problem(FILE *f, const problem *p, long seed, int pop, long gens,
+                          double migration_prob) {
   ddp_hpo_space *space;
   if (ddp_hpo_space_parse(p->space, &space) != DDP_OK) fail_msg("%s", ddp_last_error());
   ddp_hpo_options o = ddp_hpo_defaults();
   o.generations = gens;
   o.pop_size = pop;
   o.seed = seed;
+  o.migration_prob = migration_prob;
   ddp_hpo_result r;
   if (ddp_hpo_search(space, &o, p->fn, NULL, &r) != DDP_OK) fail_msg("%s", ddp_last_error());
   assert_int_equal(r.count, gens);
@@ -91,11 +96,12 @@ static void check_problem(FILE *f, const problem *p, long seed, int pop, long ge
   ddp_hpo_space_destroy(space);
 }
 
-static void test_reproduces_propulate(void **state) {
-  (void)state;
+/* The problems of the fixture at `rel` (hpo_propulate.txt's format), each
+ * searched with migration_prob; returns how many. */
+static int check_fixture(const char *rel, double migration_prob) {
   char path[4096], line[4096];
   const char *src = getenv("DDP_SOURCE_DIR");
-  snprintf(path, sizeof path, "%s/tests/fixtures/hpo_propulate.txt", src ? src : ".");
+  snprintf(path, sizeof path, "%s/%s", src ? src : ".", rel);
   FILE *f = fopen(path, "r");
   if (!f) fail_msg("cannot open %s", path);
   int done = 0;
@@ -108,11 +114,26 @@ static void test_reproduces_propulate(void **state) {
     for (size_t i = 0; i < sizeof problems / sizeof *problems; i++)
       if (!strcmp(problems[i].name, name)) p = &problems[i];
     if (!p) fail_msg("fixture problem '%s' unknown here", name);
-    check_problem(f, p, seed, pop, gens);
+    check_problem(f, p, seed, pop, gens, migration_prob);
     done++;
   }
   fclose(f);
-  assert_int_equal(done, 2);
+  return done;
+}
+
+static void test_reproduces_propulate(void **state) {
+  (void)state;
+  /* scripts/make_hpo_fixture.py: migration_probability 0, no draws */
+  assert_int_equal(check_fixture("tests/fixtures/hpo_propulate.txt", 0.0), 2);
+}
+
+/* With migration_probability 0.9 (the tutorials') on one island,
+ * Propulate's worker draws its emigration decision every generation though
+ * there is nowhere to send anyone; ddp draws it too. Without that draw the
+ * sequence parts at generation 1. */
+static void test_reproduces_propulate_migration_draw(void **state) {
+  (void)state;
+  assert_int_equal(check_fixture("tests/hpo/propulate_migration_draw.txt", 0.9), 1);
 }
 
 static void expect_refused(const char *spec, const char *message) {
@@ -263,6 +284,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_checkpoint_resume),
       cmocka_unit_test(test_reproduces_propulate),
+      cmocka_unit_test(test_reproduces_propulate_migration_draw),
       cmocka_unit_test(test_space_parser),
       cmocka_unit_test(test_search_properties),
   };
