@@ -118,3 +118,11 @@ void ddp__pp_record_failure(ddp__pp_channels *ch, const char *msg, char *first, 
   ddp_free(cur);
   ddp_store_set_timeout_ms(store, old);
 }
+
+ddp_status ddp__pp_recv(ddp__pp_channels *ch, int kind, int peer, void *buf, size_t bytes) {
+  stream *st = &ch->streams[(peer * ch->p + ch->rank) * 2 + kind];
+  if (!st->group)
+    return ddp_error(DDP_ERR_INTERNAL, "pipeline: no %s channel from rank %d to rank %d",
+                     kind == DDP__PP_ACT ? "activation" : "gradient", peer, ch->rank);
+  return ddp_recv(st->group, buf, bytes / sizeof(float), DDP_FLOAT32, st->peer, kind);
+}

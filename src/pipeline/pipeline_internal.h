@@ -44,6 +44,10 @@ void ddp__pp_channels_abort(ddp__pp_channels *ch);
  * `peer`; *work is the handle (free with ddp_work_free after waiting). */
 ddp_status ddp__pp_post(ddp__pp_channels *ch, bool send, int kind, int peer, void *buf,
                         size_t bytes, ddp_work **work);
+/* Receives `bytes` from `peer` on the channel of `kind` now, on the calling
+ * thread (the receiving end of a channel only receives, so the group runs it
+ * inline), with the group's timeout. */
+ddp_status ddp__pp_recv(ddp__pp_channels *ch, int kind, int peer, void *buf, size_t bytes);
 /* Records the first failure where every stage can read it (the pipeline
  * group's store), so stages that only see their neighbour's abort report
  * the cause; returns the message to report (the first recorded one). */
