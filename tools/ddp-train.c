@@ -21,6 +21,7 @@
 #include "ddp/optim.h"
 #include "ddp/parallel.h"
 #include "ddp/train.h"
+#include "train/ps.h"
 #include "train/world.h"
 
 #define DEFAULT_DATA "/usr/share/datasets/fashion-mnist"
@@ -58,6 +59,7 @@ typedef struct train_args {
   bool cuda_graph;         /* --cuda-graph */
   const char *trace;       /* --trace PATH, else $DDP_TRACE_FILE (ddprun --trace) */
   double bucket_cap_mb;    /* --bucket-cap-mb: 0 = the wrapper's default (25) */
+  train_ps_args ps;        /* --param-servers, --ps-mode, ... (tools/train/ps.c) */
   int64_t microbatches;    /* --microbatches M: 0 = the whole batch at once */
   int64_t pp;              /* --pp P: pipeline stages (0 = no pipeline) */
   const char *schedule;    /* --schedule: gpipe | 1f1b | interleaved (1f1b) */
@@ -116,6 +118,16 @@ static void usage(FILE *f) {
 "  --virtual-stages v   stages per rank for interleaved (default 2)\n"
 "  --split NAMES|auto   where stages begin: top-level module names (\"layer2\", \"a,b\")\n"
 "                       or auto (measured cost, rank 0 decides; the default)\n"
+"Parameter server (under a launcher; docs/ps.md)\n"
+"  --param-servers S    ranks 0..S-1 hold the parameters and optimizer state, sharded by\n"
+"                       whole tensors; the other ranks train on their shard of the data,\n"
+"                       push gradients and pull fresh parameters\n"
+"  --ps-mode M          sync (gradients averaged over all trainers each step, as data\n"
+"                       parallelism), async (each push applied on arrival) or ssp:K (no\n"
+"                       trainer more than K steps ahead of the slowest); default sync\n"
+"  --step-sleep-ms X    (test model) each trainer sleeps X ms after every step\n"
+"  --straggler SPEC     (test model) I:half (trainer I sleeps twice as long) or\n"
+"                       I:pause:P:MS (trainer I pauses MS ms after a step with probability P)\n"
 "Data parallel (automatic under ddprun, torchrun's variables, srun or mpirun)\n"
 "  --sync-bn            BatchNorm statistics over the whole global batch (SyncBatchNorm)\n"
 "  --bucket-cap-mb X    gradients are reduced in buckets of X MiB (the first 1 MiB;\n"
@@ -258,7 +270,8 @@ static void parse_args(int argc, char **argv, train_args *a) {
         "--step-size", "--gamma", "--seed", "--threads", "--workers", "--eval-every",
         "--patience", "--log", "--dump-state", "--save", "--save-every", "--resume", "--init",
         "--device", "--tensorboard", "--trace", "--bucket-cap-mb", "--microbatches", "--pp",
-        "--schedule", "--virtual-stages", "--split"};
+        "--schedule", "--virtual-stages", "--split", "--param-servers", "--ps-mode",
+        "--step-sleep-ms", "--straggler"};
     char name[64];
     const char *eq = strchr(f, '=');
     size_t len = eq ? (size_t)(eq - f) : strlen(f);
@@ -311,6 +324,9 @@ static void parse_args(int argc, char **argv, train_args *a) {
     else if (!strcmp(name, "--schedule")) a->schedule = v;
     else if (!strcmp(name, "--virtual-stages")) a->virtual_stages = parse_int(name, v, 1);
     else if (!strcmp(name, "--split")) a->split = v;
+    else if (!strcmp(name, "--param-servers") || !strcmp(name, "--ps-mode") ||
+             !strcmp(name, "--step-sleep-ms") || !strcmp(name, "--straggler"))
+      train_ps_parse(&a->ps, name, v);
     else if (!strcmp(name, "--bucket-cap-mb")) {
       a->bucket_cap_mb = parse_double(name, v);
       if (!(a->bucket_cap_mb > 0)) die_usage("--bucket-cap-mb expects MiB > 0, got '%s'", v);
@@ -684,9 +700,17 @@ int main(int argc, char **argv) {
 
   /* Data parallel when a launcher says so (tools/train/world.c). */
   train_world world;
-  CHECK(train_world_init(&world), "starting data-parallel training");
+  train_ps ps = {0};
+  if (a.ps.servers) { /* a parameter server: RPC, no group (tools/train/ps.c) */
+    CHECK(train_ps_join(&ps, &a.ps), "joining the parameter-server job");
+    world = (train_world){.rank = ps.rank, .size = ps.world_size, .local_size = ps.world_size};
+    snprintf(rank_tag, sizeof rank_tag, "rank %d: ", world.rank);
+  } else {
+    CHECK(train_world_init(&world), "starting data-parallel training");
+  }
   if (world.pg) snprintf(rank_tag, sizeof rank_tag, "rank %d: ", world.rank);
-  bool lead = world.rank == 0; /* prints progress and the summary */
+  /* Prints progress and the summary: rank 0, or the first trainer. */
+  bool lead = world.rank == a.ps.servers;
 
   ddp_model *model;
   CHECK(ddp_model_build(a.model, a.activation, a.seed, &model), "building the model");
@@ -757,6 +781,11 @@ int main(int argc, char **argv) {
                     .a = &a, .lead = lead, .epochs = a.epochs, .last_loss = NAN};
   o.callbacks = (ddp_train_callbacks){on_start, on_step, on_eval, &view};
 
+  /* --param-servers: the servers serve and exit here; the trainers train
+   * through their client. */
+  if (a.ps.servers && ps.server) exit(train_ps_serve(&ps, model, &o));
+  if (a.ps.servers) CHECK(train_ps_start(&ps, &o), "starting the parameter-server trainer");
+
   /* On every rank: the trainer reduces the callbacks' stop requests over the
    * group; only rank 0 writes. */
   ddp_train_tensorboard *tb = NULL;
@@ -798,6 +827,7 @@ int main(int argc, char **argv) {
   ddp_dataset_destroy(test_ds);
   ddp_dataset_destroy(train_ds);
   ddp_model_destroy(model);
+  if (a.ps.servers) train_ps_end(&ps, true);
   train_world_destroy(&world);
   return 0;
 }

@@ -205,7 +205,14 @@ typedef struct ddp_train_options {
    * stages over the group's ranks. NULL: no pipeline. Borrowed. Taken from
    * the reserved space. */
   const struct ddp_train_pipeline *pipeline;
-  uint64_t reserved[2]; /* zero */
+  /* Parameter-server training (include/ddp/ps.h, docs/ps.md): this
+   * process is one of the trainers; each step's gradients go to the
+   * servers through this client and fresh parameters come back in the
+   * optimizer's place. pg must be NULL (trainers share no group: RPC
+   * outlives a trainer's death); the sampler shards over the trainers.
+   * NULL: none. Borrowed. Taken from the reserved space. */
+  struct ddp_ps_client *param_server;
+  uint64_t reserved[1]; /* zero */
 } ddp_train_options;
 
 /* epochs 1, batch 100, SGD lr 0.01 (no momentum), seed 1, automatic

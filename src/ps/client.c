@@ -43,6 +43,7 @@ struct ddp_ps_client {
   ddp_status error; /* the first push error of the step */
   char error_msg[512];
   int64_t meet_seq;
+  int64_t step; /* the step in progress: the servers' base step + 1, then one more each end */
   double push_wait_s, pull_wait_s;
   pthread_mutex_t mu; /* the watches (pool threads) */
   ddp_rpc_reply **watch_replies; /* S */
@@ -189,11 +190,9 @@ static ddp_status absorb_pull(ddp_ps_client *c, int32_t j, const ddp_rpc_message
 }
 
 /* Sends every server the pull for `step` (DDP__PS_PULL_NOW: the current
- * parameters), then waits for each and copies the replies in. */
-static ddp_status pull_all(ddp_ps_client *c, int64_t step, int64_t *base_step) {
+ * parameters); the futures wait in c->pull_futures. */
+static ddp_status pull_send(ddp_ps_client *c, int64_t step) {
   const double timeout = ddp__ps_timeout(&c->o);
-  ddp_status s = DDP_OK;
-  int32_t sent = 0;
   for (int32_t j = 0; j < c->o.num_servers; j++) {
     c->pull_headers[j] = (ddp__ps_header){.magic = DDP__PS_MAGIC, .kind = DDP__PS_PULL,
                                           .trainer = c->index, .step = step};
@@ -202,28 +201,38 @@ static ddp_status pull_all(ddp_ps_client *c, int64_t step, int64_t *base_step) {
       m.tensors = c->delta_ptrs;
       m.num_tensors = c->n_deltas;
     }
-    s = ddp_rpc_async(c->agent, c->servers[j], DDP__PS_FN_PULL, &m, timeout, &c->pull_futures[j]);
-    if (s != DDP_OK) {
-      s = ddp_error_wrap(s, "%s: pulling from server '%s' (rank %d)", c->name, c->servers[j], j);
-      break;
-    }
-    sent++;
+    ddp_status s =
+        ddp_rpc_async(c->agent, c->servers[j], DDP__PS_FN_PULL, &m, timeout, &c->pull_futures[j]);
+    if (s != DDP_OK)
+      return ddp_error_wrap(s, "%s: pulling from server '%s' (rank %d)", c->name, c->servers[j], j);
   }
-  for (int32_t j = 0; j < sent; j++) {
+  return DDP_OK;
+}
+
+/* Waits for the pulls sent and copies the replies in; after a failure (or
+ * with drop) the rest are dropped unread. The first error is returned. */
+static ddp_status pull_wait(ddp_ps_client *c, int64_t *base_step, bool drop) {
+  ddp_status s = drop ? DDP_ERR_ABORTED : DDP_OK;
+  for (int32_t j = 0; j < c->o.num_servers; j++) {
     ddp_rpc_future *f = c->pull_futures[j];
     c->pull_futures[j] = NULL;
-    ddp_status w = ddp_rpc_future_wait(f, -1);
+    if (!f) continue;
+    ddp_status w = s == DDP_OK ? ddp_rpc_future_wait(f, -1) : DDP_OK;
     ddp_rpc_message m = {0};
-    if (w == DDP_OK) w = ddp_rpc_future_take(f, &m);
-    if (w == DDP_OK) w = absorb_pull(c, j, &m, j == 0 ? base_step : NULL);
-    else if (w != DDP_OK && ddp_rpc_future_done(f))
-      w = ddp_error(w, "%s", ddp_rpc_future_error(f));
+    if (s == DDP_OK && w == DDP_OK) w = ddp_rpc_future_take(f, &m);
+    if (s == DDP_OK && w == DDP_OK) w = absorb_pull(c, j, &m, j == 0 ? base_step : NULL);
     ddp_rpc_message_free(&m);
-    ddp_rpc_future_destroy(f);
+    ddp_rpc_future_destroy(f); /* a pending one's result is dropped */
     if (w != DDP_OK && s == DDP_OK)
       s = ddp_error_wrap(w, "%s: pulling from server '%s' (rank %d)", c->name, c->servers[j], j);
   }
   return s;
+}
+
+static ddp_status pull_all(ddp_ps_client *c, int64_t step, int64_t *base_step) {
+  ddp_status s = pull_send(c, step);
+  ddp_status w = pull_wait(c, base_step, false);
+  return s != DDP_OK ? s : w;
 }
 
 ddp_status ddp__ps_client_bind(ddp_ps_client *c, ddp_model *model, int64_t *base_step) {
@@ -276,8 +285,14 @@ ddp_status ddp__ps_client_bind(ddp_ps_client *c, ddp_model *model, int64_t *base
     c->delta_ptrs[c->n_deltas] = &c->delta_tensors[c->n_deltas];
     c->n_deltas++;
   }
-  return pull_all(c, DDP__PS_PULL_NOW, base_step);
+  int64_t base = 0;
+  DDP_TRY(pull_all(c, DDP__PS_PULL_NOW, &base));
+  c->step = base + 1;
+  if (base_step) *base_step = base;
+  return DDP_OK;
 }
+
+int64_t ddp__ps_client_step(const ddp_ps_client *c) { return c->step; }
 
 /* ---- Pushes ---- */
 
@@ -289,7 +304,7 @@ void ddp__ps_client_push(ddp_ps_client *c, int32_t param, int64_t step, double l
   *pp = (push_payload){.h = {.magic = DDP__PS_MAGIC, .kind = DDP__PS_PUSH, .trainer = c->index,
                              .count = 1, .step = step, .lr = lr},
                        .param = param};
-  ddp_rpc_message m = {.payload = pp, .payload_bytes = sizeof *pp,
+  ddp_rpc_message m = {.payload = pp, .payload_bytes = sizeof pp->h + sizeof pp->param,
                        .tensors = &c->grad_ptrs[param], .num_tensors = 1};
   const int32_t j = c->owner[param];
   ddp_status s = ddp_rpc_async(c->agent, c->servers[j], DDP__PS_FN_PUSH, &m,
@@ -302,7 +317,8 @@ void ddp__ps_client_push(ddp_ps_client *c, int32_t param, int64_t step, double l
   }
 }
 
-ddp_status ddp__ps_client_end_step(ddp_ps_client *c, int64_t step, double lr) {
+ddp_status ddp__ps_client_end_step(ddp_ps_client *c, double lr) {
+  const int64_t step = c->step++;
   /* Parameters backward gave no gradient push their zeroed gradients, so
    * every server hears of every tensor each step. */
   for (int32_t i = 0; i < c->np; i++)
@@ -311,36 +327,39 @@ ddp_status ddp__ps_client_end_step(ddp_ps_client *c, int64_t step, double lr) {
     c->delta_buf[e] = ddp_model_buffers_flat(c->model)[e] - c->pulled_buf[e];
   for (int64_t e = 0; e < c->nc; e++)
     c->delta_ctr[e] = ddp_model_counters(c->model)[e] - c->pulled_ctr[e];
-  /* Pulls go out at once: each server answers a pull only once this
-   * trainer's pushes of the step are in, so no wait for their
-   * acknowledgements first. */
+  /* Pulls go out at once (each server answers a pull only once this
+   * trainer's pushes of the step are in); the pushes' acknowledgements are
+   * waited for first, so a refused push fails the step at once instead of
+   * leaving its pull unanswered. */
   const int64_t t0 = ddp_time_ns();
   ddp_status s = c->error;
   if (s != DDP_OK) ddp_error(s, "%s", c->error_msg);
-  ddp_status ps = s == DDP_OK ? pull_all(c, step, NULL) : DDP_OK;
-  const int64_t t1 = ddp_time_ns();
-  char pull_msg[512] = "";
-  if (ps != DDP_OK) snprintf(pull_msg, sizeof pull_msg, "%s", ddp_last_error());
+  if (s == DDP_OK) s = pull_send(c, step);
   for (int32_t i = 0; i < c->np; i++) {
     ddp_rpc_future *f = c->push_futures[i];
     c->push_futures[i] = NULL;
     c->pushed[i] = false;
     if (!f) continue;
-    ddp_status w = ddp_rpc_future_wait(f, -1);
+    ddp_status w = s == DDP_OK ? ddp_rpc_future_wait(f, -1) : DDP_OK;
     if (w != DDP_OK && s == DDP_OK) {
       s = ddp_error(w, "%s: step %lld: pushing %s to server '%s' (rank %d): %s", c->name,
                     (long long)step, ddp_model_param_name(c->model, i), c->servers[c->owner[i]],
-                    c->owner[i], ddp_rpc_future_done(f) ? ddp_rpc_future_error(f) : "timed out");
+                    c->owner[i], ddp_rpc_future_done(f) ? ddp_rpc_future_error(f) : ddp_last_error());
     }
     ddp_rpc_future_destroy(f);
   }
   c->error = DDP_OK;
-  c->pull_wait_s = 1e-9 * (double)(t1 - t0);
-  c->push_wait_s = 1e-9 * (double)(ddp_time_ns() - t1);
-  /* A push's own error says more than the pull's that followed it. */
-  if (s != DDP_OK) return s;
-  if (ps != DDP_OK) return ddp_error(ps, "%s", pull_msg);
-  return DDP_OK;
+  const int64_t t1 = ddp_time_ns();
+  if (s != DDP_OK) {
+    char msg[1024];
+    snprintf(msg, sizeof msg, "%s", ddp_last_error());
+    (void)pull_wait(c, NULL, true); /* after an error: drops them */
+    return ddp_error(s, "%s", msg);
+  }
+  s = pull_wait(c, NULL, false);
+  c->push_wait_s = 1e-9 * (double)(t1 - t0);
+  c->pull_wait_s = 1e-9 * (double)(ddp_time_ns() - t1);
+  return s;
 }
 
 void ddp__ps_client_last_wait(const ddp_ps_client *c, double *push_wait_s, double *pull_wait_s) {

@@ -168,15 +168,18 @@ ddp_status ddp__ps_header_check(const ddp_rpc_message *m, uint32_t kind, size_t 
  * parameters and buffers into it; *base_step is the step the servers start
  * from (0, or a resumed run's). */
 ddp_status ddp__ps_client_bind(ddp_ps_client *c, ddp_model *model, int64_t *base_step);
+/* The step in progress (1-based, counting from the start of training). */
+int64_t ddp__ps_client_step(const ddp_ps_client *c);
 /* Starts pushing parameter `param`'s gradient (final for this step) to its
  * server; returns once sent. The first error is kept and returned by
  * ddp__ps_client_end_step. */
 void ddp__ps_client_push(ddp_ps_client *c, int32_t param, int64_t step, double lr);
-/* Ends step `step`: pushes what was not pushed yet (parameters without a
- * gradient push zeros), waits for every push's acknowledgement, sends each
- * server the pull for `step` (server 0 with the buffer deltas), waits for
- * the fresh parameters and copies them into the model. */
-ddp_status ddp__ps_client_end_step(ddp_ps_client *c, int64_t step, double lr);
+/* Ends the step in progress: pushes what was not pushed yet (parameters
+ * without a gradient push zeros), sends each server the pull for the step
+ * (server 0 with the buffer deltas), waits for the fresh parameters and
+ * copies them into the model, then for every push's acknowledgement. The
+ * next step is in progress after it, whatever it returned. */
+ddp_status ddp__ps_client_end_step(ddp_ps_client *c, double lr);
 /* The model every live trainer evaluates: a barrier of the live trainers at
  * server 0, then the current parameters and buffers pulled. */
 ddp_status ddp__ps_client_eval_begin(ddp_ps_client *c);

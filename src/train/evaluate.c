@@ -10,8 +10,7 @@ ddp_status ddp__train_sum(ddp_trainer *t, double *values, int n) {
   return ddp_allreduce(t->pg, values, (size_t)n, DDP_FLOAT64, DDP_REDUCE_SUM);
 }
 
-/* The sums of one pass over this rank's part: loss * size, correct, seen. */
-static ddp_status local_sums(ddp_trainer *t, double sums[3]) {
+ddp_status ddp__train_local_sums(ddp_trainer *t, double sums[3]) {
   ddp_model *model = t->model;
   ddp_tape *tape = t->tape;
   const bool classify = ddp_model_loss_kind(model) != DDP_LOSS_MSE;
@@ -61,7 +60,8 @@ ddp_status ddp__train_evaluate(ddp_trainer *t, double *loss, double *accuracy) {
   ddp_model_train(t->model, false);
   ddp_tape_set_grad_enabled(t->tape, false);
   double sums[3];
-  ddp_status s = t->strategy->local_sums ? t->strategy->local_sums(t, sums) : local_sums(t, sums);
+  ddp_status s = t->strategy->local_sums ? t->strategy->local_sums(t, sums)
+                                         : ddp__train_local_sums(t, sums);
   ddp_tape_reset(t->tape);
   ddp_tape_set_grad_enabled(t->tape, true);
   ddp_model_train(t->model, true);

@@ -31,11 +31,22 @@ typedef struct ddp__train_strategy {
   /* The evaluation's sums (loss * rows, correct, rows) of this rank's
    * part; NULL: the model's forward on each test batch. */
   ddp_status (*local_sums)(ddp_trainer *t, double sums[3]);
+  /* Writes the checkpoint of state *ts (the parameter server: the servers
+   * write it); NULL: rank 0 writes the trainer's model and optimizer. */
+  ddp_status (*save)(ddp_trainer *t, const ddp_train_state *ts);
 } ddp__train_strategy;
 
 extern const ddp__train_strategy ddp__train_single;
 extern const ddp__train_strategy ddp__train_data_parallel;
 extern const ddp__train_strategy ddp__train_pipeline;
+extern const ddp__train_strategy ddp__train_param_server;
+
+/* ---- The parameter server (strategy_ps.c; options.param_server) ---- */
+
+/* Whether options.param_server fits the group (none) and the other options. */
+ddp_status ddp__train_ps_check(const ddp_train_options *o, const ddp_process_group *pg);
+/* Picks the strategy and shards the data over the trainers. */
+void ddp__train_ps_place(ddp_trainer *t);
 
 /* ---- The pipeline (pipeline.c; options.pipeline) ---- */
 
@@ -152,6 +163,10 @@ void ddp__train_device_free(ddp_trainer *t);
 /* Sums values[0..n) over the group in place (float64); nothing without one.
  * Collective. */
 ddp_status ddp__train_sum(ddp_trainer *t, double *values, int n);
+
+/* The sums (loss * rows, correct, rows) of one pass over this rank's part
+ * of the test set with the model's forward. */
+ddp_status ddp__train_local_sums(ddp_trainer *t, double sums[3]);
 
 /* Evaluates on the test set (every rank its part, no padding) and reduces
  * the sums once, so every rank gets the same figures. Collective. */

@@ -79,6 +79,7 @@ static ddp_status check_options(const ddp_train_options *o, const ddp_process_gr
                      "on the CPU",
                      (int)o->microbatches);
   if (o->pipeline) DDP_TRY(ddp__train_pipeline_check(o, pg));
+  if (o->param_server) DDP_TRY(ddp__train_ps_check(o, pg));
   if (o->save_every && !o->save_path)
     return ddp_error(DDP_ERR_INVALID, "save_every %lld needs save_path", (long long)o->save_every);
   if (o->strategy == DDP_TRAIN_DATA_PARALLEL && !pg)
@@ -249,6 +250,7 @@ ddp_status ddp_trainer_create(ddp_trainer **out, ddp_model *model, ddp_dataset *
   t->strategy = options->pipeline ? &ddp__train_pipeline
                 : parallel        ? &ddp__train_data_parallel
                                   : &ddp__train_single;
+  if (options->param_server) ddp__train_ps_place(t); /* the strategy, the data's shard */
   ddp_status s = create_parts(t);
   if (s != DDP_OK) {
     ddp_trainer_destroy(t);
@@ -303,7 +305,9 @@ static ddp_status save_checkpoint(ddp_trainer *t, int64_t step, int64_t epoch,
                         .sampler_seed = t->o.seed, .world_size = t->replicas,
                         .best_test_loss = pat->best_loss,
                         .evals_without_better = pat->without_better};
-  if (t->pp) {
+  if (t->strategy->save) {
+    DDP_TRY(t->strategy->save(t, &ts));
+  } else if (t->pp) {
     DDP_TRY(ddp__train_pipeline_save(t, &ts));
   } else if (t->rank == 0) {
     ddp_status s = ddp_checkpoint_save(t->o.save_path, t->model, t->opt, t->sched, &ts,
