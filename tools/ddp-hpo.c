@@ -7,6 +7,7 @@
  * only code that calls exit(). */
 #include <cblas.h>
 #include <errno.h>
+#include <malloc.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -50,6 +51,10 @@ static void usage(FILE *f) {
 "  --max-steps N        at most N steps per individual (default 0: no limit)\n"
 "  --train-samples N    train on the first N training images (default 0: all 60,000)\n"
 "  --val-samples N      evaluate on the first N test images (default 0: all 10,000)\n"
+"  --eval-batch-size N  the test set's batch (default 100, as seed 002's validation loader)\n"
+"  --trace DIR          each evaluation's timeline (steps and their phases, allreduces,\n"
+"                       evaluations) as Chrome trace JSON, DIR/w<W>-g<G>-r<R>.json (worker,\n"
+"                       generation, the rank in the worker)\n"
 "Search (Propulate's defaults)\n"
 "  --generations N      evaluations (default 100)\n"
 "  --pop-size N         breeding population (default 4)\n"
@@ -117,6 +122,8 @@ typedef struct args {
   const char *objective, *space, *data, *log_path;
   int64_t epochs, patience, batch_size, max_steps, top_n, eval_delay_ms;
   int64_t train_samples, val_samples; /* 0: all */
+  int64_t eval_batch_size;
+  const char *trace_dir;              /* convnet: a timeline per evaluation */
   const char *loss_key;               /* cmd:'s JSON field */
   double eval_timeout_s;              /* cmd: */
   ddp_hpo_options o;
@@ -149,7 +156,7 @@ static double parse_prob(const char *flag, const char *v) {
 
 static void parse_args(int argc, char **argv, args *a) {
   *a = (args){.objective = "sphere", .data = DEFAULT_DATA, .epochs = 20, .patience = 5,
-              .batch_size = 8, .top_n = 3, .o = ddp_hpo_defaults(), .loss_key = "loss",
+              .batch_size = 8, .eval_batch_size = 100, .top_n = 3, .o = ddp_hpo_defaults(), .loss_key = "loss",
               .eval_timeout_s = 3600};
   for (int i = 1; i < argc; i++) {
     const char *f = argv[i];
@@ -179,7 +186,8 @@ static void parse_args(int argc, char **argv, args *a) {
         "--random-init-prob", "--sigma-factor", "--seed", "--top-n", "--log",
         "--ranks-per-worker", "--exchange-interval", "--islands", "--migration-prob",
         "--num-migrants", "--checkpoint", "--checkpoint-interval", "--eval-delay-ms",
-        "--train-samples", "--val-samples", "--loss-key", "--eval-timeout"};
+        "--train-samples", "--val-samples", "--loss-key", "--eval-timeout", "--eval-batch-size",
+        "--trace"};
     char name[64];
     const char *eq = strchr(f, '=');
     size_t len = eq ? (size_t)(eq - f) : strlen(f);
@@ -225,6 +233,8 @@ static void parse_args(int argc, char **argv, args *a) {
         die_usage("--eval-timeout expects seconds > 0, got '%s'", v);
     }
     else if (!strcmp(name, "--val-samples")) a->val_samples = parse_int(name, v, 0);
+    else if (!strcmp(name, "--eval-batch-size")) a->eval_batch_size = parse_int(name, v, 1);
+    else if (!strcmp(name, "--trace")) a->trace_dir = v;
     else if (!strcmp(name, "--checkpoint-interval")) {
       char *end;
       a->o.checkpoint_interval_s = strtod(v, &end);
@@ -299,6 +309,17 @@ static double convnet_loss(objective *ob, const ddp_hpo_space *space, const doub
   o.patience = a->patience;
   o.seed = seed;
   o.workers = 0;
+  /* Seed 002 validates in batches of 100; the trainer's default (1000, a
+   * rank's whole 500-image share here) made each evaluation's tape hundreds
+   * of MB, faulted in afresh for every individual, and took 4x as long. */
+  o.eval_batch_size = a->eval_batch_size;
+  char trace[4096];
+  if (a->trace_dir) {
+    snprintf(trace, sizeof trace, "%s/w%lld-g%lld-r%d.json", a->trace_dir,
+             (long long)ob->worker_rank0 / a->o.ranks_per_worker, (long long)ob->evaluations,
+             worker ? ddp_process_group_rank(worker) : 0);
+    o.trace_path = trace;
+  }
   double best = INFINITY;
   o.callbacks.on_eval = track_best;
   o.callbacks.user = &best;
@@ -387,6 +408,14 @@ int main(int argc, char **argv) {
   args a;
   parse_args(argc, argv, &a);
   openblas_set_num_threads(1);
+#ifdef __GLIBC__
+  /* Every evaluation builds a trainer and frees it: keep the freed memory
+   * (the tape's arena, tens of MB) in the heap for the next one instead of
+   * returning it to the kernel and faulting it in again, zeroed, page by
+   * page. */
+  mallopt(M_MMAP_THRESHOLD, 256 << 20);
+  mallopt(M_TRIM_THRESHOLD, 512 << 20);
+#endif
   /* Several ranks when a launcher says so: the job's store carries the
    * island's exchange, the world group the workers' splits. */
   ddp_rendezvous_info job = {0};
@@ -433,12 +462,14 @@ int main(int argc, char **argv) {
   char fingerprint[8192];
   snprintf(fingerprint, sizeof fingerprint,
            "objective=%s\nspace=%s\ndata=%s\nepochs=%lld\npatience=%lld\nbatch_size=%lld\n"
-           "max_steps=%lld\ntrain_samples=%lld\nval_samples=%lld", a.objective,
+           "max_steps=%lld\ntrain_samples=%lld\nval_samples=%lld\neval_batch_size=%lld",
+           a.objective,
            a.space ? a.space : "(the objective's)", a.data, (long long)a.epochs,
            (long long)a.patience, (long long)a.batch_size, (long long)a.max_steps,
-           (long long)a.train_samples, (long long)a.val_samples);
+           (long long)a.train_samples, (long long)a.val_samples, (long long)a.eval_batch_size);
   a.o.fingerprint = fingerprint;
   ddp_hpo_space *space;
+  double data_s = 0; /* convnet: opening and decoding the data sets, once per process */
   if (ddp_hpo_space_parse(spec, &space) != DDP_OK) {
     fprintf(stderr, "ddp-hpo: --space: %s\n(run ddp-hpo --help for the options)\n",
             ddp_last_error());
@@ -454,10 +485,12 @@ int main(int argc, char **argv) {
     ob.i_activation = need_trait(space, "activation", DDP_HPO_CATEGORICAL, DDP_HPO_CATEGORICAL);
     ob.i_lr = need_trait(space, "lr", DDP_HPO_FLOAT, DDP_HPO_LOGFLOAT);
     ob.i_gamma = need_trait(space, "gamma", DDP_HPO_FLOAT, DDP_HPO_LOGFLOAT);
+    data_s = ddp_time_s();
     CHECK(ddp_dataset_open_idx_dir(&ob.train, a.data, DDP_SPLIT_TRAIN), "loading the training set");
     CHECK(ddp_dataset_open_idx_dir(&ob.test, a.data, DDP_SPLIT_TEST), "loading the test set");
     if (a.train_samples) CHECK(ddp_dataset_truncate(ob.train, a.train_samples), "--train-samples");
     if (a.val_samples) CHECK(ddp_dataset_truncate(ob.test, a.val_samples), "--val-samples");
+    data_s = ddp_time_s() - data_s;
   }
   FILE *log = NULL;
   if (a.log_path && rank == 0) {
@@ -511,9 +544,9 @@ int main(int argc, char **argv) {
     const int workers = (world ? job.world_size : 1) / a.o.ranks_per_worker;
     const int64_t evaluations = a.o.generations * workers;
     printf("{\"evaluations\": %lld, \"seconds\": %.6g, \"evals_per_s\": %.6g, \"workers\": %d, "
-           "\"islands\": %d, \"known_on_island_0\": %lld, ",
+           "\"islands\": %d, \"known_on_island_0\": %lld, \"data_seconds\": %.6g, ",
            (long long)evaluations, seconds, evaluations / seconds, workers, a.o.islands,
-           (long long)n);
+           (long long)n, data_s);
     if (isfinite(best->loss)) printf("\"best_loss\": %.17g, ", best->loss);
     else printf("\"best_loss\": null, ");
     printf("\"best\": \"%s\", \"best_worker\": %d, \"best_generation\": %lld, "

@@ -9,7 +9,8 @@
 #    budget) and records a finite loss per generation;
 #  - under ddprun, 2 ranks are 2 workers exchanging their individuals (rank
 #    0 reports both workers' generations), and 2 ranks as 1 worker of 2
-#    train each convnet individual together;
+#    train each convnet individual together, each rank of each evaluation
+#    writing its timeline (--trace) with the expected steps and evaluations;
 #  - --objective cmd: runs a program per evaluation: its printed loss (a
 #    number or JSON) is the individual's; one that fails, hangs past
 #    --eval-timeout (killed with what it started) or prints no loss counts
@@ -122,6 +123,27 @@ assert summary["workers"] == 1 and len(log) == 2, (summary, log)
 assert all(r["worker"] == 0 and math.isfinite(r["loss"]) for r in log), log
 PY
   echo "ok 1 worker of 2 ranks: 2 convnet individuals trained together"
+  # Seed 002's work per evaluation, as scripts/bench-hpo-seed.sh counts it:
+  # each rank trains on half of the first 64 images, 64 / 2 / 8 = 4 steps an
+  # epoch, and validates once after each epoch (the timelines' steps and
+  # evaluations); the data sets' opening time is reported.
+  mkdir "$tmp/trace"
+  timeout 300 "$ddprun" --nproc-per-node 2 "$bin" --objective convnet --ranks-per-worker 2 --generations 2 \
+    --epochs 2 --patience 5 --train-samples 64 --val-samples 300 --eval-batch-size 100 --trace "$tmp/trace" \
+    --json >"$tmp/tw.out" 2>"$tmp/tw.err" || { cat "$tmp/tw.err"; fail "--trace"; }
+  "$py" - "$tmp/trace" "$tmp/tw.out" <<'PY' || fail "--trace: the evaluations' steps"
+import json, os, sys
+summary = json.loads(open(sys.argv[2]).read().splitlines()[-1])
+assert summary["data_seconds"] > 0, summary
+names = sorted(os.listdir(sys.argv[1]))
+assert names == [f"w0-g{g}-r{r}.json" for g in range(2) for r in range(2)], names
+for n in names:
+    ev = json.load(open(os.path.join(sys.argv[1], n)))["traceEvents"]
+    steps = [e for e in ev if e.get("name") == "step"]
+    evals = [e for e in ev if e.get("name") == "evaluate"]
+    assert len(steps) == 8 and len(evals) == 2, (n, len(steps), len(evals))
+PY
+  echo "ok --trace: a timeline per rank and evaluation, 4 steps an epoch, an evaluation per epoch"
 fi
 # --- cmd: ----------------------------------------------------------------
 cat >"$tmp/loss.py" <<'PYEOF'
