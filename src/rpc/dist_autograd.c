@@ -254,6 +254,14 @@ static void ctx_free(da_state *st, ddp_dist_context *c) {
   if (c->pins) pthread_cond_broadcast(&st->cv);
   c->pins = 0;
   pthread_mutex_unlock(&st->mu);
+  /* Tapes first: a reset clears the counts on their leaves, and receives
+   * are leaves living in the messages freed below. */
+  for (in_call *in = c->ins; in; in = in->next) {
+    tape_put(st, in->tape);
+    in->tape = NULL;
+  }
+  tape_put(st, c->tape);
+  c->tape = NULL;
   for (out_call *o = c->outs, *next; o; o = next) {
     next = o->next;
     ddp_rpc_message_free(&o->result);
@@ -262,7 +270,6 @@ static void ctx_free(da_state *st, ddp_dist_context *c) {
   }
   for (in_call *in = c->ins, *next; in; in = next) {
     next = in->next;
-    tape_put(st, in->tape);
     ddp_rpc_message_free(&in->args);
     for (int i = 0; i < MAX_GRAD_TENSORS; i++) ddp_free(in->arg_grad[i]);
     ddp_free(in->reply_buf);
@@ -273,7 +280,6 @@ static void ctx_free(da_state *st, ddp_dist_context *c) {
     ddp_free(g->g);
     ddp_free(g);
   }
-  tape_put(st, c->tape);
   pthread_mutex_destroy(&c->mu);
   ddp_free(c);
 }

@@ -778,6 +778,8 @@ ddp__rref_id ddp__rref_get_id(const ddp_rref *r) { return r->id; }
 ddp_rpc_agent *ddp__rref_agent(const ddp_rref *r) { return r->agent; }
 
 ddp_status ddp_rref_fork(ddp_rref *r, void *token) {
+  if (!r || !token) return ddp_error(DDP_ERR_INVALID, "rref fork: a reference and a token buffer "
+                                     "are required");
   rref_state *st = r->st;
   rref_token t = {0};
   t.h.magic = RREF_MAGIC;

@@ -431,11 +431,11 @@ static void leak_fn(int rank, int size, ddp_rpc_agent *a, rt_result *res, void *
   fputs(text, stderr);
   if (rank == 1)
     RT_CHECK(res, name[0] && strstr(text, name) && strstr(text, "still held at shutdown"),
-             "w1's shutdown does not name %s: '%s'", name, text);
+             "w1's shutdown does not name %s: '%.600s'", name, text);
   if (rank == 0)
     RT_CHECK(res, strstr(text, "freed at shutdown") && strstr(text, "rank(s) 1"),
-             "the owner's shutdown does not name the reference held on rank 1: '%s'", text);
-  if (rank == 2) RT_CHECK(res, !strstr(text, "rref"), "w2 reports a leak: '%s'", text);
+             "the owner's shutdown does not name the reference held on rank 1: '%.600s'", text);
+  if (rank == 2) RT_CHECK(res, !strstr(text, "rref"), "w2 reports a leak: '%.600s'", text);
 }
 
 static void test_leak_named(void **state) {
