@@ -207,7 +207,13 @@ ddp_status ddp_barrier_async(ddp_process_group *pg, ddp_work **work);
 ddp_status ddp_monitored_barrier(ddp_process_group *pg, double timeout_s, bool wait_all);
 
 /* ---- Point to point ------------------------------------------------------
- * Messages between a pair are matched in order per tag. */
+ * Messages between a pair are matched in order per tag. Every point-to-point
+ * operation (these four and the batches below) runs on the group's
+ * point-to-point lane, outside the queue of collectives: the sends and
+ * receives in flight progress together in the background, whatever their
+ * size, so isend + irecv to the same peer on both sides do not deadlock
+ * (docs/comm.md, "Point to point"). Blocking send/recv wait for their own
+ * completion only. A peer may be this rank only in a batch. */
 ddp_status ddp_send(ddp_process_group *pg, const void *buf, size_t count, ddp_dtype dtype,
                     int dst, int tag);
 ddp_status ddp_recv(ddp_process_group *pg, void *buf, size_t count, ddp_dtype dtype, int src,
@@ -216,6 +222,32 @@ ddp_status ddp_isend(ddp_process_group *pg, const void *buf, size_t count, ddp_d
                      int dst, int tag, ddp_work **work);
 ddp_status ddp_irecv(ddp_process_group *pg, void *buf, size_t count, ddp_dtype dtype, int src,
                      int tag, ddp_work **work);
+
+typedef enum { DDP_P2P_SEND, DDP_P2P_RECV } ddp_p2p_kind;
+typedef struct ddp_p2p_op {
+  ddp_p2p_kind kind;
+  void *buf;        /* read for sends, written for receives */
+  size_t count;     /* elements of dtype */
+  ddp_dtype dtype;
+  int peer;         /* the other rank, in this group's numbering */
+  int tag;
+} ddp_p2p_op;
+/* PyTorch's batch_isend_irecv: starts every operation in ops[0..n) at once and returns one
+ * work handle that completes when all have (ops is copied; the buffers must stay valid until
+ * then). Sends and receives to the same peer, in both directions, in any order within the
+ * batch, never deadlock at any size, provided the peers post matching batches (or matching
+ * plain send/recv); messages between a pair are matched in order per tag, as for send/recv.
+ * The batch progresses in the background (the caller computes meanwhile) and does not wait
+ * behind the group's collectives queued after it. A failed peer (dead process, timeout) fails
+ * the work with a message naming the operation, the peer rank and the tag.
+ *
+ * Details: n == 0 gives a handle that is already complete. A peer equal to this rank is
+ * allowed in a batch (a send to self is matched with a receive from self of the same tag and
+ * size, in order). The handle is freed with ddp_work_free; handles and their copies of ops are
+ * recycled, so posting the same shapes every micro-batch allocates nothing after the first.
+ * Every backend a group can have supports it (self, local threads and shm, tcp, hier). A
+ * failure (also a timeout: the group's, from the call) fails the group, as collectives do. */
+ddp_status ddp_batch_isend_irecv(ddp_process_group *pg, const ddp_p2p_op *ops, size_t n, ddp_work **work);
 
 /* ---- Variable-size byte collectives (what object collectives build on) ---
  * Results are allocated with ddp_alloc and freed by the caller. */

@@ -62,6 +62,22 @@ typedef struct ddp__op_ctx {
   bool caller_blocked;
 } ddp__op_ctx;
 
+/* One send or receive of the point-to-point lane (src/comm/p2p_lane.c).
+ * The group's p2p thread progresses every pending request through the
+ * backend's p2p_progress, concurrently with the collective the progress
+ * thread may be running: a backend keeps what p2p_progress touches apart
+ * from what its collectives touch (its own channels, sockets, counters). */
+typedef struct ddp__p2p_req {
+  bool is_send;
+  bool finished;     /* set by p2p_progress */
+  void *buf;         /* read for sends, written for receives */
+  size_t bytes;
+  int peer;          /* group rank, never this rank */
+  int tag;
+  /* The backend's progress state: zeroed when the request is posted. */
+  _Alignas(16) unsigned char state[160];
+} ddp__p2p_req;
+
 typedef struct ddp__backend_ops {
   const char *name; /* "local", "tcp", "self" */
   ddp_status (*allreduce)(ddp__backend *b, const ddp__op_ctx *ctx, void *buf, size_t count,
@@ -85,6 +101,21 @@ typedef struct ddp__backend_ops {
   ddp_status (*send)(ddp__backend *b, const ddp__op_ctx *ctx, const void *buf, size_t bytes,
                      int dst);
   ddp_status (*recv)(ddp__backend *b, const ddp__op_ctx *ctx, void *buf, size_t bytes, int src);
+  /* The point-to-point lane (NULL: p2p goes through the op queue, one op at
+   * a time, with send/recv above). Progresses reqs[0..n), given in posting
+   * order: sends to one peer go out in that order, receives from one peer
+   * match its messages in order per tag. Sets `finished` on each request
+   * that completes; when nothing progressed, waits at most wait_ns for a
+   * peer's post or p2p_wake. A dead or departed peer with a pending request
+   * fails it (DDP_ERR_PEER naming the rank) within about 5 s; a rank that
+   * died fails every pending request. On failure returns the status with
+   * the message as the last error, and *culprit the index of the request it
+   * concerns (-1: none in particular). Deadlines and abort are the caller's.
+   * Called by one thread (the lane's). */
+  ddp_status (*p2p_progress)(ddp__backend *b, const ddp__op_ctx *ctx, ddp__p2p_req *const *reqs,
+                             int n, int64_t wait_ns, int *culprit);
+  /* Ends a p2p_progress wait early (new requests, abort); any thread. */
+  void (*p2p_wake)(ddp__backend *b);
   /* The transport towards `peer`: "self", "threads", "shm", "tcp". */
   const char *(*transport)(const ddp__backend *b, int peer);
   /* Adds what this backend's transports carried so far to *acc (NULL: the

@@ -53,8 +53,23 @@ typedef struct ddp__op_args {
   uint64_t flight;  /* its flight recorder record's id + 1; 0: none yet (flight.h) */
 } ddp__op_args;
 
+/* A batch of point-to-point requests on the lane (p2p_lane.c), kept with
+ * its work handle and reused with it: reqs grows to the largest batch the
+ * handle carried and is freed with the group. */
+typedef struct ddp__p2p_batch {
+  struct ddp__p2p_batch *next; /* the lane's pending list */
+  ddp_work *work;
+  ddp__p2p_req *reqs;          /* (cap) */
+  ddp__op_args *args;          /* (cap) each request's flight record and number */
+  int n, cap;
+  int left;                    /* requests not finished yet */
+  int64_t deadline_ns;
+  const char *name;            /* "batch_isend_irecv", "isend", ... */
+} ddp__p2p_batch;
+
 struct ddp_work {
   ddp_process_group *pg;
+  ddp__p2p_batch *batch; /* point-to-point lane handles; NULL until first used so */
   ddp_work *next;   /* queue or free-list link */
   ddp__op_args args;
   ddp_status status;
@@ -108,6 +123,18 @@ struct ddp_process_group {
    * (one at a time), so numbers follow execution order = submission order. */
   uint64_t next_seq;       /* collectives */
   uint64_t next_p2p_seq;
+  /* The point-to-point lane (p2p_lane.c): batches pending in submission
+   * order (under p2p_mu), handed to the lane thread, which alone touches
+   * their requests afterwards. */
+  pthread_mutex_t p2p_mu;
+  pthread_cond_t p2p_cv;
+  ddp__p2p_batch *p2p_head, *p2p_tail; /* submitted, not yet taken by the lane */
+  int p2p_outstanding;     /* submitted and not finished (under p2p_mu) */
+  bool p2p_started, p2p_stopping;
+  pthread_t p2p_thread;
+  ddp__p2p_batch *p2p_run; /* lane thread only: the batches it progresses */
+  ddp__p2p_req **p2p_active; /* lane thread only: pointers handed to the backend */
+  int p2p_active_cap;
   uint64_t subgroups;      /* subgroups created from this group (ids) */
   uint64_t monitored_barriers;
 };
@@ -141,6 +168,24 @@ ddp_status ddp__queue_drain(ddp_process_group *pg);
 /* Fails every queued (not running) work with the sticky error and wakes
  * every waiter. */
 void ddp__queue_fail_all(ddp_process_group *pg);
+
+/* A handle from the pool, not queued (the lane's); under no lock. NULL on
+ * allocation failure (with the error set). */
+ddp_work *ddp__work_take(ddp_process_group *pg);
+/* Marks a handle taken with ddp__work_take finished and wakes its waiters. */
+void ddp__work_complete(ddp_process_group *pg, ddp_work *w, ddp_status status);
+
+/* ---- p2p_lane.c ----------------------------------------------------------- */
+ddp_status ddp__p2p_lane_init(ddp_process_group *pg);
+/* Waits (bounded) for pending batches, then stops the lane's thread. */
+void ddp__p2p_lane_destroy(ddp_process_group *pg);
+/* Wakes the lane (abort): it fails what is pending with the sticky error. */
+void ddp__p2p_lane_wake(ddp_process_group *pg);
+/* Submits ops[0..n) (checked by the caller; copied) as one handle on the
+ * lane; blocking when work is NULL (waits for completion and returns its
+ * status). `name` is the call's, for messages. */
+ddp_status ddp__p2p_submit(ddp_process_group *pg, const char *name, const ddp_p2p_op *ops,
+                           size_t n, ddp_work **work);
 
 /* ---- collectives.c -------------------------------------------------------- */
 /* Runs one operation on the backend on the calling thread (numbering it in

@@ -282,6 +282,10 @@ static ddp_status group_build(ddp_store *ns, const char *name, int rank, int siz
   pg->debug_detail = strcasecmp(debug, "detail") == 0;
   ddp_status st = ddp__queue_init(pg);
   bool queue_ready = st == DDP_OK;
+  if (st == DDP_OK && (st = ddp__p2p_lane_init(pg)) != DDP_OK) {
+    ddp__queue_destroy(pg);
+    queue_ready = false;
+  }
   identity id = {0};
   if (st == DDP_OK) {
     if (known) {
@@ -338,7 +342,10 @@ static ddp_status group_build(ddp_store *ns, const char *name, int rank, int siz
     identity_free(known);
   }
   if (st != DDP_OK) {
-    if (queue_ready) ddp__queue_destroy(pg);
+    if (queue_ready) {
+      ddp__p2p_lane_destroy(pg);
+      ddp__queue_destroy(pg);
+    }
     ddp_free(pg->host_of);
     ddp_free(pg->process_of);
     ddp_free(pg->host_names);
@@ -587,6 +594,7 @@ void ddp_process_group_abort(ddp_process_group *pg) {
   atomic_store(&pg->aborted, true);
   if (pg->backend && pg->backend->ops->abort) pg->backend->ops->abort(pg->backend);
   ddp__queue_fail_all(pg);
+  ddp__p2p_lane_wake(pg);
 }
 
 ddp_status ddp_process_group_counters(const ddp_process_group *pg, ddp_comm_counters *out) {
@@ -599,6 +607,7 @@ ddp_status ddp_process_group_counters(const ddp_process_group *pg, ddp_comm_coun
 
 void ddp_process_group_destroy(ddp_process_group *pg) {
   if (!pg) return;
+  ddp__p2p_lane_destroy(pg);
   ddp__queue_destroy(pg);
   if (pg->backend && pg->backend->ops->counters && ddp_log_get_level() <= DDP_LOG_INFO) {
     ddp_comm_counters c;

@@ -56,6 +56,12 @@ typedef struct hier_backend {
   size_t scratch_bytes[2];
   ddp_status failed;       /* sticky */
   char failed_msg[512];
+  /* The point-to-point lane's split of its requests (lane thread only):
+   * those to host mates (peer rewritten to the local index for the call)
+   * and those over tcp, with each one's index in the caller's list. */
+  ddp__p2p_req **lane_local, **lane_tcp;
+  int *lane_local_at, *lane_tcp_at;
+  int lane_cap;
 } hier_backend;
 
 static hier_backend *as_hier(ddp__backend *b) { return (hier_backend *)b; }
@@ -395,6 +401,66 @@ static ddp_status hier_recv(ddp__backend *be, const ddp__op_ctx *ctx, void *buf,
   return DDP_OK;
 }
 
+/* The lane (backend.h): requests to host mates go to the local backend's
+ * lane, the others to the tcp backend's. When both have requests pending,
+ * each waits briefly in turn (1 ms), so neither side's messages wait long
+ * behind the other's sleep. A failure is the lane's, not this backend's
+ * sticky one (the lane fails the group, whose abort reaches both parts). */
+#define HIER_LANE_SLICE_NS 1000000LL
+
+static ddp_status hier_p2p_progress(ddp__backend *be, const ddp__op_ctx *ctx,
+                                    ddp__p2p_req *const *reqs, int n, int64_t wait_ns,
+                                    int *culprit) {
+  hier_backend *h = as_hier(be);
+  *culprit = -1;
+  if (n > h->lane_cap) {
+    int cap = 2 * n;
+    ddp__p2p_req **l = ddp_calloc((size_t)cap, sizeof *l), **t = ddp_calloc((size_t)cap, sizeof *t);
+    int *la = ddp_calloc((size_t)cap, sizeof *la), *ta = ddp_calloc((size_t)cap, sizeof *ta);
+    if (!l || !t || !la || !ta) {
+      ddp_free(l), ddp_free(t), ddp_free(la), ddp_free(ta);
+      return ddp_error(DDP_ERR_NOMEM, "hier backend: no memory for %d point-to-point requests", n);
+    }
+    ddp_free(h->lane_local), ddp_free(h->lane_tcp), ddp_free(h->lane_local_at), ddp_free(h->lane_tcp_at);
+    h->lane_local = l, h->lane_tcp = t, h->lane_local_at = la, h->lane_tcp_at = ta;
+    h->lane_cap = cap;
+  }
+  int nl = 0, nt = 0;
+  for (int i = 0; i < n; i++) {
+    if (h->host_of[reqs[i]->peer] == h->my_host) {
+      h->lane_local_at[nl] = i;
+      h->lane_local[nl++] = reqs[i];
+    } else {
+      h->lane_tcp_at[nt] = i;
+      h->lane_tcp[nt++] = reqs[i];
+    }
+  }
+  int64_t slice = nl && nt && wait_ns > HIER_LANE_SLICE_NS ? HIER_LANE_SLICE_NS : wait_ns;
+  ddp_status st = DDP_OK;
+  int c = -1;
+  if (nl) {
+    for (int i = 0; i < nl; i++) h->lane_local[i]->peer = h->local_index[h->lane_local[i]->peer];
+    st = h->local->ops->p2p_progress(h->local, ctx, h->lane_local, nl, nt ? 0 : slice, &c);
+    const int *mates = h->by_host + h->host_first[h->my_host]; /* local index -> group rank */
+    for (int i = 0; i < nl; i++) h->lane_local[i]->peer = mates[h->lane_local[i]->peer];
+    if (st != DDP_OK) {
+      *culprit = c >= 0 ? h->lane_local_at[c] : -1;
+      return st;
+    }
+  }
+  if (nt) {
+    st = tcpb(h)->ops->p2p_progress(tcpb(h), ctx, h->lane_tcp, nt, slice, &c);
+    if (st != DDP_OK) *culprit = c >= 0 ? h->lane_tcp_at[c] : -1;
+  }
+  return st;
+}
+
+static void hier_p2p_wake(ddp__backend *be) {
+  hier_backend *h = as_hier(be);
+  if (h->local) h->local->ops->p2p_wake(h->local);
+  tcpb(h)->ops->p2p_wake(tcpb(h));
+}
+
 /* ---- Lifecycle -------------------------------------------------------------------- */
 
 static const char *hier_transport(const ddp__backend *be, int peer) {
@@ -429,6 +495,10 @@ static void hier_destroy(ddp__backend *be) {
   ddp_free(h->reps);
   ddp_free(h->scratch[0]);
   ddp_free(h->scratch[1]);
+  ddp_free(h->lane_local);
+  ddp_free(h->lane_tcp);
+  ddp_free(h->lane_local_at);
+  ddp_free(h->lane_tcp_at);
   ddp_free(h);
 }
 
@@ -445,6 +515,8 @@ static const ddp__backend_ops hier_ops = {
     .barrier = hier_barrier,
     .send = hier_send,
     .recv = hier_recv,
+    .p2p_progress = hier_p2p_progress,
+    .p2p_wake = hier_p2p_wake,
     .transport = hier_transport,
     .counters = hier_counters,
     .abort = hier_abort,

@@ -571,6 +571,8 @@ static void free_backend(ddp__local_backend *b) {
   ddp_free(b->seen);
   ddp_free(b->p2p_next_send);
   ddp_free(b->p2p_next_recv);
+  ddp_free(b->p2p_send_held);
+  ddp_free(b->p2p_recv_held);
   ddp_free(b->scratch[0]);
   ddp_free(b->scratch[1]);
   ddp_free(b->group_rank);
@@ -592,7 +594,8 @@ static void local_destroy(ddp__backend *base) {
 
 static void local_counters(const ddp__backend *base, ddp_comm_counters *acc) {
   const ddp__local_backend *b = (const ddp__local_backend *)base;
-  uint64_t moved = atomic_load_explicit(&b->moved, memory_order_relaxed);
+  uint64_t moved = atomic_load_explicit(&b->moved, memory_order_relaxed) +
+                   atomic_load_explicit(&b->p2p_moved, memory_order_relaxed);
   if (strcmp(b->mem->ops->name, "threads") == 0)
     acc->threads_bytes += moved;
   else
@@ -612,6 +615,8 @@ static const ddp__backend_ops local_ops = {
     .barrier = local_barrier,
     .send = ddp__local_send,
     .recv = ddp__local_recv,
+    .p2p_progress = ddp__local_p2p_progress,
+    .p2p_wake = ddp__local_p2p_wake,
     .transport = local_transport,
     .counters = local_counters,
     .abort = local_abort,
@@ -690,10 +695,13 @@ ddp_status ddp__backend_local_create(const ddp__backend_config *cfg, ddp__backen
   b->p2p_next_send = ddp_calloc(n, sizeof *b->p2p_next_send);
   b->p2p_next_recv = ddp_calloc(n, sizeof *b->p2p_next_recv);
   b->host_names = ddp_calloc(n, sizeof *b->host_names);
+  b->p2p_send_held = ddp_calloc(n, 1);
+  b->p2p_recv_held = ddp_calloc(n, 1);
   b->group_rank = ddp_calloc(n, sizeof *b->group_rank);
   b->scratch[0] = ddp_alloc(DDP__LOCAL_SEGMENT_BYTES);
   b->scratch[1] = ddp_alloc(DDP__LOCAL_SEGMENT_BYTES);
-  if (!b->seen || !b->p2p_next_send || !b->p2p_next_recv || !b->host_names || !b->group_rank || !b->scratch[0] ||
+  if (!b->seen || !b->p2p_next_send || !b->p2p_next_recv || !b->p2p_send_held ||
+      !b->p2p_recv_held || !b->host_names || !b->group_rank || !b->scratch[0] ||
       !b->scratch[1]) {
     free_backend(b);
     return ddp_error(DDP_ERR_NOMEM, "local backend: out of memory");

@@ -17,7 +17,7 @@
 #include "comm/backend.h"
 
 #define DDP__LOCAL_MAGIC 0x4c434f4c50444444ull /* "DDDPLOCL" */
-#define DDP__LOCAL_VERSION 4u /* 4: rank 0 write-locks the segment during setup */
+#define DDP__LOCAL_VERSION 5u /* 5: a point-to-point doorbell per rank */
 #define DDP__LOCAL_MAX_RANKS 256
 
 /* Bytes per rank and parity of the small-message slots (collectives whose
@@ -91,8 +91,14 @@ typedef struct ddp__local_ctl {
    * when unknown (a CPU numbered DDP__LOCAL_CPU_WORDS * 64 or above). */
   uint64_t cpus[DDP__LOCAL_CPU_WORDS];
   uint8_t pad[128 - sizeof(ddp__local_word) - 16 - 8 - 8 - 4 - 4 - 8 * DDP__LOCAL_CPU_WORDS];
+  /* The point-to-point lane's doorbell (its own cache line: peers ring it
+   * while collectives poll `flag`): rung (wake += 1) whenever a peer posts
+   * a message to this rank or consumes one of this rank's; the lane sleeps
+   * on it. */
+  ddp__local_word p2p_bell;
+  uint8_t pad2[64 - sizeof(ddp__local_word)];
 } ddp__local_ctl;
-_Static_assert(sizeof(ddp__local_ctl) == 128, "control block is two cache lines");
+_Static_assert(sizeof(ddp__local_ctl) == 192, "control block is three cache lines");
 
 /* One message descriptor of a point-to-point channel. */
 typedef struct ddp__local_p2p_slot {
@@ -244,6 +250,11 @@ typedef struct ddp__local_backend {
   int group_size;
   const char *const *group_host_names;
   _Atomic uint64_t moved;  /* payload bytes of this rank's ops (counters) */
+  _Atomic uint64_t p2p_moved; /* ... of its point-to-point lane (written by the lane only) */
+  /* The lane's per-peer scratch (local_p2p.c): ranks whose next send or
+   * receive must wait for an earlier one in this round. */
+  uint8_t *p2p_send_held, *p2p_recv_held;
+  int64_t p2p_next_liveness; /* when the lane next asks whether peers live */
   uint64_t exposed_op;     /* the last op whose buffers peers read in place (threads) */
   ddp_status failed;       /* sticky: the first op error, DDP_OK while none */
   char failed_msg[320];
@@ -356,7 +367,20 @@ ddp_status ddp__local_staged_reduce_scatter(ddp__local_backend *b, const ddp__op
 ddp_status ddp__local_staged_all_to_all(ddp__local_backend *b, const ddp__op_ctx *ctx,
                                         uint64_t n, const void *send, void *recv, size_t bytes);
 
-/* ---- Point to point (local_p2p.c) ---------------------------------------- */
+/* ---- Point to point (local_p2p.c) ----------------------------------------
+ * send/recv run one message at a time on the op's thread (the hierarchical
+ * backend's pairs on one host); p2p_progress and p2p_wake are the group's
+ * point-to-point lane (backend.h). Both use the same channels and message
+ * ids, so a group uses one or the other. */
+ddp_status ddp__local_p2p_progress(ddp__backend *b, const ddp__op_ctx *ctx,
+                                   ddp__p2p_req *const *reqs, int n, int64_t wait_ns,
+                                   int *culprit);
+void ddp__local_p2p_wake(ddp__backend *b);
+/* Rings rank q's doorbell (local_sync.c). */
+void ddp__local_bell_ring(ddp__local_backend *b, int q);
+/* Sleeps on this rank's doorbell until it is rung after `seen` (its wake
+ * counter read before the caller last looked) or ns pass. */
+void ddp__local_bell_wait(ddp__local_backend *b, uint32_t seen, int64_t ns);
 ddp_status ddp__local_send(ddp__backend *b, const ddp__op_ctx *ctx, const void *buf,
                            size_t bytes, int dst);
 ddp_status ddp__local_recv(ddp__backend *b, const ddp__op_ctx *ctx, void *buf, size_t bytes,

@@ -137,3 +137,295 @@ ddp_status ddp__local_recv(ddp__backend *base, const ddp__op_ctx *ctx, void *buf
     return st == DDP_OK ? DDP_OK : ddp__local_fail(b, ctx, st);
   }
 }
+
+/* ---- The point-to-point lane ------------------------------------------------
+ * The same channels and descriptors, driven without blocking: every call
+ * moves each pending request as far as it can go now. A send takes its
+ * message ids in posting order per destination (a later send to the same
+ * rank waits, within the round, until every earlier one has posted all its
+ * descriptors); a message sent by address completes when the receiver has
+ * consumed it, and meanwhile later sends post theirs (up to the channel's
+ * DDP__LOCAL_P2P_SLOTS in flight). A receive takes the oldest posted,
+ * unconsumed message of its tag from its source, so receives from one rank
+ * match in order per tag, and a receive with a tag whose message is not in
+ * the channel yet holds up no other. The lane touches only the channels,
+ * the message counters and its doorbell (never the collectives' state), so
+ * it runs while a collective does. */
+
+/* Per request, in ddp__p2p_req.state. */
+typedef struct lane_state {
+  uint64_t id;      /* send by address: its descriptor; pieces: the next id to post or take */
+  size_t at;        /* pieces: bytes posted / received so far */
+  uint32_t phase;   /* LANE_* */
+} lane_state;
+_Static_assert(sizeof(lane_state) <= sizeof(((ddp__p2p_req *)0)->state), "lane state fits");
+
+enum {
+  LANE_NEW = 0,
+  LANE_POSTED = 1,  /* send by address: waits for consumed */
+  LANE_PIECES = 2,  /* send or receive in pieces, part way */
+};
+
+/* How often the lane asks whether peer processes still exist while it
+ * waits (a dead peer's request fails within that plus a wait slice). */
+#define LANE_LIVENESS_NS (20 * 1000000LL)
+
+static lane_state *state_of(ddp__p2p_req *r) { return (lane_state *)(void *)r->state; }
+
+/* Whether the descriptor of message id towards dst is free for reuse. */
+static bool slot_free(ddp__local_p2p_chan *ch, uint64_t id) {
+  if (id < DDP__LOCAL_P2P_SLOTS) return true;
+  return atomic_load_explicit(&ch->slot[id % DDP__LOCAL_P2P_SLOTS].consumed.value,
+                              memory_order_acquire) >= id + 1 - DDP__LOCAL_P2P_SLOTS;
+}
+
+/* Fills and posts descriptor `id` towards dst (its slot is free). */
+static void lane_post(ddp__local_backend *b, int dst, uint64_t id, uint32_t kind, int tag,
+                      uint64_t total, const void *data, size_t data_bytes) {
+  ddp__local_p2p_slot *s = &ddp__local_chan_of(b->reg, b->rank, dst)->slot[id % DDP__LOCAL_P2P_SLOTS];
+  s->tag = tag;
+  s->bytes = total;
+  s->is_inline = kind;
+  s->addr = kind == BY_ADDRESS ? (uint64_t)(uintptr_t)data : 0;
+  if (kind != BY_ADDRESS && data_bytes) memcpy(s->data, data, data_bytes);
+  atomic_store_explicit(&s->posted.value, id + 1, memory_order_release);
+}
+
+static void lane_count(ddp__local_backend *b, size_t bytes) {
+  atomic_store_explicit(&b->p2p_moved,
+                        atomic_load_explicit(&b->p2p_moved, memory_order_relaxed) + bytes,
+                        memory_order_relaxed);
+}
+
+/* Moves send r as far as it goes; true when it progressed. */
+static bool lane_send(ddp__local_backend *b, ddp__p2p_req *r, bool *rung) {
+  int dst = r->peer;
+  lane_state *ls = state_of(r);
+  ddp__local_p2p_chan *ch = ddp__local_chan_of(b->reg, b->rank, dst);
+  if (ls->phase == LANE_POSTED) {
+    if (atomic_load_explicit(&ch->slot[ls->id % DDP__LOCAL_P2P_SLOTS].consumed.value,
+                             memory_order_acquire) < ls->id + 1)
+      return false;
+    r->finished = true;
+    return true;
+  }
+  if (b->p2p_send_held[dst]) return false;
+  bool moved = false;
+  if (ls->phase == LANE_NEW && (r->bytes <= DDP__LOCAL_P2P_INLINE || b->mem->can_read_peers)) {
+    uint64_t id = b->p2p_next_send[dst];
+    if (!slot_free(ch, id)) {
+      b->p2p_send_held[dst] = 1;
+      return false;
+    }
+    b->p2p_next_send[dst]++;
+    bool in = r->bytes <= DDP__LOCAL_P2P_INLINE;
+    lane_post(b, dst, id, in ? INLINE : BY_ADDRESS, r->tag, r->bytes, r->buf, in ? r->bytes : 0);
+    lane_count(b, r->bytes);
+    *rung = true;
+    if (in) {
+      r->finished = true;
+    } else {
+      ls->phase = LANE_POSTED;
+      ls->id = id;
+    }
+    return true;
+  }
+  /* Eagerly in descriptor-sized pieces (no cross-memory attach). */
+  if (ls->phase == LANE_NEW) {
+    ls->phase = LANE_PIECES;
+    lane_count(b, r->bytes);
+  }
+  while (ls->at < r->bytes) {
+    uint64_t id = b->p2p_next_send[dst];
+    if (!slot_free(ch, id)) break;
+    b->p2p_next_send[dst]++;
+    size_t len = r->bytes - ls->at < DDP__LOCAL_P2P_INLINE ? r->bytes - ls->at : DDP__LOCAL_P2P_INLINE;
+    lane_post(b, dst, id, ls->at == 0 ? PIECES : PIECE, r->tag, r->bytes, (const char *)r->buf + ls->at, len);
+    ls->at += len;
+    moved = *rung = true;
+  }
+  if (ls->at < r->bytes)
+    b->p2p_send_held[dst] = 1; /* later sends to dst take ids after these pieces */
+  else
+    r->finished = true;
+  return moved;
+}
+
+static ddp_status size_mismatch(ddp__local_backend *b, const ddp__p2p_req *r, uint64_t sent) {
+  return ddp_error(DDP_ERR_INVALID,
+                   "rank %d sent %llu bytes with tag %d where this rank receives %zu (do the ranks "
+                   "post matching sends and receives?)",
+                   ddp__local_group_rank(b, r->peer), (unsigned long long)sent, r->tag, r->bytes);
+}
+
+/* Takes posted pieces of receive r (the message's pieces have consecutive
+ * ids from ls->id). */
+static bool lane_take_pieces(ddp__local_backend *b, ddp__p2p_req *r, bool *rung) {
+  lane_state *ls = state_of(r);
+  ddp__local_p2p_chan *ch = ddp__local_chan_of(b->reg, r->peer, b->rank);
+  bool moved = false;
+  while (ls->at < r->bytes) {
+    ddp__local_p2p_slot *s = &ch->slot[ls->id % DDP__LOCAL_P2P_SLOTS];
+    if (atomic_load_explicit(&s->posted.value, memory_order_acquire) < ls->id + 1) break;
+    size_t len = r->bytes - ls->at < DDP__LOCAL_P2P_INLINE ? r->bytes - ls->at : DDP__LOCAL_P2P_INLINE;
+    memcpy((char *)r->buf + ls->at, s->data, len);
+    ls->at += len;
+    atomic_store_explicit(&s->consumed.value, ls->id + 1, memory_order_release);
+    ls->id++;
+    moved = *rung = true;
+  }
+  if (ls->at >= r->bytes) r->finished = true;
+  return moved;
+}
+
+/* Moves receive r as far as it goes; true when it progressed. */
+static ddp_status lane_recv(ddp__local_backend *b, ddp__p2p_req *const *reqs, int index,
+                           bool *moved, bool *rung) {
+  ddp__p2p_req *r = reqs[index];
+  int src = r->peer;
+  lane_state *ls = state_of(r);
+  if (ls->phase == LANE_PIECES) {
+    *moved = lane_take_pieces(b, r, rung) || *moved;
+    if (!r->finished) b->p2p_recv_held[src] = 1;
+    return DDP_OK;
+  }
+  if (b->p2p_recv_held[src]) return DDP_OK;
+  /* Messages of one (source, tag) go to receives in posting order: while an
+   * earlier receive of the pair and tag is still unmatched in this round
+   * (its message was not there when it looked, though it may be by now), a
+   * later one must not take that message. */
+  for (int j = 0; j < index; j++) {
+    ddp__p2p_req *e = reqs[j];
+    if (!e->is_send && !e->finished && e->peer == src && e->tag == r->tag &&
+        state_of(e)->phase == LANE_NEW)
+      return DDP_OK;
+  }
+  ddp__local_p2p_chan *ch = ddp__local_chan_of(b->reg, src, b->rank);
+  uint64_t first = b->p2p_next_recv[src];
+  for (uint64_t id = first; id < first + DDP__LOCAL_P2P_SLOTS; id++) {
+    ddp__local_p2p_slot *s = &ch->slot[id % DDP__LOCAL_P2P_SLOTS];
+    /* Ids are posted in order: nothing past an unposted one. */
+    if (atomic_load_explicit(&s->posted.value, memory_order_acquire) < id + 1) return DDP_OK;
+    if (atomic_load_explicit(&s->consumed.value, memory_order_relaxed) >= id + 1) continue;
+    if (s->tag != r->tag || s->is_inline == PIECE) continue;
+    uint32_t kind = s->is_inline;
+    if (s->bytes != r->bytes) return size_mismatch(b, r, s->bytes);
+    ddp_status st = DDP_OK;
+    if (kind == INLINE) {
+      if (r->bytes) memcpy(r->buf, s->data, r->bytes);
+    } else if (kind == BY_ADDRESS) {
+      st = b->mem->ops->read(b->mem, src, s->addr, r->buf, r->bytes);
+      if (st != DDP_OK) return ddp_error_wrap(st, "reading rank %d's message", ddp__local_group_rank(b, src));
+    }
+    lane_count(b, r->bytes);
+    *moved = *rung = true;
+    if (kind == PIECES) {
+      ls->phase = LANE_PIECES;
+      ls->id = id;
+      lane_take_pieces(b, r, rung);
+      if (!r->finished) b->p2p_recv_held[src] = 1;
+    } else {
+      atomic_store_explicit(&s->consumed.value, id + 1, memory_order_release);
+      r->finished = true;
+    }
+    /* Advance past every message already taken. */
+    uint64_t next = b->p2p_next_recv[src];
+    while (atomic_load_explicit(&ch->slot[next % DDP__LOCAL_P2P_SLOTS].posted.value, memory_order_acquire) >= next + 1 &&
+           atomic_load_explicit(&ch->slot[next % DDP__LOCAL_P2P_SLOTS].consumed.value,
+                                memory_order_acquire) >= next + 1)
+      next++;
+    b->p2p_next_recv[src] = next;
+    return DDP_OK;
+  }
+  return DDP_OK;
+}
+
+static const char *lane_host(const ddp__local_backend *b, int q) {
+  return ddp__local_group_host(b, ddp__local_group_rank(b, q));
+}
+
+/* A pending request's peer that can no longer answer, or a dead process
+ * anywhere in the group (the group is broken then: every pending request
+ * fails, naming the dead rank). */
+static ddp_status lane_check_peers(ddp__local_backend *b, ddp__p2p_req *const *reqs, int n,
+                                   int *culprit) {
+  if (b->mem->ops->find_dead) {
+    char why[128] = "";
+    int dead = b->mem->ops->find_dead(b->mem, why, sizeof why);
+    if (dead >= 0) {
+      *culprit = -1;
+      for (int i = 0; i < n && *culprit < 0; i++)
+        if (reqs[i]->peer == dead) *culprit = i;
+      if (*culprit < 0) *culprit = 0;
+      return ddp_error(DDP_ERR_PEER, "rank %d (%s) died (%s)", ddp__local_group_rank(b, dead),
+                       lane_host(b, dead), why);
+    }
+  }
+  return DDP_OK;
+}
+
+/* Requests' peers are group ranks; the channels are indexed by this
+ * backend's ranks (the same unless the backend serves one host of a larger
+ * group: hier.c translates before calling). */
+ddp_status ddp__local_p2p_progress(ddp__backend *base, const ddp__op_ctx *ctx,
+                                   ddp__p2p_req *const *reqs, int n, int64_t wait_ns, int *culprit) {
+  ddp__local_backend *b = as_local(base);
+  *culprit = -1;
+  ddp__local_word *bell = &ddp__local_my_ctl(b)->p2p_bell;
+  for (int round = 0;; round++) {
+    uint32_t seen = atomic_load(&bell->wake);
+    memset(b->p2p_send_held, 0, (size_t)b->size);
+    memset(b->p2p_recv_held, 0, (size_t)b->size);
+    bool moved = false;
+    int left = 0;
+    for (int i = 0; i < n; i++) {
+      ddp__p2p_req *r = reqs[i];
+      if (r->finished) continue;
+      bool rung = false;
+      if (r->is_send) {
+        moved = lane_send(b, r, &rung) || moved;
+      } else {
+        ddp_status st = lane_recv(b, reqs, i, &moved, &rung);
+        if (st != DDP_OK) {
+          *culprit = i;
+          return st;
+        }
+      }
+      if (rung) ddp__local_bell_ring(b, r->peer);
+      if (!r->finished) left++;
+    }
+    if (left == 0 || moved) return DDP_OK;
+    /* Nothing moved: peers' state, then sleep on the doorbell. */
+    int64_t now = ddp_time_ns();
+    if (now >= b->p2p_next_liveness) {
+      b->p2p_next_liveness = now + LANE_LIVENESS_NS;
+      DDP_TRY(lane_check_peers(b, reqs, n, culprit));
+      for (int i = 0; i < n; i++) {
+        ddp__p2p_req *r = reqs[i];
+        if (r->finished) continue;
+        ddp__local_ctl *c = ddp__local_ctl_of(b->reg, r->peer);
+        uint32_t state = atomic_load(&c->state);
+        if (state == DDP__LOCAL_ACTIVE) continue;
+        *culprit = i;
+        int32_t blame = atomic_load(&c->blame);
+        if (state == DDP__LOCAL_FAILED && ddp__local_blame_valid(b, blame))
+          return ddp_error(DDP_ERR_PEER, "rank %d (%s) died or failed (reported by rank %d)", blame,
+                           ddp__local_group_host(b, blame), ddp__local_group_rank(b, r->peer));
+        return ddp_error(DDP_ERR_PEER, "rank %d (%s) %s", ddp__local_group_rank(b, r->peer),
+                         lane_host(b, r->peer),
+                         state == DDP__LOCAL_ABORTED ? "aborted its group"
+                         : state == DDP__LOCAL_LEFT  ? "left the group (destroyed it) first"
+                                                     : "failed");
+      }
+    }
+    if (round > 0 || wait_ns <= 0) return DDP_OK;
+    if (atomic_load(&b->aborted) || (ctx->aborted && atomic_load(ctx->aborted))) return DDP_OK;
+    int64_t slice = wait_ns < LANE_LIVENESS_NS ? wait_ns : LANE_LIVENESS_NS;
+    ddp__local_bell_wait(b, seen, slice);
+  }
+}
+
+void ddp__local_p2p_wake(ddp__backend *base) {
+  ddp__local_backend *b = as_local(base);
+  ddp__local_bell_ring(b, b->rank);
+}

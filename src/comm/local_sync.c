@@ -306,6 +306,8 @@ void ddp__local_wake_all(ddp__local_backend *b) {
     ddp__local_ctl *c = ddp__local_ctl_of(reg, q);
     atomic_fetch_add(&c->flag.wake, 1);
     futex_wake(b, &c->flag.wake);
+    atomic_fetch_add(&c->p2p_bell.wake, 1);
+    futex_wake(b, &c->p2p_bell.wake);
     for (int p = 0; p < b->size; p++) {
       ddp__local_p2p_chan *ch = ddp__local_chan_of(reg, q, p);
       for (unsigned s = 0; s < DDP__LOCAL_P2P_SLOTS; s++) {
@@ -315,4 +317,18 @@ void ddp__local_wake_all(ddp__local_backend *b) {
       }
     }
   }
+}
+
+void ddp__local_bell_ring(ddp__local_backend *b, int q) {
+  ddp__local_word *w = &ddp__local_ctl_of(b->reg, q)->p2p_bell;
+  atomic_fetch_add(&w->wake, 1);
+  if (atomic_load(&w->sleepers) != 0) futex_wake(b, &w->wake);
+}
+
+void ddp__local_bell_wait(ddp__local_backend *b, uint32_t seen, int64_t ns) {
+  ddp__local_word *w = &ddp__local_ctl_of(b->reg, b->rank)->p2p_bell;
+  if (ns <= 0) return;
+  atomic_fetch_add(&w->sleepers, 1);
+  if (atomic_load(&w->wake) == seen) futex_wait(b, &w->wake, seen, ns);
+  atomic_fetch_sub(&w->sleepers, 1);
 }

@@ -1,21 +1,35 @@
-/* Point-to-point: send, recv and their async forms. They go through the
- * group's queue like collectives (one op at a time on the backend, in
- * submission order) with a sequence counter of their own, so that collective
- * numbers agree across ranks whatever the point-to-point traffic. */
+/* Point-to-point: send, recv, their async forms and batch_isend_irecv.
+ * Argument checks here; everything runs on the group's point-to-point lane
+ * (p2p_lane.c), outside the queue of collectives, with a sequence counter
+ * of its own, so collective numbers agree across ranks whatever the
+ * point-to-point traffic. A backend without a lane (none today but a
+ * future one) takes send/recv through the queue, one at a time. */
+#include <stdio.h>
+
 #include "comm/comm_internal.h"
+
+static ddp_status check_peer(ddp_process_group *pg, const char *name, ddp__op_kind kind, int peer,
+                             bool self_ok) {
+  const char *peer_name = kind == DDP__OP_SEND ? "dst" : "src";
+  if (peer < 0 || peer >= pg->size)
+    return ddp_error(DDP_ERR_INVALID, "%s: %s %d is not a rank of the group (size %d)", name,
+                     peer_name, peer, pg->size);
+  if (peer == pg->rank && !self_ok)
+    return ddp_error(DDP_ERR_INVALID, "%s: %s %d is this rank (a rank cannot %s itself)", name,
+                     peer_name, peer, kind == DDP__OP_SEND ? "send to" : "receive from");
+  return DDP_OK;
+}
 
 static ddp_status do_p2p(ddp_process_group *pg, ddp__op_kind kind, const char *name, void *buf,
                          size_t count, ddp_dtype dtype, int peer, int tag, ddp_work **work) {
   ddp__call c = {name, false}; /* isend / irecv check their work pointer themselves */
   DDP_TRY(ddp__check_common(pg, &c, dtype, count, 1, work));
-  const char *peer_name = kind == DDP__OP_SEND ? "dst" : "src";
-  if (peer < 0 || peer >= pg->size)
-    return ddp_error(DDP_ERR_INVALID, "%s: %s %d is not a rank of the group (size %d)", name,
-                     peer_name, peer, pg->size);
-  if (peer == pg->rank)
-    return ddp_error(DDP_ERR_INVALID, "%s: %s %d is this rank (a rank cannot %s itself)", name,
-                     peer_name, peer, kind == DDP__OP_SEND ? "send to" : "receive from");
+  DDP_TRY(check_peer(pg, name, kind, peer, false));
   DDP_TRY(ddp__check_buf(&c, "buf", buf, count));
+  if (pg->backend->ops->p2p_progress) {
+    ddp_p2p_op op = {kind == DDP__OP_SEND ? DDP_P2P_SEND : DDP_P2P_RECV, buf, count, dtype, peer, tag};
+    return ddp__p2p_submit(pg, name, &op, 1, work);
+  }
   ddp__op_args a = {.kind = kind, .count = count, .dtype = dtype, .root = peer, .tag = tag};
   if (kind == DDP__OP_SEND)
     a.send = buf;
@@ -44,4 +58,30 @@ ddp_status ddp_irecv(ddp_process_group *pg, void *buf, size_t count, ddp_dtype d
                      int tag, ddp_work **work) {
   if (!work) return ddp_error(DDP_ERR_INVALID, "irecv: work is NULL");
   return do_p2p(pg, DDP__OP_RECV, "irecv", buf, count, dtype, src, tag, work);
+}
+
+ddp_status ddp_batch_isend_irecv(ddp_process_group *pg, const ddp_p2p_op *ops, size_t n,
+                                 ddp_work **work) {
+  static const char name[] = "batch_isend_irecv";
+  if (!work) return ddp_error(DDP_ERR_INVALID, "%s: work is NULL", name);
+  *work = NULL;
+  if (!pg) return ddp_error(DDP_ERR_INVALID, "%s: process group is NULL", name);
+  DDP_TRY(ddp__group_check(pg));
+  if (!ops && n > 0) return ddp_error(DDP_ERR_INVALID, "%s: ops is NULL with n %zu", name, n);
+  if (!pg->backend->ops->p2p_progress && pg->size > 1)
+    return ddp_error(DDP_ERR_UNSUPPORTED, "%s: the %s backend has no point-to-point lane", name,
+                     pg->backend->ops->name);
+  for (size_t i = 0; i < n; i++) {
+    const ddp_p2p_op *o = &ops[i];
+    char what[48];
+    snprintf(what, sizeof what, "%s: ops[%zu]", name, i);
+    ddp__call c = {what, false};
+    if (o->kind != DDP_P2P_SEND && o->kind != DDP_P2P_RECV)
+      return ddp_error(DDP_ERR_INVALID, "%s.kind is %d, not DDP_P2P_SEND or DDP_P2P_RECV", what,
+                       (int)o->kind);
+    DDP_TRY(ddp__check_common(pg, &c, o->dtype, o->count, 1, NULL));
+    DDP_TRY(check_peer(pg, what, o->kind == DDP_P2P_SEND ? DDP__OP_SEND : DDP__OP_RECV, o->peer, true));
+    DDP_TRY(ddp__check_buf(&c, "buf", o->buf, o->count));
+  }
+  return ddp__p2p_submit(pg, name, ops, n, work);
 }

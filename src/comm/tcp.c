@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "comm/tcp.h"
+#include "ddp/store.h"
 
 static ddp__tcp_backend *as_tcp(ddp__backend *be) { return (ddp__tcp_backend *)be; }
 
@@ -39,11 +40,13 @@ static void tcp_abort(ddp__backend *be) {
   atomic_store(&b->aborted, true);
   uint64_t one = 1;
   if (b->wake_fd >= 0) (void)!write(b->wake_fd, &one, sizeof one);
+  if (b->lane) tcp_abort(&b->lane->base);
 }
 
 static void tcp_destroy(ddp__backend *be) {
   ddp__tcp_backend *b = as_tcp(be);
   if (!b) return;
+  if (b->lane) tcp_destroy(&b->lane->base);
   if (b->pairs) {
     ddp__tcp_close_pairs(b);
     for (int r = 0; r < b->size; r++) {
@@ -75,6 +78,7 @@ static void tcp_counters(const ddp__backend *be, ddp_comm_counters *acc) {
   const ddp__tcp_backend *b = (const ddp__tcp_backend *)be;
   acc->tcp_bytes_sent += atomic_load_explicit(&b->bytes_sent, memory_order_relaxed);
   acc->tcp_bytes_received += atomic_load_explicit(&b->bytes_received, memory_order_relaxed);
+  if (b->lane) tcp_counters(&b->lane->base, acc);
 }
 
 static const ddp__backend_ops tcp_ops = {
@@ -90,13 +94,23 @@ static const ddp__backend_ops tcp_ops = {
     .barrier = ddp__tcp_barrier,
     .send = tcp_send,
     .recv = tcp_recv,
+    .p2p_progress = ddp__tcp_p2p_progress,
+    .p2p_wake = ddp__tcp_p2p_wake,
     .transport = tcp_transport,
     .counters = tcp_counters,
     .abort = tcp_abort,
     .destroy = tcp_destroy,
 };
 
+/* The mesh; with `lane`, a second one for the point-to-point lane, in the
+ * namespace "lane/" of the group's store. */
+static ddp_status tcp_create(const ddp__backend_config *cfg, bool lane, ddp__backend **out);
+
 ddp_status ddp__backend_tcp_create(const ddp__backend_config *cfg, ddp__backend **out) {
+  return tcp_create(cfg, true, out);
+}
+
+static ddp_status tcp_create(const ddp__backend_config *cfg, bool lane, ddp__backend **out) {
   *out = NULL;
   if (!cfg || !cfg->store || cfg->size < 1 || cfg->rank < 0 || cfg->rank >= cfg->size)
     return ddp_error(DDP_ERR_INVALID, "tcp backend: bad configuration (rank %d of %d)",
@@ -134,6 +148,21 @@ ddp_status ddp__backend_tcp_create(const ddp__backend_config *cfg, ddp__backend 
   if (size > 1) {
     st = ddp__tcp_connect_mesh(b, cfg);
     if (st != DDP_OK) goto err;
+  }
+  if (lane && size > 1) {
+    ddp__backend_config lcfg = *cfg;
+    ddp_store *ns = NULL;
+    st = ddp_store_prefix(cfg->store, "lane/", &ns);
+    if (st != DDP_OK) goto err;
+    lcfg.store = ns;
+    ddp__backend *inner = NULL;
+    st = tcp_create(&lcfg, false, &inner);
+    ddp_store_destroy(ns);
+    if (st != DDP_OK) {
+      st = ddp_error_wrap(st, "tcp backend: the point-to-point mesh");
+      goto err;
+    }
+    b->lane = as_tcp(inner);
   }
   *out = &b->base;
   return DDP_OK;

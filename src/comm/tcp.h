@@ -125,6 +125,10 @@ typedef struct ddp__tcp_backend {
   int failed_peer;         /* the rank the failure blames, or -1 */
   char failed_msg[512];
   char local_addr[DDP_NET_ADDR_BYTES];
+  /* The point-to-point lane's own backend (a second mesh; NULL for the lane
+   * itself and for a group of one). Touched by the lane thread only, but
+   * for its wake_fd and counters. */
+  struct ddp__tcp_backend *lane;
 } ddp__tcp_backend;
 
 /* Size of the pieces in which received data is reduced (and the segment of
@@ -168,6 +172,23 @@ void ddp__tcp_post_send(ddp__tcp_xfer *x, int peer, const void *src, size_t byte
 void ddp__tcp_post_recv(ddp__tcp_xfer *x, int peer, void *dst, size_t bytes);
 void ddp__tcp_post_recv_reduce(ddp__tcp_xfer *x, int peer, void *dst, size_t bytes,
                                ddp_dtype dtype, ddp_reduce_op op);
+
+/* One step of a transfer on its non-blocking socket: IO_READY
+ * (x->finished), IO_BLOCKED, or IO_ERROR with the
+ * backend's sticky failure recorded (the last error names the peer). */
+enum { IO_BLOCKED = 0, IO_READY = 1, IO_ERROR = -1 };
+int ddp__tcp_progress_send(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_xfer *x);
+/* Reads the pair's next frame header if it has arrived (p->have_hdr; a BYE
+ * sets p->peer_left instead): IO_READY, IO_BLOCKED or IO_ERROR. */
+int ddp__tcp_read_header(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_pair *p);
+int ddp__tcp_progress_recv(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_xfer *x);
+
+/* ---- tcp_lane.c: the point-to-point lane (backend.h) ----------------------
+ * On a mesh of its own (b->lane, connected with the group's), so the lane's
+ * frames never interleave with a collective's on one socket. */
+ddp_status ddp__tcp_p2p_progress(ddp__backend *b, const ddp__op_ctx *ctx,
+                                 ddp__p2p_req *const *reqs, int n, int64_t wait_ns, int *culprit);
+void ddp__tcp_p2p_wake(ddp__backend *b);
 
 /* Point to point (tcp.c's send/recv use these). */
 ddp_status ddp__tcp_send_p2p(ddp__tcp_backend *b, const ddp__op_ctx *ctx, const void *buf,

@@ -122,7 +122,6 @@ static bool stream_ends_with_bye(ddp__tcp_pair *p) {
 
 /* ---- Reading frames -------------------------------------------------------- */
 
-enum { IO_BLOCKED = 0, IO_READY = 1, IO_ERROR = -1 };
 
 /* recv() into buf; >0 bytes, IO_BLOCKED, or IO_ERROR with the failure
  * recorded (EOF and resets name the peer). */
@@ -155,7 +154,7 @@ static ssize_t pair_recv(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_p
 
 /* Reads until a header is complete (p->have_hdr). BYE ends the stream: the
  * peer left cleanly (p->peer_left) and nothing more will come. */
-static int read_header(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_pair *p) {
+int ddp__tcp_read_header(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_pair *p) {
   if (p->have_hdr) return IO_READY;
   if (p->peer_left) return IO_BLOCKED;
   while (p->hdr_got < sizeof p->hdr_buf) {
@@ -203,7 +202,7 @@ static int service(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_pair *p
       p->unexp_tail = m;
       p->draining = NULL;
     }
-    int r = read_header(b, ctx, p);
+    int r = ddp__tcp_read_header(b, ctx, p);
     if (r != IO_READY) return r;
     if ((p->hdr.magic_kind & 0xffu) != DDP__TCP_P2P) return IO_READY; /* COLL waits */
     if (stop_tag >= 0 && p->hdr.tag == (uint32_t)stop_tag) {
@@ -274,7 +273,7 @@ static ddp_status left_during_op(ddp__tcp_backend *b, const ddp__op_ctx *ctx, in
   return b->failed;
 }
 
-static int progress_send(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_xfer *x) {
+int ddp__tcp_progress_send(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_xfer *x) {
   ddp__tcp_pair *p = &b->pairs[x->peer];
   if (!x->started) {
     ddp__tcp_header h = {DDP__TCP_MAGIC | x->kind, x->tag, x->bytes};
@@ -358,7 +357,7 @@ static int take_queued(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_xfe
   return IO_BLOCKED;
 }
 
-static int progress_recv(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_xfer *x) {
+int ddp__tcp_progress_recv(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_xfer *x) {
   ddp__tcp_pair *p = &b->pairs[x->peer];
   if (!x->started) {
     bool p2p = x->kind == DDP__TCP_P2P;
@@ -499,7 +498,7 @@ static ddp_status run(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_xfer
         if (*act >= 0) continue;
         *act = i;
         if (x[i].after >= 0 && !x[x[i].after].finished) continue; /* its data is not there yet */
-        int r = x[i].is_send ? progress_send(b, ctx, &x[i]) : progress_recv(b, ctx, &x[i]);
+        int r = x[i].is_send ? ddp__tcp_progress_send(b, ctx, &x[i]) : ddp__tcp_progress_recv(b, ctx, &x[i]);
         if (r == IO_ERROR) return blame_the_dead(b, ctx);
         if (x[i].finished) {
           again = true; /* the next transfer on this (peer, direction) may start */

@@ -79,6 +79,21 @@ static void work_finish(ddp_process_group *pg, ddp_work *w, ddp_status status) {
   pthread_cond_broadcast(&pg->done_cv);
 }
 
+ddp_work *ddp__work_take(ddp_process_group *pg) {
+  pthread_mutex_lock(&pg->mu);
+  ddp_work *w = work_get(pg);
+  pthread_mutex_unlock(&pg->mu);
+  if (!w) ddp_error(DDP_ERR_NOMEM, "process group (rank %d of %d): cannot allocate a work handle",
+                    pg->rank, pg->size);
+  return w;
+}
+
+void ddp__work_complete(ddp_process_group *pg, ddp_work *w, ddp_status status) {
+  pthread_mutex_lock(&pg->mu);
+  work_finish(pg, w, status);
+  pthread_mutex_unlock(&pg->mu);
+}
+
 /* ---- Progress thread -------------------------------------------------------- */
 
 static bool inline_running(ddp_process_group *pg) {
@@ -188,6 +203,7 @@ static ddp_status wait_timed_out(ddp_process_group *pg, const ddp__op_args *args
   atomic_store(&pg->aborted, true);
   if (pg->backend && pg->backend->ops->abort) pg->backend->ops->abort(pg->backend);
   ddp__queue_fail_all(pg);
+  ddp__p2p_lane_wake(pg);
   return ddp__group_check(pg);
 }
 
@@ -304,6 +320,11 @@ void ddp__queue_destroy(ddp_process_group *pg) {
   if (started) pthread_join(pg->thread, NULL);
   for (ddp_work *w = pg->all_works, *next; w; w = next) {
     next = w->all_next;
+    if (w->batch) {
+      ddp_free(w->batch->reqs);
+      ddp_free(w->batch->args);
+      ddp_free(w->batch);
+    }
     ddp_free(w);
   }
   pg->all_works = NULL;
