@@ -100,6 +100,7 @@ struct ddp_rref {
   bool confirmed;      /* the owner knows this fork */
   bool confirm_failed; /* it never will (owner gone): nothing to delete */
   bool released, delete_sent;
+  int inflight; /* messages about it not yet answered: it is freed only after */
   ddp__rref_id *children; /* forks passed on, not yet known to the owner */
   int n_children, cap_children;
   char name[112];
@@ -331,6 +332,7 @@ static ddp_status send_msg(rref_state *st, int32_t to, msg_kind kind, ddp_rref *
   if (user_args) m.tensors = user_args->tensors, m.num_tensors = user_args->num_tensors;
   pthread_mutex_lock(&st->mu);
   st->outstanding++;
+  if (rref) rref->inflight++;
   pthread_mutex_unlock(&st->mu);
   ddp_rpc_future *f = NULL;
   ddp_status s = ddp__rpc_async_rank(st->agent, to, msg_fn[kind], &m, timeout_s, &f);
@@ -363,7 +365,7 @@ static void user_unlink_free(rref_state *st, ddp_rref *r) {
 /* Under st->mu: what a user reference needs next. Returns true when a
  * delete must be sent (outside the lock); frees r when nothing is left. */
 static bool user_progress_locked(rref_state *st, ddp_rref *r) {
-  if (!r->released || r->n_children) return false;
+  if (!r->released || r->n_children || r->inflight) return false;
   if (r->confirm_failed) {
     user_unlink_free(st, r);
     return false;
@@ -373,11 +375,10 @@ static bool user_progress_locked(rref_state *st, ddp_rref *r) {
   return true;
 }
 
+/* A failure to send is reported (and r freed) by after_message. */
 static void send_delete(rref_state *st, ddp_rref *r) {
   rref_hdr h = {.magic = RREF_MAGIC, .version = RREF_VERSION, .id = r->id, .fork = r->fork};
-  if (send_msg(st, r->owner, MSG_DELETE, r, &h, NULL, -1, -1) != DDP_OK)
-    DDP_WARN("rpc: worker '%s': %s: the delete could not be sent to its owner: %s",
-             self_name(st->agent), r->name, ddp_last_error());
+  (void)send_msg(st, r->owner, MSG_DELETE, r, &h, NULL, -1, -1);
 }
 
 static void after_message(ddp_rpc_future *f, void *user) {
@@ -387,6 +388,7 @@ static void after_message(ddp_rpc_future *f, void *user) {
   ddp_rref *r = pm->rref;
   bool del = false, accept = false;
   pthread_mutex_lock(&st->mu);
+  if (r) r->inflight--;
   switch (pm->kind) {
   case MSG_CREATE:
   case MSG_FORK:
@@ -401,7 +403,7 @@ static void after_message(ddp_rpc_future *f, void *user) {
     del = user_progress_locked(st, r);
     break;
   case MSG_DELETE:
-    if (s != DDP_OK)
+    if (s != DDP_OK && !r->confirm_failed)
       DDP_WARN("rpc: worker '%s': %s: delete failed: %s", self_name(st->agent), r->name,
                f ? ddp_rpc_future_error(f) : ddp_last_error());
     user_unlink_free(st, r);
@@ -982,6 +984,9 @@ static void mod_worker_failed(ddp_rpc_agent *agent, int slot, int32_t rank) {
   /* Forks held by a dead worker will never be deleted: drop them. */
   owner_ref *dead_list = NULL;
   pthread_mutex_lock(&st->mu);
+  /* A dead owner cannot be told: its references are released silently. */
+  for (ddp_rref *r = st->users; r; r = r->next)
+    if (r->owner == rank) r->confirm_failed = true;
   for (owner_ref *e = st->owned, *next; e; e = next) {
     next = e->next;
     for (int i = 0; i < e->n_forks;)
@@ -1009,8 +1014,11 @@ static void mod_destroy(ddp_rpc_agent *agent, int slot) {
       char holders[160] = "";
       size_t len = 0;
       for (int i = 0; i < e->n_forks && len < sizeof holders - 16; i++)
-        len += (size_t)snprintf(holders + len, sizeof holders - len, "%s%d", i ? "," : "",
-                                e->forks[i].holder);
+        len += e->forks[i].holder >= 0
+                   ? (size_t)snprintf(holders + len, sizeof holders - len, "%s%d", i ? "," : "",
+                                      e->forks[i].holder)
+                   : (size_t)snprintf(holders + len, sizeof holders - len, "%s? (passed on by "
+                                      "the owner)", i ? "," : "");
       DDP_WARN("rpc: worker '%s': %s freed at shutdown while %d reference(s) to it were never "
                "released (held on rank(s) %s)", self_name(agent), e->name, e->n_forks, holders);
     }
