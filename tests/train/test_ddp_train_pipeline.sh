@@ -74,12 +74,14 @@ sys.exit(0 if worst[0] <= 1 else 1)
 PY
 }
 
+# The toy splits at net2 (net1 and relu, then net2) by name: the automatic
+# split is the pipeline's own to test (tests/pipeline).
 toy=(--model toy --seed 3 --lr 0.05 --momentum 0.9 --workers 0)
 
 # --- P = 2 x D = 2 == one rank with the doubled batch ---------------------------
 single ref16 "${toy[@]}" --max-steps 10 --batch-size 16 --microbatches 2 --dump-state "$tmp/ref16"
 for schedule in gpipe 1f1b; do
-  world 4 mesh-$schedule "${toy[@]}" --max-steps 10 --batch-size 8 --pp 2 --microbatches 2 \
+  world 4 mesh-$schedule "${toy[@]}" --max-steps 10 --batch-size 8 --pp 2 --split net2 --microbatches 2 \
     --schedule $schedule --dump-state "$tmp/mesh-$schedule.{rank}" --json
   for r in 1 2 3; do
     cmp -s "$tmp/mesh-$schedule.0" "$tmp/mesh-$schedule.$r" || fail "$schedule: rank $r's model differs from rank 0's"
@@ -103,15 +105,15 @@ echo "ok: --json has each stage's idle fraction and activation high-water mark"
 
 # --- P = 2 alone == one rank with the same accumulation -------------------------
 single ref4 "${toy[@]}" --max-steps 10 --batch-size 16 --microbatches 4 --dump-state "$tmp/ref4"
-world 2 pp2 "${toy[@]}" --max-steps 10 --batch-size 16 --pp 2 --microbatches 4 --dump-state "$tmp/pp2.{rank}"
+world 2 pp2 "${toy[@]}" --max-steps 10 --batch-size 16 --pp 2 --split net2 --microbatches 4 --dump-state "$tmp/pp2.{rank}"
 within "$tmp/pp2.0" "$tmp/ref4" || fail "2 stages differ from one rank with --microbatches 4"
 echo "ok: 2 stages == 1 rank with --microbatches 4"
 
 # --- checkpoints ---------------------------------------------------------------
 # The toy: 5 steps by 1F1B, resumed by GPipe, and by one rank without a pipeline.
-world 2 save5 "${toy[@]}" --max-steps 5 --batch-size 16 --pp 2 --microbatches 4 --save "$tmp/toy5.safetensors"
+world 2 save5 "${toy[@]}" --max-steps 5 --batch-size 16 --pp 2 --split net2 --microbatches 4 --save "$tmp/toy5.safetensors"
 [ -s "$tmp/toy5.safetensors" ] && [ -s "$tmp/toy5.train.safetensors" ] || fail "the checkpoint's two files"
-world 2 resume-gpipe "${toy[@]}" --max-steps 10 --batch-size 16 --pp 2 --microbatches 4 --schedule gpipe \
+world 2 resume-gpipe "${toy[@]}" --max-steps 10 --batch-size 16 --pp 2 --split net2 --microbatches 4 --schedule gpipe \
   --resume "$tmp/toy5.safetensors" --dump-state "$tmp/resumed-gpipe.{rank}"
 within "$tmp/resumed-gpipe.0" "$tmp/pp2.0" || fail "resumed with GPipe: not where 10 straight steps end"
 single resume-single "${toy[@]}" --max-steps 10 --batch-size 16 --microbatches 4 \
@@ -164,7 +166,7 @@ echo "ok: --split nosuch refused before the first step, naming it"
 
 # --- a stage killed mid-run ---------------------------------------------------
 for victim in 1 0; do
-  start 2 kill$victim "${toy[@]}" --epochs 1000 --batch-size 16 --samples 4096 --pp 2 --microbatches 4 \
+  start 2 kill$victim "${toy[@]}" --epochs 1000 --batch-size 16 --samples 4096 --pp 2 --split net2 --microbatches 4 \
     --eval-every 1000000
   survivor=$((1 - victim))
   sleep 2
