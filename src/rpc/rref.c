@@ -955,12 +955,18 @@ static ddp_status mod_init(ddp_rpc_agent *agent, int slot) {
   return DDP_OK;
 }
 
-/* Names every reference this worker still holds, then (graceful) waits for
- * its reference messages to be acknowledged so owners free what they can. */
+/* Graceful: waits for this worker's reference messages to be answered, so
+ * owners free what they can before the workers meet. References still held
+ * are named at destroy, not here: a handler may still be running (a
+ * trainer's whole loop runs in one) and release its references later. */
 static void mod_before_shutdown(ddp_rpc_agent *agent, int slot, bool graceful) {
   rref_state *st = *(rref_state **)ddp__rpc_module_slot(agent, slot);
-  if (!st) return;
-  pthread_mutex_lock(&st->mu);
+  if (st && graceful && ddp_rref_flush(agent, -1) != DDP_OK) DDP_WARN("rpc: %s", ddp_last_error());
+}
+
+/* Names every reference this worker still holds (the pool has stopped:
+ * nothing will release them any more). */
+static void report_held(ddp_rpc_agent *agent, rref_state *st) {
   for (ddp_rref *r = st->users; r; r = r->next) {
     if (!r->released)
       DDP_WARN("rpc: worker '%s': %s still held at shutdown (never released: call "
@@ -973,9 +979,6 @@ static void mod_before_shutdown(ddp_rpc_agent *agent, int slot, bool graceful) {
     if (e->local_handles)
       DDP_WARN("rpc: worker '%s': %s still held by its owner at shutdown (%d reference(s) "
                "never released)", self_name(agent), e->name, e->local_handles);
-  pthread_mutex_unlock(&st->mu);
-  if (graceful && ddp_rref_flush(agent, -1) != DDP_OK)
-    DDP_WARN("rpc: %s", ddp_last_error());
 }
 
 static void mod_worker_failed(ddp_rpc_agent *agent, int slot, int32_t rank) {
@@ -1008,6 +1011,7 @@ static void mod_worker_failed(ddp_rpc_agent *agent, int slot, int32_t rank) {
 static void mod_destroy(ddp_rpc_agent *agent, int slot) {
   rref_state *st = *(rref_state **)ddp__rpc_module_slot(agent, slot);
   if (!st) return;
+  report_held(agent, st);
   for (owner_ref *e = st->owned, *next; e; e = next) {
     next = e->next;
     if (e->n_forks) {
