@@ -128,7 +128,12 @@ typedef struct ddp_ps_server_stats {
   int64_t pushes, pulls, updates; /* messages served; optimizer steps made */
   int64_t max_step;               /* the highest step any trainer finished */
   int32_t trainers_done, trainers_dropped;
-  uint64_t reserved[4];
+  /* Trainers' steps finished per second on this server from its first
+   * finished step until a trainer first stopped stepping (finished, was
+   * dropped, or came to a meeting: an evaluation or a save), i.e. while
+   * every trainer trained; NaN before two steps. */
+  double steps_per_s;
+  uint64_t reserved[3];
 } ddp_ps_server_stats;
 
 /* Serves trainers on `agent` (this process's worker, named as

@@ -71,6 +71,11 @@ static void maybe_finish_step(ddp_ps_server *s, int32_t t) {
   tr->pull_in = false;
   s->clock.clock[t]++;
   if (s->clock.clock[t] > s->max_step) s->max_step = s->clock.clock[t];
+  if (!s->all_training_over) {
+    const int64_t now = ddp_time_ns();
+    if (!s->window_steps++) s->window_first_ns = now;
+    s->window_last_ns = now;
+  }
 }
 
 /* sync on server 0: once every live trainer finished step s, the mean of
@@ -397,6 +402,7 @@ static ddp_status fn_meet(ddp_rpc_call *call, const ddp_rpc_message *args, ddp_r
     pthread_mutex_unlock(&s->mu);
     return st;
   }
+  s->all_training_over = true; /* the rate counts steps while every trainer steps */
   if (!s->meet.active) {
     s->meet.active = true;
     s->meet.seq = h->step;
@@ -426,6 +432,7 @@ static ddp_status fn_done(ddp_rpc_call *call, const ddp_rpc_message *args, ddp_r
   if (s->clock.state[t] == DDP__PS_LIVE) {
     s->clock.state[t] = DDP__PS_FINISHED;
     s->stats.trainers_done++;
+    s->all_training_over = true;
     /* A pull it left pending is answered as the others' are. */
     (void)ddp__ps_shard_flush(&s->shard, ddp__ps_clock_live(&s->clock));
   }
@@ -484,6 +491,7 @@ void ddp__ps_server_trainer_lost(ddp_ps_server *s, int32_t t, const char *why) {
   }
   s->clock.state[t] = DDP__PS_DROPPED;
   s->stats.trainers_dropped++;
+  s->all_training_over = true;
   if (s->o.ps.mode == DDP_PS_SYNC) {
     if (s->failed == DDP_OK) {
       snprintf(s->failure, sizeof s->failure,
@@ -657,6 +665,10 @@ ddp_status ddp_ps_server_serve(ddp_ps_server *s, ddp_rpc_agent *agent, ddp_ps_se
   s->stopping = true;
   s->stats.updates = s->shard.updates;
   s->stats.max_step = s->max_step;
+  s->stats.steps_per_s = s->window_steps >= 2 && s->window_last_ns > s->window_first_ns
+                             ? (double)(s->window_steps - 1) /
+                                   (1e-9 * (double)(s->window_last_ns - s->window_first_ns))
+                             : NAN;
   if (stats) *stats = s->stats;
   pthread_mutex_unlock(&s->mu);
   return st;

@@ -67,6 +67,10 @@ struct ddp_ps_server {
   char failure[512];  /* ... this (written once, before failed is set) */
   int64_t last_heard_ns;
   int64_t max_step;
+  /* The rate while every trainer trains: steps finished from the first
+   * until a trainer leaves, and when. */
+  bool all_training_over;
+  int64_t window_steps, window_first_ns, window_last_ns;
   ddp_ps_server_stats stats;
   /* server 0 with a save path (server_ckpt.c): a whole-model optimizer and
    * schedule the checkpoint is assembled in, and a staging buffer. */

@@ -38,14 +38,16 @@ void train_ps_parse(train_ps_args *a, const char *name, const char *v) {
   } else if (!strcmp(name, "--straggler")) {
     int who = -1, used = 0;
     double p, ms;
-    if (sscanf(v, "%d:half%n", &who, &used) == 1 && used == (int)strlen(v) && who >= 0) {
+    const char *rest = !strncmp(v, "all:", 4) ? v + 4 : NULL;
+    if (!rest && sscanf(v, "%d:%n", &who, &used) == 1 && who >= 0) rest = v + used;
+    if (rest && !strcmp(rest, "half")) {
       a->straggler = v;
-    } else if (sscanf(v, "%d:pause:%lf:%lf%n", &who, &p, &ms, &used) == 3 &&
-               used == (int)strlen(v) && who >= 0 && p >= 0 && p <= 1 && ms >= 0) {
+    } else if (rest && sscanf(rest, "pause:%lf:%lf%n", &p, &ms, &used) == 2 &&
+               used == (int)strlen(rest) && p >= 0 && p <= 1 && ms >= 0) {
       a->straggler = v;
     } else {
-      bad(name, v, "I:half or I:pause:P:MS (trainer I at half speed, or pausing MS ms with "
-                   "probability P after each step)");
+      bad(name, v, "I:half or I:pause:P:MS (trainer I, or every trainer with I = all, at half "
+                   "speed, or pausing MS ms with probability P after each step)");
     }
   }
 }
@@ -112,9 +114,11 @@ int train_ps_serve(train_ps *ps, ddp_model *model, const ddp_train_options *o) {
   if (s != DDP_OK) snprintf(error, sizeof error, "%s", ddp_last_error());
   else
     fprintf(stderr, "ddp-train: server ps%d (%s): %lld pushes, %lld pulls, %lld updates, up to "
-                    "step %lld; %d trainers finished, %d dropped\n",
+                    "step %lld; %d trainers finished, %d dropped; %.1f steps/s while all "
+                    "trained\n",
             ps->rank, ddp_ps_mode_name(ps->opt.mode), (long long)st.pushes, (long long)st.pulls,
-            (long long)st.updates, (long long)st.max_step, st.trainers_done, st.trainers_dropped);
+            (long long)st.updates, (long long)st.max_step, st.trainers_done, st.trainers_dropped,
+            st.steps_per_s);
   leave(ps);
   ddp_ps_server_destroy(srv);
   if (s != DDP_OK) {
@@ -161,16 +165,20 @@ ddp_status train_ps_start(train_ps *ps, ddp_train_options *o) {
   o->param_server = ps->client;
   if (trainer != 0) o->log_path = NULL; /* one log: trainer 0's */
   ps->sleep_ms = ps->args.step_sleep_ms;
-  int who = -1;
-  double p, ms;
-  if (ps->args.straggler && sscanf(ps->args.straggler, "%d:pause:%lf:%lf", &who, &p, &ms) == 3) {
-    if (who == trainer) {
+  const char *sg = ps->args.straggler;
+  if (sg) { /* checked by train_ps_parse */
+    int who = -1, used = 0;
+    const char *rest = !strncmp(sg, "all:", 4) ? sg + 4 : NULL;
+    if (!rest && sscanf(sg, "%d:%n", &who, &used) == 1) rest = sg + used;
+    const bool me = !strncmp(sg, "all:", 4) || who == trainer;
+    double p, ms;
+    if (me && !strcmp(rest, "half")) ps->sleep_ms *= 2;
+    else if (me && sscanf(rest, "pause:%lf:%lf", &p, &ms) == 2) {
       ps->pause_p = p;
       ps->pause_ms = ms;
-      ps->rng = 0x9e3779b97f4a7c15ull ^ (uint64_t)trainer;
+      /* Each trainer its own sequence, the same in every run. */
+      ps->rng = 0x9e3779b97f4a7c15ull * (uint64_t)(trainer + 1);
     }
-  } else if (ps->args.straggler && sscanf(ps->args.straggler, "%d:half", &who) == 1) {
-    if (who == trainer) ps->sleep_ms *= 2;
   }
   if (ps->sleep_ms > 0 || ps->pause_p > 0) {
     ps->inner = o->callbacks;
