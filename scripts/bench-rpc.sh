@@ -13,7 +13,10 @@
 # i.e. not limiting), so both sides go over TCP; PyTorch then runs the same
 # loop as the reference (its echo, 100 warm-up calls, the median of N) from
 # a copy that takes --rank and the master's address, one worker per
-# namespace. Needs root; every namespace and process is removed on exit.
+# namespace; each side runs a second time with large tensors forced through
+# TCP (both ddp's cross-memory attach and TensorPipe's CMA channel work
+# between network namespaces of one machine). Needs root; every namespace
+# and process is removed on exit.
 # Env: BENCH_BIN (default build/bin), TORCH_PY (default /opt/torch-venv/bin/python),
 # DDP_SHARED_DIR (where refs/ is; default ../shared).
 set -uo pipefail
@@ -53,10 +56,12 @@ def echo(x):
 p = argparse.ArgumentParser()
 p.add_argument("--rank", type=int); p.add_argument("--master"); p.add_argument("--port", type=int)
 p.add_argument("--iters", type=int, default=2000); p.add_argument("--threads", type=int, default=4)
+p.add_argument("--channels", default="")
 p.add_argument("--sizes", type=lambda s: [int(v) for v in s.split(",")], default=[4, 1048576])
 a = p.parse_args()
 os.environ["MASTER_ADDR"] = a.master; os.environ["MASTER_PORT"] = str(a.port)
-opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=a.threads)
+kw = {"_channels": a.channels.split(",")} if a.channels else {}
+opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=a.threads, **kw)
 rpc.init_rpc(f"w{a.rank}", rank=a.rank, world_size=2, rpc_backend_options=opts)
 if a.rank == 0:
     for nbytes in a.sizes:
@@ -89,16 +94,22 @@ run_side() {
         { cat "$tmp/err" >&2; die "bench_rpc failed"; }
     else
       timeout 300 "$py" "$ref" --sizes 4,1048576 --iters "$iters" --port "$port" >"$out" 2>"$tmp/err" ||
-        { tail -5 "$tmp/err" >&2; die "$ref failed"; }
+        { tail -n 5 "$tmp/err" >&2; die "$ref failed"; }
     fi
   else
-    local cmd0 cmd1
-    if [ "$side" = ddp ]; then
-      cmd0=("$bin/bench_rpc" --rank 0 --init "tcp://10.98.0.1:$port" --sizes 4,1048576 --iters "$iters")
-      cmd1=("$bin/bench_rpc" --rank 1 --init "tcp://10.98.0.1:$port" --sizes 4,1048576 --iters "$iters")
+    local cmd0 cmd1 extra=() envs=()
+    case $side in
+      ddp-tcp) envs=(DDP_RPC_NO_CMA=1) ;;
+      torch-tcp) extra=(--channels basic) ;;
+    esac
+    if [ "${side%-tcp}" = ddp ]; then
+      cmd0=(env "${envs[@]}" "$bin/bench_rpc" --rank 0 --init "tcp://10.98.0.1:$port" --sizes 4,1048576 --iters "$iters")
+      cmd1=(env "${envs[@]}" "$bin/bench_rpc" --rank 1 --init "tcp://10.98.0.1:$port" --sizes 4,1048576 --iters "$iters")
     else
-      cmd0=("$py" "$tmp/torch_rpc_worker.py" --rank 0 --master 10.98.0.1 --port "$port" --sizes 4,1048576 --iters "$iters")
-      cmd1=("$py" "$tmp/torch_rpc_worker.py" --rank 1 --master 10.98.0.1 --port "$port" --sizes 4,1048576 --iters "$iters")
+      # Gloo (under init_rpc) and TensorPipe resolve the hostname otherwise,
+      # which gives 127.0.0.1 here: name the veth ends.
+      cmd0=(env GLOO_SOCKET_IFNAME="$vA" TP_SOCKET_IFNAME="$vA" "$py" "$tmp/torch_rpc_worker.py" --rank 0 --master 10.98.0.1 --port "$port" --sizes 4,1048576 --iters "$iters" "${extra[@]}")
+      cmd1=(env GLOO_SOCKET_IFNAME="$vB" TP_SOCKET_IFNAME="$vB" "$py" "$tmp/torch_rpc_worker.py" --rank 1 --master 10.98.0.1 --port "$port" --sizes 4,1048576 --iters "$iters" "${extra[@]}")
     fi
     ip netns exec "$nsA" timeout 300 "${cmd0[@]}" >"$out" 2>"$tmp/err0" &
     pids+=($!)
@@ -107,23 +118,35 @@ run_side() {
     local rc=0 p
     for p in "${pids[@]}"; do wait "$p" || rc=1; done
     pids=()
-    [ $rc = 0 ] || { tail -5 "$tmp/err0" "$tmp/err1" >&2; die "$side failed in the namespaces"; }
+    [ $rc = 0 ] || { tail -n 5 "$tmp/err0" "$tmp/err1" >&2; die "$side failed in the namespaces"; }
   fi
   sed -n 's/.*round trip bytes=\([0-9]*\) us=\([0-9.]*\).*/'"$side"' \1 \2/p' "$out" | tee -a "$tmp/results"
 }
 
+# netns: each side also with large tensors through TCP (ddp: DDP_RPC_NO_CMA=1;
+# PyTorch: TensorPipe's channels limited to "basic", since its CMA channel,
+# like ddp's cross-memory attach, works between network namespaces of one
+# machine).
+pairs=("ddp torch")
+[ "$mode" = netns ] && pairs+=("ddp-tcp torch-tcp")
 for ((r = 1; r <= rounds; r++)); do
   echo "# round $r, load $(cut -d' ' -f1-3 /proc/loadavg)"
-  if ((r % 2)); then run_side ddp; run_side torch; else run_side torch; run_side ddp; fi
+  for pair in "${pairs[@]}"; do
+    set -- $pair
+    if ((r % 2)); then run_side "$1"; run_side "$2"; else run_side "$2"; run_side "$1"; fi
+  done
 done
 
 python3 - "$tmp/results" <<'EOF'
 import statistics, sys
 rows = [l.split() for l in open(sys.argv[1]) if l.strip()]
-print("| bytes | ddp median us | PyTorch median us | PyTorch / ddp |")
-print("|---|---|---|---|")
-for b in sorted({int(r[1]) for r in rows}):
-    d = statistics.median(float(r[2]) for r in rows if r[0] == "ddp" and int(r[1]) == b)
-    t = statistics.median(float(r[2]) for r in rows if r[0] == "torch" and int(r[1]) == b)
-    print(f"| {b} | {d:.1f} | {t:.1f} | {t / d:.1f}x |")
+print("| path | bytes | ddp median us | PyTorch median us | PyTorch / ddp |")
+print("|---|---|---|---|---|")
+for suffix, path in (("", "default"), ("-tcp", "tensors through TCP")):
+    for b in sorted({int(r[1]) for r in rows}):
+        d = [float(r[2]) for r in rows if r[0] == "ddp" + suffix and int(r[1]) == b]
+        t = [float(r[2]) for r in rows if r[0] == "torch" + suffix and int(r[1]) == b]
+        if d and t:
+            d, t = statistics.median(d), statistics.median(t)
+            print(f"| {path} | {b} | {d:.1f} | {t:.1f} | {t / d:.1f}x |")
 EOF

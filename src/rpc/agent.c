@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <sys/un.h>
 #include <time.h>
@@ -29,6 +30,7 @@ typedef struct published {
   char unix_name[UNIX_NAME_BYTES]; /* abstract socket name, without the leading NUL */
   int64_t pid;
   uint64_t magic_addr; /* where pull_magic is in its memory */
+  char machine_id[80]; /* kernel boot id / pid namespace: who may read whose memory */
 } published;
 
 /* Read by the other workers of this host through cross-memory attach to
@@ -58,8 +60,7 @@ static void init_cond(pthread_cond_t *cv) {
 
 /* The host part of a TCP store's address ("10.0.0.1:29500 prefix ..." ->
  * "10.0.0.1"); -1 for other stores. */
-static int store_host(ddp_store *store, char *host, size_t cap) {
-  const char *a = ddp_store_address(store);
+static int store_host(const char *a, char *host, size_t cap) {
   if (!a || !*a || !strncmp(a, "mem", 3) || !strncmp(a, "file:", 5)) return -1;
   const char *end;
   if (a[0] == '[') {
@@ -82,7 +83,7 @@ static int store_host(ddp_store *store, char *host, size_t cap) {
  * route to the store's host (the interface facing the other workers, which
  * reach the same store), else the first non-loopback address, else
  * 127.0.0.1 (as the tcp backend of comm chooses). */
-static ddp_status choose_address(ddp_store *store, char *host, size_t cap) {
+static ddp_status choose_address(const char *store_addr, char *host, size_t cap) {
   const char *explicit_addr = ddp_env_str("DDP_RPC_ADDR", ddp_env_str("DDP_COMM_ADDR", NULL));
   if (explicit_addr) {
     snprintf(host, cap, "%s", explicit_addr);
@@ -97,7 +98,7 @@ static ddp_status choose_address(ddp_store *store, char *host, size_t cap) {
     return DDP_OK;
   }
   char shost[256];
-  if (store_host(store, shost, sizeof shost) == 0 &&
+  if (store_host(store_addr, shost, sizeof shost) == 0 &&
       ddp__net_route_source_address(shost, host, cap) == 0)
     return DDP_OK;
   if (ddp__net_interface_address(NULL, host, cap) == 0) return DDP_OK;
@@ -151,19 +152,19 @@ static ddp_status unix_connect(const char *name, int *fd_out) {
 static ddp_status publish(ddp_rpc_agent *a, const published *me) {
   char key[32], value[sizeof(published) + 64];
   snprintf(key, sizeof key, "w/%d", a->rank);
-  int n = snprintf(value, sizeof value, "%s\n%s\n%s\n%u\n%s\n%lld\n%llu\n", me->name,
+  int n = snprintf(value, sizeof value, "%s\n%s\n%s\n%u\n%s\n%lld\n%llu\n%s\n", me->name,
                    me->host_id, me->tcp_host, me->tcp_port, me->unix_name, (long long)me->pid,
-                   (unsigned long long)me->magic_addr);
+                   (unsigned long long)me->magic_addr, me->machine_id);
   return ddp_store_set(a->store, key, value, (size_t)n);
 }
 
 static ddp_status parse_published(const char *text, int32_t rank, published *p) {
   memset(p, 0, sizeof *p);
-  char *fields[7];
+  char *fields[8];
   char buf[sizeof(published) + 64];
   snprintf(buf, sizeof buf, "%s", text);
   char *s = buf;
-  for (int i = 0; i < 7; i++) {
+  for (int i = 0; i < 8; i++) {
     char *nl = strchr(s, '\n');
     if (!nl) return ddp_error(DDP_ERR_FORMAT, "rpc: rank %d's record in the store is malformed", rank);
     *nl = '\0';
@@ -180,6 +181,9 @@ static ddp_status parse_published(const char *text, int32_t rank, published *p) 
   snprintf(p->unix_name, sizeof p->unix_name, "%.*s", (int)sizeof p->unix_name - 1, fields[4]);
   p->pid = strtoll(fields[5], NULL, 10);
   p->magic_addr = strtoull(fields[6], NULL, 10);
+  if (strlen(fields[7]) >= sizeof p->machine_id)
+    return ddp_error(DDP_ERR_FORMAT, "rpc: rank %d's record in the store is malformed", rank);
+  snprintf(p->machine_id, sizeof p->machine_id, "%.*s", (int)sizeof p->machine_id - 1, fields[7]);
   return DDP_OK;
 }
 
@@ -320,7 +324,26 @@ static ddp_status accept_all(ddp_rpc_agent *a, int tcp_fd, int unix_fd, int64_t 
 
 static void agent_free(ddp_rpc_agent *a);
 
-/* Which workers of this host this one can read through cross-memory attach
+/* Processes that may read each other's memory share a kernel (its boot id)
+ * and a pid namespace (pids mean the same): "boot-id/pidns-inode", or "" if
+ * either is unknown. Network namespaces do not matter: two workers of one
+ * machine in different network namespaces talk TCP (different host
+ * identities) but still pass large tensors by cross-memory attach, as
+ * TensorPipe's CMA channel does. */
+static void machine_id(char *out, size_t cap) {
+  out[0] = '\0';
+  char boot[64] = "";
+  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+  if (!f) return;
+  bool ok = fgets(boot, sizeof boot, f) != NULL;
+  fclose(f);
+  struct stat st;
+  if (!ok || stat("/proc/self/ns/pid", &st) != 0) return;
+  boot[strcspn(boot, "\n")] = '\0';
+  snprintf(out, cap, "%s/%llu", boot, (unsigned long long)st.st_ino);
+}
+
+/* Which workers of this machine this one can read through cross-memory attach
  * (a test read of each one's magic), published as "p/<rank>": one '0'/'1'
  * per rank. DDP_RPC_NO_CMA=1 says none (to measure the socket path). */
 static ddp_status publish_pulls(ddp_rpc_agent *a, const published *all) {
@@ -330,7 +353,8 @@ static ddp_status publish_pulls(ddp_rpc_agent *a, const published *all) {
   for (int32_t r = 0; r < a->world; r++) {
     can[r] = '0';
     a->conns[r].peer_pid = (int32_t)all[r].pid;
-    if (off || a->conns[r].link != DDP__RPC_LINK_UNIX) continue;
+    bool same_machine = all[r].machine_id[0] && strcmp(all[r].machine_id, all[a->rank].machine_id) == 0;
+    if (off || r == a->rank || !same_machine) continue;
     uint64_t magic = 0;
     struct iovec l = {&magic, sizeof magic};
     struct iovec rem = {(void *)(uintptr_t)all[r].magic_addr, sizeof magic};
@@ -348,7 +372,7 @@ static ddp_status publish_pulls(ddp_rpc_agent *a, const published *all) {
 /* After the barrier (every "p/" is there): may each peer read our memory? */
 static ddp_status read_pulls(ddp_rpc_agent *a) {
   for (int32_t r = 0; r < a->world; r++) {
-    if (a->conns[r].link != DDP__RPC_LINK_UNIX) continue;
+    if (r == a->rank) continue;
     char key[32];
     snprintf(key, sizeof key, "p/%d", r);
     void *v = NULL;
@@ -465,9 +489,14 @@ ddp_status ddp_rpc_init(const ddp_rpc_options *opts, ddp_rpc_agent **out) {
   snprintf(me.name, sizeof me.name, "%s", opts->name);
   me.pid = (int64_t)getpid();
   me.magic_addr = (uint64_t)(uintptr_t)&pull_magic;
+  machine_id(me.machine_id, sizeof me.machine_id);
   st = ddp__rdzv_host_id(me.host_id, sizeof me.host_id);
   if (st != DDP_OK) goto err;
-  st = choose_address(base, me.tcp_host, sizeof me.tcp_host);
+  /* The store's address as the others reach it: rank 0 of a rendezvous
+   * talks to the store it hosts through loopback, which says nothing about
+   * the interface facing the others. */
+  st = choose_address(a->have_rdzv ? a->rdzv.store_addr : ddp_store_address(base), me.tcp_host,
+                      sizeof me.tcp_host);
   if (st != DDP_OK) goto err;
   st = ddp__net_listen(strchr(me.tcp_host, ':') ? "::" : "0.0.0.0", 0, a->world + 16, &tcp_fd);
   if (st != DDP_OK) goto err;

@@ -119,6 +119,10 @@ static void test_tcp_transport(void **state) {
   (void)state;
   rt_config cfg = {.graceful = true, .transport = DDP_RPC_TRANSPORT_TCP};
   rt_run(2, &cfg, tcp_fn, NULL, 60);
+  /* Large tensors through the TCP stream too, not read across processes. */
+  setenv("DDP_RPC_NO_CMA", "1", 1);
+  rt_run(2, &cfg, tcp_fn, NULL, 60);
+  unsetenv("DDP_RPC_NO_CMA");
 }
 
 /* ---- Worker info ---------------------------------------------------------------- */
