@@ -615,49 +615,52 @@ out:
 static ddp_status propagate(ddp_dist_context *c) {
   enum { MAX_SENDS = 64 };
   ddp_rpc_future *f[MAX_SENDS];
-  int n = 0;
+  out_call *outs[MAX_SENDS];
+  in_call *ins[MAX_SENDS];
+  int n_outs = 0, n_ins = 0, n = 0;
   ddp_status first = DDP_OK;
+  /* Which records were reached, under the lock; the sends outside it (a
+   * message to this worker itself is served by a handler that takes it). */
   pthread_mutex_lock(&c->mu);
-  for (int pass = 0; pass < 2; pass++) {
-    for (void *rec = pass ? (void *)c->ins : (void *)c->outs; rec;) {
-      out_call *o = pass ? NULL : rec;
-      in_call *in = pass ? rec : NULL;
-      bool reached = o ? o->reached : in->reached;
-      const ddp_rpc_message *m = o ? &o->result : &in->args;
-      uint64_t mask = o ? o->res_mask : in->arg_mask;
-      void *next = o ? (void *)o->next : (void *)in->next;
-      if (!reached) {
-        rec = next;
-        continue;
-      }
-      if (o) o->reached = false;
-      else in->reached = false;
-      backward_hdr h = {DIST_MAGIC, DIST_VERSION, c->id, o ? o->id : in->id,
-                        o ? GRADS_OF_REPLY : GRADS_OF_REQUEST,
-                        ddp_rpc_self(c->agent)->rank, mask};
-      ddp_tensor grads[MAX_GRAD_TENSORS];
-      ddp_tensor *gp[MAX_GRAD_TENSORS];
-      int k = 0;
-      for (int i = 0; i < m->num_tensors && i < MAX_GRAD_TENSORS; i++)
-        if (mask >> i & 1) {
-          ddp_tensor *t = m->tensors[i];
-          ddp_tensor_wrap(&grads[k], DDP_FLOAT32, t->ndim, t->shape, t->grad);
-          gp[k] = &grads[k];
-          k++;
-        }
-      ddp_rpc_message msg = {.payload = &h, .payload_bytes = sizeof h, .tensors = gp,
-                             .num_tensors = k};
-      int32_t to = o ? o->to : in->caller;
-      ddp_status s = n < MAX_SENDS ? ddp__rpc_async_rank(c->agent, to, "__ddp.dist.backward",
-                                                         &msg, -1, &f[n])
-                                   : ddp_error(DDP_ERR_RANGE, "dist_autograd: more than %d "
-                                               "gradient messages in one pass", MAX_SENDS);
-      if (s == DDP_OK) n++;
-      else if (first == DDP_OK) first = s;
-      rec = next;
+  for (out_call *o = c->outs; o; o = o->next)
+    if (o->reached) {
+      o->reached = false;
+      if (n_outs + n_ins < MAX_SENDS) outs[n_outs++] = o;
+      else first = ddp_error(DDP_ERR_RANGE, "dist_autograd: more than %d gradient messages in "
+                             "one pass", MAX_SENDS);
     }
-  }
+  for (in_call *in = c->ins; in; in = in->next)
+    if (in->reached) {
+      in->reached = false;
+      if (n_outs + n_ins < MAX_SENDS) ins[n_ins++] = in;
+      else first = ddp_error(DDP_ERR_RANGE, "dist_autograd: more than %d gradient messages in "
+                             "one pass", MAX_SENDS);
+    }
   pthread_mutex_unlock(&c->mu);
+  for (int r = 0; r < n_outs + n_ins; r++) {
+    out_call *o = r < n_outs ? outs[r] : NULL;
+    in_call *in = r < n_outs ? NULL : ins[r - n_outs];
+    const ddp_rpc_message *m = o ? &o->result : &in->args;
+    uint64_t mask = o ? o->res_mask : in->arg_mask;
+    backward_hdr h = {DIST_MAGIC, DIST_VERSION, c->id, o ? o->id : in->id,
+                      o ? GRADS_OF_REPLY : GRADS_OF_REQUEST, ddp_rpc_self(c->agent)->rank, mask};
+    ddp_tensor grads[MAX_GRAD_TENSORS];
+    ddp_tensor *gp[MAX_GRAD_TENSORS];
+    int k = 0;
+    for (int i = 0; i < m->num_tensors && i < MAX_GRAD_TENSORS; i++)
+      if (mask >> i & 1) {
+        ddp_tensor *t = m->tensors[i];
+        ddp_tensor_wrap(&grads[k], DDP_FLOAT32, t->ndim, t->shape, t->grad);
+        gp[k] = &grads[k];
+        k++;
+      }
+    ddp_rpc_message msg = {.payload = &h, .payload_bytes = sizeof h, .tensors = gp,
+                           .num_tensors = k};
+    ddp_status s = ddp__rpc_async_rank(c->agent, o ? o->to : in->caller, "__ddp.dist.backward",
+                                       &msg, -1, &f[n]);
+    if (s == DDP_OK) n++;
+    else if (first == DDP_OK) first = s;
+  }
   for (int i = 0; i < n; i++) {
     ddp_status s = ddp_rpc_future_wait(f[i], -1);
     if (s != DDP_OK && first == DDP_OK)
