@@ -1,12 +1,14 @@
-/* The point-to-point channels between stages. A group runs its operations one
- * at a time (docs/comm.md), so a stage that sends to and receives from its
- * neighbour at once could wait on itself: a large send waits for its
- * receiver while the receive queued behind it is the one the neighbour's
- * send needs. Each one-way, one-kind stream (activations from rank a to b,
- * gradients from b to a, ...) therefore gets a two-rank subgroup of the
- * pipeline group of its own, with its own queue and progress thread: within
- * one stream both ends post in the same order (the schedule checker proves
- * it), and streams never wait on each other. */
+/* The point-to-point channels between stages. Each one-way, one-kind stream
+ * (activations from rank a to b, gradients from b to a, and interleaving's
+ * wrap-around streams) is a two-rank subgroup of the pipeline group, and its
+ * transfers go through comm's ddp_batch_isend_irecv (the group's
+ * point-to-point lane: in flight in the background whatever their size).
+ * Within one stream both ends post in the same order (the schedule checker
+ * proves it). Why subgroups rather than the pipeline group itself: a peer's
+ * death fails every pending transfer of a group, whoever it was with, and
+ * would be blamed on the wrong neighbour; on a two-rank channel the only
+ * peer is the one to blame, and a failure leaves the caller's pipeline group
+ * alone. */
 #include <stdio.h>
 #include <string.h>
 
@@ -93,9 +95,9 @@ ddp_status ddp__pp_post(ddp__pp_channels *ch, bool send, int kind, int peer, voi
     return ddp_error(DDP_ERR_INTERNAL, "pipeline: no %s channel from rank %d to rank %d",
                      kind == DDP__PP_ACT ? "activation" : "gradient", src, dst);
   /* Activations and gradients are float32. */
-  size_t count = bytes / sizeof(float);
-  return send ? ddp_isend(st->group, buf, count, DDP_FLOAT32, st->peer, kind, work)
-              : ddp_irecv(st->group, buf, count, DDP_FLOAT32, st->peer, kind, work);
+  ddp_p2p_op op = {send ? DDP_P2P_SEND : DDP_P2P_RECV, buf, bytes / sizeof(float), DDP_FLOAT32,
+                   st->peer, kind};
+  return ddp_batch_isend_irecv(st->group, &op, 1, work);
 }
 
 void ddp__pp_record_failure(ddp__pp_channels *ch, const char *msg, char *first, size_t bytes) {
@@ -119,10 +121,3 @@ void ddp__pp_record_failure(ddp__pp_channels *ch, const char *msg, char *first, 
   ddp_store_set_timeout_ms(store, old);
 }
 
-ddp_status ddp__pp_recv(ddp__pp_channels *ch, int kind, int peer, void *buf, size_t bytes) {
-  stream *st = &ch->streams[(peer * ch->p + ch->rank) * 2 + kind];
-  if (!st->group)
-    return ddp_error(DDP_ERR_INTERNAL, "pipeline: no %s channel from rank %d to rank %d",
-                     kind == DDP__PP_ACT ? "activation" : "gradient", peer, ch->rank);
-  return ddp_recv(st->group, buf, bytes / sizeof(float), DDP_FLOAT32, st->peer, kind);
-}

@@ -60,25 +60,6 @@ static ddp_status wait_xfer(ddp_pipeline *pp, ddp_work **work, const char *what,
   return fail(pp, s, stage, is_comm_failure(s) ? peer_stage : stage);
 }
 
-/* Receives the transfer a compute needs, now, on this thread: a stream's
- * receiving end only ever receives, so the blocking call runs inline (no
- * hand-off to the group's progress thread and back, each a wake-up that a
- * loaded machine may delay by milliseconds), and a compute waits only for
- * its own input, which is the checker's model. Counted as idle time. */
-static ddp_status receive(ddp_pipeline *pp, int kind, int peer, void *buf, size_t bytes,
-                          const char *what, int stage, int mb, int peer_stage) {
-  int64_t t0 = ddp_time_ns();
-  ddp_status s = ddp__pp_recv(pp->channels, kind, peer, buf, bytes);
-  pp->wait_ns += ddp_time_ns() - t0;
-  if (s == DDP_OK) return DDP_OK;
-  char of[32] = "";
-  if (mb >= 0) snprintf(of, sizeof of, " of micro-batch %d", mb);
-  ddp_error_wrap(s, "%s%s between stage %d (rank %d) and stage %d (rank %d), on their two-rank "
-                 "channel", what, of, stage, pp->rank, peer_stage,
-                 ddp__pp_rank_of(pp->p, peer_stage));
-  return fail(pp, s, stage, is_comm_failure(s) ? peer_stage : stage);
-}
-
 /* ---- Pools ----------------------------------------------------------------------- */
 
 /* A free slot, after the transfer that last used it completed. */
@@ -86,7 +67,7 @@ static ddp_status take_slot(ddp_pipeline *pp, pp_slot *pool, int n, int stage, i
                             int *index) {
   for (int i = 0; i < n; i++) {
     if (pool[i].busy) continue;
-    DDP_TRY(wait_xfer(pp, &pool[i].work, "an earlier send of gradients", stage, -1, peer_stage));
+    DDP_TRY(wait_xfer(pp, &pool[i].work, "an earlier transfer", stage, -1, peer_stage));
     pool[i].busy = true;
     *index = i;
     return DDP_OK;
@@ -151,9 +132,7 @@ static ddp_status forward(ddp_pipeline *pp, run_args *a, const ddp_pipeline_acti
     s = view_rows(x, a->input, off, rows);
   } else {
     pp_slot *slot = &c->acts[c->act_of[mb]];
-    DDP_TRY(receive(pp, DDP__PP_ACT, ddp__pp_rank_of(pp->p, g - 1), slot->data,
-                    (size_t)(rows * c->in_row) * sizeof(float), "the receive of activations", g,
-                    mb, g - 1));
+    DDP_TRY(wait_xfer(pp, &slot->work, "the receive of activations", g, mb, g - 1));
     int64_t shape[DDP_MAX_DIMS];
     shape[0] = rows;
     memcpy(shape + 1, c->in_shape, sizeof(int64_t) * (size_t)c->in_ndim);
@@ -221,9 +200,7 @@ static ddp_status backward(ddp_pipeline *pp, const ddp_pipeline_action *act) {
     s = ddp__backward_from(t->tape, c->losses[mb], &pp->scale);
   } else {
     pp_slot *slot = &c->grads[c->grad_of[mb]];
-    DDP_TRY(receive(pp, DDP__PP_GRAD, ddp__pp_rank_of(pp->p, g + 1), slot->data,
-                    (size_t)(pp->rows[mb] * c->out_row) * sizeof(float),
-                    "the receive of gradients", g, mb, g + 1));
+    DDP_TRY(wait_xfer(pp, &slot->work, "the receive of gradients", g, mb, g + 1));
     ddp_tensor *out = c->outputs[mb];
     /* A first stage without parameters has nothing to differentiate. */
     if (out->flags & DDP_TENSOR_REQUIRES_GRAD) s = ddp__backward_from(t->tape, out, slot->data);
@@ -247,12 +224,14 @@ static ddp_status act(ddp_pipeline *pp, run_args *a, const ddp_pipeline_action *
   case DDP_PIPELINE_RECV_ACT:
     /* An activation slot's last transfer was the send of its gradient. */
     DDP_TRY(take_slot(pp, c->acts, c->n_acts, g, g - 1, &i));
-    c->act_of[mb] = i; /* received into when the forward needs it */
-    return DDP_OK;
+    c->act_of[mb] = i;
+    return post(pp, false, DDP__PP_ACT, x->peer, c->acts[i].data, in_bytes, &c->acts[i].work, g,
+                mb, g - 1, "receive of activations");
   case DDP_PIPELINE_RECV_GRAD:
     DDP_TRY(take_slot(pp, c->grads, c->n_grads, g, g + 1, &i));
-    c->grad_of[mb] = i; /* received into when the backward needs it */
-    return DDP_OK;
+    c->grad_of[mb] = i;
+    return post(pp, false, DDP__PP_GRAD, x->peer, c->grads[i].data, out_bytes, &c->grads[i].work,
+                g, mb, g + 1, "receive of gradients");
   case DDP_PIPELINE_FORWARD:
     return forward(pp, a, x);
   case DDP_PIPELINE_BACKWARD:
@@ -320,8 +299,10 @@ static ddp_status agree_batch(ddp_pipeline *pp, const run_args *a, int64_t *rows
     h[0] = st == DDP_OK ? a->input->shape[0] : 0;
     h[1] = st;
   } else {
-    DDP_TRY(receive(pp, DDP__PP_ACT, pp->rank - 1, h, 16, "the receive of the batch's size",
-                    first, -1, first - 1));
+    ddp_work *w = NULL;
+    DDP_TRY(post(pp, false, DDP__PP_ACT, pp->rank - 1, h, 16, &w, first, -1, first - 1,
+                 "receive of the batch's size"));
+    DDP_TRY(wait_xfer(pp, &w, "the receive of the batch's size", first, -1, first - 1));
   }
   if (pp->rank + 1 < pp->p) {
     DDP_TRY(post(pp, true, DDP__PP_ACT, pp->rank + 1, h, 16, &pp->header_work, first, -1,

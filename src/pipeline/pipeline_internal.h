@@ -26,8 +26,9 @@ int ddp__pp_promised_rank(const ddp_pipeline_schedule *s, int rank);
 
 /* ---- channels.c: point-to-point transfers between neighbouring stages -----
  * A channel carries one kind (activations or gradients) from one rank to
- * another, in order. Posting never blocks; a transfer completes in the
- * background and is waited for with its handle. */
+ * another, in order, on a two-rank subgroup's point-to-point lane.
+ * Posting never blocks; a transfer completes in the background and is
+ * waited for with its handle. */
 typedef struct ddp__pp_channels ddp__pp_channels;
 typedef struct ddp__pp_xfer ddp__pp_xfer; /* one posted transfer */
 
@@ -44,10 +45,6 @@ void ddp__pp_channels_abort(ddp__pp_channels *ch);
  * `peer`; *work is the handle (free with ddp_work_free after waiting). */
 ddp_status ddp__pp_post(ddp__pp_channels *ch, bool send, int kind, int peer, void *buf,
                         size_t bytes, ddp_work **work);
-/* Receives `bytes` from `peer` on the channel of `kind` now, on the calling
- * thread (the receiving end of a channel only receives, so the group runs it
- * inline), with the group's timeout. */
-ddp_status ddp__pp_recv(ddp__pp_channels *ch, int kind, int peer, void *buf, size_t bytes);
 /* Records the first failure where every stage can read it (the pipeline
  * group's store), so stages that only see their neighbour's abort report
  * the cause; returns the message to report (the first recorded one). */
