@@ -13,6 +13,7 @@
 #include "ddp/io.h"
 #include "ddp/launch.h"
 #include "ddp/parallel.h"
+#include "ddp/pipeline.h"
 #include "ddp/ps.h"
 #include "ddp/train.h"
 #include "ddp/hpo.h"
