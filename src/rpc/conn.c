@@ -216,6 +216,10 @@ void ddp__rpc_conn_lost(ddp__rpc_conn *c, const char *why) {
   pthread_cond_broadcast(&a->outstanding_cv);
   pthread_cond_broadcast(&c->pulled_cv);
   pthread_mutex_unlock(&a->mu);
+  /* Nothing more goes either way (after a failed write the stream is
+   * broken): the reader ends, the worker sees the connection close. The fd
+   * itself stays open until the agent is freed. */
+  if (c->fd >= 0) shutdown(c->fd, SHUT_RDWR);
   if (!left) ddp_log(DDP_LOG_WARN, "rpc: %s", error);
   for (ddp_rpc_future *f = lost, *next; f; f = next) {
     next = f->hnext;

@@ -139,7 +139,22 @@ static ddp_status h_deferred(ddp_rpc_call *call, const ddp_rpc_message *args,
   return DDP_OK;
 }
 
+/* time_left: replies with the caller's time left as the handler sees it (a double). */
+static ddp_status h_time_left(ddp_rpc_call *call, const ddp_rpc_message *args,
+                              ddp_rpc_message *reply, void *user) {
+  (void)args, (void)user;
+  double *left = ddp_alloc(sizeof *left);
+  if (!left) return ddp_error(DDP_ERR_NOMEM, "time_left: out of memory");
+  *left = ddp_rpc_call_time_left_s(call);
+  reply->payload = left;
+  reply->payload_bytes = sizeof *left;
+  reply->release = ddp_free;
+  reply->release_ctx = left;
+  return DDP_OK;
+}
+
 static void register_test_handlers(void) {
+  ddp_rpc_register("time_left", h_time_left, NULL);
   ddp_rpc_register("echo", h_echo, NULL);
   ddp_rpc_register("scale", h_scale, NULL);
   ddp_rpc_register("slow", h_slow, NULL);
@@ -148,7 +163,7 @@ static void register_test_handlers(void) {
 }
 
 /* Fills a tensor's bytes from a seed (a simple LCG: every byte differs). */
-static void fill_bytes(void *p, size_t n, uint64_t seed) {
+static inline void fill_bytes(void *p, size_t n, uint64_t seed) {
   uint8_t *b = p;
   uint64_t x = seed * 6364136223846793005ull + 1442695040888963407ull;
   for (size_t i = 0; i < n; i++) {

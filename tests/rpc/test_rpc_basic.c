@@ -6,6 +6,7 @@
  * thread, deferred replies, duplicate names, and init through a rendezvous
  * URL. */
 #include <netinet/in.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <sys/socket.h>
 
@@ -299,6 +300,87 @@ static void deferred_fn(int rank, int size, ddp_rpc_agent *a, rt_result *res, vo
   }
 }
 
+/* User futures (torch.futures.Future) completed by another thread; the
+ * caller's time left as a handler sees it. */
+typedef struct completer {
+  ddp_rpc_future *f;
+  bool fail;
+  ddp_tensor *t;
+  ddp_tensor *ts[1];
+} completer;
+
+static void free_tensor_ctx(void *ctx) { ddp_tensor_destroy(ctx); }
+
+static void *complete_later(void *p) {
+  completer *c = p;
+  rt_sleep_ms(20);
+  if (c->fail) {
+    ddp_rpc_future_fail(c->f, DDP_ERR_PEER, "it broke (%d)", 7);
+  } else {
+    c->ts[0] = c->t;
+    ddp_rpc_message m = {.tensors = c->ts, .num_tensors = 1, .release = free_tensor_ctx,
+                         .release_ctx = c->t};
+    ddp_rpc_future_complete(c->f, &m);
+  }
+  return NULL;
+}
+
+static atomic_int user_cb_ran;
+static void user_cb(ddp_rpc_future *f, void *user) {
+  (void)user;
+  if (ddp_rpc_future_done(f)) atomic_fetch_add(&user_cb_ran, 1);
+}
+
+static void user_future_fn(int rank, int size, ddp_rpc_agent *a, rt_result *res, void *arg) {
+  (void)size, (void)arg;
+  for (int fail = 0; fail < 2; fail++) {
+    completer c = {.fail = fail};
+    int64_t n = 3;
+    ddp_tensor_create(&c.t, DDP_INT64, 1, &n);
+    for (int i = 0; i < 3; i++) ddp_tensor_i64(c.t)[i] = 10 * rank + i;
+    RT_CHECK(res, ddp_rpc_future_create(a, &c.f) == DDP_OK, "%s", ddp_last_error());
+    ddp_rpc_future_then(c.f, user_cb, NULL);
+    pthread_t th;
+    pthread_create(&th, NULL, complete_later, &c);
+    ddp_status st = ddp_rpc_future_wait(c.f, 10);
+    pthread_join(th, NULL);
+    if (!fail) {
+      RT_CHECK(res, st == DDP_OK, "user future: %s", ddp_last_error());
+      ddp_rpc_message out;
+      RT_CHECK(res, ddp_rpc_future_take(c.f, &out) == DDP_OK, "take: %s", ddp_last_error());
+      RT_CHECK(res, out.num_tensors == 1 && ddp_tensor_i64(out.tensors[0])[2] == 10 * rank + 2, "value");
+      ddp_rpc_message_free(&out); /* frees the tensor through its release */
+      RT_CHECK(res, ddp_rpc_future_take(c.f, &out) == DDP_ERR_STATE, "second take");
+    } else {
+      ddp_tensor_destroy(c.t);
+      RT_CHECK(res, st == DDP_ERR_PEER && strstr(ddp_last_error(), "it broke (7)"), "failed future: %s",
+               ddp_last_error());
+      RT_CHECK(res, strcmp(ddp_rpc_future_error(c.f), "it broke (7)") == 0, "error: %s",
+               ddp_rpc_future_error(c.f));
+    }
+    RT_CHECK(res, ddp_rpc_future_fail(c.f, DDP_ERR_IO, "again") == DDP_ERR_STATE, "second completion");
+    ddp_rpc_future_destroy(c.f);
+  }
+  for (int spin = 0; spin < 1000 && atomic_load(&user_cb_ran) < 2; spin++) rt_sleep_ms(5);
+  RT_CHECK(res, atomic_load(&user_cb_ran) == 2, "%d user callbacks ran", atomic_load(&user_cb_ran));
+  /* The caller's deadline as the handler sees it: 5 s less what it took to get there. */
+  ddp_rpc_message out;
+  ddp_status st = ddp_rpc_sync(a, rank ? "w0" : "w1", "time_left", NULL, 5, &out);
+  RT_CHECK(res, st == DDP_OK, "time_left: %s", ddp_last_error());
+  if (st == DDP_OK) {
+    double left;
+    memcpy(&left, out.payload, sizeof left);
+    RT_CHECK(res, left > 0 && left <= 5.01, "time left %.3f s", left);
+    ddp_rpc_message_free(&out);
+  }
+}
+
+static void test_user_futures(void **state) {
+  (void)state;
+  rt_config cfg = {.graceful = true};
+  rt_run(2, &cfg, user_future_fn, NULL, 60);
+}
+
 static void test_deferred_and_self(void **state) {
   (void)state;
   rt_config cfg = {.graceful = true, .threads = 1};
@@ -404,6 +486,7 @@ int main(void) {
       cmocka_unit_test(test_tcp_transport),
       cmocka_unit_test(test_worker_info),      cmocka_unit_test(test_async_many),
       cmocka_unit_test(test_nested_pool_of_one), cmocka_unit_test(test_deferred_and_self),
+      cmocka_unit_test(test_user_futures),
       cmocka_unit_test(test_duplicate_names),  cmocka_unit_test(test_init_by_url),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
