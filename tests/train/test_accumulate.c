@@ -7,7 +7,8 @@
  * with microbatch_sum). Every parameter within 1e-5 * max|ref| + 1e-7.
  * Uneven micro-batches weigh their rows unequally, so their update is not
  * the full batch's: the test also checks that the reference of the full
- * batch is farther than the bound (the check can tell the two apart). */
+ * batch is farther than the bound (the check can tell the two apart).
+ * And the steady step with micro-batches allocates nothing. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -204,6 +205,50 @@ static void test_more_microbatches_than_rows(void **state) {
   assert_true(worst_ratio(&end, &ref) <= 1);
 }
 
+/* The steady-state step with micro-batches allocates nothing: between the
+ * 4th and the 12th step's callbacks, no call reaches the allocator (every
+ * ddp allocation, of every thread, is counted by ddp_alloc_count). */
+typedef struct alloc_probe {
+  uint64_t at4, at12;
+} alloc_probe;
+
+static bool count_allocations(const ddp_train_step_info *info, void *user) {
+  alloc_probe *p = user;
+  if (info->step == 4) p->at4 = ddp_alloc_count();
+  if (info->step == 12) p->at12 = ddp_alloc_count();
+  return false;
+}
+
+static void test_steady_steps_allocate_nothing(void **state) {
+  (void)state;
+  ddp_model *model;
+  ddp_dataset *train_ds, *test_ds;
+  assert_int_equal(ddp_model_build("toy", NULL, SEED, &model), DDP_OK);
+  assert_int_equal(ddp_dataset_create_regression(&train_ds, 512, SEED), DDP_OK);
+  assert_int_equal(ddp_dataset_create_regression(&test_ds, 32, SEED + 1), DDP_OK);
+  ddp_train_options o = ddp_train_defaults();
+  o.max_steps = 12;
+  o.batch_size = BATCH;
+  o.workers = 1;
+  o.microbatches = 3;
+  alloc_probe probe = {0};
+  o.callbacks = (ddp_train_callbacks){NULL, count_allocations, NULL, &probe};
+  ddp_trainer *t;
+  assert_int_equal(ddp_trainer_create(&t, model, train_ds, test_ds, NULL, &o), DDP_OK);
+  ddp_train_result r;
+  assert_int_equal(ddp_trainer_run(t, &r), DDP_OK);
+  ddp_train_result_free(&r);
+  assert_true(probe.at4 > 0);
+  if (probe.at12 != probe.at4)
+    print_error("%llu allocations in 8 steady steps with 3 micro-batches\n",
+                (unsigned long long)(probe.at12 - probe.at4));
+  assert_int_equal(probe.at12, probe.at4);
+  ddp_trainer_destroy(t);
+  ddp_dataset_destroy(test_ds);
+  ddp_dataset_destroy(train_ds);
+  ddp_model_destroy(model);
+}
+
 static void test_bad_microbatches(void **state) {
   (void)state;
   ddp_model *model;
@@ -225,6 +270,7 @@ int main(void) {
       cmocka_unit_test(test_uneven),
       cmocka_unit_test(test_summed),
       cmocka_unit_test(test_more_microbatches_than_rows),
+      cmocka_unit_test(test_steady_steps_allocate_nothing),
       cmocka_unit_test(test_bad_microbatches),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
