@@ -229,15 +229,17 @@ ddp_status ddp__pp_profile(ddp_model *model, ddp_module *const *mods, int n_mods
     }
     qsort(t, 3, sizeof t[0], cmp_double);
     cost[k] = t[1];
+    /* The tape lists `in` among its leaves until it is reset. */
+    ddp_tape_reset(tape);
     if (in != x) ddp_tensor_destroy(in);
     ddp_tensor_free_grad(next);
     next->flags |= DDP_TENSOR_REQUIRES_GRAD;
     in = next;
   }
+  ddp_tape_destroy(tape); /* first: resetting it touches its leaves */
   if (in != x) ddp_tensor_destroy(in);
   ddp_tensor_free_grad(x);
   ddp_tensor_destroy(x);
-  ddp_tape_destroy(tape);
   ddp_model_destroy(copy);
   return s;
 }
