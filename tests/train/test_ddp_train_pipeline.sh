@@ -15,6 +15,9 @@
 #    001's ConvNet, every tensor equal to the trained model's; the toy saved
 #    after 5 steps by a 2-stage 1F1B pipeline and resumed by a GPipe one and
 #    by one rank without a pipeline ends where 10 straight steps end;
+#  - the ConvNet (BatchNorm) on 2 stages x 2 replicas with --sync-bn ends
+#    where one rank with the doubled batch ends (issue 7's bound, buffers
+#    included), and without --sync-bn it does not;
 #  - a split that does not fit fails before the first step naming the module;
 #  - a stage killed mid-run (SIGKILL) makes the other stage fail within 5 s
 #    naming the rank and the stage.
@@ -150,6 +153,20 @@ for k, v in sd.items():
 print(f"PyTorch loaded {len(sd)} tensors with strict=True, each equal to the trained model's")
 PY
   echo "ok: the ConvNet's checkpoint from 2 stages loads into PyTorch's ConvNet (strict=True)"
+  # --sync-bn over each stage's replicas: micro-batch i of the two replicas
+  # (rows 0, 2, 4, ... and 1, 3, 5, ... of the sampler's first 2B) is micro-
+  # batch i of one rank's batch of 2B, so the ConvNet with BatchNorm ends
+  # 5 steps where one rank ends, buffers included (issue 7's bound);
+  # without --sync-bn each replica normalises its own half and does not.
+  conv=(--model convnet --data "$data" --max-steps 5 --microbatches 2 --workers 0)
+  single conv64 "${conv[@]}" --batch-size 64 --dump-state "$tmp/conv64"
+  world 4 convsbn "${conv[@]}" --batch-size 32 --pp 2 --split layer2 --sync-bn --dump-state "$tmp/convsbn.{rank}"
+  for r in 1 2 3; do cmp -s "$tmp/convsbn.0" "$tmp/convsbn.$r" || fail "--sync-bn: rank $r's model differs"; done
+  compare "$tmp/convsbn.0" "$tmp/conv64"
+  world 4 convnosbn "${conv[@]}" --batch-size 32 --pp 2 --split layer2 --dump-state "$tmp/convnosbn.{rank}"
+  "$py" "$here/compare_state.py" "$tmp/convnosbn.0" "$tmp/conv64" >/dev/null \
+    && fail "without --sync-bn the replicas' BatchNorm matched the doubled batch's: the check cannot tell"
+  echo "ok: ConvNet 2 stages x 2 replicas with --sync-bn == 1 rank x 64 (BatchNorm over the replicas' micro-batches)"
 else
   echo "note: no Fashion-MNIST or no PyTorch at $torch_py: the ConvNet checkpoint check did not run"
 fi
