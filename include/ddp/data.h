@@ -77,6 +77,11 @@ typedef struct ddp_idx {
  * truncated header or data, trailing bytes, dimensions whose product
  * overflows); the message starts "idx: <path>: " and gives the offset. */
 ddp_status ddp_idx_read(const char *path, ddp_idx *out);
+/* The same, keeping only the first max_items along dimension 0 (0, or at
+ * least dims[0]: all of them): only those are read and decompressed, and
+ * what follows them is neither read nor checked (a file cut short after
+ * them reads fine). dims[0] and numel describe what was kept. */
+ddp_status ddp_idx_read_first(const char *path, int64_t max_items, ddp_idx *out);
 /* Releases out->data and zeroes *out; NULL ok. */
 void ddp_idx_free(ddp_idx *idx);
 /* "unsigned byte", "float", ...; "unknown" for other codes. */
@@ -122,6 +127,13 @@ typedef struct ddp_dataset_info {
  * the value and its offset). A missing directory or file is DDP_ERR_NOTFOUND
  * naming the path and the names looked for. The caller destroys *out. */
 ddp_status ddp_dataset_open_idx_dir(ddp_dataset **out, const char *dir, ddp_split split);
+/* The same with only the first max_samples samples (0: all; more than the
+ * files hold: all), decoding only those (ddp_idx_read_first): the result of
+ * ddp_dataset_open_idx_dir and ddp_dataset_truncate(max_samples) without
+ * decompressing the rest (ddp-hpo's reduced budgets: 2,000 of the 60,000
+ * training images in 20 ms instead of 0.6 s). */
+ddp_status ddp_dataset_open_idx_dir_first(ddp_dataset **out, const char *dir, ddp_split split,
+                                          int64_t max_samples);
 /* The same from two explicit files. `num_classes` bounds the labels (10 for
  * MNIST). */
 ddp_status ddp_dataset_open_idx(ddp_dataset **out, const char *images_path,

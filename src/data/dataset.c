@@ -43,15 +43,16 @@ ddp_status ddp_dataset_truncate(ddp_dataset *ds, int64_t n) {
 
 /* ---- IDX ----------------------------------------------------------------- */
 
-ddp_status ddp_dataset_open_idx(ddp_dataset **out, const char *images_path,
-                                const char *labels_path, int64_t num_classes) {
+/* ddp_dataset_open_idx on the first max_samples (0: all). */
+static ddp_status open_idx(ddp_dataset **out, const char *images_path, const char *labels_path,
+                           int64_t num_classes, int64_t max_samples) {
   *out = NULL;
   if (num_classes < 1 || num_classes > 256)
     return ddp_error(DDP_ERR_INVALID, "dataset: num_classes %lld outside [1, 256]",
                      (long long)num_classes);
   ddp_idx images, labels;
-  DDP_TRY(ddp_idx_read(images_path, &images));
-  ddp_status status = ddp_idx_read(labels_path, &labels);
+  DDP_TRY(ddp_idx_read_first(images_path, max_samples, &images));
+  ddp_status status = ddp_idx_read_first(labels_path, max_samples, &labels);
   if (status != DDP_OK) {
     ddp_idx_free(&images);
     return status;
@@ -131,6 +132,11 @@ err:
   return status;
 }
 
+ddp_status ddp_dataset_open_idx(ddp_dataset **out, const char *images_path,
+                                const char *labels_path, int64_t num_classes) {
+  return open_idx(out, images_path, labels_path, num_classes, 0);
+}
+
 /* Finds the first of the candidate names in dir; *found is "" when none. */
 static void find_first(const char *dir, const char *const *names, int count, char *found,
                        size_t bytes) {
@@ -146,7 +152,15 @@ static void find_first(const char *dir, const char *const *names, int count, cha
 }
 
 ddp_status ddp_dataset_open_idx_dir(ddp_dataset **out, const char *dir, ddp_split split) {
+  return ddp_dataset_open_idx_dir_first(out, dir, split, 0);
+}
+
+ddp_status ddp_dataset_open_idx_dir_first(ddp_dataset **out, const char *dir, ddp_split split,
+                                          int64_t max_samples) {
   *out = NULL;
+  if (max_samples < 0)
+    return ddp_error(DDP_ERR_INVALID, "dataset: max_samples is %lld (0 for all, or more)",
+                     (long long)max_samples);
   static const char *const train_images[] = {"train-images-idx3-ubyte.gz",
                                              "train-images-idx3-ubyte",
                                              "train-images.idx3-ubyte"};
@@ -182,7 +196,7 @@ ddp_status ddp_dataset_open_idx_dir(ddp_dataset **out, const char *dir, ddp_spli
   if (!labels[0])
     return ddp_error(DDP_ERR_NOTFOUND, "dataset: %s: no %s labels: looked for %s, %s and %s",
                      dir, split_name, label_names[0], label_names[1], label_names[2]);
-  DDP_TRY(ddp_dataset_open_idx(out, images, labels, 10));
+  DDP_TRY(open_idx(out, images, labels, 10, max_samples));
 
   /* Name it after the directory: "fashion-mnist train". */
   const char *base = dir + strlen(dir);

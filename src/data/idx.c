@@ -257,8 +257,10 @@ static ddp_status read_header(idx_stream *s, ddp_idx *h) {
 }
 
 /* Reads exactly `expected` data bytes into a buffer that grows as the data
- * arrives; reports truncation with the offset where the data ended. */
-static ddp_status read_data(idx_stream *s, ddp_idx *h, size_t expected) {
+ * arrives; reports truncation with the offset where the data ended. With
+ * `prefix`, the data may go on past `expected` (the file's first items
+ * only): nothing after them is read. */
+static ddp_status read_data(idx_stream *s, ddp_idx *h, size_t expected, bool prefix) {
   char what[96];
   describe_items(h, what, sizeof what);
   if (!s->gz) {
@@ -271,7 +273,7 @@ static ddp_status read_data(idx_stream *s, ddp_idx *h, size_t expected) {
                        "idx: %s: truncated: header says %s (%zu bytes) but the data ends at "
                        "offset %zu + %llu",
                        s->path, what, expected, h->header_bytes, (unsigned long long)have);
-    if (have > expected)
+    if (have > expected && !prefix)
       return ddp_error(DDP_ERR_FORMAT,
                        "idx: %s: trailing data: header says %s, so the data ends at offset "
                        "%zu + %zu, but the file has %llu more bytes",
@@ -311,7 +313,7 @@ static ddp_status read_data(idx_stream *s, ddp_idx *h, size_t expected) {
                      "offset %zu + %zu",
                      s->path, what, expected, h->header_bytes, filled);
   }
-  if (s->gz) {
+  if (s->gz && !prefix) {
     /* Anything after the data means the header and the data disagree. */
     char tail[4096];
     size_t extra = 0, got;
@@ -335,15 +337,26 @@ static ddp_status read_data(idx_stream *s, ddp_idx *h, size_t expected) {
   return DDP_OK;
 }
 
-ddp_status ddp_idx_read(const char *path, ddp_idx *out) {
+ddp_status ddp_idx_read(const char *path, ddp_idx *out) { return ddp_idx_read_first(path, 0, out); }
+
+ddp_status ddp_idx_read_first(const char *path, int64_t max_items, ddp_idx *out) {
   memset(out, 0, sizeof *out);
   if (!path || !*path) return ddp_error(DDP_ERR_INVALID, "idx: no path given");
+  if (max_items < 0)
+    return ddp_error(DDP_ERR_INVALID, "idx: %s: max_items is %lld (0 for all, or more)", path,
+                     (long long)max_items);
   idx_stream s;
   DDP_TRY(stream_open(&s, path));
   ddp_idx h;
   memset(&h, 0, sizeof h);
   ddp_status status = read_header(&s, &h);
-  if (status == DDP_OK) status = read_data(&s, &h, (size_t)h.numel * h.elem_size);
+  /* The first max_items along dimension 0: the leading slice of the data. */
+  const bool prefix = status == DDP_OK && max_items > 0 && max_items < h.dims[0];
+  if (prefix) {
+    h.numel = h.numel / h.dims[0] * max_items;
+    h.dims[0] = max_items;
+  }
+  if (status == DDP_OK) status = read_data(&s, &h, (size_t)h.numel * h.elem_size, prefix);
   stream_close(&s);
   if (status != DDP_OK) return status;
   if (h.elem_size > 1) to_host_order(h.data, h.numel, h.elem_size);

@@ -363,6 +363,76 @@ static void test_dataset_dir_mnist_names(void **state) {
   ddp_dataset_destroy(ds);
 }
 
+/* ddp_idx_read_first: the leading items only, plain and gzip; what follows
+ * them is not read (a file cut short after them reads), 0 or too many
+ * means all, a negative count is refused. */
+static void read_first(int gz) {
+  char path[512];
+  path_of(path, sizeof path, gz ? "first.gz" : "first");
+  const uint32_t dims[3] = {5, 4, 3};
+  uint8_t data[60];
+  for (int i = 0; i < 60; i++) data[i] = (uint8_t)(i * 37 + 11);
+  write_idx_u8(path, 3, dims, data, sizeof data, gz);
+  ddp_idx idx;
+  assert_int_equal(ddp_idx_read_first(path, 2, &idx), DDP_OK);
+  assert_int_equal(idx.dims[0], 2);
+  assert_int_equal(idx.dims[1], 4);
+  assert_int_equal(idx.numel, 24);
+  assert_memory_equal(idx.data, data, 24);
+  ddp_idx_free(&idx);
+  for (int64_t all = 0; all <= 9; all += 9) {
+    assert_int_equal(ddp_idx_read_first(path, all, &idx), DDP_OK);
+    assert_int_equal(idx.dims[0], 5);
+    assert_memory_equal(idx.data, data, 60);
+    ddp_idx_free(&idx);
+  }
+  assert_int_equal(ddp_idx_read_first(path, -1, &idx), DDP_ERR_INVALID);
+  /* Cut short in the fourth item: the first three read, all does not. */
+  write_idx_u8(path, 3, dims, data, 40, gz);
+  assert_int_equal(ddp_idx_read_first(path, 3, &idx), DDP_OK);
+  assert_memory_equal(idx.data, data, 36);
+  ddp_idx_free(&idx);
+  assert_int_equal(ddp_idx_read(path, &idx), DDP_ERR_FORMAT);
+}
+
+static void test_read_first_plain(void **state) {
+  (void)state;
+  read_first(0);
+}
+
+static void test_read_first_gzip(void **state) {
+  (void)state;
+  read_first(1);
+}
+
+/* ddp_dataset_open_idx_dir_first is open + truncate: the same first samples;
+ * labels past them are not read, so not checked either. */
+static void test_dataset_dir_first(void **state) {
+  (void)state;
+  const uint8_t labels[6] = {3, 1, 4, 1, 5, 10};
+  write_pair("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", 6, labels, 1);
+  ddp_dataset *first, *all;
+  assert_int_equal(ddp_dataset_open_idx_dir_first(&first, dir, DDP_SPLIT_TRAIN, 5), DDP_OK);
+  assert_int_equal(ddp_dataset_size(first), 5);
+  assert_int_equal(ddp_dataset_open_idx_dir(&all, dir, DDP_SPLIT_TRAIN), DDP_ERR_RANGE);
+  const uint8_t fine[6] = {3, 1, 4, 1, 5, 9};
+  write_pair("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", 6, fine, 1);
+  ddp_dataset_destroy(first);
+  assert_int_equal(ddp_dataset_open_idx_dir_first(&first, dir, DDP_SPLIT_TRAIN, 4), DDP_OK);
+  assert_int_equal(ddp_dataset_open_idx_dir(&all, dir, DDP_SPLIT_TRAIN), DDP_OK);
+  assert_int_equal(ddp_dataset_truncate(all, 4), DDP_OK);
+  const ddp_dataset_info *a = ddp_dataset_get_info(first), *b = ddp_dataset_get_info(all);
+  assert_int_equal(a->num_samples, 4);
+  assert_int_equal(b->num_samples, 4);
+  assert_memory_equal(a->inputs, b->inputs, 4 * 6);
+  assert_memory_equal(a->targets, b->targets, 4 * sizeof(int64_t));
+  ddp_dataset_destroy(first);
+  ddp_dataset_destroy(all);
+  assert_int_equal(ddp_dataset_open_idx_dir_first(&first, dir, DDP_SPLIT_TRAIN, -2),
+                   DDP_ERR_INVALID);
+  assert_null(first);
+}
+
 static void test_labels_out_of_range(void **state) {
   (void)state;
   const uint8_t labels[6] = {0, 9, 2, 10, 1, 200};
@@ -543,6 +613,9 @@ int main(void) {
       T(test_corrupted_gzip),
       T(test_missing_file),
       T(test_dataset_dir_mnist_names),
+      T(test_read_first_plain),
+      T(test_read_first_gzip),
+      T(test_dataset_dir_first),
       T(test_labels_out_of_range),
       T(test_dataset_mismatched_files),
       T(test_missing_directory),
