@@ -42,6 +42,13 @@ void **ddp__rpc_module_slot(ddp_rpc_agent *agent, int slot) {
   return &agent->module_state[slot];
 }
 
+int ddp__rpc_module_index(const ddp__rpc_module *module) {
+  for (int m = 0; m < ddp__rpc_num_modules; m++)
+    if (ddp__rpc_modules[m] == module) return m;
+  DDP_ASSERT(!"a module that is not in ddp__rpc_modules");
+  return -1;
+}
+
 void ddp_rpc_options_init(ddp_rpc_options *opts) {
   memset(opts, 0, sizeof *opts);
   opts->rank = -1;

@@ -45,6 +45,10 @@ typedef struct ddp__rpc_module {
 extern const ddp__rpc_module *const ddp__rpc_modules[];
 extern const int ddp__rpc_num_modules;
 void **ddp__rpc_module_slot(ddp_rpc_agent *agent, int slot);
+/* A module's slot (its index in ddp__rpc_modules), for code that is not
+ * handed one (handlers): a constant, so no agent's init needs to store it
+ * in a global (which agents started on several threads would race on). */
+int ddp__rpc_module_index(const ddp__rpc_module *module);
 
 /* A call to a worker by rank (no name lookup); otherwise ddp_rpc_async. */
 ddp_status ddp__rpc_async_rank(ddp_rpc_agent *agent, int32_t to, const char *fn,
