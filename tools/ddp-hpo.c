@@ -485,11 +485,14 @@ int main(int argc, char **argv) {
     ob.i_activation = need_trait(space, "activation", DDP_HPO_CATEGORICAL, DDP_HPO_CATEGORICAL);
     ob.i_lr = need_trait(space, "lr", DDP_HPO_FLOAT, DDP_HPO_LOGFLOAT);
     ob.i_gamma = need_trait(space, "gamma", DDP_HPO_FLOAT, DDP_HPO_LOGFLOAT);
+    /* Once per process, and only the images the budget uses: decoding all
+     * 60,000 training images took 0.6 s of CPU per rank for the 2,000 of a
+     * reduced budget. */
     data_s = ddp_time_s();
-    CHECK(ddp_dataset_open_idx_dir(&ob.train, a.data, DDP_SPLIT_TRAIN), "loading the training set");
-    CHECK(ddp_dataset_open_idx_dir(&ob.test, a.data, DDP_SPLIT_TEST), "loading the test set");
-    if (a.train_samples) CHECK(ddp_dataset_truncate(ob.train, a.train_samples), "--train-samples");
-    if (a.val_samples) CHECK(ddp_dataset_truncate(ob.test, a.val_samples), "--val-samples");
+    CHECK(ddp_dataset_open_idx_dir_first(&ob.train, a.data, DDP_SPLIT_TRAIN, a.train_samples),
+          "loading the training set");
+    CHECK(ddp_dataset_open_idx_dir_first(&ob.test, a.data, DDP_SPLIT_TEST, a.val_samples),
+          "loading the test set");
     data_s = ddp_time_s() - data_s;
   }
   FILE *log = NULL;
