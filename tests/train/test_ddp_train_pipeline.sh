@@ -20,7 +20,8 @@
 #    included), and without --sync-bn it does not;
 #  - a split that does not fit fails before the first step naming the module;
 #  - a stage killed mid-run (SIGKILL) makes the other stage fail within 5 s
-#    naming the rank and the stage.
+#    naming the rank and the stage; under ddprun too (the job fails within
+#    5 s, rank 0 exits 1 on its own, its log names rank 1 and stage 1).
 # Every rank runs under `timeout`; DDP_TIMEOUT bounds every collective.
 set -uo pipefail
 skip() { echo "SKIP: $*"; exit 77; }
@@ -205,3 +206,39 @@ for victim in 1 0; do
     || { cat "$err"; fail "rank $survivor's error does not name rank $victim and stage $victim"; }
   echo "ok: stage $victim killed: $(grep -m1 error "$tmp/kill$victim.err.$survivor" | cut -c1-300)"
 done
+
+# --- the same under ddprun: stage 1 killed, ddprun's job fails within 5 s and
+# rank 0's own log (--log-dir) names rank 1 and stage 1 ------------------------
+ddprun=${DDP_BIN_DIR}/ddprun
+if [ -x "$ddprun" ]; then
+  timeout 180 "$ddprun" --nproc-per-node 2 --log-dir "$tmp/logs" "$bin" "${toy[@]}" --epochs 1000 \
+    --batch-size 16 --samples 4096 --pp 2 --split net2 --microbatches 4 --eval-every 1000000 \
+    >"$tmp/ddprun.out" 2>&1 &
+  launcher=$!
+  pids=("$launcher")
+  victim_pid=""
+  for _ in $(seq 1 100); do # the worker whose environment says RANK=1
+    for p in $(pgrep -x ddp-train); do # children of this test's ddprun only
+      [ "$(ps -o ppid= -p "$p" | tr -d ' ')" = "$(pgrep -P "$launcher" -x ddprun)" ] || continue
+      tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "RANK=1" && victim_pid=$p
+    done
+    [ -n "$victim_pid" ] && grep -q "step" "$tmp/ddprun.out" && break
+    sleep 0.1
+  done
+  [ -n "$victim_pid" ] || { cat "$tmp/ddprun.out"; fail "ddprun: no rank 1 worker found"; }
+  sleep 1
+  kill -9 "$victim_pid"
+  t0=$(date +%s.%N)
+  wait "$launcher" && fail "ddprun succeeded after stage 1 was killed"
+  t1=$(date +%s.%N)
+  pids=()
+  "$py" -c "import sys; d = float(sys.argv[2]) - float(sys.argv[1]); print(f'ddprun: the job failed {d:.2f} s after rank 1 was killed'); sys.exit(d > 5)" "$t0" "$t1" \
+    || fail "ddprun took more than 5 s to fail the job"
+  grep -q "first failure: rank 1 .*killed by signal 9" "$tmp/ddprun.out" || { cat "$tmp/ddprun.out"; fail "ddprun: first failure"; }
+  grep -q "rank 0 (local rank 0), pid [0-9]*: exited with code 1" "$tmp/ddprun.out" \
+    || { cat "$tmp/ddprun.out"; fail "ddprun: rank 0 did not fail on its own (exit 1) before being stopped"; }
+  log=$(ls "$tmp"/logs/*/attempt_0/0/stderr.log) || fail "no rank 0 log under --log-dir"
+  grep -qE "(rank 1[^0-9].*died|stage 1 \(rank 1\) died)" "$log" && grep -q "rank 1 is stage 1 of replica 0" "$log" \
+    || { cat "$log"; fail "ddprun: rank 0's error does not name rank 1 and stage 1"; }
+  echo "ok: under ddprun: $(grep -m1 error "$log" | cut -c1-200)"
+fi
