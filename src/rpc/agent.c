@@ -630,6 +630,7 @@ static void agent_free(ddp_rpc_agent *a) {
     if (ddp__rpc_modules[m]->destroy) ddp__rpc_modules[m]->destroy(a, m);
   for (int32_t r = 0; a->conns && r < a->world; r++) {
     if (a->conns[r].fd >= 0) close(a->conns[r].fd);
+    ddp__rpc_release_held(&a->conns[r]);
     ddp_free(a->conns[r].rbuf);
     pthread_mutex_destroy(&a->conns[r].write_mu);
     pthread_cond_destroy(&a->conns[r].pulled_cv);

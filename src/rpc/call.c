@@ -252,6 +252,33 @@ static ddp_status send_result(ddp_rpc_agent *a, int32_t to, uint64_t call_id, dd
   return st;
 }
 
+/* Sends a successful reply, taking reply (released) and args (freed; may
+ * be NULL): once sent, or, when the worker reads its tensors across
+ * processes, once it has read them, without this thread waiting for that. */
+static ddp_status send_reply_owned(ddp_rpc_agent *a, int32_t to, uint64_t call_id,
+                                   ddp_rpc_message *reply, ddp__rpc_block *args) {
+  ddp__rpc_conn *c = &a->conns[to];
+  ddp_status st;
+  if (c->link == DDP__RPC_LINK_SELF) {
+    st = send_result(a, to, call_id, DDP_OK, reply, NULL);
+  } else {
+    pthread_mutex_lock(&a->mu);
+    bool open = c->state == DDP__RPC_CONN_OPEN;
+    pthread_mutex_unlock(&a->mu);
+    uint64_t seq = 0;
+    st = open ? ddp__rpc_send_frame_ex(c, DDP__RPC_REPLY, call_id, DDP_OK, NULL, 0, reply,
+                                       ddp_time_ns() + a->default_timeout_ns, &seq)
+              : ddp_error(DDP_ERR_CLOSED, "rpc: the caller (rank %d) is gone", to);
+    if (st == DDP_OK && seq) {
+      ddp__rpc_hold_until_pulled(c, seq, reply, args);
+      return DDP_OK;
+    }
+  }
+  ddp_rpc_message_free(reply);
+  ddp__rpc_block_free(args);
+  return st;
+}
+
 void ddp__rpc_serve(ddp_rpc_agent *a, ddp_rpc_call *call) {
   /* The call lives in its args' block, which the handler may take: keep
    * what is needed after the handler in locals. */
@@ -287,7 +314,9 @@ void ddp__rpc_serve(ddp_rpc_agent *a, ddp_rpc_call *call) {
                  ddp_last_error());
         send_result(a, from, call_id, check, NULL, msg);
       } else {
-        send_result(a, from, call_id, DDP_OK, &reply, NULL);
+        /* The reply may point into the args: both go together. */
+        send_reply_owned(a, from, call_id, &reply, taken ? NULL : args_block);
+        return;
       }
     } else {
       char msg[1024];
@@ -345,8 +374,12 @@ ddp_status ddp_rpc_reply_send(ddp_rpc_reply *r, ddp_rpc_message *reply) {
     return ddp_error(DDP_ERR_INVALID, "rpc reply send: NULL reply handle");
   }
   ddp_status st = ddp__rpc_message_check(reply);
-  if (st == DDP_OK) st = send_result(r->agent, r->to, r->call_id, DDP_OK, reply, NULL);
-  else {
+  if (st == DDP_OK) {
+    ddp_rpc_message empty = {0};
+    st = send_reply_owned(r->agent, r->to, r->call_id, reply ? reply : &empty, NULL);
+    ddp_free(r);
+    return st;
+  } else {
     char msg[512];
     snprintf(msg, sizeof msg, "worker '%s': the deferred reply is malformed: %s",
              r->agent->workers[r->agent->rank].name, ddp_last_error());

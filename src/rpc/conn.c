@@ -186,6 +186,70 @@ ddp_status ddp__rpc_send_frame_ex(ddp__rpc_conn *c, uint8_t kind, uint64_t call_
   return DDP_OK;
 }
 
+/* ---- Memory the peer is still to read ------------------------------------------ */
+
+typedef struct ddp__rpc_held {
+  struct ddp__rpc_held *next;
+  uint64_t seq;
+  ddp_rpc_message msg;
+  ddp__rpc_block *block;
+} ddp__rpc_held;
+
+static void held_free(ddp__rpc_held *h) {
+  while (h) {
+    ddp__rpc_held *next = h->next;
+    ddp_rpc_message_free(&h->msg);
+    ddp__rpc_block_free(h->block);
+    ddp_free(h);
+    h = next;
+  }
+}
+
+void ddp__rpc_hold_until_pulled(ddp__rpc_conn *c, uint64_t seq, ddp_rpc_message *msg,
+                                ddp__rpc_block *block) {
+  ddp_rpc_agent *a = c->agent;
+  ddp__rpc_held *h = ddp_calloc(1, sizeof *h);
+  if (!h) {
+    /* Without a record, wait here instead. */
+    ddp__rpc_wait_pulled(c, seq, ddp_time_ns() + a->default_timeout_ns);
+    ddp_rpc_message_free(msg);
+    ddp__rpc_block_free(block);
+    return;
+  }
+  h->seq = seq;
+  h->msg = *msg;
+  memset(msg, 0, sizeof *msg);
+  h->block = block;
+  pthread_mutex_lock(&a->mu);
+  bool pulled = c->cma_pulled >= seq;
+  if (!pulled) {
+    if (c->held_tail) c->held_tail->next = h;
+    else c->held_head = h;
+    c->held_tail = h;
+  }
+  pthread_mutex_unlock(&a->mu);
+  if (pulled) held_free(h);
+}
+
+/* Under a->mu: detaches what the peer has read. */
+static ddp__rpc_held *held_pulled_locked(ddp__rpc_conn *c) {
+  ddp__rpc_held *done = NULL, **tail = &done;
+  while (c->held_head && c->held_head->seq <= c->cma_pulled) {
+    ddp__rpc_held *h = c->held_head;
+    c->held_head = h->next;
+    h->next = NULL;
+    *tail = h;
+    tail = &h->next;
+  }
+  if (!c->held_head) c->held_tail = NULL;
+  return done;
+}
+
+void ddp__rpc_release_held(ddp__rpc_conn *c) {
+  held_free(c->held_head);
+  c->held_head = c->held_tail = NULL;
+}
+
 /* ---- Losing a connection -------------------------------------------------------- */
 
 void ddp__rpc_conn_lost(ddp__rpc_conn *c, const char *why) {
@@ -358,7 +422,9 @@ bool ddp__rpc_read_loop(ddp__rpc_conn *c) {
       pthread_mutex_lock(&a->mu);
       if (h.call_id > c->cma_pulled) c->cma_pulled = h.call_id;
       pthread_cond_broadcast(&c->pulled_cv);
+      ddp__rpc_held *done = held_pulled_locked(c);
       pthread_mutex_unlock(&a->mu);
+      held_free(done);
       continue;
     }
     if (h.kind == DDP__RPC_DONE) {

@@ -41,6 +41,9 @@ typedef struct ddp__rpc_conn {
   uint64_t cma_pulled;          /* acknowledged by the peer (under agent->mu) */
   uint64_t cma_received;        /* frames pulled from the peer (reader only) */
   pthread_cond_t pulled_cv;     /* cma_pulled grew or the conn ended (agent->mu) */
+  /* Replies sent for pulling whose memory is released when the peer has
+   * read it (under agent->mu), so the serving thread need not wait. */
+  struct ddp__rpc_held *held_head, *held_tail;
   /* Under agent->mu: */
   ddp__rpc_conn_state state;
   bool done_received;           /* DONE arrived (graceful shutdown) */
@@ -170,6 +173,12 @@ ddp_status ddp__rpc_send_frame_ex(ddp__rpc_conn *c, uint8_t kind, uint64_t call_
                                   ddp_status status, const char *fn, int64_t timeout_ms,
                                   const ddp_rpc_message *msg, int64_t deadline_ns,
                                   uint64_t *pull_seq);
+/* Takes msg (released) and block (freed; may be NULL) and keeps them until
+ * the peer has read frame `seq`, then frees them (at once if it has). */
+void ddp__rpc_hold_until_pulled(ddp__rpc_conn *c, uint64_t seq, ddp_rpc_message *msg,
+                                ddp__rpc_block *block);
+/* Frees what c still holds (the agent's end). */
+void ddp__rpc_release_held(ddp__rpc_conn *c);
 /* Waits until the peer has read frame `seq` (0: returns at once); past the
  * deadline the connection is failed (the peer could read reused memory). */
 ddp_status ddp__rpc_wait_pulled(ddp__rpc_conn *c, uint64_t seq, int64_t deadline_ns);
