@@ -9,7 +9,9 @@
 #    num_batches_tracked counts the 10 steps;
 #  - async and ssp:2 run to the end with every trainer's steps;
 #  - --save mid-epoch (sync, momentum, StepLR) then --resume ends bit-identical
-#    to the straight run, the checkpoint holding PyTorch's names.
+#    to the straight run, the checkpoint holding PyTorch's names;
+#  - bad --ps-mode / --param-servers / --straggler values, no launcher and a
+#    world without trainers are refused, saying so.
 # Every run under `timeout`; DDP_TIMEOUT bounds every wait.
 set -uo pipefail
 skip() { echo "SKIP: $*"; exit 77; }
@@ -82,4 +84,17 @@ n = struct.unpack("<Q", raw[:8])[0]
 keys = set(json.loads(raw[8:8 + n])) - {"__metadata__"}
 assert keys == {"net1.weight", "net1.bias", "net2.weight", "net2.bias"}, keys
 PY
+# --- refusals: bad values (usage, exit 2), no launcher, no trainer (exit 1) ----------
+for bad in "--ps-mode ssp:x" "--ps-mode ssp" "--param-servers 0" "--straggler 1:slow"; do
+  # shellcheck disable=SC2086
+  "$bin/ddp-train" --model toy --param-servers 1 $bad >/dev/null 2>"$tmp/bad.err"
+  [ $? = 2 ] || fail "'$bad' was not refused with exit 2"
+done
+env -u WORLD_SIZE -u DDP_STORE_ADDR "$bin/ddp-train" --model toy --param-servers 1 2>"$tmp/bad.err" \
+  && fail "--param-servers without a launcher ran"
+grep -q "needs a launcher" "$tmp/bad.err" || fail "no launcher: $(cat "$tmp/bad.err")"
+timeout 60 "$bin/ddprun" --nproc-per-node 2 "$bin/ddp-train" --model toy --param-servers 2 \
+  >/dev/null 2>"$tmp/bad.err" && fail "2 servers and no trainer ran"
+grep -q "0 trainers (the world must hold more ranks than the 2 servers)" "$tmp/bad.err" \
+  || fail "no trainer: $(grep error "$tmp/bad.err" | head -2)"
 echo "PASS"
