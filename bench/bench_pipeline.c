@@ -10,7 +10,9 @@
  *   ddp pipeline schedule=1f1b world=2 microbatches=8 v=1 batch=256 dim=1024 steps=20
  *     samples_per_s=X idle=0.110,0.112 ideal_idle=0.111
  * idle: each rank's measured idle fraction (time waiting for transfers over
- * step time, steps after warm-up); ideal_idle: (p - 1) / (v M + p - 1).
+ * step time, steps after warm-up); ideal_idle: (p - 1) / (v M + p - 1);
+ * cpu: each rank's CPU time (all its threads) over the wall time, which
+ * shows a rank kept from its core by other load.
  *
  *   bench_pipeline [--schedule 1f1b] [--microbatches 8] [--virtual-stages 1]
  *                  [--batch 256] [--dim 1024] [--steps 20] [--warmup 3] */
@@ -20,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -49,6 +52,14 @@ static void pin(int index) {
       sched_setaffinity(0, sizeof one, &one);
       return;
     }
+}
+
+/* CPU seconds of this process (all its threads). */
+static double cpu_s(void) {
+  struct rusage u;
+  getrusage(RUSAGE_SELF, &u);
+  return (double)u.ru_utime.tv_sec + (double)u.ru_stime.tv_sec +
+         1e-6 * (double)(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
 }
 
 static ddp_model *build(const cfg *c) {
@@ -156,12 +167,13 @@ static void run_rank(const cfg *c, const char *path, int rank, int world, double
   ddp_tensor x, y;
   fill(&x, xb, c->batch, c->dim, 1);
   fill(&y, yb, c->batch, c->dim, 2);
-  double t0 = 0;
+  double t0 = 0, cpu0 = 0;
   for (int step = 0; step < c->warmup + c->steps; step++) {
     if (step == c->warmup) {
       if (ddp_barrier(pg) != DDP_OK) die("barrier");
       ddp_pipeline_reset_stats(pp);
       t0 = ddp_time_s();
+      cpu0 = cpu_s();
     }
     ddp_model_zero_grad(stage);
     if (ddp_pipeline_step(pp, ddp_pipeline_is_first(pp) ? &x : NULL,
@@ -175,6 +187,7 @@ static void run_rank(const cfg *c, const char *path, int rank, int world, double
   ddp_pipeline_get_stats(pp, &st);
   out[2 * rank] = st.idle_fraction_mean;
   out[2 * rank + 1] = (double)c->steps * (double)c->batch / dt;
+  out[4 + rank] = (cpu_s() - cpu0) / dt;
   free(xb);
   free(yb);
   ddp_optimizer_destroy(opt);
@@ -212,7 +225,7 @@ int main(int argc, char **argv) {
   if (fd < 0) die("mkstemp");
   close(fd);
   unlink(path);
-  double *shared = mmap(NULL, sizeof(double) * 2 * world, PROT_READ | PROT_WRITE,
+  double *shared = mmap(NULL, sizeof(double) * 3 * world, PROT_READ | PROT_WRITE,
                         MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   if (shared == MAP_FAILED) die("mmap");
   pid_t pids[2];
@@ -237,7 +250,8 @@ int main(int argc, char **argv) {
   }
   double ideal = (double)(world - 1) / (double)(c.v * c.m + world - 1);
   printf("ddp pipeline schedule=%s world=%d microbatches=%d v=%d batch=%lld dim=%d steps=%d "
-         "samples_per_s=%.1f idle=%.3f,%.3f ideal_idle=%.3f\n", c.schedule, world, c.m, c.v,
-         (long long)c.batch, c.dim, c.steps, shared[1], shared[0], shared[2], ideal);
+         "samples_per_s=%.1f idle=%.3f,%.3f ideal_idle=%.3f cpu=%.2f,%.2f\n", c.schedule, world,
+         c.m, c.v, (long long)c.batch, c.dim, c.steps, shared[1], shared[0], shared[2], ideal,
+         shared[4], shared[5]);
   return 0;
 }

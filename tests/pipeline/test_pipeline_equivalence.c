@@ -112,6 +112,9 @@ static void test_convnet_interleaved(void **s) {
 static void test_mlp2_gpipe(void **s) { (void)s; run("mlp", DDP_PIPELINE_GPIPE, 2, 1, 4, "auto", 13); }
 static void test_mlp2_1f1b(void **s) { (void)s; run("mlp", DDP_PIPELINE_1F1B, 2, 1, 4, NULL, 13); }
 static void test_mlp2_interleaved(void **s) { (void)s; run("mlp", DDP_PIPELINE_INTERLEAVED, 2, 2, 4, "4,8,12", 13); }
+/* More micro-batches than the warmup covers: 8 and 16 on 2 ranks x 2. */
+static void test_mlp2_interleaved_m8(void **s) { (void)s; run("mlp", DDP_PIPELINE_INTERLEAVED, 2, 2, 8, "4,8,12", 19); }
+static void test_mlp2_interleaved_m16(void **s) { (void)s; run("mlp", DDP_PIPELINE_INTERLEAVED, 2, 2, 16, "4,8,12", 32); }
 static void test_mlp4_gpipe(void **s) { (void)s; run("mlp", DDP_PIPELINE_GPIPE, 4, 1, 8, "4,8,12", 16); }
 static void test_mlp4_1f1b(void **s) { (void)s; run("mlp", DDP_PIPELINE_1F1B, 4, 1, 8, "4,8,12", 16); }
 static void test_mlp4_1f1b_uneven(void **s) { (void)s; run("mlp", DDP_PIPELINE_1F1B, 4, 1, 6, "2,8,14", 15); }
@@ -125,7 +128,8 @@ int main(void) {
       cmocka_unit_test(test_convnet_gpipe),      cmocka_unit_test(test_convnet_1f1b),
       cmocka_unit_test(test_convnet_1f1b_even),  cmocka_unit_test(test_convnet_interleaved),
       cmocka_unit_test(test_mlp2_gpipe),         cmocka_unit_test(test_mlp2_1f1b),
-      cmocka_unit_test(test_mlp2_interleaved),   cmocka_unit_test(test_mlp4_gpipe),
+      cmocka_unit_test(test_mlp2_interleaved),   cmocka_unit_test(test_mlp2_interleaved_m8),
+      cmocka_unit_test(test_mlp2_interleaved_m16), cmocka_unit_test(test_mlp4_gpipe),
       cmocka_unit_test(test_mlp4_1f1b),          cmocka_unit_test(test_mlp4_1f1b_uneven),
       cmocka_unit_test(test_mlp4_interleaved),
   };
