@@ -123,7 +123,11 @@ within "$tmp/resumed-gpipe.0" "$tmp/pp2.0" || fail "resumed with GPipe: not wher
 single resume-single "${toy[@]}" --max-steps 10 --batch-size 16 --microbatches 4 \
   --resume "$tmp/toy5.safetensors" --dump-state "$tmp/resumed-single"
 within "$tmp/resumed-single" "$tmp/pp2.0" || fail "resumed on one rank: not where 10 straight steps end"
-echo "ok: a 1F1B checkpoint resumed by GPipe and by one rank ends where 10 straight steps end"
+single save5-single "${toy[@]}" --max-steps 5 --batch-size 16 --microbatches 4 --save "$tmp/single5.safetensors"
+world 2 resume-pp "${toy[@]}" --max-steps 10 --batch-size 16 --pp 2 --split net2 --microbatches 4 \
+  --resume "$tmp/single5.safetensors" --dump-state "$tmp/resumed-pp.{rank}"
+within "$tmp/resumed-pp.0" "$tmp/pp2.0" || fail "one rank's checkpoint resumed by 2 stages: not where 10 straight steps end"
+echo "ok: a 1F1B checkpoint resumed by GPipe and by one rank, and one rank's by 2 stages, end where 10 straight steps end"
 # Another M is another run: refused.
 "$bin" "${toy[@]}" --max-steps 10 --batch-size 16 --microbatches 2 --resume "$tmp/toy5.safetensors" \
   >/dev/null 2>"$tmp/bad-m" && fail "resumed with another --microbatches"
