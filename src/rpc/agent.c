@@ -37,6 +37,10 @@ typedef struct published {
  * learn whether they may read this process's memory. */
 static const uint64_t pull_magic = 0x6464702d72706321ull;
 
+/* The modules' init and destroy hooks run one at a time in a process
+ * (rpc_internal.h), whichever agents start or end at once. */
+static pthread_mutex_t modules_mu = PTHREAD_MUTEX_INITIALIZER;
+
 void **ddp__rpc_module_slot(ddp_rpc_agent *agent, int slot) {
   DDP_ASSERT(slot >= 0 && slot < DDP__RPC_MAX_MODULES);
   return &agent->module_state[slot];
@@ -570,14 +574,14 @@ ddp_status ddp_rpc_init(const ddp_rpc_options *opts, ddp_rpc_agent **out) {
   }
   st = ddp__rpc_pool_start(a);
   if (st != DDP_OK) goto err;
-  for (int m = 0; m < ddp__rpc_num_modules; m++)
+  pthread_mutex_lock(&modules_mu);
+  for (int m = 0; m < ddp__rpc_num_modules && st == DDP_OK; m++)
     if (ddp__rpc_modules[m]->init) {
       st = ddp__rpc_modules[m]->init(a, m);
-      if (st != DDP_OK) {
-        st = ddp_error_wrap(st, "rpc init: module %s", ddp__rpc_modules[m]->name);
-        goto err;
-      }
+      if (st != DDP_OK) st = ddp_error_wrap(st, "rpc init: module %s", ddp__rpc_modules[m]->name);
     }
+  pthread_mutex_unlock(&modules_mu);
+  if (st != DDP_OK) goto err;
   st = publish_pulls(a, all);
   if (st != DDP_OK) goto err;
   st = barrier(a, "init", deadline);
@@ -626,8 +630,10 @@ static void agent_free(ddp_rpc_agent *a) {
     ddp_rpc_future_destroy(f);
   }
   ddp__rpc_pool_stop(a);
+  pthread_mutex_lock(&modules_mu);
   for (int m = 0; m < ddp__rpc_num_modules; m++)
     if (ddp__rpc_modules[m]->destroy) ddp__rpc_modules[m]->destroy(a, m);
+  pthread_mutex_unlock(&modules_mu);
   for (int32_t r = 0; a->conns && r < a->world; r++) {
     if (a->conns[r].fd >= 0) close(a->conns[r].fd);
     ddp__rpc_release_held(&a->conns[r]);

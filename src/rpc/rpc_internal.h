@@ -24,7 +24,9 @@ ddp_status ddp__rpc_register_builtin(const char *name, ddp_rpc_handler fn, void 
 /* A module: per-agent state and hooks of a layer built on the engine. The
  * list is ddp__rpc_modules in rpc_modules.c (add a row there). Each hook may
  * be NULL. `slot` is the module's index there: its state lives in
- * *ddp__rpc_module_slot(agent, slot). */
+ * *ddp__rpc_module_slot(agent, slot). The init and destroy hooks of all
+ * agents of a process run one at a time (a process-wide lock), so they may
+ * set up process-wide things (registering built-ins) without a race. */
 typedef struct ddp__rpc_module {
   const char *name; /* "rref", "dist_autograd" */
   /* After every worker is connected, before init's final barrier; a failure
