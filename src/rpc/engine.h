@@ -231,5 +231,8 @@ ddp_rpc_future *ddp__rpc_future_ref(ddp_rpc_future *f);
  * waiters and helpers, queues the callbacks. */
 bool ddp__rpc_future_finish(ddp_rpc_future *f, ddp_status status, ddp_rpc_message *result,
                             const char *error);
+/* Runs a completed future's callbacks in order, then drops the reference
+ * finish took for them (a pool task). */
+void ddp__rpc_future_run_callbacks(ddp_rpc_future *f);
 
 #endif /* DDP_RPC_ENGINE_H */

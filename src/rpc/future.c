@@ -75,8 +75,6 @@ bool ddp__rpc_future_finish(ddp_rpc_future *f, ddp_status status, ddp_rpc_messag
   return true;
 }
 
-/* The callbacks of a completed future, in order (a pool task). */
-void ddp__rpc_future_run_callbacks(ddp_rpc_future *f);
 void ddp__rpc_future_run_callbacks(ddp_rpc_future *f) {
   for (;;) {
     pthread_mutex_lock(&f->mu);

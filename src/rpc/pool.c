@@ -10,8 +10,6 @@
 
 #include "rpc/engine.h"
 
-void ddp__rpc_future_run_callbacks(ddp_rpc_future *f);
-
 static _Thread_local ddp_rpc_agent *pool_agent;
 
 ddp_rpc_agent *ddp__rpc_current_pool_agent(void) { return pool_agent; }

@@ -10,6 +10,7 @@
 #include <stdatomic.h>
 #include <sys/socket.h>
 
+#include "ddp/launch.h"
 #include "rpc_test_handlers.h"
 #include "rpc_test_util.h"
 
@@ -474,6 +475,48 @@ static void test_init_by_url(void **state) {
   munmap(res, sizeof(rt_result) * 3);
 }
 
+/* env:// as a launcher sets it: ddp_spawn gives each worker torchrun's
+ * variables and DDP_STORE_ADDR (its own store process); init_method NULL. */
+static int spawned_worker(int rank, void *arg) {
+  (void)arg;
+  char name[32];
+  snprintf(name, sizeof name, "spawned_%d", rank);
+  ddp_rpc_options o;
+  ddp_rpc_options_init(&o);
+  o.name = name; /* rank and world size from the environment */
+  o.init_timeout_s = 30;
+  ddp_rpc_agent *a;
+  if (ddp_rpc_init(&o, &a) != DDP_OK) {
+    fprintf(stderr, "spawned %d: init: %s\n", rank, ddp_last_error());
+    return 1;
+  }
+  int bad = ddp_rpc_self(a)->rank != rank || ddp_rpc_world_size(a) != 3;
+  char to[32];
+  snprintf(to, sizeof to, "spawned_%d", (rank + 1) % 3);
+  ddp_rpc_message m = {.payload = name, .payload_bytes = strlen(name)}, out;
+  if (ddp_rpc_sync(a, to, "echo", &m, 10, &out) != DDP_OK ||
+      out.payload_bytes != strlen(name) || memcmp(out.payload, name, strlen(name)) != 0) {
+    fprintf(stderr, "spawned %d: echo: %s\n", rank, ddp_last_error());
+    bad = 1;
+  }
+  ddp_rpc_message_free(&out);
+  if (ddp_rpc_shutdown(a, true, 30) != DDP_OK) {
+    fprintf(stderr, "spawned %d: shutdown: %s\n", rank, ddp_last_error());
+    bad = 1;
+  }
+  return bad;
+}
+
+static void test_init_env_spawn(void **state) {
+  (void)state;
+  ddp_spawn_options so;
+  ddp_spawn_options_init(&so);
+  so.timeout_s = 60;
+  so.bind = DDP_LAUNCH_BIND_NONE;
+  ddp_status st = ddp_spawn(3, spawned_worker, NULL, &so);
+  if (st != DDP_OK) fail_msg("ddp_spawn: %s", ddp_last_error());
+}
+
 static int setup(void **state) {
   (void)state;
   register_test_handlers();
@@ -494,6 +537,7 @@ int main(void) {
       cmocka_unit_test(test_nested_pool_of_one), cmocka_unit_test(test_deferred_and_self),
       cmocka_unit_test(test_user_futures),
       cmocka_unit_test(test_duplicate_names),  cmocka_unit_test(test_init_by_url),
+      cmocka_unit_test(test_init_env_spawn),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }
