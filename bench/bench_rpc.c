@@ -67,15 +67,18 @@ static int worker(int rank, const bench_opts *b) {
       int64_t numel = b->sizes[s] / 4 > 0 ? b->sizes[s] / 4 : 1;
       ddp_tensor *t;
       ddp_tensor_create(&t, DDP_FLOAT32, 1, &numel);
-      for (int64_t i = 0; i < numel; i++) ddp_tensor_f32(t)[i] = 1.0f;
+      for (int64_t i = 0; i < numel; i++) ddp_tensor_f32(t)[i] = (float)(i % 1000003);
       ddp_tensor *ts[1] = {t};
       ddp_rpc_message m = {.tensors = ts, .num_tensors = 1}, out;
       for (int i = 0; i < 100 + b->iters && rc == 0; i++) {
         int64_t t0 = ddp_time_ns();
         ddp_status st = ddp_rpc_sync(a, "w1", "echo", &m, DDP_RPC_DEFAULT_TIMEOUT, &out);
         int64_t dt = ddp_time_ns() - t0;
-        if (st != DDP_OK || out.num_tensors != 1 || out.tensors[0]->numel != numel) {
-          fprintf(stderr, "bench_rpc: %s\n", ddp_last_error());
+        /* The echo checked outside the timing: a wrong reply fails the run. */
+        if (st != DDP_OK || out.num_tensors != 1 || out.tensors[0]->numel != numel ||
+            memcmp(out.tensors[0]->data, t->data, (size_t)numel * 4) != 0) {
+          fprintf(stderr, "bench_rpc: call %d of %lld bytes: %s\n", i, (long long)b->sizes[s],
+                  st != DDP_OK ? ddp_last_error() : "the echo differs from what was sent");
           rc = 1;
         }
         ddp_rpc_message_free(&out);
