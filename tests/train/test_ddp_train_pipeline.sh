@@ -172,6 +172,20 @@ PY
   "$py" "$here/compare_state.py" "$tmp/convnosbn.0" "$tmp/conv64" >/dev/null \
     && fail "without --sync-bn the replicas' BatchNorm matched the doubled batch's: the check cannot tell"
   echo "ok: ConvNet 2 stages x 2 replicas with --sync-bn == 1 rank x 64 (BatchNorm over the replicas' micro-batches)"
+  # Interleaved 1F1B through the trainer: psnet's 4+ top-level modules as
+  # 4 stages on 2 ranks (v = 2), trained and evaluated (forward only). Its
+  # dropout draws on each stage's generator, so the equality with the
+  # unsplit model is the pipeline's own test (tests/pipeline, an MLP).
+  world 2 inter --model psnet --data "$data" --max-steps 3 --batch-size 32 --microbatches 4 --workers 0 \
+    --pp 2 --schedule interleaved --virtual-stages 2 --json
+  "$py" - "$tmp/inter.out.0" <<'PY' || fail "interleaved: the summary"
+import json, math, sys
+top = json.loads(open(sys.argv[1]).read().splitlines()[-1])
+p = top["pipeline"]
+assert p["schedule"] == "interleaved" and p["stages"] == 2 and len(p["per_stage"]) == 2, p
+assert top["steps"] == 3 and math.isfinite(top["test_loss"]) and 0 <= top["test_accuracy"] <= 1, top
+PY
+  echo "ok: psnet trained and evaluated by interleaved 1F1B (2 ranks x 2 virtual stages)"
 else
   echo "note: no Fashion-MNIST or no PyTorch at $torch_py: the ConvNet checkpoint check did not run"
 fi
