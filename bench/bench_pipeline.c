@@ -11,8 +11,9 @@
  *     samples_per_s=X idle=0.110,0.112 ideal_idle=0.111
  * idle: each rank's measured idle fraction (time waiting for transfers over
  * step time, steps after warm-up); ideal_idle: (p - 1) / (v M + p - 1);
- * cpu: each rank's CPU time (all its threads) over the wall time, which
- * shows a rank kept from its core by other load.
+ * cpu: each rank's CPU time (all its threads) over the wall time;
+ * preempted: the time its main thread was ready to run while its core ran
+ * something else (schedstat), over the wall time: other load's share.
  *
  *   bench_pipeline [--schedule 1f1b] [--microbatches 8] [--virtual-stages 1]
  *                  [--batch 256] [--dim 1024] [--steps 20] [--warmup 3] */
@@ -167,13 +168,17 @@ static void run_rank(const cfg *c, const char *path, int rank, int world, double
   ddp_tensor x, y;
   fill(&x, xb, c->batch, c->dim, 1);
   fill(&y, yb, c->batch, c->dim, 2);
+  ddp_preempt_clock clock;
+  ddp_preempt_clock_open(&clock);
   double t0 = 0, cpu0 = 0;
+  int64_t pre0 = 0;
   for (int step = 0; step < c->warmup + c->steps; step++) {
     if (step == c->warmup) {
       if (ddp_barrier(pg) != DDP_OK) die("barrier");
       ddp_pipeline_reset_stats(pp);
       t0 = ddp_time_s();
       cpu0 = cpu_s();
+      pre0 = ddp_preempt_clock_ns(&clock);
     }
     ddp_model_zero_grad(stage);
     if (ddp_pipeline_step(pp, ddp_pipeline_is_first(pp) ? &x : NULL,
@@ -188,6 +193,8 @@ static void run_rank(const cfg *c, const char *path, int rank, int world, double
   out[2 * rank] = st.idle_fraction_mean;
   out[2 * rank + 1] = (double)c->steps * (double)c->batch / dt;
   out[4 + rank] = (cpu_s() - cpu0) / dt;
+  out[6 + rank] = (double)(ddp_preempt_clock_ns(&clock) - pre0) * 1e-9 / dt;
+  ddp_preempt_clock_close(&clock);
   free(xb);
   free(yb);
   ddp_optimizer_destroy(opt);
@@ -225,7 +232,7 @@ int main(int argc, char **argv) {
   if (fd < 0) die("mkstemp");
   close(fd);
   unlink(path);
-  double *shared = mmap(NULL, sizeof(double) * 3 * world, PROT_READ | PROT_WRITE,
+  double *shared = mmap(NULL, sizeof(double) * 4 * world, PROT_READ | PROT_WRITE,
                         MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   if (shared == MAP_FAILED) die("mmap");
   pid_t pids[2];
@@ -250,8 +257,8 @@ int main(int argc, char **argv) {
   }
   double ideal = (double)(world - 1) / (double)(c.v * c.m + world - 1);
   printf("ddp pipeline schedule=%s world=%d microbatches=%d v=%d batch=%lld dim=%d steps=%d "
-         "samples_per_s=%.1f idle=%.3f,%.3f ideal_idle=%.3f cpu=%.2f,%.2f\n", c.schedule, world,
-         c.m, c.v, (long long)c.batch, c.dim, c.steps, shared[1], shared[0], shared[2], ideal,
-         shared[4], shared[5]);
+         "samples_per_s=%.1f idle=%.3f,%.3f ideal_idle=%.3f cpu=%.2f,%.2f preempted=%.2f,%.2f\n",
+         c.schedule, world, c.m, c.v, (long long)c.batch, c.dim, c.steps, shared[1], shared[0],
+         shared[2], ideal, shared[4], shared[5], shared[6], shared[7]);
   return 0;
 }
