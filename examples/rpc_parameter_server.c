@@ -20,7 +20,8 @@
  *   build/bin/rpc_parameter_server --rank 1 --world-size 2
  * Options: --epochs E (1), --max-steps N per trainer (0: whole epochs),
  * --batch B (32), --lr X (0.03), --seed S (0), --init FILE (initial weights
- * from the reference's --save-init), --data DIR (Fashion-MNIST), --threads N
+ * from the reference's --save-init), --data DIR (Fashion-MNIST), --eval-samples N
+ * (the test set's first N; 0: all), --threads N
  * (RPC pool), --timeout S (the trainers' whole run, 7200).
  *
  * Several trainers step the same parameters: a step waits until no other
@@ -51,7 +52,7 @@
 
 typedef struct options {
   int rank, world_size, threads;
-  int64_t epochs, max_steps, batch;
+  int64_t epochs, max_steps, batch, eval_samples;
   double lr, timeout_s;
   uint64_t seed;
   char init[512], data[512];
@@ -67,6 +68,7 @@ static options parse(int argc, char **argv) {
     else if (!strcmp(k, "--world-size")) o.world_size = atoi(v);
     else if (!strcmp(k, "--epochs")) o.epochs = atoll(v);
     else if (!strcmp(k, "--max-steps")) o.max_steps = atoll(v);
+    else if (!strcmp(k, "--eval-samples")) o.eval_samples = atoll(v);
     else if (!strcmp(k, "--batch")) o.batch = atoll(v);
     else if (!strcmp(k, "--lr")) o.lr = atof(v);
     else if (!strcmp(k, "--seed")) o.seed = strtoull(v, NULL, 10);
@@ -76,11 +78,12 @@ static options parse(int argc, char **argv) {
     else if (!strcmp(k, "--data")) snprintf(o.data, sizeof o.data, "%s", v);
     else break;
   }
-  if (i != argc || o.epochs < 1 || o.batch < 1 || o.max_steps < 0 || !(o.lr > 0) ||
+  if (i != argc || o.epochs < 1 || o.batch < 1 || o.max_steps < 0 || o.eval_samples < 0 ||
+      !(o.lr > 0) ||
       !(o.timeout_s > 0)) {
     fprintf(stderr, "usage: rpc_parameter_server [--rank R --world-size W] [--epochs E] "
                     "[--max-steps N] [--batch B] [--lr X] [--seed S] [--init FILE] [--data DIR] "
-                    "[--threads N] [--timeout S]\n");
+                    "[--eval-samples N] [--threads N] [--timeout S]\n");
     exit(2);
   }
   return o;
@@ -181,6 +184,7 @@ static ddp_status ps_forward(ddp_dist_call *call, const ddp_rpc_message *args,
 static double evaluate(parameter_server *ps) {
   ddp_dataset *test;
   CHECK(ddp_dataset_open_idx_dir(&test, opts.data, DDP_SPLIT_TEST));
+  if (opts.eval_samples) CHECK(ddp_dataset_truncate(test, opts.eval_samples));
   ddp_loader_config lc = ddp_loader_config_default();
   lc.batch_size = 1000;
   lc.normalize = true, lc.mean = 0.1307f, lc.std = 0.3081f;
