@@ -68,9 +68,7 @@ static ddp_status broadcast_stage(ddp_trainer *t) {
 
 /* The largest batch a step or evaluation hands the pipeline. */
 static int64_t largest_batch(const ddp_train_options *o) {
-  int64_t eval = o->eval_batch_size ? o->eval_batch_size
-                 : o->batch_size > 1000 ? o->batch_size
-                                        : 1000;
+  const int64_t eval = ddp__train_eval_batch_size(o);
   return eval > o->batch_size ? eval : o->batch_size;
 }
 

@@ -160,6 +160,9 @@ ddp_status ddp__train_scalar(const ddp_tensor *t, float *value);
 ddp_status ddp__train_host_view(const ddp_tensor *t, float *host, const float **data);
 void ddp__train_device_free(ddp_trainer *t);
 
+/* The test loader's batch: eval_batch_size, or max(batch_size, 1000). */
+int64_t ddp__train_eval_batch_size(const ddp_train_options *o);
+
 /* Sums values[0..n) over the group in place (float64); nothing without one.
  * Collective. */
 ddp_status ddp__train_sum(ddp_trainer *t, double *values, int n);

@@ -129,6 +129,10 @@ static ddp_status check_shapes(const ddp_model *model, const ddp_dataset *ds) {
   return DDP_OK;
 }
 
+int64_t ddp__train_eval_batch_size(const ddp_train_options *o) {
+  return o->eval_batch_size ? o->eval_batch_size : o->batch_size > 1000 ? o->batch_size : 1000;
+}
+
 /* Loader threads only where cores are left over: with as many ranks on
  * this host as cores, a loader thread per rank would steal compute. */
 static int automatic_workers(int group_size) {
@@ -169,9 +173,7 @@ static ddp_status create_loaders(ddp_trainer *t, int workers) {
                                           t->replicas, t->replica);
   if (s != DDP_OK) return ddp_error_wrap(s, "creating the test sampler");
   ddp_loader_config tc = ddp_loader_config_default();
-  tc.batch_size = o->eval_batch_size ? o->eval_batch_size
-                  : o->batch_size > 1000 ? o->batch_size
-                                         : 1000;
+  tc.batch_size = ddp__train_eval_batch_size(o);
   tc.num_workers = workers;
   tc.sampler = t->test_sampler;
   s = ddp_loader_create(&t->test_loader, t->test_ds, &tc);
