@@ -325,6 +325,17 @@ static ddp_status agree_batch(ddp_pipeline *pp, const run_args *a, int64_t *rows
               ddp_tensor_shape_str(a->target, have, sizeof have), (long long)h[0]);
     return fail(pp, DDP_ERR_SHAPE, pp->n_stages - 1, pp->n_stages - 1);
   }
+  if (ddp_pipeline_is_last(pp) && a->output) {
+    int64_t want = h[0] * pp->chunks[pp->v - 1].out_row;
+    if (a->output->dtype != DDP_FLOAT32 || a->output->numel != want) {
+      char have[DDP_SHAPE_STR_BYTES];
+      ddp_error(DDP_ERR_SHAPE, "the output tensor %s %s does not hold the batch's %lld rows of "
+                "%lld floats", ddp_dtype_name(a->output->dtype),
+                ddp_tensor_shape_str(a->output, have, sizeof have), (long long)h[0],
+                (long long)pp->chunks[pp->v - 1].out_row);
+      return fail(pp, DDP_ERR_SHAPE, pp->n_stages - 1, pp->n_stages - 1);
+    }
+  }
   if (ddp_pipeline_is_last(pp) && a->training && !a->target) {
     ddp_error(DDP_ERR_INVALID, "the last stage (rank %d) got no target", pp->rank);
     return fail(pp, DDP_ERR_INVALID, pp->n_stages - 1, pp->n_stages - 1);
