@@ -237,10 +237,14 @@ void ddp_pipeline_destroy(ddp_pipeline *pp);
  * (ddp_pipeline_model's flat buffer) accumulate sum_m grad(loss_m) *
  * grad_scale. Gradients are not zeroed here (zero them as with
  * optimizer.zero_grad). *loss (may be NULL): the mean of the micro-batch
- * losses on the last stage's rank, NaN elsewhere. On failure (a peer died,
- * a timeout) every stage's channels are aborted so the others fail too, and
- * each returns an error naming the stage and rank that failed first; the
- * pipeline is then unusable (destroy it). */
+ * losses on the last stage's rank, NaN elsewhere. An input stage 0 refuses
+ * (not the sample shape, fewer rows than M, more than max_batch) is
+ * DDP_ERR_SHAPE on every rank before anything moves, and the pipeline stays
+ * usable. On any other failure (a peer died, a timeout, a forward's or the
+ * loss's error, a target without the input's rows) every stage's channels
+ * are aborted so the others fail too, and each returns an error naming the
+ * stage and rank that failed first; the pipeline is then unusable (destroy
+ * it). */
 ddp_status ddp_pipeline_step(ddp_pipeline *pp, const ddp_tensor *input,
                              const ddp_tensor *target, double *loss);
 
