@@ -44,6 +44,8 @@ struct ddp_ps_client {
   char error_msg[512];
   int64_t meet_seq;
   int64_t step; /* the step in progress: the servers' base step + 1, then one more each end */
+  bool ending;  /* in end_step: pushes from here on did not overlap backward */
+  int64_t pushes_in_backward, pushes_after, first_push_param;
   double push_wait_s, pull_wait_s;
   pthread_mutex_t mu; /* the watches (pool threads) */
   ddp_rpc_reply **watch_replies; /* S */
@@ -299,6 +301,8 @@ int64_t ddp__ps_client_step(const ddp_ps_client *c) { return c->step; }
 void ddp__ps_client_push(ddp_ps_client *c, int32_t param, int64_t step, double lr) {
   if (param < 0 || param >= c->np || c->pushed[param]) return;
   c->pushed[param] = true;
+  if (c->ending) c->pushes_after++;
+  else if (c->pushes_in_backward++ == 0) c->first_push_param = param;
   if (c->error != DDP_OK) return;
   push_payload *pp = &c->push_payloads[param];
   *pp = (push_payload){.h = {.magic = DDP__PS_MAGIC, .kind = DDP__PS_PUSH, .trainer = c->index,
@@ -321,8 +325,10 @@ ddp_status ddp__ps_client_end_step(ddp_ps_client *c, double lr) {
   const int64_t step = c->step++;
   /* Parameters backward gave no gradient push their zeroed gradients, so
    * every server hears of every tensor each step. */
+  c->ending = true;
   for (int32_t i = 0; i < c->np; i++)
     if (!c->pushed[i]) ddp__ps_client_push(c, i, step, lr);
+  c->ending = false;
   for (int64_t e = 0; e < c->nb; e++)
     c->delta_buf[e] = ddp_model_buffers_flat(c->model)[e] - c->pulled_buf[e];
   for (int64_t e = 0; e < c->nc; e++)
@@ -360,6 +366,13 @@ ddp_status ddp__ps_client_end_step(ddp_ps_client *c, double lr) {
   c->push_wait_s = 1e-9 * (double)(t1 - t0);
   c->pull_wait_s = 1e-9 * (double)(ddp_time_ns() - t1);
   return s;
+}
+
+void ddp__ps_client_push_counts(const ddp_ps_client *c, int64_t *in_backward, int64_t *after,
+                                int32_t *first_param) {
+  *in_backward = c->pushes_in_backward;
+  *after = c->pushes_after;
+  *first_param = (int32_t)c->first_push_param;
 }
 
 void ddp__ps_client_last_wait(const ddp_ps_client *c, double *push_wait_s, double *pull_wait_s) {

@@ -187,6 +187,12 @@ ddp_status ddp__ps_client_eval_begin(ddp_ps_client *c);
 ddp_status ddp__ps_client_sum(ddp_ps_client *c, double *values, int n);
 /* A checkpoint, written by the servers once every live trainer asks. */
 ddp_status ddp__ps_client_save(ddp_ps_client *c, const ddp__ps_save_info *info);
+/* Pushes so far made from backward's grad hook (overlapping the rest of
+ * backward) and at the step's end (after it), and the parameter pushed
+ * first in the first step (backward's first final gradient: the last
+ * layer's). */
+void ddp__ps_client_push_counts(const ddp_ps_client *c, int64_t *in_backward, int64_t *after,
+                                int32_t *first_param);
 /* Where the time of the last step's end went: waiting for push
  * acknowledgements, for the pull (seconds). */
 void ddp__ps_client_last_wait(const ddp_ps_client *c, double *push_wait_s, double *pull_wait_s);

@@ -21,6 +21,7 @@
 #include <cmocka.h>
 
 #include "ddp/ddp.h"
+#include "ps/ps_internal.h"
 
 enum { TRAINERS = 3, BATCH = 16, SAMPLES = 240, EPOCHS = 2, SEED = 5 };
 
@@ -31,6 +32,8 @@ typedef struct worker {
   ddp_model *model;
   ddp_ps_server_stats stats;
   int64_t steps;
+  int64_t pushes_in_backward, pushes_after;
+  int32_t first_push;
   char error[1024];
 } worker;
 
@@ -92,6 +95,7 @@ static void *trainer_main(void *p) {
   if (s == DDP_OK) s = ddp_trainer_run(t, &r);
   if (s != DDP_OK) snprintf(w->error, sizeof w->error, "trainer rank %d: %s", w->rank, ddp_last_error());
   w->steps = r.steps;
+  if (c) ddp__ps_client_push_counts(c, &w->pushes_in_backward, &w->pushes_after, &w->first_push);
   ddp_train_result_free(&r);
   ddp_trainer_destroy(t);
   if (c && agent) (void)ddp_ps_client_finish(c);
@@ -166,6 +170,12 @@ static void test_sync_equals_big_batch(void **state) {
         fail_msg("trainer rank %d, %s: max|a-b| = %g > %g", k, ddp_model_param_name(ref, i), err,
                  1e-4 * big + 1e-6);
     }
+    /* Every gradient left from backward's hook as it became final, the
+     * last layer's first (net2 is parameters 2 and 3): the pushes overlap
+     * the rest of backward. */
+    assert_int_equal(w[k].pushes_in_backward, steps * ddp_model_num_params(ref));
+    assert_int_equal(w[k].pushes_after, 0);
+    assert_true(w[k].first_push >= 2);
     /* Every trainer holds the same model. */
     assert_memory_equal(ddp_model_params_flat(models[k]), ddp_model_params_flat(models[ps.num_servers]),
                         (size_t)n * sizeof(float));
