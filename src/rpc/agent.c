@@ -421,6 +421,7 @@ ddp_status ddp_rpc_init(const ddp_rpc_options *opts, ddp_rpc_agent **out) {
   init_cond(&a->work_cv);
   init_cond(&a->outstanding_cv);
   init_cond(&a->timer_cv);
+  atomic_init(&a->outside_users, 0);
   int tcp_fd = -1, unix_fd = -1;
   published *all = NULL;
   ddp_status st;
@@ -492,6 +493,8 @@ ddp_status ddp_rpc_init(const ddp_rpc_options *opts, ddp_rpc_agent **out) {
     pthread_mutex_init(&a->conns[r].write_mu, NULL);
     init_cond(&a->conns[r].pulled_cv);
     atomic_init(&a->conns[r].peer_pulls, false);
+    atomic_init(&a->conns[r].ack_due, 0);
+    atomic_init(&a->conns[r].ack_sent, 0);
   }
 
   /* Listen (TCP on every interface, and an abstract Unix socket), publish. */
@@ -630,6 +633,20 @@ static void agent_free(ddp_rpc_agent *a) {
     ddp_rpc_future_destroy(f);
   }
   ddp__rpc_pool_stop(a);
+  /* A deferred reply still being sent from a thread of the user's: its send
+   * gives up at the default timeout, so this wait ends; past twice that the
+   * agent is left allocated (a leak) rather than freed under that thread. */
+  int64_t limit_ms = 2 * a->default_timeout_ns / 1000000 + 1000;
+  for (int64_t waited_ms = 0; atomic_load(&a->outside_users) > 0; waited_ms++) {
+    if (waited_ms == limit_ms) {
+      ddp_log(DDP_LOG_ERROR, "rpc: worker '%s': a thread is still inside ddp_rpc_reply_send after "
+              "%lld ms; the agent is not freed",
+              a->workers ? a->workers[a->rank].name : "?", (long long)waited_ms);
+      return;
+    }
+    struct timespec ts = {0, 1000000};
+    nanosleep(&ts, NULL);
+  }
   pthread_mutex_lock(&modules_mu);
   for (int m = 0; m < ddp__rpc_num_modules; m++)
     if (ddp__rpc_modules[m]->destroy) ddp__rpc_modules[m]->destroy(a, m);

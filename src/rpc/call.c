@@ -368,11 +368,21 @@ ddp_status ddp_rpc_call_defer(ddp_rpc_call *call, ddp_rpc_reply **out) {
   return DDP_OK;
 }
 
+static ddp_status reply_send(ddp_rpc_reply *r, ddp_rpc_message *reply);
+
 ddp_status ddp_rpc_reply_send(ddp_rpc_reply *r, ddp_rpc_message *reply) {
   if (!r) {
     ddp_rpc_message_free(reply);
     return ddp_error(DDP_ERR_INVALID, "rpc reply send: NULL reply handle");
   }
+  ddp_rpc_agent *a = r->agent;
+  atomic_fetch_add(&a->outside_users, 1);
+  ddp_status st = reply_send(r, reply);
+  atomic_fetch_sub(&a->outside_users, 1);
+  return st;
+}
+
+static ddp_status reply_send(ddp_rpc_reply *r, ddp_rpc_message *reply) {
   ddp_status st = ddp__rpc_message_check(reply);
   if (st == DDP_OK) {
     ddp_rpc_message empty = {0};
@@ -392,6 +402,8 @@ ddp_status ddp_rpc_reply_send(ddp_rpc_reply *r, ddp_rpc_message *reply) {
 
 ddp_status ddp_rpc_reply_fail(ddp_rpc_reply *r, ddp_status status, const char *fmt, ...) {
   if (!r) return ddp_error(DDP_ERR_INVALID, "rpc reply fail: NULL reply handle");
+  ddp_rpc_agent *a = r->agent;
+  atomic_fetch_add(&a->outside_users, 1);
   if (status == DDP_OK) status = DDP_ERR_INTERNAL;
   char detail[768], msg[1024];
   va_list ap;
@@ -402,5 +414,6 @@ ddp_status ddp_rpc_reply_fail(ddp_rpc_reply *r, ddp_status status, const char *f
            r->agent->workers[r->agent->rank].name, ddp_status_name(status), detail);
   ddp_status st = send_result(r->agent, r->to, r->call_id, status, NULL, msg);
   ddp_free(r);
+  atomic_fetch_sub(&a->outside_users, 1);
   return st;
 }

@@ -70,6 +70,50 @@ static ddp_status sendv_full(int fd, struct iovec *iov, int n, int64_t deadline_
   return DDP_OK;
 }
 
+/* ---- Acknowledgements --------------------------------------------------------------- */
+
+/* Under write_mu: sends the PULLED count due, if any. blocking: wait while
+ * the socket is full (a writer, who may wait); else give up at once when
+ * nothing could be written (a reader, who must go on draining the socket;
+ * the count stays due). */
+static ddp_status send_acks_locked(ddp__rpc_conn *c, bool blocking, int64_t deadline_ns) {
+  for (;;) {
+    uint64_t due = atomic_load(&c->ack_due);
+    if (due <= atomic_load(&c->ack_sent)) return DDP_OK;
+    ddp__rpc_frame ack = {.magic = DDP__RPC_MAGIC, .kind = DDP__RPC_PULLED, .call_id = due};
+    if (!blocking) {
+      ssize_t n = send(c->fd, &ack, sizeof ack, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return DDP_OK;
+      if (n < 0) return ddp_error(DDP_ERR_CLOSED, "the connection is closed (%s)", strerror(errno));
+      if ((size_t)n < sizeof ack) {
+        /* Part of it is on the wire: the rest must follow before anything else. */
+        struct iovec rest = {(char *)&ack + n, sizeof ack - (size_t)n};
+        DDP_TRY(sendv_full(c->fd, &rest, 1, deadline_ns));
+      }
+    } else {
+      struct iovec iov = {&ack, sizeof ack};
+      DDP_TRY(sendv_full(c->fd, &iov, 1, deadline_ns));
+    }
+    atomic_store(&c->ack_sent, due);
+  }
+}
+
+/* Sends the PULLED count due if the write lock is free (never waits for it). */
+static ddp_status try_send_acks(ddp__rpc_conn *c, int64_t deadline_ns) {
+  /* The fence pairs with the one after a writer's unlock: either that writer
+   * sees the count posted, or this trylock sees the lock free. */
+  atomic_thread_fence(memory_order_seq_cst);
+  if (atomic_load(&c->ack_due) <= atomic_load(&c->ack_sent)) return DDP_OK;
+  if (pthread_mutex_trylock(&c->write_mu) != 0) return DDP_OK;
+  ddp_status st = send_acks_locked(c, false, deadline_ns);
+  pthread_mutex_unlock(&c->write_mu);
+  return st;
+}
+
+static bool acks_due(ddp__rpc_conn *c) {
+  return atomic_load(&c->ack_due) > atomic_load(&c->ack_sent);
+}
+
 ddp_status ddp__rpc_wait_pulled(ddp__rpc_conn *c, uint64_t seq, int64_t deadline_ns) {
   if (seq == 0) return DDP_OK;
   ddp_rpc_agent *a = c->agent;
@@ -163,7 +207,10 @@ ddp_status ddp__rpc_send_frame_ex(ddp__rpc_conn *c, uint8_t kind, uint64_t call_
   pthread_mutex_lock(&c->write_mu);
   uint64_t seq = pull ? ++c->cma_sent : 0;
   ddp_status st = sendv_full(c->fd, iov, n, deadline_ns);
+  if (st == DDP_OK) st = send_acks_locked(c, true, deadline_ns);
   pthread_mutex_unlock(&c->write_mu);
+  /* A count the reader posted while this thread held the lock. */
+  if (st == DDP_OK) st = try_send_acks(c, deadline_ns);
   if (addrs != small_addrs) ddp_free(addrs);
   if (st == DDP_OK && pull) {
     /* The memory must stay as it is until the peer has read it: wait here,
@@ -354,12 +401,8 @@ static ddp_status pull_tensors(ddp__rpc_conn *c, ddp__rpc_block *b, const char *
   if (addrs != small) ddp_free(addrs);
   if (st != DDP_OK) return st;
   /* Acknowledge in order: the sender may reuse the memory now. */
-  ddp__rpc_frame ack = {.magic = DDP__RPC_MAGIC, .kind = DDP__RPC_PULLED, .call_id = ++c->cma_received};
-  pthread_mutex_lock(&c->write_mu);
-  struct iovec iov = {&ack, sizeof ack};
-  st = sendv_full(c->fd, &iov, 1, deadline);
-  pthread_mutex_unlock(&c->write_mu);
-  return st;
+  atomic_store(&c->ack_due, ++c->cma_received);
+  return try_send_acks(c, deadline);
 }
 
 /* Reads the body of a REQUEST / REPLY / ERROR frame into a new block. */
@@ -406,9 +449,22 @@ bool ddp__rpc_read_loop(ddp__rpc_conn *c) {
   char why[512] = "";
   for (;;) {
     ddp__rpc_frame h;
+    /* An acknowledgement still due (the lock was busy, or the socket full):
+     * retry it every millisecond while no frame arrives. */
+    ddp_status st = DDP_OK;
+    while (st == DDP_OK && c->rpos == c->rlen && acks_due(c)) {
+      st = try_send_acks(c, ddp_time_ns() + a->default_timeout_ns);
+      if (st == DDP_OK && acks_due(c) &&
+          ddp__net_wait(c->fd, POLLIN, ddp_time_ns() + 1000000) == DDP_OK)
+        break;
+    }
+    if (st != DDP_OK) {
+      snprintf(why, sizeof why, "%s", ddp_last_error());
+      break;
+    }
     /* Between frames the reader waits without a deadline: an idle
      * connection is normal; shutdown wakes it by shutting the socket down. */
-    ddp_status st = read_exact(c, &h, sizeof h, -1);
+    st = read_exact(c, &h, sizeof h, -1);
     if (st != DDP_OK) {
       snprintf(why, sizeof why, "%s", ddp_last_error());
       break;

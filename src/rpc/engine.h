@@ -40,6 +40,13 @@ typedef struct ddp__rpc_conn {
   uint64_t cma_sent;            /* frames sent for pulling (under write_mu) */
   uint64_t cma_pulled;          /* acknowledged by the peer (under agent->mu) */
   uint64_t cma_received;        /* frames pulled from the peer (reader only) */
+  /* Acknowledgements: the reader never waits for the write lock (a reader
+   * waiting for a writer stuck on a full socket, while the peer's reader
+   * waits for the peer's writer stuck on ours, would be a cycle). It posts
+   * the count in ack_due and sends it only if the lock is free; otherwise
+   * the lock's holder sends it before letting go. */
+  _Atomic uint64_t ack_due;     /* PULLED count to send */
+  _Atomic uint64_t ack_sent;    /* PULLED count sent (written under write_mu) */
   pthread_cond_t pulled_cv;     /* cma_pulled grew or the conn ended (agent->mu) */
   /* Replies sent for pulling whose memory is released when the peer has
    * read it (under agent->mu), so the serving thread need not wait. */
@@ -156,6 +163,11 @@ struct ddp_rpc_agent {
   int64_t timer_wake_ns;        /* when the timer will look next; INT64_MAX: idle */
 
   void *module_state[DDP__RPC_MAX_MODULES];
+  /* Threads outside the pool inside an engine call that touches the agent
+   * (a deferred reply sent from a thread of the user's): the agent's end
+   * waits for them, since the reply it sends may be what let the other
+   * workers finish their shutdown. */
+  _Atomic int outside_users;
 };
 
 /* ---- conn.c ---- */

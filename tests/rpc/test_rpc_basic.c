@@ -243,6 +243,48 @@ static void test_async_many(void **state) {
   rt_run(4, &cfg, async_fn, NULL, 90);
 }
 
+/* Both workers flood each other at once with async calls whose tensors go
+ * through the stream (60 KiB) and by cross-memory attach (100 KiB), so the
+ * sockets fill both ways while each reader must acknowledge what it read:
+ * a reader never waits for the writers (it would close a cycle with the
+ * peer's), so every call completes. */
+#define FLOOD_CALLS 300
+
+static void flood_fn(int rank, int size, ddp_rpc_agent *a, rt_result *res, void *arg) {
+  (void)size, (void)arg;
+  ddp_rpc_future **fs = ddp_calloc(FLOOD_CALLS, sizeof *fs);
+  ddp_tensor *ts[FLOOD_CALLS];
+  for (int i = 0; i < FLOOD_CALLS; i++) {
+    int64_t n = (i % 2 ? 100 : 60) * 1024 / 4;
+    ddp_tensor_create(&ts[i], DDP_FLOAT32, 1, &n);
+    fill_bytes(ts[i]->data, (size_t)n * 4, (uint64_t)(rank * 100000 + i));
+    ddp_tensor *one[1] = {ts[i]};
+    ddp_rpc_message m = {.tensors = one, .num_tensors = 1};
+    ddp_status st = ddp_rpc_async(a, rank ? "w0" : "w1", "echo", &m, 60, &fs[i]);
+    RT_CHECK(res, st == DDP_OK, "flood %d: %s", i, ddp_last_error());
+    if (st != DDP_OK) fs[i] = NULL;
+  }
+  for (int i = 0; i < FLOOD_CALLS; i++) {
+    if (!fs[i]) continue;
+    ddp_status st = ddp_rpc_future_wait(fs[i], 60);
+    RT_CHECK(res, st == DDP_OK, "flood wait %d: %s", i, ddp_last_error());
+    const ddp_rpc_message *m;
+    if (st == DDP_OK && ddp_rpc_future_result(fs[i], &m) == DDP_OK)
+      RT_CHECK(res, m->num_tensors == 1 && memcmp(m->tensors[0]->data, ts[i]->data,
+                                                  (size_t)ts[i]->numel * 4) == 0,
+               "flood %d differs", i);
+    ddp_rpc_future_destroy(fs[i]);
+  }
+  for (int i = 0; i < FLOOD_CALLS; i++) ddp_tensor_destroy(ts[i]);
+  ddp_free(fs);
+}
+
+static void test_flood_both_ways(void **state) {
+  (void)state;
+  rt_config cfg = {.graceful = true, .threads = 2};
+  rt_run(2, &cfg, flood_fn, NULL, 120);
+}
+
 /* ---- Nested calls with a pool of one thread ------------------------------------------ */
 
 static void nested_fn(int rank, int size, ddp_rpc_agent *a, rt_result *res, void *arg) {
@@ -534,6 +576,7 @@ int main(void) {
       cmocka_unit_test(test_round_trips),      cmocka_unit_test(test_round_trips_no_cma),
       cmocka_unit_test(test_tcp_transport),
       cmocka_unit_test(test_worker_info),      cmocka_unit_test(test_async_many),
+      cmocka_unit_test(test_flood_both_ways),
       cmocka_unit_test(test_nested_pool_of_one), cmocka_unit_test(test_deferred_and_self),
       cmocka_unit_test(test_user_futures),
       cmocka_unit_test(test_duplicate_names),  cmocka_unit_test(test_init_by_url),
