@@ -1,10 +1,12 @@
 """Compares two ddp-train --dump-state files tensor by tensor.
 
 usage: compare_state.py A B [--exact] [--only-params] [--init P0 [--rel-update R]]
+                          [--tol REL ABS]
 
 Default (issue 7's tolerance): passes when every tensor of B is in A with the
-same size and max|a - b| <= 1e-4 * max|b| + 1e-6; with --exact, when every
-value is bit-identical.
+same size and max|a - b| <= 1e-4 * max|b| + 1e-6 (--tol REL ABS: REL *
+max|b| + ABS; issue 23's equivalence bound is --tol 1e-5 1e-7); with
+--exact, when every value is bit-identical.
 
 With --init P0 (the state both runs started from), each tensor is measured
 against what training changed in it: ||a - b|| <= R * ||b - p0|| (L2 norms
@@ -44,10 +46,10 @@ def option(name, default=None):
     return sys.argv[at + 1]
 
 
-def max_bound(got, ref):
-    """(error, bound) by issue 7's tolerance."""
+def max_bound(got, ref, tol):
+    """(error, bound) by the tolerance (REL, ABS): issue 7's by default."""
     err = max(abs(x - y) for x, y in zip(got, ref))
-    return err, 1e-4 * max(abs(y) for y in ref) + 1e-6
+    return err, tol[0] * max(abs(y) for y in ref) + tol[1]
 
 
 def update_bound(got, ref, p0, rel):
@@ -61,7 +63,15 @@ def update_bound(got, ref, p0, rel):
 def main():
     init_path = option("--init")
     rel = float(option("--rel-update", "1e-2"))
+    tol = (1e-4, 1e-6)
+    if "--tol" in sys.argv:
+        at = sys.argv.index("--tol")
+        if at + 2 >= len(sys.argv):
+            sys.exit("compare_state.py: --tol needs REL and ABS")
+        tol = (float(sys.argv[at + 1]), float(sys.argv[at + 2]))
     skip = {init_path, option("--rel-update")}
+    if "--tol" in sys.argv:
+        skip |= set(sys.argv[sys.argv.index("--tol") + 1:sys.argv.index("--tol") + 3])
     args = [a for a in sys.argv[1:] if not a.startswith("--") and a not in skip]
     if len(args) != 2:
         sys.exit(__doc__)
@@ -84,7 +94,7 @@ def main():
                 (measured := update_bound(got, ref, p0[name], rel)) is not None:
             (err, bound), kind = measured, "||a-b||"
         else:
-            err, bound = max_bound(got, ref)
+            err, bound = max_bound(got, ref, tol)
         share = err / bound if bound else (math.inf if err else 0.0)
         if worst is None or share > worst[4]:
             worst = (name, err, bound, kind, share)
