@@ -278,10 +278,19 @@ static const struct {
 };
 #define N_PATTERNS (sizeof PATTERNS / sizeof PATTERNS[0])
 
+/* Sizes up to $DDP_TEST_MAX_BYTES only (the ThreadSanitizer subset: 1 MiB),
+ * said on stdout; all by default. */
+static size_t max_bytes(void) {
+  const char *e = getenv("DDP_TEST_MAX_BYTES");
+  return e && *e ? (size_t)strtoull(e, NULL, 10) : MAX_BYTES;
+}
+
 /* Every pattern at every size, twice; then, per process (check_allocs), a
  * steady state of 1F1B-like and GPipe-like steps that allocates nothing. */
 static int rank_body(rank_ctx *c, bool check_allocs) {
-  for (size_t z = 0; z < N_SIZES; z++)
+  if (max_bytes() < MAX_BYTES && c->rank == 0)
+    printf("sizes above %zu bytes not run (DDP_TEST_MAX_BYTES)\n", max_bytes());
+  for (size_t z = 0; z < N_SIZES && SIZES[z] <= max_bytes(); z++)
     for (size_t p = 0; p < N_PATTERNS; p++)
       /* Two iterations (each pattern orders its operations both ways),
        * one at 16 MiB, which the smaller sizes cover for order. */
@@ -441,12 +450,12 @@ static void run_procs(int P, const char *transport, const char *want) {
   if (bad) fail_msg("%s, world %d: %d ranks failed (see stderr)", want ? want : "hier", P, bad);
 }
 
-static void test_shm_2(void **state) { (void)state; run_procs(2, NULL, "shm"); }
-static void test_shm_4(void **state) { (void)state; run_procs(4, NULL, "shm"); }
-static void test_tcp_2(void **state) { (void)state; run_procs(2, "tcp", "tcp"); }
-static void test_tcp_4(void **state) { (void)state; run_procs(4, "tcp", "tcp"); }
+static void test_procs_shm_2(void **state) { (void)state; run_procs(2, NULL, "shm"); }
+static void test_procs_shm_4(void **state) { (void)state; run_procs(4, NULL, "shm"); }
+static void test_procs_tcp_2(void **state) { (void)state; run_procs(2, "tcp", "tcp"); }
+static void test_procs_tcp_4(void **state) { (void)state; run_procs(4, "tcp", "tcp"); }
 /* Hier: 2 hosts x 2 ranks. */
-static void test_hier_4(void **state) { (void)state; run_procs(4, NULL, NULL); }
+static void test_procs_hier_4(void **state) { (void)state; run_procs(4, NULL, NULL); }
 
 /* ---- A group of one, and argument errors ------------------------------------------ */
 
@@ -569,13 +578,17 @@ int main(void) {
       cmocka_unit_test(test_self_and_arguments),
       cmocka_unit_test(test_threads_2),
       cmocka_unit_test(test_threads_4),
-      cmocka_unit_test(test_shm_2),
-      cmocka_unit_test(test_shm_4),
-      cmocka_unit_test(test_tcp_2),
-      cmocka_unit_test(test_tcp_4),
-      cmocka_unit_test(test_hier_4),
+      cmocka_unit_test(test_procs_shm_2),
+      cmocka_unit_test(test_procs_shm_4),
+      cmocka_unit_test(test_procs_tcp_2),
+      cmocka_unit_test(test_procs_tcp_4),
+      cmocka_unit_test(test_procs_hier_4),
       cmocka_unit_test(test_dead_peer_shm),
       cmocka_unit_test(test_dead_peer_tcp),
   };
+  /* DDP_TEST_FILTER / DDP_TEST_SKIP: run only the tests matching, or skip
+   * those matching, a cmocka pattern (* and ?). */
+  if (getenv("DDP_TEST_FILTER")) cmocka_set_test_filter(getenv("DDP_TEST_FILTER"));
+  if (getenv("DDP_TEST_SKIP")) cmocka_set_skip_filter(getenv("DDP_TEST_SKIP"));
   return cmocka_run_group_tests(tests, lp_group_setup, lp_group_teardown);
 }
