@@ -139,6 +139,9 @@ struct da_state {
    * grad pointers to their context's buffers. */
   pthread_mutex_t backward_mu;
   ddp_rpc_agent *agent;
+  /* What the gate cost (logged at info when the agent ends): */
+  int64_t steps, steps_waited, step_wait_ns; /* optimizer steps through the gate */
+  int64_t calls_waited, call_wait_ns;        /* dist calls held for a step */
 };
 
 static int da_slot = -1;
@@ -386,9 +389,16 @@ static void timed_wait(pthread_cond_t *cv, pthread_mutex_t *mu, int64_t deadline
  * step is waiting for). Pins the call. */
 static ddp_status gate_enter(da_state *st, ddp_dist_context *c, in_call *in, int64_t deadline) {
   pthread_mutex_lock(&st->mu);
+  int64_t t0 = 0;
   while ((st->writer_active || st->writers_waiting) && c->pins == 0 &&
-         !(st->writer_active && st->writer_ctx == c->id) && ddp_time_ns() < deadline)
+         !(st->writer_active && st->writer_ctx == c->id) && ddp_time_ns() < deadline) {
+    if (!t0) t0 = ddp_time_ns();
     timed_wait(&st->cv, &st->mu, deadline);
+  }
+  if (t0) {
+    st->calls_waited++;
+    st->call_wait_ns += ddp_time_ns() - t0;
+  }
   bool blocked = (st->writer_active || st->writers_waiting) && c->pins == 0 &&
                  !(st->writer_active && st->writer_ctx == c->id);
   if (!blocked) {
@@ -430,10 +440,18 @@ ddp_status ddp__dist_gate_write_begin(ddp_rpc_agent *agent, int64_t ctx_id, int6
   da_state *st = state_of(agent);
   pthread_mutex_lock(&st->mu);
   st->writers_waiting++;
+  int64_t t0 = 0;
   while ((st->writer_active || others_pinned_locked(st, ctx_id, NULL, 0)) &&
-         ddp_time_ns() < deadline_ns)
+         ddp_time_ns() < deadline_ns) {
+    if (!t0) t0 = ddp_time_ns();
     timed_wait(&st->cv, &st->mu, deadline_ns);
+  }
   st->writers_waiting--;
+  st->steps++;
+  if (t0) {
+    st->steps_waited++;
+    st->step_wait_ns += ddp_time_ns() - t0;
+  }
   char who[256] = "";
   bool blocked = st->writer_active || others_pinned_locked(st, ctx_id, who, sizeof who);
   if (!blocked) {
@@ -958,6 +976,13 @@ static void mod_worker_failed(ddp_rpc_agent *agent, int slot, int32_t rank) {
 static void mod_destroy(ddp_rpc_agent *agent, int slot) {
   da_state *st = *(da_state **)ddp__rpc_module_slot(agent, slot);
   if (!st) return;
+  if (st->steps)
+    DDP_INFO("rpc: worker '%s': %lld optimizer steps here, %lld of them waited for other "
+             "contexts' backward passes (%.1f ms in all, %.3f ms a step); %lld dist calls waited "
+             "for a step (%.1f ms in all)", self_name(agent), (long long)st->steps,
+             (long long)st->steps_waited, (double)st->step_wait_ns / 1e6,
+             (double)st->step_wait_ns / 1e6 / (double)st->steps, (long long)st->calls_waited,
+             (double)st->call_wait_ns / 1e6);
   while (st->contexts) ctx_free(st, st->contexts);
   for (int i = 0; i < st->n_free_tapes; i++) ddp_tape_destroy(st->free_tapes[i]);
   pthread_mutex_destroy(&st->mu);
