@@ -95,9 +95,14 @@ static void fill(ddp_tensor *t, float *buf, int64_t rows, int64_t cols, uint64_t
   ddp_tensor_wrap(t, DDP_FLOAT32, 2, shape, buf);
 }
 
-/* The unsplit model on this process: samples per second. */
-static double run_single(const cfg *c) {
+/* The unsplit model on this process: samples per second; its CPU and
+ * preempted time over the wall time into cpu_pre[0], cpu_pre[1]. */
+static double run_single(const cfg *c, double *cpu_pre) {
   pin(0);
+  ddp_preempt_clock clock;
+  ddp_preempt_clock_open(&clock);
+  double cpu0 = 0;
+  int64_t pre0 = 0;
   ddp_model *model = build(c);
   ddp_optimizer *opt = sgd(model);
   ddp_tape *tape;
@@ -110,7 +115,11 @@ static double run_single(const cfg *c) {
   float scale = 1.0f / (float)c->m;
   double t0 = 0;
   for (int step = 0; step < c->warmup + c->steps; step++) {
-    if (step == c->warmup) t0 = ddp_time_s();
+    if (step == c->warmup) {
+      t0 = ddp_time_s();
+      cpu0 = cpu_s();
+      pre0 = ddp_preempt_clock_ns(&clock);
+    }
     ddp_model_zero_grad(model);
     for (int mb = 0, off = 0; mb < c->m; mb++) {
       int64_t rows = c->batch / c->m + (mb < c->batch % c->m);
@@ -128,6 +137,9 @@ static double run_single(const cfg *c) {
     if (ddp_optimizer_step(opt) != DDP_OK) die("sgd");
   }
   double dt = ddp_time_s() - t0;
+  cpu_pre[0] = (cpu_s() - cpu0) / dt;
+  cpu_pre[1] = (double)(ddp_preempt_clock_ns(&clock) - pre0) * 1e-9 / dt;
+  ddp_preempt_clock_close(&clock);
   free(xb);
   free(yb);
   ddp_tape_destroy(tape);
@@ -221,9 +233,11 @@ int main(int argc, char **argv) {
   }
   openblas_set_num_threads(1);
   if (!strcmp(c.schedule, "none")) {
-    double sps = run_single(&c);
+    double cp[2];
+    double sps = run_single(&c, cp);
     printf("ddp pipeline schedule=none world=1 microbatches=%d v=1 batch=%lld dim=%d steps=%d "
-           "samples_per_s=%.1f\n", c.m, (long long)c.batch, c.dim, c.steps, sps);
+           "samples_per_s=%.1f cpu=%.2f preempted=%.2f\n", c.m, (long long)c.batch, c.dim,
+           c.steps, sps, cp[0], cp[1]);
     return 0;
   }
   const int world = 2;
