@@ -27,6 +27,12 @@
 # search as its script times it. Processes' start (Python's imports, ddprun)
 # is outside both. Medians over the rounds, alternating which goes first;
 # ratios are Propulate's over ddp's.
+# With BREAKDOWN=1, one more ddp-hpo run with --trace ends it: where an
+# evaluation's time goes, per rank, summed over the evaluations (the
+# trainer's timeline: steps' forward, backward's compute, the gradients'
+# allreduce (the last bucket's, blocking: mostly the wait for the other
+# rank), the loss's allreduce, the optimizer; the validations; and the rest
+# of each evaluation: the model, trainer and group set-up and tear-down).
 #   scripts/bench-hpo-seed.sh [rounds=3] [generations=4] [epochs=2] [train=2000] [val=1000]
 # Needs $DDP_BUILD_DIR/bin/{ddprun,ddp-hpo} (default build/), Fashion-MNIST,
 # Open MPI and the reference environment (/opt/torch-venv, or DDP_TORCH_PY).
@@ -105,3 +111,35 @@ m1=$(median "${o[@]}"); m2=$(median "${t[@]}")
 m3=$(median "${mo[@]}"); m4=$(median "${mt[@]}")
 awk -v o="$m1" -v t="$m2" -v mo="$m3" -v mt="$m4" -v r="$rounds" -v g="$gens" -v e="$epochs" -v n="$train" 'BEGIN {
   printf "seed 002 job, 1 worker of 2 ranks, %d generations, %d epochs on %d images: ddp-hpo %.2f s/evaluation, Propulate + PyTorch DDP %.2f s/evaluation, %.2fx less time; matched individuals %.2f s against %.2f s, %.2fx (medians of %d rounds)\n", g, e, n, o, t, t / o, mo, mt, mt / mo, r }'
+[ "${BREAKDOWN:-0}" = 1 ] || exit 0
+mkdir "$tmp/trace"
+DDP_TIMEOUT=600 timeout 3000 "$bin/ddprun" --nproc-per-node 2 "$bin/ddp-hpo" --objective convnet \
+  --space "$space" --ranks-per-worker 2 --pop-size 2 --seed 0 --generations "$gens" \
+  --epochs "$epochs" --train-samples "$train" --val-samples "$val" --eval-batch-size 100 \
+  --trace "$tmp/trace" --log "$tmp/bd.jsonl" --json 2>/dev/null >"$tmp/bd.out" || die "the traced ddp-hpo run failed"
+python3 - "$tmp/trace" "$tmp/bd.jsonl" "$tmp/bd.out" <<'PY'
+import collections, json, os, sys
+d = json.loads(open(sys.argv[3]).read().splitlines()[-1])
+evals = {e["generation"]: e["eval_s"] for e in map(json.loads, open(sys.argv[2]))}
+for rank in (0, 1):
+    tot = collections.Counter(); steps = 0
+    for g, eval_s in sorted(evals.items()):
+        ev = json.load(open(os.path.join(sys.argv[1], f"w0-g{g}-r{rank}.json")))["traceEvents"]
+        x = [e for e in ev if e.get("ph") == "X"]
+        for e in x:
+            tot[e["name"]] += e["dur"] / 1e6
+        steps += sum(e["name"] == "step" for e in x)
+        span = (max(e["ts"] + e["dur"] for e in x) - min(e["ts"] for e in x)) / 1e6
+        tot["outside the trainer's run"] += eval_s - span
+    n = len(evals); wait = tot["allreduce (last bucket, blocking)"]
+    rows = [("forward", tot["forward"]), ("backward compute", tot["backward"] - wait),
+            ("gradient allreduce (blocking, incl. waiting for the peer)", wait),
+            ("loss allreduce", tot["loss allreduce"]), ("optimizer", tot["optimizer"]),
+            ("batch loading", tot["load"]), ("validations", tot["evaluate"]),
+            ("outside the trainer's run (model, trainer set-up/tear-down)", tot["outside the trainer's run"])]
+    whole = sum(evals.values())
+    print(f"rank {rank}: {n} evaluations, {whole / n:.3f} s each, {steps / n:.0f} steps each; per evaluation:")
+    for name, v in rows:
+        print(f"  {name:60s} {v / n:7.3f} s  {100 * v / whole:5.1f} %")
+print(f"data sets opened once per process: {d['data_seconds']:.3f} s")
+PY
