@@ -86,6 +86,7 @@ typedef struct owner_ref {
   char error[384];
   fork_rec *forks;
   int n_forks, cap_forks;
+  ddp_tensor *tensor[1]; /* the value as a reply's tensor list, when it is one */
   int local_handles; /* references held on the owner itself */
   int pins;          /* uses in progress (a fetch being sent, a method running) */
 } owner_ref;
@@ -577,7 +578,8 @@ static ddp_status h_fetch(ddp_rpc_call *call, const ddp_rpc_message *args, ddp_r
                      "call a method on it (ddp_rref_rpc_sync)", e->name);
   }
   /* Sent straight from the value, which stays pinned until it is sent. */
-  reply->tensors = (ddp_tensor *const *)&e->value.ptr;
+  e->tensor[0] = v.ptr;
+  reply->tensors = e->tensor;
   reply->num_tensors = 1;
   reply->release = release_fetch;
   reply->release_ctx = e;
