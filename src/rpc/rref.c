@@ -459,6 +459,7 @@ static ddp_status h_create(ddp_rpc_call *call, const ddp_rpc_message *args,
   pthread_mutex_lock(&st->mu);
   if (s == DDP_OK) {
     e->value = v;
+    e->tensor[0] = v.is_tensor ? v.ptr : NULL;
     e->state = READY;
   } else {
     e->state = FAILED;
@@ -578,8 +579,7 @@ static ddp_status h_fetch(ddp_rpc_call *call, const ddp_rpc_message *args, ddp_r
                      "call a method on it (ddp_rref_rpc_sync)", e->name);
   }
   /* Sent straight from the value, which stays pinned until it is sent. */
-  e->tensor[0] = v.ptr;
-  reply->tensors = e->tensor;
+  reply->tensors = e->tensor; /* set when the value was made */
   reply->num_tensors = 1;
   reply->release = release_fetch;
   reply->release_ctx = e;
@@ -684,6 +684,7 @@ ddp_status ddp_rref_create_local(ddp_rpc_agent *agent, const ddp_rref_value *val
   owner_ref *e = owner_get(st, id, name);
   if (e) {
     e->value = *value;
+    e->tensor[0] = value->is_tensor ? value->ptr : NULL;
     e->state = READY;
     e->local_handles = 1;
   }
