@@ -239,16 +239,26 @@ static ddp_status check_live(ddp_ps_server *s, int32_t t) {
   return DDP_OK;
 }
 
+/* Every request's start: this worker's server, the payload's header
+ * checked (kind, size: header + count elements of elem bytes) and the
+ * calling trainer, checked against the header's. */
+static ddp_status request(ddp_rpc_call *call, const ddp_rpc_message *args, uint32_t kind,
+                          size_t elem, const char *what, ddp_ps_server **s,
+                          const ddp__ps_header **h, int32_t *t) {
+  *s = server_of(call);
+  if (!*s) return ddp_error(DDP_ERR_STATE, "no parameter server on this worker");
+  DDP_TRY(ddp__ps_header_check(args, kind, elem, what, h));
+  return caller_trainer(*s, call, (*h)->trainer, t);
+}
+
 static ddp_status fn_push(ddp_rpc_call *call, const ddp_rpc_message *args, ddp_rpc_message *reply,
                           void *user) {
   (void)user;
   (void)reply;
-  ddp_ps_server *s = server_of(call);
-  if (!s) return ddp_error(DDP_ERR_STATE, "no parameter server on this worker");
-  const ddp__ps_header *h;
-  DDP_TRY(ddp__ps_header_check(args, DDP__PS_PUSH, sizeof(int32_t), "push", &h));
-  int32_t t;
-  DDP_TRY(caller_trainer(s, call, h->trainer, &t));
+  ddp_ps_server *s = NULL;
+  const ddp__ps_header *h = NULL;
+  int32_t t = -1;
+  DDP_TRY(request(call, args, DDP__PS_PUSH, sizeof(int32_t), "push", &s, &h, &t));
   if (args->num_tensors != h->count)
     return ddp_error(DDP_ERR_FORMAT, "push of %d gradients with %d tensors", h->count,
                      args->num_tensors);
@@ -328,12 +338,10 @@ static ddp_status take_deltas(ddp_ps_server *s, int32_t t, const ddp_rpc_message
 static ddp_status fn_pull(ddp_rpc_call *call, const ddp_rpc_message *args, ddp_rpc_message *reply,
                           void *user) {
   (void)user;
-  ddp_ps_server *s = server_of(call);
-  if (!s) return ddp_error(DDP_ERR_STATE, "no parameter server on this worker");
-  const ddp__ps_header *h;
-  DDP_TRY(ddp__ps_header_check(args, DDP__PS_PULL, 0, "pull", &h));
-  int32_t t;
-  DDP_TRY(caller_trainer(s, call, h->trainer, &t));
+  ddp_ps_server *s = NULL;
+  const ddp__ps_header *h = NULL;
+  int32_t t = -1;
+  DDP_TRY(request(call, args, DDP__PS_PULL, 0, "pull", &s, &h, &t));
   pthread_mutex_lock(&s->mu);
   s->last_heard_ns = ddp_time_ns();
   s->stats.pulls++;
@@ -368,19 +376,17 @@ static ddp_status fn_meet(ddp_rpc_call *call, const ddp_rpc_message *args, ddp_r
                           void *user) {
   (void)user;
   (void)reply;
-  ddp_ps_server *s = server_of(call);
-  if (!s) return ddp_error(DDP_ERR_STATE, "no parameter server on this worker");
-  if (s->o.index != 0) return ddp_error(DDP_ERR_INVALID, "meetings are held at server 0");
   if (args->payload_bytes < sizeof(ddp__ps_header))
     return ddp_error(DDP_ERR_FORMAT, "meet: a payload of %zu bytes", args->payload_bytes);
-  const ddp__ps_header *h0 = args->payload;
+  const ddp__ps_header *h0 = args->payload; /* its kind sizes the rest */
   size_t elem = h0->meet_kind == DDP__PS_MEET_SAVE ? sizeof(ddp__ps_save_info)
                 : h0->meet_kind == DDP__PS_MEET_SUM ? sizeof(double)
                                                     : 0;
-  const ddp__ps_header *h;
-  DDP_TRY(ddp__ps_header_check(args, DDP__PS_MEET, elem, "meet", &h));
-  int32_t t;
-  DDP_TRY(caller_trainer(s, call, h->trainer, &t));
+  ddp_ps_server *s = NULL;
+  const ddp__ps_header *h = NULL;
+  int32_t t = -1;
+  DDP_TRY(request(call, args, DDP__PS_MEET, elem, "meet", &s, &h, &t));
+  if (s->o.index != 0) return ddp_error(DDP_ERR_INVALID, "meetings are held at server 0");
   if (h->meet_kind == DDP__PS_MEET_SUM && h->count > DDP__PS_MAX_SUM)
     return ddp_error(DDP_ERR_RANGE, "a sum of %d values (at most %d)", h->count, DDP__PS_MAX_SUM);
   if (h->meet_kind == DDP__PS_MEET_SAVE && (h->count != 1 || !s->o.save_path))
@@ -421,12 +427,10 @@ static ddp_status fn_done(ddp_rpc_call *call, const ddp_rpc_message *args, ddp_r
                           void *user) {
   (void)user;
   (void)reply;
-  ddp_ps_server *s = server_of(call);
-  if (!s) return ddp_error(DDP_ERR_STATE, "no parameter server on this worker");
-  const ddp__ps_header *h;
-  DDP_TRY(ddp__ps_header_check(args, DDP__PS_DONE, 0, "done", &h));
-  int32_t t;
-  DDP_TRY(caller_trainer(s, call, h->trainer, &t));
+  ddp_ps_server *s = NULL;
+  const ddp__ps_header *h = NULL;
+  int32_t t = -1;
+  DDP_TRY(request(call, args, DDP__PS_DONE, 0, "done", &s, &h, &t));
   pthread_mutex_lock(&s->mu);
   s->last_heard_ns = ddp_time_ns();
   if (s->clock.state[t] == DDP__PS_LIVE) {
