@@ -15,7 +15,7 @@ const char *ddp__pp_module_name(const ddp_module *m);
  * listing the valid names. */
 ddp_status ddp__pp_split_names(ddp_module *const *mods, int n_mods, const char *spec,
                                int n_stages, int *bounds);
-/* Each top-level module's forward + backward seconds (median of 3) on
+/* Each top-level module's forward + backward seconds (fastest of 3) on
  * `rows` rows of random input of the sample shape, on a copy of the model. */
 ddp_status ddp__pp_profile(ddp_model *model, ddp_module *const *mods, int n_mods, int ndim,
                            const int64_t *sample, int64_t rows, double *cost);
