@@ -258,6 +258,22 @@ static ddp_status size_mismatch(ddp__local_backend *b, const ddp__p2p_req *r, ui
                    ddp__local_group_rank(b, r->peer), (unsigned long long)sent, r->tag, r->bytes);
 }
 
+/* Moves the oldest message id not yet received from src past every message
+ * already taken (by any receive, in whole or in pieces), so the window of
+ * DDP__LOCAL_P2P_SLOTS ids a receive scans starts at the first one left. */
+static void advance_recv(ddp__local_backend *b, int src) {
+  ddp__local_p2p_chan *ch = ddp__local_chan_of(b->reg, src, b->rank);
+  uint64_t next = b->p2p_next_recv[src];
+  for (;;) {
+    ddp__local_p2p_slot *s = &ch->slot[next % DDP__LOCAL_P2P_SLOTS];
+    if (atomic_load_explicit(&s->posted.value, memory_order_acquire) < next + 1 ||
+        atomic_load_explicit(&s->consumed.value, memory_order_acquire) < next + 1)
+      break;
+    next++;
+  }
+  b->p2p_next_recv[src] = next;
+}
+
 /* Takes posted pieces of receive r (the message's pieces have consecutive
  * ids from ls->id). */
 static bool lane_take_pieces(ddp__local_backend *b, ddp__p2p_req *r, bool *rung) {
@@ -275,6 +291,7 @@ static bool lane_take_pieces(ddp__local_backend *b, ddp__p2p_req *r, bool *rung)
     moved = *rung = true;
   }
   if (ls->at >= r->bytes) r->finished = true;
+  if (moved) advance_recv(b, r->peer);
   return moved;
 }
 
@@ -328,13 +345,7 @@ static ddp_status lane_recv(ddp__local_backend *b, ddp__p2p_req *const *reqs, in
       atomic_store_explicit(&s->consumed.value, id + 1, memory_order_release);
       r->finished = true;
     }
-    /* Advance past every message already taken. */
-    uint64_t next = b->p2p_next_recv[src];
-    while (atomic_load_explicit(&ch->slot[next % DDP__LOCAL_P2P_SLOTS].posted.value, memory_order_acquire) >= next + 1 &&
-           atomic_load_explicit(&ch->slot[next % DDP__LOCAL_P2P_SLOTS].consumed.value,
-                                memory_order_acquire) >= next + 1)
-      next++;
-    b->p2p_next_recv[src] = next;
+    advance_recv(b, src);
     return DDP_OK;
   }
   return DDP_OK;

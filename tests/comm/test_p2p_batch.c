@@ -389,6 +389,7 @@ static void test_threads_4(void **state) { (void)state; run_threads(4); }
 /* ---- Ranks as processes (shm and tcp) -------------------------------------------- */
 
 typedef struct proc_arg {
+  bool no_cma;           /* DDP_LOCAL_NO_CMA: large messages in 4 KiB pieces */
   const char *transport; /* NULL: auto (shm), "tcp" */
   const char *want;      /* the transport the group must use; NULL: hier (below) */
   char prefix[64];
@@ -419,6 +420,7 @@ static ddp_store *child_store(const char *prefix) {
 static int proc_rank(int rank, int size, void *arg) {
   proc_arg *pa = arg;
   rank_ctx c = {.rank = rank, .size = size};
+  if (pa->no_cma) setenv("DDP_LOCAL_NO_CMA", "1", 1);
   if (!pa->want) {
     char host[32];
     snprintf(host, sizeof host, "p2p-host-%d", rank / 2);
@@ -440,9 +442,9 @@ static int proc_rank(int rank, int size, void *arg) {
   return c.err[0] ? 1 : 0;
 }
 
-static void run_procs(int P, const char *transport, const char *want) {
+static void run_procs_with(int P, const char *transport, const char *want, bool no_cma) {
   static int runs;
-  proc_arg pa = {.transport = transport, .want = want};
+  proc_arg pa = {.transport = transport, .want = want, .no_cma = no_cma};
   snprintf(pa.prefix, sizeof pa.prefix, "run%d/", runs++);
   pid_t pids[4];
   lp_spawn(P, 240, proc_rank, &pa, pids);
@@ -450,8 +452,14 @@ static void run_procs(int P, const char *transport, const char *want) {
   if (bad) fail_msg("%s, world %d: %d ranks failed (see stderr)", want ? want : "hier", P, bad);
 }
 
+static void run_procs(int P, const char *transport, const char *want) {
+  run_procs_with(P, transport, want, false);
+}
+
 static void test_procs_shm_2(void **state) { (void)state; run_procs(2, NULL, "shm"); }
 static void test_procs_shm_4(void **state) { (void)state; run_procs(4, NULL, "shm"); }
+/* Where cross-memory attach is refused: messages above 4 KiB in pieces. */
+static void test_procs_shm_nocma_4(void **state) { (void)state; run_procs_with(4, NULL, "shm", true); }
 static void test_procs_tcp_2(void **state) { (void)state; run_procs(2, "tcp", "tcp"); }
 static void test_procs_tcp_4(void **state) { (void)state; run_procs(4, "tcp", "tcp"); }
 /* Hier: 2 hosts x 2 ranks. */
@@ -580,6 +588,7 @@ int main(void) {
       cmocka_unit_test(test_threads_4),
       cmocka_unit_test(test_procs_shm_2),
       cmocka_unit_test(test_procs_shm_4),
+      cmocka_unit_test(test_procs_shm_nocma_4),
       cmocka_unit_test(test_procs_tcp_2),
       cmocka_unit_test(test_procs_tcp_4),
       cmocka_unit_test(test_procs_hier_4),
