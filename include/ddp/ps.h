@@ -19,7 +19,7 @@
  *     ddp_ps_server *srv;
  *     DDP_TRY(ddp_ps_server_create(&srv, model, &server_options)); // before ddp_rpc_init
  *     DDP_TRY(ddp_rpc_init(&rpc_options, &agent));                  // name: ddp_ps_worker_name
- *     s = ddp_ps_server_serve(srv, agent);   // until every trainer is done or dropped
+ *     s = ddp_ps_server_serve(srv, agent, NULL); // until every trainer is done or dropped
  *   } else {
  *     ddp_ps_client *c;
  *     DDP_TRY(ddp_ps_client_create(&c, &ps_options, rank - S)); // before ddp_rpc_init
