@@ -14,6 +14,8 @@
 #include "ddp/launch.h"
 #include "ddp/parallel.h"
 #include "ddp/pipeline.h"
+#include "ddp/rpc.h"
+#include "ddp/rpc_autograd.h"
 #include "ddp/ps.h"
 #include "ddp/train.h"
 #include "ddp/hpo.h"
