@@ -156,6 +156,18 @@ ddp_status ddp_dp_backward(ddp_dp *dp, ddp_tape *tape, ddp_tensor *loss);
 ddp_status ddp_dp_prepare_backward(ddp_dp *dp, ddp_tape *tape);
 ddp_status ddp_dp_finalize_backward(ddp_dp *dp);
 
+/* Reduces the gradients already in the model's flat gradient buffer as a
+ * synced backward would (every bucket through the comm hook, in index
+ * order, averaged over the group; then waits for them), for a loop whose
+ * backward runs on tapes the wrapper cannot hook: a pipeline stage, whose
+ * micro-batches' backwards accumulate into the buffer on the executor's
+ * tapes (Megatron and PyTorch's pipelining reduce a stage's gradients over
+ * its data-parallel group once, after the last micro-batch's backward).
+ * Every parameter counts as used; no relayout follows. Collective over the
+ * wrapper's group; DDP_ERR_STATE between prepare_backward and
+ * finalize_backward. */
+ddp_status ddp_dp_reduce_grads(ddp_dp *dp);
+
 /* ---- Join: uneven inputs (torch.distributed.algorithms.Join) -----------
  * Every rank calls ddp_dp_join_enable before its loop. From then on each
  * pre_forward also counts the ranks still training (one small allgather).

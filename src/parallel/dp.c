@@ -377,6 +377,24 @@ ddp_status ddp_dp_backward(ddp_dp *dp, ddp_tape *tape, ddp_tensor *loss) {
   return ddp_dp_finalize_backward(dp);
 }
 
+ddp_status ddp_dp_reduce_grads(ddp_dp *dp) {
+  if (dp->armed)
+    return ddp_error(DDP_ERR_STATE, "ddp: reduce_grads between prepare_backward and finalize_backward");
+  ddp__dp_arm(dp, true);
+  /* In the bucket order a backward would make ready, every rank alike. */
+  for (int k = 0; k < dp->n_params; k++) {
+    int i = dp->order[k];
+    dp->got_grad[i] = true;
+    ddp__dp_mark_ready(dp, i);
+  }
+  ddp_status s = ddp__dp_complete(dp);
+  dp->armed = false;
+  DDP_TRY(s);
+  dp->iterations++;
+  dp->finalize_end_ns = ddp_time_ns();
+  return DDP_OK;
+}
+
 /* ---- Introspection --------------------------------------------------------- */
 
 int ddp_dp_num_buckets(const ddp_dp *dp) { return dp->n_buckets; }

@@ -34,12 +34,13 @@ ddp_status ddp__train_pipeline_check(const ddp_train_options *o, const ddp_proce
 
 /* The step's gradient synchronisation over the stage's replicas (the
  * pipeline calls it once, after the last micro-batch's backward): the
- * gradients averaged, as the data-parallel wrapper averages them, and the
- * BatchNorm buffers taken from the group's first replica, as its
- * broadcast_buffers does before each forward. */
+ * data-parallel wrapper reduces the accumulated gradients bucket by bucket
+ * (its comm hook and bucket sizes apply), and the BatchNorm buffers come
+ * from the group's first replica, as its broadcast_buffers does before
+ * each forward. */
 static ddp_status sync_stage(void *user, ddp_model *stage) {
   ddp_trainer *t = user;
-  ddp_status s = ddp_pipeline_allreduce_grads(t->stage_dp_pg, stage);
+  ddp_status s = ddp_dp_reduce_grads(t->stage_dp);
   if (s != DDP_OK) return ddp_error_wrap(s, "averaging stage %d's gradients over its %d replicas",
                                          t->stage_rank, t->replicas);
   const int64_t nbuf = ddp_model_num_buffer_elements(stage);
@@ -55,15 +56,18 @@ static ddp_status sync_stage(void *user, ddp_model *stage) {
   return DDP_OK;
 }
 
-/* The stage's parameters and buffers from its data-parallel group's first
- * replica (the wrapper's broadcast at creation): equal already when every
- * rank built the model from the same seed, and made so when not. */
-static ddp_status broadcast_stage(ddp_trainer *t) {
-  ddp_model *m = t->step_model;
-  ddp_status s = ddp_broadcast(t->stage_dp_pg, ddp_model_params_flat(m),
-                               (size_t)ddp_model_num_param_elements(m), DDP_FLOAT32, 0);
-  if (s != DDP_OK) return s;
-  return sync_stage(t, m);
+/* The stage's data-parallel wrapper over its replicas. Creating it checks
+ * that every replica has the stage's shapes and broadcasts parameters,
+ * buffers and counters from the group's first replica: equal already when
+ * every rank built the model from the same seed, and made so when not. */
+static ddp_status wrap_stage(ddp_trainer *t) {
+  ddp_dp_options o = ddp_dp_defaults();
+  if (t->o.bucket_cap_mb > 0) {
+    o.bucket_cap_mb = t->o.bucket_cap_mb;
+    if (o.first_bucket_mb > o.bucket_cap_mb) o.first_bucket_mb = o.bucket_cap_mb;
+  }
+  o.broadcast_buffers = false; /* sync_stage broadcasts them once per step */
+  return ddp_dp_create(&t->stage_dp, t->step_model, t->stage_dp_pg, &o);
 }
 
 /* The largest batch a step or evaluation hands the pipeline. */
@@ -128,8 +132,9 @@ ddp_status ddp__train_pipeline_prepare(ddp_trainer *t) {
 
 static ddp_status pipeline_create(ddp_trainer *t) {
   if (t->replicas > 1) {
-    ddp_status s = broadcast_stage(t);
-    if (s != DDP_OK) return ddp_error_wrap(s, "broadcasting stage %d from replica 0", t->stage_rank);
+    ddp_status s = wrap_stage(t);
+    if (s != DDP_OK) return ddp_error_wrap(s, "wrapping stage %d for data parallelism over its replicas",
+                                           t->stage_rank);
     ddp_pipeline_set_grad_sync(t->pp, sync_stage, t);
   }
   ddp_pipeline_reset_stats(t->pp);
@@ -146,6 +151,8 @@ static void pipeline_destroy(ddp_trainer *t) {
   t->full_opt = NULL;
   free(t->gather);
   t->gather = NULL;
+  ddp_dp_destroy(t->stage_dp);
+  t->stage_dp = NULL;
   ddp_process_group_destroy(t->stage_dp_pg);
   ddp_process_group_destroy(t->pipe_pg);
   t->stage_dp_pg = t->pipe_pg = NULL;

@@ -92,6 +92,7 @@ struct ddp_trainer {
   int stage_rank;
   ddp_pipeline *pp;
   ddp_process_group *pipe_pg, *stage_dp_pg;
+  ddp_dp *stage_dp; /* the stage's data-parallel wrapper over stage_dp_pg (replicas > 1) */
   ddp_tensor *eval_out;
   ddp_optimizer *full_opt;
   float *gather;

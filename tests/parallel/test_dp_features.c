@@ -5,7 +5,8 @@
  * graph and lets the relayout run with find_unused_parameters), fp16 / bf16 compression within half precision of
  * float32, a user hook, overlap (bucket 0 launched while backward still had
  * gradients to compute), the relayout (convnet-2 registers fc first but its
- * gradient is ready first) and join with uneven inputs. */
+ * gradient is ready first), join with uneven inputs, and reduce_grads (the
+ * accumulated gradients of a pipeline stage, averaged bucket by bucket). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -790,6 +791,55 @@ static void test_join_skips_evaluation_forward(void **state) {
   ddp_model_destroy(c.reference);
 }
 
+/* ---- reduce_grads ------------------------------------------------------------ */
+
+/* Rank r's gradient element j is g(r, j); after reduce_grads every rank
+ * holds the mean over ranks, computed here in float64. Buckets of about 8 floats
+ * (the cap in MiB) make several launches; the fp16 hook's average is within
+ * half precision of it; a call between prepare and finalize is refused. */
+static double reduce_g(int r, int64_t j) { return (r + 1) * 0.001 * (double)(j % 97) - 0.01 * r; }
+
+static void reduce_grads_body(dpt_rank *self) {
+  const int size = self->world->size;
+  ddp_model *m;
+  DPT_OK(self, build_toy_like(5, true, &m));
+  ddp_dp_options o = ddp_dp_defaults();
+  o.bucket_cap_mb = o.first_bucket_mb = 8.0 * sizeof(float) / (1024.0 * 1024.0);
+  ddp_dp *dp = NULL;
+  DPT_OK(self, ddp_dp_create(&dp, m, self->pg, &o));
+  DPT_CHECK(self, ddp_dp_num_buckets(dp) >= 3, "%d buckets", ddp_dp_num_buckets(dp));
+  const int64_t n = ddp_model_num_param_elements(m);
+  float *g = ddp_model_grads_flat(m);
+  for (int hook = 0; hook < 2; hook++) {
+    if (hook) DPT_OK(self, ddp_dp_set_comm_hook(dp, DDP_DP_HOOK_FP16));
+    for (int64_t j = 0; j < n; j++) g[j] = (float)reduce_g(self->rank, j);
+    DPT_OK(self, ddp_dp_reduce_grads(dp));
+    double worst = 0;
+    for (int64_t j = 0; j < n; j++) {
+      double mean = 0;
+      for (int r = 0; r < size; r++) mean += (double)(float)reduce_g(r, j);
+      mean /= size;
+      double err = fabs(g[j] - mean) / (fabs(mean) + 1e-3);
+      if (err > worst) worst = err;
+    }
+    /* float32 sums of 3 terms; fp16 has an 11-bit significand. */
+    DPT_CHECK(self, worst <= (hook ? 2e-3 : 1e-6), "hook %d: worst relative error %g", hook, worst);
+  }
+  ddp_tape *tape;
+  DPT_OK(self, ddp_tape_create(&tape, 0));
+  DPT_OK(self, ddp_dp_prepare_backward(dp, tape));
+  DPT_CHECK(self, ddp_dp_reduce_grads(dp) == DDP_ERR_STATE, "reduce_grads inside a backward: accepted");
+  (void)ddp_dp_finalize_backward(dp); /* disarms (no gradient came: an unused-parameter error) */
+  ddp_tape_destroy(tape);
+  ddp_dp_destroy(dp);
+  ddp_model_destroy(m);
+}
+
+static void test_reduce_grads_averages_accumulated_gradients(void **state) {
+  (void)state;
+  assert_int_equal(dpt_run(3, 30, reduce_grads_body, NULL), 0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_shape_mismatch_names_param_and_rank),
@@ -806,6 +856,7 @@ int main(void) {
       cmocka_unit_test(test_join_uneven_inputs_divide_by_initial_world_size),
       cmocka_unit_test(test_join_uneven_inputs_divide_by_active_ranks),
       cmocka_unit_test(test_join_skips_evaluation_forward),
+      cmocka_unit_test(test_reduce_grads_averages_accumulated_gradients),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
