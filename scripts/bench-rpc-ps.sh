@@ -59,6 +59,11 @@ for impl, v in by.items():
           f"(accuracies {', '.join(f'{100 * a:.2f}' for _, a in v)})")
 if "ddp" in by and "torch" in by:
     d, t = by["ddp"], by["torch"]
+    # The load of a shared machine drifts between rounds: the ratio within
+    # each round (ddp then PyTorch, back to back) is the steadier figure.
+    pairs = [a / b for (a, _), (b, _) in zip(d, t)]
+    print(f"ratio within each round: {', '.join(f'{r:.2f}' for r in pairs)}; "
+          f"median {st.median(pairs):.2f}x")
     print(f"ratio of medians (ddp / torch) samples/s: "
           f"{st.median(s for s, _ in d) / st.median(s for s, _ in t):.2f}x; "
           f"accuracy difference (ddp - torch): "
