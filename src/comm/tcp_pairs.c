@@ -5,7 +5,6 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
-#include <ifaddrs.h>
 #include <inttypes.h>
 #include <net/if.h>
 #include <netdb.h>
@@ -19,57 +18,9 @@
 #include <unistd.h>
 
 #include "ddp/store.h"
+#include "net/net.h"
 
 /* ---- Choosing the address to listen on ------------------------------------ */
-
-/* The first address (IPv4 preferred) of interface `ifname`, or of any
- * non-loopback interface when ifname is NULL. 0 when found. */
-static int interface_address(const char *ifname, char *host, size_t cap) {
-  struct ifaddrs *ifs = NULL;
-  if (getifaddrs(&ifs) != 0) return -1;
-  int found = -1;
-  for (int want = AF_INET; want != -1 && found != 0; want = want == AF_INET ? AF_INET6 : -1) {
-    for (struct ifaddrs *i = ifs; i; i = i->ifa_next) {
-      if (!i->ifa_addr || i->ifa_addr->sa_family != want || !(i->ifa_flags & IFF_UP)) continue;
-      if (ifname ? strcmp(i->ifa_name, ifname) != 0 : (i->ifa_flags & IFF_LOOPBACK) != 0)
-        continue;
-      const void *a = want == AF_INET ? (const void *)&((struct sockaddr_in *)i->ifa_addr)->sin_addr
-                                      : (const void *)&((struct sockaddr_in6 *)i->ifa_addr)->sin6_addr;
-      if (want == AF_INET6 && IN6_IS_ADDR_LINKLOCAL((const struct in6_addr *)a)) continue;
-      inet_ntop(want, a, host, (socklen_t)cap);
-      found = 0;
-      break;
-    }
-  }
-  freeifaddrs(ifs);
-  return found;
-}
-
-/* The source address the kernel would use to reach `dest` (a name or
- * literal): connect a UDP socket (sends nothing) and read its local address. */
-static int route_source_address(const char *dest, char *host, size_t cap) {
-  struct addrinfo hints, *res = NULL;
-  memset(&hints, 0, sizeof hints);
-  hints.ai_socktype = SOCK_DGRAM;
-  if (getaddrinfo(dest, "9", &hints, &res) != 0) return -1;
-  int rc = -1;
-  for (struct addrinfo *ai = res; ai && rc != 0; ai = ai->ai_next) {
-    int fd = socket(ai->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) continue;
-    struct sockaddr_storage ss;
-    socklen_t len = sizeof ss;
-    if (connect(fd, ai->ai_addr, ai->ai_addrlen) == 0 &&
-        getsockname(fd, (struct sockaddr *)&ss, &len) == 0) {
-      const void *a = ss.ss_family == AF_INET
-                          ? (const void *)&((struct sockaddr_in *)&ss)->sin_addr
-                          : (const void *)&((struct sockaddr_in6 *)&ss)->sin6_addr;
-      if (inet_ntop(ss.ss_family, a, host, (socklen_t)cap)) rc = 0;
-    }
-    close(fd);
-  }
-  freeaddrinfo(res);
-  return rc;
-}
 
 /* The host part of a TCP store's address ("10.0.0.1:29500 prefix \"g/\"" ->
  * "10.0.0.1", "[::1]:5" -> "::1"); -1 for other stores (mem, file). */
@@ -105,7 +56,7 @@ static ddp_status choose_address(const ddp__backend_config *cfg, char *host, siz
   }
   const char *ifname = ddp_env_str("DDP_SOCKET_IFNAME", NULL);
   if (ifname) {
-    if (interface_address(ifname, host, cap) != 0)
+    if (ddp__net_interface_address(ifname, host, cap) != 0)
       return ddp_error(DDP_ERR_INVALID,
                        "tcp backend: DDP_SOCKET_IFNAME=%s: no such interface with an address "
                        "that is up",
@@ -121,9 +72,9 @@ static ddp_status choose_address(const ddp__backend_config *cfg, char *host, siz
   }
   char shost[256];
   if (store_host(cfg->store, shost, sizeof shost) == 0 &&
-      route_source_address(shost, host, cap) == 0)
+      ddp__net_route_source_address(shost, host, cap) == 0)
     return DDP_OK;
-  if (interface_address(NULL, host, cap) == 0) return DDP_OK;
+  if (ddp__net_interface_address(NULL, host, cap) == 0) return DDP_OK;
   snprintf(host, cap, "127.0.0.1");
   return DDP_OK;
 }
