@@ -17,6 +17,12 @@
 # Needs: a release build of ddp-bench, Open MPI (scripts/install-deps.sh mpi),
 # /usr/bin/python3 with torch (Debian's python3-torch).
 # Raw outputs and the summary go to $OUT (default a new /tmp/bench-placement.*).
+# Before each ddp and Open MPI measurement, core_latency (bench/core_latency.c)
+# measures a cache line's round trip between the two CPUs the ranks run on:
+# a VM's two vCPUs sometimes sit on cores that share no cache, which slows
+# every shared-memory allreduce, Open MPI's as much as ddp's (2026-11-27:
+# 3 runs of 10 at ~2 GB/s from 64 KiB up, two of them with Open MPI beside
+# them as slow). The summary lists each run's probes and figures.
 # Exit status: 0 when every target holds on the medians and no run is below
 # 0.8x a target, 1 otherwise, 2 when something could not run.
 set -euo pipefail
@@ -47,6 +53,7 @@ run_gloo() {
     --port $((20000 + RANDOM % 20000)) >"$out/gloo.$1.txt" 2>"$out/gloo.$1.err" || die "gloo failed (run $1)"
 }
 
+cpus=$(/usr/bin/python3 -c 'import os; print(*sorted(os.sched_getaffinity(0))[:2])')
 echo "bench-placement: $runs runs, $(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)), load $(cut -d' ' -f1-3 /proc/loadavg)" >&2
 : >"$out/load.txt"
 for ((r = 1; r <= runs; r++)); do
@@ -55,6 +62,8 @@ for ((r = 1; r <= runs; r++)); do
     f=${order[$(((k + r) % 3))]}
     echo "run $r/$runs: ${f#run_} (load $(cut -d' ' -f1 /proc/loadavg))" >&2
     cut -d' ' -f1 /proc/loadavg >>"$out/load.txt"
+    [ -x "$build/bin/core_latency" ] && [ "$f" != run_gloo ] &&
+      "$build/bin/core_latency" $cpus >"$out/c2c.${f#run_}.$r.txt" 2>/dev/null
     $f "$r"
   done
 done
@@ -113,6 +122,19 @@ for name, per, paired, median_text in targets:
     ok &= met
     p = f"{min(paired):.2f}" if paired else "-"
     print(f"| {name} | {median_text} | {worst:.2f} (run {per.index(worst) + 1}) | {p} | {'yes' if met else 'NO'} |")
+def c2c(kind, r):
+    try: return float(open(f"{out}/c2c.{kind}.{r}.txt").read().split()[3])
+    except (OSError, IndexError, ValueError): return None
+if any(c2c("ddp", r) for r in range(1, runs + 1)):
+    print("\nEach run: the cache line's round trip between the ranks' CPUs just before each measurement "
+          "(bench/core_latency.c), and 8 B time / 1 MiB algbw:\n")
+    print("| run | probe before ddp | ddp 8 B, 1 MiB | probe before Open MPI | Open MPI 8 B, 1 MiB |")
+    print("|---|---|---|---|---|")
+    for r in range(1, runs + 1):
+        d, m = D[r - 1], M[r - 1]
+        pd, pm = c2c("ddp", r), c2c("mpi", r)
+        print(f"| {r} | {pd or 0:.0f} ns | {d[8][0]:.2f} µs, {d[1 << 20][1]:.2f} GB/s | {pm or 0:.0f} ns | "
+              f"{m[8][0]:.2f} µs, {m[1 << 20][1]:.2f} GB/s |")
 print(f"\nEvery target met on the medians, no run below 0.8x: {'yes' if ok else 'NO'}")
 sys.exit(0 if ok else 1)
 PY
