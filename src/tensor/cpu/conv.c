@@ -406,7 +406,7 @@ static ddp_status shifted_init(shifted *s, int64_t c, int64_t h, int64_t w, int6
  * written next, or on the zero rows below (SLACK covers the last plane).
  * A memcpy per row of 27 floats cost as much as the weight gradient's
  * gemm's tenth. */
-AVX512 static void shifted_copy(shifted *s, const float *restrict x) {
+AVX512 static void shifted_copy_avx512(shifted *s, const float *restrict x) {
   const int64_t hp = s->h + 2 * s->pad, w = s->w;
   for (int64_t ci = 0; ci < s->c; ci++)
     for (int64_t b = 0; b < s->kw; b++) {
@@ -446,7 +446,7 @@ static ddp_status forward_avx512(float *y, const float *x, const float *w, const
     shifted sx;
     DDP_TRY(shifted_init(&sx, g->c, g->h, g->w, g->kw, g->pad, arena));
     for (int64_t n = 0; n < g->n; n++) {
-      shifted_copy(&sx, x + n * chw);
+      shifted_copy_avx512(&sx, x + n * chw);
       /* y_n (O, H*W) = b + w (O, K) @ rows of the copies (K, H*W) */
       ddp__cpu_gemm_off_avx512(g->o, ohw, k, w, k, sx.buf, sx.off, y + n * g->o * ohw, ohw, b,
                                false);
@@ -530,7 +530,7 @@ static ddp_status backward_avx512(float *dx, float *dw, float *db, const float *
     const float *dyn = dy + n * g->o * ohw; /* (O, OH*OW) */
     if (db) bias_grad(db, dyn, g->o, ohw);
     if (dw && dw_shifted) {
-      shifted_copy(&sx, xn);
+      shifted_copy_avx512(&sx, xn);
       /* dw (O, K) += dy (O, H*W) @ (rows of the copies (K, H*W))^T */
       ddp__cpu_gemm_nt_off_avx512(g->o, k, ohw, dyn, ohw, sx.buf, sx.off, dw, k);
     } else if (dw && dw_implicit) {
@@ -551,7 +551,7 @@ static ddp_status backward_avx512(float *dx, float *dw, float *db, const float *
       }
     }
     if (dx && dx_shifted) {
-      shifted_copy(&sdy, dyn);
+      shifted_copy_avx512(&sdy, dyn);
       /* dx_n (C, H*W) (+)= wflip (C, O*KH*KW) @ rows of dy's copies */
       ddp__cpu_gemm_off_avx512(g->c, hw, g->o * kk, wflip, g->o * kk, sdy.buf, sdy.off,
                                dx + n * chw, hw, NULL, dx_accumulate);
