@@ -242,6 +242,7 @@ const ddp__train_strategy ddp__train_pipeline = {
     .destroy = pipeline_destroy,
     .step = pipeline_step,
     .local_sums = pipeline_local_sums,
+    .save = ddp__train_pipeline_save,
 };
 
 /* ---- The figures ---------------------------------------------------------- */

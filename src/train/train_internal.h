@@ -32,7 +32,8 @@ typedef struct ddp__train_strategy {
    * part; NULL: the model's forward on each test batch. */
   ddp_status (*local_sums)(ddp_trainer *t, double sums[3]);
   /* Writes the checkpoint of state *ts (the parameter server: the servers
-   * write it); NULL: rank 0 writes the trainer's model and optimizer. */
+   * write it; the pipeline: gathered from the stages); NULL: rank 0 writes
+   * the trainer's model and optimizer. */
   ddp_status (*save)(ddp_trainer *t, const ddp_train_state *ts);
 } ddp__train_strategy;
 

@@ -10,6 +10,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "tensor/kernels.h"
 #include "train/trace.h"
 #include "train/train_internal.h"
 
@@ -309,8 +310,6 @@ static ddp_status save_checkpoint(ddp_trainer *t, int64_t step, int64_t epoch,
                         .evals_without_better = pat->without_better};
   if (t->strategy->save) {
     DDP_TRY(t->strategy->save(t, &ts));
-  } else if (t->pp) {
-    DDP_TRY(ddp__train_pipeline_save(t, &ts));
   } else if (t->rank == 0) {
     ddp_status s = ddp_checkpoint_save(t->o.save_path, t->model, t->opt, t->sched, &ts,
                                        t->o.checkpoint_meta, t->o.checkpoint_meta_count);
@@ -495,10 +494,8 @@ static ddp_status accumulate(ddp_trainer *t, ddp_tape *tape, ddp_tensor *x, ddp_
   if (!t->o.microbatch_sum) {
     /* After the reduction (linear: the same as scaling each loss by 1/m,
      * but one pass over the gradients instead of m). */
-    const float scale = 1.0f / (float)m;
-    float *g = ddp_model_grads_flat(t->model);
-    const int64_t count = ddp_model_num_param_elements(t->model);
-    for (int64_t k = 0; k < count; k++) g[k] *= scale;
+    ddp__kernels_for(t->o.device)->basic->scale(ddp_model_grads_flat(t->model), 1.0f / (float)m,
+                                                ddp_model_num_param_elements(t->model));
   }
   *loss_value = (float)(loss_sum / (double)m);
   return DDP_OK;
