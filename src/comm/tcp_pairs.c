@@ -22,27 +22,6 @@
 
 /* ---- Choosing the address to listen on ------------------------------------ */
 
-/* The host part of a TCP store's address ("10.0.0.1:29500 prefix \"g/\"" ->
- * "10.0.0.1", "[::1]:5" -> "::1"); -1 for other stores (mem, file). */
-static int store_host(ddp_store *store, char *host, size_t cap) {
-  const char *a = ddp_store_address(store);
-  if (!a || !*a || !strncmp(a, "mem", 3) || !strncmp(a, "file:", 5)) return -1;
-  const char *end;
-  if (a[0] == '[') {
-    a++;
-    end = strchr(a, ']');
-  } else {
-    const char *space = strchr(a, ' ');
-    end = space ? space : a + strlen(a);
-    while (end > a && end[-1] != ':') end--;
-    if (end > a) end--; /* at the ':' */
-  }
-  if (!end || end <= a || (size_t)(end - a) >= cap) return -1;
-  memcpy(host, a, (size_t)(end - a));
-  host[end - a] = '\0';
-  return 0;
-}
-
 /* The address this rank listens on and publishes, in order of preference:
  * DDP_COMM_ADDR; the first address of DDP_SOCKET_IFNAME; 127.0.0.1 when
  * every rank is on this host; the source address of the route to the
@@ -71,7 +50,7 @@ static ddp_status choose_address(const ddp__backend_config *cfg, char *host, siz
     return DDP_OK;
   }
   char shost[256];
-  if (store_host(cfg->store, shost, sizeof shost) == 0 &&
+  if (ddp__net_address_host(ddp_store_address(cfg->store), shost, sizeof shost) == 0 &&
       ddp__net_route_source_address(shost, host, cap) == 0)
     return DDP_OK;
   if (ddp__net_interface_address(NULL, host, cap) == 0) return DDP_OK;

@@ -325,3 +325,21 @@ int ddp__net_route_source_address(const char *dest, char *host, size_t cap) {
   freeaddrinfo(res);
   return rc;
 }
+
+int ddp__net_address_host(const char *a, char *host, size_t cap) {
+  if (!a || !*a || !strncmp(a, "mem", 3) || !strncmp(a, "file:", 5)) return -1;
+  const char *end;
+  if (a[0] == '[') {
+    a++;
+    end = strchr(a, ']');
+  } else {
+    const char *space = strchr(a, ' ');
+    end = space ? space : a + strlen(a);
+    while (end > a && end[-1] != ':') end--;
+    if (end > a) end--;
+  }
+  if (!end || end <= a || (size_t)(end - a) >= cap) return -1;
+  memcpy(host, a, (size_t)(end - a));
+  host[end - a] = '\0';
+  return 0;
+}

@@ -70,5 +70,9 @@ int ddp__net_interface_address(const char *ifname, char *host, size_t cap);
  * literal): connects a UDP socket (sends nothing) and reads its local
  * address. 0 when found, -1 otherwise. */
 int ddp__net_route_source_address(const char *dest, char *host, size_t cap);
+/* The host part of a store's address as ddp_store_address gives it
+ * ("10.0.0.1:29500 prefix \"g/\"" -> "10.0.0.1", "[::1]:5" -> "::1"); -1 for
+ * NULL and stores without one (mem, file:). 0 when found. */
+int ddp__net_address_host(const char *address, char *host, size_t cap);
 
 #endif /* DDP_NET_NET_H */

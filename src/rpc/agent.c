@@ -69,26 +69,6 @@ static void init_cond(pthread_cond_t *cv) {
 
 /* ---- Addresses ----------------------------------------------------------------- */
 
-/* The host part of a TCP store's address ("10.0.0.1:29500 prefix ..." ->
- * "10.0.0.1"); -1 for other stores. */
-static int store_host(const char *a, char *host, size_t cap) {
-  if (!a || !*a || !strncmp(a, "mem", 3) || !strncmp(a, "file:", 5)) return -1;
-  const char *end;
-  if (a[0] == '[') {
-    a++;
-    end = strchr(a, ']');
-  } else {
-    const char *space = strchr(a, ' ');
-    end = space ? space : a + strlen(a);
-    while (end > a && end[-1] != ':') end--;
-    if (end > a) end--;
-  }
-  if (!end || end <= a || (size_t)(end - a) >= cap) return -1;
-  memcpy(host, a, (size_t)(end - a));
-  host[end - a] = '\0';
-  return 0;
-}
-
 /* The TCP address this worker publishes: DDP_RPC_ADDR, else DDP_COMM_ADDR,
  * else DDP_SOCKET_IFNAME's first address, else the source address of the
  * route to the store's host (the interface facing the other workers, which
@@ -109,7 +89,7 @@ static ddp_status choose_address(const char *store_addr, char *host, size_t cap)
     return DDP_OK;
   }
   char shost[256];
-  if (store_host(store_addr, shost, sizeof shost) == 0 &&
+  if (ddp__net_address_host(store_addr, shost, sizeof shost) == 0 &&
       ddp__net_route_source_address(shost, host, cap) == 0)
     return DDP_OK;
   if (ddp__net_interface_address(NULL, host, cap) == 0) return DDP_OK;
