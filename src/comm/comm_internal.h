@@ -62,7 +62,7 @@ typedef struct ddp__p2p_batch {
   ddp__p2p_req *reqs;          /* (cap) */
   ddp__op_args *args;          /* (cap) each request's flight record and number */
   int n, cap;
-  int left;                    /* requests not finished yet */
+  bool done;                   /* finished or failed (under pg->p2p_mu) */
   int64_t deadline_ns;
   const char *name;            /* "batch_isend_irecv", "isend", ... */
 } ddp__p2p_batch;
@@ -124,16 +124,21 @@ struct ddp_process_group {
   uint64_t next_seq;       /* collectives */
   uint64_t next_p2p_seq;
   /* The point-to-point lane (p2p_lane.c): batches pending in submission
-   * order (under p2p_mu), handed to the lane thread, which alone touches
-   * their requests afterwards. */
+   * order (under p2p_mu). One thread at a time drives the lane (holds
+   * p2p_driver, taken and given back under p2p_mu): a thread waiting for
+   * its batch, or the lane thread when nobody waits. Only the driver
+   * touches the batches' requests, p2p_run, p2p_active and the backend's
+   * lane state. */
   pthread_mutex_t p2p_mu;
-  pthread_cond_t p2p_cv;
-  ddp__p2p_batch *p2p_head, *p2p_tail; /* submitted, not yet taken by the lane */
+  pthread_cond_t p2p_cv;   /* batches finished, the driver let go, new batches */
+  ddp__p2p_batch *p2p_head, *p2p_tail; /* submitted, not yet taken by a driver */
   int p2p_outstanding;     /* submitted and not finished (under p2p_mu) */
+  int p2p_driver;          /* DDP__P2P_NOBODY / _LANE / _CALLER (under p2p_mu) */
+  int p2p_waiters;         /* callers waiting for the driver to let go (under p2p_mu) */
   bool p2p_started, p2p_stopping;
   pthread_t p2p_thread;
-  ddp__p2p_batch *p2p_run; /* lane thread only: the batches it progresses */
-  ddp__p2p_req **p2p_active; /* lane thread only: pointers handed to the backend */
+  ddp__p2p_batch *p2p_run; /* driver only: the batches it progresses */
+  ddp__p2p_req **p2p_active; /* driver only: pointers handed to the backend */
   int p2p_active_cap;
   uint64_t subgroups;      /* subgroups created from this group (ids) */
   uint64_t monitored_barriers;
@@ -181,6 +186,15 @@ ddp_status ddp__p2p_lane_init(ddp_process_group *pg);
 void ddp__p2p_lane_destroy(ddp_process_group *pg);
 /* Wakes the lane (abort): it fails what is pending with the sticky error. */
 void ddp__p2p_lane_wake(ddp_process_group *pg);
+/* Who drives the lane (pg->p2p_driver). */
+enum { DDP__P2P_NOBODY = 0, DDP__P2P_LANE = 1, DDP__P2P_CALLER = 2 };
+/* ddp_work_wait's first step for a handle of the lane: the waiting thread
+ * drives the lane itself (when nobody else does) until w's batch finishes
+ * or deadline_ns (ddp_time_ns) passes, so that a completion reaches it
+ * without a hand-off between threads. Returns at once for any other handle
+ * (a collective's, or one already finished). The caller then collects the
+ * status as for any handle. */
+void ddp__p2p_wait(ddp_work *w, int64_t deadline_ns);
 /* Submits ops[0..n) (checked by the caller; copied) as one handle on the
  * lane; blocking when work is NULL (waits for completion and returns its
  * status). `name` is the call's, for messages. */

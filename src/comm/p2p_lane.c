@@ -1,10 +1,20 @@
 /* The point-to-point lane: every send and receive of a group (batches,
  * isend/irecv, blocking send/recv) runs here, outside the queue of
- * collectives. A thread per group (started by the first point-to-point
- * call) progresses every pending request at once through the backend's
- * p2p_progress, so a send and a receive to the same neighbour move
- * together, a large send does not hold up later ones, and nothing waits
- * behind a collective. Requests to this rank itself are matched here.
+ * collectives. Whoever drives the lane progresses every pending request at
+ * once through the backend's p2p_progress, so a send and a receive to the
+ * same neighbour move together, a large send does not hold up later ones,
+ * and nothing waits behind a collective. Requests to this rank itself are
+ * matched here.
+ *
+ * Who drives (leader/follower): a thread that waits for its batch (work
+ * wait, blocking send/recv) drives the lane itself while nobody else does,
+ * until its batch is finished, so a completion reaches it with no hand-off
+ * between threads; a submit makes one pass without waiting when the lane is
+ * free (a small send completes there). The group's lane thread (started by
+ * the first point-to-point call) drives only while batches are pending and
+ * nobody waits (isends without a waiter, a large tcp send moving in the
+ * background) and lets go as soon as a caller waits. Whoever drives
+ * enforces every batch's deadline and the group's abort.
  *
  * Batches travel with their work handles (comm_internal.h): a handle from
  * the group's pool keeps its request array, so a pipeline that posts the
@@ -19,9 +29,9 @@
 #include "comm/comm_internal.h"
 #include "comm/flight.h"
 
-/* The longest the lane waits in the backend before it looks at its own
- * state again (new batches also wake it, through p2p_wake): bounds how late
- * a deadline or abort is seen. */
+/* The longest a driver waits in the backend before it looks at the lane's
+ * state again (new batches and waiting callers also wake it, through
+ * p2p_wake): bounds how late a deadline or abort is seen. */
 #define LANE_WAIT_NS (5 * 1000000LL)
 /* Idle: how long the lane sleeps between checks of nothing. */
 #define IDLE_WAIT_NS (1000 * 1000000LL)
@@ -49,7 +59,7 @@ static void describe_req(const ddp__p2p_req *r, const ddp__op_args *a, char *out
            (unsigned long long)a->seq);
 }
 
-/* ---- Finishing batches (lane thread) ------------------------------------- */
+/* ---- Finishing batches (driver) ------------------------------------------ */
 
 static void batch_finish(ddp_process_group *pg, ddp__p2p_batch *bt, ddp_status st) {
   if (pg->flight) {
@@ -57,11 +67,15 @@ static void batch_finish(ddp_process_group *pg, ddp__p2p_batch *bt, ddp_status s
     for (int i = 0; i < bt->n; i++)
       ddp__flight_end(pg->flight, &bt->args[i], bt->reqs[i].finished ? DDP_OK : st, now);
   }
+  ddp_work *w = bt->work;
+  /* done before the handle completes: once complete, an orphaned handle
+   * may be recycled (bt reused) at once. */
   pthread_mutex_lock(&pg->p2p_mu);
   pg->p2p_outstanding--;
-  pthread_cond_broadcast(&pg->p2p_cv);
+  bt->done = true;
+  if (pg->p2p_waiters > 0) pthread_cond_broadcast(&pg->p2p_cv);
   pthread_mutex_unlock(&pg->p2p_mu);
-  ddp__work_complete(pg, bt->work, st);
+  ddp__work_complete(pg, w, st);
 }
 
 /* Fails every batch the lane holds or has yet to take with the group's
@@ -95,7 +109,7 @@ static void lane_fail(ddp_process_group *pg, ddp_status st, const char *msg) {
   fail_all(pg);
 }
 
-/* ---- Progress (lane thread) ----------------------------------------------- */
+/* ---- Progress (driver) ---------------------------------------------------- */
 
 /* Matches sends to this rank with receives from it, each the oldest of its
  * tag (batches in submission order, requests in batch order). True when one
@@ -170,9 +184,11 @@ static ddp__p2p_batch *owner_of(ddp_process_group *pg, const ddp__p2p_req *r, in
   return NULL;
 }
 
-/* One round: self matches, the backend's progress (waiting when nothing
- * moved), completions and deadlines. */
-static void lane_step(ddp_process_group *pg) {
+/* One round: self matches, the backend's progress (waiting at most
+ * max_wait_ns when nothing moved), completions and deadlines. Called by the
+ * driver only. blocked: the driver is a caller waiting for its batch
+ * (ddp__op_ctx.caller_blocked: the backend may spin before it sleeps). */
+static void lane_step(ddp_process_group *pg, int64_t max_wait_ns, bool blocked) {
   if (atomic_load(&pg->failed) || atomic_load(&pg->aborted)) {
     if (!atomic_load(&pg->failed)) {
       char msg[128];
@@ -197,7 +213,7 @@ static void lane_step(ddp_process_group *pg) {
   int64_t now = ddp_time_ns(), first_deadline = INT64_MAX;
   for (ddp__p2p_batch *bt = pg->p2p_run; bt; bt = bt->next)
     if (bt->deadline_ns < first_deadline) first_deadline = bt->deadline_ns;
-  int64_t wait = moved ? 0 : LANE_WAIT_NS;
+  int64_t wait = moved ? 0 : max_wait_ns;
   if (first_deadline - now < wait) wait = first_deadline - now > 0 ? first_deadline - now : 0;
   if (k > 0) {
     ddp__op_ctx ctx = {
@@ -205,6 +221,7 @@ static void lane_step(ddp_process_group *pg) {
         .seq = 0,
         .deadline_ns = first_deadline,
         .aborted = &pg->aborted,
+        .caller_blocked = blocked,
     };
     int culprit = -1;
     ddp_status st = pg->backend->ops->p2p_progress(pg->backend, &ctx, pg->p2p_active, k, wait, &culprit);
@@ -222,10 +239,10 @@ static void lane_step(ddp_process_group *pg) {
       lane_fail(pg, st, msg);
       return;
     }
-  } else if (!moved && pg->p2p_run) {
+  } else if (!moved && pg->p2p_run && wait > 0) {
     /* Only requests to this rank, unmatched: a later batch may match them. */
     pthread_mutex_lock(&pg->p2p_mu);
-    if (!pg->p2p_head) cond_wait_ns(&pg->p2p_cv, &pg->p2p_mu, wait > 0 ? wait : 1000);
+    if (!pg->p2p_head) cond_wait_ns(&pg->p2p_cv, &pg->p2p_mu, wait);
     pthread_mutex_unlock(&pg->p2p_mu);
   }
   /* Completions, then deadlines. */
@@ -257,25 +274,90 @@ static void lane_step(ddp_process_group *pg) {
   }
 }
 
+/* ---- Driving ----------------------------------------------------------------- */
+
+/* Appends the submitted batches to the driver's list, keeping submission
+ * order. Under p2p_mu, by the driver. */
+static void take_new(ddp_process_group *pg) {
+  if (!pg->p2p_head) return;
+  ddp__p2p_batch **tail = &pg->p2p_run;
+  while (*tail) tail = &(*tail)->next;
+  *tail = pg->p2p_head;
+  pg->p2p_head = pg->p2p_tail = NULL;
+}
+
+/* Lets go of the lane (under p2p_mu): a waiting caller takes it over, else
+ * the lane thread when batches are left that nobody waits for. */
+static void let_go(ddp_process_group *pg) {
+  pg->p2p_driver = DDP__P2P_NOBODY;
+  if (pg->p2p_waiters > 0 || pg->p2p_outstanding > 0) pthread_cond_broadcast(&pg->p2p_cv);
+}
+
+/* The lane thread: drives while batches are pending, nobody else drives and
+ * no caller waits for the lane; lets go after every step (at most
+ * LANE_WAIT_NS, cut short by a waiting caller's p2p_wake). */
 static void *lane_main(void *arg) {
   ddp_process_group *pg = arg;
+  pthread_mutex_lock(&pg->p2p_mu);
   for (;;) {
-    pthread_mutex_lock(&pg->p2p_mu);
-    while (!pg->p2p_head && !pg->p2p_run && !pg->p2p_stopping)
+    while (!(pg->p2p_stopping && pg->p2p_outstanding == 0) &&
+           (pg->p2p_outstanding == 0 || pg->p2p_driver != DDP__P2P_NOBODY || pg->p2p_waiters > 0))
       cond_wait_ns(&pg->p2p_cv, &pg->p2p_mu, IDLE_WAIT_NS);
-    /* Take the new batches, keeping submission order. */
-    if (pg->p2p_head) {
-      ddp__p2p_batch **tail = &pg->p2p_run;
-      while (*tail) tail = &(*tail)->next;
-      *tail = pg->p2p_head;
-      pg->p2p_head = pg->p2p_tail = NULL;
-    }
-    bool stop = pg->p2p_stopping && !pg->p2p_run;
+    if (pg->p2p_stopping && pg->p2p_outstanding == 0) break;
+    pg->p2p_driver = DDP__P2P_LANE;
+    take_new(pg);
     pthread_mutex_unlock(&pg->p2p_mu);
-    if (stop) break;
-    lane_step(pg);
+    lane_step(pg, LANE_WAIT_NS, false);
+    pthread_mutex_lock(&pg->p2p_mu);
+    pg->p2p_driver = DDP__P2P_NOBODY;
+    if (pg->p2p_waiters > 0) pthread_cond_broadcast(&pg->p2p_cv);
   }
+  pthread_mutex_unlock(&pg->p2p_mu);
   return NULL;
+}
+
+/* Drives the lane from the calling thread until bt is done or deadline_ns
+ * passes: takes the lane when nobody drives; when the lane thread drives,
+ * wakes it out of its backend wait so that it lets go; when another caller
+ * drives, waits for it (it progresses bt too) or for it to let go. */
+static void drive_until(ddp_process_group *pg, ddp__p2p_batch *bt, int64_t deadline_ns) {
+  pthread_mutex_lock(&pg->p2p_mu);
+  while (!bt->done) {
+    int64_t left = deadline_ns - ddp_time_ns();
+    if (left <= 0) break;
+    if (pg->p2p_driver == DDP__P2P_NOBODY) {
+      pg->p2p_driver = DDP__P2P_CALLER;
+      while (!bt->done) {
+        take_new(pg);
+        pthread_mutex_unlock(&pg->p2p_mu);
+        left = deadline_ns - ddp_time_ns();
+        if (left > 0) lane_step(pg, left < LANE_WAIT_NS ? left : LANE_WAIT_NS, true);
+        pthread_mutex_lock(&pg->p2p_mu);
+        if (left <= 0) break;
+      }
+      let_go(pg);
+      break;
+    }
+    pg->p2p_waiters++;
+    if (pg->p2p_driver == DDP__P2P_LANE) {
+      /* Cut the lane thread's backend wait short; it lets go after it. */
+      pthread_mutex_unlock(&pg->p2p_mu);
+      if (pg->backend->ops->p2p_wake) pg->backend->ops->p2p_wake(pg->backend);
+      pthread_mutex_lock(&pg->p2p_mu);
+    }
+    if (!bt->done && pg->p2p_driver != DDP__P2P_NOBODY)
+      cond_wait_ns(&pg->p2p_cv, &pg->p2p_mu, left < LANE_WAIT_NS ? left : LANE_WAIT_NS);
+    pg->p2p_waiters--;
+  }
+  pthread_mutex_unlock(&pg->p2p_mu);
+}
+
+void ddp__p2p_wait(ddp_work *w, int64_t deadline_ns) {
+  ddp__p2p_batch *bt = w->batch;
+  /* A pooled handle keeps its batch when it carries a collective later. */
+  if (!bt || bt->work != w || (w->args.kind != DDP__OP_SEND && w->args.kind != DDP__OP_RECV))
+    return;
+  drive_until(w->pg, bt, deadline_ns);
 }
 
 void ddp__p2p_lane_wake(ddp_process_group *pg) {
@@ -344,7 +426,7 @@ ddp_status ddp__p2p_submit(ddp_process_group *pg, const char *name, const ddp_p2
   }
   ddp__p2p_batch *bt = w->batch;
   bt->n = (int)n;
-  bt->left = (int)n;
+  bt->done = n == 0;
   bt->name = name;
   bt->work = w;
   bt->next = NULL;
@@ -388,6 +470,7 @@ ddp_status ddp__p2p_submit(ddp_process_group *pg, const char *name, const ddp_p2
       pg->p2p_started = true;
     }
   }
+  bool pass = false;
   if (st == DDP_OK && n > 0) {
     if (pg->p2p_tail)
       pg->p2p_tail->next = bt;
@@ -395,7 +478,13 @@ ddp_status ddp__p2p_submit(ddp_process_group *pg, const char *name, const ddp_p2
       pg->p2p_head = bt;
     pg->p2p_tail = bt;
     pg->p2p_outstanding++;
-    pthread_cond_broadcast(&pg->p2p_cv);
+    /* Async with the lane free: one pass here, without waiting (a small
+     * send completes in it; a large one is posted). */
+    if (work && pg->p2p_driver == DDP__P2P_NOBODY) {
+      pg->p2p_driver = DDP__P2P_CALLER;
+      take_new(pg);
+      pass = true;
+    }
   }
   pthread_mutex_unlock(&pg->p2p_mu);
   if (st != DDP_OK || n == 0) {
@@ -409,11 +498,21 @@ ddp_status ddp__p2p_submit(ddp_process_group *pg, const char *name, const ddp_p2
     *work = w;
     return DDP_OK;
   }
-  if (pg->backend->ops->p2p_wake) pg->backend->ops->p2p_wake(pg->backend);
+  if (pass) {
+    lane_step(pg, 0, false);
+    pthread_mutex_lock(&pg->p2p_mu);
+    let_go(pg); /* the lane thread takes over what is left */
+    pthread_mutex_unlock(&pg->p2p_mu);
+  } else if (work && pg->backend->ops->p2p_wake) {
+    /* Someone drives: it takes the new batch once its backend wait ends. */
+    pg->backend->ops->p2p_wake(pg->backend);
+  }
   if (work) {
     *work = w;
     return DDP_OK;
   }
+  /* Blocking: this thread drives until its batch is done, then collects the
+   * status (ddp_work_wait's own bound applies past the batch's deadline). */
   st = ddp_work_wait(w, -1);
   ddp_work_free(w);
   return st;

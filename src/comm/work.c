@@ -346,6 +346,8 @@ ddp_status ddp_work_wait(ddp_work *work, double timeout_s) {
   int64_t deadline =
       timeout_s < 0 ? queue_deadline(pg, ops_ahead(pg))
                     : ddp__deadline_after(timeout_s > 9e9 ? INT64_MAX / 2 : (int64_t)(timeout_s * 1e9));
+  /* A point-to-point handle: this thread drives the lane until it is done. */
+  if (work->batch) ddp__p2p_wait(work, deadline);
   pthread_mutex_lock(&pg->mu);
   while (!work->done && cond_wait_until(&pg->done_cv, &pg->mu, deadline)) {
   }
