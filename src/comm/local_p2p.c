@@ -170,39 +170,6 @@ enum {
  * waits (a dead peer's request fails within that plus a wait slice). */
 #define LANE_LIVENESS_NS (20 * 1000000LL)
 
-/* How long a caller that waits for its own batch (ctx->caller_blocked)
- * watches the doorbell before it sleeps on it, when ranks have a CPU each.
- * A futex wake-up reaches a sleeping rank tens of microseconds late on a
- * VM, about a 4-byte round trip's whole cost; the neighbour of a pipeline
- * stage usually answers within a fraction of a millisecond or after a whole
- * micro-batch's compute, so a short spin catches the first kind and costs
- * little on the second. The lane thread never spins: it may share a core
- * with the caller's compute. */
-#define LANE_SPIN_NS (200 * 1000LL)
-
-static inline void lane_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  __asm__ __volatile__("yield");
-#endif
-}
-
-/* Spins until the doorbell moves past `seen`, at most ns or an abort; true
- * when it moved. Reads the clock every 64 pauses. */
-static bool lane_spin_bell(ddp__local_backend *b, const ddp__op_ctx *ctx, ddp__local_word *bell,
-                           uint32_t seen, int64_t ns) {
-  const int64_t until = ddp_time_ns() + ns;
-  for (;;) {
-    for (int i = 0; i < 64; i++) {
-      lane_relax();
-      if (atomic_load_explicit(&bell->wake, memory_order_acquire) != seen) return true;
-    }
-    if (ddp_time_ns() >= until || atomic_load(&b->aborted) || (ctx->aborted && atomic_load(ctx->aborted)))
-      return false;
-  }
-}
-
 static lane_state *state_of(ddp__p2p_req *r) { return (lane_state *)(void *)r->state; }
 
 /* Whether the descriptor of message id towards dst is free for reuse. */
@@ -465,11 +432,6 @@ ddp_status ddp__local_p2p_progress(ddp__backend *base, const ddp__op_ctx *ctx,
     if (round > 0 || wait_ns <= 0) return DDP_OK;
     if (atomic_load(&b->aborted) || (ctx->aborted && atomic_load(ctx->aborted))) return DDP_OK;
     int64_t slice = wait_ns < LANE_LIVENESS_NS ? wait_ns : LANE_LIVENESS_NS;
-    if (ctx->caller_blocked && b->spin_long == DDP__LOCAL_SPIN_LONG) {
-      int64_t spin = slice < LANE_SPIN_NS ? slice : LANE_SPIN_NS;
-      if (lane_spin_bell(b, ctx, bell, seen, spin)) continue;
-      slice -= spin;
-    }
     ddp__local_bell_wait(b, seen, slice);
   }
 }
