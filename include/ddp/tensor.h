@@ -194,8 +194,8 @@ typedef struct ddp_tensor {
   int32_t param_index; /* position in the owning model's parameter list; -1 if none */
   /* Autograd bookkeeping, owned by the tape: */
   int32_t node;        /* index of the tape node that produced it; -1 for leaves */
-  int32_t pending;     /* backward contributions still due this step (leaves); for
-                        * intermediates, recorded consumers whose backward has not run */
+  int32_t pending;     /* intermediates: recorded consumers whose backward has not run
+                        * (a leaf's counts are kept per tape: ddp__tape_leaf_pending) */
 } ddp_tensor;
 
 static inline float *ddp_tensor_f32(const ddp_tensor *t) { return (float *)t->data; }

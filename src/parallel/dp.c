@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "parallel/dp_internal.h"
+#include "tensor/tape.h"
 
 ddp_dp_options ddp_dp_defaults(void) {
   ddp_dp_options o;
@@ -268,7 +269,8 @@ ddp_status ddp_dp_prepare_backward(ddp_dp *dp, ddp_tape *tape) {
   if (dp->options.find_unused_parameters || dp->options.static_graph)
     for (int k = 0; k < dp->n_params; k++) {
       int i = dp->order[k];
-      if (ddp_model_param(dp->model, i)->pending == 0) ddp__dp_mark_ready(dp, i);
+      if (ddp__tape_leaf_pending(tape, ddp_model_param(dp->model, i)) == 0)
+        ddp__dp_mark_ready(dp, i);
     }
   return DDP_OK;
 }

@@ -1,6 +1,13 @@
 /* The autograd tape: a list of recorded ops walked in reverse by backward, and
  * the arena that holds one step's tensors. Node and leaf lists are heap arrays
- * that only grow, so after the first step nothing here allocates. */
+ * that only grow, so after the first step nothing here allocates.
+ *
+ * A leaf's count of pending uses lives in the tape (a table keyed by the
+ * leaf), not in the tensor: one leaf (a parameter server's weight) may be
+ * recorded on several tapes at once, on different threads, and a tape writes
+ * nothing that another tape shares while it records, runs backward or
+ * resets. An intermediate belongs to the tape that made it and keeps its
+ * count in ddp_tensor.pending. */
 #include <math.h>
 #include <string.h>
 
@@ -13,14 +20,23 @@
 /* GPUs a tape can hold memory on (cuda:0 .. cuda:7). */
 #define TAPE_DEVICES 8
 
+/* A leaf requiring grad that this tape's ops use. */
+typedef struct {
+  ddp_tensor *t;
+  int32_t pending; /* recorded uses whose backward has not run */
+  uint32_t slot;   /* its entry in leaf_index, cleared on reset */
+} tape_leaf;
+
 struct ddp_tape {
   ddp_arena arena;                       /* the host's */
   ddp_arena device_arena[TAPE_DEVICES];  /* cuda:i's, when device_used[i] */
   bool device_used[TAPE_DEVICES];
   ddp__node *nodes;
   int n_nodes, cap_nodes;
-  ddp_tensor **leaves; /* leaves with pending contributions, to clear on reset */
+  tape_leaf *leaves; /* in order of first use; node->leaf[] indexes it */
   int n_leaves, cap_leaves;
+  int32_t *leaf_index; /* open addressing, leaf pointer -> index in leaves; -1 empty */
+  uint32_t index_cap;  /* a power of two, at least twice cap_leaves (0: none yet) */
   bool grad_enabled;
   bool backward_done; /* a second backward would double-count intermediates */
   ddp_grad_hook_fn hook;
@@ -61,12 +77,13 @@ void ddp_tape_destroy(ddp_tape *tape) {
   ddp_arena_free(&tape->arena);
   ddp_free(tape->nodes);
   ddp_free(tape->leaves);
+  ddp_free(tape->leaf_index);
   ddp_free(tape);
 }
 
 void ddp_tape_reset(ddp_tape *tape) {
-  /* Leaves outlive the tape: clear what this step left on them. */
-  for (int i = 0; i < tape->n_leaves; i++) tape->leaves[i]->pending = 0;
+  /* Only the entries this step used: the table itself is sized once. */
+  for (int i = 0; i < tape->n_leaves; i++) tape->leaf_index[tape->leaves[i].slot] = -1;
   tape->n_leaves = 0;
   tape->n_nodes = 0;
   tape->backward_done = false;
@@ -167,6 +184,73 @@ static ddp_status grow(void **array, int *cap, int need, size_t elem) {
   return DDP_OK;
 }
 
+/* The first slot of a leaf's probe sequence (Fibonacci hashing of the
+ * pointer; its low bits are alignment). */
+static uint32_t leaf_hash(const ddp_tensor *t, uint32_t cap) {
+  return (uint32_t)(((uint64_t)(uintptr_t)t * 0x9E3779B97F4A7C15ull) >> 32) & (cap - 1);
+}
+
+/* The slot of leaf t in the index: its own, or the empty one where it
+ * belongs. The index is never full (at most half used). */
+static uint32_t leaf_slot(const ddp_tape *tape, const ddp_tensor *t) {
+  uint32_t i = leaf_hash(t, tape->index_cap);
+  while (tape->leaf_index[i] >= 0 && tape->leaves[tape->leaf_index[i]].t != t)
+    i = (i + 1) & (tape->index_cap - 1);
+  return i;
+}
+
+/* Room for one more leaf: grows the list, and the index to keep it at most
+ * half full (rehashing the leaves of this step). Allocates only while a
+ * step uses more leaves than any before it. */
+static ddp_status leaf_room(ddp_tape *tape) {
+  DDP_TRY(grow((void **)&tape->leaves, &tape->cap_leaves, tape->n_leaves + 1, sizeof(tape_leaf)));
+  if ((uint32_t)tape->cap_leaves * 2 <= tape->index_cap) return DDP_OK;
+  uint32_t cap = tape->index_cap ? tape->index_cap : 128;
+  while (cap < (uint32_t)tape->cap_leaves * 2) cap *= 2;
+  int32_t *index = ddp_alloc((size_t)cap * sizeof *index);
+  if (!index) return ddp_error(DDP_ERR_NOMEM, "tape: cannot grow the leaf index to %u entries", cap);
+  for (uint32_t i = 0; i < cap; i++) index[i] = -1;
+  ddp_free(tape->leaf_index);
+  tape->leaf_index = index;
+  tape->index_cap = cap;
+  for (int k = 0; k < tape->n_leaves; k++) {
+    uint32_t slot = leaf_slot(tape, tape->leaves[k].t);
+    index[slot] = k;
+    tape->leaves[k].slot = slot;
+  }
+  return DDP_OK;
+}
+
+/* Counts one more use of leaf t on this tape; *out is its index in leaves. */
+static ddp_status leaf_use(ddp_tape *tape, ddp_tensor *t, int32_t *out) {
+  if (tape->index_cap) {
+    uint32_t slot = leaf_slot(tape, t);
+    int32_t k = tape->leaf_index[slot];
+    if (k >= 0) {
+      tape->leaves[k].pending++;
+      *out = k;
+      return DDP_OK;
+    }
+  }
+  DDP_TRY(leaf_room(tape));
+  uint32_t slot = leaf_slot(tape, t);
+  int32_t k = tape->n_leaves++;
+  tape->leaves[k] = (tape_leaf){.t = t, .pending = 1, .slot = slot};
+  tape->leaf_index[slot] = k;
+  *out = k;
+  return DDP_OK;
+}
+
+int32_t ddp__tape_leaf_pending(const ddp_tape *tape, const ddp_tensor *t) {
+  if (!tape->index_cap) return 0;
+  int32_t k = tape->leaf_index[leaf_slot(tape, t)];
+  return k >= 0 ? tape->leaves[k].pending : 0;
+}
+
+int ddp__tape_num_leaves(const ddp_tape *tape) { return tape->n_leaves; }
+
+ddp_tensor *ddp__tape_leaf(const ddp_tape *tape, int i) { return tape->leaves[i].t; }
+
 ddp_status ddp__tape_record(ddp_tape *tape, const char *op, ddp__backward_fn backward,
                             ddp_tensor *out, int n_inputs, ddp_tensor *const *inputs,
                             void *ctx) {
@@ -181,12 +265,9 @@ ddp_status ddp__tape_record(ddp_tape *tape, const char *op, ddp__backward_fn bac
   for (int i = 0; i < n_inputs; i++) {
     ddp_tensor *in = inputs[i];
     node->in[i] = in;
+    node->leaf[i] = -1;
     if (in && in->node < 0 && (in->flags & DDP_TENSOR_REQUIRES_GRAD)) {
-      if (in->pending++ == 0) {
-        DDP_TRY(grow((void **)&tape->leaves, &tape->cap_leaves, tape->n_leaves + 1,
-                     sizeof(ddp_tensor *)));
-        tape->leaves[tape->n_leaves++] = in;
-      }
+      DDP_TRY(leaf_use(tape, in, &node->leaf[i]));
     } else if (in && in->node >= 0) {
       in->pending++; /* an intermediate lives in the arena: no reset needed */
     }
@@ -300,8 +381,9 @@ ddp_status ddp__backward_from(ddp_tape *tape, ddp_tensor *out, const float *seed
     for (int j = 0; j < node->n_inputs; j++) {
       ddp_tensor *in = node->in[j];
       if (in && in->node >= 0) in->pending--;
-      if (!in || in->node >= 0 || !(in->flags & DDP_TENSOR_REQUIRES_GRAD)) continue;
-      if (--in->pending == 0 && (in->flags & DDP_TENSOR_PARAM) && tape->hook)
+      if (node->leaf[j] < 0) continue;
+      tape_leaf *leaf = &tape->leaves[node->leaf[j]];
+      if (--leaf->pending == 0 && (in->flags & DDP_TENSOR_PARAM) && tape->hook)
         tape->hook(in, tape->hook_user);
     }
   }

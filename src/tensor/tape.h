@@ -26,6 +26,8 @@ struct ddp__node {
   ddp_tensor *out;
   int n_inputs;
   ddp_tensor *in[DDP__NODE_MAX_INPUTS]; /* NULL entries allowed (absent bias) */
+  int32_t leaf[DDP__NODE_MAX_INPUTS]; /* in[i]'s index among the tape's leaves; -1 if
+                                       * not a leaf requiring grad */
   void *ctx;                  /* op-specific saved state, tape scratch memory */
 };
 
@@ -95,6 +97,15 @@ float *ddp__tape_grad_reusing_data(ddp_tape *tape, ddp_tensor *t, bool *accumula
 /* Backward from any tensor with the given seed gradient (numel floats). Used by
  * ddp_backward (seed 1) and by gradient checks (random projections). */
 ddp_status ddp__backward_from(ddp_tape *tape, ddp_tensor *out, const float *seed);
+/* Uses of leaf t recorded on this tape whose backward has not run yet (0
+ * when t is not one of its leaves). A leaf's counts are the tape's own, so
+ * tapes recording on the same leaves from different threads share no
+ * writes; an intermediate's count is its ddp_tensor.pending. */
+int32_t ddp__tape_leaf_pending(const ddp_tape *tape, const ddp_tensor *t);
+/* The leaves requiring grad that this tape's recorded ops use, in order of
+ * first use: i in [0, ddp__tape_num_leaves). Valid until the tape resets. */
+int ddp__tape_num_leaves(const ddp_tape *tape);
+ddp_tensor *ddp__tape_leaf(const ddp_tape *tape, int i);
 /* The tape's host arena (scratch memory for CPU kernels and host-side
  * state; reset with the tape). */
 ddp_arena *ddp__tape_arena(ddp_tape *tape);

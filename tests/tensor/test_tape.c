@@ -2,7 +2,8 @@
  * backward into fresh (unzeroed) gradient buffers and into a tensor's own
  * data, a view's gradient handed over to its input, a first convolution
  * folded into batch norm's backward,
- * grad hooks firing once per parameter when final, no-grad mode, errors. */
+ * grad hooks firing once per parameter when final, leaves counted per tape
+ * (two tapes on the same parameters), no-grad mode, errors. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -456,6 +457,91 @@ static void test_grad_hook_fires_once_when_final(void **state) {
   ddp_tensor_destroy(w1);
 }
 
+/* Two tapes recording on the same leaves (distributed autograd's contexts on
+ * a parameter server do it from several threads): each counts its own uses,
+ * so each fires its hooks once, when its own backward is done with a leaf,
+ * and resetting one leaves the other's counts alone. With the counts in the
+ * shared tensor, A's w0 would wait for B's use too (no hook) and A's reset
+ * would zero B's counts. 300 leaves on one tape grow its table thrice. */
+static int tape_hooks[2][2];
+static void per_tape_hook(ddp_tensor *p, void *user) { tape_hooks[*(int *)user][p->param_index]++; }
+
+static void test_tapes_count_shared_leaves_apart(void **state) {
+  (void)state;
+  int64_t shape[1] = {5};
+  ddp_tensor *w[2] = {gradcheck_random(1, shape, -1, 1, 5, true),
+                      gradcheck_random(1, shape, -1, 1, 6, true)};
+  for (int i = 0; i < 2; i++) {
+    w[i]->flags |= DDP_TENSOR_PARAM;
+    w[i]->param_index = i;
+  }
+  ddp_tape *tape[2];
+  int ids[2] = {0, 1};
+  for (int t = 0; t < 2; t++) {
+    assert_int_equal(ddp_tape_create(&tape[t], 4096), DDP_OK);
+    ddp_tape_set_grad_hook(tape[t], per_tape_hook, &ids[t]);
+  }
+  float seed[5] = {1, 1, 1, 1, 1};
+  for (int step = 0; step < 2; step++) {
+    memset(tape_hooks, 0, sizeof tape_hooks);
+    for (int i = 0; i < 2; i++) {
+      assert_int_equal(ddp_tensor_ensure_grad(w[i]), DDP_OK);
+      memset(w[i]->grad, 0, 5 * sizeof(float));
+    }
+    /* Interleaved: A computes 2 w0 + w1, B computes w0 + w1. */
+    ddp_tensor *a, *a2, *b;
+    assert_int_equal(ddp_add(tape[0], w[0], w[0], &a), DDP_OK);
+    assert_int_equal(ddp_add(tape[1], w[0], w[1], &b), DDP_OK);
+    assert_int_equal(ddp_add(tape[0], a, w[1], &a2), DDP_OK);
+    assert_int_equal(ddp__tape_leaf_pending(tape[0], w[0]), 2);
+    assert_int_equal(ddp__tape_leaf_pending(tape[0], w[1]), 1);
+    assert_int_equal(ddp__tape_leaf_pending(tape[1], w[0]), 1);
+    assert_int_equal(ddp__tape_leaf_pending(tape[1], w[1]), 1);
+    assert_int_equal(ddp__tape_num_leaves(tape[0]), 2);
+    assert_ptr_equal(ddp__tape_leaf(tape[0], 0), w[0]);
+    assert_ptr_equal(ddp__tape_leaf(tape[0], 1), w[1]);
+    assert_int_equal(ddp__backward_from(tape[0], a2, seed), DDP_OK);
+    assert_int_equal(tape_hooks[0][0], 1);
+    assert_int_equal(tape_hooks[0][1], 1);
+    assert_int_equal(tape_hooks[1][0] + tape_hooks[1][1], 0);
+    assert_true(w[0]->grad[3] == 2.0f && w[1]->grad[3] == 1.0f);
+    ddp_tape_reset(tape[0]);
+    assert_int_equal(ddp__tape_leaf_pending(tape[0], w[0]), 0);
+    assert_int_equal(ddp__tape_leaf_pending(tape[1], w[0]), 1);
+    assert_int_equal(ddp__backward_from(tape[1], b, seed), DDP_OK);
+    assert_int_equal(tape_hooks[1][0], 1);
+    assert_int_equal(tape_hooks[1][1], 1);
+    assert_true(w[0]->grad[3] == 3.0f && w[1]->grad[3] == 2.0f);
+    ddp_tape_reset(tape[1]);
+  }
+
+  /* Many leaves: the table grows (and rehashes) while recording. */
+  enum { N = 300 };
+  int64_t one[1] = {1};
+  ddp_tensor *leaf[N];
+  for (int i = 0; i < N; i++) leaf[i] = gradcheck_random(1, one, -1, 1, 100 + (uint64_t)i, true);
+  ddp_tape_set_grad_hook(tape[0], NULL, NULL);
+  for (int step = 0; step < 2; step++) {
+    ddp_tensor *acc = leaf[0];
+    for (int i = 1; i < N; i++) assert_int_equal(ddp_add(tape[0], acc, leaf[i], &acc), DDP_OK);
+    assert_int_equal(ddp_add(tape[0], acc, leaf[7], &acc), DDP_OK); /* leaf 7 twice */
+    assert_int_equal(ddp__tape_num_leaves(tape[0]), N);
+    for (int i = 0; i < N; i++)
+      assert_int_equal(ddp__tape_leaf_pending(tape[0], leaf[i]), i == 7 ? 2 : 1);
+    float s1[1] = {1};
+    assert_int_equal(ddp__backward_from(tape[0], acc, s1), DDP_OK);
+    for (int i = 0; i < N; i++) {
+      assert_int_equal(ddp__tape_leaf_pending(tape[0], leaf[i]), 0);
+      assert_true(leaf[i]->grad[0] == (float)((i == 7 ? 2 : 1) * (step + 1)));
+    }
+    ddp_tape_reset(tape[0]);
+    assert_int_equal(ddp__tape_num_leaves(tape[0]), 0);
+  }
+  for (int i = 0; i < N; i++) ddp_tensor_destroy(leaf[i]);
+  for (int t = 0; t < 2; t++) ddp_tape_destroy(tape[t]);
+  for (int i = 0; i < 2; i++) ddp_tensor_destroy(w[i]);
+}
+
 static void test_no_grad_records_nothing(void **state) {
   (void)state;
   int64_t shape[1] = {3};
@@ -567,6 +653,7 @@ int main(void) {
       cmocka_unit_test(test_view_hands_gradient_over),
       cmocka_unit_test(test_conv_folded_into_batch_norm),
       cmocka_unit_test(test_grad_hook_fires_once_when_final),
+      cmocka_unit_test(test_tapes_count_shared_leaves_apart),
       cmocka_unit_test(test_no_grad_records_nothing),
       cmocka_unit_test(test_shape_errors_name_op_and_shapes),
   };
