@@ -144,12 +144,13 @@ struct da_state {
   int64_t calls_waited, call_wait_ns;        /* dist calls held for a step */
 };
 
-static int da_slot = -1;
+extern const ddp__rpc_module ddp__dist_autograd_module; /* at the end of this file */
 static _Thread_local ddp_dist_call *current_call;
 
 static da_state *state_of(ddp_rpc_agent *agent) {
-  DDP_ASSERT(da_slot >= 0);
-  return *(da_state **)ddp__rpc_module_slot(agent, da_slot);
+  /* The slot is a constant of the module list, not a global that each
+   * agent's init would write (agents on several threads would race). */
+  return *(da_state **)ddp__rpc_module_slot(agent, ddp__rpc_module_index(&ddp__dist_autograd_module));
 }
 
 static const char *self_name(ddp_rpc_agent *agent) { return ddp_rpc_self(agent)->name; }
@@ -585,30 +586,19 @@ static ddp_status local_pass(ddp_dist_context *c, ddp_tape *tape, int n, ddp_ten
     enum { MAX_LEAVES = 256 };
     ddp_tensor *leaves[MAX_LEAVES];
     float *saved[MAX_LEAVES];
-    int n_leaves = 0;
-    int nodes = ddp_tape_num_nodes(tape);
-    for (int i = 0; i < nodes && s == DDP_OK; i++) {
-      ddp_tensor probe = {.node = i};
-      ddp__node *node = ddp__tape_node(tape, &probe);
-      for (int j = 0; j < node->n_inputs; j++) {
-        ddp_tensor *in = node->in[j];
-        if (!in || in->node >= 0 || !(in->flags & DDP_TENSOR_REQUIRES_GRAD)) continue;
-        int k = 0;
-        while (k < n_leaves && leaves[k] != in) k++;
-        if (k < n_leaves) continue;
-        if (n_leaves == MAX_LEAVES) {
-          s = ddp_error(DDP_ERR_RANGE, "dist_autograd: more than %d leaves on one tape",
-                        MAX_LEAVES);
-          break;
-        }
-        leaves[n_leaves] = in;
-        saved[n_leaves] = in->grad;
-        n_leaves++;
-        if (mark_receive_locked(c, in)) continue;
-        float *g = ctx_grad_locked(c, in);
-        if (!g) s = ddp_error(DDP_ERR_NOMEM, "dist_autograd: out of memory");
-        in->grad = g;
-      }
+    int n_leaves = ddp__tape_num_leaves(tape);
+    if (n_leaves > MAX_LEAVES) {
+      s = ddp_error(DDP_ERR_RANGE, "dist_autograd: %d leaves on one tape, at most %d", n_leaves,
+                    MAX_LEAVES);
+      n_leaves = 0;
+    }
+    for (int k = 0; k < n_leaves; k++) {
+      ddp_tensor *in = leaves[k] = ddp__tape_leaf(tape, k);
+      saved[k] = in->grad;
+      if (s != DDP_OK || mark_receive_locked(c, in)) continue;
+      float *g = ctx_grad_locked(c, in);
+      if (!g) s = ddp_error(DDP_ERR_NOMEM, "dist_autograd: out of memory");
+      else in->grad = g;
     }
     for (int i = 0; i < n && s == DDP_OK; i++)
       if (tensors[i]->node >= 0 && tensors[i] != from) {
@@ -945,7 +935,6 @@ static void register_builtins(void) {
 }
 
 static ddp_status mod_init(ddp_rpc_agent *agent, int slot) {
-  da_slot = slot;
   pthread_once(&builtins_once, register_builtins);
   DDP_TRY(builtins_status);
   da_state *st = ddp_calloc(1, sizeof *st);

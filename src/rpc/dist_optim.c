@@ -30,11 +30,12 @@ typedef struct optim_state {
   int64_t next_id;
 } optim_state;
 
-static int optim_slot = -1;
+extern const ddp__rpc_module ddp__dist_optim_module; /* at the end of this file */
 
 static optim_state *state_of(ddp_rpc_agent *agent) {
-  DDP_ASSERT(optim_slot >= 0);
-  return *(optim_state **)ddp__rpc_module_slot(agent, optim_slot);
+  /* The slot is a constant of the module list, not a global that each
+   * agent's init would write (agents on several threads would race). */
+  return *(optim_state **)ddp__rpc_module_slot(agent, ddp__rpc_module_index(&ddp__dist_optim_module));
 }
 
 typedef struct create_hdr {
@@ -311,7 +312,6 @@ static void register_builtins(void) {
 }
 
 static ddp_status mod_init(ddp_rpc_agent *agent, int slot) {
-  optim_slot = slot;
   pthread_once(&builtins_once, register_builtins);
   DDP_TRY(builtins_status);
   optim_state *st = ddp_calloc(1, sizeof *st);

@@ -117,11 +117,12 @@ struct rref_state {
   ddp_rpc_agent *agent;
 };
 
-static int rref_slot = -1;
+extern const ddp__rpc_module ddp__rref_module; /* at the end of this file */
 
 static rref_state *state_of(ddp_rpc_agent *agent) {
-  DDP_ASSERT(rref_slot >= 0);
-  return *(rref_state **)ddp__rpc_module_slot(agent, rref_slot);
+  /* The slot is a constant of the module list, not a global that each
+   * agent's init would write (agents on several threads would race). */
+  return *(rref_state **)ddp__rpc_module_slot(agent, ddp__rpc_module_index(&ddp__rref_module));
 }
 
 static bool id_eq(ddp__rref_id a, ddp__rref_id b) {
@@ -946,7 +947,6 @@ static void register_builtins(void) {
 }
 
 static ddp_status mod_init(ddp_rpc_agent *agent, int slot) {
-  rref_slot = slot;
   pthread_once(&builtins_once, register_builtins);
   DDP_TRY(builtins_status);
   rref_state *st = ddp_calloc(1, sizeof *st);
