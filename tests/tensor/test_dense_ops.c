@@ -204,6 +204,11 @@ static const conv_cfg conv_shapes[] = {
     {2, 2, 5, 4, 33, 3, 3, 1, 1, true},  /* O >= 32: dW^T through a transposed dy */
     {1, 2, 6, 5, 32, 3, 3, 2, 1, false}, /* the same, strided (explicit columns) */
     {2, 10, 6, 20, 10, 3, 3, 1, 1, true}, /* convnet-N's 10 channels: shifted copies */
+    /* Winograd F(2x2, 3x3) (cpu/winograd.c: 3x3, stride 1, >= 16 channels
+     * each side, even outputs up to 30 wide), forward and dX: */
+    {1, 16, 6, 6, 16, 3, 3, 1, 1, true},   /* same padding: a padded copy */
+    {1, 16, 6, 18, 16, 3, 3, 1, 0, true},  /* valid: read in place; rows of 16 outputs */
+    {1, 16, 4, 30, 17, 3, 3, 1, 1, false}, /* rows of 30 (the widest); 17 output channels */
 };
 
 static void make_conv_inputs(const conv_cfg *q, ddp_tensor **in, uint64_t seed, bool x_grad) {
@@ -262,6 +267,10 @@ static void check_conv_backward(const conv_cfg *q, bool x_grad) {
   ddp_tape *tape = new_tape();
   ddp_tensor *y;
   assert_int_equal(ddp_conv2d(tape, in[0], in[1], in[2], q->stride, q->pad, &y), DDP_OK);
+  float *ref = ddp_alloc((size_t)y->numel * sizeof(float));
+  ref_conv(ref, in[0]->data, in[1]->data, in[2] ? in[2]->data : NULL, q);
+  assert_int_equal(allclose("conv2d forward", y->data, ref, y->numel, 1e-5, 1e-5), 0);
+  ddp_free(ref);
   float *dy = ddp_alloc((size_t)y->numel * sizeof(float));
   ddp_rng rng;
   ddp_rng_seed(&rng, 77);
@@ -308,6 +317,9 @@ static void test_conv2d_backward_convnet_shapes(void **state) {
   check_conv_backward(&conv1, false); /* first layer: input is data */
   check_conv_backward(&conv1, true);
   check_conv_backward(&conv2, true);
+  /* psnet's conv2 (seed 001), whose forward and dX run by Winograd */
+  const conv_cfg psnet_conv2 = {2, 32, 26, 26, 64, 3, 3, 1, 0, true};
+  check_conv_backward(&psnet_conv2, true);
 }
 
 /* ---- max_pool2d ---- */

@@ -17,6 +17,7 @@
  * AVX-512 one, used when the CPU has it, which keeps the per-sample scheme
  * but mostly does without the column matrix (see its comment below). */
 #include <immintrin.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "tensor/cpu/dense.h"
@@ -432,6 +433,29 @@ AVX512 static void shifted_copy_avx512(shifted *s, const float *restrict x) {
     }
 }
 
+/* Winograd's F(2x2, 3x3) (cpu/winograd.c) for a stride-1 3x3 convolution
+ * from c to m channels with (oh, ow) outputs: 2.25x fewer multiply-adds
+ * where the channels are many (psnet's conv2, its dX). DDP_CONV_WINOGRAD=0
+ * keeps the direct kernels (to compare, or to rule the path out). */
+static bool use_winograd(const ddp__conv2d_geom *g, int64_t m, int64_t c, int64_t oh,
+                         int64_t ow) {
+  if (g->stride != 1 || g->kh != 3 || g->kw != 3 || !ddp__cpu_winograd_fits(m, c, oh, ow))
+    return false;
+  const char *env = getenv("DDP_CONV_WINOGRAD");
+  return !env || strcmp(env, "0") != 0;
+}
+
+/* The transformed weight and the scratch of a Winograd convolution. */
+static ddp_status winograd_init(float **u, float **ws, const float *w, int64_t ldw, int64_t m,
+                                int64_t c, int64_t oh, int64_t ow, ddp_arena *arena) {
+  ddp_status status = DDP_OK;
+  if (!(*u = scratch(arena, ddp__cpu_winograd_weights_floats(m, c), &status))) return status;
+  if (!(*ws = scratch(arena, ddp__cpu_winograd_scratch_floats(m, c, oh, ow), &status)))
+    return status;
+  ddp__cpu_winograd_weights(m, c, w, ldw, *u);
+  return DDP_OK;
+}
+
 static ddp_status forward_avx512(float *y, const float *x, const float *w, const float *b,
                                  const ddp__conv2d_geom *g, ddp_arena *arena) {
   const int64_t k = g->c * g->kh * g->kw, ohw = g->oh * g->ow, chw = g->c * g->h * g->w;
@@ -440,6 +464,19 @@ static ddp_status forward_avx512(float *y, const float *x, const float *w, const
     for (int64_t n = 0; n < g->n; n++)
       ddp__cpu_gemm_avx512(g->o, ohw, k, w, k, x + n * chw, ohw, y + n * g->o * ohw, ohw, b,
                            false);
+    return DDP_OK;
+  }
+  if (use_winograd(g, g->o, g->c, g->oh, g->ow)) {
+    float *u, *ws;
+    DDP_TRY(winograd_init(&u, &ws, w, k, g->o, g->c, g->oh, g->ow, arena));
+    padded p = {0};
+    if (g->pad) DDP_TRY(padded_init(&p, g->c, g->h, g->w, g->pad, g->pad, 3, 3, arena));
+    for (int64_t n = 0; n < g->n; n++) {
+      const float *xn = x + n * chw;
+      if (g->pad) pad_copy(&p, xn), xn = p.xp; /* without padding: the sample in place */
+      ddp__cpu_winograd_conv3x3_avx512(g->o, g->c, u, xn, y + n * g->o * ohw, g->oh, g->ow, b,
+                                       false, ws);
+    }
     return DDP_OK;
   }
   if (is_same(g) && g->o < SHIFTED_MAX_CHANNELS) {
@@ -456,10 +493,13 @@ static ddp_status forward_avx512(float *y, const float *x, const float *w, const
   padded p = {0};
   if (g->stride == 1) DDP_TRY(padded_init(&p, g->c, g->h, g->w, g->pad, g->pad, g->kh, g->kw, arena));
   if (g->stride == 1 && g->ow <= 32) {
+    float *wpk = scratch(arena, ddp__cpu_conv_rows_packed_floats(g->o, k), &status);
+    if (!wpk) return status;
+    ddp__cpu_conv_rows_pack(g->o, k, w, k, wpk);
     for (int64_t n = 0; n < g->n; n++) {
       pad_copy(&p, x + n * chw);
       /* y_n (O, OH, OW) = b + w (O, K) @ implicit col (K, OH*OW) */
-      ddp__cpu_conv_rows_avx512(g->o, k, w, k, p.xp, p.off, p.wp, y + n * g->o * ohw, g->oh,
+      ddp__cpu_conv_rows_avx512(g->o, k, wpk, p.xp, p.off, p.wp, y + n * g->o * ohw, g->oh,
                                 g->ow, b, false);
     }
     return DDP_OK;
@@ -507,17 +547,29 @@ static ddp_status backward_avx512(float *dx, float *dw, float *db, const float *
    * two vectors, else through a column matrix), or gemm + col2im. */
   const bool dx_as_conv = dx_is_conv(g);
   const bool dx_shifted = is_same(g) && g->c < SHIFTED_MAX_CHANNELS;
+  const bool dx_winograd = dx_as_conv && !dx_shifted && use_winograd(g, g->c, g->o, g->h, g->w);
   const bool dx_implicit = dx_as_conv && g->w <= 32;
   padded dyp = {0};
   shifted sdy = {0};
-  float *wflip = NULL, *wt = NULL, *dcol = NULL;
-  if (dx && dx_shifted) {
+  float *wflip = NULL, *wt = NULL, *dcol = NULL, *wino_u = NULL, *wino_s = NULL;
+  if (dx && dx_winograd) {
+    /* the same convolution of padded dy with the flipped weight (C, O, 3, 3) */
+    DDP_TRY(dx_conv_init(&wflip, &dyp, w, g, arena));
+    DDP_TRY(winograd_init(&wino_u, &wino_s, wflip, g->o * kk, g->c, g->o, g->h, g->w, arena));
+  } else if (dx && dx_shifted) {
     /* dX of a same convolution is a same convolution of dy (padding
      * K-1-pad = pad) with the flipped weight (C, O*KH*KW). */
     DDP_TRY(dx_conv_init(&wflip, NULL, w, g, arena));
     DDP_TRY(shifted_init(&sdy, g->o, g->h, g->w, g->kw, g->pad, arena));
   } else if (dx && dx_as_conv) {
     DDP_TRY(dx_conv_init(&wflip, &dyp, w, g, arena));
+    if (dx_implicit) { /* conv_rows reads the flipped weight packed */
+      const int64_t taps = g->o * kk;
+      float *wpk = scratch(arena, ddp__cpu_conv_rows_packed_floats(g->c, taps), &status);
+      if (!wpk) return status;
+      ddp__cpu_conv_rows_pack(g->c, taps, wflip, taps, wpk);
+      wflip = wpk;
+    }
     if (!dx_implicit && !(dcol = scratch(arena, g->o * kk * hw + SLACK, &status))) return status;
   } else if (dx) {
     if (!(wt = scratch(arena, k * g->o, &status))) return status;
@@ -550,7 +602,11 @@ static ddp_status backward_avx512(float *dx, float *dw, float *db, const float *
         ddp__cpu_gemm_avx512(k, g->o, ohw, cn, ohw, dyt, g->o, dwt, g->o, NULL, true);
       }
     }
-    if (dx && dx_shifted) {
+    if (dx && dx_winograd) {
+      pad_copy(&dyp, dyn);
+      ddp__cpu_winograd_conv3x3_avx512(g->c, g->o, wino_u, dyp.xp, dx + n * chw, g->h, g->w,
+                                       NULL, dx_accumulate, wino_s);
+    } else if (dx && dx_shifted) {
       shifted_copy_avx512(&sdy, dyn);
       /* dx_n (C, H*W) (+)= wflip (C, O*KH*KW) @ rows of dy's copies */
       ddp__cpu_gemm_off_avx512(g->c, hw, g->o * kk, wflip, g->o * kk, sdy.buf, sdy.off,
@@ -559,8 +615,8 @@ static ddp_status backward_avx512(float *dx, float *dw, float *db, const float *
       pad_copy(&dyp, dyn);
       if (dx_implicit) {
         /* dx_n (C, H, W) += wflip (C, O*KH*KW) @ implicit col of padded dy */
-        ddp__cpu_conv_rows_avx512(g->c, g->o * kk, wflip, g->o * kk, dyp.xp, dyp.off, dyp.wp,
-                                  dx + n * chw, g->h, g->w, NULL, dx_accumulate);
+        ddp__cpu_conv_rows_avx512(g->c, g->o * kk, wflip, dyp.xp, dyp.off, dyp.wp, dx + n * chw,
+                                  g->h, g->w, NULL, dx_accumulate);
       } else {
         im2col_padded(dcol, &dyp, g->kh, g->kw, g->h, g->w);
         ddp__cpu_gemm_avx512(g->c, hw, g->o * kk, wflip, g->o * kk, dcol, hw, dx + n * chw, hw,

@@ -79,14 +79,34 @@ void ddp__cpu_gemm_nt_off_avx512(int64_t m, int64_t n, int64_t k, const float *a
 /* Stride-1 convolution gemms that read a zero-padded image xp (C, HP, WP)
  * through per-tap offsets off[t] = (c*HP + a)*WP + b instead of a column
  * matrix. conv_rows: y (m, oh, ow) = (y if accumulate, else bias or 0) +
- * w (m, taps; row stride ldw) @ columns of xp; needs ow <= 32 and 16 floats
- * of slack past xp. conv_taps: dwt (taps, n) += columns^T-weighted sums,
+ * w (m, taps) @ columns of xp, with w given packed by conv_rows_pack (once
+ * per call of the convolution, then for every sample); needs 16 floats of
+ * slack past xp. conv_taps: dwt (taps, n) += columns^T-weighted sums,
  * dwt[t][j] += sum over (y, x) of xp[off[t] + y*wp + x] * dyt[(y*ow + x)*n + j]. */
-void ddp__cpu_conv_rows_avx512(int64_t m, int64_t taps, const float *w, int64_t ldw,
+int64_t ddp__cpu_conv_rows_packed_floats(int64_t m, int64_t taps);
+/* packed (conv_rows_packed_floats(m, taps) floats) from w (m, taps; row
+ * stride ldw). */
+void ddp__cpu_conv_rows_pack(int64_t m, int64_t taps, const float *w, int64_t ldw,
+                             float *packed);
+void ddp__cpu_conv_rows_avx512(int64_t m, int64_t taps, const float *packed,
                                const float *xp, const int64_t *off, int64_t wp, float *y,
                                int64_t oh, int64_t ow, const float *bias, bool accumulate);
 void ddp__cpu_conv_taps_avx512(int64_t taps, int64_t n, const float *xp, const int64_t *off,
                                int64_t wp, int64_t oh, int64_t ow, const float *dyt,
                                float *dwt);
+/* 3x3 stride-1 convolutions by Winograd's F(2x2, 3x3) (cpu/winograd.c):
+ * y (m, oh, ow) = (y if accumulate, else 0) + bias + the valid convolution
+ * of x (c, oh + 2, ow + 2; already padded) with w (m, c, 3, 3; row stride
+ * ldw per output channel), given u = winograd_weights(w) (once per call,
+ * then for every sample) and winograd_scratch_floats of scratch. Only where
+ * winograd_fits (even oh and ow, ow <= 30, m and c >= 16); only call
+ * conv3x3 when ddp__cpu_has_avx512(). */
+bool ddp__cpu_winograd_fits(int64_t m, int64_t c, int64_t oh, int64_t ow);
+int64_t ddp__cpu_winograd_weights_floats(int64_t m, int64_t c);
+void ddp__cpu_winograd_weights(int64_t m, int64_t c, const float *w, int64_t ldw, float *u);
+int64_t ddp__cpu_winograd_scratch_floats(int64_t m, int64_t c, int64_t oh, int64_t ow);
+void ddp__cpu_winograd_conv3x3_avx512(int64_t m, int64_t c, const float *u, const float *x,
+                                      float *y, int64_t oh, int64_t ow, const float *bias,
+                                      bool accumulate, float *scratch);
 
 #endif

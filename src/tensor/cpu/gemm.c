@@ -223,27 +223,39 @@ AVX512 void ddp__cpu_gemm_nt_off_avx512(int64_t m, int64_t n, int64_t k, const f
  * matrix: im2col's ~80,000 stores per sample of conv2 cost a quarter of the
  * gemm's time. */
 
-/* y (m, oh, ow) = bias + w (m, taps) @ B, B[t][(y, x)] = xp[off[t] + y*WP + x],
- * for ow <= 32. Each output row is vr = 1 or 2 vectors (lanes past ow are
- * computed and dropped); a tile is 8 channels x nv vectors: up to 3 rows
- * when vr = 1, one row when vr = 2. Lanes past a row's end are stored onto
- * the channel's next rows: garbage that those rows overwrite later, or
- * (accumulating) the values already there. Only vectors whose spill would
- * leave the channel pay for masked stores. xp needs 16 floats of slack. */
-AVX512 static inline __attribute__((always_inline)) void
-tile_rows(const int mr, const int vr, const int nv, int64_t taps, const float *w, int64_t ldw,
-          const float *xp, const int64_t *off, int64_t wp, float *y, int64_t oh, int64_t ow,
-          int64_t oy, const float *bias, bool accumulate) {
+/* conv_rows reads its weights packed MR channels a tap: the MR broadcasts of
+ * a tap then come from one line through one base register. Read in place
+ * (row stride ldw), the eight rows' pointers did not fit the registers beside
+ * the loads' offsets: the loop reloaded them from the stack every tap. */
+int64_t ddp__cpu_conv_rows_packed_floats(int64_t m, int64_t taps) {
+  return (m + MR - 1) / MR * MR * taps;
+}
+
+void ddp__cpu_conv_rows_pack(int64_t m, int64_t taps, const float *w, int64_t ldw, float *packed) {
+  for (int64_t i0 = 0; i0 < m; i0 += MR) {
+    float *blk = packed + i0 * taps;
+    for (int64_t t = 0; t < taps; t++)
+      for (int64_t r = 0; r < MR; r++) blk[t * MR + r] = i0 + r < m ? w[(i0 + r) * ldw + t] : 0.0f;
+  }
+}
+
+/* Rows up to one vector wide (ow <= 16): y (m, oh, ow) = bias + w @ B,
+ * B[t][(y, x)] = xp[off[t] + y*WP + x]. A row is one vector (lanes past ow
+ * computed and dropped); a tile is MR channels x nv rows (nv <= 3). Lanes
+ * past a row's end are stored onto the channel's next rows: garbage that
+ * those rows overwrite later, or (accumulating) the values already there.
+ * Only vectors whose spill would leave the channel pay for masked stores.
+ * wb: the packed block of the tile's channels, read at wb[t*MR + r]. */
+AVX512 static inline __attribute__((always_inline)) void tile_rows(
+    const int mr, const int nv, int64_t taps, const float *wb, const float *xp, const int64_t *off,
+    int64_t wp, float *y, int64_t oh, int64_t ow, int64_t oy, const float *bias, bool accumulate) {
   __m512 acc[MR][3];
-  /* vector v covers row oy + v/vr, columns 16*(v%vr) onwards */
-  int64_t at[3];
-  __mmask16 lanes[3];
+  int64_t at[3]; /* vector v covers row oy + v */
+  __mmask16 lanes = (__mmask16)((1u << ow) - 1);
   bool fits[3]; /* its 16 lanes stay inside the channel: read and write whole */
 #pragma GCC unroll 3
   for (int v = 0; v < nv; v++) {
-    const int64_t col = 16 * (v % vr), n = ow - col < 16 ? ow - col : 16;
-    at[v] = (oy + v / vr) * ow + col;
-    lanes[v] = (__mmask16)((1u << n) - 1);
+    at[v] = (oy + v) * ow;
     fits[v] = at[v] + 16 <= oh * ow;
   }
 #pragma GCC unroll 8
@@ -253,17 +265,17 @@ tile_rows(const int mr, const int vr, const int nv, int64_t taps, const float *w
       const float *src = y + r * oh * ow + at[v];
       acc[r][v] = !accumulate ? (bias ? _mm512_set1_ps(bias[r]) : _mm512_setzero_ps())
                   : fits[v]   ? _mm512_loadu_ps(src)
-                              : _mm512_maskz_loadu_ps(lanes[v], src);
+                              : _mm512_maskz_loadu_ps(lanes, src);
     }
   const float *xrow = xp + oy * wp;
   for (int64_t t = 0; t < taps; t++) {
     const float *src = xrow + off[t];
     __m512 bv[3];
 #pragma GCC unroll 3
-    for (int v = 0; v < nv; v++) bv[v] = _mm512_loadu_ps(src + (v / vr) * wp + 16 * (v % vr));
+    for (int v = 0; v < nv; v++) bv[v] = _mm512_loadu_ps(src + v * wp);
 #pragma GCC unroll 8
     for (int r = 0; r < mr; r++) {
-      __m512 ar = _mm512_set1_ps(w[r * ldw + t]);
+      __m512 ar = _mm512_set1_ps(wb[t * MR + r]);
 #pragma GCC unroll 3
       for (int v = 0; v < nv; v++) acc[r][v] = _mm512_fmadd_ps(ar, bv[v], acc[r][v]);
     }
@@ -274,43 +286,160 @@ tile_rows(const int mr, const int vr, const int nv, int64_t taps, const float *w
     for (int v = 0; v < nv; v++) {
       float *dst = y + r * oh * ow + at[v];
       if (!fits[v])
-        _mm512_mask_storeu_ps(dst, lanes[v], acc[r][v]);
+        _mm512_mask_storeu_ps(dst, lanes, acc[r][v]);
       else if (accumulate) /* the spare lanes write back what is there */
-        _mm512_storeu_ps(dst, _mm512_mask_mov_ps(_mm512_loadu_ps(dst), lanes[v], acc[r][v]));
+        _mm512_storeu_ps(dst, _mm512_mask_mov_ps(_mm512_loadu_ps(dst), lanes, acc[r][v]));
       else /* the spare lanes' garbage is overwritten by the later rows */
         _mm512_storeu_ps(dst, acc[r][v]);
     }
 }
 
-AVX512 static inline __attribute__((always_inline)) void
-rows_block(const int vr, const int nv, int64_t m, int64_t taps, const float *w, int64_t ldw,
-           const float *xp, const int64_t *off, int64_t wp, float *y, int64_t oh, int64_t ow,
-           int64_t oy, const float *bias, bool accumulate) {
-  int64_t i = 0;
-  for (; i + MR <= m; i += MR)
-    tile_rows(MR, vr, nv, taps, w + i * ldw, ldw, xp, off, wp, y + i * oh * ow, oh, ow, oy,
-              bias ? bias + i : NULL, accumulate);
-  for (; i < m; i++)
-    tile_rows(1, vr, nv, taps, w + i * ldw, ldw, xp, off, wp, y + i * oh * ow, oh, ow, oy,
-              bias ? bias + i : NULL, accumulate);
+/* Rows wider than one vector (ow > 16): the channel's outputs taken flat,
+ * 48 at a time (3 vectors x MR channels). A vector of 16 consecutive outputs
+ * spans at most two rows; the lanes on the second row come from that row's
+ * start through a second load that merges under a mask. Rows in whole
+ * vectors wasted the lanes past ow: a row of 24 (psnet's conv2) used 3/4 of
+ * its FMAs, 26 (its dX) 13/16. Lane i of a vector starting at flat output p
+ * = (oy, ox) reads xp[off[t] + oy*WP + ox + i] while ox + i < ow, else
+ * xp[off[t] + (oy+1)*WP + (ox + i - ow)]. */
+typedef struct {
+  int64_t at[3];         /* the vector's first flat output */
+  int64_t first[3];      /* xp offset of lane 0 on the first row */
+  int64_t second[3];     /* xp offset that lane i reads as base + i on the second row */
+  __mmask16 on_first[3]; /* lanes on the first row */
+  __mmask16 on_second[3];
+  __mmask16 valid[3]; /* lanes inside the channel */
+} flat_tile;
+
+static void flat_tile_at(flat_tile *ft, int64_t p, int64_t plane, int64_t ow, int64_t wp) {
+  for (int v = 0; v < 3; v++) {
+    const int64_t q = p + 16 * v, oy = q / ow, ox = q % ow;
+    const int64_t inside = plane - q <= 0 ? 0 : plane - q < 16 ? plane - q : 16;
+    const int64_t a = ow - ox < 16 ? ow - ox : 16; /* lanes on the first row */
+    const uint32_t valid = (uint32_t)((1u << inside) - 1), first = (uint32_t)((1u << a) - 1);
+    ft->at[v] = q;
+    ft->first[v] = oy * wp + ox;
+    ft->second[v] = (oy + 1) * wp - a;
+    ft->valid[v] = (__mmask16)valid;
+    ft->on_first[v] = (__mmask16)(valid & first);
+    ft->on_second[v] = (__mmask16)(valid & ~first);
+  }
 }
 
-AVX512 void ddp__cpu_conv_rows_avx512(int64_t m, int64_t taps, const float *w, int64_t ldw,
-                                      const float *xp, const int64_t *off, int64_t wp, float *y,
-                                      int64_t oh, int64_t ow, const float *bias,
-                                      bool accumulate) {
-  if (ow > 16) { /* two vectors a row, a row a tile */
-    for (int64_t oy = 0; oy < oh; oy++)
-      rows_block(2, 2, m, taps, w, ldw, xp, off, wp, y, oh, ow, oy, bias, accumulate);
+AVX512 static inline __attribute__((always_inline)) void tile_flat(
+    const int mr, const int nv, const flat_tile *ft, int64_t taps, const float *wb, const float *xp,
+    const int64_t *off, float *y, int64_t plane, const float *bias, bool accumulate) {
+  __m512 acc[MR][3];
+#pragma GCC unroll 8
+  for (int r = 0; r < mr; r++)
+#pragma GCC unroll 3
+    for (int v = 0; v < nv; v++)
+      acc[r][v] = accumulate ? _mm512_maskz_loadu_ps(ft->valid[v], y + r * plane + ft->at[v])
+                  : bias     ? _mm512_set1_ps(bias[r])
+                             : _mm512_setzero_ps();
+  for (int64_t t = 0; t < taps; t++) {
+    const float *src = xp + off[t];
+    __m512 bv[3];
+#pragma GCC unroll 3
+    for (int v = 0; v < nv; v++)
+      bv[v] = _mm512_mask_loadu_ps(_mm512_maskz_loadu_ps(ft->on_first[v], src + ft->first[v]),
+                                   ft->on_second[v], src + ft->second[v]);
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++) {
+      __m512 ar = _mm512_set1_ps(wb[t * MR + r]);
+#pragma GCC unroll 3
+      for (int v = 0; v < nv; v++) acc[r][v] = _mm512_fmadd_ps(ar, bv[v], acc[r][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < mr; r++)
+#pragma GCC unroll 3
+    for (int v = 0; v < nv; v++) {
+      float *dst = y + r * plane + ft->at[v];
+      if (ft->valid[v] == 0xffff)
+        _mm512_storeu_ps(dst, acc[r][v]);
+      else
+        _mm512_mask_storeu_ps(dst, ft->valid[v], acc[r][v]);
+    }
+}
+
+/* MR channels (or the last mr < MR, one at a time) of one packed block at
+ * one flat tile. */
+AVX512 static inline __attribute__((always_inline)) void flat_channels(
+    const int nv, int64_t mr, const flat_tile *ft, const float *wb, int64_t taps, const float *xp,
+    const int64_t *off, float *y, int64_t plane, const float *bias, bool accumulate) {
+  if (mr == MR) {
+    tile_flat(MR, nv, ft, taps, wb, xp, off, y, plane, bias, accumulate);
     return;
   }
-  int64_t oy = 0;
-  for (; oy + 3 <= oh; oy += 3)
-    rows_block(1, 3, m, taps, w, ldw, xp, off, wp, y, oh, ow, oy, bias, accumulate);
-  if (oh - oy == 2)
-    rows_block(1, 2, m, taps, w, ldw, xp, off, wp, y, oh, ow, oy, bias, accumulate);
-  else if (oh - oy == 1)
-    rows_block(1, 1, m, taps, w, ldw, xp, off, wp, y, oh, ow, oy, bias, accumulate);
+  for (int64_t r = 0; r < mr; r++) /* wb + r: channel r's weight at [t*MR] */
+    tile_flat(1, nv, ft, taps, wb + r, xp, off, y + r * plane, plane, bias ? bias + r : NULL,
+              accumulate);
+}
+
+/* A flat tile for every block of channels before the next tile: the tile's
+ * window of xp stays in L1 while the weights stream from L2. */
+AVX512 static inline __attribute__((always_inline)) void flat_all(
+    int64_t m, int64_t taps, const float *packed, const float *xp, const int64_t *off, int64_t wp,
+    float *y, int64_t oh, int64_t ow, const float *bias, bool accumulate) {
+  const int64_t plane = oh * ow;
+  flat_tile ft;
+  for (int64_t p = 0; p < plane; p += 48) {
+    flat_tile_at(&ft, p, plane, ow, wp);
+    const int64_t rest = plane - p;
+    for (int64_t i = 0; i < m; i += MR) {
+      const int64_t mr = m - i < MR ? m - i : MR;
+      const float *wb = packed + i * taps, *bi = bias ? bias + i : NULL;
+      float *yi = y + i * plane;
+      if (rest > 32)
+        flat_channels(3, mr, &ft, wb, taps, xp, off, yi, plane, bi, accumulate);
+      else if (rest > 16)
+        flat_channels(2, mr, &ft, wb, taps, xp, off, yi, plane, bi, accumulate);
+      else
+        flat_channels(1, mr, &ft, wb, taps, xp, off, yi, plane, bi, accumulate);
+    }
+  }
+}
+
+AVX512 static inline __attribute__((always_inline)) void row_channels(
+    int64_t mr, const float *wb, int64_t taps, const float *xp, const int64_t *off, int64_t wp,
+    float *y, int64_t oh, int64_t ow, const float *bias, bool accumulate) {
+  for (int64_t oy = 0; oy < oh; oy += 3) {
+    const int nv = oh - oy >= 3 ? 3 : (int)(oh - oy);
+    if (mr == MR) {
+      if (nv == 3)
+        tile_rows(MR, 3, taps, wb, xp, off, wp, y, oh, ow, oy, bias, accumulate);
+      else if (nv == 2)
+        tile_rows(MR, 2, taps, wb, xp, off, wp, y, oh, ow, oy, bias, accumulate);
+      else
+        tile_rows(MR, 1, taps, wb, xp, off, wp, y, oh, ow, oy, bias, accumulate);
+      continue;
+    }
+    for (int64_t r = 0; r < mr; r++) {
+      float *yr = y + r * oh * ow;
+      const float *br = bias ? bias + r : NULL;
+      if (nv == 3)
+        tile_rows(1, 3, taps, wb + r, xp, off, wp, yr, oh, ow, oy, br, accumulate);
+      else if (nv == 2)
+        tile_rows(1, 2, taps, wb + r, xp, off, wp, yr, oh, ow, oy, br, accumulate);
+      else
+        tile_rows(1, 1, taps, wb + r, xp, off, wp, yr, oh, ow, oy, br, accumulate);
+    }
+  }
+}
+
+AVX512 void ddp__cpu_conv_rows_avx512(int64_t m, int64_t taps, const float *packed, const float *xp,
+                                      const int64_t *off, int64_t wp, float *y, int64_t oh,
+                                      int64_t ow, const float *bias, bool accumulate) {
+  if (ow > 16) {
+    flat_all(m, taps, packed, xp, off, wp, y, oh, ow, bias, accumulate);
+    return;
+  }
+  for (int64_t i = 0; i < m; i += MR) {
+    const int64_t mr = m - i < MR ? m - i : MR;
+    row_channels(mr, packed + i * taps, taps, xp, off, wp, y + i * oh * ow, oh, ow,
+                 bias ? bias + i : NULL, accumulate);
+  }
 }
 
 /* dwt (taps, n) += A @ dyt, A[t][(y, x)] = xp[off[t] + y*WP + x] for (y, x)
