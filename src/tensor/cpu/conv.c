@@ -526,10 +526,19 @@ static ddp_status backward_avx512(float *dx, float *dw, float *db, const float *
   const bool dw_dot = g->o < 32;
   const bool dw_implicit = !dw_dot && g->stride == 1 && !pointwise;
   const bool dw_shifted = dw_dot && is_same(g) && !pointwise;
+  const bool dw_winograd = use_winograd(g, g->o, g->c, g->oh, g->ow);
   padded xp = {0};
   shifted sx = {0};
   float *col = NULL, *dyt = NULL, *dwt = NULL;
-  if (dw && dw_shifted) {
+  float *wino_du = NULL, *wino_dws = NULL; /* dW by Winograd: dU, scratch */
+  if (dw && dw_winograd) {
+    const int64_t du_floats = ddp__cpu_winograd_weights_floats(g->o, g->c);
+    if (!(wino_du = scratch(arena, du_floats, &status))) return status;
+    memset(wino_du, 0, (size_t)du_floats * sizeof(float));
+    wino_dws = scratch(arena, ddp__cpu_winograd_scratch_floats(g->o, g->c, g->oh, g->ow), &status);
+    if (!wino_dws) return status;
+    if (g->pad) DDP_TRY(padded_init(&xp, g->c, g->h, g->w, g->pad, g->pad, 3, 3, arena));
+  } else if (dw && dw_shifted) {
     DDP_TRY(shifted_init(&sx, g->c, g->h, g->w, g->kw, g->pad, arena));
   } else if (dw) {
     if (g->stride == 1 && !pointwise)
@@ -581,7 +590,11 @@ static ddp_status backward_avx512(float *dx, float *dw, float *db, const float *
     const float *xn = x + n * chw;
     const float *dyn = dy + n * g->o * ohw; /* (O, OH*OW) */
     if (db) bias_grad(db, dyn, g->o, ohw);
-    if (dw && dw_shifted) {
+    if (dw && dw_winograd) {
+      const float *xin = xn; /* without padding: the sample in place */
+      if (g->pad) pad_copy(&xp, xn), xin = xp.xp;
+      ddp__cpu_winograd_dw_sample_avx512(g->o, g->c, xin, dyn, g->oh, g->ow, wino_du, wino_dws);
+    } else if (dw && dw_shifted) {
       shifted_copy_avx512(&sx, xn);
       /* dw (O, K) += dy (O, H*W) @ (rows of the copies (K, H*W))^T */
       ddp__cpu_gemm_nt_off_avx512(g->o, k, ohw, dyn, ohw, sx.buf, sx.off, dw, k);
@@ -629,7 +642,9 @@ static ddp_status backward_avx512(float *dx, float *dw, float *db, const float *
       col2im_add(dx + n * chw, dcol, g);
     }
   }
-  if (dw && !dw_dot)
+  if (dw && dw_winograd)
+    ddp__cpu_winograd_dw_finish(g->o, g->c, wino_du, dw);
+  else if (dw && !dw_dot)
     for (int64_t o = 0; o < g->o; o++)
       for (int64_t t = 0; t < k; t++) dw[o * k + t] += dwt[t * g->o + o];
   return DDP_OK;

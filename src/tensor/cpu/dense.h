@@ -108,5 +108,13 @@ int64_t ddp__cpu_winograd_scratch_floats(int64_t m, int64_t c, int64_t oh, int64
 void ddp__cpu_winograd_conv3x3_avx512(int64_t m, int64_t c, const float *u, const float *x,
                                       float *y, int64_t oh, int64_t ow, const float *bias,
                                       bool accumulate, float *scratch);
+/* The weight gradient of the same convolution (m outputs, c inputs) by
+ * Winograd: for each sample, dw_sample adds its x (c, oh + 2, ow + 2;
+ * padded) and dy (m, oh, ow) into du (weights_floats(m, c), zeroed before
+ * the first sample), with scratch_floats(m, c, oh, ow) of scratch; then
+ * dw_finish adds du's transform into dw (m, c, 3, 3). */
+void ddp__cpu_winograd_dw_sample_avx512(int64_t m, int64_t c, const float *x, const float *dy,
+                                        int64_t oh, int64_t ow, float *du, float *scratch);
+void ddp__cpu_winograd_dw_finish(int64_t m, int64_t c, const float *du, float *dw);
 
 #endif

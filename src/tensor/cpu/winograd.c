@@ -186,3 +186,75 @@ AVX512 void ddp__cpu_winograd_conv3x3_avx512(int64_t m, int64_t c, const float *
     output_transform(mm + o * tiles, mk, th, tw, y + o * oh * ow, ow, bias ? bias[o] : 0.0f,
                      accumulate);
 }
+
+/* ---- the weight gradient ---------------------------------------------------
+ * Y = A^T (U . V) A summed over input channels is linear in U, so
+ *   dL/dU[o][c] = sum over tiles of (A dY A^T) . V[c]   (elementwise, 4x4)
+ *   dL/dg[o][c] = G^T dL/dU[o][c] G                     (3x3)
+ * with dY the tile's 2x2 block of the output gradient. Per sample: V as in
+ * the forward, the 16 positions of A dY A^T per output channel, and 16 gemms
+ * du[k] (m, c) += dM[k] (m, tiles) @ V[k]^T; the G^T . G transform runs once,
+ * after the last sample (it is linear too). */
+
+/* dM for output channel o: the rows 2ty, 2ty + 1 of its gradient dy. */
+AVX512 static inline __attribute__((always_inline)) void
+grad_transform(const float *dy, int64_t ow, int64_t th, int64_t tw, float *dm, int64_t mk) {
+  const __mmask16 lo_lanes = (__mmask16)(ow >= 16 ? 0xffffu : (1u << ow) - 1);
+  const __mmask16 hi_lanes = (__mmask16)(ow > 16 ? (1u << (ow - 16)) - 1 : 0);
+  for (int64_t ty = 0; ty < th; ty++) {
+    __m512 e[2], o[2]; /* the tile's columns 0 and 1 of rows 0 and 1, a tile a lane */
+    for (int r = 0; r < 2; r++) {
+      const float *row = dy + (2 * ty + r) * ow;
+      const __m512 lo = _mm512_maskz_loadu_ps(lo_lanes, row);
+      const __m512 hi = _mm512_maskz_loadu_ps(hi_lanes, row + 16);
+      e[r] = pick(lo, hi, 0), o[r] = pick(lo, hi, 1);
+    }
+    /* A z: the rows z0, z0 + z1, z0 - z1, -z1; then (A z) A^T along each */
+    const __m512 zero = _mm512_setzero_ps();
+    const __m512 p[4] = {e[0], _mm512_add_ps(e[0], e[1]), _mm512_sub_ps(e[0], e[1]),
+                         _mm512_sub_ps(zero, e[1])};
+    const __m512 q[4] = {o[0], _mm512_add_ps(o[0], o[1]), _mm512_sub_ps(o[0], o[1]),
+                         _mm512_sub_ps(zero, o[1])};
+    float *at = dm + ty * tw;
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) { /* lanes past tw: as in input_transform */
+      _mm512_storeu_ps(at + (4 * i + 0) * mk, p[i]);
+      _mm512_storeu_ps(at + (4 * i + 1) * mk, _mm512_add_ps(p[i], q[i]));
+      _mm512_storeu_ps(at + (4 * i + 2) * mk, _mm512_sub_ps(p[i], q[i]));
+      _mm512_storeu_ps(at + (4 * i + 3) * mk, _mm512_sub_ps(zero, q[i]));
+    }
+  }
+}
+
+AVX512 void ddp__cpu_winograd_dw_sample_avx512(int64_t m, int64_t c, const float *x,
+                                               const float *dy, int64_t oh, int64_t ow,
+                                               float *du, float *scratch) {
+  const int64_t th = oh / 2, tw = ow / 2, tiles = th * tw, iw = ow + 2;
+  const int64_t vk = c * tiles + 16, mk = m * tiles + 16;
+  float *v = scratch, *dm = scratch + POS * vk;
+  for (int64_t ci = 0; ci < c; ci++)
+    input_transform(x + ci * (oh + 2) * iw, iw, th, tw, v + ci * tiles, vk);
+  for (int64_t o = 0; o < m; o++) grad_transform(dy + o * oh * ow, ow, th, tw, dm + o * tiles, mk);
+  for (int k = 0; k < POS; k++) /* du[k] (m, c) += dM[k] (m, tiles) @ V[k] (c, tiles)^T */
+    ddp__cpu_gemm_nt_avx512(m, c, tiles, dm + k * mk, tiles, v + k * vk, tiles,
+                            du + (int64_t)k * m * c, c);
+}
+
+void ddp__cpu_winograd_dw_finish(int64_t m, int64_t c, const float *du, float *dw) {
+  for (int64_t o = 0; o < m; o++)
+    for (int64_t ci = 0; ci < c; ci++) {
+      float d[4][4], t[3][4]; /* dU[o][c], then G^T dU */
+      for (int k = 0; k < POS; k++) d[k / 4][k % 4] = du[((int64_t)k * m + o) * c + ci];
+      for (int j = 0; j < 4; j++) {
+        t[0][j] = d[0][j] + 0.5f * (d[1][j] + d[2][j]);
+        t[1][j] = 0.5f * (d[1][j] - d[2][j]);
+        t[2][j] = 0.5f * (d[1][j] + d[2][j]) + d[3][j];
+      }
+      float *g = dw + (o * c + ci) * 9;
+      for (int a = 0; a < 3; a++) { /* (G^T dU) G */
+        g[3 * a + 0] += t[a][0] + 0.5f * (t[a][1] + t[a][2]);
+        g[3 * a + 1] += 0.5f * (t[a][1] - t[a][2]);
+        g[3 * a + 2] += 0.5f * (t[a][1] + t[a][2]) + t[a][3];
+      }
+    }
+}
