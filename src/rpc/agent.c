@@ -692,7 +692,8 @@ ddp_status ddp_rpc_shutdown(ddp_rpc_agent *a, bool graceful, double timeout_s) {
     size_t used = 0;
     for (int32_t r = 0; r < a->world; r++) {
       ddp__rpc_conn *c = &a->conns[r];
-      if (r == a->rank || c->done_received) continue;
+      /* One that sent DONE and then died (while still serving) is named too. */
+      if (r == a->rank || (c->done_received && c->state != DDP__RPC_CONN_FAILED)) continue;
       if (c->state == DDP__RPC_CONN_OPEN) st = DDP_ERR_TIMEOUT;
       else if (st == DDP_OK) st = DDP_ERR_PEER;
       if (used + 8 >= sizeof msg) continue;
@@ -707,6 +708,14 @@ ddp_status ddp_rpc_shutdown(ddp_rpc_agent *a, bool graceful, double timeout_s) {
       st = DDP_ERR_TIMEOUT;
       snprintf(msg, sizeof msg, "%lld calls of this worker were still pending", (long long)outstanding);
     }
+  }
+  /* Last on the wire: the others tell this shutdown from a death. */
+  for (int32_t r = 0; r < a->world; r++) {
+    if (r == a->rank) continue;
+    pthread_mutex_lock(&a->mu);
+    bool open = a->conns[r].state == DDP__RPC_CONN_OPEN;
+    pthread_mutex_unlock(&a->mu);
+    if (open) ddp__rpc_send_bye(&a->conns[r], graceful);
   }
   const char *self_name = a->workers[a->rank].name;
   char name[DDP_RPC_MAX_NAME_BYTES];

@@ -233,6 +233,23 @@ ddp_status ddp__rpc_send_frame_ex(ddp__rpc_conn *c, uint8_t kind, uint64_t call_
   return DDP_OK;
 }
 
+void ddp__rpc_send_bye(ddp__rpc_conn *c, bool graceful) {
+  if (c->fd < 0) return;
+  /* A writer stuck on a full socket holds the lock until its own deadline:
+   * waiting that long would stall the shutdown, so try for a while only. */
+  int64_t deadline = ddp_time_ns() + 100 * 1000000LL;
+  while (pthread_mutex_trylock(&c->write_mu) != 0) {
+    if (ddp_time_ns() >= deadline) return;
+    struct timespec ts = {0, 1000000};
+    nanosleep(&ts, NULL);
+  }
+  ddp__rpc_frame h = {.magic = DDP__RPC_MAGIC, .kind = DDP__RPC_BYE, .status = graceful ? 1 : 0};
+  struct iovec iov = {&h, sizeof h};
+  /* Half a BYE is harmless: the sockets close right after it either way. */
+  (void)sendv_full(c->fd, &iov, 1, ddp_time_ns() + 100 * 1000000LL);
+  pthread_mutex_unlock(&c->write_mu);
+}
+
 /* ---- Memory the peer is still to read ------------------------------------------ */
 
 typedef struct ddp__rpc_held {
@@ -306,12 +323,25 @@ void ddp__rpc_conn_lost(ddp__rpc_conn *c, const char *why) {
     pthread_mutex_unlock(&a->mu);
     return;
   }
-  bool left = c->done_received || a->state == DDP__RPC_STOPPING;
+  /* Only a worker that said so has shut down gracefully: one that sent
+   * DONE and was killed while still serving (a graceful shutdown waits for
+   * the others' DONE) died, and is reported and cleaned up as such. */
+  bool graceful = c->bye == DDP__RPC_BYE_GRACEFUL;
+  bool stopping = a->state == DDP__RPC_STOPPING;
+  bool left = graceful || stopping;
   c->state = left ? DDP__RPC_CONN_LEFT : DDP__RPC_CONN_FAILED;
   char who[128];
   ddp__rpc_worker_str(a, c->rank, who, sizeof who);
-  if (left) snprintf(c->error, sizeof c->error, "%s has shut down", who);
-  else snprintf(c->error, sizeof c->error, "%s is gone: %s", who, why);
+  if (graceful)
+    snprintf(c->error, sizeof c->error, "%s has shut down", who);
+  else if (stopping)
+    snprintf(c->error, sizeof c->error, "the connection to %s was closed by this worker's "
+             "shutdown", who);
+  else if (c->bye == DDP__RPC_BYE_ABRUPT)
+    snprintf(c->error, sizeof c->error, "%s stopped without a graceful shutdown "
+             "(ddp_rpc_shutdown with graceful = false)", who);
+  else
+    snprintf(c->error, sizeof c->error, "%s died or cannot be reached: %s", who, why);
   /* Its pending calls, out of the table. */
   ddp_rpc_future *lost = NULL;
   for (int b = 0; b < DDP__RPC_PENDING_BUCKETS; b++)
@@ -481,6 +511,12 @@ bool ddp__rpc_read_loop(ddp__rpc_conn *c) {
       ddp__rpc_held *done = held_pulled_locked(c);
       pthread_mutex_unlock(&a->mu);
       held_free(done);
+      continue;
+    }
+    if (h.kind == DDP__RPC_BYE) {
+      pthread_mutex_lock(&a->mu);
+      c->bye = h.status ? DDP__RPC_BYE_GRACEFUL : DDP__RPC_BYE_ABRUPT;
+      pthread_mutex_unlock(&a->mu);
       continue;
     }
     if (h.kind == DDP__RPC_DONE) {

@@ -19,9 +19,18 @@ typedef enum {
 
 typedef enum {
   DDP__RPC_CONN_OPEN = 0,
-  DDP__RPC_CONN_LEFT = 1,   /* the worker said DONE, then closed: a graceful leave */
-  DDP__RPC_CONN_FAILED = 2, /* closed without DONE, or a broken stream */
+  DDP__RPC_CONN_LEFT = 1,   /* the worker said BYE (graceful), then closed; or this
+                             * worker is stopping */
+  DDP__RPC_CONN_FAILED = 2, /* closed without a graceful BYE (a death, an abrupt
+                             * shutdown), or a broken stream */
 } ddp__rpc_conn_state;
+
+/* What the worker at the other end said about its own ending (DDP__RPC_BYE). */
+typedef enum {
+  DDP__RPC_BYE_NONE = 0,
+  DDP__RPC_BYE_ABRUPT = 1,   /* ddp_rpc_shutdown(graceful = false) */
+  DDP__RPC_BYE_GRACEFUL = 2, /* a graceful shutdown, every DONE exchanged */
+} ddp__rpc_bye;
 
 /* A connection to one worker (both directions). */
 typedef struct ddp__rpc_conn {
@@ -54,6 +63,7 @@ typedef struct ddp__rpc_conn {
   /* Under agent->mu: */
   ddp__rpc_conn_state state;
   bool done_received;           /* DONE arrived (graceful shutdown) */
+  ddp__rpc_bye bye;             /* BYE arrived: the close that follows is no death */
   char error[320];              /* why FAILED / LEFT */
   /* The reader's buffer (the thread holding the reader role only). */
   char *rbuf;
@@ -200,10 +210,16 @@ ddp_status ddp__rpc_wait_pulled(ddp__rpc_conn *c, uint64_t seq, int64_t deadline
 bool ddp__rpc_read_loop(ddp__rpc_conn *c);
 /* Allocates c's read buffer (before its first read loop). */
 ddp_status ddp__rpc_conn_prepare(ddp__rpc_conn *c);
-/* Under agent->mu: marks c failed (or left, when its DONE came first) with
- * the reason, fails its pending calls; calls the modules' worker_failed
- * after unlocking is the caller's job (ddp__rpc_conn_lost does all). */
+/* Marks c failed (or left, when the worker's graceful BYE came first or
+ * this worker is stopping) with the reason, fails its pending calls with
+ * it, and, when it failed, calls the modules' worker_failed. Takes
+ * agent->mu itself. */
 void ddp__rpc_conn_lost(ddp__rpc_conn *c, const char *why);
+/* Tells the worker at the other end of c that this one is closing on
+ * purpose (DDP__RPC_BYE), so that it reports a shutdown, not a death. Best
+ * effort and bounded: skipped when another thread holds the write lock
+ * past ~100 ms (the peer then reports the close as a death). */
+void ddp__rpc_send_bye(ddp__rpc_conn *c, bool graceful);
 /* "worker 'ps' (rank 0)" into buf. */
 const char *ddp__rpc_worker_str(const struct ddp_rpc_agent *a, int32_t rank, char *buf,
                                 size_t bytes);

@@ -76,6 +76,8 @@ enum {
   DDP__RPC_ERROR = 4,    /* call_id; status; payload = the handler's message */
   DDP__RPC_DONE = 5,     /* graceful shutdown: "my outstanding calls are done" */
   DDP__RPC_PULLED = 6,   /* call_id = count of pulled frames so far (cross-memory attach) */
+  DDP__RPC_BYE = 7,      /* status 1: a graceful shutdown ends, 0: an abrupt one; sent just
+                          * before the sockets close, so a close without it is a death */
 };
 /* frame.flags: the tensors' data is not in the stream; num_tensors
  * addresses (uint64) in the sender's memory follow the payload instead. */

@@ -2,8 +2,10 @@
  * the handler refuses, or past its timeout fails that call alone (the next
  * works) with a message naming the worker and the function; a worker killed
  * with SIGKILL fails every call to it, in flight and new, within 5 s naming
- * it, and a graceful shutdown of the others still ends, naming it; a
- * graceful shutdown waits for this worker's outstanding calls. */
+ * it as dead (also when it was killed inside its own graceful shutdown), and
+ * a graceful shutdown of the others still ends, naming it; a graceful
+ * shutdown waits for this worker's outstanding calls; an abrupt one is
+ * reported to its callers as such. */
 #include <stdatomic.h>
 
 #include "rpc_test_handlers.h"
@@ -110,6 +112,9 @@ static void kill_fn(int rank, int size, ddp_rpc_agent *a, rt_result *res, void *
     const char *e = ddp_rpc_future_error(inflight[i]);
     RT_CHECK(res, st == DDP_ERR_CLOSED, "in-flight call %d: %s (%s)", i, ddp_status_name(st), e);
     RT_CHECK(res, has(e, "'w2'") && has(e, "'slow'"), "message: %s", e);
+    /* A death is a death, not a shutdown. */
+    RT_CHECK(res, has(e, "worker 'w2' (rank 2) died or cannot be reached") && !has(e, "shut down"),
+             "message: %s", e);
     RT_CHECK(res, *kill_time_ns > 0 && now - *kill_time_ns < 5000000000LL,
              "failed %.3f s after the kill", (double)(now - *kill_time_ns) / 1e9);
     ddp_rpc_future_destroy(inflight[i]);
@@ -121,8 +126,10 @@ static void kill_fn(int rank, int size, ddp_rpc_agent *a, rt_result *res, void *
   /* New calls fail at once, naming it. */
   int64_t t0 = ddp_time_ns();
   ddp_status st = ddp_rpc_sync(a, "w2", "echo", NULL, 10, NULL);
-  RT_CHECK(res, st == DDP_ERR_CLOSED && has(ddp_last_error(), "'w2'"), "new call: %s: %s",
-           ddp_status_name(st), ddp_last_error());
+  RT_CHECK(res, st == DDP_ERR_CLOSED && has(ddp_last_error(), "'echo'") &&
+                    has(ddp_last_error(), "worker 'w2' (rank 2) died or cannot be reached") &&
+                    !has(ddp_last_error(), "shut down"),
+           "new call: %s: %s", ddp_status_name(st), ddp_last_error());
   RT_CHECK(res, ddp_time_ns() - t0 < 1000000000LL, "a new call took %.3f s",
            (double)(ddp_time_ns() - t0) / 1e9);
   /* The survivors still talk. */
@@ -133,7 +140,8 @@ static void kill_fn(int rank, int size, ddp_rpc_agent *a, rt_result *res, void *
   const char *e = ddp_last_error();
   RT_CHECK(res, st == DDP_ERR_PEER, "shutdown: %s: %s", ddp_status_name(st), e);
   const char *dead = strstr(e, "without");
-  RT_CHECK(res, dead && has(dead, "'w2'") && !has(dead, "'w0'") && !has(dead, "'w1'"),
+  RT_CHECK(res, dead && has(dead, "'w2'") && has(dead, "died") && !has(dead, "'w0'") &&
+                    !has(dead, "'w1'"),
            "shutdown message: %s", e);
   RT_CHECK(res, ddp_time_ns() - t0 < 10000000000LL, "shutdown took %.3f s", (double)(ddp_time_ns() - t0) / 1e9);
 }
@@ -151,6 +159,70 @@ static void test_sigkill(void **state) {
   assert_true(*kill_time_ns > 0);
   munmap(w.results, sizeof(rt_result) * 3);
   munmap(kill_time_ns, sizeof *kill_time_ns);
+}
+
+/* ---- SIGKILL during a graceful shutdown -------------------------------------------- */
+
+/* w1 starts a graceful shutdown (it sends DONE at once, then keeps serving
+ * while it waits for w0's DONE) and is killed while serving w0's call: w0
+ * must hear of a death, not of a shutdown (before BYE, a close after DONE
+ * read as "has shut down" and the dead worker's state was never cleaned). */
+static atomic_int *shutdown_begun; /* shared: w1 is inside ddp_rpc_shutdown */
+
+static ddp_status h_die_in_shutdown(ddp_rpc_call *call, const ddp_rpc_message *args,
+                                    ddp_rpc_message *reply, void *user) {
+  (void)call, (void)args, (void)reply, (void)user;
+  for (int i = 0; i < 10000 && !atomic_load(shutdown_begun); i++) rt_sleep_ms(1);
+  rt_sleep_ms(300); /* its DONE is out by now */
+  *kill_time_ns = ddp_time_ns();
+  kill(getpid(), SIGKILL);
+  return DDP_OK;
+}
+
+static void die_in_shutdown_fn(int rank, int size, ddp_rpc_agent *a, rt_result *res, void *arg) {
+  (void)size, (void)arg;
+  if (rank == 1) {
+    rt_sleep_ms(100); /* w0's call arrives first */
+    atomic_store(shutdown_begun, 1);
+    ddp_rpc_shutdown(a, true, 30);
+    RT_CHECK(res, false, "w1 was not killed");
+    return;
+  }
+  ddp_rpc_future *f;
+  RT_CHECK(res, ddp_rpc_async(a, "w1", "die_in_shutdown", NULL, 30, &f) == DDP_OK, "%s",
+           ddp_last_error());
+  ddp_status st = ddp_rpc_future_wait(f, 20);
+  int64_t now = ddp_time_ns();
+  const char *e = ddp_rpc_future_error(f);
+  RT_CHECK(res, st == DDP_ERR_CLOSED, "the call: %s (%s)", ddp_status_name(st), e);
+  RT_CHECK(res, has(e, "'die_in_shutdown'") &&
+                    has(e, "worker 'w1' (rank 1) died or cannot be reached") && !has(e, "shut down"),
+           "message: %s", e);
+  RT_CHECK(res, *kill_time_ns > 0 && now - *kill_time_ns < 5000000000LL,
+           "failed %.3f s after the kill", (double)(now - *kill_time_ns) / 1e9);
+  ddp_rpc_future_destroy(f);
+  st = ddp_rpc_shutdown(a, true, 20);
+  e = ddp_last_error();
+  RT_CHECK(res, st == DDP_ERR_PEER && has(e, "without the workers that died: worker 'w1' (rank 1) died"),
+           "shutdown: %s: %s", ddp_status_name(st), e);
+}
+
+static void test_sigkill_in_shutdown(void **state) {
+  (void)state;
+  kill_time_ns = mmap(NULL, sizeof *kill_time_ns, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  shutdown_begun = mmap(NULL, sizeof *shutdown_begun, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  *kill_time_ns = 0;
+  atomic_init(shutdown_begun, 0);
+  rt_config cfg = {.threads = 4, .no_shutdown = true};
+  rt_world w;
+  assert_int_equal(rt_spawn(&w, 2, &cfg, die_in_shutdown_fn, NULL, 65), 0);
+  char err[1200];
+  int bad = rt_wait(&w, 60, 1, err, sizeof err);
+  if (bad) fail_msg("%d workers failed; %s", bad, err);
+  assert_true(*kill_time_ns > 0);
+  munmap(w.results, sizeof(rt_result) * 2);
+  munmap(kill_time_ns, sizeof *kill_time_ns);
+  munmap(shutdown_begun, sizeof *shutdown_begun);
 }
 
 /* ---- Graceful shutdown with work outstanding ---------------------------------------- */
@@ -225,11 +297,42 @@ static void test_abrupt_shutdown(void **state) {
   rt_run(2, &cfg, abrupt_fn, NULL, 60);
 }
 
+/* The other side of it: a worker that shuts down abruptly is reported as
+ * such to the calls it leaves pending, neither as dead nor as gracefully
+ * gone. */
+static void peer_abrupt_fn(int rank, int size, ddp_rpc_agent *a, rt_result *res, void *arg) {
+  (void)size, (void)arg;
+  if (rank == 1) {
+    rt_sleep_ms(300); /* w0's call is being served */
+    ddp_rpc_shutdown(a, false, 0);
+    return;
+  }
+  int64_t ms = 3000;
+  ddp_rpc_message slow = {.payload = &ms, .payload_bytes = 8};
+  ddp_rpc_future *f;
+  RT_CHECK(res, ddp_rpc_async(a, "w1", "slow", &slow, 30, &f) == DDP_OK, "%s", ddp_last_error());
+  ddp_status st = ddp_rpc_future_wait(f, 20);
+  const char *e = ddp_rpc_future_error(f);
+  RT_CHECK(res, st == DDP_ERR_CLOSED && has(e, "'slow'") &&
+                    has(e, "worker 'w1' (rank 1) stopped without a graceful shutdown") &&
+                    !has(e, "died"),
+           "pending call: %s: %s", ddp_status_name(st), e);
+  ddp_rpc_future_destroy(f);
+  ddp_rpc_shutdown(a, false, 0);
+}
+
+static void test_peer_abrupt_shutdown(void **state) {
+  (void)state;
+  rt_config cfg = {.threads = 2, .no_shutdown = true};
+  rt_run(2, &cfg, peer_abrupt_fn, NULL, 60);
+}
+
 static int setup(void **state) {
   (void)state;
   register_test_handlers();
   ddp_rpc_register("die", h_die, NULL);
   ddp_rpc_register("counted_slow", h_counted_slow, NULL);
+  ddp_rpc_register("die_in_shutdown", h_die_in_shutdown, NULL);
   return rt_start_store();
 }
 
@@ -243,8 +346,10 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_call_faults),
       cmocka_unit_test(test_sigkill),
+      cmocka_unit_test(test_sigkill_in_shutdown),
       cmocka_unit_test(test_graceful_outstanding),
       cmocka_unit_test(test_abrupt_shutdown),
+      cmocka_unit_test(test_peer_abrupt_shutdown),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }
