@@ -15,10 +15,18 @@
  * preempted: the time its main thread was ready to run while its core ran
  * something else (schedstat), over the wall time: other load's share.
  *
+ * --input-grad: the input requires grad, so the first layer computes its
+ * input's gradient too (as a pipeline fed by layers before it): then the
+ * two stages cost the same (without it the first stage skips one of the 12
+ * matrix products a micro-batch costs the last), the premise of the
+ * bubble's closed form.
+ *
  *   bench_pipeline [--schedule 1f1b] [--microbatches 8] [--virtual-stages 1]
- *                  [--batch 256] [--dim 1024] [--steps 20] [--warmup 3] */
+ *                  [--batch 256] [--dim 1024] [--steps 20] [--warmup 3]
+ *                  [--input-grad] */
 #include <cblas.h>
 #include <sched.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,6 +43,7 @@ typedef struct {
   const char *schedule;
   int m, v, dim, steps, warmup, layers;
   int64_t batch;
+  bool input_grad;
 } cfg;
 
 static void die(const char *what) {
@@ -112,6 +121,7 @@ static double run_single(const cfg *c, double *cpu_pre) {
   ddp_tensor x, y;
   fill(&x, xb, c->batch, c->dim, 1);
   fill(&y, yb, c->batch, c->dim, 2);
+  float *xg = calloc((size_t)(c->batch * c->dim), sizeof(float));
   float scale = 1.0f / (float)c->m;
   double t0 = 0;
   for (int step = 0; step < c->warmup + c->steps; step++) {
@@ -127,6 +137,7 @@ static double run_single(const cfg *c, double *cpu_pre) {
       ddp_tensor xm, ym, *out, *loss;
       ddp_tensor_wrap(&xm, DDP_FLOAT32, 2, shape, xb + off * c->dim);
       ddp_tensor_wrap(&ym, DDP_FLOAT32, 2, shape, yb + off * c->dim);
+      if (c->input_grad) xm.grad = xg + off * c->dim, xm.flags |= DDP_TENSOR_REQUIRES_GRAD;
       off += (int)rows;
       ddp_tape_reset(tape);
       if (ddp_model_forward(model, tape, &xm, &out) != DDP_OK ||
@@ -142,6 +153,7 @@ static double run_single(const cfg *c, double *cpu_pre) {
   ddp_preempt_clock_close(&clock);
   free(xb);
   free(yb);
+  free(xg);
   ddp_tape_destroy(tape);
   ddp_optimizer_destroy(opt);
   ddp_model_destroy(model);
@@ -180,6 +192,8 @@ static void run_rank(const cfg *c, const char *path, int rank, int world, double
   ddp_tensor x, y;
   fill(&x, xb, c->batch, c->dim, 1);
   fill(&y, yb, c->batch, c->dim, 2);
+  float *xg = calloc((size_t)(c->batch * c->dim), sizeof(float));
+  if (c->input_grad) x.grad = xg, x.flags |= DDP_TENSOR_REQUIRES_GRAD;
   ddp_preempt_clock clock;
   ddp_preempt_clock_open(&clock);
   double t0 = 0, cpu0 = 0;
@@ -209,6 +223,7 @@ static void run_rank(const cfg *c, const char *path, int rank, int world, double
   ddp_preempt_clock_close(&clock);
   free(xb);
   free(yb);
+  free(xg);
   ddp_optimizer_destroy(opt);
   ddp_pipeline_destroy(pp);
   ddp_process_group_destroy(pg);
@@ -216,9 +231,26 @@ static void run_rank(const cfg *c, const char *path, int rank, int world, double
 }
 
 int main(int argc, char **argv) {
-  cfg c = {"1f1b", 8, 1, 1024, 20, 3, 8, 256};
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const char *k = argv[i], *v = argv[i + 1];
+  cfg c = {"1f1b", 8, 1, 1024, 20, 3, 8, 256, false};
+  for (int i = 1; i < argc; i++) {
+    const char *k = argv[i];
+    if (!strcmp(k, "--help") || !strcmp(k, "-h")) {
+      printf("usage: bench_pipeline [--schedule none|gpipe|1f1b|interleaved] [--microbatches M]\n"
+             "                      [--virtual-stages v] [--batch B] [--dim D] [--steps S]\n"
+             "                      [--warmup W] [--input-grad]\n"
+             "8 x (Linear(D, D), ReLU) with MSE, as 2 pipeline stages on 2 forked ranks (none: the\n"
+             "unsplit model on one rank); prints samples/s and each rank's idle fraction.\n");
+      return 0;
+    }
+    if (!strcmp(k, "--input-grad")) {
+      c.input_grad = true;
+      continue;
+    }
+    if (i + 1 >= argc) {
+      fprintf(stderr, "bench_pipeline: %s needs a value (--help)\n", k);
+      return 2;
+    }
+    const char *v = argv[++i];
     if (!strcmp(k, "--schedule")) c.schedule = v;
     else if (!strcmp(k, "--microbatches")) c.m = atoi(v);
     else if (!strcmp(k, "--virtual-stages")) c.v = atoi(v);
@@ -227,7 +259,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(k, "--steps")) c.steps = atoi(v);
     else if (!strcmp(k, "--warmup")) c.warmup = atoi(v);
     else {
-      fprintf(stderr, "bench_pipeline: unknown option %s\n", k);
+      fprintf(stderr, "bench_pipeline: unknown option %s (--help)\n", k);
       return 2;
     }
   }
@@ -236,8 +268,8 @@ int main(int argc, char **argv) {
     double cp[2];
     double sps = run_single(&c, cp);
     printf("ddp pipeline schedule=none world=1 microbatches=%d v=1 batch=%lld dim=%d steps=%d "
-           "samples_per_s=%.1f cpu=%.2f preempted=%.2f\n", c.m, (long long)c.batch, c.dim,
-           c.steps, sps, cp[0], cp[1]);
+           "input_grad=%d samples_per_s=%.1f cpu=%.2f preempted=%.2f\n", c.m, (long long)c.batch,
+           c.dim, c.steps, c.input_grad, sps, cp[0], cp[1]);
     return 0;
   }
   const int world = 2;
@@ -271,8 +303,9 @@ int main(int argc, char **argv) {
   }
   double ideal = (double)(world - 1) / (double)(c.v * c.m + world - 1);
   printf("ddp pipeline schedule=%s world=%d microbatches=%d v=%d batch=%lld dim=%d steps=%d "
-         "samples_per_s=%.1f idle=%.3f,%.3f ideal_idle=%.3f cpu=%.2f,%.2f preempted=%.2f,%.2f\n",
-         c.schedule, world, c.m, c.v, (long long)c.batch, c.dim, c.steps, shared[1], shared[0],
-         shared[2], ideal, shared[4], shared[5], shared[6], shared[7]);
+         "input_grad=%d samples_per_s=%.1f idle=%.3f,%.3f ideal_idle=%.3f cpu=%.2f,%.2f "
+         "preempted=%.2f,%.2f\n",
+         c.schedule, world, c.m, c.v, (long long)c.batch, c.dim, c.steps, c.input_grad, shared[1],
+         shared[0], shared[2], ideal, shared[4], shared[5], shared[6], shared[7]);
   return 0;
 }

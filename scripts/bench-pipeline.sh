@@ -9,7 +9,8 @@
 #            --microbatches 8 (and --world 1, its unsplit model)
 # Each round runs every configuration once; the order of the two sides
 # alternates between rounds. Prints the medians over rounds: each schedule's
-# measured idle fraction per rank against (p - 1) / (v M + p - 1), the
+# measured idle fraction per rank against (p - 1) / (v M + p - 1) (stages
+# of equal cost: bench_pipeline --input-grad; see ddp_runs), the
 # speedup of 1F1B at M = 8 over the unsplit model against the ideal
 # 2M / (M + 1), and ddp / PyTorch in samples/s.
 #   scripts/bench-pipeline.sh [rounds=5] [steps=20]
@@ -32,17 +33,23 @@ mkdir -p "$out"
 raw=$out/raw.txt
 : >"$raw"
 
+# Speed: the model as PyTorch's reference runs it (the input needs no
+# gradient). Bubble: --input-grad, so both stages do the same 12 matrix
+# products a micro-batch (the closed form's premise; without it the first
+# stage skips its first layer's input gradient and idles that much more).
 ddp_runs() {
   local r=$1
   "$bin/bench_pipeline" --schedule none --microbatches 8 --steps "$steps" | sed "s/^/round=$r /" >>"$raw"
+  "$bin/bench_pipeline" --schedule 1f1b --microbatches 8 --steps "$steps" | sed "s/^/round=$r /" >>"$raw"
   for s in 1f1b gpipe; do
     for m in 4 8 16; do
-      "$bin/bench_pipeline" --schedule $s --microbatches $m --steps "$steps" | sed "s/^/round=$r /" >>"$raw"
+      "$bin/bench_pipeline" --schedule $s --microbatches $m --steps "$steps" --input-grad |
+        sed "s/^/round=$r /" >>"$raw"
     done
   done
   for m in 4 8 16; do
-    "$bin/bench_pipeline" --schedule interleaved --virtual-stages 2 --microbatches $m --steps "$steps" |
-      sed "s/^/round=$r /" >>"$raw"
+    "$bin/bench_pipeline" --schedule interleaved --virtual-stages 2 --microbatches $m --steps "$steps" \
+      --input-grad | sed "s/^/round=$r /" >>"$raw"
   done
 }
 torch_runs() {
@@ -64,21 +71,28 @@ for line in open(sys.argv[1]):
     kv['side'] = 'torch' if ' torch ' in f' {line} ' or 'torch' in line.split()[1] else 'ddp'
     rows.append(kv)
 def med(xs): return statistics.median(xs) if xs else float('nan')
-def pick(side, sched, world, m, v='1'):
+def pick(side, sched, world, m, v='1', grad='0'):
     return [r for r in rows if r['side'] == side and r['schedule'] == sched and r['world'] == world
-            and r['microbatches'] == m and r.get('v', '1') == v]
-print('Idle fraction per rank (median over rounds) against (p-1)/(vM+p-1):')
+            and r['microbatches'] == m and r.get('v', '1') == v and r.get('input_grad', '0') == grad]
+print('Idle fraction per rank (median over rounds) against (p-1)/(vM+p-1),')
+print('stages of equal cost (--input-grad):')
 print('| schedule | v | M | rank 0 | rank 1 | ideal | rounds |')
 print('|---|---|---|---|---|---|---|')
 for sched, v in (('gpipe', '1'), ('1f1b', '1'), ('interleaved', '2')):
     for m in ('4', '8', '16'):
-        rs = pick('ddp', sched, '2', m, v)
+        rs = pick('ddp', sched, '2', m, v, '1')
         if not rs: continue
         i0 = med([float(r['idle'].split(',')[0]) for r in rs])
         i1 = med([float(r['idle'].split(',')[1]) for r in rs])
         print(f"| {sched} | {v} | {m} | {i0:.3f} | {i1:.3f} | {float(rs[0]['ideal_idle']):.3f} | {len(rs)} |")
 single = [float(r['samples_per_s']) for r in pick('ddp', 'none', '1', '8')]
 pipe = [float(r['samples_per_s']) for r in pick('ddp', '1f1b', '2', '8')]
+asis = pick('ddp', '1f1b', '2', '8')
+if asis:
+    print(f"| 1f1b, the input without gradient (the speed runs) | 1 | 8 | "
+          f"{med([float(r['idle'].split(',')[0]) for r in asis]):.3f} | "
+          f"{med([float(r['idle'].split(',')[1]) for r in asis]):.3f} | "
+          f"{float(asis[0]['ideal_idle']):.3f} | {len(asis)} |")
 t_pipe = [float(r['samples_per_s']) for r in rows if r['side'] == 'torch' and r['world'] == '2']
 t_single = [float(r['samples_per_s']) for r in rows if r['side'] == 'torch' and r['world'] == '1']
 print()
@@ -94,7 +108,8 @@ for r in rows:
     by_round.setdefault(r['round'], []).append(r)
 ratios = []
 for rnd, rs in sorted(by_round.items()):
-    d = [float(r['samples_per_s']) for r in rs if r['side'] == 'ddp' and r['schedule'] == '1f1b' and r['microbatches'] == '8']
+    d = [float(r['samples_per_s']) for r in rs if r['side'] == 'ddp' and r['schedule'] == '1f1b'
+         and r['microbatches'] == '8' and r.get('input_grad', '0') == '0']
     t = [float(r['samples_per_s']) for r in rs if r['side'] == 'torch' and r['world'] == '2']
     if d and t: ratios.append(d[0] / t[0])
 print()

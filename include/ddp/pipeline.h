@@ -236,7 +236,10 @@ void ddp_pipeline_destroy(ddp_pipeline *pp);
  * micro-batch; backward scales it by grad_scale, so the stage's gradients
  * (ddp_pipeline_model's flat buffer) accumulate sum_m grad(loss_m) *
  * grad_scale. Gradients are not zeroed here (zero them as with
- * optimizer.zero_grad). *loss (may be NULL): the mean of the micro-batch
+ * optimizer.zero_grad). An input with DDP_TENSOR_REQUIRES_GRAD and a grad
+ * buffer (float32, as its data) gets its gradient too, added into
+ * input->grad (as PyTorch's first stage does for an input that requires
+ * grad: layers before the pipeline). *loss (may be NULL): the mean of the micro-batch
  * losses on the last stage's rank, NaN elsewhere. An input stage 0 refuses
  * (not the sample shape, fewer rows than M, more than max_batch) is
  * DDP_ERR_SHAPE on every rank before anything moves, and the pipeline stays

@@ -111,7 +111,8 @@ typedef struct ddp__backend_ops {
    * died fails every pending request. On failure returns the status with
    * the message as the last error, and *culprit the index of the request it
    * concerns (-1: none in particular). Deadlines and abort are the caller's.
-   * Called by one thread (the lane's). */
+   * Called by one thread at a time: whoever drives the lane (the waiting
+   * caller or the lane's thread, p2p_lane.c). */
   ddp_status (*p2p_progress)(ddp__backend *b, const ddp__op_ctx *ctx, ddp__p2p_req *const *reqs,
                              int n, int64_t wait_ns, int *culprit);
   /* Ends a p2p_progress wait early (new requests, abort); any thread. */

@@ -130,6 +130,14 @@ static ddp_status forward(ddp_pipeline *pp, run_args *a, const ddp_pipeline_acti
   ddp_status s;
   if (g == 0) {
     s = view_rows(x, a->input, off, rows);
+    if (s == DDP_OK && a->training && (a->input->flags & DDP_TENSOR_REQUIRES_GRAD) &&
+        a->input->grad) {
+      /* An input that requires grad (layers before the pipeline feed it)
+       * gets its gradient: each micro-batch's rows of input->grad, added
+       * into as a leaf's are. */
+      x->grad = a->input->grad + off * (x->numel / rows);
+      x->flags |= DDP_TENSOR_REQUIRES_GRAD;
+    }
   } else {
     pp_slot *slot = &c->acts[c->act_of[mb]];
     DDP_TRY(wait_xfer(pp, &slot->work, "the receive of activations", g, mb, g - 1));
