@@ -72,7 +72,7 @@ static const char usage[] =
     "  -r, --redirects 0-3|R:N,...  send stdout (1), stderr (2), both (3) to the\n"
     "                        log files only (a temporary dir without --log-dir)\n"
     "  -t, --tee 0-3|R:N,... write them to the log files and the console\n"
-    "  --local-ranks-filter R,...  only these local ranks reach the console\n"
+    "  --local-ranks-filter R,...  only these local ranks reach the console (0,2 or 0-3)\n"
     "  --trace DIR           each worker a timeline file: DDP_TRACE_FILE=DIR/rank<N>.json\n"
     "                        (ddp-train writes it), merged after the job into\n"
     "                        DIR/trace.json (Perfetto, chrome://tracing), a process\n"

@@ -107,7 +107,8 @@ void ddp__stream_finish(ddp__stream *stream, ddp__tail *tail);
 /* Parses a --redirects/--tee value ("3", "0:1,1:2") for local_rank: 0 none,
  * 1 stdout, 2 stderr, 3 both. */
 ddp_status ddp__std_spec_for(const char *option, const char *spec, int32_t local_rank, int *out);
-/* Whether local_rank's output reaches the console under --local-ranks-filter. */
+/* Whether local_rank's output reaches the console under --local-ranks-filter
+ * (a rank set, rank_set.c: "0,2", "0-3" or "all"; NULL or "": every rank). */
 ddp_status ddp__filter_allows(const char *spec, int32_t local_rank, int *out);
 
 /* ---- Timelines (trace_merge.c) ------------------------------------------------ */

@@ -376,18 +376,7 @@ ddp_status ddp__std_spec_for(const char *option, const char *spec, int32_t local
 ddp_status ddp__filter_allows(const char *spec, int32_t local_rank, int *out) {
   *out = 1;
   if (!spec || !*spec) return DDP_OK;
-  *out = 0;
-  const char *p = spec;
-  for (;;) {
-    char *end;
-    errno = 0;
-    long r = strtol(p, &end, 10);
-    if (errno || end == p || r < 0 || (*end && *end != ','))
-      return ddp_error(DDP_ERR_INVALID,
-                       "--local-ranks-filter %s: expected local ranks separated by commas, such as 0,2 (at offset %d)",
-                       spec, (int)(p - spec));
-    if (r == local_rank) *out = 1;
-    if (!*end) return DDP_OK;
-    p = end + 1;
-  }
+  DDP_TRY(ddp__rank_set_check("--local-ranks-filter", spec)); /* "0,2", "0-3", "all" */
+  *out = ddp__rank_set_contains(spec, local_rank);
+  return DDP_OK;
 }

@@ -1,6 +1,7 @@
-/* Sets of global ranks written as ddprun takes them on its command line
- * ("all", or "0,3-5"), read straight from the text: a job names a few
- * ranges, and the supervisor asks only when a worker exits. */
+/* Sets of ranks written as ddprun takes them on its command line ("all",
+ * or "0,3-5"), read straight from the text: a job names a few ranges, and
+ * the supervisor asks only when a worker exits (--may-fail, global ranks)
+ * or a worker starts (--local-ranks-filter, local ranks). */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,7 +31,7 @@ ddp_status ddp__rank_set_check(const char *option, const char *spec) {
   for (;;) {
     long lo, hi;
     if (!read_range(&p, &lo, &hi) || hi > INT32_MAX)
-      return ddp_error(DDP_ERR_INVALID, "%s '%s': expected \"all\" or global ranks such as 1,3-5 "
+      return ddp_error(DDP_ERR_INVALID, "%s '%s': expected \"all\" or ranks such as 1,3-5 "
                        "(at '%.20s')", option, spec, p);
     if (*p == '\0') return DDP_OK;
     if (*p != ',') return ddp_error(DDP_ERR_INVALID, "%s '%s': expected ',' after a rank (at '%.20s')",

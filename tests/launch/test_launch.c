@@ -75,6 +75,12 @@ static void test_options_spellings(void **state) {
   assert_true(allowed);
   assert_int_equal(ddp__filter_allows("0,2", 1, &allowed), DDP_OK);
   assert_false(allowed);
+  assert_int_equal(ddp__filter_allows("1-3", 3, &allowed), DDP_OK); /* ranges, as --may-fail */
+  assert_true(allowed);
+  assert_int_equal(ddp__filter_allows("1-3", 0, &allowed), DDP_OK);
+  assert_false(allowed);
+  assert_int_equal(ddp__filter_allows("0,x", 0, &allowed), DDP_ERR_INVALID);
+  assert_non_null(strstr(ddp_last_error(), "--local-ranks-filter '0,x'"));
 }
 
 static void test_options_refused(void **state) {
