@@ -9,6 +9,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "rpc/dist_pool.h"
 #include "rpc/rref_internal.h"
 #include "tensor/tape.h"
 
@@ -88,6 +89,7 @@ typedef struct in_call {
   ddp_tensor *sends[MAX_GRAD_TENSORS]; /* reply tensors needing grad */
   uint64_t send_mask;
   void *reply_buf; /* our header + the handler's payload */
+  size_t reply_bytes;
   bool pinned;     /* a backward through here is still due (the gate) */
   bool reached;
 } in_call;
@@ -96,6 +98,7 @@ typedef struct grad_entry {
   struct grad_entry *next;
   const ddp_tensor *t;
   float *g;
+  size_t bytes; /* of g */
 } grad_entry;
 
 typedef struct da_state da_state;
@@ -131,6 +134,8 @@ struct da_state {
   int64_t next_id;
   ddp_tape *free_tapes[16];
   int n_free_tapes;
+  /* Records and buffers of ended contexts, for the next ones. */
+  ddp__dist_pool pool;
   /* The gate (docs/rpc.md "Parameters a backward needs"). */
   int writers_waiting;
   bool writer_active;
@@ -227,7 +232,7 @@ static ddp_dist_context *ctx_find_locked(da_state *st, int64_t id) {
 }
 
 static ddp_dist_context *ctx_new_locked(da_state *st, int64_t id) {
-  ddp_dist_context *c = ddp_calloc(1, sizeof *c);
+  ddp_dist_context *c = ddp__dist_pool_get(&st->pool, sizeof *c);
   if (!c) return NULL;
   c->st = st;
   c->agent = st->agent;
@@ -247,7 +252,25 @@ static ddp_status ctx_get(da_state *st, int64_t id, ddp_dist_context **out) {
   return c ? DDP_OK : ddp_error(DDP_ERR_NOMEM, "dist_autograd: out of memory");
 }
 
-/* Unlinks and frees a context (its pins released). */
+/* Hands a received message's gradient buffers (made by make_leaves, sized
+ * by its tensors) back to the pool, before the message itself is freed. */
+static void put_leaf_grads(da_state *st, const ddp_rpc_message *m, float **grads) {
+  for (int i = 0; i < MAX_GRAD_TENSORS; i++) {
+    if (!grads[i]) continue;
+    ddp__dist_pool_put(&st->pool, grads[i], (size_t)m->tensors[i]->numel * sizeof(float));
+    grads[i] = NULL;
+  }
+}
+
+static void put_in_call(da_state *st, in_call *in) {
+  put_leaf_grads(st, &in->args, in->arg_grad);
+  ddp_rpc_message_free(&in->args);
+  ddp__dist_pool_put(&st->pool, in->reply_buf, in->reply_bytes);
+  ddp__dist_pool_put(&st->pool, in, sizeof *in);
+}
+
+/* Unlinks and frees a context (its pins released); its records and buffers
+ * go back to the worker's pool. */
 static void ctx_free(da_state *st, ddp_dist_context *c) {
   pthread_mutex_lock(&st->mu);
   for (ddp_dist_context **p = &st->contexts; *p; p = &(*p)->next)
@@ -268,24 +291,21 @@ static void ctx_free(da_state *st, ddp_dist_context *c) {
   c->tape = NULL;
   for (out_call *o = c->outs, *next; o; o = next) {
     next = o->next;
+    put_leaf_grads(st, &o->result, o->res_grad);
     ddp_rpc_message_free(&o->result);
-    for (int i = 0; i < MAX_GRAD_TENSORS; i++) ddp_free(o->res_grad[i]);
-    ddp_free(o);
+    ddp__dist_pool_put(&st->pool, o, sizeof *o);
   }
   for (in_call *in = c->ins, *next; in; in = next) {
     next = in->next;
-    ddp_rpc_message_free(&in->args);
-    for (int i = 0; i < MAX_GRAD_TENSORS; i++) ddp_free(in->arg_grad[i]);
-    ddp_free(in->reply_buf);
-    ddp_free(in);
+    put_in_call(st, in);
   }
   for (grad_entry *g = c->grads, *next; g; g = next) {
     next = g->next;
-    ddp_free(g->g);
-    ddp_free(g);
+    ddp__dist_pool_put(&st->pool, g->g, g->bytes);
+    ddp__dist_pool_put(&st->pool, g, sizeof *g);
   }
   pthread_mutex_destroy(&c->mu);
-  ddp_free(c);
+  ddp__dist_pool_put(&st->pool, c, sizeof *c);
 }
 
 ddp_status ddp_dist_context_begin(ddp_rpc_agent *agent, ddp_dist_context **out) {
@@ -480,7 +500,8 @@ void ddp__dist_gate_write_end(ddp_rpc_agent *agent) {
 
 /* Makes the tensors of a received message leaves; those in mask require
  * grad, with a zeroed gradient buffer of their own. */
-static ddp_status make_leaves(const ddp_rpc_message *m, uint64_t mask, float **grads) {
+static ddp_status make_leaves(da_state *st, const ddp_rpc_message *m, uint64_t mask,
+                              float **grads) {
   for (int i = 0; i < m->num_tensors; i++) {
     ddp_tensor *t = m->tensors[i];
     t->node = -1;
@@ -492,7 +513,7 @@ static ddp_status make_leaves(const ddp_rpc_message *m, uint64_t mask, float **g
       if (t->dtype != DDP_FLOAT32)
         return ddp_error(DDP_ERR_INVALID, "dist_autograd: tensor %d needs grad but is %s", i,
                          ddp_dtype_name(t->dtype));
-      grads[i] = ddp_calloc((size_t)t->numel, sizeof(float));
+      grads[i] = ddp__dist_pool_get(&st->pool, (size_t)t->numel * sizeof(float));
       if (!grads[i]) return ddp_error(DDP_ERR_NOMEM, "dist_autograd: out of memory");
       t->grad = grads[i];
       t->flags |= DDP_TENSOR_REQUIRES_GRAD;
@@ -513,14 +534,16 @@ static uint64_t grad_mask(const ddp_rpc_message *m) {
 static float *ctx_grad_locked(ddp_dist_context *c, const ddp_tensor *t) {
   for (grad_entry *g = c->grads; g; g = g->next)
     if (g->t == t) return g->g;
-  grad_entry *g = ddp_calloc(1, sizeof *g);
-  float *buf = g ? ddp_calloc((size_t)t->numel, sizeof(float)) : NULL;
+  size_t bytes = (size_t)t->numel * sizeof(float);
+  grad_entry *g = ddp__dist_pool_get(&c->st->pool, sizeof *g);
+  float *buf = g ? ddp__dist_pool_get(&c->st->pool, bytes) : NULL;
   if (!buf) {
-    ddp_free(g);
+    ddp__dist_pool_put(&c->st->pool, g, sizeof *g);
     return NULL;
   }
   g->t = t;
   g->g = buf;
+  g->bytes = bytes;
   g->next = c->grads;
   c->grads = g;
   return buf;
@@ -761,7 +784,7 @@ static ddp_status dist_call(ddp_dist_context *ctx, int32_t to, const char *fn, d
   if (!fn || strlen(fn) >= DDP_RPC_MAX_NAME_BYTES)
     return ddp_error(DDP_ERR_INVALID, "dist_autograd: a function name of 1..%d bytes is required",
                      DDP_RPC_MAX_NAME_BYTES - 1);
-  out_call *o = ddp_calloc(1, sizeof *o);
+  out_call *o = ddp__dist_pool_get(&ctx->st->pool, sizeof *o);
   if (!o) return ddp_error(DDP_ERR_NOMEM, "dist_autograd: out of memory");
   o->to = to;
   o->req_mask = grad_mask(args);
@@ -779,7 +802,7 @@ static ddp_status dist_call(ddp_dist_context *ctx, int32_t to, const char *fn, d
   char stackbuf[1024];
   char *buf = sizeof h + extra <= sizeof stackbuf ? stackbuf : ddp_alloc(sizeof h + extra);
   if (!buf) {
-    ddp_free(o);
+    ddp__dist_pool_put(&ctx->st->pool, o, sizeof *o);
     return ddp_error(DDP_ERR_NOMEM, "dist_autograd: out of memory");
   }
   memcpy(buf, &h, sizeof h);
@@ -800,7 +823,7 @@ static ddp_status dist_call(ddp_dist_context *ctx, int32_t to, const char *fn, d
     reply_hdr rh;
     memcpy(&rh, o->result.payload, sizeof rh);
     o->res_mask = rh.mask;
-    s = make_leaves(&o->result, rh.mask, o->res_grad);
+    s = make_leaves(ctx->st, &o->result, rh.mask, o->res_grad);
     o->view = o->result;
     o->view.payload = o->result.payload_bytes > sizeof rh
                           ? (const char *)o->result.payload + sizeof rh : NULL;
@@ -862,7 +885,7 @@ static ddp_status h_call(ddp_rpc_call *call, const ddp_rpc_message *args, ddp_rp
   ddp_rref_value value = {0};
   if (h.rref.worker >= 0) DDP_TRY(ddp__rref_pin(agent, h.rref, deadline, &value));
 
-  in_call *in = ddp_calloc(1, sizeof *in);
+  in_call *in = ddp__dist_pool_get(&st->pool, sizeof *in);
   ddp_status s = in ? DDP_OK : ddp_error(DDP_ERR_NOMEM, "dist_autograd: out of memory");
   if (s == DDP_OK) {
     in->caller = ddp_rpc_call_caller(call)->rank;
@@ -870,7 +893,7 @@ static ddp_status h_call(ddp_rpc_call *call, const ddp_rpc_message *args, ddp_rp
     in->arg_mask = h.mask;
     s = ddp_rpc_call_take_args(call, &in->args);
   }
-  if (s == DDP_OK) s = make_leaves(&in->args, h.mask, in->arg_grad);
+  if (s == DDP_OK) s = make_leaves(st, &in->args, h.mask, in->arg_grad);
   if (s == DDP_OK) s = tape_get(st, &in->tape);
   if (s == DDP_OK) {
     pthread_mutex_lock(&c->mu);
@@ -878,10 +901,8 @@ static ddp_status h_call(ddp_rpc_call *call, const ddp_rpc_message *args, ddp_rp
     c->ins = in;
     pthread_mutex_unlock(&c->mu);
   } else if (in) {
-    ddp_rpc_message_free(&in->args);
-    for (int i = 0; i < MAX_GRAD_TENSORS; i++) ddp_free(in->arg_grad[i]);
     tape_put(st, in->tape);
-    ddp_free(in);
+    put_in_call(st, in);
     in = NULL;
   }
   if (s == DDP_OK) s = gate_enter(st, c, in, deadline);
@@ -903,7 +924,8 @@ static ddp_status h_call(ddp_rpc_call *call, const ddp_rpc_message *args, ddp_rp
     for (int i = 0; i < user_reply.num_tensors && i < MAX_GRAD_TENSORS; i++)
       if (in->send_mask >> i & 1) in->sends[in->n_sends++] = user_reply.tensors[i];
     reply_hdr rh = {DIST_MAGIC, DIST_VERSION, in->send_mask};
-    in->reply_buf = ddp_alloc(sizeof rh + user_reply.payload_bytes);
+    in->reply_bytes = sizeof rh + user_reply.payload_bytes;
+    in->reply_buf = ddp__dist_pool_get(&st->pool, in->reply_bytes);
     if (!in->reply_buf) {
       s = ddp_error(DDP_ERR_NOMEM, "dist_autograd: out of memory");
     } else {
@@ -942,6 +964,7 @@ static ddp_status mod_init(ddp_rpc_agent *agent, int slot) {
   pthread_mutex_init(&st->mu, NULL);
   pthread_mutex_init(&st->backward_mu, NULL);
   pthread_cond_init(&st->cv, NULL);
+  ddp__dist_pool_init(&st->pool);
   st->agent = agent;
   *(da_state **)ddp__rpc_module_slot(agent, slot) = st;
   return DDP_OK;
@@ -974,11 +997,16 @@ static void mod_destroy(ddp_rpc_agent *agent, int slot) {
              (double)st->call_wait_ns / 1e6);
   while (st->contexts) ctx_free(st, st->contexts);
   for (int i = 0; i < st->n_free_tapes; i++) ddp_tape_destroy(st->free_tapes[i]);
+  ddp__dist_pool_destroy(&st->pool);
   pthread_mutex_destroy(&st->mu);
   pthread_mutex_destroy(&st->backward_mu);
   pthread_cond_destroy(&st->cv);
   ddp_free(st);
   *(da_state **)ddp__rpc_module_slot(agent, slot) = NULL;
+}
+
+uint64_t ddp__dist_pool_misses_of(ddp_rpc_agent *agent) {
+  return ddp__dist_pool_misses(&state_of(agent)->pool);
 }
 
 const ddp__rpc_module ddp__dist_autograd_module = {

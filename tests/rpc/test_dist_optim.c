@@ -13,10 +13,20 @@
  * must agree, so no backward ever computed with parameters another
  * trainer's step changed after its forward. Without the gate that makes
  * steps wait for other contexts' pending backward passes this fails (the
- * pause makes steps land between forwards and backwards). */
+ * pause makes steps land between forwards and backwards).
+ *
+ * test_steady_state_pool: after 3 warm-up steps (forward, distributed
+ * backward, distributed optimizer step, context end), 20 more steps of the
+ * same shapes take every context record and gradient buffer from the
+ * workers' pools: the pools' allocations (each a ddp_alloc, counted by the
+ * pool) do not grow on the trainer nor on the server, and the trainer's
+ * ddp_alloc_count per step (the engine's messages and futures, which the
+ * pool does not cover) is the same every step. DDP_DIST_POOL=0 (the pool
+ * off) makes it fail. */
 #include <pthread.h>
 
 #include "ddp/rpc_autograd.h"
+#include "rpc/dist_pool.h"
 #include "rpc_test_util.h"
 
 #define N 6
@@ -352,6 +362,17 @@ static void optimizers_fn(int rank, int size, ddp_rpc_agent *a, rt_result *res, 
   }
 }
 
+/* "pool_misses": the server's dist-autograd pool allocations so far. */
+static ddp_status f_pool_misses(ddp_rpc_call *call, const ddp_rpc_message *args,
+                                ddp_rpc_message *reply, void *user) {
+  (void)args, (void)user;
+  static _Thread_local uint64_t misses;
+  misses = ddp__dist_pool_misses_of(ddp_rpc_call_agent(call));
+  reply->payload = &misses;
+  reply->payload_bytes = sizeof misses;
+  return DDP_OK;
+}
+
 static void register_all(void) {
   if (!server_params[0]) make_params(server_params);
   if (!snapshots) snapshots = calloc(MAX_SNAPSHOTS, sizeof *snapshots);
@@ -359,6 +380,7 @@ static void register_all(void) {
   ddp_rpc_register("params", f_params, NULL);
   ddp_rpc_register("check", f_check, NULL);
   ddp_rpc_register("wait_done", f_wait_done, NULL);
+  ddp_rpc_register("pool_misses", f_pool_misses, NULL);
 }
 
 static void test_optimizers(void **state) {
@@ -419,6 +441,84 @@ static void test_concurrent_trainers(void **state) {
   munmap(w.results, sizeof(rt_result) * (size_t)w.size);
 }
 
+/* ---- The steady state allocates no context records nor buffers ---------------- */
+
+#define WARM_STEPS 3
+#define STEADY_STEPS 20
+
+static ddp_status server_misses(uint64_t *m) {
+  ddp_rpc_message out;
+  DDP_TRY(ddp_rpc_sync(self_agent, "w0", "pool_misses", NULL, 30, &out));
+  memcpy(m, out.payload, sizeof *m);
+  ddp_rpc_message_free(&out);
+  return DDP_OK;
+}
+
+static void pool_trainer(rt_result *res) {
+  ddp_rref *refs[NP] = {0};
+  ddp_status s = get_params(refs);
+  ddp_optim_options o = ddp_optim_defaults(DDP_OPTIM_ADAM);
+  o.lr = 0.01;
+  ddp_dist_optimizer *opt = NULL;
+  if (s == DDP_OK) s = ddp_dist_optimizer_create(self_agent, &o, NP, refs, &opt);
+  RT_CHECK(res, s == DDP_OK, "setup: %s", ddp_last_error());
+  uint64_t mine0 = 0, server0 = 0, server1 = 0;
+  uint64_t per_step[STEADY_STEPS] = {0};
+  for (int step = 0; step < WARM_STEPS + STEADY_STEPS && s == DDP_OK; step++) {
+    if (step == WARM_STEPS) {
+      s = server_misses(&server0);
+      mine0 = ddp__dist_pool_misses_of(self_agent);
+    }
+    uint64_t before = ddp_alloc_count();
+    if (s == DDP_OK) s = dist_step(opt, (uint64_t)(500 + step), 0, false);
+    if (step >= WARM_STEPS) per_step[step - WARM_STEPS] = ddp_alloc_count() - before;
+    RT_CHECK(res, s == DDP_OK, "step %d: %s", step, ddp_last_error());
+  }
+  uint64_t mine = ddp__dist_pool_misses_of(self_agent) - mine0;
+  if (s == DDP_OK) s = server_misses(&server1);
+  RT_CHECK(res, s == DDP_OK, "pool_misses: %s", ddp_last_error());
+  RT_CHECK(res, mine == 0, "the trainer's dist-autograd pool allocated %llu blocks in %d "
+           "steady-state steps (expected none after %d warm-up steps)", (unsigned long long)mine,
+           STEADY_STEPS, WARM_STEPS);
+  RT_CHECK(res, server1 - server0 == 0, "the server's dist-autograd pool allocated %llu blocks "
+           "in %d steady-state steps (expected none after %d warm-up steps)",
+           (unsigned long long)(server1 - server0), STEADY_STEPS, WARM_STEPS);
+  /* What is left per step is the engine's own (a message block per
+   * received message, a future per call): the same count every step. */
+  for (int i = 1; i < STEADY_STEPS && s == DDP_OK; i++)
+    RT_CHECK(res, per_step[i] == per_step[0], "steady-state step %d made %llu allocations, "
+             "step 0 %llu", i, (unsigned long long)per_step[i], (unsigned long long)per_step[0]);
+  res->value[0] = (int64_t)per_step[0];
+  print_message("trainer: %llu allocations a steady-state step (the engine's), pools %llu and "
+                "%llu blocks in the steady state\n", (unsigned long long)per_step[0],
+                (unsigned long long)mine, (unsigned long long)(server1 - server0));
+  ddp_dist_optimizer_destroy(opt);
+  for (int i = 0; i < NP; i++) ddp_rref_release(refs[i]);
+}
+
+static void pool_fn(int rank, int size, ddp_rpc_agent *a, rt_result *res, void *arg) {
+  (void)size, (void)arg;
+  self_agent = a;
+  if (rank == 0) {
+    serve_setup(a);
+    ddp_rpc_message out;
+    ddp_status s = ddp_rpc_sync(a, "w1", "wait_done", NULL, 120, &out);
+    RT_CHECK(res, s == DDP_OK, "wait_done: %s", ddp_last_error());
+    if (s == DDP_OK) ddp_rpc_message_free(&out);
+    serve_teardown();
+  } else {
+    pool_trainer(res);
+    mark_done();
+  }
+}
+
+static void test_steady_state_pool(void **state) {
+  (void)state;
+  register_all();
+  rt_config cfg = {.threads = 2, .graceful = true};
+  rt_run(2, &cfg, pool_fn, NULL, 120);
+}
+
 static int setup(void **state) {
   (void)state;
   return rt_start_store();
@@ -436,6 +536,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_optimizers),
       cmocka_unit_test(test_concurrent_trainers),
+      cmocka_unit_test(test_steady_state_pool),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }
