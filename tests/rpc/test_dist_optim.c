@@ -345,19 +345,24 @@ static void optimizers_driver(rt_result *res) {
   }
 }
 
-static void optimizers_fn(int rank, int size, ddp_rpc_agent *a, rt_result *res, void *arg) {
-  (void)size, (void)arg;
+/* Two workers: w0 serves until w1's driver (arg, a `driver`) is done; its
+ * shutdown comes first, then ours meets it. */
+typedef struct {
+  void (*run)(rt_result *res);
+} driver;
+
+static void serve_and_drive(int rank, int size, ddp_rpc_agent *a, rt_result *res, void *arg) {
+  (void)size;
   self_agent = a;
   if (rank == 0) {
     serve_setup(a);
-    /* Serves until w1 is done: its shutdown comes first, then ours meets it. */
     ddp_rpc_message out;
     ddp_status s = ddp_rpc_sync(a, "w1", "wait_done", NULL, 120, &out);
     RT_CHECK(res, s == DDP_OK, "wait_done: %s", ddp_last_error());
     if (s == DDP_OK) ddp_rpc_message_free(&out);
     serve_teardown();
   } else {
-    optimizers_driver(res);
+    ((const driver *)arg)->run(res);
     mark_done();
   }
 }
@@ -387,7 +392,7 @@ static void test_optimizers(void **state) {
   (void)state;
   register_all();
   rt_config cfg = {.threads = 2, .graceful = true};
-  rt_run(2, &cfg, optimizers_fn, NULL, 120);
+  rt_run(2, &cfg, serve_and_drive, &(driver){optimizers_driver}, 120);
 }
 
 /* ---- Concurrent trainers ----------------------------------------------------------- */
@@ -496,27 +501,11 @@ static void pool_trainer(rt_result *res) {
   for (int i = 0; i < NP; i++) ddp_rref_release(refs[i]);
 }
 
-static void pool_fn(int rank, int size, ddp_rpc_agent *a, rt_result *res, void *arg) {
-  (void)size, (void)arg;
-  self_agent = a;
-  if (rank == 0) {
-    serve_setup(a);
-    ddp_rpc_message out;
-    ddp_status s = ddp_rpc_sync(a, "w1", "wait_done", NULL, 120, &out);
-    RT_CHECK(res, s == DDP_OK, "wait_done: %s", ddp_last_error());
-    if (s == DDP_OK) ddp_rpc_message_free(&out);
-    serve_teardown();
-  } else {
-    pool_trainer(res);
-    mark_done();
-  }
-}
-
 static void test_steady_state_pool(void **state) {
   (void)state;
   register_all();
   rt_config cfg = {.threads = 2, .graceful = true};
-  rt_run(2, &cfg, pool_fn, NULL, 120);
+  rt_run(2, &cfg, serve_and_drive, &(driver){pool_trainer}, 120);
 }
 
 static int setup(void **state) {

@@ -26,24 +26,9 @@ unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT DDP_ST
   SLURM_PROCID SLURM_STEP_NUM_TASKS OMPI_COMM_WORLD_SIZE PMI_SIZE
 export DDP_TIMEOUT=60
 
-. "$(dirname "$0")/../support/free_port.sh"
-free_port() { ddp_free_port; }
-
-# world N TAG ARGS...: N ranks of ddp-train; rank r's stdout/stderr in TAG.out.r / TAG.err.r.
-world() {
-  local n=$1 tag=$2; shift 2
-  local port; port=$(free_port) || fail "no free port"
-  pids=()
-  for ((r = 0; r < n; r++)); do
-    MASTER_ADDR=127.0.0.1 MASTER_PORT=$port WORLD_SIZE=$n RANK=$r LOCAL_RANK=$r \
-      LOCAL_WORLD_SIZE=$n timeout 120 "$bin" "$@" >"$tmp/$tag.out.$r" 2>"$tmp/$tag.err.$r" &
-    pids+=($!)
-  done
-  local rc=0
-  for p in "${pids[@]}"; do wait "$p" || rc=$?; done
-  pids=()
-  [ $rc -eq 0 ] || { tail -n 5 "$tmp/$tag".err.*; fail "$tag: a rank exited $rc"; }
-}
+# world N TAG ARGS...: N ranks of ddp-train (rank r's stdout/stderr in
+# TAG.out.r / TAG.err.r), every one exiting 0.
+. "$(dirname "$0")/../support/train_ranks.sh"
 field() { "$py" -c 'import json,sys; print(json.loads(open(sys.argv[1]).read().splitlines()[-1])[sys.argv[2]])' "$@"; }
 compare() { "$py" "$here/compare_state.py" "$@" || fail "compare_state $*"; }
 
