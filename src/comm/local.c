@@ -690,6 +690,11 @@ ddp_status ddp__backend_local_create(const ddp__backend_config *cfg, ddp__backen
   b->size = cfg->size;
   atomic_init(&b->aborted, false);
   b->blame = -1;
+  ddp_status stores_st = ddp__local_stores_from_env(&b->stores);
+  if (stores_st != DDP_OK) {
+    ddp_free(b);
+    return stores_st;
+  }
   size_t n = (size_t)cfg->size;
   b->seen = ddp_calloc(n, sizeof *b->seen);
   b->p2p_next_send = ddp_calloc(n, sizeof *b->p2p_next_send);

@@ -40,6 +40,16 @@
 #define DDP__LOCAL_STAGED_BYTES (4u << 20)
 #define DDP__LOCAL_CHUNK_MIN (256u << 10)
 #define DDP__LOCAL_CHUNK_MAX (2u << 20)
+/* Writes into the shared segment (local_stores.c): a copy of at least twice
+ * DDP__LOCAL_STORE_PROBE bytes times its first DDP__LOCAL_STORE_PROBE with
+ * ordinary stores and streams the rest when they ran below
+ * DDP__LOCAL_STORE_SLOW_GBPS (a peer's cache held the lines across a slow
+ * fabric: about 2 GB/s, against 10 GB/s or more from a shared cache). */
+#define DDP__LOCAL_STORE_PROBE 8192u
+#define DDP__LOCAL_STORE_SLOW_GBPS 4.0
+/* After a slow probe, copies stream without probing for this long. */
+#define DDP__LOCAL_STORE_STICKY_NS 1000000
+
 /* Large collectives move data in segments of this many bytes (the scratch
  * a cross-memory read lands in stays in L2). */
 #define DDP__LOCAL_SEGMENT_BYTES (256u * 1024u)
@@ -218,6 +228,15 @@ int ddp__local_shm_remove_orphans(int pid);
  * Rank 0 calls it before creating a segment. Returns how many were removed. */
 int ddp__local_shm_remove_abandoned(void);
 
+/* How large writes into the shared segment are stored (DDP_LOCAL_STORES):
+ * auto (timed per copy, above), cached (ordinary stores) or streaming
+ * (non-temporal stores, past the caches). */
+typedef enum ddp__local_stores {
+  DDP__LOCAL_STORES_AUTO,
+  DDP__LOCAL_STORES_CACHED,
+  DDP__LOCAL_STORES_STREAMING,
+} ddp__local_stores;
+
 /* ---- The backend object -------------------------------------------------- */
 typedef struct ddp__local_backend {
   ddp__backend base;
@@ -243,6 +262,9 @@ typedef struct ddp__local_backend {
   uint64_t waits_contended; /* blocked waits that skipped it because the CPU was contended (for tests) */
   uint64_t waits_spun_blocked; /* waits that spun for a blocked caller (for tests) */
   int blame;               /* the peer behind the last error (a group rank), -1 if none */
+  ddp__local_stores stores; /* DDP_LOCAL_STORES */
+  uint64_t copies_streamed; /* shared-segment copies that streamed (for tests) */
+  int64_t stream_until_ns;  /* copies stream unprobed until then (auto) */
   /* Group ranks of this backend's ranks (identity unless it serves one host
    * of a larger group, hier.c), the group's size and host names (borrowed,
    * NULL: host_names), for messages and blame. */
@@ -343,6 +365,27 @@ static inline size_t ddp__local_slice_lo(size_t count, int size, int q, size_t e
   lo -= lo % align;
   return lo;
 }
+
+/* ---- Writing into the shared segment (local_stores.c) --------------------
+ * For data a peer reads next: ordinary stores, or streaming ones when a
+ * peer's cache holding the lines makes ordinary stores slow (the policy
+ * above, b->stores). */
+/* The policy from DDP_LOCAL_STORES (unset: auto); DDP_ERR_INVALID naming a
+ * bad value. */
+ddp_status ddp__local_stores_from_env(ddp__local_stores *out);
+/* True when `bytes` written in `ns` ran below DDP__LOCAL_STORE_SLOW_GBPS. */
+bool ddp__local_store_is_slow(int64_t ns, size_t bytes);
+/* dst := src (len bytes, any alignment) with streaming stores, fenced: the
+ * data is visible to every CPU before the function returns. */
+void ddp__local_copy_streaming(void *dst, const void *src, size_t len);
+/* dst := src by b->stores's policy (copies under 2 * DDP__LOCAL_STORE_PROBE
+ * bytes never stream); true when it streamed (the caller's next writes into
+ * the segment for the same chunk may then stream too). */
+bool ddp__local_shared_copy(ddp__local_backend *b, void *dst, const void *src, size_t len);
+/* ddp__local_reduce_ranks into the segment, with streaming stores (through a
+ * block that stays in L1) when `streaming`. */
+void ddp__local_reduce_to_shared(void *dst, const void *const *src, int size, size_t count,
+                                 ddp_dtype dtype, ddp_reduce_op op, bool streaming);
 
 /* ---- Staged collectives between processes (local_staged.c) ---------------
  * Called for op n after its START is posted (op_publish); data moves only

@@ -10,6 +10,40 @@
 #include "comm/local.h"
 #include "ddp/tensor.h"
 
+/* Large allreduce of two processes: chunk k of the buffer: each rank copies
+ * it into its staging[k % 2] and posts 2 + 2k; once both have, each reduces
+ * the two stagings' chunk k into its own buffer (own data read in place) in
+ * rank order, so both get the same bits, and posts 3 + 2k. Against the
+ * reduce-scatter below, each rank reads L instead of 1.5 L and writes L
+ * instead of 1.5 L of shared memory, and waits once per chunk instead of
+ * twice (2 MiB: 18 against 12 GB/s when the cores share a cache). A rank
+ * restages staging[k % 2] for chunk k + 2 after the peer's 3 + 2k (it has
+ * read chunk k), and the op ends after the peer's last 3 + 2k, since the
+ * next op restages from chunk 0. */
+static ddp_status staged_allreduce_pair(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t n,
+                                        void *buf, size_t count, ddp_dtype dtype,
+                                        ddp_reduce_op op) {
+  size_t esize = ddp_dtype_size(dtype);
+  size_t chunk = b->reg->chunk_bytes / esize;
+  ddp__local_region *reg = b->reg;
+  uint32_t k = 0;
+  for (size_t at = 0; at < count; at += chunk, k++) {
+    size_t len = count - at < chunk ? count - at : chunk;
+    char *mine = (char *)buf + at * esize;
+    if (k >= 2) DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, 3 + 2 * (k - 2))));
+    ddp__local_shared_copy(b, ddp__local_stage_of(reg, b->rank, k), mine, len * esize);
+    ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, 2 + 2 * k));
+    DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, 2 + 2 * k)));
+    const void *src[2];
+    src[b->rank] = mine;
+    src[1 - b->rank] = ddp__local_stage_of(reg, 1 - b->rank, k);
+    ddp__local_reduce_ranks(mine, src, 2, len, dtype, op);
+    ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, 3 + 2 * k));
+  }
+  if (k > 0) DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, 3 + 2 * (k - 1))));
+  return DDP_OK;
+}
+
 /* Large allreduce through the region's staging, for processes (where
  * reading a peer's buffer in place costs a cross-memory copy at about half
  * memcpy speed). Chunk k of the buffer: every rank copies it into its
@@ -25,6 +59,7 @@
 ddp_status ddp__local_staged_allreduce(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t n,
                                        void *buf, size_t count, ddp_dtype dtype,
                                        ddp_reduce_op op) {
+  if (b->size == 2) return staged_allreduce_pair(b, ctx, n, buf, count, dtype, op);
   size_t esize = ddp_dtype_size(dtype);
   size_t chunk = b->reg->chunk_bytes / esize;
   ddp__local_region *reg = b->reg;
@@ -37,8 +72,8 @@ ddp_status ddp__local_staged_allreduce(ddp__local_backend *b, const ddp__op_ctx 
     size_t lo = ddp__local_slice_lo(len, b->size, b->rank, esize);
     size_t hi = ddp__local_slice_lo(len, b->size, b->rank + 1, esize);
     uint8_t *stage = ddp__local_stage_of(reg, b->rank, k);
-    memcpy(stage, mine, lo * esize);
-    memcpy(stage + hi * esize, mine + hi * esize, (len - hi) * esize);
+    bool streamed = ddp__local_shared_copy(b, stage, mine, lo * esize);
+    streamed |= ddp__local_shared_copy(b, stage + hi * esize, mine + hi * esize, (len - hi) * esize);
     ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, 2 + 2 * k));
     DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, 2 + 2 * k)));
     if (hi > lo) {
@@ -46,7 +81,8 @@ ddp_status ddp__local_staged_allreduce(ddp__local_backend *b, const ddp__op_ctx 
       const void *src[DDP__LOCAL_MAX_RANKS];
       for (int q = 0; q < b->size; q++)
         src[q] = q == b->rank ? (const uint8_t *)mine + off : ddp__local_stage_of(reg, q, k) + off;
-      ddp__local_reduce_ranks(ddp__local_result_of(reg, k) + off, src, b->size, hi - lo, dtype, op);
+      ddp__local_reduce_to_shared(ddp__local_result_of(reg, k) + off, src, b->size, hi - lo, dtype,
+                                  op, streamed);
     }
     ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, 3 + 2 * k));
     DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, 3 + 2 * k)));
@@ -81,7 +117,7 @@ static ddp_status stream_all(ddp__local_backend *b, const ddp__op_ctx *ctx, uint
   for (size_t at = 0; at < bytes; at += chunk, k++) {
     size_t len = bytes - at < chunk ? bytes - at : chunk;
     if (only < 0 || only == b->rank)
-      memcpy(ddp__local_stage_of(reg, b->rank, k), (const char *)src + at, len);
+      ddp__local_shared_copy(b, ddp__local_stage_of(reg, b->rank, k), (const char *)src + at, len);
     ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, 2 + 2 * k));
     if (only >= 0)
       DDP_TRY(ddp__local_wait_flag(b, ctx, only, ddp__local_flag(n, 2 + 2 * k)));
