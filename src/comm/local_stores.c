@@ -11,8 +11,8 @@
  * invalidation round trip: about 28 GB/s in both cases, but the peer then
  * reads from memory instead of a cache, which costs more than it saves when
  * the cache is shared (measured on an EPYC Zen 4 VM whose two vCPUs switch
- * between the two placements every few seconds: docs/comm.md, "Where the
- * ranks run").
+ * between the two placements every few seconds: docs/comm.md, "Stores
+ * into the segment").
  *
  * So by default (DDP_LOCAL_STORES=auto) a large copy times its first
  * DDP__LOCAL_STORE_PROBE bytes written with ordinary stores and streams the
