@@ -729,6 +729,7 @@ ddp_status ddp__backend_local_create(const ddp__backend_config *cfg, ddp__backen
     return st;
   }
   b->reg = b->mem->region;
+  if (b->mem->staged) ddp__local_stage_prefault(b);
   /* Spin about 20 us before sleeping when every rank can have a core; barely
    * at all when they outnumber the CPUs they may run on together (the union
    * of their affinity masks: `taskset -c 0` on 2 ranks, or more ranks than

@@ -10,6 +10,33 @@
 #include "comm/local.h"
 #include "ddp/tensor.h"
 
+void ddp__local_stage_prefault(ddp__local_backend *b) {
+  ddp__local_region *reg = b->reg;
+  size_t area = 2 * reg->chunk_bytes;
+  memset(ddp__local_stage_of(reg, b->rank, 0), 0, area);
+  for (int q = 0; q < b->size; q++) {
+    if (q == b->rank) continue;
+    const volatile uint8_t *p = ddp__local_stage_of(reg, q, 0);
+    for (size_t at = 0; at < area; at += 4096) (void)p[at];
+  }
+}
+
+/* Where op n's single chunk of `bytes` goes in a rank's staging area (both
+ * of its chunks, contiguous): at the next `bytes`-sized (4 KiB-aligned)
+ * place after op n-1's, wrapping around within DDP__LOCAL_PAIR_WINDOW (at
+ * least two places). Writing lines the peer read in the last op, still in
+ * its L2, costs a cross-core invalidation each (a copy at about 10 GB/s);
+ * lines it read some ops ago have left its L2 for the shared L3 and cost
+ * far less. Every rank computes the same offset from n, and the previous op
+ * ended with the peer done reading, so any place is free. */
+static size_t pair_stage_offset(const ddp__local_region *reg, uint64_t n, size_t bytes) {
+  size_t span = (bytes + 4095) / 4096 * 4096;
+  size_t places = DDP__LOCAL_PAIR_WINDOW / span;
+  if (places < 2) places = 2;
+  if (places > 2 * reg->chunk_bytes / span) places = 2 * reg->chunk_bytes / span;
+  return (size_t)(n % places) * span;
+}
+
 /* Large allreduce of two processes: chunk k of the buffer: each rank copies
  * it into its staging[k % 2] and posts 2 + 2k; once both have, each reduces
  * the two stagings' chunk k into its own buffer (own data read in place) in
@@ -26,17 +53,20 @@ static ddp_status staged_allreduce_pair(ddp__local_backend *b, const ddp__op_ctx
   size_t esize = ddp_dtype_size(dtype);
   size_t chunk = b->reg->chunk_bytes / esize;
   ddp__local_region *reg = b->reg;
+  /* An op of one chunk moves around the whole staging area; longer ones
+   * alternate its two chunks. */
+  size_t one = count <= chunk ? pair_stage_offset(reg, n, count * esize) : 0;
   uint32_t k = 0;
   for (size_t at = 0; at < count; at += chunk, k++) {
     size_t len = count - at < chunk ? count - at : chunk;
     char *mine = (char *)buf + at * esize;
     if (k >= 2) DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, 3 + 2 * (k - 2))));
-    ddp__local_shared_copy(b, ddp__local_stage_of(reg, b->rank, k), mine, len * esize);
+    ddp__local_shared_copy(b, ddp__local_stage_of(reg, b->rank, k) + one, mine, len * esize);
     ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, 2 + 2 * k));
     DDP_TRY(ddp__local_wait_all(b, ctx, ddp__local_flag(n, 2 + 2 * k)));
     const void *src[2];
     src[b->rank] = mine;
-    src[1 - b->rank] = ddp__local_stage_of(reg, 1 - b->rank, k);
+    src[1 - b->rank] = ddp__local_stage_of(reg, 1 - b->rank, k) + one;
     ddp__local_reduce_ranks(mine, src, 2, len, dtype, op);
     ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, 3 + 2 * k));
   }

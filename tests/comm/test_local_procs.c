@@ -4,7 +4,7 @@
  * killed with SIGKILL in a loop of allreduces fails every other rank within
  * 5 s with DDP_ERR_PEER naming it; nothing is left in /dev/shm. The matrix
  * again as where cross-memory attach is refused, and with 2 processes of 2
- * threads each. */
+ * threads each; 300 allreduces in a row between 2 processes. */
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -56,6 +56,55 @@ static void test_matrix(void **state) {
     if (lp_reap(size, pids) != 0) fail_msg("world %d failed (see stderr)", size);
     assert_int_equal(lp_count_segments(pids[0]), 0);
   }
+}
+
+/* Two processes, 300 allreduces in a row of sizes through every path of
+ * the two-process staged allreduce: one chunk (whose place in the staging
+ * area moves op by op and wraps around many times), several chunks, and
+ * slots in between; each op's every element checked against its closed
+ * form (all values exact in float32). */
+static int pair_rounds_rank(int rank, int size, void *arg) {
+  (void)arg;
+  ddp_store *store = NULL;
+  ddp__backend *b = lp_child_backend(&lp_the_server, "pairrounds/", rank, size, &store);
+  const size_t counts[] = {3 * 1024 + 1, 16 * 1024, 75 * 1024 + 3, 256 * 1024,
+                           640 * 1024 + 5, 1000, 2 * 1024 * 1024 + 16};
+  size_t max = 2 * 1024 * 1024 + 16;
+  float *buf = ddp_alloc(max * sizeof *buf);
+  if (!buf) return 5;
+  atomic_bool ab;
+  atomic_init(&ab, false);
+  int bad = 0;
+  for (int round = 0; round < 300 && !bad; round++) {
+    size_t count = counts[(size_t)round % (sizeof counts / sizeof counts[0])];
+    for (size_t i = 0; i < count; i++) buf[i] = (float)(rank * 1000 + round + (int)(i % 97));
+    ddp__op_ctx ctx = lt_ctx("allreduce", (uint64_t)round + 1, &ab, 30.0);
+    ddp_status st = b->ops->allreduce(b, &ctx, buf, count, DDP_FLOAT32, DDP_REDUCE_SUM);
+    if (st != DDP_OK) {
+      fprintf(stderr, "rank %d round %d: %s\n", rank, round, ddp_last_error());
+      bad = 1;
+    }
+    for (size_t i = 0; !bad && i < count; i++) {
+      float want = (float)(1000 + 2 * round + 2 * (int)(i % 97));
+      if (buf[i] != want) {
+        fprintf(stderr, "rank %d round %d (count %zu): [%zu] = %g, want %g\n", rank, round, count,
+                i, buf[i], want);
+        bad = 1;
+      }
+    }
+  }
+  ddp_free(buf);
+  b->ops->destroy(b);
+  ddp_store_destroy(store);
+  return bad;
+}
+
+static void test_matrix_pair_rounds(void **state) {
+  (void)state;
+  pid_t pids[2];
+  lp_spawn(2, 120, pair_rounds_rank, NULL, pids);
+  if (lp_reap(2, pids) != 0) fail_msg("pair rounds failed (see stderr)");
+  assert_int_equal(lp_count_segments(pids[0]), 0);
 }
 
 /* Without cross-memory attach (Yama ptrace_scope, seccomp): collectives
@@ -200,6 +249,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_matrix),
       cmocka_unit_test(test_matrix_without_cma),
+      cmocka_unit_test(test_matrix_pair_rounds),
       cmocka_unit_test(test_mixed_threads_and_processes),
       cmocka_unit_test(test_kill_small),
       cmocka_unit_test(test_kill_large),
