@@ -395,10 +395,10 @@ void ddp__local_reduce_to_shared(void *dst, const void *const *src, int size, si
 /* ---- Staged collectives between processes (local_staged.c) ---------------
  * Called for op n after its START is posted (op_publish); data moves only
  * through the region's staging chunks, never through peers' buffers. */
-/* At creation: this rank writes its staging area and reads every peer's
- * once, so no op pays the page faults of touching them first (the
- * two-process allreduce moves around the whole area). About 4 MiB of shared
- * memory per rank, which the first large op would allocate anyway. */
+/* At creation: every rank's staging area is mapped in and allocated
+ * (MADV_POPULATE_WRITE), so no op pays the page faults of touching it first
+ * (the two-process allreduce moves around 2 MiB of it). About 4 MiB of
+ * shared memory per rank, which the first large op would allocate anyway. */
 void ddp__local_stage_prefault(ddp__local_backend *b);
 ddp_status ddp__local_staged_allreduce(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t n,
                                        void *buf, size_t count, ddp_dtype dtype,

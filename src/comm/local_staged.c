@@ -6,6 +6,7 @@
  * one read and one write of each rank's buffer. Called by local.c for op n
  * once its START is posted. */
 #include <string.h>
+#include <sys/mman.h>
 
 #include "comm/local.h"
 #include "ddp/tensor.h"
@@ -13,12 +14,13 @@
 void ddp__local_stage_prefault(ddp__local_backend *b) {
   ddp__local_region *reg = b->reg;
   size_t area = 2 * reg->chunk_bytes;
-  memset(ddp__local_stage_of(reg, b->rank, 0), 0, area);
-  for (int q = 0; q < b->size; q++) {
-    if (q == b->rank) continue;
-    const volatile uint8_t *p = ddp__local_stage_of(reg, q, 0);
-    for (size_t at = 0; at < area; at += 4096) (void)p[at];
-  }
+  /* The kernel fills in the pages (every rank's staging is contiguous and
+   * page-aligned) without touching their bytes, so ranks that are threads
+   * of one process, doing this at once, do not race. Before Linux 5.14
+   * (EINVAL) this rank writes its own area and leaves the peers' to their
+   * first ops. */
+  if (madvise(ddp__local_stage_of(reg, 0, 0), area * (size_t)b->size, MADV_POPULATE_WRITE) != 0)
+    memset(ddp__local_stage_of(reg, b->rank, 0), 0, area);
 }
 
 /* Where op n's single chunk of `bytes` goes in a rank's staging area (both
@@ -45,16 +47,16 @@ static size_t pair_stage_offset(const ddp__local_region *reg, uint64_t n, size_t
  * instead of 1.5 L of shared memory, and waits once per chunk instead of
  * twice (2 MiB: 18 against 12 GB/s when the cores share a cache). A rank
  * restages staging[k % 2] for chunk k + 2 after the peer's 3 + 2k (it has
- * read chunk k), and the op ends after the peer's last 3 + 2k, since the
- * next op restages from chunk 0. */
+ * read chunk k), and the op ends after the peer's last 3 + 2k, so that the
+ * next op may stage anywhere. */
 static ddp_status staged_allreduce_pair(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t n,
                                         void *buf, size_t count, ddp_dtype dtype,
                                         ddp_reduce_op op) {
   size_t esize = ddp_dtype_size(dtype);
   size_t chunk = b->reg->chunk_bytes / esize;
   ddp__local_region *reg = b->reg;
-  /* An op of one chunk moves around the whole staging area; longer ones
-   * alternate its two chunks. */
+  /* An op of one chunk moves around DDP__LOCAL_PAIR_WINDOW of the staging
+   * area; longer ones alternate its two chunks. */
   size_t one = count <= chunk ? pair_stage_offset(reg, n, count * esize) : 0;
   uint32_t k = 0;
   for (size_t at = 0; at < count; at += chunk, k++) {
