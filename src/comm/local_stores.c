@@ -24,15 +24,8 @@
  * 1.8 cached, 11.1 streaming. */
 #include <emmintrin.h>
 #include <string.h>
-#include <time.h>
 
 #include "comm/local.h"
-
-static int64_t now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
 
 ddp_status ddp__local_stores_from_env(ddp__local_stores *out) {
   const char *v = ddp_env_str("DDP_LOCAL_STORES", "auto");
@@ -85,33 +78,24 @@ bool ddp__local_shared_copy(ddp__local_backend *b, void *dst, const void *src, s
     memcpy(dst, src, len);
     return false;
   }
-  if (b->stores == DDP__LOCAL_STORES_STREAMING) {
-    ddp__local_copy_streaming(dst, src, len);
-    b->copies_streamed++;
-    return true;
+  size_t done = 0; /* bytes already written by the probe */
+  int64_t t0;
+  if (b->stores == DDP__LOCAL_STORES_AUTO && (t0 = ddp_time_ns()) >= b->stream_until_ns) {
+    memcpy(dst, src, DDP__LOCAL_STORE_PROBE);
+    /* The stores have left the core only once the store buffer drains (it
+     * holds about the whole probe): wait for that, or a slow fabric would
+     * look fast. */
+    _mm_mfence();
+    done = DDP__LOCAL_STORE_PROBE;
+    if (!ddp__local_store_is_slow(ddp_time_ns() - t0, done)) {
+      memcpy((uint8_t *)dst + done, (const uint8_t *)src + done, len - done);
+      return false;
+    }
+    /* Placements change over seconds, not microseconds: stream without
+     * probing for a while (a probe on a slow fabric costs its own time). */
+    b->stream_until_ns = t0 + DDP__LOCAL_STORE_STICKY_NS;
   }
-  int64_t t0 = now_ns();
-  if (t0 < b->stream_until_ns) {
-    ddp__local_copy_streaming(dst, src, len);
-    b->copies_streamed++;
-    return true;
-  }
-  memcpy(dst, src, DDP__LOCAL_STORE_PROBE);
-  /* The stores have left the core only once the store buffer drains (it
-   * holds about the whole probe): wait for that, or a slow fabric would
-   * look fast. */
-  _mm_mfence();
-  int64_t dt = now_ns() - t0;
-  uint8_t *d = (uint8_t *)dst + DDP__LOCAL_STORE_PROBE;
-  const uint8_t *s = (const uint8_t *)src + DDP__LOCAL_STORE_PROBE;
-  if (!ddp__local_store_is_slow(dt, DDP__LOCAL_STORE_PROBE)) {
-    memcpy(d, s, len - DDP__LOCAL_STORE_PROBE);
-    return false;
-  }
-  /* Placements change over seconds, not microseconds: stream without
-   * probing for a while (a probe on a slow fabric costs its own time). */
-  b->stream_until_ns = t0 + DDP__LOCAL_STORE_STICKY_NS;
-  ddp__local_copy_streaming(d, s, len - DDP__LOCAL_STORE_PROBE);
+  ddp__local_copy_streaming((uint8_t *)dst + done, (const uint8_t *)src + done, len - done);
   b->copies_streamed++;
   return true;
 }

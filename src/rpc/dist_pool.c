@@ -1,14 +1,12 @@
 /* The pool of distributed-autograd contexts' blocks (rpc/dist_pool.h). */
 #include "rpc/dist_pool.h"
 
-#include <stdlib.h>
 #include <string.h>
 
 void ddp__dist_pool_init(ddp__dist_pool *p) {
   memset(p, 0, sizeof *p);
   pthread_mutex_init(&p->mu, NULL);
-  const char *e = getenv("DDP_DIST_POOL");
-  p->enabled = !(e && !strcmp(e, "0"));
+  p->enabled = strcmp(ddp_env_str("DDP_DIST_POOL", "1"), "0") != 0;
 }
 
 void ddp__dist_pool_destroy(ddp__dist_pool *p) {

@@ -11,7 +11,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <cmocka.h>
 
 #include "comm/local.h"
@@ -62,12 +61,6 @@ static bool copy_with(ddp__local_backend *b, size_t len, uint32_t seed) {
   return streamed;
 }
 
-static int64_t mono_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
 static void test_policy(void **state) {
   (void)state;
   ddp__local_backend b;
@@ -91,7 +84,7 @@ static void test_policy(void **state) {
   b.copies_streamed = 0;
   assert_false(copy_with(&b, small, 5));
   assert_int_equal(b.copies_streamed, 0);
-  b.stream_until_ns = mono_ns() + 60 * (int64_t)1000000000;
+  b.stream_until_ns = ddp_time_ns() + 60 * (int64_t)1000000000;
   assert_true(copy_with(&b, big, 6));
   assert_false(copy_with(&b, small, 7));
   assert_int_equal(b.copies_streamed, 1);

@@ -66,6 +66,31 @@ static inline ddp_status ppt_sgd(ddp_model *model, ddp_optimizer **opt) {
                               (size_t)ddp_model_num_param_elements(model));
 }
 
+/* One step's forward and backward of an unsplit model over the n rows of
+ * (x, y), split as torch.tensor_split does into m micro-batches, each
+ * loss's gradient scaled by `scale` and accumulated into the model's
+ * gradients; and into xgrad (n rows of x) when it is not NULL. */
+static inline ddp_status ppt_microbatches(ddp_model *model, ddp_tape *tape, const ddp_tensor *x,
+                                          const ddp_tensor *y, int64_t n, int m, float scale,
+                                          float *xgrad) {
+  int64_t xrow = x->numel / n, yrow = y->numel / n;
+  for (int mb = 0, off = 0; mb < m; mb++) {
+    int64_t rows = n / m + (mb < n % m);
+    ddp_tensor xm = *x, ym = *y;
+    xm.shape[0] = rows, xm.numel = rows * xrow, xm.data = (float *)x->data + off * xrow;
+    ym.shape[0] = rows, ym.numel = rows * yrow;
+    ym.data = (char *)y->data + (size_t)(off * yrow) * ddp_dtype_size(y->dtype);
+    if (xgrad) xm.grad = xgrad + off * xrow, xm.flags |= DDP_TENSOR_REQUIRES_GRAD;
+    off += (int)rows;
+    ddp_tape_reset(tape);
+    ddp_tensor *o, *loss;
+    DDP_TRY(ddp_model_forward(model, tape, &xm, &o));
+    DDP_TRY(ddp_model_loss(model, tape, o, &ym, &loss));
+    DDP_TRY(ddp__backward_from(tape, loss, &scale));
+  }
+  return DDP_OK;
+}
+
 /* The reference: the unsplit model on one rank, each step's batch split as
  * torch.tensor_split does into m micro-batches, d(loss / m) accumulated. */
 static inline ddp_status ppt_reference(const char *name, int steps, int64_t n, int m,
@@ -83,20 +108,7 @@ static inline ddp_status ppt_reference(const char *name, int steps, int64_t n, i
     ddp_tensor x, y;
     ppt_batch(name, step, n, xbuf, ybuf, &x, &y);
     ddp_model_zero_grad(model);
-    for (int mb = 0, off = 0; mb < m; mb++) {
-      int64_t rows = n / m + (mb < n % m);
-      ddp_tensor xm = x, ym = y;
-      int64_t xrow = x.numel / n, yrow = y.numel / n;
-      xm.shape[0] = rows, xm.numel = rows * xrow, xm.data = (float *)x.data + off * xrow;
-      ym.shape[0] = rows, ym.numel = rows * yrow;
-      ym.data = (char *)y.data + (size_t)(off * yrow) * ddp_dtype_size(y.dtype);
-      off += (int)rows;
-      ddp_tape_reset(tape);
-      ddp_tensor *o, *loss;
-      DDP_TRY(ddp_model_forward(model, tape, &xm, &o));
-      DDP_TRY(ddp_model_loss(model, tape, o, &ym, &loss));
-      DDP_TRY(ddp__backward_from(tape, loss, &scale));
-    }
+    DDP_TRY(ppt_microbatches(model, tape, &x, &y, n, m, scale, NULL));
     DDP_TRY(ddp_optimizer_step(opt));
   }
   free(xbuf);

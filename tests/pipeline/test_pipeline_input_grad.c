@@ -36,21 +36,7 @@ static void reference_grad(float *dx) {
   ddp_tensor x, y;
   ppt_batch("mlp", 0, BATCH, xbuf, ybuf, &x, &y);
   memset(dx, 0, sizeof(float) * BATCH * PPT_MLP_DIM);
-  float scale = 1.0f / MICRO;
-  for (int mb = 0, off = 0; mb < MICRO; mb++) {
-    int64_t rows = BATCH / MICRO + (mb < BATCH % MICRO);
-    int64_t xs[2] = {rows, PPT_MLP_DIM}, ys[2] = {rows, PPT_MLP_OUT};
-    ddp_tensor xm, ym, *out, *loss;
-    ddp_tensor_wrap(&xm, DDP_FLOAT32, 2, xs, xbuf + off * PPT_MLP_DIM);
-    ddp_tensor_wrap(&ym, DDP_FLOAT32, 2, ys, ybuf + off * PPT_MLP_OUT);
-    xm.grad = dx + off * PPT_MLP_DIM;
-    xm.flags |= DDP_TENSOR_REQUIRES_GRAD;
-    off += (int)rows;
-    ddp_tape_reset(tape);
-    assert_int_equal(ddp_model_forward(model, tape, &xm, &out), DDP_OK);
-    assert_int_equal(ddp_model_loss(model, tape, out, &ym, &loss), DDP_OK);
-    assert_int_equal(ddp__backward_from(tape, loss, &scale), DDP_OK);
-  }
+  assert_int_equal(ppt_microbatches(model, tape, &x, &y, BATCH, MICRO, 1.0f / MICRO, dx), DDP_OK);
   ddp_tape_destroy(tape);
   ddp_model_destroy(model);
 }

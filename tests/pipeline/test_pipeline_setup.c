@@ -279,18 +279,7 @@ static void test_pipeline_by_data_parallel(void **state) {
     for (int replica = 0; replica < 2; replica++) {
       ddp_tensor x, y;
       ppt_batch("mlp", step * 16 + replica, DP_ROWS, xb, yb, &x, &y);
-      for (int mb = 0, off = 0; mb < DP_M; mb++) {
-        int64_t rows = DP_ROWS / DP_M + (mb < DP_ROWS % DP_M);
-        int64_t xs[2] = {rows, PPT_MLP_DIM}, ys[2] = {rows, PPT_MLP_OUT};
-        ddp_tensor xm, ym, *o, *loss;
-        ddp_tensor_wrap(&xm, DDP_FLOAT32, 2, xs, xb + off * PPT_MLP_DIM);
-        ddp_tensor_wrap(&ym, DDP_FLOAT32, 2, ys, yb + off * PPT_MLP_OUT);
-        off += (int)rows;
-        ddp_tape_reset(tape);
-        assert_int_equal(ddp_model_forward(model, tape, &xm, &o), DDP_OK);
-        assert_int_equal(ddp_model_loss(model, tape, o, &ym, &loss), DDP_OK);
-        assert_int_equal(ddp__backward_from(tape, loss, &scale), DDP_OK);
-      }
+      assert_int_equal(ppt_microbatches(model, tape, &x, &y, DP_ROWS, DP_M, scale, NULL), DDP_OK);
     }
     assert_int_equal(ddp_optimizer_step(opt), DDP_OK);
   }
