@@ -622,9 +622,12 @@ static ddp_status train_step(ddp_trainer *t, run_state *r, int64_t epoch, bool *
   const int64_t t_loss = t->trace ? ddp_time_ns() : 0;
   s = ddp__train_sum(t, loss_sums, 2);
   if (s != DDP_OK) return ddp_error_wrap(s, "reducing the loss");
+  /* The preemption clock is read inside [t0, t_end]: the kernel adds a wait
+   * when the thread runs again, so one read after t_end could count a
+   * preemption between the two, and the step's preempted time exceed it. */
+  int64_t preempted1 = ddp_preempt_clock_ns(&r->preempt_clock);
   const int64_t t_end = ddp_time_ns();
   double step_seconds = 1e-9 * (double)(t_end - t0);
-  int64_t preempted1 = ddp_preempt_clock_ns(&r->preempt_clock);
   double preempted =
       preempted0 >= 0 && preempted1 >= 0 ? 1e-9 * (double)(preempted1 - preempted0) : NAN;
   r->train_seconds += step_seconds;
