@@ -10,17 +10,17 @@
  *   local  — every rank on one host: ranks read and reduce straight from each
  *            other's buffers. Two memory providers: "threads" (ranks are
  *            threads of one process: plain pointers) and "shm" (processes:
- *            shared-memory segments / cross-memory attach), src/comm/local*.c
+ *            shared-memory segments / cross-memory attach), src/comm/local/
  *   tcp    — otherwise: a pair (socket) per peer; pipelined segmented ring
  *            for large messages, recursive halving-doubling for small ones,
- *            src/comm/tcp*.c
+ *            src/comm/tcp/
  *   hier   — ranks on several hosts, some of them co-located: per host a
  *            local backend (shared memory), and a tcp backend connecting
  *            only ranks of different hosts; collectives compose the two
  *            (local reduce -> tcp among one rank per host -> local
  *            broadcast, ...), point-to-point picks per pair,
- *            src/comm/hier.c
- *   self   — a group of one: copies (src/comm/self.c)
+ *            src/comm/hier/hier.c
+ *   self   — a group of one: copies (src/comm/self/self.c)
  *
  * Rules every backend keeps:
  *   - Every wait checks ctx->deadline_ns (DDP_ERR_TIMEOUT, naming ctx->op and
@@ -144,9 +144,9 @@ typedef struct ddp__backend_config {
   const char *const *host_names; /* per rank, for messages */
   int64_t timeout_ns;            /* for connecting */
   bool force_tcp;
-  /* tcp: leave pairs on one host (equal host_of) unconnected (hier.c). */
+  /* tcp: leave pairs on one host (equal host_of) unconnected (hier/hier.c). */
   bool skip_colocated;
-  /* When the backend serves part of a larger group (hier.c's per-host local
+  /* When the backend serves part of a larger group (hier/hier.c's per-host local
    * backend): the group rank of each of its ranks (size entries), and the
    * group's size and host names (borrowed; they outlive the backend), so
    * messages and blame name group ranks. NULL / 0: the backend is the group. */

@@ -7,14 +7,8 @@
 #include <string.h>
 
 #include "comm/comm_internal.h"
-#include "comm/flight.h"
+#include "comm/flight/flight.h"
 
-const char *ddp__op_kind_name(ddp__op_kind kind) {
-  static const char *names[DDP__OP_KIND_COUNT] = {
-      "allreduce", "broadcast",      "reduce",     "allgather", "gather", "scatter",
-      "reduce_scatter", "all_to_all", "barrier", "send",      "recv"};
-  return (unsigned)kind < DDP__OP_KIND_COUNT ? names[kind] : "unknown-op";
-}
 
 /* ---- Running one op ------------------------------------------------------------ */
 

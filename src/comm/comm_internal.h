@@ -12,46 +12,10 @@
 #include <time.h>
 
 #include "comm/backend.h"
+#include "comm/op.h"
 #include "ddp/comm.h"
 
 typedef struct ddp__flight ddp__flight; /* flight.h */
-
-/* The operations the queue can hold. */
-typedef enum ddp__op_kind {
-  DDP__OP_ALLREDUCE = 0,
-  DDP__OP_BROADCAST,
-  DDP__OP_REDUCE,
-  DDP__OP_ALLGATHER,
-  DDP__OP_GATHER,
-  DDP__OP_SCATTER,
-  DDP__OP_REDUCE_SCATTER,
-  DDP__OP_ALL_TO_ALL,
-  DDP__OP_BARRIER,
-  DDP__OP_SEND,
-  DDP__OP_RECV,
-  DDP__OP_KIND_COUNT
-} ddp__op_kind;
-
-/* "allreduce", "send", ... */
-const char *ddp__op_kind_name(ddp__op_kind kind);
-/* Collectives (every rank takes part) versus point-to-point. */
-static inline bool ddp__op_is_collective(ddp__op_kind kind) {
-  return kind != DDP__OP_SEND && kind != DDP__OP_RECV;
-}
-
-/* One operation's arguments, as the user gave them (after validation). */
-typedef struct ddp__op_args {
-  ddp__op_kind kind;
-  const void *send; /* allgather, gather, scatter, reduce_scatter, all_to_all, send */
-  void *buf;        /* in place ops' buffer, or the receive buffer */
-  size_t count;     /* elements of dtype */
-  ddp_dtype dtype;
-  ddp_reduce_op reduce_op;
-  int root;         /* root, or the peer of send / recv */
-  int tag;
-  uint64_t seq;     /* collectives: the group's collective number; p2p: own counter */
-  uint64_t flight;  /* its flight recorder record's id + 1; 0: none yet (flight.h) */
-} ddp__op_args;
 
 /* A batch of point-to-point requests on the lane (p2p_lane.c), kept with
  * its work handle and reused with it: reqs grows to the largest batch the
@@ -213,30 +177,6 @@ ddp_status ddp__op_execute(ddp_process_group *pg, ddp__op_args *args, bool calle
  * message naming the diverging rank when ranks disagree. */
 ddp_status ddp__debug_check(ddp_process_group *pg, const ddp__op_args *args,
                             const ddp__op_ctx *ctx);
-/* "allreduce(count=10, float32, sum)" */
-void ddp__op_describe(const ddp__op_args *args, int group_size, char *out, size_t bytes);
-
-/* Deadline helper: now + ns, saturating. */
-static inline int64_t ddp__deadline_after(int64_t ns) {
-  int64_t now = ddp_time_ns();
-  return ns > INT64_MAX - now ? INT64_MAX : now + ns;
-}
-
-/* CLOCK_MONOTONIC's coarse reading (the same clock, read from the last
- * tick: at most a few ms behind, so a deadline from it is at most that
- * early). Every operation reads it once, for its deadline and the flight
- * recorder; where the precise clock costs ~100 ns (no vDSO), the coarse one
- * costs ~5. */
-static inline int64_t ddp__now_coarse_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
-  return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
-/* now + ns, saturating (now from either clock above). */
-static inline int64_t ddp__deadline_from(int64_t now, int64_t ns) {
-  return ns > INT64_MAX - now ? INT64_MAX : now + ns;
-}
 
 /* ---- Argument checks shared by collectives.c and p2p.c ----------------- */
 

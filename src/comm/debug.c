@@ -37,28 +37,6 @@ static void args_of(const int64_t *fp, ddp__op_args *a) {
   a->seq = (uint64_t)fp[FP_SEQ];
 }
 
-void ddp__op_describe(const ddp__op_args *a, int group_size, char *out, size_t bytes) {
-  const char *name = ddp__op_kind_name(a->kind);
-  const char *dt = ddp_dtype_name(a->dtype);
-  switch (a->kind) {
-  case DDP__OP_ALLREDUCE:
-  case DDP__OP_REDUCE_SCATTER:
-    snprintf(out, bytes, "%s(count=%zu, %s, %s)", name, a->count, dt,
-             ddp_reduce_op_name(a->reduce_op));
-    break;
-  case DDP__OP_REDUCE:
-    snprintf(out, bytes, "%s(count=%zu, %s, %s, root=%d)", name, a->count, dt,
-             ddp_reduce_op_name(a->reduce_op), a->root);
-    break;
-  case DDP__OP_BROADCAST:
-  case DDP__OP_GATHER:
-  case DDP__OP_SCATTER:
-    snprintf(out, bytes, "%s(count=%zu, %s, root=%d)", name, a->count, dt, a->root);
-    break;
-  case DDP__OP_BARRIER: snprintf(out, bytes, "%s()", name); break;
-  default: snprintf(out, bytes, "%s(count=%zu, %s)", name, a->count, dt); break;
-  }
-}
 
 static bool same_fp(const int64_t *a, const int64_t *b) {
   return memcmp(a, b, FP_WORDS * sizeof *a) == 0;

@@ -19,7 +19,7 @@
 #include <unistd.h>
 
 #include "comm/comm_internal.h"
-#include "comm/flight.h"
+#include "comm/flight/flight.h"
 #include "rendezvous/rdzv_internal.h"
 
 #define ID_MAGIC "ddp-pg 1"
@@ -633,7 +633,3 @@ void ddp_process_group_destroy(ddp_process_group *pg) {
   }
 }
 
-const char *ddp_reduce_op_name(ddp_reduce_op op) {
-  static const char *names[] = {"sum", "avg", "min", "max", "product"};
-  return (unsigned)op < DDP_REDUCE_OP_COUNT ? names[op] : "invalid-reduce-op";
-}

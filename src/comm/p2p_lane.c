@@ -27,7 +27,7 @@
 #include <time.h>
 
 #include "comm/comm_internal.h"
-#include "comm/flight.h"
+#include "comm/flight/flight.h"
 
 /* The longest a driver waits in the backend before it looks at the lane's
  * state again (new batches and waiting callers also wake it, through

@@ -13,7 +13,7 @@
 #include <time.h>
 
 #include "comm/comm_internal.h"
-#include "comm/flight.h"
+#include "comm/flight/flight.h"
 
 /* Slack added to derived bounds, for the backend to notice its deadline. */
 #define SLACK_NS (5LL * 1000000000LL)

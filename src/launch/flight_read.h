@@ -8,7 +8,7 @@
 
 #include <stddef.h>
 
-#include "comm/flight.h"
+#include "comm/flight/flight.h"
 
 /* Parses text[0..len) into *dump (free with ddp__flight_dump_free). `what`
  * names the source in errors ("/tmp/ddp-flight-rank2.json", "rank 2's dump

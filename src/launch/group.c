@@ -15,7 +15,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "comm/local.h"
+#include "comm/local/local.h"
 #include "launch/launch_internal.h"
 
 extern char **environ;

@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "comm/flight.h"
+#include "comm/flight/flight.h"
 
 #define S 1000000000LL /* ns per second */
 #define MAX_RANKS 8

@@ -24,7 +24,7 @@
 #include <unistd.h>
 #include <cmocka.h>
 
-#include "comm/local.h"
+#include "comm/local/local.h"
 #include "ddp/store.h"
 
 static bool exists(const char *path) { return access(path, F_OK) == 0; }

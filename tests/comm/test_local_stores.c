@@ -13,7 +13,7 @@
 #include <string.h>
 #include <cmocka.h>
 
-#include "comm/local.h"
+#include "comm/local/local.h"
 
 static void fill(uint8_t *p, size_t n, uint32_t seed) {
   for (size_t i = 0; i < n; i++) {

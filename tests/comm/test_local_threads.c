@@ -19,7 +19,7 @@
 #include <unistd.h>
 #include <cmocka.h>
 
-#include "comm/local.h"
+#include "comm/local/local.h"
 #include "comm/local_test_util.h"
 #include "ddp/store.h"
 

@@ -16,7 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "comm/flight.h"
+#include "comm/flight/flight.h"
 #include "rendezvous/rdzv_internal.h"
 
 /* ---- Process state --------------------------------------------------------

@@ -1,8 +1,8 @@
 /* Internals of the tcp backend shared by its files: the backend object, the
- * pairs (one socket per peer, connected by tcp_pairs.c), the frame format
+ * pairs (one socket per peer, connected by tcp/pairs.c), the frame format
  * and the transfer engine that moves several framed messages at once
- * (tcp_engine.c), and the collective algorithms built on it
- * (tcp_algorithms.c). Not installed. */
+ * (tcp/engine.c), and the collective algorithms built on it
+ * (tcp/algorithms.c). Not installed. */
 #ifndef DDP__COMM_TCP_H
 #define DDP__COMM_TCP_H
 
@@ -95,7 +95,7 @@ typedef struct ddp__tcp_xfer {
 typedef struct ddp__tcp_backend {
   ddp__backend base;
   int rank, size;
-  /* What the collectives (tcp_algorithms.c) run over: the whole group
+  /* What the collectives (tcp/algorithms.c) run over: the whole group
    * (vrank = rank, vsize = size, view = NULL), or, set by the hierarchical
    * backend for one op, a subset of its ranks (one per host): view[i] is the
    * group rank of member i and vrank this rank's index. The engine maps
@@ -135,7 +135,7 @@ typedef struct ddp__tcp_backend {
  * pipelined chains). */
 #define DDP__TCP_PIECE_BYTES (256u * 1024u)
 
-/* The hierarchical backend's hooks (src/comm/hier.c). */
+/* The hierarchical backend's hooks (src/comm/hier/hier.c). */
 /* Runs the collectives over the members view[0..n) (group ranks, one of them
  * this rank) until ddp__tcp_view_clear. */
 void ddp__tcp_view_set(ddp__tcp_backend *b, int n, const int *view);
@@ -147,7 +147,7 @@ void ddp__tcp_view_clear(ddp__tcp_backend *b);
  * error. */
 void ddp__tcp_fail_external(ddp__tcp_backend *b, ddp_status st, int blame);
 
-/* ---- tcp_pairs.c ---------------------------------------------------------- */
+/* ---- tcp/pairs.c ---------------------------------------------------------- */
 
 /* Listens, publishes this rank's address in cfg->store, connects the full
  * mesh (lower rank connects to higher; handshake checks the ranks, the group
@@ -157,7 +157,7 @@ void ddp__tcp_fail_external(ddp__tcp_backend *b, ddp_status st, int blame);
  * shared memory. */
 ddp_status ddp__tcp_connect_mesh(ddp__tcp_backend *b, const ddp__backend_config *cfg);
 
-/* ---- tcp_engine.c --------------------------------------------------------- */
+/* ---- tcp/engine.c --------------------------------------------------------- */
 
 /* Sends BYE on every pair (best effort), drains and closes the sockets. */
 void ddp__tcp_close_pairs(ddp__tcp_backend *b);
@@ -183,14 +183,14 @@ int ddp__tcp_progress_send(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp
 int ddp__tcp_read_header(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_pair *p);
 int ddp__tcp_progress_recv(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_xfer *x);
 
-/* ---- tcp_lane.c: the point-to-point lane (backend.h) ----------------------
+/* ---- tcp/lane.c: the point-to-point lane (backend.h) ----------------------
  * On a mesh of its own (b->lane, connected with the group's), so the lane's
  * frames never interleave with a collective's on one socket. */
 ddp_status ddp__tcp_p2p_progress(ddp__backend *b, const ddp__op_ctx *ctx,
                                  ddp__p2p_req *const *reqs, int n, int64_t wait_ns, int *culprit);
 void ddp__tcp_p2p_wake(ddp__backend *b);
 
-/* Point to point (tcp.c's send/recv use these). */
+/* Point to point (tcp/tcp.c's send/recv use these). */
 ddp_status ddp__tcp_send_p2p(ddp__tcp_backend *b, const ddp__op_ctx *ctx, const void *buf,
                              size_t bytes, int dst);
 ddp_status ddp__tcp_recv_p2p(ddp__tcp_backend *b, const ddp__op_ctx *ctx, void *buf,
@@ -201,7 +201,7 @@ void *ddp__tcp_scratch(ddp__tcp_backend *b, size_t bytes);
 /* The backend's transfer array with room for n (grown once, kept). */
 ddp__tcp_xfer *ddp__tcp_xfers(ddp__tcp_backend *b, int n);
 
-/* ---- tcp_algorithms.c ----------------------------------------------------- */
+/* ---- tcp/algorithms.c ----------------------------------------------------- */
 
 ddp_status ddp__tcp_allreduce(ddp__backend *be, const ddp__op_ctx *ctx, void *buf, size_t count,
                               ddp_dtype dtype, ddp_reduce_op op);

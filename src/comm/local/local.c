@@ -1,7 +1,7 @@
 /* The local backend: collectives between ranks of one host, and the
  * backend's lifecycle. Between threads, ranks read and reduce straight from
  * each other's buffers (plain pointers); between processes, large
- * collectives go through staging in the shared segment (local_staged.c).
+ * collectives go through staging in the shared segment (local/staged.c).
  *
  * Every collective is op number n (counted alike on every rank). A rank's
  * progress is its flag, (n << 32) | step:
@@ -19,7 +19,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "comm/local.h"
+#include "comm/local/local.h"
 #include "ddp/tensor.h"
 
 static ddp__local_backend *as_local(ddp__backend *b) { return (ddp__local_backend *)b; }
@@ -735,7 +735,7 @@ ddp_status ddp__backend_local_create(const ddp__backend_config *cfg, ddp__backen
    * of their affinity masks: `taskset -c 0` on 2 ranks, or more ranks than
    * the host has), since the peer then needs this CPU to make progress.
    * Waits shorten long spins themselves when they find ranks stacked on one
-   * core by the scheduler (local_sync.c). */
+   * core by the scheduler (local/sync.c). */
   b->host_cpus = ddp__local_shared_cpus(b->reg, cfg->size);
   b->spin_long = cfg->size <= b->host_cpus ? DDP__LOCAL_SPIN_LONG : DDP__LOCAL_SPIN_SHORT;
   b->spin_iters = b->spin_long;

@@ -1,5 +1,5 @@
 /* The tcp backend's collectives, written as schedules of framed transfers
- * that the engine (tcp_engine.c) runs overlapped:
+ * that the engine (tcp/engine.c) runs overlapped:
  *   allreduce       recursive doubling (up to 8 KiB), halving-doubling (up
  *                   to 512 KiB; for both, non-power-of-two sizes fold the
  *                   extra ranks in first and out last), else a pipelined
@@ -14,7 +14,7 @@
  * the network. */
 #include <string.h>
 
-#include "comm/tcp.h"
+#include "comm/tcp/tcp.h"
 
 /* Messages up to this size use the latency-bound algorithms (binomial
  * trees; allreduce: recursive doubling up to DOUBLING_BYTES, then halving-

@@ -9,7 +9,7 @@
  * messages are matched in order per (peer, tag). */
 #include <string.h>
 
-#include "comm/local.h"
+#include "comm/local/local.h"
 
 static ddp__local_backend *as_local(ddp__backend *b) { return (ddp__local_backend *)b; }
 
@@ -377,7 +377,7 @@ static ddp_status lane_check_peers(ddp__local_backend *b, ddp__p2p_req *const *r
 
 /* Requests' peers are group ranks; the channels are indexed by this
  * backend's ranks (the same unless the backend serves one host of a larger
- * group: hier.c translates before calling). */
+ * group: hier/hier.c translates before calling). */
 ddp_status ddp__local_p2p_progress(ddp__backend *base, const ddp__op_ctx *ctx,
                                    ddp__p2p_req *const *reqs, int n, int64_t wait_ns, int *culprit) {
   ddp__local_backend *b = as_local(base);

@@ -3,7 +3,7 @@
  * over every peer (so a peer that dies is noticed whatever the op waits
  * for), failure detection and blame, BYE, point-to-point and the unexpected
  * queue. */
-#include "comm/tcp.h"
+#include "comm/tcp/tcp.h"
 
 #include <errno.h>
 #include <inttypes.h>

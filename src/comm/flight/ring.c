@@ -4,7 +4,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "comm/flight.h"
+#include "comm/flight/flight.h"
 
 const char *ddp__flight_state_name(int32_t state) {
   switch (state) {

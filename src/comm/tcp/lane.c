@@ -13,7 +13,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "comm/tcp.h"
+#include "comm/tcp/tcp.h"
 
 typedef struct lane_state {
   ddp__tcp_xfer x;

@@ -1,13 +1,13 @@
 /* The tcp backend's table: construction (connect the mesh), the op entry
  * points, point-to-point, transport names, abort and destroy. Pairs and the
- * transfer engine are in tcp_pairs.c and tcp_engine.c, the collectives in
- * tcp_algorithms.c. */
+ * transfer engine are in tcp/pairs.c and tcp/engine.c, the collectives in
+ * tcp/algorithms.c. */
 #include <stdint.h>
 #include <string.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
-#include "comm/tcp.h"
+#include "comm/tcp/tcp.h"
 #include "ddp/store.h"
 
 static ddp__tcp_backend *as_tcp(ddp__backend *be) { return (ddp__tcp_backend *)be; }

@@ -1,7 +1,7 @@
 /* The tcp backend's pairs: choosing and publishing this rank's address,
  * socket options, and connecting the full mesh with a handshake. Moving
- * frames over the pairs is tcp_engine.c's. */
-#include "comm/tcp.h"
+ * frames over the pairs is tcp/engine.c's. */
+#include "comm/tcp/tcp.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -238,7 +238,7 @@ ddp_status ddp__tcp_connect_mesh(ddp__tcp_backend *b, const ddp__backend_config 
   int64_t deadline_ns = ddp_time_ns() + timeout_ns;
   char host[DDP_NET_ADDR_BYTES];
   DDP_TRY(choose_address(cfg, host, sizeof host));
-  /* The pairs to connect: all, or (hier.c) only those on different hosts. */
+  /* The pairs to connect: all, or (hier/hier.c) only those on different hosts. */
   bool *wanted = ddp_calloc((size_t)b->size, sizeof *wanted);
   if (!wanted) return ddp_error(DDP_ERR_NOMEM, "tcp backend: out of memory");
   for (int q = 0; q < b->size; q++)

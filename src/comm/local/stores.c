@@ -25,7 +25,7 @@
 #include <emmintrin.h>
 #include <string.h>
 
-#include "comm/local.h"
+#include "comm/local/local.h"
 
 ddp_status ddp__local_stores_from_env(ddp__local_stores *out) {
   const char *v = ddp_env_str("DDP_LOCAL_STORES", "auto");

@@ -4,7 +4,7 @@
  * unlinks it, so nothing is left in /dev/shm even if a rank is killed later;
  * a kill before then leaves it, and ddprun removes what its dead workers
  * left (ddp__local_shm_remove_orphans).
- * Collectives go through staging areas in the segment (local.c); large
+ * Collectives go through staging areas in the segment (local/local.c); large
  * point-to-point messages are read straight from the sender's buffer with
  * cross-memory attach (process_vm_readv: one copy, by the kernel) where it
  * is permitted. A pidfd per peer process tells a waiter within
@@ -25,7 +25,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "comm/local.h"
+#include "comm/local/local.h"
 #include "ddp/store.h"
 
 #define SEGMENT_KEY "local/shm"

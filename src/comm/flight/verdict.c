@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "comm/flight.h"
+#include "comm/flight/flight.h"
 #include "rendezvous/rdzv_internal.h"
 
 #define MAX_LISTED 16

@@ -3,12 +3,12 @@
  * two shared result chunks; ddp__local_chunk_bytes), never through peers'
  * buffers, which a process can reach only by cross-memory attach at about
  * half memcpy speed. A chunk's copies stay in cache, so memory sees about
- * one read and one write of each rank's buffer. Called by local.c for op n
+ * one read and one write of each rank's buffer. Called by local/local.c for op n
  * once its START is posted. */
 #include <string.h>
 #include <sys/mman.h>
 
-#include "comm/local.h"
+#include "comm/local/local.h"
 #include "ddp/tensor.h"
 
 void ddp__local_stage_prefault(ddp__local_backend *b) {

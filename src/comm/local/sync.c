@@ -13,7 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "comm/local.h"
+#include "comm/local/local.h"
 
 /* Longest single sleep: bounds how late abort, deadline and death are seen
  * when no post wakes the waiter. */
@@ -133,7 +133,7 @@ static ddp_status check_peers(ddp__local_backend *b, const ddp__op_ctx *ctx, int
 
 /* Adaptive spinning. Ranks that the scheduler stacks on one core (unpinned
  * ranks on a machine where something else keeps the other cores busy) look
- * like ranks with a core each to the affinity check in local.c, but every
+ * like ranks with a core each to the affinity check in local/local.c, but every
  * wait then spins in vain, since the peer cannot run until this rank stops:
  * such waits end in the yield phase, right after handing the core over.
  * After STACKED_STREAK waits in a row ended there, waits spin only

@@ -2,9 +2,9 @@
  * maps (per-rank control blocks, small-message slots, point-to-point
  * channels), the memory-provider interface (how a rank reaches a peer's user
  * buffers: plain pointers for threads, cross-memory attach for processes)
- * and the waits (spin, then futex). Algorithms are in local.c, point to point
- * in local_p2p.c, waits in local_sync.c, providers in local_threads.c and
- * local_shm.c. docs/comm.md, "Local backend", describes the whole. */
+ * and the waits (spin, then futex). Algorithms are in local/local.c, point to point
+ * in local/p2p_channels.c, waits in local/sync.c, providers in local/threads.c and
+ * local/shm.c. docs/comm.md, "Local backend", describes the whole. */
 #ifndef DDP__COMM_LOCAL_H
 #define DDP__COMM_LOCAL_H
 
@@ -45,7 +45,7 @@
  * 1, 2 and 4 MiB, 2 MiB was best: 2 processes, 400 warm-up ops, 64 KiB 5.1
  * -> 14.6 GB/s, 256 KiB 5.4 -> 17.6, 1 MiB 16.7 -> 18.3 (shared L3). */
 #define DDP__LOCAL_PAIR_WINDOW (2u << 20)
-/* Writes into the shared segment (local_stores.c): a copy of at least twice
+/* Writes into the shared segment (local/stores.c): a copy of at least twice
  * DDP__LOCAL_STORE_PROBE bytes times its first DDP__LOCAL_STORE_PROBE with
  * ordinary stores and streams the rest when they ran below
  * DDP__LOCAL_STORE_SLOW_GBPS (a peer's cache held the lines across a slow
@@ -69,7 +69,7 @@ typedef struct ddp__local_word {
 } ddp__local_word;
 
 /* Spins before yielding: long while ranks seem to have a CPU each, short
- * when they share CPUs (local.c, local_sync.c). */
+ * when they share CPUs (local/local.c, local/sync.c). */
 #define DDP__LOCAL_SPIN_LONG 2000
 #define DDP__LOCAL_SPIN_SHORT 20
 /* How long a wait keeps spinning, past the spins above, while the op's
@@ -92,7 +92,7 @@ enum {
 };
 
 /* One per rank, on its own cache lines. `flag` orders a rank's progress:
- * (op number << 32) | step, see local.c. */
+ * (op number << 32) | step, see local/local.c. */
 typedef struct ddp__local_ctl {
   ddp__local_word flag;
   uint64_t addr[2];            /* this op's buffers (send/recv or buf), in its own address space */
@@ -209,11 +209,11 @@ struct ddp__local_mem {
 };
 
 /* Records the calling thread's CPU affinity in ctl->cpus (providers call it
- * before counting the rank attached). local.c. */
+ * before counting the rank attached). local/local.c. */
 void ddp__local_publish_cpus(ddp__local_ctl *ctl);
 /* How many distinct CPUs the ranks of the region may run on together (the
  * union of their masks, capped by the online CPUs); the online count when
- * any mask is unknown. Call once every rank has attached. local.c. */
+ * any mask is unknown. Call once every rank has attached. local/local.c. */
 int ddp__local_shared_cpus(ddp__local_region *reg, int size);
 
 /* Both attach every rank of cfg (collective: returns once all have attached,
@@ -255,7 +255,7 @@ typedef struct ddp__local_backend {
   char **host_names;       /* [size] for messages */
   void *scratch[2];        /* SEGMENT_BYTES each, when the provider needs them */
   atomic_bool aborted;
-  int spin_iters;          /* spins before yielding now (local_sync.c adapts it) */
+  int spin_iters;          /* spins before yielding now (local/sync.c adapts it) */
   int spin_long;           /* spins when ranks seem to have a CPU each, else SHORT */
   uint32_t yield_streak;   /* waits in a row that ended in the yield phase */
   uint32_t short_waits;    /* waits since spins were shortened (probe period) */
@@ -263,7 +263,7 @@ typedef struct ddp__local_backend {
   bool pinned_apart;       /* each rank bound to one CPU of its own: never stacked */
   int yield_iters;         /* sched_yield calls after spinning, before sleeping */
   uint64_t waits_slept;    /* waits that reached the futex phase (for tests) */
-  uint32_t contended_skips; /* blocked waits left that skip their spin (local_sync.c) */
+  uint32_t contended_skips; /* blocked waits left that skip their spin (local/sync.c) */
   uint64_t waits_contended; /* blocked waits that skipped it because the CPU was contended (for tests) */
   uint64_t waits_spun_blocked; /* waits that spun for a blocked caller (for tests) */
   int blame;               /* the peer behind the last error (a group rank), -1 if none */
@@ -271,14 +271,14 @@ typedef struct ddp__local_backend {
   uint64_t copies_streamed; /* shared-segment copies that streamed (for tests) */
   int64_t stream_until_ns;  /* copies stream unprobed until then (auto) */
   /* Group ranks of this backend's ranks (identity unless it serves one host
-   * of a larger group, hier.c), the group's size and host names (borrowed,
+   * of a larger group, hier/hier.c), the group's size and host names (borrowed,
    * NULL: host_names), for messages and blame. */
   int *group_rank;
   int group_size;
   const char *const *group_host_names;
   _Atomic uint64_t moved;  /* payload bytes of this rank's ops (counters) */
   _Atomic uint64_t p2p_moved; /* ... of its point-to-point lane (written by the lane only) */
-  /* The lane's per-peer scratch (local_p2p.c): ranks whose next send or
+  /* The lane's per-peer scratch (local/p2p_channels.c): ranks whose next send or
    * receive must wait for an earlier one in this round. */
   uint8_t *p2p_send_held, *p2p_recv_held;
   int64_t p2p_next_liveness; /* when the lane next asks whether peers live */
@@ -296,7 +296,7 @@ static inline int ddp__local_group_rank(const ddp__local_backend *b, int q) {
 static inline bool ddp__local_blame_valid(const ddp__local_backend *b, int32_t blame) {
   return blame >= 0 && blame < b->group_size && blame != b->group_rank[b->rank];
 }
-/* The host of a group rank, for messages. local.c. */
+/* The host of a group rank, for messages. local/local.c. */
 const char *ddp__local_group_host(const ddp__local_backend *b, int group_rank);
 /* Adds an op's payload to the counters (one writer: the op's thread). */
 static inline void ddp__local_count(ddp__local_backend *b, size_t bytes) {
@@ -304,14 +304,14 @@ static inline void ddp__local_count(ddp__local_backend *b, size_t bytes) {
                         atomic_load_explicit(&b->moved, memory_order_relaxed) + bytes,
                         memory_order_relaxed);
 }
-/* hier.c's hooks: the group rank this rank's failure blames (-1: none), and
+/* hier/hier.c's hooks: the group rank this rank's failure blames (-1: none), and
  * failing the backend because of an error found elsewhere (the TCP part of
  * the group): peers waiting here fail at once, naming group rank `blame`.
  * The message is the calling thread's last error. */
 int ddp__local_blamed(const ddp__backend *b);
 void ddp__local_fail_external(ddp__backend *b, ddp_status st, int blame);
 
-/* ---- Waits (local_sync.c) ------------------------------------------------ */
+/* ---- Waits (local/sync.c) ------------------------------------------------ */
 
 /* Sets w->value (release) and wakes sleepers. */
 /* dst (count) := the reduction of src[0..size) in rank order (so every rank's
@@ -327,7 +327,7 @@ void ddp__local_post(ddp__local_backend *b, ddp__local_word *w, uint64_t value);
 bool ddp__local_pinned_apart(ddp__local_region *reg, int size);
 
 /* The spin policy's bookkeeping after a wait that ended in the yield phase
- * (local_sync.c). `skipped_spin`: the wait skipped its blocked spin because
+ * (local/sync.c). `skipped_spin`: the wait skipped its blocked spin because
  * the CPU was contended, so ending in the yields says nothing about ranks
  * stacked on one core. Exposed for tests of the policy. */
 void ddp__local_wait_ended_in_yield(ddp__local_backend *b, bool skipped_spin);
@@ -341,7 +341,7 @@ ddp_status ddp__local_wait_flag(ddp__local_backend *b, const ddp__op_ctx *ctx, i
 ddp_status ddp__local_wait_all(ddp__local_backend *b, const ddp__op_ctx *ctx, uint64_t target);
 /* After this rank failed during an op whose buffers peers read in place:
  * waits (at most 2 s) until every peer has finished the op or stopped, so
- * the caller may free its buffers once the op returns. local.c. */
+ * the caller may free its buffers once the op returns. local/local.c. */
 void ddp__local_linger(ddp__local_backend *b);
 /* DDP_OK, or the sticky error of an earlier op (message restored), or
  * DDP_ERR_ABORTED once aborted: an op that cannot run touches nothing. */
@@ -352,7 +352,7 @@ void ddp__local_wake_all(ddp__local_backend *b);
  * (every later op returns it) and returns st. */
 ddp_status ddp__local_fail(ddp__local_backend *b, const ddp__op_ctx *ctx, ddp_status st);
 
-/* ---- Op framing (shared by local.c and local_staged.c) ------------------- */
+/* ---- Op framing (shared by local/local.c and local/staged.c) ------------------- */
 
 /* A rank's flag: (op number << 32) | step. */
 #define DDP__LOCAL_STEP_START 1u
@@ -371,7 +371,7 @@ static inline size_t ddp__local_slice_lo(size_t count, int size, int q, size_t e
   return lo;
 }
 
-/* ---- Writing into the shared segment (local_stores.c) --------------------
+/* ---- Writing into the shared segment (local/stores.c) --------------------
  * For data a peer reads next: ordinary stores, or streaming ones when a
  * peer's cache holding the lines makes ordinary stores slow (the policy
  * above, b->stores). */
@@ -392,7 +392,7 @@ bool ddp__local_shared_copy(ddp__local_backend *b, void *dst, const void *src, s
 void ddp__local_reduce_to_shared(void *dst, const void *const *src, int size, size_t count,
                                  ddp_dtype dtype, ddp_reduce_op op, bool streaming);
 
-/* ---- Staged collectives between processes (local_staged.c) ---------------
+/* ---- Staged collectives between processes (local/staged.c) ---------------
  * Called for op n after its START is posted (op_publish); data moves only
  * through the region's staging chunks, never through peers' buffers. */
 /* At creation: every rank's staging area is mapped in and allocated
@@ -420,7 +420,7 @@ ddp_status ddp__local_staged_reduce_scatter(ddp__local_backend *b, const ddp__op
 ddp_status ddp__local_staged_all_to_all(ddp__local_backend *b, const ddp__op_ctx *ctx,
                                         uint64_t n, const void *send, void *recv, size_t bytes);
 
-/* ---- Point to point (local_p2p.c) ----------------------------------------
+/* ---- Point to point (local/p2p_channels.c) ----------------------------------------
  * send/recv run one message at a time on the op's thread (the hierarchical
  * backend's pairs on one host); p2p_progress and p2p_wake are the group's
  * point-to-point lane (backend.h). Both use the same channels and message
@@ -429,7 +429,7 @@ ddp_status ddp__local_p2p_progress(ddp__backend *b, const ddp__op_ctx *ctx,
                                    ddp__p2p_req *const *reqs, int n, int64_t wait_ns,
                                    int *culprit);
 void ddp__local_p2p_wake(ddp__backend *b);
-/* Rings rank q's doorbell (local_sync.c). */
+/* Rings rank q's doorbell (local/sync.c). */
 void ddp__local_bell_ring(ddp__local_backend *b, int q);
 /* Sleeps on this rank's doorbell until it is rung after `seen` (its wake
  * counter read before the caller last looked) or ns pass. */

@@ -36,8 +36,8 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "comm/local.h"
-#include "comm/tcp.h"
+#include "comm/local/local.h"
+#include "comm/tcp/tcp.h"
 
 typedef struct hier_backend {
   ddp__backend base;

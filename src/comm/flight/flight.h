@@ -7,11 +7,11 @@
  * who stopped where (docs/comm.md, "Flight recorder"; docs/debugging.md).
  *
  * Three parts:
- *   flight.c          the ring: recording on the hot path, consistent copies
- *   flight_dump.c     the process: registry of rings, triggers (failure,
+ *   ring.c            the ring: recording on the hot path, consistent copies
+ *   dump.c            the process: registry of rings, triggers (failure,
  *                     SIGUSR1 through a pipe and a dump thread), the JSON
  *                     writer, the file and the store
- *   flight_verdict.c  the verdict over the dumps of every rank
+ *   verdict.c         the verdict over the dumps of every rank
  * The JSON reader is src/launch/flight_read.c (it uses io's parser). Not
  * installed. */
 #ifndef DDP__COMM_FLIGHT_H
@@ -22,7 +22,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "comm/comm_internal.h"
+#include "comm/op.h"
+
+typedef struct ddp__flight ddp__flight;
 
 #define DDP__FLIGHT_DEFAULT_SIZE 2000
 #define DDP__FLIGHT_MAX_SIZE (1 << 20)
@@ -126,7 +128,7 @@ struct ddp__flight {
   int32_t rank;
   int32_t size;
   char backend[16];
-  ddp__flight *reg_next;   /* the process's registry (flight_dump.c) */
+  ddp__flight *reg_next;   /* the process's registry (flight/dump.c) */
 };
 
 /* N from DDP_FLIGHT_RECORDER_SIZE (default 2000, 0 = off; malformed or
@@ -217,7 +219,7 @@ static inline void ddp__flight_end(ddp__flight *f, const ddp__op_args *a, ddp_st
   ddp__flight_end_write(s, id);
 }
 
-/* ---- Dumps (flight_dump.c) ------------------------------------------------- */
+/* ---- Dumps (flight/dump.c) ------------------------------------------------- */
 
 /* The process's registry of rings, which every dump reads: open registers
  * (the first ring also installs the SIGUSR1 handler and starts the dump
@@ -249,7 +251,7 @@ ddp_status ddp__flight_to_json(const ddp__flight_dump *dump, char **text, size_t
  * Free with ddp__flight_dump_free. */
 ddp_status ddp__flight_collect(const char *reason, const char *detail, ddp__flight_dump *dump);
 
-/* ---- The verdict (flight_verdict.c) -------------------------------------- */
+/* ---- The verdict (flight/verdict.c) -------------------------------------- */
 
 /* Reads the dumps of a job (any order, one per process; several group
  * entries of one group and rank: the newest dump wins) and says, per group

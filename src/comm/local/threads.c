@@ -9,7 +9,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "comm/local.h"
+#include "comm/local/local.h"
 #include "ddp/store.h"
 
 #define REGION_KEY "local/threads"
