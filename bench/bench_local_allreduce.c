@@ -92,20 +92,20 @@ static void run_rank(int rank) {
     int iters = iters_for(bytes), warm = iters / 10 + 2;
     for (int k = 0; k < warm; k++) {
       c = ctx_for("allreduce", ++seq, &ab);
-      check(b->ops->allreduce(b, &c, buf, count, DDP_FLOAT32, DDP_REDUCE_SUM), rank, "allreduce");
+      check(b->ops->blocking->allreduce(b, &c, buf, count, DDP_FLOAT32, DDP_REDUCE_SUM), rank, "allreduce");
     }
     c = ctx_for("barrier", ++seq, &ab);
-    check(b->ops->barrier(b, &c), rank, "barrier");
+    check(b->ops->blocking->barrier(b, &c), rank, "barrier");
     t0 = ddp_time_ns();
     for (int k = 0; k < iters; k++) {
       c = ctx_for("allreduce", ++seq, &ab);
-      check(b->ops->allreduce(b, &c, buf, count, DDP_FLOAT32, DDP_REDUCE_SUM), rank, "allreduce");
+      check(b->ops->blocking->allreduce(b, &c, buf, count, DDP_FLOAT32, DDP_REDUCE_SUM), rank, "allreduce");
     }
     double t = (double)(ddp_time_ns() - t0) * 1e-9 / iters;
     /* The memcpy rate of one rank while every rank copies `bytes` at once,
      * in the same go (the machine's load drifts). */
     c = ctx_for("barrier", ++seq, &ab);
-    check(b->ops->barrier(b, &c), rank, "barrier");
+    check(b->ops->blocking->barrier(b, &c), rank, "barrier");
     int64_t c0 = ddp_time_ns();
     for (int k = 0; k < iters; k++) memcpy(copy, buf, bytes);
     double copy_rate = (double)bytes * iters / ((double)(ddp_time_ns() - c0) * 1e-9);

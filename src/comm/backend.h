@@ -1,26 +1,49 @@
 /* The contract between the process-group layer (src/comm/group.c, work.c,
  * collectives.c: validation, ordering, the progress thread, timeouts, sticky
  * errors, debug fingerprints) and a backend (the algorithms and transports
- * that move bytes). As in gloo, algorithms and transports know nothing of
- * queues or work handles: a backend op runs one collective to completion on
- * the calling thread, or fails.
+ * that move bytes), in a folder of its own under src/comm/. As in gloo,
+ * backends know nothing of queues or work handles.
+ *
+ * The interface is asynchronous, so that engines which complete later fit
+ * it as well as ddp's own, which run an operation to completion on the
+ * calling thread:
+ *   enqueue   starts one operation (ddp__op_args: kind, buffers, count,
+ *             dtype, reduce op, root, and the device the buffers are on)
+ *             and fills a completion object that the group layer owns;
+ *   test      polls a completion; never blocks;
+ *   wait      blocks until a completion is done or the op's deadline or
+ *             abort flag says stop (optional: without it the group layer
+ *             polls test, spinning briefly, then sleeping 20-200 us between
+ *             polls);
+ *   abort     from any thread, makes every enqueued operation complete
+ *             promptly (DDP_ERR_ABORTED) and every later one fail;
+ *   caps      what the backend supports (operations, dtypes, reduce ops,
+ *             devices, subgroups, how many operations may be in flight);
+ *             the group layer refuses anything else with
+ *             DDP_ERR_UNSUPPORTED naming the backend, before the backend
+ *             sees it.
+ * A backend whose operations run to completion on the caller (ddp's own:
+ * self, local, tcp, hier) fills a ddp__blocking_ops table and uses
+ * ddp__blocking_enqueue, which completes the op inside enqueue; an engine
+ * with requests (MPI: MPI_Iallreduce + MPI_Test) or streams (NCCL: a kernel
+ * on a stream + an event) returns from enqueue at once and completes in test
+ * or wait. docs/comm.md ("The backend interface") has what a backend must and
+ * may do.
  *
  * Backends (chosen per group from the ranks' identities, exchanged through
  * the group's store; docs/comm.md):
- *   local  — every rank on one host: ranks read and reduce straight from each
+ *   local/ — every rank on one host: ranks read and reduce straight from each
  *            other's buffers. Two memory providers: "threads" (ranks are
  *            threads of one process: plain pointers) and "shm" (processes:
- *            shared-memory segments / cross-memory attach), src/comm/local/
- *   tcp    — otherwise: a pair (socket) per peer; pipelined segmented ring
- *            for large messages, recursive halving-doubling for small ones,
- *            src/comm/tcp/
- *   hier   — ranks on several hosts, some of them co-located: per host a
+ *            shared-memory segments / cross-memory attach)
+ *   tcp/   — otherwise: a pair (socket) per peer; pipelined segmented ring
+ *            for large messages, recursive halving-doubling for small ones
+ *   hier/  — ranks on several hosts, some of them co-located: per host a
  *            local backend (shared memory), and a tcp backend connecting
  *            only ranks of different hosts; collectives compose the two
  *            (local reduce -> tcp among one rank per host -> local
- *            broadcast, ...), point-to-point picks per pair,
- *            src/comm/hier/hier.c
- *   self   — a group of one: copies (src/comm/self/self.c)
+ *            broadcast, ...), point-to-point picks per pair
+ *   self/  — a group of one: copies
  *
  * Rules every backend keeps:
  *   - Every wait checks ctx->deadline_ns (DDP_ERR_TIMEOUT, naming ctx->op and
@@ -28,10 +51,12 @@
  *   - A peer's death is detected independently of the deadline (closed
  *     socket, lost heartbeat) within 5 s and reported as DDP_ERR_PEER with
  *     "rank R (host) died (why)" in the message.
- *   - Ops are called in the same order on every rank (the group layer
- *     guarantees it), one at a time per backend (never concurrently).
+ *   - Ops are enqueued in the same order on every rank (the group layer
+ *     guarantees it), from one thread at a time, at most caps.max_in_flight
+ *     of them incomplete at once; they complete in the order they were
+ *     enqueued.
  *   - abort() may be called from any thread while an op runs: it must make
- *     that op return promptly.
+ *     that op return (or complete) promptly.
  *   - count == 0 is valid and completes (still synchronising where the
  *     collective implies it, e.g. barrier). */
 #ifndef DDP__COMM_BACKEND_H
@@ -42,6 +67,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "comm/op.h"
 #include "ddp/comm.h"
 
 typedef struct ddp__backend ddp__backend;
@@ -78,8 +104,11 @@ typedef struct ddp__p2p_req {
   _Alignas(16) unsigned char state[160];
 } ddp__p2p_req;
 
-typedef struct ddp__backend_ops {
-  const char *name; /* "local", "tcp", "self" */
+/* The operations of a backend that runs each to completion on the calling
+ * thread (ddp's own backends): ddp__blocking_enqueue dispatches to them, and
+ * a backend that composes others (hier) calls them directly. Each returns
+ * once the operation is complete on this rank, or failed. */
+typedef struct ddp__blocking_ops {
   ddp_status (*allreduce)(ddp__backend *b, const ddp__op_ctx *ctx, void *buf, size_t count,
                           ddp_dtype dtype, ddp_reduce_op op);
   ddp_status (*broadcast)(ddp__backend *b, const ddp__op_ctx *ctx, void *buf, size_t count,
@@ -101,6 +130,63 @@ typedef struct ddp__backend_ops {
   ddp_status (*send)(ddp__backend *b, const ddp__op_ctx *ctx, const void *buf, size_t bytes,
                      int dst);
   ddp_status (*recv)(ddp__backend *b, const ddp__op_ctx *ctx, void *buf, size_t bytes, int src);
+} ddp__blocking_ops;
+
+/* What a backend supports, declared once in its table. */
+typedef struct ddp__backend_caps {
+  uint32_t ops;        /* bit (1u << ddp__op_kind) per operation it runs */
+  uint32_t dtypes;     /* bit (1u << ddp_dtype) */
+  uint32_t reduce_ops; /* bit (1u << ddp_reduce_op) */
+  uint32_t devices;    /* bit (1u << ddp_device_type): where buffers may be */
+  /* Subgroups (ddp_process_group_new / _split) of a group on this backend
+   * may be made; without it they are refused naming the backend. */
+  bool subgroups;
+  /* Operations that may be enqueued and incomplete at once (>= 1). With 1
+   * the group layer completes each before it enqueues the next. */
+  int max_in_flight;
+} ddp__backend_caps;
+
+#define DDP__CAPS_ALL_OPS ((1u << DDP__OP_KIND_COUNT) - 1u)
+#define DDP__CAPS_ALL_DTYPES ((1u << (DDP_BFLOAT16 + 1)) - 1u)
+#define DDP__CAPS_ALL_REDUCE_OPS ((1u << DDP_REDUCE_OP_COUNT) - 1u)
+#define DDP__CAPS_CPU (1u << DDP_DEVICE_CPU)
+
+/* One enqueued operation's completion: owned by the group layer (in the
+ * work handle or on the stack of the thread that waits), zeroed before
+ * enqueue, and not moved until done. The backend sets status, then done
+ * (release); whoever reads status first reads done (acquire). */
+typedef struct ddp__completion {
+  atomic_bool done;
+  ddp_status status; /* valid once done; the message is the last error of
+                        the thread that completed it, copied into msg */
+  char msg[1024];    /* the failure's message ("" when status is DDP_OK) */
+  /* The backend's own state for this operation (an MPI_Request, a CUDA
+   * event, ...): zeroed before enqueue. */
+  _Alignas(16) unsigned char state[64];
+} ddp__completion;
+
+/* Marks c done with status (and, on failure, the calling thread's last
+ * error as its message). For backends; any thread. */
+void ddp__completion_finish(ddp__completion *c, ddp_status status);
+
+typedef struct ddp__backend_ops {
+  const char *name; /* "local", "tcp", "hier", "self" */
+  ddp__backend_caps caps;
+  /* Starts `op` (its pointers stay valid until c is done; ctx likewise).
+   * Returns DDP_OK once started (c may already be done) or a failure to
+   * start (c untouched: the op was not enqueued). */
+  ddp_status (*enqueue)(ddp__backend *b, const ddp__op_ctx *ctx, const ddp__op_args *op,
+                        ddp__completion *c);
+  /* Polls c without blocking: true once done. NULL: enqueue always
+   * completes (blocking backends). Called by one thread at a time. */
+  bool (*test)(ddp__backend *b, ddp__completion *c);
+  /* Blocks until c is done, or until ctx's deadline passes or its abort
+   * flag is set (then returns DDP_ERR_TIMEOUT / DDP_ERR_ABORTED with c
+   * still pending; the group layer fails the group and aborts the backend).
+   * NULL: the group layer polls test. */
+  ddp_status (*wait)(ddp__backend *b, const ddp__op_ctx *ctx, ddp__completion *c);
+  /* Blocking backends: their operations (ddp__blocking_enqueue runs them). */
+  const ddp__blocking_ops *blocking;
   /* The point-to-point lane (NULL: p2p goes through the op queue, one op at
    * a time, with send/recv above). Progresses reqs[0..n), given in posting
    * order: sends to one peer go out in that order, receives from one peer
@@ -154,6 +240,21 @@ typedef struct ddp__backend_config {
   int group_size;
   const char *const *group_host_names;
 } ddp__backend_config;
+
+/* enqueue for a backend with a ddp__blocking_ops table: runs op to
+ * completion on the calling thread and completes c with its status. */
+ddp_status ddp__blocking_enqueue(ddp__backend *b, const ddp__op_ctx *ctx, const ddp__op_args *op,
+                                 ddp__completion *c);
+
+/* Every caps field of ddp's own CPU backends: all operations, dtypes and
+ * reduce ops, host memory, subgroups, one op at a time. */
+#define DDP__CAPS_HOST_BLOCKING                                                     \
+  {.ops = DDP__CAPS_ALL_OPS, .dtypes = DDP__CAPS_ALL_DTYPES,                        \
+   .reduce_ops = DDP__CAPS_ALL_REDUCE_OPS, .devices = DDP__CAPS_CPU, .subgroups = true, \
+   .max_in_flight = 1}
+
+/* A backend constructor (each backend's folder has one). */
+typedef ddp_status (*ddp__backend_create_fn)(const ddp__backend_config *cfg, ddp__backend **out);
 
 ddp_status ddp__backend_self_create(const ddp__backend_config *cfg, ddp__backend **out);
 ddp_status ddp__backend_local_create(const ddp__backend_config *cfg, ddp__backend **out);

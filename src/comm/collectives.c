@@ -1,67 +1,12 @@
 /* The collectives of comm.h: argument checks (DDP_ERR_INVALID naming the
- * call), submission through the group's queue (work.c), and running one op on
- * the backend: its context (sequence number, deadline), the debug
- * fingerprint check, sticky errors. AVG goes to the backend as AVG: each
+ * call), then submission through the group's queue (work.c), which runs
+ * them on the backend (execute.c). AVG goes to the backend as AVG: each
  * backend divides (ddp__reduce_scale) while the data is still in its cache. */
 #include <stdio.h>
 #include <string.h>
 
 #include "comm/comm_internal.h"
-#include "comm/flight/flight.h"
 
-
-/* ---- Running one op ------------------------------------------------------------ */
-
-static ddp_status dispatch(ddp_process_group *pg, const ddp__op_args *a, const ddp__op_ctx *ctx) {
-  ddp__backend *b = pg->backend;
-  const ddp__backend_ops *ops = b->ops;
-  ddp_reduce_op rop = a->reduce_op;
-  size_t elem = ddp_dtype_size(a->dtype);
-  switch (a->kind) {
-  case DDP__OP_ALLREDUCE: return ops->allreduce(b, ctx, a->buf, a->count, a->dtype, rop);
-  case DDP__OP_BROADCAST: return ops->broadcast(b, ctx, a->buf, a->count, a->dtype, a->root);
-  case DDP__OP_REDUCE: return ops->reduce(b, ctx, a->buf, a->count, a->dtype, rop, a->root);
-  case DDP__OP_ALLGATHER: return ops->allgather(b, ctx, a->send, a->buf, a->count, a->dtype);
-  case DDP__OP_GATHER: return ops->gather(b, ctx, a->send, a->buf, a->count, a->dtype, a->root);
-  case DDP__OP_SCATTER: return ops->scatter(b, ctx, a->send, a->buf, a->count, a->dtype, a->root);
-  case DDP__OP_REDUCE_SCATTER:
-    return ops->reduce_scatter(b, ctx, a->send, a->buf, a->count, a->dtype, rop);
-  case DDP__OP_ALL_TO_ALL: return ops->all_to_all(b, ctx, a->send, a->buf, a->count, a->dtype);
-  case DDP__OP_BARRIER: return ops->barrier(b, ctx);
-  case DDP__OP_SEND: return ops->send(b, ctx, a->send, a->count * elem, a->root);
-  case DDP__OP_RECV: return ops->recv(b, ctx, a->buf, a->count * elem, a->root);
-  default: DDP_ASSERT(!"unknown op kind");
-  }
-  return DDP_ERR_INTERNAL;
-}
-
-ddp_status ddp__op_execute(ddp_process_group *pg, ddp__op_args *args, bool caller_blocked) {
-  args->seq = ddp__op_is_collective(args->kind) ? ++pg->next_seq : ++pg->next_p2p_seq;
-  ddp_status st = ddp__group_check(pg);
-  if (st != DDP_OK) {
-    if (pg->flight) ddp__flight_end(pg->flight, args, st, ddp__now_coarse_ns());
-    return st;
-  }
-  int64_t now = ddp__now_coarse_ns(); /* one reading: the deadline's and the recorder's */
-  ddp__op_ctx ctx = {
-      .op = ddp__op_kind_name(args->kind),
-      .seq = args->seq,
-      .deadline_ns = ddp__deadline_from(now, pg->timeout_ns),
-      .aborted = &pg->aborted,
-      .tag = args->tag,
-      .caller_blocked = caller_blocked,
-  };
-  if (pg->flight) ddp__flight_start(pg->flight, args, now);
-  if (pg->debug_detail && pg->size > 1 && ddp__op_is_collective(args->kind))
-    st = ddp__debug_check(pg, args, &ctx);
-  if (st == DDP_OK) st = dispatch(pg, args, &ctx);
-  if (pg->flight) ddp__flight_end(pg->flight, args, st, ddp__now_coarse_ns());
-  if (st != DDP_OK) {
-    ddp__group_fail(pg, st, ddp_last_error());
-    return ddp__group_check(pg);
-  }
-  return DDP_OK;
-}
 
 /* ---- Argument checks ------------------------------------------------------------ */
 

@@ -41,6 +41,10 @@ struct ddp_work {
   bool queued;      /* in the queue, not yet taken by the progress thread */
   bool orphaned;    /* freed by its owner before it finished: recycled on completion */
   ddp_work *all_next; /* every work of the group, for destroy */
+  /* While the progress thread runs it: its context and its completion in
+   * the backend (backend.h), which stay here until it completes. */
+  ddp__op_ctx ctx;
+  ddp__completion completion;
 };
 
 struct ddp_process_group {
@@ -72,6 +76,15 @@ struct ddp_process_group {
   pthread_cond_t work_cv;  /* the progress thread waits for work / the executor */
   pthread_cond_t done_cv;  /* waiters wait for completions */
   ddp_work *head, *tail;   /* queued, in submission order */
+  /* Started on the backend by the progress thread and not yet completed,
+   * oldest first (at most the backend's caps.max_in_flight); only the
+   * progress thread touches them. */
+  ddp_work *inflight_head, *inflight_tail;
+  int inflight;
+  /* A blocking call run inline (one at a time: DDP__INLINE_BIT) keeps its
+   * op's context and completion here. */
+  ddp__op_ctx inline_ctx;
+  ddp__completion inline_completion;
   /* Queued + running operations, plus DDP__INLINE_BIT while a blocking call
    * runs inline: a blocking call may run inline only by swapping 0 for the
    * bit (no lock on that path); the progress thread runs nothing while the
@@ -115,6 +128,11 @@ void ddp__group_fail(ddp_process_group *pg, ddp_status status, const char *msg);
 /* When the group has failed: sets the calling thread's last error to the
  * sticky message and returns the sticky status; else DDP_OK. */
 ddp_status ddp__group_check(ddp_process_group *pg);
+
+/* Test hook: when set, groups of more than one rank are built on this
+ * backend instead of the one chosen from the ranks' identities (the tests of
+ * the asynchronous interface use an engine of their own). NULL otherwise. */
+extern ddp__backend_create_fn ddp__backend_override;
 
 /* ---- work.c --------------------------------------------------------------- */
 ddp_status ddp__queue_init(ddp_process_group *pg);
@@ -165,12 +183,37 @@ void ddp__p2p_wait(ddp_work *w, int64_t deadline_ns);
 ddp_status ddp__p2p_submit(ddp_process_group *pg, const char *name, const ddp_p2p_op *ops,
                            size_t n, ddp_work **work);
 
-/* ---- collectives.c -------------------------------------------------------- */
-/* Runs one operation on the backend on the calling thread (numbering it in
- * args->seq, debug check, backend call); on failure records the sticky
- * error. Called by one thread at a time per group. caller_blocked: the op
- * runs inline on the thread that waits for it (ddp__op_ctx). */
-ddp_status ddp__op_execute(ddp_process_group *pg, ddp__op_args *args, bool caller_blocked);
+/* ---- execute.c: one operation on the backend ---------------------------- */
+/* Refuses what the group's backend does not declare in its caps (the
+ * operation, dtype, reduce op or device) with DDP_ERR_UNSUPPORTED naming the
+ * backend; `call` names the user's call in the message. */
+ddp_status ddp__caps_check(const ddp_process_group *pg, const char *call, ddp__op_kind kind,
+                           ddp_dtype dtype, ddp_reduce_op rop, ddp_device device);
+/* Zeroes what a completion must start with (done, status, the backend's state). */
+void ddp__completion_reset(ddp__completion *c);
+/* Starts one operation: numbers it in args->seq, checks the sticky error,
+ * fills *ctx, records the start, runs the debug check, enqueues it on the
+ * backend with completion c (ctx and c stay where they are until
+ * ddp__op_finish). On failure the op is over (recorded, sticky). Called by
+ * one thread at a time per group, in submission order. caller_blocked: the
+ * op runs inline on the thread that waits for it (ddp__op_ctx). */
+ddp_status ddp__op_start(ddp_process_group *pg, ddp__op_args *args, bool caller_blocked,
+                         ddp__op_ctx *ctx, ddp__completion *c);
+/* Completes a started op (the backend's wait, or polling its test, bounded
+ * by ctx's deadline and the abort flag), records its end, and makes a
+ * failure the group's sticky error (a timeout also aborts the backend). */
+ddp_status ddp__op_finish(ddp_process_group *pg, ddp__op_args *args, const ddp__op_ctx *ctx,
+                          ddp__completion *c);
+/* ddp__op_start, then ddp__op_finish, on this thread. */
+ddp_status ddp__op_execute(ddp_process_group *pg, ddp__op_args *args, bool caller_blocked,
+                           ddp__op_ctx *ctx, ddp__completion *c);
+/* Runs args on backend b outside the group's numbering (the debug check's
+ * own allgather): enqueue, then complete; a timeout or abort aborts b. */
+ddp_status ddp__backend_run(ddp__backend *b, const ddp__op_ctx *ctx, const ddp__op_args *args,
+                            ddp__completion *c);
+/* Waits for an enqueued c on b (wait or polling test, bounded by ctx);
+ * DDP_OK when c is done and succeeded, else its failure as the last error. */
+ddp_status ddp__backend_complete(ddp__backend *b, const ddp__op_ctx *ctx, ddp__completion *c);
 
 /* ---- debug.c -------------------------------------------------------------- */
 /* DDP_DEBUG=detail: exchanges this collective's fingerprint and fails with a

@@ -52,7 +52,12 @@ ddp_status ddp__debug_check(ddp_process_group *pg, const ddp__op_args *args,
                              (unsigned long long)ctx->seq);
   ddp__op_ctx fctx = *ctx;
   fctx.op = "debug fingerprint check";
-  ddp_status st = pg->backend->ops->allgather(pg->backend, &fctx, mine, all, FP_WORDS, DDP_INT64);
+  ddp__op_args gather = {.kind = DDP__OP_ALLGATHER, .send = mine, .buf = all, .count = FP_WORDS,
+                         .dtype = DDP_INT64, .device = DDP_CPU};
+  ddp__completion done;
+  ddp_status st = ddp__caps_check(pg, "DDP_DEBUG=detail's fingerprint check", DDP__OP_ALLGATHER,
+                                  DDP_INT64, DDP_REDUCE_SUM, DDP_CPU);
+  if (st == DDP_OK) st = ddp__backend_run(pg->backend, &fctx, &gather, &done);
   if (st != DDP_OK) {
     ddp_free(all);
     return ddp_error_wrap(st, "%s #%llu (debug fingerprint check)", ctx->op,

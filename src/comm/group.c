@@ -255,6 +255,27 @@ static ddp_status resolve_settings(const ddp_process_group_options *options, gro
   return DDP_OK;
 }
 
+ddp__backend_create_fn ddp__backend_override;
+
+/* The backend for a group, per pair as DESIGN.md says: co-located ranks
+ * share memory, others use TCP. One rank: self; one host: local; one rank
+ * per host (or options.transport "tcp"): tcp; both kinds of pairs: hier (a
+ * local backend per host composed with tcp between hosts). A backend that
+ * joins (MPI, NCCL) adds its constructor and its rule here. */
+static ddp__backend_create_fn choose_backend(const group_settings *set,
+                                             const ddp__backend_config *cfg) {
+  if (cfg->size == 1) return ddp__backend_self_create;
+  if (ddp__backend_override) return ddp__backend_override;
+  if (set->force_tcp) return ddp__backend_tcp_create;
+  bool one_host = true, colocated = false;
+  for (int r = 0; r < cfg->size; r++) {
+    one_host = one_host && cfg->host_of[r] == cfg->host_of[0];
+    for (int q = 0; q < r && !colocated; q++) colocated = cfg->host_of[q] == cfg->host_of[r];
+  }
+  if (one_host) return ddp__backend_local_create;
+  return colocated ? ddp__backend_hier_create : ddp__backend_tcp_create;
+}
+
 /* Builds a group on its namespace `ns` (a reference the group takes over,
  * released on failure too), called `name` (the namespace's prefix from the
  * user's store). `known` gives the identity tables when the caller already
@@ -309,24 +330,7 @@ static ddp_status group_build(ddp_store *ns, const char *name, int rank, int siz
         .timeout_ns = set->timeout_ns,
         .force_tcp = set->force_tcp,
     };
-    /* Per pair: co-located ranks share memory, others use TCP. One host:
-     * local; one rank per host: tcp; both kinds of pairs: hier (a local
-     * backend per host composed with tcp between hosts). */
-    bool one_host = true, colocated = false;
-    for (int r = 0; r < size; r++) {
-      one_host = one_host && pg->host_of[r] == pg->host_of[0];
-      for (int q = 0; q < r && !colocated; q++) colocated = pg->host_of[q] == pg->host_of[r];
-    }
-    if (size == 1)
-      st = ddp__backend_self_create(&cfg, &pg->backend);
-    else if (set->force_tcp)
-      st = ddp__backend_tcp_create(&cfg, &pg->backend);
-    else if (one_host)
-      st = ddp__backend_local_create(&cfg, &pg->backend);
-    else if (colocated)
-      st = ddp__backend_hier_create(&cfg, &pg->backend);
-    else
-      st = ddp__backend_tcp_create(&cfg, &pg->backend);
+    st = choose_backend(set, &cfg)(&cfg, &pg->backend);
     if (st != DDP_OK) {
       pg->backend = NULL;
       st = ddp_error_wrap(st, "process group (rank %d of %d)", rank, size);
@@ -492,6 +496,9 @@ ddp_status ddp_process_group_new(ddp_process_group *parent, int n, const int *ra
   *out = NULL;
   if (!parent) return ddp_error(DDP_ERR_INVALID, "process_group_new: parent is NULL");
   DDP_TRY(ddp__group_check(parent));
+  if (!parent->backend->ops->caps.subgroups)
+    return ddp_error(DDP_ERR_UNSUPPORTED, "process_group_new: the %s backend of the parent group (rank %d of %d) "
+                     "cannot make subgroups", parent->backend->ops->name, parent->rank, parent->size);
   if (n < 1 || n > parent->size || !ranks)
     return ddp_error(DDP_ERR_INVALID, "process_group_new: %d ranks%s for a parent of %d", n,
                      ranks ? "" : " (ranks is NULL)", parent->size);
@@ -527,6 +534,9 @@ ddp_status ddp_process_group_split(ddp_process_group *parent, int color, int key
   *out = NULL;
   if (!parent) return ddp_error(DDP_ERR_INVALID, "process_group_split: parent is NULL");
   DDP_TRY(ddp__group_check(parent));
+  if (!parent->backend->ops->caps.subgroups)
+    return ddp_error(DDP_ERR_UNSUPPORTED, "process_group_split: the %s backend of the parent group (rank %d of %d) "
+                     "cannot make subgroups", parent->backend->ops->name, parent->rank, parent->size);
   int size = parent->size;
   uint64_t k = next_subgroup(parent);
   char fmt[64], keyname[80], value[64], who[96];

@@ -47,6 +47,9 @@ typedef struct ddp__op_args {
   ddp_reduce_op reduce_op;
   int root;         /* root, or the peer of send / recv */
   int tag;
+  /* Where send and buf are (both on one device); DDP_CPU for every call of
+   * comm.h today. A backend refuses a device its caps do not list. */
+  ddp_device device;
   uint64_t seq;     /* collectives: the group's collective number; p2p: own counter */
   uint64_t flight;  /* its flight recorder record's id + 1; 0: none yet (flight.h) */
 } ddp__op_args;

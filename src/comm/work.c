@@ -100,24 +100,73 @@ static bool inline_running(ddp_process_group *pg) {
   return (atomic_load(&pg->active) & DDP__INLINE_BIT) != 0;
 }
 
-static void *progress_main(void *arg) {
-  ddp_process_group *pg = arg;
+/* Starts the oldest queued work on the backend (pg->mu held; released
+ * around the start). A work whose start failed, or that completed inside
+ * enqueue with a backend that keeps several in flight, is finished at once;
+ * the rest join the in-flight list. */
+static void start_next(ddp_process_group *pg) {
+  ddp_work *w = pg->head;
+  pg->head = w->next;
+  if (!pg->head) pg->tail = NULL;
+  w->queued = false;
+  w->next = NULL;
+  ddp__op_args args = w->args;
+  pthread_mutex_unlock(&pg->mu);
+  ddp_status st = ddp__op_start(pg, &args, false, &w->ctx, &w->completion);
   pthread_mutex_lock(&pg->mu);
-  for (;;) {
-    while (!pg->stopping && (pg->head == NULL || inline_running(pg)))
-      cond_wait_until(&pg->work_cv, &pg->mu, ddp__deadline_after(1000000000LL));
-    if (pg->head == NULL || inline_running(pg)) break; /* stopping, nothing left to run */
-    ddp_work *w = pg->head;
-    pg->head = w->next;
-    if (!pg->head) pg->tail = NULL;
-    w->queued = false;
-    ddp__op_args args = w->args;
-    pthread_mutex_unlock(&pg->mu);
-    ddp_status st = ddp__op_execute(pg, &args, false);
-    pthread_mutex_lock(&pg->mu);
-    w->args.seq = args.seq;
+  w->args.seq = args.seq;
+  w->args.flight = args.flight;
+  if (st != DDP_OK) {
     atomic_fetch_sub(&pg->active, 1);
     work_finish(pg, w, st);
+    return;
+  }
+  if (pg->inflight_tail)
+    pg->inflight_tail->next = w;
+  else
+    pg->inflight_head = w;
+  pg->inflight_tail = w;
+  pg->inflight++;
+}
+
+/* Completes the oldest in-flight work (pg->mu held; released while it
+ * waits on the backend). */
+static void finish_oldest(ddp_process_group *pg) {
+  ddp_work *w = pg->inflight_head;
+  ddp__op_args args = w->args;
+  pthread_mutex_unlock(&pg->mu);
+  ddp_status st = ddp__op_finish(pg, &args, &w->ctx, &w->completion);
+  pthread_mutex_lock(&pg->mu);
+  pg->inflight_head = w->next;
+  if (!pg->inflight_head) pg->inflight_tail = NULL;
+  w->next = NULL;
+  pg->inflight--;
+  atomic_fetch_sub(&pg->active, 1);
+  work_finish(pg, w, st);
+}
+
+/* The progress thread: starts queued works in order and completes them in
+ * order. With a backend that keeps one op in flight (ddp's own: enqueue
+ * completes it) this is start, finish, next. With more, it starts works
+ * while there is room and the oldest is not done, so an engine such as MPI
+ * or NCCL holds several at once. */
+static void *progress_main(void *arg) {
+  ddp_process_group *pg = arg;
+  int max_in_flight = pg->backend->ops->caps.max_in_flight;
+  if (max_in_flight < 1) max_in_flight = 1;
+  pthread_mutex_lock(&pg->mu);
+  for (;;) {
+    while (!pg->stopping && pg->inflight == 0 && (pg->head == NULL || inline_running(pg)))
+      cond_wait_until(&pg->work_cv, &pg->mu, ddp__deadline_after(1000000000LL));
+    bool can_start = pg->head != NULL && !inline_running(pg) && pg->inflight < max_in_flight;
+    if (pg->inflight == 0 && !can_start) break; /* stopping, nothing left to run */
+    if (can_start && (pg->inflight == 0 || !atomic_load_explicit(&pg->inflight_head->completion.done,
+                                                                 memory_order_acquire))) {
+      start_next(pg);
+      if (pg->inflight > 0 && (max_in_flight == 1 || pg->head == NULL)) finish_oldest(pg);
+      continue;
+    }
+    finish_oldest(pg);
   }
   pthread_mutex_unlock(&pg->mu);
   return NULL;
@@ -214,11 +263,13 @@ static size_t ops_ahead(ddp_process_group *pg) {
 }
 
 ddp_status ddp__submit(ddp_process_group *pg, ddp__op_args *args, ddp_work **work) {
+  DDP_TRY(ddp__caps_check(pg, ddp__op_kind_name(args->kind), args->kind, args->dtype,
+                          args->reduce_op, args->device));
   if (!work) {
     /* The fast path: nothing queued or running, so run here, now. */
     uint_fast64_t idle = 0;
     if (atomic_compare_exchange_strong(&pg->active, &idle, DDP__INLINE_BIT)) {
-      ddp_status st = ddp__op_execute(pg, args, true);
+      ddp_status st = ddp__op_execute(pg, args, true, &pg->inline_ctx, &pg->inline_completion);
       uint_fast64_t left = atomic_fetch_sub(&pg->active, DDP__INLINE_BIT) - DDP__INLINE_BIT;
       if (left != 0 || atomic_load(&pg->drainers) != 0) {
         /* Work was queued meanwhile (the progress thread waits for the bit

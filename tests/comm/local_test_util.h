@@ -71,7 +71,7 @@ typedef struct lt_matrix {
 /* Runs every collective and point to point for one dtype and count. */
 static void lt_run_case(lt_matrix *m, ddp_dtype dt, size_t count, int round) {
   ddp__backend *b = m->b;
-  const ddp__backend_ops *o = b->ops;
+  const ddp__blocking_ops *o = b->ops->blocking;
   int r = m->rank, P = m->size;
   size_t es = ddp_dtype_size(dt);
   size_t n_all = count * (size_t)P;

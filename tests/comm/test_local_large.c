@@ -29,7 +29,7 @@ static int large_rank(int rank, int size, void *arg) {
 
   for (size_t i = 0; i < count; i++) buf[i] = (float)ddp__pattern_contrib(rank, i, DDP_REDUCE_SUM);
   ddp__op_ctx ctx = lt_ctx("allreduce", 1, &ab, 60.0);
-  ddp_status st = b->ops->allreduce(b, &ctx, buf, count, DDP_FLOAT32, DDP_REDUCE_SUM);
+  ddp_status st = b->ops->blocking->allreduce(b, &ctx, buf, count, DDP_FLOAT32, DDP_REDUCE_SUM);
   for (size_t i = 0; st == DDP_OK && i < count; i++)
     if (buf[i] != (float)ddp__pattern_reduced(DDP_REDUCE_SUM, size, i)) {
       fprintf(stderr, "rank %d of %d: allreduce [%zu] = %g\n", rank, size, i, buf[i]);
@@ -41,7 +41,7 @@ static int large_rank(int rank, int size, void *arg) {
   for (size_t i = 0; st == DDP_OK && i < count; i++)
     buf[i] = rank == root ? (float)(i % 1000003) : -1.0f;
   ctx = lt_ctx("broadcast", 2, &ab, 60.0);
-  if (st == DDP_OK) st = b->ops->broadcast(b, &ctx, buf, count, DDP_FLOAT32, root);
+  if (st == DDP_OK) st = b->ops->blocking->broadcast(b, &ctx, buf, count, DDP_FLOAT32, root);
   for (size_t i = 0; st == DDP_OK && i < count; i++)
     if (buf[i] != (float)(i % 1000003)) {
       fprintf(stderr, "rank %d of %d: broadcast [%zu] = %g\n", rank, size, i, buf[i]);
@@ -52,7 +52,7 @@ static int large_rank(int rank, int size, void *arg) {
   size_t per = count / (size_t)size;
   for (size_t i = 0; st == DDP_OK && i < per; i++) buf[i] = (float)ddp__pattern_contrib(rank, i, 0);
   ctx = lt_ctx("allgather", 3, &ab, 60.0);
-  if (st == DDP_OK) st = b->ops->allgather(b, &ctx, buf, recv, per, DDP_FLOAT32);
+  if (st == DDP_OK) st = b->ops->blocking->allgather(b, &ctx, buf, recv, per, DDP_FLOAT32);
   for (size_t j = 0; st == DDP_OK && j < per * (size_t)size; j++)
     if (recv[j] != (float)ddp__pattern_contrib((int)(j / per), j % per, 0)) {
       fprintf(stderr, "rank %d of %d: allgather [%zu] = %g\n", rank, size, j, recv[j]);

@@ -79,7 +79,7 @@ static int pair_rounds_rank(int rank, int size, void *arg) {
     size_t count = counts[(size_t)round % (sizeof counts / sizeof counts[0])];
     for (size_t i = 0; i < count; i++) buf[i] = (float)(rank * 1000 + round + (int)(i % 97));
     ddp__op_ctx ctx = lt_ctx("allreduce", (uint64_t)round + 1, &ab, 30.0);
-    ddp_status st = b->ops->allreduce(b, &ctx, buf, count, DDP_FLOAT32, DDP_REDUCE_SUM);
+    ddp_status st = b->ops->blocking->allreduce(b, &ctx, buf, count, DDP_FLOAT32, DDP_REDUCE_SUM);
     if (st != DDP_OK) {
       fprintf(stderr, "rank %d round %d: %s\n", rank, round, ddp_last_error());
       bad = 1;
@@ -198,7 +198,7 @@ static int kill_rank(int rank, int size, void *arg) {
   int64_t stop = ddp_time_ns() + 20 * 1000000000LL;
   for (uint64_t k = 1; ddp_time_ns() < stop; k++) {
     ddp__op_ctx ctx = lt_ctx("allreduce", k, &ab, 60.0);
-    ddp_status st = b->ops->allreduce(b, &ctx, buf, kill_count, DDP_FLOAT32, DDP_REDUCE_SUM);
+    ddp_status st = b->ops->blocking->allreduce(b, &ctx, buf, kill_count, DDP_FLOAT32, DDP_REDUCE_SUM);
     if (st == DDP_OK) {
       if (k == 1) lp_ready_signal();
       continue;
@@ -207,7 +207,7 @@ static int kill_rank(int rank, int size, void *arg) {
     if (code) fprintf(stderr, "rank %d: %s: %s\n", rank, ddp_status_name(st), ddp_last_error());
     /* Sticky: the next op fails too. */
     ctx = lt_ctx("barrier", k + 1, &ab, 60.0);
-    if (b->ops->barrier(b, &ctx) == DDP_OK) code = 4;
+    if (b->ops->blocking->barrier(b, &ctx) == DDP_OK) code = 4;
     b->ops->destroy(b);
     ddp_store_destroy(store);
     ddp_free(buf);

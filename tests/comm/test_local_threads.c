@@ -165,7 +165,7 @@ static void many_body(rank_thread *t) {
   for (int k = 0; k < 20000; k++) {
     double v[1] = {(double)(t->rank + k)};
     ddp__op_ctx ctx = lt_ctx("allreduce", (uint64_t)k + 1, &ab, 30.0);
-    ddp_status st = t->b->ops->allreduce(t->b, &ctx, v, 1, DDP_FLOAT64, DDP_REDUCE_SUM);
+    ddp_status st = t->b->ops->blocking->allreduce(t->b, &ctx, v, 1, DDP_FLOAT64, DDP_REDUCE_SUM);
     double want = (double)t->size * k + (double)t->size * (t->size - 1) / 2.0;
     if (st != DDP_OK || v[0] != want) {
       t->m.failures++;
@@ -209,7 +209,7 @@ static void abort_body(rank_thread *t) {
     pthread_create(&th, NULL, aborter, NULL);
     int64_t t0 = ddp_time_ns();
     ddp__op_ctx ctx = lt_ctx("allreduce", 1, &ab, 60.0);
-    ddp_status st = t->b->ops->allreduce(t->b, &ctx, v, 4096, DDP_FLOAT32, DDP_REDUCE_SUM);
+    ddp_status st = t->b->ops->blocking->allreduce(t->b, &ctx, v, 4096, DDP_FLOAT32, DDP_REDUCE_SUM);
     double waited = (double)(ddp_time_ns() - t0) * 1e-9;
     pthread_join(th, NULL);
     if (st != DDP_ERR_ABORTED || waited > 1.0 || !strstr(ddp_last_error(), "allreduce #1")) {
@@ -226,10 +226,10 @@ static void abort_body(rank_thread *t) {
     /* Rank 0 had posted its part of allreduce #1 before it blocked, so
      * that one may complete here; the next op fails fast, naming rank 0. */
     ddp__op_ctx ctx = lt_ctx("allreduce", 1, &ab, 60.0);
-    t->b->ops->allreduce(t->b, &ctx, v, 4096, DDP_FLOAT32, DDP_REDUCE_SUM);
+    t->b->ops->blocking->allreduce(t->b, &ctx, v, 4096, DDP_FLOAT32, DDP_REDUCE_SUM);
     int64_t t0 = ddp_time_ns();
     ctx = lt_ctx("barrier", 2, &ab, 60.0);
-    ddp_status st = t->b->ops->barrier(t->b, &ctx);
+    ddp_status st = t->b->ops->blocking->barrier(t->b, &ctx);
     double waited = (double)(ddp_time_ns() - t0) * 1e-9;
     if (st != DDP_ERR_PEER || waited > 1.0 || !strstr(ddp_last_error(), "barrier #2: rank 0 (local) aborted")) {
       t->m.failures++;
@@ -258,7 +258,7 @@ static void idle_abort_body(rank_thread *t) {
     t->b->ops->abort(t->b);
     atomic_store(&idle_phase, 1);
     ddp__op_ctx ctx = lt_ctx("barrier", 1, &ab, 60.0);
-    ddp_status st = t->b->ops->barrier(t->b, &ctx);
+    ddp_status st = t->b->ops->blocking->barrier(t->b, &ctx);
     if (st != DDP_ERR_ABORTED) {
       t->m.failures++;
       snprintf(t->m.err, sizeof t->m.err, "rank 0: %s: %s", ddp_status_name(st), ddp_last_error());
@@ -272,7 +272,7 @@ static void idle_abort_body(rank_thread *t) {
   int64_t t0 = ddp_time_ns();
   ddp__op_ctx ctx = lt_ctx("allreduce", 1, &ab, 60.0);
   float v[100000] = {0};
-  ddp_status st = t->b->ops->allreduce(t->b, &ctx, v, 100000, DDP_FLOAT32, DDP_REDUCE_SUM);
+  ddp_status st = t->b->ops->blocking->allreduce(t->b, &ctx, v, 100000, DDP_FLOAT32, DDP_REDUCE_SUM);
   double waited = (double)(ddp_time_ns() - t0) * 1e-9;
   if (st != DDP_ERR_PEER || waited > 1.0 || !strstr(ddp_last_error(), "rank 0 (local) aborted")) {
     t->m.failures++;
@@ -297,7 +297,7 @@ static void timeout_body(rank_thread *t) {
   atomic_init(&ab, false);
   ddp__op_ctx ctx = lt_ctx("barrier", 7, &ab, 0.2);
   int64_t t0 = ddp_time_ns();
-  ddp_status st = t->b->ops->barrier(t->b, &ctx);
+  ddp_status st = t->b->ops->blocking->barrier(t->b, &ctx);
   double waited = (double)(ddp_time_ns() - t0) * 1e-9;
   if (st != DDP_ERR_TIMEOUT || waited < 0.19 || waited > 1.0 ||
       !strstr(ddp_last_error(), "barrier #7: timed out waiting for rank")) {
@@ -341,7 +341,7 @@ static void shared_cpus_body(rank_thread *t) {
   for (int k = 0; k < 200; k++) {
     double v[1] = {1.0};
     ddp__op_ctx ctx = lt_ctx("allreduce", (uint64_t)k + 1, &ab, 30.0);
-    ddp_status st = t->b->ops->allreduce(t->b, &ctx, v, 1, DDP_FLOAT64, DDP_REDUCE_SUM);
+    ddp_status st = t->b->ops->blocking->allreduce(t->b, &ctx, v, 1, DDP_FLOAT64, DDP_REDUCE_SUM);
     if (st != DDP_OK || v[0] != t->size) {
       t->m.failures++;
       snprintf(t->m.err, sizeof t->m.err, "rank %d: allreduce %d: %s, got %g", t->rank, k,
@@ -439,7 +439,7 @@ static void late_peer_body(rank_thread *t) {
     ddp__op_ctx ctx = lt_ctx("allreduce", (uint64_t)k + 1, &ab, 30.0);
     ctx.caller_blocked = k < BLOCKED_ROUNDS;
     const int64_t start = ddp_time_ns();
-    ddp_status st = t->b->ops->allreduce(t->b, &ctx, v, 1, DDP_FLOAT64, DDP_REDUCE_SUM);
+    ddp_status st = t->b->ops->blocking->allreduce(t->b, &ctx, v, 1, DDP_FLOAT64, DDP_REDUCE_SUM);
     if (ctx.caller_blocked && ddp_time_ns() - start >= 200000) t->long_blocked++;
     if (st != DDP_OK || v[0] != 2.0) {
       t->m.failures++;

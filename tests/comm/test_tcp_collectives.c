@@ -47,7 +47,7 @@ static void big_rank(int rank, int size, ddp__backend *b, tt_result *res, void *
   atomic_init(&aborted, false);
   float *buf = ddp_alloc(BIG_FLOATS * sizeof(float));
   float *send = ddp_alloc(BIG_FLOATS / (size_t)size * sizeof(float) + 64);
-  const ddp__backend_ops *o = b->ops;
+  const ddp__blocking_ops *o = b->ops->blocking;
   uint64_t seq = 0;
   /* allreduce SUM: element i of rank r is (r + 1) * (i % 13) */
   for (size_t i = 0; i < BIG_FLOATS; i++) buf[i] = (float)((rank + 1) * (int)(i % 13));
@@ -113,7 +113,7 @@ static void test_64mib_8(void **state) { run_big(8); }
 static void p2p_rank(int rank, int size, ddp__backend *b, tt_result *res, void *arg) {
   atomic_bool aborted;
   atomic_init(&aborted, false);
-  const ddp__backend_ops *o = b->ops;
+  const ddp__blocking_ops *o = b->ops->blocking;
   size_t n = 300 * 1024;
   unsigned char *msg = ddp_alloc(n);
   int64_t v = rank + 1;

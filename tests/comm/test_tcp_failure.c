@@ -25,14 +25,14 @@ static void loop_rank(int rank, int size, ddp__backend *b, tt_result *res, void 
   for (uint64_t seq = 1; seq < 1000000; seq++) {
     size_t count = seq % 3 == 0 ? big : 16;
     ddp__op_ctx c = tt_ctx("allreduce", seq, &aborted, 60);
-    ddp_status st = b->ops->allreduce(b, &c, buf, count, DDP_FLOAT32, DDP_REDUCE_MAX);
+    ddp_status st = b->ops->blocking->allreduce(b, &c, buf, count, DDP_FLOAT32, DDP_REDUCE_MAX);
     if (st != DDP_OK) {
       res->t_ns = ddp_time_ns();
       res->status = st;
       snprintf(res->msg, sizeof res->msg, "%s", ddp_last_error());
       /* Sticky: the next op fails the same way, at once. */
       c = tt_ctx("barrier", seq + 1, &aborted, 60);
-      ddp_status again = b->ops->barrier(b, &c);
+      ddp_status again = b->ops->blocking->barrier(b, &c);
       if (again != st) {
         res->failures++;
         snprintf(res->msg, sizeof res->msg, "rank %d: error not sticky: %s then %s", rank,
@@ -122,7 +122,7 @@ static void stuck_rank(int rank, int size, ddp__backend *b, tt_result *res, void
   if (mode < 2) pthread_create(&t, NULL, abort_main, &a);
   int64_t t0 = ddp_time_ns();
   ddp__op_ctx c = tt_ctx("allreduce", 7, &aborted, mode == 2 ? 0.3 : 60);
-  ddp_status st = b->ops->allreduce(b, &c, buf, 1024, DDP_FLOAT32, DDP_REDUCE_SUM);
+  ddp_status st = b->ops->blocking->allreduce(b, &c, buf, 1024, DDP_FLOAT32, DDP_REDUCE_SUM);
   res->t_ns = ddp_time_ns() - t0;
   res->status = st;
   snprintf(res->msg, sizeof res->msg, "%s", ddp_last_error());
@@ -164,7 +164,7 @@ static void mismatch_rank(int rank, int size, ddp__backend *b, tt_result *res, v
   atomic_init(&aborted, false);
   float buf[200] = {0};
   ddp__op_ctx c = tt_ctx("allreduce", 3, &aborted, 20);
-  res->status = b->ops->allreduce(b, &c, buf, rank == 0 ? 100 : 200, DDP_FLOAT32, DDP_REDUCE_SUM);
+  res->status = b->ops->blocking->allreduce(b, &c, buf, rank == 0 ? 100 : 200, DDP_FLOAT32, DDP_REDUCE_SUM);
   snprintf(res->msg, sizeof res->msg, "%s", ddp_last_error());
 }
 
@@ -193,7 +193,7 @@ static void leaver_rank(int rank, int size, ddp__backend *b, tt_result *res, voi
   float buf[4] = {1, 2, 3, 4};
   ddp__op_ctx c = tt_ctx("allreduce", 1, &aborted, 20);
   int64_t t0 = ddp_time_ns();
-  res->status = b->ops->allreduce(b, &c, buf, 4, DDP_FLOAT32, DDP_REDUCE_SUM);
+  res->status = b->ops->blocking->allreduce(b, &c, buf, 4, DDP_FLOAT32, DDP_REDUCE_SUM);
   res->t_ns = ddp_time_ns() - t0;
   snprintf(res->msg, sizeof res->msg, "%s", ddp_last_error());
 }

@@ -159,12 +159,12 @@ static ddp_status hier_allreduce(ddp__backend *be, const ddp__op_ctx *ctx, void 
   hier_backend *h = as_hier(be);
   DDP_TRY(check_failed(h));
   ddp_reduce_op rop = op == DDP_REDUCE_AVG ? DDP_REDUCE_SUM : op;
-  if (h->local) LOCAL_TRY(h, h->local->ops->reduce(h->local, ctx, buf, count, dtype, rop, 0));
+  if (h->local) LOCAL_TRY(h, h->local->ops->blocking->reduce(h->local, ctx, buf, count, dtype, rop, 0));
   if (set_reps(h, -1)) {
     TCP_VIEW(h, ddp__tcp_allreduce(tcpb(h), ctx, buf, count, dtype, rop));
     if (op == DDP_REDUCE_AVG) ddp__reduce_scale(buf, count, dtype, h->size);
   }
-  if (h->local) LOCAL_TRY(h, h->local->ops->broadcast(h->local, ctx, buf, count, dtype, 0));
+  if (h->local) LOCAL_TRY(h, h->local->ops->blocking->broadcast(h->local, ctx, buf, count, dtype, 0));
   return DDP_OK;
 }
 
@@ -175,10 +175,10 @@ static ddp_status hier_broadcast(ddp__backend *be, const ddp__op_ctx *ctx, void 
   int root_host = h->host_of[root];
   bool rep = set_reps(h, root);
   if (h->local && h->my_host == root_host)
-    LOCAL_TRY(h, h->local->ops->broadcast(h->local, ctx, buf, count, dtype, h->local_index[root]));
+    LOCAL_TRY(h, h->local->ops->blocking->broadcast(h->local, ctx, buf, count, dtype, h->local_index[root]));
   if (rep) TCP_VIEW(h, ddp__tcp_broadcast(tcpb(h), ctx, buf, count, dtype, root_host));
   if (h->local && h->my_host != root_host)
-    LOCAL_TRY(h, h->local->ops->broadcast(h->local, ctx, buf, count, dtype, 0));
+    LOCAL_TRY(h, h->local->ops->blocking->broadcast(h->local, ctx, buf, count, dtype, 0));
   return DDP_OK;
 }
 
@@ -197,7 +197,7 @@ static ddp_status hier_reduce(ddp__backend *be, const ddp__op_ctx *ctx, void *bu
     if (bytes) memcpy(work, buf, bytes);
   }
   int rep_index = h->local_index[h->reps[h->my_host]];
-  if (h->local) LOCAL_TRY(h, h->local->ops->reduce(h->local, ctx, work, count, dtype, rop, rep_index));
+  if (h->local) LOCAL_TRY(h, h->local->ops->blocking->reduce(h->local, ctx, work, count, dtype, rop, rep_index));
   if (rep) TCP_VIEW(h, ddp__tcp_reduce(tcpb(h), ctx, work, count, dtype, rop, h->host_of[root]));
   if (h->rank == root && op == DDP_REDUCE_AVG) ddp__reduce_scale(buf, count, dtype, h->size);
   return DDP_OK;
@@ -235,7 +235,7 @@ static ddp_status hier_allgather(ddp__backend *be, const ddp__op_ctx *ctx, const
   if (leader) SCRATCH(h, all, 0, (size_t)h->size * bytes);
   char *mine = leader ? all + (size_t)h->host_first[h->my_host] * bytes : NULL;
   if (h->local)
-    LOCAL_TRY(h, h->local->ops->gather(h->local, ctx, send, mine, count, dtype, 0));
+    LOCAL_TRY(h, h->local->ops->blocking->gather(h->local, ctx, send, mine, count, dtype, 0));
   else if (bytes)
     memcpy(mine, send, bytes);
   if (leader) {
@@ -243,7 +243,7 @@ static ddp_status hier_allgather(ddp__backend *be, const ddp__op_ctx *ctx, const
     to_rank_order(h, recv, all, bytes);
   }
   if (h->local)
-    LOCAL_TRY(h, h->local->ops->broadcast(h->local, ctx, recv, count * (size_t)h->size, dtype, 0));
+    LOCAL_TRY(h, h->local->ops->blocking->broadcast(h->local, ctx, recv, count * (size_t)h->size, dtype, 0));
   return DDP_OK;
 }
 
@@ -258,7 +258,7 @@ static ddp_status hier_gather(ddp__backend *be, const ddp__op_ctx *ctx, const vo
   char *mine = rep ? all + (size_t)h->host_first[h->my_host] * bytes : NULL;
   int rep_index = h->local_index[h->reps[h->my_host]];
   if (h->local)
-    LOCAL_TRY(h, h->local->ops->gather(h->local, ctx, send, mine, count, dtype, rep_index));
+    LOCAL_TRY(h, h->local->ops->blocking->gather(h->local, ctx, send, mine, count, dtype, rep_index));
   else if (bytes)
     memcpy(mine, send, bytes);
   if (rep) DDP_TRY(exchange_blocks(h, ctx, all, bytes, h->host_of[root]));
@@ -293,7 +293,7 @@ static ddp_status hier_scatter(ddp__backend *be, const ddp__op_ctx *ctx, const v
   }
   int rep_index = h->local_index[h->reps[h->my_host]];
   if (h->local)
-    LOCAL_TRY(h, h->local->ops->scatter(h->local, ctx, mine, recv, count, dtype, rep_index));
+    LOCAL_TRY(h, h->local->ops->blocking->scatter(h->local, ctx, mine, recv, count, dtype, rep_index));
   else if (bytes)
     memcpy(recv, mine, bytes);
   return DDP_OK;
@@ -314,7 +314,7 @@ static ddp_status hier_reduce_scatter(ddp__backend *be, const ddp__op_ctx *ctx, 
     SCRATCH(h, whole, 0, total * ddp_dtype_size(dtype));
     if (bytes) memcpy(whole, send, total * ddp_dtype_size(dtype));
   }
-  if (h->local) LOCAL_TRY(h, h->local->ops->reduce(h->local, ctx, whole, total, dtype, rop, 0));
+  if (h->local) LOCAL_TRY(h, h->local->ops->blocking->reduce(h->local, ctx, whole, total, dtype, rop, 0));
   if (leader) {
     TCP_VIEW(h, ddp__tcp_allreduce(tcpb(h), ctx, whole, total, dtype, rop));
     if (op == DDP_REDUCE_AVG) ddp__reduce_scale(whole, total, dtype, h->size);
@@ -326,7 +326,7 @@ static ddp_status hier_reduce_scatter(ddp__backend *be, const ddp__op_ctx *ctx, 
                whole + (size_t)h->by_host[h->host_first[h->my_host] + j] * bytes, bytes);
   }
   if (h->local)
-    LOCAL_TRY(h, h->local->ops->scatter(h->local, ctx, mine, recv, count, dtype, 0));
+    LOCAL_TRY(h, h->local->ops->blocking->scatter(h->local, ctx, mine, recv, count, dtype, 0));
   else if (bytes)
     memcpy(recv, mine, bytes);
   return DDP_OK;
@@ -362,7 +362,7 @@ static ddp_status hier_all_to_all(ddp__backend *be, const ddp__op_ctx *ctx, cons
   SCRATCH(h, got, 1, (size_t)h->ls * bytes);
   for (int j = 0; j < h->ls; j++)
     if (bytes) memcpy(packed + (size_t)j * bytes, s + (size_t)mates[j] * bytes, bytes);
-  LOCAL_TRY(h, h->local->ops->all_to_all(h->local, ctx, packed, got, count, dtype));
+  LOCAL_TRY(h, h->local->ops->blocking->all_to_all(h->local, ctx, packed, got, count, dtype));
   for (int j = 0; j < h->ls; j++)
     if (bytes) memcpy(r + (size_t)mates[j] * bytes, got + (size_t)j * bytes, bytes);
   return DDP_OK;
@@ -371,9 +371,9 @@ static ddp_status hier_all_to_all(ddp__backend *be, const ddp__op_ctx *ctx, cons
 static ddp_status hier_barrier(ddp__backend *be, const ddp__op_ctx *ctx) {
   hier_backend *h = as_hier(be);
   DDP_TRY(check_failed(h));
-  if (h->local) LOCAL_TRY(h, h->local->ops->barrier(h->local, ctx));
+  if (h->local) LOCAL_TRY(h, h->local->ops->blocking->barrier(h->local, ctx));
   if (set_reps(h, -1)) TCP_VIEW(h, ddp__tcp_barrier(tcpb(h), ctx));
-  if (h->local) LOCAL_TRY(h, h->local->ops->barrier(h->local, ctx));
+  if (h->local) LOCAL_TRY(h, h->local->ops->blocking->barrier(h->local, ctx));
   return DDP_OK;
 }
 
@@ -384,9 +384,9 @@ static ddp_status hier_send(ddp__backend *be, const ddp__op_ctx *ctx, const void
   hier_backend *h = as_hier(be);
   DDP_TRY(check_failed(h));
   if (h->host_of[dst] == h->my_host)
-    LOCAL_TRY(h, h->local->ops->send(h->local, ctx, buf, bytes, h->local_index[dst]));
+    LOCAL_TRY(h, h->local->ops->blocking->send(h->local, ctx, buf, bytes, h->local_index[dst]));
   else
-    TCP_TRY(h, tcpb(h)->ops->send(tcpb(h), ctx, buf, bytes, dst));
+    TCP_TRY(h, tcpb(h)->ops->blocking->send(tcpb(h), ctx, buf, bytes, dst));
   return DDP_OK;
 }
 
@@ -395,9 +395,9 @@ static ddp_status hier_recv(ddp__backend *be, const ddp__op_ctx *ctx, void *buf,
   hier_backend *h = as_hier(be);
   DDP_TRY(check_failed(h));
   if (h->host_of[src] == h->my_host)
-    LOCAL_TRY(h, h->local->ops->recv(h->local, ctx, buf, bytes, h->local_index[src]));
+    LOCAL_TRY(h, h->local->ops->blocking->recv(h->local, ctx, buf, bytes, h->local_index[src]));
   else
-    TCP_TRY(h, tcpb(h)->ops->recv(tcpb(h), ctx, buf, bytes, src));
+    TCP_TRY(h, tcpb(h)->ops->blocking->recv(tcpb(h), ctx, buf, bytes, src));
   return DDP_OK;
 }
 
@@ -502,8 +502,7 @@ static void hier_destroy(ddp__backend *be) {
   ddp_free(h);
 }
 
-static const ddp__backend_ops hier_ops = {
-    .name = "hier",
+static const ddp__blocking_ops hier_blocking = {
     .allreduce = hier_allreduce,
     .broadcast = hier_broadcast,
     .reduce = hier_reduce,
@@ -515,6 +514,13 @@ static const ddp__backend_ops hier_ops = {
     .barrier = hier_barrier,
     .send = hier_send,
     .recv = hier_recv,
+};
+
+static const ddp__backend_ops hier_ops = {
+    .name = "hier",
+    .caps = DDP__CAPS_HOST_BLOCKING,
+    .enqueue = ddp__blocking_enqueue,
+    .blocking = &hier_blocking,
     .p2p_progress = hier_p2p_progress,
     .p2p_wake = hier_p2p_wake,
     .transport = hier_transport,

@@ -602,8 +602,7 @@ static void local_counters(const ddp__backend *base, ddp_comm_counters *acc) {
     acc->shm_bytes += moved;
 }
 
-static const ddp__backend_ops local_ops = {
-    .name = "local",
+static const ddp__blocking_ops local_blocking = {
     .allreduce = local_allreduce,
     .broadcast = local_broadcast,
     .reduce = local_reduce,
@@ -615,6 +614,13 @@ static const ddp__backend_ops local_ops = {
     .barrier = local_barrier,
     .send = ddp__local_send,
     .recv = ddp__local_recv,
+};
+
+static const ddp__backend_ops local_ops = {
+    .name = "local",
+    .caps = DDP__CAPS_HOST_BLOCKING,
+    .enqueue = ddp__blocking_enqueue,
+    .blocking = &local_blocking,
     .p2p_progress = ddp__local_p2p_progress,
     .p2p_wake = ddp__local_p2p_wake,
     .transport = local_transport,

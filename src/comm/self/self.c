@@ -79,8 +79,7 @@ static void self_abort(ddp__backend *b) {}
 
 static void self_destroy(ddp__backend *b) { ddp_free(b); }
 
-static const ddp__backend_ops self_ops = {
-    .name = "self",
+static const ddp__blocking_ops self_blocking = {
     .allreduce = self_allreduce,
     .broadcast = self_broadcast,
     .reduce = self_reduce,
@@ -92,6 +91,13 @@ static const ddp__backend_ops self_ops = {
     .barrier = self_barrier,
     .send = self_send,
     .recv = self_recv,
+};
+
+static const ddp__backend_ops self_ops = {
+    .name = "self",
+    .caps = DDP__CAPS_HOST_BLOCKING,
+    .enqueue = ddp__blocking_enqueue,
+    .blocking = &self_blocking,
     .transport = self_transport,
     .abort = self_abort,
     .destroy = self_destroy,

@@ -81,8 +81,7 @@ static void tcp_counters(const ddp__backend *be, ddp_comm_counters *acc) {
   if (b->lane) tcp_counters(&b->lane->base, acc);
 }
 
-static const ddp__backend_ops tcp_ops = {
-    .name = "tcp",
+static const ddp__blocking_ops tcp_blocking = {
     .allreduce = ddp__tcp_allreduce,
     .broadcast = ddp__tcp_broadcast,
     .reduce = ddp__tcp_reduce,
@@ -94,6 +93,13 @@ static const ddp__backend_ops tcp_ops = {
     .barrier = ddp__tcp_barrier,
     .send = tcp_send,
     .recv = tcp_recv,
+};
+
+static const ddp__backend_ops tcp_ops = {
+    .name = "tcp",
+    .caps = DDP__CAPS_HOST_BLOCKING,
+    .enqueue = ddp__blocking_enqueue,
+    .blocking = &tcp_blocking,
     .p2p_progress = ddp__tcp_p2p_progress,
     .p2p_wake = ddp__tcp_p2p_wake,
     .transport = tcp_transport,
