@@ -86,11 +86,11 @@ static void run_one(engine *e) {
     st = DDP_ERR_INTERNAL;
   }
   if (st != DDP_OK) ddp_error(st, "async test engine: ranks disagree or an op it does not run");
+  e->completed++;
   for (int r = 0; r < e->size; r++) {
     e->head[r]++;
     ddp__completion_finish(p[r]->c, st);
   }
-  e->completed++;
 }
 
 static void *engine_main(void *arg) {
@@ -306,7 +306,10 @@ static void in_flight_body(ct_rank *self) {
 static void run_in_flight(int max_in_flight, bool use_wait) {
   engine *e = engine_start(3, full_caps(max_in_flight), use_wait, false);
   int rc = ct_run(3, 30, in_flight_body, NULL);
-  assert_int_equal(e->completed, IN_FLIGHT_OPS);
+  pthread_mutex_lock(&e->mu);
+  int completed = e->completed;
+  pthread_mutex_unlock(&e->mu);
+  assert_int_equal(completed, IN_FLIGHT_OPS);
   engine_stop(e);
   assert_int_equal(rc, 0);
 }
