@@ -152,7 +152,7 @@ typedef struct ddp__backend_caps {
 #define DDP__CAPS_CPU (1u << DDP_DEVICE_CPU)
 
 /* One enqueued operation's completion: owned by the group layer (in the
- * work handle or on the stack of the thread that waits), zeroed before
+ * work handle, or in the group for the blocking call it runs inline), reset before
  * enqueue, and not moved until done. The backend sets status, then done
  * (release); whoever reads status first reads done (acquire). */
 typedef struct ddp__completion {
@@ -188,7 +188,7 @@ typedef struct ddp__backend_ops {
   /* Blocking backends: their operations (ddp__blocking_enqueue runs them). */
   const ddp__blocking_ops *blocking;
   /* The point-to-point lane (NULL: p2p goes through the op queue, one op at
-   * a time, with send/recv above). Progresses reqs[0..n), given in posting
+   * a time, as DDP__OP_SEND / DDP__OP_RECV operations). Progresses reqs[0..n), given in posting
    * order: sends to one peer go out in that order, receives from one peer
    * match its messages in order per tag. Sets `finished` on each request
    * that completes; when nothing progressed, waits at most wait_ns for a
@@ -208,7 +208,9 @@ typedef struct ddp__backend_ops {
   /* Adds what this backend's transports carried so far to *acc (NULL: the
    * backend keeps no counters). Thread-safe (relaxed reads). */
   void (*counters)(const ddp__backend *b, ddp_comm_counters *acc);
-  /* Makes a running op return promptly; thread-safe; idempotent. */
+  /* Makes every enqueued op complete (DDP_ERR_ABORTED), and a blocking op
+   * running on another thread return, promptly; later ops fail. Any
+   * thread; idempotent. */
   void (*abort)(ddp__backend *b);
   /* Releases everything (after abort or when idle). */
   void (*destroy)(ddp__backend *b);
