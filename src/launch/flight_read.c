@@ -6,8 +6,8 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "io/json.h"
-#include "launch/flight_read.h"
+#include "io/io_internal.h"
+#include "launch/launch_internal.h"
 
 #define MAX_FILE_BYTES (1LL << 30)
 
