@@ -1,6 +1,7 @@
-/* Flight recorder dumps, from JSON back to records (flight_read.h). Names
- * (operations, dtypes, reduce ops, states, statuses) map back through the
- * same tables that wrote them, so an unknown name is an error, not a guess. */
+/* Flight recorder dumps, from JSON back to records (declared in
+ * launch_internal.h). Names (operations, dtypes, reduce ops, states,
+ * statuses) map back through the same tables that wrote them, so an unknown
+ * name is an error, not a guess. */
 #include <errno.h>
 #include <stdio.h>
 #include <string.h>
