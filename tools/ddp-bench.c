@@ -17,7 +17,7 @@
 
 #include "comm/pattern.h" /* element access by dtype, the closed-form value pattern */
 #include "ddp/ddp.h"
-#include "launch/placement.h" /* where the ranks run, as ddprun places workers */
+#include "launch/launch_internal.h" /* placement: where the ranks run, as ddprun places workers */
 
 static const char usage[] =
     "usage: ddp-bench OP [options]\n"

@@ -10,7 +10,7 @@
 #include <sys/stat.h>
 
 #include "ddp/ddp.h"
-#include "launch/flight_read.h"
+#include "launch/launch_internal.h"
 
 static const char usage[] =
     "usage: ddp-debug flight [options] PATH...\n"

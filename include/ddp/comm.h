@@ -105,6 +105,26 @@ int ddp_process_group_size(const ddp_process_group *pg);
 /* The transport used towards `peer`: "self", "threads", "shm" or "tcp". */
 const char *ddp_process_group_transport(const ddp_process_group *pg, int peer);
 
+/* The group's own namespace in the store it was built on (a prefix store:
+ * "pg/1/" for a world, "pg/1/sub/2/c0/" for a subgroup), for a layer above
+ * that needs keys every rank of this group, and no other group, sees (the
+ * pipeline's failure notice). Borrowed: valid until the group is destroyed;
+ * never destroy it. NULL when pg is NULL. */
+ddp_store *ddp_process_group_store(ddp_process_group *pg);
+/* How many subgroups (ddp_process_group_new, _split) have been created from
+ * pg so far. Creating one is collective, so every rank reads the same number
+ * at the same point of its program: a name for something made there (with a
+ * subgroup after it) that no other point of the program shares. 0 when pg is
+ * NULL. Safe from any thread. */
+uint64_t ddp_process_group_subgroup_count(ddp_process_group *pg);
+/* Grows the group's pool of work handles to at least n, so that n
+ * operations can be in flight without allocating: a user that knows its
+ * depth (the DDP wrapper: one per bucket, and the loss's) reserves it up
+ * front rather than reaching it mid-training the first time the timing
+ * allows. Not collective. DDP_ERR_NOMEM when the pool cannot grow (the
+ * handles added so far stay); DDP_ERR_INVALID when pg is NULL. */
+ddp_status ddp_process_group_reserve_works(ddp_process_group *pg, int n);
+
 /* What the group's transports carried on this rank since it was created:
  * evidence of which pairs went over shared memory and which over TCP. */
 typedef struct ddp_comm_counters {
@@ -133,6 +153,15 @@ void ddp_process_group_destroy(ddp_process_group *pg);
  * waiter and releases the transports; the group must still be destroyed.
  * Safe to call from any thread (e.g. a watchdog). */
 void ddp_process_group_abort(ddp_process_group *pg);
+
+/* For a launcher, after a worker died: removes the shared-memory segments
+ * that process `pid` created and no one unlinked
+ * (/dev/shm/ddp-local-<pid>-<nonce>). Only for a pid that has exited and
+ * that the caller has reaped (ddprun does, for its workers): the last rank
+ * to map a segment unlinks it, so one still named after a dead creator was
+ * left by a group whose setup a kill cut short. Returns how many it removed
+ * (0 when none, or when /dev/shm cannot be read). */
+int ddp_comm_shm_remove_orphans(int pid);
 
 /* ---- Work handles ---------------------------------------------------------
  * An async operation returns a work handle. The buffers passed to it must

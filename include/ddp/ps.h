@@ -169,6 +169,53 @@ const ddp_ps_options *ddp_ps_client_options(const ddp_ps_client *c);
 ddp_status ddp_ps_client_finish(ddp_ps_client *c);
 void ddp_ps_client_destroy(ddp_ps_client *c);
 
+/* ---- The trainer's steps -------------------------------------------------------
+ * What a training loop calls on an attached client (ddp_trainer's
+ * parameter-server strategy, src/train/strategy_ps.c): bind once, then per
+ * step push each final gradient (from the tape's grad hook) and end the
+ * step; evaluations and checkpoints are meetings of the live trainers at
+ * server 0. Not thread-safe: one thread drives a client. */
+
+/* Binds the client to the model it trains (borrowed; it must outlive the
+ * client), sizes its buffers (the push views, the buffers' last pulled
+ * values), and pulls the current parameters and buffers into it; *base_step
+ * (not NULL) is the step the servers start from (0, or a resumed run's).
+ * Errors: the servers' (RPC failures, a model that does not match theirs),
+ * DDP_ERR_NOMEM. */
+ddp_status ddp_ps_client_bind(ddp_ps_client *c, ddp_model *model, int64_t *base_step);
+/* The step in progress (1-based, counting from the start of training). */
+int64_t ddp_ps_client_step(const ddp_ps_client *c);
+/* Starts pushing parameter `param`'s gradient (final for this step, read
+ * from the model's gradient buffer) to its server; returns once sent. The
+ * first error is kept and returned by ddp_ps_client_end_step. */
+void ddp_ps_client_push(ddp_ps_client *c, int32_t param, int64_t step, double lr);
+/* Ends the step in progress: pushes what was not pushed yet (parameters
+ * without a gradient push zeros), sends each server the pull for the step
+ * (server 0 with the buffer deltas), waits for the fresh parameters and
+ * copies them into the model, then for every push's acknowledgement. The
+ * next step is in progress after it, whatever it returned. Errors: the
+ * first push's, a server's or the RPC engine's (a timeout names the server). */
+ddp_status ddp_ps_client_end_step(ddp_ps_client *c, double lr);
+/* The model every live trainer evaluates: a barrier of the live trainers at
+ * server 0, then the current parameters and buffers pulled. */
+ddp_status ddp_ps_client_eval_begin(ddp_ps_client *c);
+/* Sums values[0..n) over the live trainers (at server 0), in place. */
+ddp_status ddp_ps_client_sum(ddp_ps_client *c, double *values, int n);
+
+/* What a trainer hands the servers for a checkpoint (also the save
+ * meeting's payload after its header: the layout is on the wire). */
+typedef struct ddp_ps_save_info {
+  ddp_train_state ts;
+  ddp_scheduler_state sched;
+  int32_t has_sched; /* 1 when sched is set */
+  int32_t reserved32;
+  double lr;
+} ddp_ps_save_info;
+
+/* A checkpoint, written by the servers once every live trainer asks (info
+ * borrowed for the call; the same on every trainer at that point). */
+ddp_status ddp_ps_client_save(ddp_ps_client *c, const ddp_ps_save_info *info);
+
 #ifdef __cplusplus
 }
 #endif

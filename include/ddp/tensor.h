@@ -20,6 +20,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h> /* memcpy: the dtype conversions */
 
 #include "ddp/core.h"
 
@@ -42,6 +43,68 @@ typedef enum ddp_dtype {
 
 size_t ddp_dtype_size(ddp_dtype dtype);
 const char *ddp_dtype_name(ddp_dtype dtype); /* "float32", ... */
+
+/* float16 / bfloat16 <-> float32, one value at a time; inline, so that loops
+ * over buffers vectorise (comm's reductions compute through them). Bit
+ * manipulation after Fabian Giesen's half conversions: exact widening
+ * (subnormals included, via one multiply by 2^112), narrowing with round to
+ * nearest even; overflow gives infinity; NaNs stay NaN with their sign and
+ * top payload bits, quieted (bit for bit what F16C's vcvtph2ps / vcvtps2ph
+ * do; tests/comm/test_comm_reduce.c compares). Pure functions: no errors. */
+static inline uint32_t ddp__f32_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+
+static inline float ddp__f32_from(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline float ddp_half_to_float(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  uint32_t em = h & 0x7fffu;
+  /* Exponent rebias by scaling: (em << 13) read as a float is the half value
+   * times 2^-112, also for subnormals (they become float subnormals). The
+   * factor is 2^112 (0x1p112f, written in decimal for C++). */
+  uint32_t scaled = ddp__f32_bits(ddp__f32_from(em << 13) * 5192296858534827628530496329220096.0f);
+  /* Inf stays Inf; a NaN keeps its payload and becomes quiet. */
+  uint32_t special = (em << 13) | 0x7f800000u | (em > 0x7c00u ? 0x400000u : 0u);
+  uint32_t bits = em >= 0x7c00u ? special : scaled;
+  return ddp__f32_from(bits | sign);
+}
+
+static inline uint16_t ddp_float_to_half(float f) {
+  uint32_t u = ddp__f32_bits(f);
+  uint32_t sign = u & 0x80000000u;
+  u ^= sign;
+  uint32_t out;
+  if (u >= 0x47800000u) { /* >= 65536 (rounds to Inf), Inf or NaN */
+    uint32_t nan = 0x7e00u | ((u >> 13) & 0x3ffu);
+    out = u > 0x7f800000u ? nan : 0x7c00u;
+  } else if (u < 0x38800000u) { /* below the smallest normal half, 2^-14 */
+    /* Adding 0.5 makes the FPU round the mantissa (to nearest even) at the
+     * subnormal half's last bit; the low bits are then the result. */
+    const uint32_t magic = (127u - 15u + 23u - 10u + 1u) << 23;
+    out = ddp__f32_bits(ddp__f32_from(u) + ddp__f32_from(magic)) - magic;
+  } else {
+    uint32_t mant_odd = (u >> 13) & 1u;
+    u += ((uint32_t)(15 - 127) << 23) + 0xfffu + mant_odd;
+    out = u >> 13; /* a carry into the exponent rounds up to Inf correctly */
+  }
+  return (uint16_t)(out | (sign >> 16));
+}
+
+static inline float ddp_bf16_to_float(uint16_t h) { return ddp__f32_from((uint32_t)h << 16); }
+
+static inline uint16_t ddp_float_to_bf16(float f) {
+  uint32_t u = ddp__f32_bits(f);
+  uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  uint32_t nan = (u >> 16) | 0x40u;
+  return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
 
 /* The family of CPU kernels this process runs: "avx512" or "generic",
  * from the CPU and the environment variable DDP_CPU_KERNELS

@@ -1,16 +1,9 @@
 /* ddp tensorboard: TensorBoard event files, written by ddp's own code (no
- * TensorFlow, no protobuf library), and the trainer's curves in them.
+ * TensorFlow, no protobuf library). Part of the io layer: it needs core
+ * only. The trainer's curves in them are train's (ddp_train_tensorboard_attach,
+ * include/ddp/train.h).
  *
- * A run's curves for TensorBoard, from the trainer (rank 0 writes; call it
- * on every rank of the group, after the options are final):
- *
- *   ddp_train_tensorboard *tb;
- *   DDP_TRY(ddp_train_tensorboard_attach(&tb, &o, "runs/exp1", pg));  // pg may be NULL
- *   DDP_TRY(ddp_trainer_create(&t, model, train, test, pg, &o));
- *   ... ddp_trainer_run(t, &r) ...
- *   DDP_TRY(ddp_train_tensorboard_close(tb));   // the first write error, if any
- *
- * then `tensorboard --logdir runs`. Or any scalars and text of one's own:
+ * Scalars and text of one's own, then `tensorboard --logdir runs`:
  *
  *   ddp_summary_writer *w;
  *   DDP_TRY(ddp_summary_writer_create(&w, "runs/exp1", NULL));
@@ -33,9 +26,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "ddp/comm.h"
 #include "ddp/core.h"
-#include "ddp/train.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -79,52 +70,6 @@ ddp_status ddp_summary_writer_add_text(ddp_summary_writer *w, const char *tag, c
 /* Closes the file and frees the writer; NULL is fine. Nothing is pending:
  * every add has reached the file already. */
 void ddp_summary_writer_destroy(ddp_summary_writer *w);
-
-/* ---- The trainer's curves ---------------------------------------------------- */
-
-/* What ddp_train_tensorboard_attach made: the writer (rank 0) and the
- * callbacks it chains to. Opaque. */
-typedef struct ddp_train_tensorboard ddp_train_tensorboard;
-
-/* Makes a trainer with these options write its curves to an event file in
- * `dir`: replaces options->callbacks with callbacks that write and then
- * call the ones that were there (their return values decide stops, as
- * before). Per step, at the step's number: train/loss, train/lr,
- * train/samples_per_s and phases/<phase>_ms for each part of the step
- * (load, forward, backward_compute, backward_comm, optimizer, step,
- * preempted); per evaluation: test/loss and test/accuracy; at the start:
- * the options (those of the trainer, the group's size and
- * options->checkpoint_meta's pairs) as a Markdown table, text tag
- * "options". The names after the slash are the JSON log's keys
- * (docs/train.md, "TensorBoard"). Values are stored as float32, as
- * TensorBoard's scalars are; a value that is not finite (preempted_ms
- * where the kernel has no schedstat, a regression model's accuracy) is
- * left out, as the log writes it null.
- *
- * Call it on every rank of pg (NULL: one process) with the same options,
- * once they are final and before ddp_trainer_create: every rank gets the
- * callbacks, since the trainer reduces callbacks' stop requests over the
- * group and every rank must take part; only pg's rank 0 opens a file
- * (`dir` is created if missing). With no callbacks before, this adds the
- * trainer's one 8-byte allreduce per step on a group of more than one
- * rank (docs/train.md, "Callbacks").
- *
- * The attachment must outlive the trainer's run; ddp_train_tensorboard_close
- * frees it. A write error during the run does not stop training: it is
- * logged once (a warning), nothing more is written, and close returns it.
- * On error nothing is allocated and the options are unchanged. */
-ddp_status ddp_train_tensorboard_attach(ddp_train_tensorboard **out,
-                                        ddp_train_options *options, const char *dir,
-                                        const ddp_process_group *pg);
-
-/* The event file's path on rank 0, NULL on other ranks (and for NULL). */
-const char *ddp_train_tensorboard_path(const ddp_train_tensorboard *tb);
-
-/* Closes the file and frees the attachment; returns the first write error
- * of the run (the message names the file), else DDP_OK. NULL is fine. The
- * options it was attached to must not be used for another trainer after:
- * their callbacks point at it. */
-ddp_status ddp_train_tensorboard_close(ddp_train_tensorboard *tb);
 
 #ifdef __cplusplus
 }

@@ -275,10 +275,5 @@ void ddp__reduce_pair(void *dst, const void *a, const void *b, size_t count, ddp
                       ddp_reduce_op op);
 /* For AVG: dst[i] /= divisor (floating types). */
 void ddp__reduce_scale(void *dst, size_t count, ddp_dtype dtype, int divisor);
-/* float16 / bfloat16 <-> float32, round to nearest even. */
-float ddp__half_to_float(uint16_t h);
-uint16_t ddp__float_to_half(float f);
-float ddp__bf16_to_float(uint16_t h);
-uint16_t ddp__float_to_bf16(float f);
 
 #endif /* DDP__COMM_BACKEND_H */

@@ -136,12 +136,6 @@ extern ddp__backend_create_fn ddp__backend_override;
 
 /* ---- work.c --------------------------------------------------------------- */
 ddp_status ddp__queue_init(ddp_process_group *pg);
-/* Grows the group's pool of work handles to at least n, so that n
- * operations can be in flight without allocating: a user that knows its
- * depth (the DDP wrapper: one per bucket, and the loss's) reserves it up
- * front rather than reaching it mid-training the first time the timing
- * allows. DDP_ERR_NOMEM when the pool cannot grow. */
-ddp_status ddp__group_reserve_works(ddp_process_group *pg, int n);
 /* Waits (bounded) for queued work, stops the progress thread, frees the pool. */
 void ddp__queue_destroy(ddp_process_group *pg);
 #define DDP__INLINE_BIT (UINT64_C(1) << 62)

@@ -20,7 +20,8 @@
 
 #include "comm/comm_internal.h"
 #include "comm/flight/flight.h"
-#include "rendezvous/rdzv_internal.h"
+#include "core/core_internal.h"
+#include "net/net.h"
 
 #define ID_MAGIC "ddp-pg 1"
 #define MAX_LISTED_RANKS 16
@@ -136,7 +137,7 @@ static void missing_ranks(ddp_store *store, const char *fmt, int size, char *out
     if (!exists) missing[n++] = r;
   }
   if (known)
-    ddp__rdzv_format_ranks(missing, n, MAX_LISTED_RANKS, out, bytes);
+    ddp__format_ranks(missing, n, MAX_LISTED_RANKS, out, bytes);
   else
     snprintf(out, bytes, "(unknown: the store could not be read)");
   ddp_free(missing);
@@ -188,7 +189,7 @@ static ddp_status exchange_identity(ddp_store *store, int rank, int size, int64_
   char who[96];
   snprintf(who, sizeof who, "process group (rank %d of %d)", rank, size);
   char host[DDP_RENDEZVOUS_HOST_ID_BYTES];
-  DDP_TRY(ddp__rdzv_host_id(host, sizeof host));
+  DDP_TRY(ddp__net_host_id(host, sizeof host));
   pthread_once(&nonce_once, make_nonce);
   char value[DDP_RENDEZVOUS_HOST_ID_BYTES + 96], key[64];
   int n = snprintf(value, sizeof value, ID_MAGIC " %ld %016llx %s", (long)getpid(),
@@ -589,6 +590,15 @@ done:
 
 int ddp_process_group_rank(const ddp_process_group *pg) { return pg ? pg->rank : -1; }
 int ddp_process_group_size(const ddp_process_group *pg) { return pg ? pg->size : 0; }
+ddp_store *ddp_process_group_store(ddp_process_group *pg) { return pg ? pg->store : NULL; }
+
+uint64_t ddp_process_group_subgroup_count(ddp_process_group *pg) {
+  if (!pg) return 0;
+  pthread_mutex_lock(&pg->mu); /* next_subgroup counts under it */
+  uint64_t k = pg->subgroups;
+  pthread_mutex_unlock(&pg->mu);
+  return k;
+}
 
 const char *ddp_process_group_transport(const ddp_process_group *pg, int peer) {
   if (!pg || peer < 0 || peer >= pg->size) return "none";

@@ -10,7 +10,7 @@
 #include <string.h>
 
 #include "comm/comm_internal.h"
-#include "rendezvous/rdzv_internal.h"
+#include "core/core_internal.h"
 
 #define MAX_LISTED_RANKS 16
 
@@ -48,7 +48,7 @@ static ddp_status wait_arrivals(ddp_process_group *pg, uint64_t n, double timeou
   }
   if (st == DDP_OK && num_missing) {
     char list[512];
-    ddp__rdzv_format_ranks(missing, num_missing, MAX_LISTED_RANKS, list, sizeof list);
+    ddp__format_ranks(missing, num_missing, MAX_LISTED_RANKS, list, sizeof list);
     st = ddp_error(DDP_ERR_TIMEOUT, "monitored barrier: %s %s did not arrive within %.3g s",
                    num_missing == 1 ? "rank" : "ranks", list, timeout_s);
   }

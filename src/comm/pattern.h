@@ -10,7 +10,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "comm/backend.h"
+#include "ddp/comm.h"
+#include "ddp/tensor.h"
 
 /* buf[i] = v, converted to dtype (float16 / bfloat16 rounded to nearest even). */
 static inline void ddp__elem_set(void *buf, ddp_dtype dt, size_t i, double v) {
@@ -19,8 +20,8 @@ static inline void ddp__elem_set(void *buf, ddp_dtype dt, size_t i, double v) {
     case DDP_FLOAT64: ((double *)buf)[i] = v; break;
     case DDP_INT32: ((int32_t *)buf)[i] = (int32_t)v; break;
     case DDP_INT64: ((int64_t *)buf)[i] = (int64_t)v; break;
-    case DDP_FLOAT16: ((uint16_t *)buf)[i] = ddp__float_to_half((float)v); break;
-    case DDP_BFLOAT16: ((uint16_t *)buf)[i] = ddp__float_to_bf16((float)v); break;
+    case DDP_FLOAT16: ((uint16_t *)buf)[i] = ddp_float_to_half((float)v); break;
+    case DDP_BFLOAT16: ((uint16_t *)buf)[i] = ddp_float_to_bf16((float)v); break;
     default: break;
   }
 }
@@ -32,8 +33,8 @@ static inline double ddp__elem_get(const void *buf, ddp_dtype dt, size_t i) {
     case DDP_FLOAT64: return ((const double *)buf)[i];
     case DDP_INT32: return ((const int32_t *)buf)[i];
     case DDP_INT64: return (double)((const int64_t *)buf)[i];
-    case DDP_FLOAT16: return ddp__half_to_float(((const uint16_t *)buf)[i]);
-    case DDP_BFLOAT16: return ddp__bf16_to_float(((const uint16_t *)buf)[i]);
+    case DDP_FLOAT16: return ddp_half_to_float(((const uint16_t *)buf)[i]);
+    case DDP_BFLOAT16: return ddp_bf16_to_float(((const uint16_t *)buf)[i]);
     default: return NAN;
   }
 }

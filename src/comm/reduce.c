@@ -1,79 +1,13 @@
 /* Reduction kernels shared by every backend: dst op= src for the six comm
- * dtypes, and the float16 / bfloat16 <-> float32 conversions they compute
- * through. Loops are plain and branch-free so that GCC vectorises them
- * (-O2 -fvect-cost-model=dynamic -march=native). */
+ * dtypes; float16 and bfloat16 compute through tensor.h's conversions
+ * (ddp_half_to_float and friends, inline). Loops are plain and branch-free
+ * so that GCC vectorises them (-O2 -fvect-cost-model=dynamic -march=native). */
 #include <string.h>
 #if defined(__F16C__) && defined(__AVX__)
 #include <immintrin.h>
 #endif
 
 #include "comm/backend.h"
-
-/* ---- float16 / bfloat16 conversions ---------------------------------------
- * Bit manipulation after Fabian Giesen's half conversions: exact widening
- * (subnormals included, via one multiply by 2^112), narrowing with round to
- * nearest even; overflow gives infinity; NaNs stay NaN with their sign and
- * top payload bits, quieted (bit for bit what F16C's vcvtph2ps / vcvtps2ph
- * do; the tests compare). */
-
-static inline uint32_t f32_bits(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  return u;
-}
-
-static inline float f32_from(uint32_t u) {
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-static inline float half_to_float(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-  uint32_t em = h & 0x7fffu;
-  /* Exponent rebias by scaling: (em << 13) read as a float is the half value
-   * times 2^-112, also for subnormals (they become float subnormals). */
-  uint32_t scaled = f32_bits(f32_from(em << 13) * 0x1p112f);
-  /* Inf stays Inf; a NaN keeps its payload and becomes quiet. */
-  uint32_t special = (em << 13) | 0x7f800000u | (em > 0x7c00u ? 0x400000u : 0u);
-  uint32_t bits = em >= 0x7c00u ? special : scaled;
-  return f32_from(bits | sign);
-}
-
-static inline uint16_t float_to_half(float f) {
-  uint32_t u = f32_bits(f);
-  uint32_t sign = u & 0x80000000u;
-  u ^= sign;
-  uint32_t out;
-  if (u >= 0x47800000u) { /* >= 65536 (rounds to Inf), Inf or NaN */
-    uint32_t nan = 0x7e00u | ((u >> 13) & 0x3ffu);
-    out = u > 0x7f800000u ? nan : 0x7c00u;
-  } else if (u < 0x38800000u) { /* below the smallest normal half, 2^-14 */
-    /* Adding 0.5 makes the FPU round the mantissa (to nearest even) at the
-     * subnormal half's last bit; the low bits are then the result. */
-    const uint32_t magic = (127u - 15u + 23u - 10u + 1u) << 23;
-    out = f32_bits(f32_from(u) + f32_from(magic)) - magic;
-  } else {
-    uint32_t mant_odd = (u >> 13) & 1u;
-    u += ((uint32_t)(15 - 127) << 23) + 0xfffu + mant_odd;
-    out = u >> 13; /* a carry into the exponent rounds up to Inf correctly */
-  }
-  return (uint16_t)(out | (sign >> 16));
-}
-
-static inline float bf16_to_float(uint16_t h) { return f32_from((uint32_t)h << 16); }
-
-static inline uint16_t float_to_bf16(float f) {
-  uint32_t u = f32_bits(f);
-  uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  uint32_t nan = (u >> 16) | 0x40u;
-  return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-}
-
-float ddp__half_to_float(uint16_t h) { return half_to_float(h); }
-uint16_t ddp__float_to_half(float f) { return float_to_half(f); }
-float ddp__bf16_to_float(uint16_t h) { return bf16_to_float(h); }
-uint16_t ddp__float_to_bf16(float f) { return float_to_bf16(f); }
 
 /* ---- Elementwise ops -------------------------------------------------------
  * MIN and MAX propagate NaN (torch.minimum / maximum): the result is NaN when
@@ -151,8 +85,8 @@ static inline __m256 v_max(__m256 x, __m256 y) {
                        _mm256_cvtps_ph(VOP(x, y), _MM_FROUND_TO_NEAREST_INT)); \
     }                                                                          \
     for (; i < n; i++) {                                                       \
-      float x = half_to_float(a[i]), y = half_to_float(b[i]);                  \
-      dst[i] = float_to_half(OP(x, y));                                        \
+      float x = ddp_half_to_float(a[i]), y = ddp_half_to_float(b[i]);                  \
+      dst[i] = ddp_float_to_half(OP(x, y));                                        \
     }                                                                          \
   }
 DEFINE_F16C_LOOP(f16_sum, v_sum, OP_SUM)
@@ -160,15 +94,15 @@ DEFINE_F16C_LOOP(f16_prod, v_prod, OP_PROD)
 DEFINE_F16C_LOOP(f16_min, v_min, OP_FMIN)
 DEFINE_F16C_LOOP(f16_max, v_max, OP_FMAX)
 #else
-DEFINE_16_LOOP(f16_sum, half_to_float, float_to_half, OP_SUM)
-DEFINE_16_LOOP(f16_prod, half_to_float, float_to_half, OP_PROD)
-DEFINE_16_LOOP(f16_min, half_to_float, float_to_half, OP_FMIN)
-DEFINE_16_LOOP(f16_max, half_to_float, float_to_half, OP_FMAX)
+DEFINE_16_LOOP(f16_sum, ddp_half_to_float, ddp_float_to_half, OP_SUM)
+DEFINE_16_LOOP(f16_prod, ddp_half_to_float, ddp_float_to_half, OP_PROD)
+DEFINE_16_LOOP(f16_min, ddp_half_to_float, ddp_float_to_half, OP_FMIN)
+DEFINE_16_LOOP(f16_max, ddp_half_to_float, ddp_float_to_half, OP_FMAX)
 #endif
-DEFINE_16_LOOP(bf16_sum, bf16_to_float, float_to_bf16, OP_SUM)
-DEFINE_16_LOOP(bf16_prod, bf16_to_float, float_to_bf16, OP_PROD)
-DEFINE_16_LOOP(bf16_min, bf16_to_float, float_to_bf16, OP_FMIN)
-DEFINE_16_LOOP(bf16_max, bf16_to_float, float_to_bf16, OP_FMAX)
+DEFINE_16_LOOP(bf16_sum, ddp_bf16_to_float, ddp_float_to_bf16, OP_SUM)
+DEFINE_16_LOOP(bf16_prod, ddp_bf16_to_float, ddp_float_to_bf16, OP_PROD)
+DEFINE_16_LOOP(bf16_min, ddp_bf16_to_float, ddp_float_to_bf16, OP_FMIN)
+DEFINE_16_LOOP(bf16_max, ddp_bf16_to_float, ddp_float_to_bf16, OP_FMAX)
 
 typedef void (*pair_fn)(void *dst, const void *a, const void *b, size_t n);
 
@@ -215,13 +149,13 @@ void ddp__reduce_scale(void *dst, size_t count, ddp_dtype dtype, int divisor) {
   case DDP_FLOAT16: {
     uint16_t *d = dst;
     float div = (float)divisor;
-    for (size_t i = 0; i < count; i++) d[i] = float_to_half(half_to_float(d[i]) / div);
+    for (size_t i = 0; i < count; i++) d[i] = ddp_float_to_half(ddp_half_to_float(d[i]) / div);
     break;
   }
   case DDP_BFLOAT16: {
     uint16_t *d = dst;
     float div = (float)divisor;
-    for (size_t i = 0; i < count; i++) d[i] = float_to_bf16(bf16_to_float(d[i]) / div);
+    for (size_t i = 0; i < count; i++) d[i] = ddp_float_to_bf16(ddp_bf16_to_float(d[i]) / div);
     break;
   }
   default:

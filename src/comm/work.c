@@ -185,7 +185,8 @@ static ddp_status ensure_thread(ddp_process_group *pg) {
   return DDP_OK;
 }
 
-ddp_status ddp__group_reserve_works(ddp_process_group *pg, int n) {
+ddp_status ddp_process_group_reserve_works(ddp_process_group *pg, int n) {
+  if (!pg) return ddp_error(DDP_ERR_INVALID, "process group: reserve_works on a NULL group");
   pthread_mutex_lock(&pg->mu);
   int have = 0;
   for (ddp_work *w = pg->all_works; w; w = w->all_next) have++;

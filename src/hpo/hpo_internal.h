@@ -3,7 +3,7 @@
 #ifndef DDP_SRC_HPO_INTERNAL_H
 #define DDP_SRC_HPO_INTERNAL_H
 
-#include "ddp/ddp.h"
+#include "ddp/core.h"
 #include "ddp/hpo.h"
 
 /* CPython 3.11's random.sample(population, k) over indices 0..n-1: out gets

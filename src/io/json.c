@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "io/json.h"
+#include "io/io_internal.h"
 
 #define MAX_DEPTH 64
 

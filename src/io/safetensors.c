@@ -16,7 +16,6 @@
 #include <unistd.h>
 
 #include "io/io_internal.h"
-#include "io/json.h"
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "safetensors data is little-endian; ddp's io layer assumes a little-endian host"

@@ -15,9 +15,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "launch/flight_read.h"
+#include "core/core_internal.h"
 #include "launch/launch_internal.h"
-#include "rendezvous/rdzv_internal.h"
+#include "net/net.h"
 
 /* How long to wait for the dumps: a dump takes milliseconds, so this is for
  * other nodes' ranks (their ddprun learns of the failure at its next poll)
@@ -51,7 +51,7 @@ static ddp_store *open_store(const ddp__agent *a, int32_t attempt) {
   so.timeout_ms = 2000;
   so.connect_timeout_ms = 1000;
   ddp_store *base = NULL, *store = NULL;
-  if (ddp__rdzv_split_hostport("the store's address", a->world.store_addr, host, sizeof host, &port) == DDP_OK &&
+  if (ddp__net_split_hostport("the store's address", a->world.store_addr, host, sizeof host, &port) == DDP_OK &&
       ddp_store_tcp_connect(host, (uint16_t)port, &so, &base) == DDP_OK) {
     ddp__attempt_prefix(a->world.run_id, attempt, prefix, sizeof prefix);
     if (ddp_store_prefix(base, prefix, &store) != DDP_OK) store = NULL;
@@ -175,7 +175,7 @@ static char *judge_dumps(const ddp__group *g, const ddp__world *w, ddp_store *st
   /* Nothing to say for a job whose workers do not record. */
   if (n > 0 && ddp__flight_verdict(dumps, n, world, why, &verdict) == DDP_OK) {
     char ranks[256], path[4200];
-    ddp__rdzv_format_ranks(have, (int32_t)n, 16, ranks, sizeof ranks);
+    ddp__format_ranks(have, (int32_t)n, 16, ranks, sizeof ranks);
     ddp__flight_dump_path(debug_dir(), 0, -1, path, sizeof path);
     char *star = strstr(path, "rank0.json");
     if (star) snprintf(star, sizeof path - (size_t)(star - path), "rank*.json");

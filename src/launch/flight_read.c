@@ -1,13 +1,14 @@
-/* Flight recorder dumps, from JSON back to records (flight_read.h). Names
- * (operations, dtypes, reduce ops, states, statuses) map back through the
- * same tables that wrote them, so an unknown name is an error, not a guess. */
+/* Flight recorder dumps, from JSON back to records (declared in
+ * launch_internal.h). Names (operations, dtypes, reduce ops, states,
+ * statuses) map back through the same tables that wrote them, so an unknown
+ * name is an error, not a guess. */
 #include <errno.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
 
-#include "io/json.h"
-#include "launch/flight_read.h"
+#include "io/io_internal.h"
+#include "launch/launch_internal.h"
 
 #define MAX_FILE_BYTES (1LL << 30)
 

@@ -15,7 +15,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "comm/local/local.h"
+#include "ddp/comm.h" /* ddp_comm_shm_remove_orphans */
 #include "launch/launch_internal.h"
 
 extern char **environ;
@@ -305,7 +305,7 @@ static void mark_exited(ddp__group *g, ddp__worker *w, int status) {
   reaper_tell(g, -(int32_t)w->pid);
   /* A worker killed while its group was being set up may leave the local
    * backend's shared-memory segment in /dev/shm (named after its pid). */
-  int segments = ddp__local_shm_remove_orphans((int)w->pid);
+  int segments = ddp_comm_shm_remove_orphans((int)w->pid);
   if (segments > 0)
     fprintf(stderr, "ddprun: removed %d shared-memory segment%s that worker pid %d left in "
                     "/dev/shm\n", segments, segments == 1 ? "" : "s", (int)w->pid);

@@ -1,8 +1,10 @@
 /* Internal pieces of the launch layer, shared by ddprun's path (run.c) and
  * ddp_spawn (spawn.c): signal plumbing, worker output, the worker
  * environment, the supervised group of workers, the failure summary and the
- * node agent (store hosting, node rendezvous, restart agreement). Not
- * installed. */
+ * node agent (store hosting, node rendezvous, restart agreement), reading
+ * flight recorder dumps. Also launch's one internal header for the tools
+ * (docs/architecture.md): placement (launch/placement.h, included here) and
+ * the dump reader. Not installed. */
 #ifndef DDP_LAUNCH_INTERNAL_H
 #define DDP_LAUNCH_INTERNAL_H
 
@@ -13,6 +15,7 @@
 #include "ddp/core.h"
 #include "ddp/launch.h"
 #include "ddp/store.h"
+#include "comm/flight/flight.h"
 #include "launch/placement.h"
 
 #ifdef __cplusplus
@@ -437,6 +440,22 @@ ddp_status ddp__free_port(const char *bind_addr, int32_t *port);
 
 /* The store prefix of attempt `attempt`'s workers. */
 void ddp__attempt_prefix(const char *run_id, int32_t attempt, char *buf, size_t bytes);
+
+/* ---- Flight recorder dumps (flight_read.c) ---------------------------------
+ * Reading the dumps (the JSON that src/comm/flight_dump.c writes;
+ * docs/comm.md, "Flight recorder") back into the model of comm/flight.h, for
+ * ddprun's verdict and `ddp-debug flight`. With io's JSON parser: every
+ * field checked for its kind and range before use. */
+
+/* Parses text[0..len) into *dump (free with ddp__flight_dump_free). `what`
+ * names the source in errors ("/tmp/ddp-flight-rank2.json", "rank 2's dump
+ * in the store"). DDP_ERR_FORMAT naming the field (and the offset for JSON
+ * errors) when it is not a dump of this format and version; *dump is then
+ * empty. */
+ddp_status ddp__flight_parse(const char *text, size_t len, const char *what, ddp__flight_dump *dump);
+
+/* Reads and parses the file at path (at most 1 GiB). */
+ddp_status ddp__flight_read_file(const char *path, ddp__flight_dump *dump);
 
 #ifdef __cplusplus
 }

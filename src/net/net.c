@@ -1,5 +1,5 @@
 /* Socket helpers: resolve, listen, connect with a deadline, full reads and
- * writes with deadlines, address formatting. See net.h for the contracts. */
+ * writes with deadlines, address formatting and splitting. See net.h for the contracts. */
 #include "net/net.h"
 
 #include <arpa/inet.h>
@@ -14,6 +14,8 @@
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
+
+#include "core/core_internal.h"
 
 char *ddp__net_format_addr(const struct sockaddr *addr, socklen_t addr_len, char *buf,
                            size_t buf_bytes) {
@@ -342,4 +344,43 @@ int ddp__net_address_host(const char *a, char *host, size_t cap) {
   memcpy(host, a, (size_t)(end - a));
   host[end - a] = '\0';
   return 0;
+}
+
+ddp_status ddp__net_split_hostport(const char *what, const char *s, char *host, size_t host_bytes,
+                                   int32_t *port) {
+  const char *colon;
+  const char *h = s;
+  size_t hlen;
+  if (s[0] == '[') {
+    const char *close = strchr(s, ']');
+    if (!close || close[1] != ':')
+      return ddp_error(DDP_ERR_INVALID, "%s: expected [ipv6]:port", what);
+    h = s + 1;
+    hlen = (size_t)(close - h);
+    colon = close + 1;
+  } else {
+    colon = strrchr(s, ':');
+    if (!colon)
+      return ddp_error(DDP_ERR_INVALID, "%s: missing ':port' (expected host:port)", what);
+    if (memchr(s, ':', (size_t)(colon - s)))
+      return ddp_error(DDP_ERR_INVALID,
+                       "%s: more than one ':' (write IPv6 addresses as [addr]:port)", what);
+    hlen = (size_t)(colon - s);
+  }
+  if (hlen == 0) return ddp_error(DDP_ERR_INVALID, "%s: empty host", what);
+  if (hlen >= host_bytes)
+    return ddp_error(DDP_ERR_INVALID, "%s: host longer than %zu characters", what,
+                     host_bytes - 1);
+  for (size_t i = 0; i < hlen; i++)
+    if (h[i] == '/' || h[i] == '@' || h[i] == '?' || h[i] == '#' || h[i] == ' ' || h[i] == '[')
+      return ddp_error(DDP_ERR_INVALID, "%s: character '%c' is not allowed in a host", what,
+                       h[i]);
+  int64_t p;
+  if (ddp__parse_decimal(colon + 1, strlen(colon + 1), 1, 65535, &p) != 0)
+    return ddp_error(DDP_ERR_INVALID, "%s: port '%s' is not a number in 1..65535", what,
+                     colon + 1);
+  memcpy(host, h, hlen);
+  host[hlen] = '\0';
+  *port = (int32_t)p;
+  return DDP_OK;
 }

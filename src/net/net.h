@@ -1,6 +1,8 @@
 /* ddp net: socket helpers shared by the store and the TCP transport --
  * resolving, listening, connecting with a deadline, full reads and writes
- * with deadlines (EINTR, short transfers), address formatting. A leaf layer:
+ * with deadlines (EINTR, short transfers), address formatting and
+ * splitting, host identity. net's one internal header for the layers above
+ * (it has no public one). A leaf layer:
  * it depends on core only. Errors are ddp_status with a message naming the
  * address ("connect to 10.0.0.1:29500: connection refused"). */
 #ifndef DDP_NET_NET_H
@@ -20,6 +22,18 @@ char *ddp__net_format_addr(const struct sockaddr *addr, socklen_t addr_len, char
                            size_t buf_bytes);
 /* Formats host and port the same way ("[::1]:5" when host contains ':'). */
 char *ddp__net_format_host_port(const char *host, uint16_t port, char *buf, size_t buf_bytes);
+
+/* Splits "host:port" or "[v6]:port" into host (without brackets; host_bytes
+ * including the terminator) and port (1..65535). `what` names the value in
+ * errors ("DDP_STORE_ADDR"): DDP_ERR_INVALID saying what is wrong. */
+ddp_status ddp__net_split_hostport(const char *what, const char *s, char *host, size_t host_bytes,
+                                   int32_t *port);
+
+/* This host's identity: "<hostname>/<network namespace inode>" (or
+ * DDP_HOST_ID when set; DDP_ERR_INVALID when that is too long for `bytes` or
+ * holds whitespace). Two processes with the same identity can reach each
+ * other's shared memory and loopback (hostid.c). */
+ddp_status ddp__net_host_id(char *out, size_t bytes);
 
 /* Creates a listening TCP socket on bind_addr:port (NULL/"" -> 0.0.0.0; port 0
  * picks a free one) with SO_REUSEADDR, close-on-exec, non-blocking, and the

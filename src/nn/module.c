@@ -7,7 +7,7 @@
 #include <string.h>
 
 #include "nn/module.h"
-#include "tensor/kernels.h"
+#include "tensor/tape.h" /* ddp__basic_kernels_for */
 
 #define NAME_MAX_BYTES 64
 
@@ -617,7 +617,7 @@ bool ddp_model_batch_norm_synced(const ddp_model *model) { return model->bn_sync
 
 void ddp_model_zero_grad(ddp_model *model) {
   if (model->grads_flat && model->device.type != DDP_DEVICE_CPU)
-    ddp__kernels_for(model->device)->basic->fill(model->grads_flat, 0.0f, model->n_param_elems);
+    ddp__basic_kernels_for(model->device)->fill(model->grads_flat, 0.0f, model->n_param_elems);
   else if (model->grads_flat)
     memset(model->grads_flat, 0, (size_t)model->n_param_elems * sizeof(float));
 }
@@ -627,10 +627,10 @@ ddp_status ddp_model_clip_grad_norm(ddp_model *model, double max_norm, double *t
     return ddp_error(DDP_ERR_INVALID, "nn: clip_grad_norm: max_norm %g must be finite and >= 0",
                      max_norm);
   const float *g = model->grads_flat;
-  const ddp__kernels *k = ddp__kernels_for(model->device);
+  const ddp__basic_kernels *k = ddp__basic_kernels_for(model->device);
   double sum = 0;
   if (model->device.type != DDP_DEVICE_CPU)
-    sum = k->basic->sum_squares(g, model->n_param_elems);
+    sum = k->sum_squares(g, model->n_param_elems);
   else
     for (int64_t i = 0; i < model->n_param_elems; i++) sum += (double)g[i] * (double)g[i];
   double norm = sqrt(sum);
@@ -643,7 +643,7 @@ ddp_status ddp_model_clip_grad_norm(ddp_model *model, double max_norm, double *t
   if (coef < 1.0) {
     float c = (float)coef;
     if (model->device.type != DDP_DEVICE_CPU)
-      k->basic->scale(model->grads_flat, c, model->n_param_elems);
+      k->scale(model->grads_flat, c, model->n_param_elems);
     else
       for (int64_t i = 0; i < model->n_param_elems; i++) model->grads_flat[i] *= c;
   }

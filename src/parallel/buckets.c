@@ -6,13 +6,12 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "comm/comm_internal.h" /* ddp__group_reserve_works */
 #include "parallel/dp_internal.h"
 
 #define MIB (1024.0 * 1024.0)
 
 ddp_status ddp__dp_reserve_works(ddp_dp *dp) {
-  return ddp__group_reserve_works(dp->pg, dp->n_buckets + 2);
+  return ddp_process_group_reserve_works(dp->pg, dp->n_buckets + 2);
 }
 
 void ddp__dp_assign_buckets(ddp_dp *dp) {

@@ -13,7 +13,6 @@
  * nothing is left to overlap it with, and handing it to the progress thread
  * costs a wake-up on a core this rank's compute is using (measured: world-2
  * ConvNet training 5-6% faster with it, BENCHMARKS.md "Data parallel"). */
-#include "comm/backend.h" /* ddp__float_to_half and friends */
 #include "parallel/dp_internal.h"
 
 /* Sums buf over pg: async, or at once on this thread for the last bucket. */
@@ -54,7 +53,7 @@ static ddp_status fp16_launch(void *state, ddp_process_group *pg, ddp_dp_bucket 
   uint16_t *restrict h = bucket->scratch;
   const float *restrict g = bucket->grads;
   const size_t n = bucket->numel;
-  for (size_t i = 0; i < n; i++) h[i] = ddp__float_to_half(g[i] / d);
+  for (size_t i = 0; i < n; i++) h[i] = ddp_float_to_half(g[i] / d);
   return reduce(pg, bucket, h, DDP_FLOAT16, work);
 }
 
@@ -63,7 +62,7 @@ static ddp_status fp16_finish(void *state, ddp_dp_bucket *bucket) {
   const uint16_t *restrict h = bucket->scratch;
   float *restrict g = bucket->grads;
   const size_t n = bucket->numel;
-  for (size_t i = 0; i < n; i++) g[i] = ddp__half_to_float(h[i]);
+  for (size_t i = 0; i < n; i++) g[i] = ddp_half_to_float(h[i]);
   return DDP_OK;
 }
 
@@ -74,7 +73,7 @@ static ddp_status bf16_launch(void *state, ddp_process_group *pg, ddp_dp_bucket 
   uint16_t *restrict h = bucket->scratch;
   const float *restrict g = bucket->grads;
   const size_t n = bucket->numel;
-  for (size_t i = 0; i < n; i++) h[i] = ddp__float_to_bf16(g[i] / d);
+  for (size_t i = 0; i < n; i++) h[i] = ddp_float_to_bf16(g[i] / d);
   return reduce(pg, bucket, h, DDP_BFLOAT16, work);
 }
 
@@ -83,7 +82,7 @@ static ddp_status bf16_finish(void *state, ddp_dp_bucket *bucket) {
   const uint16_t *restrict h = bucket->scratch;
   float *restrict g = bucket->grads;
   const size_t n = bucket->numel;
-  for (size_t i = 0; i < n; i++) g[i] = ddp__bf16_to_float(h[i]);
+  for (size_t i = 0; i < n; i++) g[i] = ddp_bf16_to_float(h[i]);
   return DDP_OK;
 }
 

@@ -12,7 +12,6 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "comm/comm_internal.h" /* the pipeline group's store, for the failure notice */
 #include "pipeline/pipeline_internal.h"
 
 typedef struct {
@@ -47,7 +46,7 @@ ddp_status ddp__pp_channels_create(ddp__pp_channels **out, ddp_process_group *pg
   /* Subgroup creation numbers the parent's subgroups alike on every rank:
    * a key of its own for this pipeline's failure notice. */
   snprintf(ch->fail_key, sizeof ch->fail_key, "pipeline/%llu/failed",
-           (unsigned long long)pg->subgroups);
+           (unsigned long long)ddp_process_group_subgroup_count(pg));
   ch->streams = ddp_calloc((size_t)(ch->p * ch->p * 2), sizeof(stream));
   if (!ch->streams) {
     ddp_free(ch);
@@ -102,10 +101,10 @@ ddp_status ddp__pp_post(ddp__pp_channels *ch, bool send, int kind, int peer, voi
 
 void ddp__pp_record_failure(ddp__pp_channels *ch, const char *msg, char *first, size_t bytes) {
   snprintf(first, bytes, "%s", msg);
-  if (!ch || !ch->pg || !ch->pg->store) return;
+  ddp_store *store = ch ? ddp_process_group_store(ch->pg) : NULL;
+  if (!store) return;
   /* The store may be gone with the failure (its server's host died): keep
    * our own message then. A short timeout: failing must not hang. */
-  ddp_store *store = ch->pg->store;
   int64_t old = ddp_store_timeout_ms(store);
   ddp_store_set_timeout_ms(store, 2000);
   void *cur = NULL;

@@ -237,7 +237,7 @@ static ddp_status pull_all(ddp_ps_client *c, int64_t step, int64_t *base_step) {
   return s != DDP_OK ? s : w;
 }
 
-ddp_status ddp__ps_client_bind(ddp_ps_client *c, ddp_model *model, int64_t *base_step) {
+ddp_status ddp_ps_client_bind(ddp_ps_client *c, ddp_model *model, int64_t *base_step) {
   if (!c->agent) return ddp_error(DDP_ERR_STATE, "%s: ddp_ps_client_attach was not called", c->name);
   c->model = model;
   c->np = ddp_model_num_params(model);
@@ -294,11 +294,11 @@ ddp_status ddp__ps_client_bind(ddp_ps_client *c, ddp_model *model, int64_t *base
   return DDP_OK;
 }
 
-int64_t ddp__ps_client_step(const ddp_ps_client *c) { return c->step; }
+int64_t ddp_ps_client_step(const ddp_ps_client *c) { return c->step; }
 
 /* ---- Pushes ---- */
 
-void ddp__ps_client_push(ddp_ps_client *c, int32_t param, int64_t step, double lr) {
+void ddp_ps_client_push(ddp_ps_client *c, int32_t param, int64_t step, double lr) {
   if (param < 0 || param >= c->np || c->pushed[param]) return;
   c->pushed[param] = true;
   if (c->ending) c->pushes_after++;
@@ -321,13 +321,13 @@ void ddp__ps_client_push(ddp_ps_client *c, int32_t param, int64_t step, double l
   }
 }
 
-ddp_status ddp__ps_client_end_step(ddp_ps_client *c, double lr) {
+ddp_status ddp_ps_client_end_step(ddp_ps_client *c, double lr) {
   const int64_t step = c->step++;
   /* Parameters backward gave no gradient push their zeroed gradients, so
    * every server hears of every tensor each step. */
   c->ending = true;
   for (int32_t i = 0; i < c->np; i++)
-    if (!c->pushed[i]) ddp__ps_client_push(c, i, step, lr);
+    if (!c->pushed[i]) ddp_ps_client_push(c, i, step, lr);
   c->ending = false;
   for (int64_t e = 0; e < c->nb; e++)
     c->delta_buf[e] = ddp_model_buffers_flat(c->model)[e] - c->pulled_buf[e];
@@ -384,7 +384,7 @@ void ddp__ps_client_last_wait(const ddp_ps_client *c, double *push_wait_s, doubl
 
 static ddp_status meet(ddp_ps_client *c, int32_t kind, const void *data, int32_t count,
                        size_t elem, double *sums) {
-  char payload[sizeof(ddp__ps_header) + sizeof(ddp__ps_save_info) + 16 * sizeof(double)];
+  char payload[sizeof(ddp__ps_header) + sizeof(ddp_ps_save_info) + 16 * sizeof(double)];
   if ((size_t)count * elem > sizeof payload - sizeof(ddp__ps_header))
     return ddp_error(DDP_ERR_RANGE, "%s: a meeting of %d values", c->name, count);
   ddp__ps_header h = {.magic = DDP__PS_MAGIC, .kind = DDP__PS_MEET, .trainer = c->index,
@@ -408,16 +408,16 @@ static ddp_status meet(ddp_ps_client *c, int32_t kind, const void *data, int32_t
   return DDP_OK;
 }
 
-ddp_status ddp__ps_client_eval_begin(ddp_ps_client *c) {
+ddp_status ddp_ps_client_eval_begin(ddp_ps_client *c) {
   DDP_TRY(meet(c, DDP__PS_MEET_BARRIER, NULL, 0, 0, NULL));
   return pull_all(c, DDP__PS_PULL_NOW, NULL);
 }
 
-ddp_status ddp__ps_client_sum(ddp_ps_client *c, double *values, int n) {
+ddp_status ddp_ps_client_sum(ddp_ps_client *c, double *values, int n) {
   return meet(c, DDP__PS_MEET_SUM, values, n, sizeof(double), values);
 }
 
-ddp_status ddp__ps_client_save(ddp_ps_client *c, const ddp__ps_save_info *info) {
+ddp_status ddp_ps_client_save(ddp_ps_client *c, const ddp_ps_save_info *info) {
   return meet(c, DDP__PS_MEET_SAVE, info, 1, sizeof *info, NULL);
 }
 

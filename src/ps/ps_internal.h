@@ -1,5 +1,6 @@
-/* The parameter server's insides (src/ps/), shared with the trainer's
- * strategy (src/train/strategy_ps.c) and the tests. Not installed.
+/* The parameter server's insides (src/ps/), shared with the tests (the
+ * trainer's strategy, src/train/strategy_ps.c, uses ps.h only). Not
+ * installed.
  * The pure parts (the clock table, the shard's update logic) know nothing of
  * RPC, so tests drive them directly; server.c and client.c put them on the
  * wire (wire.h). */
@@ -109,7 +110,7 @@ enum {
 enum {
   DDP__PS_MEET_BARRIER = 1, /* everyone here (before an evaluation's pull) */
   DDP__PS_MEET_SUM = 2,     /* sum the trainers' values (evaluation's sums) */
-  DDP__PS_MEET_SAVE = 3,    /* server 0 writes the checkpoint (payload: ddp__ps_save_info) */
+  DDP__PS_MEET_SAVE = 3,    /* server 0 writes the checkpoint (payload: ddp_ps_save_info) */
 };
 
 typedef struct ddp__ps_header {
@@ -124,14 +125,7 @@ typedef struct ddp__ps_header {
   int64_t base_step; /* pull reply: the step training resumes from (first pull) */
 } ddp__ps_header;
 
-/* What a save meeting carries besides the header. */
-typedef struct ddp__ps_save_info {
-  ddp_train_state ts;
-  ddp_scheduler_state sched;
-  int32_t has_sched;
-  int32_t reserved32;
-  double lr;
-} ddp__ps_save_info;
+/* What a save meeting carries besides the header: ddp_ps_save_info (ps.h). */
 
 /* Function names (registered on servers / trainers). */
 #define DDP__PS_FN_PUSH "ps.push"
@@ -161,32 +155,11 @@ double ddp__ps_timeout(const ddp_ps_options *o);
 ddp_status ddp__ps_header_check(const ddp_rpc_message *m, uint32_t kind, size_t elem_bytes,
                                 const char *who, const ddp__ps_header **out);
 
-/* ---- The trainer's side (client.c), used by src/train/strategy_ps.c ------- */
+/* ---- The trainer's side (client.c): figures for the tests ----------------- */
 
-/* Binds the client to the model it trains (borrowed), sizes its buffers
- * (the push views, the buffers' last pulled values), and pulls the current
- * parameters and buffers into it; *base_step is the step the servers start
- * from (0, or a resumed run's). */
-ddp_status ddp__ps_client_bind(ddp_ps_client *c, ddp_model *model, int64_t *base_step);
-/* The step in progress (1-based, counting from the start of training). */
-int64_t ddp__ps_client_step(const ddp_ps_client *c);
-/* Starts pushing parameter `param`'s gradient (final for this step) to its
- * server; returns once sent. The first error is kept and returned by
- * ddp__ps_client_end_step. */
-void ddp__ps_client_push(ddp_ps_client *c, int32_t param, int64_t step, double lr);
-/* Ends the step in progress: pushes what was not pushed yet (parameters
- * without a gradient push zeros), sends each server the pull for the step
- * (server 0 with the buffer deltas), waits for the fresh parameters and
- * copies them into the model, then for every push's acknowledgement. The
- * next step is in progress after it, whatever it returned. */
-ddp_status ddp__ps_client_end_step(ddp_ps_client *c, double lr);
-/* The model every live trainer evaluates: a barrier of the live trainers at
- * server 0, then the current parameters and buffers pulled. */
-ddp_status ddp__ps_client_eval_begin(ddp_ps_client *c);
-/* Sums values[0..n) over the live trainers (at server 0), in place. */
-ddp_status ddp__ps_client_sum(ddp_ps_client *c, double *values, int n);
-/* A checkpoint, written by the servers once every live trainer asks. */
-ddp_status ddp__ps_client_save(ddp_ps_client *c, const ddp__ps_save_info *info);
+/* The steps a training loop takes (bind, push, end_step, eval_begin, sum,
+ * save) are public: ps.h, "The trainer's steps". */
+
 /* Pushes so far made from backward's grad hook (overlapping the rest of
  * backward) and at the step's end (after it), and the parameter pushed
  * first in the first step (backward's first final gradient: the last

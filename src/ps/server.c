@@ -379,7 +379,7 @@ static ddp_status fn_meet(ddp_rpc_call *call, const ddp_rpc_message *args, ddp_r
   if (args->payload_bytes < sizeof(ddp__ps_header))
     return ddp_error(DDP_ERR_FORMAT, "meet: a payload of %zu bytes", args->payload_bytes);
   const ddp__ps_header *h0 = args->payload; /* its kind sizes the rest */
-  size_t elem = h0->meet_kind == DDP__PS_MEET_SAVE ? sizeof(ddp__ps_save_info)
+  size_t elem = h0->meet_kind == DDP__PS_MEET_SAVE ? sizeof(ddp_ps_save_info)
                 : h0->meet_kind == DDP__PS_MEET_SUM ? sizeof(double)
                                                     : 0;
   ddp_ps_server *s = NULL;

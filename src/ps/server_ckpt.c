@@ -165,7 +165,7 @@ ddp_status ddp__ps_server_save(ddp_ps_server *s) {
     ddp_rpc_message_free(&m);
     if (st != DDP_OK) return ddp_error_wrap(st, "saving the checkpoint: gathering %s's shard", who);
   }
-  const ddp__ps_save_info *info = &s->meet.save;
+  const ddp_ps_save_info *info = &s->meet.save;
   if (any_state) {
     const size_t entries = ddp_optimizer_state_count(s->save_opt);
     for (size_t e = 0; e < entries; e++) {

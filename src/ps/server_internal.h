@@ -60,7 +60,7 @@ struct ddp_ps_server {
     double sums[DDP__PS_MAX_SUM];
     ddp__ps_header header;
     char reply_payload[sizeof(ddp__ps_header) + DDP__PS_MAX_SUM * sizeof(double)];
-    ddp__ps_save_info save;
+    ddp_ps_save_info save;
   } meet;
   bool saving, stopping, registered;
   ddp_status failed;  /* sync after a death: every later request fails with ... */

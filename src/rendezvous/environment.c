@@ -308,7 +308,7 @@ ddp_status ddp__rdzv_resolve(const ddp__rdzv_url *url, const ddp_rendezvous_opti
         char what[DDP_RENDEZVOUS_ADDR_BYTES + 64];
         snprintf(what, sizeof what, "environment variable DDP_STORE_ADDR=\"%.*s\"",
                  DDP_RENDEZVOUS_ADDR_BYTES, ext);
-        DDP_TRY(ddp__rdzv_split_hostport(what, ext, host, sizeof host, &port));
+        DDP_TRY(ddp__net_split_hostport(what, ext, host, sizeof host, &port));
         ddp__net_format_host_port(host, (uint16_t)port, info->store_addr,
                                   sizeof info->store_addr);
         info->store_is_external = 1;

@@ -1,5 +1,5 @@
-/* Small helpers of the rendezvous that talk to no one: source names, option
- * defaults and the compact rank lists used in error messages. */
+/* Small helpers of the rendezvous that talk to no one: source names and
+ * option defaults. */
 #include <stdio.h>
 #include <string.h>
 
@@ -23,29 +23,4 @@ void ddp_rendezvous_options_init(ddp_rendezvous_options *opts) {
   memset(opts, 0, sizeof *opts);
   opts->rank = -1;
   opts->world_size = -1;
-}
-
-void ddp__rdzv_format_ranks(const int32_t *ranks, int32_t count, int max_items, char *out,
-                            size_t bytes) {
-  size_t len = 0;
-  int items = 0;
-  out[0] = '\0';
-  for (int32_t i = 0; i < count;) {
-    int32_t j = i;
-    while (j + 1 < count && ranks[j + 1] == ranks[j] + 1) j++;
-    if (items == max_items) {
-      snprintf(out + len, bytes - len, ", ... (%d more)", (int)(count - i));
-      return;
-    }
-    int n;
-    const char *sep = items ? ", " : "";
-    if (j == i)
-      n = snprintf(out + len, bytes - len, "%s%d", sep, (int)ranks[i]);
-    else
-      n = snprintf(out + len, bytes - len, "%s%d-%d", sep, (int)ranks[i], (int)ranks[j]);
-    if (n < 0 || (size_t)n >= bytes - len) return; /* truncated: out stays terminated */
-    len += (size_t)n;
-    items++;
-    i = j + 1;
-  }
 }

@@ -1,6 +1,8 @@
-/* Internal pieces of the rendezvous, exposed to each other and to the tests:
- * init-URL parsing, the environment contracts (torchrun, Slurm, MPI), Slurm's
- * tasks-per-node lists and host identity. Not installed. */
+/* Internal pieces of the rendezvous, exposed to each other and to the tests
+ * (not to other layers): init-URL parsing, the environment contracts
+ * (torchrun, Slurm, MPI), Slurm's tasks-per-node lists. Host identity and
+ * host:port splitting are net's (net/net.h), the rank lists of messages
+ * core's (core/core_internal.h). Not installed. */
 #ifndef DDP_RDZV_INTERNAL_H
 #define DDP_RDZV_INTERNAL_H
 
@@ -49,22 +51,6 @@ ddp_status ddp__rdzv_resolve(const ddp__rdzv_url *url, const ddp_rendezvous_opti
 /* Expands Slurm's tasks-per-node list ("2(x3),1" -> 2,2,2,1) and returns the
  * count of node `node_index` in *out. */
 ddp_status ddp__slurm_tasks_per_node(const char *list, int64_t node_index, int32_t *out);
-
-/* Splits "host:port" or "[v6]:port" into host and port (1..65535). `what`
- * names the value in errors ("DDP_STORE_ADDR"). */
-ddp_status ddp__rdzv_split_hostport(const char *what, const char *s, char *host, size_t host_bytes,
-                                    int32_t *port);
-
-/* ---- Host identity -------------------------------------------------------
- * "<hostname>/<network namespace inode>" (or DDP_HOST_ID when set): two ranks
- * with the same identity can reach each other's shared memory and loopback. */
-ddp_status ddp__rdzv_host_id(char *out, size_t bytes);
-
-/* ---- Formatting ---------------------------------------------------------- */
-/* Writes ranks as compact ranges ("2, 5-7, 9"), at most `max_items` items and
- * then "... (N more)". */
-void ddp__rdzv_format_ranks(const int32_t *ranks, int32_t count, int max_items, char *out,
-                            size_t bytes);
 
 #ifdef __cplusplus
 }

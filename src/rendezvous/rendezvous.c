@@ -14,6 +14,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "core/core_internal.h"
+#include "net/net.h"
 #include "rendezvous/rdzv_internal.h"
 
 #define KEY_JOINED "rdzv/joined"
@@ -142,7 +144,7 @@ static ddp_status open_store(const ddp__rdzv_url *url, ddp_rendezvous_info *info
   if (info->store_is_external) {
     char host[DDP_RENDEZVOUS_ADDR_BYTES];
     int32_t port;
-    DDP_TRY(ddp__rdzv_split_hostport("DDP_STORE_ADDR", info->store_addr, host, sizeof host, &port));
+    DDP_TRY(ddp__net_split_hostport("DDP_STORE_ADDR", info->store_addr, host, sizeof host, &port));
     DDP_TRY(connect_store(info, host, port, &so));
     return scope_store(info);
   }
@@ -314,7 +316,7 @@ static void describe_missing(ddp_rendezvous_info *info, char *out, size_t bytes)
     for (int32_t r = 0; r < world; r++)
       if (!present[r]) missing[num_missing++] = r;
   char list[600] = "unknown";
-  if (known) ddp__rdzv_format_ranks(missing, num_missing, MAX_LISTED_RANKS, list, sizeof list);
+  if (known) ddp__format_ranks(missing, num_missing, MAX_LISTED_RANKS, list, sizeof list);
   if (joined >= 0)
     snprintf(out, bytes, "%lld/%d joined; missing ranks: %s", (long long)joined, (int)world, list);
   else
@@ -529,7 +531,7 @@ ddp_status ddp_rendezvous(const char *url, const ddp_rendezvous_options *opts,
   ddp__rdzv_url parsed;
   DDP_TRY(ddp__rdzv_url_parse(url, &parsed));
   ddp_status s = ddp__rdzv_resolve(&parsed, opts, out);
-  if (s == DDP_OK) s = ddp__rdzv_host_id(out->host_id, sizeof out->host_id);
+  if (s == DDP_OK) s = ddp__net_host_id(out->host_id, sizeof out->host_id);
   if (s == DDP_OK) {
     DDP_DEBUG("rendezvous: %s:// rank %d (%s) of %d (%s), store %s%s, host %s, timeout %g s",
               out->init_method, (int)out->rank, ddp_rendezvous_source_name(out->rank_source),

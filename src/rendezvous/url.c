@@ -6,61 +6,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/core_internal.h"
+#include "net/net.h"
 #include "rendezvous/rdzv_internal.h"
 
 #define EXPECTED "expected env://, tcp:// or file://"
-
-/* Parses a whole decimal string into [lo, hi]; 0 on success. */
-static int parse_int(const char *s, size_t len, int64_t lo, int64_t hi, int64_t *out) {
-  if (len == 0 || len > 18) return -1;
-  int64_t v = 0;
-  for (size_t i = 0; i < len; i++) {
-    if (s[i] < '0' || s[i] > '9') return -1;
-    v = v * 10 + (s[i] - '0');
-  }
-  if (v < lo || v > hi) return -1;
-  *out = v;
-  return 0;
-}
-
-ddp_status ddp__rdzv_split_hostport(const char *what, const char *s, char *host, size_t host_bytes,
-                                    int32_t *port) {
-  const char *colon;
-  const char *h = s;
-  size_t hlen;
-  if (s[0] == '[') {
-    const char *close = strchr(s, ']');
-    if (!close || close[1] != ':')
-      return ddp_error(DDP_ERR_INVALID, "%s: expected [ipv6]:port", what);
-    h = s + 1;
-    hlen = (size_t)(close - h);
-    colon = close + 1;
-  } else {
-    colon = strrchr(s, ':');
-    if (!colon)
-      return ddp_error(DDP_ERR_INVALID, "%s: missing ':port' (expected host:port)", what);
-    if (memchr(s, ':', (size_t)(colon - s)))
-      return ddp_error(DDP_ERR_INVALID,
-                       "%s: more than one ':' (write IPv6 addresses as [addr]:port)", what);
-    hlen = (size_t)(colon - s);
-  }
-  if (hlen == 0) return ddp_error(DDP_ERR_INVALID, "%s: empty host", what);
-  if (hlen >= host_bytes)
-    return ddp_error(DDP_ERR_INVALID, "%s: host longer than %zu characters", what,
-                     host_bytes - 1);
-  for (size_t i = 0; i < hlen; i++)
-    if (h[i] == '/' || h[i] == '@' || h[i] == '?' || h[i] == '#' || h[i] == ' ' || h[i] == '[')
-      return ddp_error(DDP_ERR_INVALID, "%s: character '%c' is not allowed in a host", what,
-                       h[i]);
-  int64_t p;
-  if (parse_int(colon + 1, strlen(colon + 1), 1, 65535, &p) != 0)
-    return ddp_error(DDP_ERR_INVALID, "%s: port '%s' is not a number in 1..65535", what,
-                     colon + 1);
-  memcpy(host, h, hlen);
-  host[hlen] = '\0';
-  *port = (int32_t)p;
-  return DDP_OK;
-}
 
 /* Parses "rank=1&world_size=4" into out->rank / out->world_size. */
 static ddp_status parse_query(const char *url, const char *q, ddp__rdzv_url *out) {
@@ -91,7 +41,7 @@ static ddp_status parse_query(const char *url, const char *q, ddp__rdzv_url *out
     if (*slot != -1)
       return ddp_error(DDP_ERR_INVALID, "init url '%s': '%.*s' is given twice", url, (int)klen, q);
     int64_t v;
-    if (parse_int(val, vlen, lo, INT32_MAX, &v) != 0)
+    if (ddp__parse_decimal(val, vlen, lo, INT32_MAX, &v) != 0)
       return ddp_error(DDP_ERR_INVALID, "init url '%s': %.*s='%.*s' is not an integer >= %d", url,
                        (int)klen, q, (int)vlen, val, (int)lo);
     *slot = (int32_t)v;
@@ -140,7 +90,7 @@ ddp_status ddp__rdzv_url_parse(const char *url, ddp__rdzv_url *out) {
       return ddp_error(DDP_ERR_INVALID, "init url '%s': user names ('@') are not supported", url);
     char what[DDP__RDZV_PATH_MAX + 96];
     snprintf(what, sizeof what, "init url '%s'", url);
-    DDP_TRY(ddp__rdzv_split_hostport(what, body, out->host, sizeof out->host, &out->port));
+    DDP_TRY(ddp__net_split_hostport(what, body, out->host, sizeof out->host, &out->port));
   } else if (slen == 4 && memcmp(url, "file", 4) == 0) {
     out->scheme = DDP__RDZV_FILE;
     if (body[0] != '/')

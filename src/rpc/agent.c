@@ -15,7 +15,6 @@
 #include <unistd.h>
 
 #include "net/net.h"
-#include "rendezvous/rdzv_internal.h"
 #include "rpc/engine.h"
 #include "rpc/registry.h"
 
@@ -484,7 +483,7 @@ ddp_status ddp_rpc_init(const ddp_rpc_options *opts, ddp_rpc_agent **out) {
   me.pid = (int64_t)getpid();
   me.magic_addr = (uint64_t)(uintptr_t)&pull_magic;
   machine_id(me.machine_id, sizeof me.machine_id);
-  st = ddp__rdzv_host_id(me.host_id, sizeof me.host_id);
+  st = ddp__net_host_id(me.host_id, sizeof me.host_id);
   if (st != DDP_OK) goto err;
   /* The store's address as the others reach it: rank 0 of a rendezvous
    * talks to the store it hosts through loopback, which says nothing about

@@ -2,6 +2,7 @@
  * where choosing a GPU's table also makes that GPU current for the calling
  * thread, so the kernels run on its stream (src/tensor/cuda/runtime.h). */
 #include "tensor/kernels.h"
+#include "tensor/tape.h"
 #ifdef DDP_HAVE_CUDA
 #include "tensor/cuda/kernels_cuda.h"
 #include "tensor/cuda/runtime.h"
@@ -33,6 +34,11 @@ const ddp__kernels *ddp__kernels_for(ddp_device device) {
 #endif
   default: return NULL;
   }
+}
+
+const ddp__basic_kernels *ddp__basic_kernels_for(ddp_device device) {
+  const ddp__kernels *k = ddp__kernels_for(device);
+  return k ? k->basic : NULL;
 }
 
 ddp_status ddp__kernels_check(const char *op, int n, ddp_tensor *const *tensors,

@@ -9,11 +9,16 @@
  * input that requires grad, adds d loss / d input into ddp__tape_grad(tape, in).
  * Gradients accumulate (+=): an input may feed several ops. An op that writes
  * every element of an input's gradient may take it from ddp__tape_grad_out
- * instead and assign when it is the first to write it. */
+ * instead and assign when it is the first to write it.
+ *
+ * Also tensor's one internal header for the layers above (docs/
+ * architecture.md): what nn, parallel, pipeline, rpc and train reach below
+ * tensor.h is here (the tape's internals, and a device's basic kernels). */
 #ifndef DDP__TENSOR_TAPE_H
 #define DDP__TENSOR_TAPE_H
 
 #include "ddp/tensor.h"
+#include "tensor/kernels_basic.h"
 
 #define DDP__NODE_MAX_INPUTS 5
 
@@ -112,5 +117,11 @@ ddp_arena *ddp__tape_arena(ddp_tape *tape);
 /* The node that produced intermediate t (t->node >= 0). Node pointers move
  * as the tape grows: keep t->node, resolve when needed. */
 ddp__node *ddp__tape_node(ddp_tape *tape, const ddp_tensor *t);
+
+/* The basic kernels (copy, fill, scale, sum of squares, ...) of a device's
+ * table, for layers above that keep float32 buffers on the device (nn's flat
+ * gradients): ddp__kernels_for(device)->basic, or NULL when this build has
+ * no backend for the device. */
+const ddp__basic_kernels *ddp__basic_kernels_for(ddp_device device);
 
 #endif /* DDP__TENSOR_TAPE_H */

@@ -5,7 +5,6 @@
  * the data-parallel wrapper's buckets) and the step ends with the pull of
  * fresh parameters, in the optimizer's place. Evaluation and checkpoints
  * are meetings of the live trainers at server 0. */
-#include "ps/ps_internal.h"
 #include "train/train_internal.h"
 
 static ddp_ps_client *client(const ddp_trainer *t) { return t->o.param_server; }
@@ -16,14 +15,14 @@ static void grad_ready(ddp_tensor *param, void *user) {
   ddp_trainer *t = user;
   const int i = param->param_index;
   if (i < 0 || i >= ddp_model_num_params(t->model) || ddp_model_param(t->model, i) != param) return;
-  ddp__ps_client_push(client(t), i, ddp__ps_client_step(client(t)), ddp_optimizer_get_lr(t->opt));
+  ddp_ps_client_push(client(t), i, ddp_ps_client_step(client(t)), ddp_optimizer_get_lr(t->opt));
 }
 
 /* The first pull: the servers' parameters and buffers (fresh, or a resumed
  * run's) and the step they stand at. */
 static ddp_status ps_create(ddp_trainer *t) {
   int64_t base;
-  return ddp__ps_client_bind(client(t), t->model, &base);
+  return ddp_ps_client_bind(client(t), t->model, &base);
 }
 
 /* zero_grad, forward, loss, backward pushing each gradient, then the pull
@@ -48,7 +47,7 @@ static ddp_status ps_step(ddp_trainer *t, ddp_batch *b, double *loss, ddp_train_
   ddp_tape_set_grad_hook(tape, NULL, NULL);
   if (s != DDP_OK) return ddp_error_wrap(s, "backward");
   const int64_t t_backward = ddp_time_ns();
-  s = ddp__ps_client_end_step(client(t), ddp_optimizer_get_lr(t->opt));
+  s = ddp_ps_client_end_step(client(t), ddp_optimizer_get_lr(t->opt));
   if (s != DDP_OK) return s; /* names the trainer, the step and the server */
   const int64_t t_end = ddp_time_ns();
   p->forward_ms = 1e-9 * (double)(t_forward - t0);
@@ -67,22 +66,22 @@ static ddp_status ps_step(ddp_trainer *t, ddp_batch *b, double *loss, ddp_train_
  * the servers sum (the sums come back whole, so the group's reduction,
  * which this strategy has none of, is nothing). */
 static ddp_status ps_local_sums(ddp_trainer *t, double sums[3]) {
-  ddp_status s = ddp__ps_client_eval_begin(client(t));
+  ddp_status s = ddp_ps_client_eval_begin(client(t));
   if (s != DDP_OK) return ddp_error_wrap(s, "fetching the model to evaluate");
   DDP_TRY(ddp__train_local_sums(t, sums));
-  s = ddp__ps_client_sum(client(t), sums, 3);
+  s = ddp_ps_client_sum(client(t), sums, 3);
   return s == DDP_OK ? DDP_OK : ddp_error_wrap(s, "summing the test metrics over the trainers");
 }
 
 /* The servers write the checkpoint once every live trainer asks, with this
  * trainer's training state (the same on every trainer at that point). */
 static ddp_status ps_save(ddp_trainer *t, const ddp_train_state *ts) {
-  ddp__ps_save_info info = {.ts = *ts, .lr = ddp_optimizer_get_lr(t->opt)};
+  ddp_ps_save_info info = {.ts = *ts, .lr = ddp_optimizer_get_lr(t->opt)};
   if (t->sched) {
     ddp_scheduler_state_get(t->sched, &info.sched);
     info.has_sched = 1;
   }
-  return ddp__ps_client_save(client(t), &info);
+  return ddp_ps_client_save(client(t), &info);
 }
 
 static ddp_status ps_forward(ddp_trainer *t, ddp_tape *tape, ddp_tensor *x, ddp_tensor **out) {

@@ -1,5 +1,6 @@
 /* The trainer's curves in a TensorBoard event file
- * (ddp_train_tensorboard_attach, include/ddp/tensorboard.h): callbacks that
+ * (ddp_train_tensorboard_attach, include/ddp/train.h; the writer is io's,
+ * include/ddp/tensorboard.h): callbacks that
  * write a step's and an evaluation's figures, then call the ones they
  * replaced. Tags are "<group>/<the JSON log's key>", so a curve and a log
  * column are found by the same name. */
@@ -10,6 +11,7 @@
 
 #include "ddp/optim.h"
 #include "ddp/tensorboard.h"
+#include "ddp/train.h"
 
 struct ddp_train_tensorboard {
   ddp_summary_writer *writer; /* rank 0 only; NULL elsewhere */

@@ -5,7 +5,16 @@
 
 #include <stdio.h>
 
-#include "ddp/ddp.h"
+#include "ddp/comm.h"
+#include "ddp/core.h"
+#include "ddp/data.h"
+#include "ddp/io.h"
+#include "ddp/nn.h"
+#include "ddp/optim.h"
+#include "ddp/parallel.h"
+#include "ddp/pipeline.h"
+#include "ddp/ps.h"
+#include "ddp/tensor.h"
 #include "ddp/train.h"
 
 /* How a step's forward and backward go for one way of spreading the model

@@ -10,7 +10,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "tensor/kernels.h"
+#include "tensor/tape.h" /* ddp__basic_kernels_for */
 #include "train/trace.h"
 #include "train/train_internal.h"
 
@@ -494,8 +494,8 @@ static ddp_status accumulate(ddp_trainer *t, ddp_tape *tape, ddp_tensor *x, ddp_
   if (!t->o.microbatch_sum) {
     /* After the reduction (linear: the same as scaling each loss by 1/m,
      * but one pass over the gradients instead of m). */
-    ddp__kernels_for(t->o.device)->basic->scale(ddp_model_grads_flat(t->model), 1.0f / (float)m,
-                                                ddp_model_num_param_elements(t->model));
+    ddp__basic_kernels_for(t->o.device)->scale(ddp_model_grads_flat(t->model), 1.0f / (float)m,
+                                               ddp_model_num_param_elements(t->model));
   }
   *loss_value = (float)(loss_sum / (double)m);
   return DDP_OK;

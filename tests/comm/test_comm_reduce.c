@@ -42,7 +42,7 @@ static double ref_half(uint16_t h) {
 
 static void test_half_to_float_all(void **state) {
   for (uint32_t h = 0; h < 65536; h++) {
-    float got = ddp__half_to_float((uint16_t)h);
+    float got = ddp_half_to_float((uint16_t)h);
     double want = ref_half((uint16_t)h);
     if (isnan(want)) {
       if (!isnan(got) || (fbits(got) >> 31) != (h >> 15)) fail_msg("half 0x%04x -> %a, want NaN", h, got);
@@ -56,7 +56,7 @@ static void test_half_to_float_all(void **state) {
 
 static void test_half_round_trip_all(void **state) {
   for (uint32_t h = 0; h < 65536; h++) {
-    uint16_t back = ddp__float_to_half(ddp__half_to_float((uint16_t)h));
+    uint16_t back = ddp_float_to_half(ddp_half_to_float((uint16_t)h));
     bool nan = ((h >> 10) & 31) == 31 && (h & 1023);
     uint16_t want = nan ? (uint16_t)(h | 0x200) : (uint16_t)h; /* NaNs come back quiet */
     if (back != want) fail_msg("half 0x%04x -> float -> 0x%04x, want 0x%04x", h, back, want);
@@ -80,23 +80,23 @@ static void test_half_rounding_midpoints(void **state) {
         above = -above;
       }
       uint16_t s = (uint16_t)sign;
-      if (ddp__float_to_half(mid) != (even | s))
+      if (ddp_float_to_half(mid) != (even | s))
         fail_msg("float %a (midpoint above half 0x%04x) -> 0x%04x, want 0x%04x", mid, h,
-                 ddp__float_to_half(mid), even | s);
-      if (ddp__float_to_half(below) != (h | s))
-        fail_msg("float %a -> 0x%04x, want 0x%04x", below, ddp__float_to_half(below), h | s);
-      if (ddp__float_to_half(above) != ((h + 1) | s))
-        fail_msg("float %a -> 0x%04x, want 0x%04x", above, ddp__float_to_half(above),
+                 ddp_float_to_half(mid), even | s);
+      if (ddp_float_to_half(below) != (h | s))
+        fail_msg("float %a -> 0x%04x, want 0x%04x", below, ddp_float_to_half(below), h | s);
+      if (ddp_float_to_half(above) != ((h + 1) | s))
+        fail_msg("float %a -> 0x%04x, want 0x%04x", above, ddp_float_to_half(above),
                  (h + 1) | s);
     }
   }
-  assert_int_equal(ddp__float_to_half(INFINITY), 0x7c00);
-  assert_int_equal(ddp__float_to_half(-INFINITY), 0xfc00);
-  assert_int_equal(ddp__float_to_half(1e10f), 0x7c00);
-  assert_int_equal(ddp__float_to_half(1e-10f), 0x0000);
-  assert_int_equal(ddp__float_to_half(-1e-10f), 0x8000);
-  assert_int_equal(ddp__float_to_half(from_bits(1)), 0); /* float subnormal */
-  assert_true((ddp__float_to_half(NAN) & 0x7fff) > 0x7c00);
+  assert_int_equal(ddp_float_to_half(INFINITY), 0x7c00);
+  assert_int_equal(ddp_float_to_half(-INFINITY), 0xfc00);
+  assert_int_equal(ddp_float_to_half(1e10f), 0x7c00);
+  assert_int_equal(ddp_float_to_half(1e-10f), 0x0000);
+  assert_int_equal(ddp_float_to_half(-1e-10f), 0x8000);
+  assert_int_equal(ddp_float_to_half(from_bits(1)), 0); /* float subnormal */
+  assert_true((ddp_float_to_half(NAN) & 0x7fff) > 0x7c00);
 }
 
 /* Against the CPU's own conversion (F16C), on every float whose low 13 bits
@@ -116,12 +116,12 @@ static void test_half_vs_f16c(void **state) {
       }
       float f = from_bits(u);
       uint16_t want = _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
-      uint16_t got = ddp__float_to_half(f);
+      uint16_t got = ddp_float_to_half(f);
       if (got != want) fail_msg("float 0x%08x -> 0x%04x, F16C says 0x%04x", u, got, want);
     }
   }
   for (uint32_t h = 0; h < 65536; h++) {
-    float want = _cvtsh_ss((unsigned short)h), got = ddp__half_to_float((uint16_t)h);
+    float want = _cvtsh_ss((unsigned short)h), got = ddp_half_to_float((uint16_t)h);
     if (fbits(got) != fbits(want)) fail_msg("half 0x%04x -> %a, F16C says %a", h, got, want);
   }
 #else
@@ -131,9 +131,9 @@ static void test_half_vs_f16c(void **state) {
 
 static void test_bf16_all(void **state) {
   for (uint32_t h = 0; h < 65536; h++) {
-    float f = ddp__bf16_to_float((uint16_t)h);
+    float f = ddp_bf16_to_float((uint16_t)h);
     assert_int_equal(fbits(f), h << 16); /* bfloat16 is the top half of a float */
-    uint16_t back = ddp__float_to_bf16(f);
+    uint16_t back = ddp_float_to_bf16(f);
     bool nan = ((h >> 7) & 0xff) == 0xff && (h & 0x7f);
     uint16_t want = nan ? (uint16_t)(h | 0x40) : (uint16_t)h;
     if (back != want) fail_msg("bf16 0x%04x -> float -> 0x%04x, want 0x%04x", h, back, want);
@@ -144,14 +144,14 @@ static void test_bf16_all(void **state) {
     if (!finite || (h & 0x7fff) == 0x7f7f) continue;
     uint32_t mid = (h << 16) | 0x8000u;
     uint16_t even = (h & 1) ? (uint16_t)(h + 1) : (uint16_t)h;
-    if (ddp__float_to_bf16(from_bits(mid)) != even)
-      fail_msg("float 0x%08x -> 0x%04x, want 0x%04x", mid, ddp__float_to_bf16(from_bits(mid)), even);
-    assert_int_equal(ddp__float_to_bf16(from_bits(mid - 1)), h);
-    assert_int_equal(ddp__float_to_bf16(from_bits(mid + 1)), (uint16_t)(h + 1));
+    if (ddp_float_to_bf16(from_bits(mid)) != even)
+      fail_msg("float 0x%08x -> 0x%04x, want 0x%04x", mid, ddp_float_to_bf16(from_bits(mid)), even);
+    assert_int_equal(ddp_float_to_bf16(from_bits(mid - 1)), h);
+    assert_int_equal(ddp_float_to_bf16(from_bits(mid + 1)), (uint16_t)(h + 1));
   }
-  assert_int_equal(ddp__float_to_bf16(from_bits(0x7f7fffffu)), 0x7f80); /* FLT_MAX -> Inf */
-  assert_int_equal(ddp__float_to_bf16(-INFINITY), 0xff80);
-  assert_true((ddp__float_to_bf16(NAN) & 0x7fff) > 0x7f80);
+  assert_int_equal(ddp_float_to_bf16(from_bits(0x7f7fffffu)), 0x7f80); /* FLT_MAX -> Inf */
+  assert_int_equal(ddp_float_to_bf16(-INFINITY), 0xff80);
+  assert_true((ddp_float_to_bf16(NAN) & 0x7fff) > 0x7f80);
 }
 
 /* ---- Kernels ---------------------------------------------------------------- */
@@ -179,8 +179,8 @@ static void put(ddp_dtype dt, void *p, size_t i, double v) {
   case DDP_FLOAT64: ((double *)p)[i] = v; break;
   case DDP_INT32: ((int32_t *)p)[i] = (int32_t)v; break;
   case DDP_INT64: ((int64_t *)p)[i] = (int64_t)v; break;
-  case DDP_FLOAT16: ((uint16_t *)p)[i] = ddp__float_to_half((float)v); break;
-  case DDP_BFLOAT16: ((uint16_t *)p)[i] = ddp__float_to_bf16((float)v); break;
+  case DDP_FLOAT16: ((uint16_t *)p)[i] = ddp_float_to_half((float)v); break;
+  case DDP_BFLOAT16: ((uint16_t *)p)[i] = ddp_float_to_bf16((float)v); break;
   default: fail();
   }
   assert_true(get(dt, p, i) == v);
@@ -262,11 +262,11 @@ static void test_kernels_nan_inf_and_wrap(void **state) {
   assert_true((hd[0] & 0x7fff) > 0x7c00 && (hd[1] & 0x7fff) > 0x7c00);
   /* float16 sums round once, to nearest even: 2048 + 1 = 2048 (tie to even),
    * 2050 + 1 = 2052; 65504 + 32 overflows to Inf. */
-  uint16_t x[3] = {ddp__float_to_half(2048), ddp__float_to_half(2050), 0x7bff};
-  uint16_t y[3] = {ddp__float_to_half(1), ddp__float_to_half(1), ddp__float_to_half(32)};
+  uint16_t x[3] = {ddp_float_to_half(2048), ddp_float_to_half(2050), 0x7bff};
+  uint16_t y[3] = {ddp_float_to_half(1), ddp_float_to_half(1), ddp_float_to_half(32)};
   ddp__reduce_into(x, y, 3, DDP_FLOAT16, DDP_REDUCE_SUM);
-  assert_true(ddp__half_to_float(x[0]) == 2048.0f);
-  assert_true(ddp__half_to_float(x[1]) == 2052.0f);
+  assert_true(ddp_half_to_float(x[0]) == 2048.0f);
+  assert_true(ddp_half_to_float(x[1]) == 2052.0f);
   assert_int_equal(x[2], 0x7c00);
   /* integer sums and products wrap around as two's complement */
   int32_t ia[2] = {INT32_MAX, 65536}, ib[2] = {1, 65536};
@@ -291,8 +291,8 @@ static void test_kernels_16bit_random_patterns(void **state) {
   uint64_t x = 0x2545f4914f6cdd1dull;
   for (int t = 0; t < 2; t++) {
     ddp_dtype dt = t ? DDP_BFLOAT16 : DDP_FLOAT16;
-    float (*to_f)(uint16_t) = t ? ddp__bf16_to_float : ddp__half_to_float;
-    uint16_t (*from_f)(float) = t ? ddp__float_to_bf16 : ddp__float_to_half;
+    float (*to_f)(uint16_t) = t ? ddp_bf16_to_float : ddp_half_to_float;
+    uint16_t (*from_f)(float) = t ? ddp_float_to_bf16 : ddp_float_to_half;
     for (int op = 0; op < DDP_REDUCE_OP_COUNT; op++) {
       for (int i = 0; i <= N; i++) {
         x ^= x << 13, x ^= x >> 7, x ^= x << 17;
@@ -329,13 +329,13 @@ static void test_scale(void **state) {
   double g[2] = {21, 1};
   ddp__reduce_scale(g, 2, DDP_FLOAT64, 3);
   assert_true(g[0] == 7 && g[1] == 1.0 / 3);
-  uint16_t h[2] = {ddp__float_to_half(6), ddp__float_to_half(1)};
+  uint16_t h[2] = {ddp_float_to_half(6), ddp_float_to_half(1)};
   ddp__reduce_scale(h, 2, DDP_FLOAT16, 3);
-  assert_true(ddp__half_to_float(h[0]) == 2.0f);
-  assert_int_equal(h[1], ddp__float_to_half(1.0f / 3)); /* rounded once more */
-  uint16_t bf[1] = {ddp__float_to_bf16(1)};
+  assert_true(ddp_half_to_float(h[0]) == 2.0f);
+  assert_int_equal(h[1], ddp_float_to_half(1.0f / 3)); /* rounded once more */
+  uint16_t bf[1] = {ddp_float_to_bf16(1)};
   ddp__reduce_scale(bf, 1, DDP_BFLOAT16, 3);
-  assert_int_equal(bf[0], ddp__float_to_bf16(1.0f / 3));
+  assert_int_equal(bf[0], ddp_float_to_bf16(1.0f / 3));
   ddp__reduce_scale(NULL, 0, DDP_FLOAT32, 2); /* empty is fine */
 }
 

@@ -22,7 +22,7 @@
 #include "comm/comm_internal.h"
 #include "comm/comm_test_util.h"
 #include "comm/flight/flight.h"
-#include "launch/flight_read.h"
+#include "launch/launch_internal.h"
 
 static char debug_dir[256];
 

@@ -16,7 +16,6 @@
 #include "ddp/ddp.h"
 #include "io/io_internal.h"
 #include "io/io_test_util.h"
-#include "io/json.h"
 
 /* ---- JSON ------------------------------------------------------------------- */
 

@@ -12,6 +12,8 @@
 #include <unistd.h>
 #include <cmocka.h>
 
+#include "core/core_internal.h"
+#include "net/net.h"
 #include "rendezvous/rdzv_internal.h"
 
 /* ---- URLs ----------------------------------------------------------------- */
@@ -215,17 +217,17 @@ static void test_format_ranks(void **state) {
   (void)state;
   char out[256];
   int32_t a[] = {2};
-  ddp__rdzv_format_ranks(a, 1, 32, out, sizeof out);
+  ddp__format_ranks(a, 1, 32, out, sizeof out);
   assert_string_equal(out, "2");
   int32_t b[] = {0, 1, 2, 5, 7, 8, 9, 12};
-  ddp__rdzv_format_ranks(b, 8, 32, out, sizeof out);
+  ddp__format_ranks(b, 8, 32, out, sizeof out);
   assert_string_equal(out, "0-2, 5, 7-9, 12");
-  ddp__rdzv_format_ranks(b, 8, 2, out, sizeof out);
+  ddp__format_ranks(b, 8, 2, out, sizeof out);
   assert_string_equal(out, "0-2, 5, ... (4 more)");
-  ddp__rdzv_format_ranks(b, 0, 32, out, sizeof out);
+  ddp__format_ranks(b, 0, 32, out, sizeof out);
   assert_string_equal(out, "");
   char tiny[6];
-  ddp__rdzv_format_ranks(b, 8, 32, tiny, sizeof tiny); /* truncates, stays a string */
+  ddp__format_ranks(b, 8, 32, tiny, sizeof tiny); /* truncates, stays a string */
   assert_true(strlen(tiny) < sizeof tiny);
 }
 
@@ -235,7 +237,7 @@ static void test_host_id(void **state) {
   (void)state;
   char id[DDP_RENDEZVOUS_HOST_ID_BYTES];
   unsetenv("DDP_HOST_ID");
-  assert_int_equal(ddp__rdzv_host_id(id, sizeof id), DDP_OK);
+  assert_int_equal(ddp__net_host_id(id, sizeof id), DDP_OK);
   char host[256];
   assert_int_equal(gethostname(host, sizeof host), 0);
   assert_int_equal(strncmp(id, host, strlen(host)), 0);
@@ -246,10 +248,10 @@ static void test_host_id(void **state) {
     assert_string_equal(id, expect);
   }
   setenv("DDP_HOST_ID", "rackA-7", 1);
-  assert_int_equal(ddp__rdzv_host_id(id, sizeof id), DDP_OK);
+  assert_int_equal(ddp__net_host_id(id, sizeof id), DDP_OK);
   assert_string_equal(id, "rackA-7");
   setenv("DDP_HOST_ID", "has space", 1);
-  assert_int_equal(ddp__rdzv_host_id(id, sizeof id), DDP_ERR_INVALID);
+  assert_int_equal(ddp__net_host_id(id, sizeof id), DDP_ERR_INVALID);
   assert_non_null(strstr(ddp_last_error(), "DDP_HOST_ID=\"has space\""));
   unsetenv("DDP_HOST_ID");
 }

@@ -30,7 +30,7 @@
 #include <unistd.h>
 
 #include "ddp/ddp.h"
-#include "io/json.h"
+#include "io/io_internal.h"
 #include "parallel/dp_test_util.h"
 
 #define CHECK(cond, ...)                                                  \

@@ -4,7 +4,8 @@
 
 #include <stdbool.h>
 
-#include "ddp/ddp.h"
+#include "ddp/core.h"
+#include "ddp/hpo.h"
 
 typedef struct hpo_cmd {
   char *text;   /* the words' storage */

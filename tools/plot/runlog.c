@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "ddp/core.h"
-#include "io/json.h"
+#include "io/io_internal.h"
 #include "plot/errors.h"
 
 static const char *const step_keys[RUNLOG_STEP_FIELDS] = {

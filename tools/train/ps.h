@@ -6,9 +6,11 @@
 
 #include <stdbool.h>
 
-#include "ddp/ddp.h"
+#include "ddp/core.h"
+#include "ddp/nn.h"
 #include "ddp/ps.h"
 #include "ddp/rendezvous.h"
+#include "ddp/rpc.h"
 #include "ddp/train.h"
 
 /* The command line's part (--param-servers, --ps-mode, and the test

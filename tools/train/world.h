@@ -7,7 +7,9 @@
 #include <stdbool.h>
 #include <stdio.h>
 
-#include "ddp/ddp.h"
+#include "ddp/comm.h"
+#include "ddp/core.h"
+#include "ddp/rendezvous.h"
 
 typedef struct train_world {
   ddp_process_group *pg; /* NULL: one process, no collectives */

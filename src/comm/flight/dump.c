@@ -17,7 +17,7 @@
 #include <unistd.h>
 
 #include "comm/flight/flight.h"
-#include "rendezvous/rdzv_internal.h"
+#include "net/net.h"
 
 /* ---- Process state --------------------------------------------------------
  * Lock order: dump_mu, then reg_mu. A ring is unregistered under reg_mu, so
@@ -411,7 +411,7 @@ static bool write_store(const ddp__flight_dump *d, const char *text, size_t len)
   so.timeout_ms = 5000;
   so.connect_timeout_ms = 1000;
   ddp_store *base = NULL, *store = NULL;
-  ddp_status st = ddp__rdzv_split_hostport("DDP_STORE_ADDR", addr, host, sizeof host, &port);
+  ddp_status st = ddp__net_split_hostport("DDP_STORE_ADDR", addr, host, sizeof host, &port);
   if (st == DDP_OK) st = ddp_store_tcp_connect(host, (uint16_t)port, &so, &base);
   if (st == DDP_OK) st = ddp_store_prefix(base, ddp_env_str("DDP_STORE_PREFIX", ""), &store);
   char key[64];

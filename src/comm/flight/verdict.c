@@ -10,7 +10,7 @@
 #include <string.h>
 
 #include "comm/flight/flight.h"
-#include "rendezvous/rdzv_internal.h"
+#include "core/core_internal.h"
 
 #define MAX_LISTED 16
 
@@ -60,7 +60,7 @@ typedef struct out_text {
 
 static void ranks_text(const int32_t *ranks, int32_t n, char *out, size_t bytes) {
   char list[256];
-  ddp__rdzv_format_ranks(ranks, n, MAX_LISTED, list, sizeof list);
+  ddp__format_ranks(ranks, n, MAX_LISTED, list, sizeof list);
   snprintf(out, bytes, "%s %s", n == 1 ? "rank" : "ranks", list);
 }
 
@@ -163,7 +163,7 @@ static int judge_group(out_text *o, const char *name, int32_t size, rank_view *v
   char missing_text[320] = "";
   if (n_missing) {
     char ranks[300];
-    ddp__rdzv_format_ranks(list, n_missing, MAX_LISTED, ranks, sizeof ranks);
+    ddp__format_ranks(list, n_missing, MAX_LISTED, ranks, sizeof ranks);
     snprintf(missing_text, sizeof missing_text, "no dump from %s %s", n_missing == 1 ? "rank" : "ranks", ranks);
   }
 

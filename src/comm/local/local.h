@@ -220,13 +220,7 @@ int ddp__local_shared_cpus(ddp__local_region *reg, int size);
  * or fails after cfg->timeout_ns). */
 ddp_status ddp__local_threads_create(const ddp__backend_config *cfg, ddp__local_mem **out);
 ddp_status ddp__local_shm_create(const ddp__backend_config *cfg, ddp__local_mem **out);
-/* Removes the shared-memory segments that process `pid` created and no one
- * unlinked (/dev/shm/ddp-local-<pid>-<nonce>). Only for a pid that has
- * exited and been reaped by the caller (ddprun, for its workers): the last
- * rank to map a segment unlinks it, so one still named after a dead creator
- * was left by a group whose setup a kill cut short. Returns how many were
- * removed. */
-int ddp__local_shm_remove_orphans(int pid);
+/* ddp_comm_shm_remove_orphans (comm.h), for launchers, is in local_shm.c. */
 /* Removes every segment of this version in /dev/shm whose creator is gone
  * (its rank 0 holds a write lock on it until every rank has mapped it; the
  * kernel drops the lock with the process), whoever started the processes.

@@ -3,7 +3,7 @@
  * publishes its name through the group's store; the last rank to map it
  * unlinks it, so nothing is left in /dev/shm even if a rank is killed later;
  * a kill before then leaves it, and ddprun removes what its dead workers
- * left (ddp__local_shm_remove_orphans).
+ * left (ddp_comm_shm_remove_orphans).
  * Collectives go through staging areas in the segment (local/local.c); large
  * point-to-point messages are read straight from the sender's buffer with
  * cross-memory attach (process_vm_readv: one copy, by the kernel) where it
@@ -280,7 +280,7 @@ static bool is_segment_name(const char *name) {
          strspn(nonce, "0123456789abcdef") == SEGMENT_NONCE_DIGITS;
 }
 
-int ddp__local_shm_remove_orphans(int pid) {
+int ddp_comm_shm_remove_orphans(int pid) {
   char prefix[48];
   int len = snprintf(prefix, sizeof prefix, SEGMENT_PREFIX "%d-", pid);
   DIR *d = opendir("/dev/shm"); /* where glibc's shm_open keeps them */

@@ -6,9 +6,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "rendezvous/rdzv_internal.h"
+#include "net/net.h"
 
-ddp_status ddp__rdzv_host_id(char *out, size_t bytes) {
+ddp_status ddp__net_host_id(char *out, size_t bytes) {
   const char *forced = ddp_env_str("DDP_HOST_ID", NULL);
   if (forced) {
     if (strlen(forced) >= bytes)
