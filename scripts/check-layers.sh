@@ -19,13 +19,12 @@ import os, re, sys
 # A folder src/<layer>/ (with every subfolder, src/<layer>/<sub>/...) is that
 # layer; a new layer is a new line here, in its place.
 LAYERS = """
-core tensor nn optim data io net store rendezvous comm rpc
+core tensor nn optim data io net store rendezvous comm rpc rpc_autograd
 parallel pipeline ps train hpo launch tools
 """.split()
 
 # Public headers named otherwise than include/ddp/<layer>.h, and their layer.
 PUBLIC_OWNER = {
-    "rpc_autograd.h": "rpc",   # references, distributed autograd: on rpc's engine
     "tensorboard.h": "io",     # the TensorBoard event-file writer
     "ddp.h": "tools",          # the umbrella: every public header; for tools and users
 }
@@ -40,6 +39,7 @@ EXPORTED = {
     "net": "net/net.h",
     "store": "store/server_fork.h",
     "comm": "comm/flight/flight.h",
+    "rpc": "rpc/rpc_internal.h",
     "launch": "launch/launch_internal.h",
 }
 

@@ -15,7 +15,7 @@
 #include <unistd.h>
 
 #include "ddp/ddp.h"
-#include "hpo/cmd_objective.h"
+#include "ddp_hpo/cmd_objective.h"
 
 #define DEFAULT_DATA "/usr/share/datasets/fashion-mnist"
 #define CONVNET_SPACE \

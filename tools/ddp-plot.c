@@ -1,6 +1,6 @@
 /* ddp-plot: draws training runs' JSON-lines logs (ddp-train --log) and
  * bench-ddp.sh's scaling table as SVG, written by our own code
- * (tools/plot/: the SVG writer, charts, the two readers, the figures), so
+ * (tools/ddp_plot/: the SVG writer, charts, the two readers, the figures), so
  * there is no plotting stack to install. docs/train.md, "Plots". Tools are
  * the only code that calls exit(). */
 #include <errno.h>
@@ -11,9 +11,9 @@
 #include <unistd.h>
 
 #include "ddp/core.h"
-#include "plot/figures.h"
-#include "plot/runlog.h"
-#include "plot/scaling.h"
+#include "ddp_plot/figures.h"
+#include "ddp_plot/runlog.h"
+#include "ddp_plot/scaling.h"
 
 #define MAX_LOGS 16
 

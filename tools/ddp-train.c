@@ -3,8 +3,8 @@
  * the run to the trainer (include/ddp/train.h: the loop, evaluation,
  * checkpoints, the JSON-lines log); it shows progress on stderr and prints
  * the JSON summary. Under a launcher (ddprun, torchrun's variables, srun,
- * mpirun) it trains data-parallel: tools/train/world.c joins the group and
- * rank 0 reports. Tools are the only code that calls exit(). */
+ * mpirun) it trains data-parallel: tools/ddp_train/world.c joins the group
+ * and rank 0 reports. Tools are the only code that calls exit(). */
 #include <cblas.h>
 #include <errno.h>
 #include <float.h>
@@ -21,8 +21,8 @@
 #include "ddp/optim.h"
 #include "ddp/parallel.h"
 #include "ddp/train.h"
-#include "train/ps.h"
-#include "train/world.h"
+#include "ddp_train/ps_setup.h"
+#include "ddp_train/world.h"
 
 #define DEFAULT_DATA "/usr/share/datasets/fashion-mnist"
 
@@ -59,7 +59,7 @@ typedef struct train_args {
   bool cuda_graph;         /* --cuda-graph */
   const char *trace;       /* --trace PATH, else $DDP_TRACE_FILE (ddprun --trace) */
   double bucket_cap_mb;    /* --bucket-cap-mb: 0 = the wrapper's default (25) */
-  train_ps_args ps;        /* --param-servers, --ps-mode, ... (tools/train/ps.c) */
+  train_ps_args ps;        /* --param-servers, --ps-mode, ... (tools/ddp_train/ps_setup.c) */
   int64_t microbatches;    /* --microbatches M: 0 = the whole batch at once */
   int64_t pp;              /* --pp P: pipeline stages (0 = no pipeline) */
   const char *schedule;    /* --schedule: gpipe | 1f1b | interleaved (1f1b) */
@@ -699,10 +699,10 @@ int main(int argc, char **argv) {
   }
   openblas_set_num_threads(a.threads);
 
-  /* Data parallel when a launcher says so (tools/train/world.c). */
+  /* Data parallel when a launcher says so (tools/ddp_train/world.c). */
   train_world world;
   train_ps ps = {0};
-  if (a.ps.servers) { /* a parameter server: RPC, no group (tools/train/ps.c) */
+  if (a.ps.servers) { /* a parameter server: RPC, no group (tools/ddp_train/ps_setup.c) */
     CHECK(train_ps_join(&ps, &a.ps), "joining the parameter-server job");
     world = (train_world){.rank = ps.rank, .size = ps.world_size, .local_size = ps.world_size};
     snprintf(rank_tag, sizeof rank_tag, "rank %d: ", world.rank);

@@ -154,7 +154,7 @@ static void why_absent(const ddp__worker *wk, const local_rank *loc, char *out, 
 
 /* Reads every rank's dump (the store; a local worker's file) and returns the
  * heading and the verdict, or NULL when no rank dumped. */
-static char *judge_dumps(const ddp__group *g, const ddp__world *w, ddp_store *store, const local_rank *loc) {
+static char *judge_dumps(const ddp__worker_group *g, const ddp__world *w, ddp_store *store, const local_rank *loc) {
   int32_t world = w->world_size;
   ddp__flight_dump *dumps = ddp_calloc((size_t)world, sizeof *dumps);
   const char **why = ddp_calloc((size_t)world, sizeof *why);
@@ -195,7 +195,7 @@ static char *judge_dumps(const ddp__group *g, const ddp__world *w, ddp_store *st
   return text;
 }
 
-char *ddp__flight_gather(ddp__group *g, const ddp__agent *a, int32_t attempt, int judge) {
+char *ddp__flight_gather(ddp__worker_group *g, const ddp__agent *a, int32_t attempt, int judge) {
   if (!g->workers || g->n == 0) return NULL;
   ddp__world w = a->world;
   ddp_store *store = open_store(a, attempt);

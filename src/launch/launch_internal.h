@@ -146,7 +146,7 @@ typedef struct ddp__world {
 ddp_status ddp__worker_env(char *const *base, const ddp__world *world, int32_t local_rank,
                            int32_t restart_count, char ***out);
 
-/* ---- The supervised group (group.c) ---------------------------------------- */
+/* ---- The supervised group of workers (workers.c) --------------------------- */
 typedef struct ddp__worker_spec {
   char **envp;            /* owned by the caller until start returns */
   char **argv;            /* exec: program and arguments; NULL with fn */
@@ -254,7 +254,7 @@ int ddp__orphans_reap_exited(ddp__orphans *orphans, ddp__orphans_is_own *is_own,
 /* Stops being a subreaper unless the process was one before adopt. */
 void ddp__orphans_release(ddp__orphans *orphans);
 
-typedef struct ddp__group {
+typedef struct ddp__worker_group {
   int32_t n;
   ddp__worker *workers;
   ddp__console console[2]; /* ddprun's stdout and stderr */
@@ -286,7 +286,7 @@ typedef struct ddp__group {
   /* The flight recorder's verdict, gathered before the stop (flight_gather.c;
    * ddp_alloc'd, freed with the group), printed in the summary. */
   char *flight_verdict;
-} ddp__group;
+} ddp__worker_group;
 
 /* Forks the n workers of `specs` (rank = rank_offset + index). Each worker is
  * its own process group, dies with SIGKILL when the supervisor dies
@@ -294,19 +294,19 @@ typedef struct ddp__group {
  * and stderr on pipes, and default signal dispositions; what a worker forks
  * itself is SIGKILLed by the group's reaper process if the supervisor dies.
  * On failure the workers already started are killed and reaped. */
-ddp_status ddp__group_start(ddp__group *group, int32_t n, int32_t rank_offset,
-                            const ddp__worker_spec *specs, int32_t tail_lines);
+ddp_status ddp__worker_group_start(ddp__worker_group *group, int32_t n, int32_t rank_offset,
+                                   const ddp__worker_spec *specs, int32_t tail_lines);
 /* Supervises until an event (see ddp__event), relaying output and forwarding
  * SIGUSR1/SIGUSR2 (and the stopping signals, before returning SIGNAL).
  * deadline_s: monotonic seconds, <= 0 for none. */
-ddp__event ddp__group_monitor(ddp__group *group, double deadline_s);
+ddp__event ddp__worker_group_monitor(ddp__worker_group *group, double deadline_s);
 /* Stops every worker still running: `sig` (0: SIGTERM) to each worker's
  * process group, up to grace_s for them to exit (no longer than while some
  * of them are not stopped: a stopped worker acts on nothing but SIGKILL),
  * then SIGKILL; reaps them (waiting at most 5 s more for the kernel) and
  * drains their output. */
-void ddp__group_stop(ddp__group *group, int sig, double grace_s);
-void ddp__group_free(ddp__group *group);
+void ddp__worker_group_stop(ddp__worker_group *group, int sig, double grace_s);
+void ddp__worker_group_free(ddp__worker_group *group);
 /* What /proc/<pid>/stat says of a process: 'R', 'S', 'D', 'T' (stopped),
  * 't' (traced), 'Z' (exited, not reaped), ...; 0 when it is gone. */
 char ddp__proc_state(pid_t pid);
@@ -323,11 +323,11 @@ void ddp__describe_status(int status, char *buf, size_t bytes);
 const char *ddp__signal_name(int sig, char *buf, size_t bytes);
 /* Writes the failure summary of a stopped group to `f` (see docs/launch.md):
  * `headline` says what happens next ("restarting: attempt 2 of 3"). */
-void ddp__summary_print(FILE *f, const char *tool, const ddp__group *group, const char *host,
+void ddp__summary_print(FILE *f, const char *tool, const ddp__worker_group *group, const char *host,
                         int32_t attempt, const char *headline);
 /* One line naming the first failure, for errors and the store:
  * "rank 3 (local rank 3, pid 4711) on host h: killed by signal 9 (SIGKILL)". */
-void ddp__summary_first(const ddp__group *group, const char *host, char *buf, size_t bytes);
+void ddp__summary_first(const ddp__worker_group *group, const char *host, char *buf, size_t bytes);
 
 /* ---- Slurm (slurm.c) ------------------------------------------------------- */
 /* The value of `name` in a "NAME=VALUE" table, or NULL (empty counts as unset). */
@@ -384,7 +384,7 @@ void ddp__agent_close(ddp__agent *agent);
  * the store lacks it) and judged (comm/flight.h). Returns the verdict, a
  * heading line then the findings (ddp_alloc'd; the caller frees), or NULL
  * when there is nothing to say: not judging, or no worker records. */
-char *ddp__flight_gather(ddp__group *group, const ddp__agent *agent, int32_t attempt, int judge);
+char *ddp__flight_gather(ddp__worker_group *group, const ddp__agent *agent, int32_t attempt, int judge);
 /* Writes the verdict as "<tool>: <heading>" and "<tool>:   <finding>" lines. */
 void ddp__flight_print(FILE *f, const char *tool, const char *text);
 

@@ -41,7 +41,7 @@ static void format_time(int64_t ms, char *buf, size_t bytes) {
   snprintf(buf, bytes, "%s.%03d UTC", day, (int)(ms % 1000));
 }
 
-void ddp__summary_first(const ddp__group *g, const char *host, char *buf, size_t bytes) {
+void ddp__summary_first(const ddp__worker_group *g, const char *host, char *buf, size_t bytes) {
   if (g->first_failure < 0) {
     snprintf(buf, bytes, "no worker failed");
     return;
@@ -67,7 +67,7 @@ static void print_tail(FILE *f, const char *tool, const ddp__tail *t) {
   }
 }
 
-void ddp__summary_print(FILE *f, const char *tool, const ddp__group *g, const char *host,
+void ddp__summary_print(FILE *f, const char *tool, const ddp__worker_group *g, const char *host,
                         int32_t attempt, const char *headline) {
   char when[64], how[160];
   fprintf(f, "%s: ======== failure summary (attempt %d) ========\n", tool, (int)attempt);

@@ -15,7 +15,7 @@ extern char **environ;
  * (a signal to one ddprun, a job timeout). */
 #define STOP_MARK "stop: "
 
-static void stop_and_describe(ddp__job *job, ddp__group *g, int32_t attempt, ddp__event ev, char *failure,
+static void stop_and_describe(ddp__job *job, ddp__worker_group *g, int32_t attempt, ddp__event ev, char *failure,
                               size_t bytes) {
   ddp__agent *a = job->agent;
   char signame[32];
@@ -25,31 +25,31 @@ static void stop_and_describe(ddp__job *job, ddp__group *g, int32_t attempt, ddp
       ddp__summary_first(g, a->host, failure, bytes);
       ddp__agent_announce_failure(a, attempt, failure);
       g->flight_verdict = ddp__flight_gather(g, a, attempt, !job->quiet);
-      ddp__group_stop(g, SIGTERM, job->grace_s);
+      ddp__worker_group_stop(g, SIGTERM, job->grace_s);
       break;
     case DDP__EVENT_SIGNAL:
-      ddp__group_stop(g, g->stop_signal, job->grace_s);
+      ddp__worker_group_stop(g, g->stop_signal, job->grace_s);
       snprintf(failure, bytes, STOP_MARK "node %d (%s) received %s", (int)a->world.node_rank, a->host,
                ddp__signal_name(g->stop_signal, signame, sizeof signame));
       break;
     case DDP__EVENT_TIMEOUT:
       g->flight_verdict = ddp__flight_gather(g, a, attempt, !job->quiet);
-      ddp__group_stop(g, SIGTERM, job->grace_s);
+      ddp__worker_group_stop(g, SIGTERM, job->grace_s);
       snprintf(failure, bytes, STOP_MARK "node %d (%s): the job timeout passed during attempt %d",
                (int)a->world.node_rank, a->host, (int)attempt);
       break;
     case DDP__EVENT_EXTERNAL:
       /* The failed node judges; ours only dump (into the store it reads). */
       ddp_free(ddp__flight_gather(g, a, attempt, 0));
-      ddp__group_stop(g, SIGTERM, job->grace_s);
+      ddp__worker_group_stop(g, SIGTERM, job->grace_s);
       failure[0] = '\0'; /* the other node's failure is the verdict */
       break;
     case DDP__EVENT_ERROR:
-      ddp__group_stop(g, SIGTERM, job->grace_s);
+      ddp__worker_group_stop(g, SIGTERM, job->grace_s);
       snprintf(failure, bytes, STOP_MARK "node %d (%s) lost the job's store", (int)a->world.node_rank, a->host);
       break;
     case DDP__EVENT_STORE: {
-      ddp__group_stop(g, SIGTERM, job->grace_s);
+      ddp__worker_group_stop(g, SIGTERM, job->grace_s);
       char what[256];
       ddp__store_proc_describe(&a->server, what, sizeof what);
       snprintf(failure, bytes, STOP_MARK "node %d (%s): %s during attempt %d; the job cannot go on without its store",
@@ -65,7 +65,7 @@ static void stop_and_describe(ddp__job *job, ddp__group *g, int32_t attempt, ddp
 /* The summary goes to stderr without waiting on a console that stopped
  * reading (DRAIN limit as for the workers' output): composed in memory,
  * then written while stderr takes it. */
-static void print_summary(const char *tool, const ddp__group *g, const char *host, int32_t attempt,
+static void print_summary(const char *tool, const ddp__worker_group *g, const char *host, int32_t attempt,
                           const char *headline) {
   char *text = NULL;
   size_t len = 0;
@@ -82,7 +82,7 @@ static void print_summary(const char *tool, const ddp__group *g, const char *hos
 }
 
 /* --report-bindings: one line per worker as it starts, as mpirun's. */
-static void report_bindings(const ddp__job *job, const ddp__group *g) {
+static void report_bindings(const ddp__job *job, const ddp__worker_group *g) {
   for (int32_t i = 0; i < g->n; i++) {
     const ddp__worker *w = &g->workers[i];
     char where[512];
@@ -107,27 +107,27 @@ ddp_status ddp__job_run(ddp__job *job, int *exit_code, ddp__event *event) {
     memset(specs, 0, (size_t)n * sizeof *specs);
     st = job->make_specs(job->ctx, &a->world, attempt, specs);
     for (int32_t i = 0; i < n && job->placement.bound; i++) specs[i].cpus = &job->placement.cpus[i];
-    ddp__group g;
+    ddp__worker_group g;
     memset(&g, 0, sizeof g);
     g.monitor_interval_s = job->monitor_interval_s;
     g.may_fail = job->may_fail;
     g.poll_hook = a->store ? ddp__agent_poll : NULL;
     g.poll_ctx = a;
     g.store = a->server.pid > 0 ? &a->server : NULL;
-    if (st == DDP_OK) st = ddp__group_start(&g, n, a->world.rank_offset, specs, job->tail_lines);
+    if (st == DDP_OK) st = ddp__worker_group_start(&g, n, a->world.rank_offset, specs, job->tail_lines);
     job->free_specs(job->ctx, &a->world, specs);
     if (st) {
-      ddp__group_free(&g);
+      ddp__worker_group_free(&g);
       break;
     }
     if (job->report_bindings) report_bindings(job, &g);
-    ddp__event ev = ddp__group_monitor(&g, job->deadline_s);
+    ddp__event ev = ddp__worker_group_monitor(&g, job->deadline_s);
     char failure[sizeof job->failure];
     stop_and_describe(job, &g, attempt, ev, failure, sizeof failure);
     if (ev == DDP__EVENT_STORE) {
       /* Nothing to agree on: the other nodes lose the store too. */
       snprintf(job->failure, sizeof job->failure, "%s", failure);
-      ddp__group_free(&g);
+      ddp__worker_group_free(&g);
       *event = ev;
       st = ddp_error(DDP_ERR_CLOSED, "%s", failure + strlen(STOP_MARK));
       break;
@@ -160,7 +160,7 @@ ddp_status ddp__job_run(ddp__job *job, int *exit_code, ddp__event *event) {
     }
     if (!job->failure[0]) snprintf(job->failure, sizeof job->failure, "%s", failure[0] ? failure : remote);
     const int32_t let_go = g.num_let_go;
-    ddp__group_free(&g);
+    ddp__worker_group_free(&g);
     *event = ev;
     if (agreed != DDP_OK) {
       st = agreed;

@@ -1,6 +1,6 @@
 /* The engine's objects: the agent, its connections, futures and the pool's
  * tasks. Shared by agent.c (init, shutdown), conn.c (frames, readers),
- * pool.c (threads, timer), call.c (calls, serving) and future.c. */
+ * thread_pool.c (threads, timer), call.c (calls, serving) and future.c. */
 #ifndef DDP_RPC_ENGINE_H
 #define DDP_RPC_ENGINE_H
 
@@ -224,7 +224,7 @@ void ddp__rpc_send_bye(ddp__rpc_conn *c, bool graceful);
 const char *ddp__rpc_worker_str(const struct ddp_rpc_agent *a, int32_t rank, char *buf,
                                 size_t bytes);
 
-/* ---- pool.c ---- */
+/* ---- thread_pool.c ---- */
 /* Starts the threads (one reader per connection, num_threads more) and the timer. */
 ddp_status ddp__rpc_pool_start(struct ddp_rpc_agent *a);
 /* Under a->mu: whether an idle thread can take a reader role now; if so,

@@ -1,6 +1,7 @@
-/* The RPC engine's insides, shared by the files of src/rpc/ (and, through the
- * built-in registration below, by the layers built on it: remote references,
- * distributed autograd, the distributed optimizer). Not installed. */
+/* The RPC engine's insides, shared by the files of src/rpc/, and the one
+ * header of rpc that the layer built on it (src/rpc_autograd/: remote
+ * references, distributed autograd, the distributed optimizer) includes: the
+ * built-in registration, modules, calls by rank, messages. Not installed. */
 #ifndef DDP_RPC_INTERNAL_H
 #define DDP_RPC_INTERNAL_H
 
@@ -16,9 +17,10 @@
  * ddp's own messages (RRef fork/confirm/delete, distributed autograd's
  * backward and cleanup, optimizer steps) are ordinary requests to functions
  * whose names start with "__ddp." (users cannot register "__" names). A file
- * of src/rpc/ registers them once per process with ddp__rpc_register_builtin
- * (typically from its module's init, which runs before the agent's final init
- * barrier, so no request can arrive for a name not yet registered). */
+ * of src/rpc_autograd/ registers them once per process with
+ * ddp__rpc_register_builtin (typically from its module's init, which runs
+ * before the agent's final init barrier, so no request can arrive for a name
+ * not yet registered). */
 ddp_status ddp__rpc_register_builtin(const char *name, ddp_rpc_handler fn, void *user);
 
 /* A module: per-agent state and hooks of a layer built on the engine. The

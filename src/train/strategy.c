@@ -1,6 +1,7 @@
 /* The strategies of the training loop: one process alone, and data
  * parallelism over the trainer's group (PyTorch's DistributedDataParallel).
- * The pipeline's table is in pipeline.c; the parameter server will add one. */
+ * The pipeline's table is in strategy_pipeline.c, the parameter server's
+ * in strategy_ps.c. */
 #include "train/train_internal.h"
 
 /* ---- single: this process's model, plain backward ---- */

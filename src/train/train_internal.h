@@ -58,7 +58,7 @@ ddp_status ddp__train_ps_check(const ddp_train_options *o, const ddp_process_gro
 /* Picks the strategy and shards the data over the trainers. */
 void ddp__train_ps_place(ddp_trainer *t);
 
-/* ---- The pipeline (pipeline.c; options.pipeline) ---- */
+/* ---- The pipeline (strategy_pipeline.c; options.pipeline) ---- */
 
 /* Whether options.pipeline fits the group and the other options. */
 ddp_status ddp__train_pipeline_check(const ddp_train_options *o, const ddp_process_group *pg);
@@ -95,7 +95,7 @@ struct ddp_trainer {
   /* How the sampler shards the data: over `replicas` by `replica` (the
    * group's size and rank, or the pipeline mesh's replicas). */
   int replicas, replica;
-  /* The pipeline strategy (pipeline.c): this rank's stage index in its
+  /* The pipeline strategy (strategy_pipeline.c): this rank's stage index in its
    * pipeline, the pipeline, its group and the stage's data-parallel group
    * (both from splits, owned), the last stage's evaluation outputs, the
    * unsplit model's optimizer for checkpoints, a full model's floats. */

@@ -26,7 +26,7 @@
 #include <pthread.h>
 
 #include "ddp/rpc_autograd.h"
-#include "rpc/dist_pool.h"
+#include "rpc_autograd/memory_pool.h"
 #include "rpc_test_util.h"
 
 #define N 6

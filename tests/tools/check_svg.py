@@ -19,7 +19,7 @@ import sys
 import xml.etree.ElementTree as ET
 
 NS = "{http://www.w3.org/2000/svg}"
-MAX_BINS = 200  # tools/plot/figures.h, FIGURE_MAX_BINS
+MAX_BINS = 200  # tools/ddp_plot/figures.h, FIGURE_MAX_BINS
 
 
 def fail(msg):

@@ -1,5 +1,5 @@
 /* Reading bench-ddp.sh's scaling table (scaling.h). */
-#include "plot/scaling.h"
+#include "ddp_plot/scaling.h"
 
 #include <errno.h>
 #include <math.h>
@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "plot/errors.h"
+#include "ddp_plot/errors.h"
 
 /* Splits line at tabs into at most `max` fields (the line is modified; a
  * trailing newline dropped). */

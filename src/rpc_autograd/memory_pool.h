@@ -1,11 +1,11 @@
-/* A worker's pool of what distributed-autograd contexts allocate (records,
- * receives' and parameters' gradient buffers, reply buffers), recycled when
- * a context ends so that a steady-state step allocates none of them
+/* A worker's memory pool of what distributed-autograd contexts allocate
+ * (records, receives' and parameters' gradient buffers, reply buffers),
+ * recycled when a context ends so that a steady-state step allocates none of them
  * (docs/rpc.md "What a step allocates"). Blocks are matched by exact size:
  * a training step repeats the same shapes. Thread-safe: contexts of several
  * trainers begin and end at once on the RPC pool's threads. */
-#ifndef DDP_RPC_DIST_POOL_H
-#define DDP_RPC_DIST_POOL_H
+#ifndef DDP_RPC_AUTOGRAD_MEMORY_POOL_H
+#define DDP_RPC_AUTOGRAD_MEMORY_POOL_H
 
 #include <pthread.h>
 #include <stddef.h>
@@ -47,4 +47,4 @@ uint64_t ddp__dist_pool_misses(ddp__dist_pool *p);
 /* The misses of `agent`'s distributed-autograd pool (dist_autograd.c). */
 uint64_t ddp__dist_pool_misses_of(ddp_rpc_agent *agent);
 
-#endif /* DDP_RPC_DIST_POOL_H */
+#endif /* DDP_RPC_AUTOGRAD_MEMORY_POOL_H */

@@ -13,7 +13,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-#include "plot/svg.h"
+#include "ddp_plot/svg.h"
 
 #define CHART_MAX_LEGEND 32
 

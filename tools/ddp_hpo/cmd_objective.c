@@ -8,7 +8,7 @@
  * object's loss field. A program that fails, hangs past the timeout (then
  * every rank's is killed, its whole process group) or prints no loss gives
  * INFINITY, and the reason goes to stderr. */
-#include "hpo/cmd_objective.h"
+#include "ddp_hpo/cmd_objective.h"
 
 #include <ctype.h>
 #include <errno.h>

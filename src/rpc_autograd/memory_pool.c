@@ -1,5 +1,6 @@
-/* The pool of distributed-autograd contexts' blocks (rpc/dist_pool.h). */
-#include "rpc/dist_pool.h"
+/* The memory pool of distributed-autograd contexts' blocks
+ * (rpc_autograd/memory_pool.h). */
+#include "rpc_autograd/memory_pool.h"
 
 #include <string.h>
 

@@ -1,6 +1,6 @@
 /* ddp-train's process group: detection of a launcher from the environment
  * and env:// init (docs/training.md, "Data parallel"). */
-#include "train/world.h"
+#include "ddp_train/world.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -8,7 +8,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "rpc/rref_internal.h"
+#include "rpc_autograd/rpc_autograd_internal.h"
 
 #define RREF_MAGIC 0x46455252u /* "RREF" */
 #define RREF_VERSION 1u

@@ -1,5 +1,5 @@
 /* ddp-plot's charts (chart.h). */
-#include "plot/chart.h"
+#include "ddp_plot/chart.h"
 
 #include <math.h>
 #include <stdio.h>

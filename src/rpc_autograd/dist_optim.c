@@ -7,7 +7,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "rpc/rref_internal.h"
+#include "rpc_autograd/rpc_autograd_internal.h"
 
 #define OPTIM_MAGIC 0x4d54504fu /* "OPTM" */
 #define OPTIM_VERSION 1u

@@ -1,7 +1,7 @@
-/* ddp-train's parameter-server roles (tools/train/ps.h): ranks 0..S-1 serve,
- * the rest train. Every rank meets through env:// once, then the RPC agents
+/* ddp-train's parameter-server roles (tools/ddp_train/ps_setup.h): ranks
+ * 0..S-1 serve, the rest train. Every rank meets through env:// once, then the RPC agents
  * meet in that store. */
-#include "train/ps.h"
+#include "ddp_train/ps_setup.h"
 
 #include <errno.h>
 #include <math.h>

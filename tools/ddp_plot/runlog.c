@@ -1,6 +1,6 @@
 /* Reading a training run's JSON-lines log (runlog.h) with the library's
  * JSON parser (src/io/json.c: strict RFC 8259, offsets in its errors). */
-#include "plot/runlog.h"
+#include "ddp_plot/runlog.h"
 
 #include <errno.h>
 #include <math.h>
@@ -10,7 +10,7 @@
 
 #include "ddp/core.h"
 #include "io/io_internal.h"
-#include "plot/errors.h"
+#include "ddp_plot/errors.h"
 
 static const char *const step_keys[RUNLOG_STEP_FIELDS] = {
     "loss", "lr", "samples_per_s", "load_ms", "forward_ms", "backward_compute_ms",

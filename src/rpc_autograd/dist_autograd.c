@@ -9,8 +9,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "rpc/dist_pool.h"
-#include "rpc/rref_internal.h"
+#include "rpc_autograd/memory_pool.h"
+#include "rpc_autograd/rpc_autograd_internal.h"
 #include "tensor/tape.h"
 
 #define DIST_MAGIC 0x54534944u /* "DIST" */

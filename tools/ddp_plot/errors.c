@@ -1,5 +1,5 @@
 /* ddp-plot's readers' error lines (errors.h). */
-#include "plot/errors.h"
+#include "ddp_plot/errors.h"
 
 #include <stdarg.h>
 #include <stdio.h>

@@ -1,5 +1,5 @@
 /* The SVG writer (svg.h). */
-#include "plot/svg.h"
+#include "ddp_plot/svg.h"
 
 #include <math.h>
 

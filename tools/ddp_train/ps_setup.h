@@ -1,8 +1,8 @@
 /* The parameter-server side of ddp-train (--param-servers S --ps-mode M):
  * the roles by rank, the RPC agent, a server's whole life, and a trainer's
  * client (include/ddp/ps.h; docs/ps.md). */
-#ifndef DDP_TOOLS_TRAIN_PS_H
-#define DDP_TOOLS_TRAIN_PS_H
+#ifndef DDP_TOOLS_DDP_TRAIN_PS_SETUP_H
+#define DDP_TOOLS_DDP_TRAIN_PS_SETUP_H
 
 #include <stdbool.h>
 

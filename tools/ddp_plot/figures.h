@@ -12,8 +12,8 @@
 
 #include <stdio.h>
 
-#include "plot/runlog.h"
-#include "plot/scaling.h"
+#include "ddp_plot/runlog.h"
+#include "ddp_plot/scaling.h"
 
 /* Most points a phases panel draws per layer: longer runs are averaged
  * over bins of ceil(n / FIGURE_MAX_BINS) consecutive steps. */

@@ -1,12 +1,12 @@
 /* ddp-plot's figures (figures.h): the panels' layout, domains and series. */
-#include "plot/figures.h"
+#include "ddp_plot/figures.h"
 
 #include <math.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "plot/chart.h"
+#include "ddp_plot/chart.h"
 
 #define FIG_WIDTH 1100.0
 #define PANEL_W 540.0

@@ -1,7 +1,9 @@
-/* Remote references' internals shared with distributed autograd and the
- * distributed optimizer (src/rpc/rref.c, dist_autograd.c, dist_optim.c). */
-#ifndef DDP_RPC_RREF_INTERNAL_H
-#define DDP_RPC_RREF_INTERNAL_H
+/* The rpc_autograd layer's insides, shared by its files (src/rpc_autograd/:
+ * rref.c, dist_autograd.c, dist_optim.c): remote references' ids and pins,
+ * the modules' rows for the engine, distributed autograd's gate. It sees
+ * the engine through rpc/rpc_internal.h only. Not installed. */
+#ifndef DDP_RPC_AUTOGRAD_INTERNAL_H
+#define DDP_RPC_AUTOGRAD_INTERNAL_H
 
 #include "ddp/rpc_autograd.h"
 #include "rpc/rpc_internal.h"
@@ -24,7 +26,7 @@ ddp_status ddp__rref_pin(ddp_rpc_agent *agent, ddp__rref_id id, int64_t deadline
                          ddp_rref_value *out);
 void ddp__rref_unpin(ddp_rpc_agent *agent, ddp__rref_id id);
 
-/* Module rows for rpc_modules.c. */
+/* Module rows for the engine's list (src/rpc/rpc_modules.c). */
 extern const ddp__rpc_module ddp__rref_module;
 extern const ddp__rpc_module ddp__dist_autograd_module;
 extern const ddp__rpc_module ddp__dist_optim_module;
@@ -37,4 +39,4 @@ extern const ddp__rpc_module ddp__dist_optim_module;
 ddp_status ddp__dist_gate_write_begin(ddp_rpc_agent *agent, int64_t ctx_id, int64_t deadline_ns);
 void ddp__dist_gate_write_end(ddp_rpc_agent *agent);
 
-#endif /* DDP_RPC_RREF_INTERNAL_H */
+#endif /* DDP_RPC_AUTOGRAD_INTERNAL_H */

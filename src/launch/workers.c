@@ -88,7 +88,7 @@ static _Noreturn void reaper_main(int fd) {
 
 /* Starts the group's reaper; without one (no pipe, no fork) the group runs
  * as before, with a warning. */
-static void reaper_start(ddp__group *g) {
+static void reaper_start(ddp__worker_group *g) {
   int p[2];
   g->reaper_fd = -1;
   g->reaper_pid = 0;
@@ -116,7 +116,7 @@ static void reaper_start(ddp__group *g) {
 }
 
 /* Tells the reaper about a worker's process group: +pgid started, -pgid reaped. */
-static void reaper_tell(const ddp__group *g, int32_t rec) {
+static void reaper_tell(const ddp__worker_group *g, int32_t rec) {
   if (g->reaper_fd < 0) return;
   ssize_t r = write(g->reaper_fd, &rec, sizeof rec);
   (void)r; /* best effort: a full pipe or a dead reaper loses the record */
@@ -125,7 +125,7 @@ static void reaper_tell(const ddp__group *g, int32_t rec) {
 /* Ends the reaper after the workers are reaped: it has nothing left to kill
  * and exits at end of file, which a process still holding a copy of the
  * pipe could delay: then it is SIGKILLed after REAP_LIMIT_S. */
-static void reaper_stop(ddp__group *g) {
+static void reaper_stop(ddp__worker_group *g) {
   if (g->reaper_fd >= 0) close(g->reaper_fd);
   g->reaper_fd = -1;
   if (g->reaper_pid <= 0) return;
@@ -212,8 +212,8 @@ static int open_log(const char *path) {
   return open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_APPEND, 0644);
 }
 
-ddp_status ddp__group_start(ddp__group *g, int32_t n, int32_t rank_offset,
-                            const ddp__worker_spec *specs, int32_t tail_lines) {
+ddp_status ddp__worker_group_start(ddp__worker_group *g, int32_t n, int32_t rank_offset,
+                                   const ddp__worker_spec *specs, int32_t tail_lines) {
   g->n = 0;
   g->first_failure = -1;
   g->num_failures = 0;
@@ -283,7 +283,7 @@ ddp_status ddp__group_start(ddp__group *g, int32_t n, int32_t rank_offset,
     continue;
   fail:
     g->stopping = 1;
-    ddp__group_stop(g, SIGKILL, 0);
+    ddp__worker_group_stop(g, SIGKILL, 0);
     return s;
   }
   return DDP_OK;
@@ -293,7 +293,7 @@ ddp_status ddp__group_start(ddp__group *g, int32_t n, int32_t rank_offset,
 
 /* Records a worker's exit (at reap, on the monotonic clock) and drains its
  * output; whether it counts as a failure is decided per batch by reap(). */
-static void mark_exited(ddp__group *g, ddp__worker *w, int status) {
+static void mark_exited(ddp__worker_group *g, ddp__worker *w, int status) {
   w->state = DDP__WORKER_EXITED;
   w->status = status;
   w->exit_s = ddp_time_s();
@@ -351,7 +351,7 @@ static int likelier_cause(const ddp__worker *a, const ddp__worker *b) {
  * still running. A cause is a zombie before any peer can notice it died, so
  * it is reaped in the same batch as its consequences or an earlier one; the
  * batch's failures are ranked by likelier_cause. */
-static int32_t reap(ddp__group *g) {
+static int32_t reap(ddp__worker_group *g) {
   int32_t running = 0;
   ddp__worker *best = NULL;
   /* The store first: when it died, workers failing on their store calls in
@@ -396,7 +396,7 @@ static int32_t reap(ddp__group *g) {
 /* Whether pid is one of the group's own children (a worker, the store, the
  * reaper), whose exit status is not the orphans' to take. */
 static int is_own_child(pid_t pid, void *ctx) {
-  const ddp__group *g = ctx;
+  const ddp__worker_group *g = ctx;
   for (int32_t i = 0; i < g->n; i++)
     if (g->workers[i].pid == pid) return 1;
   return (g->store && g->store->pid == pid) || g->reaper_pid == pid;
@@ -406,7 +406,7 @@ static int is_own_child(pid_t pid, void *ctx) {
 
 /* Offers every stream's waiting output to the console, the stream whose line
  * is half written first. */
-static void flush_consoles(ddp__group *g) {
+static void flush_consoles(ddp__worker_group *g) {
   for (int k = 0; k < 2; k++)
     if (g->console[k].busy) ddp__stream_flush(g->console[k].busy);
   for (int32_t i = 0; i < g->n; i++) {
@@ -416,7 +416,7 @@ static void flush_consoles(ddp__group *g) {
 }
 
 /* Whether output waits for console k (then poll asks when it can take more). */
-static void consoles_waiting(const ddp__group *g, int waiting[2]) {
+static void consoles_waiting(const ddp__worker_group *g, int waiting[2]) {
   waiting[0] = waiting[1] = 0;
   for (int32_t i = 0; i < g->n; i++) {
     const ddp__stream *st[2] = {&g->workers[i].out, &g->workers[i].err};
@@ -430,7 +430,7 @@ static void consoles_waiting(const ddp__group *g, int waiting[2]) {
 
 /* Once the workers are gone: gives the console their last output while it
  * takes some within DRAIN_STALL_S, then drops the rest with a notice. */
-static void drain_consoles(ddp__group *g) {
+static void drain_consoles(ddp__worker_group *g) {
   double last = ddp_time_s();
   for (;;) {
     size_t before = 0, after = 0;
@@ -455,14 +455,14 @@ static void drain_consoles(ddp__group *g) {
   }
 }
 
-static void signal_all(ddp__group *g, int sig) {
+static void signal_all(ddp__worker_group *g, int sig) {
   for (int32_t i = 0; i < g->n; i++)
     if (g->workers[i].state == DDP__WORKER_RUNNING) kill(-g->workers[i].pid, sig);
 }
 
 /* One round of poll: output, signals, exits. Returns the forwarded stopping
  * signal (SIGINT, SIGTERM, SIGHUP) if one arrived, else 0. */
-static int wait_round(ddp__group *g, double timeout_s) {
+static int wait_round(ddp__worker_group *g, double timeout_s) {
   struct pollfd *fds = NULL;
   ddp__stream **who = NULL;
   size_t cap = 3 + 2 * (size_t)g->n;
@@ -537,7 +537,7 @@ static int wait_round(ddp__group *g, double timeout_s) {
   return stop;
 }
 
-ddp__event ddp__group_monitor(ddp__group *g, double deadline_s) {
+ddp__event ddp__worker_group_monitor(ddp__worker_group *g, double deadline_s) {
   double next_poll = ddp_time_s() + g->monitor_interval_s;
   for (;;) {
     double now = ddp_time_s();
@@ -578,7 +578,7 @@ char ddp__proc_state(pid_t pid) {
   return paren && paren[1] == ' ' ? paren[2] : 0;
 }
 
-static int32_t count_running(const ddp__group *g) {
+static int32_t count_running(const ddp__worker_group *g) {
   int32_t running = 0;
   for (int32_t i = 0; i < g->n; i++) running += g->workers[i].state == DDP__WORKER_RUNNING;
   return running;
@@ -587,7 +587,7 @@ static int32_t count_running(const ddp__group *g) {
 /* Whether every worker still running is stopped (SIGSTOP, a debugger): a
  * stopped process acts on no signal but SIGKILL, so the grace period would
  * only delay the summary. */
-static int all_running_stopped(const ddp__group *g) {
+static int all_running_stopped(const ddp__worker_group *g) {
   for (int32_t i = 0; i < g->n; i++) {
     if (g->workers[i].state != DDP__WORKER_RUNNING) continue;
     char st = ddp__proc_state(g->workers[i].pid);
@@ -596,7 +596,7 @@ static int all_running_stopped(const ddp__group *g) {
   return 1;
 }
 
-void ddp__group_stop(ddp__group *g, int sig, double grace_s) {
+void ddp__worker_group_stop(ddp__worker_group *g, int sig, double grace_s) {
   g->stopping = 1;
   if (!g->workers) return;
   reap(g);
@@ -628,7 +628,7 @@ void ddp__group_stop(ddp__group *g, int sig, double grace_s) {
 
 /* Once the workers are reaped: what they started outside their process
  * groups and left running goes too (orphans.c), with a notice naming it. */
-static void kill_orphans(ddp__group *g) {
+static void kill_orphans(ddp__worker_group *g) {
   char names[256];
   int killed = ddp__orphans_kill(&g->orphans, is_own_child, g, names, sizeof names);
   if (killed > 0)
@@ -637,7 +637,7 @@ static void kill_orphans(ddp__group *g) {
   ddp__orphans_release(&g->orphans);
 }
 
-void ddp__group_free(ddp__group *g) {
+void ddp__worker_group_free(ddp__worker_group *g) {
   if (!g || !g->workers) return;
   reaper_stop(g);
   kill_orphans(g);
