@@ -26,11 +26,14 @@
  * free again by the time it can ask for the next. */
 static void snapshot(ddp_ps_server *s, int32_t t, int64_t base_step, ddp_rpc_message *m) {
   ddp__ps_snap *sn = &s->snaps[t];
+  ddp__ps_trainer *tr = &s->trainers[t];
   const float *params = ddp_model_params_flat(s->model);
   for (int32_t k = 0; k < s->shard.n; k++) {
     const ddp__ps_tensor *x = &s->shard.tensors[k];
     memcpy(sn->tensors[k].data, params + x->offset, (size_t)x->numel * sizeof(float));
+    tr->pulled_version[k] = x->version;
   }
+  tr->pulled_min = ddp__ps_clock_min(&s->clock);
   int32_t n = s->shard.n;
   if (s->nb > 0) memcpy(sn->tensors[n++].data, ddp_model_buffers_flat(s->model), (size_t)s->nb * sizeof(float));
   if (s->nc > 0)
@@ -210,6 +213,56 @@ static void progress_and_unlock(ddp_ps_server *s) {
   send_all(mine, n);
 }
 
+/* Counts the staleness of trainer t's gradient for `step` of a tensor
+ * updated `updates` times since its last pull (server_internal.h). */
+static void count_staleness(ddp_ps_server *s, int32_t t, int64_t step, int64_t updates) {
+  ddp__ps_staleness *st = &s->staleness;
+  const int64_t steps = step - s->trainers[t].pulled_min;
+  st->steps[steps < 0 ? 0 : steps < DDP__PS_STALE_BINS ? steps : DDP__PS_STALE_BINS - 1]++;
+  st->updates[updates < 0 ? 0 : updates < DDP__PS_STALE_BINS ? updates : DDP__PS_STALE_BINS - 1]++;
+  st->pushes++;
+  if (steps > st->max_steps) st->max_steps = steps;
+  if (updates > st->max_updates) st->max_updates = updates;
+}
+
+void ddp__ps_server_staleness(ddp_ps_server *s, ddp__ps_staleness *out) {
+  pthread_mutex_lock(&s->mu);
+  *out = s->staleness;
+  pthread_mutex_unlock(&s->mu);
+}
+
+/* DDP_PS_STALENESS=1: the histograms on stderr when the server stops. */
+static void print_staleness(const ddp_ps_server *s) {
+  const char *env = getenv("DDP_PS_STALENESS");
+  if (!env || !*env || !strcmp(env, "0")) return;
+  const ddp__ps_staleness *st = &s->staleness;
+  const int64_t *bins[2] = {st->steps, st->updates};
+  const char *what[2] = {"steps", "updates"};
+  for (int h = 0; h < 2; h++) {
+    char line[1024];
+    int at = snprintf(line, sizeof line, "ddp ps: %s (%s): staleness in %s over %lld pushes:",
+                      s->name, ddp_ps_mode_name(s->o.ps.mode), what[h], (long long)st->pushes);
+    for (int b = 0; b < DDP__PS_STALE_BINS && at < (int)sizeof line - 32; b++)
+      if (bins[h][b])
+        at += snprintf(line + at, sizeof line - (size_t)at, " %s%d:%lld",
+                       b == DDP__PS_STALE_BINS - 1 ? ">=" : "", b, (long long)bins[h][b]);
+    fprintf(stderr, "%s (max %lld)\n", line, (long long)(h ? st->max_updates : st->max_steps));
+  }
+  fprintf(stderr, "ddp ps: %s (%s): when a trainer first stopped stepping, the live trainers' "
+                  "clocks spanned %lld..%lld\n",
+          s->name, ddp_ps_mode_name(s->o.ps.mode), (long long)st->stop_min, (long long)st->stop_max);
+}
+
+/* A trainer stopped stepping (a meeting, done, dropped): the rate's window
+ * closes, and the live trainers' clocks then are kept (in async the others
+ * may still have many steps to make, alone). */
+static void training_over(ddp_ps_server *s) {
+  if (s->all_training_over) return;
+  s->all_training_over = true;
+  s->staleness.stop_min = ddp__ps_clock_min(&s->clock);
+  s->staleness.stop_max = s->max_step;
+}
+
 /* ---- Functions ------------------------------------------------------------------- */
 
 static ddp_ps_server *server_of(ddp_rpc_call *call) {
@@ -280,10 +333,17 @@ static ddp_status fn_push(ddp_rpc_call *call, const ddp_rpc_message *args, ddp_r
                      t, (long long)g->numel, p);
       break;
     }
+    const int32_t local = s->shard.local_of[p];
+    const int64_t missed = local < 0 ? 0
+                                     : s->shard.tensors[local].version -
+                                           s->trainers[t].pulled_version[local];
     bool updated;
     st = ddp__ps_shard_push(&s->shard, t, p, h->step, ddp_tensor_f32(g), h->lr,
                             ddp__ps_clock_live(&s->clock), &updated);
-    if (st == DDP_OK) s->trainers[t].pushes++;
+    if (st == DDP_OK) {
+      s->trainers[t].pushes++;
+      count_staleness(s, t, h->step, missed);
+    }
   }
   s->stats.pushes++;
   if (st != DDP_OK) {
@@ -408,7 +468,7 @@ static ddp_status fn_meet(ddp_rpc_call *call, const ddp_rpc_message *args, ddp_r
     pthread_mutex_unlock(&s->mu);
     return st;
   }
-  s->all_training_over = true; /* the rate counts steps while every trainer steps */
+  training_over(s); /* the rate counts steps while every trainer steps */
   if (!s->meet.active) {
     s->meet.active = true;
     s->meet.seq = h->step;
@@ -436,7 +496,7 @@ static ddp_status fn_done(ddp_rpc_call *call, const ddp_rpc_message *args, ddp_r
   if (s->clock.state[t] == DDP__PS_LIVE) {
     s->clock.state[t] = DDP__PS_FINISHED;
     s->stats.trainers_done++;
-    s->all_training_over = true;
+    training_over(s);
     /* A pull it left pending is answered as the others' are. */
     (void)ddp__ps_shard_flush(&s->shard, ddp__ps_clock_live(&s->clock));
   }
@@ -495,7 +555,7 @@ void ddp__ps_server_trainer_lost(ddp_ps_server *s, int32_t t, const char *why) {
   }
   s->clock.state[t] = DDP__PS_DROPPED;
   s->stats.trainers_dropped++;
-  s->all_training_over = true;
+  training_over(s);
   if (s->o.ps.mode == DDP_PS_SYNC) {
     if (s->failed == DDP_OK) {
       snprintf(s->failure, sizeof s->failure,
@@ -615,10 +675,15 @@ ddp_status ddp_ps_server_create(ddp_ps_server **out, ddp_model *model,
   s->meet.values = calloc((size_t)N * DDP__PS_MAX_SUM, sizeof(double));
   s->delta_slots = calloc((size_t)N * (size_t)(s->nb ? s->nb : 1), sizeof(float));
   s->counter_slots = calloc((size_t)N * (size_t)(s->nc ? s->nc : 1), sizeof(int64_t));
-  if (!s->trainers || !s->meet.values || !s->delta_slots ||
-      !s->counter_slots) {
+  s->pulled_versions = calloc((size_t)N * (size_t)(s->shard.n ? s->shard.n : 1), sizeof(int64_t));
+  if (!s->trainers || !s->meet.values || !s->delta_slots || !s->counter_slots ||
+      !s->pulled_versions) {
     st = ddp_error(DDP_ERR_NOMEM, "parameter server: out of memory for %d trainers", N);
     goto err;
+  }
+  for (int32_t t = 0; t < N; t++) {
+    s->trainers[t].pulled_version = s->pulled_versions + (int64_t)t * s->shard.n;
+    s->trainers[t].pulled_min = start;
   }
   if ((st = alloc_snaps(s)) != DDP_OK) goto err;
   if (o->index == 0 && o->save_path && (st = ddp__ps_server_save_init(s)) != DDP_OK) goto err;
@@ -674,6 +739,7 @@ ddp_status ddp_ps_server_serve(ddp_ps_server *s, ddp_rpc_agent *agent, ddp_ps_se
                                    (1e-9 * (double)(s->window_last_ns - s->window_first_ns))
                              : NAN;
   if (stats) *stats = s->stats;
+  print_staleness(s);
   pthread_mutex_unlock(&s->mu);
   return st;
 }
@@ -697,6 +763,7 @@ void ddp_ps_server_destroy(ddp_ps_server *s) {
   free(s->meet.values);
   free(s->delta_slots);
   free(s->counter_slots);
+  free(s->pulled_versions);
   ddp__ps_clock_free(&s->clock);
   ddp__ps_shard_free(&s->shard);
   pthread_cond_destroy(&s->cv);

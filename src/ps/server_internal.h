@@ -33,7 +33,30 @@ typedef struct ddp__ps_trainer {
   ddp_rpc_reply *meet_reply; /* server 0: its place in the open meeting */
   ddp_rpc_future *watch, *retired;
   ddp__ps_watch watch_user;
+  /* What its last pull carried, the base of its next gradients' staleness:
+   * the slowest live trainer's clock then, and each owned tensor's version
+   * (shard order; points into the server's pulled_versions). */
+  int64_t pulled_min;
+  int64_t *pulled_version;
 } ddp__ps_trainer;
+
+/* How stale the gradients a server received were, counted at each push.
+ * steps: the gradient's step minus the slowest live trainer's clock when
+ * the parameters it was computed from were pulled (sync: always 1; ssp:K:
+ * at most K + 1); updates: how many updates of the tensor came between
+ * that pull and the push (the other trainers' gradients it missed). The
+ * last bin holds that many or more. */
+#define DDP__PS_STALE_BINS 16
+typedef struct ddp__ps_staleness {
+  int64_t steps[DDP__PS_STALE_BINS];
+  int64_t updates[DDP__PS_STALE_BINS];
+  int64_t pushes;
+  int64_t max_steps, max_updates;
+  /* The slowest and fastest clocks when a trainer first stopped stepping
+   * (an evaluation, done or dropped): the slowest then has stop_max -
+   * stop_min steps to make with fewer trainers, fresher than the rest. */
+  int64_t stop_min, stop_max;
+} ddp__ps_staleness;
 
 struct ddp_ps_server {
   ddp_ps_server_options o;
@@ -72,6 +95,8 @@ struct ddp_ps_server {
   bool all_training_over;
   int64_t window_steps, window_first_ns, window_last_ns;
   ddp_ps_server_stats stats;
+  int64_t *pulled_versions; /* (trainers, owned tensors) */
+  ddp__ps_staleness staleness;
   /* server 0 with a save path (server_ckpt.c): a whole-model optimizer and
    * schedule the checkpoint is assembled in, and a staging buffer. */
   ddp_optimizer *save_opt;
@@ -82,6 +107,9 @@ struct ddp_ps_server {
 /* Trainer t is gone (its watch failed with `why`): dropped, or in sync the
  * server fails. Takes the lock. */
 void ddp__ps_server_trainer_lost(ddp_ps_server *s, int32_t t, const char *why);
+
+/* The staleness counted so far (a copy, taken under the lock). */
+void ddp__ps_server_staleness(ddp_ps_server *s, ddp__ps_staleness *out);
 
 /* ---- server_ckpt.c ---- */
 /* Loads o.resume_path into the model and the owned tensors' optimizers;
