@@ -1,12 +1,14 @@
-/* Checkpoints of a training run (docs/train.md, "Checkpoints"; the files:
- * docs/io.md): the save at a position of the loop, written through the
- * strategy, and the resumption that fills where the loop starts. */
+/* Checkpoints of a training run (the files: docs/io.md; a pipeline's:
+ * docs/train.md, "Pipeline"): the save at a position of the loop, written
+ * through the strategy, and the resumption that fills where the loop
+ * starts. */
 #include <math.h>
 
 #include "train/train_internal.h"
 
-/* The strategy writes the checkpoint (by default rank 0); every rank waits at a barrier until it is
- * on disk, so none can go on (exit, or load it) before. */
+/* The strategy writes the checkpoint (by default rank 0); every rank waits
+ * at a barrier until it is on disk, so none can go on (exit, or load it)
+ * before. */
 ddp_status ddp__train_save(ddp_trainer *t, int64_t step, int64_t epoch, int64_t epoch_batches,
                            const ddp__train_patience *pat) {
   ddp_train_state ts = {.step = step, .epoch = epoch, .epoch_batches = epoch_batches,
@@ -27,10 +29,10 @@ ddp_status ddp__train_save(ddp_trainer *t, int64_t step, int64_t epoch, int64_t 
   return DDP_OK;
 }
 
-/* Loads resume_path into the model, optimizer and schedule (every rank reads
- * the files) and fills where training continues. A checkpoint taken
- * mid-epoch by another number of ranks is refused: the epoch's order
- * depends on the group's size. */
+/* Loads resume_path through the strategy (by default every rank reads the
+ * files into the model, optimizer and schedule) and fills where training
+ * continues. A checkpoint taken mid-epoch by another number of shards
+ * (ranks, replicas) is refused: the epoch's order depends on it. */
 ddp_status ddp__train_resume(ddp_trainer *t, ddp_train_state *start) {
   *start = (ddp_train_state){.world_size = t->replicas, .best_test_loss = INFINITY};
   if (!t->o.resume_path) return DDP_OK;

@@ -33,8 +33,8 @@ static void phases_add(ddp_train_phases *sum, const ddp_train_phases *p) {
 }
 
 /* Logs an evaluation and returns true when patience has run out. */
-static bool record_eval(ddp__train_patience *p, FILE *log, double loss, double accuracy, int64_t step,
-                        int64_t epoch) {
+static bool record_eval(ddp__train_patience *p, FILE *log, double loss, double accuracy,
+                        int64_t step, int64_t epoch) {
   if (log) ddp__train_log_eval(log, step, epoch, loss, accuracy);
   if (loss < p->best_loss) {
     p->best_loss = loss;
@@ -159,7 +159,8 @@ static ddp_status train_step(ddp_trainer *t, ddp__train_run *r, int64_t epoch, b
   r->all_loss_sum += loss_value;
   ddp_train_step_info info = {
       .step = r->step, .epoch = epoch, .total_steps = r->total_steps, .loss = loss_value,
-      .lr = ddp_optimizer_get_lr(t->opt), .samples_per_s = ddp__train_per_second(r->samples, r->train_seconds),
+      .lr = ddp_optimizer_get_lr(t->opt),
+      .samples_per_s = ddp__train_per_second(r->samples, r->train_seconds),
       .train_seconds = r->train_seconds,
       .phases = {1e3 * load, 1e3 * forward, 1e3 * backward_compute, 1e3 * backward_comm,
                  1e3 * optimizer, 1e3 * step_seconds, 1e3 * preempted}};

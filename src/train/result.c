@@ -11,8 +11,8 @@ double ddp__train_per_second(int64_t count, double seconds) {
 
 ddp_status ddp__train_fill_result(ddp_trainer *t, const ddp__train_run *r, ddp_train_result *res) {
   int64_t steps_run = r->step - r->start.step;
-  double steady_steps =
-      r->steps_here > DDP__TRAIN_WARMUP_STEPS ? (double)(r->steps_here - DDP__TRAIN_WARMUP_STEPS) : 0;
+  const int64_t warmup = DDP__TRAIN_WARMUP_STEPS;
+  double steady_steps = r->steps_here > warmup ? (double)(r->steps_here - warmup) : 0;
   res->samples_per_s = ddp__train_per_second(r->samples, r->train_seconds);
   res->steady_samples_per_s =
       r->steady_samples ? ddp__train_per_second(r->steady_samples, r->steady_seconds) : NAN;

@@ -7,7 +7,8 @@
 /* SyncBatchNorm needs the data-parallel strategy's group; with one process
  * (no group) it is BatchNorm itself. */
 static ddp_status single_check(const ddp_train_options *o, const ddp_process_group *pg) {
-  if (o->sync_bn && pg) return ddp_error(DDP_ERR_INVALID, "sync_bn needs the data-parallel strategy");
+  if (o->sync_bn && pg)
+    return ddp_error(DDP_ERR_INVALID, "sync_bn needs the data-parallel strategy");
   return DDP_OK;
 }
 
