@@ -47,13 +47,17 @@ extern "C" {
 
 typedef struct ddp_trainer ddp_trainer;
 
-/* How the model is spread over the group. AUTO: data parallel with a group,
- * single without. The pipeline and the parameter server come as further
- * strategies of the same loop (docs/train.md). */
+/* How the model is spread over the group (docs/train.md, "Strategies").
+ * AUTO: the pipeline with options.pipeline, the parameter server with
+ * options.param_server, else data parallel with a group and single
+ * without. An explicit value that contradicts those options is
+ * DDP_ERR_INVALID. */
 typedef enum ddp_train_strategy {
   DDP_TRAIN_AUTO = 0,
   DDP_TRAIN_SINGLE = 1,        /* this process alone; a group is only for the reductions */
   DDP_TRAIN_DATA_PARALLEL = 2, /* DistributedDataParallel over the group */
+  DDP_TRAIN_PIPELINE = 3,      /* stages over the group (needs options.pipeline) */
+  DDP_TRAIN_PARAM_SERVER = 4,  /* trainers of a parameter server (needs options.param_server) */
 } ddp_train_strategy;
 
 /* Where one step's time went, in milliseconds (PyTorch's DDP logging splits

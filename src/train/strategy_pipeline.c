@@ -3,16 +3,35 @@
  * pipeline (include/ddp/pipeline.h) per replica, each stage's gradients
  * averaged over its data-parallel group once per step, the step and the
  * evaluation through the pipeline, and checkpoints of the whole model with
- * the unsplit model's names gathered from the stages. */
+ * the unsplit model's names gathered from the stages. Its state (the
+ * pipeline, the mesh's groups, the stage's wrapper) is behind t->state. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "train/train_internal.h"
 
+/* This rank's part of the mesh: its stage index in its pipeline, the
+ * pipeline, its group and the stage's data-parallel group (both from
+ * splits, owned), the stage's data-parallel wrapper over that group
+ * (replicas > 1), the last stage's evaluation outputs, the unsplit model's
+ * optimizer for checkpoints (made at the first save or resume), a full
+ * model's floats. */
+typedef struct pipeline_state {
+  int stage_rank;
+  ddp_pipeline *pp;
+  ddp_process_group *pipe_pg, *stage_dp_pg;
+  ddp_dp *stage_dp;
+  ddp_tensor *eval_out;
+  ddp_optimizer *full_opt;
+  float *gather;
+} pipeline_state;
+
+static pipeline_state *state(const ddp_trainer *t) { return t->state; }
+
 /* ---- The mesh ------------------------------------------------------------ */
 
-ddp_status ddp__train_pipeline_check(const ddp_train_options *o, const ddp_process_group *pg) {
+static ddp_status pipeline_check(const ddp_train_options *o, const ddp_process_group *pg) {
   const ddp_train_pipeline *p = o->pipeline;
   if (!pg)
     return ddp_error(DDP_ERR_INVALID, "pipeline: %d stages need a process group of a multiple "
@@ -24,9 +43,6 @@ ddp_status ddp__train_pipeline_check(const ddp_train_options *o, const ddp_proce
                      "pipeline: stages is %d; it must be >= 2 and divide the group's %d ranks "
                      "(P stages x D replicas)",
                      (int)p->stages, size);
-  if (o->strategy == DDP_TRAIN_SINGLE || o->strategy == DDP_TRAIN_DATA_PARALLEL)
-    return ddp_error(DDP_ERR_INVALID, "pipeline: leave strategy at DDP_TRAIN_AUTO (the pipeline "
-                                      "is its own strategy, data parallel across replicas)");
   if (o->device.type != DDP_DEVICE_CPU || o->cuda_graph)
     return ddp_error(DDP_ERR_UNSUPPORTED, "pipeline: stages run on the CPU for now");
   return DDP_OK;
@@ -40,18 +56,19 @@ ddp_status ddp__train_pipeline_check(const ddp_train_options *o, const ddp_proce
  * each forward. */
 static ddp_status sync_stage(void *user, ddp_model *stage) {
   ddp_trainer *t = user;
-  ddp_status s = ddp_dp_reduce_grads(t->stage_dp);
+  pipeline_state *ps = state(t);
+  ddp_status s = ddp_dp_reduce_grads(ps->stage_dp);
   if (s != DDP_OK) return ddp_error_wrap(s, "averaging stage %d's gradients over its %d replicas",
-                                         t->stage_rank, t->replicas);
+                                         ps->stage_rank, t->replicas);
   const int64_t nbuf = ddp_model_num_buffer_elements(stage);
   if (nbuf > 0) {
-    s = ddp_broadcast(t->stage_dp_pg, ddp_model_buffers_flat(stage), (size_t)nbuf, DDP_FLOAT32, 0);
-    if (s != DDP_OK) return ddp_error_wrap(s, "broadcasting stage %d's buffers", t->stage_rank);
+    s = ddp_broadcast(ps->stage_dp_pg, ddp_model_buffers_flat(stage), (size_t)nbuf, DDP_FLOAT32, 0);
+    if (s != DDP_OK) return ddp_error_wrap(s, "broadcasting stage %d's buffers", ps->stage_rank);
   }
   const int nc = ddp_model_num_counters(stage);
   if (nc > 0) {
-    s = ddp_broadcast(t->stage_dp_pg, ddp_model_counters(stage), (size_t)nc, DDP_INT64, 0);
-    if (s != DDP_OK) return ddp_error_wrap(s, "broadcasting stage %d's counters", t->stage_rank);
+    s = ddp_broadcast(ps->stage_dp_pg, ddp_model_counters(stage), (size_t)nc, DDP_INT64, 0);
+    if (s != DDP_OK) return ddp_error_wrap(s, "broadcasting stage %d's counters", ps->stage_rank);
   }
   return DDP_OK;
 }
@@ -67,7 +84,8 @@ static ddp_status wrap_stage(ddp_trainer *t) {
     if (o.first_bucket_mb > o.bucket_cap_mb) o.first_bucket_mb = o.bucket_cap_mb;
   }
   o.broadcast_buffers = false; /* sync_stage broadcasts them once per step */
-  return ddp_dp_create(&t->stage_dp, t->step_model, t->stage_dp_pg, &o);
+  pipeline_state *ps = state(t);
+  return ddp_dp_create(&ps->stage_dp, t->step_model, ps->stage_dp_pg, &o);
 }
 
 /* The largest batch a step or evaluation hands the pipeline. */
@@ -76,20 +94,26 @@ static int64_t largest_batch(const ddp_train_options *o) {
   return eval > o->batch_size ? eval : o->batch_size;
 }
 
-ddp_status ddp__train_pipeline_prepare(ddp_trainer *t) {
+/* Before the optimizer: splits the group into the mesh's pipeline and
+ * data-parallel groups, builds this rank's stage from t->model and points
+ * t->step_model at it. Collective over the group. */
+static ddp_status pipeline_create(ddp_trainer *t) {
   const ddp_train_options *o = &t->o;
   const ddp_train_pipeline *p = o->pipeline;
   const int P = p->stages;
+  pipeline_state *ps = calloc(1, sizeof *ps);
+  if (!ps) return ddp_error(DDP_ERR_NOMEM, "pipeline: out of memory");
+  t->state = ps;
   t->replicas = t->size / P;
   t->replica = t->rank / P;
-  t->stage_rank = t->rank % P;
+  ps->stage_rank = t->rank % P;
   /* Each made once: the pipeline group of this rank's replica, and the
    * data-parallel group of its stage (every rank takes part in both
    * splits: they are collective over the trainer's group). */
-  ddp_status s = ddp_process_group_split(t->pg, t->replica, t->stage_rank, &t->pipe_pg);
+  ddp_status s = ddp_process_group_split(t->pg, t->replica, ps->stage_rank, &ps->pipe_pg);
   if (s != DDP_OK) return ddp_error_wrap(s, "making replica %d's pipeline group", t->replica);
-  s = ddp_process_group_split(t->pg, t->stage_rank, t->replica, &t->stage_dp_pg);
-  if (s != DDP_OK) return ddp_error_wrap(s, "making stage %d's data-parallel group", t->stage_rank);
+  s = ddp_process_group_split(t->pg, ps->stage_rank, t->replica, &ps->stage_dp_pg);
+  if (s != DDP_OK) return ddp_error_wrap(s, "making stage %d's data-parallel group", ps->stage_rank);
   ddp_pipeline_options po = ddp_pipeline_defaults();
   po.schedule = p->schedule;
   po.n_microbatches = o->microbatches > 1 ? o->microbatches : 1;
@@ -97,13 +121,13 @@ ddp_status ddp__train_pipeline_prepare(ddp_trainer *t) {
   po.split = p->split;
   po.grad_scale = o->microbatch_sum ? 1.0 : 0.0;
   po.max_batch = largest_batch(o);
-  s = ddp_pipeline_create(&t->pp, t->model, t->pipe_pg, &po);
+  s = ddp_pipeline_create(&ps->pp, t->model, ps->pipe_pg, &po);
   if (s != DDP_OK) return ddp_error_wrap(s, "rank %d (stage %d of replica %d): setting up the pipeline",
-                                         t->rank, t->stage_rank, t->replica);
-  t->step_model = ddp_pipeline_model(t->pp);
+                                         t->rank, ps->stage_rank, t->replica);
+  t->step_model = ddp_pipeline_model(ps->pp);
   if (o->sync_bn && t->replicas > 1) {
-    s = ddp_model_convert_sync_batchnorm(t->step_model, t->stage_dp_pg);
-    if (s != DDP_OK) return ddp_error_wrap(s, "converting stage %d to SyncBatchNorm", t->stage_rank);
+    s = ddp_model_convert_sync_batchnorm(t->step_model, ps->stage_dp_pg);
+    if (s != DDP_OK) return ddp_error_wrap(s, "converting stage %d to SyncBatchNorm", ps->stage_rank);
   }
   /* Every batch of an epoch must fill the M micro-batches: the sampler
    * pads each replica's share to ceil(N / D), so only its last batch can
@@ -118,64 +142,72 @@ ddp_status ddp__train_pipeline_prepare(ddp_trainer *t) {
                      (long long)per_replica, (long long)last, po.n_microbatches,
                      po.n_microbatches);
   /* The outputs of an evaluation batch, on the last stage (sized once). */
-  if (ddp_pipeline_is_last(t->pp)) {
+  if (ddp_pipeline_is_last(ps->pp)) {
     int64_t shape[DDP_MAX_DIMS + 1];
-    int nd = ddp_pipeline_output_shape(t->pp, shape + 1);
+    int nd = ddp_pipeline_output_shape(ps->pp, shape + 1);
     shape[0] = largest_batch(o);
-    s = ddp_tensor_create(&t->eval_out, DDP_FLOAT32, nd + 1, shape);
+    s = ddp_tensor_create(&ps->eval_out, DDP_FLOAT32, nd + 1, shape);
     if (s != DDP_OK) return ddp_error_wrap(s, "the evaluation's outputs");
   }
-  t->gather = calloc((size_t)ddp_model_num_param_elements(t->model) + 1, sizeof(float));
-  if (!t->gather) return ddp_error(DDP_ERR_NOMEM, "pipeline: out of memory for the gather buffer");
+  ps->gather = calloc((size_t)ddp_model_num_param_elements(t->model) + 1, sizeof(float));
+  if (!ps->gather) return ddp_error(DDP_ERR_NOMEM, "pipeline: out of memory for the gather buffer");
   return DDP_OK;
 }
 
-static ddp_status pipeline_create(ddp_trainer *t) {
+/* After the optimizer: the stage's wrapper over its replicas, hooked into
+ * the pipeline's grad sync. */
+static ddp_status pipeline_bind(ddp_trainer *t) {
+  pipeline_state *ps = state(t);
   if (t->replicas > 1) {
     ddp_status s = wrap_stage(t);
     if (s != DDP_OK) return ddp_error_wrap(s, "wrapping stage %d for data parallelism over its replicas",
-                                           t->stage_rank);
-    ddp_pipeline_set_grad_sync(t->pp, sync_stage, t);
+                                           ps->stage_rank);
+    ddp_pipeline_set_grad_sync(ps->pp, sync_stage, t);
   }
-  ddp_pipeline_reset_stats(t->pp);
+  ddp_pipeline_reset_stats(ps->pp);
   return DDP_OK;
 }
 
 static void pipeline_destroy(ddp_trainer *t) {
-  ddp_pipeline_destroy(t->pp);
-  t->pp = NULL;
+  pipeline_state *ps = state(t);
+  t->state = NULL;
   t->step_model = t->model;
-  ddp_tensor_destroy(t->eval_out);
-  t->eval_out = NULL;
-  ddp_optimizer_destroy(t->full_opt);
-  t->full_opt = NULL;
-  free(t->gather);
-  t->gather = NULL;
-  ddp_dp_destroy(t->stage_dp);
-  t->stage_dp = NULL;
-  ddp_process_group_destroy(t->stage_dp_pg);
-  ddp_process_group_destroy(t->pipe_pg);
-  t->stage_dp_pg = t->pipe_pg = NULL;
+  if (!ps) return;
+  ddp_pipeline_destroy(ps->pp);
+  ddp_tensor_destroy(ps->eval_out);
+  ddp_optimizer_destroy(ps->full_opt);
+  free(ps->gather);
+  ddp_dp_destroy(ps->stage_dp);
+  ddp_process_group_destroy(ps->stage_dp_pg);
+  ddp_process_group_destroy(ps->pipe_pg);
+  free(ps);
 }
 
 /* ---- The step and the evaluation ---------------------------------------- */
 
-static ddp_status pipeline_step(ddp_trainer *t, ddp_batch *b, double *loss, ddp_train_phases *p) {
+static ddp_status pipeline_step(ddp_trainer *t, ddp_batch *b, ddp__train_step_out *out) {
+  pipeline_state *ps = state(t);
   const int64_t t0 = ddp_time_ns();
   ddp_model_zero_grad(t->step_model);
-  const bool first = ddp_pipeline_is_first(t->pp), last = ddp_pipeline_is_last(t->pp);
-  ddp_status s = ddp_pipeline_step(t->pp, first ? &b->x : NULL, last ? &b->y : NULL, loss);
+  const bool first = ddp_pipeline_is_first(ps->pp), last = ddp_pipeline_is_last(ps->pp);
+  double loss = NAN;
+  ddp_status s = ddp_pipeline_step(ps->pp, first ? &b->x : NULL, last ? &b->y : NULL, &loss);
   if (s != DDP_OK)
     return ddp_error_wrap(s, "replica %d's pipeline step", t->replica);
   const int64_t t1 = ddp_time_ns();
   s = ddp_optimizer_step(t->opt);
   if (s != DDP_OK) return ddp_error_wrap(s, "optimizer step");
   const int64_t t2 = ddp_time_ns();
+  /* Only the last stage has the loss: the others add nothing to the
+   * group's sums. */
+  out->loss = (float)loss;
+  out->counts = last;
   /* The pipeline interleaves forwards and backwards: its whole step is the
    * forward phase here, and the waits for transfers are communication. */
   ddp_pipeline_stats st;
-  ddp_pipeline_get_stats(t->pp, &st);
+  ddp_pipeline_get_stats(ps->pp, &st);
   double wait = st.wait_s < 1e-9 * (double)(t1 - t0) ? st.wait_s : 1e-9 * (double)(t1 - t0);
+  ddp_train_phases *p = &out->phases;
   p->forward_ms = 1e-9 * (double)(t1 - t0) - wait;
   p->backward_compute_ms = 0;
   p->backward_comm_ms = wait;
@@ -191,7 +223,8 @@ static ddp_status pipeline_step(ddp_trainer *t, ddp_batch *b, double *loss, ddp_
  * stage; the other stages add zeros, so the trainer's reduction over the
  * whole group counts every test sample once. */
 static ddp_status pipeline_local_sums(ddp_trainer *t, double sums[3]) {
-  const bool first = ddp_pipeline_is_first(t->pp), last = ddp_pipeline_is_last(t->pp);
+  pipeline_state *ps = state(t);
+  const bool first = ddp_pipeline_is_first(ps->pp), last = ddp_pipeline_is_last(ps->pp);
   const bool classify = ddp_model_loss_kind(t->model) != DDP_LOSS_MSE;
   double loss_sum = 0;
   int64_t correct = 0, seen = 0;
@@ -202,16 +235,16 @@ static ddp_status pipeline_local_sums(ddp_trainer *t, double sums[3]) {
     if (b.size == 0) break;
     ddp_tensor out;
     if (last) {
-      out = *t->eval_out;
+      out = *ps->eval_out;
       out.shape[0] = b.size;
-      out.numel = t->eval_out->numel / t->eval_out->shape[0] * b.size;
+      out.numel = ps->eval_out->numel / ps->eval_out->shape[0] * b.size;
     }
     double loss = NAN;
-    ddp_status s = ddp_pipeline_eval(t->pp, first ? &b.x : NULL, last ? &b.y : NULL,
+    ddp_status s = ddp_pipeline_eval(ps->pp, first ? &b.x : NULL, last ? &b.y : NULL,
                                      last ? &out : NULL, &loss);
     if (s != DDP_OK)
       return ddp_error_wrap(s, "rank %d (stage %d, replica %d): pipeline evaluation", t->rank,
-                            t->stage_rank, t->replica);
+                            ps->stage_rank, t->replica);
     if (!last) continue;
     loss_sum += loss * (double)b.size;
     if (classify) {
@@ -233,23 +266,12 @@ static ddp_status pipeline_local_sums(ddp_trainer *t, double sums[3]) {
   return DDP_OK;
 }
 
-const ddp__train_strategy ddp__train_pipeline = {
-    .name = "pipeline",
-    .create = pipeline_create,
-    .forward = NULL,
-    .backward = NULL,
-    .split_backward = NULL,
-    .destroy = pipeline_destroy,
-    .step = pipeline_step,
-    .local_sums = pipeline_local_sums,
-    .save = ddp__train_pipeline_save,
-};
-
 /* ---- The figures ---------------------------------------------------------- */
 
 /* Every pipeline rank's figures as replica 0 measured them, on every rank
  * (a sum over the group, where the other replicas add zeros). Collective. */
-ddp_status ddp__train_pipeline_stats(ddp_trainer *t, ddp_train_result *res) {
+static ddp_status pipeline_figures(ddp_trainer *t, ddp_train_result *res) {
+  pipeline_state *ps = state(t);
   const int P = t->o.pipeline->stages;
   enum { FIELDS = 4 };
   double *v = calloc((size_t)P * FIELDS, sizeof(double));
@@ -261,8 +283,8 @@ ddp_status ddp__train_pipeline_stats(ddp_trainer *t, ddp_train_result *res) {
   }
   if (t->replica == 0) {
     ddp_pipeline_stats st;
-    ddp_pipeline_get_stats(t->pp, &st);
-    double *row = v + (size_t)t->stage_rank * FIELDS;
+    ddp_pipeline_get_stats(ps->pp, &st);
+    double *row = v + (size_t)ps->stage_rank * FIELDS;
     row[0] = st.idle_fraction_mean;
     row[1] = (double)st.activation_bytes_high_water;
     row[2] = (double)st.microbatch_activation_bytes;
@@ -300,7 +322,7 @@ static int full_index(ddp_trainer *t, int i) {
  * rest zero) over the pipeline group: x + 0 is exact, so every rank ends
  * with every stage's values. */
 static ddp_status sum_parts(ddp_trainer *t, void *buf, size_t n, ddp_dtype dtype) {
-  return n ? ddp_allreduce(t->pipe_pg, buf, n, dtype, DDP_REDUCE_SUM) : DDP_OK;
+  return n ? ddp_allreduce(state(t)->pipe_pg, buf, n, dtype, DDP_REDUCE_SUM) : DDP_OK;
 }
 
 /* Copies every stage's parameters, buffers and counters into the full
@@ -340,9 +362,10 @@ static ddp_status gather_model(ddp_trainer *t) {
  * checkpoint's optimizer state is laid out by the full model's parameter
  * indices, whatever the split. */
 static ddp_status full_optimizer(ddp_trainer *t) {
-  if (t->full_opt) return DDP_OK;
+  pipeline_state *ps = state(t);
+  if (ps->full_opt) return DDP_OK;
   ddp_optim_options oo = *ddp_optimizer_options(t->opt);
-  ddp_status s = ddp_optimizer_create(&t->full_opt, &oo, ddp_model_params_flat(t->model),
+  ddp_status s = ddp_optimizer_create(&ps->full_opt, &oo, ddp_model_params_flat(t->model),
                                       ddp_model_grads_flat(t->model),
                                       (size_t)ddp_model_num_param_elements(t->model));
   return s == DDP_OK ? DDP_OK : ddp_error_wrap(s, "the unsplit model's optimizer state");
@@ -351,42 +374,47 @@ static ddp_status full_optimizer(ddp_trainer *t) {
 /* Every stage's optimizer state into the full optimizer (on every rank of
  * the pipeline). Collective over it. */
 static ddp_status gather_optimizer(ddp_trainer *t) {
+  pipeline_state *ps = state(t);
   DDP_TRY(full_optimizer(t));
-  DDP_TRY(ddp_optimizer_set_lr(t->full_opt, ddp_optimizer_get_lr(t->opt)));
+  DDP_TRY(ddp_optimizer_set_lr(ps->full_opt, ddp_optimizer_get_lr(t->opt)));
   double has = ddp_optimizer_has_state(t->opt) ? 1 : 0;
-  DDP_TRY(ddp_allreduce(t->pipe_pg, &has, 1, DDP_FLOAT64, DDP_REDUCE_MIN));
+  DDP_TRY(ddp_allreduce(ps->pipe_pg, &has, 1, DDP_FLOAT64, DDP_REDUCE_MIN));
   if (!has) return DDP_OK; /* before the first step: PyTorch's state is empty */
   const int64_t n = ddp_model_num_param_elements(t->model);
   for (size_t k = 0; k < ddp_optimizer_state_count(t->opt); k++) {
     ddp_optim_state st;
     DDP_TRY(ddp_optimizer_state_get(t->opt, k, &st));
     if (st.is_scalar) { /* Adam's step: the same on every stage */
-      DDP_TRY(ddp_optimizer_state_load(t->full_opt, st.name, st.data, 1));
+      DDP_TRY(ddp_optimizer_state_load(ps->full_opt, st.name, st.data, 1));
       continue;
     }
-    memset(t->gather, 0, (size_t)n * sizeof(float));
+    memset(ps->gather, 0, (size_t)n * sizeof(float));
     for (int i = 0; i < ddp_model_num_params(t->step_model); i++)
-      memcpy(t->gather + ddp_model_param_offset(t->model, full_index(t, i)),
+      memcpy(ps->gather + ddp_model_param_offset(t->model, full_index(t, i)),
              st.data + ddp_model_param_offset(t->step_model, i),
              (size_t)ddp_model_param(t->step_model, i)->numel * sizeof(float));
-    DDP_TRY(sum_parts(t, t->gather, (size_t)n, DDP_FLOAT32));
-    DDP_TRY(ddp_optimizer_state_load(t->full_opt, st.name, t->gather, (size_t)n));
+    DDP_TRY(sum_parts(t, ps->gather, (size_t)n, DDP_FLOAT32));
+    DDP_TRY(ddp_optimizer_state_load(ps->full_opt, st.name, ps->gather, (size_t)n));
   }
   return DDP_OK;
 }
 
-ddp_status ddp__train_pipeline_gather(ddp_trainer *t) {
+/* After the last step: the caller's model gets the trained stages back. */
+static ddp_status pipeline_finish(ddp_trainer *t) {
   ddp_status s = gather_model(t);
   if (s != DDP_OK) return ddp_error_wrap(s, "gathering the stages' parameters into the whole model");
   return DDP_OK;
 }
 
-ddp_status ddp__train_pipeline_save(ddp_trainer *t, const ddp_train_state *ts) {
+/* Gathers model and optimizer state and has rank 0 write the whole
+ * model's checkpoint. Collective. */
+static ddp_status pipeline_save(ddp_trainer *t, const ddp_train_state *ts) {
+  pipeline_state *ps = state(t);
   ddp_status s = gather_model(t);
   if (s == DDP_OK) s = gather_optimizer(t);
   if (s != DDP_OK) return ddp_error_wrap(s, "gathering the stages' parts for the checkpoint");
   if (t->rank == 0) {
-    s = ddp_checkpoint_save(t->o.save_path, t->model, t->full_opt, t->sched, ts,
+    s = ddp_checkpoint_save(t->o.save_path, t->model, ps->full_opt, t->sched, ts,
                             t->o.checkpoint_meta, t->o.checkpoint_meta_count);
     if (s != DDP_OK) return ddp_error_wrap(s, "saving the checkpoint");
   }
@@ -396,9 +424,10 @@ ddp_status ddp__train_pipeline_save(ddp_trainer *t, const ddp_train_state *ts) {
 /* The stage's part of a checkpoint loaded into the full model and
  * optimizer: parameters, buffers and counters by name, each optimizer
  * buffer's segments by parameter. Not collective. */
-ddp_status ddp__train_pipeline_resume(ddp_trainer *t, ddp_train_state *start) {
+static ddp_status pipeline_resume(ddp_trainer *t, ddp_train_state *start) {
+  pipeline_state *ps = state(t);
   DDP_TRY(full_optimizer(t));
-  ddp_status s = ddp_checkpoint_load(t->o.resume_path, t->model, t->full_opt, t->sched, start,
+  ddp_status s = ddp_checkpoint_load(t->o.resume_path, t->model, ps->full_opt, t->sched, start,
                                      t->o.checkpoint_meta, t->o.checkpoint_meta_count);
   if (s != DDP_OK) return ddp_error_wrap(s, "resuming");
   ddp_model *stage = t->step_model;
@@ -408,12 +437,12 @@ ddp_status ddp__train_pipeline_resume(ddp_trainer *t, ddp_train_state *start) {
     DDP_TRY(ddp_model_state_find(t->model, se.name, &fe));
     memcpy(se.data, fe.data, (size_t)se.numel * ddp_dtype_size(se.dtype));
   }
-  DDP_TRY(ddp_optimizer_set_lr(t->opt, ddp_optimizer_get_lr(t->full_opt)));
-  if (!ddp_optimizer_has_state(t->full_opt)) return DDP_OK;
-  float *part = t->gather; /* the stage's layout fits: it has fewer floats */
-  for (size_t k = 0; k < ddp_optimizer_state_count(t->full_opt); k++) {
+  DDP_TRY(ddp_optimizer_set_lr(t->opt, ddp_optimizer_get_lr(ps->full_opt)));
+  if (!ddp_optimizer_has_state(ps->full_opt)) return DDP_OK;
+  float *part = ps->gather; /* the stage's layout fits: it has fewer floats */
+  for (size_t k = 0; k < ddp_optimizer_state_count(ps->full_opt); k++) {
     ddp_optim_state st;
-    DDP_TRY(ddp_optimizer_state_get(t->full_opt, k, &st));
+    DDP_TRY(ddp_optimizer_state_get(ps->full_opt, k, &st));
     if (st.is_scalar) {
       DDP_TRY(ddp_optimizer_state_load(t->opt, st.name, st.data, 1));
       continue;
@@ -428,7 +457,9 @@ ddp_status ddp__train_pipeline_resume(ddp_trainer *t, ddp_train_state *start) {
   return DDP_OK;
 }
 
-const char *ddp__train_pipeline_mesh(const ddp_trainer *t, char *buf, size_t bytes) {
+/* "the mesh: rank 0 is stage 0 of replica 0, ..." (a peer named by its
+ * rank in an error is also named by its stage). */
+static const char *pipeline_where(const ddp_trainer *t, char *buf, size_t bytes) {
   const int P = t->o.pipeline->stages;
   size_t at = (size_t)snprintf(buf, bytes, "the mesh:");
   if (t->size > 16) {
@@ -441,3 +472,21 @@ const char *ddp__train_pipeline_mesh(const ddp_trainer *t, char *buf, size_t byt
                            r ? "," : "", r, r % P, r / P);
   return buf;
 }
+
+const ddp__train_strategy_ops ddp__train_pipeline = {
+    .name = "pipeline",
+    .kind = DDP_TRAIN_PIPELINE,
+    .shards = "replicas",
+    .shards_long = "data-parallel replicas",
+    .check = pipeline_check,
+    .create = pipeline_create,
+    .bind = pipeline_bind,
+    .destroy = pipeline_destroy,
+    .step = pipeline_step,
+    .local_sums = pipeline_local_sums,
+    .save = pipeline_save,
+    .resume = pipeline_resume,
+    .finish = pipeline_finish,
+    .figures = pipeline_figures,
+    .where = pipeline_where,
+};

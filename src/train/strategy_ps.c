@@ -4,7 +4,8 @@
  * to the servers as backward makes them final (the tape's grad hook, as
  * the data-parallel wrapper's buckets) and the step ends with the pull of
  * fresh parameters, in the optimizer's place. Evaluation and checkpoints
- * are meetings of the live trainers at server 0. */
+ * are meetings of the live trainers at server 0. Its state is the client
+ * of options.param_server (borrowed: the caller's); t->state stays NULL. */
 #include "train/train_internal.h"
 
 static ddp_ps_client *client(const ddp_trainer *t) { return t->o.param_server; }
@@ -18,30 +19,39 @@ static void grad_ready(ddp_tensor *param, void *user) {
   ddp_ps_client_push(client(t), i, ddp_ps_client_step(client(t)), ddp_optimizer_get_lr(t->opt));
 }
 
+/* The data sharded over the trainers, by this trainer's index. */
+static ddp_status ps_create(ddp_trainer *t) {
+  const ddp_ps_client *c = client(t);
+  t->state = NULL;
+  t->replicas = ddp_ps_client_options(c)->num_trainers;
+  t->replica = ddp_ps_client_trainer_index(c);
+  return DDP_OK;
+}
+
 /* The first pull: the servers' parameters and buffers (fresh, or a resumed
  * run's) and the step they stand at. */
-static ddp_status ps_create(ddp_trainer *t) {
+static ddp_status ps_bind(ddp_trainer *t) {
   int64_t base;
   return ddp_ps_client_bind(client(t), t->model, &base);
 }
 
+static void ps_destroy(ddp_trainer *t) { t->state = NULL; }
+
 /* zero_grad, forward, loss, backward pushing each gradient, then the pull
  * in the optimizer's place (phases in seconds, as the eager step's). */
-static ddp_status ps_step(ddp_trainer *t, ddp_batch *b, double *loss, ddp_train_phases *p) {
-  ddp_tensor x, y, *out, *l;
+static ddp_status ps_step(ddp_trainer *t, ddp_batch *b, ddp__train_step_out *out) {
+  ddp_tensor x, y, *model_out, *l;
   DDP_TRY(ddp__train_batch_on_device(t, b, &x, &y));
   const int64_t t0 = ddp_time_ns();
   ddp_tape *tape = t->tape;
   ddp_tape_reset(tape);
   ddp_model_zero_grad(t->model);
   ddp_tape_set_grad_hook(tape, grad_ready, t);
-  ddp_status s = ddp_model_forward(t->model, tape, &x, &out);
+  ddp_status s = ddp_model_forward(t->model, tape, &x, &model_out);
   if (s != DDP_OK) return ddp_error_wrap(s, "forward");
-  s = ddp_model_loss(t->model, tape, out, &y, &l);
+  s = ddp_model_loss(t->model, tape, model_out, &y, &l);
   if (s != DDP_OK) return ddp_error_wrap(s, "loss");
-  float value;
-  DDP_TRY(ddp__train_scalar(l, &value));
-  *loss = value;
+  DDP_TRY(ddp__train_scalar(l, &out->loss));
   const int64_t t_forward = ddp_time_ns();
   s = ddp_backward(tape, l);
   ddp_tape_set_grad_hook(tape, NULL, NULL);
@@ -50,6 +60,7 @@ static ddp_status ps_step(ddp_trainer *t, ddp_batch *b, double *loss, ddp_train_
   s = ddp_ps_client_end_step(client(t), ddp_optimizer_get_lr(t->opt));
   if (s != DDP_OK) return s; /* names the trainer, the step and the server */
   const int64_t t_end = ddp_time_ns();
+  ddp_train_phases *p = &out->phases;
   p->forward_ms = 1e-9 * (double)(t_forward - t0);
   p->backward_compute_ms = 1e-9 * (double)(t_backward - t_forward);
   p->backward_comm_ms = 0;
@@ -84,30 +95,7 @@ static ddp_status ps_save(ddp_trainer *t, const ddp_train_state *ts) {
   return ddp_ps_client_save(client(t), &info);
 }
 
-static ddp_status ps_forward(ddp_trainer *t, ddp_tape *tape, ddp_tensor *x, ddp_tensor **out) {
-  return ddp_model_forward(t->model, tape, x, out);
-}
-
-static ddp_status ps_backward(ddp_trainer *t, ddp_tape *tape, ddp_tensor *loss) {
-  (void)t;
-  return ddp_backward(tape, loss);
-}
-
-static void ps_destroy(ddp_trainer *t) { (void)t; }
-
-const ddp__train_strategy ddp__train_param_server = {
-    .name = "param_server",
-    .create = ps_create,
-    .forward = ps_forward,
-    .backward = ps_backward,
-    .split_backward = NULL,
-    .destroy = ps_destroy,
-    .step = ps_step,
-    .local_sums = ps_local_sums,
-    .save = ps_save,
-};
-
-ddp_status ddp__train_ps_check(const ddp_train_options *o, const ddp_process_group *pg) {
+static ddp_status ps_check(const ddp_train_options *o, const ddp_process_group *pg) {
   if (pg)
     return ddp_error(DDP_ERR_INVALID, "param_server: a parameter-server trainer takes no process "
                                       "group (pass NULL: trainers meet through the servers)");
@@ -120,9 +108,14 @@ ddp_status ddp__train_ps_check(const ddp_train_options *o, const ddp_process_gro
   return DDP_OK;
 }
 
-void ddp__train_ps_place(ddp_trainer *t) {
-  const ddp_ps_client *c = t->o.param_server;
-  t->strategy = &ddp__train_param_server;
-  t->replicas = ddp_ps_client_options(c)->num_trainers;
-  t->replica = ddp_ps_client_trainer_index(c);
-}
+const ddp__train_strategy_ops ddp__train_param_server = {
+    .name = "param_server",
+    .kind = DDP_TRAIN_PARAM_SERVER,
+    .check = ps_check,
+    .create = ps_create,
+    .bind = ps_bind,
+    .destroy = ps_destroy,
+    .step = ps_step,
+    .local_sums = ps_local_sums,
+    .save = ps_save,
+};

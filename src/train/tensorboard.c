@@ -86,6 +86,8 @@ static const char *strategy_name(ddp_train_strategy s) {
   case DDP_TRAIN_AUTO: return "auto";
   case DDP_TRAIN_SINGLE: return "single";
   case DDP_TRAIN_DATA_PARALLEL: return "data_parallel";
+  case DDP_TRAIN_PIPELINE: return "pipeline";
+  case DDP_TRAIN_PARAM_SERVER: return "param_server";
   }
   return "unknown";
 }

@@ -1,5 +1,6 @@
-/* The trainer's parts (src/train/): the strategy table, evaluation, the
- * JSON-lines log. Internal: never installed. */
+/* The trainer's parts (src/train/): the strategy table and the trainer they
+ * share, the loop's state, the step, checkpoints, the result, evaluation,
+ * the JSON-lines log. Internal: never installed. */
 #ifndef DDP_SRC_TRAIN_INTERNAL_H
 #define DDP_SRC_TRAIN_INTERNAL_H
 
@@ -17,68 +18,95 @@
 #include "ddp/tensor.h"
 #include "ddp/train.h"
 
-/* How a step's forward and backward go for one way of spreading the model
- * (docs/train.md, "Strategies"). The loop around them is the same for all:
- * loading, the loss, the optimizer, the loss's reduction, evaluation,
- * checkpoints and callbacks. A strategy that needs a step-long object
- * (the data-parallel wrapper) keeps it in the trainer (ddp__trainer_dp). */
-typedef struct ddp__train_strategy {
-  const char *name;
-  /* Sets up what the strategy needs (collective where it says so). */
+/* What a strategy's step reports to the loop. */
+typedef struct ddp__train_step_out {
+  float loss;  /* the batch's mean loss, where this rank computes it */
+  /* false: this rank has no loss (a pipeline's stage before the last) and
+   * adds nothing to the group's sums */
+  bool counts;
+  /* t->step_marks hold this step's forward, backward and optimizer (the
+   * timeline draws them); false for a replayed CUDA graph */
+  bool marked;
+  /* Seconds. load_ms holds the loader's part when the step starts; a step
+   * that copies the batch to a device adds the copy. */
+  ddp_train_phases phases;
+} ddp__train_step_out;
+
+/* One way of spreading the model over the ranks (docs/train.md,
+ * "Strategies"): a table and a file (strategy_<name>.c), chosen in one place
+ * (ddp__train_strategy_choose, strategy.c). The loop around it is the same
+ * for all: loading, the loss's reduction, the schedule, evaluation, early
+ * stopping, checkpoints, callbacks, the figures. A strategy keeps what it
+ * makes behind t->state (its create makes it, its destroy frees it); NULL
+ * members are the loop's default. */
+typedef struct ddp__train_strategy_ops {
+  const char *name; /* "single", "data_parallel", ...: messages, the summary */
+  ddp_train_strategy kind;
+  /* What the sampler shards the data over, plural, for messages: "ranks"
+   * when NULL; shards_long where the message names them first. */
+  const char *shards, *shards_long;
+  /* Whether the options fit this strategy and the group (pure). NULL: any. */
+  ddp_status (*check)(const ddp_train_options *o, const ddp_process_group *pg);
+  /* Before the optimizer (the model on its device): makes t->state, and
+   * may point t->step_model at the model the optimizer steps and set how
+   * the data is sharded (t->replicas, t->replica). Collective where the
+   * strategy says. On error the trainer calls destroy. */
   ddp_status (*create)(ddp_trainer *t);
+  /* After the optimizer and the schedule exist (the DDP wrapper hooks the
+   * optimizer; the parameter server's first pull). NULL: nothing. */
+  ddp_status (*bind)(ddp_trainer *t);
+  /* Frees t->state (which may be partly made, or NULL) and sets it NULL. */
+  void (*destroy)(ddp_trainer *t);
+  /* One optimizer step on batch b (on the host): zero_grad, forward,
+   * backward, the update. ddp__train_step_eager for a strategy that gives
+   * forward and backward. */
+  ddp_status (*step)(ddp_trainer *t, ddp_batch *b, ddp__train_step_out *out);
+  /* The parts ddp__train_step_eager calls (and the CUDA graph captures). */
   ddp_status (*forward)(ddp_trainer *t, ddp_tape *tape, ddp_tensor *x, ddp_tensor **out);
   ddp_status (*backward)(ddp_trainer *t, ddp_tape *tape, ddp_tensor *loss);
+  /* Micro-batches: true for every micro-batch's backward but the last, which
+   * alone reduces gradients (PyTorch's no_sync()). NULL: nothing to skip. */
+  void (*no_sync)(ddp_trainer *t, bool on);
   /* Moves the communication backward did not hide from *backward_compute
    * to *backward_comm (seconds); NULL: nothing to split. */
   void (*split_backward)(ddp_trainer *t, double *backward_compute, double *backward_comm);
-  void (*destroy)(ddp_trainer *t);
-  /* A strategy that runs the whole step itself (the pipeline: forwards
-   * and backwards interleaved over micro-batches) instead of forward and
-   * backward: zero_grad, the step, the optimizer; *loss the batch's mean
-   * loss where this rank computes it. NULL: the eager step. */
-  ddp_status (*step)(ddp_trainer *t, ddp_batch *b, double *loss, ddp_train_phases *p);
+  /* Adds the strategy's own events of step `step` to t->trace (the DDP
+   * wrapper's buckets). NULL: none. */
+  void (*trace)(ddp_trainer *t, int64_t step);
   /* The evaluation's sums (loss * rows, correct, rows) of this rank's
-   * part; NULL: the model's forward on each test batch. */
+   * part; NULL: ddp__train_local_sums (the model's forward on each test
+   * batch). */
   ddp_status (*local_sums)(ddp_trainer *t, double sums[3]);
-  /* Writes the checkpoint of state *ts (the parameter server: the servers
-   * write it; the pipeline: gathered from the stages); NULL: rank 0 writes
-   * the trainer's model and optimizer. */
+  /* Writes the checkpoint of state *ts; NULL: rank 0 writes the trainer's
+   * model and optimizer. Every rank then meets at a barrier. */
   ddp_status (*save)(ddp_trainer *t, const ddp_train_state *ts);
-} ddp__train_strategy;
+  /* Loads options.resume_path and fills *start; NULL: every rank loads the
+   * files into the trainer's model, optimizer and schedule. */
+  ddp_status (*resume)(ddp_trainer *t, ddp_train_state *start);
+  /* After the last step, before the final save and evaluation (the
+   * pipeline gathers the whole model). Collective. NULL: nothing. */
+  ddp_status (*finish)(ddp_trainer *t);
+  /* Fills the result's strategy figures (the pipeline's per stage).
+   * Collective. NULL: none. */
+  ddp_status (*figures)(ddp_trainer *t, ddp_train_result *res);
+  /* Where this rank stands, for an error of the loop ("the mesh: rank 0
+   * is stage 0 of replica 0, ..."), into buf; returns buf. NULL: nothing
+   * to add. */
+  const char *(*where)(const ddp_trainer *t, char *buf, size_t bytes);
+} ddp__train_strategy_ops;
 
-extern const ddp__train_strategy ddp__train_single;
-extern const ddp__train_strategy ddp__train_data_parallel;
-extern const ddp__train_strategy ddp__train_pipeline;
-extern const ddp__train_strategy ddp__train_param_server;
+extern const ddp__train_strategy_ops ddp__train_single;
+extern const ddp__train_strategy_ops ddp__train_data_parallel;
+extern const ddp__train_strategy_ops ddp__train_pipeline;
+extern const ddp__train_strategy_ops ddp__train_param_server;
 
-/* ---- The parameter server (strategy_ps.c; options.param_server) ---- */
-
-/* Whether options.param_server fits the group (none) and the other options. */
-ddp_status ddp__train_ps_check(const ddp_train_options *o, const ddp_process_group *pg);
-/* Picks the strategy and shards the data over the trainers. */
-void ddp__train_ps_place(ddp_trainer *t);
-
-/* ---- The pipeline (strategy_pipeline.c; options.pipeline) ---- */
-
-/* Whether options.pipeline fits the group and the other options. */
-ddp_status ddp__train_pipeline_check(const ddp_train_options *o, const ddp_process_group *pg);
-/* Before the optimizer: splits the group into the mesh's pipeline and
- * data-parallel groups, builds this rank's stage from t->model and points
- * t->step_model at it. Collective over the group. */
-ddp_status ddp__train_pipeline_prepare(ddp_trainer *t);
-/* Copies every stage's parameters and buffers into t->model on every rank
- * (the whole trained model, with its own names). Collective. */
-ddp_status ddp__train_pipeline_gather(ddp_trainer *t);
-/* Gathers model and optimizer state and has rank 0 write the whole
- * model's checkpoint. Collective. */
-ddp_status ddp__train_pipeline_save(ddp_trainer *t, const ddp_train_state *ts);
-/* Loads options.resume_path into the full model and takes this stage's part. */
-ddp_status ddp__train_pipeline_resume(ddp_trainer *t, ddp_train_state *start);
-/* The result's per-stage figures. Collective. */
-ddp_status ddp__train_pipeline_stats(ddp_trainer *t, ddp_train_result *res);
-/* "the mesh: rank 0 is stage 0 of replica 0, ..." into buf (for errors:
- * a peer named by its rank is also named by its stage); returns buf. */
-const char *ddp__train_pipeline_mesh(const ddp_trainer *t, char *buf, size_t bytes);
+/* The strategy of options o with group pg (strategy.c): the one o->strategy
+ * names, or for DDP_TRAIN_AUTO the pipeline with options.pipeline, the
+ * parameter server with options.param_server, data parallel with a group,
+ * else single. DDP_ERR_INVALID for an unknown value, and for a value that
+ * contradicts options.pipeline or options.param_server (naming both). */
+ddp_status ddp__train_strategy_choose(const ddp_train_options *o, const ddp_process_group *pg,
+                                      const ddp__train_strategy_ops **out);
 
 /* The trainer's state shared with its parts. */
 struct ddp_trainer {
@@ -87,25 +115,15 @@ struct ddp_trainer {
   ddp_dataset *train_ds, *test_ds;
   ddp_process_group *pg; /* NULL: one process */
   int rank, size;
-  const ddp__train_strategy *strategy;
-  ddp_dp *dp; /* the data-parallel strategy's wrapper */
+  const ddp__train_strategy_ops *strategy;
+  void *state; /* the strategy's own (strategy_<name>.c), or NULL */
   /* The model the optimizer steps: t->model, or under a pipeline this
-   * rank's stage (owned by the pipeline). */
+   * rank's stage (owned by the strategy). */
   ddp_model *step_model;
   /* How the sampler shards the data: over `replicas` by `replica` (the
-   * group's size and rank, or the pipeline mesh's replicas). */
+   * group's size and rank, the pipeline mesh's replicas, the parameter
+   * server's trainers). */
   int replicas, replica;
-  /* The pipeline strategy (strategy_pipeline.c): this rank's stage index in its
-   * pipeline, the pipeline, its group and the stage's data-parallel group
-   * (both from splits, owned), the last stage's evaluation outputs, the
-   * unsplit model's optimizer for checkpoints, a full model's floats. */
-  int stage_rank;
-  ddp_pipeline *pp;
-  ddp_process_group *pipe_pg, *stage_dp_pg;
-  ddp_dp *stage_dp; /* the stage's data-parallel wrapper over stage_dp_pg (replicas > 1) */
-  ddp_tensor *eval_out;
-  ddp_optimizer *full_opt;
-  float *gather;
   ddp_optimizer *opt;
   ddp_scheduler *sched;
   ddp_sampler *train_sampler, *test_sampler;
@@ -118,15 +136,81 @@ struct ddp_trainer {
    * (device_batch.c). */
   ddp_tensor *device_x, *device_y;
   ddp_device_stage *stage;
-  /* o.cuda_graph: the captured step and what it keeps (graph_step.c). */
+  /* o.cuda_graph: the captured step and what it keeps (graph_step.c), a
+   * variant of ddp__train_step_eager. */
   struct ddp__train_graph *graph;
   /* o.trace_path: the run's timeline (trace.c), made when the run starts
    * and written when it returns; NULL when not tracing. */
   struct ddp__trace *trace;
-  /* The last eager step's clock readings (ddp_time_ns): forward start,
-   * forward end (loss read), backward end, optimizer end. */
+  /* The last step's clock readings (ddp_time_ns): forward start, forward
+   * end (loss read), backward end, optimizer end. */
   int64_t step_marks[4];
 };
+
+/* Steps left out of the steady figures, as PyTorch's reference script
+ * leaves out its 10 warm-up steps (first touch of the activations, the
+ * wrapper's one-time bucket relayout). */
+#define DDP__TRAIN_WARMUP_STEPS 10
+
+/* Early stopping: patience evaluations in a row without a better test loss. */
+typedef struct ddp__train_patience {
+  int64_t limit; /* 0 = never stop */
+  int64_t without_better;
+  double best_loss;
+} ddp__train_patience;
+
+/* Everything the loop (loop.c) keeps between steps. Phases are in seconds
+ * while they accumulate and become milliseconds only in what callers see. */
+typedef struct ddp__train_run {
+  ddp_train_state start;
+  int64_t per_epoch, total_steps;
+  int64_t step, samples, epochs_done;
+  /* The position a checkpoint records: the epoch in progress and the
+   * batches of it consumed; (next epoch, 0) once an epoch's end is
+   * processed. */
+  int64_t pos_epoch, pos_batches;
+  double train_seconds;
+  /* The same rate without this process's first DDP__TRAIN_WARMUP_STEPS steps. */
+  double steady_seconds;
+  int64_t steady_samples, steps_here;
+  ddp_train_phases steady; /* seconds, summed */
+  ddp_preempt_clock preempt_clock;
+  double epoch_loss_sum, all_loss_sum;
+  int64_t epoch_steps;  /* batches of this epoch consumed (also before a resume) */
+  int64_t epoch_losses; /* of those, steps run by this process */
+  ddp__train_patience pat;
+  double last_loss, last_accuracy;
+  bool evaluated_now, stop;
+  ddp_train_stop stopped;
+} ddp__train_run;
+
+/* ---- Checkpoints (checkpoint.c) ---- */
+
+/* Writes the checkpoint of position (step, epoch, epoch_batches) and
+ * early stopping's *pat through the strategy; every rank waits at a
+ * barrier until it is on disk. Collective. */
+ddp_status ddp__train_save(ddp_trainer *t, int64_t step, int64_t epoch, int64_t epoch_batches,
+                           const ddp__train_patience *pat);
+/* Where training starts: the beginning, or options.resume_path loaded
+ * through the strategy (refused when saved mid-epoch by another number of
+ * shards). */
+ddp_status ddp__train_resume(ddp_trainer *t, ddp_train_state *start);
+
+/* ---- The result (result.c) ---- */
+
+/* count / seconds, 0 without time. */
+double ddp__train_per_second(int64_t count, double seconds);
+/* The figures of the result, after the loop. Collective: gathers every
+ * rank's preempted time, and the strategy's figures. */
+ddp_status ddp__train_fill_result(ddp_trainer *t, const ddp__train_run *r, ddp_train_result *res);
+
+/* ---- The step (step.c) ---- */
+
+/* The step of a strategy that gives forward and backward (single, data
+ * parallel): the batch through the CUDA graph when it takes it (o.cuda_graph,
+ * a full batch), else copied to the device and ddp__train_eager_step on the
+ * trainer's tape, in micro-batches with o.microbatches > 1. */
+ddp_status ddp__train_step_eager(ddp_trainer *t, ddp_batch *b, ddp__train_step_out *out);
 
 /* One eager step on `tape` from the batch (x, y) already on the device:
  * zero_grad, forward, loss (read back: *loss), backward, optimizer. Fills

@@ -246,6 +246,40 @@ static void test_bad_options_are_named(void **state) {
   o.strategy = DDP_TRAIN_DATA_PARALLEL;
   assert_int_equal(ddp_trainer_create(&t, model, train, test, NULL, &o), DDP_ERR_INVALID);
   assert_non_null(strstr(ddp_last_error(), "needs a process group"));
+  /* The strategy named, and the options that choose one under AUTO: a
+   * contradiction names both; no pointer is followed before. */
+  ddp_train_pipeline pipeline = {.stages = 2};
+  ddp_ps_client *not_a_client = (ddp_ps_client *)&pipeline;
+  const struct {
+    ddp_train_strategy strategy;
+    const ddp_train_pipeline *pipeline;
+    ddp_ps_client *param_server;
+    const char *message;
+  } contradictions[] = {
+      {DDP_TRAIN_PIPELINE, NULL, NULL, "strategy pipeline needs options.pipeline"},
+      {DDP_TRAIN_PARAM_SERVER, NULL, NULL, "strategy param_server needs options.param_server"},
+      {DDP_TRAIN_SINGLE, &pipeline, NULL, "strategy single contradicts options.pipeline"},
+      {DDP_TRAIN_DATA_PARALLEL, &pipeline, NULL,
+       "strategy data_parallel contradicts options.pipeline"},
+      {DDP_TRAIN_PARAM_SERVER, &pipeline, NULL,
+       "strategy param_server contradicts options.pipeline"},
+      {DDP_TRAIN_SINGLE, NULL, not_a_client, "strategy single contradicts options.param_server"},
+      {DDP_TRAIN_PIPELINE, NULL, not_a_client,
+       "strategy pipeline contradicts options.param_server"},
+      {DDP_TRAIN_AUTO, &pipeline, not_a_client, "options.pipeline and options.param_server"},
+      {(ddp_train_strategy)99, NULL, NULL, "unknown strategy 99"},
+  };
+  for (size_t i = 0; i < sizeof contradictions / sizeof contradictions[0]; i++) {
+    o = ddp_train_defaults();
+    o.strategy = contradictions[i].strategy;
+    o.pipeline = contradictions[i].pipeline;
+    o.param_server = contradictions[i].param_server;
+    t = (ddp_trainer *)&t;
+    assert_int_equal(ddp_trainer_create(&t, model, train, test, NULL, &o), DDP_ERR_INVALID);
+    assert_null(t);
+    if (!strstr(ddp_last_error(), contradictions[i].message))
+      fail_msg("case %zu: \"%s\" lacks \"%s\"", i, ddp_last_error(), contradictions[i].message);
+  }
   o = ddp_train_defaults();
   o.batch_size = 0;
   assert_int_equal(ddp_trainer_create(&t, model, train, test, NULL, &o), DDP_ERR_INVALID);

@@ -1,0 +1,56 @@
+/* Checkpoints of a training run (the files: docs/io.md; a pipeline's:
+ * docs/train.md, "Pipeline"): the save at a position of the loop, written
+ * through the strategy, and the resumption that fills where the loop
+ * starts. */
+#include <math.h>
+
+#include "train/train_internal.h"
+
+/* The strategy writes the checkpoint (by default rank 0); every rank waits
+ * at a barrier until it is on disk, so none can go on (exit, or load it)
+ * before. */
+ddp_status ddp__train_save(ddp_trainer *t, int64_t step, int64_t epoch, int64_t epoch_batches,
+                           const ddp__train_patience *pat) {
+  ddp_train_state ts = {.step = step, .epoch = epoch, .epoch_batches = epoch_batches,
+                        .sampler_seed = t->o.seed, .world_size = t->replicas,
+                        .best_test_loss = pat->best_loss,
+                        .evals_without_better = pat->without_better};
+  if (t->strategy->save) {
+    DDP_TRY(t->strategy->save(t, &ts));
+  } else if (t->rank == 0) {
+    ddp_status s = ddp_checkpoint_save(t->o.save_path, t->model, t->opt, t->sched, &ts,
+                                       t->o.checkpoint_meta, t->o.checkpoint_meta_count);
+    if (s != DDP_OK) return ddp_error_wrap(s, "saving the checkpoint");
+  }
+  if (t->pg) {
+    ddp_status s = ddp_barrier(t->pg);
+    if (s != DDP_OK) return ddp_error_wrap(s, "waiting for rank 0 to save the checkpoint");
+  }
+  return DDP_OK;
+}
+
+/* Loads resume_path through the strategy (by default every rank reads the
+ * files into the model, optimizer and schedule) and fills where training
+ * continues. A checkpoint taken mid-epoch by another number of shards
+ * (ranks, replicas) is refused: the epoch's order depends on it. */
+ddp_status ddp__train_resume(ddp_trainer *t, ddp_train_state *start) {
+  *start = (ddp_train_state){.world_size = t->replicas, .best_test_loss = INFINITY};
+  if (!t->o.resume_path) return DDP_OK;
+  ddp_status s = t->strategy->resume
+                     ? t->strategy->resume(t, start)
+                     : ddp_checkpoint_load(t->o.resume_path, t->model, t->opt, t->sched, start,
+                                           t->o.checkpoint_meta, t->o.checkpoint_meta_count);
+  if (s != DDP_OK) return ddp_error_wrap(s, "resuming");
+  /* The data's shards: ranks, a pipeline's replicas. */
+  const char *shards = t->strategy->shards ? t->strategy->shards : "ranks";
+  const char *shards_long = t->strategy->shards_long ? t->strategy->shards_long : shards;
+  if (start->world_size != t->replicas && start->epoch_batches > 0)
+    return ddp_error(DDP_ERR_INVALID,
+                     "%s was saved by %lld %s in the middle of epoch %lld; this run has %d "
+                     "%s, which split that epoch differently (resume with %lld %s, or from a "
+                     "checkpoint taken at the end of an epoch)",
+                     t->o.resume_path, (long long)start->world_size, shards_long,
+                     (long long)start->epoch + 1, t->replicas, shards,
+                     (long long)start->world_size, shards);
+  return DDP_OK;
+}

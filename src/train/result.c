@@ -1,0 +1,58 @@
+/* The result of a training run (ddp_train_result): its figures from the
+ * loop's state once the loop is over, and their release. */
+#include <math.h>
+#include <stdlib.h>
+
+#include "train/train_internal.h"
+
+double ddp__train_per_second(int64_t count, double seconds) {
+  return seconds > 0 ? (double)count / seconds : 0;
+}
+
+ddp_status ddp__train_fill_result(ddp_trainer *t, const ddp__train_run *r, ddp_train_result *res) {
+  int64_t steps_run = r->step - r->start.step;
+  const int64_t warmup = DDP__TRAIN_WARMUP_STEPS;
+  double steady_steps = r->steps_here > warmup ? (double)(r->steps_here - warmup) : 0;
+  res->samples_per_s = ddp__train_per_second(r->samples, r->train_seconds);
+  res->steady_samples_per_s =
+      r->steady_samples ? ddp__train_per_second(r->steady_samples, r->steady_seconds) : NAN;
+  /* Mean over the last epoch's steps, or over all steps when fewer than an
+   * epoch ran. */
+  res->train_loss = steps_run == 0             ? NAN
+                    : steps_run < r->per_epoch ? r->all_loss_sum / (double)steps_run
+                    : r->epoch_losses          ? r->epoch_loss_sum / (double)r->epoch_losses
+                                               : NAN;
+  res->test_loss = r->last_loss;
+  res->test_accuracy = r->last_accuracy;
+  res->steps = r->step;
+  res->steps_run = steps_run;
+  res->epochs = r->per_epoch ? (double)r->step / (double)r->per_epoch : 0;
+  res->world_size = t->size;
+  res->stopped = r->stopped;
+  const ddp_train_phases *p = &r->steady;
+  const double n = steady_steps;
+  res->steady_phases = (ddp_train_phases){1e3 * p->load_ms / n, 1e3 * p->forward_ms / n,
+                                          1e3 * p->backward_compute_ms / n,
+                                          1e3 * p->backward_comm_ms / n, 1e3 * p->optimizer_ms / n,
+                                          1e3 * p->step_ms / n, 1e3 * p->preempted_ms / n};
+  /* Every rank's mean preempted time over its steady steps: in a
+   * synchronous step one rank's preemption stalls them all. */
+  res->steady_preempted_ms_per_rank = calloc((size_t)t->size, sizeof(double));
+  if (!res->steady_preempted_ms_per_rank)
+    return ddp_error(DDP_ERR_NOMEM, "out of memory for %d ranks' figures", t->size);
+  res->steady_preempted_ms_per_rank[t->rank] =
+      steady_steps > 0 ? 1e3 * p->preempted_ms / steady_steps : NAN;
+  ddp_status s = ddp__train_sum(t, res->steady_preempted_ms_per_rank, t->size);
+  if (s != DDP_OK) return ddp_error_wrap(s, "gathering the ranks' preempted time");
+  if (t->strategy->figures) DDP_TRY(t->strategy->figures(t, res));
+  return DDP_OK;
+}
+
+void ddp_train_result_free(ddp_train_result *r) {
+  if (!r) return;
+  free(r->steady_preempted_ms_per_rank);
+  r->steady_preempted_ms_per_rank = NULL;
+  free((void *)r->stages);
+  r->stages = NULL;
+  r->n_stages = 0;
+}
