@@ -80,7 +80,11 @@ h = json.loads(b[8:8 + n])
 for k in ("ddp.checkpoint_id", "ddp.model_pending"):
     h.get("__metadata__", {}).pop(k, None)
 print(json.dumps(h, sort_keys=True), hashlib.sha256(b[8 + n:]).hexdigest())' "$1"; }
-rates='s/[0-9]+ samples\/s//; s/[0-9.]+ steps\/s//; s/ETA [0-9:-]+//'
+# Rates and ETAs are timings; so is whether a progress line is printed at
+# all (ddp-train prints one every 5 s of wall time off a terminal, so a slow
+# run prints more): progress lines are dropped, their losses are compared
+# through the --log lines.
+rates='/ step [0-9]+\/[0-9]+ /d; s/[0-9]+ samples\/s//; s/[0-9.]+ steps\/s//; s/ETA [0-9:-]+//'
 # run_one SIDE BIN WORLD TAG ARGS...: one run, its outputs in $work/SIDE.TAG.*
 # (state.{rank}, log, out, err and, under ddprun, logs/ with each rank's).
 run_one() {
