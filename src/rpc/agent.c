@@ -52,10 +52,12 @@ int ddp__rpc_module_index(const ddp__rpc_module *module) {
   return -1;
 }
 
-void ddp_rpc_options_init(ddp_rpc_options *opts) {
-  memset(opts, 0, sizeof *opts);
-  opts->rank = -1;
-  opts->world_size = -1;
+ddp_rpc_options ddp_rpc_defaults(void) {
+  ddp_rpc_options opts;
+  memset(&opts, 0, sizeof opts);
+  opts.rank = -1;
+  opts.world_size = -1;
+  return opts;
 }
 
 static void init_cond(pthread_cond_t *cv) {
@@ -438,8 +440,7 @@ ddp_status ddp_rpc_init(const ddp_rpc_options *opts, ddp_rpc_agent **out) {
     base = opts->store;
     if (init_timeout_s <= 0) init_timeout_s = (double)ddp_store_timeout_ms(base) / 1e3;
   } else {
-    ddp_rendezvous_options ro;
-    ddp_rendezvous_options_init(&ro);
+    ddp_rendezvous_options ro = ddp_rendezvous_defaults();
     ro.rank = opts->rank;
     ro.world_size = opts->world_size;
     ro.timeout_s = init_timeout_s;
