@@ -135,7 +135,7 @@ int main(int argc, char **argv) {
   int64_t *sy = NULL;
   ddp_tensor tx, ty;
   if (ds) {
-    ddp_loader_config lc = ddp_loader_config_default();
+    ddp_loader_config lc = ddp_loader_defaults();
     lc.batch_size = batch;
     lc.shuffle = true;
     lc.drop_last = true;

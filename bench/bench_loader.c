@@ -91,7 +91,7 @@ int main(int argc, char **argv) {
   snprintf(list, sizeof list, "%s", workers_list);
   double checksum = 0;
   for (char *tok = strtok(list, ","); tok; tok = strtok(NULL, ",")) {
-    ddp_loader_config cfg = ddp_loader_config_default();
+    ddp_loader_config cfg = ddp_loader_defaults();
     cfg.batch_size = batch;
     cfg.shuffle = true;
     cfg.seed = 0;

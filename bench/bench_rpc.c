@@ -46,8 +46,7 @@ static int worker(int rank, const bench_opts *b) {
   char name[16];
   snprintf(name, sizeof name, "w%d", rank);
   ddp_rpc_register("echo", echo, NULL);
-  ddp_rpc_options o;
-  ddp_rpc_options_init(&o);
+  ddp_rpc_options o = ddp_rpc_defaults();
   o.name = name;
   o.rank = rank;
   o.world_size = 2;

@@ -114,7 +114,7 @@ int main(int argc, char **argv) {
   int64_t test_n = ddp_dataset_size(test);
   if (o.eval_samples && o.eval_samples < test_n) test_n = o.eval_samples;
   CHECK(ddp_sampler_create_distributed_eval(&test_sampler, test_n, world, rank));
-  ddp_loader_config lc = ddp_loader_config_default(); /* batch_size=100, num_workers=0 */
+  ddp_loader_config lc = ddp_loader_defaults(); /* batch_size=100, num_workers=0 */
   lc.batch_size = 100;
   lc.sampler = train_sampler;
   ddp_loader *train_loader, *test_loader;

@@ -185,7 +185,7 @@ static double evaluate(parameter_server *ps) {
   ddp_dataset *test;
   CHECK(ddp_dataset_open_idx_dir(&test, opts.data, DDP_SPLIT_TEST));
   if (opts.eval_samples) CHECK(ddp_dataset_truncate(test, opts.eval_samples));
-  ddp_loader_config lc = ddp_loader_config_default();
+  ddp_loader_config lc = ddp_loader_defaults();
   lc.batch_size = 1000;
   lc.normalize = true, lc.mean = 0.1307f, lc.std = 0.3081f;
   ddp_loader *loader;
@@ -269,7 +269,7 @@ static ddp_status trainer_run(ddp_rpc_call *call, const ddp_rpc_message *args,
   ddp_dataset *train = NULL;
   ddp_loader *loader = NULL;
   if (s == DDP_OK) s = ddp_dataset_open_idx_dir(&train, opts.data, DDP_SPLIT_TRAIN);
-  ddp_loader_config lc = ddp_loader_config_default();
+  ddp_loader_config lc = ddp_loader_defaults();
   lc.batch_size = a.batch;
   lc.shuffle = true;
   lc.seed = a.seed + (uint64_t)rank; /* the reference's generator seed a.seed + rank */
@@ -327,8 +327,7 @@ int main(int argc, char **argv) {
   /* By hand (--rank), as the seed: MASTER_ADDR and MASTER_PORT, default
    * localhost:29500; under ddprun, its variables (env://). */
   char url[256];
-  ddp_rpc_options ro;
-  ddp_rpc_options_init(&ro);
+  ddp_rpc_options ro = ddp_rpc_defaults();
   if (opts.rank >= 0) {
     snprintf(url, sizeof url, "tcp://%s:%s", ddp_env_str("MASTER_ADDR", "localhost"),
              ddp_env_str("MASTER_PORT", "29500"));

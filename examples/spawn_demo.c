@@ -56,8 +56,7 @@ int main(int argc, char **argv) {
   int nprocs = argc > 1 ? atoi(argv[1]) : 4;
   demo_args args = {.fail_rank = -1};
   if (argc > 3 && strcmp(argv[2], "--fail") == 0) args.fail_rank = atoi(argv[3]);
-  ddp_spawn_options opts;
-  ddp_spawn_options_init(&opts);
+  ddp_spawn_options opts = ddp_spawn_defaults();
   opts.timeout_s = 60;
   opts.grace_s = 2;
   if (ddp_spawn(nprocs, worker, &args, &opts) != DDP_OK) {

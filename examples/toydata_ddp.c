@@ -99,7 +99,7 @@ int main(int argc, char **argv) {
   ddp_sampler *sampler; /* DistributedSampler(dataset): shuffles by default */
   ddp_distributed_sampler_options so = ddp_distributed_sampler_defaults(world, rank);
   CHECK(ddp_sampler_create_distributed(&sampler, o.samples, &so));
-  ddp_loader_config lc = ddp_loader_config_default();
+  ddp_loader_config lc = ddp_loader_defaults();
   lc.batch_size = o.batch_size;
   lc.sampler = sampler;
   ddp_loader *loader; /* DataLoader(dataset, batch_size=bsz, sampler=sampler) */

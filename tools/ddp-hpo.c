@@ -404,9 +404,8 @@ static int need_trait(const ddp_hpo_space *s, const char *name, ddp_hpo_trait_ki
   return i;
 }
 
-int main(int argc, char **argv) {
-  args a;
-  parse_args(argc, argv, &a);
+/* One BLAS thread per rank, and a heap that keeps what an evaluation frees. */
+static void tune_process(void) {
   openblas_set_num_threads(1);
 #ifdef __GLIBC__
   /* Every evaluation builds a trainer and frees it: keep the freed memory
@@ -416,85 +415,187 @@ int main(int argc, char **argv) {
   mallopt(M_MMAP_THRESHOLD, 256 << 20);
   mallopt(M_TRIM_THRESHOLD, 512 << 20);
 #endif
-  /* Several ranks when a launcher says so: the job's store carries the
-   * island's exchange, the world group the workers' splits. */
-  ddp_rendezvous_info job = {0};
-  ddp_process_group *world = NULL;
+}
+
+/* Several ranks when a launcher says so: the job's store carries the
+ * island's exchange, the world group the workers' splits. *world stays
+ * NULL for a single process. Returns the exit code of a refusal, else 0. */
+static int join_job(const args *a, ddp_rendezvous_info *job, ddp_process_group **world) {
   if (ddp_rendezvous_requested()) {
-    CHECK(ddp_rendezvous("env://", NULL, &job), "joining the job");
-    CHECK(ddp_process_group_create(job.store, job.rank, job.world_size, NULL, &world),
+    CHECK(ddp_rendezvous("env://", NULL, job), "joining the job");
+    CHECK(ddp_process_group_create(job->store, job->rank, job->world_size, NULL, world),
           "connecting the ranks");
-    if (job.world_size % a.o.ranks_per_worker != 0) {
+    if (job->world_size % a->o.ranks_per_worker != 0) {
       fprintf(stderr, "ddp-hpo: %d ranks do not split into workers of %d (--ranks-per-worker "
-                      "must divide the world's size)\n", job.world_size, a.o.ranks_per_worker);
+                      "must divide the world's size)\n", job->world_size, a->o.ranks_per_worker);
       return 2;
     }
-  } else if (a.o.ranks_per_worker > 1) {
+  } else if (a->o.ranks_per_worker > 1) {
     fprintf(stderr, "ddp-hpo: --ranks-per-worker %d needs that many ranks: start ddp-hpo with "
-                    "ddprun, srun or mpirun\n", a.o.ranks_per_worker);
+                    "ddprun, srun or mpirun\n", a->o.ranks_per_worker);
     return 2;
   }
-  const int rank = world ? job.rank : 0;
-  objective ob = {.a = &a, .started = ddp_time_s(), .lead = rank % a.o.ranks_per_worker == 0,
-                  .worker_rank0 = rank - rank % a.o.ranks_per_worker};
-  char bench_space[4096];
-  const char *spec = a.space;
-  if (!strncmp(a.objective, "cmd:", 4)) {
-    if (hpo_cmd_parse(a.objective + 4, &ob.cmd) != DDP_OK) die_usage("%s", ddp_last_error());
-    ob.cmd.loss_key = a.loss_key;
-    ob.store_addr = job.store_addr;
-    if (!spec) die_usage("--objective %s needs --space", a.objective);
-  } else if (strcmp(a.objective, "convnet") != 0) {
+  return 0;
+}
+
+/* The objective named by --objective (cmd:..., a benchmark function or
+ * convnet) into *ob, and *spec: the space to search (--space, else the
+ * objective's own, written into bench_space for a benchmark). Returns the
+ * exit code of a refusal, else 0. */
+static int choose_objective(const args *a, const ddp_rendezvous_info *job, objective *ob, const char **spec,
+                            char *bench_space, size_t bench_space_bytes) {
+  *spec = a->space;
+  if (!strncmp(a->objective, "cmd:", 4)) {
+    if (hpo_cmd_parse(a->objective + 4, &ob->cmd) != DDP_OK) die_usage("%s", ddp_last_error());
+    ob->cmd.loss_key = a->loss_key;
+    ob->store_addr = job->store_addr;
+    if (!*spec) die_usage("--objective %s needs --space", a->objective);
+  } else if (strcmp(a->objective, "convnet") != 0) {
     int dims;
-    ddp_status s = ddp_hpo_benchmark(a.objective, &ob.bench, &dims, bench_space, sizeof bench_space);
+    ddp_status s = ddp_hpo_benchmark(a->objective, &ob->bench, &dims, bench_space, bench_space_bytes);
     if (s != DDP_OK) {
       fprintf(stderr, "ddp-hpo: --objective: %s, or convnet\n", ddp_last_error());
       return 2;
     }
-    ob.quartic = !strcmp(a.objective, "quartic");
-    ddp_pyrandom_seed(&ob.quartic_noise, a.o.seed + 1000003);
-    if (!spec) spec = bench_space;
-  } else if (!spec) {
-    spec = CONVNET_SPACE;
+    ob->quartic = !strcmp(a->objective, "quartic");
+    ddp_pyrandom_seed(&ob->quartic_noise, a->o.seed + 1000003);
+    if (!*spec) *spec = bench_space;
+  } else if (!*spec) {
+    *spec = CONVNET_SPACE;
   }
-  if (a.o.resume && !a.o.checkpoint_dir) die_usage("%s needs --checkpoint DIR", "--resume");
-  /* What a resumed search must share besides the search's own options. */
-  char fingerprint[8192];
-  snprintf(fingerprint, sizeof fingerprint,
+  return 0;
+}
+
+/* What a resumed search must share besides the search's own options. */
+static void write_fingerprint(const args *a, char *out, size_t bytes) {
+  snprintf(out, bytes,
            "objective=%s\nspace=%s\ndata=%s\nepochs=%lld\npatience=%lld\nbatch_size=%lld\n"
            "max_steps=%lld\ntrain_samples=%lld\nval_samples=%lld\neval_batch_size=%lld",
-           a.objective,
-           a.space ? a.space : "(the objective's)", a.data, (long long)a.epochs,
-           (long long)a.patience, (long long)a.batch_size, (long long)a.max_steps,
-           (long long)a.train_samples, (long long)a.val_samples, (long long)a.eval_batch_size);
+           a->objective,
+           a->space ? a->space : "(the objective's)", a->data, (long long)a->epochs,
+           (long long)a->patience, (long long)a->batch_size, (long long)a->max_steps,
+           (long long)a->train_samples, (long long)a->val_samples, (long long)a->eval_batch_size);
+}
+
+/* Checks the space against the objective and, for convnet, finds its
+ * traits and loads the data. Returns the seconds the data took (0 when
+ * none). */
+static double prepare_objective(const args *a, objective *ob, const ddp_hpo_space *space, const char *spec) {
+  if (ob->bench) {
+    for (int i = 0; i < ddp_hpo_space_size(space); i++)
+      if (ddp_hpo_space_trait(space, i)->kind != DDP_HPO_FLOAT &&
+          ddp_hpo_space_trait(space, i)->kind != DDP_HPO_LOGFLOAT)
+        die_usage("a benchmark function takes float traits only (--space '%s')", spec);
+    return 0;
+  }
+  if (ob->cmd.argc) return 0;
+  ob->i_layers = need_trait(space, "conv_layers", DDP_HPO_INT, DDP_HPO_INT);
+  ob->i_activation = need_trait(space, "activation", DDP_HPO_CATEGORICAL, DDP_HPO_CATEGORICAL);
+  ob->i_lr = need_trait(space, "lr", DDP_HPO_FLOAT, DDP_HPO_LOGFLOAT);
+  ob->i_gamma = need_trait(space, "gamma", DDP_HPO_FLOAT, DDP_HPO_LOGFLOAT);
+  /* Once per process, and only the images the budget uses: decoding all
+   * 60,000 training images took 0.6 s of CPU per rank for the 2,000 of a
+   * reduced budget. */
+  double data_s = ddp_time_s();
+  CHECK(ddp_dataset_open_idx_dir_first(&ob->train, a->data, DDP_SPLIT_TRAIN, a->train_samples),
+        "loading the training set");
+  CHECK(ddp_dataset_open_idx_dir_first(&ob->test, a->data, DDP_SPLIT_TEST, a->val_samples),
+        "loading the test set");
+  return ddp_time_s() - data_s;
+}
+
+/* The summary, as Propulate's: the top n individuals by loss on stderr, the
+ * log of every individual, and with --json one line of figures. Rank 0
+ * only (it holds the island). Returns the exit code of a failure, else 0. */
+static int report(const args *a, const objective *ob, const ddp_hpo_space *space, const ddp_hpo_result *r,
+                  FILE *log, double seconds, double data_s, int world_size) {
+  int64_t n = r->count, top = a->top_n < n ? a->top_n : n;
+  int64_t *order = malloc((size_t)n * sizeof *order);
+  if (!order) die("the summary", DDP_ERR_NOMEM);
+  for (int64_t i = 0; i < n; i++) order[i] = i;
+  for (int64_t i = 1; i < n; i++) /* stable: the earlier of equal losses first */
+    for (int64_t j = i; j > 0 && r->individuals[order[j - 1]].loss > r->individuals[order[j]].loss; j--) {
+      int64_t x = order[j];
+      order[j] = order[j - 1];
+      order[j - 1] = x;
+    }
+  if (log) {
+    for (int64_t i = 0; i < n; i++) log_individual(log, space, &r->individuals[i], ob->started);
+    if (fclose(log) != 0) {
+      fprintf(stderr, "ddp-hpo: error: writing the log %s: %s\n", a->log_path, strerror(errno));
+      return 1;
+    }
+  }
+  fprintf(stderr, "%lld individuals known on rank 0's island after %.2f s; top %lld on island 0:\n",
+          (long long)n, seconds, (long long)top);
+  for (int64_t k = 0; k < top; k++) {
+    const ddp_hpo_individual *ind = &r->individuals[order[k]];
+    char buf[1024];
+    ddp_hpo_format(space, ind->values, buf, sizeof buf);
+    fprintf(stderr, "(%lld): %s, loss %.6g, island %d, worker %d, generation %lld\n",
+            (long long)k + 1, buf, ind->loss, ind->island, ind->worker, (long long)ind->generation);
+  }
+  if (a->json) {
+    const ddp_hpo_individual *best = &r->individuals[order[0]];
+    char buf[1024];
+    ddp_hpo_format(space, best->values, buf, sizeof buf);
+    /* Every worker evaluated `generations`; rank 0 knows its island's. */
+    const int workers = world_size / a->o.ranks_per_worker;
+    const int64_t evaluations = a->o.generations * workers;
+    printf("{\"evaluations\": %lld, \"seconds\": %.6g, \"evals_per_s\": %.6g, \"workers\": %d, "
+           "\"islands\": %d, \"known_on_island_0\": %lld, \"data_seconds\": %.6g, ",
+           (long long)evaluations, seconds, evaluations / seconds, workers, a->o.islands,
+           (long long)n, data_s);
+    if (isfinite(best->loss)) printf("\"best_loss\": %.17g, ", best->loss);
+    else printf("\"best_loss\": null, ");
+    printf("\"best\": \"%s\", \"best_worker\": %d, \"best_generation\": %lld, "
+           "\"objective\": \"%s\"}\n",
+           buf, best->worker, (long long)best->generation, a->objective);
+  }
+  free(order);
+  return 0;
+}
+
+/* Frees what the search used and leaves the job together (rank 0 may host
+ * the store). */
+static void leave_job(ddp_hpo_space *space, objective *ob, ddp_process_group *world, ddp_rendezvous_info *job) {
+  ddp_hpo_space_destroy(space);
+  ddp_dataset_destroy(ob->test);
+  ddp_dataset_destroy(ob->train);
+  hpo_cmd_free(&ob->cmd);
+  if (world) {
+    (void)ddp_barrier(world);
+    ddp_process_group_destroy(world);
+  }
+  ddp_rendezvous_info_destroy(job);
+}
+
+int main(int argc, char **argv) {
+  args a;
+  parse_args(argc, argv, &a);
+  tune_process();
+  ddp_rendezvous_info job = {0};
+  ddp_process_group *world = NULL;
+  int code = join_job(&a, &job, &world);
+  if (code) return code;
+  const int rank = world ? job.rank : 0;
+  objective ob = {.a = &a, .started = ddp_time_s(), .lead = rank % a.o.ranks_per_worker == 0,
+                  .worker_rank0 = rank - rank % a.o.ranks_per_worker};
+  char bench_space[4096];
+  const char *spec;
+  code = choose_objective(&a, &job, &ob, &spec, bench_space, sizeof bench_space);
+  if (code) return code;
+  if (a.o.resume && !a.o.checkpoint_dir) die_usage("%s needs --checkpoint DIR", "--resume");
+  char fingerprint[8192];
+  write_fingerprint(&a, fingerprint, sizeof fingerprint);
   a.o.fingerprint = fingerprint;
   ddp_hpo_space *space;
-  double data_s = 0; /* convnet: opening and decoding the data sets, once per process */
   if (ddp_hpo_space_parse(spec, &space) != DDP_OK) {
     fprintf(stderr, "ddp-hpo: --space: %s\n(run ddp-hpo --help for the options)\n",
             ddp_last_error());
     return 2;
   }
-  if (ob.bench) {
-    for (int i = 0; i < ddp_hpo_space_size(space); i++)
-      if (ddp_hpo_space_trait(space, i)->kind != DDP_HPO_FLOAT &&
-          ddp_hpo_space_trait(space, i)->kind != DDP_HPO_LOGFLOAT)
-        die_usage("a benchmark function takes float traits only (--space '%s')", spec);
-  } else if (!ob.cmd.argc) {
-    ob.i_layers = need_trait(space, "conv_layers", DDP_HPO_INT, DDP_HPO_INT);
-    ob.i_activation = need_trait(space, "activation", DDP_HPO_CATEGORICAL, DDP_HPO_CATEGORICAL);
-    ob.i_lr = need_trait(space, "lr", DDP_HPO_FLOAT, DDP_HPO_LOGFLOAT);
-    ob.i_gamma = need_trait(space, "gamma", DDP_HPO_FLOAT, DDP_HPO_LOGFLOAT);
-    /* Once per process, and only the images the budget uses: decoding all
-     * 60,000 training images took 0.6 s of CPU per rank for the 2,000 of a
-     * reduced budget. */
-    data_s = ddp_time_s();
-    CHECK(ddp_dataset_open_idx_dir_first(&ob.train, a.data, DDP_SPLIT_TRAIN, a.train_samples),
-          "loading the training set");
-    CHECK(ddp_dataset_open_idx_dir_first(&ob.test, a.data, DDP_SPLIT_TEST, a.val_samples),
-          "loading the test set");
-    data_s = ddp_time_s() - data_s;
-  }
+  double data_s = prepare_objective(&a, &ob, space, spec); /* convnet: once per process */
   FILE *log = NULL;
   if (a.log_path && rank == 0) {
     log = fopen(a.log_path, "w");
@@ -507,66 +608,11 @@ int main(int argc, char **argv) {
   double t0 = ddp_time_s();
   CHECK(ddp_hpo_search_world(space, &a.o, evaluate, &ob, world, job.store, &r), "searching");
   double seconds = ddp_time_s() - t0;
-  if (rank != 0) { /* rank 0 holds the island and reports */
-    ddp_hpo_result_free(&r);
-    goto done;
+  if (rank == 0) { /* rank 0 holds the island and reports */
+    code = report(&a, &ob, space, &r, log, seconds, data_s, world ? job.world_size : 1);
+    if (code) return code;
   }
-
-  /* The summary, as Propulate's: the top n individuals by loss. */
-  int64_t n = r.count, top = a.top_n < n ? a.top_n : n;
-  int64_t *order = malloc((size_t)n * sizeof *order);
-  if (!order) die("the summary", DDP_ERR_NOMEM);
-  for (int64_t i = 0; i < n; i++) order[i] = i;
-  for (int64_t i = 1; i < n; i++) /* stable: the earlier of equal losses first */
-    for (int64_t j = i; j > 0 && r.individuals[order[j - 1]].loss > r.individuals[order[j]].loss; j--) {
-      int64_t x = order[j];
-      order[j] = order[j - 1];
-      order[j - 1] = x;
-    }
-  if (log) {
-    for (int64_t i = 0; i < n; i++) log_individual(log, space, &r.individuals[i], ob.started);
-    if (fclose(log) != 0) {
-      fprintf(stderr, "ddp-hpo: error: writing the log %s: %s\n", a.log_path, strerror(errno));
-      return 1;
-    }
-  }
-  fprintf(stderr, "%lld individuals known on rank 0's island after %.2f s; top %lld on island 0:\n",
-          (long long)n, seconds, (long long)top);
-  for (int64_t k = 0; k < top; k++) {
-    const ddp_hpo_individual *ind = &r.individuals[order[k]];
-    char buf[1024];
-    ddp_hpo_format(space, ind->values, buf, sizeof buf);
-    fprintf(stderr, "(%lld): %s, loss %.6g, island %d, worker %d, generation %lld\n",
-            (long long)k + 1, buf, ind->loss, ind->island, ind->worker, (long long)ind->generation);
-  }
-  if (a.json) {
-    const ddp_hpo_individual *best = &r.individuals[order[0]];
-    char buf[1024];
-    ddp_hpo_format(space, best->values, buf, sizeof buf);
-    /* Every worker evaluated `generations`; rank 0 knows its island's. */
-    const int workers = (world ? job.world_size : 1) / a.o.ranks_per_worker;
-    const int64_t evaluations = a.o.generations * workers;
-    printf("{\"evaluations\": %lld, \"seconds\": %.6g, \"evals_per_s\": %.6g, \"workers\": %d, "
-           "\"islands\": %d, \"known_on_island_0\": %lld, \"data_seconds\": %.6g, ",
-           (long long)evaluations, seconds, evaluations / seconds, workers, a.o.islands,
-           (long long)n, data_s);
-    if (isfinite(best->loss)) printf("\"best_loss\": %.17g, ", best->loss);
-    else printf("\"best_loss\": null, ");
-    printf("\"best\": \"%s\", \"best_worker\": %d, \"best_generation\": %lld, "
-           "\"objective\": \"%s\"}\n",
-           buf, best->worker, (long long)best->generation, a.objective);
-  }
-  free(order);
   ddp_hpo_result_free(&r);
-done:
-  ddp_hpo_space_destroy(space);
-  ddp_dataset_destroy(ob.test);
-  ddp_dataset_destroy(ob.train);
-  hpo_cmd_free(&ob.cmd);
-  if (world) {
-    (void)ddp_barrier(world); /* rank 0 may host the store: leave together */
-    ddp_process_group_destroy(world);
-  }
-  ddp_rendezvous_info_destroy(&job);
+  leave_job(space, &ob, world, &job);
   return 0;
 }

@@ -105,8 +105,7 @@ int main(int argc, char **argv) {
     printf("ddprun (ddp) %s\n", ddp_version());
     return 0;
   }
-  ddp_launch_config cfg;
-  ddp_launch_config_init(&cfg);
+  ddp_launch_config cfg = ddp_launch_defaults();
   if (ddp_launch_parse_args(argc, argv, &cfg) != DDP_OK) {
     fprintf(stderr, "ddprun: %s\n(see ddprun --help)\n", ddp_last_error());
     return 2;

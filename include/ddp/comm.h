@@ -60,8 +60,9 @@ const char *ddp_reduce_op_name(ddp_reduce_op op); /* "sum", "avg", ... */
 
 typedef struct ddp_process_group ddp_process_group;
 
-/* Options for creating a group. Zero-initialise ({0}) for the defaults;
- * NULL wherever options are taken means all defaults. */
+/* Options for creating a group. Start from ddp_process_group_defaults();
+ * every default is zero, so a zero-initialised struct ({0}) means the same,
+ * and so does NULL wherever options are taken. */
 typedef struct ddp_process_group_options {
   /* Default timeout of every operation, seconds; <= 0: $DDP_TIMEOUT, 1800
    * when unset (PyTorch's default). */
@@ -71,6 +72,11 @@ typedef struct ddp_process_group_options {
   const char *transport;
   uint64_t reserved[8];
 } ddp_process_group_options;
+DDP_STRUCT_SIZE(ddp_process_group_options, 80);
+
+/* The defaults: timeout_s 0 ($DDP_TIMEOUT, else 1800 s), transport NULL
+ * (auto). */
+ddp_process_group_options ddp_process_group_defaults(void);
 
 /* Rendezvous through `init_url` (env://, tcp://host:port, file:///path; see
  * rendezvous.h; `rdzv` carries init_process_group's rank= and world_size=,
@@ -140,6 +146,7 @@ typedef struct ddp_comm_counters {
   uint64_t threads_bytes;
   uint64_t reserved[12];
 } ddp_comm_counters;
+DDP_STRUCT_SIZE(ddp_comm_counters, 128);
 
 /* Fills *out (zeroed first). Safe from any thread, also while operations
  * run (the figures then lag by at most the running op). With

@@ -25,6 +25,22 @@ extern "C" {
  * storage, never NULL. */
 const char *ddp_version(void);
 
+/* ---- Public structs that can grow ------------------------------------------
+ * A public struct the caller allocates ends in reserved space (zero) that a
+ * later field is taken from, so a program built against one release keeps
+ * working with the next. DDP_STRUCT_SIZE states each such struct's size
+ * where it is declared (x86-64 and aarch64 Linux, LP64): a new field that
+ * does not come out of the reserved space stops the build. The options
+ * structs among them come with ddp_<thing>_defaults(), which returns them
+ * filled with the documented defaults (docs/architecture.md, "Options"). */
+#ifdef __cplusplus
+#define DDP_STRUCT_SIZE(type, bytes) \
+  static_assert(sizeof(type) == (bytes), #type ": a new field must come out of its reserved space")
+#else
+#define DDP_STRUCT_SIZE(type, bytes) \
+  _Static_assert(sizeof(type) == (bytes), #type ": a new field must come out of its reserved space")
+#endif
+
 /* ---- Status codes -------------------------------------------------------
  * Library functions return ddp_status: 0 on success, a negative code on
  * failure. The detail ("conv2d: input (8,3,28,28) has 3 channels, weight

@@ -7,7 +7,7 @@
  *   ddp_dataset *ds;
  *   DDP_TRY(ddp_dataset_open_idx_dir(&ds, "/usr/share/datasets/fashion-mnist",
  *                                    DDP_SPLIT_TRAIN));
- *   ddp_loader_config cfg = ddp_loader_config_default();
+ *   ddp_loader_config cfg = ddp_loader_defaults();
  *   cfg.batch_size = 100; cfg.shuffle = true; cfg.num_workers = 2;
  *   ddp_loader *loader;
  *   DDP_TRY(ddp_loader_create(&loader, ds, &cfg));
@@ -214,7 +214,8 @@ ddp_status ddp_randperm(int64_t n, uint64_t seed, int64_t *out);
  * Every rank has the same length, so ranks take the same number of steps.
  * The epoch comes from ddp_sampler_set_epoch (the loader's start_epoch calls
  * it), as sampler.set_epoch(epoch) does in PyTorch: without it every epoch
- * would repeat the same order. */
+ * would repeat the same order. Start from
+ * ddp_distributed_sampler_defaults(num_replicas, rank). */
 typedef struct ddp_distributed_sampler_options {
   int64_t num_replicas; /* world size, >= 1 */
   int64_t rank;         /* in [0, num_replicas) */
@@ -223,6 +224,7 @@ typedef struct ddp_distributed_sampler_options {
   bool drop_last;       /* default false: pad instead */
   int64_t reserved[4];
 } ddp_distributed_sampler_options;
+DDP_STRUCT_SIZE(ddp_distributed_sampler_options, 72);
 
 /* The options for (num_replicas, rank) with PyTorch's defaults. */
 ddp_distributed_sampler_options ddp_distributed_sampler_defaults(int64_t num_replicas,
@@ -254,6 +256,7 @@ void ddp_sampler_destroy(ddp_sampler *sampler);
  * allocate nothing. */
 typedef struct ddp_loader ddp_loader;
 
+/* Start from ddp_loader_defaults(), then set what you need. */
 typedef struct ddp_loader_config {
   int64_t batch_size;   /* > 0 */
   bool shuffle;         /* random sampler (seeded) instead of sequential */
@@ -273,10 +276,11 @@ typedef struct ddp_loader_config {
   double timeout_s;
   int64_t reserved[8];
 } ddp_loader_config;
+DDP_STRUCT_SIZE(ddp_loader_config, 128);
 
 /* batch_size 1, no shuffle, no drop_last, no workers, seed 0, no
  * normalisation, no sampler, timeout 60 s. */
-ddp_loader_config ddp_loader_config_default(void);
+ddp_loader_config ddp_loader_defaults(void);
 
 /* One batch: views into the loader's buffers, valid until the next
  * ddp_loader_next, ddp_loader_start_epoch or ddp_loader_destroy. */

@@ -1,10 +1,9 @@
 /* ddp hpo: hyperparameter search, Propulate's asynchronous evolutionary
- * algorithm in C (docs/hpo.md). This first part holds what one worker
- * needs: a search space, a random generator that draws as CPython's
- * random.Random does (so a search seeded like Propulate's reproduces its
- * individuals), Propulate's default propagator, and the search loop of one
- * worker on one island. Islands, migration, multi-rank workers on
- * subgroups and checkpoints build on these.
+ * algorithm in C (docs/hpo.md): a search space, a random generator that
+ * draws as CPython's random.Random does (so a search seeded like
+ * Propulate's reproduces its individuals), Propulate's default propagator,
+ * and the search over workers (multi-rank, on subgroups) and islands with
+ * migration, with checkpoints it resumes from exactly.
  *
  *   ddp_hpo_space *space;
  *   DDP_TRY(ddp_hpo_space_parse("layers=int:2:10,act=cat:relu|tanh,lr=logfloat:1e-4:1e-2",
@@ -106,10 +105,11 @@ double ddp_hpo_quartic(const double *x, int n, ddp_pyrandom *noise);
 
 /* ---- The search ------------------------------------------------------------- */
 
-/* Propulate's default propagator and its loop, for one worker. Defaults as
- * Propulate's get_default_propagator: pop_size 4 (Propulate's tutorials use
- * 2 x ranks), crossover 0.7, point mutation 0.4, random
- * re-initialisation 0.1, sigma factor 0.05. */
+/* Propulate's default propagator and its loop. Start from
+ * ddp_hpo_defaults(): generations 100 and, as Propulate's
+ * get_default_propagator, pop_size 4 (Propulate's tutorials use 2 x ranks),
+ * crossover 0.7, point mutation 0.4, random re-initialisation 0.1, sigma
+ * factor 0.05; the rest as given in parentheses below. */
 typedef struct ddp_hpo_options {
   int64_t generations;     /* evaluations of this worker (> 0) */
   int pop_size;            /* breeding population: the best pop_size active individuals */
@@ -153,6 +153,7 @@ typedef struct ddp_hpo_options {
   const char *fingerprint;
   uint64_t reserved[3];
 } ddp_hpo_options;
+DDP_STRUCT_SIZE(ddp_hpo_options, 152);
 
 ddp_hpo_options ddp_hpo_defaults(void);
 

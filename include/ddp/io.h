@@ -145,6 +145,7 @@ typedef struct ddp_train_state {
   int64_t evals_without_better;
   int64_t reserved[6];
 } ddp_train_state;
+DDP_STRUCT_SIZE(ddp_train_state, 104);
 
 /* PATH's training-state file: PATH with a final ".safetensors" replaced by
  * ".train.safetensors", or ".train.safetensors" appended when PATH has no

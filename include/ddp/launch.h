@@ -41,9 +41,9 @@ typedef enum ddp_launch_bind {
 #define DDP_LAUNCH_PATH_BYTES 4096
 #define DDP_LAUNCH_SPEC_BYTES 256
 
-/* What ddprun's command line says (torchrun's options). Caller-allocated;
- * fill with ddp_launch_config_init, then ddp_launch_parse_args (or set the
- * fields directly). `program` and `args` borrow from argv. */
+/* What ddprun's command line says (torchrun's options). Start from
+ * ddp_launch_defaults(), then ddp_launch_parse_args (or set the fields
+ * directly). `program` and `args` borrow from argv. */
 typedef struct ddp_launch_config {
   int32_t nproc_per_node;  /* workers on this node, >= 1 */
   int32_t nnodes;          /* nodes of the job, >= 1 */
@@ -84,21 +84,22 @@ typedef struct ddp_launch_config {
   /* --trace DIR: each worker gets DDP_TRACE_FILE=DIR/rank<N>.json, and
    * after the job the rank files found there are merged into
    * DIR/trace.json (docs/debugging.md, "Timeline"). NULL: none. Borrowed
-   * (from argv). Taken from the reserved space. */
+   * (from argv). */
   const char *trace_dir;
   /* --may-fail RANKS: these global ranks ("1,3-5", or "all") may fail (an
    * exit code, a signal) without stopping the others: each such exit is
    * told on stderr, and the job's result counts only the other ranks (a
-   * parameter server's trainers, issue 25). Their peers must survive the
+   * parameter server's trainers, docs/ps.md). Their peers must survive the
    * loss themselves (a process group's operations with such a rank fail).
-   * NULL: none. Borrowed (from argv). Taken from the reserved space. */
+   * NULL: none. Borrowed (from argv). */
   const char *may_fail;
   uint64_t reserved[5];
 } ddp_launch_config;
+DDP_STRUCT_SIZE(ddp_launch_config, 5688);
 
 /* The defaults: one worker on one node, static rendezvous, no restarts,
  * monitor every 0.1 s, 10 s grace, 900 s node rendezvous timeout, run id "none". */
-void ddp_launch_config_init(ddp_launch_config *cfg);
+ddp_launch_config ddp_launch_defaults(void);
 
 /* Parses ddprun's command line (argv[0] is the tool's name) into *cfg, which
  * must hold the defaults. Every option has both spellings (--nproc-per-node and
@@ -153,6 +154,8 @@ ddp_status ddp_launch_run(const ddp_launch_config *cfg, int *exit_code);
  * Not reentrant: one ddp_spawn per process at a time. */
 typedef int (*ddp_spawn_fn)(int rank, void *arg);
 
+/* Start from ddp_spawn_defaults(); NULL wherever options are taken means
+ * the defaults. */
 typedef struct ddp_spawn_options {
   double timeout_s;      /* the whole job; <= 0: no limit */
   double grace_s;        /* SIGTERM -> SIGKILL; < 0: the default (10 s) */
@@ -164,8 +167,11 @@ typedef struct ddp_spawn_options {
   int32_t threads_per_worker; /* CPUs each worker needs (and its OMP_NUM_THREADS); 0: $OMP_NUM_THREADS, else 1 */
   uint64_t reserved[7];
 } ddp_spawn_options;
+DDP_STRUCT_SIZE(ddp_spawn_options, 96);
 
-void ddp_spawn_options_init(ddp_spawn_options *opts);
+/* The defaults: no timeout, grace 10 s, no restarts, tail 10 lines, the
+ * summary printed, placement AUTO, no report, threads_per_worker 0. */
+ddp_spawn_options ddp_spawn_defaults(void);
 
 /* Returns DDP_OK when every worker returned 0. Otherwise DDP_ERR_PEER (a
  * worker failed: the message names the first, "rank 2 (pid 4711) exited with

@@ -76,10 +76,11 @@ typedef struct ddp_optim_options {
     } adadelta;
   };
   /* Where params, grads and the state live: DDP_CPU (the default, all
-   * zero) or DDP_CUDA(i) in a CUDA build. Taken from the reserved space. */
+   * zero) or DDP_CUDA(i) in a CUDA build. */
   ddp_device device;
   uint64_t reserved[3]; /* zero */
 } ddp_optim_options;
+DDP_STRUCT_SIZE(ddp_optim_options, 96);
 
 /* PyTorch's defaults for `kind`: SGD lr 1e-3 (PyTorch 1.13 has no default
  * and requires one; 2.x uses 1e-3), momentum 0, dampening 0; Adam lr 1e-3,
@@ -193,6 +194,7 @@ typedef struct ddp_step_lr_options {
   double base_lr;     /* PyTorch's initial_lr; read only when last_epoch >= 0 */
   uint64_t reserved[2];
 } ddp_step_lr_options;
+DDP_STRUCT_SIZE(ddp_step_lr_options, 48);
 
 /* step_size as given, gamma 0.1, last_epoch -1, base_lr NaN. */
 ddp_step_lr_options ddp_step_lr_defaults(int64_t step_size);

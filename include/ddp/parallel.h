@@ -82,7 +82,8 @@ typedef enum ddp_dp_hook_kind {
   DDP_DP_HOOK_KIND_COUNT
 } ddp_dp_hook_kind;
 
-/* Options, PyTorch's DistributedDataParallel arguments. */
+/* Options, PyTorch's DistributedDataParallel arguments. Start from
+ * ddp_dp_defaults(); NULL wherever options are taken means the defaults. */
 typedef struct ddp_dp_options {
   double bucket_cap_mb;        /* bucket size cap in MiB (25); the first bucket is 1 MiB */
   double first_bucket_mb;      /* 1 (PyTorch's dist._DEFAULT_FIRST_BUCKET_BYTES) */
@@ -99,7 +100,9 @@ typedef struct ddp_dp_options {
   bool static_graph;
   uint64_t reserved[8];        /* zero */
 } ddp_dp_options;
+DDP_STRUCT_SIZE(ddp_dp_options, 88);
 
+/* The defaults in parentheses above: PyTorch's. */
 ddp_dp_options ddp_dp_defaults(void);
 
 /* Wraps `model` (finalized) for data parallelism over `pg`. Collective: every

@@ -145,6 +145,7 @@ typedef struct ddp_pipeline_schedule_report {
   int makespan;
   uint64_t reserved[4];
 } ddp_pipeline_schedule_report;
+DDP_STRUCT_SIZE(ddp_pipeline_schedule_report, 1064);
 
 /* Simulates every rank's list together and proves, before anything runs:
  * every (stage, micro-batch) is forwarded exactly once on the rank that owns
@@ -174,6 +175,7 @@ size_t ddp_pipeline_schedule_print(const ddp_pipeline_schedule *sched, int rank,
 
 typedef struct ddp_pipeline ddp_pipeline; /* opaque */
 
+/* Start from ddp_pipeline_defaults(). */
 typedef struct ddp_pipeline_options {
   ddp_pipeline_schedule_kind schedule; /* GPIPE, 1F1B or INTERLEAVED (1F1B) */
   int n_microbatches;                  /* M >= 1 (4) */
@@ -202,6 +204,7 @@ typedef struct ddp_pipeline_options {
   double timeout_s;
   uint64_t reserved[8];
 } ddp_pipeline_options;
+DDP_STRUCT_SIZE(ddp_pipeline_options, 176);
 
 /* 1F1B, M = 4, v = 1, split "auto", grad_scale 0 (1/M), profile_rows 32,
  * max_batch 256, sample shape from the model, the group's timeout. */
@@ -321,6 +324,7 @@ typedef struct ddp_pipeline_stats {
   int live_high_water;        /* in-flight micro-batches at once (all chunks) */
   uint64_t reserved[8];
 } ddp_pipeline_stats;
+DDP_STRUCT_SIZE(ddp_pipeline_stats, 128);
 
 void ddp_pipeline_get_stats(const ddp_pipeline *pp, ddp_pipeline_stats *out);
 void ddp_pipeline_reset_stats(ddp_pipeline *pp);

@@ -62,7 +62,9 @@ ddp_status ddp_ps_mode_parse(const char *text, ddp_ps_mode *mode, int32_t *stale
 /* "sync", "async", "ssp"; "?" for anything else. */
 const char *ddp_ps_mode_name(ddp_ps_mode mode);
 
-/* What servers and trainers must agree on (the same on every worker). */
+/* What servers and trainers must agree on (the same on every worker).
+ * Start from ddp_ps_defaults(), then set the counts of the job. A
+ * zero-initialised struct has no servers and is refused. */
 typedef struct ddp_ps_options {
   int32_t num_servers;  /* S >= 1 */
   int32_t num_trainers; /* N >= 1 */
@@ -74,6 +76,11 @@ typedef struct ddp_ps_options {
   double timeout_s;
   uint64_t reserved[4]; /* zero */
 } ddp_ps_options;
+DDP_STRUCT_SIZE(ddp_ps_options, 56);
+
+/* The defaults: one server, one trainer, DDP_PS_SYNC, staleness 0,
+ * timeout_s 0 ($DDP_TIMEOUT, else 1800 s). */
+ddp_ps_options ddp_ps_defaults(void);
 
 /* Checks the options (counts, mode, staleness): DDP_ERR_INVALID naming the
  * field. */
@@ -96,6 +103,7 @@ ddp_status ddp_ps_shard(const int64_t *numel, int32_t n, int32_t num_servers, in
 
 typedef struct ddp_ps_server ddp_ps_server;
 
+/* Start from ddp_ps_server_defaults(). */
 typedef struct ddp_ps_server_options {
   ddp_ps_options ps;
   int32_t index;           /* this server, 0..S-1 */
@@ -113,6 +121,13 @@ typedef struct ddp_ps_server_options {
   size_t checkpoint_meta_count;
   uint64_t reserved[4];
 } ddp_ps_server_options;
+DDP_STRUCT_SIZE(ddp_ps_server_options, 240);
+
+/* The defaults: ps = ddp_ps_defaults(), index 0, optim =
+ * ddp_optim_defaults(DDP_OPTIM_SGD), no scheduler (step_lr_size 0,
+ * step_lr_gamma 0.1 as StepLR's), no checkpoints (save_path, resume_path
+ * and checkpoint_meta NULL). */
+ddp_ps_server_options ddp_ps_server_defaults(void);
 
 /* Creates server `o->index` over `model` (borrowed; built identically on
  * every worker: its parameters are the initial ones, its buffers server 0's
@@ -135,6 +150,7 @@ typedef struct ddp_ps_server_stats {
   double steps_per_s;
   uint64_t reserved[3];
 } ddp_ps_server_stats;
+DDP_STRUCT_SIZE(ddp_ps_server_stats, 72);
 
 /* Serves trainers on `agent` (this process's worker, named as
  * ddp_ps_worker_name says) until every trainer has finished or been
@@ -211,6 +227,7 @@ typedef struct ddp_ps_save_info {
   int32_t reserved32;
   double lr;
 } ddp_ps_save_info;
+DDP_STRUCT_SIZE(ddp_ps_save_info, 152);
 
 /* A checkpoint, written by the servers once every live trainer asks (info
  * borrowed for the call; the same on every trainer at that point). */

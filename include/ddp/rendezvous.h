@@ -34,8 +34,10 @@ typedef enum ddp_rendezvous_source {
 const char *ddp_rendezvous_source_name(ddp_rendezvous_source source);
 
 /* Arguments that override the URL and the environment, as
- * init_process_group's rank= and world_size=. Caller-allocated; fill with
- * ddp_rendezvous_options_init, then set what you need. */
+ * init_process_group's rank= and world_size=. Start from
+ * ddp_rendezvous_defaults(), then set what you need; NULL wherever options
+ * are taken means the defaults. (A zero-initialised struct asks for rank 0
+ * of a world of 0, which is refused.) */
 typedef struct ddp_rendezvous_options {
   int32_t rank;       /* -1: from the URL's ?rank= or the environment */
   int32_t world_size; /* -1: from the URL's ?world_size= or the environment */
@@ -45,8 +47,11 @@ typedef struct ddp_rendezvous_options {
   double timeout_s;
   uint64_t reserved[8];
 } ddp_rendezvous_options;
+DDP_STRUCT_SIZE(ddp_rendezvous_options, 80);
 
-void ddp_rendezvous_options_init(ddp_rendezvous_options *opts);
+/* The defaults: rank and world_size -1 (from the URL or the environment),
+ * timeout_s 0 ($DDP_TIMEOUT, else 1800 s). */
+ddp_rendezvous_options ddp_rendezvous_defaults(void);
 
 #define DDP_RENDEZVOUS_HOST_ID_BYTES 256
 #define DDP_RENDEZVOUS_ADDR_BYTES 256
@@ -93,6 +98,7 @@ typedef struct ddp_rendezvous_info {
   ddp_rendezvous_source master_source;           /* of master_addr and master_port */
   uint64_t reserved[8];
 } ddp_rendezvous_info;
+DDP_STRUCT_SIZE(ddp_rendezvous_info, 4872);
 
 /* Meets every other rank of the job through `url` (NULL means "env://") and
  * fills *out. opts may be NULL (all from the URL and the environment).

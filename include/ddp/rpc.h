@@ -16,8 +16,7 @@
  *     return DDP_OK;
  *   }
  *   ddp_rpc_register("echo", echo, NULL);           // before init, on every worker
- *   ddp_rpc_options o;
- *   ddp_rpc_options_init(&o);
+ *   ddp_rpc_options o = ddp_rpc_defaults();
  *   o.name = "trainer1";                            // rank, world size: env://
  *   ddp_rpc_agent *rpc;
  *   DDP_TRY(ddp_rpc_init(&o, &rpc));                // collective: all workers meet
@@ -92,6 +91,7 @@ typedef struct ddp_rpc_message {
   void *release_ctx;
   uint64_t reserved[4];
 } ddp_rpc_message;
+DDP_STRUCT_SIZE(ddp_rpc_message, 80);
 
 /* Frees a message that the caller owns (from ddp_rpc_sync, ddp_rpc_future_take,
  * ddp_rpc_call_take_args): calls msg->release(msg->release_ctx) if set, then
@@ -130,7 +130,7 @@ typedef enum ddp_rpc_transport {
   DDP_RPC_TRANSPORT_TCP = 1,  /* TCP everywhere (to measure it, or across containers) */
 } ddp_rpc_transport;
 
-/* Caller-allocated; fill with ddp_rpc_options_init, then set what you need. */
+/* Start from ddp_rpc_defaults(), then set what you need (name at least). */
 typedef struct ddp_rpc_options {
   const char *name;        /* this worker's name (required), unique in the job */
   const char *init_method; /* NULL: "env://" (torchrun's / Slurm's / MPI's variables,
@@ -152,8 +152,13 @@ typedef struct ddp_rpc_options {
   ddp_store *store;
   uint64_t reserved[8];
 } ddp_rpc_options;
+DDP_STRUCT_SIZE(ddp_rpc_options, 120);
 
-void ddp_rpc_options_init(ddp_rpc_options *opts);
+/* The defaults: name NULL (to be set), init_method NULL (env://), rank and
+ * world_size -1 (from init_method), num_threads 0 ($DDP_RPC_THREADS, else 4),
+ * DDP_RPC_TRANSPORT_AUTO, timeout_s 0 ($DDP_RPC_TIMEOUT, else 60 s),
+ * init_timeout_s 0 (the rendezvous default), store NULL. */
+ddp_rpc_options ddp_rpc_defaults(void);
 
 /* Where a worker is; same on every worker for a given rank. */
 typedef struct ddp_rpc_worker_info {
@@ -163,6 +168,7 @@ typedef struct ddp_rpc_worker_info {
   char addr[96];      /* where it listens for TCP ("10.0.0.2:41234") */
   uint64_t reserved[4];
 } ddp_rpc_worker_info;
+DDP_STRUCT_SIZE(ddp_rpc_worker_info, 200);
 
 /* Starts this process's worker: meets every other worker (the rendezvous, or
  * opts->store), checks that names are unique (a duplicate fails on every

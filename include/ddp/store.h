@@ -64,8 +64,9 @@ typedef struct ddp_store_value {
   size_t bytes;
 } ddp_store_value;
 
-/* Options for client stores. Zero-initialise ({0}) for the defaults; NULL
- * wherever a pointer to options is taken means all defaults. */
+/* Options for client stores. Start from ddp_store_defaults(); every
+ * default is zero, so a zero-initialised struct ({0}) means the same, and so
+ * does NULL wherever a pointer to options is taken. */
 typedef struct ddp_store_options {
   /* Default for blocking calls given a negative timeout; <= 0 -> DDP_TIMEOUT
    * seconds (1800 when unset). */
@@ -79,6 +80,11 @@ typedef struct ddp_store_options {
   const char *token;
   uint64_t reserved[6];
 } ddp_store_options;
+DDP_STRUCT_SIZE(ddp_store_options, 72);
+
+/* The defaults: timeout_ms and connect_timeout_ms 0 (DDP_TIMEOUT seconds,
+ * and the same for connecting), token NULL ($DDP_STORE_TOKEN, else none). */
+ddp_store_options ddp_store_defaults(void);
 
 /* The default timeout in ms: $DDP_TIMEOUT seconds, 1800 s when unset. A
  * malformed DDP_TIMEOUT logs a warning and yields the default. */
@@ -217,8 +223,9 @@ ddp_status ddp_store_multi_set(ddp_store *store, const char *const *keys,
  * `ddp-store serve` tool runs it in the foreground (create + run). */
 typedef struct ddp_store_server ddp_store_server;
 
-/* Limits enforced by the server; a zero field means the default. The server
- * announces them in its handshake reply so clients fail early and clearly. */
+/* Limits enforced by the server, part of ddp_store_server_options; a zero
+ * field means the default. The server announces them in its handshake reply
+ * so clients fail early and clearly. */
 typedef struct ddp_store_limits {
   uint32_t max_key_bytes;        /* default DDP_STORE_MAX_KEY_BYTES */
   uint32_t max_keys_per_call;    /* default DDP_STORE_MAX_KEYS_PER_CALL */
@@ -229,7 +236,10 @@ typedef struct ddp_store_limits {
   uint64_t max_total_bytes;      /* keys + values held; default 4 GiB */
   uint64_t reserved[4];
 } ddp_store_limits;
+DDP_STRUCT_SIZE(ddp_store_limits, 72);
 
+/* Start from ddp_store_server_defaults(); every default is zero, so a
+ * zero-initialised struct ({0}) means the same, and so does NULL. */
 typedef struct ddp_store_server_options {
   /* Required from every client. NULL -> $DDP_STORE_TOKEN if set, else none
    * (any client is accepted). "" -> explicitly none. */
@@ -240,6 +250,11 @@ typedef struct ddp_store_server_options {
   int64_t handshake_timeout_ms;
   uint64_t reserved[6];
 } ddp_store_server_options;
+DDP_STRUCT_SIZE(ddp_store_server_options, 136);
+
+/* The defaults: token NULL ($DDP_STORE_TOKEN, else none), every limit 0 (its
+ * default above), handshake_timeout_ms 0 (10 s). */
+ddp_store_server_options ddp_store_server_defaults(void);
 
 /* Counters, readable from any thread while the server runs. */
 typedef struct ddp_store_server_stats {
@@ -251,6 +266,7 @@ typedef struct ddp_store_server_stats {
   uint64_t waiters;            /* blocked gets / waits now */
   uint64_t reserved[4];
 } ddp_store_server_stats;
+DDP_STRUCT_SIZE(ddp_store_server_stats, 80);
 
 /* Binds and listens on bind_addr:port (bind_addr NULL or "" -> "0.0.0.0";
  * "::" for IPv6; port 0 picks a free port) without serving yet. A port in

@@ -130,7 +130,8 @@ typedef struct ddp_train_callbacks {
  * once per step, after the last micro-batch's backward, and its BatchNorm
  * buffers follow the group's first replica (DDP's broadcast_buffers).
  * sync_bn reduces batch statistics over the stage's data-parallel group.
- * M is ddp_train_options.microbatches (>= 1). */
+ * M is ddp_train_options.microbatches (>= 1). Start from
+ * ddp_train_pipeline_defaults(), then set the stages. */
 typedef struct ddp_train_pipeline {
   int32_t stages;                      /* P: ranks per pipeline, >= 2, dividing the group */
   ddp_pipeline_schedule_kind schedule; /* GPIPE, 1F1B or INTERLEAVED */
@@ -140,6 +141,10 @@ typedef struct ddp_train_pipeline {
   const char *split;
   uint64_t reserved[4]; /* zero */
 } ddp_train_pipeline;
+DDP_STRUCT_SIZE(ddp_train_pipeline, 56);
+
+/* 2 stages, 1F1B, virtual_stages 1, split NULL ("auto"). */
+ddp_train_pipeline ddp_train_pipeline_defaults(void);
 
 /* Everything ddp-train's flags express. Start from ddp_train_defaults(). */
 typedef struct ddp_train_options {
@@ -177,20 +182,18 @@ typedef struct ddp_train_options {
    * it for every full batch, the optimizer launched after it; the last,
    * smaller batch of an epoch and evaluation run eagerly (docs/cuda.md,
    * "CUDA graphs"). Refused (DDP_ERR_UNSUPPORTED, saying why) on the CPU,
-   * with SyncBatchNorm and with dropout. Taken from the reserved space:
-   * the struct keeps its size. (false) */
+   * with SyncBatchNorm and with dropout. (false) */
   bool cuda_graph;
   /* Data parallel: the wrapper's bucket cap in MiB (ddp_dp_options
    * .bucket_cap_mb; the first bucket's 1 MiB too when it is smaller);
-   * 0 = the wrapper's defaults (25, first 1). Taken from the reserved
-   * space. (0) */
+   * 0 = the wrapper's defaults (25, first 1). (0) */
   double bucket_cap_mb;
   /* A timeline of the run: Chrome trace event JSON (Perfetto,
    * chrome://tracing) written to this path when ddp_trainer_run returns
    * (temporary name, then rename); every rank writes its own, so give each
    * rank its own path. Events are kept in a buffer sized when the run
    * starts (docs/debugging.md, "Timeline"). NULL: no tracing, which costs
-   * one branch per step. Borrowed. Taken from the reserved space. (NULL) */
+   * one branch per step. Borrowed. (NULL) */
   const char *trace_path;
   /* Gradient accumulation: each step splits its batch along dim 0 into
    * this many micro-batches (torch.tensor_split's sizes: the first N % M
@@ -202,22 +205,22 @@ typedef struct ddp_train_options {
    * BatchNorm normalises each micro-batch with its own statistics and
    * updates its running statistics once per micro-batch, as PyTorch does.
    * With `pipeline` this is the pipeline's M. 0 or 1: the whole batch at
-   * once. CPU only. Taken from the reserved space. (0) */
+   * once. CPU only. (0) */
   int32_t microbatches;
   bool microbatch_sum; /* gradients summed over micro-batches, not averaged (false) */
   /* Pipeline parallelism (docs/train.md, "Pipeline"): the model split into
-   * stages over the group's ranks. NULL: no pipeline. Borrowed. Taken from
-   * the reserved space. */
+   * stages over the group's ranks. NULL: no pipeline. Borrowed. */
   const struct ddp_train_pipeline *pipeline;
   /* Parameter-server training (include/ddp/ps.h, docs/ps.md): this
    * process is one of the trainers; each step's gradients go to the
    * servers through this client and fresh parameters come back in the
    * optimizer's place. pg must be NULL (trainers share no group: RPC
    * outlives a trainer's death); the sampler shards over the trainers.
-   * NULL: none. Borrowed. Taken from the reserved space. */
+   * NULL: none. Borrowed. */
   struct ddp_ps_client *param_server;
   uint64_t reserved[1]; /* zero */
 } ddp_train_options;
+DDP_STRUCT_SIZE(ddp_train_options, 328);
 
 /* epochs 1, batch 100, SGD lr 0.01 (no momentum), seed 1, automatic
  * workers, evaluation at each epoch's end, no log, no checkpoints. */
@@ -257,13 +260,13 @@ typedef struct ddp_train_result {
   ddp_train_phases steady_phases;     /* this rank's mean over the steady steps */
   double *steady_preempted_ms_per_rank; /* world_size entries, each rank's mean preempted_ms */
   ddp_train_stop stopped;
-  /* Under a pipeline (issue 23): one entry per pipeline rank (P), as that
-   * rank of replica 0 measured it over the whole run; NULL and 0
-   * otherwise. Taken from the reserved space. */
+  /* Under a pipeline: one entry per pipeline rank (P), as that rank of
+   * replica 0 measured it over the whole run; NULL and 0 otherwise. */
   const struct ddp_train_stage_stats *stages; /* owned by the result */
   int64_t n_stages;
   uint64_t reserved[2];
 } ddp_train_result;
+DDP_STRUCT_SIZE(ddp_train_result, 176);
 
 void ddp_train_result_free(ddp_train_result *r);
 

@@ -363,6 +363,11 @@ static ddp_status group_build(ddp_store *ns, const char *name, int rank, int siz
   return DDP_OK;
 }
 
+ddp_process_group_options ddp_process_group_defaults(void) {
+  ddp_process_group_options o = {0};
+  return o;
+}
+
 ddp_status ddp_process_group_create(ddp_store *store, int rank, int world_size,
                                     const ddp_process_group_options *options,
                                     ddp_process_group **out) {

@@ -61,7 +61,7 @@ struct ddp_loader {
   int busy;                /* workers filling a slot now */
 };
 
-ddp_loader_config ddp_loader_config_default(void) {
+ddp_loader_config ddp_loader_defaults(void) {
   ddp_loader_config c;
   memset(&c, 0, sizeof c);
   c.batch_size = 1;

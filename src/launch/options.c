@@ -13,17 +13,19 @@
 
 #include "launch/launch_internal.h"
 
-void ddp_launch_config_init(ddp_launch_config *cfg) {
-  memset(cfg, 0, sizeof *cfg);
-  cfg->nproc_per_node = 1;
-  cfg->nnodes = 1;
-  cfg->node_rank = -1;
-  snprintf(cfg->rdzv_id, sizeof cfg->rdzv_id, "none");
-  cfg->rdzv_backend = DDP_LAUNCH_RDZV_STATIC;
-  cfg->monitor_interval_s = 0.1;
-  cfg->grace_s = DDP__LAUNCH_DEFAULT_GRACE_S;
-  cfg->rdzv_timeout_s = 900.0; /* torchrun's join_timeout */
-  cfg->tail_lines = DDP__LAUNCH_DEFAULT_TAIL;
+ddp_launch_config ddp_launch_defaults(void) {
+  ddp_launch_config cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.nproc_per_node = 1;
+  cfg.nnodes = 1;
+  cfg.node_rank = -1;
+  snprintf(cfg.rdzv_id, sizeof cfg.rdzv_id, "none");
+  cfg.rdzv_backend = DDP_LAUNCH_RDZV_STATIC;
+  cfg.monitor_interval_s = 0.1;
+  cfg.grace_s = DDP__LAUNCH_DEFAULT_GRACE_S;
+  cfg.rdzv_timeout_s = 900.0; /* torchrun's join_timeout */
+  cfg.tail_lines = DDP__LAUNCH_DEFAULT_TAIL;
+  return cfg;
 }
 
 /* ---- Values ------------------------------------------------------------------ */

@@ -16,10 +16,12 @@ typedef struct spawn_ctx {
   void *arg;
 } spawn_ctx;
 
-void ddp_spawn_options_init(ddp_spawn_options *opts) {
-  memset(opts, 0, sizeof *opts);
-  opts->grace_s = DDP__LAUNCH_DEFAULT_GRACE_S;
-  opts->tail_lines = DDP__LAUNCH_DEFAULT_TAIL;
+ddp_spawn_options ddp_spawn_defaults(void) {
+  ddp_spawn_options opts;
+  memset(&opts, 0, sizeof opts);
+  opts.grace_s = DDP__LAUNCH_DEFAULT_GRACE_S;
+  opts.tail_lines = DDP__LAUNCH_DEFAULT_TAIL;
+  return opts;
 }
 
 static ddp_status make_fn_specs(void *ctx_, const ddp__world *world, int32_t attempt,
@@ -43,11 +45,7 @@ static void free_fn_specs(void *ctx, const ddp__world *world, ddp__worker_spec *
 }
 
 ddp_status ddp_spawn(int32_t nprocs, ddp_spawn_fn fn, void *arg, const ddp_spawn_options *opts_in) {
-  ddp_spawn_options opts;
-  if (opts_in)
-    opts = *opts_in;
-  else
-    ddp_spawn_options_init(&opts);
+  ddp_spawn_options opts = opts_in ? *opts_in : ddp_spawn_defaults();
   if (nprocs < 1 || !fn)
     return ddp_error(DDP_ERR_INVALID, "ddp_spawn: nprocs=%d must be >= 1 and fn non-NULL", (int)nprocs);
   if (opts.max_restarts < 0) return ddp_error(DDP_ERR_INVALID, "ddp_spawn: max_restarts=%d is negative", (int)opts.max_restarts);
@@ -62,8 +60,7 @@ ddp_status ddp_spawn(int32_t nprocs, ddp_spawn_fn fn, void *arg, const ddp_spawn
               "forked while another thread holds a lock (malloc's, stdio's) deadlocks. Call ddp_spawn before "
               "starting threads (or run the program under ddprun)",
               (int)threads);
-  ddp_launch_config cfg;
-  ddp_launch_config_init(&cfg);
+  ddp_launch_config cfg = ddp_launch_defaults();
   cfg.nproc_per_node = nprocs;
   cfg.max_restarts = opts.max_restarts;
   cfg.bind = opts.bind;

@@ -643,6 +643,14 @@ static ddp_status alloc_snaps(ddp_ps_server *s) {
   return DDP_OK;
 }
 
+ddp_ps_server_options ddp_ps_server_defaults(void) {
+  ddp_ps_server_options o = {0};
+  o.ps = ddp_ps_defaults();
+  o.optim = ddp_optim_defaults(DDP_OPTIM_SGD);
+  o.step_lr_gamma = 0.1;
+  return o;
+}
+
 ddp_status ddp_ps_server_create(ddp_ps_server **out, ddp_model *model,
                                 const ddp_ps_server_options *o) {
   if (!out || !model || !o)

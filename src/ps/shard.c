@@ -45,6 +45,14 @@ const char *ddp_ps_mode_name(ddp_ps_mode mode) {
   return "?";
 }
 
+ddp_ps_options ddp_ps_defaults(void) {
+  ddp_ps_options o = {0};
+  o.num_servers = 1;
+  o.num_trainers = 1;
+  o.mode = DDP_PS_SYNC;
+  return o;
+}
+
 ddp_status ddp_ps_options_check(const ddp_ps_options *o) {
   if (!o) return ddp_error(DDP_ERR_INVALID, "parameter server: options are NULL");
   if (o->num_servers < 1)

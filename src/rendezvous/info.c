@@ -19,8 +19,10 @@ const char *ddp_rendezvous_source_name(ddp_rendezvous_source source) {
   return "unknown";
 }
 
-void ddp_rendezvous_options_init(ddp_rendezvous_options *opts) {
-  memset(opts, 0, sizeof *opts);
-  opts->rank = -1;
-  opts->world_size = -1;
+ddp_rendezvous_options ddp_rendezvous_defaults(void) {
+  ddp_rendezvous_options opts;
+  memset(&opts, 0, sizeof opts);
+  opts.rank = -1;
+  opts.world_size = -1;
+  return opts;
 }

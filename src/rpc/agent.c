@@ -52,10 +52,12 @@ int ddp__rpc_module_index(const ddp__rpc_module *module) {
   return -1;
 }
 
-void ddp_rpc_options_init(ddp_rpc_options *opts) {
-  memset(opts, 0, sizeof *opts);
-  opts->rank = -1;
-  opts->world_size = -1;
+ddp_rpc_options ddp_rpc_defaults(void) {
+  ddp_rpc_options opts;
+  memset(&opts, 0, sizeof opts);
+  opts.rank = -1;
+  opts.world_size = -1;
+  return opts;
 }
 
 static void init_cond(pthread_cond_t *cv) {
@@ -390,81 +392,78 @@ static ddp_status barrier(ddp_rpc_agent *a, const char *what, int64_t deadline_n
   return DDP_OK;
 }
 
-ddp_status ddp_rpc_init(const ddp_rpc_options *opts, ddp_rpc_agent **out) {
-  *out = NULL;
-  if (!opts) return ddp_error(DDP_ERR_INVALID, "rpc init: NULL options");
-  DDP_TRY(ddp__rpc_check_name("rpc init: worker", opts->name));
+/* ---- Init, step by step ------------------------------------------------------ */
+
+/* The agent with its locks and condition variables, nothing else yet. */
+static ddp_rpc_agent *agent_alloc(void) {
   ddp_rpc_agent *a = ddp_calloc(1, sizeof *a);
-  if (!a) return ddp_error(DDP_ERR_NOMEM, "rpc init: out of memory");
+  if (!a) return NULL;
   pthread_mutex_init(&a->mu, NULL);
   init_cond(&a->work_cv);
   init_cond(&a->outstanding_cv);
   init_cond(&a->timer_cv);
   atomic_init(&a->outside_users, 0);
-  int tcp_fd = -1, unix_fd = -1;
-  published *all = NULL;
-  ddp_status st;
+  return a;
+}
 
+/* The default call timeout and the pool's size, from the options or the
+ * environment. */
+static ddp_status resolve_settings(ddp_rpc_agent *a, const ddp_rpc_options *opts) {
   double timeout_s = opts->timeout_s;
   if (timeout_s <= 0) {
-    st = ddp_env_double("DDP_RPC_TIMEOUT", DDP_RPC_DEFAULT_TIMEOUT_S, &timeout_s);
-    if (st != DDP_OK) goto err;
+    DDP_TRY(ddp_env_double("DDP_RPC_TIMEOUT", DDP_RPC_DEFAULT_TIMEOUT_S, &timeout_s));
     if (timeout_s <= 0) timeout_s = DDP_RPC_DEFAULT_TIMEOUT_S;
   }
   a->default_timeout_ns = (int64_t)(timeout_s * 1e9);
   int64_t threads = opts->num_threads;
   if (threads <= 0) {
-    st = ddp_env_int("DDP_RPC_THREADS", 4, &threads);
-    if (st != DDP_OK) goto err;
-    if (threads <= 0 || threads > 1024) {
-      st = ddp_error(DDP_ERR_INVALID, "rpc init: DDP_RPC_THREADS=%lld (1..1024)", (long long)threads);
-      goto err;
-    }
+    DDP_TRY(ddp_env_int("DDP_RPC_THREADS", 4, &threads));
+    if (threads <= 0 || threads > 1024)
+      return ddp_error(DDP_ERR_INVALID, "rpc init: DDP_RPC_THREADS=%lld (1..1024)", (long long)threads);
   }
   a->num_threads = (int)threads;
+  return DDP_OK;
+}
 
-  /* Meet: a rendezvous (env://, tcp://, file://) or the caller's store. */
-  ddp_store *base;
-  double init_timeout_s = opts->init_timeout_s;
+/* Meets the others: a rendezvous (env://, tcp://, file://) or the caller's
+ * store. Sets the rank and world size, *base (borrowed: the caller's store
+ * or the rendezvous's) and *init_timeout_s. */
+static ddp_status meet(ddp_rpc_agent *a, const ddp_rpc_options *opts, ddp_store **base,
+                       double *init_timeout_s) {
+  *init_timeout_s = opts->init_timeout_s;
   if (opts->store) {
-    if (opts->rank < 0 || opts->world_size <= 0 || opts->rank >= opts->world_size) {
-      st = ddp_error(DDP_ERR_INVALID,
-                     "rpc init: with a store, give rank and world_size (got rank %d, world size %d)",
-                     opts->rank, opts->world_size);
-      goto err;
-    }
+    if (opts->rank < 0 || opts->world_size <= 0 || opts->rank >= opts->world_size)
+      return ddp_error(DDP_ERR_INVALID,
+                       "rpc init: with a store, give rank and world_size (got rank %d, world size %d)",
+                       opts->rank, opts->world_size);
     a->rank = opts->rank;
     a->world = opts->world_size;
-    base = opts->store;
-    if (init_timeout_s <= 0) init_timeout_s = (double)ddp_store_timeout_ms(base) / 1e3;
-  } else {
-    ddp_rendezvous_options ro;
-    ddp_rendezvous_options_init(&ro);
-    ro.rank = opts->rank;
-    ro.world_size = opts->world_size;
-    ro.timeout_s = init_timeout_s;
-    st = ddp_rendezvous(opts->init_method, &ro, &a->rdzv);
-    if (st != DDP_OK) {
-      st = ddp_error_wrap(st, "rpc init of worker '%s'", opts->name);
-      goto err;
-    }
-    a->have_rdzv = true;
-    a->rank = a->rdzv.rank;
-    a->world = a->rdzv.world_size;
-    base = a->rdzv.store;
-    init_timeout_s = a->rdzv.timeout_s;
+    *base = opts->store;
+    if (*init_timeout_s <= 0) *init_timeout_s = (double)ddp_store_timeout_ms(*base) / 1e3;
+    return DDP_OK;
   }
-  int64_t deadline = ddp_time_ns() + (int64_t)(init_timeout_s * 1e9);
-  st = ddp_store_prefix(base, "rpc/", &a->store);
-  if (st != DDP_OK) goto err;
+  ddp_rendezvous_options ro = ddp_rendezvous_defaults();
+  ro.rank = opts->rank;
+  ro.world_size = opts->world_size;
+  ro.timeout_s = *init_timeout_s;
+  ddp_status st = ddp_rendezvous(opts->init_method, &ro, &a->rdzv);
+  if (st != DDP_OK) return ddp_error_wrap(st, "rpc init of worker '%s'", opts->name);
+  a->have_rdzv = true;
+  a->rank = a->rdzv.rank;
+  a->world = a->rdzv.world_size;
+  *base = a->rdzv.store;
+  *init_timeout_s = a->rdzv.timeout_s;
+  return DDP_OK;
+}
 
+/* One worker info and one connection per rank, and *all: one published
+ * record per rank (the caller frees it). */
+static ddp_status alloc_peers(ddp_rpc_agent *a, published **all) {
   a->workers = ddp_calloc((size_t)a->world, sizeof *a->workers);
   a->conns = ddp_calloc((size_t)a->world, sizeof *a->conns);
-  all = ddp_calloc((size_t)a->world, sizeof *all);
-  if (!a->workers || !a->conns || !all) {
-    st = ddp_error(DDP_ERR_NOMEM, "rpc init: out of memory for %d workers", a->world);
-    goto err;
-  }
+  *all = ddp_calloc((size_t)a->world, sizeof **all);
+  if (!a->workers || !a->conns || !*all)
+    return ddp_error(DDP_ERR_NOMEM, "rpc init: out of memory for %d workers", a->world);
   for (int32_t r = 0; r < a->world; r++) {
     a->conns[r].agent = a;
     a->conns[r].rank = r;
@@ -475,87 +474,92 @@ ddp_status ddp_rpc_init(const ddp_rpc_options *opts, ddp_rpc_agent **out) {
     atomic_init(&a->conns[r].ack_due, 0);
     atomic_init(&a->conns[r].ack_sent, 0);
   }
+  return DDP_OK;
+}
 
-  /* Listen (TCP on every interface, and an abstract Unix socket), publish. */
+/* Listens (TCP on every interface, and an abstract Unix socket) and
+ * publishes this worker's record. *tcp_fd and *unix_fd are the caller's to
+ * close, also on error. */
+static ddp_status listen_and_publish(ddp_rpc_agent *a, const ddp_rpc_options *opts, ddp_store *base,
+                                     int *tcp_fd, int *unix_fd) {
   published me;
   memset(&me, 0, sizeof me);
   snprintf(me.name, sizeof me.name, "%s", opts->name);
   me.pid = (int64_t)getpid();
   me.magic_addr = (uint64_t)(uintptr_t)&pull_magic;
   machine_id(me.machine_id, sizeof me.machine_id);
-  st = ddp__net_host_id(me.host_id, sizeof me.host_id);
-  if (st != DDP_OK) goto err;
+  DDP_TRY(ddp__net_host_id(me.host_id, sizeof me.host_id));
   /* The store's address as the others reach it: rank 0 of a rendezvous
    * talks to the store it hosts through loopback, which says nothing about
    * the interface facing the others. */
-  st = choose_address(a->have_rdzv ? a->rdzv.store_addr : ddp_store_address(base), me.tcp_host,
-                      sizeof me.tcp_host);
-  if (st != DDP_OK) goto err;
-  st = ddp__net_listen(strchr(me.tcp_host, ':') ? "::" : "0.0.0.0", 0, a->world + 16, &tcp_fd);
-  if (st != DDP_OK) goto err;
-  me.tcp_port = ddp__net_local_port(tcp_fd);
-  {
-    static _Atomic unsigned counter;
-    unsigned k = atomic_fetch_add(&counter, 1);
-    snprintf(me.unix_name, sizeof me.unix_name, "ddp-rpc-%d-%u-%llx", (int)getpid(), k,
-             (unsigned long long)ddp_time_ns());
-  }
-  st = unix_listen(me.unix_name, &unix_fd);
-  if (st != DDP_OK) goto err;
-  st = publish(a, &me);
-  if (st != DDP_OK) goto err;
-  int64_t left_ms = (deadline - ddp_time_ns()) / 1000000;
-  st = gather(a, all, left_ms > 0 ? left_ms : 0);
-  if (st != DDP_OK) goto err;
+  DDP_TRY(choose_address(a->have_rdzv ? a->rdzv.store_addr : ddp_store_address(base), me.tcp_host,
+                         sizeof me.tcp_host));
+  DDP_TRY(ddp__net_listen(strchr(me.tcp_host, ':') ? "::" : "0.0.0.0", 0, a->world + 16, tcp_fd));
+  me.tcp_port = ddp__net_local_port(*tcp_fd);
+  static _Atomic unsigned counter;
+  unsigned k = atomic_fetch_add(&counter, 1);
+  snprintf(me.unix_name, sizeof me.unix_name, "ddp-rpc-%d-%u-%llx", (int)getpid(), k,
+           (unsigned long long)ddp_time_ns());
+  DDP_TRY(unix_listen(me.unix_name, unix_fd));
+  return publish(a, &me);
+}
 
-  /* Names unique: every worker sees the same records, so each fails alike. */
+/* Names unique: every worker sees the same records, so each fails alike. */
+static ddp_status check_unique_names(const ddp_rpc_agent *a, const published *all) {
   for (int32_t i = 0; i < a->world; i++)
     for (int32_t j = i + 1; j < a->world; j++)
-      if (strcmp(all[i].name, all[j].name) == 0) {
-        st = ddp_error(DDP_ERR_INVALID,
-                       "rpc init: worker name '%s' is used by rank %d and rank %d (names must be "
-                       "unique)",
-                       all[i].name, i, j);
-        goto err;
-      }
+      if (strcmp(all[i].name, all[j].name) == 0)
+        return ddp_error(DDP_ERR_INVALID,
+                         "rpc init: worker name '%s' is used by rank %d and rank %d (names must be "
+                         "unique)",
+                         all[i].name, i, j);
+  return DDP_OK;
+}
+
+/* Fills a->workers from the records. Hosts are numbered in the order of
+ * their lowest rank: a rank whose host first appears at rank p takes rank
+ * p's number, and a host seen first gets the next one. */
+static void describe_workers(ddp_rpc_agent *a, const published *all) {
+  int32_t hosts = 0;
   for (int32_t r = 0; r < a->world; r++) {
     ddp_rpc_worker_info *w = &a->workers[r];
     snprintf(w->name, sizeof w->name, "%s", all[r].name);
     w->rank = r;
-    w->host_index = -1;
-    for (int32_t q = 0, hosts = 0; q <= r; q++) {
-      bool first = true;
-      for (int32_t p = 0; p < q; p++)
-        if (strcmp(all[p].host_id, all[q].host_id) == 0) first = false;
-      if (strcmp(all[q].host_id, all[r].host_id) == 0 && w->host_index < 0)
-        w->host_index = first ? hosts : a->workers[q].host_index;
-      if (first) hosts++;
-    }
+    int32_t first = r;
+    for (int32_t p = 0; p < r; p++)
+      if (strcmp(all[p].host_id, all[r].host_id) == 0) {
+        first = p;
+        break;
+      }
+    w->host_index = first < r ? a->workers[first].host_index : hosts++;
     ddp__net_format_host_port(all[r].tcp_host, all[r].tcp_port, w->addr, sizeof w->addr);
   }
+}
 
-  /* Connect to every lower rank; accept every higher one. */
+/* Connects to every lower rank (a Unix socket within a host unless TCP is
+ * forced) and accepts every higher one. */
+static ddp_status connect_peers(ddp_rpc_agent *a, const ddp_rpc_options *opts, const published *all,
+                                int tcp_fd, int unix_fd, int64_t deadline) {
   a->conns[a->rank].link = DDP__RPC_LINK_SELF;
   for (int32_t r = 0; r < a->rank; r++) {
     bool same_host = strcmp(all[r].host_id, all[a->rank].host_id) == 0;
     ddp__rpc_link link = same_host && opts->transport == DDP_RPC_TRANSPORT_AUTO
                              ? DDP__RPC_LINK_UNIX : DDP__RPC_LINK_TCP;
-    st = connect_to(a, &all[r], r, link, deadline);
-    if (st != DDP_OK) goto err;
+    DDP_TRY(connect_to(a, &all[r], r, link, deadline));
   }
-  st = accept_all(a, tcp_fd, unix_fd, deadline);
-  if (st != DDP_OK) goto err;
-  close(tcp_fd);
-  close(unix_fd);
-  tcp_fd = unix_fd = -1;
+  return accept_all(a, tcp_fd, unix_fd, deadline);
+}
 
+/* Prepares every connection, starts the pool, lets every registered module
+ * set itself up, then agrees with the others on who may pull from whose
+ * memory. */
+static ddp_status start_serving(ddp_rpc_agent *a, const published *all, int64_t deadline) {
   for (int32_t r = 0; r < a->world; r++) {
     if (r == a->rank) continue;
-    st = ddp__rpc_conn_prepare(&a->conns[r]);
-    if (st != DDP_OK) goto err;
+    DDP_TRY(ddp__rpc_conn_prepare(&a->conns[r]));
   }
-  st = ddp__rpc_pool_start(a);
-  if (st != DDP_OK) goto err;
+  DDP_TRY(ddp__rpc_pool_start(a));
+  ddp_status st = DDP_OK;
   pthread_mutex_lock(&modules_mu);
   for (int m = 0; m < ddp__rpc_num_modules && st == DDP_OK; m++)
     if (ddp__rpc_modules[m]->init) {
@@ -563,27 +567,52 @@ ddp_status ddp_rpc_init(const ddp_rpc_options *opts, ddp_rpc_agent **out) {
       if (st != DDP_OK) st = ddp_error_wrap(st, "rpc init: module %s", ddp__rpc_modules[m]->name);
     }
   pthread_mutex_unlock(&modules_mu);
-  if (st != DDP_OK) goto err;
-  st = publish_pulls(a, all);
-  if (st != DDP_OK) goto err;
-  st = barrier(a, "init", deadline);
-  if (st != DDP_OK) goto err;
-  st = read_pulls(a);
-  if (st != DDP_OK) goto err;
-  ddp_free(all);
-  *out = a;
-  return DDP_OK;
+  DDP_TRY(st);
+  DDP_TRY(publish_pulls(a, all));
+  DDP_TRY(barrier(a, "init", deadline));
+  return read_pulls(a);
+}
 
-err:
+ddp_status ddp_rpc_init(const ddp_rpc_options *opts, ddp_rpc_agent **out) {
+  *out = NULL;
+  if (!opts) return ddp_error(DDP_ERR_INVALID, "rpc init: NULL options");
+  DDP_TRY(ddp__rpc_check_name("rpc init: worker", opts->name));
+  ddp_rpc_agent *a = agent_alloc();
+  if (!a) return ddp_error(DDP_ERR_NOMEM, "rpc init: out of memory");
+  int tcp_fd = -1, unix_fd = -1;
+  published *all = NULL;
+  ddp_store *base = NULL;
+  double init_timeout_s = 0;
+  int64_t deadline = 0;
+  ddp_status st = resolve_settings(a, opts);
+  if (st == DDP_OK) st = meet(a, opts, &base, &init_timeout_s);
+  if (st == DDP_OK) {
+    deadline = ddp_time_ns() + (int64_t)(init_timeout_s * 1e9);
+    st = ddp_store_prefix(base, "rpc/", &a->store);
+  }
+  if (st == DDP_OK) st = alloc_peers(a, &all);
+  if (st == DDP_OK) st = listen_and_publish(a, opts, base, &tcp_fd, &unix_fd);
+  if (st == DDP_OK) {
+    int64_t left_ms = (deadline - ddp_time_ns()) / 1000000;
+    st = gather(a, all, left_ms > 0 ? left_ms : 0);
+  }
+  if (st == DDP_OK) st = check_unique_names(a, all);
+  if (st == DDP_OK) {
+    describe_workers(a, all);
+    st = connect_peers(a, opts, all, tcp_fd, unix_fd, deadline);
+  }
   if (tcp_fd >= 0) close(tcp_fd);
   if (unix_fd >= 0) close(unix_fd);
+  if (st == DDP_OK) st = start_serving(a, all, deadline);
   ddp_free(all);
-  {
+  if (st != DDP_OK) {
     char msg[1024];
     snprintf(msg, sizeof msg, "%s", ddp_last_error());
     agent_free(a);
     return ddp_error(st, "%s", msg);
   }
+  *out = a;
+  return DDP_OK;
 }
 
 /* ---- Shutdown ------------------------------------------------------------------- */

@@ -320,6 +320,11 @@ ddp_status ddp_store_server_run(ddp_store_server *s) {
 
 /* ---- Lifecycle ----------------------------------------------------------- */
 
+ddp_store_server_options ddp_store_server_defaults(void) {
+  ddp_store_server_options o = {0};
+  return o;
+}
+
 ddp_status ddp_store_server_create(const char *bind_addr, uint16_t port,
                                    const ddp_store_server_options *options,
                                    ddp_store_server **out) {

@@ -10,6 +10,11 @@
 
 #define DEFAULT_TIMEOUT_S 1800 /* PyTorch's default_pg_timeout */
 
+ddp_store_options ddp_store_defaults(void) {
+  ddp_store_options o = {0};
+  return o;
+}
+
 int64_t ddp_store_default_timeout_ms(void) {
   double seconds;
   if (ddp_env_double("DDP_TIMEOUT", DEFAULT_TIMEOUT_S, &seconds) != DDP_OK || !(seconds > 0) ||

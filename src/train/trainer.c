@@ -23,6 +23,14 @@ ddp_train_options ddp_train_defaults(void) {
   return o;
 }
 
+ddp_train_pipeline ddp_train_pipeline_defaults(void) {
+  ddp_train_pipeline p = {0};
+  p.stages = 2;
+  p.schedule = DDP_PIPELINE_1F1B;
+  p.virtual_stages = 1;
+  return p;
+}
+
 const char *ddp_train_stop_name(ddp_train_stop stop) {
   switch (stop) {
   case DDP_TRAIN_STOP_EPOCHS: return "epochs";
@@ -137,7 +145,7 @@ static ddp_status create_loaders(ddp_trainer *t, int workers) {
   ddp_status s = ddp_sampler_create_distributed(&t->train_sampler,
                                                 ddp_dataset_size(t->train_ds), &so);
   if (s != DDP_OK) return ddp_error_wrap(s, "creating the sampler");
-  ddp_loader_config lc = ddp_loader_config_default();
+  ddp_loader_config lc = ddp_loader_defaults();
   lc.batch_size = o->batch_size;
   lc.sampler = t->train_sampler;
   lc.num_workers = workers;
@@ -146,7 +154,7 @@ static ddp_status create_loaders(ddp_trainer *t, int workers) {
   s = ddp_sampler_create_distributed_eval(&t->test_sampler, ddp_dataset_size(t->test_ds),
                                           t->replicas, t->replica);
   if (s != DDP_OK) return ddp_error_wrap(s, "creating the test sampler");
-  ddp_loader_config tc = ddp_loader_config_default();
+  ddp_loader_config tc = ddp_loader_defaults();
   tc.batch_size = ddp__train_eval_batch_size(o);
   tc.num_workers = workers;
   tc.sampler = t->test_sampler;

@@ -460,8 +460,7 @@ static void *init_rank_main(void *arg) {
   init_rank *ir = arg;
   char url[64];
   snprintf(url, sizeof url, "tcp://127.0.0.1:%u", (unsigned)ir->port);
-  ddp_rendezvous_options ro;
-  ddp_rendezvous_options_init(&ro);
+  ddp_rendezvous_options ro = ddp_rendezvous_defaults();
   ro.rank = ir->rank;
   ro.world_size = ir->size;
   ro.timeout_s = 20;

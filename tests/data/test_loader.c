@@ -176,7 +176,7 @@ static int64_t check_epoch(const fixture *f, ddp_loader *l, int64_t batch_size, 
 static void test_loader_epoch_shuffle(void **state) {
   fixture *f = *state;
   for (int workers = 0; workers <= 2; workers += 2) {
-    ddp_loader_config cfg = ddp_loader_config_default();
+    ddp_loader_config cfg = ddp_loader_defaults();
     cfg.batch_size = 10;
     cfg.shuffle = true;
     cfg.seed = 5;
@@ -209,7 +209,7 @@ static void test_loader_epoch_shuffle(void **state) {
 
 static void test_loader_drop_last(void **state) {
   fixture *f = *state;
-  ddp_loader_config cfg = ddp_loader_config_default();
+  ddp_loader_config cfg = ddp_loader_defaults();
   cfg.batch_size = 10;
   cfg.drop_last = true;
   cfg.num_workers = 1;
@@ -242,7 +242,7 @@ static void test_loader_drop_last(void **state) {
 
 /* Collects two epochs of output (x and y of every batch, in order). */
 static void collect(const fixture *f, int workers, int prefetch, float *xs, int64_t *ys) {
-  ddp_loader_config cfg = ddp_loader_config_default();
+  ddp_loader_config cfg = ddp_loader_defaults();
   cfg.batch_size = 8;
   cfg.shuffle = true;
   cfg.seed = 1234;
@@ -282,7 +282,7 @@ static void test_loader_workers_identical(void **state) {
 
 static void test_loader_normalize(void **state) {
   fixture *f = *state;
-  ddp_loader_config cfg = ddp_loader_config_default();
+  ddp_loader_config cfg = ddp_loader_defaults();
   cfg.batch_size = 32;
   cfg.normalize = true;
   cfg.mean = 0.2860f; /* Fashion-MNIST's usual constants */
@@ -307,7 +307,7 @@ static void test_loader_synthetic(void **state) {
   (void)state;
   ddp_dataset *toy, *reg;
   assert_int_equal(ddp_dataset_create_toydata(&toy, 1000), DDP_OK);
-  ddp_loader_config cfg = ddp_loader_config_default();
+  ddp_loader_config cfg = ddp_loader_defaults();
   cfg.batch_size = 64;
   cfg.shuffle = true;
   cfg.num_workers = 2;
@@ -357,7 +357,7 @@ static void test_loader_synthetic(void **state) {
 static void test_loader_no_allocation(void **state) {
   fixture *f = *state;
   for (int workers = 0; workers <= 2; workers++) {
-    ddp_loader_config cfg = ddp_loader_config_default();
+    ddp_loader_config cfg = ddp_loader_defaults();
     cfg.batch_size = 7;
     cfg.shuffle = true;
     cfg.num_workers = workers;
@@ -387,7 +387,7 @@ static void test_loader_no_allocation(void **state) {
 static void test_loader_shutdown_mid_epoch(void **state) {
   fixture *f = *state;
   for (int round = 0; round < 20; round++) {
-    ddp_loader_config cfg = ddp_loader_config_default();
+    ddp_loader_config cfg = ddp_loader_defaults();
     cfg.batch_size = 3;
     cfg.num_workers = 3;
     cfg.prefetch = 4;
@@ -402,7 +402,7 @@ static void test_loader_shutdown_mid_epoch(void **state) {
     ddp_loader_destroy(l);
   }
   /* Workers that never saw an epoch stop too. */
-  ddp_loader_config cfg = ddp_loader_config_default();
+  ddp_loader_config cfg = ddp_loader_defaults();
   cfg.num_workers = 4;
   ddp_loader *l;
   assert_int_equal(ddp_loader_create(&l, f->ds, &cfg), DDP_OK);
@@ -435,7 +435,7 @@ static void test_loader_custom_sampler(void **state) {
   twice_sampler *ts = calloc(1, sizeof *ts);
   ts->base.ops = &twice_ops;
   ts->n = N;
-  ddp_loader_config cfg = ddp_loader_config_default();
+  ddp_loader_config cfg = ddp_loader_defaults();
   cfg.batch_size = 50;
   cfg.shuffle = true; /* ignored: the sampler decides */
   cfg.num_workers = 2;
@@ -487,7 +487,7 @@ static void test_allocation_failures(void **state) {
     ddp_loader *l = NULL;
     ddp_status s = ddp_dataset_open_idx_dir(&ds, f->dir, DDP_SPLIT_TRAIN);
     if (s == DDP_OK) {
-      ddp_loader_config cfg = ddp_loader_config_default();
+      ddp_loader_config cfg = ddp_loader_defaults();
       cfg.batch_size = 10;
       cfg.shuffle = true;
       cfg.num_workers = 2;

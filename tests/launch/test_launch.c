@@ -23,7 +23,7 @@
 #include "launch/launch_internal.h"
 
 static ddp_status parse(ddp_launch_config *cfg, int argc, char **argv) {
-  ddp_launch_config_init(cfg);
+  *cfg = ddp_launch_defaults();
   return ddp_launch_parse_args(argc, argv, cfg);
 }
 
@@ -230,8 +230,7 @@ static int spawn_worker(int rank, void *arg_) {
 
 static void test_spawn_ok(void **state) {
   (void)state;
-  ddp_spawn_options o;
-  ddp_spawn_options_init(&o);
+  ddp_spawn_options o = ddp_spawn_defaults();
   o.timeout_s = 30;
   assert_int_equal(ddp_spawn(8, spawn_worker, NULL, &o), DDP_OK);
   /* The caller's environment is untouched. */
@@ -240,8 +239,7 @@ static void test_spawn_ok(void **state) {
 
 static void test_spawn_failure(void **state) {
   (void)state;
-  ddp_spawn_options o;
-  ddp_spawn_options_init(&o);
+  ddp_spawn_options o = ddp_spawn_defaults();
   o.timeout_s = 30;
   o.grace_s = 2;
   o.quiet = 1;
@@ -379,8 +377,7 @@ static int fd_worker(int rank, void *arg) {
 
 static void test_spawn_store_process(void **state) {
   (void)state;
-  ddp_spawn_options o;
-  ddp_spawn_options_init(&o);
+  ddp_spawn_options o = ddp_spawn_defaults();
   o.timeout_s = 30;
   assert_int_equal(ddp_spawn(3, fd_worker, NULL, &o), DDP_OK);
   /* The store's process was reaped: no child is left, not even a zombie. */
@@ -391,8 +388,7 @@ static void test_spawn_store_process(void **state) {
 
 static void test_spawn_timeout(void **state) {
   (void)state;
-  ddp_spawn_options o;
-  ddp_spawn_options_init(&o);
+  ddp_spawn_options o = ddp_spawn_defaults();
   o.timeout_s = 0.5;
   o.grace_s = 0.5;
   double t0 = ddp_time_s();

@@ -423,8 +423,7 @@ static void test_bind_spellings(void **state) {
   const int want[] = {DDP_LAUNCH_BIND_NONE, DDP_LAUNCH_BIND_SOCKET, DDP_LAUNCH_BIND_CORE, DDP_LAUNCH_BIND_CORE,
                       DDP_LAUNCH_BIND_AUTO};
   for (int k = 0; k < 5; k++) {
-    ddp_launch_config cfg;
-    ddp_launch_config_init(&cfg);
+    ddp_launch_config cfg = ddp_launch_defaults();
     int argc = 0;
     while (argv_sets[k][argc]) argc++;
     assert_int_equal(ddp_launch_parse_args(argc, (char *const *)argv_sets[k], &cfg), DDP_OK);
@@ -435,8 +434,7 @@ static void test_bind_spellings(void **state) {
       assert_int_equal(cfg.threads_per_worker, 3);
     }
   }
-  ddp_launch_config cfg;
-  ddp_launch_config_init(&cfg);
+  ddp_launch_config cfg = ddp_launch_defaults();
   char *bad[] = {"ddprun", "--bind", "tile", "prog", NULL};
   assert_int_equal(ddp_launch_parse_args(4, bad, &cfg), DDP_ERR_INVALID);
   char *bad_threads[] = {"ddprun", "--threads", "0", "prog", NULL};
@@ -487,7 +485,7 @@ static void test_spawn_binds(void **state) {
       CPU_AND(&both, &c.plan.cpus[0], &c.plan.cpus[1]);
       assert_int_equal(CPU_COUNT(&both), 0);
     }
-    ddp_spawn_options_init(&o);
+    o = ddp_spawn_defaults();
     o.timeout_s = 30;
     o.bind = mode;
     o.threads_per_worker = 1;

@@ -160,7 +160,7 @@ static bool replay_open(replay *r) {
   r->steps = idx->shape[0];
   r->batch = idx->shape[1];
   r->sampler = (fixed_sampler){{&fixed_ops}, idx->data, idx->numel};
-  ddp_loader_config lc = ddp_loader_config_default();
+  ddp_loader_config lc = ddp_loader_defaults();
   lc.batch_size = r->batch;
   lc.num_workers = 1;
   lc.sampler = &r->sampler.base;
@@ -312,7 +312,7 @@ static void test_trajectory_tracks_torch(void **state) {
   check_ok(ddp_dataset_open_idx_dir(&test, DATA_DIR, DDP_SPLIT_TEST), "test set");
   const fixture_tensor *want_logits = need(f, "final:eval:logits");
   int64_t n_eval = want_logits->shape[0], classes = want_logits->shape[1];
-  ddp_loader_config tc = ddp_loader_config_default();
+  ddp_loader_config tc = ddp_loader_defaults();
   tc.batch_size = n_eval;
   ddp_loader *tl;
   check_ok(ddp_loader_create(&tl, test, &tc), "test loader");

@@ -51,8 +51,7 @@ static ddp_train_options train_options(void) {
 static ddp_status start_agent(worker *w, ddp_rpc_agent **agent) {
   char name[DDP_RPC_MAX_NAME_BYTES];
   ddp_ps_worker_name(&w->ps, w->rank, name);
-  ddp_rpc_options ro;
-  ddp_rpc_options_init(&ro);
+  ddp_rpc_options ro = ddp_rpc_defaults();
   ro.name = name;
   ro.rank = w->rank;
   ro.world_size = w->ps.num_servers + w->ps.num_trainers;

@@ -158,8 +158,7 @@ static ddp_status resolve(const char *url, int32_t rank, int32_t world, double t
                           ddp_rendezvous_info *info) {
   ddp__rdzv_url u;
   DDP_TRY(ddp__rdzv_url_parse(url, &u));
-  ddp_rendezvous_options o;
-  ddp_rendezvous_options_init(&o);
+  ddp_rendezvous_options o = ddp_rendezvous_defaults();
   o.rank = rank;
   o.world_size = world;
   o.timeout_s = timeout;

@@ -102,8 +102,7 @@ static void child(const rank_spec *spec, int fd) {
   rdzv_test_clear_env();
   rdzv_test_apply_env(spec->env);
   if (spec->delay_ms) usleep((useconds_t)spec->delay_ms * 1000);
-  ddp_rendezvous_options opts;
-  ddp_rendezvous_options_init(&opts);
+  ddp_rendezvous_options opts = ddp_rendezvous_defaults();
   opts.rank = spec->opt_rank;
   opts.world_size = spec->opt_world;
   opts.timeout_s = spec->opt_timeout;

@@ -141,8 +141,7 @@ static inline int rt_spawn(rt_world *w, int size, const rt_config *cfg, rt_fn fn
       if (st == DDP_OK) {
         char name[16];
         snprintf(name, sizeof name, "w%d", r);
-        ddp_rpc_options o;
-        ddp_rpc_options_init(&o);
+        ddp_rpc_options o = ddp_rpc_defaults();
         o.name = name;
         o.rank = r;
         o.world_size = size;

@@ -457,8 +457,7 @@ static void start_by_url(int size, const char *const *names, const char *url, rt
     pid_t pid = fork();
     if (pid == 0) {
       alarm(60);
-      ddp_rpc_options o;
-      ddp_rpc_options_init(&o);
+      ddp_rpc_options o = ddp_rpc_defaults();
       o.name = names[r];
       o.rank = r;
       o.world_size = size;
@@ -523,8 +522,7 @@ static int spawned_worker(int rank, void *arg) {
   (void)arg;
   char name[32];
   snprintf(name, sizeof name, "spawned_%d", rank);
-  ddp_rpc_options o;
-  ddp_rpc_options_init(&o);
+  ddp_rpc_options o = ddp_rpc_defaults();
   o.name = name; /* rank and world size from the environment */
   o.init_timeout_s = 30;
   ddp_rpc_agent *a;
@@ -551,8 +549,7 @@ static int spawned_worker(int rank, void *arg) {
 
 static void test_init_env_spawn(void **state) {
   (void)state;
-  ddp_spawn_options so;
-  ddp_spawn_options_init(&so);
+  ddp_spawn_options so = ddp_spawn_defaults();
   so.timeout_s = 60;
   so.bind = DDP_LAUNCH_BIND_NONE;
   ddp_status st = ddp_spawn(3, spawned_worker, NULL, &so);

@@ -40,8 +40,7 @@ static void *worker_main(void *p) {
   worker_arg *w = p;
   char name[16];
   snprintf(name, sizeof name, "w%d", w->rank);
-  ddp_rpc_options o;
-  ddp_rpc_options_init(&o);
+  ddp_rpc_options o = ddp_rpc_defaults();
   o.name = name;
   o.rank = w->rank;
   o.world_size = WORKERS;

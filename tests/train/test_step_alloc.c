@@ -54,7 +54,7 @@ static void run_case(const step_case *c) {
       skip(); /* dataset-fashion-mnist not installed */
     }
   }
-  ddp_loader_config lc = ddp_loader_config_default();
+  ddp_loader_config lc = ddp_loader_defaults();
   lc.batch_size = c->batch;
   lc.shuffle = true;
   lc.drop_last = true;

@@ -60,7 +60,7 @@ static void rank_body(dpt_rank *self) {
   ddp_sampler *sampler;
   ddp_distributed_sampler_options so = ddp_distributed_sampler_defaults(world, self->rank);
   DPT_OK(self, ddp_sampler_create_distributed(&sampler, ddp_dataset_size(ds), &so));
-  ddp_loader_config lc = ddp_loader_config_default();
+  ddp_loader_config lc = ddp_loader_defaults();
   lc.batch_size = 16;
   lc.sampler = sampler;
   lc.num_workers = c->workers;

@@ -77,8 +77,7 @@ ddp_status train_ps_join(train_ps *ps, const train_ps_args *args) {
 static ddp_status start_agent(train_ps *ps) {
   char name[DDP_RPC_MAX_NAME_BYTES];
   ddp_ps_worker_name(&ps->opt, ps->rank, name);
-  ddp_rpc_options ro;
-  ddp_rpc_options_init(&ro);
+  ddp_rpc_options ro = ddp_rpc_defaults();
   ro.name = name;
   ro.rank = ps->rank;
   ro.world_size = ps->world_size;

@@ -140,9 +140,211 @@ static void peer_text(const rank_view *views, int32_t size, int32_t peer, char *
 /* The findings for one group. `views` has `size` entries; `reported_absent`
  * marks group ranks already named as having no dump (the world's). Returns
  * how many lines it wrote. */
+/* ---- One group's verdict, step by step ---------------------------------------- */
+
+/* The ranks without a dump of this group into list[], and "no dump from
+ * ranks 2, 5" into text ("" when none). *unnamed: some of them were not
+ * named already (as the world's ranks, with why). Returns their count. */
+static int32_t missing_ranks(const rank_view *views, int32_t size, const bool *reported_absent, int32_t *list,
+                             char *text, size_t bytes, bool *unnamed) {
+  int32_t n_missing = 0;
+  *unnamed = false;
+  for (int32_t r = 0; r < size; r++)
+    if (!views[r].group) {
+      list[n_missing++] = r;
+      *unnamed = *unnamed || !(reported_absent && reported_absent[r]);
+    }
+  text[0] = '\0';
+  if (n_missing) {
+    char ranks[300];
+    ddp__format_ranks(list, n_missing, MAX_LISTED, ranks, sizeof ranks);
+    snprintf(text, bytes, "no dump from %s %s", n_missing == 1 ? "rank" : "ranks", ranks);
+  }
+  return n_missing;
+}
+
+/* Where the group stands: *top is the highest collective number any rank
+ * entered, and the result the call most of the ranks there made (ties: the
+ * lowest rank's); NULL when no rank recorded a collective. */
+static const ddp__flight_record *reference_call(const rank_view *views, int32_t size, uint64_t *top) {
+  *top = 0;
+  for (int32_t r = 0; r < size; r++)
+    if (views[r].last && views[r].last->seq > *top) *top = views[r].last->seq;
+  const ddp__flight_record *ref = NULL;
+  int ref_votes = 0;
+  for (int32_t r = 0; r < size; r++) {
+    const ddp__flight_record *a = views[r].last;
+    if (!a || a->seq != *top) continue;
+    int votes = 0;
+    for (int32_t q = 0; q < size; q++)
+      if (views[q].last && views[q].last->seq == *top && same_call(a, views[q].last)) votes++;
+    if (votes > ref_votes) {
+      ref = a;
+      ref_votes = votes;
+    }
+  }
+  return ref;
+}
+
+/* Mismatches: ranks that entered #top as another call than `ref`, one line
+ * per other call. list and waiters: scratch of `size` entries. Returns the
+ * lines written. */
+static int report_mismatches(out_text *o, const rank_view *views, int32_t size, uint64_t top,
+                             const ddp__flight_record *ref, int32_t *list, int32_t *waiters) {
+  int lines = 0;
+  char ref_call[160];
+  call_text(ref, size, ref_call, sizeof ref_call);
+  for (int32_t r = 0; r < size; r++) {
+    const ddp__flight_record *a = views[r].last;
+    if (!a || a->seq != top || same_call(a, ref)) continue;
+    bool first_of_kind = true;
+    for (int32_t q = 0; q < r; q++)
+      if (views[q].last && views[q].last->seq == top && same_call(views[q].last, a)) first_of_kind = false;
+    if (!first_of_kind) continue;
+    int32_t n = 0, m = 0;
+    for (int32_t q = 0; q < size; q++) {
+      const ddp__flight_record *b = views[q].last;
+      if (!b || b->seq != top) continue;
+      if (same_call(b, a)) list[n++] = q;
+      else if (same_call(b, ref)) waiters[m++] = q;
+    }
+    char odd[160], odd_ranks[320], ref_ranks[320];
+    call_text(a, size, odd, sizeof odd);
+    ranks_text(list, n, odd_ranks, sizeof odd_ranks);
+    ranks_text(waiters, m, ref_ranks, sizeof ref_ranks);
+    fprintf(o->f, "%scollective #%llu mismatch: %s called %s but %s called %s\n", o->prefix,
+            (unsigned long long)top, odd_ranks, odd, ref_ranks, ref_call);
+    lines++;
+  }
+  return lines;
+}
+
+/* The ranks that wait in #top (entered it as `ref` and did not complete
+ * it) into waiters[], the longest wait into *longest_ns. Returns their
+ * count. */
+static int32_t waiting_ranks(const rank_view *views, int32_t size, uint64_t top, const ddp__flight_record *ref,
+                             int32_t *waiters, int64_t *longest_ns) {
+  int32_t n_wait = 0;
+  *longest_ns = 0;
+  for (int32_t r = 0; r < size; r++) {
+    const ddp__flight_record *a = views[r].last;
+    if (!a || a->seq != top || !same_call(a, ref) || a->state == DDP__FLIGHT_COMPLETED) continue;
+    waiters[n_wait++] = r;
+    int64_t w = waited_ns(a, views[r].group);
+    if (w > *longest_ns) *longest_ns = w;
+  }
+  return n_wait;
+}
+
+/* Ranks behind: their last collective is older than #top (`what`). Grouped
+ * by where they are, the furthest behind first, two lines per group. The
+ * first group's line carries wait_text and missing_text when `append`
+ * (nothing explained the group yet). list: scratch. Returns the lines
+ * written. */
+static int report_behind(out_text *o, const rank_view *views, int32_t size, uint64_t top, const char *what,
+                         bool append, const char *wait_text, const char *missing_text, int32_t *list) {
+  int lines = 0;
+  char text[1024], ranks[320];
+  bool *done = ddp_calloc((size_t)size, sizeof *done);
+  for (int32_t r = 0; r < size && done; r++) {
+    if (!views[r].group || done[r]) continue;
+    const ddp__flight_record *a = views[r].last;
+    uint64_t at = a ? a->seq : 0;
+    if (at >= top) continue;
+    int32_t n = 0;
+    for (int32_t q = r; q < size; q++) {
+      const ddp__flight_record *b = views[q].last;
+      if (views[q].group && !done[q] && (b ? b->seq : 0) == at) {
+        list[n++] = q;
+        done[q] = true;
+      }
+    }
+    ranks_text(list, n, ranks, sizeof ranks);
+    int len = snprintf(text, sizeof text, "%s never entered %s", ranks, what);
+    if (append && wait_text[0]) len += snprintf(text + len, sizeof text - (size_t)len, "; %s", wait_text);
+    if (append && missing_text[0]) snprintf(text + len, sizeof text - (size_t)len, "; %s", missing_text);
+    fprintf(o->f, "%s%s\n", o->prefix, text);
+    lines++;
+    char last[200];
+    if (a) {
+      ddp__flight_describe(a, last, sizeof last);
+      fprintf(o->f, "%s  %s: last collective %s, %s\n", o->prefix, ranks, last, ddp__flight_state_name(a->state));
+    } else {
+      fprintf(o->f, "%s  %s: no collective recorded\n", o->prefix, ranks);
+    }
+    lines++;
+    append = false;
+  }
+  ddp_free(done);
+  return lines;
+}
+
+/* Every rank with a dump entered #top and some (wait_ranks) are still in
+ * it: one line, with who completed it. list: scratch. */
+static void report_still_waiting(out_text *o, const rank_view *views, int32_t size, uint64_t top,
+                                 const ddp__flight_record *ref, const char *wait_ranks, const char *waited,
+                                 const char *what, const char *missing_text, int32_t n_missing, int32_t *list) {
+  char text[1024];
+  int32_t n_done = 0;
+  for (int32_t r = 0; r < size; r++)
+    if (views[r].last && views[r].last->seq == top && same_call(views[r].last, ref) &&
+        views[r].last->state == DDP__FLIGHT_COMPLETED)
+      list[n_done++] = r;
+  int len = snprintf(text, sizeof text, "%s waited %s in %s", wait_ranks, waited, what);
+  if (missing_text[0]) len += snprintf(text + len, sizeof text - (size_t)len, "; %s", missing_text);
+  if (n_done) {
+    char done_ranks[320];
+    ranks_text(list, n_done, done_ranks, sizeof done_ranks);
+    snprintf(text + len, sizeof text - (size_t)len, "; %s completed it", done_ranks);
+  } else if (!n_missing) {
+    snprintf(text + len, sizeof text - (size_t)len, "; every rank entered it and none completed it");
+  }
+  fprintf(o->f, "%s%s\n", o->prefix, text);
+}
+
+/* The collectives' story: mismatches in #top, then the ranks behind it,
+ * else the ranks still in it. Returns the lines written. */
+static int report_collectives(out_text *o, const rank_view *views, int32_t size, uint64_t top,
+                              const ddp__flight_record *ref, const char *missing_text, int32_t n_missing,
+                              int32_t *list, int32_t *waiters) {
+  int lines = report_mismatches(o, views, size, top, ref, list, waiters);
+  int64_t longest = 0;
+  int32_t n_wait = waiting_ranks(views, size, top, ref, waiters, &longest);
+  char what[200], waited[32], wait_ranks[320] = "", wait_text[400] = "";
+  ddp__flight_describe(ref, what, sizeof what);
+  seconds_text(longest, waited, sizeof waited);
+  if (n_wait) {
+    ranks_text(waiters, n_wait, wait_ranks, sizeof wait_ranks);
+    snprintf(wait_text, sizeof wait_text, "%s waited %s in it", wait_ranks, waited);
+  }
+  lines += report_behind(o, views, size, top, what, lines == 0, wait_text, missing_text, list);
+  if (lines == 0 && n_wait) {
+    report_still_waiting(o, views, size, top, ref, wait_ranks, waited, what, missing_text, n_missing, list);
+    lines++;
+  }
+  return lines;
+}
+
+/* Point-to-point operations still running, with what their peer did.
+ * Returns the lines written. */
+static int report_p2p(out_text *o, const rank_view *views, int32_t size) {
+  int lines = 0;
+  for (int32_t r = 0; r < size; r++) {
+    const ddp__flight_record *p = views[r].p2p;
+    if (!p) continue;
+    char peer[256], what[200], waited[32];
+    ddp__flight_describe(p, what, sizeof what);
+    seconds_text(waited_ns(p, views[r].group), waited, sizeof waited);
+    peer_text(views, size, p->peer, peer, sizeof peer);
+    fprintf(o->f, "%srank %d %s %s in %s%s\n", o->prefix, (int)r,
+            p->state == DDP__FLIGHT_FAILED ? "gave up after" : "waited", waited, what, peer);
+    lines++;
+  }
+  return lines;
+}
+
 static int judge_group(out_text *o, const char *name, int32_t size, rank_view *views, const bool *reported_absent,
                        bool quiet_when_fine) {
-  int lines = 0;
   int32_t *list = ddp_calloc((size_t)size, sizeof *list);
   int32_t *waiters = ddp_calloc((size_t)size, sizeof *waiters);
   if (!list || !waiters) {
@@ -151,159 +353,20 @@ static int judge_group(out_text *o, const char *name, int32_t size, rank_view *v
     fprintf(o->f, "%sout of memory judging group %s\n", o->prefix, name);
     return 1;
   }
-  /* Ranks without a dump of this group; `unnamed`: some of them were not
-   * named already (as the world's ranks, with why). */
-  int32_t n_missing = 0;
-  bool unnamed = false;
-  for (int32_t r = 0; r < size; r++)
-    if (!views[r].group) {
-      list[n_missing++] = r;
-      unnamed = unnamed || !(reported_absent && reported_absent[r]);
-    }
-  char missing_text[320] = "";
-  if (n_missing) {
-    char ranks[300];
-    ddp__format_ranks(list, n_missing, MAX_LISTED, ranks, sizeof ranks);
-    snprintf(missing_text, sizeof missing_text, "no dump from %s %s", n_missing == 1 ? "rank" : "ranks", ranks);
-  }
-
-  /* Where the group stands: the highest collective number any rank entered,
-   * and the call most of the ranks there made (ties: the lowest rank's). */
-  uint64_t top = 0;
-  for (int32_t r = 0; r < size; r++)
-    if (views[r].last && views[r].last->seq > top) top = views[r].last->seq;
-  const ddp__flight_record *ref = NULL;
-  int ref_votes = 0;
-  for (int32_t r = 0; r < size; r++) {
-    const ddp__flight_record *a = views[r].last;
-    if (!a || a->seq != top) continue;
-    int votes = 0;
-    for (int32_t q = 0; q < size; q++)
-      if (views[q].last && views[q].last->seq == top && same_call(a, views[q].last)) votes++;
-    if (votes > ref_votes) {
-      ref = a;
-      ref_votes = votes;
-    }
-  }
-  char text[1024], ranks[320], what[200], waited[32];
-  bool explained = false;
-  if (ref) {
-    char ref_call[160];
-    call_text(ref, size, ref_call, sizeof ref_call);
-    /* Mismatches: ranks that entered #top as another call. */
-    for (int32_t r = 0; r < size; r++) {
-      const ddp__flight_record *a = views[r].last;
-      if (!a || a->seq != top || same_call(a, ref)) continue;
-      bool first_of_kind = true;
-      for (int32_t q = 0; q < r; q++)
-        if (views[q].last && views[q].last->seq == top && same_call(views[q].last, a)) first_of_kind = false;
-      if (!first_of_kind) continue;
-      int32_t n = 0, m = 0;
-      for (int32_t q = 0; q < size; q++) {
-        const ddp__flight_record *b = views[q].last;
-        if (!b || b->seq != top) continue;
-        if (same_call(b, a)) list[n++] = q;
-        else if (same_call(b, ref)) waiters[m++] = q;
-      }
-      char odd[160], odd_ranks[320], ref_ranks[320];
-      call_text(a, size, odd, sizeof odd);
-      ranks_text(list, n, odd_ranks, sizeof odd_ranks);
-      ranks_text(waiters, m, ref_ranks, sizeof ref_ranks);
-      fprintf(o->f, "%scollective #%llu mismatch: %s called %s but %s called %s\n", o->prefix,
-              (unsigned long long)top, odd_ranks, odd, ref_ranks, ref_call);
-      lines++;
-      explained = true;
-    }
-    /* The ranks that wait in #top: entered it as the reference and did not
-     * complete it. */
-    int32_t n_wait = 0;
-    int64_t longest = 0;
-    for (int32_t r = 0; r < size; r++) {
-      const ddp__flight_record *a = views[r].last;
-      if (!a || a->seq != top || !same_call(a, ref) || a->state == DDP__FLIGHT_COMPLETED) continue;
-      waiters[n_wait++] = r;
-      int64_t w = waited_ns(a, views[r].group);
-      if (w > longest) longest = w;
-    }
-    ddp__flight_describe(ref, what, sizeof what);
-    seconds_text(longest, waited, sizeof waited);
-    char wait_text[400] = "";
-    if (n_wait) {
-      ranks_text(waiters, n_wait, ranks, sizeof ranks);
-      snprintf(wait_text, sizeof wait_text, "%s waited %s in it", ranks, waited);
-    }
-    /* Ranks behind: their last collective is older than #top. Grouped by
-     * where they are, the furthest behind first. */
-    bool *done = ddp_calloc((size_t)size, sizeof *done);
-    for (int32_t r = 0; r < size && done; r++) {
-      if (!views[r].group || done[r]) continue;
-      const ddp__flight_record *a = views[r].last;
-      uint64_t at = a ? a->seq : 0;
-      if (at >= top) continue;
-      int32_t n = 0;
-      for (int32_t q = r; q < size; q++) {
-        const ddp__flight_record *b = views[q].last;
-        if (views[q].group && !done[q] && (b ? b->seq : 0) == at) {
-          list[n++] = q;
-          done[q] = true;
-        }
-      }
-      ranks_text(list, n, ranks, sizeof ranks);
-      int len = snprintf(text, sizeof text, "%s never entered %s", ranks, what);
-      if (!explained && wait_text[0]) len += snprintf(text + len, sizeof text - (size_t)len, "; %s", wait_text);
-      if (!explained && missing_text[0])
-        snprintf(text + len, sizeof text - (size_t)len, "; %s", missing_text);
-      fprintf(o->f, "%s%s\n", o->prefix, text);
-      lines++;
-      char last[200];
-      if (a) {
-        ddp__flight_describe(a, last, sizeof last);
-        fprintf(o->f, "%s  %s: last collective %s, %s\n", o->prefix, ranks, last, ddp__flight_state_name(a->state));
-      } else {
-        fprintf(o->f, "%s  %s: no collective recorded\n", o->prefix, ranks);
-      }
-      lines++;
-      explained = true;
-    }
-    ddp_free(done);
-    if (!explained && n_wait) {
-      /* Every rank with a dump entered #top; some are still in it. */
-      int32_t n_done = 0;
-      for (int32_t r = 0; r < size; r++)
-        if (views[r].last && views[r].last->seq == top && same_call(views[r].last, ref) &&
-            views[r].last->state == DDP__FLIGHT_COMPLETED)
-          list[n_done++] = r;
-      int len = snprintf(text, sizeof text, "%s waited %s in %s", ranks, waited, what);
-      if (missing_text[0]) len += snprintf(text + len, sizeof text - (size_t)len, "; %s", missing_text);
-      if (n_done) {
-        char done_ranks[320];
-        ranks_text(list, n_done, done_ranks, sizeof done_ranks);
-        snprintf(text + len, sizeof text - (size_t)len, "; %s completed it", done_ranks);
-      } else if (!n_missing) {
-        snprintf(text + len, sizeof text - (size_t)len, "; every rank entered it and none completed it");
-      }
-      fprintf(o->f, "%s%s\n", o->prefix, text);
-      lines++;
-      explained = true;
-    }
-  }
-  /* Point-to-point operations still running, with what their peer did. */
-  for (int32_t r = 0; r < size; r++) {
-    const ddp__flight_record *p = views[r].p2p;
-    if (!p) continue;
-    char peer[256];
-    ddp__flight_describe(p, what, sizeof what);
-    seconds_text(waited_ns(p, views[r].group), waited, sizeof waited);
-    peer_text(views, size, p->peer, peer, sizeof peer);
-    fprintf(o->f, "%srank %d %s %s in %s%s\n", o->prefix, (int)r,
-            p->state == DDP__FLIGHT_FAILED ? "gave up after" : "waited", waited, what, peer);
-    lines++;
-    explained = true;
-  }
-  if (!explained && unnamed) {
+  char missing_text[320];
+  bool unnamed;
+  int32_t n_missing = missing_ranks(views, size, reported_absent, list, missing_text, sizeof missing_text, &unnamed);
+  uint64_t top;
+  const ddp__flight_record *ref = reference_call(views, size, &top);
+  int lines = 0;
+  if (ref) lines += report_collectives(o, views, size, top, ref, missing_text, n_missing, list, waiters);
+  lines += report_p2p(o, views, size);
+  /* Nothing explained: say who is missing, or that all is well. */
+  if (lines == 0 && unnamed) {
     fprintf(o->f, "%s%s\n", o->prefix, missing_text);
     lines++;
-  } else if (!explained && !quiet_when_fine && ref) {
+  } else if (lines == 0 && !quiet_when_fine && ref) {
+    char what[200];
     ddp__flight_describe(ref, what, sizeof what);
     fprintf(o->f, "%sno operation was pending: every rank with a dump completed %s\n", o->prefix, what);
     lines++;
