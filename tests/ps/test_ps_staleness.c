@@ -66,8 +66,7 @@ static ddp_status start_agent(const ddp_ps_options *ps, ddp_store *store, int ra
                               ddp_rpc_agent **agent) {
   char name[DDP_RPC_MAX_NAME_BYTES];
   ddp_ps_worker_name(ps, rank, name);
-  ddp_rpc_options ro;
-  ddp_rpc_options_init(&ro);
+  ddp_rpc_options ro = ddp_rpc_defaults();
   ro.name = name;
   ro.rank = rank;
   ro.world_size = ps->num_servers + ps->num_trainers;
@@ -92,12 +91,12 @@ static void *server_main(void *p) {
 /* One step as the strategy makes it, with the gradient given: every
  * parameter pushed, then the pull (which returns once the server answers). */
 static ddp_status run_step(trainer *t, const float *grad) {
-  const int64_t step = ddp__ps_client_step(t->client);
+  const int64_t step = ddp_ps_client_step(t->client);
   memcpy(ddp_model_grads_flat(t->model), grad,
          (size_t)ddp_model_num_param_elements(t->model) * sizeof(float));
   for (int32_t i = 0; i < ddp_model_num_params(t->model); i++)
-    ddp__ps_client_push(t->client, i, step, LR);
-  return ddp__ps_client_end_step(t->client, LR);
+    ddp_ps_client_push(t->client, i, step, LR);
+  return ddp_ps_client_end_step(t->client, LR);
 }
 
 static void *trainer_main(void *p) {
@@ -106,7 +105,7 @@ static void *trainer_main(void *p) {
   int64_t base = -1;
   ddp_status s = start_agent(&t->ps, t->store, t->rank, &agent);
   if (s == DDP_OK) s = ddp_ps_client_attach(t->client, agent);
-  if (s == DDP_OK) s = ddp__ps_client_bind(t->client, t->model, &base);
+  if (s == DDP_OK) s = ddp_ps_client_bind(t->client, t->model, &base);
   pthread_mutex_lock(&t->mu);
   t->bound = true;
   pthread_cond_broadcast(&t->cv);
