@@ -125,7 +125,7 @@ ddp_status ddp__train_pipeline_prepare(ddp_trainer *t) {
     s = ddp_tensor_create(&t->eval_out, DDP_FLOAT32, nd + 1, shape);
     if (s != DDP_OK) return ddp_error_wrap(s, "the evaluation's outputs");
   }
-  t->gather = calloc((size_t)ddp_model_num_param_elements(t->model) + 1, sizeof(float));
+  t->gather = ddp_calloc((size_t)ddp_model_num_param_elements(t->model) + 1, sizeof(float));
   if (!t->gather) return ddp_error(DDP_ERR_NOMEM, "pipeline: out of memory for the gather buffer");
   return DDP_OK;
 }
@@ -149,7 +149,7 @@ static void pipeline_destroy(ddp_trainer *t) {
   t->eval_out = NULL;
   ddp_optimizer_destroy(t->full_opt);
   t->full_opt = NULL;
-  free(t->gather);
+  ddp_free(t->gather);
   t->gather = NULL;
   ddp_dp_destroy(t->stage_dp);
   t->stage_dp = NULL;
@@ -252,11 +252,11 @@ const ddp__train_strategy ddp__train_pipeline = {
 ddp_status ddp__train_pipeline_stats(ddp_trainer *t, ddp_train_result *res) {
   const int P = t->o.pipeline->stages;
   enum { FIELDS = 4 };
-  double *v = calloc((size_t)P * FIELDS, sizeof(double));
-  ddp_train_stage_stats *out = calloc((size_t)P, sizeof *out);
+  double *v = ddp_calloc((size_t)P * FIELDS, sizeof(double));
+  ddp_train_stage_stats *out = ddp_calloc((size_t)P, sizeof *out);
   if (!v || !out) {
-    free(v);
-    free(out);
+    ddp_free(v);
+    ddp_free(out);
     return ddp_error(DDP_ERR_NOMEM, "out of memory for %d stages' figures", P);
   }
   if (t->replica == 0) {
@@ -270,8 +270,8 @@ ddp_status ddp__train_pipeline_stats(ddp_trainer *t, ddp_train_result *res) {
   }
   ddp_status s = ddp__train_sum(t, v, P * FIELDS);
   if (s != DDP_OK) {
-    free(v);
-    free(out);
+    ddp_free(v);
+    ddp_free(out);
     return ddp_error_wrap(s, "gathering the stages' figures");
   }
   for (int r = 0; r < P; r++) {
@@ -281,7 +281,7 @@ ddp_status ddp__train_pipeline_stats(ddp_trainer *t, ddp_train_result *res) {
                                      .microbatch_activation_bytes = (int64_t)row[2],
                                      .live_high_water = (int32_t)row[3]};
   }
-  free(v);
+  ddp_free(v);
   res->stages = out;
   res->n_stages = P;
   return DDP_OK;

@@ -43,9 +43,9 @@ const char *ddp_train_stop_name(ddp_train_stop stop) {
 
 void ddp_train_result_free(ddp_train_result *r) {
   if (!r) return;
-  free(r->steady_preempted_ms_per_rank);
+  ddp_free(r->steady_preempted_ms_per_rank);
   r->steady_preempted_ms_per_rank = NULL;
-  free((void *)r->stages);
+  ddp_free((void *)r->stages);
   r->stages = NULL;
   r->n_stages = 0;
 }
@@ -236,7 +236,7 @@ ddp_status ddp_trainer_create(ddp_trainer **out, ddp_model *model, ddp_dataset *
   *out = NULL;
   DDP_TRY(check_options(options, pg));
   if (options->cuda_graph) DDP_TRY(ddp__train_graph_check(options, model, pg));
-  ddp_trainer *t = calloc(1, sizeof *t);
+  ddp_trainer *t = ddp_calloc(1, sizeof *t);
   if (!t) return ddp_error(DDP_ERR_NOMEM, "ddp_trainer_create: out of memory");
   t->o = *options;
   t->model = model;
@@ -276,7 +276,7 @@ void ddp_trainer_destroy(ddp_trainer *t) {
   ddp_sampler_destroy(t->train_sampler);
   ddp_scheduler_destroy(t->sched);
   ddp_optimizer_destroy(t->opt);
-  free(t);
+  ddp_free(t);
 }
 
 /* ---- Checkpoints and early stopping --------------------------------------- */
@@ -766,7 +766,7 @@ static ddp_status fill_result(ddp_trainer *t, run_state *r, ddp_train_result *re
                                           1e3 * p->step_ms / n, 1e3 * p->preempted_ms / n};
   /* Every rank's mean preempted time over its steady steps: in a
    * synchronous step one rank's preemption stalls them all. */
-  res->steady_preempted_ms_per_rank = calloc((size_t)t->size, sizeof(double));
+  res->steady_preempted_ms_per_rank = ddp_calloc((size_t)t->size, sizeof(double));
   if (!res->steady_preempted_ms_per_rank)
     return ddp_error(DDP_ERR_NOMEM, "out of memory for %d ranks' figures", t->size);
   res->steady_preempted_ms_per_rank[t->rank] =
