@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh Debian machine: installs what it needs,
 # checks which headers each layer includes (scripts/check-layers.sh, a
-# second), builds the release and the sanitizer (ASan + UBSan) builds, and
-# runs every test in both. Tests labelled "slow" (long training runs) run in the release
-# build only. Then a ThreadSanitizer build runs the tests labelled "tsan":
+# second) and that every allocation in src/ goes through core's hooks
+# (scripts/check-alloc.sh, a second), builds the release and the sanitizer
+# (ASan + UBSan) builds, and runs every test in both. Tests labelled "slow"
+# (long training runs) run in the release build only. Then a
+# ThreadSanitizer build runs the tests labelled "tsan":
 # the threaded ones, with small sizes (about a minute on 2 cores; see
 # docs/comm.md, "ThreadSanitizer"); any report fails the test that caused it.
 # Last, a portable build (no -march=native) runs the tests labelled "numeric"
@@ -15,6 +17,8 @@ cd "$(dirname "$0")/.."
 scripts/install-deps.sh build data test mpi slurm
 echo "== layers: who may include what (scripts/check-layers.sh) =="
 scripts/check-layers.sh
+echo "== allocation: every one through core's hooks (scripts/check-alloc.sh) =="
+scripts/check-alloc.sh
 scripts/install-deps.sh refs || echo "test.sh: no reference environment (PyTorch 2.x in /opt/torch-venv); its tests will skip" >&2
 
 scripts/build.sh release

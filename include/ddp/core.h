@@ -144,6 +144,13 @@ void *ddp_alloc(size_t bytes);
 void *ddp_calloc(size_t count, size_t size); /* zeroed; NULL on overflow */
 void ddp_free(void *ptr);
 char *ddp_strdup(const char *s);
+/* Grows or shrinks a block from ddp_alloc: a new block of new_bytes holding
+ * the first min(old_bytes, new_bytes) bytes of ptr, which is then freed.
+ * The hooks' free is not told sizes, so the caller says how many bytes to
+ * keep (the old block's size, or just the bytes in use). NULL on failure,
+ * ptr left as it was (as realloc); ptr NULL allocates. Counted as one
+ * ddp_alloc. */
+void *ddp_realloc(void *ptr, size_t old_bytes, size_t new_bytes);
 /* Installs hooks (NULL restores the default aligned malloc). Not thread-safe
  * against concurrent allocation: install before starting work. */
 void ddp_set_alloc_hooks(const ddp_alloc_hooks *hooks);

@@ -54,3 +54,13 @@ char *ddp_strdup(const char *s) {
   if (d) memcpy(d, s, n);
   return d;
 }
+
+void *ddp_realloc(void *ptr, size_t old_bytes, size_t new_bytes) {
+  void *p = ddp_alloc(new_bytes);
+  if (!p) return NULL;
+  if (ptr) {
+    memcpy(p, ptr, old_bytes < new_bytes ? old_bytes : new_bytes);
+    ddp_free(ptr);
+  }
+  return p;
+}

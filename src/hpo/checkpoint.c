@@ -38,9 +38,9 @@ static ddp_status read_file(const char *path, char **out) {
   while ((c = fgetc(f)) != EOF) {
     if (n + 2 > cap) {
       cap = cap ? 2 * cap : 4096;
-      char *grown = realloc(buf, cap);
+      char *grown = ddp_realloc(buf, n, cap);
       if (!grown) {
-        free(buf);
+        ddp_free(buf);
         fclose(f);
         return ddp_error(DDP_ERR_NOMEM, "hpo checkpoint: out of memory reading %s", path);
       }
@@ -49,7 +49,7 @@ static ddp_status read_file(const char *path, char **out) {
     buf[n++] = (char)c;
   }
   fclose(f);
-  if (!buf) buf = calloc(1, 1);
+  if (!buf) buf = ddp_calloc(1, 1);
   else buf[n] = '\0';
   *out = buf;
   return buf ? DDP_OK : ddp_error(DDP_ERR_NOMEM, "hpo checkpoint: out of memory");
@@ -79,18 +79,18 @@ ddp_status ddp__hpo_meta_check(const char *dir, const char *meta, bool resume, b
   ddp_status s = read_file(path, &saved);
   if (s == DDP_OK) {
     if (!resume) {
-      free(saved);
+      ddp_free(saved);
       return ddp_error(DDP_ERR_STATE, "hpo checkpoint: %s holds a search already (%s); resume it "
                        "(--resume) or choose another directory", dir, path);
     }
     if (strcmp(saved, meta) != 0) {
       char diff[1024];
       first_difference(saved, meta, diff, sizeof diff);
-      free(saved);
+      ddp_free(saved);
       return ddp_error(DDP_ERR_INVALID, "hpo checkpoint: the search in %s ran with other options: "
                        "%s", dir, diff);
     }
-    free(saved);
+    ddp_free(saved);
     *resuming = true;
     return DDP_OK;
   }
@@ -123,15 +123,15 @@ static size_t commit_bytes(void) { return 4 + 4 + 8 + 624 * 4 + 4 + 4 + 8; }
 void ddp__hpo_journal_close(ddp__hpo_journal *j) {
   if (!j) return;
   if (j->fd >= 0) close(j->fd);
-  free(j->buf);
-  free(j);
+  ddp_free(j->buf);
+  ddp_free(j);
 }
 
 ddp_status ddp__hpo_journal_append(ddp__hpo_journal *j, const ddp__hpo_message *m) {
   const size_t mb = message_bytes(j->traits);
   if (j->used + mb > j->cap) {
     size_t cap = j->cap ? 2 * j->cap : 64 * mb;
-    unsigned char *grown = realloc(j->buf, cap);
+    unsigned char *grown = ddp_realloc(j->buf, j->used, cap);
     if (!grown) return ddp_error(DDP_ERR_NOMEM, "hpo checkpoint: out of memory");
     j->buf = grown;
     j->cap = cap;
@@ -183,7 +183,7 @@ ddp_status ddp__hpo_journal_open(const char *dir, int worker, int traits, bool r
                                  int64_t *generations_done, ddp__hpo_journal **out) {
   *out = NULL;
   *generations_done = 0;
-  ddp__hpo_journal *j = calloc(1, sizeof *j);
+  ddp__hpo_journal *j = ddp_calloc(1, sizeof *j);
   if (!j) return ddp_error(DDP_ERR_NOMEM, "hpo checkpoint: out of memory");
   j->traits = traits;
   snprintf(j->path, sizeof j->path, "%s/worker-%d.journal", dir, worker);
@@ -191,7 +191,7 @@ ddp_status ddp__hpo_journal_open(const char *dir, int worker, int traits, bool r
   if (j->fd < 0) {
     ddp_status s = ddp_error(DDP_ERR_IO, "hpo checkpoint: cannot open %s: %s", j->path,
                              strerror(errno));
-    free(j);
+    ddp_free(j);
     return s;
   }
   ddp_status s = DDP_OK;
@@ -201,7 +201,7 @@ ddp_status ddp__hpo_journal_open(const char *dir, int worker, int traits, bool r
     struct stat st;
     if (fstat(j->fd, &st) == 0 && st.st_size > 0) {
       n = (size_t)st.st_size;
-      data = malloc(n);
+      data = ddp_alloc(n);
       size_t got = 0;
       while (data && got < n) {
         ssize_t r = pread(j->fd, data + got, n - got, (off_t)got);
@@ -224,7 +224,7 @@ ddp_status ddp__hpo_journal_open(const char *dir, int worker, int traits, bool r
     }
     /* Second pass: replay what was committed. */
     ddp__hpo_message m;
-    double *values = malloc((size_t)traits * sizeof *values + 1);
+    double *values = ddp_alloc((size_t)traits * sizeof *values + 1);
     if (!values && s == DDP_OK) s = ddp_error(DDP_ERR_NOMEM, "hpo checkpoint: out of memory");
     for (at = 0; s == DDP_OK && at < committed;) {
       uint32_t magic;
@@ -250,8 +250,8 @@ ddp_status ddp__hpo_journal_open(const char *dir, int worker, int traits, bool r
       if (s == DDP_OK) s = fn(&m, user);
       at += mb;
     }
-    free(values);
-    free(data);
+    ddp_free(values);
+    ddp_free(data);
     if (s == DDP_OK && committed < n && ftruncate(j->fd, (off_t)committed) != 0)
       s = ddp_error(DDP_ERR_IO, "hpo checkpoint: cutting %s's torn tail: %s", j->path,
                     strerror(errno));

@@ -94,13 +94,15 @@ struct ddp__hpo_exchange {
 
 static ddp_status grow_scratch(ddp__hpo_exchange *x, int64_t n) {
   if (n <= x->scratch_keys) return DDP_OK;
-  char **keys = realloc(x->keys, (size_t)n * sizeof *keys);
+  char **keys =
+      ddp_realloc(x->keys, (size_t)x->scratch_keys * sizeof *keys, (size_t)n * sizeof *keys);
   if (keys) x->keys = keys;
-  ddp_store_value *vals = realloc(x->vals, (size_t)n * sizeof *vals);
+  ddp_store_value *vals =
+      ddp_realloc(x->vals, (size_t)x->scratch_keys * sizeof *vals, (size_t)n * sizeof *vals);
   if (vals) x->vals = vals;
   if (!keys || !vals) return ddp_error(DDP_ERR_NOMEM, "hpo exchange: out of memory");
   for (int64_t i = x->scratch_keys; i < n; i++) {
-    x->keys[i] = malloc(64);
+    x->keys[i] = ddp_alloc(64);
     if (!x->keys[i]) return ddp_error(DDP_ERR_NOMEM, "hpo exchange: out of memory");
     x->scratch_keys = i + 1;
   }
@@ -109,26 +111,26 @@ static ddp_status grow_scratch(ddp__hpo_exchange *x, int64_t n) {
 
 void ddp__hpo_exchange_destroy(ddp__hpo_exchange *x) {
   if (!x) return;
-  for (int64_t i = 0; i < x->scratch_keys; i++) free(x->keys[i]);
-  free(x->keys);
-  free(x->vals);
-  free(x->seen);
-  free(x->pending);
-  free(x);
+  for (int64_t i = 0; i < x->scratch_keys; i++) ddp_free(x->keys[i]);
+  ddp_free(x->keys);
+  ddp_free(x->vals);
+  ddp_free(x->seen);
+  ddp_free(x->pending);
+  ddp_free(x);
 }
 
 ddp_status ddp__hpo_exchange_create(ddp_store *store, int worker, int n_workers, int traits,
                                     int64_t max_pending, ddp__hpo_exchange **out) {
   *out = NULL;
-  ddp__hpo_exchange *x = calloc(1, sizeof *x);
+  ddp__hpo_exchange *x = ddp_calloc(1, sizeof *x);
   if (!x) return ddp_error(DDP_ERR_NOMEM, "hpo exchange: out of memory");
   x->store = store;
   x->worker = worker;
   x->n_workers = n_workers;
   x->traits = traits;
   x->pending_cap = max_pending;
-  x->seen = calloc((size_t)n_workers, sizeof *x->seen);
-  x->pending = malloc((size_t)max_pending * record_bytes(traits));
+  x->seen = ddp_calloc((size_t)n_workers, sizeof *x->seen);
+  x->pending = ddp_alloc((size_t)max_pending * record_bytes(traits));
   ddp_status s = x->seen && x->pending ? grow_scratch(x, (max_pending > n_workers ? max_pending
                                                                                  : n_workers) + 1)
                                        : ddp_error(DDP_ERR_NOMEM, "hpo exchange: out of memory");
@@ -153,7 +155,8 @@ ddp_status ddp__hpo_exchange_create(ddp_store *store, int worker, int n_workers,
 ddp_status ddp__hpo_exchange_send(ddp__hpo_exchange *x, const ddp__hpo_message *m) {
   if (x->sent - x->flushed >= x->pending_cap) {
     int64_t cap = 2 * x->pending_cap;
-    unsigned char *grown = realloc(x->pending, (size_t)cap * record_bytes(x->traits));
+    unsigned char *grown = ddp_realloc(x->pending, (size_t)x->pending_cap * record_bytes(x->traits),
+                                       (size_t)cap * record_bytes(x->traits));
     if (!grown) return ddp_error(DDP_ERR_NOMEM, "hpo exchange: out of memory");
     x->pending = grown;
     x->pending_cap = cap;
@@ -214,12 +217,12 @@ ddp_status ddp__hpo_exchange_poll(ddp__hpo_exchange *x, ddp__hpo_arrival fn, voi
                                      x->vals);
   if (s != DDP_OK) return ddp_error_wrap(s, "hpo exchange: reading the workers' counts");
   int64_t counts[1024];
-  int64_t *count = peers <= 1024 ? counts : malloc((size_t)peers * sizeof *count);
+  int64_t *count = peers <= 1024 ? counts : ddp_alloc((size_t)peers * sizeof *count);
   if (!count) s = ddp_error(DDP_ERR_NOMEM, "hpo exchange: out of memory");
   for (int i = 0; s == DDP_OK && i < peers; i++) s = parse_count(&x->vals[i], x->keys[i], &count[i]);
   ddp_store_values_free(x->vals, (size_t)peers);
   ddp__hpo_message msg;
-  double *values = malloc((size_t)x->traits * sizeof *values + 1);
+  double *values = ddp_alloc((size_t)x->traits * sizeof *values + 1);
   if (!values && s == DDP_OK) s = ddp_error(DDP_ERR_NOMEM, "hpo exchange: out of memory");
   for (int i = 0, p = 0; s == DDP_OK && i < peers; i++, p++) {
     if (p == x->worker) p++;
@@ -246,8 +249,8 @@ ddp_status ddp__hpo_exchange_poll(ddp__hpo_exchange *x, ddp__hpo_arrival fn, voi
       *received += n;
     }
   }
-  free(values);
-  if (count != counts) free(count);
+  ddp_free(values);
+  if (count != counts) ddp_free(count);
   return s;
 }
 

@@ -63,8 +63,8 @@ static ddp_status check_options(const ddp_hpo_options *o) {
 
 void ddp_hpo_result_free(ddp_hpo_result *r) {
   if (!r) return;
-  if (r->individuals && r->count > 0) free(r->individuals[0].values); /* one block for all */
-  free(r->individuals);
+  if (r->individuals && r->count > 0) ddp_free(r->individuals[0].values); /* one block for all */
+  ddp_free(r->individuals);
   *r = (ddp_hpo_result){.best = -1};
 }
 
@@ -95,25 +95,25 @@ typedef struct population {
 } population;
 
 static void population_free(population *p) {
-  free(p->seen);
-  free(p->pending_deact);
-  free(p->inds);
-  free(p->values);
-  free(p->views);
-  free(p->best);
-  free(p->best_loss);
+  ddp_free(p->seen);
+  ddp_free(p->pending_deact);
+  ddp_free(p->inds);
+  ddp_free(p->values);
+  ddp_free(p->views);
+  ddp_free(p->best);
+  ddp_free(p->best_loss);
 }
 
 static ddp_status population_init(population *p, int traits, int pop_size, int64_t cap,
                                   int workers, int64_t generations) {
   *p = (population){.traits = traits, .pop_size = pop_size, .cap = cap, .best_overall = -1,
                     .generations = generations};
-  p->seen = calloc((size_t)((workers * generations + 7) / 8), 1);
-  p->inds = calloc((size_t)cap, sizeof *p->inds);
-  p->values = calloc((size_t)(cap * traits) + 1, sizeof *p->values);
-  p->views = calloc((size_t)cap, sizeof *p->views);
-  p->best = calloc((size_t)pop_size, sizeof *p->best);
-  p->best_loss = calloc((size_t)pop_size, sizeof *p->best_loss);
+  p->seen = ddp_calloc((size_t)((workers * generations + 7) / 8), 1);
+  p->inds = ddp_calloc((size_t)cap, sizeof *p->inds);
+  p->values = ddp_calloc((size_t)(cap * traits) + 1, sizeof *p->values);
+  p->views = ddp_calloc((size_t)cap, sizeof *p->views);
+  p->best = ddp_calloc((size_t)pop_size, sizeof *p->best);
+  p->best_loss = ddp_calloc((size_t)pop_size, sizeof *p->best_loss);
   if (!p->inds || !p->values || !p->views || !p->best || !p->best_loss || !p->seen) {
     population_free(p);
     return ddp_error(DDP_ERR_NOMEM, "hpo: no memory for %lld individuals", (long long)cap);
@@ -211,15 +211,15 @@ static int select_min(const population *p, int keep_current, int k, int64_t *out
 /* Hands the population over to *result (its first individual's values
  * pointer owns the block). */
 static void population_to_result(population *p, ddp_hpo_result *result) {
-  free(p->seen);
-  free(p->pending_deact);
-  free(p->views);
-  free(p->best);
-  free(p->best_loss);
+  ddp_free(p->seen);
+  ddp_free(p->pending_deact);
+  ddp_free(p->views);
+  ddp_free(p->best);
+  ddp_free(p->best_loss);
   result->individuals = p->inds;
   result->count = p->count;
   result->best = p->best_overall;
-  if (p->count == 0) free(p->values);
+  if (p->count == 0) ddp_free(p->values);
 }
 
 /* ---- The loop --------------------------------------------------------------- */
@@ -242,8 +242,8 @@ static ddp_status island_layout(worker_ctx *w, int islands) {
   if (islands > w->n_workers)
     return ddp_error(DDP_ERR_INVALID, "hpo: %d islands for %d workers: every island needs one",
                      islands, w->n_workers);
-  w->displ = calloc((size_t)islands, sizeof *w->displ);
-  w->count = calloc((size_t)islands, sizeof *w->count);
+  w->displ = ddp_calloc((size_t)islands, sizeof *w->displ);
+  w->count = ddp_calloc((size_t)islands, sizeof *w->count);
   if (!w->displ || !w->count) return ddp_error(DDP_ERR_NOMEM, "hpo: out of memory");
   for (int i = 0, at = 0; i < islands; i++) {
     w->displ[i] = at;
@@ -274,7 +274,8 @@ static ddp_status journal(arrivals *a, const ddp__hpo_message *m) {
 static ddp_status remember_deactivation(population *p, const ddp_hpo_individual *ind) {
   if (p->n_pending_deact == p->cap_pending_deact) {
     int64_t cap = p->cap_pending_deact ? 2 * p->cap_pending_deact : 16;
-    ddp_hpo_individual *grown = realloc(p->pending_deact, (size_t)cap * sizeof *grown);
+    ddp_hpo_individual *grown = ddp_realloc(
+        p->pending_deact, (size_t)p->n_pending_deact * sizeof *grown, (size_t)cap * sizeof *grown);
     if (!grown) return ddp_error(DDP_ERR_NOMEM, "hpo: out of memory");
     p->pending_deact = grown;
     p->cap_pending_deact = cap;
@@ -468,14 +469,14 @@ static ddp_status lead_loop(const worker_ctx *w, population *pop, ddp__hpo_excha
  * it with the others. */
 static ddp_status follow_loop(const worker_ctx *w, int64_t first) {
   const int traits = ddp_hpo_space_size(w->space);
-  double *values = malloc((size_t)traits * sizeof *values + 1);
+  double *values = ddp_alloc((size_t)traits * sizeof *values + 1);
   if (!values) return ddp_error(DDP_ERR_NOMEM, "hpo: out of memory");
   ddp_status s = DDP_OK;
   for (int64_t g = first; s == DDP_OK && g < w->o->generations; g++) {
     s = ddp_broadcast(w->worker_pg, values, (size_t)traits, DDP_FLOAT64, 0);
     if (s == DDP_OK) (void)w->objective(w->space, values, w->worker_pg, w->user);
   }
-  free(values);
+  ddp_free(values);
   return s;
 }
 
@@ -558,14 +559,14 @@ ddp_status ddp_hpo_search_world(const ddp_hpo_space *space, const ddp_hpo_option
                   .worker = rank / r, .n_workers = n_workers, .world_rank = rank - rank % r};
   ddp_status s = island_layout(&w, o->islands);
   if (s != DDP_OK) {
-    free(w.displ), free(w.count);
+    ddp_free(w.displ), ddp_free(w.count);
     return s;
   }
   /* Workers of several ranks: a split of the world, made once. */
   if (r > 1) {
     s = ddp_process_group_split(world, w.worker, rank, &w.worker_pg);
     if (s != DDP_OK) {
-      free(w.displ), free(w.count);
+      ddp_free(w.displ), ddp_free(w.count);
       return ddp_error_wrap(s, "hpo: making worker %d's group", w.worker);
     }
   }
@@ -641,8 +642,8 @@ ddp_status ddp_hpo_search_world(const ddp_hpo_space *space, const ddp_hpo_option
   ddp__hpo_journal_close(jn);
   ddp__hpo_exchange_destroy(x);
   ddp_process_group_destroy(w.worker_pg);
-  free(w.displ);
-  free(w.count);
+  ddp_free(w.displ);
+  ddp_free(w.count);
   if (s != DDP_OK) {
     if (lead) population_free(&pop);
     return s;

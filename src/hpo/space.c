@@ -34,12 +34,12 @@ int ddp_hpo_space_find(const ddp_hpo_space *s, const char *name) {
 
 void ddp_hpo_space_destroy(ddp_hpo_space *s) {
   if (!s) return;
-  free(s->traits);
-  free(s->text);
-  free(s->names_of_choices);
-  free(s->sorted);
-  free(s->intervals);
-  free(s);
+  ddp_free(s->traits);
+  ddp_free(s->text);
+  ddp_free(s->names_of_choices);
+  ddp_free(s->sorted);
+  ddp_free(s->intervals);
+  ddp_free(s);
 }
 
 static bool parse_number(const char *text, double *out) {
@@ -118,19 +118,19 @@ static ddp_status parse_trait(char *item, ddp_hpo_trait *t, const char **choices
 ddp_status ddp_hpo_space_parse(const char *spec, ddp_hpo_space **out) {
   if (!spec || !out) return ddp_error(DDP_ERR_INVALID, "ddp_hpo_space_parse: spec or out is NULL");
   *out = NULL;
-  ddp_hpo_space *s = calloc(1, sizeof *s);
+  ddp_hpo_space *s = ddp_calloc(1, sizeof *s);
   size_t len = strlen(spec);
-  if (!s || !(s->text = malloc(len + 1))) {
-    free(s);
+  if (!s || !(s->text = ddp_alloc(len + 1))) {
+    ddp_free(s);
     return ddp_error(DDP_ERR_NOMEM, "search space: out of memory");
   }
   memcpy(s->text, spec, len + 1);
   int items = 1;
   for (const char *p = spec; *p; p++) items += *p == ',' || *p == '|';
-  s->traits = calloc((size_t)items, sizeof *s->traits);
-  s->names_of_choices = calloc((size_t)items, sizeof *s->names_of_choices);
-  s->sorted = calloc((size_t)items, sizeof *s->sorted);
-  s->intervals = calloc((size_t)items, sizeof *s->intervals);
+  s->traits = ddp_calloc((size_t)items, sizeof *s->traits);
+  s->names_of_choices = ddp_calloc((size_t)items, sizeof *s->names_of_choices);
+  s->sorted = ddp_calloc((size_t)items, sizeof *s->sorted);
+  s->intervals = ddp_calloc((size_t)items, sizeof *s->intervals);
   ddp_status st = DDP_OK;
   if (!s->traits || !s->names_of_choices || !s->sorted || !s->intervals)
     st = ddp_error(DDP_ERR_NOMEM, "search space: out of memory");

@@ -26,7 +26,7 @@ static ddp_status append(text *t, const char *s, size_t n) {
   if (t->n + n + 1 > t->cap) {
     size_t cap = t->cap ? t->cap : 1 << 16;
     while (cap < t->n + n + 1) cap *= 2;
-    char *p = realloc(t->p, cap);
+    char *p = ddp_realloc(t->p, t->n, cap);
     if (!p) return ddp_error(DDP_ERR_NOMEM, "ddprun --trace: out of memory merging the traces");
     t->p = p;
     t->cap = cap;
@@ -46,7 +46,7 @@ static ddp_status read_file(const char *path, text *out) {
   if (size < 0 || size > MAX_RANK_FILE || fseek(f, 0, SEEK_SET) != 0) {
     s = ddp_error(DDP_ERR_IO, "ddprun --trace: %s: cannot take its size, or over 2 GiB", path);
   } else {
-    out->p = malloc((size_t)size + 1);
+    out->p = ddp_alloc((size_t)size + 1);
     if (!out->p) s = ddp_error(DDP_ERR_NOMEM, "ddprun --trace: out of memory for %s", path);
     else if (fread(out->p, 1, (size_t)size, f) != (size_t)size)
       s = ddp_error(DDP_ERR_IO, "ddprun --trace: reading %s: short read", path);
@@ -132,7 +132,9 @@ ddp_status ddp__trace_merge(const char *dir, int *ranks) {
     if (!rank_file(e->d_name, &r)) continue;
     if (n == cap) {
       cap = cap ? 2 * cap : 16;
-      int *p = cap <= MAX_RANKS ? realloc(found, (size_t)cap * sizeof *found) : NULL;
+      int *p = cap <= MAX_RANKS
+                   ? ddp_realloc(found, (size_t)n * sizeof *found, (size_t)cap * sizeof *found)
+                   : NULL;
       if (!p) {
         s = ddp_error(DDP_ERR_NOMEM, "ddprun --trace: too many rank files in %s", dir);
         break;
@@ -148,8 +150,8 @@ ddp_status ddp__trace_merge(const char *dir, int *ranks) {
       found[j] = found[j - 1];
       found[j - 1] = x;
     }
-  text *files = s == DDP_OK && n ? calloc((size_t)n, sizeof *files) : NULL;
-  int64_t *origin = s == DDP_OK && n ? calloc((size_t)n, sizeof *origin) : NULL;
+  text *files = s == DDP_OK && n ? ddp_calloc((size_t)n, sizeof *files) : NULL;
+  int64_t *origin = s == DDP_OK && n ? ddp_calloc((size_t)n, sizeof *origin) : NULL;
   if (s == DDP_OK && n && (!files || !origin))
     s = ddp_error(DDP_ERR_NOMEM, "ddprun --trace: out of memory");
   if (s == DDP_OK && n == 0) s = ddp_error(DDP_ERR_IO, "ddprun --trace: no rank<N>.json in %s", dir);
@@ -189,11 +191,11 @@ ddp_status ddp__trace_merge(const char *dir, int *ranks) {
     if (s == DDP_OK) s = ddp__atomic_commit(&f);
     ddp__atomic_abort(&f);
   }
-  for (int i = 0; files && i < n; i++) free(files[i].p);
-  free(files);
-  free(origin);
-  free(found);
-  free(out.p);
+  for (int i = 0; files && i < n; i++) ddp_free(files[i].p);
+  ddp_free(files);
+  ddp_free(origin);
+  ddp_free(found);
+  ddp_free(out.p);
   if (s == DDP_OK) *ranks = n;
   return s;
 }

@@ -84,16 +84,16 @@ ddp_status ddp_ps_client_create(ddp_ps_client **out, const ddp_ps_options *o,
   DDP_TRY(ddp_ps_options_check(o));
   if (trainer_index < 0 || trainer_index >= o->num_trainers)
     return ddp_error(DDP_ERR_INVALID, "trainer index %d of %d", trainer_index, o->num_trainers);
-  ddp_ps_client *c = calloc(1, sizeof *c);
+  ddp_ps_client *c = ddp_calloc(1, sizeof *c);
   if (!c) return ddp_error(DDP_ERR_NOMEM, "ddp_ps_client_create: out of memory");
   c->o = *o;
   c->index = trainer_index;
   pthread_mutex_init(&c->mu, NULL);
   ddp_ps_worker_name(o, o->num_servers + trainer_index, c->name);
-  c->servers = calloc((size_t)o->num_servers, sizeof *c->servers);
-  c->pull_futures = calloc((size_t)o->num_servers, sizeof *c->pull_futures);
-  c->pull_headers = calloc((size_t)o->num_servers, sizeof *c->pull_headers);
-  c->watch_replies = calloc((size_t)o->num_servers, sizeof *c->watch_replies);
+  c->servers = ddp_calloc((size_t)o->num_servers, sizeof *c->servers);
+  c->pull_futures = ddp_calloc((size_t)o->num_servers, sizeof *c->pull_futures);
+  c->pull_headers = ddp_calloc((size_t)o->num_servers, sizeof *c->pull_headers);
+  c->watch_replies = ddp_calloc((size_t)o->num_servers, sizeof *c->watch_replies);
   ddp_status s = DDP_OK;
   if (!c->servers || !c->pull_futures || !c->pull_headers || !c->watch_replies) {
     s = ddp_error(DDP_ERR_NOMEM, "ddp_ps_client_create: out of memory");
@@ -130,22 +130,22 @@ void ddp_ps_client_destroy(ddp_ps_client *c) {
   for (int32_t j = 0; c->watch_replies && j < c->o.num_servers; j++)
     if (c->watch_replies[j])
       (void)ddp_rpc_reply_fail(c->watch_replies[j], DDP_ERR_CLOSED, "trainer %s left", c->name);
-  free(c->servers);
-  free(c->pull_futures);
-  free(c->pull_headers);
-  free(c->watch_replies);
-  free(c->owner);
-  free(c->pushed);
-  free(c->push_futures);
-  free(c->push_payloads);
-  free(c->grad_views);
-  free(c->grad_ptrs);
-  free(c->pulled_buf);
-  free(c->delta_buf);
-  free(c->pulled_ctr);
-  free(c->delta_ctr);
+  ddp_free(c->servers);
+  ddp_free(c->pull_futures);
+  ddp_free(c->pull_headers);
+  ddp_free(c->watch_replies);
+  ddp_free(c->owner);
+  ddp_free(c->pushed);
+  ddp_free(c->push_futures);
+  ddp_free(c->push_payloads);
+  ddp_free(c->grad_views);
+  ddp_free(c->grad_ptrs);
+  ddp_free(c->pulled_buf);
+  ddp_free(c->delta_buf);
+  ddp_free(c->pulled_ctr);
+  ddp_free(c->delta_ctr);
   pthread_mutex_destroy(&c->mu);
-  free(c);
+  ddp_free(c);
 }
 
 /* ---- Pulls ---- */
@@ -242,24 +242,24 @@ ddp_status ddp_ps_client_bind(ddp_ps_client *c, ddp_model *model, int64_t *base_
   c->model = model;
   c->np = ddp_model_num_params(model);
   const size_t np = (size_t)(c->np > 0 ? c->np : 1);
-  int64_t *numel = malloc(np * sizeof *numel);
-  c->owner = malloc(np * sizeof *c->owner);
-  c->pushed = calloc(np, sizeof *c->pushed);
-  c->push_futures = calloc(np, sizeof *c->push_futures);
-  c->push_payloads = calloc(np, sizeof *c->push_payloads);
-  c->grad_views = calloc(np, sizeof *c->grad_views);
-  c->grad_ptrs = calloc(np, sizeof *c->grad_ptrs);
+  int64_t *numel = ddp_alloc(np * sizeof *numel);
+  c->owner = ddp_alloc(np * sizeof *c->owner);
+  c->pushed = ddp_calloc(np, sizeof *c->pushed);
+  c->push_futures = ddp_calloc(np, sizeof *c->push_futures);
+  c->push_payloads = ddp_calloc(np, sizeof *c->push_payloads);
+  c->grad_views = ddp_calloc(np, sizeof *c->grad_views);
+  c->grad_ptrs = ddp_calloc(np, sizeof *c->grad_ptrs);
   c->nb = ddp_model_num_buffer_elements(model);
   c->nc = ddp_model_num_counters(model);
-  c->pulled_buf = calloc((size_t)c->nb + 1, sizeof(float));
-  c->delta_buf = calloc((size_t)c->nb + 1, sizeof(float));
-  c->pulled_ctr = calloc((size_t)c->nc + 1, sizeof(int64_t));
-  c->delta_ctr = calloc((size_t)c->nc + 1, sizeof(int64_t));
+  c->pulled_buf = ddp_calloc((size_t)c->nb + 1, sizeof(float));
+  c->delta_buf = ddp_calloc((size_t)c->nb + 1, sizeof(float));
+  c->pulled_ctr = ddp_calloc((size_t)c->nc + 1, sizeof(int64_t));
+  c->delta_ctr = ddp_calloc((size_t)c->nc + 1, sizeof(int64_t));
   ddp_status s = DDP_OK;
   if (!numel || !c->owner || !c->pushed || !c->push_futures || !c->push_payloads ||
       !c->grad_views || !c->grad_ptrs || !c->pulled_buf || !c->delta_buf || !c->pulled_ctr ||
       !c->delta_ctr) {
-    free(numel);
+    ddp_free(numel);
     return ddp_error(DDP_ERR_NOMEM, "%s: out of memory for the push buffers", c->name);
   }
   float *grads = ddp_model_grads_flat(model);
@@ -272,7 +272,7 @@ ddp_status ddp_ps_client_bind(ddp_ps_client *c, ddp_model *model, int64_t *base_
     c->grad_ptrs[i] = &c->grad_views[i];
   }
   if (s == DDP_OK) s = ddp_ps_shard(numel, c->np, c->o.num_servers, c->owner);
-  free(numel);
+  ddp_free(numel);
   if (s != DDP_OK) return s;
   c->n_deltas = 0;
   if (c->nb > 0) {

@@ -8,8 +8,8 @@
 ddp_status ddp__ps_clock_init(ddp__ps_clock *c, int32_t n, ddp_ps_mode mode, int32_t staleness,
                               int64_t start) {
   *c = (ddp__ps_clock){.n = n, .mode = mode, .staleness = staleness};
-  c->clock = calloc((size_t)(n > 0 ? n : 1), sizeof *c->clock);
-  c->state = calloc((size_t)(n > 0 ? n : 1), sizeof *c->state);
+  c->clock = ddp_calloc((size_t)(n > 0 ? n : 1), sizeof *c->clock);
+  c->state = ddp_calloc((size_t)(n > 0 ? n : 1), sizeof *c->state);
   if (!c->clock || !c->state) {
     ddp__ps_clock_free(c);
     return ddp_error(DDP_ERR_NOMEM, "parameter server: out of memory for %d trainers' clocks", n);
@@ -19,8 +19,8 @@ ddp_status ddp__ps_clock_init(ddp__ps_clock *c, int32_t n, ddp_ps_mode mode, int
 }
 
 void ddp__ps_clock_free(ddp__ps_clock *c) {
-  free(c->clock);
-  free(c->state);
+  ddp_free(c->clock);
+  ddp_free(c->state);
   c->clock = NULL;
   c->state = NULL;
 }

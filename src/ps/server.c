@@ -611,15 +611,15 @@ static ddp_status fn_state(ddp_rpc_call *call, const ddp_rpc_message *args, ddp_
 static ddp_status alloc_snaps(ddp_ps_server *s) {
   const int32_t N = s->o.ps.num_trainers;
   const int32_t n_out = s->shard.n + (s->nb > 0) + (s->nc > 0);
-  s->snaps = calloc((size_t)N, sizeof *s->snaps);
+  s->snaps = ddp_calloc((size_t)N, sizeof *s->snaps);
   if (!s->snaps) return ddp_error(DDP_ERR_NOMEM, "parameter server: out of memory");
   for (int32_t t = 0; t < N; t++) {
     ddp__ps_snap *sn = &s->snaps[t];
-    sn->tensors = calloc((size_t)n_out, sizeof *sn->tensors);
-    sn->ptrs = calloc((size_t)n_out, sizeof *sn->ptrs);
+    sn->tensors = ddp_calloc((size_t)n_out, sizeof *sn->tensors);
+    sn->ptrs = ddp_calloc((size_t)n_out, sizeof *sn->ptrs);
     size_t bytes = (size_t)s->shard.owned_numel * sizeof(float) + (size_t)s->nb * sizeof(float) +
                    (size_t)s->nc * sizeof(int64_t) + 64;
-    sn->data = malloc(bytes);
+    sn->data = ddp_alloc(bytes);
     if (!sn->tensors || !sn->ptrs || !sn->data)
       return ddp_error(DDP_ERR_NOMEM, "parameter server: out of memory for snapshots");
     char *at = sn->data;
@@ -659,7 +659,7 @@ ddp_status ddp_ps_server_create(ddp_ps_server **out, ddp_model *model,
   DDP_TRY(ddp_ps_options_check(&o->ps));
   if (o->index < 0 || o->index >= o->ps.num_servers)
     return ddp_error(DDP_ERR_INVALID, "server index %d of %d", o->index, o->ps.num_servers);
-  ddp_ps_server *s = calloc(1, sizeof *s);
+  ddp_ps_server *s = ddp_calloc(1, sizeof *s);
   if (!s) return ddp_error(DDP_ERR_NOMEM, "ddp_ps_server_create: out of memory");
   s->o = *o;
   s->model = model;
@@ -679,11 +679,11 @@ ddp_status ddp_ps_server_create(ddp_ps_server **out, ddp_model *model,
     s->nb = ddp_model_num_buffer_elements(model);
     s->nc = ddp_model_num_counters(model);
   }
-  s->trainers = calloc((size_t)N, sizeof *s->trainers);
-  s->meet.values = calloc((size_t)N * DDP__PS_MAX_SUM, sizeof(double));
-  s->delta_slots = calloc((size_t)N * (size_t)(s->nb ? s->nb : 1), sizeof(float));
-  s->counter_slots = calloc((size_t)N * (size_t)(s->nc ? s->nc : 1), sizeof(int64_t));
-  s->pulled_versions = calloc((size_t)N * (size_t)(s->shard.n ? s->shard.n : 1), sizeof(int64_t));
+  s->trainers = ddp_calloc((size_t)N, sizeof *s->trainers);
+  s->meet.values = ddp_calloc((size_t)N * DDP__PS_MAX_SUM, sizeof(double));
+  s->delta_slots = ddp_calloc((size_t)N * (size_t)(s->nb ? s->nb : 1), sizeof(float));
+  s->counter_slots = ddp_calloc((size_t)N * (size_t)(s->nc ? s->nc : 1), sizeof(int64_t));
+  s->pulled_versions = ddp_calloc((size_t)N * (size_t)(s->shard.n ? s->shard.n : 1), sizeof(int64_t));
   if (!s->trainers || !s->meet.values || !s->delta_slots || !s->counter_slots ||
       !s->pulled_versions) {
     st = ddp_error(DDP_ERR_NOMEM, "parameter server: out of memory for %d trainers", N);
@@ -761,20 +761,20 @@ void ddp_ps_server_destroy(ddp_ps_server *s) {
     ddp_rpc_future_destroy(s->trainers[t].retired);
   }
   for (int32_t t = 0; s->snaps && t < s->o.ps.num_trainers; t++) {
-    free(s->snaps[t].tensors);
-    free(s->snaps[t].ptrs);
-    free(s->snaps[t].data);
+    ddp_free(s->snaps[t].tensors);
+    ddp_free(s->snaps[t].ptrs);
+    ddp_free(s->snaps[t].data);
   }
   ddp__ps_server_save_free(s);
-  free(s->snaps);
-  free(s->trainers);
-  free(s->meet.values);
-  free(s->delta_slots);
-  free(s->counter_slots);
-  free(s->pulled_versions);
+  ddp_free(s->snaps);
+  ddp_free(s->trainers);
+  ddp_free(s->meet.values);
+  ddp_free(s->delta_slots);
+  ddp_free(s->counter_slots);
+  ddp_free(s->pulled_versions);
   ddp__ps_clock_free(&s->clock);
   ddp__ps_shard_free(&s->shard);
   pthread_cond_destroy(&s->cv);
   pthread_mutex_destroy(&s->mu);
-  free(s);
+  ddp_free(s);
 }

@@ -54,7 +54,7 @@ ddp_status ddp__ps_server_save_init(ddp_ps_server *s) {
     ddp_status st = ddp_scheduler_create_step_lr(&s->save_sched, s->save_opt, &so);
     if (st != DDP_OK) return ddp_error_wrap(st, "%s: the checkpoint's StepLR", s->name);
   }
-  s->save_stage = malloc((size_t)ddp_model_num_param_elements(s->model) * sizeof(float) + 64);
+  s->save_stage = ddp_alloc((size_t)ddp_model_num_param_elements(s->model) * sizeof(float) + 64);
   if (!s->save_stage) return ddp_error(DDP_ERR_NOMEM, "%s: out of memory", s->name);
   return DDP_OK;
 }
@@ -62,7 +62,7 @@ ddp_status ddp__ps_server_save_init(ddp_ps_server *s) {
 void ddp__ps_server_save_free(ddp_ps_server *s) {
   ddp_scheduler_destroy(s->save_sched);
   ddp_optimizer_destroy(s->save_opt);
-  free(s->save_stage);
+  ddp_free(s->save_stage);
   s->save_sched = NULL;
   s->save_opt = NULL;
   s->save_stage = NULL;
@@ -81,7 +81,7 @@ void ddp__ps_server_export(ddp_ps_server *s, ddp_rpc_message *m) {
   const size_t entries = n ? ddp_optimizer_state_count(s->shard.tensors[0].opt) : 0;
   const size_t per = 1 + entries, nt = (size_t)n * per;
   const size_t payload = sizeof(ddp__ps_header) + (size_t)n * sizeof(export_entry);
-  char *block = malloc(payload + nt * (sizeof(ddp_tensor) + sizeof(ddp_tensor *)) + 64);
+  char *block = ddp_alloc(payload + nt * (sizeof(ddp_tensor) + sizeof(ddp_tensor *)) + 64);
   if (!block) return; /* an empty reply: server 0 fails the save naming this server */
   ddp__ps_header *h = (ddp__ps_header *)block;
   *h = (ddp__ps_header){.magic = DDP__PS_MAGIC, .kind = DDP__PS_STATE, .count = n};
@@ -104,7 +104,7 @@ void ddp__ps_server_export(ddp_ps_server *s, ddp_rpc_message *m) {
   }
   for (size_t i = 0; i < nt; i++) ptrs[i] = &tensors[i];
   *m = (ddp_rpc_message){.payload = block, .payload_bytes = payload, .tensors = ptrs,
-                         .num_tensors = (int32_t)nt, .release = free, .release_ctx = block};
+                         .num_tensors = (int32_t)nt, .release = ddp_free, .release_ctx = block};
 }
 
 /* Copies one server's exported shard into the model and save_opt's state

@@ -82,11 +82,11 @@ ddp_status ddp_ps_shard(const int64_t *numel, int32_t n, int32_t num_servers, in
                      "the model has %d parameter tensors, fewer than the %d servers: a server "
                      "would hold nothing (sharding is by whole tensors); use at most %d servers",
                      n, num_servers, n);
-  int32_t *order = malloc((size_t)n * sizeof *order);
-  int64_t *load = calloc((size_t)num_servers, sizeof *load);
+  int32_t *order = ddp_alloc((size_t)n * sizeof *order);
+  int64_t *load = ddp_calloc((size_t)num_servers, sizeof *load);
   if (!order || !load) {
-    free(order);
-    free(load);
+    ddp_free(order);
+    ddp_free(load);
     return ddp_error(DDP_ERR_NOMEM, "ddp_ps_shard: out of memory for %d tensors", n);
   }
   /* Largest first, ties by index: a stable insertion sort (a model has tens
@@ -110,7 +110,7 @@ ddp_status ddp_ps_shard(const int64_t *numel, int32_t n, int32_t num_servers, in
    * S only if no server got two before another got one: the first S
    * tensors go to S distinct empty servers (an empty server has the least
    * load), so yes. */
-  free(order);
-  free(load);
+  ddp_free(order);
+  ddp_free(load);
   return DDP_OK;
 }

@@ -11,10 +11,10 @@
 void ddp__ps_shard_free(ddp__ps_shard *sh) {
   if (!sh) return;
   for (int32_t k = 0; sh->tensors && k < sh->n; k++) ddp_optimizer_destroy(sh->tensors[k].opt);
-  free(sh->tensors);
-  free(sh->local_of);
-  free(sh->slots);
-  free(sh->pushed);
+  ddp_free(sh->tensors);
+  ddp_free(sh->local_of);
+  ddp_free(sh->slots);
+  ddp_free(sh->pushed);
   *sh = (ddp__ps_shard){0};
 }
 
@@ -23,10 +23,10 @@ ddp_status ddp__ps_shard_init(ddp__ps_shard *sh, ddp_model *model, int32_t serve
                               const ddp_optim_options *optim) {
   *sh = (ddp__ps_shard){.model = model, .mode = mode, .num_trainers = num_trainers};
   const int32_t np = ddp_model_num_params(model);
-  int64_t *numel = malloc((size_t)(np > 0 ? np : 1) * sizeof *numel);
-  int32_t *owner = malloc((size_t)(np > 0 ? np : 1) * sizeof *owner);
-  sh->local_of = malloc((size_t)(np > 0 ? np : 1) * sizeof *sh->local_of);
-  sh->tensors = calloc((size_t)(np > 0 ? np : 1), sizeof *sh->tensors);
+  int64_t *numel = ddp_alloc((size_t)(np > 0 ? np : 1) * sizeof *numel);
+  int32_t *owner = ddp_alloc((size_t)(np > 0 ? np : 1) * sizeof *owner);
+  sh->local_of = ddp_alloc((size_t)(np > 0 ? np : 1) * sizeof *sh->local_of);
+  sh->tensors = ddp_calloc((size_t)(np > 0 ? np : 1), sizeof *sh->tensors);
   ddp_status s = DDP_OK;
   if (!numel || !owner || !sh->local_of || !sh->tensors) {
     s = ddp_error(DDP_ERR_NOMEM, "parameter server: out of memory for %d tensors", np);
@@ -53,9 +53,9 @@ ddp_status ddp__ps_shard_init(ddp__ps_shard *sh, ddp_model *model, int32_t serve
     sh->owned_numel += x->numel;
   }
   if (mode == DDP_PS_SYNC) {
-    sh->slots = calloc((size_t)num_trainers * (size_t)(sh->owned_numel ? sh->owned_numel : 1),
+    sh->slots = ddp_calloc((size_t)num_trainers * (size_t)(sh->owned_numel ? sh->owned_numel : 1),
                        sizeof *sh->slots);
-    sh->pushed = calloc((size_t)num_trainers * (size_t)(sh->n ? sh->n : 1), 1);
+    sh->pushed = ddp_calloc((size_t)num_trainers * (size_t)(sh->n ? sh->n : 1), 1);
     if (!sh->slots || !sh->pushed) {
       s = ddp_error(DDP_ERR_NOMEM, "parameter server: out of memory for %d trainers' gradients "
                                    "(%lld floats each)",
@@ -64,8 +64,8 @@ ddp_status ddp__ps_shard_init(ddp__ps_shard *sh, ddp_model *model, int32_t serve
     }
   }
 out:
-  free(numel);
-  free(owner);
+  ddp_free(numel);
+  ddp_free(owner);
   if (s != DDP_OK) ddp__ps_shard_free(sh);
   return s;
 }

@@ -38,7 +38,7 @@ typedef struct ddp__train_graph {
  * description is the public view of the module tree. */
 static bool find_dropout(const ddp_model *model, char *which, size_t bytes) {
   size_t need = ddp_model_describe(model, NULL, 0) + 1;
-  char *text = malloc(need);
+  char *text = ddp_alloc(need);
   if (!text) return false;
   ddp_model_describe(model, text, need);
   bool found = false;
@@ -57,7 +57,7 @@ static bool find_dropout(const ddp_model *model, char *which, size_t bytes) {
     }
     line = end ? end + 1 : NULL;
   }
-  free(text);
+  ddp_free(text);
   return found;
 }
 
@@ -93,11 +93,11 @@ ddp_status ddp__train_graph_check(const ddp_train_options *o, const ddp_model *m
 /* ---- Life ------------------------------------------------------------------- */
 
 ddp_status ddp__train_graph_create(ddp_trainer *t) {
-  ddp__train_graph *g = calloc(1, sizeof *g);
+  ddp__train_graph *g = ddp_calloc(1, sizeof *g);
   if (!g) return ddp_error(DDP_ERR_NOMEM, "cuda_graph: out of memory");
   t->graph = g;
   g->n_counters = ddp_model_num_counters(t->model);
-  g->counter_delta = calloc((size_t)g->n_counters + 1, sizeof *g->counter_delta);
+  g->counter_delta = ddp_calloc((size_t)g->n_counters + 1, sizeof *g->counter_delta);
   if (!g->counter_delta) return ddp_error(DDP_ERR_NOMEM, "cuda_graph: out of memory");
   DDP_TRY(ddp_tape_create(&g->tape, 16 << 20));
   void *pinned;
@@ -115,8 +115,8 @@ void ddp__train_graph_destroy(ddp_trainer *t) {
   ddp_tensor_destroy(g->x);
   ddp_tensor_destroy(g->y);
   ddp_pinned_free(g->loss_host);
-  free(g->counter_delta);
-  free(g);
+  ddp_free(g->counter_delta);
+  ddp_free(g);
   t->graph = NULL;
 }
 

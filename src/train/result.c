@@ -37,7 +37,7 @@ ddp_status ddp__train_fill_result(ddp_trainer *t, const ddp__train_run *r, ddp_t
                                           1e3 * p->step_ms / n, 1e3 * p->preempted_ms / n};
   /* Every rank's mean preempted time over its steady steps: in a
    * synchronous step one rank's preemption stalls them all. */
-  res->steady_preempted_ms_per_rank = calloc((size_t)t->size, sizeof(double));
+  res->steady_preempted_ms_per_rank = ddp_calloc((size_t)t->size, sizeof(double));
   if (!res->steady_preempted_ms_per_rank)
     return ddp_error(DDP_ERR_NOMEM, "out of memory for %d ranks' figures", t->size);
   res->steady_preempted_ms_per_rank[t->rank] =
@@ -50,9 +50,9 @@ ddp_status ddp__train_fill_result(ddp_trainer *t, const ddp__train_run *r, ddp_t
 
 void ddp_train_result_free(ddp_train_result *r) {
   if (!r) return;
-  free(r->steady_preempted_ms_per_rank);
+  ddp_free(r->steady_preempted_ms_per_rank);
   r->steady_preempted_ms_per_rank = NULL;
-  free((void *)r->stages);
+  ddp_free((void *)r->stages);
   r->stages = NULL;
   r->n_stages = 0;
 }

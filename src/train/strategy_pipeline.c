@@ -101,7 +101,7 @@ static ddp_status pipeline_create(ddp_trainer *t) {
   const ddp_train_options *o = &t->o;
   const ddp_train_pipeline *p = o->pipeline;
   const int P = p->stages;
-  pipeline_state *ps = calloc(1, sizeof *ps);
+  pipeline_state *ps = ddp_calloc(1, sizeof *ps);
   if (!ps) return ddp_error(DDP_ERR_NOMEM, "pipeline: out of memory");
   t->state = ps;
   t->replicas = t->size / P;
@@ -149,7 +149,7 @@ static ddp_status pipeline_create(ddp_trainer *t) {
     s = ddp_tensor_create(&ps->eval_out, DDP_FLOAT32, nd + 1, shape);
     if (s != DDP_OK) return ddp_error_wrap(s, "the evaluation's outputs");
   }
-  ps->gather = calloc((size_t)ddp_model_num_param_elements(t->model) + 1, sizeof(float));
+  ps->gather = ddp_calloc((size_t)ddp_model_num_param_elements(t->model) + 1, sizeof(float));
   if (!ps->gather) return ddp_error(DDP_ERR_NOMEM, "pipeline: out of memory for the gather buffer");
   return DDP_OK;
 }
@@ -176,11 +176,11 @@ static void pipeline_destroy(ddp_trainer *t) {
   ddp_pipeline_destroy(ps->pp);
   ddp_tensor_destroy(ps->eval_out);
   ddp_optimizer_destroy(ps->full_opt);
-  free(ps->gather);
+  ddp_free(ps->gather);
   ddp_dp_destroy(ps->stage_dp);
   ddp_process_group_destroy(ps->stage_dp_pg);
   ddp_process_group_destroy(ps->pipe_pg);
-  free(ps);
+  ddp_free(ps);
 }
 
 /* ---- The step and the evaluation ---------------------------------------- */
@@ -274,11 +274,11 @@ static ddp_status pipeline_figures(ddp_trainer *t, ddp_train_result *res) {
   pipeline_state *ps = state(t);
   const int P = t->o.pipeline->stages;
   enum { FIELDS = 4 };
-  double *v = calloc((size_t)P * FIELDS, sizeof(double));
-  ddp_train_stage_stats *out = calloc((size_t)P, sizeof *out);
+  double *v = ddp_calloc((size_t)P * FIELDS, sizeof(double));
+  ddp_train_stage_stats *out = ddp_calloc((size_t)P, sizeof *out);
   if (!v || !out) {
-    free(v);
-    free(out);
+    ddp_free(v);
+    ddp_free(out);
     return ddp_error(DDP_ERR_NOMEM, "out of memory for %d stages' figures", P);
   }
   if (t->replica == 0) {
@@ -292,8 +292,8 @@ static ddp_status pipeline_figures(ddp_trainer *t, ddp_train_result *res) {
   }
   ddp_status s = ddp__train_sum(t, v, P * FIELDS);
   if (s != DDP_OK) {
-    free(v);
-    free(out);
+    ddp_free(v);
+    ddp_free(out);
     return ddp_error_wrap(s, "gathering the stages' figures");
   }
   for (int r = 0; r < P; r++) {
@@ -303,7 +303,7 @@ static ddp_status pipeline_figures(ddp_trainer *t, ddp_train_result *res) {
                                      .microbatch_activation_bytes = (int64_t)row[2],
                                      .live_high_water = (int32_t)row[3]};
   }
-  free(v);
+  ddp_free(v);
   res->stages = out;
   res->n_stages = P;
   return DDP_OK;

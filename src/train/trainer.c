@@ -216,7 +216,7 @@ ddp_status ddp_trainer_create(ddp_trainer **out, ddp_model *model, ddp_dataset *
   DDP_TRY(ddp__train_strategy_choose(options, pg, &ops));
   DDP_TRY(check_options(options, pg, ops));
   if (options->cuda_graph) DDP_TRY(ddp__train_graph_check(options, model, pg));
-  ddp_trainer *t = calloc(1, sizeof *t);
+  ddp_trainer *t = ddp_calloc(1, sizeof *t);
   if (!t) return ddp_error(DDP_ERR_NOMEM, "ddp_trainer_create: out of memory");
   t->o = *options;
   t->model = model;
@@ -251,5 +251,5 @@ void ddp_trainer_destroy(ddp_trainer *t) {
   ddp_sampler_destroy(t->train_sampler);
   ddp_scheduler_destroy(t->sched);
   ddp_optimizer_destroy(t->opt);
-  free(t);
+  ddp_free(t);
 }

@@ -220,6 +220,37 @@ static void test_alloc_hooks(void **state) {
   ddp_arena_free(&a);
 }
 
+/* ddp_realloc goes through the hooks (one counted alloc, the old block
+ * freed by the hook), keeps the first old_bytes, and on failure returns
+ * NULL with the old block intact. */
+static void test_ddp_realloc(void **state) {
+  (void)state;
+  ddp_alloc_hooks h = {counting_alloc, counting_free, NULL};
+  ddp_set_alloc_hooks(&h);
+  counted = 0;
+  uint64_t before = ddp_alloc_count();
+  unsigned char *p = ddp_realloc(NULL, 0, 10);
+  assert_non_null(p);
+  for (int i = 0; i < 10; i++) p[i] = (unsigned char)(i + 1);
+  unsigned char *q = ddp_realloc(p, 10, 1000);
+  assert_non_null(q);
+  assert_int_equal((uintptr_t)q % 64, 0);
+  for (int i = 0; i < 10; i++) assert_int_equal(q[i], i + 1);
+  assert_int_equal(counted, 2);
+  assert_int_equal(ddp_alloc_count() - before, 2);
+  ddp_alloc_hooks fail = {failing_alloc, counting_free, NULL};
+  ddp_set_alloc_hooks(&fail);
+  assert_null(ddp_realloc(q, 1000, 2000));
+  ddp_set_alloc_hooks(&h);
+  for (int i = 0; i < 10; i++) assert_int_equal(q[i], i + 1); /* still ours */
+  unsigned char *r = ddp_realloc(q, 4, 2); /* shrinking keeps the first 2 */
+  assert_non_null(r);
+  assert_int_equal(r[0], 1);
+  assert_int_equal(r[1], 2);
+  ddp_free(r);
+  ddp_set_alloc_hooks(NULL);
+}
+
 static void test_env_parsing(void **state) {
   (void)state;
   int64_t v;
@@ -318,6 +349,7 @@ int main(void) {
       cmocka_unit_test(test_arena_backed),
       cmocka_unit_test(test_rng_reproducible_and_uniform),
       cmocka_unit_test(test_alloc_hooks),         cmocka_unit_test(test_env_parsing),
+      cmocka_unit_test(test_ddp_realloc),
       cmocka_unit_test(test_log_level),           cmocka_unit_test(test_preempt_clock),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

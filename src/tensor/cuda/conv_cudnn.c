@@ -196,7 +196,7 @@ static pthread_mutex_t make_lock = PTHREAD_MUTEX_INITIALIZER;
 static void make_devs(void) {
   const int n = ddp__cuda_device_count();
   if (n <= 0) return;
-  devs = calloc((size_t)n, sizeof *devs);
+  devs = ddp_calloc((size_t)n, sizeof *devs);
   if (!devs) return;
   for (int i = 0; i < n; i++) pthread_mutex_init(&devs[i].lock, NULL);
   n_devs = n;

@@ -75,7 +75,7 @@ static _Thread_local int capturing_on = -1;
 static void state_init(void) {
   int n = ddp__cuda_device_count();
   if (n <= 0) return;
-  graphs = calloc((size_t)n, sizeof *graphs);
+  graphs = ddp_calloc((size_t)n, sizeof *graphs);
   if (!graphs) return;
   for (int i = 0; i < n; i++) pthread_mutex_init(&graphs[i].lock, NULL);
   n_graph_devices = n;
@@ -123,7 +123,7 @@ static bool grow(pool_block **array, size_t *cap, size_t need) {
   if (need <= *cap) return true;
   size_t fresh = *cap ? 2 * *cap : 32;
   while (fresh < need) fresh *= 2;
-  pool_block *p = realloc(*array, fresh * sizeof *p);
+  pool_block *p = ddp_realloc(*array, *cap * sizeof *p, fresh * sizeof *p);
   if (!p) return false;
   *array = p;
   *cap = fresh;
@@ -193,9 +193,9 @@ static void pool_release(int device, pool *p) {
   for (size_t i = 0; cache && i < n_back; i++)
     ddp__cuda_defer(ddp__block_cache_free(cache, p->free_list[i].ptr));
   if (prev != device) cudaSetDevice(prev);
-  free(p->owned);
-  free(p->free_list);
-  free(p);
+  ddp_free(p->owned);
+  ddp_free(p->free_list);
+  ddp_free(p);
 }
 
 void *ddp__cuda_capture_alloc(ddp__block_cache *cache, size_t bytes) {
@@ -275,7 +275,7 @@ void ddp__cuda_capture_defer_free(int device, void *ptr) {
   pthread_mutex_lock(&deferred_lock);
   if (n_deferred == cap_deferred) {
     size_t cap = cap_deferred ? 2 * cap_deferred : 64;
-    deferred_free *d = realloc(deferred, cap * sizeof *d);
+    deferred_free *d = ddp_realloc(deferred, n_deferred * sizeof *d, cap * sizeof *d);
     if (!d) { /* the block is lost to the driver until the process ends */
       pthread_mutex_unlock(&deferred_lock);
       return;
@@ -313,12 +313,12 @@ ddp_status ddp__cuda_graph_begin(int device) {
   if (!stream) return ddp__cuda_synchronize(); /* says why the device cannot be used */
   device_graphs *g = graphs_of(device);
   if (!g) return DDP_ERR_NOMEM;
-  pool *p = calloc(1, sizeof *p);
+  pool *p = ddp_calloc(1, sizeof *p);
   if (!p) return ddp_error(DDP_ERR_NOMEM, "cuda:%d: CUDA graph capture: out of host memory", device);
   pthread_mutex_lock(&g->lock);
   if (g->capture) {
     pthread_mutex_unlock(&g->lock);
-    free(p);
+    ddp_free(p);
     return ddp_error(DDP_ERR_STATE, "cuda:%d: ddp_cuda_graph_begin: another thread captures on "
                                     "this device's stream",
                      device);
@@ -382,7 +382,7 @@ ddp_status ddp__cuda_graph_end(int device, ddp_cuda_graph **out) {
     st = ddp__cuda_check(cudaGraphUpload(exec, ddp__cuda_stream()), "uploading the CUDA graph");
   ddp_cuda_graph *made = NULL;
   if (st == DDP_OK) {
-    made = calloc(1, sizeof *made);
+    made = ddp_calloc(1, sizeof *made);
     if (!made) st = ddp_error(DDP_ERR_NOMEM, "cuda:%d: CUDA graph: out of host memory", device);
   }
   if (st != DDP_OK) {
@@ -417,5 +417,5 @@ void ddp__cuda_graph_destroy(ddp_cuda_graph *graph) {
   ddp__cuda_defer(ddp__cuda_check(cudaGraphDestroy(graph->graph), "destroying a CUDA graph"));
   cudaSetDevice(prev);
   pool_release(graph->device, graph->pool);
-  free(graph);
+  ddp_free(graph);
 }

@@ -66,7 +66,7 @@ static void count_devices(void) {
     snprintf(unavailable, sizeof unavailable, "no CUDA device");
     return;
   }
-  devices = calloc((size_t)n, sizeof *devices);
+  devices = ddp_calloc((size_t)n, sizeof *devices);
   if (!devices) {
     snprintf(unavailable, sizeof unavailable,
              "cannot allocate the state of %d CUDA devices", n);
@@ -498,7 +498,7 @@ void *ddp__cuda_malloc_host(size_t bytes) {
   pthread_mutex_lock(&pinned_lock);
   if (n_pinned == cap_pinned) {
     size_t cap = cap_pinned ? 2 * cap_pinned : 16;
-    pinned_block *grown = realloc(pinned, cap * sizeof *grown);
+    pinned_block *grown = ddp_realloc(pinned, n_pinned * sizeof *grown, cap * sizeof *grown);
     if (!grown) {
       pthread_mutex_unlock(&pinned_lock);
       ddp_error(DDP_ERR_NOMEM, "cudaMallocHost of %zu bytes: no host memory for its record", bytes);
@@ -657,14 +657,14 @@ void ddp__cuda_stage_destroy(ddp__cuda_stage *stage) {
     if (b->copied) cudaEventDestroy(b->copied);
   }
   cudaSetDevice(prev);
-  free(stage);
+  ddp_free(stage);
 }
 
 ddp_status ddp__cuda_stage_create(ddp__cuda_stage **out) {
   *out = NULL;
   cuda_dev *d = ready_dev();
   if (!d) return ddp_error_wrap(DDP_ERR_UNSUPPORTED, "staging");
-  ddp__cuda_stage *stage = calloc(1, sizeof *stage);
+  ddp__cuda_stage *stage = ddp_calloc(1, sizeof *stage);
   if (!stage) return ddp_error(DDP_ERR_NOMEM, "%s: staging: out of host memory", d->name);
   stage->device = d->index;
   for (int i = 0; i < STAGE_BUFFERS; i++) {
