@@ -17,6 +17,7 @@
 
 #include "comm/pattern.h" /* element access by dtype, the closed-form value pattern */
 #include "ddp/ddp.h"
+#include "io/io_internal.h"
 #include "launch/launch_internal.h" /* placement: where the ranks run, as ddprun places workers */
 
 static const char usage[] =
@@ -359,11 +360,15 @@ static void print_row(const bench_opts *o, int P, const char *transport, size_t 
     char wrong_s[32] = "null", memeff_s[32] = "null";
     if (o->check) snprintf(wrong_s, sizeof wrong_s, "%lld", (long long)wrong);
     if (memeff >= 0) snprintf(memeff_s, sizeof memeff_s, "%.2f", memeff);
-    printf("{\"op\":\"%s\",\"size\":%zu,\"count\":%zu,\"dtype\":\"%s\",\"time_us\":%.3f,"
-           "\"algbw\":%.4f,\"busbw\":%.4f,\"redop\":\"%s\",\"root\":%d,\"ranks\":%d,"
-           "\"transport\":\"%s\",\"memeff\":%s,\"wrong\":%s}\n",
-           op_names[o->op], size, count, dt, us, algbw, busbw, redop, o->root, P, transport,
-           memeff_s, wrong_s);
+    fputs("{\"op\":", stdout);
+    ddp__json_fput_string(stdout, op_names[o->op]);
+    printf(",\"size\":%zu,\"count\":%zu,\"dtype\":", size, count);
+    ddp__json_fput_string(stdout, dt);
+    printf(",\"time_us\":%.3f,\"algbw\":%.4f,\"busbw\":%.4f,\"redop\":", us, algbw, busbw);
+    ddp__json_fput_string(stdout, redop);
+    printf(",\"root\":%d,\"ranks\":%d,\"transport\":", o->root, P);
+    ddp__json_fput_string(stdout, transport);
+    printf(",\"memeff\":%s,\"wrong\":%s}\n", memeff_s, wrong_s);
   } else {
     char wrong_s[32] = "N/A", memeff_s[32] = "-";
     if (o->check) snprintf(wrong_s, sizeof wrong_s, "%lld", (long long)wrong);

@@ -16,6 +16,7 @@
 
 #include "ddp/ddp.h"
 #include "ddp_hpo/cmd_objective.h"
+#include "io/io_internal.h"
 
 #define DEFAULT_DATA "/usr/share/datasets/fashion-mnist"
 #define CONVNET_SPACE \
@@ -347,10 +348,16 @@ static void log_individual(FILE *f, const ddp_hpo_space *space, const ddp_hpo_in
   const double *v = ind->values;
   for (int i = 0; i < ddp_hpo_space_size(space); i++) {
     const ddp_hpo_trait *t = ddp_hpo_space_trait(space, i);
-    if (t->kind == DDP_HPO_CATEGORICAL)
-      fprintf(f, "\"%s\": \"%s\", ", t->name, t->choices[(int)v[i]]);
-    else if (t->kind == DDP_HPO_INT) fprintf(f, "\"%s\": %lld, ", t->name, (long long)v[i]);
-    else fprintf(f, "\"%s\": %.17g, ", t->name, v[i]);
+    ddp__json_fput_string(f, t->name);
+    if (t->kind == DDP_HPO_CATEGORICAL) {
+      fputs(": ", f);
+      ddp__json_fput_string(f, t->choices[(int)v[i]]);
+      fputs(", ", f);
+    } else if (t->kind == DDP_HPO_INT) {
+      fprintf(f, ": %lld, ", (long long)v[i]);
+    } else {
+      fprintf(f, ": %.17g, ", v[i]);
+    }
   }
   if (isfinite(ind->loss)) fprintf(f, "\"loss\": %.17g, ", ind->loss);
   else fprintf(f, "\"loss\": null, ");
@@ -552,9 +559,12 @@ int main(int argc, char **argv) {
            (long long)n, data_s);
     if (isfinite(best->loss)) printf("\"best_loss\": %.17g, ", best->loss);
     else printf("\"best_loss\": null, ");
-    printf("\"best\": \"%s\", \"best_worker\": %d, \"best_generation\": %lld, "
-           "\"objective\": \"%s\"}\n",
-           buf, best->worker, (long long)best->generation, a.objective);
+    fputs("\"best\": ", stdout);
+    ddp__json_fput_string(stdout, buf);
+    printf(", \"best_worker\": %d, \"best_generation\": %lld, \"objective\": ", best->worker,
+           (long long)best->generation);
+    ddp__json_fput_string(stdout, a.objective);
+    fputs("}\n", stdout);
   }
   free(order);
   ddp_hpo_result_free(&r);

@@ -14,6 +14,7 @@
 #include "ddp_plot/figures.h"
 #include "ddp_plot/runlog.h"
 #include "ddp_plot/scaling.h"
+#include "io/io_internal.h"
 
 #define MAX_LOGS 16
 
@@ -127,37 +128,37 @@ static void default_label(const char *path, char *buf, size_t n) {
   }
 }
 
-/* Where the SVG goes: standard output, or a temporary file renamed over
- * `output` once complete (a failed run leaves no half picture). */
-static FILE *open_output(const char *output, char *tmp, size_t n) {
-  if (!output) return stdout;
-  snprintf(tmp, n, "%s.tmp.%ld", output, (long)getpid());
-  FILE *f = fopen(tmp, "w");
-  if (!f) {
-    char msg[4400];
-    snprintf(msg, sizeof msg, "cannot write %s: %s", tmp, strerror(errno));
-    die(msg);
-  }
-  return f;
+/* Where the SVG goes: standard output, or memory that close_output writes
+ * over `output` atomically once complete (io's writer: a failed run leaves
+ * no half picture). */
+typedef struct output {
+  FILE *f;
+  char *text; /* open_memstream's (malloc) */
+  size_t len;
+} output;
+
+static void open_output(output *o, const char *path) {
+  *o = (output){.f = stdout};
+  if (!path) return;
+  o->f = open_memstream(&o->text, &o->len);
+  if (!o->f) die("out of memory");
 }
 
-static void close_output(FILE *f, const char *output, const char *tmp) {
-  char msg[4400];
-  if (!output) {
-    if (fflush(f) != 0 || ferror(f)) die("writing to standard output failed");
+static void close_output(output *o, const char *path) {
+  if (!path) {
+    if (fflush(o->f) != 0 || ferror(o->f)) die("writing to standard output failed");
     return;
   }
-  if (ferror(f) | (fclose(f) != 0) || rename(tmp, output) != 0) {
-    snprintf(msg, sizeof msg, "writing %s: %s", output, strerror(errno));
-    unlink(tmp);
-    die(msg);
-  }
+  if (fclose(o->f) != 0) die("out of memory");
+  ddp_status s = ddp__atomic_write_file(path, o->text, o->len);
+  free(o->text);
+  if (s != DDP_OK) die(ddp_last_error());
 }
 
 int main(int argc, char **argv) {
   plot_args a;
   parse_args(argc, argv, &a);
-  char err[4400], tmp[4200];
+  char err[4400];
   if (a.scaling) {
     scaling sc;
     if (!scaling_read(&sc, a.inputs[0], err, sizeof err)) die(err);
@@ -168,9 +169,10 @@ int main(int argc, char **argv) {
         die(err);
       }
     }
-    FILE *out = open_output(a.output, tmp, sizeof tmp);
-    figure_scaling(out, &sc, a.title ? a.title : "Data-parallel scaling");
-    close_output(out, a.output, tmp);
+    output out;
+    open_output(&out, a.output);
+    figure_scaling(out.f, &sc, a.title ? a.title : "Data-parallel scaling");
+    close_output(&out, a.output);
     scaling_free(&sc);
     return 0;
   }
@@ -191,9 +193,10 @@ int main(int argc, char **argv) {
     for (int i = 0; i < a.n_inputs && pos < sizeof title; i++)
       pos += (size_t)snprintf(title + pos, sizeof title - pos, "%s%s", i ? ", " : "", labels[i]);
   }
-  FILE *out = open_output(a.output, tmp, sizeof tmp);
-  figure_train(out, runs, labels, a.n_inputs, title);
-  close_output(out, a.output, tmp);
+  output out;
+  open_output(&out, a.output);
+  figure_train(out.f, runs, labels, a.n_inputs, title);
+  close_output(&out, a.output);
   for (int i = 0; i < a.n_inputs; i++) runlog_free(&runs[i]);
   return 0;
 }

@@ -23,6 +23,7 @@
 #include "ddp/train.h"
 #include "ddp_train/ps_setup.h"
 #include "ddp_train/world.h"
+#include "io/io_internal.h"
 
 #define DEFAULT_DATA "/usr/share/datasets/fashion-mnist"
 
@@ -399,10 +400,11 @@ static void check_shapes(const ddp_model *model, const ddp_dataset *ds, const ch
 
 /* JSON has no NaN: write null. */
 static void json_number(FILE *f, const char *key, double v, bool comma) {
+  ddp__json_fput_string(f, key);
   if (isfinite(v))
-    fprintf(f, "\"%s\": %.6g%s", key, v, comma ? ", " : "");
+    fprintf(f, ": %.6g%s", v, comma ? ", " : "");
   else
-    fprintf(f, "\"%s\": null%s", key, comma ? ", " : "");
+    fprintf(f, ": null%s", comma ? ", " : "");
 }
 
 /* "load_ms": ..., one key per phase, in milliseconds. */
@@ -494,22 +496,21 @@ static const char *rank_path(const char *pattern, int rank, char *buf, size_t by
 }
 
 /* Writes every state-dict tensor as a line "name numel v0 v1 ..." (%.9g:
- * float32 round-trips) to a temporary name, then renames it. With "{rank}" in
- * `pattern` every rank writes its own file, otherwise rank 0 only. */
+ * float32 round-trips), composed in memory and written atomically (io's
+ * writer). With "{rank}" in `pattern` every rank writes its own file,
+ * otherwise rank 0 only. */
 static void dump_state(const ddp_model *model, const char *pattern, int rank) {
   const char *mark = strstr(pattern, "{rank}");
   if (!mark && rank != 0) return;
-  char path[4096], tmp[4200];
+  char path[4096];
   if (mark)
     snprintf(path, sizeof path, "%.*s%d%s", (int)(mark - pattern), pattern, rank, mark + 6);
   else
     snprintf(path, sizeof path, "%s", pattern);
-  snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
-  FILE *f = fopen(tmp, "w");
-  if (!f) {
-    fprintf(stderr, "ddp-train: %serror: cannot write %s: %s\n", rank_tag, tmp, strerror(errno));
-    exit(1);
-  }
+  char *text = NULL;
+  size_t len = 0;
+  FILE *f = open_memstream(&text, &len);
+  if (!f) die("--dump-state", ddp_error(DDP_ERR_NOMEM, "out of memory"));
   for (int i = 0; i < ddp_model_state_count(model); i++) {
     ddp_state_entry e;
     CHECK(ddp_model_state_entry(model, i, &e), "listing the state dict");
@@ -520,10 +521,10 @@ static void dump_state(const ddp_model *model, const char *pattern, int rank) {
     }
     fputc('\n', f);
   }
-  if (fflush(f) != 0 || fsync(fileno(f)) != 0 || fclose(f) != 0 || rename(tmp, path) != 0) {
-    fprintf(stderr, "ddp-train: %serror: writing %s: %s\n", rank_tag, path, strerror(errno));
-    exit(1);
-  }
+  if (fclose(f) != 0) die("--dump-state", ddp_error(DDP_ERR_NOMEM, "out of memory"));
+  ddp_status s = ddp__atomic_write_file(path, text, len);
+  free(text); /* open_memstream's buffer comes from malloc */
+  CHECK(s, "writing the state");
 }
 
 /* ---- Checkpoints ----------------------------------------------------------- */
@@ -647,10 +648,10 @@ static void print_summary(const train_args *a, const ddp_train_result *r) {
   /* Under a pipeline: each stage's idle fraction and activation
    * high-water mark (replica 0's ranks). */
   if (r->n_stages) {
-    printf("\"pipeline\": {\"stages\": %lld, \"microbatches\": %lld, \"schedule\": \"%s\", "
-           "\"per_stage\": [",
-           (long long)r->n_stages, (long long)a->microbatches,
-           a->schedule ? a->schedule : "1f1b");
+    printf("\"pipeline\": {\"stages\": %lld, \"microbatches\": %lld, \"schedule\": ",
+           (long long)r->n_stages, (long long)a->microbatches);
+    ddp__json_fput_string(stdout, a->schedule ? a->schedule : "1f1b");
+    printf(", \"per_stage\": [");
     for (int64_t k = 0; k < r->n_stages; k++) {
       const ddp_train_stage_stats *st = &r->stages[k];
       printf("%s{\"rank\": %d, ", k ? ", " : "", (int)st->rank);
@@ -662,8 +663,11 @@ static void print_summary(const train_args *a, const ddp_train_result *r) {
     }
     printf("]}, ");
   }
-  printf("\"world_size\": %d, \"model\": \"%s\", \"optimizer\": \"%s\", \"cuda_graph\": %s}\n",
-         r->world_size, a->model, a->optimizer, a->cuda_graph ? "true" : "false");
+  printf("\"world_size\": %d, \"model\": ", r->world_size);
+  ddp__json_fput_string(stdout, a->model);
+  printf(", \"optimizer\": ");
+  ddp__json_fput_string(stdout, a->optimizer);
+  printf(", \"cuda_graph\": %s}\n", a->cuda_graph ? "true" : "false");
 }
 
 /* --device: what was asked, or for auto the first GPU when there is one and
