@@ -24,6 +24,10 @@ void ddp__format_ranks(const int32_t *ranks, int32_t count, int max_items, char 
  * untouched. */
 int ddp__parse_decimal(const char *s, size_t len, int64_t lo, int64_t hi, int64_t *out);
 
+/* Writes all len bytes to fd (short writes and EINTR handled; blocking fds).
+ * 0, or -1 with errno set (EIO when write(2) makes no progress). */
+int ddp__write_all(int fd, const void *buf, size_t len);
+
 /* ---- MT19937 (mt19937.c) ----------------------------------------------------
  * The generator's state is 624 words and the index of the next word to read
  * (624: the next read twists first). Two seedings, as published:
