@@ -10,6 +10,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cli/cli.h"
 #include "ddp/core.h"
 #include "ddp_plot/figures.h"
 #include "ddp_plot/runlog.h"
@@ -51,13 +52,6 @@ static void usage(FILE *f) {
 "  ddp-plot scaling build/bench-ddp/scaling.tsv -o scaling.svg\n");
 }
 
-static _Noreturn void die_usage(const char *fmt, const char *arg) {
-  fprintf(stderr, "ddp-plot: ");
-  fprintf(stderr, fmt, arg);
-  fprintf(stderr, "\n(run ddp-plot --help for the options)\n");
-  exit(2);
-}
-
 static _Noreturn void die(const char *message) {
   fprintf(stderr, "ddp-plot: error: %s\n", message);
   exit(1);
@@ -91,26 +85,26 @@ static void parse_args(int argc, char **argv, plot_args *a) {
     bool valued = !strcmp(f, "-o") || !strcmp(f, "--output") || !strcmp(f, "--log") ||
                   !strcmp(f, "--label") || !strcmp(f, "--title");
     if (valued) {
-      if (i + 1 >= argc) die_usage("%s needs a value", f);
+      if (i + 1 >= argc) cli_die_usage("%s needs a value", f);
       v = argv[++i];
     } else if (f[0] == '-' && f[1] != '\0') {
-      die_usage("unknown option '%s'", f);
+      cli_die_usage("unknown option '%s'", f);
     }
     if (!strcmp(f, "-o") || !strcmp(f, "--output")) a->output = v;
     else if (!strcmp(f, "--title")) a->title = v;
     else if (!strcmp(f, "--label")) pending_label = v;
     else {
-      if (!strcmp(f, "--log") && a->scaling) die_usage("%s is for training logs, not scaling", f);
-      if (a->n_inputs == MAX_LOGS) die_usage("at most 16 logs, got more at '%s'", v ? v : f);
+      if (!strcmp(f, "--log") && a->scaling) cli_die_usage("%s is for training logs, not scaling", f);
+      if (a->n_inputs == MAX_LOGS) cli_die_usage("at most 16 logs, got more at '%s'", v ? v : f);
       a->labels[a->n_inputs] = pending_label;
       a->inputs[a->n_inputs++] = v ? v : f;
       pending_label = NULL;
     }
   }
-  if (pending_label) die_usage("--label '%s' names no log after it", pending_label);
+  if (pending_label) cli_die_usage("--label '%s' names no log after it", pending_label);
   if (a->n_inputs == 0)
-    die_usage("%s", a->scaling ? "scaling needs a table (TABLE.tsv)" : "no log given (LOG.jsonl)");
-  if (a->scaling && a->n_inputs > 1) die_usage("scaling draws one table, got also '%s'", a->inputs[1]);
+    cli_die_usage("%s", a->scaling ? "scaling needs a table (TABLE.tsv)" : "no log given (LOG.jsonl)");
+  if (a->scaling && a->n_inputs > 1) cli_die_usage("scaling draws one table, got also '%s'", a->inputs[1]);
 }
 
 /* "runs/a.jsonl" -> "a". */
@@ -156,6 +150,7 @@ static void close_output(output *o, const char *path) {
 }
 
 int main(int argc, char **argv) {
+  cli_init("ddp-plot");
   plot_args a;
   parse_args(argc, argv, &a);
   char err[4400];
