@@ -93,6 +93,8 @@ static const char usage[] =
     "Exit status: 0 when every rank ran and nothing was wrong, 1 on a failure or a\n"
     "wrong result, 2 on bad usage.\n";
 
+static void print_usage(FILE *f) { fputs(usage, f); }
+
 typedef enum bench_op {
   OP_ALLREDUCE,
   OP_BROADCAST,
@@ -733,14 +735,7 @@ static void parse_args(int argc, char **argv, bench_opts *o) {
   int have_factor = 0;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
-    if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-      fputs(usage, stdout);
-      exit(0);
-    }
-    if (!strcmp(a, "--version")) {
-      printf("ddp-bench (ddp) %s\n", ddp_version());
-      exit(0);
-    }
+    cli_help_or_version(a, print_usage);
     if (!strcmp(a, "--json")) {
       o->json = 1;
       continue;

@@ -143,14 +143,7 @@ static void parse_args(int argc, char **argv, args *a) {
               .eval_timeout_s = 3600};
   for (int i = 1; i < argc; i++) {
     const char *f = argv[i];
-    if (!strcmp(f, "-h") || !strcmp(f, "--help")) {
-      usage(stdout);
-      exit(0);
-    }
-    if (!strcmp(f, "--version")) {
-      printf("ddp-hpo (ddp) %s\n", ddp_version());
-      exit(0);
-    }
+    cli_help_or_version(f, usage);
     if (!strcmp(f, "--json")) {
       a->json = true;
       continue;

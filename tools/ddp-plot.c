@@ -73,14 +73,7 @@ static void parse_args(int argc, char **argv, plot_args *a) {
   else if (i < argc && !strcmp(argv[i], "train")) i++;
   for (; i < argc; i++) {
     const char *f = argv[i];
-    if (!strcmp(f, "-h") || !strcmp(f, "--help")) {
-      usage(stdout);
-      exit(0);
-    }
-    if (!strcmp(f, "--version")) {
-      printf("ddp-plot (ddp) %s\n", ddp_version());
-      exit(0);
-    }
+    cli_help_or_version(f, usage);
     const char *v = NULL;
     bool valued = !strcmp(f, "-o") || !strcmp(f, "--output") || !strcmp(f, "--log") ||
                   !strcmp(f, "--label") || !strcmp(f, "--title");

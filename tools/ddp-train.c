@@ -227,14 +227,7 @@ static void parse_args(int argc, char **argv, train_args *a) {
                     .threads = 0, .workers = -1};
   for (int i = 1; i < argc; i++) {
     const char *f = argv[i];
-    if (!strcmp(f, "-h") || !strcmp(f, "--help")) {
-      usage(stdout);
-      exit(0);
-    }
-    if (!strcmp(f, "--version")) {
-      printf("ddp-train (ddp) %s\n", ddp_version());
-      exit(0);
-    }
+    cli_help_or_version(f, usage);
     if (!strcmp(f, "--json")) {
       a->json = true;
       continue;

@@ -4,6 +4,9 @@
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+
+#include "ddp/core.h"
 
 static const char *tool_name = "ddp";
 
@@ -30,4 +33,15 @@ int64_t cli_parse_int(const char *flag, const char *v, int64_t lo, int64_t hi) {
     cli_die_usage(msg, v);
   }
   return x;
+}
+
+void cli_help_or_version(const char *flag, void (*usage)(FILE *)) {
+  if (!strcmp(flag, "-h") || !strcmp(flag, "--help")) {
+    usage(stdout);
+    exit(0);
+  }
+  if (!strcmp(flag, "--version")) {
+    printf("%s (ddp) %s\n", tool_name, ddp_version());
+    exit(0);
+  }
 }

@@ -5,6 +5,7 @@
 #define DDP_TOOLS_CLI_H
 
 #include <stdint.h>
+#include <stdio.h>
 
 /* The tool's name as messages start ("ddp-train"); kept, not copied. */
 void cli_init(const char *tool);
@@ -15,5 +16,9 @@ _Noreturn void cli_die_usage(const char *fmt, const char *arg);
  * flag: "<flag> expects an integer >= lo, got 'v'" (hi INT64_MAX) or
  * "<flag> expects an integer from lo to hi, got 'v'". */
 int64_t cli_parse_int(const char *flag, const char *v, int64_t lo, int64_t hi);
+/* The flags every tool answers the same way: -h/--help (usage(stdout),
+ * exit 0) and --version ("<tool> (ddp) <version>", exit 0); returns for any
+ * other flag. */
+void cli_help_or_version(const char *flag, void (*usage)(FILE *));
 
 #endif /* DDP_TOOLS_CLI_H */
