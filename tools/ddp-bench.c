@@ -16,7 +16,9 @@
 #include <unistd.h>
 
 #include "comm/pattern.h" /* element access by dtype, the closed-form value pattern */
+#include "cli/cli.h"
 #include "ddp/ddp.h"
+#include "io/io_internal.h"
 #include "launch/launch_internal.h" /* placement: where the ranks run, as ddprun places workers */
 
 static const char usage[] =
@@ -90,6 +92,8 @@ static const char usage[] =
     "\n"
     "Exit status: 0 when every rank ran and nothing was wrong, 1 on a failure or a\n"
     "wrong result, 2 on bad usage.\n";
+
+static void print_usage(FILE *f) { fputs(usage, f); }
 
 typedef enum bench_op {
   OP_ALLREDUCE,
@@ -359,11 +363,15 @@ static void print_row(const bench_opts *o, int P, const char *transport, size_t 
     char wrong_s[32] = "null", memeff_s[32] = "null";
     if (o->check) snprintf(wrong_s, sizeof wrong_s, "%lld", (long long)wrong);
     if (memeff >= 0) snprintf(memeff_s, sizeof memeff_s, "%.2f", memeff);
-    printf("{\"op\":\"%s\",\"size\":%zu,\"count\":%zu,\"dtype\":\"%s\",\"time_us\":%.3f,"
-           "\"algbw\":%.4f,\"busbw\":%.4f,\"redop\":\"%s\",\"root\":%d,\"ranks\":%d,"
-           "\"transport\":\"%s\",\"memeff\":%s,\"wrong\":%s}\n",
-           op_names[o->op], size, count, dt, us, algbw, busbw, redop, o->root, P, transport,
-           memeff_s, wrong_s);
+    fputs("{\"op\":", stdout);
+    ddp__json_fput_string(stdout, op_names[o->op]);
+    printf(",\"size\":%zu,\"count\":%zu,\"dtype\":", size, count);
+    ddp__json_fput_string(stdout, dt);
+    printf(",\"time_us\":%.3f,\"algbw\":%.4f,\"busbw\":%.4f,\"redop\":", us, algbw, busbw);
+    ddp__json_fput_string(stdout, redop);
+    printf(",\"root\":%d,\"ranks\":%d,\"transport\":", o->root, P);
+    ddp__json_fput_string(stdout, transport);
+    printf(",\"memeff\":%s,\"wrong\":%s}\n", memeff_s, wrong_s);
   } else {
     char wrong_s[32] = "N/A", memeff_s[32] = "-";
     if (o->check) snprintf(wrong_s, sizeof wrong_s, "%lld", (long long)wrong);
@@ -692,13 +700,6 @@ static int run_launched(void) {
 
 /* ---- Arguments ----------------------------------------------------------- */
 
-static void die_usage(const char *fmt, const char *arg) {
-  fprintf(stderr, "ddp-bench: ");
-  fprintf(stderr, fmt, arg);
-  fprintf(stderr, "\n(ddp-bench --help lists the options)\n");
-  exit(2);
-}
-
 static size_t parse_bytes(const char *flag, const char *s) {
   char *end;
   errno = 0;
@@ -708,21 +709,9 @@ static size_t parse_bytes(const char *flag, const char *s) {
   else if (*end == 'M' || *end == 'm') unit = 1024.0 * 1024, end++;
   else if (*end == 'G' || *end == 'g') unit = 1024.0 * 1024 * 1024, end++;
   if (errno || end == s || *end || !(v >= 0) || v * unit > 64.0 * (1ull << 30))
-    die_usage("bad size \"%s\" (bytes, with an optional K, M or G; at most 64G)", s);
+    cli_die_usage("bad size \"%s\" (bytes, with an optional K, M or G; at most 64G)", s);
   (void)flag;
   return (size_t)(v * unit);
-}
-
-static long parse_int(const char *flag, const char *s, long lo, long hi) {
-  char *end;
-  errno = 0;
-  long v = strtol(s, &end, 10);
-  if (errno || end == s || *end || v < lo || v > hi) {
-    char msg[160];
-    snprintf(msg, sizeof msg, "bad %s \"%%s\" (an integer from %ld to %ld)", flag, lo, hi);
-    die_usage(msg, s);
-  }
-  return v;
 }
 
 static int lookup(const char *s, const char *const *names, int n) {
@@ -746,14 +735,7 @@ static void parse_args(int argc, char **argv, bench_opts *o) {
   int have_factor = 0;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
-    if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-      fputs(usage, stdout);
-      exit(0);
-    }
-    if (!strcmp(a, "--version")) {
-      printf("ddp-bench (ddp) %s\n", ddp_version());
-      exit(0);
-    }
+    cli_help_or_version(a, print_usage);
     if (!strcmp(a, "--json")) {
       o->json = 1;
       continue;
@@ -763,14 +745,14 @@ static void parse_args(int argc, char **argv, bench_opts *o) {
       continue;
     }
     if (a[0] != '-') {
-      if (o->op != OP_COUNT) die_usage("more than one OP (\"%s\")", a);
+      if (o->op != OP_COUNT) cli_die_usage("more than one OP (\"%s\")", a);
       int op = lookup(a, op_names, OP_COUNT);
-      if (op < 0) die_usage("unknown OP \"%s\"", a);
+      if (op < 0) cli_die_usage("unknown OP \"%s\"", a);
       o->op = (bench_op)op;
       continue;
     }
     const char *v = i + 1 < argc ? argv[++i] : NULL;
-    if (!v) die_usage("%s needs a value", a);
+    if (!v) cli_die_usage("%s needs a value", a);
     if (!strcmp(a, "-b") || !strcmp(a, "--minbytes")) o->min_bytes = parse_bytes(a, v);
     else if (!strcmp(a, "-e") || !strcmp(a, "--maxbytes")) o->max_bytes = parse_bytes(a, v);
     else if (!strcmp(a, "-i") || !strcmp(a, "--stepbytes")) o->step_bytes = parse_bytes(a, v);
@@ -779,53 +761,54 @@ static void parse_args(int argc, char **argv, bench_opts *o) {
       errno = 0;
       o->step_factor = strtod(v, &end);
       if (errno || end == v || *end || !(o->step_factor > 1) || o->step_factor > 1e6)
-        die_usage("bad -f \"%s\" (a factor above 1)", v);
+        cli_die_usage("bad -f \"%s\" (a factor above 1)", v);
       have_factor = 1;
     } else if (!strcmp(a, "-o") || !strcmp(a, "--op")) {
       int k = lookup(v, redops, 5);
-      if (k < 0) die_usage("unknown reduction \"%s\" (sum, prod, min, max, avg)", v);
+      if (k < 0) cli_die_usage("unknown reduction \"%s\" (sum, prod, min, max, avg)", v);
       o->redop = redop_values[k];
     } else if (!strcmp(a, "-d") || !strcmp(a, "--datatype")) {
       int k = lookup(v, dtypes, 9);
       if (k < 0)
-        die_usage("unknown datatype \"%s\" (float, half, bfloat16, double, int32, int64)", v);
+        cli_die_usage("unknown datatype \"%s\" (float, half, bfloat16, double, int32, int64)", v);
       o->dtype = dtype_values[k];
-    } else if (!strcmp(a, "-r") || !strcmp(a, "--root")) o->root = (int)parse_int(a, v, 0, 1 << 20);
-    else if (!strcmp(a, "-n") || !strcmp(a, "--iters")) o->iters = (int)parse_int(a, v, 1, 1 << 30);
+    } else if (!strcmp(a, "-r") || !strcmp(a, "--root")) o->root = (int)cli_parse_int(a, v, 0, 1 << 20);
+    else if (!strcmp(a, "-n") || !strcmp(a, "--iters")) o->iters = (int)cli_parse_int(a, v, 1, 1 << 30);
     else if (!strcmp(a, "-w") || !strcmp(a, "--warmup_iters"))
-      o->warmup = (int)parse_int(a, v, 0, 1 << 30);
-    else if (!strcmp(a, "-c") || !strcmp(a, "--check")) o->check = (int)parse_int(a, v, 0, 1);
-    else if (!strcmp(a, "--nproc")) o->nproc = (int)parse_int(a, v, 1, 1024);
-    else if (!strcmp(a, "--threads")) o->threads = (int)parse_int(a, v, 1, 1024);
+      o->warmup = (int)cli_parse_int(a, v, 0, 1 << 30);
+    else if (!strcmp(a, "-c") || !strcmp(a, "--check")) o->check = (int)cli_parse_int(a, v, 0, 1);
+    else if (!strcmp(a, "--nproc")) o->nproc = (int)cli_parse_int(a, v, 1, 1024);
+    else if (!strcmp(a, "--threads")) o->threads = (int)cli_parse_int(a, v, 1, 1024);
     else if (!strcmp(a, "--transport")) {
       if (!strcmp(v, "tcp")) o->transport = "tcp";
-      else if (strcmp(v, "auto") != 0) die_usage("unknown transport \"%s\" (auto or tcp)", v);
+      else if (strcmp(v, "auto") != 0) cli_die_usage("unknown transport \"%s\" (auto or tcp)", v);
     } else if (!strcmp(a, "--bind") || !strcmp(a, "--bind-to")) {
       ddp_launch_bind mode;
-      if (ddp__bind_parse(a, v, &mode) != DDP_OK) die_usage("%s", ddp_last_error());
+      if (ddp__bind_parse(a, v, &mode) != DDP_OK) cli_die_usage("%s", ddp_last_error());
       o->bind = (int)mode;
     } else if (!strcmp(a, "--timeout")) {
       char *end;
       errno = 0;
       o->timeout_s = strtod(v, &end);
       if (errno || end == v || *end || !(o->timeout_s > 0) || o->timeout_s > 1e6)
-        die_usage("bad --timeout \"%s\" (seconds above 0)", v);
+        cli_die_usage("bad --timeout \"%s\" (seconds above 0)", v);
     } else {
-      die_usage("unknown option %s", a);
+      cli_die_usage("unknown option %s", a);
     }
   }
-  if (o->op == OP_COUNT) die_usage("%s", "no OP given");
-  if (o->nproc && o->threads) die_usage("%s", "--nproc and --threads exclude each other");
-  if (o->step_bytes && have_factor) die_usage("%s", "-i and -f exclude each other");
-  if (o->min_bytes > o->max_bytes) die_usage("%s", "-b is larger than -e");
+  if (o->op == OP_COUNT) cli_die_usage("%s", "no OP given");
+  if (o->nproc && o->threads) cli_die_usage("%s", "--nproc and --threads exclude each other");
+  if (o->step_bytes && have_factor) cli_die_usage("%s", "-i and -f exclude each other");
+  if (o->min_bytes > o->max_bytes) cli_die_usage("%s", "-b is larger than -e");
   if (o->redop == DDP_REDUCE_AVG && (o->dtype == DDP_INT32 || o->dtype == DDP_INT64))
-    die_usage("-o avg is for floating types, not %s", ddp_dtype_name(o->dtype));
+    cli_die_usage("-o avg is for floating types, not %s", ddp_dtype_name(o->dtype));
   int n = o->nproc ? o->nproc : o->threads;
-  if (n && o->root >= n) die_usage("%s", "-r is not a rank of the world");
-  if (n == 1 && o->op == OP_SENDRECV) die_usage("%s", "sendrecv needs at least 2 ranks");
+  if (n && o->root >= n) cli_die_usage("%s", "-r is not a rank of the world");
+  if (n == 1 && o->op == OP_SENDRECV) cli_die_usage("%s", "sendrecv needs at least 2 ranks");
 }
 
 int main(int argc, char **argv) {
+  cli_init("ddp-bench");
   parse_args(argc, argv, &g_opts);
   if (g_opts.threads || g_opts.nproc) place_ranks(g_opts.threads ? g_opts.threads : g_opts.nproc);
   if (g_opts.threads) return run_threads(g_opts.threads);

@@ -14,8 +14,10 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cli/cli.h"
 #include "ddp/ddp.h"
 #include "ddp_hpo/cmd_objective.h"
+#include "io/io_internal.h"
 
 #define DEFAULT_DATA "/usr/share/datasets/fashion-mnist"
 #define CONVNET_SPACE \
@@ -99,13 +101,6 @@ static void usage(FILE *f) {
 "      --generations 8 --epochs 2 --top-n 3\n");
 }
 
-static _Noreturn void die_usage(const char *fmt, const char *arg) {
-  fprintf(stderr, "ddp-hpo: ");
-  fprintf(stderr, fmt, arg);
-  fprintf(stderr, "\n(run ddp-hpo --help for the options)\n");
-  exit(2);
-}
-
 static _Noreturn void die(const char *what, ddp_status s) {
   fprintf(stderr, "ddp-hpo: error: %s: %s\n", what,
           ddp_last_error()[0] ? ddp_last_error() : ddp_strerror(s));
@@ -130,18 +125,6 @@ typedef struct args {
   bool json;
 } args;
 
-static int64_t parse_int(const char *flag, const char *v, int64_t lo) {
-  char *end;
-  errno = 0;
-  long long x = strtoll(v, &end, 10);
-  if (errno || *end || end == v || x < lo) {
-    char msg[128];
-    snprintf(msg, sizeof msg, "%s expects an integer >= %lld, got '%%s'", flag, (long long)lo);
-    die_usage(msg, v);
-  }
-  return x;
-}
-
 static double parse_prob(const char *flag, const char *v) {
   char *end;
   errno = 0;
@@ -149,7 +132,7 @@ static double parse_prob(const char *flag, const char *v) {
   if (errno || *end || end == v || !(x >= 0 && x <= 1)) {
     char msg[128];
     snprintf(msg, sizeof msg, "%s expects a number in [0, 1], got '%%s'", flag);
-    die_usage(msg, v);
+    cli_die_usage(msg, v);
   }
   return x;
 }
@@ -160,14 +143,7 @@ static void parse_args(int argc, char **argv, args *a) {
               .eval_timeout_s = 3600};
   for (int i = 1; i < argc; i++) {
     const char *f = argv[i];
-    if (!strcmp(f, "-h") || !strcmp(f, "--help")) {
-      usage(stdout);
-      exit(0);
-    }
-    if (!strcmp(f, "--version")) {
-      printf("ddp-hpo (ddp) %s\n", ddp_version());
-      exit(0);
-    }
+    cli_help_or_version(f, usage);
     if (!strcmp(f, "--json")) {
       a->json = true;
       continue;
@@ -191,63 +167,63 @@ static void parse_args(int argc, char **argv, args *a) {
     char name[64];
     const char *eq = strchr(f, '=');
     size_t len = eq ? (size_t)(eq - f) : strlen(f);
-    if (len >= sizeof name) die_usage("unknown option '%s'", f);
+    if (len >= sizeof name) cli_die_usage("unknown option '%s'", f);
     memcpy(name, f, len);
     name[len] = '\0';
     for (char *p = name; *p; p++)
       if (*p == '_') *p = '-'; /* Propulate's --pop_size spelling too */
     bool known = false;
     for (size_t k = 0; k < sizeof valued / sizeof *valued; k++) known |= !strcmp(name, valued[k]);
-    if (!known) die_usage("unknown option '%s'", f);
+    if (!known) cli_die_usage("unknown option '%s'", f);
     const char *v = eq ? eq + 1 : NULL;
     if (!v) {
-      if (i + 1 >= argc) die_usage("%s needs a value", f);
+      if (i + 1 >= argc) cli_die_usage("%s needs a value", f);
       v = argv[++i];
     }
     if (!strcmp(name, "--objective")) a->objective = v;
     else if (!strcmp(name, "--space")) a->space = v;
     else if (!strcmp(name, "--data")) a->data = v;
-    else if (!strcmp(name, "--epochs")) a->epochs = parse_int(name, v, 1);
-    else if (!strcmp(name, "--patience")) a->patience = parse_int(name, v, 0);
-    else if (!strcmp(name, "--batch-size")) a->batch_size = parse_int(name, v, 1);
-    else if (!strcmp(name, "--max-steps")) a->max_steps = parse_int(name, v, 0);
-    else if (!strcmp(name, "--generations")) a->o.generations = parse_int(name, v, 1);
-    else if (!strcmp(name, "--pop-size")) a->o.pop_size = (int)parse_int(name, v, 2);
+    else if (!strcmp(name, "--epochs")) a->epochs = cli_parse_int(name, v, 1, INT64_MAX);
+    else if (!strcmp(name, "--patience")) a->patience = cli_parse_int(name, v, 0, INT64_MAX);
+    else if (!strcmp(name, "--batch-size")) a->batch_size = cli_parse_int(name, v, 1, INT64_MAX);
+    else if (!strcmp(name, "--max-steps")) a->max_steps = cli_parse_int(name, v, 0, INT64_MAX);
+    else if (!strcmp(name, "--generations")) a->o.generations = cli_parse_int(name, v, 1, INT64_MAX);
+    else if (!strcmp(name, "--pop-size")) a->o.pop_size = (int)cli_parse_int(name, v, 2, INT64_MAX);
     else if (!strcmp(name, "--crossover-prob")) a->o.crossover_prob = parse_prob(name, v);
     else if (!strcmp(name, "--mutation-prob")) a->o.mutation_prob = parse_prob(name, v);
     else if (!strcmp(name, "--random-init-prob")) a->o.random_init_prob = parse_prob(name, v);
     else if (!strcmp(name, "--sigma-factor")) a->o.sigma_factor = parse_prob(name, v);
-    else if (!strcmp(name, "--seed")) a->o.seed = parse_int(name, v, 0);
-    else if (!strcmp(name, "--top-n")) a->top_n = parse_int(name, v, 1);
+    else if (!strcmp(name, "--seed")) a->o.seed = cli_parse_int(name, v, 0, INT64_MAX);
+    else if (!strcmp(name, "--top-n")) a->top_n = cli_parse_int(name, v, 1, INT64_MAX);
     else if (!strcmp(name, "--log")) a->log_path = v;
-    else if (!strcmp(name, "--ranks-per-worker")) a->o.ranks_per_worker = (int)parse_int(name, v, 1);
-    else if (!strcmp(name, "--islands")) a->o.islands = (int)parse_int(name, v, 1);
+    else if (!strcmp(name, "--ranks-per-worker")) a->o.ranks_per_worker = (int)cli_parse_int(name, v, 1, INT64_MAX);
+    else if (!strcmp(name, "--islands")) a->o.islands = (int)cli_parse_int(name, v, 1, INT64_MAX);
     else if (!strcmp(name, "--checkpoint")) a->o.checkpoint_dir = v;
-    else if (!strcmp(name, "--eval-delay-ms")) a->eval_delay_ms = parse_int(name, v, 0);
-    else if (!strcmp(name, "--train-samples")) a->train_samples = parse_int(name, v, 0);
+    else if (!strcmp(name, "--eval-delay-ms")) a->eval_delay_ms = cli_parse_int(name, v, 0, INT64_MAX);
+    else if (!strcmp(name, "--train-samples")) a->train_samples = cli_parse_int(name, v, 0, INT64_MAX);
     else if (!strcmp(name, "--loss-key")) a->loss_key = v;
     else if (!strcmp(name, "--eval-timeout")) {
       char *end;
       a->eval_timeout_s = strtod(v, &end);
       if (*end || end == v || !(a->eval_timeout_s > 0))
-        die_usage("--eval-timeout expects seconds > 0, got '%s'", v);
+        cli_die_usage("--eval-timeout expects seconds > 0, got '%s'", v);
     }
-    else if (!strcmp(name, "--val-samples")) a->val_samples = parse_int(name, v, 0);
-    else if (!strcmp(name, "--eval-batch-size")) a->eval_batch_size = parse_int(name, v, 1);
+    else if (!strcmp(name, "--val-samples")) a->val_samples = cli_parse_int(name, v, 0, INT64_MAX);
+    else if (!strcmp(name, "--eval-batch-size")) a->eval_batch_size = cli_parse_int(name, v, 1, INT64_MAX);
     else if (!strcmp(name, "--trace")) a->trace_dir = v;
     else if (!strcmp(name, "--checkpoint-interval")) {
       char *end;
       a->o.checkpoint_interval_s = strtod(v, &end);
       if (*end || end == v || !(a->o.checkpoint_interval_s >= 0))
-        die_usage("--checkpoint-interval expects seconds >= 0, got '%s'", v);
+        cli_die_usage("--checkpoint-interval expects seconds >= 0, got '%s'", v);
     }
     else if (!strcmp(name, "--migration-prob")) a->o.migration_prob = parse_prob(name, v);
-    else if (!strcmp(name, "--num-migrants")) a->o.num_migrants = (int)parse_int(name, v, 1);
+    else if (!strcmp(name, "--num-migrants")) a->o.num_migrants = (int)cli_parse_int(name, v, 1, INT64_MAX);
     else if (!strcmp(name, "--exchange-interval")) {
       char *end;
       a->o.exchange_interval_s = strtod(v, &end);
       if (*end || end == v || !(a->o.exchange_interval_s >= 0))
-        die_usage("--exchange-interval expects seconds >= 0, got '%s'", v);
+        cli_die_usage("--exchange-interval expects seconds >= 0, got '%s'", v);
     }
   }
 }
@@ -347,10 +323,16 @@ static void log_individual(FILE *f, const ddp_hpo_space *space, const ddp_hpo_in
   const double *v = ind->values;
   for (int i = 0; i < ddp_hpo_space_size(space); i++) {
     const ddp_hpo_trait *t = ddp_hpo_space_trait(space, i);
-    if (t->kind == DDP_HPO_CATEGORICAL)
-      fprintf(f, "\"%s\": \"%s\", ", t->name, t->choices[(int)v[i]]);
-    else if (t->kind == DDP_HPO_INT) fprintf(f, "\"%s\": %lld, ", t->name, (long long)v[i]);
-    else fprintf(f, "\"%s\": %.17g, ", t->name, v[i]);
+    ddp__json_fput_string(f, t->name);
+    if (t->kind == DDP_HPO_CATEGORICAL) {
+      fputs(": ", f);
+      ddp__json_fput_string(f, t->choices[(int)v[i]]);
+      fputs(", ", f);
+    } else if (t->kind == DDP_HPO_INT) {
+      fprintf(f, ": %lld, ", (long long)v[i]);
+    } else {
+      fprintf(f, ": %.17g, ", v[i]);
+    }
   }
   if (isfinite(ind->loss)) fprintf(f, "\"loss\": %.17g, ", ind->loss);
   else fprintf(f, "\"loss\": null, ");
@@ -446,10 +428,10 @@ static int choose_objective(const args *a, const ddp_rendezvous_info *job, objec
                             char *bench_space, size_t bench_space_bytes) {
   *spec = a->space;
   if (!strncmp(a->objective, "cmd:", 4)) {
-    if (hpo_cmd_parse(a->objective + 4, &ob->cmd) != DDP_OK) die_usage("%s", ddp_last_error());
+    if (hpo_cmd_parse(a->objective + 4, &ob->cmd) != DDP_OK) cli_die_usage("%s", ddp_last_error());
     ob->cmd.loss_key = a->loss_key;
     ob->store_addr = job->store_addr;
-    if (!*spec) die_usage("--objective %s needs --space", a->objective);
+    if (!*spec) cli_die_usage("--objective %s needs --space", a->objective);
   } else if (strcmp(a->objective, "convnet") != 0) {
     int dims;
     ddp_status s = ddp_hpo_benchmark(a->objective, &ob->bench, &dims, bench_space, bench_space_bytes);
@@ -485,7 +467,7 @@ static double prepare_objective(const args *a, objective *ob, const ddp_hpo_spac
     for (int i = 0; i < ddp_hpo_space_size(space); i++)
       if (ddp_hpo_space_trait(space, i)->kind != DDP_HPO_FLOAT &&
           ddp_hpo_space_trait(space, i)->kind != DDP_HPO_LOGFLOAT)
-        die_usage("a benchmark function takes float traits only (--space '%s')", spec);
+        cli_die_usage("a benchmark function takes float traits only (--space '%s')", spec);
     return 0;
   }
   if (ob->cmd.argc) return 0;
@@ -548,9 +530,12 @@ static int report(const args *a, const objective *ob, const ddp_hpo_space *space
            (long long)n, data_s);
     if (isfinite(best->loss)) printf("\"best_loss\": %.17g, ", best->loss);
     else printf("\"best_loss\": null, ");
-    printf("\"best\": \"%s\", \"best_worker\": %d, \"best_generation\": %lld, "
-           "\"objective\": \"%s\"}\n",
-           buf, best->worker, (long long)best->generation, a->objective);
+    fputs("\"best\": ", stdout);
+    ddp__json_fput_string(stdout, buf);
+    printf(", \"best_worker\": %d, \"best_generation\": %lld, \"objective\": ", best->worker,
+           (long long)best->generation);
+    ddp__json_fput_string(stdout, a->objective);
+    fputs("}\n", stdout);
   }
   free(order);
   return 0;
@@ -571,6 +556,7 @@ static void leave_job(ddp_hpo_space *space, objective *ob, ddp_process_group *wo
 }
 
 int main(int argc, char **argv) {
+  cli_init("ddp-hpo");
   args a;
   parse_args(argc, argv, &a);
   tune_process();
@@ -585,7 +571,7 @@ int main(int argc, char **argv) {
   const char *spec;
   code = choose_objective(&a, &job, &ob, &spec, bench_space, sizeof bench_space);
   if (code) return code;
-  if (a.o.resume && !a.o.checkpoint_dir) die_usage("%s needs --checkpoint DIR", "--resume");
+  if (a.o.resume && !a.o.checkpoint_dir) cli_die_usage("%s needs --checkpoint DIR", "--resume");
   char fingerprint[8192];
   write_fingerprint(&a, fingerprint, sizeof fingerprint);
   a.o.fingerprint = fingerprint;

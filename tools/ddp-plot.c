@@ -10,10 +10,12 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cli/cli.h"
 #include "ddp/core.h"
 #include "ddp_plot/figures.h"
 #include "ddp_plot/runlog.h"
 #include "ddp_plot/scaling.h"
+#include "io/io_internal.h"
 
 #define MAX_LOGS 16
 
@@ -50,13 +52,6 @@ static void usage(FILE *f) {
 "  ddp-plot scaling build/bench-ddp/scaling.tsv -o scaling.svg\n");
 }
 
-static _Noreturn void die_usage(const char *fmt, const char *arg) {
-  fprintf(stderr, "ddp-plot: ");
-  fprintf(stderr, fmt, arg);
-  fprintf(stderr, "\n(run ddp-plot --help for the options)\n");
-  exit(2);
-}
-
 static _Noreturn void die(const char *message) {
   fprintf(stderr, "ddp-plot: error: %s\n", message);
   exit(1);
@@ -78,38 +73,31 @@ static void parse_args(int argc, char **argv, plot_args *a) {
   else if (i < argc && !strcmp(argv[i], "train")) i++;
   for (; i < argc; i++) {
     const char *f = argv[i];
-    if (!strcmp(f, "-h") || !strcmp(f, "--help")) {
-      usage(stdout);
-      exit(0);
-    }
-    if (!strcmp(f, "--version")) {
-      printf("ddp-plot (ddp) %s\n", ddp_version());
-      exit(0);
-    }
+    cli_help_or_version(f, usage);
     const char *v = NULL;
     bool valued = !strcmp(f, "-o") || !strcmp(f, "--output") || !strcmp(f, "--log") ||
                   !strcmp(f, "--label") || !strcmp(f, "--title");
     if (valued) {
-      if (i + 1 >= argc) die_usage("%s needs a value", f);
+      if (i + 1 >= argc) cli_die_usage("%s needs a value", f);
       v = argv[++i];
     } else if (f[0] == '-' && f[1] != '\0') {
-      die_usage("unknown option '%s'", f);
+      cli_die_usage("unknown option '%s'", f);
     }
     if (!strcmp(f, "-o") || !strcmp(f, "--output")) a->output = v;
     else if (!strcmp(f, "--title")) a->title = v;
     else if (!strcmp(f, "--label")) pending_label = v;
     else {
-      if (!strcmp(f, "--log") && a->scaling) die_usage("%s is for training logs, not scaling", f);
-      if (a->n_inputs == MAX_LOGS) die_usage("at most 16 logs, got more at '%s'", v ? v : f);
+      if (!strcmp(f, "--log") && a->scaling) cli_die_usage("%s is for training logs, not scaling", f);
+      if (a->n_inputs == MAX_LOGS) cli_die_usage("at most 16 logs, got more at '%s'", v ? v : f);
       a->labels[a->n_inputs] = pending_label;
       a->inputs[a->n_inputs++] = v ? v : f;
       pending_label = NULL;
     }
   }
-  if (pending_label) die_usage("--label '%s' names no log after it", pending_label);
+  if (pending_label) cli_die_usage("--label '%s' names no log after it", pending_label);
   if (a->n_inputs == 0)
-    die_usage("%s", a->scaling ? "scaling needs a table (TABLE.tsv)" : "no log given (LOG.jsonl)");
-  if (a->scaling && a->n_inputs > 1) die_usage("scaling draws one table, got also '%s'", a->inputs[1]);
+    cli_die_usage("%s", a->scaling ? "scaling needs a table (TABLE.tsv)" : "no log given (LOG.jsonl)");
+  if (a->scaling && a->n_inputs > 1) cli_die_usage("scaling draws one table, got also '%s'", a->inputs[1]);
 }
 
 /* "runs/a.jsonl" -> "a". */
@@ -127,37 +115,38 @@ static void default_label(const char *path, char *buf, size_t n) {
   }
 }
 
-/* Where the SVG goes: standard output, or a temporary file renamed over
- * `output` once complete (a failed run leaves no half picture). */
-static FILE *open_output(const char *output, char *tmp, size_t n) {
-  if (!output) return stdout;
-  snprintf(tmp, n, "%s.tmp.%ld", output, (long)getpid());
-  FILE *f = fopen(tmp, "w");
-  if (!f) {
-    char msg[4400];
-    snprintf(msg, sizeof msg, "cannot write %s: %s", tmp, strerror(errno));
-    die(msg);
-  }
-  return f;
+/* Where the SVG goes: standard output, or memory that close_output writes
+ * over `output` atomically once complete (io's writer: a failed run leaves
+ * no half picture). */
+typedef struct output {
+  FILE *f;
+  char *text; /* open_memstream's (malloc) */
+  size_t len;
+} output;
+
+static void open_output(output *o, const char *path) {
+  *o = (output){.f = stdout};
+  if (!path) return;
+  o->f = open_memstream(&o->text, &o->len);
+  if (!o->f) die("out of memory");
 }
 
-static void close_output(FILE *f, const char *output, const char *tmp) {
-  char msg[4400];
-  if (!output) {
-    if (fflush(f) != 0 || ferror(f)) die("writing to standard output failed");
+static void close_output(output *o, const char *path) {
+  if (!path) {
+    if (fflush(o->f) != 0 || ferror(o->f)) die("writing to standard output failed");
     return;
   }
-  if (ferror(f) | (fclose(f) != 0) || rename(tmp, output) != 0) {
-    snprintf(msg, sizeof msg, "writing %s: %s", output, strerror(errno));
-    unlink(tmp);
-    die(msg);
-  }
+  if (fclose(o->f) != 0) die("out of memory");
+  ddp_status s = ddp__atomic_write_file(path, o->text, o->len);
+  free(o->text);
+  if (s != DDP_OK) die(ddp_last_error());
 }
 
 int main(int argc, char **argv) {
+  cli_init("ddp-plot");
   plot_args a;
   parse_args(argc, argv, &a);
-  char err[4400], tmp[4200];
+  char err[4400];
   if (a.scaling) {
     scaling sc;
     if (!scaling_read(&sc, a.inputs[0], err, sizeof err)) die(err);
@@ -168,9 +157,10 @@ int main(int argc, char **argv) {
         die(err);
       }
     }
-    FILE *out = open_output(a.output, tmp, sizeof tmp);
-    figure_scaling(out, &sc, a.title ? a.title : "Data-parallel scaling");
-    close_output(out, a.output, tmp);
+    output out;
+    open_output(&out, a.output);
+    figure_scaling(out.f, &sc, a.title ? a.title : "Data-parallel scaling");
+    close_output(&out, a.output);
     scaling_free(&sc);
     return 0;
   }
@@ -191,9 +181,10 @@ int main(int argc, char **argv) {
     for (int i = 0; i < a.n_inputs && pos < sizeof title; i++)
       pos += (size_t)snprintf(title + pos, sizeof title - pos, "%s%s", i ? ", " : "", labels[i]);
   }
-  FILE *out = open_output(a.output, tmp, sizeof tmp);
-  figure_train(out, runs, labels, a.n_inputs, title);
-  close_output(out, a.output, tmp);
+  output out;
+  open_output(&out, a.output);
+  figure_train(out.f, runs, labels, a.n_inputs, title);
+  close_output(&out, a.output);
   for (int i = 0; i < a.n_inputs; i++) runlog_free(&runs[i]);
   return 0;
 }

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cli/cli.h"
 #include "ddp/store.h"
 
 static const char usage[] =
@@ -50,13 +51,6 @@ static const char usage[] =
     "Exit status: 0 on success, 1 when the operation fails (timed out, server\n"
     "unreachable, token refused: the reason goes to stderr), 2 on bad usage.\n";
 
-static void die_usage(const char *fmt, const char *arg) {
-  fprintf(stderr, "ddp-store: ");
-  fprintf(stderr, fmt, arg);
-  fprintf(stderr, "\n(see ddp-store --help)\n");
-  exit(2);
-}
-
 static void die_store(void) {
   fprintf(stderr, "ddp-store: %s\n", ddp_last_error());
   exit(1);
@@ -95,22 +89,22 @@ static void parse_addr(const char *addr, char *host, size_t host_bytes, uint16_t
   size_t hlen;
   if (addr[0] == '[') {
     const char *close = strchr(addr, ']');
-    if (!close || close[1] != ':') die_usage("bad --addr \"%s\" (expected [IPv6]:PORT)", addr);
+    if (!close || close[1] != ':') cli_die_usage("bad --addr \"%s\" (expected [IPv6]:PORT)", addr);
     hlen = (size_t)(close - addr - 1);
     addr++;
     colon = close + 1;
   } else {
     colon = strrchr(addr, ':');
-    if (!colon) die_usage("bad --addr \"%s\" (expected HOST:PORT)", addr);
+    if (!colon) cli_die_usage("bad --addr \"%s\" (expected HOST:PORT)", addr);
     hlen = (size_t)(colon - addr);
   }
-  if (hlen == 0 || hlen >= host_bytes) die_usage("bad host in --addr \"%s\"", addr);
+  if (hlen == 0 || hlen >= host_bytes) cli_die_usage("bad host in --addr \"%s\"", addr);
   memcpy(host, addr, hlen);
   host[hlen] = '\0';
   char *end;
   errno = 0;
   long p = strtol(colon + 1, &end, 10);
-  if (errno || *end || p <= 0 || p > 65535) die_usage("bad port in --addr \"%s\"", addr);
+  if (errno || *end || p <= 0 || p > 65535) cli_die_usage("bad port in --addr \"%s\"", addr);
   *port = (uint16_t)p;
 }
 
@@ -119,6 +113,7 @@ static int cmp_str(const void *a, const void *b) {
 }
 
 int main(int argc, char **argv) {
+  cli_init("ddp-store");
   if (argc < 2) {
     fputs(usage, stderr);
     return 2;
@@ -147,7 +142,7 @@ int main(int argc, char **argv) {
       return 0;
     } else if (!strcmp(a, "--addr") || !strcmp(a, "--bind") || !strcmp(a, "--port") ||
                !strcmp(a, "--timeout") || !strcmp(a, "--token")) {
-      if (!next) die_usage("%s needs a value", a);
+      if (!next) cli_die_usage("%s needs a value", a);
       i++;
       if (!strcmp(a, "--addr")) addr = next;
       else if (!strcmp(a, "--bind")) bind_addr = next;
@@ -156,26 +151,26 @@ int main(int argc, char **argv) {
         char *end;
         errno = 0;
         port = strtol(next, &end, 10);
-        if (errno || *end || port < 0 || port > 65535) die_usage("bad --port \"%s\"", next);
+        if (errno || *end || port < 0 || port > 65535) cli_die_usage("bad --port \"%s\"", next);
       } else {
         char *end;
         errno = 0;
         timeout_s = strtod(next, &end);
-        if (errno || *end || !(timeout_s >= 0)) die_usage("bad --timeout \"%s\"", next);
+        if (errno || *end || !(timeout_s >= 0)) cli_die_usage("bad --timeout \"%s\"", next);
         if (timeout_s > 1e9) timeout_s = 1e9; /* ~31 years: "forever" */
       }
     } else if (!strcmp(a, "--")) {
       for (i++; i < argc && nargs < 64; i++) args[nargs++] = argv[i];
     } else if (a[0] == '-' && a[1] == '-') {
-      die_usage("unknown option %s", a);
+      cli_die_usage("unknown option %s", a);
     } else {
-      if (nargs == 64) die_usage("too many arguments%s", "");
+      if (nargs == 64) cli_die_usage("too many arguments%s", "");
       args[nargs++] = a;
     }
   }
 
   if (!strcmp(cmd, "serve")) {
-    if (nargs) die_usage("serve takes no arguments (got \"%s\")", args[0]);
+    if (nargs) cli_die_usage("serve takes no arguments (got \"%s\")", args[0]);
     return serve(bind_addr, port, token);
   }
 
@@ -187,9 +182,9 @@ int main(int argc, char **argv) {
   int known = -1;
   for (int i = 0; i < (int)(sizeof cmds / sizeof cmds[0]); i++)
     if (!strcmp(cmd, cmds[i].name)) known = i;
-  if (known < 0) die_usage("unknown command \"%s\"", cmd);
+  if (known < 0) cli_die_usage("unknown command \"%s\"", cmd);
   if (nargs < cmds[known].min_args || nargs > cmds[known].max_args)
-    die_usage("wrong number of arguments for \"%s\"", cmd);
+    cli_die_usage("wrong number of arguments for \"%s\"", cmd);
 
   char host[256];
   uint16_t server_port;
@@ -222,7 +217,7 @@ int main(int argc, char **argv) {
     char *end;
     errno = 0;
     long long delta = strtoll(args[1], &end, 10);
-    if (errno || *end || end == args[1]) die_usage("DELTA \"%s\" is not an integer", args[1]);
+    if (errno || *end || end == args[1]) cli_die_usage("DELTA \"%s\" is not an integer", args[1]);
     int64_t result;
     st = ddp_store_add(store, args[0], delta, &result);
     if (st == DDP_OK) printf("%" PRId64 "\n", result);

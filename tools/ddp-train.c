@@ -15,6 +15,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cli/cli.h"
 #include "ddp/ddp.h"
 #include "ddp/data.h"
 #include "ddp/nn.h"
@@ -23,6 +24,7 @@
 #include "ddp/train.h"
 #include "ddp_train/ps_setup.h"
 #include "ddp_train/world.h"
+#include "io/io_internal.h"
 
 #define DEFAULT_DATA "/usr/share/datasets/fashion-mnist"
 
@@ -192,13 +194,6 @@ static void usage(FILE *f) {
 "  ddprun --nproc-per-node 2 ddp-train --model convnet --epochs 3 --momentum 0.9\n");
 }
 
-static _Noreturn void die_usage(const char *fmt, const char *arg) {
-  fprintf(stderr, "ddp-train: ");
-  fprintf(stderr, fmt, arg);
-  fprintf(stderr, "\n(run ddp-train --help for the options)\n");
-  exit(2);
-}
-
 /* "rank R: " in messages once data-parallel (set by main), "" otherwise. */
 static char rank_tag[32];
 
@@ -214,18 +209,6 @@ static _Noreturn void die(const char *what, ddp_status s) {
     if (s_ != DDP_OK) die(what, s_);     \
   } while (0)
 
-static int64_t parse_int(const char *flag, const char *v, int64_t lo) {
-  char *end;
-  errno = 0;
-  long long x = strtoll(v, &end, 10);
-  if (errno || *end || end == v || x < lo) {
-    char msg[128];
-    snprintf(msg, sizeof msg, "%s expects an integer >= %lld, got '%%s'", flag, (long long)lo);
-    die_usage(msg, v);
-  }
-  return x;
-}
-
 static double parse_double(const char *flag, const char *v) {
   char *end;
   errno = 0;
@@ -233,7 +216,7 @@ static double parse_double(const char *flag, const char *v) {
   if (errno || *end || end == v || !isfinite(x) || x < 0) {
     char msg[128];
     snprintf(msg, sizeof msg, "%s expects a non-negative number, got '%%s'", flag);
-    die_usage(msg, v);
+    cli_die_usage(msg, v);
   }
   return x;
 }
@@ -244,14 +227,7 @@ static void parse_args(int argc, char **argv, train_args *a) {
                     .threads = 0, .workers = -1};
   for (int i = 1; i < argc; i++) {
     const char *f = argv[i];
-    if (!strcmp(f, "-h") || !strcmp(f, "--help")) {
-      usage(stdout);
-      exit(0);
-    }
-    if (!strcmp(f, "--version")) {
-      printf("ddp-train (ddp) %s\n", ddp_version());
-      exit(0);
-    }
+    cli_help_or_version(f, usage);
     if (!strcmp(f, "--json")) {
       a->json = true;
       continue;
@@ -276,7 +252,7 @@ static void parse_args(int argc, char **argv, train_args *a) {
     char name[64];
     const char *eq = strchr(f, '=');
     size_t len = eq ? (size_t)(eq - f) : strlen(f);
-    if (len >= sizeof name) die_usage("unknown option '%s'", f);
+    if (len >= sizeof name) cli_die_usage("unknown option '%s'", f);
     memcpy(name, f, len);
     name[len] = '\0';
     /* Accept PyTorch-style underscores too: --batch_size. */
@@ -284,66 +260,66 @@ static void parse_args(int argc, char **argv, train_args *a) {
       if (*p == '_') *p = '-';
     bool known = false;
     for (size_t k = 0; k < sizeof valued / sizeof *valued; k++) known |= !strcmp(name, valued[k]);
-    if (!known) die_usage("unknown option '%s'", f);
+    if (!known) cli_die_usage("unknown option '%s'", f);
     const char *v;
     if (eq) {
       v = eq + 1;
     } else {
-      if (i + 1 >= argc) die_usage("%s needs a value", f);
+      if (i + 1 >= argc) cli_die_usage("%s needs a value", f);
       v = argv[++i];
     }
     if (!strcmp(name, "--model")) a->model = v;
     else if (!strcmp(name, "--activation")) a->activation = v;
     else if (!strcmp(name, "--data")) a->data = v;
-    else if (!strcmp(name, "--samples")) a->samples = parse_int(name, v, 1);
-    else if (!strcmp(name, "--epochs")) a->epochs = parse_int(name, v, 0);
-    else if (!strcmp(name, "--max-steps")) a->max_steps = parse_int(name, v, 0);
-    else if (!strcmp(name, "--batch-size")) a->batch_size = parse_int(name, v, 1);
+    else if (!strcmp(name, "--samples")) a->samples = cli_parse_int(name, v, 1, INT64_MAX);
+    else if (!strcmp(name, "--epochs")) a->epochs = cli_parse_int(name, v, 0, INT64_MAX);
+    else if (!strcmp(name, "--max-steps")) a->max_steps = cli_parse_int(name, v, 0, INT64_MAX);
+    else if (!strcmp(name, "--batch-size")) a->batch_size = cli_parse_int(name, v, 1, INT64_MAX);
     else if (!strcmp(name, "--lr")) a->lr = parse_double(name, v);
     else if (!strcmp(name, "--optimizer")) a->optimizer = v;
     else if (!strcmp(name, "--momentum")) a->momentum = parse_double(name, v);
     else if (!strcmp(name, "--weight-decay")) a->weight_decay = parse_double(name, v);
     else if (!strcmp(name, "--scheduler")) a->scheduler = v;
-    else if (!strcmp(name, "--step-size")) a->step_size = parse_int(name, v, 1);
+    else if (!strcmp(name, "--step-size")) a->step_size = cli_parse_int(name, v, 1, INT64_MAX);
     else if (!strcmp(name, "--gamma")) a->gamma = parse_double(name, v);
-    else if (!strcmp(name, "--seed")) a->seed = (uint64_t)parse_int(name, v, 0);
-    else if (!strcmp(name, "--threads")) a->threads = (int)parse_int(name, v, 1);
-    else if (!strcmp(name, "--workers")) a->workers = (int)parse_int(name, v, 0);
-    else if (!strcmp(name, "--eval-every")) a->eval_every = parse_int(name, v, 0);
-    else if (!strcmp(name, "--patience")) a->patience = parse_int(name, v, 0);
+    else if (!strcmp(name, "--seed")) a->seed = (uint64_t)cli_parse_int(name, v, 0, INT64_MAX);
+    else if (!strcmp(name, "--threads")) a->threads = (int)cli_parse_int(name, v, 1, INT64_MAX);
+    else if (!strcmp(name, "--workers")) a->workers = (int)cli_parse_int(name, v, 0, INT64_MAX);
+    else if (!strcmp(name, "--eval-every")) a->eval_every = cli_parse_int(name, v, 0, INT64_MAX);
+    else if (!strcmp(name, "--patience")) a->patience = cli_parse_int(name, v, 0, INT64_MAX);
     else if (!strcmp(name, "--log")) a->log_path = v;
     else if (!strcmp(name, "--dump-state")) a->dump_state = v;
     else if (!strcmp(name, "--save")) a->save_path = v;
-    else if (!strcmp(name, "--save-every")) a->save_every = parse_int(name, v, 0);
+    else if (!strcmp(name, "--save-every")) a->save_every = cli_parse_int(name, v, 0, INT64_MAX);
     else if (!strcmp(name, "--resume")) a->resume_path = v;
     else if (!strcmp(name, "--init")) a->init_path = v;
     else if (!strcmp(name, "--device")) a->device = v;
     else if (!strcmp(name, "--tensorboard")) a->tensorboard = v;
     else if (!strcmp(name, "--trace")) a->trace = v;
-    else if (!strcmp(name, "--microbatches")) a->microbatches = parse_int(name, v, 1);
-    else if (!strcmp(name, "--pp")) a->pp = parse_int(name, v, 1);
+    else if (!strcmp(name, "--microbatches")) a->microbatches = cli_parse_int(name, v, 1, INT64_MAX);
+    else if (!strcmp(name, "--pp")) a->pp = cli_parse_int(name, v, 1, INT64_MAX);
     else if (!strcmp(name, "--schedule")) a->schedule = v;
-    else if (!strcmp(name, "--virtual-stages")) a->virtual_stages = parse_int(name, v, 1);
+    else if (!strcmp(name, "--virtual-stages")) a->virtual_stages = cli_parse_int(name, v, 1, INT64_MAX);
     else if (!strcmp(name, "--split")) a->split = v;
     else if (!strcmp(name, "--param-servers") || !strcmp(name, "--ps-mode") ||
              !strcmp(name, "--step-sleep-ms") || !strcmp(name, "--straggler"))
       train_ps_parse(&a->ps, name, v);
     else if (!strcmp(name, "--bucket-cap-mb")) {
       a->bucket_cap_mb = parse_double(name, v);
-      if (!(a->bucket_cap_mb > 0)) die_usage("--bucket-cap-mb expects MiB > 0, got '%s'", v);
+      if (!(a->bucket_cap_mb > 0)) cli_die_usage("--bucket-cap-mb expects MiB > 0, got '%s'", v);
     }
-    else die_usage("unknown option '%s'", f);
+    else cli_die_usage("unknown option '%s'", f);
   }
   if (a->scheduler && strcmp(a->scheduler, "step") && strcmp(a->scheduler, "none"))
-    die_usage("--scheduler expects 'step' (StepLR) or 'none', got '%s'", a->scheduler);
+    cli_die_usage("--scheduler expects 'step' (StepLR) or 'none', got '%s'", a->scheduler);
   if (a->scheduler && !strcmp(a->scheduler, "none")) a->scheduler = NULL;
-  if (a->save_every && !a->save_path) die_usage("%s needs --save PATH", "--save-every");
-  if (a->microbatches > INT32_MAX) die_usage("--microbatches: %s is too many", "M");
-  if (a->pp > DDP_PIPELINE_MAX_STAGES) die_usage("--pp: at most 64 stages (%s)", "DDP_PIPELINE_MAX_STAGES");
+  if (a->save_every && !a->save_path) cli_die_usage("%s needs --save PATH", "--save-every");
+  if (a->microbatches > INT32_MAX) cli_die_usage("--microbatches: %s is too many", "M");
+  if (a->pp > DDP_PIPELINE_MAX_STAGES) cli_die_usage("--pp: at most 64 stages (%s)", "DDP_PIPELINE_MAX_STAGES");
   if (!a->pp && (a->schedule || a->virtual_stages || a->split))
-    die_usage("%s: --schedule, --virtual-stages and --split need --pp P", "--pp");
+    cli_die_usage("%s: --schedule, --virtual-stages and --split need --pp P", "--pp");
   if (a->init_path && a->resume_path)
-    die_usage("%s: --resume restores the model already; give one of --init and --resume",
+    cli_die_usage("%s: --resume restores the model already; give one of --init and --resume",
               "--init");
 }
 
@@ -399,10 +375,11 @@ static void check_shapes(const ddp_model *model, const ddp_dataset *ds, const ch
 
 /* JSON has no NaN: write null. */
 static void json_number(FILE *f, const char *key, double v, bool comma) {
+  ddp__json_fput_string(f, key);
   if (isfinite(v))
-    fprintf(f, "\"%s\": %.6g%s", key, v, comma ? ", " : "");
+    fprintf(f, ": %.6g%s", v, comma ? ", " : "");
   else
-    fprintf(f, "\"%s\": null%s", key, comma ? ", " : "");
+    fprintf(f, ": null%s", comma ? ", " : "");
 }
 
 /* "load_ms": ..., one key per phase, in milliseconds. */
@@ -479,7 +456,7 @@ static ddp_optim_kind optimizer_kind(const char *name) {
   if (!strcmp(name, "sgd")) return DDP_OPTIM_SGD;
   if (!strcmp(name, "adam")) return DDP_OPTIM_ADAM;
   if (!strcmp(name, "adadelta")) return DDP_OPTIM_ADADELTA;
-  die_usage("--optimizer expects sgd, adam or adadelta, got '%s'", name);
+  cli_die_usage("--optimizer expects sgd, adam or adadelta, got '%s'", name);
 }
 
 /* `pattern` for this rank: "{rank}" replaced by the rank (every rank its
@@ -494,22 +471,21 @@ static const char *rank_path(const char *pattern, int rank, char *buf, size_t by
 }
 
 /* Writes every state-dict tensor as a line "name numel v0 v1 ..." (%.9g:
- * float32 round-trips) to a temporary name, then renames it. With "{rank}" in
- * `pattern` every rank writes its own file, otherwise rank 0 only. */
+ * float32 round-trips), composed in memory and written atomically (io's
+ * writer). With "{rank}" in `pattern` every rank writes its own file,
+ * otherwise rank 0 only. */
 static void dump_state(const ddp_model *model, const char *pattern, int rank) {
   const char *mark = strstr(pattern, "{rank}");
   if (!mark && rank != 0) return;
-  char path[4096], tmp[4200];
+  char path[4096];
   if (mark)
     snprintf(path, sizeof path, "%.*s%d%s", (int)(mark - pattern), pattern, rank, mark + 6);
   else
     snprintf(path, sizeof path, "%s", pattern);
-  snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
-  FILE *f = fopen(tmp, "w");
-  if (!f) {
-    fprintf(stderr, "ddp-train: %serror: cannot write %s: %s\n", rank_tag, tmp, strerror(errno));
-    exit(1);
-  }
+  char *text = NULL;
+  size_t len = 0;
+  FILE *f = open_memstream(&text, &len);
+  if (!f) die("--dump-state", ddp_error(DDP_ERR_NOMEM, "out of memory"));
   for (int i = 0; i < ddp_model_state_count(model); i++) {
     ddp_state_entry e;
     CHECK(ddp_model_state_entry(model, i, &e), "listing the state dict");
@@ -520,10 +496,10 @@ static void dump_state(const ddp_model *model, const char *pattern, int rank) {
     }
     fputc('\n', f);
   }
-  if (fflush(f) != 0 || fsync(fileno(f)) != 0 || fclose(f) != 0 || rename(tmp, path) != 0) {
-    fprintf(stderr, "ddp-train: %serror: writing %s: %s\n", rank_tag, path, strerror(errno));
-    exit(1);
-  }
+  if (fclose(f) != 0) die("--dump-state", ddp_error(DDP_ERR_NOMEM, "out of memory"));
+  ddp_status s = ddp__atomic_write_file(path, text, len);
+  free(text); /* open_memstream's buffer comes from malloc */
+  CHECK(s, "writing the state");
 }
 
 /* ---- Checkpoints ----------------------------------------------------------- */
@@ -647,10 +623,10 @@ static void print_summary(const train_args *a, const ddp_train_result *r) {
   /* Under a pipeline: each stage's idle fraction and activation
    * high-water mark (replica 0's ranks). */
   if (r->n_stages) {
-    printf("\"pipeline\": {\"stages\": %lld, \"microbatches\": %lld, \"schedule\": \"%s\", "
-           "\"per_stage\": [",
-           (long long)r->n_stages, (long long)a->microbatches,
-           a->schedule ? a->schedule : "1f1b");
+    printf("\"pipeline\": {\"stages\": %lld, \"microbatches\": %lld, \"schedule\": ",
+           (long long)r->n_stages, (long long)a->microbatches);
+    ddp__json_fput_string(stdout, a->schedule ? a->schedule : "1f1b");
+    printf(", \"per_stage\": [");
     for (int64_t k = 0; k < r->n_stages; k++) {
       const ddp_train_stage_stats *st = &r->stages[k];
       printf("%s{\"rank\": %d, ", k ? ", " : "", (int)st->rank);
@@ -662,8 +638,11 @@ static void print_summary(const train_args *a, const ddp_train_result *r) {
     }
     printf("]}, ");
   }
-  printf("\"world_size\": %d, \"model\": \"%s\", \"optimizer\": \"%s\", \"cuda_graph\": %s}\n",
-         r->world_size, a->model, a->optimizer, a->cuda_graph ? "true" : "false");
+  printf("\"world_size\": %d, \"model\": ", r->world_size);
+  ddp__json_fput_string(stdout, a->model);
+  printf(", \"optimizer\": ");
+  ddp__json_fput_string(stdout, a->optimizer);
+  printf(", \"cuda_graph\": %s}\n", a->cuda_graph ? "true" : "false");
 }
 
 /* --device: what was asked, or for auto the first GPU when there is one and
@@ -676,7 +655,7 @@ static ddp_device choose_device(const train_args *a, const train_world *world) {
     return DDP_CPU;
   ddp_device d = DDP_CUDA(0);
   if (!automatic && ddp_device_parse(a->device, &d) != DDP_OK)
-    die_usage("--device: %s", ddp_last_error());
+    cli_die_usage("--device: %s", ddp_last_error());
   int64_t local_rank, local_world;
   if (d.type == DDP_DEVICE_CUDA && (automatic || !strcmp(a->device, "cuda")) &&
       getenv("LOCAL_RANK") && ddp_env_int("LOCAL_RANK", 0, &local_rank) == DDP_OK &&
@@ -686,6 +665,7 @@ static ddp_device choose_device(const train_args *a, const train_world *world) {
 }
 
 int main(int argc, char **argv) {
+  cli_init("ddp-train");
   train_args a;
   parse_args(argc, argv, &a);
   if (a.threads == 0) { /* PyTorch's intra-op threads follow OMP_NUM_THREADS too */
@@ -728,7 +708,7 @@ int main(int argc, char **argv) {
   o.optim.weight_decay = a.weight_decay;
   if (kind == DDP_OPTIM_SGD) o.optim.sgd.momentum = a.momentum;
   else if (a.momentum != 0)
-    die_usage("--momentum applies to sgd only (got --optimizer %s)", a.optimizer);
+    cli_die_usage("--momentum applies to sgd only (got --optimizer %s)", a.optimizer);
   o.epochs = a.epochs;
   o.max_steps = a.max_steps;
   o.batch_size = a.batch_size;
@@ -752,13 +732,13 @@ int main(int argc, char **argv) {
   ddp_train_pipeline pipeline = {0};
   if (a.pp) {
     if (!world.pg || world.size % a.pp)
-      die_usage("--pp %s: the world must be P stages x D replicas: run under a launcher "
+      cli_die_usage("--pp %s: the world must be P stages x D replicas: run under a launcher "
                 "with a multiple of P ranks (ddprun --nproc-per-node P ...)",
                 a.schedule ? a.schedule : "P");
     pipeline.stages = (int32_t)a.pp;
     pipeline.schedule = DDP_PIPELINE_1F1B;
     if (a.schedule && ddp_pipeline_schedule_parse(a.schedule, &pipeline.schedule) != DDP_OK)
-      die_usage("--schedule: %s", ddp_last_error());
+      cli_die_usage("--schedule: %s", ddp_last_error());
     pipeline.virtual_stages = a.virtual_stages ? (int32_t)a.virtual_stages
                               : pipeline.schedule == DDP_PIPELINE_INTERLEAVED ? 2
                                                                               : 1;

@@ -161,8 +161,10 @@ DDP_STRUCT_SIZE(ddp_ps_server_stats, 72);
  * stats may be NULL. */
 ddp_status ddp_ps_server_serve(ddp_ps_server *s, ddp_rpc_agent *agent, ddp_ps_server_stats *stats);
 
-/* Unregisters nothing (the functions stay registered for the process) but
- * makes them refuse; frees the server. Call after ddp_rpc_shutdown. NULL ok. */
+/* Takes the server's worker name out of the process's table of servers and
+ * clients (calls for it are refused from then on; the parameter server's
+ * RPC functions stay registered, shared by every server and client of the
+ * process) and frees the server. Call after ddp_rpc_shutdown. NULL ok. */
 void ddp_ps_server_destroy(ddp_ps_server *s);
 
 /* ---- Client (a trainer) ------------------------------------------------------ */

@@ -30,7 +30,7 @@ typedef struct simple_sampler {
   int64_t epoch;
   /* The generator as it stands before epoch gen_epoch's permutation: a
    * training loop's next epoch continues from it instead of replaying. */
-  ddp__mt19937 gen;
+  ddp__torch_generator gen;
   int64_t gen_epoch;
 } simple_sampler;
 
@@ -65,13 +65,13 @@ static ddp_status random_fill(ddp_sampler *sampler, int64_t *indices) {
   if (s->epoch < 0)
     return ddp_error(DDP_ERR_INVALID, "sampler random: epoch %lld < 0", (long long)s->epoch);
   if (s->epoch < s->gen_epoch) {
-    ddp__mt19937_seed(&s->gen, s->seed);
+    ddp__torch_generator_seed(&s->gen, s->seed);
     s->gen_epoch = 0;
   }
   uint64_t per_perm = s->num_samples > 1 ? (uint64_t)(s->num_samples - 1) : 0;
-  ddp__mt19937_discard(&s->gen, (uint64_t)(s->epoch - s->gen_epoch) * 2 * per_perm);
+  ddp__torch_generator_discard(&s->gen, (uint64_t)(s->epoch - s->gen_epoch) * 2 * per_perm);
   ddp__torch_randperm(&s->gen, s->num_samples, indices);
-  ddp__mt19937_discard(&s->gen, per_perm); /* the remainder's randperm */
+  ddp__torch_generator_discard(&s->gen, per_perm); /* the remainder's randperm */
   s->gen_epoch = s->epoch + 1;
   return DDP_OK;
 }
@@ -103,7 +103,7 @@ static ddp_status simple_create(ddp_sampler **out, const ddp_sampler_ops *ops,
   s->base.ops = ops;
   s->num_samples = num_samples;
   s->seed = seed;
-  ddp__mt19937_seed(&s->gen, seed);
+  ddp__torch_generator_seed(&s->gen, seed);
   *out = &s->base;
   return DDP_OK;
 }
@@ -118,8 +118,8 @@ ddp_status ddp_sampler_create_random(ddp_sampler **out, int64_t num_samples, uin
 
 ddp_status ddp_randperm(int64_t n, uint64_t seed, int64_t *out) {
   if (n < 0) return ddp_error(DDP_ERR_INVALID, "randperm: n %lld < 0", (long long)n);
-  ddp__mt19937 mt;
-  ddp__mt19937_seed(&mt, seed);
+  ddp__torch_generator mt;
+  ddp__torch_generator_seed(&mt, seed);
   ddp__torch_randperm(&mt, n, out);
   return DDP_OK;
 }

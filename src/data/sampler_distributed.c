@@ -44,8 +44,8 @@ static void dist_destroy(ddp_sampler *sampler) {
 static ddp_status dist_fill(ddp_sampler *sampler, int64_t *indices) {
   dist_sampler *s = (dist_sampler *)sampler;
   if (s->shuffle) {
-    ddp__mt19937 mt;
-    ddp__mt19937_seed(&mt, s->seed + (uint64_t)s->epoch);
+    ddp__torch_generator mt;
+    ddp__torch_generator_seed(&mt, s->seed + (uint64_t)s->epoch);
     ddp__torch_randperm(&mt, s->num_samples, s->order);
   }
   for (int64_t k = 0; k < s->length; k++) {

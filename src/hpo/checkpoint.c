@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "hpo/hpo_internal.h"
+#include "io/io_internal.h"
 
 #define COMMIT_MAGIC 0x43504844u /* "DHPC" */
 
@@ -73,7 +74,7 @@ ddp_status ddp__hpo_meta_check(const char *dir, const char *meta, bool resume, b
   *resuming = false;
   if (mkdir(dir, 0777) != 0 && errno != EEXIST)
     return ddp_error(DDP_ERR_IO, "hpo checkpoint: cannot create %s: %s", dir, strerror(errno));
-  char path[4096], tmp[4200];
+  char path[4096];
   snprintf(path, sizeof path, "%s/search.meta", dir);
   char *saved;
   ddp_status s = read_file(path, &saved);
@@ -95,16 +96,7 @@ ddp_status ddp__hpo_meta_check(const char *dir, const char *meta, bool resume, b
     return DDP_OK;
   }
   if (s != DDP_ERR_NOTFOUND) return s;
-  snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
-  FILE *f = fopen(tmp, "w");
-  if (!f) return ddp_error(DDP_ERR_IO, "hpo checkpoint: cannot write %s: %s", tmp, strerror(errno));
-  bool ok = fputs(meta, f) >= 0 && fflush(f) == 0 && fsync(fileno(f)) == 0;
-  ok &= fclose(f) == 0;
-  if (!ok || rename(tmp, path) != 0) {
-    unlink(tmp);
-    return ddp_error(DDP_ERR_IO, "hpo checkpoint: writing %s: %s", path, strerror(errno));
-  }
-  return DDP_OK;
+  return ddp__atomic_write_file(path, meta, strlen(meta));
 }
 
 /* ---- journals ---- */

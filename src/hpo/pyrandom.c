@@ -7,77 +7,19 @@
 #include <math.h>
 #include <string.h>
 
+#include "core/core_internal.h"
 #include "hpo/hpo_internal.h"
-
-enum { MT_N = 624, MT_M = 397 };
-#define MT_MATRIX_A 0x9908b0dfU
-#define MT_UPPER 0x80000000U
-#define MT_LOWER 0x7fffffffU
-
-static void init_genrand(ddp_pyrandom *r, uint32_t s) {
-  r->mt[0] = s;
-  for (int i = 1; i < MT_N; i++)
-    r->mt[i] = 1812433253U * (r->mt[i - 1] ^ (r->mt[i - 1] >> 30)) + (uint32_t)i;
-  r->index = MT_N;
-}
-
-/* init_by_array: CPython seeds every integer through it, with the integer's
- * absolute value cut into 32-bit words, least significant first ([0] for 0). */
-static void init_by_array(ddp_pyrandom *r, const uint32_t *key, size_t len) {
-  init_genrand(r, 19650218U);
-  size_t i = 1, j = 0;
-  for (size_t k = MT_N > len ? MT_N : len; k; k--) {
-    r->mt[i] = (r->mt[i] ^ ((r->mt[i - 1] ^ (r->mt[i - 1] >> 30)) * 1664525U)) + key[j] + (uint32_t)j;
-    i++;
-    j++;
-    if (i >= MT_N) {
-      r->mt[0] = r->mt[MT_N - 1];
-      i = 1;
-    }
-    if (j >= len) j = 0;
-  }
-  for (size_t k = MT_N - 1; k; k--) {
-    r->mt[i] = (r->mt[i] ^ ((r->mt[i - 1] ^ (r->mt[i - 1] >> 30)) * 1566083941U)) - (uint32_t)i;
-    i++;
-    if (i >= MT_N) {
-      r->mt[0] = r->mt[MT_N - 1];
-      i = 1;
-    }
-  }
-  r->mt[0] = 0x80000000U; /* MSB is 1, assuring a non-zero initial array */
-}
 
 void ddp_pyrandom_seed(ddp_pyrandom *r, int64_t seed) {
   uint64_t a = seed < 0 ? (uint64_t)0 - (uint64_t)seed : (uint64_t)seed;
   uint32_t key[2] = {(uint32_t)a, (uint32_t)(a >> 32)};
-  init_by_array(r, key, key[1] ? 2 : 1);
+  /* CPython seeds every integer through init_by_array, with the integer's
+   * absolute value cut into 32-bit words, least significant first ([0] for 0). */
+  ddp__mt19937_init_by_array(r->mt, &r->index, key, key[1] ? 2 : 1);
   r->has_gauss_next = false;
 }
 
-uint32_t ddp_pyrandom_uint32(ddp_pyrandom *r) {
-  static const uint32_t mag01[2] = {0x0U, MT_MATRIX_A};
-  if (r->index >= MT_N) {
-    int kk;
-    uint32_t y;
-    for (kk = 0; kk < MT_N - MT_M; kk++) {
-      y = (r->mt[kk] & MT_UPPER) | (r->mt[kk + 1] & MT_LOWER);
-      r->mt[kk] = r->mt[kk + MT_M] ^ (y >> 1) ^ mag01[y & 0x1U];
-    }
-    for (; kk < MT_N - 1; kk++) {
-      y = (r->mt[kk] & MT_UPPER) | (r->mt[kk + 1] & MT_LOWER);
-      r->mt[kk] = r->mt[kk + (MT_M - MT_N)] ^ (y >> 1) ^ mag01[y & 0x1U];
-    }
-    y = (r->mt[MT_N - 1] & MT_UPPER) | (r->mt[0] & MT_LOWER);
-    r->mt[MT_N - 1] = r->mt[MT_M - 1] ^ (y >> 1) ^ mag01[y & 0x1U];
-    r->index = 0;
-  }
-  uint32_t y = r->mt[r->index++];
-  y ^= (y >> 11);
-  y ^= (y << 7) & 0x9d2c5680U;
-  y ^= (y << 15) & 0xefc60000U;
-  y ^= (y >> 18);
-  return y;
-}
+uint32_t ddp_pyrandom_uint32(ddp_pyrandom *r) { return ddp__mt19937_next(r->mt, &r->index); }
 
 /* random(): 53 random bits, as genrand_res53. */
 double ddp_pyrandom_random(ddp_pyrandom *r) {

@@ -128,3 +128,13 @@ void ddp__atomic_abort(ddp__atomic_file *f) {
   ddp_free(f->path);
   reset(f);
 }
+
+ddp_status ddp__atomic_write_file(const char *path, const void *buf, size_t n) {
+  ddp__atomic_file f;
+  ddp_status s = ddp__atomic_open(&f, path);
+  if (s == DDP_OK) s = ddp__atomic_write(&f, buf, n);
+  if (s == DDP_OK) s = ddp__atomic_finish(&f);
+  if (s == DDP_OK) s = ddp__atomic_commit(&f);
+  ddp__atomic_abort(&f);
+  return s;
+}

@@ -10,6 +10,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "ddp/io.h"
 
@@ -40,6 +41,12 @@ ddp_status ddp__atomic_sync_dir(const char *path);
 /* Closes and removes the temporary file if it is still there, frees the
  * names. Safe after commit and on a zeroed struct. */
 void ddp__atomic_abort(ddp__atomic_file *f);
+
+/* The whole of the above for a file written in one piece: buf[0..n) to a
+ * temporary file beside path, fsync, rename over path, fsync of the
+ * directory. On error path is untouched and nothing is left behind; the
+ * message names the path. The one way ddp and its tools replace a file. */
+ddp_status ddp__atomic_write_file(const char *path, const void *buf, size_t n);
 
 /* Test hook (fault injection): when >= 0, a write that would take the
  * process's total of checkpoint bytes written past this many fails with
@@ -117,5 +124,8 @@ const char *ddp__json_kind_name(ddp__json_kind kind);
 /* Writes s as a JSON string (quoted, escaped) into buf at *pos, growing
  * nothing: returns false when it does not fit in cap bytes. For writers. */
 bool ddp__json_put_string(char *buf, size_t cap, size_t *pos, const char *s);
+/* The same to a stream: the one way ddp and its tools print a JSON string
+ * (a name, a path, a user's command line may hold quotes and controls). */
+void ddp__json_fput_string(FILE *f, const char *s);
 
 #endif /* DDP_IO_INTERNAL_H */

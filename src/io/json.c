@@ -374,33 +374,48 @@ const char *ddp__json_kind_name(ddp__json_kind kind) {
   return (unsigned)kind < sizeof names / sizeof *names ? names[kind] : "unknown";
 }
 
+/* One character of a JSON string as written: itself, or its escape (at
+ * most 6 bytes, "\u001f"). Returns the length. */
+static size_t escape_char(unsigned char c, char out[6]) {
+  static const char hex[] = "0123456789abcdef";
+  if (c == '"' || c == '\\') {
+    out[0] = '\\';
+    out[1] = (char)c;
+    return 2;
+  }
+  if (c < 0x20) {
+    memcpy(out, "\\u00", 4);
+    out[4] = hex[c >> 4];
+    out[5] = hex[c & 15];
+    return 6;
+  }
+  out[0] = (char)c;
+  return 1;
+}
+
 bool ddp__json_put_string(char *buf, size_t cap, size_t *pos, const char *s) {
   size_t n = *pos;
-#define PUT(ch)                     \
-  do {                              \
-    if (n + 1 >= cap) return false; \
-    buf[n++] = (ch);                \
-  } while (0)
-  PUT('"');
+  if (n + 1 >= cap) return false;
+  buf[n++] = '"';
   for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
-    if (*c == '"' || *c == '\\') {
-      PUT('\\');
-      PUT((char)*c);
-    } else if (*c < 0x20) {
-      static const char hex[] = "0123456789abcdef";
-      PUT('\\');
-      PUT('u');
-      PUT('0');
-      PUT('0');
-      PUT(hex[*c >> 4]);
-      PUT(hex[*c & 15]);
-    } else {
-      PUT((char)*c);
-    }
+    char e[6];
+    size_t k = escape_char(*c, e);
+    if (n + k >= cap) return false;
+    memcpy(buf + n, e, k);
+    n += k;
   }
-  PUT('"');
-#undef PUT
+  if (n + 1 >= cap) return false;
+  buf[n++] = '"';
   buf[n] = '\0';
   *pos = n;
   return true;
+}
+
+void ddp__json_fput_string(FILE *f, const char *s) {
+  fputc('"', f);
+  for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
+    char e[6];
+    fwrite(e, 1, escape_char(*c, e), f);
+  }
+  fputc('"', f);
 }

@@ -13,6 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "core/core_internal.h"
 #include "ddp/tensorboard.h"
 #include "io/crc32c.h"
 #include "io/protobuf.h"
@@ -51,22 +52,6 @@ static double now_s(void) {
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* Writes all n bytes at the end of the file, short writes and EINTR
- * handled. O_APPEND: each write(2) lands after the last, so a record
- * written in one call is never interleaved. */
-static ddp_status write_all(ddp_summary_writer *w, const uint8_t *p, size_t n) {
-  while (n) {
-    ssize_t k = write(w->fd, p, n);
-    if (k < 0 && errno == EINTR) continue;
-    if (k <= 0)
-      return ddp_error(DDP_ERR_IO, "tensorboard: writing %s: %s", w->path,
-                       k < 0 ? strerror(errno) : "nothing written");
-    p += k;
-    n -= (size_t)k;
-  }
-  return DDP_OK;
-}
-
 /* w->record holds RECORD_HEADER bytes of room followed by an encoded
  * Event: fills in the header, appends the footer and writes the record in
  * one call. TFRecord: uint64 length, uint32 masked CRC-32C of those 8
@@ -85,7 +70,10 @@ static ddp_status write_record(ddp_summary_writer *w) {
   ddp__pb_raw(b, footer, sizeof footer);
   if (b->failed)
     return ddp_error(DDP_ERR_NOMEM, "tensorboard: %s: out of memory encoding an event", w->path);
-  return write_all(w, b->data, b->len);
+  /* O_APPEND: each write(2) lands after the last. */
+  if (ddp__write_all(w->fd, b->data, b->len) != 0)
+    return ddp_error(DDP_ERR_IO, "tensorboard: writing %s: %s", w->path, strerror(errno));
+  return DDP_OK;
 }
 
 /* Starts a record: header room, then the Event's wall_time and step

@@ -74,16 +74,13 @@ static int64_t store_dumps(ddp_store *store, int32_t rank) {
   return count;
 }
 
-static const char *debug_dir(void) {
-  const char *dir = ddp_env_str("DDP_DEBUG_DIR", ".");
-  return *dir ? dir : ".";
-}
 
 /* A local worker's dump file, if it is this worker's (its pid) and at
  * least as new as `since` (CLOCK_REALTIME seconds; 0: any). */
-static int read_file_dump(const ddp__worker *w, double since, ddp__flight_dump *out) {
-  char path[4096];
-  ddp__flight_dump_path(debug_dir(), w->rank, -1, path, sizeof path);
+static int read_file_dump(const ddp__world *world, const ddp__worker *w, double since, ddp__flight_dump *out) {
+  char path[DDP_LAUNCH_PATH_BYTES + 64];
+  /* The DDP_DEBUG_DIR the workers were given (the user's, or this run's). */
+  ddp__flight_dump_path(world->debug_dir, w->rank, -1, path, sizeof path);
   struct stat sb;
   if (stat(path, &sb) != 0 || (double)sb.st_mtim.tv_sec + sb.st_mtim.tv_nsec * 1e-9 < since) return 0;
   if (ddp__flight_read_file(path, out) != DDP_OK) {
@@ -164,7 +161,7 @@ static char *judge_dumps(const ddp__worker_group *g, const ddp__world *w, ddp_st
   for (int32_t r = 0; dumps && why && why_buf && have && r < world; r++) {
     int32_t i = r - w->rank_offset;
     const ddp__worker *wk = i >= 0 && i < g->n ? &g->workers[i] : NULL;
-    if (read_store_dump(store, r, &dumps[n]) || (wk && read_file_dump(wk, 0, &dumps[n]))) {
+    if (read_store_dump(store, r, &dumps[n]) || (wk && read_file_dump(w, wk, 0, &dumps[n]))) {
       have[n++] = r;
       continue;
     }
@@ -174,9 +171,9 @@ static char *judge_dumps(const ddp__worker_group *g, const ddp__world *w, ddp_st
   char *text = NULL, *verdict = NULL;
   /* Nothing to say for a job whose workers do not record. */
   if (n > 0 && ddp__flight_verdict(dumps, n, world, why, &verdict) == DDP_OK) {
-    char ranks[256], path[4200];
+    char ranks[256], path[DDP_LAUNCH_PATH_BYTES + 64];
     ddp__format_ranks(have, (int32_t)n, 16, ranks, sizeof ranks);
-    ddp__flight_dump_path(debug_dir(), 0, -1, path, sizeof path);
+    ddp__flight_dump_path(w->debug_dir, 0, -1, path, sizeof path);
     char *star = strstr(path, "rank0.json");
     if (star) snprintf(star, sizeof path - (size_t)(star - path), "rank*.json");
     size_t len = strlen(verdict) + strlen(path) + strlen(ranks) + 100;
@@ -241,7 +238,7 @@ char *ddp__flight_gather(ddp__worker_group *g, const ddp__agent *a, int32_t atte
         loc[i].settled = 1;
       } else if (!store) {
         ddp__flight_dump d;
-        if (read_file_dump(&g->workers[i], asked_at, &d)) {
+        if (read_file_dump(&w, &g->workers[i], asked_at, &d)) {
           loc[i].settled = 1;
           ddp__flight_dump_free(&d);
         }

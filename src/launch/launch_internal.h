@@ -135,11 +135,28 @@ typedef struct ddp__world {
   int32_t max_restarts;
   int32_t omp_threads;      /* > 0: every worker's OMP_NUM_THREADS (--threads); 0: torchrun's rule */
   const char *trace_dir;    /* --trace: DDP_TRACE_FILE=DIR/rank<N>.json; NULL: none */
+  /* DDP_DEBUG_DIR for the workers' flight dumps: the user's, else this
+   * run's directory under $TMPDIR (ddp__flight_debug_dir); "": not set. */
+  char debug_dir[DDP_LAUNCH_PATH_BYTES];
 } ddp__world;
+
+/* The launcher's environment contract, the one list of the variables it
+ * owns: torchrun's (RANK, WORLD_SIZE, LOCAL_*, GROUP_*, ROLE_*, MASTER_*,
+ * TORCHELASTIC_*) and ddp's (DDP_STORE_ADDR, DDP_STORE_PREFIX,
+ * DDP_TRACE_FILE). Whether entry ("NAME=value") is one of them. */
+bool ddp__launch_env_owned(const char *entry);
+/* A job's environment: `base` (such as environ) without the variables the
+ * launcher owns and without those `add` sets, then add[0..n_add) ("NAME=value"
+ * each). Everything that starts workers or jobs of its own (ddprun, ddp_spawn,
+ * ddp-hpo's cmd: objective) builds their environment here, so none inherits
+ * an outer rank's identity, store or trace file. One ddp_alloc'd block
+ * (NULL-terminated table and strings): free with ddp_free. */
+ddp_status ddp__launch_env(char *const *base, char *const *add, size_t n_add, char ***out);
 
 /* A NULL-terminated "NAME=VALUE" table: `base` (such as environ) without the
  * variables the launcher owns, then torchrun's variables for this worker,
- * DDP_STORE_ADDR and DDP_STORE_PREFIX (per attempt). OMP_NUM_THREADS is
+ * DDP_STORE_ADDR and DDP_STORE_PREFIX (per attempt), DDP_DEBUG_DIR (when
+ * world->debug_dir is set). OMP_NUM_THREADS is
  * world->omp_threads when that is set (replacing base's); else 1 when base
  * lacks it and nproc > 1, as torchrun does. One ddp_alloc'd
  * block: free with ddp_free. */

@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "core/core_internal.h"
 #include "launch/launch_internal.h"
 
 ddp_status ddp__tail_init(ddp__tail *tail, int32_t cap) {
@@ -46,15 +47,6 @@ static void tail_push(ddp__tail *tail, const char *line, size_t len) {
 /* Writes all of buf, retrying short writes (log files, and consoles that are
  * regular files); errors are dropped: a full disk must not stop the
  * supervisor. */
-static void write_all(int fd, const char *buf, size_t len) {
-  while (len > 0) {
-    ssize_t w = write(fd, buf, len);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return;
-    buf += w;
-    len -= (size_t)w;
-  }
-}
 
 /* ---- The console -------------------------------------------------------------- */
 
@@ -99,7 +91,7 @@ static ssize_t console_write(ddp__console *c, const char *buf, size_t len) {
     ssize_t w;
     switch (c->kind) {
       case CONSOLE_PLAIN:
-        write_all(c->fd, buf, len);
+        (void)ddp__write_all(c->fd, buf, len); /* what cannot be written is dropped */
         return (ssize_t)len;
       case CONSOLE_SOCKET:
         w = send(c->fd, buf, len, MSG_DONTWAIT | MSG_NOSIGNAL);
@@ -268,8 +260,8 @@ void ddp__console_write_bounded(int fd, const char *buf, size_t len, double stal
 static void emit_line(ddp__stream *s, ddp__tail *tail, const char *line, size_t len, int newline) {
   console_queue(s, line, len, newline);
   if (s->log_fd >= 0) {
-    write_all(s->log_fd, line, len);
-    if (newline) write_all(s->log_fd, "\n", 1);
+    (void)ddp__write_all(s->log_fd, line, len); /* a log that cannot be written: the job goes on */
+    if (newline) (void)ddp__write_all(s->log_fd, "\n", 1);
   }
   tail_push(tail, line, len);
 }

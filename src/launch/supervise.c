@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "launch/launch_internal.h"
 
@@ -203,6 +204,7 @@ ddp_status ddp__job_launch(const ddp_launch_config *cfg, ddp__job *job, double t
   }
   agent.world.omp_threads = cfg->threads_per_worker;
   agent.world.trace_dir = cfg->trace_dir;
+  ddp__flight_debug_dir(agent.world.run_id, (int64_t)getpid(), agent.world.debug_dir, sizeof agent.world.debug_dir);
   st = ddp__signals_install();
   if (st == DDP_OK) {
     job->agent = &agent;

@@ -1,6 +1,7 @@
 /* The environment contract between the launcher and its workers: torchrun's
  * variables (so PyTorch programs run unchanged) and ddp's DDP_STORE_ADDR /
  * DDP_STORE_PREFIX (so ddp programs meet in the launcher's store). */
+#include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -16,14 +17,56 @@ static const char *const owned[] = {
 #define NUM_OWNED (sizeof owned / sizeof owned[0])
 #define MAX_VALUE 512
 
-/* OMP_NUM_THREADS is the launcher's only when --threads gave it. */
-static int is_owned(const char *entry, int omp_given) {
-  if (omp_given && strncmp(entry, "OMP_NUM_THREADS=", 16) == 0) return 1;
-  for (size_t i = 0; i < NUM_OWNED; i++) {
-    size_t n = strlen(owned[i]);
-    if (strncmp(entry, owned[i], n) == 0 && entry[n] == '=') return 1;
+/* Whether entry ("NAME=value") names `name` (NUL- or '='-terminated). */
+static bool same_name(const char *entry, const char *name) {
+  size_t n = strcspn(name, "=");
+  return strncmp(entry, name, n) == 0 && entry[n] == '=';
+}
+
+bool ddp__launch_env_owned(const char *entry) {
+  for (size_t i = 0; i < NUM_OWNED; i++)
+    if (same_name(entry, owned[i])) return true;
+  return false;
+}
+
+/* Whether base's entry stays: not the launcher's, not one that add sets. */
+static bool keep(const char *entry, char *const *add, size_t n_add) {
+  if (ddp__launch_env_owned(entry)) return false;
+  for (size_t i = 0; i < n_add; i++)
+    if (same_name(entry, add[i])) return false;
+  return true;
+}
+
+ddp_status ddp__launch_env(char *const *base, char *const *add, size_t n_add, char ***out) {
+  *out = NULL;
+  size_t n_base = 0, bytes = 0;
+  for (size_t i = 0; base && base[i]; i++) {
+    if (!keep(base[i], add, n_add)) continue;
+    n_base++;
+    bytes += strlen(base[i]) + 1;
   }
-  return 0;
+  for (size_t i = 0; i < n_add; i++) bytes += strlen(add[i]) + 1;
+  size_t slots = n_base + n_add + 1;
+  char **env = ddp_alloc(slots * sizeof *env + bytes);
+  if (!env) return ddp_error(DDP_ERR_NOMEM, "launch: out of memory for a worker's environment");
+  char *text = (char *)(env + slots);
+  size_t k = 0;
+  for (size_t i = 0; base && base[i]; i++) {
+    if (!keep(base[i], add, n_add)) continue;
+    size_t len = strlen(base[i]) + 1;
+    memcpy(text, base[i], len);
+    env[k++] = text;
+    text += len;
+  }
+  for (size_t i = 0; i < n_add; i++) {
+    size_t len = strlen(add[i]) + 1;
+    memcpy(text, add[i], len);
+    env[k++] = text;
+    text += len;
+  }
+  env[k] = NULL;
+  *out = env;
+  return DDP_OK;
 }
 
 void ddp__attempt_prefix(const char *run_id, int32_t attempt, char *buf, size_t bytes) {
@@ -32,7 +75,6 @@ void ddp__attempt_prefix(const char *run_id, int32_t attempt, char *buf, size_t 
 
 ddp_status ddp__worker_env(char *const *base, const ddp__world *w, int32_t local_rank,
                            int32_t restart_count, char ***out) {
-  *out = NULL;
   char prefix[DDP_LAUNCH_ID_BYTES + 64];
   ddp__attempt_prefix(w->run_id, restart_count, prefix, sizeof prefix);
   int32_t rank = w->rank_offset + local_rank;
@@ -40,6 +82,7 @@ ddp_status ddp__worker_env(char *const *base, const ddp__world *w, int32_t local
   int omp = omp_given || (w->nproc > 1 && !ddp__envp_get(base, "OMP_NUM_THREADS"));
   /* name=value lines, formatted once into a scratch table. */
   char add[NUM_OWNED + 1][MAX_VALUE];
+  char *lines[NUM_OWNED + 2];
   size_t n_add = 0;
 #define ADD(...) snprintf(add[n_add++], MAX_VALUE, __VA_ARGS__)
   ADD("MASTER_ADDR=%s", w->master_addr);
@@ -62,33 +105,11 @@ ddp_status ddp__worker_env(char *const *base, const ddp__world *w, int32_t local
   if (omp) ADD("OMP_NUM_THREADS=%d", omp_given ? (int)w->omp_threads : 1);
   if (w->trace_dir) ADD("DDP_TRACE_FILE=%s/rank%d.json", w->trace_dir, (int)rank);
 #undef ADD
-
-  size_t n_base = 0, bytes = 0;
-  for (size_t i = 0; base && base[i]; i++) {
-    if (is_owned(base[i], omp_given)) continue;
-    n_base++;
-    bytes += strlen(base[i]) + 1;
+  for (size_t i = 0; i < n_add; i++) lines[i] = add[i];
+  char debug_line[sizeof w->debug_dir + 16]; /* a path: longer than MAX_VALUE */
+  if (w->debug_dir[0]) {
+    snprintf(debug_line, sizeof debug_line, "DDP_DEBUG_DIR=%s", w->debug_dir);
+    lines[n_add++] = debug_line;
   }
-  for (size_t i = 0; i < n_add; i++) bytes += strlen(add[i]) + 1;
-  size_t slots = n_base + n_add + 1;
-  char **env = ddp_alloc(slots * sizeof *env + bytes);
-  if (!env) return ddp_error(DDP_ERR_NOMEM, "launch: out of memory for a worker's environment");
-  char *text = (char *)(env + slots);
-  size_t k = 0;
-  for (size_t i = 0; base && base[i]; i++) {
-    if (is_owned(base[i], omp_given)) continue;
-    size_t len = strlen(base[i]) + 1;
-    memcpy(text, base[i], len);
-    env[k++] = text;
-    text += len;
-  }
-  for (size_t i = 0; i < n_add; i++) {
-    size_t len = strlen(add[i]) + 1;
-    memcpy(text, add[i], len);
-    env[k++] = text;
-    text += len;
-  }
-  env[k] = NULL;
-  *out = env;
-  return DDP_OK;
+  return ddp__launch_env(base, lines, n_add, out);
 }

@@ -384,3 +384,32 @@ ddp_status ddp__net_split_hostport(const char *what, const char *s, char *host, 
   *port = (int32_t)p;
   return DDP_OK;
 }
+
+ddp_status ddp__net_choose_address(const char *what, const char *const *explicit_vars, bool one_host,
+                                   const char *store_addr, char *host, size_t cap) {
+  for (size_t i = 0; explicit_vars && explicit_vars[i]; i++) {
+    const char *v = ddp_env_str(explicit_vars[i], NULL);
+    if (v) {
+      snprintf(host, cap, "%s", v);
+      return DDP_OK;
+    }
+  }
+  const char *ifname = ddp_env_str("DDP_SOCKET_IFNAME", NULL);
+  if (ifname) {
+    if (ddp__net_interface_address(ifname, host, cap) != 0)
+      return ddp_error(DDP_ERR_INVALID, "%s: DDP_SOCKET_IFNAME=%s: no such interface with an address that is up",
+                       what, ifname);
+    return DDP_OK;
+  }
+  if (one_host) {
+    snprintf(host, cap, "127.0.0.1");
+    return DDP_OK;
+  }
+  char shost[256];
+  if (ddp__net_address_host(store_addr, shost, sizeof shost) == 0 &&
+      ddp__net_route_source_address(shost, host, cap) == 0)
+    return DDP_OK;
+  if (ddp__net_interface_address(NULL, host, cap) == 0) return DDP_OK;
+  snprintf(host, cap, "127.0.0.1");
+  return DDP_OK;
+}

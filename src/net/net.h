@@ -8,6 +8,7 @@
 #ifndef DDP_NET_NET_H
 #define DDP_NET_NET_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/socket.h>
@@ -88,5 +89,17 @@ int ddp__net_route_source_address(const char *dest, char *host, size_t cap);
  * ("10.0.0.1:29500 prefix \"g/\"" -> "10.0.0.1", "[::1]:5" -> "::1"); -1 for
  * NULL and stores without one (mem, file:). 0 when found. */
 int ddp__net_address_host(const char *address, char *host, size_t cap);
+
+/* The address a process publishes for its peers to connect to (the tcp
+ * backend's pairs, the rpc agent), in order of preference: the first set
+ * variable of `explicit_vars` (NULL-terminated: {"DDP_COMM_ADDR", NULL});
+ * the first address of DDP_SOCKET_IFNAME (DDP_ERR_INVALID, the message
+ * starting with `what`, when it has none that is up); 127.0.0.1 when
+ * `one_host` (every peer runs on this host); the source address of the route
+ * to the store's host (store_addr as ddp_store_address gives it, NULL ok:
+ * the interface that faces the peers, since they reach the same store); the
+ * first non-loopback address; 127.0.0.1. */
+ddp_status ddp__net_choose_address(const char *what, const char *const *explicit_vars, bool one_host,
+                                   const char *store_addr, char *host, size_t cap);
 
 #endif /* DDP_NET_NET_H */

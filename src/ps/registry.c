@@ -1,56 +1,23 @@
 /* Which server or client of this process a request is for (ps_internal.h),
  * the timeout rule, and the check of every payload's header. */
-#include <pthread.h>
-#include <stdio.h>
-#include <string.h>
+#include <stddef.h>
 
 #include "ps/ps_internal.h"
+#include "rpc/rpc_internal.h"
 
-#define MAX_WORKERS 64
-
-static pthread_mutex_t registry_mu = PTHREAD_MUTEX_INITIALIZER;
-static struct {
-  char name[DDP_RPC_MAX_NAME_BYTES];
-  void *obj;
-} registry[MAX_WORKERS];
+/* The servers and clients of this process by worker name (rpc's named
+ * tables: as many as the process holds). */
+static ddp__name_table workers = DDP__NAME_TABLE_INIT("parameter server: worker");
 
 ddp_status ddp__ps_registry_add(const char *name, void *obj) {
-  pthread_mutex_lock(&registry_mu);
-  int free_slot = -1;
-  for (int i = 0; i < MAX_WORKERS; i++) {
-    if (registry[i].obj && !strcmp(registry[i].name, name)) {
-      pthread_mutex_unlock(&registry_mu);
-      return ddp_error(DDP_ERR_STATE, "parameter server: worker '%s' exists already in this "
-                                      "process", name);
-    }
-    if (!registry[i].obj && free_slot < 0) free_slot = i;
-  }
-  if (free_slot < 0) {
-    pthread_mutex_unlock(&registry_mu);
-    return ddp_error(DDP_ERR_RANGE, "parameter server: more than %d workers in one process",
-                     MAX_WORKERS);
-  }
-  snprintf(registry[free_slot].name, sizeof registry[free_slot].name, "%s", name);
-  registry[free_slot].obj = obj;
-  pthread_mutex_unlock(&registry_mu);
-  return DDP_OK;
+  return ddp__name_table_set(&workers, name, obj, NULL, false);
 }
 
-void ddp__ps_registry_remove(const void *obj) {
-  pthread_mutex_lock(&registry_mu);
-  for (int i = 0; i < MAX_WORKERS; i++)
-    if (registry[i].obj == obj) registry[i].obj = NULL;
-  pthread_mutex_unlock(&registry_mu);
-}
+void ddp__ps_registry_remove(const void *obj) { ddp__name_table_remove_value(&workers, obj); }
 
 void *ddp__ps_registry_find(const ddp_rpc_call *call) {
-  const char *name = ddp_rpc_self(ddp_rpc_call_agent(call))->name;
   void *obj = NULL;
-  pthread_mutex_lock(&registry_mu);
-  for (int i = 0; i < MAX_WORKERS && !obj; i++)
-    if (registry[i].obj && !strcmp(registry[i].name, name)) obj = registry[i].obj;
-  pthread_mutex_unlock(&registry_mu);
-  return obj;
+  return ddp__name_table_get(&workers, ddp_rpc_self(ddp_rpc_call_agent(call))->name, &obj, NULL) ? obj : NULL;
 }
 
 double ddp__ps_timeout(const ddp_ps_options *o) {

@@ -70,32 +70,12 @@ static void init_cond(pthread_cond_t *cv) {
 
 /* ---- Addresses ----------------------------------------------------------------- */
 
-/* The TCP address this worker publishes: DDP_RPC_ADDR, else DDP_COMM_ADDR,
- * else DDP_SOCKET_IFNAME's first address, else the source address of the
- * route to the store's host (the interface facing the other workers, which
- * reach the same store), else the first non-loopback address, else
- * 127.0.0.1 (as the tcp backend of comm chooses). */
+/* The TCP address this worker publishes: DDP_RPC_ADDR, else net's choice
+ * as for the tcp backend (DDP_COMM_ADDR, DDP_SOCKET_IFNAME, the route to
+ * the store's host, ...). */
 static ddp_status choose_address(const char *store_addr, char *host, size_t cap) {
-  const char *explicit_addr = ddp_env_str("DDP_RPC_ADDR", ddp_env_str("DDP_COMM_ADDR", NULL));
-  if (explicit_addr) {
-    snprintf(host, cap, "%s", explicit_addr);
-    return DDP_OK;
-  }
-  const char *ifname = ddp_env_str("DDP_SOCKET_IFNAME", NULL);
-  if (ifname) {
-    if (ddp__net_interface_address(ifname, host, cap) != 0)
-      return ddp_error(DDP_ERR_INVALID,
-                       "rpc: DDP_SOCKET_IFNAME=%s: no such interface with an address that is up",
-                       ifname);
-    return DDP_OK;
-  }
-  char shost[256];
-  if (ddp__net_address_host(store_addr, shost, sizeof shost) == 0 &&
-      ddp__net_route_source_address(shost, host, cap) == 0)
-    return DDP_OK;
-  if (ddp__net_interface_address(NULL, host, cap) == 0) return DDP_OK;
-  snprintf(host, cap, "127.0.0.1");
-  return DDP_OK;
+  static const char *const vars[] = {"DDP_RPC_ADDR", "DDP_COMM_ADDR", NULL};
+  return ddp__net_choose_address("rpc", vars, false, store_addr, host, cap);
 }
 
 static socklen_t unix_addr(const char *name, struct sockaddr_un *sa) {

@@ -240,6 +240,10 @@ void ddp__rpc_enqueue(struct ddp_rpc_agent *a, ddp__rpc_task *t);
 void ddp__rpc_timer_note_locked(struct ddp_rpc_agent *a, int64_t deadline_ns);
 /* Runs one task (on a pool thread, or a helping waiter). */
 void ddp__rpc_run_task(struct ddp_rpc_agent *a, ddp__rpc_task *t);
+/* Under a->mu: pops the queue's first task and runs it with a->mu released
+ * (held again on return); false when the queue was empty. The one way a
+ * pool thread and a helping waiter take work. */
+bool ddp__rpc_run_queued_locked(struct ddp_rpc_agent *a);
 
 /* ---- call.c ---- */
 /* Serves an inbound request (runs the handler, sends the reply). */

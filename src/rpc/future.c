@@ -154,15 +154,7 @@ ddp_status ddp_rpc_future_wait(ddp_rpc_future *f, double timeout_s) {
     pthread_mutex_lock(&a->mu);
     a->helpers++;
     while (!atomic_load(&f->done)) {
-      ddp__rpc_task *t = a->queue_head;
-      if (t) {
-        a->queue_head = t->next;
-        if (!a->queue_head) a->queue_tail = NULL;
-        pthread_mutex_unlock(&a->mu);
-        ddp__rpc_run_task(a, t);
-        pthread_mutex_lock(&a->mu);
-        continue;
-      }
+      if (ddp__rpc_run_queued_locked(a)) continue;
       if (ddp_time_ns() >= deadline) break;
       struct timespec ts;
       abs_timespec(deadline, &ts);

@@ -13,6 +13,36 @@
 #include "ddp/rendezvous.h"
 #include "ddp/rpc.h"
 
+/* ---- Named tables (registry.c) ---------------------------------------------
+ * ddp's one registry of names: a process-wide table from a name (the rule of
+ * worker and function names: 1..63 bytes of letters, digits, _ . : -) to a
+ * value and a user pointer, growing as needed, thread-safe. rpc's functions,
+ * rpc_autograd's RRef ctors and methods and dist functions, and ps's servers
+ * and clients (by worker name) each keep one. A static table starts as
+ * DDP__NAME_TABLE_INIT("function"), the word naming its entries in errors;
+ * it lives as long as the process. */
+typedef struct ddp__name_entry ddp__name_entry;
+typedef struct ddp__name_table {
+  pthread_mutex_t mu;
+  const char *what;
+  ddp__name_entry *entries;
+  size_t n, cap;
+} ddp__name_table;
+#define DDP__NAME_TABLE_INIT(what) {PTHREAD_MUTEX_INITIALIZER, (what), NULL, 0, 0}
+
+/* Sets name -> (value, user). A name already there: replaced when
+ * `replace`, else DDP_ERR_STATE ("... '<name>' exists already"). Errors:
+ * DDP_ERR_INVALID for a bad name (saying why) or a NULL value, NOMEM. */
+ddp_status ddp__name_table_set(ddp__name_table *t, const char *name, void *value, void *user, bool replace);
+/* Copies out the entry of name (under the lock); false when there is none. */
+bool ddp__name_table_get(ddp__name_table *t, const char *name, void **value, void **user);
+/* Removes name; DDP_ERR_NOTFOUND when absent. */
+ddp_status ddp__name_table_remove(ddp__name_table *t, const char *name);
+/* Removes every entry whose value is `value` (an object going away). */
+void ddp__name_table_remove_value(ddp__name_table *t, const void *value);
+/* "echo, add, step": the names not starting with "__" ("none"), for errors. */
+void ddp__name_table_names(ddp__name_table *t, char *buf, size_t bytes);
+
 /* ---- Built-in functions and modules ---------------------------------------
  * ddp's own messages (RRef fork/confirm/delete, distributed autograd's
  * backward and cleanup, optimizer steps) are ordinary requests to functions

@@ -32,6 +32,17 @@ void ddp__rpc_enqueue(ddp_rpc_agent *a, ddp__rpc_task *t) {
   pthread_mutex_unlock(&a->mu);
 }
 
+bool ddp__rpc_run_queued_locked(ddp_rpc_agent *a) {
+  ddp__rpc_task *t = a->queue_head;
+  if (!t) return false;
+  a->queue_head = t->next;
+  if (!a->queue_head) a->queue_tail = NULL;
+  pthread_mutex_unlock(&a->mu);
+  ddp__rpc_run_task(a, t);
+  pthread_mutex_lock(&a->mu);
+  return true;
+}
+
 void ddp__rpc_run_task(ddp_rpc_agent *a, ddp__rpc_task *t) {
   if (t->kind == DDP__RPC_TASK_REQUEST) {
     ddp__rpc_serve(a, (ddp_rpc_call *)t);
@@ -81,15 +92,7 @@ static void *thread_main(void *arg) {
         a->handoffs--;
         break;
       }
-      ddp__rpc_task *t = a->queue_head;
-      if (t) {
-        a->queue_head = t->next;
-        if (!a->queue_head) a->queue_tail = NULL;
-        pthread_mutex_unlock(&a->mu);
-        ddp__rpc_run_task(a, t);
-        pthread_mutex_lock(&a->mu);
-        continue;
-      }
+      if (ddp__rpc_run_queued_locked(a)) continue;
       if (a->state == DDP__RPC_STOPPING) break;
       /* Idle: woken by a task, a role or the stop. */
       a->idle++;

@@ -16,46 +16,20 @@
 #define DIST_MAGIC 0x54534944u /* "DIST" */
 #define DIST_VERSION 1u
 #define MAX_GRAD_TENSORS 64 /* tensors of one call that can carry gradients (a mask) */
-#define MAX_REGISTERED 128
 
-/* ---- Registry of dist functions ------------------------------------------ */
+/* ---- Registry of dist functions (process-wide: rpc's named tables) -------- */
 
-static pthread_mutex_t reg_mu = PTHREAD_MUTEX_INITIALIZER;
-static struct {
-  char name[DDP_RPC_MAX_NAME_BYTES];
-  ddp_dist_handler fn;
-  void *user;
-} handlers[MAX_REGISTERED];
-static int n_handlers;
+static ddp__name_table handlers = DDP__NAME_TABLE_INIT("dist_autograd function");
 
 ddp_status ddp_dist_register(const char *name, ddp_dist_handler fn, void *user) {
-  if (!name || !name[0] || strlen(name) >= DDP_RPC_MAX_NAME_BYTES || !fn)
-    return ddp_error(DDP_ERR_INVALID, "dist_autograd: register: a name of 1..%d bytes and a "
-                     "function are required", DDP_RPC_MAX_NAME_BYTES - 1);
-  pthread_mutex_lock(&reg_mu);
-  int i = 0;
-  while (i < n_handlers && strcmp(handlers[i].name, name)) i++;
-  ddp_status s = DDP_OK;
-  if (i == MAX_REGISTERED) {
-    s = ddp_error(DDP_ERR_NOMEM, "dist_autograd: register '%s': more than %d functions", name,
-                  MAX_REGISTERED);
-  } else {
-    snprintf(handlers[i].name, sizeof handlers[i].name, "%s", name);
-    handlers[i].fn = fn;
-    handlers[i].user = user;
-    if (i == n_handlers) n_handlers++;
-  }
-  pthread_mutex_unlock(&reg_mu);
-  return s;
+  return ddp__name_table_set(&handlers, name, (void *)fn, user, true);
 }
 
 static bool find_handler(const char *name, ddp_dist_handler *fn, void **user) {
-  pthread_mutex_lock(&reg_mu);
-  bool found = false;
-  for (int i = 0; i < n_handlers && !found; i++)
-    if (!strcmp(handlers[i].name, name)) *fn = handlers[i].fn, *user = handlers[i].user, found = true;
-  pthread_mutex_unlock(&reg_mu);
-  return found;
+  void *value;
+  if (!ddp__name_table_get(&handlers, name, &value, user)) return false;
+  *fn = (ddp_dist_handler)value;
+  return true;
 }
 
 /* ---- Records ----------------------------------------------------------------- */

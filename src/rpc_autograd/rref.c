@@ -12,57 +12,19 @@
 
 #define RREF_MAGIC 0x46455252u /* "RREF" */
 #define RREF_VERSION 1u
-#define MAX_REGISTERED 128
 
 enum { PENDING = 0, READY = 1, FAILED = 2 };
 
-/* ---- Registries of ctors and methods (process-wide, like rpc's) ---------- */
+/* ---- Registries of ctors and methods (process-wide: rpc's named tables) --- */
 
-typedef struct entry {
-  char name[DDP_RPC_MAX_NAME_BYTES];
-  void *fn;
-  void *user;
-} entry;
-
-static pthread_mutex_t reg_mu = PTHREAD_MUTEX_INITIALIZER;
-static entry ctors[MAX_REGISTERED], methods[MAX_REGISTERED];
-static int n_ctors, n_methods;
-
-static ddp_status reg_add(entry *table, int *n, const char *kind, const char *name, void *fn,
-                          void *user) {
-  if (!name || !name[0] || strlen(name) >= DDP_RPC_MAX_NAME_BYTES || !fn)
-    return ddp_error(DDP_ERR_INVALID, "rref: register %s: a name of 1..%d bytes and a function "
-                     "are required", kind, DDP_RPC_MAX_NAME_BYTES - 1);
-  pthread_mutex_lock(&reg_mu);
-  int i = 0;
-  while (i < *n && strcmp(table[i].name, name) != 0) i++;
-  if (i == MAX_REGISTERED) {
-    pthread_mutex_unlock(&reg_mu);
-    return ddp_error(DDP_ERR_NOMEM, "rref: register %s '%s': more than %d", kind, name,
-                     MAX_REGISTERED);
-  }
-  snprintf(table[i].name, sizeof table[i].name, "%s", name);
-  table[i].fn = fn;
-  table[i].user = user;
-  if (i == *n) (*n)++;
-  pthread_mutex_unlock(&reg_mu);
-  return DDP_OK;
-}
-
-static bool reg_find(entry *table, int n, const char *name, void **fn, void **user) {
-  pthread_mutex_lock(&reg_mu);
-  bool found = false;
-  for (int i = 0; i < n && !found; i++)
-    if (!strcmp(table[i].name, name)) *fn = table[i].fn, *user = table[i].user, found = true;
-  pthread_mutex_unlock(&reg_mu);
-  return found;
-}
+static ddp__name_table ctors = DDP__NAME_TABLE_INIT("rref ctor");
+static ddp__name_table methods = DDP__NAME_TABLE_INIT("rref method");
 
 ddp_status ddp_rref_register_ctor(const char *name, ddp_rref_ctor fn, void *user) {
-  return reg_add(ctors, &n_ctors, "ctor", name, (void *)fn, user);
+  return ddp__name_table_set(&ctors, name, (void *)fn, user, true);
 }
 ddp_status ddp_rref_register_method(const char *name, ddp_rref_method fn, void *user) {
-  return reg_add(methods, &n_methods, "method", name, (void *)fn, user);
+  return ddp__name_table_set(&methods, name, (void *)fn, user, true);
 }
 
 /* ---- State ------------------------------------------------------------- */
@@ -450,7 +412,7 @@ static ddp_status h_create(ddp_rpc_call *call, const ddp_rpc_message *args,
   void *fn = NULL, *fn_user = NULL;
   ddp_rref_value v = {0};
   ddp_status s;
-  if (!reg_find(ctors, n_ctors, h.fn, &fn, &fn_user)) {
+  if (!ddp__name_table_get(&ctors, h.fn, &fn, &fn_user)) {
     s = ddp_error(DDP_ERR_NOTFOUND, "ctor '%s' is not registered on worker '%s' "
                   "(ddp_rref_register_ctor before ddp_rpc_init)", h.fn, self_name(agent));
   } else {
@@ -594,7 +556,7 @@ static ddp_status h_call(ddp_rpc_call *call, const ddp_rpc_message *args, ddp_rp
   DDP_TRY(parse_hdr(args, &h, "call"));
   ddp_rpc_agent *agent = ddp_rpc_call_agent(call);
   void *fn = NULL, *fn_user = NULL;
-  if (!reg_find(methods, n_methods, h.fn, &fn, &fn_user))
+  if (!ddp__name_table_get(&methods, h.fn, &fn, &fn_user))
     return ddp_error(DDP_ERR_NOTFOUND, "method '%s' is not registered on worker '%s' "
                      "(ddp_rref_register_method before ddp_rpc_init)", h.fn, self_name(agent));
   ddp_rref_value v;

@@ -10,6 +10,18 @@ ddp_status ddp__train_sum(ddp_trainer *t, double *values, int n) {
   return ddp_allreduce(t->pg, values, (size_t)n, DDP_FLOAT64, DDP_REDUCE_SUM);
 }
 
+int64_t ddp__train_count_correct(const float *logits, const int64_t *labels, int64_t n, int64_t classes) {
+  int64_t correct = 0;
+  for (int64_t i = 0; i < n; i++) {
+    const float *row = logits + i * classes; /* (classes) */
+    int64_t best = 0;
+    for (int64_t c = 1; c < classes; c++)
+      if (row[c] > row[best]) best = c;
+    correct += best == labels[i];
+  }
+  return correct;
+}
+
 ddp_status ddp__train_local_sums(ddp_trainer *t, double sums[3]) {
   ddp_model *model = t->model;
   ddp_tape *tape = t->tape;
@@ -39,14 +51,7 @@ ddp_status ddp__train_local_sums(ddp_trainer *t, double sums[3]) {
         return ddp_error(DDP_ERR_NOMEM, "no room for a batch's outputs on the host");
       const float *o;
       DDP_TRY(ddp__train_host_view(out, host, &o));
-      const int64_t *y = ddp_tensor_i64(&b.y);
-      int64_t classes = out->shape[1];
-      for (int64_t i = 0; i < b.size; i++) {
-        int64_t best = 0;
-        for (int64_t c = 1; c < classes; c++)
-          if (o[i * classes + c] > o[i * classes + best]) best = c;
-        correct += best == y[i];
-      }
+      correct += ddp__train_count_correct(o, ddp_tensor_i64(&b.y), b.size, out->shape[1]);
     }
     seen += b.size;
   }

@@ -248,15 +248,7 @@ static ddp_status pipeline_local_sums(ddp_trainer *t, double sums[3]) {
     if (!last) continue;
     loss_sum += loss * (double)b.size;
     if (classify) {
-      const float *o = ddp_tensor_f32(&out);
-      const int64_t *y = ddp_tensor_i64(&b.y);
-      const int64_t classes = out.shape[1];
-      for (int64_t i = 0; i < b.size; i++) {
-        int64_t best = 0;
-        for (int64_t c = 1; c < classes; c++)
-          if (o[i * classes + c] > o[i * classes + best]) best = c;
-        correct += best == y[i];
-      }
+      correct += ddp__train_count_correct(ddp_tensor_f32(&out), ddp_tensor_i64(&b.y), b.size, out.shape[1]);
     }
     seen += b.size;
   }

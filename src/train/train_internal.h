@@ -253,6 +253,9 @@ ddp_status ddp__train_scalar(const ddp_tensor *t, float *value);
 /* A copy of a float32 tensor's data on the host: t's own data on the CPU,
  * else `host` (t->numel floats) filled from the device. */
 ddp_status ddp__train_host_view(const ddp_tensor *t, float *host, const float **data);
+/* How many of n rows of logits (n, classes) have their first maximum at
+ * the row's label (labels: n). The accuracy count of every evaluation. */
+int64_t ddp__train_count_correct(const float *logits, const int64_t *labels, int64_t n, int64_t classes);
 void ddp__train_device_free(ddp_trainer *t);
 
 /* The test loader's batch: eval_batch_size, or max(batch_size, 1000). */

@@ -19,26 +19,26 @@
  * std::mt19937 (seed 5489) is 4123659995; its first is 3499211612. */
 static void test_mt19937_standard_values(void **state) {
   (void)state;
-  ddp__mt19937 mt, skip;
-  ddp__mt19937_seed(&mt, 5489);
-  ddp__mt19937_seed(&skip, 5489);
-  uint32_t first = ddp__mt19937_next(&mt), v = first;
-  for (int i = 1; i < 10000; i++) v = ddp__mt19937_next(&mt);
+  ddp__torch_generator mt, skip;
+  ddp__torch_generator_seed(&mt, 5489);
+  ddp__torch_generator_seed(&skip, 5489);
+  uint32_t first = ddp__torch_generator_next(&mt), v = first;
+  for (int i = 1; i < 10000; i++) v = ddp__torch_generator_next(&mt);
   assert_int_equal(first, 3499211612u);
   assert_int_equal(v, 4123659995u);
   /* discard lands on the same output from any starting point. */
-  ddp__mt19937_discard(&skip, 9999);
-  assert_int_equal(ddp__mt19937_next(&skip), 4123659995u);
+  ddp__torch_generator_discard(&skip, 9999);
+  assert_int_equal(ddp__torch_generator_next(&skip), 4123659995u);
   uint64_t offsets[] = {0, 1, 622, 623, 624, 625, 1247, 1248, 5000};
   for (size_t k = 0; k < sizeof offsets / sizeof *offsets; k++) {
-    ddp__mt19937 a, b;
-    ddp__mt19937_seed(&a, 77);
-    ddp__mt19937_seed(&b, 77);
-    for (int i = 0; i < 300; i++) (void)ddp__mt19937_next(&a); /* start mid-block */
-    for (int i = 0; i < 300; i++) (void)ddp__mt19937_next(&b);
-    ddp__mt19937_discard(&a, offsets[k]);
-    for (uint64_t i = 0; i < offsets[k]; i++) (void)ddp__mt19937_next(&b);
-    for (int i = 0; i < 700; i++) assert_int_equal(ddp__mt19937_next(&a), ddp__mt19937_next(&b));
+    ddp__torch_generator a, b;
+    ddp__torch_generator_seed(&a, 77);
+    ddp__torch_generator_seed(&b, 77);
+    for (int i = 0; i < 300; i++) (void)ddp__torch_generator_next(&a); /* start mid-block */
+    for (int i = 0; i < 300; i++) (void)ddp__torch_generator_next(&b);
+    ddp__torch_generator_discard(&a, offsets[k]);
+    for (uint64_t i = 0; i < offsets[k]; i++) (void)ddp__torch_generator_next(&b);
+    for (int i = 0; i < 700; i++) assert_int_equal(ddp__torch_generator_next(&a), ddp__torch_generator_next(&b));
   }
 }
 

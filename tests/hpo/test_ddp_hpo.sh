@@ -17,6 +17,9 @@
 #    as inf with the reason on stderr, and the search goes on; a worker of 2
 #    ranks runs it on both as one ddp job (RANK, WORLD_SIZE, a store prefix of
 #    its own per evaluation), here ddp-train training data-parallel;
+#  - --json escapes the objective (a quote in a cmd: line); under ddprun
+#    --trace a cmd: evaluation inherits none of the launcher's variables
+#    (the trace file, the restart count: launch's one contract);
 #  - mistakes are named and exit 2 (1 for a broken launch environment).
 set -uo pipefail
 fail() { echo "FAIL: $*"; exit 1; }
@@ -204,6 +207,39 @@ PY
 # The timeout kills the program's process group: its sleep too.
 ! pgrep -f "sleep 31.7" >/dev/null || fail "a timed-out evaluation left its sleep running"
 echo "ok cmd: failures, a hang and garbage count as inf with their reasons; the search completed"
+# --json escapes what it prints: an objective holding a quote and a
+# backslash (passed on to the program as an argument) is still one JSON line
+# that reads back to the same text.
+quoted="cmd:$py $tmp/loss.py --tag x\"y\\z"
+timeout 60 "$bin" --objective "$quoted" --space "$sphere_space" --generations 2 --seed 0 --json \
+  >"$tmp/q.out" 2>"$tmp/q.err" || { cat "$tmp/q.err"; fail "cmd: with a quote"; }
+"$py" - "$tmp/q.out" "$quoted" <<'PY' || fail "--json: the objective is not escaped"
+import json, sys
+summary = json.loads(open(sys.argv[1]).read().splitlines()[-1])
+assert summary["objective"] == sys.argv[2], (summary["objective"], sys.argv[2])
+PY
+echo "ok --json: an objective with a quote and a backslash is escaped"
+# Under ddprun --trace the cmd: evaluations follow the launcher's contract:
+# they do not inherit the outer rank's trace file or restart count (nor its
+# rank, store or run id), so a program tracing itself does not overwrite
+# rank 0's timeline.
+cat >"$tmp/envdump.sh" <<SHEOF
+#!/bin/sh
+env >"$tmp/evalenv.\$\$"
+echo 1.0
+SHEOF
+chmod +x "$tmp/envdump.sh"
+mkdir "$tmp/outer-trace"
+timeout 60 "$ddprun" --nproc-per-node 1 --trace "$tmp/outer-trace" "$bin" --objective "cmd:$tmp/envdump.sh" \
+  --space "$sphere_space" --generations 2 >/dev/null 2>"$tmp/te.err" || { cat "$tmp/te.err"; fail "cmd: under ddprun --trace"; }
+ls "$tmp"/evalenv.* >/dev/null 2>&1 || fail "cmd: under ddprun --trace: no evaluation ran"
+for f in "$tmp"/evalenv.*; do
+  for var in DDP_TRACE_FILE TORCHELASTIC_RESTART_COUNT TORCHELASTIC_RUN_ID TORCHELASTIC_MAX_RESTARTS DDP_STORE_ADDR; do
+    ! grep -q "^$var=" "$f" || fail "cmd: an evaluation under ddprun --trace inherited $(grep "^$var=" "$f")"
+  done
+  grep -q '^RANK=0$' "$f" && grep -q '^DDP_HPO_A=' "$f" || fail "cmd: an evaluation's own variables are missing"
+done
+echo "ok cmd: under ddprun --trace an evaluation inherits no trace file, restart count, run id or store"
 if [ -z "${DDP_SANITIZER:-}" ]; then
   cat >"$tmp/train.sh" <<SHEOF
 #!/bin/sh

@@ -4,6 +4,7 @@
  *   --skip-rank R   rank R skips that allreduce and sleeps --sleep seconds
  *                   (default 60) instead, as a rank stuck elsewhere would
  *   --stop-rank R   rank R stops itself with SIGSTOP before it
+ *   --exit-rank R   rank R exits 2 there, as a program on a usage error
  * Rank 0 prints "flight_worker: entering allreduce #K at <unix time, s>"
  * before allreduce K (--at), so a test can time what follows. A failing
  * allreduce prints the error and exits 6. */
@@ -17,7 +18,7 @@
 #include "ddp/ddp.h"
 
 int main(int argc, char **argv) {
-  long steps = 8, at = 5, skip_rank = -1, stop_rank = -1, count = 2;
+  long steps = 8, at = 5, skip_rank = -1, stop_rank = -1, exit_rank = -1, count = 2;
   double sleep_s = 60;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--steps") && i + 1 < argc) steps = atol(argv[++i]);
@@ -25,6 +26,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--count") && i + 1 < argc) count = atol(argv[++i]);
     else if (!strcmp(argv[i], "--skip-rank") && i + 1 < argc) skip_rank = atol(argv[++i]);
     else if (!strcmp(argv[i], "--stop-rank") && i + 1 < argc) stop_rank = atol(argv[++i]);
+    else if (!strcmp(argv[i], "--exit-rank") && i + 1 < argc) exit_rank = atol(argv[++i]);
     else if (!strcmp(argv[i], "--sleep") && i + 1 < argc) sleep_s = atof(argv[++i]);
     else {
       fprintf(stderr, "flight_worker: unknown argument %s\n", argv[i]);
@@ -56,6 +58,10 @@ int main(int argc, char **argv) {
       while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &until, NULL) != 0) {
       }
       break;
+    }
+    if (k == at && rank == exit_rank) {
+      fprintf(stderr, "flight_worker: rank %d exits 2 before allreduce #%ld\n", rank, k);
+      exit(2);
     }
     if (k == at && rank == stop_rank) {
       fprintf(stderr, "flight_worker: rank %d stops itself before allreduce #%ld\n", rank, k);

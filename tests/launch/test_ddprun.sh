@@ -62,6 +62,11 @@
 #             stderr as let go, and rank 0's work is done; the same job
 #             without --may-fail exits 1 and stops rank 0; --may-fail 1 alone
 #             fails on rank 2 naming it; a malformed set is refused (exit 2)
+#   litter    ddprun --nproc-per-node 2 ddp-train --pp 3 (a usage error), and
+#             flight_worker's rank 1 exiting 2 while rank 0 waits: nothing
+#             is left in the working directory; the flight dumps go to
+#             DDP_DEBUG_DIR, or to a run directory under TMPDIR that the
+#             summary names
 set -uo pipefail
 skip() { echo "SKIP: $*"; exit 77; }
 fail() { echo "FAIL: $*"; exit 1; }
@@ -769,6 +774,38 @@ mayfail)
     [ $rc -eq 2 ] && grep -q -- "--may-fail '$bad'" "$tmp/err" ||
       { cat "$tmp/err"; fail "--may-fail '$bad': exit $rc, expected 2 with a message naming it"; }
   done
+  ;;
+litter)
+  # A rank exits on a usage error and ddprun stops the others, gathering
+  # their flight recorders. Without DDP_DEBUG_DIR the dumps go to a run
+  # directory under TMPDIR that the summary names, never to the working
+  # directory; with it, there. First the issue's command (ddp-train --pp 3
+  # at world 2: whether the other rank is still alive to dump is a race),
+  # then flight_worker's rank 1 exiting 2 while rank 0 waits in an allreduce
+  # (it always dumps).
+  train=$bin/ddp-train
+  fworker=$bin/../tests/flight_worker
+  [ -x "$train" ] && [ -x "$fworker" ] || fail "$train or $fworker is not built"
+  mkdir "$tmp/cwd" "$tmp/tmpdir" "$tmp/asked"
+  (cd "$tmp/cwd" && env -u DDP_DEBUG_DIR TMPDIR="$tmp/tmpdir" timeout 60 "$ddprun" --nproc-per-node 2 \
+    "$train" --pp 3 >"$tmp/out" 2>"$tmp/err")
+  rc=$?
+  [ $rc -ne 0 ] || { cat "$tmp/err"; fail "ddp-train --pp 3 at world 2: ddprun exited 0"; }
+  [ -z "$(ls -A "$tmp/cwd")" ] || { cat "$tmp/err"; fail "ddp-train --pp 3: files left in the working directory: $(ls -A "$tmp/cwd")"; }
+  (cd "$tmp/cwd" && env -u DDP_DEBUG_DIR TMPDIR="$tmp/tmpdir" DDP_TIMEOUT=30 timeout 60 "$ddprun" --nproc-per-node 2 \
+    --rdzv-id litter "$fworker" --exit-rank 1 --at 3 >"$tmp/out" 2>"$tmp/err")
+  rc=$?
+  [ $rc -eq 1 ] || { cat "$tmp/err"; fail "flight_worker --exit-rank 1: ddprun exited $rc, expected 1"; }
+  [ -z "$(ls -A "$tmp/cwd")" ] || { cat "$tmp/err"; fail "files left in the working directory: $(ls -A "$tmp/cwd")"; }
+  run_dir=$(ls -d "$tmp"/tmpdir/ddp-debug-litter-* 2>/dev/null)
+  [ -f "$run_dir/ddp-flight-rank0.json" ] ||
+    { cat "$tmp/err"; ls -R "$tmp/tmpdir"; fail "rank 0's dump is not in TMPDIR/ddp-debug-<run id>-<pid>"; }
+  grep -q "in $run_dir/ddp-flight-rank\*\.json" "$tmp/err" ||
+    { cat "$tmp/err"; fail "the summary does not name the run directory of the dumps"; }
+  (cd "$tmp/cwd" && DDP_DEBUG_DIR="$tmp/asked" TMPDIR="$tmp/tmpdir" DDP_TIMEOUT=30 timeout 60 "$ddprun" \
+    --nproc-per-node 2 "$fworker" --exit-rank 1 --at 3 >"$tmp/out" 2>"$tmp/err")
+  [ -z "$(ls -A "$tmp/cwd")" ] && [ -f "$tmp/asked/ddp-flight-rank0.json" ] ||
+    { cat "$tmp/err"; ls "$tmp/cwd" "$tmp/asked"; fail "with DDP_DEBUG_DIR: the dump is not there, or the working directory is not empty"; }
   ;;
 *) fail "unknown case $case_name" ;;
 esac

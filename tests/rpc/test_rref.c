@@ -457,10 +457,54 @@ static int teardown(void **state) {
   return 0;
 }
 
+/* ---- One registry: rpc's named tables behind every register call ------- */
+
+static ddp_status grow_ctor(ddp_rpc_call *call, const ddp_rpc_message *args, ddp_rref_value *out,
+                            void *user) {
+  (void)call, (void)args, (void)out, (void)user;
+  return DDP_OK;
+}
+static ddp_status grow_method(ddp_rpc_call *call, void *value, const ddp_rpc_message *args,
+                              ddp_rpc_message *reply, void *user) {
+  (void)call, (void)value, (void)args, (void)reply, (void)user;
+  return DDP_OK;
+}
+static ddp_status grow_dist(ddp_dist_call *call, const ddp_rpc_message *args, ddp_rpc_message *reply,
+                            void *user) {
+  (void)call, (void)args, (void)reply, (void)user;
+  return DDP_OK;
+}
+
+/* The RRef and dist_autograd registries had fixed tables of 128 that took
+ * any bytes: now 300 of each register, and a name that breaks rpc's rule
+ * (a space, or 64 bytes) is refused naming the rule. */
+static void test_registries_grow_and_validate(void **state) {
+  (void)state;
+  char name[64];
+  for (int i = 0; i < 300; i++) {
+    snprintf(name, sizeof name, "grow.ctor.%d", i);
+    assert_int_equal(ddp_rref_register_ctor(name, grow_ctor, NULL), DDP_OK);
+    snprintf(name, sizeof name, "grow.method.%d", i);
+    assert_int_equal(ddp_rref_register_method(name, grow_method, NULL), DDP_OK);
+    snprintf(name, sizeof name, "grow.dist.%d", i);
+    assert_int_equal(ddp_dist_register(name, grow_dist, NULL), DDP_OK);
+  }
+  assert_int_equal(ddp_rref_register_ctor("has space", grow_ctor, NULL), DDP_ERR_INVALID);
+  assert_non_null(strstr(ddp_last_error(), "has the character ' '"));
+  char long_name[80];
+  memset(long_name, 'x', 64);
+  long_name[64] = '\0';
+  assert_int_equal(ddp_dist_register(long_name, grow_dist, NULL), DDP_ERR_INVALID);
+  assert_non_null(strstr(ddp_last_error(), "at most 63"));
+  assert_int_equal(ddp_rref_register_method("", grow_method, NULL), DDP_ERR_INVALID);
+  assert_int_equal(ddp_rref_register_ctor("grow.null", NULL, NULL), DDP_ERR_INVALID);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_lifetimes),
       cmocka_unit_test(test_leak_named),
+      cmocka_unit_test(test_registries_grow_and_validate),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -73,7 +73,7 @@ expect_error "$tmp/short.tsv:2: 2 fields, the header has 3" scaling "$tmp/short.
 bad noone.tsv 'side\tworld\tsamples_per_s\nddp\t1\t100\nPyTorch\t2\t150\n'
 expect_error "side 'PyTorch' has no world-1 runs" scaling "$tmp/noone.tsv"
 rc=0; "$bin/ddp-plot" "$tmp/three_epochs.jsonl" -o "$tmp/no/such/dir/x.svg" 2>"$tmp/err" || rc=$?
-[ "$rc" = 1 ] && grep -qF "cannot write $tmp/no/such/dir/x.svg.tmp." "$tmp/err" ||
+[ "$rc" = 1 ] && grep -qF "cannot create the temporary file $tmp/no/such/dir/x.svg.tmp." "$tmp/err" ||
   fail "an unwritable -o: exit $rc, '$(cat "$tmp/err")'"
 
 # Usage: exit 2.

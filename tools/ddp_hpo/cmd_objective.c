@@ -9,6 +9,7 @@
  * every rank's is killed, its whole process group) or prints no loss gives
  * INFINITY, and the reason goes to stderr. */
 #include "ddp_hpo/cmd_objective.h"
+#include "launch/launch_internal.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -68,31 +69,21 @@ static int free_port(void) {
   return port;
 }
 
-/* The child's environment: ours without the job's rank variables, plus the
- * evaluation's. Strings live in `scratch`. */
+/* The child's environment: ours under the launcher's contract (without an
+ * outer job's rank variables, store, restart count or trace file), plus the
+ * evaluation's. Lines are formatted into `scratch`; the table is ddp_alloc'd
+ * (ddp_free), NULL when it does not fit. */
 static char **child_env(const ddp_hpo_space *space, const double *v, const hpo_cmd_eval *e,
                         char *scratch, size_t bytes) {
-  static const char *const drop[] = {"RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "LOCAL_WORLD_SIZE=",
-                                     "GROUP_RANK=", "MASTER_ADDR=", "MASTER_PORT=",
-                                     "DDP_STORE_ADDR=", "DDP_STORE_PREFIX=", "ROLE_RANK=",
-                                     "ROLE_WORLD_SIZE=", "TORCHELASTIC_RUN_ID="};
-  size_t n = 0;
-  while (environ[n]) n++;
-  char **env = calloc(n + (size_t)ddp_hpo_space_size(space) + 16, sizeof *env);
-  if (!env) return NULL;
+  char **lines = calloc((size_t)ddp_hpo_space_size(space) + 16, sizeof *lines);
+  if (!lines) return NULL;
   size_t k = 0, at = 0;
-  for (size_t i = 0; i < n; i++) {
-    bool keep = true;
-    for (size_t d = 0; d < sizeof drop / sizeof *drop; d++)
-      keep &= strncmp(environ[i], drop[d], strlen(drop[d])) != 0;
-    if (keep) env[k++] = environ[i];
-  }
-#define PUT(...)                                                     \
-  do {                                                               \
-    int w_ = snprintf(scratch + at, bytes - at, __VA_ARGS__);       \
-    if (w_ < 0 || (size_t)w_ >= bytes - at) { free(env); return NULL; } \
-    env[k++] = scratch + at;                                         \
-    at += (size_t)w_ + 1;                                            \
+#define PUT(...)                                                        \
+  do {                                                                  \
+    int w_ = snprintf(scratch + at, bytes - at, __VA_ARGS__);          \
+    if (w_ < 0 || (size_t)w_ >= bytes - at) { free(lines); return NULL; } \
+    lines[k++] = scratch + at;                                          \
+    at += (size_t)w_ + 1;                                               \
   } while (0)
   for (int i = 0; i < ddp_hpo_space_size(space); i++) {
     const ddp_hpo_trait *t = ddp_hpo_space_trait(space, i);
@@ -118,7 +109,9 @@ static char **child_env(const ddp_hpo_space *space, const double *v, const hpo_c
     }
   }
 #undef PUT
-  env[k] = NULL;
+  char **env = NULL;
+  if (ddp__launch_env(environ, lines, k, &env) != DDP_OK) env = NULL;
+  free(lines);
   return env;
 }
 
@@ -272,7 +265,7 @@ done:
     fprintf(stderr, "ddp-hpo: worker %d generation %lld: %s %s: loss inf\n", e->worker,
             (long long)e->generation, c->argv[0], reason);
   if (reason[0]) loss = INFINITY;
-  free(env);
+  ddp_free(env);
   free(argv);
   free(values);
   free(scratch);

@@ -4,6 +4,7 @@
  * but write(2)), and the dump itself: every ring copied, written as JSON to
  * DDP_DEBUG_DIR (a temporary name, then rename) and, under a launcher, to
  * its store, so that ddprun sees ranks of every node. */
+#include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -17,6 +18,7 @@
 #include <unistd.h>
 
 #include "comm/flight/flight.h"
+#include "io/io_internal.h"
 #include "net/net.h"
 
 /* ---- Process state --------------------------------------------------------
@@ -357,45 +359,38 @@ void ddp__flight_dump_path(const char *dir, int32_t rank, int64_t pid, char *out
     snprintf(out, bytes, "%s/ddp-flight-pid%" PRId64 ".json", dir, pid);
 }
 
-static ddp_status write_all(int fd, const char *p, size_t len) {
-  while (len > 0) {
-    ssize_t w = write(fd, p, len);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return DDP_ERR_IO;
-    p += w;
-    len -= (size_t)w;
+void ddp__flight_debug_dir(const char *run_id, int64_t pid, char *out, size_t bytes) {
+  const char *dir = ddp_env_str("DDP_DEBUG_DIR", "");
+  if (*dir) {
+    snprintf(out, bytes, "%s", dir);
+    return;
   }
-  return DDP_OK;
+  const char *tmp = ddp_env_str("TMPDIR", "");
+  if (!*tmp) tmp = "/tmp";
+  if (run_id && *run_id) {
+    /* A run id is the user's (--rdzv-id): anything but a plain name part
+     * becomes '_', so it stays one directory below tmp. The pid keeps two
+     * runs with the same id ("none", torchrun's default) apart. */
+    int n = snprintf(out, bytes, "%s/ddp-debug-", tmp);
+    size_t k = n > 0 && (size_t)n < bytes ? (size_t)n : 0;
+    for (const char *c = run_id; *c && k + 1 < bytes; c++)
+      out[k++] = (isalnum((unsigned char)*c) || *c == '-' || *c == '.') ? *c : '_';
+    snprintf(out + k, bytes - k, "-%" PRId64, pid);
+  } else {
+    snprintf(out, bytes, "%s/ddp-debug-pid%" PRId64, tmp, pid);
+  }
 }
 
-/* The file: DDP_DEBUG_DIR/<name>.tmp.<pid>, then renamed over <name>, so a
- * reader never sees half a dump. */
+/* The file, in ddp__flight_debug_dir (created if missing), replaced
+ * atomically (io's writer: a reader never sees half a dump). */
 static ddp_status write_file(const ddp__flight_dump *d, const char *text, size_t len, char *path,
                              size_t bytes) {
-  const char *dir = ddp_env_str("DDP_DEBUG_DIR", ".");
-  if (!*dir) dir = ".";
+  char dir[4000];
+  ddp__flight_debug_dir(NULL, d->pid, dir, sizeof dir);
   if (mkdir(dir, 0755) != 0 && errno != EEXIST)
-    return ddp_error(DDP_ERR_IO, "flight recorder: cannot create DDP_DEBUG_DIR %s: %s", dir, strerror(errno));
+    return ddp_error(DDP_ERR_IO, "flight recorder: cannot create the debug directory %s: %s", dir, strerror(errno));
   ddp__flight_dump_path(dir, d->rank, d->pid, path, bytes);
-  char tmp[4200];
-  snprintf(tmp, sizeof tmp, "%s.tmp.%" PRId64, path, d->pid);
-  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return ddp_error(DDP_ERR_IO, "flight recorder: cannot create %s: %s", tmp, strerror(errno));
-  ddp_status st = write_all(fd, text, len);
-  int saved = errno;
-  if (close(fd) != 0 && st == DDP_OK) {
-    st = DDP_ERR_IO;
-    saved = errno;
-  }
-  if (st == DDP_OK && rename(tmp, path) != 0) {
-    st = DDP_ERR_IO;
-    saved = errno;
-  }
-  if (st != DDP_OK) {
-    unlink(tmp);
-    return ddp_error(DDP_ERR_IO, "flight recorder: cannot write %s: %s", path, strerror(saved));
-  }
-  return DDP_OK;
+  return ddp__atomic_write_file(path, text, len);
 }
 
 /* The launcher's store (DDP_STORE_ADDR, DDP_STORE_PREFIX: ddprun's): key

@@ -2,7 +2,8 @@
  * every process group keeps its last N operations in a ring, each with its
  * sequence number, operation, sizes, dtype, peer, state and times; on a
  * timeout, a peer's death or SIGUSR1 the process dumps every group's ring
- * (a JSON file per rank in DDP_DEBUG_DIR, and the store under a launcher),
+ * (a JSON file per rank in DDP_DEBUG_DIR or a run directory under $TMPDIR,
+ * and the store under a launcher),
  * and a launcher or `ddp-debug flight` reads the dumps of all ranks and says
  * who stopped where (docs/comm.md, "Flight recorder"; docs/debugging.md).
  *
@@ -227,9 +228,18 @@ static inline void ddp__flight_end(ddp__flight *f, const ddp__op_args *a, ddp_st
 void ddp__flight_register(ddp__flight *flight);
 void ddp__flight_unregister(ddp__flight *flight);
 
+/* Where dump files go: DDP_DEBUG_DIR when set (by the user, or by ddprun
+ * for its workers); else a run directory under the system's temporary
+ * directory ($TMPDIR, else /tmp): "ddp-debug-<run id>-<pid>" for a
+ * launcher (run_id set; pid its own: ddprun passes the result to its
+ * workers as DDP_DEBUG_DIR and names it in its summary),
+ * "ddp-debug-pid<pid>" for a process alone (run_id NULL). Never the working
+ * directory unless asked. */
+void ddp__flight_debug_dir(const char *run_id, int64_t pid, char *out, size_t bytes);
+
 /* Dumps every ring of the process now, on the calling thread (serialised
- * with other dumps): the JSON file in DDP_DEBUG_DIR (default ".", created
- * if missing; written to a temporary name and renamed), then, under a
+ * with other dumps): the JSON file in ddp__flight_debug_dir (created if
+ * missing; written atomically, io's writer), then, under a
  * launcher that gives DDP_STORE_ADDR, the store (key flight/<RANK> under
  * DDP_STORE_PREFIX, and flight/<RANK>/dumps counted up after it). `reason`
  * is "timeout", "peer" or "signal"; `detail` says more (NULL

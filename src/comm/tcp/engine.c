@@ -479,8 +479,7 @@ ddp_status ddp__tcp_run(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_xf
 
 static ddp_status run(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_xfer *x, int n) {
   int size = b->size;
-  int *act_send = b->pfd_owner + size + 1; /* two more arrays of size, after pfd_owner */
-  int *act_recv = act_send + size;
+  int *act_send = NULL, *act_recv = NULL;
   /* Peers whose closed stream ended with BYE but still hold unread frames:
    * not watched for hang-ups again during this run (they would fire forever). */
   for (;;) {
@@ -490,7 +489,7 @@ static ddp_status run(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_xfer
     while (again) {
       again = false;
       pending = 0;
-      for (int r = 0; r < size; r++) act_send[r] = act_recv[r] = -1;
+      ddp__tcp_active_reset(b, &act_send, &act_recv);
       for (int i = 0; i < n; i++) {
         if (x[i].finished) continue;
         int *act = x[i].is_send ? &act_send[x[i].peer] : &act_recv[x[i].peer];

@@ -102,8 +102,7 @@ ddp_status ddp__tcp_p2p_progress(ddp__backend *be, const ddp__op_ctx *ctx,
   if (!b) return ddp_error(DDP_ERR_STATE, "tcp backend: no point-to-point mesh");
   if (b->failed) return ddp_error(b->failed, "%s", b->failed_msg);
   int size = b->size;
-  int *act_send = b->pfd_owner + size + 1;
-  int *act_recv = act_send + size;
+  int *act_send = NULL, *act_recv = NULL;
   bool moved_any = false;
   for (int round = 0;; round++) {
     bool again = true;
@@ -111,7 +110,7 @@ ddp_status ddp__tcp_p2p_progress(ddp__backend *be, const ddp__op_ctx *ctx,
     while (again) {
       again = false;
       pending = 0;
-      for (int r = 0; r < size; r++) act_send[r] = act_recv[r] = -1;
+      ddp__tcp_active_reset(b, &act_send, &act_recv);
       for (int i = 0; i < n; i++) {
         ddp__p2p_req *r = reqs[i];
         if (r->finished) continue;

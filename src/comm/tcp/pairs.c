@@ -22,40 +22,15 @@
 
 /* ---- Choosing the address to listen on ------------------------------------ */
 
-/* The address this rank listens on and publishes, in order of preference:
- * DDP_COMM_ADDR; the first address of DDP_SOCKET_IFNAME; 127.0.0.1 when
- * every rank is on this host; the source address of the route to the
- * store's host (the interface that faces the peers, since they reach the
- * same store); the first non-loopback address; 127.0.0.1. */
+/* The address this rank listens on and publishes: net's choice
+ * (DDP_COMM_ADDR, DDP_SOCKET_IFNAME, 127.0.0.1 when every rank is on this
+ * host, the route to the store's host, ...). */
 static ddp_status choose_address(const ddp__backend_config *cfg, char *host, size_t cap) {
-  const char *explicit_addr = ddp_env_str("DDP_COMM_ADDR", NULL);
-  if (explicit_addr) {
-    snprintf(host, cap, "%s", explicit_addr);
-    return DDP_OK;
-  }
-  const char *ifname = ddp_env_str("DDP_SOCKET_IFNAME", NULL);
-  if (ifname) {
-    if (ddp__net_interface_address(ifname, host, cap) != 0)
-      return ddp_error(DDP_ERR_INVALID,
-                       "tcp backend: DDP_SOCKET_IFNAME=%s: no such interface with an address "
-                       "that is up",
-                       ifname);
-    return DDP_OK;
-  }
+  static const char *const vars[] = {"DDP_COMM_ADDR", NULL};
   bool one_host = cfg->host_of != NULL;
   for (int r = 0; one_host && r < cfg->size; r++)
     if (cfg->host_of[r] != cfg->host_of[cfg->rank]) one_host = false;
-  if (one_host) {
-    snprintf(host, cap, "127.0.0.1");
-    return DDP_OK;
-  }
-  char shost[256];
-  if (ddp__net_address_host(ddp_store_address(cfg->store), shost, sizeof shost) == 0 &&
-      ddp__net_route_source_address(shost, host, cap) == 0)
-    return DDP_OK;
-  if (ddp__net_interface_address(NULL, host, cap) == 0) return DDP_OK;
-  snprintf(host, cap, "127.0.0.1");
-  return DDP_OK;
+  return ddp__net_choose_address("tcp backend", vars, one_host, ddp_store_address(cfg->store), host, cap);
 }
 
 /* Socket buffers: left to the kernel's autotuning, which grows a busy

@@ -221,4 +221,13 @@ ddp_status ddp__tcp_all_to_all(ddp__backend *be, const ddp__op_ctx *ctx, const v
                                void *recv, size_t count, ddp_dtype dtype);
 ddp_status ddp__tcp_barrier(ddp__backend *be, const ddp__op_ctx *ctx);
 
+/* The progress scans' "active transfer per (peer, direction)" arrays (the
+ * collectives' engine and the point-to-point lane): act_send[size] and
+ * act_recv[size] after pfd_owner, each set to -1 (none active yet). */
+static inline void ddp__tcp_active_reset(ddp__tcp_backend *b, int **act_send, int **act_recv) {
+  *act_send = b->pfd_owner + b->size + 1;
+  *act_recv = *act_send + b->size;
+  for (int r = 0; r < b->size; r++) (*act_send)[r] = (*act_recv)[r] = -1;
+}
+
 #endif /* DDP__COMM_TCP_H */

@@ -1,0 +1,47 @@
+/* The tools' command-line helpers (cli.h). */
+#include "cli/cli.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ddp/core.h"
+
+static const char *tool_name = "ddp";
+
+void cli_init(const char *tool) { tool_name = tool; }
+
+_Noreturn void cli_die_usage(const char *fmt, const char *arg) {
+  fprintf(stderr, "%s: ", tool_name);
+  fprintf(stderr, fmt, arg);
+  fprintf(stderr, "\n(run %s --help for the options)\n", tool_name);
+  exit(2);
+}
+
+int64_t cli_parse_int(const char *flag, const char *v, int64_t lo, int64_t hi) {
+  char *end;
+  errno = 0;
+  long long x = strtoll(v, &end, 10);
+  if (errno || *end || end == v || x < lo || x > hi) {
+    char msg[192];
+    if (hi == INT64_MAX)
+      snprintf(msg, sizeof msg, "%s expects an integer >= %lld, got '%%s'", flag, (long long)lo);
+    else
+      snprintf(msg, sizeof msg, "%s expects an integer from %lld to %lld, got '%%s'", flag, (long long)lo,
+               (long long)hi);
+    cli_die_usage(msg, v);
+  }
+  return x;
+}
+
+void cli_help_or_version(const char *flag, void (*usage)(FILE *)) {
+  if (!strcmp(flag, "-h") || !strcmp(flag, "--help")) {
+    usage(stdout);
+    exit(0);
+  }
+  if (!strcmp(flag, "--version")) {
+    printf("%s (ddp) %s\n", tool_name, ddp_version());
+    exit(0);
+  }
+}
