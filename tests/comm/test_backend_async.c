@@ -59,6 +59,18 @@ typedef struct async_backend {
 
 static int queued(const engine *e, int r) { return e->tail[r] - e->head[r]; }
 
+/* Waits on the engine's condition for at most 1 ms (e->mu held). */
+static void wait_a_while(engine *e) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  ts.tv_nsec += 1000000;
+  if (ts.tv_nsec >= 1000000000L) {
+    ts.tv_sec++;
+    ts.tv_nsec -= 1000000000L;
+  }
+  pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+}
+
 /* Runs the operation at the head of every rank's queue (all ranks have one). */
 static void run_one(engine *e) {
   pending *p[CT_MAX_RANKS] = {NULL};
@@ -104,14 +116,7 @@ static void *engine_main(void *arg) {
       pthread_cond_broadcast(&e->cv);
       continue;
     }
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    ts.tv_nsec += 1000000;
-    if (ts.tv_nsec >= 1000000000L) {
-      ts.tv_sec++;
-      ts.tv_nsec -= 1000000000L;
-    }
-    pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+    wait_a_while(e);
   }
   pthread_mutex_unlock(&e->mu);
   return NULL;
@@ -156,14 +161,7 @@ static ddp_status async_wait(ddp__backend *b, const ddp__op_ctx *ctx, ddp__compl
                      ctx->op, (unsigned long long)ctx->seq);
       break;
     }
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    ts.tv_nsec += 1000000;
-    if (ts.tv_nsec >= 1000000000L) {
-      ts.tv_sec++;
-      ts.tv_nsec -= 1000000000L;
-    }
-    pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+    wait_a_while(e);
   }
   pthread_mutex_unlock(&e->mu);
   return st;
