@@ -477,33 +477,45 @@ ddp_status ddp__tcp_run(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_xf
   return st;
 }
 
+/* One pass over the transfers: each that is first in its (peer, direction)
+ * and whose data is there moves as far as its socket lets it. Fills
+ * act_send / act_recv (per peer: the index of that first transfer, -1 for
+ * none), *pending (transfers not finished) and *moved (one finished, so the
+ * next on its (peer, direction) may start: another pass is due). */
+static ddp_status engine_pass(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_xfer *x, int n,
+                              int *act_send, int *act_recv, int *pending, bool *moved) {
+  *pending = 0;
+  *moved = false;
+  for (int i = 0; i < n; i++) {
+    if (x[i].finished) continue;
+    int *act = x[i].is_send ? &act_send[x[i].peer] : &act_recv[x[i].peer];
+    ++*pending;
+    if (*act >= 0) continue;
+    *act = i;
+    if (x[i].after >= 0 && !x[x[i].after].finished) continue; /* its data is not there yet */
+    int r = x[i].is_send ? ddp__tcp_progress_send(b, ctx, &x[i]) : ddp__tcp_progress_recv(b, ctx, &x[i]);
+    if (r == IO_ERROR) return blame_the_dead(b, ctx);
+    if (x[i].finished) {
+      *moved = true;
+      --*pending;
+    }
+  }
+  return DDP_OK;
+}
+
 static ddp_status run(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__tcp_xfer *x, int n) {
   int size = b->size;
   int *act_send = NULL, *act_recv = NULL;
   /* Peers whose closed stream ended with BYE but still hold unread frames:
    * not watched for hang-ups again during this run (they would fire forever). */
   for (;;) {
-    /* Progress every transfer that is first in its (peer, direction). */
-    bool again = true;
-    int pending = 0;
-    while (again) {
-      again = false;
-      pending = 0;
+    /* Progress every transfer that is first in its (peer, direction), again
+     * while one finishes. */
+    int pending;
+    bool moved = true;
+    while (moved) {
       ddp__tcp_active_reset(b, &act_send, &act_recv);
-      for (int i = 0; i < n; i++) {
-        if (x[i].finished) continue;
-        int *act = x[i].is_send ? &act_send[x[i].peer] : &act_recv[x[i].peer];
-        pending++;
-        if (*act >= 0) continue;
-        *act = i;
-        if (x[i].after >= 0 && !x[x[i].after].finished) continue; /* its data is not there yet */
-        int r = x[i].is_send ? ddp__tcp_progress_send(b, ctx, &x[i]) : ddp__tcp_progress_recv(b, ctx, &x[i]);
-        if (r == IO_ERROR) return blame_the_dead(b, ctx);
-        if (x[i].finished) {
-          again = true; /* the next transfer on this (peer, direction) may start */
-          pending--;
-        }
-      }
+      DDP_TRY(engine_pass(b, ctx, x, n, act_send, act_recv, &pending, &moved));
     }
     if (pending == 0) return DDP_OK;
     if (is_aborted(b, ctx))

@@ -95,6 +95,64 @@ static ddp_status pick_receives(ddp__tcp_backend *b, const ddp__op_ctx *ctx,
   return DDP_OK;
 }
 
+/* Posts requests not yet posted and chooses, per (peer, direction), the
+ * request whose turn it is: a send in posting order, a receive mid-payload,
+ * else the one its tag picks (pick_receives). Fills act_send / act_recv and
+ * *pending (requests not finished). */
+static ddp_status lane_choose(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__p2p_req *const *reqs,
+                              int n, int *act_send, int *act_recv, int *pending, int *culprit) {
+  *pending = 0;
+  for (int i = 0; i < n; i++) {
+    ddp__p2p_req *r = reqs[i];
+    if (r->finished) continue;
+    lane_state *ls = state_of(r);
+    if (!ls->posted) {
+      if (r->is_send)
+        ddp__tcp_post_send(&ls->x, r->peer, r->buf, r->bytes);
+      else
+        ddp__tcp_post_recv(&ls->x, r->peer, r->buf, r->bytes);
+      ls->x.kind = DDP__TCP_P2P;
+      ls->x.tag = (uint32_t)r->tag;
+      ls->posted = true;
+    }
+    if (b->pairs[r->peer].fd < 0) {
+      *culprit = i;
+      return ddp_error(DDP_ERR_STATE, "tcp backend: no connection to rank %d", r->peer);
+    }
+    ++*pending;
+    if (r->is_send) {
+      if (act_send[r->peer] < 0) act_send[r->peer] = i;
+    } else if (ls->x.started) {
+      act_recv[r->peer] = i; /* mid-payload: the pair's stream is its */
+    }
+  }
+  return pick_receives(b, ctx, reqs, n, act_recv, culprit);
+}
+
+/* Moves each chosen request as far as its socket lets it; *moved when one
+ * finished (so the next on its (peer, direction) may start). */
+static ddp_status lane_move(ddp__tcp_backend *b, const ddp__op_ctx *ctx, ddp__p2p_req *const *reqs,
+                            int n, const int *act_send, const int *act_recv, int *pending,
+                            bool *moved, int *culprit) {
+  *moved = false;
+  for (int i = 0; i < n; i++) {
+    ddp__p2p_req *r = reqs[i];
+    if (r->finished || (r->is_send ? act_send[r->peer] : act_recv[r->peer]) != i) continue;
+    lane_state *ls = state_of(r);
+    int io = r->is_send ? ddp__tcp_progress_send(b, ctx, &ls->x) : ddp__tcp_progress_recv(b, ctx, &ls->x);
+    if (io == IO_ERROR) {
+      *culprit = i;
+      return lane_error(b, ctx);
+    }
+    if (ls->x.finished) {
+      r->finished = true;
+      *moved = true;
+      --*pending;
+    }
+  }
+  return DDP_OK;
+}
+
 ddp_status ddp__tcp_p2p_progress(ddp__backend *be, const ddp__op_ctx *ctx,
                                  ddp__p2p_req *const *reqs, int n, int64_t wait_ns, int *culprit) {
   ddp__tcp_backend *b = ((ddp__tcp_backend *)be)->lane;
@@ -105,53 +163,13 @@ ddp_status ddp__tcp_p2p_progress(ddp__backend *be, const ddp__op_ctx *ctx,
   int *act_send = NULL, *act_recv = NULL;
   bool moved_any = false;
   for (int round = 0;; round++) {
-    bool again = true;
-    int pending = 0;
-    while (again) {
-      again = false;
-      pending = 0;
+    int pending;
+    bool moved = true;
+    while (moved) {
       ddp__tcp_active_reset(b, &act_send, &act_recv);
-      for (int i = 0; i < n; i++) {
-        ddp__p2p_req *r = reqs[i];
-        if (r->finished) continue;
-        lane_state *ls = state_of(r);
-        if (!ls->posted) {
-          if (r->is_send)
-            ddp__tcp_post_send(&ls->x, r->peer, r->buf, r->bytes);
-          else
-            ddp__tcp_post_recv(&ls->x, r->peer, r->buf, r->bytes);
-          ls->x.kind = DDP__TCP_P2P;
-          ls->x.tag = (uint32_t)r->tag;
-          ls->posted = true;
-        }
-        if (b->pairs[r->peer].fd < 0) {
-          *culprit = i;
-          return ddp_error(DDP_ERR_STATE, "tcp backend: no connection to rank %d", r->peer);
-        }
-        pending++;
-        if (r->is_send) {
-          if (act_send[r->peer] < 0) act_send[r->peer] = i;
-        } else if (ls->x.started) {
-          act_recv[r->peer] = i; /* mid-payload: the pair's stream is its */
-        }
-      }
-      ddp_status st = pick_receives(b, ctx, reqs, n, act_recv, culprit);
-      if (st != DDP_OK) return st;
-      for (int i = 0; i < n; i++) {
-        ddp__p2p_req *r = reqs[i];
-        if (r->finished || (r->is_send ? act_send[r->peer] : act_recv[r->peer]) != i) continue;
-        lane_state *ls = state_of(r);
-        int io = r->is_send ? ddp__tcp_progress_send(b, ctx, &ls->x) : ddp__tcp_progress_recv(b, ctx, &ls->x);
-        if (io == IO_ERROR) {
-          *culprit = i;
-          return lane_error(b, ctx);
-        }
-        if (ls->x.finished) {
-          r->finished = true;
-          moved_any = again = true;
-          pending--;
-        }
-      }
+      DDP_TRY(lane_choose(b, ctx, reqs, n, act_send, act_recv, &pending, culprit));
+      DDP_TRY(lane_move(b, ctx, reqs, n, act_send, act_recv, &pending, &moved, culprit));
+      moved_any = moved_any || moved;
     }
     if (pending == 0 || moved_any || round > 0 || wait_ns <= 0 || is_aborted(b, ctx)) return DDP_OK;
     /* Nothing moved: wait for data, room, a hang-up or a wake. */
