@@ -145,28 +145,54 @@ static void finish_oldest(ddp_process_group *pg) {
   work_finish(pg, w, st);
 }
 
+/* Whether the oldest in-flight work can be finished without blocking: its
+ * backend completed it, or its deadline or the group's abort means
+ * ddp__op_finish gives up on it at once. Under pg->mu; test() never blocks. */
+static bool oldest_finishable(ddp_process_group *pg) {
+  ddp_work *w = pg->inflight_head;
+  ddp__backend *b = pg->backend;
+  if (atomic_load_explicit(&w->completion.done, memory_order_acquire)) return true;
+  if (!b->ops->test || b->ops->test(b, &w->completion)) return true;
+  return atomic_load(&pg->aborted) || ddp_time_ns() >= w->ctx.deadline_ns;
+}
+
+/* Polling an engine whose oldest op is still running, while waiting for new
+ * work: from MIN, doubling to MAX (a submission wakes the thread at once). */
+#define INFLIGHT_POLL_MIN_NS 20000LL
+#define INFLIGHT_POLL_MAX_NS 200000LL
+
 /* The progress thread: starts queued works in order and completes them in
  * order. With a backend that keeps one op in flight (ddp's own: enqueue
  * completes it) this is start, finish, next. With more, it starts works
- * while there is room and the oldest is not done, so an engine such as MPI
- * or NCCL holds several at once. */
+ * while there is room and the oldest is not done, polls the oldest (test)
+ * between new submissions, and finishes it once done, so an engine such as
+ * MPI or NCCL holds several at once. A backend without test is waited on. */
 static void *progress_main(void *arg) {
   ddp_process_group *pg = arg;
   int max_in_flight = pg->backend->ops->caps.max_in_flight;
   if (max_in_flight < 1) max_in_flight = 1;
+  int64_t pause = INFLIGHT_POLL_MIN_NS;
   pthread_mutex_lock(&pg->mu);
   for (;;) {
     while (!pg->stopping && pg->inflight == 0 && (pg->head == NULL || inline_running(pg)))
       cond_wait_until(&pg->work_cv, &pg->mu, ddp__deadline_after(1000000000LL));
     bool can_start = pg->head != NULL && !inline_running(pg) && pg->inflight < max_in_flight;
     if (pg->inflight == 0 && !can_start) break; /* stopping, nothing left to run */
-    if (can_start && (pg->inflight == 0 || !atomic_load_explicit(&pg->inflight_head->completion.done,
-                                                                 memory_order_acquire))) {
+    bool finishable = pg->inflight > 0 && oldest_finishable(pg);
+    if (can_start && !finishable) {
       start_next(pg);
-      if (pg->inflight > 0 && (max_in_flight == 1 || pg->head == NULL)) finish_oldest(pg);
+      pause = INFLIGHT_POLL_MIN_NS;
       continue;
     }
-    finish_oldest(pg);
+    if (finishable) {
+      finish_oldest(pg);
+      pause = INFLIGHT_POLL_MIN_NS;
+      continue;
+    }
+    /* The oldest is running and nothing can start: wait for a submission or
+     * the next poll. */
+    cond_wait_until(&pg->work_cv, &pg->mu, ddp__deadline_after(pause));
+    pause = pause * 2 > INFLIGHT_POLL_MAX_NS ? INFLIGHT_POLL_MAX_NS : pause * 2;
   }
   pthread_mutex_unlock(&pg->mu);
   return NULL;
