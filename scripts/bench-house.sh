@@ -10,7 +10,8 @@
 #                float32 sum, microseconds per op (lower is better)
 #   rpc          bench_rpc: rpc_sync round trip of 8 bytes, microseconds
 # and prints each one's medians and new/old (for times, old/new: > 1 means
-# the new build is faster). Run on a quiet machine (load under 1.5).
+# the new build is faster), as the ratio of the medians and as the median of
+# each round's own ratio. Run on a quiet machine (load under 1.5).
 # Usage: scripts/bench-house.sh REV [ROUNDS=5]   (needs scripts/build.sh release)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,9 +35,9 @@ measure() { # BINDIR WHAT: one number
     convnet) timeout 600 "$bin/bench_convnet" --steps 60 --warmup 10 --repeats 1 --json |
                python3 -c 'import json, sys; print(json.loads(sys.stdin.read().splitlines()[-1])["samples_per_s"])' ;;
     8B|1M|64M)
-      local size=${2%B}; local iters=2000
-      [ "$2" = 1M ] && iters=500
-      [ "$2" = 64M ] && iters=10
+      local size=${2%B}; local iters=20000
+      [ "$2" = 1M ] && iters=2000
+      [ "$2" = 64M ] && iters=20
       timeout 600 "$bin/ddp-bench" allreduce --nproc 2 -b "$size" -e "$size" -n "$iters" -w 50 -c 0 --json |
         python3 -c 'import json, sys; print(json.loads(sys.stdin.read().splitlines()[-1])["time_us"])' ;;
     rpc) timeout 600 "$bin/bench_rpc" --sizes 8 --iters 2000 | sed -n 's/.* us=\([0-9.]*\).*/\1/p' | tail -n 1 ;;
@@ -63,11 +64,18 @@ for what in "${whats[@]}"; do
 import statistics, sys
 what, old, new = sys.argv[1], [float(v) for v in sys.argv[2].split()], [float(v) for v in sys.argv[3].split()]
 mo, mn = statistics.median(old), statistics.median(new)
+# A round's two runs are seconds apart, so its own ratio cancels the slow
+# drifts of a shared VM (the cores' cache sharing, neighbours): the median
+# of those is the steadier figure.
 if what == "convnet":
-    print(f"{what:8s} old {mo:9.1f} samples/s  new {mn:9.1f} samples/s  new/old {mn / mo:.3f} "
-          f"(medians of {len(old)}; old {min(old):.1f}-{max(old):.1f}, new {min(new):.1f}-{max(new):.1f})")
+    paired = statistics.median(n / o for o, n in zip(old, new))
+    print(f"{what:8s} old {mo:9.1f} samples/s  new {mn:9.1f} samples/s  new/old {mn / mo:.3f}, "
+          f"per round {paired:.3f} (medians of {len(old)}; old {min(old):.1f}-{max(old):.1f}, "
+          f"new {min(new):.1f}-{max(new):.1f})")
 else:
-    print(f"{what:8s} old {mo:9.2f} us         new {mn:9.2f} us         old/new {mo / mn:.3f} "
-          f"(medians of {len(old)}; old {min(old):.2f}-{max(old):.2f}, new {min(new):.2f}-{max(new):.2f})")
+    paired = statistics.median(o / n for o, n in zip(old, new))
+    print(f"{what:8s} old {mo:9.2f} us         new {mn:9.2f} us         old/new {mo / mn:.3f}, "
+          f"per round {paired:.3f} (medians of {len(old)}; old {min(old):.2f}-{max(old):.2f}, "
+          f"new {min(new):.2f}-{max(new):.2f})")
 PY
 done

@@ -152,8 +152,8 @@ typedef struct ddp__backend_caps {
 #define DDP__CAPS_CPU (1u << DDP_DEVICE_CPU)
 
 /* One enqueued operation's completion: owned by the group layer (in the
- * work handle, or in the group for the blocking call it runs inline), reset before
- * enqueue, and not moved until done. The backend sets status, then done
+ * work handle, or in the group for the blocking call it runs inline), reset
+ * (not done, DDP_OK) before enqueue, and not moved until done. The backend sets status, then done
  * (release); whoever reads status first reads done (acquire). */
 typedef struct ddp__completion {
   atomic_bool done;
@@ -161,7 +161,8 @@ typedef struct ddp__completion {
                         the thread that completed it, copied into msg */
   char msg[1024];    /* the failure's message ("" when status is DDP_OK) */
   /* The backend's own state for this operation (an MPI_Request, a CUDA
-   * event, ...): zeroed before enqueue. */
+   * event, ...): not initialised before enqueue; the backend's enqueue
+   * sets what it will read. */
   _Alignas(16) unsigned char state[64];
 } ddp__completion;
 

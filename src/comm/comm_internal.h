@@ -81,10 +81,6 @@ struct ddp_process_group {
    * progress thread touches them. */
   ddp_work *inflight_head, *inflight_tail;
   int inflight;
-  /* A blocking call run inline (one at a time: DDP__INLINE_BIT) keeps its
-   * op's context and completion here. */
-  ddp__op_ctx inline_ctx;
-  ddp__completion inline_completion;
   /* Queued + running operations, plus DDP__INLINE_BIT while a blocking call
    * runs inline: a blocking call may run inline only by swapping 0 for the
    * bit (no lock on that path); the progress thread runs nothing while the
@@ -119,6 +115,11 @@ struct ddp_process_group {
   int p2p_active_cap;
   uint64_t subgroups;      /* subgroups created from this group (ids) */
   uint64_t monitored_barriers;
+  /* A blocking call run inline (one at a time: DDP__INLINE_BIT) keeps its
+   * op's context and completion here; last, so that the fields every call
+   * touches above stay on the lines they shared before. */
+  ddp__op_ctx inline_ctx;
+  ddp__completion inline_completion;
 };
 
 /* ---- group.c -------------------------------------------------------------- */
@@ -183,7 +184,17 @@ ddp_status ddp__p2p_submit(ddp_process_group *pg, const char *name, const ddp_p2
  * backend; `call` names the user's call in the message. */
 ddp_status ddp__caps_check(const ddp_process_group *pg, const char *call, ddp__op_kind kind,
                            ddp_dtype dtype, ddp_reduce_op rop, ddp_device device);
-/* Zeroes what a completion must start with (done, status, the backend's state). */
+/* The check's fast path, without a message: true when the caps allow the
+ * operation (every call of a blocking collective passes here). */
+static inline bool ddp__caps_allow(const ddp__backend_caps *c, ddp__op_kind kind, ddp_dtype dtype,
+                                   ddp_reduce_op rop, ddp_device device) {
+  bool reduces = kind == DDP__OP_ALLREDUCE || kind == DDP__OP_REDUCE || kind == DDP__OP_REDUCE_SCATTER;
+  return (c->ops >> kind & 1u) && (kind == DDP__OP_BARRIER || (c->dtypes >> dtype & 1u)) &&
+         (!reduces || (c->reduce_ops >> rop & 1u)) &&
+         (unsigned)device.type < DDP_DEVICE_TYPE_COUNT && (c->devices >> device.type & 1u);
+}
+/* Resets what a completion must start with (not done, DDP_OK, no message);
+ * the backend's state is its enqueue's to set. */
 void ddp__completion_reset(ddp__completion *c);
 /* Starts one operation: numbers it in args->seq, checks the sticky error,
  * fills *ctx, records the start, runs the debug check, enqueues it on the

@@ -290,8 +290,10 @@ static size_t ops_ahead(ddp_process_group *pg) {
 }
 
 ddp_status ddp__submit(ddp_process_group *pg, ddp__op_args *args, ddp_work **work) {
-  DDP_TRY(ddp__caps_check(pg, ddp__op_kind_name(args->kind), args->kind, args->dtype,
-                          args->reduce_op, args->device));
+  if (!ddp__caps_allow(&pg->backend->ops->caps, args->kind, args->dtype, args->reduce_op,
+                       args->device))
+    return ddp__caps_check(pg, ddp__op_kind_name(args->kind), args->kind, args->dtype,
+                           args->reduce_op, args->device);
   if (!work) {
     /* The fast path: nothing queued or running, so run here, now. */
     uint_fast64_t idle = 0;
