@@ -165,21 +165,9 @@ static void parse_args(int argc, char **argv, args *a) {
         "--train-samples", "--val-samples", "--loss-key", "--eval-timeout", "--eval-batch-size",
         "--trace"};
     char name[64];
-    const char *eq = strchr(f, '=');
-    size_t len = eq ? (size_t)(eq - f) : strlen(f);
-    if (len >= sizeof name) cli_die_usage("unknown option '%s'", f);
-    memcpy(name, f, len);
-    name[len] = '\0';
-    for (char *p = name; *p; p++)
-      if (*p == '_') *p = '-'; /* Propulate's --pop_size spelling too */
-    bool known = false;
-    for (size_t k = 0; k < sizeof valued / sizeof *valued; k++) known |= !strcmp(name, valued[k]);
-    if (!known) cli_die_usage("unknown option '%s'", f);
-    const char *v = eq ? eq + 1 : NULL;
-    if (!v) {
-      if (i + 1 >= argc) cli_die_usage("%s needs a value", f);
-      v = argv[++i];
-    }
+    const char *eq;
+    cli_valued_option(f, valued, sizeof valued / sizeof *valued, name, sizeof name, &eq);
+    const char *v = cli_option_value(argc, argv, &i, eq);
     if (!strcmp(name, "--objective")) a->objective = v;
     else if (!strcmp(name, "--space")) a->space = v;
     else if (!strcmp(name, "--data")) a->data = v;

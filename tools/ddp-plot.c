@@ -78,8 +78,7 @@ static void parse_args(int argc, char **argv, plot_args *a) {
     bool valued = !strcmp(f, "-o") || !strcmp(f, "--output") || !strcmp(f, "--log") ||
                   !strcmp(f, "--label") || !strcmp(f, "--title");
     if (valued) {
-      if (i + 1 >= argc) cli_die_usage("%s needs a value", f);
-      v = argv[++i];
+      v = cli_option_value(argc, argv, &i, NULL);
     } else if (f[0] == '-' && f[1] != '\0') {
       cli_die_usage("unknown option '%s'", f);
     }

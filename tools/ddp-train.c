@@ -250,24 +250,9 @@ static void parse_args(int argc, char **argv, train_args *a) {
         "--schedule", "--virtual-stages", "--split", "--param-servers", "--ps-mode",
         "--step-sleep-ms", "--straggler"};
     char name[64];
-    const char *eq = strchr(f, '=');
-    size_t len = eq ? (size_t)(eq - f) : strlen(f);
-    if (len >= sizeof name) cli_die_usage("unknown option '%s'", f);
-    memcpy(name, f, len);
-    name[len] = '\0';
-    /* Accept PyTorch-style underscores too: --batch_size. */
-    for (char *p = name; *p; p++)
-      if (*p == '_') *p = '-';
-    bool known = false;
-    for (size_t k = 0; k < sizeof valued / sizeof *valued; k++) known |= !strcmp(name, valued[k]);
-    if (!known) cli_die_usage("unknown option '%s'", f);
-    const char *v;
-    if (eq) {
-      v = eq + 1;
-    } else {
-      if (i + 1 >= argc) cli_die_usage("%s needs a value", f);
-      v = argv[++i];
-    }
+    const char *eq;
+    cli_valued_option(f, valued, sizeof valued / sizeof *valued, name, sizeof name, &eq);
+    const char *v = cli_option_value(argc, argv, &i, eq);
     if (!strcmp(name, "--model")) a->model = v;
     else if (!strcmp(name, "--activation")) a->activation = v;
     else if (!strcmp(name, "--data")) a->data = v;

@@ -22,10 +22,9 @@ int64_t ddp__train_count_correct(const float *logits, const int64_t *labels, int
   return correct;
 }
 
-ddp_status ddp__train_local_sums(ddp_trainer *t, double sums[3]) {
-  ddp_model *model = t->model;
-  ddp_tape *tape = t->tape;
-  const bool classify = ddp_model_loss_kind(model) != DDP_LOSS_MSE;
+ddp_status ddp__train_eval_sums(ddp_trainer *t, ddp__train_eval_batch_fn batch, void *ctx,
+                                double sums[3]) {
+  const bool classify = ddp_model_loss_kind(t->model) != DDP_LOSS_MSE;
   double loss_sum = 0;
   int64_t correct = 0, seen = 0;
   DDP_TRY(ddp_loader_start_epoch(t->test_loader, 0));
@@ -33,32 +32,52 @@ ddp_status ddp__train_local_sums(ddp_trainer *t, double sums[3]) {
     ddp_batch b;
     DDP_TRY(ddp_loader_next(t->test_loader, &b));
     if (b.size == 0) break;
-    ddp_tensor *out, *loss, x, yd;
-    DDP_TRY(ddp__train_batch_on_device(t, &b, &x, &yd));
-    ddp_tape_reset(tape);
-    DDP_TRY(ddp_model_forward(model, tape, &x, &out));
-    DDP_TRY(ddp_model_loss(model, tape, out, &yd, &loss));
-    float loss0;
-    DDP_TRY(ddp__train_scalar(loss, &loss0));
-    loss_sum += (double)loss0 * (double)b.size;
-    if (classify) {
-      /* On a GPU the outputs come to the host: into the test set's share
-       * of tape memory, a few KB per batch. */
-      float *host = out->device.type == DDP_DEVICE_CPU
-                        ? NULL
-                        : ddp_tape_scratch(tape, (size_t)out->numel * sizeof(float));
-      if (out->device.type != DDP_DEVICE_CPU && !host)
-        return ddp_error(DDP_ERR_NOMEM, "no room for a batch's outputs on the host");
-      const float *o;
-      DDP_TRY(ddp__train_host_view(out, host, &o));
-      correct += ddp__train_count_correct(o, ddp_tensor_i64(&b.y), b.size, out->shape[1]);
-    }
+    double loss_rows = 0;
+    int64_t right = 0;
+    bool counted = true;
+    DDP_TRY(batch(t, &b, ctx, classify, &loss_rows, &right, &counted));
+    if (!counted) continue;
+    loss_sum += loss_rows;
+    correct += right;
     seen += b.size;
   }
   sums[0] = loss_sum;
   sums[1] = (double)correct; /* counts: exact in float64 */
   sums[2] = (double)seen;
   return DDP_OK;
+}
+
+/* One test batch through the model's forward and loss, on this rank. */
+static ddp_status forward_batch(ddp_trainer *t, ddp_batch *b, void *ctx, bool classify,
+                                double *loss_rows, int64_t *correct, bool *counted) {
+  (void)ctx;
+  *counted = true;
+  ddp_tape *tape = t->tape;
+  ddp_tensor *out, *loss, x, yd;
+  DDP_TRY(ddp__train_batch_on_device(t, b, &x, &yd));
+  ddp_tape_reset(tape);
+  DDP_TRY(ddp_model_forward(t->model, tape, &x, &out));
+  DDP_TRY(ddp_model_loss(t->model, tape, out, &yd, &loss));
+  float loss0;
+  DDP_TRY(ddp__train_scalar(loss, &loss0));
+  *loss_rows = (double)loss0 * (double)b->size;
+  if (classify) {
+    /* On a GPU the outputs come to the host: into the test set's share
+     * of tape memory, a few KB per batch. */
+    float *host = out->device.type == DDP_DEVICE_CPU
+                      ? NULL
+                      : ddp_tape_scratch(tape, (size_t)out->numel * sizeof(float));
+    if (out->device.type != DDP_DEVICE_CPU && !host)
+      return ddp_error(DDP_ERR_NOMEM, "no room for a batch's outputs on the host");
+    const float *o;
+    DDP_TRY(ddp__train_host_view(out, host, &o));
+    *correct = ddp__train_count_correct(o, ddp_tensor_i64(&b->y), b->size, out->shape[1]);
+  }
+  return DDP_OK;
+}
+
+ddp_status ddp__train_local_sums(ddp_trainer *t, double sums[3]) {
+  return ddp__train_eval_sums(t, forward_batch, NULL, sums);
 }
 
 ddp_status ddp__train_evaluate(ddp_trainer *t, double *loss, double *accuracy) {

@@ -219,43 +219,37 @@ static ddp_status pipeline_step(ddp_trainer *t, ddp_batch *b, ddp__train_step_ou
   return DDP_OK;
 }
 
-/* This replica's test sums (loss * rows, correct, rows), counted on its last
- * stage; the other stages add zeros, so the trainer's reduction over the
- * whole group counts every test sample once. */
-static ddp_status pipeline_local_sums(ddp_trainer *t, double sums[3]) {
-  pipeline_state *ps = state(t);
+/* One test batch through the pipeline's forward-only schedule; counted on
+ * the replica's last stage only (the other stages add nothing, so the
+ * trainer's reduction over the whole group counts every test sample once). */
+static ddp_status pipeline_eval_batch(ddp_trainer *t, ddp_batch *b, void *ctx, bool classify,
+                                      double *loss_rows, int64_t *correct, bool *counted) {
+  pipeline_state *ps = ctx;
   const bool first = ddp_pipeline_is_first(ps->pp), last = ddp_pipeline_is_last(ps->pp);
-  const bool classify = ddp_model_loss_kind(t->model) != DDP_LOSS_MSE;
-  double loss_sum = 0;
-  int64_t correct = 0, seen = 0;
-  DDP_TRY(ddp_loader_start_epoch(t->test_loader, 0));
-  for (;;) {
-    ddp_batch b;
-    DDP_TRY(ddp_loader_next(t->test_loader, &b));
-    if (b.size == 0) break;
-    ddp_tensor out;
-    if (last) {
-      out = *ps->eval_out;
-      out.shape[0] = b.size;
-      out.numel = ps->eval_out->numel / ps->eval_out->shape[0] * b.size;
-    }
-    double loss = NAN;
-    ddp_status s = ddp_pipeline_eval(ps->pp, first ? &b.x : NULL, last ? &b.y : NULL,
-                                     last ? &out : NULL, &loss);
-    if (s != DDP_OK)
-      return ddp_error_wrap(s, "rank %d (stage %d, replica %d): pipeline evaluation", t->rank,
-                            ps->stage_rank, t->replica);
-    if (!last) continue;
-    loss_sum += loss * (double)b.size;
-    if (classify) {
-      correct += ddp__train_count_correct(ddp_tensor_f32(&out), ddp_tensor_i64(&b.y), b.size, out.shape[1]);
-    }
-    seen += b.size;
+  ddp_tensor out;
+  if (last) {
+    out = *ps->eval_out;
+    out.shape[0] = b->size;
+    out.numel = ps->eval_out->numel / ps->eval_out->shape[0] * b->size;
   }
-  sums[0] = loss_sum;
-  sums[1] = (double)correct;
-  sums[2] = (double)seen;
+  double loss = NAN;
+  ddp_status s = ddp_pipeline_eval(ps->pp, first ? &b->x : NULL, last ? &b->y : NULL,
+                                   last ? &out : NULL, &loss);
+  if (s != DDP_OK)
+    return ddp_error_wrap(s, "rank %d (stage %d, replica %d): pipeline evaluation", t->rank,
+                          ps->stage_rank, t->replica);
+  *counted = last;
+  if (!last) return DDP_OK;
+  *loss_rows = loss * (double)b->size;
+  if (classify)
+    *correct = ddp__train_count_correct(ddp_tensor_f32(&out), ddp_tensor_i64(&b->y), b->size,
+                                        out.shape[1]);
   return DDP_OK;
+}
+
+/* This replica's test sums (loss * rows, correct, rows). */
+static ddp_status pipeline_local_sums(ddp_trainer *t, double sums[3]) {
+  return ddp__train_eval_sums(t, pipeline_eval_batch, state(t), sums);
 }
 
 /* ---- The figures ---------------------------------------------------------- */

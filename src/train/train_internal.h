@@ -265,8 +265,18 @@ int64_t ddp__train_eval_batch_size(const ddp_train_options *o);
  * Collective. */
 ddp_status ddp__train_sum(ddp_trainer *t, double *values, int n);
 
+/* What one test batch adds to this rank's sums: *loss_rows (its mean loss
+ * times its rows) and *correct (with classify), or *counted false when
+ * this rank counts nothing for it (a pipeline's earlier stages). */
+typedef ddp_status (*ddp__train_eval_batch_fn)(ddp_trainer *t, ddp_batch *b, void *ctx,
+                                               bool classify, double *loss_rows,
+                                               int64_t *correct, bool *counted);
 /* The sums (loss * rows, correct, rows) of one pass over this rank's part
- * of the test set with the model's forward. */
+ * of the test set, batch by batch through `batch` (the one loop over the
+ * test loader that every strategy's evaluation uses). */
+ddp_status ddp__train_eval_sums(ddp_trainer *t, ddp__train_eval_batch_fn batch, void *ctx,
+                                double sums[3]);
+/* ddp__train_eval_sums with the model's forward and loss on each batch. */
 ddp_status ddp__train_local_sums(ddp_trainer *t, double sums[3]);
 
 /* Evaluates on the test set (every rank its part, no padding) and reduces

@@ -35,6 +35,26 @@ int64_t cli_parse_int(const char *flag, const char *v, int64_t lo, int64_t hi) {
   return x;
 }
 
+void cli_valued_option(const char *f, const char *const *valued, size_t n, char *name,
+                       size_t bytes, const char **eq) {
+  *eq = strchr(f, '=');
+  size_t len = *eq ? (size_t)(*eq - f) : strlen(f);
+  if (len >= bytes) cli_die_usage("unknown option '%s'", f);
+  memcpy(name, f, len);
+  name[len] = '\0';
+  for (char *p = name; *p; p++)
+    if (*p == '_') *p = '-';
+  for (size_t k = 0; k < n; k++)
+    if (!strcmp(name, valued[k])) return;
+  cli_die_usage("unknown option '%s'", f);
+}
+
+const char *cli_option_value(int argc, char **argv, int *i, const char *eq) {
+  if (eq) return eq + 1;
+  if (*i + 1 >= argc) cli_die_usage("%s needs a value", argv[*i]);
+  return argv[++*i];
+}
+
 void cli_help_or_version(const char *flag, void (*usage)(FILE *)) {
   if (!strcmp(flag, "-h") || !strcmp(flag, "--help")) {
     usage(stdout);

@@ -4,6 +4,7 @@
 #ifndef DDP_TOOLS_CLI_H
 #define DDP_TOOLS_CLI_H
 
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 
@@ -16,6 +17,17 @@ _Noreturn void cli_die_usage(const char *fmt, const char *arg);
  * flag: "<flag> expects an integer >= lo, got 'v'" (hi INT64_MAX) or
  * "<flag> expects an integer from lo to hi, got 'v'". */
 int64_t cli_parse_int(const char *flag, const char *v, int64_t lo, int64_t hi);
+/* A valued option's name: f ("--opt", "--opt=V", "--o_pt") up to its '='
+ * (*eq: the '=', or NULL), with '_' read as '-' (PyTorch's and Propulate's
+ * spellings), into name[bytes]; a usage error unless it is one of
+ * valued[0..n). */
+void cli_valued_option(const char *f, const char *const *valued, size_t n, char *name,
+                       size_t bytes, const char **eq);
+/* The value of the option argv[*i]: the text after its '=' (eq points at
+ * the '=', NULL when the option has none), else the next argument, which
+ * it takes (*i advances); a usage error naming the option when there is
+ * none. */
+const char *cli_option_value(int argc, char **argv, int *i, const char *eq);
 /* The flags every tool answers the same way: -h/--help (usage(stdout),
  * exit 0) and --version ("<tool> (ddp) <version>", exit 0); returns for any
  * other flag. */
