@@ -101,10 +101,15 @@ typedef struct ddp__flight_dump {
 void ddp__flight_dump_free(ddp__flight_dump *dump);
 
 /* ---- The ring ---------------------------------------------------------------
- * A slot is a seqlock: `version` is 2 id + 1 while record `id` is written
- * and 2 id + 2 once it is consistent, so a reader on another thread (the
- * dump) copies a slot, checks the version did not move, and otherwise
- * skips it. Every field is an atomic written with relaxed stores: on x86 a
+ * A slot is a seqlock. A record is written up to three times (made, started,
+ * ended), and each write w (0, 1, 2) of record `id` has a version of its
+ * own, V = 2 (4 id + w): the slot's `version` is V + 1 while that write is
+ * under way and V + 2 once the record is consistent. A reader on another
+ * thread (the dump) copies a slot, checks that the version did not move,
+ * and otherwise retries or skips it; versions only grow, so a write that
+ * came and went during the copy is always seen (with one version per
+ * record, a started record's copy could take its state from before the end
+ * and its end time from after, and pass). Every field is an atomic written with relaxed stores: on x86 a
  * record is a few plain stores and one locked add (the record number);
  * nothing waits. Records are made by whoever submits (scheduled, under the
  * group's mutex) and by the executing thread (started, ended; one at a time
@@ -157,20 +162,27 @@ static inline uint64_t ddp__flight_pack_what(const ddp__op_args *a, int32_t stat
          (uint64_t)(uint32_t)status << 32;
 }
 
-static inline void ddp__flight_begin_write(ddp__flight_slot *s, uint64_t id) {
-  atomic_store_explicit(&s->version, 2 * id + 1, memory_order_relaxed);
+/* The version of write w of record id (before its +1 / +2). */
+static inline uint64_t ddp__flight_version(uint64_t id, uint64_t w) { return 2 * (4 * id + w); }
+/* The record a consistent (even, nonzero) version belongs to, and its write. */
+static inline uint64_t ddp__flight_version_id(uint64_t v) { return (v - 2) / 8; }
+static inline uint64_t ddp__flight_version_write(uint64_t v) { return (v - 2) / 2 % 4; }
+
+static inline void ddp__flight_begin_write(ddp__flight_slot *s, uint64_t version) {
+  atomic_store_explicit(&s->version, version + 1, memory_order_relaxed);
   atomic_thread_fence(memory_order_release);
 }
 
-static inline void ddp__flight_end_write(ddp__flight_slot *s, uint64_t id) {
-  atomic_store_explicit(&s->version, 2 * id + 2, memory_order_release);
+static inline void ddp__flight_end_write(ddp__flight_slot *s, uint64_t version) {
+  atomic_store_explicit(&s->version, version + 2, memory_order_release);
 }
 
 /* A new record of `a` in `state` at `now_ns`; a->flight gets its id + 1. */
 static inline void ddp__flight_new(ddp__flight *f, ddp__op_args *a, int32_t state, int64_t now_ns) {
   uint64_t id = atomic_fetch_add_explicit(&f->next_id, 1, memory_order_relaxed);
   ddp__flight_slot *s = &f->slots[id & f->mask];
-  ddp__flight_begin_write(s, id);
+  uint64_t v = ddp__flight_version(id, 0);
+  ddp__flight_begin_write(s, v);
   atomic_store_explicit(&s->seq, a->seq, memory_order_relaxed);
   atomic_store_explicit(&s->what, ddp__flight_pack_what(a, state, DDP_OK), memory_order_relaxed);
   atomic_store_explicit(&s->peer_tag, (uint64_t)(uint32_t)a->root | (uint64_t)(uint32_t)a->tag << 32,
@@ -179,45 +191,53 @@ static inline void ddp__flight_new(ddp__flight *f, ddp__op_args *a, int32_t stat
   atomic_store_explicit(&s->scheduled_ns, now_ns, memory_order_relaxed);
   atomic_store_explicit(&s->started_ns, state == DDP__FLIGHT_STARTED ? now_ns : -1, memory_order_relaxed);
   atomic_store_explicit(&s->ended_ns, -1, memory_order_relaxed);
-  ddp__flight_end_write(s, id);
+  ddp__flight_end_write(s, v);
   a->flight = id + 1;
 }
 
 /* The slot still holding a->flight's record, or NULL (none, or a newer record
- * took the slot: with N below the operations in flight). */
-static inline ddp__flight_slot *ddp__flight_slot_of(ddp__flight *f, const ddp__op_args *a) {
+ * took the slot: with N below the operations in flight); *next_version: the
+ * version its next write takes. A record's writes come one after another
+ * (submission, then the executing thread), so its slot is consistent here. */
+static inline ddp__flight_slot *ddp__flight_slot_of(ddp__flight *f, const ddp__op_args *a,
+                                                    uint64_t *next_version) {
   if (a->flight == 0) return NULL;
   uint64_t id = a->flight - 1;
   ddp__flight_slot *s = &f->slots[id & f->mask];
-  return atomic_load_explicit(&s->version, memory_order_relaxed) == 2 * id + 2 ? s : NULL;
+  uint64_t v = atomic_load_explicit(&s->version, memory_order_relaxed);
+  if (v < 2 || v % 2 != 0 || ddp__flight_version_id(v) != id) return NULL;
+  uint64_t w = ddp__flight_version_write(v) + 1;
+  if (w > 3) return NULL; /* more writes than a record has: leave it */
+  *next_version = ddp__flight_version(id, w);
+  return s;
 }
 
 /* The op starts running (numbered: a->seq is set): its scheduled record
  * becomes started, or a new record is made (a blocking call run inline). */
 static inline void ddp__flight_start(ddp__flight *f, ddp__op_args *a, int64_t now_ns) {
-  ddp__flight_slot *s = ddp__flight_slot_of(f, a);
+  uint64_t v;
+  ddp__flight_slot *s = ddp__flight_slot_of(f, a, &v);
   if (!s) {
     ddp__flight_new(f, a, DDP__FLIGHT_STARTED, now_ns);
     return;
   }
-  uint64_t id = a->flight - 1;
-  ddp__flight_begin_write(s, id);
+  ddp__flight_begin_write(s, v);
   atomic_store_explicit(&s->seq, a->seq, memory_order_relaxed);
   atomic_store_explicit(&s->what, ddp__flight_pack_what(a, DDP__FLIGHT_STARTED, DDP_OK), memory_order_relaxed);
   atomic_store_explicit(&s->started_ns, now_ns, memory_order_relaxed);
-  ddp__flight_end_write(s, id);
+  ddp__flight_end_write(s, v);
 }
 
 /* The op finished with `status` at now_ns. */
 static inline void ddp__flight_end(ddp__flight *f, const ddp__op_args *a, ddp_status status, int64_t now_ns) {
-  ddp__flight_slot *s = ddp__flight_slot_of(f, a);
+  uint64_t v;
+  ddp__flight_slot *s = ddp__flight_slot_of(f, a, &v);
   if (!s) return;
-  uint64_t id = a->flight - 1;
   int32_t state = status == DDP_OK ? DDP__FLIGHT_COMPLETED : DDP__FLIGHT_FAILED;
-  ddp__flight_begin_write(s, id);
+  ddp__flight_begin_write(s, v);
   atomic_store_explicit(&s->what, ddp__flight_pack_what(a, state, status), memory_order_relaxed);
   atomic_store_explicit(&s->ended_ns, now_ns, memory_order_relaxed);
-  ddp__flight_end_write(s, id);
+  ddp__flight_end_write(s, v);
 }
 
 /* ---- Dumps (flight/dump.c) ------------------------------------------------- */

@@ -112,10 +112,12 @@ size_t ddp__flight_snapshot(const ddp__flight *f, ddp__flight_record *out) {
      * stores); one that holds another record by now is skipped. */
     for (int attempt = 0; attempt < 64; attempt++) {
       uint64_t v1 = atomic_load_explicit(&s->version, memory_order_acquire);
-      if (v1 != 2 * id + 2) {
-        if (v1 == 2 * id + 1) continue;
+      if (v1 < 2) break; /* never written */
+      if (v1 % 2 != 0) {
+        if ((v1 - 1) / 8 == id) continue; /* this record, being written */
         break;
       }
+      if (ddp__flight_version_id(v1) != id) break; /* another record by now */
       uint64_t seq = atomic_load_explicit(&s->seq, memory_order_relaxed);
       uint64_t what = atomic_load_explicit(&s->what, memory_order_relaxed);
       uint64_t peer_tag = atomic_load_explicit(&s->peer_tag, memory_order_relaxed);
