@@ -188,9 +188,8 @@ ddp_status ddp__caps_check(const ddp_process_group *pg, const char *call, ddp__o
  * operation (every call of a blocking collective passes here). */
 static inline bool ddp__caps_allow(const ddp__backend_caps *c, ddp__op_kind kind, ddp_dtype dtype,
                                    ddp_reduce_op rop, ddp_device device) {
-  bool reduces = kind == DDP__OP_ALLREDUCE || kind == DDP__OP_REDUCE || kind == DDP__OP_REDUCE_SCATTER;
   return (c->ops >> kind & 1u) && (kind == DDP__OP_BARRIER || (c->dtypes >> dtype & 1u)) &&
-         (!reduces || (c->reduce_ops >> rop & 1u)) &&
+         (!ddp__op_reduces(kind) || (c->reduce_ops >> rop & 1u)) &&
          (unsigned)device.type < DDP_DEVICE_TYPE_COUNT && (c->devices >> device.type & 1u);
 }
 /* Resets what a completion must start with (not done, DDP_OK, no message);

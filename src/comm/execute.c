@@ -79,14 +79,14 @@ ddp_status ddp__caps_check(const ddp_process_group *pg, const char *call, ddp__o
                            ddp_dtype dtype, ddp_reduce_op rop, ddp_device device) {
   const ddp__backend_ops *ops = pg->backend->ops;
   const ddp__backend_caps *caps = &ops->caps;
+  if (ddp__caps_allow(caps, kind, dtype, rop, device)) return DDP_OK;
   if (!(caps->ops & (1u << kind)))
     return ddp_error(DDP_ERR_UNSUPPORTED, "%s: the %s backend of this group (rank %d of %d) has no %s",
                      call, ops->name, pg->rank, pg->size, ddp__op_kind_name(kind));
   if (kind != DDP__OP_BARRIER && !(caps->dtypes & (1u << dtype)))
     return ddp_error(DDP_ERR_UNSUPPORTED, "%s: the %s backend of this group (rank %d of %d) does not carry %s",
                      call, ops->name, pg->rank, pg->size, ddp_dtype_name(dtype));
-  bool reduces = kind == DDP__OP_ALLREDUCE || kind == DDP__OP_REDUCE || kind == DDP__OP_REDUCE_SCATTER;
-  if (reduces && !(caps->reduce_ops & (1u << rop)))
+  if (ddp__op_reduces(kind) && !(caps->reduce_ops & (1u << rop)))
     return ddp_error(DDP_ERR_UNSUPPORTED, "%s: the %s backend of this group (rank %d of %d) cannot reduce with %s",
                      call, ops->name, pg->rank, pg->size, ddp_reduce_op_name(rop));
   if ((unsigned)device.type >= DDP_DEVICE_TYPE_COUNT || !(caps->devices & (1u << device.type))) {
@@ -125,15 +125,20 @@ static ddp_status poll_until_done(ddp__backend *b, const ddp__op_ctx *ctx, ddp__
   }
 }
 
-/* Waits for c after the backend was aborted, so that its memory is no
- * longer the backend's when this returns; false if it never completed. */
-static bool drain_after_abort(ddp__backend *b, ddp__completion *c) {
+/* Aborts b and waits for c to come back, so that its memory is no longer
+ * the backend's when this returns (a backend must complete what it holds
+ * promptly once aborted; one that does not is named after 5 s). */
+static void abort_and_reclaim(ddp__backend *b, const ddp__op_ctx *ctx, ddp__completion *c) {
+  b->ops->abort(b);
   int64_t deadline = ddp_time_ns() + ABORT_GRACE_NS;
   while (!completion_done(c) && !(b->ops->test && b->ops->test(b, c))) {
-    if (ddp_time_ns() >= deadline) return false;
+    if (ddp_time_ns() >= deadline) {
+      DDP_WARN("%s #%llu: the %s backend did not complete the operation within 5 s of its abort",
+               ctx->op, (unsigned long long)ctx->seq, b->ops->name);
+      return;
+    }
     sleep_ns(POLL_SLEEP_MAX_NS);
   }
-  return true;
 }
 
 ddp_status ddp__backend_complete(ddp__backend *b, const ddp__op_ctx *ctx, ddp__completion *c) {
@@ -151,13 +156,8 @@ ddp_status ddp__backend_run(ddp__backend *b, const ddp__op_ctx *ctx, const ddp__
   ddp__completion_reset(c);
   DDP_TRY(b->ops->enqueue(b, ctx, args, c));
   ddp_status st = ddp__backend_complete(b, ctx, c);
-  if (st != DDP_OK && !completion_done(c)) {
-    /* Given up on (deadline, abort): the op must not outlive its memory. */
-    b->ops->abort(b);
-    if (!drain_after_abort(b, c))
-      DDP_WARN("%s #%llu: the %s backend did not complete the operation within 5 s of its abort",
-               ctx->op, (unsigned long long)ctx->seq, b->ops->name);
-  }
+  if (st != DDP_OK && !completion_done(c))
+    abort_and_reclaim(b, ctx, c); /* given up on (deadline, abort) */
   return st;
 }
 
@@ -225,10 +225,7 @@ static inline __attribute__((always_inline)) ddp_status op_finish(ddp_process_gr
      * the backend is aborted and the op given back. */
     ddp__group_fail(pg, st, ddp_last_error());
     atomic_store(&pg->aborted, true);
-    b->ops->abort(b);
-    if (!drain_after_abort(b, c))
-      DDP_WARN("%s #%llu: the %s backend did not complete the operation within 5 s of its abort",
-               ctx->op, (unsigned long long)ctx->seq, b->ops->name);
+    abort_and_reclaim(b, ctx, c);
   }
   return op_end(pg, args, st);
 }

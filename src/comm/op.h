@@ -37,6 +37,11 @@ static inline bool ddp__op_is_collective(ddp__op_kind kind) {
   return kind != DDP__OP_SEND && kind != DDP__OP_RECV;
 }
 
+/* Operations that reduce (and so take a reduce op). */
+static inline bool ddp__op_reduces(ddp__op_kind kind) {
+  return kind == DDP__OP_ALLREDUCE || kind == DDP__OP_REDUCE || kind == DDP__OP_REDUCE_SCATTER;
+}
+
 /* One operation's arguments, as the user gave them (after validation). */
 typedef struct ddp__op_args {
   ddp__op_kind kind;

@@ -233,8 +233,8 @@ void ddp__ps_server_staleness(ddp_ps_server *s, ddp__ps_staleness *out) {
 
 /* DDP_PS_STALENESS=1: the histograms on stderr when the server stops. */
 static void print_staleness(const ddp_ps_server *s) {
-  const char *env = getenv("DDP_PS_STALENESS");
-  if (!env || !*env || !strcmp(env, "0")) return;
+  const char *env = ddp_env_str("DDP_PS_STALENESS", "");
+  if (!*env || !strcmp(env, "0")) return;
   const ddp__ps_staleness *st = &s->staleness;
   const int64_t *bins[2] = {st->steps, st->updates};
   const char *what[2] = {"steps", "updates"};
