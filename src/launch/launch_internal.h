@@ -398,7 +398,7 @@ void ddp__agent_close(ddp__agent *agent);
  * job's store (fresh ones: the per-rank dump count went up), the worker to
  * exit or be found stopped; with `judge`, also for the other nodes' ranks,
  * and then every rank's dump is read (the store; a local worker's file when
- * the store lacks it) and judged (comm/flight.h). Returns the verdict, a
+ * the store lacks it) and judged (comm/flight/flight.h). Returns the verdict, a
  * heading line then the findings (ddp_alloc'd; the caller frees), or NULL
  * when there is nothing to say: not judging, or no worker records. */
 char *ddp__flight_gather(ddp__worker_group *group, const ddp__agent *agent, int32_t attempt, int judge);
@@ -460,7 +460,7 @@ void ddp__attempt_prefix(const char *run_id, int32_t attempt, char *buf, size_t 
 
 /* ---- Flight recorder dumps (flight_read.c) ---------------------------------
  * Reading the dumps (the JSON that src/comm/flight_dump.c writes;
- * docs/comm.md, "Flight recorder") back into the model of comm/flight.h, for
+ * docs/comm.md, "Flight recorder") back into the model of comm/flight/flight.h, for
  * ddprun's verdict and `ddp-debug flight`. With io's JSON parser: every
  * field checked for its kind and range before use. */
 
