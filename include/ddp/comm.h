@@ -68,14 +68,22 @@ typedef struct ddp_process_group_options {
    * when unset (PyTorch's default). */
   double timeout_s;
   /* "auto" (NULL) picks per pair as described above; "tcp" forces TCP for
-   * every pair (tests, debugging). */
+   * every pair (tests, debugging). A transport is what ddp's own backend
+   * uses between two ranks; it means nothing to the mpi and nccl backends. */
   const char *transport;
-  uint64_t reserved[8];
+  /* Which engine runs the group's operations (docs/comm.md, "Backends"):
+   * "ddp" (ddp's own shared memory and TCP, the transports above), "mpi"
+   * (the cluster's MPI; the job started by mpirun or srun), "nccl" (CUDA
+   * buffers). NULL or "auto": $DDP_BACKEND when set, else "ddp". "gloo" is
+   * taken as "ddp" (what PyTorch programs name for CPUs). A backend this
+   * build lacks fails the creation, saying how to get it. */
+  const char *backend;
+  uint64_t reserved[7];
 } ddp_process_group_options;
 DDP_STRUCT_SIZE(ddp_process_group_options, 80);
 
 /* The defaults: timeout_s 0 ($DDP_TIMEOUT, else 1800 s), transport NULL
- * (auto). */
+ * (auto), backend NULL (auto). */
 ddp_process_group_options ddp_process_group_defaults(void);
 
 /* Rendezvous through `init_url` (env://, tcp://host:port, file:///path; see
@@ -110,6 +118,9 @@ int ddp_process_group_rank(const ddp_process_group *pg);
 int ddp_process_group_size(const ddp_process_group *pg);
 /* The transport used towards `peer`: "self", "threads", "shm" or "tcp". */
 const char *ddp_process_group_transport(const ddp_process_group *pg, int peer);
+/* The group's backend by the names of options.backend: "ddp", "mpi" or
+ * "nccl" (torch.distributed.get_backend). */
+const char *ddp_process_group_backend(const ddp_process_group *pg);
 
 /* The group's own namespace in the store it was built on (a prefix store:
  * "pg/1/" for a world, "pg/1/sub/2/c0/" for a subgroup), for a layer above

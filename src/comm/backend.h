@@ -221,6 +221,18 @@ struct ddp__backend {
   const ddp__backend_ops *ops;
 };
 
+/* The engines a group can run on, by the names of options.backend
+ * (docs/comm.md, "Backends"): DDP is ddp's own (self, local, tcp, hier,
+ * chosen per pair); MPI and NCCL exist only in builds that found them
+ * (DDP_HAVE_MPI, DDP_HAVE_NCCL). */
+typedef enum ddp__backend_kind {
+  DDP__BACKEND_DDP = 0,
+  DDP__BACKEND_MPI,
+  DDP__BACKEND_NCCL,
+} ddp__backend_kind;
+
+const char *ddp__backend_kind_name(ddp__backend_kind kind);
+
 /* What a backend constructor needs to know about its group. */
 typedef struct ddp__backend_config {
   ddp_store *store;   /* the group's own namespace (a prefix store); borrowed */

@@ -57,6 +57,7 @@ struct ddp_process_group {
   char **host_names;       /* (size) strings in one block with the pointers */
   int64_t timeout_ns;      /* default per-operation timeout */
   bool force_tcp;          /* options.transport "tcp"; subgroups inherit it */
+  ddp__backend_kind backend_kind; /* options.backend; subgroups inherit it */
   bool debug_detail;       /* DDP_DEBUG=detail: fingerprints checked */
   ddp_rendezvous_info *rdzv; /* ddp_init_process_group's; destroyed last */
   /* Its namespace in the user's store ("pg/1/", "pg/1/sub/2/c0/"), the same

@@ -239,7 +239,38 @@ done:
 typedef struct group_settings {
   int64_t timeout_ns;
   bool force_tcp;
+  ddp__backend_kind backend;
 } group_settings;
+
+const char *ddp__backend_kind_name(ddp__backend_kind kind) {
+  switch (kind) {
+  case DDP__BACKEND_MPI: return "mpi";
+  case DDP__BACKEND_NCCL: return "nccl";
+  default: return "ddp";
+  }
+}
+
+/* options.backend, else $DDP_BACKEND, else ddp. The name is checked here,
+ * whether this build has the backend is checked when the group is built
+ * (choose_backend), so both messages say where the name came from. */
+static ddp_status resolve_backend(const ddp_process_group_options *options, ddp__backend_kind *out) {
+  const char *name = options ? options->backend : NULL;
+  const char *from = "options.backend";
+  if (!name || !strcmp(name, "auto")) {
+    name = ddp_env_str("DDP_BACKEND", "auto");
+    from = "DDP_BACKEND";
+  }
+  if (!strcmp(name, "auto") || !strcmp(name, "ddp") || !strcmp(name, "gloo"))
+    *out = DDP__BACKEND_DDP;
+  else if (!strcmp(name, "mpi"))
+    *out = DDP__BACKEND_MPI;
+  else if (!strcmp(name, "nccl"))
+    *out = DDP__BACKEND_NCCL;
+  else
+    return ddp_error(DDP_ERR_INVALID, "process group: %s \"%s\" is not a backend: say \"ddp\" (ddp's own "
+                     "shared memory and TCP; \"gloo\" means the same), \"mpi\" or \"nccl\"", from, name);
+  return DDP_OK;
+}
 
 static ddp_status resolve_settings(const ddp_process_group_options *options, group_settings *out) {
   double timeout_s = options ? options->timeout_s : 0;
@@ -253,18 +284,31 @@ static ddp_status resolve_settings(const ddp_process_group_options *options, gro
     return ddp_error(DDP_ERR_INVALID, "process group: options.transport \"%s\" is neither \"auto\" nor \"tcp\"",
                      transport);
   out->force_tcp = transport && strcmp(transport, "tcp") == 0;
+  DDP_TRY(resolve_backend(options, &out->backend));
+  if (out->force_tcp && out->backend != DDP__BACKEND_DDP)
+    return ddp_error(DDP_ERR_INVALID, "process group: options.transport \"tcp\" is a transport of ddp's own "
+                     "backend, but the backend asked for is \"%s\": drop one of the two",
+                     ddp__backend_kind_name(out->backend));
   return DDP_OK;
 }
 
 ddp__backend_create_fn ddp__backend_override;
 
-/* The backend for a group, per pair as DESIGN.md says: co-located ranks
- * share memory, others use TCP. One rank: self; one host: local; one rank
- * per host (or options.transport "tcp"): tcp; both kinds of pairs: hier (a
- * local backend per host composed with tcp between hosts). A backend that
- * joins (MPI, NCCL) adds its constructor and its rule here. */
-static ddp__backend_create_fn choose_backend(const group_settings *set,
-                                             const ddp__backend_config *cfg) {
+/* A backend asked for by name that this build lacks: what it is and how
+ * to get it, or what to use instead. */
+static ddp_status backend_absent(ddp__backend_kind kind) {
+  if (kind == DDP__BACKEND_MPI)
+    return ddp_error(DDP_ERR_UNSUPPORTED, "backend \"mpi\" (options.backend or DDP_BACKEND): this libddp was "
+                     "built without MPI; install an MPI (Debian: libopenmpi-dev, scripts/install-deps.sh mpi) "
+                     "and rebuild, or use backend \"ddp\"");
+  return ddp_error(DDP_ERR_UNSUPPORTED, "backend \"nccl\" (options.backend or DDP_BACKEND): this libddp was "
+                   "built without NCCL (it needs a CUDA build with NCCL found beside the toolkit); rebuild so, "
+                   "or use backend \"ddp\" (CPU buffers)");
+}
+
+/* ddp's own backend for the group's pairs (see choose_backend). */
+static ddp__backend_create_fn own_backend_by_pairs(const group_settings *set,
+                                                   const ddp__backend_config *cfg) {
   if (cfg->size == 1) return ddp__backend_self_create;
   if (ddp__backend_override) return ddp__backend_override;
   if (set->force_tcp) return ddp__backend_tcp_create;
@@ -275,6 +319,20 @@ static ddp__backend_create_fn choose_backend(const group_settings *set,
   }
   if (one_host) return ddp__backend_local_create;
   return colocated ? ddp__backend_hier_create : ddp__backend_tcp_create;
+}
+
+/* The backend for a group. ddp's own, per pair as DESIGN.md says:
+ * co-located ranks share memory, others use TCP. One rank: self; one host:
+ * local; one rank per host (or options.transport "tcp"): tcp; both kinds of
+ * pairs: hier (a local backend per host composed with tcp between hosts).
+ * A backend asked for by name (mpi, nccl) adds its constructor here, under
+ * its DDP_HAVE_ macro; a build without it answers backend_absent. */
+static ddp_status choose_backend(const group_settings *set, const ddp__backend_config *cfg,
+                                 ddp__backend_create_fn *out) {
+  *out = NULL;
+  if (set->backend != DDP__BACKEND_DDP) return backend_absent(set->backend);
+  *out = own_backend_by_pairs(set, cfg);
+  return DDP_OK;
 }
 
 /* Builds a group on its namespace `ns` (a reference the group takes over,
@@ -297,6 +355,7 @@ static ddp_status group_build(ddp_store *ns, const char *name, int rank, int siz
   snprintf(pg->name, sizeof pg->name, "%s", name);
   pg->timeout_ns = set->timeout_ns;
   pg->force_tcp = set->force_tcp;
+  pg->backend_kind = set->backend;
   pthread_mutex_init(&pg->err_mu, NULL);
   atomic_init(&pg->aborted, false);
   atomic_init(&pg->failed, false);
@@ -331,7 +390,9 @@ static ddp_status group_build(ddp_store *ns, const char *name, int rank, int siz
         .timeout_ns = set->timeout_ns,
         .force_tcp = set->force_tcp,
     };
-    st = choose_backend(set, &cfg)(&cfg, &pg->backend);
+    ddp__backend_create_fn create = NULL;
+    st = choose_backend(set, &cfg, &create);
+    if (st == DDP_OK) st = create(&cfg, &pg->backend);
     if (st != DDP_OK) {
       pg->backend = NULL;
       st = ddp_error_wrap(st, "process group (rank %d of %d)", rank, size);
@@ -423,7 +484,7 @@ ddp_status ddp_init_process_group(const char *init_url, const ddp_rendezvous_opt
 /* ---- Subgroups ------------------------------------------------------------------- */
 
 static group_settings settings_of(const ddp_process_group *pg) {
-  group_settings s = {.timeout_ns = pg->timeout_ns, .force_tcp = pg->force_tcp};
+  group_settings s = {.timeout_ns = pg->timeout_ns, .force_tcp = pg->force_tcp, .backend = pg->backend_kind};
   return s;
 }
 
@@ -603,6 +664,10 @@ uint64_t ddp_process_group_subgroup_count(ddp_process_group *pg) {
   uint64_t k = pg->subgroups;
   pthread_mutex_unlock(&pg->mu);
   return k;
+}
+
+const char *ddp_process_group_backend(const ddp_process_group *pg) {
+  return pg ? ddp__backend_kind_name(pg->backend_kind) : NULL;
 }
 
 const char *ddp_process_group_transport(const ddp_process_group *pg, int peer) {

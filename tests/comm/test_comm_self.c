@@ -37,6 +37,41 @@ static void expect_error(ddp_status st, ddp_status want, const char *substring) 
     fail_msg("message \"%s\" does not contain \"%s\"", ddp_last_error(), substring);
 }
 
+/* options.backend and $DDP_BACKEND (docs/comm.md, "Backends"): the names a
+ * group answers to, where an unknown name is reported from, and the
+ * transport that belongs to ddp's own backend only. */
+static void test_backend_names(void **state) {
+  (void)state;
+  ddp_store *store = NULL;
+  assert_int_equal(ddp_store_mem_create(NULL, &store), DDP_OK);
+  const char *ours[] = {NULL, "auto", "ddp", "gloo"};
+  for (size_t i = 0; i < sizeof ours / sizeof *ours; i++) {
+    ddp_process_group_options o = {.timeout_s = 10, .backend = ours[i]};
+    ddp_process_group *pg = NULL;
+    if (ddp_process_group_create(store, 0, 1, &o, &pg) != DDP_OK) fail_msg("%s", ddp_last_error());
+    assert_string_equal(ddp_process_group_backend(pg), "ddp");
+    ddp_process_group_destroy(pg);
+  }
+  ddp_process_group_options o = {.timeout_s = 10, .backend = "infiniband"};
+  ddp_process_group *pg = NULL;
+  expect_error(ddp_process_group_create(store, 0, 1, &o, &pg), DDP_ERR_INVALID,
+               "options.backend \"infiniband\" is not a backend");
+  assert_null(pg);
+  setenv("DDP_BACKEND", "smoke-signals", 1);
+  o.backend = NULL;
+  expect_error(ddp_process_group_create(store, 0, 1, &o, &pg), DDP_ERR_INVALID,
+               "DDP_BACKEND \"smoke-signals\" is not a backend");
+  setenv("DDP_BACKEND", "gloo", 1);
+  if (ddp_process_group_create(store, 0, 1, &o, &pg) != DDP_OK) fail_msg("%s", ddp_last_error());
+  assert_string_equal(ddp_process_group_backend(pg), "ddp");
+  ddp_process_group_destroy(pg);
+  unsetenv("DDP_BACKEND");
+  o = (ddp_process_group_options){.timeout_s = 10, .backend = "nccl", .transport = "tcp"};
+  expect_error(ddp_process_group_create(store, 0, 1, &o, &pg), DDP_ERR_INVALID,
+               "\"tcp\" is a transport of ddp's own backend");
+  ddp_store_destroy(store);
+}
+
 static void test_self_group_ops(void **state) {
   ddp_process_group *pg = make_self(NULL);
   assert_int_equal(ddp_process_group_rank(pg), 0);
@@ -303,6 +338,7 @@ static void test_threads_share_a_group(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_self_group_ops),
+      cmocka_unit_test(test_backend_names),
       cmocka_unit_test(test_async_submission_order),
       cmocka_unit_test(test_argument_errors),
       cmocka_unit_test(test_sticky_after_abort),
