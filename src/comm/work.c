@@ -290,6 +290,10 @@ static size_t ops_ahead(ddp_process_group *pg) {
 }
 
 ddp_status ddp__submit(ddp_process_group *pg, ddp__op_args *args, ddp_work **work) {
+  /* The buffers' device, asked of the pointers, unless the caller (an
+   * internal one) already named a device other than the CPU. */
+  if (args->device.type == DDP_DEVICE_CPU)
+    DDP_TRY(ddp__buffers_device(ddp__op_kind_name(args->kind), args->send, args->buf, &args->device));
   if (!ddp__caps_allow(&pg->backend->ops->caps, args->kind, args->dtype, args->reduce_op,
                        args->device)) /* the message only where refused */
     return ddp__caps_check(pg, ddp__op_kind_name(args->kind), args->kind, args->dtype,
