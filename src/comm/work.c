@@ -443,6 +443,24 @@ ddp_status ddp_work_wait(ddp_work *work, double timeout_s) {
   return st == DDP_OK ? DDP_OK : work_error(pg, st);
 }
 
+ddp_status ddp_work_wait_stream(ddp_work *work, double timeout_s) {
+  if (!work) return ddp_error(DDP_ERR_INVALID, "work_wait_stream: work is NULL");
+  ddp_process_group *pg = work->pg;
+  ddp__backend *b = pg->backend;
+  if (b->ops->stream_wait && !work->batch) {
+    pthread_mutex_lock(&pg->mu);
+    ddp_status st = DDP_ERR_STATE;
+    if (work->done)
+      st = work->status;
+    else if (!work->queued)
+      st = b->ops->stream_wait(b, &work->completion);
+    pthread_mutex_unlock(&pg->mu);
+    if (st == DDP_OK) return DDP_OK;
+    if (st != DDP_ERR_STATE) return work_error(pg, st);
+  }
+  return ddp_work_wait(work, timeout_s);
+}
+
 bool ddp_work_test(ddp_work *work, ddp_status *status) {
   if (!work) {
     if (status) *status = ddp_error(DDP_ERR_INVALID, "work_test: work is NULL");
