@@ -107,32 +107,30 @@ ddp_status ddp__nccl_api_open(const char *const *candidates, int n, ddp__nccl_ap
                    tried[0] ? tried : "nothing");
 }
 
+/* Loaded once and kept; a failure is not kept, so that a program (or a
+ * test) that fixes DDP_NCCL_LIBRARY can try again (dlopen fails fast). */
 static pthread_mutex_t load_mu = PTHREAD_MUTEX_INITIALIZER;
 static ddp__nccl_api loaded;
-static int load_state; /* 0 not tried, 1 loaded, -1 failed (message kept) */
-static char load_error[2048];
+static bool load_done;
 
 ddp_status ddp__nccl_api_get(const ddp__nccl_api **out) {
   *out = NULL;
   pthread_mutex_lock(&load_mu);
-  if (load_state == 0) {
+  ddp_status st = DDP_OK;
+  if (!load_done) {
     const char *cands[3];
     int n = ddp__nccl_api_candidates(cands);
-    if (ddp__nccl_api_open(cands, n, &loaded) == DDP_OK) {
-      load_state = 1;
+    st = ddp__nccl_api_open(cands, n, &loaded);
+    if (st == DDP_OK) {
+      load_done = true;
       char v[32];
       ddp__nccl_version_str(loaded.version, v, sizeof v);
       ddp_log(DDP_LOG_INFO, "NCCL %s loaded from %s", v, loaded.path);
-    } else {
-      load_state = -1;
-      snprintf(load_error, sizeof load_error, "%s", ddp_last_error());
     }
   }
-  int state = load_state;
   pthread_mutex_unlock(&load_mu);
-  if (state < 0) return ddp_error(DDP_ERR_UNSUPPORTED, "%s", load_error);
-  *out = &loaded;
-  return DDP_OK;
+  if (st == DDP_OK) *out = &loaded;
+  return st;
 }
 
 ddp_status ddp_nccl_version(char *buf, size_t bytes) {

@@ -42,10 +42,9 @@ typedef struct ddp__nccl_api {
   __typeof__(ncclGroupEnd) *GroupEnd;
 } ddp__nccl_api;
 
-/* The process's NCCL, loaded at the first call (thread-safe; a failure is
- * remembered and answered again with the same message, naming every path
- * tried and the loader's reason for each). *out borrowed for the process's
- * life. DDP_ERR_UNSUPPORTED when no library loads or one lacks a function
+/* The process's NCCL, loaded at the first call that succeeds (thread-safe;
+ * a failure names every path tried and the loader's reason for each, and
+ * the next call tries again). *out borrowed for the process's life. DDP_ERR_UNSUPPORTED when no library loads or one lacks a function
  * this backend calls. */
 ddp_status ddp__nccl_api_get(const ddp__nccl_api **out);
 
