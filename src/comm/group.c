@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "comm/comm_internal.h"
+#include "comm/staged.h"
 #include "comm/flight/flight.h"
 #include "core/core_internal.h"
 #include "net/net.h"
@@ -400,6 +401,12 @@ static ddp_status group_build(ddp_store *ns, const char *name, int rank, int siz
     ddp__backend_create_fn create = NULL;
     st = choose_backend(set, &cfg, &create);
     if (st == DDP_OK) st = create(&cfg, &pg->backend);
+    /* ddp's own backend takes CUDA buffers too, staged through pinned host
+     * memory, where this process has a GPU (staged.h). */
+    if (st == DDP_OK && set->backend == DDP__BACKEND_DDP && ddp__staged_wanted()) {
+      st = ddp__backend_staged_wrap(&pg->backend, rank, size);
+      if (st != DDP_OK) pg->backend->ops->destroy(pg->backend);
+    }
     if (st != DDP_OK) {
       pg->backend = NULL;
       st = ddp_error_wrap(st, "process group (rank %d of %d)", rank, size);

@@ -30,7 +30,9 @@ static ddp_status do_p2p(ddp_process_group *pg, ddp__op_kind kind, const char *n
   ddp_device device;
   DDP_TRY(ddp__buffers_device(name, NULL, buf, &device));
   DDP_TRY(ddp__caps_check(pg, name, kind, dtype, DDP_REDUCE_SUM, device));
-  if (pg->backend->ops->p2p_progress) {
+  /* The lane reads and writes host memory: buffers on a GPU (ddp's own
+   * backend, staged) go through the queue, one at a time. */
+  if (pg->backend->ops->p2p_progress && device.type == DDP_DEVICE_CPU) {
     ddp_p2p_op op = {kind == DDP__OP_SEND ? DDP_P2P_SEND : DDP_P2P_RECV, buf, count, dtype, peer, tag};
     return ddp__p2p_submit(pg, name, &op, 1, work);
   }
@@ -90,6 +92,13 @@ ddp_status ddp_batch_isend_irecv(ddp_process_group *pg, const ddp_p2p_op *ops, s
     DDP_TRY(ddp__buffers_device(what, NULL, o->buf, &device));
     DDP_TRY(ddp__caps_check(pg, what, o->kind == DDP_P2P_SEND ? DDP__OP_SEND : DDP__OP_RECV, o->dtype,
                             DDP_REDUCE_SUM, device));
+    if (device.type != DDP_DEVICE_CPU) {
+      char dev[DDP_DEVICE_STR_BYTES];
+      return ddp_error(DDP_ERR_UNSUPPORTED, "%s: buffers on %s: the %s backend's batched "
+                       "point-to-point takes host memory; send them one by one (isend/irecv) or "
+                       "copy them to the host", what, ddp_device_str(device, dev, sizeof dev),
+                       pg->backend->ops->name);
+    }
   }
   return ddp__p2p_submit(pg, name, ops, n, work);
 }

@@ -14,6 +14,7 @@
 #include <cmocka.h>
 
 #include "comm/comm_internal.h"
+#include "comm/staged.h"
 #include "ddp/ddp.h"
 
 static void expect_error(ddp_status st, ddp_status want, const char *substring) {
@@ -63,6 +64,7 @@ static ddp_device fake_where(const void *p) {
 
 static void test_group_refuses_gpu_buffers(void **state) {
   (void)state;
+  ddp__staged_mode = -1; /* ddp's own backend as it is, even on a GPU machine */
   ddp_store *store = NULL;
   assert_int_equal(ddp_store_mem_create(NULL, &store), DDP_OK);
   ddp_process_group_options o = {.timeout_s = 10};
@@ -88,6 +90,7 @@ static void test_group_refuses_gpu_buffers(void **state) {
   ddp__pointer_device_hook = NULL;
   ddp_process_group_destroy(pg);
   ddp_store_destroy(store);
+  ddp__staged_mode = 0;
 }
 
 int main(void) {
