@@ -122,7 +122,7 @@ static ddp_status staged_run(staged_backend *s, const ddp__op_ctx *ctx, const dd
                           ctx->op, (unsigned long long)ctx->seq, s->rank, s->size, dev);
   const ddp__staged_copier *cp = copier();
   if (p.send_bytes) st = cp->to_host(s->host_send, a->device, a->send, p.send_bytes);
-  if (st == DDP_OK && p.buf_in) st = cp->to_host(s->host_buf, a->device, a->buf, p.buf_bytes);
+  if (st == DDP_OK && p.buf_in && p.buf_bytes) st = cp->to_host(s->host_buf, a->device, a->buf, p.buf_bytes);
   if (st != DDP_OK)
     return ddp_error_wrap(st, "%s #%llu (rank %d of %d): copying from %s to the host", ctx->op,
                           (unsigned long long)ctx->seq, s->rank, s->size, dev);
@@ -141,7 +141,7 @@ static ddp_status staged_run(staged_backend *s, const ddp__op_ctx *ctx, const dd
   st = host_done.status;
   if (st != DDP_OK) {
     ddp_error(st, "%s", host_done.msg);
-  } else if (p.buf_out) {
+  } else if (p.buf_out && p.buf_bytes) {
     st = cp->to_device(a->device, a->buf, s->host_buf, p.buf_bytes);
     if (st != DDP_OK)
       st = ddp_error_wrap(st, "%s #%llu (rank %d of %d): copying the result back to %s", ctx->op,

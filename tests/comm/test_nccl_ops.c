@@ -5,9 +5,12 @@
  * stream by ddp_work_wait_stream; ranks on one GPU refused without
  * NCCL_HOSTID. World 2 is two processes on one GPU, each with its own
  * NCCL_HOSTID, NCCL_SOCKET_IFNAME=lo and NCCL_IB_DISABLE=1 (issue 39's
- * arrangement: NCCL takes them for two hosts). Exits 77 without a GPU.
- * Usage: test_nccl_ops                       (the parent: runs the children)
- *        test_nccl_ops rank world storefile [hostid] (one rank) */
+ * arrangement: NCCL takes them for two hosts). The same checks again over
+ * ddp's own backend, which stages GPU buffers through pinned host memory
+ * (docs/comm.md, "CUDA buffers on the CPU backends"). Exits 77 without a
+ * GPU.
+ * Usage: test_nccl_ops                         (the parent: runs the children)
+ *        test_nccl_ops rank world storefile backend [hostid]  (one rank) */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -156,24 +159,30 @@ static void one_dtype(ddp_process_group *pg, ddp_dtype dt) {
   }
 }
 
-static int run_rank(int rank, int world, const char *storefile, const char *hostid) {
+static int run_rank(int rank, int world, const char *storefile, const char *backend,
+                    const char *hostid) {
   rank_ = rank, world_ = world;
   if (hostid && hostid[0]) setenv("NCCL_HOSTID", hostid, 1);
   setenv("NCCL_SOCKET_IFNAME", "lo", 0);
   setenv("NCCL_IB_DISABLE", "1", 0);
   ddp_store *store = NULL;
   TRY(ddp_store_file_open(storefile, NULL, &store));
-  ddp_process_group_options o = {.timeout_s = 60, .backend = "nccl"};
+  ddp_process_group_options o = {.timeout_s = 60, .backend = backend};
+  bool nccl = !strcmp(backend, "nccl");
   ddp_process_group *pg = NULL;
   TRY(ddp_process_group_create(store, rank, world, &o, &pg));
-  CHECK(!strcmp(ddp_process_group_backend(pg), "nccl"), "backend %s", ddp_process_group_backend(pg));
+  CHECK(!strcmp(ddp_process_group_backend(pg), backend), "backend %s", ddp_process_group_backend(pg));
   size_t big = (size_t)world * N * 8;
   host = ddp_alloc(big);
   if (!host || cudaMalloc(&dev, big) != cudaSuccess || cudaMalloc(&dev2, big) != cudaSuccess) return 1;
-  /* A CPU buffer is refused by the nccl group, naming it. */
+  /* A CPU buffer is refused by the nccl group, naming it; ddp's own
+   * backend takes both. */
   ddp_status st = ddp_allreduce(pg, host, 4, DDP_FLOAT32, DDP_REDUCE_SUM);
-  CHECK(st == DDP_ERR_UNSUPPORTED && strstr(ddp_last_error(), "cannot reach buffers on cpu"),
-        "CPU buffer: %s %s", ddp_status_name(st), ddp_last_error());
+  if (nccl)
+    CHECK(st == DDP_ERR_UNSUPPORTED && strstr(ddp_last_error(), "cannot reach buffers on cpu"),
+          "CPU buffer: %s %s", ddp_status_name(st), ddp_last_error());
+  else
+    CHECK(st == DDP_OK, "CPU buffer on backend ddp: %s", ddp_last_error());
   for (int dt = 0; dt < DDP_DTYPE_COUNT; dt++) one_dtype(pg, (ddp_dtype)dt);
   TRY(ddp_barrier(pg));
   TRY(ddp_allreduce(pg, dev, 0, DDP_FLOAT32, DDP_REDUCE_SUM)); /* count 0 */
@@ -217,12 +226,13 @@ static int run_rank(int rank, int world, const char *storefile, const char *host
   cudaFree(dev);
   cudaFree(dev2);
   ddp_free(host);
-  printf("rank %d of %d: %s\n", rank, world, failures ? "FAIL" : "ok");
+  printf("rank %d of %d (%s): %s\n", rank, world, backend, failures ? "FAIL" : "ok");
   return failures ? 1 : 0;
 }
 
 /* Runs `world` ranks as processes of this program; 0 when all pass. */
-static int run_world(const char *self, int world, bool hostids, const char *expect_error) {
+static int run_world(const char *self, int world, const char *backend, bool hostids,
+                     const char *expect_error) {
   char dir[] = "/tmp/test_nccl_ops.XXXXXX";
   if (!mkdtemp(dir)) return 1;
   char storefile[64];
@@ -238,7 +248,7 @@ static int run_world(const char *self, int world, bool hostids, const char *expe
       snprintf(ws, sizeof ws, "%d", world);
       snprintf(hid, sizeof hid, hostids ? "ddp-test-rank%d" : "", r);
       if (!freopen(log[r], "w", stderr)) _exit(1);
-      execl(self, self, rs, ws, storefile, hid, (char *)NULL);
+      execl(self, self, rs, ws, storefile, backend, hid, (char *)NULL);
       _exit(127);
     }
   }
@@ -273,7 +283,7 @@ static int run_world(const char *self, int world, bool hostids, const char *expe
 }
 
 int main(int argc, char **argv) {
-  if (argc >= 4) return run_rank(atoi(argv[1]), atoi(argv[2]), argv[3], argc > 4 ? argv[4] : "");
+  if (argc >= 5) return run_rank(atoi(argv[1]), atoi(argv[2]), argv[3], argv[4], argc > 5 ? argv[5] : "");
   /* The parent never touches CUDA before it forks (a CUDA context does not
    * survive fork); a child asks whether there is a GPU. */
   char self[4096];
@@ -295,11 +305,14 @@ int main(int argc, char **argv) {
   }
   printf("NCCL %s\n", version);
   int failed = 0;
-  failed |= run_world(self, 1, false, NULL);
-  printf("world 1: %s\n", failed ? "FAIL" : "ok");
-  int f2 = run_world(self, 2, true, NULL);
-  printf("world 2 (one GPU, NCCL_HOSTID per rank): %s\n", f2 ? "FAIL" : "ok");
-  int f3 = run_world(self, 2, false, "both use one GPU");
-  printf("world 2 without NCCL_HOSTID refused naming both ranks: %s\n", f3 ? "FAIL" : "ok");
+  failed |= run_world(self, 1, "nccl", false, NULL);
+  printf("nccl world 1: %s\n", failed ? "FAIL" : "ok");
+  int f2 = run_world(self, 2, "nccl", true, NULL);
+  printf("nccl world 2 (one GPU, NCCL_HOSTID per rank): %s\n", f2 ? "FAIL" : "ok");
+  int f3 = run_world(self, 2, "nccl", false, "both use one GPU");
+  printf("nccl world 2 without NCCL_HOSTID refused naming both ranks: %s\n", f3 ? "FAIL" : "ok");
+  int f4 = run_world(self, 2, "ddp", false, NULL);
+  printf("ddp (staged) world 2 on one GPU: %s\n", f4 ? "FAIL" : "ok");
+  f3 |= f4;
   return failed | f2 | f3;
 }
