@@ -71,7 +71,7 @@ static void test_loads_toolkit_nccl(void **state) {
   /* The toolkit's library is the header's version (ctest says so); another
    * machine's (a PyTorch wheel's) is at least what the backend needs. */
   if (getenv("DDP_TEST_NCCL_IS_BUILDS")) assert_int_equal(api.version, NCCL_VERSION_CODE);
-  if (api.version < 21200) fail_msg("NCCL version code %d: older than 2.12", api.version);
+  if (api.version < 21300) fail_msg("NCCL version code %d: older than 2.13", api.version);
   /* The process's NCCL through the public call, named by DDP_NCCL_LIBRARY. */
   setenv("DDP_NCCL_LIBRARY", path, 1);
   char text[600];

@@ -88,7 +88,7 @@ ddp_status ddp__nccl_api_open(const char *const *candidates, int n, ddp__nccl_ap
       why = missing ? "lacks a function this backend calls" : "ncclGetVersion failed";
       if (missing) {
         char m[160];
-        snprintf(m, sizeof m, "lacks %s (NCCL older than 2.12?)", missing);
+        snprintf(m, sizeof m, "lacks %s (NCCL older than 2.13?)", missing);
         used += (size_t)snprintf(tried + used, used < sizeof tried ? sizeof tried - used : 0,
                                  "%s%s: %s", used ? "; " : "", candidates[i], m);
         why = NULL;

@@ -363,7 +363,8 @@ static void reap_locked(nccl_backend *n) {
     if (e == cudaErrorNotReady) return;
     ddp_status st = DDP_OK;
     if (e != cudaSuccess) {
-      st = cuda_fail(n, e, "the operation's kernel", NULL);
+      ddp__op_ctx named = {.op = s->op, .seq = s->seq}; /* for the message */
+      st = cuda_fail(n, e, "the operation's kernels", &named);
       atomic_store(&n->failed, true);
       n->fail_status = st;
       snprintf(n->fail_msg, sizeof n->fail_msg, "%s", ddp_last_error());
