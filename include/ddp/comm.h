@@ -12,6 +12,12 @@
  *   DDP_TRY(ddp_allreduce(pg, grads, n, DDP_FLOAT32, DDP_REDUCE_AVG));
  *   ddp_process_group_destroy(pg);
  *
+ * Buffers may be host or GPU memory: each call asks where its pointers
+ * are (ddp_pointer_device). A group with backend "nccl" runs on CUDA
+ * buffers through NCCL (loaded at run time); ddp's own backend takes CUDA
+ * buffers too where the process has a GPU, staged through pinned host
+ * memory (docs/comm.md, "Buffers on devices").
+ *
  * Transports are chosen per pair of ranks from what the rendezvous learned:
  * ranks that are threads of one process share memory directly ("threads"),
  * ranks of one host (same hostname and network namespace, or the same
