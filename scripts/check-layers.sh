@@ -48,6 +48,10 @@ ALLOW = [
     ("src/optim/cuda/optim_kernels.cu", "tensor/cuda/runtime.h",
      "optim's fused CUDA step is device code on tensor's CUDA runtime (its "
      "stream, allocator and error check); CUDA is a device of tensor, not a layer"),
+    ("src/comm/nccl/nccl.c", "tensor/cuda/runtime.h",
+     "the NCCL backend orders its stream after the tensor layer's compute stream of the "
+     "buffers' GPU (and makes that stream wait for a work): the stream is the tensor "
+     "layer's, and CUDA is a device of tensor, not a layer"),
     ("tools/ddp-bench.c", "comm/pattern.h",
      "header-only test pattern on public headers only (ddp/comm.h, ddp/tensor.h), "
      "shared by tests/comm and `ddp-bench -c 1` so both check the same values"),

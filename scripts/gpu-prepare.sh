@@ -5,7 +5,7 @@
 # builds. The GPU machine has CUDA 13.0, python3 with PyTorch and no network,
 # and the working tree travels there with at most 64 MiB in all, so the carry
 # holds only:
-#   bundle.tar.xz   the CUDA tests (build/tests/test_cuda_*), ddp-train,
+#   bundle.tar.xz   the CUDA tests (build/tests/test_cuda_*, test_nccl_*), ddp-train,
 #                   bench_convnet and toy_mp_devices when built, libddp.so*,
 #                   and the shared libraries they load that are neither the
 #                   C runtime nor CUDA's (OpenBLAS, gfortran, cmocka, ...),
@@ -63,7 +63,7 @@ for name in ddp-train bench_convnet toy_mp_devices; do
     elves+=("$b/bin/$name")
   fi
 done
-for exe in "$build"/tests/test_cuda_*; do
+for exe in "$build"/tests/test_cuda_* "$build"/tests/test_nccl_*; do
   if [ ! -f "$exe" ] || [ ! -x "$exe" ]; then continue; fi
   cp -p "$exe" "$b/tests/"
   elves+=("$b/tests/$(basename "$exe")")

@@ -12,6 +12,12 @@
  *   DDP_TRY(ddp_allreduce(pg, grads, n, DDP_FLOAT32, DDP_REDUCE_AVG));
  *   ddp_process_group_destroy(pg);
  *
+ * Buffers may be host or GPU memory: each call asks where its pointers
+ * are (ddp_pointer_device). A group with backend "nccl" runs on CUDA
+ * buffers through NCCL (loaded at run time); ddp's own backend takes CUDA
+ * buffers too where the process has a GPU, staged through pinned host
+ * memory (docs/comm.md, "Buffers on devices").
+ *
  * Transports are chosen per pair of ranks from what the rendezvous learned:
  * ranks that are threads of one process share memory directly ("threads"),
  * ranks of one host (same hostname and network namespace, or the same
@@ -121,6 +127,11 @@ const char *ddp_process_group_transport(const ddp_process_group *pg, int peer);
 /* The group's backend by the names of options.backend: "ddp", "mpi" or
  * "nccl" (torch.distributed.get_backend). */
 const char *ddp_process_group_backend(const ddp_process_group *pg);
+/* The NCCL this process would use for backend "nccl" (loaded at the first
+ * call; docs/comm.md, "The NCCL backend"): "2.28.9 (libnccl.so.2)" into
+ * buf. DDP_ERR_UNSUPPORTED, saying why, when this build has no NCCL
+ * backend or no library loads (naming every path tried). */
+ddp_status ddp_nccl_version(char *buf, size_t bytes);
 
 /* The group's own namespace in the store it was built on (a prefix store:
  * "pg/1/" for a world, "pg/1/sub/2/c0/" for a subgroup), for a layer above
@@ -193,6 +204,15 @@ typedef struct ddp_work ddp_work;
 ddp_status ddp_work_wait(ddp_work *work, double timeout_s);
 /* True when the work has finished; its status in *status when not NULL. */
 bool ddp_work_test(ddp_work *work, ddp_status *status);
+/* For work on CUDA buffers (the nccl backend): makes the compute stream of
+ * the buffers' GPU (where the tensor layer queues its kernels) wait for the
+ * work, and returns without blocking the host (PyTorch's work.wait() for
+ * NCCL): kernels queued after it see the result. On a backend without
+ * streams, or while the work is still queued behind others, it waits on the
+ * host as ddp_work_wait(work, timeout_s) does. Returns the work's failure
+ * when it has already failed; a later failure surfaces at the next wait or
+ * the group's next operation. */
+ddp_status ddp_work_wait_stream(ddp_work *work, double timeout_s);
 void ddp_work_free(ddp_work *work);
 
 /* ---- Collectives ----------------------------------------------------------

@@ -150,6 +150,13 @@ static inline bool ddp_device_equal(ddp_device a, ddp_device b) {
  * DDP_ERR_UNSUPPORTED (no backend) or DDP_ERR_INVALID (no such ordinal),
  * saying which devices there are. */
 ddp_status ddp_device_check(ddp_device device);
+/* The device `ptr` points into, for APIs that take raw pointers (comm's:
+ * docs/comm.md, "Buffers on devices"): cuda:N for memory of GPU N that
+ * this process allocated or mapped (cudaMalloc, managed memory), the CPU
+ * for everything else (host memory, pinned or not, and NULL). Asks CUDA
+ * only where this process has a CUDA device (about a microsecond); without
+ * a CUDA build or a device it is the CPU at once. Never fails. */
+ddp_device ddp_pointer_device(const void *ptr);
 /* Waits until the work queued on `device` is done; reports a failed kernel
  * or copy (asynchronous on a GPU) with the device's name, and a loss's
  * target out of range found on the GPU since the last synchronize

@@ -215,6 +215,12 @@ typedef struct ddp__backend_ops {
   void (*abort)(ddp__backend *b);
   /* Releases everything (after abort or when idle). */
   void (*destroy)(ddp__backend *b);
+  /* Engines on CUDA streams (nccl): makes the compute stream of the
+   * operation's device wait for c without blocking the host (PyTorch's
+   * work.wait() on a GPU). DDP_ERR_STATE when c was not enqueued yet (the
+   * caller then waits on the host); c's failure when it failed. NULL: the
+   * caller waits on the host. */
+  ddp_status (*stream_wait)(ddp__backend *b, ddp__completion *c);
 } ddp__backend_ops;
 
 struct ddp__backend {
@@ -275,6 +281,10 @@ ddp_status ddp__backend_self_create(const ddp__backend_config *cfg, ddp__backend
 ddp_status ddp__backend_local_create(const ddp__backend_config *cfg, ddp__backend **out);
 ddp_status ddp__backend_tcp_create(const ddp__backend_config *cfg, ddp__backend **out);
 ddp_status ddp__backend_hier_create(const ddp__backend_config *cfg, ddp__backend **out);
+#ifdef DDP_HAVE_NCCL
+/* src/comm/nccl/: CUDA buffers through NCCL (loaded at run time). */
+ddp_status ddp__backend_nccl_create(const ddp__backend_config *cfg, ddp__backend **out);
+#endif
 
 /* ---- Reduction kernels (src/comm/reduce.c), shared by every backend ----- */
 

@@ -135,6 +135,14 @@ ddp_status ddp__group_check(ddp_process_group *pg);
  * backend instead of the one chosen from the ranks' identities (the tests of
  * the asynchronous interface use an engine of their own). NULL otherwise. */
 extern ddp__backend_create_fn ddp__backend_override;
+/* Tests: answers in place of ddp_pointer_device, so that the CPU can play
+ * buffers on a GPU (NULL: ask the tensor layer). Set before groups run. */
+extern ddp_device (*ddp__pointer_device_hook)(const void *ptr);
+/* The device of an operation's buffers (ddp__op_device_pick over
+ * ddp_pointer_device, or the hook). */
+ddp_status ddp__buffers_device(const char *call, const void *send, const void *buf,
+                               ddp_device *out);
+
 
 /* ---- work.c --------------------------------------------------------------- */
 ddp_status ddp__queue_init(ddp_process_group *pg);
@@ -144,7 +152,9 @@ void ddp__queue_destroy(ddp_process_group *pg);
 
 /* Runs `args` in submission order: inline when nothing is queued or running
  * and `work` is NULL (blocking call); otherwise queued. With work != NULL,
- * *work receives the handle (async). */
+ * *work receives the handle (async). args->device: left at the CPU (the
+ * zero value), it is found from the buffers' pointers (ddp__buffers_device,
+ * which refuses buffers on two devices); another device is taken as given. */
 ddp_status ddp__submit(ddp_process_group *pg, ddp__op_args *args, ddp_work **work);
 /* Waits until every operation submitted so far has finished (bounded). */
 ddp_status ddp__queue_drain(ddp_process_group *pg);

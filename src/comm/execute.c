@@ -75,6 +75,20 @@ ddp_status ddp__blocking_enqueue(ddp__backend *b, const ddp__op_ctx *ctx, const 
 
 /* ---- Capabilities --------------------------------------------------------------- */
 
+ddp_device (*ddp__pointer_device_hook)(const void *ptr);
+
+/* comm's API takes raw pointers: each call asks where its buffers are
+ * (docs/comm.md, "Buffers on devices"), so the public calls need no device
+ * argument and a CPU program runs unchanged. */
+ddp_status ddp__buffers_device(const char *call, const void *send, const void *buf,
+                               ddp_device *out) {
+  ddp_device (*where)(const void *) = ddp__pointer_device_hook ? ddp__pointer_device_hook
+                                                               : ddp_pointer_device;
+  ddp_device send_device = send ? where(send) : DDP_CPU;
+  ddp_device buf_device = buf ? where(buf) : DDP_CPU;
+  return ddp__op_device_pick(call, send, send_device, buf, buf_device, out);
+}
+
 ddp_status ddp__caps_check(const ddp_process_group *pg, const char *call, ddp__op_kind kind,
                            ddp_dtype dtype, ddp_reduce_op rop, ddp_device device) {
   const ddp__backend_ops *ops = pg->backend->ops;

@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "comm/comm_internal.h"
+#include "comm/staged.h"
 #include "comm/flight/flight.h"
 #include "core/core_internal.h"
 #include "net/net.h"
@@ -254,6 +255,7 @@ const char *ddp__backend_kind_name(ddp__backend_kind kind) {
  * whether this build has the backend is checked when the group is built
  * (choose_backend), so both messages say where the name came from. */
 static ddp_status resolve_backend(const ddp_process_group_options *options, ddp__backend_kind *out) {
+  *out = DDP__BACKEND_DDP;
   const char *name = options ? options->backend : NULL;
   const char *from = "options.backend";
   if (!name || !strcmp(name, "auto")) {
@@ -330,6 +332,12 @@ static ddp__backend_create_fn own_backend_by_pairs(const group_settings *set,
 static ddp_status choose_backend(const group_settings *set, const ddp__backend_config *cfg,
                                  ddp__backend_create_fn *out) {
   *out = NULL;
+#ifdef DDP_HAVE_NCCL
+  if (set->backend == DDP__BACKEND_NCCL) {
+    *out = ddp__backend_nccl_create;
+    return DDP_OK;
+  }
+#endif
   if (set->backend != DDP__BACKEND_DDP) return backend_absent(set->backend);
   *out = own_backend_by_pairs(set, cfg);
   return DDP_OK;
@@ -393,6 +401,12 @@ static ddp_status group_build(ddp_store *ns, const char *name, int rank, int siz
     ddp__backend_create_fn create = NULL;
     st = choose_backend(set, &cfg, &create);
     if (st == DDP_OK) st = create(&cfg, &pg->backend);
+    /* ddp's own backend takes CUDA buffers too, staged through pinned host
+     * memory, where this process has a GPU (staged.h). */
+    if (st == DDP_OK && set->backend == DDP__BACKEND_DDP && ddp__staged_wanted()) {
+      st = ddp__backend_staged_wrap(&pg->backend, rank, size);
+      if (st != DDP_OK) pg->backend->ops->destroy(pg->backend);
+    }
     if (st != DDP_OK) {
       pg->backend = NULL;
       st = ddp_error_wrap(st, "process group (rank %d of %d)", rank, size);
@@ -669,6 +683,14 @@ uint64_t ddp_process_group_subgroup_count(ddp_process_group *pg) {
 const char *ddp_process_group_backend(const ddp_process_group *pg) {
   return pg ? ddp__backend_kind_name(pg->backend_kind) : NULL;
 }
+
+#ifndef DDP_HAVE_NCCL
+/* A build with NCCL answers from src/comm/nccl/loader.c. */
+ddp_status ddp_nccl_version(char *buf, size_t bytes) {
+  if (buf && bytes) buf[0] = 0;
+  return backend_absent(DDP__BACKEND_NCCL);
+}
+#endif
 
 const char *ddp_process_group_transport(const ddp_process_group *pg, int peer) {
   if (!pg || peer < 0 || peer >= pg->size) return "none";

@@ -38,3 +38,19 @@ void ddp__op_describe(const ddp__op_args *a, int group_size, char *out, size_t b
   default: snprintf(out, bytes, "%s(count=%zu, %s)", name, a->count, dt); break;
   }
 }
+
+ddp_status ddp__op_device_pick(const char *call, const void *send, ddp_device send_device,
+                               const void *buf, ddp_device buf_device, ddp_device *out) {
+  *out = DDP_CPU;
+  if (send && buf && !ddp_device_equal(send_device, buf_device)) {
+    char a[DDP_DEVICE_STR_BYTES], b[DDP_DEVICE_STR_BYTES];
+    return ddp_error(DDP_ERR_INVALID,
+                     "%s: the send buffer is on %s and the receive buffer on %s: both buffers of "
+                     "an operation must be on one device (copy one of them first)",
+                     call, ddp_device_str(send_device, a, sizeof a),
+                     ddp_device_str(buf_device, b, sizeof b));
+  }
+  if (send) *out = send_device;
+  if (buf) *out = buf_device;
+  return DDP_OK;
+}

@@ -59,6 +59,16 @@ typedef struct ddp__op_args {
   uint64_t flight;  /* its flight recorder record's id + 1; 0: none yet (flight.h) */
 } ddp__op_args;
 
+/* The one device an operation's buffers are on (docs/comm.md, "Buffers on
+ * devices"), from the devices of its send and receive buffers as
+ * ddp_pointer_device found them (a NULL buffer is absent and says
+ * nothing; none at all: the CPU). Buffers on two devices are refused
+ * (DDP_ERR_INVALID naming the call, both buffers and both devices): no
+ * backend moves data between devices inside a collective. Pure: tested on
+ * the CPU with made-up devices. */
+ddp_status ddp__op_device_pick(const char *call, const void *send, ddp_device send_device,
+                               const void *buf, ddp_device buf_device, ddp_device *out);
+
 /* "allreduce(count=10, float32, sum)" */
 void ddp__op_describe(const ddp__op_args *args, int group_size, char *out, size_t bytes);
 

@@ -27,8 +27,12 @@ static ddp_status do_p2p(ddp_process_group *pg, ddp__op_kind kind, const char *n
   DDP_TRY(ddp__check_common(pg, &c, dtype, count, 1, work));
   DDP_TRY(check_peer(pg, name, kind, peer, false));
   DDP_TRY(ddp__check_buf(&c, "buf", buf, count));
-  DDP_TRY(ddp__caps_check(pg, name, kind, dtype, DDP_REDUCE_SUM, DDP_CPU));
-  if (pg->backend->ops->p2p_progress) {
+  ddp_device device;
+  DDP_TRY(ddp__buffers_device(name, NULL, buf, &device));
+  DDP_TRY(ddp__caps_check(pg, name, kind, dtype, DDP_REDUCE_SUM, device));
+  /* The lane reads and writes host memory: buffers on a GPU (ddp's own
+   * backend, staged) go through the queue, one at a time. */
+  if (pg->backend->ops->p2p_progress && device.type == DDP_DEVICE_CPU) {
     ddp_p2p_op op = {kind == DDP__OP_SEND ? DDP_P2P_SEND : DDP_P2P_RECV, buf, count, dtype, peer, tag};
     return ddp__p2p_submit(pg, name, &op, 1, work);
   }
@@ -84,8 +88,17 @@ ddp_status ddp_batch_isend_irecv(ddp_process_group *pg, const ddp_p2p_op *ops, s
     DDP_TRY(ddp__check_common(pg, &c, o->dtype, o->count, 1, NULL));
     DDP_TRY(check_peer(pg, what, o->kind == DDP_P2P_SEND ? DDP__OP_SEND : DDP__OP_RECV, o->peer, true));
     DDP_TRY(ddp__check_buf(&c, "buf", o->buf, o->count));
+    ddp_device device;
+    DDP_TRY(ddp__buffers_device(what, NULL, o->buf, &device));
     DDP_TRY(ddp__caps_check(pg, what, o->kind == DDP_P2P_SEND ? DDP__OP_SEND : DDP__OP_RECV, o->dtype,
-                            DDP_REDUCE_SUM, DDP_CPU));
+                            DDP_REDUCE_SUM, device));
+    if (device.type != DDP_DEVICE_CPU) {
+      char dev[DDP_DEVICE_STR_BYTES];
+      return ddp_error(DDP_ERR_UNSUPPORTED, "%s: buffers on %s: the %s backend's batched "
+                       "point-to-point takes host memory; send them one by one (isend/irecv) or "
+                       "copy them to the host", what, ddp_device_str(device, dev, sizeof dev),
+                       pg->backend->ops->name);
+    }
   }
   return ddp__p2p_submit(pg, name, ops, n, work);
 }

@@ -290,6 +290,10 @@ static size_t ops_ahead(ddp_process_group *pg) {
 }
 
 ddp_status ddp__submit(ddp_process_group *pg, ddp__op_args *args, ddp_work **work) {
+  /* The buffers' device, asked of the pointers, unless the caller (an
+   * internal one) already named a device other than the CPU. */
+  if (args->device.type == DDP_DEVICE_CPU)
+    DDP_TRY(ddp__buffers_device(ddp__op_kind_name(args->kind), args->send, args->buf, &args->device));
   if (!ddp__caps_allow(&pg->backend->ops->caps, args->kind, args->dtype, args->reduce_op,
                        args->device)) /* the message only where refused */
     return ddp__caps_check(pg, ddp__op_kind_name(args->kind), args->kind, args->dtype,
@@ -437,6 +441,24 @@ ddp_status ddp_work_wait(ddp_work *work, double timeout_s) {
   pthread_mutex_unlock(&pg->mu);
   if (!done) return wait_timed_out(pg, &args, (double)(ddp_time_ns() - start) / 1e9);
   return st == DDP_OK ? DDP_OK : work_error(pg, st);
+}
+
+ddp_status ddp_work_wait_stream(ddp_work *work, double timeout_s) {
+  if (!work) return ddp_error(DDP_ERR_INVALID, "work_wait_stream: work is NULL");
+  ddp_process_group *pg = work->pg;
+  ddp__backend *b = pg->backend;
+  if (b->ops->stream_wait && !work->batch) {
+    pthread_mutex_lock(&pg->mu);
+    ddp_status st = DDP_ERR_STATE;
+    if (work->done)
+      st = work->status;
+    else if (!work->queued)
+      st = b->ops->stream_wait(b, &work->completion);
+    pthread_mutex_unlock(&pg->mu);
+    if (st == DDP_OK) return DDP_OK;
+    if (st != DDP_ERR_STATE) return work_error(pg, st);
+  }
+  return ddp_work_wait(work, timeout_s);
 }
 
 bool ddp_work_test(ddp_work *work, ddp_status *status) {

@@ -108,6 +108,20 @@ ddp_status ddp_device_check(ddp_device device) {
   }
 }
 
+ddp_device ddp_pointer_device(const void *ptr) {
+#ifdef DDP_HAVE_CUDA
+  /* The count is found once; without a device the runtime is never asked
+   * (a CPU job of a CUDA build pays nothing per call). */
+  if (ptr && ddp_cuda_device_count() > 0) {
+    int dev = ddp__cuda_pointer_device(ptr);
+    if (dev >= 0) return DDP_CUDA(dev);
+  }
+#else
+  (void)ptr;
+#endif
+  return DDP_CPU;
+}
+
 ddp_status ddp_device_synchronize(ddp_device device) {
   DDP_TRY(ddp_device_check(device));
   if (device.type == DDP_DEVICE_CPU) return DDP_OK;

@@ -543,6 +543,18 @@ bool ddp__cuda_is_pinned(const void *ptr, size_t bytes) {
   return found;
 }
 
+int ddp__cuda_pointer_device(const void *ptr) {
+  if (!ptr) return -1;
+  struct cudaPointerAttributes attr;
+  cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError(); /* an unknown pointer is an answer, not an error */
+    return -1;
+  }
+  if (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged) return attr.device;
+  return -1;
+}
+
 /* ---- Copies --------------------------------------------------------------- */
 
 static const char *kind_name(enum cudaMemcpyKind kind) {

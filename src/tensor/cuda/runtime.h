@@ -60,6 +60,10 @@ cudaStream_t ddp__cuda_stream(void);
  * the kernels then report it at the next synchronize. */
 cublasHandle_t ddp__cuda_cublas(void);
 
+/* The device ordinal `ptr` belongs to (cudaPointerGetAttributes: device
+ * or managed memory), or -1 for host memory and pointers CUDA does not
+ * know. Clears the error CUDA sets for an unknown pointer. */
+int ddp__cuda_pointer_device(const void *ptr);
 /* Waits for the current device's stream; DDP_ERR_IO naming the device and
  * the CUDA error when a kernel or copy before it failed; DDP_ERR_RANGE
  * when a loss kernel found a target out of range since the last report
