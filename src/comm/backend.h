@@ -275,6 +275,13 @@ ddp_status ddp__backend_self_create(const ddp__backend_config *cfg, ddp__backend
 ddp_status ddp__backend_local_create(const ddp__backend_config *cfg, ddp__backend **out);
 ddp_status ddp__backend_tcp_create(const ddp__backend_config *cfg, ddp__backend **out);
 ddp_status ddp__backend_hier_create(const ddp__backend_config *cfg, ddp__backend **out);
+#ifdef DDP_HAVE_MPI
+ddp_status ddp__backend_mpi_create(const ddp__backend_config *cfg, ddp__backend **out);
+#endif
+
+/* The error for a backend asked for by name that this build lacks: what it
+ * is and how to get it (group.c). */
+ddp_status ddp__backend_absent(ddp__backend_kind kind);
 
 /* ---- Reduction kernels (src/comm/reduce.c), shared by every backend ----- */
 

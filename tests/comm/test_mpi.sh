@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The MPI backend under mpirun (docs/comm.md, "MPI backend"): the collective
+# matrix, point-to-point ordering, subgroups and a group from the program's
+# own MPI_Comm at 2 and 4 ranks; backend "mpi" outside an MPI launch failing
+# at once; a rank SIGKILLed ending the job with the rank named, never a
+# hang. Usage: test_mpi.sh PATH/TO/test_mpi_ranks [MODE...]
+# Exits 77 (skipped) with the reason when mpirun or the MPI build is absent.
+set -u
+bin=${1:?usage: test_mpi.sh PATH/TO/test_mpi_ranks}
+shift
+modes=("$@")
+[ ${#modes[@]} -gt 0 ] || modes=(outside matrix p2p subgroups usercomm kill)
+command -v mpirun >/dev/null || { echo "SKIP: mpirun not found (scripts/install-deps.sh mpi)"; exit 77; }
+[ -x "$bin" ] || { echo "SKIP: $bin absent: this build has no MPI backend"; exit 77; }
+here=$(cd "$(dirname "$0")" && pwd)
+# Open MPI's own allocations that it keeps until exit (docs/comm.md, "MPI
+# backend", sanitizers); ddp's code is not suppressed.
+export LSAN_OPTIONS="suppressions=$here/mpi.supp:print_suppressions=0${LSAN_OPTIONS:+:$LSAN_OPTIONS}"
+# A loaded machine with more ranks than cores: ranks yield while they poll;
+# no cross-memory attach (containers often forbid ptrace).
+export OMPI_MCA_mpi_yield_when_idle=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
+limit=${DDP_TEST_MPI_TIMEOUT:-240}
+out=$(mktemp)
+trap 'rm -f "$out"' EXIT
+failed=0
+
+run_mpi() { # np mode
+  timeout -k 10 $((limit + 20)) mpirun --allow-run-as-root --oversubscribe --timeout "$limit" \
+    -np "$1" "$bin" "$2" >"$out" 2>&1
+}
+
+for mode in "${modes[@]}"; do
+  case $mode in
+  outside)
+    # No launcher's variables: fails at once naming mpirun.
+    start=$(date +%s)
+    if env -u OMPI_COMM_WORLD_SIZE -u PMIX_RANK -u PMI_RANK -u PMI_SIZE -u RANK \
+        timeout 30 "$bin" outside >"$out" 2>&1 && [ $(($(date +%s) - start)) -le 10 ]; then
+      echo "ok: outside an MPI launch: $(head -1 "$out")"
+    else
+      echo "FAIL: outside an MPI launch"; cat "$out"; failed=1
+    fi ;;
+  kill)
+    start=$(date +%s)
+    run_mpi 3 kill; rc=$?
+    took=$(($(date +%s) - start)) # mpirun itself exits 137 (the rank's SIGKILL); a timeout shows as took >= limit
+    if [ $rc -ne 0 ] && [ $rc -ne 124 ] && grep -Eq "rank 1\b.*(signal 9|Killed)|process rank 1 " "$out" \
+        && [ $took -lt "$limit" ]; then
+      echo "ok: SIGKILL of rank 1 ended the job in ${took}s (exit $rc): $(grep -E 'rank 1' "$out" | head -1)"
+    else
+      echo "FAIL: SIGKILL of rank 1 (exit $rc after ${took}s)"; cat "$out"; failed=1
+    fi ;;
+  *)
+    for np in 2 4; do
+      if run_mpi "$np" "$mode"; then
+        echo "ok: $mode at $np ranks"
+      else
+        echo "FAIL: $mode at $np ranks (exit $?)"; cat "$out"; failed=1
+      fi
+    done ;;
+  esac
+done
+exit $failed
