@@ -9,7 +9,7 @@ set -u
 bin=${1:?usage: test_mpi.sh PATH/TO/test_mpi_ranks}
 shift
 modes=("$@")
-[ ${#modes[@]} -gt 0 ] || modes=(outside matrix p2p subgroups usercomm kill)
+[ ${#modes[@]} -gt 0 ] || modes=(outside matrix p2p subgroups usercomm stall kill)
 command -v mpirun >/dev/null || { echo "SKIP: mpirun not found (scripts/install-deps.sh mpi)"; exit 77; }
 [ -x "$bin" ] || { echo "SKIP: $bin absent: this build has no MPI backend"; exit 77; }
 here=$(cd "$(dirname "$0")" && pwd)
@@ -40,6 +40,21 @@ for mode in "${modes[@]}"; do
     else
       echo "FAIL: outside an MPI launch"; cat "$out"; failed=1
     fi ;;
+  stall)
+    # Rank 1 sleeps 30 s; the op's 3 s timeout ends the job naming it, well
+    # before the sleep ends: by the watchdog (blocking call) or the wait.
+    for b in default 0; do
+      if [ "$b" = default ]; then unset DDP_MPI_BLOCKING_BYTES; else export DDP_MPI_BLOCKING_BYTES=$b; fi
+      start=$(date +%s)
+      run_mpi 2 stall; rc=$?
+      took=$(($(date +%s) - start))
+      unset DDP_MPI_BLOCKING_BYTES
+      if [ $rc -ne 0 ] && [ $took -lt 25 ] && grep -q "allreduce #2 (rank 0 of 2).*did not complete in time" "$out"; then
+        echo "ok: a stalled peer ended the job in ${took}s (DDP_MPI_BLOCKING_BYTES $b): $(grep -o 'allreduce #2 (rank 0 of 2)[^;]*' "$out" | head -1)"
+      else
+        echo "FAIL: stalled peer, DDP_MPI_BLOCKING_BYTES $b (exit $rc after ${took}s)"; cat "$out"; failed=1
+      fi
+    done ;;
   kill)
     start=$(date +%s)
     run_mpi 3 kill; rc=$?
@@ -51,12 +66,21 @@ for mode in "${modes[@]}"; do
       echo "FAIL: SIGKILL of rank 1 (exit $rc after ${took}s)"; cat "$out"; failed=1
     fi ;;
   *)
+    # The default (collectives up to 64 KiB per rank as MPI's blocking
+    # calls, larger ones nonblocking), and the matrix again with every
+    # collective nonblocking (0) and every one blocking (-1).
+    settings=(default)
+    [ "$mode" = matrix ] && settings=(default 0 -1)
     for np in 2 4; do
-      if run_mpi "$np" "$mode"; then
-        echo "ok: $mode at $np ranks"
-      else
-        echo "FAIL: $mode at $np ranks (exit $?)"; cat "$out"; failed=1
-      fi
+      for b in "${settings[@]}"; do
+        if [ "$b" = default ]; then unset DDP_MPI_BLOCKING_BYTES; else export DDP_MPI_BLOCKING_BYTES=$b; fi
+        if run_mpi "$np" "$mode"; then
+          echo "ok: $mode at $np ranks (DDP_MPI_BLOCKING_BYTES $b)"
+        else
+          echo "FAIL: $mode at $np ranks, DDP_MPI_BLOCKING_BYTES $b (exit $?)"; cat "$out"; failed=1
+        fi
+      done
+      unset DDP_MPI_BLOCKING_BYTES
     done ;;
   esac
 done

@@ -11,6 +11,9 @@
  *   usercomm  the program starts MPI itself and makes a group from its own
  *             MPI_Comm (split and reordered): ranks are that communicator's
  *   outside   not under mpirun: backend "mpi" fails at once saying why
+ *   stall     rank 1 sleeps past the group's 3 s timeout before an
+ *             allreduce: rank 0's ends the job naming the op (the watchdog of
+ *             a blocking call, or the nonblocking wait's DDP_ERR_TIMEOUT)
  *   kill      rank 1 SIGKILLs itself while the others run collectives; the
  *             script checks the job ends naming it
  * Exit status 0 when this rank passed. */
@@ -194,11 +197,22 @@ static int mode_kill(ddp_process_group *pg) {
   return 1;
 }
 
+static int mode_stall(ddp_process_group *pg) {
+  float v[2] = {1, 2};
+  if (ddp_allreduce(pg, v, 2, DDP_FLOAT32, DDP_REDUCE_SUM) != DDP_OK) return bad("first allreduce");
+  if (ddp_process_group_rank(pg) == 1) sleep(30);
+  ddp_status st = ddp_allreduce(pg, v, 2, DDP_FLOAT32, DDP_REDUCE_SUM);
+  fprintf(stderr, "test_mpi_ranks: rank %d: second allreduce: %s: %s\n", ddp_process_group_rank(pg),
+          ddp_status_name(st), ddp_last_error());
+  /* A non-zero exit makes mpirun end the job (the sleeper too). */
+  return 3;
+}
+
 int main(int argc, char **argv) {
   const char *mode = argc > 1 ? argv[1] : "";
   ddp_process_group_options o = ddp_process_group_defaults();
   o.backend = "mpi";
-  o.timeout_s = 120;
+  o.timeout_s = strcmp(mode, "stall") ? 120 : 3;
   ddp_process_group *pg = NULL;
   if (!strcmp(mode, "outside")) {
     /* Both doors: the MPI constructor, and init_process_group with backend mpi. */
@@ -253,6 +267,7 @@ int main(int argc, char **argv) {
   else if (!strcmp(mode, "p2p")) rc = mode_p2p(pg);
   else if (!strcmp(mode, "subgroups")) rc = mode_subgroups(pg);
   else if (!strcmp(mode, "kill")) rc = mode_kill(pg);
+  else if (!strcmp(mode, "stall")) rc = mode_stall(pg);
   else fprintf(stderr, "test_mpi_ranks: unknown mode \"%s\"\n", mode);
   ddp_process_group_destroy(pg);
   return rc;

@@ -45,7 +45,13 @@ static bool launched_by_mpi(void) {
 static void finalize_at_exit(void) {
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (!finalized) MPI_Finalize();
+  if (finalized) return;
+  if (atomic_load(&ddp__mpi_failed)) {
+    fprintf(stderr, "[ddp] an MPI group of this process failed: ending the job with MPI_Abort (MPI_Finalize "
+            "would wait for the operations MPI still holds)\n");
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  }
+  MPI_Finalize();
 }
 
 ddp_status ddp__mpi_ensure_init(const char *who) {
@@ -97,7 +103,7 @@ static void boot_release(void *arg) {
   boot *bt = arg;
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (!finalized && bt->comm != MPI_COMM_NULL) {
+  if (!finalized && bt->comm != MPI_COMM_NULL && !atomic_load(&ddp__mpi_failed)) {
     MPI_Request req;
     bool done = false;
     if (MPI_Ibarrier(bt->comm, &req) == MPI_SUCCESS) {

@@ -12,6 +12,8 @@
  * program's own MPI traffic. */
 #include <inttypes.h>
 #include <limits.h>
+#include <pthread.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -20,6 +22,7 @@
 #include "core/core_internal.h"
 
 _Thread_local MPI_Comm ddp__mpi_base_comm = MPI_COMM_NULL;
+atomic_bool ddp__mpi_failed;
 
 typedef struct mpi_backend {
   ddp__backend base;
@@ -28,7 +31,41 @@ typedef struct mpi_backend {
   int rank, size;
   atomic_bool aborted;
   atomic_bool p2p_woken; /* p2p_wake: the lane's wait returns early */
+  /* Collectives of at most this many bytes per rank run as MPI's blocking
+   * call (DDP_MPI_BLOCKING_BYTES; see blocking_for). */
+  size_t blocking_bytes;
+  /* The blocking call running now: its deadline (0: none), op and number,
+   * which the watchdog reads. */
+  _Atomic int64_t blocking_deadline;
+  const char *_Atomic blocking_op;
+  _Atomic uint64_t blocking_seq;
+  atomic_bool stopping;
+  bool watchdog_running;
+  pthread_t watchdog;
 } mpi_backend;
+
+/* A blocking MPI call cannot be interrupted: when one outlives its op's
+ * deadline (a peer alive but never arriving; a dead peer ends the job
+ * through mpirun), the watchdog names the op and ends the job with
+ * MPI_Abort, as a hang is the one outcome ddp never gives. It looks every
+ * 50 ms. */
+static void *watchdog_main(void *arg) {
+  mpi_backend *m = arg;
+  while (!atomic_load(&m->stopping)) {
+    struct timespec ts = {0, 50000000};
+    nanosleep(&ts, NULL);
+    int64_t deadline = atomic_load(&m->blocking_deadline);
+    if (deadline && ddp_time_ns() >= deadline) {
+      const char *op = atomic_load(&m->blocking_op);
+      ddp_log(DDP_LOG_ERROR, "%s #%" PRIu64 " (rank %d of %d) did not complete in time on the mpi backend; MPI cannot "
+                "interrupt its blocking call, so this ends the job (MPI_Abort). DDP_MPI_BLOCKING_BYTES=0 runs "
+                "every operation nonblocking, which fails the group instead", op ? op : "operation",
+                atomic_load(&m->blocking_seq), m->rank, m->size);
+      MPI_Abort(m->coll, 1);
+    }
+  }
+  return NULL;
+}
 
 /* What an enqueued op keeps in its completion until MPI_Test says done. */
 typedef struct pending {
@@ -55,6 +92,8 @@ static ddp_status mpi_failed(const mpi_backend *m, const ddp__op_ctx *ctx, int c
                    ctx->seq, m->rank, m->size, text);
 }
 
+static void finish(mpi_backend *m, ddp__completion *c, int rc, const MPI_Status *status);
+
 /* send aliases this rank's block of recv: MPI wants MPI_IN_PLACE then. */
 static const void *in_place(const void *send, const void *recv, size_t block_bytes, int index) {
   return send == (const char *)recv + block_bytes * (size_t)index ? MPI_IN_PLACE : send;
@@ -80,40 +119,50 @@ static ddp_status mpi_enqueue(ddp__backend *b, const ddp__op_ctx *ctx, const ddp
   MPI_Op op = ddp__op_reduces(a->kind) ? ddp__mpi_op(a->dtype, a->reduce_op) : MPI_OP_NULL;
   bool avg = ddp__op_reduces(a->kind) && a->reduce_op == DDP_REDUCE_AVG;
   size_t block = a->count * es;
+  /* Small collectives run as MPI's blocking call (a nonblocking one costs
+   * its schedule, a microsecond, where the whole blocking call costs less):
+   * chosen from the size every rank gives alike, since MPI matches a
+   * blocking collective only with a blocking one. */
+  bool blocking = ddp__op_is_collective(a->kind) && block <= m->blocking_bytes;
+  if (blocking) {
+    atomic_store(&m->blocking_op, ctx->op);
+    atomic_store(&m->blocking_seq, ctx->seq);
+    atomic_store(&m->blocking_deadline, ctx->deadline_ns);
+  }
   int rc = MPI_SUCCESS;
   switch (a->kind) {
   case DDP__OP_ALLREDUCE:
-    rc = MPI_Iallreduce(MPI_IN_PLACE, a->buf, n, t, op, m->coll, &p->req);
+    rc = blocking ? MPI_Allreduce(MPI_IN_PLACE, a->buf, n, t, op, m->coll) : MPI_Iallreduce(MPI_IN_PLACE, a->buf, n, t, op, m->coll, &p->req);
     if (avg) p->scale_buf = a->buf, p->scale_count = a->count;
     break;
   case DDP__OP_BROADCAST:
-    rc = MPI_Ibcast(a->buf, n, t, a->root, m->coll, &p->req);
+    rc = blocking ? MPI_Bcast(a->buf, n, t, a->root, m->coll) : MPI_Ibcast(a->buf, n, t, a->root, m->coll, &p->req);
     break;
   case DDP__OP_REDUCE:
     if (m->rank == a->root) {
-      rc = MPI_Ireduce(MPI_IN_PLACE, a->buf, n, t, op, a->root, m->coll, &p->req);
+      rc = blocking ? MPI_Reduce(MPI_IN_PLACE, a->buf, n, t, op, a->root, m->coll) : MPI_Ireduce(MPI_IN_PLACE, a->buf, n, t, op, a->root, m->coll, &p->req);
       if (avg) p->scale_buf = a->buf, p->scale_count = a->count;
     } else {
-      rc = MPI_Ireduce(a->buf, NULL, n, t, op, a->root, m->coll, &p->req);
+      rc = blocking ? MPI_Reduce(a->buf, NULL, n, t, op, a->root, m->coll) : MPI_Ireduce(a->buf, NULL, n, t, op, a->root, m->coll, &p->req);
     }
     break;
   case DDP__OP_ALLGATHER:
-    rc = MPI_Iallgather(in_place(a->send, a->buf, block, m->rank), n, t, a->buf, n, t, m->coll, &p->req);
+    rc = blocking ? MPI_Allgather(in_place(a->send, a->buf, block, m->rank), n, t, a->buf, n, t, m->coll) : MPI_Iallgather(in_place(a->send, a->buf, block, m->rank), n, t, a->buf, n, t, m->coll, &p->req);
     break;
   case DDP__OP_GATHER:
     if (m->rank == a->root)
-      rc = MPI_Igather(in_place(a->send, a->buf, block, m->rank), n, t, a->buf, n, t, a->root, m->coll, &p->req);
+      rc = blocking ? MPI_Gather(in_place(a->send, a->buf, block, m->rank), n, t, a->buf, n, t, a->root, m->coll) : MPI_Igather(in_place(a->send, a->buf, block, m->rank), n, t, a->buf, n, t, a->root, m->coll, &p->req);
     else
-      rc = MPI_Igather(a->send, n, t, NULL, n, t, a->root, m->coll, &p->req);
+      rc = blocking ? MPI_Gather(a->send, n, t, NULL, n, t, a->root, m->coll) : MPI_Igather(a->send, n, t, NULL, n, t, a->root, m->coll, &p->req);
     break;
   case DDP__OP_SCATTER:
     if (m->rank == a->root && a->buf == (const char *)a->send + block * (size_t)m->rank)
-      rc = MPI_Iscatter(a->send, n, t, MPI_IN_PLACE, n, t, a->root, m->coll, &p->req);
+      rc = blocking ? MPI_Scatter(a->send, n, t, MPI_IN_PLACE, n, t, a->root, m->coll) : MPI_Iscatter(a->send, n, t, MPI_IN_PLACE, n, t, a->root, m->coll, &p->req);
     else
-      rc = MPI_Iscatter(a->send, n, t, a->buf, n, t, a->root, m->coll, &p->req);
+      rc = blocking ? MPI_Scatter(a->send, n, t, a->buf, n, t, a->root, m->coll) : MPI_Iscatter(a->send, n, t, a->buf, n, t, a->root, m->coll, &p->req);
     break;
   case DDP__OP_REDUCE_SCATTER:
-    rc = MPI_Ireduce_scatter_block(a->send, a->buf, n, t, op, m->coll, &p->req);
+    rc = blocking ? MPI_Reduce_scatter_block(a->send, a->buf, n, t, op, m->coll) : MPI_Ireduce_scatter_block(a->send, a->buf, n, t, op, m->coll, &p->req);
     if (avg) p->scale_buf = a->buf, p->scale_count = a->count;
     break;
   case DDP__OP_ALL_TO_ALL: {
@@ -127,11 +176,11 @@ static ddp_status mpi_enqueue(ddp__backend *b, const ddp__op_ctx *ctx, const ddp
       memcpy(p->tmp, send, block * (size_t)m->size);
       send = p->tmp;
     }
-    rc = MPI_Ialltoall(send, n, t, a->buf, n, t, m->coll, &p->req);
+    rc = blocking ? MPI_Alltoall(send, n, t, a->buf, n, t, m->coll) : MPI_Ialltoall(send, n, t, a->buf, n, t, m->coll, &p->req);
     break;
   }
   case DDP__OP_BARRIER:
-    rc = MPI_Ibarrier(m->coll, &p->req);
+    rc = blocking ? MPI_Barrier(m->coll) : MPI_Ibarrier(m->coll, &p->req);
     break;
   case DDP__OP_SEND:
     p->peer = a->root;
@@ -144,9 +193,15 @@ static ddp_status mpi_enqueue(ddp__backend *b, const ddp__op_ctx *ctx, const ddp
   default:
     return ddp_error(DDP_ERR_UNSUPPORTED, "%s: not an operation of the mpi backend", ctx->op);
   }
+  if (blocking) atomic_store(&m->blocking_deadline, 0);
   if (rc != MPI_SUCCESS) {
     ddp_free(p->tmp);
+    p->tmp = NULL;
     return mpi_failed(m, ctx, rc, p->peer);
+  }
+  if (blocking) {
+    MPI_Status none = {0};
+    finish(m, c, rc, &none);
   }
   return DDP_OK;
 }
@@ -285,10 +340,13 @@ static const char *mpi_transport(const ddp__backend *b, int peer) { return "mpi"
 static void mpi_abort(ddp__backend *b) {
   mpi_backend *m = (mpi_backend *)b;
   atomic_store(&m->aborted, true);
+  atomic_store(&ddp__mpi_failed, true);
 }
 
 static void mpi_destroy(ddp__backend *b) {
   mpi_backend *m = (mpi_backend *)b;
+  atomic_store(&m->stopping, true);
+  if (m->watchdog_running) pthread_join(m->watchdog, NULL);
   int finalized = 0;
   MPI_Finalized(&finalized);
   /* MPI_Comm_free after MPI_Finalize is erroneous; after an abort the
@@ -406,6 +464,19 @@ ddp_status ddp__backend_mpi_create(const ddp__backend_config *cfg, ddp__backend 
   m->coll = m->p2p = MPI_COMM_NULL;
   atomic_init(&m->aborted, false);
   atomic_init(&m->p2p_woken, false);
+  atomic_init(&m->blocking_deadline, 0);
+  atomic_init(&m->blocking_op, NULL);
+  atomic_init(&m->blocking_seq, 0);
+  atomic_init(&m->stopping, false);
+  int64_t bb = 65536;
+  ddp_status est = ddp_env_int("DDP_MPI_BLOCKING_BYTES", 65536, &bb);
+  if (est != DDP_OK || bb < -1) {
+    ddp_free(m);
+    return ddp_error(DDP_ERR_INVALID, "%s: DDP_MPI_BLOCKING_BYTES \"%s\" is not a byte count (0: every collective "
+                     "nonblocking; -1: every one blocking)", who, ddp_env_str("DDP_MPI_BLOCKING_BYTES", ""));
+  }
+  m->blocking_bytes = bb < 0 ? SIZE_MAX : (size_t)bb;
+  m->coll = m->p2p = MPI_COMM_NULL;
   MPI_Comm comm = MPI_COMM_NULL;
   ddp_status st = group_comm(cfg, who, &comm);
   if (st == DDP_OK) {
@@ -414,6 +485,12 @@ ddp_status ddp__backend_mpi_create(const ddp__backend_config *cfg, ddp__backend 
     MPI_Comm_set_errhandler(m->coll, MPI_ERRORS_RETURN);
     if (MPI_Comm_dup(m->coll, &m->p2p) != MPI_SUCCESS)
       st = ddp_error(DDP_ERR_PEER, "%s: duplicating the group's MPI communicator", who);
+  }
+  if (st == DDP_OK && m->blocking_bytes > 0) {
+    if (pthread_create(&m->watchdog, NULL, watchdog_main, m) != 0)
+      st = ddp_error(DDP_ERR_SYS, "%s: starting the watchdog of blocking calls", who);
+    else
+      m->watchdog_running = true;
   }
   if (st != DDP_OK) {
     mpi_destroy(&m->base);

@@ -22,6 +22,13 @@ ddp_status ddp__mpi_ensure_init(const char *who);
  * ranks exchanged through the group's store. */
 extern _Thread_local MPI_Comm ddp__mpi_base_comm;
 
+/* Set once an MPI group of this process was aborted (a timeout, a peer's
+ * failure, ddp_process_group_abort): MPI cannot take back the operations it
+ * holds, so MPI_Finalize would wait for the peers they wait for. ddp then
+ * ends the job with MPI_Abort at exit instead, and skips the bootstrap
+ * store's closing barrier. */
+extern atomic_bool ddp__mpi_failed;
+
 /* MPI's datatype for ddp's dtype (float16 / bfloat16 move as 16-bit words). */
 MPI_Datatype ddp__mpi_datatype(ddp_dtype dtype);
 /* MPI's reduce op for (dtype, op): MPI's own where it computes as ddp does
