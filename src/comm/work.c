@@ -290,6 +290,7 @@ static size_t ops_ahead(ddp_process_group *pg) {
 }
 
 ddp_status ddp__submit(ddp_process_group *pg, ddp__op_args *args, ddp_work **work) {
+  args->blocking_call = work == NULL;
   if (!ddp__caps_allow(&pg->backend->ops->caps, args->kind, args->dtype, args->reduce_op,
                        args->device)) /* the message only where refused */
     return ddp__caps_check(pg, ddp__op_kind_name(args->kind), args->kind, args->dtype,

@@ -42,12 +42,16 @@ static ct_world *world_of(ddp_process_group *pg) {
   return w;
 }
 
+/* This rank's result; frees w. */
 static int verdict(ct_world *w, int rank) {
+  int rc = 0;
   if (atomic_load(&w->failures)) {
     fprintf(stderr, "FAILED (rank %d): %s\n", rank, w->first_failure);
-    return 1;
+    rc = 1;
   }
-  return 0;
+  pthread_mutex_destroy(&w->mu);
+  free(w);
+  return rc;
 }
 
 static void body_async(ct_rank *self) {

@@ -5,7 +5,9 @@
 #    --nproc-per-node 2 ddp-train` reaches, within docs/parallel.md's bound
 #    (compare_state.py --init: ||a - b|| <= 1e-2 ||b - p0|| per tensor), both
 #    ranks of each run identical, world_size 2 in the summary;
-#  - `ddp-train --backend mpi` outside an MPI launch fails at once, saying why.
+#  - `ddp-train --backend mpi` outside an MPI launch fails at once, saying why;
+#  - `mpirun -np 2 ddp-hpo --backend mpi --ranks-per-worker 2` (a worker's
+#    subgroup over MPI) evaluates its 50 individuals.
 # Skips (77) with the reason without mpirun, the MPI backend, python3 or the
 # Fashion-MNIST data.
 set -uo pipefail
@@ -31,6 +33,16 @@ if grep -q "built without MPI" "$tmp/outside.out"; then
   skip "this build has no MPI backend: $(head -1 "$tmp/outside.out")"
 fi
 [ $(($(date +%s) - start)) -le 10 ] || fail "--backend mpi outside mpirun took more than 10 s to fail"
+hpo=${DDP_BIN_DIR}/ddp-hpo
+timeout -k 10 200 mpirun --allow-run-as-root --oversubscribe --timeout 190 -np 2 "$hpo" --backend mpi \
+  --objective rastrigin --generations 25 --pop-size 4 --ranks-per-worker 2 --json >"$tmp/hpo.out" 2>"$tmp/hpo.err" \
+  || { tail -n 20 "$tmp/hpo.err"; fail "mpirun -np 2 ddp-hpo --backend mpi"; }
+"$py" - "$tmp/hpo.out" <<'PY' || fail "ddp-hpo over mpi: summary"
+import json, sys
+s = json.loads(open(sys.argv[1]).read().splitlines()[-1])
+assert s["evaluations"] == 25 and s["workers"] == 1, s
+PY
+echo "ok ddp-hpo --backend mpi: a worker of 2 ranks over MPI evaluated 25 individuals"
 echo "ok outside mpirun: $(grep -o 'backend "mpi" needs.*' "$tmp/outside.out" | head -1 | cut -c1-160)"
 
 fashion=/usr/share/datasets/fashion-mnist

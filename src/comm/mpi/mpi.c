@@ -31,8 +31,8 @@ typedef struct mpi_backend {
   int rank, size;
   atomic_bool aborted;
   atomic_bool p2p_woken; /* p2p_wake: the lane's wait returns early */
-  /* Collectives of at most this many bytes per rank run as MPI's blocking
-   * call (DDP_MPI_BLOCKING_BYTES; see blocking_for). */
+  /* Blocking calls of at most this many bytes per rank run as MPI's
+   * blocking collective (DDP_MPI_BLOCKING_BYTES; see mpi_enqueue). */
   size_t blocking_bytes;
   /* The blocking call running now: its deadline (0: none), op and number,
    * which the watchdog reads. */
@@ -59,7 +59,7 @@ static void *watchdog_main(void *arg) {
       const char *op = atomic_load(&m->blocking_op);
       ddp_log(DDP_LOG_ERROR, "%s #%" PRIu64 " (rank %d of %d) did not complete in time on the mpi backend; MPI cannot "
                 "interrupt its blocking call, so this ends the job (MPI_Abort). DDP_MPI_BLOCKING_BYTES=0 runs "
-                "every operation nonblocking, which fails the group instead", op ? op : "operation",
+                "every collective nonblocking, which fails the group instead", op ? op : "operation",
                 atomic_load(&m->blocking_seq), m->rank, m->size);
       MPI_Abort(m->coll, 1);
     }
@@ -119,11 +119,15 @@ static ddp_status mpi_enqueue(ddp__backend *b, const ddp__op_ctx *ctx, const ddp
   MPI_Op op = ddp__op_reduces(a->kind) ? ddp__mpi_op(a->dtype, a->reduce_op) : MPI_OP_NULL;
   bool avg = ddp__op_reduces(a->kind) && a->reduce_op == DDP_REDUCE_AVG;
   size_t block = a->count * es;
-  /* Small collectives run as MPI's blocking call (a nonblocking one costs
-   * its schedule, a microsecond, where the whole blocking call costs less):
-   * chosen from the size every rank gives alike, since MPI matches a
-   * blocking collective only with a blocking one. */
-  bool blocking = ddp__op_is_collective(a->kind) && block <= m->blocking_bytes;
+  /* A blocking call of the program's, up to DDP_MPI_BLOCKING_BYTES per
+   * rank, runs as MPI's blocking collective (a nonblocking one costs its
+   * schedule and the polling; the thread that runs it has nothing else to
+   * do, as the program waits for it). Async ones stay nonblocking, so the
+   * progress thread polls them with back-off instead of spinning on a core
+   * backward computes on. Chosen from what every rank of the program does
+   * alike (blocking_call, the size), never from where the op runs: MPI
+   * matches a blocking collective only with a blocking one. */
+  bool blocking = ddp__op_is_collective(a->kind) && a->blocking_call && block <= m->blocking_bytes;
   if (blocking) {
     atomic_store(&m->blocking_op, ctx->op);
     atomic_store(&m->blocking_seq, ctx->seq);
@@ -468,12 +472,16 @@ ddp_status ddp__backend_mpi_create(const ddp__backend_config *cfg, ddp__backend 
   atomic_init(&m->blocking_op, NULL);
   atomic_init(&m->blocking_seq, 0);
   atomic_init(&m->stopping, false);
-  int64_t bb = 65536;
-  ddp_status est = ddp_env_int("DDP_MPI_BLOCKING_BYTES", 65536, &bb);
+  /* Default -1: every blocking call of the program as MPI's blocking
+   * collective, like with like against MPI_Allreduce at every size
+   * (Open MPI's blocking algorithms are its tuned ones; its nonblocking
+   * ones, libnbc's, are other algorithms). */
+  int64_t bb = -1;
+  ddp_status est = ddp_env_int("DDP_MPI_BLOCKING_BYTES", -1, &bb);
   if (est != DDP_OK || bb < -1) {
     ddp_free(m);
     return ddp_error(DDP_ERR_INVALID, "%s: DDP_MPI_BLOCKING_BYTES \"%s\" is not a byte count (0: every collective "
-                     "nonblocking; -1: every one blocking)", who, ddp_env_str("DDP_MPI_BLOCKING_BYTES", ""));
+                     "nonblocking; -1, the default: every blocking call blocking)", who, ddp_env_str("DDP_MPI_BLOCKING_BYTES", ""));
   }
   m->blocking_bytes = bb < 0 ? SIZE_MAX : (size_t)bb;
   m->coll = m->p2p = MPI_COMM_NULL;
