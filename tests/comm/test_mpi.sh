@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The MPI backend under mpirun (docs/comm.md, "MPI backend"): the collective
 # matrix, point-to-point ordering, subgroups and a group from the program's
-# own MPI_Comm at 2 and 4 ranks; backend "mpi" outside an MPI launch failing
+# own MPI_Comm at 2 and 4 ranks; DDP_DEBUG=detail naming a mismatch; a
+# stalled peer ending the job by the timeout; backend "mpi" outside an MPI launch failing
 # at once; a rank SIGKILLed ending the job with the rank named, never a
 # hang. Usage: test_mpi.sh PATH/TO/test_mpi_ranks [MODE...]
 # Exits 77 (skipped) with the reason when mpirun or the MPI build is absent.
@@ -9,7 +10,7 @@ set -u
 bin=${1:?usage: test_mpi.sh PATH/TO/test_mpi_ranks}
 shift
 modes=("$@")
-[ ${#modes[@]} -gt 0 ] || modes=(outside matrix p2p subgroups usercomm stall kill)
+[ ${#modes[@]} -gt 0 ] || modes=(outside matrix p2p subgroups usercomm mismatch stall kill)
 command -v mpirun >/dev/null || { echo "SKIP: mpirun not found (scripts/install-deps.sh mpi)"; exit 77; }
 [ -x "$bin" ] || { echo "SKIP: $bin absent: this build has no MPI backend"; exit 77; }
 here=$(cd "$(dirname "$0")" && pwd)
@@ -43,6 +44,13 @@ for mode in "${modes[@]}"; do
       echo "ok: outside an MPI launch: $(head -1 "$out")"
     else
       echo "FAIL: outside an MPI launch"; cat "$out"; failed=1
+    fi ;;
+  mismatch)
+    # DDP_DEBUG=detail's fingerprints through the store MPI's rank 0 serves.
+    if DDP_DEBUG=detail run_mpi 2 mismatch && [ "$(grep -c "mismatch" "$out")" -ge 2 ]; then
+      echo "ok: DDP_DEBUG=detail named a mismatched allreduce on both ranks: $(grep -m1 mismatch "$out")"
+    else
+      echo "FAIL: DDP_DEBUG=detail mismatch"; cat "$out"; failed=1
     fi ;;
   stall)
     # Rank 1 sleeps 30 s; the op's 3 s timeout ends the job naming it, well

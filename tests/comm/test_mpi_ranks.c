@@ -14,6 +14,9 @@
  *   stall     rank 1 sleeps past the group's 3 s timeout before an
  *             allreduce: rank 0's ends the job naming the op (the watchdog of
  *             a blocking call, or the nonblocking wait's DDP_ERR_TIMEOUT)
+ *   mismatch  under DDP_DEBUG=detail, rank 1 reduces 5 elements where the
+ *             others reduce 4: every rank fails naming the mismatch (the
+ *             fingerprints go through the group's store from MPI's rank 0)
  *   kill      rank 1 SIGKILLs itself while the others run collectives; the
  *             script checks the job ends naming it
  * Exit status 0 when this rank passed. */
@@ -201,6 +204,20 @@ static int mode_kill(ddp_process_group *pg) {
   return 1;
 }
 
+static int mode_mismatch(ddp_process_group *pg) {
+  int r = ddp_process_group_rank(pg);
+  float v[5] = {1, 2, 3, 4, 5};
+  if (ddp_allreduce(pg, v, 4, DDP_FLOAT32, DDP_REDUCE_SUM) != DDP_OK) return bad("first allreduce");
+  ddp_status st = ddp_allreduce(pg, v, r == 1 ? 5 : 4, DDP_FLOAT32, DDP_REDUCE_SUM);
+  if (st == DDP_OK || !strstr(ddp_last_error(), "mismatch")) {
+    fprintf(stderr, "test_mpi_ranks: rank %d: mismatched allreduce: %s (%s), want a mismatch named\n", r,
+            ddp_status_name(st), ddp_last_error());
+    return 1;
+  }
+  printf("rank %d: %s\n", r, ddp_last_error());
+  return 0;
+}
+
 static int mode_stall(ddp_process_group *pg) {
   float v[2] = {1, 2};
   if (ddp_allreduce(pg, v, 2, DDP_FLOAT32, DDP_REDUCE_SUM) != DDP_OK) return bad("first allreduce");
@@ -272,6 +289,7 @@ int main(int argc, char **argv) {
   else if (!strcmp(mode, "subgroups")) rc = mode_subgroups(pg);
   else if (!strcmp(mode, "kill")) rc = mode_kill(pg);
   else if (!strcmp(mode, "stall")) rc = mode_stall(pg);
+  else if (!strcmp(mode, "mismatch")) rc = mode_mismatch(pg);
   else fprintf(stderr, "test_mpi_ranks: unknown mode \"%s\"\n", mode);
   ddp_process_group_destroy(pg);
   return rc;
