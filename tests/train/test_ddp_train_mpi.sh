@@ -7,7 +7,10 @@
 #    ranks of each run identical, world_size 2 in the summary;
 #  - `ddp-train --backend mpi` outside an MPI launch fails at once, saying why;
 #  - `mpirun -np 2 ddp-hpo --backend mpi --ranks-per-worker 2` (a worker's
-#    subgroup over MPI) evaluates its 50 individuals.
+#    subgroup over MPI) evaluates its 25 individuals;
+#  - `DDP_BACKEND=mpi mpirun -np 4 model_parallel_hpc` (2 stages x 2
+#    replicas: subgroups, the pipeline's point-to-point over MPI) passes its
+#    own checks (loss falls, replicas identical).
 # Skips (77) with the reason without mpirun, the MPI backend, python3 or the
 # Fashion-MNIST data.
 set -uo pipefail
@@ -43,6 +46,14 @@ s = json.loads(open(sys.argv[1]).read().splitlines()[-1])
 assert s["evaluations"] == 25 and s["workers"] == 1, s
 PY
 echo "ok ddp-hpo --backend mpi: a worker of 2 ranks over MPI evaluated 25 individuals"
+if [ -x "${DDP_BIN_DIR}/model_parallel_hpc" ]; then
+  DDP_BACKEND=mpi timeout -k 10 300 mpirun --allow-run-as-root --oversubscribe --timeout 290 -np 4 -x DDP_BACKEND \
+    "${DDP_BIN_DIR}/model_parallel_hpc" --groups_size 2 --group_per_node 2 --max_steps 20 >"$tmp/mp.out" 2>&1 \
+    || { tail -n 20 "$tmp/mp.out"; fail "mpirun -np 4 model_parallel_hpc over mpi"; }
+  grep -q "replicas after 20 steps: head and tail identical on all 4 ranks: ok" "$tmp/mp.out" \
+    || { cat "$tmp/mp.out"; fail "model_parallel_hpc over mpi: replicas"; }
+  echo "ok model_parallel_hpc over mpi: 2 stages x 2 replicas, $(grep -m1 'loss over' "$tmp/mp.out")"
+fi
 echo "ok outside mpirun: $(grep -o 'backend "mpi" needs.*' "$tmp/outside.out" | head -1 | cut -c1-160)"
 
 fashion=/usr/share/datasets/fashion-mnist
