@@ -299,6 +299,7 @@ static ddp_status mpi_p2p_progress(ddp__backend *b, const ddp__op_ctx *ctx, ddp_
   *culprit = -1;
   int64_t end = ddp_time_ns() + wait_ns;
   int64_t pause = 1000;
+  int polls = 0;
   for (;;) {
     bool progressed = false;
     for (int i = 0; i < n; i++) {
@@ -330,10 +331,13 @@ static ddp_status mpi_p2p_progress(ddp__backend *b, const ddp__op_ctx *ctx, ddp_
     }
     if (progressed || atomic_exchange(&m->p2p_woken, false) || atomic_load(&m->aborted)) return DDP_OK;
     if (ddp_time_ns() >= end) return DDP_OK;
-    /* MPI moves bytes only inside MPI_Test: short sleeps keep it moving
-     * without holding the core. */
-    sleep_ns(pause);
-    pause = pause * 2 > 50000 ? 50000 : pause * 2;
+    /* MPI moves bytes only inside MPI_Test: 128 polls back to back (a
+     * large message's rendezvous takes several), then short sleeps, which
+     * keep it moving without holding the core. */
+    if (++polls > 128) {
+      sleep_ns(pause);
+      pause = pause * 2 > 50000 ? 50000 : pause * 2;
+    }
   }
 }
 
