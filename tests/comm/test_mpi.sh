@@ -13,17 +13,7 @@ modes=("$@")
 [ ${#modes[@]} -gt 0 ] || modes=(outside matrix p2p subgroups usercomm mismatch stall kill)
 command -v mpirun >/dev/null || { echo "SKIP: mpirun not found (scripts/install-deps.sh mpi)"; exit 77; }
 [ -x "$bin" ] || { echo "SKIP: $bin absent: this build has no MPI backend"; exit 77; }
-here=$(cd "$(dirname "$0")" && pwd)
-# Open MPI's own allocations that it keeps until exit (docs/comm.md, "MPI
-# backend", sanitizers); ddp's code is not suppressed. For the suppressions
-# to see MPI's frames: its plugins stay loaded (no dlclose in MPI_Finalize),
-# and stacks are unwound through its code built without frame pointers.
-export LSAN_OPTIONS="suppressions=$here/mpi.supp:print_suppressions=0${LSAN_OPTIONS:+:$LSAN_OPTIONS}"
-export ASAN_OPTIONS="fast_unwind_on_malloc=0${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
-export OMPI_MCA_mca_base_component_disable_dlclose=1
-# A loaded machine with more ranks than cores: ranks yield while they poll;
-# no cross-memory attach (containers often forbid ptrace).
-export OMPI_MCA_mpi_yield_when_idle=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
+. "$(dirname "$0")/../support/mpi_env.sh"
 limit=${DDP_TEST_MPI_TIMEOUT:-240}
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT

@@ -23,8 +23,8 @@ command -v mpirun >/dev/null || skip "mpirun not found (scripts/install-deps.sh 
 py=$(command -v python3) || skip "no python3 to compare the dumps"
 unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT DDP_STORE_ADDR DDP_BACKEND \
   SLURM_PROCID SLURM_STEP_NUM_TASKS OMPI_COMM_WORLD_SIZE PMI_SIZE PMIX_RANK PMI_RANK
-export DDP_TIMEOUT=120 OMPI_MCA_mpi_yield_when_idle=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
-export LSAN_OPTIONS="suppressions=$here/../comm/mpi.supp:print_suppressions=0${LSAN_OPTIONS:+:$LSAN_OPTIONS}"
+export DDP_TIMEOUT=120
+. "$here/../support/mpi_env.sh"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
