@@ -11,4 +11,6 @@ mpi_env_supp=$(cd "$(dirname "${BASH_SOURCE[0]}")/../comm" && pwd)/mpi.supp
 export LSAN_OPTIONS="suppressions=$mpi_env_supp:print_suppressions=0${LSAN_OPTIONS:+:$LSAN_OPTIONS}"
 export ASAN_OPTIONS="fast_unwind_on_malloc=0${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
 export OMPI_MCA_mca_base_component_disable_dlclose=1
+# ThreadSanitizer: Open MPI's uninstrumented code (tests/comm/mpi-tsan.supp).
+export TSAN_OPTIONS="suppressions=${mpi_env_supp%/*}/mpi-tsan.supp${TSAN_OPTIONS:+:$TSAN_OPTIONS}"
 export OMPI_MCA_mpi_yield_when_idle=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
