@@ -174,9 +174,11 @@ static ddp_status mpi_enqueue(ddp__backend *b, const ddp__op_ctx *ctx, const ddp
     const void *send = a->send;
     if (send == a->buf && block) {
       p->tmp = ddp_alloc(block * (size_t)m->size);
-      if (!p->tmp)
+      if (!p->tmp) {
+        atomic_store(&m->blocking_deadline, 0); /* nothing for the watchdog to wait for */
         return ddp_error(DDP_ERR_NOMEM, "%s #%" PRIu64 " (rank %d of %d): out of memory for an in-place copy",
                          ctx->op, ctx->seq, m->rank, m->size);
+      }
       memcpy(p->tmp, send, block * (size_t)m->size);
       send = p->tmp;
     }
@@ -195,6 +197,7 @@ static ddp_status mpi_enqueue(ddp__backend *b, const ddp__op_ctx *ctx, const ddp
     rc = MPI_Irecv(a->buf, n * (int)es, MPI_BYTE, a->root, a->tag, m->p2p, &p->req);
     break;
   default:
+    atomic_store(&m->blocking_deadline, 0);
     return ddp_error(DDP_ERR_UNSUPPORTED, "%s: not an operation of the mpi backend", ctx->op);
   }
   if (blocking) atomic_store(&m->blocking_deadline, 0);
