@@ -3,8 +3,9 @@
 # only when something must be installed). Groups: build (compiler, CMake,
 # OpenBLAS, zlib, cmocka), data (Fashion-MNIST), test (extra tools the test
 # suite uses), fuzz (clang with libFuzzer, for scripts/fuzz.sh), mpi (Open MPI:
-# mpirun for tests/launch/test_mpirun.sh, the reference in
-# scripts/bench-collectives.sh), slurm (Debian's Slurm 22.05 controller, node
+# libopenmpi-dev, which the build finds for the MPI backend, src/comm/mpi/;
+# mpirun for its tests and tests/launch/test_mpirun.sh, the reference in
+# scripts/bench-collectives.sh and scripts/bench-mpi.sh), slurm (Debian's Slurm 22.05 controller, node
 # daemon and client commands, for the single-node test cluster of
 # scripts/slurm-cluster.sh; the packages' systemd units start only when
 # /etc/slurm/slurm.conf exists, which nothing here writes), refs (the

@@ -37,6 +37,9 @@ static const char usage[] =
     "                    (\"env://\"), i.e. MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE as\n"
     "                    torchrun sets them, or Slurm's / Open MPI's variables\n"
     "  --transport T     auto (default: shared memory on one host) or tcp\n"
+    "  --backend B       ddp (default), mpi or nccl: the group's engine. mpi runs\n"
+    "                    as one rank of a job mpirun or srun --mpi=pmix started\n"
+    "                    (ranks from MPI): mpirun -np 2 ddp-bench --backend mpi\n"
     "  --timeout S       every operation's timeout, seconds (default 300)\n"
     "  --bind auto|core|socket|hwthread|none  where --nproc/--threads ranks run, as\n"
     "                    ddprun places workers: auto (default) gives each rank a\n"
@@ -124,6 +127,7 @@ typedef struct bench_opts {
   int bind;            /* ddp_launch_bind: where the ranks run (0: auto) */
   int report_bindings; /* each rank's CPUs on stderr */
   const char *transport; /* NULL: auto */
+  const char *backend;   /* options.backend; NULL: auto (DDP_BACKEND, else ddp) */
   double timeout_s;
 } bench_opts;
 
@@ -469,7 +473,7 @@ done:
 }
 
 static ddp_process_group_options group_options(const bench_opts *o) {
-  ddp_process_group_options po = {.timeout_s = o->timeout_s, .transport = o->transport};
+  ddp_process_group_options po = {.timeout_s = o->timeout_s, .transport = o->transport, .backend = o->backend};
   return po;
 }
 
@@ -782,6 +786,10 @@ static void parse_args(int argc, char **argv, bench_opts *o) {
     else if (!strcmp(a, "--transport")) {
       if (!strcmp(v, "tcp")) o->transport = "tcp";
       else if (strcmp(v, "auto") != 0) cli_die_usage("unknown transport \"%s\" (auto or tcp)", v);
+    } else if (!strcmp(a, "--backend")) {
+      if (strcmp(v, "ddp") && strcmp(v, "gloo") && strcmp(v, "mpi") && strcmp(v, "nccl") && strcmp(v, "auto"))
+        cli_die_usage("unknown backend \"%s\" (ddp, mpi or nccl)", v);
+      o->backend = v;
     } else if (!strcmp(a, "--bind") || !strcmp(a, "--bind-to")) {
       ddp_launch_bind mode;
       if (ddp__bind_parse(a, v, &mode) != DDP_OK) cli_die_usage("%s", ddp_last_error());
@@ -798,6 +806,9 @@ static void parse_args(int argc, char **argv, bench_opts *o) {
   }
   if (o->op == OP_COUNT) cli_die_usage("%s", "no OP given");
   if (o->nproc && o->threads) cli_die_usage("%s", "--nproc and --threads exclude each other");
+  if (o->backend && !strcmp(o->backend, "mpi") && (o->nproc || o->threads))
+    cli_die_usage("%s", "--backend mpi takes its ranks from MPI: start them with mpirun -np N (or srun "
+                  "--mpi=pmix), not --nproc / --threads");
   if (o->step_bytes && have_factor) cli_die_usage("%s", "-i and -f exclude each other");
   if (o->min_bytes > o->max_bytes) cli_die_usage("%s", "-b is larger than -e");
   if (o->redop == DDP_REDUCE_AVG && (o->dtype == DDP_INT32 || o->dtype == DDP_INT64))

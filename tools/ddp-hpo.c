@@ -91,6 +91,8 @@ static void usage(FILE *f) {
 "  --log FILE           one JSON object per evaluation: generation, the hyperparameters,\n"
 "                       loss, start and end time (s), evaluation time\n"
 "  --json               end stdout with one JSON summary line\n"
+"  --backend B          the process groups' engine: ddp (default), mpi (under `mpirun` or\n"
+"                       `srun --mpi=pmix`: seed 002's nccl-openmpi without GPUs) or nccl\n"
 "  -h, --help           this text\n"
 "  --version            print \"ddp-hpo (ddp) VERSION\"\n"
 "\n"
@@ -163,7 +165,7 @@ static void parse_args(int argc, char **argv, args *a) {
         "--ranks-per-worker", "--exchange-interval", "--islands", "--migration-prob",
         "--num-migrants", "--checkpoint", "--checkpoint-interval", "--eval-delay-ms",
         "--train-samples", "--val-samples", "--loss-key", "--eval-timeout", "--eval-batch-size",
-        "--trace"};
+        "--trace", "--backend"};
     char name[64];
     const char *eq;
     cli_valued_option(f, valued, sizeof valued / sizeof *valued, name, sizeof name, &eq);
@@ -182,6 +184,13 @@ static void parse_args(int argc, char **argv, args *a) {
     else if (!strcmp(name, "--random-init-prob")) a->o.random_init_prob = parse_prob(name, v);
     else if (!strcmp(name, "--sigma-factor")) a->o.sigma_factor = parse_prob(name, v);
     else if (!strcmp(name, "--seed")) a->o.seed = cli_parse_int(name, v, 0, INT64_MAX);
+    else if (!strcmp(name, "--backend")) {
+      /* The world group's engine and its workers' subgroups (DDP_BACKEND,
+       * docs/comm.md): ddp, mpi or nccl. */
+      if (strcmp(v, "ddp") && strcmp(v, "gloo") && strcmp(v, "mpi") && strcmp(v, "nccl") && strcmp(v, "auto"))
+        cli_die_usage("--backend expects ddp, mpi or nccl, got '%s'", v);
+      setenv("DDP_BACKEND", v, 1);
+    }
     else if (!strcmp(name, "--top-n")) a->top_n = cli_parse_int(name, v, 1, INT64_MAX);
     else if (!strcmp(name, "--log")) a->log_path = v;
     else if (!strcmp(name, "--ranks-per-worker")) a->o.ranks_per_worker = (int)cli_parse_int(name, v, 1, INT64_MAX);

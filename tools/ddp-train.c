@@ -181,6 +181,9 @@ static void usage(FILE *f) {
 "                       initialisation (a safetensors file from --save or from PyTorch's\n"
 "                       state_dict(); a 'module.' prefix is accepted); with --epochs 0 this\n"
 "                       evaluates a saved model\n"
+"  --backend B          the process group's engine: ddp (default: ddp's own shared memory\n"
+"                       and TCP), mpi (the cluster's MPI: run under `mpirun -np N` or\n"
+"                       `srun --mpi=pmix`, ranks from MPI) or nccl; sets DDP_BACKEND\n"
 "  -h, --help           this text\n"
 "  --version            print \"ddp-train (ddp) VERSION\"\n"
 "\n"
@@ -247,7 +250,7 @@ static void parse_args(int argc, char **argv, train_args *a) {
         "--step-size", "--gamma", "--seed", "--threads", "--workers", "--eval-every",
         "--patience", "--log", "--dump-state", "--save", "--save-every", "--resume", "--init",
         "--device", "--tensorboard", "--trace", "--bucket-cap-mb", "--microbatches", "--pp",
-        "--schedule", "--virtual-stages", "--split", "--param-servers", "--ps-mode",
+        "--schedule", "--virtual-stages", "--split", "--param-servers", "--ps-mode", "--backend",
         "--step-sleep-ms", "--straggler"};
     char name[64];
     const char *eq;
@@ -289,6 +292,13 @@ static void parse_args(int argc, char **argv, train_args *a) {
     else if (!strcmp(name, "--param-servers") || !strcmp(name, "--ps-mode") ||
              !strcmp(name, "--step-sleep-ms") || !strcmp(name, "--straggler"))
       train_ps_parse(&a->ps, name, v);
+    else if (!strcmp(name, "--backend")) {
+      /* The process group's engine (options.backend, read as DDP_BACKEND by
+       * the group ddp-train makes): ddp, mpi or nccl (docs/comm.md). */
+      if (strcmp(v, "ddp") && strcmp(v, "gloo") && strcmp(v, "mpi") && strcmp(v, "nccl") && strcmp(v, "auto"))
+        cli_die_usage("--backend expects ddp, mpi or nccl, got '%s'", v);
+      setenv("DDP_BACKEND", v, 1);
+    }
     else if (!strcmp(name, "--bucket-cap-mb")) {
       a->bucket_cap_mb = parse_double(name, v);
       if (!(a->bucket_cap_mb > 0)) cli_die_usage("--bucket-cap-mb expects MiB > 0, got '%s'", v);

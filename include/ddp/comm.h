@@ -95,7 +95,9 @@ ddp_process_group_options ddp_process_group_defaults(void);
 /* Rendezvous through `init_url` (env://, tcp://host:port, file:///path; see
  * rendezvous.h; `rdzv` carries init_process_group's rank= and world_size=,
  * NULL for none), then connects every pair. On success *out is the world
- * group; destroy it with ddp_process_group_destroy. */
+ * group; destroy it with ddp_process_group_destroy. "mpi://", or backend
+ * "mpi" without RANK in the environment (mpirun, srun --mpi=pmix), takes
+ * rank and world from MPI (ddp_process_group_from_mpi_comm). */
 ddp_status ddp_init_process_group(const char *init_url, const ddp_rendezvous_options *rdzv,
                                   const ddp_process_group_options *options,
                                   ddp_process_group **out);
@@ -108,6 +110,21 @@ ddp_status ddp_init_process_group(const char *init_url, const ddp_rendezvous_opt
 ddp_status ddp_process_group_create(ddp_store *store, int rank, int world_size,
                                     const ddp_process_group_options *options,
                                     ddp_process_group **out);
+
+/* A group on the mpi backend over an MPI communicator: the program's own
+ * (what mpi4py and Horovod users have; mpi_comm points to an MPI_Comm, so
+ * this header needs no mpi.h), or MPI_COMM_WORLD when mpi_comm is NULL.
+ * Collective over the communicator; rank and size are MPI's. MPI is started
+ * (MPI_THREAD_MULTIPLE) if the program has not; a program that started it
+ * must have asked for MPI_THREAD_MULTIPLE. The group's store comes from
+ * MPI's rank 0 (a store server it runs while the group lives), so every
+ * store-based feature works. options.backend must be NULL, "auto" or "mpi".
+ * Who calls MPI_Finalize: whoever called MPI_Init (ddp at exit when it did;
+ * the program otherwise, after destroying its groups). A build without MPI
+ * answers DDP_ERR_UNSUPPORTED. ddp_init_process_group("mpi://", ...) is this
+ * with NULL. */
+ddp_status ddp_process_group_from_mpi_comm(const void *mpi_comm, const ddp_process_group_options *options,
+                                           ddp_process_group **out);
 
 /* A subgroup of `parent` with the listed parent ranks (torch.distributed.
  * new_group). Collective over the parent: every parent rank calls it with

@@ -285,6 +285,13 @@ ddp_status ddp__backend_hier_create(const ddp__backend_config *cfg, ddp__backend
 /* src/comm/nccl/: CUDA buffers through NCCL (loaded at run time). */
 ddp_status ddp__backend_nccl_create(const ddp__backend_config *cfg, ddp__backend **out);
 #endif
+#ifdef DDP_HAVE_MPI
+ddp_status ddp__backend_mpi_create(const ddp__backend_config *cfg, ddp__backend **out);
+#endif
+
+/* The error for a backend asked for by name that this build lacks: what it
+ * is and how to get it (group.c). */
+ddp_status ddp__backend_absent(ddp__backend_kind kind);
 
 /* ---- Reduction kernels (src/comm/reduce.c), shared by every backend ----- */
 

@@ -60,6 +60,10 @@ struct ddp_process_group {
   ddp__backend_kind backend_kind; /* options.backend; subgroups inherit it */
   bool debug_detail;       /* DDP_DEBUG=detail: fingerprints checked */
   ddp_rendezvous_info *rdzv; /* ddp_init_process_group's; destroyed last */
+  /* What the group's maker keeps alive with it (the MPI backend's bootstrap
+   * store and its server), released after everything else; NULL: none. */
+  void *owned;
+  void (*owned_release)(void *owned);
   /* Its namespace in the user's store ("pg/1/", "pg/1/sub/2/c0/"), the same
    * on every rank: how dumps of one group are matched across ranks. */
   char name[128];

@@ -298,7 +298,7 @@ ddp__backend_create_fn ddp__backend_override;
 
 /* A backend asked for by name that this build lacks: what it is and how
  * to get it, or what to use instead. */
-static ddp_status backend_absent(ddp__backend_kind kind) {
+ddp_status ddp__backend_absent(ddp__backend_kind kind) {
   if (kind == DDP__BACKEND_MPI)
     return ddp_error(DDP_ERR_UNSUPPORTED, "backend \"mpi\" (options.backend or DDP_BACKEND): this libddp was "
                      "built without MPI; install an MPI (Debian: libopenmpi-dev, scripts/install-deps.sh mpi) "
@@ -338,7 +338,13 @@ static ddp_status choose_backend(const group_settings *set, const ddp__backend_c
     return DDP_OK;
   }
 #endif
-  if (set->backend != DDP__BACKEND_DDP) return backend_absent(set->backend);
+#ifdef DDP_HAVE_MPI
+  if (set->backend == DDP__BACKEND_MPI) {
+    *out = ddp__backend_mpi_create;
+    return DDP_OK;
+  }
+#endif
+  if (set->backend != DDP__BACKEND_DDP) return ddp__backend_absent(set->backend);
   *out = own_backend_by_pairs(set, cfg);
   return DDP_OK;
 }
@@ -478,6 +484,14 @@ ddp_status ddp_init_process_group(const char *init_url, const ddp_rendezvous_opt
                                   ddp_process_group **out) {
   if (!out) return ddp_error(DDP_ERR_INVALID, "init_process_group: out is NULL");
   *out = NULL;
+  /* "mpi://", or backend mpi in a job no ddp launcher started (no RANK):
+   * ranks come from MPI and the store from MPI's rank 0 (docs/comm.md,
+   * "MPI backend"). */
+  group_settings set;
+  DDP_TRY(resolve_settings(options, &set));
+  if ((init_url && !strncmp(init_url, "mpi://", 6)) ||
+      (set.backend == DDP__BACKEND_MPI && !getenv("RANK")))
+    return ddp_process_group_from_mpi_comm(NULL, options, out);
   ddp_rendezvous_info *info = ddp_calloc(1, sizeof *info);
   if (!info) return ddp_error(DDP_ERR_NOMEM, "init_process_group: out of memory");
   ddp_status st = ddp_rendezvous(init_url, rdzv, info);
@@ -688,7 +702,7 @@ const char *ddp_process_group_backend(const ddp_process_group *pg) {
 /* A build with NCCL answers from src/comm/nccl/loader.c. */
 ddp_status ddp_nccl_version(char *buf, size_t bytes) {
   if (buf && bytes) buf[0] = 0;
-  return backend_absent(DDP__BACKEND_NCCL);
+  return ddp__backend_absent(DDP__BACKEND_NCCL);
 }
 #endif
 
@@ -738,7 +752,10 @@ void ddp_process_group_destroy(ddp_process_group *pg) {
   ddp_free(pg->host_names);
   pthread_mutex_destroy(&pg->err_mu);
   ddp_rendezvous_info *rdzv = pg->rdzv;
+  void *owned = pg->owned;
+  void (*owned_release)(void *) = pg->owned_release;
   ddp_free(pg);
+  if (owned_release) owned_release(owned);
   if (rdzv) {
     ddp_rendezvous_info_destroy(rdzv);
     ddp_free(rdzv);

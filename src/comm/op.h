@@ -55,6 +55,12 @@ typedef struct ddp__op_args {
   /* Where send and buf are (both on one device); DDP_CPU for every call of
    * comm.h today. A backend refuses a device its caps do not list. */
   ddp_device device;
+  /* The program called the blocking form (no work handle). Unlike where
+   * the op runs (inline or on the progress thread, which depends on this
+   * rank's queue), it is the same on every rank of an SPMD program: a
+   * backend may choose by it what every rank must choose alike (MPI's
+   * blocking collectives match only blocking ones). Set by ddp__submit. */
+  bool blocking_call;
   uint64_t seq;     /* collectives: the group's collective number; p2p: own counter */
   uint64_t flight;  /* its flight recorder record's id + 1; 0: none yet (flight.h) */
 } ddp__op_args;

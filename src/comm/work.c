@@ -294,6 +294,7 @@ ddp_status ddp__submit(ddp_process_group *pg, ddp__op_args *args, ddp_work **wor
    * internal one) already named a device other than the CPU. */
   if (args->device.type == DDP_DEVICE_CPU)
     DDP_TRY(ddp__buffers_device(ddp__op_kind_name(args->kind), args->send, args->buf, &args->device));
+  args->blocking_call = work == NULL;
   if (!ddp__caps_allow(&pg->backend->ops->caps, args->kind, args->dtype, args->reduce_op,
                        args->device)) /* the message only where refused */
     return ddp__caps_check(pg, ddp__op_kind_name(args->kind), args->kind, args->dtype,

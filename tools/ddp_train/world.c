@@ -11,6 +11,10 @@ const char *train_world_requested(void) { return ddp_rendezvous_requested(); }
 ddp_status train_world_init(train_world *w) {
   *w = (train_world){.rank = 0, .size = 1, .local_size = 1};
   w->source = train_world_requested();
+  /* --backend mpi (DDP_BACKEND=mpi) under mpirun or srun: no RANK, ranks
+   * come from MPI (ddp_init_process_group takes them from there). */
+  const char *backend = getenv("DDP_BACKEND");
+  if (!w->source && backend && !strcmp(backend, "mpi")) w->source = "--backend mpi";
   if (!w->source) return DDP_OK;
   ddp_status s = ddp_init_process_group("env://", NULL, NULL, &w->pg);
   if (s != DDP_OK)

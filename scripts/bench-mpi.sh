@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# The MPI backend's allreduce against Open MPI's own (issue 38): float32 SUM,
+# world 2 on this host, 8 B to 64 MiB, like with like, alternated for
+# several rounds in one go, medians per size and the ratios (bar: >= 0.95x):
+#   ddp blocking   `mpirun -np 2 ddp-bench allreduce --backend mpi`, the
+#                  default (DDP_MPI_BLOCKING_BYTES=-1: every blocking call
+#                  MPI's blocking collective) against
+#                  ../shared/refs/mpi_allreduce.c (MPI_Allreduce);
+#   ddp 64 KiB     DDP_MPI_BLOCKING_BYTES=65536 (blocking up to 64 KiB per
+#                  rank, nonblocking with the caller spinning on MPI_Test
+#                  above) against the same MPI_Allreduce;
+#   ddp nonblock   DDP_MPI_BLOCKING_BYTES=0 (MPI_Iallreduce + MPI_Test
+#                  polling) against the reference changed by sed to
+#                  MPI_Iallreduce + MPI_Wait.
+# Usage: scripts/bench-mpi.sh [ROUNDS (5)] [BUILD_DIR (build)]
+#   REFS=/path/to/refs (default ../shared/refs); SIZES="8 65536" (bytes;
+#   default 8 B to 64 MiB); MPIRUN_ARGS (extra mpirun
+#   options, e.g. "--bind-to core"). Run it on a quiet machine: the ratios of
+#   one go are what it reports; absolute times drift.
+# Raw outputs and the summary go to $OUT (default a new /tmp/bench-mpi.*).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rounds=${1:-5}
+build=${2:-build}
+refs=${REFS:-../shared/refs}
+bench=$build/bin/ddp-bench
+out=${OUT:-$(mktemp -d /tmp/bench-mpi.XXXXXX)}
+mkdir -p "$out"
+[ -x "$bench" ] || { echo "no $bench: cmake --build $build --target ddp-bench" >&2; exit 1; }
+command -v mpicc >/dev/null || { echo "no mpicc: scripts/install-deps.sh mpi" >&2; exit 1; }
+mpicc -O2 "$refs/mpi_allreduce.c" -o "$out/mpi_allreduce"
+# Open MPI's nonblocking allreduce, otherwise the reference unchanged.
+sed 's/MPI_Allreduce(\([^;]*\));/{ MPI_Request q_; MPI_Iallreduce(\1, \&q_); MPI_Wait(\&q_, MPI_STATUS_IGNORE); }/' \
+  "$refs/mpi_allreduce.c" >"$out/mpi_iallreduce.c"
+grep -q MPI_Iallreduce "$out/mpi_iallreduce.c" || { echo "bench-mpi: could not derive the nonblocking reference" >&2; exit 1; }
+mpicc -O2 "$out/mpi_iallreduce.c" -o "$out/mpi_iallreduce"
+
+sizes=(${SIZES:-8 1024 65536 1048576 4194304 16777216 67108864})
+# mpi_allreduce.c's iterations per size.
+iters() { if [ "$1" -le 65536 ]; then echo 2000; elif [ "$1" -le 1048576 ]; then echo 200; else echo 10; fi; }
+mpi=(mpirun --allow-run-as-root --oversubscribe -np 2 ${MPIRUN_ARGS:-})
+
+run_ddp() { # DDP_MPI_BLOCKING_BYTES value, output file
+  for s in "${sizes[@]}"; do
+    DDP_MPI_BLOCKING_BYTES=$1 "${mpi[@]}" -x DDP_MPI_BLOCKING_BYTES "$bench" allreduce --backend mpi \
+      -b "$s" -e "$s" -n "$(iters "$s")" -w 5 --json >>"$out/$2"
+  done
+}
+run_ddp_blocking() { run_ddp -1 ddp-blocking.jsonl; }
+run_ddp_64k() { run_ddp 65536 ddp-64k.jsonl; }
+run_ddp_nonblock() { run_ddp 0 ddp-nonblock.jsonl; }
+run_mpi_blocking() { "${mpi[@]}" "$out/mpi_allreduce" "${sizes[@]}" >>"$out/mpi-blocking.txt"; }
+run_mpi_nonblock() { "${mpi[@]}" "$out/mpi_iallreduce" "${sizes[@]}" >>"$out/mpi-nonblock.txt"; }
+
+order=(run_ddp_blocking run_mpi_blocking run_ddp_64k run_ddp_nonblock run_mpi_nonblock)
+: >"$out/ddp-blocking.jsonl"; : >"$out/ddp-64k.jsonl"; : >"$out/ddp-nonblock.jsonl"
+: >"$out/mpi-blocking.txt"; : >"$out/mpi-nonblock.txt"
+: >"$out/load.txt"
+for ((r = 1; r <= rounds; r++)); do
+  for ((k = 0; k < ${#order[@]}; k++)); do
+    f=${order[$(((k + r) % ${#order[@]}))]}
+    echo "round $r/$rounds: ${f#run_} (load $(cut -d' ' -f1-3 /proc/loadavg))" >&2
+    cut -d' ' -f1 /proc/loadavg >>"$out/load.txt"
+    $f
+  done
+done
+
+python3 - "$out" <<'PY' | tee "$out/summary.md"
+import json, re, statistics as st, sys
+out = sys.argv[1]
+def ddp(name):
+    d = {}
+    for line in open(f"{out}/{name}.jsonl"):
+        line = line.strip()
+        if line.startswith("{"):
+            row = json.loads(line)
+            assert not row.get("wrong"), row
+            d.setdefault(row["size"], []).append((row["time_us"], row["algbw"]))
+    return d
+def ref(name):
+    d = {}
+    for line in open(f"{out}/{name}.txt"):
+        m = re.search(r"bytes=(\d+) us=([\d.]+) algbw_GBps=([\d.]+)", line)
+        if m:
+            d.setdefault(int(m[1]), []).append((float(m[2]), float(m[3])))
+    return d
+def med(d, s):
+    return (st.median(x[0] for x in d[s]), st.median(x[1] for x in d[s])) if s in d else (None, None)
+def fmt(s):
+    return f"{s >> 20} MiB" if s >= 1 << 20 else f"{s >> 10} KiB" if s >= 1024 else f"{s} B"
+def cell(d, s):
+    t, a = med(d, s)
+    return "-" if t is None else (f"{t:.2f} µs" if t < 1000 else f"{t/1000:.2f} ms") + (f", {a:.2f} GB/s" if s > 8 else "")
+def ratio(d, r, s):
+    t, a = med(d, s); tr, ar = med(r, s)
+    if t is None or tr is None: return "-", False
+    x = tr / t if s == 8 else a / ar
+    return f"{x:.2f}x", x >= 0.95
+pairs = [("ddp blocking (the default, DDP_MPI_BLOCKING_BYTES=-1)", ddp("ddp-blocking"), "MPI_Allreduce", ref("mpi-blocking")),
+         ("ddp blocking up to 64 KiB (DDP_MPI_BLOCKING_BYTES=65536)", ddp("ddp-64k"), "MPI_Allreduce", ref("mpi-blocking")),
+         ("ddp nonblocking (DDP_MPI_BLOCKING_BYTES=0)", ddp("ddp-nonblock"), "MPI_Iallreduce + MPI_Wait", ref("mpi-nonblock"))]
+load = [float(x) for x in open(f"{out}/load.txt")]
+print(f"load average {min(load):.1f}-{max(load):.1f} (median {st.median(load):.1f})\n")
+for name, d, rname, r in pairs:
+    print(f"### {name} against {rname}\n")
+    print(f"| size | ddp | {rname} | ratio (>= 0.95x) |\n|---|---|---|---|")
+    for s in sorted(d):
+        x, ok = ratio(d, r, s)
+        print(f"| {fmt(s)} | {cell(d, s)} | {cell(r, s)} | {x} {'yes' if ok else 'NO'} |")
+    print()
+print("(Medians over the rounds. Ratio: algbw, or at 8 B the reference's time over ddp's; above 1 ddp is faster.)")
+PY
+echo "raw outputs in $out" >&2

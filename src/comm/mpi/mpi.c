@@ -1,0 +1,516 @@
+/* The MPI backend (docs/comm.md, "MPI backend"): every operation is MPI's
+ * nonblocking call on a communicator of the group's own (MPI_Iallreduce,
+ * MPI_Isend, ...), completed by MPI_Test. Open MPI moves no byte of a
+ * nonblocking collective outside MPI_Test / MPI_Wait, so whoever waits
+ * polls: a caller blocked in the op spins on MPI_Test (as MPI_Wait would),
+ * the progress thread polls between its submissions with the group layer's
+ * back-off (20-200 us), which costs a one-core rank little CPU while
+ * backward runs and delays each step of a long collective by at most that.
+ *
+ * Collectives and point-to-point use two duplicates of the group's
+ * communicator, so that neither matches the other's messages, nor the
+ * program's own MPI traffic. */
+#include <inttypes.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "comm/mpi/mpi_internal.h"
+#include "core/core_internal.h"
+
+_Thread_local MPI_Comm ddp__mpi_base_comm = MPI_COMM_NULL;
+atomic_bool ddp__mpi_failed;
+
+typedef struct mpi_backend {
+  ddp__backend base;
+  MPI_Comm coll; /* collectives */
+  MPI_Comm p2p;  /* point to point */
+  int rank, size;
+  atomic_bool aborted;
+  atomic_bool p2p_woken; /* p2p_wake: the lane's wait returns early */
+  /* Blocking calls of at most this many bytes per rank run as MPI's
+   * blocking collective (DDP_MPI_BLOCKING_BYTES; see mpi_enqueue). */
+  size_t blocking_bytes;
+  /* The blocking call running now: its deadline (0: none), op and number,
+   * which the watchdog reads. */
+  _Atomic int64_t blocking_deadline;
+  const char *_Atomic blocking_op;
+  _Atomic uint64_t blocking_seq;
+  atomic_bool stopping;
+  bool watchdog_running;
+  pthread_t watchdog;
+} mpi_backend;
+
+/* A blocking MPI call cannot be interrupted: when one outlives its op's
+ * deadline (a peer alive but never arriving; a dead peer ends the job
+ * through mpirun), the watchdog names the op and ends the job with
+ * MPI_Abort, as a hang is the one outcome ddp never gives. It looks every
+ * 50 ms. */
+static void *watchdog_main(void *arg) {
+  mpi_backend *m = arg;
+  while (!atomic_load(&m->stopping)) {
+    struct timespec ts = {0, 50000000};
+    nanosleep(&ts, NULL);
+    int64_t deadline = atomic_load(&m->blocking_deadline);
+    if (deadline && ddp_time_ns() >= deadline) {
+      const char *op = atomic_load(&m->blocking_op);
+      ddp_log(DDP_LOG_ERROR, "%s #%" PRIu64 " (rank %d of %d) did not complete in time on the mpi backend; MPI cannot "
+                "interrupt its blocking call, so this ends the job (MPI_Abort). DDP_MPI_BLOCKING_BYTES=0 runs "
+                "every collective nonblocking, which fails the group instead", op ? op : "operation",
+                atomic_load(&m->blocking_seq), m->rank, m->size);
+      MPI_Abort(m->coll, 1);
+    }
+  }
+  return NULL;
+}
+
+/* What an enqueued op keeps in its completion until MPI_Test says done. */
+typedef struct pending {
+  MPI_Request req;
+  void *scale_buf; /* AVG: divide this by the group size when done */
+  size_t scale_count;
+  void *tmp;       /* a copy of send (in-place all_to_all); ddp_free'd when done */
+  int32_t dtype;
+  int32_t peer;    /* p2p: the peer, for messages; else -1 */
+  int32_t kind;    /* ddp__op_kind, and */
+  uint64_t seq;    /* the op's number, for messages */
+} pending;
+_Static_assert(sizeof(pending) <= sizeof(((ddp__completion *)0)->state), "pending fits a completion");
+
+static pending *pending_of(ddp__completion *c) { return (pending *)(void *)c->state; }
+
+static ddp_status mpi_failed(const mpi_backend *m, const ddp__op_ctx *ctx, int code, int peer) {
+  char text[MPI_MAX_ERROR_STRING + 64];
+  ddp__mpi_error_string(code, text, sizeof text);
+  if (peer >= 0)
+    return ddp_error(DDP_ERR_PEER, "%s #%" PRIu64 " (rank %d of %d, peer %d) on the mpi backend: %s",
+                     ctx->op, ctx->seq, m->rank, m->size, peer, text);
+  return ddp_error(DDP_ERR_PEER, "%s #%" PRIu64 " (rank %d of %d) on the mpi backend: %s", ctx->op,
+                   ctx->seq, m->rank, m->size, text);
+}
+
+static void finish(mpi_backend *m, ddp__completion *c, int rc, const MPI_Status *status);
+
+/* send aliases this rank's block of recv: MPI wants MPI_IN_PLACE then. */
+static const void *in_place(const void *send, const void *recv, size_t block_bytes, int index) {
+  return send == (const char *)recv + block_bytes * (size_t)index ? MPI_IN_PLACE : send;
+}
+
+static ddp_status mpi_enqueue(ddp__backend *b, const ddp__op_ctx *ctx, const ddp__op_args *a,
+                              ddp__completion *c) {
+  mpi_backend *m = (mpi_backend *)b;
+  if (atomic_load(&m->aborted))
+    return ddp_error(DDP_ERR_ABORTED, "%s #%" PRIu64 ": the mpi backend of this group (rank %d of %d) was aborted",
+                     ctx->op, ctx->seq, m->rank, m->size);
+  size_t es = ddp_dtype_size(a->dtype);
+  /* MPI counts are ints; a block count of the blocked ops times the group
+   * size stays within what MPI addresses as long as one block does. */
+  if (a->count > (size_t)INT_MAX || (a->kind == DDP__OP_SEND || a->kind == DDP__OP_RECV ? a->count * es > (size_t)INT_MAX : false))
+    return ddp_error(DDP_ERR_UNSUPPORTED, "%s #%" PRIu64 " (rank %d of %d): %zu elements exceed what one MPI call "
+                     "takes (INT_MAX); split the buffer", ctx->op, ctx->seq, m->rank, m->size, a->count);
+  pending *p = pending_of(c);
+  *p = (pending){.req = MPI_REQUEST_NULL, .dtype = (int32_t)a->dtype, .peer = -1, .kind = (int32_t)a->kind,
+                .seq = ctx->seq};
+  int n = (int)a->count;
+  MPI_Datatype t = ddp__mpi_datatype(a->dtype);
+  MPI_Op op = ddp__op_reduces(a->kind) ? ddp__mpi_op(a->dtype, a->reduce_op) : MPI_OP_NULL;
+  bool avg = ddp__op_reduces(a->kind) && a->reduce_op == DDP_REDUCE_AVG;
+  size_t block = a->count * es;
+  /* A blocking call of the program's, up to DDP_MPI_BLOCKING_BYTES per
+   * rank, runs as MPI's blocking collective (a nonblocking one costs its
+   * schedule and the polling; the thread that runs it has nothing else to
+   * do, as the program waits for it). Async ones stay nonblocking, so the
+   * progress thread polls them with back-off instead of spinning on a core
+   * backward computes on. Chosen from what every rank of the program does
+   * alike (blocking_call, the size), never from where the op runs: MPI
+   * matches a blocking collective only with a blocking one. */
+  bool blocking = ddp__op_is_collective(a->kind) && a->blocking_call && block <= m->blocking_bytes;
+  if (blocking) {
+    atomic_store(&m->blocking_op, ctx->op);
+    atomic_store(&m->blocking_seq, ctx->seq);
+    atomic_store(&m->blocking_deadline, ctx->deadline_ns);
+  }
+  int rc = MPI_SUCCESS;
+  switch (a->kind) {
+  case DDP__OP_ALLREDUCE:
+    rc = blocking ? MPI_Allreduce(MPI_IN_PLACE, a->buf, n, t, op, m->coll) : MPI_Iallreduce(MPI_IN_PLACE, a->buf, n, t, op, m->coll, &p->req);
+    if (avg) p->scale_buf = a->buf, p->scale_count = a->count;
+    break;
+  case DDP__OP_BROADCAST:
+    rc = blocking ? MPI_Bcast(a->buf, n, t, a->root, m->coll) : MPI_Ibcast(a->buf, n, t, a->root, m->coll, &p->req);
+    break;
+  case DDP__OP_REDUCE:
+    if (m->rank == a->root) {
+      rc = blocking ? MPI_Reduce(MPI_IN_PLACE, a->buf, n, t, op, a->root, m->coll) : MPI_Ireduce(MPI_IN_PLACE, a->buf, n, t, op, a->root, m->coll, &p->req);
+      if (avg) p->scale_buf = a->buf, p->scale_count = a->count;
+    } else {
+      rc = blocking ? MPI_Reduce(a->buf, NULL, n, t, op, a->root, m->coll) : MPI_Ireduce(a->buf, NULL, n, t, op, a->root, m->coll, &p->req);
+    }
+    break;
+  case DDP__OP_ALLGATHER:
+    rc = blocking ? MPI_Allgather(in_place(a->send, a->buf, block, m->rank), n, t, a->buf, n, t, m->coll) : MPI_Iallgather(in_place(a->send, a->buf, block, m->rank), n, t, a->buf, n, t, m->coll, &p->req);
+    break;
+  case DDP__OP_GATHER:
+    if (m->rank == a->root)
+      rc = blocking ? MPI_Gather(in_place(a->send, a->buf, block, m->rank), n, t, a->buf, n, t, a->root, m->coll) : MPI_Igather(in_place(a->send, a->buf, block, m->rank), n, t, a->buf, n, t, a->root, m->coll, &p->req);
+    else
+      rc = blocking ? MPI_Gather(a->send, n, t, NULL, n, t, a->root, m->coll) : MPI_Igather(a->send, n, t, NULL, n, t, a->root, m->coll, &p->req);
+    break;
+  case DDP__OP_SCATTER:
+    if (m->rank == a->root && a->buf == (const char *)a->send + block * (size_t)m->rank)
+      rc = blocking ? MPI_Scatter(a->send, n, t, MPI_IN_PLACE, n, t, a->root, m->coll) : MPI_Iscatter(a->send, n, t, MPI_IN_PLACE, n, t, a->root, m->coll, &p->req);
+    else
+      rc = blocking ? MPI_Scatter(a->send, n, t, a->buf, n, t, a->root, m->coll) : MPI_Iscatter(a->send, n, t, a->buf, n, t, a->root, m->coll, &p->req);
+    break;
+  case DDP__OP_REDUCE_SCATTER:
+    rc = blocking ? MPI_Reduce_scatter_block(a->send, a->buf, n, t, op, m->coll) : MPI_Ireduce_scatter_block(a->send, a->buf, n, t, op, m->coll, &p->req);
+    if (avg) p->scale_buf = a->buf, p->scale_count = a->count;
+    break;
+  case DDP__OP_ALL_TO_ALL: {
+    /* Open MPI's nonblocking all-to-all takes no MPI_IN_PLACE: a copy. */
+    const void *send = a->send;
+    if (send == a->buf && block) {
+      p->tmp = ddp_alloc(block * (size_t)m->size);
+      if (!p->tmp) {
+        atomic_store(&m->blocking_deadline, 0); /* nothing for the watchdog to wait for */
+        return ddp_error(DDP_ERR_NOMEM, "%s #%" PRIu64 " (rank %d of %d): out of memory for an in-place copy",
+                         ctx->op, ctx->seq, m->rank, m->size);
+      }
+      memcpy(p->tmp, send, block * (size_t)m->size);
+      send = p->tmp;
+    }
+    rc = blocking ? MPI_Alltoall(send, n, t, a->buf, n, t, m->coll) : MPI_Ialltoall(send, n, t, a->buf, n, t, m->coll, &p->req);
+    break;
+  }
+  case DDP__OP_BARRIER:
+    rc = blocking ? MPI_Barrier(m->coll) : MPI_Ibarrier(m->coll, &p->req);
+    break;
+  case DDP__OP_SEND:
+    p->peer = a->root;
+    rc = MPI_Isend(a->send, n * (int)es, MPI_BYTE, a->root, a->tag, m->p2p, &p->req);
+    break;
+  case DDP__OP_RECV:
+    p->peer = a->root;
+    rc = MPI_Irecv(a->buf, n * (int)es, MPI_BYTE, a->root, a->tag, m->p2p, &p->req);
+    break;
+  default:
+    atomic_store(&m->blocking_deadline, 0);
+    return ddp_error(DDP_ERR_UNSUPPORTED, "%s: not an operation of the mpi backend", ctx->op);
+  }
+  if (blocking) atomic_store(&m->blocking_deadline, 0);
+  if (rc != MPI_SUCCESS) {
+    ddp_free(p->tmp);
+    p->tmp = NULL;
+    return mpi_failed(m, ctx, rc, p->peer);
+  }
+  if (blocking) {
+    MPI_Status none = {0};
+    finish(m, c, rc, &none);
+  }
+  return DDP_OK;
+}
+
+/* Completes c from its request's end (MPI_Test said done, with rc). */
+static void finish(mpi_backend *m, ddp__completion *c, int rc, const MPI_Status *status) {
+  pending *p = pending_of(c);
+  ddp_free(p->tmp);
+  p->tmp = NULL;
+  if (rc == MPI_ERR_IN_STATUS) rc = status->MPI_ERROR;
+  if (rc != MPI_SUCCESS) {
+    ddp__op_ctx ctx = {.op = ddp__op_kind_name((ddp__op_kind)p->kind), .seq = p->seq};
+    ddp__completion_finish(c, mpi_failed(m, &ctx, rc, p->peer));
+    return;
+  }
+  if (p->scale_buf) ddp__reduce_scale(p->scale_buf, p->scale_count, (ddp_dtype)p->dtype, m->size);
+  ddp__completion_finish(c, DDP_OK);
+}
+
+static bool mpi_test(ddp__backend *b, ddp__completion *c) {
+  if (atomic_load_explicit(&c->done, memory_order_acquire)) return true;
+  mpi_backend *m = (mpi_backend *)b;
+  pending *p = pending_of(c);
+  if (atomic_load(&m->aborted)) {
+    /* MPI cannot cancel a collective (MPI_Cancel and MPI_Request_free are
+     * erroneous on one): the request is left to MPI, and its buffers may
+     * still be written until the job ends (docs/comm.md). */
+    p->tmp = NULL; /* MPI may still read it: leaked on purpose */
+    ddp__completion_finish(c, ddp_error(DDP_ERR_ABORTED, "the mpi backend of this group (rank %d of %d) was aborted",
+                                        m->rank, m->size));
+    return true;
+  }
+  int flag = 0;
+  MPI_Status status;
+  int rc = MPI_Test(&p->req, &flag, &status);
+  if (!flag && rc == MPI_SUCCESS) return false;
+  finish(m, c, rc, &status);
+  return true;
+}
+
+static void sleep_ns(int64_t ns) {
+  struct timespec ts = {.tv_sec = 0, .tv_nsec = (long)ns};
+  nanosleep(&ts, NULL);
+}
+
+/* A caller blocked in the op spins on MPI_Test as MPI_Wait does (Open MPI
+ * progresses only inside MPI's calls, and a sleep between polls would stall
+ * every step of the collective); it looks at the clock every 256 polls. The
+ * progress thread (caller not blocked) spins briefly, then sleeps 2 to 100
+ * us between polls, leaving the core to the caller's computation. */
+static ddp_status mpi_wait(ddp__backend *b, const ddp__op_ctx *ctx, ddp__completion *c) {
+  mpi_backend *m = (mpi_backend *)b;
+  int64_t pause = 2000;
+  for (uint64_t i = 1;; i++) {
+    if (mpi_test(b, c)) return DDP_OK;
+    if (ctx->aborted && atomic_load_explicit(ctx->aborted, memory_order_relaxed))
+      return ddp_error(DDP_ERR_ABORTED, "%s #%" PRIu64 " (rank %d of %d): the group was aborted", ctx->op,
+                       ctx->seq, m->rank, m->size);
+    if (ctx->caller_blocked ? (i & 255) == 0 : i > 64) {
+      if (ddp_time_ns() >= ctx->deadline_ns) {
+        pending *p = pending_of(c);
+        if (p->peer >= 0)
+          return ddp_error(DDP_ERR_TIMEOUT, "%s #%" PRIu64 " (rank %d of %d) with peer %d did not complete in time "
+                           "on the mpi backend (MPI does not say which rank is late)",
+                           ctx->op, ctx->seq, m->rank, m->size, p->peer);
+        return ddp_error(DDP_ERR_TIMEOUT, "%s #%" PRIu64 " (rank %d of %d) did not complete in time on the mpi "
+                         "backend (MPI does not say which rank is late; the flight recorder's dump does)",
+                         ctx->op, ctx->seq, m->rank, m->size);
+      }
+      if (!ctx->caller_blocked) {
+        sleep_ns(pause);
+        pause = pause * 2 > 100000 ? 100000 : pause * 2;
+      }
+    }
+  }
+}
+
+/* ---- The point-to-point lane -------------------------------------------------------
+ * Each request is posted (MPI_Isend / MPI_Irecv on the p2p communicator) the
+ * first time the lane sees it, in posting order, then tested: MPI's
+ * non-overtaking rule keeps the order per (peer, tag). */
+typedef struct p2p_state {
+  bool posted;
+  MPI_Request req;
+} p2p_state;
+_Static_assert(sizeof(p2p_state) <= sizeof(((ddp__p2p_req *)0)->state), "p2p state fits a request");
+
+static ddp_status mpi_p2p_progress(ddp__backend *b, const ddp__op_ctx *ctx, ddp__p2p_req *const *reqs, int n,
+                                   int64_t wait_ns, int *culprit) {
+  mpi_backend *m = (mpi_backend *)b;
+  *culprit = -1;
+  int64_t end = ddp_time_ns() + wait_ns;
+  int64_t pause = 1000;
+  int polls = 0;
+  for (;;) {
+    bool progressed = false;
+    for (int i = 0; i < n; i++) {
+      ddp__p2p_req *r = reqs[i];
+      p2p_state *s = (p2p_state *)(void *)r->state;
+      if (r->finished) continue;
+      int rc = MPI_SUCCESS;
+      if (!s->posted) {
+        if (r->bytes > (size_t)INT_MAX) {
+          *culprit = i;
+          return ddp_error(DDP_ERR_UNSUPPORTED, "%s (rank %d of %d, peer %d): %zu bytes exceed what one MPI "
+                           "message takes (INT_MAX)", ctx->op, m->rank, m->size, r->peer, r->bytes);
+        }
+        rc = r->is_send ? MPI_Isend(r->buf, (int)r->bytes, MPI_BYTE, r->peer, r->tag, m->p2p, &s->req)
+                        : MPI_Irecv(r->buf, (int)r->bytes, MPI_BYTE, r->peer, r->tag, m->p2p, &s->req);
+        s->posted = rc == MPI_SUCCESS;
+        progressed = true;
+      }
+      int flag = 0;
+      if (rc == MPI_SUCCESS) rc = MPI_Test(&s->req, &flag, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) {
+        *culprit = i;
+        return mpi_failed(m, ctx, rc, r->peer);
+      }
+      if (flag) {
+        r->finished = true;
+        progressed = true;
+      }
+    }
+    if (progressed || atomic_exchange(&m->p2p_woken, false) || atomic_load(&m->aborted)) return DDP_OK;
+    if (ddp_time_ns() >= end) return DDP_OK;
+    /* MPI moves bytes only inside MPI_Test: 128 polls back to back (a
+     * large message's rendezvous takes several), then short sleeps, which
+     * keep it moving without holding the core. */
+    if (++polls > 128) {
+      sleep_ns(pause);
+      pause = pause * 2 > 50000 ? 50000 : pause * 2;
+    }
+  }
+}
+
+static void mpi_p2p_wake(ddp__backend *b) { atomic_store(&((mpi_backend *)b)->p2p_woken, true); }
+
+static const char *mpi_transport(const ddp__backend *b, int peer) { return "mpi"; }
+
+static void mpi_abort(ddp__backend *b) {
+  mpi_backend *m = (mpi_backend *)b;
+  atomic_store(&m->aborted, true);
+  atomic_store(&ddp__mpi_failed, true);
+}
+
+static void mpi_destroy(ddp__backend *b) {
+  mpi_backend *m = (mpi_backend *)b;
+  atomic_store(&m->stopping, true);
+  if (m->watchdog_running) pthread_join(m->watchdog, NULL);
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  /* MPI_Comm_free after MPI_Finalize is erroneous; after an abort the
+   * communicators may hold requests MPI will not give back. */
+  if (!finalized && !atomic_load(&m->aborted)) {
+    if (m->coll != MPI_COMM_NULL) MPI_Comm_free(&m->coll);
+    if (m->p2p != MPI_COMM_NULL) MPI_Comm_free(&m->p2p);
+  }
+  ddp_free(m);
+}
+
+static const ddp__backend_ops mpi_ops = {
+    .name = "mpi",
+    /* Every operation, dtype and reduce op on host memory; subgroups; a few
+     * operations in flight so that the DDP wrapper's buckets overlap. */
+    .caps = {.ops = DDP__CAPS_ALL_OPS, .dtypes = DDP__CAPS_ALL_DTYPES,
+             .reduce_ops = DDP__CAPS_ALL_REDUCE_OPS, .devices = DDP__CAPS_CPU, .subgroups = true,
+             .max_in_flight = 4},
+    .enqueue = mpi_enqueue,
+    .test = mpi_test,
+    .wait = mpi_wait,
+    .p2p_progress = mpi_p2p_progress,
+    .p2p_wake = mpi_p2p_wake,
+    .transport = mpi_transport,
+    .abort = mpi_abort,
+    .destroy = mpi_destroy,
+};
+
+/* The group's communicator: a duplicate of the program's (from_mpi_comm),
+ * or the group's ranks of MPI_COMM_WORLD, whose world ranks every rank
+ * publishes in the group's store (a subgroup or a group made through
+ * ddp_process_group_create under mpirun). */
+static ddp_status group_comm(const ddp__backend_config *cfg, const char *who, MPI_Comm *out) {
+  int rc;
+  if (ddp__mpi_base_comm != MPI_COMM_NULL) {
+    int size = 0;
+    MPI_Comm_size(ddp__mpi_base_comm, &size);
+    if (size != cfg->size)
+      return ddp_error(DDP_ERR_INVALID, "%s: the MPI communicator has %d ranks, the group %d", who, size, cfg->size);
+    rc = MPI_Comm_dup(ddp__mpi_base_comm, out);
+  } else {
+    int wrank = 0, wsize = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &wrank);
+    MPI_Comm_size(MPI_COMM_WORLD, &wsize);
+    if (cfg->size > wsize)
+      return ddp_error(DDP_ERR_INVALID, "%s: the group has %d ranks but MPI's world only %d processes: start "
+                       "the job with mpirun -np %d (or srun --mpi=pmix -n %d), one process per rank",
+                       who, cfg->size, wsize, cfg->size, cfg->size);
+    for (int r = 0; r < cfg->size; r++)
+      for (int q = 0; q < r; q++)
+        if (cfg->process_of[q] == cfg->process_of[r])
+          return ddp_error(DDP_ERR_INVALID, "%s: ranks %d and %d are threads of one process; the mpi backend "
+                           "needs one process per rank", who, q, r);
+    char key[32], value[32];
+    snprintf(key, sizeof key, "mpi/wrank/%d", cfg->rank);
+    int vn = snprintf(value, sizeof value, "%d", wrank);
+    DDP_TRY(ddp_store_set(cfg->store, key, value, (size_t)vn));
+    int *wranks = ddp_calloc((size_t)cfg->size, sizeof *wranks);
+    if (!wranks) return ddp_error(DDP_ERR_NOMEM, "%s: out of memory", who);
+    int64_t ms = cfg->timeout_ns / 1000000 > 0 ? cfg->timeout_ns / 1000000 : 1;
+    ddp_status st = DDP_OK;
+    for (int r = 0; r < cfg->size && st == DDP_OK; r++) {
+      snprintf(key, sizeof key, "mpi/wrank/%d", r);
+      void *v = NULL;
+      size_t vb = 0;
+      st = ddp_store_get(cfg->store, key, ms, &v, &vb);
+      if (st == DDP_OK) {
+        char text[32];
+        snprintf(text, sizeof text, "%.*s", (int)(vb < sizeof text ? vb : sizeof text - 1), (char *)v);
+        if (sscanf(text, "%d", &wranks[r]) != 1 || wranks[r] < 0 || wranks[r] >= wsize)
+          st = ddp_error(DDP_ERR_FORMAT, "%s: rank %d's MPI rank \"%s\" is malformed", who, r, text);
+        ddp_free(v);
+      } else {
+        st = ddp_error_wrap(st, "%s: reading rank %d's MPI rank", who, r);
+      }
+    }
+    if (st != DDP_OK) {
+      ddp_free(wranks);
+      return st;
+    }
+    MPI_Group world, members;
+    MPI_Comm_group(MPI_COMM_WORLD, &world);
+    MPI_Group_incl(world, cfg->size, wranks, &members);
+    /* Collective over the members only, so disjoint subgroups form at once. */
+    rc = MPI_Comm_create_group(MPI_COMM_WORLD, members, 0x0dd9, out);
+    MPI_Group_free(&members);
+    MPI_Group_free(&world);
+    ddp_free(wranks);
+  }
+  if (rc != MPI_SUCCESS) {
+    char text[MPI_MAX_ERROR_STRING + 64];
+    ddp__mpi_error_string(rc, text, sizeof text);
+    return ddp_error(DDP_ERR_PEER, "%s: making the group's MPI communicator: %s", who, text);
+  }
+  int r = -1;
+  MPI_Comm_rank(*out, &r);
+  if (r != cfg->rank) {
+    MPI_Comm_free(out);
+    return ddp_error(DDP_ERR_INVALID, "%s: this process is rank %d of the MPI communicator but rank %d of the "
+                     "group; give the group MPI's ranks", who, r, cfg->rank);
+  }
+  return DDP_OK;
+}
+
+ddp_status ddp__backend_mpi_create(const ddp__backend_config *cfg, ddp__backend **out) {
+  *out = NULL;
+  char who[96];
+  snprintf(who, sizeof who, "mpi backend (rank %d of %d)", cfg->rank, cfg->size);
+  DDP_TRY(ddp__mpi_ensure_init(who));
+  mpi_backend *m = ddp_calloc(1, sizeof *m);
+  if (!m) return ddp_error(DDP_ERR_NOMEM, "%s: out of memory", who);
+  m->base.ops = &mpi_ops;
+  m->rank = cfg->rank;
+  m->size = cfg->size;
+  m->coll = m->p2p = MPI_COMM_NULL;
+  atomic_init(&m->aborted, false);
+  atomic_init(&m->p2p_woken, false);
+  atomic_init(&m->blocking_deadline, 0);
+  atomic_init(&m->blocking_op, NULL);
+  atomic_init(&m->blocking_seq, 0);
+  atomic_init(&m->stopping, false);
+  /* Default -1: every blocking call of the program as MPI's blocking
+   * collective, like with like against MPI_Allreduce at every size
+   * (Open MPI's blocking algorithms are its tuned ones; its nonblocking
+   * ones, libnbc's, are other algorithms). */
+  int64_t bb = -1;
+  ddp_status est = ddp_env_int("DDP_MPI_BLOCKING_BYTES", -1, &bb);
+  if (est != DDP_OK || bb < -1) {
+    ddp_free(m);
+    return ddp_error(DDP_ERR_INVALID, "%s: DDP_MPI_BLOCKING_BYTES \"%s\" is not a byte count (0: every collective "
+                     "nonblocking; -1, the default: every blocking call blocking)", who, ddp_env_str("DDP_MPI_BLOCKING_BYTES", ""));
+  }
+  m->blocking_bytes = bb < 0 ? SIZE_MAX : (size_t)bb;
+  m->coll = m->p2p = MPI_COMM_NULL;
+  MPI_Comm comm = MPI_COMM_NULL;
+  ddp_status st = group_comm(cfg, who, &comm);
+  if (st == DDP_OK) {
+    m->coll = comm;
+    /* Errors come back to ddp (named, sticky) instead of killing the job. */
+    MPI_Comm_set_errhandler(m->coll, MPI_ERRORS_RETURN);
+    if (MPI_Comm_dup(m->coll, &m->p2p) != MPI_SUCCESS)
+      st = ddp_error(DDP_ERR_PEER, "%s: duplicating the group's MPI communicator", who);
+  }
+  if (st == DDP_OK && m->blocking_bytes > 0) {
+    if (pthread_create(&m->watchdog, NULL, watchdog_main, m) != 0)
+      st = ddp_error(DDP_ERR_SYS, "%s: starting the watchdog of blocking calls", who);
+    else
+      m->watchdog_running = true;
+  }
+  if (st != DDP_OK) {
+    mpi_destroy(&m->base);
+    return st;
+  }
+  *out = &m->base;
+  return DDP_OK;
+}

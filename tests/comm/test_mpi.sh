@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The MPI backend under mpirun (docs/comm.md, "MPI backend"): the collective
+# matrix, point-to-point ordering, subgroups and a group from the program's
+# own MPI_Comm at 2 and 4 ranks; DDP_DEBUG=detail naming a mismatch; a
+# stalled peer ending the job by the timeout; backend "mpi" outside an MPI launch failing
+# at once; a rank SIGKILLed ending the job with the rank named, never a
+# hang. Usage: test_mpi.sh PATH/TO/test_mpi_ranks [MODE...]
+# Exits 77 (skipped) with the reason when mpirun or the MPI build is absent.
+set -u
+bin=${1:?usage: test_mpi.sh PATH/TO/test_mpi_ranks}
+shift
+modes=("$@")
+[ ${#modes[@]} -gt 0 ] || modes=(outside matrix p2p subgroups usercomm mismatch stall kill)
+command -v mpirun >/dev/null || { echo "SKIP: mpirun not found (scripts/install-deps.sh mpi)"; exit 77; }
+[ -x "$bin" ] || { echo "SKIP: $bin absent: this build has no MPI backend"; exit 77; }
+. "$(dirname "$0")/../support/mpi_env.sh"
+limit=${DDP_TEST_MPI_TIMEOUT:-240}
+out=$(mktemp)
+trap 'rm -f "$out"' EXIT
+failed=0
+
+run_mpi() { # np mode
+  timeout -k 10 $((limit + 20)) mpirun --allow-run-as-root --oversubscribe --timeout "$limit" \
+    -np "$1" "$bin" "$2" >"$out" 2>&1
+}
+
+for mode in "${modes[@]}"; do
+  case $mode in
+  outside)
+    # No launcher's variables: fails at once naming mpirun.
+    start=$(date +%s)
+    if env -u OMPI_COMM_WORLD_SIZE -u PMIX_RANK -u PMI_RANK -u PMI_SIZE -u RANK \
+        timeout 30 "$bin" outside >"$out" 2>&1 && [ $(($(date +%s) - start)) -le 10 ]; then
+      echo "ok: outside an MPI launch: $(head -1 "$out")"
+    else
+      echo "FAIL: outside an MPI launch"; cat "$out"; failed=1
+    fi ;;
+  mismatch)
+    # DDP_DEBUG=detail's fingerprints through the store MPI's rank 0 serves.
+    if DDP_DEBUG=detail run_mpi 2 mismatch && [ "$(grep -c "mismatch" "$out")" -ge 2 ]; then
+      echo "ok: DDP_DEBUG=detail named a mismatched allreduce on both ranks: $(grep -m1 mismatch "$out")"
+    else
+      echo "FAIL: DDP_DEBUG=detail mismatch"; cat "$out"; failed=1
+    fi ;;
+  stall)
+    # Rank 1 sleeps 30 s; the op's 3 s timeout ends the job naming it, well
+    # before the sleep ends: by the watchdog (blocking call) or the wait.
+    for b in default 0; do
+      if [ "$b" = default ]; then unset DDP_MPI_BLOCKING_BYTES; else export DDP_MPI_BLOCKING_BYTES=$b; fi
+      start=$(date +%s)
+      run_mpi 2 stall; rc=$?
+      took=$(($(date +%s) - start))
+      unset DDP_MPI_BLOCKING_BYTES
+      if [ $rc -ne 0 ] && [ $took -lt 25 ] && grep -q "allreduce #2 (rank 0 of 2).*did not complete in time" "$out"; then
+        echo "ok: a stalled peer ended the job in ${took}s (DDP_MPI_BLOCKING_BYTES $b): $(grep -o 'allreduce #2 (rank 0 of 2)[^;]*' "$out" | head -1)"
+      else
+        echo "FAIL: stalled peer, DDP_MPI_BLOCKING_BYTES $b (exit $rc after ${took}s)"; cat "$out"; failed=1
+      fi
+    done ;;
+  kill)
+    start=$(date +%s)
+    run_mpi 3 kill; rc=$?
+    took=$(($(date +%s) - start)) # mpirun itself exits 137 (the rank's SIGKILL); a timeout shows as took >= limit
+    if [ $rc -ne 0 ] && [ $rc -ne 124 ] && grep -Eq "rank 1\b.*(signal 9|Killed)|process rank 1 " "$out" \
+        && [ $took -lt "$limit" ]; then
+      echo "ok: SIGKILL of rank 1 ended the job in ${took}s (exit $rc): $(grep -E 'rank 1' "$out" | head -1)"
+    else
+      echo "FAIL: SIGKILL of rank 1 (exit $rc after ${took}s)"; cat "$out"; failed=1
+    fi ;;
+  *)
+    # The default (every blocking call as MPI's blocking collective), and
+    # the matrix again with every collective nonblocking (0) and blocking
+    # calls up to 64 KiB per rank blocking, larger ones nonblocking.
+    settings=(default)
+    [ "$mode" = matrix ] && settings=(default 0 65536)
+    for np in 2 4; do
+      for b in "${settings[@]}"; do
+        if [ "$b" = default ]; then unset DDP_MPI_BLOCKING_BYTES; else export DDP_MPI_BLOCKING_BYTES=$b; fi
+        if run_mpi "$np" "$mode"; then
+          echo "ok: $mode at $np ranks (DDP_MPI_BLOCKING_BYTES $b)"
+        else
+          echo "FAIL: $mode at $np ranks, DDP_MPI_BLOCKING_BYTES $b (exit $?)"; cat "$out"; failed=1
+        fi
+      done
+      unset DDP_MPI_BLOCKING_BYTES
+    done ;;
+  esac
+done
+exit $failed

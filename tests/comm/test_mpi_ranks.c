@@ -1,0 +1,296 @@
+/* One rank of the MPI backend's tests, run under mpirun by test_mpi.sh
+ * (docs/comm.md, "MPI backend"). Usage: test_mpi_ranks MODE
+ *   matrix    every operation x dtype x reduce op x counts 0, 1, odd and
+ *             1 MiB against the closed forms (tests/comm/comm_matrix_body.h,
+ *             the matrix ddp's own backends run), then async allreduces in
+ *             flight together
+ *   p2p       ordering per (peer, tag) through blocking and async sends,
+ *             a batch, and a truncated receive failing by name
+ *   subgroups split by parity and new_group of the lower half, collectives
+ *             in each against closed forms; monitored barrier
+ *   usercomm  the program starts MPI itself and makes a group from its own
+ *             MPI_Comm (split and reordered): ranks are that communicator's
+ *   outside   not under mpirun: backend "mpi" fails at once saying why
+ *   stall     rank 1 sleeps past the group's 3 s timeout before an
+ *             allreduce: rank 0's ends the job naming the op (the watchdog of
+ *             a blocking call, or the nonblocking wait's DDP_ERR_TIMEOUT)
+ *   mismatch  under DDP_DEBUG=detail, rank 1 reduces 5 elements where the
+ *             others reduce 4: every rank fails naming the mismatch (the
+ *             fingerprints go through the group's store from MPI's rank 0)
+ *   kill      rank 1 SIGKILLs itself while the others run collectives; the
+ *             script checks the job ends naming it
+ * Exit status 0 when this rank passed. */
+#include <mpi.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "comm/comm_matrix_body.h"
+
+static int bad(const char *what) {
+  fprintf(stderr, "test_mpi_ranks: %s: %s\n", what, ddp_last_error());
+  return 1;
+}
+
+/* One process's rank of the world the matrix body expects. */
+static ct_world *world_of(ddp_process_group *pg) {
+  ct_world *w = calloc(1, sizeof *w);
+  w->size = ddp_process_group_size(pg);
+  pthread_mutex_init(&w->mu, NULL);
+  return w;
+}
+
+/* This rank's result; frees w. */
+static int verdict(ct_world *w, int rank) {
+  int rc = 0;
+  if (atomic_load(&w->failures)) {
+    fprintf(stderr, "FAILED (rank %d): %s\n", rank, w->first_failure);
+    rc = 1;
+  }
+  pthread_mutex_destroy(&w->mu);
+  free(w);
+  return rc;
+}
+
+static void body_async(ct_rank *self) {
+  ddp_process_group *pg = self->pg;
+  int P = ddp_process_group_size(pg), r = self->rank;
+  enum { K = 8, N = 100003 };
+  float *bufs[K];
+  ddp_work *works[K];
+  for (int k = 0; k < K; k++) {
+    bufs[k] = malloc(N * sizeof(float));
+    for (size_t i = 0; i < N; i++) bufs[k][i] = (float)((r + 1) * (k + 1));
+    CT_OK(self, ddp_allreduce_async(pg, bufs[k], N, DDP_FLOAT32, k % 2 ? DDP_REDUCE_AVG : DDP_REDUCE_SUM,
+                                    &works[k]));
+  }
+  for (int k = 0; k < K; k++) {
+    CT_OK(self, ddp_work_wait(works[k], -1));
+    ddp_work_free(works[k]);
+    double sum = (double)P * (P + 1) / 2 * (k + 1), want = k % 2 ? sum / P : sum;
+    for (size_t i = 0; i < N; i += 997)
+      CT_CHECK(self, bufs[k][i] == (float)want, "async allreduce %d [%zu] = %g, want %g", k, i, bufs[k][i], want);
+    free(bufs[k]);
+  }
+}
+
+static int mode_matrix(ddp_process_group *pg) {
+  ct_world *w = world_of(pg);
+  ct_rank self = {.world = w, .rank = ddp_process_group_rank(pg), .pg = pg};
+  char *a = malloc(MIB + 4096), *b = malloc(MIB + 4096);
+  for (size_t d = 0; d < LT_NUM_DTYPES && !atomic_load(&w->failures); d++)
+    ct_matrix_dtype(&self, lt_dtypes[d], a, b);
+  if (!atomic_load(&w->failures)) body_async(&self);
+  free(a);
+  free(b);
+  return verdict(w, self.rank);
+}
+
+static void body_p2p(ct_rank *self) {
+  ddp_process_group *pg = self->pg;
+  int P = ddp_process_group_size(pg), r = self->rank;
+  int next = (r + 1) % P, prev = (r + P - 1) % P;
+  enum { M = 64 };
+  /* Sizes from 0 to 256 KiB interleaved over two tags: each arrives in the
+   * order it was sent on its tag. */
+  static int64_t out[M][8192], in[M][8192];
+  ddp_work *sends[M], *recvs[M];
+  for (int k = 0; k < M; k++) {
+    size_t n = (size_t)(k * 131) % 8192;
+    for (size_t i = 0; i < n; i++) out[k][i] = (int64_t)r * 1000000 + k * 1000 + (int64_t)(i % 1000);
+    CT_OK(self, ddp_isend(pg, out[k], n, DDP_INT64, next, k % 2, &sends[k]));
+  }
+  for (int k = 0; k < M; k++) {
+    size_t n = (size_t)(k * 131) % 8192;
+    CT_OK(self, ddp_irecv(pg, in[k], n, DDP_INT64, prev, k % 2, &recvs[k]));
+  }
+  for (int k = 0; k < M; k++) {
+    CT_OK(self, ddp_work_wait(recvs[k], -1));
+    CT_OK(self, ddp_work_wait(sends[k], -1));
+    ddp_work_free(recvs[k]);
+    ddp_work_free(sends[k]);
+    size_t n = (size_t)(k * 131) % 8192;
+    for (size_t i = 0; i < n; i++)
+      CT_CHECK(self, in[k][i] == (int64_t)prev * 1000000 + k * 1000 + (int64_t)(i % 1000),
+               "message %d from rank %d [%zu] = %lld", k, prev, i, (long long)in[k][i]);
+  }
+  /* A batch both ways around the ring, and blocking send/recv in turn. */
+  int32_t x = r * 7 + 1, y = -1, z = r, u = -1;
+  ddp_p2p_op ops[2] = {{DDP_P2P_SEND, &x, 1, DDP_INT32, next, 5}, {DDP_P2P_RECV, &y, 1, DDP_INT32, prev, 5}};
+  ddp_work *batch = NULL;
+  CT_OK(self, ddp_batch_isend_irecv(pg, ops, 2, &batch));
+  CT_OK(self, ddp_work_wait(batch, -1));
+  ddp_work_free(batch);
+  CT_CHECK(self, y == prev * 7 + 1, "batch recv from %d = %d", prev, y);
+  if (r % 2 == 0) {
+    CT_OK(self, ddp_send(pg, &z, 1, DDP_INT32, next, 9));
+    CT_OK(self, ddp_recv(pg, &u, 1, DDP_INT32, prev, 9));
+  } else {
+    CT_OK(self, ddp_recv(pg, &u, 1, DDP_INT32, prev, 9));
+    CT_OK(self, ddp_send(pg, &z, 1, DDP_INT32, next, 9));
+  }
+  CT_CHECK(self, u == prev, "recv from %d = %d", prev, u);
+  CT_OK(self, ddp_barrier(pg));
+}
+
+static int mode_p2p(ddp_process_group *pg) {
+  ct_world *w = world_of(pg);
+  ct_rank self = {.world = w, .rank = ddp_process_group_rank(pg), .pg = pg};
+  body_p2p(&self);
+  return verdict(w, self.rank);
+}
+
+/* Sum of (parent rank + 1) over members, in every element. */
+static int check_sum(ddp_process_group *g, int parent_rank, int want, const char *what) {
+  int64_t v[3] = {parent_rank + 1, parent_rank + 1, parent_rank + 1};
+  if (ddp_allreduce(g, v, 3, DDP_INT64, DDP_REDUCE_SUM) != DDP_OK) return bad(what);
+  for (int i = 0; i < 3; i++)
+    if (v[i] != want) {
+      fprintf(stderr, "test_mpi_ranks: %s: allreduce [%d] = %lld, want %d\n", what, i, (long long)v[i], want);
+      return 1;
+    }
+  return 0;
+}
+
+static int mode_subgroups(ddp_process_group *pg) {
+  int P = ddp_process_group_size(pg), r = ddp_process_group_rank(pg);
+  ddp_process_group *half = NULL, *low = NULL;
+  if (ddp_process_group_split(pg, r % 2, -r, &half) != DDP_OK) return bad("split");
+  int want = 0, n = 0;
+  for (int q = r % 2; q < P; q += 2) want += q + 1, n++;
+  if (ddp_process_group_size(half) != n || strcmp(ddp_process_group_backend(half), "mpi") != 0) {
+    fprintf(stderr, "test_mpi_ranks: split: size %d backend %s, want %d mpi\n", ddp_process_group_size(half),
+            ddp_process_group_backend(half), n);
+    return 1;
+  }
+  /* key -r: the highest parent rank comes first */
+  int expect_rank = 0;
+  for (int q = r % 2; q < P; q += 2)
+    if (q > r) expect_rank++;
+  if (ddp_process_group_rank(half) != expect_rank) {
+    fprintf(stderr, "test_mpi_ranks: split: rank %d, want %d\n", ddp_process_group_rank(half), expect_rank);
+    return 1;
+  }
+  if (check_sum(half, r, want, "split allreduce")) return 1;
+  int lows[8], nl = P / 2 > 0 ? P / 2 : 1;
+  for (int i = 0; i < nl; i++) lows[i] = i;
+  if (ddp_process_group_new(pg, nl, lows, &low) != DDP_OK) return bad("new_group");
+  if ((r < nl) != (low != NULL)) {
+    fprintf(stderr, "test_mpi_ranks: new_group: rank %d got %s\n", r, low ? "a group" : "none");
+    return 1;
+  }
+  if (low && check_sum(low, r, nl * (nl + 1) / 2, "new_group allreduce")) return 1;
+  /* The parent still works beside them, and the store-based barrier too. */
+  if (check_sum(pg, r, P * (P + 1) / 2, "parent allreduce")) return 1;
+  if (ddp_monitored_barrier(pg, 30, true) != DDP_OK) return bad("monitored_barrier");
+  ddp_process_group_destroy(low);
+  ddp_process_group_destroy(half);
+  return 0;
+}
+
+static int mode_kill(ddp_process_group *pg) {
+  int r = ddp_process_group_rank(pg);
+  float v[1024] = {0};
+  for (int k = 0; k < 200000; k++) {
+    if (k == 50 && r == 1) raise(SIGKILL);
+    if (ddp_allreduce(pg, v, 1024, DDP_FLOAT32, DDP_REDUCE_SUM) != DDP_OK) return bad("allreduce after the kill");
+  }
+  fprintf(stderr, "test_mpi_ranks: rank %d finished every allreduce although rank 1 was killed\n", r);
+  return 1;
+}
+
+static int mode_mismatch(ddp_process_group *pg) {
+  int r = ddp_process_group_rank(pg);
+  float v[5] = {1, 2, 3, 4, 5};
+  if (ddp_allreduce(pg, v, 4, DDP_FLOAT32, DDP_REDUCE_SUM) != DDP_OK) return bad("first allreduce");
+  ddp_status st = ddp_allreduce(pg, v, r == 1 ? 5 : 4, DDP_FLOAT32, DDP_REDUCE_SUM);
+  if (st == DDP_OK || !strstr(ddp_last_error(), "mismatch")) {
+    fprintf(stderr, "test_mpi_ranks: rank %d: mismatched allreduce: %s (%s), want a mismatch named\n", r,
+            ddp_status_name(st), ddp_last_error());
+    return 1;
+  }
+  printf("rank %d: %s\n", r, ddp_last_error());
+  return 0;
+}
+
+static int mode_stall(ddp_process_group *pg) {
+  float v[2] = {1, 2};
+  if (ddp_allreduce(pg, v, 2, DDP_FLOAT32, DDP_REDUCE_SUM) != DDP_OK) return bad("first allreduce");
+  if (ddp_process_group_rank(pg) == 1) sleep(30);
+  ddp_status st = ddp_allreduce(pg, v, 2, DDP_FLOAT32, DDP_REDUCE_SUM);
+  fprintf(stderr, "test_mpi_ranks: rank %d: second allreduce: %s: %s\n", ddp_process_group_rank(pg),
+          ddp_status_name(st), ddp_last_error());
+  /* A non-zero exit makes mpirun end the job (the sleeper too). */
+  return 3;
+}
+
+int main(int argc, char **argv) {
+  const char *mode = argc > 1 ? argv[1] : "";
+  ddp_process_group_options o = ddp_process_group_defaults();
+  o.backend = "mpi";
+  o.timeout_s = strcmp(mode, "stall") ? 120 : 3;
+  ddp_process_group *pg = NULL;
+  if (!strcmp(mode, "outside")) {
+    /* Both doors: the MPI constructor, and init_process_group with backend mpi. */
+    ddp_status st = ddp_process_group_from_mpi_comm(NULL, &o, &pg);
+    const char *e = ddp_last_error();
+    if (st == DDP_OK || !strstr(e, "mpirun") || !strstr(e, "no launcher")) {
+      fprintf(stderr, "test_mpi_ranks: outside mpirun: %s (%s), want a failure naming mpirun\n", ddp_status_name(st), e);
+      return 1;
+    }
+    printf("from_mpi_comm: %s\n", e);
+    st = ddp_init_process_group("env://", NULL, &o, &pg);
+    e = ddp_last_error();
+    if (st == DDP_OK || !strstr(e, "mpirun")) {
+      fprintf(stderr, "test_mpi_ranks: init_process_group: %s (%s), want a failure naming mpirun\n", ddp_status_name(st), e);
+      return 1;
+    }
+    printf("init_process_group: %s\n", e);
+    return 0;
+  }
+  if (!strcmp(mode, "usercomm")) {
+    int provided = 0, wr = 0, wn = 0;
+    MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+    MPI_Comm_rank(MPI_COMM_WORLD, &wr);
+    MPI_Comm_size(MPI_COMM_WORLD, &wn);
+    MPI_Comm mine;
+    MPI_Comm_split(MPI_COMM_WORLD, 0, wn - wr, &mine); /* reversed order */
+    int cr = -1;
+    MPI_Comm_rank(mine, &cr);
+    int rc = 0;
+    if (ddp_process_group_from_mpi_comm(&mine, &o, &pg) != DDP_OK) {
+      rc = bad("from_mpi_comm");
+    } else if (ddp_process_group_rank(pg) != cr || ddp_process_group_size(pg) != wn) {
+      fprintf(stderr, "test_mpi_ranks: group rank %d of %d, communicator's %d of %d\n", ddp_process_group_rank(pg),
+              ddp_process_group_size(pg), cr, wn);
+      rc = 1;
+    } else {
+      rc = check_sum(pg, cr, wn * (wn + 1) / 2, "allreduce on the user's communicator");
+      /* The program's own MPI traffic on its communicator beside ddp's. */
+      int one = 1, all = 0;
+      MPI_Allreduce(&one, &all, 1, MPI_INT, MPI_SUM, mine);
+      if (!rc && all != wn) rc = 1;
+      if (!rc) rc = mode_matrix(pg);
+    }
+    ddp_process_group_destroy(pg);
+    MPI_Comm_free(&mine);
+    MPI_Finalize(); /* the program started MPI, so it finalizes it */
+    return rc;
+  }
+  if (ddp_init_process_group("mpi://", NULL, &o, &pg) != DDP_OK) return bad("init_process_group(mpi://)");
+  int rc = 2;
+  if (!strcmp(mode, "matrix")) rc = mode_matrix(pg);
+  else if (!strcmp(mode, "p2p")) rc = mode_p2p(pg);
+  else if (!strcmp(mode, "subgroups")) rc = mode_subgroups(pg);
+  else if (!strcmp(mode, "kill")) rc = mode_kill(pg);
+  else if (!strcmp(mode, "stall")) rc = mode_stall(pg);
+  else if (!strcmp(mode, "mismatch")) rc = mode_mismatch(pg);
+  else fprintf(stderr, "test_mpi_ranks: unknown mode \"%s\"\n", mode);
+  ddp_process_group_destroy(pg);
+  return rc;
+}
