@@ -8,7 +8,7 @@
  * wrapper. Everything else (zero_grad, loss, backward, step) is the loop
  * of one model, and the optimizer steps the one model. With --replicas 0
  * the line is left out: the same loop on the model alone.
- *   build/bin/data_parallel [--replicas N] [--sync-bn] [--steps 40] [--batch 32]
+ *   build/bin/data_parallel [--replicas N] [--sync-bn] [--steps 40] [--batch 32] [--lr 0.002]
  * Prints the loss every 5 steps and at the end. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,14 +29,17 @@
 
 int main(int argc, char **argv) {
   int replicas = 2, steps = 40, batch = 32;
+  double lr = 0.002;
   bool sync_bn = false;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--sync-bn")) sync_bn = true;
     else if (!strcmp(argv[i], "--replicas") && i + 1 < argc) replicas = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--steps") && i + 1 < argc) steps = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--batch") && i + 1 < argc) batch = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--lr") && i + 1 < argc) lr = atof(argv[++i]);
     else {
-      fprintf(stderr, "usage: data_parallel [--replicas N] [--sync-bn] [--steps S] [--batch B]\n");
+      fprintf(stderr, "usage: data_parallel [--replicas N] [--sync-bn] [--steps S] [--batch B] "
+                      "[--lr X]\n");
       return 2;
     }
   }
@@ -71,7 +74,7 @@ int main(int argc, char **argv) {
     CHECK(ddp_data_parallel_create(&dp, model, &o));
   }
   ddp_optim_options sgd = ddp_optim_defaults(DDP_OPTIM_SGD);
-  sgd.lr = 0.01;
+  sgd.lr = lr;
   sgd.sgd.momentum = 0.9;
   ddp_optimizer *opt;
   CHECK(ddp_optimizer_create(&opt, &sgd, ddp_model_params_flat(model), ddp_model_grads_flat(model),

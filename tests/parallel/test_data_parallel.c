@@ -441,6 +441,7 @@ static void test_failing_replica_is_named(void **state) {
   ddp_status s = ddp_data_parallel_forward(dp, tape, &x, &out);
   atomic_store(&fail_armed, false);
   expect_error(s, DDP_ERR_NOMEM, "DataParallel: replica 1");
+  printf("the failing replica's error: %s\n", ddp_last_error());
   assert_non_null(strstr(ddp_last_error(), "forward"));
   /* Replica 0 was released at once, not after the timeout. */
   assert_true(ddp_time_ns() - t0 < 10 * 1000000000ll);
