@@ -309,8 +309,10 @@ void ddp_data_parallel_destroy(ddp_data_parallel *dp);
  * rows (the first B % N replicas one more); *out (B, ...) tape-owned. With
  * gradients enabled on `tape`, backward through *out runs the replicas'
  * backwards and adds their gradients into the model's gradient buffer (x
- * gets none). A replica's failure returns its error prefixed with
- * "DataParallel: replica i (core c)". */
+ * gets none); dp must live until then, and only the last forward's
+ * output can be backpropagated (DDP_ERR_STATE otherwise: the replicas'
+ * tapes hold one forward). A replica's failure returns its error prefixed
+ * with "DataParallel: replica i (core c)". */
 ddp_status ddp_data_parallel_forward(ddp_data_parallel *dp, ddp_tape *tape, ddp_tensor *x,
                                      ddp_tensor **out);
 
