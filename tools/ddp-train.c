@@ -47,6 +47,7 @@ typedef struct train_args {
   int threads;             /* 0 = $OMP_NUM_THREADS, else 1 */
   int workers;            /* -1 = automatic (see default_workers) */
   bool sync_bn;
+  int64_t replicas;        /* --replicas: DataParallel over this many threads (0: none) */
   const char *dump_state; /* NULL unless given */
   int64_t eval_every;     /* 0 = at the end of each epoch and of training */
   int64_t patience;       /* 0 = never stop early */
@@ -131,6 +132,11 @@ static void usage(FILE *f) {
 "  --straggler SPEC     (test model) I:half (trainer I sleeps twice as long) or\n"
 "                       I:pause:P:MS (trainer I pauses MS ms after a step with probability P);\n"
 "                       I = all: every trainer\n"
+"DataParallel (one process)\n"
+"  --replicas N         the batch of each step spread over N replicas, threads of this\n"
+"                       process on cores of their own, gradients summed into the one model\n"
+"                       (PyTorch's DataParallel without its lock; --sync-bn: SyncBatchNorm\n"
+"                       across them); not under a launcher\n"
 "Data parallel (automatic under ddprun, torchrun's variables, srun or mpirun)\n"
 "  --sync-bn            BatchNorm statistics over the whole global batch (SyncBatchNorm)\n"
 "  --bucket-cap-mb X    gradients are reduced in buckets of X MiB (the first 1 MiB;\n"
@@ -251,7 +257,7 @@ static void parse_args(int argc, char **argv, train_args *a) {
         "--patience", "--log", "--dump-state", "--save", "--save-every", "--resume", "--init",
         "--device", "--tensorboard", "--trace", "--bucket-cap-mb", "--microbatches", "--pp",
         "--schedule", "--virtual-stages", "--split", "--param-servers", "--ps-mode", "--backend",
-        "--step-sleep-ms", "--straggler"};
+        "--step-sleep-ms", "--straggler", "--replicas"};
     char name[64];
     const char *eq;
     cli_valued_option(f, valued, sizeof valued / sizeof *valued, name, sizeof name, &eq);
@@ -299,6 +305,7 @@ static void parse_args(int argc, char **argv, train_args *a) {
         cli_die_usage("--backend expects ddp, mpi or nccl, got '%s'", v);
       setenv("DDP_BACKEND", v, 1);
     }
+    else if (!strcmp(name, "--replicas")) a->replicas = cli_parse_int(name, v, 1, 1024);
     else if (!strcmp(name, "--bucket-cap-mb")) {
       a->bucket_cap_mb = parse_double(name, v);
       if (!(a->bucket_cap_mb > 0)) cli_die_usage("--bucket-cap-mb expects MiB > 0, got '%s'", v);
@@ -714,6 +721,7 @@ int main(int argc, char **argv) {
   o.seed = a.seed;
   o.workers = a.workers;
   o.sync_bn = a.sync_bn;
+  o.replicas = (int32_t)a.replicas;
   o.eval_every = a.eval_every;
   o.patience = a.patience;
   o.log_path = a.log_path;

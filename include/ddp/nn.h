@@ -251,6 +251,20 @@ bool ddp_model_batch_norm_synced(const ddp_model *model);
 ddp_status ddp_model_to(ddp_model *model, ddp_device device);
 ddp_device ddp_model_device(const ddp_model *model);
 
+/* A replica of a finalized CPU model, for data parallelism in one process
+ * (PyTorch's replicate(), which DataParallel runs every forward; here once,
+ * by ddp_data_parallel_create): the same modules, names, loss, sample shape
+ * and mode, whose parameter tensors view `model`'s flat parameter buffer in
+ * place (no copy: what an optimizer step writes there, every replica reads)
+ * with a gradient buffer of its own (zero, in model's layout) and buffers
+ * and counters of its own (a copy of model's; the caller keeps them in
+ * step). A replica's forward and backward may run on another thread than
+ * model's and other replicas' while nothing writes the parameters. model
+ * must outlive its replicas, and while it has any, ddp_model_to and
+ * ddp_model_relayout refuse it (and a replica) with DDP_ERR_STATE. Free a
+ * replica with ddp_model_destroy. *out NULL on failure. */
+ddp_status ddp_model_replicate(ddp_model *model, ddp_model **out);
+
 /* Zeroes the whole flat gradient buffer (optimizer.zero_grad(set_to_none=False)). */
 void ddp_model_zero_grad(ddp_model *model);
 

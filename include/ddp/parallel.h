@@ -31,6 +31,7 @@
 
 #include "ddp/comm.h"
 #include "ddp/core.h"
+#include "ddp/io.h"
 #include "ddp/nn.h"
 #include "ddp/optim.h"
 #include "ddp/tensor.h"
@@ -234,6 +235,100 @@ ddp_batch_norm_sync ddp_batch_norm_sync_for_group(ddp_process_group *group);
  * the group, before or after ddp_dp_create: the forward and backward of a
  * synced model are collectives over it. */
 ddp_status ddp_model_convert_sync_batchnorm(ddp_model *model, ddp_process_group *group);
+
+/* ---- DataParallel: one process, many replicas ------------------------------
+ * PyTorch's torch.nn.DataParallel, without Python's lock: the one-line change
+ * to a single-process loop (docs/parallel.md, "DataParallel").
+ *
+ *   ddp_data_parallel *dp;
+ *   DDP_TRY(ddp_data_parallel_create(&dp, model, NULL));  // one replica per core
+ *   for (each batch) {                       // the loop is the single-process one:
+ *     ddp_model_zero_grad(model);
+ *     ddp_tape_reset(tape);
+ *     DDP_TRY(ddp_data_parallel_forward(dp, tape, x, &out)); // was ddp_model_forward
+ *     DDP_TRY(ddp_model_loss(model, tape, out, y, &loss));
+ *     DDP_TRY(ddp_backward(tape, loss));     // replicas' backward, gradients summed
+ *     DDP_TRY(ddp_optimizer_step(opt));      // once, on the model
+ *   }
+ *   ddp_data_parallel_destroy(dp);
+ *
+ * The forward scatters x along dim 0 over the replicas (threads of this
+ * process, each on a core of its own where the affinity mask allows), runs
+ * each replica's forward on its slice, and gathers the outputs along dim 0
+ * into one tensor on the caller's tape; its backward runs each replica's
+ * backward on its slice of the output's gradient and adds every replica's
+ * gradients into the model's own gradient buffer, in replica order (the
+ * same bits on every run). Replica 0 is the model itself on the calling
+ * thread; the others read its parameters in place (ddp_model_replicate).
+ * Batch norm: the running statistics are replica 0's (PyTorch's rule), or,
+ * with sync_batch_norm, every replica normalises with the whole batch's
+ * statistics (SyncBatchNorm across the replicas). CPU only: GPU replicas
+ * (DDP_CUDA) are refused until the NCCL backend lands. A dp is used by one
+ * thread at a time. */
+typedef struct ddp_data_parallel ddp_data_parallel;
+
+typedef struct ddp_data_parallel_options {
+  /* Replicas (threads): >= 1; 0 = one per CPU this process may run on, or
+   * n_device_ids when device_ids is set. (0) */
+  int32_t replicas;
+  /* PyTorch's device_ids: the CPU cores (numbers in the affinity mask,
+   * sched_getaffinity) that replica i's thread runs on, i in
+   * [0, n_device_ids); replica 0 is the caller's thread and is not moved.
+   * NULL: replica i >= 1 on the i-th core of the mask (when it has as many).
+   * Borrowed for the call. (NULL) */
+  const int32_t *device_ids;
+  int32_t n_device_ids;
+  /* Scatter and gather dimension: 0 only (the batch). (0) */
+  int32_t dim;
+  ddp_device device;      /* where replicas run: DDP_CPU only, for now (DDP_CPU) */
+  bool sync_batch_norm;   /* SyncBatchNorm across the replicas (false: replica 0's stats) */
+  bool pin_threads;       /* pin replica threads to their cores (true) */
+  int64_t timeout_ms;     /* every wait for a replica; <= 0: 300000 (0) */
+  uint64_t reserved[6];   /* zero */
+} ddp_data_parallel_options;
+DDP_STRUCT_SIZE(ddp_data_parallel_options, 96);
+
+ddp_data_parallel_options ddp_data_parallel_defaults(void);
+
+/* Wraps `model` (finalized, on the CPU, not wrapped by another wrapper):
+ * makes replicas 1..N-1 and their threads, which persist until destroy.
+ * Errors (DDP_ERR_INVALID / DDP_ERR_UNSUPPORTED / DDP_ERR_STATE, with the
+ * option and value): replicas < 0, a device id that is not a core of this
+ * process, dim != 0, a GPU device, a model already wrapped (DDP or
+ * DataParallel), a model whose batch norm syncs over a process group.
+ * model is borrowed and must outlive the dp; while wrapped it cannot be
+ * moved or re-laid out. *out NULL on failure. */
+ddp_status ddp_data_parallel_create(ddp_data_parallel **out, ddp_model *model,
+                                    const ddp_data_parallel_options *options);
+/* Stops the threads, frees the replicas, restores the model's batch norm
+ * as it was. NULL ok. */
+void ddp_data_parallel_destroy(ddp_data_parallel *dp);
+
+/* The forward of DataParallel(model)(x): x (B, ...) with B >= the replicas
+ * (DDP_ERR_INVALID naming both otherwise), scattered in slices of B / N
+ * rows (the first B % N replicas one more); *out (B, ...) tape-owned. With
+ * gradients enabled on `tape`, backward through *out runs the replicas'
+ * backwards and adds their gradients into the model's gradient buffer (x
+ * gets none); dp must live until then, and only the last forward's
+ * output can be backpropagated (DDP_ERR_STATE otherwise: the replicas'
+ * tapes hold one forward). A replica's failure returns its error prefixed
+ * with "DataParallel: replica i (core c)". */
+ddp_status ddp_data_parallel_forward(ddp_data_parallel *dp, ddp_tape *tape, ddp_tensor *x,
+                                     ddp_tensor **out);
+
+/* DataParallel.module: the wrapped model (borrowed). */
+ddp_model *ddp_data_parallel_module(ddp_data_parallel *dp);
+int ddp_data_parallel_num_replicas(const ddp_data_parallel *dp);
+/* The core replica i's thread is pinned to, or -1 (not pinned, or i = 0). */
+int ddp_data_parallel_replica_cpu(const ddp_data_parallel *dp, int replica);
+
+/* DataParallel(model).state_dict() saved: the model's state dict with every
+ * name prefixed "module." (PyTorch's names for a wrapped model), written
+ * as ddp_model_save does. ddp_model_load reads it back into an unwrapped
+ * model and a file without the prefix into a wrapped one (it strips the
+ * prefix), so checkpoints move both ways. */
+ddp_status ddp_data_parallel_save(ddp_data_parallel *dp, const char *path, const ddp_kv *metadata,
+                                  size_t metadata_count);
 
 #ifdef __cplusplus
 }

@@ -218,7 +218,12 @@ typedef struct ddp_train_options {
    * outlives a trainer's death); the sampler shards over the trainers.
    * NULL: none. Borrowed. */
   struct ddp_ps_client *param_server;
-  uint64_t reserved[1]; /* zero */
+  /* DataParallel (include/ddp/parallel.h): the single strategy runs each
+   * step's batch over this many replicas, threads of this process, the
+   * gradients summed into the one model (sync_bn: SyncBatchNorm across
+   * them). 0 or 1: the model alone. CPU; not with a group. (0) */
+  int32_t replicas;
+  uint32_t reserved32; /* zero */
 } ddp_train_options;
 DDP_STRUCT_SIZE(ddp_train_options, 328);
 

@@ -44,6 +44,11 @@ ddp_status ddp_model_to(ddp_model *model, ddp_device device) {
   if (!model || !model->finalized)
     return ddp_error(DDP_ERR_STATE, "nn: to: the model must be finalized first");
   if (ddp_device_equal(model->device, device)) return DDP_OK;
+  if (model->params_borrowed || model->has_replicas)
+    return ddp_error(DDP_ERR_STATE, "nn: to(%s): the model's parameters are %s",
+                     ddp_device_str(device, name, sizeof name),
+                     model->params_borrowed ? "another model's (a replica)"
+                                            : "read in place by replicas (DataParallel)");
   ddp_status s = ddp_device_check(device);
   if (s != DDP_OK) return ddp_error_wrap(s, "nn: to(%s)", ddp_device_str(device, name, sizeof name));
   float *const old[3] = {model->params_flat, model->grads_flat, model->buffers_flat};

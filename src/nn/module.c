@@ -76,7 +76,7 @@ static void free_layout(ddp_model *model) {
   ddp_free(model->param_names);
   ddp_free(model->param_offsets);
   if (model->device.type == DDP_DEVICE_CPU) {
-    ddp_free(model->params_flat);
+    if (!model->params_borrowed) ddp_free(model->params_flat);
     ddp_free(model->grads_flat);
     ddp_free(model->buffers_flat);
   }
@@ -95,6 +95,7 @@ static void free_layout(ddp_model *model) {
 
 void ddp_model_destroy(ddp_model *model) {
   if (!model) return;
+  if (model->replica_of) model->replica_of->has_replicas--;
   free_layout(model);
   module_free(model->root);
   ddp_free(model->forward_order);

@@ -86,6 +86,19 @@ struct ddp_model {
    * are the data of these device tensors, which own them. */
   ddp_device device;
   ddp_tensor *device_flat[3];
+
+  /* A replica (replica.c): params_flat is another model's, read in place
+   * and never freed, moved or re-laid out from here. has_replicas: some
+   * replica reads this model's params_flat, which must then stay where it
+   * is and as it is laid out (ddp_model_to, ddp_model_relayout refuse). */
+  bool params_borrowed;
+  ddp_model *replica_of; /* whose params_flat (NULL unless params_borrowed) */
+  int has_replicas;
+  /* The wrapper that holds this model ("DistributedDataParallel",
+   * "DataParallel") or NULL: set and cleared by the parallel layer, which
+   * refuses a second wrapper (a replica reads the parameters in place, so
+   * a relayout or a move under it would leave it reading freed memory). */
+  const char *wrapped_by;
 };
 
 /* Runs one module (recursively for containers) on x. */

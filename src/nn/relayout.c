@@ -12,6 +12,10 @@ ddp_status ddp_model_relayout(ddp_model *model, const int *order) {
     return ddp_error(DDP_ERR_STATE, "nn: relayout: the model is not finalized");
   if (model->device.type != DDP_DEVICE_CPU)
     return ddp_error(DDP_ERR_UNSUPPORTED, "nn: relayout: the model must be on the CPU");
+  if (model->params_borrowed || model->has_replicas)
+    return ddp_error(DDP_ERR_STATE, "nn: relayout: the model's parameters are %s",
+                     model->params_borrowed ? "another model's (a replica)"
+                                            : "read in place by replicas (DataParallel)");
   int n = model->n_params;
   if (n == 0) return DDP_OK;
   if (!order) return ddp_error(DDP_ERR_INVALID, "nn: relayout: order is NULL");

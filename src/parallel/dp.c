@@ -4,6 +4,7 @@
  * ranks' collectives match whatever order gradients become ready in. */
 #include <string.h>
 
+#include "nn/module.h" /* wrapped_by */
 #include "parallel/dp_internal.h"
 #include "tensor/tape.h"
 
@@ -20,6 +21,7 @@ ddp_dp_options ddp_dp_defaults(void) {
 
 void ddp_dp_destroy(ddp_dp *dp) {
   if (!dp) return;
+  if (dp->marked_model) dp->model->wrapped_by = NULL;
   if (dp->tape) ddp_tape_set_grad_hook(dp->tape, NULL, NULL);
   if (dp->works)
     for (int b = 0; b < dp->n_params; b++) ddp_work_free(dp->works[b]);
@@ -55,6 +57,11 @@ ddp_status ddp_dp_create(ddp_dp **out, ddp_model *model, ddp_process_group *pg,
     return ddp_error(DDP_ERR_STATE, "ddp: create: the model is not finalized");
   ddp_dp_options o = options ? *options : ddp_dp_defaults();
   DDP_TRY(check_options(&o));
+  /* DataParallel's replicas read this model's parameters in place; a
+   * relayout would move them under them (and each would reduce alone). */
+  if (model->wrapped_by && strcmp(model->wrapped_by, "DataParallel") == 0)
+    return ddp_error(DDP_ERR_STATE, "ddp: create: the model is already wrapped by DataParallel; "
+                                    "wrap the model itself, once");
 
   ddp_dp *dp = ddp_calloc(1, sizeof *dp);
   if (!dp) return ddp_error(DDP_ERR_NOMEM, "ddp: create: out of memory");
@@ -106,6 +113,10 @@ ddp_status ddp_dp_create(ddp_dp **out, ddp_model *model, ddp_process_group *pg,
   /* With parameters that may or may not get a gradient the ready order can
    * change from one iteration to the next, unless the graph is static. */
   if (!o.relayout || (o.find_unused_parameters && !o.static_graph)) dp->relayout_done = true;
+  if (!model->wrapped_by) {
+    model->wrapped_by = "DistributedDataParallel";
+    dp->marked_model = true;
+  }
   *out = dp;
   return DDP_OK;
 err:

@@ -192,7 +192,9 @@ static ddp_status create_parts(ddp_trainer *t) {
     s = t->strategy->bind(t);
     if (s != DDP_OK) return ddp_error_wrap(s, "setting up the %s strategy", t->strategy->name);
   }
-  DDP_TRY(create_loaders(t, o->workers >= 0 ? o->workers : automatic_workers(t->size)));
+  /* DataParallel's replicas compute on cores of their own, as ranks do. */
+  const int computing = t->size * (o->replicas > 1 ? o->replicas : 1);
+  DDP_TRY(create_loaders(t, o->workers >= 0 ? o->workers : automatic_workers(computing)));
   s = ddp_tape_create(&t->tape, 16 << 20);
   if (s != DDP_OK) return ddp_error_wrap(s, "creating the tape");
   if (o->cuda_graph) DDP_TRY(ddp__train_graph_create(t));
