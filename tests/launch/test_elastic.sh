@@ -1,0 +1,238 @@
+#!/usr/bin/env bash
+# Elastic jobs (ddprun --nnodes MIN:MAX --rdzv-backend c10d), one case per
+# CTest test. Every "node" is a ddprun agent on this host; the rendezvous
+# endpoint is a standalone `ddp-store serve` (the elastic set-up of
+# docs/launch.md), so no node's death takes the store with it. The program is
+# tests/elastic_worker: allreduces checked against the world it was given.
+#   rounds    --nnodes 1:2, two nodes (2 and 1 workers): the round closes at
+#             MAX at once (last call 100 s not waited for); ranks 0-2 each
+#             once, contiguous per node, LOCAL/GROUP sizes right. --nnodes 1:3
+#             with two nodes: the round closes at 2 after the last call
+#   kill      three nodes, --nnodes 2:3: one node's ddprun SIGKILLed mid-run;
+#             the other two re-form in round 1 at world 2 with restart count
+#             1 (the time from the kill is printed and bounded) and finish
+#   join      two nodes of --nnodes 2:3 run; a third node arrives: round 1 at
+#             world 3 on all three, restart count still 0 under
+#             --max-restarts 0 (a scale event is not a failure), all finish
+#   belowmin  one node of --nnodes 2:3 alone: ends (exit 1) after its join
+#             timeout naming the round, the count, MIN and the endpoint; a node
+#             of another run id on the same store meanwhile does the same,
+#             and a 1:2 job beside it finishes unaffected
+#   refuse    --nnodes 3:2 and MIN:MAX without c10d are usage errors (exit 2);
+#             a node with other bounds than the job's is refused naming both
+#   errorfile rank 1 writes a torchrun error record (TORCHELASTIC_ERROR_FILE)
+#             and exits 3: the summary quotes it; with --max-restarts 0 both
+#             nodes end with exit 1; with --max-restarts 1 the group re-forms
+#             (restart count 1) and finishes
+set -uo pipefail
+skip() { echo "SKIP: $*"; exit 77; }
+fail() { echo "FAIL: $*"; exit 1; }
+
+case_name=${1:?usage: test_elastic.sh CASE}
+bin=${DDP_BIN_DIR:?set DDP_BIN_DIR to the build bin directory}
+ddprun=$bin/ddprun
+store=$bin/ddp-store
+worker=$bin/../tests/elastic_worker
+[ -x "$ddprun" ] && [ -x "$store" ] && [ -x "$worker" ] || fail "ddprun, ddp-store or elastic_worker is not built"
+tmp=$(mktemp -d)
+started=()
+cleanup() {
+  for p in "${started[@]}"; do kill -9 "$p" 2>/dev/null; done
+  for p in "${started[@]}"; do wait "$p" 2>/dev/null; done
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+
+# The job's store: a standalone server on a free port of 127.0.0.1.
+start_store() {
+  "$store" serve --port 0 --bind 127.0.0.1 >"$tmp/store.out" 2>&1 &
+  started+=($!)
+  for _ in $(seq 100); do
+    addr=$(sed -n 's/^listening on //p' "$tmp/store.out")
+    [ -n "$addr" ] && return 0
+    sleep 0.1
+  done
+  fail "ddp-store serve did not start: $(cat "$tmp/store.out")"
+}
+
+# start_node NAME RDZV_ID MIN:MAX NPROC [ddprun options] -- [worker options]
+# Every node ends by itself within --job-timeout; the pid is ddprun's own.
+start_node() {
+  local name=$1 id=$2 nn=$3 nproc=$4
+  shift 4
+  local opts=()
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do opts+=("$1"); shift; done
+  [ $# -gt 0 ] && shift
+  "$ddprun" --nnodes "$nn" --rdzv-backend c10d --rdzv-endpoint "$addr" --rdzv-id "$id" --nproc-per-node "$nproc" \
+    --grace-period 3 --job-timeout 200 "${opts[@]}" "$worker" "$@" >"$tmp/$name" 2>&1 &
+  local pid=$!
+  started+=($pid)
+  eval "pid_$name=$pid"
+}
+
+# wait_node NAME LIMIT_S: waits for the node to exit; its status in $rc.
+wait_node() {
+  local name=$1 limit=$2 pid
+  eval "pid=\$pid_$name"
+  local until=$((SECONDS + limit))
+  while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $until ]; do sleep 0.2; done
+  kill -0 "$pid" 2>/dev/null && { cat "$tmp"/n*; fail "node $name still runs after $limit s"; }
+  wait "$pid"
+  rc=$?
+}
+
+# wait_for NAME PATTERN LIMIT_S: until the node's output has a line matching.
+wait_for() {
+  local until=$((SECONDS + $3))
+  while ! grep -q -- "$2" "$tmp/$1" 2>/dev/null; do
+    [ $SECONDS -lt $until ] || { cat "$tmp"/n*; fail "node $1 never printed '$2' within $3 s"; }
+    sleep 0.1
+  done
+}
+
+now_ms() { date +%s%3N; }
+
+case "$case_name" in
+rounds)
+  start_store
+  # MAX reached: no last call (100 s) to wait for.
+  t0=$SECONDS
+  start_node n0 r1 1:2 2 --rdzv-conf last_call_timeout=100,join_timeout=60 -- --steps 3 --step-ms 10
+  start_node n1 r1 1:2 1 --rdzv-conf last_call_timeout=100,join_timeout=60 -- --steps 3 --step-ms 10
+  wait_node n0 90; rc0=$rc
+  wait_node n1 90; rc1=$rc
+  [ $rc0 -eq 0 ] && [ $rc1 -eq 0 ] || { cat "$tmp/n0" "$tmp/n1"; fail "1:2 nodes exited $rc0 and $rc1"; }
+  [ $((SECONDS - t0)) -lt 90 ] || fail "the round did not close at MAX (took $((SECONDS - t0)) s)"
+  cat "$tmp/n0" "$tmp/n1" >"$tmp/all"
+  for r in 0 1 2; do
+    [ "$(grep -c "^elastic_worker rank $r/3 local [0-9]/[12] group [01]/2 restart 0$" "$tmp/all")" -eq 1 ] ||
+      { cat "$tmp/all"; fail "rank $r not seen exactly once at world 3 with 2 nodes"; }
+    grep -q "^elastic_worker rank $r/3 done$" "$tmp/all" || { cat "$tmp/all"; fail "rank $r did not finish"; }
+  done
+  # Node n0 runs 2 workers: LOCAL_WORLD_SIZE 2 and contiguous ranks (0-1 or 1-2).
+  ranks0=$(sed -n 's/^elastic_worker rank \([0-9]\)\/3 local [01]\/2 .*/\1/p' "$tmp/n0" | sort | tr -d '\n')
+  [ "$ranks0" = 01 ] || [ "$ranks0" = 12 ] || { cat "$tmp/n0"; fail "node n0's ranks are '$ranks0'"; }
+  g0=$(sed -n 's/.* group \([01]\)\/2 .*/\1/p' "$tmp/n0" | sort -u)
+  g1=$(sed -n 's/.* group \([01]\)\/2 .*/\1/p' "$tmp/n1" | sort -u)
+  [ "$g0$g1" = 01 ] || [ "$g0$g1" = 10 ] || fail "group ranks '$g0' and '$g1'"
+  # GROUP_RANK orders the ranks: group 0's ranks come first.
+  if [ "$g0" = 0 ]; then [ "$ranks0" = 01 ] || fail "group 0 (n0) has ranks $ranks0"; fi
+  if [ "$g0" = 1 ]; then [ "$ranks0" = 12 ] || fail "group 1 (n0) has ranks $ranks0"; fi
+  # Two nodes of 1:3: the round closes at 2 after the 2 s last call.
+  start_node n2 r2 1:3 1 --rdzv-conf last_call_timeout=2,join_timeout=60 -- --steps 2 --step-ms 10
+  start_node n3 r2 1:3 1 --rdzv-conf last_call_timeout=2,join_timeout=60 -- --steps 2 --step-ms 10
+  wait_node n2 90; rc2=$rc
+  wait_node n3 90; rc3=$rc
+  [ $rc2 -eq 0 ] && [ $rc3 -eq 0 ] || { cat "$tmp/n2" "$tmp/n3"; fail "1:3 nodes exited $rc2 and $rc3"; }
+  [ "$(cat "$tmp/n2" "$tmp/n3" | grep -c '^elastic_worker rank [01]/2 done$')" -eq 2 ] ||
+    { cat "$tmp/n2" "$tmp/n3"; fail "1:3 with two nodes did not run at world 2"; }
+  ;;
+kill)
+  start_store
+  conf=last_call_timeout=1,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=3
+  for n in n0 n1 n2; do
+    start_node $n k1 2:3 1 --max-restarts 1 --rdzv-conf $conf -- --steps 100 --step-ms 100
+  done
+  for n in n0 n1 n2; do wait_for $n 'rank [0-2]/3 step 5 ok' 90; done
+  kill -9 "$pid_n2"
+  killed=$(now_ms)
+  for n in n0 n1; do wait_for $n 'restart 1$' 60; done
+  reformed=$(now_ms)
+  echo "the two nodes left re-formed at world 2 $((reformed - killed)) ms after the SIGKILL"
+  [ $((reformed - killed)) -lt 30000 ] || fail "re-forming took $((reformed - killed)) ms"
+  wait_node n0 120; rc0=$rc
+  wait_node n1 120; rc1=$rc
+  [ $rc0 -eq 0 ] && [ $rc1 -eq 0 ] || { cat "$tmp/n0" "$tmp/n1"; fail "the survivors exited $rc0 and $rc1"; }
+  cat "$tmp/n0" "$tmp/n1" >"$tmp/all"
+  for r in 0 1; do
+    grep -q "^elastic_worker rank $r/2 local 0/1 group $r/2 restart 1$" "$tmp/all" ||
+      { cat "$tmp/all"; fail "rank $r of world 2 (round 1, restart 1) missing"; }
+    grep -q "^elastic_worker rank $r/2 done$" "$tmp/all" || { cat "$tmp/all"; fail "rank $r did not finish"; }
+  done
+  grep -q 'round 1: node [01] of 2' "$tmp/n0" || { cat "$tmp/n0"; fail "no round 1 of 2 nodes on n0"; }
+  grep -q 're-forming the group in a new round (restart 1 of 1)' "$tmp/all" || { cat "$tmp/all"; fail "no re-forming line"; }
+  ;;
+join)
+  start_store
+  conf=last_call_timeout=1,join_timeout=60
+  for n in n0 n1; do start_node $n j1 2:3 1 --rdzv-conf $conf -- --steps 60 --step-ms 100; done
+  for n in n0 n1; do wait_for $n 'rank [01]/2 step 5 ok' 90; done
+  start_node n2 j1 2:3 1 --rdzv-conf $conf -- --steps 60 --step-ms 100
+  for n in n0 n1 n2; do wait_node $n 150; [ $rc -eq 0 ] || { cat "$tmp"/n*; fail "node $n exited $rc"; }; done
+  cat "$tmp/n0" "$tmp/n1" "$tmp/n2" >"$tmp/all"
+  for r in 0 1 2; do
+    [ "$(grep -c "^elastic_worker rank $r/3 local 0/1 group $r/3 restart 0$" "$tmp/all")" -eq 1 ] ||
+      { cat "$tmp/all"; fail "rank $r of world 3 (restart count 0) not seen once"; }
+    grep -q "^elastic_worker rank $r/3 done$" "$tmp/all" || { cat "$tmp/all"; fail "rank $r of world 3 did not finish"; }
+  done
+  grep -q 'a node arrived for round 1' "$tmp/n0" || { cat "$tmp/n0"; fail "n0 does not name the scale event"; }
+  grep -q 'round 1: node [0-2] of 3' "$tmp/n2" || { cat "$tmp/n2"; fail "the newcomer is not a node of round 1"; }
+  grep -q 'round 0: ' "$tmp/n2" && { cat "$tmp/n2"; fail "the newcomer ran in round 0"; }
+  ;;
+belowmin)
+  start_store
+  start_node n0 lonely 2:3 1 --rdzv-conf join_timeout=3 -- --steps 1
+  # A job beside it on the same store: another run id, unaffected.
+  start_node n1 busy 1:2 1 --rdzv-conf last_call_timeout=1 -- --steps 30 --step-ms 100
+  start_node n2 busy 1:2 1 --rdzv-conf last_call_timeout=1 -- --steps 30 --step-ms 100
+  start_node n3 other 2:2 1 --rdzv-conf join_timeout=3 -- --steps 1 # 2:2 is not elastic
+  start_node n4 intruder 2:3 1 --rdzv-conf join_timeout=3 -- --steps 1
+  t0=$SECONDS
+  wait_node n0 60
+  [ $rc -eq 1 ] || { cat "$tmp/n0"; fail "a node alone below MIN exited $rc"; }
+  grep -q "rendezvous lonely at $addr: round 0 had 1 of at least 2 nodes after the join timeout (3 s)" "$tmp/n0" ||
+    { cat "$tmp/n0"; fail "no message naming the round, the count, MIN and the endpoint"; }
+  wait_node n4 60
+  [ $rc -eq 1 ] && grep -q "rendezvous intruder at $addr: round 0 had 1 of at least 2" "$tmp/n4" ||
+    { cat "$tmp/n4"; fail "the node of another run id: exit $rc"; }
+  wait_node n3 60
+  [ $rc -eq 1 ] || { cat "$tmp/n3"; fail "2:2 alone exited $rc"; }
+  for n in n1 n2; do wait_node $n 90; [ $rc -eq 0 ] || { cat "$tmp/$n"; fail "the busy job's $n exited $rc"; }; done
+  [ "$(cat "$tmp/n1" "$tmp/n2" | grep -c '^elastic_worker rank [01]/2 done$')" -eq 2 ] ||
+    { cat "$tmp/n1" "$tmp/n2"; fail "the busy job did not run at world 2"; }
+  ;;
+refuse)
+  "$ddprun" --nnodes 3:2 --rdzv-backend c10d "$worker" >"$tmp/out" 2>&1
+  rc=$?
+  [ $rc -eq 2 ] && grep -q -- '--nnodes 3:2: MIN 3 is above MAX 2' "$tmp/out" || { cat "$tmp/out"; fail "3:2: exit $rc"; }
+  "$ddprun" --nnodes 1:2 "$worker" >"$tmp/out" 2>&1
+  rc=$?
+  [ $rc -eq 2 ] && grep -q 'elastic membership needs --rdzv-backend c10d' "$tmp/out" || { cat "$tmp/out"; fail "1:2 static: exit $rc"; }
+  "$ddprun" --nnodes 1:2 --rdzv-backend c10d --node-rank 1 "$worker" >"$tmp/out" 2>&1
+  rc=$?
+  [ $rc -eq 2 ] && grep -q 'drop --node-rank' "$tmp/out" || { cat "$tmp/out"; fail "1:2 with --node-rank: exit $rc"; }
+  start_store
+  start_node n0 b1 1:2 1 --rdzv-conf last_call_timeout=3 -- --steps 2
+  sleep 0.5
+  start_node n1 b1 2:3 1 --rdzv-conf last_call_timeout=3 -- --steps 2
+  wait_node n1 60
+  [ $rc -eq 1 ] && grep -q 'has --nnodes 2:3, but the job.s nodes have 1:2' "$tmp/n1" ||
+    { cat "$tmp/n1"; fail "other bounds: exit $rc"; }
+  wait_node n0 60
+  [ $rc -eq 0 ] || { cat "$tmp/n0"; fail "the job's own node exited $rc"; }
+  ;;
+errorfile)
+  start_store
+  for n in n0 n1; do
+    start_node $n e1 1:2 1 --rdzv-conf last_call_timeout=30 -- --steps 5 --step-ms 50 --fail-rank 1
+  done
+  wait_node n0 90; rc0=$rc
+  wait_node n1 90; rc1=$rc
+  [ $rc0 -eq 1 ] && [ $rc1 -eq 1 ] || { cat "$tmp/n0" "$tmp/n1"; fail "--max-restarts 0: exited $rc0 and $rc1"; }
+  cat "$tmp/n0" "$tmp/n1" >"$tmp/all"
+  grep -q 'error record (.*/attempt_0/0/error.json):' "$tmp/all" || { cat "$tmp/all"; fail "no error record in the summary"; }
+  grep -q '> ValueError: rank 1 found a bad batch' "$tmp/all" || { cat "$tmp/all"; fail "the record's message is not quoted"; }
+  grep -q '> at step 1 (recorded at ' "$tmp/all" || { cat "$tmp/all"; fail "the message's second line or time missing"; }
+  grep -q 'the job failed (--max-restarts 0)' "$tmp/all" || { cat "$tmp/all"; fail "no verdict"; }
+  for n in n2 n3; do
+    start_node $n e2 1:2 1 --max-restarts 1 --rdzv-conf last_call_timeout=30 -- --steps 5 --step-ms 50 --fail-rank 1
+  done
+  wait_node n2 120; rc2=$rc
+  wait_node n3 120; rc3=$rc
+  [ $rc2 -eq 0 ] && [ $rc3 -eq 0 ] || { cat "$tmp/n2" "$tmp/n3"; fail "--max-restarts 1: exited $rc2 and $rc3"; }
+  [ "$(cat "$tmp/n2" "$tmp/n3" | grep -c '^elastic_worker rank [01]/2 local 0/1 group [01]/2 restart 1$')" -eq 2 ] ||
+    { cat "$tmp/n2" "$tmp/n3"; fail "no round with restart count 1"; }
+  ;;
+*) fail "unknown case $case_name" ;;
+esac
+echo "PASS: elastic $case_name"
