@@ -255,6 +255,7 @@ static ddp_status open_multi(const ddp_launch_config *cfg, ddp__agent *a) {
     a->elastic_max = cfg->nnodes;
     a->last_call_s = cfg->last_call_timeout_s;
     a->silence_limit_s = cfg->keep_alive_s;
+    snprintf(a->node_addr, sizeof a->node_addr, "%s", cfg->master_addr);
     a->node_hosts = ddp_calloc((size_t)cfg->nnodes, sizeof *a->node_hosts);
     if (!a->node_hosts) return ddp_error(DDP_ERR_NOMEM, "launch: out of memory for %d nodes", (int)cfg->nnodes);
     w->nnodes = 0;

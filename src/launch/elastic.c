@@ -220,9 +220,10 @@ out:
   return s;
 }
 
-/* MASTER_ADDR / MASTER_PORT of the round, chosen by its slot 0. */
-static ddp_status round_master(ddp__agent *a, int32_t round, const ddp_launch_config *unused) {
-  (void)unused;
+/* MASTER_ADDR / MASTER_PORT of the round, chosen by its slot 0: a free port
+ * of its host, and its address as its --master-addr gives it (torchrun's
+ * --local-addr; whichever node is slot 0 this round), else its host name. */
+static ddp_status round_master(ddp__agent *a, int32_t round) {
   ddp__world *w = &a->world;
   char key[64];
   rkey(key, sizeof key, round, "master");
@@ -230,7 +231,7 @@ static ddp_status round_master(ddp__agent *a, int32_t round, const ddp_launch_co
     int32_t port;
     DDP_TRY(ddp__free_port("0.0.0.0", &port));
     char value[DDP_LAUNCH_HOST_BYTES + 16];
-    snprintf(value, sizeof value, "%d %s", (int)port, a->host);
+    snprintf(value, sizeof value, "%d %s", (int)port, a->node_addr[0] ? a->node_addr : a->host);
     DDP_TRY(ddp_store_set(a->store, key, value, strlen(value)));
   }
   void *v = NULL;
@@ -311,7 +312,7 @@ ddp_status ddp__elastic_join(ddp__agent *a, int32_t round, double deadline_s) {
   memset(a->beat_seen_s, 0, (size_t)a->elastic_max * sizeof *a->beat_seen_s);
   a->next_beat_check_s = ddp_time_s() + BEAT_CHECK_S;
   DDP_TRY(learn_round(a, round, rec.n));
-  return round_master(a, round, NULL);
+  return round_master(a, round);
 }
 
 static ddp_status beat(ddp__agent *a) {

@@ -397,6 +397,7 @@ typedef struct ddp__agent {
   int scale_event;          /* 1: the poll stopped the workers for a node that arrived */
   double next_beat_check_s; /* monotonic: when the poll next reads the others' beats */
   char (*node_hosts)[64];   /* per slot of the round: the host it named */
+  char node_addr[DDP_LAUNCH_HOST_BYTES]; /* --master-addr: this node's address for MASTER_ADDR when it is slot 0 */
 } ddp__agent;
 
 /* Hosts the store (one node: on a port of its own on 127.0.0.1; several: at

@@ -24,6 +24,13 @@
 #             and exits 3: the summary quotes it; with --max-restarts 0 both
 #             nodes end with exit 1; with --max-restarts 1 the group re-forms
 #             (restart count 1) and finishes
+#   netns     the same between hosts: network namespaces on one bridge, the
+#             store on a host of its own (10.77.0.1), nodes 10.77.0.11-14;
+#             three nodes of --nnodes 2:3, one node's ddprun SIGKILLed
+#             mid-run: the two left run at world 2 (restart count 1) within
+#             10 s of the kill (printed); a fourth node started later joins in
+#             the next round at world 3 (restart count still 1: a scale
+#             event); all three finish. Needs root and ip netns (SKIP)
 set -uo pipefail
 skip() { echo "SKIP: $*"; exit 77; }
 fail() { echo "FAIL: $*"; exit 1; }
@@ -42,6 +49,38 @@ cleanup() {
   rm -rf "$tmp"
 }
 trap cleanup EXIT
+
+# netns_up: a hub namespace with a bridge and the store's address, and four
+# node namespaces on it. Names carry this shell's pid; netns_down removes
+# them (the EXIT trap), and a run killed outright leaves ones whose shell is
+# gone, removed by the next run.
+hosts=()
+netns_up() {
+  [ "$(id -u)" = 0 ] || skip "needs root to create network namespaces"
+  command -v ip >/dev/null || skip "no 'ip' command (iproute2)"
+  for ns in $(ip netns list 2>/dev/null | sed -n 's/^\(el[h1-4]\([0-9][0-9]*\)\)\b.*/\1/p'); do
+    kill -0 "${ns#el?}" 2>/dev/null || ip netns del "$ns" 2>/dev/null
+  done
+  hub=elh$$
+  ip netns add "$hub" 2>"$tmp/err" || skip "ip netns add failed: $(cat "$tmp/err")"
+  hosts+=("$hub")
+  ip -n "$hub" link add br0 type bridge || skip "cannot create a bridge"
+  ip -n "$hub" addr add 10.77.0.1/24 dev br0 && ip -n "$hub" link set br0 up && ip -n "$hub" link set lo up ||
+    fail "the hub's bridge"
+  for i in 1 2 3 4; do
+    ip netns add "el$i$$" || fail "ip netns add el$i$$"
+    hosts+=("el$i$$")
+    ip link add "ev$i$$" type veth peer name "eh$i$$" || skip "cannot create a veth pair"
+    ip link set "ev$i$$" netns "el$i$$" && ip link set "eh$i$$" netns "$hub" || fail "moving veth ends"
+    ip -n "$hub" link set "eh$i$$" master br0 && ip -n "$hub" link set "eh$i$$" up || fail "bridge port $i"
+    ip -n "el$i$$" addr add "10.77.0.1$i/24" dev "ev$i$$" && ip -n "el$i$$" link set "ev$i$$" up &&
+      ip -n "el$i$$" link set lo up || fail "node $i's address"
+  done
+}
+netns_down() {
+  for ns in "${hosts[@]}"; do ip netns del "$ns" 2>/dev/null; done
+}
+trap 'cleanup; netns_down' EXIT
 
 # The job's store: a standalone server on a free port of 127.0.0.1.
 start_store() {
@@ -232,6 +271,41 @@ errorfile)
   [ $rc2 -eq 0 ] && [ $rc3 -eq 0 ] || { cat "$tmp/n2" "$tmp/n3"; fail "--max-restarts 1: exited $rc2 and $rc3"; }
   [ "$(cat "$tmp/n2" "$tmp/n3" | grep -c '^elastic_worker rank [01]/2 local 0/1 group [01]/2 restart 1$')" -eq 2 ] ||
     { cat "$tmp/n2" "$tmp/n3"; fail "no round with restart count 1"; }
+  ;;
+netns)
+  netns_up
+  ip netns exec "elh$$" "$store" serve --port 0 --bind 10.77.0.1 >"$tmp/store.out" 2>&1 &
+  started+=($!)
+  for _ in $(seq 100); do addr=$(sed -n 's/^listening on //p' "$tmp/store.out"); [ -n "$addr" ] && break; sleep 0.1; done
+  [ -n "$addr" ] || fail "the store did not start: $(cat "$tmp/store.out")"
+  conf=last_call_timeout=1,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=3
+  # node I in namespace elI, its own address as MASTER_ADDR when it is slot 0.
+  host_node() {
+    local i=$1
+    ip netns exec "el$i$$" "$ddprun" --nnodes 2:3 --rdzv-backend c10d --rdzv-endpoint "$addr" --rdzv-id net \
+      --master-addr "10.77.0.1$i" --nproc-per-node 1 --max-restarts 1 --grace-period 3 --job-timeout 200 \
+      --rdzv-conf $conf "$worker" --steps 80 --step-ms 100 >"$tmp/n$i" 2>&1 &
+    started+=($!)
+    eval "pid_n$i=$!"
+  }
+  for i in 1 2 3; do host_node $i; done
+  for i in 1 2 3; do wait_for n$i 'rank [0-2]/3 step 5 ok' 90; done
+  kill -9 "$pid_n3"
+  killed=$(now_ms)
+  for i in 1 2; do wait_for n$i 'rank [01]/2 local 0/1 group [01]/2 restart 1$' 60; done
+  reformed=$(now_ms)
+  echo "the two hosts left run at world 2 $((reformed - killed)) ms after the SIGKILL"
+  [ $((reformed - killed)) -lt 10000 ] || fail "re-forming took $((reformed - killed)) ms (over 10 s)"
+  for i in 1 2; do wait_for n$i 'rank [01]/2 step 5 ok' 60; done
+  host_node 4
+  for i in 1 2 4; do wait_node n$i 150; [ $rc -eq 0 ] || { cat "$tmp"/n*; fail "host $i exited $rc"; }; done
+  cat "$tmp/n1" "$tmp/n2" "$tmp/n4" >"$tmp/all"
+  for r in 0 1 2; do
+    [ "$(grep -c "^elastic_worker rank $r/3 local 0/1 group $r/3 restart 1$" "$tmp/all")" -eq 1 ] ||
+      { cat "$tmp/all"; fail "rank $r of world 3 after the join (restart count 1) not seen once"; }
+    grep -q "^elastic_worker rank $r/3 done$" "$tmp/all" || { cat "$tmp/all"; fail "rank $r of world 3 did not finish"; }
+  done
+  grep -q 'round 2: node [0-2] of 3' "$tmp/n4" || { cat "$tmp/n4"; fail "host 4 did not join in round 2"; }
   ;;
 *) fail "unknown case $case_name" ;;
 esac
