@@ -24,6 +24,13 @@
 #             and exits 3: the summary quotes it; with --max-restarts 0 both
 #             nodes end with exit 1; with --max-restarts 1 the group re-forms
 #             (restart count 1) and finishes
+#   torch     tests/launch/elastic_env.py (torchrun's variables, rank 1
+#             failing once) under torchrun --nnodes 1:2 --rdzv-backend c10d
+#             and under ddprun with the same options: the same lines (values
+#             of both rounds), but TORCHELASTIC_USE_AGENT_STORE (ddprun's is
+#             False by design: docs/launch.md). PyTorch 2.x's torchrun from
+#             $DDP_TORCH_PY's folder (default /opt/torch-venv/bin/python; SKIP
+#             without it)
 #   netns     the same between hosts: network namespaces on one bridge, the
 #             store on a host of its own (10.77.0.1), nodes 10.77.0.11-14;
 #             three nodes of --nnodes 2:3, one node's ddprun SIGKILLed
@@ -271,6 +278,27 @@ errorfile)
   [ $rc2 -eq 0 ] && [ $rc3 -eq 0 ] || { cat "$tmp/n2" "$tmp/n3"; fail "--max-restarts 1: exited $rc2 and $rc3"; }
   [ "$(cat "$tmp/n2" "$tmp/n3" | grep -c '^elastic_worker rank [01]/2 local 0/1 group [01]/2 restart 1$')" -eq 2 ] ||
     { cat "$tmp/n2" "$tmp/n3"; fail "no round with restart count 1"; }
+  ;;
+torch)
+  py=${DDP_TORCH_PY:-/opt/torch-venv/bin/python}
+  torchrun=$(dirname "$py")/torchrun
+  [ -x "$torchrun" ] || skip "no torchrun beside $py (scripts/install-deps.sh refs)"
+  script=$(cd "$(dirname "$0")" && pwd)/elastic_env.py
+  opts=(--nnodes 1:2 --rdzv-backend c10d --rdzv-id cmp --nproc-per-node 2 --max-restarts 2
+        --rdzv-conf last_call_timeout=1,join_timeout=60)
+  port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  timeout 150 "$torchrun" "${opts[@]}" --rdzv-endpoint "127.0.0.1:$port" "$script" >"$tmp/torch.out" 2>"$tmp/torch.err"
+  rc=$?
+  [ $rc -eq 0 ] || { cat "$tmp/torch.out" "$tmp/torch.err"; fail "torchrun exited $rc"; }
+  start_store
+  PYTHON=$py timeout 150 "$ddprun" "${opts[@]}" --rdzv-endpoint "$addr" "$script" >"$tmp/ddp.out" 2>"$tmp/ddp.err"
+  rc=$?
+  [ $rc -eq 0 ] || { cat "$tmp/ddp.out" "$tmp/ddp.err"; fail "ddprun exited $rc"; }
+  grep '^env ' "$tmp/torch.out" | sort >"$tmp/torch.env"
+  grep '^env ' "$tmp/ddp.out" | sort >"$tmp/ddp.env"
+  [ "$(wc -l <"$tmp/torch.env")" -eq 4 ] || { cat "$tmp/torch.env"; fail "torchrun: not 2 workers in each of 2 rounds"; }
+  diff "$tmp/torch.env" "$tmp/ddp.env" >"$tmp/diff" || { cat "$tmp/diff"; fail "ddprun's workers see other values"; }
+  cat "$tmp/ddp.env"
   ;;
 netns)
   netns_up
