@@ -163,8 +163,11 @@ static ddp_status wait_close(ddp__agent *a, int32_t round, double deadline_s, ro
                        (int)a->elastic_max);
     }
     int sig = stop_signal();
-    if (sig) return ddp_error(DDP_ERR_ABORTED, "node on %s: stopped by signal %d while waiting for round %d to close",
-                              a->host, sig, (int)round);
+    if (sig) {
+      a->stop_signal = sig;
+      return ddp_error(DDP_ERR_ABORTED, "node on %s: stopped by signal %d while waiting for round %d to close",
+                       a->host, sig, (int)round);
+    }
     if (deadline_s > 0 && now > deadline_s)
       return ddp_error(DDP_ERR_TIMEOUT, "node on %s: the job timeout passed while waiting for round %d", a->host,
                        (int)round);
@@ -298,8 +301,12 @@ ddp_status ddp__elastic_join(ddp__agent *a, int32_t round, double deadline_s) {
       return ddp_error(DDP_ERR_ABORTED, "rendezvous %s: node on %s waited in round %d, but the job ended: %s",
                        w->run_id, a->host, (int)round, rec.reason);
     if (count <= rec.n) break;
-    fprintf(stderr, "ddprun: node on %s arrived at round %d after it closed (%d nodes): waiting for round %d\n",
-            a->host, (int)round, (int)rec.n, (int)round + 1);
+    if (rec.n < 0)
+      fprintf(stderr, "ddprun: node on %s: round %d gave up (%s): trying round %d\n", a->host, (int)round,
+              rec.reason, (int)round + 1);
+    else
+      fprintf(stderr, "ddprun: node on %s arrived at round %d after it closed (%d nodes): waiting for round %d\n",
+              a->host, (int)round, (int)rec.n, (int)round + 1);
   }
   w->node_rank = (int32_t)(count - 1);
   w->nnodes = rec.n;
@@ -433,8 +440,11 @@ ddp_status ddp__elastic_finish(ddp__agent *a, int32_t round, double deadline_s, 
     if (silent < 0) return ddp_error(DDP_ERR_CLOSED, "node on %s lost the job's store at %s", a->host,
                                      a->world.store_addr);
     int sig = stop_signal();
-    if (sig) return ddp_error(DDP_ERR_ABORTED, "node on %s: stopped by signal %d while waiting for the other nodes",
-                              a->host, sig);
+    if (sig) {
+      a->stop_signal = sig;
+      return ddp_error(DDP_ERR_ABORTED, "node on %s: stopped by signal %d while waiting for the other nodes",
+                       a->host, sig);
+    }
     if (deadline_s > 0 && ddp_time_s() > deadline_s)
       return ddp_error(DDP_ERR_TIMEOUT, "node on %s: the job timeout passed while waiting for the other nodes",
                        a->host);

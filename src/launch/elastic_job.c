@@ -80,6 +80,16 @@ ddp_status ddp__job_run_elastic(ddp__job *job, int *exit_code, ddp__event *event
   ddp_status st = DDP_OK;
   for (int32_t round = 0;; round++) {
     st = ddp__elastic_join(a, round, job->deadline_s);
+    if (st && a->stop_signal) {
+      /* Stopped while waiting for a round: no workers to stop, and the exit
+       * status says which signal, as when workers run. */
+      fprintf(stderr, "%s: %s\n", job->tool, ddp_last_error());
+      ddp_clear_error();
+      *exit_code = 128 + a->stop_signal;
+      *event = DDP__EVENT_SIGNAL;
+      st = DDP_OK;
+      break;
+    }
     if (st) break;
     round = a->attempt;
     say_round(job, a);
@@ -128,6 +138,12 @@ ddp_status ddp__job_run_elastic(ddp__job *job, int *exit_code, ddp__event *event
       st = ddp__elastic_finish(a, round, job->deadline_s, &outcome);
       if (st) {
         ddp__worker_group_free(&g);
+        if (a->stop_signal) {
+          fprintf(stderr, "%s: %s\n", job->tool, ddp_last_error());
+          ddp_clear_error();
+          *exit_code = 128 + a->stop_signal;
+          st = DDP_OK;
+        }
         break;
       }
       if (outcome == 1 && !job->quiet)
@@ -137,6 +153,11 @@ ddp_status ddp__job_run_elastic(ddp__job *job, int *exit_code, ddp__event *event
       read_remote_failure(a, round);
     }
     if (outcome == 0) {
+      /* A node waiting for the next round (one that arrived too late, or
+       * while the round was full) learns that there is none. */
+      char done[96];
+      snprintf(done, sizeof done, "the job finished in round %d", (int)round);
+      ddp__elastic_abort(a, round + 1, done);
       if (g.num_let_go && !job->quiet)
         fprintf(stderr, "%s: the job finished; %d worker%s failed and %s let go (--may-fail)\n", job->tool,
                 (int)g.num_let_go, g.num_let_go == 1 ? "" : "s", g.num_let_go == 1 ? "was" : "were");

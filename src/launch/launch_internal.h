@@ -395,6 +395,7 @@ typedef struct ddp__agent {
   int32_t elastic_max;
   double last_call_s;
   int scale_event;          /* 1: the poll stopped the workers for a node that arrived */
+  int stop_signal;          /* a SIGINT/SIGTERM/SIGHUP that ended a wait of the rendezvous, 0 */
   double next_beat_check_s; /* monotonic: when the poll next reads the others' beats */
   char (*node_hosts)[64];   /* per slot of the round: the host it named */
   char node_addr[DDP_LAUNCH_HOST_BYTES]; /* --master-addr: this node's address for MASTER_ADDR when it is slot 0 */

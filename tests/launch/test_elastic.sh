@@ -7,7 +7,8 @@
 #   rounds    --nnodes 1:2, two nodes (2 and 1 workers): the round closes at
 #             MAX at once (last call 100 s not waited for); ranks 0-2 each
 #             once, contiguous per node, LOCAL/GROUP sizes right. --nnodes 1:3
-#             with two nodes: the round closes at 2 after the last call
+#             with two nodes: the round closes at 2 after the last call; a
+#             node arriving after the job finished is told so (exit 1)
 #   kill      three nodes, --nnodes 2:3: one node's ddprun SIGKILLed mid-run;
 #             the other two re-form in round 1 at world 2 with restart count
 #             1 (the time from the kill is printed and bounded) and finish
@@ -17,7 +18,8 @@
 #   belowmin  one node of --nnodes 2:3 alone: ends (exit 1) after its join
 #             timeout naming the round, the count, MIN and the endpoint; a node
 #             of another run id on the same store meanwhile does the same,
-#             and a 1:2 job beside it finishes unaffected
+#             and a 1:2 job beside it finishes unaffected; SIGTERM to a node
+#             waiting for its round ends it at once (exit 143)
 #   refuse    --nnodes 3:2 and MIN:MAX without c10d are usage errors (exit 2);
 #             a node with other bounds than the job's is refused naming both
 #   errorfile rank 1 writes a torchrun error record (TORCHELASTIC_ERROR_FILE)
@@ -164,6 +166,11 @@ rounds)
   # GROUP_RANK orders the ranks: group 0's ranks come first.
   if [ "$g0" = 0 ]; then [ "$ranks0" = 01 ] || fail "group 0 (n0) has ranks $ranks0"; fi
   if [ "$g0" = 1 ]; then [ "$ranks0" = 12 ] || fail "group 1 (n0) has ranks $ranks0"; fi
+  # A node of that job arriving after it finished is told so and ends.
+  start_node n9 r1 1:2 1 --rdzv-conf last_call_timeout=100,join_timeout=60 -- --steps 1
+  wait_node n9 60
+  [ $rc -eq 1 ] && grep -q 'waited in round 1, but the job ended: the job finished in round 0' "$tmp/n9" ||
+    { cat "$tmp/n9"; fail "a node after the end: exit $rc"; }
   # Two nodes of 1:3: the round closes at 2 after the 2 s last call.
   start_node n2 r2 1:3 1 --rdzv-conf last_call_timeout=2,join_timeout=60 -- --steps 2 --step-ms 10
   start_node n3 r2 1:3 1 --rdzv-conf last_call_timeout=2,join_timeout=60 -- --steps 2 --step-ms 10
@@ -223,7 +230,13 @@ belowmin)
   start_node n2 busy 1:2 1 --rdzv-conf last_call_timeout=1 -- --steps 30 --step-ms 100
   start_node n3 other 2:2 1 --rdzv-conf join_timeout=3 -- --steps 1 # 2:2 is not elastic
   start_node n4 intruder 2:3 1 --rdzv-conf join_timeout=3 -- --steps 1
-  t0=$SECONDS
+  # SIGTERM to a node waiting for its round: it ends at once with 128+15.
+  start_node n5 patient 2:3 1 --rdzv-conf join_timeout=120 -- --steps 1
+  sleep 1
+  kill -TERM "$pid_n5"
+  wait_node n5 30
+  [ $rc -eq 143 ] && grep -q 'stopped by signal 15 while waiting for round 0' "$tmp/n5" ||
+    { cat "$tmp/n5"; fail "SIGTERM while waiting: exit $rc"; }
   wait_node n0 60
   [ $rc -eq 1 ] || { cat "$tmp/n0"; fail "a node alone below MIN exited $rc"; }
   grep -q "rendezvous lonely at $addr: round 0 had 1 of at least 2 nodes after the join timeout (3 s)" "$tmp/n0" ||
