@@ -12,6 +12,10 @@
 #   kill      three nodes, --nnodes 2:3: one node's ddprun SIGKILLed mid-run;
 #             the other two re-form in round 1 at world 2 with restart count
 #             1 (the time from the kill is printed and bounded) and finish
+#   silent    three nodes whose workers never talk to each other (sh, sleep):
+#             one node's ddprun SIGKILLed; only its silence can tell, and the
+#             other two name it ("has been silent for") past the keep-alive
+#             limit (1 s x 3) and re-form at world 2 within 20 s
 #   join      two nodes of --nnodes 2:3 run; a third node arrives: round 1 at
 #             world 3 on all three, restart count still 0 under
 #             --max-restarts 0 (a scale event is not a failure), all finish
@@ -204,6 +208,27 @@ kill)
   done
   grep -q 'round 1: node [01] of 2' "$tmp/n0" || { cat "$tmp/n0"; fail "no round 1 of 2 nodes on n0"; }
   grep -q 're-forming the group in a new round (restart 1 of 1)' "$tmp/all" || { cat "$tmp/all"; fail "no re-forming line"; }
+  ;;
+silent)
+  start_store
+  conf=last_call_timeout=1,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=3
+  prog='echo "silent rank $RANK/$WORLD_SIZE restart $TORCHELASTIC_RESTART_COUNT"; [ "$TORCHELASTIC_RESTART_COUNT" = 1 ] || sleep 100'
+  for n in n0 n1 n2; do
+    "$ddprun" --nnodes 2:3 --rdzv-backend c10d --rdzv-endpoint "$addr" --rdzv-id s1 --max-restarts 1 \
+      --grace-period 3 --job-timeout 200 --rdzv-conf $conf sh -c "$prog" >"$tmp/$n" 2>&1 &
+    started+=($!)
+    eval "pid_$n=$!"
+  done
+  for n in n0 n1 n2; do wait_for $n '^silent rank [0-2]/3 restart 0$' 90; done
+  kill -9 "$pid_n2"
+  killed=$(now_ms)
+  for n in n0 n1; do wait_for $n '^silent rank [01]/2 restart 1$' 60; done
+  reformed=$(now_ms)
+  echo "the two nodes left re-formed at world 2 $((reformed - killed)) ms after the SIGKILL"
+  [ $((reformed - killed)) -lt 20000 ] || fail "re-forming took $((reformed - killed)) ms"
+  for n in n0 n1; do wait_node $n 60; [ $rc -eq 0 ] || { cat "$tmp/$n"; fail "node $n exited $rc"; }; done
+  grep -q 'has been silent for [0-9.]* s (keep-alive limit 3 s): its ddprun died or hangs' "$tmp/n0" "$tmp/n1" ||
+    { cat "$tmp/n0" "$tmp/n1"; fail "nobody named the silent node"; }
   ;;
 join)
   start_store
