@@ -384,12 +384,26 @@ int ddp__elastic_poll(void *ctx) {
   if (silent) return silent;
   if (a->world.nnodes < a->elastic_max) {
     if (exists(a, next, &st)) {
+      /* Said before the workers stop: the other nodes' workers will fail
+       * on ours, and must take that for the scale event, not a failure. */
+      char rescaled[64];
+      rkey(rescaled, sizeof rescaled, a->attempt, "rescaled");
+      if (ddp_store_set(a->store, rescaled, "1", 1) != DDP_OK) return -1;
       a->scale_event = 1;
       return 1;
     }
     if (st) return -1;
   }
   return 0;
+}
+
+int ddp__elastic_rescaling(ddp__agent *a, int32_t round) {
+  char key[64];
+  rkey(key, sizeof key, round, "rescaled");
+  ddp_status st;
+  int yes = exists(a, key, &st);
+  if (st) ddp_clear_error();
+  return yes;
 }
 
 void ddp__elastic_leave(ddp__agent *a, int32_t round, int rescaled) {

@@ -103,6 +103,18 @@ ddp_status ddp__job_run_elastic(ddp__job *job, int *exit_code, ddp__event *event
     *event = ev;
     char failure[sizeof job->failure] = "";
     int outcome = 1; /* 0 done, 1 failed, 2 scale event */
+    /* A worker that failed while another node stopped its workers for a
+     * scale event lost its peers to it: part of the scale event. */
+    if (ev == DDP__EVENT_FAILED && ddp__elastic_rescaling(a, round) && !read_remote_failure(a, round)) {
+      if (!job->quiet) {
+        char first[sizeof job->failure];
+        ddp__summary_first(&g, a->host, first, sizeof first);
+        fprintf(stderr, "%s: %s, while another node stopped for a scale event: taken for part of it\n",
+                job->tool, first);
+      }
+      a->scale_event = 1;
+      ev = DDP__EVENT_EXTERNAL;
+    }
     if (ev == DDP__EVENT_EXTERNAL && a->scale_event && !read_remote_failure(a, round)) {
       /* No verdict to gather for: the workers are fine, the world changes. */
       ddp__worker_group_stop(&g, SIGTERM, job->grace_s);

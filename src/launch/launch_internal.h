@@ -441,6 +441,9 @@ int ddp__elastic_poll(void *agent);
  * round's other nodes. *outcome: 0 the job is done, 1 the round failed
  * elsewhere (agent->remote_failure), 2 a scale event re-forms the group. */
 ddp_status ddp__elastic_finish(ddp__agent *agent, int32_t round, double deadline_s, int *outcome);
+/* Whether a node of round `round` stopped its workers for a scale event:
+ * a worker failing meanwhile lost a peer to it (not a failure). */
+int ddp__elastic_rescaling(ddp__agent *agent, int32_t round);
 /* Tells the round's other nodes this node's workers are gone (failed, or
  * stopped for a scale event) so none waits for them. */
 void ddp__elastic_leave(ddp__agent *agent, int32_t round, int rescaled);

@@ -15,6 +15,8 @@ ef = os.environ.get("TORCHELASTIC_ERROR_FILE")
 vals.append("TORCHELASTIC_ERROR_FILE=" + (os.path.basename(ef) if ef else "<unset>"))
 vals.append("MASTER_ADDR=" + ("set" if os.environ.get("MASTER_ADDR") else "<unset>"))
 vals.append("MASTER_PORT=" + ("set" if os.environ.get("MASTER_PORT", "").isdigit() else "<unset>"))
-print("env " + " ".join(vals), flush=True)
+# One write per line: under python -u, print writes the text and its newline
+# apart, and two workers sharing torchrun's stdout can interleave them.
+os.write(1, ("env " + " ".join(vals) + "\n").encode())
 if os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
     sys.exit(3)

@@ -37,6 +37,15 @@
 #             False by design: docs/launch.md). PyTorch 2.x's torchrun from
 #             $DDP_TORCH_PY's folder (default /opt/torch-venv/bin/python; SKIP
 #             without it)
+#   train     ddp-train (toy, --save-every 5, --resume auto) on three nodes of
+#             --nnodes 2:3: a node's ddprun SIGKILLed mid-run, the two left
+#             go on from the last checkpoint at world 2 (global batch 24 kept:
+#             12 per rank); a fourth node joins and the last round runs at
+#             world 3 to the end. The final model equals, bit for bit, runs
+#             stopped and resumed by hand at the same steps with the same
+#             worlds (read from each round's "resuming ... at step S"), and
+#             each checkpoint's position in samples is its steps x 24
+#             within the epoch
 #   netns     the same between hosts: network namespaces on one bridge, the
 #             store on a host of its own (10.77.0.1), nodes 10.77.0.11-14;
 #             three nodes of --nnodes 2:3, one node's ddprun SIGKILLed
@@ -337,6 +346,73 @@ torch)
   [ "$(wc -l <"$tmp/torch.env")" -eq 4 ] || { cat "$tmp/torch.env"; fail "torchrun: not 2 workers in each of 2 rounds"; }
   diff "$tmp/torch.env" "$tmp/ddp.env" >"$tmp/diff" || { cat "$tmp/diff"; fail "ddprun's workers see other values"; }
   cat "$tmp/ddp.env"
+  ;;
+train)
+  train=$bin/ddp-train
+  compare=$(cd "$(dirname "$0")/.." && pwd)/train/st_compare.py
+  [ -x "$train" ] || fail "ddp-train is not built"
+  start_store
+  conf=last_call_timeout=1,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=3
+  targs=(--model toy --batch-size 8 --lr 0.05 --momentum 0.9 --seed 3 --epochs 30 --workers 0 --eval-every 0)
+  tnode() { # tnode NAME: a node of the elastic training job, in $tmp/el
+    "$ddprun" --nnodes 2:3 --rdzv-backend c10d --rdzv-endpoint "$addr" --rdzv-id t1 --max-restarts 1 \
+      --grace-period 3 --job-timeout 200 --rdzv-conf $conf "$train" "${targs[@]}" --save "$tmp/el.safetensors" \
+      --save-every 5 --resume auto >"$tmp/$1" 2>&1 &
+    started+=($!)
+    eval "pid_$1=$!"
+  }
+  step_of() { "$py" "$compare" --get "$1" train.step 2>/dev/null || echo 0; }
+  py=/usr/bin/python3
+  for n in n0 n1 n2; do tnode $n; done
+  # Kill mid-run, once a few checkpoints exist.
+  until=$((SECONDS + 120))
+  while [ "$(step_of "$tmp/el.train.safetensors")" -lt 200 ]; do
+    [ $SECONDS -lt $until ] || { cat "$tmp"/n*; fail "training never reached step 200"; }
+    sleep 0.05
+  done
+  kill -9 "$pid_n2"
+  for n in n0 n1; do wait_for $n 'round 1: node [01] of 2' 60; done
+  until=$((SECONDS + 60))
+  while ! grep -q '^resuming .* at step' "$tmp/n0" "$tmp/n1"; do [ $SECONDS -lt $until ] || fail "round 1 did not resume"; sleep 0.1; done
+  # The fourth node, once round 1 has made progress of its own.
+  s1=$(grep -h '^resuming .* at step' "$tmp/n0" "$tmp/n1" | head -1 | sed 's/.* at step \([0-9]*\).*/\1/')
+  until=$((SECONDS + 120))
+  while [ "$(step_of "$tmp/el.train.safetensors")" -lt $((s1 + 100)) ]; do
+    [ $SECONDS -lt $until ] || { cat "$tmp"/n*; fail "round 1 made no progress"; }
+    sleep 0.05
+  done
+  tnode n3
+  for n in n0 n1 n3; do wait_node $n 180; [ $rc -eq 0 ] || { cat "$tmp"/n*; fail "node $n exited $rc"; }; done
+  # Each round's world (node n0 ran in all three) and first step (printed by
+  # the round's rank 0, on whichever node).
+  worlds=$(sed -n 's/^ddprun: round [0-9]*: .* of world \([0-9]*\),.*/\1/p' "$tmp/n0" | tr '\n' ' ')
+  starts=$(grep -h '^resuming .* at step' "$tmp/n0" "$tmp/n1" "$tmp/n3" | sed 's/.* at step \([0-9]*\).*/\1/' |
+           sort -n | uniq | tr '\n' ' ')
+  echo "rounds at worlds: $worlds; resumed at steps: $starts"
+  [ "$worlds" = "3 2 3 " ] || { cat "$tmp/n0"; fail "rounds at worlds '$worlds', expected 3 2 3"; }
+  set -- $starts
+  [ $# -eq 2 ] || { cat "$tmp/n0" "$tmp/n1" "$tmp/n3"; fail "$# resumes, expected 2"; }
+  c1=$1 c2=$2
+  [ "$c1" -gt 0 ] && [ "$c2" -gt "$c1" ] || fail "resumed at $c1 then $c2"
+  grep -q 'resuming .*: 12 per replica (not --batch-size 8) keeps its global batch of 24 at 2 replicas' "$tmp/n0" "$tmp/n1" ||
+    { cat "$tmp/n0" "$tmp/n1"; fail "round 1 did not keep the global batch"; }
+  # By hand: world 3 to c1, world 2 from there to c2, world 3 to the end.
+  hand() { # hand WORLD ARGS...: one ddprun node of WORLD workers
+    local w=$1; shift
+    timeout 150 "$ddprun" --nproc-per-node "$w" "$train" "${targs[@]}" "$@" >"$tmp/hand.out" 2>&1 ||
+      { cat "$tmp/hand.out"; fail "the run by hand at world $w exited $?"; }
+  }
+  hand 3 --max-steps "$c1" --save "$tmp/h1.safetensors"
+  hand 2 --resume "$tmp/h1.safetensors" --max-steps "$c2" --save "$tmp/h2.safetensors"
+  hand 3 --resume "$tmp/h2.safetensors" --save "$tmp/h3.safetensors"
+  "$py" "$compare" "$tmp/h3.safetensors" "$tmp/el.safetensors" ||
+    fail "the elastic run's final model differs from the run stopped and resumed by hand"
+  "$py" "$compare" "$tmp/h3.train.safetensors" "$tmp/el.train.safetensors" ||
+    fail "the elastic run's final training state differs from the run by hand"
+  # Positions in samples: h2 stopped at c2 with the epoch's position counted
+  # in global batches of 24 (1024 samples: 43 steps an epoch).
+  pos=$("$py" "$compare" --get "$tmp/h2.train.safetensors" train.epoch_samples)
+  [ "$pos" -eq $(( (c2 % 43) * 24 )) ] || fail "h2's position is $pos samples, expected $(( (c2 % 43) * 24 ))"
   ;;
 netns)
   netns_up
