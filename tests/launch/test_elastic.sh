@@ -46,6 +46,8 @@
 #             worlds (read from each round's "resuming ... at step S"), and
 #             each checkpoint's position in samples is its steps x 24
 #             within the epoch
+#   train_netns  the same between hosts (network namespaces, as netns), the
+#             training going on at world 2 within 10 s of the kill
 #   netns     the same between hosts: network namespaces on one bridge, the
 #             store on a host of its own (10.77.0.1), nodes 10.77.0.11-14;
 #             three nodes of --nnodes 2:3, one node's ddprun SIGKILLed
@@ -347,17 +349,32 @@ torch)
   diff "$tmp/torch.env" "$tmp/ddp.env" >"$tmp/diff" || { cat "$tmp/diff"; fail "ddprun's workers see other values"; }
   cat "$tmp/ddp.env"
   ;;
-train)
+train | train_netns)
   train=$bin/ddp-train
   compare=$(cd "$(dirname "$0")/.." && pwd)/train/st_compare.py
   [ -x "$train" ] || fail "ddp-train is not built"
-  start_store
   conf=last_call_timeout=1,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=3
   targs=(--model toy --batch-size 8 --lr 0.05 --momentum 0.9 --seed 3 --epochs 30 --workers 0 --eval-every 0)
+  if [ "$case_name" = train_netns ]; then
+    # Hosts: the store on 10.77.0.1, node nK in namespace el<K+1> (10.77.0.1<K+1>).
+    netns_up
+    ip netns exec "elh$$" "$store" serve --port 0 --bind 10.77.0.1 >"$tmp/store.out" 2>&1 &
+    started+=($!)
+    for _ in $(seq 100); do addr=$(sed -n 's/^listening on //p' "$tmp/store.out"); [ -n "$addr" ] && break; sleep 0.1; done
+    [ -n "$addr" ] || fail "the store did not start: $(cat "$tmp/store.out")"
+    limit_ms=10000 # the issue's bound, between hosts
+  else
+    start_store
+    limit_ms=20000 # several agents and their workers on this host's cores
+  fi
   tnode() { # tnode NAME: a node of the elastic training job, in $tmp/el
-    "$ddprun" --nnodes 2:3 --rdzv-backend c10d --rdzv-endpoint "$addr" --rdzv-id t1 --max-restarts 1 \
-      --grace-period 3 --job-timeout 200 --rdzv-conf $conf "$train" "${targs[@]}" --save "$tmp/el.safetensors" \
-      --save-every 5 --resume auto >"$tmp/$1" 2>&1 &
+    local k=${1#n} on=()
+    [ "$case_name" = train_netns ] && on=(ip netns exec "el$((k + 1))$$")
+    local self=()
+    [ "$case_name" = train_netns ] && self=(--master-addr "10.77.0.1$((k + 1))")
+    "${on[@]}" "$ddprun" --nnodes 2:3 --rdzv-backend c10d --rdzv-endpoint "$addr" --rdzv-id t1 "${self[@]}" \
+      --max-restarts 1 --grace-period 3 --job-timeout 200 --rdzv-conf $conf "$train" "${targs[@]}" \
+      --save "$tmp/el.safetensors" --save-every 5 --resume auto >"$tmp/$1" 2>&1 &
     started+=($!)
     eval "pid_$1=$!"
   }
@@ -371,9 +388,13 @@ train)
     sleep 0.05
   done
   kill -9 "$pid_n2"
-  for n in n0 n1; do wait_for $n 'round 1: node [01] of 2' 60; done
+  killed=$(now_ms)
   until=$((SECONDS + 60))
-  while ! grep -q '^resuming .* at step' "$tmp/n0" "$tmp/n1"; do [ $SECONDS -lt $until ] || fail "round 1 did not resume"; sleep 0.1; done
+  while ! grep -q '^resuming .* at step' "$tmp/n0" "$tmp/n1"; do [ $SECONDS -lt $until ] || fail "round 1 did not resume"; sleep 0.05; done
+  resumed=$(now_ms)
+  echo "training went on at world 2 from the last checkpoint $((resumed - killed)) ms after the SIGKILL"
+  [ $((resumed - killed)) -lt $limit_ms ] || fail "resuming took $((resumed - killed)) ms (limit $limit_ms)"
+  for n in n0 n1; do wait_for $n 'round 1: node [01] of 2' 60; done
   # The fourth node, once round 1 has made progress of its own.
   s1=$(grep -h '^resuming .* at step' "$tmp/n0" "$tmp/n1" | head -1 | sed 's/.* at step \([0-9]*\).*/\1/')
   until=$((SECONDS + 120))
