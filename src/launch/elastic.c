@@ -298,8 +298,10 @@ ddp_status ddp__elastic_join(ddp__agent *a, int32_t round, double deadline_s) {
     DDP_TRY(ddp_store_set(a->store, key, mine, strlen(mine)));
     DDP_TRY(wait_close(a, round, deadline_s, &rec));
     if (rec.n == 0)
-      return ddp_error(DDP_ERR_ABORTED, "rendezvous %s: node on %s waited in round %d, but the job ended: %s",
-                       w->run_id, a->host, (int)round, rec.reason);
+      return ddp_error(DDP_ERR_ABORTED,
+                       "rendezvous %s at %s: node on %s waited in round %d, but the job ended: %s (a --rdzv-id "
+                       "names one job; start another with a new one)",
+                       w->run_id, w->store_addr, a->host, (int)round, rec.reason);
     if (count <= rec.n) break;
     if (rec.n < 0)
       fprintf(stderr, "ddprun: node on %s: round %d gave up (%s): trying round %d\n", a->host, (int)round,
