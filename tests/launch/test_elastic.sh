@@ -336,11 +336,14 @@ torch)
   opts=(--nnodes 1:2 --rdzv-backend c10d --rdzv-id cmp --nproc-per-node 2 --max-restarts 2
         --rdzv-conf last_call_timeout=1,join_timeout=60)
   port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  timeout 150 "$torchrun" "${opts[@]}" --rdzv-endpoint "127.0.0.1:$port" "$script" >"$tmp/torch.out" 2>"$tmp/torch.err"
+  mkdir -p "$tmp/torchrun" "$tmp/ddprun"
+  ELASTIC_ENV_DIR=$tmp/torchrun timeout 150 "$torchrun" "${opts[@]}" --rdzv-endpoint "127.0.0.1:$port" "$script" \
+    >"$tmp/torch.out" 2>"$tmp/torch.err"
   rc=$?
   [ $rc -eq 0 ] || { cat "$tmp/torch.out" "$tmp/torch.err"; fail "torchrun exited $rc"; }
   start_store
-  PYTHON=$py timeout 150 "$ddprun" "${opts[@]}" --rdzv-endpoint "$addr" "$script" >"$tmp/ddp.out" 2>"$tmp/ddp.err"
+  ELASTIC_ENV_DIR=$tmp/ddprun PYTHON=$py timeout 150 "$ddprun" "${opts[@]}" --rdzv-endpoint "$addr" "$script" \
+    >"$tmp/ddp.out" 2>"$tmp/ddp.err"
   rc=$?
   [ $rc -eq 0 ] || { cat "$tmp/ddp.out" "$tmp/ddp.err"; fail "ddprun exited $rc"; }
   grep '^env ' "$tmp/torch.out" | sort >"$tmp/torch.env"
