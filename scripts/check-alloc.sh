@@ -23,7 +23,7 @@ ALLOW = [
      "the default hook itself: 64-byte aligned memory from libc"),
     ("src/core/alloc.c", "default_free", "free",
      "the default hook itself: gives default_alloc's memory back to libc"),
-    ("src/launch/supervise.c", "print_summary", "free",
+    ("src/launch/supervise.c", "ddp__job_print_summary", "free",
      "open_memstream's buffer comes from libc's malloc"),
     ("src/comm/flight/dump.c", "ddp__flight_to_json", "free",
      "open_memstream's buffer comes from libc's malloc (copied into ddp_alloc memory)"),

@@ -22,6 +22,7 @@
 #include "ddp/optim.h"
 #include "ddp/parallel.h"
 #include "ddp/train.h"
+#include "ddp_train/elastic.h"
 #include "ddp_train/ps_setup.h"
 #include "ddp_train/world.h"
 #include "io/io_internal.h"
@@ -62,6 +63,7 @@ typedef struct train_args {
   bool cuda_graph;         /* --cuda-graph */
   const char *trace;       /* --trace PATH, else $DDP_TRACE_FILE (ddprun --trace) */
   double bucket_cap_mb;    /* --bucket-cap-mb: 0 = the wrapper's default (25) */
+  bool elastic_per_rank;   /* --elastic-batch per-rank: keep the per-rank batch at a new world */
   train_ps_args ps;        /* --param-servers, --ps-mode, ... (tools/ddp_train/ps_setup.c) */
   int64_t microbatches;    /* --microbatches M: 0 = the whole batch at once */
   int64_t pp;              /* --pp P: pipeline stages (0 = no pipeline) */
@@ -182,7 +184,12 @@ static void usage(FILE *f) {
 "  --save-every N       also save every N optimizer steps (default 0: only at the end)\n"
 "  --resume PATH        continue the run saved in PATH exactly where it stopped: the step\n"
 "                       count continues (--max-steps and --epochs count from the start of\n"
-"                       training); model, optimizer and data options must be the same\n"
+"                       training); model, optimizer and data options must be the same.\n"
+"                       --resume auto: --save's checkpoint when it exists, else a fresh\n"
+"                       start (each round of an elastic ddprun job); at another world\n"
+"                       size the rest of the epoch is dealt over the new ranks\n"
+"  --elastic-batch global|per-rank  at a new world size keep the global batch (the\n"
+"                       per-rank batch recomputed; default) or the per-rank batch\n"
 "  --init PATH          start from the model state dict in PATH instead of a fresh\n"
 "                       initialisation (a safetensors file from --save or from PyTorch's\n"
 "                       state_dict(); a 'module.' prefix is accepted); with --epochs 0 this\n"
@@ -257,7 +264,8 @@ static void parse_args(int argc, char **argv, train_args *a) {
         "--patience", "--log", "--dump-state", "--save", "--save-every", "--resume", "--init",
         "--device", "--tensorboard", "--trace", "--bucket-cap-mb", "--microbatches", "--pp",
         "--schedule", "--virtual-stages", "--split", "--param-servers", "--ps-mode", "--backend",
-        "--step-sleep-ms", "--straggler", "--replicas"};
+        "--step-sleep-ms", "--straggler", "--replicas",
+        "--elastic-batch"};
     char name[64];
     const char *eq;
     cli_valued_option(f, valued, sizeof valued / sizeof *valued, name, sizeof name, &eq);
@@ -286,6 +294,11 @@ static void parse_args(int argc, char **argv, train_args *a) {
     else if (!strcmp(name, "--save")) a->save_path = v;
     else if (!strcmp(name, "--save-every")) a->save_every = cli_parse_int(name, v, 0, INT64_MAX);
     else if (!strcmp(name, "--resume")) a->resume_path = v;
+    else if (!strcmp(name, "--elastic-batch")) {
+      if (strcmp(v, "global") && strcmp(v, "per-rank"))
+        cli_die_usage("--elastic-batch expects global or per-rank, got '%s'", v);
+      a->elastic_per_rank = !strcmp(v, "per-rank");
+    }
     else if (!strcmp(name, "--init")) a->init_path = v;
     else if (!strcmp(name, "--device")) a->device = v;
     else if (!strcmp(name, "--tensorboard")) a->tensorboard = v;
@@ -320,6 +333,8 @@ static void parse_args(int argc, char **argv, train_args *a) {
   if (a->pp > DDP_PIPELINE_MAX_STAGES) cli_die_usage("--pp: at most 64 stages (%s)", "DDP_PIPELINE_MAX_STAGES");
   if (!a->pp && (a->schedule || a->virtual_stages || a->split))
     cli_die_usage("%s: --schedule, --virtual-stages and --split need --pp P", "--pp");
+  if (a->resume_path && !strcmp(a->resume_path, "auto") && !a->save_path)
+    cli_die_usage("--resume auto resumes from --save's checkpoint when it exists: give %s", "--save PATH");
   if (a->init_path && a->resume_path)
     cli_die_usage("%s: --resume restores the model already; give one of --init and --resume",
               "--init");
@@ -527,13 +542,20 @@ static void meta_add(run_meta *m, const char *key, const char *fmt, ...) {
   m->n++;
 }
 
-static void run_meta_init(run_meta *m, const train_args *a, const ddp_optim_options *oo) {
+/* replicas > 0: the batch is recorded as the global batch (per-rank x
+ * replicas), which an elastic resume at another world keeps; 0: as the
+ * per-rank batch (--elastic-batch per-rank, the pipeline, the parameter
+ * server), which a resume keeps. */
+static void run_meta_init(run_meta *m, const train_args *a, const ddp_optim_options *oo, int64_t replicas) {
   m->n = 0;
   meta_add(m, "ddp-train.model", "%s", a->model);
   meta_add(m, "ddp-train.activation", "%s", a->activation ? a->activation : "");
   meta_add(m, "ddp-train.data", "%s", a->data ? a->data : default_data(a->model));
   meta_add(m, "ddp-train.samples", "%lld", (long long)a->samples);
-  meta_add(m, "ddp-train.batch_size", "%lld", (long long)a->batch_size);
+  if (replicas > 0)
+    meta_add(m, "ddp-train.global_batch", "%lld", (long long)(a->batch_size * replicas));
+  else
+    meta_add(m, "ddp-train.batch_size", "%lld", (long long)a->batch_size);
   meta_add(m, "ddp-train.seed", "%llu", (unsigned long long)a->seed);
   meta_add(m, "ddp-train.optimizer", "%s", a->optimizer);
   meta_add(m, "ddp-train.lr", "%.17g", oo->lr);
@@ -695,6 +717,22 @@ int main(int argc, char **argv) {
   /* Prints progress and the summary: rank 0, or the first trainer. */
   bool lead = world.rank == a.ps.servers;
 
+  /* Elastic rounds (ddprun --nnodes MIN:MAX): the latest checkpoint if any,
+   * and the global batch kept at a new world (tools/ddp_train/elastic.h). */
+  a.resume_path = train_elastic_resume_path(a.resume_path, a.save_path);
+  /* Data-parallel replicas: the ranks, or a pipeline's P-stage replicas
+   * (0 for the parameter server, whose trainers keep their batch). */
+  const int64_t replicas = a.elastic_per_rank || a.ps.servers ? 0 : a.pp ? world.size / a.pp : world.size;
+  if (replicas > 0) {
+    int changed = 0;
+    int64_t was = a.batch_size;
+    CHECK(train_elastic_batch(a.resume_path, replicas, &a.batch_size, &changed), "resuming at a new world size");
+    if (changed && lead)
+      fprintf(stderr, "ddp-train: resuming %s: %lld per replica (not --batch-size %lld) keeps its global "
+                      "batch of %lld at %lld replicas\n", a.resume_path, (long long)a.batch_size,
+              (long long)was, (long long)(a.batch_size * replicas), (long long)replicas);
+  }
+
   ddp_model *model;
   CHECK(ddp_model_build(a.model, a.activation, a.seed, &model), "building the model");
   if (a.init_path) CHECK(ddp_model_load(model, a.init_path), "loading --init");
@@ -757,7 +795,7 @@ int main(int argc, char **argv) {
                  : trace_env && *trace_env ? trace_env
                                            : NULL;
   run_meta meta;
-  run_meta_init(&meta, &a, &o.optim);
+  run_meta_init(&meta, &a, &o.optim, replicas);
   o.checkpoint_meta = meta.kv;
   o.checkpoint_meta_count = meta.n;
   tool_view view = {.prog = {.quiet = !lead, .tty = isatty(STDERR_FILENO),

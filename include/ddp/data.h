@@ -241,6 +241,18 @@ ddp_status ddp_sampler_create_distributed(ddp_sampler **out, int64_t num_samples
  * batch, only once at the end (or use join). */
 ddp_status ddp_sampler_create_distributed_eval(ddp_sampler **out, int64_t num_samples,
                                                int64_t num_replicas, int64_t rank);
+/* Resuming epoch `epoch` at another world size (elastic training): an earlier
+ * run consumed the first `consumed` positions of that epoch's order (steps x
+ * its global batch); this sampler deals out the rest over its own world, so
+ * across the two runs every sample of the epoch is seen once (but the
+ * padding's repeats, as in PyTorch). In that epoch rank's k-th index is
+ * position consumed + rank + k num_replicas of the extended order, k <
+ * ceil((N - consumed) / num_replicas) (its length for that epoch; 0 once
+ * consumed >= N); other epochs are untouched. With consumed a multiple of
+ * num_replicas this is exactly the uninterrupted epoch's tail.
+ * DDP_ERR_INVALID unless sampler is ddp_sampler_create_distributed's;
+ * DDP_ERR_UNSUPPORTED with drop_last. */
+ddp_status ddp_sampler_distributed_resume(ddp_sampler *sampler, int64_t epoch, int64_t consumed);
 void ddp_sampler_set_epoch(ddp_sampler *sampler, int64_t epoch);
 int64_t ddp_sampler_length(const ddp_sampler *sampler);
 ddp_status ddp_sampler_fill(ddp_sampler *sampler, int64_t *indices);

@@ -143,7 +143,12 @@ typedef struct ddp_train_state {
    * Checkpoints written without them load as INFINITY, 0. */
   double best_test_loss;
   int64_t evals_without_better;
-  int64_t reserved[6];
+  /* Positions of `epoch`'s order consumed (steps x the global batch, over
+   * every world the epoch ran at), so a run at another world size can deal
+   * out the rest (ddp_sampler_distributed_resume). -1: unknown (a
+   * checkpoint of an older version: resumable at its own world only). */
+  int64_t epoch_samples;
+  int64_t reserved[5];
 } ddp_train_state;
 DDP_STRUCT_SIZE(ddp_train_state, 104);
 

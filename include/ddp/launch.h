@@ -93,7 +93,16 @@ typedef struct ddp_launch_config {
    * loss themselves (a process group's operations with such a rank fail).
    * NULL: none. Borrowed (from argv). */
   const char *may_fail;
-  uint64_t reserved[5];
+  /* Elastic membership (--nnodes MIN:MAX with MIN < MAX, c10d only; docs/launch.md
+   * "Elastic jobs"): min_nnodes is MIN (0: not elastic, nnodes nodes exactly);
+   * nnodes is then MAX. A round of the node rendezvous closes at MAX nodes, or
+   * at >= MIN once last_call_timeout_s passed without another arrival. A node
+   * whose agent stays silent for keep_alive_s is taken for dead. */
+  int32_t min_nnodes;
+  int32_t reserved_int;
+  double last_call_timeout_s; /* --rdzv-conf last_call_timeout; torchrun's 30 s */
+  double keep_alive_s;        /* keep_alive_interval x keep_alive_max_attempt; torchrun's 5 x 3 s */
+  uint64_t reserved[2];
 } ddp_launch_config;
 DDP_STRUCT_SIZE(ddp_launch_config, 5688);
 
@@ -105,8 +114,7 @@ ddp_launch_config ddp_launch_defaults(void);
  * must hold the defaults. Every option has both spellings (--nproc-per-node and
  * --nproc_per_node) and both forms (--opt VALUE and --opt=VALUE). Options end
  * at the program, whose arguments are left untouched. Errors name the option
- * and the value ("--nnodes 1:2: elastic membership (MIN:MAX) is not supported
- * ..."). --help sets cfg->help and returns DDP_OK without a program. */
+ * and the value ("--nnodes 3:2: MIN 3 is above MAX 2"). --help sets cfg->help and returns DDP_OK without a program. */
 ddp_status ddp_launch_parse_args(int argc, char *const *argv, ddp_launch_config *cfg);
 
 /* Inside a Slurm allocation (SLURM_JOB_ID, SLURM_NNODES, SLURM_NODEID and

@@ -38,6 +38,7 @@ struct ddp_loader {
   bool owns_sampler;
   int64_t num_samples; /* per epoch: the sampler's length */
   int64_t num_batches;
+  int64_t capacity; /* indices the buffer holds: the first epoch's length */
   int64_t *indices;    /* (num_samples) the running epoch's order */
   float lut[256];      /* uint8 -> delivered float */
   float mean, std;     /* for float inputs; 0 and 1 without normalisation */
@@ -208,6 +209,7 @@ ddp_status ddp_loader_create(ddp_loader **out, const ddp_dataset *ds,
     l->owns_sampler = true;
   }
   l->num_samples = ddp_sampler_length(l->sampler);
+  l->capacity = l->num_samples;
   l->num_batches = c.drop_last ? l->num_samples / c.batch_size
                                : (l->num_samples + c.batch_size - 1) / c.batch_size;
   l->mean = c.normalize ? c.mean : 0.0f;
@@ -275,13 +277,20 @@ ddp_status ddp_loader_start_epoch(ddp_loader *l, int64_t epoch) {
   ddp_status status = wait_idle(l);
   if (status != DDP_OK) goto out;
   const char *name = l->sampler->ops->name;
-  if (ddp_sampler_length(l->sampler) != l->num_samples) {
-    status = ddp_error(DDP_ERR_STATE, "loader: sampler %s changed its length from %lld to %lld",
-                       name, (long long)l->num_samples,
-                       (long long)ddp_sampler_length(l->sampler));
+  /* An epoch may be shorter than the first (a resumed one,
+   * ddp_sampler_distributed_resume), never longer: the index buffer was
+   * sized at creation. */
+  ddp_sampler_set_epoch(l->sampler, epoch);
+  const int64_t length = ddp_sampler_length(l->sampler);
+  if (length < 0 || length > l->capacity) {
+    status = ddp_error(DDP_ERR_STATE, "loader: sampler %s gives %lld indices in epoch %lld, more than the %lld "
+                       "of its first epoch", name, (long long)length, (long long)epoch,
+                       (long long)l->capacity);
     goto out;
   }
-  ddp_sampler_set_epoch(l->sampler, epoch);
+  l->num_samples = length;
+  l->num_batches = l->cfg.drop_last ? length / l->cfg.batch_size
+                                    : (length + l->cfg.batch_size - 1) / l->cfg.batch_size;
   status = ddp_sampler_fill(l->sampler, l->indices);
   if (status != DDP_OK) {
     status = ddp_error_wrap(status, "loader: sampler %s, epoch %lld", name, (long long)epoch);

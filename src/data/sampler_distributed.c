@@ -18,6 +18,12 @@ typedef struct dist_sampler {
   uint64_t seed;
   int64_t epoch;
   int64_t length;       /* this rank's indices per epoch */
+  /* A resumed epoch (ddp_sampler_distributed_resume): in epoch
+   * resume_epoch the first `consumed` positions of the extended order are
+   * skipped and the rest dealt out; -1: none. */
+  int64_t resume_epoch;
+  int64_t consumed;
+  int64_t resume_length;
   int64_t *order;       /* N: the epoch's full order (shuffle only), owned */
 } dist_sampler;
 
@@ -26,7 +32,8 @@ static void dist_set_epoch(ddp_sampler *sampler, int64_t epoch) {
 }
 
 static int64_t dist_length(const ddp_sampler *sampler) {
-  return ((const dist_sampler *)sampler)->length;
+  const dist_sampler *s = (const dist_sampler *)sampler;
+  return s->epoch == s->resume_epoch ? s->resume_length : s->length;
 }
 
 static void dist_destroy(ddp_sampler *sampler) {
@@ -40,7 +47,8 @@ static void dist_destroy(ddp_sampler *sampler) {
  * it from the start (as many times as needed, also when the padding exceeds
  * N) or cut to total_size with drop_last, then every R-th element from rank.
  * Position j of the extended list is order[j % N], so rank's k-th index is
- * order[(rank + k R) % N]. The evaluation sampler stops at N instead. */
+ * order[(rank + k R) % N]. The evaluation sampler stops at N instead. In
+ * a resumed epoch the positions start at `consumed`. */
 static ddp_status dist_fill(ddp_sampler *sampler, int64_t *indices) {
   dist_sampler *s = (dist_sampler *)sampler;
   if (s->shuffle) {
@@ -48,8 +56,10 @@ static ddp_status dist_fill(ddp_sampler *sampler, int64_t *indices) {
     ddp__torch_generator_seed(&mt, s->seed + (uint64_t)s->epoch);
     ddp__torch_randperm(&mt, s->num_samples, s->order);
   }
-  for (int64_t k = 0; k < s->length; k++) {
-    int64_t j = (s->rank + k * s->replicas) % s->num_samples;
+  const int64_t first = s->epoch == s->resume_epoch ? s->consumed : 0;
+  const int64_t length = dist_length(sampler);
+  for (int64_t k = 0; k < length; k++) {
+    int64_t j = (first + s->rank + k * s->replicas) % s->num_samples;
     indices[k] = s->shuffle ? s->order[j] : j;
   }
   return DDP_OK;
@@ -119,6 +129,7 @@ static ddp_status create(ddp_sampler **out, const ddp_sampler_ops *ops, int64_t 
   s->drop_last = o->drop_last;
   s->pad = pad;
   s->seed = o->seed;
+  s->resume_epoch = -1;
   if (pad)
     s->length = per_rank(num_samples, s->replicas, s->drop_last);
   else /* ranks rank, rank + R, ... below N */
@@ -145,4 +156,25 @@ ddp_status ddp_sampler_create_distributed_eval(ddp_sampler **out, int64_t num_sa
   ddp_distributed_sampler_options o = ddp_distributed_sampler_defaults(num_replicas, rank);
   o.shuffle = false;
   return create(out, &distributed_eval_ops, num_samples, &o, false);
+}
+
+/* Positions consumed + rank + k R of the order extended as PyTorch's
+ * (position j is order[j mod N]: the padding repeats the order's start),
+ * for k < ceil((N - consumed) / R): the rest of the epoch, dealt over this
+ * world. With consumed a multiple of R it is the uninterrupted epoch's tail. */
+ddp_status ddp_sampler_distributed_resume(ddp_sampler *sampler, int64_t epoch, int64_t consumed) {
+  if (!sampler || sampler->ops != &distributed_ops)
+    return ddp_error(DDP_ERR_INVALID, "sampler %s: only the distributed training sampler resumes an epoch "
+                     "at another world size", sampler ? sampler->ops->name : "(null)");
+  dist_sampler *s = (dist_sampler *)sampler;
+  if (epoch < 0 || consumed < 0)
+    return ddp_error(DDP_ERR_INVALID, "sampler %s: resume at epoch %lld, %lld samples consumed: both must be >= 0",
+                     sampler->ops->name, (long long)epoch, (long long)consumed);
+  if (s->drop_last)
+    return ddp_error(DDP_ERR_UNSUPPORTED, "sampler %s: resuming an epoch at another world size with drop_last "
+                     "(the dropped tail depends on the world size)", sampler->ops->name);
+  s->resume_epoch = epoch;
+  s->consumed = consumed;
+  s->resume_length = consumed >= s->num_samples ? 0 : (s->num_samples - consumed + s->replicas - 1) / s->replicas;
+  return DDP_OK;
 }

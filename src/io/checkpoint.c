@@ -93,6 +93,7 @@ static ddp_status build_train_entries(train_entries *t, ddp_model *model, ddp_op
   add_i64(t, "train.world_size", ts->world_size);
   add_f64(t, "train.best_test_loss", ts->best_test_loss);
   add_i64(t, "train.evals_without_better", ts->evals_without_better);
+  add_i64(t, "train.epoch_samples", ts->epoch_samples);
   /* The dropout generator (xoshiro256** state words, as int64 bits). */
   const ddp_rng *rng = ddp_model_dropout_rng(model);
   static const int64_t four[1] = {4};
@@ -351,6 +352,13 @@ static ddp_status check_train_state(const ddp_safetensors *st, ddp_model *model,
     DDP_TRY(get_scalar(st, "train.best_test_loss", DDP_FLOAT64, &p->ts.best_test_loss));
   if (ddp_safetensors_find(st, "train.evals_without_better", &es) == DDP_OK)
     DDP_TRY(get_scalar(st, "train.evals_without_better", DDP_INT64, &p->ts.evals_without_better));
+  /* The epoch's position in samples, absent before elastic training. */
+  p->ts.epoch_samples = -1;
+  if (ddp_safetensors_find(st, "train.epoch_samples", &es) == DDP_OK)
+    DDP_TRY(get_scalar(st, "train.epoch_samples", DDP_INT64, &p->ts.epoch_samples));
+  if (p->ts.epoch_samples < -1)
+    return ddp_error(DDP_ERR_FORMAT, "checkpoint: %s: train.epoch_samples is %lld", path,
+                     (long long)p->ts.epoch_samples);
   if (isnan(p->ts.best_test_loss) || p->ts.evals_without_better < 0)
     return ddp_error(DDP_ERR_FORMAT, "checkpoint: %s: impossible early-stopping position: best "
                      "test loss %g, %lld evaluations since", path, p->ts.best_test_loss,

@@ -247,6 +247,21 @@ static ddp_status open_multi(const ddp_launch_config *cfg, ddp__agent *a) {
   a->beat_seen_s = ddp_calloc((size_t)cfg->nnodes, sizeof *a->beat_seen_s);
   if (!a->beats || !a->beat_seen_s) return ddp_error(DDP_ERR_NOMEM, "launch: out of memory for %d nodes", (int)cfg->nnodes);
   a->silence_limit_s = cfg->rdzv_timeout_s < SILENCE_LIMIT_S ? cfg->rdzv_timeout_s : SILENCE_LIMIT_S;
+  if (cfg->min_nnodes > 0) {
+    /* Elastic: the nodes meet in rounds once the signal pipe is up
+     * (ddp__elastic_join, from ddp__job_run_elastic); a node is dead after
+     * torchrun's keep-alive limit, not the static job's 30 s. */
+    a->elastic_min = cfg->min_nnodes;
+    a->elastic_max = cfg->nnodes;
+    a->last_call_s = cfg->last_call_timeout_s;
+    a->silence_limit_s = cfg->keep_alive_s;
+    snprintf(a->node_addr, sizeof a->node_addr, "%s", cfg->master_addr);
+    a->node_hosts = ddp_calloc((size_t)cfg->nnodes, sizeof *a->node_hosts);
+    if (!a->node_hosts) return ddp_error(DDP_ERR_NOMEM, "launch: out of memory for %d nodes", (int)cfg->nnodes);
+    w->nnodes = 0;
+    w->elastic = 1;
+    return DDP_OK;
+  }
   DDP_TRY(claim_rank(cfg, a));
   DDP_TRY(learn_world(cfg, a));
   DDP_TRY(agree_master(cfg, a, host, port));
@@ -392,6 +407,8 @@ void ddp__agent_close(ddp__agent *a) {
   ddp__store_proc_stop(&a->server); /* last: the workers are gone, every node has read */
   ddp_free(a->beats);
   ddp_free(a->beat_seen_s);
+  ddp_free(a->node_hosts);
+  a->node_hosts = NULL;
   a->store = NULL;
   a->server.pid = 0;
   a->beats = NULL;

@@ -138,6 +138,15 @@ typedef struct ddp__world {
   /* DDP_DEBUG_DIR for the workers' flight dumps: the user's, else this
    * run's directory under $TMPDIR (ddp__flight_debug_dir); "": not set. */
   char debug_dir[DDP_LAUNCH_PATH_BYTES];
+  /* Elastic jobs: TORCHELASTIC_RESTART_COUNT is the failures of the job so
+   * far (the rounds that scale events opened do not count, torchrun's
+   * rule), not the attempt's number. */
+  int32_t elastic;
+  int32_t restarts;
+  /* TORCHELASTIC_ERROR_FILE=<error_dir>/attempt_<n>/<local rank>/error.json,
+   * where a worker that fails writes its error record (torchrun's @record);
+   * the summary reports it. "": not set (ddp_spawn). */
+  char error_dir[DDP_LAUNCH_PATH_BYTES];
 } ddp__world;
 
 /* The launcher's environment contract, the one list of the variables it
@@ -161,7 +170,16 @@ ddp_status ddp__launch_env(char *const *base, char *const *add, size_t n_add, ch
  * lacks it and nproc > 1, as torchrun does. One ddp_alloc'd
  * block: free with ddp_free. */
 ddp_status ddp__worker_env(char *const *base, const ddp__world *world, int32_t local_rank,
-                           int32_t restart_count, char ***out);
+                           int32_t attempt, char ***out);
+/* The worker's TORCHELASTIC_ERROR_FILE in attempt `attempt`, "" when
+ * world->error_dir is "". */
+void ddp__error_file_path(const ddp__world *world, int32_t attempt, int32_t local_rank, char *buf, size_t bytes);
+/* What a worker's error record (torchrun's error file: {"message":
+ * {"message": "...", "extraInfo": {"timestamp": "..."}}} or {"message":
+ * "..."}) says, as "<message> (recorded at <UTC time>)" in buf; "" when the
+ * file is absent. A file that is not such a record is described as such
+ * ("not an error record: ... at offset N"). */
+void ddp__error_record_read(const char *path, char *buf, size_t bytes);
 
 /* ---- The supervised group of workers (workers.c) --------------------------- */
 typedef struct ddp__worker_spec {
@@ -172,6 +190,7 @@ typedef struct ddp__worker_spec {
   int32_t show[2];        /* stdout, stderr: 1 to copy to the console */
   const cpu_set_t *cpus;  /* bind the child here before exec or fn; NULL: where it inherits */
   char log_path[2][DDP_LAUNCH_PATH_BYTES]; /* "" : no log file */
+  char error_path[DDP_LAUNCH_PATH_BYTES];  /* its TORCHELASTIC_ERROR_FILE; "": none */
 } ddp__worker_spec;
 
 typedef enum ddp__worker_state {
@@ -192,6 +211,7 @@ typedef struct ddp__worker {
   double exit_s;          /* monotonic */
   ddp__stream out, err;
   ddp__tail tail;         /* both streams, interleaved as read */
+  char error_path[DDP_LAUNCH_PATH_BYTES]; /* its TORCHELASTIC_ERROR_FILE; "": none */
 } ddp__worker;
 
 typedef enum ddp__event {
@@ -368,6 +388,17 @@ typedef struct ddp__agent {
   int64_t *beats;           /* last count seen per node */
   double *beat_seen_s;      /* when it last changed (monotonic) */
   double silence_limit_s;
+  /* Elastic jobs (--nnodes MIN:MAX; elastic.c): the bounds, torchrun's
+   * timeouts, and what this node knows of the current round (its number
+   * is `attempt`, this node's slot world.node_rank, its size world.nnodes). */
+  int32_t elastic_min;      /* 0: not elastic */
+  int32_t elastic_max;
+  double last_call_s;
+  int scale_event;          /* 1: the poll stopped the workers for a node that arrived */
+  int stop_signal;          /* a SIGINT/SIGTERM/SIGHUP that ended a wait of the rendezvous, 0 */
+  double next_beat_check_s; /* monotonic: when the poll next reads the others' beats */
+  char (*node_hosts)[64];   /* per slot of the round: the host it named */
+  char node_addr[DDP_LAUNCH_HOST_BYTES]; /* --master-addr: this node's address for MASTER_ADDR when it is slot 0 */
 } ddp__agent;
 
 /* Hosts the store (one node: on a port of its own on 127.0.0.1; several: at
@@ -390,6 +421,35 @@ ddp_status ddp__agent_end_attempt(ddp__agent *agent, int32_t attempt, const char
 /* Waits (bounded) until every node has read the outcome, then stops the
  * store when hosted here. Accepts a zeroed agent. */
 void ddp__agent_close(ddp__agent *agent);
+
+/* ---- Elastic rounds (elastic.c) --------------------------------------------
+ * --nnodes MIN:MAX with c10d: the nodes meet in numbered rounds; round k
+ * closes at MAX nodes, or at >= MIN once last_call_s passed without another
+ * arrival; a node arriving after the close waits for round k+1, whose first
+ * arrival makes the running nodes stop their workers (a scale event). */
+/* Joins round `round` or a later one (the first still open), waits for it
+ * to close (below MIN: at most --rdzv-timeout, then an error saying so),
+ * and fills agent->world (node rank = slot, the round's nodes and world
+ * size, MASTER_*, the restart count) and agent->attempt. */
+ddp_status ddp__elastic_join(ddp__agent *agent, int32_t round, double deadline_s);
+/* The group's poll hook in an elastic job: beats; > 0 when the round
+ * failed on another node, a node of the round went silent (announced as the
+ * round's failure), or a node arrived for the next round while this one has
+ * fewer than MAX (agent->scale_event = 1); < 0 when the store is gone. */
+int ddp__elastic_poll(void *agent);
+/* After this node's workers of round `round` all succeeded: waits for the
+ * round's other nodes. *outcome: 0 the job is done, 1 the round failed
+ * elsewhere (agent->remote_failure), 2 a scale event re-forms the group. */
+ddp_status ddp__elastic_finish(ddp__agent *agent, int32_t round, double deadline_s, int *outcome);
+/* Whether a node of round `round` stopped its workers for a scale event:
+ * a worker failing meanwhile lost a peer to it (not a failure). */
+int ddp__elastic_rescaling(ddp__agent *agent, int32_t round);
+/* Tells the round's other nodes this node's workers are gone (failed, or
+ * stopped for a scale event) so none waits for them. */
+void ddp__elastic_leave(ddp__agent *agent, int32_t round, int rescaled);
+/* Ends the job for every node waiting in round `round` (no restarts left, a
+ * stop): they return from join with `reason`. */
+void ddp__elastic_abort(ddp__agent *agent, int32_t round, const char *reason);
 
 /* ---- The flight recorder (flight_gather.c) ----------------------------------
  * Called before the group is stopped (a worker failed, the job timed out,
@@ -432,6 +492,12 @@ typedef struct ddp__job {
    * --threads) before the first attempt; every attempt binds the same way. */
   ddp__placement placement;
   int32_t report_bindings;     /* each worker's CPUs on stderr as it starts */
+  /* Where the workers' TORCHELASTIC_ERROR_FILEs go: NULL none; "" a folder
+   * "errors" in the run's DDP_DEBUG_DIR; else this folder (ddprun: the log
+   * directory's run folder, as torchrun). */
+  const char *error_dir;
+  char *error_dir_out;         /* out, when set: the folder chosen for them ("" none) */
+  size_t error_dir_out_bytes;
   char failure[640];           /* out: the job's first failure, "" when none */
 } ddp__job;
 
@@ -441,6 +507,21 @@ typedef struct ddp__job {
  * ended. Returns an error when the job could not be run (start, store). The
  * caller installs the signal pipe first. */
 ddp_status ddp__job_run(ddp__job *job, int *exit_code, ddp__event *event);
+/* The same for an elastic job: rounds until the job ends (elastic_job.c). */
+ddp_status ddp__job_run_elastic(ddp__job *job, int *exit_code, ddp__event *event);
+/* The pieces of an attempt that ddp__job_run and ddp__job_run_elastic share
+ * (supervise.c). Starts attempt `attempt`'s workers into *g (zeroed here);
+ * on failure *g holds nothing to stop. */
+ddp_status ddp__job_start_group(ddp__job *job, int32_t attempt, ddp__worker_spec *specs, ddp__worker_group *g);
+/* Stops the group after `ev` and writes this node's failure line (""
+ * when it has none: done, or another node's failure); STOP_MARK-prefixed
+ * when no restart may follow. */
+void ddp__job_stop(ddp__job *job, ddp__worker_group *g, int32_t attempt, ddp__event ev, char *failure,
+                   size_t bytes);
+#define DDP__STOP_MARK "stop: "
+/* The failure summary on stderr, without waiting on a console that stopped reading. */
+void ddp__job_print_summary(const char *tool, const ddp__worker_group *g, const char *host, int32_t attempt,
+                            const char *headline);
 
 /* The whole of a job on this node, for ddprun and ddp_spawn alike: opens the
  * node agent for cfg (store, node rendezvous), decides where the workers run

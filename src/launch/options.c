@@ -25,6 +25,8 @@ ddp_launch_config ddp_launch_defaults(void) {
   cfg.grace_s = DDP__LAUNCH_DEFAULT_GRACE_S;
   cfg.rdzv_timeout_s = 900.0; /* torchrun's join_timeout */
   cfg.tail_lines = DDP__LAUNCH_DEFAULT_TAIL;
+  cfg.last_call_timeout_s = 30.0; /* torchrun's last_call_timeout */
+  cfg.keep_alive_s = 15.0;        /* torchrun's keep_alive_interval 5 s x keep_alive_max_attempt 3 */
   return cfg;
 }
 
@@ -89,9 +91,12 @@ static ddp_status nproc_value(const char *opt, const char *v, int32_t *out) {
   return int_value(opt, v, 1, 1 << 20, out);
 }
 
-static ddp_status nnodes_value(const char *opt, const char *v, int32_t *out) {
+/* "N" or "MIN:MAX" (torchrun's elastic form). N:N is N; MIN < MAX makes the
+ * job elastic (checked against the backend once every option is read). */
+static ddp_status nnodes_value(const char *opt, const char *v, ddp_launch_config *cfg) {
   const char *colon = strchr(v, ':');
-  if (!colon) return int_value(opt, v, 1, 1 << 20, out);
+  cfg->min_nnodes = 0;
+  if (!colon) return int_value(opt, v, 1, 1 << 20, &cfg->nnodes);
   char lo_text[32];
   size_t n = (size_t)(colon - v);
   if (n >= sizeof lo_text) n = sizeof lo_text - 1;
@@ -100,14 +105,12 @@ static ddp_status nnodes_value(const char *opt, const char *v, int32_t *out) {
   int32_t lo, hi;
   DDP_TRY(int_value(opt, lo_text, 1, 1 << 20, &lo));
   DDP_TRY(int_value(opt, colon + 1, 1, 1 << 20, &hi));
-  if (lo == hi) {
-    *out = lo;
-    return DDP_OK;
-  }
-  return ddp_error(DDP_ERR_UNSUPPORTED,
-                   "%s %s: elastic membership (MIN:MAX nodes) is not supported by ddprun yet; give "
-                   "a fixed number of nodes (--nnodes %d)",
-                   opt, v, (int)hi);
+  if (lo > hi)
+    return ddp_error(DDP_ERR_INVALID, "%s %s: MIN %d is above MAX %d (the form is MIN:MAX, MIN <= MAX)", opt, v,
+                     (int)lo, (int)hi);
+  cfg->nnodes = hi;
+  if (lo < hi) cfg->min_nnodes = lo;
+  return DDP_OK;
 }
 
 /* --rdzv-conf key=value,...: join_timeout (seconds) is the one ddprun uses;
@@ -116,15 +119,26 @@ static ddp_status rdzv_conf_value(const char *opt, const char *v, ddp_launch_con
   char buf[512];
   DDP_TRY(text_value(opt, v, buf, sizeof buf));
   char *save = NULL;
+  /* torchrun's two keys make one limit: a node silent for interval x
+   * attempts is dead. The defaults' product is cfg's default. */
+  double keep_alive_interval = 5.0;
+  int32_t keep_alive_attempts = 3;
   for (char *item = strtok_r(buf, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
     char *eq = strchr(item, '=');
     if (!eq) return ddp_error(DDP_ERR_INVALID, "%s %s: expected key=value pairs separated by commas", opt, v);
     *eq = '\0';
     if (strcmp(item, "join_timeout") == 0 || strcmp(item, "timeout") == 0)
       DDP_TRY(seconds_value("--rdzv-conf join_timeout", eq + 1, 0.001, &cfg->rdzv_timeout_s));
+    else if (strcmp(item, "last_call_timeout") == 0)
+      DDP_TRY(seconds_value("--rdzv-conf last_call_timeout", eq + 1, 0, &cfg->last_call_timeout_s));
+    else if (strcmp(item, "keep_alive_interval") == 0)
+      DDP_TRY(seconds_value("--rdzv-conf keep_alive_interval", eq + 1, 0.001, &keep_alive_interval));
+    else if (strcmp(item, "keep_alive_max_attempt") == 0)
+      DDP_TRY(int_value("--rdzv-conf keep_alive_max_attempt", eq + 1, 1, 1000, &keep_alive_attempts));
     else
       fprintf(stderr, "ddprun: note: --rdzv-conf %s is not used by ddprun\n", item);
   }
+  cfg->keep_alive_s = keep_alive_interval * keep_alive_attempts;
   return DDP_OK;
 }
 
@@ -177,7 +191,7 @@ static ddp_status apply(ddp_launch_config *cfg, const option *o, const char *v) 
   if (strcmp(name, "--nproc-per-node") == 0) return nproc_value(name, v, &cfg->nproc_per_node);
   if (strcmp(name, "--nnodes") == 0) {
     cfg->nodes_given = 1;
-    return nnodes_value(name, v, &cfg->nnodes);
+    return nnodes_value(name, v, cfg);
   }
   if (strcmp(name, "--node-rank") == 0) {
     cfg->nodes_given = 1;
@@ -280,6 +294,13 @@ ddp_status ddp_launch_parse_args(int argc, char *const *argv, ddp_launch_config 
   cfg->num_args = argc - i - 1;
   if (cfg->module && cfg->no_python)
     return ddp_error(DDP_ERR_INVALID, "--module and --no-python contradict each other (-m runs python -m PROGRAM)");
+  if (cfg->min_nnodes > 0 && cfg->rdzv_backend != DDP_LAUNCH_RDZV_C10D)
+    return ddp_error(DDP_ERR_INVALID, "--nnodes %d:%d: elastic membership needs --rdzv-backend c10d (the static "
+                     "backend has a fixed number of nodes)", (int)cfg->min_nnodes, (int)cfg->nnodes);
+  if (cfg->min_nnodes > 0 && cfg->node_rank >= 0)
+    return ddp_error(DDP_ERR_INVALID, "--nnodes %d:%d with --node-rank %d: an elastic job numbers its nodes "
+                     "by arrival in each round; drop --node-rank", (int)cfg->min_nnodes, (int)cfg->nnodes,
+                     (int)cfg->node_rank);
   if (cfg->node_rank >= cfg->nnodes)
     return ddp_error(DDP_ERR_INVALID, "--node-rank %d is out of range for --nnodes %d (node ranks are 0..%d)",
                      (int)cfg->node_rank, (int)cfg->nnodes, (int)cfg->nnodes - 1);

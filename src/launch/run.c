@@ -3,6 +3,7 @@
  * each worker's command line, environment and log files, and hands the
  * attempts to the supervisor. */
 #include <errno.h>
+#include <ftw.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -90,6 +91,18 @@ static ddp_status make_exec_specs(void *ctx_, const ddp__world *world, int32_t a
   for (int32_t i = 0; i < world->nproc; i++) {
     ddp__worker_spec *s = &specs[i];
     DDP_TRY(ddp__worker_env(environ, world, i, attempt, &s->envp));
+    ddp__error_file_path(world, attempt, i, s->error_path, sizeof s->error_path);
+    if (s->error_path[0]) {
+      /* Its folder must exist for the worker to write there, and a record
+       * from an earlier run in the same folder is not this worker's. */
+      char dir[DDP_LAUNCH_PATH_BYTES];
+      snprintf(dir, sizeof dir, "%s", s->error_path);
+      *strrchr(dir, '/') = '\0';
+      DDP_TRY(make_dirs(dir));
+      if (unlink(s->error_path) != 0 && errno != ENOENT)
+        return ddp_error(DDP_ERR_IO, "ddprun: cannot remove the old error record %s: %s", s->error_path,
+                         strerror(errno));
+    }
     s->argv = make_argv(cfg, i);
     if (!s->argv) return ddp_error(DDP_ERR_NOMEM, "ddprun: out of memory for a command line");
     int redirect, tee, shown;
@@ -109,6 +122,20 @@ static ddp_status make_exec_specs(void *ctx_, const ddp__world *world, int32_t a
     }
   }
   return DDP_OK;
+}
+
+/* Removes the empty folders left under dir (the workers' error-file
+ * folders of a run whose workers recorded nothing), deepest first; a folder
+ * that holds anything stays, and so does everything above it. */
+static int remove_if_empty(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
+  (void)sb;
+  (void)ftw;
+  if (flag == FTW_DP) rmdir(path); /* fails, harmlessly, when not empty */
+  return 0;
+}
+
+static void prune_empty(const char *dir) {
+  if (dir[0]) nftw(dir, remove_if_empty, 16, FTW_DEPTH | FTW_PHYS);
 }
 
 /* --standalone: a random run id (torchrun uses a uuid). */
@@ -164,9 +191,23 @@ ddp_status ddp_launch_run(const ddp_launch_config *cfg_in, int *exit_code) {
       .make_specs = make_exec_specs,
       .free_specs = free_exec_specs,
       .ctx = &ctx,
+      .error_dir = ctx.log_root,
   };
   ddp__event ev;
+  char error_dir[DDP_LAUNCH_PATH_BYTES] = "";
+  job.error_dir_out = error_dir;
+  job.error_dir_out_bytes = sizeof error_dir;
   ddp_status st = ddp__job_launch(&cfg, &job, cfg.job_timeout_s, exit_code, &ev);
+  /* Under the run's DDP_DEBUG_DIR (no --log-dir), folders nobody wrote to
+   * are removed, and the run's folder with them when it is empty. */
+  if (!ctx.log_root[0] && error_dir[0]) {
+    prune_empty(error_dir);
+    char *slash = strrchr(error_dir, '/');
+    if (slash && !getenv("DDP_DEBUG_DIR")) { /* the user's own folder stays */
+      *slash = '\0';
+      rmdir(error_dir);
+    }
+  }
   if (st == DDP_OK && ev == DDP__EVENT_TIMEOUT)
     fprintf(stderr, "ddprun: the job timeout (--job-timeout %g s) passed; the workers were stopped\n",
             cfg.job_timeout_s);

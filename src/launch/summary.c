@@ -67,6 +67,21 @@ static void print_tail(FILE *f, const char *tool, const ddp__tail *t) {
   }
 }
 
+/* The worker's error record (TORCHELASTIC_ERROR_FILE), when it left one:
+ * what the program said it failed of, which an exit code does not tell. */
+static void print_error_record(FILE *f, const char *tool, const ddp__worker *w) {
+  char record[2048];
+  ddp__error_record_read(w->error_path, record, sizeof record);
+  if (!record[0]) return;
+  fprintf(f, "%s:   error record (%s):\n", tool, w->error_path);
+  /* One summary line per line of the message (a traceback has several). */
+  for (char *line = record, *next; line; line = next) {
+    next = strchr(line, '\n');
+    if (next) *next++ = '\0';
+    fprintf(f, "%s:   > %s\n", tool, line);
+  }
+}
+
 void ddp__summary_print(FILE *f, const char *tool, const ddp__worker_group *g, const char *host,
                         int32_t attempt, const char *headline) {
   char when[64], how[160];
@@ -80,6 +95,7 @@ void ddp__summary_print(FILE *f, const char *tool, const ddp__worker_group *g, c
     fprintf(f, "%s:   at %s (%.3f s after the workers started)\n", tool, when,
             (double)(w->exit_wall_ms - g->start_wall_ms) / 1000.0);
     print_tail(f, tool, &w->tail);
+    print_error_record(f, tool, w);
   }
   for (int32_t i = 0; i < g->n; i++) {
     const ddp__worker *w = &g->workers[i];
@@ -89,6 +105,7 @@ void ddp__summary_print(FILE *f, const char *tool, const ddp__worker_group *g, c
     fprintf(f, "%s: also failed: rank %d (local rank %d), pid %ld: %s at %s\n", tool, (int)w->rank,
             (int)w->local_rank, (long)w->pid, how, when);
     print_tail(f, tool, &w->tail);
+    print_error_record(f, tool, w);
   }
   int stopped = 0;
   for (int32_t i = 0; i < g->n; i++) {

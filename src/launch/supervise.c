@@ -12,12 +12,12 @@
 
 extern char **environ;
 
-/* A failure published with this prefix stops every node without a restart
- * (a signal to one ddprun, a job timeout). */
-#define STOP_MARK "stop: "
+/* A failure published with DDP__STOP_MARK stops every node without a
+ * restart (a signal to one ddprun, a job timeout). */
+#define STOP_MARK DDP__STOP_MARK
 
-static void stop_and_describe(ddp__job *job, ddp__worker_group *g, int32_t attempt, ddp__event ev, char *failure,
-                              size_t bytes) {
+void ddp__job_stop(ddp__job *job, ddp__worker_group *g, int32_t attempt, ddp__event ev, char *failure,
+                   size_t bytes) {
   ddp__agent *a = job->agent;
   char signame[32];
   switch (ev) {
@@ -66,8 +66,8 @@ static void stop_and_describe(ddp__job *job, ddp__worker_group *g, int32_t attem
 /* The summary goes to stderr without waiting on a console that stopped
  * reading (DRAIN limit as for the workers' output): composed in memory,
  * then written while stderr takes it. */
-static void print_summary(const char *tool, const ddp__worker_group *g, const char *host, int32_t attempt,
-                          const char *headline) {
+void ddp__job_print_summary(const char *tool, const ddp__worker_group *g, const char *host, int32_t attempt,
+                            const char *headline) {
   char *text = NULL;
   size_t len = 0;
   FILE *mem = open_memstream(&text, &len);
@@ -94,6 +94,29 @@ static void report_bindings(const ddp__job *job, const ddp__worker_group *g) {
   fflush(stderr);
 }
 
+ddp_status ddp__job_start_group(ddp__job *job, int32_t attempt, ddp__worker_spec *specs, ddp__worker_group *g) {
+  ddp__agent *a = job->agent;
+  int32_t n = a->world.nproc;
+  memset(specs, 0, (size_t)n * sizeof *specs);
+  ddp_status st = job->make_specs(job->ctx, &a->world, attempt, specs);
+  for (int32_t i = 0; i < n && job->placement.bound; i++) specs[i].cpus = &job->placement.cpus[i];
+  memset(g, 0, sizeof *g);
+  g->monitor_interval_s = job->monitor_interval_s;
+  g->may_fail = job->may_fail;
+  g->poll_hook = !a->store ? NULL : a->elastic_min > 0 ? ddp__elastic_poll : ddp__agent_poll;
+  g->poll_ctx = a;
+  g->store = a->server.pid > 0 ? &a->server : NULL;
+  if (st == DDP_OK) st = ddp__worker_group_start(g, n, a->world.rank_offset, specs, job->tail_lines);
+  job->free_specs(job->ctx, &a->world, specs);
+  if (st) {
+    ddp__worker_group_free(g);
+    memset(g, 0, sizeof *g);
+    return st;
+  }
+  if (job->report_bindings) report_bindings(job, g);
+  return DDP_OK;
+}
+
 ddp_status ddp__job_run(ddp__job *job, int *exit_code, ddp__event *event) {
   ddp__agent *a = job->agent;
   int32_t n = a->world.nproc;
@@ -105,26 +128,12 @@ ddp_status ddp__job_run(ddp__job *job, int *exit_code, ddp__event *event) {
   ddp_status st = DDP_OK;
   for (int32_t attempt = 0;; attempt++) {
     a->attempt = attempt;
-    memset(specs, 0, (size_t)n * sizeof *specs);
-    st = job->make_specs(job->ctx, &a->world, attempt, specs);
-    for (int32_t i = 0; i < n && job->placement.bound; i++) specs[i].cpus = &job->placement.cpus[i];
     ddp__worker_group g;
-    memset(&g, 0, sizeof g);
-    g.monitor_interval_s = job->monitor_interval_s;
-    g.may_fail = job->may_fail;
-    g.poll_hook = a->store ? ddp__agent_poll : NULL;
-    g.poll_ctx = a;
-    g.store = a->server.pid > 0 ? &a->server : NULL;
-    if (st == DDP_OK) st = ddp__worker_group_start(&g, n, a->world.rank_offset, specs, job->tail_lines);
-    job->free_specs(job->ctx, &a->world, specs);
-    if (st) {
-      ddp__worker_group_free(&g);
-      break;
-    }
-    if (job->report_bindings) report_bindings(job, &g);
+    st = ddp__job_start_group(job, attempt, specs, &g);
+    if (st) break;
     ddp__event ev = ddp__worker_group_monitor(&g, job->deadline_s);
     char failure[sizeof job->failure];
-    stop_and_describe(job, &g, attempt, ev, failure, sizeof failure);
+    ddp__job_stop(job, &g, attempt, ev, failure, sizeof failure);
     if (ev == DDP__EVENT_STORE) {
       /* Nothing to agree on: the other nodes lose the store too. */
       snprintf(job->failure, sizeof job->failure, "%s", failure);
@@ -149,7 +158,7 @@ ddp_status ddp__job_run(ddp__job *job, int *exit_code, ddp__event *event) {
                  (int)job->max_restarts);
       else
         snprintf(headline, sizeof headline, "the job failed%s", job->max_restarts ? " (no restarts left)" : "");
-      print_summary(job->tool, &g, a->host, attempt, headline);
+      ddp__job_print_summary(job->tool, &g, a->host, attempt, headline);
     } else if (ev == DDP__EVENT_TIMEOUT && g.flight_verdict && !job->quiet) {
       ddp__flight_print(stderr, job->tool, g.flight_verdict);
     } else if (any_failed && remote[0] && !job->quiet) {
@@ -205,11 +214,17 @@ ddp_status ddp__job_launch(const ddp_launch_config *cfg, ddp__job *job, double t
   agent.world.omp_threads = cfg->threads_per_worker;
   agent.world.trace_dir = cfg->trace_dir;
   ddp__flight_debug_dir(agent.world.run_id, (int64_t)getpid(), agent.world.debug_dir, sizeof agent.world.debug_dir);
+  if (job->error_dir && job->error_dir[0])
+    snprintf(agent.world.error_dir, sizeof agent.world.error_dir, "%s", job->error_dir);
+  else if (job->error_dir && agent.world.debug_dir[0])
+    snprintf(agent.world.error_dir, sizeof agent.world.error_dir, "%.*s/errors",
+             (int)sizeof agent.world.error_dir - 8, agent.world.debug_dir);
+  if (job->error_dir_out) snprintf(job->error_dir_out, job->error_dir_out_bytes, "%s", agent.world.error_dir);
   st = ddp__signals_install();
   if (st == DDP_OK) {
     job->agent = &agent;
     job->deadline_s = timeout_s > 0 ? start + timeout_s : 0;
-    st = ddp__job_run(job, exit_code, event);
+    st = agent.elastic_min > 0 ? ddp__job_run_elastic(job, exit_code, event) : ddp__job_run(job, exit_code, event);
     job->agent = NULL;
     ddp__signals_restore();
   }

@@ -13,6 +13,7 @@ static const char *const owned[] = {
     "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
     "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
     "TORCHELASTIC_USE_AGENT_STORE", "DDP_STORE_ADDR", "DDP_STORE_PREFIX", "DDP_TRACE_FILE",
+    "TORCHELASTIC_ERROR_FILE",
 };
 #define NUM_OWNED (sizeof owned / sizeof owned[0])
 #define MAX_VALUE 512
@@ -73,16 +74,28 @@ void ddp__attempt_prefix(const char *run_id, int32_t attempt, char *buf, size_t 
   snprintf(buf, bytes, "ddprun/%s/attempt/%d/", run_id, (int)attempt);
 }
 
+void ddp__error_file_path(const ddp__world *w, int32_t attempt, int32_t local_rank, char *buf, size_t bytes) {
+  if (!w->error_dir[0]) {
+    buf[0] = '\0';
+    return;
+  }
+  snprintf(buf, bytes, "%.*s/attempt_%d/%d/error.json", (int)(bytes - 48), w->error_dir, (int)attempt,
+           (int)local_rank);
+}
+
 ddp_status ddp__worker_env(char *const *base, const ddp__world *w, int32_t local_rank,
-                           int32_t restart_count, char ***out) {
+                           int32_t attempt, char ***out) {
   char prefix[DDP_LAUNCH_ID_BYTES + 64];
-  ddp__attempt_prefix(w->run_id, restart_count, prefix, sizeof prefix);
+  ddp__attempt_prefix(w->run_id, attempt, prefix, sizeof prefix);
+  /* Elastic: the job's failures so far; otherwise every attempt after the
+   * first is a restart after a failure. */
+  int32_t restart_count = w->elastic ? w->restarts : attempt;
   int32_t rank = w->rank_offset + local_rank;
   int omp_given = w->omp_threads > 0;
   int omp = omp_given || (w->nproc > 1 && !ddp__envp_get(base, "OMP_NUM_THREADS"));
   /* name=value lines, formatted once into a scratch table. */
   char add[NUM_OWNED + 1][MAX_VALUE];
-  char *lines[NUM_OWNED + 2];
+  char *lines[NUM_OWNED + 3];
   size_t n_add = 0;
 #define ADD(...) snprintf(add[n_add++], MAX_VALUE, __VA_ARGS__)
   ADD("MASTER_ADDR=%s", w->master_addr);
@@ -110,6 +123,12 @@ ddp_status ddp__worker_env(char *const *base, const ddp__world *w, int32_t local
   if (w->debug_dir[0]) {
     snprintf(debug_line, sizeof debug_line, "DDP_DEBUG_DIR=%s", w->debug_dir);
     lines[n_add++] = debug_line;
+  }
+  char error_line[DDP_LAUNCH_PATH_BYTES + 32];
+  if (w->error_dir[0]) {
+    int used = snprintf(error_line, sizeof error_line, "TORCHELASTIC_ERROR_FILE=");
+    ddp__error_file_path(w, attempt, local_rank, error_line + used, sizeof error_line - (size_t)used);
+    lines[n_add++] = error_line;
   }
   return ddp__launch_env(base, lines, n_add, out);
 }

@@ -235,6 +235,7 @@ ddp_status ddp__worker_group_start(ddp__worker_group *g, int32_t n, int32_t rank
   for (int32_t i = 0; i < n; i++) {
     ddp__worker *w = &g->workers[i];
     w->local_rank = i;
+    snprintf(w->error_path, sizeof w->error_path, "%s", specs[i].error_path);
     w->rank = rank_offset + i;
     w->out.fd = w->err.fd = w->out.log_fd = w->err.log_fd = -1;
     w->out.console = specs[i].show[0] ? &g->console[0] : NULL;

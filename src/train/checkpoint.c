@@ -10,8 +10,9 @@
  * at a barrier until it is on disk, so none can go on (exit, or load it)
  * before. */
 ddp_status ddp__train_save(ddp_trainer *t, int64_t step, int64_t epoch, int64_t epoch_batches,
-                           const ddp__train_patience *pat) {
+                           int64_t epoch_samples, const ddp__train_patience *pat) {
   ddp_train_state ts = {.step = step, .epoch = epoch, .epoch_batches = epoch_batches,
+                        .epoch_samples = epoch_samples,
                         .sampler_seed = t->o.seed, .world_size = t->replicas,
                         .best_test_loss = pat->best_loss,
                         .evals_without_better = pat->without_better};
@@ -32,7 +33,9 @@ ddp_status ddp__train_save(ddp_trainer *t, int64_t step, int64_t epoch, int64_t 
 /* Loads resume_path through the strategy (by default every rank reads the
  * files into the model, optimizer and schedule) and fills where training
  * continues. A checkpoint taken mid-epoch by another number of shards
- * (ranks, replicas) is refused: the epoch's order depends on it. */
+ * (ranks, replicas) resumes from its position in samples (the rest of the
+ * epoch dealt over this run's shards); one without that position (an older
+ * version) is refused: the epoch's order depends on it. */
 ddp_status ddp__train_resume(ddp_trainer *t, ddp_train_state *start) {
   *start = (ddp_train_state){.world_size = t->replicas, .best_test_loss = INFINITY};
   if (!t->o.resume_path) return DDP_OK;
@@ -44,13 +47,25 @@ ddp_status ddp__train_resume(ddp_trainer *t, ddp_train_state *start) {
   /* The data's shards: ranks, a pipeline's replicas. */
   const char *shards = t->strategy->shards ? t->strategy->shards : "ranks";
   const char *shards_long = t->strategy->shards_long ? t->strategy->shards_long : shards;
-  if (start->world_size != t->replicas && start->epoch_batches > 0)
+  if (start->world_size != t->replicas && start->epoch_batches > 0 && start->epoch_samples <= 0)
     return ddp_error(DDP_ERR_INVALID,
-                     "%s was saved by %lld %s in the middle of epoch %lld; this run has %d "
-                     "%s, which split that epoch differently (resume with %lld %s, or from a "
-                     "checkpoint taken at the end of an epoch)",
+                     "%s was saved by %lld %s in the middle of epoch %lld by a version that did not "
+                     "record the epoch's position in samples; this run has %d %s, which split that "
+                     "epoch differently (resume with %lld %s, or from a checkpoint taken at the end "
+                     "of an epoch)",
                      t->o.resume_path, (long long)start->world_size, shards_long,
                      (long long)start->epoch + 1, t->replicas, shards,
                      (long long)start->world_size, shards);
   return DDP_OK;
+}
+
+/* Whether the resumed epoch must be dealt from its position in samples
+ * rather than replayed batch by batch: another number of shards, or an
+ * epoch that already changed worlds (its position is not this world's
+ * batches). The replay stays for the plain case, which it reproduces bit
+ * for bit. */
+bool ddp__train_resume_by_samples(const ddp_trainer *t, const ddp_train_state *start) {
+  if (start->epoch_batches <= 0 || start->epoch_samples <= 0) return false;
+  return start->world_size != t->replicas ||
+         start->epoch_samples != start->epoch_batches * t->o.batch_size * t->replicas;
 }

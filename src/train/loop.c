@@ -153,8 +153,10 @@ static ddp_status train_step(ddp_trainer *t, ddp__train_run *r, int64_t epoch, b
   }
   r->epoch_steps++;
   r->epoch_losses++;
+  r->epoch_pos += (int64_t)b.size * t->replicas; /* every shard took b.size positions */
   r->pos_epoch = epoch;
   r->pos_batches = r->epoch_steps;
+  r->pos_samples = r->epoch_pos;
   r->epoch_loss_sum += loss_value;
   r->all_loss_sum += loss_value;
   ddp_train_step_info info = {
@@ -181,19 +183,36 @@ static ddp_status train_step(ddp_trainer *t, ddp__train_run *r, int64_t epoch, b
  * evaluation. */
 static ddp_status train_epoch(ddp_trainer *t, ddp__train_run *r, int64_t epoch) {
   const ddp_train_options *o = &t->o;
+  /* Resuming in the middle of an epoch at another world (or one that
+   * changed worlds before): the sampler deals out the rest of the epoch's
+   * order from the saved position in samples. */
+  const bool by_samples = epoch == r->start.epoch && ddp__train_resume_by_samples(t, &r->start);
+  if (by_samples) {
+    ddp_status s = ddp_sampler_distributed_resume(t->train_sampler, epoch, r->start.epoch_samples);
+    if (s != DDP_OK) return ddp_error_wrap(s, "resuming epoch %lld at another world size", (long long)epoch + 1);
+  }
   ddp_status s = ddp_loader_start_epoch(t->train_loader, epoch);
   if (s != DDP_OK) return ddp_error_wrap(s, "starting an epoch");
   r->epoch_loss_sum = 0;
   r->epoch_steps = 0;
   r->epoch_losses = 0;
-  /* Resuming in the middle of an epoch: the same order (seed + epoch), less
-   * the batches the saved run already consumed. */
-  for (int64_t k = 0; epoch == r->start.epoch && k < r->start.epoch_batches; k++) {
+  r->epoch_pos = 0;
+  if (by_samples) {
+    /* The epoch's end is still per_epoch steps: count the steps taken
+     * before as whatever this world's per_epoch leaves to the rest. */
+    int64_t left = ddp_loader_num_batches(t->train_loader);
+    r->epoch_steps = r->per_epoch > left ? r->per_epoch - left : 0;
+    r->epoch_pos = r->start.epoch_samples;
+  }
+  /* Resuming in the middle of an epoch at its own world: the same order
+   * (seed + epoch), less the batches the saved run already consumed. */
+  for (int64_t k = 0; !by_samples && epoch == r->start.epoch && k < r->start.epoch_batches; k++) {
     ddp_batch b;
     s = ddp_loader_next(t->train_loader, &b);
     if (s != DDP_OK) return ddp_error_wrap(s, "skipping to the resumed batch");
     if (b.size == 0) break;
     r->epoch_steps++;
+    r->epoch_pos += (int64_t)b.size * t->replicas;
   }
   for (;;) {
     if (r->stop) break; /* a callback asked after the last step */
@@ -218,7 +237,7 @@ static ddp_status train_epoch(ddp_trainer *t, ddp__train_run *r, int64_t epoch) 
      * the checkpoint's early-stopping position counts it. (Evaluation
      * changes nothing else that is saved.) */
     if (o->save_every && r->step % o->save_every == 0)
-      DDP_TRY(ddp__train_save(t, r->step, epoch, r->epoch_steps, &r->pat));
+      DDP_TRY(ddp__train_save(t, r->step, epoch, r->epoch_steps, r->epoch_pos, &r->pat));
   }
   if (r->epoch_steps == r->per_epoch) {
     r->epochs_done++;
@@ -228,6 +247,7 @@ static ddp_status train_epoch(ddp_trainer *t, ddp__train_run *r, int64_t epoch) 
     }
     r->pos_epoch = epoch + 1;
     r->pos_batches = 0;
+    r->pos_samples = 0;
   }
   /* eval_every 0: evaluate at the end of each epoch (and of training), also
    * when this run resumed exactly there (from a save_every checkpoint of the
@@ -280,6 +300,8 @@ static ddp_status run(ddp_trainer *t, ddp__train_run *r, ddp_train_result *res) 
   r->epochs_done = r->start.epoch;
   r->pos_epoch = r->start.epoch;
   r->pos_batches = r->start.epoch_batches;
+  r->pos_samples = r->start.epoch_samples >= 0 ? r->start.epoch_samples
+                                               : r->start.epoch_batches * o->batch_size * r->start.world_size;
   /* Early stopping goes on from where a resumed run left it. */
   r->pat = (ddp__train_patience){.limit = o->patience, .best_loss = r->start.best_test_loss,
                       .without_better = r->start.evals_without_better};
@@ -299,7 +321,8 @@ static ddp_status run(ddp_trainer *t, ddp__train_run *r, ddp_train_result *res) 
   /* The strategy's end (a pipeline gives the caller's model the trained
    * stages back). */
   if (t->strategy->finish) DDP_TRY(t->strategy->finish(t));
-  if (o->save_path) DDP_TRY(ddp__train_save(t, r->step, r->pos_epoch, r->pos_batches, &r->pat));
+  if (o->save_path)
+    DDP_TRY(ddp__train_save(t, r->step, r->pos_epoch, r->pos_batches, r->pos_samples, &r->pat));
   /* The end of training is always evaluated. */
   if (!r->evaluated_now && (r->step > 0 || o->epochs == 0)) {
     DDP_TRY(evaluate_traced(t, r));

@@ -169,6 +169,9 @@ typedef struct ddp__train_run {
    * batches of it consumed; (next epoch, 0) once an epoch's end is
    * processed. */
   int64_t pos_epoch, pos_batches;
+  /* The same position in samples of the epoch's order (every world the
+   * epoch ran at: docs/train.md, "Elastic training"). */
+  int64_t pos_samples;
   double train_seconds;
   /* The same rate without this process's first DDP__TRAIN_WARMUP_STEPS steps. */
   double steady_seconds;
@@ -177,6 +180,7 @@ typedef struct ddp__train_run {
   ddp_preempt_clock preempt_clock;
   double epoch_loss_sum, all_loss_sum;
   int64_t epoch_steps;  /* batches of this epoch consumed (also before a resume) */
+  int64_t epoch_pos;    /* positions of this epoch's order consumed (also before a resume) */
   int64_t epoch_losses; /* of those, steps run by this process */
   ddp__train_patience pat;
   double last_loss, last_accuracy;
@@ -190,11 +194,15 @@ typedef struct ddp__train_run {
  * early stopping's *pat through the strategy; every rank waits at a
  * barrier until it is on disk. Collective. */
 ddp_status ddp__train_save(ddp_trainer *t, int64_t step, int64_t epoch, int64_t epoch_batches,
-                           const ddp__train_patience *pat);
+                           int64_t epoch_samples, const ddp__train_patience *pat);
 /* Where training starts: the beginning, or options.resume_path loaded
  * through the strategy (refused when saved mid-epoch by another number of
- * shards). */
+ * shards by a version that did not record the epoch's position in samples). */
 ddp_status ddp__train_resume(ddp_trainer *t, ddp_train_state *start);
+/* Whether the resumed epoch starts from start->epoch_samples through the
+ * sampler (another world, or an epoch that changed worlds before) instead
+ * of replaying start->epoch_batches batches. */
+bool ddp__train_resume_by_samples(const ddp_trainer *t, const ddp_train_state *start);
 
 /* ---- The result (result.c) ---- */
 

@@ -185,6 +185,71 @@ static void test_cover(void **state) {
   }
 }
 
+/* Indices of rank r of world w in epoch `epoch` (resumed after `consumed`
+ * positions when consumed >= 0) into idx; returns how many. */
+static int64_t shard(int64_t n, int64_t w, int64_t r, int64_t epoch, int64_t consumed, int64_t *idx) {
+  ddp_sampler *t;
+  ddp_distributed_sampler_options o = ddp_distributed_sampler_defaults(w, r);
+  o.seed = 11;
+  assert_int_equal(ddp_sampler_create_distributed(&t, n, &o), DDP_OK);
+  if (consumed >= 0) assert_int_equal(ddp_sampler_distributed_resume(t, epoch, consumed), DDP_OK);
+  ddp_sampler_set_epoch(t, epoch);
+  int64_t len = ddp_sampler_length(t);
+  assert_int_equal(ddp_sampler_fill(t, idx), DDP_OK);
+  /* Another epoch is whole again. */
+  ddp_sampler_set_epoch(t, epoch + 1);
+  assert_int_equal(ddp_sampler_length(t), (n + w - 1) / w);
+  ddp_sampler_destroy(t);
+  return len;
+}
+
+/* An epoch begun at world w1 (k steps of batch b per rank) and finished at
+ * world w2: every sample of the epoch is seen once across the two runs, but
+ * the padding's repeats at its end (each of those a sample seen before);
+ * the resumed shards have equal lengths; and at w2 = w1 the resumed shard is
+ * exactly the uninterrupted epoch's tail (the same-world resume of before). */
+static void test_resume_other_world(void **state) {
+  (void)state;
+  const int64_t n = 60;
+  const int64_t cases[][4] = {{3, 2, 4, 2}, {3, 1, 2, 4}, {2, 3, 7, 3}, {4, 2, 3, 4}, {3, 3, 2, 3}, {2, 2, 12, 1}};
+  for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+    const int64_t w1 = cases[c][0], k = cases[c][1], b = cases[c][2], w2 = cases[c][3];
+    const int64_t consumed = w1 * k * b;
+    int seen[60] = {0};
+    int64_t idx[128];
+    for (int64_t r = 0; r < w1; r++) {
+      int64_t len = shard(n, w1, r, 1, -1, idx);
+      assert_true(len >= k * b);
+      for (int64_t i = 0; i < k * b; i++) seen[idx[i]]++;
+    }
+    int64_t total = consumed, len2 = -1;
+    for (int64_t r = 0; r < w2; r++) {
+      int64_t len = shard(n, w2, r, 1, consumed, idx);
+      if (len2 < 0) len2 = len;
+      assert_int_equal(len, len2);
+      for (int64_t i = 0; i < len; i++) seen[idx[i]]++;
+      total += len;
+      if (w2 == w1) { /* the tail of the uninterrupted shard */
+        int64_t whole[128];
+        int64_t wlen = shard(n, w1, r, 1, -1, whole);
+        assert_int_equal(len, wlen - k * b);
+        for (int64_t i = 0; i < len; i++) assert_int_equal(idx[i], whole[k * b + i]);
+      }
+    }
+    /* Padding: up to w2 - 1 positions past N, each a repeat. */
+    int64_t repeats = total - n;
+    assert_true(repeats >= 0 && repeats < w2);
+    for (int64_t i = 0; i < n; i++) assert_true(seen[i] == 1 || (seen[i] == 2 && repeats > 0));
+  }
+  /* Past the end: nothing left; the evaluation sampler does not resume. */
+  int64_t idx[128];
+  assert_int_equal(shard(n, 2, 0, 1, 70, idx), 0);
+  ddp_sampler *e;
+  assert_int_equal(ddp_sampler_create_distributed_eval(&e, 10, 2, 0), DDP_OK);
+  assert_int_equal(ddp_sampler_distributed_resume(e, 0, 4), DDP_ERR_INVALID);
+  ddp_sampler_destroy(e);
+}
+
 static void test_bad_options(void **state) {
   (void)state;
   ddp_sampler *s = (ddp_sampler *)1;
@@ -206,6 +271,7 @@ int main(void) {
       cmocka_unit_test(test_randperm_small),
       cmocka_unit_test(test_fixture_index_lists),
       cmocka_unit_test(test_cover),
+      cmocka_unit_test(test_resume_other_world),
       cmocka_unit_test(test_bad_options),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -28,7 +28,7 @@
 #             was the store's host the other stops its workers (exit 1)
 #   logs      --log-dir with --redirects, --tee and --local-ranks-filter: what
 #             reaches the console and what the log files hold
-#   usage     --nnodes 1:2 is refused with a message; bad options exit 2; --help;
+#   usage     --nnodes 1:2 without c10d is refused with a message; bad options exit 2; --help;
 #             -m and .py run with $PYTHON; a missing program fails with a reason
 #   console   ddprun's stdout a FIFO whose reader never reads (or is stopped):
 #             a worker printing megabytes then failing still gets the job torn
@@ -489,7 +489,7 @@ usage)
   "$ddprun" --nnodes 1:2 "$worker" >"$tmp/out" 2>&1
   rc=$?
   [ $rc -eq 2 ] || fail "--nnodes 1:2 exited $rc (expected 2)"
-  grep -q 'elastic membership (MIN:MAX nodes) is not supported' "$tmp/out" || { cat "$tmp/out"; fail "no clear message for --nnodes 1:2"; }
+  grep -q 'elastic membership needs --rdzv-backend c10d' "$tmp/out" || { cat "$tmp/out"; fail "no clear message for --nnodes 1:2 (static)"; }
   "$ddprun" --bogus "$worker" >"$tmp/out" 2>&1; [ $? -eq 2 ] || fail "--bogus not refused"
   grep -q 'unknown option --bogus' "$tmp/out" || fail "--bogus: no message"
   "$ddprun" --nproc-per-node zero "$worker" >"$tmp/out" 2>&1; [ $? -eq 2 ] || fail "--nproc-per-node zero not refused"

@@ -86,12 +86,24 @@ static void test_options_spellings(void **state) {
 static void test_options_refused(void **state) {
   (void)state;
   ddp_launch_config c;
+  /* MIN:MAX: elastic with c10d only; MIN above MAX never. */
   char *elastic[] = {"ddprun", "--nnodes", "1:2", "prog"};
-  assert_int_equal(parse(&c, 4, elastic), DDP_ERR_UNSUPPORTED);
-  assert_non_null(strstr(ddp_last_error(), "--nnodes 1:2: elastic membership"));
+  assert_int_equal(parse(&c, 4, elastic), DDP_ERR_INVALID);
+  assert_non_null(strstr(ddp_last_error(), "--nnodes 1:2: elastic membership needs --rdzv-backend c10d"));
+  char *elastic_c10d[] = {"ddprun", "--nnodes", "1:3", "--rdzv-backend", "c10d",
+                          "--rdzv-conf", "last_call_timeout=2,keep_alive_interval=0.5,keep_alive_max_attempt=4", "prog"};
+  assert_int_equal(parse(&c, 8, elastic_c10d), DDP_OK);
+  assert_int_equal(c.min_nnodes, 1);
+  assert_int_equal(c.nnodes, 3);
+  assert_true(c.last_call_timeout_s == 2.0);
+  assert_true(c.keep_alive_s == 2.0);
+  char *inverted[] = {"ddprun", "--nnodes", "3:2", "--rdzv-backend", "c10d", "prog"};
+  assert_int_equal(parse(&c, 6, inverted), DDP_ERR_INVALID);
+  assert_non_null(strstr(ddp_last_error(), "--nnodes 3:2: MIN 3 is above MAX 2"));
   char *fixed[] = {"ddprun", "--nnodes", "2:2", "prog"};
   assert_int_equal(parse(&c, 4, fixed), DDP_OK);
   assert_int_equal(c.nnodes, 2);
+  assert_int_equal(c.min_nnodes, 0);
   char *bad_rank[] = {"ddprun", "--nnodes", "2", "--node-rank", "2", "prog"};
   assert_int_equal(parse(&c, 6, bad_rank), DDP_ERR_INVALID);
   assert_non_null(strstr(ddp_last_error(), "--node-rank 2 is out of range"));
