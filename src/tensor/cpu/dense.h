@@ -52,10 +52,23 @@ void ddp__cpu_conv2d_fold_channel(ddp__conv2d_fold *f, float *dw, float *db);
 ddp_status ddp__cpu_conv2d_fold_gram(const ddp__conv2d_fold *f, double *gram, double *psum,
                                      ddp_arena *arena);
 
-/* AVX-512 paths (cpu/gemm.c). ddp__cpu_has_avx512 (cpu/family.c) is true
- * when the CPU has AVX-512F, DDP_CPU_KERNELS allows it, and the generic
- * path has not been forced (tests run both). */
+/* The CPU kernel families (cpu/family.c): the generic C kernels, the AVX2 +
+ * FMA ones (*_avx2) and the AVX-512 ones (*_avx512). */
+typedef enum { DDP__CPU_GENERIC = 0, DDP__CPU_AVX2 = 1, DDP__CPU_AVX512 = 2 } ddp__cpu_family;
+/* The family that runs now: the one DDP_CPU_KERNELS and the CPU chose,
+ * unless a test forces another. */
+ddp__cpu_family ddp__cpu_family_running(void);
+/* Whether this CPU can run family f. */
+bool ddp__cpu_can_run(ddp__cpu_family f);
+/* ddp__cpu_has_avx512 is true when the AVX-512 family runs (the CPU has
+ * AVX-512F, DDP_CPU_KERNELS allows it, and no test forces another);
+ * ddp__cpu_has_avx2 likewise for the AVX2 family. */
 bool ddp__cpu_has_avx512(void);
+bool ddp__cpu_has_avx2(void);
+/* Tests: run family f (a ddp__cpu_family) from now on, or (f < 0) the
+ * chosen one again; false, changing nothing, when the CPU cannot run f.
+ * force_generic(true) is force_family(GENERIC), (false) force_family(-1). */
+bool ddp__cpu_force_family(int f);
 void ddp__cpu_dense_force_generic(bool generic);
 /* c (m, n) = init + a (m, k) @ b (k, n), row strides lda, ldb, ldc; init is
  * c itself when accumulate, else row_bias[i] along row i, else 0. Only call
@@ -115,6 +128,36 @@ void ddp__cpu_winograd_conv3x3_avx512(int64_t m, int64_t c, const float *u, cons
  * dw_finish adds du's transform into dw (m, c, 3, 3). */
 void ddp__cpu_winograd_dw_sample_avx512(int64_t m, int64_t c, const float *x, const float *dy,
                                         int64_t oh, int64_t ow, float *du, float *scratch);
+/* The AVX2 family (cpu/gemm_avx2.c): the same kernels as the AVX-512 ones
+ * above, with the same contracts (conv_rows reads conv_rows_pack's layout
+ * and 16 floats of slack past xp); only call when ddp__cpu_has_avx2(). */
+void ddp__cpu_gemm_avx2(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
+                        const float *b, int64_t ldb, float *c, int64_t ldc,
+                        const float *row_bias, bool accumulate);
+void ddp__cpu_gemm_nt_avx2(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
+                           const float *b, int64_t ldb, float *c, int64_t ldc);
+void ddp__cpu_gemm_off_avx2(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
+                            const float *b, const int64_t *boff, float *c, int64_t ldc,
+                            const float *row_bias, bool accumulate);
+void ddp__cpu_gemm_nt_off_avx2(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
+                               const float *b, const int64_t *boff, float *c, int64_t ldc);
+void ddp__cpu_conv_rows_avx2(int64_t m, int64_t taps, const float *packed, const float *xp,
+                             const int64_t *off, int64_t wp, float *y, int64_t oh, int64_t ow,
+                             const float *bias, bool accumulate);
+void ddp__cpu_conv_taps_avx2(int64_t taps, int64_t n, const float *xp, const int64_t *off,
+                             int64_t wp, int64_t oh, int64_t ow, const float *dyt, float *dwt);
+/* The AVX2 family's layout work for cpu/conv.c (cpu/conv_avx2.c):
+ * copy_taps: col (taps, oh*ow) from xp's rows at off[t] + y*wp (whole
+ * vectors: col and xp need 8 floats of slack); transpose: dst (cols, rows)
+ * = src (rows, cols)^T; shifted_copy: cpu/conv.c's shifted copies of x
+ * (c, h, w) into buf (c, kw, h + 2 pad, w), whose zeros stay. */
+void ddp__cpu_copy_taps_avx2(float *restrict col, const float *xp, const int64_t *off,
+                             int64_t taps, int64_t wp, int64_t oh, int64_t ow);
+void ddp__cpu_transpose_avx2(float *restrict dst, const float *restrict src, int64_t rows,
+                             int64_t cols);
+void ddp__cpu_shifted_copy_avx2(float *buf, const float *restrict x, int64_t c, int64_t h,
+                                int64_t w, int64_t kw, int64_t pad);
+
 void ddp__cpu_winograd_dw_finish(int64_t m, int64_t c, const float *du, float *dw);
 
 #endif
