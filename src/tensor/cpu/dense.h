@@ -38,6 +38,7 @@ typedef struct ddp__conv2d_fold {
   int64_t sample;      /* floats from one sample's planes to the next's (C*HP*WP and a gap) */
   int64_t slack;       /* zeros before and after xp, in floats */
   bool avx512;         /* rows of up to 32 outputs on the AVX-512 path */
+  bool avx2;           /* the AVX2 family's kernel (cpu/conv_fold_avx2.c) */
 } ddp__conv2d_fold;
 ddp_status ddp__cpu_conv2d_fold_init(ddp__conv2d_fold *f, const float *x,
                                      const ddp__conv2d_geom *g, ddp_arena *arena);
@@ -49,6 +50,8 @@ void ddp__cpu_conv2d_fold_channel(ddp__conv2d_fold *f, float *dw, float *db);
  * symmetric), where tap t = (c, a, b) at (y, x) is xp_n[c][y + a][x + b].
  * A folded batch norm's backward needs them for the terms of dx that are
  * affine in x, hence in the patches. Scratch from arena. */
+/* fold_plane's AVX2 kernel, sample xs of f->xp (cpu/conv_fold_avx2.c). */
+void ddp__cpu_conv2d_fold_plane_avx2(ddp__conv2d_fold *f, const float *dy, const float *xs);
 ddp_status ddp__cpu_conv2d_fold_gram(const ddp__conv2d_fold *f, double *gram, double *psum,
                                      ddp_arena *arena);
 
@@ -89,6 +92,17 @@ void ddp__cpu_gemm_off_avx512(int64_t m, int64_t n, int64_t k, const float *a, i
                               const float *row_bias, bool accumulate);
 void ddp__cpu_gemm_nt_off_avx512(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
                                  const float *b, const int64_t *boff, float *c, int64_t ldc);
+/* Max pooling with kernel 2, stride 2, and its backward into a fresh dx,
+ * for the AVX2 family (cpu/pool_avx2.c; arguments as cpu/pool.c's, argmax
+ * one byte a window). */
+void ddp__cpu_max_pool2x2_avx2(float *restrict y, int8_t *restrict argmax,
+                               float *restrict argval, const float *restrict x, int64_t planes,
+                               int64_t h, int64_t w, int64_t oh, int64_t ow, bool relu,
+                               const ddp__pool_affine *affine);
+void ddp__cpu_max_unpool2x2_avx2(float *restrict dx, const float *restrict dy,
+                                 const int8_t *restrict argmax, int64_t planes, int64_t h,
+                                 int64_t w, int64_t oh, int64_t ow);
+
 /* Stride-1 convolution gemms that read a zero-padded image xp (C, HP, WP)
  * through per-tap offsets off[t] = (c*HP + a)*WP + b instead of a column
  * matrix. conv_rows: y (m, oh, ow) = (y if accumulate, else bias or 0) +
