@@ -29,6 +29,11 @@
 # draws as BENCH_OUT/scaling.svg: samples/s and efficiency against world
 # size, the sides side by side (medians as bars, each round a dot; needs
 # world 1 among the worlds). BENCH_OUT defaults to build/bench-ddp.
+# BENCH_PYTHON: the Python whose torch is the reference (default
+# /usr/bin/python3, Debian's python3-torch; e.g. /opt/torch-venv/bin/python
+# for PyTorch 2.x). DDP_CPU_KERNELS reaches ddp's ranks; ATEN_CPU_CAPABILITY
+# and ONEDNN_MAX_CPU_ISA reach PyTorch's (e.g. avx2 and AVX2 to hold it to
+# AVX2 on an AVX-512 CPU).
 # Needs build/bin/{ddprun,ddp-train,ddp-plot} (scripts/build.sh), python3-torch
 # and the Fashion-MNIST package (scripts/install-deps.sh data).
 set -euo pipefail
@@ -45,7 +50,8 @@ mkdir -p "$out_dir" || die "cannot create $out_dir"
 table=$out_dir/scaling.tsv
 printf 'side\tworld\tsamples_per_s\tround\n' >"$table"
 [ -f "$ref" ] || die "$ref not found (set DDP_SHARED_DIR to the folder holding refs/)"
-/usr/bin/python3 -c "import torch" 2>/dev/null || die "needs python3-torch (apt-get install python3-torch)"
+py=${BENCH_PYTHON:-/usr/bin/python3}
+"$py" -c "import torch" 2>/dev/null || die "needs python3-torch (apt-get install python3-torch)"
 cores=$(nproc)
 for w in "${worlds[@]}"; do
   [ "$w" -le "$cores" ] || echo "bench-ddp: note: world $w on $cores cores oversubscribes" >&2
@@ -69,7 +75,7 @@ print(d["steady_samples_per_s"], "nan" if None in p else sum(p), d["steady_step_
 }
 ddpalt_run() { DDPRUN_OPTS="$BENCH_DDP_COMPARE" ddp_run "$1"; }
 torch_run() { # W -> samples/s
-  timeout 900 /usr/bin/python3 "$ref" --world "$1" --steps "$steps" --threads 1 --batch 100 \
+  timeout 900 "$py" "$ref" --world "$1" --steps "$steps" --threads 1 --batch 100 \
     --port $((20000 + RANDOM % 20000)) 2>/dev/null | sed -n 's/.*samples_per_s=\([0-9.]*\).*/\1/p'
 }
 pair_run() { # -> summed samples/s of two independent world-1 ddp runs at once

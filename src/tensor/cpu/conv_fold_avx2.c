@@ -19,7 +19,7 @@
 #define WINDOW_MAX 7
 
 #define FOLD_WINDOW(KH)                                                                       \
-  AVX2 static void fold_window##KH(float *acc, const float *dy, const float *xs,             \
+  AVX2 static void fold_window##KH##_avx2(float *acc, const float *dy, const float *xs,             \
                                    const ddp__conv2d_fold *f, int64_t ci, int64_t b,          \
                                    int64_t x0, __m256i m, int half) {                         \
     const int64_t oh = f->g->oh, ow = f->g->ow, wp = f->wp, kw = f->g->kw;                   \
@@ -49,7 +49,7 @@ FOLD_WINDOW(6)
 FOLD_WINDOW(7)
 
 /* Kernels taller than the window: one tap at a time, the same columns. */
-AVX2 static void fold_tap(float *acc, const float *dy, const float *src, int64_t oh, int64_t ow,
+AVX2 static void fold_tap_avx2(float *acc, const float *dy, const float *src, int64_t oh, int64_t ow,
                           int64_t wp, int64_t x0, __m256i m) {
   __m256 s0 = _mm256_loadu_ps(acc), s1 = _mm256_setzero_ps();
   int64_t y = 0;
@@ -69,8 +69,8 @@ AVX2 void ddp__cpu_conv2d_fold_plane_avx2(ddp__conv2d_fold *f, const float *dy, 
   typedef void (*window_fn)(float *, const float *, const float *, const ddp__conv2d_fold *,
                             int64_t, int64_t, int64_t, __m256i, int);
   static const window_fn by_height[WINDOW_MAX + 1] = {
-      NULL, fold_window1, fold_window2, fold_window3, fold_window4,
-      fold_window5, fold_window6, fold_window7};
+      NULL, fold_window1_avx2, fold_window2_avx2, fold_window3_avx2, fold_window4_avx2,
+      fold_window5_avx2, fold_window6_avx2, fold_window7_avx2};
   const int64_t oh = f->g->oh, ow = f->g->ow, wp = f->wp, k = f->k;
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 bias0 = _mm256_loadu_ps(f->acc + k * LANES), bias1 = _mm256_loadu_ps(f->acc + k * LANES + 8);
@@ -83,7 +83,7 @@ AVX2 void ddp__cpu_conv2d_fold_plane_avx2(ddp__conv2d_fold *f, const float *dy, 
           by_height[f->g->kh](f->acc, dy, xs, f, ci, b, x0, m, half);
     } else {
       for (int64_t t = 0; t < k; t++)
-        fold_tap(f->acc + t * LANES + 8 * half, dy, xs + f->off[t], oh, ow, wp, x0, m);
+        fold_tap_avx2(f->acc + t * LANES + 8 * half, dy, xs + f->off[t], oh, ow, wp, x0, m);
     }
     for (int64_t y = 0; y < oh; y++) {
       const __m256 d = _mm256_maskload_ps(dy + y * ow + x0, m);

@@ -223,38 +223,58 @@ AVX2 void ddp__cpu_gemm_nt_off_avx2(int64_t m, int64_t n, int64_t k, const float
  * offsets, weights packed PACK channels a tap (ddp__cpu_conv_rows_pack);
  * a tile takes MR of a block's PACK channels (wb[t*PACK + r]). */
 
-/* Rows up to one vector wide (ow <= 8): a row is one vector, lanes past ow
- * computed and dropped; a tile is MR channels x nv rows. Lanes past a row's
- * end are stored onto the channel's next rows, which overwrite them later
- * (or, accumulating, get back the values already there); only vectors whose
- * spill would leave the channel store under a mask. */
-AVX2 INLINE void tile_rows(const int mr, const int nv, int64_t taps, const float *wb,
-                           const float *xp, const int64_t *off, int64_t wp, float *y, int64_t oh,
-                           int64_t ow, int64_t oy, const float *bias, bool accumulate) {
-  __m256 acc[MR][3];
-  int64_t at[3];
-  const __m256i lanes = first_lanes(ow);
-  bool fits[3]; /* its 8 lanes stay inside the channel */
-#pragma GCC unroll 3
-  for (int v = 0; v < nv; v++) {
-    at[v] = (oy + v) * ow;
-    fits[v] = at[v] + 8 <= oh * ow;
+
+/* Each output row as ceil(ow / 8) vectors, the last one's lanes past ow
+ * computed and dropped: rows of 28 (the ConvNet's conv1) and 14 (conv2,
+ * its dX) use 7/8 of the lanes. A vector of outputs that spans two rows,
+ * as cpu/gemm.c's flat AVX-512 tiles take them, needs two masked loads and
+ * their merge per tap, and the masks in registers: with 12 accumulators
+ * that spilled the accumulators to the stack. Here every load is whole and
+ * plain (xp's rows go on past ow into the padding, and its slack covers the
+ * last). A tile is MR channels x 3 consecutive vectors of the channel, in
+ * (row, vector) order. A row's last vector stores its spare lanes onto the
+ * next row's start, which a later vector (or the same tile's next) writes
+ * again; accumulating, they write back what is there. Only a vector whose
+ * spare lanes would leave the channel stores under a mask. */
+typedef struct {
+  int64_t in[3];  /* xp offset of lane 0, before the tap's offset */
+  int64_t out[3]; /* the vector's first output within the channel */
+  bool full[3];  /* all 8 lanes are outputs of the row */
+  bool fits[3];  /* all 8 lanes stay inside the channel */
+} row_vectors;
+
+static void row_vectors_at(row_vectors *rv, int64_t v0, int64_t nv, int64_t per_row,
+                           int64_t ow, int64_t wp, int64_t plane) {
+  for (int64_t v = 0; v < nv; v++) {
+    const int64_t y = (v0 + v) / per_row, x = 8 * ((v0 + v) % per_row);
+    const int64_t n = ow - x < 8 ? ow - x : 8;
+    rv->in[v] = y * wp + x;
+    rv->out[v] = y * ow + x;
+    rv->full[v] = n == 8;
+    rv->fits[v] = rv->out[v] + 8 <= plane;
   }
+}
+
+AVX2 INLINE void tile_rows(const int mr, const int nv, const row_vectors *rv, __m256i lanes,
+                           int64_t taps, const float *wb, const float *xp, const int64_t *off,
+                           float *y, int64_t plane, const float *bias, bool accumulate) {
+  __m256 acc[MR][3];
 #pragma GCC unroll 4
   for (int r = 0; r < mr; r++)
 #pragma GCC unroll 3
     for (int v = 0; v < nv; v++) {
-      const float *src = y + r * oh * ow + at[v];
+      const float *src = y + r * plane + rv->out[v];
       acc[r][v] = !accumulate ? (bias ? _mm256_set1_ps(bias[r]) : _mm256_setzero_ps())
-                  : fits[v]   ? _mm256_loadu_ps(src)
-                              : _mm256_maskload_ps(src, lanes);
+                  : rv->fits[v] ? _mm256_loadu_ps(src)
+                                : _mm256_maskload_ps(src, lanes);
     }
-  const float *xrow = xp + oy * wp;
+  const int64_t in0 = rv->in[0], in1 = rv->in[nv > 1 ? 1 : 0], in2 = rv->in[nv > 2 ? 2 : 0];
   for (int64_t t = 0; t < taps; t++) {
-    const float *src = xrow + off[t];
+    const float *src = xp + off[t];
     __m256 bv[3];
-#pragma GCC unroll 3
-    for (int v = 0; v < nv; v++) bv[v] = _mm256_loadu_ps(src + v * wp);
+    bv[0] = _mm256_loadu_ps(src + in0);
+    if (nv > 1) bv[1] = _mm256_loadu_ps(src + in1);
+    if (nv > 2) bv[2] = _mm256_loadu_ps(src + in2);
 #pragma GCC unroll 4
     for (int r = 0; r < mr; r++) {
       const __m256 ar = _mm256_broadcast_ss(wb + t * PACK + r);
@@ -266,10 +286,10 @@ AVX2 INLINE void tile_rows(const int mr, const int nv, int64_t taps, const float
   for (int r = 0; r < mr; r++)
 #pragma GCC unroll 3
     for (int v = 0; v < nv; v++) {
-      float *dst = y + r * oh * ow + at[v];
-      if (!fits[v])
+      float *dst = y + r * plane + rv->out[v];
+      if (!rv->fits[v])
         _mm256_maskstore_ps(dst, lanes, acc[r][v]);
-      else if (accumulate) /* the spare lanes write back what is there */
+      else if (accumulate && !rv->full[v]) /* the spare lanes write back what is there */
         _mm256_storeu_ps(dst, _mm256_blendv_ps(_mm256_loadu_ps(dst), acc[r][v],
                                                _mm256_castsi256_ps(lanes)));
       else
@@ -277,143 +297,43 @@ AVX2 INLINE void tile_rows(const int mr, const int nv, int64_t taps, const float
     }
 }
 
-/* Rows wider than one vector (ow > 8): the channel's outputs taken flat, 24
- * at a time. A vector of 8 consecutive outputs spans at most two rows; each
- * part is loaded under its lane mask and the two are or-ed together (the
- * masked-off lanes read as zero). Lane i of a vector starting at flat
- * output (oy, ox) reads xp[off[t] + oy*WP + ox + i] while ox + i < ow, else
- * xp[off[t] + (oy+1)*WP + (ox + i - ow)]. */
-typedef struct {
-  int64_t at[3], first[3], second[3];
-  __m256i on_first[3], on_second[3], valid[3];
-  bool whole[3]; /* all 8 lanes inside the channel */
-} flat_tile;
-
-AVX2 INLINE void flat_tile_at(flat_tile *ft, int64_t p, int64_t plane, int64_t ow, int64_t wp) {
-  for (int v = 0; v < 3; v++) {
-    const int64_t q = p + 8 * v, oy = q / ow, ox = q % ow;
-    const int64_t inside = plane - q <= 0 ? 0 : plane - q < 8 ? plane - q : 8;
-    const int64_t a = ow - ox < 8 ? ow - ox : 8; /* lanes on the first row */
-    const int64_t on1 = a < inside ? a : inside;
-    const __m256i valid = first_lanes(inside), first = first_lanes(on1);
-    ft->at[v] = q;
-    ft->first[v] = oy * wp + ox;
-    ft->second[v] = (oy + 1) * wp - a;
-    ft->valid[v] = valid;
-    ft->on_first[v] = first;
-    ft->on_second[v] = _mm256_andnot_si256(first, valid);
-    ft->whole[v] = inside == 8;
-  }
-}
-
-AVX2 INLINE void tile_flat(const int mr, const int nv, const flat_tile *ft, int64_t taps,
-                           const float *wb, const float *xp, const int64_t *off, float *y,
-                           int64_t plane, const float *bias, bool accumulate) {
-  __m256 acc[MR][3];
-  __m256i m1[3], m2[3];
-#pragma GCC unroll 3
-  for (int v = 0; v < nv; v++) m1[v] = ft->on_first[v], m2[v] = ft->on_second[v];
-#pragma GCC unroll 4
-  for (int r = 0; r < mr; r++)
-#pragma GCC unroll 3
-    for (int v = 0; v < nv; v++)
-      acc[r][v] = accumulate ? _mm256_maskload_ps(y + r * plane + ft->at[v], ft->valid[v])
-                  : bias     ? _mm256_set1_ps(bias[r])
-                             : _mm256_setzero_ps();
-  for (int64_t t = 0; t < taps; t++) {
-    const float *src = xp + off[t];
-    __m256 bv[3];
-#pragma GCC unroll 3
-    for (int v = 0; v < nv; v++)
-      bv[v] = _mm256_or_ps(_mm256_maskload_ps(src + ft->first[v], m1[v]),
-                           _mm256_maskload_ps(src + ft->second[v], m2[v]));
-#pragma GCC unroll 4
-    for (int r = 0; r < mr; r++) {
-      const __m256 ar = _mm256_broadcast_ss(wb + t * PACK + r);
-#pragma GCC unroll 3
-      for (int v = 0; v < nv; v++) acc[r][v] = _mm256_fmadd_ps(ar, bv[v], acc[r][v]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < mr; r++)
-#pragma GCC unroll 3
-    for (int v = 0; v < nv; v++) {
-      float *dst = y + r * plane + ft->at[v];
-      if (ft->whole[v])
-        _mm256_storeu_ps(dst, acc[r][v]);
-      else
-        _mm256_maskstore_ps(dst, ft->valid[v], acc[r][v]);
-    }
-}
-
-/* The channels [0, mr) of one packed block (mr <= PACK) at one flat tile:
- * MR at a time, then one at a time. */
-AVX2 INLINE void flat_channels(const int nv, int64_t mr, const flat_tile *ft, const float *wb,
-                               int64_t taps, const float *xp, const int64_t *off, float *y,
-                               int64_t plane, const float *bias, bool accumulate) {
+/* The channels [0, mr) of one packed block (mr <= PACK) at one group of
+ * vectors: MR at a time, then one at a time. */
+AVX2 INLINE void row_channels(const int nv, int64_t mr, const row_vectors *rv, __m256i lanes,
+                              const float *wb, int64_t taps, const float *xp, const int64_t *off,
+                              float *y, int64_t plane, const float *bias, bool accumulate) {
   int64_t r = 0;
   for (; r + MR <= mr; r += MR)
-    tile_flat(MR, nv, ft, taps, wb + r, xp, off, y + r * plane, plane, bias ? bias + r : NULL,
-              accumulate);
+    tile_rows(MR, nv, rv, lanes, taps, wb + r, xp, off, y + r * plane, plane,
+              bias ? bias + r : NULL, accumulate);
   for (; r < mr; r++)
-    tile_flat(1, nv, ft, taps, wb + r, xp, off, y + r * plane, plane, bias ? bias + r : NULL,
-              accumulate);
+    tile_rows(1, nv, rv, lanes, taps, wb + r, xp, off, y + r * plane, plane,
+              bias ? bias + r : NULL, accumulate);
 }
 
-AVX2 INLINE void flat_all(int64_t m, int64_t taps, const float *packed, const float *xp,
-                          const int64_t *off, int64_t wp, float *y, int64_t oh, int64_t ow,
-                          const float *bias, bool accumulate) {
-  const int64_t plane = oh * ow;
-  flat_tile ft;
-  for (int64_t p = 0; p < plane; p += 24) {
-    flat_tile_at(&ft, p, plane, ow, wp);
-    const int64_t rest = plane - p;
+/* A group of 3 vectors for every block of channels before the next group:
+ * the group's window of xp stays in L1 while the weights stream from L2. */
+AVX2 void ddp__cpu_conv_rows_avx2(int64_t m, int64_t taps, const float *packed, const float *xp,
+                                  const int64_t *off, int64_t wp, float *y, int64_t oh,
+                                  int64_t ow, const float *bias, bool accumulate) {
+  const int64_t per_row = (ow + 7) / 8, vectors = oh * per_row, plane = oh * ow;
+  /* the lanes of a row's last vector that are outputs */
+  const __m256i lanes = first_lanes(ow - 8 * (per_row - 1));
+  row_vectors rv;
+  for (int64_t v0 = 0; v0 < vectors; v0 += 3) {
+    const int nv = vectors - v0 >= 3 ? 3 : (int)(vectors - v0);
+    row_vectors_at(&rv, v0, nv, per_row, ow, wp, plane);
     for (int64_t i = 0; i < m; i += PACK) {
       const int64_t mr = m - i < PACK ? m - i : PACK;
       const float *wb = packed + i * taps, *bi = bias ? bias + i : NULL;
       float *yi = y + i * plane;
-      if (rest > 16)
-        flat_channels(3, mr, &ft, wb, taps, xp, off, yi, plane, bi, accumulate);
-      else if (rest > 8)
-        flat_channels(2, mr, &ft, wb, taps, xp, off, yi, plane, bi, accumulate);
+      if (nv == 3)
+        row_channels(3, mr, &rv, lanes, wb, taps, xp, off, yi, plane, bi, accumulate);
+      else if (nv == 2)
+        row_channels(2, mr, &rv, lanes, wb, taps, xp, off, yi, plane, bi, accumulate);
       else
-        flat_channels(1, mr, &ft, wb, taps, xp, off, yi, plane, bi, accumulate);
+        row_channels(1, mr, &rv, lanes, wb, taps, xp, off, yi, plane, bi, accumulate);
     }
-  }
-}
-
-AVX2 INLINE void row_tiles(const int mr, int64_t taps, const float *wb, const float *xp,
-                           const int64_t *off, int64_t wp, float *y, int64_t oh, int64_t ow,
-                           const float *bias, bool accumulate) {
-  for (int64_t oy = 0; oy < oh; oy += 3) {
-    const int nv = oh - oy >= 3 ? 3 : (int)(oh - oy);
-    if (nv == 3)
-      tile_rows(mr, 3, taps, wb, xp, off, wp, y, oh, ow, oy, bias, accumulate);
-    else if (nv == 2)
-      tile_rows(mr, 2, taps, wb, xp, off, wp, y, oh, ow, oy, bias, accumulate);
-    else
-      tile_rows(mr, 1, taps, wb, xp, off, wp, y, oh, ow, oy, bias, accumulate);
-  }
-}
-
-AVX2 void ddp__cpu_conv_rows_avx2(int64_t m, int64_t taps, const float *packed, const float *xp,
-                                  const int64_t *off, int64_t wp, float *y, int64_t oh,
-                                  int64_t ow, const float *bias, bool accumulate) {
-  if (ow > 8) {
-    flat_all(m, taps, packed, xp, off, wp, y, oh, ow, bias, accumulate);
-    return;
-  }
-  const int64_t plane = oh * ow;
-  for (int64_t i = 0; i < m; i += PACK) {
-    const int64_t mr = m - i < PACK ? m - i : PACK;
-    const float *wb = packed + i * taps;
-    int64_t r = 0;
-    for (; r + MR <= mr; r += MR)
-      row_tiles(MR, taps, wb + r, xp, off, wp, y + (i + r) * plane, oh, ow,
-                bias ? bias + i + r : NULL, accumulate);
-    for (; r < mr; r++)
-      row_tiles(1, taps, wb + r, xp, off, wp, y + (i + r) * plane, oh, ow,
-                bias ? bias + i + r : NULL, accumulate);
   }
 }
 
