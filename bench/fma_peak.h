@@ -3,7 +3,7 @@
  * other (more chains than FMA latency x FMA ports on any x86 core here), for
  * each vector width: 8 lanes (AVX2 + FMA, ymm) and 16 (AVX-512, zmm). A
  * dense op's GFLOP/s over this figure is how much of the core it uses.
- * The best of several timed runs: on a shared machine, the least disturbed
+ * The best of 15 short timed runs: on a shared machine, the least disturbed
  * run is the closest to the core's own figure. Header-only, for the
  * benchmarks (bench_ops, bench_fma_peak). */
 #ifndef DDP_BENCH_FMA_PEAK_H
@@ -54,10 +54,10 @@ static inline double fma_peak_gflops(int lanes) {
                   : !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")))
     return 0.0;
   const int chains = lanes == 16 ? FMA_PEAK_CHAINS512 : FMA_PEAK_CHAINS;
-  const int64_t iters = 2000000; /* ~10-50 ms a run */
+  const int64_t iters = 1000000; /* 3-6 ms a run: short enough to fit between preemptions */
   volatile float sink = 0.0f;
   double best = 0.0;
-  for (int run = 0; run < 7; run++) {
+  for (int run = 0; run < 15; run++) {
     const double t0 = ddp_time_s();
     sink += lanes == 16 ? fma_chains_avx512(iters) : fma_chains_avx2(iters);
     const double s = ddp_time_s() - t0;
