@@ -15,14 +15,18 @@
 # PyTorch 2.x, scripts/install-deps.sh refs); ATEN_CPU_CAPABILITY and
 # ONEDNN_MAX_CPU_ISA reach PyTorch (avx2 and AVX2 hold PyTorch 2.x to AVX2 on
 # an AVX-512 CPU: with DDP_CPU_KERNELS=avx2, a proxy for an AVX2-only CPU).
-# Needs build/bin/bench_convnet and bench_fma_peak (scripts/build.sh).
+# BENCH_BUILD: the build whose programs run (default build; build-portable
+# holds the AVX2 family to AVX2 encodings on an AVX-512 CPU, where the
+# native build's *_avx2 functions may use AVX-512VL's).
+# Needs BENCH_BUILD/bin/bench_convnet and bench_fma_peak (scripts/build.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-5}
 steps=${2:-150}
 ref=${DDP_SHARED_DIR:-../shared}/refs/torch_ddp_convnet.py
 py=${BENCH_PYTHON:-/usr/bin/python3}
-[ -x build/bin/bench_convnet ] || { echo "bench-convnet: build first (scripts/build.sh)" >&2; exit 2; }
+bin=${BENCH_BUILD:-build}/bin
+[ -x "$bin/bench_convnet" ] || { echo "bench-convnet: build first (scripts/build.sh)" >&2; exit 2; }
 [ -f "$ref" ] || { echo "bench-convnet: $ref not found (set DDP_SHARED_DIR)" >&2; exit 2; }
 "$py" -c "import torch" 2>/dev/null || { echo "bench-convnet: $py has no torch (apt-get install python3-torch, or BENCH_PYTHON)" >&2; exit 2; }
 
@@ -31,14 +35,14 @@ torch=$("$py" -c 'import torch
 cap = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "?")()
 print(torch.__version__, cap)' 2>/dev/null)
 peak_line=""
-[ -x build/bin/bench_fma_peak ] && peak_line=$(build/bin/bench_fma_peak | sed -n 's/^fma_peak //p')
+[ -x "$bin/bench_fma_peak" ] && peak_line=$("$bin/bench_fma_peak" | sed -n 's/^fma_peak //p')
 family=$(sed -n 's/.*family=\([a-z0-9]*\).*/\1/p' <<<"$peak_line")
 peak=$(sed -n 's/.*gflops=\([0-9.]*\).*/\1/p' <<<"$peak_line")
 echo "cpu: $cpu; ddp family: ${family:-?}; torch: $torch (ATEN_CPU_CAPABILITY=${ATEN_CPU_CAPABILITY:-unset}, ONEDNN_MAX_CPU_ISA=${ONEDNN_MAX_CPU_ISA:-unset}); load: $(cut -d' ' -f1-3 /proc/loadavg)" >&2
 
 ours=() theirs=()
 for r in $(seq "$rounds"); do
-  o=$(build/bin/bench_convnet --steps "$steps" --repeats 1 | sed -n 's/.*samples_per_s=\([0-9.]*\).*/\1/p')
+  o=$("$bin/bench_convnet" --steps "$steps" --repeats 1 | sed -n 's/.*samples_per_s=\([0-9.]*\).*/\1/p')
   t=$("$py" "$ref" --world 1 --steps "$steps" 2>/dev/null | sed -n 's/.*samples_per_s=\([0-9.]*\).*/\1/p')
   echo "round $r: ddp $o samples/s, torch $t samples/s" >&2
   ours+=("$o"); theirs+=("$t")

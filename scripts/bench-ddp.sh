@@ -34,6 +34,8 @@
 # for PyTorch 2.x). DDP_CPU_KERNELS reaches ddp's ranks; ATEN_CPU_CAPABILITY
 # and ONEDNN_MAX_CPU_ISA reach PyTorch's (e.g. avx2 and AVX2 to hold it to
 # AVX2 on an AVX-512 CPU).
+# BENCH_BUILD: the build whose programs run (default build; build-portable
+# holds the AVX2 family to AVX2 encodings on an AVX-512 CPU).
 # Needs build/bin/{ddprun,ddp-train,ddp-plot} (scripts/build.sh), python3-torch
 # and the Fashion-MNIST package (scripts/install-deps.sh data).
 set -euo pipefail
@@ -43,7 +45,8 @@ steps=${2:-200}
 worlds=(${BENCH_WORLDS:-1 2})
 ref=${DDP_SHARED_DIR:-../shared}/refs/torch_ddp_convnet.py
 die() { echo "bench-ddp: $*" >&2; exit 2; }
-[ -x build/bin/ddprun ] && [ -x build/bin/ddp-train ] && [ -x build/bin/ddp-plot ] ||
+bin=${BENCH_BUILD:-build}/bin
+[ -x "$bin/ddprun" ] && [ -x "$bin/ddp-train" ] && [ -x "$bin/ddp-plot" ] ||
   die "build first (scripts/build.sh)"
 out_dir=${BENCH_OUT:-build/bench-ddp}
 mkdir -p "$out_dir" || die "cannot create $out_dir"
@@ -65,7 +68,7 @@ done
 # by other tasks (steady_preempted_ms_per_rank): what the machine's daemons
 # cost a synchronous step, which every rank waits out.
 ddp_run() { # W -> "samples/s preempted_ms_all_ranks step_ms"
-  timeout 900 build/bin/ddprun ${DDPRUN_OPTS:-${BENCH_DDPRUN_OPTS:-}} --nproc-per-node "$1" build/bin/ddp-train --model convnet \
+  timeout 900 "$bin/ddprun" ${DDPRUN_OPTS:-${BENCH_DDPRUN_OPTS:-}} --nproc-per-node "$1" "$bin/ddp-train" --model convnet \
     --batch-size 100 --threads 1 --workers 0 --lr 0.01 --momentum 0.9 --seed 1 \
     --max-steps $((steps + 10)) --json 2>/dev/null | tail -n 1 | /usr/bin/python3 -c '
 import json, sys
@@ -165,7 +168,7 @@ for w in "${worlds[@]}"; do
     'BEGIN { printf "ddp world %s: its ranks waited for a CPU held by another task %.3f ms a step together (%.2f%% of a step; medians)\n", w, p, q }'
 done
 if [[ " ${worlds[*]} " == *" 1 "* ]]; then
-  build/bin/ddp-plot scaling "$table" -o "$out_dir/scaling.svg" \
+  "$bin/ddp-plot" scaling "$table" -o "$out_dir/scaling.svg" \
     --title "ConvNet, batch 100 per rank: median of $rounds rounds, $steps steps ($cores cores)" ||
     die "ddp-plot could not draw $table"
   echo "scaling figure: $out_dir/scaling.svg (from $table)"
