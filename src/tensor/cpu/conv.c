@@ -440,9 +440,9 @@ AVX512 static void shifted_copy_avx512(shifted *s, const float *restrict x) {
 }
 
 /* The kernels of one vector family (AVX-512 or AVX2): the per-geometry
- * scheme below is the same for both, the kernels under it differ. The
- * AVX2 family has no Winograd kernels yet (NULL): its 3x3 convolutions
- * with many channels run on the direct kernels. */
+ * scheme below is the same for both, the kernels under it differ. A
+ * family without Winograd kernels (NULL) would run its 3x3 convolutions
+ * with many channels on the direct kernels. */
 typedef struct vec_family {
   void (*gemm)(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda, const float *b,
                int64_t ldb, float *c, int64_t ldc, const float *row_bias, bool accumulate);
@@ -499,6 +499,8 @@ static const vec_family family_avx2 = {
     .gemm_nt_off = ddp__cpu_gemm_nt_off_avx2,
     .conv_rows = ddp__cpu_conv_rows_avx2,
     .conv_taps = ddp__cpu_conv_taps_avx2,
+    .winograd_conv3x3 = ddp__cpu_winograd_conv3x3_avx2,
+    .winograd_dw_sample = ddp__cpu_winograd_dw_sample_avx2,
     .im2col_padded = im2col_padded_avx2,
     .transpose = ddp__cpu_transpose_avx2,
     .shifted_copy = shifted_copy_avx2,

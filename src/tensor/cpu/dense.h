@@ -172,6 +172,13 @@ void ddp__cpu_transpose_avx2(float *restrict dst, const float *restrict src, int
 void ddp__cpu_shifted_copy_avx2(float *buf, const float *restrict x, int64_t c, int64_t h,
                                 int64_t w, int64_t kw, int64_t pad);
 
+/* The same two for the AVX2 family (cpu/winograd_avx2.c): same
+ * transforms, scratch and layout of u and du. */
+void ddp__cpu_winograd_conv3x3_avx2(int64_t m, int64_t c, const float *u, const float *x,
+                                    float *y, int64_t oh, int64_t ow, const float *bias,
+                                    bool accumulate, float *scratch);
+void ddp__cpu_winograd_dw_sample_avx2(int64_t m, int64_t c, const float *x, const float *dy,
+                                      int64_t oh, int64_t ow, float *du, float *scratch);
 void ddp__cpu_winograd_dw_finish(int64_t m, int64_t c, const float *du, float *dw);
 
 #endif
