@@ -311,6 +311,8 @@ static void correlate(double *r, const ddp__conv2d_fold *f, int64_t c, int64_t c
       correlate6, correlate7, correlate8, correlate9};
   if (ddp__cpu_has_avx512())
     by_count[nd](r, p, q, shift, f->g->n, f->sample, plane);
+  else if (ddp__cpu_has_avx2())
+    ddp__cpu_fold_correlate_avx2(r, p, q, shift, nd, f->g->n, f->sample, plane);
   else
     correlate_portable(r, p, q, shift, nd, f->g->n, f->sample, plane);
   /* rows y + da and columns x + db outside the plane */

@@ -96,3 +96,65 @@ AVX2 void ddp__cpu_conv2d_fold_plane_avx2(ddp__conv2d_fold *f, const float *dy, 
   _mm256_storeu_ps(f->acc + k * LANES, bias0);
   _mm256_storeu_ps(f->acc + k * LANES + 8, bias1);
 }
+
+/* fold_gram's correlations (cpu/conv_fold.c's correlate<ND>, 8 lanes):
+ * r[d][i] += sum over n of p_n[i] * q_n[i + shift + d] for d < ND, summed
+ * over blocks of SAMPLE_BLOCK samples in float registers and added to r
+ * (double) per block. Offset d is loaded where it starts (AVX2 has no
+ * cross-lane alignr for the AVX-512 kernel's shuffle of two loads). Reads
+ * up to |shift| + 16 floats past either end of a plane, inside the slack
+ * fold_init leaves. */
+#define SAMPLE_BLOCK 32
+#define CORRELATE(ND)                                                                         \
+  AVX2 static void correlate##ND##_avx2(double *r, const float *p, const float *q,            \
+                                        int64_t shift, int64_t n_samples, int64_t sample,     \
+                                        int64_t plane) {                                      \
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);                           \
+    for (int64_t i = 0; i < plane; i += 8) {                                                  \
+      const int64_t cnt = plane - i < 8 ? plane - i : 8;                                      \
+      const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)cnt), lane);               \
+      for (int64_t n0 = 0; n0 < n_samples; n0 += SAMPLE_BLOCK) {                              \
+        const int64_t n1 = n0 + SAMPLE_BLOCK < n_samples ? n0 + SAMPLE_BLOCK : n_samples;     \
+        __m256 acc[ND];                                                                       \
+        _Pragma("GCC unroll 9") for (int d = 0; d < ND; d++) acc[d] = _mm256_setzero_ps();    \
+        for (int64_t n = n0; n < n1; n++) {                                                   \
+          const __m256 pv = _mm256_maskload_ps(p + n * sample + i, m);                        \
+          const float *qn = q + n * sample + i + shift;                                       \
+          _Pragma("GCC unroll 9") for (int d = 0; d < ND; d++) acc[d] =                       \
+              _mm256_fmadd_ps(pv, _mm256_loadu_ps(qn + d), acc[d]);                           \
+        }                                                                                     \
+        _Pragma("GCC unroll 9") for (int d = 0; d < ND; d++) {                                \
+          double *rd = r + d * plane + i;                                                     \
+          if (cnt == 8) {                                                                     \
+            const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(acc[d]));                \
+            const __m256d b = _mm256_cvtps_pd(_mm256_extractf128_ps(acc[d], 1));              \
+            _mm256_storeu_pd(rd, _mm256_add_pd(_mm256_loadu_pd(rd), a));                      \
+            _mm256_storeu_pd(rd + 4, _mm256_add_pd(_mm256_loadu_pd(rd + 4), b));              \
+          } else {                                                                            \
+            float part[8];                                                                    \
+            _mm256_storeu_ps(part, acc[d]);                                                   \
+            for (int64_t j = 0; j < cnt; j++) rd[j] += (double)part[j];                       \
+          }                                                                                   \
+        }                                                                                     \
+      }                                                                                       \
+    }                                                                                         \
+  }
+CORRELATE(1)
+CORRELATE(2)
+CORRELATE(3)
+CORRELATE(4)
+CORRELATE(5)
+CORRELATE(6)
+CORRELATE(7)
+CORRELATE(8)
+CORRELATE(9)
+
+void ddp__cpu_fold_correlate_avx2(double *r, const float *p, const float *q, int64_t shift, int nd,
+                                  int64_t n_samples, int64_t sample, int64_t plane) {
+  typedef void (*correlate_fn)(double *, const float *, const float *, int64_t, int64_t, int64_t,
+                               int64_t);
+  static const correlate_fn by_count[10] = {
+      NULL,               correlate1_avx2, correlate2_avx2, correlate3_avx2, correlate4_avx2,
+      correlate5_avx2,    correlate6_avx2, correlate7_avx2, correlate8_avx2, correlate9_avx2};
+  by_count[nd](r, p, q, shift, n_samples, sample, plane);
+}

@@ -52,6 +52,10 @@ void ddp__cpu_conv2d_fold_channel(ddp__conv2d_fold *f, float *dw, float *db);
  * affine in x, hence in the patches. Scratch from arena. */
 /* fold_plane's AVX2 kernel, sample xs of f->xp (cpu/conv_fold_avx2.c). */
 void ddp__cpu_conv2d_fold_plane_avx2(ddp__conv2d_fold *f, const float *dy, const float *xs);
+/* fold_gram's correlations for the AVX2 family (cpu/conv_fold_avx2.c):
+ * r[d][i] += sum over n of p_n[i] * q_n[i + shift + d], d < nd (1..9). */
+void ddp__cpu_fold_correlate_avx2(double *r, const float *p, const float *q, int64_t shift, int nd,
+                                  int64_t n_samples, int64_t sample, int64_t plane);
 ddp_status ddp__cpu_conv2d_fold_gram(const ddp__conv2d_fold *f, double *gram, double *psum,
                                      ddp_arena *arena);
 
