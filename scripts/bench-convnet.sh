@@ -30,7 +30,8 @@ bin=${BENCH_BUILD:-build}/bin
 [ -f "$ref" ] || { echo "bench-convnet: $ref not found (set DDP_SHARED_DIR)" >&2; exit 2; }
 "$py" -c "import torch" 2>/dev/null || { echo "bench-convnet: $py has no torch (apt-get install python3-torch, or BENCH_PYTHON)" >&2; exit 2; }
 
-cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)
+# The model name, and family and model (a VM's name may say only "AMD EPYC").
+cpu="$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1) (family $(sed -n 's/^cpu family[[:space:]]*: //p' /proc/cpuinfo | head -n 1), model $(sed -n 's/^model[[:space:]]*: //p' /proc/cpuinfo | head -n 1))"
 torch=$("$py" -c 'import torch
 cap = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "?")()
 print(torch.__version__, cap)' 2>/dev/null)
