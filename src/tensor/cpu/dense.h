@@ -106,6 +106,11 @@ void ddp__cpu_max_pool2x2_avx2(float *restrict y, int8_t *restrict argmax,
 void ddp__cpu_max_unpool2x2_avx2(float *restrict dx, const float *restrict dy,
                                  const int8_t *restrict argmax, int64_t planes, int64_t h,
                                  int64_t w, int64_t oh, int64_t ow);
+/* A folded batch norm + relu + max pool backward's window sums, one-byte
+ * argmax, for the AVX2 family (cpu/norm_avx2.c): *s1 = sum of g[i], *s2 =
+ * sum of g[i] * (v[i] - m) over the open windows (argmax >= 0) i < n. */
+void ddp__cpu_window_sums_avx2(float *s1, float *s2, const float *restrict g,
+                               const int8_t *argmax, const float *restrict v, float m, int64_t n);
 
 /* Stride-1 convolution gemms that read a zero-padded image xp (C, HP, WP)
  * through per-tap offsets off[t] = (c*HP + a)*WP + b instead of a column
