@@ -3,16 +3,26 @@
  * relu + max_pool 2, linear 1568->10; forward and backward (conv1 without dx, as
  * its input is data). Prints the median time of several runs and GFLOP/s,
  * beside OpenBLAS sgemm at the conv2 gemm shape and a square shape measured
- * in the same run, so the ratio survives a noisy machine.
+ * in the same run, so the ratio survives a noisy machine. Each dense op's
+ * GFLOP/s (direct-convolution FLOPs: 2 per multiply-add of the direct sum,
+ * whatever the kernel does) is also given as a fraction of the core's FMA
+ * peak at the family's vector width (bench/fma_peak.h), measured in the
+ * same run.
  *
- *   bench_ops [runs] [generic]   (runs default 11; "generic" forces the
- *                                portable OpenBLAS path over AVX-512) */
+ *   bench_ops [runs] [generic|avx2|avx512] [cpu]   (runs default 11; a
+ *       family forces that kernel family, as DDP_CPU_KERNELS would; by
+ *       default, or "auto", the one DDP_CPU_KERNELS and the CPU choose. "cpu" times
+ *       the thread's CPU time instead of the wall clock: on a loaded
+ *       machine the time spent waiting for a CPU drops out, though not
+ *       what the other tasks do to the caches) */
 #include <cblas.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "ddp/ddp.h"
+#include "fma_peak.h"
 #include "tensor/cpu/dense.h"
 #include "tensor/kernels.h"
 
@@ -21,6 +31,14 @@ void openblas_set_num_threads(int num_threads);
 #define BATCH 100
 
 static int runs = 11;
+static bool cpu_clock; /* time the thread's CPU time, not the wall clock */
+
+static double now_s(void) {
+  if (!cpu_clock) return ddp_time_s();
+  struct timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
 static double best_s; /* fastest run of the last median_s: the least disturbed on a shared machine */
 static ddp_arena arena;
 
@@ -38,9 +56,9 @@ static double median_s(void (*fn)(void *), void *arg) {
   fn(arg);
   for (int i = 0; i < n; i++) {
     ddp_arena_reset(&arena);
-    double t0 = ddp_time_s();
+    double t0 = now_s();
     fn(arg);
-    t[i] = ddp_time_s() - t0;
+    t[i] = now_s() - t0;
   }
   qsort(t, (size_t)n, sizeof *t, cmp_double);
   best_s = t[0];
@@ -167,12 +185,16 @@ static void gemm_run(void *p) {
                 g->b, g->n, 0.0f, g->c, g->n);
 }
 
-/* ddp's own AVX-512 kernel on the same operands: the ceiling the
- * convolutions work against (no im2col, operands hot in cache). */
+/* ddp's own kernel of the running vector family on the same operands: the
+ * ceiling the convolutions work against (no im2col, operands hot in cache). */
 static void own_gemm_run(void *p) {
   gemm_case *g = p;
-  for (int r = 0; r < g->reps; r++)
-    ddp__cpu_gemm_avx512(g->m, g->n, g->k, g->a, g->k, g->b, g->n, g->c, g->n, NULL, false);
+  for (int r = 0; r < g->reps; r++) {
+    if (ddp__cpu_has_avx512())
+      ddp__cpu_gemm_avx512(g->m, g->n, g->k, g->a, g->k, g->b, g->n, g->c, g->n, NULL, false);
+    else
+      ddp__cpu_gemm_avx2(g->m, g->n, g->k, g->a, g->k, g->b, g->n, g->c, g->n, NULL, false);
+  }
 }
 
 static double gemm_gflops(int m, int n, int k, int reps, bool own) {
@@ -186,12 +208,14 @@ static double gemm_gflops(int m, int n, int k, int reps, bool own) {
 }
 
 static double total_s;
+static double peak_gflops; /* the family's FMA peak, bench/fma_peak.h */
 
 static void report(const char *name, double s, double flops) {
   total_s += s;
   if (flops > 0)
-    printf("%-26s %8.3f ms  %7.1f GFLOP/s   (best %.3f ms, %.1f GFLOP/s)\n", name, s * 1e3,
-           flops / s / 1e9, best_s * 1e3, flops / best_s / 1e9);
+    printf("%-26s %8.3f ms  %7.1f GFLOP/s %3.0f%% of peak   (best %.3f ms, %.1f GFLOP/s)\n",
+           name, s * 1e3, flops / s / 1e9, 100.0 * flops / s / 1e9 / peak_gflops,
+           best_s * 1e3, flops / best_s / 1e9);
   else
     printf("%-26s %8.3f ms                   (best %.3f ms)\n", name, s * 1e3, best_s * 1e3);
 }
@@ -199,13 +223,28 @@ static void report(const char *name, double s, double flops) {
 int main(int argc, char **argv) {
   if (argc > 1) runs = atoi(argv[1]);
   if (runs < 1) runs = 1;
-  const bool generic = argc > 2 && strcmp(argv[2], "generic") == 0;
-  ddp__cpu_dense_force_generic(generic);
+  cpu_clock = argc > 3 && strcmp(argv[3], "cpu") == 0;
+  if (argc > 2 && strcmp(argv[2], "auto") != 0) {
+    static const char *const names[] = {"generic", "avx2", "avx512"};
+    int f = -1;
+    for (int i = 0; i < 3; i++)
+      if (strcmp(argv[2], names[i]) == 0) f = i;
+    if (f < 0 || !ddp__cpu_force_family(f)) {
+      fprintf(stderr, "bench_ops: cannot run the family \"%s\" here (generic, avx2, avx512)\n",
+              argv[2]);
+      return 2;
+    }
+  }
   openblas_set_num_threads(1);
   K = ddp__kernels_for(DDP_CPU)->dense;
   ddp_arena_init(&arena, 4 << 20);
-  printf("dense ops, batch %d, 1 thread, median of %d runs, %s path (OpenBLAS core %s)\n",
-         BATCH, runs, ddp__cpu_has_avx512() ? "AVX-512" : "generic", openblas_get_corename());
+  const char *family = ddp_cpu_kernels();
+  peak_gflops = fma_peak_gflops(family_lanes(family));
+  printf("dense ops, batch %d, 1 thread, median of %d runs (%s time), %s family (OpenBLAS core "
+         "%s)\n",
+         BATCH, runs, cpu_clock ? "CPU" : "wall", family, openblas_get_corename());
+  printf("FMA peak at %d lanes: %.1f GFLOP/s (best of 15 runs of independent FMA chains)\n",
+         family_lanes(family), peak_gflops);
 
   conv_case c1, c2;
   conv_setup(&c1, 1, 28, 16, false, 10);
@@ -215,11 +254,11 @@ int main(int argc, char **argv) {
   report("conv2 forward", median_s(conv_fwd, &c2), conv_flops(&c2));
   report("conv2 backward (dx,dw,db)", median_s(conv_bwd, &c2), 2 * conv_flops(&c2));
   double part = median_s(conv_bwd_dw, &c2);
-  printf("  of which dw, db           %8.3f ms  %7.1f GFLOP/s\n", part * 1e3,
-         conv_flops(&c2) / part / 1e9);
+  printf("  of which dw, db           %8.3f ms  %7.1f GFLOP/s %3.0f%% of peak\n", part * 1e3,
+         conv_flops(&c2) / part / 1e9, 100.0 * conv_flops(&c2) / part / 1e9 / peak_gflops);
   part = median_s(conv_bwd_dx, &c2);
-  printf("  of which dx               %8.3f ms  %7.1f GFLOP/s\n", part * 1e3,
-         conv_flops(&c2) / part / 1e9);
+  printf("  of which dx               %8.3f ms  %7.1f GFLOP/s %3.0f%% of peak\n", part * 1e3,
+         conv_flops(&c2) / part / 1e9, 100.0 * conv_flops(&c2) / part / 1e9 / peak_gflops);
 
   pool_case p1 = {.planes = BATCH * 16, .hw = 28}, p2 = {.planes = BATCH * 32, .hw = 14};
   pool_case *pools[2] = {&p1, &p2};
@@ -245,15 +284,17 @@ int main(int argc, char **argv) {
   report("linear backward (dx,dw,db)", median_s(lin_bwd, &l), 4.0 * BATCH * 1568 * 10);
 
   double flops = 2 * conv_flops(&c1) + 3 * conv_flops(&c2) + 6.0 * BATCH * 1568 * 10;
-  printf("%-26s %8.3f ms  %7.1f GFLOP/s  (%.0f samples/s for the dense part alone)\n",
-         "dense total", total_s * 1e3, flops / total_s / 1e9, BATCH / total_s);
+  printf("%-26s %8.3f ms  %7.1f GFLOP/s %3.0f%% of peak  (%.0f samples/s for the dense part "
+         "alone)\n",
+         "dense total", total_s * 1e3, flops / total_s / 1e9,
+         100.0 * flops / total_s / 1e9 / peak_gflops, BATCH / total_s);
 
   printf("reference OpenBLAS sgemm 32x196x400 x%d (conv2 forward's gemm): %.1f GFLOP/s\n",
          BATCH, gemm_gflops(32, 196, 400, BATCH, false));
   printf("reference OpenBLAS sgemm 512x512x512:                       %.1f GFLOP/s\n",
          gemm_gflops(512, 512, 512, 4, false));
-  if (ddp__cpu_has_avx512())
-    printf("ddp AVX-512 gemm 32x196x400 x%d, operands in cache:           %.1f GFLOP/s\n", BATCH,
+  if (ddp__cpu_has_avx512() || ddp__cpu_has_avx2())
+    printf("ddp %s gemm 32x196x400 x%d, operands in cache:   %.1f GFLOP/s\n", family, BATCH,
            gemm_gflops(32, 196, 400, BATCH, true));
 
   conv_free(&c1);

@@ -29,6 +29,13 @@
 # draws as BENCH_OUT/scaling.svg: samples/s and efficiency against world
 # size, the sides side by side (medians as bars, each round a dot; needs
 # world 1 among the worlds). BENCH_OUT defaults to build/bench-ddp.
+# BENCH_PYTHON: the Python whose torch is the reference (default
+# /usr/bin/python3, Debian's python3-torch; e.g. /opt/torch-venv/bin/python
+# for PyTorch 2.x). DDP_CPU_KERNELS reaches ddp's ranks; ATEN_CPU_CAPABILITY
+# and ONEDNN_MAX_CPU_ISA reach PyTorch's (e.g. avx2 and AVX2 to hold it to
+# AVX2 on an AVX-512 CPU).
+# BENCH_BUILD: the build whose programs run (default build; build-portable
+# holds the AVX2 family to AVX2 encodings on an AVX-512 CPU).
 # Needs build/bin/{ddprun,ddp-train,ddp-plot} (scripts/build.sh), python3-torch
 # and the Fashion-MNIST package (scripts/install-deps.sh data).
 set -euo pipefail
@@ -38,14 +45,16 @@ steps=${2:-200}
 worlds=(${BENCH_WORLDS:-1 2})
 ref=${DDP_SHARED_DIR:-../shared}/refs/torch_ddp_convnet.py
 die() { echo "bench-ddp: $*" >&2; exit 2; }
-[ -x build/bin/ddprun ] && [ -x build/bin/ddp-train ] && [ -x build/bin/ddp-plot ] ||
+bin=${BENCH_BUILD:-build}/bin
+[ -x "$bin/ddprun" ] && [ -x "$bin/ddp-train" ] && [ -x "$bin/ddp-plot" ] ||
   die "build first (scripts/build.sh)"
 out_dir=${BENCH_OUT:-build/bench-ddp}
 mkdir -p "$out_dir" || die "cannot create $out_dir"
 table=$out_dir/scaling.tsv
 printf 'side\tworld\tsamples_per_s\tround\n' >"$table"
 [ -f "$ref" ] || die "$ref not found (set DDP_SHARED_DIR to the folder holding refs/)"
-/usr/bin/python3 -c "import torch" 2>/dev/null || die "needs python3-torch (apt-get install python3-torch)"
+py=${BENCH_PYTHON:-/usr/bin/python3}
+"$py" -c "import torch" 2>/dev/null || die "needs python3-torch (apt-get install python3-torch)"
 cores=$(nproc)
 for w in "${worlds[@]}"; do
   [ "$w" -le "$cores" ] || echo "bench-ddp: note: world $w on $cores cores oversubscribes" >&2
@@ -59,7 +68,7 @@ done
 # by other tasks (steady_preempted_ms_per_rank): what the machine's daemons
 # cost a synchronous step, which every rank waits out.
 ddp_run() { # W -> "samples/s preempted_ms_all_ranks step_ms"
-  timeout 900 build/bin/ddprun ${DDPRUN_OPTS:-${BENCH_DDPRUN_OPTS:-}} --nproc-per-node "$1" build/bin/ddp-train --model convnet \
+  timeout 900 "$bin/ddprun" ${DDPRUN_OPTS:-${BENCH_DDPRUN_OPTS:-}} --nproc-per-node "$1" "$bin/ddp-train" --model convnet \
     --batch-size 100 --threads 1 --workers 0 --lr 0.01 --momentum 0.9 --seed 1 \
     --max-steps $((steps + 10)) --json 2>/dev/null | tail -n 1 | /usr/bin/python3 -c '
 import json, sys
@@ -69,7 +78,7 @@ print(d["steady_samples_per_s"], "nan" if None in p else sum(p), d["steady_step_
 }
 ddpalt_run() { DDPRUN_OPTS="$BENCH_DDP_COMPARE" ddp_run "$1"; }
 torch_run() { # W -> samples/s
-  timeout 900 /usr/bin/python3 "$ref" --world "$1" --steps "$steps" --threads 1 --batch 100 \
+  timeout 900 "$py" "$ref" --world "$1" --steps "$steps" --threads 1 --batch 100 \
     --port $((20000 + RANDOM % 20000)) 2>/dev/null | sed -n 's/.*samples_per_s=\([0-9.]*\).*/\1/p'
 }
 pair_run() { # -> summed samples/s of two independent world-1 ddp runs at once
@@ -159,7 +168,7 @@ for w in "${worlds[@]}"; do
     'BEGIN { printf "ddp world %s: its ranks waited for a CPU held by another task %.3f ms a step together (%.2f%% of a step; medians)\n", w, p, q }'
 done
 if [[ " ${worlds[*]} " == *" 1 "* ]]; then
-  build/bin/ddp-plot scaling "$table" -o "$out_dir/scaling.svg" \
+  "$bin/ddp-plot" scaling "$table" -o "$out_dir/scaling.svg" \
     --title "ConvNet, batch 100 per rank: median of $rounds rounds, $steps steps ($cores cores)" ||
     die "ddp-plot could not draw $table"
   echo "scaling figure: $out_dir/scaling.svg (from $table)"

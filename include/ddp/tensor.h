@@ -106,10 +106,11 @@ static inline uint16_t ddp_float_to_bf16(float f) {
   return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
-/* The family of CPU kernels this process runs: "avx512" or "generic",
- * from the CPU and the environment variable DDP_CPU_KERNELS
- * (auto|generic|avx512; docs/tensor.md). Decided at the first call or the
- * first kernel, then fixed. */
+/* The family of CPU kernels this process runs: "avx512", "avx2" or
+ * "generic", from the CPU and the environment variable DDP_CPU_KERNELS
+ * (auto|generic|avx2|avx512; auto takes the best the CPU has;
+ * docs/tensor.md). Decided at the first call or the first kernel, then
+ * fixed. */
 const char *ddp_cpu_kernels(void);
 
 typedef enum ddp_device_type {

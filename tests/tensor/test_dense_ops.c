@@ -16,6 +16,15 @@
 #include "tensor/cpu/dense.h"
 #include "tensor/tape.h"
 
+/* The kernel families a test compares in one process: the one chosen for
+ * this process (AVX-512 where the CPU has it), the AVX2 one and the generic
+ * one; a family this CPU cannot run is left out. */
+static const int families[] = {-1, DDP__CPU_AVX2, DDP__CPU_GENERIC};
+#define N_FAMILIES (sizeof families / sizeof families[0])
+/* The family the running group of tests forces (-1: the chosen one), which
+ * a test that compares families puts back when it is done. */
+static int group_family = -1;
+
 /* ---- naive references (double accumulation, direct loops) ---- */
 
 static void ref_matmul(float *y, const float *a, const float *b, int64_t m, int64_t k,
@@ -374,8 +383,8 @@ static void test_conv_fold_kernels(void **state) {
   const struct {
     int64_t c, h, k, pad;
   } cases[] = {{1, 8, 5, 2}, {2, 20, 3, 1}, {1, 36, 5, 2}, {2, 12, 9, 4}, {3, 28, 5, 0}};
-  for (int generic = 0; generic < 2; generic++) {
-    ddp__cpu_dense_force_generic(generic);
+  for (size_t fam = 0; fam < N_FAMILIES; fam++) {
+    if (!ddp__cpu_force_family(families[fam])) continue; /* the CPU lacks it */
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
       ddp__conv2d_geom g = {.n = 3, .c = cases[i].c, .h = cases[i].h, .w = cases[i].h, .o = 2,
                             .kh = cases[i].k, .kw = cases[i].k, .stride = 1, .pad = cases[i].pad};
@@ -400,7 +409,7 @@ static void test_conv_fold_kernels(void **state) {
         for (int64_t n = 0; n < g.n; n++)
           for (int64_t p = 0; p < ohw; p++) sb += dyd[(n * g.o + o) * ohw + p], mag += fabs(dyd[(n * g.o + o) * ohw + p]);
         if (fabs(db[o] - sb) > 1e-6 * mag + 1e-6)
-          fail_msg("case %zu (%s): db[%lld] %g, expected %g", i, generic ? "generic" : "AVX-512",
+          fail_msg("case %zu (%s): db[%lld] %g, expected %g", i, ddp_cpu_kernels(),
                    (long long)o, db[o], sb);
         for (int64_t c = 0; c < g.c; c++)
           for (int64_t a = 0; a < g.kh; a++)
@@ -417,7 +426,7 @@ static void test_conv_fold_kernels(void **state) {
                   }
               if (fabs(dw[o * k + t] - s) > 1e-5 * mag + 1e-6)
                 fail_msg("case %zu (%s): dw[%lld][%lld] %g, expected %g", i,
-                         generic ? "generic" : "AVX-512", (long long)o, (long long)t,
+                         ddp_cpu_kernels(), (long long)o, (long long)t,
                          dw[o * k + t], s);
             }
       }
@@ -427,7 +436,7 @@ static void test_conv_fold_kernels(void **state) {
       ddp_tensor_destroy(dy);
     }
   }
-  ddp__cpu_dense_force_generic(false);
+  ddp__cpu_force_family(group_family);
 }
 
 /* The patches' sums and Gram matrix (ddp__cpu_conv2d_fold_gram), against
@@ -443,8 +452,8 @@ static void test_conv_fold_gram(void **state) {
     int64_t n, c, h, w, k, pad;
   } cases[] = {{37, 1, 28, 28, 5, 2}, {3, 2, 20, 20, 3, 1}, {2, 3, 12, 9, 5, 0},
                {2, 2, 12, 12, 9, 4}, {4, 1, 1, 30, 1, 0}, {5, 1, 6, 7, 3, 2}};
-  for (int generic = 0; generic < 2; generic++) {
-    ddp__cpu_dense_force_generic(generic);
+  for (size_t fam = 0; fam < N_FAMILIES; fam++) {
+    if (!ddp__cpu_force_family(families[fam])) continue; /* the CPU lacks it */
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
       ddp__conv2d_geom g = {.n = cases[i].n, .c = cases[i].c, .h = cases[i].h, .w = cases[i].w,
                             .o = 2, .kh = cases[i].k, .kw = cases[i].k, .stride = 1,
@@ -490,12 +499,12 @@ static void test_conv_fold_gram(void **state) {
        * over blocks of samples */
       for (int64_t t = 0; t < k; t++) {
         if (fabs(psum[t] - want_p[t]) > 1e-5 * mag)
-          fail_msg("case %zu (%s): psum[%lld] %g, expected %g", i, generic ? "generic" : "AVX-512",
+          fail_msg("case %zu (%s): psum[%lld] %g, expected %g", i, ddp_cpu_kernels(),
                    (long long)t, psum[t], want_p[t]);
         for (int64_t u = 0; u < k; u++)
           if (fabs(gram[t * k + u] - want[t * k + u]) > 1e-5 * mag)
             fail_msg("case %zu (%s): gram[%lld][%lld] %g, expected %g", i,
-                     generic ? "generic" : "AVX-512", (long long)t, (long long)u,
+                     ddp_cpu_kernels(), (long long)t, (long long)u,
                      gram[t * k + u], want[t * k + u]);
       }
       ddp_arena_free(&arena);
@@ -507,7 +516,7 @@ static void test_conv_fold_gram(void **state) {
       ddp_tensor_destroy(x);
     }
   }
-  ddp__cpu_dense_force_generic(false);
+  ddp__cpu_force_family(group_family);
 }
 
 static void test_max_pool2d(void **state) {
@@ -971,18 +980,33 @@ static void test_steady_state_no_alloc(void **state) {
   for (int i = 0; i < 6; i++) ddp_tensor_destroy(p[i]);
 }
 
-/* Every test runs twice: on the CPU's fastest path (AVX-512 where the CPU
- * has it) and on the portable OpenBLAS path. */
+/* Every test runs on each family: the CPU's fastest (AVX-512 where the CPU
+ * has it, else AVX2, or what DDP_CPU_KERNELS chose), the AVX2 one where the
+ * CPU has AVX2 and FMA, and the portable OpenBLAS one. */
 static int use_fast(void **state) {
   (void)state;
-  ddp__cpu_dense_force_generic(false);
-  if (!ddp__cpu_has_avx512()) fprintf(stderr, "SKIP fast path: this CPU has no AVX-512\n");
+  ddp__cpu_force_family(group_family = -1);
+  if (!ddp__cpu_has_avx512())
+    fprintf(stderr, "fast path: the %s family (no AVX-512 on this CPU, or DDP_CPU_KERNELS)\n",
+            ddp_cpu_kernels());
+  return 0;
+}
+
+static int use_avx2(void **state) {
+  (void)state;
+  assert_true(ddp__cpu_force_family(group_family = DDP__CPU_AVX2));
   return 0;
 }
 
 static int use_generic(void **state) {
   (void)state;
-  ddp__cpu_dense_force_generic(true);
+  ddp__cpu_force_family(group_family = DDP__CPU_GENERIC);
+  return 0;
+}
+
+static int use_chosen(void **state) {
+  (void)state;
+  ddp__cpu_force_family(group_family = -1);
   return 0;
 }
 
@@ -1005,7 +1029,11 @@ int main(void) {
       cmocka_unit_test(test_empty),
       cmocka_unit_test(test_steady_state_no_alloc),
   };
-  int failed = cmocka_run_group_tests_name("fast path", tests, use_fast, NULL);
-  failed += cmocka_run_group_tests_name("generic path", tests, use_generic, NULL);
+  int failed = cmocka_run_group_tests_name("fast path", tests, use_fast, use_chosen);
+  if (ddp__cpu_can_run(DDP__CPU_AVX2))
+    failed += cmocka_run_group_tests_name("AVX2 path", tests, use_avx2, use_chosen);
+  else
+    fprintf(stderr, "SKIP AVX2 path: this CPU has no AVX2 and FMA\n");
+  failed += cmocka_run_group_tests_name("generic path", tests, use_generic, use_chosen);
   return failed;
 }

@@ -16,6 +16,12 @@
 #include "tensor/cpu/dense.h"
 #include "tensor/tape.h"
 
+/* The kernel families a test compares in one process: the one chosen for
+ * this process (AVX-512 where the CPU has it), the AVX2 one and the generic
+ * one; a family this CPU cannot run is left out. */
+static const int families[] = {-1, DDP__CPU_AVX2, DDP__CPU_GENERIC};
+#define N_FAMILIES (sizeof families / sizeof families[0])
+
 /* f(a, b) = flatten(reshape(a + b, (2, 3, 2)), 1) + flatten(...) of b again:
  * exercises accumulation (b feeds two ops) and views. */
 static ddp_status shape_chain(ddp_tape *tape, ddp_tensor **in, void *user, ddp_tensor **out) {
@@ -215,8 +221,8 @@ static void test_conv_gradient_takes_over_input(void **state) {
   (void)state;
   /* u: 32 outputs, so the AVX-512 dW takes its implicit path, reading a padded copy */
   int64_t sx[4] = {3, 2, 8, 8}, sw[4] = {3, 2, 3, 3}, su[4] = {32, 3, 3, 3}, sc[1] = {3};
-  for (int generic = 0; generic < 2; generic++) {
-    ddp__cpu_dense_force_generic(generic);
+  for (size_t fam = 0; fam < N_FAMILIES; fam++) {
+    if (!ddp__cpu_force_family(families[fam])) continue; /* the CPU lacks it */
     ddp_tensor *in[5] = {gradcheck_random(4, sx, -1, 1, 61, true),
                          gradcheck_random(4, sw, -0.5f, 0.5f, 62, true),
                          gradcheck_random(1, sc, 0.5f, 1.5f, 63, true),
@@ -239,7 +245,7 @@ static void test_conv_gradient_takes_over_input(void **state) {
     assert_same_grads(grads, in, 5);
     for (int i = 0; i < 5; i++) ddp_tensor_destroy(in[i]);
   }
-  ddp__cpu_dense_force_generic(false);
+  ddp__cpu_force_family(-1);
 }
 
 /* A linear layer's dx taking over its input's data, as nn's runner allows
@@ -343,8 +349,8 @@ static void test_conv_folded_into_batch_norm(void **state) {
   } cases[] = {{1, 8, 5, 2, false, 2},  {2, 20, 3, 1, false, 2}, {1, 36, 5, 2, false, 2},
                {2, 12, 9, 4, false, 2}, {1, 8, 5, 2, true, 2},   {2, 20, 3, 1, true, 2},
                {1, 24, 5, 2, false, 12}};
-  for (int generic = 0; generic < 2; generic++) {
-    ddp__cpu_dense_force_generic(generic);
+  for (size_t fam = 0; fam < N_FAMILIES; fam++) {
+    if (!ddp__cpu_force_family(families[fam])) continue; /* the CPU lacks it */
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
       int64_t sx[4] = {3, cases[i].ci, cases[i].hw, cases[i].hw};
       int64_t sw[4] = {4, cases[i].ci, cases[i].k, cases[i].k}, so[1] = {4};
@@ -389,7 +395,7 @@ static void test_conv_folded_into_batch_norm(void **state) {
         for (int64_t e = 0; e < in[j]->numel; e++)
           if (fabsf(grads[1][j][e] - grads[0][j][e]) > 1e-5f * scale + 1e-6f)
             fail_msg("case %zu (%s path), input %d element %lld: folded %g, conv2d's %g", i,
-                     generic ? "generic" : "AVX-512", j, (long long)e, grads[1][j][e],
+                     ddp_cpu_kernels(), j, (long long)e, grads[1][j][e],
                      grads[0][j][e]);
       }
       for (int j = 0; j < 4; j++) ddp_free(grads[0][j]), ddp_free(grads[1][j]);
@@ -404,7 +410,7 @@ static void test_conv_folded_into_batch_norm(void **state) {
       for (int j = 0; j < 4; j++) ddp_tensor_destroy(in[j]);
     }
   }
-  ddp__cpu_dense_force_generic(false);
+  ddp__cpu_force_family(-1);
 }
 
 static int hook_calls[2];

@@ -14,8 +14,9 @@
  * with no bounds tests.
  *
  * Two implementations: the generic one (OpenBLAS, any CPU) first, then the
- * AVX-512 one, used when the CPU has it, which keeps the per-sample scheme
- * but mostly does without the column matrix (see its comment below). */
+ * vector one, run by the AVX-512 or the AVX2 family's kernels (whichever
+ * runs, cpu/family.c), which keeps the per-sample scheme but mostly does
+ * without the column matrix (see its comment below). */
 #include <immintrin.h>
 #include <stdlib.h>
 #include <string.h>
@@ -168,17 +169,21 @@ static void im2col_padded_portable(float *restrict col, const padded *p, int64_t
 AVX512 static void im2col_padded(float *restrict col, const padded *p, int64_t kh, int64_t kw,
                                  int64_t oh, int64_t ow);
 
-/* Fills col for sample x: from the padded copy (stride 1; whole-vector
- * copies on the AVX-512 path, which leaves SLACK room for them) or directly. */
+typedef void im2col_padded_fn(float *restrict col, const padded *p, int64_t kh, int64_t kw,
+                              int64_t oh, int64_t ow);
+
+/* Fills col for sample x: from the padded copy (stride 1; by `copy`, the
+ * vector families' whole-vector copies, which leave SLACK room for them, or
+ * plain loops when NULL) or directly. */
 static void col_fill(float *col, padded *p, const float *x, const ddp__conv2d_geom *g,
-                     bool avx512) {
+                     im2col_padded_fn *copy) {
   if (g->stride != 1) {
     im2col(col, x, g);
     return;
   }
   pad_copy(p, x);
-  if (avx512)
-    im2col_padded(col, p, g->kh, g->kw, g->oh, g->ow);
+  if (copy)
+    copy(col, p, g->kh, g->kw, g->oh, g->ow);
   else
     im2col_padded_portable(col, p, g->kh, g->kw, g->oh, g->ow);
 }
@@ -221,7 +226,7 @@ static ddp_status forward_generic(float *y, const float *x, const float *w, cons
   for (int64_t n = 0; n < g->n; n++) {
     const float *xn = x + n * chw;
     float *yn = y + n * g->o * ohw; /* (O, OH*OW) */
-    if (col) col_fill(col, &xp, xn, g, false);
+    if (col) col_fill(col, &xp, xn, g, NULL);
     if (b)
       for (int64_t o = 0; o < g->o; o++) {
         float *row = yn + o * ohw;
@@ -260,7 +265,7 @@ static ddp_status backward_generic(float *dx, float *dw, float *db, const float 
     const float *dyn = dy + n * g->o * ohw; /* (O, OH*OW) */
     if (db) bias_grad(db, dyn, g->o, ohw);
     if (dw) {
-      if (col) col_fill(col, &xp, xn, g, false);
+      if (col) col_fill(col, &xp, xn, g, NULL);
       /* dw (O, K) += dy (O, OH*OW) @ col^T (OH*OW, K) */
       ddp__cpu_gemm(false, true, g->o, k, ohw, 1.0f, dyn, ohw, col ? col : xn, ohw, 1.0f, dw, k);
     }
@@ -287,8 +292,9 @@ static ddp_status backward_generic(float *dx, float *dw, float *db, const float 
   return DDP_OK;
 }
 
-/* ---- AVX-512 path ------------------------------------------------------
- * The gemms run on ddp__cpu_gemm*_avx512 (cpu/gemm.c), and the layout work
+/* ---- the vector path (AVX-512 or AVX2) -----------------------------------
+ * The gemms run on ddp__cpu_gemm*_avx512 (cpu/gemm.c) or *_avx2
+ * (cpu/gemm_avx2.c), and the layout work
  * around them is cut down, which matters as much at the ConvNet's shapes:
  *   - stride 1 needs no column matrix at all: the forward and dX read a
  *     zero-padded copy of the sample through per-tap offsets, one or two
@@ -433,13 +439,81 @@ AVX512 static void shifted_copy_avx512(shifted *s, const float *restrict x) {
     }
 }
 
+/* The kernels of one vector family (AVX-512 or AVX2): the per-geometry
+ * scheme below is the same for both, the kernels under it differ. A
+ * family without Winograd kernels (NULL) would run its 3x3 convolutions
+ * with many channels on the direct kernels. */
+typedef struct vec_family {
+  void (*gemm)(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda, const float *b,
+               int64_t ldb, float *c, int64_t ldc, const float *row_bias, bool accumulate);
+  void (*gemm_off)(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
+                   const float *b, const int64_t *boff, float *c, int64_t ldc,
+                   const float *row_bias, bool accumulate);
+  void (*gemm_nt)(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda, const float *b,
+                  int64_t ldb, float *c, int64_t ldc);
+  void (*gemm_nt_off)(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
+                      const float *b, const int64_t *boff, float *c, int64_t ldc);
+  void (*conv_rows)(int64_t m, int64_t taps, const float *packed, const float *xp,
+                    const int64_t *off, int64_t wp, float *y, int64_t oh, int64_t ow,
+                    const float *bias, bool accumulate);
+  void (*conv_taps)(int64_t taps, int64_t n, const float *xp, const int64_t *off, int64_t wp,
+                    int64_t oh, int64_t ow, const float *dyt, float *dwt);
+  void (*winograd_conv3x3)(int64_t m, int64_t c, const float *u, const float *x, float *y,
+                           int64_t oh, int64_t ow, const float *bias, bool accumulate,
+                           float *scratch);
+  void (*winograd_dw_sample)(int64_t m, int64_t c, const float *x, const float *dy, int64_t oh,
+                             int64_t ow, float *du, float *scratch);
+  im2col_padded_fn *im2col_padded;
+  void (*transpose)(float *restrict dst, const float *restrict src, int64_t rows, int64_t cols);
+  void (*shifted_copy)(shifted *s, const float *restrict x);
+} vec_family;
+
+/* The AVX2 family's layout helpers (cpu/conv_avx2.c) take plain arrays. */
+static void im2col_padded_avx2(float *restrict col, const padded *p, int64_t kh, int64_t kw,
+                               int64_t oh, int64_t ow) {
+  ddp__cpu_copy_taps_avx2(col, p->xp, p->off, p->c * kh * kw, p->wp, oh, ow);
+}
+
+static void shifted_copy_avx2(shifted *s, const float *restrict x) {
+  ddp__cpu_shifted_copy_avx2(s->buf, x, s->c, s->h, s->w, s->kw, s->pad);
+}
+
+static const vec_family family_avx512 = {
+    .gemm = ddp__cpu_gemm_avx512,
+    .gemm_off = ddp__cpu_gemm_off_avx512,
+    .gemm_nt = ddp__cpu_gemm_nt_avx512,
+    .gemm_nt_off = ddp__cpu_gemm_nt_off_avx512,
+    .conv_rows = ddp__cpu_conv_rows_avx512,
+    .conv_taps = ddp__cpu_conv_taps_avx512,
+    .winograd_conv3x3 = ddp__cpu_winograd_conv3x3_avx512,
+    .winograd_dw_sample = ddp__cpu_winograd_dw_sample_avx512,
+    .im2col_padded = im2col_padded,
+    .transpose = transpose,
+    .shifted_copy = shifted_copy_avx512,
+};
+
+static const vec_family family_avx2 = {
+    .gemm = ddp__cpu_gemm_avx2,
+    .gemm_off = ddp__cpu_gemm_off_avx2,
+    .gemm_nt = ddp__cpu_gemm_nt_avx2,
+    .gemm_nt_off = ddp__cpu_gemm_nt_off_avx2,
+    .conv_rows = ddp__cpu_conv_rows_avx2,
+    .conv_taps = ddp__cpu_conv_taps_avx2,
+    .winograd_conv3x3 = ddp__cpu_winograd_conv3x3_avx2,
+    .winograd_dw_sample = ddp__cpu_winograd_dw_sample_avx2,
+    .im2col_padded = im2col_padded_avx2,
+    .transpose = ddp__cpu_transpose_avx2,
+    .shifted_copy = shifted_copy_avx2,
+};
+
 /* Winograd's F(2x2, 3x3) (cpu/winograd.c) for a stride-1 3x3 convolution
  * from c to m channels with (oh, ow) outputs: 2.25x fewer multiply-adds
  * where the channels are many (psnet's conv2, its dX). DDP_CONV_WINOGRAD=0
  * keeps the direct kernels (to compare, or to rule the path out). */
-static bool use_winograd(const ddp__conv2d_geom *g, int64_t m, int64_t c, int64_t oh,
-                         int64_t ow) {
-  if (g->stride != 1 || g->kh != 3 || g->kw != 3 || !ddp__cpu_winograd_fits(m, c, oh, ow))
+static bool use_winograd(const vec_family *v, const ddp__conv2d_geom *g, int64_t m, int64_t c,
+                         int64_t oh, int64_t ow) {
+  if (!v->winograd_conv3x3 || g->stride != 1 || g->kh != 3 || g->kw != 3 ||
+      !ddp__cpu_winograd_fits(m, c, oh, ow))
     return false;
   const char *env = getenv("DDP_CONV_WINOGRAD");
   return !env || strcmp(env, "0") != 0;
@@ -456,17 +530,17 @@ static ddp_status winograd_init(float **u, float **ws, const float *w, int64_t l
   return DDP_OK;
 }
 
-static ddp_status forward_avx512(float *y, const float *x, const float *w, const float *b,
+static ddp_status forward_vec(const vec_family *v, float *y, const float *x, const float *w, const float *b,
                                  const ddp__conv2d_geom *g, ddp_arena *arena) {
   const int64_t k = g->c * g->kh * g->kw, ohw = g->oh * g->ow, chw = g->c * g->h * g->w;
   ddp_status status = DDP_OK;
   if (is_pointwise(g)) {
     for (int64_t n = 0; n < g->n; n++)
-      ddp__cpu_gemm_avx512(g->o, ohw, k, w, k, x + n * chw, ohw, y + n * g->o * ohw, ohw, b,
+      v->gemm(g->o, ohw, k, w, k, x + n * chw, ohw, y + n * g->o * ohw, ohw, b,
                            false);
     return DDP_OK;
   }
-  if (use_winograd(g, g->o, g->c, g->oh, g->ow)) {
+  if (use_winograd(v, g, g->o, g->c, g->oh, g->ow)) {
     float *u, *ws;
     DDP_TRY(winograd_init(&u, &ws, w, k, g->o, g->c, g->oh, g->ow, arena));
     padded p = {0};
@@ -474,7 +548,7 @@ static ddp_status forward_avx512(float *y, const float *x, const float *w, const
     for (int64_t n = 0; n < g->n; n++) {
       const float *xn = x + n * chw;
       if (g->pad) pad_copy(&p, xn), xn = p.xp; /* without padding: the sample in place */
-      ddp__cpu_winograd_conv3x3_avx512(g->o, g->c, u, xn, y + n * g->o * ohw, g->oh, g->ow, b,
+      v->winograd_conv3x3(g->o, g->c, u, xn, y + n * g->o * ohw, g->oh, g->ow, b,
                                        false, ws);
     }
     return DDP_OK;
@@ -483,9 +557,9 @@ static ddp_status forward_avx512(float *y, const float *x, const float *w, const
     shifted sx;
     DDP_TRY(shifted_init(&sx, g->c, g->h, g->w, g->kw, g->pad, arena));
     for (int64_t n = 0; n < g->n; n++) {
-      shifted_copy_avx512(&sx, x + n * chw);
+      v->shifted_copy(&sx, x + n * chw);
       /* y_n (O, H*W) = b + w (O, K) @ rows of the copies (K, H*W) */
-      ddp__cpu_gemm_off_avx512(g->o, ohw, k, w, k, sx.buf, sx.off, y + n * g->o * ohw, ohw, b,
+      v->gemm_off(g->o, ohw, k, w, k, sx.buf, sx.off, y + n * g->o * ohw, ohw, b,
                                false);
     }
     return DDP_OK;
@@ -499,7 +573,7 @@ static ddp_status forward_avx512(float *y, const float *x, const float *w, const
     for (int64_t n = 0; n < g->n; n++) {
       pad_copy(&p, x + n * chw);
       /* y_n (O, OH, OW) = b + w (O, K) @ implicit col (K, OH*OW) */
-      ddp__cpu_conv_rows_avx512(g->o, k, wpk, p.xp, p.off, p.wp, y + n * g->o * ohw, g->oh,
+      v->conv_rows(g->o, k, wpk, p.xp, p.off, p.wp, y + n * g->o * ohw, g->oh,
                                 g->ow, b, false);
     }
     return DDP_OK;
@@ -507,14 +581,14 @@ static ddp_status forward_avx512(float *y, const float *x, const float *w, const
   float *col = scratch(arena, k * ohw + SLACK, &status);
   if (!col) return status;
   for (int64_t n = 0; n < g->n; n++) {
-    col_fill(col, &p, x + n * chw, g, true);
+    col_fill(col, &p, x + n * chw, g, v->im2col_padded);
     /* y_n (O, OH*OW) = b + w (O, K) @ col (K, OH*OW) */
-    ddp__cpu_gemm_avx512(g->o, ohw, k, w, k, col, ohw, y + n * g->o * ohw, ohw, b, false);
+    v->gemm(g->o, ohw, k, w, k, col, ohw, y + n * g->o * ohw, ohw, b, false);
   }
   return DDP_OK;
 }
 
-static ddp_status backward_avx512(float *dx, float *dw, float *db, const float *dy,
+static ddp_status backward_vec(const vec_family *v, float *dx, float *dw, float *db, const float *dy,
                                   const float *x, const float *w, const ddp__conv2d_geom *g,
                                   bool dx_accumulate, ddp_arena *arena) {
   const int64_t k = g->c * g->kh * g->kw, ohw = g->oh * g->ow, chw = g->c * g->h * g->w;
@@ -526,7 +600,7 @@ static ddp_status backward_avx512(float *dx, float *dw, float *db, const float *
   const bool dw_dot = g->o < 32;
   const bool dw_implicit = !dw_dot && g->stride == 1 && !pointwise;
   const bool dw_shifted = dw_dot && is_same(g) && !pointwise;
-  const bool dw_winograd = use_winograd(g, g->o, g->c, g->oh, g->ow);
+  const bool dw_winograd = use_winograd(v, g, g->o, g->c, g->oh, g->ow);
   padded xp = {0};
   shifted sx = {0};
   float *col = NULL, *dyt = NULL, *dwt = NULL;
@@ -556,7 +630,7 @@ static ddp_status backward_avx512(float *dx, float *dw, float *db, const float *
    * two vectors, else through a column matrix), or gemm + col2im. */
   const bool dx_as_conv = dx_is_conv(g);
   const bool dx_shifted = is_same(g) && g->c < SHIFTED_MAX_CHANNELS;
-  const bool dx_winograd = dx_as_conv && !dx_shifted && use_winograd(g, g->c, g->o, g->h, g->w);
+  const bool dx_winograd = dx_as_conv && !dx_shifted && use_winograd(v, g, g->c, g->o, g->h, g->w);
   const bool dx_implicit = dx_as_conv && g->w <= 32;
   padded dyp = {0};
   shifted sdy = {0};
@@ -583,7 +657,7 @@ static ddp_status backward_avx512(float *dx, float *dw, float *db, const float *
   } else if (dx) {
     if (!(wt = scratch(arena, k * g->o, &status))) return status;
     if (!(dcol = scratch(arena, k * ohw, &status))) return status;
-    transpose(wt, w, g->o, k);
+    v->transpose(wt, w, g->o, k);
   }
 
   for (int64_t n = 0; n < g->n; n++) {
@@ -593,51 +667,51 @@ static ddp_status backward_avx512(float *dx, float *dw, float *db, const float *
     if (dw && dw_winograd) {
       const float *xin = xn; /* without padding: the sample in place */
       if (g->pad) pad_copy(&xp, xn), xin = xp.xp;
-      ddp__cpu_winograd_dw_sample_avx512(g->o, g->c, xin, dyn, g->oh, g->ow, wino_du, wino_dws);
+      v->winograd_dw_sample(g->o, g->c, xin, dyn, g->oh, g->ow, wino_du, wino_dws);
     } else if (dw && dw_shifted) {
-      shifted_copy_avx512(&sx, xn);
+      v->shifted_copy(&sx, xn);
       /* dw (O, K) += dy (O, H*W) @ (rows of the copies (K, H*W))^T */
-      ddp__cpu_gemm_nt_off_avx512(g->o, k, ohw, dyn, ohw, sx.buf, sx.off, dw, k);
+      v->gemm_nt_off(g->o, k, ohw, dyn, ohw, sx.buf, sx.off, dw, k);
     } else if (dw && dw_implicit) {
       pad_copy(&xp, xn);
-      transpose(dyt, dyn, g->o, ohw);
+      v->transpose(dyt, dyn, g->o, ohw);
       /* dwt (K, O) += implicit col (K, OH*OW) @ dy^T (OH*OW, O) */
-      ddp__cpu_conv_taps_avx512(k, g->o, xp.xp, xp.off, xp.wp, g->oh, g->ow, dyt, dwt);
+      v->conv_taps(k, g->o, xp.xp, xp.off, xp.wp, g->oh, g->ow, dyt, dwt);
     } else if (dw) {
-      if (col) col_fill(col, &xp, xn, g, true);
+      if (col) col_fill(col, &xp, xn, g, v->im2col_padded);
       const float *cn = col ? col : xn; /* (K, OH*OW) */
       if (dw_dot) {
         /* dw (O, K) += dy (O, OH*OW) @ col^T */
-        ddp__cpu_gemm_nt_avx512(g->o, k, ohw, dyn, ohw, cn, ohw, dw, k);
+        v->gemm_nt(g->o, k, ohw, dyn, ohw, cn, ohw, dw, k);
       } else {
-        transpose(dyt, dyn, g->o, ohw);
+        v->transpose(dyt, dyn, g->o, ohw);
         /* dwt (K, O) += col (K, OH*OW) @ dy^T (OH*OW, O) */
-        ddp__cpu_gemm_avx512(k, g->o, ohw, cn, ohw, dyt, g->o, dwt, g->o, NULL, true);
+        v->gemm(k, g->o, ohw, cn, ohw, dyt, g->o, dwt, g->o, NULL, true);
       }
     }
     if (dx && dx_winograd) {
       pad_copy(&dyp, dyn);
-      ddp__cpu_winograd_conv3x3_avx512(g->c, g->o, wino_u, dyp.xp, dx + n * chw, g->h, g->w,
+      v->winograd_conv3x3(g->c, g->o, wino_u, dyp.xp, dx + n * chw, g->h, g->w,
                                        NULL, dx_accumulate, wino_s);
     } else if (dx && dx_shifted) {
-      shifted_copy_avx512(&sdy, dyn);
+      v->shifted_copy(&sdy, dyn);
       /* dx_n (C, H*W) (+)= wflip (C, O*KH*KW) @ rows of dy's copies */
-      ddp__cpu_gemm_off_avx512(g->c, hw, g->o * kk, wflip, g->o * kk, sdy.buf, sdy.off,
+      v->gemm_off(g->c, hw, g->o * kk, wflip, g->o * kk, sdy.buf, sdy.off,
                                dx + n * chw, hw, NULL, dx_accumulate);
     } else if (dx && dx_as_conv) {
       pad_copy(&dyp, dyn);
       if (dx_implicit) {
         /* dx_n (C, H, W) += wflip (C, O*KH*KW) @ implicit col of padded dy */
-        ddp__cpu_conv_rows_avx512(g->c, g->o * kk, wflip, dyp.xp, dyp.off, dyp.wp, dx + n * chw,
+        v->conv_rows(g->c, g->o * kk, wflip, dyp.xp, dyp.off, dyp.wp, dx + n * chw,
                                   g->h, g->w, NULL, dx_accumulate);
       } else {
-        im2col_padded(dcol, &dyp, g->kh, g->kw, g->h, g->w);
-        ddp__cpu_gemm_avx512(g->c, hw, g->o * kk, wflip, g->o * kk, dcol, hw, dx + n * chw, hw,
+        v->im2col_padded(dcol, &dyp, g->kh, g->kw, g->h, g->w);
+        v->gemm(g->c, hw, g->o * kk, wflip, g->o * kk, dcol, hw, dx + n * chw, hw,
                              NULL, dx_accumulate);
       }
     } else if (dx) {
       /* dcol (K, OH*OW) = w^T (K, O) @ dy (O, OH*OW), then scatter-add */
-      ddp__cpu_gemm_avx512(k, ohw, g->o, wt, g->o, dyn, ohw, dcol, ohw, NULL, false);
+      v->gemm(k, ohw, g->o, wt, g->o, dyn, ohw, dcol, ohw, NULL, false);
       if (!dx_accumulate) memset(dx + n * chw, 0, (size_t)chw * sizeof(float));
       col2im_add(dx + n * chw, dcol, g);
     }
@@ -652,14 +726,23 @@ static ddp_status backward_avx512(float *dx, float *dw, float *db, const float *
 
 ddp_status ddp__cpu_conv2d_forward(float *y, const float *x, const float *w, const float *b,
                                    const ddp__conv2d_geom *g, ddp_arena *arena) {
-  if (ddp__cpu_has_avx512()) return forward_avx512(y, x, w, b, g, arena);
+  switch (ddp__cpu_family_running()) {
+  case DDP__CPU_AVX512: return forward_vec(&family_avx512, y, x, w, b, g, arena);
+  case DDP__CPU_AVX2: return forward_vec(&family_avx2, y, x, w, b, g, arena);
+  case DDP__CPU_GENERIC: break;
+  }
   return forward_generic(y, x, w, b, g, arena);
 }
 
 ddp_status ddp__cpu_conv2d_backward(float *dx, float *dw, float *db, const float *dy,
                                     const float *x, const float *w, const ddp__conv2d_geom *g,
                                     bool dx_accumulate, ddp_arena *arena) {
-  if (ddp__cpu_has_avx512())
-    return backward_avx512(dx, dw, db, dy, x, w, g, dx_accumulate, arena);
+  switch (ddp__cpu_family_running()) {
+  case DDP__CPU_AVX512:
+    return backward_vec(&family_avx512, dx, dw, db, dy, x, w, g, dx_accumulate, arena);
+  case DDP__CPU_AVX2:
+    return backward_vec(&family_avx2, dx, dw, db, dy, x, w, g, dx_accumulate, arena);
+  case DDP__CPU_GENERIC: break;
+  }
   return backward_generic(dx, dw, db, dy, x, w, g, dx_accumulate, arena);
 }

@@ -32,6 +32,7 @@ ddp_status ddp__cpu_conv2d_fold_init(ddp__conv2d_fold *f, const float *x,
   const int64_t sample = (g->c * hp * wp + LANES - 1) / LANES * LANES + LANES;
   *f = (ddp__conv2d_fold){.g = g, .hp = hp, .wp = wp, .k = k, .sample = sample};
   f->avx512 = ddp__cpu_has_avx512() && g->ow <= 2 * LANES;
+  f->avx2 = ddp__cpu_has_avx2(); /* any width: a column of 8 at a time */
   /* The planes' rows are read with masked loads, which touch no element
    * past the row's last; the patches' correlations (fold_gram) read each
    * plane at offsets of up to (KH - 1) WP + KW - 1 floats either way, and
@@ -186,6 +187,8 @@ void ddp__cpu_conv2d_fold_plane(ddp__conv2d_fold *f, const float *dy, int64_t n)
   const float *xs = f->xp + n * f->sample;
   if (f->avx512)
     fold_plane_avx512(f, dy, xs);
+  else if (f->avx2)
+    ddp__cpu_conv2d_fold_plane_avx2(f, dy, xs);
   else
     fold_plane_portable(f, dy, xs);
 }
@@ -308,6 +311,8 @@ static void correlate(double *r, const ddp__conv2d_fold *f, int64_t c, int64_t c
       correlate6, correlate7, correlate8, correlate9};
   if (ddp__cpu_has_avx512())
     by_count[nd](r, p, q, shift, f->g->n, f->sample, plane);
+  else if (ddp__cpu_has_avx2())
+    ddp__cpu_fold_correlate_avx2(r, p, q, shift, nd, f->g->n, f->sample, plane);
   else
     correlate_portable(r, p, q, shift, nd, f->g->n, f->sample, plane);
   /* rows y + da and columns x + db outside the plane */

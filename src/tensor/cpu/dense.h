@@ -38,6 +38,7 @@ typedef struct ddp__conv2d_fold {
   int64_t sample;      /* floats from one sample's planes to the next's (C*HP*WP and a gap) */
   int64_t slack;       /* zeros before and after xp, in floats */
   bool avx512;         /* rows of up to 32 outputs on the AVX-512 path */
+  bool avx2;           /* the AVX2 family's kernel (cpu/conv_fold_avx2.c) */
 } ddp__conv2d_fold;
 ddp_status ddp__cpu_conv2d_fold_init(ddp__conv2d_fold *f, const float *x,
                                      const ddp__conv2d_geom *g, ddp_arena *arena);
@@ -49,13 +50,32 @@ void ddp__cpu_conv2d_fold_channel(ddp__conv2d_fold *f, float *dw, float *db);
  * symmetric), where tap t = (c, a, b) at (y, x) is xp_n[c][y + a][x + b].
  * A folded batch norm's backward needs them for the terms of dx that are
  * affine in x, hence in the patches. Scratch from arena. */
+/* fold_plane's AVX2 kernel, sample xs of f->xp (cpu/conv_fold_avx2.c). */
+void ddp__cpu_conv2d_fold_plane_avx2(ddp__conv2d_fold *f, const float *dy, const float *xs);
+/* fold_gram's correlations for the AVX2 family (cpu/conv_fold_avx2.c):
+ * r[d][i] += sum over n of p_n[i] * q_n[i + shift + d], d < nd (1..9). */
+void ddp__cpu_fold_correlate_avx2(double *r, const float *p, const float *q, int64_t shift, int nd,
+                                  int64_t n_samples, int64_t sample, int64_t plane);
 ddp_status ddp__cpu_conv2d_fold_gram(const ddp__conv2d_fold *f, double *gram, double *psum,
                                      ddp_arena *arena);
 
-/* AVX-512 paths (cpu/gemm.c). ddp__cpu_has_avx512 (cpu/family.c) is true
- * when the CPU has AVX-512F, DDP_CPU_KERNELS allows it, and the generic
- * path has not been forced (tests run both). */
+/* The CPU kernel families (cpu/family.c): the generic C kernels, the AVX2 +
+ * FMA ones (*_avx2) and the AVX-512 ones (*_avx512). */
+typedef enum { DDP__CPU_GENERIC = 0, DDP__CPU_AVX2 = 1, DDP__CPU_AVX512 = 2 } ddp__cpu_family;
+/* The family that runs now: the one DDP_CPU_KERNELS and the CPU chose,
+ * unless a test forces another. */
+ddp__cpu_family ddp__cpu_family_running(void);
+/* Whether this CPU can run family f. */
+bool ddp__cpu_can_run(ddp__cpu_family f);
+/* ddp__cpu_has_avx512 is true when the AVX-512 family runs (the CPU has
+ * AVX-512F, DDP_CPU_KERNELS allows it, and no test forces another);
+ * ddp__cpu_has_avx2 likewise for the AVX2 family. */
 bool ddp__cpu_has_avx512(void);
+bool ddp__cpu_has_avx2(void);
+/* Tests: run family f (a ddp__cpu_family) from now on, or (f < 0) the
+ * chosen one again; false, changing nothing, when the CPU cannot run f.
+ * force_generic(true) is force_family(GENERIC), (false) force_family(-1). */
+bool ddp__cpu_force_family(int f);
 void ddp__cpu_dense_force_generic(bool generic);
 /* c (m, n) = init + a (m, k) @ b (k, n), row strides lda, ldb, ldc; init is
  * c itself when accumulate, else row_bias[i] along row i, else 0. Only call
@@ -76,6 +96,22 @@ void ddp__cpu_gemm_off_avx512(int64_t m, int64_t n, int64_t k, const float *a, i
                               const float *row_bias, bool accumulate);
 void ddp__cpu_gemm_nt_off_avx512(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
                                  const float *b, const int64_t *boff, float *c, int64_t ldc);
+/* Max pooling with kernel 2, stride 2, and its backward into a fresh dx,
+ * for the AVX2 family (cpu/pool_avx2.c; arguments as cpu/pool.c's, argmax
+ * one byte a window). */
+void ddp__cpu_max_pool2x2_avx2(float *restrict y, int8_t *restrict argmax,
+                               float *restrict argval, const float *restrict x, int64_t planes,
+                               int64_t h, int64_t w, int64_t oh, int64_t ow, bool relu,
+                               const ddp__pool_affine *affine);
+void ddp__cpu_max_unpool2x2_avx2(float *restrict dx, const float *restrict dy,
+                                 const int8_t *restrict argmax, int64_t planes, int64_t h,
+                                 int64_t w, int64_t oh, int64_t ow);
+/* A folded batch norm + relu + max pool backward's window sums, one-byte
+ * argmax, for the AVX2 family (cpu/norm_avx2.c): *s1 = sum of g[i], *s2 =
+ * sum of g[i] * (v[i] - m) over the open windows (argmax >= 0) i < n. */
+void ddp__cpu_window_sums_avx2(float *s1, float *s2, const float *restrict g,
+                               const int8_t *argmax, const float *restrict v, float m, int64_t n);
+
 /* Stride-1 convolution gemms that read a zero-padded image xp (C, HP, WP)
  * through per-tap offsets off[t] = (c*HP + a)*WP + b instead of a column
  * matrix. conv_rows: y (m, oh, ow) = (y if accumulate, else bias or 0) +
@@ -115,6 +151,43 @@ void ddp__cpu_winograd_conv3x3_avx512(int64_t m, int64_t c, const float *u, cons
  * dw_finish adds du's transform into dw (m, c, 3, 3). */
 void ddp__cpu_winograd_dw_sample_avx512(int64_t m, int64_t c, const float *x, const float *dy,
                                         int64_t oh, int64_t ow, float *du, float *scratch);
+/* The AVX2 family (cpu/gemm_avx2.c): the same kernels as the AVX-512 ones
+ * above, with the same contracts (conv_rows reads conv_rows_pack's layout
+ * and 16 floats of slack past xp); only call when ddp__cpu_has_avx2(). */
+void ddp__cpu_gemm_avx2(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
+                        const float *b, int64_t ldb, float *c, int64_t ldc,
+                        const float *row_bias, bool accumulate);
+void ddp__cpu_gemm_nt_avx2(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
+                           const float *b, int64_t ldb, float *c, int64_t ldc);
+void ddp__cpu_gemm_off_avx2(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
+                            const float *b, const int64_t *boff, float *c, int64_t ldc,
+                            const float *row_bias, bool accumulate);
+void ddp__cpu_gemm_nt_off_avx2(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
+                               const float *b, const int64_t *boff, float *c, int64_t ldc);
+void ddp__cpu_conv_rows_avx2(int64_t m, int64_t taps, const float *packed, const float *xp,
+                             const int64_t *off, int64_t wp, float *y, int64_t oh, int64_t ow,
+                             const float *bias, bool accumulate);
+void ddp__cpu_conv_taps_avx2(int64_t taps, int64_t n, const float *xp, const int64_t *off,
+                             int64_t wp, int64_t oh, int64_t ow, const float *dyt, float *dwt);
+/* The AVX2 family's layout work for cpu/conv.c (cpu/conv_avx2.c):
+ * copy_taps: col (taps, oh*ow) from xp's rows at off[t] + y*wp (whole
+ * vectors: col and xp need 8 floats of slack); transpose: dst (cols, rows)
+ * = src (rows, cols)^T; shifted_copy: cpu/conv.c's shifted copies of x
+ * (c, h, w) into buf (c, kw, h + 2 pad, w), whose zeros stay. */
+void ddp__cpu_copy_taps_avx2(float *restrict col, const float *xp, const int64_t *off,
+                             int64_t taps, int64_t wp, int64_t oh, int64_t ow);
+void ddp__cpu_transpose_avx2(float *restrict dst, const float *restrict src, int64_t rows,
+                             int64_t cols);
+void ddp__cpu_shifted_copy_avx2(float *buf, const float *restrict x, int64_t c, int64_t h,
+                                int64_t w, int64_t kw, int64_t pad);
+
+/* The same two for the AVX2 family (cpu/winograd_avx2.c): same
+ * transforms, scratch and layout of u and du. */
+void ddp__cpu_winograd_conv3x3_avx2(int64_t m, int64_t c, const float *u, const float *x,
+                                    float *y, int64_t oh, int64_t ow, const float *bias,
+                                    bool accumulate, float *scratch);
+void ddp__cpu_winograd_dw_sample_avx2(int64_t m, int64_t c, const float *x, const float *dy,
+                                      int64_t oh, int64_t ow, float *du, float *scratch);
 void ddp__cpu_winograd_dw_finish(int64_t m, int64_t c, const float *du, float *dw);
 
 #endif

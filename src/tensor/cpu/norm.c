@@ -395,6 +395,8 @@ static void window_backward_sums(double *sdy, double *sdyx, const ddp__bn_grad *
   float s1, s2;
   if (arg_bytes == 1 && ddp__cpu_has_avx512())
     window_sums_avx512(&s1, &s2, dy->pooled + p * ohw, arg, argval + p * ohw, m, ohw);
+  else if (arg_bytes == 1 && ddp__cpu_has_avx2())
+    ddp__cpu_window_sums_avx2(&s1, &s2, dy->pooled + p * ohw, arg, argval + p * ohw, m, ohw);
   else
     window_sums_portable(&s1, &s2, dy->pooled + p * ohw, arg, arg_bytes, argval + p * ohw, m, ohw);
   *sdy += s1;

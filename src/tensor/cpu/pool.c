@@ -139,6 +139,10 @@ void ddp__cpu_max_pool2d_forward(float *y, void *argmax, float *argval, const fl
     pool2x2_avx512(y, argmax, argval, x, planes, h, w, oh, ow, relu, affine);
     return;
   }
+  if (kernel == 2 && stride == 2 && ddp__cpu_has_avx2()) {
+    ddp__cpu_max_pool2x2_avx2(y, argmax, argval, x, planes, h, w, oh, ow, relu, affine);
+    return;
+  }
   const int64_t bytes = ddp__pool_arg_bytes(kernel);
   for (int64_t p = 0; p < planes; p++) {
     const float *xp = x + p * h * w;
@@ -250,6 +254,10 @@ void ddp__cpu_max_pool2d_backward(float *dx, const float *dy, const void *argmax
                                   int64_t stride, int64_t oh, int64_t ow, bool accumulate) {
   if (!accumulate && kernel == 2 && stride == 2 && ddp__cpu_has_avx512()) {
     unpool2x2_avx512(dx, dy, argmax, planes, h, w, oh, ow);
+    return;
+  }
+  if (!accumulate && kernel == 2 && stride == 2 && ddp__cpu_has_avx2()) {
+    ddp__cpu_max_unpool2x2_avx2(dx, dy, argmax, planes, h, w, oh, ow);
     return;
   }
   const int64_t bytes = ddp__pool_arg_bytes(kernel);
