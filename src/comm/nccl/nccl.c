@@ -305,6 +305,15 @@ static ddp_status nccl_enqueue(ddp__backend *b, const ddp__op_ctx *ctx, const dd
                                ddp__completion *c) {
   nccl_backend *n = nb(b);
   if (atomic_load(&n->failed)) return failed_status(n);
+  /* A barrier has no buffer (its device is the CPU): it runs on the
+   * communicator's GPU, or, before the first op, this thread's current one
+   * (as PyTorch's NCCL barrier guesses the device). */
+  ddp__op_args barrier_args;
+  if (a->kind == DDP__OP_BARRIER && a->device.type != DDP_DEVICE_CUDA) {
+    barrier_args = *a;
+    barrier_args.device = DDP_CUDA(atomic_load(&n->ready) ? n->device : ddp__cuda_current_device());
+    a = &barrier_args;
+  }
   if (a->device.type != DDP_DEVICE_CUDA)
     return ddp_error(DDP_ERR_INVALID, "nccl: %s #%llu (rank %d of %d): buffers on the CPU; the nccl "
                      "backend takes CUDA buffers (use backend \"ddp\" for host memory)",
