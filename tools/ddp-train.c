@@ -649,6 +649,25 @@ static ddp_device choose_device(const train_args *a, const train_world *world) {
   return d;
 }
 
+/* The group's backend for --device cuda under a launcher (torch's
+ * init_process_group("nccl") with device_ids=[rank]): nccl when NCCL loads,
+ * else ddp's own, which stages GPU buffers through pinned host memory
+ * (docs/comm.md), said once. $DDP_BACKEND decides when set; NULL leaves it
+ * to the group (the CPU: ddp's own). */
+static const char *world_backend(const train_args *a) {
+  if (!a->device || strncmp(a->device, "cuda", 4) != 0 || !train_world_requested()) return NULL;
+  const char *env = getenv("DDP_BACKEND");
+  if (env && *env) return NULL;
+  char version[128];
+  if (ddp_nccl_version(version, sizeof version) == DDP_OK) return "nccl";
+  if (!getenv("RANK") || !strcmp(getenv("RANK"), "0"))
+    fprintf(stderr, "ddp-train: --device %s: NCCL is not available (%s); the gradients go over "
+                    "ddp's own backend, staged through pinned host memory (slower; set "
+                    "DDP_NCCL_LIBRARY to an NCCL library to use NCCL)\n",
+            a->device, ddp_last_error());
+  return "ddp";
+}
+
 int main(int argc, char **argv) {
   cli_init("ddp-train");
   train_args a;
@@ -672,7 +691,7 @@ int main(int argc, char **argv) {
     world = (train_world){.rank = ps.rank, .size = ps.world_size, .local_size = ps.world_size};
     snprintf(rank_tag, sizeof rank_tag, "rank %d: ", world.rank);
   } else {
-    CHECK(train_world_init(&world), "starting data-parallel training");
+    CHECK(train_world_init_on(&world, world_backend(&a)), "starting data-parallel training");
   }
   if (world.pg) snprintf(rank_tag, sizeof rank_tag, "rank %d: ", world.rank);
   /* Prints progress and the summary: rank 0, or the first trainer. */
