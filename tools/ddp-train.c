@@ -781,8 +781,12 @@ int main(int argc, char **argv) {
         "setting up training");
   if (lead && o.device.type != DDP_DEVICE_CPU) {
     char dev[DDP_DEVICE_STR_BYTES];
-    fprintf(stderr, "ddp-train: training on %s%s\n", ddp_device_str(o.device, dev, sizeof dev),
-            o.cuda_graph ? ", the step replayed as a CUDA graph" : "");
+    fprintf(stderr, "ddp-train: training on %s%s%s%s%s\n", ddp_device_str(o.device, dev, sizeof dev),
+            o.cuda_graph ? ", the step replayed as a CUDA graph" : "",
+            world.pg ? ", gradients over backend " : "",
+            world.pg ? ddp_process_group_backend(world.pg) : "",
+            world.pg && strcmp(ddp_process_group_backend(world.pg), "nccl") != 0
+                ? " (staged through pinned host memory)" : "");
   }
   ddp_train_result r;
   ddp_status s = ddp_trainer_run(trainer, &r);
