@@ -631,7 +631,8 @@ static void print_summary(const train_args *a, const ddp_train_result *r) {
 }
 
 /* --device: what was asked, or for auto the first GPU when there is one and
- * training is one process (data parallelism over GPUs needs NCCL). A GPU
+ * training is one process without checkpoints (auto keeps data-parallel and
+ * checkpointed runs on the CPU, as before they ran on GPUs; ask for cuda). A GPU
  * named without its index (cuda, or auto) is the rank's own under a
  * launcher: cuda:(LOCAL_RANK % GPUs), as torchrun's users set device_ids. */
 static ddp_device choose_device(const train_args *a, const train_world *world) {
