@@ -29,8 +29,8 @@
 #   (n4) --resume on the GPU bit-identical; the GPU checkpoint loads in
 #        PyTorch (strict=True) and in a CPU run
 #   (scripts/gpu-dp-steps.sh, each under its own timeout);
-#   (n5) speed against PyTorch's all_reduce: reported SKIP "not built yet"
-#        (ddp-bench has no --device cuda yet).
+#   (n5) ddp-bench allreduce --device cuda against PyTorch's all_reduce
+#        over NCCL, alternating rounds, >= 0.95x from 1 MiB up.
 # libnccl.so.2 is the machine's own (the loader's cache, /usr/local/cuda*,
 # the python3's nvidia/nccl/lib): found here and given as DDP_NCCL_LIBRARY.
 # Each step has its own timeout inside the whole budget (GPU_CHECK_BUDGET,
@@ -320,10 +320,10 @@ fi
   cat "$carry/manifest.txt"
 } >>"$log"
 
-# ---- (n) Issue 39: NCCL, in its priority order, until 70% of the budget
-# (the steps' timeouts: about 300 s in all; what they leave flows on).
+# ---- (n) Issue 39: NCCL, in its priority order, until 85% of the budget
+# (the steps' timeouts add up to more: the later ones get what is left).
 say "" "## (n) NCCL (issue 39)"
-phase 70
+phase 85
 nccl_tests=()
 for exe in "$bundle"/tests/test_nccl_*; do [ -x "$exe" ] && nccl_tests+=("$exe"); done
 for exe in "${nccl_tests[@]}"; do
@@ -340,7 +340,12 @@ if [ -x "$bin/ddp-train" ]; then
 else
   record "n2..n4" SKIP 0 "no ddp-train carried"
 fi
-record n5 SKIP 0 "not built yet: allreduce speed vs PyTorch over NCCL (ddp-bench --device cuda; issue 39)"
+# n5: ddp's allreduce against PyTorch's, both over NCCL, alternating rounds.
+if [ -x "$bin/ddp-bench" ]; then
+  step n5 120 "${ddp_env[@]}" bash scripts/gpu-dp-steps.sh n5 "$data" # the table in its tail
+else
+  record n5 SKIP 0 "no ddp-bench carried"
+fi
 
 # ---- (a) The CUDA tests, until 45% of the budget.
 say "" "## (a) CUDA tests"

@@ -21,8 +21,11 @@
 #       first shows the GPU run itself is reproducible); the GPU checkpoint
 #       loads with strict=True in PyTorch (tests/io/torch_interop.py, when
 #       the safetensors package is there) and in a CPU run (--init, --resume)
+#   n5  ddp-bench allreduce --device cuda (NCCL) vs PyTorch's all_reduce
+#       (scripts/torch/allreduce_bench.py), world 2, 1-64 MiB, alternating
+#       rounds: torch time / ddp time >= 0.95 at every size
 #
-# Usage: scripts/gpu-dp-steps.sh STEP DATA   (DDP_BIN_DIR: ddp-train, ddprun)
+# Usage: scripts/gpu-dp-steps.sh STEP DATA   (DDP_BIN_DIR: ddp-train, ddprun, ddp-bench)
 #   GPU_DP_DEVICE=cpu runs the same steps on the CPU (a dry run of this
 #   script's logic where there is no GPU; n2acc takes minutes there).
 # Exit: 0 pass, 1 fail, 77 skip (no GPU: "no CUDA device" on stdout).
@@ -163,6 +166,53 @@ n4)
   else
     echo "note: no torch + safetensors in $py: PyTorch's strict load not checked"
   fi
+  ;;
+n5)
+  # ddp-bench allreduce --device cuda (NCCL) against PyTorch's all_reduce,
+  # both at world 2 on the one GPU, float32 sum from 1 MiB to 64 MiB,
+  # alternating rounds (who goes first alternating too); per size the
+  # medians' ratio torch time / ddp time must be >= 0.95.
+  [ -x "$ddprun" ] && [ -x "${DDP_BIN_DIR}/ddp-bench" ] || { echo "SKIP: no ddprun or ddp-bench carried"; exit 77; }
+  "$py" -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null ||
+    { echo "SKIP: no PyTorch with CUDA in $py"; exit 77; }
+  rounds=${GPU_DP_ROUNDS:-2}
+  ddp_round() {
+    DDP_TIMEOUT=60 timeout 90 "$ddprun" --nproc-per-node 2 "$here/scripts/gpu-dp-steps.sh" rank \
+      "${DDP_BIN_DIR}/ddp-bench" allreduce --device cuda -b 1M -e 64M -n 20 -w 5 --json \
+      >"$tmp/ddp.$1" 2>"$tmp/ddp.err.$1" || { tail -n 8 "$tmp/ddp.err.$1"; fail "ddp-bench round $1"; }
+  }
+  torch_round() {
+    timeout 120 "$py" "$here/scripts/torch/allreduce_bench.py" -b 1M -e 64M -n 20 -w 5 \
+      >"$tmp/torch.$1" 2>"$tmp/torch.err.$1" || { tail -n 8 "$tmp/torch.err.$1"; fail "torch round $1"; }
+  }
+  for k in $(seq 1 "$rounds"); do
+    if [ $((k % 2)) = 1 ]; then ddp_round "$k"; torch_round "$k"; else torch_round "$k"; ddp_round "$k"; fi
+  done
+  grep -h '^# NCCL' "$tmp"/ddp.err.* | head -n 1
+  "$py" - "$tmp" "$rounds" <<'PY' || fail "ddp's allreduce below 0.95x PyTorch's at some size"
+import json, statistics, sys
+tmp, rounds = sys.argv[1], int(sys.argv[2])
+def rows(path):
+    out = {}
+    for line in open(path):
+        if line.startswith("{"):
+            r = json.loads(line)
+            if "time_us" in r:
+                out[r["size"]] = r["time_us"]
+    return out
+ddp = [rows("%s/ddp.%d" % (tmp, k)) for k in range(1, rounds + 1)]
+torch = [rows("%s/torch.%d" % (tmp, k)) for k in range(1, rounds + 1)]
+ok = True
+print("| size | ddp us (median) | torch us (median) | torch / ddp |")
+print("| --- | --- | --- | --- |")
+for size in sorted(torch[0]):
+    d = statistics.median(r[size] for r in ddp)
+    t = statistics.median(r[size] for r in torch)
+    ratio = t / d
+    ok = ok and ratio >= 0.95
+    print("| %d | %.1f | %.1f | %.3f%s |" % (size, d, t, ratio, "" if ratio >= 0.95 else " (below 0.95)"))
+sys.exit(0 if ok else 1)
+PY
   ;;
 *) echo "gpu-dp-steps: unknown step '$step'" >&2; exit 2 ;;
 esac
