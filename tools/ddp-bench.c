@@ -49,6 +49,12 @@ static const char usage[] =
     "                    Launched ranks are placed by their launcher; an explicit\n"
     "                    value binds this rank to LOCAL_RANK's share of its CPUs\n"
     "  --report-bindings print each rank's CPUs on stderr as it starts\n"
+    "  --device D        cpu (default) or cuda: the buffers on the rank's GPU\n"
+    "                    (cuda:(LOCAL_RANK %% GPUs)), launched ranks only (ddprun);\n"
+    "                    the group on backend nccl when NCCL loads (its version\n"
+    "                    printed), else ddp's own staged through pinned memory;\n"
+    "                    --backend or DDP_BACKEND decides when set. The check copies through\n"
+    "                    the host; memeff is not measured\n"
     "\n"
     "Sizes and operation (nccl-tests' flags):\n"
     "  -b, --minbytes B  smallest size (default 8); suffixes K, M, G (x1024)\n"
@@ -129,6 +135,7 @@ typedef struct bench_opts {
   const char *transport; /* NULL: auto */
   const char *backend;   /* options.backend; NULL: auto (DDP_BACKEND, else ddp) */
   double timeout_s;
+  int cuda;              /* --device cuda: buffers on the rank's GPU (launched ranks) */
 } bench_opts;
 
 static bench_opts g_opts;
@@ -168,6 +175,28 @@ static int elem_ok(const void *buf, ddp_dtype dt, size_t i, double want, int ste
 typedef struct rank_bufs {
   void *send, *recv, *copy; /* each max_bytes (+ slack), 64-byte aligned */
 } rank_bufs;
+
+/* --device cuda: the operations' buffers on the GPU; fill and check work on
+ * the host buffers and copy through (outside the timed iterations). */
+typedef struct device_bufs {
+  ddp_device device;
+  ddp_tensor *send, *recv;
+  rank_bufs on; /* send, recv: the device memory; copy unused */
+} device_bufs;
+
+/* Host -> device (to_device) or back, both buffers, waiting for the copies. */
+static ddp_status device_sync_bufs(const device_bufs *d, const rank_bufs *host, size_t bytes,
+                                   bool to_device) {
+  ddp_device cpu = DDP_CPU;
+  if (to_device) {
+    DDP_TRY(ddp_device_copy_async(d->device, d->on.send, cpu, host->send, bytes));
+    DDP_TRY(ddp_device_copy_async(d->device, d->on.recv, cpu, host->recv, bytes));
+  } else {
+    DDP_TRY(ddp_device_copy_async(cpu, host->send, d->device, d->on.send, bytes));
+    DDP_TRY(ddp_device_copy_async(cpu, host->recv, d->device, d->on.recv, bytes));
+  }
+  return ddp_device_synchronize(d->device);
+}
 
 /* Element counts and the reported size for a row of `bytes` bytes. */
 static void row_shape(const bench_opts *o, int P, size_t bytes, size_t *count, size_t *size) {
@@ -408,6 +437,18 @@ static int bench_rank(const bench_opts *o, ddp_process_group *pg) {
   size_t slack = 64;
   rank_bufs b = {ddp_alloc(o->max_bytes + slack), ddp_alloc(o->max_bytes + slack),
                  ddp_alloc(o->max_bytes + slack)};
+  device_bufs dev = {.device = DDP_CPU};
+  const rank_bufs *ops_bufs = &b; /* what the operations read and write */
+  /* The slowest rank's time and the wrong counts are host values: over the
+   * group's host group where it is nccl (collective: every rank here). */
+  ddp_process_group *hpg = pg;
+  if (!ddp_process_group_takes_host(pg) && ddp_process_group_host_group(pg, &hpg) != DDP_OK) {
+    fprintf(stderr, "ddp-bench: rank %d: %s\n", r, ddp_last_error());
+    ddp_free(b.send);
+    ddp_free(b.recv);
+    ddp_free(b.copy);
+    return BENCH_FAILED;
+  }
   size_t bytes = o->min_bytes, count = 0, size = 0;
   const char *stage = "allocating buffers";
   ddp_status st = DDP_OK;
@@ -417,28 +458,51 @@ static int bench_rank(const bench_opts *o, ddp_process_group *pg) {
     goto done;
   }
   memset(b.copy, 0, o->max_bytes);
+  if (o->cuda) {
+    int64_t local_rank = 0, local_world = 1;
+    ddp_env_int("LOCAL_RANK", 0, &local_rank);
+    ddp_env_int("LOCAL_WORLD_SIZE", 1, &local_world);
+    int64_t floats = (int64_t)((o->max_bytes + slack) / sizeof(float) + 1);
+    stage = "allocating device buffers";
+    st = ddp_default_cuda_device((int)local_rank, (int)local_world, &dev.device);
+    if (st == DDP_OK) st = ddp_tensor_create_on(&dev.send, DDP_FLOAT32, 1, &floats, dev.device);
+    if (st == DDP_OK) st = ddp_tensor_create_on(&dev.recv, DDP_FLOAT32, 1, &floats, dev.device);
+    if (st != DDP_OK) {
+      fprintf(stderr, "ddp-bench: rank %d: %s: %s\n", r, stage, ddp_last_error());
+      failed = BENCH_FAILED;
+      goto done;
+    }
+    dev.on = (rank_bufs){dev.send->data, dev.recv->data, NULL};
+    ops_bufs = &dev.on;
+    shared = 0; /* memeff compares with host memcpy: not for device buffers */
+  }
   if (r == 0) print_header(o, P, transport, shared);
   double busbw_sum = 0;
   int rows = 0;
   for (;;) {
     row_shape(o, P, bytes, &count, &size);
     fill(o, &b, r, P, count);
+    stage = "copying to the device";
+    if (o->cuda) st = device_sync_bufs(&dev, &b, o->max_bytes, true);
     stage = "warm-up";
-    for (int k = 0; k < o->warmup && st == DDP_OK; k++) st = run_op(o, pg, &b, count);
+    for (int k = 0; k < o->warmup && st == DDP_OK; k++) st = run_op(o, pg, ops_bufs, count);
     stage = "timed iterations";
     if (st == DDP_OK) st = ddp_barrier(pg);
     double t0 = ddp_time_s();
-    for (int k = 0; k < o->iters && st == DDP_OK; k++) st = run_op(o, pg, &b, count);
+    for (int k = 0; k < o->iters && st == DDP_OK; k++) st = run_op(o, pg, ops_bufs, count);
+    /* Blocking calls: on a GPU each has completed (host wait) on return. */
     double t = (ddp_time_s() - t0) / o->iters;
     /* The collective's time is its slowest rank's. */
-    if (st == DDP_OK) st = ddp_allreduce(pg, &t, 1, DDP_FLOAT64, DDP_REDUCE_MAX);
+    if (st == DDP_OK) st = ddp_allreduce(hpg, &t, 1, DDP_FLOAT64, DDP_REDUCE_MAX);
     int64_t wrong = 0;
     if (o->check && st == DDP_OK) {
       stage = "checked run";
       fill(o, &b, r, P, count);
-      st = run_op(o, pg, &b, count);
+      if (o->cuda) st = device_sync_bufs(&dev, &b, o->max_bytes, true);
+      if (st == DDP_OK) st = run_op(o, pg, ops_bufs, count);
+      if (st == DDP_OK && o->cuda) st = device_sync_bufs(&dev, &b, o->max_bytes, false);
       wrong = st == DDP_OK ? count_wrong(o, &b, r, P, count) : 0;
-      if (st == DDP_OK) st = ddp_allreduce(pg, &wrong, 1, DDP_INT64, DDP_REDUCE_SUM);
+      if (st == DDP_OK) st = ddp_allreduce(hpg, &wrong, 1, DDP_INT64, DDP_REDUCE_SUM);
     }
     double copy_s = 0, memeff = -1;
     if (shared && st == DDP_OK) {
@@ -466,6 +530,8 @@ static int bench_rank(const bench_opts *o, ddp_process_group *pg) {
     printf("# Avg bus bandwidth    : %.4f GB/s over %d rows%s\n", busbw_sum / rows, rows,
            failed ? "; WRONG RESULTS" : "");
 done:
+  ddp_tensor_destroy(dev.send);
+  ddp_tensor_destroy(dev.recv);
   ddp_free(b.send);
   ddp_free(b.recv);
   ddp_free(b.copy);
@@ -691,6 +757,19 @@ static int run_launched(void) {
     bind_rank((int)local_rank);
     report_binding((int)local_rank, (long)getpid());
   }
+  if (g_opts.cuda && !po.backend && !(getenv("DDP_BACKEND") && *getenv("DDP_BACKEND"))) {
+    /* As torch's nccl-tests runs: NCCL when it loads, its version said. */
+    char version[128];
+    int64_t rank = 0;
+    ddp_env_int("RANK", 0, &rank);
+    if (ddp_nccl_version(version, sizeof version) == DDP_OK) {
+      po.backend = "nccl";
+      if (rank == 0) fprintf(g_opts.json ? stderr : stdout, "# NCCL %s\n", version);
+    } else if (rank == 0) {
+      fprintf(stderr, "ddp-bench: --device cuda: NCCL is not available (%s); ddp's own backend "
+                      "stages the GPU buffers through pinned host memory\n", ddp_last_error());
+    }
+  }
   if (ddp_init_process_group("env://", NULL, &po, &pg) != DDP_OK) {
     fprintf(stderr, "ddp-bench: %s\n", ddp_last_error());
     return 1;
@@ -794,6 +873,9 @@ static void parse_args(int argc, char **argv, bench_opts *o) {
       ddp_launch_bind mode;
       if (ddp__bind_parse(a, v, &mode) != DDP_OK) cli_die_usage("%s", ddp_last_error());
       o->bind = (int)mode;
+    } else if (!strcmp(a, "--device")) {
+      if (!strcmp(v, "cuda")) o->cuda = 1;
+      else if (strcmp(v, "cpu") != 0) cli_die_usage("unknown device \"%s\" (cpu or cuda)", v);
     } else if (!strcmp(a, "--timeout")) {
       char *end;
       errno = 0;
@@ -809,6 +891,9 @@ static void parse_args(int argc, char **argv, bench_opts *o) {
   if (o->backend && !strcmp(o->backend, "mpi") && (o->nproc || o->threads))
     cli_die_usage("%s", "--backend mpi takes its ranks from MPI: start them with mpirun -np N (or srun "
                   "--mpi=pmix), not --nproc / --threads");
+  if (o->cuda && (o->nproc || o->threads))
+    cli_die_usage("%s", "--device cuda runs as launched ranks (ddprun --nproc-per-node N ddp-bench ...): "
+                        "a CUDA context does not survive --nproc's fork, and --threads ranks would share one GPU");
   if (o->step_bytes && have_factor) cli_die_usage("%s", "-i and -f exclude each other");
   if (o->min_bytes > o->max_bytes) cli_die_usage("%s", "-b is larger than -e");
   if (o->redop == DDP_REDUCE_AVG && (o->dtype == DDP_INT32 || o->dtype == DDP_INT64))

@@ -670,7 +670,8 @@ static void print_summary(const train_args *a, const ddp_train_result *r) {
 }
 
 /* --device: what was asked, or for auto the first GPU when there is one and
- * training is one process (data parallelism over GPUs needs NCCL). A GPU
+ * training is one process without checkpoints (auto keeps data-parallel and
+ * checkpointed runs on the CPU, as before they ran on GPUs; ask for cuda). A GPU
  * named without its index (cuda, or auto) is the rank's own under a
  * launcher: cuda:(LOCAL_RANK % GPUs), as torchrun's users set device_ids. */
 static ddp_device choose_device(const train_args *a, const train_world *world) {
@@ -686,6 +687,25 @@ static ddp_device choose_device(const train_args *a, const train_world *world) {
       ddp_env_int("LOCAL_WORLD_SIZE", 1, &local_world) == DDP_OK && ddp_cuda_device_count() > 0)
     CHECK(ddp_default_cuda_device((int)local_rank, (int)local_world, &d), "choosing the rank's GPU");
   return d;
+}
+
+/* The group's backend for --device cuda under a launcher (torch's
+ * init_process_group("nccl") with device_ids=[rank]): nccl when NCCL loads,
+ * else ddp's own, which stages GPU buffers through pinned host memory
+ * (docs/comm.md), said once. $DDP_BACKEND decides when set; NULL leaves it
+ * to the group (the CPU: ddp's own). */
+static const char *world_backend(const train_args *a) {
+  if (!a->device || strncmp(a->device, "cuda", 4) != 0 || !train_world_requested()) return NULL;
+  const char *env = getenv("DDP_BACKEND");
+  if (env && *env) return NULL;
+  char version[128];
+  if (ddp_nccl_version(version, sizeof version) == DDP_OK) return "nccl";
+  if (!getenv("RANK") || !strcmp(getenv("RANK"), "0"))
+    fprintf(stderr, "ddp-train: --device %s: NCCL is not available (%s); the gradients go over "
+                    "ddp's own backend, staged through pinned host memory (slower; set "
+                    "DDP_NCCL_LIBRARY to an NCCL library to use NCCL)\n",
+            a->device, ddp_last_error());
+  return "ddp";
 }
 
 int main(int argc, char **argv) {
@@ -711,7 +731,7 @@ int main(int argc, char **argv) {
     world = (train_world){.rank = ps.rank, .size = ps.world_size, .local_size = ps.world_size};
     snprintf(rank_tag, sizeof rank_tag, "rank %d: ", world.rank);
   } else {
-    CHECK(train_world_init(&world), "starting data-parallel training");
+    CHECK(train_world_init_on(&world, world_backend(&a)), "starting data-parallel training");
   }
   if (world.pg) snprintf(rank_tag, sizeof rank_tag, "rank %d: ", world.rank);
   /* Prints progress and the summary: rank 0, or the first trainer. */
@@ -818,8 +838,12 @@ int main(int argc, char **argv) {
         "setting up training");
   if (lead && o.device.type != DDP_DEVICE_CPU) {
     char dev[DDP_DEVICE_STR_BYTES];
-    fprintf(stderr, "ddp-train: training on %s%s\n", ddp_device_str(o.device, dev, sizeof dev),
-            o.cuda_graph ? ", the step replayed as a CUDA graph" : "");
+    fprintf(stderr, "ddp-train: training on %s%s%s%s%s\n", ddp_device_str(o.device, dev, sizeof dev),
+            o.cuda_graph ? ", the step replayed as a CUDA graph" : "",
+            world.pg ? ", gradients over backend " : "",
+            world.pg ? ddp_process_group_backend(world.pg) : "",
+            world.pg && strcmp(ddp_process_group_backend(world.pg), "nccl") != 0
+                ? " (staged through pinned host memory)" : "");
   }
   ddp_train_result r;
   ddp_status s = ddp_trainer_run(trainer, &r);

@@ -144,6 +144,19 @@ const char *ddp_process_group_transport(const ddp_process_group *pg, int peer);
 /* The group's backend by the names of options.backend: "ddp", "mpi" or
  * "nccl" (torch.distributed.get_backend). */
 const char *ddp_process_group_backend(const ddp_process_group *pg);
+/* Whether the group's backend takes host (CPU) buffers: true for ddp's own
+ * and MPI, false for nccl, which takes CUDA buffers only (docs/comm.md,
+ * "Buffers on devices"). False when pg is NULL. */
+bool ddp_process_group_takes_host(const ddp_process_group *pg);
+/* The group for host buffers beside pg, for a layer that mixes GPU data
+ * with small host-side collectives (counters, flags, shape checks): pg
+ * itself when it takes host buffers; else a group of the same ranks on
+ * ddp's own backend (shared memory or TCP), made at the first call, as a
+ * PyTorch program makes a gloo group beside its NCCL one. Making it is
+ * collective over pg (every rank's first call at the same point of its
+ * program, from the thread that runs pg's collectives); later calls only
+ * return it. Borrowed: pg owns it and destroys it with itself. */
+ddp_status ddp_process_group_host_group(ddp_process_group *pg, ddp_process_group **out);
 /* The NCCL this process would use for backend "nccl" (loaded at the first
  * call; docs/comm.md, "The NCCL backend"): "2.28.9 (libnccl.so.2)" into
  * buf. DDP_ERR_UNSUPPORTED, saying why, when this build has no NCCL

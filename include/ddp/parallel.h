@@ -233,7 +233,9 @@ ddp_batch_norm_sync ddp_batch_norm_sync_for_group(ddp_process_group *group);
  * above); NULL turns them back into BatchNorm2d. Parameter and buffer names
  * and the state dict are unchanged (docs/nn.md). Call it on every rank of
  * the group, before or after ddp_dp_create: the forward and backward of a
- * synced model are collectives over it. */
+ * synced model are collectives over it. The statistics are host doubles
+ * (2C + 1 a layer), so over an nccl group they travel on its host group
+ * (ddp_process_group_host_group, made here). */
 ddp_status ddp_model_convert_sync_batchnorm(ddp_model *model, ddp_process_group *group);
 
 /* ---- DataParallel: one process, many replicas ------------------------------

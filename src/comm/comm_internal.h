@@ -52,6 +52,11 @@ struct ddp_process_group {
   int size;
   ddp_store *store;        /* this group's namespace (a prefix store); owned */
   ddp__backend *backend;
+  /* The backend for host buffers: `backend` itself, or, where staged.c
+   * wraps ddp's own backend for CUDA buffers, the wrapped one, so an op on
+   * host memory keeps the inline path (no wrapper, no indirect call) on a
+   * machine with a GPU as on one without. Borrowed from `backend`. */
+  ddp__backend *host_backend;
   int32_t *host_of;        /* (size) */
   int32_t *process_of;     /* (size) */
   char **host_names;       /* (size) strings in one block with the pointers */
@@ -119,6 +124,9 @@ struct ddp_process_group {
   ddp__p2p_req **p2p_active; /* driver only: pointers handed to the backend */
   int p2p_active_cap;
   uint64_t subgroups;      /* subgroups created from this group (ids) */
+  /* ddp_process_group_host_group's companion on ddp's own backend (NULL
+   * until asked for, and for groups whose backend takes host memory); owned. */
+  struct ddp_process_group *host_group;
   uint64_t monitored_barriers;
   /* A blocking call run inline (one at a time: DDP__INLINE_BIT) keeps its
    * op's context and completion here; last, so that the fields every call
@@ -205,7 +213,8 @@ static inline bool ddp__caps_allow(const ddp__backend_caps *c, ddp__op_kind kind
                                    ddp_reduce_op rop, ddp_device device) {
   return (c->ops >> kind & 1u) && (kind == DDP__OP_BARRIER || (c->dtypes >> dtype & 1u)) &&
          (!ddp__op_reduces(kind) || (c->reduce_ops >> rop & 1u)) &&
-         (unsigned)device.type < DDP_DEVICE_TYPE_COUNT && (c->devices >> device.type & 1u);
+         (kind == DDP__OP_BARRIER || /* no buffer: any backend meets the ranks */
+          ((unsigned)device.type < DDP_DEVICE_TYPE_COUNT && (c->devices >> device.type & 1u)));
 }
 /* Resets what a completion must start with (not done, DDP_OK, no message);
  * the backend's state is its enqueue's to set. */

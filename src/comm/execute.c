@@ -103,7 +103,8 @@ ddp_status ddp__caps_check(const ddp_process_group *pg, const char *call, ddp__o
   if (ddp__op_reduces(kind) && !(caps->reduce_ops & (1u << rop)))
     return ddp_error(DDP_ERR_UNSUPPORTED, "%s: the %s backend of this group (rank %d of %d) cannot reduce with %s",
                      call, ops->name, pg->rank, pg->size, ddp_reduce_op_name(rop));
-  if ((unsigned)device.type >= DDP_DEVICE_TYPE_COUNT || !(caps->devices & (1u << device.type))) {
+  if (kind != DDP__OP_BARRIER &&
+      ((unsigned)device.type >= DDP_DEVICE_TYPE_COUNT || !(caps->devices & (1u << device.type)))) {
     char dev[DDP_DEVICE_STR_BYTES];
     return ddp_error(DDP_ERR_UNSUPPORTED,
                      "%s: the %s backend of this group (rank %d of %d) cannot reach buffers on %s; "
@@ -214,7 +215,8 @@ static inline __attribute__((always_inline)) ddp_status op_start(ddp_process_gro
     st = ddp__debug_check(pg, args, ctx);
   if (st == DDP_OK) {
     ddp__completion_reset(c);
-    ddp__backend *b = pg->backend;
+    /* Host buffers skip staged.c's wrapper (pg->host_backend). */
+    ddp__backend *b = args->device.type == DDP_DEVICE_CPU ? pg->host_backend : pg->backend;
     /* ddp's own backends: the adapter's body inlined here, so the group
      * layer adds no call to theirs (an 8-byte allreduce costs ~0.12 us in
      * all at 2 ranks, ~0.03 us of it the group layer's). */
@@ -231,7 +233,7 @@ static inline __attribute__((always_inline)) ddp_status op_finish(ddp_process_gr
                                                                   const ddp__op_ctx *ctx,
                                                                   ddp__completion *c) {
   if (completion_done(c) && c->status == DDP_OK) return op_end(pg, args, DDP_OK); /* the common case */
-  ddp__backend *b = pg->backend;
+  ddp__backend *b = args->device.type == DDP_DEVICE_CPU ? pg->host_backend : pg->backend;
   ddp_status st = ddp__backend_complete(b, ctx, c);
   if (st != DDP_OK && !completion_done(c)) {
     /* The deadline passed or the group was aborted with the op still in

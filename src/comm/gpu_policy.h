@@ -19,6 +19,7 @@ typedef struct ddp__gpu_place {
   int device;            /* the CUDA ordinal in its own process */
   char uuid[48];         /* the GPU's UUID ("GPU-..."), the same whatever CUDA_VISIBLE_DEVICES */
   char nccl_hostid[64];  /* $NCCL_HOSTID, "" when unset */
+  int32_t pid;           /* its process, for the watchdog's check of peers on this host */
 } ddp__gpu_place;
 
 /* DDP_OK unless two ranks of one host use one GPU with the same NCCL host

@@ -407,21 +407,23 @@ static ddp_status group_build(ddp_store *ns, const char *name, int rank, int siz
     ddp__backend_create_fn create = NULL;
     st = choose_backend(set, &cfg, &create);
     if (st == DDP_OK) st = create(&cfg, &pg->backend);
+    if (st == DDP_OK) pg->host_backend = pg->backend;
     /* ddp's own backend takes CUDA buffers too, staged through pinned host
      * memory, where this process has a GPU (staged.h). */
     if (st == DDP_OK && set->backend == DDP__BACKEND_DDP && ddp__staged_wanted()) {
       st = ddp__backend_staged_wrap(&pg->backend, rank, size);
       if (st != DDP_OK) pg->backend->ops->destroy(pg->backend);
+      else pg->host_backend = ddp__staged_inner(pg->backend);
     }
     if (st != DDP_OK) {
-      pg->backend = NULL;
+      pg->backend = pg->host_backend = NULL;
       st = ddp_error_wrap(st, "process group (rank %d of %d)", rank, size);
     } else {
       st = ddp__flight_open(ddp__flight_capacity_from_env(), pg->name, rank, size, pg->backend->ops->name,
                             &pg->flight);
       if (st != DDP_OK) {
         pg->backend->ops->destroy(pg->backend);
-        pg->backend = NULL;
+        pg->backend = pg->host_backend = NULL;
       }
     }
   } else if (known) {
@@ -567,8 +569,18 @@ static uint64_t next_subgroup(ddp_process_group *parent) {
 
 /* Builds the subgroup of parent ranks `members` (n) in the namespace
  * "sub/<k><suffix>" of the parent's, with this rank at index `index`. */
+static ddp_status subgroup_build_on(ddp_process_group *parent, uint64_t k, const char *suffix, int n,
+                                    const int *members, int index, ddp__backend_kind backend,
+                                    ddp_process_group **out);
 static ddp_status subgroup_build(ddp_process_group *parent, uint64_t k, const char *suffix, int n,
                                  const int *members, int index, ddp_process_group **out) {
+  return subgroup_build_on(parent, k, suffix, n, members, index, parent->backend_kind, out);
+}
+
+/* As subgroup_build, on `backend` rather than the parent's. */
+static ddp_status subgroup_build_on(ddp_process_group *parent, uint64_t k, const char *suffix, int n,
+                                    const int *members, int index, ddp__backend_kind backend,
+                                    ddp_process_group **out) {
   char prefix[96];
   snprintf(prefix, sizeof prefix, "sub/%" PRIu64 "/%s", k, suffix);
   identity id;
@@ -580,6 +592,7 @@ static ddp_status subgroup_build(ddp_process_group *parent, uint64_t k, const ch
     return st;
   }
   group_settings set = settings_of(parent);
+  set.backend = backend;
   char name[sizeof parent->name + sizeof prefix];
   snprintf(name, sizeof name, "%s%s", parent->name, prefix);
   return group_build(ns, name, index, n, &set, &id, out);
@@ -611,6 +624,40 @@ ddp_status ddp_process_group_new(ddp_process_group *parent, int n, const int *ra
   uint64_t k = next_subgroup(parent);
   if (index < 0) return DDP_OK;
   return subgroup_build(parent, k, "", n, ranks, index, out);
+}
+
+/* Host buffers beside a group whose backend refuses them (nccl), as a
+ * PyTorch program makes a gloo group beside its NCCL one: the same ranks on
+ * ddp's own backend, made once (a subgroup "sub/<k>/host", so collective
+ * the first time) and kept with the group. */
+ddp_status ddp_process_group_host_group(ddp_process_group *pg, ddp_process_group **out) {
+  if (!out) return ddp_error(DDP_ERR_INVALID, "process_group_host_group: out is NULL");
+  *out = NULL;
+  if (!pg) return ddp_error(DDP_ERR_INVALID, "process_group_host_group: pg is NULL");
+  if (pg->backend->ops->caps.devices & DDP__CAPS_CPU) {
+    *out = pg;
+    return DDP_OK;
+  }
+  if (!pg->host_group) {
+    DDP_TRY(ddp__group_check(pg));
+    int *members = ddp_calloc((size_t)pg->size, sizeof *members);
+    if (!members) return ddp_error(DDP_ERR_NOMEM, "process_group_host_group: out of memory");
+    for (int r = 0; r < pg->size; r++) members[r] = r;
+    uint64_t k = next_subgroup(pg);
+    ddp_status st = subgroup_build_on(pg, k, "host", pg->size, members, pg->rank,
+                                      DDP__BACKEND_DDP, &pg->host_group);
+    ddp_free(members);
+    if (st != DDP_OK)
+      return ddp_error_wrap(st, "process_group_host_group (rank %d of %d, backend %s): a group on "
+                            "ddp's own backend for host buffers", pg->rank, pg->size,
+                            ddp__backend_kind_name(pg->backend_kind));
+  }
+  *out = pg->host_group;
+  return DDP_OK;
+}
+
+bool ddp_process_group_takes_host(const ddp_process_group *pg) {
+  return pg && pg->backend && (pg->backend->ops->caps.devices & DDP__CAPS_CPU);
 }
 
 typedef struct split_entry {
@@ -733,6 +780,7 @@ ddp_status ddp_process_group_counters(const ddp_process_group *pg, ddp_comm_coun
 
 void ddp_process_group_destroy(ddp_process_group *pg) {
   if (!pg) return;
+  ddp_process_group_destroy(pg->host_group);
   ddp__p2p_lane_destroy(pg);
   ddp__queue_destroy(pg);
   if (pg->backend && pg->backend->ops->counters && ddp_log_get_level() <= DDP_LOG_INFO) {

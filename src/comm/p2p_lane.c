@@ -224,7 +224,9 @@ static void lane_step(ddp_process_group *pg, int64_t max_wait_ns, bool blocked) 
         .caller_blocked = blocked,
     };
     int culprit = -1;
-    ddp_status st = pg->backend->ops->p2p_progress(pg->backend, &ctx, pg->p2p_active, k, wait, &culprit);
+    /* The lane carries host memory only: straight to the unwrapped backend. */
+    ddp__backend *hb = pg->host_backend;
+    ddp_status st = hb->ops->p2p_progress(hb, &ctx, pg->p2p_active, k, wait, &culprit);
     if (st != DDP_OK) {
       char why[600], d[160] = "", msg[1024];
       snprintf(why, sizeof why, "%s", ddp_last_error());

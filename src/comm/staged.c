@@ -156,7 +156,10 @@ static ddp_status staged_run(staged_backend *s, const ddp__op_ctx *ctx, const dd
 static ddp_status staged_enqueue(ddp__backend *b, const ddp__op_ctx *ctx, const ddp__op_args *a,
                                  ddp__completion *c) {
   staged_backend *s = sb(b);
-  if (a->device.type == DDP_DEVICE_CPU) return s->inner->ops->enqueue(s->inner, ctx, a, c);
+  if (a->device.type == DDP_DEVICE_CPU) { /* not from the group layer (host_backend) */
+    atomic_fetch_add_explicit(&ddp__staged_host_passes, 1, memory_order_relaxed);
+    return s->inner->ops->enqueue(s->inner, ctx, a, c);
+  }
   return staged_run(s, ctx, a, c);
 }
 static ddp_status staged_p2p_progress(ddp__backend *b, const ddp__op_ctx *ctx,
@@ -188,6 +191,12 @@ static void staged_destroy(ddp__backend *b) {
   cp->host_free(s->host_send);
   cp->host_free(s->host_buf);
   ddp_free(s);
+}
+
+_Atomic long ddp__staged_host_passes;
+
+ddp__backend *ddp__staged_inner(ddp__backend *b) {
+  return b->ops->enqueue == staged_enqueue ? sb(b)->inner : b;
 }
 
 ddp_status ddp__backend_staged_wrap(ddp__backend **b, int rank, int size) {

@@ -51,5 +51,12 @@ bool ddp__staged_wanted(void);
  * the wrapper, which owns and destroys the original; on failure *b is
  * untouched. */
 ddp_status ddp__backend_staged_wrap(ddp__backend **b, int rank, int size);
+/* The backend a wrapper wraps (b itself when b is not one): the group
+ * layer runs ops on host buffers on it directly (comm_internal.h,
+ * host_backend). */
+ddp__backend *ddp__staged_inner(ddp__backend *b);
+/* Tests: ops on host buffers that reached the wrapper (the group layer
+ * should send none there). */
+extern _Atomic long ddp__staged_host_passes;
 
 #endif /* DDP__COMM_STAGED_H */

@@ -476,9 +476,10 @@ ddp_status ddp_checkpoint_load(const char *path, ddp_model *model, ddp_optimizer
   if (s == DDP_OK) s = check_metadata(model_st, train_st, model, expect, expect_count);
   if (s == DDP_OK) s = ddp__model_state_check(model, model_st);
   if (s == DDP_OK) s = check_train_state(train_st, model, opt, sched, &p);
-  /* Everything is checked and staged: from here nothing fails. */
+  /* Everything is checked and staged: from here nothing fails but a GPU's
+   * copy (the model's state to its device), before anything else changes. */
+  if (s == DDP_OK) s = ddp__model_state_apply(model, model_st);
   if (s == DDP_OK) {
-    ddp__model_state_apply(model, model_st);
     *ddp_model_dropout_rng(model) = p.rng;
     if (opt) {
       ddp_status ls = ddp_optimizer_set_lr(opt, p.lr);

@@ -5,6 +5,7 @@
 
 #include "io/io_internal.h"
 #include "io/model_state.h"
+#include "nn/module.h" /* ddp__model_state_entry_any: a model on a GPU */
 
 /* "[16, 1, 5, 5]" */
 static void shape_str(int ndim, const int64_t *shape, char *buf, size_t n) {
@@ -17,20 +18,45 @@ static void shape_str(int ndim, const int64_t *shape, char *buf, size_t n) {
 ddp_status ddp__model_state_entries(const ddp_model *model, ddp_safetensors_entry **out,
                                     int *count) {
   int n = ddp_model_state_count(model);
-  ddp_safetensors_entry *e = ddp_calloc(n ? (size_t)n : 1, sizeof *e);
-  if (!e) return ddp_error(DDP_ERR_NOMEM, "checkpoint: cannot allocate %d entries", n);
+  /* A model on a GPU: its parameters and buffers are copied to host memory
+   * after the entries, in the same allocation (the same file as from the
+   * CPU; docs/cuda.md, "Memory"). */
+  size_t head = ((n ? (size_t)n : 1) * sizeof(ddp_safetensors_entry) + 63) & ~(size_t)63;
+  size_t host_bytes = 0;
   for (int i = 0; i < n; i++) {
     ddp_state_entry s;
-    ddp_status st = ddp_model_state_entry(model, i, &s);
-    if (st != DDP_OK) {
-      ddp_free(e);
-      return st;
-    }
+    bool dev;
+    DDP_TRY(ddp__model_state_entry_any(model, i, &s, &dev));
+    if (dev) host_bytes += ((size_t)s.numel * ddp_dtype_size(s.dtype) + 63) & ~(size_t)63;
+  }
+  ddp_safetensors_entry *e = ddp_calloc(1, head + host_bytes);
+  if (!e) return ddp_error(DDP_ERR_NOMEM, "checkpoint: cannot allocate %d entries", n);
+  char *host = (char *)e + head;
+  ddp_status st = DDP_OK;
+  for (int i = 0; i < n && st == DDP_OK; i++) {
+    ddp_state_entry s;
+    bool dev;
+    st = ddp__model_state_entry_any(model, i, &s, &dev);
+    if (st != DDP_OK) break;
     e[i].name = s.name;
     e[i].dtype = s.dtype;
     e[i].ndim = s.ndim;
     memcpy(e[i].shape, s.shape, sizeof e[i].shape);
     e[i].data = s.data;
+    if (dev) {
+      size_t bytes = (size_t)s.numel * ddp_dtype_size(s.dtype);
+      st = ddp_device_copy_async(DDP_CPU, host, ddp_model_device(model), s.data, bytes);
+      e[i].data = host;
+      host += (bytes + 63) & ~(size_t)63;
+    }
+  }
+  /* The copies to the host are complete once the device has done them. */
+  if (st == DDP_OK && host_bytes) st = ddp_device_synchronize(ddp_model_device(model));
+  if (st != DDP_OK) {
+    ddp_free(e);
+    char dev[DDP_DEVICE_STR_BYTES];
+    return ddp_error_wrap(st, "checkpoint: copying model %s's state from %s", ddp_model_name(model),
+                          ddp_device_str(ddp_model_device(model), dev, sizeof dev));
   }
   *out = e;
   *count = n;
@@ -88,7 +114,8 @@ ddp_status ddp__model_state_check(const ddp_model *model, const ddp_safetensors 
     int found = -1;
     for (int i = 0; i < n && found < 0; i++) {
       ddp_state_entry e;
-      ddp_model_state_entry(model, i, &e);
+      bool dev;
+      ddp__model_state_entry_any(model, i, &e, &dev);
       if (!strcmp(e.name, name)) found = i;
     }
     if (found < 0) {
@@ -105,7 +132,8 @@ ddp_status ddp__model_state_check(const ddp_model *model, const ddp_safetensors 
   for (int i = 0; i < n && s == DDP_OK; i++)
     if (source[i] < 0) {
       ddp_state_entry e;
-      ddp_model_state_entry(model, i, &e);
+      bool dev;
+      ddp__model_state_entry_any(model, i, &e, &dev);
       list_add(missing, sizeof missing, &n_missing, e.name);
     }
   if (s == DDP_OK && (n_missing || n_unexpected)) {
@@ -120,7 +148,8 @@ ddp_status ddp__model_state_check(const ddp_model *model, const ddp_safetensors 
   for (int i = 0; i < n && s == DDP_OK; i++) {
     ddp_state_entry e;
     ddp_safetensors_tensor t;
-    ddp_model_state_entry(model, i, &e);
+    bool dev;
+    ddp__model_state_entry_any(model, i, &e, &dev);
     ddp_safetensors_get(st, (size_t)source[i], &t);
     bool same = t.ndim == e.ndim && t.dtype == e.dtype;
     for (int d = 0; same && d < e.ndim; d++) same = t.shape[d] == e.shape[d];
@@ -138,23 +167,51 @@ ddp_status ddp__model_state_check(const ddp_model *model, const ddp_safetensors 
   return s;
 }
 
-void ddp__model_state_apply(ddp_model *model, const ddp_safetensors *st) {
+ddp_status ddp__model_state_apply(ddp_model *model, const ddp_safetensors *st) {
   size_t count = ddp_safetensors_count(st);
-  for (size_t k = 0; k < count; k++) {
+  bool any_device = false;
+  ddp_status s = DDP_OK;
+  for (size_t k = 0; k < count && s == DDP_OK; k++) {
     ddp_safetensors_tensor t;
-    ddp_state_entry e;
     ddp_safetensors_get(st, k, &t);
     /* Checked by ddp__model_state_check: every name resolves. */
-    ddp_status s = ddp_model_state_find(model, strip_module(t.name), &e);
-    DDP_ASSERT(s == DDP_OK && t.bytes == (size_t)e.numel * ddp_dtype_size(e.dtype));
-    if (t.bytes) memcpy(e.data, t.data, t.bytes);
+    int index = -1;
+    for (int i = 0; i < ddp_model_state_count(model) && index < 0; i++) {
+      ddp_state_entry e;
+      bool dev;
+      ddp__model_state_entry_any(model, i, &e, &dev);
+      if (!strcmp(e.name, strip_module(t.name))) index = i;
+    }
+    DDP_ASSERT(index >= 0);
+    ddp_state_entry e;
+    bool dev;
+    ddp__model_state_entry_any(model, index, &e, &dev);
+    DDP_ASSERT(t.bytes == (size_t)e.numel * ddp_dtype_size(e.dtype));
+    if (!t.bytes) continue;
+    if (dev) {
+      /* From the file's pages to the GPU, queued on its stream. */
+      s = ddp_device_copy_async(ddp_model_device(model), e.data, DDP_CPU, t.data, t.bytes);
+      any_device = true;
+    } else {
+      memcpy(e.data, t.data, t.bytes);
+    }
   }
+  /* The file's pages must outlive the copies: wait for them here. */
+  if (any_device) {
+    ddp_status w = ddp_device_synchronize(ddp_model_device(model));
+    if (s == DDP_OK) s = w;
+  }
+  if (s != DDP_OK) {
+    char d[DDP_DEVICE_STR_BYTES];
+    return ddp_error_wrap(s, "checkpoint: copying %s into model %s on %s", ddp_safetensors_path(st),
+                          ddp_model_name(model), ddp_device_str(ddp_model_device(model), d, sizeof d));
+  }
+  return DDP_OK;
 }
 
 ddp_status ddp_model_load_from(ddp_model *model, const ddp_safetensors *st) {
   DDP_TRY(ddp__model_state_check(model, st));
-  ddp__model_state_apply(model, st);
-  return DDP_OK;
+  return ddp__model_state_apply(model, st);
 }
 
 ddp_status ddp_model_load(ddp_model *model, const char *path) {

@@ -530,16 +530,24 @@ int ddp_model_num_counters(const ddp_model *model) { return model->n_counters; }
 int ddp_model_state_count(const ddp_model *model) { return model->n_state; }
 
 ddp_status ddp_model_state_entry(const ddp_model *model, int index, ddp_state_entry *entry) {
-  if (index < 0 || index >= model->n_state)
-    return ddp_error(DDP_ERR_RANGE, "nn: state entry %d out of range (the model has %d)", index,
-                     model->n_state);
   if (model->device.type != DDP_DEVICE_CPU) {
     char dev[DDP_DEVICE_STR_BYTES];
     return ddp_error(DDP_ERR_UNSUPPORTED,
                      "nn: the state dict hands out host memory, and the model is on %s: move it "
-                     "to the CPU first (ddp_model_to)",
+                     "to the CPU first (ddp_model_to), or save and load it with ddp_model_save / "
+                     "ddp_model_load and the checkpoint calls, which copy through the host",
                      ddp_device_str(model->device, dev, sizeof dev));
   }
+  bool on_device;
+  return ddp__model_state_entry_any(model, index, entry, &on_device);
+}
+
+ddp_status ddp__model_state_entry_any(const ddp_model *model, int index, ddp_state_entry *entry,
+                                      bool *on_device) {
+  if (index < 0 || index >= model->n_state)
+    return ddp_error(DDP_ERR_RANGE, "nn: state entry %d out of range (the model has %d)", index,
+                     model->n_state);
+  *on_device = false;
   const ddp__state_rec *rec = &model->state[index];
   memset(entry, 0, sizeof *entry);
   entry->name = rec->name;
@@ -566,6 +574,7 @@ ddp_status ddp_model_state_entry(const ddp_model *model, int index, ddp_state_en
   for (int i = 0; i < t->ndim; i++) entry->shape[i] = t->shape[i];
   entry->numel = t->numel;
   entry->data = t->data;
+  *on_device = model->device.type != DDP_DEVICE_CPU;
   return DDP_OK;
 }
 

@@ -101,6 +101,13 @@ struct ddp_model {
   const char *wrapped_by;
 };
 
+/* ddp_model_state_entry for a model on any device: entry->data is where
+ * the entry lives, on the model's device for parameters and buffers (the
+ * counters stay on the host); *on_device says which. For io's checkpoint
+ * code, which copies through the host (docs/cuda.md, "Memory"). */
+ddp_status ddp__model_state_entry_any(const ddp_model *model, int index, ddp_state_entry *entry,
+                                      bool *on_device);
+
 /* Runs one module (recursively for containers) on x. */
 ddp_status ddp__module_forward(ddp_model *model, ddp_module *m, ddp_tape *tape, ddp_tensor *x,
                                ddp_tensor **out);

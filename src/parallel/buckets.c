@@ -69,7 +69,7 @@ ddp_status ddp__dp_maybe_relayout(ddp_dp *dp) {
     differs |= msg[k] != dp->order[k];
   }
   msg[n] = dp->n_ready_order == n && differs;
-  ddp_status s = dp->world > 1 ? ddp_broadcast(dp->pg, msg, (size_t)n + 1, DDP_INT32, 0) : DDP_OK;
+  ddp_status s = dp->world > 1 ? ddp_broadcast(dp->host_pg, msg, (size_t)n + 1, DDP_INT32, 0) : DDP_OK;
   if (s != DDP_OK || !msg[n]) {
     ddp_free(msg);
     return s == DDP_OK ? DDP_OK : ddp_error_wrap(s, "ddp: relayout: broadcasting rank 0's order");

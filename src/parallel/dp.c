@@ -29,7 +29,10 @@ void ddp_dp_destroy(ddp_dp *dp) {
   ddp_free(dp->bucket_of);
   ddp_free(dp->buckets);
   ddp_free(dp->trace);
-  ddp_free(dp->scratch);
+  if (dp->scratch_dev)
+    ddp_tensor_destroy(dp->scratch_dev);
+  else
+    ddp_free(dp->scratch);
   ddp_free(dp->param_ready);
   ddp_free(dp->bucket_pending);
   ddp_free(dp->works);
@@ -75,9 +78,31 @@ ddp_status ddp_dp_create(ddp_dp **out, ddp_model *model, ddp_process_group *pg,
   size_t elems = (size_t)ddp_model_num_param_elements(model);
   dp->order = ddp_calloc(slots, sizeof(int));
   dp->bucket_of = ddp_calloc(slots, sizeof(int));
+  ddp_status s = DDP_OK;
   dp->buckets = ddp_calloc(slots, sizeof(ddp_dp_bucket));
   dp->trace = ddp_calloc(slots, sizeof(ddp_dp_bucket_trace));
-  dp->scratch = ddp_calloc(elems ? elems : 1, sizeof(uint16_t));
+  dp->device = ddp_model_device(model);
+  if (dp->device.type == DDP_DEVICE_CPU) {
+    dp->scratch = ddp_calloc(elems ? elems : 1, sizeof(uint16_t));
+  } else {
+    /* The compressed copies beside the gradients on the GPU (2 bytes per
+     * gradient, as float32 pairs); the hooks convert with the device's
+     * kernels, so no gradient crosses to the host. */
+    dp->kernels = ddp__basic_kernels_for(dp->device);
+    int64_t pairs = (int64_t)(elems / 2 + 1);
+    if (!dp->kernels) {
+      char dev[DDP_DEVICE_STR_BYTES];
+      s = ddp_error(DDP_ERR_UNSUPPORTED, "ddp: create: this build has no kernels for %s",
+                    ddp_device_str(dp->device, dev, sizeof dev));
+      goto err;
+    }
+    s = ddp_tensor_create_on(&dp->scratch_dev, DDP_FLOAT32, 1, &pairs, dp->device);
+    if (s != DDP_OK) {
+      ddp_error_wrap(s, "ddp: create: device memory for compressed gradients");
+      goto err;
+    }
+    dp->scratch = dp->scratch_dev->data;
+  }
   dp->param_ready = ddp_calloc(slots, sizeof(bool));
   dp->bucket_pending = ddp_calloc(slots, sizeof(int));
   dp->works = ddp_calloc(slots, sizeof(ddp_work *));
@@ -85,11 +110,15 @@ ddp_status ddp_dp_create(ddp_dp **out, ddp_model *model, ddp_process_group *pg,
   dp->got_grad = ddp_calloc(slots, sizeof(bool));
   dp->first_got_grad = ddp_calloc(slots, sizeof(bool));
   dp->join_gather = ddp_calloc((size_t)dp->world * 2, sizeof(int32_t));
-  ddp_status s;
   if (!dp->order || !dp->bucket_of || !dp->buckets || !dp->trace || !dp->scratch ||
       !dp->param_ready || !dp->bucket_pending || !dp->works || !dp->ready_order ||
       !dp->got_grad || !dp->first_got_grad || !dp->join_gather) {
     s = ddp_error(DDP_ERR_NOMEM, "ddp: create: out of memory for %d parameters", n);
+    goto err;
+  }
+  s = ddp_process_group_host_group(pg, &dp->host_pg);
+  if (s != DDP_OK) {
+    ddp_error_wrap(s, "ddp: create (rank %d)", dp->rank);
     goto err;
   }
   dp->forward_param_sync = true;
@@ -117,6 +146,9 @@ ddp_status ddp_dp_create(ddp_dp **out, ddp_model *model, ddp_process_group *pg,
     model->wrapped_by = "DistributedDataParallel";
     dp->marked_model = true;
   }
+  /* nn's relayout moves host memory only (ddp_model_relayout): on a GPU the
+   * buckets keep registration order, which only costs overlap. */
+  if (dp->device.type != DDP_DEVICE_CPU) dp->relayout_done = true;
   *out = dp;
   return DDP_OK;
 err:
@@ -156,8 +188,9 @@ ddp_status ddp__dp_broadcast_state(ddp_dp *dp, int root, bool params) {
   if (ddp_model_num_buffer_elements(m) > 0)
     DDP_TRY(ddp_broadcast(dp->pg, ddp_model_buffers_flat(m),
                           (size_t)ddp_model_num_buffer_elements(m), DDP_FLOAT32, root));
+  /* The counters (num_batches_tracked) stay in host memory on every device. */
   if (ddp_model_num_counters(m) > 0)
-    DDP_TRY(ddp_broadcast(dp->pg, ddp_model_counters(m), (size_t)ddp_model_num_counters(m),
+    DDP_TRY(ddp_broadcast(dp->host_pg, ddp_model_counters(m), (size_t)ddp_model_num_counters(m),
                           DDP_INT64, root));
   return DDP_OK;
 }

@@ -7,10 +7,20 @@
 #define DDP__PARALLEL_DP_INTERNAL_H
 
 #include "ddp/parallel.h"
+#include "tensor/tape.h" /* ddp__basic_kernels_for: the hooks' device kernels */
 
 struct ddp_dp {
   ddp_model *model;
   ddp_process_group *pg;
+  /* Host-side collectives (counters, join's census, the shape check, the
+   * relayout order): pg when it takes host buffers, else its host group
+   * (ddp_process_group_host_group: an nccl pg refuses host memory). */
+  ddp_process_group *host_pg;
+  /* Where the model's flat buffers are, and that device's basic kernels
+   * for the hooks' arithmetic on them (NULL on the CPU: the host loops). */
+  ddp_device device;
+  const ddp__basic_kernels *kernels;
+  ddp_tensor *scratch_dev; /* on a GPU: the compressed copies' memory (dp->scratch points in) */
   ddp_optimizer *opt; /* follows a relayout; may be NULL */
   ddp_dp_options options;
   int rank, world;
@@ -25,7 +35,8 @@ struct ddp_dp {
   int n_buckets;
   ddp_dp_bucket *buckets;      /* (n_params) room for one bucket per parameter */
   ddp_dp_bucket_trace *trace;  /* (n_params) */
-  uint16_t *scratch;           /* (n_param_elems) compressed copies, per bucket a slice */
+  uint16_t *scratch;           /* (n_param_elems) compressed copies, per bucket a slice,
+                                * on the model's device (scratch_dev's memory on a GPU) */
 
   /* This backward's progress. */
   bool armed;         /* prepare_backward ran; finalize is due */

@@ -37,19 +37,33 @@ static ddp_status allreduce_launch(void *state, ddp_process_group *pg, ddp_dp_bu
  * world-2 ConvNet step on the critical path, 16 times the vectorised
  * loop's). */
 static ddp_status allreduce_finish(void *state, ddp_dp_bucket *bucket) {
-  (void)state;
+  const ddp_dp *dp = state;
   const float d = (float)bucket->divisor;
   if (d == 1.0f) return DDP_OK;
+  /* On a GPU, a kernel on the compute stream: the allreduce it follows has
+   * completed (the work was waited for), and the optimizer's kernels come
+   * after it on the same stream. */
+  if (dp->kernels) {
+    dp->kernels->div(bucket->grads, d, (int64_t)bucket->numel);
+    return DDP_OK;
+  }
   float *restrict g = bucket->grads;
   const size_t n = bucket->numel;
   for (size_t i = 0; i < n; i++) g[i] /= d;
   return DDP_OK;
 }
 
+/* On a GPU the conversions are kernels on the compute stream; the
+ * allreduce that reads the compressed copy is ordered after them (comm
+ * orders a GPU operation after the compute stream, docs/comm.md). */
 static ddp_status fp16_launch(void *state, ddp_process_group *pg, ddp_dp_bucket *bucket,
                               ddp_work **work) {
-  (void)state;
+  const ddp_dp *dp = state;
   const float d = (float)bucket->divisor;
+  if (dp->kernels) {
+    dp->kernels->to_half(bucket->scratch, bucket->grads, d, (int64_t)bucket->numel, false);
+    return reduce(pg, bucket, bucket->scratch, DDP_FLOAT16, work);
+  }
   uint16_t *restrict h = bucket->scratch;
   const float *restrict g = bucket->grads;
   const size_t n = bucket->numel;
@@ -58,7 +72,11 @@ static ddp_status fp16_launch(void *state, ddp_process_group *pg, ddp_dp_bucket 
 }
 
 static ddp_status fp16_finish(void *state, ddp_dp_bucket *bucket) {
-  (void)state;
+  const ddp_dp *dp = state;
+  if (dp->kernels) {
+    dp->kernels->from_half(bucket->grads, bucket->scratch, (int64_t)bucket->numel, false);
+    return DDP_OK;
+  }
   const uint16_t *restrict h = bucket->scratch;
   float *restrict g = bucket->grads;
   const size_t n = bucket->numel;
@@ -68,8 +86,12 @@ static ddp_status fp16_finish(void *state, ddp_dp_bucket *bucket) {
 
 static ddp_status bf16_launch(void *state, ddp_process_group *pg, ddp_dp_bucket *bucket,
                               ddp_work **work) {
-  (void)state;
+  const ddp_dp *dp = state;
   const float d = (float)bucket->divisor;
+  if (dp->kernels) {
+    dp->kernels->to_half(bucket->scratch, bucket->grads, d, (int64_t)bucket->numel, true);
+    return reduce(pg, bucket, bucket->scratch, DDP_BFLOAT16, work);
+  }
   uint16_t *restrict h = bucket->scratch;
   const float *restrict g = bucket->grads;
   const size_t n = bucket->numel;
@@ -78,7 +100,11 @@ static ddp_status bf16_launch(void *state, ddp_process_group *pg, ddp_dp_bucket 
 }
 
 static ddp_status bf16_finish(void *state, ddp_dp_bucket *bucket) {
-  (void)state;
+  const ddp_dp *dp = state;
+  if (dp->kernels) {
+    dp->kernels->from_half(bucket->grads, bucket->scratch, (int64_t)bucket->numel, true);
+    return DDP_OK;
+  }
   const uint16_t *restrict h = bucket->scratch;
   float *restrict g = bucket->grads;
   const size_t n = bucket->numel;

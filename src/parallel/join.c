@@ -17,7 +17,7 @@ ddp_status ddp__dp_join_count(ddp_dp *dp, bool training, bool syncing, int *n_tr
   int32_t mine[2] = {training, training && syncing};
   ddp_status s = DDP_OK;
   if (dp->world > 1)
-    s = ddp_allgather(dp->pg, mine, dp->join_gather, 2, DDP_INT32);
+    s = ddp_allgather(dp->host_pg, mine, dp->join_gather, 2, DDP_INT32);
   else
     memcpy(dp->join_gather, mine, sizeof mine);
   if (s != DDP_OK) return ddp_error_wrap(s, "ddp: join: counting the ranks still training");
@@ -54,7 +54,10 @@ ddp_status ddp_dp_join_enable(ddp_dp *dp, bool divide_by_initial_world_size) {
  * the same hook the training ranks use. */
 static ddp_status shadow_backward(ddp_dp *dp) {
   ddp_model *m = dp->model;
-  memset(ddp_model_grads_flat(m), 0, (size_t)ddp_model_num_param_elements(m) * sizeof(float));
+  if (dp->kernels) /* the gradients are on a GPU */
+    dp->kernels->fill(ddp_model_grads_flat(m), 0.0f, ddp_model_num_param_elements(m));
+  else
+    memset(ddp_model_grads_flat(m), 0, (size_t)ddp_model_num_param_elements(m) * sizeof(float));
   ddp__dp_arm(dp, true);
   for (int k = 0; k < dp->n_params; k++) ddp__dp_mark_ready(dp, dp->order[k]);
   ddp_status s = ddp__dp_complete(dp);
@@ -92,7 +95,7 @@ ddp_status ddp_dp_join(ddp_dp *dp) {
   }
   /* Everyone has joined: the final model comes from the last joiner. */
   int32_t candidate = last_joiner ? dp->rank : -1;
-  ddp_status s = dp->world > 1 ? ddp_allreduce(dp->pg, &candidate, 1, DDP_INT32, DDP_REDUCE_MAX)
+  ddp_status s = dp->world > 1 ? ddp_allreduce(dp->host_pg, &candidate, 1, DDP_INT32, DDP_REDUCE_MAX)
                                : DDP_OK;
   if (s == DDP_OK) s = ddp__dp_broadcast_state(dp, candidate < 0 ? 0 : candidate, true);
   dp->join_enabled = false;

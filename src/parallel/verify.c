@@ -43,7 +43,8 @@ ddp_status ddp__dp_verify_params(ddp_dp *dp) {
     snprintf(mine[i].name, sizeof mine[i].name, "%s", ddp_model_param_name(dp->model, i));
   }
   void *all = NULL;
-  ddp_status s = ddp_allgather_bytes(dp->pg, mine, (size_t)n * sizeof *mine, &all, lens);
+  /* Host records: over the host group where pg is nccl. */
+  ddp_status s = ddp_allgather_bytes(dp->host_pg, mine, (size_t)n * sizeof *mine, &all, lens);
   ddp_free(mine);
   if (s != DDP_OK) {
     ddp_free(lens);

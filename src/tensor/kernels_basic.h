@@ -2,6 +2,7 @@
 #ifndef DDP__TENSOR_KERNELS_BASIC_H
 #define DDP__TENSOR_KERNELS_BASIC_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 typedef struct ddp__basic_kernels {
@@ -17,6 +18,16 @@ typedef struct ddp__basic_kernels {
   void (*scale)(float *x, float alpha, int64_t n);
   /* y = a * b elementwise (y may be a or b) */
   void (*mul)(float *y, const float *a, const float *b, int64_t n);
+  /* x /= d: the DDP wrapper's average, a correctly rounded quotient (not
+   * x * (1/d), which rounds twice) as parallel/hooks.c's host loop */
+  void (*div)(float *x, float d, int64_t n);
+  /* dst = float16 (bf16: bfloat16) of src / d, rounded to nearest even with
+   * the bits of ddp_float_to_half / ddp_float_to_bf16 (NaN payloads too):
+   * the compression hooks' send side */
+  void (*to_half)(uint16_t *dst, const float *src, float d, int64_t n, bool bf16);
+  /* dst = the float of each float16 (bf16: bfloat16), as ddp_half_to_float /
+   * ddp_bf16_to_float: the compression hooks' receive side */
+  void (*from_half)(float *dst, const uint16_t *src, int64_t n, bool bf16);
 } ddp__basic_kernels;
 
 extern const ddp__basic_kernels ddp__cpu_basic_kernels;

@@ -24,7 +24,10 @@ ddp_status ddp__train_save(ddp_trainer *t, int64_t step, int64_t epoch, int64_t 
     if (s != DDP_OK) return ddp_error_wrap(s, "saving the checkpoint");
   }
   if (t->pg) {
-    ddp_status s = ddp_barrier(t->pg);
+    /* On the host group where t->pg is nccl (no device buffer to meet on). */
+    ddp_process_group *pg = t->pg;
+    ddp_status s = ddp_process_group_takes_host(pg) ? DDP_OK : ddp_process_group_host_group(pg, &pg);
+    if (s == DDP_OK) s = ddp_barrier(pg);
     if (s != DDP_OK) return ddp_error_wrap(s, "waiting for rank 0 to save the checkpoint");
   }
   return DDP_OK;

@@ -7,7 +7,10 @@
 
 ddp_status ddp__train_sum(ddp_trainer *t, double *values, int n) {
   if (!t->pg || t->size == 1) return DDP_OK;
-  return ddp_allreduce(t->pg, values, (size_t)n, DDP_FLOAT64, DDP_REDUCE_SUM);
+  /* Host doubles: over the host group where the trainer's group is nccl. */
+  ddp_process_group *pg = t->pg;
+  if (!ddp_process_group_takes_host(pg)) DDP_TRY(ddp_process_group_host_group(pg, &pg));
+  return ddp_allreduce(pg, values, (size_t)n, DDP_FLOAT64, DDP_REDUCE_SUM);
 }
 
 int64_t ddp__train_count_correct(const float *logits, const int64_t *labels, int64_t n, int64_t classes) {

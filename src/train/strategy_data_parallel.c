@@ -10,17 +10,10 @@ static ddp_dp *wrapper(const ddp_trainer *t) { return t->state; }
 
 static ddp_status dp_check(const ddp_train_options *o, const ddp_process_group *pg) {
   if (!pg) return ddp_error(DDP_ERR_INVALID, "the data-parallel strategy needs a process group");
-  if (o->device.type != DDP_DEVICE_CPU) {
-    char name[DDP_DEVICE_STR_BYTES];
-    ddp_device_str(o->device, name, sizeof name);
-    ddp_status s = ddp_device_check(o->device); /* its message names the device */
-    if (s != DDP_OK) return s;
-    return ddp_error(DDP_ERR_UNSUPPORTED,
-                     "device %s: data parallelism over GPUs needs the NCCL backend, which ddp "
-                     "does not have yet; train one process per GPU with --strategy single, or "
-                     "on the CPU",
-                     name);
-  }
+  /* On a GPU the group carries the gradients on the device: nccl, or ddp's
+   * own staged through pinned memory (docs/comm.md); the wrapper's host
+   * collectives go over the group's host group. */
+  if (o->device.type != DDP_DEVICE_CPU) return ddp_device_check(o->device);
   return DDP_OK;
 }
 

@@ -67,27 +67,19 @@ static ddp_status check_options(const ddp_train_options *o, const ddp_process_gr
   if (o->microbatches < 0)
     return ddp_error(DDP_ERR_INVALID, "microbatches is %d (>= 1, or 0 for the whole batch)",
                      (int)o->microbatches);
-  if (o->microbatches > 1 && (o->device.type != DDP_DEVICE_CPU || o->cuda_graph))
+  /* On a GPU the 1/M scaling is the device's scale kernel (step.c); a CUDA
+   * graph replays one whole batch's forward and backward. */
+  if (o->microbatches > 1 && o->cuda_graph)
     return ddp_error(DDP_ERR_UNSUPPORTED,
-                     "microbatches %d: gradient accumulation runs on the CPU (the 1/M scaling "
-                     "of the gradients has no device kernel yet); drop --microbatches or train "
-                     "on the CPU",
+                     "microbatches %d: gradient accumulation does not run under a CUDA graph "
+                     "(a graph replays one whole batch); drop --microbatches or --cuda-graph",
                      (int)o->microbatches);
   if (ops->check) DDP_TRY(ops->check(o, pg));
   if (o->save_every && !o->save_path)
     return ddp_error(DDP_ERR_INVALID, "save_every %lld needs save_path", (long long)o->save_every);
-  if (o->device.type != DDP_DEVICE_CPU) {
-    char name[DDP_DEVICE_STR_BYTES];
-    ddp_device_str(o->device, name, sizeof name);
-    ddp_status s = ddp_device_check(o->device); /* its message names the device */
-    if (s != DDP_OK) return s;
-    if (o->save_path || o->resume_path)
-      return ddp_error(DDP_ERR_UNSUPPORTED,
-                       "device %s: checkpoints (save_path, resume_path) are written from the "
-                       "CPU; train on the CPU to save, or save the model yourself after moving "
-                       "it back (ddp_model_to)",
-                       name);
-  }
+  /* Checkpoints of a model on a GPU go through the host (io's model state:
+   * the same files as from the CPU). */
+  if (o->device.type != DDP_DEVICE_CPU) return ddp_device_check(o->device); /* names the device */
   return DDP_OK;
 }
 

@@ -167,6 +167,26 @@ static void body_count(ct_rank *self) {
   CT_CHECK(self, host[7] == (float)P, "host allreduce %g", host[7]);
   ct_sync(self);
   CT_CHECK(self, atomic_load(&to_host_bytes) == (size_t)P * 64 * 4, "a host op was staged");
+  /* ... nor did it pass through the wrapper: host buffers take the group
+   * layer's inline path on the unwrapped backend, as on a machine without
+   * a GPU (async and point-to-point too). */
+  ddp_work *w = NULL;
+  CT_OK(self, ddp_allreduce_async(pg, host, 8, DDP_FLOAT32, DDP_REDUCE_SUM, &w));
+  CT_OK(self, ddp_work_wait(w, 30));
+  ddp_work_free(w);
+  if (P > 1) {
+    int peer = self->rank ^ 1;
+    if (peer < P) {
+      if (self->rank & 1) CT_OK(self, ddp_send(pg, host, 8, DDP_FLOAT32, peer, 3));
+      else CT_OK(self, ddp_recv(pg, host, 8, DDP_FLOAT32, peer, 3));
+    }
+  }
+  ct_sync(self);
+  CT_CHECK(self, atomic_load(&ddp__staged_host_passes) == 0, "%ld host ops went through the wrapper",
+           (long)atomic_load(&ddp__staged_host_passes));
+  CT_CHECK(self, ddp__staged_inner(self->pg->backend) == self->pg->host_backend &&
+                     self->pg->host_backend != self->pg->backend,
+           "the group keeps its unwrapped backend for host buffers");
   /* Buffers on two devices in one op. */
   ddp_status st = ddp_allgather(pg, host, dev_recv, 1, DDP_FLOAT32);
   CT_CHECK(self, st == DDP_ERR_INVALID && strstr(ddp_last_error(), "on cpu and the receive buffer on cuda:0"),

@@ -8,7 +8,9 @@
 
 const char *train_world_requested(void) { return ddp_rendezvous_requested(); }
 
-ddp_status train_world_init(train_world *w) {
+ddp_status train_world_init(train_world *w) { return train_world_init_on(w, NULL); }
+
+ddp_status train_world_init_on(train_world *w, const char *backend) {
   *w = (train_world){.rank = 0, .size = 1, .local_size = 1};
   w->source = train_world_requested();
   /* --backend mpi (DDP_BACKEND=mpi) under mpirun or srun: no RANK, ranks
@@ -16,7 +18,9 @@ ddp_status train_world_init(train_world *w) {
   const char *backend = getenv("DDP_BACKEND");
   if (!w->source && backend && !strcmp(backend, "mpi")) w->source = "--backend mpi";
   if (!w->source) return DDP_OK;
-  ddp_status s = ddp_init_process_group("env://", NULL, NULL, &w->pg);
+  ddp_process_group_options o = ddp_process_group_defaults();
+  o.backend = backend;
+  ddp_status s = ddp_init_process_group("env://", NULL, &o, &w->pg);
   if (s != DDP_OK)
     return ddp_error_wrap(s, "joining the process group (%s is set, so ddp-train trains "
                              "data-parallel)", w->source);

@@ -28,6 +28,9 @@ const char *train_world_requested(void);
  * process group (env://) and fills rank and size. Errors carry
  * ddp_last_error(). */
 ddp_status train_world_init(train_world *w);
+/* As train_world_init, the group on `backend` (options.backend: "nccl",
+ * "ddp", ...; NULL: $DDP_BACKEND, else ddp's own). */
+ddp_status train_world_init_on(train_world *w, const char *backend);
 
 /* Waits for every rank (so rank 0, which may host the store, leaves last)
  * and frees the group. Safe on a single-process world. */

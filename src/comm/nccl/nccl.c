@@ -12,11 +12,14 @@
  * polls the communicator's asynchronous error and the oldest operation's
  * deadline (ddp__watch_decide) and aborts the communicator (ncclCommAbort)
  * when it must, failing every pending operation and every later one. */
+#include <errno.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <cuda_runtime_api.h>
 
@@ -46,6 +49,12 @@ typedef struct nccl_backend {
   ddp_store *store; /* the group's namespace, borrowed (the group outlives us) */
   int rank, size;
   int32_t *host_of;   /* size entries, copied */
+  /* Peers' processes on this host (0: another host, or this rank), from the
+   * placement exchange: the watchdog sees a peer die while an operation
+   * waits for it (NCCL's sockets may not say so for a long time). */
+  int32_t *peer_pid;
+  int dead_seen, dead_seen_rank; /* consecutive watchdog periods a peer was seen gone */
+  uint64_t dead_seen_seq;
   char **host_names;  /* size entries, copied */
   int64_t timeout_ns;
   /* Made at the first operation (comm == NULL before). */
@@ -156,7 +165,7 @@ static int64_t remaining_ms(const ddp__op_ctx *ctx, int64_t fallback_ns) {
 
 /* Every rank publishes where it runs; all check for a shared GPU. */
 static ddp_status check_placement(nccl_backend *n, const ddp__op_ctx *ctx) {
-  ddp__gpu_place me = {.host = n->host_of[n->rank], .device = n->device};
+  ddp__gpu_place me = {.host = n->host_of[n->rank], .device = n->device, .pid = (int32_t)getpid()};
   struct cudaDeviceProp prop;
   CUDA_TRY(n, cudaGetDeviceProperties(&prop, n->device), "cudaGetDeviceProperties", ctx);
   uuid_str(&prop.uuid, me.uuid, sizeof me.uuid);
@@ -181,6 +190,11 @@ static ddp_status check_placement(nccl_backend *n, const ddp__op_ctx *ctx) {
     ddp_free(v);
   }
   if (st == DDP_OK) st = ddp__gpu_placement_check(all, n->size, (const char *const *)n->host_names);
+  if (st == DDP_OK && !n->peer_pid) {
+    n->peer_pid = ddp_calloc((size_t)n->size, sizeof *n->peer_pid);
+    for (int r = 0; n->peer_pid && r < n->size; r++)
+      if (r != n->rank && all[r].host == me.host && all[r].pid > 0) n->peer_pid[r] = all[r].pid;
+  }
   ddp_free(all);
   return st;
 }
@@ -305,6 +319,15 @@ static ddp_status nccl_enqueue(ddp__backend *b, const ddp__op_ctx *ctx, const dd
                                ddp__completion *c) {
   nccl_backend *n = nb(b);
   if (atomic_load(&n->failed)) return failed_status(n);
+  /* A barrier has no buffer (its device is the CPU): it runs on the
+   * communicator's GPU, or, before the first op, this thread's current one
+   * (as PyTorch's NCCL barrier guesses the device). */
+  ddp__op_args barrier_args;
+  if (a->kind == DDP__OP_BARRIER && a->device.type != DDP_DEVICE_CUDA) {
+    barrier_args = *a;
+    barrier_args.device = DDP_CUDA(atomic_load(&n->ready) ? n->device : ddp__cuda_current_device());
+    a = &barrier_args;
+  }
   if (a->device.type != DDP_DEVICE_CUDA)
     return ddp_error(DDP_ERR_INVALID, "nccl: %s #%llu (rank %d of %d): buffers on the CPU; the nccl "
                      "backend takes CUDA buffers (use backend \"ddp\" for host memory)",
@@ -425,6 +448,7 @@ static void *watchdog_main(void *arg) {
       in.async_error_str = n->api->GetErrorString(async);
     }
     pthread_mutex_lock(&n->mu);
+    reap_locked(n); /* what has completed is not waiting for anyone */
     if (n->count > 0) {
       const op_state *s = (const op_state *)n->pending[n->head]->state;
       in.op = s->op;
@@ -433,6 +457,26 @@ static void *watchdog_main(void *arg) {
       in.started_ns = s->started_ns;
     }
     pthread_mutex_unlock(&n->mu);
+    /* A peer on this host whose process is gone while an operation waits:
+     * seen twice in a row on the same operation (a peer that finished its
+     * part and exited, while ours completes in this instant, is not dead
+     * to it). Idle, nothing is checked: peers may exit at the end. */
+    char why[64];
+    int gone = -1;
+    for (int r = 0; in.op && n->peer_pid && r < n->size && gone < 0; r++)
+      if (n->peer_pid[r] > 0 && kill(n->peer_pid[r], 0) != 0 && errno == ESRCH) gone = r;
+    if (gone >= 0 && n->dead_seen_rank == gone && n->dead_seen_seq == in.seq) {
+      n->dead_seen++;
+    } else {
+      n->dead_seen = gone >= 0;
+      n->dead_seen_rank = gone;
+      n->dead_seen_seq = in.seq;
+    }
+    if (gone >= 0 && n->dead_seen >= 2) {
+      snprintf(why, sizeof why, "process %d is gone", (int)n->peer_pid[gone]);
+      in.dead_peer = gone;
+      in.dead_why = why;
+    }
     ddp_status st = DDP_OK;
     char msg[512];
     if (ddp__watch_decide(&in, &st, msg, sizeof msg) == DDP__WATCH_ABORT) {
@@ -483,6 +527,7 @@ static void nccl_destroy(ddp__backend *b) {
   for (int r = 0; n->host_names && r < n->size; r++) ddp_free(n->host_names[r]);
   ddp_free(n->host_names);
   ddp_free(n->host_of);
+  ddp_free(n->peer_pid);
   pthread_mutex_destroy(&n->mu);
   ddp_free(n);
 }

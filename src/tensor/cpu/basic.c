@@ -1,6 +1,7 @@
 /* CPU basic kernels: plain loops the compiler vectorises. */
 #include <string.h>
 
+#include "ddp/tensor.h"
 #include "tensor/kernels_basic.h"
 
 static void cpu_copy(float *dst, const float *src, int64_t n) {
@@ -33,6 +34,25 @@ static void cpu_mul(float *y, const float *a, const float *b, int64_t n) {
   for (int64_t i = 0; i < n; i++) y[i] = a[i] * b[i];
 }
 
+static void cpu_div(float *x, float d, int64_t n) {
+  for (int64_t i = 0; i < n; i++) x[i] /= d;
+}
+
+static void cpu_to_half(uint16_t *restrict dst, const float *restrict src, float d, int64_t n,
+                        bool bf16) {
+  if (bf16)
+    for (int64_t i = 0; i < n; i++) dst[i] = ddp_float_to_bf16(src[i] / d);
+  else
+    for (int64_t i = 0; i < n; i++) dst[i] = ddp_float_to_half(src[i] / d);
+}
+
+static void cpu_from_half(float *restrict dst, const uint16_t *restrict src, int64_t n, bool bf16) {
+  if (bf16)
+    for (int64_t i = 0; i < n; i++) dst[i] = ddp_bf16_to_float(src[i]);
+  else
+    for (int64_t i = 0; i < n; i++) dst[i] = ddp_half_to_float(src[i]);
+}
+
 const ddp__basic_kernels ddp__cpu_basic_kernels = {
     .copy = cpu_copy,
     .fill = cpu_fill,
@@ -41,4 +61,7 @@ const ddp__basic_kernels ddp__cpu_basic_kernels = {
     .sum_squares = cpu_sum_squares,
     .scale = cpu_scale,
     .mul = cpu_mul,
+    .div = cpu_div,
+    .to_half = cpu_to_half,
+    .from_half = cpu_from_half,
 };

@@ -37,7 +37,80 @@ static __global__ void scale_kernel(float *x, float alpha, int64_t n) {
   GRID_LOOP(i, n) x[i] *= alpha;
 }
 
+/* IEEE division (nvcc's default -prec-div=true; __fdiv_rn says so
+ * whatever the flags): the CPU loop's quotient, bit for bit. */
+static __global__ void div_kernel(float *x, float d, int64_t n) {
+  GRID_LOOP(i, n) x[i] = __fdiv_rn(x[i], d);
+}
+
+/* ddp_float_to_half / _bf16 and back (include/ddp/tensor.h), bit for bit:
+ * the same integer steps, and the subnormal path's float add rounded to
+ * nearest as on the CPU (__fadd_rn, __fmul_rn: no flush to zero either
+ * way, nvcc's default -ftz=false). */
+static __device__ uint16_t to_half_bits(float f) {
+  uint32_t u = __float_as_uint(f);
+  uint32_t sign = u & 0x80000000u;
+  u ^= sign;
+  uint32_t out;
+  if (u >= 0x47800000u) {
+    uint32_t nan = 0x7e00u | ((u >> 13) & 0x3ffu);
+    out = u > 0x7f800000u ? nan : 0x7c00u;
+  } else if (u < 0x38800000u) {
+    const uint32_t magic = (127u - 15u + 23u - 10u + 1u) << 23;
+    out = __float_as_uint(__fadd_rn(__uint_as_float(u), __uint_as_float(magic))) - magic;
+  } else {
+    uint32_t mant_odd = (u >> 13) & 1u;
+    u += ((uint32_t)(15 - 127) << 23) + 0xfffu + mant_odd;
+    out = u >> 13;
+  }
+  return (uint16_t)(out | (sign >> 16));
+}
+
+static __device__ float from_half_bits(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  uint32_t em = h & 0x7fffu;
+  uint32_t scaled =
+      __float_as_uint(__fmul_rn(__uint_as_float(em << 13), 5192296858534827628530496329220096.0f));
+  uint32_t special = (em << 13) | 0x7f800000u | (em > 0x7c00u ? 0x400000u : 0u);
+  uint32_t bits = em >= 0x7c00u ? special : scaled;
+  return __uint_as_float(bits | sign);
+}
+
+static __device__ uint16_t to_bf16_bits(float f) {
+  uint32_t u = __float_as_uint(f);
+  uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  uint32_t nan = (u >> 16) | 0x40u;
+  return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
+static __global__ void to_half_kernel(uint16_t *dst, const float *src, float d, int64_t n,
+                                      bool bf16) {
+  GRID_LOOP(i, n) {
+    float q = __fdiv_rn(src[i], d);
+    dst[i] = bf16 ? to_bf16_bits(q) : to_half_bits(q);
+  }
+}
+
+static __global__ void from_half_kernel(float *dst, const uint16_t *src, int64_t n, bool bf16) {
+  GRID_LOOP(i, n) dst[i] = bf16 ? __uint_as_float((uint32_t)src[i] << 16) : from_half_bits(src[i]);
+}
+
 static unsigned blocks(int64_t n) { return ddp__cuda_blocks(n, BLOCK); }
+
+static void cuda_div(float *x, float d, int64_t n) {
+  if (n <= 0) return;
+  div_kernel<<<blocks(n), BLOCK, 0, ddp__cuda_stream()>>>(x, d, n);
+}
+
+static void cuda_to_half(uint16_t *dst, const float *src, float d, int64_t n, bool bf16) {
+  if (n <= 0) return;
+  to_half_kernel<<<blocks(n), BLOCK, 0, ddp__cuda_stream()>>>(dst, src, d, n, bf16);
+}
+
+static void cuda_from_half(float *dst, const uint16_t *src, int64_t n, bool bf16) {
+  if (n <= 0) return;
+  from_half_kernel<<<blocks(n), BLOCK, 0, ddp__cuda_stream()>>>(dst, src, n, bf16);
+}
 
 static void cuda_copy(float *dst, const float *src, int64_t n) {
   if (n <= 0 || dst == src) return;
@@ -129,4 +202,7 @@ extern "C" const ddp__basic_kernels ddp__cuda_basic_kernels = {
     .sum_squares = cuda_sum_squares,
     .scale = cuda_scale,
     .mul = cuda_mul,
+    .div = cuda_div,
+    .to_half = cuda_to_half,
+    .from_half = cuda_from_half,
 };
