@@ -15,11 +15,11 @@ ddp_status train_world_init_on(train_world *w, const char *backend) {
   w->source = train_world_requested();
   /* --backend mpi (DDP_BACKEND=mpi) under mpirun or srun: no RANK, ranks
    * come from MPI (ddp_init_process_group takes them from there). */
-  const char *backend = getenv("DDP_BACKEND");
-  if (!w->source && backend && !strcmp(backend, "mpi")) w->source = "--backend mpi";
+  const char *chosen = backend ? backend : getenv("DDP_BACKEND");
+  if (!w->source && chosen && !strcmp(chosen, "mpi")) w->source = "--backend mpi";
   if (!w->source) return DDP_OK;
   ddp_process_group_options o = ddp_process_group_defaults();
-  o.backend = backend;
+  o.backend = chosen;
   ddp_status s = ddp_init_process_group("env://", NULL, &o, &w->pg);
   if (s != DDP_OK)
     return ddp_error_wrap(s, "joining the process group (%s is set, so ddp-train trains "
