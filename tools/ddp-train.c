@@ -67,6 +67,7 @@ typedef struct train_args {
   const char *schedule;    /* --schedule: gpipe | 1f1b | interleaved (1f1b) */
   int64_t virtual_stages;  /* --virtual-stages v (interleaved: 2) */
   const char *split;       /* --split NAMES | auto (auto) */
+  int64_t zero;            /* --zero S: ZeRO stage (0 = none) */
 } train_args;
 
 static void usage(FILE *f) {
@@ -136,6 +137,10 @@ static void usage(FILE *f) {
 "  --bucket-cap-mb X    gradients are reduced in buckets of X MiB (the first 1 MiB;\n"
 "                       default 25, PyTorch's): smaller buckets overlap more of\n"
 "                       backward with communication, in more messages\n"
+"  --zero S            ZeRO stage 1 or 2 (docs/sharding.md): each rank keeps the optimizer\n"
+"                       state of its 1/W of the parameters (1), and receives only that\n"
+"                       range's reduced gradients (2); --save writes the ordinary\n"
+"                       checkpoint, which --resume loads at any world size and stage\n"
 "  --dump-state PATH    after training, write every state-dict tensor as text lines\n"
 "                       'name numel v0 v1 ...' to PATH ({rank} in PATH: every rank writes\n"
 "                       its own file; otherwise rank 0 only). For comparing runs\n"
@@ -248,7 +253,7 @@ static void parse_args(int argc, char **argv, train_args *a) {
         "--patience", "--log", "--dump-state", "--save", "--save-every", "--resume", "--init",
         "--device", "--tensorboard", "--trace", "--bucket-cap-mb", "--microbatches", "--pp",
         "--schedule", "--virtual-stages", "--split", "--param-servers", "--ps-mode",
-        "--step-sleep-ms", "--straggler"};
+        "--step-sleep-ms", "--straggler", "--zero"};
     char name[64];
     const char *eq;
     cli_valued_option(f, valued, sizeof valued / sizeof *valued, name, sizeof name, &eq);
@@ -286,6 +291,7 @@ static void parse_args(int argc, char **argv, train_args *a) {
     else if (!strcmp(name, "--schedule")) a->schedule = v;
     else if (!strcmp(name, "--virtual-stages")) a->virtual_stages = cli_parse_int(name, v, 1, INT64_MAX);
     else if (!strcmp(name, "--split")) a->split = v;
+    else if (!strcmp(name, "--zero")) a->zero = cli_parse_int(name, v, 1, 3);
     else if (!strcmp(name, "--param-servers") || !strcmp(name, "--ps-mode") ||
              !strcmp(name, "--step-sleep-ms") || !strcmp(name, "--straggler"))
       train_ps_parse(&a->ps, name, v);
@@ -714,6 +720,7 @@ int main(int argc, char **argv) {
   o.cuda_graph = a.cuda_graph;
   o.bucket_cap_mb = a.bucket_cap_mb;
   o.microbatches = (int32_t)a.microbatches;
+  o.zero_stage = (int32_t)a.zero;
   ddp_train_pipeline pipeline = {0};
   if (a.pp) {
     if (!world.pg || world.size % a.pp)

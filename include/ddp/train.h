@@ -58,6 +58,7 @@ typedef enum ddp_train_strategy {
   DDP_TRAIN_DATA_PARALLEL = 2, /* DistributedDataParallel over the group */
   DDP_TRAIN_PIPELINE = 3,      /* stages over the group (needs options.pipeline) */
   DDP_TRAIN_PARAM_SERVER = 4,  /* trainers of a parameter server (needs options.param_server) */
+  DDP_TRAIN_ZERO = 5,          /* ZeRO stage options.zero_stage over the group (ddp/zero.h) */
 } ddp_train_strategy;
 
 /* Where one step's time went, in milliseconds (PyTorch's DDP logging splits
@@ -218,7 +219,13 @@ typedef struct ddp_train_options {
    * outlives a trainer's death); the sampler shards over the trainers.
    * NULL: none. Borrowed. */
   struct ddp_ps_client *param_server;
-  uint64_t reserved[1]; /* zero */
+  /* ZeRO (include/ddp/zero.h, docs/sharding.md): 1 or 2 shards the
+   * optimizer state (and, at 2, the gradients' reduction) over the group;
+   * AUTO then picks DDP_TRAIN_ZERO. Its checkpoints are the ordinary ones
+   * (the state gathered to rank 0), which load at any world size and
+   * stage. 0: none. (0) */
+  int32_t zero_stage;
+  uint32_t reserved32; /* zero */
 } ddp_train_options;
 DDP_STRUCT_SIZE(ddp_train_options, 328);
 

@@ -17,6 +17,7 @@
 #include "ddp/ps.h"
 #include "ddp/tensor.h"
 #include "ddp/train.h"
+#include "ddp/zero.h"
 
 /* What a strategy's step reports to the loop. */
 typedef struct ddp__train_step_out {
@@ -99,6 +100,7 @@ extern const ddp__train_strategy_ops ddp__train_single;
 extern const ddp__train_strategy_ops ddp__train_data_parallel;
 extern const ddp__train_strategy_ops ddp__train_pipeline;
 extern const ddp__train_strategy_ops ddp__train_param_server;
+extern const ddp__train_strategy_ops ddp__train_zero;
 
 /* The strategy of options o with group pg (strategy.c): the one o->strategy
  * names, or for DDP_TRAIN_AUTO the pipeline with options.pipeline, the
