@@ -68,6 +68,7 @@ typedef struct train_args {
   int64_t virtual_stages;  /* --virtual-stages v (interleaved: 2) */
   const char *split;       /* --split NAMES | auto (auto) */
   int64_t zero;            /* --zero S: ZeRO stage (0 = none) */
+  bool sharded_checkpoint; /* --sharded-checkpoint */
 } train_args;
 
 static void usage(FILE *f) {
@@ -141,6 +142,10 @@ static void usage(FILE *f) {
 "                       state of its 1/W of the parameters (1), and receives only that\n"
 "                       range's reduced gradients (2); --save writes the ordinary\n"
 "                       checkpoint, which --resume loads at any world size and stage\n"
+"  --sharded-checkpoint --save DIR writes a directory: each rank its range of the\n"
+"                       parameters and optimizer state, rank 0 the metadata; --resume\n"
+"                       DIR loads it at any world size (ddp-ckpt consolidate DIR\n"
+"                       OUT.safetensors makes the model's state dict of it)\n"
 "  --dump-state PATH    after training, write every state-dict tensor as text lines\n"
 "                       'name numel v0 v1 ...' to PATH ({rank} in PATH: every rank writes\n"
 "                       its own file; otherwise rank 0 only). For comparing runs\n"
@@ -243,6 +248,10 @@ static void parse_args(int argc, char **argv, train_args *a) {
     }
     if (!strcmp(f, "--cuda-graph") || !strcmp(f, "--cuda_graph")) {
       a->cuda_graph = true;
+      continue;
+    }
+    if (!strcmp(f, "--sharded-checkpoint") || !strcmp(f, "--sharded_checkpoint")) {
+      a->sharded_checkpoint = true;
       continue;
     }
     /* Every other option takes a value, as "--opt V" or "--opt=V". */
@@ -721,6 +730,7 @@ int main(int argc, char **argv) {
   o.bucket_cap_mb = a.bucket_cap_mb;
   o.microbatches = (int32_t)a.microbatches;
   o.zero_stage = (int32_t)a.zero;
+  o.sharded_checkpoint = a.sharded_checkpoint;
   ddp_train_pipeline pipeline = {0};
   if (a.pp) {
     if (!world.pg || world.size % a.pp)

@@ -225,7 +225,12 @@ typedef struct ddp_train_options {
    * (the state gathered to rank 0), which load at any world size and
    * stage. 0: none. (0) */
   int32_t zero_stage;
-  uint32_t reserved32; /* zero */
+  /* save_path is a directory of shards (include/ddp/io.h, "Sharded
+   * checkpoints"): every rank writes its range of the parameters and of
+   * the optimizer state, rank 0 the metadata. resume_path may name such a
+   * directory whatever this option is. (false) */
+  bool sharded_checkpoint;
+  uint8_t reserved8[3]; /* zero */
 } ddp_train_options;
 DDP_STRUCT_SIZE(ddp_train_options, 328);
 

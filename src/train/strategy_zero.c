@@ -85,6 +85,14 @@ static ddp_status whole_optimizer(ddp_trainer *t, ddp_optimizer **out) {
  * writes the ordinary checkpoint. */
 static ddp_status zero_save(ddp_trainer *t, const ddp_train_state *ts) {
   DDP_TRY(ddp_zero_sync_params(zero(t)));
+  if (t->o.sharded_checkpoint) {
+    /* Each rank its own range: no state travels. */
+    int64_t starts[1025], len;
+    if (t->size > 1024) return ddp_error(DDP_ERR_UNSUPPORTED, "sharded checkpoints of over 1024 ranks");
+    for (int r = 0; r < t->size; r++) ddp_zero_range(zero(t), r, &starts[r], &len);
+    starts[t->size] = ddp_model_num_param_elements(t->model);
+    return ddp__train_save_sharded(t, ts, t->opt, starts);
+  }
   ddp_optimizer *full = NULL;
   ddp_status s = t->rank == 0 ? whole_optimizer(t, &full) : DDP_OK;
   /* Every rank takes part in the gather, even after rank 0 failed to make
@@ -103,8 +111,11 @@ static ddp_status zero_save(ddp_trainer *t, const ddp_train_state *ts) {
 static ddp_status zero_resume(ddp_trainer *t, ddp_train_state *start) {
   ddp_optimizer *full;
   DDP_TRY(whole_optimizer(t, &full));
-  ddp_status s = ddp_checkpoint_load(t->o.resume_path, t->model, full, t->sched, start,
-                                     t->o.checkpoint_meta, t->o.checkpoint_meta_count);
+  ddp_status s = ddp_sharded_is_checkpoint(t->o.resume_path)
+                     ? ddp_sharded_load(t->o.resume_path, t->model, full, t->sched, start,
+                                        t->o.checkpoint_meta, t->o.checkpoint_meta_count)
+                     : ddp_checkpoint_load(t->o.resume_path, t->model, full, t->sched, start,
+                                           t->o.checkpoint_meta, t->o.checkpoint_meta_count);
   if (s == DDP_OK) s = ddp_zero_load_state(zero(t), full);
   ddp_optimizer_destroy(full);
   return s;

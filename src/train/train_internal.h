@@ -193,6 +193,13 @@ typedef struct ddp__train_run {
  * barrier until it is on disk. Collective. */
 ddp_status ddp__train_save(ddp_trainer *t, int64_t step, int64_t epoch, int64_t epoch_batches,
                            const ddp__train_patience *pat);
+/* A sharded checkpoint of state *ts in options.save_path (a directory):
+ * rank r writes floats [starts[r], starts[r + 1]) of the parameters and of
+ * `opt`'s state (opt over that range, or over the whole buffers), then,
+ * once every rank has, rank 0 the metadata. Collective; every rank returns
+ * the same status. */
+ddp_status ddp__train_save_sharded(ddp_trainer *t, const ddp_train_state *ts, ddp_optimizer *opt,
+                                   const int64_t *starts);
 /* Where training starts: the beginning, or options.resume_path loaded
  * through the strategy (refused when saved mid-epoch by another number of
  * shards). */

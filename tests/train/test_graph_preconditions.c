@@ -179,7 +179,7 @@ static void test_options_layout(void **state) {
   /* zero_stage (issue 41) took the last reserved word, half of it. */
   assert_int_equal(offsetof(ddp_train_options, zero_stage) - offsetof(ddp_train_options, cuda_graph),
                    6 * sizeof(uint64_t));
-  assert_int_equal(offsetof(ddp_train_options, reserved32) - offsetof(ddp_train_options, zero_stage),
+  assert_int_equal(offsetof(ddp_train_options, sharded_checkpoint) - offsetof(ddp_train_options, zero_stage),
                    sizeof(int32_t));
   assert_int_equal(sizeof(ddp_train_options),
                    offsetof(ddp_train_options, cuda_graph) + 7 * sizeof(uint64_t));
