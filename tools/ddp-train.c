@@ -78,7 +78,8 @@ static void usage(FILE *f) {
 "Trains one of the seeds' models on one process (PyTorch's training loop, in C).\n"
 "\n"
 "Model\n"
-"  --model NAME         toy | headtail | convnet | psnet | convnet-N (N in 2..10)\n"
+"  --model NAME         toy | headtail | convnet | psnet | convnet-N (N in 2..10) |\n"
+"                       mlp:WxD (D linear layers of width W on the regression data)\n"
 "                       (default convnet)\n"
 "  --activation NAME    relu | sigmoid | tanh, for convnet-N (default relu)\n"
 "Data\n"
@@ -176,7 +177,8 @@ static void usage(FILE *f) {
 "                       test_loss, test_accuracy, steps, steady_step_phases (rank 0's\n"
 "                       mean of the per-step times above over those steps),\n"
 "                       steady_preempted_ms_per_rank (every rank's mean preempted_ms),\n"
-"                       epochs, world_size)\n"
+"                       memory_per_rank (every rank's param_bytes, grad_bytes,\n"
+"                       optim_state_bytes), epochs, world_size)\n"
 "Checkpoints (safetensors; docs/io.md)\n"
 "  --save PATH          at the end of training write the model's state dict to PATH (loads\n"
 "                       into PyTorch with load_state_dict(strict=True)) and the training\n"
@@ -326,7 +328,7 @@ static void parse_args(int argc, char **argv, train_args *a) {
 /* ---- Data ------------------------------------------------------------------ */
 
 static const char *default_data(const char *model) {
-  if (!strcmp(model, "toy")) return "regression";
+  if (!strcmp(model, "toy") || !strncmp(model, "mlp:", 4)) return "regression";
   if (!strcmp(model, "headtail")) return "toydata";
   return DEFAULT_DATA;
 }
@@ -620,6 +622,17 @@ static void print_summary(const train_args *a, const ddp_train_result *r) {
   }
   printf("], ");
   json_number(stdout, "epochs", r->epochs, true);
+  /* Each rank's training-state bytes (ZeRO shards the optimizer's). */
+  if (r->memory_per_rank) {
+    printf("\"memory_per_rank\": [");
+    for (int k = 0; k < r->world_size; k++) {
+      const ddp_train_memory *m = &r->memory_per_rank[k];
+      printf("%s{\"param_bytes\": %lld, \"grad_bytes\": %lld, \"optim_state_bytes\": %lld}",
+             k ? ", " : "", (long long)m->param_bytes, (long long)m->grad_bytes,
+             (long long)m->optim_state_bytes);
+    }
+    printf("], ");
+  }
   /* Under a pipeline: each stage's idle fraction and activation
    * high-water mark (replica 0's ranks). */
   if (r->n_stages) {

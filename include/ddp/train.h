@@ -256,6 +256,11 @@ typedef struct ddp_train_stage_stats {
   int64_t microbatch_activation_bytes; /* one micro-batch's forward alone */
 } ddp_train_stage_stats;
 
+/* One rank's training-state bytes (ddp_train_result.memory_per_rank). */
+typedef struct ddp_train_memory {
+  int64_t param_bytes, grad_bytes, optim_state_bytes;
+} ddp_train_memory;
+
 /* What ddp-train's --json summary reports. Filled by ddp_trainer_run; free
  * with ddp_train_result_free. NaN where a figure does not exist (no step
  * ran, a regression model's accuracy, steady figures within the first 10
@@ -276,7 +281,12 @@ typedef struct ddp_train_result {
    * replica 0 measured it over the whole run; NULL and 0 otherwise. */
   const struct ddp_train_stage_stats *stages; /* owned by the result */
   int64_t n_stages;
-  uint64_t reserved[2];
+  /* Each rank's training-state memory at the end (world_size entries, owned
+   * by the result): the bytes of the flat buffers its optimizer steps
+   * (parameters and gradients) and of its optimizer's state buffers (1/W
+   * of the unsharded under ZeRO). */
+  const struct ddp_train_memory *memory_per_rank;
+  uint64_t reserved[1];
 } ddp_train_result;
 DDP_STRUCT_SIZE(ddp_train_result, 176);
 

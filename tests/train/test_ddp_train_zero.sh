@@ -84,6 +84,26 @@ for k in 1 2 3; do
 done
 echo "ok: ZeRO-2 at 4 ranks -> ZeRO-1 at 2 -> ZeRO-2 at 3, saved and resumed: bit-identical to the unsharded runs"
 
+# --- memory: the optimizer state per rank is 1/W of the unsharded ----------------
+mem=(--model mlp:256x4 --optimizer adam --lr 0.001 --max-steps 2 --batch-size 8 --json)
+world 4 mdp "${mem[@]}"
+world 4 mz1 "${mem[@]}" --zero 1
+world 4 mz2 "${mem[@]}" --zero 2
+"$py" - "$tmp/mdp.out.0" "$tmp/mz1.out.0" "$tmp/mz2.out.0" <<'PY' || fail "memory figures"
+import json, sys
+dp, z1, z2 = (json.loads(open(p).read().splitlines()[-1])["memory_per_rank"] for p in sys.argv[1:])
+n = 10 * 256 + 256 + 2 * (256 * 256 + 256) + 256 * 5 + 5      # mlp:256x4's floats
+for r in range(4):
+    assert dp[r] == {"param_bytes": 4 * n, "grad_bytes": 4 * n, "optim_state_bytes": 8 * n}, dp[r]
+for z in (z1, z2):
+    assert sum(m["optim_state_bytes"] for m in z) == 8 * n, z     # every float's state once
+    for m in z:
+        assert m["param_bytes"] == 4 * n and m["grad_bytes"] == 4 * n, m
+        assert abs(m["optim_state_bytes"] * 4 / (8 * n) - 1) <= 0.05, m
+print("ok: optimizer state per rank under --zero 1 and 2: %s of %d bytes unsharded"
+      % ([m["optim_state_bytes"] for m in z2], 8 * n))
+PY
+
 # --- refusals -------------------------------------------------------------------
 start 2 z3 --model toy --max-steps 1 --zero 3
 rc=0
