@@ -87,12 +87,31 @@ case "$version" in
 [2-9].*) ;;
 *) echo "SKIP (PyTorch part): no PyTorch 2.x with numpy and safetensors at $tpy (scripts/install-deps.sh refs)"; exit 0 ;;
 esac
-[ -e /usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz ] ||
+# Fashion-MNIST with a test set of its first 1000 images, so that the
+# evaluations stay short under ASan; PyTorch's accuracy on the same 1000.
+fashion=/usr/share/datasets/fashion-mnist
+data=$tmp/fashion-small
+[ -e "$fashion/t10k-labels-idx1-ubyte.gz" ] && "$py" "$here/../support/fashion_small.py" "$fashion" "$data" 1000 ||
   { echo "SKIP (PyTorch part): no Fashion-MNIST"; exit 0; }
-world 2 conv --model convnet --max-steps 30 --momentum 0.9 --seed 5 --zero 2 --sharded-checkpoint \
-  --save "$tmp/conv" --json
+world 2 conv --model convnet --data "$data" --max-steps 30 --momentum 0.9 --seed 5 --zero 2 \
+  --sharded-checkpoint --save "$tmp/conv" --json
 "$ckpt" consolidate "$tmp/conv" "$tmp/conv.safetensors" || fail "consolidate the ConvNet"
 ddp_acc=$("$py" -c 'import json,sys; print(json.loads(open(sys.argv[1]).read().splitlines()[-1])["test_accuracy"])' "$tmp/conv.out.0")
-torch_acc=$("$tpy" "$here/../io/torch_interop.py" check "$tmp/conv.safetensors") || fail "PyTorch refused the consolidated file"
+torch_acc=$("$tpy" - "$here/../io" "$tmp/conv.safetensors" "$data" <<'PY'
+import sys
+sys.path.insert(0, sys.argv[1])
+import numpy as np, torch
+from safetensors.torch import load_file
+from torch_interop import ConvNet
+model = ConvNet()
+model.load_state_dict(load_file(sys.argv[2]), strict=True)  # names, shapes, nothing missing or extra
+raw = lambda name, off: np.fromfile("%s/%s" % (sys.argv[3], name), np.uint8)[off:]
+x = torch.from_numpy(raw("t10k-images-idx3-ubyte", 16).reshape(-1, 1, 28, 28).astype(np.float32) / 255.0)
+y = torch.from_numpy(raw("t10k-labels-idx1-ubyte", 8).astype(np.int64))
+model.eval()
+with torch.no_grad():
+    print("%.4f" % (model(x).argmax(1) == y).float().mean().item())
+PY
+) || fail "PyTorch refused the consolidated file"
 "$py" -c 'import sys; a, b = float(sys.argv[1]), float(sys.argv[2]); print("ok: consolidated ConvNet in PyTorch (strict=True): ddp %.4f torch %.4f" % (a, b)); sys.exit(abs(a - b) > 0.001)' "$ddp_acc" "$torch_acc" ||
   fail "the consolidated ConvNet's accuracy in PyTorch differs"
