@@ -438,8 +438,9 @@ static ddp_status sharded_read(sharded *c, const char *dir) {
                        "metadata %s: files of different saves", dir, path, sid ? sid : "none", id);
   }
   for (const ddp__json *t = tensors->first; t; t = t->next) {
-    DDP_TRY(assemble(c, t, &c->tensors[c->n_tensors]));
-    c->n_tensors++;
+    /* Counted before the check: a failed assembly's buffer is freed too. */
+    ddp_status s = assemble(c, t, &c->tensors[c->n_tensors++]);
+    if (s != DDP_OK) return s;
   }
   return DDP_OK;
 }
