@@ -26,6 +26,7 @@ parallel pipeline ps train hpo launch tools
 # Public headers named otherwise than include/ddp/<layer>.h, and their layer.
 PUBLIC_OWNER = {
     "tensorboard.h": "io",     # the TensorBoard event-file writer
+    "zero.h": "parallel",      # ZeRO stages 1 and 2, beside the DDP wrapper
     "ddp.h": "tools",          # the umbrella: every public header; for tools and users
 }
 

@@ -62,6 +62,9 @@ summary() { python3 -c 'import json, sys
 d = json.loads(open(sys.argv[1]).read().splitlines()[-1])
 for k in ("samples_per_s", "steady_samples_per_s", "steady_step_phases", "steady_preempted_ms_per_rank"):
     d.pop(k, None)
+# Bytes per rank (issue 41): not a timing, but a field revisions before it
+# lack; the states, logs and checkpoints compared below are what training did.
+d.pop("memory_per_rank", None)
 for stage in d.get("pipeline", {}).get("per_stage", []):
     stage.pop("idle_fraction", None)  # waiting over step time: a timing
 print(json.dumps(d, sort_keys=True))' "$1"; }

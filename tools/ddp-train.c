@@ -70,6 +70,8 @@ typedef struct train_args {
   const char *schedule;    /* --schedule: gpipe | 1f1b | interleaved (1f1b) */
   int64_t virtual_stages;  /* --virtual-stages v (interleaved: 2) */
   const char *split;       /* --split NAMES | auto (auto) */
+  int64_t zero;            /* --zero S: ZeRO stage (0 = none) */
+  bool sharded_checkpoint; /* --sharded-checkpoint */
 } train_args;
 
 static void usage(FILE *f) {
@@ -79,7 +81,8 @@ static void usage(FILE *f) {
 "Trains one of the seeds' models on one process (PyTorch's training loop, in C).\n"
 "\n"
 "Model\n"
-"  --model NAME         toy | headtail | convnet | psnet | convnet-N (N in 2..10)\n"
+"  --model NAME         toy | headtail | convnet | psnet | convnet-N (N in 2..10) |\n"
+"                       mlp:WxD (D linear layers of width W on the regression data)\n"
 "                       (default convnet)\n"
 "  --activation NAME    relu | sigmoid | tanh, for convnet-N (default relu)\n"
 "Data\n"
@@ -144,6 +147,14 @@ static void usage(FILE *f) {
 "  --bucket-cap-mb X    gradients are reduced in buckets of X MiB (the first 1 MiB;\n"
 "                       default 25, PyTorch's): smaller buckets overlap more of\n"
 "                       backward with communication, in more messages\n"
+"  --zero S            ZeRO stage 1 or 2 (docs/sharding.md): each rank keeps the optimizer\n"
+"                       state of its 1/W of the parameters (1), and receives only that\n"
+"                       range's reduced gradients (2); --save writes the ordinary\n"
+"                       checkpoint, which --resume loads at any world size and stage\n"
+"  --sharded-checkpoint --save DIR writes a directory: each rank its range of the\n"
+"                       parameters and optimizer state, rank 0 the metadata; --resume\n"
+"                       DIR loads it at any world size (ddp-ckpt consolidate DIR\n"
+"                       OUT.safetensors makes the model's state dict of it)\n"
 "  --dump-state PATH    after training, write every state-dict tensor as text lines\n"
 "                       'name numel v0 v1 ...' to PATH ({rank} in PATH: every rank writes\n"
 "                       its own file; otherwise rank 0 only). For comparing runs\n"
@@ -174,7 +185,8 @@ static void usage(FILE *f) {
 "                       test_loss, test_accuracy, steps, steady_step_phases (rank 0's\n"
 "                       mean of the per-step times above over those steps),\n"
 "                       steady_preempted_ms_per_rank (every rank's mean preempted_ms),\n"
-"                       epochs, world_size)\n"
+"                       memory_per_rank (every rank's param_bytes, grad_bytes,\n"
+"                       optim_state_bytes), epochs, world_size)\n"
 "Checkpoints (safetensors; docs/io.md)\n"
 "  --save PATH          at the end of training write the model's state dict to PATH (loads\n"
 "                       into PyTorch with load_state_dict(strict=True)) and the training\n"
@@ -256,6 +268,10 @@ static void parse_args(int argc, char **argv, train_args *a) {
       a->cuda_graph = true;
       continue;
     }
+    if (!strcmp(f, "--sharded-checkpoint") || !strcmp(f, "--sharded_checkpoint")) {
+      a->sharded_checkpoint = true;
+      continue;
+    }
     /* Every other option takes a value, as "--opt V" or "--opt=V". */
     static const char *const valued[] = {
         "--model", "--activation", "--data", "--samples", "--epochs", "--max-steps",
@@ -265,7 +281,7 @@ static void parse_args(int argc, char **argv, train_args *a) {
         "--device", "--tensorboard", "--trace", "--bucket-cap-mb", "--microbatches", "--pp",
         "--schedule", "--virtual-stages", "--split", "--param-servers", "--ps-mode", "--backend",
         "--step-sleep-ms", "--straggler", "--replicas",
-        "--elastic-batch"};
+        "--elastic-batch", "--zero"};
     char name[64];
     const char *eq;
     cli_valued_option(f, valued, sizeof valued / sizeof *valued, name, sizeof name, &eq);
@@ -308,6 +324,7 @@ static void parse_args(int argc, char **argv, train_args *a) {
     else if (!strcmp(name, "--schedule")) a->schedule = v;
     else if (!strcmp(name, "--virtual-stages")) a->virtual_stages = cli_parse_int(name, v, 1, INT64_MAX);
     else if (!strcmp(name, "--split")) a->split = v;
+    else if (!strcmp(name, "--zero")) a->zero = cli_parse_int(name, v, 1, 3);
     else if (!strcmp(name, "--param-servers") || !strcmp(name, "--ps-mode") ||
              !strcmp(name, "--step-sleep-ms") || !strcmp(name, "--straggler"))
       train_ps_parse(&a->ps, name, v);
@@ -343,7 +360,7 @@ static void parse_args(int argc, char **argv, train_args *a) {
 /* ---- Data ------------------------------------------------------------------ */
 
 static const char *default_data(const char *model) {
-  if (!strcmp(model, "toy")) return "regression";
+  if (!strcmp(model, "toy") || !strncmp(model, "mlp:", 4)) return "regression";
   if (!strcmp(model, "headtail")) return "toydata";
   return DEFAULT_DATA;
 }
@@ -644,6 +661,17 @@ static void print_summary(const train_args *a, const ddp_train_result *r) {
   }
   printf("], ");
   json_number(stdout, "epochs", r->epochs, true);
+  /* Each rank's training-state bytes (ZeRO shards the optimizer's). */
+  if (r->memory_per_rank) {
+    printf("\"memory_per_rank\": [");
+    for (int k = 0; k < r->world_size; k++) {
+      const ddp_train_memory *m = &r->memory_per_rank[k];
+      printf("%s{\"param_bytes\": %lld, \"grad_bytes\": %lld, \"optim_state_bytes\": %lld}",
+             k ? ", " : "", (long long)m->param_bytes, (long long)m->grad_bytes,
+             (long long)m->optim_state_bytes);
+    }
+    printf("], ");
+  }
   /* Under a pipeline: each stage's idle fraction and activation
    * high-water mark (replica 0's ranks). */
   if (r->n_stages) {
@@ -790,6 +818,8 @@ int main(int argc, char **argv) {
   o.cuda_graph = a.cuda_graph;
   o.bucket_cap_mb = a.bucket_cap_mb;
   o.microbatches = (int32_t)a.microbatches;
+  o.zero_stage = (int32_t)a.zero;
+  o.sharded_checkpoint = a.sharded_checkpoint;
   ddp_train_pipeline pipeline = {0};
   if (a.pp) {
     if (!world.pg || world.size % a.pp)

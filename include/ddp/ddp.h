@@ -13,6 +13,7 @@
 #include "ddp/io.h"
 #include "ddp/launch.h"
 #include "ddp/parallel.h"
+#include "ddp/zero.h"
 #include "ddp/pipeline.h"
 #include "ddp/rpc.h"
 #include "ddp/rpc_autograd.h"

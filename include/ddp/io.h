@@ -183,6 +183,51 @@ ddp_status ddp_checkpoint_load(const char *path, ddp_model *model, ddp_optimizer
                                ddp_scheduler *sched, ddp_train_state *ts, const ddp_kv *expect,
                                size_t expect_count);
 
+/* ---- Sharded checkpoints (docs/sharding.md) --------------------------------
+ * A directory instead of a pair of files (torch.distributed.checkpoint's
+ * idea): each rank writes the pieces of the parameters and of the
+ * optimizer state that fall in its range of the flat buffers
+ * (DIR/shard-R-of-W.ID.safetensors, one-dimensional tensors under the
+ * ordinary checkpoint's names), and rank 0 writes DIR/metadata.safetensors
+ * last: the training state, the buffers, and in its "ddp.layout" metadata
+ * every tensor's dtype, global shape and pieces (rank, offset, numel).
+ * Each file is written atomically; the metadata names the shards of its
+ * save by ID, so until its rename the previous checkpoint stays whole. A
+ * sharded checkpoint loads at any world size, with or without ZeRO. */
+
+/* Rank `rank` of `world`'s shard: floats [starts[rank], starts[rank + 1])
+ * of the flat buffers (starts: world + 1 range starts in the model's
+ * current layout), from `model`'s parameters and `opt`'s state (opt over
+ * exactly that range, as ZeRO narrows it, or over the whole buffers; NULL
+ * or without state: none). Rank 0's also holds the buffers. `id` names the
+ * save (the same on every rank; letters, digits, '-'). */
+ddp_status ddp_sharded_save_shard(const char *dir, const char *id, int rank, int world,
+                                  const int64_t *starts, const ddp_model *model,
+                                  ddp_optimizer *opt);
+/* Rank 0, after every rank's shard is on disk: the metadata file, then
+ * the shards of other saves removed. opt: any rank's (its lr, its
+ * scalars and whether it has state). */
+ddp_status ddp_sharded_save_metadata(const char *dir, const char *id, int world,
+                                     const int64_t *starts, const ddp_model *model,
+                                     ddp_optimizer *opt, const ddp_scheduler *sched,
+                                     const ddp_train_state *ts, const ddp_kv *metadata,
+                                     size_t metadata_count);
+/* Loads a sharded checkpoint into a model, an optimizer over the model's
+ * whole flat buffers (NULL: skipped) and a scheduler (NULL: skipped),
+ * whatever world size wrote it. Everything is read and checked (every
+ * piece inside its tensor, the pieces tiling it, every tensor of the
+ * model present with its shape, the shards from the same save) before
+ * anything changes; errors name the file, the tensor and the offset. */
+ddp_status ddp_sharded_load(const char *dir, ddp_model *model, ddp_optimizer *opt,
+                            ddp_scheduler *sched, ddp_train_state *ts, const ddp_kv *expect,
+                            size_t expect_count);
+/* Whether path is a directory holding metadata.safetensors. */
+bool ddp_sharded_is_checkpoint(const char *path);
+/* The model's whole state dict from the shards, written (atomically) to
+ * out as ddp_model_save writes it: PyTorch's names and order, "format":
+ * "pt", loadable with load_state_dict(strict=True). Needs no model. */
+ddp_status ddp_sharded_consolidate(const char *dir, const char *out);
+
 #ifdef __cplusplus
 }
 #endif

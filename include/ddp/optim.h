@@ -182,6 +182,17 @@ ddp_status ddp_optimizer_relayout(ddp_optimizer *opt, size_t n_segments,
                                   const int64_t *old_offsets, const int64_t *new_offsets,
                                   const int64_t *lengths);
 
+/* Narrows the optimizer to floats [offset, offset + n) of the buffers it
+ * covers (ZeRO's shard of the optimizer state, include/ddp/zero.h): from
+ * then on it updates params + offset from grads + offset, n floats, and
+ * every buffer entry of its state holds that range only (kept as it was;
+ * the rest is freed: the state's memory becomes n floats per entry).
+ * Scalars ("step"), the lr and has_state are kept. Allocates the narrowed
+ * state once; not for the steady state. CPU only (DDP_ERR_UNSUPPORTED on a
+ * device); n == 0 or a range past the buffers is DDP_ERR_RANGE, out of
+ * memory DDP_ERR_NOMEM; on error the optimizer is unchanged. */
+ddp_status ddp_optimizer_narrow(ddp_optimizer *opt, size_t offset, size_t n);
+
 /* ---- Learning-rate schedules -------------------------------------------- */
 
 typedef struct ddp_scheduler ddp_scheduler;

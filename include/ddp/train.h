@@ -58,6 +58,7 @@ typedef enum ddp_train_strategy {
   DDP_TRAIN_DATA_PARALLEL = 2, /* DistributedDataParallel over the group */
   DDP_TRAIN_PIPELINE = 3,      /* stages over the group (needs options.pipeline) */
   DDP_TRAIN_PARAM_SERVER = 4,  /* trainers of a parameter server (needs options.param_server) */
+  DDP_TRAIN_ZERO = 5,          /* ZeRO stage options.zero_stage over the group (ddp/zero.h) */
 } ddp_train_strategy;
 
 /* Where one step's time went, in milliseconds (PyTorch's DDP logging splits
@@ -223,7 +224,18 @@ typedef struct ddp_train_options {
    * gradients summed into the one model (sync_bn: SyncBatchNorm across
    * them). 0 or 1: the model alone. CPU; not with a group. (0) */
   int32_t replicas;
-  uint32_t reserved32; /* zero */
+  /* ZeRO (include/ddp/zero.h, docs/sharding.md): 1 or 2 shards the
+   * optimizer state (and, at 2, the gradients' reduction) over the group;
+   * AUTO then picks DDP_TRAIN_ZERO. Its checkpoints are the ordinary ones
+   * (the state gathered to rank 0), which load at any world size and
+   * stage. 0: none. (0) */
+  int16_t zero_stage;
+  /* save_path is a directory of shards (include/ddp/io.h, "Sharded
+   * checkpoints"): every rank writes its range of the parameters and of
+   * the optimizer state, rank 0 the metadata. resume_path may name such a
+   * directory whatever this option is. (false) */
+  bool sharded_checkpoint;
+  uint8_t reserved8; /* zero: the struct's last spare byte */
 } ddp_train_options;
 DDP_STRUCT_SIZE(ddp_train_options, 328);
 
@@ -249,6 +261,11 @@ typedef struct ddp_train_stage_stats {
   int64_t microbatch_activation_bytes; /* one micro-batch's forward alone */
 } ddp_train_stage_stats;
 
+/* One rank's training-state bytes (ddp_train_result.memory_per_rank). */
+typedef struct ddp_train_memory {
+  int64_t param_bytes, grad_bytes, optim_state_bytes;
+} ddp_train_memory;
+
 /* What ddp-train's --json summary reports. Filled by ddp_trainer_run; free
  * with ddp_train_result_free. NaN where a figure does not exist (no step
  * ran, a regression model's accuracy, steady figures within the first 10
@@ -269,7 +286,12 @@ typedef struct ddp_train_result {
    * replica 0 measured it over the whole run; NULL and 0 otherwise. */
   const struct ddp_train_stage_stats *stages; /* owned by the result */
   int64_t n_stages;
-  uint64_t reserved[2];
+  /* Each rank's training-state memory at the end (world_size entries, owned
+   * by the result): the bytes of the flat buffers its optimizer steps
+   * (parameters and gradients) and of its optimizer's state buffers (1/W
+   * of the unsharded under ZeRO). */
+  const struct ddp_train_memory *memory_per_rank;
+  uint64_t reserved[1];
 } ddp_train_result;
 DDP_STRUCT_SIZE(ddp_train_result, 176);
 

@@ -26,7 +26,7 @@ ddp_status ddp_checkpoint_train_path(const char *path, char *buf, size_t bytes) 
 /* ---- The training state's tensors ---------------------------------------------- */
 
 /* Names live in one buffer per save: "optimizer.state.<i>.<key>". */
-typedef struct train_entries {
+typedef struct ddp__ckpt_entries {
   ddp_safetensors_entry *e;
   size_t count, cap;
   char *names;
@@ -35,7 +35,8 @@ typedef struct train_entries {
   int64_t i64[16];
   double f64[8];
   int n_i64, n_f64;
-} train_entries;
+} ddp__ckpt_entries;
+typedef ddp__ckpt_entries train_entries;
 
 static const char *keep_name(train_entries *t, const char *fmt, int index, const char *key) {
   char tmp[256];
@@ -502,4 +503,49 @@ ddp_status ddp_checkpoint_load(const char *path, ddp_model *model, ddp_optimizer
   ddp_safetensors_free(train_st);
   ddp_safetensors_free(model_st);
   return s == DDP_OK ? DDP_OK : ddp_error_wrap(s, "loading checkpoint %s", path);
+}
+
+/* ---- For sharded checkpoints (sharded.c) ------------------------------------------ */
+
+ddp_status ddp__ckpt_train_entries(ddp__ckpt_entries **out, ddp_model *model, ddp_optimizer *opt,
+                                   const ddp_scheduler *sched, const ddp_train_state *ts) {
+  *out = ddp_calloc(1, sizeof **out);
+  if (!*out) return ddp_error(DDP_ERR_NOMEM, "checkpoint: cannot allocate the training state");
+  ddp_status s = build_train_entries(*out, model, opt, sched, ts);
+  if (s != DDP_OK) {
+    free_train_entries(*out);
+    ddp_free(*out);
+    *out = NULL;
+  }
+  return s;
+}
+
+const ddp_safetensors_entry *ddp__ckpt_entries_get(const ddp__ckpt_entries *t, size_t *count) {
+  *count = t->count;
+  return t->e;
+}
+
+void ddp__ckpt_entries_free(ddp__ckpt_entries *t) {
+  if (!t) return;
+  free_train_entries(t);
+  ddp_free(t);
+}
+
+ddp_status ddp__ckpt_read_train(const ddp_safetensors *st, ddp_model *model, ddp_scheduler *sched,
+                                ddp_train_state *ts, ddp_rng *rng, ddp_scheduler_state *ss) {
+  pending p;
+  memset(&p, 0, sizeof p);
+  ddp_status s = check_train_state(st, model, NULL, sched, &p);
+  if (s == DDP_OK) {
+    *ts = p.ts;
+    *rng = p.rng;
+    *ss = p.sched;
+  }
+  free_pending(&p);
+  return s;
+}
+
+ddp_status ddp__ckpt_get_scalar(const ddp_safetensors *st, const char *name, ddp_dtype dtype,
+                                void *out) {
+  return get_scalar(st, name, dtype, out);
 }

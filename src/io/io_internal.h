@@ -128,4 +128,23 @@ bool ddp__json_put_string(char *buf, size_t cap, size_t *pos, const char *s);
  * (a name, a path, a user's command line may hold quotes and controls). */
 void ddp__json_fput_string(FILE *f, const char *s);
 
+/* ---- Checkpoint pieces shared with sharded checkpoints (checkpoint.c) ---- */
+
+/* The training-state file's entries (train.*, rng.dropout, with opt its lr
+ * and per-parameter state at the parameters' offsets, with sched its
+ * state), built as ddp_checkpoint_save builds them. */
+typedef struct ddp__ckpt_entries ddp__ckpt_entries;
+ddp_status ddp__ckpt_train_entries(ddp__ckpt_entries **out, ddp_model *model, ddp_optimizer *opt,
+                                   const ddp_scheduler *sched, const ddp_train_state *ts);
+const ddp_safetensors_entry *ddp__ckpt_entries_get(const ddp__ckpt_entries *t, size_t *count);
+void ddp__ckpt_entries_free(ddp__ckpt_entries *t);
+/* Reads and checks train.*, rng.dropout and (with sched) scheduler.* of a
+ * training-state file, as ddp_checkpoint_load does; changes nothing. */
+ddp_status ddp__ckpt_read_train(const ddp_safetensors *st, ddp_model *model, ddp_scheduler *sched,
+                                ddp_train_state *ts, ddp_rng *rng, ddp_scheduler_state *ss);
+/* A scalar entry of dtype (DDP_ERR_FORMAT naming the file when absent or
+ * of another dtype or shape). */
+ddp_status ddp__ckpt_get_scalar(const ddp_safetensors *st, const char *name, ddp_dtype dtype,
+                                void *out);
+
 #endif /* DDP_IO_INTERNAL_H */

@@ -10,7 +10,7 @@
 #define CONVNET_N_MAX 10
 
 const char *ddp_model_names(void) {
-  return "toy, headtail, convnet, psnet, convnet-N (N in 2..10)";
+  return "toy, headtail, convnet, psnet, convnet-N (N in 2..10), mlp:WxD (W in 1..65536, D in 2..64)";
 }
 
 /* seed 001's ToyModel: net2(relu(net1(x))), x (N, 10) -> (N, 5). */
@@ -22,6 +22,38 @@ static ddp_status build_toy(ddp_model *m) {
   ddp_model_set_sample_shape(m, 1, (int64_t[]){10});
   m->num_outputs = 5;
   return DDP_OK;
+}
+
+/* mlp:WxD, for measuring memory at any size on the regression data: D
+ * linear layers fc0..fc{D-1}, 10 -> W -> ... -> W -> 5, a ReLU after each
+ * but the last (W * W per hidden layer: mlp:4096x8 has 100.8 M
+ * parameters). */
+static ddp_status build_mlp(ddp_model *m, long width, long depth) {
+  for (long i = 0; i < depth; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "fc%ld", i);
+    DDP_TRY(ddp_module_add_linear(m, NULL, name, i ? width : 10, i + 1 < depth ? width : 5, true,
+                                  NULL));
+    if (i + 1 < depth) {
+      snprintf(name, sizeof name, "relu%ld", i);
+      DDP_TRY(ddp_module_add_relu(m, NULL, name, NULL));
+    }
+  }
+  ddp_model_set_loss(m, DDP_LOSS_MSE);
+  ddp_model_set_sample_shape(m, 1, (int64_t[]){10});
+  m->num_outputs = 5;
+  return DDP_OK;
+}
+
+/* "mlp:WxD" into width and depth. */
+static bool parse_mlp(const char *name, long *width, long *depth) {
+  if (strncmp(name, "mlp:", 4) != 0) return false;
+  char *end;
+  *width = strtol(name + 4, &end, 10);
+  if (end == name + 4 || *end != 'x') return false;
+  const char *d = end + 1;
+  *depth = strtol(d, &end, 10);
+  return end != d && *end == '\0';
 }
 
 /* seed 000's ToyModel (split over two devices there): tail(head(x)), no
@@ -132,7 +164,12 @@ ddp_status ddp_model_build(const char *name, const char *act_name, uint64_t seed
   bool has_act = act_name && act_name[0];
   long n = 0;
   bool is_convnet_n = parse_convnet_n(name, &n);
-  bool known = is_convnet_n || !strcmp(name, "toy") || !strcmp(name, "headtail") ||
+  long width = 0, depth = 0;
+  bool is_mlp = parse_mlp(name, &width, &depth);
+  if (is_mlp && (width < 1 || width > 65536 || depth < 2 || depth > 64))
+    return ddp_error(DDP_ERR_INVALID, "nn: model '%s': mlp:WxD takes W in 1..65536 and D in 2..64",
+                     name);
+  bool known = is_convnet_n || is_mlp || !strcmp(name, "toy") || !strcmp(name, "headtail") ||
                !strcmp(name, "convnet") || !strcmp(name, "psnet");
   if (!known)
     return ddp_error(DDP_ERR_INVALID, "nn: unknown model '%s' (choose one of: %s)", name,
@@ -166,6 +203,8 @@ ddp_status ddp_model_build(const char *name, const char *act_name, uint64_t seed
   ddp_status s;
   if (is_convnet_n)
     s = build_convnet_n(m, (int)n, act);
+  else if (is_mlp)
+    s = build_mlp(m, width, depth);
   else if (!strcmp(name, "toy"))
     s = build_toy(m);
   else if (!strcmp(name, "headtail"))

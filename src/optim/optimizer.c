@@ -414,3 +414,38 @@ ddp_status ddp_optimizer_relayout(ddp_optimizer *opt, size_t n_segments,
   ddp_free(tmp);
   return DDP_OK;
 }
+
+ddp_status ddp_optimizer_narrow(ddp_optimizer *opt, size_t offset, size_t n) {
+  if (!opt) return ddp_error(DDP_ERR_INVALID, "optim: narrow: optimizer is NULL");
+  const char *kind = ddp_optim_kind_name(opt->options.kind);
+  if (opt->on_device)
+    return ddp_error(DDP_ERR_UNSUPPORTED, "%s: narrow: the optimizer is on a device (CPU only)",
+                     kind);
+  if (n == 0 || offset > opt->n || n > opt->n - offset)
+    return ddp_error(DDP_ERR_RANGE, "%s: narrow: [%zu, %zu) is not a non-empty range of its "
+                     "%zu floats", kind, offset, offset + n, opt->n);
+  size_t buffers = 0;
+  for (size_t k = 0; k < opt->state_count; k++) buffers += !opt->state[k].is_scalar;
+  float *mem = NULL;
+  if (buffers) {
+    mem = ddp_alloc(buffers * n * sizeof(float));
+    if (!mem)
+      return ddp_error(DDP_ERR_NOMEM, "%s: narrow: out of memory for %zu state buffers of %zu "
+                       "floats", kind, buffers, n);
+  }
+  float *next = mem;
+  for (size_t k = 0; k < opt->state_count; k++) {
+    ddp_optim_state *st = &opt->state[k];
+    if (st->is_scalar) continue;
+    memcpy(next, st->data + offset, n * sizeof(float));
+    st->data = next;
+    st->numel = n;
+    next += n;
+  }
+  ddp_free(opt->state_mem);
+  opt->state_mem = mem;
+  opt->params += offset;
+  opt->grads += offset;
+  opt->n = n;
+  return DDP_OK;
+}

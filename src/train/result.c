@@ -9,6 +9,37 @@ double ddp__train_per_second(int64_t count, double seconds) {
   return seconds > 0 ? (double)count / seconds : 0;
 }
 
+/* Every rank's parameter, gradient and optimizer-state bytes: its own
+ * entry filled, then summed over the group (float64 sums of byte counts
+ * below 2^53 are exact). */
+static ddp_status memory_figures(ddp_trainer *t, ddp_train_result *res) {
+  const int n = t->size > 0 ? t->size : 1, me = t->size > 0 ? t->rank : 0;
+  double *sums = ddp_calloc((size_t)n * 3, sizeof(double));
+  ddp_train_memory *mem = ddp_calloc((size_t)n, sizeof *mem);
+  if (!sums || !mem) {
+    ddp_free(sums);
+    ddp_free(mem);
+    return ddp_error(DDP_ERR_NOMEM, "out of memory for %d ranks' figures", n);
+  }
+  double flat = 4.0 * (double)ddp_model_num_param_elements(t->step_model);
+  double state = 0;
+  for (size_t k = 0; t->opt && k < ddp_optimizer_state_count(t->opt); k++) {
+    ddp_optim_state st;
+    if (ddp_optimizer_state_get(t->opt, k, &st) == DDP_OK && !st.is_scalar)
+      state += 4.0 * (double)st.numel;
+  }
+  sums[3 * me] = flat;
+  sums[3 * me + 1] = flat;
+  sums[3 * me + 2] = state;
+  ddp_status s = ddp__train_sum(t, sums, 3 * n);
+  for (int r = 0; r < n; r++)
+    mem[r] = (ddp_train_memory){(int64_t)sums[3 * r], (int64_t)sums[3 * r + 1], (int64_t)sums[3 * r + 2]};
+  ddp_free(sums);
+  res->memory_per_rank = mem;
+  if (s != DDP_OK) return ddp_error_wrap(s, "gathering the ranks' memory figures");
+  return DDP_OK;
+}
+
 ddp_status ddp__train_fill_result(ddp_trainer *t, const ddp__train_run *r, ddp_train_result *res) {
   int64_t steps_run = r->step - r->start.step;
   const int64_t warmup = DDP__TRAIN_WARMUP_STEPS;
@@ -44,6 +75,7 @@ ddp_status ddp__train_fill_result(ddp_trainer *t, const ddp__train_run *r, ddp_t
       steady_steps > 0 ? 1e3 * p->preempted_ms / steady_steps : NAN;
   ddp_status s = ddp__train_sum(t, res->steady_preempted_ms_per_rank, t->size);
   if (s != DDP_OK) return ddp_error_wrap(s, "gathering the ranks' preempted time");
+  DDP_TRY(memory_figures(t, res));
   if (t->strategy->figures) DDP_TRY(t->strategy->figures(t, res));
   return DDP_OK;
 }
@@ -54,5 +86,7 @@ void ddp_train_result_free(ddp_train_result *r) {
   r->steady_preempted_ms_per_rank = NULL;
   ddp_free((void *)r->stages);
   r->stages = NULL;
+  ddp_free((void *)r->memory_per_rank);
+  r->memory_per_rank = NULL;
   r->n_stages = 0;
 }

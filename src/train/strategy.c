@@ -10,6 +10,7 @@ static const ddp__train_strategy_ops *const strategies[] = {
     [DDP_TRAIN_DATA_PARALLEL] = &ddp__train_data_parallel,
     [DDP_TRAIN_PIPELINE] = &ddp__train_pipeline,
     [DDP_TRAIN_PARAM_SERVER] = &ddp__train_param_server,
+    [DDP_TRAIN_ZERO] = &ddp__train_zero,
 };
 
 #define N_STRATEGIES ((int)(sizeof strategies / sizeof strategies[0]))
@@ -27,6 +28,7 @@ ddp_status ddp__train_strategy_choose(const ddp_train_options *o, const ddp_proc
   if (kind == DDP_TRAIN_AUTO)
     kind = o->pipeline       ? DDP_TRAIN_PIPELINE
            : o->param_server ? DDP_TRAIN_PARAM_SERVER
+           : o->zero_stage   ? DDP_TRAIN_ZERO
            : pg              ? DDP_TRAIN_DATA_PARALLEL
                              : DDP_TRAIN_SINGLE;
   const ddp__train_strategy_ops *ops = strategies[kind];
@@ -43,6 +45,11 @@ ddp_status ddp__train_strategy_choose(const ddp_train_options *o, const ddp_proc
                      "strategy of its own): leave strategy at auto or set "
                      "DDP_TRAIN_PARAM_SERVER",
                      ops->name);
+  if (o->zero_stage && kind != DDP_TRAIN_ZERO)
+    return ddp_error(DDP_ERR_INVALID,
+                     "strategy %s contradicts options.zero_stage %d (ZeRO is a strategy of its "
+                     "own, over a group): leave strategy at auto or set DDP_TRAIN_ZERO",
+                     ops->name, (int)o->zero_stage);
   if (kind == DDP_TRAIN_PIPELINE && !o->pipeline)
     return ddp_error(DDP_ERR_INVALID,
                      "strategy pipeline needs options.pipeline (its stages and schedule)");

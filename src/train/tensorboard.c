@@ -88,6 +88,7 @@ static const char *strategy_name(ddp_train_strategy s) {
   case DDP_TRAIN_DATA_PARALLEL: return "data_parallel";
   case DDP_TRAIN_PIPELINE: return "pipeline";
   case DDP_TRAIN_PARAM_SERVER: return "param_server";
+  case DDP_TRAIN_ZERO: return "zero";
   }
   return "unknown";
 }

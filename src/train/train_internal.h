@@ -17,6 +17,7 @@
 #include "ddp/ps.h"
 #include "ddp/tensor.h"
 #include "ddp/train.h"
+#include "ddp/zero.h"
 
 /* What a strategy's step reports to the loop. */
 typedef struct ddp__train_step_out {
@@ -99,6 +100,7 @@ extern const ddp__train_strategy_ops ddp__train_single;
 extern const ddp__train_strategy_ops ddp__train_data_parallel;
 extern const ddp__train_strategy_ops ddp__train_pipeline;
 extern const ddp__train_strategy_ops ddp__train_param_server;
+extern const ddp__train_strategy_ops ddp__train_zero;
 
 /* The strategy of options o with group pg (strategy.c): the one o->strategy
  * names, or for DDP_TRAIN_AUTO the pipeline with options.pipeline, the
@@ -195,6 +197,13 @@ typedef struct ddp__train_run {
  * barrier until it is on disk. Collective. */
 ddp_status ddp__train_save(ddp_trainer *t, int64_t step, int64_t epoch, int64_t epoch_batches,
                            int64_t epoch_samples, const ddp__train_patience *pat);
+/* A sharded checkpoint of state *ts in options.save_path (a directory):
+ * rank r writes floats [starts[r], starts[r + 1]) of the parameters and of
+ * `opt`'s state (opt over that range, or over the whole buffers), then,
+ * once every rank has, rank 0 the metadata. Collective; every rank returns
+ * the same status. */
+ddp_status ddp__train_save_sharded(ddp_trainer *t, const ddp_train_state *ts, ddp_optimizer *opt,
+                                   const int64_t *starts);
 /* Where training starts: the beginning, or options.resume_path loaded
  * through the strategy (refused when saved mid-epoch by another number of
  * shards by a version that did not record the epoch's position in samples). */

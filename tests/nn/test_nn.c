@@ -459,10 +459,29 @@ static void expect_build_error(const char *name, const char *act, const char *ne
              act ? act : "NULL", ddp_last_error(), needle);
 }
 
+/* mlp:WxD: D linear layers 10 -> W -> ... -> 5 with PyTorch's shapes. */
+static void test_mlp_builder(void **state) {
+  (void)state;
+  ddp_model *m;
+  assert_int_equal(ddp_model_build("mlp:16x4", NULL, 1, &m), DDP_OK);
+  assert_int_equal(ddp_model_num_params(m), 8);
+  assert_int_equal(ddp_model_num_param_elements(m), (10 * 16 + 16) + 2 * (16 * 16 + 16) + (16 * 5 + 5));
+  ddp_tensor *w = ddp_model_find_param(m, "fc3.weight");
+  assert_non_null(w);
+  assert_int_equal(w->shape[0], 5);
+  assert_int_equal(w->shape[1], 16);
+  assert_string_equal(ddp_model_name(m), "mlp:16x4");
+  ddp_model_destroy(m);
+}
+
 static void test_bad_builder_arguments(void **state) {
   (void)state;
-  const char *list = "toy, headtail, convnet, psnet, convnet-N (N in 2..10)";
+  const char *list = "toy, headtail, convnet, psnet, convnet-N (N in 2..10), mlp:WxD";
   expect_build_error("resnet50", NULL, list);
+  expect_build_error("mlp:0x3", NULL, "W in 1..65536 and D in 2..64");
+  expect_build_error("mlp:8x1", NULL, "W in 1..65536 and D in 2..64");
+  expect_build_error("mlp:8x", NULL, list);
+  expect_build_error("mlp:8x3y", NULL, list);
   expect_build_error("resnet50", NULL, "unknown model 'resnet50'");
   expect_build_error(NULL, NULL, list);
   expect_build_error("", NULL, list);
@@ -692,6 +711,7 @@ int main(void) {
       cmocka_unit_test(test_zero_grad),
       cmocka_unit_test(test_clip_grad_norm),
       cmocka_unit_test(test_train_eval_and_loss_kinds),
+      cmocka_unit_test(test_mlp_builder),
       cmocka_unit_test(test_bad_builder_arguments),
       cmocka_unit_test(test_custom_model_errors),
       cmocka_unit_test(test_build_survives_allocation_failures),

@@ -622,6 +622,61 @@ static void test_device_option(void **state) {
 
 /* ---- No allocation at scale --------------------------------------------------------- */
 
+/* ddp_optimizer_narrow (ZeRO's shard): a narrowed optimizer keeps its
+ * range's state and steps that range exactly as the whole optimizer steps
+ * it (every kind is elementwise); bad ranges are refused, unchanged. */
+static void test_narrow_steps_its_range(void **state) {
+  (void)state;
+  enum { N = 23, LO = 7, LEN = 9 };
+  for (int kind = 0; kind < DDP_OPTIM_KIND_COUNT; kind++) {
+    ddp_optim_options o = ddp_optim_defaults((ddp_optim_kind)kind);
+    o.weight_decay = 0.01;
+    if (kind == DDP_OPTIM_SGD) o.sgd.momentum = 0.9;
+    float pw[N], pn[N], g[N], st[N];
+    for (int i = 0; i < N; i++) {
+      pw[i] = pn[i] = 0.1f * (float)(i - 11);
+      g[i] = 0.05f * (float)((i * 7) % 5) - 0.1f;
+      st[i] = 0.001f * (float)(i + 1);
+    }
+    ddp_optimizer *whole, *part;
+    assert_int_equal(ddp_optimizer_create(&whole, &o, pw, g, N), DDP_OK);
+    assert_int_equal(ddp_optimizer_create(&part, &o, pn, g, N), DDP_OK);
+    for (size_t k = 0; k < ddp_optimizer_state_count(whole); k++) {
+      ddp_optim_state e;
+      assert_int_equal(ddp_optimizer_state_get(whole, k, &e), DDP_OK);
+      float step = 2;
+      assert_int_equal(ddp_optimizer_state_load(whole, e.name, e.is_scalar ? &step : st, e.numel), DDP_OK);
+      assert_int_equal(ddp_optimizer_state_load(part, e.name, e.is_scalar ? &step : st, e.numel), DDP_OK);
+    }
+    assert_int_equal(ddp_optimizer_narrow(part, N - 3, 4), DDP_ERR_RANGE);
+    assert_int_equal(ddp_optimizer_narrow(part, 0, 0), DDP_ERR_RANGE);
+    assert_int_equal(ddp_optimizer_numel(part), N);
+    assert_int_equal(ddp_optimizer_narrow(part, LO, LEN), DDP_OK);
+    assert_int_equal(ddp_optimizer_numel(part), LEN);
+    for (int t = 0; t < 3; t++) {
+      assert_int_equal(ddp_optimizer_step(whole), DDP_OK);
+      assert_int_equal(ddp_optimizer_step(part), DDP_OK);
+    }
+    /* The range moved as the whole one did; outside it nothing moved. */
+    assert_memory_equal(pn + LO, pw + LO, LEN * sizeof(float));
+    for (int i = 0; i < N; i++)
+      if (i < LO || i >= LO + LEN) assert_true(pn[i] == 0.1f * (float)(i - 11));
+    for (size_t k = 0; k < ddp_optimizer_state_count(whole); k++) {
+      ddp_optim_state w, p;
+      assert_int_equal(ddp_optimizer_state_get(whole, k, &w), DDP_OK);
+      assert_int_equal(ddp_optimizer_state_get(part, k, &p), DDP_OK);
+      if (w.is_scalar) {
+        assert_true(p.data[0] == w.data[0]);
+      } else {
+        assert_int_equal(p.numel, LEN);
+        assert_memory_equal(p.data, w.data + LO, LEN * sizeof(float));
+      }
+    }
+    ddp_optimizer_destroy(whole);
+    ddp_optimizer_destroy(part);
+  }
+}
+
 static void test_step_allocates_nothing(void **state) {
   (void)state;
   const size_t n = 1 << 16;
@@ -671,6 +726,7 @@ int main(void) {
       cmocka_unit_test(test_sgd_loaded_buffer_is_not_first_step),
       cmocka_unit_test(test_bad_options),
       cmocka_unit_test(test_step_lr_against_torch),
+      cmocka_unit_test(test_narrow_steps_its_range),
       cmocka_unit_test(test_step_allocates_nothing),
       cmocka_unit_test(test_device_option),
   };

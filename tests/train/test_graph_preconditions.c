@@ -176,11 +176,14 @@ static void test_options_layout(void **state) {
   assert_int_equal(offsetof(ddp_train_options, param_server) -
                        offsetof(ddp_train_options, pipeline),
                    sizeof(uint64_t));
-  /* replicas (issue 43, DataParallel) took the last word, with 4 bytes to spare. */
+  /* The last word: replicas (issue 43, DataParallel), zero_stage and
+   * sharded_checkpoint (issue 41, ZeRO), one spare byte. */
   assert_int_equal(offsetof(ddp_train_options, replicas) - offsetof(ddp_train_options, cuda_graph),
                    6 * sizeof(uint64_t));
-  assert_int_equal(sizeof ((ddp_train_options *)0)->replicas + sizeof ((ddp_train_options *)0)->reserved32,
-                   1 * sizeof(uint64_t));
+  assert_int_equal(offsetof(ddp_train_options, zero_stage) - offsetof(ddp_train_options, replicas),
+                   sizeof(int32_t));
+  assert_int_equal(offsetof(ddp_train_options, sharded_checkpoint) - offsetof(ddp_train_options, zero_stage),
+                   sizeof(int16_t));
   assert_int_equal(sizeof(ddp_train_options),
                    offsetof(ddp_train_options, cuda_graph) + 7 * sizeof(uint64_t));
   assert_false(ddp_train_defaults().cuda_graph);

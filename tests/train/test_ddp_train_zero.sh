@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# ddp-train --zero 1|2 as real processes (torchrun's variables by hand, the
+# shared-memory backend, whose reductions add ranks in rank order):
+#  - the ConvNet (Fashion-MNIST, when present; else the toy model), 20
+#    steps of SGD with momentum and of Adam, at 2 and 3 ranks: the state
+#    after training bit-identical to plain data parallelism's (--dump-state),
+#    and the checkpoints' optimizer state too;
+#  - the toy model at 4 ranks, --zero 2 --microbatches 2: bit-identical to
+#    plain data parallelism with the same micro-batches;
+#  - checkpoints across world sizes and stages: --zero 2 at 4 ranks saved at
+#    an epoch's end, resumed at 2 ranks with --zero 1, saved, resumed at 3
+#    ranks with --zero 2: both checkpoint files bit-identical to a run without
+#    ZeRO stopped and resumed the same way;
+#  - --zero 3 and --zero without a group are refused, saying why.
+set -uo pipefail
+skip() { echo "SKIP: $*"; exit 77; }
+fail() { echo "FAIL: $*"; exit 1; }
+bin=${DDP_BIN_DIR:?}/ddp-train
+here=$(cd "$(dirname "$0")" && pwd)
+py=$(command -v python3) || skip "no python3 to compare the files"
+tmp=$(mktemp -d)
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; rm -rf "$tmp"; }
+trap cleanup EXIT
+unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT DDP_STORE_ADDR \
+  SLURM_PROCID SLURM_STEP_NUM_TASKS OMPI_COMM_WORLD_SIZE PMI_SIZE
+export DDP_TIMEOUT=60
+. "$here/../support/train_ranks.sh"
+same() { "$py" "$here/st_compare.py" "$1" "$2" || fail "$1 and $2 differ"; }
+
+fashion=/usr/share/datasets/fashion-mnist
+data=$tmp/fashion-small
+if [ -e "$fashion/t10k-labels-idx1-ubyte.gz" ] &&
+  "$py" "$here/../support/fashion_small.py" "$fashion" "$data" 1000; then
+  base=(--model convnet --data "$data" --seed 2 --max-steps 20 --batch-size 16)
+else
+  echo "(no Fashion-MNIST at $fashion: the toy model instead of the ConvNet)"
+  base=(--model toy --seed 2 --max-steps 20 --batch-size 16)
+fi
+
+# --- ZeRO-1 and ZeRO-2 == plain data parallelism, bit for bit -----------------
+for n in 2 3; do
+  for opt in "--optimizer sgd --lr 0.01 --momentum 0.9 --weight-decay 1e-4" \
+             "--optimizer adam --lr 0.001"; do
+    tag=$(echo "$opt" | cut -d' ' -f2)
+    # shellcheck disable=SC2086
+    world $n ref.$tag.$n "${base[@]}" $opt --dump-state "$tmp/ref.$tag.$n.{rank}" \
+      --save "$tmp/ref.$tag.$n.safetensors"
+    for stage in 1 2; do
+      # shellcheck disable=SC2086
+      world $n z$stage.$tag.$n "${base[@]}" $opt --zero $stage \
+        --dump-state "$tmp/z$stage.$tag.$n.{rank}" --save "$tmp/z$stage.$tag.$n.safetensors"
+      for ((r = 0; r < n; r++)); do
+        # Each rank against the same rank (BatchNorm's running statistics
+        # are a rank's own since the last forward's broadcast).
+        cmp -s "$tmp/z$stage.$tag.$n.$r" "$tmp/ref.$tag.$n.$r" ||
+          fail "--zero $stage, $tag, $n ranks: rank $r's state differs from plain data parallelism's"
+      done
+      same "$tmp/z$stage.$tag.$n.train.safetensors" "$tmp/ref.$tag.$n.train.safetensors"
+      echo "ok: --zero $stage $tag at $n ranks: bit-identical to data parallelism (state and checkpoint)"
+    done
+  done
+done
+
+# --- micro-batches at 4 ranks ----------------------------------------------------
+toy=(--model toy --seed 5 --batch-size 16 --optimizer adam --lr 0.01 --max-steps 20)
+world 4 mref "${toy[@]}" --microbatches 2 --dump-state "$tmp/mref"
+world 4 mz "${toy[@]}" --microbatches 2 --zero 2 --dump-state "$tmp/mz"
+cmp -s "$tmp/mz" "$tmp/mref" || fail "--zero 2 --microbatches 2 at 4 ranks differs from data parallelism"
+echo "ok: --zero 2 --microbatches 2 at 4 ranks: bit-identical"
+
+# --- checkpoints across world sizes and stages ----------------------------------
+# 1024 samples, batch 16: an epoch is 16 steps at 4 ranks, 32 at 2, 22 at 3.
+ck=(--model toy --seed 7 --batch-size 16 --optimizer adam --lr 0.01 --weight-decay 1e-4)
+world 4 c1 "${ck[@]}" --epochs 1 --zero 2 --save "$tmp/c1.safetensors"
+world 2 c2 "${ck[@]}" --epochs 2 --zero 1 --resume "$tmp/c1.safetensors" --save "$tmp/c2.safetensors"
+world 3 c3 "${ck[@]}" --epochs 3 --zero 2 --resume "$tmp/c2.safetensors" --save "$tmp/c3.safetensors"
+world 4 u1 "${ck[@]}" --epochs 1 --save "$tmp/u1.safetensors"
+world 2 u2 "${ck[@]}" --epochs 2 --resume "$tmp/u1.safetensors" --save "$tmp/u2.safetensors"
+world 3 u3 "${ck[@]}" --epochs 3 --resume "$tmp/u2.safetensors" --save "$tmp/u3.safetensors"
+for k in 1 2 3; do
+  same "$tmp/c$k.safetensors" "$tmp/u$k.safetensors"
+  same "$tmp/c$k.train.safetensors" "$tmp/u$k.train.safetensors"
+done
+echo "ok: ZeRO-2 at 4 ranks -> ZeRO-1 at 2 -> ZeRO-2 at 3, saved and resumed: bit-identical to the unsharded runs"
+
+# --- memory: the optimizer state per rank is 1/W of the unsharded ----------------
+mem=(--model mlp:256x4 --optimizer adam --lr 0.001 --max-steps 2 --batch-size 8 --json)
+world 4 mdp "${mem[@]}"
+world 4 mz1 "${mem[@]}" --zero 1
+world 4 mz2 "${mem[@]}" --zero 2
+"$py" - "$tmp/mdp.out.0" "$tmp/mz1.out.0" "$tmp/mz2.out.0" <<'PY' || fail "memory figures"
+import json, sys
+dp, z1, z2 = (json.loads(open(p).read().splitlines()[-1])["memory_per_rank"] for p in sys.argv[1:])
+n = 10 * 256 + 256 + 2 * (256 * 256 + 256) + 256 * 5 + 5      # mlp:256x4's floats
+for r in range(4):
+    assert dp[r] == {"param_bytes": 4 * n, "grad_bytes": 4 * n, "optim_state_bytes": 8 * n}, dp[r]
+for z in (z1, z2):
+    assert sum(m["optim_state_bytes"] for m in z) == 8 * n, z     # every float's state once
+    for m in z:
+        assert m["param_bytes"] == 4 * n and m["grad_bytes"] == 4 * n, m
+        assert abs(m["optim_state_bytes"] * 4 / (8 * n) - 1) <= 0.05, m
+print("ok: optimizer state per rank under --zero 1 and 2: %s of %d bytes unsharded"
+      % ([m["optim_state_bytes"] for m in z2], 8 * n))
+PY
+
+# --- refusals -------------------------------------------------------------------
+start 2 z3 --model toy --max-steps 1 --zero 3
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+pids=()
+[ $rc -ne 0 ] && grep -q "zero_stage 3" "$tmp/z3.err.0" || fail "--zero 3 was not refused with its reason"
+timeout 60 "$bin" --model toy --max-steps 1 --zero 1 >"$tmp/one.out" 2>"$tmp/one.err" &&
+  fail "--zero without a group was accepted"
+grep -q "needs a process group" "$tmp/one.err" || fail "--zero without a group: $(cat "$tmp/one.err")"
+echo "ok: refusals"
