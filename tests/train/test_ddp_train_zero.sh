@@ -71,7 +71,9 @@ echo "ok: --zero 2 --microbatches 2 at 4 ranks: bit-identical"
 
 # --- checkpoints across world sizes and stages ----------------------------------
 # 1024 samples, batch 16: an epoch is 16 steps at 4 ranks, 32 at 2, 22 at 3.
-ck=(--model toy --seed 7 --batch-size 16 --optimizer adam --lr 0.01 --weight-decay 1e-4)
+# A per-rank batch of 16 at every world (--elastic-batch per-rank): the
+# default keeps the global batch, which 3 ranks cannot divide from 4 x 16.
+ck=(--model toy --seed 7 --batch-size 16 --elastic-batch per-rank --optimizer adam --lr 0.01 --weight-decay 1e-4)
 world 4 c1 "${ck[@]}" --epochs 1 --zero 2 --save "$tmp/c1.safetensors"
 world 2 c2 "${ck[@]}" --epochs 2 --zero 1 --resume "$tmp/c1.safetensors" --save "$tmp/c2.safetensors"
 world 3 c3 "${ck[@]}" --epochs 3 --zero 2 --resume "$tmp/c2.safetensors" --save "$tmp/c3.safetensors"

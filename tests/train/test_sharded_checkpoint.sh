@@ -33,7 +33,9 @@ same() { "$py" "$here/st_compare.py" "$1" "$2" || fail "$1 and $2 differ"; }
 
 # --- across world sizes and stages ----------------------------------------------
 # 1024 samples, batch 16: an epoch is 16 steps at 4 ranks, 32 at 2, 22 at 3.
-ck=(--model toy --seed 7 --batch-size 16 --optimizer adam --lr 0.01 --weight-decay 1e-4)
+# A per-rank batch of 16 at every world (--elastic-batch per-rank): the
+# default keeps the global batch, which 3 ranks cannot divide from 4 x 16.
+ck=(--model toy --seed 7 --batch-size 16 --elastic-batch per-rank --optimizer adam --lr 0.01 --weight-decay 1e-4)
 world 4 s1 "${ck[@]}" --epochs 1 --zero 2 --sharded-checkpoint --save "$tmp/s1"
 [ "$(ls "$tmp/s1" | wc -l)" = 5 ] || fail "4 ranks wrote $(ls "$tmp/s1" | wc -l) files, not 4 shards and the metadata"
 world 2 s2 "${ck[@]}" --epochs 2 --zero 1 --sharded-checkpoint --resume "$tmp/s1" --save "$tmp/s2"
@@ -49,6 +51,17 @@ world 2 p2 "${ck[@]}" --epochs 2 --resume "$tmp/s1" --save "$tmp/p2.safetensors"
 same "$tmp/p2.safetensors" "$tmp/u2.safetensors"
 same "$tmp/p2.train.safetensors" "$tmp/u2.train.safetensors"
 echo "ok: plain data parallelism resumes from the shards as from the ordinary checkpoint"
+
+# The default keeps the global batch at a new world (elastic rounds): from
+# shards as from the ordinary checkpoint, 4 x 16 become 2 x 32.
+g=(--model toy --seed 7 --batch-size 16 --optimizer adam --lr 0.01)
+world 4 g1 "${g[@]}" --epochs 1 --sharded-checkpoint --save "$tmp/g1"
+world 4 h1 "${g[@]}" --epochs 1 --save "$tmp/h1.safetensors"
+world 2 g2 "${g[@]}" --epochs 2 --resume "$tmp/g1" --save "$tmp/g2.safetensors"
+world 2 h2 "${g[@]}" --epochs 2 --resume "$tmp/h1.safetensors" --save "$tmp/h2.safetensors"
+same "$tmp/g2.safetensors" "$tmp/h2.safetensors"
+same "$tmp/g2.train.safetensors" "$tmp/h2.train.safetensors"
+echo "ok: the global batch kept at a new world, from shards as from the ordinary checkpoint"
 
 "$ckpt" consolidate "$tmp/s1" "$tmp/c1.safetensors" || fail "consolidate"
 same "$tmp/c1.safetensors" "$tmp/u1.safetensors"

@@ -21,7 +21,14 @@ ddp_status train_elastic_batch(const char *resume_path, int64_t replicas, int64_
   *changed = 0;
   if (!resume_path) return DDP_OK;
   char train[4096];
-  DDP_TRY(ddp_checkpoint_train_path(resume_path, train, sizeof train));
+  if (ddp_sharded_is_checkpoint(resume_path)) {
+    /* A sharded checkpoint's metadata file holds the training state and
+     * the run's metadata, as a checkpoint's .train file does. */
+    if (snprintf(train, sizeof train, "%s/metadata.safetensors", resume_path) >= (int)sizeof train)
+      return ddp_error(DDP_ERR_INVALID, "--resume %s: path too long", resume_path);
+  } else {
+    DDP_TRY(ddp_checkpoint_train_path(resume_path, train, sizeof train));
+  }
   if (access(train, R_OK) != 0) return DDP_OK; /* the trainer's load says what is missing */
   ddp_safetensors *st;
   DDP_TRY(ddp_safetensors_read(train, &st));
