@@ -217,8 +217,12 @@ ddp_status ddp__job_launch(const ddp_launch_config *cfg, ddp__job *job, double t
   if (job->error_dir && job->error_dir[0])
     snprintf(agent.world.error_dir, sizeof agent.world.error_dir, "%s", job->error_dir);
   else if (job->error_dir && agent.world.debug_dir[0])
-    snprintf(agent.world.error_dir, sizeof agent.world.error_dir, "%.*s/errors",
-             (int)sizeof agent.world.error_dir - 8, agent.world.debug_dir);
+    /* The pid keeps this agent's records apart from other runs' when
+     * DDP_DEBUG_DIR is one folder for many (each prunes its own at the
+     * end; a shared errors/ had one run's pruning remove the folders
+     * another was creating, and two runs' workers sharing records). */
+    snprintf(agent.world.error_dir, sizeof agent.world.error_dir, "%.*s/errors-%ld",
+             (int)sizeof agent.world.error_dir - 32, agent.world.debug_dir, (long)getpid());
   if (job->error_dir_out) snprintf(job->error_dir_out, job->error_dir_out_bytes, "%s", agent.world.error_dir);
   st = ddp__signals_install();
   if (st == DDP_OK) {
