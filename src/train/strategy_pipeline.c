@@ -173,11 +173,13 @@ static void pipeline_destroy(ddp_trainer *t) {
   t->state = NULL;
   t->step_model = t->model;
   if (!ps) return;
+  /* The wrapper before the pipeline: it wraps the pipeline's stage model
+   * (and unmarks it when destroyed). */
+  ddp_dp_destroy(ps->stage_dp);
   ddp_pipeline_destroy(ps->pp);
   ddp_tensor_destroy(ps->eval_out);
   ddp_optimizer_destroy(ps->full_opt);
   ddp_free(ps->gather);
-  ddp_dp_destroy(ps->stage_dp);
   ddp_process_group_destroy(ps->stage_dp_pg);
   ddp_process_group_destroy(ps->pipe_pg);
   ddp_free(ps);
