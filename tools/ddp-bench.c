@@ -866,9 +866,7 @@ static void parse_args(int argc, char **argv, bench_opts *o) {
       if (!strcmp(v, "tcp")) o->transport = "tcp";
       else if (strcmp(v, "auto") != 0) cli_die_usage("unknown transport \"%s\" (auto or tcp)", v);
     } else if (!strcmp(a, "--backend")) {
-      if (strcmp(v, "ddp") && strcmp(v, "gloo") && strcmp(v, "mpi") && strcmp(v, "nccl") && strcmp(v, "auto"))
-        cli_die_usage("unknown backend \"%s\" (ddp, mpi or nccl)", v);
-      o->backend = v;
+      o->backend = cli_parse_backend(a, v);
     } else if (!strcmp(a, "--bind") || !strcmp(a, "--bind-to")) {
       ddp_launch_bind mode;
       if (ddp__bind_parse(a, v, &mode) != DDP_OK) cli_die_usage("%s", ddp_last_error());

@@ -187,9 +187,7 @@ static void parse_args(int argc, char **argv, args *a) {
     else if (!strcmp(name, "--backend")) {
       /* The world group's engine and its workers' subgroups (DDP_BACKEND,
        * docs/comm.md): ddp, mpi or nccl. */
-      if (strcmp(v, "ddp") && strcmp(v, "gloo") && strcmp(v, "mpi") && strcmp(v, "nccl") && strcmp(v, "auto"))
-        cli_die_usage("--backend expects ddp, mpi or nccl, got '%s'", v);
-      setenv("DDP_BACKEND", v, 1);
+      setenv("DDP_BACKEND", cli_parse_backend(name, v), 1);
     }
     else if (!strcmp(name, "--top-n")) a->top_n = cli_parse_int(name, v, 1, INT64_MAX);
     else if (!strcmp(name, "--log")) a->log_path = v;

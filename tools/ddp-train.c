@@ -331,9 +331,7 @@ static void parse_args(int argc, char **argv, train_args *a) {
     else if (!strcmp(name, "--backend")) {
       /* The process group's engine (options.backend, read as DDP_BACKEND by
        * the group ddp-train makes): ddp, mpi or nccl (docs/comm.md). */
-      if (strcmp(v, "ddp") && strcmp(v, "gloo") && strcmp(v, "mpi") && strcmp(v, "nccl") && strcmp(v, "auto"))
-        cli_die_usage("--backend expects ddp, mpi or nccl, got '%s'", v);
-      setenv("DDP_BACKEND", v, 1);
+      setenv("DDP_BACKEND", cli_parse_backend(name, v), 1);
     }
     else if (!strcmp(name, "--replicas")) a->replicas = cli_parse_int(name, v, 1, 1024);
     else if (!strcmp(name, "--bucket-cap-mb")) {

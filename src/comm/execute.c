@@ -187,6 +187,12 @@ static inline __attribute__((always_inline)) ddp_status op_end(ddp_process_group
   return DDP_OK;
 }
 
+/* The backend an op runs on: host buffers skip staged.c's wrapper
+ * (pg->host_backend, the same as pg->backend where nothing is staged). */
+static inline ddp__backend *op_backend(const ddp_process_group *pg, const ddp__op_args *args) {
+  return args->device.type == DDP_DEVICE_CPU ? pg->host_backend : pg->backend;
+}
+
 /* The bodies of ddp__op_start and ddp__op_finish, inlined into
  * ddp__op_execute too: a blocking call on ddp's own backends then runs
  * through no call of the group layer's but the backend's own. */
@@ -215,8 +221,7 @@ static inline __attribute__((always_inline)) ddp_status op_start(ddp_process_gro
     st = ddp__debug_check(pg, args, ctx);
   if (st == DDP_OK) {
     ddp__completion_reset(c);
-    /* Host buffers skip staged.c's wrapper (pg->host_backend). */
-    ddp__backend *b = args->device.type == DDP_DEVICE_CPU ? pg->host_backend : pg->backend;
+    ddp__backend *b = op_backend(pg, args);
     /* ddp's own backends: the adapter's body inlined here, so the group
      * layer adds no call to theirs (an 8-byte allreduce costs ~0.12 us in
      * all at 2 ranks, ~0.03 us of it the group layer's). */
@@ -233,7 +238,7 @@ static inline __attribute__((always_inline)) ddp_status op_finish(ddp_process_gr
                                                                   const ddp__op_ctx *ctx,
                                                                   ddp__completion *c) {
   if (completion_done(c) && c->status == DDP_OK) return op_end(pg, args, DDP_OK); /* the common case */
-  ddp__backend *b = args->device.type == DDP_DEVICE_CPU ? pg->host_backend : pg->backend;
+  ddp__backend *b = op_backend(pg, args);
   ddp_status st = ddp__backend_complete(b, ctx, c);
   if (st != DDP_OK && !completion_done(c)) {
     /* The deadline passed or the group was aborted with the op still in

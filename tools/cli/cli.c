@@ -19,6 +19,15 @@ _Noreturn void cli_die_usage(const char *fmt, const char *arg) {
   exit(2);
 }
 
+const char *cli_parse_backend(const char *flag, const char *v) {
+  static const char *const names[] = {"ddp", "gloo", "mpi", "nccl", "auto"};
+  for (size_t i = 0; i < sizeof names / sizeof *names; i++)
+    if (!strcmp(v, names[i])) return v;
+  char msg[192];
+  snprintf(msg, sizeof msg, "%s expects ddp, mpi or nccl, got '%.80s'", flag, v);
+  cli_die_usage("%s", msg);
+}
+
 int64_t cli_parse_int(const char *flag, const char *v, int64_t lo, int64_t hi) {
   char *end;
   errno = 0;

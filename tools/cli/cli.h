@@ -17,6 +17,9 @@ _Noreturn void cli_die_usage(const char *fmt, const char *arg);
  * flag: "<flag> expects an integer >= lo, got 'v'" (hi INT64_MAX) or
  * "<flag> expects an integer from lo to hi, got 'v'". */
 int64_t cli_parse_int(const char *flag, const char *v, int64_t lo, int64_t hi);
+/* v as a --backend value (ddp, gloo, mpi, nccl or auto: the names the
+ * process group takes, docs/comm.md), else a usage error naming flag. */
+const char *cli_parse_backend(const char *flag, const char *v);
 /* A valued option's name: f ("--opt", "--opt=V", "--o_pt") up to its '='
  * (*eq: the '=', or NULL), with '_' read as '-' (PyTorch's and Propulate's
  * spellings), into name[bytes]; a usage error unless it is one of
