@@ -44,6 +44,18 @@ typedef enum ddp_dtype {
 size_t ddp_dtype_size(ddp_dtype dtype);
 const char *ddp_dtype_name(ddp_dtype dtype); /* "float32", ... */
 
+/* A run's arithmetic precision (ddp-train --precision; issue 42, mixed
+ * precision): FP32, every op in float32 (the default); BF16 and FP16,
+ * autocast's low-precision ops in that type with float32 accumulation;
+ * TF32, float32 storage with the GPU's TF32 matrix math (opt-in only). */
+typedef enum ddp_precision {
+  DDP_PRECISION_FP32 = 0,
+  DDP_PRECISION_BF16 = 1,
+  DDP_PRECISION_FP16 = 2,
+  DDP_PRECISION_TF32 = 3,
+  DDP_PRECISION_COUNT
+} ddp_precision;
+
 /* float16 / bfloat16 <-> float32, one value at a time; inline, so that loops
  * over buffers vectorise (comm's reductions compute through them). Bit
  * manipulation after Fabian Giesen's half conversions: exact widening

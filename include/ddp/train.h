@@ -235,9 +235,26 @@ typedef struct ddp_train_options {
    * the optimizer state, rank 0 the metadata. resume_path may name such a
    * directory whatever this option is. (false) */
   bool sharded_checkpoint;
-  uint8_t reserved8; /* zero: the struct's last spare byte */
+  uint8_t reserved8; /* zero */
+  /* The fields below grew the struct for issues 41 and 42; each issue's
+   * work gives its field its meaning, and until then a non-zero value is
+   * refused (DDP_ERR_UNSUPPORTED). */
+  /* Mixed precision (issue 42): a ddp_precision from ddp/tensor.h; 0 is
+   * DDP_PRECISION_FP32, every op in float32. (0) */
+  int32_t precision;
+  /* Data parallel: the DDP communication hook, a ddp_dp_hook_kind from
+   * ddp/parallel.h (0: allreduce); powersgd_rank: PowerSGD's rank r
+   * (issue 41). (0, 0) */
+  int32_t comm_hook;
+  int32_t powersgd_rank;
+  int32_t reserved32; /* zero */
+  /* Gradient-norm clipping (issue 41): > 0 scales the gradients so that
+   * their global L2 norm, over the whole model, is at most this before
+   * the optimizer steps (torch.nn.utils.clip_grad_norm_). 0: none. (0) */
+  double clip_grad_norm;
+  uint64_t reserved[6]; /* zero: room for later options */
 } ddp_train_options;
-DDP_STRUCT_SIZE(ddp_train_options, 328);
+DDP_STRUCT_SIZE(ddp_train_options, 400);
 
 /* epochs 1, batch 100, SGD lr 0.01 (no momentum), seed 1, automatic
  * workers, evaluation at each epoch's end, no log, no checkpoints. */
