@@ -182,6 +182,16 @@ ddp_status ddp_device_synchronize(ddp_device device);
  * local ranks it says once on stderr that ranks share a device. Fails
  * when there is no CUDA device. */
 ddp_status ddp_default_cuda_device(int local_rank, int local_world, ddp_device *out);
+/* The PCI address of a GPU, as sysfs names it ("0000:3b:00.0": lower case,
+ * a 4-digit domain), from cudaDeviceGetPCIBusId: what locates its NUMA node
+ * and nearby CPUs (/sys/bus/pci/devices/<address>/). DDP_ERR_UNSUPPORTED
+ * for the CPU, a build without CUDA or no device; DDP_ERR_INVALID for an
+ * ordinal this process does not have. */
+ddp_status ddp_device_pci_address(ddp_device device, char *buf, size_t bytes);
+/* raw ("0000:3B:00.0" from CUDA, "00000000:3B:00.0" from NVML) as sysfs
+ * writes it into buf ("0000:3b:00.0"); DDP_ERR_INVALID names text that is
+ * not a PCI address. */
+ddp_status ddp_pci_address_normalize(const char *raw, char *buf, size_t bytes);
 
 /* Pinned (page-locked) host memory for copies to and from `device`, a GPU
  * (PyTorch's pin_memory): copies through it are asynchronous. *out NULL
