@@ -121,7 +121,7 @@ def make(dtype, seed):
         op("mse_loss", mse)
     # The chain conv1 .. nll_loss (dropout left out: it is random), its
     # backward outside the region as PyTorch advises. fc1's weight gradient
-    # is stored for its first 4 rows, with the whole one's sum of squares.
+    # is stored for 4 rows, with the whole one's sum of squares.
     nll.backward()
     rec.append(("chain.loss", f32(nll.reshape(1))))
     for name, t in [("conv1.w", conv1.weight), ("conv1.b", conv1.bias),
@@ -129,7 +129,11 @@ def make(dtype, seed):
                     ("fc1.b", fc1.bias), ("fc2.w", fc2.weight), ("fc2.b", fc2.bias)]:
         assert t.grad.dtype == torch.float32
         rec.append((f"chain.{name}.grad", f32(t.grad)))
-    rec.append(("chain.fc1.w.grad_rows4", f32(fc1.weight.grad[:4])))
+    # 4 rows whose gradient is not zero (a hidden unit relu closed for the
+    # whole batch has none), with their indices
+    rows = torch.nonzero(fc1.weight.grad.abs().sum(1) > 0).flatten()[:4]
+    rec.append(("chain.fc1.w.grad_rows", rows.numpy().astype("<i8")))
+    rec.append(("chain.fc1.w.grad_rows4", f32(fc1.weight.grad[rows])))
     rec.append(("chain.fc1.w.grad_sumsq",
                 np.array([float((fc1.weight.grad.double() ** 2).sum())], dtype="<f8")))
     return rec

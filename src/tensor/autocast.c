@@ -238,3 +238,8 @@ ddp_status ddp__autocast_grad_deliver(ddp_tape *tape, ddp_tensor *t, float *grad
     k->copy(dst, grad, t->numel);
   return DDP_OK;
 }
+
+const char *ddp__autocast_kernels(void) {
+  return "bf16 and fp16: operands rounded (vectorised conversion), float32 kernels with float32 "
+         "accumulation";
+}

@@ -60,6 +60,9 @@ float *ddp__autocast_grad_scratch(ddp_tape *tape, const ddp_tensor *t, ddp_statu
 ddp_status ddp__autocast_grad_deliver(ddp_tape *tape, ddp_tensor *t, float *grad,
                                       ddp_dtype low);
 
+/* What the CPU's low-precision ops run on now, in words (benchmarks). */
+const char *ddp__autocast_kernels(void);
+
 /* Tests: the thread's cast-cache counters since its creation: hits (a
  * cached copy reused), fills (a copy made), allocations (entry buffers
  * allocated or grown). */

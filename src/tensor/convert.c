@@ -8,7 +8,8 @@
  * Paths, chosen by the running CPU kernel family (cpu/family.c):
  *   avx512  16 lanes: bfloat16 by integer rounding (AVX-512F), float16 by
  *           vcvtps2ph / vcvtph2ps on zmm registers;
- *   avx2    float16 by F16C (8 lanes) where the CPU has it; bfloat16 by
+ *   avx2    float16 by F16C (8 lanes; the *_avx2 functions, which
+ *           check_portable_isa.sh allows ymm) where the CPU has it; bfloat16 by
  *           the plain loop, which the compiler vectorises;
  *   generic the plain loops.
  * AVX512_BF16's vcvtneps2bf16 is not used: it flushes subnormal inputs to
@@ -106,7 +107,7 @@ AVX512 static void round_f16_avx512(float *dst, const float *src, size_t n) {
 
 /* ---- F16C (the AVX2 family) ---- */
 
-F16C static void to_f16_f16c(uint16_t *restrict dst, const float *restrict src, size_t n) {
+F16C static void to_f16_avx2(uint16_t *restrict dst, const float *restrict src, size_t n) {
   size_t i = 0;
   for (; i + 8 <= n; i += 8)
     _mm_storeu_si128((__m128i *)(dst + i),
@@ -114,14 +115,14 @@ F16C static void to_f16_f16c(uint16_t *restrict dst, const float *restrict src, 
   to_f16_plain(dst + i, src + i, n - i);
 }
 
-F16C static void from_f16_f16c(float *restrict dst, const uint16_t *restrict src, size_t n) {
+F16C static void from_f16_avx2(float *restrict dst, const uint16_t *restrict src, size_t n) {
   size_t i = 0;
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
   from_f16_plain(dst + i, src + i, n - i);
 }
 
-F16C static void round_f16_f16c(float *dst, const float *src, size_t n) {
+F16C static void round_f16_avx2(float *dst, const float *src, size_t n) {
   size_t i = 0;
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(src + i),
@@ -155,7 +156,7 @@ void ddp_convert_f32_to_f16(uint16_t *dst, const float *src, size_t n) {
   if (use_avx512())
     to_f16_avx512(dst, src, n);
   else if (use_f16c())
-    to_f16_f16c(dst, src, n);
+    to_f16_avx2(dst, src, n);
   else
     to_f16_plain(dst, src, n);
 }
@@ -164,7 +165,7 @@ void ddp_convert_f16_to_f32(float *dst, const uint16_t *src, size_t n) {
   if (use_avx512())
     from_f16_avx512(dst, src, n);
   else if (use_f16c())
-    from_f16_f16c(dst, src, n);
+    from_f16_avx2(dst, src, n);
   else
     from_f16_plain(dst, src, n);
 }
@@ -182,7 +183,7 @@ void ddp_convert_round_f32(float *dst, const float *src, size_t n, ddp_dtype dty
       return;
     }
     if (use_f16c()) {
-      round_f16_f16c(dst, src, n);
+      round_f16_avx2(dst, src, n);
       return;
     }
     for (size_t i = 0; i < n; i++) dst[i] = ddp_half_to_float(ddp_float_to_half(src[i]));

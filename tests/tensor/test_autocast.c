@@ -516,6 +516,104 @@ static void test_parity_fp16(void **state) {
   parity(DDP_FLOAT16, "fp16");
 }
 
+/* The ConvNet chain (conv1, relu, conv2, max_pool, flatten, fc1, relu,
+ * fc2, log_softmax, nll_loss; dropout left out) forward in the region and
+ * backward outside it, against PyTorch's loss and parameter gradients.
+ * Each op's output may differ from PyTorch's by one ulp of the low dtype
+ * (the per-op parity above), and those differences travel through the
+ * backward, so the gradients are compared normwise: ||ours - torch|| <=
+ * 4 ulp_low(1) ||torch|| per parameter (four roundings' worth), and every
+ * gradient must hold values of the low dtype (the backward rounds them as
+ * PyTorch's does) in float32. */
+static double rel_err(const float *a, const float *b, int64_t n, double *norm) {
+  double d = 0, nb = 0;
+  for (int64_t i = 0; i < n; i++) {
+    d += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+    nb += (double)b[i] * b[i];
+  }
+  *norm = sqrt(nb);
+  return sqrt(d) / (sqrt(nb) > 0 ? sqrt(nb) : 1);
+}
+
+static void chain(ddp_dtype low, const char *name) {
+  char path[512], file[64];
+  snprintf(file, sizeof file, "autocast_%s.bin", name);
+  ctx c = {.low = low, .name = name, .tape = new_tape()};
+  assert_int_equal(fixture_load(fixture_path(file, path, sizeof path), &c.fx), DDP_OK);
+  const ddp_precision prec = low == DDP_BFLOAT16 ? DDP_PRECISION_BF16 : DDP_PRECISION_FP16;
+  ddp_tensor *params[8] = {wrap(&c, "conv1.w", true), wrap(&c, "conv1.b", true),
+                           wrap(&c, "conv2.w", true), wrap(&c, "conv2.b", true),
+                           NULL,                      wrap(&c, "fc1.b", true),
+                           wrap(&c, "fc2.w", true),   wrap(&c, "fc2.b", true)};
+  float *fw = formula_weight(128, 9216);
+  ddp_tensor w3;
+  assert_int_equal(ddp_tensor_wrap(&w3, DDP_FLOAT32, 2, (int64_t[]){128, 9216}, fw), DDP_OK);
+  w3.flags |= DDP_TENSOR_REQUIRES_GRAD | DDP_TENSOR_PARAM;
+  params[4] = &w3;
+  for (int i = 0; i < 8; i++) assert_int_equal(ddp_tensor_ensure_grad(params[i]), DDP_OK);
+  ddp_tensor *x = wrap(&c, "x", false), *target = wrap_labels(&c), *t, *loss;
+  assert_int_equal(ddp_autocast_enter(prec), DDP_OK);
+  assert_int_equal(ddp_conv2d(c.tape, x, params[0], params[1], 1, 0, &t), DDP_OK);
+  assert_int_equal(ddp_relu(c.tape, t, &t), DDP_OK);
+  assert_int_equal(ddp_conv2d(c.tape, t, params[2], params[3], 1, 0, &t), DDP_OK);
+  assert_int_equal(ddp_max_pool2d(c.tape, t, 2, 2, &t), DDP_OK);
+  assert_int_equal(ddp_flatten(c.tape, t, 1, &t), DDP_OK);
+  assert_int_equal(ddp_linear(c.tape, t, params[4], params[5], &t), DDP_OK);
+  assert_int_equal(ddp_relu(c.tape, t, &t), DDP_OK);
+  assert_int_equal(ddp_linear(c.tape, t, params[6], params[7], &t), DDP_OK);
+  assert_int_equal(ddp_log_softmax(c.tape, t, &t), DDP_OK);
+  assert_int_equal(ddp_nll_loss(c.tape, t, target, &loss), DDP_OK);
+  assert_int_equal(ddp_autocast_exit(), DDP_OK);
+  assert_int_equal(ddp_tensor_values_dtype(loss), DDP_FLOAT32);
+  assert_int_equal(ddp_backward(c.tape, loss), DDP_OK);
+  const float ref_loss = *(const float *)need(&c, "chain.loss")->data;
+  printf("  %s chain loss ours %.9g torch %.9g\n", name, ddp_tensor_f32(loss)[0], ref_loss);
+  assert_true(fabs(ddp_tensor_f32(loss)[0] - ref_loss) <= 2 * ulp_of(ref_loss, low));
+  static const char *const keys[8] = {"conv1.w", "conv1.b", "conv2.w", "conv2.b",
+                                      "fc1.w",   "fc1.b",   "fc2.w",   "fc2.b"};
+  const double tol = 4 * ulp_of(1.0, low);
+  for (int i = 0; i < 8; i++) {
+    ddp_tensor *prm = params[i];
+    char key[64];
+    double norm, err;
+    assert_true(exact_in(prm->grad, prm->numel, low));
+    if (i == 4) { /* fc1.w: 4 of its rows (not zero) and the whole one's sum of squares */
+      const int64_t *rows = need(&c, "chain.fc1.w.grad_rows")->data;
+      float *ours = malloc(4 * 9216 * sizeof *ours);
+      for (int r = 0; r < 4; r++)
+        memcpy(ours + r * 9216, prm->grad + rows[r] * 9216, 9216 * sizeof *ours);
+      err = rel_err(ours, need(&c, "chain.fc1.w.grad_rows4")->data, 4 * 9216, &norm);
+      free(ours);
+      assert_true(norm > 0);
+      double sumsq = 0;
+      for (int64_t j = 0; j < prm->numel; j++) sumsq += (double)prm->grad[j] * prm->grad[j];
+      const double ref = *(const double *)need(&c, "chain.fc1.w.grad_sumsq")->data;
+      printf("  %s chain fc1.w sum of squares ours %.6g torch %.6g\n", name, sumsq, ref);
+      assert_true(fabs(sqrt(sumsq) - sqrt(ref)) <= tol * sqrt(ref));
+    } else {
+      snprintf(key, sizeof key, "chain.%s.grad", keys[i]);
+      err = rel_err(prm->grad, need(&c, key)->data, prm->numel, &norm);
+    }
+    printf("  %s chain d%-8s ||ours - torch|| / ||torch|| = %.3g (bound %.3g)\n", name, keys[i],
+           err, tol);
+    if (!(err <= tol)) fail_msg("%s chain d%s: relative error %.3g > %.3g", name, keys[i], err, tol);
+    ddp_tensor_free_grad(prm);
+  }
+  free(fw);
+  ddp_tape_destroy(c.tape);
+  fixture_free(c.fx);
+}
+
+static void test_chain_bf16(void **state) {
+  (void)state;
+  chain(DDP_BFLOAT16, "bf16");
+}
+
+static void test_chain_fp16(void **state) {
+  (void)state;
+  chain(DDP_FLOAT16, "fp16");
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_regions_nest),
@@ -525,6 +623,8 @@ int main(void) {
       cmocka_unit_test(test_linear_backward_rule),
       cmocka_unit_test(test_parity_bf16),
       cmocka_unit_test(test_parity_fp16),
+      cmocka_unit_test(test_chain_bf16),
+      cmocka_unit_test(test_chain_fp16),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
