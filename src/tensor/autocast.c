@@ -2,7 +2,6 @@
  * holding low-precision values, and the cast cache of rounded parameters
  * (docs/tensor.md, "Mixed precision"; the ops' rules are in the ops). */
 #include <pthread.h>
-#include <stdlib.h>
 
 #include "tensor/autocast.h"
 #include "tensor/tape.h"
@@ -58,16 +57,16 @@ static pthread_once_t cache_key_once = PTHREAD_ONCE_INIT;
 static void cache_destroy(void *p) {
   cast_cache *c = p;
   if (!c) return;
-  for (int i = 0; i < c->count; i++) free(c->entries[i].buf);
-  free(c->entries);
-  free(c);
+  for (int i = 0; i < c->count; i++) ddp_free(c->entries[i].buf);
+  ddp_free(c->entries);
+  ddp_free(c);
 }
 
 static void make_cache_key(void) { (void)pthread_key_create(&cache_key, cache_destroy); }
 
 static cast_cache *cache_get(void) {
   if (thread_cache) return thread_cache;
-  cast_cache *c = calloc(1, sizeof *c);
+  cast_cache *c = ddp_calloc(1, sizeof *c);
   if (!c) return NULL;
   (void)pthread_once(&cache_key_once, make_cache_key);
   (void)pthread_setspecific(cache_key, c); /* freed at thread exit */
@@ -114,7 +113,8 @@ static const float *cache_lookup(ddp_tensor *t, ddp_dtype low, ddp_status *statu
   if (!e) {
     if (c->count == c->capacity) {
       const int cap = c->capacity ? 2 * c->capacity : 16;
-      cache_entry *grown = realloc(c->entries, (size_t)cap * sizeof *grown);
+      cache_entry *grown = ddp_realloc(c->entries, (size_t)c->capacity * sizeof *grown,
+                                        (size_t)cap * sizeof *grown);
       if (!grown) goto nomem;
       c->entries = grown;
       c->capacity = cap;
@@ -123,7 +123,11 @@ static const float *cache_lookup(ddp_tensor *t, ddp_dtype low, ddp_status *statu
     *e = (cache_entry){.tensor = t};
   }
   if (e->capacity < (size_t)t->numel) {
-    float *buf = realloc(e->buf, (size_t)t->numel * sizeof(float));
+    /* the old contents are not needed: the copy is made again below */
+    ddp_free(e->buf);
+    e->buf = NULL;
+    e->capacity = 0;
+    float *buf = ddp_alloc((size_t)t->numel * sizeof(float));
     if (!buf) {
       e->valid = false;
       goto nomem;

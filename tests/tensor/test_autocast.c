@@ -176,6 +176,14 @@ static void test_nested_off_region_is_float32(void **state) {
   ddp_tensor_destroy(b);
 }
 
+/* Backward from y with d(loss)/dy = 1 everywhere (tape scratch). */
+static ddp_status backward_ones(ddp_tape *tape, ddp_tensor *y) {
+  float *seed = ddp_tape_scratch(tape, (size_t)y->numel * sizeof *seed);
+  if (!seed) return DDP_ERR_NOMEM;
+  for (int64_t i = 0; i < y->numel; i++) seed[i] = 1.0f;
+  return ddp__backward_from(tape, y, seed);
+}
+
 static void test_cast_cache(void **state) {
   (void)state;
   int64_t sx[2] = {4, 64}, sw[2] = {64, 64}, sb[1] = {64};
@@ -186,13 +194,19 @@ static void test_cast_cache(void **state) {
   ddp_autocast_cache_free();
   ddp__autocast_cache_stats s0 = ddp__autocast_cache_counters();
   ddp_tensor *h1, *h2, *h3;
+  uint64_t allocs_before = 0;
   for (int step = 0; step < 3; step++) {
+    if (step == 1) allocs_before = ddp_alloc_count();
     ddp_tape_reset(tape);
     assert_int_equal(ddp_autocast_enter(DDP_PRECISION_BF16), DDP_OK);
     assert_int_equal(ddp_linear(tape, x, w, b, &h1), DDP_OK);  /* fills w's and b's copies */
     assert_int_equal(ddp_linear(tape, h1, w, b, &h2), DDP_OK); /* reuses both */
     assert_int_equal(ddp_autocast_exit(), DDP_OK);
+    assert_int_equal(backward_ones(tape, h2), DDP_OK);
   }
+  /* steps after the first allocate nothing: the tape's arena and the
+   * cache's buffers are reused (the steady-state training step's rule) */
+  assert_int_equal(ddp_alloc_count() - allocs_before, 0);
   ddp__autocast_cache_stats s = ddp__autocast_cache_counters();
   /* each step: 2 fills (w, b: the exit forgot them), 2 hits; buffers made
    * once, in the first step: later steps allocate nothing */
