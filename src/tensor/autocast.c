@@ -4,6 +4,7 @@
 #include <pthread.h>
 
 #include "tensor/autocast.h"
+#include "tensor/kernels.h"
 #include "tensor/tape.h"
 
 /* ---- regions ---- */
@@ -39,9 +40,10 @@ typedef struct cache_entry {
   const void *data;         /* ...with this data... */
   int64_t numel;            /* ...and size... */
   ddp_dtype low;            /* ...rounded to this */
-  bool valid;               /* buf holds the rounded copy for this region */
+  int form;                 /* ...in this form (FORM_*) */
+  bool valid;               /* buf holds the copy for this region */
   float *buf;
-  size_t capacity; /* floats */
+  size_t capacity; /* bytes */
 } cache_entry;
 
 typedef struct cast_cache {
@@ -99,16 +101,24 @@ ddp_status ddp_autocast_exit(void) {
   return DDP_OK;
 }
 
-/* The cached rounded copy of t, made now if the region has none. */
-static const float *cache_lookup(ddp_tensor *t, ddp_dtype low, ddp_status *status) {
+/* What a cache entry holds for its tensor. */
+enum { FORM_ROUNDED = 0,  /* float32 of the low dtype's values, t's shape */
+       FORM_PACKED = 1,   /* op(t) packed for the bf16 GEMM (ddp__dense_kernels) */
+       FORM_PACKED_T = 2 };
+
+/* t's entry of `form`, with room for `bytes`; *fill true when the caller
+ * must (re)make its contents (and then set valid), false on a hit. */
+static cache_entry *cache_entry_for(ddp_tensor *t, ddp_dtype low, int form, size_t bytes,
+                                    bool *fill, ddp_status *status) {
   cast_cache *c = cache_get();
   if (!c) goto nomem;
   cache_entry *e = NULL;
   for (int i = 0; i < c->count && !e; i++)
-    if (c->entries[i].tensor == t) e = &c->entries[i];
+    if (c->entries[i].tensor == t && c->entries[i].form == form) e = &c->entries[i];
   if (e && e->valid && e->data == t->data && e->numel == t->numel && e->low == low) {
     c->stats.hits++;
-    return e->buf;
+    *fill = false;
+    return e;
   }
   if (!e) {
     if (c->count == c->capacity) {
@@ -120,33 +130,66 @@ static const float *cache_lookup(ddp_tensor *t, ddp_dtype low, ddp_status *statu
       c->capacity = cap;
     }
     e = &c->entries[c->count++];
-    *e = (cache_entry){.tensor = t};
+    *e = (cache_entry){.tensor = t, .form = form};
   }
-  if (e->capacity < (size_t)t->numel) {
-    /* the old contents are not needed: the copy is made again below */
+  e->valid = false;
+  if (e->capacity < bytes) {
+    /* the old contents are not needed: the caller makes them again */
     ddp_free(e->buf);
-    e->buf = NULL;
-    e->capacity = 0;
-    float *buf = ddp_alloc((size_t)t->numel * sizeof(float));
-    if (!buf) {
-      e->valid = false;
-      goto nomem;
-    }
-    e->buf = buf;
-    e->capacity = (size_t)t->numel;
+    e->buf = ddp_alloc(bytes);
+    e->capacity = e->buf ? bytes : 0;
+    if (!e->buf) goto nomem;
     c->stats.allocations++;
   }
-  ddp_convert_round_f32(e->buf, t->data, (size_t)t->numel, low);
   e->data = t->data;
   e->numel = t->numel;
   e->low = low;
-  e->valid = true;
   c->stats.fills++;
-  return e->buf;
+  *fill = true;
+  return e;
 nomem:
   *status = ddp_error(DDP_ERR_NOMEM, "autocast: cannot allocate the cast cache's copy of a "
                       "parameter of %lld elements", (long long)t->numel);
   return NULL;
+}
+
+/* The cached rounded copy of t, made now if the region has none. */
+static const float *cache_lookup(ddp_tensor *t, ddp_dtype low, ddp_status *status) {
+  bool fill;
+  cache_entry *e =
+      cache_entry_for(t, low, FORM_ROUNDED, (size_t)t->numel * sizeof(float), &fill, status);
+  if (!e) return NULL;
+  if (fill) ddp_convert_round_f32(e->buf, t->data, (size_t)t->numel, low);
+  e->valid = true;
+  return e->buf;
+}
+
+static bool cacheable(const ddp_tensor *t) {
+  return t->node < 0 && (t->flags & DDP_TENSOR_REQUIRES_GRAD) && ddp_autocast_depth() > 0;
+}
+
+const uint16_t *ddp__autocast_packed(ddp_tape *tape, ddp_tensor *t, bool trans, int64_t k,
+                                     int64_t n, bool cache, ddp_status *status) {
+  const ddp__dense_kernels *dk = ddp__kernels_for(t->device)->dense;
+  const size_t bytes = dk->bf16_pack_bytes(k, n);
+  const int64_t ld = trans ? k : n;
+  if (cache && cacheable(t)) {
+    bool fill;
+    cache_entry *e = cache_entry_for(t, DDP_BFLOAT16, trans ? FORM_PACKED_T : FORM_PACKED,
+                                     bytes, &fill, status);
+    if (!e) return NULL;
+    if (fill) dk->bf16_pack_b((uint16_t *)e->buf, trans, k, n, t->data, ld);
+    e->valid = true;
+    return (const uint16_t *)e->buf;
+  }
+  uint16_t *packed = ddp_tape_scratch(tape, bytes);
+  if (!packed) {
+    *status = ddp_error(DDP_ERR_NOMEM, "autocast: cannot allocate a packed copy of %lld "
+                        "elements", (long long)t->numel);
+    return NULL;
+  }
+  dk->bf16_pack_b(packed, trans, k, n, t->data, ld);
+  return packed;
 }
 
 /* ---- the ops' helpers ---- */
@@ -184,8 +227,7 @@ const float *ddp__autocast_operand(ddp_tape *tape, ddp_tensor *t, ddp_dtype low,
                                    ddp_status *status) {
   if (!t) return NULL;
   if (low == DDP_FLOAT32 || ddp__low_dtype(t) == low) return t->data;
-  if (cache && t->node < 0 && (t->flags & DDP_TENSOR_REQUIRES_GRAD) && ddp_autocast_depth() > 0)
-    return cache_lookup(t, low, status);
+  if (cache && cacheable(t)) return cache_lookup(t, low, status);
   float *copy = ddp_tape_scratch(tape, (size_t)t->numel * sizeof(float));
   if (!copy) {
     *status = ddp_error(DDP_ERR_NOMEM, "autocast: cannot allocate a rounded copy of %lld "
@@ -244,6 +286,10 @@ ddp_status ddp__autocast_grad_deliver(ddp_tape *tape, ddp_tensor *t, float *grad
 }
 
 const char *ddp__autocast_kernels(void) {
-  return "bf16 and fp16: operands rounded (vectorised conversion), float32 kernels with float32 "
-         "accumulation";
+  const ddp__dense_kernels *dk = ddp__kernels_for(DDP_CPU)->dense;
+  return dk->has_bf16_dot()
+             ? "bf16 linear: AVX512_BF16 dot products (vdpbf16ps), float32 accumulation; bf16 "
+               "conv2d and matmul, fp16: operands rounded, float32 kernels"
+             : "bf16 and fp16: operands rounded (vectorised conversion), float32 kernels with "
+               "float32 accumulation";
 }

@@ -44,6 +44,12 @@ void ddp__autocast_mark(ddp_tensor *y, ddp_dtype low, bool round);
 const float *ddp__autocast_operand(ddp_tape *tape, ddp_tensor *t, ddp_dtype low, bool cache,
                                    ddp_status *status);
 
+/* op(t) packed for the device's bfloat16 GEMM (ddp__dense_kernels'
+ * gemm_bf16; t (k, n), or (n, k) when trans): through the cast cache for a
+ * parameter when `cache` (forward inside a region), else in tape scratch. */
+const uint16_t *ddp__autocast_packed(ddp_tape *tape, ddp_tensor *t, bool trans, int64_t k,
+                                     int64_t n, bool cache, ddp_status *status);
+
 /* For the backward of a low-precision op (ctx holds its dtype `low`):
  *   dy rounded to `low` (the gradient of a low-precision tensor is one);
  *   ddp__autocast_grad_scratch: a zeroed float32 buffer of numel in tape

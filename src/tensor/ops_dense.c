@@ -48,6 +48,13 @@ static ddp_status matmul_low_backward(ddp_tape *tape, ddp__node *node) {
   return ddp__autocast_grad_deliver(tape, b, db, low);
 }
 
+/* Whether a bfloat16 op runs on the device's bfloat16 dot products
+ * (docs/tensor.md, "CPU kernels under autocast"), else on rounded float32
+ * operands and the float32 kernels. */
+static bool bf16_dot(const ddp__kernels *k, ddp_dtype low) {
+  return low == DDP_BFLOAT16 && k->dense->gemm_bf16 && k->dense->has_bf16_dot();
+}
+
 /* Saves an autocast op's dtype for its backward (tape scratch). */
 static ddp_dtype *save_low(ddp_tape *tape, const char *op, ddp_dtype low, ddp_status *s) {
   ddp_dtype *saved = ddp_tape_scratch(tape, sizeof *saved);
@@ -131,13 +138,30 @@ static ddp_status linear_low_backward(ddp_tape *tape, ddp__node *node) {
   for (int i = 0; i < x->ndim - 1; i++) rows *= x->shape[i];
   ddp_status s = DDP_OK;
   const float *dy = ddp__autocast_round_grad(tape, node->out, low, &s);
-  const float *xr = s == DDP_OK ? ddp__autocast_operand(tape, x, low, false, &s) : NULL;
-  const float *wr = s == DDP_OK ? ddp__autocast_operand(tape, w, low, false, &s) : NULL;
   float *dx = s == DDP_OK ? ddp__autocast_grad_scratch(tape, x, &s) : NULL;
   float *dw = s == DDP_OK ? ddp__autocast_grad_scratch(tape, w, &s) : NULL;
   float *db = s == DDP_OK ? ddp__autocast_grad_scratch(tape, b, &s) : NULL;
   if (s != DDP_OK) return s;
-  k->dense->linear_backward(dx, false, dw, db, dy, xr, wr, rows, in, outf);
+  if (bf16_dot(k, low)) {
+    /* bfloat16 dot products (the GEMM rounds x and w itself) */
+    ddp_arena *arena = ddp__tape_arena_on(tape, x->device);
+    bool ok = true;
+    if (dx) /* dx (rows, in) = dy (rows, out) @ w (out, in) */
+      ok = k->dense->gemm_bf16(false, false, rows, in, outf, dy, outf, w->data, in, NULL, dx, in,
+                               arena);
+    if (ok && dw) /* dw (out, in) = dy^T (out, rows) @ x (rows, in) */
+      ok = k->dense->gemm_bf16(true, false, outf, in, rows, dy, outf, x->data, in, NULL, dw, in,
+                               arena);
+    if (!ok) return ddp_error(DDP_ERR_NOMEM, "linear backward: no scratch for the bf16 GEMM");
+    if (db)
+      for (int64_t r = 0; r < rows; r++)
+        for (int64_t o = 0; o < outf; o++) db[o] += dy[r * outf + o];
+  } else {
+    const float *xr = ddp__autocast_operand(tape, x, low, false, &s);
+    const float *wr = s == DDP_OK ? ddp__autocast_operand(tape, w, low, false, &s) : NULL;
+    if (s != DDP_OK) return s;
+    k->dense->linear_backward(dx, false, dw, db, dy, xr, wr, rows, in, outf);
+  }
   DDP_TRY(ddp__autocast_grad_deliver(tape, x, dx, low));
   DDP_TRY(ddp__autocast_grad_deliver(tape, w, dw, low));
   return ddp__autocast_grad_deliver(tape, b, db, low);
@@ -180,11 +204,27 @@ ddp_status ddp_linear(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_ten
    * through the cast cache), float32 accumulation, the output rounded. */
   const ddp_dtype low = ddp__autocast_op_dtype(x);
   ddp_status s = DDP_OK;
-  const float *xd = ddp__autocast_operand(tape, x, low, true, &s);
-  const float *wd = s == DDP_OK ? ddp__autocast_operand(tape, weight, low, true, &s) : NULL;
-  const float *bd = s == DDP_OK ? ddp__autocast_operand(tape, bias, low, true, &s) : NULL;
-  if (s != DDP_OK) return s;
-  k->dense->linear_forward(y->data, xd, wd, bd, rows, inf, outf);
+  if (bf16_dot(k, low)) {
+    /* bfloat16 dot products: the weight packed once per region (the cast
+     * cache), x rounded by the GEMM, the bias added in float32 */
+    const uint16_t *wp = ddp__autocast_packed(tape, weight, true, inf, outf, true, &s);
+    const float *bd = s == DDP_OK ? ddp__autocast_operand(tape, bias, low, true, &s) : NULL;
+    if (s != DDP_OK) return s;
+    if (!k->dense->gemm_bf16(false, true, rows, outf, inf, x->data, inf, NULL, inf, wp, y->data,
+                             outf, ddp__tape_arena_on(tape, x->device)))
+      return ddp_error(DDP_ERR_NOMEM, "linear: no scratch for the bf16 GEMM of input %s",
+                       DDP__SHAPE(x, sx));
+    float *yd = y->data;
+    if (bd)
+      for (int64_t r = 0; r < rows; r++)
+        for (int64_t o = 0; o < outf; o++) yd[r * outf + o] += bd[o];
+  } else {
+    const float *xd = ddp__autocast_operand(tape, x, low, true, &s);
+    const float *wd = s == DDP_OK ? ddp__autocast_operand(tape, weight, low, true, &s) : NULL;
+    const float *bd = s == DDP_OK ? ddp__autocast_operand(tape, bias, low, true, &s) : NULL;
+    if (s != DDP_OK) return s;
+    k->dense->linear_forward(y->data, xd, wd, bd, rows, inf, outf);
+  }
   ddp__autocast_mark(y, low, true);
   if (ddp__tape_wants_grad(tape, 3, in)) {
     if (low == DDP_FLOAT32)

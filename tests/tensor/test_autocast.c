@@ -34,6 +34,7 @@
 #include "support/fixture.h"
 #include "support/gradcheck.h"
 #include "tensor/autocast.h"
+#include "tensor/cpu/dense.h"
 #include "tensor/tape.h"
 
 static const double U32 = 0x1p-24; /* float32's unit roundoff */
@@ -318,10 +319,84 @@ static void check_linear_backward(ddp_dtype low) {
   ddp_tensor_destroy(r);
 }
 
+/* Each test that computes runs on every kernel family the CPU has: the
+ * AVX-512 one (with AVX512_BF16, bfloat16 ops run on its dot products:
+ * cpu/gemm_bf16.c), the AVX2 one and the generic one (rounded float32
+ * operands and the float32 kernels). */
+static const int families[] = {DDP__CPU_AVX512, DDP__CPU_AVX2, DDP__CPU_GENERIC};
+
+static void for_each_family(void (*fn)(ddp_dtype, const char *), ddp_dtype low,
+                            const char *name) {
+  int ran = 0;
+  for (size_t f = 0; f < sizeof families / sizeof *families; f++) {
+    if (!ddp__cpu_force_family(families[f])) continue;
+    printf(" family %s%s\n", ddp_cpu_kernels(),
+           ddp__cpu_has_bf16_dot() ? " (bfloat16 dot products)" : "");
+    fn(low, name);
+    ran++;
+  }
+  ddp__cpu_force_family(-1);
+  assert_true(ran >= 1);
+}
+
+static void linear_backward_named(ddp_dtype low, const char *name) {
+  (void)name;
+  check_linear_backward(low);
+}
+
 static void test_linear_backward_rule(void **state) {
   (void)state;
-  check_linear_backward(DDP_BFLOAT16);
-  check_linear_backward(DDP_FLOAT16);
+  for_each_family(linear_backward_named, DDP_BFLOAT16, "bf16");
+  for_each_family(linear_backward_named, DDP_FLOAT16, "fp16");
+}
+
+/* The bfloat16 GEMM (cpu/gemm_bf16.c) on its own, every transpose and
+ * edge (tiles of 6 rows x 64 columns, k blocks of 256 pairs, odd k):
+ * against float64 sums of the bfloat16-rounded operands, within
+ * gamma_K S (only the float32 summation differs: the products are exact). */
+static void test_bf16_gemm_kernel(void **state) {
+  (void)state;
+  if (!ddp__cpu_has_bf16_dot()) skip(); /* no AVX512_BF16 here: the other families' paths ran */
+  static const int64_t sizes[][3] = {{1, 1, 1}, {7, 70, 33}, {6, 64, 512}, {13, 130, 515},
+                                     {64, 10, 128}, {2, 128, 9216}};
+  ddp_arena arena;
+  ddp_arena_init(&arena, 1 << 20);
+  for (size_t t = 0; t < sizeof sizes / sizeof *sizes; t++)
+    for (int ta = 0; ta < 2; ta++)
+      for (int tb = 0; tb < 2; tb++) {
+        const int64_t m = sizes[t][0], n = sizes[t][1], k = sizes[t][2];
+        ddp_tensor *a = gradcheck_random(1, (int64_t[]){m * k}, -2, 2, 11 + t, false);
+        ddp_tensor *b = gradcheck_random(1, (int64_t[]){k * n}, -2, 2, 21 + t, false);
+        float *c = malloc((size_t)(m * n) * sizeof *c), *ref = malloc((size_t)(m * n) * sizeof *ref);
+        double *sl = malloc((size_t)(m * n) * sizeof *sl);
+        const float *ad = a->data, *bd = b->data;
+        const int64_t lda = ta ? m : k, ldb = tb ? k : n;
+        ddp_arena_reset(&arena);
+        assert_true(ddp__cpu_gemm_bf16(ta, tb, m, n, k, ad, lda, bd, ldb, NULL, c, n, &arena));
+        for (int64_t i = 0; i < m; i++)
+          for (int64_t j = 0; j < n; j++) {
+            double sum = 0, abs_sum = 0;
+            for (int64_t p = 0; p < k; p++) {
+              const double x = round_to(ta ? ad[p * lda + i] : ad[i * lda + p], DDP_BFLOAT16);
+              const double y = round_to(tb ? bd[j * ldb + p] : bd[p * ldb + j], DDP_BFLOAT16);
+              sum += x * y;
+              abs_sum += fabs(x * y);
+            }
+            ref[i * n + j] = (float)sum;
+            sl[i * n + j] = gamma_k(k) * abs_sum + fabs(sum) * U32;
+          }
+        char what[64];
+        snprintf(what, sizeof what, "gemm_bf16 %lldx%lldx%lld %c%c", (long long)m, (long long)n,
+                 (long long)k, ta ? 'T' : 'N', tb ? 'T' : 'N');
+        /* float32 output: the "ulp" term is float32's */
+        check_within(what, c, ref, m * n, DDP_FLOAT32, sl, 0);
+        free(c);
+        free(ref);
+        free(sl);
+        ddp_tensor_destroy(a);
+        ddp_tensor_destroy(b);
+      }
+  ddp_arena_free(&arena);
 }
 
 /* ---- parity with PyTorch's fixtures ---- */
@@ -522,12 +597,12 @@ static void parity(ddp_dtype low, const char *name) {
 
 static void test_parity_bf16(void **state) {
   (void)state;
-  parity(DDP_BFLOAT16, "bf16");
+  for_each_family(parity, DDP_BFLOAT16, "bf16");
 }
 
 static void test_parity_fp16(void **state) {
   (void)state;
-  parity(DDP_FLOAT16, "fp16");
+  for_each_family(parity, DDP_FLOAT16, "fp16");
 }
 
 /* The ConvNet chain (conv1, relu, conv2, max_pool, flatten, fc1, relu,
@@ -620,7 +695,7 @@ static void chain(ddp_dtype low, const char *name) {
 
 static void test_chain_bf16(void **state) {
   (void)state;
-  chain(DDP_BFLOAT16, "bf16");
+  for_each_family(chain, DDP_BFLOAT16, "bf16");
 }
 
 static void test_chain_fp16(void **state) {
@@ -635,6 +710,7 @@ int main(void) {
       cmocka_unit_test(test_nested_off_region_is_float32),
       cmocka_unit_test(test_cast_cache),
       cmocka_unit_test(test_linear_backward_rule),
+      cmocka_unit_test(test_bf16_gemm_kernel),
       cmocka_unit_test(test_parity_bf16),
       cmocka_unit_test(test_parity_fp16),
       cmocka_unit_test(test_chain_bf16),
