@@ -7,8 +7,9 @@
  * low-precision path uses, so a quiet run gives BENCHMARKS.md's
  * "bf16 against fp32 on this CPU" line.
  *
- *   bench_autocast [batch] [runs]     (batch default 64, runs default 11;
- *       DDP_CPU_KERNELS picks the family as everywhere) */
+ *   bench_autocast [batch] [runs] [layer]   (batch default 64, runs default
+ *       11; a layer name times that layer only; DDP_CPU_KERNELS picks the
+ *       family as everywhere) */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -93,6 +94,7 @@ static double time_layer(const layer *l, int64_t batch, ddp_precision precision,
 int main(int argc, char **argv) {
   const int64_t batch = argc > 1 ? atoll(argv[1]) : 64;
   const int runs = argc > 2 ? atoi(argv[2]) : 11;
+  const char *only = argc > 3 ? argv[3] : NULL;
   if (batch <= 0 || runs <= 0) {
     fprintf(stderr, "usage: bench_autocast [batch] [runs]\n");
     return 2;
@@ -112,6 +114,7 @@ int main(int argc, char **argv) {
          "fp16/fp32");
   double total[3] = {0, 0, 0};
   for (size_t i = 0; i < sizeof layers / sizeof *layers; i++) {
+    if (only && strcmp(only, layers[i].name) != 0) continue;
     const double f32 = time_layer(&layers[i], batch, DDP_PRECISION_FP32, runs);
     const double bf = time_layer(&layers[i], batch, DDP_PRECISION_BF16, runs);
     const double hf = time_layer(&layers[i], batch, DDP_PRECISION_FP16, runs);

@@ -257,7 +257,8 @@ const float *ddp__autocast_round_grad(ddp_tape *tape, const ddp_tensor *out, ddp
   return dy;
 }
 
-float *ddp__autocast_grad_scratch(ddp_tape *tape, const ddp_tensor *t, ddp_status *status) {
+float *ddp__autocast_grad_scratch(ddp_tape *tape, const ddp_tensor *t, bool zero,
+                                  ddp_status *status) {
   if (!t || !(t->flags & DDP_TENSOR_REQUIRES_GRAD)) return NULL;
   float *g = ddp_tape_scratch(tape, (size_t)t->numel * sizeof(float));
   if (!g) {
@@ -265,7 +266,7 @@ float *ddp__autocast_grad_scratch(ddp_tape *tape, const ddp_tensor *t, ddp_statu
                         (long long)t->numel);
     return NULL;
   }
-  memset(g, 0, (size_t)t->numel * sizeof(float));
+  if (zero) memset(g, 0, (size_t)t->numel * sizeof(float));
   return g;
 }
 

@@ -52,8 +52,9 @@ const uint16_t *ddp__autocast_packed(ddp_tape *tape, ddp_tensor *t, bool trans, 
 
 /* For the backward of a low-precision op (ctx holds its dtype `low`):
  *   dy rounded to `low` (the gradient of a low-precision tensor is one);
- *   ddp__autocast_grad_scratch: a zeroed float32 buffer of numel in tape
- *     scratch, into which the kernels accumulate a gradient, or NULL (with
+ *   ddp__autocast_grad_scratch: a float32 buffer of numel in tape scratch
+ *     (zeroed with `zero`, for kernels that accumulate into it; not for
+ *     those that write every element), for a gradient, or NULL (with
  *     *status DDP_OK) when t (NULL ok) needs none;
  *   ddp__autocast_grad_deliver: rounds that gradient to `low` (the dtype
  *     PyTorch computes it in) and adds it to t's float32 gradient (assigns
@@ -62,7 +63,8 @@ const uint16_t *ddp__autocast_packed(ddp_tape *tape, ddp_tensor *t, bool trans, 
  * Each returns NULL / a status with the error set on failure. */
 const float *ddp__autocast_round_grad(ddp_tape *tape, const ddp_tensor *out, ddp_dtype low,
                                       ddp_status *status);
-float *ddp__autocast_grad_scratch(ddp_tape *tape, const ddp_tensor *t, ddp_status *status);
+float *ddp__autocast_grad_scratch(ddp_tape *tape, const ddp_tensor *t, bool zero,
+                                  ddp_status *status);
 ddp_status ddp__autocast_grad_deliver(ddp_tape *tape, ddp_tensor *t, float *grad,
                                       ddp_dtype low);
 

@@ -40,9 +40,9 @@ static ddp_status conv2d_low_backward(ddp_tape *tape, ddp__node *node) {
   const float *dy = ddp__autocast_round_grad(tape, node->out, ctx->low, &s);
   const float *xr = s == DDP_OK ? ddp__autocast_operand(tape, x, ctx->low, false, &s) : NULL;
   const float *wr = s == DDP_OK ? ddp__autocast_operand(tape, w, ctx->low, false, &s) : NULL;
-  float *dx = s == DDP_OK ? ddp__autocast_grad_scratch(tape, x, &s) : NULL;
-  float *dw = s == DDP_OK ? ddp__autocast_grad_scratch(tape, w, &s) : NULL;
-  float *db = s == DDP_OK ? ddp__autocast_grad_scratch(tape, b, &s) : NULL;
+  float *dx = s == DDP_OK ? ddp__autocast_grad_scratch(tape, x, true, &s) : NULL;
+  float *dw = s == DDP_OK ? ddp__autocast_grad_scratch(tape, w, true, &s) : NULL;
+  float *db = s == DDP_OK ? ddp__autocast_grad_scratch(tape, b, true, &s) : NULL;
   if (s != DDP_OK) return s;
   DDP_TRY(k->dense->conv2d_backward(dx, dw, db, dy, xr, wr, &ctx->g, false,
                                     ddp__tape_arena_on(tape, x->device)));

@@ -39,8 +39,9 @@ static ddp_status matmul_low_backward(ddp_tape *tape, ddp__node *node) {
   const float *dy = ddp__autocast_round_grad(tape, node->out, low, &s);
   const float *ar = s == DDP_OK ? ddp__autocast_operand(tape, a, low, false, &s) : NULL;
   const float *br = s == DDP_OK ? ddp__autocast_operand(tape, b, low, false, &s) : NULL;
-  float *da = s == DDP_OK ? ddp__autocast_grad_scratch(tape, a, &s) : NULL;
-  float *db = s == DDP_OK ? ddp__autocast_grad_scratch(tape, b, &s) : NULL;
+  /* zeroed: a gemm with beta 0 may still read c (0 * NaN garbage) */
+  float *da = s == DDP_OK ? ddp__autocast_grad_scratch(tape, a, true, &s) : NULL;
+  float *db = s == DDP_OK ? ddp__autocast_grad_scratch(tape, b, true, &s) : NULL;
   if (s != DDP_OK) return s;
   if (da) k->dense->gemm(false, true, m, inner, n, 1.0f, dy, n, br, n, 0.0f, da, inner);
   if (db) k->dense->gemm(true, false, inner, n, m, 1.0f, ar, inner, dy, n, 0.0f, db, n);
@@ -138,11 +139,13 @@ static ddp_status linear_low_backward(ddp_tape *tape, ddp__node *node) {
   for (int i = 0; i < x->ndim - 1; i++) rows *= x->shape[i];
   ddp_status s = DDP_OK;
   const float *dy = ddp__autocast_round_grad(tape, node->out, low, &s);
-  float *dx = s == DDP_OK ? ddp__autocast_grad_scratch(tape, x, &s) : NULL;
-  float *dw = s == DDP_OK ? ddp__autocast_grad_scratch(tape, w, &s) : NULL;
-  float *db = s == DDP_OK ? ddp__autocast_grad_scratch(tape, b, &s) : NULL;
+  /* the bf16 GEMM writes dx and dw; the float32 kernel accumulates */
+  const bool dot = bf16_dot(k, low);
+  float *dx = s == DDP_OK ? ddp__autocast_grad_scratch(tape, x, !dot, &s) : NULL;
+  float *dw = s == DDP_OK ? ddp__autocast_grad_scratch(tape, w, !dot, &s) : NULL;
+  float *db = s == DDP_OK ? ddp__autocast_grad_scratch(tape, b, true, &s) : NULL;
   if (s != DDP_OK) return s;
-  if (bf16_dot(k, low)) {
+  if (dot) {
     /* bfloat16 dot products (the GEMM rounds x and w itself) */
     ddp_arena *arena = ddp__tape_arena_on(tape, x->device);
     bool ok = true;

@@ -61,36 +61,43 @@ BF16_TARGET static void pack_rows_avx512(uint16_t *dst, int64_t k, int64_t n, co
   }
 }
 
-/* b stored (n, k): each row's consecutive elements are the pairs already;
- * its bfloat16 words go down column j of the packed matrix. */
+/* b stored (n, k): each row's consecutive elements are the pairs already,
+ * and its bfloat16 words go down column j of the packed matrix. Blocks of
+ * 16 rows x 16 pairs: the rows' words into a 16 x 16 block on the stack,
+ * then each pair's 16 words (a column of the block, one gather) stored
+ * whole, so the packed matrix is written a cache line at a time. */
 BF16_TARGET static void pack_cols_avx512(uint16_t *dst, int64_t k, int64_t n, const float *b,
                                          int64_t ldb) {
   const int64_t kp = (k + 1) / 2, np = (n + NR - 1) / NR * NR;
   uint32_t *out = (uint32_t *)dst;
   const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  for (int64_t j = 0; j < np; j++) {
-    if (j >= n) {
-      for (int64_t p = 0; p < kp; p++) out[p * np + j] = 0;
-      continue;
-    }
-    const float *r = b + j * ldb;
+  const __m512i column = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80,
+                                          64, 48, 32, 16, 0);
+  uint32_t block[16 * 16] __attribute__((aligned(64)));
+  for (int64_t j0 = 0; j0 < np; j0 += 16)
     for (int64_t p0 = 0; p0 < kp; p0 += 16) {
-      /* 32 elements of the row: pairs p0 .. p0 + 15 */
       const int64_t left = k - 2 * p0;
-      const __mmask16 m0 = left >= 16 ? (__mmask16)0xffff
-                           : left > 0 ? (__mmask16)((1u << left) - 1) : (__mmask16)0;
-      const __mmask16 m1 = left >= 32 ? (__mmask16)0xffff
-                           : left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : (__mmask16)0;
-      const __m512 a0 = _mm512_maskz_loadu_ps(m0, r + 2 * p0);
-      const __m512 a1 = _mm512_maskz_loadu_ps(m1, r + 2 * p0 + 16);
-      const __m512 ev = _mm512_permutex2var_ps(a0, even, a1), od = _mm512_permutex2var_ps(a0, odd, a1);
-      uint32_t words[16];
-      _mm512_storeu_si512((void *)words, pair_words_avx512(ev, od));
+      const __mmask16 m0 = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+      const __mmask16 m1 = left >= 32   ? (__mmask16)0xffff
+                           : left > 16 ? (__mmask16)((1u << (left - 16)) - 1)
+                                       : (__mmask16)0;
+      for (int64_t r = 0; r < 16; r++) {
+        __m512i words = _mm512_setzero_si512(); /* rows past n: zero columns */
+        if (j0 + r < n) {
+          const float *row = b + (j0 + r) * ldb + 2 * p0;
+          const __m512 a0 = _mm512_maskz_loadu_ps(m0, row);
+          const __m512 a1 = _mm512_maskz_loadu_ps(m1, row + 16);
+          words = pair_words_avx512(_mm512_permutex2var_ps(a0, even, a1),
+                                    _mm512_permutex2var_ps(a0, odd, a1));
+        }
+        _mm512_store_si512((void *)(block + 16 * r), words);
+      }
       const int64_t count = kp - p0 < 16 ? kp - p0 : 16;
-      for (int64_t q = 0; q < count; q++) out[(p0 + q) * np + j] = words[q];
+      for (int64_t q = 0; q < count; q++)
+        _mm512_storeu_si512((void *)(out + (p0 + q) * np + j0),
+                            _mm512_i32gather_epi32(column, (const void *)(block + q), 4));
     }
-  }
 }
 
 /* op(b) (k, n), b stored (k, n) (row stride ldb) or, with trans_b, (n, k). */
