@@ -24,7 +24,7 @@ warm-start it), except "noef", which has neither error feedback nor warm
 start and compresses from iteration 0 (a fresh Q every time).
 
 Written to tests/fixtures/powersgd.bin (DDPFIX01, docs/nn.md), per
-configuration C in r1 (rank 1), r2 (rank 2), noef (rank 1):
+configuration C in r1 (rank 1), r2 (rank 2), r4 (rank 4), noef (rank 1):
   C.in.r{R}.t{T}.b{B}   the bucket's flat input on rank R at iteration T
   C.out.r{R}.t{T}.b{B}  what the hook returned (the approximated average)
   C.err.r{R}.t{T}.b{B}  state.error_dict[B] after the iteration (if any)
@@ -55,6 +55,10 @@ ITERS = 5
 CONFIGS = {
     "r1": dict(matrix_approximation_rank=1, start_powerSGD_iter=2),
     "r2": dict(matrix_approximation_rank=2, start_powerSGD_iter=2),
+    # rank 4: only p0 (16 x 20) is worth compressing; PyTorch orthogonalizes
+    # with torch.linalg.qr above rank 2 (ddp with Gram-Schmidt: Q's columns
+    # may differ in sign, the approximation not)
+    "r4": dict(matrix_approximation_rank=4, start_powerSGD_iter=2),
     "noef": dict(matrix_approximation_rank=1, start_powerSGD_iter=0,
                  use_error_feedback=False, warm_start=False),
 }
