@@ -134,6 +134,16 @@ static ddp_status dp_resume_aside(ddp_trainer *t, const ddp_train_state *start) 
   if (!ps) return DDP_OK;
   char path[4096];
   aside_path(t, t->o.resume_path, path, sizeof path);
+  const int world = t->replicas;
+  if (start->world_size != world) {
+    /* Error feedback is a rank's own: it has no meaning at another world
+     * size (an elastic restart, a resume elsewhere). */
+    DDP_WARN("rank %d: %s was saved by %lld ranks, this run has %d: PowerSGD starts afresh (its "
+             "error feedback is per rank), with %d plain allreduce steps first",
+             t->pg ? t->rank : 0, t->o.resume_path, (long long)start->world_size, world,
+             t->o.powersgd_start_iter ? (int)t->o.powersgd_start_iter : 1000);
+    return DDP_OK;
+  }
   if (access(path, F_OK) != 0) {
     DDP_WARN("rank %d: %s has no PowerSGD state beside it (%s): PowerSGD starts afresh, with "
              "%d plain allreduce steps first", t->pg ? t->rank : 0, t->o.resume_path, path,

@@ -7,7 +7,8 @@
 #    allreduce's bit for bit;
 #  - stopped after 10 steps (--save: the checkpoint and one PowerSGD state
 #    file per rank beside it) and resumed to 20: bit-identical to 20 steps
-#    straight (error feedback and Q restored);
+#    straight (error feedback and Q restored); resumed at 3 ranks, PowerSGD
+#    starts afresh with a warning;
 #  - fp16 and bf16 run and differ from float32;
 #  - refused with a clear message: with --zero, as one process, a bad hook,
 #    --powersgd-start 1, and a resume whose state files are from another step.
@@ -50,6 +51,14 @@ for r in 0 1; do
     fail "rank $r: 10 steps + resume to 20 differ from 20 steps straight"
 done
 echo "ok: stopped at 10 and resumed: bit-identical to 20 steps straight"
+
+# At another world size (an elastic restart): PowerSGD starts afresh, warned.
+world 2 e2 "${base[@]}" "${psgd[@]}" --elastic-batch per-rank --max-steps 10 \
+  --save "$tmp/cke.safetensors"
+world 3 w3 "${base[@]}" "${psgd[@]}" --elastic-batch per-rank --max-steps 14 \
+  --resume "$tmp/cke.safetensors"
+grep -q "PowerSGD starts afresh" "$tmp/w3.err.0" || { cat "$tmp/w3.err.0"; fail "no warning at world 3"; }
+echo "ok: resumed at 3 ranks from 2: PowerSGD afresh, warned"
 
 for h in fp16 bf16; do
   world 2 $h "${base[@]}" --comm-hook $h --max-steps 20 --dump-state "$tmp/$h.{rank}"
