@@ -84,6 +84,13 @@ typedef struct ddp__train_strategy_ops {
   /* Loads options.resume_path and fills *start; NULL: every rank loads the
    * files into the trainer's model, optimizer and schedule. */
   ddp_status (*resume)(ddp_trainer *t, ddp_train_state *start);
+  /* State of the strategy's own that lives beside the checkpoint, one file
+   * per rank (PowerSGD's error feedback and Q's): save_aside runs on every
+   * rank before the checkpoint is written (so the checkpoint, written
+   * last, is what makes a save complete), resume_aside on every rank after
+   * it is loaded, with the loaded position. NULL: none. */
+  ddp_status (*save_aside)(ddp_trainer *t, const ddp_train_state *ts);
+  ddp_status (*resume_aside)(ddp_trainer *t, const ddp_train_state *start);
   /* After the last step, before the final save and evaluation (the
    * pipeline gathers the whole model). Collective. NULL: nothing. */
   ddp_status (*finish)(ddp_trainer *t);
@@ -98,6 +105,9 @@ typedef struct ddp__train_strategy_ops {
 
 extern const ddp__train_strategy_ops ddp__train_single;
 extern const ddp__train_strategy_ops ddp__train_data_parallel;
+/* The comm_hook / powersgd_* options against the strategy (pure; in
+ * strategy_data_parallel.c, the one strategy that takes them). */
+ddp_status ddp__train_check_comm_hook(const ddp_train_options *o, const ddp__train_strategy_ops *ops);
 extern const ddp__train_strategy_ops ddp__train_pipeline;
 extern const ddp__train_strategy_ops ddp__train_param_server;
 extern const ddp__train_strategy_ops ddp__train_zero;

@@ -75,12 +75,11 @@ static ddp_status check_options(const ddp_train_options *o, const ddp_process_gr
                      "(a graph replays one whole batch); drop --microbatches or --cuda-graph",
                      (int)o->microbatches);
   /* Fields of issues 41 and 42 that their work has not given meaning yet. */
-  if (o->precision || o->comm_hook || o->powersgd_rank || o->clip_grad_norm != 0)
+  if (o->precision || o->clip_grad_norm != 0)
     return ddp_error(DDP_ERR_UNSUPPORTED,
-                     "precision %d, comm_hook %d, powersgd_rank %d, clip_grad_norm %g: not "
-                     "built yet (leave them 0)",
-                     (int)o->precision, (int)o->comm_hook, (int)o->powersgd_rank,
-                     o->clip_grad_norm);
+                     "precision %d, clip_grad_norm %g: not built yet (leave them 0)",
+                     (int)o->precision, o->clip_grad_norm);
+  DDP_TRY(ddp__train_check_comm_hook(o, ops));
   if (ops->check) DDP_TRY(ops->check(o, pg));
   if (o->save_every && !o->save_path)
     return ddp_error(DDP_ERR_INVALID, "save_every %lld needs save_path", (long long)o->save_every);
