@@ -253,6 +253,26 @@ static void print_staleness(const ddp_ps_server *s) {
           s->name, ddp_ps_mode_name(s->o.ps.mode), (long long)st->stop_min, (long long)st->stop_max);
 }
 
+/* DDP_PS_SNAPSHOT: the server's model (parameters and buffers) as it is
+ * when a trainer first stops stepping, written under the lock (no push is
+ * applied meanwhile). A debugging aid: a failure is said on stderr and
+ * training goes on. */
+static void write_snapshot(ddp_ps_server *s) {
+  char clocks[64];
+  snprintf(clocks, sizeof clocks, "%lld..%lld", (long long)s->staleness.stop_min,
+           (long long)s->staleness.stop_max);
+  const ddp_kv meta[2] = {{"ddp.ps_mode", ddp_ps_mode_name(s->o.ps.mode)},
+                          {"ddp.ps_clocks", clocks}};
+  if (ddp_model_save(s->model, s->snapshot_path, meta, 2) == DDP_OK)
+    fprintf(stderr, "ddp ps: %s (%s): DDP_PS_SNAPSHOT: the model when a trainer first stopped "
+                    "stepping (clocks %s, %lld updates) written to %s\n",
+            s->name, ddp_ps_mode_name(s->o.ps.mode), clocks, (long long)s->shard.updates,
+            s->snapshot_path);
+  else
+    fprintf(stderr, "ddp ps: %s: DDP_PS_SNAPSHOT: %s (training goes on)\n", s->name,
+            ddp_last_error());
+}
+
 /* A trainer stopped stepping (a meeting, done, dropped): the rate's window
  * closes, and the live trainers' clocks then are kept (in async the others
  * may still have many steps to make, alone). */
@@ -261,6 +281,7 @@ static void training_over(ddp_ps_server *s) {
   s->all_training_over = true;
   s->staleness.stop_min = ddp__ps_clock_min(&s->clock);
   s->staleness.stop_max = s->max_step;
+  if (s->snapshot_path[0]) write_snapshot(s);
 }
 
 /* ---- Functions ------------------------------------------------------------------- */
@@ -694,6 +715,17 @@ ddp_status ddp_ps_server_create(ddp_ps_server **out, ddp_model *model,
     s->trainers[t].pulled_min = start;
   }
   if ((st = alloc_snaps(s)) != DDP_OK) goto err;
+  const char *snapshot = ddp_env_str("DDP_PS_SNAPSHOT", "");
+  if (o->index == 0 && *snapshot) {
+    if (o->ps.num_servers != 1 || strlen(snapshot) >= sizeof s->snapshot_path) {
+      st = ddp_error(DDP_ERR_INVALID, "DDP_PS_SNAPSHOT=%s: %s", snapshot,
+                     o->ps.num_servers != 1 ? "needs --param-servers 1 (server 0 holds only its "
+                                              "shard of the parameters)"
+                                            : "the path is too long");
+      goto err;
+    }
+    strcpy(s->snapshot_path, snapshot);
+  }
   if (o->index == 0 && o->save_path && (st = ddp__ps_server_save_init(s)) != DDP_OK) goto err;
   if ((st = ddp__ps_registry_add(s->name, s)) != DDP_OK) goto err;
   s->registered = true;

@@ -97,6 +97,12 @@ struct ddp_ps_server {
   ddp_ps_server_stats stats;
   int64_t *pulled_versions; /* (trainers, owned tensors) */
   ddp__ps_staleness staleness;
+  /* DDP_PS_SNAPSHOT=PATH (server 0 of 1, a debugging aid of issue 36): the
+   * model's state dict (parameters and buffers) is written to this path
+   * when a trainer first stops stepping, so the model before the others'
+   * last steps can be evaluated (`ddp-train --init PATH --epochs 0`).
+   * Empty when unset: nothing else is done. */
+  char snapshot_path[1024];
   /* server 0 with a save path (server_ckpt.c): a whole-model optimizer and
    * schedule the checkpoint is assembled in, and a staging buffer. */
   ddp_optimizer *save_opt;
