@@ -10,9 +10,12 @@
 # slowest made after the first stopped) and the share of gradients that
 # missed no update come from DDP_PS_STALENESS=1. In sync, before == after
 # (the check that the snapshot is evaluated as the run evaluates).
+# SNAPSHOT_STEP=N takes the snapshot when the slowest trainer finished step
+# N instead (DDP_PS_SNAPSHOT_STEP; the epoch has 300 steps per trainer):
+# the control, what the last 300 - N steps bring where there is no tail.
 # usage: scripts/ps-tail-experiment.sh [BUILD_DIR]
 #   SEEDS (default "1 2 3"), MODES ("async ssp:2 sync"), LR (0.01),
-#   MOMENTUM (0.9), EPOCHS (1) override.
+#   MOMENTUM (0.9), EPOCHS (1), SNAPSHOT_STEP (0: the first stop) override.
 set -uo pipefail
 build=${1:-build}
 bin=$build/bin
@@ -21,15 +24,17 @@ modes=${MODES:-"async ssp:2 sync"}
 lr=${LR:-0.01}
 momentum=${MOMENTUM:-0.9}
 epochs=${EPOCHS:-1}
+snapshot_step=${SNAPSHOT_STEP:-0}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-echo "lr $lr momentum $momentum epochs $epochs; load before: $(cat /proc/loadavg); $(nproc) CPUs; $(date -u +%FT%TZ)"
+echo "lr $lr momentum $momentum epochs $epochs snapshot_step $snapshot_step; load before: $(cat /proc/loadavg); $(nproc) CPUs; $(date -u +%FT%TZ)"
 printf "%-5s %-8s %5s %7s %9s %8s\n" seed mode tail "fresh%" before% after%
 declare -A sb sa
 for seed in $seeds; do
   for mode in $modes; do
     rm -f "$tmp/snap.safetensors"
-    DDP_PS_STALENESS=1 DDP_PS_SNAPSHOT="$tmp/snap.safetensors" timeout 1800 \
+    DDP_PS_STALENESS=1 DDP_PS_SNAPSHOT="$tmp/snap.safetensors" \
+      DDP_PS_SNAPSHOT_STEP="$snapshot_step" timeout 1800 \
       "$bin/ddprun" --nproc-per-node 3 "$bin/ddp-train" --model convnet --epochs "$epochs" \
       --lr "$lr" --momentum "$momentum" --param-servers 1 --ps-mode "$mode" --seed "$seed" \
       --json >"$tmp/out" 2>"$tmp/err" || { tail "$tmp/err"; exit 1; }

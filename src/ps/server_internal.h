@@ -103,6 +103,11 @@ struct ddp_ps_server {
    * last steps can be evaluated (`ddp-train --init PATH --epochs 0`).
    * Empty when unset: nothing else is done. */
   char snapshot_path[1024];
+  /* DDP_PS_SNAPSHOT_STEP=N: instead, when the slowest live trainer first
+   * finished step N (the same moment in every mode: a control that tells
+   * what the last steps of a run without a tail bring). 0: the first stop. */
+  int64_t snapshot_step;
+  bool snapshot_written;
   /* server 0 with a save path (server_ckpt.c): a whole-model optimizer and
    * schedule the checkpoint is assembled in, and a staging buffer. */
   ddp_optimizer *save_opt;
