@@ -258,8 +258,9 @@ static void print_staleness(const ddp_ps_server *s) {
 }
 
 /* DDP_PS_SNAPSHOT: the server's model (parameters and buffers) as it is
- * when a trainer first stops stepping, written under the lock (no push is
- * applied meanwhile). A debugging aid: a failure is said on stderr and
+ * when a trainer first stops stepping (or, with DDP_PS_SNAPSHOT_STEP, when
+ * the slowest live trainer first finished that step), written once, under
+ * the lock (no push is applied meanwhile). A debugging aid: a failure is said on stderr and
  * training goes on. */
 static void write_snapshot(ddp_ps_server *s) {
   s->snapshot_written = true;
