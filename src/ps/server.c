@@ -65,6 +65,8 @@ static void send_all(outgoing *out, int n) {
 
 /* ---- Progress: clocks, buffers, pulls, meetings ------------------------------ */
 
+static void write_snapshot(ddp_ps_server *s); /* DDP_PS_SNAPSHOT, below */
+
 /* Trainer t's step is finished on this server once every owned tensor's
  * push and its pull are in. */
 static void maybe_finish_step(ddp_ps_server *s, int32_t t) {
@@ -74,6 +76,8 @@ static void maybe_finish_step(ddp_ps_server *s, int32_t t) {
   tr->pull_in = false;
   s->clock.clock[t]++;
   if (s->clock.clock[t] > s->max_step) s->max_step = s->clock.clock[t];
+  if (s->snapshot_step && !s->snapshot_written && ddp__ps_clock_min(&s->clock) >= s->snapshot_step)
+    write_snapshot(s);
   if (!s->all_training_over) {
     const int64_t now = ddp_time_ns();
     if (!s->window_steps++) s->window_first_ns = now;
@@ -253,6 +257,30 @@ static void print_staleness(const ddp_ps_server *s) {
           s->name, ddp_ps_mode_name(s->o.ps.mode), (long long)st->stop_min, (long long)st->stop_max);
 }
 
+/* DDP_PS_SNAPSHOT: the server's model (parameters and buffers) as it is
+ * when a trainer first stops stepping (or, with DDP_PS_SNAPSHOT_STEP, when
+ * the slowest live trainer first finished that step), written once, under
+ * the lock (no push is applied meanwhile). A debugging aid: a failure is said on stderr and
+ * training goes on. */
+static void write_snapshot(ddp_ps_server *s) {
+  s->snapshot_written = true;
+  char clocks[64];
+  snprintf(clocks, sizeof clocks, "%lld..%lld", (long long)ddp__ps_clock_min(&s->clock),
+           (long long)s->max_step);
+  const ddp_kv meta[2] = {{"ddp.ps_mode", ddp_ps_mode_name(s->o.ps.mode)},
+                          {"ddp.ps_clocks", clocks}};
+  if (ddp_model_save(s->model, s->snapshot_path, meta, 2) == DDP_OK)
+    fprintf(stderr, "ddp ps: %s (%s): DDP_PS_SNAPSHOT: the model %s (live trainers' clocks %s, "
+                    "%lld updates) written to %s\n",
+            s->name, ddp_ps_mode_name(s->o.ps.mode),
+            s->snapshot_step ? "when the slowest trainer finished DDP_PS_SNAPSHOT_STEP"
+                             : "when a trainer first stopped stepping",
+            clocks, (long long)s->shard.updates, s->snapshot_path);
+  else
+    fprintf(stderr, "ddp ps: %s: DDP_PS_SNAPSHOT: %s (training goes on)\n", s->name,
+            ddp_last_error());
+}
+
 /* A trainer stopped stepping (a meeting, done, dropped): the rate's window
  * closes, and the live trainers' clocks then are kept (in async the others
  * may still have many steps to make, alone). */
@@ -261,6 +289,7 @@ static void training_over(ddp_ps_server *s) {
   s->all_training_over = true;
   s->staleness.stop_min = ddp__ps_clock_min(&s->clock);
   s->staleness.stop_max = s->max_step;
+  if (s->snapshot_path[0] && !s->snapshot_step && !s->snapshot_written) write_snapshot(s);
 }
 
 /* ---- Functions ------------------------------------------------------------------- */
@@ -694,6 +723,23 @@ ddp_status ddp_ps_server_create(ddp_ps_server **out, ddp_model *model,
     s->trainers[t].pulled_min = start;
   }
   if ((st = alloc_snaps(s)) != DDP_OK) goto err;
+  const char *snapshot = ddp_env_str("DDP_PS_SNAPSHOT", "");
+  if (o->index == 0 && *snapshot) {
+    if (o->ps.num_servers != 1 || strlen(snapshot) >= sizeof s->snapshot_path) {
+      st = ddp_error(DDP_ERR_INVALID, "DDP_PS_SNAPSHOT=%s: %s", snapshot,
+                     o->ps.num_servers != 1 ? "needs --param-servers 1 (server 0 holds only its "
+                                              "shard of the parameters)"
+                                            : "the path is too long");
+      goto err;
+    }
+    strcpy(s->snapshot_path, snapshot);
+    if ((st = ddp_env_int("DDP_PS_SNAPSHOT_STEP", 0, &s->snapshot_step)) != DDP_OK) goto err;
+    if (s->snapshot_step < 0) {
+      st = ddp_error(DDP_ERR_INVALID, "DDP_PS_SNAPSHOT_STEP=%lld: a step, 1 or more (0 or unset: "
+                                      "when a trainer first stops)", (long long)s->snapshot_step);
+      goto err;
+    }
+  }
   if (o->index == 0 && o->save_path && (st = ddp__ps_server_save_init(s)) != DDP_OK) goto err;
   if ((st = ddp__ps_registry_add(s->name, s)) != DDP_OK) goto err;
   s->registered = true;

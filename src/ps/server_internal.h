@@ -97,6 +97,17 @@ struct ddp_ps_server {
   ddp_ps_server_stats stats;
   int64_t *pulled_versions; /* (trainers, owned tensors) */
   ddp__ps_staleness staleness;
+  /* DDP_PS_SNAPSHOT=PATH (server 0 of 1, a debugging aid of issue 36): the
+   * model's state dict (parameters and buffers) is written to this path
+   * when a trainer first stops stepping, so the model before the others'
+   * last steps can be evaluated (`ddp-train --init PATH --epochs 0`).
+   * Empty when unset: nothing else is done. */
+  char snapshot_path[1024];
+  /* DDP_PS_SNAPSHOT_STEP=N: instead, when the slowest live trainer first
+   * finished step N (the same moment in every mode: a control that tells
+   * what the last steps of a run without a tail bring). 0: the first stop. */
+  int64_t snapshot_step;
+  bool snapshot_written;
   /* server 0 with a save path (server_ckpt.c): a whole-model optimizer and
    * schedule the checkpoint is assembled in, and a staging buffer. */
   ddp_optimizer *save_opt;

@@ -11,7 +11,12 @@
  *    the counts are those worked out by hand;
  *  - trainers of equal speed (alternating steps): ssp:2 counts exactly
  *    async's staleness (tolerance 0: the schedule is the same), with every
- *    trainer's parameters after every step the reference's. */
+ *    trainer's parameters after every step the reference's;
+ *  - DDP_PS_SNAPSHOT (async, trainer 0 stops while trainer 1 still has
+ *    steps to make): the file holds the server's parameters of the moment
+ *    trainer 0 stopped, and is not rewritten by trainer 1's steps after it
+ *    or its own stop; with DDP_PS_SNAPSHOT_STEP=2, those of when the
+ *    slowest trainer finished step 2. */
 #include <math.h>
 #include <pthread.h>
 #include <setjmp.h>
@@ -22,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 #include <cmocka.h>
 
 #include "ddp/ddp.h"
@@ -361,10 +367,143 @@ static void test_equal_speed_matches_async(void **state) {
   assert_memory_equal(a.updates, s.updates, sizeof a.updates);
 }
 
+/* Polls (at most 30 s) until a trainer stopped stepping at the server. */
+static void wait_training_over(world *w) {
+  for (int i = 0; i < 30000; i++) {
+    pthread_mutex_lock(&w->server->mu);
+    const bool over = w->server->all_training_over;
+    pthread_mutex_unlock(&w->server->mu);
+    if (over) return;
+    struct timespec ms = {0, 1000000};
+    nanosleep(&ms, NULL);
+  }
+  fail_msg("no trainer's stop reached the server");
+}
+
+static void test_snapshot_at_first_stop(void **state) {
+  (void)state;
+  char path[] = "/tmp/ddp_ps_snapshot_XXXXXX";
+  const int fd = mkstemp(path);
+  assert_true(fd >= 0);
+  close(fd);
+  remove(path); /* the server writes it; an old file would hide a missing write */
+  assert_int_equal(setenv("DDP_PS_SNAPSHOT", path, 1), 0);
+  world w;
+  start_world(&w, DDP_PS_ASYNC, 0);
+  unsetenv("DDP_PS_SNAPSHOT"); /* read when the server is created */
+  float *g[5];
+  for (int i = 0; i < 5; i++) g[i] = make_grad(w.n, (uint64_t)(200 + i));
+  /* Trainer 0 makes 2 steps, trainer 1 one, then trainer 0 stops. */
+  ask_step(&w, 0, g[0]);
+  wait_steps(&w, 0);
+  ask_step(&w, 0, g[1]);
+  wait_steps(&w, 0);
+  ask_step(&w, 1, g[2]);
+  wait_steps(&w, 1);
+  for (int i = 0; i < 3; i++) add_to_ref(&w, g[i]);
+  double *at_stop = malloc((size_t)w.n * sizeof *at_stop);
+  assert_non_null(at_stop);
+  memcpy(at_stop, w.ref, (size_t)w.n * sizeof *at_stop);
+  pthread_mutex_lock(&w.tr[0].mu);
+  w.tr[0].quit = true; /* its thread says done to the server */
+  pthread_cond_broadcast(&w.tr[0].cv);
+  pthread_mutex_unlock(&w.tr[0].mu);
+  wait_training_over(&w);
+  /* The tail: trainer 1 alone, 2 more steps, then it stops too. */
+  for (int i = 3; i < 5; i++) {
+    ask_step(&w, 1, g[i]);
+    wait_steps(&w, 1);
+    add_to_ref(&w, g[i]);
+  }
+  assert_true(error_against(&w, 1, w.ref) < 1e-5);
+  double *final = malloc((size_t)w.n * sizeof *final);
+  assert_non_null(final);
+  memcpy(final, w.ref, (size_t)w.n * sizeof *final);
+  const int64_t n = w.n;
+  stop_world(&w); /* frees w.ref */
+  assert_int_equal(w.staleness.stop_min, 1);
+  assert_int_equal(w.staleness.stop_max, 2);
+  ddp_model *snap;
+  assert_int_equal(ddp_model_build("toy", NULL, SEED + 1, &snap), DDP_OK);
+  if (ddp_model_load(snap, path) != DDP_OK) fail_msg("the snapshot: %s", ddp_last_error());
+  const float *p = ddp_model_params_flat(snap);
+  double err = 0, err_final = 0, big = 0;
+  for (int64_t e = 0; e < n; e++) {
+    err = fmax(err, fabs(p[e] - at_stop[e]));
+    err_final = fmax(err_final, fabs(p[e] - final[e]));
+    big = fmax(big, fabs(at_stop[e]));
+  }
+  if (!(err < 1e-6 * big))
+    fail_msg("the snapshot: max|p - server's at the first stop| = %g (against the final "
+             "parameters: %g)", err, err_final);
+  assert_true(err_final > 1e-3 * big); /* the tail moved them: the check can tell */
+  ddp_model_destroy(snap);
+  remove(path);
+  free(at_stop);
+  free(final);
+  for (int i = 0; i < 5; i++) free(g[i]);
+}
+
+/* DDP_PS_SNAPSHOT_STEP=2: the file holds the parameters of when the
+ * slowest trainer finished step 2, not of the first stop after it. */
+static void test_snapshot_at_step(void **state) {
+  (void)state;
+  char path[] = "/tmp/ddp_ps_snapshot_XXXXXX";
+  const int fd = mkstemp(path);
+  assert_true(fd >= 0);
+  close(fd);
+  remove(path);
+  assert_int_equal(setenv("DDP_PS_SNAPSHOT", path, 1), 0);
+  assert_int_equal(setenv("DDP_PS_SNAPSHOT_STEP", "2", 1), 0);
+  world w;
+  start_world(&w, DDP_PS_ASYNC, 0);
+  unsetenv("DDP_PS_SNAPSHOT");
+  unsetenv("DDP_PS_SNAPSHOT_STEP");
+  float *g[5];
+  for (int i = 0; i < 5; i++) g[i] = make_grad(w.n, (uint64_t)(300 + i));
+  /* t0 steps 1, 2, 3 around t1's steps 1 and 2: the slowest finishes step
+   * 2 with t1's second step, before t0's third. */
+  const int who[5] = {0, 0, 1, 1, 0};
+  double *at_step = malloc((size_t)w.n * sizeof *at_step);
+  assert_non_null(at_step);
+  for (int i = 0; i < 5; i++) {
+    ask_step(&w, who[i], g[i]);
+    wait_steps(&w, who[i]);
+    add_to_ref(&w, g[i]);
+    if (i == 3) memcpy(at_step, w.ref, (size_t)w.n * sizeof *at_step);
+  }
+  double *final = malloc((size_t)w.n * sizeof *final);
+  assert_non_null(final);
+  memcpy(final, w.ref, (size_t)w.n * sizeof *final);
+  const int64_t n = w.n;
+  stop_world(&w); /* frees w.ref */
+  ddp_model *snap;
+  assert_int_equal(ddp_model_build("toy", NULL, SEED + 1, &snap), DDP_OK);
+  if (ddp_model_load(snap, path) != DDP_OK) fail_msg("the snapshot: %s", ddp_last_error());
+  const float *p = ddp_model_params_flat(snap);
+  double err = 0, err_final = 0, big = 0;
+  for (int64_t e = 0; e < n; e++) {
+    err = fmax(err, fabs(p[e] - at_step[e]));
+    err_final = fmax(err_final, fabs(p[e] - final[e]));
+    big = fmax(big, fabs(at_step[e]));
+  }
+  if (!(err < 1e-6 * big))
+    fail_msg("the snapshot at step 2: max|p - server's then| = %g (against the final "
+             "parameters: %g)", err, err_final);
+  assert_true(err_final > 1e-3 * big);
+  ddp_model_destroy(snap);
+  remove(path);
+  free(at_step);
+  free(final);
+  for (int i = 0; i < 5; i++) free(g[i]);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_deferred_pull_is_current),
       cmocka_unit_test(test_equal_speed_matches_async),
+      cmocka_unit_test(test_snapshot_at_first_stop),
+      cmocka_unit_test(test_snapshot_at_step),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
