@@ -10,7 +10,12 @@
 #       from MPI, not from SLURM_PROCID;
 #   srun --mpi=none -n 2 ddp-train --backend mpi  : fails at once on every
 #       rank, saying to launch with `srun --mpi=pmix` (no PMI, so MPI_Init
-#       would make two worlds of one).
+#       would make two worlds of one);
+#   srun --mpi=pmix -N 2 -n 4 ddp-bench allreduce --backend mpi --check 1 :
+#       2 ranks on each of 2 nodes (network namespaces of this machine, with
+#       the same host name): the bootstrap store is reached across them
+#       (rank 0's loopback only from its own namespace) and every size
+#       reduces right.
 # SKIP (77) with the reason: not root, no Slurm, no mpirun or a build
 # without the MPI backend, Slurm without its pmix plugin (`srun --mpi=list`;
 # Debian's slurm-wlm-basic-plugins has mpi_pmix.so, linked to libpmix2),
@@ -22,8 +27,10 @@ fail() { echo "FAIL: $*"; exit 1; }
 src=${DDP_SOURCE_DIR:?set DDP_SOURCE_DIR to the source tree}
 bin=${DDP_BIN_DIR:?set DDP_BIN_DIR to the build bin directory}/ddp-train
 ddprun=$DDP_BIN_DIR/ddprun
+bench=$DDP_BIN_DIR/ddp-bench
 [ -x "$bin" ] || fail "$bin is not built"
 [ -x "$ddprun" ] || fail "$ddprun is not built"
+[ -x "$bench" ] || fail "$bench is not built"
 [ "$(id -u)" = 0 ] || skip "needs root to run slurmd"
 command -v mpirun >/dev/null || skip "mpirun not found (scripts/install-deps.sh mpi)"
 py=$(command -v python3) || skip "no python3 to compare the dumps"
@@ -34,7 +41,7 @@ if env -u OMPI_COMM_WORLD_SIZE -u PMIX_RANK -u PMI_RANK -u PMI_SIZE timeout 30 "
 fi
 . "$src/tests/support/mpi_env.sh"
 . "$src/tests/support/slurm_test_cluster.sh"
-slurm_test_cluster_up
+slurm_test_cluster_up --nodes 2
 eval "$("$src/scripts/slurm-cluster.sh" env "$cluster")"
 echo "cluster up in $((SECONDS - t0)) s ($cluster)"
 slurm_test_run srun --mpi=list >"$tmp/list.out" 2>&1 || fail "srun --mpi=list: $(cat "$tmp/list.out")"
@@ -52,7 +59,7 @@ conv=(--model convnet --data "$data" --seed 2 --lr 0.01 --sync-bn --json --max-s
 # Each rank also prints what started it, so the check sees PMIx's rank (MPI
 # started by Slurm's plugin) next to Slurm's own.
 t=$SECONDS
-slurm_test_srun "$tmp/pmix.out" --mpi=pmix -n 2 -- bash -c \
+slurm_test_srun "$tmp/pmix.out" --mpi=pmix -N 1 -n 2 -- bash -c \
   'echo "launched SLURM_PROCID=$SLURM_PROCID PMIX_RANK=${PMIX_RANK:-unset}" >&2; exec "$0" "$@"' \
   "$bin" --backend mpi "${conv[@]}" --dump-state "$tmp/pmix.{rank}"
 for r in 0 1; do
@@ -81,9 +88,22 @@ echo "ok srun --mpi=pmix: --backend mpi == ddprun over 10 ConvNet steps (docs/pa
 
 # ---- srun --mpi=none: no PMI, refused at once ----------------------------------
 t=$SECONDS
-slurm_test_run timeout 90 srun --immediate=30 --time=2 --mpi=none -n 2 "$bin" --backend mpi --model toy \
+slurm_test_run timeout 90 srun --immediate=30 --time=2 --mpi=none -N 1 -n 2 "$bin" --backend mpi --model toy \
   --max-steps 1 >"$tmp/none.out" 2>&1 && fail "srun --mpi=none with --backend mpi succeeded: $(cat "$tmp/none.out")"
 [ "$(grep -c 'srun --mpi=pmix' "$tmp/none.out")" -ge 2 ] ||
   fail "srun --mpi=none: not every rank said to use srun --mpi=pmix: $(cat "$tmp/none.out")"
 [ $((SECONDS - t)) -le 30 ] || fail "srun --mpi=none: took $((SECONDS - t)) s to fail"
 echo "ok srun --mpi=none --backend mpi: refused at once on both ranks: $(grep -m1 -o 'backend "mpi" needs[^:]*' "$tmp/none.out")"
+
+# ---- srun --mpi=pmix -N 2 -n 4: MPI across two nodes ----------------------------
+# Open MPI names its shared-memory segments after the host name, which both
+# nodes share here: each node's ranks keep theirs in the node's own TmpFS.
+t=$SECONDS
+slurm_test_srun "$tmp/nodes.out" --mpi=pmix -N 2 -n 4 --ntasks-per-node=2 -- bash -c \
+  'export OMPI_MCA_btl_vader_backing_directory='"$cluster"'/tmp/$SLURMD_NODENAME; exec "$0" "$@"' \
+  "$bench" allreduce --backend mpi -b 8 -e 1M -f 16 -n 3 -w 1 --check 1
+rows=$(grep -c '^ *[0-9]' "$tmp/nodes.out")
+[ "$rows" -ge 3 ] || fail "srun --mpi=pmix -N 2 -n 4: no result rows: $(cat "$tmp/nodes.out" "$tmp/nodes.out.err")"
+awk '/^ *[0-9]/ && $9 != 0 { bad = 1 } END { exit bad }' "$tmp/nodes.out" ||
+  fail "srun --mpi=pmix -N 2 -n 4: wrong results: $(cat "$tmp/nodes.out")"
+echo "ok srun --mpi=pmix -N 2 -n 4 ddp-bench --backend mpi: $rows sizes reduced right across 2 nodes ($((SECONDS - t)) s)"
