@@ -59,9 +59,12 @@ conv=(--model convnet --data "$data" --seed 2 --lr 0.01 --sync-bn --json --max-s
 # Each rank also prints what started it, so the check sees PMIx's rank (MPI
 # started by Slurm's plugin) next to Slurm's own.
 t=$SECONDS
-slurm_test_srun "$tmp/pmix.out" --mpi=pmix -N 1 -n 2 -- bash -c \
+# Bounded as slurm_test_srun's steps, with the time a sanitizer build's
+# ConvNet needs on a loaded machine (--time in minutes, timeout in s).
+slurm_test_run timeout 400 srun --immediate=30 --time=6 --mpi=pmix -N 1 -n 2 bash -c \
   'echo "launched SLURM_PROCID=$SLURM_PROCID PMIX_RANK=${PMIX_RANK:-unset}" >&2; exec "$0" "$@"' \
-  "$bin" --backend mpi "${conv[@]}" --dump-state "$tmp/pmix.{rank}"
+  "$bin" --backend mpi "${conv[@]}" --dump-state "$tmp/pmix.{rank}" >"$tmp/pmix.out" 2>"$tmp/pmix.out.err" ||
+  fail "srun --mpi=pmix -n 2 ddp-train --backend mpi: $(tail -20 "$tmp/pmix.out.err")"
 for r in 0 1; do
   grep -q "^launched SLURM_PROCID=$r PMIX_RANK=$r\$" "$tmp/pmix.out.err" ||
     fail "rank $r was not started through PMIx: $(cat "$tmp/pmix.out.err")"
