@@ -216,6 +216,10 @@ CredType=cred/none
 StateSaveLocation=$dir/state
 # %n: the node's name, so that several slurmd on this machine keep apart.
 SlurmdSpoolDir=$dir/spool/%n
+# The nodes' temporary file systems apart too: Slurm's PMIx plugin (srun
+# --mpi=pmix) makes each step's client directory under it, whose name has no
+# node in it, so a shared /tmp collides between two nodes of this machine.
+TmpFS=$dir/tmp/%n
 SlurmctldPidFile=$dir/slurmctld.pid
 SlurmdPidFile=$dir/slurmd-%n.pid
 SlurmctldLogFile=$dir/log/slurmctld.log
@@ -308,7 +312,7 @@ cmd_up() {
     names=$(seq -f 'ddpn%g' 0 $((nodes - 1)))
     make_nodes "$dir" "$nodes" "$host"
   fi
-  for name in $names; do mkdir -p "$dir/spool/$name"; done
+  for name in $names; do mkdir -p "$dir/spool/$name" "$dir/tmp/$name"; done
   write_conf "$dir" "$host" "$ctld_port" "$slurmd_port" "$nodes"
   export SLURM_CONF=$dir/slurm.conf
 

@@ -17,6 +17,12 @@ ddp_status train_world_init_on(train_world *w, const char *backend) {
    * come from MPI (ddp_init_process_group takes them from there). */
   const char *chosen = backend ? backend : getenv("DDP_BACKEND");
   if (!w->source && chosen && !strcmp(chosen, "mpi")) w->source = "--backend mpi";
+  /* A training rank shares its core with its loader thread: an MPI rank
+   * spinning in a blocking collective while its peer computes holds that
+   * core (ddp's own backend spins briefly, then yields). Open MPI's
+   * mpi_yield_when_idle makes its waits yield too, before MPI starts; the
+   * user's own setting wins, and other MPIs ignore it (docs/comm.md). */
+  if (chosen && !strcmp(chosen, "mpi")) setenv("OMPI_MCA_mpi_yield_when_idle", "1", 0);
   if (!w->source) return DDP_OK;
   ddp_process_group_options o = ddp_process_group_defaults();
   o.backend = chosen;

@@ -15,6 +15,7 @@
 #include "comm/comm_internal.h"
 #include "comm/mpi/mpi_internal.h"
 #include "core/core_internal.h"
+#include "net/net.h"
 
 static pthread_mutex_t init_mu = PTHREAD_MUTEX_INITIALIZER;
 
@@ -130,8 +131,13 @@ static void boot_release(void *arg) {
  * and its error); every rank connects. All ranks agree whether it worked,
  * so a failure anywhere fails everyone at once. */
 static ddp_status boot_store(MPI_Comm comm, int rank, const char *who, boot *bt, ddp_store **store) {
-  char msg[BOOT_MSG] = {0}, self_host[256] = {0};
+  char msg[BOOT_MSG] = {0}, self_host[256] = {0}, self_id[256] = {0};
   gethostname(self_host, sizeof self_host - 1);
+  /* Which ranks share rank 0's loopback: the host identity (name and
+   * network namespace), not the name alone, which two containers or
+   * network namespaces of one machine share (docs/cluster.md). Never a
+   * return before the broadcast below: the other ranks wait in it. */
+  if (ddp__net_host_id(self_id, sizeof self_id) != DDP_OK) snprintf(self_id, sizeof self_id, "%s", self_host);
   ddp_status st = DDP_OK;
   if (rank == 0) {
     unsigned char raw[16] = {0};
@@ -143,7 +149,7 @@ static ddp_status boot_store(MPI_Comm comm, int rank, const char *who, boot *bt,
     st = ddp_store_server_start(NULL, 0, &so, &bt->server);
     const char *host = ddp_env_str("DDP_MPI_STORE_HOST", self_host);
     if (st == DDP_OK)
-      snprintf(msg, sizeof msg, "%s %u %s", host, (unsigned)ddp_store_server_port(bt->server), token);
+      snprintf(msg, sizeof msg, "%s %u %s %s", host, (unsigned)ddp_store_server_port(bt->server), token, self_id);
     else
       snprintf(msg, sizeof msg, "! %s", ddp_last_error());
   }
@@ -154,13 +160,14 @@ static ddp_status boot_store(MPI_Comm comm, int rank, const char *who, boot *bt,
     if (rank == 0) return st;
     return ddp_error(DDP_ERR_PEER, "%s: MPI rank 0 could not start the group's store: %s", who, msg + 2);
   }
-  char host[256], token[40];
+  char host[256], token[40], id[256];
   unsigned port = 0;
-  if (sscanf(msg, "%255s %u %39s", host, &port, token) != 3)
+  if (sscanf(msg, "%255s %u %39s %255s", host, &port, token, id) != 4)
     return ddp_error(DDP_ERR_FORMAT, "%s: the store address from MPI rank 0 \"%.80s\" is malformed", who, msg);
   /* A rank on rank 0's host connects over loopback (a host name need not
-   * resolve to an address this host listens on). */
-  const char *connect_to = strcmp(host, self_host) == 0 ? "127.0.0.1" : host;
+   * resolve to an address this host listens on); a rank elsewhere dials
+   * the name (or DDP_MPI_STORE_HOST), even where its own name is the same. */
+  const char *connect_to = strcmp(id, self_id) == 0 ? "127.0.0.1" : host;
   ddp_store_options co = {.connect_timeout_ms = 60000, .token = token};
   st = ddp_store_tcp_connect(connect_to, (uint16_t)port, &co, store);
   if (st != DDP_OK) st = ddp_error_wrap(st, "%s: connecting to the group's store on MPI rank 0 (%s:%u)", who, host, port);

@@ -54,13 +54,13 @@ static void *watchdog_main(void *arg) {
   while (!atomic_load(&m->stopping)) {
     struct timespec ts = {0, 50000000};
     nanosleep(&ts, NULL);
-    int64_t deadline = atomic_load(&m->blocking_deadline);
+    int64_t deadline = atomic_load_explicit(&m->blocking_deadline, memory_order_acquire);
     if (deadline && ddp_time_ns() >= deadline) {
-      const char *op = atomic_load(&m->blocking_op);
+      const char *op = atomic_load_explicit(&m->blocking_op, memory_order_relaxed);
       ddp_log(DDP_LOG_ERROR, "%s #%" PRIu64 " (rank %d of %d) did not complete in time on the mpi backend; MPI cannot "
                 "interrupt its blocking call, so this ends the job (MPI_Abort). DDP_MPI_BLOCKING_BYTES=0 runs "
                 "every collective nonblocking, which fails the group instead", op ? op : "operation",
-                atomic_load(&m->blocking_seq), m->rank, m->size);
+                atomic_load_explicit(&m->blocking_seq, memory_order_relaxed), m->rank, m->size);
       MPI_Abort(m->coll, 1);
     }
   }
@@ -99,10 +99,45 @@ static const void *in_place(const void *send, const void *recv, size_t block_byt
   return send == (const char *)recv + block_bytes * (size_t)index ? MPI_IN_PLACE : send;
 }
 
+/* The watchdog's view of a blocking call: op and number, then the deadline
+ * published after them (release; the watchdog reads it with acquire), and
+ * 0 when the call returns. Plain stores on x86, where seq_cst ones are
+ * locked exchanges (4 of them cost about a tenth of an 8-byte allreduce). */
+static inline void blocking_begin(mpi_backend *m, const ddp__op_ctx *ctx) {
+  atomic_store_explicit(&m->blocking_op, ctx->op, memory_order_relaxed);
+  atomic_store_explicit(&m->blocking_seq, ctx->seq, memory_order_relaxed);
+  atomic_store_explicit(&m->blocking_deadline, ctx->deadline_ns, memory_order_release);
+}
+
+static inline void blocking_end(mpi_backend *m) {
+  atomic_store_explicit(&m->blocking_deadline, 0, memory_order_release);
+}
+
+/* The hot case on its own path: a blocking allreduce of the program's (the
+ * DDP wrapper's last bucket, a loss, a metric). It is done on return, so
+ * no pending state is written; a small one costs MPI_Allreduce plus this
+ * and the group layer's bookkeeping (docs/comm.md, "Speed"). */
+static inline ddp_status blocking_allreduce(mpi_backend *m, const ddp__op_ctx *ctx, const ddp__op_args *a,
+                                            ddp__completion *c) {
+  MPI_Datatype t = ddp__mpi_datatype(a->dtype);
+  MPI_Op op = ddp__mpi_op(a->dtype, a->reduce_op);
+  blocking_begin(m, ctx);
+  int rc = MPI_Allreduce(MPI_IN_PLACE, a->buf, (int)a->count, t, op, m->coll);
+  blocking_end(m);
+  if (rc != MPI_SUCCESS) return mpi_failed(m, ctx, rc, -1);
+  if (a->reduce_op == DDP_REDUCE_AVG) ddp__reduce_scale(a->buf, a->count, a->dtype, m->size);
+  ddp__completion_finish(c, DDP_OK);
+  return DDP_OK;
+}
+
 static ddp_status mpi_enqueue(ddp__backend *b, const ddp__op_ctx *ctx, const ddp__op_args *a,
                               ddp__completion *c) {
   mpi_backend *m = (mpi_backend *)b;
-  if (atomic_load(&m->aborted))
+  bool aborted = atomic_load_explicit(&m->aborted, memory_order_relaxed);
+  if (!aborted && a->kind == DDP__OP_ALLREDUCE && a->blocking_call && a->count <= (size_t)INT_MAX &&
+      a->count * ddp_dtype_size(a->dtype) <= m->blocking_bytes)
+    return blocking_allreduce(m, ctx, a, c);
+  if (aborted)
     return ddp_error(DDP_ERR_ABORTED, "%s #%" PRIu64 ": the mpi backend of this group (rank %d of %d) was aborted",
                      ctx->op, ctx->seq, m->rank, m->size);
   size_t es = ddp_dtype_size(a->dtype);
@@ -128,11 +163,7 @@ static ddp_status mpi_enqueue(ddp__backend *b, const ddp__op_ctx *ctx, const ddp
    * alike (blocking_call, the size), never from where the op runs: MPI
    * matches a blocking collective only with a blocking one. */
   bool blocking = ddp__op_is_collective(a->kind) && a->blocking_call && block <= m->blocking_bytes;
-  if (blocking) {
-    atomic_store(&m->blocking_op, ctx->op);
-    atomic_store(&m->blocking_seq, ctx->seq);
-    atomic_store(&m->blocking_deadline, ctx->deadline_ns);
-  }
+  if (blocking) blocking_begin(m, ctx);
   int rc = MPI_SUCCESS;
   switch (a->kind) {
   case DDP__OP_ALLREDUCE:
@@ -175,7 +206,7 @@ static ddp_status mpi_enqueue(ddp__backend *b, const ddp__op_ctx *ctx, const ddp
     if (send == a->buf && block) {
       p->tmp = ddp_alloc(block * (size_t)m->size);
       if (!p->tmp) {
-        atomic_store(&m->blocking_deadline, 0); /* nothing for the watchdog to wait for */
+        if (blocking) blocking_end(m); /* nothing for the watchdog to wait for */
         return ddp_error(DDP_ERR_NOMEM, "%s #%" PRIu64 " (rank %d of %d): out of memory for an in-place copy",
                          ctx->op, ctx->seq, m->rank, m->size);
       }
@@ -197,10 +228,10 @@ static ddp_status mpi_enqueue(ddp__backend *b, const ddp__op_ctx *ctx, const ddp
     rc = MPI_Irecv(a->buf, n * (int)es, MPI_BYTE, a->root, a->tag, m->p2p, &p->req);
     break;
   default:
-    atomic_store(&m->blocking_deadline, 0);
+    if (blocking) blocking_end(m);
     return ddp_error(DDP_ERR_UNSUPPORTED, "%s: not an operation of the mpi backend", ctx->op);
   }
-  if (blocking) atomic_store(&m->blocking_deadline, 0);
+  if (blocking) blocking_end(m);
   if (rc != MPI_SUCCESS) {
     ddp_free(p->tmp);
     p->tmp = NULL;
