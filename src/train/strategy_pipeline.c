@@ -193,12 +193,16 @@ static ddp_status pipeline_step(ddp_trainer *t, ddp_batch *b, ddp__train_step_ou
   ddp_model_zero_grad(t->step_model);
   const bool first = ddp_pipeline_is_first(ps->pp), last = ddp_pipeline_is_last(ps->pp);
   double loss = NAN;
+  /* GradScaler's scale(loss): the last stage's seeds. */
+  ddp_pipeline_set_loss_scale(ps->pp, ddp__train_loss_seed(t));
   ddp_status s = ddp_pipeline_step(ps->pp, first ? &b->x : NULL, last ? &b->y : NULL, &loss);
   if (s != DDP_OK)
     return ddp_error_wrap(s, "replica %d's pipeline step", t->replica);
   const int64_t t1 = ddp_time_ns();
-  s = ddp_optimizer_step(t->opt);
-  if (s != DDP_OK) return ddp_error_wrap(s, "optimizer step");
+  /* The stage's gradients are final (every micro-batch, reduced over the
+   * stage's replicas): unscale, the agreement over the whole mesh, the
+   * step or its skip. */
+  DDP_TRY(ddp__train_optimizer_step(t));
   const int64_t t2 = ddp_time_ns();
   /* Only the last stage has the loss: the others add nothing to the
    * group's sums. */

@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# ddp-train --precision / --grad-scaler (issue 42, gradient scaling;
+# docs/mixed-precision.md). Until the autocast region is wired, fp16 trains
+# in float32 arithmetic with loss scaling (PyTorch allows a GradScaler
+# without autocast), and scaling by a power of two then unscaling is exact,
+# so with no overflow an fp16 run must end bit-identical to the fp32 run:
+#  - one process, plain and with --microbatches 3 (unscaled once per step,
+#    after the 1/M scaling);
+#  - 2 ranks: data parallel, ZeRO-2 and a 2-stage pipeline (ranks started
+#    with torchrun's variables, as the other ddp-train tests);
+#  - an inf injected into rank 1's gradients at step 5 (DDP_TEST_INJECT_INF)
+#    makes rank 0, whose gradients are finite, skip the step too: both
+#    ranks end with the same state, equal to the run where every rank
+#    injects it, and the log shows the skip and the halved scale;
+#  - the scale follows GradScaler's rules in the log: x0.5 at the skip, x2
+#    after each --grad-scaler-growth-interval clean steps;
+#  - --save mid-run and --resume continue bit-identically (the scaler's
+#    state in the .train file under PyTorch's keys), also across a skip;
+#  - bf16 has no scaler by default (no loss_scale in the log), --grad-scaler
+#    on gives it one, fp16 --grad-scaler off has none; tf32 is refused on
+#    the CPU saying it is a GPU-only opt-in.
+set -uo pipefail
+skip() { echo "SKIP: $*"; exit 77; }
+fail() { echo "FAIL: $*"; exit 1; }
+bin=${DDP_BIN_DIR:?}/ddp-train
+here=$(cd "$(dirname "$0")" && pwd)
+py=$(command -v python3) || skip "no python3 to compare the states"
+tmp=$(mktemp -d)
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; rm -rf "$tmp"; }
+trap cleanup EXIT
+unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT DDP_STORE_ADDR \
+  SLURM_PROCID SLURM_STEP_NUM_TASKS OMPI_COMM_WORLD_SIZE PMI_SIZE DDP_TEST_INJECT_INF
+export DDP_TIMEOUT=60
+. "$here/../support/train_ranks.sh"
+same() { "$py" "$here/st_compare.py" "$1" "$2" || fail "${3:-$1 and $2 differ}"; }
+get() { "$py" "$here/st_compare.py" --get "$1" "$2"; }
+# logged FILE STEP KEY: KEY of STEP's record in the JSON-lines log.
+logged() {
+  "$py" -c 'import json,sys
+for l in open(sys.argv[1]):
+    r = json.loads(l)
+    if r["step"] == int(sys.argv[2]) and "loss" in r: print(json.dumps(r.get(sys.argv[3])))' "$@"
+}
+cd "$tmp"
+
+toy=(--model toy --seed 3 --lr 0.05 --momentum 0.9 --workers 0 --batch-size 16)
+
+# --- one process: fp16 (scaled) == fp32, plain and with micro-batches --------
+single f32 "${toy[@]}" --epochs 1 --save f32.safetensors
+single f16 "${toy[@]}" --epochs 1 --precision fp16 --save f16.safetensors --log f16.log --json
+same f32.safetensors f16.safetensors "fp16 with the scaler differs from fp32 (one process)"
+[ "$(logged f16.log 1 loss_scale)" = 65536 ] || fail "the first step's scale is not 2^16"
+[ "$(get f16.train.safetensors grad_scaler.scale)" = 65536.0 ] || fail "the saved scale"
+grep -q '"precision": "fp16", "loss_scale": 65536, "skipped_steps": 0' f16.out \
+  || fail "the --json summary lacks the scaler: $(cat f16.out)"
+single m32 "${toy[@]}" --epochs 1 --microbatches 3 --save m32.safetensors
+single m16 "${toy[@]}" --epochs 1 --microbatches 3 --precision fp16 --save m16.safetensors
+same m32.safetensors m16.safetensors "fp16 with --microbatches 3 differs from fp32"
+
+# --- 2 ranks: data parallel, ZeRO-2, pipeline ----------------------------------
+for mode in dp "zero --zero 2" "pp --pp 2 --split net2 --microbatches 4"; do
+  tag=${mode%% *}
+  extra=(); [ "$tag" = dp ] || read -r -a extra <<<"${mode#* }"
+  world 2 "$tag.32" "${toy[@]}" --max-steps 30 "${extra[@]}" --save "$tag.32.safetensors"
+  world 2 "$tag.16" "${toy[@]}" --max-steps 30 "${extra[@]}" --precision fp16 \
+    --save "$tag.16.safetensors"
+  same "$tag.32.safetensors" "$tag.16.safetensors" "$tag: fp16 at world 2 differs from fp32"
+done
+
+# --- a forced overflow on one rank is skipped on every rank --------------------
+over=("${toy[@]}" --max-steps 20 --precision fp16 --grad-scaler-growth-interval 4)
+DDP_TEST_INJECT_INF=5:1 world 2 inj1 "${over[@]}" --log inj1.log --dump-state "inj1.{rank}" \
+  --save inj1.safetensors
+DDP_TEST_INJECT_INF=5 world 2 injall "${over[@]}" --save injall.safetensors
+world 2 clean "${over[@]}" --save clean.safetensors
+cmp -s inj1.0 inj1.1 || fail "the ranks' states differ after an overflow on rank 1 alone"
+same inj1.safetensors injall.safetensors "an inf on rank 1 alone != an inf on every rank"
+"$py" "$here/st_compare.py" inj1.safetensors clean.safetensors >/dev/null 2>&1 \
+  && fail "the skipped step changed nothing (the injection did not reach the gradients)"
+[ "$(logged inj1.log 5 skipped)" = true ] || fail "rank 0 did not skip step 5 (rank 1's inf)"
+[ "$(logged inj1.log 4 skipped)" = false ] || fail "step 4 was skipped"
+# Scale: 2^16, x2 after steps 4 (4 clean), x0.5 at 5, x2 after 9, 13, 17.
+for s_v in "3 65536" "4 131072" "5 65536" "8 65536" "9 131072" "13 262144" "17 524288" \
+           "20 524288"; do
+  set -- $s_v
+  [ "$(logged inj1.log "$1" loss_scale)" = "$2" ] \
+    || fail "step $1: scale $(logged inj1.log "$1" loss_scale), expected $2"
+done
+[ "$(logged inj1.log 20 skipped_steps)" = 1 ] || fail "skipped_steps is not 1"
+[ "$(get inj1.train.safetensors grad_scaler._growth_tracker)" = 3 ] || fail "saved tracker"
+[ "$(get inj1.train.safetensors grad_scaler.growth_interval)" = 4 ] || fail "saved interval"
+[ "$(get inj1.train.safetensors grad_scaler.backoff_factor)" = 0.5 ] || fail "saved backoff"
+[ "$(get inj1.train.safetensors grad_scaler.growth_factor)" = 2.0 ] || fail "saved growth"
+
+# --- save mid-run, resume: bit-identical to straight, across a skip -----------
+res=("${toy[@]}" --epochs 2 --precision fp16 --grad-scaler-growth-interval 7)
+DDP_TEST_INJECT_INF=40 single straight "${res[@]}" --save straight.safetensors
+DDP_TEST_INJECT_INF=40 single part "${res[@]}" --max-steps 37 --save part.safetensors
+[ "$(get part.train.safetensors grad_scaler._growth_tracker)" = 2 ] || fail "tracker at step 37"
+[ "$(get part.train.safetensors grad_scaler.scale)" = 2097152.0 ] || fail "scale at step 37"
+DDP_TEST_INJECT_INF=40 single resumed "${res[@]}" --resume part.safetensors --save resumed.safetensors
+same straight.safetensors resumed.safetensors "resumed fp16 model != straight"
+same straight.train.safetensors resumed.train.safetensors "resumed training state != straight"
+# 2 ranks, data parallel: resumed == straight.
+world 2 dstraight "${toy[@]}" --max-steps 40 --precision fp16 --grad-scaler-growth-interval 5 \
+  --save dstraight.safetensors
+world 2 dpart "${toy[@]}" --max-steps 23 --precision fp16 --grad-scaler-growth-interval 5 \
+  --save dpart.safetensors
+world 2 dres "${toy[@]}" --max-steps 40 --precision fp16 --grad-scaler-growth-interval 5 \
+  --resume dpart.safetensors --save dres.safetensors
+same dstraight.train.safetensors dres.train.safetensors "2 ranks: resumed training state != straight"
+same dstraight.safetensors dres.safetensors "2 ranks: resumed model != straight"
+
+# --- which precisions scale --------------------------------------------------
+single b16 "${toy[@]}" --max-steps 3 --precision bf16 --log b16.log --save b16.safetensors
+[ "$(logged b16.log 1 loss_scale)" = null ] || fail "bf16 has a scaler by default"
+"$py" "$here/st_compare.py" --get b16.train.safetensors grad_scaler.scale >/dev/null 2>&1 \
+  && fail "bf16 without a scaler saved a scaler state"
+single b16on "${toy[@]}" --max-steps 3 --precision bf16 --grad-scaler on --log b16on.log
+[ "$(logged b16on.log 1 loss_scale)" = 65536 ] || fail "bf16 --grad-scaler on has no scaler"
+single f16off "${toy[@]}" --max-steps 3 --precision fp16 --grad-scaler off --log f16off.log
+[ "$(logged f16off.log 1 loss_scale)" = null ] || fail "fp16 --grad-scaler off has a scaler"
+"$bin" "${toy[@]}" --max-steps 3 --precision tf32 >tf32.out 2>&1 && fail "tf32 ran on the CPU"
+grep -q "GPU-only opt-in" tf32.out || fail "tf32's refusal does not say why: $(cat tf32.out)"
+"$bin" "${toy[@]}" --precision fp8 >fp8.out 2>&1 && fail "--precision fp8 accepted"
+grep -q "fp32, bf16, fp16 or tf32" fp8.out || fail "--precision fp8's error: $(cat fp8.out)"
+"$bin" "${toy[@]}" --grad-scaler maybe >gs.out 2>&1 && fail "--grad-scaler maybe accepted"
+echo "PASS"
