@@ -54,6 +54,9 @@ static void usage(FILE *f) {
 "  --train-samples N    train on the first N training images (default 0: all 60,000)\n"
 "  --val-samples N      evaluate on the first N test images (default 0: all 10,000)\n"
 "  --eval-batch-size N  the test set's batch (default 100, as seed 002's validation loader)\n"
+"  --precision P        fp32 (default) | bf16 | fp16 | tf32: each individual's training, as\n"
+"                       ddp-train --precision (fp16 with its gradient scaler;\n"
+"                       docs/mixed-precision.md)\n"
 "  --trace DIR          each evaluation's timeline (steps and their phases, allreduces,\n"
 "                       evaluations) as Chrome trace JSON, DIR/w<W>-g<G>-r<R>.json (worker,\n"
 "                       generation, the rank in the worker)\n"
@@ -115,11 +118,20 @@ static _Noreturn void die(const char *what, ddp_status s) {
     if (s_ != DDP_OK) die(what, s_); \
   } while (0)
 
+/* --precision's names (ddp_precision), -1 for another. */
+static int precision_of(const char *v) {
+  static const char *const names[] = {"fp32", "bf16", "fp16", "tf32"};
+  for (int i = 0; i < 4; i++)
+    if (!strcmp(v, names[i])) return i;
+  return -1;
+}
+
 typedef struct args {
   const char *objective, *space, *data, *log_path;
   int64_t epochs, patience, batch_size, max_steps, top_n, eval_delay_ms;
   int64_t train_samples, val_samples; /* 0: all */
   int64_t eval_batch_size;
+  const char *precision;              /* convnet: --precision (NULL: fp32) */
   const char *trace_dir;              /* convnet: a timeline per evaluation */
   const char *loss_key;               /* cmd:'s JSON field */
   double eval_timeout_s;              /* cmd: */
@@ -165,7 +177,7 @@ static void parse_args(int argc, char **argv, args *a) {
         "--ranks-per-worker", "--exchange-interval", "--islands", "--migration-prob",
         "--num-migrants", "--checkpoint", "--checkpoint-interval", "--eval-delay-ms",
         "--train-samples", "--val-samples", "--loss-key", "--eval-timeout", "--eval-batch-size",
-        "--trace", "--backend"};
+        "--trace", "--backend", "--precision"};
     char name[64];
     const char *eq;
     cli_valued_option(f, valued, sizeof valued / sizeof *valued, name, sizeof name, &eq);
@@ -206,6 +218,11 @@ static void parse_args(int argc, char **argv, args *a) {
     else if (!strcmp(name, "--val-samples")) a->val_samples = cli_parse_int(name, v, 0, INT64_MAX);
     else if (!strcmp(name, "--eval-batch-size")) a->eval_batch_size = cli_parse_int(name, v, 1, INT64_MAX);
     else if (!strcmp(name, "--trace")) a->trace_dir = v;
+    else if (!strcmp(name, "--precision")) {
+      if (precision_of(v) < 0)
+        cli_die_usage("--precision expects fp32, bf16, fp16 or tf32, got '%s'", v);
+      a->precision = v;
+    }
     else if (!strcmp(name, "--checkpoint-interval")) {
       char *end;
       a->o.checkpoint_interval_s = strtod(v, &end);
@@ -284,6 +301,7 @@ static double convnet_loss(objective *ob, const ddp_hpo_space *space, const doub
    * rank's whole 500-image share here) made each evaluation's tape hundreds
    * of MB, faulted in afresh for every individual, and took 4x as long. */
   o.eval_batch_size = a->eval_batch_size;
+  o.precision = a->precision ? precision_of(a->precision) : DDP_PRECISION_FP32;
   char trace[4096];
   if (a->trace_dir) {
     snprintf(trace, sizeof trace, "%s/w%lld-g%lld-r%d.json", a->trace_dir,
@@ -452,6 +470,11 @@ static void write_fingerprint(const args *a, char *out, size_t bytes) {
            a->space ? a->space : "(the objective's)", a->data, (long long)a->epochs,
            (long long)a->patience, (long long)a->batch_size, (long long)a->max_steps,
            (long long)a->train_samples, (long long)a->val_samples, (long long)a->eval_batch_size);
+  /* Only when set: searches journalled before --precision existed resume. */
+  if (a->precision && strcmp(a->precision, "fp32")) {
+    size_t used = strlen(out);
+    if (used < bytes) snprintf(out + used, bytes - used, "\nprecision=%s", a->precision);
+  }
 }
 
 /* Checks the space against the objective and, for convnet, finds its

@@ -18,7 +18,8 @@
 #    state in the .train file under PyTorch's keys), also across a skip;
 #  - bf16 has no scaler by default (no loss_scale in the log), --grad-scaler
 #    on gives it one, fp16 --grad-scaler off has none; tf32 is refused on
-#    the CPU saying it is a GPU-only opt-in.
+#    the CPU saying it is a GPU-only opt-in;
+#  - ddp-hpo --objective convnet --precision reaches each individual's trainer.
 set -uo pipefail
 skip() { echo "SKIP: $*"; exit 77; }
 fail() { echo "FAIL: $*"; exit 1; }
@@ -126,4 +127,21 @@ grep -q "GPU-only opt-in" tf32.out || fail "tf32's refusal does not say why: $(c
 "$bin" "${toy[@]}" --precision fp8 >fp8.out 2>&1 && fail "--precision fp8 accepted"
 grep -q "fp32, bf16, fp16 or tf32" fp8.out || fail "--precision fp8's error: $(cat fp8.out)"
 "$bin" "${toy[@]}" --grad-scaler maybe >gs.out 2>&1 && fail "--grad-scaler maybe accepted"
+
+# --- ddp-hpo --objective convnet passes --precision to every individual -------
+hpo=${DDP_BIN_DIR}/ddp-hpo
+fashion=/usr/share/datasets/fashion-mnist
+if [ -e "$fashion/t10k-labels-idx1-ubyte.gz" ]; then
+  h=(--objective convnet --data "$fashion" --generations 2 --max-steps 3 --train-samples 64
+     --val-samples 64 --json)
+  best() { "$py" -c 'import json,sys; print(json.loads(open(sys.argv[1]).read().splitlines()[-1])["best_loss"])' "$1"; }
+  timeout 180 "$hpo" "${h[@]}" >h32.out 2>/dev/null || fail "ddp-hpo fp32"
+  timeout 180 "$hpo" "${h[@]}" --precision fp16 >h16.out 2>/dev/null || fail "ddp-hpo fp16"
+  [ "$(best h16.out)" = "$(best h32.out)" ] || fail "ddp-hpo: fp16 best loss $(best h16.out) != fp32 $(best h32.out)"
+  timeout 180 "$hpo" "${h[@]}" --precision tf32 >h_tf32.out 2>h_tf32.err || true
+  [ "$(best h_tf32.out)" = None ] && grep -q "GPU-only opt-in" h_tf32.err \
+    || fail "ddp-hpo --precision tf32 did not reach the trainer: $(tail -2 h_tf32.err)"
+else
+  echo "(no Fashion-MNIST at $fashion: ddp-hpo's pass-through not checked)"
+fi
 echo "PASS"
