@@ -15,7 +15,8 @@
 #  - the scale follows GradScaler's rules in the log: x0.5 at the skip, x2
 #    after each --grad-scaler-growth-interval clean steps;
 #  - --save mid-run and --resume continue bit-identically (the scaler's
-#    state in the .train file under PyTorch's keys), also across a skip;
+#    state in the .train file under PyTorch's keys), also across a skip,
+#    at 2 ranks, under ZeRO-2 and from a sharded checkpoint;
 #  - bf16 has no scaler by default (no loss_scale in the log), --grad-scaler
 #    on gives it one, fp16 --grad-scaler off has none; tf32 is refused on
 #    the CPU saying it is a GPU-only opt-in;
@@ -112,6 +113,19 @@ world 2 dres "${toy[@]}" --max-steps 40 --precision fp16 --grad-scaler-growth-in
   --resume dpart.safetensors --save dres.safetensors
 same dstraight.train.safetensors dres.train.safetensors "2 ranks: resumed training state != straight"
 same dstraight.safetensors dres.safetensors "2 ranks: resumed model != straight"
+# ZeRO-2 (the state gathered to rank 0's file) and a sharded checkpoint
+# (rank 0's metadata file holds the scaler): resumed == straight.
+world 2 zpart "${toy[@]}" --max-steps 23 --precision fp16 --grad-scaler-growth-interval 5 \
+  --zero 2 --save zpart.safetensors
+world 2 zres "${toy[@]}" --max-steps 40 --precision fp16 --grad-scaler-growth-interval 5 \
+  --zero 2 --resume zpart.safetensors --save zres.safetensors
+same dstraight.train.safetensors zres.train.safetensors "ZeRO-2: resumed training state != straight"
+world 2 spart "${toy[@]}" --max-steps 23 --precision fp16 --grad-scaler-growth-interval 5 \
+  --sharded-checkpoint --save spart.dir
+world 2 sres "${toy[@]}" --max-steps 40 --precision fp16 --grad-scaler-growth-interval 5 \
+  --resume spart.dir --save sres.safetensors
+same dstraight.train.safetensors sres.train.safetensors "sharded: resumed training state != straight"
+same dstraight.safetensors sres.safetensors "sharded: resumed model != straight"
 
 # --- which precisions scale --------------------------------------------------
 single b16 "${toy[@]}" --max-steps 3 --precision bf16 --log b16.log --save b16.safetensors
