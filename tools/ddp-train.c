@@ -733,8 +733,11 @@ static void print_summary(const train_args *a, const ddp_train_result *r, const 
   ddp__json_fput_string(stdout, a->model);
   printf(", \"optimizer\": ");
   ddp__json_fput_string(stdout, a->optimizer);
-  printf(", \"precision\": ");
-  ddp__json_fput_string(stdout, a->precision ? a->precision : "fp32");
+  /* Only off the default, so an fp32 run's summary stays as it was. */
+  if (a->precision && strcmp(a->precision, "fp32")) {
+    printf(", \"precision\": ");
+    ddp__json_fput_string(stdout, a->precision);
+  }
   /* The gradient scaler's, when the run had one and stepped. */
   if (!isnan(v->loss_scale)) {
     printf(", ");

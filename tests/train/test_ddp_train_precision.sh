@@ -11,7 +11,8 @@
 #  - an inf injected into rank 1's gradients at step 5 (DDP_TEST_INJECT_INF)
 #    makes rank 0, whose gradients are finite, skip the step too: both
 #    ranks end with the same state, equal to the run where every rank
-#    injects it, and the log shows the skip and the halved scale;
+#    injects it, and the log shows the skip and the halved scale; the
+#    same over a 2-stage pipeline (stage 1's overflow skips stage 0);
 #  - the scale follows GradScaler's rules in the log: x0.5 at the skip, x2
 #    after each --grad-scaler-growth-interval clean steps;
 #  - --save mid-run and --resume continue bit-identically (the scaler's
@@ -80,6 +81,11 @@ cmp -s inj1.0 inj1.1 || fail "the ranks' states differ after an overflow on rank
 same inj1.safetensors injall.safetensors "an inf on rank 1 alone != an inf on every rank"
 "$py" "$here/st_compare.py" inj1.safetensors clean.safetensors >/dev/null 2>&1 \
   && fail "the skipped step changed nothing (the injection did not reach the gradients)"
+# The pipeline: stage 1's overflow skips stage 0's step too.
+pp=(--pp 2 --split net2 --microbatches 4)
+DDP_TEST_INJECT_INF=5:1 world 2 pinj1 "${over[@]}" "${pp[@]}" --save pinj1.safetensors
+DDP_TEST_INJECT_INF=5 world 2 pinjall "${over[@]}" "${pp[@]}" --save pinjall.safetensors
+same pinj1.safetensors pinjall.safetensors "pipeline: an inf on stage 1 alone != an inf on both stages"
 [ "$(logged inj1.log 5 skipped)" = true ] || fail "rank 0 did not skip step 5 (rank 1's inf)"
 [ "$(logged inj1.log 4 skipped)" = false ] || fail "step 4 was skipped"
 # Scale: 2^16, x2 after steps 4 (4 clean), x0.5 at 5, x2 after 9, 13, 17.
