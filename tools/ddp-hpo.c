@@ -118,20 +118,13 @@ static _Noreturn void die(const char *what, ddp_status s) {
     if (s_ != DDP_OK) die(what, s_); \
   } while (0)
 
-/* --precision's names (ddp_precision), -1 for another. */
-static int precision_of(const char *v) {
-  static const char *const names[] = {"fp32", "bf16", "fp16", "tf32"};
-  for (int i = 0; i < 4; i++)
-    if (!strcmp(v, names[i])) return i;
-  return -1;
-}
-
 typedef struct args {
   const char *objective, *space, *data, *log_path;
   int64_t epochs, patience, batch_size, max_steps, top_n, eval_delay_ms;
   int64_t train_samples, val_samples; /* 0: all */
   int64_t eval_batch_size;
   const char *precision;              /* convnet: --precision (NULL: fp32) */
+  int precision_value;                /* its ddp_precision */
   const char *trace_dir;              /* convnet: a timeline per evaluation */
   const char *loss_key;               /* cmd:'s JSON field */
   double eval_timeout_s;              /* cmd: */
@@ -219,8 +212,7 @@ static void parse_args(int argc, char **argv, args *a) {
     else if (!strcmp(name, "--eval-batch-size")) a->eval_batch_size = cli_parse_int(name, v, 1, INT64_MAX);
     else if (!strcmp(name, "--trace")) a->trace_dir = v;
     else if (!strcmp(name, "--precision")) {
-      if (precision_of(v) < 0)
-        cli_die_usage("--precision expects fp32, bf16, fp16 or tf32, got '%s'", v);
+      a->precision_value = cli_parse_precision(name, v);
       a->precision = v;
     }
     else if (!strcmp(name, "--checkpoint-interval")) {
@@ -301,7 +293,7 @@ static double convnet_loss(objective *ob, const ddp_hpo_space *space, const doub
    * rank's whole 500-image share here) made each evaluation's tape hundreds
    * of MB, faulted in afresh for every individual, and took 4x as long. */
   o.eval_batch_size = a->eval_batch_size;
-  o.precision = a->precision ? precision_of(a->precision) : DDP_PRECISION_FP32;
+  o.precision = a->precision_value;
   char trace[4096];
   if (a->trace_dir) {
     snprintf(trace, sizeof trace, "%s/w%lld-g%lld-r%d.json", a->trace_dir,

@@ -73,17 +73,10 @@ typedef struct train_args {
   int64_t zero;            /* --zero S: ZeRO stage (0 = none) */
   bool sharded_checkpoint; /* --sharded-checkpoint */
   const char *precision;   /* --precision fp32 | bf16 | fp16 | tf32 (fp32) */
+  int precision_value;     /* its ddp_precision (0: fp32) */
   const char *grad_scaler; /* --grad-scaler auto | on | off (auto: on for fp16) */
   int64_t grad_scaler_growth_interval; /* --grad-scaler-growth-interval N (0: 2000) */
 } train_args;
-
-/* --precision's names (ddp_precision), -1 for another. */
-static int parse_precision(const char *v) {
-  static const char *const names[] = {"fp32", "bf16", "fp16", "tf32"};
-  for (int i = 0; i < 4; i++)
-    if (!strcmp(v, names[i])) return i;
-  return -1;
-}
 
 /* --grad-scaler's names (ddp_train_grad_scaler), -1 for another. */
 static int parse_grad_scaler(const char *v) {
@@ -354,7 +347,10 @@ static void parse_args(int argc, char **argv, train_args *a) {
     else if (!strcmp(name, "--virtual-stages")) a->virtual_stages = cli_parse_int(name, v, 1, INT64_MAX);
     else if (!strcmp(name, "--split")) a->split = v;
     else if (!strcmp(name, "--zero")) a->zero = cli_parse_int(name, v, 1, 3);
-    else if (!strcmp(name, "--precision")) a->precision = v;
+    else if (!strcmp(name, "--precision")) {
+      a->precision = v;
+      a->precision_value = cli_parse_precision(name, v);
+    }
     else if (!strcmp(name, "--grad-scaler")) a->grad_scaler = v;
     else if (!strcmp(name, "--grad-scaler-growth-interval"))
       a->grad_scaler_growth_interval = cli_parse_int(name, v, 1, INT32_MAX);
@@ -378,8 +374,6 @@ static void parse_args(int argc, char **argv, train_args *a) {
   if (a->scheduler && !strcmp(a->scheduler, "none")) a->scheduler = NULL;
   if (a->save_every && !a->save_path) cli_die_usage("%s needs --save PATH", "--save-every");
   if (a->microbatches > INT32_MAX) cli_die_usage("--microbatches: %s is too many", "M");
-  if (a->precision && parse_precision(a->precision) < 0)
-    cli_die_usage("--precision expects fp32, bf16, fp16 or tf32, got '%s'", a->precision);
   if (a->grad_scaler && parse_grad_scaler(a->grad_scaler) < 0)
     cli_die_usage("--grad-scaler expects auto, on or off, got '%s'", a->grad_scaler);
   if (a->pp > DDP_PIPELINE_MAX_STAGES) cli_die_usage("--pp: at most 64 stages (%s)", "DDP_PIPELINE_MAX_STAGES");
@@ -869,7 +863,7 @@ int main(int argc, char **argv) {
   o.bucket_cap_mb = a.bucket_cap_mb;
   o.microbatches = (int32_t)a.microbatches;
   o.zero_stage = (int32_t)a.zero;
-  o.precision = a.precision ? parse_precision(a.precision) : DDP_PRECISION_FP32;
+  o.precision = a.precision_value;
   o.grad_scaler = a.grad_scaler ? parse_grad_scaler(a.grad_scaler) : DDP_TRAIN_GRAD_SCALER_AUTO;
   o.grad_scaler_growth_interval = (int32_t)a.grad_scaler_growth_interval;
   o.sharded_checkpoint = a.sharded_checkpoint;
