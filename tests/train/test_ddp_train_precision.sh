@@ -4,8 +4,8 @@
 # in float32 arithmetic with loss scaling (PyTorch allows a GradScaler
 # without autocast), and scaling by a power of two then unscaling is exact,
 # so with no overflow an fp16 run must end bit-identical to the fp32 run:
-#  - one process, plain and with --microbatches 3 (unscaled once per step,
-#    after the 1/M scaling);
+#  - one process, plain, with --microbatches 3 (unscaled once per step,
+#    after the 1/M scaling) and with --replicas 2 (DataParallel);
 #  - 2 ranks: data parallel, ZeRO-2 and a 2-stage pipeline (ranks started
 #    with torchrun's variables, as the other ddp-train tests);
 #  - an inf injected into rank 1's gradients at step 5 (DDP_TEST_INJECT_INF)
@@ -60,6 +60,9 @@ grep -q '"precision": "fp16", "loss_scale": 65536, "skipped_steps": 0' f16.out \
 single m32 "${toy[@]}" --epochs 1 --microbatches 3 --save m32.safetensors
 single m16 "${toy[@]}" --epochs 1 --microbatches 3 --precision fp16 --save m16.safetensors
 same m32.safetensors m16.safetensors "fp16 with --microbatches 3 differs from fp32"
+single r32 "${toy[@]}" --max-steps 20 --replicas 2 --save r32.safetensors
+single r16 "${toy[@]}" --max-steps 20 --replicas 2 --precision fp16 --save r16.safetensors
+same r32.safetensors r16.safetensors "fp16 with --replicas 2 (DataParallel) differs from fp32"
 
 # --- 2 ranks: data parallel, ZeRO-2, pipeline ----------------------------------
 for mode in dp "zero --zero 2" "pp --pp 2 --split net2 --microbatches 4"; do
