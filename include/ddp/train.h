@@ -388,7 +388,7 @@ typedef struct ddp_train_tensorboard ddp_train_tensorboard;
  * before). Per step, at the step's number: train/loss, train/lr,
  * train/samples_per_s and phases/<phase>_ms for each part of the step
  * (load, forward, backward_compute, backward_comm, optimizer, step,
- * preempted); per evaluation: test/loss and test/accuracy; at the start:
+ * preempted), and train/loss_scale with a gradient scaler; per evaluation: test/loss and test/accuracy; at the start:
  * the options (those of the trainer, the group's size and
  * options->checkpoint_meta's pairs) as a Markdown table, text tag
  * "options". The names after the slash are the JSON log's keys

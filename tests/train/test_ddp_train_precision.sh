@@ -21,6 +21,7 @@
 #  - bf16 has no scaler by default (no loss_scale in the log), --grad-scaler
 #    on gives it one, fp16 --grad-scaler off has none; tf32 is refused on
 #    the CPU saying it is a GPU-only opt-in;
+#  - TensorBoard's train/loss_scale follows the scale;
 #  - ddp-hpo --objective convnet --precision reaches each individual's trainer.
 set -uo pipefail
 skip() { echo "SKIP: $*"; exit 77; }
@@ -150,6 +151,19 @@ grep -q "GPU-only opt-in" tf32.out || fail "tf32's refusal does not say why: $(c
 "$bin" "${toy[@]}" --precision fp8 >fp8.out 2>&1 && fail "--precision fp8 accepted"
 grep -q "fp32, bf16, fp16 or tf32" fp8.out || fail "--precision fp8's error: $(cat fp8.out)"
 "$bin" "${toy[@]}" --grad-scaler maybe >gs.out 2>&1 && fail "--grad-scaler maybe accepted"
+
+# --- TensorBoard: train/loss_scale per step, as the log has it ----------------
+tpy=${DDP_TORCH_PY:-/opt/torch-venv/bin/python}
+if [ -x "$tpy" ] && "$tpy" -c 'import tensorboard' 2>/dev/null; then
+  DDP_TEST_INJECT_INF=3 single tb "${toy[@]}" --max-steps 5 --precision fp16 --tensorboard tbrun
+  got=$("$tpy" -c 'import glob
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator as E
+e = E(glob.glob("tbrun/**/events*", recursive=True)[0]); e.Reload()
+print(" ".join("%d:%g" % (s.step, s.value) for s in e.Scalars("train/loss_scale")))')
+  [ "$got" = "1:65536 2:65536 3:32768 4:32768 5:32768" ] || fail "TensorBoard's train/loss_scale: $got"
+else
+  echo "(no tensorboard package in $tpy: train/loss_scale's events not checked)"
+fi
 
 # --- ddp-hpo --objective convnet passes --precision to every individual -------
 hpo=${DDP_BIN_DIR}/ddp-hpo
