@@ -859,6 +859,15 @@ int main(int argc, char **argv) {
   o.save_every = a.save_every;
   o.resume_path = a.resume_path;
   o.device = choose_device(&a, &world);
+  if (o.device.type == DDP_DEVICE_CUDA) {
+    /* The rank's threads on the CPUs near its GPU (docs/cuda.md, "CPUs
+     * near the GPU"; DDP_GPU_AFFINITY=off leaves them). */
+    char near[400];
+    if (ddp_bind_near_gpu(o.device.index, near, sizeof near) != DDP_OK)
+      fprintf(stderr, "ddp-train: %swarning: %s\n", rank_tag, ddp_last_error());
+    else
+      DDP_INFO("ddp-train: %s%s", rank_tag, near);
+  }
   o.cuda_graph = a.cuda_graph;
   o.bucket_cap_mb = a.bucket_cap_mb;
   o.microbatches = (int32_t)a.microbatches;

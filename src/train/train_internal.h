@@ -136,6 +136,9 @@ struct ddp_trainer {
   ddp_loader *train_loader, *test_loader;
   ddp_tape *tape;
   FILE *log; /* rank 0's, when options.log_path */
+  /* Every rank's, when $DDP_TRAIN_SAMPLE_LOG names a folder: the samples
+   * each step took (ddp__train_log_samples). */
+  FILE *sample_log;
   bool ran;
   /* On a GPU (o.device): the batch's home there, grown to the largest
    * batch seen, and the pinned staging its copies go through
@@ -334,6 +337,14 @@ ddp_status ddp__train_evaluate(ddp_trainer *t, double *loss, double *accuracy);
 /* JSON lines (train_log.c): a step's record and an evaluation's. */
 void ddp__train_log_step(FILE *log, const ddp_train_step_info *s);
 void ddp__train_log_eval(FILE *log, int64_t step, int64_t epoch, double loss, double accuracy);
+/* Opens this rank's sample log, DIR/samples.<pid>.jsonl, when
+ * $DDP_TRAIN_SAMPLE_LOG=DIR (a debugging aid; off, nothing is written). */
+ddp_status ddp__train_open_sample_log(ddp_trainer *t);
+/* One line for the step just taken: which dataset indices this rank's
+ * batch held, and where they sit in the epoch's global order (sample i at
+ * position first + i * replicas). */
+void ddp__train_log_samples(ddp_trainer *t, int64_t step, int64_t epoch, int64_t start_step,
+                            int64_t first_position, const ddp_batch *b);
 /* `"key": value` with JSON's null for NaN and infinities, ", " after it when comma. */
 void ddp__train_json_number(FILE *f, const char *key, double v, bool comma);
 

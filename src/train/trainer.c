@@ -205,7 +205,7 @@ static ddp_status create_parts(ddp_trainer *t) {
       return ddp_error(DDP_ERR_IO, "cannot write the log %s: %s", o->log_path, strerror(errno));
     setvbuf(t->log, NULL, _IOLBF, 0); /* one line at a time, so a reader can follow it */
   }
-  return DDP_OK;
+  return ddp__train_open_sample_log(t);
 }
 
 ddp_status ddp_trainer_create(ddp_trainer **out, ddp_model *model, ddp_dataset *train,
@@ -245,6 +245,7 @@ void ddp_trainer_destroy(ddp_trainer *t) {
   if (!t) return;
   if (t->strategy) t->strategy->destroy(t);
   if (t->log) fclose(t->log);
+  if (t->sample_log) fclose(t->sample_log);
   ddp__train_graph_destroy(t);
   ddp_tape_destroy(t->tape);
   ddp__train_device_free(t);
