@@ -57,6 +57,9 @@ static void usage(FILE *f) {
 "  --train-samples N    train on the first N training images (default 0: all 60,000)\n"
 "  --val-samples N      evaluate on the first N test images (default 0: all 10,000)\n"
 "  --eval-batch-size N  the test set's batch (default 100, as seed 002's validation loader)\n"
+"  --precision P        fp32 (default) | bf16 | fp16 | tf32: each individual's training, as\n"
+"                       ddp-train --precision (fp16 with its gradient scaler;\n"
+"                       docs/mixed-precision.md)\n"
 "  --trace DIR          each evaluation's timeline (steps and their phases, allreduces,\n"
 "                       evaluations) as Chrome trace JSON, DIR/w<W>-g<G>-r<R>.json (worker,\n"
 "                       generation, the rank in the worker)\n"
@@ -123,6 +126,8 @@ typedef struct args {
   int64_t epochs, patience, batch_size, max_steps, top_n, eval_delay_ms;
   int64_t train_samples, val_samples; /* 0: all */
   int64_t eval_batch_size;
+  const char *precision;              /* convnet: --precision (NULL: fp32) */
+  int precision_value;                /* its ddp_precision */
   const char *trace_dir;              /* convnet: a timeline per evaluation */
   const char *device;                 /* convnet: "cpu", "cuda", "cuda:N" */
   const char *loss_key;               /* cmd:'s JSON field */
@@ -169,7 +174,7 @@ static void parse_args(int argc, char **argv, args *a) {
         "--ranks-per-worker", "--exchange-interval", "--islands", "--migration-prob",
         "--num-migrants", "--checkpoint", "--checkpoint-interval", "--eval-delay-ms",
         "--train-samples", "--val-samples", "--loss-key", "--eval-timeout", "--eval-batch-size",
-        "--trace", "--backend", "--device"};
+        "--trace", "--backend", "--device", "--precision"};
     char name[64];
     const char *eq;
     cli_valued_option(f, valued, sizeof valued / sizeof *valued, name, sizeof name, &eq);
@@ -211,6 +216,10 @@ static void parse_args(int argc, char **argv, args *a) {
     else if (!strcmp(name, "--eval-batch-size")) a->eval_batch_size = cli_parse_int(name, v, 1, INT64_MAX);
     else if (!strcmp(name, "--trace")) a->trace_dir = v;
     else if (!strcmp(name, "--device")) a->device = v;
+    else if (!strcmp(name, "--precision")) {
+      a->precision_value = cli_parse_precision(name, v);
+      a->precision = v;
+    }
     else if (!strcmp(name, "--checkpoint-interval")) {
       char *end;
       a->o.checkpoint_interval_s = strtod(v, &end);
@@ -291,6 +300,7 @@ static double convnet_loss(objective *ob, const ddp_hpo_space *space, const doub
    * of MB, faulted in afresh for every individual, and took 4x as long. */
   o.eval_batch_size = a->eval_batch_size;
   o.device = ob->device;
+  o.precision = a->precision_value;
   char trace[4096];
   if (a->trace_dir) {
     snprintf(trace, sizeof trace, "%s/w%lld-g%lld-r%d.json", a->trace_dir,
@@ -459,6 +469,11 @@ static void write_fingerprint(const args *a, char *out, size_t bytes) {
            a->space ? a->space : "(the objective's)", a->data, (long long)a->epochs,
            (long long)a->patience, (long long)a->batch_size, (long long)a->max_steps,
            (long long)a->train_samples, (long long)a->val_samples, (long long)a->eval_batch_size);
+  /* Only when set: searches journalled before --precision existed resume. */
+  if (a->precision && strcmp(a->precision, "fp32")) {
+    size_t used = strlen(out);
+    if (used < bytes) snprintf(out + used, bytes - used, "\nprecision=%s", a->precision);
+  }
 }
 
 /* Checks the space against the objective and, for convnet, finds its

@@ -75,7 +75,19 @@ typedef struct train_args {
   int powersgd_rank;       /* ... or powersgd:RANK (0 = none) */
   int64_t powersgd_start;  /* --powersgd-start N (0 = PyTorch's 1000) */
   bool sharded_checkpoint; /* --sharded-checkpoint */
+  const char *precision;   /* --precision fp32 | bf16 | fp16 | tf32 (fp32) */
+  int precision_value;     /* its ddp_precision (0: fp32) */
+  const char *grad_scaler; /* --grad-scaler auto | on | off (auto: on for fp16) */
+  int64_t grad_scaler_growth_interval; /* --grad-scaler-growth-interval N (0: 2000) */
 } train_args;
+
+/* --grad-scaler's names (ddp_train_grad_scaler), -1 for another. */
+static int parse_grad_scaler(const char *v) {
+  if (!strcmp(v, "auto")) return DDP_TRAIN_GRAD_SCALER_AUTO;
+  if (!strcmp(v, "on")) return DDP_TRAIN_GRAD_SCALER_ON;
+  if (!strcmp(v, "off")) return DDP_TRAIN_GRAD_SCALER_OFF;
+  return -1;
+}
 
 static void usage(FILE *f) {
   fprintf(f,
@@ -118,6 +130,15 @@ static void usage(FILE *f) {
 "  --cuda-graph         on a GPU, capture the step of a full batch once as a CUDA graph\n"
 "                       (after 3 eager steps) and replay it for every full batch: one\n"
 "                       launch instead of dozens. Not with dropout or --sync-bn\n"
+"Mixed precision (docs/mixed-precision.md)\n"
+"  --precision P        fp32 (default) | bf16 | fp16 | tf32. bf16 and fp16: autocast's ops\n"
+"                       in that type with float32 accumulation, parameters and gradients\n"
+"                       float32 (CPU so far); tf32 is a GPU-only opt-in (refused on the CPU)\n"
+"  --grad-scaler S      auto (default: on for fp16, off otherwise) | on | off: scale the\n"
+"                       loss (PyTorch's GradScaler: initial scale 2^16, x2 after 2000 steps\n"
+"                       without inf/NaN, x0.5 and the step skipped on every rank when a\n"
+"                       gradient is inf/NaN); its state is saved and resumed\n"
+"  --grad-scaler-growth-interval N  steps without inf/NaN before the scale doubles (2000)\n"
 "Micro-batches and pipelines (docs/train.md, \"Pipeline\")\n"
 "  --microbatches M     split each step's batch into M micro-batches along dim 0 (uneven\n"
 "                       sizes as torch.tensor_split) and accumulate their gradients,\n"
@@ -291,7 +312,8 @@ static void parse_args(int argc, char **argv, train_args *a) {
         "--device", "--tensorboard", "--trace", "--bucket-cap-mb", "--microbatches", "--pp",
         "--schedule", "--virtual-stages", "--split", "--param-servers", "--ps-mode", "--backend",
         "--step-sleep-ms", "--straggler", "--replicas",
-        "--elastic-batch", "--zero", "--comm-hook", "--powersgd-start"};
+        "--elastic-batch", "--zero", "--comm-hook", "--powersgd-start", "--precision",
+        "--grad-scaler", "--grad-scaler-growth-interval"};
     char name[64];
     const char *eq;
     cli_valued_option(f, valued, sizeof valued / sizeof *valued, name, sizeof name, &eq);
@@ -348,6 +370,13 @@ static void parse_args(int argc, char **argv, train_args *a) {
     }
     else if (!strcmp(name, "--powersgd-start"))
       a->powersgd_start = cli_parse_int(name, v, 2, INT32_MAX);
+    else if (!strcmp(name, "--precision")) {
+      a->precision = v;
+      a->precision_value = cli_parse_precision(name, v);
+    }
+    else if (!strcmp(name, "--grad-scaler")) a->grad_scaler = v;
+    else if (!strcmp(name, "--grad-scaler-growth-interval"))
+      a->grad_scaler_growth_interval = cli_parse_int(name, v, 1, INT32_MAX);
     else if (!strcmp(name, "--param-servers") || !strcmp(name, "--ps-mode") ||
              !strcmp(name, "--step-sleep-ms") || !strcmp(name, "--straggler"))
       train_ps_parse(&a->ps, name, v);
@@ -368,6 +397,8 @@ static void parse_args(int argc, char **argv, train_args *a) {
   if (a->scheduler && !strcmp(a->scheduler, "none")) a->scheduler = NULL;
   if (a->save_every && !a->save_path) cli_die_usage("%s needs --save PATH", "--save-every");
   if (a->microbatches > INT32_MAX) cli_die_usage("--microbatches: %s is too many", "M");
+  if (a->grad_scaler && parse_grad_scaler(a->grad_scaler) < 0)
+    cli_die_usage("--grad-scaler expects auto, on or off, got '%s'", a->grad_scaler);
   if (a->pp > DDP_PIPELINE_MAX_STAGES) cli_die_usage("--pp: at most 64 stages (%s)", "DDP_PIPELINE_MAX_STAGES");
   if (!a->pp && (a->schedule || a->virtual_stages || a->split))
     cli_die_usage("%s: --schedule, --virtual-stages and --split need --pp P", "--pp");
@@ -622,6 +653,8 @@ typedef struct tool_view {
   int64_t epochs;
   double last_loss, last_rate, last_train_seconds;
   int64_t last_step;
+  double loss_scale;     /* the gradient scaler's after the last step (NaN: none) */
+  int64_t skipped_steps; /* steps it skipped for inf/NaN */
 } tool_view;
 
 static void on_start(const ddp_train_start_info *info, void *user) {
@@ -639,6 +672,8 @@ static bool on_step(const ddp_train_step_info *info, void *user) {
   v->last_loss = info->loss;
   v->last_rate = info->samples_per_s;
   v->last_train_seconds = info->train_seconds;
+  v->loss_scale = info->loss_scale;
+  v->skipped_steps = info->skipped_steps;
   show_progress(&v->prog, info->step, info->epoch, v->epochs, info->loss, info->samples_per_s,
                 info->train_seconds, false);
   return false;
@@ -662,7 +697,7 @@ static bool on_eval(const ddp_train_eval_info *info, void *user) {
 }
 
 /* The --json summary line (rank 0). */
-static void print_summary(const train_args *a, const ddp_train_result *r) {
+static void print_summary(const train_args *a, const ddp_train_result *r, const tool_view *v) {
   printf("{");
   json_number(stdout, "samples_per_s", r->samples_per_s, true);
   json_number(stdout, "steady_samples_per_s", r->steady_samples_per_s, true);
@@ -715,6 +750,17 @@ static void print_summary(const train_args *a, const ddp_train_result *r) {
   ddp__json_fput_string(stdout, a->model);
   printf(", \"optimizer\": ");
   ddp__json_fput_string(stdout, a->optimizer);
+  /* Only off the default, so an fp32 run's summary stays as it was. */
+  if (a->precision && strcmp(a->precision, "fp32")) {
+    printf(", \"precision\": ");
+    ddp__json_fput_string(stdout, a->precision);
+  }
+  /* The gradient scaler's, when the run had one and stepped. */
+  if (!isnan(v->loss_scale)) {
+    printf(", ");
+    json_number(stdout, "loss_scale", v->loss_scale, true);
+    printf("\"skipped_steps\": %lld", (long long)v->skipped_steps);
+  }
   printf(", \"cuda_graph\": %s}\n", a->cuda_graph ? "true" : "false");
 }
 
@@ -854,6 +900,9 @@ int main(int argc, char **argv) {
   o.powersgd_start_iter = (int32_t)a.powersgd_start;
   if (a.powersgd_start && !a.powersgd_rank)
     cli_die_usage("--powersgd-start needs --comm-hook powersgd:RANK%s", "");
+  o.precision = a.precision_value;
+  o.grad_scaler = a.grad_scaler ? parse_grad_scaler(a.grad_scaler) : DDP_TRAIN_GRAD_SCALER_AUTO;
+  o.grad_scaler_growth_interval = (int32_t)a.grad_scaler_growth_interval;
   o.sharded_checkpoint = a.sharded_checkpoint;
   ddp_train_pipeline pipeline = {0};
   if (a.pp) {
@@ -885,7 +934,8 @@ int main(int argc, char **argv) {
   o.checkpoint_meta_count = meta.n;
   tool_view view = {.prog = {.quiet = !lead, .tty = isatty(STDERR_FILENO),
                              .started = ddp_time_s()},
-                    .a = &a, .lead = lead, .epochs = a.epochs, .last_loss = NAN};
+                    .a = &a, .lead = lead, .epochs = a.epochs, .last_loss = NAN,
+                    .loss_scale = NAN};
   o.callbacks = (ddp_train_callbacks){on_start, on_step, on_eval, &view};
 
   /* --param-servers: the servers serve and exit here; the trainers train
@@ -928,7 +978,7 @@ int main(int argc, char **argv) {
     if (!isnan(r.test_accuracy)) fprintf(stderr, ", test accuracy %.2f%%", 100 * r.test_accuracy);
     fputc('\n', stderr);
   }
-  if (a.json && lead) print_summary(&a, &r);
+  if (a.json && lead) print_summary(&a, &r, &view);
   if (a.dump_state) {
     CHECK(ddp_model_to(model, DDP_CPU), "bringing the model back to the CPU for --dump-state");
     dump_state(model, a.dump_state, world.rank);

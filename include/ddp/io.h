@@ -148,7 +148,19 @@ typedef struct ddp_train_state {
    * out the rest (ddp_sampler_distributed_resume). -1: unknown (a
    * checkpoint of an older version: resumable at its own world only). */
   int64_t epoch_samples;
-  int64_t reserved[5];
+  /* The run's gradient scaler (include/ddp/optim.h; NULL: none). Saving,
+   * an enabled one's state goes into the training-state file under
+   * PyTorch's GradScaler.state_dict() keys, "grad_scaler.scale" (float32,
+   * as its _scale), "grad_scaler.growth_factor", "grad_scaler.backoff_factor"
+   * (float64), "grad_scaler.growth_interval" and "grad_scaler._growth_tracker"
+   * (int64). Loading, the caller points it at the scaler to restore
+   * (it is kept in *ts): an enabled one gets the saved state when the file
+   * has one (checked: ddp_grad_scaler_check, else DDP_ERR_FORMAT) and stays
+   * as it was when not (a run that starts scaling from an unscaled
+   * checkpoint starts at the initial scale); a disabled one is left alone,
+   * as PyTorch's disabled load_state_dict is a no-op. */
+  struct ddp_grad_scaler *grad_scaler;
+  int64_t reserved[4];
 } ddp_train_state;
 DDP_STRUCT_SIZE(ddp_train_state, 104);
 

@@ -244,6 +244,68 @@ void ddp_scheduler_state_get(const ddp_scheduler *sched, ddp_scheduler_state *ou
  * touched. A negative base_lr or last_epoch < -1 is DDP_ERR_INVALID. */
 ddp_status ddp_scheduler_state_load(ddp_scheduler *sched, const ddp_scheduler_state *state);
 
+
+/* ---- Gradient scaling (PyTorch's torch.amp.GradScaler) ---------------------
+ * Mixed precision in fp16 loses small gradients to underflow; a GradScaler
+ * multiplies the loss (in ddp: the seed of backward's loss gradient) by a
+ * large power of two, so the gradients come out scaled, then divides them
+ * back before the optimizer, skipping the step when any is inf or NaN and
+ * adapting the scale (docs/mixed-precision.md):
+ *
+ *   ddp_grad_scaler gs = ddp_grad_scaler_defaults(true);
+ *   for (...) {
+ *     seed = ddp_grad_scaler_loss_seed(&gs);         // backward from loss * seed
+ *     ... backward ...
+ *     bool found_inf = ddp_grad_scaler_unscale(&gs, grads, n);   // grads *= 1/scale
+ *     // (reduce found_inf over the data-parallel group: ddp/train.h does)
+ *     if (!found_inf) ddp_optimizer_step(opt);
+ *     ddp_grad_scaler_update(&gs, found_inf);
+ *   }
+ *
+ * The arithmetic is PyTorch 2.x's, float for float: the scale is a float32,
+ * the reciprocal is computed in float64 and rounded to float32, each
+ * gradient is multiplied by it in float32 (left alone when it is 1), and
+ * the update multiplies the float32 scale by the float64 factor and rounds
+ * (_amp_update_scale_). A transparent value the caller keeps: no
+ * allocation, nothing to free; one thread at a time. */
+typedef struct ddp_grad_scaler {
+  float scale;             /* PyTorch's _scale (float32; init_scale 2^16) */
+  int32_t growth_tracker;  /* _growth_tracker: consecutive unskipped steps (int32, as PyTorch) */
+  double growth_factor;    /* > 1 (2.0) */
+  double backoff_factor;   /* in (0, 1) (0.5) */
+  int64_t growth_interval; /* > 0 (2000) */
+  /* false: the loss seed is 1, unscale finds nothing and changes nothing,
+   * update does nothing (PyTorch's enabled=False) */
+  bool enabled;
+  uint64_t reserved[2]; /* zero */
+} ddp_grad_scaler;
+DDP_STRUCT_SIZE(ddp_grad_scaler, 56);
+
+/* PyTorch's defaults: scale 65536 (2^16), growth_factor 2, backoff_factor
+ * 0.5, growth_interval 2000, tracker 0. */
+ddp_grad_scaler ddp_grad_scaler_defaults(bool enabled);
+/* DDP_ERR_INVALID naming the field when a value is impossible: scale not
+ * finite or <= 0, growth_factor <= 1, backoff_factor outside (0, 1) (the
+ * bounds PyTorch's constructor asserts), growth_interval < 1 or past
+ * INT32_MAX, tracker outside [0, growth_interval). For a state built by
+ * hand or read from a checkpoint. */
+ddp_status ddp_grad_scaler_check(const ddp_grad_scaler *gs);
+/* The seed of backward's loss gradient: the scale when enabled, else 1. */
+float ddp_grad_scaler_loss_seed(const ddp_grad_scaler *gs);
+/* 1 / scale as PyTorch computes it: in float64, rounded to float32. */
+float ddp_grad_scaler_inv_scale(const ddp_grad_scaler *gs);
+/* Unscales grads[0..n) in place (each times the inverse scale, in float32)
+ * and returns whether any of them was inf or NaN before it was unscaled
+ * (PyTorch's _amp_foreach_non_finite_check_and_unscale_). Disabled: false,
+ * grads untouched. Host memory only. Allocates nothing. */
+bool ddp_grad_scaler_unscale(const ddp_grad_scaler *gs, float *grads, size_t n);
+/* After the step (taken or skipped), with the found_inf every rank agreed
+ * on: inf/NaN found multiplies the scale by backoff_factor and resets the
+ * tracker; else the tracker counts the step and, on reaching
+ * growth_interval, the scale grows by growth_factor (kept when that would
+ * overflow float32) and the tracker restarts at 0. Disabled: nothing. */
+void ddp_grad_scaler_update(ddp_grad_scaler *gs, bool found_inf);
+
 #ifdef __cplusplus
 }
 #endif

@@ -132,6 +132,13 @@ ddp_status ddp_dp_set_comm_hook_fn(ddp_dp *dp, const ddp_dp_comm_hook *hook);
  * accumulated sums. */
 void ddp_dp_set_no_sync(ddp_dp *dp, bool no_sync);
 
+/* The seed of ddp_dp_backward's loss gradient (1 by default): GradScaler's
+ * scale(loss) (include/ddp/optim.h, "Gradient scaling"), applied as the
+ * seed instead of a multiplication on the tape, which is the same gradient
+ * (d(loss * s)/d(loss) = s). Every gradient then comes out scaled by it,
+ * and so do the averaged ones. Finite and > 0 (asserted). */
+void ddp_dp_set_loss_scale(ddp_dp *dp, float scale);
+
 /* ---- One iteration ---------------------------------------------------- */
 
 /* What runs before the forward (PyTorch's _pre_forward): the join

@@ -303,6 +303,12 @@ int ddp_pipeline_output_shape(const ddp_pipeline *pp, int64_t shape[DDP_MAX_DIMS
  * it. Every replica of a stage must install the same one. */
 typedef ddp_status (*ddp_pipeline_grad_sync_fn)(void *user, ddp_model *stage_model);
 void ddp_pipeline_set_grad_sync(ddp_pipeline *pp, ddp_pipeline_grad_sync_fn fn, void *user);
+/* GradScaler's scale(loss) (include/ddp/optim.h, "Gradient scaling"): the
+ * last stage's backward seeds each micro-batch's loss gradient with
+ * grad_scale times this (1 by default), so every stage's gradients come
+ * out scaled by it. Set it on every rank before each step; finite and > 0
+ * (asserted). */
+void ddp_pipeline_set_loss_scale(ddp_pipeline *pp, float loss_scale);
 /* Averages this rank's flat gradients over `dp_group` (one allreduce AVG);
  * a ddp_pipeline_grad_sync_fn when user is the group:
  *   ddp_pipeline_set_grad_sync(pp, ddp_pipeline_allreduce_grads, dp_group). */

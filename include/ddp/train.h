@@ -83,6 +83,14 @@ typedef struct ddp_train_step_info {
   double samples_per_s;  /* every rank's samples over the training time so far */
   double train_seconds;  /* training time so far (steps only, no evaluation) */
   ddp_train_phases phases;
+  /* Gradient scaling (options.grad_scaler): the scale after this step's
+   * update, whether this step was skipped for an inf/NaN gradient (on
+   * every rank alike), and the steps skipped since the start of training
+   * (a resumed run counts from its resume). loss_scale NaN and the rest 0
+   * without a scaler. */
+  double loss_scale;
+  bool skipped;
+  int64_t skipped_steps;
 } ddp_train_step_info;
 
 typedef enum ddp_train_eval_kind {
@@ -146,6 +154,14 @@ DDP_STRUCT_SIZE(ddp_train_pipeline, 56);
 
 /* 2 stages, 1F1B, virtual_stages 1, split NULL ("auto"). */
 ddp_train_pipeline ddp_train_pipeline_defaults(void);
+
+/* ddp_train_options.grad_scaler: whether the run scales the loss
+ * (ddp-train --grad-scaler auto|on|off). */
+typedef enum ddp_train_grad_scaler {
+  DDP_TRAIN_GRAD_SCALER_AUTO = 0, /* on for fp16, off for fp32, bf16 and tf32 */
+  DDP_TRAIN_GRAD_SCALER_ON = 1,
+  DDP_TRAIN_GRAD_SCALER_OFF = 2,
+} ddp_train_grad_scaler;
 
 /* Everything ddp-train's flags express. Start from ddp_train_defaults(). */
 typedef struct ddp_train_options {
@@ -236,11 +252,14 @@ typedef struct ddp_train_options {
    * directory whatever this option is. (false) */
   bool sharded_checkpoint;
   uint8_t reserved8; /* zero */
-  /* The fields below grew the struct for issues 41 and 42; each issue's
-   * work gives its field its meaning, and until then a non-zero value is
-   * refused (DDP_ERR_UNSUPPORTED). */
-  /* Mixed precision (issue 42): a ddp_precision from ddp/tensor.h; 0 is
-   * DDP_PRECISION_FP32, every op in float32. (0) */
+  /* The fields below grew the struct for issues 41 and 42; clip_grad_norm
+   * is refused non-zero (DDP_ERR_UNSUPPORTED) until issue 41's work gives
+   * it its meaning. */
+  /* Mixed precision (docs/mixed-precision.md): a ddp_precision from
+   * ddp/tensor.h. FP32 (0): every op in float32. BF16, FP16: autocast's
+   * region (ddp/tensor.h, "Autocast") around each step's forward and loss
+   * and around evaluation's; CPU only so far. TF32: refused on the CPU
+   * (a GPU-only opt-in) and not switched on GPUs yet. (0) */
   int32_t precision;
   /* Data parallel: the DDP communication hook, a ddp_dp_hook_kind from
    * ddp/parallel.h (0: allreduce, PyTorch's default). powersgd_rank > 0:
@@ -258,7 +277,17 @@ typedef struct ddp_train_options {
    * their global L2 norm, over the whole model, is at most this before
    * the optimizer steps (torch.nn.utils.clip_grad_norm_). 0: none. (0) */
   double clip_grad_norm;
-  uint64_t reserved[6]; /* zero: room for later options */
+  /* Gradient scaling (issue 42; include/ddp/optim.h "Gradient scaling",
+   * docs/mixed-precision.md): a ddp_train_grad_scaler. AUTO: on for
+   * fp16, off otherwise. With it on, backward's loss gradient is seeded
+   * with the scale, the gradients are unscaled once per optimizer step
+   * (after the last micro-batch and the reduction, before clipping), the
+   * inf/NaN finding is agreed over the group (one 4-byte allreduce MAX)
+   * and a step with one is skipped on every rank. (AUTO) */
+  int32_t grad_scaler;
+  /* The scaler's growth_interval; 0: PyTorch's 2000. (0) */
+  int32_t grad_scaler_growth_interval;
+  uint64_t reserved[5]; /* zero: room for later options */
 } ddp_train_options;
 DDP_STRUCT_SIZE(ddp_train_options, 400);
 
@@ -368,7 +397,7 @@ typedef struct ddp_train_tensorboard ddp_train_tensorboard;
  * before). Per step, at the step's number: train/loss, train/lr,
  * train/samples_per_s and phases/<phase>_ms for each part of the step
  * (load, forward, backward_compute, backward_comm, optimizer, step,
- * preempted); per evaluation: test/loss and test/accuracy; at the start:
+ * preempted), and train/loss_scale with a gradient scaler; per evaluation: test/loss and test/accuracy; at the start:
  * the options (those of the trainer, the group's size and
  * options->checkpoint_meta's pairs) as a Markdown table, text tag
  * "options". The names after the slash are the JSON log's keys

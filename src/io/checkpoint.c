@@ -115,6 +115,14 @@ static ddp_status build_train_entries(train_entries *t, ddp_model *model, ddp_op
       }
     }
   }
+  const ddp_grad_scaler *gs = ts->grad_scaler;
+  if (gs && gs->enabled) { /* PyTorch's state_dict of a disabled scaler is empty */
+    add(t, "grad_scaler.scale", DDP_FLOAT32, 0, NULL, &gs->scale);
+    add_f64(t, "grad_scaler.growth_factor", gs->growth_factor);
+    add_f64(t, "grad_scaler.backoff_factor", gs->backoff_factor);
+    add_i64(t, "grad_scaler.growth_interval", gs->growth_interval);
+    add_i64(t, "grad_scaler._growth_tracker", gs->growth_tracker);
+  }
   if (sched) {
     ddp_scheduler_state ss;
     ddp_scheduler_state_get(sched, &ss);
@@ -244,6 +252,8 @@ typedef struct pending {
   ddp_scheduler_state sched;
   float **optim;       /* per state entry: n floats to load, or NULL (none saved) */
   size_t n_optim;
+  ddp_grad_scaler scaler; /* the saved gradient scaler, when has_scaler */
+  bool has_scaler;
 } pending;
 
 static void free_pending(pending *p) {
@@ -334,6 +344,36 @@ static ddp_status check_optimizer(const ddp_safetensors *st, ddp_model *model, d
   return DDP_OK;
 }
 
+/* The gradient scaler's state, when the file has one (all five keys). */
+static ddp_status check_grad_scaler(const ddp_safetensors *st, pending *p) {
+  ddp_safetensors_tensor es;
+  p->has_scaler = false;
+  if (ddp_safetensors_find(st, "grad_scaler.scale", &es) != DDP_OK) return DDP_OK;
+  ddp_grad_scaler gs = ddp_grad_scaler_defaults(true);
+  int64_t interval, tracker;
+  DDP_TRY(get_scalar(st, "grad_scaler.scale", DDP_FLOAT32, &gs.scale));
+  DDP_TRY(get_scalar(st, "grad_scaler.growth_factor", DDP_FLOAT64, &gs.growth_factor));
+  DDP_TRY(get_scalar(st, "grad_scaler.backoff_factor", DDP_FLOAT64, &gs.backoff_factor));
+  DDP_TRY(get_scalar(st, "grad_scaler.growth_interval", DDP_INT64, &interval));
+  DDP_TRY(get_scalar(st, "grad_scaler._growth_tracker", DDP_INT64, &tracker));
+  gs.growth_interval = interval;
+  gs.growth_tracker = tracker >= INT32_MIN && tracker <= INT32_MAX ? (int32_t)tracker : -1;
+  if (ddp_grad_scaler_check(&gs) != DDP_OK)
+    return ddp_error(DDP_ERR_FORMAT, "checkpoint: %s: the gradient scaler's state is impossible "
+                     "(%s)", ddp_safetensors_path(st), ddp_last_error());
+  p->scaler = gs;
+  p->has_scaler = true;
+  return DDP_OK;
+}
+
+/* A loaded scaler's state into the caller's enabled scaler (see
+ * ddp_train_state.grad_scaler). */
+void ddp__ckpt_apply_scaler(ddp_grad_scaler *gs, const ddp_grad_scaler *saved, bool has) {
+  if (!gs || !gs->enabled || !has) return;
+  *gs = *saved;
+  gs->enabled = true;
+}
+
 static ddp_status check_train_state(const ddp_safetensors *st, ddp_model *model,
                                     ddp_optimizer *opt, ddp_scheduler *sched, pending *p) {
   const char *path = ddp_safetensors_path(st);
@@ -378,6 +418,7 @@ static ddp_status check_train_state(const ddp_safetensors *st, ddp_model *model,
   memcpy(p->rng.s, t.data, sizeof p->rng.s);
   (void)model;
   if (opt) DDP_TRY(check_optimizer(st, model, opt, p));
+  DDP_TRY(check_grad_scaler(st, p));
   if (sched) {
     DDP_TRY(get_scalar(st, "scheduler.last_epoch", DDP_INT64, &p->sched.last_epoch));
     DDP_TRY(get_scalar(st, "scheduler._step_count", DDP_INT64, &p->sched.step_count));
@@ -497,7 +538,10 @@ ddp_status ddp_checkpoint_load(const char *path, ddp_model *model, ddp_optimizer
       ddp_status ls = ddp_scheduler_state_load(sched, &p.sched);
       DDP_ASSERT(ls == DDP_OK);
     }
+    ddp_grad_scaler *gs = ts->grad_scaler;
+    ddp__ckpt_apply_scaler(gs, &p.scaler, p.has_scaler);
     *ts = p.ts;
+    ts->grad_scaler = gs;
   }
   free_pending(&p);
   ddp_safetensors_free(train_st);
@@ -532,7 +576,8 @@ void ddp__ckpt_entries_free(ddp__ckpt_entries *t) {
 }
 
 ddp_status ddp__ckpt_read_train(const ddp_safetensors *st, ddp_model *model, ddp_scheduler *sched,
-                                ddp_train_state *ts, ddp_rng *rng, ddp_scheduler_state *ss) {
+                                ddp_train_state *ts, ddp_rng *rng, ddp_scheduler_state *ss,
+                                ddp_grad_scaler *scaler, bool *has_scaler) {
   pending p;
   memset(&p, 0, sizeof p);
   ddp_status s = check_train_state(st, model, NULL, sched, &p);
@@ -540,6 +585,8 @@ ddp_status ddp__ckpt_read_train(const ddp_safetensors *st, ddp_model *model, ddp
     *ts = p.ts;
     *rng = p.rng;
     *ss = p.sched;
+    *scaler = p.scaler;
+    *has_scaler = p.has_scaler;
   }
   free_pending(&p);
   return s;

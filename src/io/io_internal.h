@@ -138,10 +138,16 @@ ddp_status ddp__ckpt_train_entries(ddp__ckpt_entries **out, ddp_model *model, dd
                                    const ddp_scheduler *sched, const ddp_train_state *ts);
 const ddp_safetensors_entry *ddp__ckpt_entries_get(const ddp__ckpt_entries *t, size_t *count);
 void ddp__ckpt_entries_free(ddp__ckpt_entries *t);
-/* Reads and checks train.*, rng.dropout and (with sched) scheduler.* of a
- * training-state file, as ddp_checkpoint_load does; changes nothing. */
+/* Reads and checks train.*, rng.dropout, (with sched) scheduler.* and the
+ * gradient scaler's grad_scaler.* (*has_scaler: whether the file has
+ * them) of a training-state file, as ddp_checkpoint_load does; changes
+ * nothing. */
 ddp_status ddp__ckpt_read_train(const ddp_safetensors *st, ddp_model *model, ddp_scheduler *sched,
-                                ddp_train_state *ts, ddp_rng *rng, ddp_scheduler_state *ss);
+                                ddp_train_state *ts, ddp_rng *rng, ddp_scheduler_state *ss,
+                                ddp_grad_scaler *scaler, bool *has_scaler);
+/* Puts a loaded scaler's state (has: the file had one) into the caller's
+ * scaler gs when it is enabled (ddp_train_state.grad_scaler); else nothing. */
+void ddp__ckpt_apply_scaler(ddp_grad_scaler *gs, const ddp_grad_scaler *saved, bool has);
 /* A scalar entry of dtype (DDP_ERR_FORMAT naming the file when absent or
  * of another dtype or shape). */
 ddp_status ddp__ckpt_get_scalar(const ddp_safetensors *st, const char *name, ddp_dtype dtype,

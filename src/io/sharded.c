@@ -493,7 +493,10 @@ ddp_status ddp_sharded_load(const char *dir, ddp_model *model, ddp_optimizer *op
   double lr = 0;
   float step = 0;
   bool has_step = false;
-  if (s == DDP_OK) s = ddp__ckpt_read_train(c.meta, model, sched, &t, &rng, &ss);
+  ddp_grad_scaler saved_scaler;
+  bool has_scaler = false;
+  if (s == DDP_OK)
+    s = ddp__ckpt_read_train(c.meta, model, sched, &t, &rng, &ss, &saved_scaler, &has_scaler);
   size_t model_tensors = 0;
   for (int i = 0; s == DDP_OK && i < ddp_model_state_count(model); i++) {
     ddp_state_entry se;
@@ -561,7 +564,10 @@ ddp_status ddp_sharded_load(const char *dir, ddp_model *model, ddp_optimizer *op
       ddp_status ls = ddp_scheduler_state_load(sched, &ss);
       DDP_ASSERT(ls == DDP_OK);
     }
+    ddp_grad_scaler *gs = ts->grad_scaler;
+    ddp__ckpt_apply_scaler(gs, &saved_scaler, has_scaler);
     *ts = t;
+    ts->grad_scaler = gs;
   }
   ddp_free(staging);
   sharded_free(&c);

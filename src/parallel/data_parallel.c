@@ -37,6 +37,7 @@ struct ddp_data_parallel {
   ddp_batch_norm_sync saved_sync;
   /* The current job's inputs. */
   bool grad_enabled;
+  ddp_precision precision; /* the caller's autocast region, entered in every replica */
   const float *dout;     /* backward: d loss / d gathered output */
   int64_t out_row;       /* elements per row of the outputs */
   uint64_t forwards;     /* forwards run; a gather op remembers its own */
@@ -228,7 +229,13 @@ static ddp_status forward_part(void *ctx, int r) {
   ddp_data_parallel *dp = ctx;
   ddp_tape_reset(dp->tapes[r]);
   ddp_tape_set_grad_enabled(dp->tapes[r], dp->grad_enabled);
-  return ddp_model_forward(dp->rep[r], dp->tapes[r], &dp->x_slices[r], &dp->outs[r]);
+  /* Autocast regions are per thread: the caller's reaches every replica's
+   * thread, as PyTorch's parallel_apply carries torch.autocast's state. */
+  const bool region = dp->precision != DDP_PRECISION_FP32;
+  if (region) DDP_TRY(ddp_autocast_enter(dp->precision));
+  ddp_status s = ddp_model_forward(dp->rep[r], dp->tapes[r], &dp->x_slices[r], &dp->outs[r]);
+  if (region) (void)ddp_autocast_exit();
+  return s;
 }
 
 /* Replica r's backward on its rows of the output's gradient, then (after
@@ -330,6 +337,9 @@ static ddp_status gather(ddp_data_parallel *dp, ddp_tape *tape, ddp_tensor **out
   shape[0] = total;
   ddp_tensor *g;
   DDP_TRY(ddp__tape_output(tape, "data_parallel_gather", o0->dtype, o0->ndim, shape, DDP_CPU, &g));
+  /* The replicas' outputs hold low-precision values under autocast: so
+   * does their concatenation. */
+  ddp__tape_mark_like(g, o0);
   dp->out_row = total ? g->numel / total : 0;
   const size_t elem = ddp_dtype_size(o0->dtype);
   for (int r = 0; r < dp->n; r++)
@@ -353,6 +363,7 @@ ddp_status ddp_data_parallel_forward(ddp_data_parallel *dp, ddp_tape *tape, ddp_
   DDP_TRY(scatter(dp, x));
   broadcast_buffers(dp);
   dp->grad_enabled = ddp_tape_grad_enabled(tape);
+  dp->precision = ddp_autocast_precision();
   dp->forwards++;
   DDP_TRY(ddp__replica_pool_run(dp->pool, forward_part, dp, "forward"));
   return gather(dp, tape, out);

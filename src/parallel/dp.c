@@ -2,6 +2,7 @@
  * one iteration (pre-forward, backward with hook-driven bucket launches,
  * finalize). Buckets launch strictly in index order on every rank, so the
  * ranks' collectives match whatever order gradients become ready in. */
+#include <math.h>
 #include <string.h>
 
 #include "nn/module.h" /* wrapped_by */
@@ -70,6 +71,7 @@ ddp_status ddp_dp_create(ddp_dp **out, ddp_model *model, ddp_process_group *pg,
   if (!dp) return ddp_error(DDP_ERR_NOMEM, "ddp: create: out of memory");
   dp->model = model;
   dp->pg = pg;
+  dp->loss_scale = 1.0f;
   dp->options = o;
   dp->rank = ddp_process_group_rank(pg);
   dp->world = ddp_process_group_size(pg);
@@ -178,6 +180,11 @@ ddp_status ddp_dp_set_comm_hook_fn(ddp_dp *dp, const ddp_dp_comm_hook *hook) {
 }
 
 void ddp_dp_set_no_sync(ddp_dp *dp, bool no_sync) { dp->no_sync = no_sync; }
+
+void ddp_dp_set_loss_scale(ddp_dp *dp, float scale) {
+  DDP_ASSERT(isfinite(scale) && scale > 0);
+  dp->loss_scale = scale;
+}
 
 ddp_status ddp__dp_broadcast_state(ddp_dp *dp, int root, bool params) {
   if (dp->world == 1) return DDP_OK;
@@ -410,7 +417,11 @@ ddp_status ddp_dp_finalize_backward(ddp_dp *dp) {
 ddp_status ddp_dp_backward(ddp_dp *dp, ddp_tape *tape, ddp_tensor *loss) {
   DDP_TRY(ddp_dp_prepare_backward(dp, tape));
   dp->backward_start_ns = ddp_time_ns();
-  ddp_status s = ddp_backward(tape, loss);
+  /* Seed 1 through ddp_backward (its check of the loss's shape), else the
+   * loss scale as the seed of the same walk. */
+  ddp_status s = dp->loss_scale == 1.0f || loss->numel != 1 || loss->dtype != DDP_FLOAT32
+                     ? ddp_backward(tape, loss)
+                     : ddp__backward_from(tape, loss, &dp->loss_scale);
   dp->backward_end_ns = ddp_time_ns();
   if (s != DDP_OK) {
     /* Leave nothing in flight on the gradient buffer. */

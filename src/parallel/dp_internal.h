@@ -63,6 +63,7 @@ struct ddp_dp {
   ddp_dp_comm_hook hook;
 
   bool no_sync;
+  float loss_scale; /* ddp_dp_set_loss_scale: backward's seed (1) */
   bool marked_model;  /* set the model's wrapped_by (cleared at destroy) */
   bool forward_param_sync; /* PyTorch's require_forward_param_sync: buffers are
                             * broadcast in a forward only if the last one synced */

@@ -352,7 +352,8 @@ ddp_status ddp_pipeline_create(ddp_pipeline **out, ddp_model *model, ddp_process
   pp->options.split = NULL; /* the caller's string; pp->split keeps what was decided */
   pp->options.split = o.split;
   pp->max_rows = (o.max_batch + o.n_microbatches - 1) / o.n_microbatches;
-  pp->scale = o.grad_scale > 0 ? (float)o.grad_scale : 1.0f / (float)o.n_microbatches;
+  pp->grad_scale = o.grad_scale > 0 ? (float)o.grad_scale : 1.0f / (float)o.n_microbatches;
+  pp->scale = pp->grad_scale;
   ddp_status s = create(pp, model);
   pp->options.split = NULL;
   if (s != DDP_OK) {
@@ -416,6 +417,13 @@ int ddp_pipeline_output_shape(const ddp_pipeline *pp, int64_t shape[DDP_MAX_DIMS
 const ddp_pipeline_schedule *ddp_pipeline_get_schedule(const ddp_pipeline *pp) {
   return pp->train;
 }
+void ddp_pipeline_set_loss_scale(ddp_pipeline *pp, float loss_scale) {
+  DDP_ASSERT(isfinite(loss_scale) && loss_scale > 0);
+  /* In float32, as the seed is: exact for the power-of-two scales a
+   * GradScaler with its default factors keeps. */
+  pp->scale = pp->grad_scale * loss_scale;
+}
+
 void ddp_pipeline_set_grad_sync(ddp_pipeline *pp, ddp_pipeline_grad_sync_fn fn, void *user) {
   pp->sync_fn = fn;
   pp->sync_user = user;

@@ -60,7 +60,8 @@ struct ddp_pipeline {
   ddp_pipeline_schedule *train, *eval;
   ddp__pp_channels *channels;
   int64_t max_rows; /* per micro-batch */
-  float scale;
+  float scale;      /* the loss gradient's seed: grad_scale x loss_scale */
+  float grad_scale; /* options.grad_scale, or 1 / M */
   ddp_pipeline_grad_sync_fn sync_fn;
   void *sync_user;
   bool failed;

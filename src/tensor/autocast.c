@@ -223,6 +223,10 @@ void ddp__autocast_mark(ddp_tensor *y, ddp_dtype low, bool round) {
   y->flags |= low == DDP_BFLOAT16 ? DDP__TENSOR_BF16_VALUES : DDP__TENSOR_F16_VALUES;
 }
 
+void ddp__tape_mark_like(ddp_tensor *y, const ddp_tensor *x) {
+  ddp__autocast_mark(y, ddp__low_dtype(x), false);
+}
+
 const float *ddp__autocast_operand(ddp_tape *tape, ddp_tensor *t, ddp_dtype low, bool cache,
                                    ddp_status *status) {
   if (!t) return NULL;

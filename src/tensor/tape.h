@@ -52,6 +52,11 @@ ddp_arena *ddp__tape_arena_on(ddp_tape *tape, ddp_device device);
 /* Scratch memory on `device` from ddp__tape_arena_on; NULL with the error
  * set when it cannot be had. */
 void *ddp__tape_scratch_on(ddp_tape *tape, ddp_device device, size_t bytes);
+/* Gives y the low-precision mark x carries under autocast (ddp/tensor.h,
+ * "Autocast": a float32 tensor holding bfloat16 / float16 values), for an
+ * op outside the tensor layer that copies x's values into y unchanged (a
+ * gather of replicas' outputs). Nothing when x has none. */
+void ddp__tape_mark_like(ddp_tensor *y, const ddp_tensor *x);
 /* An output that shares `data` with an input (reshape/flatten views). */
 ddp_status ddp__tape_view(ddp_tape *tape, const char *op, ddp_tensor *x, int ndim,
                           const int64_t *shape, ddp_tensor **out);

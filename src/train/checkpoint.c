@@ -17,7 +17,8 @@ ddp_status ddp__train_save(ddp_trainer *t, int64_t step, int64_t epoch, int64_t 
                         .epoch_samples = epoch_samples,
                         .sampler_seed = t->o.seed, .world_size = t->replicas,
                         .best_test_loss = pat->best_loss,
-                        .evals_without_better = pat->without_better};
+                        .evals_without_better = pat->without_better,
+                        .grad_scaler = &t->scaler}; /* saved when enabled */
   if (t->strategy->save_aside) {
     /* Every rank's file first, then the checkpoint that refers to them. */
     ddp_status s = t->strategy->save_aside(t, &ts);
@@ -68,7 +69,9 @@ ddp_status ddp__train_save(ddp_trainer *t, int64_t step, int64_t epoch, int64_t 
  * epoch dealt over this run's shards); one without that position (an older
  * version) is refused: the epoch's order depends on it. */
 ddp_status ddp__train_resume(ddp_trainer *t, ddp_train_state *start) {
-  *start = (ddp_train_state){.world_size = t->replicas, .best_test_loss = INFINITY};
+  /* The scaler restored in place when the file has one (docs/mixed-precision.md). */
+  *start = (ddp_train_state){.world_size = t->replicas, .best_test_loss = INFINITY,
+                             .grad_scaler = &t->scaler};
   if (!t->o.resume_path) return DDP_OK;
   ddp_status s = t->strategy->resume
                      ? t->strategy->resume(t, start)

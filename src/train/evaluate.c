@@ -59,8 +59,13 @@ static ddp_status forward_batch(ddp_trainer *t, ddp_batch *b, void *ctx, bool cl
   ddp_tensor *out, *loss, x, yd;
   DDP_TRY(ddp__train_batch_on_device(t, b, &x, &yd));
   ddp_tape_reset(tape);
-  DDP_TRY(ddp_model_forward(t->model, tape, &x, &out));
-  DDP_TRY(ddp_model_loss(t->model, tape, out, &yd, &loss));
+  /* Evaluated in the precision trained in (autocast's region, as a
+   * PyTorch test loop under torch.autocast). */
+  DDP_TRY(ddp__train_autocast_enter(t));
+  ddp_status s = ddp_model_forward(t->model, tape, &x, &out);
+  if (s == DDP_OK) s = ddp_model_loss(t->model, tape, out, &yd, &loss);
+  ddp__train_autocast_exit(t);
+  DDP_TRY(s);
   float loss0;
   DDP_TRY(ddp__train_scalar(loss, &loss0));
   *loss_rows = (double)loss0 * (double)b->size;

@@ -112,6 +112,7 @@ static ddp_status train_step(ddp_trainer *t, ddp__train_run *r, int64_t epoch, b
    * that copies the batch to a device adds the copy. */
   ddp__train_step_out out = {.counts = true, .marked = true};
   out.phases.load_ms = 1e-9 * (double)(ddp_time_ns() - t0);
+  t->step_now = r->step + 1;
   DDP_TRY(t->strategy->step(t, &b, &out));
   const ddp_train_phases ph = out.phases; /* seconds */
   const int64_t t_loaded = t0 + (int64_t)(1e9 * ph.load_ms);
@@ -167,7 +168,10 @@ static ddp_status train_step(ddp_trainer *t, ddp__train_run *r, int64_t epoch, b
       .samples_per_s = ddp__train_per_second(r->samples, r->train_seconds),
       .train_seconds = r->train_seconds,
       .phases = {1e3 * load, 1e3 * forward, 1e3 * backward_compute, 1e3 * backward_comm,
-                 1e3 * optimizer, 1e3 * step_seconds, 1e3 * preempted}};
+                 1e3 * optimizer, 1e3 * step_seconds, 1e3 * preempted},
+      .loss_scale = t->scaler.enabled ? (double)t->scaler.scale : NAN,
+      .skipped = t->last_skipped,
+      .skipped_steps = t->skipped_steps};
   if (t->log) ddp__train_log_step(t->log, &info);
   if (t->o.callbacks.on_step) {
     bool stop = t->o.callbacks.on_step(&info, t->o.callbacks.user);

@@ -26,14 +26,27 @@ static int64_t microbatch_count(int64_t rows, int32_t microbatches) {
   return rows < m ? (rows > 0 ? rows : 1) : m;
 }
 
-/* One micro-batch's forward and loss: *loss_value read back. */
+/* One micro-batch's forward and loss: *loss_value read back.
+ *
+ * THE FORWARD/LOSS SECTION of the single, data-parallel and ZeRO
+ * strategies (issue 42): the autocast region of options.precision (bf16,
+ * fp16) is entered around the forward and the loss here and left before
+ * the loss is read back and before backward, as PyTorch's recipe has it
+ * (with torch.autocast(...): out = model(x); loss = loss_fn(out, y)). The
+ * pipeline's forward runs inside its executor (src/pipeline/exec.c). */
 static ddp_status microbatch_forward(ddp_trainer *t, ddp_tape *tape, ddp_tensor *x, ddp_tensor *y,
                                      ddp_tensor **loss, float *loss_value) {
   ddp_tensor *out;
+  DDP_TRY(ddp__train_autocast_enter(t));
   ddp_status s = t->strategy->forward(t, tape, x, &out);
-  if (s != DDP_OK) return ddp_error_wrap(s, "forward");
-  s = ddp_model_loss(t->model, tape, out, y, loss);
-  if (s != DDP_OK) return ddp_error_wrap(s, "loss");
+  if (s == DDP_OK) {
+    s = ddp_model_loss(t->model, tape, out, y, loss);
+    if (s != DDP_OK) ddp_error_wrap(s, "loss");
+  } else {
+    ddp_error_wrap(s, "forward");
+  }
+  ddp__train_autocast_exit(t);
+  if (s != DDP_OK) return s;
   s = ddp__train_scalar(*loss, loss_value);
   if (s != DDP_OK) return ddp_error_wrap(s, "reading the loss");
   return DDP_OK;
@@ -98,8 +111,9 @@ ddp_status ddp__train_eager_step(ddp_trainer *t, ddp_tape *tape, ddp_tensor *x, 
     if (s != DDP_OK) return ddp_error_wrap(s, "backward");
   }
   int64_t t_opt = ddp_time_ns();
-  ddp_status s = ddp_optimizer_step(t->opt);
-  if (s != DDP_OK) return ddp_error_wrap(s, "optimizer step");
+  /* The gradients are final here (reduced, accumulated, scaled by 1/M):
+   * the scaler's unscale, its agreement, clipping and the step. */
+  DDP_TRY(ddp__train_optimizer_step(t));
   int64_t t_end = ddp_time_ns();
   p->forward_ms = 1e-9 * (double)(t_forward - t0);
   p->backward_compute_ms = 1e-9 * (double)(t_opt - t_forward);

@@ -166,6 +166,7 @@ static ddp_status dp_forward(ddp_trainer *t, ddp_tape *tape, ddp_tensor *x,
 }
 
 static ddp_status dp_backward(ddp_trainer *t, ddp_tape *tape, ddp_tensor *loss) {
+  ddp_dp_set_loss_scale(wrapper(t), ddp__train_loss_seed(t));
   return ddp_dp_backward(wrapper(t), tape, loss);
 }
 

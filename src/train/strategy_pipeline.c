@@ -205,12 +205,21 @@ static ddp_status pipeline_step(ddp_trainer *t, ddp_batch *b, ddp__train_step_ou
   ddp_model_zero_grad(t->step_model);
   const bool first = ddp_pipeline_is_first(ps->pp), last = ddp_pipeline_is_last(ps->pp);
   double loss = NAN;
+  /* GradScaler's scale(loss): the last stage's seeds. */
+  ddp_pipeline_set_loss_scale(ps->pp, ddp__train_loss_seed(t));
+  /* Autocast's region around the whole schedule: the executor
+   * interleaves forwards and backwards on this thread, and a backward
+   * keeps the precision its forward was recorded with (ddp/tensor.h). */
+  DDP_TRY(ddp__train_autocast_enter(t));
   ddp_status s = ddp_pipeline_step(ps->pp, first ? &b->x : NULL, last ? &b->y : NULL, &loss);
+  ddp__train_autocast_exit(t);
   if (s != DDP_OK)
     return ddp_error_wrap(s, "replica %d's pipeline step", t->replica);
   const int64_t t1 = ddp_time_ns();
-  s = ddp_optimizer_step(t->opt);
-  if (s != DDP_OK) return ddp_error_wrap(s, "optimizer step");
+  /* The stage's gradients are final (every micro-batch, reduced over the
+   * stage's replicas): unscale, the agreement over the whole mesh, the
+   * step or its skip. */
+  DDP_TRY(ddp__train_optimizer_step(t));
   const int64_t t2 = ddp_time_ns();
   /* Only the last stage has the loss: the others add nothing to the
    * group's sums. */
@@ -247,8 +256,10 @@ static ddp_status pipeline_eval_batch(ddp_trainer *t, ddp_batch *b, void *ctx, b
     out.numel = ps->eval_out->numel / ps->eval_out->shape[0] * b->size;
   }
   double loss = NAN;
+  DDP_TRY(ddp__train_autocast_enter(t));
   ddp_status s = ddp_pipeline_eval(ps->pp, first ? &b->x : NULL, last ? &b->y : NULL,
                                    last ? &out : NULL, &loss);
+  ddp__train_autocast_exit(t);
   if (s != DDP_OK)
     return ddp_error_wrap(s, "rank %d (stage %d, replica %d): pipeline evaluation", t->rank,
                           ps->stage_rank, t->replica);

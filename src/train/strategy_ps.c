@@ -47,10 +47,16 @@ static ddp_status ps_step(ddp_trainer *t, ddp_batch *b, ddp__train_step_out *out
   ddp_tape_reset(tape);
   ddp_model_zero_grad(t->model);
   ddp_tape_set_grad_hook(tape, grad_ready, t);
+  DDP_TRY(ddp__train_autocast_enter(t));
   ddp_status s = ddp_model_forward(t->model, tape, &x, &model_out);
-  if (s != DDP_OK) return ddp_error_wrap(s, "forward");
-  s = ddp_model_loss(t->model, tape, model_out, &y, &l);
-  if (s != DDP_OK) return ddp_error_wrap(s, "loss");
+  if (s == DDP_OK) {
+    s = ddp_model_loss(t->model, tape, model_out, &y, &l);
+    if (s != DDP_OK) ddp_error_wrap(s, "loss");
+  } else {
+    ddp_error_wrap(s, "forward");
+  }
+  ddp__train_autocast_exit(t);
+  if (s != DDP_OK) return s;
   DDP_TRY(ddp__train_scalar(l, &out->loss));
   const int64_t t_forward = ddp_time_ns();
   s = ddp_backward(tape, l);
@@ -88,6 +94,9 @@ static ddp_status ps_local_sums(ddp_trainer *t, double sums[3]) {
  * trainer's training state (the same on every trainer at that point). */
 static ddp_status ps_save(ddp_trainer *t, const ddp_train_state *ts) {
   ddp_ps_save_info info = {.ts = *ts, .lr = ddp_optimizer_get_lr(t->opt)};
+  /* A pointer into this trainer: meaningless to the servers (and the
+   * scaler is refused with a parameter server). */
+  info.ts.grad_scaler = NULL;
   if (t->sched) {
     ddp_scheduler_state_get(t->sched, &info.sched);
     info.has_sched = 1;

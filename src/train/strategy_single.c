@@ -4,6 +4,7 @@
  * (graph_step.c). With options.replicas > 1 its forward is DataParallel's
  * (the wrapper is its state): still one process and one model, the batch
  * spread over threads, and the backward the tape's own. */
+#include "tensor/tape.h" /* ddp__backward_from: the scaled loss's seed */
 #include "train/train_internal.h"
 
 static ddp_data_parallel *replicas(const ddp_trainer *t) { return t->state; }
@@ -50,9 +51,12 @@ static ddp_status single_forward(ddp_trainer *t, ddp_tape *tape, ddp_tensor *x,
   return ddp_model_forward(t->model, tape, x, out);
 }
 
+/* With a gradient scaler, backward from the loss seeded with the scale
+ * (GradScaler's scale(loss)). */
 static ddp_status single_backward(ddp_trainer *t, ddp_tape *tape, ddp_tensor *loss) {
-  (void)t;
-  return ddp_backward(tape, loss);
+  const float seed = ddp__train_loss_seed(t);
+  if (seed == 1.0f || loss->numel != 1 || loss->dtype != DDP_FLOAT32) return ddp_backward(tape, loss);
+  return ddp__backward_from(tape, loss, &seed);
 }
 
 const ddp__train_strategy_ops ddp__train_single = {

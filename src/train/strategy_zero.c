@@ -59,10 +59,16 @@ static ddp_status zero_forward(ddp_trainer *t, ddp_tape *tape, ddp_tensor *x, dd
 }
 
 static ddp_status zero_backward(ddp_trainer *t, ddp_tape *tape, ddp_tensor *loss) {
+  ddp_dp_set_loss_scale(ddp_zero_dp(zero(t)), ddp__train_loss_seed(t));
   return ddp_zero_backward(zero(t), tape, loss);
 }
 
 static void zero_no_sync(ddp_trainer *t, bool on) { ddp_zero_set_no_sync(zero(t), on); }
+
+/* The shard this rank's optimizer steps: what the gradient scaler checks. */
+static void zero_grad_range(const ddp_trainer *t, int64_t *offset, int64_t *numel) {
+  ddp_zero_range(zero(t), t->rank, offset, numel);
+}
 
 static ddp_status zero_local_sums(ddp_trainer *t, double sums[3]) {
   DDP_TRY(ddp_zero_sync_params(zero(t)));
@@ -133,6 +139,7 @@ const ddp__train_strategy_ops ddp__train_zero = {
     .backward = zero_backward,
     .no_sync = zero_no_sync,
     .local_sums = zero_local_sums,
+    .grad_range = zero_grad_range,
     .save = zero_save,
     .resume = zero_resume,
     .finish = zero_finish,

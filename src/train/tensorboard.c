@@ -183,8 +183,8 @@ static void write_scalars(ddp_train_tensorboard *tb, size_t n, const char **tags
 static bool tb_step(const ddp_train_step_info *info, void *user) {
   ddp_train_tensorboard *tb = user;
   if (tb->writing) {
-    const char *tags[10];
-    float values[10];
+    const char *tags[11];
+    float values[11];
     size_t n = 0;
     const ddp_train_phases *p = &info->phases;
     add(tags, values, &n, "train/loss", info->loss);
@@ -197,6 +197,8 @@ static bool tb_step(const ddp_train_step_info *info, void *user) {
     add(tags, values, &n, "phases/optimizer_ms", p->optimizer_ms);
     add(tags, values, &n, "phases/step_ms", p->step_ms);
     add(tags, values, &n, "phases/preempted_ms", p->preempted_ms);
+    /* NaN, so left out, without a gradient scaler. */
+    add(tags, values, &n, "train/loss_scale", info->loss_scale);
     write_scalars(tb, n, tags, values, info->step);
   }
   return tb->chained.on_step ? tb->chained.on_step(info, tb->chained.user) : false;

@@ -97,6 +97,10 @@ typedef struct ddp__train_strategy_ops {
   /* Fills the result's strategy figures (the pipeline's per stage).
    * Collective. NULL: none. */
   ddp_status (*figures)(ddp_trainer *t, ddp_train_result *res);
+  /* The gradients this rank's optimizer steps, as a range of the step
+   * model's flat gradient buffer (ZeRO: this rank's shard): what the
+   * GradScaler unscales and checks. NULL: the whole buffer. */
+  void (*grad_range)(const ddp_trainer *t, int64_t *offset, int64_t *numel);
   /* Where this rank stands, for an error of the loop ("the mesh: rank 0
    * is stage 0 of replica 0, ..."), into buf; returns buf. NULL: nothing
    * to add. */
@@ -160,6 +164,16 @@ struct ddp_trainer {
   /* The last step's clock readings (ddp_time_ns): forward start, forward
    * end (loss read), backward end, optimizer end. */
   int64_t step_marks[4];
+  /* Gradient scaling (grad_scaling.c; options.grad_scaler): the scaler,
+   * this run's skipped steps, whether the last step was skipped, and the
+   * step the loop runs now (1-based, for the test hook that injects an
+   * inf: DDP_TEST_INJECT_INF, docs/mixed-precision.md). */
+  ddp_grad_scaler scaler;
+  int64_t skipped_steps;
+  bool last_skipped;
+  int64_t step_now;
+  int64_t inject_inf_step; /* 0: none */
+  int inject_inf_rank;     /* -1: every rank */
 };
 
 /* Steps left out of the steady figures, as PyTorch's reference script
@@ -225,6 +239,29 @@ ddp_status ddp__train_resume(ddp_trainer *t, ddp_train_state *start);
  * sampler (another world, or an epoch that changed worlds before) instead
  * of replaying start->epoch_batches batches. */
 bool ddp__train_resume_by_samples(const ddp_trainer *t, const ddp_train_state *start);
+
+/* ---- Gradient scaling and the optimizer step (grad_scaling.c) ---- */
+
+/* Checks options.precision and options.grad_scaler against the strategy
+ * and the device (pure). */
+ddp_status ddp__train_precision_check(const ddp_train_options *o);
+/* The autocast region of options.precision (bf16, fp16; include/ddp/
+ * tensor.h "Autocast") around a step's forward and loss, and around
+ * evaluation's, on the calling thread; nothing at fp32. Enter fails only
+ * on a programming error (regions nested too deep). */
+ddp_status ddp__train_autocast_enter(const ddp_trainer *t);
+void ddp__train_autocast_exit(const ddp_trainer *t);
+/* Makes t->scaler from the options and reads the test hook. */
+ddp_status ddp__train_scaler_init(ddp_trainer *t);
+/* The seed of this step's backward: the scale with a scaler, else 1. */
+float ddp__train_loss_seed(const ddp_trainer *t);
+/* The optimizer step of every strategy, once the step's gradients are
+ * final (reduced, accumulated, scaled by 1/M): with a scaler, unscales this
+ * rank's gradients and agrees on inf/NaN over the group (one allreduce
+ * MAX); then [gradient clipping goes here, on unscaled gradients]; then
+ * the optimizer's step unless an inf/NaN was found anywhere; then the
+ * scaler's update. Collective with a scaler and a group. No allocation. */
+ddp_status ddp__train_optimizer_step(ddp_trainer *t);
 
 /* ---- The result (result.c) ---- */
 

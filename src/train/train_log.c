@@ -31,6 +31,13 @@ void ddp__train_log_step(FILE *log, const ddp_train_step_info *s) {
   ddp__train_json_number(log, "optimizer_ms", p->optimizer_ms, true);
   ddp__train_json_number(log, "step_ms", p->step_ms, true);
   ddp__train_json_number(log, "preempted_ms", p->preempted_ms, false);
+  /* With a gradient scaler only, so an fp32 run's records stay as they were. */
+  if (!isnan(s->loss_scale)) {
+    fputs(", ", log);
+    ddp__train_json_number(log, "loss_scale", s->loss_scale, false);
+    fprintf(log, ", \"skipped\": %s, \"skipped_steps\": %lld", s->skipped ? "true" : "false",
+            (long long)s->skipped_steps);
+  }
   fputs("}\n", log);
 }
 

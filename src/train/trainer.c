@@ -74,12 +74,13 @@ static ddp_status check_options(const ddp_train_options *o, const ddp_process_gr
                      "microbatches %d: gradient accumulation does not run under a CUDA graph "
                      "(a graph replays one whole batch); drop --microbatches or --cuda-graph",
                      (int)o->microbatches);
-  /* Fields of issues 41 and 42 that their work has not given meaning yet. */
-  if (o->precision || o->clip_grad_norm != 0)
-    return ddp_error(DDP_ERR_UNSUPPORTED,
-                     "precision %d, clip_grad_norm %g: not built yet (leave them 0)",
-                     (int)o->precision, o->clip_grad_norm);
+  /* Fields of issue 41 that its work has not given meaning yet. */
+  if (o->clip_grad_norm != 0)
+    return ddp_error(DDP_ERR_UNSUPPORTED, "clip_grad_norm %g: not built yet (leave it 0)",
+                     o->clip_grad_norm);
   DDP_TRY(ddp__train_check_comm_hook(o, ops));
+  /* Mixed precision (grad_scaling.c). */
+  DDP_TRY(ddp__train_precision_check(o));
   if (ops->check) DDP_TRY(ops->check(o, pg));
   if (o->save_every && !o->save_path)
     return ddp_error(DDP_ERR_INVALID, "save_every %lld needs save_path", (long long)o->save_every);
@@ -169,6 +170,7 @@ static ddp_status create_parts(ddp_trainer *t) {
     s = ddp_model_to(t->model, o->device);
     if (s != DDP_OK) return ddp_error_wrap(s, "moving the model");
   }
+  DDP_TRY(ddp__train_scaler_init(t));
   /* The strategy's state first: the model the optimizer steps (a
    * pipeline's stage), the data's shards, SyncBatchNorm. */
   DDP_TRY(t->strategy->create(t));

@@ -184,8 +184,17 @@ static void test_options_layout(void **state) {
                    sizeof(int32_t));
   assert_int_equal(offsetof(ddp_train_options, sharded_checkpoint) - offsetof(ddp_train_options, zero_stage),
                    sizeof(int16_t));
-  assert_int_equal(sizeof(ddp_train_options),
+  /* Then the struct grew by 72 bytes at once (issues 41 and 42, so that
+   * their options did not fight over the last byte): precision and the
+   * comm hook's three words, clip_grad_norm, the scaler's two, and five
+   * spare words. */
+  assert_int_equal(offsetof(ddp_train_options, precision),
                    offsetof(ddp_train_options, cuda_graph) + 7 * sizeof(uint64_t));
+  assert_int_equal(offsetof(ddp_train_options, clip_grad_norm) -
+                       offsetof(ddp_train_options, precision),
+                   4 * sizeof(int32_t));
+  assert_int_equal(sizeof(ddp_train_options),
+                   offsetof(ddp_train_options, precision) + 72);
   assert_false(ddp_train_defaults().cuda_graph);
 }
 

@@ -28,6 +28,15 @@ const char *cli_parse_backend(const char *flag, const char *v) {
   cli_die_usage("%s", msg);
 }
 
+int cli_parse_precision(const char *flag, const char *v) {
+  static const char *const names[] = {"fp32", "bf16", "fp16", "tf32"}; /* ddp_precision's order */
+  for (int i = 0; i < 4; i++)
+    if (!strcmp(v, names[i])) return i;
+  char msg[192];
+  snprintf(msg, sizeof msg, "%s expects fp32, bf16, fp16 or tf32, got '%.80s'", flag, v);
+  cli_die_usage("%s", msg);
+}
+
 int64_t cli_parse_int(const char *flag, const char *v, int64_t lo, int64_t hi) {
   char *end;
   errno = 0;

@@ -20,6 +20,9 @@ int64_t cli_parse_int(const char *flag, const char *v, int64_t lo, int64_t hi);
 /* v as a --backend value (ddp, gloo, mpi, nccl or auto: the names the
  * process group takes, docs/comm.md), else a usage error naming flag. */
 const char *cli_parse_backend(const char *flag, const char *v);
+/* v as a --precision value, its ddp_precision (fp32 0, bf16 1, fp16 2,
+ * tf32 3: docs/mixed-precision.md), else a usage error naming flag. */
+int cli_parse_precision(const char *flag, const char *v);
 /* A valued option's name: f ("--opt", "--opt=V", "--o_pt") up to its '='
  * (*eq: the '=', or NULL), with '_' read as '-' (PyTorch's and Propulate's
  * spellings), into name[bytes]; a usage error unless it is one of
