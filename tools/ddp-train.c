@@ -72,6 +72,7 @@ typedef struct train_args {
   const char *split;       /* --split NAMES | auto (auto) */
   int64_t zero;            /* --zero S: ZeRO stage (0 = none) */
   bool sharded_checkpoint; /* --sharded-checkpoint */
+  double clip_grad_norm;   /* --clip-grad-norm MAX: 0 = none */
 } train_args;
 
 static void usage(FILE *f) {
@@ -101,6 +102,9 @@ static void usage(FILE *f) {
 "  --lr X               learning rate (default: sgd 0.01, adam 0.001, adadelta 1.0)\n"
 "  --momentum X         SGD momentum (default 0)\n"
 "  --weight-decay X     L2 penalty (default 0)\n"
+"  --clip-grad-norm MAX before each step scale the gradients so that their global L2\n"
+"                       norm is at most MAX (torch.nn.utils.clip_grad_norm_; single,\n"
+"                       data parallel and --zero; a non-finite norm stops the run)\n"
 "  --scheduler step     StepLR: multiply the lr by --gamma every --step-size epochs\n"
 "  --step-size N        epochs between lr changes (default 1)\n"
 "  --gamma X            lr factor (default 0.1)\n"
@@ -281,7 +285,7 @@ static void parse_args(int argc, char **argv, train_args *a) {
         "--device", "--tensorboard", "--trace", "--bucket-cap-mb", "--microbatches", "--pp",
         "--schedule", "--virtual-stages", "--split", "--param-servers", "--ps-mode", "--backend",
         "--step-sleep-ms", "--straggler", "--replicas",
-        "--elastic-batch", "--zero"};
+        "--elastic-batch", "--zero", "--clip-grad-norm"};
     char name[64];
     const char *eq;
     cli_valued_option(f, valued, sizeof valued / sizeof *valued, name, sizeof name, &eq);
@@ -325,6 +329,11 @@ static void parse_args(int argc, char **argv, train_args *a) {
     else if (!strcmp(name, "--virtual-stages")) a->virtual_stages = cli_parse_int(name, v, 1, INT64_MAX);
     else if (!strcmp(name, "--split")) a->split = v;
     else if (!strcmp(name, "--zero")) a->zero = cli_parse_int(name, v, 1, 3);
+    else if (!strcmp(name, "--clip-grad-norm")) {
+      a->clip_grad_norm = parse_double(name, v);
+      if (!(a->clip_grad_norm > 0) || isinf(a->clip_grad_norm))
+        cli_die_usage("--clip-grad-norm: %s is not a finite max_norm > 0", v);
+    }
     else if (!strcmp(name, "--param-servers") || !strcmp(name, "--ps-mode") ||
              !strcmp(name, "--step-sleep-ms") || !strcmp(name, "--straggler"))
       train_ps_parse(&a->ps, name, v);
@@ -818,6 +827,7 @@ int main(int argc, char **argv) {
   o.microbatches = (int32_t)a.microbatches;
   o.zero_stage = (int32_t)a.zero;
   o.sharded_checkpoint = a.sharded_checkpoint;
+  o.clip_grad_norm = a.clip_grad_norm;
   ddp_train_pipeline pipeline = {0};
   if (a.pp) {
     if (!world.pg || world.size % a.pp)

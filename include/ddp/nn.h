@@ -269,12 +269,24 @@ ddp_status ddp_model_replicate(ddp_model *model, ddp_model **out);
 void ddp_model_zero_grad(ddp_model *model);
 
 /* torch.nn.utils.clip_grad_norm_(params, max_norm) with the L2 norm: computes
- * the total norm over all gradients (in double) and, when
- * max_norm / (norm + 1e-6) < 1, multiplies every gradient by that factor.
- * Writes the norm before clipping to *total_norm (may be NULL). A non-finite
- * norm leaves the gradients unchanged and returns DDP_ERR_RANGE (PyTorch's
- * error_if_nonfinite=True), still writing the norm. max_norm must be >= 0. */
+ * the total norm over all gradients (the squares summed in double) and
+ * multiplies every gradient by ddp_clip_coefficient(norm, max_norm) when
+ * that is below 1. Writes the norm before clipping to *total_norm (may be
+ * NULL). A non-finite norm leaves the gradients unchanged and returns
+ * DDP_ERR_RANGE (PyTorch's error_if_nonfinite=True), still writing the
+ * norm. max_norm must be >= 0. */
 ddp_status ddp_model_clip_grad_norm(ddp_model *model, double max_norm, double *total_norm);
+
+/* The factor clip_grad_norm_ multiplies the gradients by, in PyTorch's
+ * float32 order of operations: total_norm is a float32 tensor there, and
+ * `max_norm / (total_norm + 1e-6)` is Tensor.__rtruediv__, i.e.
+ * reciprocal(total_norm + 1e-6) * max_norm, each step rounded to float32,
+ * then clamped to at most 1. `total_norm` here is the norm computed in
+ * double; rounding it to float32 first is where PyTorch's float32 norm
+ * (a float32 sum of squares per tensor, then the norm of those norms) can
+ * differ: by a few units in its last place, so the factor differs by the
+ * same relative amount (docs/nn.md, "Gradient clipping"). */
+float ddp_clip_coefficient(double total_norm, double max_norm);
 
 /* Runs the module tree on x (the root Sequential's forward), recording on
  * `tape`. *out is tape-owned (valid until ddp_tape_reset). In training mode

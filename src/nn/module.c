@@ -632,6 +632,14 @@ void ddp_model_zero_grad(ddp_model *model) {
     memset(model->grads_flat, 0, (size_t)model->n_param_elems * sizeof(float));
 }
 
+float ddp_clip_coefficient(double total_norm, double max_norm) {
+  /* volatile: each operation rounded to float32 as PyTorch's tensors are,
+   * whatever the compiler's excess precision or contraction. */
+  volatile float denom = (float)total_norm + 1e-6f;
+  volatile float coef = (1.0f / denom) * (float)max_norm;
+  return coef > 1.0f ? 1.0f : coef; /* torch.clamp(max=1.0), which keeps a NaN */
+}
+
 ddp_status ddp_model_clip_grad_norm(ddp_model *model, double max_norm, double *total_norm) {
   if (!(max_norm >= 0) || isinf(max_norm))
     return ddp_error(DDP_ERR_INVALID, "nn: clip_grad_norm: max_norm %g must be finite and >= 0",
@@ -649,9 +657,8 @@ ddp_status ddp_model_clip_grad_norm(ddp_model *model, double max_norm, double *t
     return ddp_error(DDP_ERR_RANGE,
                      "nn: clip_grad_norm: the total gradient norm is %g; gradients left as they are",
                      norm);
-  double coef = max_norm / (norm + 1e-6);
-  if (coef < 1.0) {
-    float c = (float)coef;
+  const float c = ddp_clip_coefficient(norm, max_norm);
+  if (c < 1.0f) {
     if (model->device.type != DDP_DEVICE_CPU)
       k->scale(model->grads_flat, c, model->n_param_elems);
     else

@@ -289,9 +289,8 @@ ddp_status ddp_zero_clip_grad_norm(ddp_zero *z, double max_norm, double *total_n
   if (!isfinite(norm))
     return ddp_error(DDP_ERR_RANGE, "zero: clip_grad_norm: the total gradient norm is %g; "
                      "gradients left as they are", norm);
-  double coef = max_norm / (norm + 1e-6);
-  if (coef < 1.0) {
-    float c = (float)coef;
+  const float c = ddp_clip_coefficient(norm, max_norm);
+  if (c < 1.0f) {
     for (int64_t i = 0; i < n; i++) g[i] *= c;
   }
   return DDP_OK;

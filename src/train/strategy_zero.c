@@ -62,6 +62,11 @@ static ddp_status zero_backward(ddp_trainer *t, ddp_tape *tape, ddp_tensor *loss
   return ddp_zero_backward(zero(t), tape, loss);
 }
 
+/* The norm from the shards: each rank's range, one allreduce of a double. */
+static ddp_status zero_clip(ddp_trainer *t, double max_norm, double *norm) {
+  return ddp_zero_clip_grad_norm(zero(t), max_norm, norm);
+}
+
 static void zero_no_sync(ddp_trainer *t, bool on) { ddp_zero_set_no_sync(zero(t), on); }
 
 static ddp_status zero_local_sums(ddp_trainer *t, double sums[3]) {
@@ -131,6 +136,7 @@ const ddp__train_strategy_ops ddp__train_zero = {
     .step = ddp__train_step_eager,
     .forward = zero_forward,
     .backward = zero_backward,
+    .clip_grad_norm = zero_clip,
     .no_sync = zero_no_sync,
     .local_sums = zero_local_sums,
     .save = zero_save,

@@ -65,6 +65,12 @@ typedef struct ddp__train_strategy_ops {
   /* The parts ddp__train_step_eager calls (and the CUDA graph captures). */
   ddp_status (*forward)(ddp_trainer *t, ddp_tape *tape, ddp_tensor *x, ddp_tensor **out);
   ddp_status (*backward)(ddp_trainer *t, ddp_tape *tape, ddp_tensor *loss);
+  /* options.clip_grad_norm between backward and the optimizer: the norm of
+   * the whole model's reduced gradients into *norm and the gradients the
+   * optimizer steps scaled (torch.nn.utils.clip_grad_norm_). Collective
+   * where the gradients are sharded. NULL: ddp_model_clip_grad_norm on the
+   * trainer's model (its gradients final on this rank). */
+  ddp_status (*clip_grad_norm)(ddp_trainer *t, double max_norm, double *norm);
   /* Micro-batches: true for every micro-batch's backward but the last, which
    * alone reduces gradients (PyTorch's no_sync()). NULL: nothing to skip. */
   void (*no_sync)(ddp_trainer *t, bool on);
@@ -232,6 +238,10 @@ ddp_status ddp__train_step_eager(ddp_trainer *t, ddp_batch *b, ddp__train_step_o
 /* One eager step on `tape` from the batch (x, y) already on the device:
  * zero_grad, forward, loss (read back: *loss), backward, optimizer. Fills
  * the forward, backward and optimizer phases of *p, in seconds. */
+/* options.clip_grad_norm (> 0) applied through the strategy; nothing when
+ * 0. A non-finite norm fails the step (gradients unchanged). */
+ddp_status ddp__train_clip(ddp_trainer *t);
+
 ddp_status ddp__train_eager_step(ddp_trainer *t, ddp_tape *tape, ddp_tensor *x, ddp_tensor *y,
                                  float *loss, ddp_train_phases *p);
 

@@ -11,6 +11,9 @@
 #    an epoch's end, resumed at 2 ranks with --zero 1, saved, resumed at 3
 #    ranks with --zero 2: both checkpoint files bit-identical to a run without
 #    ZeRO stopped and resumed the same way;
+#  - --clip-grad-norm under --zero 1 and 2 at 2 ranks bit-identical to data
+#    parallelism with the same clip (and the clip acting); --pp with it and a
+#    negative max_norm refused;
 #  - --zero 3 and --zero without a group are refused, saying why.
 set -uo pipefail
 skip() { echo "SKIP: $*"; exit 77; }
@@ -105,6 +108,28 @@ for z in (z1, z2):
 print("ok: optimizer state per rank under --zero 1 and 2: %s of %d bytes unsharded"
       % ([m["optim_state_bytes"] for m in z2], 8 * n))
 PY
+
+# --- --clip-grad-norm: --zero 1|2 == data parallelism, both clipping --------------
+# (tests/train/test_clip.c checks the clipped norm itself, step by step.)
+cl=(--model toy --seed 6 --batch-size 16 --optimizer adam --lr 0.01 --max-steps 10)
+world 2 clref "${cl[@]}" --clip-grad-norm 0.05 --dump-state "$tmp/clref"
+world 2 clnone "${cl[@]}" --dump-state "$tmp/clnone"
+cmp -s "$tmp/clref" "$tmp/clnone" && fail "--clip-grad-norm 0.05 changed nothing: the clip never acted"
+for stage in 1 2; do
+  world 2 clz$stage "${cl[@]}" --clip-grad-norm 0.05 --zero $stage --dump-state "$tmp/clz$stage"
+  cmp -s "$tmp/clz$stage" "$tmp/clref" ||
+    fail "--zero $stage --clip-grad-norm at 2 ranks differs from data parallelism with the same clip"
+done
+echo "ok: --clip-grad-norm under --zero 1 and 2 at 2 ranks: bit-identical to data parallelism's"
+start 2 clpp --model toy --max-steps 1 --pp 2 --clip-grad-norm 1
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+pids=()
+[ $rc -ne 0 ] && grep -q "under the pipeline strategy" "$tmp/clpp.err.0" ||
+  fail "--pp with --clip-grad-norm was not refused with its reason: $(tail -2 "$tmp/clpp.err.0")"
+timeout 60 "$bin" --model toy --max-steps 1 --clip-grad-norm -1 >"$tmp/cl.out" 2>"$tmp/cl.err" &&
+  fail "--clip-grad-norm -1 was accepted"
+grep -q "clip-grad-norm" "$tmp/cl.err" || fail "--clip-grad-norm -1: $(cat "$tmp/cl.err")"
 
 # --- refusals -------------------------------------------------------------------
 start 2 z3 --model toy --max-steps 1 --zero 3
