@@ -278,9 +278,27 @@ typedef struct ddp_train_stage_stats {
   int64_t microbatch_activation_bytes; /* one micro-batch's forward alone */
 } ddp_train_stage_stats;
 
-/* One rank's training-state bytes (ddp_train_result.memory_per_rank). */
+/* One rank's training-state bytes (ddp_train_result.memory_per_rank;
+ * docs/train.md, "Memory"). */
 typedef struct ddp_train_memory {
+  /* The flat buffers: the parameters the rank holds, its gradient buffer
+   * (whole on every rank under data parallelism and ZeRO-1/2: backward
+   * accumulates into it), its optimizer's state buffers (1/W under ZeRO). */
   int64_t param_bytes, grad_bytes, optim_state_bytes;
+  /* The part of the gradient buffer that holds reduced gradients after a
+   * step: all of it under data parallelism and ZeRO-1, the rank's range
+   * under ZeRO-2 (the rest holds the rank's own, unreduced, until
+   * zero_grad). */
+  int64_t grad_reduced_bytes;
+  /* The most tensor memory the rank held at once: the three buffers above
+   * plus the high-water mark of the trainer's tape arenas (activations,
+   * their gradients and the kernels' scratch of a step's forward and
+   * backward). Not counted: the loader's batches, the data set, a
+   * checkpoint's one-off buffers, libraries. */
+  int64_t peak_tensor_bytes;
+  /* The process's peak resident set (getrusage ru_maxrss): everything,
+   * for ranks that are threads of one process the process's. */
+  int64_t max_rss_bytes;
 } ddp_train_memory;
 
 /* What ddp-train's --json summary reports. Filled by ddp_trainer_run; free

@@ -120,6 +120,8 @@ void ddp__train_graph_destroy(ddp_trainer *t) {
   t->graph = NULL;
 }
 
+ddp_tape *ddp__train_graph_tape(const ddp_trainer *t) { return t->graph ? t->graph->tape : NULL; }
+
 bool ddp__train_graph_takes(const ddp_trainer *t, const ddp_batch *b) {
   return t->graph && b->size == t->o.batch_size;
 }

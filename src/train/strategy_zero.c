@@ -67,6 +67,13 @@ static ddp_status zero_clip(ddp_trainer *t, double max_norm, double *norm) {
   return ddp_zero_clip_grad_norm(zero(t), max_norm, norm);
 }
 
+/* Stage 2: this rank's range; stage 1 allreduces the whole buffer. */
+static int64_t zero_grad_reduced_bytes(const ddp_trainer *t) {
+  ddp_zero_memory m;
+  ddp_zero_get_memory(zero(t), &m);
+  return m.grad_owned_bytes;
+}
+
 static void zero_no_sync(ddp_trainer *t, bool on) { ddp_zero_set_no_sync(zero(t), on); }
 
 static ddp_status zero_local_sums(ddp_trainer *t, double sums[3]) {
@@ -138,6 +145,7 @@ const ddp__train_strategy_ops ddp__train_zero = {
     .backward = zero_backward,
     .clip_grad_norm = zero_clip,
     .no_sync = zero_no_sync,
+    .grad_reduced_bytes = zero_grad_reduced_bytes,
     .local_sums = zero_local_sums,
     .save = zero_save,
     .resume = zero_resume,

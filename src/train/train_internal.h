@@ -93,6 +93,9 @@ typedef struct ddp__train_strategy_ops {
   /* After the last step, before the final save and evaluation (the
    * pipeline gathers the whole model). Collective. NULL: nothing. */
   ddp_status (*finish)(ddp_trainer *t);
+  /* The part of the gradient buffer holding reduced gradients, in bytes
+   * (ddp_train_memory.grad_reduced_bytes); NULL: the whole buffer. */
+  int64_t (*grad_reduced_bytes)(const ddp_trainer *t);
   /* Fills the result's strategy figures (the pipeline's per stage).
    * Collective. NULL: none. */
   ddp_status (*figures)(ddp_trainer *t, ddp_train_result *res);
@@ -258,6 +261,8 @@ ddp_status ddp__train_graph_check(const ddp_train_options *o, const ddp_model *m
 /* Makes t->graph for a run with o.cuda_graph (nothing on the device yet). */
 ddp_status ddp__train_graph_create(ddp_trainer *t);
 void ddp__train_graph_destroy(ddp_trainer *t);
+/* The tape the graph's steps record on (memory figures); NULL without one. */
+ddp_tape *ddp__train_graph_tape(const ddp_trainer *t);
 /* Whether the batch goes through the graph: a full batch (o.batch_size)
  * with o.cuda_graph. */
 bool ddp__train_graph_takes(const ddp_trainer *t, const ddp_batch *b);

@@ -98,15 +98,28 @@ world 4 mz2 "${mem[@]}" --zero 2
 import json, sys
 dp, z1, z2 = (json.loads(open(p).read().splitlines()[-1])["memory_per_rank"] for p in sys.argv[1:])
 n = 10 * 256 + 256 + 2 * (256 * 256 + 256) + 256 * 5 + 5      # mlp:256x4's floats
+pick = lambda m: {k: m[k] for k in ("param_bytes", "grad_bytes", "optim_state_bytes", "grad_reduced_bytes")}
 for r in range(4):
-    assert dp[r] == {"param_bytes": 4 * n, "grad_bytes": 4 * n, "optim_state_bytes": 8 * n}, dp[r]
+    assert pick(dp[r]) == {"param_bytes": 4 * n, "grad_bytes": 4 * n, "optim_state_bytes": 8 * n,
+                           "grad_reduced_bytes": 4 * n}, dp[r]
 for z in (z1, z2):
     assert sum(m["optim_state_bytes"] for m in z) == 8 * n, z     # every float's state once
     for m in z:
         assert m["param_bytes"] == 4 * n and m["grad_bytes"] == 4 * n, m
         assert abs(m["optim_state_bytes"] * 4 / (8 * n) - 1) <= 0.05, m
-print("ok: optimizer state per rank under --zero 1 and 2: %s of %d bytes unsharded"
-      % ([m["optim_state_bytes"] for m in z2], 8 * n))
+assert all(m["grad_reduced_bytes"] == 4 * n for m in z1), z1
+assert sum(m["grad_reduced_bytes"] for m in z2) == 4 * n, z2       # the ranges, each once
+# The peak: the three buffers plus a step's activations (batch 8 x 256
+# floats a layer, their gradients, scratch: more than 0, below 16 MiB);
+# the process held at least that.
+for m in dp + z1 + z2:
+    tensors = m["param_bytes"] + m["grad_bytes"] + m["optim_state_bytes"]
+    assert tensors < m["peak_tensor_bytes"] < tensors + (16 << 20), m
+    assert m["max_rss_bytes"] >= m["peak_tensor_bytes"], m
+print("ok: optimizer state per rank under --zero 1 and 2: %s of %d bytes unsharded; "
+      "reduced gradients under --zero 2: %s of %d; peak tensor bytes %s"
+      % ([m["optim_state_bytes"] for m in z2], 8 * n, [m["grad_reduced_bytes"] for m in z2], 4 * n,
+         [m["peak_tensor_bytes"] for m in z2]))
 PY
 
 # --- --clip-grad-norm: --zero 1|2 == data parallelism, both clipping --------------
