@@ -240,6 +240,18 @@ ddp_rng *ddp_model_dropout_rng(ddp_model *model);
 void ddp_model_set_batch_norm_sync(ddp_model *model, const ddp_batch_norm_sync *sync);
 bool ddp_model_batch_norm_synced(const ddp_model *model);
 
+/* Called around the forward of each child of the root Sequential (the
+ * model's top-level modules, PyTorch's `named_children()`), in order:
+ * before it (after = false) and after it (after = true), with the child's
+ * name ("conv1", "layer1"). A non-OK status stops the forward with it.
+ * Children the forward fuses with the one before (a BatchNorm2d's ReLU and
+ * MaxPool2d) get no call of their own: they have no parameters. FSDP's
+ * per-module gather uses it (ddp/zero.h, stage 3); NULL removes it. One
+ * hook per model; the hook must not run a forward itself. */
+typedef ddp_status (*ddp_module_forward_hook)(ddp_model *model, const char *child, bool after,
+                                              void *user);
+void ddp_model_set_forward_hook(ddp_model *model, ddp_module_forward_hook fn, void *user);
+
 /* Moves the model's parameters, gradients and buffers (running stats) to
  * `device` (model.to(device)): the flat buffers are copied there and every
  * parameter and buffer tensor views the new ones; the old ones are freed.

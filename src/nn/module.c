@@ -625,6 +625,11 @@ void ddp_model_set_batch_norm_sync(ddp_model *model, const ddp_batch_norm_sync *
 }
 bool ddp_model_batch_norm_synced(const ddp_model *model) { return model->bn_synced; }
 
+void ddp_model_set_forward_hook(ddp_model *model, ddp_module_forward_hook fn, void *user) {
+  model->forward_hook = fn;
+  model->forward_hook_user = fn ? user : NULL;
+}
+
 void ddp_model_zero_grad(ddp_model *model) {
   if (model->grads_flat && model->device.type != DDP_DEVICE_CPU)
     ddp__basic_kernels_for(model->device)->fill(model->grads_flat, 0.0f, model->n_param_elems);
