@@ -366,6 +366,55 @@ static void test_pytorch_init_has_our_bounds(void **state) {
   assert_int_equal(checked, 2 * (2 + 2 + 3 + 4));
 }
 
+/* The forward hook: before and after each top-level module, in order,
+ * with its name; its error stops the forward; the output is the same with
+ * and without it. */
+typedef struct hook_log {
+  char calls[16][24];
+  int n;
+  const char *fail_before; /* this child's before-call fails */
+} hook_log;
+
+static ddp_status log_hook(ddp_model *model, const char *child, bool after, void *user) {
+  (void)model;
+  hook_log *log = user;
+  if (log->n < 16) snprintf(log->calls[log->n++], sizeof log->calls[0], "%s %s", after ? "after" : "before", child);
+  if (!after && log->fail_before && !strcmp(child, log->fail_before))
+    return ddp_error(DDP_ERR_IO, "the hook says no");
+  return DDP_OK;
+}
+
+static void test_forward_hook(void **state) {
+  (void)state;
+  ddp_model *m = build("toy", NULL, 5);
+  ddp_tape *tape;
+  assert_int_equal(ddp_tape_create(&tape, 1 << 16), DDP_OK);
+  float xv[20];
+  for (int i = 0; i < 20; i++) xv[i] = 0.1f * (float)i - 1.0f;
+  int64_t shape[2] = {2, 10};
+  ddp_tensor x, *plain, *hooked;
+  assert_int_equal(ddp_tensor_wrap(&x, DDP_FLOAT32, 2, shape, xv), DDP_OK);
+  assert_int_equal(ddp_model_forward(m, tape, &x, &plain), DDP_OK);
+  hook_log log = {.n = 0};
+  ddp_model_set_forward_hook(m, log_hook, &log);
+  assert_int_equal(ddp_model_forward(m, tape, &x, &hooked), DDP_OK);
+  assert_memory_equal(ddp_tensor_f32(hooked), ddp_tensor_f32(plain), 10 * sizeof(float));
+  const char *want[] = {"before net1", "after net1", "before relu", "after relu", "before net2", "after net2"};
+  assert_int_equal(log.n, 6);
+  for (int i = 0; i < 6; i++) assert_string_equal(log.calls[i], want[i]);
+  log = (hook_log){.fail_before = "net2"};
+  assert_int_equal(ddp_model_forward(m, tape, &x, &hooked), DDP_ERR_IO);
+  assert_non_null(strstr(ddp_last_error(), "the hook says no"));
+  assert_non_null(strstr(ddp_last_error(), "net2"));
+  assert_int_equal(log.n, 5); /* nothing ran after the refusal */
+  ddp_model_set_forward_hook(m, NULL, &log);
+  log.n = 0;
+  assert_int_equal(ddp_model_forward(m, tape, &x, &hooked), DDP_OK);
+  assert_int_equal(log.n, 0);
+  ddp_tape_destroy(tape);
+  ddp_model_destroy(m);
+}
+
 static void test_zero_grad(void **state) {
   (void)state;
   ddp_model *m = build("convnet", NULL, 5);
@@ -821,6 +870,7 @@ int main(void) {
       cmocka_unit_test(test_init_every_layer_every_seed),
       cmocka_unit_test(test_pytorch_init_has_our_bounds),
       cmocka_unit_test(test_zero_grad),
+      cmocka_unit_test(test_forward_hook),
       cmocka_unit_test(test_clip_grad_norm),
       cmocka_unit_test(test_clip_coefficient_float64),
       cmocka_unit_test(test_clip_grad_norm_pytorch),
