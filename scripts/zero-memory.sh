@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Memory per rank under ZeRO against plain data parallelism (issue 41's
 # memory table): an MLP of about 100 M parameters (mlp:4096x8, 100.8 M) at
-# world 4, Adam, a few steps, three runs: plain data parallelism, --zero 1,
-# --zero 2. For each, every rank's training-state bytes from ddp-train's
+# world 4, Adam, a few steps, four runs: plain data parallelism, --zero 1,
+# --zero 2, --zero 3. For each, every rank's training-state bytes from ddp-train's
 # --json (memory_per_rank: parameters, gradients, optimizer state) in bytes
 # per parameter, the part of the gradient buffer holding reduced gradients,
 # the peak of tensor memory (the buffers plus the tape's activations) and
@@ -25,8 +25,8 @@ trap 'rm -rf "$tmp"' EXIT
 printf '%-6s %-5s %10s %10s %10s %12s %10s %12s %12s %8s\n' run rank "param B/p" "grad B/p" \
   "optim B/p" "reduced B/p" "sum B/p" "peak tensor" "peak RSS" "fits?"
 printf '%-6s %-5s %10s %10s %10s %12s %10s %12s %12s %8s\n' "" "" "" "" "" "(grad)" "" "MiB" "MiB" "24 GiB"
-for run in dp zero1 zero2; do
-  case $run in dp) extra=() ;; zero1) extra=(--zero 1) ;; zero2) extra=(--zero 2) ;; esac
+for run in dp zero1 zero2 zero3; do
+  case $run in dp) extra=() ;; zero1) extra=(--zero 1) ;; zero2) extra=(--zero 2) ;; zero3) extra=(--zero 3) ;; esac
   timeout 1800 build/bin/ddprun --nproc-per-node "$world" \
     build/bin/ddp-train --model "$model" --optimizer adam --lr 1e-4 --max-steps 3 \
     --batch-size 32 --workers 0 --json "${extra[@]}" >"$tmp/$run.out" 2>"$tmp/$run.err" ||
@@ -48,5 +48,6 @@ done
 echo "(B/p: bytes per parameter; plain Adam data parallelism: 4 + 4 + 8 = 16. reduced: the part"
 echo " of the gradient buffer holding reduced gradients (the rank's range under --zero 2; the"
 echo " buffer itself stays whole: docs/sharding.md, \"Gradient memory\"). peak tensor: the buffers"
-echo " plus the tape's activations high water; peak RSS: the process's ru_maxrss, which also holds"
-echo " the one-time whole optimizer made before ZeRO narrows it, the data and the libraries)"
+echo " plus the tape's activations high water; param under --zero 3: the rank's range and the largest"
+echo " module gathered; peak RSS: the process's ru_maxrss, which also holds the model built whole"
+echo " before ZeRO shards it, the one-time whole optimizer, the data and the libraries)"

@@ -225,7 +225,8 @@ typedef struct ddp_train_options {
    * them). 0 or 1: the model alone. CPU; not with a group. (0) */
   int32_t replicas;
   /* ZeRO (include/ddp/zero.h, docs/sharding.md): 1 or 2 shards the
-   * optimizer state (and, at 2, the gradients' reduction) over the group;
+   * optimizer state (and, at 2, the gradients' reduction) over the group,
+   * 3 the parameters too (gathered per top-level module);
    * AUTO then picks DDP_TRAIN_ZERO. Its checkpoints are the ordinary ones
    * (the state gathered to rank 0), which load at any world size and
    * stage. 0: none. (0) */

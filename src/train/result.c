@@ -45,11 +45,13 @@ static ddp_status memory_figures(ddp_trainer *t, ddp_train_result *res) {
       state += 4.0 * (double)st.numel;
   }
   double *mine = sums + MEMORY_FIGURES * me;
-  mine[0] = flat;
+  int64_t param_bytes = (int64_t)flat, reduced = (int64_t)flat;
+  if (t->strategy->memory) t->strategy->memory(t, &param_bytes, &reduced);
+  mine[0] = (double)param_bytes;
   mine[1] = flat;
   mine[2] = state;
-  mine[3] = t->strategy->grad_reduced_bytes ? (double)t->strategy->grad_reduced_bytes(t) : flat;
-  mine[4] = 2 * flat + state + tape_high_water(t->tape, t->o.device);
+  mine[3] = (double)reduced;
+  mine[4] = mine[0] + flat + state + tape_high_water(t->tape, t->o.device);
   if (t->graph) mine[4] += tape_high_water(ddp__train_graph_tape(t), t->o.device);
   struct rusage ru;
   mine[5] = getrusage(RUSAGE_SELF, &ru) == 0 ? 1024.0 * (double)ru.ru_maxrss : 0;

@@ -93,9 +93,10 @@ typedef struct ddp__train_strategy_ops {
   /* After the last step, before the final save and evaluation (the
    * pipeline gathers the whole model). Collective. NULL: nothing. */
   ddp_status (*finish)(ddp_trainer *t);
-  /* The part of the gradient buffer holding reduced gradients, in bytes
-   * (ddp_train_memory.grad_reduced_bytes); NULL: the whole buffer. */
-  int64_t (*grad_reduced_bytes)(const ddp_trainer *t);
+  /* The bytes of parameters this rank holds at most, and of the part of
+   * its gradient buffer holding reduced gradients (ddp_train_memory);
+   * NULL: both the whole flat buffer. */
+  void (*memory)(const ddp_trainer *t, int64_t *param_bytes, int64_t *grad_reduced_bytes);
   /* Fills the result's strategy figures (the pipeline's per stage).
    * Collective. NULL: none. */
   ddp_status (*figures)(ddp_trainer *t, ddp_train_result *res);
