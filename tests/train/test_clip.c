@@ -16,7 +16,7 @@
  *  - ZeRO-1 and ZeRO-2 end bit for bit where data parallelism ends at 2
  *    ranks (the norm's double sum is split at another place, then rounded
  *    to float32 as PyTorch's is: the same coefficient), with and without
- *    micro-batches.
+ *    micro-batches; ZeRO-3 likewise.
  * Also: a negative, NaN or infinite clip_grad_norm refused by name, and the
  * pipeline and parameter-server strategies refusing clipping with a reason. */
 #include <setjmp.h>
@@ -101,7 +101,14 @@ static ddp_status train(clip_case *c, ddp_process_group *pg, int rank, rank_view
     s = ddp_trainer_create(&t, model, train_set, test_set, pg, &o);
   }
   if (s == DDP_OK) s = ddp_trainer_run(t, &res);
-  if (s == DDP_OK) memcpy(c->params[rank], ddp_model_params_flat(model), (size_t)c->n * sizeof(float));
+  /* In registration order: the flat buffer's order is the wrapper's
+   * (re-laid out, but not under ZeRO-3). */
+  for (int i = 0, at = 0; s == DDP_OK && i < ddp_model_num_params(model); i++) {
+    const int64_t len = ddp_model_param(model, i)->numel;
+    memcpy(c->params[rank] + at, ddp_model_params_flat(model) + ddp_model_param_offset(model, i),
+           (size_t)len * sizeof(float));
+    at += (int)len;
+  }
   ddp_train_result_free(&res);
   ddp_trainer_destroy(t);
   ddp_dataset_destroy(test_set);
@@ -166,13 +173,14 @@ static void test_zero_equals_data_parallel(void **state) {
   for (int m = 0; m <= 2; m += 2) {
     clip_case dp = {.world = 2, .microbatches = m};
     run_case(&dp);
-    for (int zero = 1; zero <= 2; zero++) {
+    for (int zero = 1; zero <= 3; zero++) {
       clip_case z = {.world = 2, .zero = zero, .microbatches = m};
       run_case(&z);
-      for (int r = 0; r < 2; r++)
+      for (int r = 0; r < 2; r++) {
         if (memcmp(z.params[r], dp.params[0], (size_t)dp.n * sizeof(float)) != 0)
           fail_msg("--zero %d, microbatches %d: rank %d's parameters differ from data "
                    "parallelism's with the same clipping", zero, m, r);
+      }
       free_case(&z);
     }
     free_case(&dp);
