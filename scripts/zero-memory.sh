@@ -35,7 +35,7 @@ for run in dp zero1 zero2 zero3; do
 import json, re, sys
 out, err, run = sys.argv[1:]
 mem = json.loads(open(out).read().splitlines()[-1])["memory_per_rank"]
-n = mem[0]["param_bytes"] / 4  # parameters
+n = mem[0]["grad_bytes"] / 4  # parameters (the gradient buffer is whole at every stage)
 MiB = 1 << 20
 for r, m in enumerate(mem):
     state = m["param_bytes"] + m["grad_bytes"] + m["optim_state_bytes"]
