@@ -41,6 +41,12 @@ struct ddp_zero {
   int *unit_params, *unit_pending; /* (n_units) its parameters; those without a final gradient yet */
   int *param_unit;             /* (n_params) */
   bool *gathered;              /* (n_units) its region holds the current parameters */
+  /* This forward's units in the order they ran (the forward order, which
+   * need not be the registration order: ddp_model_set_forward_order), and
+   * each unit's place in it; backward gathers them in reverse. */
+  int *fwd_seq, *fwd_pos;      /* (n_units) */
+  int n_seq;
+  int fwd_held;                /* the unit kept after its forward, until the next one's (-1) */
   bool whole;                  /* every parameter is here (ddp_zero_sync_params) */
   bool in_forward;             /* inside ddp_zero_forward: the forward hook gathers */
   ddp_status backward_error;   /* a gather in the grad hook failed */
@@ -95,6 +101,8 @@ void ddp_zero_destroy(ddp_zero *z) {
   ddp_free(z->unit_pending);
   ddp_free(z->param_unit);
   ddp_free(z->gathered);
+  ddp_free(z->fwd_seq);
+  ddp_free(z->fwd_pos);
   ddp_free(z);
 }
 
@@ -164,10 +172,11 @@ static ddp_status stage2_finish(void *state, ddp_dp_bucket *bucket) {
  * buffer's pages are given back to the system (madvise MADV_DONTNEED: the
  * address range stays, its memory goes, a later write faults a zeroed page
  * in) except while a unit is gathered: before its forward (the model's
- * forward hook) and before its backward (the grad hook, when the next
- * unit's last gradient is final, which in a Sequential is just before the
- * unit's first op in backward). A unit is released after its forward (but
- * the last, whose backward comes next) and after its backward. Only whole
+ * forward hook) and before its backward (the grad hook, when the last
+ * gradient of the unit that ran after it in forward is final, which in a
+ * Sequential is just before the unit's first op in backward). A unit is
+ * released when the next one's forward begins (the last one is kept: its
+ * backward comes next) and after its backward. Only whole
  * pages inside a unit and outside the rank's range are released: a page
  * shared with a neighbour or with the range stays (at most two per unit). */
 
@@ -229,15 +238,26 @@ static int unit_of_child(const ddp_zero *z, const char *child) {
   return -1;
 }
 
+/* A unit is kept after its forward until the next unit's forward begins:
+ * the one kept when the forward ends is the last, whose backward comes
+ * first. One unit is gathered at a time. */
 static ddp_status forward_hook(ddp_model *model, const char *child, bool after, void *user) {
   (void)model;
   ddp_zero *z = user;
   if (!z->in_forward) return DDP_OK; /* an evaluation on the whole model */
   const int k = unit_of_child(z, child);
   if (k < 0) return DDP_OK; /* no parameters */
-  if (!after) return gather_unit(z, k);
-  if (k != z->n_units - 1) release_unit(z, k); /* the last one's backward is next */
-  return DDP_OK;
+  if (after) {
+    z->fwd_held = k;
+    return DDP_OK;
+  }
+  if (z->fwd_held >= 0 && z->fwd_held != k) release_unit(z, z->fwd_held);
+  z->fwd_held = -1;
+  if (z->fwd_pos[k] < 0) {
+    z->fwd_pos[k] = z->n_seq;
+    z->fwd_seq[z->n_seq++] = k;
+  }
+  return gather_unit(z, k);
 }
 
 /* The tape's grad hook under stage 3: the wrapper's (when it reduces this
@@ -251,7 +271,8 @@ static void stage3_grad_ready(ddp_tensor *param, void *user) {
   const int k = z->param_unit[i];
   if (--z->unit_pending[k] != 0) return;
   release_unit(z, k);
-  if (k > 0 && z->backward_error == DDP_OK) z->backward_error = gather_unit(z, k - 1);
+  const int at = z->fwd_pos[k];
+  if (at > 0 && z->backward_error == DDP_OK) z->backward_error = gather_unit(z, z->fwd_seq[at - 1]);
 }
 
 /* The units from the parameters' names (the first component is the
@@ -268,8 +289,11 @@ static ddp_status make_units(ddp_zero *z) {
   z->unit_pending = ddp_calloc(slots, sizeof(int));
   z->param_unit = ddp_calloc(slots, sizeof(int));
   z->gathered = ddp_calloc(slots, sizeof(bool));
+  z->fwd_seq = ddp_calloc(slots, sizeof(int));
+  z->fwd_pos = ddp_calloc(slots, sizeof(int));
   if (!z->unit_lo || !z->unit_hi || !z->unit_name_len || !z->unit_first_param ||
-      !z->unit_params || !z->unit_pending || !z->param_unit || !z->gathered)
+      !z->unit_params || !z->unit_pending || !z->param_unit || !z->gathered || !z->fwd_seq ||
+      !z->fwd_pos)
     return ddp_error(DDP_ERR_NOMEM, "zero: stage 3: out of memory for %d parameters", np);
   long page = sysconf(_SC_PAGESIZE);
   z->page_floats = (page > 0 ? page : 4096) / (long)sizeof(float);
@@ -469,6 +493,9 @@ ddp_status ddp_zero_forward(ddp_zero *z, ddp_tape *tape, ddp_tensor *x, ddp_tens
    * afresh, one at a time, by the forward hook. */
   if (z->params_stale || z->whole) release_all(z);
   z->params_stale = false;
+  for (int k = 0; k < z->n_units; k++) z->fwd_pos[k] = -1;
+  z->n_seq = 0;
+  z->fwd_held = -1;
   z->in_forward = true;
   ddp_status s = ddp_dp_forward(z->dp, tape, x, out);
   z->in_forward = false;

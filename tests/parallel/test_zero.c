@@ -467,6 +467,10 @@ static void test_stage3(void **state) {
   c = make("convnet", 2, 3, DDP_OPTIM_SGD, 10);
   c.clip = 0.5;
   check_equal_to_ddp(c);
+  /* convnet-2 registers fc first and runs it last (a forward order): the
+   * units are gathered in the order they run, not as registered. */
+  c = make("convnet-2", 2, 3, DDP_OPTIM_ADAM, 10);
+  check_equal_to_ddp(c);
 }
 
 /* The independent reference: one process with the whole batch of every
