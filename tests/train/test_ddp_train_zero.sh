@@ -15,7 +15,7 @@
 #    parallelism with the same clip (and the clip acting); --pp with it and a
 #    negative max_norm refused;
 #  - --zero 3 (parameters sharded, gathered per module) bit-identical to
-#    plain data parallelism for the ConvNet at 2, 3 and 4 processes, and its
+#    plain data parallelism for the ConvNet at 2 and 4 processes, and its
 #    memory figures (the range plus the largest module);
 #  - --zero without a group is refused, saying why.
 set -uo pipefail
@@ -52,7 +52,11 @@ for n in 2 3; do
     # shellcheck disable=SC2086
     world $n ref.$tag.$n "${base[@]}" $opt --dump-state "$tmp/ref.$tag.$n.{rank}" \
       --save "$tmp/ref.$tag.$n.safetensors"
-    for stage in 1 2 3; do
+    # Stage 3 at 2 ranks here and at 4 below (3 and 4 ranks as threads in
+    # tests/parallel/test_zero.c): the test stays inside its time under ASan.
+    stages="1 2"
+    [ "$n" = 2 ] && stages="1 2 3"
+    for stage in $stages; do
       # shellcheck disable=SC2086
       world $n z$stage.$tag.$n "${base[@]}" $opt --zero $stage \
         --dump-state "$tmp/z$stage.$tag.$n.{rank}" --save "$tmp/z$stage.$tag.$n.safetensors"
