@@ -115,6 +115,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
       case DDP__OP_CHECK:
       case DDP__OP_MULTI_GET:
       case DDP__OP_MULTI_SET:
+      case DDP__OP_WATCH:
         CHECK(req.num_keys <= lim.max_keys_per_call);
         for (uint32_t i = 0; i < req.num_keys; i++) {
           check_key(&req.keys[i], &lim, frame, used);

@@ -30,7 +30,13 @@
 #        PyTorch (strict=True) and in a CPU run
 #   (scripts/gpu-dp-steps.sh, each under its own timeout);
 #   (n5) ddp-bench allreduce --device cuda against PyTorch's all_reduce
-#        over NCCL, alternating rounds, >= 0.95x from 1 MiB up.
+#        over NCCL, alternating rounds, >= 0.95x from 1 MiB up;
+#   (n6numa) the rank's CPUs near its GPU (ddp-train's decision, sysfs);
+#   (n7mnist) mnist_ddp --device cuda at world 2 on NCCL; (n8hpo) ddp-hpo
+#        --objective convnet --device cuda, a worker of 2 ranks; (n9pp)
+#        ddp-train --pp 2 --device cuda, refused so far (SKIP naming why).
+# n1's test_nccl_ops includes batch_isend_irecv on NCCL (a 16 MiB ring that
+# completes only when the batch is grouped by ncclGroupStart/End).
 # libnccl.so.2 is the machine's own (the loader's cache, /usr/local/cuda*,
 # the python3's nvidia/nccl/lib): found here and given as DDP_NCCL_LIBRARY.
 # Each step has its own timeout inside the whole budget (GPU_CHECK_BUDGET,
@@ -345,6 +351,15 @@ if [ -x "$bin/ddp-bench" ]; then
   step n5 120 "${ddp_env[@]}" bash scripts/gpu-dp-steps.sh n5 "$data" # the table in its tail
 else
   record n5 SKIP 0 "no ddp-bench carried"
+fi
+# The rest of issue 39's build, after its measurements: the CPUs near the
+# GPU, the seeds' tools on the GPU, the pipeline on GPUs (refused so far).
+if [ -x "$bin/ddp-train" ]; then
+  for tool_step in n6numa:30 n7mnist:90 n8hpo:90 n9pp:30; do
+    step "${tool_step%%:*}" "${tool_step#*:}" "${ddp_env[@]}" bash scripts/gpu-dp-steps.sh "${tool_step%%:*}" "$data"
+  done
+else
+  record "n6..n9" SKIP 0 "no ddp-train carried"
 fi
 
 # ---- (a) The CUDA tests, until 45% of the budget.

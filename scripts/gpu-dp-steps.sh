@@ -21,6 +21,11 @@
 #       first shows the GPU run itself is reproducible); the GPU checkpoint
 #       loads with strict=True in PyTorch (tests/io/torch_interop.py, when
 #       the safetensors package is there) and in a CPU run (--init, --resume)
+#   n6numa  the rank's CPUs near its GPU: ddp-train's decision (DDP_DEBUG=info)
+#       and what sysfs says of the GPU's node
+#   n7mnist mnist_ddp --device cuda at world 2 on NCCL: its checks say ok
+#   n8hpo   ddp-hpo --objective convnet --device cuda, a worker of 2 ranks
+#   n9pp    ddp-train --pp 2 --device cuda: refused (not built yet): SKIP
 #   n5  ddp-bench allreduce --device cuda (NCCL) vs PyTorch's all_reduce
 #       (scripts/torch/allreduce_bench.py), world 2, 1-64 MiB, alternating
 #       rounds: torch time / ddp time >= 0.95 at every size
@@ -81,6 +86,22 @@ world2() {
   pids=()
   grep -h 'training on' "$tmp/$tag.err.0" | head -n 1
   [ $rc -eq 0 ] || { tail -n 8 "$tmp/$tag".err.*; fail "$tag: a rank exited $rc"; }
+}
+# world2_prog TAG PROGRAM ARGS...: as world2, for another program.
+world2_prog() {
+  local tag=$1 prog=$2 port r rc=0
+  shift 2
+  port=$(ddp_free_port) || fail "no free port"
+  pids=()
+  for r in 0 1; do
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=$port WORLD_SIZE=2 RANK=$r LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 \
+      NCCL_HOSTID=ddp-gpu-check-$r NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1 \
+      "$prog" "$@" >"$tmp/$tag.out.$r" 2>"$tmp/$tag.err.$r" &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+  pids=()
+  [ $rc -eq 0 ] || { tail -n 8 "$tmp/$tag".err.* "$tmp/$tag".out.*; fail "$tag: a rank exited $rc"; }
 }
 field() { "$py" -c 'import json,sys; print(json.loads(open(sys.argv[1]).read().splitlines()[-1])[sys.argv[2]])' "$@"; }
 small() { # a test set of 1000 images, so evaluations stay short
@@ -213,6 +234,60 @@ for size in sorted(torch[0]):
     print("| %d | %.1f | %.1f | %.3f%s |" % (size, d, t, ratio, "" if ratio >= 0.95 else " (below 0.95)"))
 sys.exit(0 if ok else 1)
 PY
+  ;;
+n6numa)
+  # The rank's threads on the CPUs near its GPU (docs/cuda.md, "CPUs near
+  # the GPU"): the decision ddp-train logs at DDP_DEBUG=info, and what the
+  # machine says (the GPU's numa_node and local_cpulist in sysfs).
+  DDP_DEBUG=info "$bin" --model toy --device "$dev" --max-steps 1 --json >"$tmp/numa.out" 2>"$tmp/numa.err" ||
+    { tail -n 5 "$tmp/numa.err"; fail "ddp-train --device $dev"; }
+  line=$(grep -m1 -E 'near GPU|near the GPU|CPUs left as they are' "$tmp/numa.err")
+  [ -n "$line" ] || { tail -n 5 "$tmp/numa.err"; fail "no decision about the CPUs near the GPU logged"; }
+  echo "ddp-train: $line"
+  for busid in $(nvidia-smi --query-gpu=pci.bus_id --format=csv,noheader 2>/dev/null | head -n 1); do
+    b=$(echo "$busid" | tr 'A-F' 'a-f' | sed 's/^0000\(....:\)/\1/')
+    echo "sysfs $b: numa_node $(cat /sys/bus/pci/devices/"$b"/numa_node 2>&1), local_cpulist" \
+      "$(cat /sys/bus/pci/devices/"$b"/local_cpulist 2>&1); this shell's CPUs $(taskset -pc $$ 2>/dev/null | sed 's/.*: //')"
+  done
+  ;;
+n7mnist)
+  # Seed 001 on NCCL: mnist_ddp --device cuda at world 2 (the one GPU
+  # shared, NCCL_HOSTID per rank), 100 steps: the test set counted once
+  # over the ranks and the loss falling ("ok"), the group on nccl.
+  prog=${DDP_BIN_DIR}/mnist_ddp
+  [ -x "$prog" ] || { echo "SKIP: no mnist_ddp carried"; exit 77; }
+  world2_prog mnist "$prog" --device "$dev" --max-steps 100 --lr 0.01 --eval-samples 1000 --data "$data"
+  grep -h 'Training complete\|accuracy' "$tmp/mnist.out.0"
+  grep -q 'backend nccl' "$tmp/mnist.out.0" || fail "mnist_ddp's group is not on nccl"
+  grep -q '(each counted once: yes): ok$' "$tmp/mnist.out.0" || fail "mnist_ddp's checks"
+  ;;
+n8hpo)
+  # Seed 002 on the GPU: ddp-hpo --objective convnet --device cuda, one
+  # worker of 2 ranks on the GPU (shared), 2 short generations.
+  prog=${DDP_BIN_DIR}/ddp-hpo
+  [ -x "$prog" ] || { echo "SKIP: no ddp-hpo carried"; exit 77; }
+  world2_prog hpo "$prog" --objective convnet --device "$dev" --ranks-per-worker 2 --generations 2 \
+    --epochs 1 --max-steps 30 --train-samples 3000 --val-samples 500 --data "$data"
+  tail -n 4 "$tmp/hpo.out.0"
+  grep -q '(loss inf)' "$tmp/hpo.err.0" && { tail -n 5 "$tmp/hpo.err.0"; fail "an individual's loss was inf"; }
+  echo "ok: ddp-hpo's convnet worker trained on the GPU at 2 ranks"
+  ;;
+n9pp)
+  # ddp-train --pp 2 with stages on the GPU: not built yet (the pipeline's
+  # buffers are in host memory); the refusal is what is checked, as SKIP.
+  port=$(ddp_free_port) || fail "no free port"
+  for r in 0 1; do
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=$port WORLD_SIZE=2 RANK=$r LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 \
+      NCCL_HOSTID=ddp-gpu-check-$r NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1 \
+      timeout 60 "$bin" --model toy --samples 256 --epochs 1 --pp 2 --device "$dev" >"$tmp/pp.out.$r" 2>"$tmp/pp.err.$r" &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p"; done
+  pids=()
+  msg=$(grep -h -m1 'pipeline: stages on' "$tmp"/pp.err.* | head -n 1)
+  [ -n "$msg" ] && { echo "SKIP: not built yet: $msg"; exit 77; }
+  tail -n 5 "$tmp"/pp.err.*
+  fail "ddp-train --pp 2 --device $dev neither ran nor said why"
   ;;
 *) echo "gpu-dp-steps: unknown step '$step'" >&2; exit 2 ;;
 esac

@@ -46,6 +46,9 @@ static void usage(FILE *f) {
 "  --space SPEC         name=int:LO:HI,name=float:LO:HI,name=logfloat:LO:HI,name=cat:A|B|C\n"
 "                       (default: the objective's own; convnet: " CONVNET_SPACE ")\n"
 "convnet's training\n"
+"  --device D           cpu (default), cuda (each rank on cuda:(LOCAL_RANK %% GPUs), a\n"
+"                       worker's ranks on their own GPUs, its threads on the CPUs near it)\n"
+"                       or cuda:N; convnet only\n"
 "  --data DIR           MNIST-format IDX files (default " DEFAULT_DATA ")\n"
 "  --epochs N           at most N epochs per individual (default 20)\n"
 "  --patience K         stop an individual after K evaluations without a better loss (5)\n"
@@ -121,6 +124,7 @@ typedef struct args {
   int64_t train_samples, val_samples; /* 0: all */
   int64_t eval_batch_size;
   const char *trace_dir;              /* convnet: a timeline per evaluation */
+  const char *device;                 /* convnet: "cpu", "cuda", "cuda:N" */
   const char *loss_key;               /* cmd:'s JSON field */
   double eval_timeout_s;              /* cmd: */
   ddp_hpo_options o;
@@ -142,7 +146,7 @@ static double parse_prob(const char *flag, const char *v) {
 static void parse_args(int argc, char **argv, args *a) {
   *a = (args){.objective = "sphere", .data = DEFAULT_DATA, .epochs = 20, .patience = 5,
               .batch_size = 8, .eval_batch_size = 100, .top_n = 3, .o = ddp_hpo_defaults(), .loss_key = "loss",
-              .eval_timeout_s = 3600};
+              .eval_timeout_s = 3600, .device = "cpu"};
   for (int i = 1; i < argc; i++) {
     const char *f = argv[i];
     cli_help_or_version(f, usage);
@@ -165,7 +169,7 @@ static void parse_args(int argc, char **argv, args *a) {
         "--ranks-per-worker", "--exchange-interval", "--islands", "--migration-prob",
         "--num-migrants", "--checkpoint", "--checkpoint-interval", "--eval-delay-ms",
         "--train-samples", "--val-samples", "--loss-key", "--eval-timeout", "--eval-batch-size",
-        "--trace", "--backend"};
+        "--trace", "--backend", "--device"};
     char name[64];
     const char *eq;
     cli_valued_option(f, valued, sizeof valued / sizeof *valued, name, sizeof name, &eq);
@@ -206,6 +210,7 @@ static void parse_args(int argc, char **argv, args *a) {
     else if (!strcmp(name, "--val-samples")) a->val_samples = cli_parse_int(name, v, 0, INT64_MAX);
     else if (!strcmp(name, "--eval-batch-size")) a->eval_batch_size = cli_parse_int(name, v, 1, INT64_MAX);
     else if (!strcmp(name, "--trace")) a->trace_dir = v;
+    else if (!strcmp(name, "--device")) a->device = v;
     else if (!strcmp(name, "--checkpoint-interval")) {
       char *end;
       a->o.checkpoint_interval_s = strtod(v, &end);
@@ -233,6 +238,7 @@ typedef struct objective {
   ddp_pyrandom quartic_noise;
   bool quartic;
   ddp_dataset *train, *test; /* convnet's, opened once */
+  ddp_device device;         /* convnet's: where this rank trains */
   int i_layers, i_activation, i_lr, i_gamma;
   int64_t evaluations; /* by this rank */
   int64_t worker_rank0; /* the world rank of this rank's worker's first rank */
@@ -284,6 +290,7 @@ static double convnet_loss(objective *ob, const ddp_hpo_space *space, const doub
    * rank's whole 500-image share here) made each evaluation's tape hundreds
    * of MB, faulted in afresh for every individual, and took 4x as long. */
   o.eval_batch_size = a->eval_batch_size;
+  o.device = ob->device;
   char trace[4096];
   if (a->trace_dir) {
     snprintf(trace, sizeof trace, "%s/w%lld-g%lld-r%d.json", a->trace_dir,
@@ -550,10 +557,47 @@ static void leave_job(ddp_hpo_space *space, objective *ob, ddp_process_group *wo
   ddp_rendezvous_info_destroy(job);
 }
 
+/* --device: the rank's device, refused before the job starts where it
+ * cannot be (another objective than convnet, no GPU here). cuda is
+ * cuda:(LOCAL_RANK % GPUs) under a launcher: a worker of R ranks trains on
+ * R GPUs when the node has them. Its gradients go over the worker's group
+ * (ddp's own backend by default: GPU buffers staged through host memory,
+ * docs/comm.md; --backend nccl for NCCL where every group is on GPUs). */
+static ddp_device pick_device(const args *a) {
+  ddp_device d = DDP_CPU;
+  if (ddp_device_parse(a->device, &d) != DDP_OK) cli_die_usage("--device: %s", ddp_last_error());
+  if (d.type == DDP_DEVICE_CPU) return d;
+  if (strcmp(a->objective, "convnet") != 0) {
+    fprintf(stderr, "ddp-hpo: --device %s applies to --objective convnet (a cmd: program chooses its "
+                    "own device; the benchmark functions run on the CPU)\n", a->device);
+    exit(2);
+  }
+  if (ddp_cuda_device_count() == 0) {
+    fprintf(stderr, "ddp-hpo: --device %s: no CUDA device here (%s); run with --device cpu\n", a->device,
+            ddp_cuda_unavailable_reason());
+    exit(2);
+  }
+  int64_t local_rank = 0, local_world = 1;
+  if (!strcmp(a->device, "cuda")) {
+    CHECK(ddp_env_int("LOCAL_RANK", 0, &local_rank), "--device cuda: LOCAL_RANK");
+    CHECK(ddp_env_int("LOCAL_WORLD_SIZE", 1, &local_world), "--device cuda: LOCAL_WORLD_SIZE");
+    CHECK(ddp_default_cuda_device((int)local_rank, (int)local_world, &d), "--device cuda");
+  } else {
+    CHECK(ddp_device_check(d), "--device");
+  }
+  char near[400];
+  if (ddp_bind_near_gpu(d.index, near, sizeof near) != DDP_OK)
+    fprintf(stderr, "ddp-hpo: warning: %s\n", ddp_last_error());
+  else
+    DDP_INFO("ddp-hpo: %s", near);
+  return d;
+}
+
 int main(int argc, char **argv) {
   cli_init("ddp-hpo");
   args a;
   parse_args(argc, argv, &a);
+  const ddp_device device = pick_device(&a);
   tune_process();
   ddp_rendezvous_info job = {0};
   ddp_process_group *world = NULL;
@@ -561,7 +605,7 @@ int main(int argc, char **argv) {
   if (code) return code;
   const int rank = world ? job.rank : 0;
   objective ob = {.a = &a, .started = ddp_time_s(), .lead = rank % a.o.ranks_per_worker == 0,
-                  .worker_rank0 = rank - rank % a.o.ranks_per_worker};
+                  .worker_rank0 = rank - rank % a.o.ranks_per_worker, .device = device};
   char bench_space[4096];
   const char *spec;
   code = choose_objective(&a, &job, &ob, &spec, bench_space, sizeof bench_space);

@@ -71,6 +71,9 @@ typedef struct train_args {
   int64_t virtual_stages;  /* --virtual-stages v (interleaved: 2) */
   const char *split;       /* --split NAMES | auto (auto) */
   int64_t zero;            /* --zero S: ZeRO stage (0 = none) */
+  int comm_hook;           /* --comm-hook: a ddp_dp_hook_kind (0 = allreduce) ... */
+  int powersgd_rank;       /* ... or powersgd:RANK (0 = none) */
+  int64_t powersgd_start;  /* --powersgd-start N (0 = PyTorch's 1000) */
   bool sharded_checkpoint; /* --sharded-checkpoint */
   double clip_grad_norm;   /* --clip-grad-norm MAX: 0 = none */
 } train_args;
@@ -151,6 +154,13 @@ static void usage(FILE *f) {
 "  --bucket-cap-mb X    gradients are reduced in buckets of X MiB (the first 1 MiB;\n"
 "                       default 25, PyTorch's): smaller buckets overlap more of\n"
 "                       backward with communication, in more messages\n"
+"  --comm-hook H        how gradients are averaged (PyTorch's DDP comm hooks, docs/parallel.md):\n"
+"                       allreduce (default, float32), fp16 or bf16 (halves compressed before\n"
+"                       the allreduce), powersgd:RANK (PowerSGD: each matrix-shaped gradient\n"
+"                       as a rank-RANK approximation with error feedback and warm start;\n"
+"                       its state is saved beside --save, one file per rank)\n"
+"  --powersgd-start N   PowerSGD's first N steps are plain allreduces (default 1000,\n"
+"                       PyTorch's start_powerSGD_iter; N > 1)\n"
 "  --zero S            ZeRO stage 1, 2 or 3 (docs/sharding.md): each rank keeps the optimizer\n"
 "                       state of its 1/W of the parameters (1), and receives only that\n"
 "                       range's reduced gradients (2), and holds only that range of the\n"
@@ -288,7 +298,7 @@ static void parse_args(int argc, char **argv, train_args *a) {
         "--device", "--tensorboard", "--trace", "--bucket-cap-mb", "--microbatches", "--pp",
         "--schedule", "--virtual-stages", "--split", "--param-servers", "--ps-mode", "--backend",
         "--step-sleep-ms", "--straggler", "--replicas",
-        "--elastic-batch", "--zero", "--clip-grad-norm"};
+        "--elastic-batch", "--zero", "--comm-hook", "--powersgd-start", "--clip-grad-norm"};
     char name[64];
     const char *eq;
     cli_valued_option(f, valued, sizeof valued / sizeof *valued, name, sizeof name, &eq);
@@ -337,6 +347,19 @@ static void parse_args(int argc, char **argv, train_args *a) {
       if (!(a->clip_grad_norm > 0) || isinf(a->clip_grad_norm))
         cli_die_usage("--clip-grad-norm: %s is not a finite max_norm > 0", v);
     }
+    else if (!strcmp(name, "--comm-hook")) {
+      a->comm_hook = 0;
+      a->powersgd_rank = 0;
+      if (!strcmp(v, "allreduce")) a->comm_hook = DDP_DP_HOOK_ALLREDUCE;
+      else if (!strcmp(v, "fp16")) a->comm_hook = DDP_DP_HOOK_FP16;
+      else if (!strcmp(v, "bf16")) a->comm_hook = DDP_DP_HOOK_BF16;
+      else if (!strncmp(v, "powersgd:", 9))
+        a->powersgd_rank = (int)cli_parse_int("--comm-hook powersgd:RANK", v + 9, 1, 1 << 20);
+      else
+        cli_die_usage("--comm-hook expects allreduce, fp16, bf16 or powersgd:RANK, got '%s'", v);
+    }
+    else if (!strcmp(name, "--powersgd-start"))
+      a->powersgd_start = cli_parse_int(name, v, 2, INT32_MAX);
     else if (!strcmp(name, "--param-servers") || !strcmp(name, "--ps-mode") ||
              !strcmp(name, "--step-sleep-ms") || !strcmp(name, "--straggler"))
       train_ps_parse(&a->ps, name, v);
@@ -827,10 +850,24 @@ int main(int argc, char **argv) {
   o.save_every = a.save_every;
   o.resume_path = a.resume_path;
   o.device = choose_device(&a, &world);
+  if (o.device.type == DDP_DEVICE_CUDA) {
+    /* The rank's threads on the CPUs near its GPU (docs/cuda.md, "CPUs
+     * near the GPU"; DDP_GPU_AFFINITY=off leaves them). */
+    char near[400];
+    if (ddp_bind_near_gpu(o.device.index, near, sizeof near) != DDP_OK)
+      fprintf(stderr, "ddp-train: %swarning: %s\n", rank_tag, ddp_last_error());
+    else
+      DDP_INFO("ddp-train: %s%s", rank_tag, near);
+  }
   o.cuda_graph = a.cuda_graph;
   o.bucket_cap_mb = a.bucket_cap_mb;
   o.microbatches = (int32_t)a.microbatches;
   o.zero_stage = (int32_t)a.zero;
+  o.comm_hook = a.comm_hook;
+  o.powersgd_rank = a.powersgd_rank;
+  o.powersgd_start_iter = (int32_t)a.powersgd_start;
+  if (a.powersgd_start && !a.powersgd_rank)
+    cli_die_usage("--powersgd-start needs --comm-hook powersgd:RANK%s", "");
   o.sharded_checkpoint = a.sharded_checkpoint;
   o.clip_grad_norm = a.clip_grad_norm;
   ddp_train_pipeline pipeline = {0};

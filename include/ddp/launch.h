@@ -190,6 +190,18 @@ ddp_spawn_options ddp_spawn_defaults(void);
  * Every worker is gone when it returns. opts may be NULL. */
 ddp_status ddp_spawn(int32_t nprocs, ddp_spawn_fn fn, void *arg, const ddp_spawn_options *opts);
 
+/* Moves every thread of this process to the CPUs near GPU cuda:`cuda_index`
+ * (docs/cuda.md, "CPUs near the GPU"): of the CPUs it may run on now, those
+ * of the GPU's NUMA node; when none of them is, every CPU of that node. The
+ * machine tells through /sys/bus/pci/devices/<the GPU's PCI address>/
+ * local_cpulist; where it does not (or a build without CUDA, or no such
+ * GPU) nothing changes and report says why. $DDP_GPU_AFFINITY=off (or 0,
+ * none) turns it off. report (NULL ok) gets one line saying what was done.
+ * Fails only when the kernel refuses the new CPUs (sched_setaffinity's
+ * errno named); the process then runs where it ran. Call it at start-up,
+ * once the rank's GPU is known (ddp-train --device cuda does). */
+ddp_status ddp_bind_near_gpu(int cuda_index, char *report, size_t bytes);
+
 #ifdef __cplusplus
 }
 #endif

@@ -221,6 +221,96 @@ typedef struct ddp_dp_trace {
 
 void ddp_dp_get_trace(const ddp_dp *dp, ddp_dp_trace *out);
 
+/* ---- PowerSGD (torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook) --
+ * A communication hook that replaces each matrix-shaped gradient M (a
+ * parameter of shape [n, ...] viewed as n x m, m the product of the rest) by
+ * a rank-r approximation P Q^T: P = M Q, allreduce P, orthogonalize P,
+ * Q = M^T P, allreduce Q, M ~ P (Q / W)^T. Vectors, and matrices for which
+ * (n + m) r * min_compression_rate >= n m, are allreduced as they are (one
+ * allreduce per bucket together with the bucket's P's). With error feedback
+ * each rank adds what compression lost last time to its gradient before, and
+ * keeps (gradient + error) - result after, as PyTorch does (also for the
+ * uncompressed tensors: their error is the local minus the average). With
+ * warm start Q is kept across iterations (orthogonalized before reuse);
+ * without, it is drawn afresh every iteration. The first start_iter synced
+ * backwards are plain float32 allreduces (PyTorch's start_powerSGD_iter).
+ * docs/parallel.md ("PowerSGD") has the rules and the wire bytes.
+ *
+ *   ddp_powersgd *ps;
+ *   ddp_powersgd_options po = ddp_powersgd_defaults();
+ *   po.rank = 4;
+ *   DDP_TRY(ddp_powersgd_create(&ps, dp, &po));   // installs itself as dp's hook
+ *   ... train ...
+ *   ddp_powersgd_destroy(ps);                    // after the last backward, before dp
+ *
+ * Every buffer is sized at create from the parameters' shapes: no step
+ * allocates. Host buffers only (DDP_ERR_UNSUPPORTED for a model on a GPU). */
+typedef struct ddp_powersgd ddp_powersgd;
+
+/* Fills q (rows x cols, row-major, as torch.randn(1, rows, cols)) with the
+ * initial random values of one Q, before orthogonalization; called in
+ * PyTorch's order (bucket by bucket, each bucket's tensors grouped by shape).
+ * For tests that inject PyTorch's values. */
+typedef ddp_status (*ddp_powersgd_init_q_fn)(void *user, float *q, int64_t rows, int64_t cols);
+
+typedef struct ddp_powersgd_options {
+  int32_t rank;                     /* matrix_approximation_rank (1) */
+  int32_t reserved0;                /* zero */
+  int64_t start_iter;               /* start_powerSGD_iter: plain allreduces first (1000);
+                                     * > 1 with error feedback or warm start, as PyTorch */
+  double min_compression_rate;      /* compress only when n m > rate * (n + m) r (2) */
+  bool use_error_feedback;          /* (true) */
+  bool warm_start;                  /* (true) */
+  double orthogonalization_epsilon; /* added to each column's norm (0) */
+  uint64_t random_seed;             /* numpy RandomState seed of the Q seeds (0) */
+  ddp_powersgd_init_q_fn init_q;    /* NULL: PyTorch's generator (torch.randn, CPU) */
+  void *init_q_user;
+  uint64_t reserved[6];             /* zero */
+} ddp_powersgd_options;
+DDP_STRUCT_SIZE(ddp_powersgd_options, 112);
+
+/* PyTorch's PowerSGDState defaults, as above. */
+ddp_powersgd_options ddp_powersgd_defaults(void);
+
+/* Makes the state for `dp` (borrowed; must outlive it) and installs its hook
+ * (ddp_dp_set_comm_hook_fn). Not collective; every rank must make the same
+ * one. *out NULL on failure. */
+ddp_status ddp_powersgd_create(ddp_powersgd **out, ddp_dp *dp, const ddp_powersgd_options *options);
+/* Frees it (and leaves dp's hook dangling: destroy the dp, or install another
+ * hook, before the next backward). NULL ok. */
+void ddp_powersgd_destroy(ddp_powersgd *ps);
+
+typedef struct ddp_powersgd_stats {
+  int64_t iter;               /* synced backwards seen (PyTorch's state.iter) */
+  /* The last completed synced backward: floats this rank allreduced through
+   * the hook (uncompressed tensors, P's and Q's), and what a plain allreduce
+   * of the same buckets would have been (the gradients' count). */
+  uint64_t last_elements_sent;
+  uint64_t last_elements_uncompressed;
+  /* Over the model's parameters at this rank: floats per step once
+   * compressing (sum of (n + m) r over compressed, n m over the others),
+   * and how many parameters are compressed. */
+  uint64_t elements_per_step;
+  int32_t compressed_params;
+  int32_t reserved32;
+  uint64_t reserved[4];
+} ddp_powersgd_stats;
+DDP_STRUCT_SIZE(ddp_powersgd_stats, 72);
+void ddp_powersgd_get_stats(const ddp_powersgd *ps, ddp_powersgd_stats *out);
+
+/* Parameter i's current Q (cols x r, row-major, after the last allreduce and
+ * division), *rows and *cols set; NULL when i is not compressed or no Q has
+ * been made yet. For tests. */
+const float *ddp_powersgd_q(const ddp_powersgd *ps, int param, int64_t *rows, int64_t *cols);
+
+/* The state (iteration, error feedback, Q's, the seed generator) of this
+ * rank to / from a safetensors file, atomically written. The error feedback
+ * differs per rank: each rank saves its own file and loads it at the same
+ * rank and world size, with the same model and options (a mismatch is
+ * DDP_ERR_INVALID naming the file and what differs). Not collective. */
+ddp_status ddp_powersgd_save(const ddp_powersgd *ps, const char *path);
+ddp_status ddp_powersgd_load(ddp_powersgd *ps, const char *path);
+
 /* ---- SyncBatchNorm ---------------------------------------------------------
  * The batch-norm sync over a process group: allreduce_sum is a blocking
  * ddp_allreduce(group, buf, count, DDP_FLOAT64, DDP_REDUCE_SUM), with the

@@ -51,6 +51,9 @@ extern "C" {
 #define DDP_STORE_MAX_KEYS_PER_CALL 65536u                /* wait/check/multi_* */
 #define DDP_STORE_MAX_TOKEN_BYTES 1024u
 #define DDP_STORE_DEFAULT_PORT 29500
+#define DDP_STORE_WATCH_PENDING 1024u                    /* default watch bound */
+#define DDP_STORE_WATCH_PENDING_MAX 65536u
+#define DDP_STORE_WATCH_PENDING_BYTES (64u * 1024u * 1024u)
 
 /* An opaque store handle: a table of operations behind a pointer (as gloo's
  * rendezvous::Store or ggml's backends). Created by the constructors below,
@@ -213,6 +216,82 @@ void ddp_store_values_free(ddp_store_value *values, size_t count);
 ddp_status ddp_store_multi_set(ddp_store *store, const char *const *keys,
                                const ddp_store_value *values, size_t num_keys);
 
+/* ---- Watches --------------------------------------------------------------
+ * A watch reports every change of its keys, in the order the store applied
+ * them, with the new value (PyTorch's TCPStore watchKey, and etcd's watch).
+ * A change is every write that reaches a key -- set (even to the same
+ * bytes), append, add (except add(key, 0) on an existing key: that is how
+ * callers read a counter, and it writes nothing new), compare_set when it
+ * sets, each key of multi_set -- and delete of an existing key, reported as
+ * kind DDP_STORE_EVENT_DELETE with an empty value.
+ *
+ * On a TCP store a watch is its own connection: the server pushes the
+ * changes to it; nothing polls. The server keeps at most
+ * ddp_store_limits.max_watch_pending notifications (and
+ * max_watch_pending_bytes) waiting for a watch that does not read; the next
+ * change past that drops that watch alone: it gets the changes queued before
+ * it, in order, then DDP_ERR_RANGE naming its keys and the bound. A watch
+ * whose connection drops gets DDP_ERR_CLOSED. Either error is final for the
+ * watch (every later call returns it); open a new one, whose snapshot tells
+ * the state again. Other watches and clients are unaffected.
+ *
+ * The in-process and file stores return DDP_ERR_UNSUPPORTED; a prefix store
+ * watches its base's keys under the prefix and reports them without it. */
+typedef struct ddp_store_watcher ddp_store_watcher;
+
+typedef enum ddp_store_event_kind {
+  DDP_STORE_EVENT_SET = 1,    /* the key has a (new) value */
+  DDP_STORE_EVENT_DELETE = 2, /* the key was deleted (value empty) */
+} ddp_store_event_kind;
+
+/* One change. key and value point into the watch: valid until the next call
+ * on it (or until the callback returns). value is NUL-terminated beyond
+ * value_bytes. */
+typedef struct ddp_store_event {
+  const char *key;    /* one of the watched keys (without a prefix store's prefix) */
+  int32_t kind;       /* ddp_store_event_kind */
+  int32_t reserved;
+  uint64_t seq;       /* 1, 2, 3, ...: changes delivered to this watch, all keys */
+  const void *value;
+  size_t value_bytes;
+} ddp_store_event;
+
+/* Opens a watch on keys[0..num_keys) (1 .. the store's keys per call; no
+ * key twice). Atomically with the registration, the current state of each
+ * key goes to initial[i] (may be NULL to skip it): data NULL when absent,
+ * else a ddp_alloc'd copy (free with ddp_store_values_free). Every change
+ * after that snapshot is reported by ddp_store_watch_next. *out is owned by
+ * the caller (ddp_store_watch_close). DDP_ERR_UNSUPPORTED for mem and file
+ * stores. */
+ddp_status ddp_store_watch_open(ddp_store *store, const char *const *keys, size_t num_keys,
+                                ddp_store_value *initial, ddp_store_watcher **out);
+
+/* The blocking form: waits at most timeout_ms (0: only what has arrived;
+ * negative: the store's default timeout) for the next change and fills
+ * *event. DDP_ERR_TIMEOUT when none came (the watch stays good);
+ * DDP_ERR_RANGE when the server dropped the watch past its bound,
+ * DDP_ERR_CLOSED when its connection dropped (both final). Not for a watch
+ * that has a callback. One thread at a time per watch. */
+ddp_status ddp_store_watch_next(ddp_store_watcher *watch, int64_t timeout_ms, ddp_store_event *event);
+
+/* Called on the watch's own thread for each change, in order (event non-NULL,
+ * status DDP_OK), and once with event NULL and the final error when the watch
+ * fails (status and ddp_last_error() say why). Not called after
+ * ddp_store_watch_close returns; must not call ddp_store_watch_close itself. */
+typedef void (*ddp_store_watch_fn)(void *ctx, const ddp_store_event *event, ddp_status status);
+
+/* The callback form (the issue's ddp_store_watch(store, key, callback)):
+ * opens a watch on one key and runs fn for each change on a thread of its
+ * own (one client thread per callback watch; the server has none).
+ * *initial (may be NULL) gets the key's state at registration as in
+ * ddp_store_watch_open. */
+ddp_status ddp_store_watch(ddp_store *store, const char *key, ddp_store_watch_fn fn, void *ctx,
+                           ddp_store_value *initial, ddp_store_watcher **out);
+
+/* Ends the watch (its connection closes; the server forgets it), joins the
+ * callback thread if any, frees it. Accepts NULL. */
+void ddp_store_watch_close(ddp_store_watcher *watch);
+
 /* ---- Server -------------------------------------------------------------
  * A single-threaded epoll server holding the key-value table in memory. It
  * serves thousands of clients, checks every length against its limits before
@@ -232,9 +311,16 @@ typedef struct ddp_store_limits {
   uint64_t max_value_bytes;      /* default DDP_STORE_MAX_VALUE_BYTES */
   uint64_t max_message_bytes;    /* default DDP_STORE_MAX_MESSAGE_BYTES */
   uint32_t max_clients;          /* default 65536; more are refused */
-  uint32_t reserved32;
+  /* A watch connection is dropped (DDP_ERR_RANGE to it alone) when a change
+   * arrives while this many notifications already wait for it on the server
+   * (beyond what its socket took): default DDP_STORE_WATCH_PENDING, at most
+   * DDP_STORE_WATCH_PENDING_MAX. */
+  uint32_t max_watch_pending;
   uint64_t max_total_bytes;      /* keys + values held; default 4 GiB */
-  uint64_t reserved[4];
+  /* ... or while more than this many bytes of them wait; default
+   * DDP_STORE_WATCH_PENDING_BYTES. */
+  uint64_t max_watch_pending_bytes;
+  uint64_t reserved[3];
 } ddp_store_limits;
 DDP_STRUCT_SIZE(ddp_store_limits, 72);
 
@@ -264,7 +350,9 @@ typedef struct ddp_store_server_stats {
   uint64_t requests;           /* requests served */
   uint64_t keys;               /* keys held now */
   uint64_t waiters;            /* blocked gets / waits now */
-  uint64_t reserved[4];
+  uint64_t watches;            /* watch connections now */
+  uint64_t watches_dropped;    /* watch connections dropped past their bound */
+  uint64_t reserved[2];
 } ddp_store_server_stats;
 DDP_STRUCT_SIZE(ddp_store_server_stats, 80);
 

@@ -118,6 +118,20 @@ static inline uint16_t ddp_float_to_bf16(float f) {
   return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
+/* The same conversions over buffers of n elements (src/tensor/convert.c),
+ * bit for bit the single-value functions above, vectorised for the CPU
+ * kernel family that runs (AVX-512F, F16C, else the plain loop). This is
+ * the one implementation: the compression hooks and autocast call it.
+ * dst and src must not overlap. Pure functions: no errors. */
+void ddp_convert_f32_to_bf16(uint16_t *dst, const float *src, size_t n);
+void ddp_convert_bf16_to_f32(float *dst, const uint16_t *src, size_t n);
+void ddp_convert_f32_to_f16(uint16_t *dst, const float *src, size_t n);
+void ddp_convert_f16_to_f32(float *dst, const uint16_t *src, size_t n);
+/* dst[i] = src[i] rounded to `dtype` (DDP_BFLOAT16 or DDP_FLOAT16) and
+ * widened back to float32: the float32 that holds the low-precision value
+ * exactly. dst may equal src (in place); other dtypes copy. */
+void ddp_convert_round_f32(float *dst, const float *src, size_t n, ddp_dtype dtype);
+
 /* The family of CPU kernels this process runs: "avx512", "avx2" or
  * "generic", from the CPU and the environment variable DDP_CPU_KERNELS
  * (auto|generic|avx2|avx512; auto takes the best the CPU has;
@@ -182,6 +196,16 @@ ddp_status ddp_device_synchronize(ddp_device device);
  * local ranks it says once on stderr that ranks share a device. Fails
  * when there is no CUDA device. */
 ddp_status ddp_default_cuda_device(int local_rank, int local_world, ddp_device *out);
+/* The PCI address of a GPU, as sysfs names it ("0000:3b:00.0": lower case,
+ * a 4-digit domain), from cudaDeviceGetPCIBusId: what locates its NUMA node
+ * and nearby CPUs (/sys/bus/pci/devices/<address>/). DDP_ERR_UNSUPPORTED
+ * for the CPU, a build without CUDA or no device; DDP_ERR_INVALID for an
+ * ordinal this process does not have. */
+ddp_status ddp_device_pci_address(ddp_device device, char *buf, size_t bytes);
+/* raw ("0000:3B:00.0" from CUDA, "00000000:3B:00.0" from NVML) as sysfs
+ * writes it into buf ("0000:3b:00.0"); DDP_ERR_INVALID names text that is
+ * not a PCI address. */
+ddp_status ddp_pci_address_normalize(const char *raw, char *buf, size_t bytes);
 
 /* Pinned (page-locked) host memory for copies to and from `device`, a GPU
  * (PyTorch's pin_memory): copies through it are asynchronous. *out NULL
@@ -449,6 +473,65 @@ ddp_status ddp_add(ddp_tape *tape, ddp_tensor *a, ddp_tensor *b, ddp_tensor **ou
 ddp_status ddp_to(ddp_tape *tape, ddp_tensor *x, ddp_device device, ddp_tensor **out);
 /* log_softmax over the last dim of (N, C). */
 ddp_status ddp_log_softmax(ddp_tape *tape, ddp_tensor *x, ddp_tensor **out);
+
+/* ---- Autocast (docs/tensor.md, "Mixed precision") -------------------------
+ * torch.autocast("cpu", dtype) for ddp's ops: inside a region entered with
+ * DDP_PRECISION_BF16 (FP16) on the calling thread, linear, matmul and
+ * conv2d (PyTorch's CPU lower_precision_fp list) round their inputs,
+ * weights and bias to bfloat16 (float16), multiply with float32
+ * accumulation and round the output to bfloat16 (float16); the losses
+ * (PyTorch's fp32 list) compute in float32; every other op computes in its
+ * input's precision, as PyTorch's type promotion does. Parameters stay
+ * float32, and their gradients arrive in float32.
+ *
+ * Storage, as a first step: a low-precision activation is a float32 tensor
+ * whose values are exactly bfloat16 (float16) values, marked as such
+ * (ddp_tensor_values_dtype); ops accept it as any float32 tensor. The
+ * values are PyTorch's; the memory is float32's (twice a 2-byte tensor).
+ *
+ *   ddp_autocast_enter(DDP_PRECISION_BF16);
+ *   forward(...); loss(...);                     // as torch.autocast's body
+ *   ddp_autocast_exit();
+ *   ddp_backward(tape, loss);                    // outside, as PyTorch advises
+ *
+ * Regions are per thread and nest: enter pushes a precision, exit pops it,
+ * and the ops follow the innermost one. DDP_PRECISION_FP32 is a region
+ * with autocast off (torch.autocast(enabled=False) inside an enabled one);
+ * TF32 is a GPU matrix-math mode and, on the CPU, computes as FP32. The
+ * region changes CPU tensors' ops only; ops on GPU tensors compute as
+ * without it (the GPU's autocast is issue 42's GPU half). The backward of
+ * an op recorded in a region uses the precision it was recorded with,
+ * wherever it runs. */
+
+/* Opens a region of `precision` on this thread. DDP_ERR_INVALID for a
+ * value outside ddp_precision; DDP_ERR_STATE beyond DDP_AUTOCAST_MAX_DEPTH
+ * nested regions (a missing exit). Allocates nothing. */
+#define DDP_AUTOCAST_MAX_DEPTH 16
+ddp_status ddp_autocast_enter(ddp_precision precision);
+/* Closes this thread's innermost region, restoring the one outside it.
+ * Leaving the outermost region forgets the cast cache's contents (its
+ * memory is kept for the next region, so steady-state steps do not
+ * allocate). DDP_ERR_STATE when no region is open. */
+ddp_status ddp_autocast_exit(void);
+/* The innermost region's precision on this thread; DDP_PRECISION_FP32
+ * outside any region. */
+ddp_precision ddp_autocast_precision(void);
+/* Number of regions open on this thread (0 outside any). */
+int ddp_autocast_depth(void);
+/* The cast cache (PyTorch's autocast weight cache): inside a region, the
+ * rounded copy of a leaf that requires grad (a parameter) is made at its
+ * first use and reused by later ops of the region, keyed by the tensor,
+ * its data pointer and size. Like PyTorch's, it does not see a parameter
+ * changed in place inside the region (an optimizer step inside autocast):
+ * call ddp_autocast_cache_clear after such a change. Leaving the outermost
+ * region clears it. The thread's cache memory is freed at thread exit, or
+ * now by ddp_autocast_cache_free (which also clears). */
+void ddp_autocast_cache_clear(void);
+void ddp_autocast_cache_free(void);
+/* The precision of t's values: DDP_BFLOAT16 or DDP_FLOAT16 for an output
+ * of a low-precision op under autocast and the ops that carry it on
+ * (PyTorch's output dtype), else t->dtype. */
+ddp_dtype ddp_tensor_values_dtype(const ddp_tensor *t);
 
 /* Losses, mean reduction, scalar output (shape ()). */
 /* mean((input - target)^2) over all elements; same shapes. */

@@ -244,11 +244,17 @@ typedef struct ddp_train_options {
    * DDP_PRECISION_FP32, every op in float32. (0) */
   int32_t precision;
   /* Data parallel: the DDP communication hook, a ddp_dp_hook_kind from
-   * ddp/parallel.h (0: allreduce); powersgd_rank: PowerSGD's rank r
-   * (issue 41). (0, 0) */
+   * ddp/parallel.h (0: allreduce, PyTorch's default). powersgd_rank > 0:
+   * PowerSGD at that rank instead (with comm_hook 0; ddp_powersgd in
+   * ddp/parallel.h, PyTorch's other defaults), its plain-allreduce steps
+   * powersgd_start_iter (0: PyTorch's 1000; else > 1). PowerSGD's state
+   * (error feedback, Q's) is saved beside each checkpoint, one file per
+   * rank (docs/parallel.md, "PowerSGD"), and resumed at the same world
+   * size. Only the data-parallel strategy on the CPU takes PowerSGD; the
+   * fp16/bf16 hooks run on a GPU too. (0, 0, 0) */
   int32_t comm_hook;
   int32_t powersgd_rank;
-  int32_t reserved32; /* zero */
+  int32_t powersgd_start_iter;
   /* Gradient-norm clipping (issue 41): > 0 scales the gradients so that
    * their global L2 norm, over the whole model, is at most this before
    * the optimizer steps (torch.nn.utils.clip_grad_norm_). 0: none. (0) */

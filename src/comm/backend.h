@@ -86,6 +86,12 @@ typedef struct ddp__op_ctx {
    * ops on the progress thread, which may share a core with the caller's
    * ongoing work (backward, overlapped with bucket allreduces). */
   bool caller_blocked;
+  /* The group's flight recorder (NULL: off) and this op's record in it
+   * (its a->flight: id + 1; 0 none), for a backend whose caps say
+   * device_start: it marks the record started (ddp__flight_mark_started)
+   * when the op starts on its device, before it completes the op. */
+  struct ddp__flight *flight;
+  uint64_t flight_record;
 } ddp__op_ctx;
 
 /* One send or receive of the point-to-point lane (src/comm/p2p_lane.c).
@@ -144,9 +150,16 @@ typedef struct ddp__backend_caps {
   /* Operations that may be enqueued and incomplete at once (>= 1). With 1
    * the group layer completes each before it enqueues the next. */
   int max_in_flight;
+  /* The backend's ops start later on a device stream (NCCL): the group
+   * layer records each as enqueued (flight.h) and the backend marks it
+   * started when its start event passes; otherwise an op is recorded
+   * started when it is handed to the backend. */
+  bool device_start;
 } ddp__backend_caps;
 
-#define DDP__CAPS_ALL_OPS ((1u << DDP__OP_KIND_COUNT) - 1u)
+/* Every operation of comm.h; DDP__OP_P2P_BATCH (the last kind) only where a
+ * backend names it: an engine that groups a batch's sends and receives. */
+#define DDP__CAPS_ALL_OPS ((1u << DDP__OP_P2P_BATCH) - 1u)
 #define DDP__CAPS_ALL_DTYPES ((1u << (DDP_BFLOAT16 + 1)) - 1u)
 #define DDP__CAPS_ALL_REDUCE_OPS ((1u << DDP_REDUCE_OP_COUNT) - 1u)
 #define DDP__CAPS_CPU (1u << DDP_DEVICE_CPU)
@@ -163,7 +176,7 @@ typedef struct ddp__completion {
   /* The backend's own state for this operation (an MPI_Request, a CUDA
    * event, ...): not initialised before enqueue; the backend's enqueue
    * sets what it will read. */
-  _Alignas(16) unsigned char state[64];
+  _Alignas(16) unsigned char state[96];
 } ddp__completion;
 
 /* Marks c done with status (and, on failure, the calling thread's last

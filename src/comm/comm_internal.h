@@ -41,6 +41,12 @@ struct ddp_work {
   bool queued;      /* in the queue, not yet taken by the progress thread */
   bool orphaned;    /* freed by its owner before it finished: recycled on completion */
   ddp_work *all_next; /* every work of the group, for destroy */
+  /* A DDP__OP_P2P_BATCH's copy of the caller's operations (args.batch
+   * points here): grown to the largest batch the handle carried, freed
+   * with the group, so a pipeline posting the same batches allocates
+   * nothing after the first. */
+  ddp_p2p_op *p2p_ops;
+  size_t p2p_ops_cap;
   /* While the progress thread runs it: its context and its completion in
    * the backend (backend.h), which stay here until it completes. */
   ddp__op_ctx ctx;
@@ -168,6 +174,13 @@ void ddp__queue_destroy(ddp_process_group *pg);
  * zero value), it is found from the buffers' pointers (ddp__buffers_device,
  * which refuses buffers on two devices); another device is taken as given. */
 ddp_status ddp__submit(ddp_process_group *pg, ddp__op_args *args, ddp_work **work);
+/* batch_isend_irecv's device rule for ops[i] on `device` (ops[0]'s is
+ * `first`): a backend that runs batches on its lane (engine false) takes
+ * host memory only (DDP_ERR_UNSUPPORTED, saying what to do); an engine that
+ * groups batches (NCCL) takes one device per batch (DDP_ERR_INVALID naming
+ * both). Pure: tested on the CPU with made-up devices. */
+ddp_status ddp__p2p_batch_device_check(const char *call, size_t i, ddp_device first,
+                                       ddp_device device, bool engine, const char *backend);
 /* Waits until every operation submitted so far has finished (bounded). */
 ddp_status ddp__queue_drain(ddp_process_group *pg);
 /* Fails every queued (not running) work with the sticky error and wakes

@@ -216,7 +216,12 @@ static inline __attribute__((always_inline)) ddp_status op_start(ddp_process_gro
       .tag = args->tag,
       .caller_blocked = caller_blocked,
   };
-  if (pg->flight) ddp__flight_start(pg->flight, args, now);
+  if (pg->flight) {
+    if (op_backend(pg, args)->ops->caps.device_start) ddp__flight_enqueue(pg->flight, args, now);
+    else ddp__flight_start(pg->flight, args, now);
+    ctx->flight = pg->flight;
+    ctx->flight_record = args->flight;
+  }
   if (pg->debug_detail && pg->size > 1 && ddp__op_is_collective(args->kind))
     st = ddp__debug_check(pg, args, ctx);
   if (st == DDP_OK) {

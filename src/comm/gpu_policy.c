@@ -45,9 +45,18 @@ ddp__watch_action ddp__watch_decide(const ddp__watch_input *in, ddp_status *stat
   }
   if (in->op && in->now_ns >= in->deadline_ns) {
     *status = DDP_ERR_TIMEOUT;
-    snprintf(msg, bytes, "nccl: %s (rank %d of %d) did not complete within %.3g s; communicator "
+    char where[200] = "";
+    if (in->device_state == DDP__DEVICE_QUEUED)
+      snprintf(where, sizeof where, "; it never started on cuda:%d (work queued before it on the "
+               "communication stream did not finish)", in->device);
+    else if (in->device_state == DDP__DEVICE_RUNNING)
+      snprintf(where, sizeof where, "; it started on cuda:%d %.3g s after it was enqueued and "
+               "waited %.3g s there for its peers", in->device,
+               (double)(in->device_started_ns - in->started_ns) / 1e9,
+               (double)(in->now_ns - in->device_started_ns) / 1e9);
+    snprintf(msg, bytes, "nccl: %s (rank %d of %d) did not complete within %.3g s%s; communicator "
              "aborted", what, in->rank, in->size,
-             (double)(in->deadline_ns - in->started_ns) / 1e9);
+             (double)(in->deadline_ns - in->started_ns) / 1e9, where);
     return DDP__WATCH_ABORT;
   }
   return DDP__WATCH_CONTINUE;

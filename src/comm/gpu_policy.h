@@ -40,6 +40,15 @@ typedef struct ddp__watch_input {
   uint64_t seq;
   int64_t deadline_ns;  /* when it times out */
   int64_t started_ns;   /* when it was enqueued */
+  /* Where that operation stands on its GPU, from its CUDA events (the
+   * start event recorded before its kernels, the end event after):
+   * DDP__DEVICE_UNKNOWN (no events: a host engine), DDP__DEVICE_QUEUED (the
+   * start event has not passed: work queued before it on the
+   * communication stream has not finished), DDP__DEVICE_RUNNING (started
+   * at device_started_ns, not ended: its kernels wait for the peers). */
+  int device_state;
+  int64_t device_started_ns;
+  int device;           /* its CUDA ordinal, for the message */
   /* ncclCommGetAsyncError: 0 ncclSuccess, 7 ncclInProgress (not an
    * error), else the failure, with NCCL's string for it. */
   int async_error;
@@ -50,6 +59,8 @@ typedef struct ddp__watch_input {
   const char *dead_why;
 } ddp__watch_input;
 
+enum { DDP__DEVICE_UNKNOWN = 0, DDP__DEVICE_QUEUED = 1, DDP__DEVICE_RUNNING = 2 };
+
 typedef enum ddp__watch_action {
   DDP__WATCH_CONTINUE = 0, /* nothing wrong: poll again */
   DDP__WATCH_ABORT,        /* abort the communicator and fail every operation */
@@ -57,7 +68,9 @@ typedef enum ddp__watch_action {
 
 /* The watchdog's decision. On ABORT, *status (DDP_ERR_IO for NCCL's own
  * error, DDP_ERR_PEER for a dead peer, DDP_ERR_TIMEOUT for a deadline) and
- * msg name the operation (or "no operation pending") and the rank. An
+ * msg name the operation (or "no operation pending") and the rank; a
+ * timeout also says where the operation stood on its GPU (never started:
+ * stuck behind earlier work on the stream; running: waiting for peers). An
  * asynchronous error comes first (it is NCCL's own diagnosis), then a dead
  * peer, then the deadline. */
 ddp__watch_action ddp__watch_decide(const ddp__watch_input *in, ddp_status *status, char *msg,

@@ -7,7 +7,7 @@
 const char *ddp__op_kind_name(ddp__op_kind kind) {
   static const char *names[DDP__OP_KIND_COUNT] = {
       "allreduce", "broadcast",      "reduce",     "allgather", "gather", "scatter",
-      "reduce_scatter", "all_to_all", "barrier", "send",      "recv"};
+      "reduce_scatter", "all_to_all", "barrier", "send",      "recv", "batch_isend_irecv"};
   return (unsigned)kind < DDP__OP_KIND_COUNT ? names[kind] : "unknown-op";
 }
 
@@ -35,6 +35,7 @@ void ddp__op_describe(const ddp__op_args *a, int group_size, char *out, size_t b
     snprintf(out, bytes, "%s(count=%zu, %s, root=%d)", name, a->count, dt, a->root);
     break;
   case DDP__OP_BARRIER: snprintf(out, bytes, "%s()", name); break;
+  case DDP__OP_P2P_BATCH: snprintf(out, bytes, "%s(%zu operations)", name, a->count); break;
   default: snprintf(out, bytes, "%s(count=%zu, %s)", name, a->count, dt); break;
   }
 }

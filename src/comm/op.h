@@ -27,6 +27,11 @@ typedef enum ddp__op_kind {
   DDP__OP_BARRIER,
   DDP__OP_SEND,
   DDP__OP_RECV,
+  /* batch_isend_irecv as one operation of the queue, for an engine that
+   * groups the batch's sends and receives itself (NCCL: ncclGroupStart/End
+   * around them, docs/comm.md); ddp's own backends run batches on the
+   * point-to-point lane instead and never see this kind. */
+  DDP__OP_P2P_BATCH,
   DDP__OP_KIND_COUNT
 } ddp__op_kind;
 
@@ -34,7 +39,7 @@ typedef enum ddp__op_kind {
 const char *ddp__op_kind_name(ddp__op_kind kind);
 /* Collectives (every rank takes part) versus point-to-point. */
 static inline bool ddp__op_is_collective(ddp__op_kind kind) {
-  return kind != DDP__OP_SEND && kind != DDP__OP_RECV;
+  return kind != DDP__OP_SEND && kind != DDP__OP_RECV && kind != DDP__OP_P2P_BATCH;
 }
 
 /* Operations that reduce (and so take a reduce op). */
@@ -61,6 +66,10 @@ typedef struct ddp__op_args {
    * backend may choose by it what every rank must choose alike (MPI's
    * blocking collectives match only blocking ones). Set by ddp__submit. */
   bool blocking_call;
+  /* DDP__OP_P2P_BATCH: the batch's operations (count of them), owned by
+   * the work handle that carries the op (ddp__submit copies the caller's);
+   * dtype is batch[0]'s, for the caps check. NULL otherwise. */
+  const ddp_p2p_op *batch;
   uint64_t seq;     /* collectives: the group's collective number; p2p: own counter */
   uint64_t flight;  /* its flight recorder record's id + 1; 0: none yet (flight.h) */
 } ddp__op_args;

@@ -74,9 +74,14 @@ ddp_status ddp_batch_isend_irecv(ddp_process_group *pg, const ddp_p2p_op *ops, s
   if (!pg) return ddp_error(DDP_ERR_INVALID, "%s: process group is NULL", name);
   DDP_TRY(ddp__group_check(pg));
   if (!ops && n > 0) return ddp_error(DDP_ERR_INVALID, "%s: ops is NULL with n %zu", name, n);
-  if (!pg->backend->ops->p2p_progress && pg->size > 1)
+  /* An engine that groups a batch itself (NCCL) takes it as one operation
+   * of the queue, in program order with the collectives; ddp's own
+   * backends run it on the point-to-point lane. */
+  bool engine = (pg->backend->ops->caps.ops >> DDP__OP_P2P_BATCH & 1u) != 0;
+  if (!engine && !pg->backend->ops->p2p_progress && pg->size > 1)
     return ddp_error(DDP_ERR_UNSUPPORTED, "%s: the %s backend has no point-to-point lane", name,
                      pg->backend->ops->name);
+  ddp_device first = DDP_CPU;
   for (size_t i = 0; i < n; i++) {
     const ddp_p2p_op *o = &ops[i];
     char what[48];
@@ -92,13 +97,32 @@ ddp_status ddp_batch_isend_irecv(ddp_process_group *pg, const ddp_p2p_op *ops, s
     DDP_TRY(ddp__buffers_device(what, NULL, o->buf, &device));
     DDP_TRY(ddp__caps_check(pg, what, o->kind == DDP_P2P_SEND ? DDP__OP_SEND : DDP__OP_RECV, o->dtype,
                             DDP_REDUCE_SUM, device));
-    if (device.type != DDP_DEVICE_CPU) {
-      char dev[DDP_DEVICE_STR_BYTES];
-      return ddp_error(DDP_ERR_UNSUPPORTED, "%s: buffers on %s: the %s backend's batched "
-                       "point-to-point takes host memory; send them one by one (isend/irecv) or "
-                       "copy them to the host", what, ddp_device_str(device, dev, sizeof dev),
-                       pg->backend->ops->name);
-    }
+    if (i == 0) first = device;
+    DDP_TRY(ddp__p2p_batch_device_check(name, i, first, device, engine, pg->backend->ops->name));
   }
-  return ddp__p2p_submit(pg, name, ops, n, work);
+  if (!engine) return ddp__p2p_submit(pg, name, ops, n, work);
+  if (n == 0) { /* nothing to group: a handle already complete, as on the lane */
+    ddp_work *w = ddp__work_take(pg);
+    if (!w) return DDP_ERR_NOMEM;
+    ddp__work_complete(pg, w, DDP_OK);
+    *work = w;
+    return DDP_OK;
+  }
+  ddp__op_args a = {.kind = DDP__OP_P2P_BATCH, .count = n, .dtype = ops[0].dtype, .root = -1,
+                    .device = first, .batch = ops};
+  return ddp__submit(pg, &a, work);
+}
+
+ddp_status ddp__p2p_batch_device_check(const char *call, size_t i, ddp_device first,
+                                       ddp_device device, bool engine, const char *backend) {
+  char a[DDP_DEVICE_STR_BYTES], b[DDP_DEVICE_STR_BYTES];
+  if (!engine && device.type != DDP_DEVICE_CPU)
+    return ddp_error(DDP_ERR_UNSUPPORTED, "%s: ops[%zu]: buffers on %s: the %s backend's batched "
+                     "point-to-point takes host memory; send them one by one (isend/irecv) or "
+                     "copy them to the host", call, i, ddp_device_str(device, a, sizeof a), backend);
+  if (engine && !ddp_device_equal(device, first))
+    return ddp_error(DDP_ERR_INVALID, "%s: ops[%zu]'s buffer is on %s but ops[0]'s on %s: one "
+                     "batch on the %s backend runs on one device (its group's)", call, i,
+                     ddp_device_str(device, a, sizeof a), ddp_device_str(first, b, sizeof b), backend);
+  return DDP_OK;
 }

@@ -326,6 +326,24 @@ ddp_status ddp__submit(ddp_process_group *pg, ddp__op_args *args, ddp_work **wor
                                            ddp__op_kind_name(args->kind))
                                : st;
   }
+  if (args->kind == DDP__OP_P2P_BATCH && args->count > 0) {
+    /* The caller's array lives only through the call: the handle keeps a
+     * copy (grown, never shrunk) until the op completes. */
+    if (w->p2p_ops_cap < args->count) {
+      ddp_p2p_op *ops = ddp_calloc(args->count, sizeof *ops);
+      if (!ops) {
+        work_put(pg, w);
+        pthread_mutex_unlock(&pg->mu);
+        return ddp_error(DDP_ERR_NOMEM, "%s: no memory for %zu operations",
+                         ddp__op_kind_name(args->kind), args->count);
+      }
+      ddp_free(w->p2p_ops);
+      w->p2p_ops = ops;
+      w->p2p_ops_cap = args->count;
+    }
+    memcpy(w->p2p_ops, args->batch, args->count * sizeof *w->p2p_ops);
+    args->batch = w->p2p_ops;
+  }
   /* Recorded as scheduled now, under the mutex, so the ring keeps
    * submission order; it is numbered when it starts. */
   if (pg->flight) ddp__flight_new(pg->flight, args, DDP__FLIGHT_SCHEDULED, ddp__now_coarse_ns());
@@ -410,6 +428,7 @@ void ddp__queue_destroy(ddp_process_group *pg) {
       ddp_free(w->batch->args);
       ddp_free(w->batch);
     }
+    ddp_free(w->p2p_ops);
     ddp_free(w);
   }
   pg->all_works = NULL;

@@ -12,7 +12,9 @@
 #include "io/io_internal.h"
 
 int64_t ddp__io_fail_after_bytes = -1;
-static uint64_t total_written; /* for the fault-injection hook */
+/* for the fault-injection hook; atomic: ranks that are threads of one
+ * process write their files at the same time (PowerSGD's per-rank state) */
+static _Atomic uint64_t total_written;
 
 static void reset(ddp__atomic_file *f) {
   memset(f, 0, sizeof *f);

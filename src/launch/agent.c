@@ -403,6 +403,8 @@ void ddp__agent_close(ddp__agent *a) {
       usleep(10 * 1000);
     }
   }
+  ddp_store_watch_close(a->round_watch);
+  a->round_watch = NULL;
   ddp_store_destroy(a->store);
   ddp__store_proc_stop(&a->server); /* last: the workers are gone, every node has read */
   ddp_free(a->beats);

@@ -29,7 +29,15 @@
  *                        announcement are shared)
  *   round/<k>/rescaled   set by a node that stopped for a scale event
  *   round/<k>/ended      add()ed by each node whose workers are gone
- * The workers' keys live under "attempt/<k>/" (DDP_STORE_PREFIX). */
+ * The workers' keys live under "attempt/<k>/" (DDP_STORE_PREFIX).
+ *
+ * Nothing here polls the store: a node waits on store watches (pushed
+ * changes, docs/store.md). While a round is being formed it watches its
+ * closed and arrivals keys; while the round runs, one watch (agent->
+ * round_watch) on its failed, ended and rescaled keys, the next round's
+ * arrivals and the other nodes' beats tells the monitor's poll hook what
+ * changed, so each tick costs one write (this node's beat) and a read of
+ * what the watch already received. */
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -126,55 +134,99 @@ static ddp_status close_round(ddp__agent *a, int32_t round, int32_t n, const cha
   return DDP_OK;
 }
 
+/* Opens a watch on keys and reads their state now into values (absent:
+ * data NULL). On DDP_ERR_UNSUPPORTED (a store without watches) the message
+ * says that elastic rounds need the TCP store. */
+static ddp_status open_watch(ddp__agent *a, const char *const *keys, size_t n, ddp_store_value *values,
+                             ddp_store_watcher **out) {
+  ddp_status st = ddp_store_watch_open(a->store, keys, n, values, out);
+  if (st == DDP_ERR_UNSUPPORTED)
+    return ddp_error_wrap(st, "rendezvous %s: elastic rounds need a store with watches (--rdzv-backend c10d)",
+                          a->world.run_id);
+  return st;
+}
+
+static int64_t value_int(const ddp_store_value *v) { return v->data ? atoll(v->data) : 0; }
+
 /* Waits for round `round` to close, closing it when this node sees it full
- * or its last call over. Below MIN for --rdzv-timeout: an error saying so. */
+ * or its last call over. Below MIN for --rdzv-timeout: an error saying so.
+ * A watch on the round's closed and arrivals keys says when either changes;
+ * the wait slices (SLICE_MS) only look at the clock and the signals. */
 static ddp_status wait_close(ddp__agent *a, int32_t round, double deadline_s, round_record *rec) {
   char arrivals[64], closed[64];
   rkey(arrivals, sizeof arrivals, round, "arrivals");
   rkey(closed, sizeof closed, round, "closed");
-  const char *keys[] = {closed};
+  const char *keys[] = {closed, arrivals};
+  ddp_store_value now_values[2];
+  ddp_store_watcher *w = NULL;
+  DDP_TRY(open_watch(a, keys, 2, now_values, &w));
+  int is_closed = now_values[0].data != NULL;
+  int64_t count = value_int(&now_values[1]);
+  ddp_store_values_free(now_values, 2);
   double start = ddp_time_s(), changed = start;
   int64_t last = -1;
-  for (;;) {
-    ddp_status st;
-    if (exists(a, closed, &st)) break;
-    DDP_TRY(st);
-    int64_t count = 0;
-    DDP_TRY(ddp_store_add(a->store, arrivals, 0, &count));
+  ddp_status st = DDP_OK;
+  while (!is_closed) {
     double now = ddp_time_s();
     if (count != last) {
       last = count;
       changed = now;
     }
     if (count >= a->elastic_max) {
-      DDP_TRY(close_round(a, round, a->elastic_max, NULL));
+      st = close_round(a, round, a->elastic_max, NULL);
     } else if (count >= a->elastic_min && now - changed >= a->last_call_s) {
-      DDP_TRY(close_round(a, round, (int32_t)count, NULL));
+      st = close_round(a, round, (int32_t)count, NULL);
     } else if (count < a->elastic_min && now - start >= a->rdzv_timeout_s) {
       char why[300];
       snprintf(why, sizeof why, "round %d had %lld of at least %d nodes after the join timeout (%g s)",
                (int)round, (long long)count, (int)a->elastic_min, a->rdzv_timeout_s);
       (void)close_round(a, round, -1, why); /* later arrivals go on to round k+1 */
       ddp_clear_error();
-      return ddp_error(DDP_ERR_TIMEOUT,
-                       "rendezvous %s at %s: %s; node on %s gives up (are MIN nodes running ddprun with the "
-                       "same --rdzv-id and endpoint? --nnodes %d:%d)",
-                       a->world.run_id, a->world.store_addr, why, a->host, (int)a->elastic_min,
-                       (int)a->elastic_max);
+      st = ddp_error(DDP_ERR_TIMEOUT,
+                     "rendezvous %s at %s: %s; node on %s gives up (are MIN nodes running ddprun with the "
+                     "same --rdzv-id and endpoint? --nnodes %d:%d)",
+                     a->world.run_id, a->world.store_addr, why, a->host, (int)a->elastic_min,
+                     (int)a->elastic_max);
     }
+    if (st) break;
     int sig = stop_signal();
     if (sig) {
       a->stop_signal = sig;
-      return ddp_error(DDP_ERR_ABORTED, "node on %s: stopped by signal %d while waiting for round %d to close",
-                       a->host, sig, (int)round);
+      st = ddp_error(DDP_ERR_ABORTED, "node on %s: stopped by signal %d while waiting for round %d to close",
+                     a->host, sig, (int)round);
+      break;
     }
-    if (deadline_s > 0 && now > deadline_s)
-      return ddp_error(DDP_ERR_TIMEOUT, "node on %s: the job timeout passed while waiting for round %d", a->host,
-                       (int)round);
-    st = ddp_store_wait(a->store, keys, 1, SLICE_MS);
-    if (st == DDP_ERR_TIMEOUT) ddp_clear_error();
-    else if (st) return st;
+    if (deadline_s > 0 && now > deadline_s) {
+      st = ddp_error(DDP_ERR_TIMEOUT, "node on %s: the job timeout passed while waiting for round %d", a->host,
+                     (int)round);
+      break;
+    }
+    ddp_store_event ev;
+    st = ddp_store_watch_next(w, SLICE_MS, &ev);
+    if (st == DDP_ERR_TIMEOUT) {
+      ddp_clear_error();
+      st = DDP_OK;
+    } else if (st == DDP_ERR_RANGE) {
+      /* Fell behind (it cannot, reading every slice; but if it did): a new
+       * watch's snapshot tells the state again. */
+      ddp_clear_error();
+      ddp_store_watch_close(w);
+      w = NULL;
+      st = open_watch(a, keys, 2, now_values, &w);
+      if (st) break;
+      is_closed = now_values[0].data != NULL;
+      count = value_int(&now_values[1]);
+      ddp_store_values_free(now_values, 2);
+    } else if (st) {
+      break;
+    } else if (!strcmp(ev.key, closed)) {
+      is_closed = ev.kind == DDP_STORE_EVENT_SET;
+    } else {
+      count = ev.kind == DDP_STORE_EVENT_SET ? atoll(ev.value) : 0;
+    }
   }
+  ddp_store_watch_close(w);
+  if (st) return st;
   return read_closed(a, round, rec);
 }
 
@@ -269,6 +321,108 @@ static ddp_status check_bounds(ddp__agent *a) {
   return s;
 }
 
+/* ---- The running round's watch ------------------------------------------- */
+
+/* Takes one change (or a key's state in a snapshot) into what the agent
+ * knows of the running round. */
+static void note(ddp__agent *a, const char *key, const ddp_store_value *value) {
+  char k[64];
+  int set = value->data != NULL;
+  failed_key(k, sizeof k, a->attempt);
+  if (!strcmp(key, k)) {
+    a->watch_failed |= set;
+    return;
+  }
+  rkey(k, sizeof k, a->attempt + 1, "arrivals");
+  if (!strcmp(key, k)) {
+    a->watch_arrived |= set;
+    return;
+  }
+  rkey(k, sizeof k, a->attempt, "ended");
+  if (!strcmp(key, k)) {
+    a->watch_ended = value_int(value);
+    return;
+  }
+  rkey(k, sizeof k, a->attempt, "rescaled");
+  if (!strcmp(key, k)) {
+    a->watch_rescaled |= set;
+    return;
+  }
+  rkey(k, sizeof k, a->attempt, "beat/");
+  size_t len = strlen(k);
+  if (!strncmp(key, k, len)) {
+    int slot = atoi(key + len);
+    if (slot >= 0 && slot < a->world.nnodes) {
+      a->beats[slot] = value_int(value);
+      a->beat_seen_s[slot] = ddp_time_s();
+    }
+  }
+}
+
+/* (Re)opens the watch on the running round's keys; its snapshot is the
+ * starting state, and every node's silence is counted from now. */
+static ddp_status watch_round(ddp__agent *a) {
+  ddp_store_watch_close(a->round_watch);
+  a->round_watch = NULL;
+  a->watch_failed = a->watch_arrived = a->watch_rescaled = 0;
+  a->watch_ended = 0;
+  int32_t n = a->world.nnodes;
+  size_t cap = (size_t)n + 4;
+  char (*names)[64] = ddp_calloc(cap, sizeof *names);
+  const char **keys = ddp_calloc(cap, sizeof *keys);
+  ddp_store_value *values = ddp_calloc(cap, sizeof *values);
+  ddp_status st = DDP_OK;
+  if (!names || !keys || !values) {
+    st = ddp_error(DDP_ERR_NOMEM, "launch: out of memory for a watch of %d nodes", (int)n);
+    goto out;
+  }
+  size_t k = 0;
+  failed_key(names[k++], sizeof names[0], a->attempt);
+  rkey(names[k++], sizeof names[0], a->attempt + 1, "arrivals");
+  rkey(names[k++], sizeof names[0], a->attempt, "ended");
+  rkey(names[k++], sizeof names[0], a->attempt, "rescaled");
+  for (int32_t r = 0; r < n; r++) {
+    if (r == a->world.node_rank) continue; /* our own beats tell us nothing */
+    char what[24];
+    snprintf(what, sizeof what, "beat/%d", (int)r);
+    rkey(names[k++], sizeof names[0], a->attempt, what);
+  }
+  for (size_t i = 0; i < k; i++) keys[i] = names[i];
+  st = open_watch(a, keys, k, values, &a->round_watch);
+  if (st) goto out;
+  for (size_t i = 0; i < k; i++) note(a, keys[i], &values[i]);
+  double now = ddp_time_s();
+  for (int32_t r = 0; r < n; r++) a->beat_seen_s[r] = now;
+  ddp_store_values_free(values, k);
+out:
+  ddp_free(values);
+  ddp_free(keys);
+  ddp_free(names);
+  return st;
+}
+
+/* Takes the round watch's changes: those that arrive within timeout_ms (0:
+ * those already here), returning after the first batch. */
+static ddp_status drain(ddp__agent *a, int64_t timeout_ms) {
+  if (!a->round_watch) return ddp_error(DDP_ERR_STATE, "node on %s: no round watch", a->host);
+  for (;;) {
+    ddp_store_event ev;
+    ddp_status st = ddp_store_watch_next(a->round_watch, timeout_ms, &ev);
+    if (st == DDP_ERR_TIMEOUT) {
+      ddp_clear_error();
+      return DDP_OK;
+    }
+    if (st == DDP_ERR_RANGE) { /* fell behind its bound: a fresh snapshot */
+      ddp_clear_error();
+      return watch_round(a);
+    }
+    DDP_TRY(st);
+    ddp_store_value v = {ev.kind == DDP_STORE_EVENT_SET ? (void *)ev.value : NULL, ev.value_bytes};
+    note(a, ev.key, &v);
+    timeout_ms = 0;
+  }
+}
+
 ddp_status ddp__elastic_join(ddp__agent *a, int32_t round, double deadline_s) {
   ddp__world *w = &a->world;
   if (round == 0) DDP_TRY(check_bounds(a));
@@ -321,7 +475,8 @@ ddp_status ddp__elastic_join(ddp__agent *a, int32_t round, double deadline_s) {
   memset(a->beat_seen_s, 0, (size_t)a->elastic_max * sizeof *a->beat_seen_s);
   a->next_beat_check_s = ddp_time_s() + BEAT_CHECK_S;
   DDP_TRY(learn_round(a, round, rec.n));
-  return round_master(a, round);
+  DDP_TRY(round_master(a, round));
+  return watch_round(a);
 }
 
 static ddp_status beat(ddp__agent *a) {
@@ -331,22 +486,15 @@ static ddp_status beat(ddp__agent *a) {
   return ddp_store_add(a->store, key, 1, NULL);
 }
 
-/* A node of the round whose beat count has not moved for silence_limit_s:
- * its slot, or -1. */
+/* A node of the round whose beat count has not moved (no change on the
+ * round watch) for silence_limit_s: its slot, or -1. */
 static ddp_status silent_node(ddp__agent *a, int32_t *slot, double *silent_s) {
   *slot = -1;
+  DDP_TRY(drain(a, 0));
   double now = ddp_time_s();
   for (int32_t r = 0; r < a->world.nnodes; r++) {
     if (r == a->world.node_rank) continue;
-    char key[64], what[24];
-    snprintf(what, sizeof what, "beat/%d", (int)r);
-    rkey(key, sizeof key, a->attempt, what);
-    int64_t count;
-    DDP_TRY(ddp_store_add(a->store, key, 0, &count));
-    if (count != a->beats[r] || a->beat_seen_s[r] == 0) {
-      a->beats[r] = count;
-      a->beat_seen_s[r] = now;
-    } else if (now - a->beat_seen_s[r] > a->silence_limit_s) {
+    if (now - a->beat_seen_s[r] > a->silence_limit_s) {
       *slot = r;
       *silent_s = now - a->beat_seen_s[r];
       return DDP_OK;
@@ -375,26 +523,18 @@ static int check_silence(ddp__agent *a) {
 
 int ddp__elastic_poll(void *ctx) {
   ddp__agent *a = ctx;
-  char failed[64], next[64];
-  failed_key(failed, sizeof failed, a->attempt);
-  rkey(next, sizeof next, a->attempt + 1, "arrivals");
-  ddp_status st;
-  if (beat(a) != DDP_OK) return -1;
-  if (exists(a, failed, &st)) return 1;
-  if (st) return -1;
+  if (beat(a) != DDP_OK || drain(a, 0) != DDP_OK) return -1;
+  if (a->watch_failed) return 1;
   int silent = check_silence(a);
   if (silent) return silent;
-  if (a->world.nnodes < a->elastic_max) {
-    if (exists(a, next, &st)) {
-      /* Said before the workers stop: the other nodes' workers will fail
-       * on ours, and must take that for the scale event, not a failure. */
-      char rescaled[64];
-      rkey(rescaled, sizeof rescaled, a->attempt, "rescaled");
-      if (ddp_store_set(a->store, rescaled, "1", 1) != DDP_OK) return -1;
-      a->scale_event = 1;
-      return 1;
-    }
-    if (st) return -1;
+  if (a->world.nnodes < a->elastic_max && a->watch_arrived) {
+    /* Said before the workers stop: the other nodes' workers will fail
+     * on ours, and must take that for the scale event, not a failure. */
+    char rescaled[64];
+    rkey(rescaled, sizeof rescaled, a->attempt, "rescaled");
+    if (ddp_store_set(a->store, rescaled, "1", 1) != DDP_OK) return -1;
+    a->scale_event = 1;
+    return 1;
   }
   return 0;
 }
@@ -423,16 +563,18 @@ void ddp__elastic_abort(ddp__agent *a, int32_t round, const char *reason) {
 }
 
 ddp_status ddp__elastic_finish(ddp__agent *a, int32_t round, double deadline_s, int *outcome) {
-  char ended[64], failed[64], rescaled[64];
+  char ended[64], failed[64];
   rkey(ended, sizeof ended, round, "ended");
   failed_key(failed, sizeof failed, round);
-  rkey(rescaled, sizeof rescaled, round, "rescaled");
   *outcome = 0;
+  if (round != a->attempt || !a->round_watch)
+    return ddp_error(DDP_ERR_STATE, "node on %s: finishing round %d, but the watch is on round %d", a->host,
+                     (int)round, (int)a->attempt);
   int64_t count;
   DDP_TRY(ddp_store_add(a->store, ended, 1, &count));
+  if (count > a->watch_ended) a->watch_ended = count;
   for (;;) {
-    ddp_status st;
-    if (exists(a, failed, &st)) {
+    if (a->watch_failed) {
       void *v = NULL;
       size_t bytes = 0;
       if (ddp_store_get(a->store, failed, 0, &v, &bytes) == DDP_OK) {
@@ -444,11 +586,10 @@ ddp_status ddp__elastic_finish(ddp__agent *a, int32_t round, double deadline_s, 
       *outcome = 1;
       return DDP_OK;
     }
-    DDP_TRY(st);
-    DDP_TRY(ddp_store_add(a->store, ended, 0, &count));
-    if (count >= a->world.nnodes) {
-      *outcome = exists(a, rescaled, &st) ? 2 : 0;
-      DDP_TRY(st);
+    if (a->watch_ended >= a->world.nnodes) {
+      /* A node that stopped for a scale event marked the round before it
+       * ended it, so the watch reported the mark first. */
+      *outcome = a->watch_rescaled ? 2 : 0;
       break;
     }
     DDP_TRY(beat(a));
@@ -464,10 +605,7 @@ ddp_status ddp__elastic_finish(ddp__agent *a, int32_t round, double deadline_s, 
     if (deadline_s > 0 && ddp_time_s() > deadline_s)
       return ddp_error(DDP_ERR_TIMEOUT, "node on %s: the job timeout passed while waiting for the other nodes",
                        a->host);
-    const char *keys[] = {failed};
-    st = ddp_store_wait(a->store, keys, 1, SLICE_MS);
-    if (st == DDP_ERR_TIMEOUT) ddp_clear_error();
-    else if (st) return st;
+    DDP_TRY(drain(a, SLICE_MS));
   }
   if (*outcome == 0) {
     /* The job is done: the node hosting the store lingers until every node

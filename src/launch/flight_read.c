@@ -95,7 +95,7 @@ static void read_record(reader *rd, const ddp__json *e, ddp__flight_record *r) {
   r->root = (int32_t)integer(rd, e, "root", -1, INT32_MAX, false, -1);
   r->peer = (int32_t)integer(rd, e, "peer", -1, INT32_MAX, false, -1);
   r->tag = (int32_t)integer(rd, e, "tag", INT32_MIN, INT32_MAX, false, 0);
-  r->state = named(rd, e, "state", DDP__FLIGHT_SCHEDULED, DDP__FLIGHT_FAILED + 1, state_name, false, 0);
+  r->state = named(rd, e, "state", DDP__FLIGHT_SCHEDULED, DDP__FLIGHT_ENQUEUED + 1, state_name, false, 0);
   /* Statuses are 0, -1, ..., -17: named by their negation. */
   r->status = -named(rd, e, "status", 0, 64, status_name, true, 0);
   r->scheduled_ns = integer(rd, e, "scheduled_ns", 0, INT64_MAX, true, -1);

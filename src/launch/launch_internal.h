@@ -399,6 +399,15 @@ typedef struct ddp__agent {
   double next_beat_check_s; /* monotonic: when the poll next reads the others' beats */
   char (*node_hosts)[64];   /* per slot of the round: the host it named */
   char node_addr[DDP_LAUNCH_HOST_BYTES]; /* --master-addr: this node's address for MASTER_ADDR when it is slot 0 */
+  /* Elastic: a store watch on the running round's keys (its failure, the
+   * next round's arrivals, its ended count, its rescaled mark, the other
+   * nodes' beats), so that nothing polls the store while workers run; what
+   * it reported so far. */
+  ddp_store_watcher *round_watch;
+  int watch_failed;         /* attempt/<k>/failed exists */
+  int watch_arrived;        /* round/<k+1>/arrivals exists */
+  int watch_rescaled;       /* round/<k>/rescaled exists */
+  int64_t watch_ended;      /* round/<k>/ended */
 } ddp__agent;
 
 /* Hosts the store (one node: on a port of its own on 127.0.0.1; several: at

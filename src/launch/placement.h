@@ -96,6 +96,32 @@ void ddp__placement_describe(const ddp__placement *p, int32_t worker, char *buf,
  * safe. Returns 0 or an errno value. */
 int ddp__placement_apply(const ddp__placement *p, int32_t worker);
 
+/* ---- A GPU's nearby CPUs (gpu_affinity.c) -----------------------------------
+ * A rank on a GPU runs on the CPUs of the GPU's NUMA node where the machine
+ * says which they are (docs/cuda.md, "CPUs near the GPU"). */
+typedef struct ddp__near_plan {
+  int bind;           /* 1: set the process's CPUs to `cpus` */
+  int node;           /* the GPU's NUMA node (numa_node), -1 unknown */
+  cpu_set_t near;     /* its local_cpulist (empty when unread) */
+  cpu_set_t cpus;     /* what to run on when bind */
+  char why[400];      /* the decision in words, for the log */
+} ddp__near_plan;
+
+/* The plan for a process on CPUs `current` whose GPU is at PCI address
+ * `address` ("0000:3b:00.0"), from ROOT/<address>/{local_cpulist,numa_node}
+ * (root NULL: /sys/bus/pci/devices). Pure but for reading those two files,
+ * so a test describes a machine in a temporary folder. The rules:
+ *   - no local_cpulist (a container without sysfs, a machine that does not
+ *     say), or one that parses to nothing: not bound, why says so;
+ *   - every CPU of `current` near the GPU already: not bound (nothing to do);
+ *   - some of them near it: bound to those (the launcher's share of cores,
+ *     less the far ones);
+ *   - none of them near it: bound to every CPU near the GPU (the node's,
+ *     shared with the other ranks of that node: the GPU's memory traffic
+ *     matters more than cores of one's own). */
+void ddp__near_plan_make(const char *root, const char *address, const cpu_set_t *current,
+                         ddp__near_plan *out);
+
 /* --bind values: auto, none, core, socket, hwthread, and the spellings of
  * mpirun's --bind-to (package, numa, hwthread; a ":qualifier" is ignored) and
  * torchrun's --numa-binding (node and socket as socket, exclusive as core;

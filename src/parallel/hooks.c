@@ -64,11 +64,9 @@ static ddp_status fp16_launch(void *state, ddp_process_group *pg, ddp_dp_bucket 
     dp->kernels->to_half(bucket->scratch, bucket->grads, d, (int64_t)bucket->numel, false);
     return reduce(pg, bucket, bucket->scratch, DDP_FLOAT16, work);
   }
-  uint16_t *restrict h = bucket->scratch;
-  const float *restrict g = bucket->grads;
-  const size_t n = bucket->numel;
-  for (size_t i = 0; i < n; i++) h[i] = ddp_float_to_half(g[i] / d);
-  return reduce(pg, bucket, h, DDP_FLOAT16, work);
+  ddp__basic_kernels_for(DDP_CPU)->to_half(bucket->scratch, bucket->grads, d,
+                                           (int64_t)bucket->numel, false);
+  return reduce(pg, bucket, bucket->scratch, DDP_FLOAT16, work);
 }
 
 static ddp_status fp16_finish(void *state, ddp_dp_bucket *bucket) {
@@ -77,10 +75,8 @@ static ddp_status fp16_finish(void *state, ddp_dp_bucket *bucket) {
     dp->kernels->from_half(bucket->grads, bucket->scratch, (int64_t)bucket->numel, false);
     return DDP_OK;
   }
-  const uint16_t *restrict h = bucket->scratch;
-  float *restrict g = bucket->grads;
-  const size_t n = bucket->numel;
-  for (size_t i = 0; i < n; i++) g[i] = ddp_half_to_float(h[i]);
+  ddp__basic_kernels_for(DDP_CPU)->from_half(bucket->grads, bucket->scratch,
+                                             (int64_t)bucket->numel, false);
   return DDP_OK;
 }
 
@@ -92,11 +88,9 @@ static ddp_status bf16_launch(void *state, ddp_process_group *pg, ddp_dp_bucket 
     dp->kernels->to_half(bucket->scratch, bucket->grads, d, (int64_t)bucket->numel, true);
     return reduce(pg, bucket, bucket->scratch, DDP_BFLOAT16, work);
   }
-  uint16_t *restrict h = bucket->scratch;
-  const float *restrict g = bucket->grads;
-  const size_t n = bucket->numel;
-  for (size_t i = 0; i < n; i++) h[i] = ddp_float_to_bf16(g[i] / d);
-  return reduce(pg, bucket, h, DDP_BFLOAT16, work);
+  ddp__basic_kernels_for(DDP_CPU)->to_half(bucket->scratch, bucket->grads, d,
+                                           (int64_t)bucket->numel, true);
+  return reduce(pg, bucket, bucket->scratch, DDP_BFLOAT16, work);
 }
 
 static ddp_status bf16_finish(void *state, ddp_dp_bucket *bucket) {
@@ -105,10 +99,8 @@ static ddp_status bf16_finish(void *state, ddp_dp_bucket *bucket) {
     dp->kernels->from_half(bucket->grads, bucket->scratch, (int64_t)bucket->numel, true);
     return DDP_OK;
   }
-  const uint16_t *restrict h = bucket->scratch;
-  float *restrict g = bucket->grads;
-  const size_t n = bucket->numel;
-  for (size_t i = 0; i < n; i++) g[i] = ddp_bf16_to_float(h[i]);
+  ddp__basic_kernels_for(DDP_CPU)->from_half(bucket->grads, bucket->scratch,
+                                             (int64_t)bucket->numel, true);
   return DDP_OK;
 }
 

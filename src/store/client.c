@@ -110,6 +110,30 @@ static ddp_status read_reply(tcp_store *t, int64_t deadline_ns, int64_t budget_m
   return DDP_OK;
 }
 
+/* The status a non-OK reply code stands for. */
+static ddp_status status_of(uint8_t code) {
+  switch (code) {
+    case DDP__WIRE_TIMEOUT: return DDP_ERR_TIMEOUT;
+    case DDP__WIRE_AUTH: return DDP_ERR_AUTH;
+    case DDP__WIRE_TOO_LARGE: return DDP_ERR_RANGE;
+    case DDP__WIRE_NOT_INTEGER: return DDP_ERR_FORMAT;
+    case DDP__WIRE_OVERFLOW: return DDP_ERR_RANGE;
+    case DDP__WIRE_FULL: return DDP_ERR_NOMEM;
+    case DDP__WIRE_VERSION: return DDP_ERR_UNSUPPORTED;
+    case DDP__WIRE_WATCH_DROPPED: return DDP_ERR_RANGE;
+    default: return DDP_ERR_PEER;
+  }
+}
+
+/* The error of a non-OK reply body, with the server's message. */
+static ddp_status reply_error(const uint8_t *body, size_t len) {
+  ddp__reader r = {body + 1, body + len, 0};
+  ddp__slice msg = ddp__rd_bytes(&r, 4096);
+  char text[600];
+  snprintf(text, sizeof text, "%.*s", r.bad ? 0 : (int)msg.len, r.bad ? "" : (const char *)msg.data);
+  return ddp_error(status_of(body[0]), "%s", text[0] ? text : "the store refused the request");
+}
+
 /* Sends t->out and reads the reply; maps a non-OK reply to a status with the
  * server's message. Transport failures drop the connection. */
 static ddp_status exchange(tcp_store *t, int64_t deadline_ns, int64_t budget_ms,
@@ -140,16 +164,7 @@ static ddp_status exchange(tcp_store *t, int64_t deadline_ns, int64_t budget_ms,
   char text[600];
   snprintf(text, sizeof text, "%.*s", r.bad ? 0 : (int)msg.len,
            r.bad ? "" : (const char *)msg.data);
-  switch (code) {
-    case DDP__WIRE_TIMEOUT: st = DDP_ERR_TIMEOUT; break;
-    case DDP__WIRE_AUTH: st = DDP_ERR_AUTH; break;
-    case DDP__WIRE_TOO_LARGE: st = DDP_ERR_RANGE; break;
-    case DDP__WIRE_NOT_INTEGER: st = DDP_ERR_FORMAT; break;
-    case DDP__WIRE_OVERFLOW: st = DDP_ERR_RANGE; break;
-    case DDP__WIRE_FULL: st = DDP_ERR_NOMEM; break;
-    case DDP__WIRE_VERSION: st = DDP_ERR_UNSUPPORTED; break;
-    default: st = DDP_ERR_PEER; break;
-  }
+  st = status_of(code);
   /* The server closes the connection after a protocol-level refusal. */
   if (code == DDP__WIRE_MALFORMED || code == DDP__WIRE_TOO_LARGE || code == DDP__WIRE_AUTH ||
       code == DDP__WIRE_VERSION || code == DDP__WIRE_STATE)
@@ -547,6 +562,158 @@ static void tcp_destroy(ddp_store *s) {
   ddp_free(t);
 }
 
+/* ---- Watches -------------------------------------------------------------
+ * A watch is a connection of its own (a clone of the handle's): it sends one
+ * WATCH request, reads the snapshot, and from then on only reads the changes
+ * the server pushes. Frames may arrive back to back, so it keeps what it
+ * read past the current frame. */
+typedef struct tcp_watch {
+  ddp_store_watcher base;
+  ddp_store *conn; /* a tcp_store of its own */
+  ddp__buf in;     /* frames read; the first `used` bytes were handed out */
+  size_t used;
+  ddp__buf event;  /* the current event: key NUL value NUL */
+} tcp_watch;
+
+/* The next frame's body, reading until deadline_ns. */
+static ddp_status watch_frame(tcp_watch *w, int64_t deadline_ns, const uint8_t **body,
+                              size_t *len) {
+  tcp_store *t = as_tcp(w->conn);
+  if (w->used) {
+    ddp__buf_consume(&w->in, w->used);
+    w->used = 0;
+  }
+  for (;;) {
+    size_t need = DDP__STORE_FRAME_HEADER;
+    if (w->in.len >= DDP__STORE_FRAME_HEADER) {
+      uint32_t n = ddp__load_u32(w->in.data);
+      if (n == 0 || n > t->max_message_bytes + 1024)
+        return ddp_error(DDP_ERR_FORMAT, "malformed frame from the store (%u bytes)", n);
+      if (w->in.len >= DDP__STORE_FRAME_HEADER + (size_t)n) {
+        *body = w->in.data + DDP__STORE_FRAME_HEADER;
+        *len = n;
+        w->used = DDP__STORE_FRAME_HEADER + (size_t)n;
+        return DDP_OK;
+      }
+      need = DDP__STORE_FRAME_HEADER + (size_t)n;
+    }
+    size_t want = need - w->in.len;
+    ddp__buf_reserve(&w->in, want > 65536 ? want : 65536);
+    if (w->in.failed) {
+      w->in.failed = 0;
+      return ddp_error(DDP_ERR_NOMEM, "out of memory for a frame of %zu bytes", need);
+    }
+    size_t got;
+    ddp_status st = ddp__net_read_some(t->fd, w->in.data + w->in.len, w->in.cap - w->in.len, &got,
+                                       deadline_ns);
+    if (st == DDP_ERR_CLOSED)
+      return ddp_error(st, "connection closed by the store (%s; is the server still running?)",
+                       ddp_last_error());
+    DDP_TRY(st);
+    w->in.len += got;
+  }
+}
+
+static ddp_status tcp_watch_next(ddp_store_watcher *base, int64_t timeout_ms, ddp_store_event *ev) {
+  tcp_watch *w = (tcp_watch *)base;
+  const uint8_t *body;
+  size_t len;
+  DDP_TRY(watch_frame(w, ddp_time_ns() + timeout_ms * 1000000LL, &body, &len));
+  if (body[0] != DDP__WIRE_EVENT) {
+    if (body[0] == DDP__WIRE_OK) return ddp_error(DDP_ERR_FORMAT, "malformed event from the store");
+    return reply_error(body, len);
+  }
+  ddp__reader r = {body + 1, body + len, 0};
+  ddp__slice key = ddp__rd_bytes(&r, len);
+  uint8_t kind = ddp__rd_u8(&r);
+  int64_t seq = ddp__rd_i64(&r);
+  ddp__slice value = ddp__rd_bytes(&r, len);
+  if (r.bad || r.p != r.end || key.len == 0 ||
+      (kind != DDP_STORE_EVENT_SET && kind != DDP_STORE_EVENT_DELETE))
+    return ddp_error(DDP_ERR_FORMAT, "malformed event from the store");
+  w->event.len = 0;
+  ddp__buf_reserve(&w->event, key.len + value.len + 2);
+  ddp__buf_put(&w->event, key.data, key.len);
+  ddp__buf_u8(&w->event, 0);
+  ddp__buf_put(&w->event, value.data, value.len);
+  ddp__buf_u8(&w->event, 0);
+  if (w->event.failed) {
+    w->event.failed = 0;
+    return ddp_error(DDP_ERR_NOMEM, "out of memory for a change of %zu bytes", value.len);
+  }
+  ev->key = (const char *)w->event.data;
+  ev->kind = kind;
+  ev->seq = (uint64_t)seq;
+  ev->value = w->event.data + key.len + 1;
+  ev->value_bytes = value.len;
+  return DDP_OK;
+}
+
+static void tcp_watch_interrupt(ddp_store_watcher *base) {
+  tcp_watch *w = (tcp_watch *)base;
+  int fd = as_tcp(w->conn)->fd;
+  if (fd >= 0) shutdown(fd, SHUT_RDWR);
+}
+
+static void tcp_watch_destroy(ddp_store_watcher *base) {
+  tcp_watch *w = (tcp_watch *)base;
+  ddp_store_destroy(w->conn);
+  ddp__buf_free(&w->in);
+  ddp__buf_free(&w->event);
+  ddp_free(w);
+}
+
+static const ddp__watch_ops tcp_watch_ops = {
+    .next = tcp_watch_next,
+    .interrupt = tcp_watch_interrupt,
+    .destroy = tcp_watch_destroy,
+};
+
+/* Sends WATCH on the new connection and reads the snapshot. */
+static ddp_status watch_start(tcp_watch *w, const char *const *keys, size_t n,
+                              ddp_store_value *initial) {
+  tcp_store *t = as_tcp(w->conn);
+  DDP_TRY(keys_ok(t, keys, n));
+  begin(t, DDP__OP_WATCH);
+  put_keys(t, keys, n);
+  finish(t);
+  if (t->out.failed) return ddp_error(DDP_ERR_NOMEM, "out of memory encoding the request");
+  int64_t deadline = ddp_time_ns() + ddp_store_timeout_ms(w->conn) * 1000000LL;
+  DDP_TRY(ddp__net_write_full(t->fd, t->out.data, t->out.len, deadline));
+  const uint8_t *body;
+  size_t len;
+  DDP_TRY(watch_frame(w, deadline, &body, &len));
+  if (body[0] != DDP__WIRE_OK) return reply_error(body, len);
+  ddp__reader r = {body + 1, body + len, 0};
+  if (ddp__rd_u32(&r) != n) return ddp_error(DDP_ERR_FORMAT, "malformed watch reply from the store");
+  for (size_t i = 0; i < n; i++) {
+    uint8_t exists = ddp__rd_u8(&r);
+    ddp__slice v = ddp__rd_bytes(&r, len);
+    if (r.bad) return ddp_error(DDP_ERR_FORMAT, "malformed watch reply from the store");
+    if (!exists) continue;
+    initial[i].data = ddp__store_copy_value(v.data, v.len);
+    if (!initial[i].data) return ddp_error(DDP_ERR_NOMEM, "out of memory for a value of %zu bytes", v.len);
+    initial[i].bytes = v.len;
+  }
+  return DDP_OK;
+}
+
+static ddp_status tcp_watch_open(ddp_store *s, const char *const *keys, size_t n,
+                                 ddp_store_value *initial, ddp_store_watcher **out) {
+  tcp_watch *w = ddp_calloc(1, sizeof *w);
+  if (!w) return ddp_error(DDP_ERR_NOMEM, "out of memory");
+  w->base.ops = &tcp_watch_ops;
+  ddp_status st = tcp_clone(s, &w->conn);
+  if (st == DDP_OK) st = watch_start(w, keys, n, initial);
+  if (st != DDP_OK) {
+    ddp_store_values_free(initial, n);
+    tcp_watch_destroy(&w->base);
+    return st;
+  }
+  *out = &w->base;
+  return DDP_OK;
+}
+
 static const ddp__store_ops tcp_ops = {
     .kind = "tcp",
     .set = tcp_set,
@@ -562,6 +729,7 @@ static const ddp__store_ops tcp_ops = {
     .multi_get = tcp_multi_get,
     .multi_set = tcp_multi_set,
     .clone = tcp_clone,
+    .watch_open = tcp_watch_open,
     .destroy = tcp_destroy,
 };
 

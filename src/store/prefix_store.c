@@ -158,6 +158,20 @@ static ddp_status pre_multi_set(ddp_store *s, const char *const *keys,
   return st;
 }
 
+static ddp_status pre_watch_open(ddp_store *s, const char *const *keys, size_t n,
+                                 ddp_store_value *initial, ddp_store_watcher **out) {
+  prefix_store *p = as_prefix(s);
+  if (!p->base->ops->watch_open)
+    return ddp_error(DDP_ERR_UNSUPPORTED, "the %s store under this prefix has no watches",
+                     p->base->ops->kind);
+  char **k = join_all(p, keys, n);
+  if (!k) return NOMEM();
+  ddp_status st = p->base->ops->watch_open(p->base, (const char *const *)k, n, initial, out);
+  ddp__store_free_key_array(k, n);
+  if (st == DDP_OK) (*out)->strip += p->prefix_len; /* prefixes nest */
+  return st;
+}
+
 static ddp_status make(ddp_store *base, const char *prefix, int64_t timeout_ms, ddp_store **out);
 
 static ddp_status pre_clone(ddp_store *s, ddp_store **out) {
@@ -192,6 +206,7 @@ static const ddp__store_ops prefix_ops = {
     .multi_get = pre_multi_get,
     .multi_set = pre_multi_set,
     .clone = pre_clone,
+    .watch_open = pre_watch_open,
     .destroy = pre_destroy,
 };
 

@@ -16,6 +16,9 @@ void ddp__store_limits_resolve(const ddp_store_limits *in, ddp_store_limits *out
   if (!l.max_message_bytes) l.max_message_bytes = DDP_STORE_MAX_MESSAGE_BYTES;
   if (!l.max_clients) l.max_clients = 65536;
   if (!l.max_total_bytes) l.max_total_bytes = 4ull << 30;
+  if (!l.max_watch_pending) l.max_watch_pending = DDP_STORE_WATCH_PENDING;
+  if (l.max_watch_pending > DDP_STORE_WATCH_PENDING_MAX) l.max_watch_pending = DDP_STORE_WATCH_PENDING_MAX;
+  if (!l.max_watch_pending_bytes) l.max_watch_pending_bytes = DDP_STORE_WATCH_PENDING_BYTES;
   /* Lengths travel as u32: keep every limit representable, with room for the
    * frame around a value. */
   const uint64_t frame_cap = 0xFFFFFFFFull - 64;
@@ -41,6 +44,7 @@ const char *ddp__store_op_name(unsigned op) {
       [DDP__OP_MULTI_GET] = "multi_get",
       [DDP__OP_MULTI_SET] = "multi_set",
       [DDP__OP_PING] = "ping",
+      [DDP__OP_WATCH] = "watch",
   };
   if (op < DDP__OP_MAX_ && names[op]) return names[op];
   return "unknown op";
@@ -340,7 +344,8 @@ ddp__parse_result ddp__store_parse_request(const uint8_t *buf, size_t len,
       req->timeout_ms = p_i64(&c, "timeout");
       p_key_list(&c, req, 0);
       break;
-    case DDP__OP_CHECK: p_key_list(&c, req, 0); break;
+    case DDP__OP_CHECK:
+    case DDP__OP_WATCH: p_key_list(&c, req, 0); break;
     case DDP__OP_DELETE: req->key = p_key(&c); break;
     case DDP__OP_NUM_KEYS:
     case DDP__OP_LIST_KEYS:

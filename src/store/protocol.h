@@ -30,7 +30,8 @@ typedef enum ddp__store_op {
   DDP__OP_MULTI_GET = 12,
   DDP__OP_MULTI_SET = 13,
   DDP__OP_PING = 14,
-  DDP__OP_MAX_ = 15,
+  DDP__OP_WATCH = 15, /* turns the connection into a watch (docs/store.md) */
+  DDP__OP_MAX_ = 16,
 } ddp__store_op;
 
 /* Reply codes: the first byte of a reply body. Anything but OK is followed by
@@ -46,6 +47,10 @@ typedef enum ddp__store_wire_status {
   DDP__WIRE_OVERFLOW = 7,    /* add overflowed int64 */
   DDP__WIRE_STATE = 8,       /* request before HELLO, or HELLO twice */
   DDP__WIRE_FULL = 9,        /* server out of memory or over max_total_bytes */
+  DDP__WIRE_WATCH_DROPPED = 10, /* a watch fell behind past its bound: closed after */
+  /* Not a reply: a change pushed to a watch connection,
+   * `key | u8 kind (1 set, 2 delete) | u64 seq | bytes value`. */
+  DDP__WIRE_EVENT = 64,
 } ddp__store_wire_status;
 
 /* A view into a buffer: not NUL-terminated, not owned. */
@@ -66,7 +71,7 @@ typedef struct ddp__store_request {
   ddp__slice key;     /* single-key ops; NUM_KEYS/LIST_KEYS: prefix; HELLO: token */
   ddp__slice value;   /* SET, APPEND: value; COMPARE_SET: expected */
   ddp__slice desired; /* COMPARE_SET */
-  uint32_t num_keys;  /* WAIT, CHECK, MULTI_GET, MULTI_SET */
+  uint32_t num_keys;  /* WAIT, CHECK, MULTI_GET, MULTI_SET, WATCH */
   ddp__slice *keys;
   ddp__slice *values; /* MULTI_SET */
 } ddp__store_request;

@@ -37,7 +37,7 @@ static void update_events(ddp_store_server *s, client *c) {
   if (c->dead) return;
   uint32_t want = EPOLLRDHUP;
   size_t pending = c->out.len - c->out_sent;
-  if (!c->waiter && pending < OUT_HIGH_WATER) want |= EPOLLIN;
+  if (!c->waiter && !c->closing && pending < OUT_HIGH_WATER) want |= EPOLLIN;
   if (pending) want |= EPOLLOUT;
   if (want == c->events) return;
   struct epoll_event ev = {.events = want, .data.ptr = c};
@@ -53,6 +53,7 @@ static void client_drop(ddp_store_server *s, client *c, int for_error) {
     ddp__store_server_cancel_waiter(s, c->waiter);
     c->waiter = NULL;
   }
+  if (c->watch) ddp__store_server_cancel_watch(s, c->watch); /* clears c->watch */
   epoll_ctl(s->epoll_fd, EPOLL_CTL_DEL, c->fd, NULL);
   close(c->fd);
   c->fd = -1;
@@ -89,12 +90,20 @@ int ddp__store_server_flush(ddp_store_server *s, client *c) {
                      MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n > 0) {
       c->out_sent += (size_t)n;
+      c->sent_total += (uint64_t)n;
       continue;
     }
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
     DDP_DEBUG("store server: client %s: send failed (%s); dropping it", c->addr,
               n < 0 ? strerror(errno) : "closed");
+    client_drop(s, c, 1);
+    return -1;
+  }
+  if (c->watch) ddp__store_server_watch_sent(c);
+  if (c->closing && c->out_sent == c->out.len) {
+    /* A dropped watch has read its error: now it goes. */
+    shutdown(c->fd, SHUT_WR);
     client_drop(s, c, 1);
     return -1;
   }
@@ -146,7 +155,11 @@ static void expire(ddp_store_server *s, int64_t now) {
   client *c = s->clients;
   while (c) {
     client *next = c->next;
-    if (!c->authed) {
+    if (c->closing) {
+      /* A dropped watch that never read its error: give up on it. */
+      if (c->closing_deadline_ns <= now) client_drop(s, c, 1);
+      else ddp__store_server_set_deadline(s, c->closing_deadline_ns);
+    } else if (!c->authed) {
       if (c->hello_deadline_ns <= now)
         ddp__store_server_reject(s, c, DDP__WIRE_STATE, "no handshake within %" PRId64 " ms",
                                  s->handshake_timeout_ms);
@@ -446,6 +459,7 @@ void ddp__store_server_forget(ddp_store_server *s) {
     client *c = s->clients;
     s->clients = c->next;
     if (c->waiter) ddp__store_server_cancel_waiter(s, c->waiter);
+    if (c->watch) ddp__store_server_cancel_watch(s, c->watch);
     close(c->fd);
     ddp__buf_free(&c->in);
     ddp__buf_free(&c->out);
@@ -476,4 +490,6 @@ void ddp_store_server_get_stats(const ddp_store_server *s, ddp_store_server_stat
   out->requests = __atomic_load_n(&s->stats.requests, __ATOMIC_RELAXED);
   out->keys = __atomic_load_n(&s->stats.keys, __ATOMIC_RELAXED);
   out->waiters = __atomic_load_n(&s->stats.waiters, __ATOMIC_RELAXED);
+  out->watches = __atomic_load_n(&s->stats.watches, __ATOMIC_RELAXED);
+  out->watches_dropped = __atomic_load_n(&s->stats.watches_dropped, __ATOMIC_RELAXED);
 }

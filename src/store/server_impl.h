@@ -17,6 +17,26 @@
 
 typedef struct client client;
 typedef struct waiter waiter;
+typedef struct watch watch;
+
+/* One watched key's link into its entry's list of watchers. */
+typedef struct wlink {
+  struct wlink *prev, *next;
+  watch *watch;
+  ddp__kv_entry *entry; /* NULL when not linked */
+} wlink;
+
+/* A watch connection's keys and its queue: the stream positions (the
+ * client's sent_total when the byte was written) at which each pending
+ * notification ends, oldest first, in a ring of limits.max_watch_pending. */
+struct watch {
+  client *c;
+  uint32_t num_keys;
+  wlink *links;     /* one per key */
+  uint64_t seq;     /* notifications queued so far */
+  uint64_t *ends;   /* the ring */
+  uint32_t head, count;
+};
 
 /* One waiter's link into a key's list. */
 typedef struct wnode {
@@ -52,7 +72,14 @@ struct client {
   ddp__buf in, out;
   size_t out_sent; /* bytes of `out` already written */
   waiter *waiter;
+  watch *watch;        /* a watch connection (it sends nothing more) */
+  uint32_t watch_cap;  /* its ring's size: limits.max_watch_pending */
+  int closing;         /* a dropped watch: flush the error, then close */
+  int64_t closing_deadline_ns;
+  uint64_t sent_total; /* bytes of `out` written to the socket, ever */
   client *prev, *next; /* all clients */
+  client *flush_next;  /* in the server's flush list */
+  int flush_queued;
   client *resume_next;
   char addr[DDP_NET_ADDR_BYTES];
 };
@@ -78,6 +105,7 @@ struct ddp_store_server {
   size_t wake_len, wake_cap;
   client *resume_list;
   client *dead_list;
+  client *flush_list; /* watchers given notifications in this request */
   int stop; /* atomic */
   int running;
   pthread_t thread;
@@ -113,5 +141,10 @@ void ddp__store_server_handle(ddp_store_server *s, client *c, const ddp__store_r
 void ddp__store_server_expire_waiters(ddp_store_server *s, int64_t now);
 /* Forgets a waiter without answering it (its client is gone). */
 void ddp__store_server_cancel_waiter(ddp_store_server *s, waiter *w);
+/* Forgets a watch (its client is gone or dropped). */
+void ddp__store_server_cancel_watch(ddp_store_server *s, watch *w);
+/* The client's output was written up to c->sent_total: pops the
+ * notifications that left the server. */
+void ddp__store_server_watch_sent(client *c);
 
 #endif /* DDP_STORE_SERVER_IMPL_H */

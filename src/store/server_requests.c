@@ -315,6 +315,179 @@ void ddp__store_server_expire_waiters(ddp_store_server *s, int64_t now) {
   }
 }
 
+/* ---- Watches -------------------------------------------------------------
+ * A watch connection's keys are linked from their entries (a placeholder
+ * entry stays while watched). Every change appends a notification to each
+ * watcher's output, which goes out at the end of the request; what the socket
+ * does not take waits in the client's output, counted in its ring. A watcher
+ * that lets max_watch_pending notifications (or max_watch_pending_bytes)
+ * wait is dropped at the next change: its links go, an error frame follows
+ * what it was sent, and the connection closes once that is read (or after
+ * the handshake timeout). Nothing here blocks and no watcher has a thread. */
+
+static void watch_unlink_all(ddp_store_server *s, watch *w, const ddp__kv_entry *keep) {
+  for (uint32_t i = 0; i < w->num_keys; i++) {
+    wlink *l = &w->links[i];
+    ddp__kv_entry *e = l->entry;
+    if (!e) continue;
+    if (l->prev) l->prev->next = l->next;
+    else e->watchers = l->next;
+    if (l->next) l->next->prev = l->prev;
+    l->prev = l->next = NULL;
+    l->entry = NULL;
+    if (e != keep) ddp__kv_release(&s->table, e); /* `keep` is being iterated */
+  }
+}
+
+static void watch_free(ddp_store_server *s, watch *w, const ddp__kv_entry *keep) {
+  watch_unlink_all(s, w, keep);
+  w->c->watch = NULL;
+  STAT_ADD(s, watches, (uint64_t)-1);
+  ddp_free(w); /* links and ring share the allocation */
+}
+
+void ddp__store_server_cancel_watch(ddp_store_server *s, watch *w) { watch_free(s, w, NULL); }
+
+void ddp__store_server_watch_sent(client *c) {
+  watch *w = c->watch;
+  while (w->count && w->ends[w->head] <= c->sent_total) {
+    w->head = w->head + 1 == c->watch_cap ? 0 : w->head + 1;
+    w->count--;
+  }
+}
+
+static void queue_flush(ddp_store_server *s, client *c) {
+  if (c->flush_queued) return;
+  c->flush_queued = 1;
+  c->flush_next = s->flush_list;
+  s->flush_list = c;
+}
+
+/* Sends what the watchers were given (at the end of each request). */
+static void flush_watchers(ddp_store_server *s) {
+  while (s->flush_list) {
+    client *c = s->flush_list;
+    s->flush_list = c->flush_next;
+    c->flush_queued = 0;
+    if (!c->dead) ddp__store_server_flush(s, c);
+  }
+}
+
+/* The watch fell behind: an error after what it was sent, and it goes. */
+static void watch_overflow(ddp_store_server *s, watch *w, const ddp__kv_entry *changed) {
+  client *c = w->c;
+  uint64_t pending = c->out.len - c->out_sent;
+  ddp__store_encode_error(
+      &c->out, DDP__WIRE_WATCH_DROPPED,
+      "watch dropped by the store: it did not read its changes, and a change of \"%.*s\" came "
+      "while %u notifications (%" PRIu64 " bytes) waited for it (the bound is %u notifications or "
+      "%" PRIu64 " bytes, ddp_store_limits.max_watch_pending[_bytes]); read faster or open a new "
+      "watch",
+      (int)(changed->key_len > 64 ? 64 : changed->key_len), changed->key, w->count, pending,
+      s->limits.max_watch_pending, s->limits.max_watch_pending_bytes);
+  DDP_INFO("store server %s: client %s: watch of \"%.*s\" dropped past its bound (%u pending)",
+           s->address, c->addr, (int)(changed->key_len > 64 ? 64 : changed->key_len), changed->key,
+           w->count);
+  watch_free(s, w, changed);
+  STAT_ADD(s, watches_dropped, 1);
+  c->closing = 1;
+  c->closing_deadline_ns = ddp_time_ns() + s->handshake_timeout_ms * 1000000LL;
+  ddp__store_server_set_deadline(s, c->closing_deadline_ns);
+  queue_flush(s, c);
+}
+
+/* Tells every watcher of e about its change (kind 1 set, 2 delete). */
+static void notify(ddp_store_server *s, ddp__kv_entry *e, uint8_t kind) {
+  if (!e) return;
+  wlink *l = e->watchers;
+  while (l) {
+    wlink *next = l->next; /* an overflow unlinks l (and only l from e) */
+    watch *w = l->watch;
+    client *c = w->c;
+    uint64_t pending = c->out.len - c->out_sent;
+    if (w->count >= s->limits.max_watch_pending || pending > s->limits.max_watch_pending_bytes) {
+      watch_overflow(s, w, e);
+      l = next;
+      continue;
+    }
+    size_t at = ddp__buf_frame_begin(&c->out);
+    ddp__buf_reserve(&c->out, 32 + e->key_len + (kind == 1 ? e->value_len : 0));
+    ddp__buf_u8(&c->out, DDP__WIRE_EVENT);
+    ddp__buf_bytes(&c->out, e->key, e->key_len);
+    ddp__buf_u8(&c->out, kind);
+    ddp__buf_i64(&c->out, (int64_t)++w->seq);
+    ddp__buf_bytes(&c->out, kind == 1 ? e->value : NULL, kind == 1 ? e->value_len : 0);
+    ddp__buf_frame_end(&c->out, at);
+    uint32_t tail = w->head + w->count;
+    if (tail >= c->watch_cap) tail -= c->watch_cap;
+    w->ends[tail] = c->sent_total + (c->out.len - c->out_sent);
+    w->count++;
+    queue_flush(s, c); /* out.failed is seen (and the client dropped) there */
+    l = next;
+  }
+}
+
+/* WATCH: links the connection's keys and replies with their state now. */
+static void do_watch(ddp_store_server *s, client *c, const ddp__store_request *req) {
+  uint32_t n = req->num_keys;
+  for (uint32_t i = 0; i < n; i++)
+    for (uint32_t j = 0; j < i; j++)
+      if (req->keys[i].len == req->keys[j].len &&
+          !memcmp(req->keys[i].data, req->keys[j].data, req->keys[i].len)) {
+        ddp__store_server_reject(s, c, DDP__WIRE_MALFORMED, "watch names key %u twice", i);
+        return;
+      }
+  uint64_t total = 9;
+  for (uint32_t i = 0; i < n; i++) {
+    const ddp__kv_entry *e = ddp__kv_find(&s->table, (const char *)req->keys[i].data, req->keys[i].len);
+    total += 5 + (e && e->has_value ? e->value_len : 0);
+  }
+  if (total > s->limits.max_message_bytes) {
+    ddp__store_encode_error(&c->out, DDP__WIRE_TOO_LARGE,
+                            "the %u watched values total %" PRIu64
+                            " bytes, over the message limit of %" PRIu64,
+                            n, total, s->limits.max_message_bytes);
+    return;
+  }
+  uint32_t cap = s->limits.max_watch_pending;
+  watch *w = ddp_calloc(1, sizeof *w + n * sizeof(wlink) + (size_t)cap * sizeof(uint64_t));
+  if (!w) {
+    ddp__store_encode_error(&c->out, DDP__WIRE_FULL, "server out of memory");
+    return;
+  }
+  w->c = c;
+  w->num_keys = n;
+  w->links = (wlink *)(w + 1);
+  w->ends = (uint64_t *)(w->links + n);
+  c->watch = w;
+  c->watch_cap = cap;
+  STAT_ADD(s, watches, 1);
+  for (uint32_t i = 0; i < n; i++) {
+    ddp__kv_entry *e = ddp__kv_intern(&s->table, (const char *)req->keys[i].data, req->keys[i].len);
+    if (!e) {
+      watch_free(s, w, NULL);
+      ddp__store_encode_error(&c->out, DDP__WIRE_FULL, "server out of memory");
+      return;
+    }
+    wlink *l = &w->links[i];
+    l->watch = w;
+    l->entry = e;
+    l->next = e->watchers;
+    if (l->next) l->next->prev = l;
+    e->watchers = l;
+  }
+  size_t at = ddp__buf_frame_begin(&c->out);
+  ddp__buf_reserve(&c->out, total);
+  ddp__buf_u8(&c->out, DDP__WIRE_OK);
+  ddp__buf_u32(&c->out, n);
+  for (uint32_t i = 0; i < n; i++) {
+    const ddp__kv_entry *e = w->links[i].entry;
+    ddp__buf_u8(&c->out, (uint8_t)e->has_value);
+    ddp__buf_bytes(&c->out, e->has_value ? e->value : NULL, e->has_value ? e->value_len : 0);
+  }
+  ddp__buf_frame_end(&c->out, at);
+}
+
 /* ---- Requests ------------------------------------------------------------ */
 
 static int token_matches(const ddp_store_server *s, ddp__slice t) {
@@ -408,9 +581,15 @@ void ddp__store_server_handle(ddp_store_server *s, client *c, const ddp__store_r
                              ddp__store_op_name(req->op));
     return;
   }
+  if (c->watch || c->closing) {
+    ddp__store_server_reject(s, c, DDP__WIRE_STATE, "%s on a watch connection (it only reads)",
+                             ddp__store_op_name(req->op));
+    return;
+  }
   const char *key = (const char *)req->key.data;
   size_t klen = req->key.len;
   ddp__kv_entry *changed = NULL;
+  int silent = 0; /* a change not to report to watchers */
   ddp_status st;
   switch (req->op) {
     case DDP__OP_SET:
@@ -425,9 +604,12 @@ void ddp__store_server_handle(ddp_store_server *s, client *c, const ddp__store_r
       break;
     case DDP__OP_ADD: {
       int64_t result = 0;
+      /* add(key, 0) on a key that exists is a read: no change to report. */
+      int read_only = req->integer == 0 && key_present(s, req->key);
       st = ddp__kv_add(&s->table, key, klen, req->integer, &result, &changed);
       if (st == DDP_OK) reply_i64(c, result);
       else reply_status(c, st);
+      if (read_only) silent = 1;
       break;
     }
     case DDP__OP_COMPARE_SET: {
@@ -451,11 +633,15 @@ void ddp__store_server_handle(ddp_store_server *s, client *c, const ddp__store_r
     }
     case DDP__OP_DELETE: {
       int deleted;
+      ddp__kv_entry *e = ddp__kv_find(&s->table, key, klen);
+      int watched = e && e->watchers; /* then the entry outlives its value */
       ddp__kv_delete(&s->table, key, klen, &deleted);
       s->deletes += (uint64_t)deleted;
       reply_u8(c, (uint8_t)deleted);
+      if (deleted && watched) notify(s, e, DDP_STORE_EVENT_DELETE);
       break;
     }
+    case DDP__OP_WATCH: do_watch(s, c, req); break;
     case DDP__OP_NUM_KEYS: reply_i64(c, (int64_t)ddp__kv_count_prefix(&s->table, key, klen)); break;
     case DDP__OP_LIST_KEYS: do_list_keys(s, c, req->key); break;
     case DDP__OP_MULTI_SET: {
@@ -472,6 +658,7 @@ void ddp__store_server_handle(ddp_store_server *s, client *c, const ddp__store_r
         ddp__kv_entry *e = NULL;
         st = ddp__kv_set(&s->table, (const char *)req->keys[i].data, req->keys[i].len,
                          req->values[i].data, req->values[i].len, &e);
+        notify(s, e, DDP_STORE_EVENT_SET);
         wake(s, e);
       }
       if (st == DDP_OK) reply_ok(c);
@@ -481,6 +668,8 @@ void ddp__store_server_handle(ddp_store_server *s, client *c, const ddp__store_r
     case DDP__OP_PING: reply_i64(c, req->integer); break;
     default: DDP_ASSERT(0 && "parser let an unknown opcode through");
   }
+  if (!silent) notify(s, changed, DDP_STORE_EVENT_SET);
   wake(s, changed);
+  flush_watchers(s);
   STAT_SET(s, keys, s->table.num_values);
 }

@@ -405,3 +405,129 @@ void ddp_store_set_timeout_ms(ddp_store *s, int64_t timeout_ms) {
       timeout_ms > 0 ? ddp__store_clamp_ms(timeout_ms) : ddp_store_default_timeout_ms(),
       __ATOMIC_RELAXED);
 }
+
+/* ---- Watches ------------------------------------------------------------- */
+
+ddp_status ddp_store_watch_open(ddp_store *s, const char *const *keys, size_t num_keys,
+                                ddp_store_value *initial, ddp_store_watcher **out) {
+  if (out) *out = NULL;
+  CHECK_STORE(s, "watch");
+  if (!out) return ddp_error(DDP_ERR_INVALID, "store %s: watch: out is NULL", s->address);
+  DDP_TRY(check_keys(s, "watch", keys, num_keys));
+  char call[600];
+  calln(call, sizeof call, "watch", keys, num_keys);
+  if (num_keys == 0)
+    return ddp_error(DDP_ERR_INVALID, "store %s: %s: no keys to watch", s->address, call);
+  for (size_t i = 0; i < num_keys; i++)
+    for (size_t j = 0; j < i; j++)
+      if (!strcmp(keys[i], keys[j]))
+        return ddp_error(DDP_ERR_INVALID, "store %s: %s: key \"%s\" is given twice", s->address,
+                         call, keys[i]);
+  if (!s->ops->watch_open)
+    return ddp_error(DDP_ERR_UNSUPPORTED,
+                     "store %s: %s: the %s store has no watches (use a TCP store: ddp-store serve)",
+                     s->address, call, s->ops->kind);
+  ddp_store_value *snap = initial ? initial : ddp_calloc(num_keys, sizeof *snap);
+  if (!snap) return ddp_error(DDP_ERR_NOMEM, "store %s: %s: out of memory", s->address, call);
+  for (size_t i = 0; i < num_keys; i++) snap[i] = (ddp_store_value){NULL, 0};
+  ddp_store_watcher *w = NULL;
+  ddp_status st = s->ops->watch_open(s, keys, num_keys, snap, &w);
+  if (!initial) {
+    ddp_store_values_free(snap, num_keys);
+    ddp_free(snap);
+  }
+  if (st != DDP_OK) {
+    if (initial) ddp_store_values_free(initial, num_keys);
+    return fail(s, st, call);
+  }
+  char label[700];
+  snprintf(label, sizeof label, "store %s: %s", s->address, call);
+  w->address = ddp_strdup(label);
+  w->timeout_ms = ddp_store_timeout_ms(s);
+  if (!w->address) {
+    w->ops->destroy(w);
+    if (initial) ddp_store_values_free(initial, num_keys);
+    return ddp_error(DDP_ERR_NOMEM, "store %s: %s: out of memory", s->address, call);
+  }
+  *out = w;
+  return DDP_OK;
+}
+
+/* The watch's final error, again, for every call after it failed. */
+static ddp_status watch_failed(ddp_store_watcher *w) {
+  return ddp_error(w->failed, "%s", w->failed_msg);
+}
+
+ddp_status ddp_store_watch_next(ddp_store_watcher *w, int64_t timeout_ms, ddp_store_event *event) {
+  if (!w || !event) return ddp_error(DDP_ERR_INVALID, "ddp_store_watch_next: watch or event is NULL");
+  memset(event, 0, sizeof *event);
+  if (w->failed) return watch_failed(w);
+  int64_t t = timeout_ms < 0 ? w->timeout_ms : ddp__store_clamp_ms(timeout_ms);
+  ddp_status st = w->ops->next(w, t, event);
+  if (st == DDP_OK) {
+    event->key += w->strip;
+    return st;
+  }
+  char what[1024];
+  snprintf(what, sizeof what, "%s", ddp_last_error()[0] ? ddp_last_error() : ddp_strerror(st));
+  memset(event, 0, sizeof *event);
+  if (st == DDP_ERR_TIMEOUT) {
+    char ms[32];
+    ddp__store_format_ms(t, ms, sizeof ms);
+    return ddp_error(st, "%s: no change within %s", w->address, ms);
+  }
+  w->failed = st;
+  snprintf(w->failed_msg, sizeof w->failed_msg, "%.700s: %.1000s", w->address, what);
+  return watch_failed(w);
+}
+
+/* The callback form's thread: next() in slices of a second (close
+ * interrupts it sooner), each change to the callback, the final error once. */
+static void *watch_thread(void *arg) {
+  ddp_store_watcher *w = arg;
+  for (;;) {
+    ddp_store_event ev;
+    ddp_status st = ddp_store_watch_next(w, 1000, &ev);
+    if (__atomic_load_n(&w->closing, __ATOMIC_ACQUIRE)) break;
+    if (st == DDP_ERR_TIMEOUT) {
+      ddp_clear_error();
+      continue;
+    }
+    w->fn(w->ctx, st == DDP_OK ? &ev : NULL, st);
+    if (st != DDP_OK) break;
+  }
+  return NULL;
+}
+
+ddp_status ddp_store_watch(ddp_store *s, const char *key, ddp_store_watch_fn fn, void *ctx,
+                           ddp_store_value *initial, ddp_store_watcher **out) {
+  if (out) *out = NULL;
+  CHECK_STORE(s, "watch");
+  if (!fn) return ddp_error(DDP_ERR_INVALID, "store %s: watch: the callback is NULL", s->address);
+  ddp_store_watcher *w;
+  DDP_TRY(ddp_store_watch_open(s, &key, 1, initial, &w));
+  w->fn = fn;
+  w->ctx = ctx;
+  int rc = pthread_create(&w->thread, NULL, watch_thread, w);
+  if (rc != 0) {
+    ddp_store_watch_close(w);
+    if (initial) ddp_store_values_free(initial, 1);
+    return ddp_error(DDP_ERR_SYS, "store %s: watch: cannot start its thread: %s", s->address,
+                     strerror(rc));
+  }
+  pthread_setname_np(w->thread, "ddp-watch");
+  w->has_thread = 1;
+  *out = w;
+  return DDP_OK;
+}
+
+void ddp_store_watch_close(ddp_store_watcher *w) {
+  if (!w) return;
+  if (w->has_thread) {
+    __atomic_store_n(&w->closing, 1, __ATOMIC_RELEASE);
+    w->ops->interrupt(w);
+    pthread_join(w->thread, NULL);
+  }
+  ddp_free(w->address);
+  w->ops->destroy(w);
+}

@@ -6,6 +6,8 @@
 #ifndef DDP_STORE_IMPL_H
 #define DDP_STORE_IMPL_H
 
+#include <pthread.h>
+
 #include "ddp/store.h"
 
 typedef struct ddp__store_ops {
@@ -32,6 +34,10 @@ typedef struct ddp__store_ops {
   ddp_status (*multi_set)(ddp_store *s, const char *const *keys, const ddp_store_value *values,
                           size_t num_keys);
   ddp_status (*clone)(ddp_store *s, ddp_store **out);
+  /* NULL: the store has no watches (DDP_ERR_UNSUPPORTED). keys are full
+   * keys; initial is non-NULL and zeroed (see ddp_store_watch_open). */
+  ddp_status (*watch_open)(ddp_store *s, const char *const *keys, size_t num_keys,
+                           ddp_store_value *initial, ddp_store_watcher **out);
   /* Frees the implementation (the last reference is gone). */
   void (*destroy)(ddp_store *s);
 } ddp__store_ops;
@@ -43,6 +49,35 @@ struct ddp_store {
   int64_t timeout_ms; /* atomic; resolved default for negative timeouts */
   char *address;      /* for messages; owned */
 };
+
+/* The inside of a watch: the implementation's next / close, and what
+ * store.c adds around them (the key prefix to strip, the callback thread, the
+ * final error that every later call returns). */
+typedef struct ddp__watch_ops {
+  /* timeout_ms >= 0. Fills event->key with the full key. */
+  ddp_status (*next)(ddp_store_watcher *w, int64_t timeout_ms, ddp_store_event *event);
+  /* Makes a next() blocked on another thread return soon (shutdown). */
+  void (*interrupt)(ddp_store_watcher *w);
+  void (*destroy)(ddp_store_watcher *w);
+} ddp__watch_ops;
+
+struct ddp_store_watcher {
+  const ddp__watch_ops *ops;
+  char *address;      /* "store ADDR: watch([keys])" for messages; owned */
+  int64_t timeout_ms; /* the store's default, for negative timeouts */
+  size_t strip;       /* bytes of prefix to drop from event keys */
+  ddp_status failed;  /* the final error, once there is one */
+  char failed_msg[1800];
+  /* The callback form. */
+  ddp_store_watch_fn fn;
+  void *ctx;
+  int closing; /* atomic */
+  int has_thread;
+  pthread_t thread;
+};
+
+/* The public calls fill the rest (address, timeout, strip) after the
+ * implementation's watch_open returns its zeroed struct with ops set. */
 
 /* Timeouts are clamped to this (about 35 years) so that deadlines in
  * nanoseconds cannot overflow. */

@@ -95,7 +95,7 @@ ddp__kv_entry *ddp__kv_intern(ddp__kv_table *t, const char *key, size_t key_len)
 }
 
 void ddp__kv_release(ddp__kv_table *t, ddp__kv_entry *e) {
-  if (e->has_value || e->waiters) return;
+  if (e->has_value || e->waiters || e->watchers) return;
   ddp__kv_entry **pp = &t->buckets[e->hash & (t->num_buckets - 1)];
   while (*pp && *pp != e) pp = &(*pp)->next;
   if (!*pp) return;

@@ -21,7 +21,8 @@ typedef struct ddp__kv_entry {
   size_t value_len;
   size_t value_cap;
   int has_value;
-  void *waiters; /* the server's list of blocked clients */
+  void *waiters;  /* the server's list of blocked clients */
+  void *watchers; /* the server's list of watch links */
   size_t key_len;
   char key[]; /* key_len bytes + NUL */
 } ddp__kv_entry;
@@ -49,7 +50,7 @@ void ddp__kv_free(ddp__kv_table *t);
 ddp__kv_entry *ddp__kv_find(const ddp__kv_table *t, const char *key, size_t key_len);
 /* Finds or creates (as a placeholder) the entry; NULL when out of memory. */
 ddp__kv_entry *ddp__kv_intern(ddp__kv_table *t, const char *key, size_t key_len);
-/* Removes the entry if it has neither a value nor waiters. */
+/* Removes the entry if it has neither a value nor waiters nor watchers. */
 void ddp__kv_release(ddp__kv_table *t, ddp__kv_entry *e);
 
 /* The operations. Errors carry a message without the store's name (callers

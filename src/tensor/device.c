@@ -38,6 +38,53 @@ const char *ddp_cuda_unavailable_reason(void) {
 #endif
 }
 
+ddp_status ddp_device_pci_address(ddp_device device, char *buf, size_t bytes) {
+  if (bytes) buf[0] = '\0';
+  if (device.type != DDP_DEVICE_CUDA)
+    return ddp_error(DDP_ERR_UNSUPPORTED, "device PCI address: %s is not a GPU",
+                     device.type == DDP_DEVICE_CPU ? "cpu" : "the device");
+#ifdef DDP_HAVE_CUDA
+  int n = ddp__cuda_device_count();
+  if (n == 0)
+    return ddp_error(DDP_ERR_UNSUPPORTED, "cuda:%d: no PCI address: %s", (int)device.index,
+                     ddp__cuda_unavailable_reason());
+  if (device.index < 0 || device.index >= n)
+    return ddp_error(DDP_ERR_INVALID, "cuda:%d: no such device (this process has %d)", (int)device.index, n);
+  char raw[64];
+  DDP_TRY(ddp__cuda_pci_bus_id(device.index, raw, (int)sizeof raw));
+  return ddp_pci_address_normalize(raw, buf, bytes);
+#else
+  return ddp_error(DDP_ERR_UNSUPPORTED, "cuda:%d: no PCI address: this build has no CUDA backend",
+                   (int)device.index);
+#endif
+}
+
+ddp_status ddp_pci_address_normalize(const char *raw, char *buf, size_t bytes) {
+  /* CUDA writes "0000:3B:00.0", NVML "00000000:3B:00.0"; sysfs
+   * "0000:3b:00.0". The domain keeps its last 4 digits when the ones
+   * before are zeros. */
+  const char *colon = raw ? strchr(raw, ':') : NULL;
+  size_t dlen = colon ? (size_t)(colon - raw) : 0;
+  bool ok = colon && dlen >= 4 && strlen(colon) == 8; /* ":BB:DD.F" */
+  for (size_t i = 0; ok && i + 4 < dlen; i++) ok = raw[i] == '0';
+  char out[16];
+  size_t k = 0;
+  for (const char *p = ok ? raw + dlen - 4 : raw; ok && *p && k + 1 < sizeof out; p++) {
+    char c = *p >= 'A' && *p <= 'F' ? (char)(*p - 'A' + 'a') : *p;
+    bool hex = (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+    size_t at = k; /* "dddd:bb:dd.f": separators at 4, 7, 10 */
+    ok = at == 4 || at == 7 ? c == ':' : at == 10 ? c == '.' : hex;
+    out[k++] = c;
+  }
+  if (!ok || k != 12)
+    return ddp_error(DDP_ERR_INVALID, "PCI address \"%.40s\": expected domain:bus:device.function "
+                     "such as 0000:3b:00.0", raw ? raw : "(null)");
+  out[k] = '\0';
+  if (bytes < k + 1) return ddp_error(DDP_ERR_INVALID, "PCI address: buffer of %zu bytes", bytes);
+  memcpy(buf, out, k + 1);
+  return DDP_OK;
+}
+
 /* ---- Names ---------------------------------------------------------------- */
 
 /* A decimal ordinal as torch.device reads one: digits only, no sign, no

@@ -94,6 +94,22 @@ typedef struct ddp__dense_kernels {
   void (*max_pool2d_backward)(float *dx, const float *dy, const void *argmax, int64_t planes,
                               int64_t h, int64_t w, int64_t kernel, int64_t stride, int64_t oh,
                               int64_t ow, bool accumulate);
+  /* Autocast's bfloat16 GEMM (cpu/gemm_bf16.c; NULL where a table has
+   * none): c (m, n) = op(a) @ op(b) as gemm's, the operands rounded to
+   * bfloat16, products summed in float32, c written (not accumulated);
+   * b_packed (bf16_pack_b's layout of op(b)) used in place of b when not
+   * NULL. Scratch from `arena`. false, writing nothing, when this CPU has
+   * no bfloat16 dot products (or scratch ran out): compute otherwise. */
+  bool (*gemm_bf16)(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float *a,
+                    int64_t lda, const float *b, int64_t ldb, const uint16_t *b_packed, float *c,
+                    int64_t ldc, ddp_arena *arena);
+  /* Whether gemm_bf16 runs on this CPU now (the kernel family and the CPU). */
+  bool (*has_bf16_dot)(void);
+  /* Bytes of op(b) (k, n) packed, and the packing (b stored (k, n) with row
+   * stride ldb, or (n, k) when trans_b). */
+  size_t (*bf16_pack_bytes)(int64_t k, int64_t n);
+  void (*bf16_pack_b)(uint16_t *dst, bool trans_b, int64_t k, int64_t n, const float *b,
+                      int64_t ldb);
 } ddp__dense_kernels;
 
 extern const ddp__dense_kernels ddp__cpu_dense_kernels;

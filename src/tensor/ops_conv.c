@@ -1,6 +1,7 @@
 /* conv2d: validation, the forward through the dense kernel table, and a
  * backward that computes only the gradients that are wanted (a first layer's
  * input is data: its dx, a third of the layer's backward, is skipped). */
+#include "tensor/autocast.h"
 #include "tensor/kernels.h"
 #include "tensor/ops_fused.h"
 #include "tensor/tape.h"
@@ -20,6 +21,34 @@ static ddp_status conv2d_backward(ddp_tape *tape, ddp__node *node) {
   if (s != DDP_OK) return s;
   return k->dense->conv2d_backward(dx, dw, db, node->out->grad, x->data, w->data, g,
                                    dx_accumulate, ddp__tape_arena_on(tape, x->device));
+}
+
+/* conv2d recorded under autocast: the geometry and the dtype. */
+typedef struct conv_low_ctx {
+  ddp__conv2d_geom g;
+  ddp_dtype low;
+} conv_low_ctx;
+
+/* From the rounded gradient, rounded input and weight, float32
+ * accumulation; each gradient rounded to the low dtype before it reaches
+ * its tensor's float32 grad (docs/tensor.md, "Mixed precision"). */
+static ddp_status conv2d_low_backward(ddp_tape *tape, ddp__node *node) {
+  const ddp__kernels *k = ddp__kernels_for(node->out->device);
+  const conv_low_ctx *ctx = node->ctx;
+  ddp_tensor *x = node->in[0], *w = node->in[1], *b = node->in[2];
+  ddp_status s = DDP_OK;
+  const float *dy = ddp__autocast_round_grad(tape, node->out, ctx->low, &s);
+  const float *xr = s == DDP_OK ? ddp__autocast_operand(tape, x, ctx->low, false, &s) : NULL;
+  const float *wr = s == DDP_OK ? ddp__autocast_operand(tape, w, ctx->low, false, &s) : NULL;
+  float *dx = s == DDP_OK ? ddp__autocast_grad_scratch(tape, x, true, &s) : NULL;
+  float *dw = s == DDP_OK ? ddp__autocast_grad_scratch(tape, w, true, &s) : NULL;
+  float *db = s == DDP_OK ? ddp__autocast_grad_scratch(tape, b, true, &s) : NULL;
+  if (s != DDP_OK) return s;
+  DDP_TRY(k->dense->conv2d_backward(dx, dw, db, dy, xr, wr, &ctx->g, false,
+                                    ddp__tape_arena_on(tape, x->device)));
+  DDP_TRY(ddp__autocast_grad_deliver(tape, x, dx, ctx->low));
+  DDP_TRY(ddp__autocast_grad_deliver(tape, w, dw, ctx->low));
+  return ddp__autocast_grad_deliver(tape, b, db, ctx->low);
 }
 
 const ddp__conv2d_geom *ddp__conv2d_foldable(ddp_tape *tape, const ddp_tensor *t) {
@@ -78,9 +107,22 @@ ddp_status ddp_conv2d(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_ten
   int64_t shape[4] = {g.n, g.o, g.oh, g.ow};
   ddp_tensor *y;
   DDP_TRY(ddp__tape_output(tape, "conv2d", DDP_FLOAT32, 4, shape, x->device, &y));
-  DDP_TRY(k->dense->conv2d_forward(y->data, x->data, weight->data, bias ? bias->data : NULL, &g,
-                                   ddp__tape_arena_on(tape, x->device)));
-  if (ddp__tape_wants_grad(tape, 3, in)) {
+  /* Under autocast: input, weight and bias rounded (the weight and bias
+   * through the cast cache), float32 accumulation, the output rounded. */
+  const ddp_dtype low = ddp__autocast_op_dtype(x);
+  ddp_status s = DDP_OK;
+  const float *xd = ddp__autocast_operand(tape, x, low, true, &s);
+  const float *wd = s == DDP_OK ? ddp__autocast_operand(tape, weight, low, true, &s) : NULL;
+  const float *bd = s == DDP_OK ? ddp__autocast_operand(tape, bias, low, true, &s) : NULL;
+  if (s != DDP_OK) return s;
+  DDP_TRY(k->dense->conv2d_forward(y->data, xd, wd, bd, &g, ddp__tape_arena_on(tape, x->device)));
+  ddp__autocast_mark(y, low, true);
+  if (low != DDP_FLOAT32 && ddp__tape_wants_grad(tape, 3, in)) {
+    conv_low_ctx *saved = ddp_tape_scratch(tape, sizeof *saved);
+    if (!saved) return ddp_error(DDP_ERR_NOMEM, "conv2d: cannot allocate the saved geometry");
+    *saved = (conv_low_ctx){.g = g, .low = low};
+    DDP_TRY(ddp__tape_record(tape, "conv2d", conv2d_low_backward, y, 3, in, saved));
+  } else if (ddp__tape_wants_grad(tape, 3, in)) {
     ddp__conv2d_geom *saved = ddp_tape_scratch(tape, sizeof *saved);
     if (!saved) return ddp_error(DDP_ERR_NOMEM, "conv2d: cannot allocate the saved geometry");
     *saved = g;

@@ -3,6 +3,7 @@
  * computes through the device's dense kernel table, and records a backward
  * that accumulates into the gradients of the inputs that require grad (or
  * assigns, when it is first to write a fresh one: ddp__tape_grad_out). */
+#include "tensor/autocast.h"
 #include "tensor/kernels.h"
 #include "tensor/ops_fused.h"
 #include "tensor/tape.h"
@@ -27,6 +28,42 @@ static ddp_status matmul_backward(ddp_tape *tape, ddp__node *node) {
   return DDP_OK;
 }
 
+/* matmul recorded under autocast (ctx: its ddp_dtype): the products of
+ * rounded operands and the rounded gradient, each result rounded. */
+static ddp_status matmul_low_backward(ddp_tape *tape, ddp__node *node) {
+  const ddp__kernels *k = ddp__kernels_for(node->out->device);
+  const ddp_dtype low = *(const ddp_dtype *)node->ctx;
+  ddp_tensor *a = node->in[0], *b = node->in[1];
+  const int64_t m = a->shape[0], inner = a->shape[1], n = b->shape[1];
+  ddp_status s = DDP_OK;
+  const float *dy = ddp__autocast_round_grad(tape, node->out, low, &s);
+  const float *ar = s == DDP_OK ? ddp__autocast_operand(tape, a, low, false, &s) : NULL;
+  const float *br = s == DDP_OK ? ddp__autocast_operand(tape, b, low, false, &s) : NULL;
+  /* zeroed: a gemm with beta 0 may still read c (0 * NaN garbage) */
+  float *da = s == DDP_OK ? ddp__autocast_grad_scratch(tape, a, true, &s) : NULL;
+  float *db = s == DDP_OK ? ddp__autocast_grad_scratch(tape, b, true, &s) : NULL;
+  if (s != DDP_OK) return s;
+  if (da) k->dense->gemm(false, true, m, inner, n, 1.0f, dy, n, br, n, 0.0f, da, inner);
+  if (db) k->dense->gemm(true, false, inner, n, m, 1.0f, ar, inner, dy, n, 0.0f, db, n);
+  DDP_TRY(ddp__autocast_grad_deliver(tape, a, da, low));
+  return ddp__autocast_grad_deliver(tape, b, db, low);
+}
+
+/* Whether a bfloat16 op runs on the device's bfloat16 dot products
+ * (docs/tensor.md, "CPU kernels under autocast"), else on rounded float32
+ * operands and the float32 kernels. */
+static bool bf16_dot(const ddp__kernels *k, ddp_dtype low) {
+  return low == DDP_BFLOAT16 && k->dense->gemm_bf16 && k->dense->has_bf16_dot();
+}
+
+/* Saves an autocast op's dtype for its backward (tape scratch). */
+static ddp_dtype *save_low(ddp_tape *tape, const char *op, ddp_dtype low, ddp_status *s) {
+  ddp_dtype *saved = ddp_tape_scratch(tape, sizeof *saved);
+  if (!saved) *s = ddp_error(DDP_ERR_NOMEM, "%s: cannot allocate its backward's context", op);
+  else *saved = low;
+  return saved;
+}
+
 ddp_status ddp_matmul(ddp_tape *tape, ddp_tensor *a, ddp_tensor *b, ddp_tensor **out) {
   char sa[DDP_SHAPE_STR_BYTES], sb[DDP_SHAPE_STR_BYTES];
   if (!tape || !out) return ddp_error(DDP_ERR_INVALID, "matmul: tape or out is NULL");
@@ -47,9 +84,24 @@ ddp_status ddp_matmul(ddp_tape *tape, ddp_tensor *a, ddp_tensor *b, ddp_tensor *
   int64_t shape[2] = {m, n};
   ddp_tensor *y;
   DDP_TRY(ddp__tape_output(tape, "matmul", DDP_FLOAT32, 2, shape, a->device, &y));
-  k->dense->gemm(false, false, m, n, inner, 1.0f, a->data, inner, b->data, n, 0.0f, y->data, n);
-  if (ddp__tape_wants_grad(tape, 2, in))
-    DDP_TRY(ddp__tape_record(tape, "matmul", matmul_backward, y, 2, in, NULL));
+  /* Under autocast (docs/tensor.md, "Mixed precision"): rounded operands,
+   * float32 accumulation, a rounded output. */
+  const ddp_dtype low = ddp__autocast_op_dtype(a);
+  ddp_status s = DDP_OK;
+  const float *ad = ddp__autocast_operand(tape, a, low, true, &s);
+  const float *bd = s == DDP_OK ? ddp__autocast_operand(tape, b, low, true, &s) : NULL;
+  if (s != DDP_OK) return s;
+  k->dense->gemm(false, false, m, n, inner, 1.0f, ad, inner, bd, n, 0.0f, y->data, n);
+  ddp__autocast_mark(y, low, true);
+  if (ddp__tape_wants_grad(tape, 2, in)) {
+    if (low == DDP_FLOAT32)
+      DDP_TRY(ddp__tape_record(tape, "matmul", matmul_backward, y, 2, in, NULL));
+    else {
+      ddp_dtype *saved = save_low(tape, "matmul", low, &s);
+      if (!saved) return s;
+      DDP_TRY(ddp__tape_record(tape, "matmul", matmul_low_backward, y, 2, in, saved));
+    }
+  }
   *out = y;
   return DDP_OK;
 }
@@ -73,6 +125,49 @@ static ddp_status linear_backward(ddp_tape *tape, ddp__node *node) {
   k->dense->linear_backward(dx, dx_accumulate, dw, db, node->out->grad, x->data, w->data, rows,
                             in, outf);
   return DDP_OK;
+}
+
+/* linear recorded under autocast (ctx: its ddp_dtype): from the rounded
+ * gradient, rounded input and weight, float32 accumulation; each gradient
+ * rounded to the low dtype before it reaches its tensor's float32 grad. */
+static ddp_status linear_low_backward(ddp_tape *tape, ddp__node *node) {
+  const ddp__kernels *k = ddp__kernels_for(node->out->device);
+  const ddp_dtype low = *(const ddp_dtype *)node->ctx;
+  ddp_tensor *x = node->in[0], *w = node->in[1], *b = node->in[2];
+  const int64_t in = w->shape[1], outf = w->shape[0];
+  int64_t rows = 1; /* every dimension of x but the last */
+  for (int i = 0; i < x->ndim - 1; i++) rows *= x->shape[i];
+  ddp_status s = DDP_OK;
+  const float *dy = ddp__autocast_round_grad(tape, node->out, low, &s);
+  /* the bf16 GEMM writes dx and dw; the float32 kernel accumulates */
+  const bool dot = bf16_dot(k, low);
+  float *dx = s == DDP_OK ? ddp__autocast_grad_scratch(tape, x, !dot, &s) : NULL;
+  float *dw = s == DDP_OK ? ddp__autocast_grad_scratch(tape, w, !dot, &s) : NULL;
+  float *db = s == DDP_OK ? ddp__autocast_grad_scratch(tape, b, true, &s) : NULL;
+  if (s != DDP_OK) return s;
+  if (dot) {
+    /* bfloat16 dot products (the GEMM rounds x and w itself) */
+    ddp_arena *arena = ddp__tape_arena_on(tape, x->device);
+    bool ok = true;
+    if (dx) /* dx (rows, in) = dy (rows, out) @ w (out, in) */
+      ok = k->dense->gemm_bf16(false, false, rows, in, outf, dy, outf, w->data, in, NULL, dx, in,
+                               arena);
+    if (ok && dw) /* dw (out, in) = dy^T (out, rows) @ x (rows, in) */
+      ok = k->dense->gemm_bf16(true, false, outf, in, rows, dy, outf, x->data, in, NULL, dw, in,
+                               arena);
+    if (!ok) return ddp_error(DDP_ERR_NOMEM, "linear backward: no scratch for the bf16 GEMM");
+    if (db)
+      for (int64_t r = 0; r < rows; r++)
+        for (int64_t o = 0; o < outf; o++) db[o] += dy[r * outf + o];
+  } else {
+    const float *xr = ddp__autocast_operand(tape, x, low, false, &s);
+    const float *wr = s == DDP_OK ? ddp__autocast_operand(tape, w, low, false, &s) : NULL;
+    if (s != DDP_OK) return s;
+    k->dense->linear_backward(dx, false, dw, db, dy, xr, wr, rows, in, outf);
+  }
+  DDP_TRY(ddp__autocast_grad_deliver(tape, x, dx, low));
+  DDP_TRY(ddp__autocast_grad_deliver(tape, w, dw, low));
+  return ddp__autocast_grad_deliver(tape, b, db, low);
 }
 
 ddp_status ddp_linear(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_tensor *bias,
@@ -108,10 +203,41 @@ ddp_status ddp_linear(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_ten
   shape[x->ndim - 1] = outf;
   ddp_tensor *y;
   DDP_TRY(ddp__tape_output(tape, "linear", DDP_FLOAT32, x->ndim, shape, x->device, &y));
-  k->dense->linear_forward(y->data, x->data, weight->data, bias ? bias->data : NULL, rows, inf,
-                           outf);
-  if (ddp__tape_wants_grad(tape, 3, in))
-    DDP_TRY(ddp__tape_record(tape, "linear", linear_backward, y, 3, in, NULL));
+  /* Under autocast: input, weight and bias rounded (the weight and bias
+   * through the cast cache), float32 accumulation, the output rounded. */
+  const ddp_dtype low = ddp__autocast_op_dtype(x);
+  ddp_status s = DDP_OK;
+  if (bf16_dot(k, low)) {
+    /* bfloat16 dot products: the weight packed once per region (the cast
+     * cache), x rounded by the GEMM, the bias added in float32 */
+    const uint16_t *wp = ddp__autocast_packed(tape, weight, true, inf, outf, true, &s);
+    const float *bd = s == DDP_OK ? ddp__autocast_operand(tape, bias, low, true, &s) : NULL;
+    if (s != DDP_OK) return s;
+    if (!k->dense->gemm_bf16(false, true, rows, outf, inf, x->data, inf, NULL, inf, wp, y->data,
+                             outf, ddp__tape_arena_on(tape, x->device)))
+      return ddp_error(DDP_ERR_NOMEM, "linear: no scratch for the bf16 GEMM of input %s",
+                       DDP__SHAPE(x, sx));
+    float *yd = y->data;
+    if (bd)
+      for (int64_t r = 0; r < rows; r++)
+        for (int64_t o = 0; o < outf; o++) yd[r * outf + o] += bd[o];
+  } else {
+    const float *xd = ddp__autocast_operand(tape, x, low, true, &s);
+    const float *wd = s == DDP_OK ? ddp__autocast_operand(tape, weight, low, true, &s) : NULL;
+    const float *bd = s == DDP_OK ? ddp__autocast_operand(tape, bias, low, true, &s) : NULL;
+    if (s != DDP_OK) return s;
+    k->dense->linear_forward(y->data, xd, wd, bd, rows, inf, outf);
+  }
+  ddp__autocast_mark(y, low, true);
+  if (ddp__tape_wants_grad(tape, 3, in)) {
+    if (low == DDP_FLOAT32)
+      DDP_TRY(ddp__tape_record(tape, "linear", linear_backward, y, 3, in, NULL));
+    else {
+      ddp_dtype *saved = save_low(tape, "linear", low, &s);
+      if (!saved) return s;
+      DDP_TRY(ddp__tape_record(tape, "linear", linear_low_backward, y, 3, in, saved));
+    }
+  }
   *out = y;
   return DDP_OK;
 }
@@ -203,6 +329,9 @@ static ddp_status pool_compute(ddp_tape *tape, const char *op, bool relu, ddp_te
   }
   k->dense->max_pool2d_forward(y->data, at, val, data ? data : x->data, planes, h, w, kernel,
                                stride, oh, ow, relu, affine);
+  /* A maximum of low-precision values is one (exact): the mark carries
+   * over. A fused batch norm (affine) marks and rounds its own output. */
+  if (!affine) ddp__autocast_mark(y, ddp__low_dtype(x), false);
   *out = y;
   return DDP_OK;
 }

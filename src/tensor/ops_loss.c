@@ -1,6 +1,7 @@
 /* log_softmax and the losses (mean reduction, scalar output of shape ()):
  * mse_loss, nll_loss, and cross_entropy (log_softmax + nll fused, saving only
  * each row's max and log-sum-exp for backward). */
+#include "tensor/autocast.h"
 #include "tensor/kernels.h"
 #include "tensor/tape.h"
 
@@ -28,6 +29,9 @@ ddp_status ddp_log_softmax(ddp_tape *tape, ddp_tensor *x, ddp_tensor **out) {
   DDP_TRY(ddp__tape_output(tape, "log_softmax", DDP_FLOAT32, x->ndim, x->shape, x->device, &y));
   int64_t C = x->shape[x->ndim - 1];
   if (C > 0) k->pointwise->log_softmax(y->data, x->data, x->numel / C, C);
+  /* Under PyTorch 2.x's CPU autocast log_softmax is in neither list: it
+   * runs in its input's dtype (computed in float32, the output rounded). */
+  ddp__autocast_mark(y, ddp__low_dtype(x), true);
   if (ddp__tape_wants_grad(tape, 1, &x))
     DDP_TRY(ddp__tape_record(tape, "log_softmax", log_softmax_backward, y, 1, &x, NULL));
   *out = y;

@@ -3,6 +3,7 @@
  * running-statistics update, and the recorded backward. The
  * per-channel mean and 1/std used by the forward live in tape scratch, so
  * backward reuses them and a step allocates nothing once the arena is warm. */
+#include "tensor/autocast.h"
 #include "tensor/kernels.h"
 #include "tensor/ops_fused.h"
 #include "tensor/tape.h"
@@ -241,6 +242,11 @@ ddp_status ddp_sync_batch_norm(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight
   k->pointwise->batch_norm_forward(y->data, x->data, ctx->mean, ctx->invstd,
                                    weight ? weight->data : NULL, bias ? bias->data : NULL, ctx->N,
                                    ctx->C, ctx->HW);
+  /* Under autocast batch norm runs in its input's dtype (PyTorch 2.x's CPU
+   * autocast lists it in neither list): statistics and normalisation in
+   * float32 with float32 weight, bias and running statistics, the output
+   * rounded to the input's low dtype (docs/tensor.md, "Mixed precision"). */
+  ddp__autocast_mark(y, ddp__low_dtype(x), true);
   DDP_TRY(batch_norm_record(tape, x, weight, bias, y, ctx));
   *out = y;
   return DDP_OK;
@@ -374,6 +380,9 @@ ddp_status ddp_batch_norm_relu_max_pool2d(ddp_tape *tape, ddp_tensor *x, ddp_ten
   float *argval = NULL;
   DDP_TRY(ddp__relu_max_pool2d_affine(tape, normalised, x->data, &map, kernel, stride, &y,
                                       wants ? &argmax : NULL, fold ? &argval : NULL));
+  /* Rounding is monotone: the pooled maximum of the rounded normalised
+   * values is the rounded pooled maximum (batch norm's rule above). */
+  ddp__autocast_mark(y, ddp__low_dtype(x), true);
   if (wants) {
     bn_pool_ctx *pc = ddp_tape_scratch(tape, sizeof *pc);
     if (!pc)

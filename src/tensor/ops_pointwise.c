@@ -1,6 +1,7 @@
 /* Elementwise ops: relu, sigmoid, tanh, dropout and dropout2d. Each validates,
  * computes through the pointwise kernel table and records its backward. The
  * activations' backward reads the op's output (y), which the tape keeps. */
+#include "tensor/autocast.h"
 #include "tensor/kernels.h"
 #include "tensor/tape.h"
 
@@ -58,6 +59,9 @@ static ddp_status activation_forward(ddp_tape *tape, activation act, ddp_tensor 
   case ACT_SIGMOID: pw->sigmoid(y->data, x->data, x->numel); break;
   case ACT_TANH: pw->tanh(y->data, x->data, x->numel); break;
   }
+  /* In x's precision under autocast (PyTorch runs them in their input's
+   * dtype): relu of a low-precision value is one; the others round. */
+  ddp__autocast_mark(y, ddp__low_dtype(x), act != ACT_RELU);
   if (ddp__tape_wants_grad(tape, 1, &x))
     DDP_TRY(ddp__tape_record(tape, op, backwards[act], y, 1, &x, NULL));
   *out = y;
@@ -124,6 +128,7 @@ static ddp_status dropout_common(ddp_tape *tape, const char *op, ddp_tensor *x, 
   ctx->scale = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f;
   k->pointwise->dropout_mask(mask, groups, p, rng);
   k->pointwise->dropout_apply(y->data, x->data, mask, groups, group_size, ctx->scale);
+  ddp__autocast_mark(y, ddp__low_dtype(x), true); /* x's precision: x * scale rounded */
   if (ddp__tape_wants_grad(tape, 1, &x))
     DDP_TRY(ddp__tape_record(tape, op, dropout_backward, y, 1, &x, ctx));
   *out = y;

@@ -1,6 +1,7 @@
 /* Elementwise add and the shape ops (reshape, flatten). These are also the
  * worked example of how an op validates, computes through the kernel table,
  * and records its backward on the tape. */
+#include "tensor/autocast.h"
 #include "tensor/kernels.h"
 #include "tensor/tape.h"
 
@@ -31,6 +32,8 @@ ddp_status ddp_add(ddp_tape *tape, ddp_tensor *a, ddp_tensor *b, ddp_tensor **ou
   ddp_tensor *y;
   DDP_TRY(ddp__tape_output(tape, "add", DDP_FLOAT32, a->ndim, a->shape, a->device, &y));
   k->basic->add(y->data, a->data, b->data, a->numel);
+  /* Type promotion: low only when both are (the same) low; then rounded. */
+  ddp__autocast_mark(y, ddp__autocast_promote(2, in), true);
   if (ddp__tape_wants_grad(tape, 2, in))
     DDP_TRY(ddp__tape_record(tape, "add", add_backward, y, 2, in, NULL));
   *out = y;

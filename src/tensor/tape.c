@@ -13,6 +13,7 @@
 
 #include "tensor/kernels.h"
 #include "tensor/tape.h"
+#include "tensor/autocast.h"
 #ifdef DDP_HAVE_CUDA
 #include "tensor/cuda/runtime.h"
 #endif
@@ -159,6 +160,7 @@ ddp_status ddp__tape_view(ddp_tape *tape, const char *op, ddp_tensor *x, int ndi
   ddp_status s = ddp_tensor_wrap(t, x->dtype, ndim, shape, x->data);
   if (s != DDP_OK) return ddp_error_wrap(s, "%s", op);
   t->device = x->device;
+  t->flags |= x->flags & DDP__TENSOR_LOW_VALUES; /* the same values: autocast's mark too */
   *out = t;
   return DDP_OK;
 }

@@ -18,6 +18,22 @@ ddp_status ddp__train_save(ddp_trainer *t, int64_t step, int64_t epoch, int64_t 
                         .sampler_seed = t->o.seed, .world_size = t->replicas,
                         .best_test_loss = pat->best_loss,
                         .evals_without_better = pat->without_better};
+  if (t->strategy->save_aside) {
+    /* Every rank's file first, then the checkpoint that refers to them. */
+    ddp_status s = t->strategy->save_aside(t, &ts);
+    int32_t failed = s != DDP_OK;
+    if (s != DDP_OK) DDP_WARN("rank %d: %s", t->rank, ddp_last_error());
+    if (t->pg) {
+      ddp_process_group *pg = t->pg;
+      if (!ddp_process_group_takes_host(pg)) DDP_TRY(ddp_process_group_host_group(pg, &pg));
+      DDP_TRY(ddp_allreduce(pg, &failed, 1, DDP_INT32, DDP_REDUCE_SUM));
+    }
+    if (failed)
+      return s != DDP_OK ? ddp_error_wrap(s, "saving the checkpoint")
+                         : ddp_error(DDP_ERR_IO, "saving the checkpoint %s: %d rank(s) could not "
+                                     "write their state beside it (their log says why); the "
+                                     "previous checkpoint is kept", t->o.save_path, (int)failed);
+  }
   if (t->strategy->save) {
     DDP_TRY(t->strategy->save(t, &ts));
   } else if (t->o.sharded_checkpoint) {
@@ -62,6 +78,10 @@ ddp_status ddp__train_resume(ddp_trainer *t, ddp_train_state *start) {
                      : ddp_checkpoint_load(t->o.resume_path, t->model, t->opt, t->sched, start,
                                            t->o.checkpoint_meta, t->o.checkpoint_meta_count);
   if (s != DDP_OK) return ddp_error_wrap(s, "resuming");
+  if (t->strategy->resume_aside) {
+    s = t->strategy->resume_aside(t, start);
+    if (s != DDP_OK) return ddp_error_wrap(s, "resuming");
+  }
   /* The data's shards: ranks, a pipeline's replicas. */
   const char *shards = t->strategy->shards ? t->strategy->shards : "ranks";
   const char *shards_long = t->strategy->shards_long ? t->strategy->shards_long : shards;

@@ -151,6 +151,8 @@ static ddp_status train_step(ddp_trainer *t, ddp__train_run *r, int64_t epoch, b
     r->steady_samples += (int64_t)loss_sums[1];
     phases_add(&r->steady, &phases);
   }
+  if (t->sample_log) /* this shard's samples sit at epoch_pos + replica + i * replicas */
+    ddp__train_log_samples(t, r->step, epoch, r->start.step, r->epoch_pos + t->replica, &b);
   r->epoch_steps++;
   r->epoch_losses++;
   r->epoch_pos += (int64_t)b.size * t->replicas; /* every shard took b.size positions */

@@ -1,12 +1,61 @@
 /* The data-parallel strategy of the training loop (PyTorch's
  * DistributedDataParallel over the trainer's group): the DDP wrapper
- * (ddp_dp) is its state, behind t->state. Its step is the eager one, the
- * wrapper's forward and backward averaging gradients in buckets while
- * backward runs. */
+ * (ddp_dp) and its PowerSGD hook, when options.powersgd_rank asks for one,
+ * are its state, behind t->state. Its step is the eager one, the wrapper's
+ * forward and backward averaging gradients in buckets while backward runs
+ * (through options.comm_hook). */
+#include <stdio.h>
+#include <unistd.h>
+
 #include "train/trace.h"
 #include "train/train_internal.h"
 
-static ddp_dp *wrapper(const ddp_trainer *t) { return t->state; }
+typedef struct dp_state {
+  ddp_dp *dp;
+  ddp_powersgd *powersgd; /* NULL: a built-in hook */
+} dp_state;
+
+static dp_state *state(const ddp_trainer *t) { return t->state; }
+static ddp_dp *wrapper(const ddp_trainer *t) { return state(t)->dp; }
+
+ddp_status ddp__train_check_comm_hook(const ddp_train_options *o, const ddp__train_strategy_ops *ops) {
+  if (!o->comm_hook && !o->powersgd_rank && !o->powersgd_start_iter) return DDP_OK;
+  if (o->comm_hook < 0 || o->comm_hook >= DDP_DP_HOOK_KIND_COUNT)
+    return ddp_error(DDP_ERR_INVALID, "comm_hook is %d (a ddp_dp_hook_kind: 0 allreduce, 1 fp16, "
+                     "2 bf16)", (int)o->comm_hook);
+  if (o->powersgd_rank < 0 || o->powersgd_start_iter < 0 || o->powersgd_start_iter == 1)
+    return ddp_error(DDP_ERR_INVALID, "powersgd_rank %d and powersgd_start_iter %d: the rank is "
+                     ">= 1 (0: no PowerSGD), the start 0 (PyTorch's 1000) or > 1 (error feedback "
+                     "and warm start need the buckets of the first iteration's relayout)",
+                     (int)o->powersgd_rank, (int)o->powersgd_start_iter);
+  if (o->powersgd_rank && o->comm_hook)
+    return ddp_error(DDP_ERR_INVALID, "comm_hook %d and powersgd_rank %d: one hook at a time "
+                     "(PowerSGD compresses float32 gradients itself)",
+                     (int)o->comm_hook, (int)o->powersgd_rank);
+  if (o->powersgd_start_iter && !o->powersgd_rank)
+    return ddp_error(DDP_ERR_INVALID, "powersgd_start_iter %d without powersgd_rank",
+                     (int)o->powersgd_start_iter);
+  const char *what = o->powersgd_rank ? "PowerSGD" : "a communication hook";
+  if (ops->kind != DDP_TRAIN_DATA_PARALLEL)
+    return ddp_error(DDP_ERR_UNSUPPORTED,
+                     "%s applies to data parallelism's gradient allreduce (the DDP wrapper); the "
+                     "%s strategy reduces gradients its own way%s (drop --comm-hook)", what,
+                     ops->name,
+                     ops->kind == DDP_TRAIN_ZERO ? " (ZeRO reduce-scatters them over its shards)"
+                     : ops->kind == DDP_TRAIN_PIPELINE ? " (not wired to the stages' wrappers yet)"
+                     : ops->kind == DDP_TRAIN_SINGLE ? " (one process: nothing to average; run "
+                                                       "2+ ranks under a launcher)"
+                     : ops->kind == DDP_TRAIN_PARAM_SERVER ? " (pushes to the parameter servers)"
+                     : "");
+  if (o->powersgd_rank && o->device.type != DDP_DEVICE_CPU)
+    return ddp_error(DDP_ERR_UNSUPPORTED, "PowerSGD runs on host gradients; the model is on %s "
+                     "(use --comm-hook fp16 or bf16 on a GPU)",
+                     o->device.type == DDP_DEVICE_CUDA ? "a GPU" : "a device");
+  if (o->powersgd_rank && o->sharded_checkpoint)
+    return ddp_error(DDP_ERR_UNSUPPORTED, "PowerSGD's state is saved beside an ordinary "
+                     "checkpoint file; drop --sharded-checkpoint");
+  return DDP_OK;
+}
 
 static ddp_status dp_check(const ddp_train_options *o, const ddp_process_group *pg) {
   if (!pg) return ddp_error(DDP_ERR_INVALID, "the data-parallel strategy needs a process group");
@@ -21,7 +70,8 @@ static ddp_status dp_check(const ddp_train_options *o, const ddp_process_group *
  * the trainer is gone). The wrapper comes in bind, once the optimizer it
  * hooks exists. */
 static ddp_status dp_create(ddp_trainer *t) {
-  t->state = NULL;
+  t->state = ddp_calloc(1, sizeof(dp_state));
+  if (!t->state) return ddp_error(DDP_ERR_NOMEM, "data parallel: out of memory");
   if (t->o.sync_bn) {
     ddp_status s = ddp_model_convert_sync_batchnorm(t->model, t->pg);
     if (s != DDP_OK) return ddp_error_wrap(s, "converting to SyncBatchNorm");
@@ -42,14 +92,72 @@ static ddp_status dp_bind(ddp_trainer *t) {
   }
   ddp_dp *dp;
   DDP_TRY(ddp_dp_create(&dp, t->model, t->pg, &o));
-  t->state = dp;
+  state(t)->dp = dp;
   ddp_dp_set_optimizer(dp, t->opt);
+  if (t->o.powersgd_rank > 0) {
+    ddp_powersgd_options po = ddp_powersgd_defaults();
+    po.rank = t->o.powersgd_rank;
+    if (t->o.powersgd_start_iter) po.start_iter = t->o.powersgd_start_iter;
+    DDP_TRY(ddp_powersgd_create(&state(t)->powersgd, dp, &po));
+  } else if (t->o.comm_hook) {
+    DDP_TRY(ddp_dp_set_comm_hook(dp, (ddp_dp_hook_kind)t->o.comm_hook));
+  }
   return DDP_OK;
 }
 
 static void dp_destroy(ddp_trainer *t) {
-  ddp_dp_destroy(wrapper(t));
+  if (!t->state) return;
+  ddp_powersgd_destroy(state(t)->powersgd);
+  ddp_dp_destroy(state(t)->dp);
+  ddp_free(t->state);
   t->state = NULL;
+}
+
+/* PowerSGD's state of this rank beside the checkpoint: PATH.powersgd-rankR.safetensors. */
+static void aside_path(const ddp_trainer *t, const char *ckpt, char *buf, size_t bytes) {
+  snprintf(buf, bytes, "%s.powersgd-rank%d.safetensors", ckpt, t->pg ? t->rank : 0);
+}
+
+static ddp_status dp_save_aside(ddp_trainer *t, const ddp_train_state *ts) {
+  (void)ts;
+  if (!state(t)->powersgd) return DDP_OK;
+  char path[4096];
+  aside_path(t, t->o.save_path, path, sizeof path);
+  return ddp_powersgd_save(state(t)->powersgd, path);
+}
+
+/* The state must be the checkpoint's: PowerSGD counts one iteration per
+ * optimizer step (one synced backward), so its iteration is the step. A
+ * checkpoint saved without PowerSGD starts it afresh (warned). */
+static ddp_status dp_resume_aside(ddp_trainer *t, const ddp_train_state *start) {
+  ddp_powersgd *ps = state(t)->powersgd;
+  if (!ps) return DDP_OK;
+  char path[4096];
+  aside_path(t, t->o.resume_path, path, sizeof path);
+  const int world = t->replicas;
+  if (start->world_size != world) {
+    /* Error feedback is a rank's own: it has no meaning at another world
+     * size (an elastic restart, a resume elsewhere). */
+    DDP_WARN("rank %d: %s was saved by %lld ranks, this run has %d: PowerSGD starts afresh (its "
+             "error feedback is per rank), with %d plain allreduce steps first",
+             t->pg ? t->rank : 0, t->o.resume_path, (long long)start->world_size, world,
+             t->o.powersgd_start_iter ? (int)t->o.powersgd_start_iter : 1000);
+    return DDP_OK;
+  }
+  if (access(path, F_OK) != 0) {
+    DDP_WARN("rank %d: %s has no PowerSGD state beside it (%s): PowerSGD starts afresh, with "
+             "%d plain allreduce steps first", t->pg ? t->rank : 0, t->o.resume_path, path,
+             t->o.powersgd_start_iter ? (int)t->o.powersgd_start_iter : 1000);
+    return DDP_OK;
+  }
+  DDP_TRY(ddp_powersgd_load(ps, path));
+  ddp_powersgd_stats st;
+  ddp_powersgd_get_stats(ps, &st);
+  if (st.iter != start->step)
+    return ddp_error(DDP_ERR_INVALID, "%s is at step %lld but its PowerSGD state %s at %lld (a "
+                     "save interrupted between the two?); resume from an earlier checkpoint",
+                     t->o.resume_path, (long long)start->step, path, (long long)st.iter);
+  return DDP_OK;
 }
 
 static ddp_status dp_forward(ddp_trainer *t, ddp_tape *tape, ddp_tensor *x,
@@ -112,4 +220,6 @@ const ddp__train_strategy_ops ddp__train_data_parallel = {
     .no_sync = dp_no_sync,
     .split_backward = dp_split_backward,
     .trace = dp_trace,
+    .save_aside = dp_save_aside,
+    .resume_aside = dp_resume_aside,
 };

@@ -90,6 +90,13 @@ typedef struct ddp__train_strategy_ops {
   /* Loads options.resume_path and fills *start; NULL: every rank loads the
    * files into the trainer's model, optimizer and schedule. */
   ddp_status (*resume)(ddp_trainer *t, ddp_train_state *start);
+  /* State of the strategy's own that lives beside the checkpoint, one file
+   * per rank (PowerSGD's error feedback and Q's): save_aside runs on every
+   * rank before the checkpoint is written (so the checkpoint, written
+   * last, is what makes a save complete), resume_aside on every rank after
+   * it is loaded, with the loaded position. NULL: none. */
+  ddp_status (*save_aside)(ddp_trainer *t, const ddp_train_state *ts);
+  ddp_status (*resume_aside)(ddp_trainer *t, const ddp_train_state *start);
   /* After the last step, before the final save and evaluation (the
    * pipeline gathers the whole model). Collective. NULL: nothing. */
   ddp_status (*finish)(ddp_trainer *t);
@@ -108,6 +115,9 @@ typedef struct ddp__train_strategy_ops {
 
 extern const ddp__train_strategy_ops ddp__train_single;
 extern const ddp__train_strategy_ops ddp__train_data_parallel;
+/* The comm_hook / powersgd_* options against the strategy (pure; in
+ * strategy_data_parallel.c, the one strategy that takes them). */
+ddp_status ddp__train_check_comm_hook(const ddp_train_options *o, const ddp__train_strategy_ops *ops);
 extern const ddp__train_strategy_ops ddp__train_pipeline;
 extern const ddp__train_strategy_ops ddp__train_param_server;
 extern const ddp__train_strategy_ops ddp__train_zero;
@@ -142,6 +152,9 @@ struct ddp_trainer {
   ddp_loader *train_loader, *test_loader;
   ddp_tape *tape;
   FILE *log; /* rank 0's, when options.log_path */
+  /* Every rank's, when $DDP_TRAIN_SAMPLE_LOG names a folder: the samples
+   * each step took (ddp__train_log_samples). */
+  FILE *sample_log;
   bool ran;
   /* On a GPU (o.device): the batch's home there, grown to the largest
    * batch seen, and the pinned staging its copies go through
@@ -319,6 +332,14 @@ ddp_status ddp__train_evaluate(ddp_trainer *t, double *loss, double *accuracy);
 /* JSON lines (train_log.c): a step's record and an evaluation's. */
 void ddp__train_log_step(FILE *log, const ddp_train_step_info *s);
 void ddp__train_log_eval(FILE *log, int64_t step, int64_t epoch, double loss, double accuracy);
+/* Opens this rank's sample log, DIR/samples.<pid>.jsonl, when
+ * $DDP_TRAIN_SAMPLE_LOG=DIR (a debugging aid; off, nothing is written). */
+ddp_status ddp__train_open_sample_log(ddp_trainer *t);
+/* One line for the step just taken: which dataset indices this rank's
+ * batch held, and where they sit in the epoch's global order (sample i at
+ * position first + i * replicas). */
+void ddp__train_log_samples(ddp_trainer *t, int64_t step, int64_t epoch, int64_t start_step,
+                            int64_t first_position, const ddp_batch *b);
 /* `"key": value` with JSON's null for NaN and infinities, ", " after it when comma. */
 void ddp__train_json_number(FILE *f, const char *key, double v, bool comma);
 

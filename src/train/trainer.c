@@ -76,10 +76,10 @@ static ddp_status check_options(const ddp_train_options *o, const ddp_process_gr
                      "(a graph replays one whole batch); drop --microbatches or --cuda-graph",
                      (int)o->microbatches);
   /* Fields of issues 41 and 42 that their work has not given meaning yet. */
-  if (o->precision || o->comm_hook || o->powersgd_rank)
-    return ddp_error(DDP_ERR_UNSUPPORTED,
-                     "precision %d, comm_hook %d, powersgd_rank %d: not built yet (leave them 0)",
-                     (int)o->precision, (int)o->comm_hook, (int)o->powersgd_rank);
+  if (o->precision)
+    return ddp_error(DDP_ERR_UNSUPPORTED, "precision %d: not built yet (leave it 0)",
+                     (int)o->precision);
+  DDP_TRY(ddp__train_check_comm_hook(o, ops));
   if (!(o->clip_grad_norm >= 0) || isinf(o->clip_grad_norm))
     return ddp_error(DDP_ERR_INVALID, "clip_grad_norm is %g (a finite max_norm > 0, or 0 for "
                      "no clipping)", o->clip_grad_norm);
@@ -216,7 +216,7 @@ static ddp_status create_parts(ddp_trainer *t) {
       return ddp_error(DDP_ERR_IO, "cannot write the log %s: %s", o->log_path, strerror(errno));
     setvbuf(t->log, NULL, _IOLBF, 0); /* one line at a time, so a reader can follow it */
   }
-  return DDP_OK;
+  return ddp__train_open_sample_log(t);
 }
 
 ddp_status ddp_trainer_create(ddp_trainer **out, ddp_model *model, ddp_dataset *train,
@@ -256,6 +256,7 @@ void ddp_trainer_destroy(ddp_trainer *t) {
   if (!t) return;
   if (t->strategy) t->strategy->destroy(t);
   if (t->log) fclose(t->log);
+  if (t->sample_log) fclose(t->sample_log);
   ddp__train_graph_destroy(t);
   ddp_tape_destroy(t->tape);
   ddp__train_device_free(t);

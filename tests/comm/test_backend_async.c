@@ -5,7 +5,9 @@
  * wait of one that has it, give up at the deadline and abort the backend,
  * return promptly when aborted from another thread, and refuse what the
  * backend's caps do not list (operation, dtype, reduce op, device,
- * subgroups) with DDP_ERR_UNSUPPORTED naming the backend. Results are
+ * subgroups) with DDP_ERR_UNSUPPORTED naming the backend, and run
+ * batch_isend_irecv as one queued op on an engine that groups batches
+ * (NCCL's way) with the flight recorder's enqueued state. Results are
  * checked against the closed forms of src/comm/pattern.h.
  *
  * The engine: ranks are threads of this process (comm_test_util.h); each
@@ -22,6 +24,7 @@
 
 #include "comm/comm_internal.h"
 #include "comm/comm_test_util.h"
+#include "comm/flight/flight.h"
 #include "comm/staged.h"
 #include "comm/pattern.h"
 
@@ -31,6 +34,10 @@
 typedef struct pending {
   ddp__op_args op;
   ddp__completion *c;
+  /* For caps.device_start: the record to mark started, as NCCL does when
+   * its start event passes. */
+  struct ddp__flight *flight;
+  uint64_t flight_record;
 } pending;
 
 typedef struct engine {
@@ -47,6 +54,7 @@ typedef struct engine {
   int aborts[CT_MAX_RANKS];
   bool aborted[CT_MAX_RANKS];
   int completed;             /* operations the engine ran */
+  int ran_kinds[QUEUE_CAP];  /* their kinds, in the order run */
   pthread_t thread;
 } engine;
 
@@ -95,13 +103,32 @@ static void run_one(engine *e) {
     for (int r = 0; r < e->size; r++)
       for (int q = 0; q < e->size; q++)
         memcpy((unsigned char *)p[r]->op.buf + (size_t)q * bytes, p[q]->op.send, bytes);
+  } else if (st == DDP_OK && a->kind == DDP__OP_P2P_BATCH) {
+    /* Every receive from q takes q's next send to this rank, in order per
+     * pair (NCCL's matching inside one group). */
+    for (int r = 0; r < e->size && st == DDP_OK; r++)
+      for (size_t i = 0; i < p[r]->op.count && st == DDP_OK; i++) {
+        const ddp_p2p_op *rv = &p[r]->op.batch[i];
+        if (rv->kind != DDP_P2P_RECV) continue;
+        size_t nth = 0;
+        for (size_t j = 0; j < i; j++)
+          nth += p[r]->op.batch[j].kind == DDP_P2P_RECV && p[r]->op.batch[j].peer == rv->peer;
+        const ddp__op_args *from = &p[rv->peer]->op;
+        const ddp_p2p_op *sd = NULL;
+        for (size_t j = 0; j < from->count && !sd; j++)
+          if (from->batch[j].kind == DDP_P2P_SEND && from->batch[j].peer == r && nth-- == 0) sd = &from->batch[j];
+        if (!sd || sd->count != rv->count) st = DDP_ERR_INTERNAL;
+        else memcpy(rv->buf, sd->buf, rv->count * ddp_dtype_size(rv->dtype));
+      }
   } else if (st == DDP_OK && a->kind != DDP__OP_BARRIER) {
     st = DDP_ERR_INTERNAL;
   }
   if (st != DDP_OK) ddp_error(st, "async test engine: ranks disagree or an op it does not run");
+  if (e->completed < QUEUE_CAP) e->ran_kinds[e->completed] = a->kind;
   e->completed++;
   for (int r = 0; r < e->size; r++) {
     e->head[r]++;
+    if (e->ops.caps.device_start) ddp__flight_mark_started(p[r]->flight, p[r]->flight_record, ddp__now_coarse_ns());
     ddp__completion_finish(p[r]->c, st);
   }
 }
@@ -125,7 +152,6 @@ static void *engine_main(void *arg) {
 
 static ddp_status async_enqueue(ddp__backend *b, const ddp__op_ctx *ctx, const ddp__op_args *op,
                                 ddp__completion *c) {
-  (void)ctx;
   async_backend *ab = (async_backend *)b;
   engine *e = ab->e;
   int r = ab->rank;
@@ -135,7 +161,7 @@ static ddp_status async_enqueue(ddp__backend *b, const ddp__op_ctx *ctx, const d
     return ddp_error(DDP_ERR_ABORTED, "async test engine: rank %d was aborted", r);
   }
   DDP_ASSERT(queued(e, r) < QUEUE_CAP);
-  e->q[r][e->tail[r] % QUEUE_CAP] = (pending){*op, c};
+  e->q[r][e->tail[r] % QUEUE_CAP] = (pending){*op, c, ctx->flight, ctx->flight_record};
   e->tail[r]++;
   if (queued(e, r) > e->max_pending[r]) e->max_pending[r] = queued(e, r);
   pthread_cond_broadcast(&e->cv);
@@ -507,6 +533,102 @@ static void test_own_backends_host_only(void **state) {
   assert_int_equal(rc, 0);
 }
 
+/* ---- An engine that groups batches and starts ops on a device ------------------ */
+
+/* batch_isend_irecv on an engine whose caps name DDP__OP_P2P_BATCH (NCCL's
+ * way, ncclGroupStart/End): one op of the queue, after what was submitted
+ * before it and before what comes after (program order), its operations
+ * copied (the caller's array is scribbled over at once); the flight
+ * recorder's states on an engine with device_start: enqueued when handed
+ * over, started when the engine says so, completed. */
+static void batch_body(ct_rank *self) {
+  engine *e = g_engine;
+  int r = self->rank, P = self->world->size, next = (r + 1) % P, prev = (r + P - 1) % P;
+  static float sendb[CT_MAX_RANKS][COUNT], recvb[CT_MAX_RANKS][COUNT], sum[CT_MAX_RANKS][COUNT];
+  for (size_t i = 0; i < COUNT; i++) {
+    sendb[r][i] = (float)(r * 1000 + (int)(i % 97));
+    recvb[r][i] = -1;
+    sum[r][i] = (float)(r + 1);
+  }
+  ddp_work *w0 = NULL, *wb = NULL, *w1 = NULL;
+  CT_OK(self, ddp_allreduce_async(self->pg, sum[r], 1, DDP_FLOAT32, DDP_REDUCE_SUM, &w0));
+  {
+    ddp_p2p_op ops[2] = {{DDP_P2P_SEND, sendb[r], COUNT, DDP_FLOAT32, next, 7},
+                         {DDP_P2P_RECV, recvb[r], COUNT, DDP_FLOAT32, prev, 7}};
+    CT_OK(self, ddp_batch_isend_irecv(self->pg, ops, 2, &wb));
+    memset(ops, 0xab, sizeof ops); /* the group must have kept its own copy */
+  }
+  CT_OK(self, ddp_allreduce_async(self->pg, recvb[r], COUNT, DDP_FLOAT32, DDP_REDUCE_SUM, &w1));
+  /* The gate is closed: the engine holds them; the batch is enqueued. */
+  int64_t until = ddp_time_ns() + 5000000000LL;
+  for (;;) {
+    pthread_mutex_lock(&e->mu);
+    int q = queued(e, r);
+    pthread_mutex_unlock(&e->mu);
+    if (q >= 3 || ddp_time_ns() > until) break;
+    struct timespec ts = {0, 1000000};
+    nanosleep(&ts, NULL);
+  }
+  ddp__flight_record rec[8];
+  size_t n = ddp__flight_snapshot(self->pg->flight, rec);
+  CT_CHECK(self, n == 3, "%zu records, expected 3", n);
+  if (n == 3) {
+    CT_CHECK(self, rec[1].kind == DDP__OP_P2P_BATCH && rec[1].count == 2 && rec[1].peer == -1,
+             "record 1: kind %d count %llu", (int)rec[1].kind, (unsigned long long)rec[1].count);
+    for (size_t k = 0; k < n; k++)
+      CT_CHECK(self, rec[k].state == DDP__FLIGHT_ENQUEUED && rec[k].started_ns == -1 && rec[k].seq == 1 + (k == 2),
+               "record %zu: state %s seq %llu before the engine ran it", k, ddp__flight_state_name(rec[k].state),
+               (unsigned long long)rec[k].seq);
+  }
+  ct_sync(self);
+  if (r == 0) open_gate(e);
+  CT_OK(self, ddp_work_wait(w1, 30));
+  CT_OK(self, ddp_work_wait(wb, 30));
+  CT_OK(self, ddp_work_wait(w0, 30));
+  ddp_work_free(w0);
+  ddp_work_free(wb);
+  ddp_work_free(w1);
+  /* The allreduce after the batch saw what the batch delivered. */
+  for (size_t i = 0; i < COUNT; i++) {
+    double want = 0;
+    for (int q = 0; q < P; q++) want += q * 1000 + (int)(i % 97);
+    CT_CHECK(self, recvb[r][i] == (float)want, "[%zu] = %g, expected %g", i, recvb[r][i], want);
+  }
+  CT_CHECK(self, sum[r][0] == (float)(P * (P + 1) / 2), "first allreduce %g", sum[r][0]);
+  n = ddp__flight_snapshot(self->pg->flight, rec);
+  for (size_t k = 0; k < n; k++)
+    CT_CHECK(self, rec[k].state == DDP__FLIGHT_COMPLETED && rec[k].started_ns >= rec[k].scheduled_ns &&
+                       rec[k].ended_ns >= rec[k].started_ns,
+             "record %zu: state %s started %lld", k, ddp__flight_state_name(rec[k].state),
+             (long long)rec[k].started_ns);
+  /* An empty batch: a handle already complete. */
+  ddp_work *we = NULL;
+  CT_OK(self, ddp_batch_isend_irecv(self->pg, NULL, 0, &we));
+  ddp_status st = DDP_ERR_INTERNAL;
+  CT_CHECK(self, ddp_work_test(we, &st) && st == DDP_OK, "empty batch not complete");
+  ddp_work_free(we);
+}
+
+static void test_engine_batch(void **state) {
+  (void)state;
+  ddp__backend_caps caps = full_caps(4);
+  caps.ops |= 1u << DDP__OP_P2P_BATCH;
+  caps.device_start = true;
+  engine *e = engine_start(3, caps, false, false);
+  int rc = ct_run(3, 30, batch_body, NULL);
+  pthread_mutex_lock(&e->mu);
+  int completed = e->completed;
+  int kinds[3] = {e->ran_kinds[0], e->ran_kinds[1], e->ran_kinds[2]};
+  pthread_mutex_unlock(&e->mu);
+  engine_stop(e);
+  assert_int_equal(rc, 0);
+  assert_int_equal(completed, 3);
+  /* Program order: allreduce, batch, allreduce. */
+  assert_int_equal(kinds[0], DDP__OP_ALLREDUCE);
+  assert_int_equal(kinds[1], DDP__OP_P2P_BATCH);
+  assert_int_equal(kinds[2], DDP__OP_ALLREDUCE);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_four_in_flight_polled),
@@ -517,6 +639,7 @@ int main(void) {
       cmocka_unit_test(test_abort_from_another_thread),
       cmocka_unit_test(test_caps_refused),
       cmocka_unit_test(test_own_backends_host_only),
+      cmocka_unit_test(test_engine_batch),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -93,11 +93,68 @@ static void test_group_refuses_gpu_buffers(void **state) {
   ddp__staged_mode = 0;
 }
 
+/* batch_isend_irecv's device rule: ddp's own backends run a batch on
+ * their lane, in host memory; an engine that groups batches (NCCL) takes
+ * one batch on one device. The batch as one op of the queue belongs to the
+ * engines only: no CPU backend's caps name it. */
+static void test_batch_devices(void **state) {
+  (void)state;
+  assert_int_equal(ddp__p2p_batch_device_check("batch_isend_irecv", 0, DDP_CPU, DDP_CPU, false, "local"),
+                   DDP_OK);
+  expect_error(ddp__p2p_batch_device_check("batch_isend_irecv", 2, DDP_CPU, DDP_CUDA(1), false, "tcp"),
+               DDP_ERR_UNSUPPORTED, "batch_isend_irecv: ops[2]: buffers on cuda:1: the tcp backend's "
+               "batched point-to-point takes host memory");
+  assert_int_equal(ddp__p2p_batch_device_check("batch_isend_irecv", 3, DDP_CUDA(1), DDP_CUDA(1), true,
+                                               "nccl"), DDP_OK);
+  expect_error(ddp__p2p_batch_device_check("batch_isend_irecv", 1, DDP_CUDA(1), DDP_CUDA(0), true, "nccl"),
+               DDP_ERR_INVALID, "ops[1]'s buffer is on cuda:0 but ops[0]'s on cuda:1: one batch on the "
+               "nccl backend runs on one device");
+  expect_error(ddp__p2p_batch_device_check("batch_isend_irecv", 1, DDP_CUDA(0), DDP_CPU, true, "nccl"),
+               DDP_ERR_INVALID, "ops[1]'s buffer is on cpu but ops[0]'s on cuda:0");
+  assert_string_equal(ddp__op_kind_name(DDP__OP_P2P_BATCH), "batch_isend_irecv");
+  assert_false(ddp__op_is_collective(DDP__OP_P2P_BATCH));
+  ddp__backend_caps host = DDP__CAPS_HOST_BLOCKING;
+  assert_false(host.ops >> DDP__OP_P2P_BATCH & 1u);
+  assert_true(host.ops >> DDP__OP_RECV & 1u);
+  ddp__op_args a = {.kind = DDP__OP_P2P_BATCH, .count = 6};
+  char text[96];
+  ddp__op_describe(&a, 2, text, sizeof text);
+  assert_string_equal(text, "batch_isend_irecv(6 operations)");
+
+  /* Through a group on ddp's own backend: a GPU buffer in a batch is
+   * refused before anything is posted, and the group goes on. */
+  ddp__staged_mode = -1;
+  ddp_store *store = NULL;
+  assert_int_equal(ddp_store_mem_create(NULL, &store), DDP_OK);
+  ddp_process_group_options o = {.timeout_s = 10};
+  ddp_process_group *pg = NULL;
+  if (ddp_process_group_create(store, 0, 1, &o, &pg) != DDP_OK) fail_msg("%s", ddp_last_error());
+  assert_false(pg->backend->ops->caps.ops >> DDP__OP_P2P_BATCH & 1u);
+  float gpu[4] = {0}, cpu[4] = {1, 2, 3, 4}, got[4] = {0};
+  gpu_lo = (const char *)gpu;
+  gpu_hi = (const char *)(gpu + 4);
+  ddp__pointer_device_hook = fake_where;
+  ddp_p2p_op ops[2] = {{DDP_P2P_SEND, cpu, 4, DDP_FLOAT32, 0, 0}, {DDP_P2P_RECV, gpu, 4, DDP_FLOAT32, 0, 0}};
+  ddp_work *w = NULL;
+  expect_error(ddp_batch_isend_irecv(pg, ops, 2, &w), DDP_ERR_UNSUPPORTED, "ops[1]");
+  assert_null(w);
+  ops[1].buf = got; /* all on the host: the lane runs it (a send to self) */
+  assert_int_equal(ddp_batch_isend_irecv(pg, ops, 2, &w), DDP_OK);
+  assert_int_equal(ddp_work_wait(w, 10), DDP_OK);
+  ddp_work_free(w);
+  assert_memory_equal(got, cpu, sizeof cpu);
+  ddp__pointer_device_hook = NULL;
+  ddp_process_group_destroy(pg);
+  ddp_store_destroy(store);
+  ddp__staged_mode = 0;
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_pick),
       cmocka_unit_test(test_host_memory_is_cpu),
       cmocka_unit_test(test_group_refuses_gpu_buffers),
+      cmocka_unit_test(test_batch_devices),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

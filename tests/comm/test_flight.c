@@ -140,6 +140,78 @@ static void test_ring_states(void **state) {
   ddp__flight_close(f);
 }
 
+/* An engine on a device stream (NCCL): the group layer records the op
+ * enqueued (numbered, no start time), the backend marks it started when its
+ * start event passes, the group layer ends it. Queued first, inline, and
+ * a mark that comes too late (already ended, or the slot reused) changes
+ * nothing. */
+static void test_ring_device_states(void **state) {
+  (void)state;
+  ddp__flight *f = NULL;
+  assert_int_equal(ddp__flight_open(4, "pg/test/", 0, 2, "nccl", &f), DDP_OK);
+  ddp__flight_record out[4];
+  assert_string_equal(ddp__flight_state_name(DDP__FLIGHT_ENQUEUED), "enqueued");
+  assert_int_equal(ddp__flight_state_of("enqueued"), DDP__FLIGHT_ENQUEUED);
+  /* Queued behind others: scheduled, enqueued, started, completed: four
+   * writes of one record. */
+  ddp__op_args a = op(DDP__OP_ALLREDUCE, 5, 0, 0);
+  ddp__flight_new(f, &a, DDP__FLIGHT_SCHEDULED, 1000);
+  a.seq = 3;
+  ddp__flight_enqueue(f, &a, 2000);
+  assert_int_equal(ddp__flight_snapshot(f, out), 1);
+  assert_int_equal(out[0].state, DDP__FLIGHT_ENQUEUED);
+  assert_int_equal(out[0].seq, 3);
+  assert_int_equal(out[0].scheduled_ns, 1000);
+  assert_int_equal(out[0].started_ns, -1);
+  ddp__flight_mark_started(f, a.flight, 2500);
+  ddp__flight_snapshot(f, out);
+  assert_int_equal(out[0].state, DDP__FLIGHT_STARTED);
+  assert_int_equal(out[0].started_ns, 2500);
+  assert_int_equal(out[0].kind, DDP__OP_ALLREDUCE); /* the rest of the word kept */
+  assert_int_equal(out[0].reduce_op, DDP_REDUCE_SUM);
+  assert_int_equal(out[0].count, 5);
+  ddp__flight_mark_started(f, a.flight, 2600); /* a second mark: no change */
+  ddp__flight_snapshot(f, out);
+  assert_int_equal(out[0].started_ns, 2500);
+  ddp__flight_end(f, &a, DDP_OK, 3000);
+  ddp__flight_snapshot(f, out);
+  assert_int_equal(out[0].state, DDP__FLIGHT_COMPLETED);
+  assert_int_equal(out[0].started_ns, 2500);
+  assert_int_equal(out[0].ended_ns, 3000);
+  /* Inline (a blocking call): a new record, enqueued at once; it fails
+   * before its start event passed: never started. A late mark is ignored. */
+  ddp__op_args b = op(DDP__OP_P2P_BATCH, 4, -1, 0);
+  b.seq = 1;
+  ddp__flight_enqueue(f, &b, 4000);
+  assert_int_equal(b.flight, 2);
+  assert_int_equal(ddp__flight_snapshot(f, out), 2);
+  assert_int_equal(out[1].state, DDP__FLIGHT_ENQUEUED);
+  assert_int_equal(out[1].scheduled_ns, 4000);
+  assert_int_equal(out[1].started_ns, -1);
+  ddp__flight_end(f, &b, DDP_ERR_TIMEOUT, 5000);
+  ddp__flight_mark_started(f, b.flight, 5500);
+  ddp__flight_snapshot(f, out);
+  assert_int_equal(out[1].state, DDP__FLIGHT_FAILED);
+  assert_int_equal(out[1].started_ns, -1);
+  assert_int_equal(out[1].kind, DDP__OP_P2P_BATCH);
+  assert_int_equal(out[1].peer, -1);
+  /* Its slot taken by newer records: the mark leaves them alone. */
+  ddp__op_args c = op(DDP__OP_BROADCAST, 1, 1, 0);
+  c.seq = 4;
+  ddp__flight_enqueue(f, &c, 6000);
+  for (int i = 0; i < 4; i++) record_one(f, 200 + (uint64_t)i, DDP_OK);
+  ddp__flight_mark_started(f, c.flight, 7000);
+  ddp__flight_mark_started(f, 0, 7000); /* no record */
+  ddp__flight_mark_started(NULL, c.flight, 7000); /* recorder off */
+  assert_int_equal(ddp__flight_snapshot(f, out), 4);
+  for (int i = 0; i < 4; i++) {
+    assert_int_equal(out[i].seq, 200 + (uint64_t)i);
+    assert_int_equal(out[i].state, DDP__FLIGHT_COMPLETED);
+    assert_int_equal(out[i].started_ns, (int64_t)(200 + i) * 100);
+  }
+  ddp__flight_close(f);
+}
+
 /* ---- Writers on several threads, a reader copying meanwhile ------------- */
 
 #define WRITERS 4
@@ -269,6 +341,14 @@ static void fill_dump(ddp__flight_dump *d) {
   snprintf(g->backend, sizeof g->backend, "tcp");
   g->rank = 0;
   g->size = 2;
+  /* An NCCL group's ring: a batch still queued on the GPU (enqueued). */
+  g->recorded = 1;
+  g->n = 1;
+  g->records = calloc(1, sizeof *g->records);
+  g->records[0] = (ddp__flight_record){.id = 0, .seq = 2, .kind = DDP__OP_P2P_BATCH, .dtype = DDP_FLOAT32,
+                                       .reduce_op = -1, .root = -1, .peer = -1, .count = 4,
+                                       .state = DDP__FLIGHT_ENQUEUED, .scheduled_ns = 21, .started_ns = -1,
+                                       .ended_ns = -1};
 }
 
 static void assert_same_dump(const ddp__flight_dump *a, const ddp__flight_dump *b) {
@@ -515,6 +595,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_ring_keeps_the_last_n),
       cmocka_unit_test(test_ring_states),
+      cmocka_unit_test(test_ring_device_states),
       cmocka_unit_test(test_ring_concurrent_writers),
       cmocka_unit_test(test_json_round_trip),
       cmocka_unit_test(test_group_records),

@@ -253,6 +253,45 @@ static void test_newest_dump_counts(void **state) {
   free(j);
 }
 
+/* An NCCL group: collectives are numbered when handed to the GPU's stream
+ * (enqueued), several at once; where a rank stands is the oldest it has
+ * not completed. */
+static void test_device_stream(void **state) {
+  (void)state;
+  /* Rank 0 handed over #5 and #6; #5 started on its GPU 60 s before the
+   * dump and waits; rank 1 is still computing after #4. */
+  job *j = job_new(2, 2);
+  for (int r = 0; r < 2; r++) history(add_group(j, r, "pg/1/", r, 2), 4);
+  add(&j->groups[0][0], DDP__OP_ALLREDUCE, 5, 2, 40, -1, DDP_OK);
+  ddp__flight_record *six = add(&j->groups[0][0], DDP__OP_ALLREDUCE, 6, 2, 41, -1, DDP_OK);
+  six->state = DDP__FLIGHT_ENQUEUED;
+  six->started_ns = -1;
+  expect(j, 2, 2, NULL,
+         "rank 1 never entered allreduce #5 (8 B); rank 0 waited 60 s in it\n"
+         "  rank 1: last collective allreduce #4 (8 B), completed\n");
+  /* Both ranks handed #5 over and neither GPU started it (queued behind
+   * other work): they waited from the hand-over, 50 s and 30 s. */
+  job *k = job_new(2, 2);
+  for (int r = 0; r < 2; r++) {
+    ddp__flight_group *g = add_group(k, r, "pg/1/", r, 2);
+    history(g, 4);
+    ddp__flight_record *five = add(g, DDP__OP_ALLREDUCE, 5, 2, r == 0 ? 50 : 70, -1, DDP_OK);
+    five->state = DDP__FLIGHT_ENQUEUED;
+    five->started_ns = -1;
+  }
+  expect(k, 2, 2, NULL,
+         "ranks 0-1 waited 50 s in allreduce #5 (8 B); every rank entered it and none completed it\n");
+  /* A batch of sends and receives still queued on rank 1's GPU. */
+  ddp__flight_record *b = add(&k->groups[1][0], DDP__OP_P2P_BATCH, 1, 4, 80, -1, DDP_OK);
+  b->state = DDP__FLIGHT_ENQUEUED;
+  b->started_ns = -1;
+  char what[128];
+  ddp__flight_describe(b, what, sizeof what);
+  assert_string_equal(what, "batch_isend_irecv #1 (4 operations)");
+  free(j);
+  free(k);
+}
+
 static void test_describe(void **state) {
   (void)state;
   char out[64];
@@ -278,6 +317,7 @@ int main(void) {
       cmocka_unit_test(test_missing_dump),       cmocka_unit_test(test_point_to_point),
       cmocka_unit_test(test_all_inside_or_done), cmocka_unit_test(test_subgroup),
       cmocka_unit_test(test_newest_dump_counts), cmocka_unit_test(test_describe),
+      cmocka_unit_test(test_device_stream),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -93,10 +93,42 @@ static void test_watchdog(void **state) {
   expect_msg(msg, "no operation pending (rank 1 of 4)");
 }
 
+/* The timeout says where the op stood on its GPU, from its two events:
+ * never started (stuck behind earlier work on the stream) or running and
+ * waiting for its peers; a host engine's (no events) says neither. The
+ * decision itself does not change with it. */
+static void test_watchdog_device_state(void **state) {
+  (void)state;
+  char msg[512];
+  ddp_status st = DDP_OK;
+  ddp__watch_input in = pending(31000000000LL, 1000000000LL, 31000000000LL);
+  in.device = 3;
+  in.device_state = DDP__DEVICE_QUEUED;
+  in.device_started_ns = -1;
+  assert_int_equal(ddp__watch_decide(&in, &st, msg, sizeof msg), DDP__WATCH_ABORT);
+  assert_int_equal(st, DDP_ERR_TIMEOUT);
+  expect_msg(msg, "allreduce #17 (rank 1 of 4) did not complete within 30 s; it never started on "
+                  "cuda:3 (work queued before it on the communication stream did not finish)");
+  in.device_state = DDP__DEVICE_RUNNING;
+  in.device_started_ns = 6000000000LL; /* 5 s after it was enqueued, 25 s ago */
+  assert_int_equal(ddp__watch_decide(&in, &st, msg, sizeof msg), DDP__WATCH_ABORT);
+  expect_msg(msg, "it started on cuda:3 5 s after it was enqueued and waited 25 s there for its peers");
+  if (strstr(msg, "never started")) fail_msg("running op called never started: %s", msg);
+  /* Before its deadline a queued op is no reason to abort. */
+  in.now_ns = 30000000000LL;
+  in.device_state = DDP__DEVICE_QUEUED;
+  assert_int_equal(ddp__watch_decide(&in, &st, msg, sizeof msg), DDP__WATCH_CONTINUE);
+  /* A host engine: no device words. */
+  in = pending(31000000000LL, 1000000000LL, 31000000000LL);
+  assert_int_equal(ddp__watch_decide(&in, &st, msg, sizeof msg), DDP__WATCH_ABORT);
+  if (strstr(msg, "cuda:")) fail_msg("host engine's timeout names a GPU: %s", msg);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_placement),
       cmocka_unit_test(test_watchdog),
+      cmocka_unit_test(test_watchdog_device_state),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -2,7 +2,8 @@
  * dtype, at world 1 and world 2, against closed-form results (pattern.h:
  * small integers, exact in every dtype, so floats too must match exactly),
  * every reduce op; an async allreduce ordered before the tensor layer's
- * stream by ddp_work_wait_stream; ranks on one GPU refused without
+ * stream by ddp_work_wait_stream; batch_isend_irecv grouped by
+ * ncclGroupStart/End (a 16 MiB ring); ranks on one GPU refused without
  * NCCL_HOSTID. World 2 is two processes on one GPU, each with its own
  * NCCL_HOSTID, NCCL_SOCKET_IFNAME=lo and NCCL_IB_DISABLE=1 (issue 39's
  * arrangement: NCCL takes them for two hosts). The same checks again over
@@ -159,6 +160,64 @@ static void one_dtype(ddp_process_group *pg, ddp_dtype dt) {
   }
 }
 
+/* batch_isend_irecv on CUDA buffers: a ring (every rank sends to the next
+ * and receives from the previous, all posting the send first) of 16 MiB,
+ * far beyond what NCCL buffers eagerly, so it completes only with the
+ * batch grouped (ncclGroupStart/End); at world 1 a send to self. Then an
+ * async allreduce queued behind a second batch: program order holds.
+ * Over ddp's own backend the batch is refused, saying what to do. */
+static void batch_ring(ddp_process_group *pg, bool nccl) {
+  const size_t count = (size_t)4 << 20;
+  int P = world_, me = rank_, next = (me + 1) % P, prev = (me + P - 1) % P;
+  float *hs = NULL, *ds = NULL, *dr = NULL;
+  if (cudaMalloc((void **)&ds, count * 4) != cudaSuccess || cudaMalloc((void **)&dr, count * 4) != cudaSuccess) {
+    CHECK(0, "batch: cudaMalloc of 2 x 16 MiB");
+    return;
+  }
+  hs = ddp_alloc(count * 4);
+  for (size_t i = 0; i < count; i++) hs[i] = (float)(me * 1000 + (int)(i % 997));
+  cudaMemcpy(ds, hs, count * 4, cudaMemcpyHostToDevice);
+  cudaMemset(dr, 0, count * 4);
+  ddp_p2p_op ops[2] = {{DDP_P2P_SEND, ds, count, DDP_FLOAT32, next, 0},
+                       {DDP_P2P_RECV, dr, count, DDP_FLOAT32, prev, 0}};
+  ddp_work *w = NULL;
+  ddp_status st = ddp_batch_isend_irecv(pg, ops, 2, &w);
+  if (!nccl) {
+    CHECK(st == DDP_ERR_UNSUPPORTED && strstr(ddp_last_error(), "takes host memory"),
+          "batch on backend ddp: %s %s", ddp_status_name(st), ddp_last_error());
+  } else {
+    CHECK(st == DDP_OK, "batch_isend_irecv: %s", ddp_last_error());
+    if (st == DDP_OK) {
+      CHECK(ddp_work_wait(w, 60) == DDP_OK, "batch wait: %s", ddp_last_error());
+      ddp_work_free(w);
+      cudaMemcpy(hs, dr, count * 4, cudaMemcpyDeviceToHost);
+      size_t bad = 0;
+      for (size_t i = 0; i < count; i++) bad += hs[i] != (float)(prev * 1000 + (int)(i % 997));
+      CHECK(!bad, "batch ring: %zu of %zu wrong (first %g)", bad, count, hs[0]);
+      /* A batch, then an allreduce on the received buffer, both async: the
+       * allreduce sees what the batch delivered. */
+      ddp_work *wb = NULL, *wa = NULL;
+      TRY(ddp_batch_isend_irecv(pg, ops, 2, &wb));
+      TRY(ddp_allreduce_async(pg, dr, count, DDP_FLOAT32, DDP_REDUCE_SUM, &wa));
+      CHECK(ddp_work_wait(wa, 60) == DDP_OK, "allreduce after batch: %s", ddp_last_error());
+      CHECK(ddp_work_wait(wb, 60) == DDP_OK, "second batch: %s", ddp_last_error());
+      ddp_work_free(wa);
+      ddp_work_free(wb);
+      cudaMemcpy(hs, dr, count * 4, cudaMemcpyDeviceToHost);
+      bad = 0;
+      for (size_t i = 0; i < count; i++) {
+        double want = 0;
+        for (int r = 0; r < P; r++) want += r * 1000 + (int)(i % 997);
+        bad += hs[i] != (float)want;
+      }
+      CHECK(!bad, "batch then allreduce: %zu wrong (first %g)", bad, hs[0]);
+    }
+  }
+  cudaFree(ds);
+  cudaFree(dr);
+  ddp_free(hs);
+}
+
 static int run_rank(int rank, int world, const char *storefile, const char *backend,
                     const char *hostid) {
   rank_ = rank, world_ = world;
@@ -185,6 +244,7 @@ static int run_rank(int rank, int world, const char *storefile, const char *back
     CHECK(st == DDP_OK, "CPU buffer on backend ddp: %s", ddp_last_error());
   for (int dt = 0; dt < DDP_DTYPE_COUNT; dt++) one_dtype(pg, (ddp_dtype)dt);
   TRY(ddp_barrier(pg));
+  batch_ring(pg, nccl);
   TRY(ddp_allreduce(pg, dev, 0, DDP_FLOAT32, DDP_REDUCE_SUM)); /* count 0 */
   /* A subgroup per rank (split by rank): its own communicator; then the
    * world's again, so the two coexist. */

@@ -45,7 +45,10 @@
 #             stopped and resumed by hand at the same steps with the same
 #             worlds (read from each round's "resuming ... at step S"), and
 #             each checkpoint's position in samples is its steps x 24
-#             within the epoch
+#             within the epoch. Every rank of every round logs the samples
+#             of its steps (DDP_TRAIN_SAMPLE_LOG); tests/launch/
+#             sample_count.py counts that over the committed steps of every
+#             epoch each of the 1024 samples was seen exactly once
 #   train_netns  the same between hosts (network namespaces, as netns), the
 #             training going on at world 2 within 10 s of the kill
 #   netns     the same between hosts: network namespaces on one bridge, the
@@ -375,6 +378,7 @@ train | train_netns)
     [ "$case_name" = train_netns ] && on=(ip netns exec "el$((k + 1))$$")
     local self=()
     [ "$case_name" = train_netns ] && self=(--master-addr "10.77.0.1$((k + 1))")
+    DDP_TRAIN_SAMPLE_LOG="$tmp/samples" \
     "${on[@]}" "$ddprun" --nnodes 2:3 --rdzv-backend c10d --rdzv-endpoint "$addr" --rdzv-id t1 "${self[@]}" \
       --max-restarts 1 --grace-period 3 --job-timeout 200 --rdzv-conf $conf "$train" "${targs[@]}" \
       --save "$tmp/el.safetensors" --save-every 5 --resume auto >"$tmp/$1" 2>&1 &
@@ -383,6 +387,7 @@ train | train_netns)
   }
   step_of() { "$py" "$compare" --get "$1" train.step 2>/dev/null || echo 0; }
   py=/usr/bin/python3
+  mkdir -p "$tmp/samples" # every rank of every round logs the samples of its steps here
   for n in n0 n1 n2; do tnode $n; done
   # Kill mid-run, once a few checkpoints exist.
   until=$((SECONDS + 120))
@@ -420,6 +425,11 @@ train | train_netns)
   [ "$c1" -gt 0 ] && [ "$c2" -gt "$c1" ] || fail "resumed at $c1 then $c2"
   grep -q 'resuming .*: 12 per replica (not --batch-size 8) keeps its global batch of 24 at 2 replicas' "$tmp/n0" "$tmp/n1" ||
     { cat "$tmp/n0" "$tmp/n1"; fail "round 1 did not keep the global batch"; }
+  # Each sample once: from every rank's log of every round, over the
+  # committed steps of each of the 30 epochs (a round's steps after the
+  # checkpoint the next round resumed from were redone, so not counted).
+  "$py" "$(dirname "$0")/sample_count.py" "$tmp/samples" 1024 30 ||
+    fail "over the committed steps of an epoch, a sample was not seen exactly once"
   # By hand: world 3 to c1, world 2 from there to c2, world 3 to the end.
   hand() { # hand WORLD ARGS...: one ddprun node of WORLD workers
     local w=$1; shift

@@ -159,6 +159,117 @@ static void test_topology_read(void **state) {
   assert_int_equal(system(cmd), 0);
 }
 
+/* ---- CPUs near a GPU ------------------------------------------------------------- */
+
+static void write_pci(const char *dir, const char *address, const char *name, const char *text) {
+  char path[512], cmd[600];
+  snprintf(path, sizeof path, "%s/%s", dir, address);
+  snprintf(cmd, sizeof cmd, "mkdir -p %s", path);
+  assert_int_equal(system(cmd), 0);
+  snprintf(path, sizeof path, "%s/%s/%s", dir, address, name);
+  FILE *f = fopen(path, "w");
+  assert_non_null(f);
+  fputs(text, f);
+  fclose(f);
+}
+
+static void expect_why(const ddp__near_plan *p, const char *substring) {
+  if (!strstr(p->why, substring)) fail_msg("why \"%s\" does not contain \"%s\"", p->why, substring);
+}
+
+/* A machine described in a folder: 2 NUMA nodes of 8 CPUs (0-7 and 8-15,
+ * SMT siblings +16 on each: 0-7,16-23 and 8-15,24-31), GPU 0 on node 0,
+ * GPU 1 on node 1, a GPU on a machine without NUMA (numa_node -1, every
+ * CPU local), and a device whose folder says nothing. */
+static void test_near_gpu(void **state) {
+  (void)state;
+  char dir[] = "/tmp/ddp-test-pci-XXXXXX";
+  assert_non_null(mkdtemp(dir));
+  write_pci(dir, "0000:1b:00.0", "numa_node", "0\n");
+  write_pci(dir, "0000:1b:00.0", "local_cpulist", "0-7,16-23\n");
+  write_pci(dir, "0000:9b:00.0", "numa_node", "1\n");
+  write_pci(dir, "0000:9b:00.0", "local_cpulist", "8-15,24-31\n");
+  write_pci(dir, "0000:05:00.0", "numa_node", "-1\n");
+  write_pci(dir, "0000:05:00.0", "local_cpulist", "0-31\n");
+  write_pci(dir, "0000:07:00.0", "local_cpulist", "garbage\n");
+  ddp__near_plan p;
+  /* Unbound (every CPU): the GPU's node, its SMT siblings included. */
+  cpu_set_t all = set_of("0-31");
+  ddp__near_plan_make(dir, "0000:9b:00.0", &all, &p);
+  assert_true(p.bind);
+  assert_int_equal(p.node, 1);
+  assert_set(&p.cpus, "8-15,24-31");
+  expect_why(&p, "bound to CPUs 8-15,24-31: those of its CPUs 0-31 near GPU 0000:9b:00.0 (NUMA node 1");
+  /* The launcher gave it cores straddling the nodes: the near ones stay. */
+  cpu_set_t straddle = set_of("6-9");
+  ddp__near_plan_make(dir, "0000:9b:00.0", &straddle, &p);
+  assert_true(p.bind);
+  assert_set(&p.cpus, "8-9");
+  /* Its cores are all near already: nothing to do. */
+  cpu_set_t share = set_of("2-3,18-19");
+  ddp__near_plan_make(dir, "0000:1b:00.0", &share, &p);
+  assert_false(p.bind);
+  assert_int_equal(p.node, 0);
+  expect_why(&p, "are all near GPU 0000:1b:00.0 (NUMA node 0");
+  /* Its cores are all far: every CPU of the GPU's node. */
+  ddp__near_plan_make(dir, "0000:1b:00.0", &straddle, &p);
+  assert_true(p.bind);
+  assert_set(&p.cpus, "6-7");
+  cpu_set_t far = set_of("8-11");
+  ddp__near_plan_make(dir, "0000:1b:00.0", &far, &p);
+  assert_true(p.bind);
+  assert_set(&p.cpus, "0-7,16-23");
+  expect_why(&p, "none of its CPUs 8-11 is");
+  /* No NUMA: every CPU is near; nothing changes. */
+  ddp__near_plan_make(dir, "0000:05:00.0", &far, &p);
+  assert_false(p.bind);
+  assert_int_equal(p.node, -1);
+  expect_why(&p, "no NUMA node");
+  /* The machine does not say, or says nonsense: nothing changes. */
+  ddp__near_plan_make(dir, "0000:aa:00.0", &all, &p);
+  assert_false(p.bind);
+  expect_why(&p, "the machine does not say which CPUs are near GPU 0000:aa:00.0");
+  ddp__near_plan_make(dir, "0000:07:00.0", &all, &p);
+  assert_false(p.bind);
+  expect_why(&p, "does not hold a CPU list");
+  char cmd[600];
+  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+  assert_int_equal(system(cmd), 0);
+}
+
+/* The PCI address as CUDA and NVML write it, in sysfs's spelling; the
+ * public call off, and on a machine without the GPU (nothing changes). */
+static void test_near_gpu_api(void **state) {
+  (void)state;
+  char out[32];
+  assert_int_equal(ddp_pci_address_normalize("0000:3B:00.0", out, sizeof out), DDP_OK);
+  assert_string_equal(out, "0000:3b:00.0");
+  assert_int_equal(ddp_pci_address_normalize("00000000:AF:1F.7", out, sizeof out), DDP_OK);
+  assert_string_equal(out, "0000:af:1f.7");
+  assert_int_equal(ddp_pci_address_normalize("10000000:AF:1F.7", out, sizeof out), DDP_ERR_INVALID);
+  assert_int_equal(ddp_pci_address_normalize("0000:3B:00", out, sizeof out), DDP_ERR_INVALID);
+  assert_int_equal(ddp_pci_address_normalize("0000:3G:00.0", out, sizeof out), DDP_ERR_INVALID);
+  assert_int_equal(ddp_pci_address_normalize("", out, sizeof out), DDP_ERR_INVALID);
+  assert_int_equal(ddp_device_pci_address(DDP_CPU, out, sizeof out), DDP_ERR_UNSUPPORTED);
+  cpu_set_t before, after;
+  assert_int_equal(sched_getaffinity(0, sizeof before, &before), 0);
+  char report[400];
+  setenv("DDP_GPU_AFFINITY", "off", 1);
+  assert_int_equal(ddp_bind_near_gpu(0, report, sizeof report), DDP_OK);
+  assert_non_null(strstr(report, "off (DDP_GPU_AFFINITY=off)"));
+  setenv("DDP_GPU_AFFINITY", "sometimes", 1);
+  assert_int_equal(ddp_bind_near_gpu(0, report, sizeof report), DDP_ERR_INVALID);
+  assert_non_null(strstr(ddp_last_error(), "DDP_GPU_AFFINITY=\"sometimes\""));
+  unsetenv("DDP_GPU_AFFINITY");
+  if (ddp_cuda_device_count() == 0) {
+    /* No GPU: left as it is, saying why. */
+    assert_int_equal(ddp_bind_near_gpu(0, report, sizeof report), DDP_OK);
+    assert_non_null(strstr(report, "left as they are"));
+    assert_int_equal(sched_getaffinity(0, sizeof after, &after), 0);
+    assert_true(CPU_EQUAL(&before, &after));
+  }
+}
+
 /* ---- The plan ---------------------------------------------------------------------- */
 
 /* This VM: 2 cores, one package, no SMT. */
@@ -505,6 +616,7 @@ int main(void) {
       cmocka_unit_test(test_plan_two_packages), cmocka_unit_test(test_plan_uneven),
       cmocka_unit_test(test_decide),            cmocka_unit_test(test_note_once),
       cmocka_unit_test(test_bind_spellings),    cmocka_unit_test(test_spawn_binds),
+      cmocka_unit_test(test_near_gpu),          cmocka_unit_test(test_near_gpu_api),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

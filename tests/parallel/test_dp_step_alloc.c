@@ -3,7 +3,8 @@
  * steps (the tape's arena settles, the relayout happens once, the groups'
  * work pools fill), a window of steps with forward, backward with bucketed
  * async allreduces, no_sync micro-steps, fp16 compression and join's
- * per-iteration count makes no call to the allocator in any thread,
+ * per-iteration count (and, in a case of its own, PowerSGD compressing
+ * with warm start) makes no call to the allocator in any thread,
  * counted through ddp_alloc_count(). The ranks meet at a barrier around the
  * window so that neither is still warming up inside it. The same for ZeRO
  * stages 1 and 2 at three ranks (buckets meeting several ranks' ranges:
@@ -17,7 +18,7 @@
 #include "parallel/dp_test_util.h"
 
 typedef struct alloc_case {
-  ddp_dp_hook_kind hook;
+  ddp_dp_hook_kind hook; /* DDP_DP_HOOK_KIND_COUNT: PowerSGD at rank 2 from step 3 */
   bool join;
   pthread_barrier_t barrier;
   uint64_t before, after;
@@ -43,7 +44,15 @@ static void alloc_body(dpt_rank *self) {
                            (size_t)ddp_model_num_param_elements(m));
   if (s == DDP_OK) s = ddp_tape_create(&tape, 1 << 16);
   if (s == DDP_OK) ddp_dp_set_optimizer(dp, opt);
-  if (s == DDP_OK) s = ddp_dp_set_comm_hook(dp, c->hook);
+  ddp_powersgd *ps = NULL;
+  if (s == DDP_OK && c->hook == DDP_DP_HOOK_KIND_COUNT) {
+    ddp_powersgd_options po = ddp_powersgd_defaults();
+    po.rank = 2;
+    po.start_iter = 3; /* compressing (and warm-starting) well before the window */
+    s = ddp_powersgd_create(&ps, dp, &po);
+  } else if (s == DDP_OK) {
+    s = ddp_dp_set_comm_hook(dp, c->hook);
+  }
   if (s == DDP_OK && c->join) s = ddp_dp_join_enable(dp, true);
   enum { B = 8 };
   float *xbuf = malloc(B * 784 * sizeof(float));
@@ -70,14 +79,21 @@ static void alloc_body(dpt_rank *self) {
   if (self->rank == 0) c->after = ddp_alloc_count();
   pthread_barrier_wait(&c->barrier);
   if (s == DDP_OK && c->join) s = ddp_dp_join(dp);
+  ddp_powersgd_stats pst = {0};
+  if (ps) ddp_powersgd_get_stats(ps, &pst);
   char msg[512] = "";
   if (s != DDP_OK) snprintf(msg, sizeof msg, "%s", ddp_last_error());
   free(xbuf);
   ddp_tape_destroy(tape);
   ddp_optimizer_destroy(opt);
+  ddp_powersgd_destroy(ps);
   ddp_dp_destroy(dp);
   ddp_model_destroy(m);
   DPT_CHECK(self, s == DDP_OK, "%s", msg);
+  DPT_CHECK(self, !ps || (pst.iter == 10 && pst.last_elements_sent < pst.last_elements_uncompressed),
+            "PowerSGD did not compress: %lld iterations, %llu of %llu floats sent", (long long)pst.iter,
+            (unsigned long long)pst.last_elements_sent,
+            (unsigned long long)pst.last_elements_uncompressed);
 }
 
 static void run_case(ddp_dp_hook_kind hook, bool join) {
@@ -100,6 +116,11 @@ static void test_dp_step_fp32(void **state) {
 static void test_dp_step_fp16_join(void **state) {
   (void)state;
   run_case(DDP_DP_HOOK_FP16, true);
+}
+
+static void test_dp_step_powersgd(void **state) {
+  (void)state;
+  run_case(DDP_DP_HOOK_KIND_COUNT, false);
 }
 
 /* ZeRO: forward (gather first), backward through the stage's reduction,
@@ -178,6 +199,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_dp_step_fp32),
       cmocka_unit_test(test_dp_step_fp16_join),
+      cmocka_unit_test(test_dp_step_powersgd),
       cmocka_unit_test(test_zero_steps),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

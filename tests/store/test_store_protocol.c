@@ -95,6 +95,12 @@ static void encode_all(ddp__buf *b) {
   ddp__buf_u8(b, DDP__OP_PING);
   ddp__buf_i64(b, 77);
   ddp__buf_frame_end(b, at);
+  at = ddp__buf_frame_begin(b);
+  ddp__buf_u8(b, DDP__OP_WATCH);
+  ddp__buf_u32(b, 2);
+  ddp__buf_bytes(b, "w1", 2);
+  ddp__buf_bytes(b, "w2", 2);
+  ddp__buf_frame_end(b, at);
 }
 
 static int slice_is(ddp__slice s, const char *text) {
@@ -138,6 +144,9 @@ static void test_round_trip_every_opcode(void **state) {
                     slice_is(r.values[1], ""));
         break;
       case DDP__OP_PING: assert_true(r.integer == 77); break;
+      case DDP__OP_WATCH:
+        assert_true(r.num_keys == 2 && slice_is(r.keys[0], "w1") && slice_is(r.keys[1], "w2"));
+        break;
       case DDP__OP_LIST_KEYS: assert_true(slice_is(r.key, "g/")); break;
       default: break;
     }

@@ -38,9 +38,15 @@ typedef enum ddp__flight_state {
   DDP__FLIGHT_STARTED = 2,   /* running on the backend */
   DDP__FLIGHT_COMPLETED = 3,
   DDP__FLIGHT_FAILED = 4,
+  /* Handed to an engine that runs it later on a device stream (NCCL): the
+   * program entered it and its kernels are queued, but its start event has
+   * not passed yet (PyTorch's "scheduled" on NCCL); the backend marks it
+   * started when it has (ddp__flight_mark_started). */
+  DDP__FLIGHT_ENQUEUED = 5,
 } ddp__flight_state;
 
-/* "scheduled", "started", "completed", "failed"; "unknown" otherwise. */
+/* "scheduled", "started", "completed", "failed", "enqueued"; "unknown"
+ * otherwise. */
 const char *ddp__flight_state_name(int32_t state);
 /* The inverse (0 for an unknown name). */
 int32_t ddp__flight_state_of(const char *name);
@@ -224,6 +230,41 @@ static inline void ddp__flight_start(ddp__flight *f, ddp__op_args *a, int64_t no
   ddp__flight_begin_write(s, v);
   atomic_store_explicit(&s->seq, a->seq, memory_order_relaxed);
   atomic_store_explicit(&s->what, ddp__flight_pack_what(a, DDP__FLIGHT_STARTED, DDP_OK), memory_order_relaxed);
+  atomic_store_explicit(&s->started_ns, now_ns, memory_order_relaxed);
+  ddp__flight_end_write(s, v);
+}
+
+/* The op was handed to an engine that starts it on a device later
+ * (numbered: a->seq is set): like ddp__flight_start, in state ENQUEUED
+ * with no start time yet. */
+static inline void ddp__flight_enqueue(ddp__flight *f, ddp__op_args *a, int64_t now_ns) {
+  uint64_t v;
+  ddp__flight_slot *s = ddp__flight_slot_of(f, a, &v);
+  if (!s) {
+    ddp__flight_new(f, a, DDP__FLIGHT_ENQUEUED, now_ns);
+    return;
+  }
+  ddp__flight_begin_write(s, v);
+  atomic_store_explicit(&s->seq, a->seq, memory_order_relaxed);
+  atomic_store_explicit(&s->what, ddp__flight_pack_what(a, DDP__FLIGHT_ENQUEUED, DDP_OK), memory_order_relaxed);
+  ddp__flight_end_write(s, v);
+}
+
+/* The backend's mark: record `record` (an op's a->flight, id + 1; 0: none)
+ * started on its device at now_ns. Only a record still ENQUEUED changes (a
+ * newer record in its slot, or one already ended, is left). The backend
+ * calls it before it completes the op, so its write comes between the
+ * group layer's enqueue and end writes, never beside them. */
+static inline void ddp__flight_mark_started(ddp__flight *f, uint64_t record, int64_t now_ns) {
+  ddp__op_args a = {.flight = record};
+  uint64_t v;
+  ddp__flight_slot *s = f ? ddp__flight_slot_of(f, &a, &v) : NULL;
+  if (!s) return;
+  uint64_t what = atomic_load_explicit(&s->what, memory_order_relaxed);
+  if ((what >> 24 & 0xff) != DDP__FLIGHT_ENQUEUED) return;
+  what = (what & ~((uint64_t)0xff << 24)) | (uint64_t)DDP__FLIGHT_STARTED << 24;
+  ddp__flight_begin_write(s, v);
+  atomic_store_explicit(&s->what, what, memory_order_relaxed);
   atomic_store_explicit(&s->started_ns, now_ns, memory_order_relaxed);
   ddp__flight_end_write(s, v);
 }

@@ -12,12 +12,13 @@ const char *ddp__flight_state_name(int32_t state) {
     case DDP__FLIGHT_STARTED: return "started";
     case DDP__FLIGHT_COMPLETED: return "completed";
     case DDP__FLIGHT_FAILED: return "failed";
+    case DDP__FLIGHT_ENQUEUED: return "enqueued";
     default: return "unknown";
   }
 }
 
 int32_t ddp__flight_state_of(const char *name) {
-  for (int32_t s = DDP__FLIGHT_SCHEDULED; s <= DDP__FLIGHT_FAILED; s++)
+  for (int32_t s = DDP__FLIGHT_SCHEDULED; s <= DDP__FLIGHT_ENQUEUED; s++)
     if (strcmp(name, ddp__flight_state_name(s)) == 0) return s;
   return 0;
 }

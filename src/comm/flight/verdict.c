@@ -15,6 +15,7 @@
 #define MAX_LISTED 16
 
 uint64_t ddp__flight_bytes(const ddp__flight_record *r) {
+  if (r->kind == DDP__OP_P2P_BATCH) return 0; /* count is the batch's operations */
   if (r->dtype < 0 || r->dtype > DDP_BFLOAT16) return 0;
   return r->count * (uint64_t)ddp_dtype_size((ddp_dtype)r->dtype);
 }
@@ -35,7 +36,7 @@ void ddp__flight_format_bytes(uint64_t bytes, char *out, size_t size) {
 }
 
 static bool is_p2p(const ddp__flight_record *r) {
-  return r->kind == DDP__OP_SEND || r->kind == DDP__OP_RECV;
+  return r->kind == DDP__OP_SEND || r->kind == DDP__OP_RECV || r->kind == DDP__OP_P2P_BATCH;
 }
 
 void ddp__flight_describe(const ddp__flight_record *r, char *out, size_t bytes) {
@@ -44,6 +45,9 @@ void ddp__flight_describe(const ddp__flight_record *r, char *out, size_t bytes) 
   ddp__flight_format_bytes(ddp__flight_bytes(r), size, sizeof size);
   if (r->kind == DDP__OP_BARRIER)
     snprintf(out, bytes, "%s #%llu", name, (unsigned long long)r->seq);
+  else if (r->kind == DDP__OP_P2P_BATCH) /* count: its operations (NCCL's grouped batch) */
+    snprintf(out, bytes, "%s #%llu (%llu operations)", name, (unsigned long long)r->seq,
+             (unsigned long long)r->count);
   else if (is_p2p(r))
     snprintf(out, bytes, "%s #%llu %s rank %d (%s, tag %d)", name, (unsigned long long)r->seq,
              r->kind == DDP__OP_SEND ? "to" : "from", (int)r->peer, size, (int)r->tag);
@@ -77,29 +81,46 @@ typedef struct rank_view {
   const ddp__flight_record *p2p;  /* its newest send/recv that did not complete */
 } rank_view;
 
+/* From its start; an op still queued on its device (enqueued, never
+ * started there) from when the program handed it over. */
 static int64_t waited_ns(const ddp__flight_record *r, const ddp__flight_group *g) {
-  if (r->started_ns < 0) return 0;
+  int64_t from = r->started_ns >= 0 ? r->started_ns
+                 : r->state == DDP__FLIGHT_ENQUEUED ? r->scheduled_ns : -1;
+  if (from < 0) return 0;
   int64_t end = r->ended_ns >= 0 ? r->ended_ns : g->dump_ns;
-  return end - r->started_ns;
+  return end - from;
 }
 
+/* The program called it: an op queued on a device stream (enqueued) was
+ * entered by its rank even if its kernels have not started. */
 static bool entered(const ddp__flight_record *r) {
   return r->seq > 0 && (r->state == DDP__FLIGHT_STARTED || r->state == DDP__FLIGHT_COMPLETED ||
-                        r->state == DDP__FLIGHT_FAILED);
+                        r->state == DDP__FLIGHT_FAILED || r->state == DDP__FLIGHT_ENQUEUED);
 }
 
+/* An engine on a device stream (NCCL) holds several collectives entered
+ * at once, the newest queued behind the oldest: where such a rank stands
+ * is its oldest collective not completed (the one its GPU waits in), not
+ * the newest it handed over. Other ranks run one collective at a time, so
+ * their newest is where they stand. */
 static void view_of(const ddp__flight_group *g, rank_view *v) {
   v->group = g;
   v->last = v->p2p = NULL;
+  const ddp__flight_record *oldest_open = NULL;
+  bool queued_on_device = false;
   for (size_t i = 0; i < g->n; i++) {
     const ddp__flight_record *r = &g->records[i];
     if (!entered(r)) continue;
     if (is_p2p(r)) {
       if (r->state != DDP__FLIGHT_COMPLETED) v->p2p = r;
-    } else if (!v->last || r->seq >= v->last->seq) {
-      v->last = r;
+      continue;
     }
+    if (!v->last || r->seq >= v->last->seq) v->last = r;
+    queued_on_device = queued_on_device || r->state == DDP__FLIGHT_ENQUEUED;
+    bool open = r->state == DDP__FLIGHT_STARTED || r->state == DDP__FLIGHT_ENQUEUED;
+    if (open && (!oldest_open || r->seq < oldest_open->seq)) oldest_open = r;
   }
+  if (queued_on_device && oldest_open) v->last = oldest_open;
 }
 
 /* Collectives that must agree across ranks: op, count, dtype, root, reduce op. */

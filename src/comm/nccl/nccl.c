@@ -24,6 +24,7 @@
 #include <cuda_runtime_api.h>
 
 #include "comm/backend.h"
+#include "comm/flight/flight.h"
 #include "comm/gpu_policy.h"
 #include "comm/nccl/nccl_api.h"
 #include "core/core_internal.h"
@@ -34,12 +35,19 @@
 /* How often the watchdog polls (ms). */
 #define WATCH_PERIOD_MS 100
 
+/* One pending operation: its two CUDA events (PyTorch's ncclStartEvent_
+ * and ncclEndEvent_), from which the watchdog knows where it stands on the
+ * GPU and the flight recorder its started and completed states. */
 typedef struct op_state {
-  cudaEvent_t done;   /* recorded on the communication stream after the op */
+  cudaEvent_t start;  /* recorded on the communication stream before its kernels */
+  cudaEvent_t done;   /* recorded on the communication stream after them */
   int64_t deadline_ns;
-  int64_t started_ns;
+  int64_t started_ns; /* enqueued (host clock) */
+  int64_t device_started_ns; /* when the start event was seen passed; -1 not yet */
   const char *op;     /* static names only */
   uint64_t seq;
+  struct ddp__flight *flight; /* the group's recorder (NULL: off) */
+  uint64_t flight_record;     /* the op's record in it (ctx->flight_record) */
 } op_state;
 _Static_assert(sizeof(op_state) <= sizeof(((ddp__completion *)0)->state), "op_state fits");
 
@@ -240,6 +248,35 @@ static ddp_status make_comm(nccl_backend *n, int device, const ddp__op_ctx *ctx)
 
 static size_t esize(ddp_dtype d) { return ddp_dtype_size(d); }
 
+/* batch_isend_irecv: every send and receive of the batch between
+ * ncclGroupStart and ncclGroupEnd, so NCCL launches them as one and no
+ * send waits for a receive queued behind it (PyTorch's batch_isend_irecv on
+ * NCCL; the batch's tags are not NCCL's to match: messages between a pair
+ * match in posting order, docs/comm.md). A send to or receive from this
+ * rank is NCCL's own self copy. */
+static ddp_status launch_batch(nccl_backend *n, const ddp__op_ctx *ctx, const ddp__op_args *a) {
+  const ddp__nccl_api *api = n->api;
+  NCCL_TRY(n, api->GroupStart(), "ncclGroupStart", ctx);
+  ncclResult_t r = ncclSuccess;
+  size_t i = 0;
+  for (; i < a->count && r == ncclSuccess; i++) {
+    const ddp_p2p_op *o = &a->batch[i];
+    if (o->kind == DDP_P2P_SEND)
+      r = api->Send(o->buf, o->count, nccl_dtype(o->dtype), o->peer, n->comm, n->stream);
+    else
+      r = api->Recv(o->buf, o->count, nccl_dtype(o->dtype), o->peer, n->comm, n->stream);
+  }
+  ncclResult_t end = api->GroupEnd();
+  if (r != ncclSuccess) {
+    char what[64];
+    snprintf(what, sizeof what, "ops[%zu] (%s rank %d)", i - 1,
+             a->batch[i - 1].kind == DDP_P2P_SEND ? "ncclSend to" : "ncclRecv from", a->batch[i - 1].peer);
+    return nccl_fail(n, r, what, ctx);
+  }
+  if (end != ncclSuccess) return nccl_fail(n, end, "ncclGroupEnd", ctx);
+  return DDP_OK;
+}
+
 /* The NCCL calls of one operation, on n->stream (inside a group where it
  * takes several). */
 static ddp_status launch(nccl_backend *n, const ddp__op_ctx *ctx, const ddp__op_args *a) {
@@ -277,6 +314,8 @@ static ddp_status launch(nccl_backend *n, const ddp__op_ctx *ctx, const ddp__op_
   case DDP__OP_RECV:
     NCCL_TRY(n, api->Recv(recv, a->count, dt, a->root, c, s), "ncclRecv", ctx);
     return DDP_OK;
+  case DDP__OP_P2P_BATCH:
+    return launch_batch(n, ctx, a);
   default:
     break;
   }
@@ -310,7 +349,8 @@ static ddp_status launch(nccl_backend *n, const ddp__op_ctx *ctx, const ddp__op_
 static void finish_locked(nccl_backend *n, ddp__completion *c, ddp_status st) {
   op_state *s = (op_state *)c->state;
   if (s->done) cudaEventDestroy(s->done);
-  s->done = NULL;
+  if (s->start) cudaEventDestroy(s->start);
+  s->done = s->start = NULL;
   (void)n;
   ddp__completion_finish(c, st);
 }
@@ -353,20 +393,30 @@ static ddp_status nccl_enqueue(ddp__backend *b, const ddp__op_ctx *ctx, const dd
   CUDA_TRY(n, cudaEventRecord(n->produced_legacy, cudaStreamLegacy), "cudaEventRecord", ctx);
   CUDA_TRY(n, cudaStreamWaitEvent(n->stream, n->produced, 0), "cudaStreamWaitEvent", ctx);
   CUDA_TRY(n, cudaStreamWaitEvent(n->stream, n->produced_legacy, 0), "cudaStreamWaitEvent", ctx);
-  CUDA_TRY(n, cudaEventCreateWithFlags(&s->done, cudaEventDisableTiming), "cudaEventCreate", ctx);
-  ddp_status st = launch(n, ctx, a);
+  CUDA_TRY(n, cudaEventCreateWithFlags(&s->start, cudaEventDisableTiming), "cudaEventCreate", ctx);
+  cudaError_t e = cudaEventCreateWithFlags(&s->done, cudaEventDisableTiming);
+  ddp_status st = e == cudaSuccess ? DDP_OK : cuda_fail(n, e, "cudaEventCreate", ctx);
   if (st == DDP_OK) {
-    cudaError_t e = cudaEventRecord(s->done, n->stream);
+    e = cudaEventRecord(s->start, n->stream);
+    if (e != cudaSuccess) st = cuda_fail(n, e, "cudaEventRecord (start)", ctx);
+  }
+  if (st == DDP_OK) st = launch(n, ctx, a);
+  if (st == DDP_OK) {
+    e = cudaEventRecord(s->done, n->stream);
     if (e != cudaSuccess) st = cuda_fail(n, e, "cudaEventRecord", ctx);
   }
   if (st != DDP_OK) {
-    cudaEventDestroy(s->done);
+    cudaEventDestroy(s->start);
+    if (s->done) cudaEventDestroy(s->done);
     return st;
   }
   s->deadline_ns = ctx->deadline_ns;
   s->started_ns = ddp_time_ns();
+  s->device_started_ns = -1;
   s->op = ctx->op;
   s->seq = ctx->seq;
+  s->flight = ctx->flight;
+  s->flight_record = ctx->flight_record;
   pthread_mutex_lock(&n->mu);
   if (n->count == NCCL_IN_FLIGHT) { /* the group layer keeps to caps.max_in_flight */
     pthread_mutex_unlock(&n->mu);
@@ -377,13 +427,26 @@ static ddp_status nccl_enqueue(ddp__backend *b, const ddp__op_ctx *ctx, const dd
   return DDP_OK;
 }
 
-/* Completes, in order, every pending op whose end event has passed. */
+/* The op's start event has passed (first seen now): recorded, and marked
+ * started in the flight recorder (before the op completes, so the group
+ * layer's end write comes after this one). */
+static void note_started_locked(op_state *s) {
+  if (s->device_started_ns >= 0 || cudaEventQuery(s->start) != cudaSuccess) return;
+  s->device_started_ns = ddp_time_ns();
+  if (s->flight) ddp__flight_mark_started(s->flight, s->flight_record, ddp__now_coarse_ns());
+}
+
+/* Completes, in order, every pending op whose end event has passed (the
+ * ops of one stream start and end in order, so only the oldest can be
+ * started and not ended). */
 static void reap_locked(nccl_backend *n) {
   while (n->count > 0) {
     ddp__completion *c = n->pending[n->head];
     op_state *s = (op_state *)c->state;
+    note_started_locked(s);
     cudaError_t e = cudaEventQuery(s->done);
     if (e == cudaErrorNotReady) return;
+    if (e == cudaSuccess) note_started_locked(s); /* passed too, if just now */
     ddp_status st = DDP_OK;
     if (e != cudaSuccess) {
       ddp__op_ctx named = {.op = s->op, .seq = s->seq}; /* for the message */
@@ -455,6 +518,9 @@ static void *watchdog_main(void *arg) {
       in.seq = s->seq;
       in.deadline_ns = s->deadline_ns;
       in.started_ns = s->started_ns;
+      in.device = n->device;
+      in.device_state = s->device_started_ns >= 0 ? DDP__DEVICE_RUNNING : DDP__DEVICE_QUEUED;
+      in.device_started_ns = s->device_started_ns;
     }
     pthread_mutex_unlock(&n->mu);
     /* A peer on this host whose process is gone while an operation waits:
@@ -554,9 +620,9 @@ static ddp_status nccl_stream_wait(ddp__backend *b, ddp__completion *c) {
 
 static const ddp__backend_ops nccl_ops = {
     .name = "nccl",
-    .caps = {.ops = DDP__CAPS_ALL_OPS, .dtypes = DDP__CAPS_ALL_DTYPES,
+    .caps = {.ops = DDP__CAPS_ALL_OPS | 1u << DDP__OP_P2P_BATCH, .dtypes = DDP__CAPS_ALL_DTYPES,
              .reduce_ops = DDP__CAPS_ALL_REDUCE_OPS, .devices = 1u << DDP_DEVICE_CUDA,
-             .subgroups = true, .max_in_flight = NCCL_IN_FLIGHT},
+             .subgroups = true, .max_in_flight = NCCL_IN_FLIGHT, .device_start = true},
     .enqueue = nccl_enqueue,
     .test = nccl_test,
     .transport = nccl_transport,

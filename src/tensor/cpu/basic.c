@@ -38,19 +38,31 @@ static void cpu_div(float *x, float d, int64_t n) {
   for (int64_t i = 0; i < n; i++) x[i] /= d;
 }
 
+/* Through tensor.h's buffer conversions (src/tensor/convert.c, the one
+ * implementation, vectorised); with a divisor, a stack block at a time, so
+ * that the quotient is rounded once to float32 and once to the 16-bit type
+ * as before. */
 static void cpu_to_half(uint16_t *restrict dst, const float *restrict src, float d, int64_t n,
                         bool bf16) {
-  if (bf16)
-    for (int64_t i = 0; i < n; i++) dst[i] = ddp_float_to_bf16(src[i] / d);
-  else
-    for (int64_t i = 0; i < n; i++) dst[i] = ddp_float_to_half(src[i] / d);
+  void (*convert)(uint16_t *, const float *, size_t) =
+      bf16 ? ddp_convert_f32_to_bf16 : ddp_convert_f32_to_f16;
+  if (d == 1.0f) {
+    convert(dst, src, (size_t)n);
+    return;
+  }
+  float block[512];
+  for (int64_t i = 0; i < n; i += 512) {
+    const int64_t len = n - i < 512 ? n - i : 512;
+    for (int64_t j = 0; j < len; j++) block[j] = src[i + j] / d;
+    convert(dst + i, block, (size_t)len);
+  }
 }
 
 static void cpu_from_half(float *restrict dst, const uint16_t *restrict src, int64_t n, bool bf16) {
   if (bf16)
-    for (int64_t i = 0; i < n; i++) dst[i] = ddp_bf16_to_float(src[i]);
+    ddp_convert_bf16_to_f32(dst, src, (size_t)n);
   else
-    for (int64_t i = 0; i < n; i++) dst[i] = ddp_half_to_float(src[i]);
+    ddp_convert_f16_to_f32(dst, src, (size_t)n);
 }
 
 const ddp__basic_kernels ddp__cpu_basic_kernels = {

@@ -58,4 +58,8 @@ const ddp__dense_kernels ddp__cpu_dense_kernels = {
     .conv2d_backward = ddp__cpu_conv2d_backward,
     .max_pool2d_forward = ddp__cpu_max_pool2d_forward,
     .max_pool2d_backward = ddp__cpu_max_pool2d_backward,
+    .gemm_bf16 = ddp__cpu_gemm_bf16,
+    .has_bf16_dot = ddp__cpu_has_bf16_dot,
+    .bf16_pack_bytes = ddp__cpu_bf16_pack_bytes,
+    .bf16_pack_b = ddp__cpu_bf16_pack_b,
 };

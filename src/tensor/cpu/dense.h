@@ -190,4 +190,16 @@ void ddp__cpu_winograd_dw_sample_avx2(int64_t m, int64_t c, const float *x, cons
                                       int64_t oh, int64_t ow, float *du, float *scratch);
 void ddp__cpu_winograd_dw_finish(int64_t m, int64_t c, const float *du, float *dw);
 
+/* Autocast's bfloat16 GEMM with AVX512_BF16 dot products (cpu/gemm_bf16.c;
+ * the contract is ddp__dense_kernels' gemm_bf16, bf16_pack_bytes,
+ * bf16_pack_b). It runs with the AVX-512 family on a CPU that has
+ * AVX512_BF16 and AVX512BW. */
+bool ddp__cpu_has_bf16_dot(void);
+bool ddp__cpu_gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                        const float *a, int64_t lda, const float *b, int64_t ldb,
+                        const uint16_t *b_packed, float *c, int64_t ldc, ddp_arena *arena);
+size_t ddp__cpu_bf16_pack_bytes(int64_t k, int64_t n);
+void ddp__cpu_bf16_pack_b(uint16_t *dst, bool trans_b, int64_t k, int64_t n, const float *b,
+                          int64_t ldb);
+
 #endif

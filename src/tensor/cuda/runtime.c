@@ -90,6 +90,13 @@ const char *ddp__cuda_unavailable_reason(void) {
   return ddp__cuda_device_count() > 0 ? NULL : unavailable;
 }
 
+ddp_status ddp__cuda_pci_bus_id(int device, char *buf, int bytes) {
+  cudaError_t e = cudaDeviceGetPCIBusId(buf, bytes, device);
+  if (e == cudaSuccess) return DDP_OK;
+  (void)cudaGetLastError();
+  return ddp_error(DDP_ERR_INVALID, "cuda:%d: cudaDeviceGetPCIBusId: %s", device, cudaGetErrorString(e));
+}
+
 int ddp__cuda_current_device(void) {
   int d = 0;
   if (cudaGetDevice(&d) != cudaSuccess) {

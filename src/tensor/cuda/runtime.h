@@ -46,6 +46,8 @@ int ddp__cuda_device_count(void);
 /* Why ddp__cuda_device_count() is 0 ("no CUDA device", "CUDA driver
  * version is insufficient ...", ...), or NULL when devices exist. */
 const char *ddp__cuda_unavailable_reason(void);
+/* cudaDeviceGetPCIBusId of device ("0000:3B:00.0" as CUDA writes it). */
+ddp_status ddp__cuda_pci_bus_id(int device, char *buf, int bytes);
 
 /* Makes `device` current for this thread (cudaSetDevice). Fails with
  * DDP_ERR_INVALID naming the device when it does not exist. */

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The tools' GPU options on a machine without a GPU (issue 39): what each
+# refuses, before any work starts, saying why and what to do; and
+# ddp-train --pp with stages on a GPU refused naming what is missing (the
+# check runs before the device's own, so it is seen here). On a machine
+# with a GPU the refusals that need its absence are skipped (scripts/
+# gpu-check.sh runs the GPU paths there).
+set -uo pipefail
+fail() { echo "FAIL: $*"; exit 1; }
+bin=${DDP_BIN_DIR:?}
+unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT DDP_STORE_ADDR
+export DDP_TIMEOUT=60
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+# expect_refusal NAME PATTERN CMD...: exit status 2 and PATTERN on stderr.
+expect_refusal() {
+  local name=$1 pattern=$2
+  shift 2
+  timeout 60 "$@" >"$tmp/out" 2>"$tmp/err"
+  local rc=$?
+  [ $rc -eq 2 ] || fail "$name: exit $rc, expected 2: $(cat "$tmp/err")"
+  grep -Eq -- "$pattern" "$tmp/err" || fail "$name: stderr lacks /$pattern/: $(cat "$tmp/err")"
+  echo "ok: $name: $(head -1 "$tmp/err")"
+}
+
+# Every tool rejects a device that is no device, naming the spellings.
+expect_refusal "mnist_ddp --device tpu" 'device "tpu": expected cpu, cuda or cuda:N' \
+  "$bin/mnist_ddp" --device tpu
+expect_refusal "ddp-hpo --device tpu" 'expected cpu, cuda or cuda:N' \
+  "$bin/ddp-hpo" --objective convnet --device tpu
+# ddp-hpo's --device is convnet's.
+expect_refusal "ddp-hpo sphere --device cuda" 'applies to --objective convnet' \
+  "$bin/ddp-hpo" --objective sphere --device cuda
+
+if [ ! -e /dev/nvidia0 ] && ! nvidia-smi -L >/dev/null 2>&1; then
+  expect_refusal "mnist_ddp --device cuda (no GPU)" 'no CUDA device here .*run with --device cpu' \
+    "$bin/mnist_ddp" --device cuda
+  expect_refusal "ddp-hpo --device cuda (no GPU)" 'no CUDA device here .*run with --device cpu' \
+    "$bin/ddp-hpo" --objective convnet --device cuda
+else
+  echo "note: a GPU is here: the no-GPU refusals are not checked"
+fi
+
+# ddp-train --pp 2 --device cuda:0 under ddprun: the pipeline says what is
+# missing (DDP_BACKEND=ddp keeps the group on the CPU, so the refusal is
+# the trainer's, reached on any machine).
+DDP_BACKEND=ddp DDP_GPU_AFFINITY=off timeout 120 "$bin/ddprun" --nproc-per-node 2 "$bin/ddp-train" \
+  --model toy --samples 256 --batch-size 16 --epochs 1 --pp 2 --device cuda:0 >"$tmp/pp.out" 2>"$tmp/pp.err"
+rc=$?
+[ $rc -ne 0 ] || fail "ddp-train --pp 2 --device cuda:0 succeeded"
+grep -q "pipeline: stages on cuda:0 are not built yet" "$tmp/pp.err" ||
+  fail "ddp-train --pp --device cuda: $(cat "$tmp/pp.err")"
+grep -q "run the 2 stages on the CPU (--device cpu), or train data-parallel on the GPUs without --pp" "$tmp/pp.err" ||
+  fail "ddp-train --pp --device cuda: no advice: $(cat "$tmp/pp.err")"
+echo "ok: ddp-train --pp 2 --device cuda:0 refused naming what is missing"
+echo "PASS"
