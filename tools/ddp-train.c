@@ -79,6 +79,7 @@ typedef struct train_args {
   int precision_value;     /* its ddp_precision (0: fp32) */
   const char *grad_scaler; /* --grad-scaler auto | on | off (auto: on for fp16) */
   int64_t grad_scaler_growth_interval; /* --grad-scaler-growth-interval N (0: 2000) */
+  double clip_grad_norm;   /* --clip-grad-norm MAX: 0 = none */
 } train_args;
 
 /* --grad-scaler's names (ddp_train_grad_scaler), -1 for another. */
@@ -116,6 +117,9 @@ static void usage(FILE *f) {
 "  --lr X               learning rate (default: sgd 0.01, adam 0.001, adadelta 1.0)\n"
 "  --momentum X         SGD momentum (default 0)\n"
 "  --weight-decay X     L2 penalty (default 0)\n"
+"  --clip-grad-norm MAX before each step scale the gradients so that their global L2\n"
+"                       norm is at most MAX (torch.nn.utils.clip_grad_norm_; single,\n"
+"                       data parallel and --zero; a non-finite norm stops the run)\n"
 "  --scheduler step     StepLR: multiply the lr by --gamma every --step-size epochs\n"
 "  --step-size N        epochs between lr changes (default 1)\n"
 "  --gamma X            lr factor (default 0.1)\n"
@@ -178,9 +182,11 @@ static void usage(FILE *f) {
 "                       its state is saved beside --save, one file per rank)\n"
 "  --powersgd-start N   PowerSGD's first N steps are plain allreduces (default 1000,\n"
 "                       PyTorch's start_powerSGD_iter; N > 1)\n"
-"  --zero S            ZeRO stage 1 or 2 (docs/sharding.md): each rank keeps the optimizer\n"
+"  --zero S            ZeRO stage 1, 2 or 3 (docs/sharding.md): each rank keeps the optimizer\n"
 "                       state of its 1/W of the parameters (1), and receives only that\n"
-"                       range's reduced gradients (2); --save writes the ordinary\n"
+"                       range's reduced gradients (2), and holds only that range of the\n"
+"                       parameters, gathering each top-level module when it runs (3,\n"
+"                       FSDP's FULL_SHARD); --save writes the ordinary\n"
 "                       checkpoint, which --resume loads at any world size and stage\n"
 "  --sharded-checkpoint --save DIR writes a directory: each rank its range of the\n"
 "                       parameters and optimizer state, rank 0 the metadata; --resume\n"
@@ -217,7 +223,8 @@ static void usage(FILE *f) {
 "                       mean of the per-step times above over those steps),\n"
 "                       steady_preempted_ms_per_rank (every rank's mean preempted_ms),\n"
 "                       memory_per_rank (every rank's param_bytes, grad_bytes,\n"
-"                       optim_state_bytes), epochs, world_size)\n"
+"                       optim_state_bytes, grad_reduced_bytes, peak_tensor_bytes,\n"
+"                       max_rss_bytes; docs/train.md \"Memory\"), epochs, world_size)\n"
 "Checkpoints (safetensors; docs/io.md)\n"
 "  --save PATH          at the end of training write the model's state dict to PATH (loads\n"
 "                       into PyTorch with load_state_dict(strict=True)) and the training\n"
@@ -313,7 +320,7 @@ static void parse_args(int argc, char **argv, train_args *a) {
         "--schedule", "--virtual-stages", "--split", "--param-servers", "--ps-mode", "--backend",
         "--step-sleep-ms", "--straggler", "--replicas",
         "--elastic-batch", "--zero", "--comm-hook", "--powersgd-start", "--precision",
-        "--grad-scaler", "--grad-scaler-growth-interval"};
+        "--grad-scaler", "--grad-scaler-growth-interval", "--clip-grad-norm"};
     char name[64];
     const char *eq;
     cli_valued_option(f, valued, sizeof valued / sizeof *valued, name, sizeof name, &eq);
@@ -357,6 +364,11 @@ static void parse_args(int argc, char **argv, train_args *a) {
     else if (!strcmp(name, "--virtual-stages")) a->virtual_stages = cli_parse_int(name, v, 1, INT64_MAX);
     else if (!strcmp(name, "--split")) a->split = v;
     else if (!strcmp(name, "--zero")) a->zero = cli_parse_int(name, v, 1, 3);
+    else if (!strcmp(name, "--clip-grad-norm")) {
+      a->clip_grad_norm = parse_double(name, v);
+      if (!(a->clip_grad_norm > 0) || isinf(a->clip_grad_norm))
+        cli_die_usage("--clip-grad-norm: %s is not a finite max_norm > 0", v);
+    }
     else if (!strcmp(name, "--comm-hook")) {
       a->comm_hook = 0;
       a->powersgd_rank = 0;
@@ -722,9 +734,11 @@ static void print_summary(const train_args *a, const ddp_train_result *r, const 
     printf("\"memory_per_rank\": [");
     for (int k = 0; k < r->world_size; k++) {
       const ddp_train_memory *m = &r->memory_per_rank[k];
-      printf("%s{\"param_bytes\": %lld, \"grad_bytes\": %lld, \"optim_state_bytes\": %lld}",
+      printf("%s{\"param_bytes\": %lld, \"grad_bytes\": %lld, \"optim_state_bytes\": %lld, "
+             "\"grad_reduced_bytes\": %lld, \"peak_tensor_bytes\": %lld, \"max_rss_bytes\": %lld}",
              k ? ", " : "", (long long)m->param_bytes, (long long)m->grad_bytes,
-             (long long)m->optim_state_bytes);
+             (long long)m->optim_state_bytes, (long long)m->grad_reduced_bytes,
+             (long long)m->peak_tensor_bytes, (long long)m->max_rss_bytes);
     }
     printf("], ");
   }
@@ -904,6 +918,7 @@ int main(int argc, char **argv) {
   o.grad_scaler = a.grad_scaler ? parse_grad_scaler(a.grad_scaler) : DDP_TRAIN_GRAD_SCALER_AUTO;
   o.grad_scaler_growth_interval = (int32_t)a.grad_scaler_growth_interval;
   o.sharded_checkpoint = a.sharded_checkpoint;
+  o.clip_grad_norm = a.clip_grad_norm;
   ddp_train_pipeline pipeline = {0};
   if (a.pp) {
     if (!world.pg || world.size % a.pp)

@@ -240,6 +240,18 @@ ddp_rng *ddp_model_dropout_rng(ddp_model *model);
 void ddp_model_set_batch_norm_sync(ddp_model *model, const ddp_batch_norm_sync *sync);
 bool ddp_model_batch_norm_synced(const ddp_model *model);
 
+/* Called around the forward of each child of the root Sequential (the
+ * model's top-level modules, PyTorch's `named_children()`), in order:
+ * before it (after = false) and after it (after = true), with the child's
+ * name ("conv1", "layer1"). A non-OK status stops the forward with it.
+ * Children the forward fuses with the one before (a BatchNorm2d's ReLU and
+ * MaxPool2d) get no call of their own: they have no parameters. FSDP's
+ * per-module gather uses it (ddp/zero.h, stage 3); NULL removes it. One
+ * hook per model; the hook must not run a forward itself. */
+typedef ddp_status (*ddp_module_forward_hook)(ddp_model *model, const char *child, bool after,
+                                              void *user);
+void ddp_model_set_forward_hook(ddp_model *model, ddp_module_forward_hook fn, void *user);
+
 /* Moves the model's parameters, gradients and buffers (running stats) to
  * `device` (model.to(device)): the flat buffers are copied there and every
  * parameter and buffer tensor views the new ones; the old ones are freed.
@@ -269,12 +281,24 @@ ddp_status ddp_model_replicate(ddp_model *model, ddp_model **out);
 void ddp_model_zero_grad(ddp_model *model);
 
 /* torch.nn.utils.clip_grad_norm_(params, max_norm) with the L2 norm: computes
- * the total norm over all gradients (in double) and, when
- * max_norm / (norm + 1e-6) < 1, multiplies every gradient by that factor.
- * Writes the norm before clipping to *total_norm (may be NULL). A non-finite
- * norm leaves the gradients unchanged and returns DDP_ERR_RANGE (PyTorch's
- * error_if_nonfinite=True), still writing the norm. max_norm must be >= 0. */
+ * the total norm over all gradients (the squares summed in double) and
+ * multiplies every gradient by ddp_clip_coefficient(norm, max_norm) when
+ * that is below 1. Writes the norm before clipping to *total_norm (may be
+ * NULL). A non-finite norm leaves the gradients unchanged and returns
+ * DDP_ERR_RANGE (PyTorch's error_if_nonfinite=True), still writing the
+ * norm. max_norm must be >= 0. */
 ddp_status ddp_model_clip_grad_norm(ddp_model *model, double max_norm, double *total_norm);
+
+/* The factor clip_grad_norm_ multiplies the gradients by, in PyTorch's
+ * float32 order of operations: total_norm is a float32 tensor there, and
+ * `max_norm / (total_norm + 1e-6)` is Tensor.__rtruediv__, i.e.
+ * reciprocal(total_norm + 1e-6) * max_norm, each step rounded to float32,
+ * then clamped to at most 1. `total_norm` here is the norm computed in
+ * double; rounding it to float32 first is where PyTorch's float32 norm
+ * (a float32 sum of squares per tensor, then the norm of those norms) can
+ * differ: by a few units in its last place, so the factor differs by the
+ * same relative amount (docs/nn.md, "Gradient clipping"). */
+float ddp_clip_coefficient(double total_norm, double max_norm);
 
 /* Runs the module tree on x (the root Sequential's forward), recording on
  * `tape`. *out is tape-owned (valid until ddp_tape_reset). In training mode

@@ -241,7 +241,8 @@ typedef struct ddp_train_options {
    * them). 0 or 1: the model alone. CPU; not with a group. (0) */
   int32_t replicas;
   /* ZeRO (include/ddp/zero.h, docs/sharding.md): 1 or 2 shards the
-   * optimizer state (and, at 2, the gradients' reduction) over the group;
+   * optimizer state (and, at 2, the gradients' reduction) over the group,
+   * 3 the parameters too (gathered per top-level module);
    * AUTO then picks DDP_TRAIN_ZERO. Its checkpoints are the ordinary ones
    * (the state gathered to rank 0), which load at any world size and
    * stage. 0: none. (0) */
@@ -252,9 +253,7 @@ typedef struct ddp_train_options {
    * directory whatever this option is. (false) */
   bool sharded_checkpoint;
   uint8_t reserved8; /* zero */
-  /* The fields below grew the struct for issues 41 and 42; clip_grad_norm
-   * is refused non-zero (DDP_ERR_UNSUPPORTED) until issue 41's work gives
-   * it its meaning. */
+  /* The struct grew by 72 bytes here at once for issues 41 and 42. */
   /* Mixed precision (docs/mixed-precision.md): a ddp_precision from
    * ddp/tensor.h. FP32 (0): every op in float32. BF16, FP16: autocast's
    * region (ddp/tensor.h, "Autocast") around each step's forward and loss
@@ -313,9 +312,27 @@ typedef struct ddp_train_stage_stats {
   int64_t microbatch_activation_bytes; /* one micro-batch's forward alone */
 } ddp_train_stage_stats;
 
-/* One rank's training-state bytes (ddp_train_result.memory_per_rank). */
+/* One rank's training-state bytes (ddp_train_result.memory_per_rank;
+ * docs/train.md, "Memory"). */
 typedef struct ddp_train_memory {
+  /* The flat buffers: the parameters the rank holds, its gradient buffer
+   * (whole on every rank under data parallelism and ZeRO-1/2: backward
+   * accumulates into it), its optimizer's state buffers (1/W under ZeRO). */
   int64_t param_bytes, grad_bytes, optim_state_bytes;
+  /* The part of the gradient buffer that holds reduced gradients after a
+   * step: all of it under data parallelism and ZeRO-1, the rank's range
+   * under ZeRO-2 (the rest holds the rank's own, unreduced, until
+   * zero_grad). */
+  int64_t grad_reduced_bytes;
+  /* The most tensor memory the rank held at once: the three buffers above
+   * plus the high-water mark of the trainer's tape arenas (activations,
+   * their gradients and the kernels' scratch of a step's forward and
+   * backward). Not counted: the loader's batches, the data set, a
+   * checkpoint's one-off buffers, libraries. */
+  int64_t peak_tensor_bytes;
+  /* The process's peak resident set (getrusage ru_maxrss): everything,
+   * for ranks that are threads of one process the process's. */
+  int64_t max_rss_bytes;
 } ddp_train_memory;
 
 /* What ddp-train's --json summary reports. Filled by ddp_trainer_run; free

@@ -1,5 +1,6 @@
-/* ddp zero: ZeRO stages 1 and 2 (DeepSpeed's names; PyTorch's
- * ZeroRedundancyOptimizer is stage 1) on top of the data-parallel wrapper.
+/* ddp zero: ZeRO stages 1, 2 and 3 (DeepSpeed's names; PyTorch's
+ * ZeroRedundancyOptimizer is stage 1, FSDP's FULL_SHARD stage 3) on top of
+ * the data-parallel wrapper.
  * The flat parameter buffer of n floats is cut into one contiguous range
  * per rank, balanced ([n*r/W, n*(r+1)/W)), and each rank keeps the
  * optimizer's state of its own range only: with Adam, 8 bytes per
@@ -11,6 +12,12 @@
  *   stage 2: each bucket's gradients are reduced (summed) to the ranks
  *            owning its floats while backward runs, so a rank ends with
  *            the averaged gradients of its range only; then as stage 1.
+ *   stage 3: as stage 2, and each rank keeps only its range of the
+ *            parameters: the other pages of the flat parameter buffer are
+ *            given back to the system, and each top-level module's
+ *            parameters are gathered before its forward and again before
+ *            its backward, then released (docs/sharding.md, "Stage 3").
+ *            No gather after the step. The wrapper does not re-lay out.
  *
  * The model of use (one replica per rank; the optimizer over the model's
  * whole flat buffers, which ddp_zero_create narrows to this rank's range):
@@ -59,7 +66,7 @@ extern "C" {
 typedef struct ddp_zero ddp_zero;
 
 typedef struct ddp_zero_options {
-  int32_t stage;     /* 1 or 2 */
+  int32_t stage;     /* 1, 2 or 3 */
   uint32_t reserved32;
   ddp_dp_options dp; /* the wrapper's: buckets, relayout (ddp_dp_defaults()) */
   uint64_t reserved[4]; /* zero */
@@ -74,8 +81,12 @@ ddp_zero_options ddp_zero_defaults(int stage);
  * whole flat buffers, on the CPU) to this rank's range
  * (ddp_optimizer_narrow; state it already holds is kept for that range).
  * Collective. model, pg and opt are borrowed and must outlive the zero.
- * DDP_ERR_INVALID for a stage other than 1 or 2, an optimizer over other
- * buffers, or a model with fewer floats than ranks. *out NULL on failure
+ * DDP_ERR_INVALID for a stage other than 1, 2 or 3, an optimizer over other
+ * buffers, or a model with fewer floats than ranks; DDP_ERR_UNSUPPORTED at
+ * stage 3 for a model whose top-level modules' parameters are not
+ * registered together. Stage 3 installs the model's forward hook (removed
+ * by destroy) and gives back the pages outside this rank's range: read the
+ * parameters only after ddp_zero_sync_params. *out NULL on failure
  * (opt may then be narrowed already). */
 ddp_status ddp_zero_create(ddp_zero **out, ddp_model *model, ddp_process_group *pg,
                            ddp_optimizer *opt, const ddp_zero_options *options);
@@ -93,7 +104,8 @@ void ddp_zero_range(const ddp_zero *z, int rank, int64_t *offset, int64_t *numel
 void ddp_zero_set_no_sync(ddp_zero *z, bool no_sync);
 
 /* Completes the parameters (ddp_zero_sync_params) if an update may have
- * changed them since, then ddp_dp_forward. */
+ * changed them since, then ddp_dp_forward. Stage 3: gathers each
+ * top-level module before its forward instead, releasing it after. */
 ddp_status ddp_zero_forward(ddp_zero *z, ddp_tape *tape, ddp_tensor *x, ddp_tensor **out);
 /* ddp_dp_backward with the stage's reduction. On return (synced) this
  * rank's range of the gradient buffer holds the average over ranks; under
@@ -111,13 +123,16 @@ ddp_status ddp_zero_backward(ddp_zero *z, ddp_tape *tape, ddp_tensor *loss);
  * rank, gradients unchanged. Collective; call between backward and step. */
 ddp_status ddp_zero_clip_grad_norm(ddp_zero *z, double max_norm, double *total_norm);
 
-/* The optimizer's step on this rank's range, then ddp_zero_sync_params. */
+/* The optimizer's step on this rank's range, then ddp_zero_sync_params
+ * (not at stage 3: the next forward gathers module by module). */
 ddp_status ddp_zero_step(ddp_zero *z);
 
 /* Every range broadcast from its owner, so every rank holds the whole
- * updated model. Does nothing when no backward ran since the last sync.
- * Collective. Call it before reading the parameters (evaluation,
- * checkpoints) when the optimizer was stepped directly. */
+ * updated model. Does nothing when no backward ran since the last sync
+ * (and, at stage 3, the whole model is here). Collective. Call it before
+ * reading the parameters (evaluation, checkpoints) when the optimizer was
+ * stepped directly, and at stage 3 always (FSDP's summon_full_params; the
+ * next forward gives the other ranges back). */
 ddp_status ddp_zero_sync_params(ddp_zero *z);
 
 /* ---- State for checkpoints -----------------------------------------------
@@ -139,12 +154,14 @@ ddp_status ddp_zero_load_state(ddp_zero *z, ddp_optimizer *full);
 
 /* ---- Memory ---------------------------------------------------------------- */
 
-/* Bytes this rank holds for training state. param and grad: the model's
- * flat buffers (whole on every rank at stages 1 and 2: the tape
- * accumulates into the whole gradient buffer); grad_owned: the part of
- * the gradient buffer that holds reduced values (all of it at stage 1,
- * this rank's range at stage 2); optim_state: the narrowed optimizer's
- * state buffers; optim_state_unsharded: what they would be unsharded. */
+/* Bytes this rank holds for training state. param: the model's flat
+ * buffer at stages 1 and 2; at stage 3 this rank's range and at most one
+ * top-level module gathered (the largest union of the two). grad: the
+ * whole gradient buffer at every stage (the tape accumulates into it);
+ * grad_owned: the part of it that holds reduced values (all of it at
+ * stage 1, this rank's range at stages 2 and 3); optim_state: the narrowed
+ * optimizer's state buffers; optim_state_unsharded: what they would be
+ * unsharded. */
 typedef struct ddp_zero_memory {
   int64_t param_bytes, grad_bytes, grad_owned_bytes;
   int64_t optim_state_bytes, optim_state_unsharded_bytes;

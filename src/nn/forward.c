@@ -64,8 +64,14 @@ ddp_status ddp__module_forward(ddp_model *model, ddp_module *m, ddp_tape *tape, 
   ddp_tensor *h = x;
   const ddp_module *made_h = NULL; /* the child whose output h is, if any */
   const ddp_module *made_made_h = NULL; /* the child before it, if any */
+  const bool hooked = m == model->root && model->forward_hook;
   for (ddp_module *c = m->first_child; c; made_made_h = made_h, made_h = c, c = c->next_sibling) {
     ddp_module *next = c->next_sibling;
+    ddp_module *const first = c; /* the child this iteration starts at (it may fuse the next) */
+    if (hooked) {
+      ddp_status s = model->forward_hook(model, first->name, false, model->forward_hook_user);
+      if (s != DDP_OK) return ddp_error_wrap(s, "the forward hook before %s", first->path);
+    }
     ddp_module *third = next ? next->next_sibling : NULL;
     if (c->kind == DDP_MODULE_BATCHNORM2D && next && next->kind == DDP_MODULE_RELU && third &&
         third->kind == DDP_MODULE_MAXPOOL2D && h->ndim == 4) {
@@ -83,7 +89,7 @@ ddp_status ddp__module_forward(ddp_model *model, ddp_module *m, ddp_tape *tape, 
         return ddp_error_wrap(s, "%s, %s and %s (BatchNorm2d, ReLU, MaxPool2d)", c->path,
                               next->path, third->path);
       c = third;
-      continue;
+      goto after;
     }
     if (c->kind == DDP_MODULE_RELU && next && next->kind == DDP_MODULE_MAXPOOL2D) {
       /* ReLU then MaxPool2d: one op that never writes relu's output (the
@@ -92,7 +98,7 @@ ddp_status ddp__module_forward(ddp_model *model, ddp_module *m, ddp_tape *tape, 
       if (s != DDP_OK)
         return ddp_error_wrap(s, "%s and %s (ReLU, MaxPool2d)", c->path, next->path);
       c = next;
-      continue;
+      goto after;
     }
     /* A pooling's output that only this convolution reads, and that this
      * runner hands to no one else: max pooling's backward never reads its
@@ -114,6 +120,11 @@ ddp_status ddp__module_forward(ddp_model *model, ddp_module *m, ddp_tape *tape, 
         is_kind(last_leaf(made_made_h), DDP_MODULE_MAXPOOL2D) && h != x)
       h->flags |= DDP__TENSOR_REUSABLE;
     DDP_TRY(ddp__module_forward(model, c, tape, h, &h));
+  after:
+    if (hooked) {
+      ddp_status s = model->forward_hook(model, first->name, true, model->forward_hook_user);
+      if (s != DDP_OK) return ddp_error_wrap(s, "the forward hook after %s", first->path);
+    }
   }
   *out = h;
   return DDP_OK;
@@ -128,8 +139,13 @@ ddp_status ddp_model_forward(ddp_model *model, ddp_tape *tape, ddp_tensor *x, dd
   ddp_status s = DDP_OK;
   if (model->forward_order) {
     ddp_tensor *h = x;
-    for (int i = 0; i < model->n_forward && s == DDP_OK; i++)
-      s = ddp__module_forward(model, model->forward_order[i], tape, h, &h);
+    for (int i = 0; i < model->n_forward && s == DDP_OK; i++) {
+      ddp_module *c = model->forward_order[i];
+      if (model->forward_hook) s = model->forward_hook(model, c->name, false, model->forward_hook_user);
+      if (s == DDP_OK) s = ddp__module_forward(model, c, tape, h, &h);
+      if (s == DDP_OK && model->forward_hook)
+        s = model->forward_hook(model, c->name, true, model->forward_hook_user);
+    }
     *out = h;
   } else {
     s = ddp__module_forward(model, model->root, tape, x, out);

@@ -625,11 +625,24 @@ void ddp_model_set_batch_norm_sync(ddp_model *model, const ddp_batch_norm_sync *
 }
 bool ddp_model_batch_norm_synced(const ddp_model *model) { return model->bn_synced; }
 
+void ddp_model_set_forward_hook(ddp_model *model, ddp_module_forward_hook fn, void *user) {
+  model->forward_hook = fn;
+  model->forward_hook_user = fn ? user : NULL;
+}
+
 void ddp_model_zero_grad(ddp_model *model) {
   if (model->grads_flat && model->device.type != DDP_DEVICE_CPU)
     ddp__basic_kernels_for(model->device)->fill(model->grads_flat, 0.0f, model->n_param_elems);
   else if (model->grads_flat)
     memset(model->grads_flat, 0, (size_t)model->n_param_elems * sizeof(float));
+}
+
+float ddp_clip_coefficient(double total_norm, double max_norm) {
+  /* volatile: each operation rounded to float32 as PyTorch's tensors are,
+   * whatever the compiler's excess precision or contraction. */
+  volatile float denom = (float)total_norm + 1e-6f;
+  volatile float coef = (1.0f / denom) * (float)max_norm;
+  return coef > 1.0f ? 1.0f : coef; /* torch.clamp(max=1.0), which keeps a NaN */
 }
 
 ddp_status ddp_model_clip_grad_norm(ddp_model *model, double max_norm, double *total_norm) {
@@ -649,9 +662,8 @@ ddp_status ddp_model_clip_grad_norm(ddp_model *model, double max_norm, double *t
     return ddp_error(DDP_ERR_RANGE,
                      "nn: clip_grad_norm: the total gradient norm is %g; gradients left as they are",
                      norm);
-  double coef = max_norm / (norm + 1e-6);
-  if (coef < 1.0) {
-    float c = (float)coef;
+  const float c = ddp_clip_coefficient(norm, max_norm);
+  if (c < 1.0f) {
     if (model->device.type != DDP_DEVICE_CPU)
       k->scale(model->grads_flat, c, model->n_param_elems);
     else

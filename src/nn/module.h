@@ -60,6 +60,9 @@ struct ddp_model {
    * in registration order. */
   ddp_module **forward_order;
   int n_forward;
+  /* ddp_model_set_forward_hook: around each top-level child's forward. */
+  ddp_module_forward_hook forward_hook;
+  void *forward_hook_user;
 
   /* Parameters: tensors viewing params_flat / grads_flat, in registration order. */
   int n_params;

@@ -280,7 +280,7 @@ void ddp__dp_mark_ready(ddp_dp *dp, int i) {
     launch_bucket(dp, dp->next_launch++);
 }
 
-static void grad_ready(ddp_tensor *param, void *user) {
+void ddp__dp_grad_ready(ddp_tensor *param, void *user) {
   ddp_dp *dp = user;
   int i = param->param_index;
   /* Parameters of another model on the same tape are not ours. */
@@ -313,7 +313,7 @@ ddp_status ddp_dp_prepare_backward(ddp_dp *dp, ddp_tape *tape) {
   ddp__dp_arm(dp, !dp->no_sync);
   dp->tape = tape;
   if (!dp->syncing) return DDP_OK;
-  ddp_tape_set_grad_hook(tape, grad_ready, dp);
+  ddp_tape_set_grad_hook(tape, ddp__dp_grad_ready, dp);
   /* find_unused_parameters: a parameter no recorded op uses gets no hook;
    * mark it ready now (PyTorch marks it at the end of forward) so its bucket
    * need not wait for the end of backward. Its gradient is reduced as it is. */

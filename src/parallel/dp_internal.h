@@ -109,6 +109,9 @@ ddp_dp_comm_hook ddp__dp_builtin_hook(ddp_dp *dp, ddp_dp_hook_kind kind);
 /* Marks parameter i ready and launches every bucket that is now next in
  * line and complete. */
 void ddp__dp_mark_ready(ddp_dp *dp, int i);
+/* The wrapper's tape grad hook (user: the dp), for a hook that chains it
+ * (ZeRO-3's). */
+void ddp__dp_grad_ready(ddp_tensor *param, void *user);
 /* Resets this backward's progress (every parameter not ready). */
 void ddp__dp_arm(ddp_dp *dp, bool syncing);
 /* Waits for every launched bucket and finishes it; see finalize_backward. */

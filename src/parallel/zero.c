@@ -7,6 +7,8 @@
  * relayout is still to come) rather than widen the wrapper's API. */
 #include <math.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "ddp/zero.h"
 #include "parallel/dp_internal.h"
@@ -28,6 +30,28 @@ struct ddp_zero {
   ddp_work **pending;   /* (n_params * world) */
   int *n_pending;       /* (n_params) */
   bool *bucket_full;    /* (n_params) this backward's bucket was allreduced whole */
+  /* Stage 3: the model's top-level modules that have parameters ("units"),
+   * each a contiguous region [unit_lo, unit_hi) of the flat buffers (no
+   * relayout), gathered before its forward and its backward and released
+   * after (docs/sharding.md, "Stage 3"). */
+  int n_units;
+  int64_t *unit_lo, *unit_hi;  /* (n_units) */
+  int *unit_name_len;          /* (n_units) the prefix of its parameters' names */
+  int *unit_first_param;       /* (n_units) */
+  int *unit_params, *unit_pending; /* (n_units) its parameters; those without a final gradient yet */
+  int *param_unit;             /* (n_params) */
+  bool *gathered;              /* (n_units) its region holds the current parameters */
+  /* This forward's units in the order they ran (the forward order, which
+   * need not be the registration order: ddp_model_set_forward_order), and
+   * each unit's place in it; backward gathers them in reverse. */
+  int *fwd_seq, *fwd_pos;      /* (n_units) */
+  int n_seq;
+  int fwd_held;                /* the unit kept after its forward, until the next one's (-1) */
+  bool whole;                  /* every parameter is here (ddp_zero_sync_params) */
+  bool in_forward;             /* inside ddp_zero_forward: the forward hook gathers */
+  ddp_status backward_error;   /* a gather in the grad hook failed */
+  int64_t page_floats;         /* floats in a page */
+  int64_t largest_unit;        /* floats */
 };
 
 ddp_zero_options ddp_zero_defaults(int stage) {
@@ -62,12 +86,23 @@ void ddp_zero_destroy(ddp_zero *z) {
   if (!z) return;
   if (z->pending)
     for (int b = 0; b < z->n_params; b++) free_pending(z, b);
+  if (z->stage == 3 && z->model) ddp_model_set_forward_hook(z->model, NULL, NULL);
   ddp_dp_destroy(z->dp);
   ddp_free(z->lo);
   ddp_free(z->offsets);
   ddp_free(z->pending);
   ddp_free(z->n_pending);
   ddp_free(z->bucket_full);
+  ddp_free(z->unit_lo);
+  ddp_free(z->unit_hi);
+  ddp_free(z->unit_name_len);
+  ddp_free(z->unit_first_param);
+  ddp_free(z->unit_params);
+  ddp_free(z->unit_pending);
+  ddp_free(z->param_unit);
+  ddp_free(z->gathered);
+  ddp_free(z->fwd_seq);
+  ddp_free(z->fwd_pos);
   ddp_free(z);
 }
 
@@ -132,6 +167,171 @@ static ddp_status stage2_finish(void *state, ddp_dp_bucket *bucket) {
   return DDP_OK;
 }
 
+/* ---- Stage 3: parameters gathered per top-level module ----------------------
+ * Each rank keeps its range of the flat parameter buffer; the rest of the
+ * buffer's pages are given back to the system (madvise MADV_DONTNEED: the
+ * address range stays, its memory goes, a later write faults a zeroed page
+ * in) except while a unit is gathered: before its forward (the model's
+ * forward hook) and before its backward (the grad hook, when the last
+ * gradient of the unit that ran after it in forward is final, which in a
+ * Sequential is just before the unit's first op in backward). A unit is
+ * released when the next one's forward begins (the last one is kept: its
+ * backward comes next) and after its backward. Only whole
+ * pages inside a unit and outside the rank's range are released: a page
+ * shared with a neighbour or with the range stays (at most two per unit). */
+
+static ddp_status gather_region(ddp_zero *z, int64_t a, int64_t b) {
+  float *p = ddp_model_params_flat(z->model);
+  for (int r = 0; r < z->world; r++) {
+    const int64_t from = a > z->lo[r] ? a : z->lo[r], to = b < z->lo[r + 1] ? b : z->lo[r + 1];
+    if (from >= to) continue;
+    ddp_status s = ddp_broadcast(z->pg, p + from, (size_t)(to - from), DDP_FLOAT32, r);
+    if (s != DDP_OK)
+      return ddp_error_wrap(s, "zero (rank %d): gathering floats [%lld, %lld) from rank %d",
+                            z->rank, (long long)from, (long long)to, r);
+  }
+  return DDP_OK;
+}
+
+static ddp_status gather_unit(ddp_zero *z, int k) {
+  if (z->gathered[k]) return DDP_OK;
+  DDP_TRY(gather_region(z, z->unit_lo[k], z->unit_hi[k]));
+  z->gathered[k] = true;
+  return DDP_OK;
+}
+
+/* Gives back the whole pages of [from, to) of the parameter buffer. */
+static void release_floats(ddp_zero *z, int64_t from, int64_t to) {
+  const int64_t pf = z->page_floats;
+  float *p = ddp_model_params_flat(z->model);
+  const uintptr_t base = (uintptr_t)p, page = (uintptr_t)pf * sizeof(float);
+  uintptr_t start = base + (uintptr_t)from * sizeof(float), end = base + (uintptr_t)to * sizeof(float);
+  start = (start + page - 1) / page * page;
+  end = end / page * page;
+  if (end > start) (void)madvise((void *)start, end - start, MADV_DONTNEED);
+}
+
+static void release_unit(ddp_zero *z, int k) {
+  if (!z->gathered[k]) return;
+  const int64_t a = z->unit_lo[k], b = z->unit_hi[k];
+  const int64_t own_a = z->lo[z->rank], own_b = z->lo[z->rank + 1];
+  /* [a, b) less [own_a, own_b): up to two pieces. */
+  release_floats(z, a, b < own_a ? b : own_a);
+  release_floats(z, a > own_b ? a : own_b, b);
+  z->gathered[k] = false;
+}
+
+static void release_all(ddp_zero *z) {
+  for (int k = 0; k < z->n_units; k++) {
+    z->gathered[k] = true; /* whatever it holds goes */
+    release_unit(z, k);
+  }
+  z->whole = false;
+}
+
+static int unit_of_child(const ddp_zero *z, const char *child) {
+  for (int k = 0; k < z->n_units; k++) {
+    const char *name = ddp_model_param_name(z->model, z->unit_first_param[k]);
+    const int len = z->unit_name_len[k];
+    if (!strncmp(name, child, (size_t)len) && child[len] == '\0') return k;
+  }
+  return -1;
+}
+
+/* A unit is kept after its forward until the next unit's forward begins:
+ * the one kept when the forward ends is the last, whose backward comes
+ * first. One unit is gathered at a time. */
+static ddp_status forward_hook(ddp_model *model, const char *child, bool after, void *user) {
+  (void)model;
+  ddp_zero *z = user;
+  if (!z->in_forward) return DDP_OK; /* an evaluation on the whole model */
+  const int k = unit_of_child(z, child);
+  if (k < 0) return DDP_OK; /* no parameters */
+  if (after) {
+    z->fwd_held = k;
+    return DDP_OK;
+  }
+  if (z->fwd_held >= 0 && z->fwd_held != k) release_unit(z, z->fwd_held);
+  z->fwd_held = -1;
+  if (z->fwd_pos[k] < 0) {
+    z->fwd_pos[k] = z->n_seq;
+    z->fwd_seq[z->n_seq++] = k;
+  }
+  return gather_unit(z, k);
+}
+
+/* The tape's grad hook under stage 3: the wrapper's (when it reduces this
+ * backward), then, when a unit's last gradient is final, that unit is
+ * released and the one before it gathered. */
+static void stage3_grad_ready(ddp_tensor *param, void *user) {
+  ddp_zero *z = user;
+  if (z->dp->syncing) ddp__dp_grad_ready(param, z->dp);
+  const int i = param->param_index;
+  if (i < 0 || i >= z->n_params || ddp_model_param(z->model, i) != param) return;
+  const int k = z->param_unit[i];
+  if (--z->unit_pending[k] != 0) return;
+  release_unit(z, k);
+  const int at = z->fwd_pos[k];
+  if (at > 0 && z->backward_error == DDP_OK) z->backward_error = gather_unit(z, z->fwd_seq[at - 1]);
+}
+
+/* The units from the parameters' names (the first component is the
+ * top-level module), in registration order, which without a relayout is
+ * the flat buffer's. */
+static ddp_status make_units(ddp_zero *z) {
+  const int np = z->n_params;
+  size_t slots = (size_t)(np ? np : 1);
+  z->unit_lo = ddp_calloc(slots, sizeof(int64_t));
+  z->unit_hi = ddp_calloc(slots, sizeof(int64_t));
+  z->unit_name_len = ddp_calloc(slots, sizeof(int));
+  z->unit_first_param = ddp_calloc(slots, sizeof(int));
+  z->unit_params = ddp_calloc(slots, sizeof(int));
+  z->unit_pending = ddp_calloc(slots, sizeof(int));
+  z->param_unit = ddp_calloc(slots, sizeof(int));
+  z->gathered = ddp_calloc(slots, sizeof(bool));
+  z->fwd_seq = ddp_calloc(slots, sizeof(int));
+  z->fwd_pos = ddp_calloc(slots, sizeof(int));
+  if (!z->unit_lo || !z->unit_hi || !z->unit_name_len || !z->unit_first_param ||
+      !z->unit_params || !z->unit_pending || !z->param_unit || !z->gathered || !z->fwd_seq ||
+      !z->fwd_pos)
+    return ddp_error(DDP_ERR_NOMEM, "zero: stage 3: out of memory for %d parameters", np);
+  long page = sysconf(_SC_PAGESIZE);
+  z->page_floats = (page > 0 ? page : 4096) / (long)sizeof(float);
+  int64_t end = 0;
+  for (int i = 0; i < np; i++) {
+    const char *name = ddp_model_param_name(z->model, i);
+    const char *dot = strchr(name, '.');
+    const int len = dot ? (int)(dot - name) : (int)strlen(name);
+    const int64_t off = ddp_model_param_offset(z->model, i);
+    const int64_t numel = ddp_model_param(z->model, i)->numel;
+    int k = z->n_units - 1;
+    if (k < 0 || len != z->unit_name_len[k] ||
+        strncmp(name, ddp_model_param_name(z->model, z->unit_first_param[k]), (size_t)len)) {
+      for (int j = 0; j < z->n_units; j++)
+        if (len == z->unit_name_len[j] &&
+            !strncmp(name, ddp_model_param_name(z->model, z->unit_first_param[j]), (size_t)len))
+          return ddp_error(DDP_ERR_UNSUPPORTED, "zero: stage 3: parameter '%s' comes after "
+                           "another module's: each top-level module's parameters must be "
+                           "registered together", name);
+      k = z->n_units++;
+      z->unit_name_len[k] = len;
+      z->unit_first_param[k] = i;
+      z->unit_lo[k] = off;
+    }
+    if (off != end)
+      return ddp_error(DDP_ERR_UNSUPPORTED, "zero: stage 3: parameter '%s' is at float %lld of "
+                       "the flat buffer, not %lld: the buffer must be in registration order",
+                       name, (long long)off, (long long)end);
+    end = off + numel;
+    z->unit_hi[k] = end;
+    z->unit_params[k]++;
+    z->param_unit[i] = k;
+  }
+  for (int k = 0; k < z->n_units; k++)
+    if (z->unit_hi[k] - z->unit_lo[k] > z->largest_unit) z->largest_unit = z->unit_hi[k] - z->unit_lo[k];
+  return DDP_OK;
+}
+
 /* ---- Construction ------------------------------------------------------------ */
 
 static void snapshot_offsets(ddp_zero *z) {
@@ -145,8 +345,11 @@ ddp_status ddp_zero_create(ddp_zero **out, ddp_model *model, ddp_process_group *
   if (!model || !pg || !opt)
     return ddp_error(DDP_ERR_INVALID, "zero: create: model, group and optimizer are required");
   ddp_zero_options o = options ? *options : ddp_zero_defaults(1);
-  if (o.stage != 1 && o.stage != 2)
-    return ddp_error(DDP_ERR_INVALID, "zero: stage %d: stages 1 and 2 are implemented", o.stage);
+  if (o.stage != 1 && o.stage != 2 && o.stage != 3)
+    return ddp_error(DDP_ERR_INVALID, "zero: stage %d: stages 1, 2 and 3 are implemented", o.stage);
+  /* Stage 3 gathers a module's contiguous region: the buffer keeps the
+   * registration (forward) order. */
+  if (o.stage == 3) o.dp.relayout = false;
   const int64_t n = ddp_model_num_param_elements(model);
   const int world = ddp_process_group_size(pg), rank = ddp_process_group_rank(pg);
   if (ddp_optimizer_options(opt)->device.type != DDP_DEVICE_CPU ||
@@ -183,9 +386,13 @@ ddp_status ddp_zero_create(ddp_zero **out, ddp_model *model, ddp_process_group *
   /* Balanced: sizes differ by at most one float. */
   for (int r = 0; r <= world; r++) z->lo[r] = n * r / world;
   snapshot_offsets(z);
+  if (z->stage == 3) {
+    s = make_units(z);
+    if (s != DDP_OK) goto err;
+  }
   s = ddp_dp_create(&z->dp, model, pg, &o.dp);
   if (s != DDP_OK) goto err;
-  if (z->stage == 2) {
+  if (z->stage >= 2) {
     ddp_dp_comm_hook h = {stage2_launch, stage2_finish, z};
     s = ddp_dp_set_comm_hook_fn(z->dp, &h);
     if (s != DDP_OK) goto err;
@@ -196,6 +403,11 @@ ddp_status ddp_zero_create(ddp_zero **out, ddp_model *model, ddp_process_group *
   s = ddp_optimizer_narrow(opt, (size_t)z->lo[rank], (size_t)(z->lo[rank + 1] - z->lo[rank]));
   if (s != DDP_OK) goto err;
   if (z->dp->relayout_done) z->relayout_seen = true; /* none will come */
+  if (z->stage == 3) {
+    /* The wrapper broadcast rank 0's parameters: each rank keeps its range. */
+    release_all(z);
+    ddp_model_set_forward_hook(model, forward_hook, z);
+  }
   *out = z;
   return DDP_OK;
 err:
@@ -250,6 +462,16 @@ static ddp_status follow_relayout(ddp_zero *z) {
 /* ---- One iteration --------------------------------------------------------- */
 
 ddp_status ddp_zero_sync_params(ddp_zero *z) {
+  if (z->stage == 3) {
+    /* The whole model, for whoever reads it (FSDP's summon_full_params);
+     * the next forward gives the rest back. */
+    if (z->whole && !z->params_stale) return DDP_OK;
+    DDP_TRY(gather_region(z, 0, z->n));
+    for (int k = 0; k < z->n_units; k++) z->gathered[k] = true;
+    z->whole = true;
+    z->params_stale = false;
+    return DDP_OK;
+  }
   if (!z->params_stale) return DDP_OK;
   float *p = ddp_model_params_flat(z->model);
   for (int r = 0; r < z->world; r++) {
@@ -263,13 +485,48 @@ ddp_status ddp_zero_sync_params(ddp_zero *z) {
 }
 
 ddp_status ddp_zero_forward(ddp_zero *z, ddp_tape *tape, ddp_tensor *x, ddp_tensor **out) {
-  DDP_TRY(ddp_zero_sync_params(z));
-  return ddp_dp_forward(z->dp, tape, x, out);
+  if (z->stage != 3) {
+    DDP_TRY(ddp_zero_sync_params(z));
+    return ddp_dp_forward(z->dp, tape, x, out);
+  }
+  /* Updated ranges, or the whole model summoned: every unit is gathered
+   * afresh, one at a time, by the forward hook. */
+  if (z->params_stale || z->whole) release_all(z);
+  z->params_stale = false;
+  for (int k = 0; k < z->n_units; k++) z->fwd_pos[k] = -1;
+  z->n_seq = 0;
+  z->fwd_held = -1;
+  z->in_forward = true;
+  ddp_status s = ddp_dp_forward(z->dp, tape, x, out);
+  z->in_forward = false;
+  return s;
+}
+
+/* ddp_dp_backward with the stage-3 grad hook in the wrapper's place. */
+static ddp_status stage3_backward(ddp_zero *z, ddp_tape *tape, ddp_tensor *loss) {
+  ddp_dp *dp = z->dp;
+  DDP_TRY(ddp_dp_prepare_backward(dp, tape));
+  for (int k = 0; k < z->n_units; k++) z->unit_pending[k] = z->unit_params[k];
+  z->backward_error = DDP_OK;
+  ddp_tape_set_grad_hook(tape, stage3_grad_ready, z);
+  dp->backward_start_ns = ddp_time_ns();
+  ddp_status s = ddp_backward(tape, loss);
+  dp->backward_end_ns = ddp_time_ns();
+  if (s == DDP_OK) s = z->backward_error;
+  if (s != DDP_OK) {
+    /* Leave nothing in flight on the gradient buffer. */
+    ddp_tape_set_grad_hook(tape, NULL, NULL);
+    dp->tape = NULL;
+    (void)ddp__dp_complete(dp);
+    dp->armed = false;
+    return s;
+  }
+  return ddp_dp_finalize_backward(dp);
 }
 
 ddp_status ddp_zero_backward(ddp_zero *z, ddp_tape *tape, ddp_tensor *loss) {
   bool syncing = !z->dp->no_sync;
-  DDP_TRY(ddp_dp_backward(z->dp, tape, loss));
+  DDP_TRY(z->stage == 3 ? stage3_backward(z, tape, loss) : ddp_dp_backward(z->dp, tape, loss));
   if (!syncing) return DDP_OK;
   z->params_stale = true;
   return follow_relayout(z);
@@ -289,9 +546,8 @@ ddp_status ddp_zero_clip_grad_norm(ddp_zero *z, double max_norm, double *total_n
   if (!isfinite(norm))
     return ddp_error(DDP_ERR_RANGE, "zero: clip_grad_norm: the total gradient norm is %g; "
                      "gradients left as they are", norm);
-  double coef = max_norm / (norm + 1e-6);
-  if (coef < 1.0) {
-    float c = (float)coef;
+  const float c = ddp_clip_coefficient(norm, max_norm);
+  if (c < 1.0f) {
     for (int64_t i = 0; i < n; i++) g[i] *= c;
   }
   return DDP_OK;
@@ -300,7 +556,8 @@ ddp_status ddp_zero_clip_grad_norm(ddp_zero *z, double max_norm, double *total_n
 ddp_status ddp_zero_step(ddp_zero *z) {
   DDP_TRY(ddp_optimizer_step(z->opt));
   z->params_stale = true;
-  return ddp_zero_sync_params(z);
+  /* Stage 3 gathers per unit in the next forward. */
+  return z->stage == 3 ? DDP_OK : ddp_zero_sync_params(z);
 }
 
 /* ---- State for checkpoints ---------------------------------------------------- */
@@ -371,9 +628,23 @@ ddp_status ddp_zero_load_state(ddp_zero *z, ddp_optimizer *full) {
 void ddp_zero_get_memory(const ddp_zero *z, ddp_zero_memory *out) {
   memset(out, 0, sizeof *out);
   const int64_t f = (int64_t)sizeof(float), own_n = z->lo[z->rank + 1] - z->lo[z->rank];
+  /* Stage 3: the range and the largest unit gathered (pages shared at a
+   * unit's edges aside). */
   out->param_bytes = z->n * f;
+  if (z->stage == 3) {
+    /* The range and, at most, one unit: the largest union of the two. */
+    const int64_t own_a = z->lo[z->rank], own_b = z->lo[z->rank + 1];
+    int64_t most = own_n;
+    for (int k = 0; k < z->n_units; k++) {
+      const int64_t a = z->unit_lo[k] > own_a ? z->unit_lo[k] : own_a;
+      const int64_t b = z->unit_hi[k] < own_b ? z->unit_hi[k] : own_b;
+      const int64_t held = own_n + (z->unit_hi[k] - z->unit_lo[k]) - (b > a ? b - a : 0);
+      if (held > most) most = held;
+    }
+    out->param_bytes = most * f;
+  }
   out->grad_bytes = z->n * f;
-  out->grad_owned_bytes = (z->stage == 2 ? own_n : z->n) * f;
+  out->grad_owned_bytes = (z->stage >= 2 ? own_n : z->n) * f;
   int64_t buffers = 0;
   for (size_t k = 0; k < ddp_optimizer_state_count(z->opt); k++) {
     ddp_optim_state st;

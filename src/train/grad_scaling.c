@@ -2,7 +2,7 @@
  * precision option checked, the GradScaler (include/ddp/optim.h) made
  * from the options, and the optimizer step every strategy takes once its
  * gradients are final: unscale, the inf/NaN finding agreed over the group,
- * [clipping], the step or its skip, the scaler's update. */
+ * clipping, the step or its skip, the scaler's update. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -138,9 +138,13 @@ ddp_status ddp__train_optimizer_step(ddp_trainer *t) {
     found = ddp_grad_scaler_unscale(&t->scaler, g, (size_t)n);
     DDP_TRY(agree(t, &found));
   }
-  /* Gradient clipping (options.clip_grad_norm) goes here: after the
+  /* Gradient clipping (options.clip_grad_norm, step.c): after the
    * unscale, before the step, as PyTorch's recipe has it
-   * (scaler.unscale_(opt); clip_grad_norm_(...); scaler.step(opt)). */
+   * (scaler.unscale_(opt); clip_grad_norm_(...); scaler.step(opt)). A
+   * step the scaler skips is not clipped: its norm is inf/NaN, and the
+   * finding is agreed, so every rank of a sharded norm's allreduce skips
+   * it alike. */
+  if (!found) DDP_TRY(ddp__train_clip(t));
   if (!found) {
     ddp_status s = ddp_optimizer_step(t->opt);
     if (s != DDP_OK) return ddp_error_wrap(s, "optimizer step");

@@ -120,6 +120,8 @@ void ddp__train_graph_destroy(ddp_trainer *t) {
   t->graph = NULL;
 }
 
+ddp_tape *ddp__train_graph_tape(const ddp_trainer *t) { return t->graph ? t->graph->tape : NULL; }
+
 bool ddp__train_graph_takes(const ddp_trainer *t, const ddp_batch *b) {
   return t->graph && b->size == t->o.batch_size;
 }
@@ -205,7 +207,8 @@ ddp_status ddp__train_graph_step(ddp_trainer *t, ddp_batch *b, float *loss, ddp_
   int64_t *counters = ddp_model_counters(t->model);
   for (int i = 0; i < g->n_counters; i++) counters[i] += g->counter_delta[i];
   double t2 = ddp_time_s();
-  s = ddp_optimizer_step(t->opt);
+  s = ddp__train_clip(t); /* outside the graph: the norm's read-back is a sync */
+  if (s == DDP_OK) s = ddp_optimizer_step(t->opt);
   if (s != DDP_OK) return ddp_error_wrap(s, "optimizer step");
   double t3 = ddp_time_s();
   /* loss.item(): waits for the replay and the optimizer, and reports a bad

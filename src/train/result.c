@@ -2,19 +2,35 @@
  * loop's state once the loop is over, and their release. */
 #include <math.h>
 #include <stdlib.h>
+#include <sys/resource.h>
 
+#include "tensor/tape.h" /* ddp__tape_arena_on: the arenas' high water */
 #include "train/train_internal.h"
+
+#define MEMORY_FIGURES 6
+
+/* The bytes a tape's arenas held at most: the host arena, and the device's
+ * when the model is on a GPU. */
+static double tape_high_water(ddp_tape *tape, ddp_device device) {
+  if (!tape) return 0;
+  double bytes = (double)ddp__tape_arena(tape)->high_water;
+  if (device.type != DDP_DEVICE_CPU) {
+    ddp_arena *a = ddp__tape_arena_on(tape, device);
+    if (a && a != ddp__tape_arena(tape)) bytes += (double)a->high_water;
+  }
+  return bytes;
+}
 
 double ddp__train_per_second(int64_t count, double seconds) {
   return seconds > 0 ? (double)count / seconds : 0;
 }
 
-/* Every rank's parameter, gradient and optimizer-state bytes: its own
- * entry filled, then summed over the group (float64 sums of byte counts
- * below 2^53 are exact). */
+/* Every rank's memory figures (ddp_train_memory): its own entry filled,
+ * then summed over the group (float64 sums of byte counts below 2^53 are
+ * exact). */
 static ddp_status memory_figures(ddp_trainer *t, ddp_train_result *res) {
   const int n = t->size > 0 ? t->size : 1, me = t->size > 0 ? t->rank : 0;
-  double *sums = ddp_calloc((size_t)n * 3, sizeof(double));
+  double *sums = ddp_calloc((size_t)n * MEMORY_FIGURES, sizeof(double));
   ddp_train_memory *mem = ddp_calloc((size_t)n, sizeof *mem);
   if (!sums || !mem) {
     ddp_free(sums);
@@ -28,12 +44,23 @@ static ddp_status memory_figures(ddp_trainer *t, ddp_train_result *res) {
     if (ddp_optimizer_state_get(t->opt, k, &st) == DDP_OK && !st.is_scalar)
       state += 4.0 * (double)st.numel;
   }
-  sums[3 * me] = flat;
-  sums[3 * me + 1] = flat;
-  sums[3 * me + 2] = state;
-  ddp_status s = ddp__train_sum(t, sums, 3 * n);
-  for (int r = 0; r < n; r++)
-    mem[r] = (ddp_train_memory){(int64_t)sums[3 * r], (int64_t)sums[3 * r + 1], (int64_t)sums[3 * r + 2]};
+  double *mine = sums + MEMORY_FIGURES * me;
+  int64_t param_bytes = (int64_t)flat, reduced = (int64_t)flat;
+  if (t->strategy->memory) t->strategy->memory(t, &param_bytes, &reduced);
+  mine[0] = (double)param_bytes;
+  mine[1] = flat;
+  mine[2] = state;
+  mine[3] = (double)reduced;
+  mine[4] = mine[0] + flat + state + tape_high_water(t->tape, t->o.device);
+  if (t->graph) mine[4] += tape_high_water(ddp__train_graph_tape(t), t->o.device);
+  struct rusage ru;
+  mine[5] = getrusage(RUSAGE_SELF, &ru) == 0 ? 1024.0 * (double)ru.ru_maxrss : 0;
+  ddp_status s = ddp__train_sum(t, sums, MEMORY_FIGURES * n);
+  for (int r = 0; r < n; r++) {
+    const double *f = sums + MEMORY_FIGURES * r;
+    mem[r] = (ddp_train_memory){(int64_t)f[0], (int64_t)f[1], (int64_t)f[2],
+                                (int64_t)f[3], (int64_t)f[4], (int64_t)f[5]};
+  }
   ddp_free(sums);
   res->memory_per_rank = mem;
   if (s != DDP_OK) return ddp_error_wrap(s, "gathering the ranks' memory figures");

@@ -90,6 +90,20 @@ static ddp_status accumulate(ddp_trainer *t, ddp_tape *tape, ddp_tensor *x, ddp_
   return DDP_OK;
 }
 
+ddp_status ddp__train_clip(ddp_trainer *t) {
+  const double max_norm = t->o.clip_grad_norm;
+  if (!(max_norm > 0)) return DDP_OK;
+  double norm = 0;
+  ddp_status s = t->strategy->clip_grad_norm
+                     ? t->strategy->clip_grad_norm(t, max_norm, &norm)
+                     : ddp_model_clip_grad_norm(t->model, max_norm, &norm);
+  if (s != DDP_OK)
+    return ddp_error_wrap(s, "clipping the gradient norm to %g (--clip-grad-norm; a non-finite "
+                          "norm stops the run as PyTorch's error_if_nonfinite=True: lower the "
+                          "learning rate)", max_norm);
+  return DDP_OK;
+}
+
 ddp_status ddp__train_eager_step(ddp_trainer *t, ddp_tape *tape, ddp_tensor *x, ddp_tensor *y,
                                  float *loss_value, ddp_train_phases *p) {
   int64_t t0 = ddp_time_ns();

@@ -14,11 +14,11 @@ static ddp_zero *zero(const ddp_trainer *t) { return t->state; }
 
 static ddp_status zero_check(const ddp_train_options *o, const ddp_process_group *pg) {
   if (!pg) return ddp_error(DDP_ERR_INVALID, "ZeRO (zero_stage %d) needs a process group: run under a launcher (ddprun, torchrun's variables, srun, mpirun)", (int)o->zero_stage);
-  if (o->zero_stage == 3)
-    return ddp_error(DDP_ERR_UNSUPPORTED, "zero_stage 3 (parameters sharded too) is not there "
-                     "yet; stages 1 and 2 shard the optimizer state");
-  if (o->zero_stage != 1 && o->zero_stage != 2)
-    return ddp_error(DDP_ERR_INVALID, "zero_stage is %d (1 or 2)", (int)o->zero_stage);
+  if (o->zero_stage < 1 || o->zero_stage > 3)
+    return ddp_error(DDP_ERR_INVALID, "zero_stage is %d (1, 2 or 3)", (int)o->zero_stage);
+  if (o->zero_stage == 3 && o->cuda_graph)
+    return ddp_error(DDP_ERR_UNSUPPORTED, "zero_stage 3 gathers parameters during the step: "
+                     "no CUDA graph");
   if (o->device.type != DDP_DEVICE_CPU)
     return ddp_error(DDP_ERR_UNSUPPORTED, "ZeRO runs on the CPU (data parallelism over GPUs "
                      "needs the NCCL backend, which ddp does not have yet)");
@@ -61,6 +61,21 @@ static ddp_status zero_forward(ddp_trainer *t, ddp_tape *tape, ddp_tensor *x, dd
 static ddp_status zero_backward(ddp_trainer *t, ddp_tape *tape, ddp_tensor *loss) {
   ddp_dp_set_loss_scale(ddp_zero_dp(zero(t)), ddp__train_loss_seed(t));
   return ddp_zero_backward(zero(t), tape, loss);
+}
+
+/* The norm from the shards: each rank's range, one allreduce of a double. */
+static ddp_status zero_clip(ddp_trainer *t, double max_norm, double *norm) {
+  return ddp_zero_clip_grad_norm(zero(t), max_norm, norm);
+}
+
+/* Stages 2 and 3 reduce to this rank's range; stage 1 allreduces the
+ * whole buffer. Stage 3 holds its range of the parameters and the largest
+ * module gathered. */
+static void zero_memory(const ddp_trainer *t, int64_t *param_bytes, int64_t *grad_reduced_bytes) {
+  ddp_zero_memory m;
+  ddp_zero_get_memory(zero(t), &m);
+  *param_bytes = m.param_bytes;
+  *grad_reduced_bytes = m.grad_owned_bytes;
 }
 
 static void zero_no_sync(ddp_trainer *t, bool on) { ddp_zero_set_no_sync(zero(t), on); }
@@ -137,7 +152,9 @@ const ddp__train_strategy_ops ddp__train_zero = {
     .step = ddp__train_step_eager,
     .forward = zero_forward,
     .backward = zero_backward,
+    .clip_grad_norm = zero_clip,
     .no_sync = zero_no_sync,
+    .memory = zero_memory,
     .local_sums = zero_local_sums,
     .grad_range = zero_grad_range,
     .save = zero_save,

@@ -65,6 +65,12 @@ typedef struct ddp__train_strategy_ops {
   /* The parts ddp__train_step_eager calls (and the CUDA graph captures). */
   ddp_status (*forward)(ddp_trainer *t, ddp_tape *tape, ddp_tensor *x, ddp_tensor **out);
   ddp_status (*backward)(ddp_trainer *t, ddp_tape *tape, ddp_tensor *loss);
+  /* options.clip_grad_norm between backward and the optimizer: the norm of
+   * the whole model's reduced gradients into *norm and the gradients the
+   * optimizer steps scaled (torch.nn.utils.clip_grad_norm_). Collective
+   * where the gradients are sharded. NULL: ddp_model_clip_grad_norm on the
+   * trainer's model (its gradients final on this rank). */
+  ddp_status (*clip_grad_norm)(ddp_trainer *t, double max_norm, double *norm);
   /* Micro-batches: true for every micro-batch's backward but the last, which
    * alone reduces gradients (PyTorch's no_sync()). NULL: nothing to skip. */
   void (*no_sync)(ddp_trainer *t, bool on);
@@ -94,6 +100,10 @@ typedef struct ddp__train_strategy_ops {
   /* After the last step, before the final save and evaluation (the
    * pipeline gathers the whole model). Collective. NULL: nothing. */
   ddp_status (*finish)(ddp_trainer *t);
+  /* The bytes of parameters this rank holds at most, and of the part of
+   * its gradient buffer holding reduced gradients (ddp_train_memory);
+   * NULL: both the whole flat buffer. */
+  void (*memory)(const ddp_trainer *t, int64_t *param_bytes, int64_t *grad_reduced_bytes);
   /* Fills the result's strategy figures (the pipeline's per stage).
    * Collective. NULL: none. */
   ddp_status (*figures)(ddp_trainer *t, ddp_train_result *res);
@@ -258,9 +268,9 @@ float ddp__train_loss_seed(const ddp_trainer *t);
 /* The optimizer step of every strategy, once the step's gradients are
  * final (reduced, accumulated, scaled by 1/M): with a scaler, unscales this
  * rank's gradients and agrees on inf/NaN over the group (one allreduce
- * MAX); then [gradient clipping goes here, on unscaled gradients]; then
- * the optimizer's step unless an inf/NaN was found anywhere; then the
- * scaler's update. Collective with a scaler and a group. No allocation. */
+ * MAX); then, unless an inf/NaN was found anywhere, gradient clipping
+ * (ddp__train_clip) on the unscaled gradients and the optimizer's step;
+ * then the scaler's update. Collective with a scaler and a group. No allocation. */
 ddp_status ddp__train_optimizer_step(ddp_trainer *t);
 
 /* ---- The result (result.c) ---- */
@@ -282,6 +292,10 @@ ddp_status ddp__train_step_eager(ddp_trainer *t, ddp_batch *b, ddp__train_step_o
 /* One eager step on `tape` from the batch (x, y) already on the device:
  * zero_grad, forward, loss (read back: *loss), backward, optimizer. Fills
  * the forward, backward and optimizer phases of *p, in seconds. */
+/* options.clip_grad_norm (> 0) applied through the strategy; nothing when
+ * 0. A non-finite norm fails the step (gradients unchanged). */
+ddp_status ddp__train_clip(ddp_trainer *t);
+
 ddp_status ddp__train_eager_step(ddp_trainer *t, ddp_tape *tape, ddp_tensor *x, ddp_tensor *y,
                                  float *loss, ddp_train_phases *p);
 
@@ -298,6 +312,8 @@ ddp_status ddp__train_graph_check(const ddp_train_options *o, const ddp_model *m
 /* Makes t->graph for a run with o.cuda_graph (nothing on the device yet). */
 ddp_status ddp__train_graph_create(ddp_trainer *t);
 void ddp__train_graph_destroy(ddp_trainer *t);
+/* The tape the graph's steps record on (memory figures); NULL without one. */
+ddp_tape *ddp__train_graph_tape(const ddp_trainer *t);
 /* Whether the batch goes through the graph: a full batch (o.batch_size)
  * with o.cuda_graph. */
 bool ddp__train_graph_takes(const ddp_trainer *t, const ddp_batch *b);

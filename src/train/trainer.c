@@ -4,6 +4,7 @@
  * release. The loop is loop.c, the step step.c, checkpoints checkpoint.c,
  * the result's figures result.c. */
 #include <errno.h>
+#include <math.h>
 #include <sched.h>
 #include <stdlib.h>
 #include <string.h>
@@ -74,11 +75,21 @@ static ddp_status check_options(const ddp_train_options *o, const ddp_process_gr
                      "microbatches %d: gradient accumulation does not run under a CUDA graph "
                      "(a graph replays one whole batch); drop --microbatches or --cuda-graph",
                      (int)o->microbatches);
-  /* Fields of issue 41 that its work has not given meaning yet. */
-  if (o->clip_grad_norm != 0)
-    return ddp_error(DDP_ERR_UNSUPPORTED, "clip_grad_norm %g: not built yet (leave it 0)",
-                     o->clip_grad_norm);
   DDP_TRY(ddp__train_check_comm_hook(o, ops));
+  if (!(o->clip_grad_norm >= 0) || isinf(o->clip_grad_norm))
+    return ddp_error(DDP_ERR_INVALID, "clip_grad_norm is %g (a finite max_norm > 0, or 0 for "
+                     "no clipping)", o->clip_grad_norm);
+  /* Where no rank holds the whole model's final gradients: the pipeline's
+   * stages each hold theirs (the norm would be a sum over stages and
+   * replicas), the parameter server's workers push theirs to the servers,
+   * which step. */
+  if (o->clip_grad_norm > 0 &&
+      (ops->kind == DDP_TRAIN_PIPELINE || ops->kind == DDP_TRAIN_PARAM_SERVER))
+    return ddp_error(DDP_ERR_UNSUPPORTED,
+                     "clip_grad_norm %g under the %s strategy: no rank holds the whole model's "
+                     "gradients there; gradient clipping runs under single, data parallel and "
+                     "ZeRO",
+                     o->clip_grad_norm, ops->name);
   /* Mixed precision (grad_scaling.c). */
   DDP_TRY(ddp__train_precision_check(o));
   if (ops->check) DDP_TRY(ops->check(o, pg));

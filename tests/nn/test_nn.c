@@ -366,6 +366,55 @@ static void test_pytorch_init_has_our_bounds(void **state) {
   assert_int_equal(checked, 2 * (2 + 2 + 3 + 4));
 }
 
+/* The forward hook: before and after each top-level module, in order,
+ * with its name; its error stops the forward; the output is the same with
+ * and without it. */
+typedef struct hook_log {
+  char calls[16][24];
+  int n;
+  const char *fail_before; /* this child's before-call fails */
+} hook_log;
+
+static ddp_status log_hook(ddp_model *model, const char *child, bool after, void *user) {
+  (void)model;
+  hook_log *log = user;
+  if (log->n < 16) snprintf(log->calls[log->n++], sizeof log->calls[0], "%s %s", after ? "after" : "before", child);
+  if (!after && log->fail_before && !strcmp(child, log->fail_before))
+    return ddp_error(DDP_ERR_IO, "the hook says no");
+  return DDP_OK;
+}
+
+static void test_forward_hook(void **state) {
+  (void)state;
+  ddp_model *m = build("toy", NULL, 5);
+  ddp_tape *tape;
+  assert_int_equal(ddp_tape_create(&tape, 1 << 16), DDP_OK);
+  float xv[20];
+  for (int i = 0; i < 20; i++) xv[i] = 0.1f * (float)i - 1.0f;
+  int64_t shape[2] = {2, 10};
+  ddp_tensor x, *plain, *hooked;
+  assert_int_equal(ddp_tensor_wrap(&x, DDP_FLOAT32, 2, shape, xv), DDP_OK);
+  assert_int_equal(ddp_model_forward(m, tape, &x, &plain), DDP_OK);
+  hook_log log = {.n = 0};
+  ddp_model_set_forward_hook(m, log_hook, &log);
+  assert_int_equal(ddp_model_forward(m, tape, &x, &hooked), DDP_OK);
+  assert_memory_equal(ddp_tensor_f32(hooked), ddp_tensor_f32(plain), 10 * sizeof(float));
+  const char *want[] = {"before net1", "after net1", "before relu", "after relu", "before net2", "after net2"};
+  assert_int_equal(log.n, 6);
+  for (int i = 0; i < 6; i++) assert_string_equal(log.calls[i], want[i]);
+  log = (hook_log){.fail_before = "net2"};
+  assert_int_equal(ddp_model_forward(m, tape, &x, &hooked), DDP_ERR_IO);
+  assert_non_null(strstr(ddp_last_error(), "the hook says no"));
+  assert_non_null(strstr(ddp_last_error(), "net2"));
+  assert_int_equal(log.n, 5); /* nothing ran after the refusal */
+  ddp_model_set_forward_hook(m, NULL, &log);
+  log.n = 0;
+  assert_int_equal(ddp_model_forward(m, tape, &x, &hooked), DDP_OK);
+  assert_int_equal(log.n, 0);
+  ddp_tape_destroy(tape);
+  ddp_model_destroy(m);
+}
+
 static void test_zero_grad(void **state) {
   (void)state;
   ddp_model *m = build("convnet", NULL, 5);
@@ -396,11 +445,16 @@ static void test_clip_grad_norm(void **state) {
   assert_int_equal(ddp_model_clip_grad_norm(m, 100.0, &norm), DDP_OK);
   assert_true(fabs(norm - want) < 1e-9);
   for (int64_t i = 0; i < n; i++) assert_true(g[i] == (float)(i % 5) - 2.0f);
-  /* Above: scaled by max_norm / (norm + 1e-6), so the new norm is ~max_norm. */
+  /* Above: scaled by max_norm / (norm + 1e-6) (within float32's rounding of
+   * the three operations PyTorch does in float32), so the new norm is
+   * ~max_norm. */
   assert_int_equal(ddp_model_clip_grad_norm(m, 2.0, &norm), DDP_OK);
   assert_true(fabs(norm - want) < 1e-9);
-  float coef = (float)(2.0 / (want + 1e-6));
-  for (int64_t i = 0; i < n; i++) assert_true(g[i] == ((float)(i % 5) - 2.0f) * coef);
+  const double coef = 2.0 / (want + 1e-6);
+  for (int64_t i = 0; i < n; i++) {
+    const double exact = ((double)(i % 5) - 2.0) * coef;
+    assert_true(fabs(g[i] - exact) <= 4 * 0x1p-24 * fabs(exact));
+  }
   assert_int_equal(ddp_model_clip_grad_norm(m, 1e9, &norm), DDP_OK);
   assert_true(fabs(norm - 2.0) < 1e-5);
   /* max_norm 0 zeroes; bad max_norm is refused; non-finite norms leave grads. */
@@ -418,6 +472,113 @@ static void test_clip_grad_norm(void **state) {
   assert_int_equal(ddp_model_clip_grad_norm(m, 1.0, &norm), DDP_OK);
   assert_true(norm == 0.0);
   ddp_model_destroy(m);
+}
+
+/* The coefficient against a float64 reference over a wide range of norms
+ * and max_norms: at most three float32 roundings away (the norm's, the
+ * denominator's, the reciprocal's and the product's relative errors of at
+ * most 2^-24 each, 1e-6 below float32's resolution of most norms), and
+ * exactly 1 at and above the threshold. */
+static void test_clip_coefficient_float64(void **state) {
+  (void)state;
+  uint64_t x = 0x9e3779b97f4a7c15ull;
+  int scaled = 0;
+  for (int k = 0; k < 20000; k++) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    const double norm = ldexp((double)(x & 0xffffff) / 0x1p24 + 0.5, (int)((x >> 24) % 40) - 20);
+    const double max_norm = ldexp((double)((x >> 32) & 0xffffff) / 0x1p24 + 0.5, (int)((x >> 56) % 40) - 20);
+    const double exact = max_norm / (norm + 1e-6);
+    const float c = ddp_clip_coefficient(norm, max_norm);
+    if (exact >= 1.0 + 1e-6) {
+      assert_true(c == 1.0f);
+    } else if (exact < 1.0 - 1e-6) {
+      scaled++;
+      if (!(fabs(c - exact) <= 4 * 0x1p-24 * exact))
+        fail_msg("norm %.17g max_norm %.17g: coefficient %.9g, float64 %.17g", norm, max_norm, c, exact);
+    }
+  }
+  assert_true(scaled > 5000);
+  assert_true(ddp_clip_coefficient(0.0, 1.0) == 1.0f);
+  assert_true(ddp_clip_coefficient(1.0, 0.0) == 0.0f);
+  assert_true(isnan(ddp_clip_coefficient(NAN, 1.0))); /* torch.clamp keeps NaN */
+  assert_true(ddp_clip_coefficient(INFINITY, 1.0) == 0.0f);
+}
+
+/* clip_grad_norm_ against PyTorch (scripts/make_clip_fixture.py): the toy
+ * model's and the ConvNet's PyTorch gradients (model_<name>.bin) into our
+ * gradient buffer, clipped with the fixture's max_norms. The norm is ours
+ * in double against a float64 sum of the same floats, and against
+ * PyTorch's float32 norm within a few of its last places. The clipped
+ * gradients: bit for bit PyTorch's when the two norms round to the same
+ * float32 (the coefficient is then PyTorch's, ddp_clip_coefficient's
+ * order of operations), else within the norms' relative difference plus
+ * one rounding. Unclipped gradients (case 1): unchanged, as PyTorch's
+ * multiplication by 1.0 leaves them. */
+static void test_clip_grad_norm_pytorch(void **state) {
+  (void)state;
+  char path[1024];
+  fixture *clip = NULL;
+  if (fixture_load(fixture_path("clip_grad_norm.bin", path, sizeof path), &clip) != DDP_OK)
+    fail_msg("%s", ddp_last_error());
+  static const char *const models[] = {"toy", "convnet"};
+  for (int k = 0; k < 2; k++) {
+    fixture *f = load_fixture(models[k]);
+    ddp_model *m = build(models[k], NULL, 1);
+    float *g = ddp_model_grads_flat(m);
+    const int64_t n = ddp_model_num_param_elements(m);
+    for (int c = 0; c < 2; c++) {
+      char name[256];
+      int64_t filled = 0;
+      for (int p = 0; p < ddp_model_num_params(m); p++) {
+        snprintf(name, sizeof name, "%s.grad", ddp_model_param_name(m, p));
+        const fixture_tensor *t = fixture_find(f, name);
+        assert_non_null(t);
+        memcpy(g + ddp_model_param_offset(m, p), t->data, (size_t)t->numel * sizeof(float));
+        filled += t->numel;
+      }
+      assert_int_equal(filled, n);
+      double ref = 0;
+      for (int64_t i = 0; i < n; i++) ref += (double)g[i] * (double)g[i];
+      ref = sqrt(ref);
+      snprintf(name, sizeof name, "%s:%d:max_norm", models[k], c);
+      const double max_norm = *(const double *)fixture_find(clip, name)->data;
+      snprintf(name, sizeof name, "%s:%d:total_norm", models[k], c);
+      const float torch_norm = *(const float *)fixture_find(clip, name)->data;
+      double norm = 0;
+      assert_int_equal(ddp_model_clip_grad_norm(m, max_norm, &norm), DDP_OK);
+      assert_true(fabs(norm - ref) <= 1e-12 * ref);
+      const double norm_diff = fabs((double)(float)norm - torch_norm) / torch_norm;
+      if (!(norm_diff <= 8 * 0x1p-24))
+        fail_msg("%s: norm %.9g, PyTorch's %.9g", models[k], norm, (double)torch_norm);
+      int64_t bitwise = 0;
+      for (int p = 0; p < ddp_model_num_params(m); p++) {
+        if (c == 0)
+          snprintf(name, sizeof name, "%s:0:%s.grad", models[k], ddp_model_param_name(m, p));
+        else
+          snprintf(name, sizeof name, "%s.grad", ddp_model_param_name(m, p));
+        const fixture_tensor *t = fixture_find(c == 0 ? clip : f, name);
+        assert_non_null(t);
+        const float *want = t->data, *got = g + ddp_model_param_offset(m, p);
+        for (int64_t i = 0; i < t->numel; i++) {
+          const double bound = fabs(want[i]) * (2 * norm_diff + 0x1p-23);
+          if ((float)norm == torch_norm || c == 1) {
+            if (got[i] != want[i])
+              fail_msg("%s case %d: %s[%lld] %.9g, PyTorch's %.9g (norms equal in float32)",
+                       models[k], c, ddp_model_param_name(m, p), (long long)i, got[i], want[i]);
+          } else if (!(fabs(got[i] - want[i]) <= bound)) {
+            fail_msg("%s case %d: %s[%lld] %.9g, PyTorch's %.9g", models[k], c,
+                     ddp_model_param_name(m, p), (long long)i, got[i], want[i]);
+          }
+          bitwise += got[i] == want[i];
+        }
+      }
+      print_message("clip %s case %d: norm %.9g (PyTorch %.9g), %lld of %lld gradients bitwise\n",
+                    models[k], c, norm, (double)torch_norm, (long long)bitwise, (long long)n);
+    }
+    ddp_model_destroy(m);
+    fixture_free(f);
+  }
+  fixture_free(clip);
 }
 
 static void test_train_eval_and_loss_kinds(void **state) {
@@ -709,7 +870,10 @@ int main(void) {
       cmocka_unit_test(test_init_every_layer_every_seed),
       cmocka_unit_test(test_pytorch_init_has_our_bounds),
       cmocka_unit_test(test_zero_grad),
+      cmocka_unit_test(test_forward_hook),
       cmocka_unit_test(test_clip_grad_norm),
+      cmocka_unit_test(test_clip_coefficient_float64),
+      cmocka_unit_test(test_clip_grad_norm_pytorch),
       cmocka_unit_test(test_train_eval_and_loss_kinds),
       cmocka_unit_test(test_mlp_builder),
       cmocka_unit_test(test_bad_builder_arguments),

@@ -24,6 +24,8 @@
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -50,6 +52,7 @@ typedef struct zcase {
   double norms[64];
   int clipped;
   double state_ratio; /* ZeRO: this rank's state bytes * W / unsharded (rank 0) */
+  int64_t released_pages[DPT_MAX_RANKS]; /* stage 3: pages checked given back after the steps */
 } zcase;
 
 static ddp_optim_options optim_of(const zcase *c) {
@@ -114,6 +117,40 @@ static void copy_state(zcase *c, ddp_model *m, ddp_optimizer *full) {
     }
   }
   c->state_floats = at;
+}
+
+/* Stage 3, after the steps: every page of the parameter buffer that lies
+ * wholly outside this rank's range [lo, hi) and inside one top-level
+ * module (no module boundary strictly within it; the modules re-derived
+ * here from the parameters' names) must not be resident (mincore): its
+ * memory was given back. *released: how many such pages. */
+static ddp_status check_released(ddp_model *m, int64_t lo, int64_t hi, int64_t *released) {
+  const long page = sysconf(_SC_PAGESIZE);
+  const int64_t n = ddp_model_num_param_elements(m);
+  const uintptr_t base = (uintptr_t)ddp_model_params_flat(m);
+  *released = 0;
+  for (uintptr_t at = (base + (uintptr_t)page - 1) / (uintptr_t)page * (uintptr_t)page;
+       at + (uintptr_t)page <= base + (uintptr_t)n * sizeof(float); at += (uintptr_t)page) {
+    const int64_t ps = (int64_t)(at - base) / 4, pe = ps + page / 4;
+    if (pe > lo && ps < hi) continue; /* meets the rank's range */
+    bool boundary = false;
+    for (int i = 0; i < ddp_model_num_params(m) && !boundary; i++) {
+      const char *name = ddp_model_param_name(m, i), *prev = i ? ddp_model_param_name(m, i - 1) : "";
+      const size_t len = strcspn(name, "."), plen = strcspn(prev, ".");
+      const int64_t off = ddp_model_param_offset(m, i);
+      if ((i == 0 || len != plen || strncmp(name, prev, len)) && off > ps && off < pe) boundary = true;
+    }
+    if (boundary) continue;
+    unsigned char resident = 0;
+    if (mincore((void *)at, (size_t)page, &resident) != 0)
+      return ddp_error(DDP_ERR_IO, "mincore failed");
+    if (resident & 1)
+      return ddp_error(DDP_ERR_STATE, "stage 3: floats [%lld, %lld) of the parameter buffer are "
+                       "resident after the step, outside the range [%lld, %lld)",
+                       (long long)ps, (long long)pe, (long long)lo, (long long)hi);
+    (*released)++;
+  }
+  return DDP_OK;
 }
 
 static void body(dpt_rank *self) {
@@ -184,6 +221,13 @@ static void body(dpt_rank *self) {
   }
   free(xbuf);
   free(ybuf);
+  if (s == DDP_OK && z && c->stage == 3) {
+    int64_t lo, len;
+    ddp_zero_range(z, rank, &lo, &len);
+    s = check_released(m, lo, lo + len, &c->released_pages[rank]);
+  }
+  /* Stage 3 holds only its range until asked for the whole model. */
+  if (s == DDP_OK && z) s = ddp_zero_sync_params(z);
   if (s == DDP_OK) {
     c->params[rank] = calloc((size_t)n, sizeof(float));
     by_name(m, ddp_model_params_flat(m), c->params[rank]);
@@ -299,8 +343,8 @@ static void check_equal_to_ddp(zcase c) {
   if (!bitwise || !state_eq) {
     worst = off_by(got.params[0], ref.params[0], ref.initial, n);
     if (!(worst <= 1e-3))
-      fail_msg("%s, world %d, stage 2, %s: ||zero - ddp|| / ||ddp - initial|| = %.3g > 1e-3",
-               c.model, c.world, ddp_optim_kind_name(c.kind), worst);
+      fail_msg("%s, world %d, stage %d, %s: ||zero - ddp|| / ||ddp - initial|| = %.3g > 1e-3",
+               c.model, c.world, c.stage, ddp_optim_kind_name(c.kind), worst);
   }
   /* State bytes per rank: 1/W of the unsharded, within 5 %. */
   if (!(fabs(got.state_ratio - 1.0) <= 0.05))
@@ -319,6 +363,16 @@ static void check_equal_to_ddp(zcase c) {
   printf("  %s world %d stage %d %s%s%s: %d steps %s; state bytes x W / unsharded %.4f\n",
          c.model, c.world, c.stage, ddp_optim_kind_name(c.kind), c.accum > 1 ? " micro-batches" : "",
          c.preload ? " relayout with state" : "", c.steps, how, got.state_ratio);
+  if (c.stage == 3) {
+    /* The check must have had pages to look at: every rank gave some back. */
+    for (int r = 0; r < c.world; r++)
+      if (got.released_pages[r] <= 0)
+        fail_msg("stage 3: rank %d had no page of other ranks' parameters to give back: the "
+                 "model is too small for the check", r);
+    printf("    stage 3: pages of parameters given back after the steps, per rank:");
+    for (int r = 0; r < c.world; r++) printf(" %lld", (long long)got.released_pages[r]);
+    printf("\n");
+  }
   free_case(&ref);
   free_case(&got);
 }
@@ -395,6 +449,30 @@ static void test_clip_grad_norm(void **state) {
   check_equal_to_ddp(c);
 }
 
+/* Stage 3 (parameters sharded, gathered per top-level module): equal to
+ * data parallelism as stage 2 is (bit for bit at two ranks), with the
+ * pages of other ranks' parameters given back after every step. */
+static void test_stage3(void **state) {
+  (void)state;
+  check_equal_to_ddp(make("convnet", 2, 3, DDP_OPTIM_SGD, 20));
+  check_equal_to_ddp(make("convnet", 2, 3, DDP_OPTIM_ADAM, 20));
+  zcase c = make("convnet", 4, 3, DDP_OPTIM_ADAM, 20);
+  c.batch = 2;
+  check_equal_to_ddp(c);
+  c = make("convnet", 3, 3, DDP_OPTIM_ADADELTA, 10);
+  check_equal_to_ddp(c);
+  c = make("convnet", 2, 3, DDP_OPTIM_SGD, 10);
+  c.accum = 3;
+  check_equal_to_ddp(c);
+  c = make("convnet", 2, 3, DDP_OPTIM_SGD, 10);
+  c.clip = 0.5;
+  check_equal_to_ddp(c);
+  /* convnet-2 registers fc first and runs it last (a forward order): the
+   * units are gathered in the order they run, not as registered. */
+  c = make("convnet-2", 2, 3, DDP_OPTIM_ADAM, 10);
+  check_equal_to_ddp(c);
+}
+
 /* The independent reference: one process with the whole batch of every
  * step, within the data-parallel tests' bound (the sums differ in order). */
 static void test_against_one_process(void **state) {
@@ -424,7 +502,7 @@ static void refuse_body(dpt_rank *self) {
   DPT_OK(self, ddp_optimizer_create(&opt, &oo, ddp_model_params_flat(m), ddp_model_grads_flat(m), (size_t)n));
   DPT_OK(self, ddp_optimizer_create(&half, &oo, ddp_model_params_flat(m), ddp_model_grads_flat(m), (size_t)n / 2));
   ddp_zero *z = NULL;
-  ddp_zero_options zo = ddp_zero_defaults(3);
+  ddp_zero_options zo = ddp_zero_defaults(4);
   ddp_status s3 = ddp_zero_create(&z, m, self->pg, opt, &zo);
   zo.stage = 1;
   ddp_status sh = ddp_zero_create(&z, m, self->pg, half, &zo);
@@ -433,7 +511,7 @@ static void refuse_body(dpt_rank *self) {
   ddp_optimizer_destroy(half);
   ddp_optimizer_destroy(opt);
   ddp_model_destroy(m);
-  DPT_CHECK(self, s3 == DDP_ERR_INVALID && sh == DDP_ERR_INVALID && !z, "stage 3: %d, half: %d", s3, sh);
+  DPT_CHECK(self, s3 == DDP_ERR_INVALID && sh == DDP_ERR_INVALID && !z, "stage 4: %d, half: %d", s3, sh);
   DPT_CHECK(self, strstr(msg, "covers"), "message: %s", msg);
 }
 
@@ -451,6 +529,7 @@ int main(void) {
       cmocka_unit_test(test_microbatches),
       cmocka_unit_test(test_relayout_with_state),
       cmocka_unit_test(test_clip_grad_norm),
+      cmocka_unit_test(test_stage3),
       cmocka_unit_test(test_against_one_process),
       cmocka_unit_test(test_refusals),
   };

@@ -5,7 +5,8 @@
 # scales by a power of two and unscales exactly, so with no overflow it must
 # end bit-identical to the unscaled run (SC below):
 #  - one process, plain, with --microbatches 3 (unscaled once per step,
-#    after the 1/M scaling) and with --replicas 2 (DataParallel);
+#    after the 1/M scaling), with --clip-grad-norm (clipping after the
+#    unscale) and with --replicas 2 (DataParallel);
 #  - 2 ranks: data parallel, ZeRO-2 and a 2-stage pipeline (ranks started
 #    with torchrun's variables, as the other ddp-train tests);
 #  - an inf injected into rank 1's gradients at step 5 (DDP_TEST_INJECT_INF)
@@ -68,6 +69,11 @@ grep -q '"precision": "fp16", "loss_scale": 65536, "skipped_steps": 0' p16.out \
 single m32 "${toy[@]}" --epochs 1 --microbatches 3 --save m32.safetensors
 single m16 "${toy[@]}" --epochs 1 --microbatches 3 "${SC[@]}" --save m16.safetensors
 same m32.safetensors m16.safetensors "the scaler with --microbatches 3 changed the run"
+# Clipping runs on the unscaled gradients (PyTorch's unscale_, clip, step):
+# with the scaler it clips exactly as without (clip 0.05 binds every step).
+single c32 "${toy[@]}" --max-steps 20 --clip-grad-norm 0.05 --save c32.safetensors
+single c16 "${toy[@]}" --max-steps 20 --clip-grad-norm 0.05 "${SC[@]}" --save c16.safetensors
+same c32.safetensors c16.safetensors "the scaler changed a clipped run (clipping before the unscale?)"
 single r32 "${toy[@]}" --max-steps 20 --replicas 2 --save r32.safetensors
 single r16 "${toy[@]}" --max-steps 20 --replicas 2 "${SC[@]}" --save r16.safetensors
 same r32.safetensors r16.safetensors "the scaler with --replicas 2 (DataParallel) changed the run"

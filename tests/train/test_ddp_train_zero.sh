@@ -11,7 +11,13 @@
 #    an epoch's end, resumed at 2 ranks with --zero 1, saved, resumed at 3
 #    ranks with --zero 2: both checkpoint files bit-identical to a run without
 #    ZeRO stopped and resumed the same way;
-#  - --zero 3 and --zero without a group are refused, saying why.
+#  - --clip-grad-norm under --zero 1 and 2 at 2 ranks bit-identical to data
+#    parallelism with the same clip (and the clip acting); --pp with it and a
+#    negative max_norm refused;
+#  - --zero 3 (parameters sharded, gathered per module) bit-identical to
+#    plain data parallelism for the ConvNet at 2 and 4 processes, and its
+#    memory figures (the range plus the largest module);
+#  - --zero without a group is refused, saying why.
 set -uo pipefail
 skip() { echo "SKIP: $*"; exit 77; }
 fail() { echo "FAIL: $*"; exit 1; }
@@ -38,7 +44,7 @@ else
   base=(--model toy --seed 2 --max-steps 20 --batch-size 16)
 fi
 
-# --- ZeRO-1 and ZeRO-2 == plain data parallelism, bit for bit -----------------
+# --- ZeRO-1, 2 and 3 == plain data parallelism, bit for bit -------------------
 for n in 2 3; do
   for opt in "--optimizer sgd --lr 0.01 --momentum 0.9 --weight-decay 1e-4" \
              "--optimizer adam --lr 0.001"; do
@@ -46,7 +52,11 @@ for n in 2 3; do
     # shellcheck disable=SC2086
     world $n ref.$tag.$n "${base[@]}" $opt --dump-state "$tmp/ref.$tag.$n.{rank}" \
       --save "$tmp/ref.$tag.$n.safetensors"
-    for stage in 1 2; do
+    # Stage 3 at 2 ranks here and at 4 below (3 and 4 ranks as threads in
+    # tests/parallel/test_zero.c): the test stays inside its time under ASan.
+    stages="1 2"
+    [ "$n" = 2 ] && stages="1 2 3"
+    for stage in $stages; do
       # shellcheck disable=SC2086
       world $n z$stage.$tag.$n "${base[@]}" $opt --zero $stage \
         --dump-state "$tmp/z$stage.$tag.$n.{rank}" --save "$tmp/z$stage.$tag.$n.safetensors"
@@ -61,6 +71,16 @@ for n in 2 3; do
     done
   done
 done
+
+# --- ZeRO-3 at 4 ranks: every reduction of the processes' backend adds the ranks in
+# rank order, so stage 3's reduces equal data parallelism's allreduces bit for bit.
+world 4 ref.adam.4 "${base[@]}" --optimizer adam --lr 0.001 --dump-state "$tmp/ref.adam.4.{rank}"
+world 4 z3.adam.4 "${base[@]}" --optimizer adam --lr 0.001 --zero 3 --dump-state "$tmp/z3.adam.4.{rank}"
+for ((r = 0; r < 4; r++)); do
+  cmp -s "$tmp/z3.adam.4.$r" "$tmp/ref.adam.4.$r" ||
+    fail "--zero 3, adam, 4 ranks: rank $r's state differs from plain data parallelism's"
+done
+echo "ok: --zero 3 adam at 4 ranks: bit-identical to data parallelism"
 
 # --- micro-batches at 4 ranks ----------------------------------------------------
 toy=(--model toy --seed 5 --batch-size 16 --optimizer adam --lr 0.01 --max-steps 20)
@@ -91,27 +111,66 @@ mem=(--model mlp:256x4 --optimizer adam --lr 0.001 --max-steps 2 --batch-size 8 
 world 4 mdp "${mem[@]}"
 world 4 mz1 "${mem[@]}" --zero 1
 world 4 mz2 "${mem[@]}" --zero 2
-"$py" - "$tmp/mdp.out.0" "$tmp/mz1.out.0" "$tmp/mz2.out.0" <<'PY' || fail "memory figures"
+world 4 mz3 "${mem[@]}" --zero 3
+"$py" - "$tmp/mdp.out.0" "$tmp/mz1.out.0" "$tmp/mz2.out.0" "$tmp/mz3.out.0" <<'PY' || fail "memory figures"
 import json, sys
-dp, z1, z2 = (json.loads(open(p).read().splitlines()[-1])["memory_per_rank"] for p in sys.argv[1:])
+dp, z1, z2, z3 = (json.loads(open(p).read().splitlines()[-1])["memory_per_rank"] for p in sys.argv[1:])
 n = 10 * 256 + 256 + 2 * (256 * 256 + 256) + 256 * 5 + 5      # mlp:256x4's floats
+pick = lambda m: {k: m[k] for k in ("param_bytes", "grad_bytes", "optim_state_bytes", "grad_reduced_bytes")}
 for r in range(4):
-    assert dp[r] == {"param_bytes": 4 * n, "grad_bytes": 4 * n, "optim_state_bytes": 8 * n}, dp[r]
+    assert pick(dp[r]) == {"param_bytes": 4 * n, "grad_bytes": 4 * n, "optim_state_bytes": 8 * n,
+                           "grad_reduced_bytes": 4 * n}, dp[r]
 for z in (z1, z2):
     assert sum(m["optim_state_bytes"] for m in z) == 8 * n, z     # every float's state once
     for m in z:
         assert m["param_bytes"] == 4 * n and m["grad_bytes"] == 4 * n, m
         assert abs(m["optim_state_bytes"] * 4 / (8 * n) - 1) <= 0.05, m
-print("ok: optimizer state per rank under --zero 1 and 2: %s of %d bytes unsharded"
-      % ([m["optim_state_bytes"] for m in z2], 8 * n))
+assert all(m["grad_reduced_bytes"] == 4 * n for m in z1), z1
+assert sum(m["grad_reduced_bytes"] for m in z2) == 4 * n, z2       # the ranges, each once
+# Stage 3: the range plus the largest module (a hidden layer: 256 x 256 + 256
+# floats), as the union of the two; the rest as stage 2.
+unit = 256 * 256 + 256
+assert sum(m["optim_state_bytes"] for m in z3) == 8 * n, z3
+for r, m in enumerate(z3):
+    own = n * (r + 1) // 4 - n * r // 4
+    assert 4 * own < m["param_bytes"] <= 4 * (own + unit), m
+    assert m["grad_reduced_bytes"] == 4 * own and m["grad_bytes"] == 4 * n, m
+# The peak: the three buffers plus a step's activations (batch 8 x 256
+# floats a layer, their gradients, scratch: more than 0, below 16 MiB);
+# the process held at least that.
+for m in dp + z1 + z2 + z3:
+    tensors = m["param_bytes"] + m["grad_bytes"] + m["optim_state_bytes"]
+    assert tensors < m["peak_tensor_bytes"] < tensors + (16 << 20), m
+    assert m["max_rss_bytes"] >= m["peak_tensor_bytes"], m
+print("ok: optimizer state per rank under --zero 1 and 2: %s of %d bytes unsharded; "
+      "reduced gradients under --zero 2: %s of %d; peak tensor bytes %s"
+      % ([m["optim_state_bytes"] for m in z2], 8 * n, [m["grad_reduced_bytes"] for m in z2], 4 * n,
+         [m["peak_tensor_bytes"] for m in z2]))
 PY
 
-# --- refusals -------------------------------------------------------------------
-start 2 z3 --model toy --max-steps 1 --zero 3
+# --- --clip-grad-norm: --zero 1|2 == data parallelism, both clipping --------------
+# (tests/train/test_clip.c checks the clipped norm itself, step by step.)
+cl=(--model toy --seed 6 --batch-size 16 --optimizer adam --lr 0.01 --max-steps 10)
+world 2 clref "${cl[@]}" --clip-grad-norm 0.05 --dump-state "$tmp/clref"
+world 2 clnone "${cl[@]}" --dump-state "$tmp/clnone"
+cmp -s "$tmp/clref" "$tmp/clnone" && fail "--clip-grad-norm 0.05 changed nothing: the clip never acted"
+for stage in 1 2; do
+  world 2 clz$stage "${cl[@]}" --clip-grad-norm 0.05 --zero $stage --dump-state "$tmp/clz$stage"
+  cmp -s "$tmp/clz$stage" "$tmp/clref" ||
+    fail "--zero $stage --clip-grad-norm at 2 ranks differs from data parallelism with the same clip"
+done
+echo "ok: --clip-grad-norm under --zero 1 and 2 at 2 ranks: bit-identical to data parallelism's"
+start 2 clpp --model toy --max-steps 1 --pp 2 --clip-grad-norm 1
 rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=$?; done
 pids=()
-[ $rc -ne 0 ] && grep -q "zero_stage 3" "$tmp/z3.err.0" || fail "--zero 3 was not refused with its reason"
+[ $rc -ne 0 ] && grep -q "under the pipeline strategy" "$tmp/clpp.err.0" ||
+  fail "--pp with --clip-grad-norm was not refused with its reason: $(tail -2 "$tmp/clpp.err.0")"
+timeout 60 "$bin" --model toy --max-steps 1 --clip-grad-norm -1 >"$tmp/cl.out" 2>"$tmp/cl.err" &&
+  fail "--clip-grad-norm -1 was accepted"
+grep -q "clip-grad-norm" "$tmp/cl.err" || fail "--clip-grad-norm -1: $(cat "$tmp/cl.err")"
+
+# --- refusals -------------------------------------------------------------------
 timeout 60 "$bin" --model toy --max-steps 1 --zero 1 >"$tmp/one.out" 2>"$tmp/one.err" &&
   fail "--zero without a group was accepted"
 grep -q "needs a process group" "$tmp/one.err" || fail "--zero without a group: $(cat "$tmp/one.err")"

@@ -9,7 +9,9 @@
  * over 5 steps after 3 warm-up steps (the first synced step re-lays out the
  * buffers). Cases: headtail on ToyData with Adam and a loader thread; the
  * ConvNet with SyncBatchNorm and momentum SGD on Fashion-MNIST (skipped, with
- * a message, when the data set is not installed). */
+ * a message, when the data set is not installed); ZeRO stages 2 and 3
+ * (include/ddp/zero.h: per-module gathers and releases at 3) with
+ * gradient-norm clipping from the shards, on headtail. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -23,6 +25,7 @@
 #include "ddp/nn.h"
 #include "ddp/optim.h"
 #include "ddp/parallel.h"
+#include "ddp/zero.h"
 
 #define WARMUP 3
 #define MEASURED 5
@@ -32,6 +35,8 @@ typedef struct alloc_case {
   const char *model;
   bool sync_bn;
   int workers;
+  int zero_stage;    /* > 0: through ddp_zero at this stage */
+  double clip;       /* > 0: clip_grad_norm to this */
   pthread_barrier_t barrier;
   uint64_t before, after;
 } alloc_case;
@@ -53,10 +58,16 @@ static void rank_body(dpt_rank *self) {
   DPT_OK(self, ddp_optimizer_create(&opt, &oo, ddp_model_params_flat(model),
                                     ddp_model_grads_flat(model),
                                     (size_t)ddp_model_num_param_elements(model)));
-  ddp_dp *dp;
+  ddp_dp *dp = NULL;
+  ddp_zero *z = NULL;
   ddp_dp_options dpo = ddp_dp_defaults();
-  DPT_OK(self, ddp_dp_create(&dp, model, self->pg, &dpo));
-  ddp_dp_set_optimizer(dp, opt);
+  if (c->zero_stage) {
+    ddp_zero_options zo = ddp_zero_defaults(c->zero_stage);
+    DPT_OK(self, ddp_zero_create(&z, model, self->pg, opt, &zo));
+  } else {
+    DPT_OK(self, ddp_dp_create(&dp, model, self->pg, &dpo));
+    ddp_dp_set_optimizer(dp, opt);
+  }
   ddp_sampler *sampler;
   ddp_distributed_sampler_options so = ddp_distributed_sampler_defaults(world, self->rank);
   DPT_OK(self, ddp_sampler_create_distributed(&sampler, ddp_dataset_size(ds), &so));
@@ -82,13 +93,16 @@ static void rank_body(dpt_rank *self) {
     ddp_tensor *out, *loss;
     ddp_tape_reset(tape);
     ddp_model_zero_grad(model);
-    DPT_OK(self, ddp_dp_forward(dp, tape, &b.x, &out));
+    DPT_OK(self, z ? ddp_zero_forward(z, tape, &b.x, &out) : ddp_dp_forward(dp, tape, &b.x, &out));
     DPT_OK(self, ddp_model_loss(model, tape, out, &b.y, &loss));
     double sums[2] = {(double)ddp_tensor_f32(loss)[0] * (double)b.size, (double)b.size};
     ddp_work *work;
     DPT_OK(self, ddp_allreduce_async(self->pg, sums, 2, DDP_FLOAT64, DDP_REDUCE_SUM, &work));
-    DPT_OK(self, ddp_dp_backward(dp, tape, loss));
-    DPT_OK(self, ddp_optimizer_step(opt));
+    DPT_OK(self, z ? ddp_zero_backward(z, tape, loss) : ddp_dp_backward(dp, tape, loss));
+    if (c->clip > 0)
+      DPT_OK(self, z ? ddp_zero_clip_grad_norm(z, c->clip, NULL)
+                     : ddp_model_clip_grad_norm(model, c->clip, NULL));
+    DPT_OK(self, z ? ddp_zero_step(z) : ddp_optimizer_step(opt));
     DPT_OK(self, ddp_work_wait(work, -1));
     ddp_work_free(work);
     DPT_CHECK(self, sums[1] == 16.0 * world, "the reduced count is %g", sums[1]);
@@ -101,6 +115,7 @@ static void rank_body(dpt_rank *self) {
   ddp_loader_destroy(loader);
   ddp_sampler_destroy(sampler);
   ddp_dp_destroy(dp);
+  ddp_zero_destroy(z);
   ddp_optimizer_destroy(opt);
   ddp_dataset_destroy(ds);
   ddp_model_destroy(model);
@@ -136,10 +151,21 @@ static void test_convnet_sync_bn(void **state) {
   run(&c);
 }
 
+static void test_zero_with_clipping(void **state) {
+  (void)state;
+  alloc_case dp = {.model = "headtail", .clip = 0.1};
+  run(&dp);
+  for (int stage = 2; stage <= 3; stage++) {
+    alloc_case c = {.model = "headtail", .zero_stage = stage, .clip = 0.1};
+    run(&c);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_headtail_adam_loader_thread),
       cmocka_unit_test(test_convnet_sync_bn),
+      cmocka_unit_test(test_zero_with_clipping),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
