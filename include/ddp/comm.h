@@ -342,7 +342,9 @@ typedef struct ddp_p2p_op {
  * allowed in a batch (a send to self is matched with a receive from self of the same tag and
  * size, in order). The handle is freed with ddp_work_free; handles and their copies of ops are
  * recycled, so posting the same shapes every micro-batch allocates nothing after the first.
- * Every backend a group can have supports it (self, local threads and shm, tcp, hier). A
+ * Every backend a group can have supports it (self, local threads and shm, tcp, hier; mpi;
+ * nccl, as one group of NCCL calls, with every buffer on the group's GPU and tags not
+ * matched, as PyTorch's NCCL backend). A
  * failure (also a timeout: the group's, from the call) fails the group, as collectives do. */
 ddp_status ddp_batch_isend_irecv(ddp_process_group *pg, const ddp_p2p_op *ops, size_t n, ddp_work **work);
 

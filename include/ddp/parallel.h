@@ -314,7 +314,10 @@ const float *ddp_powersgd_q(const ddp_powersgd *ps, int param, int64_t *rows, in
  * rank to / from a safetensors file, atomically written. The error feedback
  * differs per rank: each rank saves its own file and loads it at the same
  * rank and world size, with the same model and options (a mismatch is
- * DDP_ERR_INVALID naming the file and what differs). Not collective. */
+ * DDP_ERR_INVALID naming the file and what differs). Not collective. A
+ * load that fails may have replaced part of the state (the error feedback
+ * is read in place, allocation-free): destroy the hook, or load again,
+ * before training on with it. */
 ddp_status ddp_powersgd_save(const ddp_powersgd *ps, const char *path);
 ddp_status ddp_powersgd_load(ddp_powersgd *ps, const char *path);
 

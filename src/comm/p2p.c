@@ -103,7 +103,7 @@ ddp_status ddp_batch_isend_irecv(ddp_process_group *pg, const ddp_p2p_op *ops, s
   if (!engine) return ddp__p2p_submit(pg, name, ops, n, work);
   if (n == 0) { /* nothing to group: a handle already complete, as on the lane */
     ddp_work *w = ddp__work_take(pg);
-    if (!w) return DDP_ERR_NOMEM;
+    if (!w) return ddp_error(DDP_ERR_NOMEM, "%s: out of memory for a work handle", name);
     ddp__work_complete(pg, w, DDP_OK);
     *work = w;
     return DDP_OK;

@@ -317,7 +317,10 @@ static ddp_status psgd_launch(void *state, ddp_process_group *pg, ddp_dp_bucket 
   /* Q: kept (warm start, orthogonalized again) or drawn. */
   const float eps = (float)ps->o.orthogonalization_epsilon;
   const bool randomize = !ps->o.warm_start || !ps->q_valid;
-  if (randomize && ps->n_cmp > 0) {
+  /* PyTorch draws the seed whenever it randomizes, even for a bucket with
+   * nothing to compress: skipping the draw there would shift every later
+   * seed, and so every later Q, from PyTorch's. */
+  if (randomize) {
     uint32_t seed = numpy_randint_1e9(ps);
     ddp__mt19937_init_genrand(ps->t_state, &ps->t_index, seed);
     ps->t_has_normal = false;

@@ -251,6 +251,17 @@ static ddp_status forward_hook(ddp_model *model, const char *child, bool after, 
     z->fwd_held = k;
     return DDP_OK;
   }
+  /* A unit entered again after another one (a block reused in the
+   * forward, A B A) would be backpropagated with the other released: its
+   * gradients complete only after both uses' backward, so the release-
+   * and-gather chain of stage3_grad_ready cannot order them. Refused, not
+   * computed on released (zeroed) pages. */
+  if (z->fwd_pos[k] >= 0 && z->fwd_seq[z->n_seq - 1] != k)
+    return ddp_error(DDP_ERR_UNSUPPORTED,
+                     "zero stage 3: top-level module '%s' runs a second time in one forward, "
+                     "after another module; stage 3 gathers each module once per forward in "
+                     "the order they ran. Use stage 1 or 2 for a model that reuses a module",
+                     child);
   if (z->fwd_held >= 0 && z->fwd_held != k) release_unit(z, z->fwd_held);
   z->fwd_held = -1;
   if (z->fwd_pos[k] < 0) {
@@ -350,6 +361,15 @@ ddp_status ddp_zero_create(ddp_zero **out, ddp_model *model, ddp_process_group *
   /* Stage 3 gathers a module's contiguous region: the buffer keeps the
    * registration (forward) order. */
   if (o.stage == 3) o.dp.relayout = false;
+  /* Stage 3 re-gathers a module for its backward when the module after it
+   * has every gradient final, counted by the tape's grad hook; a parameter
+   * the wrapper marks ready without a gradient (find_unused_parameters,
+   * static_graph) never counts, and the module before it would run its
+   * backward released. */
+  if (o.stage == 3 && (o.dp.find_unused_parameters || o.dp.static_graph))
+    return ddp_error(DDP_ERR_UNSUPPORTED, "zero stage 3: not with find_unused_parameters or "
+                                          "static_graph (every parameter must get a gradient in "
+                                          "each backward); use stage 1 or 2");
   const int64_t n = ddp_model_num_param_elements(model);
   const int world = ddp_process_group_size(pg), rank = ddp_process_group_rank(pg);
   if (ddp_optimizer_options(opt)->device.type != DDP_DEVICE_CPU ||

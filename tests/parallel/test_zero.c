@@ -515,9 +515,53 @@ static void refuse_body(dpt_rank *self) {
   DPT_CHECK(self, strstr(msg, "covers"), "message: %s", msg);
 }
 
+/* Stage 3 refuses what its gather-per-module order cannot serve: a
+ * top-level module run twice in one forward with another between (A B A:
+ * its backward would run with B released), and find_unused_parameters
+ * (a parameter marked ready without a gradient never completes its module). */
+static void refuse_stage3_body(dpt_rank *self) {
+  ddp_model *m;
+  ddp_module *a, *b;
+  DPT_OK(self, ddp_model_create(&m));
+  DPT_OK(self, ddp_module_add_linear(m, NULL, "a", 10, 10, true, &a));
+  DPT_OK(self, ddp_module_add_linear(m, NULL, "b", 10, 10, true, &b));
+  DPT_OK(self, ddp_model_set_forward_order(m, 3, (ddp_module *const[]){a, b, a}));
+  ddp_model_set_loss(m, DDP_LOSS_MSE);
+  DPT_OK(self, ddp_model_finalize(m, 7));
+  const int64_t n = ddp_model_num_param_elements(m);
+  ddp_optim_options oo = ddp_optim_defaults(DDP_OPTIM_SGD);
+  ddp_optimizer *opt;
+  DPT_OK(self, ddp_optimizer_create(&opt, &oo, ddp_model_params_flat(m), ddp_model_grads_flat(m), (size_t)n));
+  ddp_zero *z = NULL;
+  ddp_zero_options zo = ddp_zero_defaults(3);
+  zo.dp.find_unused_parameters = true;
+  ddp_status su = ddp_zero_create(&z, m, self->pg, opt, &zo);
+  char msg_unused[256];
+  snprintf(msg_unused, sizeof msg_unused, "%s", ddp_last_error());
+  zo.dp.find_unused_parameters = false;
+  DPT_OK(self, ddp_zero_create(&z, m, self->pg, opt, &zo));
+  ddp_tape *tape;
+  DPT_OK(self, ddp_tape_create(&tape, 1 << 16));
+  float xs[4 * 10] = {0};
+  ddp_tensor x, *out = NULL;
+  DPT_OK(self, ddp_tensor_wrap(&x, DDP_FLOAT32, 2, (int64_t[]){4, 10}, xs));
+  ddp_status sf = ddp_zero_forward(z, tape, &x, &out);
+  char msg_reuse[256];
+  snprintf(msg_reuse, sizeof msg_reuse, "%s", ddp_last_error());
+  ddp_tape_destroy(tape);
+  ddp_zero_destroy(z);
+  ddp_optimizer_destroy(opt);
+  ddp_model_destroy(m);
+  DPT_CHECK(self, su == DDP_ERR_UNSUPPORTED && strstr(msg_unused, "find_unused_parameters"),
+            "find_unused_parameters at stage 3: %d, %s", su, msg_unused);
+  DPT_CHECK(self, sf == DDP_ERR_UNSUPPORTED && strstr(msg_reuse, "'a' runs a second time"),
+            "A B A at stage 3: %d, %s", sf, msg_reuse);
+}
+
 static void test_refusals(void **state) {
   (void)state;
   assert_int_equal(dpt_run(2, 30, refuse_body, NULL), 0);
+  assert_int_equal(dpt_run(2, 30, refuse_stage3_body, NULL), 0);
 }
 
 int main(void) {

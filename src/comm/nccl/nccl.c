@@ -393,6 +393,10 @@ static ddp_status nccl_enqueue(ddp__backend *b, const ddp__op_ctx *ctx, const dd
   CUDA_TRY(n, cudaEventRecord(n->produced_legacy, cudaStreamLegacy), "cudaEventRecord", ctx);
   CUDA_TRY(n, cudaStreamWaitEvent(n->stream, n->produced, 0), "cudaStreamWaitEvent", ctx);
   CUDA_TRY(n, cudaStreamWaitEvent(n->stream, n->produced_legacy, 0), "cudaStreamWaitEvent", ctx);
+  /* The completion's state comes from the work pool uninitialized: no
+   * handle of an earlier op may be destroyed on this op's error path. */
+  s->start = NULL;
+  s->done = NULL;
   CUDA_TRY(n, cudaEventCreateWithFlags(&s->start, cudaEventDisableTiming), "cudaEventCreate", ctx);
   cudaError_t e = cudaEventCreateWithFlags(&s->done, cudaEventDisableTiming);
   ddp_status st = e == cudaSuccess ? DDP_OK : cuda_fail(n, e, "cudaEventCreate", ctx);
@@ -408,6 +412,8 @@ static ddp_status nccl_enqueue(ddp__backend *b, const ddp__op_ctx *ctx, const dd
   if (st != DDP_OK) {
     cudaEventDestroy(s->start);
     if (s->done) cudaEventDestroy(s->done);
+    s->start = NULL;
+    s->done = NULL;
     return st;
   }
   s->deadline_ns = ctx->deadline_ns;
