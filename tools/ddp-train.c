@@ -667,7 +667,25 @@ typedef struct tool_view {
   int64_t last_step;
   double loss_scale;     /* the gradient scaler's after the last step (NaN: none) */
   int64_t skipped_steps; /* steps it skipped for inf/NaN */
+  const char *hold_file; /* $DDP_TRAIN_HOLD_FILE, or NULL */
 } tool_view;
+
+/* DDP_TRAIN_HOLD_FILE=PATH (a test aid, docs/launch.md): after each step,
+ * while PATH exists, the rank waits (polling every 20 ms, at most 120 s,
+ * then goes on saying so), so that a test can keep a run going while
+ * something else happens (a node joining an elastic job) however fast the
+ * model trains. Unset: one branch per step. */
+static void hold_while_file(const tool_view *v) {
+  if (!v->hold_file) return;
+  for (int i = 0; access(v->hold_file, F_OK) == 0; i++) {
+    if (i == 6000) {
+      fprintf(stderr, "ddp-train: DDP_TRAIN_HOLD_FILE %s still exists after 120 s: going on\n",
+              v->hold_file);
+      return;
+    }
+    usleep(20 * 1000);
+  }
+}
 
 static void on_start(const ddp_train_start_info *info, void *user) {
   tool_view *v = user;
@@ -688,6 +706,7 @@ static bool on_step(const ddp_train_step_info *info, void *user) {
   v->skipped_steps = info->skipped_steps;
   show_progress(&v->prog, info->step, info->epoch, v->epochs, info->loss, info->samples_per_s,
                 info->train_seconds, false);
+  hold_while_file(v);
   return false;
 }
 
@@ -951,6 +970,8 @@ int main(int argc, char **argv) {
                              .started = ddp_time_s()},
                     .a = &a, .lead = lead, .epochs = a.epochs, .last_loss = NAN,
                     .loss_scale = NAN};
+  const char *hold = getenv("DDP_TRAIN_HOLD_FILE");
+  view.hold_file = hold && hold[0] ? hold : NULL;
   o.callbacks = (ddp_train_callbacks){on_start, on_step, on_eval, &view};
 
   /* --param-servers: the servers serve and exit here; the trainers train

@@ -299,7 +299,7 @@ static void test_train_state_roundtrip(void **state) {
   ddp_safetensors_free(st);
 
   run b = make_run(2);
-  ddp_train_state got;
+  ddp_train_state got = {0}; /* .grad_scaler is read: NULL, no scaler */
   memset(&got, 0, sizeof got);
   assert_int_equal(ddp_checkpoint_load(path, b.model, b.opt, b.sched, &got, meta, 2), DDP_OK);
   assert_int_equal(got.step, 17);
@@ -372,7 +372,7 @@ static void test_failed_save_keeps_previous(void **state) {
   }
   /* The old pair still loads. */
   run b = make_run(2);
-  ddp_train_state got;
+  ddp_train_state got = {0}; /* .grad_scaler is read: NULL, no scaler */
   assert_int_equal(ddp_checkpoint_load(path, b.model, b.opt, b.sched, &got, NULL, 0), DDP_OK);
   assert_int_equal(got.step, 1);
   /* A new save, then the old training state put back beside it: refused. */
@@ -442,7 +442,7 @@ static void test_failed_model_rename_rolls_forward(void **state) {
   unlink(inside);
   assert_int_equal(rmdir(path), 0);
   run b = make_run(2);
-  ddp_train_state got;
+  ddp_train_state got = {0}; /* .grad_scaler is read: NULL, no scaler */
   assert_int_equal(ddp_checkpoint_load(path, b.model, b.opt, b.sched, &got, NULL, 0), DDP_OK);
   assert_int_equal(got.step, 7);
   assert_memory_equal(ddp_model_params_flat(b.model), ddp_model_params_flat(a.model),

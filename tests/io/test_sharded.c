@@ -96,7 +96,7 @@ static void check_round_trip(bool narrowed) {
   save(dir, "a1", &src, opts, starts);
   assert_int_equal(dir_entries(dir), WORLD + 1);
   assert_true(ddp_sharded_is_checkpoint(dir));
-  ddp_train_state ts;
+  ddp_train_state ts = {0}; /* .grad_scaler is read: NULL, no scaler */
   assert_int_equal(ddp_sharded_load(dir, dst.m, dst.opt, NULL, &ts, NULL, 0), DDP_OK);
   size_t a_n, b_n;
   unsigned char *a = model_bytes(src.m, &a_n), *b = model_bytes(dst.m, &b_n);
@@ -175,7 +175,7 @@ static void test_refusals(void **state) {
   /* A model of another architecture. */
   ddp_model *other;
   assert_int_equal(ddp_model_build("toy", NULL, 1, &other), DDP_OK);
-  ddp_train_state ts;
+  ddp_train_state ts = {0}; /* .grad_scaler is read: NULL, no scaler */
   assert_int_equal(ddp_sharded_load(dir, other, NULL, NULL, &ts, NULL, 0), DDP_ERR_INVALID);
   assert_non_null(strstr(ddp_last_error(), "saved from model convnet"));
   ddp_model_destroy(other);

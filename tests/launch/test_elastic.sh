@@ -378,7 +378,7 @@ train | train_netns)
     [ "$case_name" = train_netns ] && on=(ip netns exec "el$((k + 1))$$")
     local self=()
     [ "$case_name" = train_netns ] && self=(--master-addr "10.77.0.1$((k + 1))")
-    DDP_TRAIN_SAMPLE_LOG="$tmp/samples" \
+    DDP_TRAIN_SAMPLE_LOG="$tmp/samples" DDP_TRAIN_HOLD_FILE="$tmp/hold" \
     "${on[@]}" "$ddprun" --nnodes 2:3 --rdzv-backend c10d --rdzv-endpoint "$addr" --rdzv-id t1 "${self[@]}" \
       --max-restarts 1 --grace-period 3 --job-timeout 200 --rdzv-conf $conf "$train" "${targs[@]}" \
       --save "$tmp/el.safetensors" --save-every 5 --resume auto >"$tmp/$1" 2>&1 &
@@ -410,7 +410,14 @@ train | train_netns)
     [ $SECONDS -lt $until ] || { cat "$tmp"/n*; fail "round 1 made no progress"; }
     sleep 0.05
   done
+  # Round 1 trains the toy model to its end in well under a second: the
+  # ranks hold after their steps while the fourth node starts and its
+  # arrival re-forms the group (DDP_TRAIN_HOLD_FILE), so it joins however
+  # loaded the machine.
+  touch "$tmp/hold"
   tnode n3
+  wait_for n3 'round 2: node [0-2] of 3' 120
+  rm -f "$tmp/hold"
   for n in n0 n1 n3; do wait_node $n 180; [ $rc -eq 0 ] || { cat "$tmp"/n*; fail "node $n exited $rc"; }; done
   # Each round's world (node n0 ran in all three) and first step (printed by
   # the round's rank 0, on whichever node).
