@@ -515,19 +515,26 @@ static void *busy_main(void *arg) {
 static void test_contended_blocked_skips(void **state) {
   (void)state;
   if (!pick_late_cpus()) return;
-  atomic_store(&g_busy_stop, false);
-  pthread_t busy;
-  assert_int_equal(pthread_create(&busy, NULL, busy_main, &g_late_cpu[0]), 0);
-  rank_thread t[2];
-  run_ranks(2, late_peer_body, t);
-  atomic_store(&g_busy_stop, true);
-  pthread_join(busy, NULL);
-  for (int r = 0; r < 2; r++)
-    if (t[r].m.failures) fail_msg("%s", t[r].m.err);
-  print_message("with a busy loop on its CPU, rank 0's blocked waits: %d skipped their spin, %d slept, "
-                "of %d\n", t[0].contended_blocked, t[0].slept_blocked, BLOCKED_ROUNDS);
+  /* Whether the scheduler preempts rank 0 inside a spin is its choice:
+   * quiet, 12-18 of 40 waits skip; one CI run under TSan saw none. Up to
+   * three rounds of 40, then: the rule must show at least once. */
+  int skipped = 0;
+  for (int attempt = 0; attempt < 3 && skipped == 0; attempt++) {
+    atomic_store(&g_busy_stop, false);
+    pthread_t busy;
+    assert_int_equal(pthread_create(&busy, NULL, busy_main, &g_late_cpu[0]), 0);
+    rank_thread t[2];
+    run_ranks(2, late_peer_body, t);
+    atomic_store(&g_busy_stop, true);
+    pthread_join(busy, NULL);
+    for (int r = 0; r < 2; r++)
+      if (t[r].m.failures) fail_msg("%s", t[r].m.err);
+    print_message("with a busy loop on its CPU, rank 0's blocked waits: %d skipped their spin, "
+                  "%d slept, of %d\n", t[0].contended_blocked, t[0].slept_blocked, BLOCKED_ROUNDS);
+    skipped += t[0].contended_blocked;
+  }
   /* Without the rule: 0 skipped (every blocked wait spins up to 2 ms). */
-  assert_true(t[0].contended_blocked >= 1);
+  assert_true(skipped >= 1);
 }
 
 /* The spin policy after waits that ended in the yield phase (no threads: the
