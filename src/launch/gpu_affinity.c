@@ -21,18 +21,6 @@
 
 #define SYSFS_PCI_ROOT "/sys/bus/pci/devices"
 
-static int read_text(const char *path, char *buf, size_t bytes) {
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return 0;
-  ssize_t n;
-  do n = read(fd, buf, bytes - 1);
-  while (n < 0 && errno == EINTR);
-  close(fd);
-  if (n <= 0) return 0;
-  buf[n] = '\0';
-  return 1;
-}
-
 void ddp__near_plan_make(const char *root, const char *address, const cpu_set_t *current,
                          ddp__near_plan *out) {
   memset(out, 0, sizeof *out);
@@ -42,13 +30,13 @@ void ddp__near_plan_make(const char *root, const char *address, const cpu_set_t 
   if (!root) root = SYSFS_PCI_ROOT;
   char path[512], text[4096], node_text[32];
   snprintf(path, sizeof path, "%s/%s/numa_node", root, address);
-  if (read_text(path, node_text, sizeof node_text)) {
+  if (ddp__read_small_file(path, node_text, sizeof node_text)) {
     char *end;
     long node = strtol(node_text, &end, 10);
     if (end != node_text && node >= 0 && node < (1L << 20)) out->node = (int)node;
   }
   snprintf(path, sizeof path, "%s/%s/local_cpulist", root, address);
-  if (!read_text(path, text, sizeof text)) {
+  if (!ddp__read_small_file(path, text, sizeof text)) {
     snprintf(out->why, sizeof out->why, "the machine does not say which CPUs are near GPU %.32s (no %.200s)",
              address, path);
     return;

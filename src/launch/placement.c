@@ -76,8 +76,7 @@ void ddp__cpulist_format(const cpu_set_t *set, char *buf, size_t bytes) {
 
 /* ---- Topology ---------------------------------------------------------------- */
 
-/* Reads a small sysfs file into buf; 0 when it cannot. */
-static int read_small(const char *path, char *buf, size_t bytes) {
+int ddp__read_small_file(const char *path, char *buf, size_t bytes) {
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) return 0;
   ssize_t n;
@@ -102,10 +101,10 @@ void ddp__topology_read(const char *root, const cpu_set_t *allowed, ddp__topolog
     cpu_set_t siblings;
     /* core_cpus_list since Linux 5.7, thread_siblings_list before. */
     snprintf(path, sizeof path, "%s/cpu%d/topology/core_cpus_list", root, c);
-    int ok = read_small(path, text, sizeof text);
+    int ok = ddp__read_small_file(path, text, sizeof text);
     if (!ok) {
       snprintf(path, sizeof path, "%s/cpu%d/topology/thread_siblings_list", root, c);
-      ok = read_small(path, text, sizeof text);
+      ok = ddp__read_small_file(path, text, sizeof text);
     }
     if (ok && ddp__cpulist_parse(text, &siblings) == DDP_OK && CPU_ISSET(c, &siblings))
       for (int s = 0; s < c; s++)
@@ -114,7 +113,7 @@ void ddp__topology_read(const char *root, const cpu_set_t *allowed, ddp__topolog
           break;
         }
     snprintf(path, sizeof path, "%s/cpu%d/topology/physical_package_id", root, c);
-    if (read_small(path, text, sizeof text)) {
+    if (ddp__read_small_file(path, text, sizeof text)) {
       char *end;
       long pkg = strtol(text, &end, 10);
       if (end != text && pkg >= 0 && pkg < (1L << 30)) t->package = (int32_t)pkg;

@@ -22,6 +22,8 @@ extern "C" {
 /* Parses a kernel CPU list ("0-3,8,10-11", a trailing newline allowed) into
  * *set. DDP_ERR_INVALID names the text when it is not one (empty, a range
  * going down, a CPU at or above DDP__MAX_CPUS). */
+/* Reads a small sysfs file into buf (NUL-terminated); 0 when it cannot. */
+int ddp__read_small_file(const char *path, char *buf, size_t bytes);
 ddp_status ddp__cpulist_parse(const char *text, cpu_set_t *set);
 /* The list form of set ("0-3,8"; "" when empty), cut to fit `bytes`. */
 void ddp__cpulist_format(const cpu_set_t *set, char *buf, size_t bytes);
