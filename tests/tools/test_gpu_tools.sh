@@ -29,6 +29,8 @@ expect_refusal "mnist_ddp --device tpu" 'device "tpu": expected cpu, cuda or cud
   "$bin/mnist_ddp" --device tpu
 expect_refusal "ddp-hpo --device tpu" 'expected cpu, cuda or cuda:N' \
   "$bin/ddp-hpo" --objective convnet --device tpu
+expect_refusal "model_parallel_hpc --device tpu" 'expected cpu, cuda or cuda:N' \
+  "$bin/model_parallel_hpc" --device tpu
 # ddp-hpo's --device is convnet's.
 expect_refusal "ddp-hpo sphere --device cuda" 'applies to --objective convnet' \
   "$bin/ddp-hpo" --objective sphere --device cuda
@@ -38,6 +40,8 @@ if [ ! -e /dev/nvidia0 ] && ! nvidia-smi -L >/dev/null 2>&1; then
     "$bin/mnist_ddp" --device cuda
   expect_refusal "ddp-hpo --device cuda (no GPU)" 'no CUDA device here .*run with --device cpu' \
     "$bin/ddp-hpo" --objective convnet --device cuda
+  expect_refusal "model_parallel_hpc --device cuda (no GPU)" 'no CUDA device here .*run with --device cpu' \
+    "$bin/model_parallel_hpc" --device cuda
 else
   echo "note: a GPU is here: the no-GPU refusals are not checked"
 fi
