@@ -76,6 +76,12 @@ for so in "$build"/lib/libddp.so*; do
   [ -L "$so" ] || elves+=("$b/lib/$(basename "$so")")
 done
 [ ${#elves[@]} -gt 0 ] || die "nothing to carry in $build (no ddp-train, no test_cuda_*)"
+# The copies travel without their debug information (symbols stay, so
+# backtraces still name functions): it is most of their size, and the tree
+# plus the carry must fit the 64 MiB that travel.
+if command -v strip >/dev/null; then
+  strip --strip-debug "${elves[@]}"
+fi
 
 # The libraries they load. The C runtime and the compiler's are on every
 # Linux (the GPU machine's glibc is at least as new: manifest's glibc_needed);
