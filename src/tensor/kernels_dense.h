@@ -110,6 +110,29 @@ typedef struct ddp__dense_kernels {
   size_t (*bf16_pack_bytes)(int64_t k, int64_t n);
   void (*bf16_pack_b)(uint16_t *dst, bool trans_b, int64_t k, int64_t n, const float *b,
                       int64_t ldb);
+  /* Autocast on a GPU (cuda/dense.cu; NULL in the CPU tables): operands
+   * held as 16-bit values (bfloat16 when bf16, else float16; the tensor
+   * layer's conversion, round to nearest even), products accumulated in
+   * float32 on the tensor cores (cuBLAS's CUBLAS_COMPUTE_32F), float32
+   * results, which the op layer rounds to the low dtype.
+   *   gemm_low: c (m, n) = op(a) @ op(b) + beta * c as gemm's layout (beta
+   *     0: c is not read).
+   *   linear_forward_low: y (rows, out) = x (rows, in) @ w^T + b, b (out)
+   *     float32 (holding low values) or NULL, added before the single
+   *     rounding as PyTorch's addmm with a bias does.
+   *   linear_backward_low: from dy (rows, out; float32 of low values) and
+   *     dy16 (the same values, 16-bit): dx (rows, in) = dy @ w, dw (out,
+   *     in) = dy^T @ x (written, not accumulated), db (out) += column sums
+   *     of dy. Each of dx, dw, db may be NULL.
+   * Each returns the cuBLAS failure as a status. */
+  ddp_status (*gemm_low)(bool bf16, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                         const uint16_t *a, int64_t lda, const uint16_t *b, int64_t ldb,
+                         float beta, float *c, int64_t ldc);
+  ddp_status (*linear_forward_low)(bool bf16, float *y, const uint16_t *x, const uint16_t *w,
+                                   const float *b, int64_t rows, int64_t in, int64_t out);
+  ddp_status (*linear_backward_low)(bool bf16, float *dx, float *dw, float *db, const float *dy,
+                                    const uint16_t *dy16, const uint16_t *x, const uint16_t *w,
+                                    int64_t rows, int64_t in, int64_t out);
 } ddp__dense_kernels;
 
 extern const ddp__dense_kernels ddp__cpu_dense_kernels;

@@ -33,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ddp/tensor.h"
 #include "tensor/cuda/cudnn.h"
 #include "tensor/cuda/runtime.h"
 
@@ -290,6 +291,7 @@ typedef struct conv_plan {
   cudnnTensorDescriptor_t x, y, bias; /* (n, c, h, w), (n, o, oh, ow), (1, o, 1, 1) */
   cudnnFilterDescriptor_t w;          /* (o, c, kh, kw) */
   cudnnConvolutionDescriptor_t conv;
+  bool tf32; /* planned with TF32 allowed (ddp_cuda_allow_tf32) */
   bool fwd_ok, data_ok, filter_ok; /* cuDNN takes the part with our algorithm */
   size_t fwd_bytes, data_bytes, filter_bytes; /* their workspaces */
 } conv_plan;
@@ -351,6 +353,7 @@ static ddp_status plan_make(conv_plan *p, const ddp__conv2d_geom *g, cudnnHandle
   memset(p, 0, sizeof *p);
   p->device = ddp__cuda_current_device();
   p->g = *g;
+  p->tf32 = ddp_cuda_tf32_allowed();
   const int n = (int)g->n, c = (int)g->c, h = (int)g->h, w = (int)g->w, o = (int)g->o;
   const int kh = (int)g->kh, kw = (int)g->kw, oh = (int)g->oh, ow = (int)g->ow;
   const int stride = (int)g->stride, pad = (int)g->pad;
@@ -384,9 +387,14 @@ static ddp_status plan_make(conv_plan *p, const ddp__conv2d_geom *g, cudnnHandle
                                                           1, CUDNN_CROSS_CORRELATION,
                                                           CUDNN_DATA_FLOAT),
                           "conv2d: describing the convolution");
-  if (st == DDP_OK) /* no TF32, no reduced precision: float32 FMAs */
-    st = ddp__cudnn_check(cudnnSetConvolutionMathType(p->conv, CUDNN_FMA_MATH),
-                          "conv2d: setting FMA math");
+  /* No TF32, no reduced precision: float32 FMAs; with the TF32 opt-in
+   * the tensor cores, float32 data converted to TF32 (PyTorch's
+   * cudnn.allow_tf32). The algorithms stay the fixed deterministic ones. */
+  if (st == DDP_OK)
+    st = ddp__cudnn_check(
+        cudnnSetConvolutionMathType(p->conv, p->tf32 ? CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION
+                                                     : CUDNN_FMA_MATH),
+        p->tf32 ? "conv2d: setting TF32 tensor-op math" : "conv2d: setting FMA math");
   if (st == DDP_OK) { /* cuDNN must see the output we were given */
     int yn = 0, yc = 0, yh = 0, yw = 0;
     st = ddp__cudnn_check(
@@ -427,7 +435,9 @@ static ddp_status plan_get(const ddp__conv2d_geom *g, cudnnHandle_t handle, cudn
   *out = NULL;
   pthread_mutex_lock(&plans_lock);
   for (int i = 0; i < n_plans && !*out; i++)
-    if (plans[i].device == device && same_geom(&plans[i].g, g)) *out = &plans[i];
+    if (plans[i].device == device && same_geom(&plans[i].g, g) &&
+        plans[i].tf32 == ddp_cuda_tf32_allowed())
+      *out = &plans[i];
   if (!*out && n_plans < PLANS) {
     st = plan_make(&plans[n_plans], g, handle, e);
     if (st == DDP_OK) *out = &plans[n_plans++];
