@@ -133,6 +133,26 @@ typedef struct ddp__dense_kernels {
   ddp_status (*linear_backward_low)(bool bf16, float *dx, float *dw, float *db, const float *dy,
                                     const uint16_t *dy16, const uint16_t *x, const uint16_t *w,
                                     int64_t rows, int64_t in, int64_t out);
+  /* Autocast's convolution on a GPU (NULL in the CPU tables): x and w as
+   * 16-bit values (bf16 when bf16, else float16), cuDNN with 16-bit data
+   * and float compute.
+   *   conv2d_forward_low: y (float32) = the convolution rounded to the low
+   *     dtype (by cuDNN), + b (float32 holding low values, or NULL) added in
+   *     float32 and not rounded again (the op layer rounds: PyTorch's
+   *     convolution then add_ of the bias).
+   *   conv2d_backward_low: from dy16 (the rounded gradient, 16-bit): dx
+   *     (n, c, h, w) and dw (o, c, kh, kw), float32 holding low values,
+   *     written (not accumulated); either may be NULL; no bias gradient
+   *     (the op layer's fixed-order sums through conv2d_backward).
+   * *done false (DDP_OK, nothing written) when this device cannot (no
+   * cuDNN, DDP_CUDA_CONV=im2col, a geometry cuDNN refuses in 16 bits): the
+   * op layer then computes on rounded float32 operands. */
+  ddp_status (*conv2d_forward_low)(bool bf16, float *y, const uint16_t *x, const uint16_t *w,
+                                   const float *b, const ddp__conv2d_geom *g, ddp_arena *arena,
+                                   bool *done);
+  ddp_status (*conv2d_backward_low)(bool bf16, float *dx, float *dw, const uint16_t *dy,
+                                    const uint16_t *x, const uint16_t *w,
+                                    const ddp__conv2d_geom *g, ddp_arena *arena, bool *done);
 } ddp__dense_kernels;
 
 extern const ddp__dense_kernels ddp__cpu_dense_kernels;

@@ -217,7 +217,8 @@ static double *linear_slack(const float *x, const float *w, const float *b, int6
   return s;
 }
 
-/* conv2d stride 1, padding pad: 2 gamma_K S per output. */
+/* conv2d stride 1, padding pad: 2 gamma_K S per output, and the double
+ * rounding's extra ulp (below). */
 static double *conv_slack(const float *x, const float *w, const float *b, int64_t n, int64_t ci,
                           int64_t h, int64_t co, int64_t k, int64_t pad, ddp_dtype low) {
   const int64_t oh = h + 2 * pad - k + 1, terms = ci * k * k + 1;
@@ -235,7 +236,10 @@ static double *conv_slack(const float *x, const float *w, const float *b, int64_
                 a += fabs((double)round_to(x[((in * ci + c) * h + yy) * h + xx], low)) *
                      fabs((double)round_to(w[((o * ci + c) * k + u) * k + v], low));
               }
-          s[((in * co + o) * oh + p) * oh + q] = 2 * gamma_k(terms) * a;
+          /* + one low ulp of the sum's magnitude: the GPU rounds the
+           * convolution before adding the bias (PyTorch's order, then a
+           * second rounding), the CPU rounds once */
+          s[((in * co + o) * oh + p) * oh + q] = 2 * gamma_k(terms) * a + ulp_of(a, low);
         }
   return s;
 }

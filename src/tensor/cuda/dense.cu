@@ -184,4 +184,6 @@ extern "C" const ddp__dense_kernels ddp__cuda_dense_kernels = {
     .gemm_low = cuda_gemm_low,
     .linear_forward_low = cuda_linear_forward_low,
     .linear_backward_low = cuda_linear_backward_low,
+    .conv2d_forward_low = ddp__cuda_conv2d_forward_low,
+    .conv2d_backward_low = ddp__cuda_conv2d_backward_low,
 };
