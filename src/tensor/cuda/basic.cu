@@ -7,6 +7,7 @@
 #include "tensor/cuda/runtime.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <string.h>
 
 #define BLOCK 256
@@ -127,13 +128,32 @@ static void cuda_round_low(float *dst, const float *src, int64_t n, bool bf16) {
   round_low_kernel<<<blocks(n), BLOCK, 0, ddp__cuda_stream()>>>(dst, src, n, bf16);
 }
 
+/* Each device's flag: one int of device memory, made on the first unscale
+ * on that device and kept (a steady step allocates nothing). */
+#define UNSCALE_DEVICES 64
+static int *unscale_flags[UNSCALE_DEVICES];
+static pthread_mutex_t unscale_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int *unscale_flag(void) {
+  const int dev = ddp__cuda_current_device();
+  if (dev < 0 || dev >= UNSCALE_DEVICES) return NULL;
+  pthread_mutex_lock(&unscale_lock);
+  if (!unscale_flags[dev]) unscale_flags[dev] = (int *)ddp__cuda_malloc(sizeof(int));
+  int *flag = unscale_flags[dev];
+  pthread_mutex_unlock(&unscale_lock);
+  return flag;
+}
+
 /* The flag is zeroed, set by the kernel and read back on the host (one
- * small copy, which waits: the optimizer step's decision needs it). */
+ * small copy, which waits: the optimizer step's decision needs it). Two
+ * threads unscaling on one device at once would share the flag: the
+ * trainer unscales once per step on its thread. */
 static bool cuda_unscale_check(float *x, float inv, int64_t n) {
   if (n <= 0) return false;
-  int *flag = (int *)ddp__cuda_malloc(sizeof(int));
+  int *flag = unscale_flag();
   if (!flag) {
-    ddp__cuda_defer(DDP_ERR_NOMEM);
+    ddp__cuda_defer(ddp_error(DDP_ERR_NOMEM, "cuda:%d: unscale: no device memory for the "
+                              "inf/NaN flag", ddp__cuda_current_device()));
     return true; /* unknown: the caller must not step on these gradients */
   }
   cudaStream_t stream = ddp__cuda_stream();
@@ -143,7 +163,6 @@ static bool cuda_unscale_check(float *x, float inv, int64_t n) {
     unscale_check_kernel<<<blocks(n), BLOCK, 0, stream>>>(x, inv, n, flag);
     s = ddp__cuda_copy(&found, flag, sizeof found, cudaMemcpyDeviceToHost);
   }
-  ddp__cuda_free(flag);
   if (s != DDP_OK) {
     ddp__cuda_defer(s);
     return true; /* unknown: the caller must not step on these gradients */
