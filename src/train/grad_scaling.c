@@ -47,7 +47,10 @@ ddp_status ddp__train_precision_check(const ddp_train_options *o) {
   if (!scaler_wanted(o)) return DDP_OK;
   /* Where the scaler cannot act (yet): say so rather than train unscaled. */
   const char *why = NULL;
-  if (o->param_server)
+  if (o->cuda_graph)
+    why = "a CUDA graph's replayed step bakes the loss's scale in at capture and steps "
+          "without the scaler's check";
+  else if (o->param_server)
     why = "the parameter server's servers step the optimizer, not the trainers";
   if (why)
     return ddp_error(DDP_ERR_UNSUPPORTED, "precision %s with the gradient scaler: %s (use "

@@ -176,6 +176,14 @@ static void test_gpu_precisions(void **state) {
     if (ps[i] != DDP_PRECISION_TF32) assert_int_equal(ddp__train_precision_check(&o), DDP_OK);
   }
   ddp_train_options o = ddp_train_defaults();
+  o.device = DDP_CUDA(0);
+  o.cuda_graph = true; /* bf16 replays its region; a scaler cannot be replayed */
+  o.precision = DDP_PRECISION_BF16;
+  assert_int_equal(ddp__train_precision_check(&o), DDP_OK);
+  o.precision = DDP_PRECISION_FP16;
+  assert_int_equal(ddp__train_precision_check(&o), DDP_ERR_UNSUPPORTED);
+  assert_non_null(strstr(ddp_last_error(), "CUDA graph"));
+  o = ddp_train_defaults();
   o.precision = DDP_PRECISION_TF32;
   assert_int_equal(ddp__train_precision_check(&o), DDP_ERR_UNSUPPORTED);
   assert_non_null(strstr(ddp_last_error(), "GPU-only opt-in"));
