@@ -152,7 +152,11 @@ static double *conv_slack(const float *x, const float *w, const float *b, int64_
               for (int64_t v = 0; v < k; v++)
                 a += fabs((double)round_to(x[((in * ci + cc) * h + p + u) * h + q + v], low)) *
                      fabs((double)round_to(w[((o * ci + cc) * k + u) * k + v], low));
-          s[((in * co + o) * oh + p) * oh + q] = 2 * gamma_k(terms) * a;
+          /* + one low ulp of the sum's magnitude: ddp rounds the
+           * convolution before adding the bias (at::_convolution's order:
+           * cuDNN, then add_ of the bias); a build of PyTorch that fuses
+           * the bias into cuDNN's call rounds once */
+          s[((in * co + o) * oh + p) * oh + q] = 2 * gamma_k(terms) * a + ulp_of(a, low);
         }
   return s;
 }
