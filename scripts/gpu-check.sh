@@ -39,8 +39,10 @@
 #        over NCCL, alternating rounds, >= 0.95x from 1 MiB up;
 #   (n6numa) the rank's CPUs near its GPU (ddp-train's decision, sysfs);
 #   (n7mnist) mnist_ddp --device cuda at world 2 on NCCL; (n8hpo) ddp-hpo
-#        --objective convnet --device cuda, a worker of 2 ranks; (n9pp)
-#        ddp-train --pp 2 --device cuda, refused so far (SKIP naming why).
+#        --objective convnet --device cuda, a worker of 2 ranks;
+#   (n9pp1..n9pp4) the pipeline's stages on the GPU (scripts/gpu-pp-steps.sh):
+#        over NCCL and staged, each == the CPU pipeline; resume bit for bit;
+#        model_parallel_hpc --device cuda.
 # n1's test_nccl_ops includes batch_isend_irecv on NCCL (a 16 MiB ring that
 # completes only when the batch is grouped by ncclGroupStart/End).
 # libnccl.so.2 is the machine's own (the loader's cache, /usr/local/cuda*,
@@ -385,13 +387,26 @@ else
   record n5 SKIP 0 "no ddp-bench carried"
 fi
 # The rest of issue 39's build, after its measurements: the CPUs near the
-# GPU, the seeds' tools on the GPU, the pipeline on GPUs (refused so far).
+# GPU, the seeds' tools on the GPU, then the pipeline on GPUs (n9).
 if [ -x "$bin/ddp-train" ]; then
-  for tool_step in n6numa:30 n7mnist:90 n8hpo:90 n9pp:30; do
+  for tool_step in n6numa:30 n7mnist:90 n8hpo:90; do
     step "${tool_step%%:*}" "${tool_step#*:}" "${ddp_env[@]}" bash scripts/gpu-dp-steps.sh "${tool_step%%:*}" "$data"
   done
 else
-  record "n6..n9" SKIP 0 "no ddp-train carried"
+  record "n6..n8" SKIP 0 "no ddp-train carried"
+fi
+# (n9) The pipeline with its stages on the GPU (scripts/gpu-pp-steps.sh):
+# n9pp1 NCCL's send/recv between two ranks sharing the GPU == the CPU
+# pipeline (docs/parallel.md's bound); n9pp2 the same staged through pinned
+# host memory (ddp's own backend); n9pp3 resume bit for bit, the checkpoint
+# loaded in a CPU run; n9pp4 model_parallel_hpc --device cuda (seed 000).
+# Each under its own timeout; skipped ("no time left") once the budget is spent.
+if [ -x "$bin/ddp-train" ]; then
+  for pp_step in pp1:90 pp2:60 pp3:120 pp4:90; do
+    step "n9${pp_step%%:*}" "${pp_step#*:}" "${ddp_env[@]}" bash scripts/gpu-pp-steps.sh "${pp_step%%:*}" "$data"
+  done
+else
+  record "n9pp1..n9pp4" SKIP 0 "no ddp-train carried"
 fi
 
 # ---- (a) The CUDA tests, until 45% of the budget.
