@@ -14,7 +14,13 @@
 #   (d) the ConvNet trained 3 epochs on the GPU (ddp-train --device cuda) for
 #       seeds 1 2 3, against the CPU runs carried (mean within 0.5 points),
 #       and seed 1 again with --cuda-graph against its eager GPU run.
-# (d) runs last: it is the longest and gets whatever time is left.
+# (d) runs last of these: it is the longest and gets whatever time is left.
+# (amp) Issue 42's mixed precision (scripts/gpu-amp-steps.sh: CUDA-autocast
+#   parity against the machine's PyTorch, the ConvNet bf16 speed bars, the
+#   4096-wide MLP's TFLOPS, the GradScaler skipping an injected inf, the
+#   accuracy) comes after every other section, with what time is left, each
+#   step skipping when there is none; GPU_CHECK_ONLY=amp runs the
+#   environment and the (amp) section alone, within the same budget.
 # Issue 39's steps (NCCL) come first, in its priority order, under (n):
 #   (n1) test_nccl_ops: NCCL accepts two ranks on one GPU with distinct
 #        NCCL_HOSTID (NCCL_SOCKET_IFNAME=lo, NCCL_IB_DISABLE=1), and every
@@ -328,6 +334,32 @@ fi
   cat "$carry/manifest.txt"
 } >>"$log"
 
+# ---- (amp) Issue 42: mixed precision (scripts/gpu-amp-steps.sh), defined
+# here, run after (d) (or alone with GPU_CHECK_ONLY=amp). Output under
+# $out/amp/ (the fixtures, each step's JSON lines).
+amp_section() {
+  say "" "## (amp) Mixed precision on the GPU (issue 42)"
+  phase 100
+  # NAME:WANT:NEED: a step runs with up to WANT seconds, and only when NEED
+  # are left (less could not finish it: SKIP, saying so, not a timeout).
+  local amp_step name want need
+  for amp_step in amp_parity:90:40 amp_scaler:60:20 amp_speed:150:60 amp_mlp:90:30 amp_acc:300:150; do
+    IFS=: read -r name want need <<<"$amp_step"
+    if [ $(($(left) - 5)) -lt "$need" ]; then
+      record "$name" SKIP 0 "not run: $(($(left) - 5)) s left of the ${budget} s budget, it needs ${need} s (GPU_CHECK_ONLY=amp runs this section alone)"
+      continue
+    fi
+    step "$name" "$want" "${ddp_env[@]}" DDP_TEST_DIR="$bundle/tests" \
+      GPU_CHECK_PYTHON="$py" bash scripts/gpu-amp-steps.sh "$name" "$data" "$out/amp"
+  done
+}
+if [ "${GPU_CHECK_ONLY:-}" = amp ]; then
+  amp_section
+  summary " (GPU_CHECK_ONLY=amp)"
+  [ "$failed" -eq 0 ]
+  exit
+fi
+
 # ---- (n) Issue 39: NCCL, in its priority order, until 85% of the budget
 # (the steps' timeouts add up to more: the later ones get what is left).
 say "" "## (n) NCCL (issue 39)"
@@ -585,6 +617,9 @@ else
     record "train_seed${s}_graph" "$step_status" "$step_secs" "$step_detail" "$work/step.out"
   fi
 fi
+
+# ---- (amp) Issue 42 (defined above): what time is left.
+amp_section
 
 summary ""
 [ "$failed" -eq 0 ]

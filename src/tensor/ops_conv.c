@@ -38,14 +38,37 @@ static ddp_status conv2d_low_backward(ddp_tape *tape, ddp__node *node) {
   ddp_tensor *x = node->in[0], *w = node->in[1], *b = node->in[2];
   ddp_status s = DDP_OK;
   const float *dy = ddp__autocast_round_grad(tape, node->out, ctx->low, &s);
+  ddp_arena *arena = ddp__tape_arena_on(tape, x->device);
+  if (s == DDP_OK && k->dense->conv2d_backward_low) {
+    /* a GPU: 16-bit operands through cuDNN; the bias gradient is the
+     * fixed-order sums of the rounded dy (conv2d_backward with db only) */
+    const uint16_t *dy16 = ddp__autocast_half(tape, node->out, dy, ctx->low, false, &s);
+    const uint16_t *x16 = s == DDP_OK ? ddp__autocast_half(tape, x, NULL, ctx->low, false, &s) : NULL;
+    const uint16_t *w16 = s == DDP_OK ? ddp__autocast_half(tape, w, NULL, ctx->low, false, &s) : NULL;
+    float *dx = s == DDP_OK ? ddp__autocast_grad_scratch(tape, x, false, &s) : NULL;
+    float *dw = s == DDP_OK ? ddp__autocast_grad_scratch(tape, w, false, &s) : NULL;
+    if (s != DDP_OK) return s;
+    bool done = false;
+    DDP_TRY(k->dense->conv2d_backward_low(ctx->low == DDP_BFLOAT16, dx, dw, dy16, x16, w16,
+                                          &ctx->g, arena, &done));
+    if (done) {
+      float *db = ddp__autocast_grad_scratch(tape, b, true, &s);
+      if (s != DDP_OK) return s;
+      if (db)
+        DDP_TRY(k->dense->conv2d_backward(NULL, NULL, db, dy, x->data, w->data, &ctx->g, false,
+                                          arena));
+      DDP_TRY(ddp__autocast_grad_deliver(tape, x, dx, ctx->low));
+      DDP_TRY(ddp__autocast_grad_deliver(tape, w, dw, ctx->low));
+      return ddp__autocast_grad_deliver(tape, b, db, ctx->low);
+    }
+  }
   const float *xr = s == DDP_OK ? ddp__autocast_operand(tape, x, ctx->low, false, &s) : NULL;
   const float *wr = s == DDP_OK ? ddp__autocast_operand(tape, w, ctx->low, false, &s) : NULL;
   float *dx = s == DDP_OK ? ddp__autocast_grad_scratch(tape, x, true, &s) : NULL;
   float *dw = s == DDP_OK ? ddp__autocast_grad_scratch(tape, w, true, &s) : NULL;
   float *db = s == DDP_OK ? ddp__autocast_grad_scratch(tape, b, true, &s) : NULL;
   if (s != DDP_OK) return s;
-  DDP_TRY(k->dense->conv2d_backward(dx, dw, db, dy, xr, wr, &ctx->g, false,
-                                    ddp__tape_arena_on(tape, x->device)));
+  DDP_TRY(k->dense->conv2d_backward(dx, dw, db, dy, xr, wr, &ctx->g, false, arena));
   DDP_TRY(ddp__autocast_grad_deliver(tape, x, dx, ctx->low));
   DDP_TRY(ddp__autocast_grad_deliver(tape, w, dw, ctx->low));
   return ddp__autocast_grad_deliver(tape, b, db, ctx->low);
@@ -111,11 +134,25 @@ ddp_status ddp_conv2d(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_ten
    * through the cast cache), float32 accumulation, the output rounded. */
   const ddp_dtype low = ddp__autocast_op_dtype(x);
   ddp_status s = DDP_OK;
-  const float *xd = ddp__autocast_operand(tape, x, low, true, &s);
-  const float *wd = s == DDP_OK ? ddp__autocast_operand(tape, weight, low, true, &s) : NULL;
-  const float *bd = s == DDP_OK ? ddp__autocast_operand(tape, bias, low, true, &s) : NULL;
-  if (s != DDP_OK) return s;
-  DDP_TRY(k->dense->conv2d_forward(y->data, xd, wd, bd, &g, ddp__tape_arena_on(tape, x->device)));
+  ddp_arena *arena = ddp__tape_arena_on(tape, x->device);
+  bool done = false;
+  if (low != DDP_FLOAT32 && k->dense->conv2d_forward_low) {
+    /* a GPU: x and the weight as 16-bit values (the weight through the
+     * cast cache), cuDNN in 16 bits, the rounded bias added after */
+    const uint16_t *x16 = ddp__autocast_half(tape, x, NULL, low, true, &s);
+    const uint16_t *w16 = s == DDP_OK ? ddp__autocast_half(tape, weight, NULL, low, true, &s) : NULL;
+    const float *bd = s == DDP_OK ? ddp__autocast_operand(tape, bias, low, true, &s) : NULL;
+    if (s != DDP_OK) return s;
+    DDP_TRY(k->dense->conv2d_forward_low(low == DDP_BFLOAT16, y->data, x16, w16, bd, &g, arena,
+                                         &done));
+  }
+  if (!done) {
+    const float *xd = ddp__autocast_operand(tape, x, low, true, &s);
+    const float *wd = s == DDP_OK ? ddp__autocast_operand(tape, weight, low, true, &s) : NULL;
+    const float *bd = s == DDP_OK ? ddp__autocast_operand(tape, bias, low, true, &s) : NULL;
+    if (s != DDP_OK) return s;
+    DDP_TRY(k->dense->conv2d_forward(y->data, xd, wd, bd, &g, arena));
+  }
   ddp__autocast_mark(y, low, true);
   if (low != DDP_FLOAT32 && ddp__tape_wants_grad(tape, 3, in)) {
     conv_low_ctx *saved = ddp_tape_scratch(tape, sizeof *saved);

@@ -266,6 +266,9 @@ ddp_status ddp__train_precision_check(const ddp_train_options *o);
  * on a programming error (regions nested too deep). */
 ddp_status ddp__train_autocast_enter(const ddp_trainer *t);
 void ddp__train_autocast_exit(const ddp_trainer *t);
+/* --precision tf32: allows TF32 in the GPUs' float32 matmuls and
+ * convolutions (ddp_cuda_allow_tf32, process-wide); nothing otherwise. */
+ddp_status ddp__train_tf32_apply(const ddp_trainer *t);
 /* Makes t->scaler from the options and reads the test hook. */
 ddp_status ddp__train_scaler_init(ddp_trainer *t);
 /* The seed of this step's backward: the scale with a scaler, else 1. */

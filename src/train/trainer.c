@@ -182,6 +182,7 @@ static ddp_status create_parts(ddp_trainer *t) {
     if (s != DDP_OK) return ddp_error_wrap(s, "moving the model");
   }
   DDP_TRY(ddp__train_scaler_init(t));
+  DDP_TRY(ddp__train_tf32_apply(t));
   /* The strategy's state first: the model the optimizer steps (a
    * pipeline's stage), the data's shards, SyncBatchNorm. */
   DDP_TRY(t->strategy->create(t));
