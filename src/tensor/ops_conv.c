@@ -23,30 +23,44 @@ static ddp_status conv2d_backward(ddp_tape *tape, ddp__node *node) {
                                    dx_accumulate, ddp__tape_arena_on(tape, x->device));
 }
 
-/* conv2d recorded under autocast: the geometry and the dtype. */
+/* conv2d recorded under autocast: the geometry, the dtype, and the input
+ * as forward rounded it (tape scratch, or x's own data when x held `low`
+ * values already), so that backward does not round it again. */
 typedef struct conv_low_ctx {
   ddp__conv2d_geom g;
   ddp_dtype low;
+  const float *xr;
 } conv_low_ctx;
 
 /* From the rounded gradient, rounded input and weight, float32
  * accumulation; each gradient rounded to the low dtype before it reaches
- * its tensor's float32 grad (docs/tensor.md, "Mixed precision"). */
+ * its tensor's float32 grad (docs/tensor.md, "Mixed precision"). dx, the
+ * large one, is written straight into x's gradient when this op is its
+ * first writer (taking over x's data as the float32 path does), and rounded
+ * there in place: no zeroed scratch, no second pass to copy it over. */
 static ddp_status conv2d_low_backward(ddp_tape *tape, ddp__node *node) {
   const ddp__kernels *k = ddp__kernels_for(node->out->device);
   const conv_low_ctx *ctx = node->ctx;
   ddp_tensor *x = node->in[0], *w = node->in[1], *b = node->in[2];
   ddp_status s = DDP_OK;
   const float *dy = ddp__autocast_round_grad(tape, node->out, ctx->low, &s);
-  const float *xr = s == DDP_OK ? ddp__autocast_operand(tape, x, ctx->low, false, &s) : NULL;
   const float *wr = s == DDP_OK ? ddp__autocast_operand(tape, w, ctx->low, false, &s) : NULL;
-  float *dx = s == DDP_OK ? ddp__autocast_grad_scratch(tape, x, true, &s) : NULL;
   float *dw = s == DDP_OK ? ddp__autocast_grad_scratch(tape, w, true, &s) : NULL;
   float *db = s == DDP_OK ? ddp__autocast_grad_scratch(tape, b, true, &s) : NULL;
+  bool dx_accumulate = false;
+  float *dx = NULL, *dx_dst = NULL;
+  if (s == DDP_OK && x && (x->flags & DDP_TENSOR_REQUIRES_GRAD)) {
+    dx_dst = ddp__tape_grad_reusing_data(tape, x, &dx_accumulate, &s);
+    /* an existing gradient: this op's own, rounded, is added to it */
+    dx = dx_accumulate && dx_dst ? ddp__autocast_grad_scratch(tape, x, false, &s) : dx_dst;
+  }
   if (s != DDP_OK) return s;
-  DDP_TRY(k->dense->conv2d_backward(dx, dw, db, dy, xr, wr, &ctx->g, false,
+  DDP_TRY(k->dense->conv2d_backward(dx, dw, db, dy, ctx->xr, wr, &ctx->g, false,
                                     ddp__tape_arena_on(tape, x->device)));
-  DDP_TRY(ddp__autocast_grad_deliver(tape, x, dx, ctx->low));
+  if (dx) {
+    ddp_convert_round_f32(dx, dx, (size_t)x->numel, ctx->low);
+    if (dx_accumulate) ddp__basic_kernels_for(x->device)->axpy(dx_dst, 1.0f, dx, x->numel);
+  }
   DDP_TRY(ddp__autocast_grad_deliver(tape, w, dw, ctx->low));
   return ddp__autocast_grad_deliver(tape, b, db, ctx->low);
 }
@@ -120,7 +134,7 @@ ddp_status ddp_conv2d(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_ten
   if (low != DDP_FLOAT32 && ddp__tape_wants_grad(tape, 3, in)) {
     conv_low_ctx *saved = ddp_tape_scratch(tape, sizeof *saved);
     if (!saved) return ddp_error(DDP_ERR_NOMEM, "conv2d: cannot allocate the saved geometry");
-    *saved = (conv_low_ctx){.g = g, .low = low};
+    *saved = (conv_low_ctx){.g = g, .low = low, .xr = xd};
     DDP_TRY(ddp__tape_record(tape, "conv2d", conv2d_low_backward, y, 3, in, saved));
   } else if (ddp__tape_wants_grad(tape, 3, in)) {
     ddp__conv2d_geom *saved = ddp_tape_scratch(tape, sizeof *saved);
