@@ -34,17 +34,17 @@ typedef struct conv_low_ctx {
 
 /* From the rounded gradient, rounded input and weight, float32
  * accumulation; each gradient rounded to the low dtype before it reaches
- * its tensor's float32 grad (docs/tensor.md, "Mixed precision"). dx, the
- * large one, is written straight into x's gradient when this op is its
- * first writer (taking over x's data as the float32 path does), and rounded
- * there in place: no zeroed scratch, no second pass to copy it over. */
+ * its tensor's float32 grad (docs/tensor.md, "Mixed precision"). dy and
+ * dx, the large ones, are rounded by the kernels a sample at a time
+ * (ctx->g.round), and dx is written straight into x's gradient when this
+ * op is its first writer (taking over x's data as the float32 path does):
+ * no whole-tensor passes to round dy and dx, no zeroed scratch, no copy. */
 static ddp_status conv2d_low_backward(ddp_tape *tape, ddp__node *node) {
   const ddp__kernels *k = ddp__kernels_for(node->out->device);
   const conv_low_ctx *ctx = node->ctx;
   ddp_tensor *x = node->in[0], *w = node->in[1], *b = node->in[2];
   ddp_status s = DDP_OK;
-  const float *dy = ddp__autocast_round_grad(tape, node->out, ctx->low, &s);
-  const float *wr = s == DDP_OK ? ddp__autocast_operand(tape, w, ctx->low, false, &s) : NULL;
+  const float *wr = ddp__autocast_operand(tape, w, ctx->low, false, &s);
   float *dw = s == DDP_OK ? ddp__autocast_grad_scratch(tape, w, true, &s) : NULL;
   float *db = s == DDP_OK ? ddp__autocast_grad_scratch(tape, b, true, &s) : NULL;
   bool dx_accumulate = false;
@@ -55,12 +55,11 @@ static ddp_status conv2d_low_backward(ddp_tape *tape, ddp__node *node) {
     dx = dx_accumulate && dx_dst ? ddp__autocast_grad_scratch(tape, x, false, &s) : dx_dst;
   }
   if (s != DDP_OK) return s;
-  DDP_TRY(k->dense->conv2d_backward(dx, dw, db, dy, ctx->xr, wr, &ctx->g, false,
+  /* ctx->g.round: the kernels round dy as they read it and dx as they
+   * write it, a sample at a time (kernels_dense.h) */
+  DDP_TRY(k->dense->conv2d_backward(dx, dw, db, node->out->grad, ctx->xr, wr, &ctx->g, false,
                                     ddp__tape_arena_on(tape, x->device)));
-  if (dx) {
-    ddp_convert_round_f32(dx, dx, (size_t)x->numel, ctx->low);
-    if (dx_accumulate) ddp__basic_kernels_for(x->device)->axpy(dx_dst, 1.0f, dx, x->numel);
-  }
+  if (dx && dx_accumulate) ddp__basic_kernels_for(x->device)->axpy(dx_dst, 1.0f, dx, x->numel);
   DDP_TRY(ddp__autocast_grad_deliver(tape, w, dw, ctx->low));
   return ddp__autocast_grad_deliver(tape, b, db, ctx->low);
 }
@@ -129,8 +128,11 @@ ddp_status ddp_conv2d(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_ten
   const float *wd = s == DDP_OK ? ddp__autocast_operand(tape, weight, low, true, &s) : NULL;
   const float *bd = s == DDP_OK ? ddp__autocast_operand(tape, bias, low, true, &s) : NULL;
   if (s != DDP_OK) return s;
+  /* the kernels round y to `low` a sample at a time, while it is in cache
+   * (ddp__autocast_op_dtype: `low` is a low dtype on the CPU only) */
+  g.round = (int)low;
   DDP_TRY(k->dense->conv2d_forward(y->data, xd, wd, bd, &g, ddp__tape_arena_on(tape, x->device)));
-  ddp__autocast_mark(y, low, true);
+  ddp__autocast_mark(y, low, false);
   if (low != DDP_FLOAT32 && ddp__tape_wants_grad(tape, 3, in)) {
     conv_low_ctx *saved = ddp_tape_scratch(tape, sizeof *saved);
     if (!saved) return ddp_error(DDP_ERR_NOMEM, "conv2d: cannot allocate the saved geometry");
