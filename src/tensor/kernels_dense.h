@@ -22,6 +22,13 @@ typedef struct ddp__conv2d_geom {
   int64_t o, kh, kw;
   int64_t stride, pad;
   int64_t oh, ow;
+  /* Autocast's rounding, fused (CPU kernels; only CPU ops set it):
+   * DDP_BFLOAT16 / DDP_FLOAT16 rounds the forward's y, the backward's dy as
+   * it is read, and its dx to that dtype, a sample at a time while it is
+   * in cache (the backward must then be called with dx_accumulate false);
+   * DDP_FLOAT32 (0, a zeroed geometry) rounds nothing. A ddp_dtype held
+   * as int: this header does not include ddp/tensor.h. */
+  int round;
 } ddp__conv2d_geom;
 
 /* A per-channel affine map applied to the input of max pooling (batch
