@@ -11,7 +11,7 @@
  *            path (below), all_to_all, and point-to-point between hosts
  *
  * Which ops compose (the rule, docs/comm.md): a collective whose vector is
- * at least DDP_MPI_HIER_BYTES per rank (default 256 KiB) runs in stages,
+ * at least DDP_MPI_HIER_BYTES per rank (default 1 MiB) runs in stages,
  *   allreduce       local reduce to the leader -> leaders' MPI allreduce ->
  *                   local broadcast
  *   broadcast       local broadcast on the root's host -> leaders' MPI
@@ -53,7 +53,7 @@
 #include "comm/mpi/mpi_internal.h"
 #include "core/core_internal.h"
 
-#define MH_DEFAULT_BYTES (256u << 10)
+#define MH_DEFAULT_BYTES (1u << 20)
 
 typedef struct mh_backend {
   ddp__backend base;
