@@ -92,6 +92,20 @@ for mode in "${modes[@]}"; do
       else
         echo "FAIL: hier ($spec) (exit $?)"; cat "$out"; failed=1
       fi
+    done
+    # Rank 1 SIGKILLed inside composed allreduces: a host mate of its
+    # leader (block) and a leader (interleaved); the job ends naming it.
+    for layout in block interleaved; do
+      start=$(date +%s)
+      env DDP_TEST_LAYOUT=$layout DDP_MPI_HIER_BYTES=0 timeout -k 10 $((limit + 20)) mpirun --allow-run-as-root \
+        --oversubscribe --timeout "$limit" -np 4 -x DDP_TEST_LAYOUT bash -c "$hosts" "$bin" kill >"$out" 2>&1; rc=$?
+      took=$(($(date +%s) - start))
+      if [ $rc -ne 0 ] && [ $rc -ne 124 ] && grep -Eq "rank 1\b.*(signal 9|Killed)|process rank 1 |rank 1 .*died" "$out" \
+          && [ $took -lt "$limit" ]; then
+        echo "ok: hier ($layout): SIGKILL of rank 1 ended the job in ${took}s (exit $rc): $(grep -E 'rank 1' "$out" | head -1)"
+      else
+        echo "FAIL: hier ($layout): SIGKILL of rank 1 (exit $rc after ${took}s)"; cat "$out"; failed=1
+      fi
     done ;;
   *)
     # The default (every blocking call as MPI's blocking collective), and
