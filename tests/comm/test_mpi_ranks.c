@@ -24,7 +24,8 @@
  *             pair's transport ("shm" inside a host, "mpi" between hosts:
  *             shared memory inside hosts, MPI between their leaders; all
  *             "mpi" under DDP_MPI_HIER=0), then, unless DDP_TEST_QUICK=1,
- *             the matrix, async allreduces and p2p ordering over it
+ *             a reversed subgroup (composed too), a monitored barrier,
+ *             the matrix, async allreduces and p2p ordering
  * Exit status 0 when this rank passed. */
 #include <mpi.h>
 #include <signal.h>
@@ -263,7 +264,26 @@ static int mode_hier(ddp_process_group *pg) {
   }
   const char *quick = getenv("DDP_TEST_QUICK");
   if (quick && !strcmp(quick, "1")) return check_sum(pg, r, P * (P + 1) / 2, "allreduce (hier, quick)");
-  int rc = mode_matrix(pg);
+  /* A subgroup of every rank in reverse order spans the same hosts: it
+   * composes too, with its own leaders (subgroup rank s is parent rank
+   * P - 1 - s). */
+  ddp_process_group *rev = NULL;
+  if (ddp_process_group_split(pg, 0, -r, &rev) != DDP_OK) return bad("split (reversed)");
+  int rc = 0;
+  for (int s = 0; s < P && !rc; s++) {
+    int q = P - 1 - s;
+    const char *want = q == r ? "self" : layout_host(layout, q) == layout_host(layout, r) ? "shm" : "mpi";
+    const char *got = ddp_process_group_transport(rev, s);
+    if (composed && strcmp(got, want) != 0) {
+      fprintf(stderr, "test_mpi_ranks: rank %d: reversed subgroup's transport to its rank %d is %s, want %s\n", r,
+              s, got, want);
+      rc = 1;
+    }
+  }
+  if (!rc) rc = check_sum(rev, r, P * (P + 1) / 2, "allreduce on the reversed subgroup");
+  if (!rc && ddp_monitored_barrier(pg, 30, true) != DDP_OK) rc = bad("monitored_barrier");
+  ddp_process_group_destroy(rev);
+  if (!rc) rc = mode_matrix(pg);
   if (!rc) rc = mode_p2p(pg);
   return rc;
 }
