@@ -567,6 +567,10 @@ ddp_status ddp_zero_forward(ddp_zero *z, ddp_tape *tape, ddp_tensor *x, ddp_tens
    * afresh by the forward hook. The last forward's order is the one this
    * forward prefetches by. */
   if (z->params_stale || z->whole) release_all(z);
+  /* A unit still held by a forward that had no backward goes too: with it
+   * and a prefetch, three would be held. */
+  for (int k = 0; k < z->n_units; k++)
+    if (z->gathered[k]) release_unit(z, k);
   z->params_stale = false;
   ddp__zero_prefetch_new_forward(z->pf, z->fwd_seq, z->n_seq);
   for (int k = 0; k < z->n_units; k++) z->fwd_pos[k] = -1;

@@ -11,7 +11,9 @@
  * check is run with prefetch off and must find it violated at every unit
  * (there each gather is enqueued when its unit is needed), so the check
  * can fail. Memory: with prefetch at most two units are gathered or in
- * flight at any time, and two are reached; without, one.
+ * flight at any time, and two are reached; without, one; also when
+ * forwards follow each other without a backward (seen at three before the
+ * next forward gave back the unit the last one kept).
  *
  * Results: the parameters of every rank after N steps with prefetch equal,
  * bit for bit, those without (a gather only copies floats; it is when it
@@ -276,10 +278,54 @@ static void test_results_unchanged(void **state) {
   check_unchanged("chain", 3, 6, 3);
 }
 
+/* A forward without a backward (a loss looked at, then dropped) leaves its
+ * last unit held; the next forward must give it back before prefetching,
+ * or three units would be held. */
+static void forward_twice_body(dpt_rank *self) {
+  ddp_model *m;
+  DPT_OK(self, build("chain", &m));
+  const int64_t n = ddp_model_num_param_elements(m);
+  ddp_optim_options oo = ddp_optim_defaults(DDP_OPTIM_SGD);
+  ddp_optimizer *opt;
+  DPT_OK(self, ddp_optimizer_create(&opt, &oo, ddp_model_params_flat(m), ddp_model_grads_flat(m),
+                                    (size_t)n));
+  ddp_zero *z;
+  ddp_zero_options zo = ddp_zero_defaults(3);
+  DPT_OK(self, ddp_zero_create(&z, m, self->pg, opt, &zo));
+  ddp_tape *tape;
+  DPT_OK(self, ddp_tape_create(&tape, 1 << 20));
+  float xbuf[4 * 10], ybuf[4 * 5];
+  ddp_model_train(m, true);
+  ddp_status s = DDP_OK;
+  int most = 0;
+  for (int t = 0; t < 3 && s == DDP_OK; t++) {
+    ddp_tensor x, y, *out;
+    dpt_batch("toy", t, self->rank, 2, 4, xbuf, ybuf, &x, &y);
+    ddp_tape_reset(tape);
+    s = ddp_zero_forward(z, tape, &x, &out);
+    ddp_zero_prefetch_stats st;
+    ddp_zero_get_prefetch_stats(z, &st);
+    if (st.max_units_held > most) most = st.max_units_held;
+  }
+  if (s == DDP_OK) s = ddp_barrier(self->pg);
+  ddp_tape_destroy(tape);
+  ddp_zero_destroy(z);
+  ddp_optimizer_destroy(opt);
+  ddp_model_destroy(m);
+  DPT_OK(self, s);
+  DPT_CHECK(self, most == 2, "forwards without backward: at most %d units held (2 expected)", most);
+}
+
+static void test_forward_without_backward(void **state) {
+  (void)state;
+  assert_int_equal(dpt_run(2, 60, forward_twice_body, NULL), 0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_prefetch_happens),
       cmocka_unit_test(test_results_unchanged),
+      cmocka_unit_test(test_forward_without_backward),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
