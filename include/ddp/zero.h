@@ -111,7 +111,9 @@ void ddp_zero_set_no_sync(ddp_zero *z, bool no_sync);
 
 /* Completes the parameters (ddp_zero_sync_params) if an update may have
  * changed them since, then ddp_dp_forward. Stage 3: gathers each
- * top-level module before its forward instead, releasing it after. */
+ * top-level module before its forward instead, releasing it when the next
+ * one begins, with the next one's gather in flight meanwhile (from the
+ * second forward on: the previous forward's order). */
 ddp_status ddp_zero_forward(ddp_zero *z, ddp_tape *tape, ddp_tensor *x, ddp_tensor **out);
 /* ddp_dp_backward with the stage's reduction. On return (synced) this
  * rank's range of the gradient buffer holds the average over ranks; under
