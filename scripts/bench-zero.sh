@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # ZeRO against plain data parallelism, in the same go (issue 41's speed
 # figure): seed 001's ConvNet on Fashion-MNIST, batch 100 per rank, one
-# thread per rank, Adam lr 1e-3, at world W (2), three sides alternating
+# thread per rank, Adam lr 1e-3, at world W (2), five sides alternating
 # round by round (the first side moves one place each round):
 #   dp:    ddprun --nproc-per-node W ddp-train --model convnet ... --json
 #   zero1: the same with --zero 1
 #   zero2: the same with --zero 2
-#   zero3: the same with --zero 3 (parameters gathered per module: its
-#          cost is reported, no bar)
+#   zero3: the same with --zero 3 (parameters gathered per module, the
+#          next module's gather prefetched: its cost is reported, no bar)
+#   zero3np: --zero 3 --zero-prefetch off (each module gathered only when
+#          needed: what prefetch gains is zero3 / zero3np)
 # Each reports steady_samples_per_s (all ranks, after 10 warm-up steps);
 # each figure is the median of its rounds, and the script prints
-# zeroS / dp per stage (the issue asks for >= 0.90 at stages 1 and 2). Run it on a quiet
+# zeroS / dp per stage (the issue asks for >= 0.90 at stages 1 and 2) and
+# zero3 / zero3np (prefetch's gain). Run it on a quiet
 # machine: the figures of a loaded one say nothing.
 #   scripts/bench-zero.sh [rounds=5] [steps=200]
 # Env: BENCH_WORLD (2), BENCH_DDPRUN_OPTS (ddprun options).
@@ -34,12 +37,13 @@ dp_run() { run; }
 zero1_run() { run --zero 1; }
 zero2_run() { run --zero 2; }
 zero3_run() { run --zero 3; }
+zero3np_run() { run --zero 3 --zero-prefetch off; }
 median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
 declare -A runs
-all=(dp zero1 zero2 zero3)
+all=(dp zero1 zero2 zero3 zero3np)
 echo "load before: $(uptime | sed 's/.*load average/load average/')" >&2
 for r in $(seq "$rounds"); do
-  sides=("${all[@]:$((r % 4))}" "${all[@]:0:$((r % 4))}")
+  sides=("${all[@]:$((r % ${#all[@]}))}" "${all[@]:0:$((r % ${#all[@]}))}")
   for side in "${sides[@]}"; do
     v=$("${side}_run") || die "round $r: $side gave no figure"
     runs[$side]+="$v "
@@ -50,7 +54,11 @@ echo "load after: $(uptime | sed 's/.*load average/load average/')" >&2
 dp=$(median ${runs[dp]})
 echo "world $world, ConvNet, Adam, batch 100 per rank, $steps steps x $rounds rounds (medians):"
 echo "  data parallel  $dp samples/s"
-for s in zero1 zero2 zero3; do
+for s in zero1 zero2 zero3 zero3np; do
   m=$(median ${runs[$s]})
-  echo "  $s          $m samples/s   ratio to data parallel $(awk -v a="$m" -v b="$dp" 'BEGIN { printf "%.3f", a / b }')"
+  printf '  %-14s %s samples/s   ratio to data parallel %s\n' "$s" "$m" \
+    "$(awk -v a="$m" -v b="$dp" 'BEGIN { printf "%.3f", a / b }')"
 done
+z3=$(median ${runs[zero3]})
+z3np=$(median ${runs[zero3np]})
+echo "  prefetch: zero3 / zero3np $(awk -v a="$z3" -v b="$z3np" 'BEGIN { printf "%.3f", a / b }')"

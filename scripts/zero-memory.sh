@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Memory per rank under ZeRO against plain data parallelism (issue 41's
 # memory table): an MLP of about 100 M parameters (mlp:4096x8, 100.8 M) at
-# world 4, Adam, a few steps, four runs: plain data parallelism, --zero 1,
-# --zero 2, --zero 3. For each, every rank's training-state bytes from ddp-train's
+# world 4, Adam, a few steps, five runs: plain data parallelism, --zero 1,
+# --zero 2, --zero 3 and --zero 3 --zero-prefetch off (zero3np: one module
+# gathered at a time instead of two). For each, every rank's training-state bytes from ddp-train's
 # --json (memory_per_rank: parameters, gradients, optimizer state) in bytes
 # per parameter, the part of the gradient buffer holding reduced gradients,
 # the peak of tensor memory (the buffers plus the tape's activations) and
@@ -22,11 +23,14 @@ die() { echo "zero-memory: $*" >&2; exit 2; }
 [ -x build/bin/ddprun ] && [ -x build/bin/ddp-train ] || die "build first (scripts/build.sh)"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-printf '%-6s %-5s %10s %10s %10s %12s %10s %12s %12s %8s\n' run rank "param B/p" "grad B/p" \
+printf '%-7s %-5s %10s %10s %10s %12s %10s %12s %12s %8s\n' run rank "param B/p" "grad B/p" \
   "optim B/p" "reduced B/p" "sum B/p" "peak tensor" "peak RSS" "fits?"
-printf '%-6s %-5s %10s %10s %10s %12s %10s %12s %12s %8s\n' "" "" "" "" "" "(grad)" "" "MiB" "MiB" "24 GiB"
-for run in dp zero1 zero2 zero3; do
-  case $run in dp) extra=() ;; zero1) extra=(--zero 1) ;; zero2) extra=(--zero 2) ;; zero3) extra=(--zero 3) ;; esac
+printf '%-7s %-5s %10s %10s %10s %12s %10s %12s %12s %8s\n' "" "" "" "" "" "(grad)" "" "MiB" "MiB" "24 GiB"
+for run in dp zero1 zero2 zero3 zero3np; do
+  case $run in
+    dp) extra=() ;; zero1) extra=(--zero 1) ;; zero2) extra=(--zero 2) ;; zero3) extra=(--zero 3) ;;
+    zero3np) extra=(--zero 3 --zero-prefetch off) ;;
+  esac
   timeout 1800 build/bin/ddprun --nproc-per-node "$world" \
     build/bin/ddp-train --model "$model" --optimizer adam --lr 1e-4 --max-steps 3 \
     --batch-size 32 --workers 0 --json "${extra[@]}" >"$tmp/$run.out" 2>"$tmp/$run.err" ||
@@ -39,7 +43,7 @@ n = mem[0]["grad_bytes"] / 4  # parameters (the gradient buffer is whole at ever
 MiB = 1 << 20
 for r, m in enumerate(mem):
     state = m["param_bytes"] + m["grad_bytes"] + m["optim_state_bytes"]
-    print("%-6s %-5d %10.3f %10.3f %10.3f %12.3f %10.3f %12.0f %12.0f %8s" % (
+    print("%-7s %-5d %10.3f %10.3f %10.3f %12.3f %10.3f %12.0f %12.0f %8s" % (
         run, r, m["param_bytes"] / n, m["grad_bytes"] / n, m["optim_state_bytes"] / n,
         m["grad_reduced_bytes"] / n, state / n, m["peak_tensor_bytes"] / MiB,
         m["max_rss_bytes"] / MiB, "yes" if m["max_rss_bytes"] < 24 << 30 else "NO"))
@@ -48,6 +52,6 @@ done
 echo "(B/p: bytes per parameter; plain Adam data parallelism: 4 + 4 + 8 = 16. reduced: the part"
 echo " of the gradient buffer holding reduced gradients (the rank's range under --zero 2; the"
 echo " buffer itself stays whole: docs/sharding.md, \"Gradient memory\"). peak tensor: the buffers"
-echo " plus the tape's activations high water; param under --zero 3: the rank's range and the largest"
-echo " module gathered; peak RSS: the process's ru_maxrss, which also holds the model built whole"
+echo " plus the tape's activations high water; param under --zero 3: the rank's range and the two"
+echo " largest modules gathered, the running one and the prefetched one (one under zero3np); peak RSS: the process's ru_maxrss, which also holds the model built whole"
 echo " before ZeRO shards it, the one-time whole optimizer, the data and the libraries)"

@@ -75,6 +75,7 @@ typedef struct train_args {
   int powersgd_rank;       /* ... or powersgd:RANK (0 = none) */
   int64_t powersgd_start;  /* --powersgd-start N (0 = PyTorch's 1000) */
   bool sharded_checkpoint; /* --sharded-checkpoint */
+  bool zero_no_prefetch;   /* --zero-prefetch off */
   const char *precision;   /* --precision fp32 | bf16 | fp16 | tf32 (fp32) */
   int precision_value;     /* its ddp_precision (0: fp32) */
   const char *grad_scaler; /* --grad-scaler auto | on | off (auto: on for fp16) */
@@ -189,6 +190,8 @@ static void usage(FILE *f) {
 "                       parameters, gathering each top-level module when it runs (3,\n"
 "                       FSDP's FULL_SHARD); --save writes the ordinary\n"
 "                       checkpoint, which --resume loads at any world size and stage\n"
+"  --zero-prefetch on|off  --zero 3: gather the next top-level module while one computes\n"
+"                       (on, FSDP's forward and BACKWARD_PRE prefetch) or only when needed\n"
 "  --sharded-checkpoint --save DIR writes a directory: each rank its range of the\n"
 "                       parameters and optimizer state, rank 0 the metadata; --resume\n"
 "                       DIR loads it at any world size (ddp-ckpt consolidate DIR\n"
@@ -320,7 +323,7 @@ static void parse_args(int argc, char **argv, train_args *a) {
         "--device", "--tensorboard", "--trace", "--bucket-cap-mb", "--microbatches", "--pp",
         "--schedule", "--virtual-stages", "--split", "--param-servers", "--ps-mode", "--backend",
         "--step-sleep-ms", "--straggler", "--replicas",
-        "--elastic-batch", "--zero", "--comm-hook", "--powersgd-start", "--precision",
+        "--elastic-batch", "--zero", "--comm-hook", "--powersgd-start", "--precision", "--zero-prefetch",
         "--grad-scaler", "--grad-scaler-growth-interval", "--clip-grad-norm"};
     char name[64];
     const char *eq;
@@ -365,6 +368,10 @@ static void parse_args(int argc, char **argv, train_args *a) {
     else if (!strcmp(name, "--virtual-stages")) a->virtual_stages = cli_parse_int(name, v, 1, INT64_MAX);
     else if (!strcmp(name, "--split")) a->split = v;
     else if (!strcmp(name, "--zero")) a->zero = cli_parse_int(name, v, 1, 3);
+    else if (!strcmp(name, "--zero-prefetch")) {
+      if (strcmp(v, "on") && strcmp(v, "off")) cli_die_usage("--zero-prefetch expects on or off, got '%s'", v);
+      a->zero_no_prefetch = !strcmp(v, "off");
+    }
     else if (!strcmp(name, "--clip-grad-norm")) {
       a->clip_grad_norm = parse_double(name, v);
       if (!(a->clip_grad_norm > 0) || isinf(a->clip_grad_norm))
@@ -938,6 +945,7 @@ int main(int argc, char **argv) {
   o.grad_scaler = a.grad_scaler ? parse_grad_scaler(a.grad_scaler) : DDP_TRAIN_GRAD_SCALER_AUTO;
   o.grad_scaler_growth_interval = (int32_t)a.grad_scaler_growth_interval;
   o.sharded_checkpoint = a.sharded_checkpoint;
+  o.zero_no_prefetch = a.zero_no_prefetch;
   o.clip_grad_norm = a.clip_grad_norm;
   ddp_train_pipeline pipeline = {0};
   if (a.pp) {

@@ -252,7 +252,10 @@ typedef struct ddp_train_options {
    * the optimizer state, rank 0 the metadata. resume_path may name such a
    * directory whatever this option is. (false) */
   bool sharded_checkpoint;
-  uint8_t reserved8; /* zero */
+  /* zero_stage 3: no prefetch of the next top-level module's gather
+   * (ddp_zero_options.no_prefetch; docs/sharding.md, "Prefetch"), to
+   * measure what it gains. (false) */
+  bool zero_no_prefetch;
   /* The struct grew by 72 bytes here at once for issues 41 and 42. */
   /* Mixed precision (docs/mixed-precision.md): a ddp_precision from
    * ddp/tensor.h. FP32 (0): every op in float32. BF16, FP16: autocast's

@@ -16,8 +16,10 @@
  *            parameters: the other pages of the flat parameter buffer are
  *            given back to the system, and each top-level module's
  *            parameters are gathered before its forward and again before
- *            its backward, then released (docs/sharding.md, "Stage 3").
- *            No gather after the step. The wrapper does not re-lay out.
+ *            its backward, then released (docs/sharding.md, "Stage 3"),
+ *            the next one's gather in flight while one computes
+ *            (prefetch). No gather after the step. The wrapper does not
+ *            re-lay out.
  *
  * The model of use (one replica per rank; the optimizer over the model's
  * whole flat buffers, which ddp_zero_create narrows to this rank's range):
@@ -67,7 +69,11 @@ typedef struct ddp_zero ddp_zero;
 
 typedef struct ddp_zero_options {
   int32_t stage;     /* 1, 2 or 3 */
-  uint32_t reserved32;
+  /* Stage 3: gather each unit only when it is needed, no prefetch of the
+   * next one (docs/sharding.md, "Prefetch"; FSDP's forward_prefetch=False,
+   * backward_prefetch=None). For measuring what prefetch gains. (false) */
+  bool no_prefetch;
+  uint8_t reserved8[3];
   ddp_dp_options dp; /* the wrapper's: buckets, relayout (ddp_dp_defaults()) */
   uint64_t reserved[4]; /* zero */
 } ddp_zero_options;
@@ -105,7 +111,9 @@ void ddp_zero_set_no_sync(ddp_zero *z, bool no_sync);
 
 /* Completes the parameters (ddp_zero_sync_params) if an update may have
  * changed them since, then ddp_dp_forward. Stage 3: gathers each
- * top-level module before its forward instead, releasing it after. */
+ * top-level module before its forward instead, releasing it when the next
+ * one begins, with the next one's gather in flight meanwhile (from the
+ * second forward on: the previous forward's order). */
 ddp_status ddp_zero_forward(ddp_zero *z, ddp_tape *tape, ddp_tensor *x, ddp_tensor **out);
 /* ddp_dp_backward with the stage's reduction. On return (synced) this
  * rank's range of the gradient buffer holds the average over ranks; under
@@ -135,6 +143,44 @@ ddp_status ddp_zero_step(ddp_zero *z);
  * next forward gives the other ranges back). */
 ddp_status ddp_zero_sync_params(ddp_zero *z);
 
+/* ---- Stage 3's prefetch -----------------------------------------------------
+ * While unit i (a top-level module) computes its forward, the gather of the
+ * unit that ran after it in the previous forward is in flight (FSDP's
+ * forward_prefetch: from the second forward on); while unit i's backward
+ * runs, the gather of the unit before it is (backward_prefetch=
+ * BACKWARD_PRE). At most two units are gathered or in flight at once. */
+
+/* What happened to the units since the last training forward began, in
+ * order, for tests and debugging. */
+typedef enum ddp_zero_event_kind {
+  DDP_ZERO_EVENT_GATHER_ISSUED = 1, /* the unit's gather was enqueued */
+  DDP_ZERO_EVENT_GATHER_NEEDED = 2, /* its forward or backward is next: gather waited for */
+  DDP_ZERO_EVENT_FORWARD_DONE = 3,  /* its forward returned */
+  DDP_ZERO_EVENT_BACKWARD_DONE = 4, /* its last gradient is final */
+  DDP_ZERO_EVENT_RELEASED = 5,      /* its pages outside this rank's range given back */
+} ddp_zero_event_kind;
+typedef struct ddp_zero_event {
+  int32_t kind; /* ddp_zero_event_kind */
+  int32_t unit; /* 0.. in the flat buffer's order */
+} ddp_zero_event;
+/* Copies up to cap events into out; returns how many there are (none
+ * below stage 3). */
+int ddp_zero_events(const ddp_zero *z, ddp_zero_event *out, int cap);
+
+typedef struct ddp_zero_prefetch_stats {
+  int64_t gathers;           /* since create: unit gathers enqueued */
+  int64_t prefetched;        /* of them, ahead of need */
+  int64_t ready_when_needed; /* prefetches already complete when needed */
+  int32_t max_units_held;    /* since the last forward began: most units gathered or in flight */
+  int32_t events_lost;       /* events past the log's room (ten per unit) */
+  bool enabled;
+  uint8_t reserved8[7];
+  uint64_t reserved[3];
+} ddp_zero_prefetch_stats;
+DDP_STRUCT_SIZE(ddp_zero_prefetch_stats, 64);
+/* Zeros below stage 3. */
+void ddp_zero_get_prefetch_stats(const ddp_zero *z, ddp_zero_prefetch_stats *out);
+
 /* ---- State for checkpoints -----------------------------------------------
  * A checkpoint of a ZeRO run is the ordinary one (docs/io.md): the whole
  * optimizer state, by parameter name, which loads at any world size, any
@@ -155,8 +201,10 @@ ddp_status ddp_zero_load_state(ddp_zero *z, ddp_optimizer *full);
 /* ---- Memory ---------------------------------------------------------------- */
 
 /* Bytes this rank holds for training state. param: the model's flat
- * buffer at stages 1 and 2; at stage 3 this rank's range and at most one
- * top-level module gathered (the largest union of the two). grad: the
+ * buffer at stages 1 and 2; at stage 3 this rank's range and at most two
+ * top-level modules gathered (the one running and the one prefetched; one
+ * with no_prefetch): the range plus the two largest modules' parts outside
+ * it. grad: the
  * whole gradient buffer at every stage (the tape accumulates into it);
  * grad_owned: the part of it that holds reduced values (all of it at
  * stage 1, this rank's range at stages 2 and 3); optim_state: the narrowed

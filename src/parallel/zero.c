@@ -12,6 +12,7 @@
 
 #include "ddp/zero.h"
 #include "parallel/dp_internal.h"
+#include "parallel/zero_prefetch.h"
 
 struct ddp_zero {
   ddp_dp *dp;
@@ -52,6 +53,8 @@ struct ddp_zero {
   ddp_status backward_error;   /* a gather in the grad hook failed */
   int64_t page_floats;         /* floats in a page */
   int64_t largest_unit;        /* floats */
+  bool prefetch;               /* options: not no_prefetch */
+  ddp__zero_prefetch *pf;      /* the gathers in flight (zero_prefetch.c) */
 };
 
 ddp_zero_options ddp_zero_defaults(int stage) {
@@ -87,6 +90,7 @@ void ddp_zero_destroy(ddp_zero *z) {
   if (z->pending)
     for (int b = 0; b < z->n_params; b++) free_pending(z, b);
   if (z->stage == 3 && z->model) ddp_model_set_forward_hook(z->model, NULL, NULL);
+  ddp__zero_prefetch_destroy(z->pf); /* waits for gathers in flight */
   ddp_dp_destroy(z->dp);
   ddp_free(z->lo);
   ddp_free(z->offsets);
@@ -193,10 +197,20 @@ static ddp_status gather_region(ddp_zero *z, int64_t a, int64_t b) {
   return DDP_OK;
 }
 
-static ddp_status gather_unit(ddp_zero *z, int k) {
+static void note_held(ddp_zero *z) {
+  int held = 0;
+  for (int k = 0; k < z->n_units; k++) held += z->gathered[k];
+  ddp__zero_prefetch_note_held(z->pf, held);
+}
+
+/* Enqueues unit k's gather unless it is gathered or on its way; `ahead`:
+ * a prefetch. gathered[k] from then on means "holds, or will once its
+ * work completes, the current parameters". */
+static ddp_status start_unit(ddp_zero *z, int k, bool ahead) {
   if (z->gathered[k]) return DDP_OK;
-  DDP_TRY(gather_region(z, z->unit_lo[k], z->unit_hi[k]));
+  DDP_TRY(ddp__zero_gather_issue(z->pf, k, ahead));
   z->gathered[k] = true;
+  note_held(z);
   return DDP_OK;
 }
 
@@ -213,6 +227,10 @@ static void release_floats(ddp_zero *z, int64_t from, int64_t to) {
 
 static void release_unit(ddp_zero *z, int k) {
   if (!z->gathered[k]) return;
+  /* Never give back pages a gather still writes (its failure is the
+   * group's, sticky: the next collective reports it). */
+  (void)ddp__zero_gather_wait(z->pf, k, false);
+  ddp__zero_prefetch_log(z->pf, DDP_ZERO_EVENT_RELEASED, k);
   const int64_t a = z->unit_lo[k], b = z->unit_hi[k];
   const int64_t own_a = z->lo[z->rank], own_b = z->lo[z->rank + 1];
   /* [a, b) less [own_a, own_b): up to two pieces. */
@@ -222,6 +240,7 @@ static void release_unit(ddp_zero *z, int k) {
 }
 
 static void release_all(ddp_zero *z) {
+  (void)ddp__zero_gather_drain(z->pf);
   for (int k = 0; k < z->n_units; k++) {
     z->gathered[k] = true; /* whatever it holds goes */
     release_unit(z, k);
@@ -240,7 +259,9 @@ static int unit_of_child(const ddp_zero *z, const char *child) {
 
 /* A unit is kept after its forward until the next unit's forward begins:
  * the one kept when the forward ends is the last, whose backward comes
- * first. One unit is gathered at a time. */
+ * first. Before a unit's forward the one before it is released, the unit
+ * after it (in the previous forward's order) is prefetched and the unit
+ * itself is waited for: at most two units are gathered or in flight. */
 static ddp_status forward_hook(ddp_model *model, const char *child, bool after, void *user) {
   (void)model;
   ddp_zero *z = user;
@@ -249,6 +270,7 @@ static ddp_status forward_hook(ddp_model *model, const char *child, bool after, 
   if (k < 0) return DDP_OK; /* no parameters */
   if (after) {
     z->fwd_held = k;
+    ddp__zero_prefetch_log(z->pf, DDP_ZERO_EVENT_FORWARD_DONE, k);
     return DDP_OK;
   }
   /* A unit entered again after another one (a block reused in the
@@ -268,12 +290,27 @@ static ddp_status forward_hook(ddp_model *model, const char *child, bool after, 
     z->fwd_pos[k] = z->n_seq;
     z->fwd_seq[z->n_seq++] = k;
   }
-  return gather_unit(z, k);
+  /* k's own gather first (the queue runs in order), then the next unit's,
+   * so that it moves while k computes; then k is waited for. */
+  DDP_TRY(start_unit(z, k, false));
+  const int next = ddp__zero_prefetch_forward_next(z->pf, k, z->fwd_pos[k]);
+  if (next >= 0 && next != k && z->fwd_pos[next] < 0) DDP_TRY(start_unit(z, next, true));
+  return ddp__zero_gather_wait(z->pf, k, true);
+}
+
+/* Backward prefetch (FSDP's BACKWARD_PRE): as unit fwd_seq[at]'s backward
+ * begins, the gather of the unit before it is enqueued, to move while
+ * fwd_seq[at] computes. */
+static ddp_status backward_prefetch(ddp_zero *z, int at) {
+  if (!ddp__zero_prefetch_enabled(z->pf) || at < 1) return DDP_OK;
+  return start_unit(z, z->fwd_seq[at - 1], true);
 }
 
 /* The tape's grad hook under stage 3: the wrapper's (when it reduces this
- * backward), then, when a unit's last gradient is final, that unit is
- * released and the one before it gathered. */
+ * backward: stage 2's reduces, enqueued as buckets fill, overlap the rest
+ * of backward), then, when a unit's last gradient is final, that unit is
+ * released, the one before it waited for (prefetched as this one's
+ * backward began, or gathered now) and the one before that prefetched. */
 static void stage3_grad_ready(ddp_tensor *param, void *user) {
   ddp_zero *z = user;
   if (z->dp->syncing) ddp__dp_grad_ready(param, z->dp);
@@ -281,9 +318,15 @@ static void stage3_grad_ready(ddp_tensor *param, void *user) {
   if (i < 0 || i >= z->n_params || ddp_model_param(z->model, i) != param) return;
   const int k = z->param_unit[i];
   if (--z->unit_pending[k] != 0) return;
+  ddp__zero_prefetch_log(z->pf, DDP_ZERO_EVENT_BACKWARD_DONE, k);
   release_unit(z, k);
   const int at = z->fwd_pos[k];
-  if (at > 0 && z->backward_error == DDP_OK) z->backward_error = gather_unit(z, z->fwd_seq[at - 1]);
+  if (at <= 0 || z->backward_error != DDP_OK) return;
+  const int before = z->fwd_seq[at - 1];
+  ddp_status s = start_unit(z, before, false);
+  if (s == DDP_OK) s = backward_prefetch(z, at - 1);
+  if (s == DDP_OK) s = ddp__zero_gather_wait(z->pf, before, true);
+  z->backward_error = s;
 }
 
 /* The units from the parameters' names (the first component is the
@@ -356,6 +399,7 @@ ddp_status ddp_zero_create(ddp_zero **out, ddp_model *model, ddp_process_group *
   if (!model || !pg || !opt)
     return ddp_error(DDP_ERR_INVALID, "zero: create: model, group and optimizer are required");
   ddp_zero_options o = options ? *options : ddp_zero_defaults(1);
+  const bool prefetch = !o.no_prefetch;
   if (o.stage != 1 && o.stage != 2 && o.stage != 3)
     return ddp_error(DDP_ERR_INVALID, "zero: stage %d: stages 1, 2 and 3 are implemented", o.stage);
   /* Stage 3 gathers a module's contiguous region: the buffer keeps the
@@ -409,6 +453,13 @@ ddp_status ddp_zero_create(ddp_zero **out, ddp_model *model, ddp_process_group *
   if (z->stage == 3) {
     s = make_units(z);
     if (s != DDP_OK) goto err;
+    z->prefetch = prefetch;
+    ddp__zero_prefetch_config pc = {
+        .pg = pg, .params = ddp_model_params_flat(model), .lo = z->lo, .world = world,
+        .rank = rank, .unit_lo = z->unit_lo, .unit_hi = z->unit_hi, .n_units = z->n_units,
+        .enabled = prefetch};
+    s = ddp__zero_prefetch_create(&z->pf, &pc);
+    if (s != DDP_OK) goto err;
   }
   s = ddp_dp_create(&z->dp, model, pg, &o.dp);
   if (s != DDP_OK) goto err;
@@ -416,8 +467,10 @@ ddp_status ddp_zero_create(ddp_zero **out, ddp_model *model, ddp_process_group *
     ddp_dp_comm_hook h = {stage2_launch, stage2_finish, z};
     s = ddp_dp_set_comm_hook_fn(z->dp, &h);
     if (s != DDP_OK) goto err;
-    /* A bucket meets at most world ranges: room for every reduce in flight. */
-    s = ddp_process_group_reserve_works(pg, ddp_dp_num_buckets(z->dp) + world + 2);
+    /* A bucket meets at most world ranges: room for every reduce in flight,
+     * and at stage 3 for two units' gathers (a broadcast per owner). */
+    s = ddp_process_group_reserve_works(pg, ddp_dp_num_buckets(z->dp) + world + 2 +
+                                                (z->stage == 3 ? 2 * world : 0));
     if (s != DDP_OK) goto err;
   }
   s = ddp_optimizer_narrow(opt, (size_t)z->lo[rank], (size_t)(z->lo[rank + 1] - z->lo[rank]));
@@ -486,6 +539,7 @@ ddp_status ddp_zero_sync_params(ddp_zero *z) {
     /* The whole model, for whoever reads it (FSDP's summon_full_params);
      * the next forward gives the rest back. */
     if (z->whole && !z->params_stale) return DDP_OK;
+    DDP_TRY(ddp__zero_gather_drain(z->pf)); /* none in flight between steps; to be sure */
     DDP_TRY(gather_region(z, 0, z->n));
     for (int k = 0; k < z->n_units; k++) z->gathered[k] = true;
     z->whole = true;
@@ -510,16 +564,30 @@ ddp_status ddp_zero_forward(ddp_zero *z, ddp_tape *tape, ddp_tensor *x, ddp_tens
     return ddp_dp_forward(z->dp, tape, x, out);
   }
   /* Updated ranges, or the whole model summoned: every unit is gathered
-   * afresh, one at a time, by the forward hook. */
+   * afresh by the forward hook. The last forward's order is the one this
+   * forward prefetches by. */
   if (z->params_stale || z->whole) release_all(z);
+  /* A unit still held by a forward that had no backward goes too: with it
+   * and a prefetch, three would be held. */
+  for (int k = 0; k < z->n_units; k++)
+    if (z->gathered[k]) release_unit(z, k);
   z->params_stale = false;
+  ddp__zero_prefetch_new_forward(z->pf, z->fwd_seq, z->n_seq);
   for (int k = 0; k < z->n_units; k++) z->fwd_pos[k] = -1;
   z->n_seq = 0;
   z->fwd_held = -1;
   z->in_forward = true;
   ddp_status s = ddp_dp_forward(z->dp, tape, x, out);
   z->in_forward = false;
-  return s;
+  if (s != DDP_OK) {
+    release_all(z); /* nothing left in flight; the next forward gathers afresh */
+    return s;
+  }
+  /* A prefetch the forward did not use (its order changed): given back,
+   * so that only the last unit is held for backward. */
+  for (int k = 0; k < z->n_units; k++)
+    if (k != z->fwd_held && z->gathered[k]) release_unit(z, k);
+  return DDP_OK;
 }
 
 /* ddp_dp_backward with the stage-3 grad hook in the wrapper's place. */
@@ -527,14 +595,17 @@ static ddp_status stage3_backward(ddp_zero *z, ddp_tape *tape, ddp_tensor *loss)
   ddp_dp *dp = z->dp;
   DDP_TRY(ddp_dp_prepare_backward(dp, tape));
   for (int k = 0; k < z->n_units; k++) z->unit_pending[k] = z->unit_params[k];
-  z->backward_error = DDP_OK;
+  /* The last unit of the forward is held; its backward comes first, and
+   * the unit before it is prefetched meanwhile. */
+  z->backward_error = z->n_seq > 0 ? backward_prefetch(z, z->n_seq - 1) : DDP_OK;
   ddp_tape_set_grad_hook(tape, stage3_grad_ready, z);
   dp->backward_start_ns = ddp_time_ns();
-  ddp_status s = ddp_backward(tape, loss);
+  ddp_status s = z->backward_error == DDP_OK ? ddp_backward(tape, loss) : z->backward_error;
   dp->backward_end_ns = ddp_time_ns();
   if (s == DDP_OK) s = z->backward_error;
   if (s != DDP_OK) {
-    /* Leave nothing in flight on the gradient buffer. */
+    /* Leave nothing in flight on the gradient or the parameter buffer. */
+    release_all(z);
     ddp_tape_set_grad_hook(tape, NULL, NULL);
     dp->tape = NULL;
     (void)ddp__dp_complete(dp);
@@ -643,6 +714,17 @@ ddp_status ddp_zero_load_state(ddp_zero *z, ddp_optimizer *full) {
   return DDP_OK;
 }
 
+/* ---- Stage 3's prefetch, observed ---------------------------------------------- */
+
+int ddp_zero_events(const ddp_zero *z, ddp_zero_event *out, int cap) {
+  return z->pf ? ddp__zero_prefetch_events(z->pf, out, cap) : 0;
+}
+
+void ddp_zero_get_prefetch_stats(const ddp_zero *z, ddp_zero_prefetch_stats *out) {
+  if (z->pf) ddp__zero_prefetch_stats(z->pf, out);
+  else memset(out, 0, sizeof *out);
+}
+
 /* ---- Memory ------------------------------------------------------------------ */
 
 void ddp_zero_get_memory(const ddp_zero *z, ddp_zero_memory *out) {
@@ -652,16 +734,23 @@ void ddp_zero_get_memory(const ddp_zero *z, ddp_zero_memory *out) {
    * unit's edges aside). */
   out->param_bytes = z->n * f;
   if (z->stage == 3) {
-    /* The range and, at most, one unit: the largest union of the two. */
+    /* The range and, at most, two units (the current one and the one
+     * prefetched; one without prefetch): the range plus the two largest
+     * parts of units outside it, a bound. */
     const int64_t own_a = z->lo[z->rank], own_b = z->lo[z->rank + 1];
-    int64_t most = own_n;
+    int64_t first = 0, second = 0;
     for (int k = 0; k < z->n_units; k++) {
       const int64_t a = z->unit_lo[k] > own_a ? z->unit_lo[k] : own_a;
       const int64_t b = z->unit_hi[k] < own_b ? z->unit_hi[k] : own_b;
-      const int64_t held = own_n + (z->unit_hi[k] - z->unit_lo[k]) - (b > a ? b - a : 0);
-      if (held > most) most = held;
+      const int64_t outside = (z->unit_hi[k] - z->unit_lo[k]) - (b > a ? b - a : 0);
+      if (outside > first) {
+        second = first;
+        first = outside;
+      } else if (outside > second) {
+        second = outside;
+      }
     }
-    out->param_bytes = most * f;
+    out->param_bytes = (own_n + first + (z->prefetch ? second : 0)) * f;
   }
   out->grad_bytes = z->n * f;
   out->grad_owned_bytes = (z->stage >= 2 ? own_n : z->n) * f;

@@ -39,6 +39,7 @@ static ddp_status zero_create_state(ddp_trainer *t) {
  * strategy sets it. */
 static ddp_status zero_bind(ddp_trainer *t) {
   ddp_zero_options o = ddp_zero_defaults(t->o.zero_stage);
+  o.no_prefetch = t->o.zero_no_prefetch;
   if (t->o.bucket_cap_mb > 0) {
     o.dp.bucket_cap_mb = t->o.bucket_cap_mb;
     if (o.dp.first_bucket_mb > o.dp.bucket_cap_mb) o.dp.first_bucket_mb = o.dp.bucket_cap_mb;

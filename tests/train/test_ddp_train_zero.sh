@@ -16,7 +16,8 @@
 #    negative max_norm refused;
 #  - --zero 3 (parameters sharded, gathered per module) bit-identical to
 #    plain data parallelism for the ConvNet at 2 and 4 processes, and its
-#    memory figures (the range plus the largest module);
+#    memory figures (the range plus the two largest modules, the one running
+#    and the one prefetched; one with --zero-prefetch off);
 #  - --zero without a group is refused, saying why.
 set -uo pipefail
 skip() { echo "SKIP: $*"; exit 77; }
@@ -112,9 +113,10 @@ world 4 mdp "${mem[@]}"
 world 4 mz1 "${mem[@]}" --zero 1
 world 4 mz2 "${mem[@]}" --zero 2
 world 4 mz3 "${mem[@]}" --zero 3
-"$py" - "$tmp/mdp.out.0" "$tmp/mz1.out.0" "$tmp/mz2.out.0" "$tmp/mz3.out.0" <<'PY' || fail "memory figures"
+world 4 mz3n "${mem[@]}" --zero 3 --zero-prefetch off
+"$py" - "$tmp/mdp.out.0" "$tmp/mz1.out.0" "$tmp/mz2.out.0" "$tmp/mz3.out.0" "$tmp/mz3n.out.0" <<'PY' || fail "memory figures"
 import json, sys
-dp, z1, z2, z3 = (json.loads(open(p).read().splitlines()[-1])["memory_per_rank"] for p in sys.argv[1:])
+dp, z1, z2, z3, z3n = (json.loads(open(p).read().splitlines()[-1])["memory_per_rank"] for p in sys.argv[1:])
 n = 10 * 256 + 256 + 2 * (256 * 256 + 256) + 256 * 5 + 5      # mlp:256x4's floats
 pick = lambda m: {k: m[k] for k in ("param_bytes", "grad_bytes", "optim_state_bytes", "grad_reduced_bytes")}
 for r in range(4):
@@ -127,18 +129,20 @@ for z in (z1, z2):
         assert abs(m["optim_state_bytes"] * 4 / (8 * n) - 1) <= 0.05, m
 assert all(m["grad_reduced_bytes"] == 4 * n for m in z1), z1
 assert sum(m["grad_reduced_bytes"] for m in z2) == 4 * n, z2       # the ranges, each once
-# Stage 3: the range plus the largest module (a hidden layer: 256 x 256 + 256
-# floats), as the union of the two; the rest as stage 2.
+# Stage 3: the range plus the two largest modules (hidden layers: 256 x 256 +
+# 256 floats), the one running and the one prefetched, less what of them is
+# in the range; one module with --zero-prefetch off. The rest as stage 2.
 unit = 256 * 256 + 256
 assert sum(m["optim_state_bytes"] for m in z3) == 8 * n, z3
-for r, m in enumerate(z3):
+for r, (m, mn) in enumerate(zip(z3, z3n)):
     own = n * (r + 1) // 4 - n * r // 4
-    assert 4 * own < m["param_bytes"] <= 4 * (own + unit), m
+    assert 4 * (own + unit) < m["param_bytes"] <= 4 * (own + 2 * unit), m
+    assert 4 * own < mn["param_bytes"] <= 4 * (own + unit), mn
     assert m["grad_reduced_bytes"] == 4 * own and m["grad_bytes"] == 4 * n, m
 # The peak: the three buffers plus a step's activations (batch 8 x 256
 # floats a layer, their gradients, scratch: more than 0, below 16 MiB);
 # the process held at least that.
-for m in dp + z1 + z2 + z3:
+for m in dp + z1 + z2 + z3 + z3n:
     tensors = m["param_bytes"] + m["grad_bytes"] + m["optim_state_bytes"]
     assert tensors < m["peak_tensor_bytes"] < tensors + (16 << 20), m
     assert m["max_rss_bytes"] >= m["peak_tensor_bytes"], m
