@@ -5,8 +5,11 @@
 #    steps of SGD with momentum and of Adam, at 2 and 3 ranks: the state
 #    after training bit-identical to plain data parallelism's (--dump-state),
 #    and the checkpoints' optimizer state too;
-#  - the toy model at 4 ranks, --zero 2 --microbatches 2: bit-identical to
-#    plain data parallelism with the same micro-batches;
+#  - the toy model at 4 ranks, --zero 2 --microbatches 2: within 1e-3 of
+#    what training moved plain data parallelism's parameters with the same
+#    micro-batches (stage 2's gradient ring reduces every micro-batch and
+#    adds the averages: the same sums in another order, docs/sharding.md),
+#    and --zero 1 --microbatches 2 bit-identical;
 #  - checkpoints across world sizes and stages: --zero 2 at 4 ranks saved at
 #    an epoch's end, resumed at 2 ranks with --zero 1, saved, resumed at 3
 #    ranks with --zero 2: both checkpoint files bit-identical to a run without
@@ -84,10 +87,36 @@ echo "ok: --zero 3 adam at 4 ranks: bit-identical to data parallelism"
 
 # --- micro-batches at 4 ranks ----------------------------------------------------
 toy=(--model toy --seed 5 --batch-size 16 --optimizer adam --lr 0.01 --max-steps 20)
+
+
 world 4 mref "${toy[@]}" --microbatches 2 --dump-state "$tmp/mref"
+world 4 mz1 "${toy[@]}" --microbatches 2 --zero 1 --dump-state "$tmp/mz1"
+cmp -s "$tmp/mz1" "$tmp/mref" || fail "--zero 1 --microbatches 2 at 4 ranks differs from data parallelism"
+echo "ok: --zero 1 --microbatches 2 at 4 ranks: bit-identical"
+# Stage 2 reduces each micro-batch (its gradient ring keeps no whole
+# buffer to accumulate in): each rank's average is (g1 sum)/W + (g2 sum)/W
+# where data parallelism has (g1 + g2 sum)/W. Bound: the distance to data
+# parallelism's parameters within 1e-3 of the distance training moved them
+# (the initial parameters from a run of 0 steps); a micro-batch lost or
+# counted twice is far above it.
+world 4 minit "${toy[@]}" --max-steps 0 --dump-state "$tmp/minit"
 world 4 mz "${toy[@]}" --microbatches 2 --zero 2 --dump-state "$tmp/mz"
-cmp -s "$tmp/mz" "$tmp/mref" || fail "--zero 2 --microbatches 2 at 4 ranks differs from data parallelism"
-echo "ok: --zero 2 --microbatches 2 at 4 ranks: bit-identical"
+"$py" - "$tmp/mz" "$tmp/mref" "$tmp/minit" <<'PY' || fail "--zero 2 --microbatches 2 at 4 ranks is not within the bound of data parallelism"
+import math, sys
+def load(p):
+    out = {}
+    for line in open(p):
+        f = line.split()
+        out[f[0]] = [float(v) for v in f[2:]]
+    return out
+z, ref, init = (load(p) for p in sys.argv[1:])
+assert z.keys() == ref.keys() == init.keys()
+d = sum((a - b) ** 2 for k in ref for a, b in zip(z[k], ref[k]))
+moved = sum((a - b) ** 2 for k in ref for a, b in zip(ref[k], init[k]))
+ratio = math.sqrt(d / moved)
+print("ok: --zero 2 --microbatches 2 at 4 ranks: ||zero - dp|| / ||dp - initial|| = %.3g (bound 1e-3)" % ratio)
+assert moved > 0 and ratio <= 1e-3, ratio
+PY
 
 # --- checkpoints across world sizes and stages ----------------------------------
 # 1024 samples, batch 16: an epoch is 16 steps at 4 ranks, 32 at 2, 22 at 3.
@@ -107,7 +136,10 @@ done
 echo "ok: ZeRO-2 at 4 ranks -> ZeRO-1 at 2 -> ZeRO-2 at 3, saved and resumed: bit-identical to the unsharded runs"
 
 # --- memory: the optimizer state per rank is 1/W of the unsharded ----------------
-mem=(--model mlp:256x4 --optimizer adam --lr 0.001 --max-steps 2 --batch-size 8 --json)
+# mlp:256x8 with 0.25 MiB buckets (a hidden layer each): stage 2's ring of
+# two buckets is smaller than the buffer it replaces (a model of one or two
+# buckets keeps the whole buffer: docs/sharding.md).
+mem=(--model mlp:256x8 --bucket-cap-mb 0.25 --optimizer adam --lr 0.001 --max-steps 3 --batch-size 8 --json)
 world 4 mdp "${mem[@]}"
 world 4 mz1 "${mem[@]}" --zero 1
 world 4 mz2 "${mem[@]}" --zero 2
@@ -115,7 +147,7 @@ world 4 mz3 "${mem[@]}" --zero 3
 "$py" - "$tmp/mdp.out.0" "$tmp/mz1.out.0" "$tmp/mz2.out.0" "$tmp/mz3.out.0" <<'PY' || fail "memory figures"
 import json, sys
 dp, z1, z2, z3 = (json.loads(open(p).read().splitlines()[-1])["memory_per_rank"] for p in sys.argv[1:])
-n = 10 * 256 + 256 + 2 * (256 * 256 + 256) + 256 * 5 + 5      # mlp:256x4's floats
+n = 10 * 256 + 256 + 6 * (256 * 256 + 256) + 256 * 5 + 5      # mlp:256x8's floats
 pick = lambda m: {k: m[k] for k in ("param_bytes", "grad_bytes", "optim_state_bytes", "grad_reduced_bytes")}
 for r in range(4):
     assert pick(dp[r]) == {"param_bytes": 4 * n, "grad_bytes": 4 * n, "optim_state_bytes": 8 * n,
@@ -123,10 +155,18 @@ for r in range(4):
 for z in (z1, z2):
     assert sum(m["optim_state_bytes"] for m in z) == 8 * n, z     # every float's state once
     for m in z:
-        assert m["param_bytes"] == 4 * n and m["grad_bytes"] == 4 * n, m
+        assert m["param_bytes"] == 4 * n, m
         assert abs(m["optim_state_bytes"] * 4 / (8 * n) - 1) <= 0.05, m
-assert all(m["grad_reduced_bytes"] == 4 * n for m in z1), z1
+assert all(m["grad_reduced_bytes"] == 4 * n and m["grad_bytes"] == 4 * n for m in z1), z1
+assert all(m["grad_ring_bytes"] == 0 for m in dp + z1 + z3), (dp, z1, z3)
 assert sum(m["grad_reduced_bytes"] for m in z2) == 4 * n, z2       # the ranges, each once
+# Stage 2's gradient ring: each rank keeps its range, 1/W of the buffer
+# (+-5 %), plus the ring of two buckets (here the largest bucket is the
+# model's every parameter: the default 25 MiB cap, the first bucket 1 MiB).
+for m in z2:
+    assert abs(m["grad_reduced_bytes"] * 4 / (4 * n) - 1) <= 0.05, m
+    assert 0 < m["grad_ring_bytes"] <= 2 * 4 * n, m
+    assert m["grad_bytes"] == m["grad_reduced_bytes"] + m["grad_ring_bytes"], m
 # Stage 3: the range plus the largest module (a hidden layer: 256 x 256 + 256
 # floats), as the union of the two; the rest as stage 2.
 unit = 256 * 256 + 256
@@ -134,7 +174,7 @@ assert sum(m["optim_state_bytes"] for m in z3) == 8 * n, z3
 for r, m in enumerate(z3):
     own = n * (r + 1) // 4 - n * r // 4
     assert 4 * own < m["param_bytes"] <= 4 * (own + unit), m
-    assert m["grad_reduced_bytes"] == 4 * own and m["grad_bytes"] == 4 * n, m
+    assert m["grad_reduced_bytes"] == 4 * own and m["grad_bytes"] == 4 * n, m  # no ring at stage 3
 # The peak: the three buffers plus a step's activations (batch 8 x 256
 # floats a layer, their gradients, scratch: more than 0, below 16 MiB);
 # the process held at least that.
@@ -143,9 +183,9 @@ for m in dp + z1 + z2 + z3:
     assert tensors < m["peak_tensor_bytes"] < tensors + (16 << 20), m
     assert m["max_rss_bytes"] >= m["peak_tensor_bytes"], m
 print("ok: optimizer state per rank under --zero 1 and 2: %s of %d bytes unsharded; "
-      "reduced gradients under --zero 2: %s of %d; peak tensor bytes %s"
+      "gradients kept under --zero 2: %s of %d, plus a ring of %s; peak tensor bytes %s"
       % ([m["optim_state_bytes"] for m in z2], 8 * n, [m["grad_reduced_bytes"] for m in z2], 4 * n,
-         [m["peak_tensor_bytes"] for m in z2]))
+         [m["grad_ring_bytes"] for m in z2], [m["peak_tensor_bytes"] for m in z2]))
 PY
 
 # --- --clip-grad-norm: --zero 1|2 == data parallelism, both clipping --------------
