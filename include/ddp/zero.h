@@ -12,6 +12,9 @@
  *   stage 2: each bucket's gradients are reduced (summed) to the ranks
  *            owning its floats while backward runs, so a rank ends with
  *            the averaged gradients of its range only; then as stage 1.
+ *            After the relayout backward writes into a ring of two
+ *            bucket-sized slots and a rank keeps only its range of the
+ *            gradient buffer (ddp_zero_backward).
  *   stage 3: as stage 2, and each rank keeps only its range of the
  *            parameters: the other pages of the flat parameter buffer are
  *            given back to the system, and each top-level module's
@@ -27,7 +30,7 @@
  *   ddp_zero_options zo = ddp_zero_defaults(2);
  *   DDP_TRY(ddp_zero_create(&z, model, pg, opt, &zo));  // collective
  *   for (each batch) {
- *     ddp_model_zero_grad(model);
+ *     ddp_zero_zero_grad(z);           // stage 2: this rank's range
  *     ddp_tape_reset(tape);
  *     DDP_TRY(ddp_zero_forward(z, tape, x, &out));  // parameters complete first
  *     DDP_TRY(ddp_model_loss(model, tape, out, y, &loss));

@@ -76,6 +76,7 @@ struct ddp_zero {
   double *ring_div;            /* (n_params) per bucket: its divisor at launch */
   bool *retired;               /* (n_params) per bucket: reduced and added into the range */
   int ring_ev, next_claim;
+  bool in_ring_backward;       /* inside ring_backward: the slots are claimed */
   ddp_status ring_error;       /* first failure inside the grad hook */
 };
 
@@ -174,6 +175,12 @@ static float *ring_slot(const ddp_zero *z, int b) {
 
 static ddp_status ring_launch(ddp_zero *z, ddp_process_group *pg, ddp_dp_bucket *bucket) {
   const int b = bucket->index;
+  if (!z->in_ring_backward)
+    return ddp_error(DDP_ERR_UNSUPPORTED,
+                     "zero stage 2 (rank %d): bucket %d reduced outside ddp_zero_backward "
+                     "(ddp_dp_join, ddp_dp_reduce_grads on the wrapper inside): the gradient ring "
+                     "holds no gradients there; set DDP_ZERO_GRAD_RING=never for this run",
+                     z->rank, b);
   z->ring_div[b] = bucket->divisor;
   z->retired[b] = false;
   float *slot = ring_slot(z, b);
@@ -819,11 +826,13 @@ static ddp_status ring_backward(ddp_zero *z, ddp_tape *tape, ddp_tensor *loss) {
   z->next_claim = RING_SLOTS;
   z->ring_ev = 0;
   ddp_tape_set_grad_hook(tape, ring_grad_ready, z);
+  z->in_ring_backward = true;
   dp->backward_start_ns = ddp_time_ns();
   ddp_status s = dp->loss_scale == 1.0f || loss->numel != 1 || loss->dtype != DDP_FLOAT32
                      ? ddp_backward(tape, loss)
                      : ddp__backward_from(tape, loss, &dp->loss_scale);
   dp->backward_end_ns = ddp_time_ns();
+  z->in_ring_backward = false;
   if (s == DDP_OK) s = z->ring_error;
   for (int b = 0; b < dp->next_launch; b++) {
     ddp_status r = ring_retire(z, b);
