@@ -89,7 +89,11 @@ for ((r = 0; r < 4; r++)); do
     fail "--zero 3, adam, 4 ranks: rank $r's state differs from plain data parallelism's"
 done
 echo "ok: --zero 3 adam at 4 ranks: bit-identical to data parallelism"
-world 4 z2.adam.4 "${base[@]}" --optimizer adam --lr 0.001 --zero 2 --dump-state "$tmp/z2.adam.4.{rank}"
+world 4 z2.adam.4 "${base[@]}" --optimizer adam --lr 0.001 --zero 2 --dump-state "$tmp/z2.adam.4.{rank}" --json
+"$py" -c 'import json, sys
+mem = json.loads(open(sys.argv[1]).read().splitlines()[-1])["memory_per_rank"]
+assert all(m["grad_ring_bytes"] > 0 for m in mem), mem' "$tmp/z2.adam.4.out.0" ||
+  fail "--zero 2 at 4 ranks: the gradient ring was not in use"
 for ((r = 0; r < 4; r++)); do
   cmp -s "$tmp/z2.adam.4.$r" "$tmp/ref.adam.4.$r" ||
     fail "--zero 2, adam, 4 ranks: rank $r's state differs from plain data parallelism's"
