@@ -227,8 +227,9 @@ static void usage(FILE *f) {
 "                       mean of the per-step times above over those steps),\n"
 "                       steady_preempted_ms_per_rank (every rank's mean preempted_ms),\n"
 "                       memory_per_rank (every rank's param_bytes, grad_bytes,\n"
-"                       optim_state_bytes, grad_reduced_bytes, peak_tensor_bytes,\n"
-"                       max_rss_bytes; docs/train.md \"Memory\"), epochs, world_size)\n"
+"                       optim_state_bytes, grad_reduced_bytes, grad_ring_bytes,\n"
+"                       peak_tensor_bytes, max_rss_bytes; docs/train.md \"Memory\"),\n"
+"                       epochs, world_size)\n"
 "Checkpoints (safetensors; docs/io.md)\n"
 "  --save PATH          at the end of training write the model's state dict to PATH (loads\n"
 "                       into PyTorch with load_state_dict(strict=True)) and the training\n"
@@ -762,10 +763,12 @@ static void print_summary(const train_args *a, const ddp_train_result *r, const 
     for (int k = 0; k < r->world_size; k++) {
       const ddp_train_memory *m = &r->memory_per_rank[k];
       printf("%s{\"param_bytes\": %lld, \"grad_bytes\": %lld, \"optim_state_bytes\": %lld, "
-             "\"grad_reduced_bytes\": %lld, \"peak_tensor_bytes\": %lld, \"max_rss_bytes\": %lld}",
+             "\"grad_reduced_bytes\": %lld, \"grad_ring_bytes\": %lld, "
+             "\"peak_tensor_bytes\": %lld, \"max_rss_bytes\": %lld}",
              k ? ", " : "", (long long)m->param_bytes, (long long)m->grad_bytes,
              (long long)m->optim_state_bytes, (long long)m->grad_reduced_bytes,
-             (long long)m->peak_tensor_bytes, (long long)m->max_rss_bytes);
+             (long long)m->grad_ring_bytes, (long long)m->peak_tensor_bytes,
+             (long long)m->max_rss_bytes);
     }
     printf("], ");
   }

@@ -318,9 +318,10 @@ typedef struct ddp_train_stage_stats {
 /* One rank's training-state bytes (ddp_train_result.memory_per_rank;
  * docs/train.md, "Memory"). */
 typedef struct ddp_train_memory {
-  /* The flat buffers: the parameters the rank holds, its gradient buffer
-   * (whole on every rank under data parallelism and ZeRO-1/2: backward
-   * accumulates into it), its optimizer's state buffers (1/W under ZeRO). */
+  /* The flat buffers: the parameters the rank holds, its gradients (the
+   * whole buffer under data parallelism and ZeRO-1: backward accumulates
+   * into it; under ZeRO-2's gradient ring the rank's range plus the ring,
+   * docs/sharding.md), its optimizer's state buffers (1/W under ZeRO). */
   int64_t param_bytes, grad_bytes, optim_state_bytes;
   /* The part of the gradient buffer that holds reduced gradients after a
    * step: all of it under data parallelism and ZeRO-1, the rank's range
@@ -336,6 +337,9 @@ typedef struct ddp_train_memory {
   /* The process's peak resident set (getrusage ru_maxrss): everything,
    * for ranks that are threads of one process the process's. */
   int64_t max_rss_bytes;
+  /* Of grad_bytes, ZeRO-2's gradient ring (two bucket-sized slots
+   * backward writes into); 0 without one. */
+  int64_t grad_ring_bytes;
 } ddp_train_memory;
 
 /* What ddp-train's --json summary reports. Filled by ddp_trainer_run; free

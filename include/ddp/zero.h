@@ -12,6 +12,9 @@
  *   stage 2: each bucket's gradients are reduced (summed) to the ranks
  *            owning its floats while backward runs, so a rank ends with
  *            the averaged gradients of its range only; then as stage 1.
+ *            After the relayout backward writes into a ring of two
+ *            bucket-sized slots and a rank keeps only its range of the
+ *            gradient buffer (ddp_zero_backward).
  *   stage 3: as stage 2, and each rank keeps only its range of the
  *            parameters: the other pages of the flat parameter buffer are
  *            given back to the system, and each top-level module's
@@ -29,7 +32,7 @@
  *   ddp_zero_options zo = ddp_zero_defaults(2);
  *   DDP_TRY(ddp_zero_create(&z, model, pg, opt, &zo));  // collective
  *   for (each batch) {
- *     ddp_model_zero_grad(model);
+ *     ddp_zero_zero_grad(z);           // stage 2: this rank's range
  *     ddp_tape_reset(tape);
  *     DDP_TRY(ddp_zero_forward(z, tape, x, &out));  // parameters complete first
  *     DDP_TRY(ddp_model_loss(model, tape, out, y, &loss));
@@ -106,8 +109,17 @@ int ddp_zero_stage(const ddp_zero *z);
 /* Floats [*offset, *offset + *numel) of the flat buffers are rank's. */
 void ddp_zero_range(const ddp_zero *z, int rank, int64_t *offset, int64_t *numel);
 
-/* no_sync for gradient accumulation, as ddp_dp_set_no_sync. */
+/* no_sync for gradient accumulation, as ddp_dp_set_no_sync, except under
+ * stage 2's gradient ring (below, ddp_zero_backward), where every backward
+ * reduces and adds into this rank's range (DeepSpeed's stage 2 under
+ * accumulation) and no_sync only spares the parameters' gather. */
 void ddp_zero_set_no_sync(ddp_zero *z, bool no_sync);
+
+/* zero_grad for a ZeRO run: under stage 2's gradient ring this rank's
+ * range of the gradient buffer (the rest is not kept), else
+ * ddp_model_zero_grad. ddp_model_zero_grad stays correct under the ring but
+ * writes the whole buffer, whose pages then come back. */
+ddp_status ddp_zero_zero_grad(ddp_zero *z);
 
 /* Completes the parameters (ddp_zero_sync_params) if an update may have
  * changed them since, then ddp_dp_forward. Stage 3: gathers each
@@ -118,9 +130,24 @@ ddp_status ddp_zero_forward(ddp_zero *z, ddp_tape *tape, ddp_tensor *x, ddp_tens
 /* ddp_dp_backward with the stage's reduction. On return (synced) this
  * rank's range of the gradient buffer holds the average over ranks; under
  * stage 1 the whole buffer does, under stage 2 the rest holds this rank's
- * own gradients (not to be used). Marks the parameters to be gathered
- * before the next forward. After the wrapper's one relayout, moves the
- * optimizer state that has values to the new owners (collective). */
+ * own gradients or nothing (not to be used). Marks the parameters to be
+ * gathered before the next forward. After the wrapper's one relayout,
+ * moves the optimizer state that has values to the new owners
+ * (collective).
+ * Stage 2's gradient ring (docs/sharding.md, "Gradient memory under stage
+ * 2"): from the first backward after the relayout is decided (and with no
+ * unreduced gradient left by no_sync), each parameter's `grad` points
+ * into a ring of two bucket-sized slots during backward (back into the
+ * flat buffer on return), every backward reduces, and this rank's part is
+ * added into its range (assigned after ddp_zero_zero_grad); the flat
+ * buffer's pages outside the range are given back. Not with
+ * find_unused_parameters or static_graph, at one rank, or when the first
+ * such backward's graph writes a bucket before the one two earlier is
+ * final (tied weights): the whole buffer is then kept. A later backward
+ * whose graph does not fit is DDP_ERR_UNSUPPORTED, before it runs. With
+ * the ring, micro-batches are reduced one by one: the sums' order is not
+ * plain data parallelism's accumulate-then-reduce (equal within rounding,
+ * not bit for bit). */
 ddp_status ddp_zero_backward(ddp_zero *z, ddp_tape *tape, ddp_tensor *loss);
 
 /* torch.nn.utils.clip_grad_norm_ over the whole model from the shards:
@@ -204,14 +231,14 @@ ddp_status ddp_zero_load_state(ddp_zero *z, ddp_optimizer *full);
  * buffer at stages 1 and 2; at stage 3 this rank's range and at most two
  * top-level modules gathered (the one running and the one prefetched; one
  * with no_prefetch): the range plus the two largest modules' parts outside
- * it. grad: the
- * whole gradient buffer at every stage (the tape accumulates into it);
- * grad_owned: the part of it that holds reduced values (all of it at
- * stage 1, this rank's range at stages 2 and 3); optim_state: the narrowed
- * optimizer's state buffers; optim_state_unsharded: what they would be
- * unsharded. */
+ * it. grad: the whole gradient buffer (the tape accumulates into it),
+ * except under stage 2's gradient ring: this rank's range plus the ring;
+ * grad_ring: the ring (0 without); grad_owned: the part of the buffer that
+ * holds reduced values (all of it at stage 1, this rank's range at stages 2
+ * and 3); optim_state: the narrowed optimizer's state buffers;
+ * optim_state_unsharded: what they would be unsharded. */
 typedef struct ddp_zero_memory {
-  int64_t param_bytes, grad_bytes, grad_owned_bytes;
+  int64_t param_bytes, grad_bytes, grad_ring_bytes, grad_owned_bytes;
   int64_t optim_state_bytes, optim_state_unsharded_bytes;
 } ddp_zero_memory;
 void ddp_zero_get_memory(const ddp_zero *z, ddp_zero_memory *out);

@@ -6,6 +6,7 @@
  * Same layer as the wrapper: it reads the wrapper's internals (whether its
  * relayout is still to come) rather than widen the wrapper's API. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -55,7 +56,41 @@ struct ddp_zero {
   int64_t largest_unit;        /* floats */
   bool prefetch;               /* options: not no_prefetch */
   ddp__zero_prefetch *pf;      /* the gathers in flight (zero_prefetch.c) */
+  /* Stage 2's gradient ring (docs/sharding.md, "Gradient memory under
+   * stage 2"): once the wrapper's relayout is decided, backward writes
+   * bucket b's gradients into slot b % RING_SLOTS of `ring` instead of the
+   * flat buffer, each bucket is reduced from there and this rank's part
+   * is added into its range of the flat buffer, the only part of that
+   * buffer kept (the rest's pages are given back). */
+  int ring_mode;               /* DDP_ZERO_GRAD_RING: RING_AUTO, RING_ALWAYS, RING_NEVER */
+  bool ring_on;                /* backward writes into the ring */
+  bool ring_off;               /* ruled out for this run (the first plan failed) */
+  bool user_no_sync;           /* ddp_zero_set_no_sync's flag while the ring reduces every backward */
+  bool flat_dirty;             /* the flat buffer holds unreduced gradients (a no_sync backward) */
+  bool owned_fresh;            /* ddp_zero_zero_grad since the last ring backward: assign, not add */
+  float *ring;                 /* ring_floats: min(RING_SLOTS, buckets) slots */
+  int64_t slot_floats;         /* the largest bucket */
+  int64_t ring_floats;
+  int *ring_uses;              /* (n_params) the plan's uses left of each parameter */
+  int *ring_bpend;             /* (n_params) the plan's parameters not ready per bucket */
+  int *need_ev;                /* (n_params) per bucket: hook calls before its first write */
+  int *launch_ev;              /* (n_params) per bucket: the hook call that launches it */
+  int *claim_at;               /* (n_params) per bucket: the hook call after which its slot is cleared */
+  double *ring_div;            /* (n_params) per bucket: its divisor at launch */
+  bool *retired;               /* (n_params) per bucket: reduced and added into the range */
+  int ring_ev, next_claim;
+  bool in_ring_backward;       /* inside ring_backward: the slots are claimed */
+  ddp_status ring_error;       /* first failure inside the grad hook */
 };
+
+/* Two slots: bucket b + 2 is written only after bucket b's reduce has
+ * completed, which leaves bucket b + 1's backward to overlap it. */
+#define RING_SLOTS 2
+/* DDP_ZERO_GRAD_RING: "auto" (the default) uses the ring where it holds
+ * less than the buffer it replaces; "always" wherever the graph fits it
+ * (tests: small models whose largest bucket is half the model); "never"
+ * keeps the whole buffer (a comparison). */
+enum { RING_AUTO, RING_ALWAYS, RING_NEVER };
 
 ddp_zero_options ddp_zero_defaults(int stage) {
   ddp_zero_options o;
@@ -73,7 +108,13 @@ void ddp_zero_range(const ddp_zero *z, int rank, int64_t *offset, int64_t *numel
   *numel = z->lo[rank + 1] - z->lo[rank];
 }
 
-void ddp_zero_set_no_sync(ddp_zero *z, bool no_sync) { ddp_dp_set_no_sync(z->dp, no_sync); }
+/* Under the ring every backward reduces (DeepSpeed's stage 2 under
+ * gradient accumulation): no_sync then only keeps the parameters from
+ * being marked for a gather. */
+void ddp_zero_set_no_sync(ddp_zero *z, bool no_sync) {
+  z->user_no_sync = no_sync;
+  if (!z->ring_on) ddp_dp_set_no_sync(z->dp, no_sync);
+}
 
 static void free_pending(ddp_zero *z, int b) {
   ddp_work **w = z->pending + (size_t)b * (size_t)z->world;
@@ -107,6 +148,14 @@ void ddp_zero_destroy(ddp_zero *z) {
   ddp_free(z->gathered);
   ddp_free(z->fwd_seq);
   ddp_free(z->fwd_pos);
+  ddp_free(z->ring);
+  ddp_free(z->ring_uses);
+  ddp_free(z->ring_bpend);
+  ddp_free(z->need_ev);
+  ddp_free(z->launch_ev);
+  ddp_free(z->claim_at);
+  ddp_free(z->ring_div);
+  ddp_free(z->retired);
   ddp_free(z);
 }
 
@@ -120,12 +169,49 @@ void ddp_zero_destroy(ddp_zero *z) {
  * gradients between ranges, and after it each rank's new range must hold
  * averaged values. */
 
+/* The ring's reduce of bucket b: from its slot, each part to the owner of
+ * its floats, as stage2_launch does on the flat buffer. The works are the
+ * zero's (ring_retire waits for them); the last bucket is reduced on this
+ * thread, as the wrapper's hooks do. */
+static float *ring_slot(const ddp_zero *z, int b) {
+  return z->ring + (size_t)(b % RING_SLOTS) * (size_t)z->slot_floats;
+}
+
+static ddp_status ring_launch(ddp_zero *z, ddp_process_group *pg, ddp_dp_bucket *bucket) {
+  const int b = bucket->index;
+  if (!z->in_ring_backward)
+    return ddp_error(DDP_ERR_UNSUPPORTED,
+                     "zero stage 2 (rank %d): bucket %d reduced outside ddp_zero_backward "
+                     "(ddp_dp_join, ddp_dp_reduce_grads on the wrapper inside): the gradient ring "
+                     "holds no gradients there; set DDP_ZERO_GRAD_RING=never for this run",
+                     z->rank, b);
+  z->ring_div[b] = bucket->divisor;
+  z->retired[b] = false;
+  float *slot = ring_slot(z, b);
+  const int64_t a = bucket->offset, e = bucket->offset + (int64_t)bucket->numel;
+  ddp_work **pend = z->pending + (size_t)b * (size_t)z->world;
+  for (int r = 0; r < z->world; r++) {
+    int64_t from = a > z->lo[r] ? a : z->lo[r], to = e < z->lo[r + 1] ? e : z->lo[r + 1];
+    if (from >= to) continue;
+    if (bucket->last) {
+      DDP_TRY(ddp_reduce(pg, slot + (from - a), (size_t)(to - from), DDP_FLOAT32, DDP_REDUCE_SUM, r));
+      continue;
+    }
+    ddp_work *w = NULL;
+    DDP_TRY(ddp_reduce_async(pg, slot + (from - a), (size_t)(to - from), DDP_FLOAT32,
+                             DDP_REDUCE_SUM, r, &w));
+    pend[z->n_pending[b]++] = w;
+  }
+  return DDP_OK;
+}
+
 static ddp_status stage2_launch(void *state, ddp_process_group *pg, ddp_dp_bucket *bucket,
                                 ddp_work **work) {
   ddp_zero *z = state;
   const int b = bucket->index;
   *work = NULL;
   free_pending(z, b); /* left by a failed backward */
+  if (z->ring_on) return ring_launch(z, pg, bucket);
   z->bucket_full[b] = !z->dp->relayout_done;
   if (z->bucket_full[b]) {
     if (bucket->last) return ddp_allreduce(pg, bucket->grads, bucket->numel, DDP_FLOAT32, DDP_REDUCE_SUM);
@@ -157,6 +243,7 @@ static ddp_status stage2_launch(void *state, ddp_process_group *pg, ddp_dp_bucke
 static ddp_status stage2_finish(void *state, ddp_dp_bucket *bucket) {
   ddp_zero *z = state;
   const int b = bucket->index;
+  if (z->ring_on) return DDP_OK; /* retired by the ring (ring_retire) */
   free_pending(z, b);
   int64_t from = bucket->offset, to = bucket->offset + (int64_t)bucket->numel;
   if (!z->bucket_full[b]) {
@@ -442,9 +529,29 @@ ddp_status ddp_zero_create(ddp_zero **out, ddp_model *model, ddp_process_group *
   z->pending = ddp_calloc(slots * (size_t)world, sizeof(ddp_work *));
   z->n_pending = ddp_calloc(slots, sizeof(int));
   z->bucket_full = ddp_calloc(slots, sizeof(bool));
+  z->ring_uses = ddp_calloc(slots, sizeof(int));
+  z->ring_bpend = ddp_calloc(slots, sizeof(int));
+  z->need_ev = ddp_calloc(slots, sizeof(int));
+  z->launch_ev = ddp_calloc(slots, sizeof(int));
+  z->claim_at = ddp_calloc(slots, sizeof(int));
+  z->ring_div = ddp_calloc(slots, sizeof(double));
+  z->retired = ddp_calloc(slots, sizeof(bool));
   ddp_status s;
-  if (!z->lo || !z->offsets || !z->pending || !z->n_pending || !z->bucket_full) {
+  if (!z->lo || !z->offsets || !z->pending || !z->n_pending || !z->bucket_full ||
+      !z->ring_uses || !z->ring_bpend || !z->need_ev || !z->launch_ev || !z->claim_at ||
+      !z->ring_div || !z->retired) {
     s = ddp_error(DDP_ERR_NOMEM, "zero: create: out of memory for %d ranks", world);
+    goto err;
+  }
+  const char *ring = getenv("DDP_ZERO_GRAD_RING");
+  if (!ring || !*ring || !strcmp(ring, "auto")) {
+    z->ring_mode = RING_AUTO;
+  } else if (!strcmp(ring, "always")) {
+    z->ring_mode = RING_ALWAYS;
+  } else if (!strcmp(ring, "never")) {
+    z->ring_mode = RING_NEVER;
+  } else {
+    s = ddp_error(DDP_ERR_INVALID, "zero: DDP_ZERO_GRAD_RING='%s': auto, always or never", ring);
     goto err;
   }
   /* Balanced: sizes differ by at most one float. */
@@ -532,6 +639,283 @@ static ddp_status follow_relayout(ddp_zero *z) {
   return DDP_OK;
 }
 
+/* ---- Stage 2: the gradient ring -----------------------------------------------
+ * After the wrapper's relayout the flat buffer is in backward order and
+ * the buckets fill in index order, so backward needs only a few buckets'
+ * room at a time: bucket b's parameters get their `grad` in ring slot
+ * b % RING_SLOTS for the backward (moved back to the flat buffer after
+ * it), each bucket is reduced from its slot, and this rank's part of it is
+ * added, divided, into its range of the flat buffer, which is all of the
+ * flat buffer a rank keeps. A slot is cleared for bucket b + RING_SLOTS
+ * once bucket b's reduce has completed and been added, before backward
+ * writes any of bucket b + RING_SLOTS's gradients. When that is must be
+ * known in terms of the tape's grad hook, the only place this code runs
+ * during backward: ring_plan walks the recorded tape as backward will,
+ * noting for each bucket how many hook calls come before its first write
+ * and at which hook call it launches. A graph that writes a bucket before
+ * the one RING_SLOTS earlier has launched (a parameter used early and
+ * late in backward: tied weights) cannot use the ring: the first plan
+ * decides (the run keeps the whole buffer, as stage 1), a later one
+ * refuses the backward. */
+
+static bool own_param(const ddp_zero *z, const ddp_tensor *t) {
+  const int i = t ? t->param_index : -1;
+  return i >= 0 && i < z->n_params && ddp_model_param(z->model, i) == t;
+}
+
+static ddp_status ring_plan(ddp_zero *z, ddp_tape *tape, ddp_tensor *loss) {
+  const ddp_dp *dp = z->dp;
+  const int nb = dp->n_buckets, np = z->n_params;
+  if (loss->node < 0)
+    return ddp_error(DDP_ERR_STATE, "backward: the loss does not depend on anything that "
+                     "requires grad (was it computed with grad disabled?)");
+  for (int i = 0; i < np; i++) z->ring_uses[i] = ddp__tape_leaf_pending(tape, ddp_model_param(z->model, i));
+  for (int b = 0; b < nb; b++) {
+    z->ring_bpend[b] = dp->buckets[b].n_params;
+    z->need_ev[b] = -1;
+    z->launch_ev[b] = INT32_MAX;
+  }
+  int ev = 0, launched = 0;
+  for (int k = loss->node; k >= 0; k--) {
+    const ddp__node *node = ddp__tape_node_at(tape, k);
+    /* The node's backward writes its leaves' gradients, then the tape
+     * counts their uses down and calls the hook for each one that is done. */
+    for (int j = 0; j < node->n_inputs; j++) {
+      if (node->leaf[j] < 0 || !own_param(z, node->in[j])) continue;
+      const int b = dp->bucket_of[node->in[j]->param_index];
+      if (z->need_ev[b] < 0) z->need_ev[b] = ev;
+    }
+    for (int j = 0; j < node->n_inputs; j++) {
+      if (node->leaf[j] < 0 || !own_param(z, node->in[j])) continue;
+      const int i = node->in[j]->param_index;
+      if (--z->ring_uses[i] != 0) continue;
+      z->ring_bpend[dp->bucket_of[i]]--;
+      while (launched < nb && z->ring_bpend[launched] == 0) z->launch_ev[launched++] = ev;
+      ev++;
+    }
+  }
+  if (launched < nb) {
+    const int i = dp->buckets[launched].params[0];
+    return ddp_error(DDP_ERR_UNSUPPORTED,
+                     "zero stage 2 (rank %d): bucket %d (parameter '%s' and others) gets no "
+                     "final gradient in this backward; every parameter must take part in the loss",
+                     z->rank, launched, ddp_model_param_name(z->model, i));
+  }
+  /* Bucket m's slot is cleared at the last hook call before its first
+   * write, or earlier to keep the clears in bucket order; it must come
+   * at or after bucket m - RING_SLOTS's launch. */
+  for (int m = nb - 1; m >= 0; m--) {
+    if (m < RING_SLOTS) {
+      z->claim_at[m] = -1; /* cleared before backward */
+      continue;
+    }
+    int at = (z->need_ev[m] < 0 ? ev : z->need_ev[m]) - 1;
+    if (m + 1 < nb && z->claim_at[m + 1] < at) at = z->claim_at[m + 1];
+    z->claim_at[m] = at;
+  }
+  for (int m = RING_SLOTS; m < nb; m++)
+    if (z->claim_at[m] < z->launch_ev[m - RING_SLOTS])
+      return ddp_error(DDP_ERR_UNSUPPORTED,
+                       "zero stage 2 (rank %d): backward writes bucket %d's gradients (parameter "
+                       "'%s' and others) before bucket %d's are final: the gradient ring of %d "
+                       "buckets cannot hold this graph (a parameter used both early and late in "
+                       "backward, as tied weights are); a larger bucket_cap_mb may fit it, "
+                       "else stage 1", z->rank, m, ddp_model_param_name(z->model, dp->buckets[m].params[0]),
+                       m - RING_SLOTS, RING_SLOTS);
+  return DDP_OK;
+}
+
+static void ring_point_grads(ddp_zero *z) {
+  const ddp_dp *dp = z->dp;
+  for (int b = 0; b < dp->n_buckets; b++) {
+    float *slot = ring_slot(z, b);
+    for (int k = 0; k < dp->buckets[b].n_params; k++) {
+      const int i = dp->buckets[b].params[k];
+      ddp_model_param(z->model, i)->grad = slot + (ddp_model_param_offset(z->model, i) - dp->buckets[b].offset);
+    }
+  }
+}
+
+static void ring_restore_grads(ddp_zero *z) {
+  float *flat = ddp_model_grads_flat(z->model);
+  for (int i = 0; i < z->n_params; i++)
+    ddp_model_param(z->model, i)->grad = flat + ddp_model_param_offset(z->model, i);
+}
+
+/* Waits for bucket b's reduces and adds this rank's part, divided as the
+ * wrapper's float32 hook divides (g / d, rounded once), into its range of
+ * the flat buffer: assigned after a zero_grad, which is what plain data
+ * parallelism's buffer then holds bit for bit. */
+static ddp_status ring_retire(ddp_zero *z, int b) {
+  if (z->retired[b]) return DDP_OK;
+  z->retired[b] = true;
+  ddp_status first = DDP_OK;
+  ddp_work **w = z->pending + (size_t)b * (size_t)z->world;
+  for (int k = 0; k < z->n_pending[b]; k++) {
+    ddp_status s = ddp_work_wait(w[k], -1);
+    if (s != DDP_OK && first == DDP_OK) first = s;
+    ddp_work_free(w[k]);
+    w[k] = NULL;
+  }
+  z->n_pending[b] = 0;
+  if (first != DDP_OK)
+    return ddp_error_wrap(first, "zero stage 2 (rank %d): reducing bucket %d", z->rank, b);
+  const ddp_dp_bucket *bucket = &z->dp->buckets[b];
+  int64_t from = bucket->offset, to = bucket->offset + (int64_t)bucket->numel;
+  if (from < z->lo[z->rank]) from = z->lo[z->rank];
+  if (to > z->lo[z->rank + 1]) to = z->lo[z->rank + 1];
+  if (from >= to) return DDP_OK;
+  float *restrict g = ddp_model_grads_flat(z->model) + from;
+  const float *restrict src = ring_slot(z, b) + (from - bucket->offset);
+  const size_t n = (size_t)(to - from);
+  const float d = (float)z->ring_div[b];
+  if (z->owned_fresh) {
+    if (d == 1.0f) memcpy(g, src, n * sizeof(float));
+    else for (size_t i = 0; i < n; i++) g[i] = src[i] / d;
+  } else {
+    if (d == 1.0f) for (size_t i = 0; i < n; i++) g[i] += src[i];
+    else for (size_t i = 0; i < n; i++) g[i] += src[i] / d;
+  }
+  return DDP_OK;
+}
+
+/* Bucket m's slot made ready for its gradients: bucket m - RING_SLOTS's
+ * reduce retired, the slot zeroed (backward accumulates into it). */
+static ddp_status ring_claim(ddp_zero *z, int m) {
+  if (m >= RING_SLOTS) {
+    const int prev = m - RING_SLOTS;
+    if (prev >= z->dp->next_launch)
+      return ddp_error(DDP_ERR_STATE, "zero stage 2 (rank %d): bucket %d's slot is needed before "
+                       "bucket %d has launched (the plan of this backward was wrong)", z->rank, m, prev);
+    DDP_TRY(ring_retire(z, prev));
+  }
+  memset(ring_slot(z, m), 0, z->dp->buckets[m].numel * sizeof(float));
+  return DDP_OK;
+}
+
+/* The tape's grad hook under the ring: the wrapper's (which may launch
+ * buckets), then the slots the plan clears at this hook call. */
+static void ring_grad_ready(ddp_tensor *param, void *user) {
+  ddp_zero *z = user;
+  ddp__dp_grad_ready(param, z->dp);
+  if (!own_param(z, param)) return;
+  const int e = z->ring_ev++;
+  while (z->next_claim < z->dp->n_buckets && z->claim_at[z->next_claim] <= e) {
+    if (z->ring_error == DDP_OK) z->ring_error = ring_claim(z, z->next_claim);
+    z->next_claim++;
+  }
+}
+
+/* Gives back the whole pages of the gradient buffer outside this rank's
+ * range: nothing writes there once the ring is in use. */
+static void release_grad_pages(ddp_zero *z) {
+  long pg = sysconf(_SC_PAGESIZE);
+  const uintptr_t page = (uintptr_t)(pg > 0 ? pg : 4096);
+  float *g = ddp_model_grads_flat(z->model);
+  const int64_t cut[2][2] = {{0, z->lo[z->rank]}, {z->lo[z->rank + 1], z->n}};
+  for (int k = 0; k < 2; k++) {
+    uintptr_t start = (uintptr_t)(g + cut[k][0]), end = (uintptr_t)(g + cut[k][1]);
+    start = (start + page - 1) / page * page;
+    end = end / page * page;
+    if (end > start) (void)madvise((void *)start, end - start, MADV_DONTNEED);
+  }
+}
+
+/* Once the relayout is decided and no unreduced gradient is in the flat
+ * buffer: the ring, if this backward's plan fits it (else never). */
+static ddp_status ring_try_enable(ddp_zero *z, ddp_tape *tape, ddp_tensor *loss) {
+  const ddp_dp *dp = z->dp;
+  if (z->ring_on || z->ring_off || z->ring_mode == RING_NEVER || z->stage != 2 || z->world < 2 || !z->dp->relayout_done ||
+      !z->relayout_seen || z->flat_dirty)
+    return DDP_OK;
+  if (dp->options.find_unused_parameters || dp->options.static_graph) {
+    /* Parameters marked ready without a gradient: the plan cannot see them. */
+    z->ring_off = true;
+    return DDP_OK;
+  }
+  ddp_status s = ring_plan(z, tape, loss);
+  if (s != DDP_OK) {
+    DDP_INFO("zero stage 2 (rank %d): the whole gradient buffer is kept: %s", z->rank,
+             ddp_last_error());
+    z->ring_off = true;
+    return DDP_OK;
+  }
+  int64_t largest = 0;
+  for (int b = 0; b < dp->n_buckets; b++)
+    if ((int64_t)dp->buckets[b].numel > largest) largest = (int64_t)dp->buckets[b].numel;
+  const int slots = dp->n_buckets < RING_SLOTS ? dp->n_buckets : RING_SLOTS;
+  /* Only where it holds less than the whole buffer: a model of one or two
+   * buckets (the default 25 MiB cap, 1 MiB first) keeps the buffer. */
+  if (z->ring_mode == RING_AUTO && z->lo[z->rank + 1] - z->lo[z->rank] + slots * largest >= z->n) {
+    z->ring_off = true;
+    return DDP_OK;
+  }
+  z->slot_floats = largest;
+  z->ring_floats = slots * largest;
+  z->ring = ddp_alloc((size_t)z->ring_floats * sizeof(float));
+  if (!z->ring)
+    return ddp_error(DDP_ERR_NOMEM, "zero stage 2 (rank %d): cannot allocate the gradient ring "
+                     "of %d x %lld floats", z->rank, slots, (long long)largest);
+  /* Every bucket's reduces in flight at once at most (the wrapper's own
+   * handles are not used under the ring). */
+  DDP_TRY(ddp_process_group_reserve_works(z->pg, dp->n_buckets * z->world + z->world + 2));
+  z->ring_on = true;
+  ddp_dp_set_no_sync(z->dp, false);
+  release_grad_pages(z);
+  return DDP_OK;
+}
+
+/* ddp_dp_backward with the ring: the wrapper's bookkeeping and launches,
+ * the gradients in the ring's slots, the reduced parts added into the
+ * range. */
+static ddp_status ring_backward(ddp_zero *z, ddp_tape *tape, ddp_tensor *loss) {
+  ddp_dp *dp = z->dp;
+  DDP_TRY(ring_plan(z, tape, loss));
+  DDP_TRY(ddp_dp_prepare_backward(dp, tape));
+  for (int b = 0; b < dp->n_buckets; b++) z->retired[b] = true; /* nothing launched yet */
+  ring_point_grads(z);
+  z->ring_error = DDP_OK;
+  for (int m = 0; m < RING_SLOTS && m < dp->n_buckets; m++) (void)ring_claim(z, m);
+  z->next_claim = RING_SLOTS;
+  z->ring_ev = 0;
+  ddp_tape_set_grad_hook(tape, ring_grad_ready, z);
+  z->in_ring_backward = true;
+  dp->backward_start_ns = ddp_time_ns();
+  ddp_status s = dp->loss_scale == 1.0f || loss->numel != 1 || loss->dtype != DDP_FLOAT32
+                     ? ddp_backward(tape, loss)
+                     : ddp__backward_from(tape, loss, &dp->loss_scale);
+  dp->backward_end_ns = ddp_time_ns();
+  z->in_ring_backward = false;
+  if (s == DDP_OK) s = z->ring_error;
+  for (int b = 0; b < dp->next_launch; b++) {
+    ddp_status r = ring_retire(z, b);
+    if (s == DDP_OK) s = r;
+  }
+  ring_restore_grads(z);
+  if (s != DDP_OK) {
+    /* Nothing is left in flight: every launched bucket was waited for. */
+    ddp_tape_set_grad_hook(tape, NULL, NULL);
+    dp->tape = NULL;
+    (void)ddp__dp_complete(dp);
+    dp->armed = false;
+    return s;
+  }
+  z->owned_fresh = false;
+  return ddp_dp_finalize_backward(dp);
+}
+
+ddp_status ddp_zero_zero_grad(ddp_zero *z) {
+  z->owned_fresh = true;
+  if (!z->ring_on) {
+    ddp_model_zero_grad(z->model);
+    z->flat_dirty = false;
+    return DDP_OK;
+  }
+  memset(ddp_model_grads_flat(z->model) + z->lo[z->rank], 0,
+         (size_t)(z->lo[z->rank + 1] - z->lo[z->rank]) * sizeof(float));
+  return DDP_OK;
+}
+
 /* ---- One iteration --------------------------------------------------------- */
 
 ddp_status ddp_zero_sync_params(ddp_zero *z) {
@@ -616,8 +1000,16 @@ static ddp_status stage3_backward(ddp_zero *z, ddp_tape *tape, ddp_tensor *loss)
 }
 
 ddp_status ddp_zero_backward(ddp_zero *z, ddp_tape *tape, ddp_tensor *loss) {
+  if (z->stage == 2) DDP_TRY(ring_try_enable(z, tape, loss));
+  if (z->ring_on) {
+    DDP_TRY(ring_backward(z, tape, loss));
+    if (z->user_no_sync) return DDP_OK;
+    z->params_stale = true;
+    return DDP_OK;
+  }
   bool syncing = !z->dp->no_sync;
   DDP_TRY(z->stage == 3 ? stage3_backward(z, tape, loss) : ddp_dp_backward(z->dp, tape, loss));
+  z->flat_dirty = !syncing;
   if (!syncing) return DDP_OK;
   z->params_stale = true;
   return follow_relayout(z);
@@ -752,7 +1144,8 @@ void ddp_zero_get_memory(const ddp_zero *z, ddp_zero_memory *out) {
     }
     out->param_bytes = (own_n + first + (z->prefetch ? second : 0)) * f;
   }
-  out->grad_bytes = z->n * f;
+  out->grad_bytes = z->ring_on ? (own_n + z->ring_floats) * f : z->n * f;
+  out->grad_ring_bytes = z->ring_on ? z->ring_floats * f : 0;
   out->grad_owned_bytes = (z->stage >= 2 ? own_n : z->n) * f;
   int64_t buffers = 0;
   for (size_t k = 0; k < ddp_optimizer_state_count(z->opt); k++) {

@@ -133,6 +133,10 @@ void *ddp__tape_scratch_on(ddp_tape *tape, ddp_device device, size_t bytes) {
 
 ddp__node *ddp__tape_node(ddp_tape *tape, const ddp_tensor *t) { return &tape->nodes[t->node]; }
 
+ddp__node *ddp__tape_node_at(ddp_tape *tape, int i) {
+  return i >= 0 && i < tape->n_nodes ? &tape->nodes[i] : NULL;
+}
+
 void *ddp_tape_scratch(ddp_tape *tape, size_t bytes) {
   return ddp_arena_alloc(&tape->arena, bytes);
 }

@@ -124,6 +124,10 @@ ddp_arena *ddp__tape_arena(ddp_tape *tape);
 /* The node that produced intermediate t (t->node >= 0). Node pointers move
  * as the tape grows: keep t->node, resolve when needed. */
 ddp__node *ddp__tape_node(ddp_tape *tape, const ddp_tensor *t);
+/* The i-th recorded node (0 first; backward runs them from the loss's
+ * index down), NULL outside [0, nodes recorded). For a layer that plans
+ * around backward's order of writes (ZeRO-2's gradient ring). */
+ddp__node *ddp__tape_node_at(ddp_tape *tape, int i);
 
 /* The basic kernels (copy, fill, scale, sum of squares, ...) of a device's
  * table, for layers above that keep float32 buffers on the device (nn's flat

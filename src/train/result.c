@@ -7,7 +7,7 @@
 #include "tensor/tape.h" /* ddp__tape_arena_on: the arenas' high water */
 #include "train/train_internal.h"
 
-#define MEMORY_FIGURES 6
+#define MEMORY_FIGURES 7
 
 /* The bytes a tape's arenas held at most: the host arena, and the device's
  * when the model is on a GPU. */
@@ -45,21 +45,22 @@ static ddp_status memory_figures(ddp_trainer *t, ddp_train_result *res) {
       state += 4.0 * (double)st.numel;
   }
   double *mine = sums + MEMORY_FIGURES * me;
-  int64_t param_bytes = (int64_t)flat, reduced = (int64_t)flat;
-  if (t->strategy->memory) t->strategy->memory(t, &param_bytes, &reduced);
+  int64_t param_bytes = (int64_t)flat, grad_bytes = (int64_t)flat, ring = 0, reduced = (int64_t)flat;
+  if (t->strategy->memory) t->strategy->memory(t, &param_bytes, &grad_bytes, &ring, &reduced);
   mine[0] = (double)param_bytes;
-  mine[1] = flat;
+  mine[1] = (double)grad_bytes;
   mine[2] = state;
   mine[3] = (double)reduced;
-  mine[4] = mine[0] + flat + state + tape_high_water(t->tape, t->o.device);
+  mine[4] = mine[0] + mine[1] + state + tape_high_water(t->tape, t->o.device);
   if (t->graph) mine[4] += tape_high_water(ddp__train_graph_tape(t), t->o.device);
   struct rusage ru;
   mine[5] = getrusage(RUSAGE_SELF, &ru) == 0 ? 1024.0 * (double)ru.ru_maxrss : 0;
+  mine[6] = (double)ring;
   ddp_status s = ddp__train_sum(t, sums, MEMORY_FIGURES * n);
   for (int r = 0; r < n; r++) {
     const double *f = sums + MEMORY_FIGURES * r;
     mem[r] = (ddp_train_memory){(int64_t)f[0], (int64_t)f[1], (int64_t)f[2],
-                                (int64_t)f[3], (int64_t)f[4], (int64_t)f[5]};
+                                (int64_t)f[3], (int64_t)f[4], (int64_t)f[5], (int64_t)f[6]};
   }
   ddp_free(sums);
   res->memory_per_rank = mem;

@@ -82,9 +82,13 @@ static ddp_status accumulate(ddp_trainer *t, ddp_tape *tape, ddp_tensor *x, ddp_
   }
   if (!t->o.microbatch_sum) {
     /* After the reduction (linear: the same as scaling each loss by 1/m,
-     * but one pass over the gradients instead of m). */
-    ddp__basic_kernels_for(t->o.device)->scale(ddp_model_grads_flat(t->model), 1.0f / (float)m,
-                                               ddp_model_num_param_elements(t->model));
+     * but one pass over the gradients instead of m). Where the optimizer
+     * steps a range (ZeRO), that range: under ZeRO-2's gradient ring the
+     * rest of the buffer is not kept. */
+    int64_t off = 0, numel = ddp_model_num_param_elements(t->model);
+    if (t->strategy->grad_range) t->strategy->grad_range(t, &off, &numel);
+    ddp__basic_kernels_for(t->o.device)->scale(ddp_model_grads_flat(t->model) + off,
+                                               1.0f / (float)m, numel);
   }
   *loss_value = (float)(loss_sum / (double)m);
   return DDP_OK;
@@ -108,7 +112,8 @@ ddp_status ddp__train_eager_step(ddp_trainer *t, ddp_tape *tape, ddp_tensor *x, 
                                  float *loss_value, ddp_train_phases *p) {
   int64_t t0 = ddp_time_ns();
   ddp_tensor *loss;
-  ddp_model_zero_grad(t->model);
+  if (t->strategy->zero_grad) t->strategy->zero_grad(t);
+  else ddp_model_zero_grad(t->model);
   const int64_t m = microbatch_count(x->shape[0], t->o.microbatches);
   int64_t t_forward;
   if (t->o.microbatches > 1) {

@@ -72,12 +72,18 @@ static ddp_status zero_clip(ddp_trainer *t, double max_norm, double *norm) {
 /* Stages 2 and 3 reduce to this rank's range; stage 1 allreduces the
  * whole buffer. Stage 3 holds its range of the parameters and the largest
  * module gathered. */
-static void zero_memory(const ddp_trainer *t, int64_t *param_bytes, int64_t *grad_reduced_bytes) {
+static void zero_memory(const ddp_trainer *t, int64_t *param_bytes, int64_t *grad_bytes,
+                        int64_t *grad_ring_bytes, int64_t *grad_reduced_bytes) {
   ddp_zero_memory m;
   ddp_zero_get_memory(zero(t), &m);
   *param_bytes = m.param_bytes;
+  *grad_bytes = m.grad_bytes;
+  *grad_ring_bytes = m.grad_ring_bytes;
   *grad_reduced_bytes = m.grad_owned_bytes;
 }
+
+/* Under stage 2's gradient ring, this rank's range only. */
+static void zero_zero_grad(ddp_trainer *t) { (void)ddp_zero_zero_grad(zero(t)); }
 
 static void zero_no_sync(ddp_trainer *t, bool on) { ddp_zero_set_no_sync(zero(t), on); }
 
@@ -156,6 +162,7 @@ const ddp__train_strategy_ops ddp__train_zero = {
     .clip_grad_norm = zero_clip,
     .no_sync = zero_no_sync,
     .memory = zero_memory,
+    .zero_grad = zero_zero_grad,
     .local_sums = zero_local_sums,
     .grad_range = zero_grad_range,
     .save = zero_save,

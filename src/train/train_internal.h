@@ -105,10 +105,15 @@ typedef struct ddp__train_strategy_ops {
   /* After the last step, before the final save and evaluation (the
    * pipeline gathers the whole model). Collective. NULL: nothing. */
   ddp_status (*finish)(ddp_trainer *t);
-  /* The bytes of parameters this rank holds at most, and of the part of
-   * its gradient buffer holding reduced gradients (ddp_train_memory);
-   * NULL: both the whole flat buffer. */
-  void (*memory)(const ddp_trainer *t, int64_t *param_bytes, int64_t *grad_reduced_bytes);
+  /* The bytes of parameters this rank holds at most, of its gradients
+   * (the buffer it keeps and, under ZeRO-2's gradient ring, the ring), of
+   * the ring alone, and of the part of its gradient buffer holding reduced
+   * gradients (ddp_train_memory); NULL: the whole flat buffer, no ring. */
+  void (*memory)(const ddp_trainer *t, int64_t *param_bytes, int64_t *grad_bytes,
+                 int64_t *grad_ring_bytes, int64_t *grad_reduced_bytes);
+  /* zero_grad before a step's first backward; NULL: ddp_model_zero_grad
+   * on the trainer's model (ZeRO-2's ring keeps only this rank's range). */
+  void (*zero_grad)(ddp_trainer *t);
   /* Fills the result's strategy figures (the pipeline's per stage).
    * Collective. NULL: none. */
   ddp_status (*figures)(ddp_trainer *t, ddp_train_result *res);

@@ -124,9 +124,11 @@ static void test_dp_step_powersgd(void **state) {
 }
 
 /* ZeRO: forward (gather first), backward through the stage's reduction,
- * the narrowed optimizer's step, the parameters' gather. */
+ * the narrowed optimizer's step, the parameters' gather; at stage 2 also
+ * with the gradient ring (each micro-batch reduced from its slots). */
 typedef struct zero_case {
   int stage;
+  bool ring; /* DDP_ZERO_GRAD_RING=always, and the ring checked in use */
   pthread_barrier_t barrier;
   uint64_t before, after;
 } zero_case;
@@ -155,7 +157,7 @@ static void zero_body(dpt_rank *self) {
       if (self->rank == 0) c->before = ddp_alloc_count();
       pthread_barrier_wait(&c->barrier);
     }
-    ddp_model_zero_grad(m);
+    if (s == DDP_OK) s = ddp_zero_zero_grad(z);
     for (int micro = 0; micro < 2 && s == DDP_OK; micro++) {
       ddp_tensor x, y, *out, *loss;
       dpt_batch("convnet", step, micro * W * B + self->rank, W, B, xbuf, ybuf, &x, &y);
@@ -172,20 +174,27 @@ static void zero_body(dpt_rank *self) {
   pthread_barrier_wait(&c->barrier);
   char msg[512] = "";
   if (s != DDP_OK) snprintf(msg, sizeof msg, "%s", ddp_last_error());
+  ddp_zero_memory mem = {0};
+  if (z) ddp_zero_get_memory(z, &mem);
   free(xbuf);
   ddp_tape_destroy(tape);
   ddp_zero_destroy(z);
   ddp_optimizer_destroy(opt);
   ddp_model_destroy(m);
   DPT_CHECK(self, s == DDP_OK, "%s", msg);
+  if (c->ring) DPT_CHECK(self, mem.grad_ring_bytes > 0, "stage 2: the gradient ring was not in use");
 }
 
 static void test_zero_steps(void **state) {
   (void)state;
-  for (int stage = 1; stage <= 2; stage++) {
-    zero_case c = {.stage = stage};
+  for (int k = 0; k < 3; k++) {
+    const int stage = k == 0 ? 1 : 2;
+    zero_case c = {.stage = stage, .ring = k == 2};
+    /* Threads start inside dpt_run: the variable is read at create. */
+    if (c.ring) setenv("DDP_ZERO_GRAD_RING", "always", 1);
     pthread_barrier_init(&c.barrier, NULL, 3);
     assert_int_equal(dpt_run(3, 30, zero_body, &c), 0);
+    unsetenv("DDP_ZERO_GRAD_RING");
     pthread_barrier_destroy(&c.barrier);
     uint64_t n = c.after - c.before;
     if (n)

@@ -5,8 +5,11 @@
 #    steps of SGD with momentum and of Adam, at 2 and 3 ranks: the state
 #    after training bit-identical to plain data parallelism's (--dump-state),
 #    and the checkpoints' optimizer state too;
-#  - the toy model at 4 ranks, --zero 2 --microbatches 2: bit-identical to
-#    plain data parallelism with the same micro-batches;
+#  - the toy model at 4 ranks, --zero 2 --microbatches 2: within 1e-3 of
+#    what training moved plain data parallelism's parameters with the same
+#    micro-batches (stage 2's gradient ring reduces every micro-batch and
+#    adds the averages: the same sums in another order, docs/sharding.md),
+#    and --zero 1 --microbatches 2 bit-identical;
 #  - checkpoints across world sizes and stages: --zero 2 at 4 ranks saved at
 #    an epoch's end, resumed at 2 ranks with --zero 1, saved, resumed at 3
 #    ranks with --zero 2: both checkpoint files bit-identical to a run without
@@ -44,6 +47,11 @@ else
   echo "(no Fashion-MNIST at $fashion: the toy model instead of the ConvNet)"
   base=(--model toy --seed 2 --max-steps 20 --batch-size 16)
 fi
+# Small buckets (0.01 MiB: the ConvNet in 9) and stage 2's gradient ring
+# wherever the graph fits it (docs/sharding.md): the equalities below are
+# the ring's, its slots reused. The memory section runs the default rule.
+base+=(--bucket-cap-mb 0.01)
+export DDP_ZERO_GRAD_RING=always
 
 # --- ZeRO-1, 2 and 3 == plain data parallelism, bit for bit -------------------
 for n in 2 3; do
@@ -82,13 +90,49 @@ for ((r = 0; r < 4; r++)); do
     fail "--zero 3, adam, 4 ranks: rank $r's state differs from plain data parallelism's"
 done
 echo "ok: --zero 3 adam at 4 ranks: bit-identical to data parallelism"
+world 4 z2.adam.4 "${base[@]}" --optimizer adam --lr 0.001 --zero 2 --dump-state "$tmp/z2.adam.4.{rank}" --json
+"$py" -c 'import json, sys
+mem = json.loads(open(sys.argv[1]).read().splitlines()[-1])["memory_per_rank"]
+assert all(m["grad_ring_bytes"] > 0 for m in mem), mem' "$tmp/z2.adam.4.out.0" ||
+  fail "--zero 2 at 4 ranks: the gradient ring was not in use"
+for ((r = 0; r < 4; r++)); do
+  cmp -s "$tmp/z2.adam.4.$r" "$tmp/ref.adam.4.$r" ||
+    fail "--zero 2, adam, 4 ranks: rank $r's state differs from plain data parallelism's"
+done
+echo "ok: --zero 2 adam at 4 ranks (gradient ring): bit-identical to data parallelism"
 
 # --- micro-batches at 4 ranks ----------------------------------------------------
 toy=(--model toy --seed 5 --batch-size 16 --optimizer adam --lr 0.01 --max-steps 20)
+
+
 world 4 mref "${toy[@]}" --microbatches 2 --dump-state "$tmp/mref"
+world 4 mz1 "${toy[@]}" --microbatches 2 --zero 1 --dump-state "$tmp/mz1"
+cmp -s "$tmp/mz1" "$tmp/mref" || fail "--zero 1 --microbatches 2 at 4 ranks differs from data parallelism"
+echo "ok: --zero 1 --microbatches 2 at 4 ranks: bit-identical"
+# Stage 2 reduces each micro-batch (its gradient ring keeps no whole
+# buffer to accumulate in): each rank's average is (g1 sum)/W + (g2 sum)/W
+# where data parallelism has (g1 + g2 sum)/W. Bound: the distance to data
+# parallelism's parameters within 1e-3 of the distance training moved them
+# (the initial parameters from one step at learning rate 0: Adam moves
+# nothing); a micro-batch lost or counted twice is far above it.
+world 4 minit "${toy[@]}" --max-steps 1 --lr 0 --dump-state "$tmp/minit"
 world 4 mz "${toy[@]}" --microbatches 2 --zero 2 --dump-state "$tmp/mz"
-cmp -s "$tmp/mz" "$tmp/mref" || fail "--zero 2 --microbatches 2 at 4 ranks differs from data parallelism"
-echo "ok: --zero 2 --microbatches 2 at 4 ranks: bit-identical"
+"$py" - "$tmp/mz" "$tmp/mref" "$tmp/minit" <<'PY' || fail "--zero 2 --microbatches 2 at 4 ranks is not within the bound of data parallelism"
+import math, sys
+def load(p):
+    out = {}
+    for line in open(p):
+        f = line.split()
+        out[f[0]] = [float(v) for v in f[2:]]
+    return out
+z, ref, init = (load(p) for p in sys.argv[1:])
+assert z.keys() == ref.keys() == init.keys()
+d = sum((a - b) ** 2 for k in ref for a, b in zip(z[k], ref[k]))
+moved = sum((a - b) ** 2 for k in ref for a, b in zip(ref[k], init[k]))
+ratio = math.sqrt(d / moved)
+print("ok: --zero 2 --microbatches 2 at 4 ranks: ||zero - dp|| / ||dp - initial|| = %.3g (bound 1e-3)" % ratio)
+assert moved > 0 and ratio <= 1e-3, ratio
+PY
 
 # --- checkpoints across world sizes and stages ----------------------------------
 # 1024 samples, batch 16: an epoch is 16 steps at 4 ranks, 32 at 2, 22 at 3.
@@ -108,7 +152,11 @@ done
 echo "ok: ZeRO-2 at 4 ranks -> ZeRO-1 at 2 -> ZeRO-2 at 3, saved and resumed: bit-identical to the unsharded runs"
 
 # --- memory: the optimizer state per rank is 1/W of the unsharded ----------------
-mem=(--model mlp:256x4 --optimizer adam --lr 0.001 --max-steps 2 --batch-size 8 --json)
+unset DDP_ZERO_GRAD_RING
+# mlp:256x8 with 0.25 MiB buckets (a hidden layer each): stage 2's ring of
+# two buckets is smaller than the buffer it replaces (a model of one or two
+# buckets keeps the whole buffer: docs/sharding.md).
+mem=(--model mlp:256x8 --bucket-cap-mb 0.25 --optimizer adam --lr 0.001 --max-steps 3 --batch-size 8 --json)
 world 4 mdp "${mem[@]}"
 world 4 mz1 "${mem[@]}" --zero 1
 world 4 mz2 "${mem[@]}" --zero 2
@@ -117,7 +165,7 @@ world 4 mz3n "${mem[@]}" --zero 3 --zero-prefetch off
 "$py" - "$tmp/mdp.out.0" "$tmp/mz1.out.0" "$tmp/mz2.out.0" "$tmp/mz3.out.0" "$tmp/mz3n.out.0" <<'PY' || fail "memory figures"
 import json, sys
 dp, z1, z2, z3, z3n = (json.loads(open(p).read().splitlines()[-1])["memory_per_rank"] for p in sys.argv[1:])
-n = 10 * 256 + 256 + 2 * (256 * 256 + 256) + 256 * 5 + 5      # mlp:256x4's floats
+n = 10 * 256 + 256 + 6 * (256 * 256 + 256) + 256 * 5 + 5      # mlp:256x8's floats
 pick = lambda m: {k: m[k] for k in ("param_bytes", "grad_bytes", "optim_state_bytes", "grad_reduced_bytes")}
 for r in range(4):
     assert pick(dp[r]) == {"param_bytes": 4 * n, "grad_bytes": 4 * n, "optim_state_bytes": 8 * n,
@@ -125,13 +173,21 @@ for r in range(4):
 for z in (z1, z2):
     assert sum(m["optim_state_bytes"] for m in z) == 8 * n, z     # every float's state once
     for m in z:
-        assert m["param_bytes"] == 4 * n and m["grad_bytes"] == 4 * n, m
+        assert m["param_bytes"] == 4 * n, m
         assert abs(m["optim_state_bytes"] * 4 / (8 * n) - 1) <= 0.05, m
-assert all(m["grad_reduced_bytes"] == 4 * n for m in z1), z1
+assert all(m["grad_reduced_bytes"] == 4 * n and m["grad_bytes"] == 4 * n for m in z1), z1
+assert all(m["grad_ring_bytes"] == 0 for m in dp + z1 + z3), (dp, z1, z3)
 assert sum(m["grad_reduced_bytes"] for m in z2) == 4 * n, z2       # the ranges, each once
+# Stage 2's gradient ring: each rank keeps its range, 1/W of the buffer
+# (+-5 %), plus the ring of two buckets (0.25 MiB buckets: a hidden layer
+# each).
+for m in z2:
+    assert abs(m["grad_reduced_bytes"] * 4 / (4 * n) - 1) <= 0.05, m
+    assert 0 < m["grad_ring_bytes"] <= 2 * 4 * n, m
+    assert m["grad_bytes"] == m["grad_reduced_bytes"] + m["grad_ring_bytes"], m
 # Stage 3: the range plus the two largest modules (hidden layers: 256 x 256 +
 # 256 floats), the one running and the one prefetched, less what of them is
-# in the range; one module with --zero-prefetch off. The rest as stage 2.
+# in the range; one module with --zero-prefetch off. No ring at stage 3.
 unit = 256 * 256 + 256
 assert sum(m["optim_state_bytes"] for m in z3) == 8 * n, z3
 for r, (m, mn) in enumerate(zip(z3, z3n)):
@@ -139,6 +195,7 @@ for r, (m, mn) in enumerate(zip(z3, z3n)):
     assert 4 * (own + unit) < m["param_bytes"] <= 4 * (own + 2 * unit), m
     assert 4 * own < mn["param_bytes"] <= 4 * (own + unit), mn
     assert m["grad_reduced_bytes"] == 4 * own and m["grad_bytes"] == 4 * n, m
+    assert mn["grad_ring_bytes"] == 0, mn
 # The peak: the three buffers plus a step's activations (batch 8 x 256
 # floats a layer, their gradients, scratch: more than 0, below 16 MiB);
 # the process held at least that.
@@ -147,9 +204,9 @@ for m in dp + z1 + z2 + z3 + z3n:
     assert tensors < m["peak_tensor_bytes"] < tensors + (16 << 20), m
     assert m["max_rss_bytes"] >= m["peak_tensor_bytes"], m
 print("ok: optimizer state per rank under --zero 1 and 2: %s of %d bytes unsharded; "
-      "reduced gradients under --zero 2: %s of %d; peak tensor bytes %s"
+      "gradients kept under --zero 2: %s of %d, plus a ring of %s; peak tensor bytes %s"
       % ([m["optim_state_bytes"] for m in z2], 8 * n, [m["grad_reduced_bytes"] for m in z2], 4 * n,
-         [m["peak_tensor_bytes"] for m in z2]))
+         [m["grad_ring_bytes"] for m in z2], [m["peak_tensor_bytes"] for m in z2]))
 PY
 
 # --- --clip-grad-norm: --zero 1|2 == data parallelism, both clipping --------------

@@ -11,11 +11,14 @@
  * ConvNet with SyncBatchNorm and momentum SGD on Fashion-MNIST (skipped, with
  * a message, when the data set is not installed); ZeRO stages 2 and 3
  * (include/ddp/zero.h: per-module gathers and releases at 3) with
- * gradient-norm clipping from the shards, on headtail. */
+ * gradient-norm clipping from the shards, on headtail; at 2 with the
+ * gradient ring (small buckets, each slot reused; the ring is made at its
+ * first backward, in the warm-up). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <cmocka.h>
 
@@ -63,6 +66,7 @@ static void rank_body(dpt_rank *self) {
   ddp_dp_options dpo = ddp_dp_defaults();
   if (c->zero_stage) {
     ddp_zero_options zo = ddp_zero_defaults(c->zero_stage);
+    if (c->zero_stage == 2) zo.dp.bucket_cap_mb = zo.dp.first_bucket_mb = 0.001;
     DPT_OK(self, ddp_zero_create(&z, model, self->pg, opt, &zo));
   } else {
     DPT_OK(self, ddp_dp_create(&dp, model, self->pg, &dpo));
@@ -92,7 +96,8 @@ static void rank_body(dpt_rank *self) {
     DPT_CHECK(self, b.size == 16, "batch of %lld", (long long)b.size);
     ddp_tensor *out, *loss;
     ddp_tape_reset(tape);
-    ddp_model_zero_grad(model);
+    if (z) DPT_OK(self, ddp_zero_zero_grad(z));
+    else ddp_model_zero_grad(model);
     DPT_OK(self, z ? ddp_zero_forward(z, tape, &b.x, &out) : ddp_dp_forward(dp, tape, &b.x, &out));
     DPT_OK(self, ddp_model_loss(model, tape, out, &b.y, &loss));
     double sums[2] = {(double)ddp_tensor_f32(loss)[0] * (double)b.size, (double)b.size};
@@ -110,6 +115,11 @@ static void rank_body(dpt_rank *self) {
   pthread_barrier_wait(&c->barrier);
   if (self->rank == 0) c->after = ddp_alloc_count();
   pthread_barrier_wait(&c->barrier);
+  if (z && c->zero_stage == 2) {
+    ddp_zero_memory mem;
+    ddp_zero_get_memory(z, &mem);
+    DPT_CHECK(self, mem.grad_ring_bytes > 0, "stage 2: the gradient ring was not in use");
+  }
 
   ddp_tape_destroy(tape);
   ddp_loader_destroy(loader);
@@ -162,6 +172,9 @@ static void test_zero_with_clipping(void **state) {
 }
 
 int main(void) {
+  /* Stage 2's ring wherever the graph fits it (headtail is too small for
+   * the default rule to choose it). */
+  setenv("DDP_ZERO_GRAD_RING", "always", 1);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_headtail_adam_loader_thread),
       cmocka_unit_test(test_convnet_sync_bn),
