@@ -34,6 +34,10 @@ typedef struct mpi_backend {
   /* Blocking calls of at most this many bytes per rank run as MPI's
    * blocking collective (DDP_MPI_BLOCKING_BYTES; see mpi_enqueue). */
   size_t blocking_bytes;
+  /* Blocking collectives of at least this many bytes per rank first wait
+   * for every rank at a nonblocking barrier, polled spin-then-sleep (see
+   * await_arrival; DDP_MPI_ARRIVAL_BYTES, SIZE_MAX: never). */
+  size_t arrival_bytes;
   /* The blocking call running now: its deadline (0: none), op and number,
    * which the watchdog reads. */
   _Atomic int64_t blocking_deadline;
@@ -113,6 +117,65 @@ static inline void blocking_end(mpi_backend *m) {
   atomic_store_explicit(&m->blocking_deadline, 0, memory_order_release);
 }
 
+static void sleep_ns(int64_t ns);
+static void mpi_abort(ddp__backend *b);
+
+/* Polling the arrival barrier: MPI_Test back to back for ARRIVAL_SPIN_NS
+ * (ranks that arrive together pass in a microsecond or two), then a sleep
+ * between polls, 5 us doubling to 50 us. */
+#define ARRIVAL_SPIN_NS 50000LL
+#define ARRIVAL_PAUSE_MIN_NS 5000LL
+#define ARRIVAL_PAUSE_MAX_NS 50000LL
+
+/* Waits, sleeping, until every rank of the group has reached this blocking
+ * collective (MPI_Ibarrier on the collectives' communicator, polled).
+ * Inside MPI's blocking call a rank that arrives early spins (Open MPI's
+ * wait loop, with sched_yield at best) for as long as its peers are late:
+ * in training, the gradient allreduce waiting out the ranks' skew,
+ * milliseconds a step. On a host where other programs want the CPU, the
+ * kernel shares it between sessions (autogroups, cgroups), and a spinning
+ * rank spends its job's share on nothing while its peer, still computing,
+ * gets less; ddp's own backend sleeps in a futex there. Measured: the
+ * ConvNet at world 2 against a steady competing load went from 0.92 of
+ * ddp's backend to 0.97 with this wait; on an idle host both were equal
+ * with or without it (docs/comm.md, "Training"). Interruptible, unlike the
+ * blocking call: past ctx's deadline or on abort it fails the op. Every
+ * rank takes it or not alike (the same size and form of call), so the
+ * barriers match. */
+static ddp_status await_arrival(mpi_backend *m, const ddp__op_ctx *ctx) {
+  MPI_Request req = MPI_REQUEST_NULL;
+  int rc = MPI_Ibarrier(m->coll, &req);
+  if (rc != MPI_SUCCESS) return mpi_failed(m, ctx, rc, -1);
+  int64_t spin_end = ddp_time_ns() + ARRIVAL_SPIN_NS;
+  int64_t pause = ARRIVAL_PAUSE_MIN_NS;
+  for (uint32_t i = 1;; i++) {
+    int flag = 0;
+    rc = MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) return mpi_failed(m, ctx, rc, -1);
+    if (flag) return DDP_OK;
+    if ((i & 15) != 0) continue;
+    int64_t now = ddp_time_ns();
+    bool late = now >= ctx->deadline_ns;
+    if (late || (ctx->aborted && atomic_load_explicit(ctx->aborted, memory_order_relaxed)) ||
+        atomic_load_explicit(&m->aborted, memory_order_relaxed)) {
+      /* The barrier's request stays with MPI (it cannot be cancelled): the
+       * backend counts as aborted, so that exit ends the job instead of
+       * MPI_Finalize waiting for the late peer (ddp__mpi_failed). */
+      mpi_abort(&m->base);
+      if (late)
+        return ddp_error(DDP_ERR_TIMEOUT, "%s #%" PRIu64 " (rank %d of %d) did not complete in time on the mpi "
+                         "backend: waiting for every rank to reach it (MPI does not say which rank is late; the "
+                         "flight recorder's dump does)", ctx->op, ctx->seq, m->rank, m->size);
+      return ddp_error(DDP_ERR_ABORTED, "%s #%" PRIu64 " (rank %d of %d): the group was aborted", ctx->op,
+                       ctx->seq, m->rank, m->size);
+    }
+    if (now >= spin_end) {
+      sleep_ns(pause);
+      pause = pause * 2 > ARRIVAL_PAUSE_MAX_NS ? ARRIVAL_PAUSE_MAX_NS : pause * 2;
+    }
+  }
+}
+
 /* The hot case on its own path: a blocking allreduce of the program's (the
  * DDP wrapper's last bucket, a loss, a metric). It is done on return, so
  * no pending state is written; a small one costs MPI_Allreduce plus this
@@ -121,6 +184,7 @@ static inline ddp_status blocking_allreduce(mpi_backend *m, const ddp__op_ctx *c
                                             ddp__completion *c) {
   MPI_Datatype t = ddp__mpi_datatype(a->dtype);
   MPI_Op op = ddp__mpi_op(a->dtype, a->reduce_op);
+  if (a->count * ddp_dtype_size(a->dtype) >= m->arrival_bytes) DDP_TRY(await_arrival(m, ctx));
   blocking_begin(m, ctx);
   int rc = MPI_Allreduce(MPI_IN_PLACE, a->buf, (int)a->count, t, op, m->coll);
   blocking_end(m);
@@ -163,6 +227,7 @@ static ddp_status mpi_enqueue(ddp__backend *b, const ddp__op_ctx *ctx, const ddp
    * alike (blocking_call, the size), never from where the op runs: MPI
    * matches a blocking collective only with a blocking one. */
   bool blocking = ddp__op_is_collective(a->kind) && a->blocking_call && block <= m->blocking_bytes;
+  if (blocking && block >= m->arrival_bytes) DDP_TRY(await_arrival(m, ctx));
   if (blocking) blocking_begin(m, ctx);
   int rc = MPI_SUCCESS;
   switch (a->kind) {
@@ -522,6 +587,18 @@ ddp_status ddp__backend_mpi_create(const ddp__backend_config *cfg, ddp__backend 
                      "nonblocking; -1, the default: every blocking call blocking)", who, ddp_env_str("DDP_MPI_BLOCKING_BYTES", ""));
   }
   m->blocking_bytes = bb < 0 ? SIZE_MAX : (size_t)bb;
+  /* Default 64 KiB: a barrier costs a few microseconds, next to a large
+   * call's tens to thousands; small calls (a loss, a metric) come right
+   * after the gradients' and find their peers there (docs/comm.md). */
+  int64_t ab = 64 * 1024;
+  est = ddp_env_int("DDP_MPI_ARRIVAL_BYTES", 64 * 1024, &ab);
+  if (est != DDP_OK || ab < -1) {
+    ddp_free(m);
+    return ddp_error(DDP_ERR_INVALID, "%s: DDP_MPI_ARRIVAL_BYTES \"%s\" is not a byte count (blocking collectives of "
+                     "at least that many bytes per rank wait for every rank, sleeping, before MPI's call; 0: "
+                     "every one; -1: none; default 65536)", who, ddp_env_str("DDP_MPI_ARRIVAL_BYTES", ""));
+  }
+  m->arrival_bytes = ab < 0 ? SIZE_MAX : (size_t)ab;
   m->coll = m->p2p = MPI_COMM_NULL;
   MPI_Comm comm = MPI_COMM_NULL;
   ddp_status st = group_comm(cfg, who, &comm);
