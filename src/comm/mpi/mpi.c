@@ -38,6 +38,13 @@ typedef struct mpi_backend {
    * for every rank at a nonblocking barrier, polled spin-then-sleep (see
    * await_arrival; DDP_MPI_ARRIVAL_BYTES, SIZE_MAX: never). */
   size_t arrival_bytes;
+  /* MPI's datatype and reduce op of each ddp dtype and op, and each
+   * dtype's size, looked up once at create: the blocking allreduce's path
+   * indexes them instead of calling ddp__mpi_datatype / ddp__mpi_op (whose
+   * user ops sit behind a pthread_once) and ddp_dtype_size. */
+  MPI_Datatype types[DDP_DTYPE_COUNT];
+  MPI_Op ops[DDP_DTYPE_COUNT][DDP_REDUCE_OP_COUNT];
+  uint8_t elem[DDP_DTYPE_COUNT];
   /* The blocking call running now: its deadline (0: none), op and number,
    * which the watchdog reads. */
   _Atomic int64_t blocking_deadline;
@@ -181,10 +188,10 @@ static ddp_status await_arrival(mpi_backend *m, const ddp__op_ctx *ctx) {
  * no pending state is written; a small one costs MPI_Allreduce plus this
  * and the group layer's bookkeeping (docs/comm.md, "Speed"). */
 static inline ddp_status blocking_allreduce(mpi_backend *m, const ddp__op_ctx *ctx, const ddp__op_args *a,
-                                            ddp__completion *c) {
-  MPI_Datatype t = ddp__mpi_datatype(a->dtype);
-  MPI_Op op = ddp__mpi_op(a->dtype, a->reduce_op);
-  if (a->count * ddp_dtype_size(a->dtype) >= m->arrival_bytes) DDP_TRY(await_arrival(m, ctx));
+                                            size_t bytes, ddp__completion *c) {
+  MPI_Datatype t = m->types[a->dtype];
+  MPI_Op op = m->ops[a->dtype][a->reduce_op];
+  if (bytes >= m->arrival_bytes) DDP_TRY(await_arrival(m, ctx));
   blocking_begin(m, ctx);
   int rc = MPI_Allreduce(MPI_IN_PLACE, a->buf, (int)a->count, t, op, m->coll);
   blocking_end(m);
@@ -198,9 +205,10 @@ static ddp_status mpi_enqueue(ddp__backend *b, const ddp__op_ctx *ctx, const ddp
                               ddp__completion *c) {
   mpi_backend *m = (mpi_backend *)b;
   bool aborted = atomic_load_explicit(&m->aborted, memory_order_relaxed);
+  size_t bytes = a->count * m->elem[a->dtype]; /* dtype checked by the group layer */
   if (!aborted && a->kind == DDP__OP_ALLREDUCE && a->blocking_call && a->count <= (size_t)INT_MAX &&
-      a->count * ddp_dtype_size(a->dtype) <= m->blocking_bytes)
-    return blocking_allreduce(m, ctx, a, c);
+      bytes <= m->blocking_bytes)
+    return blocking_allreduce(m, ctx, a, bytes, c);
   if (aborted)
     return ddp_error(DDP_ERR_ABORTED, "%s #%" PRIu64 ": the mpi backend of this group (rank %d of %d) was aborted",
                      ctx->op, ctx->seq, m->rank, m->size);
@@ -599,6 +607,11 @@ ddp_status ddp__backend_mpi_create(const ddp__backend_config *cfg, ddp__backend 
                      "every one; -1: none; default 65536)", who, ddp_env_str("DDP_MPI_ARRIVAL_BYTES", ""));
   }
   m->arrival_bytes = ab < 0 ? SIZE_MAX : (size_t)ab;
+  for (int d = 0; d < DDP_DTYPE_COUNT; d++) {
+    m->types[d] = ddp__mpi_datatype((ddp_dtype)d);
+    m->elem[d] = (uint8_t)ddp_dtype_size((ddp_dtype)d);
+    for (int o = 0; o < DDP_REDUCE_OP_COUNT; o++) m->ops[d][o] = ddp__mpi_op((ddp_dtype)d, (ddp_reduce_op)o);
+  }
   m->coll = m->p2p = MPI_COMM_NULL;
   MPI_Comm comm = MPI_COMM_NULL;
   ddp_status st = group_comm(cfg, who, &comm);
