@@ -10,7 +10,7 @@ set -u
 bin=${1:?usage: test_mpi.sh PATH/TO/test_mpi_ranks}
 shift
 modes=("$@")
-[ ${#modes[@]} -gt 0 ] || modes=(outside matrix p2p subgroups usercomm mismatch stall kill)
+[ ${#modes[@]} -gt 0 ] || modes=(outside matrix p2p subgroups usercomm arrival mismatch stall kill)
 command -v mpirun >/dev/null || { echo "SKIP: mpirun not found (scripts/install-deps.sh mpi)"; exit 77; }
 [ -x "$bin" ] || { echo "SKIP: $bin absent: this build has no MPI backend"; exit 77; }
 . "$(dirname "$0")/../support/mpi_env.sh"
@@ -41,6 +41,17 @@ for mode in "${modes[@]}"; do
       echo "ok: DDP_DEBUG=detail named a mismatched allreduce on both ranks: $(grep -m1 mismatch "$out")"
     else
       echo "FAIL: DDP_DEBUG=detail mismatch"; cat "$out"; failed=1
+    fi ;;
+  arrival)
+    # A rank first at a large blocking allreduce sleeps while it waits for
+    # late peers (the arrival barrier), at 2 ranks; the sum is checked.
+    # Open MPI's waits spin without yielding here, so that a wait in MPI's
+    # blocking call (no barrier) uses its core's CPU even on a loaded host,
+    # where yielding hands the core to the other programs.
+    if (export OMPI_MCA_mpi_yield_when_idle=0; run_mpi 2 arrival); then
+      echo "ok: arrival barrier: $(grep -m1 'rank 0 waited' "$out")"
+    else
+      echo "FAIL: arrival barrier"; cat "$out"; failed=1
     fi ;;
   stall)
     # Rank 1 sleeps 30 s; the op's 3 s timeout ends the job naming it, well

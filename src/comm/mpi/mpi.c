@@ -155,12 +155,13 @@ static ddp_status await_arrival(mpi_backend *m, const ddp__op_ctx *ctx) {
   if (rc != MPI_SUCCESS) return mpi_failed(m, ctx, rc, -1);
   int64_t spin_end = ddp_time_ns() + ARRIVAL_SPIN_NS;
   int64_t pause = ARRIVAL_PAUSE_MIN_NS;
+  bool sleeping = false; /* past the spin: one poll per sleep */
   for (uint32_t i = 1;; i++) {
     int flag = 0;
     rc = MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
     if (rc != MPI_SUCCESS) return mpi_failed(m, ctx, rc, -1);
     if (flag) return DDP_OK;
-    if ((i & 15) != 0) continue;
+    if (!sleeping && (i & 15) != 0) continue; /* the clock every 16 polls while spinning */
     int64_t now = ddp_time_ns();
     bool late = now >= ctx->deadline_ns;
     if (late || (ctx->aborted && atomic_load_explicit(ctx->aborted, memory_order_relaxed)) ||
@@ -176,7 +177,8 @@ static ddp_status await_arrival(mpi_backend *m, const ddp__op_ctx *ctx) {
       return ddp_error(DDP_ERR_ABORTED, "%s #%" PRIu64 " (rank %d of %d): the group was aborted", ctx->op,
                        ctx->seq, m->rank, m->size);
     }
-    if (now >= spin_end) {
+    if (sleeping || now >= spin_end) {
+      sleeping = true;
       sleep_ns(pause);
       pause = pause * 2 > ARRIVAL_PAUSE_MAX_NS ? ARRIVAL_PAUSE_MAX_NS : pause * 2;
     }
