@@ -16,7 +16,16 @@
  *
  *   bench_convnet [--batch 100] [--steps 150] [--warmup 10] [--repeats 3]
  *                 [--threads 1] [--data DIR|synthetic] [--device cpu|cuda[:N]]
- *                 [--cuda-graph] [--json]
+ *                 [--cuda-graph] [--json] [--precision fp32|bf16|fp16|tf32]
+ *                 [--model convnet|mlp:WxD]
+ *
+ * --precision bf16|fp16 runs forward and loss in an autocast region (as
+ * torch.autocast around them; backward outside it, no gradient scaler:
+ * the step's speed, not its training), tf32 allows TF32 (GPU only).
+ * --model mlp:WxD (synthetic data only) times the MLP of that width and
+ * depth instead (10 -> W -> ... -> 5, MSE), with its matmul TFLOPS in the
+ * JSON (6 flops per weight per sample: forward 2, backward 4).
+ * scripts/gpu-amp-steps.sh runs both on the GPU (issue 42).
  *
  * scripts/bench-convnet.sh runs it beside PyTorch and prints the ratio. */
 #include <cblas.h>
@@ -48,15 +57,26 @@ static void die(const char *what, ddp_status s) {
     if (s_ != DDP_OK) die(what, s_);      \
   } while (0)
 
+static ddp_precision precision = DDP_PRECISION_FP32;
+
+/* Forward and loss, in an autocast region under --precision bf16/fp16. */
+static void forward_loss(ddp_model *model, ddp_tape *tape, ddp_tensor *x, ddp_tensor *y,
+                         ddp_tensor **loss) {
+  ddp_tensor *out;
+  const bool region = precision == DDP_PRECISION_BF16 || precision == DDP_PRECISION_FP16;
+  if (region) CHECK(ddp_autocast_enter(precision), "entering autocast");
+  CHECK(ddp_model_forward(model, tape, x, &out), "forward");
+  CHECK(ddp_model_loss(model, tape, out, y, loss), "loss");
+  if (region) CHECK(ddp_autocast_exit(), "leaving autocast");
+}
+
 /* One eager step: zero_grad, forward, loss (*loss, on the tape), backward,
  * SGD. */
 static void eager_step(ddp_model *model, ddp_tape *tape, ddp_optimizer *opt, ddp_tensor *x,
                        ddp_tensor *y, ddp_tensor **loss) {
-  ddp_tensor *out;
   ddp_tape_reset(tape);
   ddp_model_zero_grad(model);
-  CHECK(ddp_model_forward(model, tape, x, &out), "forward");
-  CHECK(ddp_model_loss(model, tape, out, y, loss), "loss");
+  forward_loss(model, tape, x, y, loss);
   CHECK(ddp_backward(tape, *loss), "backward");
   CHECK(ddp_optimizer_step(opt), "SGD step");
 }
@@ -66,6 +86,8 @@ int main(int argc, char **argv) {
   int threads = 1;
   bool json = false, cuda_graph = false;
   const char *data = "/usr/share/datasets/fashion-mnist";
+  const char *model_name = "convnet";
+  long mlp_w = 0, mlp_d = 0;
   ddp_device device = DDP_CPU;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
@@ -79,11 +101,23 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--json")) json = true;
     else if (!strcmp(a, "--cuda-graph")) cuda_graph = true;
     else if (!strcmp(a, "--device") && v) CHECK(ddp_device_parse(argv[++i], &device), "--device");
-    else {
+    else if (!strcmp(a, "--model") && v) model_name = argv[++i];
+    else if (!strcmp(a, "--precision") && v) {
+      const char *p = argv[++i];
+      if (!strcmp(p, "fp32")) precision = DDP_PRECISION_FP32;
+      else if (!strcmp(p, "bf16")) precision = DDP_PRECISION_BF16;
+      else if (!strcmp(p, "fp16")) precision = DDP_PRECISION_FP16;
+      else if (!strcmp(p, "tf32")) precision = DDP_PRECISION_TF32;
+      else {
+        fprintf(stderr, "bench_convnet: --precision %s: expected fp32, bf16, fp16 or tf32\n", p);
+        return 2;
+      }
+    } else {
       fprintf(!strcmp(a, "--help") ? stdout : stderr,
               "usage: bench_convnet [--batch 100] [--steps 150] [--warmup 10] [--repeats 3]\n"
               "                     [--threads 1] [--data DIR|synthetic] [--device cpu|cuda[:N]]\n"
-              "                     [--cuda-graph] [--json]\n");
+              "                     [--cuda-graph] [--json] [--precision fp32|bf16|fp16|tf32]\n"
+              "                     [--model convnet|mlp:WxD]\n");
       return !strcmp(a, "--help") ? 0 : 2;
     }
   }
@@ -92,6 +126,12 @@ int main(int argc, char **argv) {
     return 2;
   }
   openblas_set_num_threads(threads);
+  const bool is_mlp = sscanf(model_name, "mlp:%ldx%ld", &mlp_w, &mlp_d) == 2;
+  if (!is_mlp && strcmp(model_name, "convnet") != 0) {
+    fprintf(stderr, "bench_convnet: --model %s: expected convnet or mlp:WxD\n", model_name);
+    return 2;
+  }
+  if (is_mlp) data = "synthetic";
 
   const bool on_gpu = device.type != DDP_DEVICE_CPU;
   if (cuda_graph && !on_gpu) {
@@ -106,6 +146,13 @@ int main(int argc, char **argv) {
     }
     data = "synthetic"; /* the step alone, as the reference measures it */
   }
+  if (precision == DDP_PRECISION_TF32) {
+    if (!on_gpu) {
+      fprintf(stderr, "bench_convnet: --precision tf32 needs --device cuda[:N]\n");
+      return 2;
+    }
+    CHECK(ddp_cuda_allow_tf32(true), "allowing TF32");
+  }
   ddp_dataset *ds;
   if (!strcmp(data, "synthetic")) {
     /* Random pixels and labels with the MNIST shapes, via the idx path would
@@ -117,7 +164,7 @@ int main(int argc, char **argv) {
   }
 
   ddp_model *model;
-  CHECK(ddp_model_build("convnet", NULL, 1, &model), "building the ConvNet");
+  CHECK(ddp_model_build(model_name, NULL, 1, &model), "building the model");
   CHECK(ddp_model_to(model, device), "moving the model");
   ddp_optim_options oo = ddp_optim_defaults(DDP_OPTIM_SGD);
   oo.lr = 0.01;
@@ -142,6 +189,16 @@ int main(int argc, char **argv) {
     lc.num_workers = 1;
     lc.seed = 1;
     CHECK(ddp_loader_create(&loader, ds, &lc), "creating the loader");
+  } else if (is_mlp) { /* (batch, 10) inputs, (batch, 5) regression targets */
+    sx = ddp_alloc((size_t)batch * 10 * sizeof(float));
+    float *fy = ddp_alloc((size_t)batch * 5 * sizeof(float));
+    sy = (int64_t *)fy; /* freed with sx below */
+    ddp_rng rng;
+    ddp_rng_seed(&rng, 7);
+    for (int64_t i = 0; i < batch * 10; i++) sx[i] = ddp_rng_uniform(&rng);
+    for (int64_t i = 0; i < batch * 5; i++) fy[i] = ddp_rng_uniform(&rng);
+    ddp_tensor_wrap(&tx, DDP_FLOAT32, 2, (int64_t[]){batch, 10}, sx);
+    ddp_tensor_wrap(&ty, DDP_FLOAT32, 2, (int64_t[]){batch, 5}, fy);
   } else {
     sx = ddp_alloc((size_t)batch * 784 * sizeof(float));
     sy = ddp_alloc((size_t)batch * sizeof(int64_t));
@@ -156,7 +213,7 @@ int main(int argc, char **argv) {
   ddp_tensor *gx = NULL, *gy = NULL; /* the batch on the GPU */
   if (on_gpu) {
     CHECK(ddp_tensor_create_on(&gx, DDP_FLOAT32, tx.ndim, tx.shape, device), "batch on the GPU");
-    CHECK(ddp_tensor_create_on(&gy, DDP_INT64, ty.ndim, ty.shape, device), "labels on the GPU");
+    CHECK(ddp_tensor_create_on(&gy, ty.dtype, ty.ndim, ty.shape, device), "labels on the GPU");
     CHECK(ddp_tensor_copy(gx, &tx), "copying the batch");
     CHECK(ddp_tensor_copy(gy, &ty), "copying the labels");
   }
@@ -182,10 +239,8 @@ int main(int argc, char **argv) {
     memcpy(before, counters, sizeof(int64_t) * (size_t)n_counters);
     ddp_tape_reset(tape); /* outside: a reset may merge the arena's chunks */
     CHECK(ddp_cuda_graph_begin(device), "beginning the capture");
-    ddp_tensor *out;
     ddp_model_zero_grad(model);
-    CHECK(ddp_model_forward(model, tape, gx, &out), "forward (captured)");
-    CHECK(ddp_model_loss(model, tape, out, gy, &graph_loss), "loss (captured)");
+    forward_loss(model, tape, gx, gy, &graph_loss);
     CHECK(ddp_backward(tape, graph_loss), "backward (captured)");
     CHECK(ddp_cuda_graph_end(device, &graph), "capturing the step");
     for (int i = 0; i < n_counters; i++) {
@@ -252,6 +307,12 @@ int main(int argc, char **argv) {
     for (int64_t r = 0; r < repeats; r++) printf("%s%.1f", r ? ", " : "", rates[r]);
     printf("], \"step_us\": %.2f, \"final_loss\": %.4f", 1e6 * (double)batch / median,
            last_loss);
+    static const char *const pnames[] = {"fp32", "bf16", "fp16", "tf32"};
+    printf(", \"model\": \"%s\", \"precision\": \"%s\"", model_name, pnames[precision]);
+    if (is_mlp) { /* 6 flops per weight per sample: forward 2, backward 4 */
+      const double weights = 10.0 * mlp_w + (double)(mlp_d - 2) * mlp_w * mlp_w + 5.0 * mlp_w;
+      printf(", \"tflops\": %.2f", 6.0 * weights * median / 1e12);
+    }
     if (on_gpu) {
       printf(", \"cuda_graph\": %s, \"DDP_CUDA_CONV\": ", cuda_graph ? "true" : "false");
       printf(conv ? "\"%s\"" : "null", conv ? conv : "");

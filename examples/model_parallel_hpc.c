@@ -18,7 +18,16 @@
  *
  *   build/bin/ddprun --nproc-per-node 4 build/bin/model_parallel_hpc \
  *       --groups_size 2 --group_per_node 2 [--batch_size 1024] [--samples N]
- *       [--max_steps S] [--microbatches M]
+ *       [--max_steps S] [--microbatches M] [--device cpu|cuda|cuda:N]
+ *
+ * --device cuda is the seed's GPUs: each rank's stage on cuda:(LOCAL_RANK %
+ * GPUs) (after CUDA_VISIBLE_DEVICES), so a node's 8 ranks are its 8 GPUs as
+ * the seed's 4 processes drove 2 GPUs each; activations and their
+ * gradients go between the stages by NCCL's send/recv (the world on
+ * backend nccl where NCCL loads, else ddp's own, staged through pinned host
+ * memory; DDP_BACKEND decides when set), and the replicas' gradients by
+ * NCCL's allreduce. The trained model is gathered into host memory either
+ * way, so the checks below are the CPU run's.
  *
  * It checks and prints what it demonstrates: the layout (every rank's
  * replica and stage; a replica's stages on one node), the loss falling, and
@@ -46,16 +55,19 @@ typedef struct args {
   int group_per_node; /* replicas per node; 0: LOCAL_WORLD_SIZE / groups_size */
   int64_t batch_size, samples, max_steps;
   int microbatches;   /* 0: groups_size */
+  const char *device; /* "cpu", "cuda", "cuda:N" */
 } args;
 
 static void usage(void) {
   fprintf(stderr, "usage: model_parallel_hpc [--groups_size P] [--group_per_node R] "
-                  "[--batch_size B] [--samples N] [--max_steps S] [--microbatches M]\n");
+                  "[--batch_size B] [--samples N] [--max_steps S] [--microbatches M] "
+                  "[--device cpu|cuda|cuda:N]\n");
   exit(2);
 }
 
 static args parse(int argc, char **argv) {
-  args a = {.groups_size = 2, .batch_size = 1024, .samples = (int64_t)1 << 20, .max_steps = 0};
+  args a = {.groups_size = 2, .batch_size = 1024, .samples = (int64_t)1 << 20, .max_steps = 0,
+            .device = "cpu"};
   for (int i = 1; i < argc; i++) {
     if (i + 1 >= argc) usage();
     const char *f = argv[i], *v = argv[++i];
@@ -66,6 +78,7 @@ static args parse(int argc, char **argv) {
     else if (!strcmp(f, "--samples")) a.samples = atoll(v);
     else if (!strcmp(f, "--max_steps") || !strcmp(f, "--max-steps")) a.max_steps = atoll(v);
     else if (!strcmp(f, "--microbatches")) a.microbatches = atoi(v);
+    else if (!strcmp(f, "--device")) a.device = v;
     else if (!strcmp(f, "--local_rank")) continue; /* torch.distributed.launch's; ddp reads LOCAL_RANK */
     else usage();
   }
@@ -73,6 +86,33 @@ static args parse(int argc, char **argv) {
       a.max_steps < 0 || a.microbatches < 0)
     usage();
   return a;
+}
+
+/* --device: the CPU, or this rank's GPU: cuda is cuda:(LOCAL_RANK % GPUs)
+ * (the seed's start_dev_id + stage), cuda:N that one. Refused, saying why
+ * and what to do, before anything starts when there is no such GPU. */
+static ddp_device pick_device(const char *text) {
+  ddp_device d = DDP_CPU;
+  if (ddp_device_parse(text, &d) != DDP_OK) {
+    fprintf(stderr, "model_parallel_hpc: --device %s: %s\n", text, ddp_last_error());
+    exit(2);
+  }
+  if (d.type == DDP_DEVICE_CPU) return d;
+  if (ddp_cuda_device_count() == 0) {
+    fprintf(stderr, "model_parallel_hpc: --device %s: no CUDA device here (%s); run with --device "
+            "cpu\n", text, ddp_cuda_unavailable_reason());
+    exit(2);
+  }
+  if (!strcmp(text, "cuda")) {
+    int64_t local_rank = 0, local_world = 1;
+    CHECK(ddp_env_int("LOCAL_RANK", 0, &local_rank));
+    CHECK(ddp_env_int("LOCAL_WORLD_SIZE", 1, &local_world));
+    CHECK(ddp_default_cuda_device((int)local_rank, (int)local_world, &d));
+  } else if (ddp_device_check(d) != DDP_OK) {
+    fprintf(stderr, "model_parallel_hpc: --device %s: %s\n", text, ddp_last_error());
+    exit(2);
+  }
+  return d;
 }
 
 /* The loss of the first and the last `window` steps (the global batch's,
@@ -98,8 +138,18 @@ static bool on_step(const ddp_train_step_info *info, void *user) {
 
 int main(int argc, char **argv) {
   args a = parse(argc, argv);
-  ddp_process_group *world;
-  CHECK(ddp_init_process_group("env://", NULL, NULL, &world));
+  const ddp_device dev = pick_device(a.device);
+  ddp_process_group_options pgo = ddp_process_group_defaults();
+  char nccl[128];
+  const char *asked = getenv("DDP_BACKEND");
+  if (dev.type == DDP_DEVICE_CUDA && !(asked && *asked))
+    pgo.backend = ddp_nccl_version(nccl, sizeof nccl) == DDP_OK ? "nccl" : "ddp";
+  ddp_process_group *world; /* init_process_group(backend, init_method='env://') */
+  CHECK(ddp_init_process_group("env://", NULL, &pgo, &world));
+  /* The checks' host numbers: over the world itself, or beside it on ddp's
+   * own backend where the world is nccl. */
+  ddp_process_group *host = world;
+  if (!ddp_process_group_takes_host(world)) CHECK(ddp_process_group_host_group(world, &host));
   const int rank = ddp_process_group_rank(world), size = ddp_process_group_size(world);
   const int P = a.groups_size;
   if (size % P) {
@@ -134,6 +184,7 @@ int main(int argc, char **argv) {
   o.max_steps = a.max_steps;
   o.workers = 0;
   o.microbatches = a.microbatches ? a.microbatches : P;
+  o.device = dev;
   ddp_train_pipeline pipeline = {.stages = P, .schedule = DDP_PIPELINE_1F1B, .virtual_stages = 1,
                                  .split = P == 2 ? "tail" : "auto"};
   o.pipeline = &pipeline;
@@ -152,11 +203,15 @@ int main(int argc, char **argv) {
   if (!lo || !hi) return 1;
   memcpy(lo, ddp_model_params_flat(model), (size_t)n * sizeof(float));
   memcpy(hi, lo, (size_t)n * sizeof(float));
-  CHECK(ddp_allreduce(world, lo, (size_t)n, DDP_FLOAT32, DDP_REDUCE_MIN));
-  CHECK(ddp_allreduce(world, hi, (size_t)n, DDP_FLOAT32, DDP_REDUCE_MAX));
+  CHECK(ddp_allreduce(host, lo, (size_t)n, DDP_FLOAT32, DDP_REDUCE_MIN));
+  CHECK(ddp_allreduce(host, hi, (size_t)n, DDP_FLOAT32, DDP_REDUCE_MAX));
   bool same = memcmp(lo, hi, (size_t)n * sizeof(float)) == 0;
   const bool falls = isfinite(l.last) && l.last < l.first;
   if (rank == 0) {
+    char where[DDP_DEVICE_STR_BYTES];
+    printf("stages on %s, world on backend %s\n",
+           dev.type == DDP_DEVICE_CPU ? "cpu" : ddp_device_str(dev, where, sizeof where),
+           ddp_process_group_backend(world));
     printf("loss over all replicas: first %lld steps %.4f, last %lld steps %.4f: %s\n",
            (long long)l.window, l.first, (long long)l.window, l.last, falls ? "ok" : "FAILED");
     printf("replicas after %lld steps: head and tail identical on all %d ranks: %s\n",

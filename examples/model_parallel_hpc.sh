@@ -9,6 +9,7 @@
 #   host0$ examples/model_parallel_hpc.sh 2 0 host0      # node 0 of 2, master host0
 #   host1$ examples/model_parallel_hpc.sh 2 1 host0      # node 1 of 2
 #   examples/model_parallel_hpc.sh 1 0 127.0.0.1          # one machine
+#   examples/model_parallel_hpc.sh 1 0 127.0.0.1 --device cuda   # a stage per GPU (cuda:LOCAL_RANK)
 #
 # Usage: model_parallel_hpc.sh NNODES NODE_RANK MASTER_ADDR [ARGS...]
 # ARGS go to model_parallel_hpc (--batch_size, --samples, --max_steps ...).

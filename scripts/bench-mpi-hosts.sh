@@ -3,23 +3,26 @@
 # Slurm of scripts/slurm-cluster.sh (each node a network namespace of this
 # machine, so bytes between nodes cross a veth pair, not shared memory),
 # float32 SUM allreduce from 1 MiB, alternated for ROUNDS rounds, medians:
-#   mpi    srun --mpi=pmix ddp-bench allreduce --backend mpi (Open MPI's own
-#          composition: shared memory inside a node, TCP between them);
-#   hier   srun ddp-bench allreduce (ddp's backend: its hierarchical
-#          composition, shared memory inside a node, TCP between the
-#          nodes' leaders);
-#   ref    srun --mpi=pmix Open MPI's own allreduce made like ddp's call
-#          (scripts/mpi-refs.sh: in place, MPI_THREAD_MULTIPLE).
-# Prints each side's algbw and the ratios hier / mpi and mpi / ref: whether
-# ddp's shared-memory stage under its own inter-host step beats Open MPI's
-# composition, the measurement docs/comm.md's hierarchy rule waits for. (A
-# hierarchy with MPI between the leaders is not built: this is the question
-# that decides whether it is worth building.) Needs root, Slurm with its
-# pmix plugin, and network namespaces (scripts/slurm-cluster.sh says which
-# is missing).
+#   mpihier srun --mpi=pmix ddp-bench allreduce --backend mpi (the default
+#           across hosts: ddp's shared memory inside a node, MPI between the
+#           nodes' leaders, src/comm/mpi/leaders.c; DDP_MPI_HIER_BYTES=0 so
+#           every size composes whatever the default threshold);
+#   mpi     the same with DDP_MPI_HIER=0 (pure MPI: ddp over Open MPI's own
+#           composition, shared memory inside a node, TCP between them);
+#   hier    srun ddp-bench allreduce (ddp's backend: its hierarchical
+#           composition, shared memory inside a node, TCP between the
+#           nodes' leaders);
+#   ref     srun --mpi=pmix Open MPI's own allreduce made like ddp's call
+#           (scripts/mpi-refs.sh: in place, MPI_THREAD_MULTIPLE).
+# Prints each side's algbw and the ratios mpihier / mpi (the hierarchy
+# against pure MPI: what docs/comm.md's rule, DDP_MPI_HIER_BYTES, rests on),
+# mpihier / hier (MPI against ddp's TCP between the leaders) and mpi / ref.
+# Needs root, Slurm with its pmix plugin, and network namespaces
+# (scripts/slurm-cluster.sh says which is missing).
 # Usage: scripts/bench-mpi-hosts.sh [ROUNDS (5)] [BUILD_DIR (build)]
-#   SIZES (default "1M 4M 16M 64M"). A round takes about a minute on an
-#   idle 2-core VM. Raw outputs and the summary in $OUT (default a new
+#   SIZES (default "1M 4M 16M 64M"; smaller ones too to place the
+#   threshold, e.g. SIZES="64K 256K 1M 4M"). A round takes about a minute
+#   and a half on an idle 2-core VM. Raw outputs and the summary in $OUT (default a new
 #   /tmp/bench-mpi-hosts.*).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,8 +49,16 @@ vader+=' OMPI_MCA_mpi_yield_when_idle=${OMPI_MCA_mpi_yield_when_idle:-1}; exec "
 iters() { if [ "$1" -le 1048576 ]; then echo 50; elif [ "$1" -le 16777216 ]; then echo 10; else echo 5; fi; }
 run_mpi() {
   for s in "${sizes[@]}"; do
-    run --mpi=pmix bash -c "$vader" "$bench" allreduce --backend mpi -b "$s" -e "$s" -n "$(iters "$(bytes "$s")")" \
-      -w 2 --json >>"$out/mpi.jsonl"
+    run --mpi=pmix env DDP_MPI_HIER=0 bash -c "$vader" "$bench" allreduce --backend mpi -b "$s" -e "$s" \
+      -n "$(iters "$(bytes "$s")")" -w 2 --json >>"$out/mpi.jsonl"
+  done
+}
+# The hierarchy over MPI: every size composed (the threshold is what this
+# measures); pure MPI: the composition off.
+run_mpihier() {
+  for s in "${sizes[@]}"; do
+    run --mpi=pmix env DDP_MPI_HIER_BYTES=0 bash -c "$vader" "$bench" allreduce --backend mpi -b "$s" -e "$s" \
+      -n "$(iters "$(bytes "$s")")" -w 2 --json >>"$out/mpihier.jsonl"
   done
 }
 run_hier() {
@@ -60,8 +71,8 @@ run_ref() {
   for s in "${sizes[@]}"; do b+=("$(bytes "$s")"); done
   run --mpi=pmix bash -c "$vader" "$out/mpi_allreduce_like" "${b[@]}" >>"$out/ref.txt"
 }
-: >"$out/mpi.jsonl"; : >"$out/hier.jsonl"; : >"$out/ref.txt"
-order=(run_mpi run_hier run_ref)
+: >"$out/mpi.jsonl"; : >"$out/mpihier.jsonl"; : >"$out/hier.jsonl"; : >"$out/ref.txt"
+order=(run_mpihier run_mpi run_hier run_ref)
 for ((r = 1; r <= rounds; r++)); do
   for ((k = 0; k < ${#order[@]}; k++)); do
     f=${order[$(((k + r) % ${#order[@]}))]}
@@ -86,12 +97,15 @@ for line in open(f"{out}/ref.txt"):
     m = re.search(r"bytes=(\d+) us=[\d.]+ algbw_GBps=([\d.]+)", line)
     if m:
         ref.setdefault(int(m[1]), []).append(float(m[2]))
-mpi, hier = ddp("mpi"), ddp("hier")
+mpi, mpihier, hier = ddp("mpi"), ddp("mpihier"), ddp("hier")
 med = lambda d, s: st.median(d[s]) if s in d else float("nan")
+def size(s):
+    return f"{s >> 20} MiB" if s >= 1 << 20 else f"{s >> 10} KiB"
 print("2 nodes x 2 ranks (network namespaces of one machine), float32 SUM allreduce, algbw GB/s, medians\n")
-print("| size | hier (ddp: shm + TCP) | mpi (ddp over Open MPI) | Open MPI's own | hier / mpi | mpi / own |\n|---|---|---|---|---|---|")
+print("| size | mpihier (ddp: shm + MPI between leaders) | mpi (ddp over Open MPI, flat) | hier (ddp: shm + TCP) "
+      "| Open MPI's own | mpihier / mpi | mpihier / hier | mpi / own |\n|---|---|---|---|---|---|---|---|")
 for s in sorted(mpi):
-    h, m, o = med(hier, s), med(mpi, s), med(ref, s)
-    print(f"| {s >> 20} MiB | {h:.3f} | {m:.3f} | {o:.3f} | {h / m:.2f}x | {m / o:.2f}x |")
+    x, m, h, o = med(mpihier, s), med(mpi, s), med(hier, s), med(ref, s)
+    print(f"| {size(s)} | {x:.3f} | {m:.3f} | {h:.3f} | {o:.3f} | {x / m:.2f}x | {x / h:.2f}x | {m / o:.2f}x |")
 PY
 echo "raw outputs in $out" >&2

@@ -14,7 +14,13 @@
 #   (d) the ConvNet trained 3 epochs on the GPU (ddp-train --device cuda) for
 #       seeds 1 2 3, against the CPU runs carried (mean within 0.5 points),
 #       and seed 1 again with --cuda-graph against its eager GPU run.
-# (d) runs last: it is the longest and gets whatever time is left.
+# (d) runs last of these: it is the longest and gets whatever time is left.
+# (amp) Issue 42's mixed precision (scripts/gpu-amp-steps.sh: CUDA-autocast
+#   parity against the machine's PyTorch, the ConvNet bf16 speed bars, the
+#   4096-wide MLP's TFLOPS, the GradScaler skipping an injected inf, the
+#   accuracy) comes after every other section, with what time is left, each
+#   step skipping when there is none; GPU_CHECK_ONLY=amp runs the
+#   environment and the (amp) section alone, within the same budget.
 # Issue 39's steps (NCCL) come first, in its priority order, under (n):
 #   (n1) test_nccl_ops: NCCL accepts two ranks on one GPU with distinct
 #        NCCL_HOSTID (NCCL_SOCKET_IFNAME=lo, NCCL_IB_DISABLE=1), and every
@@ -33,8 +39,10 @@
 #        over NCCL, alternating rounds, >= 0.95x from 1 MiB up;
 #   (n6numa) the rank's CPUs near its GPU (ddp-train's decision, sysfs);
 #   (n7mnist) mnist_ddp --device cuda at world 2 on NCCL; (n8hpo) ddp-hpo
-#        --objective convnet --device cuda, a worker of 2 ranks; (n9pp)
-#        ddp-train --pp 2 --device cuda, refused so far (SKIP naming why).
+#        --objective convnet --device cuda, a worker of 2 ranks;
+#   (n9pp1..n9pp4) the pipeline's stages on the GPU (scripts/gpu-pp-steps.sh):
+#        over NCCL and staged, each == the CPU pipeline; resume bit for bit;
+#        model_parallel_hpc --device cuda.
 # n1's test_nccl_ops includes batch_isend_irecv on NCCL (a 16 MiB ring that
 # completes only when the batch is grouped by ncclGroupStart/End).
 # libnccl.so.2 is the machine's own (the loader's cache, /usr/local/cuda*,
@@ -326,6 +334,32 @@ fi
   cat "$carry/manifest.txt"
 } >>"$log"
 
+# ---- (amp) Issue 42: mixed precision (scripts/gpu-amp-steps.sh), defined
+# here, run after (d) (or alone with GPU_CHECK_ONLY=amp). Output under
+# $out/amp/ (the fixtures, each step's JSON lines).
+amp_section() {
+  say "" "## (amp) Mixed precision on the GPU (issue 42)"
+  phase 100
+  # NAME:WANT:NEED: a step runs with up to WANT seconds, and only when NEED
+  # are left (less could not finish it: SKIP, saying so, not a timeout).
+  local amp_step name want need
+  for amp_step in amp_parity:90:40 amp_scaler:60:20 amp_speed:150:60 amp_mlp:90:30 amp_acc:300:150; do
+    IFS=: read -r name want need <<<"$amp_step"
+    if [ $(($(left) - 5)) -lt "$need" ]; then
+      record "$name" SKIP 0 "not run: $(($(left) - 5)) s left of the ${budget} s budget, it needs ${need} s (GPU_CHECK_ONLY=amp runs this section alone)"
+      continue
+    fi
+    step "$name" "$want" "${ddp_env[@]}" DDP_TEST_DIR="$bundle/tests" \
+      GPU_CHECK_PYTHON="$py" bash scripts/gpu-amp-steps.sh "$name" "$data" "$out/amp"
+  done
+}
+if [ "${GPU_CHECK_ONLY:-}" = amp ]; then
+  amp_section
+  summary " (GPU_CHECK_ONLY=amp)"
+  [ "$failed" -eq 0 ]
+  exit
+fi
+
 # ---- (n) Issue 39: NCCL, in its priority order, until 85% of the budget
 # (the steps' timeouts add up to more: the later ones get what is left).
 say "" "## (n) NCCL (issue 39)"
@@ -353,13 +387,26 @@ else
   record n5 SKIP 0 "no ddp-bench carried"
 fi
 # The rest of issue 39's build, after its measurements: the CPUs near the
-# GPU, the seeds' tools on the GPU, the pipeline on GPUs (refused so far).
+# GPU, the seeds' tools on the GPU, then the pipeline on GPUs (n9).
 if [ -x "$bin/ddp-train" ]; then
-  for tool_step in n6numa:30 n7mnist:90 n8hpo:90 n9pp:30; do
+  for tool_step in n6numa:30 n7mnist:90 n8hpo:90; do
     step "${tool_step%%:*}" "${tool_step#*:}" "${ddp_env[@]}" bash scripts/gpu-dp-steps.sh "${tool_step%%:*}" "$data"
   done
 else
-  record "n6..n9" SKIP 0 "no ddp-train carried"
+  record "n6..n8" SKIP 0 "no ddp-train carried"
+fi
+# (n9) The pipeline with its stages on the GPU (scripts/gpu-pp-steps.sh):
+# n9pp1 NCCL's send/recv between two ranks sharing the GPU == the CPU
+# pipeline (docs/parallel.md's bound); n9pp2 the same staged through pinned
+# host memory (ddp's own backend); n9pp3 resume bit for bit, the checkpoint
+# loaded in a CPU run; n9pp4 model_parallel_hpc --device cuda (seed 000).
+# Each under its own timeout; skipped ("no time left") once the budget is spent.
+if [ -x "$bin/ddp-train" ]; then
+  for pp_step in pp1:90 pp2:60 pp3:120 pp4:90; do
+    step "n9${pp_step%%:*}" "${pp_step#*:}" "${ddp_env[@]}" bash scripts/gpu-pp-steps.sh "${pp_step%%:*}" "$data"
+  done
+else
+  record "n9pp1..n9pp4" SKIP 0 "no ddp-train carried"
 fi
 
 # ---- (a) The CUDA tests, until 45% of the budget.
@@ -570,6 +617,9 @@ else
     record "train_seed${s}_graph" "$step_status" "$step_secs" "$step_detail" "$work/step.out"
   fi
 fi
+
+# ---- (amp) Issue 42 (defined above): what time is left.
+amp_section
 
 summary ""
 [ "$failed" -eq 0 ]

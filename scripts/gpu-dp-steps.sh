@@ -25,7 +25,7 @@
 #       and what sysfs says of the GPU's node
 #   n7mnist mnist_ddp --device cuda at world 2 on NCCL: its checks say ok
 #   n8hpo   ddp-hpo --objective convnet --device cuda, a worker of 2 ranks
-#   n9pp    ddp-train --pp 2 --device cuda: refused (not built yet): SKIP
+#   (the pipeline's stages on the GPU, once n9pp here: scripts/gpu-pp-steps.sh)
 #   n5  ddp-bench allreduce --device cuda (NCCL) vs PyTorch's all_reduce
 #       (scripts/torch/allreduce_bench.py), world 2, 1-64 MiB, alternating
 #       rounds: torch time / ddp time >= 0.95 at every size
@@ -271,23 +271,6 @@ n8hpo)
   tail -n 4 "$tmp/hpo.out.0"
   grep -q '(loss inf)' "$tmp/hpo.err.0" && { tail -n 5 "$tmp/hpo.err.0"; fail "an individual's loss was inf"; }
   echo "ok: ddp-hpo's convnet worker trained on the GPU at 2 ranks"
-  ;;
-n9pp)
-  # ddp-train --pp 2 with stages on the GPU: not built yet (the pipeline's
-  # buffers are in host memory); the refusal is what is checked, as SKIP.
-  port=$(ddp_free_port) || fail "no free port"
-  for r in 0 1; do
-    MASTER_ADDR=127.0.0.1 MASTER_PORT=$port WORLD_SIZE=2 RANK=$r LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 \
-      NCCL_HOSTID=ddp-gpu-check-$r NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1 \
-      timeout 60 "$bin" --model toy --samples 256 --epochs 1 --pp 2 --device "$dev" >"$tmp/pp.out.$r" 2>"$tmp/pp.err.$r" &
-    pids+=($!)
-  done
-  for p in "${pids[@]}"; do wait "$p"; done
-  pids=()
-  msg=$(grep -h -m1 'pipeline: stages on' "$tmp"/pp.err.* | head -n 1)
-  [ -n "$msg" ] && { echo "SKIP: not built yet: $msg"; exit 77; }
-  tail -n 5 "$tmp"/pp.err.*
-  fail "ddp-train --pp 2 --device $dev neither ran nor said why"
   ;;
 *) echo "gpu-dp-steps: unknown step '$step'" >&2; exit 2 ;;
 esac

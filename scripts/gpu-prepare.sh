@@ -6,8 +6,8 @@
 # and the working tree travels there with at most 64 MiB in all, so the carry
 # holds only:
 #   bundle.tar.xz   the CUDA tests (build/tests/test_cuda_*, test_nccl_*), ddp-train,
-#                   ddprun, ddp-bench, ddp-hpo and mnist_ddp (issue 39's
-#                   data-parallel steps and tools),
+#                   ddprun, ddp-bench, ddp-hpo, mnist_ddp and model_parallel_hpc
+#                   (issue 39's data-parallel and pipeline steps and tools),
 #                   bench_convnet and toy_mp_devices when built, libddp.so*,
 #                   and the shared libraries they load that are neither the
 #                   C runtime nor CUDA's (OpenBLAS, gfortran, cmocka, ...),
@@ -59,7 +59,7 @@ mkdir -p "$b/bin" "$b/tests" "$b/lib" "$b/libs" "$carry/data/fashion-mnist"
 
 # What travels of the build: the CUDA tests and the named tools only.
 elves=()
-for name in ddp-train ddprun ddp-bench ddp-hpo mnist_ddp bench_convnet toy_mp_devices; do
+for name in ddp-train ddprun ddp-bench ddp-hpo mnist_ddp model_parallel_hpc bench_convnet toy_mp_devices; do
   if [ -x "$build/bin/$name" ]; then
     cp -p "$build/bin/$name" "$b/bin/"
     elves+=("$b/bin/$name")
@@ -76,6 +76,12 @@ for so in "$build"/lib/libddp.so*; do
   [ -L "$so" ] || elves+=("$b/lib/$(basename "$so")")
 done
 [ ${#elves[@]} -gt 0 ] || die "nothing to carry in $build (no ddp-train, no test_cuda_*)"
+# The copies travel without their debug information (symbols stay, so
+# backtraces still name functions): it is most of their size, and the tree
+# plus the carry must fit the 64 MiB that travel.
+if command -v strip >/dev/null; then
+  strip --strip-debug "${elves[@]}"
+fi
 
 # The libraries they load. The C runtime and the compiler's are on every
 # Linux (the GPU machine's glibc is at least as new: manifest's glibc_needed);

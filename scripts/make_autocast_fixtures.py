@@ -18,8 +18,18 @@ gradients back in float32).
 
 Run with the reference environment's PyTorch 2.x (not Debian's 1.13):
   /opt/torch-venv/bin/python scripts/make_autocast_fixtures.py
+On the GPU machine (scripts/gpu-amp-steps.sh), the same ops under
+torch.autocast("cuda", dtype) into OUTDIR/autocast_cuda_<dtype>.bin:
+  python3 scripts/make_autocast_fixtures.py --device cuda --out OUTDIR
+The inputs and parameters are made on the CPU from the same seeds (the
+same values as the CPU fixtures) and moved to the GPU. TF32 is off, cuDNN
+deterministic, and cuBLAS's reduced-precision reductions for bf16 / fp16
+off (torch.backends.cuda.matmul.allow_{bf16,fp16}_reduced_precision_
+reduction = False), so that every GEMM accumulates in float32: the
+accumulation bound of the C test holds for both sides.
 The file format is scripts/make_fixtures.py's "DDPFIX01" (docs/nn.md).
 """
+import argparse
 import os
 import struct
 import sys
@@ -54,7 +64,7 @@ def write_fixture(path, records):
 
 
 def f32(t):
-    return t.detach().float().contiguous().numpy().astype("<f4")
+    return t.detach().float().cpu().contiguous().numpy().astype("<f4")
 
 
 def formula_weight(rows, cols):
@@ -69,7 +79,7 @@ def formula_weight(rows, cols):
     return torch.from_numpy((v.astype(np.float64) * 2.0**-17).astype(np.float32).reshape(rows, cols))
 
 
-def make(dtype, seed):
+def make(dtype, seed, device="cpu"):
     """Records for one dtype. An op's input that is an earlier op's output
     (or an exact function of one: relu, max_pool, flatten) is not stored
     again: the C test rebuilds it from that output."""
@@ -87,14 +97,21 @@ def make(dtype, seed):
     mse_target = torch.randn(N, 10)
     rec = [("x", f32(x)), ("target", target.numpy().astype("<i8")),
            ("mse_target", f32(mse_target))]
+    if device != "cpu":  # the same values, on the device
+        for m in (conv1, conv2, fc1, fc2):
+            m.to(device)
+        with torch.no_grad():
+            bn_w = torch.nn.Parameter(bn_w.detach().to(device))
+            bn_b = torch.nn.Parameter(bn_b.detach().to(device))
+        x, target, mse_target = x.to(device), target.to(device), mse_target.to(device)
 
     def op(name, out, **params):
         for k, v in params.items():
-            rec.append((f"{name}.{k}", f32(v)))
+            rec.append((f"{name}.{k}", f32(v.cpu())))
         rec.append((f"{name}.dtype", np.array([DDP_DTYPE[out.dtype]], dtype="<i8")))
         rec.append((f"{name}.y", f32(out)))
 
-    with torch.autocast("cpu", dtype):
+    with torch.autocast(device, dtype):
         y1 = F.conv2d(x, conv1.weight, conv1.bias)                  # x
         op("conv1", y1, w=conv1.weight, b=conv1.bias)
         bn = F.batch_norm(y1, None, None, bn_w, bn_b, training=True, eps=1e-5)
@@ -132,7 +149,7 @@ def make(dtype, seed):
     # 4 rows whose gradient is not zero (a hidden unit relu closed for the
     # whole batch has none), with their indices
     rows = torch.nonzero(fc1.weight.grad.abs().sum(1) > 0).flatten()[:4]
-    rec.append(("chain.fc1.w.grad_rows", rows.numpy().astype("<i8")))
+    rec.append(("chain.fc1.w.grad_rows", rows.cpu().numpy().astype("<i8")))
     rec.append(("chain.fc1.w.grad_rows4", f32(fc1.weight.grad[rows])))
     rec.append(("chain.fc1.w.grad_sumsq",
                 np.array([float((fc1.weight.grad.double() ** 2).sum())], dtype="<f8")))
@@ -140,14 +157,32 @@ def make(dtype, seed):
 
 
 def main():
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--out", help="output folder (default tests/fixtures)")
+    args = ap.parse_args()
+    root = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
+                                    "fixtures")
     print("torch", torch.__version__)
     if int(torch.__version__.split(".")[0]) < 2:
         sys.exit("make_autocast_fixtures.py: needs PyTorch 2.x (/opt/torch-venv/bin/python)")
     torch.set_num_threads(1)
+    prefix = "autocast_"
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            print("SKIP: no CUDA device for torch")
+            sys.exit(77)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        prefix = "autocast_cuda_"
+        print("device", torch.cuda.get_device_name(0))
     for dtype, name, seed in [(torch.bfloat16, "bf16", 42), (torch.float16, "fp16", 43)]:
-        path = os.path.join(root, f"autocast_{name}.bin")
-        rec = make(dtype, seed)
+        path = os.path.join(root, f"{prefix}{name}.bin")
+        rec = make(dtype, seed, args.device)
         write_fixture(path, rec)
         print(path, len(rec), "records", os.path.getsize(path), "bytes")
 

@@ -299,6 +299,13 @@ float ddp_grad_scaler_inv_scale(const ddp_grad_scaler *gs);
  * (PyTorch's _amp_foreach_non_finite_check_and_unscale_). Disabled: false,
  * grads untouched. Host memory only. Allocates nothing. */
 bool ddp_grad_scaler_unscale(const ddp_grad_scaler *gs, float *grads, size_t n);
+/* The same for grads in `device`'s memory: on a GPU one kernel over the
+ * flat buffer unscales and checks, and its one flag is read back (this
+ * waits for the device: the step's decision needs the answer). A device
+ * that failed counts as a finding (true: the step is skipped, and the
+ * failure is reported by the next synchronize). The CPU: as above. */
+bool ddp_grad_scaler_unscale_on(const ddp_grad_scaler *gs, ddp_device device, float *grads,
+                                size_t n);
 /* After the step (taken or skipped), with the found_inf every rank agreed
  * on: inf/NaN found multiplies the scale by backoff_factor and resets the
  * tracker; else the tracker counts the step and, on reaching

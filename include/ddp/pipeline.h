@@ -202,12 +202,22 @@ typedef struct ddp_pipeline_options {
   int64_t max_batch;
   /* Longest wait for one transfer, seconds; <= 0: the group's timeout. */
   double timeout_s;
-  uint64_t reserved[8];
+  /* Where this rank's stages compute (DDP_CPU, the default, or cuda:N):
+   * setup runs on the host (split, copy, shapes), then the stage's model
+   * moves there (ddp_model_to) and the activation and gradient buffers are
+   * allocated there, so point-to-point sends and receives carry device
+   * memory (NCCL's send/recv on an nccl group, pinned host staging on
+   * ddp's own: docs/pipeline.md, "Stages on GPUs"). A step's and an
+   * evaluation's input and target must then be on that device; an
+   * evaluation's output tensor stays host memory. */
+  ddp_device device;
+  uint64_t reserved[7];
 } ddp_pipeline_options;
 DDP_STRUCT_SIZE(ddp_pipeline_options, 176);
 
 /* 1F1B, M = 4, v = 1, split "auto", grad_scale 0 (1/M), profile_rows 32,
- * max_batch 256, sample shape from the model, the group's timeout. */
+ * max_batch 256, sample shape from the model, the group's timeout, the
+ * CPU. */
 ddp_pipeline_options ddp_pipeline_defaults(void);
 
 /* Builds this rank's part of a pipeline over `pg` (p = its size ranks;

@@ -164,6 +164,15 @@ int ddp_cuda_device_count(void);
 /* Why ddp_cuda_device_count() is 0 ("this build has no CUDA backend",
  * "no CUDA device", the driver's message), or NULL when it is not. */
 const char *ddp_cuda_unavailable_reason(void);
+/* TensorFloat-32 for the float32 matmuls and convolutions of every GPU
+ * (ddp-train --precision tf32): torch.backends.cuda.matmul.allow_tf32 and
+ * torch.backends.cudnn.allow_tf32 together. Off by default, as in PyTorch
+ * 2.x's matmuls: float32 stays float32 unless a run opts in. Process-wide;
+ * a GEMM reads it at each call, a convolution when cuDNN first plans its
+ * geometry with that setting. Allowing it in a build without CUDA is
+ * DDP_ERR_UNSUPPORTED; refusing it always succeeds. */
+ddp_status ddp_cuda_allow_tf32(bool allow);
+bool ddp_cuda_tf32_allowed(void);
 /* Parses "cpu", "cuda" (= cuda:0) or "cuda:N" (as torch.device). Errors
  * name the text. Does not check that the device exists. */
 ddp_status ddp_device_parse(const char *text, ddp_device *out);

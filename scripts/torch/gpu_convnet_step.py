@@ -11,6 +11,10 @@ size and variant:
 Variants: eager (PyTorch's defaults), deterministic (cudnn.deterministic),
 graph (the whole step captured once with torch.cuda.graphs and replayed: what
 PyTorch reaches without launch overhead, for information).
+With --autocast bf16 (fp16) the forward and the loss run under
+torch.autocast(device, dtype), backward outside it (PyTorch's recipe; no
+GradScaler: the step's speed), and each record says "autocast": "bf16"
+(scripts/gpu-amp-steps.sh, issue 42).
 Without torch or without a CUDA device it prints why and exits 77 (skipped).
 Used by scripts/gpu-check.sh; by hand:
   python3 scripts/torch/gpu_convnet_step.py --batch 100 1024 --deterministic --cuda-graph
@@ -35,6 +39,8 @@ def parse_args():
     p.add_argument("--device", default="cuda",
                    help="cuda (default), or cpu to try this script where there is no GPU")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--autocast", choices=["bf16", "fp16"],
+                   help="forward and loss under torch.autocast in this dtype")
     a = p.parse_args()
     if min(a.batch) < 1 or a.rounds < 1 or a.steps < 1 or a.warmup < 0:
         p.error("batch sizes, rounds and steps must be positive, warmup not negative")
@@ -80,9 +86,16 @@ def measure(torch, a, batch, variant):
     x = torch.rand(batch, 1, 28, 28, device=dev)  # (B, 1, 28, 28)
     y = torch.randint(0, 10, (batch,), device=dev)  # (B,)
 
+    import contextlib
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.autocast)
+
+    def region():
+        return torch.autocast(dev.type, amp_dtype) if amp_dtype else contextlib.nullcontext()
+
     def step():
         opt.zero_grad()
-        loss = lossf(model(x), y)
+        with region():
+            loss = lossf(model(x), y)
         loss.backward()
         opt.step()
         return loss
@@ -104,7 +117,8 @@ def measure(torch, a, batch, variant):
         graph = torch.cuda.CUDAGraph()
         opt.zero_grad(set_to_none=True)
         with torch.cuda.graph(graph):
-            static_loss = lossf(model(x), y)
+            with region():
+                static_loss = lossf(model(x), y)
             static_loss.backward()
             opt.step()
 
@@ -146,6 +160,7 @@ def measure(torch, a, batch, variant):
         "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
         "tf32": bool(torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32),
         "final_loss": round(final_loss, 5),
+        "autocast": a.autocast,
         "finite": final_loss == final_loss and abs(final_loss) != float("inf"),
     }
 

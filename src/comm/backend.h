@@ -300,6 +300,11 @@ ddp_status ddp__backend_nccl_create(const ddp__backend_config *cfg, ddp__backend
 #endif
 #ifdef DDP_HAVE_MPI
 ddp_status ddp__backend_mpi_create(const ddp__backend_config *cfg, ddp__backend **out);
+/* src/comm/mpi/leaders.c: shared memory inside each host, MPI between the
+ * hosts' leaders; and the rule that picks it or flat MPI for a group on
+ * backend "mpi" (docs/comm.md, "MPI backend", "Hierarchy"). */
+ddp_status ddp__backend_mpi_hier_create(const ddp__backend_config *cfg, ddp__backend **out);
+ddp__backend_create_fn ddp__backend_mpi_choose(const ddp__backend_config *cfg);
 #endif
 
 /* The error for a backend asked for by name that this build lacks: what it

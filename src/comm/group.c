@@ -340,7 +340,7 @@ static ddp_status choose_backend(const group_settings *set, const ddp__backend_c
 #endif
 #ifdef DDP_HAVE_MPI
   if (set->backend == DDP__BACKEND_MPI) {
-    *out = ddp__backend_mpi_create;
+    *out = ddp__backend_mpi_choose(cfg); /* flat, or shm inside hosts + MPI between them */
     return DDP_OK;
   }
 #endif

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "ddp/optim.h"
+#include "tensor/tape.h" /* ddp__basic_kernels_for: the unscale on a GPU */
 
 ddp_grad_scaler ddp_grad_scaler_defaults(bool enabled) {
   ddp_grad_scaler gs;
@@ -89,4 +90,13 @@ void ddp_grad_scaler_update(ddp_grad_scaler *gs, bool found_inf) {
   } else {
     gs->growth_tracker = (int32_t)successful;
   }
+}
+
+bool ddp_grad_scaler_unscale_on(const ddp_grad_scaler *gs, ddp_device device, float *grads,
+                                size_t n) {
+  if (!gs->enabled) return false;
+  if (device.type == DDP_DEVICE_CPU) return ddp_grad_scaler_unscale(gs, grads, n);
+  const ddp__basic_kernels *k = ddp__basic_kernels_for(device);
+  if (!k) return true; /* no backend for it: the step must not use these gradients */
+  return k->unscale_check(grads, ddp_grad_scaler_inv_scale(gs), (int64_t)n);
 }

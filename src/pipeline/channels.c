@@ -4,7 +4,8 @@
  * transfers go through comm's ddp_batch_isend_irecv (the group's
  * point-to-point lane: in flight in the background whatever their size).
  * Within one stream both ends post in the same order (the schedule checker
- * proves it). Why subgroups rather than the pipeline group itself: a peer's
+ * proves it). Buffers on a GPU go by isend / irecv instead (ddp__pp_post).
+ * Why subgroups rather than the pipeline group itself: a peer's
  * death fails every pending transfer of a group, whoever it was with, and
  * would be blamed on the wrong neighbour; on a two-rank channel the only
  * peer is the one to blame, and a failure leaves the caller's pipeline group
@@ -94,8 +95,16 @@ ddp_status ddp__pp_post(ddp__pp_channels *ch, bool send, int kind, int peer, voi
     return ddp_error(DDP_ERR_INTERNAL, "pipeline: no %s channel from rank %d to rank %d",
                      kind == DDP__PP_ACT ? "activation" : "gradient", src, dst);
   /* Activations and gradients are float32. */
-  ddp_p2p_op op = {send ? DDP_P2P_SEND : DDP_P2P_RECV, buf, bytes / sizeof(float), DDP_FLOAT32,
-                   st->peer, kind};
+  const size_t count = bytes / sizeof(float);
+  /* Buffers on a GPU (stages on GPUs) go as isend / irecv: NCCL's
+   * send/recv on an nccl group; on ddp's own backend, staged through pinned
+   * host memory in the channel group's queue, one at a time, which keeps
+   * the channel's order (its lane, what batch_isend_irecv uses, takes host
+   * memory only). */
+  if (ddp_pointer_device(buf).type != DDP_DEVICE_CPU)
+    return send ? ddp_isend(st->group, buf, count, DDP_FLOAT32, st->peer, kind, work)
+                : ddp_irecv(st->group, buf, count, DDP_FLOAT32, st->peer, kind, work);
+  ddp_p2p_op op = {send ? DDP_P2P_SEND : DDP_P2P_RECV, buf, count, DDP_FLOAT32, st->peer, kind};
   return ddp_batch_isend_irecv(st->group, &op, 1, work);
 }
 

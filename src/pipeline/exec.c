@@ -98,7 +98,29 @@ typedef struct {
   ddp_tensor *output;
   double loss_sum;  /* training: sum of losses; eval: sum of loss * rows */
   bool have_loss;
+  bool losses_pending; /* on a GPU: pp->loss_host[mb] still on their way back */
 } run_args;
+
+/* n floats of zero at p, on the stages' device. */
+static void zero_floats(ddp_pipeline *pp, float *p, int64_t n) {
+  if (pp->device.type == DDP_DEVICE_CPU)
+    memset(p, 0, (size_t)n * sizeof(float));
+  else
+    ddp__basic_kernels_for(pp->device)->fill(p, 0.0f, n);
+}
+
+/* `bytes` from src on src_device to dst on dst_device (one of them the
+ * host), complete on return when dst is the host. */
+static ddp_status copy_bytes(ddp_device dst_device, void *dst, ddp_device src_device,
+                             const void *src, size_t bytes) {
+  int64_t n = (int64_t)bytes;
+  ddp_tensor d, from;
+  DDP_TRY(ddp_tensor_wrap(&d, DDP_UINT8, 1, &n, dst));
+  DDP_TRY(ddp_tensor_wrap(&from, DDP_UINT8, 1, &n, (void *)src));
+  d.device = dst_device;
+  from.device = src_device;
+  return ddp_tensor_copy(&d, &from);
+}
 
 static ddp_status post(ddp_pipeline *pp, bool send, int kind, int peer, void *buf, size_t bytes,
                        ddp_work **work, int stage, int mb, int peer_stage, const char *what) {
@@ -113,8 +135,10 @@ static ddp_status view_rows(ddp_tensor *t, const ddp_tensor *of, int64_t off, in
   memcpy(shape, of->shape, sizeof shape);
   int64_t row = of->shape[0] ? of->numel / of->shape[0] : 0;
   shape[0] = rows;
-  return ddp_tensor_wrap(t, of->dtype, of->ndim, shape,
-                         (char *)of->data + (size_t)(off * row) * ddp_dtype_size(of->dtype));
+  DDP_TRY(ddp_tensor_wrap(t, of->dtype, of->ndim, shape,
+                          (char *)of->data + (size_t)(off * row) * ddp_dtype_size(of->dtype)));
+  t->device = of->device;
+  return DDP_OK;
 }
 
 static ddp_status forward(ddp_pipeline *pp, run_args *a, const ddp_pipeline_action *act) {
@@ -145,11 +169,12 @@ static ddp_status forward(ddp_pipeline *pp, run_args *a, const ddp_pipeline_acti
     shape[0] = rows;
     memcpy(shape + 1, c->in_shape, sizeof(int64_t) * (size_t)c->in_ndim);
     s = ddp_tensor_wrap(x, DDP_FLOAT32, c->in_ndim + 1, shape, slot->data);
+    x->device = pp->device;
     if (s == DDP_OK && a->training) {
       /* The input's gradient lands in the slot's own buffer, which goes
        * back to the previous stage; backward adds into it, so it starts at
        * zero. */
-      memset(slot->grad, 0, (size_t)x->numel * sizeof(float));
+      zero_floats(pp, slot->grad, x->numel);
       x->grad = slot->grad;
       x->flags |= DDP_TENSOR_REQUIRES_GRAD;
     }
@@ -171,13 +196,33 @@ static ddp_status forward(ddp_pipeline *pp, run_args *a, const ddp_pipeline_acti
       return fail(pp, s, g, g);
     }
     c->losses[mb] = loss;
-    double value = ddp_tensor_f32(loss)[0];
-    a->loss_sum += a->training ? value : value * (double)rows;
+    if (loss->device.type == DDP_DEVICE_CPU) {
+      double value = ddp_tensor_f32(loss)[0];
+      a->loss_sum += a->training ? value : value * (double)rows;
+    } else {
+      /* Read after the schedule (one wait for the device, not one per
+       * micro-batch): the host goes on queueing the next work. */
+      s = ddp_device_copy_async(DDP_CPU, &pp->loss_host[mb], loss->device, loss->data,
+                                sizeof(float));
+      if (s != DDP_OK) {
+        ddp_error_wrap(s, "copying the loss of micro-batch %d back", mb);
+        return fail(pp, s, g, g);
+      }
+      a->losses_pending = true;
+    }
     a->have_loss = true;
   }
-  if (last && a->output)
-    memcpy((float *)a->output->data + off * c->out_row, out->data,
-           (size_t)(rows * c->out_row) * sizeof(float));
+  if (last && a->output) {
+    /* The caller's output is host memory (a copy back waits for the device). */
+    float *dst = (float *)a->output->data + off * c->out_row;
+    size_t bytes = (size_t)(rows * c->out_row) * sizeof(float);
+    if (out->device.type == DDP_DEVICE_CPU)
+      memcpy(dst, out->data, bytes);
+    else if ((s = copy_bytes(DDP_CPU, dst, out->device, out->data, bytes)) != DDP_OK) {
+      ddp_error_wrap(s, "copying the output of micro-batch %d back", mb);
+      return fail(pp, s, g, g);
+    }
+  }
   if (a->training) {
     /* Activations held now: every tape still waiting for its backward. */
     int64_t held = 0, one = (int64_t)ddp__tape_arena(tape)->used_total;
@@ -302,18 +347,36 @@ static ddp_status agree_batch(ddp_pipeline *pp, const run_args *a, int64_t *rows
   /* The last step's header may still be on its way out of this buffer. */
   DDP_TRY(wait_xfer(pp, &pp->header_work, "an earlier send of the batch's size", first, -1,
                     first + 1));
+  /* On a GPU the header travels in device memory (an nccl channel takes
+   * nothing else), copied from and to h. */
+  const bool on_device = pp->header_dev != NULL;
+  void *wire = on_device ? pp->header_dev->data : (void *)h;
   if (pp->rank == 0) {
     ddp_status st = refuse_input(pp, a, why, sizeof why);
     h[0] = st == DDP_OK ? a->input->shape[0] : 0;
     h[1] = st;
+    if (on_device && pp->p > 1) {
+      ddp_status cs = copy_bytes(pp->device, wire, DDP_CPU, h, 16);
+      if (cs != DDP_OK) {
+        ddp_error_wrap(cs, "copying the batch's size to %s", "the device");
+        return fail(pp, cs, first, first);
+      }
+    }
   } else {
     ddp_work *w = NULL;
-    DDP_TRY(post(pp, false, DDP__PP_ACT, pp->rank - 1, h, 16, &w, first, -1, first - 1,
+    DDP_TRY(post(pp, false, DDP__PP_ACT, pp->rank - 1, wire, 16, &w, first, -1, first - 1,
                  "receive of the batch's size"));
     DDP_TRY(wait_xfer(pp, &w, "the receive of the batch's size", first, -1, first - 1));
+    if (on_device) {
+      ddp_status cs = copy_bytes(DDP_CPU, h, pp->device, wire, 16);
+      if (cs != DDP_OK) {
+        ddp_error_wrap(cs, "copying the batch's size from the device");
+        return fail(pp, cs, first, first);
+      }
+    }
   }
   if (pp->rank + 1 < pp->p) {
-    DDP_TRY(post(pp, true, DDP__PP_ACT, pp->rank + 1, h, 16, &pp->header_work, first, -1,
+    DDP_TRY(post(pp, true, DDP__PP_ACT, pp->rank + 1, wire, 16, &pp->header_work, first, -1,
                  first + 1, "send of the batch's size"));
   }
   if (h[1] != DDP_OK) {
@@ -368,6 +431,18 @@ static ddp_status run(ddp_pipeline *pp, const ddp_pipeline_schedule *sched, run_
   int count;
   const ddp_pipeline_action *list = ddp_pipeline_schedule_actions(sched, pp->rank, &count);
   for (int i = 0; i < count; i++) DDP_TRY(act(pp, a, &list[i]));
+  if (a->losses_pending) {
+    /* The losses copied back (forward): one wait for the device. */
+    int last_stage = pp->n_stages - 1;
+    ddp_status s = ddp_device_synchronize(pp->device);
+    if (s != DDP_OK) {
+      ddp_error_wrap(s, "reading the micro-batches' losses back");
+      return fail(pp, s, last_stage, last_stage);
+    }
+    for (int mb = 0; mb < pp->m; mb++)
+      a->loss_sum += a->training ? (double)pp->loss_host[mb]
+                                 : (double)pp->loss_host[mb] * (double)pp->rows[mb];
+  }
   if (a->training && pp->sync_fn) {
     ddp_status s = pp->sync_fn(pp->sync_user, pp->model);
     if (s != DDP_OK) return ddp_error_wrap(s, "pipeline stage %d (rank %d): gradient sync",
@@ -388,7 +463,7 @@ static ddp_status run(ddp_pipeline *pp, const ddp_pipeline_schedule *sched, run_
 
 ddp_status ddp_pipeline_step(ddp_pipeline *pp, const ddp_tensor *input, const ddp_tensor *target,
                              double *loss) {
-  run_args a = {true, input, target, NULL, 0, false};
+  run_args a = {true, input, target, NULL, 0, false, false};
   if (loss) *loss = NAN;
   DDP_TRY(run(pp, pp->train, &a));
   if (loss && a.have_loss) *loss = a.loss_sum / pp->m;
@@ -399,7 +474,7 @@ ddp_status ddp_pipeline_eval(ddp_pipeline *pp, const ddp_tensor *input, const dd
                              ddp_tensor *output, double *loss) {
   if (loss) *loss = NAN;
   bool last = ddp_pipeline_is_last(pp);
-  run_args a = {false, input, last ? target : NULL, last ? output : NULL, 0, false};
+  run_args a = {false, input, last ? target : NULL, last ? output : NULL, 0, false, false};
   bool training = ddp_model_is_training(pp->model);
   ddp_model_train(pp->model, false);
   ddp_status s = run(pp, pp->eval, &a);
@@ -422,13 +497,13 @@ void ddp__pp_chunks_free(ddp_pipeline *pp) {
     if (c->acts)
       for (int i = 0; i < c->n_acts; i++) {
         ddp_work_free(c->acts[i].work);
-        ddp_free(c->acts[i].data);
-        ddp_free(c->acts[i].grad);
+        ddp_tensor_destroy(c->acts[i].data_mem);
+        ddp_tensor_destroy(c->acts[i].grad_mem);
       }
     if (c->grads)
       for (int i = 0; i < c->n_grads; i++) {
         ddp_work_free(c->grads[i].work);
-        ddp_free(c->grads[i].data);
+        ddp_tensor_destroy(c->grads[i].data_mem);
       }
     if (c->tapes)
       for (int i = 0; i < c->n_tapes; i++) {

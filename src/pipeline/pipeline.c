@@ -66,11 +66,11 @@ static ddp_status decide_split(ddp_pipeline *pp, ddp_model *full, ddp_module **m
     }
     ddp_free(cost);
   }
-  DDP_TRY(agree(pp->pg, 0, s, "the split"));
+  DDP_TRY(agree(pp->host_pg, 0, s, "the split"));
   if (automatic) {
     int32_t b[DDP_PIPELINE_MAX_STAGES + 1];
     for (int g = 0; g <= pp->n_stages; g++) b[g] = pp->bounds[g];
-    DDP_TRY(ddp_broadcast(pp->pg, b, (size_t)(pp->n_stages + 1), DDP_INT32, 0));
+    DDP_TRY(ddp_broadcast(pp->host_pg, b, (size_t)(pp->n_stages + 1), DDP_INT32, 0));
     for (int g = 0; g <= pp->n_stages; g++) pp->bounds[g] = b[g];
   }
   pp->split[0] = '\0';
@@ -127,7 +127,7 @@ static ddp_status exchange_shapes(ddp_pipeline *pp) {
       }
       ddp_tensor_destroy(x);
     }
-    s = ddp_broadcast(pp->pg, &m, sizeof m / 4, DDP_INT32, owner);
+    s = ddp_broadcast(pp->host_pg, &m, sizeof m / 4, DDP_INT32, owner);
     if (s != DDP_OK) {
       s = ddp_error_wrap(s, "pipeline: exchanging stage %d's output shape", g);
       break;
@@ -186,6 +186,19 @@ static void count_pools(ddp_pipeline *pp, const ddp_pipeline_schedule *s, int *a
   }
 }
 
+/* A buffer of `floats` float32s on the pipeline's device: *mem owns it. */
+static ddp_status buffer_on_device(ddp_pipeline *pp, int64_t floats, ddp_tensor **mem,
+                                   float **data) {
+  ddp_status s = ddp_tensor_create_on(mem, DDP_FLOAT32, 1, &floats, pp->device);
+  if (s != DDP_OK) {
+    char dev[DDP_DEVICE_STR_BYTES];
+    return ddp_error_wrap(s, "pipeline: cannot allocate %lld bytes of activations or gradients "
+                          "on %s", (long long)floats * 4, ddp_device_str(pp->device, dev, sizeof dev));
+  }
+  *data = ddp_tensor_f32(*mem);
+  return DDP_OK;
+}
+
 static ddp_status alloc_chunks(ddp_pipeline *pp) {
   int acts[DDP_PIPELINE_MAX_VIRTUAL] = {0}, grads[DDP_PIPELINE_MAX_VIRTUAL] = {0},
       tapes[DDP_PIPELINE_MAX_VIRTUAL] = {0};
@@ -217,21 +230,15 @@ static ddp_status alloc_chunks(ddp_pipeline *pp) {
     if (!c->acts || !c->grads || !c->tapes || !c->act_of || !c->grad_of || !c->tape_of ||
         !c->inputs || !c->targets || !c->outputs || !c->losses)
       return ddp_error(DDP_ERR_NOMEM, "pipeline: out of memory");
-    size_t in_bytes = (size_t)(pp->max_rows * c->in_row) * sizeof(float);
-    size_t out_bytes = (size_t)(pp->max_rows * c->out_row) * sizeof(float);
+    /* On the stages' device: what a receive writes and a send reads is
+     * where the stage's kernels read and write it. */
+    const int64_t in_floats = pp->max_rows * c->in_row, out_floats = pp->max_rows * c->out_row;
     for (int i = 0; i < c->n_acts; i++) {
-      c->acts[i].data = ddp_alloc(in_bytes);
-      c->acts[i].grad = ddp_alloc(in_bytes);
-      if (!c->acts[i].data || !c->acts[i].grad)
-        return ddp_error(DDP_ERR_NOMEM, "pipeline: cannot allocate %zu bytes of activations",
-                         in_bytes);
+      DDP_TRY(buffer_on_device(pp, in_floats, &c->acts[i].data_mem, &c->acts[i].data));
+      DDP_TRY(buffer_on_device(pp, in_floats, &c->acts[i].grad_mem, &c->acts[i].grad));
     }
-    for (int i = 0; i < c->n_grads; i++) {
-      c->grads[i].data = ddp_alloc(out_bytes);
-      if (!c->grads[i].data)
-        return ddp_error(DDP_ERR_NOMEM, "pipeline: cannot allocate %zu bytes of gradients",
-                         out_bytes);
-    }
+    for (int i = 0; i < c->n_grads; i++)
+      DDP_TRY(buffer_on_device(pp, out_floats, &c->grads[i].data_mem, &c->grads[i].data));
     for (int i = 0; i < c->n_tapes; i++) DDP_TRY(ddp_tape_create(&c->tapes[i].tape, 1 << 20));
   }
   pp->rows = ddp_calloc((size_t)pp->m, sizeof(int64_t));
@@ -255,6 +262,26 @@ static ddp_status check_options(const ddp_pipeline_options *o, int p) {
   if (o->grad_scale < 0 || !isfinite(o->grad_scale))
     return ddp_error(DDP_ERR_INVALID, "pipeline: grad_scale must be finite and >= 0");
   (void)p;
+  if (o->device.type != DDP_DEVICE_CPU) {
+    ddp_status s = ddp_device_check(o->device);
+    if (s != DDP_OK) return ddp_error_wrap(s, "pipeline: options.device");
+  }
+  return DDP_OK;
+}
+
+/* The stages onto their device, once the host-side setup is done: the
+ * stage's model, the batch-size header's device copy and the pinned
+ * losses. */
+static ddp_status place_on_device(ddp_pipeline *pp) {
+  if (pp->device.type == DDP_DEVICE_CPU) return DDP_OK;
+  char dev[DDP_DEVICE_STR_BYTES];
+  ddp_device_str(pp->device, dev, sizeof dev);
+  ddp_status s = ddp_model_to(pp->model, pp->device);
+  if (s != DDP_OK) return ddp_error_wrap(s, "pipeline: moving rank %d's stages to %s", pp->rank, dev);
+  int64_t two = 2;
+  DDP_TRY(ddp_tensor_create_on(&pp->header_dev, DDP_INT64, 1, &two, pp->device));
+  s = ddp_pinned_alloc(pp->device, sizeof(float) * (size_t)pp->m, (void **)&pp->loss_host);
+  if (s != DDP_OK) return ddp_error_wrap(s, "pipeline: pinned memory for the losses on %s", dev);
   return DDP_OK;
 }
 
@@ -323,11 +350,19 @@ static ddp_status create(ddp_pipeline *pp, ddp_model *full) {
    * are exchanged. */
   ddp_status all = DDP_OK;
   for (int r = 0; r < pp->p; r++) {
-    ddp_status got = agree(pp->pg, r, s, "this rank's stages");
+    ddp_status got = agree(pp->host_pg, r, s, "this rank's stages");
     if (got != DDP_OK && all == DDP_OK) all = got;
   }
   if (all != DDP_OK) return all;
   DDP_TRY(exchange_shapes(pp));
+  /* A failure to place the stages on their device is every rank's. */
+  s = place_on_device(pp);
+  all = DDP_OK;
+  for (int r = 0; r < pp->p; r++) {
+    ddp_status got = agree(pp->host_pg, r, s, "placing the stages on their devices");
+    if (got != DDP_OK && all == DDP_OK) all = got;
+  }
+  if (all != DDP_OK) return all;
   DDP_TRY(alloc_chunks(pp));
   return ddp__pp_channels_create(&pp->channels, pp->pg, pp->train, pp->options.timeout_s);
 }
@@ -349,12 +384,17 @@ ddp_status ddp_pipeline_create(ddp_pipeline **out, ddp_model *model, ddp_process
   pp->m = o.n_microbatches;
   pp->n_stages = p * pp->v;
   pp->options = o;
-  pp->options.split = NULL; /* the caller's string; pp->split keeps what was decided */
-  pp->options.split = o.split;
+  pp->options.split = o.split; /* the caller's string until setup ends; pp->split keeps it */
+  pp->device = o.device;
+  pp->host_pg = pg;
   pp->max_rows = (o.max_batch + o.n_microbatches - 1) / o.n_microbatches;
   pp->grad_scale = o.grad_scale > 0 ? (float)o.grad_scale : 1.0f / (float)o.n_microbatches;
   pp->scale = pp->grad_scale;
-  ddp_status s = create(pp, model);
+  ddp_status s = ddp_process_group_takes_host(pg) ? DDP_OK
+                                                 : ddp_process_group_host_group(pg, &pp->host_pg);
+  if (s != DDP_OK) s = ddp_error_wrap(s, "pipeline: the host group beside the %s group",
+                                      ddp_process_group_backend(pg));
+  if (s == DDP_OK) s = create(pp, model);
   pp->options.split = NULL;
   if (s != DDP_OK) {
     char msg[1024];
@@ -377,6 +417,8 @@ void ddp_pipeline_destroy(ddp_pipeline *pp) {
   ddp_free(pp->names);
   ddp_free(pp->rows);
   ddp_free(pp->offsets);
+  ddp_tensor_destroy(pp->header_dev);
+  ddp_pinned_free(pp->loss_host);
   ddp_model_destroy(pp->model);
   ddp_free(pp);
 }

@@ -12,6 +12,7 @@
 typedef struct pp_slot {
   float *data;
   float *grad;     /* activation slots in training: d(input), sent back */
+  ddp_tensor *data_mem, *grad_mem; /* what owns data and grad (on pp->device) */
   ddp_work *work;  /* pending transfer on data or grad; NULL when none */
   bool busy;
 } pp_slot;
@@ -44,6 +45,11 @@ typedef struct pp_chunk {
 
 struct ddp_pipeline {
   ddp_process_group *pg;
+  /* pg, or its host group where pg takes device buffers only (nccl): the
+   * setup's small host collectives (the split, the shapes, the
+   * agreements) go there. Borrowed from pg. */
+  ddp_process_group *host_pg;
+  ddp_device device; /* options.device: where the stages compute */
   int rank, p, v, m, n_stages;
   ddp_pipeline_options options;
   ddp_model *model; /* this rank's modules */
@@ -66,9 +72,15 @@ struct ddp_pipeline {
   void *sync_user;
   bool failed;
   char failure[1024];
-  /* The batch-size header (exec.c, agree_batch) and its send. */
+  /* The batch-size header (exec.c, agree_batch) and its send; on a GPU it
+   * travels in header_dev (device memory: an nccl channel takes nothing
+   * else), copied from and to `header`. */
   int64_t header[2];
+  ddp_tensor *header_dev;
   ddp_work *header_work;
+  /* On a GPU: the last stage's micro-batch losses, copied back without
+   * waiting (pinned, M floats) and read once after the schedule. */
+  float *loss_host;
   /* This step's micro-batches. */
   int64_t *rows, *offsets; /* (M) */
   /* Stats. */

@@ -4,6 +4,7 @@
 #include <pthread.h>
 
 #include "tensor/autocast.h"
+#include "tensor/device_internal.h"
 #include "tensor/kernels.h"
 #include "tensor/tape.h"
 
@@ -42,6 +43,7 @@ typedef struct cache_entry {
   ddp_dtype low;            /* ...rounded to this */
   int form;                 /* ...in this form (FORM_*) */
   bool valid;               /* buf holds the copy for this region */
+  ddp_device device;        /* where buf lives: t's device (a GPU's cache) */
   float *buf;
   size_t capacity; /* bytes */
 } cache_entry;
@@ -56,10 +58,19 @@ static _Thread_local cast_cache *thread_cache;
 static pthread_key_t cache_key;
 static pthread_once_t cache_key_once = PTHREAD_ONCE_INIT;
 
+/* An entry's copy: host memory for a CPU tensor, the device's caching
+ * allocator for a GPU tensor's (ddp__device_calloc). */
+static void entry_free(cache_entry *e) {
+  if (e->device.type == DDP_DEVICE_CPU) ddp_free(e->buf);
+  else ddp__device_free(e->device, e->buf);
+  e->buf = NULL;
+  e->capacity = 0;
+}
+
 static void cache_destroy(void *p) {
   cast_cache *c = p;
   if (!c) return;
-  for (int i = 0; i < c->count; i++) ddp_free(c->entries[i].buf);
+  for (int i = 0; i < c->count; i++) entry_free(&c->entries[i]);
   ddp_free(c->entries);
   ddp_free(c);
 }
@@ -104,7 +115,8 @@ ddp_status ddp_autocast_exit(void) {
 /* What a cache entry holds for its tensor. */
 enum { FORM_ROUNDED = 0,  /* float32 of the low dtype's values, t's shape */
        FORM_PACKED = 1,   /* op(t) packed for the bf16 GEMM (ddp__dense_kernels) */
-       FORM_PACKED_T = 2 };
+       FORM_PACKED_T = 2,
+       FORM_HALF = 3 };   /* the 16-bit values themselves (a GPU's GEMM operand) */
 
 /* t's entry of `form`, with room for `bytes`; *fill true when the caller
  * must (re)make its contents (and then set valid), false on a hit. */
@@ -130,13 +142,20 @@ static cache_entry *cache_entry_for(ddp_tensor *t, ddp_dtype low, int form, size
       c->capacity = cap;
     }
     e = &c->entries[c->count++];
-    *e = (cache_entry){.tensor = t, .form = form};
+    *e = (cache_entry){.tensor = t, .form = form, .device = t->device};
   }
   e->valid = false;
-  if (e->capacity < bytes) {
+  if (e->capacity < bytes || !ddp_device_equal(e->device, t->device)) {
     /* the old contents are not needed: the caller makes them again */
-    ddp_free(e->buf);
-    e->buf = ddp_alloc(bytes);
+    entry_free(e);
+    e->device = t->device;
+    if (e->device.type == DDP_DEVICE_CPU) {
+      e->buf = ddp_alloc(bytes);
+    } else {
+      void *p = NULL;
+      if (ddp__device_calloc(e->device, bytes, &p) != DDP_OK) p = NULL;
+      e->buf = p;
+    }
     e->capacity = e->buf ? bytes : 0;
     if (!e->buf) goto nomem;
     c->stats.allocations++;
@@ -153,13 +172,18 @@ nomem:
   return NULL;
 }
 
+/* dst = src (n floats on `device`) rounded to `low`, by the device's kernel. */
+static void round_on(ddp_device device, float *dst, const float *src, int64_t n, ddp_dtype low) {
+  ddp__basic_kernels_for(device)->round_low(dst, src, n, low == DDP_BFLOAT16);
+}
+
 /* The cached rounded copy of t, made now if the region has none. */
 static const float *cache_lookup(ddp_tensor *t, ddp_dtype low, ddp_status *status) {
   bool fill;
   cache_entry *e =
       cache_entry_for(t, low, FORM_ROUNDED, (size_t)t->numel * sizeof(float), &fill, status);
   if (!e) return NULL;
-  if (fill) ddp_convert_round_f32(e->buf, t->data, (size_t)t->numel, low);
+  if (fill) round_on(t->device, e->buf, t->data, t->numel, low);
   e->valid = true;
   return e->buf;
 }
@@ -195,7 +219,7 @@ const uint16_t *ddp__autocast_packed(ddp_tape *tape, ddp_tensor *t, bool trans, 
 /* ---- the ops' helpers ---- */
 
 ddp_dtype ddp__autocast_op_dtype(const ddp_tensor *x) {
-  if (!x || x->device.type != DDP_DEVICE_CPU) return DDP_FLOAT32;
+  if (!x) return DDP_FLOAT32;
   switch (ddp_autocast_precision()) {
   case DDP_PRECISION_BF16: return DDP_BFLOAT16;
   case DDP_PRECISION_FP16: return DDP_FLOAT16;
@@ -218,8 +242,7 @@ ddp_dtype ddp__autocast_promote(int n, ddp_tensor *const *inputs) {
 
 void ddp__autocast_mark(ddp_tensor *y, ddp_dtype low, bool round) {
   if (low == DDP_FLOAT32) return;
-  if (round && y->device.type == DDP_DEVICE_CPU)
-    ddp_convert_round_f32(y->data, y->data, (size_t)y->numel, low);
+  if (round) round_on(y->device, y->data, y->data, y->numel, low);
   y->flags |= low == DDP_BFLOAT16 ? DDP__TENSOR_BF16_VALUES : DDP__TENSOR_F16_VALUES;
 }
 
@@ -232,14 +255,38 @@ const float *ddp__autocast_operand(ddp_tape *tape, ddp_tensor *t, ddp_dtype low,
   if (!t) return NULL;
   if (low == DDP_FLOAT32 || ddp__low_dtype(t) == low) return t->data;
   if (cache && cacheable(t)) return cache_lookup(t, low, status);
-  float *copy = ddp_tape_scratch(tape, (size_t)t->numel * sizeof(float));
+  float *copy = ddp__tape_scratch_on(tape, t->device, (size_t)t->numel * sizeof(float));
   if (!copy) {
     *status = ddp_error(DDP_ERR_NOMEM, "autocast: cannot allocate a rounded copy of %lld "
                         "elements", (long long)t->numel);
     return NULL;
   }
-  ddp_convert_round_f32(copy, t->data, (size_t)t->numel, low);
+  round_on(t->device, copy, t->data, t->numel, low);
   return copy;
+}
+
+const uint16_t *ddp__autocast_half(ddp_tape *tape, ddp_tensor *t, const float *data,
+                                   ddp_dtype low, bool cache, ddp_status *status) {
+  if (!t) return NULL;
+  const ddp__basic_kernels *k = ddp__basic_kernels_for(t->device);
+  const size_t bytes = (size_t)t->numel * sizeof(uint16_t);
+  const bool bf16 = low == DDP_BFLOAT16;
+  if (!data && cache && cacheable(t)) {
+    bool fill;
+    cache_entry *e = cache_entry_for(t, low, FORM_HALF, bytes ? bytes : 1, &fill, status);
+    if (!e) return NULL;
+    if (fill) k->to_half((uint16_t *)e->buf, t->data, 1.0f, t->numel, bf16);
+    e->valid = true;
+    return (const uint16_t *)e->buf;
+  }
+  uint16_t *half = ddp__tape_scratch_on(tape, t->device, bytes ? bytes : 1);
+  if (!half) {
+    *status = ddp_error(DDP_ERR_NOMEM, "autocast: cannot allocate a 16-bit copy of %lld "
+                        "elements", (long long)t->numel);
+    return NULL;
+  }
+  k->to_half(half, data ? data : t->data, 1.0f, t->numel, bf16);
+  return half;
 }
 
 ddp_dtype ddp_tensor_values_dtype(const ddp_tensor *t) {
@@ -251,33 +298,33 @@ ddp_dtype ddp_tensor_values_dtype(const ddp_tensor *t) {
 
 const float *ddp__autocast_round_grad(ddp_tape *tape, const ddp_tensor *out, ddp_dtype low,
                                       ddp_status *status) {
-  float *dy = ddp_tape_scratch(tape, (size_t)out->numel * sizeof(float));
+  float *dy = ddp__tape_scratch_on(tape, out->device, (size_t)out->numel * sizeof(float));
   if (!dy) {
     *status = ddp_error(DDP_ERR_NOMEM, "autocast: cannot allocate a rounded gradient of %lld "
                         "elements", (long long)out->numel);
     return NULL;
   }
-  ddp_convert_round_f32(dy, out->grad, (size_t)out->numel, low);
+  round_on(out->device, dy, out->grad, out->numel, low);
   return dy;
 }
 
 float *ddp__autocast_grad_scratch(ddp_tape *tape, const ddp_tensor *t, bool zero,
                                   ddp_status *status) {
   if (!t || !(t->flags & DDP_TENSOR_REQUIRES_GRAD)) return NULL;
-  float *g = ddp_tape_scratch(tape, (size_t)t->numel * sizeof(float));
+  float *g = ddp__tape_scratch_on(tape, t->device, (size_t)t->numel * sizeof(float));
   if (!g) {
     *status = ddp_error(DDP_ERR_NOMEM, "autocast: cannot allocate a gradient of %lld elements",
                         (long long)t->numel);
     return NULL;
   }
-  if (zero) memset(g, 0, (size_t)t->numel * sizeof(float));
+  if (zero) ddp__basic_kernels_for(t->device)->fill(g, 0.0f, t->numel);
   return g;
 }
 
 ddp_status ddp__autocast_grad_deliver(ddp_tape *tape, ddp_tensor *t, float *grad,
                                       ddp_dtype low) {
   if (!grad) return DDP_OK;
-  ddp_convert_round_f32(grad, grad, (size_t)t->numel, low);
+  round_on(t->device, grad, grad, t->numel, low);
   ddp_status s = DDP_OK;
   bool accumulate;
   float *dst = ddp__tape_grad_out(tape, t, &accumulate, &s);

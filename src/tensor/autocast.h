@@ -23,8 +23,9 @@ static inline ddp_dtype ddp__low_dtype(const ddp_tensor *t) {
 }
 
 /* The dtype a lower_precision_fp op (linear, matmul, conv2d) on `x`
- * computes in: this thread's region's BF16 / FP16 for a CPU tensor, else
- * DDP_FLOAT32 (no region, a region with autocast off, a GPU tensor). */
+ * computes in: this thread's region's BF16 / FP16 (a CPU or a GPU tensor:
+ * both devices' autocast lists hold these ops), else DDP_FLOAT32 (no
+ * region, a region with autocast off or TF32). */
 ddp_dtype ddp__autocast_op_dtype(const ddp_tensor *x);
 
 /* The dtype of an op that runs in its inputs' precision (PyTorch's type
@@ -43,6 +44,16 @@ void ddp__autocast_mark(ddp_tensor *y, ddp_dtype low, bool round);
  * NULL with *status set on failure (out of memory). */
 const float *ddp__autocast_operand(ddp_tape *tape, ddp_tensor *t, ddp_dtype low, bool cache,
                                    ddp_status *status);
+
+/* t's values (or, with `data` not NULL, those n = t->numel floats on t's
+ * device, a rounded gradient) as 16-bit bfloat16 / float16 (low) on t's
+ * device, rounded to nearest even: the operands of a GPU's low-precision
+ * GEMM (ddp__dense_kernels' gemm_low). A parameter's (data NULL, `cache`,
+ * a leaf that requires grad inside a region) comes from the cast cache,
+ * made once per region as PyTorch's autocast caches its casts; others are
+ * converted into tape scratch on t's device. NULL t gives NULL. */
+const uint16_t *ddp__autocast_half(ddp_tape *tape, ddp_tensor *t, const float *data,
+                                   ddp_dtype low, bool cache, ddp_status *status);
 
 /* op(t) packed for the device's bfloat16 GEMM (ddp__dense_kernels'
  * gemm_bf16; t (k, n), or (n, k) when trans): through the cast cache for a

@@ -30,6 +30,20 @@ int ddp_cuda_device_count(void) {
 #endif
 }
 
+static atomic_bool tf32_allowed;
+
+ddp_status ddp_cuda_allow_tf32(bool allow) {
+#ifndef DDP_HAVE_CUDA
+  if (allow)
+    return ddp_error(DDP_ERR_UNSUPPORTED, "allow_tf32: this build has no CUDA backend (TF32 is "
+                     "a GPU tensor-core mode)");
+#endif
+  atomic_store(&tf32_allowed, allow);
+  return DDP_OK;
+}
+
+bool ddp_cuda_tf32_allowed(void) { return atomic_load(&tf32_allowed); }
+
 const char *ddp_cuda_unavailable_reason(void) {
 #ifdef DDP_HAVE_CUDA
   return ddp__cuda_unavailable_reason();

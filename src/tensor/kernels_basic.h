@@ -28,6 +28,17 @@ typedef struct ddp__basic_kernels {
   /* dst = the float of each float16 (bf16: bfloat16), as ddp_half_to_float /
    * ddp_bf16_to_float: the compression hooks' receive side */
   void (*from_half)(float *dst, const uint16_t *src, int64_t n, bool bf16);
+  /* dst = src rounded to float16 (bf16: bfloat16) values, kept as float32
+   * (to_half then from_half in one pass; dst may be src): autocast's
+   * rounding of operands, outputs and gradients (tensor/autocast.c) */
+  void (*round_low)(float *dst, const float *src, int64_t n, bool bf16);
+  /* Autocast's GradScaler on a device (optim/grad_scaler.c): x *= inv
+   * (left as it is when inv is 1, as PyTorch's kernel), and whether any
+   * element was inf/NaN before, in one pass over x; the answer is read on
+   * the host (waits for the device). True when the device failed (the
+   * answer is unknown: no step may use x), the failure pending for the
+   * next synchronize. */
+  bool (*unscale_check)(float *x, float inv, int64_t n);
 } ddp__basic_kernels;
 
 extern const ddp__basic_kernels ddp__cpu_basic_kernels;

@@ -22,6 +22,13 @@ typedef struct ddp__conv2d_geom {
   int64_t o, kh, kw;
   int64_t stride, pad;
   int64_t oh, ow;
+  /* Autocast's rounding, fused (CPU kernels; only CPU ops set it):
+   * DDP_BFLOAT16 / DDP_FLOAT16 rounds the forward's y, the backward's dy as
+   * it is read, and its dx to that dtype, a sample at a time while it is
+   * in cache (the backward must then be called with dx_accumulate false);
+   * DDP_FLOAT32 (0, a zeroed geometry) rounds nothing. A ddp_dtype held
+   * as int: this header does not include ddp/tensor.h. */
+  int round;
 } ddp__conv2d_geom;
 
 /* A per-channel affine map applied to the input of max pooling (batch
@@ -110,6 +117,49 @@ typedef struct ddp__dense_kernels {
   size_t (*bf16_pack_bytes)(int64_t k, int64_t n);
   void (*bf16_pack_b)(uint16_t *dst, bool trans_b, int64_t k, int64_t n, const float *b,
                       int64_t ldb);
+  /* Autocast on a GPU (cuda/dense.cu; NULL in the CPU tables): operands
+   * held as 16-bit values (bfloat16 when bf16, else float16; the tensor
+   * layer's conversion, round to nearest even), products accumulated in
+   * float32 on the tensor cores (cuBLAS's CUBLAS_COMPUTE_32F), float32
+   * results, which the op layer rounds to the low dtype.
+   *   gemm_low: c (m, n) = op(a) @ op(b) + beta * c as gemm's layout (beta
+   *     0: c is not read).
+   *   linear_forward_low: y (rows, out) = x (rows, in) @ w^T + b, b (out)
+   *     float32 (holding low values) or NULL, added before the single
+   *     rounding as PyTorch's addmm with a bias does.
+   *   linear_backward_low: from dy (rows, out; float32 of low values) and
+   *     dy16 (the same values, 16-bit): dx (rows, in) = dy @ w, dw (out,
+   *     in) = dy^T @ x (written, not accumulated), db (out) += column sums
+   *     of dy. Each of dx, dw, db may be NULL.
+   * Each returns the cuBLAS failure as a status. */
+  ddp_status (*gemm_low)(bool bf16, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                         const uint16_t *a, int64_t lda, const uint16_t *b, int64_t ldb,
+                         float beta, float *c, int64_t ldc);
+  ddp_status (*linear_forward_low)(bool bf16, float *y, const uint16_t *x, const uint16_t *w,
+                                   const float *b, int64_t rows, int64_t in, int64_t out);
+  ddp_status (*linear_backward_low)(bool bf16, float *dx, float *dw, float *db, const float *dy,
+                                    const uint16_t *dy16, const uint16_t *x, const uint16_t *w,
+                                    int64_t rows, int64_t in, int64_t out);
+  /* Autocast's convolution on a GPU (NULL in the CPU tables): x and w as
+   * 16-bit values (bf16 when bf16, else float16), cuDNN with 16-bit data
+   * and float compute.
+   *   conv2d_forward_low: y (float32) = the convolution rounded to the low
+   *     dtype (by cuDNN), + b (float32 holding low values, or NULL) added in
+   *     float32 and not rounded again (the op layer rounds: PyTorch's
+   *     convolution then add_ of the bias).
+   *   conv2d_backward_low: from dy16 (the rounded gradient, 16-bit): dx
+   *     (n, c, h, w) and dw (o, c, kh, kw), float32 holding low values,
+   *     written (not accumulated); either may be NULL; no bias gradient
+   *     (the op layer's fixed-order sums through conv2d_backward).
+   * *done false (DDP_OK, nothing written) when this device cannot (no
+   * cuDNN, DDP_CUDA_CONV=im2col, a geometry cuDNN refuses in 16 bits): the
+   * op layer then computes on rounded float32 operands. */
+  ddp_status (*conv2d_forward_low)(bool bf16, float *y, const uint16_t *x, const uint16_t *w,
+                                   const float *b, const ddp__conv2d_geom *g, ddp_arena *arena,
+                                   bool *done);
+  ddp_status (*conv2d_backward_low)(bool bf16, float *dx, float *dw, const uint16_t *dy,
+                                    const uint16_t *x, const uint16_t *w,
+                                    const ddp__conv2d_geom *g, ddp_arena *arena, bool *done);
 } ddp__dense_kernels;
 
 extern const ddp__dense_kernels ddp__cpu_dense_kernels;

@@ -37,6 +37,19 @@ static ddp_status matmul_low_backward(ddp_tape *tape, ddp__node *node) {
   const int64_t m = a->shape[0], inner = a->shape[1], n = b->shape[1];
   ddp_status s = DDP_OK;
   const float *dy = ddp__autocast_round_grad(tape, node->out, low, &s);
+  if (s == DDP_OK && k->dense->gemm_low) { /* a GPU: 16-bit operands, tensor cores */
+    const bool bf16 = low == DDP_BFLOAT16;
+    const uint16_t *dy16 = ddp__autocast_half(tape, node->out, dy, low, false, &s);
+    const uint16_t *a16 = s == DDP_OK ? ddp__autocast_half(tape, a, NULL, low, false, &s) : NULL;
+    const uint16_t *b16 = s == DDP_OK ? ddp__autocast_half(tape, b, NULL, low, false, &s) : NULL;
+    float *da = s == DDP_OK ? ddp__autocast_grad_scratch(tape, a, false, &s) : NULL;
+    float *db = s == DDP_OK ? ddp__autocast_grad_scratch(tape, b, false, &s) : NULL;
+    if (s != DDP_OK) return s;
+    if (da) DDP_TRY(k->dense->gemm_low(bf16, false, true, m, inner, n, dy16, n, b16, n, 0.0f, da, inner));
+    if (db) DDP_TRY(k->dense->gemm_low(bf16, true, false, inner, n, m, a16, inner, dy16, n, 0.0f, db, n));
+    DDP_TRY(ddp__autocast_grad_deliver(tape, a, da, low));
+    return ddp__autocast_grad_deliver(tape, b, db, low);
+  }
   const float *ar = s == DDP_OK ? ddp__autocast_operand(tape, a, low, false, &s) : NULL;
   const float *br = s == DDP_OK ? ddp__autocast_operand(tape, b, low, false, &s) : NULL;
   /* zeroed: a gemm with beta 0 may still read c (0 * NaN garbage) */
@@ -88,10 +101,20 @@ ddp_status ddp_matmul(ddp_tape *tape, ddp_tensor *a, ddp_tensor *b, ddp_tensor *
    * float32 accumulation, a rounded output. */
   const ddp_dtype low = ddp__autocast_op_dtype(a);
   ddp_status s = DDP_OK;
-  const float *ad = ddp__autocast_operand(tape, a, low, true, &s);
-  const float *bd = s == DDP_OK ? ddp__autocast_operand(tape, b, low, true, &s) : NULL;
-  if (s != DDP_OK) return s;
-  k->dense->gemm(false, false, m, n, inner, 1.0f, ad, inner, bd, n, 0.0f, y->data, n);
+  if (low != DDP_FLOAT32 && k->dense->gemm_low) { /* a GPU: 16-bit operands, tensor cores */
+    const uint16_t *a16 = ddp__autocast_half(tape, a, NULL, low, true, &s);
+    const uint16_t *b16 = s == DDP_OK ? ddp__autocast_half(tape, b, NULL, low, true, &s) : NULL;
+    if (s != DDP_OK) return s;
+    s = k->dense->gemm_low(low == DDP_BFLOAT16, false, false, m, n, inner, a16, inner, b16, n,
+                           0.0f, y->data, n);
+    if (s != DDP_OK) return ddp_error_wrap(s, "matmul of a %s and b %s", DDP__SHAPE(a, sa),
+                                           DDP__SHAPE(b, sb));
+  } else {
+    const float *ad = ddp__autocast_operand(tape, a, low, true, &s);
+    const float *bd = s == DDP_OK ? ddp__autocast_operand(tape, b, low, true, &s) : NULL;
+    if (s != DDP_OK) return s;
+    k->dense->gemm(false, false, m, n, inner, 1.0f, ad, inner, bd, n, 0.0f, y->data, n);
+  }
   ddp__autocast_mark(y, low, true);
   if (ddp__tape_wants_grad(tape, 2, in)) {
     if (low == DDP_FLOAT32)
@@ -139,6 +162,20 @@ static ddp_status linear_low_backward(ddp_tape *tape, ddp__node *node) {
   for (int i = 0; i < x->ndim - 1; i++) rows *= x->shape[i];
   ddp_status s = DDP_OK;
   const float *dy = ddp__autocast_round_grad(tape, node->out, low, &s);
+  if (s == DDP_OK && k->dense->linear_backward_low) { /* a GPU: 16-bit operands */
+    const uint16_t *dy16 = ddp__autocast_half(tape, node->out, dy, low, false, &s);
+    const uint16_t *x16 = s == DDP_OK ? ddp__autocast_half(tape, x, NULL, low, false, &s) : NULL;
+    const uint16_t *w16 = s == DDP_OK ? ddp__autocast_half(tape, w, NULL, low, false, &s) : NULL;
+    float *dx = s == DDP_OK ? ddp__autocast_grad_scratch(tape, x, false, &s) : NULL;
+    float *dw = s == DDP_OK ? ddp__autocast_grad_scratch(tape, w, false, &s) : NULL;
+    float *db = s == DDP_OK ? ddp__autocast_grad_scratch(tape, b, true, &s) : NULL;
+    if (s != DDP_OK) return s;
+    DDP_TRY(k->dense->linear_backward_low(low == DDP_BFLOAT16, dx, dw, db, dy, dy16, x16, w16,
+                                          rows, in, outf));
+    DDP_TRY(ddp__autocast_grad_deliver(tape, x, dx, low));
+    DDP_TRY(ddp__autocast_grad_deliver(tape, w, dw, low));
+    return ddp__autocast_grad_deliver(tape, b, db, low);
+  }
   /* the bf16 GEMM writes dx and dw; the float32 kernel accumulates */
   const bool dot = bf16_dot(k, low);
   float *dx = s == DDP_OK ? ddp__autocast_grad_scratch(tape, x, !dot, &s) : NULL;
@@ -207,7 +244,16 @@ ddp_status ddp_linear(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_ten
    * through the cast cache), float32 accumulation, the output rounded. */
   const ddp_dtype low = ddp__autocast_op_dtype(x);
   ddp_status s = DDP_OK;
-  if (bf16_dot(k, low)) {
+  if (low != DDP_FLOAT32 && k->dense->linear_forward_low) {
+    /* a GPU: x and the weight as 16-bit values (the weight's through the
+     * cast cache, once per region), the rounded bias, tensor cores */
+    const uint16_t *x16 = ddp__autocast_half(tape, x, NULL, low, true, &s);
+    const uint16_t *w16 = s == DDP_OK ? ddp__autocast_half(tape, weight, NULL, low, true, &s) : NULL;
+    const float *bd = s == DDP_OK ? ddp__autocast_operand(tape, bias, low, true, &s) : NULL;
+    if (s != DDP_OK) return s;
+    s = k->dense->linear_forward_low(low == DDP_BFLOAT16, y->data, x16, w16, bd, rows, inf, outf);
+    if (s != DDP_OK) return ddp_error_wrap(s, "linear of input %s", DDP__SHAPE(x, sx));
+  } else if (bf16_dot(k, low)) {
     /* bfloat16 dot products: the weight packed once per region (the cast
      * cache), x rounded by the GEMM, the bias added in float32 */
     const uint16_t *wp = ddp__autocast_packed(tape, weight, true, inf, outf, true, &s);

@@ -30,8 +30,12 @@ ddp_status ddp_log_softmax(ddp_tape *tape, ddp_tensor *x, ddp_tensor **out) {
   int64_t C = x->shape[x->ndim - 1];
   if (C > 0) k->pointwise->log_softmax(y->data, x->data, x->numel / C, C);
   /* Under PyTorch 2.x's CPU autocast log_softmax is in neither list: it
-   * runs in its input's dtype (computed in float32, the output rounded). */
-  ddp__autocast_mark(y, ddp__low_dtype(x), true);
+   * runs in its input's dtype (computed in float32, the output rounded).
+   * CUDA's autocast lists it as fp32 (autocast_mode.cpp, "fp32" on the
+   * CUDA key): inside a region on a GPU its input is widened (exact) and
+   * its output stays float32. */
+  const bool cuda_fp32 = x->device.type != DDP_DEVICE_CPU && ddp__autocast_op_dtype(x) != DDP_FLOAT32;
+  ddp__autocast_mark(y, cuda_fp32 ? DDP_FLOAT32 : ddp__low_dtype(x), true);
   if (ddp__tape_wants_grad(tape, 1, &x))
     DDP_TRY(ddp__tape_record(tape, "log_softmax", log_softmax_backward, y, 1, &x, NULL));
   *out = y;

@@ -358,6 +358,14 @@ ddp_status ddp__backward_from(ddp_tape *tape, ddp_tensor *out, const float *seed
     float *g = ddp__tape_grad(tape, out, &s);
     if (!g) return s;
     for (int64_t i = 0; i < out->numel; i++) g[i] += seed[i];
+  } else if (ddp_device_equal(ddp_pointer_device(seed), out->device)) {
+    /* A seed already on out's device (a pipeline stage's gradient received
+     * into device memory) adds there as it is. */
+    float *g = ddp__tape_grad(tape, out, &s);
+    if (!g) return s;
+    const ddp__kernels *k;
+    DDP_TRY(ddp__kernels_check("backward", 1, &out, &k));
+    k->basic->add(g, g, seed, out->numel);
   } else { /* a seed of several values goes to the device, then adds there */
     float *g = ddp__tape_grad(tape, out, &s);
     if (!g) return s;

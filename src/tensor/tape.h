@@ -104,8 +104,10 @@ float *ddp__tape_grad_out(ddp_tape *tape, ddp_tensor *t, bool *accumulate, ddp_s
  * traffic of filling it. */
 float *ddp__tape_grad_reusing_data(ddp_tape *tape, ddp_tensor *t, bool *accumulate,
                                    ddp_status *status);
-/* Backward from any tensor with the given seed gradient (numel floats). Used by
- * ddp_backward (seed 1) and by gradient checks (random projections). */
+/* Backward from any tensor with the given seed gradient (numel floats, in
+ * host memory or on out's device: a pipeline stage's received gradient).
+ * Used by ddp_backward (seed 1), by gradient checks (random projections)
+ * and by the pipeline's stages. */
 ddp_status ddp__backward_from(ddp_tape *tape, ddp_tensor *out, const float *seed);
 /* Uses of leaf t recorded on this tape whose backward has not run yet (0
  * when t is not one of its leaves). A leaf's counts are the tape's own, so

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "tensor/tape.h" /* ddp__basic_kernels_for: the gradients' device */
 #include "train/train_internal.h"
 
 static const char *precision_name(int32_t p) {
@@ -30,23 +31,14 @@ ddp_status ddp__train_precision_check(const ddp_train_options *o) {
   if (o->precision < 0 || o->precision >= DDP_PRECISION_COUNT)
     return ddp_error(DDP_ERR_INVALID, "precision is %d (fp32 0, bf16 1, fp16 2, tf32 3)",
                      (int)o->precision);
-  if (o->precision == DDP_PRECISION_TF32) {
-    if (o->device.type == DDP_DEVICE_CPU)
-      return ddp_error(DDP_ERR_UNSUPPORTED,
-                       "precision tf32: TensorFloat-32 is a GPU-only opt-in (tensor-core "
-                       "matmuls on NVIDIA Ampere and later); on the CPU use fp32, or bf16");
+  if (o->precision == DDP_PRECISION_TF32 && o->device.type == DDP_DEVICE_CPU)
     return ddp_error(DDP_ERR_UNSUPPORTED,
-                     "precision tf32: this build does not switch the GPU's matmuls to TF32 yet; "
-                     "use fp32 or bf16");
-  }
-  /* Autocast's region changes only CPU ops so far (docs/tensor.md, "Mixed
-   * precision"): on a GPU bf16/fp16 would silently train in float32. */
-  if ((o->precision == DDP_PRECISION_BF16 || o->precision == DDP_PRECISION_FP16) &&
-      o->device.type != DDP_DEVICE_CPU)
+                     "precision tf32: TensorFloat-32 is a GPU-only opt-in (tensor-core "
+                     "matmuls on NVIDIA Ampere and later); on the CPU use fp32, or bf16");
+  if (o->precision == DDP_PRECISION_TF32 && !ddp_cuda_built())
     return ddp_error(DDP_ERR_UNSUPPORTED,
-                     "precision %s on a GPU: autocast's GPU ops (cuBLAS/cuDNN in bf16/fp16) are "
-                     "not built yet; on a GPU use fp32, or train bf16 on the CPU",
-                     precision_name(o->precision));
+                     "precision tf32 on %s: this build has no CUDA backend",
+                     o->device.type == DDP_DEVICE_CUDA ? "a GPU" : "this device");
   if (o->grad_scaler < DDP_TRAIN_GRAD_SCALER_AUTO || o->grad_scaler > DDP_TRAIN_GRAD_SCALER_OFF)
     return ddp_error(DDP_ERR_INVALID, "grad_scaler is %d (auto 0, on 1, off 2)", (int)o->grad_scaler);
   if (o->grad_scaler_growth_interval < 0)
@@ -55,8 +47,9 @@ ddp_status ddp__train_precision_check(const ddp_train_options *o) {
   if (!scaler_wanted(o)) return DDP_OK;
   /* Where the scaler cannot act (yet): say so rather than train unscaled. */
   const char *why = NULL;
-  if (o->device.type != DDP_DEVICE_CPU)
-    why = "the gradients' unscale and inf/NaN check run on the host only so far";
+  if (o->cuda_graph)
+    why = "a CUDA graph's replayed step bakes the loss's scale in at capture and steps "
+          "without the scaler's check";
   else if (o->param_server)
     why = "the parameter server's servers step the optimizer, not the trainers";
   if (why)
@@ -68,6 +61,12 @@ ddp_status ddp__train_precision_check(const ddp_train_options *o) {
 
 static bool autocast_on(const ddp_trainer *t) {
   return t->o.precision == DDP_PRECISION_BF16 || t->o.precision == DDP_PRECISION_FP16;
+}
+
+ddp_status ddp__train_tf32_apply(const ddp_trainer *t) {
+  if (t->o.precision != DDP_PRECISION_TF32) return DDP_OK;
+  ddp_status s = ddp_cuda_allow_tf32(true);
+  return s == DDP_OK ? DDP_OK : ddp_error_wrap(s, "precision tf32");
 }
 
 ddp_status ddp__train_autocast_enter(const ddp_trainer *t) {
@@ -133,9 +132,12 @@ ddp_status ddp__train_optimizer_step(ddp_trainer *t) {
     if (t->strategy->grad_range) t->strategy->grad_range(t, &offset, &n);
     float *g = ddp_model_grads_flat(t->step_model) + offset;
     if (t->inject_inf_step == t->step_now && n > 0 &&
-        (t->inject_inf_rank < 0 || t->inject_inf_rank == t->rank))
-      g[0] = INFINITY;
-    found = ddp_grad_scaler_unscale(&t->scaler, g, (size_t)n);
+        (t->inject_inf_rank < 0 || t->inject_inf_rank == t->rank)) {
+      const ddp__basic_kernels *k = ddp__basic_kernels_for(t->o.device);
+      if (k) k->fill(g, INFINITY, 1); /* g may be a GPU's memory */
+    }
+    /* one pass on the gradients' device (a kernel on a GPU) */
+    found = ddp_grad_scaler_unscale_on(&t->scaler, t->o.device, g, (size_t)n);
     DDP_TRY(agree(t, &found));
   }
   /* Gradient clipping (options.clip_grad_norm, step.c): after the

@@ -133,10 +133,13 @@ bool ddp__train_graph_takes(const ddp_trainer *t, const ddp_batch *b) {
 static ddp_status record_step(ddp_trainer *t, ddp__train_graph *g, ddp_tensor *x, ddp_tensor *y) {
   ddp_tensor *out;
   ddp_model_zero_grad(t->model);
+  /* forward and loss in autocast's region (bf16/fp16), as the eager step:
+   * the captured conversions of the parameters rerun at every replay */
+  DDP_TRY(ddp__train_autocast_enter(t));
   ddp_status s = t->strategy->forward(t, g->tape, x, &out);
-  if (s != DDP_OK) return ddp_error_wrap(s, "forward");
-  s = ddp_model_loss(t->model, g->tape, out, y, &g->loss);
-  if (s != DDP_OK) return ddp_error_wrap(s, "loss");
+  if (s == DDP_OK) s = ddp_model_loss(t->model, g->tape, out, y, &g->loss);
+  ddp__train_autocast_exit(t);
+  if (s != DDP_OK) return ddp_error_wrap(s, "forward and loss");
   s = t->strategy->backward(t, g->tape, g->loss);
   if (s != DDP_OK) return ddp_error_wrap(s, "backward");
   s = ddp_device_copy_async(DDP_CPU, g->loss_host, g->loss->device, g->loss->data, sizeof(float));

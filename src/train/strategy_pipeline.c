@@ -4,11 +4,17 @@
  * averaged over its data-parallel group once per step, the step and the
  * evaluation through the pipeline, and checkpoints of the whole model with
  * the unsplit model's names gathered from the stages. Its state (the
- * pipeline, the mesh's groups, the stage's wrapper) is behind t->state. */
+ * pipeline, the mesh's groups, the stage's wrapper) is behind t->state.
+ *
+ * On a GPU (options.device cuda:N) the pipeline puts only this rank's
+ * stage there (places_model): t->model, the unsplit model, stays on the
+ * host, where the stages are gathered for checkpoints and at the end, so a
+ * checkpoint is the CPU pipeline's file. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "nn/module.h" /* ddp__model_state_entry_any: a stage on a GPU */
 #include "train/train_internal.h"
 
 /* This rank's part of the mesh: its stage index in its pipeline, the
@@ -43,17 +49,6 @@ static ddp_status pipeline_check(const ddp_train_options *o, const ddp_process_g
                      "pipeline: stages is %d; it must be >= 2 and divide the group's %d ranks "
                      "(P stages x D replicas)",
                      (int)p->stages, size);
-  /* Stages on GPUs need the pipeline's activation and gradient buffers on
-   * the device and their send/recv over NCCL (batch_isend_irecv on NCCL
-   * exists; the pipeline's buffers do not yet): refused, saying what runs. */
-  if (o->device.type != DDP_DEVICE_CPU) {
-    char dev[DDP_DEVICE_STR_BYTES];
-    return ddp_error(DDP_ERR_UNSUPPORTED,
-                     "pipeline: stages on %s are not built yet (the pipeline moves activations "
-                     "and gradients between stages in host memory); run the %d stages on the "
-                     "CPU (--device cpu), or train data-parallel on the GPUs without --pp",
-                     ddp_device_str(o->device, dev, sizeof dev), (int)p->stages);
-  }
   if (o->cuda_graph)
     return ddp_error(DDP_ERR_UNSUPPORTED, "pipeline: a CUDA graph replays one whole step on one "
                      "device; drop --cuda-graph with --pp");
@@ -79,7 +74,11 @@ static ddp_status sync_stage(void *user, ddp_model *stage) {
   }
   const int nc = ddp_model_num_counters(stage);
   if (nc > 0) {
-    s = ddp_broadcast(ps->stage_dp_pg, ddp_model_counters(stage), (size_t)nc, DDP_INT64, 0);
+    /* The counters stay in host memory on every device: over the host
+     * group where the stage's group is nccl. */
+    ddp_process_group *hg = ps->stage_dp_pg;
+    if (!ddp_process_group_takes_host(hg)) DDP_TRY(ddp_process_group_host_group(hg, &hg));
+    s = ddp_broadcast(hg, ddp_model_counters(stage), (size_t)nc, DDP_INT64, 0);
     if (s != DDP_OK) return ddp_error_wrap(s, "broadcasting stage %d's counters", ps->stage_rank);
   }
   return DDP_OK;
@@ -133,6 +132,7 @@ static ddp_status pipeline_create(ddp_trainer *t) {
   po.split = p->split;
   po.grad_scale = o->microbatch_sum ? 1.0 : 0.0;
   po.max_batch = largest_batch(o);
+  po.device = o->device; /* the stage moves there; t->model stays on the host */
   s = ddp_pipeline_create(&ps->pp, t->model, ps->pipe_pg, &po);
   if (s != DDP_OK) return ddp_error_wrap(s, "rank %d (stage %d of replica %d): setting up the pipeline",
                                          t->rank, ps->stage_rank, t->replica);
@@ -210,8 +210,12 @@ static ddp_status pipeline_step(ddp_trainer *t, ddp_batch *b, ddp__train_step_ou
   /* Autocast's region around the whole schedule: the executor
    * interleaves forwards and backwards on this thread, and a backward
    * keeps the precision its forward was recorded with (ddp/tensor.h). */
+  /* On a GPU the batch goes to the device first (the first stage reads x,
+   * the last y). */
+  ddp_tensor x, y;
+  DDP_TRY(ddp__train_batch_on_device(t, b, &x, &y));
   DDP_TRY(ddp__train_autocast_enter(t));
-  ddp_status s = ddp_pipeline_step(ps->pp, first ? &b->x : NULL, last ? &b->y : NULL, &loss);
+  ddp_status s = ddp_pipeline_step(ps->pp, first ? &x : NULL, last ? &y : NULL, &loss);
   ddp__train_autocast_exit(t);
   if (s != DDP_OK)
     return ddp_error_wrap(s, "replica %d's pipeline step", t->replica);
@@ -256,8 +260,10 @@ static ddp_status pipeline_eval_batch(ddp_trainer *t, ddp_batch *b, void *ctx, b
     out.numel = ps->eval_out->numel / ps->eval_out->shape[0] * b->size;
   }
   double loss = NAN;
+  ddp_tensor x, y;
+  DDP_TRY(ddp__train_batch_on_device(t, b, &x, &y));
   DDP_TRY(ddp__train_autocast_enter(t));
-  ddp_status s = ddp_pipeline_eval(ps->pp, first ? &b->x : NULL, last ? &b->y : NULL,
+  ddp_status s = ddp_pipeline_eval(ps->pp, first ? &x : NULL, last ? &y : NULL,
                                    last ? &out : NULL, &loss);
   ddp__train_autocast_exit(t);
   if (s != DDP_OK)
@@ -329,11 +335,47 @@ static int full_index(ddp_trainer *t, int i) {
   return p->param_index;
 }
 
+/* The pipeline group for host buffers: itself, or its host group where it
+ * is nccl (the unsplit model is host memory). */
+static ddp_status pipe_host_group(ddp_trainer *t, ddp_process_group **out) {
+  *out = state(t)->pipe_pg;
+  return ddp_process_group_takes_host(*out) ? DDP_OK : ddp_process_group_host_group(*out, out);
+}
+
 /* Sums `n` values of the full model's layout (this rank's part filled, the
  * rest zero) over the pipeline group: x + 0 is exact, so every rank ends
  * with every stage's values. */
 static ddp_status sum_parts(ddp_trainer *t, void *buf, size_t n, ddp_dtype dtype) {
-  return n ? ddp_allreduce(state(t)->pipe_pg, buf, n, dtype, DDP_REDUCE_SUM) : DDP_OK;
+  if (!n) return DDP_OK;
+  ddp_process_group *hg;
+  DDP_TRY(pipe_host_group(t, &hg));
+  return ddp_allreduce(hg, buf, n, dtype, DDP_REDUCE_SUM);
+}
+
+/* `bytes` between the stage's memory (on its device) and the unsplit
+ * model's (host); complete on return. */
+static ddp_status copy_bytes(ddp_device dst_device, void *dst, ddp_device src_device,
+                             const void *src, size_t bytes) {
+  if (dst_device.type == DDP_DEVICE_CPU && src_device.type == DDP_DEVICE_CPU) {
+    memcpy(dst, src, bytes);
+    return DDP_OK;
+  }
+  int64_t n = (int64_t)bytes;
+  ddp_tensor d, from;
+  DDP_TRY(ddp_tensor_wrap(&d, DDP_UINT8, 1, &n, dst));
+  DDP_TRY(ddp_tensor_wrap(&from, DDP_UINT8, 1, &n, (void *)src));
+  d.device = dst_device;
+  from.device = src_device;
+  return ddp_tensor_copy(&d, &from);
+}
+
+/* Stage state entry k wherever it lives (a GPU's parameters and buffers,
+ * the host's counters): *dev says where. */
+static ddp_status stage_entry(ddp_trainer *t, int k, ddp_state_entry *e, ddp_device *dev) {
+  bool on_device;
+  DDP_TRY(ddp__model_state_entry_any(t->step_model, k, e, &on_device));
+  *dev = on_device ? t->o.device : DDP_CPU;
+  return DDP_OK;
 }
 
 /* Copies every stage's parameters, buffers and counters into the full
@@ -345,8 +387,8 @@ static ddp_status gather_model(ddp_trainer *t) {
   memset(params, 0, (size_t)n * sizeof(float));
   for (int i = 0; i < ddp_model_num_params(stage); i++) {
     const ddp_tensor *sp = ddp_model_param(stage, i);
-    memcpy(params + ddp_model_param_offset(full, full_index(t, i)), sp->data,
-           (size_t)sp->numel * sizeof(float));
+    DDP_TRY(copy_bytes(DDP_CPU, params + ddp_model_param_offset(full, full_index(t, i)),
+                       sp->device, sp->data, (size_t)sp->numel * sizeof(float)));
   }
   DDP_TRY(sum_parts(t, params, (size_t)n, DDP_FLOAT32));
   /* Buffers and counters by name: running statistics are float32 arrays
@@ -359,10 +401,12 @@ static ddp_status gather_model(ddp_trainer *t) {
   if (nc) memset(counters, 0, (size_t)nc * sizeof(int64_t));
   for (int k = 0; k < ddp_model_state_count(stage); k++) {
     ddp_state_entry se, fe;
-    DDP_TRY(ddp_model_state_entry(stage, k, &se));
+    ddp_device where;
+    DDP_TRY(stage_entry(t, k, &se, &where));
     if (se.is_param) continue;
     DDP_TRY(ddp_model_state_find(full, se.name, &fe));
-    memcpy(fe.data, se.data, (size_t)se.numel * ddp_dtype_size(se.dtype));
+    DDP_TRY(copy_bytes(DDP_CPU, fe.data, where, se.data,
+                       (size_t)se.numel * ddp_dtype_size(se.dtype)));
   }
   DDP_TRY(sum_parts(t, buffers, (size_t)nbuf, DDP_FLOAT32));
   DDP_TRY(sum_parts(t, counters, (size_t)nc, DDP_INT64));
@@ -376,6 +420,7 @@ static ddp_status full_optimizer(ddp_trainer *t) {
   pipeline_state *ps = state(t);
   if (ps->full_opt) return DDP_OK;
   ddp_optim_options oo = *ddp_optimizer_options(t->opt);
+  oo.device = DDP_CPU; /* the unsplit model is host memory whatever the stages' device */
   ddp_status s = ddp_optimizer_create(&ps->full_opt, &oo, ddp_model_params_flat(t->model),
                                       ddp_model_grads_flat(t->model),
                                       (size_t)ddp_model_num_param_elements(t->model));
@@ -389,7 +434,9 @@ static ddp_status gather_optimizer(ddp_trainer *t) {
   DDP_TRY(full_optimizer(t));
   DDP_TRY(ddp_optimizer_set_lr(ps->full_opt, ddp_optimizer_get_lr(t->opt)));
   double has = ddp_optimizer_has_state(t->opt) ? 1 : 0;
-  DDP_TRY(ddp_allreduce(ps->pipe_pg, &has, 1, DDP_FLOAT64, DDP_REDUCE_MIN));
+  ddp_process_group *hg;
+  DDP_TRY(pipe_host_group(t, &hg));
+  DDP_TRY(ddp_allreduce(hg, &has, 1, DDP_FLOAT64, DDP_REDUCE_MIN));
   if (!has) return DDP_OK; /* before the first step: PyTorch's state is empty */
   const int64_t n = ddp_model_num_param_elements(t->model);
   for (size_t k = 0; k < ddp_optimizer_state_count(t->opt); k++) {
@@ -444,9 +491,11 @@ static ddp_status pipeline_resume(ddp_trainer *t, ddp_train_state *start) {
   ddp_model *stage = t->step_model;
   for (int k = 0; k < ddp_model_state_count(stage); k++) {
     ddp_state_entry se, fe;
-    DDP_TRY(ddp_model_state_entry(stage, k, &se));
+    ddp_device where;
+    DDP_TRY(stage_entry(t, k, &se, &where));
     DDP_TRY(ddp_model_state_find(t->model, se.name, &fe));
-    memcpy(se.data, fe.data, (size_t)se.numel * ddp_dtype_size(se.dtype));
+    DDP_TRY(copy_bytes(where, se.data, DDP_CPU, fe.data,
+                       (size_t)se.numel * ddp_dtype_size(se.dtype)));
   }
   DDP_TRY(ddp_optimizer_set_lr(t->opt, ddp_optimizer_get_lr(ps->full_opt)));
   if (!ddp_optimizer_has_state(ps->full_opt)) return DDP_OK;
@@ -489,6 +538,7 @@ const ddp__train_strategy_ops ddp__train_pipeline = {
     .kind = DDP_TRAIN_PIPELINE,
     .shards = "replicas",
     .shards_long = "data-parallel replicas",
+    .places_model = true,
     .check = pipeline_check,
     .create = pipeline_create,
     .bind = pipeline_bind,

@@ -46,9 +46,14 @@ typedef struct ddp__train_strategy_ops {
   /* What the sampler shards the data over, plural, for messages: "ranks"
    * when NULL; shards_long where the message names them first. */
   const char *shards, *shards_long;
+  /* Whether the strategy puts the model it steps on options.device itself
+   * (the pipeline moves its stage there, not the whole model): the trainer
+   * then leaves t->model on the host. */
+  bool places_model;
   /* Whether the options fit this strategy and the group (pure). NULL: any. */
   ddp_status (*check)(const ddp_train_options *o, const ddp_process_group *pg);
-  /* Before the optimizer (the model on its device): makes t->state, and
+  /* Before the optimizer (the model on its device, unless places_model):
+   * makes t->state, and
    * may point t->step_model at the model the optimizer steps and set how
    * the data is sharded (t->replicas, t->replica). Collective where the
    * strategy says. On error the trainer calls destroy. */
@@ -261,6 +266,9 @@ ddp_status ddp__train_precision_check(const ddp_train_options *o);
  * on a programming error (regions nested too deep). */
 ddp_status ddp__train_autocast_enter(const ddp_trainer *t);
 void ddp__train_autocast_exit(const ddp_trainer *t);
+/* --precision tf32: allows TF32 in the GPUs' float32 matmuls and
+ * convolutions (ddp_cuda_allow_tf32, process-wide); nothing otherwise. */
+ddp_status ddp__train_tf32_apply(const ddp_trainer *t);
 /* Makes t->scaler from the options and reads the test hook. */
 ddp_status ddp__train_scaler_init(ddp_trainer *t);
 /* The seed of this step's backward: the scale with a scaler, else 1. */

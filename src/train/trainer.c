@@ -177,11 +177,12 @@ static ddp_status create_parts(ddp_trainer *t) {
   const ddp_train_options *o = &t->o;
   ddp_status s = check_shapes(t->model, t->train_ds);
   if (s != DDP_OK) return s;
-  if (o->device.type != DDP_DEVICE_CPU) {
+  if (o->device.type != DDP_DEVICE_CPU && !t->strategy->places_model) {
     s = ddp_model_to(t->model, o->device);
     if (s != DDP_OK) return ddp_error_wrap(s, "moving the model");
   }
   DDP_TRY(ddp__train_scaler_init(t));
+  DDP_TRY(ddp__train_tf32_apply(t));
   /* The strategy's state first: the model the optimizer steps (a
    * pipeline's stage), the data's shards, SyncBatchNorm. */
   DDP_TRY(t->strategy->create(t));

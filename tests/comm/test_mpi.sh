@@ -4,7 +4,9 @@
 # own MPI_Comm at 2 and 4 ranks; DDP_DEBUG=detail naming a mismatch; a
 # stalled peer ending the job by the timeout; backend "mpi" outside an MPI launch failing
 # at once; a rank SIGKILLed ending the job with the rank named, never a
-# hang. Usage: test_mpi.sh PATH/TO/test_mpi_ranks [MODE...]
+# hang; and (mode hier, not in the default list: test_mpi_hier) 4 ranks on
+# 2 faked hosts composing shared memory with MPI between the leaders.
+# Usage: test_mpi.sh PATH/TO/test_mpi_ranks [MODE...]
 # Exits 77 (skipped) with the reason when mpirun or the MPI build is absent.
 set -u
 bin=${1:?usage: test_mpi.sh PATH/TO/test_mpi_ranks}
@@ -78,6 +80,44 @@ for mode in "${modes[@]}"; do
     else
       echo "FAIL: SIGKILL of rank 1 (exit $rc after ${took}s)"; cat "$out"; failed=1
     fi ;;
+  hier)
+    # 4 ranks on 2 faked hosts (DDP_HOST_ID per rank, from its MPI rank):
+    # shared memory inside each, MPI between their leaders. Each layout
+    # with every collective composed (DDP_MPI_HIER_BYTES=0); the default
+    # split (small ops flat, large composed); the leaders' ops nonblocking
+    # (DDP_MPI_BLOCKING_BYTES=0); and DDP_MPI_HIER=0 (flat MPI) by its
+    # transports only.
+    for spec in "block 0 default auto full" "interleaved 0 default auto full" "uneven 0 default auto full" \
+                "block default default auto full" "interleaved 0 0 auto full" "block default default 0 quick"; do
+      read -r layout hb bb hier kind <<<"$spec"
+      hosts='case $DDP_TEST_LAYOUT in interleaved) h=$((OMPI_COMM_WORLD_RANK % 2));;
+        uneven) h=$((OMPI_COMM_WORLD_RANK < 3 ? 0 : 1));; *) h=$((OMPI_COMM_WORLD_RANK / 2));; esac
+        export DDP_HOST_ID=ddp-test-mpi-host-$h; exec "$0" "$@"'
+      envs=(DDP_TEST_LAYOUT="$layout" DDP_MPI_HIER="$hier" DDP_TEST_QUICK=$([ "$kind" = quick ] && echo 1 || echo 0))
+      [ "$hb" = default ] || envs+=(DDP_MPI_HIER_BYTES="$hb")
+      [ "$bb" = default ] || envs+=(DDP_MPI_BLOCKING_BYTES="$bb")
+      if env "${envs[@]}" timeout -k 10 $((limit + 20)) mpirun --allow-run-as-root --oversubscribe \
+          --timeout "$limit" -np 4 -x DDP_TEST_LAYOUT -x DDP_MPI_HIER -x DDP_TEST_QUICK \
+          bash -c "$hosts" "$bin" hier >"$out" 2>&1; then
+        echo "ok: hier, 4 ranks as 2 hosts ($layout; DDP_MPI_HIER_BYTES $hb, DDP_MPI_BLOCKING_BYTES $bb, DDP_MPI_HIER $hier, $kind)"
+      else
+        echo "FAIL: hier ($spec) (exit $?)"; cat "$out"; failed=1
+      fi
+    done
+    # Rank 1 SIGKILLed inside composed allreduces: a host mate of its
+    # leader (block) and a leader (interleaved); the job ends naming it.
+    for layout in block interleaved; do
+      start=$(date +%s)
+      env DDP_TEST_LAYOUT=$layout DDP_MPI_HIER_BYTES=0 timeout -k 10 $((limit + 20)) mpirun --allow-run-as-root \
+        --oversubscribe --timeout "$limit" -np 4 -x DDP_TEST_LAYOUT bash -c "$hosts" "$bin" kill >"$out" 2>&1; rc=$?
+      took=$(($(date +%s) - start))
+      if [ $rc -ne 0 ] && [ $rc -ne 124 ] && grep -Eq "rank 1\b.*(signal 9|Killed)|process rank 1 |rank 1 .*died" "$out" \
+          && [ $took -lt "$limit" ]; then
+        echo "ok: hier ($layout): SIGKILL of rank 1 ended the job in ${took}s (exit $rc): $(grep -E 'rank 1' "$out" | head -1)"
+      else
+        echo "FAIL: hier ($layout): SIGKILL of rank 1 (exit $rc after ${took}s)"; cat "$out"; failed=1
+      fi
+    done ;;
   *)
     # The default (every blocking call as MPI's blocking collective, those
     # of 64 KiB per rank and more after the arrival barrier), and the matrix

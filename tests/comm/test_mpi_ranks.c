@@ -24,6 +24,13 @@
  *             fingerprints go through the group's store from MPI's rank 0)
  *   kill      rank 1 SIGKILLs itself while the others run collectives; the
  *             script checks the job ends naming it
+ *   hier      ranks on faked hosts (DDP_HOST_ID, set per rank by test_mpi.sh
+ *             from DDP_TEST_LAYOUT: block, interleaved or uneven): each
+ *             pair's transport ("shm" inside a host, "mpi" between hosts:
+ *             shared memory inside hosts, MPI between their leaders; all
+ *             "mpi" under DDP_MPI_HIER=0), then, unless DDP_TEST_QUICK=1,
+ *             a reversed subgroup (composed too), a monitored barrier,
+ *             the matrix, async allreduces and p2p ordering
  * Exit status 0 when this rank passed. */
 #include <mpi.h>
 #include <signal.h>
@@ -273,6 +280,58 @@ static int mode_stall(ddp_process_group *pg) {
   return 3;
 }
 
+/* The host test_mpi.sh gives rank r of 4 under DDP_TEST_LAYOUT. */
+static int layout_host(const char *layout, int r) {
+  if (!strcmp(layout, "interleaved")) return r % 2;
+  if (!strcmp(layout, "uneven")) return r < 3 ? 0 : 1;
+  return r / 2; /* block */
+}
+
+static int mode_hier(ddp_process_group *pg) {
+  int P = ddp_process_group_size(pg), r = ddp_process_group_rank(pg);
+  const char *layout = getenv("DDP_TEST_LAYOUT") ? getenv("DDP_TEST_LAYOUT") : "block";
+  const char *hier = getenv("DDP_MPI_HIER");
+  bool composed = !(hier && !strcmp(hier, "0"));
+  if (P != 4) {
+    fprintf(stderr, "test_mpi_ranks: hier wants 4 ranks, not %d\n", P);
+    return 1;
+  }
+  for (int q = 0; q < P; q++) {
+    const char *want = !composed ? "mpi" : q == r ? "self"
+                       : layout_host(layout, q) == layout_host(layout, r) ? "shm" : "mpi";
+    const char *got = ddp_process_group_transport(pg, q);
+    if (strcmp(got, want) != 0) {
+      fprintf(stderr, "test_mpi_ranks: rank %d (layout %s, DDP_MPI_HIER %s): transport to rank %d is %s, want %s\n",
+              r, layout, hier ? hier : "unset", q, got, want);
+      return 1;
+    }
+  }
+  const char *quick = getenv("DDP_TEST_QUICK");
+  if (quick && !strcmp(quick, "1")) return check_sum(pg, r, P * (P + 1) / 2, "allreduce (hier, quick)");
+  /* A subgroup of every rank in reverse order spans the same hosts: it
+   * composes too, with its own leaders (subgroup rank s is parent rank
+   * P - 1 - s). */
+  ddp_process_group *rev = NULL;
+  if (ddp_process_group_split(pg, 0, -r, &rev) != DDP_OK) return bad("split (reversed)");
+  int rc = 0;
+  for (int s = 0; s < P && !rc; s++) {
+    int q = P - 1 - s;
+    const char *want = q == r ? "self" : layout_host(layout, q) == layout_host(layout, r) ? "shm" : "mpi";
+    const char *got = ddp_process_group_transport(rev, s);
+    if (composed && strcmp(got, want) != 0) {
+      fprintf(stderr, "test_mpi_ranks: rank %d: reversed subgroup's transport to its rank %d is %s, want %s\n", r,
+              s, got, want);
+      rc = 1;
+    }
+  }
+  if (!rc) rc = check_sum(rev, r, P * (P + 1) / 2, "allreduce on the reversed subgroup");
+  if (!rc && ddp_monitored_barrier(pg, 30, true) != DDP_OK) rc = bad("monitored_barrier");
+  ddp_process_group_destroy(rev);
+  if (!rc) rc = mode_matrix(pg);
+  if (!rc) rc = mode_p2p(pg);
+  return rc;
+}
+
 int main(int argc, char **argv) {
   const char *mode = argc > 1 ? argv[1] : "";
   ddp_process_group_options o = ddp_process_group_defaults();
@@ -335,6 +394,7 @@ int main(int argc, char **argv) {
   else if (!strcmp(mode, "stall")) rc = mode_stall(pg);
   else if (!strcmp(mode, "arrival")) rc = mode_arrival(pg);
   else if (!strcmp(mode, "mismatch")) rc = mode_mismatch(pg);
+  else if (!strcmp(mode, "hier")) rc = mode_hier(pg);
   else fprintf(stderr, "test_mpi_ranks: unknown mode \"%s\"\n", mode);
   ddp_process_group_destroy(pg);
   return rc;

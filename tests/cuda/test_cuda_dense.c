@@ -697,8 +697,8 @@ static void test_conv_choice(void **state) {
   const char *want = "auto";
   /* the forward through cuDNN; the backward through im2col, except with dx
    * wanted above 128 MiB of columns (ConvNet's conv2 at batch 1024) */
-  const ddp__conv2d_geom conv1 = {100, 1, 28, 28, 16, 5, 5, 1, 2, 28, 28},
-                         conv2_1024 = {1024, 16, 14, 14, 32, 5, 5, 1, 2, 14, 14};
+  const ddp__conv2d_geom conv1 = {100, 1, 28, 28, 16, 5, 5, 1, 2, 28, 28, 0},
+                         conv2_1024 = {1024, 16, 14, 14, 32, 5, 5, 1, 2, 14, 14, 0};
   bool cudnn;
   assert_int_equal(ddp__cuda_conv_pick_pass(false, true, &conv1, &cudnn), DDP_OK);
   assert_true(cudnn);

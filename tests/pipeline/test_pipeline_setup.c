@@ -6,7 +6,8 @@
  * usable; the steady-state step allocates nothing; and pipeline x data
  * parallel (2 stages x 2 replicas, the gradients averaged over each stage's
  * data-parallel group by the grad-sync hook) equals one rank with the
- * doubled batch and the same accumulation. */
+ * doubled batch and the same accumulation; a stages' device the process
+ * does not have is refused on every rank. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -290,8 +291,38 @@ static void test_pipeline_by_data_parallel(void **state) {
   ddp_model_destroy(dp_reference);
 }
 
+/* The stages' device (options.device): the CPU by default; a device this
+ * process does not have is refused on every rank before any collective,
+ * naming the option and the device (cuda:99: no machine here has it, with
+ * or without a GPU or a CUDA build). The runs on a GPU are test_cuda_pipeline's
+ * and scripts/gpu-pp-steps.sh's. */
+static void device_body(dpt_rank *self) {
+  ddp_model *full;
+  DPT_OK(self, ppt_build("mlp", &full));
+  ddp_pipeline_options o = ddp_pipeline_defaults();
+  DPT_CHECK(self, ddp_device_equal(o.device, DDP_CPU), "the default device is not the CPU");
+  o.split = "8";
+  o.device = DDP_CUDA(99);
+  ddp_pipeline *pp = NULL;
+  ddp_status s = ddp_pipeline_create(&pp, full, self->pg, &o);
+  DPT_CHECK(self, s != DDP_OK && pp == NULL, "a pipeline on cuda:99 was made");
+  DPT_CHECK(self, strstr(ddp_last_error(), "options.device"), "message '%s' lacks options.device",
+            ddp_last_error());
+  /* The same group still makes a CPU pipeline: nothing was left half-agreed. */
+  o.device = DDP_CPU;
+  DPT_OK(self, ddp_pipeline_create(&pp, full, self->pg, &o));
+  ddp_pipeline_destroy(pp);
+  ddp_model_destroy(full);
+}
+
+static void test_device_option(void **state) {
+  (void)state;
+  assert_int_equal(dpt_run(2, 30, device_body, NULL), 0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_device_option),
       cmocka_unit_test(test_bad_splits),
       cmocka_unit_test(test_auto_split),
       cmocka_unit_test(test_eval_and_refusal),

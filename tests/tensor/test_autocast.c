@@ -703,6 +703,129 @@ static void test_chain_fp16(void **state) {
   chain(DDP_FLOAT16, "fp16");
 }
 
+/* The convolution kernels' fused rounding (ddp__conv2d_geom.round, which
+ * conv2d sets under autocast): on every family and on geometries that take
+ * each of their paths (Winograd, conv_rows, shifted copies, pointwise,
+ * a column matrix with stride 2 and col2im), y and dx come out holding
+ * `low` values, within the parity bound of a float64 sum of the rounded
+ * operands (dy rounded by the kernels as they read it); dw and db, which
+ * the op rounds when it delivers them, within the float32 bound. */
+typedef struct conv_case {
+  int64_t n, c, h, o, k, stride, pad;
+} conv_case;
+
+static void check_conv_rounding(ddp_dtype low, const char *name) {
+  static const conv_case cases[] = {
+      {2, 16, 10, 32, 3, 1, 0}, /* Winograd: forward, dW and dX */
+      {2, 1, 12, 32, 3, 1, 0},  /* conv_rows forward, dW by conv_taps */
+      {2, 3, 10, 8, 3, 1, 1},   /* same convolution, few channels: shifted */
+      {2, 8, 6, 16, 1, 1, 0},   /* pointwise */
+      {2, 4, 9, 32, 3, 2, 1},   /* stride 2: column matrix, dX by col2im */
+  };
+  ddp_arena arena;
+  ddp_arena_init(&arena, 1 << 20);
+  for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
+    const conv_case *cc = &cases[ci];
+    ddp__conv2d_geom g = {.n = cc->n, .c = cc->c, .h = cc->h, .w = cc->h, .o = cc->o,
+                          .kh = cc->k, .kw = cc->k, .stride = cc->stride, .pad = cc->pad,
+                          .round = (int)low};
+    g.oh = (g.h + 2 * g.pad - g.kh) / g.stride + 1;
+    g.ow = g.oh;
+    const int64_t xs = g.n * g.c * g.h * g.w, ws = g.o * g.c * g.kh * g.kw;
+    const int64_t ys = g.n * g.o * g.oh * g.ow, kk = g.c * g.kh * g.kw;
+    ddp_tensor *xt = gradcheck_random(1, (int64_t[]){xs}, -2, 2, 31 + ci, false);
+    ddp_tensor *wt = gradcheck_random(1, (int64_t[]){ws}, -1, 1, 41 + ci, false);
+    ddp_tensor *bt = gradcheck_random(1, (int64_t[]){g.o}, -1, 1, 51 + ci, false);
+    ddp_tensor *dyt = gradcheck_random(1, (int64_t[]){ys}, -1, 1, 61 + ci, false);
+    float *x = xt->data, *w = wt->data, *b = bt->data, *dy = dyt->data;
+    for (int64_t i = 0; i < xs; i++) x[i] = round_to(x[i], low); /* the op's operands */
+    for (int64_t i = 0; i < ws; i++) w[i] = round_to(w[i], low);
+    for (int64_t i = 0; i < g.o; i++) b[i] = round_to(b[i], low);
+    float *y = malloc((size_t)ys * sizeof *y), *dx = malloc((size_t)xs * sizeof *dx);
+    float *dw = calloc((size_t)ws, sizeof *dw), *db = calloc((size_t)g.o, sizeof *db);
+    const int64_t most = xs > ys ? (xs > ws ? xs : ws) : (ys > ws ? ys : ws);
+    float *ref = malloc((size_t)most * sizeof *ref);
+    double *sl = calloc((size_t)most, sizeof *sl);
+    double *dxs = calloc((size_t)xs, sizeof *dxs), *dxa = calloc((size_t)xs, sizeof *dxa);
+    double *dws = calloc((size_t)ws, sizeof *dws), *dwa = calloc((size_t)ws, sizeof *dwa);
+    double dbs[64] = {0}, dba[64] = {0};
+    ddp_arena_reset(&arena);
+    assert_int_equal(ddp__cpu_conv2d_forward(y, x, w, b, &g, &arena), DDP_OK);
+    ddp_arena_reset(&arena);
+    assert_int_equal(ddp__cpu_conv2d_backward(dx, dw, db, dy, x, w, &g, false, &arena), DDP_OK);
+    /* float64 references: y from the rounded operands; the gradients from
+     * dy rounded to `low`, each product added to dx, dw, db */
+    for (int64_t n = 0; n < g.n; n++)
+      for (int64_t o = 0; o < g.o; o++)
+        for (int64_t oy = 0; oy < g.oh; oy++)
+          for (int64_t ox = 0; ox < g.ow; ox++) {
+            const int64_t yi = ((n * g.o + o) * g.oh + oy) * g.ow + ox;
+            const double d = round_to(dy[yi], low);
+            double sum = b[o], abs_sum = fabs(b[o]);
+            dbs[o] += d;
+            dba[o] += fabs(d);
+            for (int64_t c = 0; c < g.c; c++)
+              for (int64_t a = 0; a < g.kh; a++)
+                for (int64_t e = 0; e < g.kw; e++) {
+                  const int64_t iy = oy * g.stride - g.pad + a, ix = ox * g.stride - g.pad + e;
+                  if (iy < 0 || iy >= g.h || ix < 0 || ix >= g.w) continue;
+                  const int64_t xi = ((n * g.c + c) * g.h + iy) * g.w + ix;
+                  const int64_t wi = ((o * g.c + c) * g.kh + a) * g.kw + e;
+                  sum += (double)x[xi] * w[wi];
+                  abs_sum += fabs((double)x[xi] * w[wi]);
+                  dxs[xi] += d * w[wi];
+                  dxa[xi] += fabs(d * w[wi]);
+                  dws[wi] += d * x[xi];
+                  dwa[wi] += fabs(d * x[xi]);
+                }
+            ref[yi] = (float)sum;
+            sl[yi] = 2 * gamma_k(kk + 1) * abs_sum;
+          }
+    char what[80];
+    for (int64_t i = 0; i < ys; i++)
+      if (round_to(y[i], low) != y[i])
+        fail_msg("conv %zu y[%lld] = %.9g is not %s", ci, (long long)i, y[i], name);
+    snprintf(what, sizeof what, "conv %zu %s y", ci, name);
+    check_within(what, y, ref, ys, low, sl, 0);
+    const int64_t dx_terms = g.o * g.kh * g.kw, dw_terms = g.n * g.oh * g.ow;
+    for (int64_t i = 0; i < xs; i++) {
+      if (round_to(dx[i], low) != dx[i])
+        fail_msg("conv %zu dx[%lld] = %.9g is not %s", ci, (long long)i, dx[i], name);
+      ref[i] = (float)dxs[i];
+      sl[i] = 2 * gamma_k(dx_terms) * dxa[i];
+    }
+    snprintf(what, sizeof what, "conv %zu %s dx", ci, name);
+    check_within(what, dx, ref, xs, low, sl, 0);
+    for (int64_t i = 0; i < ws; i++) {
+      ref[i] = (float)dws[i];
+      sl[i] = 2 * gamma_k(dw_terms) * dwa[i];
+    }
+    snprintf(what, sizeof what, "conv %zu %s dw", ci, name);
+    check_within(what, dw, ref, ws, DDP_FLOAT32, sl, 0);
+    for (int64_t i = 0; i < g.o; i++) {
+      ref[i] = (float)dbs[i];
+      sl[i] = 2 * gamma_k(dw_terms) * dba[i];
+    }
+    snprintf(what, sizeof what, "conv %zu %s db", ci, name);
+    check_within(what, db, ref, g.o, DDP_FLOAT32, sl, 0);
+    free(y), free(dx), free(dw), free(db), free(ref), free(sl);
+    free(dxs), free(dxa), free(dws), free(dwa);
+    ddp_tensor_destroy(xt), ddp_tensor_destroy(wt), ddp_tensor_destroy(bt),
+        ddp_tensor_destroy(dyt);
+  }
+  ddp_arena_free(&arena);
+}
+
+static void test_conv_kernels_round_bf16(void **state) {
+  (void)state;
+  for_each_family(check_conv_rounding, DDP_BFLOAT16, "bf16");
+}
+
+static void test_conv_kernels_round_fp16(void **state) {
+  (void)state;
+  for_each_family(check_conv_rounding, DDP_FLOAT16, "fp16");
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_regions_nest),
@@ -711,6 +834,8 @@ int main(void) {
       cmocka_unit_test(test_cast_cache),
       cmocka_unit_test(test_linear_backward_rule),
       cmocka_unit_test(test_bf16_gemm_kernel),
+      cmocka_unit_test(test_conv_kernels_round_bf16),
+      cmocka_unit_test(test_conv_kernels_round_fp16),
       cmocka_unit_test(test_parity_bf16),
       cmocka_unit_test(test_parity_fp16),
       cmocka_unit_test(test_chain_bf16),

@@ -234,8 +234,26 @@ static void test_tensors_without_a_gpu(void **state) {
   ddp_tensor_destroy(i64);
 }
 
+/* TF32 (--precision tf32): off by default; a CUDA build turns it on and
+ * off (process-wide), a build without CUDA refuses to turn it on. */
+static void test_tf32_switch(void **state) {
+  (void)state;
+  assert_false(ddp_cuda_tf32_allowed());
+  if (ddp_cuda_built()) {
+    assert_int_equal(ddp_cuda_allow_tf32(true), DDP_OK);
+    assert_true(ddp_cuda_tf32_allowed());
+  } else {
+    assert_int_equal(ddp_cuda_allow_tf32(true), DDP_ERR_UNSUPPORTED);
+    assert_non_null(strstr(ddp_last_error(), "no CUDA backend"));
+    assert_false(ddp_cuda_tf32_allowed());
+  }
+  assert_int_equal(ddp_cuda_allow_tf32(false), DDP_OK);
+  assert_false(ddp_cuda_tf32_allowed());
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_tf32_switch),
       cmocka_unit_test(test_parse_and_str),       cmocka_unit_test(test_build_and_count),
       cmocka_unit_test(test_check),               cmocka_unit_test(test_synchronize),
       cmocka_unit_test(test_placement_rule),      cmocka_unit_test(test_tensors_without_a_gpu),

@@ -17,6 +17,8 @@
 
 #include "ddp/ddp.h"
 #include "ddp/train.h"
+#include "tensor/tape.h"       /* ddp__basic_kernels_for: the CPU's unscale pass */
+#include "train/train_internal.h" /* ddp__train_precision_check */
 
 enum { SEED = 4, BATCH = 16, STEPS = 12, SKIP_AT = 8 };
 
@@ -152,8 +154,70 @@ static void test_bad_options(void **state) {
   unsetenv("DDP_TEST_INJECT_INF");
 }
 
+/* The GPU's precisions as the options check sees them (no GPU needed):
+ * bf16, fp16 (with its scaler) and tf32 on cuda are accepted in a CUDA
+ * build (the ops, the scaler's unscale and TF32 run on the device); tf32
+ * stays refused on the CPU, and on cuda in a build without CUDA. */
+static void test_gpu_precisions(void **state) {
+  (void)state;
+  const ddp_precision ps[] = {DDP_PRECISION_BF16, DDP_PRECISION_FP16, DDP_PRECISION_TF32};
+  for (int i = 0; i < 3; i++) {
+    ddp_train_options o = ddp_train_defaults();
+    o.device = DDP_CUDA(0);
+    o.precision = ps[i];
+    const ddp_status s = ddp__train_precision_check(&o);
+    if (ddp_cuda_built() || ps[i] != DDP_PRECISION_TF32) {
+      if (s != DDP_OK) fail_msg("precision %d on cuda refused: %s", (int)ps[i], ddp_last_error());
+    } else {
+      assert_int_equal(s, DDP_ERR_UNSUPPORTED);
+      assert_non_null(strstr(ddp_last_error(), "no CUDA backend"));
+    }
+    o.grad_scaler = DDP_TRAIN_GRAD_SCALER_ON; /* a scaler on the GPU: no longer refused */
+    if (ps[i] != DDP_PRECISION_TF32) assert_int_equal(ddp__train_precision_check(&o), DDP_OK);
+  }
+  ddp_train_options o = ddp_train_defaults();
+  o.device = DDP_CUDA(0);
+  o.cuda_graph = true; /* bf16 replays its region; a scaler cannot be replayed */
+  o.precision = DDP_PRECISION_BF16;
+  assert_int_equal(ddp__train_precision_check(&o), DDP_OK);
+  o.precision = DDP_PRECISION_FP16;
+  assert_int_equal(ddp__train_precision_check(&o), DDP_ERR_UNSUPPORTED);
+  assert_non_null(strstr(ddp_last_error(), "CUDA graph"));
+  o = ddp_train_defaults();
+  o.precision = DDP_PRECISION_TF32;
+  assert_int_equal(ddp__train_precision_check(&o), DDP_ERR_UNSUPPORTED);
+  assert_non_null(strstr(ddp_last_error(), "GPU-only opt-in"));
+  o.param_server = (struct ddp_ps_client *)(uintptr_t)1; /* set (only that is read): still
+                                                           * refused, the servers step */
+  o.precision = DDP_PRECISION_FP16;
+  assert_int_equal(ddp__train_precision_check(&o), DDP_ERR_UNSUPPORTED);
+}
+
+/* The device-neutral unscale (ddp_grad_scaler_unscale_on) on the CPU: the
+ * host function's bits and finding. */
+static void test_unscale_on_cpu(void **state) {
+  (void)state;
+  enum { N = 1000 };
+  float a[N], b[N];
+  for (int i = 0; i < N; i++) a[i] = b[i] = (float)(i - 500) * 3.25f;
+  ddp_grad_scaler gs = ddp_grad_scaler_defaults(true);
+  assert_false(ddp_grad_scaler_unscale(&gs, a, N));
+  assert_false(ddp_grad_scaler_unscale_on(&gs, DDP_CPU, b, N));
+  assert_memory_equal(a, b, sizeof a);
+  b[N - 1] = NAN;
+  assert_true(ddp_grad_scaler_unscale_on(&gs, DDP_CPU, b, N));
+  memcpy(b, a, sizeof b);
+  b[N - 1] = INFINITY;
+  assert_true(ddp__basic_kernels_for(DDP_CPU)->unscale_check(b, 1.0f, N));
+  assert_true(isinf(b[N - 1]) && b[0] == a[0]); /* inverse 1: untouched */
+  gs.enabled = false;
+  assert_false(ddp_grad_scaler_unscale_on(&gs, DDP_CPU, b, N));
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_gpu_precisions),
+      cmocka_unit_test(test_unscale_on_cpu),
       cmocka_unit_test(test_fp16_scaler_steps),
       cmocka_unit_test(test_no_scaler),
       cmocka_unit_test(test_bad_options),

@@ -36,6 +36,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "comm/hier/hier.h"
 #include "comm/local/local.h"
 #include "comm/tcp/tcp.h"
 
@@ -559,27 +560,26 @@ static ddp_status build_tables(hier_backend *h, const ddp__backend_config *cfg) 
   return DDP_OK;
 }
 
-/* The local backend over this host's ranks, in hier/local/<host>/. */
-static ddp_status create_local(hier_backend *h, const ddp__backend_config *cfg) {
-  char prefix[64];
-  snprintf(prefix, sizeof prefix, "hier/local/%d/", h->my_host);
-  DDP_TRY(ddp_store_prefix(cfg->store, prefix, &h->local_store));
-  const int *mates = h->by_host + h->host_first[h->my_host];
-  int32_t *host_of = ddp_calloc((size_t)h->ls, sizeof *host_of);
-  int32_t *process_of = ddp_calloc((size_t)h->ls, sizeof *process_of);
-  const char **names = ddp_calloc((size_t)h->ls, sizeof *names);
+/* The local backend over one host's ranks (hier.h). */
+ddp_status ddp__hier_local_create(const ddp__backend_config *cfg, const char *ns, const int *mates, int ls,
+                                  int li, ddp_store **store, ddp__backend **out) {
+  *out = NULL;
+  DDP_TRY(ddp_store_prefix(cfg->store, ns, store));
+  int32_t *host_of = ddp_calloc((size_t)ls, sizeof *host_of);
+  int32_t *process_of = ddp_calloc((size_t)ls, sizeof *process_of);
+  const char **names = ddp_calloc((size_t)ls, sizeof *names);
   ddp_status st = DDP_OK;
   if (!host_of || !process_of || !names) {
     st = ddp_error(DDP_ERR_NOMEM, "hier backend: out of memory");
   } else {
-    for (int j = 0; j < h->ls; j++) {
+    for (int j = 0; j < ls; j++) {
       process_of[j] = cfg->process_of[mates[j]];
       names[j] = cfg->host_names ? cfg->host_names[mates[j]] : NULL;
     }
     ddp__backend_config lc = {
-        .store = h->local_store,
-        .rank = h->li,
-        .size = h->ls,
+        .store = *store,
+        .rank = li,
+        .size = ls,
         .host_of = host_of,
         .process_of = process_of,
         .host_names = cfg->host_names ? names : NULL,
@@ -588,12 +588,20 @@ static ddp_status create_local(hier_backend *h, const ddp__backend_config *cfg) 
         .group_size = cfg->size,
         .group_host_names = cfg->host_names,
     };
-    st = ddp__backend_local_create(&lc, &h->local);
+    st = ddp__backend_local_create(&lc, out);
   }
   ddp_free(host_of);
   ddp_free(process_of);
   ddp_free(names);
   return st;
+}
+
+/* The local backend over this host's ranks, in hier/local/<host>/. */
+static ddp_status create_local(hier_backend *h, const ddp__backend_config *cfg) {
+  char prefix[64];
+  snprintf(prefix, sizeof prefix, "hier/local/%d/", h->my_host);
+  return ddp__hier_local_create(cfg, prefix, h->by_host + h->host_first[h->my_host], h->ls, h->li,
+                                &h->local_store, &h->local);
 }
 
 ddp_status ddp__backend_hier_create(const ddp__backend_config *cfg, ddp__backend **out) {

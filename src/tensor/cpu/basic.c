@@ -65,6 +65,24 @@ static void cpu_from_half(float *restrict dst, const uint16_t *restrict src, int
     ddp_convert_f16_to_f32(dst, src, (size_t)n);
 }
 
+static void cpu_round_low(float *dst, const float *src, int64_t n, bool bf16) {
+  ddp_convert_round_f32(dst, src, (size_t)n, bf16 ? DDP_BFLOAT16 : DDP_FLOAT16);
+}
+
+/* PyTorch's _amp_foreach_non_finite_check_and_unscale_ on the CPU: the
+ * exponent test on the bits (no floating-point compare for NaN), the
+ * multiply skipped when inv is 1. */
+static bool cpu_unscale_check(float *x, float inv, int64_t n) {
+  uint32_t found = 0;
+  for (int64_t i = 0; i < n; i++) {
+    uint32_t bits;
+    memcpy(&bits, &x[i], sizeof bits);
+    found |= (bits & 0x7f800000u) == 0x7f800000u;
+    if (inv != 1.0f) x[i] *= inv;
+  }
+  return found != 0;
+}
+
 const ddp__basic_kernels ddp__cpu_basic_kernels = {
     .copy = cpu_copy,
     .fill = cpu_fill,
@@ -76,4 +94,6 @@ const ddp__basic_kernels ddp__cpu_basic_kernels = {
     .div = cpu_div,
     .to_half = cpu_to_half,
     .from_half = cpu_from_half,
+    .round_low = cpu_round_low,
+    .unscale_check = cpu_unscale_check,
 };

@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ddp/tensor.h"
 #include "tensor/cpu/dense.h"
 
 #define AVX512 __attribute__((target("avx512f,fma")))
@@ -117,6 +118,21 @@ static float *scratch(ddp_arena *arena, int64_t floats, ddp_status *status) {
     *status = ddp_error(DDP_ERR_NOMEM, "conv2d: cannot allocate %lld floats of scratch",
                         (long long)floats);
   return p;
+}
+
+/* Autocast's rounding of n floats of one sample in place (g->round). */
+static void round_sample(float *p, int64_t n, const ddp__conv2d_geom *g) {
+  if (g->round != DDP_FLOAT32) ddp_convert_round_f32(p, p, (size_t)n, (ddp_dtype)g->round);
+}
+
+/* dy of sample n as the backward reads it: rounded into dyr (o*ohw floats)
+ * when g->round asks for it, else in place. */
+static const float *dy_sample(const float *dy, float *dyr, int64_t n,
+                              const ddp__conv2d_geom *g) {
+  const int64_t len = g->o * g->oh * g->ow;
+  if (g->round == DDP_FLOAT32) return dy + n * len;
+  ddp_convert_round_f32(dyr, dy + n * len, (size_t)len, (ddp_dtype)g->round);
+  return dyr;
 }
 
 /* Floats of room past the end of padded copies and column matrices, for
@@ -235,6 +251,7 @@ static ddp_status forward_generic(float *y, const float *x, const float *w, cons
     /* yn (O, OH*OW) (+)= w (O, K) @ col (K, OH*OW) */
     ddp__cpu_gemm(false, false, g->o, ohw, k, 1.0f, w, k, col ? col : xn, ohw, b ? 1.0f : 0.0f,
                   yn, ohw);
+    round_sample(yn, g->o * ohw, g);
   }
   return DDP_OK;
 }
@@ -260,9 +277,11 @@ static ddp_status backward_generic(float *dx, float *dw, float *db, const float 
   } else if (dx && !pointwise && !(dcol = scratch(arena, k * ohw, &status))) {
     return status;
   }
+  float *dyr = NULL;
+  if (g->round != DDP_FLOAT32 && !(dyr = scratch(arena, g->o * ohw, &status))) return status;
   for (int64_t n = 0; n < g->n; n++) {
     const float *xn = x + n * chw;
-    const float *dyn = dy + n * g->o * ohw; /* (O, OH*OW) */
+    const float *dyn = dy_sample(dy, dyr, n, g); /* (O, OH*OW) */
     if (db) bias_grad(db, dyn, g->o, ohw);
     if (dw) {
       if (col) col_fill(col, &xp, xn, g, NULL);
@@ -287,6 +306,7 @@ static ddp_status backward_generic(float *dx, float *dw, float *db, const float 
         if (!dx_accumulate) memset(dxn, 0, (size_t)chw * sizeof(float));
         col2im_add(dxn, dcol, g);
       }
+      round_sample(dxn, chw, g);
     }
   }
   return DDP_OK;
@@ -535,9 +555,10 @@ static ddp_status forward_vec(const vec_family *v, float *y, const float *x, con
   const int64_t k = g->c * g->kh * g->kw, ohw = g->oh * g->ow, chw = g->c * g->h * g->w;
   ddp_status status = DDP_OK;
   if (is_pointwise(g)) {
-    for (int64_t n = 0; n < g->n; n++)
-      v->gemm(g->o, ohw, k, w, k, x + n * chw, ohw, y + n * g->o * ohw, ohw, b,
-                           false);
+    for (int64_t n = 0; n < g->n; n++) {
+      v->gemm(g->o, ohw, k, w, k, x + n * chw, ohw, y + n * g->o * ohw, ohw, b, false);
+      round_sample(y + n * g->o * ohw, g->o * ohw, g);
+    }
     return DDP_OK;
   }
   if (use_winograd(v, g, g->o, g->c, g->oh, g->ow)) {
@@ -550,6 +571,7 @@ static ddp_status forward_vec(const vec_family *v, float *y, const float *x, con
       if (g->pad) pad_copy(&p, xn), xn = p.xp; /* without padding: the sample in place */
       v->winograd_conv3x3(g->o, g->c, u, xn, y + n * g->o * ohw, g->oh, g->ow, b,
                                        false, ws);
+      round_sample(y + n * g->o * ohw, g->o * ohw, g);
     }
     return DDP_OK;
   }
@@ -561,6 +583,7 @@ static ddp_status forward_vec(const vec_family *v, float *y, const float *x, con
       /* y_n (O, H*W) = b + w (O, K) @ rows of the copies (K, H*W) */
       v->gemm_off(g->o, ohw, k, w, k, sx.buf, sx.off, y + n * g->o * ohw, ohw, b,
                                false);
+      round_sample(y + n * g->o * ohw, g->o * ohw, g);
     }
     return DDP_OK;
   }
@@ -575,6 +598,7 @@ static ddp_status forward_vec(const vec_family *v, float *y, const float *x, con
       /* y_n (O, OH, OW) = b + w (O, K) @ implicit col (K, OH*OW) */
       v->conv_rows(g->o, k, wpk, p.xp, p.off, p.wp, y + n * g->o * ohw, g->oh,
                                 g->ow, b, false);
+      round_sample(y + n * g->o * ohw, g->o * ohw, g);
     }
     return DDP_OK;
   }
@@ -584,6 +608,7 @@ static ddp_status forward_vec(const vec_family *v, float *y, const float *x, con
     col_fill(col, &p, x + n * chw, g, v->im2col_padded);
     /* y_n (O, OH*OW) = b + w (O, K) @ col (K, OH*OW) */
     v->gemm(g->o, ohw, k, w, k, col, ohw, y + n * g->o * ohw, ohw, b, false);
+    round_sample(y + n * g->o * ohw, g->o * ohw, g);
   }
   return DDP_OK;
 }
@@ -659,10 +684,12 @@ static ddp_status backward_vec(const vec_family *v, float *dx, float *dw, float 
     if (!(dcol = scratch(arena, k * ohw, &status))) return status;
     v->transpose(wt, w, g->o, k);
   }
+  float *dyr = NULL;
+  if (g->round != DDP_FLOAT32 && !(dyr = scratch(arena, g->o * ohw, &status))) return status;
 
   for (int64_t n = 0; n < g->n; n++) {
     const float *xn = x + n * chw;
-    const float *dyn = dy + n * g->o * ohw; /* (O, OH*OW) */
+    const float *dyn = dy_sample(dy, dyr, n, g); /* (O, OH*OW) */
     if (db) bias_grad(db, dyn, g->o, ohw);
     if (dw && dw_winograd) {
       const float *xin = xn; /* without padding: the sample in place */
@@ -715,6 +742,7 @@ static ddp_status backward_vec(const vec_family *v, float *dx, float *dw, float 
       if (!dx_accumulate) memset(dx + n * chw, 0, (size_t)chw * sizeof(float));
       col2im_add(dx + n * chw, dcol, g);
     }
+    if (dx) round_sample(dx + n * chw, chw, g);
   }
   if (dw && dw_winograd)
     ddp__cpu_winograd_dw_finish(g->o, g->c, wino_du, dw);

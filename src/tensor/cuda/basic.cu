@@ -7,6 +7,7 @@
 #include "tensor/cuda/runtime.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <string.h>
 
 #define BLOCK 256
@@ -95,7 +96,79 @@ static __global__ void from_half_kernel(float *dst, const uint16_t *src, int64_t
   GRID_LOOP(i, n) dst[i] = bf16 ? __uint_as_float((uint32_t)src[i] << 16) : from_half_bits(src[i]);
 }
 
+/* Autocast's rounding: each float to the nearest float16 (bfloat16) value,
+ * ties to even, kept as float32: from_half(to_half(x)) bit for bit. */
+static __global__ void round_low_kernel(float *dst, const float *src, int64_t n, bool bf16) {
+  GRID_LOOP(i, n) {
+    const float v = src[i];
+    dst[i] = bf16 ? __uint_as_float((uint32_t)to_bf16_bits(v) << 16)
+                  : from_half_bits(to_half_bits(v));
+  }
+}
+
+/* The GradScaler's unscale and inf/NaN check in one pass: the exponent
+ * test on the bits, x *= inv (skipped when inv is 1, as PyTorch's
+ * _amp_foreach_non_finite_check_and_unscale_), and *found set to 1 by any
+ * thread that saw a non-finite value (a plain store of 1 from any number
+ * of threads: the result does not depend on their order). */
+static __global__ void unscale_check_kernel(float *x, float inv, int64_t n, int *found) {
+  bool any = false;
+  GRID_LOOP(i, n) {
+    const float v = x[i];
+    any |= (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u;
+    if (inv != 1.0f) x[i] = __fmul_rn(v, inv);
+  }
+  if (__syncthreads_or(any) && threadIdx.x == 0) *found = 1;
+}
+
 static unsigned blocks(int64_t n) { return ddp__cuda_blocks(n, BLOCK); }
+
+static void cuda_round_low(float *dst, const float *src, int64_t n, bool bf16) {
+  if (n <= 0) return;
+  round_low_kernel<<<blocks(n), BLOCK, 0, ddp__cuda_stream()>>>(dst, src, n, bf16);
+}
+
+/* Each device's flag: one int of device memory, made on the first unscale
+ * on that device and kept (a steady step allocates nothing). */
+#define UNSCALE_DEVICES 64
+static int *unscale_flags[UNSCALE_DEVICES];
+static pthread_mutex_t unscale_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int *unscale_flag(void) {
+  const int dev = ddp__cuda_current_device();
+  if (dev < 0 || dev >= UNSCALE_DEVICES) return NULL;
+  pthread_mutex_lock(&unscale_lock);
+  if (!unscale_flags[dev]) unscale_flags[dev] = (int *)ddp__cuda_malloc(sizeof(int));
+  int *flag = unscale_flags[dev];
+  pthread_mutex_unlock(&unscale_lock);
+  return flag;
+}
+
+/* The flag is zeroed, set by the kernel and read back on the host (one
+ * small copy, which waits: the optimizer step's decision needs it). Two
+ * threads unscaling on one device at once would share the flag: the
+ * trainer unscales once per step on its thread. */
+static bool cuda_unscale_check(float *x, float inv, int64_t n) {
+  if (n <= 0) return false;
+  int *flag = unscale_flag();
+  if (!flag) {
+    ddp__cuda_defer(ddp_error(DDP_ERR_NOMEM, "cuda:%d: unscale: no device memory for the "
+                              "inf/NaN flag", ddp__cuda_current_device()));
+    return true; /* unknown: the caller must not step on these gradients */
+  }
+  cudaStream_t stream = ddp__cuda_stream();
+  ddp_status s = ddp__cuda_check(cudaMemsetAsync(flag, 0, sizeof(int), stream), "unscale");
+  int found = 0;
+  if (s == DDP_OK) {
+    unscale_check_kernel<<<blocks(n), BLOCK, 0, stream>>>(x, inv, n, flag);
+    s = ddp__cuda_copy(&found, flag, sizeof found, cudaMemcpyDeviceToHost);
+  }
+  if (s != DDP_OK) {
+    ddp__cuda_defer(s);
+    return true; /* unknown: the caller must not step on these gradients */
+  }
+  return found != 0;
+}
 
 static void cuda_div(float *x, float d, int64_t n) {
   if (n <= 0) return;
@@ -205,4 +278,6 @@ extern "C" const ddp__basic_kernels ddp__cuda_basic_kernels = {
     .div = cuda_div,
     .to_half = cuda_to_half,
     .from_half = cuda_from_half,
+    .round_low = cuda_round_low,
+    .unscale_check = cuda_unscale_check,
 };

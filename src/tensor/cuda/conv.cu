@@ -325,3 +325,37 @@ ddp_status ddp__cuda_conv2d_backward(float *dx, float *dw, float *db, const floa
 #endif
   return ddp__cuda_conv2d_backward_im2col(dx, dw, db, dy, x, w, g, dx_accumulate, arena);
 }
+
+/* Autocast's 16-bit convolution: cuDNN when the choice (DDP_CUDA_CONV)
+ * allows it and the build has it; im2col has no 16-bit path, so
+ * otherwise *done stays false and the op layer computes on rounded
+ * float32 operands (the same values within the bound, float32's speed). */
+extern "C" ddp_status ddp__cuda_conv2d_forward_low(bool bf16, float *y, const uint16_t *x,
+                                                   const uint16_t *w, const float *b,
+                                                   const ddp__conv2d_geom *g, ddp_arena *arena,
+                                                   bool *done) {
+  *done = false;
+#ifdef DDP_HAVE_CUDNN
+  bool use_cudnn = false;
+  if (ddp__cuda_conv_pick(&use_cudnn) == DDP_OK && use_cudnn)
+    return ddp__cudnn_conv2d_forward_low(bf16, y, x, w, b, g, arena, done);
+#else
+  (void)bf16, (void)y, (void)x, (void)w, (void)b, (void)g, (void)arena;
+#endif
+  return DDP_OK;
+}
+
+extern "C" ddp_status ddp__cuda_conv2d_backward_low(bool bf16, float *dx, float *dw,
+                                                    const uint16_t *dy, const uint16_t *x,
+                                                    const uint16_t *w, const ddp__conv2d_geom *g,
+                                                    ddp_arena *arena, bool *done) {
+  *done = false;
+#ifdef DDP_HAVE_CUDNN
+  bool use_cudnn = false;
+  if (ddp__cuda_conv_pick(&use_cudnn) == DDP_OK && use_cudnn)
+    return ddp__cudnn_conv2d_backward_low(bf16, dx, dw, dy, x, w, g, arena, done);
+#else
+  (void)bf16, (void)dx, (void)dw, (void)dy, (void)x, (void)w, (void)g, (void)arena;
+#endif
+  return DDP_OK;
+}

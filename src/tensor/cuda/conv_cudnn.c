@@ -33,7 +33,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ddp/tensor.h"
 #include "tensor/cuda/cudnn.h"
+#include "tensor/cuda/kernels_cuda.h" /* from_half: widening the 16-bit outputs */
 #include "tensor/cuda/runtime.h"
 
 /* ---- The choice ------------------------------------------------------------ */
@@ -290,6 +292,9 @@ typedef struct conv_plan {
   cudnnTensorDescriptor_t x, y, bias; /* (n, c, h, w), (n, o, oh, ow), (1, o, 1, 1) */
   cudnnFilterDescriptor_t w;          /* (o, c, kh, kw) */
   cudnnConvolutionDescriptor_t conv;
+  bool tf32; /* planned with TF32 allowed (ddp_cuda_allow_tf32) */
+  int low;   /* 0: float32; else the 16-bit data type (autocast's plans) */
+  cudnnTensorDescriptor_t y32; /* y as float32 (a 16-bit plan's bias add) */
   bool fwd_ok, data_ok, filter_ok; /* cuDNN takes the part with our algorithm */
   size_t fwd_bytes, data_bytes, filter_bytes; /* their workspaces */
 } conv_plan;
@@ -329,6 +334,7 @@ static bool describable(const ddp__conv2d_geom *g) {
 static void plan_destroy(conv_plan *p) {
   if (p->x) (void)cudnnDestroyTensorDescriptor(p->x);
   if (p->y) (void)cudnnDestroyTensorDescriptor(p->y);
+  if (p->y32) (void)cudnnDestroyTensorDescriptor(p->y32);
   if (p->bias) (void)cudnnDestroyTensorDescriptor(p->bias);
   if (p->w) (void)cudnnDestroyFilterDescriptor(p->w);
   if (p->conv) (void)cudnnDestroyConvolutionDescriptor(p->conv);
@@ -347,10 +353,14 @@ static ddp_status part_query(cudnnStatus_t status, const char *what, bool *ok, s
  * output size checked against g's, each part's support and workspace.
  * On failure p is left empty (nothing to destroy). */
 static ddp_status plan_make(conv_plan *p, const ddp__conv2d_geom *g, cudnnHandle_t handle,
-                            cudnn_dev *e) {
+                            cudnn_dev *e, int low) {
   memset(p, 0, sizeof *p);
   p->device = ddp__cuda_current_device();
   p->g = *g;
+  p->tf32 = low ? false : ddp_cuda_tf32_allowed();
+  p->low = low;
+  /* x, w and y in the data's type; the convolution computes in float */
+  const cudnnDataType_t dt = low ? (cudnnDataType_t)low : CUDNN_DATA_FLOAT;
   const int n = (int)g->n, c = (int)g->c, h = (int)g->h, w = (int)g->w, o = (int)g->o;
   const int kh = (int)g->kh, kw = (int)g->kw, oh = (int)g->oh, ow = (int)g->ow;
   const int stride = (int)g->stride, pad = (int)g->pad;
@@ -360,33 +370,47 @@ static ddp_status plan_make(conv_plan *p, const ddp__conv2d_geom *g, cudnnHandle
   if (st == DDP_OK)
     st = ddp__cudnn_check(cudnnCreateTensorDescriptor(&p->bias), "creating a descriptor");
   if (st == DDP_OK)
+    st = ddp__cudnn_check(cudnnCreateTensorDescriptor(&p->y32), "creating a descriptor");
+  if (st == DDP_OK)
     st = ddp__cudnn_check(cudnnCreateFilterDescriptor(&p->w), "creating a descriptor");
   if (st == DDP_OK)
     st = ddp__cudnn_check(cudnnCreateConvolutionDescriptor(&p->conv), "creating a descriptor");
   if (st == DDP_OK)
     st = ddp__cudnn_check(
-        cudnnSetTensor4dDescriptor(p->x, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, n, c, h, w),
+        cudnnSetTensor4dDescriptor(p->x, CUDNN_TENSOR_NCHW, dt, n, c, h, w),
         "conv2d: describing x");
   if (st == DDP_OK)
     st = ddp__cudnn_check(
-        cudnnSetTensor4dDescriptor(p->y, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, n, o, oh, ow),
+        cudnnSetTensor4dDescriptor(p->y, CUDNN_TENSOR_NCHW, dt, n, o, oh, ow),
         "conv2d: describing y");
+  if (st == DDP_OK)
+    st = ddp__cudnn_check(
+        cudnnSetTensor4dDescriptor(p->y32, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, n, o, oh, ow),
+        "conv2d: describing y (float32)");
   if (st == DDP_OK)
     st = ddp__cudnn_check(
         cudnnSetTensor4dDescriptor(p->bias, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, 1, o, 1, 1),
         "conv2d: describing the bias");
   if (st == DDP_OK)
     st = ddp__cudnn_check(
-        cudnnSetFilter4dDescriptor(p->w, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW, o, c, kh, kw),
+        cudnnSetFilter4dDescriptor(p->w, dt, CUDNN_TENSOR_NCHW, o, c, kh, kw),
         "conv2d: describing the weight");
   if (st == DDP_OK)
     st = ddp__cudnn_check(cudnnSetConvolution2dDescriptor(p->conv, pad, pad, stride, stride, 1,
                                                           1, CUDNN_CROSS_CORRELATION,
                                                           CUDNN_DATA_FLOAT),
                           "conv2d: describing the convolution");
-  if (st == DDP_OK) /* no TF32, no reduced precision: float32 FMAs */
-    st = ddp__cudnn_check(cudnnSetConvolutionMathType(p->conv, CUDNN_FMA_MATH),
-                          "conv2d: setting FMA math");
+  /* No TF32, no reduced precision: float32 FMAs; with the TF32 opt-in
+   * the tensor cores, float32 data converted to TF32 (PyTorch's
+   * cudnn.allow_tf32). The algorithms stay the fixed deterministic ones. */
+  /* A 16-bit plan: the tensor cores on the 16-bit data, float compute. */
+  if (st == DDP_OK)
+    st = ddp__cudnn_check(
+        cudnnSetConvolutionMathType(p->conv, low       ? CUDNN_TENSOR_OP_MATH
+                                             : p->tf32 ? CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION
+                                                       : CUDNN_FMA_MATH),
+        low ? "conv2d: setting tensor-op math" : p->tf32 ? "conv2d: setting TF32 tensor-op math"
+                                                         : "conv2d: setting FMA math");
   if (st == DDP_OK) { /* cuDNN must see the output we were given */
     int yn = 0, yc = 0, yh = 0, yw = 0;
     st = ddp__cudnn_check(
@@ -421,20 +445,22 @@ static ddp_status plan_make(conv_plan *p, const ddp__conv2d_geom *g, cudnnHandle
  * *spare (made here; the caller destroys it with plan_destroy) when the
  * cache is full. */
 static ddp_status plan_get(const ddp__conv2d_geom *g, cudnnHandle_t handle, cudnn_dev *e,
-                           conv_plan *spare, const conv_plan **out) {
+                           conv_plan *spare, const conv_plan **out, int low) {
   const int device = ddp__cuda_current_device();
   ddp_status st = DDP_OK;
   *out = NULL;
   pthread_mutex_lock(&plans_lock);
   for (int i = 0; i < n_plans && !*out; i++)
-    if (plans[i].device == device && same_geom(&plans[i].g, g)) *out = &plans[i];
+    if (plans[i].device == device && same_geom(&plans[i].g, g) && plans[i].low == low &&
+        (low || plans[i].tf32 == ddp_cuda_tf32_allowed()))
+      *out = &plans[i];
   if (!*out && n_plans < PLANS) {
-    st = plan_make(&plans[n_plans], g, handle, e);
+    st = plan_make(&plans[n_plans], g, handle, e, low);
     if (st == DDP_OK) *out = &plans[n_plans++];
   }
   pthread_mutex_unlock(&plans_lock);
   if (*out || st != DDP_OK) return st;
-  DDP_TRY(plan_make(spare, g, handle, e));
+  DDP_TRY(plan_make(spare, g, handle, e, low));
   *out = spare;
   return DDP_OK;
 }
@@ -456,7 +482,7 @@ static ddp_status workspace(ddp_arena *arena, size_t bytes, void **out) {
  * is not cached: the caller destroys it). *handle NULL: use im2col (g is
  * not describable). */
 static ddp_status prepare(const ddp__conv2d_geom *g, cudnnHandle_t *handle, cudnn_dev **e,
-                          conv_plan *spare, const conv_plan **plan) {
+                          conv_plan *spare, const conv_plan **plan, int low) {
   *handle = NULL;
   *plan = NULL;
   memset(spare, 0, sizeof *spare);
@@ -464,7 +490,7 @@ static ddp_status prepare(const ddp__conv2d_geom *g, cudnnHandle_t *handle, cudn
   cudnnHandle_t h = ddp__cuda_cudnn();
   if (!h) return ddp_error_wrap(DDP_ERR_UNSUPPORTED, "conv2d on cuDNN");
   *e = current_cudnn_dev(true);
-  DDP_TRY(plan_get(g, h, *e, spare, plan));
+  DDP_TRY(plan_get(g, h, *e, spare, plan, low));
   *handle = h;
   return DDP_OK;
 }
@@ -475,7 +501,7 @@ ddp_status ddp__cudnn_conv2d_forward(float *y, const float *x, const float *w, c
   cudnn_dev *e = NULL;
   conv_plan spare;
   const conv_plan *p;
-  DDP_TRY(prepare(g, &handle, &e, &spare, &p));
+  DDP_TRY(prepare(g, &handle, &e, &spare, &p, 0));
   if (!handle || !p->fwd_ok) {
     plan_destroy(&spare);
     return ddp__cuda_conv2d_forward_im2col(y, x, w, b, g, arena);
@@ -510,7 +536,7 @@ ddp_status ddp__cudnn_conv2d_backward(float *dx, float *dw, float *db, const flo
   cudnn_dev *e = NULL;
   conv_plan spare;
   const conv_plan *p;
-  DDP_TRY(prepare(g, &handle, &e, &spare, &p));
+  DDP_TRY(prepare(g, &handle, &e, &spare, &p, 0));
   if (!handle) return ddp__cuda_conv2d_backward_im2col(dx, dw, db, dy, x, w, g, dx_accumulate,
                                                        arena);
   ddp_status st = DDP_OK;
@@ -557,3 +583,107 @@ ddp_status ddp__cudnn_conv2d_backward(float *dx, float *dw, float *db, const flo
 }
 
 #endif /* DDP_HAVE_CUDNN */
+
+/* ---- Autocast: 16-bit data, float compute ---------------------------------------
+ * The float32 path's algorithms on bfloat16 / float16 descriptors (cuDNN's
+ * "pseudo half" configurations: 16-bit x, w, y, float accumulation), so
+ * the results are as deterministic. cuDNN writes 16-bit outputs into
+ * device scratch, which one conversion kernel widens into the float32
+ * tensor (exact). Where cuDNN refuses a part in 16 bits, nothing is done
+ * (*done false) and the op layer computes on rounded float32 operands. */
+
+static int low_type(bool bf16) { return bf16 ? (int)CUDNN_DATA_BFLOAT16 : (int)CUDNN_DATA_HALF; }
+
+ddp_status ddp__cudnn_conv2d_forward_low(bool bf16, float *y, const uint16_t *x,
+                                         const uint16_t *w, const float *b,
+                                         const ddp__conv2d_geom *g, ddp_arena *arena, bool *done) {
+  *done = false;
+  cudnnHandle_t handle;
+  cudnn_dev *e = NULL;
+  conv_plan spare;
+  const conv_plan *p;
+  DDP_TRY(prepare(g, &handle, &e, &spare, &p, low_type(bf16)));
+  if (!handle || !p->fwd_ok) {
+    plan_destroy(&spare);
+    return DDP_OK;
+  }
+  const int64_t ny = g->n * g->o * g->oh * g->ow;
+  void *ws = NULL;
+  uint16_t *y16 = ddp_arena_alloc(arena, (size_t)ny * sizeof *y16);
+  ddp_status st = y16 ? workspace(arena, p->fwd_bytes, &ws)
+                      : ddp_error(DDP_ERR_NOMEM, "cuda:%d: conv2d (16-bit): no scratch for its "
+                                  "output", ddp__cuda_current_device());
+  cudnnStatus_t conv = CUDNN_STATUS_SUCCESS, add = CUDNN_STATUS_SUCCESS;
+  if (st == DDP_OK) {
+    const float one = 1.0f, zero = 0.0f;
+    pthread_mutex_lock(&e->lock);
+    conv = cudnnConvolutionForward(handle, &one, p->x, x, p->w, w, p->conv, FWD_ALGO, ws,
+                                   p->fwd_bytes, &zero, p->y, y16);
+    if (conv == CUDNN_STATUS_SUCCESS) {
+      ddp__cuda_basic_kernels.from_half(y, y16, ny, bf16); /* exact */
+      if (b) add = cudnnAddTensor(handle, &one, p->bias, b, &one, p->y32, y);
+    }
+    pthread_mutex_unlock(&e->lock);
+  }
+  plan_destroy(&spare);
+  if (st != DDP_OK) return st;
+  if (refused(conv)) return DDP_OK; /* *done false: the caller computes it */
+  DDP_TRY(ddp__cudnn_check(conv, "conv2d forward (16-bit)"));
+  DDP_TRY(ddp__cudnn_check(add, "conv2d forward (16-bit): adding the bias"));
+  *done = true;
+  return DDP_OK;
+}
+
+ddp_status ddp__cudnn_conv2d_backward_low(bool bf16, float *dx, float *dw, const uint16_t *dy,
+                                          const uint16_t *x, const uint16_t *w,
+                                          const ddp__conv2d_geom *g, ddp_arena *arena,
+                                          bool *done) {
+  *done = false;
+  if (!dx && !dw) {
+    *done = true;
+    return DDP_OK;
+  }
+  cudnnHandle_t handle;
+  cudnn_dev *e = NULL;
+  conv_plan spare;
+  const conv_plan *p;
+  DDP_TRY(prepare(g, &handle, &e, &spare, &p, low_type(bf16)));
+  /* Both wanted parts in 16 bits, or neither (the caller's float32 path
+   * then does both) */
+  if (!handle || (dw && !p->filter_ok) || (dx && !p->data_ok)) {
+    plan_destroy(&spare);
+    return DDP_OK;
+  }
+  size_t bytes = 0;
+  if (dw && p->filter_bytes > bytes) bytes = p->filter_bytes;
+  if (dx && p->data_bytes > bytes) bytes = p->data_bytes;
+  const int64_t nw = g->o * g->c * g->kh * g->kw, nx = g->n * g->c * g->h * g->w;
+  uint16_t *dw16 = dw ? ddp_arena_alloc(arena, (size_t)nw * sizeof *dw16) : NULL;
+  uint16_t *dx16 = dx ? ddp_arena_alloc(arena, (size_t)nx * sizeof *dx16) : NULL;
+  void *ws = NULL;
+  ddp_status st = (dw && !dw16) || (dx && !dx16)
+                      ? ddp_error(DDP_ERR_NOMEM, "cuda:%d: conv2d backward (16-bit): no scratch "
+                                  "for its gradients", ddp__cuda_current_device())
+                      : workspace(arena, bytes, &ws);
+  cudnnStatus_t sf = CUDNN_STATUS_SUCCESS, sd = CUDNN_STATUS_SUCCESS;
+  if (st == DDP_OK) {
+    const float one = 1.0f, zero = 0.0f; /* beta 0: the 16-bit outputs are written */
+    pthread_mutex_lock(&e->lock);
+    if (dw)
+      sf = cudnnConvolutionBackwardFilter(handle, &one, p->x, x, p->y, dy, p->conv, FILTER_ALGO,
+                                          ws, bytes, &zero, p->w, dw16);
+    if (dx && sf == CUDNN_STATUS_SUCCESS)
+      sd = cudnnConvolutionBackwardData(handle, &one, p->w, w, p->y, dy, p->conv, DATA_ALGO, ws,
+                                        bytes, &zero, p->x, dx16);
+    pthread_mutex_unlock(&e->lock);
+  }
+  plan_destroy(&spare);
+  if (st != DDP_OK) return st;
+  if (refused(sf) || refused(sd)) return DDP_OK; /* nothing written to dx, dw */
+  DDP_TRY(ddp__cudnn_check(sf, "conv2d backward (dw, 16-bit)"));
+  DDP_TRY(ddp__cudnn_check(sd, "conv2d backward (dx, 16-bit)"));
+  if (dw) ddp__cuda_basic_kernels.from_half(dw, dw16, nw, bf16);
+  if (dx) ddp__cuda_basic_kernels.from_half(dx, dx16, nx, bf16);
+  *done = true;
+  return DDP_OK;
+}

@@ -94,6 +94,18 @@ ddp_status ddp__cudnn_conv2d_backward(float *dx, float *dw, float *db, const flo
                                       const float *x, const float *w, const ddp__conv2d_geom *g,
                                       bool dx_accumulate, ddp_arena *arena);
 
+/* Autocast's 16-bit convolution through cuDNN (kernels_dense.h's
+ * conv2d_forward_low / conv2d_backward_low, word for word): bfloat16 or
+ * float16 NCHW data, float compute, tensor-op math, the float32 path's
+ * deterministic algorithms. *done false when cuDNN refuses a part. */
+ddp_status ddp__cudnn_conv2d_forward_low(bool bf16, float *y, const uint16_t *x,
+                                         const uint16_t *w, const float *b,
+                                         const ddp__conv2d_geom *g, ddp_arena *arena, bool *done);
+ddp_status ddp__cudnn_conv2d_backward_low(bool bf16, float *dx, float *dw, const uint16_t *dy,
+                                          const uint16_t *x, const uint16_t *w,
+                                          const ddp__conv2d_geom *g, ddp_arena *arena,
+                                          bool *done);
+
 /* The cuDNN handle of the current device, bound to its compute stream
  * (ddp__cuda_stream), made on first use; NULL with the error set when it
  * cannot be made (tried once per device; the same error every later call). */

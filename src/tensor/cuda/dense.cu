@@ -1,10 +1,15 @@
 /* CUDA dense kernels: gemm through cuBLAS (float32, TF32 off: the handle's
- * math mode, src/tensor/cuda/runtime.h), linear layers on top of it, and
+ * math mode, src/tensor/cuda/runtime.h; TF32 only when a run opts in,
+ * ddp_cuda_allow_tf32; autocast's 16-bit GEMMs below), linear layers on top of it, and
  * the table that also holds convolution (cuda/conv.cu) and pooling
  * (cuda/pool.cu). Bias gradients are column sums reduced in a fixed order
  * by one kernel, never with atomics, so every run gives the same bits. */
 #include "tensor/cuda/kernels_cuda.h"
 #include "tensor/cuda/dense.h"
+
+extern "C" {
+#include "ddp/tensor.h" /* ddp_cuda_tf32_allowed */
+}
 
 /* c (m, n; row stride ldc) *= beta, where beta 0 clears c, NaN included
  * (BLAS's rule, and the CPU path's memset). */
@@ -33,6 +38,11 @@ cublasStatus_t ddp__cuda_gemm_status(bool trans_a, bool trans_b, int64_t m, int6
                         ddp__cuda_stream()>>>(c, beta, m, n, ldc);
     return CUBLAS_STATUS_SUCCESS;
   }
+  if (ddp_cuda_tf32_allowed()) /* the opt-in (ddp_cuda_allow_tf32): tensor cores on TF32 */
+    return cublasGemmEx_64(handle, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                           trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k, &alpha, b, CUDA_R_32F,
+                           ldb, a, CUDA_R_32F, lda, &beta, c, CUDA_R_32F, ldc,
+                           CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT);
   return cublasSgemm_64(handle, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
                         trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k, &alpha, b, ldb, a, lda,
                         &beta, c, ldc);
@@ -107,6 +117,62 @@ static void cuda_linear_backward(float *dx, bool dx_accumulate, float *dw, float
   }
 }
 
+/* ---- autocast: 16-bit operands, float32 accumulation ----------------------
+ * cublasGemmEx with CUDA_R_16BF (CUDA_R_16F) inputs, a CUDA_R_32F output
+ * and CUBLAS_COMPUTE_32F: the tensor cores multiply the 16-bit values
+ * exactly and add in float32, as PyTorch's autocast matmul does (whose
+ * cuBLAS call writes a bf16 output, rounded once from the same float32
+ * accumulator: the op layer rounds ours once). The handle's math mode
+ * (DISALLOW_REDUCED_PRECISION_REDUCTION) and CUBLAS_ATOMICS_NOT_ALLOWED
+ * hold here too: the same inputs give the same bits every run. */
+static ddp_status cuda_gemm_low(bool bf16, bool trans_a, bool trans_b, int64_t m, int64_t n,
+                                int64_t k, const uint16_t *a, int64_t lda, const uint16_t *b,
+                                int64_t ldb, float beta, float *c, int64_t ldc) {
+  if (m <= 0 || n <= 0) return DDP_OK;
+  cublasHandle_t handle = ddp__cuda_cublas();
+  if (!handle) return ddp__cublas_check(CUBLAS_STATUS_NOT_INITIALIZED, "autocast gemm");
+  if (k <= 0) {
+    scale_rows_kernel<<<ddp__cuda_blocks(m * n, DDP__CUDA_BLOCK), DDP__CUDA_BLOCK, 0,
+                        ddp__cuda_stream()>>>(c, beta, m, n, ldc);
+    return DDP_OK;
+  }
+  const cudaDataType_t type = bf16 ? CUDA_R_16BF : CUDA_R_16F;
+  const float alpha = 1.0f;
+  /* row-major as column-major: b first, a second (ddp__cuda_gemm_status) */
+  return ddp__cublas_check(
+      cublasGemmEx_64(handle, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                      trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k, &alpha, b, type, ldb, a,
+                      type, lda, &beta, c, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F,
+                      CUBLAS_GEMM_DEFAULT),
+      bf16 ? "autocast gemm (bf16)" : "autocast gemm (fp16)");
+}
+
+static ddp_status cuda_linear_forward_low(bool bf16, float *y, const uint16_t *x,
+                                          const uint16_t *w, const float *b, int64_t rows,
+                                          int64_t in, int64_t out) {
+  if (rows <= 0 || out <= 0) return DDP_OK;
+  if (b)
+    rows_from_bias_kernel<<<ddp__cuda_blocks(rows * out, DDP__CUDA_BLOCK), DDP__CUDA_BLOCK, 0,
+                            ddp__cuda_stream()>>>(y, b, rows, out);
+  return cuda_gemm_low(bf16, false, true, rows, out, in, x, in, w, in, b ? 1.0f : 0.0f, y, out);
+}
+
+static ddp_status cuda_linear_backward_low(bool bf16, float *dx, float *dw, float *db,
+                                           const float *dy, const uint16_t *dy16,
+                                           const uint16_t *x, const uint16_t *w, int64_t rows,
+                                           int64_t in, int64_t out) {
+  if (dw) /* dw (out, in) = dy^T (out, rows) @ x (rows, in) */
+    DDP_TRY(cuda_gemm_low(bf16, true, false, out, in, rows, dy16, out, x, in, 0.0f, dw, in));
+  if (dx) /* dx (rows, in) = dy (rows, out) @ w (out, in) */
+    DDP_TRY(cuda_gemm_low(bf16, false, false, rows, in, out, dy16, out, w, in, 0.0f, dx, in));
+  if (db && out > 0) {
+    const dim3 block(COLSUM_X, COLSUM_Y);
+    const int64_t grid = (out + COLSUM_X - 1) / COLSUM_X;
+    column_sums_add_kernel<<<(unsigned)grid, block, 0, ddp__cuda_stream()>>>(db, dy, rows, out);
+  }
+  return DDP_OK;
+}
+
 extern "C" const ddp__dense_kernels ddp__cuda_dense_kernels = {
     .gemm = cuda_gemm,
     .linear_forward = cuda_linear_forward,
@@ -115,4 +181,9 @@ extern "C" const ddp__dense_kernels ddp__cuda_dense_kernels = {
     .conv2d_backward = ddp__cuda_conv2d_backward,
     .max_pool2d_forward = ddp__cuda_max_pool2d_forward,
     .max_pool2d_backward = ddp__cuda_max_pool2d_backward,
+    .gemm_low = cuda_gemm_low,
+    .linear_forward_low = cuda_linear_forward_low,
+    .linear_backward_low = cuda_linear_backward_low,
+    .conv2d_forward_low = ddp__cuda_conv2d_forward_low,
+    .conv2d_backward_low = ddp__cuda_conv2d_backward_low,
 };

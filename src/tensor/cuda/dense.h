@@ -22,6 +22,12 @@ ddp_status ddp__cuda_conv2d_forward(float *y, const float *x, const float *w, co
 ddp_status ddp__cuda_conv2d_backward(float *dx, float *dw, float *db, const float *dy,
                                      const float *x, const float *w, const ddp__conv2d_geom *g,
                                      bool dx_accumulate, ddp_arena *arena);
+ddp_status ddp__cuda_conv2d_forward_low(bool bf16, float *y, const uint16_t *x, const uint16_t *w,
+                                        const float *b, const ddp__conv2d_geom *g,
+                                        ddp_arena *arena, bool *done);
+ddp_status ddp__cuda_conv2d_backward_low(bool bf16, float *dx, float *dw, const uint16_t *dy,
+                                         const uint16_t *x, const uint16_t *w,
+                                         const ddp__conv2d_geom *g, ddp_arena *arena, bool *done);
 void ddp__cuda_max_pool2d_forward(float *y, void *argmax, float *argval, const float *x,
                                   int64_t planes, int64_t h, int64_t w, int64_t kernel,
                                   int64_t stride, int64_t oh, int64_t ow, bool relu,
