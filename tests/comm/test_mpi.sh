@@ -12,7 +12,7 @@ set -u
 bin=${1:?usage: test_mpi.sh PATH/TO/test_mpi_ranks}
 shift
 modes=("$@")
-[ ${#modes[@]} -gt 0 ] || modes=(outside matrix p2p subgroups usercomm mismatch stall kill)
+[ ${#modes[@]} -gt 0 ] || modes=(outside matrix p2p subgroups usercomm arrival mismatch stall kill)
 command -v mpirun >/dev/null || { echo "SKIP: mpirun not found (scripts/install-deps.sh mpi)"; exit 77; }
 [ -x "$bin" ] || { echo "SKIP: $bin absent: this build has no MPI backend"; exit 77; }
 . "$(dirname "$0")/../support/mpi_env.sh"
@@ -44,19 +44,30 @@ for mode in "${modes[@]}"; do
     else
       echo "FAIL: DDP_DEBUG=detail mismatch"; cat "$out"; failed=1
     fi ;;
+  arrival)
+    # A rank first at a large blocking allreduce sleeps while it waits for
+    # late peers (the arrival barrier), at 2 ranks; the sum is checked.
+    # Open MPI's waits spin without yielding here, so that a wait in MPI's
+    # blocking call (no barrier) uses its core's CPU even on a loaded host,
+    # where yielding hands the core to the other programs.
+    if (export OMPI_MCA_mpi_yield_when_idle=0; run_mpi 2 arrival); then
+      echo "ok: arrival barrier: $(grep -m1 'rank 0 waited' "$out")"
+    else
+      echo "FAIL: arrival barrier"; cat "$out"; failed=1
+    fi ;;
   stall)
     # Rank 1 sleeps 30 s; the op's 3 s timeout ends the job naming it, well
-    # before the sleep ends: by the watchdog (blocking call) or the wait.
-    for b in default 0; do
-      if [ "$b" = default ]; then unset DDP_MPI_BLOCKING_BYTES; else export DDP_MPI_BLOCKING_BYTES=$b; fi
+    # before the sleep ends: by the watchdog (blocking call), the wait
+    # (DDP_MPI_BLOCKING_BYTES=0), or the arrival barrier's wait
+    # (DDP_MPI_ARRIVAL_BYTES=0: every blocking collective waits there first).
+    for setting in default DDP_MPI_BLOCKING_BYTES=0 DDP_MPI_ARRIVAL_BYTES=0; do
       start=$(date +%s)
-      run_mpi 2 stall; rc=$?
+      ( [ "$setting" = default ] || export "${setting?}"; run_mpi 2 stall ); rc=$?
       took=$(($(date +%s) - start))
-      unset DDP_MPI_BLOCKING_BYTES
       if [ $rc -ne 0 ] && [ $took -lt 25 ] && grep -q "allreduce #2 (rank 0 of 2).*did not complete in time" "$out"; then
-        echo "ok: a stalled peer ended the job in ${took}s (DDP_MPI_BLOCKING_BYTES $b): $(grep -o 'allreduce #2 (rank 0 of 2)[^;]*' "$out" | head -1)"
+        echo "ok: a stalled peer ended the job in ${took}s ($setting): $(grep -o 'allreduce #2 (rank 0 of 2)[^;]*' "$out" | head -1)"
       else
-        echo "FAIL: stalled peer, DDP_MPI_BLOCKING_BYTES $b (exit $rc after ${took}s)"; cat "$out"; failed=1
+        echo "FAIL: stalled peer, $setting (exit $rc after ${took}s)"; cat "$out"; failed=1
       fi
     done ;;
   kill)
@@ -108,21 +119,23 @@ for mode in "${modes[@]}"; do
       fi
     done ;;
   *)
-    # The default (every blocking call as MPI's blocking collective), and
-    # the matrix again with every collective nonblocking (0) and blocking
-    # calls up to 64 KiB per rank blocking, larger ones nonblocking.
+    # The default (every blocking call as MPI's blocking collective, those
+    # of 64 KiB per rank and more after the arrival barrier), and the matrix
+    # again with every collective nonblocking (DDP_MPI_BLOCKING_BYTES=0),
+    # blocking calls up to 64 KiB per rank blocking and larger ones
+    # nonblocking, and every blocking collective after the arrival barrier
+    # (DDP_MPI_ARRIVAL_BYTES=0).
     settings=(default)
-    [ "$mode" = matrix ] && settings=(default 0 65536)
+    [ "$mode" = matrix ] && settings=(default DDP_MPI_BLOCKING_BYTES=0 DDP_MPI_BLOCKING_BYTES=65536 DDP_MPI_ARRIVAL_BYTES=0)
     for np in 2 4; do
-      for b in "${settings[@]}"; do
-        if [ "$b" = default ]; then unset DDP_MPI_BLOCKING_BYTES; else export DDP_MPI_BLOCKING_BYTES=$b; fi
-        if run_mpi "$np" "$mode"; then
-          echo "ok: $mode at $np ranks (DDP_MPI_BLOCKING_BYTES $b)"
+      for setting in "${settings[@]}"; do
+        ( [ "$setting" = default ] || export "${setting?}"; run_mpi "$np" "$mode" ); rc=$?
+        if [ $rc -eq 0 ]; then
+          echo "ok: $mode at $np ranks ($setting)"
         else
-          echo "FAIL: $mode at $np ranks, DDP_MPI_BLOCKING_BYTES $b (exit $?)"; cat "$out"; failed=1
+          echo "FAIL: $mode at $np ranks, $setting (exit $rc)"; cat "$out"; failed=1
         fi
       done
-      unset DDP_MPI_BLOCKING_BYTES
     done ;;
   esac
 done

@@ -14,6 +14,11 @@
  *   stall     rank 1 sleeps past the group's 3 s timeout before an
  *             allreduce: rank 0's ends the job naming the op (the watchdog of
  *             a blocking call, or the nonblocking wait's DDP_ERR_TIMEOUT)
+ *   arrival   the ranks but 0 sleep 1 s before a 1 MiB blocking allreduce:
+ *             rank 0, there first, waits at the arrival barrier sleeping
+ *             (its thread's CPU time under half the wait's wall time; a
+ *             spinning wait takes all of it on an idle core), and the
+ *             sum is the closed form
  *   mismatch  under DDP_DEBUG=detail, rank 1 reduces 5 elements where the
  *             others reduce 4: every rank fails naming the mismatch (the
  *             fingerprints go through the group's store from MPI's rank 0)
@@ -35,6 +40,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "comm/comm_matrix_body.h"
@@ -225,6 +231,44 @@ static int mode_mismatch(ddp_process_group *pg) {
   return 0;
 }
 
+static double clock_s(clockid_t id) {
+  struct timespec ts;
+  clock_gettime(id, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int mode_arrival(ddp_process_group *pg) {
+  enum { N = 1 << 18 }; /* 1 MiB of float32 per rank: past DDP_MPI_ARRIVAL_BYTES's default */
+  int r = ddp_process_group_rank(pg), n = ddp_process_group_size(pg);
+  static float v[N];
+  for (int i = 0; i < N; i++) v[i] = (float)(r + 1) + (float)(i % 7);
+  if (ddp_barrier(pg) != DDP_OK) return bad("barrier");
+  if (r != 0) sleep(1);
+  double wall0 = clock_s(CLOCK_MONOTONIC), cpu0 = clock_s(CLOCK_THREAD_CPUTIME_ID);
+  if (ddp_allreduce(pg, v, N, DDP_FLOAT32, DDP_REDUCE_SUM) != DDP_OK) return bad("1 MiB allreduce");
+  double wall = clock_s(CLOCK_MONOTONIC) - wall0, cpu = clock_s(CLOCK_THREAD_CPUTIME_ID) - cpu0;
+  for (int i = 0; i < N; i++) {
+    float want = (float)(n * (n + 1) / 2) + (float)(n * (i % 7)); /* small integers: exact */
+    if (v[i] != want) {
+      fprintf(stderr, "test_mpi_ranks: rank %d: element %d is %g, want %g\n", r, i, v[i], want);
+      return 1;
+    }
+  }
+  if (r == 0) {
+    printf("rank 0 waited %.3f s for its peers at a 1 MiB allreduce using %.3f s of CPU\n", wall, cpu);
+    if (wall < 0.5) {
+      fprintf(stderr, "test_mpi_ranks: rank 0 waited only %.3f s; the others sleep 1 s first\n", wall);
+      return 1;
+    }
+    if (cpu > 0.5 * wall) {
+      fprintf(stderr, "test_mpi_ranks: rank 0 spent %.3f s of CPU in a %.3f s wait for late peers: the arrival "
+              "barrier should sleep (docs/comm.md, \"Blocking and nonblocking, and polling\")\n", cpu, wall);
+      return 1;
+    }
+  }
+  return 0;
+}
+
 static int mode_stall(ddp_process_group *pg) {
   float v[2] = {1, 2};
   if (ddp_allreduce(pg, v, 2, DDP_FLOAT32, DDP_REDUCE_SUM) != DDP_OK) return bad("first allreduce");
@@ -348,6 +392,7 @@ int main(int argc, char **argv) {
   else if (!strcmp(mode, "subgroups")) rc = mode_subgroups(pg);
   else if (!strcmp(mode, "kill")) rc = mode_kill(pg);
   else if (!strcmp(mode, "stall")) rc = mode_stall(pg);
+  else if (!strcmp(mode, "arrival")) rc = mode_arrival(pg);
   else if (!strcmp(mode, "mismatch")) rc = mode_mismatch(pg);
   else if (!strcmp(mode, "hier")) rc = mode_hier(pg);
   else fprintf(stderr, "test_mpi_ranks: unknown mode \"%s\"\n", mode);
