@@ -185,7 +185,10 @@ ddp_status ddp_conv2d(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_ten
                                          &done));
   }
   if (!done) {
-    xd = ddp__autocast_operand(tape, x, low, true, &s);
+    /* x never through the cast cache: backward reads xd (ctx->xr), and a
+     * cache copy may be freed (ddp_autocast_cache_free, thread exit) or
+     * refilled by a later region before the backward runs */
+    xd = ddp__autocast_operand(tape, x, low, false, &s);
     const float *wd = s == DDP_OK ? ddp__autocast_operand(tape, weight, low, true, &s) : NULL;
     const float *bd = s == DDP_OK ? ddp__autocast_operand(tape, bias, low, true, &s) : NULL;
     if (s != DDP_OK) return s;

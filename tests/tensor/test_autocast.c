@@ -826,6 +826,55 @@ static void test_conv_kernels_round_fp16(void **state) {
   for_each_family(check_conv_rounding, DDP_FLOAT16, "fp16");
 }
 
+/* conv2d keeps the input as its forward rounded it for the backward. A
+ * leaf input that requires grad must not be kept as the thread's cast
+ * cache's copy: ddp_autocast_cache_free between the forward and the
+ * backward releases that copy, and the next region's fill reuses the
+ * memory. The weight's gradient must come out the same, bit for bit, as
+ * with an input the cache never holds. */
+static void test_conv_saved_input_outlives_cache(void **state) {
+  (void)state;
+  int64_t sx[4] = {2, 3, 9, 9}, sw[4] = {4, 3, 3, 3};
+  ddp_tensor *x = gradcheck_random(4, sx, -2, 2, 21, true);
+  ddp_tensor *x2 = gradcheck_random(4, sx, -2, 2, 22, true);
+  ddp_tensor *w = gradcheck_random(4, sw, -1, 1, 23, true);
+  ddp_tensor *xc, *y, *y2;
+  assert_int_equal(ddp_tensor_create(&xc, DDP_FLOAT32, 4, sx), DDP_OK);
+  memcpy(xc->data, x->data, (size_t)x->numel * sizeof(float));
+  const size_t wbytes = (size_t)w->numel * sizeof(float);
+  float *dw_ref = malloc(wbytes);
+  assert_non_null(dw_ref);
+  /* the reference: the same values in a tensor that is not a leaf
+   * requiring grad (rounded into the tape's scratch) */
+  ddp_tape *tape = new_tape(), *other = new_tape();
+  assert_int_equal(ddp_autocast_enter(DDP_PRECISION_BF16), DDP_OK);
+  assert_int_equal(ddp_conv2d(tape, xc, w, NULL, 1, 1, &y), DDP_OK);
+  assert_int_equal(ddp_autocast_exit(), DDP_OK);
+  assert_int_equal(backward_ones(tape, y), DDP_OK);
+  memcpy(dw_ref, w->grad, wbytes);
+  ddp_tensor_free_grad(w);
+  ddp_tape_reset(tape);
+  /* the leaf: its cached copy freed, then its memory filled by another
+   * leaf's copy, before the backward */
+  assert_int_equal(ddp_autocast_enter(DDP_PRECISION_BF16), DDP_OK);
+  assert_int_equal(ddp_conv2d(tape, x, w, NULL, 1, 1, &y), DDP_OK);
+  assert_int_equal(ddp_autocast_exit(), DDP_OK);
+  ddp_autocast_cache_free();
+  assert_int_equal(ddp_autocast_enter(DDP_PRECISION_BF16), DDP_OK);
+  assert_int_equal(ddp_conv2d(other, x2, w, NULL, 1, 1, &y2), DDP_OK);
+  assert_int_equal(ddp_autocast_exit(), DDP_OK);
+  assert_int_equal(backward_ones(tape, y), DDP_OK);
+  assert_memory_equal(w->grad, dw_ref, wbytes);
+  ddp_autocast_cache_free();
+  free(dw_ref);
+  ddp_tape_destroy(other);
+  ddp_tape_destroy(tape);
+  ddp_tensor_destroy(xc);
+  ddp_tensor_destroy(x);
+  ddp_tensor_destroy(x2);
+  ddp_tensor_destroy(w);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_regions_nest),
@@ -836,6 +885,7 @@ int main(void) {
       cmocka_unit_test(test_bf16_gemm_kernel),
       cmocka_unit_test(test_conv_kernels_round_bf16),
       cmocka_unit_test(test_conv_kernels_round_fp16),
+      cmocka_unit_test(test_conv_saved_input_outlives_cache),
       cmocka_unit_test(test_parity_bf16),
       cmocka_unit_test(test_parity_fp16),
       cmocka_unit_test(test_chain_bf16),
