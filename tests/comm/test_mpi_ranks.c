@@ -238,7 +238,7 @@ static double clock_s(clockid_t id) {
 }
 
 static int mode_arrival(ddp_process_group *pg) {
-  enum { N = 1 << 18 }; /* 1 MiB of float32 per rank: past DDP_MPI_ARRIVAL_BYTES's default */
+  enum { N = 1 << 18 }; /* 1 MiB of float32 per rank: past the DDP_MPI_ARRIVAL_BYTES test_mpi.sh sets */
   int r = ddp_process_group_rank(pg), n = ddp_process_group_size(pg);
   static float v[N];
   for (int i = 0; i < N; i++) v[i] = (float)(r + 1) + (float)(i % 7);

@@ -603,12 +603,12 @@ ddp_status ddp__backend_mpi_create(const ddp__backend_config *cfg, ddp__backend 
    * call's tens to thousands; small calls (a loss, a metric) come right
    * after the gradients' and find their peers there (docs/comm.md). */
   int64_t ab = 64 * 1024;
-  est = ddp_env_int("DDP_MPI_ARRIVAL_BYTES", 64 * 1024, &ab);
+  est = ddp_env_int("DDP_MPI_ARRIVAL_BYTES", -1, &ab);
   if (est != DDP_OK || ab < -1) {
     ddp_free(m);
     return ddp_error(DDP_ERR_INVALID, "%s: DDP_MPI_ARRIVAL_BYTES \"%s\" is not a byte count (blocking collectives of "
                      "at least that many bytes per rank wait for every rank, sleeping, before MPI's call; 0: "
-                     "every one; -1: none; default 65536)", who, ddp_env_str("DDP_MPI_ARRIVAL_BYTES", ""));
+                     "every one; -1: none, the default)", who, ddp_env_str("DDP_MPI_ARRIVAL_BYTES", ""));
   }
   m->arrival_bytes = ab < 0 ? SIZE_MAX : (size_t)ab;
   for (int d = 0; d < DDP_DTYPE_COUNT; d++) {
