@@ -37,8 +37,8 @@
 #include "ddp/data.h"
 #include "ddp/nn.h"
 #include "ddp/optim.h"
+#include "tensor/autocast.h" /* the low-precision path's instructions */
 #ifdef DDP_HAVE_CUDA
-#include "tensor/autocast.h"   /* the low-precision path's instructions */
 #include "tensor/cuda/cudnn.h" /* which convolution the backend runs */
 #endif
 
