@@ -37,6 +37,7 @@
 #include "ddp/data.h"
 #include "ddp/nn.h"
 #include "ddp/optim.h"
+#include "tensor/autocast.h" /* the low-precision path's instructions */
 #ifdef DDP_HAVE_CUDA
 #include "tensor/cuda/cudnn.h" /* which convolution the backend runs */
 #endif
@@ -320,13 +321,20 @@ int main(int argc, char **argv) {
       printf(", \"conv\": \"%s\"", ddp__cuda_conv_impl());
 #endif
     }
+    if (!on_gpu) /* the instruction set each precision's step used */
+      printf(", \"cpu_kernels\": \"%s\", \"low_precision_path\": \"%s\"", ddp_cpu_kernels(),
+             precision == DDP_PRECISION_FP32 ? "none" : ddp__autocast_kernels());
     printf("}\n");
   }
-  else
+  else {
     printf("ddp convnet threads=%d batch=%lld steps=%lld samples_per_s=%.1f (median of %lld) "
            "final_loss=%.4f%s\n",
            threads, (long long)batch, (long long)steps, median, (long long)repeats, last_loss,
            cuda_graph ? " cuda_graph" : "");
+    if (!on_gpu)
+      printf("CPU kernel family: %s; low-precision path: %s\n", ddp_cpu_kernels(),
+             precision == DDP_PRECISION_FP32 ? "none (fp32)" : ddp__autocast_kernels());
+  }
 
   ddp_cuda_graph_destroy(graph);
   ddp_tensor_destroy(gx);

@@ -114,12 +114,44 @@ static ddp_status conv2d_low_backward(ddp_tape *tape, ddp__node *node) {
 const ddp__conv2d_geom *ddp__conv2d_foldable(ddp_tape *tape, const ddp_tensor *t) {
   if (!t || t->node < 0) return NULL;
   const ddp__node *node = ddp__tape_node(tape, t);
-  if (node->backward != conv2d_backward) return NULL;
+  const ddp__conv2d_geom *g;
+  if (node->backward == conv2d_backward) {
+    g = node->ctx;
+  } else if (node->backward == conv2d_low_backward) {
+    /* under autocast on the CPU (the kernels rounded y, and backward reads
+     * the input as forward rounded it): the fold reads the same operands
+     * (ddp__conv2d_fold_operands) */
+    const conv_low_ctx *ctx = node->ctx;
+    if (ctx->g.round == DDP_FLOAT32 || !ctx->xr) return NULL;
+    g = &ctx->g;
+  } else {
+    return NULL;
+  }
   const ddp_tensor *x = node->in[0], *w = node->in[1];
   if ((x->flags & DDP_TENSOR_REQUIRES_GRAD) || !(w->flags & DDP_TENSOR_REQUIRES_GRAD))
     return NULL;
-  const ddp__conv2d_geom *g = node->ctx;
   return g->stride == 1 && g->oh * g->ow > 1 ? g : NULL;
+}
+
+ddp_status ddp__conv2d_fold_operands(ddp_tape *tape, const ddp_tensor *t,
+                                     ddp__conv2d_fold_in *in) {
+  const ddp__node *node = ddp__tape_node(tape, t);
+  ddp_tensor *x = node->in[0], *w = node->in[1], *b = node->in[2];
+  if (node->backward == conv2d_backward) {
+    *in = (ddp__conv2d_fold_in){.x = x->data, .w = w->data, .b = b ? b->data : NULL,
+                                .low = DDP_FLOAT32};
+    return DDP_OK;
+  }
+  /* conv2d_low_backward's operands: the input as forward rounded it, the
+   * weight and bias rounded again (tape scratch: the cast cache's copies
+   * may be gone by now), as conv2d_low_backward reads them */
+  const conv_low_ctx *ctx = node->ctx;
+  ddp_status s = DDP_OK;
+  const float *wr = ddp__autocast_operand(tape, w, ctx->low, false, &s);
+  const float *br = s == DDP_OK ? ddp__autocast_operand(tape, b, ctx->low, false, &s) : NULL;
+  if (s != DDP_OK) return s;
+  *in = (ddp__conv2d_fold_in){.x = ctx->xr, .w = wr, .b = br, .low = ctx->low};
+  return DDP_OK;
 }
 
 ddp_status ddp_conv2d(ddp_tape *tape, ddp_tensor *x, ddp_tensor *weight, ddp_tensor *bias,

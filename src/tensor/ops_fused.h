@@ -31,7 +31,22 @@ ddp_status ddp__relu_max_pool2d_affine(ddp_tape *tape, ddp_tensor *x, const floa
  * (batch_norm_backward_conv): the block keeps t's values at the pooling
  * windows' maxima and releases t's memory once it has pooled it; the
  * conv2d node then finds no gradient and is skipped. The caller must own
- * t (DDP__TENSOR_REUSABLE: no one else reads it or its gradient). */
+ * t (DDP__TENSOR_REUSABLE: no one else reads it or its gradient).
+ * A conv2d recorded under autocast folds too where the CPU kernels rounded
+ * its output (docs/tensor.md, "Mixed precision": where the folded
+ * backward rounds). */
 const ddp__conv2d_geom *ddp__conv2d_foldable(ddp_tape *tape, const ddp_tensor *t);
+
+/* What a folded convolution's backward reads: the values its forward
+ * computed from (input, weight, bias (NULL when none); under autocast as
+ * rounded to `low`), and `low`, the dtype its weight and bias gradients
+ * are rounded to before they reach the float32 gradients (DDP_FLOAT32:
+ * none). For a t that ddp__conv2d_foldable accepted. */
+typedef struct ddp__conv2d_fold_in {
+  const float *x, *w, *b;
+  ddp_dtype low;
+} ddp__conv2d_fold_in;
+ddp_status ddp__conv2d_fold_operands(ddp_tape *tape, const ddp_tensor *t,
+                                     ddp__conv2d_fold_in *in);
 
 #endif

@@ -278,18 +278,35 @@ static ddp_status backward_folding_conv(ddp_tape *tape, ddp__node *node,
                                         const ddp__bn_grad *dy) {
   ddp_tensor *x = node->in[0], *weight = node->in[1], *bias = node->in[2];
   const ddp__node *conv = ddp__tape_node(tape, x);
+  ddp_tensor *conv_w = conv->in[1], *conv_b = conv->in[2];
+  ddp__conv2d_fold_in in;
+  DDP_TRY(ddp__conv2d_fold_operands(tape, x, &in));
   ddp_status s = DDP_OK;
   float *dweight = ddp__tape_grad(tape, weight, &s);
   float *dbias = ddp__tape_grad(tape, bias, &s);
-  float *conv_dw = ddp__tape_grad(tape, conv->in[1], &s);
-  float *conv_db = ddp__tape_grad(tape, conv->in[2], &s);
+  float *conv_dw, *conv_db;
+  if (in.low == DDP_FLOAT32) {
+    conv_dw = ddp__tape_grad(tape, conv_w, &s);
+    conv_db = ddp__tape_grad(tape, conv_b, &s);
+  } else {
+    /* Under autocast the convolution's weight and bias gradients are
+     * summed in float32 (zeroed scratch: the kernel adds to them) and
+     * rounded to the low dtype once, as conv2d_low_backward delivers them.
+     * Batch norm's dx, which that backward would round element by element
+     * before reading it, is never formed, so never rounded (docs/tensor.md,
+     * "Mixed precision"). */
+    conv_dw = s == DDP_OK ? ddp__autocast_grad_scratch(tape, conv_w, true, &s) : NULL;
+    conv_db = s == DDP_OK ? ddp__autocast_grad_scratch(tape, conv_b, true, &s) : NULL;
+  }
   if (s != DDP_OK) return s;
   const ddp__kernels *k = ddp__kernels_for(node->out->device);
-  return k->pointwise->batch_norm_backward_conv(
+  DDP_TRY(k->pointwise->batch_norm_backward_conv(
       dweight, dbias, dy, pc->argval, ctx->mean, ctx->invstd, weight ? weight->data : NULL,
-      ctx->N, ctx->C, ctx->HW, ctx->batch_stats, pc->fold, conv->in[0]->data,
-      conv->in[1]->data, conv->in[2] ? conv->in[2]->data : NULL, conv_dw, conv_db,
-      ddp__tape_arena_on(tape, x->device));
+      ctx->N, ctx->C, ctx->HW, ctx->batch_stats, pc->fold, in.x, in.w, in.b, conv_dw, conv_db,
+      ddp__tape_arena_on(tape, x->device)));
+  if (in.low == DDP_FLOAT32) return DDP_OK;
+  DDP_TRY(ddp__autocast_grad_deliver(tape, conv_w, conv_dw, in.low));
+  return ddp__autocast_grad_deliver(tape, conv_b, conv_db, in.low);
 }
 
 static ddp_status batch_norm_relu_max_pool2d_backward(ddp_tape *tape, ddp__node *node) {

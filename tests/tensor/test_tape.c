@@ -1,7 +1,7 @@
 /* The tape: backward through add/reshape/flatten against finite differences,
  * backward into fresh (unzeroed) gradient buffers and into a tensor's own
  * data, a view's gradient handed over to its input, a first convolution
- * folded into batch norm's backward,
+ * folded into batch norm's backward (in float32 and under autocast),
  * grad hooks firing once per parameter when final, leaves counted per tape
  * (two tapes on the same parameters), no-grad mode, errors. */
 #include <setjmp.h>
@@ -413,6 +413,140 @@ static void test_conv_folded_into_batch_norm(void **state) {
   ddp__cpu_force_family(-1);
 }
 
+/* The same fold under autocast (bfloat16 and float16; cpu/conv_fold.c,
+ * docs/tensor.md "Mixed precision"): the conv2d recorded in the region
+ * folds as the float32 one does (c's memory released, no gradient of c),
+ * reading the operands its forward read (x and w rounded to the low dtype),
+ * and hands w and b gradients that are low-dtype values, as
+ * conv2d_low_backward's are. Against the unfolded run (autocast's unfused
+ * rule: batch norm's dx rounded element by element to the low dtype before
+ * the convolution's backward reads it): the fold never forms dx, so never
+ * rounds it, and sums batch norm's (x - mean) terms from the convolution's
+ * unrounded result; each of those differs from the unfused term by at most
+ * one rounding (u, the low dtype's unit roundoff) of a term of dx times a
+ * patch value, so the two agree within
+ *   2 u sum |dx| |patch|  (u of each: dx's rounding, x's)
+ * plus one ulp of the low dtype at the result (both round their sums once,
+ * and may land on neighbours), with dx the unfolded run's gradient of c. */
+static double unit_roundoff(ddp_dtype low) { return low == DDP_BFLOAT16 ? 0x1p-8 : 0x1p-11; }
+
+static double low_ulp(double v, ddp_dtype low) {
+  const double a = fabs(v);
+  int e = a > 0 ? ilogb(a) : -1000;
+  if (low == DDP_BFLOAT16) return ldexp(1.0, (e < -126 ? -126 : e) - 7);
+  return ldexp(1.0, (e < -14 ? -14 : e) - 10);
+}
+
+static float round_low(float v, ddp_dtype low) {
+  return low == DDP_BFLOAT16 ? ddp_bf16_to_float(ddp_float_to_bf16(v))
+                             : ddp_half_to_float(ddp_float_to_half(v));
+}
+
+/* bound[o*K + t] (t < K = C*KH*KW) and bound[O*K + o] (the bias): the sums
+ * sum |dx| |patch| and sum |dx| of the comment above, x rounded to low. */
+static double *fold_bounds(const float *dx, const ddp_tensor *x, int64_t o, int64_t k,
+                           int64_t pad, int64_t oh, int64_t ow, ddp_dtype low) {
+  const int64_t n = x->shape[0], c = x->shape[1], h = x->shape[2], w = x->shape[3];
+  const int64_t kk = k * k, taps = c * kk;
+  double *bound = ddp_alloc((size_t)(o * taps + o) * sizeof(double));
+  for (int64_t i = 0; i < o * taps + o; i++) bound[i] = 0;
+  for (int64_t s = 0; s < n; s++)
+    for (int64_t oc = 0; oc < o; oc++)
+      for (int64_t y = 0; y < oh; y++)
+        for (int64_t xx = 0; xx < ow; xx++) {
+          const double g = fabs(dx[((s * o + oc) * oh + y) * ow + xx]);
+          bound[o * taps + oc] += g;
+          for (int64_t ci = 0; ci < c; ci++)
+            for (int64_t a = 0; a < k; a++)
+              for (int64_t b = 0; b < k; b++) {
+                const int64_t iy = y + a - pad, ix = xx + b - pad;
+                if (iy < 0 || iy >= h || ix < 0 || ix >= w) continue;
+                const float v = round_low(((const float *)x->data)[((s * c + ci) * h + iy) * w + ix], low);
+                bound[oc * taps + ci * kk + a * k + b] += g * fabs(v);
+              }
+        }
+  return bound;
+}
+
+static void test_conv_folded_into_batch_norm_autocast(void **state) {
+  (void)state;
+  const struct {
+    int64_t ci, hw, k, pad;
+    int pool;
+  } cases[] = {{1, 8, 5, 2, 2}, {2, 20, 3, 1, 2}, {1, 28, 5, 2, 2}, {2, 12, 9, 4, 2}};
+  const ddp_precision precisions[] = {DDP_PRECISION_BF16, DDP_PRECISION_FP16};
+  const ddp_dtype lows[] = {DDP_BFLOAT16, DDP_FLOAT16};
+  for (size_t fam = 0; fam < N_FAMILIES; fam++) {
+    if (!ddp__cpu_force_family(families[fam])) continue; /* the CPU lacks it */
+    for (size_t pi = 0; pi < 2; pi++)
+      for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const ddp_dtype low = lows[pi];
+        int64_t sx[4] = {4, cases[i].ci, cases[i].hw, cases[i].hw};
+        int64_t sw[4] = {4, cases[i].ci, cases[i].k, cases[i].k}, so[1] = {4};
+        fold_cfg cfg = {gradcheck_random(4, sx, -1, 1, 81 + i, false), (int)cases[i].pad, false,
+                        {NULL, NULL}, cases[i].pool, NULL};
+        ddp_tensor *in[4] = {gradcheck_random(4, sw, -0.5f, 0.5f, 82, true),
+                             gradcheck_random(1, so, -0.5f, 0.5f, 83, true),
+                             gradcheck_random(1, so, 0.5f, 1.5f, 84, true),
+                             gradcheck_random(1, so, -0.5f, 0.5f, 85, true)};
+        float *grads[2][5];
+        double *bound = NULL;
+        for (int mark = 0; mark < 2; mark++) {
+          cfg.mark = mark;
+          ddp_tape *tape;
+          assert_int_equal(ddp_tape_create(&tape, 1 << 16), DDP_OK);
+          ddp_tensor *out;
+          assert_int_equal(ddp_autocast_enter(precisions[pi]), DDP_OK);
+          assert_int_equal(fold_chain(tape, in, &cfg, &out), DDP_OK);
+          assert_int_equal(ddp_autocast_exit(), DDP_OK);
+          if (mark)
+            assert_null(cfg.c->data); /* folded under autocast too */
+          else
+            assert_non_null(cfg.c->data);
+          backward_taking_grads(tape, out, in, 4, grads[mark]);
+          if (mark) {
+            assert_null(cfg.c->grad);
+          } else {
+            assert_non_null(cfg.c->grad);
+            bound = fold_bounds((const float *)cfg.c->grad, cfg.x, 4, cases[i].k, cases[i].pad,
+                                cfg.c->shape[2], cfg.c->shape[3], low);
+          }
+          ddp_tape_destroy(tape);
+        }
+        const int64_t taps = in[0]->numel / 4;
+        for (int j = 0; j < 4; j++)
+          for (int64_t e = 0; e < in[j]->numel; e++) {
+            const float ours = grads[1][j][e], ref = grads[0][j][e];
+            double tol;
+            if (j < 2) {
+              /* the convolution's: low-dtype values, as autocast delivers them */
+              if (round_low(ours, low) != ours)
+                fail_msg("case %zu (%s path, %s), input %d element %lld: folded %g is not a "
+                         "low-dtype value", i, ddp_cpu_kernels(), low == DDP_BFLOAT16 ? "bf16" : "fp16",
+                         j, (long long)e, ours);
+              const double sum = j == 0 ? bound[e] : bound[4 * taps + e];
+              tol = 2 * unit_roundoff(low) * sum + low_ulp(ref, low);
+            } else {
+              /* batch norm's own: float32 in both, as in the float32 fold */
+              float scale = 0;
+              for (int64_t q = 0; q < in[j]->numel; q++)
+                scale = fmaxf(scale, fabsf(grads[0][j][q]));
+              tol = 1e-5 * scale + 1e-6;
+            }
+            if (fabs((double)ours - ref) > tol)
+              fail_msg("case %zu (%s path, %s), input %d element %lld: folded %g, unfused %g, "
+                       "bound %g", i, ddp_cpu_kernels(), low == DDP_BFLOAT16 ? "bf16" : "fp16", j,
+                       (long long)e, ours, ref, tol);
+          }
+        for (int j = 0; j < 4; j++) ddp_free(grads[0][j]), ddp_free(grads[1][j]);
+        ddp_free(bound);
+        ddp_tensor_destroy(cfg.x);
+        for (int j = 0; j < 4; j++) ddp_tensor_destroy(in[j]);
+      }
+  }
+  ddp__cpu_force_family(-1);
+}
+
 static int hook_calls[2];
 static int hook_order[4], n_order;
 static void count_hook(ddp_tensor *p, void *user) {
@@ -658,6 +792,7 @@ int main(void) {
       cmocka_unit_test(test_linear_gradient_takes_over_input),
       cmocka_unit_test(test_view_hands_gradient_over),
       cmocka_unit_test(test_conv_folded_into_batch_norm),
+      cmocka_unit_test(test_conv_folded_into_batch_norm_autocast),
       cmocka_unit_test(test_grad_hook_fires_once_when_final),
       cmocka_unit_test(test_tapes_count_shared_leaves_apart),
       cmocka_unit_test(test_no_grad_records_nothing),

@@ -1,7 +1,10 @@
 /* The steady-state training step allocates nothing: after warm-up steps, a
  * whole step (next batch, zero_grad, forward, loss, backward, optimizer step)
  * makes no call to the allocator, counted through ddp_alloc_count(), which
- * every ddp allocation passes through (all threads, the loader's too). */
+ * every ddp allocation passes through (all threads, the loader's too);
+ * under autocast too (forward and loss in a bfloat16 region, as the trainer
+ * runs them: the cast cache, the rounded copies, conv1 folded into batch
+ * norm's backward). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -19,6 +22,7 @@ typedef struct step_case {
   const char *activation;
   ddp_optim_kind optimizer;
   int64_t batch;
+  ddp_precision precision; /* autocast region around forward and loss (FP32: none) */
 } step_case;
 
 static void run_case(const step_case *c) {
@@ -72,8 +76,10 @@ static void run_case(const step_case *c) {
     ddp_tensor *out, *loss;
     ddp_tape_reset(tape);
     ddp_model_zero_grad(model);
+    if (c->precision) assert_int_equal(ddp_autocast_enter(c->precision), DDP_OK);
     assert_int_equal(ddp_model_forward(model, tape, &b.x, &out), DDP_OK);
     assert_int_equal(ddp_model_loss(model, tape, out, &b.y, &loss), DDP_OK);
+    if (c->precision) assert_int_equal(ddp_autocast_exit(), DDP_OK);
     assert_int_equal(ddp_backward(tape, loss), DDP_OK);
     assert_int_equal(ddp_optimizer_step(opt), DDP_OK);
   }
@@ -92,33 +98,40 @@ static void run_case(const step_case *c) {
 
 static void test_convnet_sgd(void **state) {
   (void)state;
-  step_case c = {"convnet", NULL, DDP_OPTIM_SGD, 32};
+  step_case c = {"convnet", NULL, DDP_OPTIM_SGD, 32, DDP_PRECISION_FP32};
+  run_case(&c);
+}
+
+static void test_convnet_sgd_bf16(void **state) {
+  (void)state;
+  step_case c = {"convnet", NULL, DDP_OPTIM_SGD, 32, DDP_PRECISION_BF16};
   run_case(&c);
 }
 
 static void test_psnet_adadelta_with_dropout(void **state) {
   (void)state;
-  step_case c = {"psnet", NULL, DDP_OPTIM_ADADELTA, 8};
+  step_case c = {"psnet", NULL, DDP_OPTIM_ADADELTA, 8, DDP_PRECISION_FP32};
   run_case(&c);
 }
 
 static void test_convnet3_tanh_adam(void **state) {
   (void)state;
-  step_case c = {"convnet-3", "tanh", DDP_OPTIM_ADAM, 8};
+  step_case c = {"convnet-3", "tanh", DDP_OPTIM_ADAM, 8, DDP_PRECISION_FP32};
   run_case(&c);
 }
 
 static void test_toy_and_headtail(void **state) {
   (void)state;
-  step_case toy = {"toy", NULL, DDP_OPTIM_SGD, 20};
+  step_case toy = {"toy", NULL, DDP_OPTIM_SGD, 20, DDP_PRECISION_FP32};
   run_case(&toy);
-  step_case ht = {"headtail", NULL, DDP_OPTIM_ADAM, 20};
+  step_case ht = {"headtail", NULL, DDP_OPTIM_ADAM, 20, DDP_PRECISION_FP32};
   run_case(&ht);
 }
 
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_convnet_sgd),
+      cmocka_unit_test(test_convnet_sgd_bf16),
       cmocka_unit_test(test_psnet_adadelta_with_dropout),
       cmocka_unit_test(test_convnet3_tanh_adam),
       cmocka_unit_test(test_toy_and_headtail),

@@ -131,6 +131,15 @@ static const float *dy_sample(const float *dy, float *dyr, int64_t n,
                               const ddp__conv2d_geom *g) {
   const int64_t len = g->o * g->oh * g->ow;
   if (g->round == DDP_FLOAT32) return dy + n * len;
+  /* The rounding pass reads dy from memory (the layer above wrote it a
+   * channel at a time, long ago), where the float32 kernels' reads overlap
+   * their arithmetic: the next sample's is asked for into L2 now, to be
+   * there when its pass comes. */
+  if (n + 1 < g->n) {
+    const char *next = (const char *)(dy + (n + 1) * len);
+    for (size_t off = 0; off < (size_t)len * sizeof(float); off += 64)
+      __builtin_prefetch(next + off, 0, 2);
+  }
   ddp_convert_round_f32(dyr, dy + n * len, (size_t)len, (ddp_dtype)g->round);
   return dyr;
 }
