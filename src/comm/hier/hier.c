@@ -57,12 +57,7 @@ typedef struct hier_backend {
   size_t scratch_bytes[2];
   ddp_status failed;       /* sticky */
   char failed_msg[512];
-  /* The point-to-point lane's split of its requests (lane thread only):
-   * those to host mates (peer rewritten to the local index for the call)
-   * and those over tcp, with each one's index in the caller's list. */
-  ddp__p2p_req **lane_local, **lane_tcp;
-  int *lane_local_at, *lane_tcp_at;
-  int lane_cap;
+  ddp__hier_lane lane;      /* the point-to-point lane's split (lane thread only) */
 } hier_backend;
 
 static hier_backend *as_hier(ddp__backend *b) { return (hier_backend *)b; }
@@ -402,58 +397,17 @@ static ddp_status hier_recv(ddp__backend *be, const ddp__op_ctx *ctx, void *buf,
   return DDP_OK;
 }
 
-/* The lane (backend.h): requests to host mates go to the local backend's
- * lane, the others to the tcp backend's. When both have requests pending,
- * each waits briefly in turn (1 ms), so neither side's messages wait long
- * behind the other's sleep. A failure is the lane's, not this backend's
- * sticky one (the lane fails the group, whose abort reaches both parts). */
-#define HIER_LANE_SLICE_NS 1000000LL
-
+/* The lane (hier.h's ddp__hier_lane_progress, shared with mpi/leaders.c):
+ * host mates over the local backend, the others over tcp. A failure is the
+ * lane's, not this backend's sticky one (the lane fails the group, whose
+ * abort reaches both parts). */
 static ddp_status hier_p2p_progress(ddp__backend *be, const ddp__op_ctx *ctx,
                                     ddp__p2p_req *const *reqs, int n, int64_t wait_ns,
                                     int *culprit) {
   hier_backend *h = as_hier(be);
-  *culprit = -1;
-  if (n > h->lane_cap) {
-    int cap = 2 * n;
-    ddp__p2p_req **l = ddp_calloc((size_t)cap, sizeof *l), **t = ddp_calloc((size_t)cap, sizeof *t);
-    int *la = ddp_calloc((size_t)cap, sizeof *la), *ta = ddp_calloc((size_t)cap, sizeof *ta);
-    if (!l || !t || !la || !ta) {
-      ddp_free(l), ddp_free(t), ddp_free(la), ddp_free(ta);
-      return ddp_error(DDP_ERR_NOMEM, "hier backend: no memory for %d point-to-point requests", n);
-    }
-    ddp_free(h->lane_local), ddp_free(h->lane_tcp), ddp_free(h->lane_local_at), ddp_free(h->lane_tcp_at);
-    h->lane_local = l, h->lane_tcp = t, h->lane_local_at = la, h->lane_tcp_at = ta;
-    h->lane_cap = cap;
-  }
-  int nl = 0, nt = 0;
-  for (int i = 0; i < n; i++) {
-    if (h->host_of[reqs[i]->peer] == h->my_host) {
-      h->lane_local_at[nl] = i;
-      h->lane_local[nl++] = reqs[i];
-    } else {
-      h->lane_tcp_at[nt] = i;
-      h->lane_tcp[nt++] = reqs[i];
-    }
-  }
-  int64_t slice = nl && nt && wait_ns > HIER_LANE_SLICE_NS ? HIER_LANE_SLICE_NS : wait_ns;
-  ddp_status st = DDP_OK;
-  int c = -1;
-  if (nl) {
-    for (int i = 0; i < nl; i++) h->lane_local[i]->peer = h->local_index[h->lane_local[i]->peer];
-    st = h->local->ops->p2p_progress(h->local, ctx, h->lane_local, nl, nt ? 0 : slice, &c);
-    const int *mates = h->by_host + h->host_first[h->my_host]; /* local index -> group rank */
-    for (int i = 0; i < nl; i++) h->lane_local[i]->peer = mates[h->lane_local[i]->peer];
-    if (st != DDP_OK) {
-      *culprit = c >= 0 ? h->lane_local_at[c] : -1;
-      return st;
-    }
-  }
-  if (nt) {
-    st = tcpb(h)->ops->p2p_progress(tcpb(h), ctx, h->lane_tcp, nt, slice, &c);
-    if (st != DDP_OK) *culprit = c >= 0 ? h->lane_tcp_at[c] : -1;
-  }
-  return st;
+  ddp__hier_layout at = {.host_of = h->host_of, .my_host = h->my_host, .local_index = h->local_index,
+                         .mates = h->by_host + h->host_first[h->my_host]};
+  return ddp__hier_lane_progress(&h->lane, &at, h->local, tcpb(h), ctx, reqs, n, wait_ns, culprit);
 }
 
 static void hier_p2p_wake(ddp__backend *be) {
@@ -496,10 +450,7 @@ static void hier_destroy(ddp__backend *be) {
   ddp_free(h->reps);
   ddp_free(h->scratch[0]);
   ddp_free(h->scratch[1]);
-  ddp_free(h->lane_local);
-  ddp_free(h->lane_tcp);
-  ddp_free(h->lane_local_at);
-  ddp_free(h->lane_tcp_at);
+  ddp__hier_lane_free(&h->lane);
   ddp_free(h);
 }
 
@@ -561,6 +512,66 @@ static ddp_status build_tables(hier_backend *h, const ddp__backend_config *cfg) 
 }
 
 /* The local backend over one host's ranks (hier.h). */
+/* ---- The lane, shared with mpi/leaders.c (hier.h) ------------------------------ */
+
+#define HIER_LANE_SLICE_NS 1000000LL
+
+static ddp_status lane_reserve(ddp__hier_lane *lane, int n) {
+  if (n <= lane->cap) return DDP_OK;
+  int cap = 2 * n;
+  ddp__p2p_req **l = ddp_calloc((size_t)cap, sizeof *l), **r = ddp_calloc((size_t)cap, sizeof *r);
+  int *la = ddp_calloc((size_t)cap, sizeof *la), *ra = ddp_calloc((size_t)cap, sizeof *ra);
+  if (!l || !r || !la || !ra) {
+    ddp_free(l), ddp_free(r), ddp_free(la), ddp_free(ra);
+    return ddp_error(DDP_ERR_NOMEM, "hierarchy: no memory for %d point-to-point requests", n);
+  }
+  ddp__hier_lane_free(lane);
+  *lane = (ddp__hier_lane){.local = l, .remote = r, .local_at = la, .remote_at = ra, .cap = cap};
+  return DDP_OK;
+}
+
+ddp_status ddp__hier_lane_progress(ddp__hier_lane *lane, const ddp__hier_layout *at, ddp__backend *local,
+                                   ddp__backend *remote, const ddp__op_ctx *ctx, ddp__p2p_req *const *reqs,
+                                   int n, int64_t wait_ns, int *culprit) {
+  *culprit = -1;
+  DDP_TRY(lane_reserve(lane, n));
+  int nl = 0, nr = 0;
+  for (int i = 0; i < n; i++) {
+    if (at->host_of[reqs[i]->peer] == at->my_host) {
+      lane->local_at[nl] = i;
+      lane->local[nl++] = reqs[i];
+    } else {
+      lane->remote_at[nr] = i;
+      lane->remote[nr++] = reqs[i];
+    }
+  }
+  int64_t slice = nl && nr && wait_ns > HIER_LANE_SLICE_NS ? HIER_LANE_SLICE_NS : wait_ns;
+  ddp_status st = DDP_OK;
+  int c = -1;
+  if (nl) {
+    for (int i = 0; i < nl; i++) lane->local[i]->peer = at->local_index[lane->local[i]->peer];
+    st = local->ops->p2p_progress(local, ctx, lane->local, nl, nr ? 0 : slice, &c);
+    for (int i = 0; i < nl; i++) lane->local[i]->peer = at->mates[lane->local[i]->peer];
+    if (st != DDP_OK) {
+      *culprit = c >= 0 ? lane->local_at[c] : -1;
+      return st;
+    }
+  }
+  if (nr) {
+    st = remote->ops->p2p_progress(remote, ctx, lane->remote, nr, slice, &c);
+    if (st != DDP_OK) *culprit = c >= 0 ? lane->remote_at[c] : -1;
+  }
+  return st;
+}
+
+void ddp__hier_lane_free(ddp__hier_lane *lane) {
+  ddp_free(lane->local);
+  ddp_free(lane->remote);
+  ddp_free(lane->local_at);
+  ddp_free(lane->remote_at);
+  *lane = (ddp__hier_lane){0};
+}
+
 ddp_status ddp__hier_local_create(const ddp__backend_config *cfg, const char *ns, const int *mates, int ls,
                                   int li, ddp_store **store, ddp__backend **out) {
   *out = NULL;
