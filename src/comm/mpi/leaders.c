@@ -73,9 +73,10 @@ typedef struct mh_backend {
   bool blocking_call;     /* the running composed op's (for the leaders' ops) */
   ddp__completion inner;  /* the leaders' op running now */
   /* Flat ops enqueued and maybe not yet done, oldest first (the enqueuing
-   * thread's only): a composed op waits for them before it starts. Entries
-   * go stale once the group layer recycles a completion; a stale one is
-   * done, or the completion of a later op of this backend, itself listed. */
+   * thread's only): a composed op waits for them before it starts. The
+   * group layer recycles completions, resetting one only just before it
+   * enqueues an op with it here, so enqueue first drops the entries that
+   * are done or name its own completion: the rest are ops in flight. */
   ddp__completion *flat[MH_MAX_IN_FLIGHT];
   int nflat;
   unsigned char *scratch[3];
@@ -378,26 +379,23 @@ static bool completion_done(const ddp__completion *c) {
   return atomic_load_explicit(&c->done, memory_order_acquire);
 }
 
-/* Keeps c (a flat op just enqueued, not done) on the list, dropping the
- * entries that are done or stale copies of c (c was just reset for this
- * op). What stays is at most the ops in flight, so there is room. */
-static void remember_flat(mh_backend *h, ddp__completion *c) {
+/* Drops the entries that are done or stale copies of c (the completion of
+ * the op being enqueued, just reset for it): what stays are ops in flight
+ * before this one, fewer than MH_MAX_IN_FLIGHT. */
+static void prune_flat(mh_backend *h, const ddp__completion *c) {
   int n = 0;
   for (int i = 0; i < h->nflat; i++)
     if (h->flat[i] != c && !completion_done(h->flat[i])) h->flat[n++] = h->flat[i];
-  DDP_ASSERT(n < MH_MAX_IN_FLIGHT);
-  h->flat[n++] = c;
   h->nflat = n;
 }
 
 /* Before a composed op: the flat ops still in MPI complete first (in
- * order), so the composition never overtakes one; c is the composed op's
- * own completion (a stale entry may name it). Waited under the composed
- * op's deadline. */
-static ddp_status drain_flat(mh_backend *h, const ddp__op_ctx *ctx, ddp__completion *c) {
+ * order), so the composition never overtakes one. Waited under the
+ * composed op's deadline. */
+static ddp_status drain_flat(mh_backend *h, const ddp__op_ctx *ctx) {
   for (int i = 0; i < h->nflat; i++) {
     ddp__completion *f = h->flat[i];
-    if (f == c || completion_done(f)) continue;
+    if (completion_done(f)) continue;
     ddp_status st = h->all->ops->wait(h->all, ctx, f);
     if (st != DDP_OK) return mh_fail(h, st, -1);
   }
@@ -413,13 +411,17 @@ static ddp_status drain_flat(mh_backend *h, const ddp__op_ctx *ctx, ddp__complet
  * before it. */
 static ddp_status mh_enqueue(ddp__backend *b, const ddp__op_ctx *ctx, const ddp__op_args *a, ddp__completion *c) {
   mh_backend *h = as_mh(b);
+  if (h->nflat) prune_flat(h, c);
   DDP_TRY(check_failed(h));
   if (!composes(h, a)) {
     DDP_TRY(h->all->ops->enqueue(h->all, ctx, a, c));
-    if (!completion_done(c)) remember_flat(h, c);
+    if (!completion_done(c)) {
+      DDP_ASSERT(h->nflat < MH_MAX_IN_FLIGHT);
+      h->flat[h->nflat++] = c;
+    }
     return DDP_OK;
   }
-  ddp_status st = h->nflat ? drain_flat(h, ctx, c) : DDP_OK;
+  ddp_status st = h->nflat ? drain_flat(h, ctx) : DDP_OK;
   ddp__completion_finish(c, st == DDP_OK ? run_composed(h, ctx, a) : st);
   return DDP_OK;
 }
