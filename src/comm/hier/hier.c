@@ -53,8 +53,7 @@ typedef struct hier_backend {
   ddp__backend *local;     /* NULL when this host has one rank */
   ddp__tcp_backend *tcp;
   ddp_store *local_store, *tcp_store;
-  unsigned char *scratch[2];
-  size_t scratch_bytes[2];
+  ddp__hier_scratch scratch[2];
   ddp_status failed;       /* sticky */
   char failed_msg[512];
   ddp__hier_lane lane;      /* the point-to-point lane's split (lane thread only) */
@@ -95,16 +94,7 @@ static ddp_status check_failed(hier_backend *h) {
 /* ---- Helpers ------------------------------------------------------------------ */
 
 static void *scratch(hier_backend *h, int which, size_t bytes) {
-  if (h->scratch[which] && bytes <= h->scratch_bytes[which]) return h->scratch[which];
-  ddp_free(h->scratch[which]);
-  h->scratch_bytes[which] = 0;
-  h->scratch[which] = ddp_alloc(bytes ? bytes : 1);
-  if (!h->scratch[which]) {
-    ddp_error(DDP_ERR_NOMEM, "hier backend: no memory for a %zu-byte scratch buffer", bytes);
-    return NULL;
-  }
-  h->scratch_bytes[which] = bytes;
-  return h->scratch[which];
+  return ddp__hier_scratch_get(&h->scratch[which], bytes, "hier backend");
 }
 
 #define SCRATCH(h, var, which, bytes)                                  \
@@ -448,8 +438,8 @@ static void hier_destroy(ddp__backend *be) {
   ddp_free(h->by_host);
   ddp_free(h->local_index);
   ddp_free(h->reps);
-  ddp_free(h->scratch[0]);
-  ddp_free(h->scratch[1]);
+  ddp__hier_scratch_free(&h->scratch[0]);
+  ddp__hier_scratch_free(&h->scratch[1]);
   ddp__hier_lane_free(&h->lane);
   ddp_free(h);
 }
@@ -481,38 +471,62 @@ static const ddp__backend_ops hier_ops = {
     .destroy = hier_destroy,
 };
 
-/* The host tables: hosts are numbered 0.. in order of their lowest rank
- * (group.c numbers them so), so host g's first rank in by_host is its
- * leader. */
+/* The host tables (hier.h) and the view of the running op. */
 static ddp_status build_tables(hier_backend *h, const ddp__backend_config *cfg) {
-  int size = cfg->size, nhosts = 0;
-  for (int r = 0; r < size; r++)
-    if (cfg->host_of[r] + 1 > nhosts) nhosts = cfg->host_of[r] + 1;
-  h->nhosts = nhosts;
+  DDP_TRY(ddp__hier_host_tables(cfg, &h->nhosts, &h->host_first, &h->by_host, &h->local_index));
   h->my_host = cfg->host_of[cfg->rank];
-  h->host_first = ddp_calloc((size_t)nhosts + 1, sizeof *h->host_first);
-  h->by_host = ddp_calloc((size_t)size, sizeof *h->by_host);
-  h->local_index = ddp_calloc((size_t)size, sizeof *h->local_index);
-  h->reps = ddp_calloc((size_t)nhosts, sizeof *h->reps);
-  if (!h->host_first || !h->by_host || !h->local_index || !h->reps)
-    return ddp_error(DDP_ERR_NOMEM, "hier backend: out of memory");
-  for (int r = 0; r < size; r++) h->host_first[cfg->host_of[r] + 1]++;
-  for (int g = 0; g < nhosts; g++) h->host_first[g + 1] += h->host_first[g];
-  int *fill = ddp_calloc((size_t)nhosts, sizeof *fill);
-  if (!fill) return ddp_error(DDP_ERR_NOMEM, "hier backend: out of memory");
-  for (int r = 0; r < size; r++) {
-    int g = cfg->host_of[r];
-    h->local_index[r] = fill[g];
-    h->by_host[h->host_first[g] + fill[g]++] = r;
-  }
-  ddp_free(fill);
+  h->reps = ddp_calloc((size_t)h->nhosts, sizeof *h->reps);
+  if (!h->reps) return ddp_error(DDP_ERR_NOMEM, "hier backend: out of memory");
   h->li = h->local_index[cfg->rank];
   h->ls = host_size(h, h->my_host);
   return DDP_OK;
 }
 
-/* The local backend over one host's ranks (hier.h). */
-/* ---- The lane, shared with mpi/leaders.c (hier.h) ------------------------------ */
+/* ---- Shared with mpi/leaders.c (hier.h): host tables, scratch, the lane ------------ */
+
+ddp_status ddp__hier_host_tables(const ddp__backend_config *cfg, int *nhosts_out, int **host_first_out,
+                                 int **by_host_out, int **local_index_out) {
+  int size = cfg->size, nhosts = 0;
+  for (int r = 0; r < size; r++)
+    if (cfg->host_of[r] + 1 > nhosts) nhosts = cfg->host_of[r] + 1;
+  *nhosts_out = nhosts;
+  int *host_first = *host_first_out = ddp_calloc((size_t)nhosts + 1, sizeof *host_first);
+  int *by_host = *by_host_out = ddp_calloc((size_t)size, sizeof *by_host);
+  int *local_index = *local_index_out = ddp_calloc((size_t)size, sizeof *local_index);
+  int *fill = ddp_calloc((size_t)nhosts, sizeof *fill);
+  if (!host_first || !by_host || !local_index || !fill) {
+    ddp_free(fill);
+    return ddp_error(DDP_ERR_NOMEM, "hierarchy (rank %d of %d): out of memory for the host tables", cfg->rank,
+                     size);
+  }
+  for (int r = 0; r < size; r++) host_first[cfg->host_of[r] + 1]++;
+  for (int g = 0; g < nhosts; g++) host_first[g + 1] += host_first[g];
+  for (int r = 0; r < size; r++) {
+    int g = cfg->host_of[r];
+    local_index[r] = fill[g];
+    by_host[host_first[g] + fill[g]++] = r;
+  }
+  ddp_free(fill);
+  return DDP_OK;
+}
+
+void *ddp__hier_scratch_get(ddp__hier_scratch *s, size_t bytes, const char *who) {
+  if (s->buf && bytes <= s->bytes) return s->buf;
+  ddp__hier_scratch_free(s);
+  s->buf = ddp_alloc(bytes ? bytes : 1);
+  if (!s->buf) {
+    ddp_error(DDP_ERR_NOMEM, "%s: no memory for a %zu-byte scratch buffer", who, bytes);
+    return NULL;
+  }
+  s->bytes = bytes;
+  return s->buf;
+}
+
+void ddp__hier_scratch_free(ddp__hier_scratch *s) {
+  ddp_free(s->buf);
+  *s = (ddp__hier_scratch){0};
+}
+
 
 #define HIER_LANE_SLICE_NS 1000000LL
 
@@ -572,6 +586,7 @@ void ddp__hier_lane_free(ddp__hier_lane *lane) {
   *lane = (ddp__hier_lane){0};
 }
 
+/* The local backend over one host's ranks (hier.h). */
 ddp_status ddp__hier_local_create(const ddp__backend_config *cfg, const char *ns, const int *mates, int ls,
                                   int li, ddp_store **store, ddp__backend **out) {
   *out = NULL;

@@ -14,6 +14,27 @@
 ddp_status ddp__hier_local_create(const ddp__backend_config *cfg, const char *ns, const int *mates, int ls,
                                   int li, ddp_store **store, ddp__backend **out);
 
+/* The host tables of the group cfg describes. Hosts are numbered 0.. in
+ * order of their lowest rank (group.c numbers them so), so host g's first
+ * rank in by_host is its leader. Sets *nhosts, *host_first (nhosts + 1:
+ * where host g's ranks start in by_host), *by_host (size: ranks grouped by
+ * host, each host's in rank order) and *local_index (size: each rank's
+ * index within its host); the caller ddp_frees the three arrays, also
+ * after a failure (each is then an array or NULL). */
+ddp_status ddp__hier_host_tables(const ddp__backend_config *cfg, int *nhosts, int **host_first, int **by_host,
+                                 int **local_index);
+
+/* A composition's scratch buffer: kept, grown on demand. */
+typedef struct ddp__hier_scratch {
+  unsigned char *buf;
+  size_t bytes;
+} ddp__hier_scratch;
+
+/* At least `bytes` of s (its contents not kept when it grows), or NULL with
+ * DDP_ERR_NOMEM's error naming `who`. */
+void *ddp__hier_scratch_get(ddp__hier_scratch *s, size_t bytes, const char *who);
+void ddp__hier_scratch_free(ddp__hier_scratch *s);
+
 /* A composition's point-to-point lane (backend.h's p2p_progress, lane
  * thread only): requests to host mates go to the local backend's lane (the
  * peer rewritten to its local index for the call, then back), the others to

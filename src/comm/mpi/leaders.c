@@ -79,8 +79,7 @@ typedef struct mh_backend {
    * are done or name its own completion: the rest are ops in flight. */
   ddp__completion *flat[MH_MAX_IN_FLIGHT];
   int nflat;
-  unsigned char *scratch[3];
-  size_t scratch_bytes[3];
+  ddp__hier_scratch scratch[3];
   ddp_status failed;      /* sticky */
   char failed_msg[512];
   ddp__hier_lane lane;    /* the point-to-point lane's split (lane thread only) */
@@ -115,16 +114,7 @@ static ddp_status check_failed(mh_backend *h) {
 /* ---- Helpers ------------------------------------------------------------------ */
 
 static void *scratch(mh_backend *h, int which, size_t bytes) {
-  if (h->scratch[which] && bytes <= h->scratch_bytes[which]) return h->scratch[which];
-  ddp_free(h->scratch[which]);
-  h->scratch_bytes[which] = 0;
-  h->scratch[which] = ddp_alloc(bytes ? bytes : 1);
-  if (!h->scratch[which]) {
-    ddp_error(DDP_ERR_NOMEM, "mpi backend (hierarchy): no memory for a %zu-byte scratch buffer", bytes);
-    return NULL;
-  }
-  h->scratch_bytes[which] = bytes;
-  return h->scratch[which];
+  return ddp__hier_scratch_get(&h->scratch[which], bytes, "mpi backend (hierarchy)");
 }
 
 #define SCRATCH(h, var, which, bytes)                     \
@@ -488,7 +478,7 @@ static void mh_destroy(ddp__backend *be) {
   ddp_free(h->host_first);
   ddp_free(h->by_host);
   ddp_free(h->local_index);
-  for (int i = 0; i < 3; i++) ddp_free(h->scratch[i]);
+  for (int i = 0; i < 3; i++) ddp__hier_scratch_free(&h->scratch[i]);
   ddp__hier_lane_free(&h->lane);
   ddp_free(h);
 }
@@ -511,33 +501,14 @@ static const ddp__backend_ops mh_ops = {
     .destroy = mh_destroy,
 };
 
-/* Hosts are numbered 0.. in order of their lowest rank (group.c numbers
- * them so), so host g's first rank in by_host is its leader. */
+/* The host tables (hier.h: host g's first rank in by_host is its
+ * leader) and this rank's place in them. */
 static ddp_status build_tables(mh_backend *h, const ddp__backend_config *cfg) {
-  int size = cfg->size, nhosts = 0;
-  for (int r = 0; r < size; r++)
-    if (cfg->host_of[r] + 1 > nhosts) nhosts = cfg->host_of[r] + 1;
-  h->nhosts = nhosts;
+  DDP_TRY(ddp__hier_host_tables(cfg, &h->nhosts, &h->host_first, &h->by_host, &h->local_index));
   h->my_host = cfg->host_of[cfg->rank];
-  h->host_first = ddp_calloc((size_t)nhosts + 1, sizeof *h->host_first);
-  h->by_host = ddp_calloc((size_t)size, sizeof *h->by_host);
-  h->local_index = ddp_calloc((size_t)size, sizeof *h->local_index);
-  int *fill = ddp_calloc((size_t)nhosts, sizeof *fill);
-  if (!h->host_first || !h->by_host || !h->local_index || !fill) {
-    ddp_free(fill);
-    return ddp_error(DDP_ERR_NOMEM, "mpi backend (hierarchy): out of memory");
-  }
-  for (int r = 0; r < size; r++) h->host_first[cfg->host_of[r] + 1]++;
-  for (int g = 0; g < nhosts; g++) h->host_first[g + 1] += h->host_first[g];
-  for (int r = 0; r < size; r++) {
-    int g = cfg->host_of[r];
-    h->local_index[r] = fill[g];
-    h->by_host[h->host_first[g] + fill[g]++] = r;
-  }
-  ddp_free(fill);
   h->li = h->local_index[cfg->rank];
   h->ls = host_size(h, h->my_host);
-  for (int g = 0; g < nhosts; g++)
+  for (int g = 0; g < h->nhosts; g++)
     if (host_size(h, g) > h->maxls) h->maxls = host_size(h, g);
   return DDP_OK;
 }
