@@ -112,7 +112,7 @@ for name, what, mpi_fn in (("ddp-blocking", "blocking (default)", "PMPI_Allreduc
         # backend's calls of the collective and its MPI_Test polls.
         incl = sum(v for (a, b), v in edge.items() if b == "ddp_allreduce" and a != "ddp_allreduce")
         n = sum(v for (a, b), v in edge_calls.items() if b == "ddp_allreduce" and a != "ddp_allreduce")
-        backend = ("mpi_enqueue", "blocking_allreduce", "mpi_test", "mpi_wait")
+        backend = ("mpi_enqueue", "blocking_allreduce", "mpi_allreduce_direct", "mpi_test", "mpi_wait")
         into_mpi = sum(v for (a, b), v in edge.items()
                        if a in backend and b in ("PMPI_Allreduce", "PMPI_Iallreduce", "PMPI_Test"))
         polls = sum(v for (a, b), v in edge_calls.items() if a in backend and b == "PMPI_Test")

@@ -232,6 +232,13 @@ void ddp_pinned_free(void *ptr);
 ddp_status ddp_device_copy_async(ddp_device dst_device, void *dst, ddp_device src_device,
                                  const void *src, size_t bytes);
 
+/* Copies `bytes` from src on src_device to dst on dst_device, any two
+ * devices, host memory pageable or pinned (ddp_tensor_copy's rules on raw
+ * memory): a copy to the host is complete on return, one to a device is
+ * queued on its stream. */
+ddp_status ddp_device_copy(ddp_device dst_device, void *dst, ddp_device src_device,
+                           const void *src, size_t bytes);
+
 /* A staging area for host-to-device copies of batches: each upload copies
  * host buffers into the next of two pinned buffers and queues their copies
  * to the device, returning at once; a pinned buffer is refilled only after

@@ -234,6 +234,20 @@ typedef struct ddp__backend_ops {
    * caller then waits on the host); c's failure when it failed. NULL: the
    * caller waits on the host. */
   ddp_status (*stream_wait)(ddp__backend *b, ddp__completion *c);
+  /* Optional (NULL: none; mpi only): a blocking allreduce of host memory,
+   * in place, run to its end on the caller, for the group layer's direct
+   * path of ddp_allreduce (collectives.c): no op record, completion or
+   * work. The group layer calls it only with nothing else of the group
+   * queued or running (its inline bit held), after its checks (dtype,
+   * reduce op, caps, count from 1 to allreduce_direct_bytes's bytes) and
+   * with ctx numbered and its deadline set; the backend keeps its own
+   * timeout rule for blocking calls. A failure returns the status with the
+   * message as the last error, as enqueue's. */
+  ddp_status (*allreduce_direct)(ddp__backend *b, const ddp__op_ctx *ctx, void *buf, size_t count,
+                                 ddp_dtype dtype, ddp_reduce_op op);
+  /* The most bytes per rank allreduce_direct takes; asked once, when the
+   * group is made (0: none). */
+  size_t (*allreduce_direct_bytes)(const ddp__backend *b);
 } ddp__backend_ops;
 
 struct ddp__backend {

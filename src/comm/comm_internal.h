@@ -137,6 +137,17 @@ struct ddp_process_group {
   /* A blocking call run inline (one at a time: DDP__INLINE_BIT) keeps its
    * op's context and completion here; last, so that the fields every call
    * touches above stay on the lines they shared before. */
+  /* The direct path of a blocking allreduce (collectives.c), set when the
+   * group is made: the host backend's allreduce_direct (NULL: none, or
+   * DDP_DEBUG=detail, whose fingerprint check the direct path skips); per
+   * dtype, the most elements it takes (0: none: the caps refuse the dtype)
+   * and the reduce ops it takes (the caps', less AVG on integers); whether
+   * a buffer's device must be asked (the process sees a GPU). */
+  ddp_status (*direct_allreduce)(ddp__backend *b, const ddp__op_ctx *ctx, void *buf, size_t count,
+                                 ddp_dtype dtype, ddp_reduce_op op);
+  size_t direct_count[DDP_DTYPE_COUNT];
+  uint32_t direct_rops[DDP_DTYPE_COUNT];
+  bool direct_ask_device;
   ddp__op_ctx inline_ctx;
   ddp__completion inline_completion;
 };
@@ -167,6 +178,10 @@ ddp_status ddp__queue_init(ddp_process_group *pg);
 /* Waits (bounded) for queued work, stops the progress thread, frees the pool. */
 void ddp__queue_destroy(ddp_process_group *pg);
 #define DDP__INLINE_BIT (UINT64_C(1) << 62)
+/* Drops the inline bit a blocking call run on its caller took (a
+ * compare-and-swap of pg->active from 0), waking the progress thread and
+ * any drainer when work was queued meanwhile or someone waits for idle. */
+void ddp__inline_release(ddp_process_group *pg);
 
 /* Runs `args` in submission order: inline when nothing is queued or running
  * and `work` is NULL (blocking call); otherwise queued. With work != NULL,

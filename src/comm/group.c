@@ -49,6 +49,35 @@ ddp_status ddp__group_check(ddp_process_group *pg) {
   return ddp_error(pg->err_status, "%s", pg->err_msg);
 }
 
+/* The direct path of a small blocking allreduce (collectives.c): what its
+ * checks compare against, from the backend's caps and its limit, so that
+ * a call asks a few loads instead of the general path's checks. */
+static void direct_allreduce_setup(ddp_process_group *pg) {
+  const ddp__backend_ops *hops = pg->host_backend->ops;
+  const ddp__backend_caps *caps = &pg->backend->ops->caps;
+  pg->direct_allreduce = NULL;
+  memset(pg->direct_count, 0, sizeof pg->direct_count);
+  memset(pg->direct_rops, 0, sizeof pg->direct_rops);
+  /* An engine that starts ops on a device later records them enqueued
+   * first (execute.c), which the direct path does not. */
+  if (!hops->allreduce_direct || !hops->allreduce_direct_bytes || pg->debug_detail || caps->device_start) return;
+  size_t bytes = hops->allreduce_direct_bytes(pg->host_backend);
+  for (int d = 0; d < DDP_DTYPE_COUNT; d++) {
+    uint32_t rops = 0;
+    for (int op = 0; op < DDP_REDUCE_OP_COUNT; op++) {
+      bool invalid = op == DDP_REDUCE_AVG && (d == DDP_INT32 || d == DDP_INT64); /* the checks' message */
+      if (!invalid && ddp__caps_allow(caps, DDP__OP_ALLREDUCE, (ddp_dtype)d, (ddp_reduce_op)op, DDP_CPU))
+        rops |= 1u << op;
+    }
+    pg->direct_rops[d] = rops;
+    pg->direct_count[d] = rops ? bytes / ddp_dtype_size((ddp_dtype)d) : 0;
+  }
+  /* Where the process sees a GPU, each buffer's device is asked (a CUDA
+   * pointer takes the general path, which refuses or stages it). */
+  pg->direct_ask_device = ddp_cuda_device_count() > 0;
+  pg->direct_allreduce = hops->allreduce_direct;
+}
+
 /* ---- Identity ----------------------------------------------------------------- */
 
 static uint64_t process_nonce;
@@ -424,6 +453,8 @@ static ddp_status group_build(ddp_store *ns, const char *name, int rank, int siz
       if (st != DDP_OK) {
         pg->backend->ops->destroy(pg->backend);
         pg->backend = pg->host_backend = NULL;
+      } else {
+        direct_allreduce_setup(pg);
       }
     }
   } else if (known) {

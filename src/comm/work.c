@@ -289,6 +289,18 @@ static size_t ops_ahead(ddp_process_group *pg) {
   return (size_t)(a & ~DDP__INLINE_BIT) + ((a & DDP__INLINE_BIT) ? 1 : 0);
 }
 
+void ddp__inline_release(ddp_process_group *pg) {
+  uint_fast64_t left = atomic_fetch_sub(&pg->active, DDP__INLINE_BIT) - DDP__INLINE_BIT;
+  if (left != 0 || atomic_load(&pg->drainers) != 0) {
+    /* Work was queued meanwhile (the progress thread waits for the bit to
+     * clear), or someone waits for the group to go idle. */
+    pthread_mutex_lock(&pg->mu);
+    pthread_cond_broadcast(&pg->work_cv);
+    pthread_cond_broadcast(&pg->done_cv);
+    pthread_mutex_unlock(&pg->mu);
+  }
+}
+
 ddp_status ddp__submit(ddp_process_group *pg, ddp__op_args *args, ddp_work **work) {
   /* The buffers' device, asked of the pointers, unless the caller (an
    * internal one) already named a device other than the CPU. */
@@ -304,15 +316,7 @@ ddp_status ddp__submit(ddp_process_group *pg, ddp__op_args *args, ddp_work **wor
     uint_fast64_t idle = 0;
     if (atomic_compare_exchange_strong(&pg->active, &idle, DDP__INLINE_BIT)) {
       ddp_status st = ddp__op_execute(pg, args, true, &pg->inline_ctx, &pg->inline_completion);
-      uint_fast64_t left = atomic_fetch_sub(&pg->active, DDP__INLINE_BIT) - DDP__INLINE_BIT;
-      if (left != 0 || atomic_load(&pg->drainers) != 0) {
-        /* Work was queued meanwhile (the progress thread waits for the bit
-         * to clear), or someone waits for the group to go idle. */
-        pthread_mutex_lock(&pg->mu);
-        pthread_cond_broadcast(&pg->work_cv);
-        pthread_cond_broadcast(&pg->done_cv);
-        pthread_mutex_unlock(&pg->mu);
-      }
+      ddp__inline_release(pg);
       return st;
     }
   }

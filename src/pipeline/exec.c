@@ -109,19 +109,6 @@ static void zero_floats(ddp_pipeline *pp, float *p, int64_t n) {
     ddp__basic_kernels_for(pp->device)->fill(p, 0.0f, n);
 }
 
-/* `bytes` from src on src_device to dst on dst_device (one of them the
- * host), complete on return when dst is the host. */
-static ddp_status copy_bytes(ddp_device dst_device, void *dst, ddp_device src_device,
-                             const void *src, size_t bytes) {
-  int64_t n = (int64_t)bytes;
-  ddp_tensor d, from;
-  DDP_TRY(ddp_tensor_wrap(&d, DDP_UINT8, 1, &n, dst));
-  DDP_TRY(ddp_tensor_wrap(&from, DDP_UINT8, 1, &n, (void *)src));
-  d.device = dst_device;
-  from.device = src_device;
-  return ddp_tensor_copy(&d, &from);
-}
-
 static ddp_status post(ddp_pipeline *pp, bool send, int kind, int peer, void *buf, size_t bytes,
                        ddp_work **work, int stage, int mb, int peer_stage, const char *what) {
   ddp_status s = ddp__pp_post(pp->channels, send, kind, peer, buf, bytes, work);
@@ -218,7 +205,7 @@ static ddp_status forward(ddp_pipeline *pp, run_args *a, const ddp_pipeline_acti
     size_t bytes = (size_t)(rows * c->out_row) * sizeof(float);
     if (out->device.type == DDP_DEVICE_CPU)
       memcpy(dst, out->data, bytes);
-    else if ((s = copy_bytes(DDP_CPU, dst, out->device, out->data, bytes)) != DDP_OK) {
+    else if ((s = ddp_device_copy(DDP_CPU, dst, out->device, out->data, bytes)) != DDP_OK) {
       ddp_error_wrap(s, "copying the output of micro-batch %d back", mb);
       return fail(pp, s, g, g);
     }
@@ -356,7 +343,7 @@ static ddp_status agree_batch(ddp_pipeline *pp, const run_args *a, int64_t *rows
     h[0] = st == DDP_OK ? a->input->shape[0] : 0;
     h[1] = st;
     if (on_device && pp->p > 1) {
-      ddp_status cs = copy_bytes(pp->device, wire, DDP_CPU, h, 16);
+      ddp_status cs = ddp_device_copy(pp->device, wire, DDP_CPU, h, 16);
       if (cs != DDP_OK) {
         ddp_error_wrap(cs, "copying the batch's size to %s", "the device");
         return fail(pp, cs, first, first);
@@ -368,7 +355,7 @@ static ddp_status agree_batch(ddp_pipeline *pp, const run_args *a, int64_t *rows
                  "receive of the batch's size"));
     DDP_TRY(wait_xfer(pp, &w, "the receive of the batch's size", first, -1, first - 1));
     if (on_device) {
-      ddp_status cs = copy_bytes(DDP_CPU, h, pp->device, wire, 16);
+      ddp_status cs = ddp_device_copy(DDP_CPU, h, pp->device, wire, 16);
       if (cs != DDP_OK) {
         ddp_error_wrap(cs, "copying the batch's size from the device");
         return fail(pp, cs, first, first);

@@ -177,6 +177,28 @@ static const char *tensor_desc(const ddp_tensor *t, char *buf, size_t bytes) {
   return buf;
 }
 
+ddp_status ddp_device_copy(ddp_device dst_device, void *dst, ddp_device src_device,
+                           const void *src, size_t bytes) {
+  if (bytes == 0) return DDP_OK;
+  if (!dst || !src)
+    return ddp_error(DDP_ERR_INVALID, "device_copy: %s is NULL (%zu bytes)",
+                     src ? "the destination" : "the source", bytes);
+  if (dst_device.type == DDP_DEVICE_CPU && src_device.type == DDP_DEVICE_CPU) {
+    memcpy(dst, src, bytes);
+    return DDP_OK;
+  }
+  ddp_status st = ddp_device_check(src_device);
+  if (st == DDP_OK) st = ddp_device_check(dst_device);
+  if (st == DDP_OK) st = ddp__device_copy(dst_device, dst, src_device, src, bytes);
+  if (st != DDP_OK) {
+    char a[32], b[32];
+    return ddp_error_wrap(st, "device_copy: %zu bytes from %s to %s", bytes,
+                          ddp_device_str(src_device, a, sizeof a),
+                          ddp_device_str(dst_device, b, sizeof b));
+  }
+  return DDP_OK;
+}
+
 ddp_status ddp_tensor_copy(ddp_tensor *dst, const ddp_tensor *src) {
   char a[192], b[192];
   if (dst->dtype != src->dtype || dst->numel != src->numel)

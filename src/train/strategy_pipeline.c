@@ -352,23 +352,6 @@ static ddp_status sum_parts(ddp_trainer *t, void *buf, size_t n, ddp_dtype dtype
   return ddp_allreduce(hg, buf, n, dtype, DDP_REDUCE_SUM);
 }
 
-/* `bytes` between the stage's memory (on its device) and the unsplit
- * model's (host); complete on return. */
-static ddp_status copy_bytes(ddp_device dst_device, void *dst, ddp_device src_device,
-                             const void *src, size_t bytes) {
-  if (dst_device.type == DDP_DEVICE_CPU && src_device.type == DDP_DEVICE_CPU) {
-    memcpy(dst, src, bytes);
-    return DDP_OK;
-  }
-  int64_t n = (int64_t)bytes;
-  ddp_tensor d, from;
-  DDP_TRY(ddp_tensor_wrap(&d, DDP_UINT8, 1, &n, dst));
-  DDP_TRY(ddp_tensor_wrap(&from, DDP_UINT8, 1, &n, (void *)src));
-  d.device = dst_device;
-  from.device = src_device;
-  return ddp_tensor_copy(&d, &from);
-}
-
 /* Stage state entry k wherever it lives (a GPU's parameters and buffers,
  * the host's counters): *dev says where. */
 static ddp_status stage_entry(ddp_trainer *t, int k, ddp_state_entry *e, ddp_device *dev) {
@@ -387,7 +370,7 @@ static ddp_status gather_model(ddp_trainer *t) {
   memset(params, 0, (size_t)n * sizeof(float));
   for (int i = 0; i < ddp_model_num_params(stage); i++) {
     const ddp_tensor *sp = ddp_model_param(stage, i);
-    DDP_TRY(copy_bytes(DDP_CPU, params + ddp_model_param_offset(full, full_index(t, i)),
+    DDP_TRY(ddp_device_copy(DDP_CPU, params + ddp_model_param_offset(full, full_index(t, i)),
                        sp->device, sp->data, (size_t)sp->numel * sizeof(float)));
   }
   DDP_TRY(sum_parts(t, params, (size_t)n, DDP_FLOAT32));
@@ -405,7 +388,7 @@ static ddp_status gather_model(ddp_trainer *t) {
     DDP_TRY(stage_entry(t, k, &se, &where));
     if (se.is_param) continue;
     DDP_TRY(ddp_model_state_find(full, se.name, &fe));
-    DDP_TRY(copy_bytes(DDP_CPU, fe.data, where, se.data,
+    DDP_TRY(ddp_device_copy(DDP_CPU, fe.data, where, se.data,
                        (size_t)se.numel * ddp_dtype_size(se.dtype)));
   }
   DDP_TRY(sum_parts(t, buffers, (size_t)nbuf, DDP_FLOAT32));
@@ -494,7 +477,7 @@ static ddp_status pipeline_resume(ddp_trainer *t, ddp_train_state *start) {
     ddp_device where;
     DDP_TRY(stage_entry(t, k, &se, &where));
     DDP_TRY(ddp_model_state_find(t->model, se.name, &fe));
-    DDP_TRY(copy_bytes(where, se.data, DDP_CPU, fe.data,
+    DDP_TRY(ddp_device_copy(where, se.data, DDP_CPU, fe.data,
                        (size_t)se.numel * ddp_dtype_size(se.dtype)));
   }
   DDP_TRY(ddp_optimizer_set_lr(t->opt, ddp_optimizer_get_lr(ps->full_opt)));

@@ -12,7 +12,7 @@ set -u
 bin=${1:?usage: test_mpi.sh PATH/TO/test_mpi_ranks}
 shift
 modes=("$@")
-[ ${#modes[@]} -gt 0 ] || modes=(outside matrix p2p subgroups usercomm arrival mismatch stall kill)
+[ ${#modes[@]} -gt 0 ] || modes=(outside matrix direct p2p subgroups usercomm arrival mismatch stall kill)
 command -v mpirun >/dev/null || { echo "SKIP: mpirun not found (scripts/install-deps.sh mpi)"; exit 77; }
 [ -x "$bin" ] || { echo "SKIP: $bin absent: this build has no MPI backend"; exit 77; }
 . "$(dirname "$0")/../support/mpi_env.sh"

@@ -22,6 +22,13 @@
  *   mismatch  under DDP_DEBUG=detail, rank 1 reduces 5 elements where the
  *             others reduce 4: every rank fails naming the mismatch (the
  *             fingerprints go through the group's store from MPI's rank 0)
+ *   direct    the direct path of a small blocking allreduce (collectives.c):
+ *             offered, sums, maxima and averages against closed forms, a
+ *             blocking call behind an async one in flight (the general
+ *             path), bad arguments failing by name as on the general
+ *             path, count 0, and what it keeps: one collective number a
+ *             call, with the flight recorder's records of every call,
+ *             completed, in order, with their arguments
  *   kill      rank 1 SIGKILLs itself while the others run collectives; the
  *             script checks the job ends naming it
  *   hier      ranks on faked hosts (DDP_HOST_ID, set per rank by test_mpi.sh
@@ -48,7 +55,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "comm/comm_internal.h"
 #include "comm/comm_matrix_body.h"
+#include "comm/flight/flight.h"
 #include "comm/mpi/mpi_internal.h"
 
 static int bad(const char *what) {
@@ -234,6 +243,96 @@ static int mode_mismatch(ddp_process_group *pg) {
     return 1;
   }
   printf("rank %d: %s\n", r, ddp_last_error());
+  return 0;
+}
+
+static int mode_direct(ddp_process_group *pg) {
+  int r = ddp_process_group_rank(pg), n = ddp_process_group_size(pg);
+  if (!pg->direct_allreduce || pg->direct_count[DDP_FLOAT32] < 64) {
+    fprintf(stderr, "test_mpi_ranks: the mpi backend offers no direct path for a small float32 allreduce\n");
+    return 1;
+  }
+  if (!pg->flight) {
+    fprintf(stderr, "test_mpi_ranks: no flight recorder (DDP_FLIGHT_RECORDER_SIZE=0?)\n");
+    return 1;
+  }
+  uint64_t seq0 = pg->next_seq;
+  int calls = 0;
+  /* Closed forms: rank r holds r + 1 + i. */
+  float f[5];
+  int64_t l[3];
+  double d[4];
+  for (int i = 0; i < 5; i++) f[i] = (float)(r + 1 + i);
+  for (int i = 0; i < 3; i++) l[i] = (int64_t)(r + 1) * (i + 1);
+  for (int i = 0; i < 4; i++) d[i] = (double)(r + 1 + i);
+  if (ddp_allreduce(pg, f, 5, DDP_FLOAT32, DDP_REDUCE_SUM) != DDP_OK) return bad("float32 sum");
+  calls++;
+  if (ddp_allreduce(pg, l, 3, DDP_INT64, DDP_REDUCE_MAX) != DDP_OK) return bad("int64 max");
+  calls++;
+  if (ddp_allreduce(pg, d, 4, DDP_FLOAT64, DDP_REDUCE_AVG) != DDP_OK) return bad("float64 avg");
+  calls++;
+  for (int i = 0; i < 5; i++)
+    if (f[i] != (float)(n * (n + 1) / 2 + n * i)) return bad("float32 sum: wrong value");
+  for (int i = 0; i < 3; i++)
+    if (l[i] != (int64_t)n * (i + 1)) return bad("int64 max: wrong value");
+  for (int i = 0; i < 4; i++)
+    if (d[i] != (double)(n + 1) / 2 + i) return bad("float64 avg: wrong value");
+  /* A blocking call while an async one is in flight: it queues behind it
+   * (the general path); both right. */
+  float a[3] = {1, 2, 3}, b[2] = {(float)r, 1};
+  ddp_work *w = NULL;
+  if (ddp_allreduce_async(pg, a, 3, DDP_FLOAT32, DDP_REDUCE_SUM, &w) != DDP_OK) return bad("async allreduce");
+  if (ddp_allreduce(pg, b, 2, DDP_FLOAT32, DDP_REDUCE_SUM) != DDP_OK) return bad("blocking behind async");
+  if (ddp_work_wait(w, -1) != DDP_OK) return bad("async wait");
+  ddp_work_free(w);
+  calls += 2;
+  if (a[0] != (float)n || a[2] != 3.0f * n || b[0] != (float)(n * (n - 1) / 2) || b[1] != (float)n)
+    return bad("async and blocking: wrong values");
+  /* Bad arguments fail at once, by name, numbering nothing. */
+  struct { ddp_dtype dt; ddp_reduce_op op; void *buf; const char *want; } bads[] = {
+      {(ddp_dtype)99, DDP_REDUCE_SUM, f, "dtype 99"},
+      {DDP_FLOAT32, (ddp_reduce_op)99, f, "reduce op 99"},
+      {DDP_INT32, DDP_REDUCE_AVG, f, "avg is for floating types"},
+      {DDP_FLOAT32, DDP_REDUCE_SUM, NULL, "buf is NULL"},
+  };
+  for (size_t i = 0; i < sizeof bads / sizeof bads[0]; i++) {
+    ddp_status st = ddp_allreduce(pg, bads[i].buf, 2, bads[i].dt, bads[i].op);
+    if (st != DDP_ERR_INVALID || !strstr(ddp_last_error(), "allreduce") || !strstr(ddp_last_error(), bads[i].want)) {
+      fprintf(stderr, "test_mpi_ranks: rank %d: bad allreduce %zu: %s (%s), want INVALID naming \"%s\"\n", r, i,
+              ddp_status_name(st), ddp_last_error(), bads[i].want);
+      return 1;
+    }
+  }
+  if (ddp_allreduce(pg, NULL, 0, DDP_FLOAT32, DDP_REDUCE_SUM) != DDP_OK) return bad("count 0");
+  calls++;
+  if (pg->next_seq != seq0 + (uint64_t)calls) {
+    fprintf(stderr, "test_mpi_ranks: rank %d: %d collectives numbered %llu\n", r, calls,
+            (unsigned long long)(pg->next_seq - seq0));
+    return 1;
+  }
+  /* The flight recorder: the last `calls` records, in order. */
+  static ddp__flight_record rec[1 << 16];
+  if (pg->flight->capacity > (1u << 16)) return bad("flight recorder larger than the test's buffer");
+  size_t got = ddp__flight_snapshot(pg->flight, rec);
+  if (got < (size_t)calls) return bad("flight recorder: too few records");
+  const ddp__flight_record *last = rec + got - calls;
+  struct { uint64_t count; int dtype, op; } want[] = {{5, DDP_FLOAT32, DDP_REDUCE_SUM}, {3, DDP_INT64, DDP_REDUCE_MAX},
+                                                      {4, DDP_FLOAT64, DDP_REDUCE_AVG}, {3, DDP_FLOAT32, DDP_REDUCE_SUM},
+                                                      {2, DDP_FLOAT32, DDP_REDUCE_SUM}, {0, DDP_FLOAT32, DDP_REDUCE_SUM}};
+  for (int i = 0; i < calls; i++) {
+    const ddp__flight_record *x = last + i;
+    if (x->seq != seq0 + 1 + (uint64_t)i || x->kind != DDP__OP_ALLREDUCE || x->state != DDP__FLIGHT_COMPLETED ||
+        x->count != want[i].count || x->dtype != want[i].dtype || x->reduce_op != want[i].op ||
+        x->started_ns < x->scheduled_ns || x->ended_ns < x->started_ns) {
+      fprintf(stderr, "test_mpi_ranks: rank %d: flight record %d: seq %llu (want %llu) kind %d state %d count %llu "
+              "dtype %d op %d times %lld %lld %lld\n", r, i, (unsigned long long)x->seq,
+              (unsigned long long)(seq0 + 1 + i), x->kind, x->state, (unsigned long long)x->count, x->dtype,
+              x->reduce_op, (long long)x->scheduled_ns, (long long)x->started_ns, (long long)x->ended_ns);
+      return 1;
+    }
+  }
+  printf("rank %d: direct path: %d allreduces numbered %llu..%llu, recorded completed\n", r, calls,
+         (unsigned long long)seq0 + 1, (unsigned long long)(seq0 + calls));
   return 0;
 }
 
@@ -480,6 +579,7 @@ int main(int argc, char **argv) {
   else if (!strcmp(mode, "stall")) rc = mode_stall(pg);
   else if (!strcmp(mode, "arrival")) rc = mode_arrival(pg);
   else if (!strcmp(mode, "mismatch")) rc = mode_mismatch(pg);
+  else if (!strcmp(mode, "direct")) rc = mode_direct(pg);
   else if (!strcmp(mode, "hier")) rc = mode_hier(pg);
   else fprintf(stderr, "test_mpi_ranks: unknown mode \"%s\"\n", mode);
   ddp_process_group_destroy(pg);

@@ -198,6 +198,12 @@ static void test_tensors_without_a_gpu(void **state) {
   assert_int_equal(ddp_tensor_copy(i64, a), DDP_ERR_SHAPE);
   assert_non_null(strstr(ddp_last_error(), "int64 (15) on cpu"));
   assert_non_null(strstr(ddp_last_error(), "different dtypes"));
+  /* Raw bytes between host buffers (ddp_device_copy), and a NULL end. */
+  float raw[15];
+  assert_int_equal(ddp_device_copy(DDP_CPU, raw, DDP_CPU, a->data, sizeof raw), DDP_OK);
+  assert_memory_equal(raw, a->data, sizeof raw);
+  assert_int_equal(ddp_device_copy(DDP_CPU, NULL, DDP_CPU, a->data, sizeof raw), DDP_ERR_INVALID);
+  assert_non_null(strstr(ddp_last_error(), "the destination is NULL"));
 
   if (ddp_cuda_device_count() == 0) {
     /* A CUDA tensor where there is none: a clean error, nothing made. */
@@ -216,6 +222,12 @@ static void test_tensors_without_a_gpu(void **state) {
     assert_non_null(strstr(ddp_last_error(), "to float32 (15) on cuda:1"));
     assert_non_null(strstr(ddp_last_error(), "from float32 (3,5) on cpu"));
     assert_int_equal(ddp_tensor_copy(a, &fake), DDP_ERR_UNSUPPORTED);
+    /* Raw copies (ddp_device_copy) likewise: nothing written, both ends named. */
+    float host[15] = {0};
+    assert_int_equal(ddp_device_copy(DDP_CPU, host, DDP_CUDA(1), nowhere, sizeof host),
+                     DDP_ERR_UNSUPPORTED);
+    assert_non_null(strstr(ddp_last_error(), "from cuda:1 to cpu"));
+    for (int i = 0; i < 15; i++) assert_true(host[i] == 0.0f);
     /* Nor a gradient there. */
     assert_int_equal(ddp_tensor_ensure_grad(&fake), DDP_ERR_UNSUPPORTED);
     assert_null(fake.grad);

@@ -205,6 +205,36 @@ static inline ddp_status blocking_allreduce(mpi_backend *m, const ddp__op_ctx *c
   return DDP_OK;
 }
 
+/* The group layer's direct path (backend.h, allreduce_direct): the same
+ * MPI_Allreduce as blocking_allreduce, for sizes below the arrival
+ * barrier's (mpi_direct_bytes), without a completion. */
+static ddp_status mpi_allreduce_direct(ddp__backend *b, const ddp__op_ctx *ctx, void *buf, size_t count,
+                                       ddp_dtype dtype, ddp_reduce_op op) {
+  mpi_backend *m = (mpi_backend *)b;
+  if (atomic_load_explicit(&m->aborted, memory_order_relaxed))
+    return ddp_error(DDP_ERR_ABORTED, "%s #%" PRIu64 ": the mpi backend of this group (rank %d of %d) was aborted",
+                     ctx->op, ctx->seq, m->rank, m->size);
+  blocking_begin(m, ctx);
+  int rc = MPI_Allreduce(MPI_IN_PLACE, buf, (int)count, m->types[dtype], m->ops[dtype][op], m->coll);
+  blocking_end(m);
+  if (rc != MPI_SUCCESS) return mpi_failed(m, ctx, rc, -1);
+  if (op == DDP_REDUCE_AVG) ddp__reduce_scale(buf, count, dtype, m->size);
+  return DDP_OK;
+}
+
+/* What the direct path takes: what runs as MPI's blocking call
+ * (DDP_MPI_BLOCKING_BYTES), below the arrival barrier's size
+ * (DDP_MPI_ARRIVAL_BYTES: that wait stays on the general path), in counts
+ * an int holds. */
+static size_t mpi_direct_bytes(const ddp__backend *b) {
+  const mpi_backend *m = (const mpi_backend *)b;
+  size_t n = m->blocking_bytes;
+  if (m->arrival_bytes == 0) return 0;
+  if (n > m->arrival_bytes - 1) n = m->arrival_bytes - 1;
+  if (n > (size_t)INT_MAX) n = (size_t)INT_MAX;
+  return n;
+}
+
 static ddp_status mpi_enqueue(ddp__backend *b, const ddp__op_ctx *ctx, const ddp__op_args *a,
                               ddp__completion *c) {
   mpi_backend *m = (mpi_backend *)b;
@@ -492,6 +522,8 @@ static const ddp__backend_ops mpi_ops = {
     .transport = mpi_transport,
     .abort = mpi_abort,
     .destroy = mpi_destroy,
+    .allreduce_direct = mpi_allreduce_direct,
+    .allreduce_direct_bytes = mpi_direct_bytes,
 };
 
 /* The group's communicator: a duplicate of the program's (from_mpi_comm),
