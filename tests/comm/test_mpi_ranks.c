@@ -491,6 +491,15 @@ static int mode_hier(ddp_process_group *pg) {
   if (path_of_allreduce(pg, small, composed && mates > 0 && small * 4 >= threshold) ||
       path_of_allreduce(pg, at, composed && mates > 0) || mixed_async(pg, small, at))
     return 1;
+  /* The direct path of a small blocking allreduce (collectives.c), as on
+   * flat MPI, and only below the threshold (none where every size
+   * composes). */
+  size_t direct = pg->direct_allreduce ? pg->direct_count[DDP_FLOAT32] * 4 : 0;
+  if (composed && (threshold ? direct == 0 || direct >= threshold : direct != 0)) {
+    fprintf(stderr, "test_mpi_ranks: rank %d: the direct path takes float32 allreduces up to %zu B; want 1 B up "
+            "to below the threshold %zu B (none at threshold 0)\n", r, direct, threshold);
+    return 1;
+  }
   const char *quick = getenv("DDP_TEST_QUICK");
   if (quick && !strcmp(quick, "1")) return check_sum(pg, r, P * (P + 1) / 2, "allreduce (hier, quick)");
   /* A subgroup of every rank in reverse order spans the same hosts: it

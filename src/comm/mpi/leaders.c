@@ -416,6 +416,27 @@ static ddp_status mh_enqueue(ddp__backend *b, const ddp__op_ctx *ctx, const ddp_
   return DDP_OK;
 }
 
+/* The group layer's direct path of a small blocking allreduce (backend.h,
+ * allreduce_direct): below the threshold the flat mpi backend's own, so a
+ * call there costs what it costs on flat MPI. The group layer takes it only
+ * with the group idle (no flat op in flight). */
+static ddp_status mh_allreduce_direct(ddp__backend *b, const ddp__op_ctx *ctx, void *buf, size_t count,
+                                      ddp_dtype dtype, ddp_reduce_op op) {
+  mh_backend *h = as_mh(b);
+  DDP_TRY(check_failed(h));
+  return h->all->ops->allreduce_direct(h->all, ctx, buf, count, dtype, op);
+}
+
+/* What the direct path takes: the flat backend's limit, below the
+ * threshold (an allreduce of hier_bytes or more composes). */
+static size_t mh_direct_bytes(const ddp__backend *b) {
+  const mh_backend *h = (const mh_backend *)b;
+  const ddp__backend_ops *flat = h->all->ops;
+  if (!flat->allreduce_direct || !flat->allreduce_direct_bytes || h->hier_bytes == 0) return 0;
+  size_t n = flat->allreduce_direct_bytes(h->all);
+  return n < h->hier_bytes - 1 ? n : h->hier_bytes - 1;
+}
+
 /* A completion not done is a flat op's (composed ones finish in enqueue). */
 static bool mh_test(ddp__backend *b, ddp__completion *c) {
   if (completion_done(c)) return true;
@@ -499,6 +520,8 @@ static const ddp__backend_ops mh_ops = {
     .counters = mh_counters,
     .abort = mh_abort,
     .destroy = mh_destroy,
+    .allreduce_direct = mh_allreduce_direct,
+    .allreduce_direct_bytes = mh_direct_bytes,
 };
 
 /* The host tables (hier.h: host g's first rank in by_host is its
