@@ -7,6 +7,9 @@
 #           across hosts: ddp's shared memory inside a node, MPI between the
 #           nodes' leaders, src/comm/mpi/leaders.c; DDP_MPI_HIER_BYTES=0 so
 #           every size composes whatever the default threshold);
+#   mpidef  the same as shipped: DDP_MPI_HIER_BYTES unset, so a size below
+#           the default threshold runs flat on MPI and one at or above it
+#           composes (below the threshold it must cost what `mpi` costs);
 #   mpi     the same with DDP_MPI_HIER=0 (pure MPI: ddp over Open MPI's own
 #           composition, shared memory inside a node, TCP between them);
 #   hier    srun ddp-bench allreduce (ddp's backend: its hierarchical
@@ -15,7 +18,10 @@
 #   ref     srun --mpi=pmix Open MPI's own allreduce made like ddp's call
 #           (scripts/mpi-refs.sh: in place, MPI_THREAD_MULTIPLE).
 # Prints each side's algbw and the ratios mpihier / mpi (the hierarchy
-# against pure MPI: what docs/comm.md's rule, DDP_MPI_HIER_BYTES, rests on),
+# against pure MPI: what docs/comm.md's rule, DDP_MPI_HIER_BYTES, rests on:
+# the threshold is the smallest size from which this stays above 1),
+# mpidef / mpi (the rule as shipped against pure MPI: about 1 below the
+# threshold, mpihier / mpi from it),
 # mpihier / hier (MPI against ddp's TCP between the leaders) and mpi / ref.
 # Needs root, Slurm with its pmix plugin, and network namespaces
 # (scripts/slurm-cluster.sh says which is missing).
@@ -61,6 +67,13 @@ run_mpihier() {
       -n "$(iters "$(bytes "$s")")" -w 2 --json >>"$out/mpihier.jsonl"
   done
 }
+# The rule as shipped (the default threshold).
+run_mpidef() {
+  for s in "${sizes[@]}"; do
+    run --mpi=pmix bash -c "$vader" "$bench" allreduce --backend mpi -b "$s" -e "$s" \
+      -n "$(iters "$(bytes "$s")")" -w 2 --json >>"$out/mpidef.jsonl"
+  done
+}
 run_hier() {
   for s in "${sizes[@]}"; do
     run "$bench" allreduce -b "$s" -e "$s" -n "$(iters "$(bytes "$s")")" -w 2 --json >>"$out/hier.jsonl"
@@ -71,8 +84,8 @@ run_ref() {
   for s in "${sizes[@]}"; do b+=("$(bytes "$s")"); done
   run --mpi=pmix bash -c "$vader" "$out/mpi_allreduce_like" "${b[@]}" >>"$out/ref.txt"
 }
-: >"$out/mpi.jsonl"; : >"$out/mpihier.jsonl"; : >"$out/hier.jsonl"; : >"$out/ref.txt"
-order=(run_mpihier run_mpi run_hier run_ref)
+: >"$out/mpi.jsonl"; : >"$out/mpihier.jsonl"; : >"$out/mpidef.jsonl"; : >"$out/hier.jsonl"; : >"$out/ref.txt"
+order=(run_mpihier run_mpi run_mpidef run_hier run_ref)
 for ((r = 1; r <= rounds; r++)); do
   for ((k = 0; k < ${#order[@]}; k++)); do
     f=${order[$(((k + r) % ${#order[@]}))]}
@@ -97,15 +110,17 @@ for line in open(f"{out}/ref.txt"):
     m = re.search(r"bytes=(\d+) us=[\d.]+ algbw_GBps=([\d.]+)", line)
     if m:
         ref.setdefault(int(m[1]), []).append(float(m[2]))
-mpi, mpihier, hier = ddp("mpi"), ddp("mpihier"), ddp("hier")
+mpi, mpihier, mpidef, hier = ddp("mpi"), ddp("mpihier"), ddp("mpidef"), ddp("hier")
 med = lambda d, s: st.median(d[s]) if s in d else float("nan")
 def size(s):
     return f"{s >> 20} MiB" if s >= 1 << 20 else f"{s >> 10} KiB"
 print("2 nodes x 2 ranks (network namespaces of one machine), float32 SUM allreduce, algbw GB/s, medians\n")
-print("| size | mpihier (ddp: shm + MPI between leaders) | mpi (ddp over Open MPI, flat) | hier (ddp: shm + TCP) "
-      "| Open MPI's own | mpihier / mpi | mpihier / hier | mpi / own |\n|---|---|---|---|---|---|---|---|")
+print("| size | mpihier (ddp: shm + MPI between leaders, every size) | mpi (ddp over Open MPI, flat) "
+      "| mpidef (the default rule) | hier (ddp: shm + TCP) | Open MPI's own | mpihier / mpi | mpidef / mpi "
+      "| mpihier / hier | mpi / own |\n|---|---|---|---|---|---|---|---|---|---|")
 for s in sorted(mpi):
-    x, m, h, o = med(mpihier, s), med(mpi, s), med(hier, s), med(ref, s)
-    print(f"| {size(s)} | {x:.3f} | {m:.3f} | {h:.3f} | {o:.3f} | {x / m:.2f}x | {x / h:.2f}x | {m / o:.2f}x |")
+    x, m, d, h, o = med(mpihier, s), med(mpi, s), med(mpidef, s), med(hier, s), med(ref, s)
+    print(f"| {size(s)} | {x:.3f} | {m:.3f} | {d:.3f} | {h:.3f} | {o:.3f} | {x / m:.2f}x | {d / m:.2f}x "
+          f"| {x / h:.2f}x | {m / o:.2f}x |")
 PY
 echo "raw outputs in $out" >&2

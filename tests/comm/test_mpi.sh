@@ -85,7 +85,9 @@ for mode in "${modes[@]}"; do
     # 4 ranks on 2 faked hosts (DDP_HOST_ID per rank, from its MPI rank):
     # shared memory inside each, MPI between their leaders. Each layout
     # with every collective composed (DDP_MPI_HIER_BYTES=0); the default
-    # split (small ops flat, large composed); the leaders' ops nonblocking
+    # split (small ops flat, large composed: test_mpi_ranks checks which
+    # path a 64 KiB and a threshold-sized allreduce took, and mixes them
+    # async); the leaders' ops nonblocking
     # (DDP_MPI_BLOCKING_BYTES=0); and DDP_MPI_HIER=0 (flat MPI) by its
     # transports only.
     for spec in "block 0 default auto full" "interleaved 0 default auto full" "uneven 0 default auto full" \

@@ -36,6 +36,11 @@
  *             pair's transport ("shm" inside a host, "mpi" between hosts:
  *             shared memory inside hosts, MPI between their leaders; all
  *             "mpi" under DDP_MPI_HIER=0), then, unless DDP_TEST_QUICK=1,
+ *             which path an allreduce below and one at the threshold
+ *             (DDP_MPI_HIER_BYTES, else the default) took: ddp's shared
+ *             memory moved bytes (the counters' shm_bytes) only for a
+ *             composed one, so one below the threshold ran flat on MPI
+ *             alone; then, unless DDP_TEST_QUICK=1,
  *             a reversed subgroup (composed too), a monitored barrier,
  *             the matrix, async allreduces and p2p ordering
  * Exit status 0 when this rank passed. */
@@ -53,6 +58,7 @@
 #include "comm/comm_internal.h"
 #include "comm/comm_matrix_body.h"
 #include "comm/flight/flight.h"
+#include "comm/mpi/mpi_internal.h"
 
 static int bad(const char *what) {
   fprintf(stderr, "test_mpi_ranks: %s: %s\n", what, ddp_last_error());
@@ -386,6 +392,75 @@ static int layout_host(const char *layout, int r) {
   return r / 2; /* block */
 }
 
+/* One float32 SUM allreduce of `count` elements, each rank giving r + 1
+ * (the sum 1 + ... + P, exact in float32), and the shared-memory bytes it
+ * moved on this rank: ddp's local backend counts them, MPI's own shared
+ * memory is not counted, so they are more than 0 only where the call
+ * composed (docs/comm.md, "Hierarchy"). */
+static int path_of_allreduce(ddp_process_group *pg, size_t count, bool want_composed) {
+  int P = ddp_process_group_size(pg), r = ddp_process_group_rank(pg);
+  float *v = malloc(count * sizeof *v);
+  for (size_t i = 0; i < count; i++) v[i] = (float)(r + 1);
+  ddp_comm_counters c0, c1;
+  ddp_process_group_counters(pg, &c0);
+  ddp_status st = ddp_allreduce(pg, v, count, DDP_FLOAT32, DDP_REDUCE_SUM);
+  ddp_process_group_counters(pg, &c1);
+  int rc = st == DDP_OK ? 0 : bad("allreduce (path)");
+  for (size_t i = 0; i < count && !rc; i++)
+    if (v[i] != (float)(P * (P + 1) / 2)) {
+      fprintf(stderr, "test_mpi_ranks: rank %d: allreduce of %zu B [%zu] = %g, want %d\n", r, count * 4, i,
+              (double)v[i], P * (P + 1) / 2);
+      rc = 1;
+    }
+  uint64_t shm = c1.shm_bytes - c0.shm_bytes;
+  if (!rc && (shm > 0) != want_composed) {
+    fprintf(stderr, "test_mpi_ranks: rank %d: allreduce of %zu B moved %llu B through ddp's shared memory: it "
+            "ran %s, want %s\n", r, count * 4, (unsigned long long)shm, shm ? "composed" : "flat on MPI",
+            want_composed ? "composed" : "flat on MPI");
+    rc = 1;
+  }
+  free(v);
+  return rc;
+}
+
+/* Async allreduces below and at the threshold in flight together (flat ones
+ * up to four at once, a composed one after the flat ones before it), then
+ * a blocking one: each the closed form. */
+static int mixed_async(ddp_process_group *pg, size_t small, size_t at) {
+  int P = ddp_process_group_size(pg), r = ddp_process_group_rank(pg);
+  enum { K = 7 };
+  /* flat, flat, flat, composed, flat, composed, composed (where at is) */
+  const bool big[K] = {false, false, false, true, false, true, true};
+  float *bufs[K];
+  ddp_work *works[K];
+  int rc = 0;
+  for (int k = 0; k < K; k++) {
+    size_t n = big[k] ? at : small;
+    bufs[k] = malloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++) bufs[k][i] = (float)((r + 1) * (k + 1));
+    if (ddp_allreduce_async(pg, bufs[k], n, DDP_FLOAT32, DDP_REDUCE_SUM, &works[k]) != DDP_OK) {
+      rc = bad("async allreduce (mixed)");
+      for (int j = 0; j < k; j++) ddp_work_wait(works[j], -1), ddp_work_free(works[j]);
+      for (int j = 0; j <= k; j++) free(bufs[j]);
+      return rc;
+    }
+  }
+  for (int k = 0; k < K; k++) {
+    if (ddp_work_wait(works[k], -1) != DDP_OK && !rc) rc = bad("async allreduce wait (mixed)");
+    ddp_work_free(works[k]);
+    size_t n = big[k] ? at : small;
+    float want = (float)(P * (P + 1) / 2 * (k + 1));
+    for (size_t i = 0; i < n && !rc; i++)
+      if (bufs[k][i] != want) {
+        fprintf(stderr, "test_mpi_ranks: rank %d: mixed async allreduce %d (%zu B) [%zu] = %g, want %g\n", r, k,
+                n * 4, i, (double)bufs[k][i], (double)want);
+        rc = 1;
+      }
+    free(bufs[k]);
+  }
+  return rc ? rc : check_sum(pg, r, P * (P + 1) / 2, "blocking allreduce after the mixed async ones");
+}
+
 static int mode_hier(ddp_process_group *pg) {
   int P = ddp_process_group_size(pg), r = ddp_process_group_rank(pg);
   const char *layout = getenv("DDP_TEST_LAYOUT") ? getenv("DDP_TEST_LAYOUT") : "block";
@@ -404,6 +479,26 @@ static int mode_hier(ddp_process_group *pg) {
               r, layout, hier ? hier : "unset", q, got, want);
       return 1;
     }
+  }
+  /* Which path ran: below the threshold flat on MPI, from it composed
+   * (where this rank's host has host mates: the uneven layout's rank 3 is
+   * alone on its host and its part is MPI's between the leaders). */
+  const char *hb = getenv("DDP_MPI_HIER_BYTES");
+  size_t threshold = hb ? (size_t)strtoull(hb, NULL, 10) : DDP__MPI_HIER_DEFAULT_BYTES;
+  int mates = 0;
+  for (int q = 0; q < P; q++) mates += q != r && layout_host(layout, q) == layout_host(layout, r);
+  size_t small = 16384, at = threshold ? (threshold + 3) / 4 : 1; /* elements: 64 KiB, the threshold */
+  if (path_of_allreduce(pg, small, composed && mates > 0 && small * 4 >= threshold) ||
+      path_of_allreduce(pg, at, composed && mates > 0) || mixed_async(pg, small, at))
+    return 1;
+  /* The direct path of a small blocking allreduce (collectives.c), as on
+   * flat MPI, and only below the threshold (none where every size
+   * composes). */
+  size_t direct = pg->direct_allreduce ? pg->direct_count[DDP_FLOAT32] * 4 : 0;
+  if (composed && (threshold ? direct == 0 || direct >= threshold : direct != 0)) {
+    fprintf(stderr, "test_mpi_ranks: rank %d: the direct path takes float32 allreduces up to %zu B; want 1 B up "
+            "to below the threshold %zu B (none at threshold 0)\n", r, direct, threshold);
+    return 1;
   }
   const char *quick = getenv("DDP_TEST_QUICK");
   if (quick && !strcmp(quick, "1")) return check_sum(pg, r, P * (P + 1) / 2, "allreduce (hier, quick)");

@@ -53,16 +53,10 @@ typedef struct hier_backend {
   ddp__backend *local;     /* NULL when this host has one rank */
   ddp__tcp_backend *tcp;
   ddp_store *local_store, *tcp_store;
-  unsigned char *scratch[2];
-  size_t scratch_bytes[2];
+  ddp__hier_scratch scratch[2];
   ddp_status failed;       /* sticky */
   char failed_msg[512];
-  /* The point-to-point lane's split of its requests (lane thread only):
-   * those to host mates (peer rewritten to the local index for the call)
-   * and those over tcp, with each one's index in the caller's list. */
-  ddp__p2p_req **lane_local, **lane_tcp;
-  int *lane_local_at, *lane_tcp_at;
-  int lane_cap;
+  ddp__hier_lane lane;      /* the point-to-point lane's split (lane thread only) */
 } hier_backend;
 
 static hier_backend *as_hier(ddp__backend *b) { return (hier_backend *)b; }
@@ -100,16 +94,7 @@ static ddp_status check_failed(hier_backend *h) {
 /* ---- Helpers ------------------------------------------------------------------ */
 
 static void *scratch(hier_backend *h, int which, size_t bytes) {
-  if (h->scratch[which] && bytes <= h->scratch_bytes[which]) return h->scratch[which];
-  ddp_free(h->scratch[which]);
-  h->scratch_bytes[which] = 0;
-  h->scratch[which] = ddp_alloc(bytes ? bytes : 1);
-  if (!h->scratch[which]) {
-    ddp_error(DDP_ERR_NOMEM, "hier backend: no memory for a %zu-byte scratch buffer", bytes);
-    return NULL;
-  }
-  h->scratch_bytes[which] = bytes;
-  return h->scratch[which];
+  return ddp__hier_scratch_get(&h->scratch[which], bytes, "hier backend");
 }
 
 #define SCRATCH(h, var, which, bytes)                                  \
@@ -402,58 +387,17 @@ static ddp_status hier_recv(ddp__backend *be, const ddp__op_ctx *ctx, void *buf,
   return DDP_OK;
 }
 
-/* The lane (backend.h): requests to host mates go to the local backend's
- * lane, the others to the tcp backend's. When both have requests pending,
- * each waits briefly in turn (1 ms), so neither side's messages wait long
- * behind the other's sleep. A failure is the lane's, not this backend's
- * sticky one (the lane fails the group, whose abort reaches both parts). */
-#define HIER_LANE_SLICE_NS 1000000LL
-
+/* The lane (hier.h's ddp__hier_lane_progress, shared with mpi/leaders.c):
+ * host mates over the local backend, the others over tcp. A failure is the
+ * lane's, not this backend's sticky one (the lane fails the group, whose
+ * abort reaches both parts). */
 static ddp_status hier_p2p_progress(ddp__backend *be, const ddp__op_ctx *ctx,
                                     ddp__p2p_req *const *reqs, int n, int64_t wait_ns,
                                     int *culprit) {
   hier_backend *h = as_hier(be);
-  *culprit = -1;
-  if (n > h->lane_cap) {
-    int cap = 2 * n;
-    ddp__p2p_req **l = ddp_calloc((size_t)cap, sizeof *l), **t = ddp_calloc((size_t)cap, sizeof *t);
-    int *la = ddp_calloc((size_t)cap, sizeof *la), *ta = ddp_calloc((size_t)cap, sizeof *ta);
-    if (!l || !t || !la || !ta) {
-      ddp_free(l), ddp_free(t), ddp_free(la), ddp_free(ta);
-      return ddp_error(DDP_ERR_NOMEM, "hier backend: no memory for %d point-to-point requests", n);
-    }
-    ddp_free(h->lane_local), ddp_free(h->lane_tcp), ddp_free(h->lane_local_at), ddp_free(h->lane_tcp_at);
-    h->lane_local = l, h->lane_tcp = t, h->lane_local_at = la, h->lane_tcp_at = ta;
-    h->lane_cap = cap;
-  }
-  int nl = 0, nt = 0;
-  for (int i = 0; i < n; i++) {
-    if (h->host_of[reqs[i]->peer] == h->my_host) {
-      h->lane_local_at[nl] = i;
-      h->lane_local[nl++] = reqs[i];
-    } else {
-      h->lane_tcp_at[nt] = i;
-      h->lane_tcp[nt++] = reqs[i];
-    }
-  }
-  int64_t slice = nl && nt && wait_ns > HIER_LANE_SLICE_NS ? HIER_LANE_SLICE_NS : wait_ns;
-  ddp_status st = DDP_OK;
-  int c = -1;
-  if (nl) {
-    for (int i = 0; i < nl; i++) h->lane_local[i]->peer = h->local_index[h->lane_local[i]->peer];
-    st = h->local->ops->p2p_progress(h->local, ctx, h->lane_local, nl, nt ? 0 : slice, &c);
-    const int *mates = h->by_host + h->host_first[h->my_host]; /* local index -> group rank */
-    for (int i = 0; i < nl; i++) h->lane_local[i]->peer = mates[h->lane_local[i]->peer];
-    if (st != DDP_OK) {
-      *culprit = c >= 0 ? h->lane_local_at[c] : -1;
-      return st;
-    }
-  }
-  if (nt) {
-    st = tcpb(h)->ops->p2p_progress(tcpb(h), ctx, h->lane_tcp, nt, slice, &c);
-    if (st != DDP_OK) *culprit = c >= 0 ? h->lane_tcp_at[c] : -1;
-  }
-  return st;
+  ddp__hier_layout at = {.host_of = h->host_of, .my_host = h->my_host, .local_index = h->local_index,
+                         .mates = h->by_host + h->host_first[h->my_host]};
+  return ddp__hier_lane_progress(&h->lane, &at, h->local, tcpb(h), ctx, reqs, n, wait_ns, culprit);
 }
 
 static void hier_p2p_wake(ddp__backend *be) {
@@ -494,12 +438,9 @@ static void hier_destroy(ddp__backend *be) {
   ddp_free(h->by_host);
   ddp_free(h->local_index);
   ddp_free(h->reps);
-  ddp_free(h->scratch[0]);
-  ddp_free(h->scratch[1]);
-  ddp_free(h->lane_local);
-  ddp_free(h->lane_tcp);
-  ddp_free(h->lane_local_at);
-  ddp_free(h->lane_tcp_at);
+  ddp__hier_scratch_free(&h->scratch[0]);
+  ddp__hier_scratch_free(&h->scratch[1]);
+  ddp__hier_lane_free(&h->lane);
   ddp_free(h);
 }
 
@@ -530,34 +471,119 @@ static const ddp__backend_ops hier_ops = {
     .destroy = hier_destroy,
 };
 
-/* The host tables: hosts are numbered 0.. in order of their lowest rank
- * (group.c numbers them so), so host g's first rank in by_host is its
- * leader. */
+/* The host tables (hier.h) and the view of the running op. */
 static ddp_status build_tables(hier_backend *h, const ddp__backend_config *cfg) {
-  int size = cfg->size, nhosts = 0;
-  for (int r = 0; r < size; r++)
-    if (cfg->host_of[r] + 1 > nhosts) nhosts = cfg->host_of[r] + 1;
-  h->nhosts = nhosts;
+  DDP_TRY(ddp__hier_host_tables(cfg, &h->nhosts, &h->host_first, &h->by_host, &h->local_index));
   h->my_host = cfg->host_of[cfg->rank];
-  h->host_first = ddp_calloc((size_t)nhosts + 1, sizeof *h->host_first);
-  h->by_host = ddp_calloc((size_t)size, sizeof *h->by_host);
-  h->local_index = ddp_calloc((size_t)size, sizeof *h->local_index);
-  h->reps = ddp_calloc((size_t)nhosts, sizeof *h->reps);
-  if (!h->host_first || !h->by_host || !h->local_index || !h->reps)
-    return ddp_error(DDP_ERR_NOMEM, "hier backend: out of memory");
-  for (int r = 0; r < size; r++) h->host_first[cfg->host_of[r] + 1]++;
-  for (int g = 0; g < nhosts; g++) h->host_first[g + 1] += h->host_first[g];
-  int *fill = ddp_calloc((size_t)nhosts, sizeof *fill);
-  if (!fill) return ddp_error(DDP_ERR_NOMEM, "hier backend: out of memory");
-  for (int r = 0; r < size; r++) {
-    int g = cfg->host_of[r];
-    h->local_index[r] = fill[g];
-    h->by_host[h->host_first[g] + fill[g]++] = r;
-  }
-  ddp_free(fill);
+  h->reps = ddp_calloc((size_t)h->nhosts, sizeof *h->reps);
+  if (!h->reps) return ddp_error(DDP_ERR_NOMEM, "hier backend: out of memory");
   h->li = h->local_index[cfg->rank];
   h->ls = host_size(h, h->my_host);
   return DDP_OK;
+}
+
+/* ---- Shared with mpi/leaders.c (hier.h): host tables, scratch, the lane ------------ */
+
+ddp_status ddp__hier_host_tables(const ddp__backend_config *cfg, int *nhosts_out, int **host_first_out,
+                                 int **by_host_out, int **local_index_out) {
+  int size = cfg->size, nhosts = 0;
+  for (int r = 0; r < size; r++)
+    if (cfg->host_of[r] + 1 > nhosts) nhosts = cfg->host_of[r] + 1;
+  *nhosts_out = nhosts;
+  int *host_first = *host_first_out = ddp_calloc((size_t)nhosts + 1, sizeof *host_first);
+  int *by_host = *by_host_out = ddp_calloc((size_t)size, sizeof *by_host);
+  int *local_index = *local_index_out = ddp_calloc((size_t)size, sizeof *local_index);
+  int *fill = ddp_calloc((size_t)nhosts, sizeof *fill);
+  if (!host_first || !by_host || !local_index || !fill) {
+    ddp_free(fill);
+    return ddp_error(DDP_ERR_NOMEM, "hierarchy (rank %d of %d): out of memory for the host tables", cfg->rank,
+                     size);
+  }
+  for (int r = 0; r < size; r++) host_first[cfg->host_of[r] + 1]++;
+  for (int g = 0; g < nhosts; g++) host_first[g + 1] += host_first[g];
+  for (int r = 0; r < size; r++) {
+    int g = cfg->host_of[r];
+    local_index[r] = fill[g];
+    by_host[host_first[g] + fill[g]++] = r;
+  }
+  ddp_free(fill);
+  return DDP_OK;
+}
+
+void *ddp__hier_scratch_get(ddp__hier_scratch *s, size_t bytes, const char *who) {
+  if (s->buf && bytes <= s->bytes) return s->buf;
+  ddp__hier_scratch_free(s);
+  s->buf = ddp_alloc(bytes ? bytes : 1);
+  if (!s->buf) {
+    ddp_error(DDP_ERR_NOMEM, "%s: no memory for a %zu-byte scratch buffer", who, bytes);
+    return NULL;
+  }
+  s->bytes = bytes;
+  return s->buf;
+}
+
+void ddp__hier_scratch_free(ddp__hier_scratch *s) {
+  ddp_free(s->buf);
+  *s = (ddp__hier_scratch){0};
+}
+
+
+#define HIER_LANE_SLICE_NS 1000000LL
+
+static ddp_status lane_reserve(ddp__hier_lane *lane, int n) {
+  if (n <= lane->cap) return DDP_OK;
+  int cap = 2 * n;
+  ddp__p2p_req **l = ddp_calloc((size_t)cap, sizeof *l), **r = ddp_calloc((size_t)cap, sizeof *r);
+  int *la = ddp_calloc((size_t)cap, sizeof *la), *ra = ddp_calloc((size_t)cap, sizeof *ra);
+  if (!l || !r || !la || !ra) {
+    ddp_free(l), ddp_free(r), ddp_free(la), ddp_free(ra);
+    return ddp_error(DDP_ERR_NOMEM, "hierarchy: no memory for %d point-to-point requests", n);
+  }
+  ddp__hier_lane_free(lane);
+  *lane = (ddp__hier_lane){.local = l, .remote = r, .local_at = la, .remote_at = ra, .cap = cap};
+  return DDP_OK;
+}
+
+ddp_status ddp__hier_lane_progress(ddp__hier_lane *lane, const ddp__hier_layout *at, ddp__backend *local,
+                                   ddp__backend *remote, const ddp__op_ctx *ctx, ddp__p2p_req *const *reqs,
+                                   int n, int64_t wait_ns, int *culprit) {
+  *culprit = -1;
+  DDP_TRY(lane_reserve(lane, n));
+  int nl = 0, nr = 0;
+  for (int i = 0; i < n; i++) {
+    if (at->host_of[reqs[i]->peer] == at->my_host) {
+      lane->local_at[nl] = i;
+      lane->local[nl++] = reqs[i];
+    } else {
+      lane->remote_at[nr] = i;
+      lane->remote[nr++] = reqs[i];
+    }
+  }
+  int64_t slice = nl && nr && wait_ns > HIER_LANE_SLICE_NS ? HIER_LANE_SLICE_NS : wait_ns;
+  ddp_status st = DDP_OK;
+  int c = -1;
+  if (nl) {
+    for (int i = 0; i < nl; i++) lane->local[i]->peer = at->local_index[lane->local[i]->peer];
+    st = local->ops->p2p_progress(local, ctx, lane->local, nl, nr ? 0 : slice, &c);
+    for (int i = 0; i < nl; i++) lane->local[i]->peer = at->mates[lane->local[i]->peer];
+    if (st != DDP_OK) {
+      *culprit = c >= 0 ? lane->local_at[c] : -1;
+      return st;
+    }
+  }
+  if (nr) {
+    st = remote->ops->p2p_progress(remote, ctx, lane->remote, nr, slice, &c);
+    if (st != DDP_OK) *culprit = c >= 0 ? lane->remote_at[c] : -1;
+  }
+  return st;
+}
+
+void ddp__hier_lane_free(ddp__hier_lane *lane) {
+  ddp_free(lane->local);
+  ddp_free(lane->remote);
+  ddp_free(lane->local_at);
+  ddp_free(lane->remote_at);
+  *lane = (ddp__hier_lane){0};
 }
 
 /* The local backend over one host's ranks (hier.h). */

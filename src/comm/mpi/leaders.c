@@ -11,7 +11,7 @@
  *            path (below), all_to_all, and point-to-point between hosts
  *
  * Which ops compose (the rule, docs/comm.md): a collective whose vector is
- * at least DDP_MPI_HIER_BYTES per rank (default 1 MiB) runs in stages,
+ * at least DDP_MPI_HIER_BYTES per rank (default 4 MiB) runs in stages,
  *   allreduce       local reduce to the leader -> leaders' MPI allreduce ->
  *                   local broadcast
  *   broadcast       local broadcast on the root's host -> leaders' MPI
@@ -53,7 +53,9 @@
 #include "comm/mpi/mpi_internal.h"
 #include "core/core_internal.h"
 
-#define MH_DEFAULT_BYTES (1u << 20)
+/* Ops in flight at once, as the mpi backend's (flat ones: a composed op
+ * runs to its end in enqueue). */
+#define MH_MAX_IN_FLIGHT 4
 
 typedef struct mh_backend {
   ddp__backend base;
@@ -70,14 +72,17 @@ typedef struct mh_backend {
   size_t hier_bytes;      /* ops of at least this many bytes per rank compose */
   bool blocking_call;     /* the running composed op's (for the leaders' ops) */
   ddp__completion inner;  /* the leaders' op running now */
-  unsigned char *scratch[3];
-  size_t scratch_bytes[3];
+  /* Flat ops enqueued and maybe not yet done, oldest first (the enqueuing
+   * thread's only): a composed op waits for them before it starts. The
+   * group layer recycles completions, resetting one only just before it
+   * enqueues an op with it here, so enqueue first drops the entries that
+   * are done or name its own completion: the rest are ops in flight. */
+  ddp__completion *flat[MH_MAX_IN_FLIGHT];
+  int nflat;
+  ddp__hier_scratch scratch[3];
   ddp_status failed;      /* sticky */
   char failed_msg[512];
-  /* The point-to-point lane's split (lane thread only), as in hier.c. */
-  ddp__p2p_req **lane_local, **lane_mpi;
-  int *lane_local_at, *lane_mpi_at;
-  int lane_cap;
+  ddp__hier_lane lane;    /* the point-to-point lane's split (lane thread only) */
 } mh_backend;
 
 static mh_backend *as_mh(ddp__backend *b) { return (mh_backend *)b; }
@@ -109,16 +114,7 @@ static ddp_status check_failed(mh_backend *h) {
 /* ---- Helpers ------------------------------------------------------------------ */
 
 static void *scratch(mh_backend *h, int which, size_t bytes) {
-  if (h->scratch[which] && bytes <= h->scratch_bytes[which]) return h->scratch[which];
-  ddp_free(h->scratch[which]);
-  h->scratch_bytes[which] = 0;
-  h->scratch[which] = ddp_alloc(bytes ? bytes : 1);
-  if (!h->scratch[which]) {
-    ddp_error(DDP_ERR_NOMEM, "mpi backend (hierarchy): no memory for a %zu-byte scratch buffer", bytes);
-    return NULL;
-  }
-  h->scratch_bytes[which] = bytes;
-  return h->scratch[which];
+  return ddp__hier_scratch_get(&h->scratch[which], bytes, "mpi backend (hierarchy)");
 }
 
 #define SCRATCH(h, var, which, bytes)                     \
@@ -215,18 +211,29 @@ static ddp_status mh_reduce(mh_backend *h, const ddp__op_ctx *ctx, void *buf, si
   return DDP_OK;
 }
 
+/* The first stage of allgather and gather: this host's blocks (count
+ * elements of each rank, in local order) reach its leader's slot *mine of
+ * the host-order buffer *all (scratch 0, nhosts blocks of pb bytes; leaders
+ * only, both stay NULL elsewhere). */
+static ddp_status gather_to_leader(mh_backend *h, const ddp__op_ctx *ctx, const void *send, size_t count,
+                                   ddp_dtype dtype, size_t pb, char **all, char **mine) {
+  size_t bytes = count * ddp_dtype_size(dtype);
+  if (h->leaders) {
+    SCRATCH(h, *all, 0, (size_t)h->nhosts * pb);
+    *mine = *all + (size_t)h->my_host * pb;
+  }
+  if (h->local)
+    LOCAL_TRY(h, h->local->ops->blocking->gather(h->local, ctx, send, *mine, count, dtype, 0));
+  else if (bytes)
+    memcpy(*mine, send, bytes);
+  return DDP_OK;
+}
+
 static ddp_status mh_allgather(mh_backend *h, const ddp__op_ctx *ctx, const void *send, void *recv, size_t count,
                                ddp_dtype dtype) {
   size_t bytes = count * ddp_dtype_size(dtype), pb = (size_t)h->maxls * bytes;
   char *all = NULL, *mine = NULL;
-  if (h->leaders) {
-    SCRATCH(h, all, 0, (size_t)h->nhosts * pb);
-    mine = all + (size_t)h->my_host * pb;
-  }
-  if (h->local)
-    LOCAL_TRY(h, h->local->ops->blocking->gather(h->local, ctx, send, mine, count, dtype, 0));
-  else if (bytes)
-    memcpy(mine, send, bytes);
+  DDP_TRY(gather_to_leader(h, ctx, send, count, dtype, pb, &all, &mine));
   if (h->leaders) {
     DDP_TRY(leaders_run(h, ctx, (ddp__op_args){.kind = DDP__OP_ALLGATHER, .send = mine, .buf = all,
                                                .count = count * (size_t)h->maxls, .dtype = dtype}));
@@ -242,14 +249,7 @@ static ddp_status mh_gather(mh_backend *h, const ddp__op_ctx *ctx, const void *s
   size_t bytes = count * ddp_dtype_size(dtype), pb = (size_t)h->maxls * bytes;
   int root_host = h->host_of[root];
   char *all = NULL, *mine = NULL, *result = NULL;
-  if (h->leaders) {
-    SCRATCH(h, all, 0, (size_t)h->nhosts * pb);
-    mine = all + (size_t)h->my_host * pb;
-  }
-  if (h->local)
-    LOCAL_TRY(h, h->local->ops->blocking->gather(h->local, ctx, send, mine, count, dtype, 0));
-  else if (bytes)
-    memcpy(mine, send, bytes);
+  DDP_TRY(gather_to_leader(h, ctx, send, count, dtype, pb, &all, &mine));
   if (h->leaders) {
     DDP_TRY(leaders_run(h, ctx, (ddp__op_args){.kind = DDP__OP_GATHER, .send = mine, .buf = all,
                                                .count = count * (size_t)h->maxls, .dtype = dtype,
@@ -332,7 +332,6 @@ static ddp_status mh_barrier(mh_backend *h, const ddp__op_ctx *ctx) {
 }
 
 static ddp_status run_composed(mh_backend *h, const ddp__op_ctx *ctx, const ddp__op_args *a) {
-  DDP_TRY(check_failed(h));
   h->blocking_call = a->blocking_call;
   switch (a->kind) {
   case DDP__OP_ALLREDUCE: return mh_allreduce(h, ctx, a->buf, a->count, a->dtype, a->reduce_op);
@@ -366,80 +365,99 @@ static bool composes(const mh_backend *h, const ddp__op_args *a) {
   return v >= h->hier_bytes;
 }
 
-/* A composed op runs to its end here, on the caller; a flat one is the
- * mpi backend's over the whole group, and completes in its test / wait. */
+static bool completion_done(const ddp__completion *c) {
+  return atomic_load_explicit(&c->done, memory_order_acquire);
+}
+
+/* Drops the entries that are done or stale copies of c (the completion of
+ * the op being enqueued, just reset for it): what stays are ops in flight
+ * before this one, fewer than MH_MAX_IN_FLIGHT. */
+static void prune_flat(mh_backend *h, const ddp__completion *c) {
+  int n = 0;
+  for (int i = 0; i < h->nflat; i++)
+    if (h->flat[i] != c && !completion_done(h->flat[i])) h->flat[n++] = h->flat[i];
+  h->nflat = n;
+}
+
+/* Before a composed op: the flat ops still in MPI complete first (in
+ * order), so the composition never overtakes one. Waited under the
+ * composed op's deadline. */
+static ddp_status drain_flat(mh_backend *h, const ddp__op_ctx *ctx) {
+  for (int i = 0; i < h->nflat; i++) {
+    ddp__completion *f = h->flat[i];
+    if (completion_done(f)) continue;
+    ddp_status st = h->all->ops->wait(h->all, ctx, f);
+    if (st != DDP_OK) return mh_fail(h, st, -1);
+  }
+  h->nflat = 0;
+  return DDP_OK;
+}
+
+/* A flat op (below the threshold) is the mpi backend's over the whole
+ * group as it would be on flat MPI: a blocking call of the program runs
+ * MPI's blocking collective on the caller, an async one is MPI's
+ * nonblocking one, up to MH_MAX_IN_FLIGHT of them in flight, completing in
+ * its test / wait. A composed op runs to its end here, after the flat ones
+ * before it. */
 static ddp_status mh_enqueue(ddp__backend *b, const ddp__op_ctx *ctx, const ddp__op_args *a, ddp__completion *c) {
   mh_backend *h = as_mh(b);
+  if (h->nflat) prune_flat(h, c);
+  DDP_TRY(check_failed(h));
   if (!composes(h, a)) {
-    DDP_TRY(check_failed(h));
-    return h->all->ops->enqueue(h->all, ctx, a, c);
+    DDP_TRY(h->all->ops->enqueue(h->all, ctx, a, c));
+    if (!completion_done(c)) {
+      DDP_ASSERT(h->nflat < MH_MAX_IN_FLIGHT);
+      h->flat[h->nflat++] = c;
+    }
+    return DDP_OK;
   }
-  ddp__completion_finish(c, run_composed(h, ctx, a));
+  ddp_status st = h->nflat ? drain_flat(h, ctx) : DDP_OK;
+  ddp__completion_finish(c, st == DDP_OK ? run_composed(h, ctx, a) : st);
   return DDP_OK;
+}
+
+/* The group layer's direct path of a small blocking allreduce (backend.h,
+ * allreduce_direct): below the threshold the flat mpi backend's own, so a
+ * call there costs what it costs on flat MPI. The group layer takes it only
+ * with the group idle (no flat op in flight). */
+static ddp_status mh_allreduce_direct(ddp__backend *b, const ddp__op_ctx *ctx, void *buf, size_t count,
+                                      ddp_dtype dtype, ddp_reduce_op op) {
+  mh_backend *h = as_mh(b);
+  DDP_TRY(check_failed(h));
+  return h->all->ops->allreduce_direct(h->all, ctx, buf, count, dtype, op);
+}
+
+/* What the direct path takes: the flat backend's limit, below the
+ * threshold (an allreduce of hier_bytes or more composes). */
+static size_t mh_direct_bytes(const ddp__backend *b) {
+  const mh_backend *h = (const mh_backend *)b;
+  const ddp__backend_ops *flat = h->all->ops;
+  if (!flat->allreduce_direct || !flat->allreduce_direct_bytes || h->hier_bytes == 0) return 0;
+  size_t n = flat->allreduce_direct_bytes(h->all);
+  return n < h->hier_bytes - 1 ? n : h->hier_bytes - 1;
 }
 
 /* A completion not done is a flat op's (composed ones finish in enqueue). */
 static bool mh_test(ddp__backend *b, ddp__completion *c) {
-  if (atomic_load_explicit(&c->done, memory_order_acquire)) return true;
+  if (completion_done(c)) return true;
   return as_mh(b)->all->ops->test(as_mh(b)->all, c);
 }
 
 static ddp_status mh_wait(ddp__backend *b, const ddp__op_ctx *ctx, ddp__completion *c) {
-  if (atomic_load_explicit(&c->done, memory_order_acquire)) return DDP_OK;
+  if (completion_done(c)) return DDP_OK;
   mh_backend *h = as_mh(b);
   return h->all->ops->wait(h->all, ctx, c);
 }
 
 /* ---- Point to point: the lane ----------------------------------------------------
- * Requests to host mates go to the local backend's lane, the others to the
- * flat mpi backend's; when both have requests pending each waits briefly in
- * turn (1 ms), as in hier.c. */
-#define MH_LANE_SLICE_NS 1000000LL
-
+ * hier.h's, as hier.c's: host mates over the local backend, the others over
+ * the flat mpi backend. */
 static ddp_status mh_p2p_progress(ddp__backend *be, const ddp__op_ctx *ctx, ddp__p2p_req *const *reqs, int n,
                                   int64_t wait_ns, int *culprit) {
   mh_backend *h = as_mh(be);
-  *culprit = -1;
-  if (n > h->lane_cap) {
-    int cap = 2 * n;
-    ddp__p2p_req **l = ddp_calloc((size_t)cap, sizeof *l), **t = ddp_calloc((size_t)cap, sizeof *t);
-    int *la = ddp_calloc((size_t)cap, sizeof *la), *ta = ddp_calloc((size_t)cap, sizeof *ta);
-    if (!l || !t || !la || !ta) {
-      ddp_free(l), ddp_free(t), ddp_free(la), ddp_free(ta);
-      return ddp_error(DDP_ERR_NOMEM, "mpi backend (hierarchy): no memory for %d point-to-point requests", n);
-    }
-    ddp_free(h->lane_local), ddp_free(h->lane_mpi), ddp_free(h->lane_local_at), ddp_free(h->lane_mpi_at);
-    h->lane_local = l, h->lane_mpi = t, h->lane_local_at = la, h->lane_mpi_at = ta;
-    h->lane_cap = cap;
-  }
-  int nl = 0, nm = 0;
-  for (int i = 0; i < n; i++) {
-    if (h->host_of[reqs[i]->peer] == h->my_host) {
-      h->lane_local_at[nl] = i;
-      h->lane_local[nl++] = reqs[i];
-    } else {
-      h->lane_mpi_at[nm] = i;
-      h->lane_mpi[nm++] = reqs[i];
-    }
-  }
-  int64_t slice = nl && nm && wait_ns > MH_LANE_SLICE_NS ? MH_LANE_SLICE_NS : wait_ns;
-  ddp_status st = DDP_OK;
-  int c = -1;
-  if (nl) {
-    for (int i = 0; i < nl; i++) h->lane_local[i]->peer = h->local_index[h->lane_local[i]->peer];
-    st = h->local->ops->p2p_progress(h->local, ctx, h->lane_local, nl, nm ? 0 : slice, &c);
-    const int *mates = h->by_host + h->host_first[h->my_host]; /* local index -> group rank */
-    for (int i = 0; i < nl; i++) h->lane_local[i]->peer = mates[h->lane_local[i]->peer];
-    if (st != DDP_OK) {
-      *culprit = c >= 0 ? h->lane_local_at[c] : -1;
-      return st;
-    }
-  }
-  if (nm) {
-    st = h->all->ops->p2p_progress(h->all, ctx, h->lane_mpi, nm, slice, &c);
-    if (st != DDP_OK) *culprit = c >= 0 ? h->lane_mpi_at[c] : -1;
-  }
-  return st;
+  ddp__hier_layout at = {.host_of = h->host_of, .my_host = h->my_host, .local_index = h->local_index,
+                         .mates = h->by_host + h->host_first[h->my_host]};
+  return ddp__hier_lane_progress(&h->lane, &at, h->local, h->all, ctx, reqs, n, wait_ns, culprit);
 }
 
 static void mh_p2p_wake(ddp__backend *be) {
@@ -481,20 +499,18 @@ static void mh_destroy(ddp__backend *be) {
   ddp_free(h->host_first);
   ddp_free(h->by_host);
   ddp_free(h->local_index);
-  for (int i = 0; i < 3; i++) ddp_free(h->scratch[i]);
-  ddp_free(h->lane_local);
-  ddp_free(h->lane_mpi);
-  ddp_free(h->lane_local_at);
-  ddp_free(h->lane_mpi_at);
+  for (int i = 0; i < 3; i++) ddp__hier_scratch_free(&h->scratch[i]);
+  ddp__hier_lane_free(&h->lane);
   ddp_free(h);
 }
 
 static const ddp__backend_ops mh_ops = {
     .name = "mpi",
-    /* One op at a time: a composed op runs to its end inside enqueue, and
-     * must not overtake a flat one still in MPI. */
+    /* As many in flight as flat MPI (async ops below the threshold
+     * overlap as they would there); a composed op runs to its end inside
+     * enqueue, after the flat ones before it (drain_flat). */
     .caps = {.ops = DDP__CAPS_ALL_OPS, .dtypes = DDP__CAPS_ALL_DTYPES, .reduce_ops = DDP__CAPS_ALL_REDUCE_OPS,
-             .devices = DDP__CAPS_CPU, .subgroups = true, .max_in_flight = 1},
+             .devices = DDP__CAPS_CPU, .subgroups = true, .max_in_flight = MH_MAX_IN_FLIGHT},
     .enqueue = mh_enqueue,
     .test = mh_test,
     .wait = mh_wait,
@@ -504,35 +520,18 @@ static const ddp__backend_ops mh_ops = {
     .counters = mh_counters,
     .abort = mh_abort,
     .destroy = mh_destroy,
+    .allreduce_direct = mh_allreduce_direct,
+    .allreduce_direct_bytes = mh_direct_bytes,
 };
 
-/* Hosts are numbered 0.. in order of their lowest rank (group.c numbers
- * them so), so host g's first rank in by_host is its leader. */
+/* The host tables (hier.h: host g's first rank in by_host is its
+ * leader) and this rank's place in them. */
 static ddp_status build_tables(mh_backend *h, const ddp__backend_config *cfg) {
-  int size = cfg->size, nhosts = 0;
-  for (int r = 0; r < size; r++)
-    if (cfg->host_of[r] + 1 > nhosts) nhosts = cfg->host_of[r] + 1;
-  h->nhosts = nhosts;
+  DDP_TRY(ddp__hier_host_tables(cfg, &h->nhosts, &h->host_first, &h->by_host, &h->local_index));
   h->my_host = cfg->host_of[cfg->rank];
-  h->host_first = ddp_calloc((size_t)nhosts + 1, sizeof *h->host_first);
-  h->by_host = ddp_calloc((size_t)size, sizeof *h->by_host);
-  h->local_index = ddp_calloc((size_t)size, sizeof *h->local_index);
-  int *fill = ddp_calloc((size_t)nhosts, sizeof *fill);
-  if (!h->host_first || !h->by_host || !h->local_index || !fill) {
-    ddp_free(fill);
-    return ddp_error(DDP_ERR_NOMEM, "mpi backend (hierarchy): out of memory");
-  }
-  for (int r = 0; r < size; r++) h->host_first[cfg->host_of[r] + 1]++;
-  for (int g = 0; g < nhosts; g++) h->host_first[g + 1] += h->host_first[g];
-  for (int r = 0; r < size; r++) {
-    int g = cfg->host_of[r];
-    h->local_index[r] = fill[g];
-    h->by_host[h->host_first[g] + fill[g]++] = r;
-  }
-  ddp_free(fill);
   h->li = h->local_index[cfg->rank];
   h->ls = host_size(h, h->my_host);
-  for (int g = 0; g < nhosts; g++)
+  for (int g = 0; g < h->nhosts; g++)
     if (host_size(h, g) > h->maxls) h->maxls = host_size(h, g);
   return DDP_OK;
 }
@@ -580,8 +579,8 @@ static ddp_status create_leaders(mh_backend *h, const ddp__backend_config *cfg) 
 }
 
 static ddp_status hier_bytes_setting(size_t *out) {
-  int64_t v = MH_DEFAULT_BYTES;
-  ddp_status st = ddp_env_int("DDP_MPI_HIER_BYTES", MH_DEFAULT_BYTES, &v);
+  int64_t v = (int64_t)DDP__MPI_HIER_DEFAULT_BYTES;
+  ddp_status st = ddp_env_int("DDP_MPI_HIER_BYTES", (int64_t)DDP__MPI_HIER_DEFAULT_BYTES, &v);
   if (st != DDP_OK || v < 0)
     return ddp_error(DDP_ERR_INVALID, "mpi backend: DDP_MPI_HIER_BYTES \"%s\" is not a byte count (collectives of "
                      "at least this many bytes per rank compose shared memory inside hosts with MPI between "

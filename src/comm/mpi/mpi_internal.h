@@ -29,6 +29,13 @@ extern _Thread_local MPI_Comm ddp__mpi_base_comm;
  * store's closing barrier. */
 extern atomic_bool ddp__mpi_failed;
 
+/* leaders.c: a collective of at least this many bytes per rank composes
+ * shared memory inside hosts with MPI between their leaders, a smaller one
+ * runs flat on MPI; DDP_MPI_HIER_BYTES's default. 4 MiB: the smallest size
+ * measured from which the composition beats flat MPI (quiet, 2 nodes x 2
+ * ranks: 0.61x at 1 MiB, 1.42x at 4 MiB; docs/comm.md, "Hierarchy"). */
+#define DDP__MPI_HIER_DEFAULT_BYTES ((size_t)4 << 20)
+
 /* MPI's datatype for ddp's dtype (float16 / bfloat16 move as 16-bit words). */
 MPI_Datatype ddp__mpi_datatype(ddp_dtype dtype);
 /* MPI's reduce op for (dtype, op): MPI's own where it computes as ddp does
