@@ -6,7 +6,8 @@
  * naming the rank waited for; many small allreduces in a row stay in step;
  * waits spin only briefly when the ranks share fewer CPUs than there are
  * ranks (their affinity masks together); a wait whose caller is blocked in
- * the op meets a peer 500 us late spinning. */
+ * the op meets a peer 500 us late spinning; a late receiver of a broadcast
+ * or scatter completes after another receiver has left the group. */
 #include <pthread.h>
 #include <sched.h>
 #include <setjmp.h>
@@ -145,6 +146,78 @@ static void large_body(rank_thread *t) {
   for (size_t d = 0; d < LT_NUM_DTYPES; d++) {
     size_t count = (1u << 20) / ddp_dtype_size(lt_dtypes[d]) / (size_t)t->size + 3;
     lt_run_case(&t->m, lt_dtypes[d], count, (int)d);
+  }
+}
+
+/* A receiver of a broadcast or scatter that is late finds another
+ * receiver gone already (it finished and destroyed its backend): it reads
+ * only the root's buffer, so it must complete, not fail with "left the
+ * group". 3 ranks, 1 MiB (read in place, not through slots); rank 1
+ * destroys its backend at once, rank 2 starts 300 ms late. */
+enum { LATE_N = 1 << 18, LATE_RANKS = 3 };
+typedef struct late_rank {
+  pthread_t thread;
+  ddp_store *store;
+  int rank;
+  bool scatter;
+  int32_t host_of[LATE_RANKS], process_of[LATE_RANKS];
+  ddp__backend *b; /* NULL once destroyed (rank 1) */
+  float send[LATE_N * LATE_RANKS], recv[LATE_N];
+  ddp_status st;
+  char err[256];
+} late_rank;
+
+static void *late_main(void *arg) {
+  late_rank *t = arg;
+  t->st = create_backend(t->store, t->rank, LATE_RANKS, t->host_of, t->process_of, &t->b);
+  if (t->st != DDP_OK) {
+    snprintf(t->err, sizeof t->err, "create: %s", ddp_last_error());
+    return NULL;
+  }
+  for (size_t i = 0; i < (size_t)LATE_N * LATE_RANKS; i++)
+    t->send[i] = t->rank == 0 ? (float)(i % 1000003) : -1.0f;
+  if (t->rank == 2) {
+    struct timespec ts = {0, 300 * 1000000L};
+    nanosleep(&ts, NULL);
+  }
+  atomic_bool ab;
+  atomic_init(&ab, false);
+  ddp__op_ctx ctx = lt_ctx(t->scatter ? "scatter" : "broadcast", 1, &ab, 30.0);
+  t->st = t->scatter ? t->b->ops->blocking->scatter(t->b, &ctx, t->send, t->recv, LATE_N, DDP_FLOAT32, 0)
+                     : t->b->ops->blocking->broadcast(t->b, &ctx, t->send, LATE_N, DDP_FLOAT32, 0);
+  if (t->st != DDP_OK) snprintf(t->err, sizeof t->err, "%s", ddp_last_error());
+  if (t->rank == 1) {
+    t->b->ops->destroy(t->b);
+    t->b = NULL;
+  }
+  return NULL;
+}
+
+static void test_late_receiver(void **state) {
+  (void)state;
+  static late_rank t[LATE_RANKS];
+  for (int scatter = 0; scatter < 2; scatter++) {
+    ddp_store *store = NULL;
+    assert_int_equal(ddp_store_mem_create(NULL, &store), DDP_OK);
+    for (int r = 0; r < LATE_RANKS; r++) {
+      memset(&t[r], 0, sizeof t[r]);
+      t[r].store = store;
+      t[r].rank = r;
+      t[r].scatter = scatter;
+      assert_int_equal(pthread_create(&t[r].thread, NULL, late_main, &t[r]), 0);
+    }
+    for (int r = 0; r < LATE_RANKS; r++) pthread_join(t[r].thread, NULL);
+    for (int r = 0; r < LATE_RANKS; r++) {
+      if (t[r].st != DDP_OK) fail_msg("%s, rank %d: %s", scatter ? "scatter" : "broadcast", r, t[r].err);
+      const float *got = scatter ? t[r].recv : t[r].send;
+      size_t first = scatter ? (size_t)LATE_N * (size_t)r : 0;
+      for (size_t i = 0; i < LATE_N; i++)
+        if (got[i] != (float)((first + i) % 1000003))
+          fail_msg("%s, rank %d: element %zu is %g", scatter ? "scatter" : "broadcast", r, i, got[i]);
+    }
+    for (int r = 0; r < LATE_RANKS; r++)
+      if (t[r].b) t[r].b->ops->destroy(t[r].b);
+    ddp_store_destroy(store);
   }
 }
 
@@ -593,6 +666,7 @@ static void test_pinned_apart(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_matrix),    cmocka_unit_test(test_matrix_large),
+      cmocka_unit_test(test_late_receiver),
       cmocka_unit_test(test_many_small), cmocka_unit_test(test_abort_wakes),
       cmocka_unit_test(test_abort_idle),
       cmocka_unit_test(test_timeout),

@@ -129,12 +129,20 @@ void ddp__local_linger(ddp__local_backend *b) {
   }
 }
 
-/* Before reading peers' buffers in place: every peer is still running (one
- * that failed or aborted may have returned and let go of its buffers). */
+/* Before reading peer q's buffer in place: q is still running (one that
+ * failed or aborted may have returned and let go of its buffers). */
+static ddp_status peer_active(ddp__local_backend *b, const ddp__op_ctx *ctx, int q) {
+  if (atomic_load(&ddp__local_ctl_of(b->reg, q)->state) != DDP__LOCAL_ACTIVE)
+    return ddp__local_wait_flag(b, ctx, q, UINT64_MAX); /* reports q's state */
+  return DDP_OK;
+}
+
+/* peer_active for every peer: before ops that read every peer's buffer. An
+ * op that reads only the root's (broadcast, scatter) asks for the root
+ * alone: another receiver may have finished and left the group already. */
 static ddp_status peers_active(ddp__local_backend *b, const ddp__op_ctx *ctx) {
   for (int q = 0; q < b->size; q++)
-    if (q != b->rank && atomic_load(&ddp__local_ctl_of(b->reg, q)->state) != DDP__LOCAL_ACTIVE)
-      return ddp__local_wait_flag(b, ctx, q, UINT64_MAX); /* reports q's state */
+    if (q != b->rank) DDP_TRY(peer_active(b, ctx, q));
   return DDP_OK;
 }
 
@@ -317,7 +325,7 @@ static ddp_status local_broadcast(ddp__backend *base, const ddp__op_ctx *ctx, vo
     return ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_DONE));
   }
   DDP_TRY(wait_start_of(b, ctx, n, root));
-  DDP_TRY(peers_active(b, ctx));
+  DDP_TRY(peer_active(b, ctx, root));
   MEM_TRY(root, mem_read(b, root, peer_addr(b, root, 0), buf, bytes));
   ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, DDP__LOCAL_STEP_DONE));
   return DDP_OK;
@@ -453,7 +461,7 @@ static ddp_status local_scatter(ddp__backend *base, const ddp__op_ctx *ctx, cons
     return ddp__local_wait_all(b, ctx, ddp__local_flag(n, DDP__LOCAL_STEP_DONE));
   }
   DDP_TRY(wait_start_of(b, ctx, n, root));
-  DDP_TRY(peers_active(b, ctx));
+  DDP_TRY(peer_active(b, ctx, root));
   MEM_TRY(root, mem_read(b, root, peer_addr(b, root, 0) + (size_t)b->rank * bytes, recv, bytes));
   ddp__local_post(b, &ddp__local_my_ctl(b)->flag, ddp__local_flag(n, DDP__LOCAL_STEP_DONE));
   return DDP_OK;
