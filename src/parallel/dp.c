@@ -326,6 +326,14 @@ ddp_status ddp_dp_prepare_backward(ddp_dp *dp, ddp_tape *tape) {
   return DDP_OK;
 }
 
+ddp_status ddp__dp_abandon_backward(ddp_dp *dp, ddp_tape *tape, ddp_status failure) {
+  ddp_tape_set_grad_hook(tape, NULL, NULL);
+  dp->tape = NULL;
+  (void)ddp__dp_complete(dp);
+  dp->armed = false;
+  return failure;
+}
+
 ddp_status ddp__dp_complete(ddp_dp *dp) {
   ddp_status first = dp->launch_error;
   for (int b = 0; b < dp->next_launch; b++) {
@@ -423,14 +431,7 @@ ddp_status ddp_dp_backward(ddp_dp *dp, ddp_tape *tape, ddp_tensor *loss) {
                      ? ddp_backward(tape, loss)
                      : ddp__backward_from(tape, loss, &dp->loss_scale);
   dp->backward_end_ns = ddp_time_ns();
-  if (s != DDP_OK) {
-    /* Leave nothing in flight on the gradient buffer. */
-    ddp_tape_set_grad_hook(tape, NULL, NULL);
-    dp->tape = NULL;
-    (void)ddp__dp_complete(dp);
-    dp->armed = false;
-    return s;
-  }
+  if (s != DDP_OK) return ddp__dp_abandon_backward(dp, tape, s);
   return ddp_dp_finalize_backward(dp);
 }
 

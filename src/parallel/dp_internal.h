@@ -116,6 +116,10 @@ void ddp__dp_grad_ready(ddp_tensor *param, void *user);
 void ddp__dp_arm(ddp_dp *dp, bool syncing);
 /* Waits for every launched bucket and finishes it; see finalize_backward. */
 ddp_status ddp__dp_complete(ddp_dp *dp);
+/* After a failed backward: unhooks the tape, waits for every launched
+ * bucket (nothing left in flight on the gradient buffer) and disarms;
+ * returns `failure`. */
+ddp_status ddp__dp_abandon_backward(ddp_dp *dp, ddp_tape *tape, ddp_status failure);
 /* Broadcasts parameters, buffers and counters from `root`. */
 ddp_status ddp__dp_broadcast_state(ddp_dp *dp, int root, bool params);
 

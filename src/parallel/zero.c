@@ -892,14 +892,7 @@ static ddp_status ring_backward(ddp_zero *z, ddp_tape *tape, ddp_tensor *loss) {
     if (s == DDP_OK) s = r;
   }
   ring_restore_grads(z);
-  if (s != DDP_OK) {
-    /* Nothing is left in flight: every launched bucket was waited for. */
-    ddp_tape_set_grad_hook(tape, NULL, NULL);
-    dp->tape = NULL;
-    (void)ddp__dp_complete(dp);
-    dp->armed = false;
-    return s;
-  }
+  if (s != DDP_OK) return ddp__dp_abandon_backward(dp, tape, s); /* every launched bucket retired */
   z->owned_fresh = false;
   return ddp_dp_finalize_backward(dp);
 }
@@ -990,11 +983,7 @@ static ddp_status stage3_backward(ddp_zero *z, ddp_tape *tape, ddp_tensor *loss)
   if (s != DDP_OK) {
     /* Leave nothing in flight on the gradient or the parameter buffer. */
     release_all(z);
-    ddp_tape_set_grad_hook(tape, NULL, NULL);
-    dp->tape = NULL;
-    (void)ddp__dp_complete(dp);
-    dp->armed = false;
-    return s;
+    return ddp__dp_abandon_backward(dp, tape, s);
   }
   return ddp_dp_finalize_backward(dp);
 }
