@@ -27,33 +27,11 @@
 #include "support/fixture.h"
 #include "tensor/autocast.h"
 #include "tensor/tape.h"
+#include "support/low_precision.h"
 
 #define GPU DDP_CUDA(0)
 
-static const double U32 = 0x1p-24;
 static const char *fixture_dir;
-
-static double gamma_k(int64_t k) { return (double)k * U32 / (1.0 - (double)k * U32); }
-
-static double ulp_of(double v, ddp_dtype dtype) {
-  const double a = fabs(v);
-  int e = a > 0 ? ilogb(a) : -1000;
-  if (dtype == DDP_BFLOAT16) return ldexp(1.0, (e < -126 ? -126 : e) - 7);
-  if (dtype == DDP_FLOAT16) return ldexp(1.0, (e < -14 ? -14 : e) - 10);
-  return ldexp(1.0, (e < -126 ? -126 : e) - 23);
-}
-
-static float round_to(float v, ddp_dtype dtype) {
-  if (dtype == DDP_BFLOAT16) return ddp_bf16_to_float(ddp_float_to_bf16(v));
-  if (dtype == DDP_FLOAT16) return ddp_half_to_float(ddp_float_to_half(v));
-  return v;
-}
-
-static bool exact_in(const float *v, int64_t n, ddp_dtype dtype) {
-  for (int64_t i = 0; i < n; i++)
-    if (round_to(v[i], dtype) != v[i]) return false;
-  return true;
-}
 
 typedef struct ctx {
   fixture *fx;

@@ -36,31 +36,8 @@
 #include "tensor/autocast.h"
 #include "tensor/cpu/dense.h"
 #include "tensor/tape.h"
+#include "support/low_precision.h"
 
-static const double U32 = 0x1p-24; /* float32's unit roundoff */
-
-static double gamma_k(int64_t k) { return (double)k * U32 / (1.0 - (double)k * U32); }
-
-/* The spacing of `dtype` values at |v| (the larger neighbour's side). */
-static double ulp_of(double v, ddp_dtype dtype) {
-  const double a = fabs(v);
-  int e = a > 0 ? ilogb(a) : -1000;
-  if (dtype == DDP_BFLOAT16) return ldexp(1.0, (e < -126 ? -126 : e) - 7);
-  if (dtype == DDP_FLOAT16) return ldexp(1.0, (e < -14 ? -14 : e) - 10);
-  return ldexp(1.0, (e < -126 ? -126 : e) - 23);
-}
-
-static float round_to(float v, ddp_dtype dtype) {
-  if (dtype == DDP_BFLOAT16) return ddp_bf16_to_float(ddp_float_to_bf16(v));
-  if (dtype == DDP_FLOAT16) return ddp_half_to_float(ddp_float_to_half(v));
-  return v;
-}
-
-static bool exact_in(const float *v, int64_t n, ddp_dtype dtype) {
-  for (int64_t i = 0; i < n; i++)
-    if (round_to(v[i], dtype) != v[i]) return false;
-  return true;
-}
 
 /* |ours - ref| <= ulp_low(max |.|) + slack[i] (slack NULL: 0) + abs_slack. */
 static void check_within(const char *what, const float *ours, const float *ref, int64_t n,
