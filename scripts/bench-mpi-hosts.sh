@@ -43,7 +43,10 @@ sizes=(${SIZES:-1M 4M 16M 64M})
 bytes() { numfmt --from=iec "$1"; }
 cluster=$(scripts/slurm-cluster.sh up --owner $$ --nodes 2 "$out/cluster") || exit $?
 trap 'scripts/slurm-cluster.sh down "$cluster" >/dev/null 2>&1' EXIT
-run() { scripts/slurm-cluster.sh run "$cluster" timeout 600 srun --immediate=30 --time=10 -N 2 -n 4 --ntasks-per-node=2 "$@"; }
+# --kill-on-bad-exit: a task that fails (a port another process holds, a
+# crash) ends the step at once; without it its peers wait out their
+# rendezvous and collective timeouts before the round can go on.
+run() { scripts/slurm-cluster.sh run "$cluster" timeout 600 srun --immediate=30 --time=10 --kill-on-bad-exit=1 -N 2 -n 4 --ntasks-per-node=2 "$@"; }
 # Open MPI names its shared-memory segments after the host name, which the
 # two nodes share: each node's in its own TmpFS. And its waits yield: 4
 # ranks on a machine of fewer cores are oversubscribed, which Open MPI would
