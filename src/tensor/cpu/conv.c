@@ -559,6 +559,65 @@ static ddp_status winograd_init(float **u, float **ws, const float *w, int64_t l
   return DDP_OK;
 }
 
+/* Autocast's bfloat16 convolution with vdpbf16ps (cpu/conv_bf16.c): a
+ * stride-1 convolution from cin >= 2 channels onto rows up to 16 wide,
+ * under a bfloat16 region (g->round: the operands hold bfloat16 values),
+ * with the AVX-512 family on a CPU with AVX512_BF16. Where it runs it
+ * replaces conv_rows (the ConvNet's conv2 forward and dX); Winograd and
+ * the shifted copies keep their geometries. DDP_CONV_BF16=0 keeps the
+ * float32 kernels (to compare, or to rule the path out). */
+static bool use_bf16_rows(const vec_family *v, const ddp__conv2d_geom *g, int64_t cin,
+                          int64_t ow) {
+  if (v != &family_avx512 || g->round != DDP_BFLOAT16 || g->stride != 1 || cin < 2 || ow > 16 ||
+      !ddp__cpu_has_bf16_dot())
+    return false;
+  const char *env = getenv("DDP_CONV_BF16");
+  return !env || strcmp(env, "0") != 0;
+}
+
+/* A zero-padded image of channel pairs for conv_rows_bf16, with its pair
+ * taps' offsets off[(q*KH + a)*KW + b] = (q*HP + a)*WP + b. */
+typedef struct pairs {
+  uint32_t *xp;
+  int64_t *off;
+  int64_t c, h, w, ph, pw, hp, wp, taps;
+} pairs;
+
+static ddp_status pairs_init(pairs *p, int64_t c, int64_t h, int64_t w, int64_t ph, int64_t pw,
+                             int64_t kh, int64_t kw, ddp_arena *arena) {
+  *p = (pairs){.c = c, .h = h, .w = w, .ph = ph, .pw = pw, .hp = h + 2 * ph, .wp = w + 2 * pw,
+               .taps = (c + 1) / 2 * kh * kw};
+  const size_t bytes = (size_t)ddp__cpu_conv_bf16_pairs_words(c, p->hp, p->wp) * sizeof(uint32_t);
+  p->xp = ddp_arena_alloc(arena, bytes);
+  p->off = ddp_arena_alloc(arena, (size_t)p->taps * sizeof(int64_t));
+  if (!p->xp || !p->off)
+    return ddp_error(DDP_ERR_NOMEM, "conv2d: cannot allocate a bfloat16 pair image of %zu bytes",
+                     bytes);
+  memset(p->xp, 0, bytes);
+  for (int64_t q = 0; q < (c + 1) / 2; q++)
+    for (int64_t a = 0; a < kh; a++)
+      for (int64_t b = 0; b < kw; b++) p->off[(q * kh + a) * kw + b] = (q * p->hp + a) * p->wp + b;
+  return DDP_OK;
+}
+
+static void pairs_copy(pairs *p, const float *x) {
+  ddp__cpu_conv_bf16_pairs_avx512(p->xp, x, p->c, p->h, p->w, p->ph, p->pw, p->hp, p->wp);
+}
+
+/* w (m, cin, kk) packed for conv_rows_bf16, in scratch. */
+static uint32_t *bf16_weights(const float *w, int64_t m, int64_t cin, int64_t kk,
+                              ddp_arena *arena, ddp_status *status) {
+  const size_t bytes = (size_t)ddp__cpu_conv_bf16_packed_words(m, cin, kk) * sizeof(uint32_t);
+  uint32_t *packed = ddp_arena_alloc(arena, bytes);
+  if (!packed) {
+    *status = ddp_error(DDP_ERR_NOMEM, "conv2d: cannot allocate %zu bytes of packed bfloat16 "
+                        "weights", bytes);
+    return NULL;
+  }
+  ddp__cpu_conv_bf16_pack(m, cin, kk, w, packed);
+  return packed;
+}
+
 static ddp_status forward_vec(const vec_family *v, float *y, const float *x, const float *w, const float *b,
                                  const ddp__conv2d_geom *g, ddp_arena *arena) {
   const int64_t k = g->c * g->kh * g->kw, ohw = g->oh * g->ow, chw = g->c * g->h * g->w;
@@ -592,6 +651,19 @@ static ddp_status forward_vec(const vec_family *v, float *y, const float *x, con
       /* y_n (O, H*W) = b + w (O, K) @ rows of the copies (K, H*W) */
       v->gemm_off(g->o, ohw, k, w, k, sx.buf, sx.off, y + n * g->o * ohw, ohw, b,
                                false);
+      round_sample(y + n * g->o * ohw, g->o * ohw, g);
+    }
+    return DDP_OK;
+  }
+  if (use_bf16_rows(v, g, g->c, g->ow)) {
+    pairs p;
+    DDP_TRY(pairs_init(&p, g->c, g->h, g->w, g->pad, g->pad, g->kh, g->kw, arena));
+    const uint32_t *wpk = bf16_weights(w, g->o, g->c, g->kh * g->kw, arena, &status);
+    if (!wpk) return status;
+    for (int64_t n = 0; n < g->n; n++) {
+      pairs_copy(&p, x + n * chw);
+      ddp__cpu_conv_rows_bf16_avx512(g->o, p.taps, wpk, p.xp, p.off, p.wp, y + n * g->o * ohw,
+                                     g->oh, g->ow, b, false);
       round_sample(y + n * g->o * ohw, g->o * ohw, g);
     }
     return DDP_OK;
@@ -635,6 +707,10 @@ static ddp_status backward_vec(const vec_family *v, float *dx, float *dw, float 
   const bool dw_implicit = !dw_dot && g->stride == 1 && !pointwise;
   const bool dw_shifted = dw_dot && is_same(g) && !pointwise;
   const bool dw_winograd = use_winograd(v, g, g->o, g->c, g->oh, g->ow);
+  /* dW by vdpbf16ps with the outputs in pairs along rows (even ow) */
+  const bool dw_bf16 = dw && dw_implicit && !dw_winograd && g->ow % 2 == 0 &&
+                       use_bf16_rows(v, g, 2, 16);
+  uint32_t *xcp = NULL, *dyw = NULL, *dywt = NULL;
   padded xp = {0};
   shifted sx = {0};
   float *col = NULL, *dyt = NULL, *dwt = NULL;
@@ -658,6 +734,16 @@ static ddp_status backward_vec(const vec_family *v, float *dx, float *dw, float 
       if (!(dwt = scratch(arena, k * g->o, &status))) return status;
       memset(dwt, 0, (size_t)(k * g->o) * sizeof(float));
     }
+    if (dw_bf16) {
+      /* the padded image's column pairs; dy's pair words and their transpose */
+      const int64_t words = (g->c * xp.hp * xp.wp + 15) / 16 * 16;
+      xcp = ddp_arena_alloc(arena, (size_t)words * sizeof(uint32_t));
+      dyw = ddp_arena_alloc(arena, (size_t)(g->o * ohw / 2) * sizeof(uint32_t));
+      dywt = ddp_arena_alloc(arena, (size_t)(g->o * ohw / 2) * sizeof(uint32_t));
+      if (!xcp || !dyw || !dywt)
+        return ddp_error(DDP_ERR_NOMEM, "conv2d: cannot allocate the bfloat16 weight "
+                         "gradient's operands (%lld words)", (long long)words);
+    }
   }
 
   /* dX: a convolution of dy with the flipped weight (implicit when rows fit
@@ -666,6 +752,10 @@ static ddp_status backward_vec(const vec_family *v, float *dx, float *dw, float 
   const bool dx_shifted = is_same(g) && g->c < SHIFTED_MAX_CHANNELS;
   const bool dx_winograd = dx_as_conv && !dx_shifted && use_winograd(v, g, g->c, g->o, g->h, g->w);
   const bool dx_implicit = dx_as_conv && g->w <= 32;
+  const bool dx_bf16 = dx && dx_implicit && !dx_shifted && !dx_winograd &&
+                       use_bf16_rows(v, g, g->o, g->w);
+  pairs dyq = {0};
+  uint32_t *wflip_bf16 = NULL;
   padded dyp = {0};
   shifted sdy = {0};
   float *wflip = NULL, *wt = NULL, *dcol = NULL, *wino_u = NULL, *wino_s = NULL;
@@ -678,6 +768,12 @@ static ddp_status backward_vec(const vec_family *v, float *dx, float *dw, float 
      * K-1-pad = pad) with the flipped weight (C, O*KH*KW). */
     DDP_TRY(dx_conv_init(&wflip, NULL, w, g, arena));
     DDP_TRY(shifted_init(&sdy, g->o, g->h, g->w, g->kw, g->pad, arena));
+  } else if (dx_bf16) {
+    /* dy's channel pairs padded by K-1-pad, the flipped weight packed */
+    DDP_TRY(dx_conv_init(&wflip, NULL, w, g, arena));
+    DDP_TRY(pairs_init(&dyq, g->o, g->oh, g->ow, g->kh - 1 - g->pad, g->kw - 1 - g->pad, g->kh,
+                       g->kw, arena));
+    if (!(wflip_bf16 = bf16_weights(wflip, g->c, g->o, kk, arena, &status))) return status;
   } else if (dx && dx_as_conv) {
     DDP_TRY(dx_conv_init(&wflip, &dyp, w, g, arena));
     if (dx_implicit) { /* conv_rows reads the flipped weight packed */
@@ -708,6 +804,13 @@ static ddp_status backward_vec(const vec_family *v, float *dx, float *dw, float 
       v->shifted_copy(&sx, xn);
       /* dw (O, K) += dy (O, H*W) @ (rows of the copies (K, H*W))^T */
       v->gemm_nt_off(g->o, k, ohw, dyn, ohw, sx.buf, sx.off, dw, k);
+    } else if (dw_bf16) {
+      pad_copy(&xp, xn);
+      ddp__cpu_conv_bf16_colpairs_avx512(xcp, xp.xp, g->c * xp.hp * xp.wp);
+      ddp__cpu_conv_bf16_rowpairs_avx512(dyw, dyn, g->o * ohw);
+      v->transpose((float *)dywt, (const float *)dyw, g->o, ohw / 2);
+      /* dwt (K, O) += implicit col (K, OH*OW) @ dy^T (OH*OW, O), in pairs */
+      ddp__cpu_conv_taps_bf16_avx512(k, g->o, xcp, xp.off, xp.wp, g->oh, g->ow, dywt, dwt);
     } else if (dw && dw_implicit) {
       pad_copy(&xp, xn);
       v->transpose(dyt, dyn, g->o, ohw);
@@ -725,7 +828,12 @@ static ddp_status backward_vec(const vec_family *v, float *dx, float *dw, float 
         v->gemm(k, g->o, ohw, cn, ohw, dyt, g->o, dwt, g->o, NULL, true);
       }
     }
-    if (dx && dx_winograd) {
+    if (dx_bf16) {
+      pairs_copy(&dyq, dyn);
+      /* dx_n (C, H, W) (+)= wflip (C, O*KH*KW) @ implicit col of dy's pairs */
+      ddp__cpu_conv_rows_bf16_avx512(g->c, dyq.taps, wflip_bf16, dyq.xp, dyq.off, dyq.wp,
+                                     dx + n * chw, g->h, g->w, NULL, dx_accumulate);
+    } else if (dx && dx_winograd) {
       pad_copy(&dyp, dyn);
       v->winograd_conv3x3(g->c, g->o, wino_u, dyp.xp, dx + n * chw, g->h, g->w,
                                        NULL, dx_accumulate, wino_s);
