@@ -340,8 +340,10 @@ ddp_status ddp__autocast_grad_deliver(ddp_tape *tape, ddp_tensor *t, float *grad
 const char *ddp__autocast_kernels(void) {
   const ddp__dense_kernels *dk = ddp__kernels_for(DDP_CPU)->dense;
   return dk->has_bf16_dot()
-             ? "bf16 linear: AVX512_BF16 dot products (vdpbf16ps), float32 accumulation; bf16 "
-               "conv2d and matmul, fp16: operands rounded, float32 kernels"
+             ? "bf16 linear, and conv2d's direct stride-1 kernels for rows up to 16 wide "
+               "(forward, dX, dW; docs/tensor.md): AVX512_BF16 dot products (vdpbf16ps), "
+               "float32 accumulation; other bf16 conv2d, matmul, fp16: operands rounded, "
+               "float32 kernels"
              : "bf16 and fp16: operands rounded (vectorised conversion), float32 kernels with "
                "float32 accumulation";
 }

@@ -662,9 +662,9 @@ static ddp_status forward_vec(const vec_family *v, float *y, const float *x, con
     if (!wpk) return status;
     for (int64_t n = 0; n < g->n; n++) {
       pairs_copy(&p, x + n * chw);
+      /* y rounded as the tiles store it */
       ddp__cpu_conv_rows_bf16_avx512(g->o, p.taps, wpk, p.xp, p.off, p.wp, y + n * g->o * ohw,
-                                     g->oh, g->ow, b, false);
-      round_sample(y + n * g->o * ohw, g->o * ohw, g);
+                                     g->oh, g->ow, b, false, true);
     }
     return DDP_OK;
   }
@@ -832,7 +832,7 @@ static ddp_status backward_vec(const vec_family *v, float *dx, float *dw, float 
       pairs_copy(&dyq, dyn);
       /* dx_n (C, H, W) (+)= wflip (C, O*KH*KW) @ implicit col of dy's pairs */
       ddp__cpu_conv_rows_bf16_avx512(g->c, dyq.taps, wflip_bf16, dyq.xp, dyq.off, dyq.wp,
-                                     dx + n * chw, g->h, g->w, NULL, dx_accumulate);
+                                     dx + n * chw, g->h, g->w, NULL, dx_accumulate, true);
     } else if (dx && dx_winograd) {
       pad_copy(&dyp, dyn);
       v->winograd_conv3x3(g->c, g->o, wino_u, dyp.xp, dx + n * chw, g->h, g->w,
@@ -859,7 +859,7 @@ static ddp_status backward_vec(const vec_family *v, float *dx, float *dw, float 
       if (!dx_accumulate) memset(dx + n * chw, 0, (size_t)chw * sizeof(float));
       col2im_add(dx + n * chw, dcol, g);
     }
-    if (dx) round_sample(dx + n * chw, chw, g);
+    if (dx && !dx_bf16) round_sample(dx + n * chw, chw, g); /* dx_bf16: rounded in the store */
   }
   if (dw && dw_winograd)
     ddp__cpu_winograd_dw_finish(g->o, g->c, wino_du, dw);

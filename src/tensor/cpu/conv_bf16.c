@@ -41,6 +41,20 @@ BF16_TARGET static inline __attribute__((always_inline)) __m512i pair_words_avx5
                                    0xf8); /* a | (b & c) */
 }
 
+/* x rounded to bfloat16 values (nearest even, NaNs quietened), bit for
+ * bit convert.c's round_bf16_avx512 (ddp_convert_round_f32): the tiles
+ * round their outputs as they store them instead of a pass after. */
+BF16_TARGET static inline __attribute__((always_inline)) __m512 round_bf16_avx512(__m512 x) {
+  const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r =
+      _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), top);
+  const __m512i q = _mm512_ternarylogic_epi32(u, top, _mm512_set1_epi32(0x400000), 0xEA);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, q));
+}
+
 BF16_TARGET void ddp__cpu_conv_bf16_pairs_avx512(uint32_t *xp2, const float *x, int64_t c,
                                                   int64_t h, int64_t w, int64_t ph, int64_t pw,
                                                   int64_t hp, int64_t wp) {
@@ -100,7 +114,7 @@ void ddp__cpu_conv_bf16_pack(int64_t m, int64_t c, int64_t kk, const float *w,
 BF16_TARGET static inline __attribute__((always_inline)) void tile_avx512(
     const int mr, const int nv, int64_t taps2, const uint32_t *wb, const uint32_t *xp,
     const int64_t *off, int64_t wp, float *y, int64_t oh, int64_t ow, int64_t oy,
-    const float *bias, bool accumulate) {
+    const float *bias, bool accumulate, bool round) {
   __m512 acc[MR][3];
   int64_t at[3];
   const __mmask16 lanes = (__mmask16)((1u << ow) - 1);
@@ -137,6 +151,7 @@ BF16_TARGET static inline __attribute__((always_inline)) void tile_avx512(
 #pragma GCC unroll 3
     for (int v = 0; v < nv; v++) {
       float *dst = y + r * oh * ow + at[v];
+      if (round) acc[r][v] = round_bf16_avx512(acc[r][v]);
       if (!fits[v])
         _mm512_mask_storeu_ps(dst, lanes, acc[r][v]);
       else if (accumulate)
@@ -148,27 +163,28 @@ BF16_TARGET static inline __attribute__((always_inline)) void tile_avx512(
 
 BF16_TARGET static void rows_avx512(int64_t mr, const uint32_t *wb, int64_t taps2,
                                     const uint32_t *xp, const int64_t *off, int64_t wp, float *y,
-                                    int64_t oh, int64_t ow, const float *bias, bool accumulate) {
+                                    int64_t oh, int64_t ow, const float *bias, bool accumulate,
+                                    bool round) {
   for (int64_t oy = 0; oy < oh; oy += 3) {
     const int nv = oh - oy >= 3 ? 3 : (int)(oh - oy);
     if (mr == MR) {
       if (nv == 3)
-        tile_avx512(MR, 3, taps2, wb, xp, off, wp, y, oh, ow, oy, bias, accumulate);
+        tile_avx512(MR, 3, taps2, wb, xp, off, wp, y, oh, ow, oy, bias, accumulate, round);
       else if (nv == 2)
-        tile_avx512(MR, 2, taps2, wb, xp, off, wp, y, oh, ow, oy, bias, accumulate);
+        tile_avx512(MR, 2, taps2, wb, xp, off, wp, y, oh, ow, oy, bias, accumulate, round);
       else
-        tile_avx512(MR, 1, taps2, wb, xp, off, wp, y, oh, ow, oy, bias, accumulate);
+        tile_avx512(MR, 1, taps2, wb, xp, off, wp, y, oh, ow, oy, bias, accumulate, round);
       continue;
     }
     for (int64_t r = 0; r < mr; r++) {
       float *yr = y + r * oh * ow;
       const float *br = bias ? bias + r : NULL;
       if (nv == 3)
-        tile_avx512(1, 3, taps2, wb + r, xp, off, wp, yr, oh, ow, oy, br, accumulate);
+        tile_avx512(1, 3, taps2, wb + r, xp, off, wp, yr, oh, ow, oy, br, accumulate, round);
       else if (nv == 2)
-        tile_avx512(1, 2, taps2, wb + r, xp, off, wp, yr, oh, ow, oy, br, accumulate);
+        tile_avx512(1, 2, taps2, wb + r, xp, off, wp, yr, oh, ow, oy, br, accumulate, round);
       else
-        tile_avx512(1, 1, taps2, wb + r, xp, off, wp, yr, oh, ow, oy, br, accumulate);
+        tile_avx512(1, 1, taps2, wb + r, xp, off, wp, yr, oh, ow, oy, br, accumulate, round);
     }
   }
 }
@@ -177,11 +193,11 @@ BF16_TARGET void ddp__cpu_conv_rows_bf16_avx512(int64_t m, int64_t taps2,
                                                  const uint32_t *packed, const uint32_t *xp2,
                                                  const int64_t *off, int64_t wp, float *y,
                                                  int64_t oh, int64_t ow, const float *bias,
-                                                 bool accumulate) {
+                                                 bool accumulate, bool round) {
   for (int64_t i = 0; i < m; i += MR) {
     const int64_t mr = m - i < MR ? m - i : MR;
     rows_avx512(mr, packed + i * taps2, taps2, xp2, off, wp, y + i * oh * ow, oh, ow,
-                bias ? bias + i : NULL, accumulate);
+                bias ? bias + i : NULL, accumulate, round);
   }
 }
 

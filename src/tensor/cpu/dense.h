@@ -214,7 +214,8 @@ void ddp__cpu_bf16_pack_b(uint16_t *dst, bool trans_b, int64_t k, int64_t n, con
  *     values), MR = 8 output channels a pair tap;
  *   rows: y (m, oh, ow) = (y if accumulate, else bias or 0) + the sum over
  *     pair taps t2 = (q, a, b) of packed words times xp2[off[t2] + oy*wp +
- *     ox], off[t2] = (q*hp + a)*wp + b, float32 sums; ow <= 16. */
+ *     ox], off[t2] = (q*hp + a)*wp + b, float32 sums; ow <= 16; with
+ *     `round`, y stored rounded to bfloat16 (ddp_convert_round_f32's bits). */
 int64_t ddp__cpu_conv_bf16_pairs_words(int64_t c, int64_t hp, int64_t wp);
 void ddp__cpu_conv_bf16_pairs_avx512(uint32_t *xp2, const float *x, int64_t c, int64_t h,
                                      int64_t w, int64_t ph, int64_t pw, int64_t hp, int64_t wp);
@@ -222,7 +223,8 @@ int64_t ddp__cpu_conv_bf16_packed_words(int64_t m, int64_t c, int64_t kk);
 void ddp__cpu_conv_bf16_pack(int64_t m, int64_t c, int64_t kk, const float *w, uint32_t *packed);
 void ddp__cpu_conv_rows_bf16_avx512(int64_t m, int64_t taps2, const uint32_t *packed,
                                     const uint32_t *xp2, const int64_t *off, int64_t wp, float *y,
-                                    int64_t oh, int64_t ow, const float *bias, bool accumulate);
+                                    int64_t oh, int64_t ow, const float *bias, bool accumulate,
+                                    bool round);
 /* The weight gradient with the outputs in pairs along rows (even ow):
  *   colpairs: dst[i] = the upper halves of xp[i] (low) and xp[i + 1],
  *     i < n (a padded image of bfloat16 values; xp readable to n + 16, dst
