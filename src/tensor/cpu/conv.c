@@ -575,6 +575,20 @@ static bool use_bf16_rows(const vec_family *v, const ddp__conv2d_geom *g, int64_
   return !env || strcmp(env, "0") != 0;
 }
 
+/* The same kernel for one input channel (conv1) with the taps paired
+ * along kernel rows over the padded image's column pairs: 15 pair taps
+ * for a 5x5 kernel instead of 25 taps. Rows up to 32 wide; with an odd
+ * kernel width the last pair's zero weight meets the column one past the
+ * row, which must be padding (a zero: 0 times an infinite input would be
+ * NaN), hence padding >= 1 then. */
+static bool use_bf16_cols(const vec_family *v, const ddp__conv2d_geom *g) {
+  if (v != &family_avx512 || g->round != DDP_BFLOAT16 || g->stride != 1 || g->c != 1 ||
+      g->ow > 32 || (g->kw % 2 == 1 && g->pad < 1) || !ddp__cpu_has_bf16_dot())
+    return false;
+  const char *env = getenv("DDP_CONV_BF16");
+  return !env || strcmp(env, "0") != 0;
+}
+
 /* A zero-padded image of channel pairs for conv_rows_bf16, with its pair
  * taps' offsets off[(q*KH + a)*KW + b] = (q*HP + a)*WP + b. */
 typedef struct pairs {
@@ -665,6 +679,30 @@ static ddp_status forward_vec(const vec_family *v, float *y, const float *x, con
       /* y rounded as the tiles store it */
       ddp__cpu_conv_rows_bf16_avx512(g->o, p.taps, wpk, p.xp, p.off, p.wp, y + n * g->o * ohw,
                                      g->oh, g->ow, b, false, true);
+    }
+    return DDP_OK;
+  }
+  if (use_bf16_cols(v, g)) {
+    padded p;
+    DDP_TRY(padded_init(&p, g->c, g->h, g->w, g->pad, g->pad, g->kh, g->kw, arena));
+    const int64_t kb = (g->kw + 1) / 2, taps = g->c * g->kh * kb, n_img = g->c * p.hp * p.wp;
+    const size_t wbytes =
+        (size_t)ddp__cpu_conv_bf16_packed_words(g->o, 2 * g->c, g->kh * kb) * sizeof(uint32_t);
+    uint32_t *img = ddp_arena_alloc(arena, (size_t)((n_img + 15) / 16 * 16) * sizeof(uint32_t));
+    uint32_t *wpk = ddp_arena_alloc(arena, wbytes);
+    int64_t *off = ddp_arena_alloc(arena, (size_t)taps * sizeof(int64_t));
+    if (!img || !wpk || !off)
+      return ddp_error(DDP_ERR_NOMEM, "conv2d: cannot allocate the bfloat16 column-pair image");
+    ddp__cpu_conv_bf16_pack_cols(g->o, g->c, g->kh, g->kw, w, wpk);
+    for (int64_t c = 0; c < g->c; c++)
+      for (int64_t a = 0; a < g->kh; a++)
+        for (int64_t j = 0; j < kb; j++) off[(c * g->kh + a) * kb + j] = (c * p.hp + a) * p.wp + 2 * j;
+    for (int64_t n = 0; n < g->n; n++) {
+      pad_copy(&p, x + n * chw);
+      ddp__cpu_conv_bf16_colpairs_avx512(img, p.xp, n_img);
+      /* y rounded as the tiles store it */
+      ddp__cpu_conv_rows_bf16_avx512(g->o, taps, wpk, img, off, p.wp, y + n * g->o * ohw, g->oh,
+                                     g->ow, b, false, true);
     }
     return DDP_OK;
   }

@@ -107,6 +107,26 @@ void ddp__cpu_conv_bf16_pack(int64_t m, int64_t c, int64_t kk, const float *w,
   }
 }
 
+void ddp__cpu_conv_bf16_pack_cols(int64_t m, int64_t c, int64_t kh, int64_t kw, const float *w,
+                                  uint32_t *packed) {
+  const int64_t kb = (kw + 1) / 2, taps2 = c * kh * kb;
+  for (int64_t i0 = 0; i0 < m; i0 += MR) {
+    uint32_t *blk = packed + i0 * taps2;
+    for (int64_t t = 0; t < c * kh; t++) /* (channel, kernel row) */
+      for (int64_t j = 0; j < kb; j++)
+        for (int64_t r = 0; r < MR; r++) {
+          const int64_t o = i0 + r;
+          uint32_t word = 0;
+          if (o < m) {
+            const float *row = w + (o * c * kh + t) * kw;
+            word = upper(row[2 * j]);
+            if (2 * j + 1 < kw) word |= upper(row[2 * j + 1]) << 16;
+          }
+          blk[(t * kb + j) * MR + r] = word;
+        }
+  }
+}
+
 /* cpu/gemm.c's tile_rows over pair words: y (mr channels, rows oy .. oy +
  * nv - 1) = bias + sum over the taps2 pair taps. Lanes past ow are computed
  * from the row's spill and stored onto the channel's next rows (written
@@ -189,11 +209,123 @@ BF16_TARGET static void rows_avx512(int64_t mr, const uint32_t *wb, int64_t taps
   }
 }
 
+/* Rows wider than 16 (up to 32): cpu/gemm.c's flat tiles over pair words,
+ * 48 consecutive outputs of a channel a tile, a vector spanning at most two
+ * rows, its lanes on the second row loaded from that row's start under a
+ * mask. */
+typedef struct flat_tile {
+  int64_t at[3], first[3], second[3];
+  __mmask16 on_first[3], on_second[3], valid[3];
+} flat_tile;
+
+static void flat_tile_at(flat_tile *ft, int64_t p, int64_t plane, int64_t ow, int64_t wp) {
+  for (int v = 0; v < 3; v++) {
+    const int64_t q = p + 16 * v, oy = q / ow, ox = q % ow;
+    const int64_t inside = plane - q <= 0 ? 0 : plane - q < 16 ? plane - q : 16;
+    const int64_t a = ow - ox < 16 ? ow - ox : 16;
+    const uint32_t valid = (uint32_t)((1u << inside) - 1), first = (uint32_t)((1u << a) - 1);
+    ft->at[v] = q;
+    ft->first[v] = oy * wp + ox;
+    ft->second[v] = (oy + 1) * wp - a;
+    ft->valid[v] = (__mmask16)valid;
+    ft->on_first[v] = (__mmask16)(valid & first);
+    ft->on_second[v] = (__mmask16)(valid & ~first);
+  }
+}
+
+BF16_TARGET static inline __attribute__((always_inline)) void tile_flat_avx512(
+    const int mr, const int nv, const flat_tile *ft, int64_t taps2, const uint32_t *wb,
+    const uint32_t *xp, const int64_t *off, float *y, int64_t plane, const float *bias,
+    bool accumulate, bool round) {
+  __m512 acc[MR][3];
+#pragma GCC unroll 8
+  for (int r = 0; r < mr; r++)
+#pragma GCC unroll 3
+    for (int v = 0; v < nv; v++)
+      acc[r][v] = accumulate ? _mm512_maskz_loadu_ps(ft->valid[v], y + r * plane + ft->at[v])
+                  : bias     ? _mm512_set1_ps(bias[r])
+                             : _mm512_setzero_ps();
+  for (int64_t t = 0; t < taps2; t++) {
+    const uint32_t *src = xp + off[t];
+    __m512bh bv[3];
+#pragma GCC unroll 3
+    for (int v = 0; v < nv; v++)
+      bv[v] = (__m512bh)_mm512_mask_loadu_epi32(
+          _mm512_maskz_loadu_epi32(ft->on_first[v], src + ft->first[v]), ft->on_second[v],
+          src + ft->second[v]);
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++) {
+      const __m512bh ar = (__m512bh)_mm512_set1_epi32((int)wb[t * MR + r]);
+#pragma GCC unroll 3
+      for (int v = 0; v < nv; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], ar, bv[v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < mr; r++)
+#pragma GCC unroll 3
+    for (int v = 0; v < nv; v++) {
+      float *dst = y + r * plane + ft->at[v];
+      if (round) acc[r][v] = round_bf16_avx512(acc[r][v]);
+      if (ft->valid[v] == 0xffff)
+        _mm512_storeu_ps(dst, acc[r][v]);
+      else
+        _mm512_mask_storeu_ps(dst, ft->valid[v], acc[r][v]);
+    }
+}
+
+BF16_TARGET static void flat_channels_avx512(int nv, int64_t mr, const flat_tile *ft,
+                                             const uint32_t *wb, int64_t taps2,
+                                             const uint32_t *xp, const int64_t *off, float *y,
+                                             int64_t plane, const float *bias, bool accumulate,
+                                             bool round) {
+  if (mr == MR) {
+    if (nv == 3)
+      tile_flat_avx512(MR, 3, ft, taps2, wb, xp, off, y, plane, bias, accumulate, round);
+    else if (nv == 2)
+      tile_flat_avx512(MR, 2, ft, taps2, wb, xp, off, y, plane, bias, accumulate, round);
+    else
+      tile_flat_avx512(MR, 1, ft, taps2, wb, xp, off, y, plane, bias, accumulate, round);
+    return;
+  }
+  for (int64_t r = 0; r < mr; r++) {
+    const float *br = bias ? bias + r : NULL;
+    float *yr = y + r * plane;
+    if (nv == 3)
+      tile_flat_avx512(1, 3, ft, taps2, wb + r, xp, off, yr, plane, br, accumulate, round);
+    else if (nv == 2)
+      tile_flat_avx512(1, 2, ft, taps2, wb + r, xp, off, yr, plane, br, accumulate, round);
+    else
+      tile_flat_avx512(1, 1, ft, taps2, wb + r, xp, off, yr, plane, br, accumulate, round);
+  }
+}
+
+/* A flat tile for every block of channels before the next tile: the
+ * tile's window of the image stays in L1 while the weights stream. */
+BF16_TARGET static void flat_all_avx512(int64_t m, int64_t taps2, const uint32_t *packed,
+                                        const uint32_t *xp, const int64_t *off, int64_t wp,
+                                        float *y, int64_t oh, int64_t ow, const float *bias,
+                                        bool accumulate, bool round) {
+  const int64_t plane = oh * ow;
+  flat_tile ft;
+  for (int64_t p = 0; p < plane; p += 48) {
+    flat_tile_at(&ft, p, plane, ow, wp);
+    const int64_t rest = plane - p;
+    const int nv = rest > 32 ? 3 : rest > 16 ? 2 : 1;
+    for (int64_t i = 0; i < m; i += MR)
+      flat_channels_avx512(nv, m - i < MR ? m - i : MR, &ft, packed + i * taps2, taps2, xp, off,
+                           y + i * plane, plane, bias ? bias + i : NULL, accumulate, round);
+  }
+}
+
 BF16_TARGET void ddp__cpu_conv_rows_bf16_avx512(int64_t m, int64_t taps2,
                                                  const uint32_t *packed, const uint32_t *xp2,
                                                  const int64_t *off, int64_t wp, float *y,
                                                  int64_t oh, int64_t ow, const float *bias,
                                                  bool accumulate, bool round) {
+  if (ow > 16) {
+    flat_all_avx512(m, taps2, packed, xp2, off, wp, y, oh, ow, bias, accumulate, round);
+    return;
+  }
   for (int64_t i = 0; i < m; i += MR) {
     const int64_t mr = m - i < MR ? m - i : MR;
     rows_avx512(mr, packed + i * taps2, taps2, xp2, off, wp, y + i * oh * ow, oh, ow,

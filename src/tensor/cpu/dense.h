@@ -203,7 +203,7 @@ void ddp__cpu_bf16_pack_b(uint16_t *dst, bool trans_b, int64_t k, int64_t n, con
                           int64_t ldb);
 
 /* Autocast's bfloat16 stride-1 convolution with vdpbf16ps for output rows
- * up to 16 wide (cpu/conv_bf16.c; only when ddp__cpu_has_bf16_dot()),
+ * up to 32 wide (cpu/conv_bf16.c; only when ddp__cpu_has_bf16_dot()),
  * input channels in pairs:
  *   pairs_words: the 32-bit words of a padded pair image (ceil(c/2), hp,
  *     wp) with its 16 words of slack; zero it once, then conv_bf16_pairs
@@ -214,7 +214,7 @@ void ddp__cpu_bf16_pack_b(uint16_t *dst, bool trans_b, int64_t k, int64_t n, con
  *     values), MR = 8 output channels a pair tap;
  *   rows: y (m, oh, ow) = (y if accumulate, else bias or 0) + the sum over
  *     pair taps t2 = (q, a, b) of packed words times xp2[off[t2] + oy*wp +
- *     ox], off[t2] = (q*hp + a)*wp + b, float32 sums; ow <= 16; with
+ *     ox], off[t2] = (q*hp + a)*wp + b, float32 sums; ow <= 32; with
  *     `round`, y stored rounded to bfloat16 (ddp_convert_round_f32's bits). */
 int64_t ddp__cpu_conv_bf16_pairs_words(int64_t c, int64_t hp, int64_t wp);
 void ddp__cpu_conv_bf16_pairs_avx512(uint32_t *xp2, const float *x, int64_t c, int64_t h,
@@ -225,6 +225,13 @@ void ddp__cpu_conv_rows_bf16_avx512(int64_t m, int64_t taps2, const uint32_t *pa
                                     const uint32_t *xp2, const int64_t *off, int64_t wp, float *y,
                                     int64_t oh, int64_t ow, const float *bias, bool accumulate,
                                     bool round);
+/* One input channel (conv1): the taps paired along kernel rows instead,
+ * (a, 2j) with (a, 2j + 1) (a zero weight past an odd kw), over the
+ * padded image's column pairs (colpairs below): conv_rows_bf16 with
+ * off[(c*kh + a)*ceil(kw/2) + j] = (c*hp + a)*wp + 2j and the weights from
+ * pack_cols, packed_words(m, 2c, kh*ceil(kw/2)) words. */
+void ddp__cpu_conv_bf16_pack_cols(int64_t m, int64_t c, int64_t kh, int64_t kw, const float *w,
+                                  uint32_t *packed);
 /* The weight gradient with the outputs in pairs along rows (even ow):
  *   colpairs: dst[i] = the upper halves of xp[i] (low) and xp[i + 1],
  *     i < n (a padded image of bfloat16 values; xp readable to n + 16, dst
