@@ -349,7 +349,7 @@ const char *ddp__autocast_kernels(void) {
   return conv && strcmp(conv, "0") == 0
              ? "bf16 linear: AVX512_BF16 dot products (vdpbf16ps), float32 accumulation; bf16 "
                "conv2d (DDP_CONV_BF16=0) and matmul, fp16: operands rounded, float32 kernels"
-             : "bf16 linear, and conv2d's direct stride-1 kernels for rows up to 16 wide "
+             : "bf16 linear, and conv2d's direct stride-1 kernels for rows up to 32 wide "
                "(forward, dX, dW; docs/tensor.md): AVX512_BF16 dot products (vdpbf16ps), "
                "float32 accumulation; other bf16 conv2d, matmul, fp16: operands rounded, "
                "float32 kernels";

@@ -704,6 +704,7 @@ static void check_conv_rounding(ddp_dtype low, const char *name) {
       {2, 16, 14, 32, 5, 1, 2}, /* the ConvNet's conv2 */
       {2, 5, 11, 12, 3, 1, 0},  /* an odd channel, 12 channels out: a tile of 8 and 4 single */
       {2, 16, 8, 20, 5, 1, 1},  /* 6 rows: two tiles of 3; dX padded by 3 */
+      {2, 4, 20, 16, 3, 1, 0},  /* 18-wide rows (dX: 20): flat tiles */
       /* one input channel: taps paired along kernel rows */
       {2, 1, 28, 16, 5, 1, 2},  /* the ConvNet's conv1: flat tiles of 28-wide rows */
       {2, 1, 19, 9, 5, 1, 1},   /* 17-wide rows, 289 outputs, 9 channels */

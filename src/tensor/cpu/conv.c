@@ -560,7 +560,7 @@ static ddp_status winograd_init(float **u, float **ws, const float *w, int64_t l
 }
 
 /* Autocast's bfloat16 convolution with vdpbf16ps (cpu/conv_bf16.c): a
- * stride-1 convolution from cin >= 2 channels onto rows up to 16 wide,
+ * stride-1 convolution from cin >= 2 channels onto rows up to 32 wide,
  * under a bfloat16 region (g->round: the operands hold bfloat16 values),
  * with the AVX-512 family on a CPU with AVX512_BF16. Where it runs it
  * replaces conv_rows (the ConvNet's conv2 forward and dX); Winograd and
@@ -568,7 +568,7 @@ static ddp_status winograd_init(float **u, float **ws, const float *w, int64_t l
  * float32 kernels (to compare, or to rule the path out). */
 static bool use_bf16_rows(const vec_family *v, const ddp__conv2d_geom *g, int64_t cin,
                           int64_t ow) {
-  if (v != &family_avx512 || g->round != DDP_BFLOAT16 || g->stride != 1 || cin < 2 || ow > 16 ||
+  if (v != &family_avx512 || g->round != DDP_BFLOAT16 || g->stride != 1 || cin < 2 || ow > 32 ||
       !ddp__cpu_has_bf16_dot())
     return false;
   const char *env = getenv("DDP_CONV_BF16");

@@ -1,8 +1,8 @@
 /* Autocast's bfloat16 stride-1 convolutions with AVX512_BF16 dot products
- * (vdpbf16ps), for the rows-up-to-16 implicit-im2col path (the ConvNet's
- * conv2 forward and its dX; docs/tensor.md, "Mixed precision"): the
- * float32 kernel's scheme (cpu/gemm.c, tile_rows) with the input channels
- * taken two at a time.
+ * (vdpbf16ps), for the implicit-im2col paths (the ConvNet's conv1 forward,
+ * conv2 forward, dX and dW; docs/tensor.md, "Mixed precision"): the
+ * float32 kernels' schemes (cpu/gemm.c: tile_rows, tile_flat, tile_taps)
+ * with two taps a lane.
  *
  * vdpbf16ps adds a[2i] b[2i] + a[2i+1] b[2i+1] into float32 lane i, so
  * the reduction pairs two taps per lane. Pairing input channels c and
@@ -13,7 +13,9 @@
  * (q*HP + a)*WP + b, and the weight of a channel pair at a tap is one
  * broadcast word. Half the taps, the same loads and broadcasts per tap as
  * the float32 kernel: up to twice its products per instruction. An odd
- * channel count pairs the last channel with zeros.
+ * channel count pairs the last channel with zeros. One input channel
+ * pairs taps (a, 2j) and (a, 2j + 1) instead, over an image of column
+ * pairs (colpairs), with the same kernel.
  *
  * The operands must already hold bfloat16 values (autocast rounded them:
  * ddp__conv2d_geom.round), so the words are their upper halves, exact.
