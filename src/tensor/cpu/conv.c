@@ -559,34 +559,36 @@ static ddp_status winograd_init(float **u, float **ws, const float *w, int64_t l
   return DDP_OK;
 }
 
-/* Autocast's bfloat16 convolution with vdpbf16ps (cpu/conv_bf16.c): a
- * stride-1 convolution from cin >= 2 channels onto rows up to 32 wide,
- * under a bfloat16 region (g->round: the operands hold bfloat16 values),
- * with the AVX-512 family on a CPU with AVX512_BF16. Where it runs it
- * replaces conv_rows (the ConvNet's conv2 forward and dX); Winograd and
- * the shifted copies keep their geometries. DDP_CONV_BF16=0 keeps the
- * float32 kernels (to compare, or to rule the path out). */
-static bool use_bf16_rows(const vec_family *v, const ddp__conv2d_geom *g, int64_t cin,
-                          int64_t ow) {
-  if (v != &family_avx512 || g->round != DDP_BFLOAT16 || g->stride != 1 || cin < 2 || ow > 32 ||
+/* Autocast's bfloat16 convolutions with vdpbf16ps (cpu/conv_bf16.c):
+ * stride 1, under a bfloat16 region (g->round: the operands hold bfloat16
+ * values), with the AVX-512 family on a CPU with AVX512_BF16. They replace
+ * conv_rows and conv_taps where those run (the ConvNet's conv1 forward and
+ * conv2); Winograd, the shifted copies and the other geometries keep their
+ * float32 kernels. DDP_CONV_BF16=0 keeps the float32 kernels everywhere
+ * (to compare, or to rule the path out). */
+static bool bf16_convs(const vec_family *v, const ddp__conv2d_geom *g) {
+  if (v != &family_avx512 || g->round != DDP_BFLOAT16 || g->stride != 1 ||
       !ddp__cpu_has_bf16_dot())
     return false;
   const char *env = getenv("DDP_CONV_BF16");
   return !env || strcmp(env, "0") != 0;
 }
 
-/* The same kernel for one input channel (conv1) with the taps paired
- * along kernel rows over the padded image's column pairs: 15 pair taps
- * for a 5x5 kernel instead of 25 taps. Rows up to 32 wide; with an odd
- * kernel width the last pair's zero weight meets the column one past the
- * row, which must be padding (a zero: 0 times an infinite input would be
- * NaN), hence padding >= 1 then. */
+/* Forward or dX from cin >= 2 channels, taken in pairs, onto rows up to
+ * 32 wide. */
+static bool use_bf16_rows(const vec_family *v, const ddp__conv2d_geom *g, int64_t cin,
+                          int64_t ow) {
+  return cin >= 2 && ow <= 32 && bf16_convs(v, g);
+}
+
+/* The forward from one input channel (conv1), the taps paired along
+ * kernel rows over the padded image's column pairs: 15 pair taps for a
+ * 5x5 kernel instead of 25 taps. Rows up to 32 wide; with an odd kernel
+ * width the last pair's zero weight meets the column one past the row,
+ * which must be padding (a zero: 0 times an infinite input would be NaN),
+ * hence padding >= 1 then. */
 static bool use_bf16_cols(const vec_family *v, const ddp__conv2d_geom *g) {
-  if (v != &family_avx512 || g->round != DDP_BFLOAT16 || g->stride != 1 || g->c != 1 ||
-      g->ow > 32 || (g->kw % 2 == 1 && g->pad < 1) || !ddp__cpu_has_bf16_dot())
-    return false;
-  const char *env = getenv("DDP_CONV_BF16");
-  return !env || strcmp(env, "0") != 0;
+  return g->c == 1 && g->ow <= 32 && (g->kw % 2 == 0 || g->pad >= 1) && bf16_convs(v, g);
 }
 
 /* A zero-padded image of channel pairs for conv_rows_bf16, with its pair
@@ -746,8 +748,7 @@ static ddp_status backward_vec(const vec_family *v, float *dx, float *dw, float 
   const bool dw_shifted = dw_dot && is_same(g) && !pointwise;
   const bool dw_winograd = use_winograd(v, g, g->o, g->c, g->oh, g->ow);
   /* dW by vdpbf16ps with the outputs in pairs along rows (even ow) */
-  const bool dw_bf16 = dw && dw_implicit && !dw_winograd && g->ow % 2 == 0 &&
-                       use_bf16_rows(v, g, 2, 16);
+  const bool dw_bf16 = dw && dw_implicit && !dw_winograd && g->ow % 2 == 0 && bf16_convs(v, g);
   uint32_t *xcp = NULL, *dyw = NULL, *dywt = NULL;
   padded xp = {0};
   shifted sx = {0};
@@ -768,7 +769,7 @@ static ddp_status backward_vec(const vec_family *v, float *dx, float *dw, float 
     if (!dw_implicit && !pointwise && !(col = scratch(arena, k * ohw + SLACK, &status)))
       return status;
     if (!dw_dot) {
-      if (!(dyt = scratch(arena, ohw * g->o, &status))) return status;
+      if (!dw_bf16 && !(dyt = scratch(arena, ohw * g->o, &status))) return status;
       if (!(dwt = scratch(arena, k * g->o, &status))) return status;
       memset(dwt, 0, (size_t)(k * g->o) * sizeof(float));
     }
