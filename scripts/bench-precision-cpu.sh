@@ -10,6 +10,9 @@
 # figures: memory-bound passes suffer most, and the low precisions have
 # more of them).
 #   scripts/bench-precision-cpu.sh [rounds=3] [steps=150] [repeats=3] [precisions="bf16"]
+# A precision "bf16-f32conv" is bf16 with DDP_CONV_BF16=0: the
+# convolutions on the float32 kernels with rounded operands instead of the
+# vdpbf16ps ones (docs/tensor.md, "bfloat16 convolutions"), to show their part.
 # Env: DDP_CPU_KERNELS (auto|generic|avx2|avx512) picks the family;
 # BENCH_BUILD the build whose bench_convnet runs (default build).
 set -euo pipefail
@@ -26,7 +29,10 @@ echo "cpu: $cpu; avx512_bf16: $bf16; load before: $(cut -d' ' -f1-3 /proc/loadav
 declare -A rates
 for r in $(seq "$rounds"); do
   for p in fp32 "${lows[@]}"; do
-    out=$("$bin/bench_convnet" --steps "$steps" --repeats "$repeats" --precision "$p")
+    env=()
+    pp=$p
+    [ "$p" = bf16-f32conv ] && env=(DDP_CONV_BF16=0) && pp=bf16
+    out=$(env "${env[@]}" "$bin/bench_convnet" --steps "$steps" --repeats "$repeats" --precision "$pp")
     rate=$(sed -n 's/.*samples_per_s=\([0-9.]*\).*/\1/p' <<<"$out")
     [ "$r" = 1 ] && echo "$p: $(sed -n 's/^CPU kernel family: //p' <<<"$out")"
     echo "round $r: $p $rate samples/s"

@@ -2,6 +2,8 @@
  * holding low-precision values, and the cast cache of rounded parameters
  * (docs/tensor.md, "Mixed precision"; the ops' rules are in the ops). */
 #include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "tensor/autocast.h"
 #include "tensor/device_internal.h"
@@ -339,9 +341,16 @@ ddp_status ddp__autocast_grad_deliver(ddp_tape *tape, ddp_tensor *t, float *grad
 
 const char *ddp__autocast_kernels(void) {
   const ddp__dense_kernels *dk = ddp__kernels_for(DDP_CPU)->dense;
-  return dk->has_bf16_dot()
+  if (!dk->has_bf16_dot())
+    return "bf16 and fp16: operands rounded (vectorised conversion), float32 kernels with "
+           "float32 accumulation";
+  /* DDP_CONV_BF16=0 keeps conv2d on the float32 kernels (cpu/conv.c) */
+  const char *conv = getenv("DDP_CONV_BF16");
+  return conv && strcmp(conv, "0") == 0
              ? "bf16 linear: AVX512_BF16 dot products (vdpbf16ps), float32 accumulation; bf16 "
-               "conv2d and matmul, fp16: operands rounded, float32 kernels"
-             : "bf16 and fp16: operands rounded (vectorised conversion), float32 kernels with "
-               "float32 accumulation";
+               "conv2d (DDP_CONV_BF16=0) and matmul, fp16: operands rounded, float32 kernels"
+             : "bf16 linear, and conv2d's direct stride-1 kernels for rows up to 32 wide "
+               "(forward, dX, dW; docs/tensor.md): AVX512_BF16 dot products (vdpbf16ps), "
+               "float32 accumulation; other bf16 conv2d, matmul, fp16: operands rounded, "
+               "float32 kernels";
 }

@@ -26,8 +26,11 @@ typedef struct ddp__conv2d_geom {
    * DDP_BFLOAT16 / DDP_FLOAT16 rounds the forward's y, the backward's dy as
    * it is read, and its dx to that dtype, a sample at a time while it is
    * in cache (the backward must then be called with dx_accumulate false);
-   * DDP_FLOAT32 (0, a zeroed geometry) rounds nothing. A ddp_dtype held
-   * as int: this header does not include ddp/tensor.h. */
+   * DDP_FLOAT32 (0, a zeroed geometry) rounds nothing. The caller passes
+   * x, w and b already holding values of that dtype (autocast's rounded
+   * operands): with DDP_BFLOAT16 the CPU may run bfloat16 dot products,
+   * which read only the upper halves of x, w and dy (cpu/conv_bf16.c).
+   * A ddp_dtype held as int: this header does not include ddp/tensor.h. */
   int round;
 } ddp__conv2d_geom;
 

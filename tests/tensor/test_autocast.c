@@ -683,7 +683,8 @@ static void test_chain_fp16(void **state) {
 /* The convolution kernels' fused rounding (ddp__conv2d_geom.round, which
  * conv2d sets under autocast): on every family and on geometries that take
  * each of their paths (Winograd, conv_rows, shifted copies, pointwise,
- * a column matrix with stride 2 and col2im), y and dx come out holding
+ * a column matrix with stride 2 and col2im, bfloat16 dot products over
+ * channel pairs), y and dx come out holding
  * `low` values, within the parity bound of a float64 sum of the rounded
  * operands (dy rounded by the kernels as they read it); dw and db, which
  * the op rounds when it delivers them, within the float32 bound. */
@@ -698,6 +699,16 @@ static void check_conv_rounding(ddp_dtype low, const char *name) {
       {2, 3, 10, 8, 3, 1, 1},   /* same convolution, few channels: shifted */
       {2, 8, 6, 16, 1, 1, 0},   /* pointwise */
       {2, 4, 9, 32, 3, 2, 1},   /* stride 2: column matrix, dX by col2im */
+      /* bfloat16 with AVX512_BF16: forward and dX by vdpbf16ps over
+       * channel pairs (cpu/conv_bf16.c); the float32 kernels elsewhere */
+      {2, 16, 14, 32, 5, 1, 2}, /* the ConvNet's conv2 */
+      {2, 5, 11, 12, 3, 1, 0},  /* an odd channel, 12 channels out: a tile of 8 and 4 single */
+      {2, 16, 8, 20, 5, 1, 1},  /* 6 rows: two tiles of 3; dX padded by 3 */
+      {2, 4, 20, 16, 3, 1, 0},  /* 18-wide rows (dX: 20): flat tiles */
+      /* one input channel: taps paired along kernel rows */
+      {2, 1, 28, 16, 5, 1, 2},  /* the ConvNet's conv1: flat tiles of 28-wide rows */
+      {2, 1, 19, 9, 5, 1, 1},   /* 17-wide rows, 289 outputs, 9 channels */
+      {2, 1, 9, 12, 4, 1, 0},   /* an even kernel width without padding */
   };
   ddp_arena arena;
   ddp_arena_init(&arena, 1 << 20);

@@ -559,6 +559,81 @@ static ddp_status winograd_init(float **u, float **ws, const float *w, int64_t l
   return DDP_OK;
 }
 
+/* Autocast's bfloat16 convolutions with vdpbf16ps (cpu/conv_bf16.c):
+ * stride 1, under a bfloat16 region (g->round: the operands hold bfloat16
+ * values), with the AVX-512 family on a CPU with AVX512_BF16. They replace
+ * conv_rows and conv_taps where those run (the ConvNet's conv1 forward and
+ * conv2); Winograd, the shifted copies and the other geometries keep their
+ * float32 kernels. DDP_CONV_BF16=0 keeps the float32 kernels everywhere
+ * (to compare, or to rule the path out). */
+static bool bf16_convs(const vec_family *v, const ddp__conv2d_geom *g) {
+  if (v != &family_avx512 || g->round != DDP_BFLOAT16 || g->stride != 1 ||
+      !ddp__cpu_has_bf16_dot())
+    return false;
+  const char *env = getenv("DDP_CONV_BF16");
+  return !env || strcmp(env, "0") != 0;
+}
+
+/* Forward or dX from cin >= 2 channels, taken in pairs, onto rows up to
+ * 32 wide. */
+static bool use_bf16_rows(const vec_family *v, const ddp__conv2d_geom *g, int64_t cin,
+                          int64_t ow) {
+  return cin >= 2 && ow <= 32 && bf16_convs(v, g);
+}
+
+/* The forward from one input channel (conv1), the taps paired along
+ * kernel rows over the padded image's column pairs: 15 pair taps for a
+ * 5x5 kernel instead of 25 taps. Rows up to 32 wide; with an odd kernel
+ * width the last pair's zero weight meets the column one past the row,
+ * which must be padding (a zero: 0 times an infinite input would be NaN),
+ * hence padding >= 1 then. */
+static bool use_bf16_cols(const vec_family *v, const ddp__conv2d_geom *g) {
+  return g->c == 1 && g->ow <= 32 && (g->kw % 2 == 0 || g->pad >= 1) && bf16_convs(v, g);
+}
+
+/* A zero-padded image of channel pairs for conv_rows_bf16, with its pair
+ * taps' offsets off[(q*KH + a)*KW + b] = (q*HP + a)*WP + b. */
+typedef struct pairs {
+  uint32_t *xp;
+  int64_t *off;
+  int64_t c, h, w, ph, pw, hp, wp, taps;
+} pairs;
+
+static ddp_status pairs_init(pairs *p, int64_t c, int64_t h, int64_t w, int64_t ph, int64_t pw,
+                             int64_t kh, int64_t kw, ddp_arena *arena) {
+  *p = (pairs){.c = c, .h = h, .w = w, .ph = ph, .pw = pw, .hp = h + 2 * ph, .wp = w + 2 * pw,
+               .taps = (c + 1) / 2 * kh * kw};
+  const size_t bytes = (size_t)ddp__cpu_conv_bf16_pairs_words(c, p->hp, p->wp) * sizeof(uint32_t);
+  p->xp = ddp_arena_alloc(arena, bytes);
+  p->off = ddp_arena_alloc(arena, (size_t)p->taps * sizeof(int64_t));
+  if (!p->xp || !p->off)
+    return ddp_error(DDP_ERR_NOMEM, "conv2d: cannot allocate a bfloat16 pair image of %zu bytes",
+                     bytes);
+  memset(p->xp, 0, bytes);
+  for (int64_t q = 0; q < (c + 1) / 2; q++)
+    for (int64_t a = 0; a < kh; a++)
+      for (int64_t b = 0; b < kw; b++) p->off[(q * kh + a) * kw + b] = (q * p->hp + a) * p->wp + b;
+  return DDP_OK;
+}
+
+static void pairs_copy(pairs *p, const float *x) {
+  ddp__cpu_conv_bf16_pairs_avx512(p->xp, x, p->c, p->h, p->w, p->ph, p->pw, p->hp, p->wp);
+}
+
+/* w (m, cin, kk) packed for conv_rows_bf16, in scratch. */
+static uint32_t *bf16_weights(const float *w, int64_t m, int64_t cin, int64_t kk,
+                              ddp_arena *arena, ddp_status *status) {
+  const size_t bytes = (size_t)ddp__cpu_conv_bf16_packed_words(m, cin, kk) * sizeof(uint32_t);
+  uint32_t *packed = ddp_arena_alloc(arena, bytes);
+  if (!packed) {
+    *status = ddp_error(DDP_ERR_NOMEM, "conv2d: cannot allocate %zu bytes of packed bfloat16 "
+                        "weights", bytes);
+    return NULL;
+  }
+  ddp__cpu_conv_bf16_pack(m, cin, kk, w, packed);
+  return packed;
+}
+
 static ddp_status forward_vec(const vec_family *v, float *y, const float *x, const float *w, const float *b,
                                  const ddp__conv2d_geom *g, ddp_arena *arena) {
   const int64_t k = g->c * g->kh * g->kw, ohw = g->oh * g->ow, chw = g->c * g->h * g->w;
@@ -593,6 +668,43 @@ static ddp_status forward_vec(const vec_family *v, float *y, const float *x, con
       v->gemm_off(g->o, ohw, k, w, k, sx.buf, sx.off, y + n * g->o * ohw, ohw, b,
                                false);
       round_sample(y + n * g->o * ohw, g->o * ohw, g);
+    }
+    return DDP_OK;
+  }
+  if (use_bf16_rows(v, g, g->c, g->ow)) {
+    pairs p;
+    DDP_TRY(pairs_init(&p, g->c, g->h, g->w, g->pad, g->pad, g->kh, g->kw, arena));
+    const uint32_t *wpk = bf16_weights(w, g->o, g->c, g->kh * g->kw, arena, &status);
+    if (!wpk) return status;
+    for (int64_t n = 0; n < g->n; n++) {
+      pairs_copy(&p, x + n * chw);
+      /* y rounded as the tiles store it */
+      ddp__cpu_conv_rows_bf16_avx512(g->o, p.taps, wpk, p.xp, p.off, p.wp, y + n * g->o * ohw,
+                                     g->oh, g->ow, b, false, true);
+    }
+    return DDP_OK;
+  }
+  if (use_bf16_cols(v, g)) {
+    padded p;
+    DDP_TRY(padded_init(&p, g->c, g->h, g->w, g->pad, g->pad, g->kh, g->kw, arena));
+    const int64_t kb = (g->kw + 1) / 2, taps = g->c * g->kh * kb, n_img = g->c * p.hp * p.wp;
+    const size_t wbytes =
+        (size_t)ddp__cpu_conv_bf16_packed_words(g->o, 2 * g->c, g->kh * kb) * sizeof(uint32_t);
+    uint32_t *img = ddp_arena_alloc(arena, (size_t)((n_img + 15) / 16 * 16) * sizeof(uint32_t));
+    uint32_t *wpk = ddp_arena_alloc(arena, wbytes);
+    int64_t *off = ddp_arena_alloc(arena, (size_t)taps * sizeof(int64_t));
+    if (!img || !wpk || !off)
+      return ddp_error(DDP_ERR_NOMEM, "conv2d: cannot allocate the bfloat16 column-pair image");
+    ddp__cpu_conv_bf16_pack_cols(g->o, g->c, g->kh, g->kw, w, wpk);
+    for (int64_t c = 0; c < g->c; c++)
+      for (int64_t a = 0; a < g->kh; a++)
+        for (int64_t j = 0; j < kb; j++) off[(c * g->kh + a) * kb + j] = (c * p.hp + a) * p.wp + 2 * j;
+    for (int64_t n = 0; n < g->n; n++) {
+      pad_copy(&p, x + n * chw);
+      ddp__cpu_conv_bf16_colpairs_avx512(img, p.xp, n_img);
+      /* y rounded as the tiles store it */
+      ddp__cpu_conv_rows_bf16_avx512(g->o, taps, wpk, img, off, p.wp, y + n * g->o * ohw, g->oh,
+                                     g->ow, b, false, true);
     }
     return DDP_OK;
   }
@@ -635,6 +747,9 @@ static ddp_status backward_vec(const vec_family *v, float *dx, float *dw, float 
   const bool dw_implicit = !dw_dot && g->stride == 1 && !pointwise;
   const bool dw_shifted = dw_dot && is_same(g) && !pointwise;
   const bool dw_winograd = use_winograd(v, g, g->o, g->c, g->oh, g->ow);
+  /* dW by vdpbf16ps with the outputs in pairs along rows (even ow) */
+  const bool dw_bf16 = dw && dw_implicit && !dw_winograd && g->ow % 2 == 0 && bf16_convs(v, g);
+  uint32_t *xcp = NULL, *dyw = NULL, *dywt = NULL;
   padded xp = {0};
   shifted sx = {0};
   float *col = NULL, *dyt = NULL, *dwt = NULL;
@@ -654,9 +769,19 @@ static ddp_status backward_vec(const vec_family *v, float *dx, float *dw, float 
     if (!dw_implicit && !pointwise && !(col = scratch(arena, k * ohw + SLACK, &status)))
       return status;
     if (!dw_dot) {
-      if (!(dyt = scratch(arena, ohw * g->o, &status))) return status;
+      if (!dw_bf16 && !(dyt = scratch(arena, ohw * g->o, &status))) return status;
       if (!(dwt = scratch(arena, k * g->o, &status))) return status;
       memset(dwt, 0, (size_t)(k * g->o) * sizeof(float));
+    }
+    if (dw_bf16) {
+      /* the padded image's column pairs; dy's pair words and their transpose */
+      const int64_t words = (g->c * xp.hp * xp.wp + 15) / 16 * 16;
+      xcp = ddp_arena_alloc(arena, (size_t)words * sizeof(uint32_t));
+      dyw = ddp_arena_alloc(arena, (size_t)(g->o * ohw / 2) * sizeof(uint32_t));
+      dywt = ddp_arena_alloc(arena, (size_t)(g->o * ohw / 2) * sizeof(uint32_t));
+      if (!xcp || !dyw || !dywt)
+        return ddp_error(DDP_ERR_NOMEM, "conv2d: cannot allocate the bfloat16 weight "
+                         "gradient's operands (%lld words)", (long long)words);
     }
   }
 
@@ -666,6 +791,10 @@ static ddp_status backward_vec(const vec_family *v, float *dx, float *dw, float 
   const bool dx_shifted = is_same(g) && g->c < SHIFTED_MAX_CHANNELS;
   const bool dx_winograd = dx_as_conv && !dx_shifted && use_winograd(v, g, g->c, g->o, g->h, g->w);
   const bool dx_implicit = dx_as_conv && g->w <= 32;
+  const bool dx_bf16 = dx && dx_implicit && !dx_shifted && !dx_winograd &&
+                       use_bf16_rows(v, g, g->o, g->w);
+  pairs dyq = {0};
+  uint32_t *wflip_bf16 = NULL;
   padded dyp = {0};
   shifted sdy = {0};
   float *wflip = NULL, *wt = NULL, *dcol = NULL, *wino_u = NULL, *wino_s = NULL;
@@ -678,6 +807,12 @@ static ddp_status backward_vec(const vec_family *v, float *dx, float *dw, float 
      * K-1-pad = pad) with the flipped weight (C, O*KH*KW). */
     DDP_TRY(dx_conv_init(&wflip, NULL, w, g, arena));
     DDP_TRY(shifted_init(&sdy, g->o, g->h, g->w, g->kw, g->pad, arena));
+  } else if (dx_bf16) {
+    /* dy's channel pairs padded by K-1-pad, the flipped weight packed */
+    DDP_TRY(dx_conv_init(&wflip, NULL, w, g, arena));
+    DDP_TRY(pairs_init(&dyq, g->o, g->oh, g->ow, g->kh - 1 - g->pad, g->kw - 1 - g->pad, g->kh,
+                       g->kw, arena));
+    if (!(wflip_bf16 = bf16_weights(wflip, g->c, g->o, kk, arena, &status))) return status;
   } else if (dx && dx_as_conv) {
     DDP_TRY(dx_conv_init(&wflip, &dyp, w, g, arena));
     if (dx_implicit) { /* conv_rows reads the flipped weight packed */
@@ -708,6 +843,13 @@ static ddp_status backward_vec(const vec_family *v, float *dx, float *dw, float 
       v->shifted_copy(&sx, xn);
       /* dw (O, K) += dy (O, H*W) @ (rows of the copies (K, H*W))^T */
       v->gemm_nt_off(g->o, k, ohw, dyn, ohw, sx.buf, sx.off, dw, k);
+    } else if (dw_bf16) {
+      pad_copy(&xp, xn);
+      ddp__cpu_conv_bf16_colpairs_avx512(xcp, xp.xp, g->c * xp.hp * xp.wp);
+      ddp__cpu_conv_bf16_rowpairs_avx512(dyw, dyn, g->o * ohw);
+      v->transpose((float *)dywt, (const float *)dyw, g->o, ohw / 2);
+      /* dwt (K, O) += implicit col (K, OH*OW) @ dy^T (OH*OW, O), in pairs */
+      ddp__cpu_conv_taps_bf16_avx512(k, g->o, xcp, xp.off, xp.wp, g->oh, g->ow, dywt, dwt);
     } else if (dw && dw_implicit) {
       pad_copy(&xp, xn);
       v->transpose(dyt, dyn, g->o, ohw);
@@ -725,7 +867,12 @@ static ddp_status backward_vec(const vec_family *v, float *dx, float *dw, float 
         v->gemm(k, g->o, ohw, cn, ohw, dyt, g->o, dwt, g->o, NULL, true);
       }
     }
-    if (dx && dx_winograd) {
+    if (dx_bf16) {
+      pairs_copy(&dyq, dyn);
+      /* dx_n (C, H, W) (+)= wflip (C, O*KH*KW) @ implicit col of dy's pairs */
+      ddp__cpu_conv_rows_bf16_avx512(g->c, dyq.taps, wflip_bf16, dyq.xp, dyq.off, dyq.wp,
+                                     dx + n * chw, g->h, g->w, NULL, dx_accumulate, true);
+    } else if (dx && dx_winograd) {
       pad_copy(&dyp, dyn);
       v->winograd_conv3x3(g->c, g->o, wino_u, dyp.xp, dx + n * chw, g->h, g->w,
                                        NULL, dx_accumulate, wino_s);
@@ -751,7 +898,7 @@ static ddp_status backward_vec(const vec_family *v, float *dx, float *dw, float 
       if (!dx_accumulate) memset(dx + n * chw, 0, (size_t)chw * sizeof(float));
       col2im_add(dx + n * chw, dcol, g);
     }
-    if (dx) round_sample(dx + n * chw, chw, g);
+    if (dx && !dx_bf16) round_sample(dx + n * chw, chw, g); /* dx_bf16: rounded in the store */
   }
   if (dw && dw_winograd)
     ddp__cpu_winograd_dw_finish(g->o, g->c, wino_du, dw);

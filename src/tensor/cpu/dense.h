@@ -202,4 +202,49 @@ size_t ddp__cpu_bf16_pack_bytes(int64_t k, int64_t n);
 void ddp__cpu_bf16_pack_b(uint16_t *dst, bool trans_b, int64_t k, int64_t n, const float *b,
                           int64_t ldb);
 
+/* Autocast's bfloat16 stride-1 convolution with vdpbf16ps for output rows
+ * up to 32 wide (cpu/conv_bf16.c; only when ddp__cpu_has_bf16_dot()),
+ * input channels in pairs:
+ *   pairs_words: the 32-bit words of a padded pair image (ceil(c/2), hp,
+ *     wp) with its 16 words of slack; zero it once, then conv_bf16_pairs
+ *     writes each sample's interior: word (q, y + ph, x + pw) = channels 2q
+ *     (low half) and 2q + 1 of x (c, h, w) at (y, x) as bfloat16, their
+ *     float32's upper halves (x must hold bfloat16 values);
+ *   pack: packed (packed_words(m, c, kk)) from w (m, c, kk taps; bfloat16
+ *     values), MR = 8 output channels a pair tap;
+ *   rows: y (m, oh, ow) = (y if accumulate, else bias or 0) + the sum over
+ *     pair taps t2 = (q, a, b) of packed words times xp2[off[t2] + oy*wp +
+ *     ox], off[t2] = (q*hp + a)*wp + b, float32 sums; ow <= 32; with
+ *     `round`, y stored rounded to bfloat16 (ddp_convert_round_f32's bits). */
+int64_t ddp__cpu_conv_bf16_pairs_words(int64_t c, int64_t hp, int64_t wp);
+void ddp__cpu_conv_bf16_pairs_avx512(uint32_t *xp2, const float *x, int64_t c, int64_t h,
+                                     int64_t w, int64_t ph, int64_t pw, int64_t hp, int64_t wp);
+int64_t ddp__cpu_conv_bf16_packed_words(int64_t m, int64_t c, int64_t kk);
+void ddp__cpu_conv_bf16_pack(int64_t m, int64_t c, int64_t kk, const float *w, uint32_t *packed);
+void ddp__cpu_conv_rows_bf16_avx512(int64_t m, int64_t taps2, const uint32_t *packed,
+                                    const uint32_t *xp2, const int64_t *off, int64_t wp, float *y,
+                                    int64_t oh, int64_t ow, const float *bias, bool accumulate,
+                                    bool round);
+/* One input channel (conv1): the taps paired along kernel rows instead,
+ * (a, 2j) with (a, 2j + 1) (a zero weight past an odd kw), over the
+ * padded image's column pairs (colpairs below): conv_rows_bf16 with
+ * off[(c*kh + a)*ceil(kw/2) + j] = (c*hp + a)*wp + 2j and the weights from
+ * pack_cols, packed_words(m, 2c, kh*ceil(kw/2)) words. */
+void ddp__cpu_conv_bf16_pack_cols(int64_t m, int64_t c, int64_t kh, int64_t kw, const float *w,
+                                  uint32_t *packed);
+/* The weight gradient with the outputs in pairs along rows (even ow):
+ *   colpairs: dst[i] = the upper halves of xp[i] (low) and xp[i + 1],
+ *     i < n (a padded image of bfloat16 values; xp readable to n + 16, dst
+ *     writable to n rounded up to 16);
+ *   rowpairs: dst[i] = the upper halves of src[2i] and src[2i + 1] (n
+ *     floats: a sample's dy (n/2 pair words a channel), to be transposed);
+ *   taps_bf16: conv_taps with xp the column pairs and dyp ((oh*ow/2), n)
+ *     the pair words of dy transposed: dwt[t][j] += sum over (y, x) of
+ *     xp[off[t] + y*wp + x] * dy[j][(y, x)], float32 sums. */
+void ddp__cpu_conv_bf16_colpairs_avx512(uint32_t *dst, const float *xp, int64_t n);
+void ddp__cpu_conv_bf16_rowpairs_avx512(uint32_t *dst, const float *src, int64_t n);
+void ddp__cpu_conv_taps_bf16_avx512(int64_t taps, int64_t n, const uint32_t *xp,
+                                    const int64_t *off, int64_t wp, int64_t oh, int64_t ow,
+                                    const uint32_t *dyp, float *dwt);
+
 #endif
