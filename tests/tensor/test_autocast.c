@@ -29,6 +29,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <cmocka.h>
 
 #include "support/fixture.h"
@@ -814,6 +816,99 @@ static void test_conv_kernels_round_fp16(void **state) {
   for_each_family(check_conv_rounding, DDP_FLOAT16, "fp16");
 }
 
+/* The bfloat16 kernels' whole-vector reads stay inside their buffers:
+ * an arena whose every chunk ends at an inaccessible page (a read past a
+ * chunk's end faults, in release as under ASan), with its first chunk
+ * filled beforehand by every multiple of 64 bytes in turn, so that each of
+ * the convolution's scratch buffers in turn is the one ending at the guard
+ * page. The geometries: one input channel with rows up to 16 wide (the
+ * rows tiles read 16 words from each row start) on column-pair images
+ * whose size is a multiple of 16 words, odd and even kernels; two
+ * channels (pair images); the backward's dX and dW on the same. */
+typedef struct guard_map {
+  void *payload, *base;
+  size_t len;
+} guard_map;
+static guard_map guard_maps[64];
+
+static void *guard_alloc(size_t bytes) {
+  const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  const size_t body = (bytes + page - 1) / page * page, len = body + page;
+  char *base = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (base == MAP_FAILED) return NULL;
+  if (mprotect(base + body, page, PROT_NONE) != 0) {
+    munmap(base, len);
+    return NULL;
+  }
+  for (size_t i = 0; i < sizeof guard_maps / sizeof *guard_maps; i++)
+    if (!guard_maps[i].payload) {
+      guard_maps[i] = (guard_map){base + body - bytes, base, len};
+      return guard_maps[i].payload;
+    }
+  munmap(base, len);
+  return NULL;
+}
+
+static void guard_free(void *p) {
+  for (size_t i = 0; i < sizeof guard_maps / sizeof *guard_maps; i++)
+    if (guard_maps[i].payload == p) {
+      munmap(guard_maps[i].base, guard_maps[i].len);
+      guard_maps[i] = (guard_map){0};
+      return;
+    }
+}
+
+static void guard_zero(void *p, size_t bytes) { memset(p, 0, bytes); }
+
+static void test_conv_bf16_reads_stay_inside(void **state) {
+  (void)state;
+  if (!ddp__cpu_force_family(DDP__CPU_AVX512) || !ddp__cpu_has_bf16_dot()) {
+    ddp__cpu_force_family(-1);
+    printf("  no AVX512_BF16 on this CPU: nothing to check here (the float32 kernels run)\n");
+    return;
+  }
+  static const ddp_arena_backing guard = {"guard pages", guard_alloc, guard_free, guard_zero};
+  static const conv_case cases[] = {
+      {1, 1, 16, 16, 4, 1, 0}, /* 16x16 image (256 words), 13-wide rows */
+      {1, 1, 6, 8, 3, 1, 1},   /* 8x8 padded image (64 words), 6-wide rows */
+      {1, 1, 14, 8, 5, 1, 1},  /* 16x16 padded, 12-wide rows */
+      {1, 2, 8, 8, 3, 1, 1},   /* channel pairs */
+      {1, 3, 10, 32, 4, 1, 1}, /* channel pairs, dW (32 channels out, 9 rows: float32) */
+      {1, 2, 12, 32, 4, 1, 1}, /* dW in pairs (11 rows: float32); dX from 32 channels */
+      {1, 2, 11, 32, 4, 1, 1}, /* dW in pairs (10-wide rows) */
+  };
+  for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
+    const conv_case *cc = &cases[ci];
+    ddp__conv2d_geom g = {.n = cc->n, .c = cc->c, .h = cc->h, .w = cc->h, .o = cc->o,
+                          .kh = cc->k, .kw = cc->k, .stride = 1, .pad = cc->pad,
+                          .round = DDP_BFLOAT16};
+    g.oh = g.ow = g.h + 2 * g.pad - g.kh + 1;
+    const int64_t xs = g.n * g.c * g.h * g.w, ws = g.o * g.c * g.kh * g.kw;
+    const int64_t ys = g.n * g.o * g.oh * g.ow;
+    float *x = calloc((size_t)xs, sizeof *x), *w = calloc((size_t)ws, sizeof *w);
+    float *y = calloc((size_t)ys, sizeof *y), *dy = calloc((size_t)ys, sizeof *dy);
+    float *dx = calloc((size_t)xs, sizeof *dx), *dw = calloc((size_t)ws, sizeof *dw);
+    for (int64_t i = 0; i < xs; i++) x[i] = round_to((float)((i % 7) - 3), DDP_BFLOAT16);
+    for (int64_t i = 0; i < ws; i++) w[i] = round_to((float)((i % 5) - 2) / 4, DDP_BFLOAT16);
+    for (int64_t i = 0; i < ys; i++) dy[i] = (float)((i % 3) - 1);
+    for (size_t fill = 0; fill < 4096; fill += 64) {
+      ddp_arena arena;
+      ddp_arena_init_backed(&arena, 4096, &guard);
+      if (fill) assert_non_null(ddp_arena_alloc(&arena, fill));
+      assert_int_equal(ddp__cpu_conv2d_forward(y, x, w, NULL, &g, &arena), DDP_OK);
+      ddp_arena_free(&arena);
+      ddp_arena_init_backed(&arena, 4096, &guard);
+      if (fill) assert_non_null(ddp_arena_alloc(&arena, fill));
+      memset(dw, 0, (size_t)ws * sizeof *dw);
+      assert_int_equal(ddp__cpu_conv2d_backward(dx, dw, NULL, dy, x, w, &g, false, &arena),
+                       DDP_OK);
+      ddp_arena_free(&arena);
+    }
+    free(x), free(w), free(y), free(dy), free(dx), free(dw);
+  }
+  ddp__cpu_force_family(-1);
+}
+
 /* conv2d keeps the input as its forward rounded it for the backward. A
  * leaf input that requires grad must not be kept as the thread's cast
  * cache's copy: ddp_autocast_cache_free between the forward and the
@@ -873,6 +968,7 @@ int main(void) {
       cmocka_unit_test(test_bf16_gemm_kernel),
       cmocka_unit_test(test_conv_kernels_round_bf16),
       cmocka_unit_test(test_conv_kernels_round_fp16),
+      cmocka_unit_test(test_conv_bf16_reads_stay_inside),
       cmocka_unit_test(test_conv_saved_input_outlives_cache),
       cmocka_unit_test(test_parity_bf16),
       cmocka_unit_test(test_parity_fp16),

@@ -690,11 +690,16 @@ static ddp_status forward_vec(const vec_family *v, float *y, const float *x, con
     const int64_t kb = (g->kw + 1) / 2, taps = g->c * g->kh * kb, n_img = g->c * p.hp * p.wp;
     const size_t wbytes =
         (size_t)ddp__cpu_conv_bf16_packed_words(g->o, 2 * g->c, g->kh * kb) * sizeof(uint32_t);
-    uint32_t *img = ddp_arena_alloc(arena, (size_t)((n_img + 15) / 16 * 16) * sizeof(uint32_t));
+    /* colpairs writes whole vectors up to n_img rounded to 16; the rows
+     * tiles (rows up to 16 wide) read 16 words from each row's start, up
+     * to 15 - ow words past the image: 16 words of slack, zeroed */
+    const int64_t img_words = (n_img + 15) / 16 * 16 + 16;
+    uint32_t *img = ddp_arena_alloc(arena, (size_t)img_words * sizeof(uint32_t));
     uint32_t *wpk = ddp_arena_alloc(arena, wbytes);
     int64_t *off = ddp_arena_alloc(arena, (size_t)taps * sizeof(int64_t));
     if (!img || !wpk || !off)
       return ddp_error(DDP_ERR_NOMEM, "conv2d: cannot allocate the bfloat16 column-pair image");
+    memset(img + img_words - 16, 0, 16 * sizeof(uint32_t));
     ddp__cpu_conv_bf16_pack_cols(g->o, g->c, g->kh, g->kw, w, wpk);
     for (int64_t c = 0; c < g->c; c++)
       for (int64_t a = 0; a < g->kh; a++)
