@@ -711,6 +711,12 @@ static void check_conv_rounding(ddp_dtype low, const char *name) {
       {2, 1, 28, 16, 5, 1, 2},  /* the ConvNet's conv1: flat tiles of 28-wide rows */
       {2, 1, 19, 9, 5, 1, 1},   /* 17-wide rows, 289 outputs, 9 channels */
       {2, 1, 9, 12, 4, 1, 0},   /* an even kernel width without padding */
+      {2, 1, 12, 16, 5, 1, 1},  /* 10-wide rows, an odd kernel: its last taps on single columns */
+      {2, 1, 10, 16, 5, 1, 0},  /* an odd kernel width without padding */
+      /* dW in pairs with 40 channels out (a partial vector); 9-wide rows
+       * (odd: dW on the float32 kernel) with 33 channels out */
+      {2, 3, 10, 40, 5, 1, 1},
+      {2, 2, 10, 33, 4, 1, 1},
   };
   ddp_arena arena;
   ddp_arena_init(&arena, 1 << 20);
@@ -816,6 +822,63 @@ static void test_conv_kernels_round_fp16(void **state) {
   for_each_family(check_conv_rounding, DDP_FLOAT16, "fp16");
 }
 
+/* A non-finite input reaches only the outputs whose windows hold it, as
+ * in PyTorch: an infinite input gives +-inf there and leaves every other
+ * output finite. The one-channel bfloat16 kernels pair kernel columns (a,
+ * 2j) and (a, 2j + 1); with an odd kernel width the last pair's second tap
+ * has a zero weight, and it must not read a real input (0 x inf = NaN one
+ * column left of the inf's windows). Rows up to 16 wide and flat tiles,
+ * the ConvNet's conv1 (5x5, padding 2) among them; then channel pairs. */
+static void check_conv_inf_stays_local(ddp_dtype low, const char *name) {
+  static const conv_case cases[] = {
+      {1, 1, 12, 16, 5, 1, 2}, /* rows tiles (16 channels out: not the shifted copies) */
+      {1, 1, 28, 16, 5, 1, 2}, /* the ConvNet's conv1: flat tiles */
+      {1, 1, 11, 16, 3, 1, 1}, /* 3x3 */
+      {1, 3, 10, 16, 5, 1, 1}, /* channel pairs, an odd channel */
+  };
+  ddp_arena arena;
+  ddp_arena_init(&arena, 1 << 16);
+  for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
+    const conv_case *cc = &cases[ci];
+    ddp__conv2d_geom g = {.n = cc->n, .c = cc->c, .h = cc->h, .w = cc->h, .o = cc->o,
+                          .kh = cc->k, .kw = cc->k, .stride = 1, .pad = cc->pad,
+                          .round = (int)low};
+    g.oh = g.ow = g.h + 2 * g.pad - g.kh + 1;
+    const int64_t xs = g.n * g.c * g.h * g.w, ws = g.o * g.c * g.kh * g.kw;
+    const int64_t ys = g.n * g.o * g.oh * g.ow;
+    ddp_tensor *xt = gradcheck_random(1, (int64_t[]){xs}, -2, 2, 71 + ci, false);
+    ddp_tensor *wt = gradcheck_random(1, (int64_t[]){ws}, 0.25, 1, 81 + ci, false);
+    float *x = xt->data, *w = wt->data, *y = malloc((size_t)ys * sizeof *y);
+    for (int64_t i = 0; i < xs; i++) x[i] = round_to(x[i], low);
+    for (int64_t i = 0; i < ws; i++) w[i] = round_to(w[i], low); /* positive: +inf */
+    const int64_t iy = g.h / 2, ix = g.w / 2, ic = g.c - 1;
+    x[(ic * g.h + iy) * g.w + ix] = INFINITY;
+    ddp_arena_reset(&arena);
+    assert_int_equal(ddp__cpu_conv2d_forward(y, x, w, NULL, &g, &arena), DDP_OK);
+    for (int64_t o = 0; o < g.o; o++)
+      for (int64_t oy = 0; oy < g.oh; oy++)
+        for (int64_t ox = 0; ox < g.ow; ox++) {
+          const float v = y[(o * g.oh + oy) * g.ow + ox];
+          const int64_t a = iy + g.pad - oy, b = ix + g.pad - ox; /* the inf's tap */
+          const bool inside = a >= 0 && a < g.kh && b >= 0 && b < g.kw;
+          if (inside ? !(isinf(v) && v > 0) : !isfinite(v))
+            fail_msg("%s conv %zu: y[%lld][%lld][%lld] = %g, expected %s (the inf at (%lld, "
+                     "%lld) %s its window)",
+                     name, ci, (long long)o, (long long)oy, (long long)ox, v,
+                     inside ? "+inf" : "a finite value", (long long)iy, (long long)ix,
+                     inside ? "in" : "not in");
+        }
+    free(y);
+    ddp_tensor_destroy(xt), ddp_tensor_destroy(wt);
+  }
+  ddp_arena_free(&arena);
+}
+
+static void test_conv_inf_stays_local(void **state) {
+  (void)state;
+  for_each_family(check_conv_inf_stays_local, DDP_BFLOAT16, "bf16");
+}
+
 /* The bfloat16 kernels' whole-vector reads stay inside their buffers:
  * an arena whose every chunk ends at an inaccessible page (a read past a
  * chunk's end faults, in release as under ASan), with its first chunk
@@ -870,9 +933,10 @@ static void test_conv_bf16_reads_stay_inside(void **state) {
   static const ddp_arena_backing guard = {"guard pages", guard_alloc, guard_free, guard_zero};
   static const conv_case cases[] = {
       {1, 1, 16, 16, 4, 1, 0}, /* 16x16 image (256 words), 13-wide rows */
-      {1, 1, 6, 8, 3, 1, 1},   /* 8x8 padded image (64 words), 6-wide rows */
-      {1, 1, 14, 8, 5, 1, 1},  /* 16x16 padded, 12-wide rows */
-      {1, 2, 8, 8, 3, 1, 1},   /* channel pairs */
+      {1, 1, 6, 16, 3, 1, 1},  /* 8x8 padded image (64 words), 6-wide rows; singles */
+      {1, 1, 14, 16, 5, 1, 1}, /* 16x16 padded, 12-wide rows; singles */
+      {1, 1, 16, 16, 3, 1, 0}, /* an odd kernel without padding; singles */
+      {1, 2, 8, 16, 3, 1, 1},  /* channel pairs */
       {1, 3, 10, 32, 4, 1, 1}, /* channel pairs, dW (32 channels out, 9 rows: float32) */
       {1, 2, 12, 32, 4, 1, 1}, /* dW in pairs (11 rows: float32); dX from 32 channels */
       {1, 2, 11, 32, 4, 1, 1}, /* dW in pairs (10-wide rows) */
@@ -969,6 +1033,7 @@ int main(void) {
       cmocka_unit_test(test_conv_kernels_round_bf16),
       cmocka_unit_test(test_conv_kernels_round_fp16),
       cmocka_unit_test(test_conv_bf16_reads_stay_inside),
+      cmocka_unit_test(test_conv_inf_stays_local),
       cmocka_unit_test(test_conv_saved_input_outlives_cache),
       cmocka_unit_test(test_parity_bf16),
       cmocka_unit_test(test_parity_fp16),
