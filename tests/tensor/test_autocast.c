@@ -879,6 +879,74 @@ static void test_conv_inf_stays_local(void **state) {
   for_each_family(check_conv_inf_stays_local, DDP_BFLOAT16, "bf16");
 }
 
+/* The bfloat16 kernels round y in their stores: the same bits as
+ * ddp_convert_round_f32 on ties to even and odd, values rounding up to
+ * infinity, infinities and NaNs (quiet and signalling). With x and w zero,
+ * y is the bias: each output channel's bias one such value, on every
+ * geometry of the kernels (channel pairs, column pairs, rows tiles and flat
+ * tiles). */
+static void test_conv_bf16_store_rounding(void **state) {
+  (void)state;
+  if (!ddp__cpu_force_family(DDP__CPU_AVX512) || !ddp__cpu_has_bf16_dot()) {
+    ddp__cpu_force_family(-1);
+    printf("  no AVX512_BF16 on this CPU: nothing to check here (the float32 kernels run)\n");
+    return;
+  }
+  static const uint32_t bits[] = {
+      0x3f808000u, /* 1 + 2^-8: a tie, down to even 1 */
+      0x3f818000u, /* a tie, up to even */
+      0x3f808001u, /* just above a tie */
+      0xbf817fffu, /* just below one, negative */
+      0x7f7fffffu, /* the largest float: to +inf */
+      0xff7f8000u, /* a tie at the top: to -inf */
+      0x7f800000u, 0xff800000u, /* infinities */
+      0x7fc12345u, /* a quiet NaN with a payload */
+      0x7f812345u, /* a signalling NaN */
+      0xffa00001u, /* a negative signalling NaN */
+      0x00000000u, 0x3f800000u, 0x42f6e979u, 0xc2f6e979u, /* (-0 + the +0 products is +0) */
+  };
+  enum { O = sizeof bits / sizeof *bits };
+  static const conv_case cases[] = {
+      /* (none a same convolution: below 16 channels out those take the
+       * float32 shifted copies) */
+      {1, 2, 10, O, 4, 1, 1}, /* channel pairs, rows tiles */
+      {1, 2, 20, O, 4, 1, 1}, /* channel pairs, flat tiles */
+      {1, 1, 10, O, 5, 1, 1}, /* column pairs and single columns, rows tiles */
+      {1, 1, 24, O, 5, 1, 1}, /* column pairs and single columns, flat tiles */
+      {1, 1, 24, O, 4, 1, 1}, /* column pairs, flat tiles */
+  };
+  float bias[O], want[O];
+  memcpy(bias, bits, sizeof bias);
+  ddp_convert_round_f32(want, bias, O, DDP_BFLOAT16);
+  ddp_arena arena;
+  ddp_arena_init(&arena, 1 << 16);
+  for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
+    const conv_case *cc = &cases[ci];
+    ddp__conv2d_geom g = {.n = cc->n, .c = cc->c, .h = cc->h, .w = cc->h, .o = cc->o,
+                          .kh = cc->k, .kw = cc->k, .stride = 1, .pad = cc->pad,
+                          .round = DDP_BFLOAT16};
+    g.oh = g.ow = g.h + 2 * g.pad - g.kh + 1;
+    const int64_t ohw = g.oh * g.ow;
+    float *x = calloc((size_t)(g.c * g.h * g.w), sizeof *x);
+    float *w = calloc((size_t)(g.o * g.c * g.kh * g.kw), sizeof *w);
+    float *y = malloc((size_t)(g.o * ohw) * sizeof *y);
+    ddp_arena_reset(&arena);
+    assert_int_equal(ddp__cpu_conv2d_forward(y, x, w, bias, &g, &arena), DDP_OK);
+    for (int64_t o = 0; o < g.o; o++)
+      for (int64_t p = 0; p < ohw; p++) {
+        uint32_t got, exp;
+        memcpy(&got, &y[o * ohw + p], sizeof got);
+        memcpy(&exp, &want[o], sizeof exp);
+        if (got != exp)
+          fail_msg("conv %zu: bias 0x%08x stored as 0x%08x at %lld, ddp_convert_round_f32 "
+                   "gives 0x%08x", ci, bits[o], got, (long long)p, exp);
+      }
+    free(x), free(w), free(y);
+  }
+  ddp_arena_free(&arena);
+  ddp__cpu_force_family(-1);
+}
+
 /* The bfloat16 kernels' whole-vector reads stay inside their buffers:
  * an arena whose every chunk ends at an inaccessible page (a read past a
  * chunk's end faults, in release as under ASan), with its first chunk
@@ -1032,6 +1100,7 @@ int main(void) {
       cmocka_unit_test(test_bf16_gemm_kernel),
       cmocka_unit_test(test_conv_kernels_round_bf16),
       cmocka_unit_test(test_conv_kernels_round_fp16),
+      cmocka_unit_test(test_conv_bf16_store_rounding),
       cmocka_unit_test(test_conv_bf16_reads_stay_inside),
       cmocka_unit_test(test_conv_inf_stays_local),
       cmocka_unit_test(test_conv_saved_input_outlives_cache),
