@@ -29,6 +29,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <cmocka.h>
 
 #include "support/fixture.h"
@@ -709,6 +711,12 @@ static void check_conv_rounding(ddp_dtype low, const char *name) {
       {2, 1, 28, 16, 5, 1, 2},  /* the ConvNet's conv1: flat tiles of 28-wide rows */
       {2, 1, 19, 9, 5, 1, 1},   /* 17-wide rows, 289 outputs, 9 channels */
       {2, 1, 9, 12, 4, 1, 0},   /* an even kernel width without padding */
+      {2, 1, 12, 16, 5, 1, 1},  /* 10-wide rows, an odd kernel: its last taps on single columns */
+      {2, 1, 10, 16, 5, 1, 0},  /* an odd kernel width without padding */
+      /* dW in pairs with 40 channels out (a partial vector); 9-wide rows
+       * (odd: dW on the float32 kernel) with 33 channels out */
+      {2, 3, 10, 40, 5, 1, 1},
+      {2, 2, 10, 33, 4, 1, 1},
   };
   ddp_arena arena;
   ddp_arena_init(&arena, 1 << 20);
@@ -814,6 +822,225 @@ static void test_conv_kernels_round_fp16(void **state) {
   for_each_family(check_conv_rounding, DDP_FLOAT16, "fp16");
 }
 
+/* A non-finite input reaches only the outputs whose windows hold it, as
+ * in PyTorch: an infinite input gives +-inf there and leaves every other
+ * output finite. The one-channel bfloat16 kernels pair kernel columns (a,
+ * 2j) and (a, 2j + 1); with an odd kernel width the last pair's second tap
+ * has a zero weight, and it must not read a real input (0 x inf = NaN one
+ * column left of the inf's windows). Rows up to 16 wide and flat tiles,
+ * the ConvNet's conv1 (5x5, padding 2) among them; then channel pairs. */
+static void check_conv_inf_stays_local(ddp_dtype low, const char *name) {
+  static const conv_case cases[] = {
+      {1, 1, 12, 16, 5, 1, 2}, /* rows tiles (16 channels out: not the shifted copies) */
+      {1, 1, 28, 16, 5, 1, 2}, /* the ConvNet's conv1: flat tiles */
+      {1, 1, 11, 16, 3, 1, 1}, /* 3x3 */
+      {1, 3, 10, 16, 5, 1, 1}, /* channel pairs, an odd channel */
+  };
+  ddp_arena arena;
+  ddp_arena_init(&arena, 1 << 16);
+  for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
+    const conv_case *cc = &cases[ci];
+    ddp__conv2d_geom g = {.n = cc->n, .c = cc->c, .h = cc->h, .w = cc->h, .o = cc->o,
+                          .kh = cc->k, .kw = cc->k, .stride = 1, .pad = cc->pad,
+                          .round = (int)low};
+    g.oh = g.ow = g.h + 2 * g.pad - g.kh + 1;
+    const int64_t xs = g.n * g.c * g.h * g.w, ws = g.o * g.c * g.kh * g.kw;
+    const int64_t ys = g.n * g.o * g.oh * g.ow;
+    ddp_tensor *xt = gradcheck_random(1, (int64_t[]){xs}, -2, 2, 71 + ci, false);
+    ddp_tensor *wt = gradcheck_random(1, (int64_t[]){ws}, 0.25, 1, 81 + ci, false);
+    float *x = xt->data, *w = wt->data, *y = malloc((size_t)ys * sizeof *y);
+    for (int64_t i = 0; i < xs; i++) x[i] = round_to(x[i], low);
+    for (int64_t i = 0; i < ws; i++) w[i] = round_to(w[i], low); /* positive: +inf */
+    const int64_t iy = g.h / 2, ix = g.w / 2, ic = g.c - 1;
+    x[(ic * g.h + iy) * g.w + ix] = INFINITY;
+    ddp_arena_reset(&arena);
+    assert_int_equal(ddp__cpu_conv2d_forward(y, x, w, NULL, &g, &arena), DDP_OK);
+    for (int64_t o = 0; o < g.o; o++)
+      for (int64_t oy = 0; oy < g.oh; oy++)
+        for (int64_t ox = 0; ox < g.ow; ox++) {
+          const float v = y[(o * g.oh + oy) * g.ow + ox];
+          const int64_t a = iy + g.pad - oy, b = ix + g.pad - ox; /* the inf's tap */
+          const bool inside = a >= 0 && a < g.kh && b >= 0 && b < g.kw;
+          if (inside ? !(isinf(v) && v > 0) : !isfinite(v))
+            fail_msg("%s conv %zu: y[%lld][%lld][%lld] = %g, expected %s (the inf at (%lld, "
+                     "%lld) %s its window)",
+                     name, ci, (long long)o, (long long)oy, (long long)ox, v,
+                     inside ? "+inf" : "a finite value", (long long)iy, (long long)ix,
+                     inside ? "in" : "not in");
+        }
+    free(y);
+    ddp_tensor_destroy(xt), ddp_tensor_destroy(wt);
+  }
+  ddp_arena_free(&arena);
+}
+
+static void test_conv_inf_stays_local(void **state) {
+  (void)state;
+  for_each_family(check_conv_inf_stays_local, DDP_BFLOAT16, "bf16");
+}
+
+/* The bfloat16 kernels round y in their stores: the same bits as
+ * ddp_convert_round_f32 on ties to even and odd, values rounding up to
+ * infinity, infinities and NaNs (quiet and signalling). With x and w zero,
+ * y is the bias: each output channel's bias one such value, on every
+ * geometry of the kernels (channel pairs, column pairs, rows tiles and flat
+ * tiles). */
+static void test_conv_bf16_store_rounding(void **state) {
+  (void)state;
+  if (!ddp__cpu_force_family(DDP__CPU_AVX512) || !ddp__cpu_has_bf16_dot()) {
+    ddp__cpu_force_family(-1);
+    printf("  no AVX512_BF16 on this CPU: nothing to check here (the float32 kernels run)\n");
+    return;
+  }
+  static const uint32_t bits[] = {
+      0x3f808000u, /* 1 + 2^-8: a tie, down to even 1 */
+      0x3f818000u, /* a tie, up to even */
+      0x3f808001u, /* just above a tie */
+      0xbf817fffu, /* just below one, negative */
+      0x7f7fffffu, /* the largest float: to +inf */
+      0xff7f8000u, /* a tie at the top: to -inf */
+      0x7f800000u, 0xff800000u, /* infinities */
+      0x7fc12345u, /* a quiet NaN with a payload */
+      0x7f812345u, /* a signalling NaN */
+      0xffa00001u, /* a negative signalling NaN */
+      0x00000000u, 0x3f800000u, 0x42f6e979u, 0xc2f6e979u, /* (-0 + the +0 products is +0) */
+  };
+  enum { O = sizeof bits / sizeof *bits };
+  static const conv_case cases[] = {
+      /* (none a same convolution: below 16 channels out those take the
+       * float32 shifted copies) */
+      {1, 2, 10, O, 4, 1, 1}, /* channel pairs, rows tiles */
+      {1, 2, 20, O, 4, 1, 1}, /* channel pairs, flat tiles */
+      {1, 1, 10, O, 5, 1, 1}, /* column pairs and single columns, rows tiles */
+      {1, 1, 24, O, 5, 1, 1}, /* column pairs and single columns, flat tiles */
+      {1, 1, 24, O, 4, 1, 1}, /* column pairs, flat tiles */
+  };
+  float bias[O], want[O];
+  memcpy(bias, bits, sizeof bias);
+  ddp_convert_round_f32(want, bias, O, DDP_BFLOAT16);
+  ddp_arena arena;
+  ddp_arena_init(&arena, 1 << 16);
+  for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
+    const conv_case *cc = &cases[ci];
+    ddp__conv2d_geom g = {.n = cc->n, .c = cc->c, .h = cc->h, .w = cc->h, .o = cc->o,
+                          .kh = cc->k, .kw = cc->k, .stride = 1, .pad = cc->pad,
+                          .round = DDP_BFLOAT16};
+    g.oh = g.ow = g.h + 2 * g.pad - g.kh + 1;
+    const int64_t ohw = g.oh * g.ow;
+    float *x = calloc((size_t)(g.c * g.h * g.w), sizeof *x);
+    float *w = calloc((size_t)(g.o * g.c * g.kh * g.kw), sizeof *w);
+    float *y = malloc((size_t)(g.o * ohw) * sizeof *y);
+    ddp_arena_reset(&arena);
+    assert_int_equal(ddp__cpu_conv2d_forward(y, x, w, bias, &g, &arena), DDP_OK);
+    for (int64_t o = 0; o < g.o; o++)
+      for (int64_t p = 0; p < ohw; p++) {
+        uint32_t got, exp;
+        memcpy(&got, &y[o * ohw + p], sizeof got);
+        memcpy(&exp, &want[o], sizeof exp);
+        if (got != exp)
+          fail_msg("conv %zu: bias 0x%08x stored as 0x%08x at %lld, ddp_convert_round_f32 "
+                   "gives 0x%08x", ci, bits[o], got, (long long)p, exp);
+      }
+    free(x), free(w), free(y);
+  }
+  ddp_arena_free(&arena);
+  ddp__cpu_force_family(-1);
+}
+
+/* The bfloat16 kernels' whole-vector reads stay inside their buffers:
+ * an arena whose every chunk ends at an inaccessible page (a read past a
+ * chunk's end faults, in release as under ASan), with its first chunk
+ * filled beforehand by every multiple of 64 bytes in turn, so that each of
+ * the convolution's scratch buffers in turn is the one ending at the guard
+ * page. The geometries: one input channel with rows up to 16 wide (the
+ * rows tiles read 16 words from each row start) on column-pair images
+ * whose size is a multiple of 16 words, odd and even kernels; two
+ * channels (pair images); the backward's dX and dW on the same. */
+typedef struct guard_map {
+  void *payload, *base;
+  size_t len;
+} guard_map;
+static guard_map guard_maps[64];
+
+static void *guard_alloc(size_t bytes) {
+  const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  const size_t body = (bytes + page - 1) / page * page, len = body + page;
+  char *base = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (base == MAP_FAILED) return NULL;
+  if (mprotect(base + body, page, PROT_NONE) != 0) {
+    munmap(base, len);
+    return NULL;
+  }
+  for (size_t i = 0; i < sizeof guard_maps / sizeof *guard_maps; i++)
+    if (!guard_maps[i].payload) {
+      guard_maps[i] = (guard_map){base + body - bytes, base, len};
+      return guard_maps[i].payload;
+    }
+  munmap(base, len);
+  return NULL;
+}
+
+static void guard_free(void *p) {
+  for (size_t i = 0; i < sizeof guard_maps / sizeof *guard_maps; i++)
+    if (guard_maps[i].payload == p) {
+      munmap(guard_maps[i].base, guard_maps[i].len);
+      guard_maps[i] = (guard_map){0};
+      return;
+    }
+}
+
+static void guard_zero(void *p, size_t bytes) { memset(p, 0, bytes); }
+
+static void test_conv_bf16_reads_stay_inside(void **state) {
+  (void)state;
+  if (!ddp__cpu_force_family(DDP__CPU_AVX512) || !ddp__cpu_has_bf16_dot()) {
+    ddp__cpu_force_family(-1);
+    printf("  no AVX512_BF16 on this CPU: nothing to check here (the float32 kernels run)\n");
+    return;
+  }
+  static const ddp_arena_backing guard = {"guard pages", guard_alloc, guard_free, guard_zero};
+  static const conv_case cases[] = {
+      {1, 1, 16, 16, 4, 1, 0}, /* 16x16 image (256 words), 13-wide rows */
+      {1, 1, 6, 16, 3, 1, 1},  /* 8x8 padded image (64 words), 6-wide rows; singles */
+      {1, 1, 14, 16, 5, 1, 1}, /* 16x16 padded, 12-wide rows; singles */
+      {1, 1, 16, 16, 3, 1, 0}, /* an odd kernel without padding; singles */
+      {1, 2, 8, 16, 3, 1, 1},  /* channel pairs */
+      {1, 3, 10, 32, 4, 1, 1}, /* channel pairs, dW (32 channels out, 9 rows: float32) */
+      {1, 2, 12, 32, 4, 1, 1}, /* dW in pairs (11 rows: float32); dX from 32 channels */
+      {1, 2, 11, 32, 4, 1, 1}, /* dW in pairs (10-wide rows) */
+  };
+  for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
+    const conv_case *cc = &cases[ci];
+    ddp__conv2d_geom g = {.n = cc->n, .c = cc->c, .h = cc->h, .w = cc->h, .o = cc->o,
+                          .kh = cc->k, .kw = cc->k, .stride = 1, .pad = cc->pad,
+                          .round = DDP_BFLOAT16};
+    g.oh = g.ow = g.h + 2 * g.pad - g.kh + 1;
+    const int64_t xs = g.n * g.c * g.h * g.w, ws = g.o * g.c * g.kh * g.kw;
+    const int64_t ys = g.n * g.o * g.oh * g.ow;
+    float *x = calloc((size_t)xs, sizeof *x), *w = calloc((size_t)ws, sizeof *w);
+    float *y = calloc((size_t)ys, sizeof *y), *dy = calloc((size_t)ys, sizeof *dy);
+    float *dx = calloc((size_t)xs, sizeof *dx), *dw = calloc((size_t)ws, sizeof *dw);
+    for (int64_t i = 0; i < xs; i++) x[i] = round_to((float)((i % 7) - 3), DDP_BFLOAT16);
+    for (int64_t i = 0; i < ws; i++) w[i] = round_to((float)((i % 5) - 2) / 4, DDP_BFLOAT16);
+    for (int64_t i = 0; i < ys; i++) dy[i] = (float)((i % 3) - 1);
+    for (size_t fill = 0; fill < 4096; fill += 64) {
+      ddp_arena arena;
+      ddp_arena_init_backed(&arena, 4096, &guard);
+      if (fill) assert_non_null(ddp_arena_alloc(&arena, fill));
+      assert_int_equal(ddp__cpu_conv2d_forward(y, x, w, NULL, &g, &arena), DDP_OK);
+      ddp_arena_free(&arena);
+      ddp_arena_init_backed(&arena, 4096, &guard);
+      if (fill) assert_non_null(ddp_arena_alloc(&arena, fill));
+      memset(dw, 0, (size_t)ws * sizeof *dw);
+      assert_int_equal(ddp__cpu_conv2d_backward(dx, dw, NULL, dy, x, w, &g, false, &arena),
+                       DDP_OK);
+      ddp_arena_free(&arena);
+    }
+    free(x), free(w), free(y), free(dy), free(dx), free(dw);
+  }
+  ddp__cpu_force_family(-1);
+}
+
 /* conv2d keeps the input as its forward rounded it for the backward. A
  * leaf input that requires grad must not be kept as the thread's cast
  * cache's copy: ddp_autocast_cache_free between the forward and the
@@ -873,6 +1100,9 @@ int main(void) {
       cmocka_unit_test(test_bf16_gemm_kernel),
       cmocka_unit_test(test_conv_kernels_round_bf16),
       cmocka_unit_test(test_conv_kernels_round_fp16),
+      cmocka_unit_test(test_conv_bf16_store_rounding),
+      cmocka_unit_test(test_conv_bf16_reads_stay_inside),
+      cmocka_unit_test(test_conv_inf_stays_local),
       cmocka_unit_test(test_conv_saved_input_outlives_cache),
       cmocka_unit_test(test_parity_bf16),
       cmocka_unit_test(test_parity_fp16),

@@ -583,12 +583,13 @@ static bool use_bf16_rows(const vec_family *v, const ddp__conv2d_geom *g, int64_
 
 /* The forward from one input channel (conv1), the taps paired along
  * kernel rows over the padded image's column pairs: 15 pair taps for a
- * 5x5 kernel instead of 25 taps. Rows up to 32 wide; with an odd kernel
- * width the last pair's zero weight meets the column one past the row,
- * which must be padding (a zero: 0 times an infinite input would be NaN),
- * hence padding >= 1 then. */
+ * 5x5 kernel instead of 25 taps. Rows up to 32 wide. With an odd kernel
+ * width the last pair of a kernel row has one tap: it reads a second
+ * image of single columns (the upper half zero), since a zero weight on
+ * the next column would meet real inputs (0 times an infinite input is
+ * NaN, where the output's window does not hold it). */
 static bool use_bf16_cols(const vec_family *v, const ddp__conv2d_geom *g) {
-  return g->c == 1 && g->ow <= 32 && (g->kw % 2 == 0 || g->pad >= 1) && bf16_convs(v, g);
+  return g->c == 1 && g->ow <= 32 && bf16_convs(v, g);
 }
 
 /* A zero-padded image of channel pairs for conv_rows_bf16, with its pair
@@ -690,18 +691,28 @@ static ddp_status forward_vec(const vec_family *v, float *y, const float *x, con
     const int64_t kb = (g->kw + 1) / 2, taps = g->c * g->kh * kb, n_img = g->c * p.hp * p.wp;
     const size_t wbytes =
         (size_t)ddp__cpu_conv_bf16_packed_words(g->o, 2 * g->c, g->kh * kb) * sizeof(uint32_t);
-    uint32_t *img = ddp_arena_alloc(arena, (size_t)((n_img + 15) / 16 * 16) * sizeof(uint32_t));
+    /* The column pairs, then (odd kernel widths) the single columns at
+     * n16: colpairs and singles write whole vectors up to n_img rounded to
+     * 16; the rows tiles (rows up to 16 wide) read 16 words from each row's
+     * start, up to 15 - ow words past an image: 16 words of slack, zeroed. */
+    const bool odd = g->kw % 2 != 0;
+    const int64_t n16 = (n_img + 15) / 16 * 16, img_words = (odd ? 2 * n16 : n16) + 16;
+    uint32_t *img = ddp_arena_alloc(arena, (size_t)img_words * sizeof(uint32_t));
     uint32_t *wpk = ddp_arena_alloc(arena, wbytes);
     int64_t *off = ddp_arena_alloc(arena, (size_t)taps * sizeof(int64_t));
     if (!img || !wpk || !off)
       return ddp_error(DDP_ERR_NOMEM, "conv2d: cannot allocate the bfloat16 column-pair image");
+    memset(img + img_words - 16, 0, 16 * sizeof(uint32_t));
     ddp__cpu_conv_bf16_pack_cols(g->o, g->c, g->kh, g->kw, w, wpk);
     for (int64_t c = 0; c < g->c; c++)
       for (int64_t a = 0; a < g->kh; a++)
-        for (int64_t j = 0; j < kb; j++) off[(c * g->kh + a) * kb + j] = (c * p.hp + a) * p.wp + 2 * j;
+        for (int64_t j = 0; j < kb; j++)
+          off[(c * g->kh + a) * kb + j] =
+              (odd && j == kb - 1 ? n16 : 0) + (c * p.hp + a) * p.wp + 2 * j;
     for (int64_t n = 0; n < g->n; n++) {
       pad_copy(&p, x + n * chw);
       ddp__cpu_conv_bf16_colpairs_avx512(img, p.xp, n_img);
+      if (odd) ddp__cpu_conv_bf16_singles_avx512(img + n16, p.xp, n_img);
       /* y rounded as the tiles store it */
       ddp__cpu_conv_rows_bf16_avx512(g->o, taps, wpk, img, off, p.wp, y + n * g->o * ohw, g->oh,
                                      g->ow, b, false, true);

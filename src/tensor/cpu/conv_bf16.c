@@ -15,7 +15,10 @@
  * the float32 kernel: up to twice its products per instruction. An odd
  * channel count pairs the last channel with zeros. One input channel
  * pairs taps (a, 2j) and (a, 2j + 1) instead, over an image of column
- * pairs (colpairs), with the same kernel.
+ * pairs (colpairs), with the same kernel; an odd kernel width's last tap
+ * of a row reads an image of single columns (singles: the upper half
+ * zero, so that the zero weight beside it never meets a real input, which
+ * could be infinite).
  *
  * The operands must already hold bfloat16 values (autocast rounded them:
  * ddp__conv2d_geom.round), so the words are their upper halves, exact.
@@ -347,6 +350,12 @@ BF16_TARGET void ddp__cpu_conv_bf16_colpairs_avx512(uint32_t *dst, const float *
   for (int64_t i = 0; i < n; i += 16)
     _mm512_storeu_si512((void *)(dst + i),
                         pair_words_avx512(_mm512_loadu_ps(xp + i), _mm512_loadu_ps(xp + i + 1)));
+}
+
+BF16_TARGET void ddp__cpu_conv_bf16_singles_avx512(uint32_t *dst, const float *xp, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16)
+    _mm512_storeu_si512((void *)(dst + i),
+                        pair_words_avx512(_mm512_loadu_ps(xp + i), _mm512_setzero_ps()));
 }
 
 BF16_TARGET void ddp__cpu_conv_bf16_rowpairs_avx512(uint32_t *dst, const float *src, int64_t n) {

@@ -229,7 +229,10 @@ void ddp__cpu_conv_rows_bf16_avx512(int64_t m, int64_t taps2, const uint32_t *pa
  * (a, 2j) with (a, 2j + 1) (a zero weight past an odd kw), over the
  * padded image's column pairs (colpairs below): conv_rows_bf16 with
  * off[(c*kh + a)*ceil(kw/2) + j] = (c*hp + a)*wp + 2j and the weights from
- * pack_cols, packed_words(m, 2c, kh*ceil(kw/2)) words. */
+ * pack_cols, packed_words(m, 2c, kh*ceil(kw/2)) words. With an odd kw the
+ * last j of each kernel row reads the single columns instead (singles
+ * below, placed after the pairs: its offset moved by where they start),
+ * so that its zero weight meets a zero, never an input (0 x inf = NaN). */
 void ddp__cpu_conv_bf16_pack_cols(int64_t m, int64_t c, int64_t kh, int64_t kw, const float *w,
                                   uint32_t *packed);
 /* The weight gradient with the outputs in pairs along rows (even ow):
@@ -242,6 +245,9 @@ void ddp__cpu_conv_bf16_pack_cols(int64_t m, int64_t c, int64_t kh, int64_t kw, 
  *     the pair words of dy transposed: dwt[t][j] += sum over (y, x) of
  *     xp[off[t] + y*wp + x] * dy[j][(y, x)], float32 sums. */
 void ddp__cpu_conv_bf16_colpairs_avx512(uint32_t *dst, const float *xp, int64_t n);
+/* singles: dst[i] = the upper half of xp[i] (low), the high half zero; xp
+ * readable and dst writable as for colpairs. */
+void ddp__cpu_conv_bf16_singles_avx512(uint32_t *dst, const float *xp, int64_t n);
 void ddp__cpu_conv_bf16_rowpairs_avx512(uint32_t *dst, const float *src, int64_t n);
 void ddp__cpu_conv_taps_bf16_avx512(int64_t taps, int64_t n, const uint32_t *xp,
                                     const int64_t *off, int64_t wp, int64_t oh, int64_t ow,
