@@ -32,7 +32,7 @@ for r in $(seq "$rounds"); do
     env=()
     pp=$p
     [ "$p" = bf16-f32conv ] && env=(DDP_CONV_BF16=0) && pp=bf16
-    out=$(env "${env[@]}" "$bin/bench_convnet" --steps "$steps" --repeats "$repeats" --precision "$pp")
+    out=$(env ${env[@]+"${env[@]}"} "$bin/bench_convnet" --steps "$steps" --repeats "$repeats" --precision "$pp")
     rate=$(sed -n 's/.*samples_per_s=\([0-9.]*\).*/\1/p' <<<"$out")
     [ "$r" = 1 ] && echo "$p: $(sed -n 's/^CPU kernel family: //p' <<<"$out")"
     echo "round $r: $p $rate samples/s"
