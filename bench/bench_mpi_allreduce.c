@@ -161,10 +161,13 @@ static double quantile(double *v, int n, double q) {
  *   nbc         an MPI_Ibarrier, waited for;
  *   thread      one more thread, waking every 50 ms. */
 static void do_step(const char *step) {
-  int me = 0, b = 0;
+  int me = 0, size = 0, b = 0;
   char tmp[4096] = {0}, rcv[4096];
   MPI_Comm_rank(MPI_COMM_WORLD, &me);
-  if (sscanf(step, "sendrecv%d", &b) == 1 && b >= 0 && b <= 4096) {
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (!strncmp(step, "send", 4) && size != 2) {
+    if (me == 0) fprintf(stderr, "bench_mpi_allreduce: step %s is for a world of 2, not %d\n", step, size);
+  } else if (sscanf(step, "sendrecv%d", &b) == 1 && b >= 0 && b <= 4096) {
     MPI_Sendrecv(tmp, b, MPI_BYTE, 1 - me, 7, rcv, b, MPI_BYTE, 1 - me, 7, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
   } else if (sscanf(step, "send%d", &b) == 1 && b >= 0 && b <= 4096) {
     if (me == 0) MPI_Send(tmp, b, MPI_BYTE, 1, 9, MPI_COMM_WORLD);
