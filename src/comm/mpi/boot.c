@@ -153,7 +153,15 @@ static ddp_status boot_store(MPI_Comm comm, int rank, const char *who, boot *bt,
     else
       snprintf(msg, sizeof msg, "! %s", ddp_last_error());
   }
-  if (MPI_Bcast(msg, BOOT_MSG, MPI_CHAR, 0, comm) != MPI_SUCCESS)
+  /* Every rank's msg is zeros but rank 0's, so a bitwise OR gives rank 0's
+   * message to all. An allreduce rather than MPI_Bcast: in a world of 2,
+   * a broadcast is one message one way, which leaves Open MPI's
+   * shared-memory fast boxes (its per-peer rings of 32-byte slots) an odd
+   * number of slots apart in the two directions, and from then on every
+   * small MPI call of the job, ddp's or the program's own, ran ~45 ns slower
+   * on this VM when its cores were far apart (bench_mpi_allreduce -p;
+   * docs/comm.md, MPI, "Speed"); the allreduce moves both rings alike. */
+  if (MPI_Allreduce(MPI_IN_PLACE, msg, BOOT_MSG, MPI_BYTE, MPI_BOR, comm) != MPI_SUCCESS)
     return ddp_error(DDP_ERR_PEER, "%s: broadcasting the store's address from MPI rank 0 failed", who);
   msg[BOOT_MSG - 1] = '\0';
   if (msg[0] == '!') {

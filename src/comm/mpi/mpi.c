@@ -526,6 +526,10 @@ static const ddp__backend_ops mpi_ops = {
     .allreduce_direct_bytes = mpi_direct_bytes,
 };
 
+MPI_Comm ddp__mpi_backend_comm(const ddp__backend *b) {
+  return b && b->ops == &mpi_ops ? ((const mpi_backend *)b)->coll : MPI_COMM_NULL;
+}
+
 /* The group's communicator: a duplicate of the program's (from_mpi_comm),
  * or the group's ranks of MPI_COMM_WORLD, whose world ranks every rank
  * publishes in the group's store (a subgroup or a group made through

@@ -45,6 +45,12 @@ MPI_Datatype ddp__mpi_datatype(ddp_dtype dtype);
  * ddp__mpi_ensure_init. */
 MPI_Op ddp__mpi_op(ddp_dtype dtype, ddp_reduce_op op);
 
+/* The communicator a backend made by ddp__backend_mpi_create runs its
+ * collectives on (a duplicate of the group's), or MPI_COMM_NULL for a
+ * backend of another kind. For bench/bench_mpi_allreduce.c, which times
+ * MPI's own call on it against ddp_allreduce. */
+MPI_Comm ddp__mpi_backend_comm(const ddp__backend *b);
+
 /* "MPI_ERR_TRUNCATE: message truncated" for an MPI error code. */
 void ddp__mpi_error_string(int code, char *out, size_t bytes);
 
