@@ -62,7 +62,12 @@ ddp_status ddp__bias_revoke_slow(ddp__bias *b, int64_t timeout_ns) {
      * fail with EPERM; if the kernel still refuses, the owner's next
      * load of `biased` could miss the store, and exclusion would rest on
      * luck: stop rather than issue collectives out of order. */
-    if (membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED) != 0) {
+    int rc = membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED);
+    /* A child of fork() has a new address space, not registered: register
+     * it (it has one thread, ours, so nobody else can be biased there). */
+    if (rc != 0 && errno == EPERM && membarrier(MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED) == 0)
+      rc = membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED);
+    if (rc != 0) {
       fprintf(stderr, "ddp: membarrier(PRIVATE_EXPEDITED) failed after registration: %s; "
                       "set DDP_INLINE_BIAS=0 to run without it\n", strerror(errno));
       abort();

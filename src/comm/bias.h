@@ -37,6 +37,11 @@
  * until the bias is revoked. Revokers are serialized by mu; a second one
  * arriving while the first waits waits too (it sees `revoked` false).
  *
+ * The owner is named by pthread_self(): a thread that starts after the
+ * owner ended may get its id and carry on as the owner, which is sound,
+ * since the two never run at once (glibc hands a thread's descriptor on
+ * only after the thread exited, under its own lock).
+ *
  * The bias is revoked once, never re-armed: a membarrier costs
  * microseconds, so a group that has seen a queued op or a second thread
  * keeps today's locked protocol for good. Where membarrier is unavailable
