@@ -76,7 +76,8 @@ static ddp_status do_allreduce(ddp_process_group *pg, void *buf, size_t count, d
 
 /* The direct path of a blocking allreduce, for a backend that offers one
  * (mpi: MPI_Allreduce on the caller; docs/comm.md, MPI, "Speed"): taken when
- * the group is idle (its inline bit, as ddp__submit's inline path), the
+ * the group is idle (biased to this thread, or its inline bit, as
+ * ddp__submit's inline path: bias.h), the
  * call is valid (anything the checks below do not pass takes the general
  * path, which says what is wrong), the group has not failed, and the buffer
  * is host memory. It keeps what the general path's inline run gives a
@@ -98,8 +99,15 @@ static inline __attribute__((always_inline)) bool allreduce_direct(ddp_process_g
     ddp_device d;
     if (ddp__buffers_device("allreduce", NULL, buf, &d) != DDP_OK || d.type != DDP_DEVICE_CPU) return false;
   }
-  uint_fast64_t idle = 0;
-  if (!atomic_compare_exchange_strong(&pg->active, &idle, DDP__INLINE_BIT)) return false;
+  /* Exclusion (bias.h): the group biased to this thread costs no locked
+   * instruction; otherwise the inline bit, as ddp__submit's inline path,
+   * once the bias is over (a timeout there: the general path says so). */
+  bool biased = ddp__bias_enter(&pg->bias);
+  if (!biased) {
+    if (ddp__bias_revoke(&pg->bias, pg->timeout_ns) != DDP_OK) return false;
+    uint_fast64_t idle = 0;
+    if (!atomic_compare_exchange_strong(&pg->active, &idle, DDP__INLINE_BIT)) return false;
+  }
   ddp__op_args a = {.kind = DDP__OP_ALLREDUCE, .buf = buf, .count = count, .dtype = dtype,
                     .reduce_op = op, .device = DDP_CPU, .blocking_call = true, .seq = ++pg->next_seq};
   int64_t now = ddp__now_coarse_ns(); /* one reading: the deadline's and the recorder's */
@@ -116,7 +124,10 @@ static inline __attribute__((always_inline)) bool allreduce_direct(ddp_process_g
     ddp__group_fail(pg, st, ddp_last_error());
     st = ddp__group_check(pg);
   }
-  ddp__inline_release(pg);
+  if (biased)
+    ddp__bias_exit(&pg->bias);
+  else
+    ddp__inline_release(pg);
   *out = st;
   return true;
 }

@@ -12,6 +12,7 @@
 #include <time.h>
 
 #include "comm/backend.h"
+#include "comm/bias.h"
 #include "comm/op.h"
 #include "ddp/comm.h"
 
@@ -103,6 +104,10 @@ struct ddp_process_group {
    * bit is set. */
   atomic_uint_fast64_t active;
   atomic_int drainers;     /* threads waiting for active to reach 0 */
+  /* While biased, one thread's blocking calls run inline without touching
+   * `active`; anything else revokes the bias before it touches `active`
+   * (bias.h: why that excludes). */
+  ddp__bias bias;
   bool stopping;
   bool thread_started;
   pthread_t thread;

@@ -243,6 +243,7 @@ ddp_status ddp__queue_init(ddp_process_group *pg) {
   pthread_condattr_destroy(&attr);
   atomic_init(&pg->active, 0);
   atomic_init(&pg->drainers, 0);
+  ddp__bias_init(&pg->bias);
   /* Two works in the pool from the start: the common steady state of a
    * training loop is one async op in flight (e.g. the loss's allreduce) while
    * a blocking one (the DDP wrapper reduces its last bucket inline) finds it
@@ -311,6 +312,16 @@ ddp_status ddp__submit(ddp_process_group *pg, ddp__op_args *args, ddp_work **wor
                        args->device)) /* the message only where refused */
     return ddp__caps_check(pg, ddp__op_kind_name(args->kind), args->kind, args->dtype,
                            args->reduce_op, args->device);
+  if (!work && ddp__bias_enter(&pg->bias)) {
+    /* The group is biased to this thread (bias.h): nothing else can be
+     * queued or running, and nobody waits for this call to end but a
+     * revoker, which polls `busy`. */
+    ddp_status st = ddp__op_execute(pg, args, true, &pg->inline_ctx, &pg->inline_completion);
+    ddp__bias_exit(&pg->bias);
+    return st;
+  }
+  /* Anything else touches `active`: the bias, if any, ends first. */
+  DDP_TRY(ddp__bias_revoke(&pg->bias, pg->timeout_ns));
   if (!work) {
     /* The fast path: nothing queued or running, so run here, now. */
     uint_fast64_t idle = 0;
@@ -383,6 +394,9 @@ ddp_status ddp__submit(ddp_process_group *pg, ddp__op_args *args, ddp_work **wor
 }
 
 ddp_status ddp__queue_drain(ddp_process_group *pg) {
+  /* A biased call in progress is not counted in `active`: end the bias
+   * (waiting for that call) first. */
+  DDP_TRY(ddp__bias_revoke(&pg->bias, pg->timeout_ns));
   pthread_mutex_lock(&pg->mu);
   atomic_fetch_add(&pg->drainers, 1);
   int64_t deadline = queue_deadline(pg, ops_ahead(pg));
@@ -440,6 +454,7 @@ void ddp__queue_destroy(ddp_process_group *pg) {
   pthread_cond_destroy(&pg->work_cv);
   pthread_cond_destroy(&pg->done_cv);
   pthread_mutex_destroy(&pg->mu);
+  ddp__bias_destroy(&pg->bias);
 }
 
 /* ---- Public work API ------------------------------------------------------- */

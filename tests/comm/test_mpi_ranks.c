@@ -29,6 +29,14 @@
  *             path, count 0, and what it keeps: one collective number a
  *             call, with the flight recorder's records of every call,
  *             completed, in order, with their arguments
+ *   exclusion two threads on one group (docs/comm.md, MPI, "The last 5 %
+ *             at 8 B"): each round the second thread submits an async
+ *             1024-element allreduce, then lets the main thread (the
+ *             group's bias owner until then) issue a blocking 8-byte one
+ *             at once, while the async one is queued or running; the
+ *             blocking call must wait its turn (the direct path's
+ *             exclusion), or the ranks' MPI calls go out in different
+ *             orders; every result against its closed form
  *   kill      rank 1 SIGKILLs itself while the others run collectives; the
  *             script checks the job ends naming it
  *   hier      ranks on faked hosts (DDP_HOST_ID, set per rank by test_mpi.sh
@@ -45,6 +53,8 @@
  *             the matrix, async allreduces and p2p ordering
  * Exit status 0 when this rank passed. */
 #include <mpi.h>
+#include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -336,6 +346,141 @@ static int mode_direct(ddp_process_group *pg) {
   return 0;
 }
 
+/* mode exclusion: the second thread's side. Rounds are handed over through
+ * `posted` (the async op of round i submitted) and `done` (the blocking
+ * call of round i returned), so every rank issues Y0 X0 Y1 X1 ...; the
+ * overlap is inside each round, between X(i) and Y(i) in flight. */
+enum { EXCL_ROUNDS = 400, EXCL_COUNT = 1024 };
+typedef struct {
+  ddp_process_group *pg;
+  atomic_int posted, done;
+  atomic_int failed;
+  char msg[256];
+} excl_state;
+
+static bool excl_wait_for(atomic_int *v, int want, const atomic_int *failed) {
+  int64_t until = ddp_time_ns() + 60 * 1000000000LL;
+  for (long spins = 0; atomic_load(v) < want; spins++) {
+    if (atomic_load(failed)) return false;
+    if ((spins & 1023) == 1023 && ddp_time_ns() > until) return false;
+    sched_yield();
+  }
+  return true;
+}
+
+static void *excl_async_side(void *arg) {
+  excl_state *s = arg;
+  int r = ddp_process_group_rank(s->pg), n = ddp_process_group_size(s->pg);
+  static float y[EXCL_COUNT];
+  for (int i = 0; i < EXCL_ROUNDS; i++) {
+    if (!excl_wait_for(&s->done, i, &s->failed)) {
+      if (!atomic_exchange(&s->failed, 1)) snprintf(s->msg, sizeof s->msg, "round %d: the blocking side stalled", i);
+      return NULL;
+    }
+    for (int j = 0; j < EXCL_COUNT; j++) y[j] = (float)((r + 1) * (j % 7 + 1) + i % 5);
+    ddp_work *w = NULL;
+    ddp_status st = ddp_allreduce_async(s->pg, y, EXCL_COUNT, DDP_FLOAT32, DDP_REDUCE_SUM, &w);
+    atomic_store(&s->posted, i + 1);
+    if (st == DDP_OK) st = ddp_work_wait(w, -1);
+    if (w) ddp_work_free(w);
+    for (int j = 0; st == DDP_OK && j < EXCL_COUNT; j++)
+      if (y[j] != (float)((j % 7 + 1) * n * (n + 1) / 2 + n * (i % 5))) {
+        if (!atomic_exchange(&s->failed, 1))
+          snprintf(s->msg, sizeof s->msg, "round %d: async allreduce element %d is %g, want %g", i, j, y[j],
+                   (double)((j % 7 + 1) * n * (n + 1) / 2 + n * (i % 5)));
+        return NULL;
+      }
+    if (st != DDP_OK) {
+      if (!atomic_exchange(&s->failed, 1))
+        snprintf(s->msg, sizeof s->msg, "round %d: async allreduce: %s", i, ddp_last_error());
+      return NULL;
+    }
+  }
+  return NULL;
+}
+
+static int mode_exclusion(ddp_process_group *pg) {
+  int r = ddp_process_group_rank(pg), n = ddp_process_group_size(pg);
+  if (!pg->direct_allreduce || pg->direct_count[DDP_FLOAT32] < 2) {
+    fprintf(stderr, "test_mpi_ranks: the mpi backend offers no direct path for an 8-byte allreduce\n");
+    return 1;
+  }
+  /* The main thread first alone: it owns the bias where there is one. */
+  float x[2] = {(float)(r + 1), -(float)(r + 1)};
+  if (ddp_allreduce(pg, x, 2, DDP_FLOAT32, DDP_REDUCE_SUM) != DDP_OK) return bad("exclusion: first allreduce");
+  if (x[0] != (float)(n * (n + 1) / 2) || x[1] != -x[0]) return bad("exclusion: first allreduce: wrong value");
+  bool biased_at_start = atomic_load(&pg->bias.biased);
+  static excl_state s;
+  s.pg = pg;
+  pthread_t t;
+  if (pthread_create(&t, NULL, excl_async_side, &s) != 0) return bad("exclusion: pthread_create");
+  int rc = 0;
+  for (int i = 0; i < EXCL_ROUNDS && !rc; i++) {
+    if (!excl_wait_for(&s.posted, i + 1, &s.failed)) break;
+    x[0] = (float)((r + 1) * (i % 11 + 1));
+    x[1] = -(float)(r + 1);
+    ddp_status st = ddp_allreduce(pg, x, 2, DDP_FLOAT32, DDP_REDUCE_SUM);
+    if (st != DDP_OK) {
+      fprintf(stderr, "test_mpi_ranks: rank %d: round %d: blocking allreduce: %s\n", r, i, ddp_last_error());
+      rc = 1;
+    } else if (x[0] != (float)((i % 11 + 1) * n * (n + 1) / 2) || x[1] != -(float)(n * (n + 1) / 2)) {
+      fprintf(stderr, "test_mpi_ranks: rank %d: round %d: blocking allreduce gave %g %g, want %g %g\n", r, i, x[0],
+              x[1], (double)((i % 11 + 1) * n * (n + 1) / 2), -(double)(n * (n + 1) / 2));
+      rc = 1;
+    }
+    if (rc) atomic_store(&s.failed, 1);
+    atomic_store(&s.done, i + 1);
+  }
+  pthread_join(t, NULL);
+  if (atomic_load(&s.failed) && !rc) {
+    fprintf(stderr, "test_mpi_ranks: rank %d: %s\n", r, s.msg);
+    rc = 1;
+  }
+  /* The order of issue, from the flight recorder's collective numbers:
+   * on every rank Y(i) then X(i) (each X right after its round's Y). A
+   * blocking call that ran beside the queue could have taken a number
+   * first (and gone to MPI first) while the MPI calls still matched. */
+  if (!rc && (!pg->flight || pg->flight->capacity < 2 * EXCL_ROUNDS)) {
+    fprintf(stderr, "test_mpi_ranks: rank %d: the flight recorder holds fewer than %d records\n", r, 2 * EXCL_ROUNDS);
+    rc = 1;
+  }
+  if (!rc) {
+    static ddp__flight_record rec[1 << 16];
+    static uint64_t count_at[2 * EXCL_ROUNDS];
+    size_t got = pg->flight->capacity <= (1u << 16) ? ddp__flight_snapshot(pg->flight, rec) : 0;
+    uint64_t first = UINT64_MAX;
+    for (size_t k = 0; k < got; k++)
+      if (rec[k].kind == DDP__OP_ALLREDUCE && rec[k].count == EXCL_COUNT && rec[k].seq && rec[k].seq < first)
+        first = rec[k].seq;
+    int seen = 0;
+    for (size_t k = 0; k < got && first != UINT64_MAX; k++)
+      if (rec[k].kind == DDP__OP_ALLREDUCE && rec[k].seq >= first && rec[k].seq - first < 2 * EXCL_ROUNDS) {
+        count_at[rec[k].seq - first] = rec[k].count;
+        seen++;
+      }
+    if (seen != 2 * EXCL_ROUNDS) {
+      fprintf(stderr, "test_mpi_ranks: rank %d: %d of %d rounds' records in the flight recorder\n", r, seen,
+              2 * EXCL_ROUNDS);
+      rc = 1;
+    }
+    for (int k = 0; k < 2 * EXCL_ROUNDS && !rc; k++)
+      if (count_at[k] != (k % 2 ? 2u : (uint64_t)EXCL_COUNT)) {
+        fprintf(stderr, "test_mpi_ranks: rank %d: collective #%llu of the rounds has %llu elements, want %d: "
+                "a blocking call was issued out of turn\n", r, (unsigned long long)(first + k),
+                (unsigned long long)count_at[k], k % 2 ? 2 : EXCL_COUNT);
+        rc = 1;
+      }
+  }
+  if (!rc && !atomic_load(&pg->bias.revoked)) {
+    fprintf(stderr, "test_mpi_ranks: rank %d: async work ran but the group's bias was not revoked\n", r);
+    rc = 1;
+  }
+  if (!rc)
+    printf("rank %d: exclusion: %d rounds of a blocking 8-byte allreduce beside an async one in flight, all right "
+           "(group biased at start: %s)\n", r, EXCL_ROUNDS, biased_at_start ? "yes" : "no");
+  return rc;
+}
+
 static double clock_s(clockid_t id) {
   struct timespec ts;
   clock_gettime(id, &ts);
@@ -589,6 +734,7 @@ int main(int argc, char **argv) {
   else if (!strcmp(mode, "arrival")) rc = mode_arrival(pg);
   else if (!strcmp(mode, "mismatch")) rc = mode_mismatch(pg);
   else if (!strcmp(mode, "direct")) rc = mode_direct(pg);
+  else if (!strcmp(mode, "exclusion")) rc = mode_exclusion(pg);
   else if (!strcmp(mode, "hier")) rc = mode_hier(pg);
   else fprintf(stderr, "test_mpi_ranks: unknown mode \"%s\"\n", mode);
   ddp_process_group_destroy(pg);
