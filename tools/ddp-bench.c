@@ -315,7 +315,6 @@ static int64_t count_wrong(const bench_opts *o, const rank_bufs *b, int r, int P
  * send first, odd ranks receive first, so no pair waits on each other. */
 static ddp_status run_op(const bench_opts *o, ddp_process_group *pg, const rank_bufs *b,
                          size_t count) {
-  int r = ddp_process_group_rank(pg), P = ddp_process_group_size(pg);
   ddp_dtype dt = o->dtype;
   switch (o->op) {
     case OP_ALLREDUCE: return ddp_allreduce(pg, b->send, count, dt, o->redop);
@@ -328,6 +327,9 @@ static ddp_status run_op(const bench_opts *o, ddp_process_group *pg, const rank_
     case OP_ALLTOALL: return ddp_all_to_all(pg, b->send, b->recv, count, dt);
     case OP_BARRIER: return ddp_barrier(pg);
     case OP_SENDRECV: {
+      /* Asked here, not per call: the timed loop of a collective holds
+       * nothing but the call, as the references' loops do. */
+      int r = ddp_process_group_rank(pg), P = ddp_process_group_size(pg);
       int next = (r + 1) % P, prev = (r + P - 1) % P;
       if (r % 2 == 0) {
         DDP_TRY(ddp_send(pg, b->send, count, dt, next, 0));
