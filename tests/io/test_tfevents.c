@@ -168,10 +168,16 @@ static void test_writer_file(void **state) {
   char dir[128];
   snprintf(dir, sizeof dir, "%s/a/b", tmp_root); /* parents made too */
   ddp_summary_writer *w, *w2;
-  time_t before = time(NULL);
+  /* The writer's clock (CLOCK_REALTIME), not time(): glibc's time() reads
+   * the kernel's coarse seconds, which lag CLOCK_REALTIME by up to a tick,
+   * so a name made just after a second began could be one past `after`. */
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  time_t before = ts.tv_sec;
   assert_int_equal(ddp_summary_writer_create(&w, dir, NULL), DDP_OK);
   assert_int_equal(ddp_summary_writer_create(&w2, dir, ".x"), DDP_OK);
-  time_t after = time(NULL);
+  clock_gettime(CLOCK_REALTIME, &ts);
+  time_t after = ts.tv_sec;
   /* events.out.tfevents.<10 digits>.<host>.<pid>.<n>[suffix], n one more
    * for the second writer. */
   char host[256];
