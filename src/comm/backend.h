@@ -94,6 +94,13 @@ typedef struct ddp__op_ctx {
   uint64_t flight_record;
 } ddp__op_ctx;
 
+/* The first capacity of the arrays that list the lane's unfinished
+ * requests (p2p_lane.c, hier.c), grown to twice the need past it: room
+ * for a pipeline's usual requests in flight from the start, since how
+ * many are unfinished at once depends on timing and a steady state must
+ * not allocate. */
+#define DDP__P2P_FIRST_CAP 64
+
 /* One send or receive of the point-to-point lane (src/comm/p2p_lane.c).
  * The group's p2p thread progresses every pending request through the
  * backend's p2p_progress, concurrently with the collective the progress

@@ -157,7 +157,7 @@ static int gather_active(ddp_process_group *pg, bool *nomem) {
     for (int i = 0; i < bt->n; i++)
       if (!bt->reqs[i].finished && bt->reqs[i].peer != pg->rank) k++;
   if (k > pg->p2p_active_cap) {
-    int cap = k < 16 ? 16 : 2 * k;
+    int cap = k < DDP__P2P_FIRST_CAP ? DDP__P2P_FIRST_CAP : 2 * k;
     ddp__p2p_req **a = ddp_calloc((size_t)cap, sizeof *a);
     if (!a) {
       *nomem = true;
