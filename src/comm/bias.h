@@ -121,6 +121,19 @@ static inline bool ddp__bias_enter(ddp__bias *b) {
   return true;
 }
 
+/* ddp__bias_enter for a bias that only one thread ever enters, by
+ * construction (the flight recorder's claim, flight.h): the same protocol
+ * without naming the owner. */
+static inline bool ddp__bias_enter_sole(ddp__bias *b) {
+  atomic_store_explicit(&b->busy, 1, memory_order_relaxed);
+  atomic_signal_fence(memory_order_seq_cst); /* the revoker's membarrier supplies the CPU's */
+  if (!atomic_load_explicit(&b->biased, memory_order_relaxed)) {
+    atomic_store_explicit(&b->busy, 0, memory_order_release);
+    return false;
+  }
+  return true;
+}
+
 static inline void ddp__bias_exit(ddp__bias *b) {
   atomic_store_explicit(&b->busy, 0, memory_order_release);
 }

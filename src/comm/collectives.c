@@ -114,12 +114,15 @@ static inline __attribute__((always_inline)) bool allreduce_direct(ddp_process_g
   ddp__op_ctx ctx = {.op = "allreduce", .seq = a.seq, .deadline_ns = ddp__deadline_from(now, pg->timeout_ns),
                      .aborted = &pg->aborted, .caller_blocked = true};
   if (pg->flight) {
-    ddp__flight_new(pg->flight, &a, DDP__FLIGHT_STARTED, now);
+    if (biased)
+      ddp__flight_new_owned(pg->flight, &a, DDP__FLIGHT_STARTED, now);
+    else
+      ddp__flight_new(pg->flight, &a, DDP__FLIGHT_STARTED, now);
     ctx.flight = pg->flight;
     ctx.flight_record = a.flight;
   }
   ddp_status st = pg->direct_allreduce(pg->host_backend, &ctx, buf, count, dtype, op);
-  if (pg->flight) ddp__flight_end(pg->flight, &a, st, ddp__now_coarse_ns());
+  if (pg->flight) ddp__flight_end_started(pg->flight, &a, st, ddp__now_coarse_ns());
   if (st != DDP_OK) {
     ddp__group_fail(pg, st, ddp_last_error());
     st = ddp__group_check(pg);

@@ -452,15 +452,18 @@ ddp_status ddp__p2p_submit(ddp_process_group *pg, const char *name, const ddp_p2
   }
   int64_t now = ddp__now_coarse_ns();
   bt->deadline_ns = ddp__deadline_from(ddp_time_ns(), pg->timeout_ns);
-  ddp_status st = DDP_OK;
+  /* The lane's records come beside the group's collectives, on any
+   * thread: the owner's plain claims of record numbers end first
+   * (flight.h; once per group, and a wait of a few instructions at most). */
+  ddp_status st = pg->flight ? ddp__flight_share(pg->flight, pg->timeout_ns) : DDP_OK;
   pthread_mutex_lock(&pg->p2p_mu);
   /* Numbered and recorded under the lock: the numbers follow submission. */
   for (size_t i = 0; i < n; i++) {
     bt->args[i].seq = ++pg->next_p2p_seq;
     w->args = bt->args[0];
-    if (pg->flight) ddp__flight_new(pg->flight, &bt->args[i], DDP__FLIGHT_STARTED, now);
+    if (pg->flight && st == DDP_OK) ddp__flight_new(pg->flight, &bt->args[i], DDP__FLIGHT_STARTED, now);
   }
-  if (n > 0 && !pg->p2p_started) {
+  if (st == DDP_OK && n > 0 && !pg->p2p_started) {
     int rc = pthread_create(&pg->p2p_thread, NULL, lane_main, pg);
     if (rc != 0) {
       st = ddp_error(DDP_ERR_SYS, "%s (rank %d of %d): cannot start the point-to-point thread: %s",

@@ -16,7 +16,9 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <pthread.h>
 #include <sched.h>
+#include <stdatomic.h>
 #include <unistd.h>
 
 #include "comm/comm_internal.h"
@@ -293,6 +295,87 @@ static void test_ring_concurrent_writers(void **state) {
   for (int i = 0; i < WRITERS; i++) assert_int_equal(per[i], PER_WRITER);
   free(out);
   ddp__flight_close(f);
+}
+
+/* ---- The owner's plain claims against the lane's (flight.h) ----------------
+ * Each round a fresh ring: the owner thread makes OWNED_N records with
+ * ddp__flight_new_owned (the direct path's, a plain load and store of the
+ * record number while the claim is biased) and notes their numbers; the
+ * main thread, once the owner has made a number of records that varies
+ * with the round, calls ddp__flight_share and makes SHARED_N records with
+ * ddp__flight_new (the point-to-point lane's). Every number must be
+ * claimed once: a plain claim beside an atomic one loses an update (two
+ * records with one number, the ring one record short). Fails with
+ * ddp__flight_share a no-op, and with the revoker's wait or membarrier
+ * taken out of bias.c (then only sometimes: test_comm_bias pins those). */
+enum { OWN_ROUNDS = 300, OWNED_N = 1500, SHARED_N = 500 };
+
+typedef struct owned_side {
+  ddp__flight *f;
+  atomic_int *made; /* records the owner made so far */
+  uint64_t ids[OWNED_N];
+} owned_side;
+
+static void *owned_main(void *arg) {
+  owned_side *o = arg;
+  for (int i = 0; i < OWNED_N; i++) {
+    ddp__op_args a = op(DDP__OP_ALLREDUCE, 2, 0, 0);
+    a.seq = (uint64_t)i + 1;
+    ddp__flight_new_owned(o->f, &a, DDP__FLIGHT_STARTED, i);
+    ddp__flight_end_started(o->f, &a, DDP_OK, i);
+    o->ids[i] = a.flight - 1;
+    atomic_store_explicit(o->made, i + 1, memory_order_release);
+  }
+  return NULL;
+}
+
+static void test_ring_owned_claims(void **state) {
+  (void)state;
+  if (!ddp__bias_available() || DDP__BIAS_TSAN)
+    print_message("(membarrier unavailable or ThreadSanitizer: the claims are all atomic adds here)\n");
+  static owned_side o;
+  static uint8_t seen[OWNED_N + SHARED_N];
+  int transitions = 0;
+  for (int round = 0; round < OWN_ROUNDS; round++) {
+    ddp__flight *f = NULL;
+    assert_int_equal(ddp__flight_open(OWNED_N + SHARED_N, "pg/owned/", 0, 2, "mpi", &f), DDP_OK);
+    bool biased = atomic_load(&f->claim.biased);
+    atomic_int made = 0;
+    o.f = f;
+    o.made = &made;
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, owned_main, &o), 0);
+    int at = round * 7 % (OWNED_N - 100);
+    while (atomic_load_explicit(&made, memory_order_acquire) < at) sched_yield();
+    assert_int_equal(ddp__flight_share(f, 10 * 1000000000LL), DDP_OK);
+    if (biased && atomic_load_explicit(&made, memory_order_acquire) < OWNED_N) transitions++;
+    uint64_t shared_ids[SHARED_N];
+    for (int i = 0; i < SHARED_N; i++) {
+      ddp__op_args a = op(DDP__OP_SEND, 3, 1, 7);
+      a.seq = (uint64_t)i + 1;
+      ddp__flight_new(f, &a, DDP__FLIGHT_STARTED, i);
+      ddp__flight_end(f, &a, DDP_OK, i);
+      shared_ids[i] = a.flight - 1;
+    }
+    pthread_join(t, NULL);
+    assert_true(atomic_load(&f->claim.revoked));
+    memset(seen, 0, sizeof seen);
+    uint64_t total = OWNED_N + SHARED_N;
+    assert_int_equal(atomic_load(&f->next_id), total);
+    for (int i = 0; i < OWNED_N + SHARED_N; i++) {
+      uint64_t id = i < OWNED_N ? o.ids[i] : shared_ids[i - OWNED_N];
+      assert_true(id < total);
+      if (seen[id]) fail_msg("round %d: record number %llu claimed twice", round, (unsigned long long)id);
+      seen[id] = 1;
+    }
+    static ddp__flight_record out[OWNED_N + SHARED_N];
+    size_t n = ddp__flight_snapshot(f, out);
+    assert_int_equal(n, total);
+    for (size_t k = 0; k < n; k++) assert_int_equal(out[k].state, DDP__FLIGHT_COMPLETED);
+    ddp__flight_close(f);
+  }
+  if (ddp__bias_available() && !DDP__BIAS_TSAN && getenv("DDP_INLINE_BIAS") == NULL)
+    assert_true(transitions > OWN_ROUNDS / 2); /* the share came while the owner was claiming */
 }
 
 /* ---- JSON round trip ------------------------------------------------------- */
@@ -597,6 +680,7 @@ int main(void) {
       cmocka_unit_test(test_ring_states),
       cmocka_unit_test(test_ring_device_states),
       cmocka_unit_test(test_ring_concurrent_writers),
+      cmocka_unit_test(test_ring_owned_claims),
       cmocka_unit_test(test_json_round_trip),
       cmocka_unit_test(test_group_records),
       cmocka_unit_test(test_group_recorder_off),

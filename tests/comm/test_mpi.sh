@@ -12,7 +12,7 @@ set -u
 bin=${1:?usage: test_mpi.sh PATH/TO/test_mpi_ranks}
 shift
 modes=("$@")
-[ ${#modes[@]} -gt 0 ] || modes=(outside matrix direct exclusion p2p subgroups usercomm arrival mismatch stall kill)
+[ ${#modes[@]} -gt 0 ] || modes=(outside matrix direct exclusion lane p2p subgroups usercomm arrival mismatch stall kill)
 command -v mpirun >/dev/null || { echo "SKIP: mpirun not found (scripts/install-deps.sh mpi)"; exit 77; }
 [ -x "$bin" ] || { echo "SKIP: $bin absent: this build has no MPI backend"; exit 77; }
 . "$(dirname "$0")/../support/mpi_env.sh"
@@ -132,6 +132,9 @@ for mode in "${modes[@]}"; do
     [ "$mode" = matrix ] && settings=(default DDP_MPI_BLOCKING_BYTES=0 DDP_MPI_BLOCKING_BYTES=65536 DDP_MPI_ARRIVAL_BYTES=0)
     # exclusion: biased where membarrier allows, and the locked protocol only.
     [ "$mode" = exclusion ] && settings=(default DDP_INLINE_BIAS=0)
+    # lane: the owner's plain record numbers where membarrier allows, and
+    # atomic ones only.
+    [ "$mode" = lane ] && settings=(default DDP_INLINE_BIAS=0)
     for np in 2 4; do
       for setting in "${settings[@]}"; do
         ( [ "$setting" = default ] || export "${setting?}"; run_mpi "$np" "$mode" ); rc=$?

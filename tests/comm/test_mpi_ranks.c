@@ -37,6 +37,15 @@
  *             blocking call must wait its turn (the direct path's
  *             exclusion), or the ranks' MPI calls go out in different
  *             orders; every result against its closed form
+ *   lane      the flight recorder's record numbers with the point-to-point
+ *             lane beside the direct path (flight.h): the main thread (the
+ *             group's bias owner, taking its records' numbers without a
+ *             locked instruction) runs blocking 8-byte allreduces while a
+ *             second thread, started once the first has made some, passes
+ *             messages round the ring of ranks; every result against its
+ *             closed form, then every record of both in the ring, each
+ *             number once, completed, and the allreduces' collective
+ *             numbers consecutive
  *   kill      rank 1 SIGKILLs itself while the others run collectives; the
  *             script checks the job ends naming it
  *   hier      ranks on faked hosts (DDP_HOST_ID, set per rank by test_mpi.sh
@@ -481,6 +490,121 @@ static int mode_exclusion(ddp_process_group *pg) {
   return rc;
 }
 
+/* mode lane: the second thread's side, LANE_MSGS messages of 3 int32
+ * round the ring (send to the next rank, receive from the previous one:
+ * an async send, then a blocking receive, so no rank waits on its own
+ * send). */
+enum { LANE_CALLS = 1200, LANE_MSGS = 300, LANE_START = 100 };
+typedef struct {
+  ddp_process_group *pg;
+  atomic_int calls; /* blocking allreduces the main thread made */
+  atomic_int failed;
+  char msg[256];
+} lane_state;
+
+static void *lane_side(void *arg) {
+  lane_state *s = arg;
+  int r = ddp_process_group_rank(s->pg), n = ddp_process_group_size(s->pg);
+  int64_t until = ddp_time_ns() + 60 * 1000000000LL;
+  while (atomic_load(&s->calls) < LANE_START && !atomic_load(&s->failed) && ddp_time_ns() < until) sched_yield();
+  for (int i = 0; i < LANE_MSGS && !atomic_load(&s->failed); i++) {
+    int32_t out[3] = {r, i, r * 1000 + i}, in[3] = {-1, -1, -1};
+    int prev = (r + n - 1) % n;
+    ddp_work *w = NULL;
+    ddp_status st = ddp_isend(s->pg, out, 3, DDP_INT32, (r + 1) % n, 5, &w);
+    if (st == DDP_OK) st = ddp_recv(s->pg, in, 3, DDP_INT32, prev, 5);
+    if (st == DDP_OK && w) st = ddp_work_wait(w, -1);
+    if (w) ddp_work_free(w);
+    if (st != DDP_OK || in[0] != prev || in[1] != i || in[2] != prev * 1000 + i) {
+      if (!atomic_exchange(&s->failed, 1))
+        snprintf(s->msg, sizeof s->msg, "message %d from rank %d: %s (got %d %d %d)", i, prev,
+                 st != DDP_OK ? ddp_last_error() : "wrong contents", in[0], in[1], in[2]);
+      return NULL;
+    }
+  }
+  return NULL;
+}
+
+static int mode_lane(ddp_process_group *pg) {
+  int r = ddp_process_group_rank(pg), n = ddp_process_group_size(pg);
+  if (!pg->direct_allreduce || pg->direct_count[DDP_FLOAT32] < 2) {
+    fprintf(stderr, "test_mpi_ranks: the mpi backend offers no direct path for an 8-byte allreduce\n");
+    return 1;
+  }
+  if (!pg->flight || pg->flight->capacity < LANE_CALLS + 2 * LANE_MSGS) {
+    fprintf(stderr, "test_mpi_ranks: rank %d: the flight recorder holds fewer than %d records\n", r,
+            LANE_CALLS + 2 * LANE_MSGS);
+    return 1;
+  }
+  uint64_t ids_before = atomic_load(&pg->flight->next_id), seq0 = pg->next_seq;
+  static lane_state s;
+  s.pg = pg;
+  pthread_t t;
+  if (pthread_create(&t, NULL, lane_side, &s) != 0) return bad("lane: pthread_create");
+  int rc = 0;
+  for (int i = 0; i < LANE_CALLS && !rc; i++) {
+    float x[2] = {(float)((r + 1) * (i % 13 + 1)), -(float)(r + 1)};
+    if (ddp_allreduce(pg, x, 2, DDP_FLOAT32, DDP_REDUCE_SUM) != DDP_OK) {
+      rc = bad("lane: blocking allreduce");
+    } else if (x[0] != (float)((i % 13 + 1) * n * (n + 1) / 2) || x[1] != -(float)(n * (n + 1) / 2)) {
+      fprintf(stderr, "test_mpi_ranks: rank %d: call %d: allreduce gave %g %g\n", r, i, x[0], x[1]);
+      rc = 1;
+    }
+    atomic_store(&s.calls, i + 1);
+  }
+  if (rc) atomic_store(&s.failed, 1);
+  pthread_join(t, NULL);
+  if (!rc && atomic_load(&s.failed)) {
+    fprintf(stderr, "test_mpi_ranks: rank %d: lane: %s\n", r, s.msg);
+    rc = 1;
+  }
+  if (rc) return rc;
+  bool biased = atomic_load(&pg->bias.biased), claim_revoked = atomic_load(&pg->flight->claim.revoked);
+  /* Every record made since, each number once: the ring holds them all
+   * (capacity checked above), so a number claimed twice leaves it short. */
+  uint64_t made = atomic_load(&pg->flight->next_id) - ids_before;
+  uint64_t want = LANE_CALLS + 2 * (uint64_t)LANE_MSGS;
+  static ddp__flight_record rec[1 << 16];
+  size_t got = pg->flight->capacity <= (1u << 16) ? ddp__flight_snapshot(pg->flight, rec) : 0;
+  int allreduces = 0, sends = 0, recvs = 0;
+  uint64_t next_seq = seq0 + 1;
+  for (size_t k = 0; k < got; k++) {
+    const ddp__flight_record *x = &rec[k];
+    if (x->id < ids_before) continue;
+    if (x->state != DDP__FLIGHT_COMPLETED) {
+      fprintf(stderr, "test_mpi_ranks: rank %d: record %llu is %s\n", r, (unsigned long long)x->id,
+              ddp__flight_state_name(x->state));
+      return 1;
+    }
+    if (x->kind == DDP__OP_ALLREDUCE && x->count == 2) {
+      if (x->seq != next_seq++) {
+        fprintf(stderr, "test_mpi_ranks: rank %d: allreduce record %llu has collective #%llu, want #%llu\n", r,
+                (unsigned long long)x->id, (unsigned long long)x->seq, (unsigned long long)(next_seq - 1));
+        return 1;
+      }
+      allreduces++;
+    } else if (x->kind == DDP__OP_SEND && x->count == 3) {
+      sends++;
+    } else if (x->kind == DDP__OP_RECV && x->count == 3) {
+      recvs++;
+    }
+  }
+  if (made != want || allreduces != LANE_CALLS || sends != LANE_MSGS || recvs != LANE_MSGS) {
+    fprintf(stderr, "test_mpi_ranks: rank %d: lane: %llu record numbers taken, %d allreduces, %d sends and %d "
+            "receives recorded; want %llu, %d, %d, %d\n", r, (unsigned long long)made, allreduces, sends, recvs,
+            (unsigned long long)want, LANE_CALLS, LANE_MSGS, LANE_MSGS);
+    return 1;
+  }
+  if (!claim_revoked) {
+    fprintf(stderr, "test_mpi_ranks: rank %d: lane: point-to-point records were made but the owner's claims "
+            "were not revoked\n", r);
+    return 1;
+  }
+  printf("rank %d: lane: %d blocking allreduces beside %d messages, %llu records each numbered once "
+         "(group still biased: %s)\n", r, LANE_CALLS, LANE_MSGS, (unsigned long long)made, biased ? "yes" : "no");
+  return 0;
+}
+
 static double clock_s(clockid_t id) {
   struct timespec ts;
   clock_gettime(id, &ts);
@@ -735,6 +859,7 @@ int main(int argc, char **argv) {
   else if (!strcmp(mode, "mismatch")) rc = mode_mismatch(pg);
   else if (!strcmp(mode, "direct")) rc = mode_direct(pg);
   else if (!strcmp(mode, "exclusion")) rc = mode_exclusion(pg);
+  else if (!strcmp(mode, "lane")) rc = mode_lane(pg);
   else if (!strcmp(mode, "hier")) rc = mode_hier(pg);
   else fprintf(stderr, "test_mpi_ranks: unknown mode \"%s\"\n", mode);
   ddp_process_group_destroy(pg);

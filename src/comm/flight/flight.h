@@ -23,6 +23,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "comm/bias.h"
 #include "comm/op.h"
 
 typedef struct ddp__flight ddp__flight;
@@ -119,7 +120,9 @@ void ddp__flight_dump_free(ddp__flight_dump *dump);
  * record is a few plain stores and one locked add (the record number);
  * nothing waits. Records are made by whoever submits (scheduled, under the
  * group's mutex) and by the executing thread (started, ended; one at a time
- * per group), so only the record number needs the atomic add. */
+ * per group), so only the record number needs the atomic add; the
+ * group's biased owner takes even that without a locked instruction
+ * (ddp__flight_new_owned, below). */
 typedef struct ddp__flight_slot {
   _Atomic uint64_t version;
   _Atomic uint64_t seq;
@@ -136,6 +139,10 @@ struct ddp__flight {
   uint64_t mask;
   uint64_t capacity;       /* N: a dump holds the last N records */
   _Atomic uint64_t next_id; /* records made so far */
+  /* Claims of next_id by plain load and store: the group's biased owner's
+   * (ddp__flight_new_owned), until a writer the group's exclusion does not
+   * order against it revokes them (ddp__flight_share). */
+  ddp__bias claim;
   char name[DDP__FLIGHT_NAME_BYTES];
   int32_t rank;
   int32_t size;
@@ -183,9 +190,10 @@ static inline void ddp__flight_end_write(ddp__flight_slot *s, uint64_t version) 
   atomic_store_explicit(&s->version, version + 2, memory_order_release);
 }
 
-/* A new record of `a` in `state` at `now_ns`; a->flight gets its id + 1. */
-static inline void ddp__flight_new(ddp__flight *f, ddp__op_args *a, int32_t state, int64_t now_ns) {
-  uint64_t id = atomic_fetch_add_explicit(&f->next_id, 1, memory_order_relaxed);
+/* Writes record `id` (claimed: see below) of `a` in `state` at `now_ns`;
+ * a->flight gets id + 1. */
+static inline void ddp__flight_write_new(ddp__flight *f, uint64_t id, ddp__op_args *a, int32_t state,
+                                         int64_t now_ns) {
   ddp__flight_slot *s = &f->slots[id & f->mask];
   uint64_t v = ddp__flight_version(id, 0);
   ddp__flight_begin_write(s, v);
@@ -199,6 +207,59 @@ static inline void ddp__flight_new(ddp__flight *f, ddp__op_args *a, int32_t stat
   atomic_store_explicit(&s->ended_ns, -1, memory_order_relaxed);
   ddp__flight_end_write(s, v);
   a->flight = id + 1;
+}
+
+/* Who may make a record, and how its number is claimed. Writers of a
+ * group's ring: its collectives' (ddp__submit's scheduled record under the
+ * group's mutex, the executing thread's start of an inline op, the direct
+ * path), all ordered by the group's own exclusion (bias.h, pg->active),
+ * and the point-to-point lane's submitters (under the lane's mutex, on any
+ * thread, at any time, a collective running or not).
+ *
+ * ddp__flight_new: an atomic add claims the number (a locked instruction
+ * on x86). Any writer; the point-to-point lane calls ddp__flight_share
+ * once before its first.
+ *
+ * ddp__flight_new_owned: for the group's biased owner inside a biased call
+ * (the direct path of collectives.c; docs/comm.md, MPI, "The flight
+ * recorder's number"). The locked add drains the store buffer, about 5 ns
+ * of a 240 ns 8-byte MPI allreduce, so the owner claims with a plain load
+ * and store inside the ring's own bias, f->claim (the protocol of bias.h,
+ * over a window of a few instructions instead of a whole call):
+ *   - the group's other collective writers never run beside it: they come
+ *     after the group's bias was revoked, which waited for the owner's
+ *     call, or they are the owner itself;
+ *   - the point-to-point lane's writers revoke f->claim first
+ *     (ddp__flight_share: membarrier, then a wait for the owner's claim in
+ *     progress, a few instructions that never wait for anything), so
+ *     either the owner sees the claim bias gone and adds atomically, or
+ *     its plain store happens before their atomic adds.
+ * f->claim starts biased where the group's bias would (bias.h: membarrier
+ * available, not under TSan, DDP_INLINE_BIAS not 0); only the group's
+ * owner ever enters it (ddp__bias_enter_sole). */
+static inline void ddp__flight_new(ddp__flight *f, ddp__op_args *a, int32_t state, int64_t now_ns) {
+  ddp__flight_write_new(f, atomic_fetch_add_explicit(&f->next_id, 1, memory_order_relaxed), a, state, now_ns);
+}
+
+static inline void ddp__flight_new_owned(ddp__flight *f, ddp__op_args *a, int32_t state, int64_t now_ns) {
+  uint64_t id;
+  if (ddp__bias_enter_sole(&f->claim)) {
+    id = atomic_load_explicit(&f->next_id, memory_order_relaxed);
+    atomic_store_explicit(&f->next_id, id + 1, memory_order_relaxed);
+    ddp__bias_exit(&f->claim);
+  } else {
+    id = atomic_fetch_add_explicit(&f->next_id, 1, memory_order_relaxed);
+  }
+  ddp__flight_write_new(f, id, a, state, now_ns);
+}
+
+/* Ends the owner's plain claims (see above), once per ring: a writer that
+ * the group's exclusion does not order against the owner calls it before
+ * its first ddp__flight_new. Waits only for a claim in progress; TIMEOUT
+ * (message set) when that took past timeout_ns + 5 s, a thread stopped
+ * mid-claim: then it must not record. */
+static inline ddp_status ddp__flight_share(ddp__flight *f, int64_t timeout_ns) {
+  return ddp__bias_revoke(&f->claim, timeout_ns);
 }
 
 /* The slot still holding a->flight's record, or NULL (none, or a newer record
@@ -274,6 +335,23 @@ static inline void ddp__flight_end(ddp__flight *f, const ddp__op_args *a, ddp_st
   uint64_t v;
   ddp__flight_slot *s = ddp__flight_slot_of(f, a, &v);
   if (!s) return;
+  int32_t state = status == DDP_OK ? DDP__FLIGHT_COMPLETED : DDP__FLIGHT_FAILED;
+  ddp__flight_begin_write(s, v);
+  atomic_store_explicit(&s->what, ddp__flight_pack_what(a, state, status), memory_order_relaxed);
+  atomic_store_explicit(&s->ended_ns, now_ns, memory_order_relaxed);
+  ddp__flight_end_write(s, v);
+}
+
+/* ddp__flight_end for a record made by ddp__flight_new(_owned) and not
+ * written since (the direct path's: started, then ended), found without
+ * reading back which write is next: it is write 1, unless a newer record
+ * took the slot meanwhile (then nothing is written, as there). */
+static inline void ddp__flight_end_started(ddp__flight *f, const ddp__op_args *a, ddp_status status,
+                                           int64_t now_ns) {
+  uint64_t id = a->flight - 1;
+  ddp__flight_slot *s = &f->slots[id & f->mask];
+  uint64_t v = ddp__flight_version(id, 1);
+  if (atomic_load_explicit(&s->version, memory_order_relaxed) != v) return; /* v: write 0's + 2 */
   int32_t state = status == DDP_OK ? DDP__FLIGHT_COMPLETED : DDP__FLIGHT_FAILED;
   ddp__flight_begin_write(s, v);
   atomic_store_explicit(&s->what, ddp__flight_pack_what(a, state, status), memory_order_relaxed);

@@ -59,6 +59,7 @@ ddp_status ddp__flight_open(uint64_t capacity, const char *name, int32_t rank, i
   f->mask = slots - 1;
   f->capacity = capacity;
   atomic_init(&f->next_id, 0);
+  ddp__bias_init(&f->claim);
   snprintf(f->name, sizeof f->name, "%s", name);
   snprintf(f->backend, sizeof f->backend, "%s", backend ? backend : "");
   f->rank = rank;
@@ -71,6 +72,7 @@ ddp_status ddp__flight_open(uint64_t capacity, const char *name, int32_t rank, i
 void ddp__flight_close(ddp__flight *f) {
   if (!f) return;
   ddp__flight_unregister(f);
+  ddp__bias_destroy(&f->claim);
   ddp_free(f->slots);
   ddp_free(f);
 }
