@@ -129,13 +129,19 @@ for mode in "${modes[@]}"; do
     # nonblocking, and every blocking collective after the arrival barrier
     # (DDP_MPI_ARRIVAL_BYTES=0).
     settings=(default)
-    [ "$mode" = matrix ] && settings=(default DDP_MPI_BLOCKING_BYTES=0 DDP_MPI_BLOCKING_BYTES=65536 DDP_MPI_ARRIVAL_BYTES=0)
+    [ "$mode" = matrix ] && settings=(default DDP_MPI_BLOCKING_BYTES=0 DDP_MPI_BLOCKING_BYTES=65536 DDP_MPI_ARRIVAL_BYTES=0 DDP_MPI_SMALL_BYTES=0)
+    # direct: small calls by ddp's recursive doubling over point-to-point
+    # (the default at 2 and 4 ranks), and by MPI_Allreduce (3 ranks, and
+    # DDP_MPI_SMALL_BYTES=0).
+    [ "$mode" = direct ] && settings=(default DDP_MPI_SMALL_BYTES=0)
     # exclusion: biased where membarrier allows, and the locked protocol only.
     [ "$mode" = exclusion ] && settings=(default DDP_INLINE_BIAS=0)
     # lane: the owner's plain record numbers where membarrier allows, and
     # atomic ones only.
     [ "$mode" = lane ] && settings=(default DDP_INLINE_BIAS=0)
-    for np in 2 4; do
+    nps=(2 4)
+    [ "$mode" = direct ] && nps=(2 3 4)
+    for np in "${nps[@]}"; do
       for setting in "${settings[@]}"; do
         ( [ "$setting" = default ] || export "${setting?}"; run_mpi "$np" "$mode" ); rc=$?
         if [ $rc -eq 0 ]; then

@@ -23,7 +23,9 @@
  *             others reduce 4: every rank fails naming the mismatch (the
  *             fingerprints go through the group's store from MPI's rank 0)
  *   direct    the direct path of a small blocking allreduce (collectives.c):
- *             offered, sums, maxima and averages against closed forms, a
+ *             offered, on ddp's recursive doubling over point-to-point
+ *             where mpi.c's small_rule says (2^k ranks on one host, up to
+ *             DDP_MPI_SMALL_BYTES) and MPI_Allreduce elsewhere, sums, maxima and averages against closed forms, a
  *             blocking call behind an async one in flight (the general
  *             path), bad arguments failing by name as on the general
  *             path, count 0, and what it keeps: one collective number a
@@ -275,6 +277,21 @@ static int mode_direct(ddp_process_group *pg) {
     fprintf(stderr, "test_mpi_ranks: no flight recorder (DDP_FLIGHT_RECORDER_SIZE=0?)\n");
     return 1;
   }
+  /* Which algorithm the small calls below take (mpi.c, small_rule): ddp's
+   * recursive doubling over point-to-point for 2^k ranks on one host up to
+   * DDP_MPI_SMALL_BYTES (default 256), MPI_Allreduce otherwise. */
+  int64_t small_env = 256;
+  ddp_env_int("DDP_MPI_SMALL_BYTES", 256, &small_env);
+  size_t small_want = (n & (n - 1)) == 0 ? (size_t)(small_env > DDP__MPI_SMALL_MAX ? DDP__MPI_SMALL_MAX : small_env) : 0;
+  size_t small = ddp__mpi_small_bytes(pg->host_backend);
+  if (small != small_want) {
+    fprintf(stderr, "test_mpi_ranks: rank %d of %d: small allreduces up to %zu bytes over point-to-point, want %zu\n",
+            r, n, small, small_want);
+    return 1;
+  }
+  if (r == 0)
+    printf("direct path: %d ranks, small allreduces %s\n", n,
+           small ? "as ddp's recursive doubling over point-to-point" : "as MPI_Allreduce");
   uint64_t seq0 = pg->next_seq;
   int calls = 0;
   /* Closed forms: rank r holds r + 1 + i. */

@@ -36,6 +36,12 @@ extern atomic_bool ddp__mpi_failed;
  * ranks: 0.61x at 1 MiB, 1.42x at 4 MiB; docs/comm.md, "Hierarchy"). */
 #define DDP__MPI_HIER_DEFAULT_BYTES ((size_t)4 << 20)
 
+/* The largest DDP_MPI_SMALL_BYTES (mpi.c's small_allreduce receives into a
+ * buffer this size in the backend), and the tag of its messages on the
+ * collectives' communicator, which carries no other point-to-point. */
+#define DDP__MPI_SMALL_MAX 1024
+#define DDP__MPI_SMALL_TAG 4242
+
 /* MPI's datatype for ddp's dtype (float16 / bfloat16 move as 16-bit words). */
 MPI_Datatype ddp__mpi_datatype(ddp_dtype dtype);
 /* MPI's reduce op for (dtype, op): MPI's own where it computes as ddp does
@@ -50,6 +56,11 @@ MPI_Op ddp__mpi_op(ddp_dtype dtype, ddp_reduce_op op);
  * backend of another kind. For bench/bench_mpi_allreduce.c, which times
  * MPI's own call on it against ddp_allreduce. */
 MPI_Comm ddp__mpi_backend_comm(const ddp__backend *b);
+
+/* Up to how many bytes per rank a blocking allreduce of that backend runs
+ * as ddp's recursive doubling over point-to-point (mpi.c, small_rule; 0:
+ * never, or a backend of another kind). For the tests and the bench. */
+size_t ddp__mpi_small_bytes(const ddp__backend *b);
 
 /* "MPI_ERR_TRUNCATE: message truncated" for an MPI error code. */
 void ddp__mpi_error_string(int code, char *out, size_t bytes);
