@@ -240,6 +240,7 @@ static inline ddp_status blocking_allreduce(mpi_backend *m, const ddp__op_ctx *c
                                             size_t bytes, ddp__completion *c) {
   MPI_Datatype t = m->types[a->dtype];
   MPI_Op op = m->ops[a->dtype][a->reduce_op];
+  if (bytes >= m->arrival_bytes) DDP_TRY(await_arrival(m, ctx)); /* DDP_MPI_ARRIVAL_BYTES=0: small ones too */
   if (m->small_bytes && bytes <= m->small_bytes) {
     blocking_begin(m, ctx);
     ddp_status st = small_allreduce(m, ctx, a->buf, a->count, a->dtype, a->reduce_op);
@@ -247,7 +248,6 @@ static inline ddp_status blocking_allreduce(mpi_backend *m, const ddp__op_ctx *c
     if (st == DDP_OK) ddp__completion_finish(c, DDP_OK);
     return st;
   }
-  if (bytes >= m->arrival_bytes) DDP_TRY(await_arrival(m, ctx));
   blocking_begin(m, ctx);
   int rc = MPI_Allreduce(MPI_IN_PLACE, a->buf, (int)a->count, t, op, m->coll);
   blocking_end(m);
