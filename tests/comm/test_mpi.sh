@@ -12,7 +12,7 @@ set -u
 bin=${1:?usage: test_mpi.sh PATH/TO/test_mpi_ranks}
 shift
 modes=("$@")
-[ ${#modes[@]} -gt 0 ] || modes=(outside matrix direct exclusion lane p2p subgroups usercomm arrival mismatch stall kill)
+[ ${#modes[@]} -gt 0 ] || modes=(outside matrix direct exclusion lane smallmismatch p2p subgroups usercomm arrival mismatch stall kill)
 command -v mpirun >/dev/null || { echo "SKIP: mpirun not found (scripts/install-deps.sh mpi)"; exit 77; }
 [ -x "$bin" ] || { echo "SKIP: $bin absent: this build has no MPI backend"; exit 77; }
 . "$(dirname "$0")/../support/mpi_env.sh"
@@ -36,6 +36,14 @@ for mode in "${modes[@]}"; do
       echo "ok: outside an MPI launch: $(head -1 "$out")"
     else
       echo "FAIL: outside an MPI launch"; cat "$out"; failed=1
+    fi ;;
+  smallmismatch)
+    # Counts that differ between ranks on the small path: both ranks fail
+    # naming the counts, never a wrong sum.
+    if run_mpi 2 smallmismatch && [ "$(grep -c "every rank must pass the same count" "$out")" -eq 2 ]; then
+      echo "ok: mismatched counts on the small path failed on both ranks: $(grep -m1 'same count' "$out")"
+    else
+      echo "FAIL: smallmismatch"; cat "$out"; failed=1
     fi ;;
   mismatch)
     # DDP_DEBUG=detail's fingerprints through the store MPI's rank 0 serves.
@@ -143,7 +151,10 @@ for mode in "${modes[@]}"; do
     [ "$mode" = direct ] && nps=(2 3 4)
     for np in "${nps[@]}"; do
       for setting in "${settings[@]}"; do
-        ( [ "$setting" = default ] || export "${setting?}"; run_mpi "$np" "$mode" ); rc=$?
+        ( [ "$setting" = default ] || export "${setting?}"
+          # lane keeps every record of its run (up to 40,600) in the ring.
+          [ "$mode" = lane ] && export DDP_FLIGHT_RECORDER_SIZE=65536
+          run_mpi "$np" "$mode" ); rc=$?
         if [ $rc -eq 0 ]; then
           echo "ok: $mode at $np ranks ($setting)"
         else

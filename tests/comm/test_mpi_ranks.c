@@ -48,6 +48,9 @@
  *             closed form, then every record of both in the ring, each
  *             number once, completed, and the allreduces' collective
  *             numbers consecutive
+ *   smallmismatch  2 ranks: rank 1 reduces 3 floats, rank 0 2, on the
+ *             small path (point-to-point): both fail naming the counts,
+ *             neither reduces stale bytes
  *   kill      rank 1 SIGKILLs itself while the others run collectives; the
  *             script checks the job ends naming it
  *   hier      ranks on faked hosts (DDP_HOST_ID, set per rank by test_mpi.sh
@@ -282,7 +285,7 @@ static int mode_direct(ddp_process_group *pg) {
    * DDP_MPI_SMALL_BYTES (default 256), MPI_Allreduce otherwise. */
   int64_t small_env = 256;
   ddp_env_int("DDP_MPI_SMALL_BYTES", 256, &small_env);
-  size_t small_want = (n & (n - 1)) == 0 ? (size_t)(small_env > DDP__MPI_SMALL_MAX ? DDP__MPI_SMALL_MAX : small_env) : 0;
+  size_t small_want = (n & (n - 1)) == 0 ? (size_t)small_env : 0;
   size_t small = ddp__mpi_small_bytes(pg->host_backend);
   if (small != small_want) {
     fprintf(stderr, "test_mpi_ranks: rank %d of %d: small allreduces up to %zu bytes over point-to-point, want %zu\n",
@@ -369,6 +372,39 @@ static int mode_direct(ddp_process_group *pg) {
   }
   printf("rank %d: direct path: %d allreduces numbered %llu..%llu, recorded completed\n", r, calls,
          (unsigned long long)seq0 + 1, (unsigned long long)(seq0 + calls));
+  /* Every rank holds the same bits, where rounding could tell orders
+   * apart: float32 sums and bfloat16 averages of values no sum holds
+   * exactly, compared across the ranks through the MIN and MAX of their
+   * bit patterns (int32). */
+  {
+    enum { NB = 24 };
+    float fx[NB];
+    uint16_t bx[NB];
+    uint32_t seed = 2654435761u * (uint32_t)(r + 1);
+    for (int i = 0; i < NB; i++) {
+      seed = seed * 1664525u + 1013904223u;
+      fx[i] = (float)((double)(seed >> 8) / 16777216.0 * 3.0 - 1.0) * (float)(1 + i % 5) / 7.0f;
+      uint32_t bits;
+      memcpy(&bits, &fx[i], 4);
+      bx[i] = (uint16_t)(bits >> 16);
+    }
+    if (ddp_allreduce(pg, fx, NB, DDP_FLOAT32, DDP_REDUCE_SUM) != DDP_OK) return bad("float32 sum of fractions");
+    if (ddp_allreduce(pg, bx, NB, DDP_BFLOAT16, DDP_REDUCE_AVG) != DDP_OK) return bad("bfloat16 avg of fractions");
+    int32_t lo[2 * NB], hi[2 * NB];
+    for (int i = 0; i < NB; i++) {
+      memcpy(&lo[i], &fx[i], 4);
+      lo[NB + i] = bx[i];
+    }
+    memcpy(hi, lo, sizeof hi);
+    if (ddp_allreduce(pg, lo, 2 * NB, DDP_INT32, DDP_REDUCE_MIN) != DDP_OK) return bad("min of the bits");
+    if (ddp_allreduce(pg, hi, 2 * NB, DDP_INT32, DDP_REDUCE_MAX) != DDP_OK) return bad("max of the bits");
+    for (int i = 0; i < 2 * NB; i++)
+      if (lo[i] != hi[i]) {
+        fprintf(stderr, "test_mpi_ranks: rank %d of %d: %s element %d differs between ranks (bits %08x and %08x)\n",
+                r, n, i < NB ? "float32 sum" : "bfloat16 avg", i % NB, (unsigned)lo[i], (unsigned)hi[i]);
+        return 1;
+      }
+  }
   return 0;
 }
 
@@ -511,10 +547,11 @@ static int mode_exclusion(ddp_process_group *pg) {
  * round the ring (send to the next rank, receive from the previous one:
  * an async send, then a blocking receive, so no rank waits on its own
  * send). */
-enum { LANE_CALLS = 1200, LANE_MSGS = 300, LANE_START = 100 };
+enum { LANE_CALLS = 1200, LANE_MAX_CALLS = 40000, LANE_MSGS = 300, LANE_START = 100 };
 typedef struct {
   ddp_process_group *pg;
   atomic_int calls; /* blocking allreduces the main thread made */
+  atomic_int lane_done;
   atomic_int failed;
   char msg[256];
 } lane_state;
@@ -536,9 +573,11 @@ static void *lane_side(void *arg) {
       if (!atomic_exchange(&s->failed, 1))
         snprintf(s->msg, sizeof s->msg, "message %d from rank %d: %s (got %d %d %d)", i, prev,
                  st != DDP_OK ? ddp_last_error() : "wrong contents", in[0], in[1], in[2]);
+      atomic_store(&s->lane_done, 1);
       return NULL;
     }
   }
+  atomic_store(&s->lane_done, 1);
   return NULL;
 }
 
@@ -548,9 +587,18 @@ static int mode_lane(ddp_process_group *pg) {
     fprintf(stderr, "test_mpi_ranks: the mpi backend offers no direct path for an 8-byte allreduce\n");
     return 1;
   }
-  if (!pg->flight || pg->flight->capacity < LANE_CALLS + 2 * LANE_MSGS) {
-    fprintf(stderr, "test_mpi_ranks: rank %d: the flight recorder holds fewer than %d records\n", r,
-            LANE_CALLS + 2 * LANE_MSGS);
+  if (!pg->flight || pg->flight->capacity < LANE_MAX_CALLS + 2 * LANE_MSGS) {
+    fprintf(stderr, "test_mpi_ranks: rank %d: the flight recorder holds fewer than %d records "
+            "(DDP_FLIGHT_RECORDER_SIZE)\n", r, LANE_MAX_CALLS + 2 * LANE_MSGS);
+    return 1;
+  }
+  /* The group biased to this thread, where the process can (bias.h): the
+   * owner's plain claims are what is raced here. */
+  const char *inline_bias = getenv("DDP_INLINE_BIAS");
+  bool want_biased = ddp__bias_available() && !DDP__BIAS_TSAN && !(inline_bias && !strcmp(inline_bias, "0"));
+  if (atomic_load(&pg->bias.biased) != want_biased || atomic_load(&pg->flight->claim.biased) != want_biased) {
+    fprintf(stderr, "test_mpi_ranks: rank %d: lane: group biased %d, claims biased %d, want %d\n", r,
+            (int)atomic_load(&pg->bias.biased), (int)atomic_load(&pg->flight->claim.biased), (int)want_biased);
     return 1;
   }
   uint64_t ids_before = atomic_load(&pg->flight->next_id), seq0 = pg->next_seq;
@@ -558,8 +606,21 @@ static int mode_lane(ddp_process_group *pg) {
   s.pg = pg;
   pthread_t t;
   if (pthread_create(&t, NULL, lane_side, &s) != 0) return bad("lane: pthread_create");
-  int rc = 0;
-  for (int i = 0; i < LANE_CALLS && !rc; i++) {
+  int rc = 0, calls = 0, revoked_at = -1;
+  /* At least LANE_CALLS, and on until the lane is done: every rank stops
+   * at the first round boundary where all are done (a MAX of the flags,
+   * every LANE_CALLS calls), so the ranks' calls match. */
+  for (int i = 0; !rc && i < LANE_MAX_CALLS; i++) {
+    if (i >= LANE_CALLS && i % LANE_CALLS == 0) {
+      int32_t done = atomic_load(&s.lane_done);
+      int32_t all = done;
+      if (ddp_allreduce(pg, &all, 1, DDP_INT32, DDP_REDUCE_MIN) != DDP_OK) {
+        rc = bad("lane: allreduce of the flags");
+        break;
+      }
+      calls++;
+      if (all) break;
+    }
     float x[2] = {(float)((r + 1) * (i % 13 + 1)), -(float)(r + 1)};
     if (ddp_allreduce(pg, x, 2, DDP_FLOAT32, DDP_REDUCE_SUM) != DDP_OK) {
       rc = bad("lane: blocking allreduce");
@@ -567,6 +628,8 @@ static int mode_lane(ddp_process_group *pg) {
       fprintf(stderr, "test_mpi_ranks: rank %d: call %d: allreduce gave %g %g\n", r, i, x[0], x[1]);
       rc = 1;
     }
+    calls++;
+    if (revoked_at < 0 && atomic_load(&pg->flight->claim.revoked)) revoked_at = calls;
     atomic_store(&s.calls, i + 1);
   }
   if (rc) atomic_store(&s.failed, 1);
@@ -580,7 +643,7 @@ static int mode_lane(ddp_process_group *pg) {
   /* Every record made since, each number once: the ring holds them all
    * (capacity checked above), so a number claimed twice leaves it short. */
   uint64_t made = atomic_load(&pg->flight->next_id) - ids_before;
-  uint64_t want = LANE_CALLS + 2 * (uint64_t)LANE_MSGS;
+  uint64_t want = (uint64_t)calls + 2 * (uint64_t)LANE_MSGS;
   static ddp__flight_record rec[1 << 16];
   size_t got = pg->flight->capacity <= (1u << 16) ? ddp__flight_snapshot(pg->flight, rec) : 0;
   int allreduces = 0, sends = 0, recvs = 0;
@@ -593,7 +656,7 @@ static int mode_lane(ddp_process_group *pg) {
               ddp__flight_state_name(x->state));
       return 1;
     }
-    if (x->kind == DDP__OP_ALLREDUCE && x->count == 2) {
+    if (x->kind == DDP__OP_ALLREDUCE && (x->count == 2 || x->count == 1)) {
       if (x->seq != next_seq++) {
         fprintf(stderr, "test_mpi_ranks: rank %d: allreduce record %llu has collective #%llu, want #%llu\n", r,
                 (unsigned long long)x->id, (unsigned long long)x->seq, (unsigned long long)(next_seq - 1));
@@ -606,10 +669,15 @@ static int mode_lane(ddp_process_group *pg) {
       recvs++;
     }
   }
-  if (made != want || allreduces != LANE_CALLS || sends != LANE_MSGS || recvs != LANE_MSGS) {
+  if (made != want || allreduces != calls || sends != LANE_MSGS || recvs != LANE_MSGS) {
     fprintf(stderr, "test_mpi_ranks: rank %d: lane: %llu record numbers taken, %d allreduces, %d sends and %d "
             "receives recorded; want %llu, %d, %d, %d\n", r, (unsigned long long)made, allreduces, sends, recvs,
-            (unsigned long long)want, LANE_CALLS, LANE_MSGS, LANE_MSGS);
+            (unsigned long long)want, calls, LANE_MSGS, LANE_MSGS);
+    return 1;
+  }
+  if (want_biased && (revoked_at < 0 || revoked_at >= calls)) {
+    fprintf(stderr, "test_mpi_ranks: rank %d: lane: the claims were revoked after call %d of %d: the lane's "
+            "records did not come while the owner was making its own\n", r, revoked_at, calls);
     return 1;
   }
   if (!claim_revoked) {
@@ -618,7 +686,33 @@ static int mode_lane(ddp_process_group *pg) {
     return 1;
   }
   printf("rank %d: lane: %d blocking allreduces beside %d messages, %llu records each numbered once "
-         "(group still biased: %s)\n", r, LANE_CALLS, LANE_MSGS, (unsigned long long)made, biased ? "yes" : "no");
+         "(group still biased: %s; claims revoked after call %d)\n", r, calls, LANE_MSGS, (unsigned long long)made,
+         biased ? "yes" : "no", revoked_at);
+  return 0;
+}
+
+/* mode smallmismatch (2 ranks): rank 1 reduces 3 floats where rank 0
+ * reduces 2, below DDP_MPI_SMALL_BYTES: both fail naming the counts
+ * (each receives into room for DDP__MPI_SMALL_MAX and compares), rather
+ * than one reducing stale bytes. */
+static int mode_smallmismatch(ddp_process_group *pg) {
+  int r = ddp_process_group_rank(pg);
+  if (!ddp__mpi_small_bytes(pg->host_backend)) {
+    fprintf(stderr, "test_mpi_ranks: rank %d: small allreduces are not on point-to-point here\n", r);
+    return 1;
+  }
+  float x[3] = {1, 2, 3};
+  ddp_status st = ddp_allreduce(pg, x, r == 1 ? 3 : 2, DDP_FLOAT32, DDP_REDUCE_SUM);
+  if (st == DDP_OK) {
+    fprintf(stderr, "test_mpi_ranks: rank %d: a mismatched small allreduce succeeded (%g %g %g)\n", r, x[0], x[1],
+            x[2]);
+    return 1;
+  }
+  printf("rank %d: mismatched small allreduce failed: %s\n", r, ddp_last_error());
+  if (!strstr(ddp_last_error(), "every rank must pass the same count")) {
+    fprintf(stderr, "test_mpi_ranks: rank %d: the error does not name the mismatch\n", r);
+    return 1;
+  }
   return 0;
 }
 
@@ -877,6 +971,7 @@ int main(int argc, char **argv) {
   else if (!strcmp(mode, "direct")) rc = mode_direct(pg);
   else if (!strcmp(mode, "exclusion")) rc = mode_exclusion(pg);
   else if (!strcmp(mode, "lane")) rc = mode_lane(pg);
+  else if (!strcmp(mode, "smallmismatch")) rc = mode_smallmismatch(pg);
   else if (!strcmp(mode, "hier")) rc = mode_hier(pg);
   else fprintf(stderr, "test_mpi_ranks: unknown mode \"%s\"\n", mode);
   ddp_process_group_destroy(pg);

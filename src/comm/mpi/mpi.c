@@ -196,8 +196,9 @@ static ddp_status await_arrival(mpi_backend *m, const ddp__op_ctx *ctx) {
  * "Small allreduces over point-to-point"): recursive doubling over MPI
  * point-to-point on the collectives' communicator (which carries no other
  * point-to-point traffic; tag DDP__MPI_SMALL_TAG), each step a receive
- * posted, a send, a wait and a local reduction in rank order (the lower
- * rank's operand first), so every rank computes the same bits. Open MPI's
+ * posted, a send, a wait and a local reduction (commutative, and the
+ * lower rank's operand first anyway), so every rank computes the same
+ * bits; a peer with another count fails the call by name. Open MPI's
  * MPI_Allreduce of 8 bytes at world 2 on one host takes about 235 ns,
  * this about 210 (its recursive doubling allocates and frees a buffer a
  * call, and its collective framework dispatches; ours does neither); from
@@ -213,9 +214,11 @@ static ddp_status small_allreduce(mpi_backend *m, const ddp__op_ctx *ctx, void *
   for (int mask = 1; mask < m->size; mask <<= 1) {
     int peer = m->rank ^ mask;
     MPI_Request req = MPI_REQUEST_NULL;
-    int rc = MPI_Irecv(m->small_tmp, bytes, MPI_BYTE, peer, DDP__MPI_SMALL_TAG, m->coll, &req);
+    MPI_Status status;
+    int got = -1;
+    int rc = MPI_Irecv(m->small_tmp, DDP__MPI_SMALL_MAX, MPI_BYTE, peer, DDP__MPI_SMALL_TAG, m->coll, &req);
     if (rc == MPI_SUCCESS) rc = MPI_Send(buf, bytes, MPI_BYTE, peer, DDP__MPI_SMALL_TAG, m->coll);
-    if (rc == MPI_SUCCESS) rc = MPI_Wait(&req, MPI_STATUS_IGNORE);
+    if (rc == MPI_SUCCESS) rc = MPI_Wait(&req, &status);
     if (rc != MPI_SUCCESS) {
       if (req != MPI_REQUEST_NULL) { /* a receive left posted into small_tmp: withdraw it */
         MPI_Cancel(&req);
@@ -223,6 +226,12 @@ static ddp_status small_allreduce(mpi_backend *m, const ddp__op_ctx *ctx, void *
       }
       return mpi_failed(m, ctx, rc, peer);
     }
+    /* A peer that reduces another count is the program's error (MPI calls
+     * it erroneous); say so rather than reduce stale bytes. */
+    if (MPI_Get_count(&status, MPI_BYTE, &got) != MPI_SUCCESS || got != bytes)
+      return ddp_error(DDP_ERR_INVALID, "%s #%" PRIu64 " (rank %d of %d): rank %d reduces %d bytes, this rank %d: "
+                       "every rank must pass the same count and dtype", ctx->op, ctx->seq, m->rank, m->size, peer,
+                       got, bytes);
     if (peer < m->rank)
       ddp__reduce_pair(buf, m->small_tmp, buf, count, dtype, op);
     else
@@ -725,14 +734,14 @@ ddp_status ddp__backend_mpi_create(const ddp__backend_config *cfg, ddp__backend 
    * against 437 at 1 KiB); 0 turns it off. */
   int64_t sb = 256;
   est = ddp_env_int("DDP_MPI_SMALL_BYTES", 256, &sb);
-  if (est != DDP_OK || sb < 0) {
+  if (est != DDP_OK || sb < 0 || sb > DDP__MPI_SMALL_MAX) {
     ddp_free(m);
-    return ddp_error(DDP_ERR_INVALID, "%s: DDP_MPI_SMALL_BYTES \"%s\" is not a byte count (blocking allreduces of at "
-                     "most that many bytes per rank run as ddp's recursive doubling over MPI point-to-point on a "
-                     "group of 2^k ranks on one host; 0: never; at most %d)", who,
+    return ddp_error(DDP_ERR_INVALID, "%s: DDP_MPI_SMALL_BYTES \"%s\" is not a byte count from 0 to %d (blocking "
+                     "allreduces of at most that many bytes per rank run as ddp's recursive doubling over MPI "
+                     "point-to-point on a group of 2^k ranks on one host; 0: never)", who,
                      ddp_env_str("DDP_MPI_SMALL_BYTES", ""), DDP__MPI_SMALL_MAX);
   }
-  m->small_bytes = small_rule(cfg, sb > DDP__MPI_SMALL_MAX ? DDP__MPI_SMALL_MAX : (size_t)sb);
+  m->small_bytes = small_rule(cfg, (size_t)sb);
   for (int d = 0; d < DDP_DTYPE_COUNT; d++) {
     m->types[d] = ddp__mpi_datatype((ddp_dtype)d);
     m->elem[d] = (uint8_t)ddp_dtype_size((ddp_dtype)d);
