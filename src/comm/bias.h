@@ -97,6 +97,20 @@ static inline ddp_status ddp__bias_revoke(ddp__bias *b, int64_t timeout_ns) {
   return ddp__bias_revoke_slow(b, timeout_ns);
 }
 
+/* ddp__bias_enter without naming the owner: for a bias that only one
+ * thread ever enters, by construction (the flight recorder's claim,
+ * flight.h), and the owner's entry once ddp__bias_enter has named it. */
+static inline bool ddp__bias_enter_sole(ddp__bias *b) {
+  atomic_store_explicit(&b->busy, 1, memory_order_relaxed);
+  /* Compiler barrier only: the revoker's membarrier supplies the CPU's. */
+  atomic_signal_fence(memory_order_seq_cst);
+  if (!atomic_load_explicit(&b->biased, memory_order_relaxed)) {
+    atomic_store_explicit(&b->busy, 0, memory_order_release);
+    return false;
+  }
+  return true;
+}
+
 /* The owner's entry: true when the caller may run its blocking call with
  * no other exclusion (then ddp__bias_exit after it); false: call
  * ddp__bias_revoke (at once when the bias is already over; the owner's own
@@ -111,27 +125,7 @@ static inline bool ddp__bias_enter(ddp__bias *b) {
     uintptr_t none = 0;
     if (owner != 0 || !atomic_compare_exchange_strong(&b->owner, &none, me)) return false;
   }
-  atomic_store_explicit(&b->busy, 1, memory_order_relaxed);
-  /* Compiler barrier only: the revoker's membarrier supplies the CPU's. */
-  atomic_signal_fence(memory_order_seq_cst);
-  if (!atomic_load_explicit(&b->biased, memory_order_relaxed)) {
-    atomic_store_explicit(&b->busy, 0, memory_order_release);
-    return false;
-  }
-  return true;
-}
-
-/* ddp__bias_enter for a bias that only one thread ever enters, by
- * construction (the flight recorder's claim, flight.h): the same protocol
- * without naming the owner. */
-static inline bool ddp__bias_enter_sole(ddp__bias *b) {
-  atomic_store_explicit(&b->busy, 1, memory_order_relaxed);
-  atomic_signal_fence(memory_order_seq_cst); /* the revoker's membarrier supplies the CPU's */
-  if (!atomic_load_explicit(&b->biased, memory_order_relaxed)) {
-    atomic_store_explicit(&b->busy, 0, memory_order_release);
-    return false;
-  }
-  return true;
+  return ddp__bias_enter_sole(b);
 }
 
 static inline void ddp__bias_exit(ddp__bias *b) {

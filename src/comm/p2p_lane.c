@@ -460,10 +460,9 @@ ddp_status ddp__p2p_submit(ddp_process_group *pg, const char *name, const ddp_p2
   /* Numbered and recorded under the lock: the numbers follow submission. */
   for (size_t i = 0; i < n && st == DDP_OK; i++) {
     bt->args[i].seq = ++pg->next_p2p_seq;
-    w->args = bt->args[0];
     if (pg->flight) ddp__flight_new(pg->flight, &bt->args[i], DDP__FLIGHT_STARTED, now);
   }
-  if (st != DDP_OK && n > 0) w->args = bt->args[0];
+  if (n > 0) w->args = bt->args[0];
   if (st == DDP_OK && n > 0 && !pg->p2p_started) {
     int rc = pthread_create(&pg->p2p_thread, NULL, lane_main, pg);
     if (rc != 0) {

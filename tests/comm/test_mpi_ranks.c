@@ -408,6 +408,14 @@ static int mode_direct(ddp_process_group *pg) {
   return 0;
 }
 
+/* Whether the group's backend offers the direct path for an 8-byte
+ * float32 allreduce (says so when not). */
+static bool offers_direct_8b(const ddp_process_group *pg) {
+  if (pg->direct_allreduce && pg->direct_count[DDP_FLOAT32] >= 2) return true;
+  fprintf(stderr, "test_mpi_ranks: the mpi backend offers no direct path for an 8-byte allreduce\n");
+  return false;
+}
+
 /* mode exclusion: the second thread's side. Rounds are handed over through
  * `posted` (the async op of round i submitted) and `done` (the blocking
  * call of round i returned), so every rank issues Y0 X0 Y1 X1 ...; the
@@ -463,10 +471,7 @@ static void *excl_async_side(void *arg) {
 
 static int mode_exclusion(ddp_process_group *pg) {
   int r = ddp_process_group_rank(pg), n = ddp_process_group_size(pg);
-  if (!pg->direct_allreduce || pg->direct_count[DDP_FLOAT32] < 2) {
-    fprintf(stderr, "test_mpi_ranks: the mpi backend offers no direct path for an 8-byte allreduce\n");
-    return 1;
-  }
+  if (!offers_direct_8b(pg)) return 1;
   /* The main thread first alone: it owns the bias where there is one. */
   float x[2] = {(float)(r + 1), -(float)(r + 1)};
   if (ddp_allreduce(pg, x, 2, DDP_FLOAT32, DDP_REDUCE_SUM) != DDP_OK) return bad("exclusion: first allreduce");
@@ -583,10 +588,7 @@ static void *lane_side(void *arg) {
 
 static int mode_lane(ddp_process_group *pg) {
   int r = ddp_process_group_rank(pg), n = ddp_process_group_size(pg);
-  if (!pg->direct_allreduce || pg->direct_count[DDP_FLOAT32] < 2) {
-    fprintf(stderr, "test_mpi_ranks: the mpi backend offers no direct path for an 8-byte allreduce\n");
-    return 1;
-  }
+  if (!offers_direct_8b(pg)) return 1;
   if (!pg->flight || pg->flight->capacity < LANE_MAX_CALLS + 2 * LANE_MSGS) {
     fprintf(stderr, "test_mpi_ranks: rank %d: the flight recorder holds fewer than %d records "
             "(DDP_FLIGHT_RECORDER_SIZE)\n", r, LANE_MAX_CALLS + 2 * LANE_MSGS);

@@ -208,8 +208,8 @@ static ddp_status await_arrival(mpi_backend *m, const ddp__op_ctx *ctx) {
  * matching requires; only blocking calls (bytes <= m->small_bytes), never
  * beside an MPI collective on the same communicator (the group runs one
  * op at a time, and nonblocking calls stay MPI_Iallreduce). */
-static ddp_status small_allreduce(mpi_backend *m, const ddp__op_ctx *ctx, void *buf, size_t count,
-                                  ddp_dtype dtype, ddp_reduce_op op) {
+static ddp_status small_steps(mpi_backend *m, const ddp__op_ctx *ctx, void *buf, size_t count,
+                              ddp_dtype dtype, ddp_reduce_op op) {
   int bytes = (int)(count * m->elem[dtype]);
   for (int mask = 1; mask < m->size; mask <<= 1) {
     int peer = m->rank ^ mask;
@@ -241,6 +241,20 @@ static ddp_status small_allreduce(mpi_backend *m, const ddp__op_ctx *ctx, void *
   return DDP_OK;
 }
 
+/* Whether a blocking allreduce of `bytes` per rank takes small_allreduce. */
+static inline bool takes_small(const mpi_backend *m, size_t bytes) {
+  return m->small_bytes && bytes <= m->small_bytes;
+}
+
+/* small_steps as a blocking call: the watchdog's view around it. */
+static ddp_status small_allreduce(mpi_backend *m, const ddp__op_ctx *ctx, void *buf, size_t count,
+                                  ddp_dtype dtype, ddp_reduce_op op) {
+  blocking_begin(m, ctx);
+  ddp_status st = small_steps(m, ctx, buf, count, dtype, op);
+  blocking_end(m);
+  return st;
+}
+
 /* The hot case on its own path: a blocking allreduce of the program's (the
  * DDP wrapper's last bucket, a loss, a metric). It is done on return, so
  * no pending state is written; a small one costs MPI_Allreduce plus this
@@ -250,12 +264,10 @@ static inline ddp_status blocking_allreduce(mpi_backend *m, const ddp__op_ctx *c
   MPI_Datatype t = m->types[a->dtype];
   MPI_Op op = m->ops[a->dtype][a->reduce_op];
   if (bytes >= m->arrival_bytes) DDP_TRY(await_arrival(m, ctx)); /* DDP_MPI_ARRIVAL_BYTES=0: small ones too */
-  if (m->small_bytes && bytes <= m->small_bytes) {
-    blocking_begin(m, ctx);
-    ddp_status st = small_allreduce(m, ctx, a->buf, a->count, a->dtype, a->reduce_op);
-    blocking_end(m);
-    if (st == DDP_OK) ddp__completion_finish(c, DDP_OK);
-    return st;
+  if (takes_small(m, bytes)) {
+    DDP_TRY(small_allreduce(m, ctx, a->buf, a->count, a->dtype, a->reduce_op));
+    ddp__completion_finish(c, DDP_OK);
+    return DDP_OK;
   }
   blocking_begin(m, ctx);
   int rc = MPI_Allreduce(MPI_IN_PLACE, a->buf, (int)a->count, t, op, m->coll);
@@ -275,12 +287,7 @@ static ddp_status mpi_allreduce_direct(ddp__backend *b, const ddp__op_ctx *ctx, 
   if (atomic_load_explicit(&m->aborted, memory_order_relaxed))
     return ddp_error(DDP_ERR_ABORTED, "%s #%" PRIu64 ": the mpi backend of this group (rank %d of %d) was aborted",
                      ctx->op, ctx->seq, m->rank, m->size);
-  if (m->small_bytes && count * m->elem[dtype] <= m->small_bytes) {
-    blocking_begin(m, ctx);
-    ddp_status st = small_allreduce(m, ctx, buf, count, dtype, op);
-    blocking_end(m);
-    return st;
-  }
+  if (takes_small(m, count * m->elem[dtype])) return small_allreduce(m, ctx, buf, count, dtype, op);
   blocking_begin(m, ctx);
   int rc = MPI_Allreduce(MPI_IN_PLACE, buf, (int)count, m->types[dtype], m->ops[dtype][op], m->coll);
   blocking_end(m);
